@@ -1,0 +1,33 @@
+"""Errors that reach the user.
+
+Every bad input (a workload file, a dataset row, a cluster that cannot hold the model)
+ends as an :class:`InputError` naming *where* it is wrong. ``lorafleet.cli`` prints it as
+one line and exits with code 2; nothing else in the package catches it.
+"""
+
+from __future__ import annotations
+
+
+class InputError(Exception):
+    """Bad user input: ``path: field: message``.
+
+    Args:
+        path: the file (or other source) the input came from; ``"<args>"`` for CLI flags.
+        field: a dotted path into that source (``tasks[2].lengths.mean``), or a row
+            (``row 17``); empty when the whole source is wrong (malformed YAML).
+        msg: what is wrong, in one line.
+    """
+
+    def __init__(self, path: str, field: str, msg: str) -> None:
+        self.path = str(path)
+        self.field = field
+        self.msg = " ".join(str(msg).split())  # always one line
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = f"{self.path}: {self.field}" if self.field else self.path
+        return f"{where}: {self.msg}"
+
+
+class SolverFallbackWarning(UserWarning):
+    """A solver failed or timed out and a heuristic result was used instead."""

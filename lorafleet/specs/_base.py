@@ -1,0 +1,15 @@
+"""Shared base for the typed, validated specs (pydantic v2).
+
+Specs are frozen and reject unknown keys, so a typo in a YAML file is an error that names
+the key instead of a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Spec(BaseModel):
+    """Base of every spec: immutable, no unknown keys, validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)

@@ -1,0 +1,85 @@
+"""LoRA adapter and optimizer settings of one task (PEFT ``LoraConfig`` vocabulary)."""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+
+from pydantic import Field, field_validator
+
+from lorafleet.specs._base import Spec
+
+#: Projection names of Llama-family decoder layers that an adapter may target.
+LLAMA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSpec(Spec):
+    """One task's adapter: ``W x + scaling * B(A(dropout(x)))`` on each target module."""
+
+    rank: int = Field(16, gt=0, le=4096)
+    """LoRA rank r (rows of A, columns of B)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA alpha; scaling = alpha / r, or alpha / sqrt(r) with ``use_rslora``."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout probability on the adapter's input (the base path sees no dropout)."""
+    target_modules: tuple[str, ...] = LLAMA_TARGET_MODULES
+    """Module names (suffix match) that get an adapter."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski, 2023)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if not value:
+            raise ValueError("must name at least one module")
+        unknown = [m for m in value if m not in LLAMA_TARGET_MODULES]
+        if unknown:
+            raise ValueError(f"unknown module {unknown[0]!r}; choose from {', '.join(LLAMA_TARGET_MODULES)}")
+        if len(set(value)) != len(value):
+            raise ValueError("names a module twice")
+        return value
+
+    @property
+    def scaling(self) -> float:
+        """The factor on B·A: alpha / r, or alpha / sqrt(r) for rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+class OptimizerName(StrEnum):
+    ADAMW = "adamw"
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+class LrSchedule(StrEnum):
+    CONSTANT = "constant"
+    COSINE = "cosine"
+    LINEAR = "linear"
+
+
+class OptimizerSpec(Spec):
+    """One task's optimizer; every task steps its own optimizer on its own adapter."""
+
+    name: OptimizerName = OptimizerName.ADAMW
+    """Optimizer algorithm."""
+    lr: float = Field(1e-4, gt=0, le=10)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay (AdamW) or L2 (Adam, SGD)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warm-up steps from 0 to ``lr``."""
+    schedule: LrSchedule = LrSchedule.COSINE
+    """Decay after warm-up, down to ``min_lr_ratio * lr`` at the last step."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate as a fraction of ``lr``."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Max global L2 norm of this task's adapter gradient; 0 disables clipping."""
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in value):
+            raise ValueError("each beta must be in [0, 1)")
+        return value
