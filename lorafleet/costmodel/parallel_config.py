@@ -1,0 +1,77 @@
+"""Parallel configurations ⟨TP, PP⟩ of one model replica and their validity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.model import ModelSpec
+
+
+@dataclass(frozen=True, order=True)
+class ParallelConfig:
+    """A replica layout: ``tp``-way tensor parallel inside a node, ``pp`` pipeline stages."""
+
+    tp: int
+    """Tensor-parallel degree (GPUs sharing every layer's weights)."""
+    pp: int = 1
+    """Pipeline-parallel degree (stages, each holding L / pp layers)."""
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"tp and pp must be >= 1, got tp={self.tp}, pp={self.pp}")
+
+    @property
+    def n_gpus(self) -> int:
+        """GPUs one replica occupies: tp * pp."""
+        return self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        """Identifier safe for solver variable names and JSON keys: ``tp2_pp1``."""
+        return f"tp{self.tp}_pp{self.pp}"
+
+    def __str__(self) -> str:
+        return f"<{self.tp},{self.pp}>"
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelConfig:
+        """Inverse of ``name`` and ``str``: accepts ``tp2_pp1``, ``<2,1>``, ``2x1`` and ``2,1``."""
+        cleaned = text.strip().lower().strip("<>").replace("tp", "").replace("_pp", ",").replace("x", ",")
+        parts = [p for p in cleaned.split(",") if p.strip()]
+        if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"not a parallel config: {text!r} (expected e.g. tp2_pp1 or <2,1>)")
+        return cls(int(parts[0]), int(parts[1]) if len(parts) == 2 else 1)
+
+
+def config_problems(config: ParallelConfig, model: ModelSpec, cluster: ClusterSpec) -> list[str]:
+    """Why ``config`` cannot run ``model`` on ``cluster``; empty when it can.
+
+    Rules: tp divides the query and the KV heads (Megatron shards whole heads); the pp
+    stages get a balanced split, so pp divides the layers; a TP group stays inside one node;
+    the replica fits the cluster.
+    """
+    problems = []
+    if model.n_heads % config.tp or model.n_kv_heads % config.tp:
+        problems.append(f"tp={config.tp} does not divide {model.n_heads} heads / {model.n_kv_heads} KV heads")
+    if model.n_layers % config.pp:
+        problems.append(f"pp={config.pp} does not divide {model.n_layers} layers")
+    if config.tp > cluster.gpus_per_node:
+        problems.append(f"tp={config.tp} exceeds {cluster.gpus_per_node} GPUs per node")
+    if config.n_gpus > cluster.n_gpus:
+        problems.append(f"needs {config.n_gpus} GPUs, cluster has {cluster.n_gpus}")
+    return problems
+
+
+def enumerate_configs(model: ModelSpec, cluster: ClusterSpec, max_gpus: int | None = None) -> list[ParallelConfig]:
+    """Every valid ⟨tp, pp⟩ with power-of-two tp and any pp, at most ``max_gpus`` GPUs each, sorted."""
+    limit = min(cluster.n_gpus, max_gpus or cluster.n_gpus)
+    out = []
+    tp = 1
+    while tp <= min(cluster.gpus_per_node, limit):
+        for pp in range(1, limit // tp + 1):
+            config = ParallelConfig(tp, pp)
+            if not config_problems(config, model, cluster):
+                out.append(config)
+        tp *= 2
+    return sorted(out)

@@ -1,0 +1,70 @@
+"""Accelerator datasheet figures: the only place hardware numbers live.
+
+Figures are public datasheet values for the SXM/OAM parts unless noted; bandwidths are per
+GPU and per direction. ``cpu`` describes this repository's 2-core development machine in
+the same units, nominally, so the analytic model can be run against local measurements.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from lorafleet.errors import InputError
+from lorafleet.specs._base import Spec
+
+GIB = 1024**3
+
+
+class GPUSpec(Spec):
+    """One accelerator kind."""
+
+    name: str
+    """Preset name."""
+    memory_gib: float = Field(gt=0)
+    """Device memory in GiB."""
+    bf16_tflops: float = Field(gt=0)
+    """Dense bf16 tensor-core peak, TFLOP/s (no sparsity)."""
+    hbm_gbps: float = Field(gt=0)
+    """Device memory bandwidth, GB/s."""
+    intra_node_gbps: float = Field(gt=0)
+    """GPU-to-GPU bandwidth inside a node (NVLink, else PCIe), GB/s per direction."""
+    inter_node_gbps: float = Field(gt=0)
+    """Network bandwidth per GPU across nodes (InfiniBand/RoCE NIC), GB/s per direction."""
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * GIB)
+
+
+def _gpu(name: str, mem: float, tflops: float, hbm: float, intra: float, inter: float) -> GPUSpec:
+    return GPUSpec(
+        name=name, memory_gib=mem, bf16_tflops=tflops, hbm_gbps=hbm, intra_node_gbps=intra, inter_node_gbps=inter
+    )
+
+
+GPU_PRESETS: dict[str, GPUSpec] = {
+    g.name: g
+    for g in (
+        # NVLink 3: 600 GB/s total = 300 GB/s per direction; HDR InfiniBand 200 Gb/s per GPU.
+        _gpu("A100-40GB", 40, 312, 1555, 300, 25),
+        _gpu("A100-80GB", 80, 312, 2039, 300, 25),
+        # Export variant of the A100: NVLink capped at 400 GB/s total.
+        _gpu("A800-80GB", 80, 312, 2039, 200, 25),
+        # NVLink 4: 900 GB/s total; NDR InfiniBand 400 Gb/s per GPU.
+        _gpu("H100-80GB", 80, 989, 3350, 450, 50),
+        _gpu("H200-141GB", 141, 989, 4800, 450, 50),
+        # PCIe cards: RTX A6000 (NVLink bridge pairs only, PCIe 4.0 x16 otherwise), L40S (no NVLink).
+        _gpu("A6000-48GB", 48, 155, 768, 32, 12.5),
+        _gpu("L40S", 48, 362, 864, 32, 25),
+        # This machine: 2 cores, fp32 through oneDNN; gloo over shared memory.
+        _gpu("cpu", 24, 0.1, 20, 5, 1),
+    )
+}
+
+
+def resolve_gpu(name: str, source: str = "<args>", field: str = "gpu") -> GPUSpec:
+    """Look up a preset (case-insensitive), else an InputError naming ``source: field``."""
+    for key, spec in GPU_PRESETS.items():
+        if key.lower() == name.lower():
+            return spec
+    raise InputError(source, field, f"unknown GPU {name!r}; choose from {', '.join(GPU_PRESETS)}")

@@ -1,0 +1,154 @@
+"""Base-model dimensions: the numbers the cost model and the executor need.
+
+A ``ModelSpec`` comes from a named preset or from a Hugging Face ``config.json`` on disk
+(never from a hub).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from lorafleet.errors import InputError
+from lorafleet.specs._base import Spec
+
+
+class ModelSpec(Spec):
+    """Dimensions of a Llama-family decoder-only transformer."""
+
+    name: str
+    """Preset name or the path it was read from."""
+    n_layers: int = Field(gt=0)
+    """Transformer blocks L."""
+    hidden: int = Field(gt=0)
+    """Model width h."""
+    ffn: int = Field(gt=0)
+    """Intermediate size of the SwiGLU MLP."""
+    n_heads: int = Field(gt=0)
+    """Attention (query) heads."""
+    n_kv_heads: int = Field(gt=0)
+    """Key/value heads (GQA when smaller than ``n_heads``)."""
+    vocab: int = Field(gt=0)
+    """Vocabulary size."""
+    tied_embeddings: bool = False
+    """Whether the LM head shares the embedding matrix."""
+    head_dim: int = Field(0, ge=0)
+    """Per-head width; 0 means hidden // n_heads."""
+
+    @model_validator(mode="after")
+    def _heads_consistent(self) -> ModelSpec:
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim == 0 and self.hidden % self.n_heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of n_heads ({self.n_heads})")
+        return self
+
+    @property
+    def d_head(self) -> int:
+        """Per-head width."""
+        return self.head_dim or self.hidden // self.n_heads
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one block: q, o (h x h'), k, v (h x kv*d), gate/up/down (h x ffn), two norms."""
+        q_width = self.n_heads * self.d_head
+        kv_width = self.n_kv_heads * self.d_head
+        attn = 2 * self.hidden * q_width + 2 * self.hidden * kv_width
+        return attn + 3 * self.hidden * self.ffn + 2 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        """Embedding plus LM head (one matrix when tied) plus the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2) + self.hidden
+
+    @property
+    def n_params(self) -> int:
+        """Total parameter count."""
+        return self.n_layers * self.layer_params + self.embedding_params
+
+    def target_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of every LoRA-targetable projection in one block."""
+        q_width = self.n_heads * self.d_head
+        kv_width = self.n_kv_heads * self.d_head
+        h, f = self.hidden, self.ffn
+        return {
+            "q_proj": (h, q_width),
+            "k_proj": (h, kv_width),
+            "v_proj": (h, kv_width),
+            "o_proj": (q_width, h),
+            "gate_proj": (h, f),
+            "up_proj": (h, f),
+            "down_proj": (f, h),
+        }
+
+
+def _preset(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int, vocab: int, tied: bool = False) -> ModelSpec:
+    return ModelSpec(
+        name=name, n_layers=layers, hidden=hidden, ffn=ffn, n_heads=heads, n_kv_heads=kv, vocab=vocab, tied_embeddings=tied
+    )
+
+
+#: Named base models. Figures from each model's published config.json; ``lobra-60l`` is the
+#: 60-layer model of the LobRA evaluation (hidden 6656, FFN 17920, 64 heads).
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        _preset("llama2-7b", 32, 4096, 11008, 32, 32, 32000),
+        _preset("llama2-13b", 40, 5120, 13824, 40, 40, 32000),
+        _preset("llama2-70b", 80, 8192, 28672, 64, 8, 32000),
+        _preset("lobra-60l", 60, 6656, 17920, 64, 64, 32000),
+        _preset("qwen2.5-7b", 28, 3584, 18944, 28, 4, 152064),
+        _preset("qwen2.5-32b", 64, 5120, 27648, 40, 8, 152064),
+        _preset("qwen2.5-72b", 80, 8192, 29568, 64, 8, 152064),
+        _preset("mistral-7b", 32, 4096, 14336, 32, 8, 32000),
+        _preset("smollm2-135m", 30, 576, 1536, 9, 3, 49152, tied=True),
+        # A few layers and a small width: CPU runs and tests (TP2 and PP2 both divide it).
+        _preset("tiny-llama", 4, 64, 176, 4, 2, 1024),
+    )
+}
+
+_HF_KEYS = {
+    "n_layers": "num_hidden_layers",
+    "hidden": "hidden_size",
+    "ffn": "intermediate_size",
+    "n_heads": "num_attention_heads",
+    "vocab": "vocab_size",
+}
+
+
+def model_from_hf_config(path: str | Path) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (or a directory holding one) into a ModelSpec."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise InputError(str(file), "", "no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputError(str(file), "", f"not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise InputError(str(file), "", "expected a JSON object")
+    values: dict[str, object] = {}
+    for ours, theirs in _HF_KEYS.items():
+        if theirs not in raw:
+            raise InputError(str(file), theirs, "missing")
+        values[ours] = raw[theirs]
+    values["n_kv_heads"] = raw.get("num_key_value_heads") or raw["num_attention_heads"]
+    values["tied_embeddings"] = bool(raw.get("tie_word_embeddings", False))
+    values["head_dim"] = raw.get("head_dim") or 0
+    try:
+        return ModelSpec(name=str(path), **values)
+    except ValueError as err:
+        raise InputError(str(file), "", str(err).splitlines()[-1]) from None
+
+
+def resolve_model(name_or_path: str, source: str = "<args>", field: str = "model") -> ModelSpec:
+    """A preset by name, else a local HF config path; an InputError naming ``source: field`` otherwise."""
+    if name_or_path in MODEL_PRESETS:
+        return MODEL_PRESETS[name_or_path]
+    path = Path(name_or_path)
+    if path.exists():
+        return model_from_hf_config(path)
+    raise InputError(source, field, f"unknown model {name_or_path!r}: not a preset ({', '.join(MODEL_PRESETS)}) nor an existing path")
