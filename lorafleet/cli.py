@@ -1,0 +1,48 @@
+"""``lorafleet`` command line: subcommands are discovered from ``lorafleet.commands``.
+
+Bad input raises :class:`lorafleet.errors.InputError` anywhere below; it is printed here as
+one line on stderr and the process exits with code 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+from lorafleet import __version__, commands
+from lorafleet.errors import InputError
+
+EXIT_INPUT_ERROR = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser, with every subcommand module's ``register`` applied in name order."""
+    parser = argparse.ArgumentParser(
+        prog="lorafleet",
+        description="Plan, simulate and train many LoRA adapters on a heterogeneous fleet of replicas.",
+    )
+    parser.add_argument("--version", action="version", version=f"lorafleet {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        importlib.import_module(f"{commands.__name__}.{info.name}").register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_INPUT_ERROR
+    try:
+        return int(args.func(args) or 0)
+    except InputError as err:
+        print(f"lorafleet: error: {err}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

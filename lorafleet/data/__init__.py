@@ -1,0 +1,1 @@
+"""Reading tasks' training data: rows from disk, rendered and tokenized into examples."""

@@ -1,0 +1,262 @@
+"""The typed objects every stage passes on: DeploymentPlan, GlobalBatch, StepPlan, StepReport.
+
+- The planner writes a :class:`DeploymentPlan` (which replicas of which config, on which
+  GPUs); ``simulate`` and ``train`` read it back from versioned JSON.
+- Each step, dispatch turns a :class:`GlobalBatch` into a :class:`StepPlan`: every sequence
+  assigned to one replica and one micro-batch, rows contiguous by task.
+- An executor runs the StepPlan and returns a :class:`StepReport`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.costmodel.time_model import MicroBatchShape
+from lorafleet.errors import InputError
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """One model replica of the deployment."""
+
+    replica_id: int
+    config: ParallelConfig
+    max_tokens: int
+    """M: the most tokens (padding included) one micro-batch may hold on this replica."""
+    gpus: tuple[int, ...]
+    """Global GPU indices (ranks), tp-major within each stage: stage k holds gpus[k*tp:(k+1)*tp]."""
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """How many replicas of which config, where they sit, and what the planner expects of them."""
+
+    model: str
+    gpu: str
+    n_gpus: int
+    gpus_per_node: int
+    tasks: tuple[str, ...]
+    replicas: tuple[ReplicaSpec, ...]
+    bucket_boundaries: tuple[int, ...]
+    """Planning buckets (ascending upper lengths) the expected dispatch was computed on."""
+    expected_makespan_s: float
+    """Expected step time: the slowest replica under the expected balanced dispatch."""
+    solver: str = ""
+    """Which back end produced the plan, and its status (``cbc:optimal``, ``heuristic``, ...)."""
+    notes: tuple[str, ...] = ()
+    """Human-readable remarks (idle GPUs and why, fallbacks, pruning)."""
+    expected_replica_time_s: tuple[float, ...] = ()
+    """Expected step time of each replica, in ``replicas`` order."""
+
+    @property
+    def used_gpus(self) -> int:
+        return sum(r.config.n_gpus for r in self.replicas)
+
+    @property
+    def expected_gpu_seconds(self) -> float:
+        """GPU-seconds per step: every allocated GPU is held for the whole makespan."""
+        return self.expected_makespan_s * self.used_gpus
+
+    def config_counts(self) -> dict[ParallelConfig, int]:
+        """Replicas per config, sorted by config."""
+        return dict(sorted(Counter(r.config for r in self.replicas).items()))
+
+    def describe(self) -> str:
+        """``<1,1> x 6 + <2,1> x 1 + <8,1> x 1``"""
+        return " + ".join(f"{c} x {n}" for c, n in self.config_counts().items())
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["schema_version"] = PLAN_SCHEMA_VERSION
+        data["kind"] = "lorafleet.DeploymentPlan"
+        for replica in data["replicas"]:
+            replica["config"] = ParallelConfig(**replica["config"]).name
+        return data
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: a reader never sees half a plan."""
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeploymentPlan:
+        """Read a plan JSON; an InputError names the file and field when it is not one."""
+        src = str(path)
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise InputError(src, "", "no such file") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise InputError(src, "", f"not valid JSON ({err})") from None
+        if not isinstance(data, dict) or data.get("kind") != "lorafleet.DeploymentPlan":
+            raise InputError(src, "kind", "not a lorafleet deployment plan")
+        if data.get("schema_version") != PLAN_SCHEMA_VERSION:
+            raise InputError(src, "schema_version", f"expected {PLAN_SCHEMA_VERSION}, got {data.get('schema_version')!r}")
+        try:
+            replicas = tuple(
+                ReplicaSpec(
+                    replica_id=int(r["replica_id"]),
+                    config=ParallelConfig.parse(r["config"]),
+                    max_tokens=int(r["max_tokens"]),
+                    gpus=tuple(int(g) for g in r["gpus"]),
+                )
+                for r in data["replicas"]
+            )
+            return cls(
+                model=str(data["model"]),
+                gpu=str(data["gpu"]),
+                n_gpus=int(data["n_gpus"]),
+                gpus_per_node=int(data["gpus_per_node"]),
+                tasks=tuple(str(t) for t in data["tasks"]),
+                replicas=replicas,
+                bucket_boundaries=tuple(int(b) for b in data["bucket_boundaries"]),
+                expected_makespan_s=float(data["expected_makespan_s"]),
+                solver=str(data.get("solver", "")),
+                notes=tuple(str(n) for n in data.get("notes", ())),
+                expected_replica_time_s=tuple(float(t) for t in data.get("expected_replica_time_s", ())),
+            )
+        except KeyError as err:
+            raise InputError(src, str(err.args[0]), "missing") from None
+        except (TypeError, ValueError) as err:
+            raise InputError(src, "replicas", str(err)) from None
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """One step's sequences, all tasks together; sequence i is (task_ids[i], sample_ids[i], lengths[i])."""
+
+    step: int
+    task_ids: np.ndarray
+    """Index into the workload's tasks, per sequence (int64)."""
+    sample_ids: np.ndarray
+    """Which sample of its task's data stream (int64): what the torch executor loads."""
+    lengths: np.ndarray
+    """Token length after the task's overflow policy (int64)."""
+    truncated: int = 0
+    """Sequences cut to their context length to build this batch."""
+    rejected: int = 0
+    """Sequences dropped (and replaced by the next sample) for exceeding their context length."""
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Sequences one replica processes together, ordered so each task's rows are contiguous."""
+
+    seq_ids: tuple[int, ...]
+    """Positions in the step's GlobalBatch."""
+    task_ids: tuple[int, ...]
+    lengths: tuple[int, ...]
+    padded_len: int | None
+    """Every row padded to this length; ``None`` when the sequences are packed end to end."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the micro-batch occupies, padding included (what must fit in M)."""
+        return self.padded_len * len(self.lengths) if self.padded_len is not None else sum(self.lengths)
+
+    @property
+    def padding_tokens(self) -> int:
+        return self.tokens - sum(self.lengths)
+
+    @property
+    def segments(self) -> tuple[tuple[int, int, int], ...]:
+        """``(task_id, first_row, n_rows)`` per contiguous run of one task's sequences."""
+        runs: list[tuple[int, int, int]] = []
+        for row, task in enumerate(self.task_ids):
+            if runs and runs[-1][0] == task:
+                runs[-1] = (task, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((task, row, 1))
+        return tuple(runs)
+
+    @property
+    def shape(self) -> MicroBatchShape:
+        return MicroBatchShape(seq_lens=self.lengths, padded_len=self.padded_len)
+
+
+@dataclass(frozen=True)
+class ReplicaWork:
+    """One replica's share of a step."""
+
+    replica_id: int
+    microbatches: tuple[MicroBatch, ...]
+    estimated_time_s: float
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Every sequence of one global batch placed on a replica and in a micro-batch."""
+
+    step: int
+    bucket_boundaries: tuple[int, ...]
+    work: tuple[ReplicaWork, ...]
+    """One entry per replica of the deployment, in replica order (possibly with no micro-batches)."""
+    estimated_makespan_s: float
+    method: str = ""
+    """Dispatch method and status (``lpt``, ``milp:optimal``, ``milp-timeout->lpt``)."""
+    solve_s: float = 0.0
+    """Wall time spent computing this plan (bucketing, assignment, micro-batches)."""
+    truncated: int = 0
+    rejected: int = 0
+
+    @property
+    def n_seqs(self) -> int:
+        return sum(len(mb.lengths) for w in self.work for mb in w.microbatches)
+
+    @property
+    def tokens(self) -> int:
+        return sum(sum(mb.lengths) for w in self.work for mb in w.microbatches)
+
+    @property
+    def padding_tokens(self) -> int:
+        return sum(mb.padding_tokens for w in self.work for mb in w.microbatches)
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padding tokens over all occupied tokens (LobRA's padding ratio)."""
+        total = self.tokens + self.padding_tokens
+        return self.padding_tokens / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What an executor measured (or simulated) for one step."""
+
+    step: int
+    replica_busy_s: tuple[float, ...]
+    """Busy time per replica, in deployment order."""
+    makespan_s: float
+    """Wall time of the step: the slowest replica plus synchronisation."""
+    task_tokens: dict[str, int] = field(default_factory=dict)
+    """Real (non-padding) tokens per task."""
+    task_padding_tokens: dict[str, int] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)
+    """Mean token loss per task (real executors only)."""
+    estimated_makespan_s: float = 0.0
+    dispatch_solve_s: float = 0.0
+    failed_replicas: tuple[int, ...] = ()
+
+    @property
+    def replica_idle_s(self) -> tuple[float, ...]:
+        return tuple(self.makespan_s - b for b in self.replica_busy_s)
+
+    @property
+    def utilisation(self) -> float:
+        """Mean busy fraction over replicas."""
+        if not self.replica_busy_s or self.makespan_s <= 0:
+            return 0.0
+        return float(np.mean(self.replica_busy_s) / self.makespan_s)

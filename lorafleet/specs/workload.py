@@ -1,0 +1,236 @@
+"""Workload files: the tasks (tenants) to fine-tune, their data or length distributions,
+their adapters and optimizers, and optionally the base model and cluster.
+
+Example (``examples/lobra-7b.yaml``)::
+
+    model: llama2-7b
+    cluster: {gpu: A100-40GB, nodes: 2, gpus_per_node: 8}
+    defaults:
+      lora: {rank: 16, alpha: 16}
+    tasks:
+      - {name: dolly, preset: dolly}           # LobRA statistics: lengths, batch size, context
+      - name: chat
+        lengths: {mean: 180, skewness: 3.0, kurtosis: 15.0}
+        batch_size: 64
+        context_length: 4096
+        overflow: reject
+
+A task's length distribution comes from exactly one of: a dataset preset (``preset``),
+``lengths`` (``preset``, ``stats`` keys mean/skewness/kurtosis, ``values``, ``histogram`` or
+``dataset``), or its training ``data`` (tokenized with the workload's tokenizer).
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from lorafleet.specs._base import Spec
+from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.length_presets import find_preset
+from lorafleet.specs.lora import LoraSpec, OptimizerSpec
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+
+
+class OverflowPolicy(StrEnum):
+    """What happens to a sequence longer than the task's context length (never silent)."""
+
+    TRUNCATE = "truncate"
+    """Cut it to the context length; counted in every report."""
+    REJECT = "reject"
+    """Drop it from the data; counted in every report."""
+
+
+class DataFormat(StrEnum):
+    """How rows of a task's dataset are turned into text."""
+
+    AUTO = "auto"
+    """``messages`` if present, else ``prompt``/``response``, else ``text``."""
+    PROMPT_RESPONSE = "prompt_response"
+    """Fields ``prompt`` and ``response``; loss on the response only."""
+    MESSAGES = "messages"
+    """A chat (``[{role, content}, ...]``) rendered with the tokenizer's chat template; loss on assistant turns."""
+    TEXT = "text"
+    """One ``text`` field; loss on every token."""
+
+
+class DataSpec(Spec):
+    """A task's training data on local disk."""
+
+    path: str = Field(min_length=1)
+    """A JSONL file or a directory saved by ``datasets.Dataset.save_to_disk``."""
+    format: DataFormat = DataFormat.AUTO
+    """How rows become text (see DataFormat)."""
+
+
+class LengthSpec(Spec):
+    """Where a task's sequence-length distribution comes from: set exactly one mode."""
+
+    preset: str | None = None
+    """A named dataset's published statistics (``lorafleet.specs.length_presets``)."""
+    mean: float | None = Field(None, gt=1)
+    """Summary statistics mode: mean length in tokens (with ``skewness`` and ``kurtosis``)."""
+    skewness: float | None = None
+    """Summary statistics mode: skewness of the lengths."""
+    kurtosis: float | None = None
+    """Summary statistics mode: excess (Fisher) kurtosis of the lengths."""
+    values: tuple[int, ...] | None = None
+    """Explicit list of observed lengths."""
+    histogram: dict[int, float] | None = None
+    """Length -> count (or weight)."""
+    dataset: DataSpec | None = None
+    """Measure the lengths of a dataset, tokenized with the workload's tokenizer."""
+
+    @model_validator(mode="after")
+    def _exactly_one_mode(self) -> LengthSpec:
+        stats = (self.mean, self.skewness, self.kurtosis)
+        modes = [
+            name
+            for name, present in (
+                ("preset", self.preset is not None),
+                ("mean/skewness/kurtosis", any(v is not None for v in stats)),
+                ("values", self.values is not None),
+                ("histogram", self.histogram is not None),
+                ("dataset", self.dataset is not None),
+            )
+            if present
+        ]
+        if len(modes) != 1:
+            raise ValueError(f"set exactly one of preset, mean/skewness/kurtosis, values, histogram, dataset (got {modes or 'none'})")
+        if modes[0] == "mean/skewness/kurtosis" and None in stats:
+            raise ValueError("summary statistics need all of mean, skewness and kurtosis")
+        if self.preset is not None and find_preset(self.preset) is None:
+            raise ValueError(f"unknown dataset preset {self.preset!r}")
+        if self.values is not None and (not self.values or min(self.values) < 1):
+            raise ValueError("values must be a non-empty list of lengths >= 1")
+        if self.histogram is not None:
+            if not self.histogram or min(self.histogram) < 1 or min(self.histogram.values()) < 0 or sum(self.histogram.values()) <= 0:
+                raise ValueError("histogram needs lengths >= 1 with non-negative counts summing to more than 0")
+        return self
+
+
+class TaskSpec(Spec):
+    """One tenant's fine-tuning job."""
+
+    name: str
+    """Unique task name (letters, digits, ``_ . -``); names the adapter directory."""
+    preset: str | None = None
+    """A dataset preset supplying defaults for ``lengths``, ``batch_size`` and ``context_length``."""
+    lengths: LengthSpec | None = None
+    """Length distribution (see LengthSpec); defaults to the preset's or the data's."""
+    data: DataSpec | None = None
+    """Training data; required to train, optional to plan."""
+    batch_size: int = Field(gt=0, le=1_000_000)
+    """Sequences of this task in every global batch."""
+    context_length: int = Field(gt=0, le=1_048_576)
+    """Longest sequence this task trains on, in tokens."""
+    overflow: OverflowPolicy = OverflowPolicy.TRUNCATE
+    """Policy for sequences longer than ``context_length``."""
+    lora: LoraSpec = LoraSpec()
+    """The task's adapter."""
+    optimizer: OptimizerSpec = OptimizerSpec()
+    """The task's optimizer and schedule."""
+    steps: int | None = Field(None, gt=0)
+    """Training steps (exclusive with ``epochs``); default: the run's step count."""
+    epochs: float | None = Field(None, gt=0)
+    """Passes over ``data`` (exclusive with ``steps``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict) or raw.get("preset") is None:
+            return raw
+        preset = find_preset(str(raw["preset"]))
+        if preset is None:
+            return raw  # reported by the field validator, with the field's name
+        filled = {"batch_size": preset.batch_size, "context_length": preset.context_length}
+        if raw.get("data") is None:
+            filled["lengths"] = {"preset": preset.id}
+        return {**filled, **raw}
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, value: str) -> str:
+        if not _NAME.match(value):
+            raise ValueError(f"{value!r} is not a valid task name (letters, digits, _ . -; at most 64)")
+        return value
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str | None) -> str | None:
+        if value is not None and find_preset(value) is None:
+            raise ValueError(f"unknown dataset preset {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _has_lengths(self) -> TaskSpec:
+        if self.lengths is None and self.data is None:
+            raise ValueError("needs one of preset, lengths or data")
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("set steps or epochs, not both")
+        return self
+
+
+class WorkloadSpec(Spec):
+    """A workload file: tasks, plus the base model and cluster they run on."""
+
+    model: str = "llama2-7b"
+    """A model preset (``lorafleet.specs.model.MODEL_PRESETS``) or a local HF model directory / config.json."""
+    tokenizer: str | None = None
+    """Local tokenizer directory for ``dataset``/``data`` lengths; defaults to the model directory."""
+    cluster: ClusterSpec = ClusterSpec()
+    """The GPUs to plan for."""
+    seed: int = Field(0, ge=0)
+    """Seed of every sampled global batch."""
+    tasks: tuple[TaskSpec, ...] = Field(min_length=1, max_length=256)
+    """The tenants; at least one."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_defaults(cls, raw: Any) -> Any:
+        """Merge ``defaults:`` (lora, optimizer, overflow, ...) under every task's own keys."""
+        if not isinstance(raw, dict) or "defaults" not in raw:
+            return raw
+        raw = dict(raw)
+        defaults = raw.pop("defaults")
+        if not isinstance(defaults, dict):
+            raise ValueError("defaults must be a mapping")
+        tasks = raw.get("tasks")
+        if isinstance(tasks, list):
+            raw["tasks"] = [_deep_merge(defaults, t) if isinstance(t, dict) else t for t in tasks]
+        return raw
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_names(cls, tasks: tuple[TaskSpec, ...]) -> tuple[TaskSpec, ...]:
+        seen: set[str] = set()
+        for task in tasks:
+            if task.name in seen:
+                raise ValueError(f"task name {task.name!r} appears twice")
+            seen.add(task.name)
+        return tasks
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``, merging nested mappings key by key."""
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def format_validation_loc(loc: tuple[int | str, ...]) -> str:
+    """Pydantic's error location as a field path: ``("tasks", 2, "lora", "rank")`` -> ``tasks[2].lora.rank``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif str(part).startswith(("function-", "tagged-union")):
+            continue  # validator wrappers pydantic inserts into locations
+        else:
+            out += f".{part}" if out else str(part)
+    return out
