@@ -1,0 +1,127 @@
+"""One way to solve a MILP with any of three back ends, and an honest result.
+
+Models are built with PuLP (named variables and constraints, ``writeLP`` for review) and
+solved by CBC (bundled with PuLP, the default), SCIP (PySCIPOpt) or HiGHS (highspy).
+
+PuLP reports ``LpStatusOptimal`` when a time limit stops a solve that holds an incumbent
+(PuLP ``apis/coin.py:get_status``); only ``sol_status`` tells a proven optimum from a
+feasible solution. :func:`solve` maps the pair explicitly into :class:`SolveStatus`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+import pulp
+
+
+class SolverName(StrEnum):
+    CBC = "cbc"
+    SCIP = "scip"
+    HIGHS = "highs"
+
+
+class SolveStatus(StrEnum):
+    OPTIMAL = "optimal"
+    """Proven optimal (within the requested relative gap)."""
+    FEASIBLE = "feasible"
+    """A solution, not proven optimal (time limit or gap)."""
+    INFEASIBLE = "infeasible"
+    UNBOUNDED = "unbounded"
+    FAILED = "failed"
+    """No solution: error, or a limit hit before any incumbent."""
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """What a solve produced. ``objective`` is None without a solution."""
+
+    status: SolveStatus
+    objective: float | None
+    wall_s: float
+    solver: SolverName
+
+    @property
+    def has_solution(self) -> bool:
+        return self.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
+
+    @property
+    def proven_optimal(self) -> bool:
+        return self.status is SolveStatus.OPTIMAL
+
+    def __str__(self) -> str:
+        return f"{self.solver.value}:{self.status.value}"
+
+
+def _make_solver(name: SolverName, time_limit_s: float, gap_rel: float, threads: int) -> pulp.LpSolver:
+    common = {"msg": False, "timeLimit": time_limit_s, "gapRel": gap_rel}
+    if name is SolverName.CBC:
+        return pulp.PULP_CBC_CMD(threads=threads, **common)
+    if name is SolverName.SCIP:
+        return pulp.SCIP_PY(**common)  # PySCIPOpt solves on one thread; asking for more only warns
+    return pulp.HiGHS(threads=threads, **common)
+
+
+def available_solvers() -> list[SolverName]:
+    """Back ends importable on this machine, in preference order."""
+    names = set(pulp.listSolvers(onlyAvailable=True))
+    table = {SolverName.CBC: "PULP_CBC_CMD", SolverName.SCIP: "SCIP_PY", SolverName.HIGHS: "HiGHS"}
+    return [s for s, pulp_name in table.items() if pulp_name in names]
+
+
+def _status(problem: pulp.LpProblem) -> SolveStatus:
+    if problem.sol_status == pulp.LpSolutionOptimal:
+        return SolveStatus.OPTIMAL
+    if problem.sol_status == pulp.LpSolutionIntegerFeasible:
+        return SolveStatus.FEASIBLE
+    if problem.status == pulp.LpStatusInfeasible or problem.sol_status == pulp.LpSolutionInfeasible:
+        return SolveStatus.INFEASIBLE
+    if problem.status == pulp.LpStatusUnbounded or problem.sol_status == pulp.LpSolutionUnbounded:
+        return SolveStatus.UNBOUNDED
+    return SolveStatus.FAILED
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """Silence file descriptor 1 itself: highspy prints its banner from C, past ``sys.stdout``."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 1)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def solve(
+    problem: pulp.LpProblem,
+    solver: SolverName = SolverName.CBC,
+    time_limit_s: float = 10.0,
+    gap_rel: float = 1e-4,
+    threads: int | None = None,
+) -> SolveResult:
+    """Solve ``problem`` in place (its variables hold the solution) and report honestly.
+
+    A solver error (PuLP raises ``PulpSolverError``) is reported as ``FAILED`` so the caller
+    can fall back to its heuristic with a warning; nothing is swallowed silently.
+    """
+    threads = threads or min(2, os.cpu_count() or 1)
+    backend = _make_solver(SolverName(solver), time_limit_s, gap_rel, threads)
+    start = time.perf_counter()
+    # highspy prints a banner even with msg=False; keep the CLI's stdout clean.
+    with _quiet_stdout():
+        try:
+            problem.solve(backend)
+        except pulp.PulpSolverError:
+            return SolveResult(SolveStatus.FAILED, None, time.perf_counter() - start, SolverName(solver))
+    wall = time.perf_counter() - start
+    status = _status(problem)
+    objective = pulp.value(problem.objective) if status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE) else None
+    return SolveResult(status, None if objective is None else float(objective), wall, SolverName(solver))
