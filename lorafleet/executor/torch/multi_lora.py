@@ -1,0 +1,436 @@
+"""Many LoRA adapters over one frozen linear layer: one base GEMM, one low-rank update per segment.
+
+A micro-batch holds the tokens of several tasks. Flattened to rows ``X (T, K)``, segment ``j``
+covers rows ``R_j = [start_j, start_j + L_j)`` and uses adapter ``a = a_j`` with
+``A_a (r_a, K)``, ``B_a (N, r_a)``, scaling ``s_a`` and dropout ``p_a``. Rows in no segment
+(padding) see only the base layer. With the frozen base weight ``W (N, K)`` and bias ``b``:
+
+    Y       = X W^T + b                        (T, N)    one GEMM for every task
+    Xd_j    = X[R_j] ⊙ M_j / (1 - p_a)         (L_j, K)  M_j: keep-mask drawn in the forward
+    S_j     = Xd_j A_a^T                       (L_j, r_a) "shrink"
+    Y[R_j] += s_a S_j B_a^T                    (L_j, N)  "expand"
+
+and, with ``G = dLoss/dY``:
+
+    dS_j    = s_a G[R_j] B_a                                   (L_j, r_a)
+    dX      = G W + Σ_j into rows R_j: (dS_j A_a) ⊙ M_j / (1 - p_a)   one (T, K) buffer
+    dA_a    = Σ_{j: a_j = a} dS_j^T Xd_j                       (r_a, K)
+    dB_a    = Σ_{j: a_j = a} s_a G[R_j]^T S_j                  (N, r_a)
+
+This is mLoRA's BatchLoRA operator (arXiv 2312.02515 §4) with two fixes: the backward reuses the
+forward's dropout mask (mLoRA rescales the un-dropped input, so its gradients are exact only in
+expectation), and the same adapter may own several segments.
+
+Two implementations share one ``torch.autograd.Function``: a torch loop over runs of segments
+(:func:`_torch_forward`, CPU and reference) and Triton kernels
+(``kernels/segment_lora.py``, CUDA). :class:`LoraBackend` picks one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+from torch.nn import functional as F
+
+from lorafleet.specs.lora import LoraSpec
+
+
+class LoraBackend(StrEnum):
+    """Which implementation computes the segmented low-rank GEMMs."""
+
+    TORCH = "torch"
+    """A loop over runs of segments with ``torch.bmm``; any device."""
+    TRITON = "triton"
+    """Segmented Triton kernels; CUDA, or CPU tensors under ``TRITON_INTERPRET=1`` (tests)."""
+    AUTO = "auto"
+    """TRITON for CUDA tensors, TORCH otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segments:
+    """Which rows of a flattened ``(T, K)`` micro-batch go through which adapter.
+
+    Segment ``j`` covers rows ``[starts[j], starts[j] + lengths[j])`` and uses adapter
+    ``adapter_ids[j]``. Segments are sorted by start and do not overlap; empty segments are
+    allowed. Rows in no segment (padding) get no adapter. The fields are Python ints because the
+    layout is known on the host before the forward: reading it never waits for the device.
+    """
+
+    adapter_ids: tuple[int, ...]
+    """Adapter id of each segment (an adapter may own several segments)."""
+    starts: tuple[int, ...]
+    """First row of each segment, ascending."""
+    lengths: tuple[int, ...]
+    """Rows of each segment, >= 0."""
+
+    def __post_init__(self) -> None:
+        for name in ("adapter_ids", "starts", "lengths"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+        if not len(self.adapter_ids) == len(self.starts) == len(self.lengths):
+            raise ValueError(
+                f"Segments: adapter_ids, starts and lengths differ in length "
+                f"({len(self.adapter_ids)}, {len(self.starts)}, {len(self.lengths)})"
+            )
+        end = 0
+        for j, (adapter, start, length) in enumerate(self):
+            if adapter < 0:
+                raise ValueError(f"Segments.adapter_ids[{j}] = {adapter}: must be >= 0")
+            if length < 0:
+                raise ValueError(f"Segments.lengths[{j}] = {length}: must be >= 0")
+            if start < end:
+                raise ValueError(
+                    f"Segments.starts[{j}] = {start}: segments must be sorted and not overlap "
+                    f"(the previous one ends at row {end})"
+                )
+            end = start + length
+
+    @classmethod
+    def packed(cls, adapter_ids: Sequence[int], lengths: Sequence[int]) -> Segments:
+        """Back-to-back segments from row 0: a packed micro-batch, one segment per sequence or task."""
+        starts = [0]
+        for length in lengths[:-1]:
+            starts.append(starts[-1] + length)
+        return cls(tuple(adapter_ids), tuple(starts[: len(lengths)]), tuple(lengths))
+
+    @classmethod
+    def padded(cls, adapter_ids: Sequence[int], lengths: Sequence[int], seq_len: int) -> Segments:
+        """A right-padded ``(B, seq_len)`` batch: sequence ``b`` owns its first ``lengths[b]`` rows."""
+        return cls(tuple(adapter_ids), tuple(b * seq_len for b in range(len(lengths))), tuple(lengths))
+
+    @property
+    def end(self) -> int:
+        """One past the last covered row; the flattened input needs at least this many rows."""
+        return self.starts[-1] + self.lengths[-1] if self.starts else 0
+
+    def __len__(self) -> int:
+        return len(self.adapter_ids)
+
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        """Yields ``(adapter_id, start, length)`` per segment."""
+        return zip(self.adapter_ids, self.starts, self.lengths, strict=True)
+
+    def relabel(self, local: Mapping[int, int]) -> Segments:
+        """Keeps the segments whose adapter is in ``local`` and renames it ``local[adapter]``."""
+        kept = [(local[a], s, n) for a, s, n in self if a in local]
+        return Segments(*zip(*kept, strict=True)) if kept else Segments((), (), ())
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRouting:
+    """One layer call's routing: the segments, and per adapter (by position) its scaling and dropout."""
+
+    segments: Segments
+    """Row segments; ``adapter_ids`` index ``scalings``, ``dropouts`` and the weight lists."""
+    scalings: tuple[float, ...]
+    """``s_a``: alpha / r, or alpha / sqrt(r) for rsLoRA (:attr:`LoraSpec.scaling`)."""
+    dropouts: tuple[float, ...]
+    """``p_a`` in [0, 1): the keep-mask rows of adapter ``a`` are scaled by ``1 / (1 - p_a)``."""
+
+    def __post_init__(self) -> None:
+        if len(self.scalings) != len(self.dropouts):
+            raise ValueError(f"LoraRouting: {len(self.scalings)} scalings but {len(self.dropouts)} dropouts")
+        if any(a >= len(self.scalings) for a in self.segments.adapter_ids):
+            raise ValueError(f"LoraRouting: a segment names an adapter >= {len(self.scalings)}")
+        if not all(0.0 <= p < 1.0 for p in self.dropouts):
+            raise ValueError(f"LoraRouting.dropouts = {self.dropouts}: each must be in [0, 1)")
+
+
+def draw_keep_mask(rows: int, cols: int, routing: LoraRouting, *, device: torch.device | str) -> Tensor | None:
+    """The dropout keep-mask ``M (rows, cols)`` (bool): Bernoulli(1 - p_a) on adapter ``a``'s rows.
+
+    Rows of adapters without dropout, and padding rows, are all True. Returns None when no
+    non-empty segment has dropout, so the common p = 0 case allocates nothing. The mask is one
+    byte per element; the operator saves it instead of each adapter's dropped input (what an
+    ``nn.Dropout`` per adapter would keep alive), and recomputes ``Xd`` in the backward.
+    """
+    dropped = [(s, n, routing.dropouts[a]) for a, s, n in routing.segments if n and routing.dropouts[a]]
+    if not dropped:
+        return None
+    keep = torch.ones((rows, cols), dtype=torch.bool, device=device)
+    for start, length, p in dropped:
+        keep[start : start + length].bernoulli_(1.0 - p)
+    return keep
+
+
+def multi_lora_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    lora_A: Sequence[Tensor],
+    lora_B: Sequence[Tensor],
+    routing: LoraRouting,
+    keep: Tensor | None = None,
+    backend: LoraBackend = LoraBackend.AUTO,
+) -> Tensor:
+    """``Y = X W^T + b`` plus each segment's ``s_a B_a A_a (X ⊙ M / (1-p_a))``; see the module doc.
+
+    Args:
+        x: ``(T, K)`` rows of the micro-batch.
+        weight: ``(N, K)`` frozen base weight (must not require grad); ``bias``: ``(N,)`` or None.
+        lora_A: per adapter ``A_a (r_a, K)``; ``lora_B``: per adapter ``B_a (N, r_a)``.
+        routing: segments (indexing ``lora_A``) and per-adapter scaling and dropout.
+        keep: ``(T, K)`` bool keep-mask (:func:`draw_keep_mask`), or None for no dropout.
+        backend: implementation; AUTO is Triton on CUDA, torch elsewhere.
+
+    Returns:
+        ``(T, N)``. Gradients flow to ``x`` and to every ``A_a``, ``B_a`` (None for an adapter
+        that owns no rows), never to ``weight`` or ``bias``.
+    """
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("multi_lora_linear: the base weight and bias must be frozen (requires_grad=False)")
+    if x.dim() != 2 or routing.segments.end > x.shape[0]:
+        raise ValueError(f"multi_lora_linear: x {tuple(x.shape)} must be (T, K) with T >= {routing.segments.end}")
+    if len(lora_A) != len(routing.scalings) or len(lora_B) != len(routing.scalings):
+        raise ValueError(f"multi_lora_linear: routing has {len(routing.scalings)} adapters, got {len(lora_A)} A, {len(lora_B)} B")
+    if backend is LoraBackend.AUTO:
+        backend = LoraBackend.TRITON if x.is_cuda else LoraBackend.TORCH
+    return _MultiLoraFunction.apply(x, weight, bias, routing, keep, backend, *lora_A, *lora_B)
+
+
+class _MultiLoraFunction(torch.autograd.Function):
+    """Autograd glue: one saved keep-mask, one dX buffer, per-backend forward/backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, routing, keep, backend, *lora):
+        n = len(lora) // 2
+        forward_impl, _ = _implementation(backend)
+        y, saved = forward_impl(x, weight, bias, lora[:n], lora[n:], routing, keep)
+        ctx.routing, ctx.backend, ctx.n_adapters = routing, backend, n
+        ctx.save_for_backward(x, weight, keep, *lora, *saved)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y):
+        x, weight, keep, *rest = ctx.saved_tensors
+        n = ctx.n_adapters
+        lora_A, lora_B, saved = rest[:n], rest[n : 2 * n], rest[2 * n :]
+        need_x, need_lora = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
+        _, backward_impl = _implementation(ctx.backend)
+        dx, dA, dB = backward_impl(grad_y, x, weight, lora_A, lora_B, ctx.routing, keep, saved, need_x, need_lora)
+        return dx, None, None, None, None, None, *dA, *dB
+
+
+def _implementation(backend: LoraBackend):
+    """(forward, backward) of a backend, both with the signatures of the torch pair below."""
+    if backend is LoraBackend.TORCH:
+        return _torch_forward, _torch_backward
+    # Imported on first use, not at module import: triton.jit decides between compiling and
+    # interpreting when the kernels are decorated, so tests can set TRITON_INTERPRET first,
+    # and CPU-only runs never pay for importing triton.
+    from lorafleet.executor.torch.kernels import segment_lora
+
+    return segment_lora.forward, segment_lora.backward
+
+
+# ---- torch backend ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Consecutive segments that one ``bmm`` can serve: equal length, rank, scaling and dropout,
+    and equally spaced starts, so their rows of any ``(T, C)`` tensor form a strided
+    ``(G, L, C)`` view. A packed micro-batch of equal-length sequences, or a padded batch whose
+    sequences of one length sit ``seq_len`` rows apart, is one run whatever the adapters: two
+    ``bmm`` per direction instead of two ``mm`` per segment, which is what makes short segments
+    cheap (on CPU the per-op overhead dominates a 16-row GEMM)."""
+
+    adapters: tuple[int, ...]
+    start: int
+    length: int
+    spacing: int
+    scaling: float
+    dropout: float
+
+    def rows(self, t: Tensor) -> Tensor:
+        """The run's rows of a 2-D ``t (T, C)`` as a ``(G, L, C)`` view (no copy)."""
+        return t.as_strided(
+            (len(self.adapters), self.length, t.shape[1]),
+            (self.spacing * t.stride(0), t.stride(0), t.stride(1)),
+            t.storage_offset() + self.start * t.stride(0),
+        )
+
+
+def _runs(routing: LoraRouting, ranks: Sequence[int]) -> list[_Run]:
+    """Greedily merges consecutive non-empty segments into :class:`_Run` s."""
+    runs: list[_Run] = []
+    for a, start, length in routing.segments:
+        if length == 0:
+            continue
+        key = (length, ranks[a], routing.scalings[a], routing.dropouts[a])
+        if runs:
+            prev = runs[-1]
+            spacing = start - prev.start if len(prev.adapters) == 1 else prev.spacing
+            if (prev.length, ranks[prev.adapters[0]], prev.scaling, prev.dropout) == key and start == prev.start + len(
+                prev.adapters
+            ) * spacing:
+                runs[-1] = replace(prev, adapters=prev.adapters + (a,), spacing=spacing)
+                continue
+        runs.append(_Run((a,), start, length, length, routing.scalings[a], routing.dropouts[a]))
+    return runs
+
+
+def _dropout(t: Tensor, keep: Tensor, p: float) -> Tensor:
+    """Inverted dropout with a given keep-mask: ``t ⊙ keep / (1 - p)`` (a new tensor)."""
+    return (t * keep).mul_(1.0 / (1.0 - p))
+
+
+def _run_input(x: Tensor, keep: Tensor | None, run: _Run) -> Tensor:
+    """``Xd`` of the run, ``(G, L, K)``: a view of ``x`` when the run has no dropout."""
+    x_g = run.rows(x)  # (G, L, K)
+    return _dropout(x_g, run.rows(keep), run.dropout) if run.dropout and keep is not None else x_g
+
+
+def _stack(weights: Sequence[Tensor], adapters: tuple[int, ...]) -> Tensor:
+    """The run's adapter weights stacked along a new dim 0: ``(G, *weight.shape)``."""
+    return torch.stack([weights[a] for a in adapters])
+
+
+def _accumulate(grads: list[Tensor | None], adapters: tuple[int, ...], stacked: Tensor) -> None:
+    """Adds ``stacked[i]`` to the gradient of ``adapters[i]`` (an adapter may recur in runs)."""
+    for i, a in enumerate(adapters):
+        grads[a] = stacked[i] if grads[a] is None else grads[a] + stacked[i]
+
+
+def _torch_forward(x, weight, bias, lora_A, lora_B, routing, keep):
+    """Returns ``(Y, saved)``; ``saved`` holds each run's ``S`` for the backward's dB."""
+    y = F.linear(x, weight, bias)  # (T, N): the one base GEMM
+    saved = []
+    for run in _runs(routing, [a.shape[0] for a in lora_A]):
+        A_g, B_g = _stack(lora_A, run.adapters), _stack(lora_B, run.adapters)  # (G, r, K), (G, N, r)
+        s_g = torch.bmm(_run_input(x, keep, run), A_g.transpose(1, 2))  # (G, L, r) = Xd A^T
+        run.rows(y).baddbmm_(s_g, B_g.transpose(1, 2), alpha=run.scaling)  # (G, L, N) += s S B^T, in place
+        saved.append(s_g)
+    return y, saved
+
+
+def _torch_backward(grad_y, x, weight, lora_A, lora_B, routing, keep, saved, need_x, need_lora):
+    """Returns ``(dX or None, dA per adapter, dB per adapter)``; see the module doc for the math."""
+    dx = grad_y.mm(weight) if need_x else None  # (T, N) @ (N, K): the single dX buffer
+    dA: list[Tensor | None] = [None] * len(lora_A)
+    dB: list[Tensor | None] = [None] * len(lora_B)
+    for run, s_g in zip(_runs(routing, [a.shape[0] for a in lora_A]), saved, strict=True):
+        A_g, B_g = _stack(lora_A, run.adapters), _stack(lora_B, run.adapters)  # (G, r, K), (G, N, r)
+        g_g = run.rows(grad_y)  # (G, L, N)
+        ds_g = torch.bmm(g_g, B_g).mul_(run.scaling)  # (G, L, r) = s G B
+        if need_x:
+            dx_g = run.rows(dx)  # (G, L, K) view: written in place, no per-segment buffers
+            if run.dropout and keep is not None:
+                dx_g.add_(_dropout(torch.bmm(ds_g, A_g), run.rows(keep), run.dropout))
+            else:
+                dx_g.baddbmm_(ds_g, A_g)  # += dS A
+        if need_lora:
+            _accumulate(dA, run.adapters, torch.bmm(ds_g.transpose(1, 2), _run_input(x, keep, run)))  # (G, r, K)
+            _accumulate(dB, run.adapters, torch.bmm(g_g.transpose(1, 2), s_g).mul_(run.scaling))  # (G, N, r)
+    return dx, dA, dB
+
+
+# ---- the module ---------------------------------------------------------------------------------
+
+
+class MultiLoraLinear(nn.Module):
+    """A frozen ``nn.Linear`` (kept as ``base_layer``) plus any number of LoRA adapters.
+
+    Adapters are keyed by integer id (a task slot); ``lora_A[str(id)]`` is ``(r, in_features)``
+    and ``lora_B[str(id)]`` is ``(out_features, r)``, as in PEFT's ``lora_A.<name>.weight``. A
+    forward needs :attr:`segments` (set for every layer of a model by
+    ``inject.segments_context``) to know which rows use which adapter; segments naming an id
+    this layer lacks (a task that does not target this module) are treated as padding.
+
+    Example:
+        >>> layer = MultiLoraLinear(nn.Linear(64, 32))
+        >>> layer.add_adapter(0, LoraSpec(rank=8, alpha=16))
+        >>> layer.add_adapter(1, LoraSpec(rank=4, alpha=4, dropout=0.1))
+        >>> layer.segments = Segments.packed([0, 1], [5, 3])
+        >>> layer(torch.randn(8, 64)).shape
+        torch.Size([8, 32])
+    """
+
+    def __init__(self, base_layer: nn.Linear, *, backend: LoraBackend = LoraBackend.AUTO) -> None:
+        super().__init__()
+        if not isinstance(base_layer, nn.Linear):
+            raise TypeError(f"MultiLoraLinear wraps nn.Linear, got {type(base_layer).__name__}")
+        self.base_layer = base_layer.requires_grad_(False)
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        self.adapters: dict[int, LoraSpec] = {}
+        """Spec of each adapter id present in this layer."""
+        self.backend = LoraBackend(backend)
+        self.segments: Segments | None = None
+        """Row segments of the current forward; None outside a segments context."""
+
+    @property
+    def in_features(self) -> int:
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base_layer.out_features
+
+    def add_adapter(self, adapter_id: int, spec: LoraSpec, weights: tuple[Tensor, Tensor] | None = None) -> None:
+        """Creates (or replaces) adapter ``adapter_id``.
+
+        Without ``weights`` it is initialised as PEFT does: A Kaiming-uniform (a = sqrt(5)),
+        B zero, so the adapter starts as the identity update. With ``weights = (A, B)`` they are
+        copied into the base layer's dtype and device.
+        """
+        base = self.base_layer.weight
+        shape_A, shape_B = (spec.rank, self.in_features), (self.out_features, spec.rank)
+        A = torch.empty(shape_A, dtype=base.dtype, device=base.device)
+        B = torch.zeros(shape_B, dtype=base.dtype, device=base.device)
+        if weights is None:
+            nn.init.kaiming_uniform_(A, a=math.sqrt(5))
+        else:
+            if tuple(weights[0].shape) != shape_A or tuple(weights[1].shape) != shape_B:
+                raise ValueError(
+                    f"adapter {adapter_id}: weights {tuple(weights[0].shape)}, {tuple(weights[1].shape)} "
+                    f"do not match A {shape_A}, B {shape_B}"
+                )
+            A.copy_(weights[0])
+            B.copy_(weights[1])
+        key = str(adapter_id)
+        self.lora_A[key], self.lora_B[key] = nn.Parameter(A), nn.Parameter(B)
+        self.adapters[adapter_id] = spec
+
+    def remove_adapter(self, adapter_id: int) -> None:
+        """Drops adapter ``adapter_id`` from this layer if present."""
+        if self.adapters.pop(adapter_id, None) is not None:
+            del self.lora_A[str(adapter_id)], self.lora_B[str(adapter_id)]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x (..., in_features) -> (..., out_features)``; leading dims flatten to the segment rows."""
+        if self.segments is None:
+            raise RuntimeError(
+                "MultiLoraLinear needs row segments: run the model inside "
+                "segments_context(model, segments), or set layer.segments"
+            )
+        ids = list(self.adapters)
+        spec = [self.adapters[i] for i in ids]
+        routing = LoraRouting(
+            self.segments.relabel({a: i for i, a in enumerate(ids)}),
+            tuple(s.scaling for s in spec),
+            tuple(s.dropout for s in spec),
+        )
+        x2 = x.reshape(-1, self.in_features)  # (T, K), T = prod(leading dims)
+        keep = draw_keep_mask(*x2.shape, routing, device=x2.device) if self.training else None
+        y = multi_lora_linear(
+            x2,
+            self.base_layer.weight,
+            self.base_layer.bias,
+            [self.lora_A[str(i)] for i in ids],
+            [self.lora_B[str(i)] for i in ids],
+            routing,
+            keep,
+            self.backend,
+        )
+        return y.view(*x.shape[:-1], self.out_features)  # (..., N)
+
+    def extra_repr(self) -> str:
+        ranks = ", ".join(f"{i}: r={s.rank}" for i, s in self.adapters.items())
+        return f"adapters={{{ranks}}}, backend={self.backend.value}"
