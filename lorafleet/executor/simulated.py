@@ -1,0 +1,101 @@
+"""The cost model plays the hardware: step times with noise, stragglers and failures.
+
+Replica r's busy time in a step is
+
+    busy_r = slowdown_r * ε_r * T_r(micro-batches)          ε_r ~ LogNormal(0, σ²), E[ε] ≈ 1
+
+where T_r is the cost model's replica time (LobRA Eq. 12 plus the step overhead). The step's
+makespan is the slowest replica: adapter gradients are all-reduced across every replica at
+the end of a step, so everyone waits for it. A failure of replica r at step t costs a
+restart (``restart_s``) plus re-running the work it had done (a uniformly random fraction
+of its share), the DLRover "process restart" rung; the step still completes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lorafleet.costmodel.cost_model import CostModel
+from lorafleet.plans import DeploymentPlan, StepPlan, StepReport
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureSpec:
+    """Replica ``replica_id`` fails during step ``step``."""
+
+    step: int
+    replica_id: int
+    restart_s: float = 30.0
+    """Detection plus process restart plus reload of the last checkpoint, seconds."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimulationOptions:
+    """How the simulated hardware deviates from the cost model."""
+
+    noise_sigma: float = 0.0
+    """σ of the multiplicative log-normal noise per replica and step (0.03 = about 3%)."""
+    slowdown: Mapping[int, float] = field(default_factory=dict)
+    """Replica id -> constant factor >= 1 (a straggler)."""
+    failures: Sequence[FailureSpec] = ()
+    """Injected failures."""
+    seed: int = 0
+    """Seed of the noise and of the failure points."""
+
+    def __post_init__(self) -> None:
+        if self.noise_sigma < 0:
+            raise ValueError(f"noise_sigma must be >= 0, got {self.noise_sigma}")
+        bad = {r: f for r, f in self.slowdown.items() if f < 1.0}
+        if bad:
+            raise ValueError(f"slowdown factors must be >= 1, got {bad}")
+
+
+class SimulatedExecutor:
+    """An :class:`~lorafleet.executor.Executor` whose hardware is the cost model."""
+
+    def __init__(self, plan: DeploymentPlan, cost_model: CostModel, task_names: Sequence[str],
+                 options: SimulationOptions = SimulationOptions()) -> None:
+        self.plan = plan
+        self.cost_model = cost_model
+        self.task_names = tuple(task_names)
+        self.options = options
+
+    def _replica_busy(self, step_plan: StepPlan, rng: np.random.Generator) -> tuple[list[float], list[int]]:
+        busy, failed = [], []
+        failing = {f.replica_id: f for f in self.options.failures if f.step == step_plan.step}
+        for replica, work in zip(self.plan.replicas, step_plan.work, strict=True):
+            t = self.cost_model.replica_time(replica.config, [mb.shape for mb in work.microbatches])
+            noise = rng.lognormal(0.0, self.options.noise_sigma) if self.options.noise_sigma else 1.0
+            t *= self.options.slowdown.get(replica.replica_id, 1.0) * noise
+            if replica.replica_id in failing:
+                # Work done before the crash is lost and redone after the restart.
+                t += failing[replica.replica_id].restart_s + rng.uniform() * t
+                failed.append(replica.replica_id)
+            busy.append(float(t))
+        return busy, failed
+
+    def run_step(self, step_plan: StepPlan) -> StepReport:
+        rng = np.random.default_rng(np.random.SeedSequence([self.options.seed, step_plan.step]))
+        busy, failed = self._replica_busy(step_plan, rng)
+        tokens = dict.fromkeys(self.task_names, 0)
+        padding = dict.fromkeys(self.task_names, 0)
+        for work in step_plan.work:
+            for mb in work.microbatches:
+                for task, length in zip(mb.task_ids, mb.lengths, strict=True):
+                    name = self.task_names[task]
+                    tokens[name] += length
+                    # A packed micro-batch has no padding; a padded row pads up to the bucket length.
+                    padding[name] += (mb.padded_len - length) if mb.padded_len is not None else 0
+        return StepReport(
+            step=step_plan.step,
+            replica_busy_s=tuple(busy),
+            makespan_s=max(busy, default=0.0),
+            task_tokens=tokens,
+            task_padding_tokens=padding,
+            estimated_makespan_s=step_plan.estimated_makespan_s,
+            dispatch_solve_s=step_plan.solve_s,
+            failed_replicas=tuple(failed),
+        )
