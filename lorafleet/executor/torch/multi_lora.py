@@ -403,28 +403,32 @@ class MultiLoraLinear(nn.Module):
         if self.adapters.pop(adapter_id, None) is not None:
             del self.lora_A[str(adapter_id)], self.lora_B[str(adapter_id)]
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``x (..., in_features) -> (..., out_features)``; leading dims flatten to the segment rows."""
+    def routing(self) -> LoraRouting:
+        """The current segments in this layer's terms: adapter ``i`` is the i-th of :attr:`adapters`."""
         if self.segments is None:
             raise RuntimeError(
                 "MultiLoraLinear needs row segments: run the model inside "
                 "segments_context(model, segments), or set layer.segments"
             )
-        ids = list(self.adapters)
-        spec = [self.adapters[i] for i in ids]
-        routing = LoraRouting(
-            self.segments.relabel({a: i for i, a in enumerate(ids)}),
-            tuple(s.scaling for s in spec),
-            tuple(s.dropout for s in spec),
+        specs = self.adapters.values()
+        return LoraRouting(
+            self.segments.relabel({a: i for i, a in enumerate(self.adapters)}),
+            tuple(s.scaling for s in specs),
+            tuple(s.dropout for s in specs),
         )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x (..., in_features) -> (..., out_features)``; leading dims flatten to the segment rows."""
+        routing = self.routing()
         x2 = x.reshape(-1, self.in_features)  # (T, K), T = prod(leading dims)
         keep = draw_keep_mask(*x2.shape, routing, device=x2.device) if self.training else None
+        keys = [str(i) for i in self.adapters]
         y = multi_lora_linear(
             x2,
             self.base_layer.weight,
             self.base_layer.bias,
-            [self.lora_A[str(i)] for i in ids],
-            [self.lora_B[str(i)] for i in ids],
+            [self.lora_A[k] for k in keys],
+            [self.lora_B[k] for k in keys],
             routing,
             keep,
             self.backend,

@@ -1,0 +1,99 @@
+"""Put :class:`MultiLoraLinear` into a transformers causal LM, PEFT-style.
+
+``inject_multi_lora`` follows PEFT's ``inject_adapter``: match module names by suffix against the
+adapters' ``target_modules``, ``setattr`` the wrapper on the parent (the original linear becomes its
+``base_layer``). Every base parameter is frozen; adapter weights are created trainable and are
+found *structurally*, by visiting the wrappers (:func:`adapter_parameters`), never by a name
+prefix such as ``lora_`` (a base module whose name contains the prefix would be mistaken for an
+adapter). Works for Llama, Qwen2 and
+Mistral decoder layers, GQA included: k/v projections are just narrower linears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from torch import nn
+
+from lorafleet.executor.torch.multi_lora import LoraBackend, MultiLoraLinear, Segments
+from lorafleet.specs.lora import LoraSpec
+
+
+def module_suffix(name: str) -> str:
+    """The last component of a dotted module name: ``model.layers.0.self_attn.q_proj`` -> ``q_proj``."""
+    return name.rpartition(".")[2]
+
+
+def inject_multi_lora(
+    model: nn.Module, adapters: Sequence[LoraSpec], *, backend: LoraBackend = LoraBackend.AUTO
+) -> list[str]:
+    """Wraps every targeted linear of ``model`` in place; adapter id ``i`` is ``adapters[i]``.
+
+    A module is wrapped when its name's suffix is in some adapter's ``target_modules``; adapter
+    ``i`` is added only where its own targets match. Every other parameter of the model is frozen.
+
+    Returns:
+        The names of the wrapped modules, in model order.
+
+    Raises:
+        TypeError: a targeted module is not an ``nn.Linear`` (or the model is already injected).
+        ValueError: no module matches any target.
+    """
+    targets = {t for spec in adapters for t in spec.target_modules}
+    names = [name for name, _ in model.named_modules() if module_suffix(name) in targets]
+    if not names:
+        raise ValueError(f"no module of {type(model).__name__} matches target_modules {sorted(targets)}")
+    model.requires_grad_(False)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layer = MultiLoraLinear(getattr(parent, child), backend=backend)
+        for adapter_id, spec in enumerate(adapters):
+            if child in spec.target_modules:
+                layer.add_adapter(adapter_id, spec)
+        setattr(parent, child, layer)
+    return names
+
+
+def multi_lora_layers(model: nn.Module) -> Iterator[tuple[str, MultiLoraLinear]]:
+    """``(name, layer)`` for every :class:`MultiLoraLinear` in ``model``, in model order."""
+    for name, module in model.named_modules():
+        if isinstance(module, MultiLoraLinear):
+            yield name, module
+
+
+def adapter_parameters(model: nn.Module, adapter_id: int | None = None) -> Iterator[nn.Parameter]:
+    """The LoRA weights of one adapter (or of all), found by visiting the wrappers.
+
+    Use it for per-task optimizers: ``AdamW(adapter_parameters(model, task), lr=...)``.
+    """
+    for _, layer in multi_lora_layers(model):
+        for key in layer.lora_A.keys():
+            if adapter_id is None or key == str(adapter_id):
+                yield layer.lora_A[key]
+                yield layer.lora_B[key]
+
+
+@contextmanager
+def segments_context(model: nn.Module, segments: Segments) -> Iterator[None]:
+    """Routes the rows of every injected layer by ``segments`` for the forwards inside the block.
+
+    The rows are the model's tokens flattened batch-major, ``(B, S) -> B * S``, which is how
+    every projection sees its input. The backward needs no segments: each layer's autograd node
+    keeps its own. The previous segments are restored on exit, so contexts nest.
+
+    Example:
+        >>> with segments_context(model, Segments.padded([0, 2], lengths=[7, 5], seq_len=8)):
+        ...     loss = model(input_ids, attention_mask=mask).logits.sum()
+        >>> loss.backward()
+    """
+    layers = [layer for _, layer in multi_lora_layers(model)]
+    previous = [layer.segments for layer in layers]
+    for layer in layers:
+        layer.segments = segments
+    try:
+        yield
+    finally:
+        for layer, old in zip(layers, previous, strict=True):
+            layer.segments = old

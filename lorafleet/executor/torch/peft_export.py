@@ -1,0 +1,160 @@
+"""One task's adapter to and from a PEFT adapter directory.
+
+A directory holds ``adapter_config.json`` (a ``peft.LoraConfig``) and
+``adapter_model.safetensors``; ``PeftModel.from_pretrained(base, path)`` loads it as is. The names
+map one-to-one, with the adapter id dropped on disk as PEFT drops the adapter name:
+
+    in memory: model.layers.0.self_attn.q_proj.lora_A.<id>                   (r, in)
+    on disk:   base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight (r, in)
+
+(``base_model.model.`` is what ``PeftModel`` -> ``LoraModel`` put in front of the base model's
+own names.)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import peft
+from peft.utils.constants import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
+from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from lorafleet.errors import InputError
+from lorafleet.executor.torch.inject import module_suffix, multi_lora_layers
+from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.specs.lora import LoraSpec
+
+PEFT_PREFIX = "base_model.model."
+"""Prefix of every key in a PEFT adapter file, in front of the base model's module name."""
+
+_UNSUPPORTED = {
+    "use_dora": False,
+    "bias": "none",
+    "lora_bias": False,
+    "fan_in_fan_out": False,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layers_to_transform": None,
+    "exclude_modules": None,
+    "modules_to_save": None,
+    "target_parameters": None,
+}
+"""LoraConfig fields lorafleet cannot represent, with the only value it accepts."""
+
+
+def peft_key(module_name: str, matrix: str) -> str:
+    """The on-disk key of ``lora_A`` or ``lora_B`` of a module (see the module doc)."""
+    return f"{PEFT_PREFIX}{module_name}.{matrix}.weight"
+
+
+def lora_config(spec: LoraSpec, *, base_model_name_or_path: str | None = None) -> peft.LoraConfig:
+    """The ``peft.LoraConfig`` equivalent to ``spec`` (a causal-LM adapter)."""
+    return peft.LoraConfig(
+        r=spec.rank,
+        lora_alpha=int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=list(spec.target_modules),
+        use_rslora=spec.use_rslora,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model_name_or_path,
+    )
+
+
+def save_peft_adapter(model: nn.Module, adapter_id: int, path: str | Path) -> Path:
+    """Writes adapter ``adapter_id`` of an injected model as a PEFT adapter directory.
+
+    The config JSON has sorted keys and a sorted ``target_modules`` list, so the same adapter
+    always gives the same bytes (``LoraConfig.save_pretrained`` would dump ``target_modules``
+    from a set, in hash order).
+
+    Returns:
+        The directory.
+    """
+    layers = [(name, layer) for name, layer in multi_lora_layers(model) if adapter_id in layer.adapters]
+    if not layers:
+        raise KeyError(f"no injected layer holds adapter {adapter_id}")
+    spec = layers[0][1].adapters[adapter_id]
+    tensors: dict[str, Tensor] = {}
+    for name, layer in layers:
+        tensors[peft_key(name, "lora_A")] = layer.lora_A[str(adapter_id)].detach().contiguous()
+        tensors[peft_key(name, "lora_B")] = layer.lora_B[str(adapter_id)].detach().contiguous()
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
+    name_or_path = getattr(getattr(model, "config", None), "name_or_path", None) or None
+    config = lora_config(spec, base_model_name_or_path=name_or_path).to_dict()
+    config["target_modules"] = sorted(config["target_modules"])
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def read_peft_spec(path: str | Path) -> LoraSpec:
+    """The :class:`LoraSpec` of a PEFT adapter directory; InputError for what lorafleet cannot run."""
+    config_path = Path(path) / CONFIG_NAME
+    try:
+        config = peft.LoraConfig.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as err:
+        raise InputError(str(config_path), "", f"not a readable LoRA adapter config: {err}") from err
+    if config.peft_type != peft.PeftType.LORA:
+        raise InputError(str(config_path), "peft_type", f"{config.peft_type}: only LORA adapters are supported")
+    for field, accepted in _UNSUPPORTED.items():
+        value = getattr(config, field, accepted)
+        if (value or None) != (accepted or None):  # None, False, {} and [] all mean "unused"
+            raise InputError(str(config_path), field, f"{value!r} is not supported (only {accepted!r})")
+    if isinstance(config.target_modules, str):
+        raise InputError(str(config_path), "target_modules", "a regex is not supported; list module names")
+    try:
+        return LoraSpec(
+            rank=config.r,
+            alpha=config.lora_alpha,
+            dropout=config.lora_dropout,
+            target_modules=tuple(sorted(config.target_modules)),
+            use_rslora=config.use_rslora,
+        )
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise InputError(str(config_path), ".".join(map(str, first["loc"])), first["msg"]) from err
+
+
+def load_peft_adapter(model: nn.Module, path: str | Path, adapter_id: int) -> LoraSpec:
+    """Loads a PEFT adapter directory into task slot ``adapter_id`` of an injected model.
+
+    The slot takes the file's rank, alpha, dropout and targets, replacing whatever it held; it
+    is removed from injected layers the file does not target. The model is changed only after
+    the whole file has been checked.
+
+    Returns:
+        The loaded adapter's spec.
+
+    Raises:
+        InputError: the config is unsupported, a targeted layer is missing from the file or the
+            model, or a weight has the wrong shape.
+    """
+    spec = read_peft_spec(path)
+    weights_path = Path(path) / SAFETENSORS_WEIGHTS_NAME
+    state = load_file(str(weights_path))
+    updates: list[tuple[MultiLoraLinear, tuple[Tensor, Tensor] | None]] = []
+    for name, layer in multi_lora_layers(model):
+        if module_suffix(name) not in spec.target_modules:
+            updates.append((layer, None))
+            continue
+        pair = []
+        for matrix, shape in (("lora_A", (spec.rank, layer.in_features)), ("lora_B", (layer.out_features, spec.rank))):
+            key = peft_key(name, matrix)
+            if key not in state:
+                raise InputError(str(weights_path), key, "missing for a targeted layer of this model")
+            if tuple(state[key].shape) != shape:
+                raise InputError(str(weights_path), key, f"shape {tuple(state[key].shape)}, the model needs {shape}")
+            pair.append(state.pop(key))
+        updates.append((layer, (pair[0], pair[1])))
+    if state:
+        raise InputError(str(weights_path), next(iter(state)), "matches no injected layer of this model")
+    for layer, weights in updates:
+        if weights is None:
+            layer.remove_adapter(adapter_id)
+        else:
+            layer.add_adapter(adapter_id, spec, weights)
+    return spec
