@@ -95,6 +95,7 @@ def test_injection_wraps_targets_and_freezes_the_rest(tiny_model):
     assert isinstance(layer, MultiLoraLinear) and isinstance(layer.base_layer, nn.Linear)
     assert layer.out_features == 32  # GQA: 2 kv heads x head_dim 16
     assert list(layer.adapters) == [0]  # tasks 1 and 2 do not target k_proj
+    assert not layer.training  # the eval model stays in eval mode
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     assert trainable == {id(p) for p in adapter_parameters(model)}
     assert len(list(adapter_parameters(model, 1))) == 2 * 2 * 2  # (A, B) x (q, v) x 2 layers

@@ -48,7 +48,9 @@ def inject_multi_lora(
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        layer = MultiLoraLinear(getattr(parent, child), backend=backend)
+        original = getattr(parent, child)
+        # A new module starts in training mode; keep the model's mode (dropout off in eval).
+        layer = MultiLoraLinear(original, backend=backend).train(original.training)
         for adapter_id, spec in enumerate(adapters):
             if child in spec.target_modules:
                 layer.add_adapter(adapter_id, spec)
