@@ -25,7 +25,7 @@ from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.length_presets import find_preset, preset_distribution
 from lorafleet.specs.lengths import LengthDistribution
 from lorafleet.specs.model import MODEL_PRESETS, ModelSpec, resolve_model
-from lorafleet.specs.workload import DataSpec, LengthSpec, OverflowPolicy, TaskSpec, WorkloadSpec, format_validation_loc
+from lorafleet.specs.workload import DataSpec, LengthSpec, OverflowPolicy, TaskSpec, WorkloadSpec, describe_validation_error
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,7 @@ def read_workload_spec(path: str | Path) -> WorkloadSpec:
     try:
         return WorkloadSpec.model_validate(raw)
     except ValidationError as err:
-        first = err.errors()[0]
-        raise InputError(path, format_validation_loc(first["loc"]), first["msg"]) from None
+        raise InputError(path, *describe_validation_error(err.errors()[0])) from None
 
 
 def _raw_distribution(spec: LengthSpec | None, data: DataSpec | None, ctx: int, workload: WorkloadSpec, source: tuple[str, str]) -> LengthDistribution:

@@ -33,6 +33,14 @@ from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 
+class FieldError(ValueError):
+    """A validation error that knows which sub-field it is about (pydantic reports only the validator's field)."""
+
+    def __init__(self, loc: tuple[int | str, ...], msg: str) -> None:
+        super().__init__(msg)
+        self.loc = loc
+
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
@@ -208,9 +216,9 @@ class WorkloadSpec(Spec):
     @classmethod
     def _unique_names(cls, tasks: tuple[TaskSpec, ...]) -> tuple[TaskSpec, ...]:
         seen: set[str] = set()
-        for task in tasks:
+        for i, task in enumerate(tasks):
             if task.name in seen:
-                raise ValueError(f"task name {task.name!r} appears twice")
+                raise FieldError((i, "name"), f"task name {task.name!r} appears twice")
             seen.add(task.name)
         return tasks
 
@@ -221,6 +229,16 @@ def _deep_merge(base: dict, override: dict) -> dict:
     for key, value in override.items():
         out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+def describe_validation_error(error: dict) -> tuple[str, str]:
+    """One pydantic error as (field path, message), with a FieldError's own location appended."""
+    loc = tuple(error["loc"])
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, FieldError):
+        loc += cause.loc
+    msg = error["msg"].removeprefix("Value error, ")
+    return format_validation_loc(loc), msg
 
 
 def format_validation_loc(loc: tuple[int | str, ...]) -> str:

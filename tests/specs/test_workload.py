@@ -1,0 +1,83 @@
+"""Workload files: valid ones resolve; broken ones end in one line naming file and field."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from lorafleet.errors import InputError
+from lorafleet.sampling import sample_global_batch
+from lorafleet.workload import load_workload
+from tests.conftest import EXAMPLES
+
+
+def write(tmp_path, data, name="w.yaml"):
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def test_lobra_examples_load():
+    seven = load_workload(EXAMPLES / "lobra-7b.yaml")
+    assert [t.name for t in seven.tasks] == ["dolly", "evol-instruct", "xsum", "commitpackft", "meetingbank", "python-code"]
+    assert seven.cluster.n_gpus == 16 and seven.model.name == "llama2-7b"
+    assert seven.task("dolly").batch_size == 256 and seven.task("dolly").spec.context_length == 8192
+    assert seven.task("dolly").spec.lora.rank == 16  # from defaults
+    seventy = load_workload(EXAMPLES / "lobra-70b.yaml")
+    assert len(seventy.tasks) == 12 and seventy.cluster.n_gpus == 64 and seventy.cluster.gpu == "A800-80GB"
+
+
+def test_length_modes(tmp_path, tiny_tokenizer_dir):
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": "word " * n, "response": "ok"}) for n in (3, 30, 300)) + "\n")
+    path = write(tmp_path, {
+        "model": "tiny-llama", "tokenizer": str(tiny_tokenizer_dir),
+        "tasks": [
+            {"name": "stats", "lengths": {"mean": 300, "skewness": 2.0, "kurtosis": 8.0}, "batch_size": 8, "context_length": 2048},
+            {"name": "list", "lengths": {"values": [10, 20, 5000]}, "batch_size": 4, "context_length": 1000, "overflow": "reject"},
+            {"name": "hist", "lengths": {"histogram": {100: 3, 2000: 1}}, "batch_size": 4, "context_length": 1024},
+            {"name": "data", "data": {"path": "chat.jsonl"}, "batch_size": 2, "context_length": 200},
+        ],
+    })
+    w = load_workload(path)
+    assert w.task("stats").lengths.mean == pytest.approx(300, rel=0.02)
+    listed = w.task("list")
+    assert listed.overflow_fraction == pytest.approx(1 / 3) and listed.lengths.max_length == 20
+    hist = w.task("hist")
+    assert hist.lengths.max_length == 1024 and hist.overflow_fraction == pytest.approx(0.25)
+    measured = w.task("data")
+    assert measured.lengths.max_length == 200 and measured.overflow_fraction == pytest.approx(1 / 3)
+
+
+def test_sampling_is_deterministic_and_counts_overflow(tmp_path):
+    path = write(tmp_path, {"tasks": [
+        {"name": "a", "lengths": {"values": [10, 5000]}, "batch_size": 64, "context_length": 1000},
+        {"name": "b", "lengths": {"values": [10, 5000]}, "batch_size": 64, "context_length": 1000, "overflow": "reject"},
+    ]})
+    w = load_workload(path)
+    one, two = sample_global_batch(w, 3), sample_global_batch(w, 3)
+    assert np.array_equal(one.lengths, two.lengths) and not np.array_equal(one.lengths, sample_global_batch(w, 4).lengths)
+    assert one.lengths.max() <= 1000 and one.truncated > 0 and one.rejected > 0
+    assert not (one.lengths[one.task_ids == 1] == 1000).any()  # rejected, never truncated
+
+
+def test_data_row_errors_name_the_row(tmp_path, tiny_tokenizer_dir):
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": 3, "response": "b"}\n')
+    path = write(tmp_path, {"model": "tiny-llama", "tokenizer": str(tiny_tokenizer_dir),
+                            "tasks": [{"name": "x", "data": {"path": "d.jsonl"}, "batch_size": 1, "context_length": 8}]})
+    with pytest.raises(InputError, match=r"d.jsonl: row 2.prompt: must be a string"):
+        load_workload(path)
+
+
+def test_lengths_from_saved_hf_dataset(tmp_path, tiny_tokenizer_dir):
+    import datasets
+
+    rows = [{"messages": [{"role": "user", "content": "hi " * n}, {"role": "assistant", "content": "hello"}]} for n in (1, 5, 9)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    path = write(tmp_path, {"model": "tiny-llama", "tokenizer": str(tiny_tokenizer_dir), "tasks": [
+        {"name": "chat", "lengths": {"dataset": {"path": "ds", "format": "messages"}}, "batch_size": 2, "context_length": 512}]})
+    lengths = load_workload(path).task("chat").lengths
+    assert lengths.lengths.size == 3 and lengths.lengths[0] < lengths.lengths[-1]
