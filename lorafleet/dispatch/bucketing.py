@@ -1,0 +1,180 @@
+"""Dynamic bucketing: the padding-minimising choice of at most R bucket boundaries.
+
+A sequence of length l is padded to the smallest boundary >= l. Candidate boundaries are
+the lengths rounded up to the alignment ``a`` (LobRA uses a = 16), capped at the next
+*barrier* (a config's max tokens M, so no bucket straddles a memory limit and every
+bucket stays eligible for every config that can hold its sequences)::
+
+    u(l) = min(ceil(l / a) * a, min{M in barriers : M >= l})
+
+Let u_1 < ... < u_U be the distinct candidates of the step, w_k the weight (count) of the
+sequences with candidate u_k and W_i = w_1 + ... + w_i. A bucket covering candidates
+k+1..i has boundary u_i and occupies u_i * (W_i - W_k) tokens. With F[j][i] the fewest
+occupied tokens for the first i candidates in exactly j buckets::
+
+    F[0][0] = 0,   F[0][i > 0] = inf
+    F[j][i] = min over k < i, (k, i] within one barrier segment, of  F[j-1][k] + u_i * (W_i - W_k)
+
+and the padding of j buckets is F[j][U] - sum_k w_k l_k. Sequences with equal candidate
+always share a bucket in an optimum, so this DP over U distinct candidates gives the same
+optimum as LobRA's DP over all n sequences, in O(R U^2) time instead of O(R n^2). The
+inner minimum is one vectorised numpy reduction per (j, block of i).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+_ROW_BLOCK = 512
+"""Rows i of the DP evaluated at once: bounds the temporary (block x U) matrix for large U."""
+
+
+@dataclass(frozen=True)
+class BucketingResult:
+    """Bucket boundaries of one DP solution and the padding they cost."""
+
+    boundaries: tuple[int, ...]
+    """Ascending upper lengths: a sequence goes to the first boundary >= its length."""
+    padding_tokens: float
+    """Sum over sequences of weight * (boundary - length): alignment padding included."""
+    tokens: float
+    """Sum over sequences of weight * length."""
+
+    @property
+    def n_buckets(self) -> int:
+        return len(self.boundaries)
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padding over all occupied tokens (LobRA's padding ratio)."""
+        total = self.tokens + self.padding_tokens
+        return self.padding_tokens / total if total else 0.0
+
+
+def candidate_lengths(lengths: np.ndarray, alignment: int = 16, barriers: Sequence[int] = ()) -> np.ndarray:
+    """u(l) for every length: rounded up to ``alignment``, capped at the next barrier >= l."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    aligned = -(-lengths // alignment) * alignment
+    caps = np.unique(np.asarray(barriers, dtype=np.int64))
+    if caps.size == 0:
+        return aligned
+    nxt = np.searchsorted(caps, lengths, side="left")
+    capped = np.where(nxt < caps.size, caps[np.minimum(nxt, caps.size - 1)], aligned)
+    return np.minimum(aligned, capped)
+
+
+def bucket_of(lengths: np.ndarray, boundaries: Sequence[int]) -> np.ndarray:
+    """Index of each length's bucket: the first boundary >= the length."""
+    return np.searchsorted(np.asarray(boundaries, dtype=np.int64), np.asarray(lengths, dtype=np.int64), side="left")
+
+
+def optimal_buckets(
+    lengths: np.ndarray,
+    n_buckets: int = 16,
+    *,
+    weights: np.ndarray | None = None,
+    alignment: int = 16,
+    barriers: Sequence[int] = (),
+) -> BucketingResult:
+    """The least-padding boundaries with at most ``n_buckets`` buckets.
+
+    Args:
+        lengths: sequence lengths (tokens), any order; or distinct lengths with ``weights``.
+        n_buckets: R, the most buckets allowed.
+        weights: count (or probability) of each entry of ``lengths``; 1 each when omitted.
+            The planner passes an expected length distribution this way.
+        alignment: candidate boundaries are multiples of this (tokens), or barriers.
+        barriers: lengths no bucket may straddle (the configs' max tokens M).
+
+    Raises:
+        ValueError: ``n_buckets`` is below the number of barrier segments the lengths occupy.
+    """
+    return optimal_buckets_by_count(lengths, n_buckets, weights=weights, alignment=alignment, barriers=barriers)[-1]
+
+
+def optimal_buckets_by_count(
+    lengths: np.ndarray,
+    max_buckets: int,
+    *,
+    weights: np.ndarray | None = None,
+    alignment: int = 16,
+    barriers: Sequence[int] = (),
+) -> tuple[BucketingResult, ...]:
+    """The least-padding boundaries for every feasible bucket count up to ``max_buckets``, fewest first.
+
+    One DP gives them all: entry ``j`` of the answer is the optimum with exactly
+    ``min_buckets + j`` buckets, where ``min_buckets`` is the number of barrier segments the
+    lengths occupy (1 without barriers). More buckets than distinct candidates are never
+    useful, so the last entry has ``min(max_buckets, U)`` buckets. Same arguments as
+    :func:`optimal_buckets`.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    w = np.ones(lengths.size) if weights is None else np.asarray(weights, dtype=float)
+    if w.shape != lengths.shape:
+        raise ValueError(f"weights has shape {w.shape}, lengths {lengths.shape}")
+    keep = w > 0
+    lengths, w = lengths[keep], w[keep]
+    tokens = float(w @ lengths)
+    if lengths.size == 0:
+        return (BucketingResult((), 0.0, 0.0),)
+    cand = candidate_lengths(lengths, alignment, barriers)
+    u, inverse = np.unique(cand, return_inverse=True)
+    wu = np.bincount(inverse, weights=w, minlength=u.size)
+    caps = np.unique(np.asarray(barriers, dtype=np.int64))
+    segment = np.searchsorted(caps, u, side="left")
+    min_buckets = int(np.unique(segment).size)
+    if max_buckets < min_buckets:
+        raise ValueError(f"{max_buckets} buckets cannot separate lengths spanning {min_buckets} barrier segments")
+    top = min(max_buckets, u.size)
+    occupied, choice = _occupied_tokens_dp(u.astype(float), wu, segment, top)
+    return tuple(
+        BucketingResult(
+            boundaries=tuple(int(x) for x in u[_backtrack(choice, j, u.size)]),
+            padding_tokens=max(float(occupied[j, u.size]) - tokens, 0.0),
+            tokens=tokens,
+        )
+        for j in range(min_buckets, top + 1)
+    )
+
+
+def _occupied_tokens_dp(u: np.ndarray, w: np.ndarray, segment: np.ndarray, n_buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """F[j][i] (fewest occupied tokens, see module docstring) and the argmin k, for j <= n_buckets.
+
+    Prefix index i counts candidates: F[j][i] covers u[0:i]. The cost splits as
+    u_i * W_i - u_i * W_k; the first term is outside the min, the second is built per block
+    of rows i as an outer product, masked to k < i within i's barrier segment.
+    """
+    n = u.size
+    cum = np.concatenate(([0.0], np.cumsum(w)))  # W_0..W_U
+    last_seg = np.concatenate(([-1], segment))  # segment of u[i - 1], the last candidate of prefix i
+    occupied = np.full((n_buckets + 1, n + 1), np.inf)
+    occupied[0, 0] = 0.0
+    choice = np.zeros((n_buckets + 1, n + 1), dtype=np.int64)
+    for lo in range(1, n + 1, _ROW_BLOCK):
+        hi = min(lo + _ROW_BLOCK, n + 1)
+        rows = np.arange(lo, hi)
+        ks = np.arange(hi - 1)  # only k < i <= hi - 1 can be valid
+        # (block, k): -u_i * W_k where bucket (k, i] stays within one segment, else inf
+        # bucket (k, i] holds u[k..i-1]; it is valid when its first and last candidates share a segment
+        valid = (ks[None, :] < rows[:, None]) & (segment[None, :hi - 1] == last_seg[rows][:, None])
+        minus_uw = np.where(valid, -u[rows - 1][:, None] * cum[None, :hi - 1], np.inf)
+        uw_i = u[rows - 1] * cum[rows]
+        for j in range(1, n_buckets + 1):
+            total = occupied[j - 1, None, :hi - 1] + minus_uw
+            best = np.argmin(total, axis=1)
+            occupied[j, rows] = total[np.arange(rows.size), best] + uw_i
+            choice[j, rows] = best
+    return occupied, choice
+
+
+def _backtrack(choice: np.ndarray, n_buckets: int, n: int) -> np.ndarray:
+    """Indices into u of the boundaries of the optimum with ``n_buckets`` buckets over all n candidates."""
+    ends = []
+    i = n
+    for j in range(n_buckets, 0, -1):
+        ends.append(i - 1)
+        i = int(choice[j, i])
+    return np.array(ends[::-1], dtype=np.int64)

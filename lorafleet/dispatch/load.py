@@ -1,0 +1,171 @@
+"""The load model both balancers optimise: a config's step time from its bucket counts.
+
+Replicas with the same config and max tokens form a *config class* i with p_i replicas;
+they share the class's load evenly, so the slowest of them holds n_ij = ceil(d_ij / p_i)
+of the d_ij sequences of bucket j given to the class (LobRA's aggregation: no variable per
+replica, hence no symmetry between identical replicas).
+
+The LobRA time of a micro-batch is linear in its row count b (Eq. 10):
+t(b, s) = alpha(s) * b + beta(s), with alpha(s) = c1 s^2 + c3 s + c5 and
+beta(s) = c2 s^2 + c4 s + c6 per layer (times L / pp for a stage). A replica cuts its n_j
+sequences of bucket j into ceil(n_j / b_j) micro-batches of at most b_j = floor(M / s_j)
+rows, so its 1F1B time (Eq. 12) is exactly::
+
+    T_i = o_i + sum_j [ alpha_ij * n_ij + beta_ij * ceil(n_ij / b_ij) ]
+              + (pp_i - 1) * max_{j: n_ij > 0} ( alpha_ij * min(n_ij, b_ij) + beta_ij )
+
+with o_i the per-step overhead. alpha and beta are read off the cost model as
+t(1, s) and t(2, s) - t(1, s). In packing mode alpha_ij is the mean per-sequence time of
+the bucket's actual lengths, beta_ij the per-micro-batch constant at the boundary, and
+b_ij = floor(M / mean length): an estimate of how densely the bucket packs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lorafleet.costmodel.cost_model import CostModel
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.dispatch.options import MicroBatchMode
+from lorafleet.errors import InputError
+from lorafleet.plans import DeploymentPlan
+
+
+@dataclass(frozen=True)
+class ConfigClass:
+    """Replicas of one config and one max tokens M; they share their load evenly."""
+
+    config: ParallelConfig
+    max_tokens: int
+    replicas: tuple[int, ...]
+    """Positions of the class's replicas in ``DeploymentPlan.replicas``."""
+
+
+def config_classes(plan: DeploymentPlan, cost_model: CostModel) -> tuple[ConfigClass, ...]:
+    """The plan's replicas grouped by (config, M), ordered by (M, config); checked against the cost model."""
+    if not plan.replicas:
+        raise InputError("<plan>", "replicas", "the deployment plan has no replicas")
+    groups: dict[tuple[int, ParallelConfig], list[int]] = {}
+    for pos, replica in enumerate(plan.replicas):
+        if replica.config.tp not in cost_model.layer_time:
+            raise InputError("<cost model>", f"layer_time[tp={replica.config.tp}]",
+                             f"no time model for replica {replica.replica_id} ({replica.config})")
+        if replica.max_tokens < 1:
+            raise InputError("<plan>", f"replicas[{pos}].max_tokens", f"must be >= 1, got {replica.max_tokens}")
+        groups.setdefault((replica.max_tokens, replica.config), []).append(pos)
+    return tuple(ConfigClass(config=c, max_tokens=m, replicas=tuple(r)) for (m, c), r in sorted(groups.items()))
+
+
+@dataclass(frozen=True)
+class LoadModel:
+    """Everything the balancers need for one step: classes x buckets arrays, times in seconds."""
+
+    classes: tuple[ConfigClass, ...]
+    boundaries: np.ndarray
+    """(R,) bucket boundaries s_j, ascending."""
+    counts: np.ndarray
+    """(R,) D_j: the step's sequences per bucket."""
+    per_seq_s: np.ndarray
+    """(K, R) alpha_ij: stage seconds one more row costs."""
+    per_microbatch_s: np.ndarray
+    """(K, R) beta_ij: stage seconds one more micro-batch costs."""
+    microbatch_rows: np.ndarray
+    """(K, R) b_ij: rows per full micro-batch; 0 where the bucket does not fit the class (s_j > M_i)."""
+    overhead_s: np.ndarray
+    """(K,) o_i: per-step fixed seconds of a replica."""
+    n_replicas: np.ndarray
+    """(K,) p_i: replicas of each class."""
+    pp: np.ndarray
+    """(K,) pipeline stages of each class."""
+    compute_table: np.ndarray
+    """(K, sum_j (D_j + 1)) alpha n + beta ceil(n / b) of n = 0..D_j rows of bucket j, from ``table_start[j]``."""
+    largest_table: np.ndarray
+    """(K, sum_j (D_j + 1)) the largest micro-batch time of n rows of bucket j (0 for n = 0)."""
+    table_start: np.ndarray
+    """(R,) where bucket j's entries start in the tables."""
+
+    @property
+    def feasible(self) -> np.ndarray:
+        """(K, R) whether class i may take bucket j."""
+        return self.microbatch_rows > 0
+
+    def row_cost(self, i: int | np.ndarray, bucket: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Compute time and largest micro-batch time of ``rows`` (<= D_j) rows of ``bucket`` on one replica of class i.
+
+        Looked up in the tables: the balancers call this in their inner loops.
+        """
+        at = self.table_start[bucket] + rows
+        return self.compute_table[i, at], self.largest_table[i, at]
+
+    def replica_load(self, i: int, rows: np.ndarray) -> np.ndarray:
+        """T of one replica of class i holding ``rows`` (..., R) sequences per bucket (see module docstring)."""
+        rows = np.asarray(rows)
+        compute, largest = self.row_cost(i, np.arange(rows.shape[-1]), rows)
+        return self.overhead_s[i] + compute.sum(axis=-1) + (self.pp[i] - 1) * largest.max(axis=-1, initial=0.0)
+
+    def times(self, d: np.ndarray) -> np.ndarray:
+        """(K,) modelled time of each class's slowest replica for class totals ``d`` (K, R)."""
+        rows = -(-np.asarray(d) // self.n_replicas[:, None])
+        compute, largest = self.row_cost(np.arange(len(self.classes))[:, None], np.arange(rows.shape[1]), rows)
+        return self.overhead_s + compute.sum(axis=1) + (self.pp - 1) * largest.max(axis=1, initial=0.0)
+
+    def makespan(self, d: np.ndarray) -> float:
+        return float(self.times(d).max())
+
+
+def build_load_model(
+    classes: tuple[ConfigClass, ...],
+    cost_model: CostModel,
+    boundaries: np.ndarray,
+    lengths: np.ndarray,
+    bucket: np.ndarray,
+    mode: MicroBatchMode,
+) -> LoadModel:
+    """The load model of one step: ``lengths[q]`` falls in bucket ``bucket[q]`` of ``boundaries``."""
+    s = np.asarray(boundaries, dtype=np.int64)
+    n_buckets = s.size
+    counts = np.bincount(bucket, minlength=n_buckets).astype(np.int64)
+    shape = (len(classes), n_buckets)
+    per_seq, per_mb = np.zeros(shape), np.zeros(shape)
+    rows = np.zeros(shape, dtype=np.int64)
+    if mode is MicroBatchMode.PACKING:
+        token_sum = np.bincount(bucket, weights=lengths, minlength=n_buckets)
+        mean_len = np.where(counts > 0, token_sum / np.maximum(counts, 1), s)
+    for i, cls in enumerate(classes):
+        fits = s <= cls.max_tokens
+        one = np.asarray(cost_model.microbatch_time(cls.config, 1, s), dtype=float)
+        two = np.asarray(cost_model.microbatch_time(cls.config, 2, s), dtype=float)
+        if mode is MicroBatchMode.PADDING:
+            per_seq[i] = two - one
+            per_mb[i] = 2 * one - two
+            rows[i] = np.where(fits, cls.max_tokens // s, 0)
+        else:
+            seq_time = np.asarray(cost_model.microbatch_time(cls.config, 2, lengths), dtype=float) - np.asarray(
+                cost_model.microbatch_time(cls.config, 1, lengths), dtype=float)
+            per_seq[i] = np.where(counts > 0, np.bincount(bucket, weights=seq_time, minlength=n_buckets)
+                                  / np.maximum(counts, 1), two - one)
+            packed_one = np.array([cost_model.packed_microbatch_time(cls.config, [int(x)]) for x in s])
+            per_mb[i] = packed_one - (two - one)
+            rows[i] = np.where(fits, np.maximum(cls.max_tokens // np.maximum(mean_len, 1).astype(np.int64), 1), 0)
+    overhead = np.array([cost_model.step_overhead(c.config) for c in classes])
+    compute_table, largest_table, table_start = _cost_tables(per_seq, per_mb, rows, counts)
+    return LoadModel(classes=classes, boundaries=s, counts=counts, per_seq_s=per_seq, per_microbatch_s=per_mb,
+                     microbatch_rows=rows, overhead_s=overhead,
+                     n_replicas=np.array([len(c.replicas) for c in classes], dtype=np.int64),
+                     pp=np.array([c.config.pp for c in classes], dtype=np.int64),
+                     compute_table=compute_table, largest_table=largest_table, table_start=table_start)
+
+
+def _cost_tables(per_seq: np.ndarray, per_mb: np.ndarray, rows: np.ndarray, counts: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """alpha n + beta ceil(n / b) and alpha min(n, b) + beta for n = 0..D_j, every class, buckets laid end to end."""
+    table_start = np.concatenate(([0], np.cumsum(counts + 1)[:-1])).astype(np.int64)
+    bucket = np.repeat(np.arange(counts.size), counts + 1)
+    n = np.arange(bucket.size) - table_start[bucket]
+    b = np.maximum(rows[:, bucket], 1)
+    alpha, beta = per_seq[:, bucket], per_mb[:, bucket]
+    compute = alpha * n + beta * -(-n // b)
+    largest = np.where(n > 0, alpha * np.minimum(n, b) + beta, 0.0)
+    return compute, largest, table_start

@@ -1,0 +1,86 @@
+"""One replica's sequences cut into micro-batches of at most M tokens, rows contiguous by task.
+
+Padding mode (LobRA): bucket by bucket, every row padded to the boundary s, at most
+b = floor(M / s) rows a micro-batch. Each task's sequences first fill single-task
+micro-batches of b rows; the remainders of all tasks at the same s are then concatenated
+(task by task) and cut into b-row micro-batches, so a bucket of n rows always gives
+ceil(n / b) micro-batches, the count the load model charges.
+
+Packing mode: sequences are packed end to end, first-fit decreasing by length, into
+micro-batches of at most M tokens; each keeps its sequences' own lengths
+(``padded_len=None``) so the executor builds cu_seqlens/position_ids and attention never
+crosses a sequence.
+
+Either way rows are sorted by task inside a micro-batch (``MicroBatch.segments`` gives the
+per-task row ranges of the multi-adapter operator), and micro-batches are ordered for
+1F1B: largest first, descending by (rows * padded length, padded length) - by (tokens,
+longest row) when packed - so the warm-up and cool-down pay for the largest stage time once.
+"""
+
+from __future__ import annotations
+
+from itertools import groupby
+from operator import itemgetter
+
+import numpy as np
+
+from lorafleet.plans import MicroBatch
+
+
+_Row = tuple[int, int, int, int]
+"""(padded length or micro-batch index, task, position in the batch, length): one sequence, as sorted."""
+
+
+def _microbatch(rows: list[_Row], padded_len: int | None) -> MicroBatch:
+    """A micro-batch of ``rows``, which are already sorted by (task, position)."""
+    return MicroBatch(seq_ids=tuple(r[2] for r in rows), task_ids=tuple(r[1] for r in rows),
+                      lengths=tuple(r[3] for r in rows), padded_len=padded_len)
+
+
+def _sorted_rows(key: np.ndarray, seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray) -> list[_Row]:
+    """The sequences as rows sorted by (key, task, position); plain Python from here: the groups are small."""
+    order = np.lexsort((seq_ids, task_ids[seq_ids], key))
+    ids = seq_ids[order]
+    return list(zip(key[order].tolist(), task_ids[ids].tolist(), ids.tolist(), lengths[ids].tolist(), strict=True))
+
+
+def padded_microbatches(
+    seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, padded_len: np.ndarray, max_tokens: int
+) -> list[MicroBatch]:
+    """LobRA's micro-batches of one replica; ``padded_len[q]`` is sequence q's bucket boundary (<= M)."""
+    seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    out = []
+    for s, in_bucket in groupby(_sorted_rows(padded_len[seq_ids], seq_ids, lengths, task_ids), key=itemgetter(0)):
+        b = max_tokens // s
+        leftovers: list[_Row] = []
+        for _, of_task in groupby(in_bucket, key=itemgetter(1)):
+            of_task = list(of_task)
+            n_full = len(of_task) // b * b
+            out.extend(_microbatch(of_task[k:k + b], s) for k in range(0, n_full, b))
+            leftovers.extend(of_task[n_full:])  # stays sorted by (task, position)
+        out.extend(_microbatch(leftovers[k:k + b], s) for k in range(0, len(leftovers), b))
+    return order_for_1f1b(out)
+
+
+def packed_microbatches(seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, max_tokens: int) -> list[MicroBatch]:
+    """First-fit decreasing packing of one replica's sequences into micro-batches of <= M tokens."""
+    seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    order = seq_ids[np.lexsort((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
+    room = np.zeros(order.size, dtype=np.int64)  # free tokens of each opened micro-batch
+    bin_of = np.empty(order.size, dtype=np.int64)
+    n_open = 0
+    for pos, need in enumerate(lengths[order].tolist()):
+        fits = np.flatnonzero(room[:n_open] >= need)
+        k = int(fits[0]) if fits.size else n_open
+        if k == n_open:
+            room[k] = max_tokens
+            n_open += 1
+        room[k] -= need
+        bin_of[pos] = k
+    rows = _sorted_rows(bin_of[np.argsort(order)], np.sort(order), lengths, task_ids)
+    return order_for_1f1b([_microbatch(list(in_bin), None) for _, in_bin in groupby(rows, key=itemgetter(0))])
+
+
+def order_for_1f1b(microbatches: list[MicroBatch]) -> list[MicroBatch]:
+    """Descending by (tokens, longest row): LobRA's (b * s, s) order for padded micro-batches. Stable."""
+    return sorted(microbatches, key=lambda mb: (-mb.tokens, -(mb.padded_len or max(mb.lengths))))

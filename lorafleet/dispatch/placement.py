@@ -1,0 +1,64 @@
+"""From class totals d_ij to the sequences each replica holds.
+
+Bucket by bucket, longest first, the bucket's sequences sorted by (task, length, position)
+are dealt to classes, then to each class's replicas, in proportion to their shares and
+interleaved (:func:`interleave`): every class and every replica gets a proportional,
+spread-out slice of every task and of the bucket's length range (per-task fairness), and
+a class's p replicas get floor(d/p) or ceil(d/p) sequences. The ceil shares go to the
+replicas with the least load so far, so the slowest replica is usually below the
+all-ceil load model that the balancers bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lorafleet.dispatch.load import LoadModel
+
+
+def interleave(shares: np.ndarray) -> np.ndarray:
+    """Owner of each of ``sum(shares)`` positions, owner k taking ``shares[k]`` of them spread evenly.
+
+    Owner k's t-th item sits at key (t + 1/2) / shares[k]; sorting all keys (ties by owner)
+    gives the order, so every prefix is split nearly in proportion (Sainte-Laguë order).
+    """
+    shares = np.asarray(shares, dtype=np.int64)
+    owners = np.repeat(np.arange(shares.size), shares)
+    if owners.size == 0:
+        return owners
+    starts = np.repeat(np.cumsum(shares) - shares, shares)
+    keys = (np.arange(owners.size) - starts + 0.5) / shares[owners]
+    return owners[np.lexsort((owners, keys))]
+
+
+def place_sequences(
+    load: LoadModel,
+    counts: np.ndarray,
+    bucket: np.ndarray,
+    lengths: np.ndarray,
+    task_ids: np.ndarray,
+    n_replicas_total: int,
+) -> list[np.ndarray]:
+    """Sequence positions held by each replica of the plan (in plan order), from class totals ``counts`` (K, R)."""
+    held: list[list[np.ndarray]] = [[] for _ in range(n_replicas_total)]
+    # modelled time of each replica so far, per class; rows[i][r, j] is replica r's count in bucket j
+    rows = [np.zeros((len(c.replicas), load.boundaries.size), dtype=np.int64) for c in load.classes]
+    order = np.lexsort((np.arange(bucket.size), lengths, task_ids, bucket))
+    starts = np.searchsorted(bucket[order], np.arange(load.boundaries.size + 1))
+    for j in np.argsort(-load.boundaries, kind="stable"):
+        members = order[starts[j]:starts[j + 1]]
+        to_class = interleave(counts[:, j])
+        for i, cls in enumerate(load.classes):
+            mine = members[to_class == i]
+            if mine.size == 0:
+                continue
+            p = len(cls.replicas)
+            least_loaded = np.argsort(load.replica_load(i, rows[i]), kind="stable")
+            shares = np.full(p, mine.size // p)
+            shares[least_loaded[: mine.size % p]] += 1
+            to_replica = interleave(shares)
+            for r in range(p):
+                got = mine[to_replica == r]
+                rows[i][r, j] = got.size
+                held[cls.replicas[r]].append(got)
+    return [np.concatenate(h) if h else np.zeros(0, dtype=np.int64) for h in held]
