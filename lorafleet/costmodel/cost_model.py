@@ -1,8 +1,25 @@
 """The cost model every stage consumes: stage, replica and step times, and max tokens M.
 
-Its three sources (fitted from profiles, analytic from datasheets, measured by the
-profiler) all produce this one object, so the planner, the dispatcher and the simulated
-executor never know where the numbers came from.
+Its sources (fitted from a measured profile, analytic from a datasheet) both produce this one
+object, so the planner, the dispatcher and the simulated executor never know where the
+numbers came from. Internally every time is in milliseconds (LobRA's unit); the public
+methods return seconds.
+
+Stage time of one micro-batch k on ``<tp, pp>`` (the busiest stage, the last, which holds
+L/pp blocks and the LM head)::
+
+    τ_k = (L / pp) * t_tp(mb_k) + head_tp(tokens_k) + [pp > 1] * 2 * p2p(tokens_k * h * bytes)
+
+where t_tp is LobRA's per-block t(b, s) (Eq. 10), or its packed form; the p2p term receives
+the activations forward and sends their gradient backward. Every added term is affine in the
+tokens, so τ keeps the LobRA form (``stage_coeffs``) and the planner's linear formulation
+still applies. A replica's step over micro-batches k = 1..K (LobRA Eq. 12, 1F1B) is::
+
+    T = Σ_k τ_k + (pp - 1) * max_k τ_k + allreduce(adapter grads) + optimizer(adapter params)
+
+the last two being what LobRA's timed step skips: the ring all-reduce of every task's
+adapter gradients across the ``sync_replicas`` replicas and the optimizer step, both on the
+adapter parameters one device holds, Σ_tasks params / (tp * pp).
 """
 
 from __future__ import annotations
@@ -12,11 +29,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.costmodel.time_model import LayerTimeCoeffs, MicroBatchShape
+from lorafleet.costmodel.time_model import AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
 from lorafleet.specs.model import ModelSpec
 
 MS = 1e-3
+#: Pipeline messages per micro-batch on a stage: activations in (forward), their gradient out (backward).
+P2P_MESSAGES = 2
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The links a replica's step uses besides its TP group (whose cost is inside t_tp)."""
+
+    p2p_intra_node: Link = field(default_factory=Link)
+    """Pipeline transfers between stages on one node."""
+    p2p_inter_node: Link = field(default_factory=Link)
+    """Pipeline transfers between nodes."""
+    grad_sync: Link = field(default_factory=Link)
+    """The adapters' gradient all-reduce across replicas."""
+    gpus_per_node: int = 8
+    """A replica on more GPUs than this has stages on different nodes."""
+
+    def p2p(self, config: ParallelConfig) -> Link:
+        return self.p2p_intra_node if config.n_gpus <= self.gpus_per_node else self.p2p_inter_node
 
 
 @dataclass(frozen=True)
@@ -31,8 +68,18 @@ class CostModel:
     """M per config: a micro-batch fits iff its tokens (padding included) <= M."""
     source: str = "unknown"
     """Where the figures came from: ``fitted:<profile>``, ``analytic:<gpu>``, ..."""
-    step_overhead_s: Mapping[ParallelConfig, float] = field(default_factory=dict)
-    """Per-step fixed time of a replica (adapter gradient all-reduce, optimizer step), seconds."""
+    head_time: Mapping[int, AffineTime] = field(default_factory=dict)
+    """Embedding, final norm, LM head and loss per TP degree, ms vs micro-batch tokens."""
+    interconnect: Interconnect = field(default_factory=Interconnect)
+    """Pipeline and gradient-sync links."""
+    optimizer_time: AffineTime = field(default_factory=AffineTime)
+    """Optimizer step, ms vs adapter parameters on one device."""
+    adapters: AdapterLoad | None = None
+    """The tasks' adapters every replica carries (None: no step overhead is charged)."""
+    activation_bytes: int = 2
+    """Bytes of one activation or gradient element (2 for bf16)."""
+    sync_replicas: int = 2
+    """Replicas taking part in the adapters' gradient all-reduce (1: no sync)."""
 
     @property
     def configs(self) -> list[ParallelConfig]:
@@ -43,24 +90,38 @@ class CostModel:
         """M of ``config`` (0 when the model does not fit at all)."""
         return int(self.max_tokens_table.get(config, 0))
 
+    def stage_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
+        """τ(b, s) of ``config`` in LobRA form, ms per stage (see the module docstring)."""
+        head = self.head_time.get(config.tp, AffineTime())
+        per_token, fixed = head.slope, head.fixed
+        if config.pp > 1:
+            p2p = self.interconnect.p2p(config).transfer()
+            per_token += P2P_MESSAGES * p2p.slope * self.model.hidden * self.activation_bytes
+            fixed += P2P_MESSAGES * p2p.fixed
+        return self.layer_time[config.tp].extended(self.model.n_layers / config.pp, per_token, fixed)
+
     def microbatch_time(self, config: ParallelConfig, b: np.ndarray | float, s: np.ndarray | float) -> np.ndarray | float:
-        """Stage time of one padded micro-batch, fwd+bwd, seconds: t_tp(b, s) * L / pp."""
-        per_layer = self.layer_time[config.tp](b, s)
-        return per_layer * (self.model.n_layers / config.pp) * MS
+        """Stage time τ of one padded micro-batch of b sequences of length s, fwd+bwd, seconds (vectorised)."""
+        return self.stage_coeffs(config)(b, s) * MS
 
     def packed_microbatch_time(self, config: ParallelConfig, seq_lens: Sequence[int]) -> float:
-        """Stage time of one packed micro-batch, fwd+bwd, seconds."""
-        return self.layer_time[config.tp].packed(seq_lens) * (self.model.n_layers / config.pp) * MS
+        """Stage time τ of one packed micro-batch, fwd+bwd, seconds."""
+        return self.stage_coeffs(config).packed(seq_lens) * MS if len(seq_lens) else 0.0
 
     def shape_time(self, config: ParallelConfig, mb: MicroBatchShape) -> float:
-        """Stage time of a micro-batch described by its shape (padded or packed)."""
-        if mb.padded_len is None:
-            return self.packed_microbatch_time(config, mb.seq_lens)
-        return float(self.microbatch_time(config, mb.n_seqs, mb.padded_len))
+        """Stage time of a micro-batch described by its shape (padded or packed), seconds."""
+        return self.stage_coeffs(config).shape(mb) * MS if mb.n_seqs else 0.0
+
+    def adapter_params_per_device(self, config: ParallelConfig) -> float:
+        """Adapter parameters on one device of ``config``: every task's, split over tp * pp."""
+        return self.adapters.total_params(self.model) / config.n_gpus if self.adapters else 0.0
 
     def step_overhead(self, config: ParallelConfig) -> float:
-        """Per-step fixed seconds of one replica of ``config``."""
-        return float(self.step_overhead_s.get(config, 0.0))
+        """Per-step time of one replica of ``config`` outside its micro-batches, seconds:
+        the adapters' gradient all-reduce across ``sync_replicas`` and the optimizer step."""
+        params = self.adapter_params_per_device(config)
+        sync = self.interconnect.grad_sync.allreduce(self.sync_replicas)(params * self.activation_bytes)
+        return (sync + self.optimizer_time(params)) * MS
 
     def replica_time(self, config: ParallelConfig, microbatches: Sequence[MicroBatchShape]) -> float:
         """One replica's step time, seconds (LobRA Eq. 12 plus the step overhead)::
@@ -72,5 +133,6 @@ class CostModel:
         """
         if not microbatches:
             return 0.0
-        times = [self.shape_time(config, mb) for mb in microbatches]
+        coeffs = self.stage_coeffs(config)
+        times = [coeffs.shape(mb) * MS for mb in microbatches]
         return sum(times) + (config.pp - 1) * max(times) + self.step_overhead(config)

@@ -1,19 +1,27 @@
-"""Time of a micro-batch on one layer, one stage, and one replica's step.
+"""Time of a micro-batch on one layer and one pipeline stage, and the affine terms around it.
 
 Per transformer layer and TP degree, one micro-batch of ``b`` sequences padded to ``s``
 tokens takes (LobRA, Appendix D, Eq. 10)::
 
     t(b, s) = (c1*b + c2)*s^2 + (c3*b + c4)*s + (c5*b + c6)            [ms]
 
-The quadratic terms are attention, the linear ones every projection, the constants launch
-and synchronisation overhead. A *packed* micro-batch of sequences s_1..s_n (S tokens,
-attention kept inside each sequence) costs attention per sequence and projections per
-token::
+Reading the terms physically: ``c1*b*s^2`` is attention (quadratic in each sequence's
+length), ``c3*b*s`` every projection (linear in the tokens), ``c5*b`` per-sequence work and
+``c6`` per-micro-batch fixed cost (kernel launches, weight reads). ``c2*s^2`` and ``c4*s``
+are shared by all rows of the micro-batch and scale with its *longest* row: work done once
+per micro-batch per position (rotary tables, masks) and the under-filled attention and GEMM
+tiles of a short batch.
 
-    t_pack(s_1..s_n) = c1*Σ s_i^2 + c2*max_i s_i^2 + (c3 + c4/S)*S + c5*n + c6
+A *packed* micro-batch of sequences s_1..s_n (S = Σ s_i tokens, attention kept inside each
+sequence by a variable-length kernel) therefore costs::
 
-which equals t(b, s) when all n = b sequences have length s, except c4*s, which a padded
-batch pays once per micro-batch and a packed one once per S tokens (one kernel row).
+    t_pack(s_1..s_n) = c1*Σ s_i^2 + c2*max_i s_i^2 + c3*S + c4*max_i s_i + c5*n + c6
+
+attention from the individual lengths, projections from the total tokens, the shared terms
+from the longest sequence. With all n = b sequences of length s this is exactly t(b, s): a
+padded micro-batch without padding costs what the same sequences packed cost. Both forms are
+the inner product of the coefficients with one feature row (``shape_features``), so padded
+and packed measurements fit together.
 """
 
 from __future__ import annotations
@@ -24,11 +32,55 @@ from dataclasses import dataclass
 import numpy as np
 
 N_COEFFS = 6
+GB = 1e9
+MS_PER_S = 1e3
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """What the cost model needs of a micro-batch: its sequences' lengths and how they are laid out."""
+
+    seq_lens: tuple[int, ...]
+    """Unpadded length of every sequence in the micro-batch."""
+    padded_len: int | None = None
+    """Bucket length every sequence is padded to; ``None`` for a packed micro-batch."""
+
+    @classmethod
+    def padded(cls, b: int, s: int) -> MicroBatchShape:
+        """``b`` sequences that fill the bucket length ``s`` (how profiles describe a padded micro-batch)."""
+        return cls((s,) * b, s)
+
+    @classmethod
+    def packed(cls, seq_lens: Sequence[int]) -> MicroBatchShape:
+        return cls(tuple(int(n) for n in seq_lens), None)
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the micro-batch occupies (padding included): what must fit in max tokens M."""
+        if self.padded_len is None:
+            return int(sum(self.seq_lens))
+        return self.padded_len * len(self.seq_lens)
+
+
+def shape_features(mb: MicroBatchShape) -> np.ndarray:
+    """Feature row x with t = x @ c: [Σ s_i^2, max s_i^2, Σ s_i, max s_i, n, 1] over the rows as computed
+    (each padded row counts as ``padded_len``); for a padded (b, s) this is [b s^2, s^2, b s, s, b, 1]."""
+    if mb.padded_len is None:
+        lens = np.asarray(mb.seq_lens, dtype=float)
+    else:
+        lens = np.full(mb.n_seqs, float(mb.padded_len))
+    if lens.size == 0:
+        return np.zeros(N_COEFFS)
+    return np.array([(lens**2).sum(), lens.max() ** 2, lens.sum(), lens.max(), lens.size, 1.0])
 
 
 @dataclass(frozen=True)
 class LayerTimeCoeffs:
-    """The six LobRA coefficients c1..c6 of one TP degree, in milliseconds per layer."""
+    """The six LobRA coefficients c1..c6 of one TP degree, in milliseconds per layer (or per stage)."""
 
     c: tuple[float, float, float, float, float, float]
 
@@ -47,36 +99,61 @@ class LayerTimeCoeffs:
 
     def packed(self, seq_lens: Sequence[int] | np.ndarray) -> float:
         """t_pack of one packed micro-batch, in ms (see the module docstring)."""
-        lens = np.asarray(seq_lens, dtype=float)
-        if lens.size == 0:
-            return 0.0
-        c1, c2, c3, c4, c5, c6 = self.c
-        return float(c1 * (lens**2).sum() + c2 * lens.max() ** 2 + c3 * lens.sum() + c4 + c5 * lens.size + c6)
+        return self.shape(MicroBatchShape.packed(np.asarray(seq_lens, dtype=int).tolist()))
+
+    def shape(self, mb: MicroBatchShape) -> float:
+        """Time of a micro-batch given by its shape, padded or packed, in ms."""
+        return float(shape_features(mb) @ np.asarray(self.c))
+
+    def extended(self, factor: float, per_token: float = 0.0, fixed: float = 0.0) -> LayerTimeCoeffs:
+        """``factor * t + per_token * tokens + fixed``, still in LobRA form (tokens = b*s adds to c3, fixed to c6).
+
+        Used to turn per-layer coefficients into per-stage ones: L/pp layers plus the affine
+        per-micro-batch terms (LM head, pipeline transfers) that LobRA leaves out.
+        """
+        c1, c2, c3, c4, c5, c6 = (factor * x for x in self.c)
+        return LayerTimeCoeffs((c1, c2, c3 + per_token, c4, c5, c6 + fixed))
 
     @staticmethod
     def design_row(b: np.ndarray, s: np.ndarray) -> np.ndarray:
-        """Feature matrix X with t = X @ c: columns b s^2, s^2, b s, s, b, 1 (for fitting)."""
+        """Feature matrix X with t = X @ c for padded (b, s): columns b s^2, s^2, b s, s, b, 1."""
         b = np.asarray(b, dtype=float)
         s = np.asarray(s, dtype=float)
         return np.stack([b * s**2, s**2, b * s, s, b, np.ones_like(s)], axis=-1)
 
 
 @dataclass(frozen=True)
-class MicroBatchShape:
-    """What the cost model needs of a micro-batch: its sequences' lengths and how they are laid out."""
+class AffineTime:
+    """``fixed + slope * x`` milliseconds: a cost linear in one size (tokens, parameters)."""
 
-    seq_lens: tuple[int, ...]
-    """Unpadded length of every sequence in the micro-batch."""
-    padded_len: int | None = None
-    """Bucket length every sequence is padded to; ``None`` for a packed micro-batch."""
+    fixed: float = 0.0
+    """Milliseconds paid whatever the size."""
+    slope: float = 0.0
+    """Milliseconds per unit of size."""
 
-    @property
-    def n_seqs(self) -> int:
-        return len(self.seq_lens)
+    def __call__(self, x: np.ndarray | float) -> np.ndarray | float:
+        x = np.asarray(x, dtype=float)
+        t = np.where(x > 0, self.fixed + self.slope * x, 0.0)
+        return float(t) if t.ndim == 0 else t
 
-    @property
-    def tokens(self) -> int:
-        """Tokens the micro-batch occupies (padding included): what must fit in max tokens M."""
-        if self.padded_len is None:
-            return int(sum(self.seq_lens))
-        return self.padded_len * len(self.seq_lens)
+
+@dataclass(frozen=True)
+class Link:
+    """A point-to-point channel: latency plus bytes over bandwidth (Hockney's alpha-beta model)."""
+
+    latency_ms: float = 0.0
+    """Per-message start-up time, ms."""
+    gb_per_s: float = float("inf")
+    """Sustained bandwidth, GB/s (1e9 bytes per second), one direction."""
+
+    def transfer(self) -> AffineTime:
+        """One message, ms vs bytes: alpha + n / beta."""
+        return AffineTime(self.latency_ms, MS_PER_S / (self.gb_per_s * GB))
+
+    def allreduce(self, ranks: int) -> AffineTime:
+        """Ring all-reduce over ``ranks``, ms vs bytes: 2(p-1) steps of n/p bytes each, i.e.
+        2(p-1)*alpha + 2(p-1)/p * n / beta (free with one rank)."""
+        if ranks <= 1:
+            return AffineTime()
+        steps = 2 * (ranks - 1)
+        return AffineTime(steps * self.latency_ms, steps / ranks * MS_PER_S / (self.gb_per_s * GB))

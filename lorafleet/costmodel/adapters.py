@@ -1,0 +1,95 @@
+"""The adapter load a replica carries: how many tasks, their ranks and targets, and the optimizer.
+
+Every replica holds every task's adapter (joint training is data-parallel over the fleet),
+so the adapters' parameters, gradients and optimizer states sit on every device, and their
+gradient all-reduce and optimizer step run once per step whatever the batch. Those costs
+grow with the number of tasks and their ranks, which is why the cost model takes this as
+an input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lorafleet.specs.lora import LLAMA_TARGET_MODULES, LoraSpec, OptimizerName
+from lorafleet.specs.model import ModelSpec
+
+FP32_BYTES = 4
+
+#: Optimizer states kept per adapter parameter, in fp32 (Adam: first and second moment).
+OPTIMIZER_STATES = {OptimizerName.ADAMW: 2, OptimizerName.ADAM: 2, OptimizerName.SGD: 1}
+
+
+@dataclass(frozen=True)
+class TaskAdapter:
+    """One task's LoRA adapter shape."""
+
+    rank: int
+    """LoRA rank r."""
+    targets: tuple[str, ...] = LLAMA_TARGET_MODULES
+    """Projections of every block that carry an A (r x in) and a B (out x r)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"rank must be >= 1, got {self.rank}")
+        unknown = set(self.targets) - set(LLAMA_TARGET_MODULES)
+        if unknown or not self.targets:
+            raise ValueError(f"targets must be a non-empty subset of {LLAMA_TARGET_MODULES}, got {self.targets}")
+
+    def params_per_layer(self, model: ModelSpec) -> int:
+        """Adapter parameters in one block: Σ_targets r * (in + out)."""
+        shapes = model.target_shapes()
+        return sum(self.rank * (shapes[t][0] + shapes[t][1]) for t in self.targets)
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """All tasks' adapters on one replica and the optimizer that steps them."""
+
+    tasks: tuple[TaskAdapter, ...]
+    """One adapter per task."""
+    optimizer: OptimizerName = OptimizerName.ADAMW
+    """Optimizer of every task (sets the states kept per parameter)."""
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise ValueError("an adapter load needs at least one task")
+
+    @classmethod
+    def uniform(
+        cls,
+        n_tasks: int,
+        rank: int = 16,
+        targets: Sequence[str] = LLAMA_TARGET_MODULES,
+        optimizer: OptimizerName | str = OptimizerName.ADAMW,
+    ) -> AdapterLoad:
+        """``n_tasks`` identical adapters (LobRA's setting: 6 tasks, rank 16, every projection)."""
+        return cls(tuple(TaskAdapter(rank, tuple(targets)) for _ in range(n_tasks)), OptimizerName(optimizer))
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[LoraSpec], optimizer: OptimizerName | str = OptimizerName.ADAMW) -> AdapterLoad:
+        """The load of a workload's tasks, from their ``LoraSpec``s."""
+        return cls(tuple(TaskAdapter(s.rank, tuple(s.target_modules)) for s in specs), OptimizerName(optimizer))
+
+    @property
+    def n_tasks(self) -> int:
+        return len(self.tasks)
+
+    def params_per_layer(self, model: ModelSpec) -> int:
+        """All tasks' adapter parameters in one block."""
+        return sum(t.params_per_layer(model) for t in self.tasks)
+
+    def total_params(self, model: ModelSpec) -> int:
+        """All tasks' adapter parameters in the whole model (L blocks)."""
+        return model.n_layers * self.params_per_layer(model)
+
+    def mean_params_per_layer(self, model: ModelSpec) -> float:
+        """Adapter parameters one token meets in a block, averaged over tasks (each token uses its task's adapter)."""
+        return self.params_per_layer(model) / self.n_tasks
+
+    def state_bytes_per_param(self, dtype_bytes: int) -> int:
+        """Bytes per adapter parameter: weight and gradient in the compute dtype, an fp32 master copy when
+        that dtype is narrower than fp32, and the optimizer's fp32 states."""
+        master = FP32_BYTES if dtype_bytes < FP32_BYTES else 0
+        return 2 * dtype_bytes + master + FP32_BYTES * OPTIMIZER_STATES[self.optimizer]

@@ -1,0 +1,179 @@
+"""Builders: a CostModel from a profile file, from a datasheet, or from whichever is given.
+
+One path turns coefficients and a memory table into a CostModel (``profile_cost_model``);
+the analytic source first writes its figures as a Profile (``analytic_profile``), so a
+what-if model and a shipped ``profiles/*-analytic.json`` are the same thing.
+
+The time coefficients are those of the profile's adapter load (ranks change t(b, s) only
+through the small LoRA GEMMs); the memory table and the step overheads follow the
+``adapters`` asked for: each config's M moves by the extra adapter state over its
+bytes per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.analytic import (
+    DEFAULT_CALIBRATION,
+    Calibration,
+    analytic_head_time,
+    analytic_layer_time,
+    analytic_links,
+    analytic_optimizer_time,
+)
+from lorafleet.costmodel.cost_model import CostModel
+from lorafleet.costmodel.fitted import fit_profile
+from lorafleet.costmodel.memory_model import stage_memory
+from lorafleet.costmodel.parallel_config import config_problems, enumerate_configs
+from lorafleet.costmodel.profile_format import (
+    AdaptersJSON,
+    AffineJSON,
+    Coefficients,
+    LinkJSON,
+    MemoryRecord,
+    Profile,
+    read_profile,
+)
+from lorafleet.errors import InputError
+from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.model import ModelSpec
+
+BF16_BYTES = 2
+
+
+def analytic_profile(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    adapters: AdapterLoad,
+    calibration: Calibration = DEFAULT_CALIBRATION,
+    command: str = "",
+) -> Profile:
+    """The analytic figures of every valid config of ``model`` on ``cluster``, as a profile (bf16)."""
+    gpu = cluster.gpu_spec
+    configs = enumerate_configs(model, cluster)
+    memory = []
+    for config in configs:
+        line = stage_memory(model, config, adapters, gpu.memory_bytes, BF16_BYTES, calibration.memory_factors)
+        memory.append(
+            MemoryRecord(
+                tp=config.tp,
+                pp=config.pp,
+                max_tokens=line.max_tokens(),
+                budget_bytes=line.budget_bytes,
+                static_bytes=line.static_bytes,
+                bytes_per_token=line.bytes_per_token,
+            )
+        )
+    tps = sorted({c.tp for c in configs})
+    intra, inter = analytic_links(gpu, calibration)
+    coefficients = Coefficients(
+        layer_ms={tp: analytic_layer_time(model, gpu, tp, adapters, calibration, BF16_BYTES).c for tp in tps},
+        head_ms={tp: AffineJSON.of(analytic_head_time(model, gpu, tp, calibration, BF16_BYTES)) for tp in tps},
+        p2p_intra_node=LinkJSON.of(intra),
+        p2p_inter_node=LinkJSON.of(inter),
+        grad_sync=LinkJSON.of(inter if cluster.nodes > 1 else intra),
+        optimizer_ms=AffineJSON.of(analytic_optimizer_time(gpu, adapters, calibration, BF16_BYTES)),
+    )
+    return Profile(
+        kind="analytic",
+        model=model.name,
+        gpu=gpu.name,
+        gpus_per_node=cluster.gpus_per_node,
+        dtype_bytes=BF16_BYTES,
+        adapters=AdaptersJSON.of(adapters),
+        command=command,
+        settings={"nodes": cluster.nodes, **{f"calibration.{k}": v for k, v in _flat(calibration).items()}},
+        memory=tuple(memory),
+        coefficients=coefficients,
+    )
+
+
+def _flat(cal: Calibration) -> dict[str, float]:
+    """Every calibration factor by name, memory factors included (recorded in the profile's settings)."""
+    raw = asdict(cal)
+    factors = raw.pop("memory_factors")
+    return {**raw, **factors}
+
+
+def profile_cost_model(
+    profile: Profile,
+    model: ModelSpec,
+    adapters: AdapterLoad | None = None,
+    *,
+    sync_replicas: int = 2,
+    source: str = "<profile>",
+) -> CostModel:
+    """The CostModel of a profile (fitting a measured one on the fly if it has no coefficients yet).
+
+    ``adapters`` defaults to the profile's own load.
+    """
+    if model.name != profile.model:
+        raise InputError(source, "model", f"profile is for {profile.model!r}, not {model.name!r}")
+    coefficients = profile.coefficients or fit_profile(profile, source).coefficients
+    profiled = profile.adapters.load
+    adapters = adapters or profiled
+    extra_per_layer = adapters.params_per_layer(model) - profiled.params_per_layer(model)
+    table = {}
+    for record in profile.memory:
+        config = record.config
+        line = record.line
+        delta = extra_per_layer * model.n_layers / config.n_gpus * adapters.state_bytes_per_param(profile.dtype_bytes)
+        m = record.max_tokens + line.with_static_delta(delta).max_tokens() - line.max_tokens()
+        if m > 0:
+            table[config] = m
+    return CostModel(
+        model=model,
+        layer_time=coefficients.layer_time,
+        max_tokens_table=table,
+        source=f"{profile.kind}:{source}",
+        head_time=coefficients.head_time,
+        interconnect=coefficients.interconnect(profile.gpus_per_node),
+        optimizer_time=coefficients.optimizer_ms.time,
+        adapters=adapters,
+        activation_bytes=profile.dtype_bytes,
+        sync_replicas=sync_replicas,
+    )
+
+
+def analytic_cost_model(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    adapters: AdapterLoad,
+    *,
+    calibration: Calibration = DEFAULT_CALIBRATION,
+    sync_replicas: int = 2,
+) -> CostModel:
+    """The analytic CostModel of ``model`` on ``cluster`` (its GPU kind, nodes and GPUs per node)."""
+    profile = analytic_profile(model, cluster, adapters, calibration)
+    return profile_cost_model(profile, model, adapters, sync_replicas=sync_replicas, source=cluster.gpu)
+
+
+def load_cost_model(
+    profile_path: str | Path | None,
+    model: ModelSpec,
+    cluster: ClusterSpec | None,
+    adapters: AdapterLoad | None,
+    *,
+    sync_replicas: int = 2,
+) -> CostModel:
+    """The builder the rest of lorafleet calls: analytic when ``profile_path`` is None, else from that file.
+
+    With a profile and a cluster, the profile must be for the cluster's GPU kind, and configs
+    the cluster cannot run are dropped.
+    """
+    if profile_path is None:
+        if cluster is None or adapters is None:
+            raise ValueError("an analytic cost model needs a cluster and an adapter load")
+        return analytic_cost_model(model, cluster, adapters, sync_replicas=sync_replicas)
+    source = str(profile_path)
+    profile = read_profile(profile_path)
+    if cluster is not None and profile.gpu.lower() != cluster.gpu.lower():
+        raise InputError(source, "gpu", f"profile is for {profile.gpu!r}, the cluster has {cluster.gpu!r}")
+    cm = profile_cost_model(profile, model, adapters, sync_replicas=sync_replicas, source=source)
+    if cluster is None:
+        return cm
+    table = {c: m for c, m in cm.max_tokens_table.items() if not config_problems(c, model, cluster)}
+    return replace(cm, max_tokens_table=table)

@@ -1,0 +1,133 @@
+"""Max tokens M of a parallel config: how large a micro-batch one replica can hold.
+
+Memory on a device is a line in the tokens of one micro-batch (FlashAttention keeps no
+s^2 activations, so a micro-batch of b sequences of length s fits iff b*s <= M)::
+
+    static + bytes_per_token * tokens <= budget      =>      M = floor((budget - static) / bytes_per_token)
+
+``static`` is the frozen weights of the stage (L/pp blocks / tp, plus the embedding on the
+first stage and the LM head on the last), every task's adapter with its gradient, master copy
+and optimizer states, and a runtime reserve (CUDA context, NCCL buffers, GEMM workspaces).
+``bytes_per_token`` is the activation bytes a token leaves per block, times the blocks of the
+stage, times the micro-batches in flight: 1F1B keeps pp micro-batches on the first stage and
+one on the last, which instead holds the logits. The busiest stage sets M. (LobRA measures M
+on the real model and rounds it down to a power of two; this keeps the line, and the
+profiler measures it to 1/16 of its value with ``search_max_tokens``.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from lorafleet.costmodel.adapters import FP32_BYTES, AdapterLoad
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.specs.gpus import GIB
+from lorafleet.specs.model import ModelSpec
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on the busiest device of a replica: ``static + bytes_per_token * tokens`` against a budget."""
+
+    budget_bytes: float
+    """Device memory the replica may use."""
+    static_bytes: float
+    """Bytes that do not depend on the micro-batch (weights, adapter states, runtime reserve)."""
+    bytes_per_token: float
+    """Bytes per token of one micro-batch, all in-flight copies included."""
+
+    def max_tokens(self) -> int:
+        """M = floor((budget - static) / bytes_per_token), 0 when the static part alone does not fit."""
+        free = self.budget_bytes - self.static_bytes
+        return max(0, int(free // self.bytes_per_token)) if self.bytes_per_token > 0 else 0
+
+    def with_static_delta(self, delta_bytes: float) -> StageMemory:
+        """The same stage holding ``delta_bytes`` more static state (e.g. another task's adapter)."""
+        return replace(self, static_bytes=self.static_bytes + delta_bytes)
+
+
+@dataclass(frozen=True)
+class MemoryFactors:
+    """The two global factors of the analytic memory model (not per config)."""
+
+    reserve_gib: float = 2.5
+    """Runtime memory outside the tensors: CUDA context, NCCL and GEMM workspaces, GiB."""
+    activation_overhead: float = 1.25
+    """Allocator fragmentation and transient buffers, as a factor on activation bytes."""
+
+
+def activation_elements_per_token(model: ModelSpec, tp: int, adapters: AdapterLoad) -> float:
+    """Elements one token leaves saved for backward in one block, on one of ``tp`` devices.
+
+    Without sequence parallelism, what lives at model width h is replicated on every TP rank;
+    what lives at head or FFN width is split::
+
+        replicated: 2 RMSNorm inputs + 2 outputs (4h), the multi-task LoRA's per-task row copy of
+                    each column-parallel target's input (h each), LoRA A outputs (r per target)
+        split:      q, k, v after RoPE (hq + 2 hkv), attention output (hq), SwiGLU gate, up,
+                    SiLU(gate), product (4 ffn), LoRA row copies of o_proj (hq) and down_proj (ffn) inputs
+    """
+    h, f = model.hidden, model.ffn
+    hq = model.n_heads * model.d_head
+    hkv = model.n_kv_heads * model.d_head
+    targets = {t for task in adapters.tasks for t in task.targets}
+    mean_rank = sum(t.rank for t in adapters.tasks) / adapters.n_tasks
+    replicated = 4 * h + h * len(targets & set(COLUMN_PARALLEL)) + mean_rank * len(targets)
+    split = hq + 2 * hkv + hq + 4 * f + hq * ("o_proj" in targets) + f * ("down_proj" in targets)
+    return replicated + split / tp
+
+
+def stage_memory(
+    model: ModelSpec,
+    config: ParallelConfig,
+    adapters: AdapterLoad,
+    budget_bytes: float,
+    dtype_bytes: int = 2,
+    factors: MemoryFactors = MemoryFactors(),
+) -> StageMemory:
+    """The memory line of the busiest stage of ``config`` (first or last, whichever has the smaller M)."""
+    tp, pp = config.tp, config.pp
+    blocks = model.n_layers / pp
+    vocab_matrix = model.vocab * model.hidden * dtype_bytes / tp  # vocab-parallel embedding or LM head
+    adapter_state = adapters.params_per_layer(model) * blocks / tp * adapters.state_bytes_per_param(dtype_bytes)
+    common = blocks * model.layer_params / tp * dtype_bytes + adapter_state + factors.reserve_gib * GIB
+    per_block = activation_elements_per_token(model, tp, adapters) * dtype_bytes * factors.activation_overhead
+    logits = model.vocab / tp * (dtype_bytes + 2 * FP32_BYTES)  # logits, fp32 copy for the loss, its gradient
+
+    first = StageMemory(budget_bytes, common + vocab_matrix, pp * (blocks * per_block + model.hidden * dtype_bytes))
+    head = 0 if (pp == 1 and model.tied_embeddings) else vocab_matrix
+    last_static = (first.static_bytes if pp == 1 else common) + head
+    last_per_token = (first.bytes_per_token if pp == 1 else blocks * per_block) + logits
+    last = StageMemory(budget_bytes, last_static, last_per_token)
+    return min((first, last), key=lambda m: m.max_tokens()) if pp > 1 else last
+
+
+def search_max_tokens(fits: Callable[[int], bool], start: int = 256, resolution: float = 1 / 16, limit: int = 1 << 24) -> int:
+    """The largest token count n with ``fits(n)``, to within ``resolution`` of its value.
+
+    ``fits`` must be monotone (true up to M, false above). Doubling (or halving) from
+    ``start`` brackets M in [lo, 2 lo); bisection then narrows the bracket until
+    hi - lo <= lo * resolution. Returns lo, which never overstates M; 0 if not even one token
+    fits; ``limit`` caps the doubling.
+    """
+    if start < 1 or not 0 < resolution < 1:
+        raise ValueError("start must be >= 1 and resolution in (0, 1)")
+    if fits(start):
+        lo, hi = start, 2 * start
+        while hi <= limit and fits(hi):
+            lo, hi = hi, 2 * hi
+        if hi > limit:
+            return lo
+    else:
+        lo, hi = start // 2, start
+        while lo >= 1 and not fits(lo):
+            lo, hi = lo // 2, lo
+        if lo == 0:
+            return 0
+    while hi - lo > max(1.0, lo * resolution):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,72 @@
+"""LobRA's t(b, s), its packed form, and the affine and link terms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lorafleet.costmodel.time_model import AffineTime, LayerTimeCoeffs, Link, MicroBatchShape, shape_features
+
+COEFFS = LayerTimeCoeffs((1e-7, 2e-8, 4e-3, 8e-4, 3e-2, 2.5))
+
+
+def test_t_matches_lobra_equation_and_vectorises():
+    b = np.array([1, 4, 16])
+    s = np.array([128, 2048, 512])
+    c1, c2, c3, c4, c5, c6 = COEFFS.c
+    expected = (c1 * b + c2) * s**2 + (c3 * b + c4) * s + (c5 * b + c6)
+    np.testing.assert_allclose(COEFFS(b, s), expected)
+    assert isinstance(COEFFS(4, 2048), float) and COEFFS(4, 2048) == pytest.approx(expected[1])
+
+
+def test_empty_fragment_is_free():
+    assert COEFFS(0, 4096) == 0.0
+    np.testing.assert_array_equal(COEFFS(np.array([0, 1]), 512)[:1], [0.0])
+
+
+@given(b=st.integers(1, 32), s=st.integers(1, 16384))
+def test_packed_without_padding_costs_the_padded_time(b, s):
+    assert COEFFS.packed([s] * b) == pytest.approx(COEFFS(b, s))
+    assert COEFFS.shape(MicroBatchShape.padded(b, s)) == pytest.approx(COEFFS(b, s))
+
+
+@given(lens=st.lists(st.integers(1, 4096), min_size=1, max_size=16))
+def test_packing_never_costs_more_than_padding(lens):
+    padded = MicroBatchShape(tuple(lens), max(lens))
+    assert COEFFS.packed(lens) <= COEFFS.shape(padded) * (1 + 1e-12)
+
+
+def test_packed_terms_attention_per_sequence_linear_in_tokens():
+    lens = [100, 300, 600]
+    x = shape_features(MicroBatchShape.packed(lens))
+    np.testing.assert_allclose(x, [100**2 + 300**2 + 600**2, 600**2, 1000, 600, 3, 1])
+
+
+def test_extended_adds_affine_terms_in_lobra_form():
+    stage = COEFFS.extended(8, per_token=0.01, fixed=1.5)
+    b, s = 4, 1024
+    assert stage(b, s) == pytest.approx(8 * COEFFS(b, s) + 0.01 * b * s + 1.5)
+    assert stage.packed([300, 700]) == pytest.approx(8 * COEFFS.packed([300, 700]) + 0.01 * 1000 + 1.5)
+
+
+def test_micro_batch_tokens():
+    assert MicroBatchShape((100, 250), 256).tokens == 512
+    assert MicroBatchShape.packed([100, 250]).tokens == 350
+
+
+def test_affine_time():
+    line = AffineTime(2.0, 0.5)
+    assert line(10) == 7.0 and line(0) == 0.0
+    np.testing.assert_allclose(line(np.array([0, 2])), [0.0, 3.0])
+
+
+def test_link_alpha_beta_and_ring_allreduce():
+    link = Link(latency_ms=0.01, gb_per_s=100.0)
+    n = 1e9
+    assert link.transfer().__call__(n) == pytest.approx(0.01 + 10.0)  # 1 GB at 100 GB/s is 10 ms
+    # ring over 4 ranks: 6 steps of n/4 bytes
+    assert link.allreduce(4)(n) == pytest.approx(6 * 0.01 + 6 / 4 * 10.0)
+    assert link.allreduce(1)(n) == 0.0
+    assert Link().transfer()(n) == 0.0
