@@ -258,12 +258,12 @@ def test_matches_plain_autograd_on_any_layout(layout, dtype, seed):
 def test_equal_segments_form_one_run():
     """Packed equal lengths, and padded batches with a fixed stride, need one bmm, not one per segment."""
     same = LoraRouting(Segments.packed([2, 0, 1, 0], [16] * 4), (2.0,) * 3, (0.0,) * 3)
-    assert [r.adapters for r in _runs(same, [8, 8, 8])] == [(2, 0, 1, 0)]
+    assert [r.adapters for r in _runs(same, (8, 8, 8))] == [(2, 0, 1, 0)]
     padded = LoraRouting(Segments.padded([0, 1, 0], [5, 5, 5], seq_len=9), (2.0, 2.0), (0.0, 0.0))
-    (run,) = _runs(padded, [8, 8])
+    (run,) = _runs(padded, (8, 8))
     assert (run.start, run.length, run.spacing) == (0, 5, 9)
     mixed = LoraRouting(Segments.packed([0, 1, 2, 2], [4, 4, 4, 3]), (1.0, 1.0, 1.0), (0.0, 0.0, 0.0))
-    assert [r.adapters for r in _runs(mixed, [8, 4, 4])] == [(0,), (1, 2), (2,)]
+    assert [r.adapters for r in _runs(mixed, (8, 4, 4))] == [(0,), (1, 2), (2,)]
 
 
 @pytest.mark.parametrize(

@@ -28,9 +28,10 @@ Two implementations share one ``torch.autograd.Function``: a torch loop over run
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
@@ -144,17 +145,29 @@ class LoraRouting:
 def draw_keep_mask(rows: int, cols: int, routing: LoraRouting, *, device: torch.device | str) -> Tensor | None:
     """The dropout keep-mask ``M (rows, cols)`` (bool): Bernoulli(1 - p_a) on adapter ``a``'s rows.
 
-    Rows of adapters without dropout, and padding rows, are all True. Returns None when no
-    non-empty segment has dropout, so the common p = 0 case allocates nothing. The mask is one
-    byte per element; the operator saves it instead of each adapter's dropped input (what an
-    ``nn.Dropout`` per adapter would keep alive), and recomputes ``Xd`` in the backward.
+    Rows of adapters without dropout are all True; padding rows are never read. Returns None
+    when no non-empty segment has dropout, so the common p = 0 case allocates nothing. The mask
+    is one byte per element; the operator saves it instead of each adapter's dropped input (what
+    an ``nn.Dropout`` per adapter would keep alive), and recomputes ``Xd`` in the backward.
     """
-    dropped = [(s, n, routing.dropouts[a]) for a, s, n in routing.segments if n and routing.dropouts[a]]
-    if not dropped:
+    # One Bernoulli draw per span of consecutive segments sharing p (a packed batch with one
+    # dropout rate is one call); padding rows inside a span are drawn too, harmlessly.
+    spans: list[list] = []  # [first row, end row, p]
+    previous_p = 0.0
+    for a, start, length in routing.segments:
+        if not length:
+            continue
+        p = routing.dropouts[a]
+        if p and p == previous_p:
+            spans[-1][1] = start + length
+        elif p:
+            spans.append([start, start + length, p])
+        previous_p = p
+    if not spans:
         return None
     keep = torch.ones((rows, cols), dtype=torch.bool, device=device)
-    for start, length, p in dropped:
-        keep[start : start + length].bernoulli_(1.0 - p)
+    for first, end, p in spans:
+        keep[first:end].bernoulli_(1.0 - p)
     return keep
 
 
@@ -188,6 +201,7 @@ def multi_lora_linear(
         raise ValueError(f"multi_lora_linear: x {tuple(x.shape)} must be (T, K) with T >= {routing.segments.end}")
     if len(lora_A) != len(routing.scalings) or len(lora_B) != len(routing.scalings):
         raise ValueError(f"multi_lora_linear: routing has {len(routing.scalings)} adapters, got {len(lora_A)} A, {len(lora_B)} B")
+    backend = LoraBackend(backend)
     if backend is LoraBackend.AUTO:
         backend = LoraBackend.TRITON if x.is_cuda else LoraBackend.TORCH
     return _MultiLoraFunction.apply(x, weight, bias, routing, keep, backend, *lora_A, *lora_B)
@@ -221,9 +235,9 @@ def _implementation(backend: LoraBackend):
     """(forward, backward) of a backend, both with the signatures of the torch pair below."""
     if backend is LoraBackend.TORCH:
         return _torch_forward, _torch_backward
-    # Imported on first use, not at module import: triton.jit decides between compiling and
-    # interpreting when the kernels are decorated, so tests can set TRITON_INTERPRET first,
-    # and CPU-only runs never pay for importing triton.
+    # Imported on first use, not at module import, so CPU-only runs never import triton (and
+    # never fix TRITON_INTERPRET for the process: triton.jit reads it when it decorates, and
+    # triton.language decorates its own helpers when triton is first imported).
     from lorafleet.executor.torch.kernels import segment_lora
 
     return segment_lora.forward, segment_lora.backward
@@ -237,9 +251,9 @@ class _Run:
     """Consecutive segments that one ``bmm`` can serve: equal length, rank, scaling and dropout,
     and equally spaced starts, so their rows of any ``(T, C)`` tensor form a strided
     ``(G, L, C)`` view. A packed micro-batch of equal-length sequences, or a padded batch whose
-    sequences of one length sit ``seq_len`` rows apart, is one run whatever the adapters: two
-    ``bmm`` per direction instead of two ``mm`` per segment, which is what makes short segments
-    cheap (on CPU the per-op overhead dominates a 16-row GEMM)."""
+    sequences of one length sit ``seq_len`` rows apart, is one run whatever the adapters: each
+    GEMM of the module doc is one ``bmm`` per run instead of one ``mm`` per segment, which is
+    what makes short segments cheap (the per-op overhead dominates a 16-row GEMM)."""
 
     adapters: tuple[int, ...]
     start: int
@@ -257,23 +271,27 @@ class _Run:
         )
 
 
-def _runs(routing: LoraRouting, ranks: Sequence[int]) -> list[_Run]:
-    """Greedily merges consecutive non-empty segments into :class:`_Run` s."""
-    runs: list[_Run] = []
+@functools.lru_cache(maxsize=1024)
+def _runs(routing: LoraRouting, ranks: tuple[int, ...]) -> tuple[_Run, ...]:
+    """Greedily merges consecutive non-empty segments into :class:`_Run` s.
+
+    Cached: every injected layer with the same adapters sees the same routing, in the forward
+    and again in the backward.
+    """
+    open_runs: list[list] = []  # [adapters, first row, (length, rank, scaling, dropout), spacing]
     for a, start, length in routing.segments:
         if length == 0:
             continue
         key = (length, ranks[a], routing.scalings[a], routing.dropouts[a])
-        if runs:
-            prev = runs[-1]
-            spacing = start - prev.start if len(prev.adapters) == 1 else prev.spacing
-            if (prev.length, ranks[prev.adapters[0]], prev.scaling, prev.dropout) == key and start == prev.start + len(
-                prev.adapters
-            ) * spacing:
-                runs[-1] = replace(prev, adapters=prev.adapters + (a,), spacing=spacing)
+        if open_runs:
+            adapters, first, prev_key, spacing = open_runs[-1]
+            spacing = start - first if len(adapters) == 1 else spacing
+            if prev_key == key and start == first + len(adapters) * spacing:
+                adapters.append(a)
+                open_runs[-1][3] = spacing
                 continue
-        runs.append(_Run((a,), start, length, length, routing.scalings[a], routing.dropouts[a]))
-    return runs
+        open_runs.append([[a], start, key, length])
+    return tuple(_Run(tuple(ad), first, key[0], spacing, key[2], key[3]) for ad, first, key, spacing in open_runs)
 
 
 def _dropout(t: Tensor, keep: Tensor, p: float) -> Tensor:
@@ -294,19 +312,19 @@ def _stack(weights: Sequence[Tensor], adapters: tuple[int, ...]) -> Tensor:
 
 def _accumulate(grads: list[Tensor | None], adapters: tuple[int, ...], stacked: Tensor) -> None:
     """Adds ``stacked[i]`` to the gradient of ``adapters[i]`` (an adapter may recur in runs)."""
-    for i, a in enumerate(adapters):
-        grads[a] = stacked[i] if grads[a] is None else grads[a] + stacked[i]
+    for a, grad in zip(adapters, stacked.unbind(0), strict=True):
+        grads[a] = grad if grads[a] is None else grads[a] + grad
 
 
 def _torch_forward(x, weight, bias, lora_A, lora_B, routing, keep):
-    """Returns ``(Y, saved)``; ``saved`` holds each run's ``S`` for the backward's dB."""
+    """Returns ``(Y, saved)``; ``saved`` holds per run ``(S, A_g, B_g)`` for the backward."""
     y = F.linear(x, weight, bias)  # (T, N): the one base GEMM
     saved = []
-    for run in _runs(routing, [a.shape[0] for a in lora_A]):
+    for run in _runs(routing, tuple(a.shape[0] for a in lora_A)):
         A_g, B_g = _stack(lora_A, run.adapters), _stack(lora_B, run.adapters)  # (G, r, K), (G, N, r)
         s_g = torch.bmm(_run_input(x, keep, run), A_g.transpose(1, 2))  # (G, L, r) = Xd A^T
         run.rows(y).baddbmm_(s_g, B_g.transpose(1, 2), alpha=run.scaling)  # (G, L, N) += s S B^T, in place
-        saved.append(s_g)
+        saved += (s_g, A_g, B_g)
     return y, saved
 
 
@@ -315,8 +333,9 @@ def _torch_backward(grad_y, x, weight, lora_A, lora_B, routing, keep, saved, nee
     dx = grad_y.mm(weight) if need_x else None  # (T, N) @ (N, K): the single dX buffer
     dA: list[Tensor | None] = [None] * len(lora_A)
     dB: list[Tensor | None] = [None] * len(lora_B)
-    for run, s_g in zip(_runs(routing, [a.shape[0] for a in lora_A]), saved, strict=True):
-        A_g, B_g = _stack(lora_A, run.adapters), _stack(lora_B, run.adapters)  # (G, r, K), (G, N, r)
+    runs = _runs(routing, tuple(a.shape[0] for a in lora_A))
+    for i, run in enumerate(runs):
+        s_g, A_g, B_g = saved[3 * i : 3 * i + 3]  # (G, L, r), (G, r, K), (G, N, r)
         g_g = run.rows(grad_y)  # (G, L, N)
         ds_g = torch.bmm(g_g, B_g).mul_(run.scaling)  # (G, L, r) = s G B
         if need_x:
@@ -332,6 +351,15 @@ def _torch_backward(grad_y, x, weight, lora_A, lora_B, routing, keep, saved, nee
 
 
 # ---- the module ---------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1024)
+def _layer_routing(
+    segments: Segments, ids: tuple[int, ...], scalings: tuple[float, ...], dropouts: tuple[float, ...]
+) -> LoraRouting:
+    """Routing of a layer holding adapters ``ids``; cached because every layer of a model with the
+    same adapters asks for the same one in each step (and equal routings share :func:`_runs`)."""
+    return LoraRouting(segments.relabel({a: i for i, a in enumerate(ids)}), scalings, dropouts)
 
 
 class MultiLoraLinear(nn.Module):
@@ -411,10 +439,8 @@ class MultiLoraLinear(nn.Module):
                 "segments_context(model, segments), or set layer.segments"
             )
         specs = self.adapters.values()
-        return LoraRouting(
-            self.segments.relabel({a: i for i, a in enumerate(self.adapters)}),
-            tuple(s.scaling for s in specs),
-            tuple(s.dropout for s in specs),
+        return _layer_routing(
+            self.segments, tuple(self.adapters), tuple(s.scaling for s in specs), tuple(s.dropout for s in specs)
         )
 
     def forward(self, x: Tensor) -> Tensor:

@@ -180,9 +180,12 @@ class _Launch:
         for a in range(n):
             offsets[a + 1] += offsets[a]
         # One int and one float host-to-device copy per layer call; the tables are tiny.
-        ints = torch.tensor([*segs.starts, *segs.lengths, *segs.adapter_ids, *offsets, *by_adapter], dtype=torch.int32)
-        floats = torch.tensor([*routing.scalings, *(1.0 / (1.0 - p) for p in routing.dropouts)], dtype=torch.float32)
-        ints, floats = ints.to(x.device, non_blocking=True), floats.to(x.device, non_blocking=True)
+        ints = torch.tensor(
+            [*segs.starts, *segs.lengths, *segs.adapter_ids, *offsets, *by_adapter], dtype=torch.int32, device=x.device
+        )
+        floats = torch.tensor(
+            [*routing.scalings, *(1.0 / (1.0 - p) for p in routing.dropouts)], dtype=torch.float32, device=x.device
+        )
         self.n_segments, self.n_adapters, self.rank = len(segs), n, rank
         self.seg, self.group = ints[: 3 * len(segs)], ints[3 * len(segs) :]
         self.scale, self.inv_keep = floats[:n], floats[n:]
@@ -268,6 +271,6 @@ def backward(grad_y, x, weight, lora_A, lora_B, routing: LoraRouting, keep, save
     owners = set(routing.segments.adapter_ids[j] for j, n in enumerate(routing.segments.lengths) if n)
     return (
         dx,
-        [dA[a, : a_.shape[0]] if a in owners else None for a, a_ in enumerate(lora_A)],
-        [dB[a, :, : b_.shape[1]] if a in owners else None for a, b_ in enumerate(lora_B)],
+        [dA[a, : A_a.shape[0]] if a in owners else None for a, A_a in enumerate(lora_A)],  # (r_a, K)
+        [dB[a, :, : B_a.shape[1]] if a in owners else None for a, B_a in enumerate(lora_B)],  # (N, r_a)
     )
