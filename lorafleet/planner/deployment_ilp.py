@@ -1,0 +1,213 @@
+"""The aggregated deployment MILP: integer replica counts, fluid dispatch (LobRA Eq. 1-3, linearised).
+
+LobRA's joint problem multiplies the replica count p_i by the per-replica counts n_ij,
+which makes it a MINLP (their full MINLP runs past an hour from 48 GPUs). Aggregating the
+dispatch per config removes that product: let x_ij >= 0 be the bucket-j sequences config i
+takes over all its replicas, charged the amortised full-micro-batch time
+w_ij = t(b_ij, s_j) / b_ij. Config i's replicas then all finish within t̂ if::
+
+    Σ_j w_ij x_ij / p_i + a_i <= t̂,      a_i = o_i + (pp_i - 1) * max_j t(b_ij, s_j)
+
+(a_i: the step overhead plus the pipeline bubble of a full micro-batch). Dividing by t̂ and
+writing θ = 1 / t̂ (steps per second) and ξ_ij = θ x_ij (sequences per second) gives::
+
+    max θ   s.t.   Σ_i ξ_ij = θ D_j                         every bucket fully dispatched (Eq. 2)
+                   Σ_j w_ij ξ_ij <= p_i (1 - a_i / T_ref)      replicas' capacity (Eq. 1)
+                   Σ_i N_i p_i <= N, TP groups inside nodes    GPU budget (Eq. 3)
+                   ξ_ij = 0 where b_ij = 0                     memory
+
+which is linear except for a_i θ, taken at a reference makespan T_ref and iterated to the
+fixed point T_ref = 1 / θ (two or three solves). Its only integers are the C replica
+counts, so it solves in tens of milliseconds at any batch size. A tie-breaker
+``- λ Σ_i N_i p_i`` prefers fewer GPUs when the makespan is (nearly) the same.
+
+Fragments, ceil(d / p) and the exact bubble are left to the dispatcher's load model, which
+the planner applies to the deployments this model proposes (``joint_minlp`` keeps them all
+in one model, for small instances). :func:`propose_deployments` returns the optimum and
+the optimum of every first-level branch on a replica count (p_i <= p*_i - 1, p_i >= p*_i + 1),
+a pool of strong, distinct alternatives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pulp
+
+from lorafleet.planner.problem import PlanningProblem
+from lorafleet.solvers import SolveResult, SolverName, solve
+
+FIXED_POINT_RTOL = 1e-3
+"""Stop iterating T_ref when it moves by less than this fraction."""
+FIXED_POINT_ITERATIONS = 5
+
+
+@dataclass(kw_only=True)
+class DeploymentVars:
+    """Variables by domain name; keys are config index i or (i, j)."""
+
+    n_replicas: dict[int, pulp.LpVariable]
+    rate: dict[tuple[int, int], pulp.LpVariable]
+    """ξ_ij: sequences of bucket j per second of step on config i (all its replicas)."""
+    throughput: pulp.LpVariable
+    """θ = 1 / t̂: steps per second."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class RelaxedDeployment:
+    """A solution of the aggregated MILP."""
+
+    replicas: np.ndarray
+    """p_i, shape (C,)."""
+    makespan: float
+    """t̂ = 1 / θ of the relaxation: a ranking estimate, not the expected makespan."""
+    branch: str
+    """``root`` or the branch that produced it, e.g. ``tp2_pp1<=3``."""
+
+
+def fixed_time(problem: PlanningProblem) -> np.ndarray:
+    """a_i = o_i + (pp_i - 1) * max_j t(b_ij, s_j) over the non-empty buckets config i can hold."""
+    present = (problem.microbatch_size > 0) & (problem.counts > 0)[None, :]
+    largest = np.where(present, problem.full_time, 0.0).max(axis=1)
+    return problem.load.overhead_s + (problem.pp - 1) * largest
+
+
+def modelled_configs(problem: PlanningProblem) -> list[int]:
+    """Candidates the model has a replica count for: those that fit the GPUs and hold some non-empty bucket."""
+    present = (problem.microbatch_size > 0) & (problem.counts > 0)[None, :]
+    limits = problem.max_replicas()
+    return [i for i in range(len(problem.candidates)) if present[i].any() and limits[i] > 0]
+
+
+def add_gpu_budget_constraints(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars) -> None:
+    """Eq. 3: the replicas fit the GPUs with every TP group inside a node (``PlanningProblem.gpu_budget_rows``)."""
+    rows, caps = problem.gpu_budget_rows()
+    for r, (row, cap) in enumerate(zip(rows, caps)):
+        model += (pulp.lpSum(int(row[i]) * p for i, p in v.n_replicas.items() if row[i]) <= int(cap), f"gpus_row_{r}")
+
+
+def add_coverage_constraints(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars) -> None:
+    """Eq. 2: Σ_i ξ_ij = θ D_j over the configs that hold bucket j (memory: b_ij >= 1)."""
+    for j, demand in enumerate(problem.counts):
+        if demand > 0:
+            model += (pulp.lpSum(x for (i, jj), x in v.rate.items() if jj == j) == float(demand) * v.throughput,
+                      f"cover[bucket_{j}]")
+
+
+def add_capacity_constraints(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars, reference_makespan: float) -> None:
+    """Eq. 1 per config: Σ_j w_ij ξ_ij <= p_i (1 - a_i / T_ref); a config whose fixed time
+    alone exceeds T_ref gets no replicas."""
+    w = problem.amortised_time
+    share = 1.0 - fixed_time(problem) / reference_makespan
+    for i, p in v.n_replicas.items():
+        name = problem.candidates[i].config.name
+        work = pulp.lpSum(float(w[i, j]) * x for (ii, j), x in v.rate.items() if ii == i)
+        model += (work <= float(max(share[i], 0.0)) * p, f"capacity[{name}]")
+        if share[i] <= 0:
+            model += (p == 0, f"too_slow[{name}]")
+
+
+def objective(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars, tie_weight: float) -> None:
+    """max θ - λ Σ_i N_i p_i: the shortest makespan first, then fewer GPUs (λ = ``tie_weight`` per GPU)."""
+    gpus = problem.gpus
+    model.setObjective(v.throughput - tie_weight * pulp.lpSum(int(gpus[i]) * p for i, p in v.n_replicas.items()))
+
+
+def build_model(problem: PlanningProblem, reference_makespan: float, tie_weight: float,
+                bounds: dict[int, tuple[int, int]] | None = None) -> tuple[pulp.LpProblem, DeploymentVars]:
+    """The MILP over every candidate that holds some non-empty bucket.
+
+    Args:
+        reference_makespan: T_ref, where the fixed times are linearised.
+        tie_weight: λ, steps per second one GPU is worth when breaking ties.
+        bounds: per config, (lower, upper) replica counts of a branch.
+    """
+    model = pulp.LpProblem("deployment", pulp.LpMaximize)
+    limits = problem.max_replicas()
+    present = (problem.microbatch_size > 0) & (problem.counts > 0)[None, :]
+    v = DeploymentVars(n_replicas={}, rate={}, throughput=pulp.LpVariable("throughput", lowBound=0))
+    for i in modelled_configs(problem):
+        cand = problem.candidates[i]
+        lo, hi = (bounds or {}).get(i, (0, int(limits[i])))
+        name = cand.config.name
+        v.n_replicas[i] = pulp.LpVariable(f"n_replicas[{name}]", lowBound=lo, upBound=min(hi, int(limits[i])), cat=pulp.LpInteger)
+        for j in np.flatnonzero(present[i]):
+            v.rate[i, int(j)] = pulp.LpVariable(f"rate[{name}_bucket_{j}]", lowBound=0)
+    add_gpu_budget_constraints(model, problem, v)
+    add_coverage_constraints(model, problem, v)
+    add_capacity_constraints(model, problem, v, reference_makespan)
+    objective(model, problem, v, tie_weight)
+    return model, v
+
+
+def extract_plan(problem: PlanningProblem, v: DeploymentVars, branch: str) -> RelaxedDeployment:
+    replicas = np.zeros(len(problem.candidates), dtype=np.int64)
+    for i, p in v.n_replicas.items():
+        replicas[i] = int(round(p.value() or 0.0))
+    theta = v.throughput.value() or 0.0
+    return RelaxedDeployment(replicas=replicas, makespan=1.0 / theta if theta > 0 else float("inf"), branch=branch)
+
+
+def solve_deployment(
+    problem: PlanningProblem,
+    reference_makespan: float,
+    *,
+    tie_rel: float,
+    solver: SolverName,
+    time_limit_s: float,
+    bounds: dict[int, tuple[int, int]] | None = None,
+    branch: str = "root",
+    iterate: bool = True,
+) -> tuple[RelaxedDeployment | None, list[SolveResult]]:
+    """Solve at T_ref, then (``iterate``) again at T_ref = 1 / θ until it settles.
+
+    ``tie_rel``: makespans within this fraction are ties that fewer GPUs win. Returns the
+    last solution (None if a solve gave none) and every solve's result.
+    """
+    results: list[SolveResult] = []
+    plan = None
+    t_ref = reference_makespan
+    for _ in range(FIXED_POINT_ITERATIONS if iterate else 1):
+        model, v = build_model(problem, t_ref, tie_rel / (t_ref * problem.n_gpus), bounds)
+        # threads=1: CBC's parallel search is not deterministic, and plans must be.
+        result = solve(model, solver, time_limit_s=time_limit_s, gap_rel=1e-6, threads=1)
+        results.append(result)
+        if not result.has_solution:
+            return None, results
+        plan = extract_plan(problem, v, branch)
+        if not np.isfinite(plan.makespan):  # θ = 0: no deployment in this branch covers every bucket
+            return None, results
+        if abs(plan.makespan - t_ref) <= FIXED_POINT_RTOL * plan.makespan:
+            break
+        t_ref = plan.makespan
+    return plan, results
+
+
+def propose_deployments(
+    problem: PlanningProblem, reference_makespan: float, *, tie_rel: float, solver: SolverName, time_limit_s: float
+) -> tuple[list[RelaxedDeployment], list[SolveResult]]:
+    """The MILP's optimum p* and the optimum of each first-level branch, distinct, root first.
+
+    Branches: p_i <= p*_i - 1 for every deployed config and p_i >= p*_i + 1 for every
+    candidate, all at the root's T_ref. An infeasible branch (no room for another replica)
+    adds nothing. Returns [] when the root gives no solution (the caller falls back).
+    """
+    root, results = solve_deployment(problem, reference_makespan, tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s)
+    if root is None:
+        return [], results
+    found, seen = [root], {tuple(root.replicas)}
+    limits = problem.max_replicas()
+    for i in modelled_configs(problem):
+        name, p = problem.candidates[i].config.name, int(root.replicas[i])
+        branches = [(f"{name}>={p + 1}", (p + 1, int(limits[i])))] if p < limits[i] else []
+        if p > 0:
+            branches.insert(0, (f"{name}<={p - 1}", (0, p - 1)))
+        for label, bound in branches:
+            plan, res = solve_deployment(problem, root.makespan, tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s,
+                                         bounds={i: bound}, branch=label, iterate=False)
+            results.extend(res)
+            if plan is not None and tuple(plan.replicas) not in seen:
+                seen.add(tuple(plan.replicas))
+                found.append(plan)
+    return found, results

@@ -1,0 +1,39 @@
+"""GPU placement of a deployment: every TP group inside one node.
+
+A replica of ⟨tp, pp⟩ is pp TP groups of tp GPUs (one per pipeline stage). Groups are
+placed first-fit decreasing by tp over the nodes, each on the lowest free GPUs of its node;
+a replica's stages are placed in order, so they share a node when they can. With
+power-of-two TP degrees the group sizes divide each other, and first-fit decreasing
+succeeds whenever the budget rows of :meth:`PlanningProblem.gpu_budget_rows` hold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.plans import ReplicaSpec
+from lorafleet.specs.cluster import ClusterSpec
+
+
+def place_replicas(configs: Sequence[ParallelConfig], max_tokens: Sequence[int], cluster: ClusterSpec) -> tuple[ReplicaSpec, ...]:
+    """ReplicaSpecs, in the order given, with global GPU indices (node * gpus_per_node + local).
+
+    Raises:
+        ValueError: the TP groups do not fit the nodes (a planner bug: the budget rows forbid it).
+    """
+    per_node = cluster.gpus_per_node
+    used = [0] * cluster.nodes
+    groups = sorted(((c.tp, r, stage) for r, c in enumerate(configs) for stage in range(c.pp)), key=lambda g: (-g[0], g[1], g[2]))
+    stage_gpus: dict[tuple[int, int], tuple[int, ...]] = {}
+    for tp, r, stage in groups:
+        node = next((n for n in range(cluster.nodes) if per_node - used[n] >= tp), None)
+        if node is None:
+            raise ValueError(f"cannot place a TP group of {tp} GPUs: nodes hold {[per_node - u for u in used]} free GPUs")
+        start = node * per_node + used[node]
+        stage_gpus[r, stage] = tuple(range(start, start + tp))
+        used[node] += tp
+    return tuple(
+        ReplicaSpec(replica_id=r, config=c, max_tokens=int(m), gpus=tuple(g for stage in range(c.pp) for g in stage_gpus[r, stage]))
+        for r, (c, m) in enumerate(zip(configs, max_tokens, strict=True))
+    )
