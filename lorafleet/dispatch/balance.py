@@ -3,7 +3,7 @@
 Both work on the :class:`~lorafleet.dispatch.load.LoadModel` and return class totals
 d_ij (sequences of bucket j given to class i) with sum_i d_ij = D_j.
 
-The fast method (the default) improves two starting points and keeps the better:
+The fast method (the default) improves three starting points and keeps the best:
 
 - *Water-filling, longest bucket first* (LPT over buckets). Bucket j's unassigned
   sequences are split over the classes that can hold them at the least level: with
@@ -16,6 +16,9 @@ The fast method (the default) improves two starting points and keeps the better:
   class is relatively fastest at which lengths (water-filling only sees levels). Its x is
   rounded down to multiples of p_i (a non-multiple costs every replica a whole row), and
   the remainder water-filled.
+- *LPT over whole buckets.* The costliest bucket first, each whole to the class that then
+  finishes first: on small batches the optimum often keeps buckets whole, and exchanges
+  alone cannot reach a permutation of whole buckets.
 
 Each start is improved by *exchanges* between the slowest class c and another class k:
 c gives delta of bucket j to k and optionally takes epsilon of bucket j' back, accepted
@@ -57,7 +60,7 @@ class Assignment:
 
 
 def balance_fast(load: LoadModel) -> Assignment:
-    """The better of water-filling and the rounded LP relaxation, each improved by exchanges."""
+    """The best of three starts (water-filling, rounded LP, whole-bucket LPT), each improved by exchanges."""
     return _balance(load, load.feasible)
 
 
@@ -72,7 +75,8 @@ def _balance(load: LoadModel, allowed: np.ndarray) -> Assignment:
     if np.any((load.counts > 0) & ~allowed.any(axis=0)):
         raise ValueError("a non-empty bucket fits no config class")
     empty = np.zeros(allowed.shape, dtype=np.int64)
-    starts = (_water_fill(load, allowed, empty), _water_fill(load, allowed, _lp_rounded(load, allowed)))
+    starts = (_water_fill(load, allowed, empty), _water_fill(load, allowed, _lp_rounded(load, allowed)),
+              _whole_buckets(load, allowed))
     best = min((_exchange_search(load, allowed, d) for d in starts), key=load.makespan)
     return Assignment(counts=best, makespan_s=load.makespan(best))
 
@@ -100,6 +104,24 @@ def _water_fill(load: LoadModel, allowed: np.ndarray, start: np.ndarray) -> np.n
             take[t] -= cut
             surplus -= cut
         d[takers, j] += take
+    return d
+
+
+def _whole_buckets(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
+    """LPT over whole buckets: the costliest bucket first, each to the class that then finishes first."""
+    d = np.zeros(allowed.shape, dtype=np.int64)
+    classes = np.arange(len(load.classes))
+    rows = -(-load.counts[None, :] // load.n_replicas[:, None])
+    alone = np.where(allowed, load.row_cost(classes[:, None], np.arange(d.shape[1]), rows)[0], np.inf)
+    for j in np.argsort(-alone.min(axis=0), kind="stable"):
+        if load.counts[j] == 0:
+            continue
+        finish = np.full(len(classes), np.inf)
+        for i in np.flatnonzero(allowed[:, j]):
+            d[i, j] = load.counts[j]
+            finish[i] = load.times(d)[i]
+            d[i, j] = 0
+        d[int(np.argmin(finish)), j] = load.counts[j]
     return d
 
 
