@@ -90,16 +90,16 @@ def build_model(load: LoadModel, upper_bound_s: float | None = None) -> tuple[pu
         name = f"{_class_name(load, i)}_{_bucket_name(load, j)}"
         total, rows = int(load.counts[j]), int(load.microbatch_rows[i, j])
         full_max = -(-total // int(p[i])) // rows
-        v.d[i, j] = pulp.LpVariable(f"d_{name}", 0, total, cat=pulp.LpInteger)
-        v.m[i, j] = pulp.LpVariable(f"m_{name}", 0, full_max, cat=pulp.LpInteger)
-        v.r[i, j] = pulp.LpVariable(f"r_{name}", 0, rows - 1, cat=pulp.LpInteger)
-        v.z[i, j] = pulp.LpVariable(f"z_{name}", cat=pulp.LpBinary)
+        v.d[i, j] = problem.add_variable(f"d_{name}", 0, total, cat=pulp.LpInteger)
+        v.m[i, j] = problem.add_variable(f"m_{name}", 0, full_max, cat=pulp.LpInteger)
+        v.r[i, j] = problem.add_variable(f"r_{name}", 0, rows - 1, cat=pulp.LpInteger)
+        v.z[i, j] = problem.add_variable(f"z_{name}", 0, 1, cat=pulp.LpBinary)
         if load.pp[i] > 1:
-            v.y[i, j] = pulp.LpVariable(f"y_{name}", cat=pulp.LpBinary)
+            v.y[i, j] = problem.add_variable(f"y_{name}", 0, 1, cat=pulp.LpBinary)
     for i in range(len(load.classes)):
         if load.pp[i] > 1:
-            v.largest[i] = pulp.LpVariable(f"largest_{_class_name(load, i)}", 0)
-    v.makespan = pulp.LpVariable("makespan", 0)
+            v.largest[i] = problem.add_variable(f"largest_{_class_name(load, i)}", 0)
+    v.makespan = problem.add_variable("makespan", 0)
     objective(problem, v)
     add_coverage_constraints(problem, load, v)
     add_ceil_constraints(problem, load, v)

@@ -1,0 +1,146 @@
+"""Balancers: the MILP is exact for the load model, the fast method is close to it, the baseline is LobRA's."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pulp
+import pytest
+
+from lorafleet.dispatch.balance import balance_by_length, balance_fast
+from lorafleet.dispatch.ilp import build_model, solve_dispatch_ilp
+from lorafleet.dispatch.load import build_load_model, config_classes
+from lorafleet.dispatch.microbatch import padded_microbatches
+from lorafleet.dispatch.options import DispatchOptions, MicroBatchMode
+from lorafleet.dispatch.placement import interleave, place_sequences
+from lorafleet.dispatch.step import choose_buckets
+from lorafleet.solvers import SolverName, solve
+from tests.dispatch.fleet import LOBRA_7B_PLAN, TP1, TP2, TP2_PP2, TP4, TP8, lobra_7b_cost_model, make_batch, make_plan
+
+COST_MODEL = lobra_7b_cost_model()
+
+
+def small_load(layout, n_seqs: int, n_buckets: int, seed: int, mode: MicroBatchMode = MicroBatchMode.PADDING):
+    """A random batch fitting ``layout``, bucketed, with its load model and fast assignment."""
+    rng = np.random.default_rng(seed)
+    plan = make_plan(layout)
+    largest = max(r.max_tokens for r in plan.replicas)
+    lengths = np.minimum(rng.lognormal(6.0, 1.2, n_seqs).astype(np.int64) + 1, largest)
+    batch = make_batch(lengths, rng.integers(0, 4, n_seqs))
+    options = DispatchOptions(n_buckets=n_buckets, microbatch_mode=mode)
+    _, load, fast = choose_buckets(batch, config_classes(plan, COST_MODEL), COST_MODEL, options)
+    return batch, plan, load, fast
+
+
+def all_assignments(load):
+    """Every split of every bucket's count over the classes that can hold it."""
+    per_bucket = []
+    for j, total in enumerate(load.counts):
+        takers = np.flatnonzero(load.feasible[:, j])
+        splits = []
+        for cut in itertools.product(range(total + 1), repeat=takers.size - 1):
+            if sum(cut) <= total:
+                column = np.zeros(len(load.classes), dtype=np.int64)
+                column[takers] = [*cut, total - sum(cut)]
+                splits.append(column)
+        per_bucket.append(splits)
+    for columns in itertools.product(*per_bucket):
+        yield np.stack(columns, axis=1)
+
+
+@pytest.mark.parametrize("layout,seed", [
+    (((TP1, 2), (TP2, 1)), 0),
+    (((TP1, 3), (TP4, 1)), 1),
+    (((TP1, 2), (TP2_PP2, 1)), 2),  # pipelined: the bubble constraints
+    (((TP2_PP2, 1), (TP8, 1)), 3),
+])
+def test_milp_optimum_equals_brute_force(layout, seed):
+    _, _, load, fast = small_load(layout, n_seqs=9, n_buckets=3, seed=seed)
+    best = min(load.makespan(d) for d in all_assignments(load))
+    outcome = solve_dispatch_ilp(load, SolverName.CBC, time_limit_s=30, gap_rel=1e-9, upper_bound_s=fast.makespan_s)
+    assert outcome.result.proven_optimal
+    assert outcome.assignment.makespan_s == pytest.approx(best, rel=1e-6)
+    assert outcome.result.objective == pytest.approx(best, rel=1e-6)
+    assert np.array_equal(outcome.assignment.counts.sum(axis=0), load.counts)
+    assert fast.makespan_s >= best - 1e-12
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_milp_families_reproduce_the_load_model(seed):
+    """With every d_ij fixed, the MILP's T (coverage, ceil, fragment, bubble, makespan) is the load model's makespan."""
+    layout = [((TP1, 3), (TP2_PP2, 1), (TP8, 1)), ((TP1, 6), (TP2, 1), (TP8, 1))][seed % 2]
+    _, _, load, fast = small_load(layout, n_seqs=40, n_buckets=5, seed=seed)
+    rng = np.random.default_rng(seed)
+    d = np.zeros_like(fast.counts)
+    for j, total in enumerate(load.counts):  # a random split, not an optimised one
+        takers = np.flatnonzero(load.feasible[:, j])
+        d[takers, j] = np.bincount(rng.choice(takers.size, total), minlength=takers.size)
+    problem, v = build_model(load)
+    for (i, j), var in v.d.items():
+        problem += var == int(d[i, j]), f"fix_{i}_{j}"
+    result = solve(problem, SolverName.CBC, time_limit_s=30, gap_rel=1e-9)
+    assert result.objective == pytest.approx(load.makespan(d), rel=1e-6)
+
+
+def test_load_model_is_the_cost_model_in_padding_mode():
+    """When each class's totals are multiples of its replica count, every replica's estimate equals T_i."""
+    batch, plan, load, fast = small_load(LOBRA_7B_PLAN, n_seqs=300, n_buckets=8, seed=7)
+    p = load.n_replicas[:, None]
+    d = fast.counts // p * p
+    d[-1] += load.counts - d.sum(axis=0)  # the rest to the <8,1> class (p = 1), which holds every bucket
+    held = place_sequences(load, d, np.searchsorted(load.boundaries, batch.lengths), batch.lengths, batch.task_ids,
+                           len(plan.replicas))
+    times = load.times(d)
+    padded_len = load.boundaries[np.searchsorted(load.boundaries, batch.lengths)]
+    for i, cls in enumerate(load.classes):
+        for r in cls.replicas:
+            mbs = padded_microbatches(held[r], batch.lengths, batch.task_ids, padded_len, cls.max_tokens)
+            assert COST_MODEL.replica_time(cls.config, [mb.shape for mb in mbs]) == pytest.approx(times[i], rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_fast_is_close_to_exact_on_small_instances(seed):
+    layouts = [((TP1, 2), (TP2, 1)), ((TP1, 3), (TP4, 1)), ((TP1, 2), (TP2_PP2, 1), (TP8, 1)), LOBRA_7B_PLAN]
+    _, _, load, fast = small_load(layouts[seed % len(layouts)], n_seqs=30 + 7 * seed, n_buckets=3 + seed % 4, seed=seed)
+    exact = solve_dispatch_ilp(load, SolverName.CBC, time_limit_s=30, gap_rel=1e-6, upper_bound_s=fast.makespan_s)
+    assert exact.result.proven_optimal
+    assert exact.assignment.makespan_s <= fast.makespan_s * (1 + 1e-6)
+    assert fast.makespan_s <= exact.assignment.makespan_s * 1.03
+
+
+def test_length_baseline_uses_only_the_tightest_class_and_is_never_better():
+    _, _, load, fast = small_load(LOBRA_7B_PLAN, n_seqs=400, n_buckets=16, seed=11)
+    baseline = balance_by_length(load)
+    max_tokens = np.array([c.max_tokens for c in load.classes])
+    for j, s in enumerate(load.boundaries):
+        tightest = max_tokens[max_tokens >= s].min()
+        assert set(np.flatnonzero(baseline.counts[:, j])) <= set(np.flatnonzero(max_tokens == tightest))
+    assert np.array_equal(baseline.counts.sum(axis=0), load.counts)
+    assert fast.makespan_s <= baseline.makespan_s
+
+
+def test_packing_mode_load_model_is_built_and_balanced():
+    _, _, load, fast = small_load(LOBRA_7B_PLAN, n_seqs=300, n_buckets=6, seed=5, mode=MicroBatchMode.PACKING)
+    assert np.array_equal(fast.counts.sum(axis=0), load.counts)
+    assert np.all(fast.counts[~load.feasible] == 0)
+    assert fast.makespan_s <= balance_by_length(load).makespan_s
+
+
+def test_interleave_spreads_owners_in_proportion():
+    owners = interleave(np.array([4, 2, 0, 2]))
+    assert np.bincount(owners, minlength=4).tolist() == [4, 2, 0, 2]
+    assert owners.tolist() == [0, 1, 3, 0, 0, 1, 3, 0]
+    for prefix in range(1, owners.size + 1):  # every prefix is split within one of proportional
+        share = np.bincount(owners[:prefix], minlength=4)
+        assert np.all(np.abs(share - prefix * np.array([4, 2, 0, 2]) / 8) <= 1)
+
+
+def test_milp_names_are_reviewable():
+    _, _, load, fast = small_load(((TP1, 2), (TP8, 1)), n_seqs=20, n_buckets=2, seed=0)
+    problem, _ = build_model(load, upper_bound_s=fast.makespan_s)
+    names = {v.name for v in problem.variables()}
+    assert "makespan" in names and any(n.startswith("d_tp1_pp1_m2048_bucket_0_s") for n in names)
+    assert problem.get_constraint_by_name("bound_by_fast") is not None
+    assert problem.get_constraint_by_name("makespan_tp8_pp1_m16384") is not None
+    assert isinstance(problem.objective, pulp.LpAffineExpression)
