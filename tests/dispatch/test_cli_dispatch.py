@@ -1,0 +1,88 @@
+"""``lorafleet dispatch``: per-step figures on stdout, assignments in JSON, bad input as one line with exit 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from lorafleet.cli import main
+from tests.dispatch.fleet import LOBRA_7B_PLAN, make_plan
+
+WORKLOAD = """\
+model: llama2-7b
+cluster: {gpu: A100-40GB, nodes: 2, gpus_per_node: 8}
+seed: 3
+tasks:
+  - {name: chat, lengths: {values: [90, 200, 310, 900, 1500]}, batch_size: 32, context_length: 4096}
+  - {name: docs, lengths: {values: [1000, 3000, 9000, 15000]}, batch_size: 8, context_length: 16384}
+"""
+
+
+@pytest.fixture()
+def files(tmp_path):
+    workload = tmp_path / "workload.yaml"
+    workload.write_text(WORKLOAD)
+    plan = tmp_path / "plan.json"
+    dataclasses.replace(make_plan(LOBRA_7B_PLAN, n_tasks=2), tasks=("chat", "docs")).save(plan)
+    return workload, plan, tmp_path
+
+
+def test_prints_steps_and_writes_assignments(files, capsys):
+    workload, plan, tmp = files
+    out = tmp / "dispatch.json"
+    assert main(["dispatch", str(workload), "--plan", str(plan), "--steps", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for heading in ("solve ms", "makespan s", "padding", "load per replica", "fairness"):
+        assert heading in printed
+    data = json.loads(out.read_text())
+    assert data["kind"] == "lorafleet.DispatchRun" and data["tasks"] == ["chat", "docs"]
+    assert [s["step"] for s in data["steps"]] == [0, 1]
+    for step in data["steps"]:
+        assert len(step["replicas"]) == 8
+        rows = [(t, n) for r in step["replicas"] for mb in r["microbatches"] for t, n in zip(mb["tasks"], mb["lengths"])]
+        assert sorted(t for t, _ in rows) == ["chat"] * 32 + ["docs"] * 8
+        for replica in step["replicas"]:
+            for mb in replica["microbatches"]:
+                assert mb["padded_len"] >= max(mb["lengths"])
+                assert [s[0] for s in mb["segments"]] == sorted({*mb["tasks"]}, key=mb["tasks"].index)
+        assert step["estimated_makespan_s"] == max(r["estimated_time_s"] for r in step["replicas"])
+
+
+def test_exact_and_packing(files, capsys):
+    workload, plan, _ = files
+    argv = ["dispatch", str(workload), "--plan", str(plan), "--method", "exact", "--solver", "highs", "--mode", "packing"]
+    assert main(argv) == 0
+    assert "milp:highs:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--steps", "0"], "<args>: --steps: must be >= 1"),
+    (["--method", "greedy"], "<args>: --method: 'greedy' is not one of fast, exact, length"),
+    (["--time-limit", "0"], "<args>: --time-limit: must be > 0"),
+    (["--buckets", "0"], "<args>: --buckets"),
+])
+def test_bad_flags_are_one_line_errors(files, capsys, extra, message):
+    workload, plan, _ = files
+    assert main(["dispatch", str(workload), "--plan", str(plan), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_plan_that_does_not_match_the_workload(files, capsys):
+    workload, _, tmp = files
+    other = tmp / "other.json"
+    make_plan(LOBRA_7B_PLAN, n_tasks=2).save(other)  # task names task0, task1
+    assert main(["dispatch", str(workload), "--plan", str(other)]) == 2
+    assert "other.json: tasks: plan has tasks" in capsys.readouterr().err
+    assert main(["dispatch", str(workload), "--plan", str(tmp / "missing.json")]) == 2
+    assert "missing.json: no such file" in capsys.readouterr().err
+
+
+def test_sequence_longer_than_every_replica(files, capsys):
+    workload, _, tmp = files
+    small = tmp / "small.json"
+    dataclasses.replace(make_plan(LOBRA_7B_PLAN[:2], n_tasks=2), tasks=("chat", "docs")).save(small)
+    assert main(["dispatch", str(workload), "--plan", str(small), "--steps", "3"]) == 2
+    assert "exceed every replica's max tokens (largest M = 4096)" in capsys.readouterr().err
