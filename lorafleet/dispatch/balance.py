@@ -148,24 +148,26 @@ def _lp_rounded(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
     return np.minimum(d, load.counts[None, :])
 
 
-def _move_sizes(load: LoadModel, d: np.ndarray, giver: int, taker: int, buckets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _move_sizes(load: LoadModel, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate amounts, per (class, bucket): (4, K, R) when the class gives and (4, K, R) when it takes.
+
+    Giving: one row fewer on every replica, one micro-batch fewer on every replica, half,
+    everything. Taking: what fills its open rows, what fills its open micro-batches, one more
+    row and one more micro-batch on every replica. Amounts are clipped to what the giver holds.
+    """
+    p = load.n_replicas[:, None]
+    b = np.maximum(load.microbatch_rows, 1)
+    rows = -(-d // p)
+    microbatches = -(-rows // b)
+    give = np.stack([d - p * (rows - 1), d - p * b * (microbatches - 1), d // 2, d])
+    take = np.stack([p * rows - d, p * b * microbatches - d, np.broadcast_to(p, d.shape), p * b])
+    return give, take
+
+
+def _pair_sizes(give: np.ndarray, take: np.ndarray, d: np.ndarray, giver: int, taker: int, buckets: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
     """Flattened (bucket, amount) candidates for moving part of ``buckets`` from ``giver`` to ``taker``."""
-    have = d[giver, buckets]
-    p_g, b_g = load.n_replicas[giver], np.maximum(load.microbatch_rows[giver, buckets], 1)
-    p_t, b_t = load.n_replicas[taker], np.maximum(load.microbatch_rows[taker, buckets], 1)
-    rows_g = -(-have // p_g)
-    rows_t = -(-d[taker, buckets] // p_t)
-    sizes = np.stack([
-        have - p_g * (rows_g - 1),  # one row fewer on every giver replica
-        have - p_g * b_g * (-(-rows_g // b_g) - 1),  # one micro-batch fewer on every giver replica
-        p_t * rows_t - d[taker, buckets],  # fill the taker's open rows
-        p_t * b_t * -(-rows_t // b_t) - d[taker, buckets],  # fill the taker's open micro-batches
-        np.full_like(have, p_t),  # one more row on every taker replica
-        p_t * b_t,  # one more micro-batch on every taker replica
-        have // 2,
-        have,
-    ])
-    sizes = np.clip(sizes, 1, have)
+    sizes = np.clip(np.concatenate((give[:, giver, buckets], take[:, taker, buckets])), 1, d[giver, buckets])
     return np.broadcast_to(buckets, sizes.shape).ravel(), sizes.ravel()
 
 
@@ -221,14 +223,14 @@ def _times_after(load: LoadModel, row: _Row, d: np.ndarray, i: int, lose_j: np.n
     return total + (load.pp[i] - 1) * bubble
 
 
-def _best_exchange(load: LoadModel, allowed: np.ndarray, d: np.ndarray, rows: list[_Row], c: int, k: int
-                   ) -> tuple[float, tuple[int, int, int, int]] | None:
+def _best_exchange(load: LoadModel, allowed: np.ndarray, d: np.ndarray, rows: list[_Row],
+                   sizes: tuple[np.ndarray, np.ndarray], c: int, k: int) -> tuple[float, tuple[int, int, int, int]] | None:
     """The exchange between the slowest class c and class k with the least max(T_c', T_k')."""
     give = np.flatnonzero((d[c] > 0) & allowed[k])
     if give.size == 0:
         return None
-    out_j, out_amount = _move_sizes(load, d, c, k, give)
-    back_j, back_amount = _move_sizes(load, d, k, c, np.flatnonzero((d[k] > 0) & allowed[c]))
+    out_j, out_amount = _pair_sizes(*sizes, d, c, k, give)
+    back_j, back_amount = _pair_sizes(*sizes, d, k, c, np.flatnonzero((d[k] > 0) & allowed[c]))
     # column 0: nothing back (an amount of 0 changes nothing, whatever its bucket)
     in_j = np.concatenate(([0], back_j))[None, :]
     in_amount = np.concatenate(([0], back_amount))[None, :]
@@ -246,9 +248,10 @@ def _exchange_search(load: LoadModel, allowed: np.ndarray, d: np.ndarray) -> np.
     for _ in range(_MAX_EXCHANGES):
         times = [_class_time(load, row, i) for i, row in enumerate(rows)]
         c = int(np.argmax(times))
+        sizes = _move_sizes(load, d)
         best = None
         for k in range(len(load.classes)):
-            found = _best_exchange(load, allowed, d, rows, c, k) if k != c else None
+            found = _best_exchange(load, allowed, d, rows, sizes, c, k) if k != c else None
             if found is not None and found[0] < times[c] * (1 - _REL_TOL) and (best is None or found[0] < best[0]):
                 best = (found[0], k, found[1])
         if best is None:

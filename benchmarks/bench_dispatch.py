@@ -1,0 +1,179 @@
+"""Per-step dispatch: speed, and quality against the exact MILP and LobRA's length-based dispatch.
+
+Scenarios (the workloads' own seeds; steps 0, 1, 2, ... sampled with lorafleet.sampling):
+
+- ``7b``: examples/lobra-7b.yaml on LobRA's plan <1,1> x 6 + <2,1> x 1 + <8,1> x 1
+  (16 A100-40GB) with LobRA's measured max tokens M (2048 / 4096 / 16384, from their
+  artifact, ../shared/reference/lobra_a100_40gb_llama2_7b_max_tokens.csv).
+- ``70b``: examples/lobra-70b.yaml on <2,2> x 8 + <4,2> x 2 + <8,2> x 1 (64 A800-80GB),
+  with LobRA-style M of 4096 / 8192 / 16384 at TP 2 / 4 / 8: our choice, see docs/dispatch.md.
+
+Times come from the analytic cost model of the workload's model and GPU
+(``lorafleet.costmodel.load_cost_model``). Figures printed per scenario:
+
+1. speed: dispatch_step (bucketing + assignment + micro-batches) wall and CPU time, p50/p95;
+2. quality on ``--batches`` batches: the fast method's estimated makespan against the
+   exact MILP's best solution within ``--exact-limit`` seconds (and the gap the solver
+   proves), and against LobRA's length-based dispatch;
+3. buckets: padding ratio and makespan by R, next to LobRA's Fig. 11, plus packing.
+
+Run ``python benchmarks/bench_dispatch.py --help`` for the flags; docs/dispatch.md records
+the figures and the commands that produced them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lorafleet.commands.dispatch import workload_cost_model
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.dispatch import DispatchMethod, DispatchOptions, MicroBatchMode, solve_step
+from lorafleet.plans import DeploymentPlan, ReplicaSpec
+from lorafleet.sampling import sample_global_batch
+from lorafleet.solvers import SolverName
+from lorafleet.workload import load_workload
+
+REPO = Path(__file__).resolve().parents[1]
+LOBRA_R = {4: (1.00, 0.44), 8: (0.715, 0.23), 12: (0.645, 0.15), 16: (0.625, 0.11), 32: (0.63, 0.05)}
+"""LobRA Fig. 11 (7B, 16 A100): R -> (step time relative to R = 4, padding ratio), read off the plot."""
+QUALITY_TARGET = 0.03
+"""The fast method's estimated makespan must be within 3% of the exact MILP's best solution."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    workload: str
+    layout: tuple[tuple[ParallelConfig, int], ...]
+    max_tokens: dict[int, int]
+    """M per TP degree given to the plan's replicas."""
+    p95_target_ms: float
+
+
+SCENARIOS = {
+    "7b": Scenario("examples/lobra-7b.yaml", ((ParallelConfig(1), 6), (ParallelConfig(2), 1), (ParallelConfig(8), 1)),
+                   {1: 2048, 2: 4096, 8: 16384}, p95_target_ms=50.0),
+    "70b": Scenario("examples/lobra-70b.yaml",
+                    ((ParallelConfig(2, 2), 8), (ParallelConfig(4, 2), 2), (ParallelConfig(8, 2), 1)),
+                    {2: 4096, 4: 8192, 8: 16384}, p95_target_ms=200.0),
+}
+
+
+def build(scenario: Scenario):
+    """The scenario's workload, plan and analytic cost model."""
+    workload = load_workload(REPO / scenario.workload)
+    replicas, gpu = [], 0
+    for config, count in scenario.layout:
+        for _ in range(count):
+            replicas.append(ReplicaSpec(len(replicas), config, scenario.max_tokens[config.tp],
+                                        tuple(range(gpu, gpu + config.n_gpus))))
+            gpu += config.n_gpus
+    plan = DeploymentPlan(model=workload.model.name, gpu=workload.cluster.gpu, n_gpus=workload.cluster.n_gpus,
+                          gpus_per_node=workload.cluster.gpus_per_node, tasks=tuple(t.name for t in workload.tasks),
+                          replicas=tuple(replicas), bucket_boundaries=(), expected_makespan_s=0.0)
+    return workload, plan, workload_cost_model(workload, len(plan.replicas))
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def bench_speed(batches, plan, cost_model, target_ms: float) -> None:
+    options = DispatchOptions()
+    solve_step(batches[0], plan, cost_model, options)  # warm-up: imports, scipy's HiGHS
+    wall, cpu = [], []
+    for batch in batches:
+        start = time.process_time()
+        outcome = solve_step(batch, plan, cost_model, options)
+        cpu.append(time.process_time() - start)
+        wall.append(outcome.plan.solve_s)
+    wall_ms, cpu_ms = np.array(wall) * 1e3, np.array(cpu) * 1e3
+    print(f"  speed, fast method, {len(batches)} steps: wall p50 {np.median(wall_ms):.1f} ms, p95 "
+          f"{np.percentile(wall_ms, 95):.1f} ms, max {wall_ms.max():.1f} ms; CPU p50 {np.median(cpu_ms):.1f} ms, p95 "
+          f"{np.percentile(cpu_ms, 95):.1f} ms   [target p95 <= {target_ms:.0f} ms: "
+          f"{verdict(np.percentile(wall_ms, 95) <= target_ms)} wall, {verdict(np.percentile(cpu_ms, 95) <= target_ms)} CPU]")
+
+
+def bench_quality(batches, plan, cost_model, solver: SolverName, limit_s: float) -> None:
+    fast_opts = DispatchOptions()
+    exact_opts = DispatchOptions(method=DispatchMethod.EXACT, solver=solver, time_limit_s=limit_s, gap_rel=1e-6)
+    rows = []
+    for batch in batches:
+        fast = solve_step(batch, plan, cost_model, fast_opts)
+        length = solve_step(batch, plan, cost_model, DispatchOptions(method=DispatchMethod.LENGTH))
+        exact = solve_step(batch, plan, cost_model, exact_opts)
+        rows.append((fast.plan.estimated_makespan_s, exact.plan.estimated_makespan_s, length.plan.estimated_makespan_s,
+                     fast.modelled_makespan_s, exact.modelled_makespan_s, exact.lower_bound_s or np.nan,
+                     exact.plan.method, exact.plan.solve_s))
+    fast_est, exact_est, length_est, fast_model, exact_model, bound = (np.array([r[i] for r in rows]) for i in range(6))
+    statuses = [r[6] for r in rows]
+    exact_s = np.array([r[7] for r in rows])
+    gap = fast_est / exact_est - 1
+    proven = (exact_model - bound) / exact_model
+    certified = (fast_model - bound) / bound
+    n = len(rows)
+    print(f"  quality on {n} batches, exact = {solver.value} MILP with {limit_s:g} s per batch "
+          f"(solve time mean {exact_s.mean():.1f} s, max {exact_s.max():.1f} s; "
+          f"{sum(s.endswith(':optimal') for s in statuses)} proven optimal, "
+          f"{sum(s.endswith(':feasible') for s in statuses)} time-limited with a solution, "
+          f"{sum(s.endswith('->fast') for s in statuses)} fell back):")
+    print(f"    fast vs exact, estimated makespan: mean {gap.mean():+.2%}, max {gap.max():+.2%}, "
+          f"within {QUALITY_TARGET:.0%} on {(gap <= QUALITY_TARGET).sum()}/{n}   [{verdict(bool((gap <= QUALITY_TARGET).all()))}]")
+    print(f"    gap the solver proves on its own solution (model): mean {np.nanmean(proven):.2%}, max {np.nanmax(proven):.2%}; "
+          f"fast vs the proven lower bound (model): mean {np.nanmean(certified):+.2%}, max {np.nanmax(certified):+.2%}")
+    better = fast_est <= length_est * (1 + 1e-9)
+    print(f"    fast vs LobRA length-based dispatch: makespan {np.mean(fast_est / length_est - 1):+.1%} on average "
+          f"(best {np.min(fast_est / length_est - 1):+.1%}), never worse on {better.sum()}/{n}   [{verdict(bool(better.all()))}]")
+    print(f"    mean estimated makespan: fast {fast_est.mean():.3f} s, exact {exact_est.mean():.3f} s, "
+          f"length {length_est.mean():.3f} s")
+
+
+def bench_buckets(batches, plan, cost_model) -> None:
+    def run(**kw):
+        outs = [solve_step(b, plan, cost_model, DispatchOptions(**kw)).plan for b in batches]
+        return np.mean([p.padding_ratio for p in outs]), np.mean([p.estimated_makespan_s for p in outs])
+
+    results = {r: run(n_buckets=r) for r in LOBRA_R}
+    base = results[4][1]
+    print(f"  buckets over {len(batches)} batches (fast method): R, padding ratio (LobRA), makespan vs R = 4 (LobRA)")
+    for r, (lobra_time, lobra_pad) in LOBRA_R.items():
+        pad, makespan = results[r]
+        print(f"    R = {r:2d}: padding {pad:.3f} ({lobra_pad:.2f}), makespan {makespan / base:.3f} ({lobra_time:.3f}), "
+              f"{makespan:.3f} s")
+    pad16, span16 = results[16]
+    for label, kw in (("R chosen by makespan (<= 16)", {"choose_buckets_by_makespan": True}),
+                      ("packing, R = 16", {"microbatch_mode": MicroBatchMode.PACKING})):
+        pad, makespan = run(**kw)
+        print(f"    {label}: padding {pad:.3f}, makespan {makespan:.3f} s ({makespan / span16 - 1:+.1%} vs padding at R = 16)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scenarios", default="7b,70b", help="comma-separated: 7b, 70b (default both)")
+    parser.add_argument("--timing-steps", type=int, default=100, help="steps timed per scenario (default 100)")
+    parser.add_argument("--batches", type=int, default=50, help="batches compared with the exact MILP (default 50)")
+    parser.add_argument("--exact-limit", type=float, default=60.0, help="seconds per exact solve (default 60)")
+    parser.add_argument("--solver", default="highs", help="exact back end: highs (default), scip or cbc")
+    parser.add_argument("--skip-exact", action="store_true", help="speed and buckets only")
+    args = parser.parse_args(argv)
+    for name in args.scenarios.split(","):
+        scenario = SCENARIOS[name.strip()]
+        workload, plan, cost_model = build(scenario)
+        batches = [sample_global_batch(workload, step) for step in range(max(args.timing_steps, args.batches))]
+        print(f"{name}: {scenario.workload}, {len(batches[0])} sequences a step, plan {plan.describe()} "
+              f"(M {scenario.max_tokens}), cost model {cost_model.source}")
+        bench_speed(batches[:args.timing_steps], plan, cost_model, scenario.p95_target_ms)
+        if not args.skip_exact:
+            bench_quality(batches[:args.batches], plan, cost_model, SolverName(args.solver), args.exact_limit)
+        bench_buckets(batches[:args.batches], plan, cost_model)
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
