@@ -166,9 +166,12 @@ def _move_sizes(load: LoadModel, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 def _pair_sizes(give: np.ndarray, take: np.ndarray, d: np.ndarray, giver: int, taker: int, buckets: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray]:
-    """Flattened (bucket, amount) candidates for moving part of ``buckets`` from ``giver`` to ``taker``."""
+    """Distinct (bucket, amount) candidates for moving part of ``buckets`` from ``giver`` to ``taker``."""
     sizes = np.clip(np.concatenate((give[:, giver, buckets], take[:, taker, buckets])), 1, d[giver, buckets])
-    return np.broadcast_to(buckets, sizes.shape).ravel(), sizes.ravel()
+    # many kinds coincide (half = one row fewer, ...): drop repeats, the scoring matrix is |give| x |back|
+    span = int(d.max()) + 1
+    pairs = np.unique((buckets * span + sizes).ravel())
+    return pairs // span, pairs % span
 
 
 @dataclass(frozen=True)
