@@ -1,0 +1,234 @@
+"""Checkpoints that do not depend on the plan, committed atomically, resumed exactly.
+
+**What is saved** (per task, whole matrices, whatever the replicas' TP/PP split):
+
+    <dir>/step-000004/manifest.json              step, data cursors, optimizer steps, caller state
+    <dir>/step-000004/<task>/adapter_config.json  a PEFT adapter (PeftModel.from_pretrained loads it)
+    <dir>/step-000004/<task>/adapter_model.safetensors
+    <dir>/step-000004/<task>/optimizer.safetensors  Adam moments etc., keyed like the adapter
+    <dir>/latest.json                             {"step": 4, "path": "step-000004"}
+
+Whole matrices mean a run can resume on another plan (torchrun restarted it on fewer GPUs and
+the planner re-planned): each rank slices what its new role holds. The learning-rate
+schedule's whole state is the task's optimizer step count. No RNG state is saved: the
+executor reseeds every step from ``(seed, step, rank)``, so the generators at the start of
+any step are a function of the step (``worker``).
+
+**Commit** (DLRover's two phases, on one writer): rank 0 gathers the pieces, writes the step
+into ``.step-000004.partial/``, renames it to ``step-000004/`` (atomic on POSIX), then
+replaces ``latest.json`` (write a temporary file, ``os.replace``). A loader trusts only
+``latest.json``, so a crash at any point leaves the previous checkpoint in force. Older step
+directories beyond ``keep`` are removed after the commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from peft.utils.constants import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from lorafleet.errors import InputError
+from lorafleet.executor.torch.optim import TaskOptimizer
+from lorafleet.executor.torch.peft_export import PEFT_PREFIX, lora_config, peft_key, read_peft_spec
+from lorafleet.executor.torch.replica import Replica
+from lorafleet.executor.torch.tp import shard
+from lorafleet.specs.lora import LoraSpec
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+
+
+@dataclass(frozen=True)
+class TaskState:
+    """One task's adapter and optimizer, as whole matrices."""
+
+    name: str
+    spec: LoraSpec
+    weights: dict[tuple[str, str], Tensor]
+    """(module, ``lora_A``/``lora_B``) -> matrix."""
+    optimizer: dict[tuple[str, str, str], Tensor]
+    """(module, factor, state key such as ``exp_avg``) -> tensor (matrix-shaped or a scalar)."""
+    optimizer_steps: int
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Everything a run needs to continue exactly."""
+
+    step: int
+    """Steps completed: the next step to run."""
+    tasks: tuple[TaskState, ...]
+    data: dict[str, Any]
+    """``DataStreams.state_dict()``."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The caller's JSON-serialisable state (the training loop's, the dispatcher's)."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+# ---- gather (collective) and restore (local) -------------------------------------------------
+
+
+def gather_task_states(replica: Replica, optimizers: Sequence[TaskOptimizer], specs: Sequence[LoraSpec],
+                       names: Sequence[str]) -> tuple[TaskState, ...] | None:
+    """Whole adapters and optimizer states on rank 0 (None elsewhere). Collective over the world.
+
+    Each piece is sent by its lowest holder (``GradSync.owned``): after the step every holder
+    of a piece has the same bits, so one copy is enough.
+    """
+    local = []
+    for piece in replica.grad_sync.owned:
+        param = replica.params[piece.param.key]
+        state = optimizers[piece.param.task].optimizer.state.get(param, {}) if optimizers[piece.param.task].optimizer else {}
+        moments = {k: (piece.local_view(v, replica.role) if v.dim() else v).detach().cpu().clone()
+                   for k, v in state.items() if isinstance(v, Tensor)}
+        local.append((piece, piece.local_view(param.detach(), replica.role).cpu().clone(), moments))
+    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if gathered is None:
+        return None
+    weights: list[dict[tuple[str, str], Tensor]] = [{} for _ in names]
+    moments_of: list[dict[tuple[str, str, str], Tensor]] = [{} for _ in names]
+    shapes = {p.key: p.shape for p in replica.adapter_params}
+    for piece, value, moments in (item for part in gathered for item in part):
+        task, module, factor = piece.param.key
+        whole = weights[task].setdefault((module, factor), torch.zeros(shapes[piece.param.key], dtype=value.dtype))
+        piece.full_view(whole).copy_(value)
+        for key, tensor in moments.items():
+            if tensor.dim() == 0:
+                moments_of[task][(module, factor, key)] = tensor
+            else:
+                target = moments_of[task].setdefault((module, factor, key), torch.zeros(whole.shape, dtype=tensor.dtype))
+                piece.full_view(target).copy_(tensor)
+    return tuple(
+        TaskState(name, spec, weights[t], moments_of[t], optimizers[t].steps_taken)
+        for t, (name, spec) in enumerate(zip(names, specs, strict=True))
+    )
+
+
+def restore_task_states(replica: Replica, optimizers: Sequence[TaskOptimizer], states: Sequence[TaskState]) -> None:
+    """Loads whole-matrix states into this rank's shards and optimizers (no communication)."""
+    full = {p.key: p for p in replica.adapter_params}
+    role = replica.role
+    for (task, module, factor), param in replica.params.items():
+        state = states[task]
+        whole = state.weights.get((module, factor))
+        expected = full[(task, module, factor)].shape
+        if whole is None or tuple(whole.shape) != expected:
+            got = "missing" if whole is None else f"shape {tuple(whole.shape)}"
+            raise InputError(state.name, f"{module}.{factor}", f"{got} in the checkpoint, the run needs {expected}")
+        dim = full[(task, module, factor)].shard_dim
+        with torch.no_grad():
+            param.copy_(shard(whole, dim, role.tp_rank, role.replica.tp))
+        moments = {key: tensor for (m, f, key), tensor in state.optimizer.items() if (m, f) == (module, factor)}
+        if moments and optimizers[task].optimizer is not None:
+            optimizers[task].optimizer.state[param] = {
+                key: (shard(t, dim, role.tp_rank, role.replica.tp) if t.dim() else t.clone()).to(param.device)
+                for key, t in moments.items()
+            }
+    for optimizer, state in zip(optimizers, states, strict=True):
+        optimizer.steps_taken = state.optimizer_steps
+
+
+# ---- files ----------------------------------------------------------------------------------
+
+
+def write_peft_adapter(path: Path, spec: LoraSpec, weights: dict[tuple[str, str], Tensor], base_model: str) -> None:
+    """A PEFT adapter directory from whole matrices (keys and config from ``peft_export``)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {peft_key(module, factor): w.contiguous() for (module, factor), w in sorted(weights.items())}
+    save_file(tensors, path / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
+    config = lora_config(spec, base_model_name_or_path=base_model).to_dict()
+    config["target_modules"] = sorted(config["target_modules"])
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _optimizer_key(module: str, factor: str, key: str) -> str:
+    return f"{peft_key(module, factor)}::{key}"
+
+
+def save_train_state(directory: str | Path, state: TrainState, *, base_model: str, keep: int = 2) -> Path:
+    """Writes and commits one checkpoint (rank 0 only); returns its step directory."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    name = step_dir_name(state.step)
+    partial = root / f".{name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    for task in state.tasks:
+        write_peft_adapter(partial / task.name, task.spec, task.weights, base_model)
+        moments = {_optimizer_key(*k): t.contiguous() for k, t in sorted(task.optimizer.items())}
+        save_file(moments, partial / task.name / OPTIMIZER_FILE)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "step": state.step,
+        "base_model": base_model,
+        "tasks": [{"name": t.name, "optimizer_steps": t.optimizer_steps} for t in state.tasks],
+        "data": state.data,
+        "extra": state.extra,
+    }
+    (partial / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    final = root / name
+    shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (not the committed one's target)
+    partial.rename(final)
+    tmp = root / f".{LATEST}.tmp"
+    tmp.write_text(json.dumps({"step": state.step, "path": name}) + "\n")
+    os.replace(tmp, root / LATEST)
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in steps[: max(0, len(steps) - keep)]:
+        if old != final:
+            shutil.rmtree(old)
+    return final
+
+
+def latest_step_dir(directory: str | Path) -> Path | None:
+    """The committed checkpoint ``latest.json`` points to; None when there is none."""
+    pointer = Path(directory) / LATEST
+    if not pointer.is_file():
+        return None
+    return Path(directory) / json.loads(pointer.read_text())["path"]
+
+
+def load_train_state(step_dir: str | Path, names: Sequence[str]) -> TrainState:
+    """Reads a committed checkpoint; InputError when it does not match the run's tasks."""
+    step_dir = Path(step_dir)
+    manifest_path = step_dir / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except FileNotFoundError:
+        raise InputError(str(manifest_path), "", "no such file (not a committed checkpoint)") from None
+    if manifest.get("format") != FORMAT_VERSION:
+        raise InputError(str(manifest_path), "format", f"expected {FORMAT_VERSION}, got {manifest.get('format')!r}")
+    saved = [t["name"] for t in manifest["tasks"]]
+    if saved != list(names):
+        raise InputError(str(manifest_path), "tasks", f"checkpoint has tasks {saved}, the run has {list(names)}")
+    tasks = []
+    for entry in manifest["tasks"]:
+        path = step_dir / entry["name"]
+        spec = read_peft_spec(path)
+        weights = {_split_peft_key(k): t for k, t in load_file(str(path / SAFETENSORS_WEIGHTS_NAME)).items()}
+        moments = {}
+        for k, t in load_file(str(path / OPTIMIZER_FILE)).items():
+            base, _, key = k.partition("::")
+            moments[(*_split_peft_key(base), key)] = t
+        tasks.append(TaskState(entry["name"], spec, weights, moments, int(entry["optimizer_steps"])))
+    return TrainState(int(manifest["step"]), tuple(tasks), manifest["data"], manifest.get("extra", {}))
+
+
+def _split_peft_key(key: str) -> tuple[str, str]:
+    """Inverse of ``peft_key``: ``base_model.model.<module>.lora_A.weight`` -> (module, ``lora_A``)."""
+    module, _, factor = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rpartition(".")
+    return module, factor

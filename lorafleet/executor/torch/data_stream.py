@@ -1,0 +1,179 @@
+"""Each task's examples as an endless, deterministic, resumable stream; global batches from it.
+
+**Stream.** Task ``t`` with ``N`` examples is read epoch by epoch; epoch ``e`` visits the
+examples in the order of a permutation drawn from ``(seed, t, e)``. Stream position ``k``
+(the *sample id*) is therefore
+
+    example(t, k) = perm(seed, t, k // N)[k mod N]
+
+a pure function: any rank can look up any sample without state, and a sample id in a
+:class:`~lorafleet.plans.GlobalBatch` names one example on every machine.
+
+**Cursor.** The only state is, per task, the next sample id. A global batch takes each
+active task's next ``batch_size`` ids and advances its cursor; a checkpoint stores the
+cursors, so a resumed run continues with exactly the batches it would have drawn.
+
+**Overflow.** Examples longer than the task's context length are truncated or rejected by
+its policy when the data is prepared (:func:`prepare_task_data`); examples with no token to
+learn (every label ignored after the shift) are dropped too. Both counts are kept, and each
+global batch counts how many of its sequences were truncated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from lorafleet.data.records import read_rows
+from lorafleet.data.tokenize import IGNORE_INDEX, Example, tokenize_rows
+from lorafleet.errors import InputError
+from lorafleet.plans import GlobalBatch
+from lorafleet.specs.workload import OverflowPolicy, TaskSpec
+
+
+def loss_tokens(example: Example) -> int:
+    """Tokens the causal LM is trained to predict: positions ``i >= 1`` with a label (the shift)."""
+    return sum(1 for label in example.labels[1:] if label != IGNORE_INDEX)
+
+
+@dataclass(frozen=True)
+class TaskData:
+    """One task's training examples after its overflow policy."""
+
+    name: str
+    examples: tuple[Example, ...]
+    truncated_ids: frozenset[int] = frozenset()
+    """Indices (into ``examples``) of examples cut to the context length."""
+    rejected: int = 0
+    """Examples dropped for exceeding the context length (``reject`` policy)."""
+    no_target: int = 0
+    """Examples dropped because no token of theirs carries a label."""
+
+    def __post_init__(self) -> None:
+        if not self.examples:
+            raise ValueError(f"task {self.name!r} has no example to train on")
+
+
+def apply_overflow(name: str, examples: Sequence[Example], context_length: int, policy: OverflowPolicy) -> TaskData:
+    """Truncate or reject examples over ``context_length``; drop those with nothing to learn."""
+    kept: list[Example] = []
+    truncated: set[int] = set()
+    rejected = no_target = 0
+    for example in examples:
+        cut = len(example) > context_length
+        if cut and policy is OverflowPolicy.REJECT:
+            rejected += 1
+            continue
+        example = example.truncated(context_length) if cut else example
+        if loss_tokens(example) == 0:
+            no_target += 1
+            continue
+        if cut:
+            truncated.add(len(kept))
+        kept.append(example)
+    return TaskData(name, tuple(kept), frozenset(truncated), rejected, no_target)
+
+
+def prepare_task_data(task: TaskSpec, tokenizer: Any, source: str) -> TaskData:
+    """Read, tokenize and apply the overflow policy to a task's ``data``; InputError when unusable."""
+    if task.data is None:
+        raise InputError(source, f"tasks.{task.name}.data", "training needs data (a JSONL file or a saved dataset)")
+    examples = tokenize_rows(tokenizer, read_rows(task.data.path), task.data.format, task.data.path)
+    try:
+        return apply_overflow(task.name, examples, task.context_length, task.overflow)
+    except ValueError:
+        raise InputError(task.data.path, "", f"no row is left to train on after overflow={task.overflow.value} "
+                         f"at context_length={task.context_length}") from None
+
+
+@lru_cache(maxsize=64)
+def _epoch_order(seed: int, task_index: int, epoch: int, n: int) -> np.ndarray:
+    """The visiting order of one task's ``n`` examples in one epoch (read-only)."""
+    order = np.random.default_rng(np.random.SeedSequence([seed, task_index, epoch])).permutation(n)
+    order.setflags(write=False)
+    return order
+
+
+@dataclass(frozen=True)
+class TaskStream:
+    """Sample id -> example of one task (stateless; see the module doc)."""
+
+    task_index: int
+    data: TaskData
+    seed: int
+
+    def example_index(self, sample_id: int) -> int:
+        n = len(self.data.examples)
+        return int(_epoch_order(self.seed, self.task_index, sample_id // n, n)[sample_id % n])
+
+    def example(self, sample_id: int) -> Example:
+        return self.data.examples[self.example_index(sample_id)]
+
+
+class DataStreams:
+    """Every task's stream plus the cursors: draws global batches, saves and restores its position."""
+
+    def __init__(self, tasks: Sequence[TaskData], batch_sizes: Sequence[int], seed: int,
+                 max_batches: Sequence[int | None] | None = None) -> None:
+        """
+        Args:
+            tasks: per task, in workload order (the task index is the position).
+            batch_sizes: sequences of each task in every global batch.
+            seed: seed of the epoch permutations.
+            max_batches: per task, how many global batches it takes part in (its ``steps``);
+                None for no limit.
+        """
+        if len(batch_sizes) != len(tasks):
+            raise ValueError(f"{len(tasks)} tasks but {len(batch_sizes)} batch sizes")
+        self.streams = tuple(TaskStream(i, data, seed) for i, data in enumerate(tasks))
+        self.batch_sizes = tuple(int(b) for b in batch_sizes)
+        self.max_batches = tuple(max_batches) if max_batches is not None else (None,) * len(tasks)
+        self.cursors = [0] * len(tasks)
+        """Per task, the next sample id."""
+
+    def active(self, task_index: int) -> bool:
+        """Whether the task still takes part in global batches."""
+        limit = self.max_batches[task_index]
+        return limit is None or self.cursors[task_index] // self.batch_sizes[task_index] < limit
+
+    def next_global_batch(self, step: int) -> GlobalBatch:
+        """Step ``step``'s batch: each active task's next ``batch_size`` samples, grouped by task."""
+        task_ids, sample_ids, lengths = [], [], []
+        truncated = 0
+        for t, stream in enumerate(self.streams):
+            if not self.active(t):
+                continue
+            ids = range(self.cursors[t], self.cursors[t] + self.batch_sizes[t])
+            self.cursors[t] = ids.stop
+            for sample_id in ids:
+                index = stream.example_index(sample_id)
+                truncated += index in stream.data.truncated_ids
+                task_ids.append(t)
+                sample_ids.append(sample_id)
+                lengths.append(len(stream.data.examples[index]))
+        if not task_ids:
+            raise StopIteration("every task has taken all its batches")
+        return GlobalBatch(
+            step=step,
+            task_ids=np.asarray(task_ids, dtype=np.int64),
+            sample_ids=np.asarray(sample_ids, dtype=np.int64),
+            lengths=np.asarray(lengths, dtype=np.int64),
+            truncated=truncated,
+        )
+
+    def examples(self, task_ids: Sequence[int], sample_ids: Sequence[int]) -> list[Example]:
+        """The examples behind a batch's (task, sample id) pairs."""
+        return [self.streams[int(t)].example(int(s)) for t, s in zip(task_ids, sample_ids, strict=True)]
+
+    def state_dict(self) -> dict[str, list[int]]:
+        return {"cursors": list(self.cursors)}
+
+    def load_state_dict(self, state: Mapping[str, Sequence[int]]) -> None:
+        cursors = [int(c) for c in state["cursors"]]
+        if len(cursors) != len(self.streams):
+            raise ValueError(f"checkpoint has cursors for {len(cursors)} tasks, the run has {len(self.streams)}")
+        self.cursors = cursors

@@ -1,0 +1,89 @@
+"""One optimizer per task adapter: its own learning-rate schedule and gradient clipping.
+
+A task's optimizer sees only this rank's shards of its adapter. Adam(W) and SGD act element
+by element, so stepping shards equals stepping the whole matrix; only clipping needs the
+norm of the whole gradient, which ``grad_sync`` provides (the same number on every rank, so
+replicas stay bitwise in step).
+
+**Schedule.** With peak rate ``η``, ``W`` warm-up steps, ``T`` total steps, floor
+``ρ = min_lr_ratio`` and ``s`` the number of steps already taken (0 for the first):
+
+    η_s = η (s + 1) / (W + 1)                                s < W   (never 0, unlike s / W)
+    η_s = η (ρ + (1 - ρ) d(p)),   p = (s - W) / max(1, T - W - 1)  ∈ [0, 1]   s >= W
+
+with ``d(p) = (1 + cos πp) / 2`` (cosine), ``1 - p`` (linear) or ``1`` (constant), so the
+last step (``s = T - 1``) runs at ``ρη``.
+
+**Clipping.** ``g_t ← g_t · min(1, c / (||g_t|| + 1e-6))`` with ``c = grad_clip`` (0 disables),
+as ``torch.nn.utils.clip_grad_norm_`` computes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lorafleet.specs.lora import LrSchedule, OptimizerName, OptimizerSpec
+
+
+def lr_at(spec: OptimizerSpec, step: int, total_steps: int) -> float:
+    """``η_s`` of the schedule above for the ``step``-th optimizer step (0-based)."""
+    warmup = spec.warmup_steps
+    if step < warmup:
+        return spec.lr * (step + 1) / (warmup + 1)
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup - 1))
+    decay = {
+        LrSchedule.COSINE: 0.5 * (1.0 + math.cos(math.pi * progress)),
+        LrSchedule.LINEAR: 1.0 - progress,
+        LrSchedule.CONSTANT: 1.0,
+    }[spec.schedule]
+    return spec.lr * (spec.min_lr_ratio + (1.0 - spec.min_lr_ratio) * decay)
+
+
+def build_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+    """The torch optimizer of ``spec`` over ``params`` (the lr is set before every step)."""
+    if spec.name is OptimizerName.ADAMW:
+        return torch.optim.AdamW(params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+    if spec.name is OptimizerName.ADAM:
+        return torch.optim.Adam(params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+    return torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
+
+
+def clip_coefficient(max_norm: float, norm: float) -> float:
+    """The factor on a task's gradient: ``min(1, c / (norm + 1e-6))``; 1 when clipping is off."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+class TaskOptimizer:
+    """A task's optimizer, schedule and step count over this rank's shards of its adapter."""
+
+    def __init__(self, spec: OptimizerSpec, params: Sequence[nn.Parameter], total_steps: int) -> None:
+        self.spec = spec
+        self.params = list(params)
+        self.total_steps = total_steps
+        self.steps_taken = 0
+        """Optimizer steps so far: the schedule's ``s`` (and the scheduler's whole state)."""
+        self.optimizer = build_optimizer(spec, self.params) if self.params else None
+
+    def step(self, grad_norm: float) -> float:
+        """Clips by the task's global gradient norm, steps at ``η_s``, clears the gradients; returns ``η_s``."""
+        lr = lr_at(self.spec, self.steps_taken, self.total_steps)
+        if self.optimizer is not None:  # a rank whose stages hold none of this task's layers
+            coefficient = clip_coefficient(self.spec.grad_clip, grad_norm)
+            with torch.no_grad():
+                for p in self.params:
+                    if p.grad is None:  # a zero gradient still moves Adam's moments and decays weights
+                        p.grad = torch.zeros_like(p)
+                    elif coefficient < 1.0:
+                        p.grad.mul_(coefficient)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.steps_taken += 1
+        return lr

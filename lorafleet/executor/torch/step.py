@@ -1,0 +1,202 @@
+"""One rank's share of a training step: micro-batch tensors, stage forward, per-task loss.
+
+**Loss normalisation.** Task ``t`` owns ``N_t`` loss tokens in the *whole* global batch
+(labels after the causal shift that are not ignored), counted on the host from the examples
+before any forward, the way torchtitan divides by the global count of valid tokens. The step
+minimises
+
+    L = Σ_t L_t,        L_t = (1 / N_t) Σ_{i ∈ tokens of t} ℓ_i,      ℓ_i = -log p(y_i | y_<i)
+
+Each token carries the weight ``1 / N_t`` of its task, so a replica's partial loss
+``Σ_{i on r} ℓ_i / N_{t(i)}`` differentiates to its share of every ``∂L_t/∂θ_t``, and the
+sum over replicas (``grad_sync``) is exactly the gradient of training task ``t`` alone on its
+sequences. Adapter ``θ_t`` sees only task ``t``'s rows and attention never crosses sequences,
+so ``∂L/∂θ_t = ∂L_t/∂θ_t``: tasks do not leak into each other's gradients.
+
+**Token grid.** A padded micro-batch is ``(B, padded_len)``, one sequence a row, right-padded;
+a packed one is ``(1, Σ lengths)``. Attention is masked per token by a *document id*: a token
+attends to earlier tokens of the same sequence (and within a sliding window when the layer
+has one). Each padding token is its own document, so its softmax row is never empty (an
+all-masked row would put NaN into the loss through ``0 * NaN``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from lorafleet.data.tokenize import IGNORE_INDEX, Example
+from lorafleet.executor.torch.data_stream import loss_tokens
+from lorafleet.executor.torch.inject import segments_context
+from lorafleet.executor.torch.layout import RankRole
+from lorafleet.executor.torch.multi_lora import Segments
+from lorafleet.executor.torch.pipeline import Neighbours, microbatch_shape, run_1f1b
+from lorafleet.plans import MicroBatch
+
+
+def task_token_counts(task_ids: Sequence[int], examples: Sequence[Example], n_tasks: int) -> list[int]:
+    """``N_t`` of every task: loss tokens of its sequences in the whole global batch."""
+    counts = [0] * n_tasks
+    for task, example in zip(task_ids, examples, strict=True):
+        counts[int(task)] += loss_tokens(example)
+    return counts
+
+
+def attention_window(config, layer_index: int) -> int | None:
+    """The sliding window of one decoder layer, or None for full causal attention.
+
+    Qwen2 names each layer's type in ``layer_types``; Mistral applies ``sliding_window`` (when
+    set) to every layer; Llama has none.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_index] == "sliding_attention" else None
+    return window
+
+
+@dataclass
+class MicroBatchInputs:
+    """The tensors of one micro-batch, on the rank's device. Shapes are ``(B, S)`` unless noted."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    documents: Tensor
+    """Which sequence each token belongs to; every padding token is its own (negative) document."""
+    targets: Tensor
+    """The next token to predict, ``IGNORE_INDEX`` where no loss is taken (labels shifted left)."""
+    weights: Tensor
+    """``1 / N_t`` on loss tokens of task ``t``, 0 elsewhere (fp64: the weighted sum is a few
+    hundred values; its dtype decides only how exactly each token's share is applied)."""
+    token_task: Tensor
+    """Task of each token (0 on padding; its weight is 0)."""
+    segments: Segments
+    """Adapter rows of the flattened ``(B*S)`` grid: one segment per run of a task's sequences."""
+    masks: dict[int | None, Tensor] = field(default_factory=dict)
+    """Boolean attention masks ``(B, 1, S, S)`` per sliding window, built on first use."""
+
+    def attention_mask(self, window: int | None) -> Tensor:
+        if window not in self.masks:
+            i = torch.arange(self.documents.shape[1], device=self.documents.device)
+            same = self.documents[:, :, None] == self.documents[:, None, :]  # (B, S, S)
+            allowed = same & (i[None, :, None] >= i[None, None, :])  # causal
+            if window is not None:
+                allowed &= (i[None, :, None] - i[None, None, :]) < window
+            self.masks[window] = allowed[:, None]  # (B, 1, S, S): one mask for all heads
+        return self.masks[window]
+
+
+def build_inputs(mb: MicroBatch, examples: Sequence[Example], inv_tokens: Sequence[float],
+                 device: torch.device) -> MicroBatchInputs:
+    """Lays out ``mb``'s sequences (``examples[i]`` is its i-th sequence) as the token grid."""
+    b, s = microbatch_shape(mb)
+    ids = torch.zeros((b, s), dtype=torch.long)
+    positions = torch.zeros((b, s), dtype=torch.long)
+    documents = -1 - torch.arange(b * s, dtype=torch.long).view(b, s)  # padding: one document per token
+    targets = torch.full((b, s), IGNORE_INDEX, dtype=torch.long)
+    weights = torch.zeros((b, s), dtype=torch.float64)
+    token_task = torch.zeros((b, s), dtype=torch.long)
+    starts = []  # flattened first row of each sequence
+    for k, (task, example) in enumerate(zip(mb.task_ids, examples, strict=True)):
+        n = len(example)
+        if n != mb.lengths[k]:
+            raise ValueError(f"sequence {mb.seq_ids[k]} has {n} tokens, the plan says {mb.lengths[k]}")
+        row, col = (0, sum(mb.lengths[:k])) if mb.padded_len is None else (k, 0)
+        span = slice(col, col + n)
+        ids[row, span] = torch.tensor(example.input_ids)
+        positions[row, span] = torch.arange(n)
+        documents[row, span] = k
+        next_labels = torch.tensor(example.labels[1:] + (IGNORE_INDEX,))  # label of token i+1 at i
+        targets[row, span] = next_labels
+        weights[row, span] = (next_labels != IGNORE_INDEX).double() * inv_tokens[task]
+        token_task[row, span] = task
+        starts.append(row * s + col)
+    ends = [starts[k] + (s if mb.padded_len is not None else mb.lengths[k]) for k in range(len(starts))]
+    segments = Segments(
+        tuple(task for task, _, _ in mb.segments),
+        tuple(starts[first] for _, first, _ in mb.segments),
+        # A padded task run covers its rows' padding too: those rows get no loss and attend only
+        # to themselves, so their adapter gradient is exactly zero, and one segment per run is
+        # cheaper than one per sequence.
+        tuple(ends[first + count - 1] - starts[first] for _, first, count in mb.segments),
+    )
+    return MicroBatchInputs(
+        ids.to(device), positions.to(device), documents.to(device), targets.to(device),
+        weights.to(device), token_task.to(device), segments,
+    )
+
+
+def stage_forward(model: nn.Module, role: RankRole, x: Tensor | None, inputs: MicroBatchInputs) -> Tensor:
+    """This rank's stage on one micro-batch: ``(B, S)`` ids or ``(B, S, H)`` activations in,
+    ``(B, S, H)`` activations or ``(B, S, V)`` logits out."""
+    inner = model.model
+    with segments_context(model, inputs.segments):
+        h = inner.embed_tokens(inputs.input_ids) if role.is_first_stage else x  # (B, S, H)
+        rotary = inner.rotary_emb(h, inputs.position_ids)  # (cos, sin), each (B, S, head_dim)
+        for index, layer in inner.layers.items():
+            h = layer(
+                h,
+                attention_mask=inputs.attention_mask(attention_window(model.config, int(index))),
+                position_ids=inputs.position_ids,
+                position_embeddings=rotary,
+            )
+        if not role.is_last_stage:
+            return h
+        return model.lm_head(inner.norm(h))  # (B, S, V)
+
+
+def token_losses(logits: Tensor, inputs: MicroBatchInputs) -> Tensor:
+    """``ℓ_i`` per token, ``(B*S,)``, in fp32 at least (bf16 logits are upcast); 0 where ignored."""
+    vocab = logits.shape[-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.view(-1, vocab), inputs.targets.view(-1), reduction="none",
+                           ignore_index=IGNORE_INDEX)
+
+
+@dataclass(frozen=True)
+class RankStepResult:
+    """What one rank measured in a step."""
+
+    task_loss: Tensor
+    """Per task, ``Σ_{i on this rank} ℓ_i / N_t`` (fp64, zeros off the last stage and off TP rank 0)."""
+    busy_s: float
+    """Wall time of this rank's forwards and backwards."""
+
+
+def run_rank_step(
+    model: nn.Module,
+    role: RankRole,
+    neighbours: Neighbours,
+    microbatches: tuple[MicroBatch, ...],
+    examples: Mapping[int, Example],
+    inv_tokens: Sequence[float],
+) -> RankStepResult:
+    """Forward and backward of the replica's micro-batches on this rank; gradients accumulate.
+
+    Args:
+        examples: global-batch position -> example, for every sequence of ``microbatches``.
+        inv_tokens: ``1 / N_t`` per task (0 for a task absent from the batch).
+    """
+    start = time.perf_counter()
+    device = neighbours.device
+    task_loss = torch.zeros(len(inv_tokens), dtype=torch.float64, device=device)
+    report_loss = role.is_last_stage and role.tp_rank == 0  # TP ranks compute the same loss: count it once
+
+    def forward(i: int, x: Tensor | None) -> Tensor:
+        mb = microbatches[i]
+        inputs = build_inputs(mb, [examples[q] for q in mb.seq_ids], inv_tokens, device)
+        out = stage_forward(model, role, x, inputs)
+        if not role.is_last_stage:
+            return out
+        weighted = token_losses(out, inputs) * inputs.weights.view(-1)  # (B*S,) fp64: ℓ_i / N_t(i)
+        if report_loss:
+            task_loss.index_add_(0, inputs.token_task.view(-1), weighted.detach())
+        return weighted.sum()
+
+    run_1f1b(microbatches, role, neighbours, forward)
+    return RankStepResult(task_loss, time.perf_counter() - start)

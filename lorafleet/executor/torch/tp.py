@@ -1,0 +1,189 @@
+"""Megatron tensor parallelism for the decoder projections and their LoRA adapters.
+
+With ``P`` TP ranks, a linear ``y = x W^T`` (``W (N, K)``) is split in one of two styles:
+
+- **column-parallel** (q, k, v, gate, up): rank ``j`` holds rows ``W_j`` of ``W`` (``N/P``
+  outputs, whole heads), computes ``y_j = x W_j^T`` and keeps it local; the next row-parallel
+  layer consumes it. The input ``x`` is replicated, so its gradient is the sum of the ranks'
+  partial gradients: operator ``f`` (identity forward, all-reduce backward).
+- **row-parallel** (o, down): rank ``j`` holds columns ``W_j`` (``K/P`` inputs), receives the
+  matching slice ``x_j`` and computes a partial sum; ``y = Σ_j x_j W_j^T``: operator ``g``
+  (all-reduce forward, identity backward). A bias is added once, on TP rank 0.
+
+An adapter ``y += s B A x`` is split so that it needs no communication of its own:
+
+- column-parallel base: ``A (r, K)`` replicated, ``B (N, r)`` sharded on its output rows:
+  ``y_j += s B_j (A x)``;
+- row-parallel base: ``A`` sharded on its input columns, ``B`` replicated:
+  ``Σ_j s B (A_j x_j) = s B (A x)``, so the adapter's partial sums ride on the base layer's
+  all-reduce ``g`` (the r-sized ``A_j x_j`` are summed inside the ``(T, N)`` one).
+
+The replicated factor of each style then gets a *partial* gradient on each TP rank
+(``dA = Σ_j s (G_j B_j)^T x`` for column, ``dB = Σ_j s G^T (A_j x_j)`` for row): the
+adapter-gradient sum over every holder (``grad_sync``) completes it. Frozen base weights need
+no gradient at all.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lorafleet.executor.torch.inject import module_suffix
+from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+
+
+class ParallelStyle(StrEnum):
+    COLUMN = "column"
+    ROW = "row"
+
+
+#: How each decoder projection is split (Megatron-LM; same names in Llama, Qwen2, Mistral).
+TP_STYLES: dict[str, ParallelStyle] = {
+    "q_proj": ParallelStyle.COLUMN,
+    "k_proj": ParallelStyle.COLUMN,
+    "v_proj": ParallelStyle.COLUMN,
+    "gate_proj": ParallelStyle.COLUMN,
+    "up_proj": ParallelStyle.COLUMN,
+    "o_proj": ParallelStyle.ROW,
+    "down_proj": ParallelStyle.ROW,
+}
+
+
+def weight_shard_dim(style: ParallelStyle) -> int:
+    """The dim of ``W (N, K)`` that is split: 0 (outputs) for column, 1 (inputs) for row."""
+    return 0 if style is ParallelStyle.COLUMN else 1
+
+
+def adapter_shard_dim(style: ParallelStyle, factor: str) -> int | None:
+    """The dim of ``lora_A (r, K)`` or ``lora_B (N, r)`` that is split; None when replicated."""
+    if factor == "lora_A":
+        return None if style is ParallelStyle.COLUMN else 1
+    if factor == "lora_B":
+        return 0 if style is ParallelStyle.COLUMN else None
+    raise ValueError(f"unknown adapter factor {factor!r}")
+
+
+def shard(t: Tensor, dim: int | None, tp_rank: int, tp_size: int) -> Tensor:
+    """Rank ``tp_rank``'s contiguous slice of ``t`` along ``dim`` (a copy); the whole when dim is None."""
+    if dim is None:
+        return t.detach().clone()
+    size = t.shape[dim]
+    if size % tp_size:
+        raise ValueError(f"dim {dim} of size {size} does not split over {tp_size} TP ranks")
+    step = size // tp_size
+    return t.detach().narrow(dim, tp_rank * step, step).clone()
+
+
+class _CopyToTP(torch.autograd.Function):
+    """``f``: identity forward; the backward sums the partial input gradients of the TP ranks."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """``g``: all-reduce forward (partial sums -> full output); identity backward."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, group: dist.ProcessGroup) -> Tensor:
+        y = y.contiguous()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def _sliced_linear(linear: nn.Linear, style: ParallelStyle, tp_rank: int, tp_size: int) -> nn.Linear:
+    """A frozen ``nn.Linear`` holding this rank's slice of ``linear``."""
+    dim = weight_shard_dim(style)
+    weight = shard(linear.weight, dim, tp_rank, tp_size)
+    bias = None
+    if linear.bias is not None and (style is ParallelStyle.COLUMN or tp_rank == 0):
+        # Row-parallel: the bias is added once (on rank 0) before the all-reduce sums the ranks.
+        bias = shard(linear.bias, 0, tp_rank, tp_size) if style is ParallelStyle.COLUMN else linear.bias.detach().clone()
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(weight)
+        if bias is not None:
+            out.bias.copy_(bias)
+    return out.requires_grad_(False)
+
+
+def _shard_module(module: nn.Module, style: ParallelStyle, tp_rank: int, tp_size: int) -> nn.Module:
+    """This rank's part of a projection: a sliced ``nn.Linear``, or a MultiLoraLinear whose base
+    and adapters are sliced in place (so module and parameter names stay the model's own)."""
+    if isinstance(module, MultiLoraLinear):
+        module.base_layer = _sliced_linear(module.base_layer, style, tp_rank, tp_size)
+        for factor in ("lora_A", "lora_B"):
+            weights: nn.ParameterDict = getattr(module, factor)
+            dim = adapter_shard_dim(style, factor)
+            for key in list(weights.keys()):
+                weights[key] = nn.Parameter(shard(weights[key], dim, tp_rank, tp_size))
+        return module
+    if isinstance(module, nn.Linear):
+        return _sliced_linear(module, style, tp_rank, tp_size)
+    raise TypeError(f"cannot tensor-parallelise a {type(module).__name__}")
+
+
+def _input_hook(group: dist.ProcessGroup):
+    """A forward pre-hook applying ``f`` to a block's input (positional or ``hidden_states=``)."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        if args:
+            return (_CopyToTP.apply(args[0], group), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": _CopyToTP.apply(kwargs["hidden_states"], group)}
+
+    return hook
+
+
+def _output_hook(group: dist.ProcessGroup):
+    """A forward hook applying ``g`` to a row-parallel projection's partial output."""
+
+    def hook(module: nn.Module, args: tuple, output: Tensor) -> Tensor:
+        return _ReduceFromTP.apply(output, group)
+
+    return hook
+
+
+def parallelize_tensor(model: nn.Module, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None) -> list[str]:
+    """Shards every decoder projection of ``model`` in place for TP rank ``tp_rank`` of ``tp_size``.
+
+    ``f`` is applied once per block (attention, MLP), on the block's input, not once per
+    projection: q, k and v share one input, so one all-reduce of its gradient serves all three.
+
+    Returns:
+        The names of the sharded projections.
+    """
+    names = [name for name, _ in model.named_modules() if module_suffix(name) in TP_STYLES]
+    if tp_size == 1:
+        return names
+    if group is None:
+        raise ValueError("tensor parallelism over more than one rank needs a process group")
+    blocks: dict[str, nn.Module] = {}
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        style = TP_STYLES[child]
+        sharded = _shard_module(getattr(parent, child), style, tp_rank, tp_size)
+        setattr(parent, child, sharded)
+        if style is ParallelStyle.COLUMN:
+            blocks[parent_name] = parent
+        else:
+            sharded.register_forward_hook(_output_hook(group))
+    for block in blocks.values():
+        block.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
+    return names

@@ -1,0 +1,256 @@
+"""The torch executor: rank 0 coordinates, every rank runs its replica's share of each step.
+
+Every rank runs the same program. Rank 0 (the coordinator) owns the data cursors and the
+training loop: it draws global batches (:meth:`TorchExecutor.next_global_batch`), has them
+dispatched, and calls :meth:`TorchExecutor.run_step`, which broadcasts the StepPlan to every
+rank (``broadcast_object_list``) and then runs rank 0's own share. The other ranks sit in
+:meth:`TorchExecutor.serve`, executing each broadcast command, until the coordinator sends
+STOP. Checkpoint saves and restores travel the same way, so every collective is entered by
+every rank in the same order.
+
+One step, on every rank (``_run_step``):
+
+1. reseed the generators from ``(seed, step, rank)`` (adapter dropout draws from them);
+2. count ``N_t``, the loss tokens of each task in the whole global batch (host, no comm.);
+3. run the replica's micro-batches, 1F1B over its stages (``step.run_rank_step``);
+4. sum adapter gradients over the holders of each piece (``grad_sync``);
+5. one world all-reduce of [loss per task | squared gradient norm per task | busy per rank];
+6. step the optimizer of every task that had sequences in the batch, clipped by its norm.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lorafleet.executor.torch.checkpoint import (
+    TrainState,
+    gather_task_states,
+    latest_step_dir,
+    load_train_state,
+    restore_task_states,
+    save_train_state,
+)
+from lorafleet.executor.torch.data_stream import DataStreams
+from lorafleet.executor.torch.multi_lora import LoraBackend
+from lorafleet.executor.torch.optim import TaskOptimizer
+from lorafleet.executor.torch.replica import build_replica
+from lorafleet.executor.torch.step import RankStepResult, run_rank_step, task_token_counts
+from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
+from lorafleet.specs.lora import LoraSpec, OptimizerSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskTraining:
+    """One task as the executor trains it."""
+
+    name: str
+    lora: LoraSpec
+    optimizer: OptimizerSpec
+    total_steps: int
+    """Optimizer steps the schedule spans (the task's ``steps``, or the run's)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutorConfig:
+    """Everything every rank must agree on to build the same fleet."""
+
+    plan: DeploymentPlan
+    tasks: tuple[TaskTraining, ...]
+    seed: int = 0
+    """Seed of the initial adapters and of every step's generators."""
+    base_model: str = ""
+    """The base model's name, written into each adapter's ``base_model_name_or_path``."""
+    lora_backend: LoraBackend = LoraBackend.AUTO
+
+
+class CommandKind(StrEnum):
+    STEP = "step"
+    SAVE = "save"
+    RESTORE = "restore"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Command:
+    """What the coordinator broadcasts; ``payload`` depends on ``kind``."""
+
+    kind: CommandKind
+    payload: Any = None
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The generator seed of one rank at one step (63 bits, from a SeedSequence)."""
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def check_step_plan(step_plan: StepPlan, batch: GlobalBatch, n_replicas: int) -> None:
+    """Every sequence of ``batch`` in exactly one micro-batch, with its task and length; ValueError otherwise.
+
+    A dropped or doubled sequence would silently change ``N_t``-normalised losses.
+    """
+    if step_plan.step != batch.step:
+        raise ValueError(f"step plan is for step {step_plan.step}, the batch for step {batch.step}")
+    if len(step_plan.work) != n_replicas:
+        raise ValueError(f"step plan has work for {len(step_plan.work)} replicas, the deployment has {n_replicas}")
+    seen = np.zeros(len(batch), dtype=np.int64)
+    for work in step_plan.work:
+        for mb in work.microbatches:
+            for q, task, length in zip(mb.seq_ids, mb.task_ids, mb.lengths, strict=True):
+                if not 0 <= q < len(batch) or task != batch.task_ids[q] or length != batch.lengths[q]:
+                    raise ValueError(f"step {batch.step}: sequence {q} does not match the global batch")
+                seen[q] += 1
+    if (seen != 1).any():
+        bad = int(np.flatnonzero(seen != 1)[0])
+        raise ValueError(f"step {batch.step}: sequence {bad} is in {int(seen[bad])} micro-batches, expected 1")
+
+
+class TorchExecutor:
+    """An :class:`~lorafleet.executor.Executor` over torch.distributed replicas (see the module doc)."""
+
+    def __init__(self, config: ExecutorConfig, model: nn.Module, streams: DataStreams, device: torch.device) -> None:
+        """Builds this rank's replica from the full ``model``. Collective: every rank calls it."""
+        self.config = config
+        self.streams = streams
+        self.device = device
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.names = tuple(t.name for t in config.tasks)
+        self.replica = build_replica(
+            model, [t.lora for t in config.tasks], config.plan, self.rank, self.world_size,
+            seed=config.seed, device=device, backend=config.lora_backend,
+        )
+        self.optimizers = [
+            TaskOptimizer(t.optimizer, self.replica.task_params(i), t.total_steps) for i, t in enumerate(config.tasks)
+        ]
+        self._pending: dict[int, GlobalBatch] = {}
+
+    # ---- coordinator (rank 0) -----------------------------------------------------------------
+
+    def next_global_batch(self, step: int) -> GlobalBatch:
+        """Draws step ``step``'s batch from the task streams and keeps it for :meth:`run_step`."""
+        batch = self._pending[step] = self.streams.next_global_batch(step)
+        return batch
+
+    def run_step(self, step_plan: StepPlan) -> StepReport:
+        """Runs a dispatched step of a batch from :meth:`next_global_batch` on every rank."""
+        batch = self._pending.pop(step_plan.step)
+        check_step_plan(step_plan, batch, len(self.config.plan.replicas))
+        payload = (step_plan, tuple(int(t) for t in batch.task_ids), tuple(int(s) for s in batch.sample_ids))
+        report = self._broadcast_and_run(Command(CommandKind.STEP, payload))
+        assert report is not None
+        return report
+
+    def save_checkpoint(self, directory: str | Path, step: int, extra: dict[str, Any] | None = None) -> Path:
+        """Commits a checkpoint after ``step`` completed steps; returns its directory."""
+        path = self._broadcast_and_run(Command(CommandKind.SAVE, (str(directory), step, extra or {})))
+        assert path is not None
+        return path
+
+    def restore_checkpoint(self, directory: str | Path) -> TrainState | None:
+        """Loads the latest committed checkpoint of ``directory`` on every rank; None when there is none.
+
+        The returned state's ``step`` is the next step to run and ``extra`` the caller's state.
+        """
+        step_dir = latest_step_dir(directory)
+        state = load_train_state(step_dir, self.names) if step_dir is not None else None
+        self._broadcast_and_run(Command(CommandKind.RESTORE, state))
+        return state
+
+    def close(self) -> None:
+        """Releases the other ranks from :meth:`serve`."""
+        self._broadcast_and_run(Command(CommandKind.STOP))
+
+    def _broadcast_and_run(self, command: Command) -> Any:
+        if self.rank != 0:
+            raise RuntimeError("only rank 0 coordinates; other ranks call serve()")
+        return self._execute(self._broadcast(command))
+
+    # ---- every other rank -----------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Executes the coordinator's commands until STOP."""
+        while (command := self._broadcast(None)).kind is not CommandKind.STOP:
+            self._execute(command)
+
+    # ---- every rank -----------------------------------------------------------------------------
+
+    def _broadcast(self, command: Command | None) -> Command:
+        box = [command]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+    def _execute(self, command: Command) -> Any:
+        if command.kind is CommandKind.STEP:
+            return self._run_step(*command.payload)
+        if command.kind is CommandKind.SAVE:
+            directory, step, extra = command.payload
+            states = gather_task_states(self.replica, self.optimizers, [t.lora for t in self.config.tasks], self.names)
+            if states is None:
+                return None
+            state = TrainState(step, states, self.streams.state_dict(), extra)
+            return save_train_state(directory, state, base_model=self.config.base_model)
+        if command.kind is CommandKind.RESTORE:
+            if command.payload is not None:
+                restore_task_states(self.replica, self.optimizers, command.payload.tasks)
+                self.streams.load_state_dict(command.payload.data)
+            return command.payload
+        return None
+
+    def _run_step(self, step_plan: StepPlan, task_ids: Sequence[int], sample_ids: Sequence[int]) -> StepReport | None:
+        start = time.perf_counter()
+        torch.manual_seed(step_seed(self.config.seed, step_plan.step, self.rank))
+        n_tasks = len(self.config.tasks)
+        examples = self.streams.examples(task_ids, sample_ids)
+        counts = task_token_counts(task_ids, examples, n_tasks)
+        inv_tokens = [1.0 / c if c else 0.0 for c in counts]
+        stepping = [t for t in range(n_tasks) if counts[t]]
+        role = self.replica.role
+        if role is None:
+            result = RankStepResult(torch.zeros(n_tasks, dtype=torch.float64), 0.0)
+        else:
+            microbatches = step_plan.work[role.replica.replica_id].microbatches
+            needed = {q: examples[q] for mb in microbatches for q in mb.seq_ids}
+            result = run_rank_step(self.replica.model, role, self.replica.neighbours, microbatches, needed, inv_tokens)
+        self.replica.grad_sync.all_reduce(stepping)
+        busy = torch.zeros(self.world_size, dtype=torch.float64)
+        busy[self.rank] = result.busy_s
+        stats = torch.cat([result.task_loss.cpu(), self.replica.grad_sync.squared_norms(n_tasks, stepping), busy])
+        stats = stats.to(self.device)
+        dist.all_reduce(stats)  # one collective for losses, norms and times
+        stats = stats.cpu()
+        for t in stepping:
+            self.optimizers[t].step(math.sqrt(float(stats[n_tasks + t])))
+        if self.rank != 0:
+            return None
+        return self._report(step_plan, stats, stepping, time.perf_counter() - start)
+
+    def _report(self, step_plan: StepPlan, stats: torch.Tensor, stepping: Sequence[int], wall_s: float) -> StepReport:
+        n_tasks = len(self.names)
+        busy = stats[2 * n_tasks :]
+        tokens = dict.fromkeys(self.names, 0)
+        padding = dict.fromkeys(self.names, 0)
+        for work in step_plan.work:
+            for mb in work.microbatches:
+                for task, length in zip(mb.task_ids, mb.lengths, strict=True):
+                    tokens[self.names[task]] += length
+                    padding[self.names[task]] += mb.padded_len - length if mb.padded_len is not None else 0
+        return StepReport(
+            step=step_plan.step,
+            replica_busy_s=tuple(float(max(busy[g] for g in r.gpus)) for r in self.replica.fleet.replicas),
+            makespan_s=wall_s,
+            task_tokens=tokens,
+            task_padding_tokens=padding,
+            losses={self.names[t]: float(stats[t]) for t in stepping},
+            estimated_makespan_s=step_plan.estimated_makespan_s,
+            dispatch_solve_s=step_plan.solve_s,
+        )

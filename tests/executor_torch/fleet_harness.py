@@ -1,0 +1,159 @@
+"""Builds fleets by hand for the executor tests: tiny model, synthetic tasks, StepPlans, gloo worlds.
+
+The dispatcher is not used: :func:`make_step_plan` places sequences on replicas by a fixed
+rule, so a test controls exactly which replica sees which task.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.data.tokenize import IGNORE_INDEX, Example
+from lorafleet.executor.torch.base_model import ModelSource, SourceKind, load_causal_lm
+from lorafleet.executor.torch.data_stream import DataStreams, TaskData
+from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
+from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaSpec, ReplicaWork, StepPlan, StepReport
+from lorafleet.specs.lora import LoraSpec, OptimizerSpec
+from lorafleet.specs.model import MODEL_PRESETS
+
+TINY = ModelSource(kind=SourceKind.RANDOM, name="tiny-llama", spec=MODEL_PRESETS["tiny-llama"], seed=0)
+VOCAB = MODEL_PRESETS["tiny-llama"].vocab
+
+#: Three tasks that differ in rank, scaling, targets and schedule.
+TASKS = (
+    TaskTraining(name="summary", lora=LoraSpec(rank=4, alpha=8), total_steps=4,
+                 optimizer=OptimizerSpec(lr=3e-4, warmup_steps=1, grad_clip=1.0)),
+    TaskTraining(name="code", lora=LoraSpec(rank=8, alpha=4, target_modules=("q_proj", "v_proj", "down_proj"),
+                                            use_rslora=True), total_steps=4,
+                 optimizer=OptimizerSpec(lr=1e-4, schedule="linear", weight_decay=0.01, grad_clip=0.05)),
+    TaskTraining(name="chat", lora=LoraSpec(rank=2, alpha=16, target_modules=("o_proj", "gate_proj", "up_proj", "k_proj")),
+                 total_steps=4, optimizer=OptimizerSpec(lr=5e-4, schedule="constant", grad_clip=0.0)),
+    # The same adapter and optimizer as "summary", other data: a mix-up of the two would pass
+    # unnoticed by shapes, only by values.
+    TaskTraining(name="summary-b", lora=LoraSpec(rank=4, alpha=8), total_steps=4,
+                 optimizer=OptimizerSpec(lr=3e-4, warmup_steps=1, grad_clip=1.0)),
+)
+BATCH_SIZES = (3, 4, 3, 2)
+
+
+def synthetic_task(name: str, n: int, lengths: tuple[int, int], seed: int) -> TaskData:
+    """``n`` random sequences with lengths in ``lengths``; the first third of each is an unlearned prompt."""
+    rng = np.random.default_rng(seed)
+    examples = []
+    for _ in range(n):
+        length = int(rng.integers(lengths[0], lengths[1] + 1))
+        ids = tuple(int(i) for i in rng.integers(3, VOCAB, length))
+        prompt = max(1, length // 3)
+        examples.append(Example(ids, (IGNORE_INDEX,) * prompt + ids[prompt:]))
+    return TaskData(name, tuple(examples))
+
+
+def synthetic_streams(batch_sizes: Sequence[int] = BATCH_SIZES, seed: int = 7) -> DataStreams:
+    """Each task's examples, lengths differing by task; the same streams in every process."""
+    lengths = [(4, 12), (10, 24), (6, 16), (4, 12)]
+    tasks = [synthetic_task(t.name, 20, lengths[i], seed + i) for i, t in enumerate(TASKS)]
+    return DataStreams(tasks, batch_sizes, seed)
+
+
+def plan_of(*replicas: tuple[int, int], max_tokens: int = 4096) -> DeploymentPlan:
+    """Replicas of the given (tp, pp), on consecutive ranks."""
+    specs, next_rank = [], 0
+    for i, (tp, pp) in enumerate(replicas):
+        specs.append(ReplicaSpec(i, ParallelConfig(tp, pp), max_tokens, tuple(range(next_rank, next_rank + tp * pp))))
+        next_rank += tp * pp
+    return DeploymentPlan(model="tiny-llama", gpu="cpu", n_gpus=next_rank, gpus_per_node=next_rank,
+                          tasks=tuple(t.name for t in TASKS), replicas=tuple(specs), bucket_boundaries=(),
+                          expected_makespan_s=0.0)
+
+
+def make_step_plan(batch: GlobalBatch, n_replicas: int, *, per_microbatch: int = 3, packed: bool = False) -> StepPlan:
+    """Sequence ``i`` goes to replica ``i mod n``; each replica's sequences, grouped by task, are cut
+    into micro-batches of ``per_microbatch`` (padded to their longest, or packed)."""
+    work = []
+    for r in range(n_replicas):
+        seqs = sorted(range(r, len(batch), n_replicas), key=lambda q: (int(batch.task_ids[q]), q))
+        mbs = []
+        for k in range(0, len(seqs), per_microbatch):
+            chunk = seqs[k : k + per_microbatch]
+            lengths = tuple(int(batch.lengths[q]) for q in chunk)
+            mbs.append(MicroBatch(tuple(chunk), tuple(int(batch.task_ids[q]) for q in chunk), lengths,
+                                  None if packed else max(lengths)))
+        work.append(ReplicaWork(r, tuple(mbs), 0.0))
+    return StepPlan(step=batch.step, bucket_boundaries=(), work=tuple(work), estimated_makespan_s=0.0)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run of a fleet: the plan, the steps, the layout of micro-batches, checkpoints."""
+
+    plan: DeploymentPlan
+    steps: int
+    packed: bool = False
+    per_microbatch: int = 3
+    seed: int = 0
+    out: str = ""
+    """Directory: the final checkpoint goes to ``out/final``."""
+    save_at: tuple[int, ...] = ()
+    """Also checkpoint into ``out/ckpt`` after these step counts."""
+    resume_from: str = ""
+    """Restore the latest checkpoint of this directory first, then run up to ``steps``."""
+    dtype: torch.dtype = torch.float32
+    """Of the base model and the adapters."""
+
+
+def train(run: Run) -> list[StepReport]:
+    """The training loop of every rank (rank 0 drives, the others serve)."""
+    config = ExecutorConfig(plan=run.plan, tasks=TASKS, seed=run.seed, base_model="tiny-llama")
+    executor = TorchExecutor(config, load_causal_lm(TINY, run.dtype), synthetic_streams(), torch.device("cpu"))
+    if dist.get_rank() != 0:
+        executor.serve()
+        return []
+    start = 0
+    if run.resume_from:
+        start = executor.restore_checkpoint(run.resume_from).step
+    reports = []
+    for step in range(start, run.steps):
+        batch = executor.next_global_batch(step)
+        plan = make_step_plan(batch, len(run.plan.replicas), per_microbatch=run.per_microbatch, packed=run.packed)
+        reports.append(executor.run_step(plan))
+        if step + 1 in run.save_at:
+            executor.save_checkpoint(Path(run.out) / "ckpt", step + 1)
+    executor.save_checkpoint(Path(run.out) / "final", run.steps)
+    executor.close()
+    return reports
+
+
+def _rank_main(rank: int, world: int, init_file: str, runs: Sequence[Run], result_file: str) -> None:
+    torch.set_num_threads(1)  # several ranks share two cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = [train(run) for run in runs]
+        if rank == 0:
+            Path(result_file).write_bytes(pickle.dumps(results))
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, runs: Sequence[Run], tmp: Path) -> list[list[StepReport]]:
+    """Runs ``runs`` one after another in one world of ``world`` gloo processes; rank 0's reports."""
+    init_file, result_file = tmp / "init", tmp / "reports.pkl"
+    for path in (init_file, result_file):
+        path.unlink(missing_ok=True)
+    # fork, not spawn: a spawned child re-imports torch, transformers and peft (~8 s each when
+    # four share two cores); a forked one starts with the test process's modules.
+    mp.start_processes(_rank_main, args=(world, str(init_file), list(runs), str(result_file)), nprocs=world,
+                       start_method="fork")
+    return pickle.loads(result_file.read_bytes())

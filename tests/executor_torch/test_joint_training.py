@@ -1,0 +1,189 @@
+"""DESIGN's central test: joint training on heterogeneous replicas == each task trained alone.
+
+One world of 4 gloo processes runs every fleet below in turn (forked once: starting a world
+costs more than the runs). The reference trains each task alone, in this process, with
+PEFT's own LoRA model on the unpadded sequences of that task in the same global batches,
+``torch.optim`` and ``clip_grad_norm_``: no code of the executor's step, TP, PP or gradient
+sum is shared with it. Following PEFT's mixed-batch test, the references are first shown
+to be far apart (so the comparisons cannot pass vacuously).
+
+Two precisions, two tolerances. In fp64 every plan matches to 1e-9: the executor computes
+the same function. In fp32 the bound is 1e-5 and the learning rates are LoRA-typical
+(1e-4 .. 5e-4), because Adam amplifies rounding: its first update is ``η g / (|g| + ε)``, so
+a gradient entry near ``ε = 1e-8`` moves by up to ``η / (4ε)`` per unit of rounding error
+(padding, packing and TP change the order of fp32 sums, hence their rounding).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
+from safetensors.torch import load_file
+from torch.nn import functional as F
+
+import fleet_harness as h
+from lorafleet.data.tokenize import IGNORE_INDEX
+from lorafleet.executor.torch.base_model import load_causal_lm
+from lorafleet.executor.torch.checkpoint import latest_step_dir
+from lorafleet.executor.torch.data_stream import loss_tokens
+from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
+from lorafleet.executor.torch.optim import build_optimizer, lr_at
+from lorafleet.executor.torch.peft_export import lora_config, peft_key
+
+STEPS = 4
+ATOL = {torch.float32: 1e-5, torch.float64: 1e-9}
+PLANS = {
+    "tp1+tp1+tp2": h.plan_of((1, 1), (1, 1), (2, 1)),
+    "pp2+tp1+tp1": h.plan_of((1, 2), (1, 1), (1, 1)),
+    "tp2pp2-packed": h.plan_of((2, 2)),
+    "tp1+pp2, rank 3 idle": h.plan_of((1, 1), (1, 2)),
+}
+
+
+def _runs(root: Path) -> dict[str, h.Run]:
+    """fp32 runs by name (with repeats and resumes), then every plan once in fp64 (``<plan> fp64``)."""
+    runs = {
+        "tp1+tp1+tp2": h.Run(PLANS["tp1+tp1+tp2"], STEPS, out=str(root / "a")),
+        "tp1+tp1+tp2 again": h.Run(PLANS["tp1+tp1+tp2"], STEPS, out=str(root / "a2")),
+        "pp2+tp1+tp1": h.Run(PLANS["pp2+tp1+tp1"], STEPS, per_microbatch=2, out=str(root / "b"), save_at=(2,)),
+        "tp2pp2-packed": h.Run(PLANS["tp2pp2-packed"], STEPS, packed=True, per_microbatch=4, out=str(root / "c")),
+        "tp1+pp2, rank 3 idle": h.Run(PLANS["tp1+pp2, rank 3 idle"], STEPS, out=str(root / "d")),
+    }
+    # Resume the pp2+tp1+tp1 run after 2 steps: on the same plan (bitwise), and on another one.
+    runs["pp2+tp1+tp1 resumed"] = h.Run(PLANS["pp2+tp1+tp1"], STEPS, per_microbatch=2, out=str(root / "b2"),
+                                        resume_from=str(root / "b" / "ckpt"))
+    runs["resumed on tp1+tp1+tp2"] = h.Run(PLANS["tp1+tp1+tp2"], STEPS, out=str(root / "b3"),
+                                           resume_from=str(root / "b" / "ckpt"))
+    for i, (name, plan) in enumerate(PLANS.items()):
+        base = runs[name]
+        runs[f"{name} fp64"] = h.Run(plan, STEPS, packed=base.packed, per_microbatch=base.per_microbatch,
+                                     out=str(root / f"fp64-{i}"), dtype=torch.float64)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """name -> (reports, {task: {peft key: tensor}}) of every run."""
+    root = tmp_path_factory.mktemp("fleet")
+    runs = _runs(root)
+    reports = h.run_world(4, list(runs.values()), root)
+    out = {}
+    for (name, run), rep in zip(runs.items(), reports, strict=True):
+        final = latest_step_dir(Path(run.out) / "final")
+        out[name] = (rep, {t.name: load_file(final / t.name / SAFETENSORS_WEIGHTS_NAME) for t in h.TASKS})
+    return out
+
+
+def _initial_adapters(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The adapters every rank starts from: all tasks injected into one model under the run's seed."""
+    model = load_causal_lm(h.TINY, dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        inject_multi_lora(model, [t.lora for t in h.TASKS])
+    return model
+
+
+def train_alone(task: int, dtype: torch.dtype, steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """Task ``task`` trained by itself with PEFT on the same global batches; its adapter by PEFT key."""
+    spec = h.TASKS[task]
+    model = peft.get_peft_model(load_causal_lm(h.TINY, dtype), lora_config(spec.lora))
+    with torch.no_grad():
+        for name, layer in multi_lora_layers(_initial_adapters(dtype)):
+            if task in layer.adapters:
+                target = model.get_submodule(f"base_model.model.{name}")
+                target.lora_A["default"].weight.copy_(layer.lora_A[str(task)])
+                target.lora_B["default"].weight.copy_(layer.lora_B[str(task)])
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(spec.optimizer, params)
+    streams = h.synthetic_streams()
+    for step in range(steps):
+        batch = streams.next_global_batch(step)
+        mine = [i for i, t in enumerate(batch.task_ids) if t == task]
+        examples = streams.examples(batch.task_ids[mine], batch.sample_ids[mine])
+        n_tokens = sum(loss_tokens(e) for e in examples)  # N_t
+        # One right-padded batch through HF's own masking (attention_mask), labels -100 on padding.
+        width = max(len(e) for e in examples)
+        ids = torch.tensor([list(e.input_ids) + [0] * (width - len(e)) for e in examples])
+        labels = torch.tensor([list(e.labels) + [IGNORE_INDEX] * (width - len(e)) for e in examples])
+        mask = torch.tensor([[1] * len(e) + [0] * (width - len(e)) for e in examples])
+        logits = model(ids, attention_mask=mask).logits  # (B, S, V)
+        ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum",
+                             ignore_index=IGNORE_INDEX)
+        (ce / n_tokens).backward()
+        if spec.optimizer.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(spec.optimizer, step, spec.total_steps)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
+
+
+@pytest.fixture(scope="module")
+def references():
+    """dtype -> task name -> reference adapter."""
+    return {dtype: {t.name: train_alone(i, dtype) for i, t in enumerate(h.TASKS)} for dtype in ATOL}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_references_are_far_apart(references):
+    """Sanity check (PEFT's): training moved every adapter, and two tasks with the same adapter
+    spec but other data end far apart, so a mix-up could not pass at either tolerance."""
+    initial = _initial_adapters()
+    fp32 = references[torch.float32]
+    for i, task in enumerate(h.TASKS):
+        start = {peft_key(name, f): getattr(layer, f)[str(i)].detach()
+                 for name, layer in multi_lora_layers(initial) if i in layer.adapters for f in ("lora_A", "lora_B")}
+        assert _max_diff(fp32[task.name], start) > 20 * ATOL[torch.float32]
+    assert _max_diff(fp32["summary"], fp32["summary-b"]) > 20 * ATOL[torch.float32]
+
+
+@pytest.mark.parametrize("run", [*PLANS, "resumed on tp1+tp1+tp2", *(f"{p} fp64" for p in PLANS)])
+def test_joint_equals_each_task_alone(fleet, references, run):
+    dtype = torch.float64 if run.endswith("fp64") else torch.float32
+    _, adapters = fleet[run]
+    for task in h.TASKS:
+        assert _max_diff(adapters[task.name], references[dtype][task.name]) <= ATOL[dtype], task.name
+
+
+def test_losses_are_each_tasks_mean_token_loss(fleet):
+    """Reported losses do not depend on the plan (float tolerance) and are plausible CE values."""
+    base = [r.losses for r in fleet["tp1+tp1+tp2"][0]]
+    for run in ("pp2+tp1+tp1", "tp2pp2-packed", "tp1+pp2, rank 3 idle"):
+        for mine, theirs in zip([r.losses for r in fleet[run][0]], base, strict=True):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[k] - theirs[k]) < 1e-4 for k in mine)
+    assert all(6.0 < loss < 7.5 for r in base for loss in r.values())  # ~ln(1024) = 6.93 on a random base
+
+
+def test_same_seed_gives_bitwise_same_adapters(fleet):
+    first, second = fleet["tp1+tp1+tp2"][1], fleet["tp1+tp1+tp2 again"][1]
+    for task in h.TASKS:
+        assert all(torch.equal(first[task.name][k], second[task.name][k]) for k in first[task.name])
+
+
+def test_resume_continues_the_exact_run(fleet):
+    """4 steps == 2 steps, checkpoint, restore in a fresh executor, 2 steps: bitwise."""
+    straight, resumed = fleet["pp2+tp1+tp1"], fleet["pp2+tp1+tp1 resumed"]
+    for task in h.TASKS:
+        assert all(torch.equal(straight[1][task.name][k], resumed[1][task.name][k]) for k in straight[1][task.name])
+    assert [r.step for r in resumed[0]] == [2, 3]
+    assert [r.losses for r in resumed[0]] == [r.losses for r in straight[0][2:]]
+
+
+def test_reports_cover_every_replica_and_token(fleet):
+    reports, _ = fleet["tp1+tp1+tp2"]
+    for report in reports:
+        assert len(report.replica_busy_s) == 3 and all(b > 0 for b in report.replica_busy_s)
+        assert report.makespan_s >= max(report.replica_busy_s)
+        assert set(report.task_tokens) == {t.name for t in h.TASKS}
+    idle, _ = fleet["tp1+pp2, rank 3 idle"]
+    assert all(len(r.replica_busy_s) == 2 for r in idle)
