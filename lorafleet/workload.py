@@ -171,7 +171,11 @@ def apply_overflow(raw: LengthDistribution, ctx: int, policy: OverflowPolicy, so
 
 def load_workload(path: str | Path) -> Workload:
     """Read, validate and resolve a workload file; every problem is an InputError."""
-    spec = _resolve_relative(read_workload_spec(path), Path(path).parent)
+    return resolve_workload(_resolve_relative(read_workload_spec(path), Path(path).parent), str(path))
+
+
+def resolve_workload(spec: WorkloadSpec, path: str) -> Workload:
+    """Resolve a validated spec (paths already absolute or relative to the cwd); ``path`` names it in errors."""
     model = resolve_model(spec.model, str(path), "model")
     tasks = []
     for i, task in enumerate(spec.tasks):

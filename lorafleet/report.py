@@ -1,0 +1,125 @@
+"""Simulation reports: PNG plots and one HTML page that shows them beside the tables."""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never a window
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lorafleet.simulate import ScheduleRun  # noqa: E402
+from lorafleet.workload import Workload  # noqa: E402
+
+Row = dict[str, object]
+
+
+def summary_rows(runs: Sequence[ScheduleRun]) -> list[Row]:
+    """One row per method: GPUs, mean and p95 step time, GPU-seconds, utilisation, padding, reduction."""
+    ours = runs[0]
+    rows = []
+    for run in runs:
+        gpu_s = float(run.gpu_seconds.mean())
+        rows.append({
+            "method": run.name,
+            "gpus": run.gpus,
+            "mean_step_s": float(run.makespan_s.mean()),
+            "p95_step_s": float(np.percentile(run.makespan_s, 95)),
+            "gpu_s_per_step": gpu_s,
+            "utilisation": run.utilisation,
+            "padding_ratio": run.padding_ratio,
+            "failures": run.failures,
+            "lorafleet_saves": 1 - float(ours.gpu_seconds.mean()) / gpu_s if run is not ours else 0.0,
+        })
+    return rows
+
+
+def _plot_makespan(runs: Sequence[ScheduleRun], out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for run in runs:
+        ax.plot(run.makespan_s, marker="o", markersize=3, label=run.name)
+    ax.set(xlabel="step", ylabel="step time (s)", title="Makespan per step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _plot_utilisation(run: ScheduleRun, out: Path) -> None:
+    phase = run.phases[0]
+    busy = np.array([r.replica_busy_s for r in phase.reports]).sum(axis=0)
+    wall = sum(r.makespan_s for r in phase.reports)
+    labels = [f"{r.replica_id}:{r.config}" for r in phase.phase.plan.replicas]
+    fig, ax = plt.subplots(figsize=(max(5, 0.45 * len(labels)), 3.5))
+    ax.bar(labels, busy / wall)
+    ax.set(ylim=(0, 1.05), ylabel="busy / wall", title=f"Utilisation per replica ({run.name})")
+    ax.tick_params(axis="x", rotation=60, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _plot_lengths(workload: Workload, boundaries: Sequence[int], out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    top = max(t.lengths.max_length for t in workload.tasks)
+    bins = np.unique(np.geomspace(1, top, 60).astype(int))
+    for task in workload.tasks:
+        d = task.lengths
+        ax.hist(d.lengths, bins=bins, weights=d.probs * task.batch_size, histtype="step", label=task.name)
+    for b in boundaries:
+        ax.axvline(b, color="grey", linewidth=0.6, linestyle=":")
+    ax.set(xscale="log", xlabel="sequence length (tokens)", ylabel="sequences per step",
+           title="Length distribution per task and the plan's bucket boundaries")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _plot_gpu_seconds(rows: Sequence[Row], out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([str(r["method"]) for r in rows], [float(r["gpu_s_per_step"]) for r in rows])
+    ax.set(ylabel="GPU-seconds per step", title="GPU-seconds by method")
+    ax.tick_params(axis="x", rotation=20, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _html_table(rows: Sequence[Row]) -> str:
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
+    def cell(v: object) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def write_report(out_dir: str | Path, workload: Workload, runs: Sequence[ScheduleRun], plan_rows: Sequence[Row]) -> Path:
+    """Plots, ``summary.json`` and ``index.html`` in ``out_dir`` (written to a temporary name, then renamed)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summary_rows(runs)
+    ours = runs[0]
+    _plot_makespan(runs, out / "makespan.png")
+    _plot_utilisation(ours, out / "utilisation.png")
+    _plot_lengths(workload, ours.phases[0].phase.plan.bucket_boundaries, out / "lengths.png")
+    _plot_gpu_seconds(rows, out / "gpu_seconds.png")
+    (out / "summary.json").write_text(json.dumps({"methods": rows, "plan": list(plan_rows)}, indent=2) + "\n")
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>lorafleet simulation: {html.escape(workload.path)}</title>
+<style>body{{font-family:sans-serif;max-width:1000px;margin:auto}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}</style></head><body>
+<h1>Simulation of {html.escape(workload.path)}</h1>
+<p>{len(workload.tasks)} tasks, {html.escape(workload.model.name)}, {ours.gpus} GPUs, {len(ours.makespan_s)} steps.</p>
+<h2>Methods</h2>{_html_table(rows)}
+<h2>lorafleet's deployment</h2>{_html_table(plan_rows)}
+<img src="gpu_seconds.png"><img src="makespan.png"><img src="utilisation.png"><img src="lengths.png">
+</body></html>
+"""
+    tmp = out / "index.html.tmp"
+    tmp.write_text(page)
+    tmp.replace(out / "index.html")
+    return out / "index.html"

@@ -1,0 +1,113 @@
+"""What-if sweeps: the workload re-planned and re-simulated under each variation.
+
+A variation changes one axis of the question "what would this cost?":
+
+- ``gpus=16,32,64``: the GPU count (same GPUs per node);
+- ``gpu=A100-40GB,H100-80GB``: the GPU kind (the analytic model of that datasheet);
+- ``model=llama2-7b,llama2-13b``: the base model;
+- ``tasks=none,+xsum,-billsum,+billsum+pubmedqa``: tasks added (a dataset preset, named
+  after it) or removed (by name); ``none`` keeps the workload's tasks;
+- ``R=4,8,16``: the dispatcher's bucket count.
+
+Several ``--vary`` options form their Cartesian product. Each point is planned with the
+same planner and simulated with the same sampled batches as ``lorafleet simulate``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from lorafleet.assemble import workload_cluster, workload_cost_model
+from lorafleet.dispatch import DispatchOptions
+from lorafleet.errors import InputError
+from lorafleet.executor.simulated import SimulationOptions
+from lorafleet.planner import PlannerOptions, plan_deployment
+from lorafleet.simulate import simulate_schedule
+from lorafleet.specs.length_presets import find_preset
+from lorafleet.specs.model import resolve_model
+from lorafleet.workload import Workload, resolve_workload
+
+AXES = ("gpus", "gpu", "model", "tasks", "R")
+
+
+@dataclass(frozen=True)
+class Variation:
+    """One axis and its values, parsed from ``AXIS=V1,V2,...``."""
+
+    axis: str
+    values: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, text: str) -> Variation:
+        axis, eq, values = text.partition("=")
+        axis = axis.strip()
+        if not eq or axis not in AXES:
+            raise InputError("<args>", "--vary", f"expected AXIS=V1,V2 with AXIS one of {', '.join(AXES)}, got {text!r}")
+        items = tuple(v.strip() for v in values.split(",") if v.strip())
+        if not items:
+            raise InputError("<args>", "--vary", f"{axis} needs at least one value")
+        if axis in ("gpus", "R") and not all(v.isdigit() and int(v) > 0 for v in items):
+            raise InputError("<args>", "--vary", f"{axis} values must be positive integers, got {values!r}")
+        return cls(axis, items)
+
+
+def _edit_tasks(workload: Workload, edit: str) -> Workload:
+    """``+preset`` adds a task from a dataset preset, ``-name`` removes one; ``none`` changes nothing."""
+    if edit == "none":
+        return workload
+    if not re.fullmatch(r"([+-][^+-]+)+", edit):
+        raise InputError("<args>", "--vary", f"tasks: cannot apply {edit!r} (write none, +preset or -name)")
+    tasks = list(workload.spec.tasks)
+    for sign, name in re.findall(r"([+-])([^+-]+)", edit):
+        if sign == "-":
+            if not any(t.name == name for t in tasks):
+                raise InputError("<args>", "--vary", f"tasks: no task named {name!r} to remove")
+            tasks = [t for t in tasks if t.name != name]
+        else:
+            if find_preset(name) is None:
+                raise InputError("<args>", "--vary", f"tasks: unknown dataset preset {name!r}")
+            template = tasks[0] if tasks else None
+            new = {"name": name, "preset": name}
+            if template is not None:
+                new |= {"lora": template.lora, "optimizer": template.optimizer}
+            tasks.append(type(workload.spec.tasks[0]).model_validate(new))
+    if not tasks:
+        raise InputError("<args>", "--vary", f"tasks: {edit!r} removes every task")
+    return resolve_workload(workload.spec.model_copy(update={"tasks": tuple(tasks)}), workload.path)
+
+
+def _point(workload: Workload, point: dict[str, str]) -> tuple[Workload, dict]:
+    """The workload and the planner/cluster arguments of one sweep point."""
+    if "model" in point:
+        resolve_model(point["model"], "<args>", "--vary")
+        workload = resolve_workload(workload.spec.model_copy(update={"model": point["model"]}), workload.path)
+    if "tasks" in point:
+        workload = _edit_tasks(workload, point["tasks"])
+    gpus = int(point["gpus"]) if "gpus" in point else None
+    return workload, {"gpus": gpus, "gpu": point.get("gpu"), "n_buckets": int(point.get("R", 16))}
+
+
+def sweep(workload: Workload, variations: Sequence[Variation], steps: int = 8, profile: str | None = None,
+          sim: SimulationOptions = SimulationOptions()) -> list[dict[str, object]]:
+    """One row per (sweep point, method): mean step time and GPU-seconds per step, simulated over ``steps``."""
+    rows = []
+    for values in itertools.product(*(v.values for v in variations)):
+        point = dict(zip((v.axis for v in variations), values, strict=True))
+        varied, args = _point(workload, point)
+        cluster = workload_cluster(varied, args["gpus"], args["gpu"])
+        cost_model = workload_cost_model(varied, cluster, profile)
+        options = PlannerOptions(n_buckets=args["n_buckets"])
+        result = plan_deployment(varied, cluster, cost_model, options)
+        lorafleet = result.schedule
+        policy = replace(lorafleet.phases[0].policy, options=DispatchOptions(n_buckets=args["n_buckets"]))
+        lorafleet = replace(lorafleet, phases=(replace(lorafleet.phases[0], policy=policy),))
+        for schedule in (lorafleet, *result.baselines):
+            run = simulate_schedule(varied, schedule, cost_model, steps, sim)
+            rows.append({**{f"vary_{k}": v for k, v in point.items()}, "gpus_total": cluster.n_gpus, "gpu_kind": cluster.gpu, "model": varied.model.name,
+                         "tasks": len(varied.tasks), "method": schedule.name, "plan": schedule.phases[0].plan.describe()
+                         if len(schedule.phases) == 1 else f"{len(schedule.phases)} phases",
+                         "step_s": float(run.makespan_s.mean()), "gpu_s_per_step": float(run.gpu_seconds.mean())})
+    return rows
