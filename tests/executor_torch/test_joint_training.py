@@ -67,14 +67,14 @@ def _runs(root: Path) -> dict[str, h.Run]:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """name -> (reports, {task: {peft key: tensor}}) of every run."""
+    """name -> (reports, {task: {peft key: tensor}}, final checkpoint directory) of every run."""
     root = tmp_path_factory.mktemp("fleet")
     runs = _runs(root)
     reports = h.run_world(4, list(runs.values()), root)
     out = {}
     for (name, run), rep in zip(runs.items(), reports, strict=True):
         final = latest_step_dir(Path(run.out) / "final")
-        out[name] = (rep, {t.name: load_file(final / t.name / SAFETENSORS_WEIGHTS_NAME) for t in h.TASKS})
+        out[name] = (rep, {t.name: load_file(final / t.name / SAFETENSORS_WEIGHTS_NAME) for t in h.TASKS}, final)
     return out
 
 
@@ -149,7 +149,7 @@ def test_references_are_far_apart(references):
 @pytest.mark.parametrize("run", [*PLANS, "resumed on tp1+tp1+tp2", *(f"{p} fp64" for p in PLANS)])
 def test_joint_equals_each_task_alone(fleet, references, run):
     dtype = torch.float64 if run.endswith("fp64") else torch.float32
-    _, adapters = fleet[run]
+    _, adapters, _ = fleet[run]
     for task in h.TASKS:
         assert _max_diff(adapters[task.name], references[dtype][task.name]) <= ATOL[dtype], task.name
 
@@ -180,10 +180,21 @@ def test_resume_continues_the_exact_run(fleet):
 
 
 def test_reports_cover_every_replica_and_token(fleet):
-    reports, _ = fleet["tp1+tp1+tp2"]
+    reports = fleet["tp1+tp1+tp2"][0]
     for report in reports:
         assert len(report.replica_busy_s) == 3 and all(b > 0 for b in report.replica_busy_s)
         assert report.makespan_s >= max(report.replica_busy_s)
         assert set(report.task_tokens) == {t.name for t in h.TASKS}
-    idle, _ = fleet["tp1+pp2, rank 3 idle"]
+    idle = fleet["tp1+pp2, rank 3 idle"][0]
     assert all(len(r.replica_busy_s) == 2 for r in idle)
+
+
+
+def test_checkpointed_adapters_load_in_peft(fleet):
+    """The final checkpoint of a TP2 x PP2 run holds whole adapters that PeftModel loads as they are."""
+    _, adapters, final = fleet["tp2pp2-packed"]
+    for task in h.TASKS:
+        model = peft.PeftModel.from_pretrained(load_causal_lm(h.TINY), final / task.name)
+        loaded = peft.get_peft_model_state_dict(model)
+        assert loaded.keys() == adapters[task.name].keys()
+        assert all(torch.equal(loaded[k], adapters[task.name][k]) for k in loaded)

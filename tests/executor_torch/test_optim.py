@@ -1,0 +1,47 @@
+"""Per-task learning-rate schedules, clipping and optimizer steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lorafleet.executor.torch.optim import TaskOptimizer, clip_coefficient, lr_at
+from lorafleet.specs.lora import OptimizerSpec
+
+
+def test_warmup_then_cosine_to_the_floor():
+    spec = OptimizerSpec(lr=1.0, warmup_steps=3, schedule="cosine", min_lr_ratio=0.1)
+    lrs = [lr_at(spec, s, total_steps=10) for s in range(10)]
+    assert lrs[:3] == pytest.approx([0.25, 0.5, 0.75])
+    assert lrs[3] == pytest.approx(1.0) and lrs[-1] == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert lrs[6] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+
+
+@pytest.mark.parametrize("schedule,last", [("linear", 0.0), ("constant", 1.0)])
+def test_linear_and_constant(schedule, last):
+    spec = OptimizerSpec(lr=1.0, schedule=schedule)
+    assert lr_at(spec, 0, 5) == 1.0 and lr_at(spec, 4, 5) == pytest.approx(last)
+    assert lr_at(spec, 7, 5) == pytest.approx(last)  # past the end: stays at the floor
+
+
+def test_clip_coefficient_matches_torch():
+    grads = [torch.randn(4, 5, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    norm = float(torch.cat([g.flatten() for g in grads]).norm())
+    params = [torch.nn.Parameter(torch.zeros(4, 5)) for _ in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    assert torch.allclose(params[0].grad, grads[0] * clip_coefficient(0.5, norm))
+    assert clip_coefficient(100.0, norm) == 1.0 and clip_coefficient(0.0, norm) == 1.0
+
+
+def test_a_zero_gradient_still_steps_adamw():
+    """A rank that saw none of a task's sequences steps with a zero gradient, like the reference."""
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer = TaskOptimizer(OptimizerSpec(lr=0.1, weight_decay=0.5, schedule="constant"), [p], total_steps=2)
+    assert optimizer.step(grad_norm=0.0) == 0.1
+    assert torch.allclose(p.detach(), torch.full((3,), 1 - 0.1 * 0.5)) and p.grad is None
+    assert optimizer.steps_taken == 1

@@ -1,0 +1,98 @@
+"""Micro-batch tensors, attention masks, and one stage's forward against the HF model's own."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import MistralConfig, Qwen2Config
+
+import fleet_harness as h
+from lorafleet.data.tokenize import IGNORE_INDEX
+from lorafleet.executor.torch.base_model import load_causal_lm
+from lorafleet.executor.torch.data_stream import loss_tokens
+from lorafleet.executor.torch.inject import adapter_parameters, inject_multi_lora, segments_context
+from lorafleet.executor.torch.layout import FleetLayout, ModelDims
+from lorafleet.executor.torch.multi_lora import Segments
+from lorafleet.executor.torch.pipeline import split_for_pipeline
+from lorafleet.executor.torch.step import attention_window, build_inputs, stage_forward
+from lorafleet.plans import MicroBatch
+
+STREAMS = h.synthetic_streams()
+BATCH = STREAMS.next_global_batch(0)
+EXAMPLES = STREAMS.examples(BATCH.task_ids, BATCH.sample_ids)
+ROWS = (3, 4, 7, 10)  # tasks 1, 1, 2, 3: contiguous by task
+
+
+def _microbatch(packed: bool) -> MicroBatch:
+    lengths = tuple(int(BATCH.lengths[q]) for q in ROWS)
+    return MicroBatch(ROWS, tuple(int(BATCH.task_ids[q]) for q in ROWS), lengths, None if packed else max(lengths) + 2)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_targets_weights_and_segments(packed):
+    mb = _microbatch(packed)
+    inv = [0.0, 1 / 11, 1 / 13, 1 / 17]
+    inputs = build_inputs(mb, [EXAMPLES[q] for q in ROWS], inv, torch.device("cpu"))
+    b, s = (1, sum(mb.lengths)) if packed else (4, mb.padded_len)
+    assert inputs.input_ids.shape == (b, s)
+    for task in (1, 2, 3):  # each task's weights add up to its loss tokens / N_t
+        want = sum(loss_tokens(EXAMPLES[q]) for q in ROWS if BATCH.task_ids[q] == task) * inv[task]
+        assert float(inputs.weights[inputs.token_task == task].sum()) == pytest.approx(want)
+    assert ((inputs.targets == IGNORE_INDEX) == (inputs.weights == 0)).all()
+    first = EXAMPLES[ROWS[0]]  # the target at position i is the label of token i + 1
+    assert inputs.targets.view(-1)[: len(first) - 1].tolist() == list(first.labels[1:])
+    seg = inputs.segments
+    assert seg.adapter_ids == (1, 2, 3)
+    if packed:
+        assert seg == Segments.packed((1, 2, 3), (mb.lengths[0] + mb.lengths[1], mb.lengths[2], mb.lengths[3]))
+    else:
+        assert seg.starts == (0, 2 * s, 3 * s) and seg.lengths == (2 * s, s, s)
+
+
+def test_attention_stays_inside_each_sequence():
+    inputs = build_inputs(_microbatch(True), [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
+    mask = inputs.attention_mask(None)[0, 0]  # (S, S)
+    n0 = len(EXAMPLES[ROWS[0]])
+    assert mask[n0 - 1, : n0].all() and not mask[n0, :n0].any() and mask[n0, n0]
+    assert not mask.triu(1).any()  # causal
+    windowed = inputs.attention_mask(3)[0, 0]
+    assert windowed.sum(-1).max() == 3
+    padded = build_inputs(_microbatch(False), [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
+    pad_row = padded.attention_mask(None)[0, 0, -1]  # a padding token attends only to itself
+    assert pad_row.sum() == 1 and pad_row[-1]
+
+
+def test_attention_windows_by_family():
+    assert attention_window(load_causal_lm(h.TINY).config, 0) is None
+    assert attention_window(MistralConfig(sliding_window=16), 0) == 16
+    qwen = Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert [attention_window(qwen, i) for i in range(2)] == [None, 8]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_stage_forward_equals_the_hf_model(packed):
+    """A whole-model stage with random adapters gives, row for row, the logits of the HF model run
+    one sequence at a time with that sequence's adapter."""
+    model = load_causal_lm(h.TINY, torch.float64)
+    inject_multi_lora(model, [t.lora for t in h.TASKS])
+    with torch.no_grad():
+        for p in adapter_parameters(model):
+            p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    reference = copy.deepcopy(model)
+    role = FleetLayout.of(h.plan_of((1, 1)), ModelDims.of(model.config), 1).role(0)
+    split_for_pipeline(model, role)
+    mb = _microbatch(packed)
+    inputs = build_inputs(mb, [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
+    with torch.no_grad():
+        logits = stage_forward(model, role, None, inputs)
+        offset = 0
+        for k, q in enumerate(ROWS):
+            ids = torch.tensor([EXAMPLES[q].input_ids])
+            with segments_context(reference, Segments.packed([int(BATCH.task_ids[q])], [ids.numel()])):
+                want = reference(ids).logits[0]
+            n = ids.numel()
+            got = logits[0, offset : offset + n] if packed else logits[k, :n]
+            offset += n
+            assert (got - want).abs().max() < 1e-12
