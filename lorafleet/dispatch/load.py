@@ -14,8 +14,9 @@ rows, so its 1F1B time (Eq. 12) is exactly::
     T_i = o_i + sum_j [ alpha_ij * n_ij + beta_ij * ceil(n_ij / b_ij) ]
               + (pp_i - 1) * max_{j: n_ij > 0} ( alpha_ij * min(n_ij, b_ij) + beta_ij )
 
-with o_i the per-step overhead. alpha and beta are read off the cost model as
-t(1, s) and t(2, s) - t(1, s). In packing mode alpha_ij is the mean per-sequence time of
+with o_i the per-step overhead (charged even to an idle class: an upper bound). alpha and
+beta are read off the cost model: alpha = t(2, s) - t(1, s), beta = 2 t(1, s) - t(2, s). In
+packing mode alpha_ij is the mean per-sequence time of
 the bucket's actual lengths, beta_ij the per-micro-batch constant at the boundary, and
 b_ij = floor(M / mean length): an estimate of how densely the bucket packs.
 """

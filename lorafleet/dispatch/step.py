@@ -75,12 +75,12 @@ def choose_buckets(
     """
     barriers = sorted({c.max_tokens for c in classes})
     present = np.unique(np.searchsorted(barriers, batch.lengths, side="left")).size
-    options_by_count = optimal_buckets_by_count(batch.lengths, max(options.n_buckets, present),
-                                                alignment=options.bucket_alignment, barriers=barriers)
+    candidates = optimal_buckets_by_count(batch.lengths, max(options.n_buckets, present),
+                                          alignment=options.bucket_alignment, barriers=barriers)
     if not options.choose_buckets_by_makespan:
-        options_by_count = options_by_count[-1:]
+        candidates = candidates[-1:]
     best = None
-    for bucketing in options_by_count:
+    for bucketing in candidates:
         bucket = bucket_of(batch.lengths, bucketing.boundaries)
         load = build_load_model(classes, cost_model, np.array(bucketing.boundaries), batch.lengths, bucket,
                                 options.microbatch_mode)
