@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     table = Table(title=f"{args.steps} simulated steps of {workload.path}")
     rows = summary_rows(runs)
     for column in rows[0]:
-        table.add_column(column, justify="left" if column == "method" else "right")
+        table.add_column(column, justify="left" if column == "method" else "right", no_wrap=column == "method")
     for row in rows:
         table.add_row(*[f"{v:.3f}" if isinstance(v, float) and k != "lorafleet_saves" else
                         (f"{v:.1%}" if k == "lorafleet_saves" else str(v)) for k, v in row.items()])
