@@ -26,14 +26,14 @@ MODULE = "model.layers.0.self_attn.q_proj"
 def _state(step: int, value: float) -> TrainState:
     weights = {(MODULE, "lora_A"): torch.full((2, 64), value), (MODULE, "lora_B"): torch.full((64, 2), -value)}
     moments = {(MODULE, "lora_A", "exp_avg"): torch.full((2, 64), value / 2), (MODULE, "lora_A", "step"): torch.tensor(3.0)}
-    return TrainState(step, (TaskState("t", SPEC, weights, moments, optimizer_steps=step),), {"cursors": [step]},
+    return TrainState(step, (TaskState("t", SPEC, weights, moments, optimizer_steps=step),), {"step": step, "cursors": [step]},
                       {"dispatch": "state"})
 
 
 def test_round_trip(tmp_path):
     save_train_state(tmp_path, _state(2, 0.5), base_model="tiny-llama")
     loaded = load_train_state(latest_step_dir(tmp_path), ["t"])
-    assert loaded.step == 2 and loaded.data == {"cursors": [2]} and loaded.extra == {"dispatch": "state"}
+    assert loaded.step == 2 and loaded.data == {"step": 2, "cursors": [2]} and loaded.extra == {"dispatch": "state"}
     (task,) = loaded.tasks
     assert task.spec == SPEC and task.optimizer_steps == 2
     assert torch.equal(task.weights[(MODULE, "lora_B")], torch.full((64, 2), -0.5))

@@ -12,7 +12,7 @@ from lorafleet.specs.workload import OverflowPolicy
 
 
 def _batches(streams: DataStreams, steps: range) -> list:
-    return [streams.next_global_batch(s) for s in steps]
+    return [streams.global_batch(s) for s in steps]
 
 
 def test_same_seed_same_batches_and_another_seed_others():
@@ -32,23 +32,31 @@ def test_every_example_once_per_epoch():
     assert [stream.example_index(k) for k in range(n)] != [stream.example_index(k) for k in range(n, 2 * n)]
 
 
-def test_resume_from_cursors_continues_the_same_batches():
+def test_batches_are_a_function_of_the_step():
+    """Drawn in any order (a look-ahead, a resume), a step's batch is the same; cursors advance by it."""
     straight = _batches(h.synthetic_streams(), range(6))
-    first = h.synthetic_streams()
-    _batches(first, range(3))
-    resumed = h.synthetic_streams()
-    resumed.load_state_dict(first.state_dict())
-    for x, y in zip(straight[3:], _batches(resumed, range(3, 6)), strict=True):
+    jumping = h.synthetic_streams()
+    for x, y in zip(straight[::-1], _batches(jumping, range(5, -1, -1)), strict=True):
         assert np.array_equal(x.task_ids, y.task_ids) and np.array_equal(x.sample_ids, y.sample_ids)
+    assert jumping.cursors(3) == [3 * b for b in h.BATCH_SIZES]
+    assert straight[3].sample_ids[0] == jumping.cursors(3)[0]
+
+
+def test_a_resume_on_changed_data_is_refused():
+    state = h.synthetic_streams().state_dict(3)
+    h.synthetic_streams().check_state(state)
+    with pytest.raises(ValueError, match="the data changed"):
+        h.synthetic_streams(batch_sizes=(3, 4, 3, 3)).check_state(state)
 
 
 def test_a_task_leaves_after_its_batches_and_the_stream_ends():
     tasks = [s.data for s in h.synthetic_streams().streams[:2]]
     streams = DataStreams(tasks, (2, 3), seed=0, max_batches=(1, 2))
-    assert np.bincount(streams.next_global_batch(0).task_ids).tolist() == [2, 3]
-    assert set(streams.next_global_batch(1).task_ids.tolist()) == {1}
+    assert np.bincount(streams.global_batch(0).task_ids).tolist() == [2, 3]
+    assert set(streams.global_batch(1).task_ids.tolist()) == {1}
+    assert streams.cursors(5) == [2, 6]
     with pytest.raises(StopIteration):
-        streams.next_global_batch(2)
+        streams.global_batch(2)
 
 
 def _example(n_prompt: int, n_reply: int) -> Example:
@@ -69,7 +77,7 @@ def test_overflow_policies_are_counted_never_silent():
 
 def test_batches_count_truncated_sequences():
     data = apply_overflow("t", [_example(1, 10), _example(1, 3)], 6, OverflowPolicy.TRUNCATE)
-    batch = DataStreams([data], (2,), seed=0).next_global_batch(0)
+    batch = DataStreams([data], (2,), seed=0).global_batch(0)
     assert batch.truncated == 1 and sorted(batch.lengths.tolist()) == [4, 6]
 
 

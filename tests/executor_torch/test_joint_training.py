@@ -101,7 +101,7 @@ def train_alone(task: int, dtype: torch.dtype, steps: int = STEPS) -> dict[str, 
     optimizer = build_optimizer(spec.optimizer, params)
     streams = h.synthetic_streams()
     for step in range(steps):
-        batch = streams.next_global_batch(step)
+        batch = streams.global_batch(step)
         mine = [i for i, t in enumerate(batch.task_ids) if t == task]
         examples = streams.examples(batch.task_ids[mine], batch.sample_ids[mine])
         n_tokens = sum(loss_tokens(e) for e in examples)  # N_t

@@ -20,7 +20,7 @@ from lorafleet.executor.torch.step import attention_window, build_inputs, stage_
 from lorafleet.plans import MicroBatch
 
 STREAMS = h.synthetic_streams()
-BATCH = STREAMS.next_global_batch(0)
+BATCH = STREAMS.global_batch(0)
 EXAMPLES = STREAMS.examples(BATCH.task_ids, BATCH.sample_ids)
 ROWS = (3, 4, 7, 10)  # tasks 1, 1, 2, 3: contiguous by task
 

@@ -71,7 +71,7 @@ class TrainState:
     """Steps completed: the next step to run."""
     tasks: tuple[TaskState, ...]
     data: dict[str, Any]
-    """``DataStreams.state_dict()``."""
+    """``DataStreams.state_dict(step)``: cursors and example counts, checked on resume."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The caller's JSON-serialisable state (the training loop's, the dispatcher's)."""
 

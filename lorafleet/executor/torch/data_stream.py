@@ -9,9 +9,12 @@ examples in the order of a permutation drawn from ``(seed, t, e)``. Stream posit
 a pure function: any rank can look up any sample without state, and a sample id in a
 :class:`~lorafleet.plans.GlobalBatch` names one example on every machine.
 
-**Cursor.** The only state is, per task, the next sample id. A global batch takes each
-active task's next ``batch_size`` ids and advances its cursor; a checkpoint stores the
-cursors, so a resumed run continues with exactly the batches it would have drawn.
+**Cursor.** Per task, the next sample id. Task ``t`` takes its next ``batch_size_t`` ids in
+every global batch until it has taken ``max_batches_t`` batches, so its cursor before step
+``s`` is ``min(s, max_batches_t) * batch_size_t``, and the global batch of any step is a pure
+function of the step: a dispatcher may draw step ``s + 1`` ahead while step ``s`` runs, and a
+resumed run draws exactly the batches the uninterrupted one would have. A checkpoint records
+the cursors, and a resume checks that the data still yields them (:meth:`DataStreams.check_state`).
 
 **Overflow.** Examples longer than the task's context length are truncated or rejected by
 its policy when the data is prepared (:func:`prepare_task_data`); examples with no token to
@@ -115,7 +118,7 @@ class TaskStream:
 
 
 class DataStreams:
-    """Every task's stream plus the cursors: draws global batches, saves and restores its position."""
+    """Every task's stream: the global batch of any step, and the cursors to check a resume by."""
 
     def __init__(self, tasks: Sequence[TaskData], batch_sizes: Sequence[int], seed: int,
                  max_batches: Sequence[int | None] | None = None) -> None:
@@ -132,31 +135,35 @@ class DataStreams:
         self.streams = tuple(TaskStream(i, data, seed) for i, data in enumerate(tasks))
         self.batch_sizes = tuple(int(b) for b in batch_sizes)
         self.max_batches = tuple(max_batches) if max_batches is not None else (None,) * len(tasks)
-        self.cursors = [0] * len(tasks)
-        """Per task, the next sample id."""
 
-    def active(self, task_index: int) -> bool:
-        """Whether the task still takes part in global batches."""
+    def batches_taken(self, task_index: int, step: int) -> int:
+        """Global batches task ``task_index`` took part in before step ``step``."""
         limit = self.max_batches[task_index]
-        return limit is None or self.cursors[task_index] // self.batch_sizes[task_index] < limit
+        return step if limit is None else min(step, limit)
 
-    def next_global_batch(self, step: int) -> GlobalBatch:
-        """Step ``step``'s batch: each active task's next ``batch_size`` samples, grouped by task."""
+    def cursors(self, step: int) -> list[int]:
+        """Per task, the next sample id before step ``step``."""
+        return [self.batches_taken(t, step) * b for t, b in enumerate(self.batch_sizes)]
+
+    def global_batch(self, step: int) -> GlobalBatch:
+        """Step ``step``'s batch: each active task's next ``batch_size`` samples, grouped by task.
+
+        Raises:
+            StopIteration: every task has taken all its batches.
+        """
         task_ids, sample_ids, lengths = [], [], []
         truncated = 0
-        for t, stream in enumerate(self.streams):
-            if not self.active(t):
-                continue
-            ids = range(self.cursors[t], self.cursors[t] + self.batch_sizes[t])
-            self.cursors[t] = ids.stop
-            for sample_id in ids:
+        for t, (stream, start) in enumerate(zip(self.streams, self.cursors(step), strict=True)):
+            if self.batches_taken(t, step + 1) == self.batches_taken(t, step):
+                continue  # the task has taken its batches
+            for sample_id in range(start, start + self.batch_sizes[t]):
                 index = stream.example_index(sample_id)
                 truncated += index in stream.data.truncated_ids
                 task_ids.append(t)
                 sample_ids.append(sample_id)
                 lengths.append(len(stream.data.examples[index]))
         if not task_ids:
-            raise StopIteration("every task has taken all its batches")
+            raise StopIteration(f"every task has taken all its batches before step {step}")
         return GlobalBatch(
             step=step,
             task_ids=np.asarray(task_ids, dtype=np.int64),
@@ -169,11 +176,14 @@ class DataStreams:
         """The examples behind a batch's (task, sample id) pairs."""
         return [self.streams[int(t)].example(int(s)) for t, s in zip(task_ids, sample_ids, strict=True)]
 
-    def state_dict(self) -> dict[str, list[int]]:
-        return {"cursors": list(self.cursors)}
+    def state_dict(self, step: int) -> dict[str, Any]:
+        """What a checkpoint after ``step`` completed steps records of the data."""
+        return {"step": step, "cursors": self.cursors(step), "examples": [len(s.data.examples) for s in self.streams]}
 
-    def load_state_dict(self, state: Mapping[str, Sequence[int]]) -> None:
-        cursors = [int(c) for c in state["cursors"]]
-        if len(cursors) != len(self.streams):
-            raise ValueError(f"checkpoint has cursors for {len(cursors)} tasks, the run has {len(self.streams)}")
-        self.cursors = cursors
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """ValueError unless this data, at the checkpoint's step, is where the checkpoint left it
+        (same tasks, example counts and batch sizes: otherwise the batches would silently differ)."""
+        now = self.state_dict(int(state["step"]))
+        for key in ("examples", "cursors"):
+            if list(state[key]) != now[key]:
+                raise ValueError(f"the data changed since the checkpoint: {key} {list(state[key])} then, {now[key]} now")

@@ -1,8 +1,8 @@
 """The torch executor: rank 0 coordinates, every rank runs its replica's share of each step.
 
-Every rank runs the same program. Rank 0 (the coordinator) owns the data cursors and the
-training loop: it draws global batches (:meth:`TorchExecutor.next_global_batch`), has them
-dispatched, and calls :meth:`TorchExecutor.run_step`, which broadcasts the StepPlan to every
+Every rank runs the same program. Rank 0 (the coordinator) runs the training loop: it
+draws global batches (:meth:`TorchExecutor.next_global_batch`, a pure function of the step,
+so a dispatcher may draw the next one ahead), has them dispatched, and calls :meth:`TorchExecutor.run_step`, which broadcasts the StepPlan to every
 rank (``broadcast_object_list``) and then runs rank 0's own share. The other ranks sit in
 :meth:`TorchExecutor.serve`, executing each broadcast command, until the coordinator sends
 STOP. Checkpoint saves and restores travel the same way, so every collective is entered by
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lorafleet.errors import InputError
 from lorafleet.executor.torch.checkpoint import (
     TrainState,
     gather_task_states,
@@ -137,8 +138,9 @@ class TorchExecutor:
     # ---- coordinator (rank 0) -----------------------------------------------------------------
 
     def next_global_batch(self, step: int) -> GlobalBatch:
-        """Draws step ``step``'s batch from the task streams and keeps it for :meth:`run_step`."""
-        batch = self._pending[step] = self.streams.next_global_batch(step)
+        """Step ``step``'s batch from the task streams, kept for :meth:`run_step` (thread-safe: a
+        look-ahead dispatcher calls it for step + 1 while step runs)."""
+        batch = self._pending[step] = self.streams.global_batch(step)
         return batch
 
     def run_step(self, step_plan: StepPlan) -> StepReport:
@@ -163,6 +165,11 @@ class TorchExecutor:
         """
         step_dir = latest_step_dir(directory)
         state = load_train_state(step_dir, self.names) if step_dir is not None else None
+        if state is not None:
+            try:
+                self.streams.check_state(state.data)
+            except ValueError as err:
+                raise InputError(str(step_dir), "data", str(err)) from None
         self._broadcast_and_run(Command(CommandKind.RESTORE, state))
         return state
 
@@ -197,12 +204,11 @@ class TorchExecutor:
             states = gather_task_states(self.replica, self.optimizers, [t.lora for t in self.config.tasks], self.names)
             if states is None:
                 return None
-            state = TrainState(step, states, self.streams.state_dict(), extra)
+            state = TrainState(step, states, self.streams.state_dict(step), extra)
             return save_train_state(directory, state, base_model=self.config.base_model)
         if command.kind is CommandKind.RESTORE:
             if command.payload is not None:
                 restore_task_states(self.replica, self.optimizers, command.payload.tasks)
-                self.streams.load_state_dict(command.payload.data)
             return command.payload
         return None
 
