@@ -11,8 +11,9 @@ degree, model and GPU. Per block, per device, for a micro-batch of b sequences o
     projections c3 b s   : (4 P + 6 p_A) * T / tp / (F * e_mm)
                  frozen base: forward 2P and input gradient 2P, *no* weight-gradient GEMMs;
                  LoRA (p_A adapter parameters a token meets): forward 2 p_A, backward 4 p_A
-              + elementwise bytes (22 h + (4 (hq + hkv) + 9 ffn) / tp) * dtype * T / (W * e_mem)
-                 RMSNorms and residuals at full width on every rank, RoPE and SwiGLU split
+              + elementwise bytes (22 h + 4 (hq + hkv) + 9 ffn) / tp * dtype * T / (W * e_mem)
+                 RMSNorms and residuals (22 h), RoPE, SwiGLU; split over the TP ranks with sequence
+                 parallelism (as LobRA runs), the 22 h replicated on every rank without it
               + TP all-reduces: 4 per block (2 forward, 2 backward) of T*h*dtype bytes, ring over
                  tp ranks inside the node: 2(tp-1)/tp * bytes / (N * e_link)
     constant    c6       : weight reads (forward and backward) 2 P dtype / tp / (W * e_mem)
@@ -84,10 +85,10 @@ DEFAULT_CALIBRATION = Calibration(
     matmul=0.579,
     attention=0.669,
     memory=1.0,
-    link=0.294,
+    link=0.254,
     layer_overhead_ms=2.50,
     link_latency_us=0.0,
-    memory_factors=MemoryFactors(reserve_gib=2.5, activation_overhead=1.25),
+    memory_factors=MemoryFactors(reserve_gib=2.5, activation_overhead=1.35),
 )
 
 
@@ -99,9 +100,19 @@ def _widths(model: ModelSpec) -> tuple[int, int, int]:
 
 
 def analytic_layer_time(
-    model: ModelSpec, gpu: GPUSpec, tp: int, adapters: AdapterLoad, cal: Calibration = DEFAULT_CALIBRATION, dtype_bytes: int = 2
+    model: ModelSpec,
+    gpu: GPUSpec,
+    tp: int,
+    adapters: AdapterLoad,
+    cal: Calibration = DEFAULT_CALIBRATION,
+    dtype_bytes: int = 2,
+    sequence_parallel: bool = True,
 ) -> LayerTimeCoeffs:
-    """LobRA's t(b, s) of one block on ``tp`` devices, ms, from the hardware (see the module docstring)."""
+    """LobRA's t(b, s) of one block on ``tp`` devices, ms, from the hardware (see the module docstring).
+
+    With sequence parallelism the TP all-reduce becomes a reduce-scatter and an all-gather of
+    the same total volume, so only the elementwise term changes.
+    """
     h, f = model.hidden, model.ffn
     hq, hkv, p = _widths(model)
     flops = gpu.bf16_tflops * TFLOP
@@ -109,7 +120,8 @@ def analytic_layer_time(
     tp_link = Link(cal.link_latency_us / MS, gpu.intra_node_gbps * cal.link)
     c1 = 7 * hq / tp / (flops * cal.attention) * MS
     gemm = (4 * p + 6 * adapters.mean_params_per_layer(model)) / tp / (flops * cal.matmul)
-    elementwise = (22 * h + (4 * (hq + hkv) + 9 * f) / tp) * dtype_bytes / (hbm * cal.memory)
+    model_width = 22 * h / (tp if sequence_parallel else 1)
+    elementwise = (model_width + (4 * (hq + hkv) + 9 * f) / tp) * dtype_bytes / (hbm * cal.memory)
     allreduce = tp_link.allreduce(tp)  # ms vs bytes; a token carries h * dtype bytes
     c3 = (gemm + elementwise) * MS + TP_ALLREDUCES_PER_BLOCK * allreduce.slope * h * dtype_bytes
     weights = 2 * p * dtype_bytes / tp / (hbm * cal.memory) * MS

@@ -55,17 +55,18 @@ class MemoryFactors:
 
     reserve_gib: float = 2.5
     """Runtime memory outside the tensors: CUDA context, NCCL and GEMM workspaces, GiB."""
-    activation_overhead: float = 1.25
+    activation_overhead: float = 1.35
     """Allocator fragmentation and transient buffers, as a factor on activation bytes."""
 
 
-def activation_elements_per_token(model: ModelSpec, tp: int, adapters: AdapterLoad) -> float:
+def activation_elements_per_token(model: ModelSpec, tp: int, adapters: AdapterLoad, sequence_parallel: bool = True) -> float:
     """Elements one token leaves saved for backward in one block, on one of ``tp`` devices.
 
-    Without sequence parallelism, what lives at model width h is replicated on every TP rank;
-    what lives at head or FFN width is split::
+    What lives at head or FFN width is split over the TP ranks; what lives at model width h is
+    split too with sequence parallelism (Megatron-LM's, which LobRA's max-token runs use: their
+    table lists sp=1), and replicated on every rank without it::
 
-        replicated: 2 RMSNorm inputs + 2 outputs (4h), the multi-task LoRA's per-task row copy of
+        at width h: 2 RMSNorm inputs + 2 outputs (4h), the multi-task LoRA's per-task row copy of
                     each column-parallel target's input (h each), LoRA A outputs (r per target)
         split:      q, k, v after RoPE (hq + 2 hkv), attention output (hq), SwiGLU gate, up,
                     SiLU(gate), product (4 ffn), LoRA row copies of o_proj (hq) and down_proj (ffn) inputs
@@ -75,9 +76,9 @@ def activation_elements_per_token(model: ModelSpec, tp: int, adapters: AdapterLo
     hkv = model.n_kv_heads * model.d_head
     targets = {t for task in adapters.tasks for t in task.targets}
     mean_rank = sum(t.rank for t in adapters.tasks) / adapters.n_tasks
-    replicated = 4 * h + h * len(targets & set(COLUMN_PARALLEL)) + mean_rank * len(targets)
+    model_width = 4 * h + h * len(targets & set(COLUMN_PARALLEL)) + mean_rank * len(targets)
     split = hq + 2 * hkv + hq + 4 * f + hq * ("o_proj" in targets) + f * ("down_proj" in targets)
-    return replicated + split / tp
+    return (model_width + split) / tp if sequence_parallel else model_width + split / tp
 
 
 def stage_memory(
@@ -87,6 +88,7 @@ def stage_memory(
     budget_bytes: float,
     dtype_bytes: int = 2,
     factors: MemoryFactors = MemoryFactors(),
+    sequence_parallel: bool = True,
 ) -> StageMemory:
     """The memory line of the busiest stage of ``config`` (first or last, whichever has the smaller M)."""
     tp, pp = config.tp, config.pp
@@ -94,10 +96,11 @@ def stage_memory(
     vocab_matrix = model.vocab * model.hidden * dtype_bytes / tp  # vocab-parallel embedding or LM head
     adapter_state = adapters.params_per_layer(model) * blocks / tp * adapters.state_bytes_per_param(dtype_bytes)
     common = blocks * model.layer_params / tp * dtype_bytes + adapter_state + factors.reserve_gib * GIB
-    per_block = activation_elements_per_token(model, tp, adapters) * dtype_bytes * factors.activation_overhead
+    per_block = activation_elements_per_token(model, tp, adapters, sequence_parallel) * dtype_bytes * factors.activation_overhead
     logits = model.vocab / tp * (dtype_bytes + 2 * FP32_BYTES)  # logits, fp32 copy for the loss, its gradient
 
-    first = StageMemory(budget_bytes, common + vocab_matrix, pp * (blocks * per_block + model.hidden * dtype_bytes))
+    received = model.hidden * dtype_bytes / (tp if sequence_parallel else 1)  # embedding output or received activations
+    first = StageMemory(budget_bytes, common + vocab_matrix, pp * (blocks * per_block + received))
     head = 0 if (pp == 1 and model.tied_embeddings) else vocab_matrix
     last_static = (first.static_bytes if pp == 1 else common) + head
     last_per_token = (first.bytes_per_token if pp == 1 else blocks * per_block) + logits

@@ -292,6 +292,7 @@ def write_profile(profile: Profile, path: str | Path) -> None:
     try:
         with os.fdopen(fd, "w") as out:
             out.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a profile is a shared artifact
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

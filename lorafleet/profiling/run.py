@@ -1,0 +1,395 @@
+"""``lorafleet profile``: measure a model's cost-model records on this machine.
+
+The profiler spawns ``world`` gloo processes (torch.multiprocessing, one CPU thread each, so
+a process plays one device) that run the same program:
+
+1. per TP degree, with every process busy (two TP1 replicas side by side, or one TP2 replica
+   on ranks 0-1 with real gloo all-reduces; a record is the slowest replica's time):
+   - layer: forward + backward of one block on every padded (mbs, seq_len) of the grid, plus
+     held-out off-grid padded and packed micro-batches the fit never sees;
+   - head: embedding, rotary table, final norm, LM head and loss, forward + input gradient;
+   - replica: whole steps (all blocks, head, backward, optimizer) over random mixed lists of
+     padded and packed micro-batches, to check the composed cost model against;
+   - memory: max tokens M of every requested <tp, pp> by ``search_max_tokens`` against the
+     memory budget, emulating the first pipeline stage (pp micro-batches in flight, L/pp
+     blocks, embedding) and the last (L/pp blocks, head, logits);
+2. replica steps of two TP1 replicas side by side with the adapters' gradient all-reduce;
+3. p2p ping-pong and 2-rank all-reduces over a range of sizes; optimizer steps of 1..n tasks.
+
+Every time is the median of ``repeats`` after ``warmup`` calls, the smallest over
+``rounds`` passes; see ``measure`` for how time and peak bytes are taken. Rank 0 writes the records; the caller fits and saves them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import platform
+import random
+import socket
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.memory_model import StageMemory, search_max_tokens
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.costmodel.profile_format import (
+    AdaptersJSON,
+    HeadRecord,
+    LayerRecord,
+    MemoryRecord,
+    Profile,
+    Records,
+    ReplicaRecord,
+    ShapeJSON,
+    SizeRecord,
+)
+from lorafleet.costmodel.time_model import MicroBatchShape
+from lorafleet.profiling.measure import best_of_rounds, peak_bytes
+from lorafleet.profiling.replica import Replica
+from lorafleet.specs.model import ModelSpec
+
+MIB = 1 << 20
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """What to measure and how."""
+
+    model: ModelSpec
+    configs: tuple[ParallelConfig, ...]
+    """<tp, pp> whose max tokens to measure; their TP degrees get time records."""
+    adapters: AdapterLoad
+    seq_lens: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
+    """Grid of padded lengths s."""
+    mbs: tuple[int, ...] = (1, 2, 4, 8, 16)
+    """Grid of micro-batch sizes b."""
+    max_grid_tokens: int = 4096
+    """Grid points and random micro-batches stay at or below b*s = this."""
+    heldout: int = 6
+    """Off-grid padded and (as many) packed layer records per TP degree, kept out of the fit."""
+    replica_steps: int = 5
+    """Random micro-batch lists timed as whole steps per TP degree and sync setting."""
+    warmup: int = 1
+    repeats: int = 5
+    rounds: int = 2
+    """Passes over every list of measurements; a record keeps its smallest median (see ``best_of_rounds``)."""
+    memory_budget_bytes: int = 48 * MIB
+    """The memory a "device" may use: M is searched against it."""
+    seed: int = 0
+    comm_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(6))
+    """Bytes of the timed p2p messages and all-reduces (1 KiB .. 1 MiB)."""
+    command: str = ""
+    """The command line, recorded in the profile."""
+
+    @property
+    def world(self) -> int:
+        """Processes to spawn: the largest TP degree, and at least two for the transfer records."""
+        return max(2, *(c.tp for c in self.configs))
+
+    @property
+    def tps(self) -> list[int]:
+        return sorted({c.tp for c in self.configs})
+
+    @property
+    def grid(self) -> list[MicroBatchShape]:
+        return [MicroBatchShape.padded(b, s) for s in self.seq_lens for b in self.mbs if b * s <= self.max_grid_tokens]
+
+
+def _random_padded(rng: random.Random, max_tokens: int) -> MicroBatchShape:
+    s = rng.randint(12, min(1000, max_tokens))
+    return MicroBatchShape.padded(rng.randint(1, max(1, min(12, max_tokens // s))), s)
+
+
+def _random_packed(rng: random.Random, max_tokens: int) -> MicroBatchShape:
+    lens: list[int] = []
+    for _ in range(rng.randint(2, 6)):
+        n = rng.randint(8, 600)
+        if sum(lens) + n > max_tokens:
+            break
+        lens.append(n)
+    return MicroBatchShape.packed(lens or [max_tokens // 2])
+
+
+def _random_step(rng: random.Random, max_tokens: int) -> tuple[MicroBatchShape, ...]:
+    """2-4 micro-batches, padded or packed, of at most half the grid's tokens each (a step stays short)."""
+    make = (_random_padded, _random_packed)
+    return tuple(make[rng.randint(0, 1)](rng, max(16, max_tokens // 2)) for _ in range(rng.randint(2, 4)))
+
+
+class _Worker:
+    """One rank's share of the measurements (every rank runs every phase; collectives must line up)."""
+
+    def __init__(self, settings: ProfileSettings, rank: int) -> None:
+        self.s = settings
+        self.rank = rank
+        self.gen = torch.Generator().manual_seed(settings.seed + rank)
+        self.records: dict[str, list] = defaultdict(list)
+        self.memory: list[MemoryRecord] = []
+
+    def shapes_rng(self, *phase: object) -> random.Random:
+        """Random shapes of one phase: the same on every rank, whichever phases a rank took part in."""
+        return random.Random("-".join(map(str, (self.s.seed, *phase))))
+
+    def time(self, runs: list[Callable[[], object]], group: dist.ProcessGroup | None) -> list[float]:
+        return best_of_rounds(runs, self.s.rounds, self.s.warmup, self.s.repeats, group)
+
+    def run(self) -> None:
+        world = self.s.world
+        for tp in self.s.tps:
+            # Every device is busy, as in a cluster: world // tp replicas of this degree run side by side
+            # (so TP1 is timed with its neighbour core loaded too). new_group is collective: every rank
+            # creates every group, member or not.
+            n_busy = world // tp * tp
+            busy = dist.new_group(list(range(n_busy)))
+            tp_groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, n_busy, tp)] if tp > 1 else []
+            if self.rank < n_busy:
+                tp_group = tp_groups[self.rank // tp] if tp > 1 else None
+                replica = Replica(self.s.model, self.s.adapters, tp, self.rank % tp, tp_group, self.s.seed)
+                self.layer_records(replica, tp, busy)
+                self.head_records(replica, tp, busy)
+                self.replica_records(replica, ParallelConfig(tp), busy, sync=None)
+                for config in (c for c in self.s.configs if c.tp == tp):
+                    self.memory_record(replica, config, busy)
+            dist.barrier()
+        pair = dist.new_group([0, 1])
+        if 1 in self.s.tps and self.rank < 2:
+            replica = Replica(self.s.model, self.s.adapters, seed=self.s.seed)
+            self.replica_records(replica, ParallelConfig(1), pair, sync=pair)
+        if self.rank < 2:
+            self.comm_records(pair)
+        if self.rank == 0:
+            self.optimizer_records(Replica(self.s.model, self.s.adapters, seed=self.s.seed))
+        dist.barrier()
+
+    def layer_records(self, replica: Replica, tp: int, group: dist.ProcessGroup) -> None:
+        rng = self.shapes_rng("layer", tp)
+        shapes = [(mb, False) for mb in self.s.grid]
+        shapes += [(_random_padded(rng, self.s.max_grid_tokens), True) for _ in range(self.s.heldout)]
+        shapes += [(_random_packed(rng, self.s.max_grid_tokens), True) for _ in range(self.s.heldout)]
+        times = self.time([self._block_run(replica, mb, task=i) for i, (mb, _) in enumerate(shapes)], group)
+        for (mb, heldout), ms in zip(shapes, times):
+            self.records["layer"].append(LayerRecord(**ShapeJSON.of(mb).model_dump(), tp=tp, time_ms=ms, heldout=heldout))
+
+    def _block_run(self, replica: Replica, mb: MicroBatchShape, task: int) -> Callable[[], None]:
+        """Forward and backward of the first block on ``mb``, from a hidden state that needs its gradient."""
+        batch = replica.batch(mb, self.gen, task)
+        hidden = torch.randn(*batch.input_ids.shape, self.s.model.hidden, requires_grad=True)
+        rotary = replica.causal_lm.model.rotary_emb(hidden, batch.position_ids)
+        grad = torch.randn_like(hidden)
+        return lambda: replica.run_blocks(hidden, rotary, batch, [0]).backward(grad)
+
+    def head_records(self, replica: Replica, tp: int, group: dist.ProcessGroup) -> None:
+        sizes = sorted({mb.tokens for mb in self.s.grid})
+        times = self.time([self._head_run(replica, tokens) for tokens in sizes], group)
+        for tokens, ms in zip(sizes, times):
+            self.records["head"].append(HeadRecord(tp=tp, tokens=tokens, time_ms=ms))
+
+    def _head_run(self, replica: Replica, tokens: int) -> Callable[[], None]:
+        batch = replica.batch(MicroBatchShape.padded(1, tokens), self.gen)
+
+        def run() -> None:
+            embedded, _ = replica.embed(batch)
+            # Stands for the last block's output: the head's backward must produce its gradient.
+            replica.head_loss(embedded.detach().requires_grad_(), batch).backward()
+
+        return run
+
+    def replica_records(
+        self, replica: Replica, config: ParallelConfig, group: dist.ProcessGroup, sync: dist.ProcessGroup | None
+    ) -> None:
+        """Whole steps over random micro-batch lists (micro-batch k of task k), with the adapters'
+        gradient all-reduce over ``sync`` when given; timed across ``group``."""
+        rng = self.shapes_rng("replica", config, sync is not None)
+        steps = [_random_step(rng, self.s.max_grid_tokens) for _ in range(self.s.replica_steps)]
+        times = self.time([self._step_run(replica, step, sync) for step in steps], group)
+        for step, ms in zip(steps, times):
+            self.records["replica"].append(
+                ReplicaRecord(
+                    tp=config.tp,
+                    pp=config.pp,
+                    sync_replicas=2 if sync is not None else 1,
+                    microbatches=tuple(ShapeJSON.of(mb) for mb in step),
+                    time_ms=ms,
+                )
+            )
+
+    def _step_run(
+        self, replica: Replica, step: tuple[MicroBatchShape, ...], sync: dist.ProcessGroup | None
+    ) -> Callable[[], None]:
+        batches = [replica.batch(mb, self.gen, task=k) for k, mb in enumerate(step)]
+
+        def run() -> None:
+            for batch in batches:
+                replica.forward_backward(batch)
+            replica.sync_and_step(sync)
+
+        return run
+
+    def memory_record(self, replica: Replica, config: ParallelConfig, group: dist.ProcessGroup) -> None:
+        """M of ``config`` against the budget, and the memory line of its binding stage."""
+        n_layers = self.s.model.n_layers
+        per_stage = n_layers // config.pp
+        replica.prime(self.gen)  # optimizer states now exist and count as static bytes
+        if config.pp == 1:
+            stages = {"replica": (replica.static_bytes(range(n_layers), True, True), self._whole_step(replica))}
+        else:
+            stages = {
+                "first": (replica.static_bytes(range(per_stage), True, False), self._first_stage(replica, config.pp, per_stage)),
+                "last": (replica.static_bytes(range(n_layers - per_stage, n_layers), False, True), self._last_stage(replica, per_stage)),
+            }
+        samples: dict[str, list[tuple[int, int]]] = defaultdict(list)
+
+        def fits(tokens: int) -> bool:
+            ok = True
+            for name, (static, step) in stages.items():
+                total = static + peak_bytes(lambda: step(tokens), group)
+                samples[name].append((tokens, total))
+                ok &= total <= self.s.memory_budget_bytes
+            return ok
+
+        max_tokens = search_max_tokens(fits, start=256)
+        lines = {}
+        for name, points in samples.items():
+            tokens, total = np.array(points, dtype=float).T
+            slope, intercept = np.polyfit(tokens, total, 1)
+            lines[name] = StageMemory(self.s.memory_budget_bytes, max(0.0, intercept), max(slope, 1.0))
+        line = min(lines.values(), key=StageMemory.max_tokens)
+        self.memory.append(
+            MemoryRecord(
+                tp=config.tp,
+                pp=config.pp,
+                max_tokens=max_tokens,
+                budget_bytes=line.budget_bytes,
+                static_bytes=line.static_bytes,
+                bytes_per_token=line.bytes_per_token,
+            )
+        )
+
+    def _whole_step(self, replica: Replica) -> Callable[[int], None]:
+        def step(tokens: int) -> None:
+            replica.forward_backward(replica.batch(MicroBatchShape.padded(1, tokens), self.gen))
+
+        return step
+
+    def _first_stage(self, replica: Replica, pp: int, per_stage: int) -> Callable[[int], None]:
+        """1F1B warm-up of the first stage: pp micro-batches forward (all held), then their backwards."""
+
+        def step(tokens: int) -> None:
+            outputs = []
+            for _ in range(pp):
+                batch = replica.batch(MicroBatchShape.padded(1, tokens), self.gen)
+                hidden, rotary = replica.embed(batch)
+                outputs.append(replica.run_blocks(hidden, rotary, batch, range(per_stage)))
+            for out in outputs:
+                out.backward(torch.ones_like(out))  # the gradient the next stage would send back
+
+        return step
+
+    def _last_stage(self, replica: Replica, per_stage: int) -> Callable[[int], None]:
+        """The last stage on one micro-batch: received activations, its blocks, head, loss, backward."""
+        n_layers = self.s.model.n_layers
+
+        def step(tokens: int) -> None:
+            batch = replica.batch(MicroBatchShape.padded(1, tokens), self.gen)
+            received = torch.randn(1, tokens, self.s.model.hidden, requires_grad=True)
+            rotary = replica.causal_lm.model.rotary_emb(received, batch.position_ids)
+            hidden = replica.run_blocks(received, rotary, batch, range(n_layers - per_stage, n_layers))
+            replica.head_loss(hidden, batch).backward()
+
+        return step
+
+    def comm_records(self, pair: dist.ProcessGroup) -> None:
+        runs = []
+        for nbytes in self.s.comm_sizes:
+            buf = torch.zeros(nbytes // FP32_BYTES)
+            runs += [self._ping_pong(buf, pair), lambda buf=buf: dist.all_reduce(buf, group=pair)]
+        times = self.time(runs, pair)
+        for nbytes, round_trip, allreduce in zip(self.s.comm_sizes, times[::2], times[1::2]):
+            self.records["p2p"].append(SizeRecord(size=nbytes, time_ms=round_trip / 2))
+            self.records["allreduce"].append(SizeRecord(size=nbytes, time_ms=allreduce))
+
+    def _ping_pong(self, buf: torch.Tensor, pair: dist.ProcessGroup) -> Callable[[], None]:
+        """One message each way between ranks 0 and 1 (half of it is one pipeline transfer)."""
+        peer = 1 - self.rank
+
+        def run() -> None:
+            if self.rank == 0:
+                dist.send(buf, peer, group=pair)
+                dist.recv(buf, peer, group=pair)
+            else:
+                dist.recv(buf, peer, group=pair)
+                dist.send(buf, peer, group=pair)
+
+        return run
+
+    def optimizer_records(self, replica: Replica) -> None:
+        """Optimizer steps of the first k tasks' adapters, k = 1..n."""
+        replica.prime(self.gen)  # every task's parameters have gradients, so every optimizer steps them all
+        counts = range(1, len(replica.optimizers) + 1)
+        runs = [lambda k=k: [o.step() for o in replica.optimizers[:k]] for k in counts]
+        for k, ms in zip(counts, self.time(runs, None)):
+            params = sum(p.numel() for name in replica.tasks[:k] for p in replica.task_params[name])
+            self.records["optimizer"].append(SizeRecord(size=params, time_ms=ms))
+
+
+def _rank_main(rank: int, settings: ProfileSettings, port: int, out_path: str) -> None:
+    torch.set_num_threads(1)  # one core per process: a process plays one device
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=settings.world)
+    try:
+        worker = _Worker(settings, rank)
+        worker.run()
+        if rank == 0:
+            with open(out_path, "wb") as f:
+                pickle.dump((dict(worker.records), worker.memory), f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_profile(settings: ProfileSettings) -> Profile:
+    """Run the measurements in ``settings.world`` spawned gloo processes; the profile has records, no fit."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = str(Path(tmp) / "records.pkl")
+        mp.start_processes(
+            _rank_main, args=(settings, _free_port(), out_path), nprocs=settings.world, join=True, start_method="spawn"
+        )
+        with open(out_path, "rb") as f:
+            records, memory = pickle.load(f)
+    return Profile(
+        kind="measured",
+        model=settings.model.name,
+        gpu="cpu",
+        gpus_per_node=settings.world,
+        dtype_bytes=FP32_BYTES,
+        adapters=AdaptersJSON.of(settings.adapters),
+        command=settings.command,
+        settings={
+            "host": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
+            "processes": settings.world,
+            "threads_per_process": 1,
+            "warmup": settings.warmup,
+            "repeats": settings.repeats,
+            "rounds": settings.rounds,
+            "timing": "process CPU time: median of repeats, smallest over rounds; slowest replica or TP rank, every repeat behind a barrier",
+            "memory_budget_bytes": settings.memory_budget_bytes,
+            "memory_method": "peak of torch.profiler [memory] events + parameter, gradient and optimizer-state bytes",
+            "seed": settings.seed,
+        },
+        memory=tuple(sorted(memory, key=lambda m: (m.tp, m.pp))),
+        records=Records(**{k: tuple(v) for k, v in records.items()}),
+    )

@@ -1,0 +1,72 @@
+"""Builders: analytic from a datasheet, from a profile file, and the adapter load as an input."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.costmodel import AdapterLoad, ParallelConfig, analytic_cost_model, analytic_profile, load_cost_model, write_profile
+from lorafleet.costmodel.build import profile_cost_model
+from lorafleet.errors import InputError
+from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.model import MODEL_PRESETS
+
+LLAMA7B = MODEL_PRESETS["llama2-7b"]
+SIX = AdapterLoad.uniform(6, 16)
+CLUSTER = ClusterSpec(gpu="A100-40GB", nodes=2, gpus_per_node=8)
+
+
+def test_no_profile_means_analytic():
+    cm = load_cost_model(None, LLAMA7B, CLUSTER, SIX)
+    assert cm.source == "analytic:A100-40GB"
+    assert cm.configs and all(cm.max_tokens(c) > 0 for c in cm.configs)
+    assert ParallelConfig(4, 1) in cm.configs  # TP4 exists although LobRA's CSV has no TP4 rows
+    assert max(c.n_gpus for c in cm.configs) <= CLUSTER.n_gpus
+    with pytest.raises(ValueError):
+        load_cost_model(None, LLAMA7B, None, SIX)
+
+
+def test_a_profile_file_gives_the_same_model(tmp_path):
+    path = tmp_path / "a100.json"
+    write_profile(analytic_profile(LLAMA7B, CLUSTER, SIX), path)
+    from_file = load_cost_model(path, LLAMA7B, CLUSTER, SIX)
+    direct = analytic_cost_model(LLAMA7B, CLUSTER, SIX)
+    assert from_file.max_tokens_table == direct.max_tokens_table
+    config = ParallelConfig(2, 2)
+    assert from_file.microbatch_time(config, 4, 1024) == pytest.approx(direct.microbatch_time(config, 4, 1024))
+    assert from_file.step_overhead(config) == pytest.approx(direct.step_overhead(config))
+
+
+def test_adapter_load_moves_memory_and_overheads_of_a_profile(tmp_path):
+    profile = analytic_profile(LLAMA7B, CLUSTER, SIX)
+    base = profile_cost_model(profile, LLAMA7B)
+    twelve = profile_cost_model(profile, LLAMA7B, AdapterLoad.uniform(12, 16))
+    config = ParallelConfig(1, 1)
+    assert twelve.max_tokens(config) < base.max_tokens(config)
+    assert twelve.step_overhead(config) > base.step_overhead(config)
+    # Recomputing analytically for 12 tasks lands on the same M.
+    assert twelve.max_tokens(config) == pytest.approx(analytic_cost_model(LLAMA7B, CLUSTER, AdapterLoad.uniform(12, 16)).max_tokens(config), abs=2)
+
+
+def test_profile_must_match_model_and_gpu(tmp_path):
+    path = tmp_path / "a100.json"
+    write_profile(analytic_profile(LLAMA7B, CLUSTER, SIX), path)
+    with pytest.raises(InputError, match="model"):
+        load_cost_model(path, MODEL_PRESETS["llama2-13b"], CLUSTER, SIX)
+    with pytest.raises(InputError, match="gpu"):
+        load_cost_model(path, LLAMA7B, ClusterSpec(gpu="H100-80GB", nodes=2, gpus_per_node=8), SIX)
+
+
+def test_a_smaller_cluster_drops_configs_it_cannot_run(tmp_path):
+    path = tmp_path / "a100.json"
+    write_profile(analytic_profile(LLAMA7B, CLUSTER, SIX), path)
+    small = ClusterSpec(gpu="A100-40GB", nodes=1, gpus_per_node=4)
+    cm = load_cost_model(path, LLAMA7B, small, SIX)
+    assert cm.configs and max(c.n_gpus for c in cm.configs) <= 4 and max(c.tp for c in cm.configs) <= 4
+
+
+def test_what_if_other_hardware():
+    h100 = analytic_cost_model(LLAMA7B, ClusterSpec(gpu="H100-80GB", nodes=2, gpus_per_node=8), SIX)
+    a100 = analytic_cost_model(LLAMA7B, CLUSTER, SIX)
+    config = ParallelConfig(1, 1)
+    assert h100.max_tokens(config) > a100.max_tokens(config)
+    assert h100.microbatch_time(config, 1, 2048) < a100.microbatch_time(config, 1, 2048)

@@ -1,0 +1,103 @@
+"""CostModel: stage time with head and pipeline transfers, replica time (LobRA Eq. 12), step overhead."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.cost_model import CostModel, Interconnect
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.costmodel.time_model import AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
+from lorafleet.specs.model import MODEL_PRESETS
+
+MODEL = MODEL_PRESETS["llama2-7b"]
+LAYER = LayerTimeCoeffs((1e-7, 0.0, 4e-3, 0.0, 0.0, 2.0))
+LINK = Link(latency_ms=0.01, gb_per_s=100.0)
+CM = CostModel(
+    model=MODEL,
+    layer_time={1: LAYER, 2: LAYER},
+    max_tokens_table={ParallelConfig(1, 1): 2048, ParallelConfig(1, 4): 4096, ParallelConfig(2, 1): 4096},
+    head_time={1: AffineTime(0.5, 1e-3), 2: AffineTime(0.25, 5e-4)},
+    interconnect=Interconnect(LINK, Link(0.02, 10.0), LINK, gpus_per_node=8),
+    optimizer_time=AffineTime(0.0, 1e-6),
+    adapters=AdapterLoad.uniform(6, 16),
+)
+
+
+def test_bare_cost_model_is_lobra():
+    bare = CostModel(model=MODEL, layer_time={1: LAYER}, max_tokens_table={ParallelConfig(1, 2): 2048})
+    config = ParallelConfig(1, 2)
+    assert bare.microbatch_time(config, 4, 512) == pytest.approx(LAYER(4, 512) * 16 / 1e3)
+    assert bare.step_overhead(config) == 0.0
+    mbs = [MicroBatchShape.padded(4, 512), MicroBatchShape.padded(1, 2048)]
+    taus = [LAYER(4, 512) * 16 / 1e3, LAYER(1, 2048) * 16 / 1e3]
+    assert bare.replica_time(config, mbs) == pytest.approx(sum(taus) + max(taus))
+
+
+def test_stage_time_adds_head_and_pipeline_transfers():
+    b, s = 2, 1024
+    tokens = b * s
+    one = ParallelConfig(1, 1)
+    assert CM.microbatch_time(one, b, s) == pytest.approx((32 * LAYER(b, s) + 0.5 + 1e-3 * tokens) / 1e3)
+    four = ParallelConfig(1, 4)
+    p2p = 2 * LINK.transfer()(tokens * MODEL.hidden * 2)
+    assert CM.microbatch_time(four, b, s) == pytest.approx((8 * LAYER(b, s) + 0.5 + 1e-3 * tokens + p2p) / 1e3)
+    # Stages on two nodes use the inter-node link.
+    spread = ParallelConfig(4, 4)
+    cm = replace(CM, layer_time={**CM.layer_time, 4: LAYER}, head_time={**CM.head_time, 4: AffineTime()})
+    slow = 2 * Link(0.02, 10.0).transfer()(tokens * MODEL.hidden * 2)
+    assert cm.microbatch_time(spread, b, s) == pytest.approx((8 * LAYER(b, s) + slow) / 1e3)
+
+
+def test_microbatch_time_vectorises_and_empty_is_free():
+    config = ParallelConfig(2, 1)
+    b = np.array([0, 1, 8])
+    s = np.array([512, 512, 256])
+    t = CM.microbatch_time(config, b, s)
+    assert t.shape == (3,) and t[0] == 0.0
+    assert t[2] == pytest.approx(CM.microbatch_time(config, 8, 256))
+    assert CM.packed_microbatch_time(config, []) == 0.0
+
+
+def test_packed_and_padded_shapes():
+    config = ParallelConfig(1, 1)
+    padded = MicroBatchShape((100, 300), 300)
+    packed = MicroBatchShape.packed([100, 300])
+    assert CM.shape_time(config, padded) == pytest.approx(CM.microbatch_time(config, 2, 300))
+    assert CM.shape_time(config, packed) == pytest.approx(CM.packed_microbatch_time(config, [100, 300]))
+    assert CM.shape_time(config, packed) < CM.shape_time(config, padded)
+
+
+def test_replica_time_is_lobra_eq_12_plus_overhead():
+    config = ParallelConfig(1, 4)
+    mbs = [MicroBatchShape.padded(2, 1024), MicroBatchShape.packed([500, 700]), MicroBatchShape.padded(8, 128)]
+    taus = [CM.shape_time(config, mb) for mb in mbs]
+    assert CM.replica_time(config, mbs) == pytest.approx(sum(taus) + 3 * max(taus) + CM.step_overhead(config))
+    assert CM.replica_time(config, []) == 0.0
+
+
+def test_step_overhead_grows_with_tasks_and_rank_and_shrinks_with_gpus():
+    config = ParallelConfig(1, 1)
+    params = CM.adapters.total_params(MODEL)
+    expected = LINK.allreduce(2)(params * 2) + 1e-6 * params
+    assert CM.step_overhead(config) == pytest.approx(expected / 1e3)
+    more_tasks = replace(CM, adapters=AdapterLoad.uniform(12, 16))
+    higher_rank = replace(CM, adapters=AdapterLoad.uniform(6, 64))
+    assert more_tasks.step_overhead(config) > CM.step_overhead(config)
+    assert higher_rank.step_overhead(config) > CM.step_overhead(config)
+    assert CM.step_overhead(ParallelConfig(1, 4)) < CM.step_overhead(config)
+    assert replace(CM, sync_replicas=1).step_overhead(config) == pytest.approx(1e-6 * params / 1e3)
+
+
+def test_configs_need_time_and_memory():
+    assert CM.configs == [ParallelConfig(1, 1), ParallelConfig(1, 4), ParallelConfig(2, 1)]
+    assert CM.max_tokens(ParallelConfig(8, 1)) == 0
+
+
+def test_adapter_parameter_count_matches_lobra_notes():
+    """LobRA notes: about 1.18M adapter parameters per layer per task for 7B at rank 16 (gate+up fused there)."""
+    per_task = AdapterLoad.uniform(1, 16).params_per_layer(MODEL)
+    assert per_task == pytest.approx(1.18e6, rel=0.15)

@@ -1,0 +1,82 @@
+"""Max tokens M: the memory line, the analytic table against LobRA's, and the 1/16 search."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.analytic import DEFAULT_CALIBRATION
+from lorafleet.costmodel.memory_model import StageMemory, search_max_tokens, stage_memory
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.specs.gpus import GPU_PRESETS
+from lorafleet.specs.model import MODEL_PRESETS
+
+from .lobra_data import LOBRA_ADAPTERS, max_tokens
+
+LLAMA7B = MODEL_PRESETS["llama2-7b"]
+A100_40 = GPU_PRESETS["A100-40GB"]
+
+
+def _m(config, adapters=LOBRA_ADAPTERS, gpu=A100_40):
+    return stage_memory(LLAMA7B, config, adapters, gpu.memory_bytes, 2, DEFAULT_CALIBRATION.memory_factors).max_tokens()
+
+
+def test_analytic_a100_table_within_one_power_of_two_of_lobra(reference_dir):
+    """Issue bar: for every (tp, pp) LobRA lists, |log2(ours / theirs)| <= 1 (theirs is rounded down to 2^k)."""
+    for config, theirs in max_tokens(reference_dir).items():
+        ours = _m(config)
+        assert abs(math.log2(ours / theirs)) <= 1, (config, ours, theirs)
+
+
+def test_more_or_larger_adapters_leave_fewer_tokens():
+    config = ParallelConfig(1, 1)
+    assert _m(config, AdapterLoad.uniform(12, 16)) < _m(config) < _m(config, AdapterLoad.uniform(1, 16))
+    assert _m(config, AdapterLoad.uniform(6, 64)) < _m(config)
+    assert _m(config, AdapterLoad.uniform(6, 16, optimizer="sgd")) > _m(config)
+
+
+def test_more_memory_tp_or_pp_hold_more_tokens():
+    assert _m(ParallelConfig(1, 1), gpu=GPU_PRESETS["A100-80GB"]) > _m(ParallelConfig(1, 1))
+    assert _m(ParallelConfig(1, 1)) < _m(ParallelConfig(2, 1)) < _m(ParallelConfig(4, 1)) < _m(ParallelConfig(8, 1))
+    assert _m(ParallelConfig(1, 1)) < _m(ParallelConfig(1, 4))
+
+
+def test_a_model_too_big_for_the_device_fits_nothing():
+    seventy = MODEL_PRESETS["llama2-70b"]
+    line = stage_memory(seventy, ParallelConfig(1, 1), LOBRA_ADAPTERS, A100_40.memory_bytes)
+    assert line.max_tokens() == 0
+
+
+def test_stage_memory_line():
+    line = StageMemory(budget_bytes=1000, static_bytes=200, bytes_per_token=3)
+    assert line.max_tokens() == 266
+    assert line.with_static_delta(100).max_tokens() == 233
+    assert StageMemory(100, 200, 1).max_tokens() == 0
+
+
+@given(m=st.integers(0, 1 << 20), start=st.integers(1, 4096))
+def test_search_finds_m_to_one_sixteenth(m, start):
+    calls = []
+
+    def fits(n: int) -> bool:
+        calls.append(n)
+        return n <= m
+
+    found = search_max_tokens(fits, start=start)
+    assert found <= m
+    assert m - found <= max(1, found / 16)
+    assert len(calls) < 2 * math.log2(max(m, start) + 2) + 8
+
+
+def test_search_is_finer_than_powers_of_two():
+    found = search_max_tokens(lambda n: n <= 3000, start=256)
+    assert 3000 * 15 / 16 <= found <= 3000 and found != 2048
+
+
+def test_search_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        search_max_tokens(lambda n: True, start=0)

@@ -1,0 +1,72 @@
+"""``measure_profile`` end to end on a tiny grid: 2 gloo processes, TP1 and TP2, PP emulated for memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.build import profile_cost_model
+from lorafleet.costmodel.check import heldout_comparisons
+from lorafleet.costmodel.fitted import fit_profile
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.profiling.run import MIB, ProfileSettings, measure_profile
+from lorafleet.specs.model import MODEL_PRESETS
+
+TINY = MODEL_PRESETS["tiny-llama"]
+CONFIGS = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1))
+
+
+@pytest.fixture(scope="module")
+def profile():
+    settings = ProfileSettings(
+        model=TINY,
+        configs=CONFIGS,
+        adapters=AdapterLoad.uniform(2, 4),
+        seq_lens=(16, 64),
+        mbs=(1, 2),
+        max_grid_tokens=128,
+        heldout=1,
+        replica_steps=1,
+        warmup=0,
+        repeats=1,
+        rounds=1,
+        memory_budget_bytes=8 * MIB,
+        comm_sizes=(1024, 16384),
+        command="pytest",
+    )
+    return measure_profile(settings)
+
+
+def test_records_cover_every_kind(profile):
+    rec = profile.records
+    for tp in (1, 2):
+        layer = [r for r in rec.layer if r.tp == tp]
+        assert len([r for r in layer if not r.heldout]) == 4  # the 2 x 2 grid
+        assert {r.packed is None for r in layer if r.heldout} == {True, False}  # held-out padded and packed
+        assert len([r for r in rec.head if r.tp == tp]) == 3  # distinct grid token counts: 16, 32, 64|128
+    assert sorted((r.tp, r.sync_replicas) for r in rec.replica) == [(1, 1), (1, 2), (2, 1)]
+    assert len(rec.p2p) == len(rec.allreduce) == 2 and len(rec.optimizer) == 2
+    assert all(r.time_ms > 0 for r in rec.layer + rec.head + rec.replica)
+    assert profile.kind == "measured" and profile.dtype_bytes == 4 and profile.settings["memory_budget_bytes"] == 8 * MIB
+
+
+def test_max_tokens_are_searched_against_the_budget(profile):
+    m = {r.config: r for r in profile.memory}
+    assert set(m) == set(CONFIGS)
+    assert all(r.max_tokens > 0 for r in m.values())
+    # A TP2 rank holds half the FFN activations; a PP2 stage half the blocks.
+    assert m[ParallelConfig(2, 1)].max_tokens > m[ParallelConfig(1, 1)].max_tokens
+    assert m[ParallelConfig(1, 2)].max_tokens > m[ParallelConfig(1, 1)].max_tokens
+    for r in m.values():  # the fitted memory line agrees with the search (which stops within 1/16)
+        assert r.line.max_tokens() == pytest.approx(r.max_tokens, rel=0.15)
+
+
+def test_fit_and_check_run_on_measured_records(profile):
+    fitted = fit_profile(profile)
+    assert set(fitted.coefficients.layer_ms) == {1, 2}
+    assert min(min(c) for c in fitted.coefficients.layer_ms.values()) >= 0
+    cm = profile_cost_model(fitted, TINY)
+    assert cm.configs == sorted(CONFIGS)
+    assert cm.step_overhead(ParallelConfig(1, 1)) > 0  # the optimizer step was measured
+    kinds = {c.kind for c in heldout_comparisons(fitted, TINY)}
+    assert kinds == {"layer", "packed", "replica"}
