@@ -1,0 +1,33 @@
+"""Deployment planning: which replicas of which ⟨TP, PP⟩ config to run, and the baselines.
+
+``plan_deployment(workload, cluster, cost_model, options) -> PlanResult`` is the entry
+point (see :mod:`.pipeline`). The baselines are :class:`Schedule`\\ s (a DeploymentPlan and a
+dispatch policy per phase) that a simulator can replay step by step, like the plan itself.
+"""
+
+from lorafleet.planner.baselines import BaselineKind, baseline_schedules, best_homogeneous, packing_policy, padding_policy
+from lorafleet.planner.expected import expected_global_batch
+from lorafleet.planner.options import PlannerMode, PlannerOptions
+from lorafleet.planner.pipeline import LORAFLEET, PlanDiagnostics, PlanResult, ScheduleCost, plan_deployment
+from lorafleet.planner.schedule import DispatchPolicy, Phase, Schedule, StepCost, pow2_boundaries
+
+__all__ = [
+    "LORAFLEET",
+    "BaselineKind",
+    "DispatchPolicy",
+    "Phase",
+    "PlanDiagnostics",
+    "PlanResult",
+    "PlannerMode",
+    "PlannerOptions",
+    "Schedule",
+    "ScheduleCost",
+    "StepCost",
+    "baseline_schedules",
+    "best_homogeneous",
+    "expected_global_batch",
+    "packing_policy",
+    "padding_policy",
+    "plan_deployment",
+    "pow2_boundaries",
+]

@@ -23,7 +23,8 @@ import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import enumerate_configs
-from lorafleet.dispatch.balance import balance_by_length
+from lorafleet.dispatch.balance import Assignment
+from lorafleet.dispatch.load import LoadModel
 from lorafleet.planner.problem import Candidate, PlanningProblem, make_candidate
 from lorafleet.specs.cluster import ClusterSpec
 
@@ -82,23 +83,21 @@ def spread_rows(total: np.ndarray, replicas: int) -> np.ndarray:
     return rows
 
 
-def lower_bound(problem: PlanningProblem, replicas: np.ndarray) -> float:
-    """LobRA's Theorem 1 bound ``Σ_r N_r t_r / N`` over the replicas r of deployment p (inf if some bucket fits none).
+def lower_bound(load: LoadModel, length_based: Assignment) -> float:
+    """LobRA's Theorem 1 bound ``Σ_r N_r t_r / Σ_r N_r`` over the replicas r of a deployment.
 
-    t_r is replica r's time under the dispatcher's length-based baseline (every bucket only
-    on the deployed configs with the least M >= s_j, balanced among them, each config's
-    share spread evenly over its replicas) and N the GPUs the deployment uses. Theorem 1
-    assumes a higher average-throughput bound means a higher realised per-GPU throughput,
-    which fails with few sequences per micro-batch, so the bound is only used to compare plans.
+    t_r is replica r's time under the length-based dispatch ``length_based`` (every bucket
+    only on the deployed configs with the least M >= s_j, balanced among them, each
+    config's share spread evenly over its replicas) and N_r its GPUs. Theorem 1 assumes a
+    higher average-throughput bound means a higher realised per-GPU throughput, which
+    fails with few sequences per micro-batch, so the bound only compares plans.
     """
-    replicas = np.asarray(replicas, dtype=np.int64)
-    if not problem.covers(replicas):
-        return float("inf")
-    load = problem.plan_load(replicas)
-    counts = balance_by_length(load).counts
-    gpu_time = sum(cls.config.n_gpus * float(load.replica_load(k, spread_rows(counts[k], len(cls.replicas))).sum())
-                   for k, cls in enumerate(load.classes))
-    return gpu_time / float(replicas @ problem.gpus)
+    gpu_time = gpus = 0.0
+    for k, cls in enumerate(load.classes):
+        rows = spread_rows(length_based.counts[k], len(cls.replicas))
+        gpu_time += cls.config.n_gpus * float(load.replica_load(k, rows).sum())
+        gpus += cls.config.n_gpus * len(cls.replicas)
+    return gpu_time / gpus
 
 
 def lower_bound_filter(bounds: Sequence[float], distinct_m: Sequence[bool], threshold: float, keep_at_least: int) -> list[int]:

@@ -17,20 +17,22 @@ writing θ = 1 / t̂ (steps per second) and ξ_ij = θ x_ij (sequences per secon
                    ξ_ij = 0 where b_ij = 0                     memory
 
 which is linear except for a_i θ, taken at a reference makespan T_ref and iterated to the
-fixed point T_ref = 1 / θ (two or three solves). Its only integers are the C replica
-counts, so it solves in tens of milliseconds at any batch size. A tie-breaker
-``- λ Σ_i N_i p_i`` prefers fewer GPUs when the makespan is (nearly) the same.
+fixed point T_ref = 1 / θ (two or three solves). The model is solved in units of T_ref
+(θ' = T_ref θ, ξ' = T_ref ξ, both O(1)): unscaled, CBC spends ten times longer in its root
+cut loop. Its only integers are the C replica counts, so it solves in tens of milliseconds
+at any batch size. A tie-breaker ``- λ Σ_i N_i p_i`` prefers fewer GPUs when the makespan
+is (nearly) the same.
 
 Fragments, ceil(d / p) and the exact bubble are left to the dispatcher's load model, which
 the planner applies to the deployments this model proposes (``joint_minlp`` keeps them all
 in one model, for small instances). :func:`propose_deployments` returns the optimum and
-the optimum of every first-level branch on a replica count (p_i <= p*_i - 1, p_i >= p*_i + 1),
-a pool of strong, distinct alternatives.
+the optimum of every first-level branch on a replica count (p_i <= p*_i - 1, p_i >= p*_i + 1,
+and "some config p* does not use"), a pool of strong, distinct alternatives.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pulp
@@ -41,6 +43,8 @@ from lorafleet.solvers import SolveResult, SolverName, solve
 FIXED_POINT_RTOL = 1e-3
 """Stop iterating T_ref when it moves by less than this fraction."""
 FIXED_POINT_ITERATIONS = 5
+MILP_GAP_REL = 1e-3
+"""The model ranks deployments for the dispatcher's exact judgement; 0.1 % is finer than it can tell apart."""
 
 
 @dataclass(kw_only=True)
@@ -49,9 +53,11 @@ class DeploymentVars:
 
     n_replicas: dict[int, pulp.LpVariable]
     rate: dict[tuple[int, int], pulp.LpVariable]
-    """ξ_ij: sequences of bucket j per second of step on config i (all its replicas)."""
+    """ξ'_ij: sequences of bucket j on config i (all its replicas) per T_ref of step."""
     throughput: pulp.LpVariable
-    """θ = 1 / t̂: steps per second."""
+    """θ' = T_ref / t̂: steps per T_ref."""
+    reference_makespan: float
+    """T_ref, seconds: the unit of the model's time."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -88,55 +94,76 @@ def add_gpu_budget_constraints(model: pulp.LpProblem, problem: PlanningProblem, 
 
 
 def add_coverage_constraints(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars) -> None:
-    """Eq. 2: Σ_i ξ_ij = θ D_j over the configs that hold bucket j (memory: b_ij >= 1)."""
+    """Eq. 2: Σ_i ξ'_ij = θ' D_j over the configs that hold bucket j (memory: b_ij >= 1)."""
     for j, demand in enumerate(problem.counts):
         if demand > 0:
             model += (pulp.lpSum(x for (i, jj), x in v.rate.items() if jj == j) == float(demand) * v.throughput,
                       f"cover[bucket_{j}]")
 
 
-def add_capacity_constraints(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars, reference_makespan: float) -> None:
-    """Eq. 1 per config: Σ_j w_ij ξ_ij <= p_i (1 - a_i / T_ref); a config whose fixed time
-    alone exceeds T_ref gets no replicas."""
+def add_capacity_constraints(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars) -> None:
+    """Eq. 1 per config: Σ_j (w_ij / T_ref) ξ'_ij <= p_i (1 - a_i / T_ref); a config whose fixed
+    time alone exceeds T_ref gets no replicas."""
     w = problem.amortised_time
+    reference_makespan = v.reference_makespan
     share = 1.0 - fixed_time(problem) / reference_makespan
     for i, p in v.n_replicas.items():
         name = problem.candidates[i].config.name
-        work = pulp.lpSum(float(w[i, j]) * x for (ii, j), x in v.rate.items() if ii == i)
+        work = pulp.lpSum(float(w[i, j] / reference_makespan) * x for (ii, j), x in v.rate.items() if ii == i)
         model += (work <= float(max(share[i], 0.0)) * p, f"capacity[{name}]")
         if share[i] <= 0:
             model += (p == 0, f"too_slow[{name}]")
 
 
 def objective(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars, tie_weight: float) -> None:
-    """max θ - λ Σ_i N_i p_i: the shortest makespan first, then fewer GPUs (λ = ``tie_weight`` per GPU)."""
+    """max θ' - λ Σ_i N_i p_i: the shortest makespan first, then fewer GPUs (λ = ``tie_weight`` per GPU)."""
     gpus = problem.gpus
     model.setObjective(v.throughput - tie_weight * pulp.lpSum(int(gpus[i]) * p for i, p in v.n_replicas.items()))
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Branch:
+    """Restrictions of a branch of the MILP."""
+
+    bounds: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Per config i, (lower, upper) replica counts."""
+    deploy_one_of: tuple[int, ...] = ()
+    """At least one replica among these configs."""
+
+
+def add_branch_constraints(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars, branch: Branch) -> None:
+    """The branch's restrictions: replica-count bounds, and Σ_{i in S} p_i >= 1 for ``deploy_one_of`` S."""
+    for i, (lo, hi) in branch.bounds.items():
+        name = problem.candidates[i].config.name
+        model += (v.n_replicas[i] >= lo, f"branch_lower[{name}]")
+        model += (v.n_replicas[i] <= hi, f"branch_upper[{name}]")
+    if branch.deploy_one_of:
+        model += (pulp.lpSum(v.n_replicas[i] for i in branch.deploy_one_of) >= 1, "branch_new_config")
+
+
 def build_model(problem: PlanningProblem, reference_makespan: float, tie_weight: float,
-                bounds: dict[int, tuple[int, int]] | None = None) -> tuple[pulp.LpProblem, DeploymentVars]:
+                branch: Branch = Branch()) -> tuple[pulp.LpProblem, DeploymentVars]:
     """The MILP over every candidate that holds some non-empty bucket.
 
     Args:
-        reference_makespan: T_ref, where the fixed times are linearised.
-        tie_weight: λ, steps per second one GPU is worth when breaking ties.
-        bounds: per config, (lower, upper) replica counts of a branch.
+        reference_makespan: T_ref, where the fixed times are linearised, and the time unit.
+        tie_weight: λ, the θ' one GPU is worth when breaking ties.
+        branch: restrictions of a branch (none at the root).
     """
     model = pulp.LpProblem("deployment", pulp.LpMaximize)
     limits = problem.max_replicas()
     present = (problem.microbatch_size > 0) & (problem.counts > 0)[None, :]
-    v = DeploymentVars(n_replicas={}, rate={}, throughput=pulp.LpVariable("throughput", lowBound=0))
+    v = DeploymentVars(n_replicas={}, rate={}, throughput=pulp.LpVariable("throughput", lowBound=0),
+                       reference_makespan=reference_makespan)
     for i in modelled_configs(problem):
-        cand = problem.candidates[i]
-        lo, hi = (bounds or {}).get(i, (0, int(limits[i])))
-        name = cand.config.name
-        v.n_replicas[i] = pulp.LpVariable(f"n_replicas[{name}]", lowBound=lo, upBound=min(hi, int(limits[i])), cat=pulp.LpInteger)
+        name = problem.candidates[i].config.name
+        v.n_replicas[i] = pulp.LpVariable(f"n_replicas[{name}]", lowBound=0, upBound=int(limits[i]), cat=pulp.LpInteger)
         for j in np.flatnonzero(present[i]):
             v.rate[i, int(j)] = pulp.LpVariable(f"rate[{name}_bucket_{j}]", lowBound=0)
     add_gpu_budget_constraints(model, problem, v)
     add_coverage_constraints(model, problem, v)
-    add_capacity_constraints(model, problem, v, reference_makespan)
+    add_capacity_constraints(model, problem, v)
+    add_branch_constraints(model, problem, v, branch)
     objective(model, problem, v, tie_weight)
     return model, v
 
@@ -146,7 +173,7 @@ def extract_plan(problem: PlanningProblem, v: DeploymentVars, branch: str) -> Re
     for i, p in v.n_replicas.items():
         replicas[i] = int(round(p.value() or 0.0))
     theta = v.throughput.value() or 0.0
-    return RelaxedDeployment(replicas=replicas, makespan=1.0 / theta if theta > 0 else float("inf"), branch=branch)
+    return RelaxedDeployment(replicas=replicas, makespan=v.reference_makespan / theta if theta > 0 else float("inf"), branch=branch)
 
 
 def solve_deployment(
@@ -156,8 +183,8 @@ def solve_deployment(
     tie_rel: float,
     solver: SolverName,
     time_limit_s: float,
-    bounds: dict[int, tuple[int, int]] | None = None,
-    branch: str = "root",
+    branch: Branch = Branch(),
+    label: str = "root",
     iterate: bool = True,
 ) -> tuple[RelaxedDeployment | None, list[SolveResult]]:
     """Solve at T_ref, then (``iterate``) again at T_ref = 1 / θ until it settles.
@@ -169,13 +196,13 @@ def solve_deployment(
     plan = None
     t_ref = reference_makespan
     for _ in range(FIXED_POINT_ITERATIONS if iterate else 1):
-        model, v = build_model(problem, t_ref, tie_rel / (t_ref * problem.n_gpus), bounds)
+        model, v = build_model(problem, t_ref, tie_rel / problem.n_gpus, branch)
         # threads=1: CBC's parallel search is not deterministic, and plans must be.
-        result = solve(model, solver, time_limit_s=time_limit_s, gap_rel=1e-6, threads=1)
+        result = solve(model, solver, time_limit_s=time_limit_s, gap_rel=MILP_GAP_REL, threads=1)
         results.append(result)
         if not result.has_solution:
             return None, results
-        plan = extract_plan(problem, v, branch)
+        plan = extract_plan(problem, v, label)
         if not np.isfinite(plan.makespan):  # θ = 0: no deployment in this branch covers every bucket
             return None, results
         if abs(plan.makespan - t_ref) <= FIXED_POINT_RTOL * plan.makespan:
@@ -185,29 +212,38 @@ def solve_deployment(
 
 
 def propose_deployments(
-    problem: PlanningProblem, reference_makespan: float, *, tie_rel: float, solver: SolverName, time_limit_s: float
+    problem: PlanningProblem, reference_makespan: float, *, tie_rel: float, solver: SolverName, time_limit_s: float,
+    max_branches: int,
 ) -> tuple[list[RelaxedDeployment], list[SolveResult]]:
-    """The MILP's optimum p* and the optimum of each first-level branch, distinct, root first.
+    """The MILP's optimum p* and the optima of up to ``max_branches`` first-level branches, distinct, root first.
 
-    Branches: p_i <= p*_i - 1 for every deployed config and p_i >= p*_i + 1 for every
-    candidate, all at the root's T_ref. An infeasible branch (no room for another replica)
-    adds nothing. Returns [] when the root gives no solution (the caller falls back).
+    Branches, all at the root's T_ref, deployed configs taken by the GPUs they hold (most
+    first): p_i <= p*_i - 1 and p_i >= p*_i + 1 for each, with, after the first config's
+    two, one branch that deploys some config p* does not (Σ_{i: p*_i = 0} p_i >= 1). An
+    infeasible branch adds nothing. Returns [] when the root gives no solution (the caller
+    falls back).
     """
     root, results = solve_deployment(problem, reference_makespan, tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s)
     if root is None:
         return [], results
-    found, seen = [root], {tuple(root.replicas)}
     limits = problem.max_replicas()
-    for i in modelled_configs(problem):
+    modelled = modelled_configs(problem)
+    deployed = sorted((i for i in modelled if root.replicas[i] > 0), key=lambda i: (-int(root.replicas[i] * problem.gpus[i]), i))
+    branches: list[tuple[str, Branch]] = []
+    for i in deployed:
         name, p = problem.candidates[i].config.name, int(root.replicas[i])
-        branches = [(f"{name}>={p + 1}", (p + 1, int(limits[i])))] if p < limits[i] else []
-        if p > 0:
-            branches.insert(0, (f"{name}<={p - 1}", (0, p - 1)))
-        for label, bound in branches:
-            plan, res = solve_deployment(problem, root.makespan, tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s,
-                                         bounds={i: bound}, branch=label, iterate=False)
-            results.extend(res)
-            if plan is not None and tuple(plan.replicas) not in seen:
-                seen.add(tuple(plan.replicas))
-                found.append(plan)
+        branches.append((f"{name}<={p - 1}", Branch(bounds={i: (0, p - 1)})))
+        if p < limits[i]:
+            branches.append((f"{name}>={p + 1}", Branch(bounds={i: (p + 1, int(limits[i]))})))
+    unused = tuple(i for i in modelled if root.replicas[i] == 0)
+    if unused:
+        branches.insert(min(2, len(branches)), ("new-config", Branch(deploy_one_of=unused)))
+    found, seen = [root], {tuple(root.replicas)}
+    for label, branch in branches[:max_branches]:
+        plan, res = solve_deployment(problem, root.makespan, tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s,
+                                     branch=branch, label=label, iterate=False)
+        results.extend(res)
+        if plan is not None and tuple(plan.replicas) not in seen:
+            seen.add(tuple(plan.replicas))
+            found.append(plan)
     return found, results

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from lorafleet.dispatch.options import MicroBatchMode
 from lorafleet.errors import InputError
 from lorafleet.solvers import SolverName
 
@@ -36,9 +37,12 @@ class PlannerOptions:
     gap_rel: float = 5e-3
     """Relative optimality gap of the exact dispatch ILP (LobRA's SCIP ``limits/gap``)."""
     n_buckets: int = 16
-    """R: planning buckets of the expected batch (LobRA's default), raised to the memory classes present."""
+    """R: buckets of every step's dispatch (LobRA's default), raised to the memory classes present."""
+    microbatch_mode: MicroBatchMode = MicroBatchMode.PACKING
+    """How the plan's steps form micro-batches: packed up to M tokens (lorafleet's default, with
+    variable-length attention) or padded to the bucket boundary (LobRA)."""
     pool_size: int = 12
-    """Deployments drawn from the aggregated MILP, best first (decomposed mode)."""
+    """Decomposed mode: the aggregated MILP's optimum and up to ``pool_size - 1`` branch optima."""
     lower_bound_threshold: float = 0.15
     """Drop deployments whose Theorem-1 bound is more than this fraction above the best (LobRA: 15 %)."""
     min_survivors: int = 8
@@ -50,7 +54,9 @@ class PlannerOptions:
     robust_top: int = 3
     """Deployments evaluated on sampled batches with the real per-step dispatch; the best mean wins."""
     robust_samples: int = 32
-    """K: sampled global batches of the robust evaluation; 0 picks on the expected batch alone."""
+    """K: sampled global batches of the robust evaluation (at most); 0 picks on the expected batch alone."""
+    race_rung: int = 8
+    """Robust stage: sampled batches per round of successive halving (``pipeline.race``)."""
     seed: int | None = None
     """Seed of the sampled batches; None: the workload's seed."""
     tie_rel: float = 5e-3
@@ -61,14 +67,15 @@ class PlannerOptions:
     """Also plan and evaluate the Task-Fused (padding, packing) and Task-Sequential baselines."""
 
     def __post_init__(self) -> None:
-        for name, enum in (("mode", PlannerMode), ("solver", SolverName)):
+        for name, enum in (("mode", PlannerMode), ("solver", SolverName), ("microbatch_mode", MicroBatchMode)):
             value = getattr(self, name)
             try:
                 object.__setattr__(self, name, enum(value))
             except ValueError:
                 raise InputError(OPTIONS_SOURCE, name, f"{value!r} is not one of {', '.join(e.value for e in enum)}") from None
         positive = {"time_limit_s": self.time_limit_s, "n_buckets": self.n_buckets, "pool_size": self.pool_size,
-                    "min_survivors": self.min_survivors, "robust_top": self.robust_top, "enumeration_limit": self.enumeration_limit}
+                    "min_survivors": self.min_survivors, "robust_top": self.robust_top, "enumeration_limit": self.enumeration_limit,
+                    "race_rung": self.race_rung}
         for name, value in positive.items():
             if not value > 0:
                 raise InputError(OPTIONS_SOURCE, name, f"must be > 0, got {value}")

@@ -1,4 +1,4 @@
-"""GPU placement of a deployment: every TP group inside one node.
+"""GPU placement of a deployment (every TP group inside one node), and the DeploymentPlan it makes.
 
 A replica of ⟨tp, pp⟩ is pp TP groups of tp GPUs (one per pipeline stage). Groups are
 placed first-fit decreasing by tp over the nodes, each on the lowest free GPUs of its node;
@@ -10,10 +10,12 @@ succeeds whenever the budget rows of :meth:`PlanningProblem.gpu_budget_rows` hol
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.plans import ReplicaSpec
+from lorafleet.plans import DeploymentPlan, ReplicaSpec, StepPlan
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.workload import Workload
 
 
 def place_replicas(configs: Sequence[ParallelConfig], max_tokens: Sequence[int], cluster: ClusterSpec) -> tuple[ReplicaSpec, ...]:
@@ -37,3 +39,38 @@ def place_replicas(configs: Sequence[ParallelConfig], max_tokens: Sequence[int],
         ReplicaSpec(replica_id=r, config=c, max_tokens=int(m), gpus=tuple(g for stage in range(c.pp) for g in stage_gpus[r, stage]))
         for r, (c, m) in enumerate(zip(configs, max_tokens, strict=True))
     )
+
+
+def build_plan(
+    workload: Workload,
+    cluster: ClusterSpec,
+    replicas: Sequence[tuple[ParallelConfig, int, int]],
+    *,
+    solver: str,
+    notes: Sequence[str] = (),
+) -> DeploymentPlan:
+    """A placed DeploymentPlan of ``(config, max_tokens, count)`` triples, replicas in the order given.
+
+    The expectation fields (makespan, per-replica times, buckets) start empty; the planner
+    fills them from the expected batch's dispatch (:func:`with_expectation`).
+    """
+    configs = [c for c, _, n in replicas for _ in range(n)]
+    max_tokens = [m for _, m, n in replicas for _ in range(n)]
+    return DeploymentPlan(
+        model=workload.model.name,
+        gpu=cluster.gpu,
+        n_gpus=cluster.n_gpus,
+        gpus_per_node=cluster.gpus_per_node,
+        tasks=tuple(t.name for t in workload.tasks),
+        replicas=place_replicas(configs, max_tokens, cluster),
+        bucket_boundaries=(),
+        expected_makespan_s=0.0,
+        solver=solver,
+        notes=tuple(notes),
+    )
+
+
+def with_expectation(plan: DeploymentPlan, step: StepPlan) -> DeploymentPlan:
+    """``plan`` with the expected batch's dispatch recorded: its buckets, makespan and replica times."""
+    return replace(plan, bucket_boundaries=tuple(step.bucket_boundaries), expected_makespan_s=step.estimated_makespan_s,
+                   expected_replica_time_s=tuple(w.estimated_time_s for w in step.work))

@@ -1,4 +1,4 @@
-"""The planning problem as arrays: planning buckets j x candidate configs i.
+"""The planning problem: candidate configs i x planning buckets j of the expected batch.
 
 Notation (LobRA, Sec. 4 and Appendix D): bucket j holds D_j sequences of the expected
 global batch padded to its upper length s_j; config i = ⟨tp_i, pp_i⟩ uses N_i = tp_i pp_i
@@ -9,23 +9,28 @@ n_ij rows of each bucket takes (Eq. 12, 1F1B, plus the step overhead o_i)::
 
     T_i = o_i + Σ_j [ α_ij n_ij + β_ij ceil(n_ij / b_ij) ] + (pp_i - 1) max_{j: n_ij > 0} t(min(n_ij, b_ij), s_j)
 
-That closed form, and the balancers that minimise the slowest T_i for a fixed deployment,
-belong to the dispatcher (:mod:`lorafleet.dispatch.load`); the planner reuses them, so a
-plan is judged by the very model its steps will be dispatched with.
+That closed form, the bucketing DP and the balancers that minimise the slowest T_i for a
+fixed deployment belong to the dispatcher (:mod:`lorafleet.dispatch`); the planner reuses
+them, so a deployment is judged by the very model its steps will be dispatched with
+(:meth:`PlanningProblem.plan_view`). The planning buckets, shared by all candidates, feed
+the optimisation models only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.dispatch.balance import Assignment
 from lorafleet.dispatch.bucketing import bucket_of, optimal_buckets
 from lorafleet.dispatch.load import ConfigClass, LoadModel, build_load_model
-from lorafleet.dispatch.options import MicroBatchMode
+from lorafleet.dispatch.options import DispatchMethod, DispatchOptions
+from lorafleet.dispatch.step import choose_buckets
+from lorafleet.plans import GlobalBatch
 from lorafleet.specs.cluster import ClusterSpec
 
 LOBRA_PROFILE_MICROBATCHES = 16
@@ -61,6 +66,32 @@ def make_candidate(cost_model: CostModel, config: ParallelConfig) -> Candidate:
     return Candidate(config=config, max_tokens=cost_model.max_tokens(config), throughput=lobra_throughput(cost_model, config))
 
 
+def gpu_budget_rows(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
+    """The GPU budget as linear rows ``A @ p <= cap`` over the replica counts p_i of ``configs``.
+
+    A TP group stays inside one node and every group of a config with tp_i >= t takes a
+    multiple of t GPUs, so for every threshold t among the TP degrees those groups fit in at
+    most ``nodes * t * floor(G / t)`` GPUs (G GPUs per node). With power-of-two TP degrees the
+    sizes divide each other and these rows are also sufficient: first-fit decreasing places
+    every group (:func:`lorafleet.planner.placement.place_replicas`). For t = 1 the row is
+    Σ_i N_i p_i <= N.
+    """
+    tps = np.array([c.tp for c in configs], dtype=np.int64)
+    gpus = np.array([c.n_gpus for c in configs], dtype=np.int64)
+    thresholds = sorted({1, *tps.tolist()})
+    per_node = cluster.gpus_per_node
+    rows = np.array([np.where(tps >= t, gpus, 0) for t in thresholds], dtype=np.int64).reshape(len(thresholds), len(configs))
+    caps = np.array([cluster.nodes * t * (per_node // t) for t in thresholds], dtype=np.int64)
+    return rows, caps
+
+
+def max_replicas(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> np.ndarray:
+    """P_i: the most replicas of each config the GPU budget allows on its own, shape (C,)."""
+    rows, caps = gpu_budget_rows(configs, cluster)
+    per_row = np.where(rows > 0, caps[:, None] // np.maximum(rows, 1), np.iinfo(np.int64).max)
+    return per_row.min(axis=0)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class PlanningProblem:
     """Everything the deployment optimisation needs; times in seconds."""
@@ -70,21 +101,21 @@ class PlanningProblem:
     cluster: ClusterSpec
     """The GPUs the plan may use: nodes x gpus_per_node."""
     load: LoadModel
-    """α_ij, β_ij, b_ij, o_i and D_j of every candidate (one class each, no replicas yet)."""
+    """α_ij, β_ij, b_ij, o_i and D_j of every candidate on the planning buckets (one class
+    each, no replicas yet): the coefficients of the MILP, the MINLP and the heuristic."""
+    batch: GlobalBatch
+    """The expected global batch."""
     cost_model: CostModel
-    lengths: np.ndarray
-    """The expected batch's sequence lengths."""
-    bucket: np.ndarray
-    """Each sequence's planning bucket."""
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """Real (unpadded) tokens of each bucket in the expected batch, shape (R,)."""
-        return np.bincount(self.bucket, weights=self.lengths, minlength=self.boundaries.size)
+    dispatch: DispatchOptions
+    """How steps will be dispatched (bucket count, padding or packing): deployments are judged by it."""
 
     @property
     def n_gpus(self) -> int:
         return self.cluster.n_gpus
+
+    @property
+    def configs(self) -> tuple[ParallelConfig, ...]:
+        return tuple(c.config for c in self.candidates)
 
     @property
     def counts(self) -> np.ndarray:
@@ -120,30 +151,15 @@ class PlanningProblem:
 
     @property
     def pp(self) -> np.ndarray:
-        return self.load.pp
+        return np.array([c.config.pp for c in self.candidates], dtype=np.int64)
 
     def gpu_budget_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """The GPU budget as linear rows ``A @ p <= cap`` over replica counts p_i.
-
-        A TP group stays inside one node and every group of a config with tp_i >= t takes a
-        multiple of t GPUs, so for every threshold t among the TP degrees those groups fit in
-        at most ``nodes * t * floor(G / t)`` GPUs (G GPUs per node). With power-of-two TP
-        degrees the sizes divide each other and these rows are also sufficient: first-fit
-        decreasing places every group (:func:`lorafleet.planner.placement.place_replicas`).
-        For t = 1 the row is Σ_i N_i p_i <= N.
-        """
-        tps = np.array([c.config.tp for c in self.candidates], dtype=np.int64)
-        thresholds = sorted({1, *tps.tolist()})
-        per_node = self.cluster.gpus_per_node
-        rows = np.array([np.where(tps >= t, self.gpus, 0) for t in thresholds], dtype=np.int64)
-        caps = np.array([self.cluster.nodes * t * (per_node // t) for t in thresholds], dtype=np.int64)
-        return rows, caps
+        """The GPU budget as rows ``A @ p <= cap`` over replica counts p_i (see :func:`gpu_budget_rows`)."""
+        return gpu_budget_rows(self.configs, self.cluster)
 
     def max_replicas(self) -> np.ndarray:
         """P_i: the most replicas of config i the GPU budget allows on its own, shape (C,)."""
-        rows, caps = self.gpu_budget_rows()
-        per_row = np.where(rows > 0, caps[:, None] // np.maximum(rows, 1), np.iinfo(np.int64).max)
-        return per_row.min(axis=0)
+        return max_replicas(self.configs, self.cluster)
 
     def fits(self, replicas: np.ndarray) -> bool:
         """Whether replica counts p (shape (C,)) respect the GPU budget, node boundaries included."""
@@ -151,46 +167,44 @@ class PlanningProblem:
         return bool(np.all(rows @ np.asarray(replicas, dtype=np.int64) <= caps))
 
     def covers(self, replicas: np.ndarray) -> bool:
-        """Whether the deployed configs hold every non-empty bucket between them (memory)."""
-        deployed = np.asarray(replicas) > 0
-        return bool(np.all(self.microbatch_size[deployed].max(axis=0, initial=0)[self.counts > 0] > 0))
+        """Whether the deployed configs hold the longest sequence of the expected batch (memory)."""
+        deployed = [c.max_tokens for c, p in zip(self.candidates, replicas, strict=True) if p > 0]
+        return bool(deployed) and max(deployed) >= int(self.batch.lengths.max())
 
-    def plan_load(self, replicas: np.ndarray) -> LoadModel:
-        """The dispatcher's load model of deployment p: one class per deployed config, its p_i
-        replicas numbered consecutively in candidate order (the order :func:`place_replicas` uses)."""
-        replicas = np.asarray(replicas, dtype=np.int64)
+    def plan_classes(self, replicas: np.ndarray) -> tuple[ConfigClass, ...]:
+        """The dispatcher's config classes of deployment p: one per deployed config, its p_i
+        replicas numbered consecutively in candidate order (the order the plan places them in)."""
         classes, start = [], 0
-        for i in np.flatnonzero(replicas > 0):
-            cand = self.candidates[i]
-            classes.append(ConfigClass(config=cand.config, max_tokens=cand.max_tokens, replicas=tuple(range(start, start + int(replicas[i])))))
-            start += int(replicas[i])
-        return build_load_model(tuple(classes), self.cost_model, self.boundaries, self.lengths, self.bucket, MicroBatchMode.PADDING)
+        for cand, p in zip(self.candidates, np.asarray(replicas, dtype=np.int64), strict=True):
+            if p > 0:
+                classes.append(ConfigClass(config=cand.config, max_tokens=cand.max_tokens, replicas=tuple(range(start, start + int(p)))))
+                start += int(p)
+        return tuple(classes)
+
+    def plan_view(self, replicas: np.ndarray) -> tuple[LoadModel, Assignment]:
+        """Deployment p as its steps will see the expected batch: the dispatcher's buckets for the
+        deployed configs' M (its DP, ``dispatch.n_buckets``), their load model, and LobRA's
+        length-based dispatch on them."""
+        options = replace(self.dispatch, method=DispatchMethod.LENGTH, choose_buckets_by_makespan=False)
+        _, load, assignment = choose_buckets(self.batch, self.plan_classes(replicas), self.cost_model, options)
+        return load, assignment
 
 
-def build_problem(
-    lengths: np.ndarray,
-    candidates: Sequence[Candidate],
-    cost_model: CostModel,
-    cluster: ClusterSpec,
-    n_buckets: int,
-    *,
-    barriers: Sequence[int] | None = None,
-    alignment: int = 16,
-) -> PlanningProblem:
-    """Bucket the expected batch ``lengths`` and tabulate every candidate on the buckets.
+def build_problem(batch: GlobalBatch, candidates: Sequence[Candidate], cost_model: CostModel, cluster: ClusterSpec,
+                  dispatch: DispatchOptions) -> PlanningProblem:
+    """Bucket the expected batch for the whole candidate set and tabulate every candidate on the buckets.
 
-    The buckets are the dispatcher's padding-minimising DP with at most ``n_buckets``
-    buckets (raised to the number of memory classes present), with ``barriers`` (default:
-    every candidate's M) that no bucket straddles, so each bucket fits a config entirely or
-    not at all.
+    The planning buckets are the dispatcher's padding-minimising DP with a barrier at every
+    candidate's M (no bucket straddles a memory limit, so each is held by a config entirely
+    or not at all) and ``dispatch.n_buckets`` buckets on top of the one per memory segment
+    present, so that many barriers do not leave the buckets coarse.
     """
     ordered = tuple(sorted(candidates, key=lambda c: (c.max_tokens, c.config)))
-    barriers = sorted({c.max_tokens for c in ordered} if barriers is None else set(barriers))
+    barriers = sorted({c.max_tokens for c in ordered})
+    lengths = batch.lengths
     present = np.unique(np.searchsorted(barriers, lengths, side="left")).size
-    bucketing = optimal_buckets(lengths, max(n_buckets, present), alignment=alignment, barriers=barriers)
+    bucketing = optimal_buckets(lengths, dispatch.n_buckets + present, alignment=dispatch.bucket_alignment, barriers=barriers)
     boundaries = np.array(bucketing.boundaries, dtype=np.int64)
-    bucket = bucket_of(lengths, boundaries)
     classes = tuple(ConfigClass(config=c.config, max_tokens=c.max_tokens, replicas=()) for c in ordered)
-    load = build_load_model(classes, cost_model, boundaries, lengths, bucket, MicroBatchMode.PADDING)
-    return PlanningProblem(candidates=ordered, cluster=cluster, load=load, cost_model=cost_model,
-                           lengths=np.asarray(lengths, dtype=np.int64), bucket=bucket)
+    load = build_load_model(classes, cost_model, boundaries, lengths, bucket_of(lengths, boundaries), dispatch.microbatch_mode)
+    return PlanningProblem(candidates=ordered, cluster=cluster, load=load, batch=batch, cost_model=cost_model, dispatch=dispatch)

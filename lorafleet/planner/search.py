@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import numpy as np
 
 from lorafleet.dispatch.balance import balance_fast
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
+from lorafleet.dispatch.load import LoadModel
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner.candidates import enumerate_deployments, has_distinct_max_tokens, lower_bound, lower_bound_filter
 from lorafleet.planner.deployment_ilp import propose_deployments
@@ -37,36 +38,37 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class Evaluation:
-    """A deployment's expected dispatch on the planning buckets."""
+    """A deployment's expected dispatch: the dispatcher's balance of the expected batch on it."""
 
-    class_counts: np.ndarray
-    """d_ij, shape (C, R): sequences of bucket j on config i, all its replicas together."""
-    replica_time: np.ndarray
-    """T_i of config i's slowest replica, shape (C,) (0 where not deployed)."""
+    class_times: np.ndarray
+    """T_i of the slowest replica of each deployed config (the dispatcher's class order)."""
     makespan: float
     """t̂ = max_i T_i (Eq. 1)."""
     method: str
     """``fast`` or the exact ILP's ``milp:<solver>:<status>``."""
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class PoolEntry:
     """One deployment the planner considered, with what it learnt about it."""
 
     replicas: np.ndarray
     """p_i, shape (C,)."""
     source: str
-    """Where it came from: ``milp#k``, ``heuristic``, ``enumeration``, ``minlp``."""
+    """Where it came from: ``heuristic``, ``milp:<branch>``, ``enumeration``, ``minlp``."""
     used_gpus: int
+    load: LoadModel | None
+    """The dispatcher's load model of the expected batch on it (None: it cannot hold the batch)."""
     relaxed_makespan: float | None = None
-    """The aggregated MILP's t̂ (decomposed mode)."""
+    """The aggregated MILP's (or the heuristic's fluid) t̂."""
     lower_bound: float = float("inf")
-    """LobRA's Theorem 1 bound."""
+    """LobRA's Theorem 1 bound (inf: the deployment cannot hold the longest sequence)."""
     survived: bool = True
     """Passed the lower-bound filter."""
     expected: Evaluation | None = None
+    """Expected dispatch (survivors only)."""
     sampled_makespan: float | None = None
-    """Mean makespan over the sampled batches (robust stage)."""
+    """Mean makespan over the sampled batches (robust stage only)."""
 
     @property
     def expected_makespan(self) -> float:
@@ -82,10 +84,8 @@ class SearchOutcome:
     """A solver failed and the heuristic stands in for it."""
 
 
-def evaluate(problem: PlanningProblem, replicas: np.ndarray, *, exact: bool, options: PlannerOptions) -> tuple[Evaluation, SolveResult | None]:
-    """Deployment p's best expected dispatch: the fast balance, or the exact ILP bounded by it."""
-    load = problem.plan_load(replicas)
-    deployed = np.flatnonzero(np.asarray(replicas) > 0)
+def evaluate(load: LoadModel, *, exact: bool, options: PlannerOptions) -> tuple[Evaluation, SolveResult | None]:
+    """The best expected dispatch on ``load``: the dispatcher's fast balance, or its exact ILP bounded by it."""
     assignment, method, result = balance_fast(load), "fast", None
     if exact:
         outcome = solve_dispatch_ilp(load, options.solver, options.time_limit_s, options.gap_rel, upper_bound_s=assignment.makespan_s)
@@ -96,11 +96,8 @@ def evaluate(problem: PlanningProblem, replicas: np.ndarray, *, exact: bool, opt
             method = f"milp:{result}->fast"
             warnings.warn(f"exact dispatch ILP gave no solution ({result}, {result.wall_s:.2f} s); "
                           f"the fast dispatch stands", SolverFallbackWarning, stacklevel=2)
-    counts = np.zeros(problem.microbatch_size.shape, dtype=np.int64)
-    counts[deployed] = assignment.counts
-    times = np.zeros(len(problem.candidates))
-    times[deployed] = load.times(assignment.counts)
-    return Evaluation(class_counts=counts, replica_time=times, makespan=float(times.max()), method=method), result
+    times = load.times(assignment.counts)
+    return Evaluation(class_times=times, makespan=float(times.max()), method=method), result
 
 
 def preferred(items: Sequence[T], makespan: Callable[[T], float], gpus: Callable[[T], int], tie_rel: float) -> T:
@@ -111,8 +108,13 @@ def preferred(items: Sequence[T], makespan: Callable[[T], float], gpus: Callable
 
 
 def _entry(problem: PlanningProblem, replicas: np.ndarray, source: str, relaxed: float | None = None) -> PoolEntry:
-    return PoolEntry(replicas=np.asarray(replicas, dtype=np.int64), source=source,
-                     used_gpus=int(np.asarray(replicas) @ problem.gpus), relaxed_makespan=relaxed)
+    replicas = np.asarray(replicas, dtype=np.int64)
+    used = int(replicas @ problem.gpus)
+    if not problem.covers(replicas):
+        return PoolEntry(replicas=replicas, source=source, used_gpus=used, load=None, relaxed_makespan=relaxed, survived=False)
+    load, length_based = problem.plan_view(replicas)
+    return PoolEntry(replicas=replicas, source=source, used_gpus=used, load=load, relaxed_makespan=relaxed,
+                     lower_bound=lower_bound(load, length_based))
 
 
 def _fallback(outcome: SearchOutcome, what: str, result: SolveResult) -> None:
@@ -125,45 +127,35 @@ def _fallback(outcome: SearchOutcome, what: str, result: SolveResult) -> None:
 def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
     """The heuristic plan and the aggregated MILP's proposals, the Theorem-1 filter applied."""
     heuristic, horizon = heuristic_deployment(problem)
-    outcome = SearchOutcome(pool=[_entry(problem, heuristic, "heuristic", horizon)])
-    found, outcome.solves = propose_deployments(problem, horizon, tie_rel=options.tie_rel, solver=options.solver,
-                                                time_limit_s=options.time_limit_s)
+    found, solves = propose_deployments(problem, horizon, tie_rel=options.tie_rel, solver=options.solver,
+                                        time_limit_s=options.time_limit_s, max_branches=options.pool_size - 1)
+    outcome = SearchOutcome(pool=[_entry(problem, heuristic, "heuristic", horizon)], solves=solves)
     if not found:
-        _fallback(outcome, "the deployment MILP", outcome.solves[-1])
+        _fallback(outcome, "the deployment MILP", solves[-1])
     seen = {tuple(heuristic)}
     for plan in found:
         if tuple(plan.replicas) not in seen:
             seen.add(tuple(plan.replicas))
             outcome.pool.append(_entry(problem, plan.replicas, f"milp:{plan.branch}", plan.makespan))
-    for entry in outcome.pool:
-        entry.lower_bound = lower_bound(problem, entry.replicas)
     kept = set(lower_bound_filter([e.lower_bound for e in outcome.pool],
                                   [has_distinct_max_tokens(problem, e.replicas) for e in outcome.pool],
                                   options.lower_bound_threshold, options.min_survivors))
-    for k, entry in enumerate(outcome.pool):
-        entry.survived = k in kept and np.isfinite(entry.lower_bound)
+    outcome.pool = [replace(e, survived=e.survived and k in kept) for k, e in enumerate(outcome.pool)]
     return outcome
 
 
 def exhaustive_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
     """Every maximal deployment (no filter: this is the reference the others are checked against)."""
-    pool = [_entry(problem, p, "enumeration") for p in enumerate_deployments(problem, options.enumeration_limit)]
-    for entry in pool:
-        entry.lower_bound = lower_bound(problem, entry.replicas)
-    return SearchOutcome(pool=pool)
+    return SearchOutcome(pool=[_entry(problem, p, "enumeration") for p in enumerate_deployments(problem, options.enumeration_limit)])
 
 
 def minlp_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
     """LobRA's joint MINLP on SCIP; the heuristic plan if it gives nothing."""
     solution = solve_joint(problem, time_limit_s=options.time_limit_s, gap_rel=min(options.gap_rel, 1e-4))
     if isinstance(solution, JointSolution):
-        entry = _entry(problem, solution.replicas, "minlp", solution.makespan)
-        outcome = SearchOutcome(pool=[entry], solves=[solution.solve])
-    else:
-        outcome = SearchOutcome(pool=[_entry(problem, heuristic_deployment(problem)[0], "heuristic")], solves=[solution])
-        _fallback(outcome, "the joint MINLP", solution)
-    for entry in outcome.pool:
-        entry.lower_bound = lower_bound(problem, entry.replicas)
+        return SearchOutcome(pool=[_entry(problem, solution.replicas, "minlp", solution.makespan)], solves=[solution.solve])
+    outcome = SearchOutcome(pool=[_entry(problem, heuristic_deployment(problem)[0], "heuristic")], solves=[solution])
+    _fallback(outcome, "the joint MINLP", solution)
     return outcome
 
 
@@ -175,18 +167,19 @@ POOLS: dict[PlannerMode, Callable[[PlanningProblem, PlannerOptions], SearchOutco
 
 
 def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOutcome, list[PoolEntry]]:
-    """The pool of ``options.mode`` and the expected dispatch of its survivors, best first.
+    """The pool of ``options.mode`` and its survivors with their expected dispatch, best first.
 
     Every survivor gets the fast expected dispatch; the best ``exact_top`` are then
-    re-solved by the exact dispatch ILP.
+    re-solved by the exact dispatch ILP. Ties go to fewer GPUs.
     """
     outcome = POOLS[options.mode](problem, options)
-    for entry in outcome.pool:
-        if entry.survived:
-            entry.expected, _ = evaluate(problem, entry.replicas, exact=False, options=options)
+    outcome.pool = [replace(e, expected=evaluate(e.load, exact=False, options=options)[0]) if e.survived else e
+                    for e in outcome.pool]
     ranked = sorted((e for e in outcome.pool if e.expected is not None), key=lambda e: (e.expected_makespan, e.used_gpus))
-    for entry in ranked[: options.exact_top]:
-        entry.expected, result = evaluate(problem, entry.replicas, exact=True, options=options)
+    for k, entry in enumerate(ranked[: options.exact_top]):
+        expected, result = evaluate(entry.load, exact=True, options=options)
+        ranked[k] = replace(entry, expected=expected)
         outcome.solves.append(result)
     ranked.sort(key=lambda e: (e.expected_makespan, e.used_gpus))
+    outcome.pool = ranked + [e for e in outcome.pool if e.expected is None]
     return outcome, ranked

@@ -1,0 +1,109 @@
+"""The homogeneous baselines, on the same cost model and data, each a replayable :class:`Schedule`.
+
+- **Task-Fused padding** (LobRA's baseline): all tasks on the best single homogeneous
+  config (as many replicas as fit), every sequence padded to LobRA's static power-of-two
+  buckets 256, 512, ..., 2^ceil(log2 longest).
+- **Task-Fused packing** (the baseline LobRA's reviewers asked for): the best homogeneous
+  config with sequences packed end to end up to M tokens per micro-batch.
+- **Task-Sequential**: each task alone on its own best homogeneous config, padded as in
+  Task-Fused, the tasks one after another on the whole cluster; a step costs the sum of
+  the tasks' makespans and GPU-seconds add up.
+
+"Best" is the config with the fewest expected GPU-seconds (makespan x GPUs) on the
+expected batch, estimated with the dispatcher's load model (a homogeneous deployment needs
+no balancing, so the estimate is the load model's closed form); the chosen baseline is then
+costed by the real dispatcher like lorafleet's plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+
+import numpy as np
+
+from lorafleet.costmodel.cost_model import CostModel
+from lorafleet.dispatch import DispatchOptions, MicroBatchMode, bucket_of
+from lorafleet.dispatch.load import ConfigClass, build_load_model
+from lorafleet.plans import GlobalBatch
+from lorafleet.planner.placement import build_plan
+from lorafleet.planner.problem import Candidate, max_replicas
+from lorafleet.planner.schedule import DispatchPolicy, Phase, Schedule, pow2_boundaries, select_tasks
+from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.workload import Workload
+
+
+class BaselineKind(StrEnum):
+    TASK_FUSED_PADDING = "task-fused-padding"
+    """All tasks on the best homogeneous config, static power-of-two padding buckets."""
+    TASK_FUSED_PACKING = "task-fused-packing"
+    """All tasks on the best homogeneous config, sequences packed up to M tokens."""
+    TASK_SEQUENTIAL = "task-sequential"
+    """Each task alone on its best homogeneous config, one after another."""
+
+
+def padding_policy(longest: int, max_tokens: int) -> DispatchPolicy:
+    """LobRA's Task-Fused dispatch: static power-of-two buckets, padded micro-batches."""
+    return DispatchPolicy(static_boundaries=pow2_boundaries(longest, max_tokens))
+
+
+def packing_policy(n_buckets: int) -> DispatchPolicy:
+    """Packed micro-batches of up to M tokens (buckets only steer the balance estimate)."""
+    return DispatchPolicy(options=DispatchOptions(n_buckets=n_buckets, microbatch_mode=MicroBatchMode.PACKING))
+
+
+def estimated_makespan(lengths: np.ndarray, candidate: Candidate, replicas: int, cost_model: CostModel,
+                       mode: MicroBatchMode) -> float:
+    """The load model's makespan of ``replicas`` copies of one config sharing ``lengths`` evenly.
+
+    Buckets are the static power-of-two ones (padding), which also stand for packing's
+    density estimate.
+    """
+    boundaries = np.asarray(pow2_boundaries(int(lengths.max()), candidate.max_tokens), dtype=np.int64)
+    bucket = bucket_of(lengths, boundaries)
+    cls = ConfigClass(config=candidate.config, max_tokens=candidate.max_tokens, replicas=tuple(range(replicas)))
+    load = build_load_model((cls,), cost_model, boundaries, lengths, bucket, mode)
+    return load.makespan(load.counts[None, :])
+
+
+def best_homogeneous(lengths: np.ndarray, candidates: Sequence[Candidate], cost_model: CostModel, cluster: ClusterSpec,
+                     mode: MicroBatchMode) -> tuple[Candidate, int]:
+    """The config (and its replica count, as many as fit) with the fewest estimated GPU-seconds for ``lengths``.
+
+    Raises:
+        ValueError: no candidate holds the longest sequence.
+    """
+    holders = [c for c in candidates if c.max_tokens >= int(lengths.max())]
+    if not holders:
+        raise ValueError(f"no config holds a {int(lengths.max())}-token sequence")
+    counts = max_replicas([c.config for c in holders], cluster)
+    scored = [(estimated_makespan(lengths, c, int(p), cost_model, mode) * int(p) * c.n_gpus, int(p) * c.n_gpus, c.config, c, int(p))
+              for c, p in zip(holders, counts, strict=True) if p > 0]
+    _, _, _, cand, p = min(scored, key=lambda x: x[:3])
+    return cand, p
+
+
+def _phase(workload: Workload, tasks: tuple[int, ...], batch: GlobalBatch, candidates: Sequence[Candidate],
+           cost_model: CostModel, cluster: ClusterSpec, mode: MicroBatchMode, n_buckets: int, name: str) -> Phase:
+    lengths = select_tasks(batch, tasks).lengths
+    cand, p = best_homogeneous(lengths, candidates, cost_model, cluster, mode)
+    policy = padding_policy(int(lengths.max()), cand.max_tokens) if mode is MicroBatchMode.PADDING else packing_policy(n_buckets)
+    plan = build_plan(workload, cluster, [(cand.config, cand.max_tokens, p)], solver=f"baseline:{name}")
+    return Phase(tasks=tasks, plan=plan, policy=policy)
+
+
+def baseline_schedules(workload: Workload, expected: GlobalBatch, candidates: Sequence[Candidate], cost_model: CostModel,
+                       cluster: ClusterSpec, n_buckets: int) -> tuple[Schedule, ...]:
+    """Task-Fused padding, Task-Fused packing and Task-Sequential, chosen on the expected batch."""
+    everyone = tuple(range(len(workload.tasks)))
+    fused = {
+        kind: Schedule(name=kind.value, phases=(_phase(workload, everyone, expected, candidates, cost_model, cluster, mode,
+                                                       n_buckets, kind.value),))
+        for kind, mode in ((BaselineKind.TASK_FUSED_PADDING, MicroBatchMode.PADDING),
+                           (BaselineKind.TASK_FUSED_PACKING, MicroBatchMode.PACKING))
+    }
+    sequential = Schedule(name=BaselineKind.TASK_SEQUENTIAL.value, phases=tuple(
+        _phase(workload, (k,), expected, candidates, cost_model, cluster, MicroBatchMode.PADDING, n_buckets,
+               f"{BaselineKind.TASK_SEQUENTIAL.value}:{workload.tasks[k].name}")
+        for k in everyone))
+    return (*fused.values(), sequential)

@@ -1,0 +1,254 @@
+"""``plan_deployment``: the planner top to bottom.
+
+1. The expected global batch (every task's length quantiles, the longest length included).
+2. Candidates: every valid ⟨tp, pp⟩ that fits in memory; LobRA's proposal keeps the best
+   throughput per (max-token class, GPU count) (all of them in the exhaustive mode).
+3. Planning buckets (the dispatcher's DP, barriers at the candidates' M) for the
+   optimisation models, and the search (``search.py``): a pool of deployments, LobRA's
+   Theorem-1 filter, and each survivor's expected dispatch by the dispatcher itself
+   (Eq. 1-3 with p fixed).
+4. Robust choice: the best ``robust_top`` are dispatched by the real per-step dispatcher on
+   up to K sampled global batches, raced by successive halving; the lowest mean makespan
+   wins, and a plan within ``tie_rel`` of it on fewer GPUs wins over it (GPUs are left idle
+   only when that lowers GPU-seconds).
+5. The plan is placed on GPUs, its expected dispatch recorded, and the baselines built
+   and costed on the same expected batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from lorafleet.costmodel.cost_model import CostModel
+from lorafleet.dispatch import DispatchOptions
+from lorafleet.errors import InputError
+from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
+from lorafleet.planner.baselines import baseline_schedules
+from lorafleet.planner.candidates import propose_candidates, valid_candidates
+from lorafleet.planner.expected import expected_global_batch
+from lorafleet.planner.options import PlannerMode, PlannerOptions
+from lorafleet.planner.placement import build_plan, with_expectation
+from lorafleet.planner.problem import Candidate, PlanningProblem, build_problem
+from lorafleet.planner.schedule import DispatchPolicy, Phase, Schedule
+from lorafleet.planner.search import PoolEntry, preferred, search
+from lorafleet.sampling import sample_global_batch
+from lorafleet.solvers import SolveResult
+from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.workload import Workload
+
+LORAFLEET = "lorafleet"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleCost:
+    """One way of running the workload, costed per step on the expected batch."""
+
+    name: str
+    gpus: int
+    """GPUs held (the most any phase holds)."""
+    makespan_s: float
+    """Expected step time: the dispatcher's estimate on the expected batch."""
+    gpu_seconds: float
+    """Expected GPU-seconds per step (makespan x GPUs held, summed over phases)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanDiagnostics:
+    """How the plan was found: what was considered, what the solvers said, where time went."""
+
+    mode: PlannerMode
+    valid_configs: int
+    """Configs that run the model on the cluster and fit in memory."""
+    candidates: tuple[Candidate, ...]
+    """The configs the search used (after the proposal, except in exhaustive mode)."""
+    bucket_boundaries: tuple[int, ...]
+    """Planning buckets s_j of the expected batch."""
+    bucket_counts: tuple[int, ...]
+    """D_j."""
+    pool: tuple[PoolEntry, ...]
+    """Every deployment considered, best expected makespan first (filtered ones last)."""
+    solves: tuple[SolveResult, ...]
+    timings_s: dict[str, float] = field(default_factory=dict)
+    fell_back: bool = False
+    """A solver failed and the heuristic plan stands in (a SolverFallbackWarning was issued)."""
+    sampled_batches: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanResult:
+    """The deployment plan, how it compares with the baselines, and how it was found."""
+
+    plan: DeploymentPlan
+    schedule: Schedule
+    """The plan with its per-step dispatch policy (what ``simulate`` and ``train`` replay)."""
+    expected_step: StepPlan
+    """The expected batch dispatched on the plan: per-replica loads and times."""
+    expected_batch: GlobalBatch
+    costs: tuple[ScheduleCost, ...]
+    """lorafleet first, then each baseline."""
+    baselines: tuple[Schedule, ...]
+    diagnostics: PlanDiagnostics
+
+    def cost(self, name: str) -> ScheduleCost:
+        return next(c for c in self.costs if c.name == name)
+
+    def reduction(self, baseline: str) -> tuple[float, float]:
+        """Fractions by which lorafleet lowers (makespan, GPU-seconds) against ``baseline``."""
+        ours, theirs = self.cost(LORAFLEET), self.cost(baseline)
+        return 1 - ours.makespan_s / theirs.makespan_s, 1 - ours.gpu_seconds / theirs.gpu_seconds
+
+
+def _check_longest(workload: Workload, valid: tuple[Candidate, ...], cluster: ClusterSpec) -> None:
+    """InputError naming the task whose longest sequence no config can hold."""
+    largest = max((c.max_tokens for c in valid), default=0)
+    if not valid:
+        raise InputError(workload.path, "model", f"{workload.model.name} fits no parallel config of {cluster.n_gpus} x {cluster.gpu}")
+    for k, task in enumerate(workload.tasks):
+        if task.lengths.max_length > largest:
+            raise InputError(workload.path, f"tasks[{k}].context_length",
+                             f"task {task.name!r} has {task.lengths.max_length}-token sequences, but no config of "
+                             f"{workload.model.name} on {cluster.n_gpus} x {cluster.gpu} holds more than {largest} tokens "
+                             f"per micro-batch; lower context_length (overflow: truncate) or use more memory per replica")
+
+
+def _plan_of(problem: PlanningProblem, entry: PoolEntry, workload: Workload, cluster: ClusterSpec, solver: str) -> DeploymentPlan:
+    replicas = [(c.config, c.max_tokens, int(n)) for c, n in zip(problem.candidates, entry.replicas, strict=True) if n > 0]
+    return build_plan(workload, cluster, replicas, solver=solver)
+
+
+def race(schedules: list[Schedule], batches: list[GlobalBatch], cost_model: CostModel, tie_rel: float, rung: int) -> list[np.ndarray]:
+    """Makespans of each schedule on the sampled batches, dispatched step by step: successive halving.
+
+    Every schedule sees the same batches in the same order. After each rung of ``rung``
+    batches the schedules still in the race are ranked by mean makespan (a schedule within
+    ``tie_rel`` of a faster one on fewer GPUs ranks above it, as in :func:`preferred`) and
+    the worse half leaves; the race ends when one is left or the K batches are used. With
+    three plans and the defaults that is 3 x 8 + 2 x 8 dispatches instead of 3 x 32.
+    """
+    samples: list[list[float]] = [[] for _ in schedules]
+    alive = list(range(len(schedules)))
+    for start in range(0, len(batches), rung):
+        for batch in batches[start:start + rung]:
+            for k in alive:
+                samples[k].append(schedules[k].step_cost(batch, cost_model).makespan_s)
+        if len(alive) == 1:
+            break
+        ranked = []
+        rest = list(alive)
+        while rest:
+            best = preferred(rest, lambda k: float(np.mean(samples[k])), lambda k: schedules[k].max_gpus, tie_rel)
+            ranked.append(best)
+            rest.remove(best)
+        alive = ranked[: (len(ranked) + 1) // 2]
+    return [np.asarray(s) for s in samples]
+
+
+def _solver_label(options: PlannerOptions, outcome_solves: list[SolveResult], fell_back: bool) -> str:
+    if fell_back:
+        return "heuristic"
+    if options.mode is PlannerMode.EXHAUSTIVE:
+        return "exhaustive"
+    root = outcome_solves[0]
+    return f"{'minlp-' if options.mode is PlannerMode.JOINT_MINLP else ''}{root}"
+
+
+def _idle_note(problem: PlanningProblem, chosen: PoolEntry, ranked: list[PoolEntry], makespan_s: float) -> str | None:
+    idle = problem.n_gpus - chosen.used_gpus
+    if idle == 0:
+        return None
+    if not any(problem.fits(chosen.replicas + np.eye(len(chosen.replicas), dtype=np.int64)[i])
+               for i in range(len(problem.candidates))):
+        return f"{idle} GPU(s) idle: no candidate config fits in them (TP groups stay inside a node)"
+    bigger = [e for e in ranked if e.used_gpus > chosen.used_gpus]
+    versus = (f"; the best plan using more GPUs found ({bigger[0].used_gpus} GPUs) expects "
+              f"{bigger[0].expected_makespan:.3g} s vs {chosen.expected_makespan:.3g} s") if bigger else ""
+    return (f"{idle} GPU(s) left idle: more replicas would not lower the expected makespan beyond the tie tolerance, "
+            f"so idling them saves {idle * makespan_s:.3g} GPU-seconds per step{versus}")
+
+
+def plan_deployment(workload: Workload, cluster: ClusterSpec, cost_model: CostModel,
+                    options: PlannerOptions = PlannerOptions()) -> PlanResult:
+    """Plan how many replicas of which config to deploy on ``cluster`` for ``workload``.
+
+    Minimises the expected step makespan (LobRA Eq. 1-3): ``min t̂`` subject to ``t̂ >= T_i``
+    for every deployed config i (Eq. 12), every bucket fully dispatched, memory respected and
+    the replicas fitting the GPUs with TP groups inside nodes. Solver failures fall back to
+    the heuristic plan with a :class:`~lorafleet.errors.SolverFallbackWarning`.
+
+    Raises:
+        InputError: the model fits no config, or some task's sequences fit none.
+    """
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = now - clock
+        clock = now
+
+    expected = expected_global_batch(workload)
+    valid = valid_candidates(cost_model, cluster)
+    _check_longest(workload, valid, cluster)
+    candidates = valid if options.mode is PlannerMode.EXHAUSTIVE else propose_candidates(valid, int(expected.lengths.max()))
+    dispatch = DispatchOptions(n_buckets=options.n_buckets, microbatch_mode=options.microbatch_mode)
+    problem = build_problem(expected, candidates, cost_model, cluster, dispatch)
+    lap("candidates")
+
+    outcome, ranked = search(problem, options)
+    lap("search")
+
+    policy = DispatchPolicy(options=dispatch)
+    solver = _solver_label(options, outcome.solves, outcome.fell_back)
+    finalists = ranked[: options.robust_top]
+    schedules = [Schedule(name=LORAFLEET, phases=(Phase(tasks=tuple(range(len(workload.tasks))),
+                                                       plan=_plan_of(problem, e, workload, cluster, solver), policy=policy),))
+                 for e in finalists]
+    seed = workload.spec.seed if options.seed is None else options.seed
+    batches = [sample_global_batch(workload, step, seed) for step in range(options.robust_samples)]
+    if batches and len(finalists) > 1:
+        makespans = race(schedules, batches, cost_model, options.tie_rel, options.race_rung)
+        finalists = [replace(e, sampled_makespan=float(m.mean())) for e, m in zip(finalists, makespans, strict=True)]
+        sampled_steps = max(m.size for m in makespans)
+        pick = max(range(len(finalists)), key=lambda k: makespans[k].size)
+    else:
+        pick = preferred(range(len(finalists)), lambda k: finalists[k].expected_makespan, lambda k: finalists[k].used_gpus, options.tie_rel)
+    chosen, schedule = finalists[pick], schedules[pick]
+    lap("robust")
+
+    expected_step = policy.dispatch(expected, schedule.phases[0].plan, cost_model)
+    notes = list(outcome.notes)
+    notes.append(f"{len(valid)} valid configs, {len(candidates)} candidates, {len(outcome.pool)} deployments considered, "
+                 f"{len(ranked)} survived the lower-bound filter")
+    if chosen.sampled_makespan is not None:
+        notes.append(f"robust choice among {len(finalists)} plans raced on up to {len(batches)} sampled batches: "
+                     f"mean makespan {chosen.sampled_makespan:.4g} s over {sampled_steps} of them")
+    idle = _idle_note(problem, chosen, ranked, expected_step.estimated_makespan_s)
+    if idle:
+        notes.append(idle)
+    plan = replace(with_expectation(schedule.phases[0].plan, expected_step), notes=tuple(notes))
+    schedule = Schedule(name=LORAFLEET, phases=(replace(schedule.phases[0], plan=plan),))
+
+    costs = [ScheduleCost(name=LORAFLEET, gpus=plan.used_gpus, makespan_s=expected_step.estimated_makespan_s,
+                          gpu_seconds=expected_step.estimated_makespan_s * plan.used_gpus)]
+    baselines: tuple[Schedule, ...] = ()
+    if options.baselines:
+        baselines = baseline_schedules(workload, expected, valid, cost_model, cluster, options.n_buckets)
+        for b in baselines:
+            step = b.step_cost(expected, cost_model)
+            costs.append(ScheduleCost(name=b.name, gpus=b.max_gpus, makespan_s=step.makespan_s, gpu_seconds=step.gpu_seconds))
+    lap("baselines")
+
+    sampled = {id(entry): final for entry, final in zip(ranked, finalists)}
+    pool = [sampled.get(id(e), e) for e in outcome.pool]
+    diagnostics = PlanDiagnostics(
+        mode=options.mode, valid_configs=len(valid), candidates=problem.candidates,
+        bucket_boundaries=tuple(int(s) for s in problem.boundaries), bucket_counts=tuple(int(d) for d in problem.counts),
+        pool=tuple(pool), solves=tuple(outcome.solves), timings_s=timings, fell_back=outcome.fell_back,
+        sampled_batches=len(batches),
+    )
+    return PlanResult(plan=plan, schedule=schedule, expected_step=expected_step, expected_batch=expected,
+                      costs=tuple(costs), baselines=baselines, diagnostics=diagnostics)
