@@ -59,15 +59,9 @@ def make_layer(specs: dict[int, LoraSpec], seed: int = 0, bias: bool = True) -> 
 def peft_task_layer(layer: MultiLoraLinear, adapter_id: int) -> PeftLinear:
     """PEFT's layer for one task, holding that task's weights."""
     spec = layer.adapters[adapter_id]
-    ref = PeftLinear(
-        copy.deepcopy(layer.base_layer),
-        "default",
-        config=peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, use_rslora=spec.use_rslora),
-        r=spec.rank,
-        lora_alpha=spec.alpha,
-        lora_dropout=spec.dropout,
-        use_rslora=spec.use_rslora,
-    )
+    config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, use_rslora=spec.use_rslora)
+    # peft 0.21 reads dropout and rsLoRA from `config`, rank and alpha from the arguments
+    ref = PeftLinear(copy.deepcopy(layer.base_layer), "default", config=config, r=spec.rank, lora_alpha=spec.alpha)
     with torch.no_grad():
         ref.lora_A["default"].weight.copy_(layer.lora_A[str(adapter_id)])
         ref.lora_B["default"].weight.copy_(layer.lora_B[str(adapter_id)])
@@ -87,8 +81,9 @@ def peft_per_task(layer: MultiLoraLinear, x, grad_y, keep):
         rows = rows_of(layer.segments, adapter_id)
         if len(rows) == 0:
             continue
-        ref = peft_task_layer(layer, adapter_id)
+        ref = peft_task_layer(layer, adapter_id).train(layer.training)
         if keep is not None and spec.dropout:
+            assert isinstance(ref.lora_dropout["default"], nn.Dropout)
             ref.lora_dropout["default"] = FixedMaskDropout(keep[rows], spec.dropout)
         x_t = x[rows].detach().requires_grad_()
         y_t = ref(x_t)
@@ -129,6 +124,12 @@ CASES = [
         {0: LoraSpec(rank=4, alpha=8, dropout=0.3), 1: LoraSpec(rank=4, alpha=8), 2: LoraSpec(rank=6, alpha=8, dropout=0.5)},
         Segments.padded([0, 1, 2, 0], [5, 5, 5, 3], seq_len=5),
         True,
+    ),
+    (
+        "dropout-in-eval",  # eval mode: no mask, and no 1 / (1 - p) either
+        {0: LoraSpec(rank=4, alpha=8, dropout=0.3), 1: LoraSpec(rank=4, alpha=8, dropout=0.3)},
+        Segments.packed([0, 1], [6, 6]),
+        False,
     ),
 ]
 
@@ -225,8 +226,13 @@ def layouts(draw):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(layout=layouts(), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
-def test_matches_plain_autograd_on_any_layout(layout, dtype, seed):
+@given(
+    layout=layouts(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    training=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_plain_autograd_on_any_layout(layout, dtype, training, seed):
     ranks, routing, T = layout
     gen = torch.Generator().manual_seed(seed)
 
@@ -238,7 +244,7 @@ def test_matches_plain_autograd_on_any_layout(layout, dtype, seed):
     A = [rand(r, k, scale=k**-0.5) for r in ranks]
     B = [rand(n, r, scale=0.5) for r in ranks]
     torch.manual_seed(seed)
-    keep = draw_keep_mask(T, k, routing, device="cpu")
+    keep = draw_keep_mask(T, k, routing, device="cpu") if training else None
 
     def run(op, dt):
         leaves = [t.detach().to(dt).requires_grad_() for t in (x, *A, *B)]

@@ -294,15 +294,22 @@ def _runs(routing: LoraRouting, ranks: tuple[int, ...]) -> tuple[_Run, ...]:
     return tuple(_Run(tuple(ad), first, key[0], spacing, key[2], key[3]) for ad, first, key, spacing in open_runs)
 
 
-def _dropout(t: Tensor, keep: Tensor, p: float) -> Tensor:
-    """Inverted dropout with a given keep-mask: ``t ⊙ keep / (1 - p)`` (a new tensor)."""
-    return (t * keep).mul_(1.0 / (1.0 - p))
+def _run_keep(run: _Run, keep: Tensor | None) -> tuple[Tensor | None, float]:
+    """The run's keep-mask rows ``M (G, L, K)`` and ``1 / (1 - p)``; ``(None, 1.0)`` when this
+    call drops nothing on the run (p = 0, or no mask: eval mode)."""
+    if run.dropout and keep is not None:
+        return run.rows(keep), 1.0 / (1.0 - run.dropout)
+    return None, 1.0
 
 
-def _run_input(x: Tensor, keep: Tensor | None, run: _Run) -> Tensor:
-    """``Xd`` of the run, ``(G, L, K)``: a view of ``x`` when the run has no dropout."""
-    x_g = run.rows(x)  # (G, L, K)
-    return _dropout(x_g, run.rows(keep), run.dropout) if run.dropout and keep is not None else x_g
+def _masked(t: Tensor, keep_g: Tensor | None) -> Tensor:
+    """``t ⊙ M`` (``t`` itself without a mask).
+
+    The ``1 / (1 - p)`` of inverted dropout is applied to the rank-wide tensors (``S``, ``dA``,
+    ``dX``'s ``add_``) instead: r columns to scale rather than K. ``torch.where`` reads the bool
+    mask directly, where ``t * keep`` would first convert it to floats.
+    """
+    return t if keep_g is None else torch.where(keep_g, t, 0.0)
 
 
 def _stack(weights: Sequence[Tensor], adapters: tuple[int, ...]) -> Tensor:
@@ -322,7 +329,8 @@ def _torch_forward(x, weight, bias, lora_A, lora_B, routing, keep):
     saved = []
     for run in _runs(routing, tuple(a.shape[0] for a in lora_A)):
         A_g, B_g = _stack(lora_A, run.adapters), _stack(lora_B, run.adapters)  # (G, r, K), (G, N, r)
-        s_g = torch.bmm(_run_input(x, keep, run), A_g.transpose(1, 2))  # (G, L, r) = Xd A^T
+        keep_g, inv_keep = _run_keep(run, keep)
+        s_g = torch.bmm(_masked(run.rows(x), keep_g), A_g.transpose(1, 2)).mul_(inv_keep)  # (G, L, r) = Xd A^T
         run.rows(y).baddbmm_(s_g, B_g.transpose(1, 2), alpha=run.scaling)  # (G, L, N) += s S B^T, in place
         saved += (s_g, A_g, B_g)
     return y, saved
@@ -338,14 +346,16 @@ def _torch_backward(grad_y, x, weight, lora_A, lora_B, routing, keep, saved, nee
         s_g, A_g, B_g = saved[3 * i : 3 * i + 3]  # (G, L, r), (G, r, K), (G, N, r)
         g_g = run.rows(grad_y)  # (G, L, N)
         ds_g = torch.bmm(g_g, B_g).mul_(run.scaling)  # (G, L, r) = s G B
+        keep_g, inv_keep = _run_keep(run, keep)
         if need_x:
             dx_g = run.rows(dx)  # (G, L, K) view: written in place, no per-segment buffers
-            if run.dropout and keep is not None:
-                dx_g.add_(_dropout(torch.bmm(ds_g, A_g), run.rows(keep), run.dropout))
-            else:
+            if keep_g is None:
                 dx_g.baddbmm_(ds_g, A_g)  # += dS A
+            else:
+                dx_g.add_(_masked(torch.bmm(ds_g, A_g), keep_g), alpha=inv_keep)  # += (dS A) ⊙ M / (1 - p)
         if need_lora:
-            _accumulate(dA, run.adapters, torch.bmm(ds_g.transpose(1, 2), _run_input(x, keep, run)))  # (G, r, K)
+            x_m = _masked(run.rows(x), keep_g)  # (G, L, K), recomputed: M costs 1 byte an element, Xd 4
+            _accumulate(dA, run.adapters, torch.bmm(ds_g.transpose(1, 2), x_m).mul_(inv_keep))  # (G, r, K)
             _accumulate(dB, run.adapters, torch.bmm(g_g.transpose(1, 2), s_g).mul_(run.scaling))  # (G, N, r)
     return dx, dA, dB
 
