@@ -1,0 +1,121 @@
+"""Process start-up: torchrun or not, gloo or NCCL, and every rank's identical executor build.
+
+lorafleet adds no launcher of its own (DESIGN, "Scale"): a multi-process run is started by
+``torch.distributed.run`` (torchrun), either by the user (any rendezvous, many nodes) or by
+``lorafleet train`` re-executing itself under ``torchrun --standalone`` on one machine.
+Either way each process reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous
+address from the environment torchrun sets.
+
+The backend follows the device: NCCL when the ranks compute on CUDA devices (one per local
+rank), gloo on CPU. Every rank then builds the same :class:`TorchExecutor` from the same
+workload spec and plan (:func:`build_torch_executor`): data, tokenizer and model are loaded
+by every rank, so nothing but the plans and the adapter gradients travels between them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lorafleet.data.tokenize import load_tokenizer
+from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer
+from lorafleet.errors import InputError
+from lorafleet.executor.torch.base_model import (
+    ModelSource,
+    SourceKind,
+    load_causal_lm,
+    load_source_tokenizer,
+    resolve_model_source,
+)
+from lorafleet.executor.torch.data_stream import DataStreams, TaskData, prepare_task_data
+from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
+from lorafleet.plans import DeploymentPlan
+from lorafleet.specs.workload import TaskSpec, WorkloadSpec
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or anything that sets its variables)."""
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def plan_world_size(plan: DeploymentPlan) -> int:
+    """Processes a plan needs: one per rank it names (idle ranks included)."""
+    return max(g for r in plan.replicas for g in r.gpus) + 1
+
+
+def torchrun_argv(nproc: int, argv: Sequence[str]) -> list[str]:
+    """The command that re-runs ``python -m lorafleet <argv>`` as ``nproc`` processes on this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "lorafleet", *argv]
+
+
+def init_distributed(device: str = "auto") -> torch.device:
+    """Joins the process group torchrun set up; returns this rank's device.
+
+    Args:
+        device: ``cuda`` (one GPU per local rank, NCCL), ``cpu`` (gloo), or ``auto`` (CUDA when
+            there are enough GPUs for the local ranks).
+    """
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "cpu"
+    if device == "cuda":
+        if torch.cuda.device_count() <= local_rank:
+            raise InputError("<args>", "--device", f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        return torch.device("cuda", local_rank)
+    if device != "cpu":
+        raise InputError("<args>", "--device", f"expected auto, cpu or cuda, got {device!r}")
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def task_tokenizer(spec: WorkloadSpec, source: ModelSource) -> Any:
+    """The tokenizer training data is tokenized with: the workload's ``tokenizer`` directory, else
+    the model's own, else (random-weight presets) the project's tiny BPE, built here."""
+    if spec.tokenizer is not None:
+        return load_tokenizer(spec.tokenizer, "workload", "tokenizer")
+    if source.kind is not SourceKind.RANDOM:
+        return load_source_tokenizer(source)
+    with tempfile.TemporaryDirectory(prefix="lorafleet-tokenizer-") as tmp:
+        return load_tokenizer(str(build_tiny_tokenizer(tmp, vocab_size=source.spec.vocab)), "workload", "tokenizer")
+
+
+def task_batches(task: TaskSpec, data: TaskData) -> int | None:
+    """Global batches a task takes part in: its ``steps``, or its ``epochs`` over its examples; None: unbounded."""
+    if task.steps is not None:
+        return task.steps
+    if task.epochs is not None:
+        return max(1, math.ceil(task.epochs * len(data.examples) / task.batch_size))
+    return None
+
+
+def build_torch_executor(spec: WorkloadSpec, plan: DeploymentPlan, run_steps: int, device: torch.device,
+                         dtype: torch.dtype = torch.float32) -> TorchExecutor:
+    """This rank's executor for a workload (data paths resolved) and a plan. Collective."""
+    if tuple(plan.tasks) != tuple(t.name for t in spec.tasks):
+        raise InputError("plan", "tasks", f"the plan is for tasks {list(plan.tasks)}, the workload has "
+                         f"{[t.name for t in spec.tasks]}")
+    source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
+    tokenizer = task_tokenizer(spec, source)
+    data = [prepare_task_data(task, tokenizer, "workload") for task in spec.tasks]
+    limits = [task_batches(task, d) for task, d in zip(spec.tasks, data, strict=True)]
+    streams = DataStreams(data, [t.batch_size for t in spec.tasks], spec.seed, limits)
+    tasks = tuple(
+        TaskTraining(name=t.name, lora=t.lora, optimizer=t.optimizer,
+                     total_steps=min(run_steps, limit) if limit is not None else run_steps)
+        for t, limit in zip(spec.tasks, limits, strict=True)
+    )
+    config = ExecutorConfig(plan=plan, tasks=tasks, seed=spec.seed, base_model=spec.model)
+    return TorchExecutor(config, load_causal_lm(source, dtype), streams, device)

@@ -1,0 +1,90 @@
+"""``lorafleet train``: input errors before any process starts, the CLI surface, one real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import peft
+import pytest
+
+import fleet_harness as h
+from lorafleet.cli import build_parser, main
+from lorafleet.executor.torch.base_model import load_causal_lm
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "examples" / "demo"
+
+
+def test_cli_surface_is_frozen():
+    """A new option must be added here on purpose (torchtitan's test_no_new_cli_options)."""
+    parser = build_parser()
+    train = parser._subparsers._group_actions[0].choices["train"]
+    options = sorted(o for a in train._actions for o in a.option_strings)
+    assert options == ["--checkpoint-every", "--device", "--help", "--out", "--plan", "--profile", "--resume",
+                       "--steps", "-h"]
+
+
+@pytest.fixture
+def workload(tmp_path, tiny_tokenizer_dir):
+    """Two demo tasks on tiny-llama (the project's tiny tokenizer), and a two-replica plan for them."""
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        f"model: tiny-llama\ntokenizer: {tiny_tokenizer_dir}\n"
+        "cluster: {gpu: A100-40GB, nodes: 1, gpus_per_node: 2}\n"
+        "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-3}}\n"
+        "tasks:\n"
+        f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
+        f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128}}\n"
+    )
+    plan = replace(h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat"))
+    plan.save(tmp_path / "plan.json")
+    return path, tmp_path / "plan.json"
+
+
+def _without_data(text: str) -> str:
+    """The workload with the first task planned from lengths only (no training data)."""
+    start = text.index("data: {path:")
+    return text[:start] + "lengths: {values: [5]}" + text[text.index("}", start) + 1 :]
+
+
+@pytest.mark.parametrize("change,extra,message", [
+    (_without_data, [], "training needs data for every task; docsum has none"),
+    (None, ["--steps", "0"], "--steps: must be >= 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(workload, capsys, change, extra, message):
+    path, plan = workload
+    if change is not None:
+        path.write_text(change(path.read_text()))
+    assert main(["train", str(path), "--plan", str(plan), *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err
+
+
+def test_a_plan_for_other_tasks_is_refused(workload, capsys, tmp_path):
+    path, plan = workload
+    other = replace(h.plan_of((1, 1)), gpu="A100-40GB", tasks=("a", "b"))
+    other.save(tmp_path / "other.json")
+    assert main(["train", str(path), "--plan", str(tmp_path / "other.json")]) == 2
+    assert "the plan is for tasks ['a', 'b']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workload, tmp_path):
+    path, plan = workload
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "lorafleet", "train", str(path), "--plan", str(plan), "--steps", "3",
+                             "--out", str(out), "--checkpoint-every", "2", "--device", "cpu"],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2]
+    assert all(set(r["losses"]) == {"docsum", "chat"} and r["tokens_per_s"] > 0 and len(r["replica_busy_s"]) == 2
+               for r in lines)
+    assert json.loads((out / "checkpoints" / "latest.json").read_text())["step"] == 3
+    assert (out / "checkpoints" / "step-000002").is_dir()
+    for task in ("docsum", "chat"):
+        peft.PeftModel.from_pretrained(load_causal_lm(h.TINY), out / "adapters" / task)
