@@ -93,10 +93,15 @@ class LoadModel:
         return self.microbatch_rows > 0
 
     def row_cost(self, i: int | np.ndarray, bucket: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Compute time and largest micro-batch time of ``rows`` (<= D_j) rows of ``bucket`` on one replica of class i.
+        """Compute time and largest micro-batch time of ``rows`` rows of ``bucket`` on one replica of class i.
 
-        Looked up in the tables: the balancers call this in their inner loops.
+        Looked up in the tables when every count is within the step's D_j (the balancers'
+        inner loops); computed in closed form otherwise (callers with their own counts).
         """
+        rows = np.asarray(rows)
+        if np.any(rows > self.counts[bucket]):
+            return _row_cost(self.per_seq_s[i, bucket], self.per_microbatch_s[i, bucket],
+                             np.maximum(self.microbatch_rows[i, bucket], 1), rows)
         at = self.table_start[bucket] + rows
         return self.compute_table[i, at], self.largest_table[i, at]
 
@@ -165,8 +170,10 @@ def _cost_tables(per_seq: np.ndarray, per_mb: np.ndarray, rows: np.ndarray, coun
     table_start = np.concatenate(([0], np.cumsum(counts + 1)[:-1])).astype(np.int64)
     bucket = np.repeat(np.arange(counts.size), counts + 1)
     n = np.arange(bucket.size) - table_start[bucket]
-    b = np.maximum(rows[:, bucket], 1)
-    alpha, beta = per_seq[:, bucket], per_mb[:, bucket]
-    compute = alpha * n + beta * -(-n // b)
-    largest = np.where(n > 0, alpha * np.minimum(n, b) + beta, 0.0)
+    compute, largest = _row_cost(per_seq[:, bucket], per_mb[:, bucket], np.maximum(rows[:, bucket], 1), n)
     return compute, largest, table_start
+
+
+def _row_cost(alpha: np.ndarray, beta: np.ndarray, b: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """alpha n + beta ceil(n / b), and the largest micro-batch alpha min(n, b) + beta (0 for n = 0)."""
+    return alpha * n + beta * -(-n // b), np.where(n > 0, alpha * np.minimum(n, b) + beta, 0.0)

@@ -99,6 +99,18 @@ def test_load_model_is_the_cost_model_in_padding_mode():
             assert COST_MODEL.replica_time(cls.config, [mb.shape for mb in mbs]) == pytest.approx(times[i], rel=1e-9)
 
 
+def test_replica_load_beyond_the_step_counts_uses_the_closed_form():
+    """Callers with their own row counts (the planner) get T above the step's D_j too, not a neighbour's table entry."""
+    _, _, load, _ = small_load(((TP1, 2), (TP2_PP2, 1)), n_seqs=30, n_buckets=3, seed=4)
+    for i in range(len(load.classes)):
+        b = np.maximum(load.microbatch_rows[i], 1)
+        alpha, beta = load.per_seq_s[i], load.per_microbatch_s[i]
+        for rows in (load.counts, load.counts * 3 + 1):  # in the tables, beyond them
+            expected = (load.overhead_s[i] + (alpha * rows + beta * np.ceil(rows / b)).sum()
+                        + (load.pp[i] - 1) * (alpha * np.minimum(rows, b) + beta).max())
+            assert load.replica_load(i, rows) == pytest.approx(expected)
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_fast_is_close_to_exact_on_small_instances(seed):
     layouts = [((TP1, 2), (TP2, 1)), ((TP1, 3), (TP4, 1)), ((TP1, 2), (TP2_PP2, 1), (TP8, 1)), LOBRA_7B_PLAN]
