@@ -1,0 +1,92 @@
+"""LobRA's joint MINLP against brute force on tiny instances, and against the decomposition.
+
+The MINLP's value is min over replica counts p of min over per-replica bucket counts n of
+max_i T_i(n_i) (Eq. 12) subject to Σ_i p_i n_ij >= D_j. Brute force enumerates p and every
+split of each bucket over the deployed configs (per-replica rows = ceil(d / p)); the
+dispatcher's exact ILP (itself tested against brute force by the dispatch tests) stands in
+on slightly larger instances.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.dispatch import MicroBatchMode, bucket_of
+from lorafleet.dispatch.ilp import solve_dispatch_ilp
+from lorafleet.dispatch.load import build_load_model
+from lorafleet.planner.joint_minlp import JointSolution, solve_joint
+from lorafleet.solvers import SolverName
+from lorafleet.specs.cluster import ClusterSpec
+
+from .conftest import lobra_like_cost_model, tiny_problem
+
+CONFIGS = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1))
+
+
+def planning_load(problem, p):
+    """The load model of deployment p on the problem's planning buckets."""
+    lengths = problem.batch.lengths
+    return build_load_model(problem.plan_classes(p), problem.cost_model, problem.boundaries, lengths,
+                            bucket_of(lengths, problem.boundaries), MicroBatchMode.PADDING)
+
+
+def compositions(total: int, parts: int):
+    for cut in itertools.combinations(range(total + parts - 1), parts - 1):
+        edges = (-1, *cut, total + parts - 1)
+        yield [edges[k + 1] - edges[k] - 1 for k in range(parts)]
+
+
+def brute_force(problem) -> float:
+    best = float("inf")
+    for p in itertools.product(*[range(int(m) + 1) for m in problem.max_replicas()]):
+        p = np.array(p)
+        if not problem.fits(p) or not problem.covers(p):
+            continue
+        load = planning_load(problem, p)
+        k = len(load.classes)
+        for split in itertools.product(*[list(compositions(int(d), k)) for d in load.counts]):
+            d = np.array(split).T  # (classes, buckets)
+            if np.any((d > 0) & ~load.feasible):
+                continue
+            best = min(best, load.makespan(d))
+    return best
+
+
+def tiny(lengths, gpus=4):
+    cm = lobra_like_cost_model(max_tp=2, max_pp=2)
+    return tiny_problem(np.array(lengths), ClusterSpec(nodes=1, gpus_per_node=gpus), cm, n_buckets=1, configs=CONFIGS)
+
+
+@pytest.mark.parametrize("lengths", [
+    [300, 280, 250, 200, 1500, 1400, 3000],
+    [900, 800, 2600, 2500, 2400, 120, 100, 4000],
+])
+def test_minlp_equals_brute_force(lengths):
+    problem = tiny(lengths)
+    solution = solve_joint(problem, time_limit_s=60)
+    assert isinstance(solution, JointSolution) and solution.solve.proven_optimal
+    assert solution.makespan == pytest.approx(brute_force(problem), rel=1e-6)
+    assert solution.solve.objective == pytest.approx(solution.makespan, rel=1e-6)
+    covered = (solution.replicas[:, None] * solution.per_replica).sum(axis=0)
+    assert np.all(covered >= problem.counts) and problem.fits(solution.replicas)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_minlp_equals_best_fixed_deployment(seed):
+    """Slightly larger: min over p of the exact dispatch ILP for that p."""
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(np.exp(rng.normal(np.log(500), 0.9, 24)).astype(int) + 1, 4096)
+    lengths[0] = 4096
+    problem = tiny(lengths, gpus=4)
+    best = float("inf")
+    for p in itertools.product(*[range(int(m) + 1) for m in problem.max_replicas()]):
+        p = np.array(p)
+        if problem.fits(p) and problem.covers(p):
+            outcome = solve_dispatch_ilp(planning_load(problem, p), SolverName.HIGHS, 30, 1e-6)
+            best = min(best, outcome.assignment.makespan_s)
+    solution = solve_joint(problem, time_limit_s=60, gap_rel=1e-6)
+    assert solution.makespan == pytest.approx(best, rel=1e-4)
