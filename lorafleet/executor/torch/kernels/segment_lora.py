@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.nn import functional as F
 
-from lorafleet.executor.torch.multi_lora import LoraRouting
+from lorafleet.executor.torch.multi_lora import LoraRouting, stack_padded
 
 BLOCK_M = 64
 """Rows per tile: tokens of one segment (also the token chunk of the weight-gradient reduction)."""
@@ -227,13 +227,6 @@ class _Launch:
         )  # fmt: skip
 
 
-def _stacked(lora_A: Sequence[Tensor], lora_B: Sequence[Tensor], rank: int) -> tuple[Tensor, Tensor]:
-    """``A (n, R, K)`` and ``B (n, N, R)``, zero-padded to rank R."""
-    A = torch.stack([F.pad(a, (0, 0, 0, rank - a.shape[0])) for a in lora_A])  # (n, R, K)
-    B = torch.stack([F.pad(b, (0, rank - b.shape[1])) for b in lora_B])  # (n, N, R)
-    return A, B
-
-
 def forward(x, weight, bias, lora_A, lora_B, routing: LoraRouting, keep):
     """Same contract as ``multi_lora._torch_forward``; saves ``S`` and the stacked weights."""
     y = F.linear(x, weight, bias)  # (T, N): the one base GEMM (cuBLAS)
@@ -241,7 +234,7 @@ def forward(x, weight, bias, lora_A, lora_B, routing: LoraRouting, keep):
         return y, ()
     x = x.contiguous()
     rank = max(a.shape[0] for a in lora_A)
-    A, B = _stacked(lora_A, lora_B, rank)
+    A, B = stack_padded(lora_A, rank, 0), stack_padded(lora_B, rank, 1)  # (n, R, K), (n, N, R)
     launch = _Launch(routing, rank, keep, x)
     s = torch.empty((x.shape[0], rank), dtype=x.dtype, device=x.device)  # (T, R); padding rows never read
     launch.shrink(x, A, A.stride(), s, masked=keep is not None, scaled=False)  # S = Xd A^T
