@@ -213,7 +213,8 @@ def plan_deployment(workload: Workload, cluster: ClusterSpec, cost_model: CostMo
         makespans = race(schedules, batches, cost_model, options.tie_rel, options.race_rung)
         finalists = [replace(e, sampled_makespan=float(m.mean())) for e, m in zip(finalists, makespans, strict=True)]
         sampled_steps = max(m.size for m in makespans)
-        pick = max(range(len(finalists)), key=lambda k: makespans[k].size)
+        last = [k for k in range(len(finalists)) if makespans[k].size == sampled_steps]  # still in the race at the end
+        pick = preferred(last, lambda k: finalists[k].sampled_makespan, lambda k: finalists[k].used_gpus, options.tie_rel)
     else:
         pick = preferred(range(len(finalists)), lambda k: finalists[k].expected_makespan, lambda k: finalists[k].used_gpus, options.tie_rel)
     chosen, schedule = finalists[pick], schedules[pick]

@@ -166,11 +166,38 @@ POOLS: dict[PlannerMode, Callable[[PlanningProblem, PlannerOptions], SearchOutco
 }
 
 
+def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions) -> PoolEntry | None:
+    """``entry`` with replicas removed while its expected makespan stays within ``tie_rel`` of the original.
+
+    The aggregated MILP spreads even a single sequence over replicas, so it never sees that
+    a replica cannot help (one long sequence sets the makespan, say); the dispatcher's load
+    model does. Greedily, the removal that frees the most GPUs among the acceptable ones is
+    made, until none is acceptable. None when nothing can be removed.
+    """
+    current, bar = entry, entry.expected_makespan * (1 + options.tie_rel)
+    while True:
+        best = None
+        for i in np.flatnonzero(current.replicas > 0):
+            fewer = current.replicas - np.eye(len(current.replicas), dtype=np.int64)[i]
+            candidate = _entry(problem, fewer, f"trim:{entry.source}")
+            if not candidate.survived:
+                continue
+            candidate = replace(candidate, expected=evaluate(candidate.load, exact=False, options=options)[0])
+            if candidate.expected_makespan <= bar and (best is None or candidate.used_gpus < best.used_gpus):
+                best = candidate
+        if best is None:
+            return current if current is not entry else None
+        current = best
+
+
 def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOutcome, list[PoolEntry]]:
     """The pool of ``options.mode`` and its survivors with their expected dispatch, best first.
 
     Every survivor gets the fast expected dispatch; the best ``exact_top`` are then
-    re-solved by the exact dispatch ILP. Ties go to fewer GPUs.
+    re-solved by the exact dispatch ILP. The preferred one (least expected makespan, or
+    within ``tie_rel`` of it on fewer GPUs) is also offered with idle replicas trimmed
+    (:func:`trimmed`); the list returned starts with the preferred plan, then the others
+    by expected makespan.
     """
     outcome = POOLS[options.mode](problem, options)
     outcome.pool = [replace(e, expected=evaluate(e.load, exact=False, options=options)[0]) if e.survived else e
@@ -180,6 +207,15 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
         expected, result = evaluate(entry.load, exact=True, options=options)
         ranked[k] = replace(entry, expected=expected)
         outcome.solves.append(result)
-    ranked.sort(key=lambda e: (e.expected_makespan, e.used_gpus))
+    if ranked:
+        trim = trimmed(problem, _preferred_entry(ranked, options), options)
+        ranked.extend([trim] if trim is not None else [])
+        ranked.sort(key=lambda e: (e.expected_makespan, e.used_gpus))
+        best = _preferred_entry(ranked, options)
+        ranked = [best, *(e for e in ranked if e is not best)]
     outcome.pool = ranked + [e for e in outcome.pool if e.expected is None]
     return outcome, ranked
+
+
+def _preferred_entry(entries: list[PoolEntry], options: PlannerOptions) -> PoolEntry:
+    return preferred(entries, lambda e: e.expected_makespan, lambda e: e.used_gpus, options.tie_rel)

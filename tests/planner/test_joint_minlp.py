@@ -18,7 +18,9 @@ from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.dispatch import MicroBatchMode, bucket_of
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import build_load_model
+from lorafleet.planner import PlannerOptions
 from lorafleet.planner.joint_minlp import JointSolution, solve_joint
+from lorafleet.planner.search import evaluate, minlp_pool, search
 from lorafleet.solvers import SolverName
 from lorafleet.specs.cluster import ClusterSpec
 
@@ -86,7 +88,23 @@ def test_minlp_equals_best_fixed_deployment(seed):
     for p in itertools.product(*[range(int(m) + 1) for m in problem.max_replicas()]):
         p = np.array(p)
         if problem.fits(p) and problem.covers(p):
-            outcome = solve_dispatch_ilp(planning_load(problem, p), SolverName.HIGHS, 30, 1e-6)
+            outcome = solve_dispatch_ilp(planning_load(problem, p), SolverName.SCIP, 30, 1e-6)
+            assert outcome.assignment is not None, outcome.result
             best = min(best, outcome.assignment.makespan_s)
     solution = solve_joint(problem, time_limit_s=60, gap_rel=1e-6)
     assert solution.makespan == pytest.approx(best, rel=1e-4)
+
+
+@pytest.mark.parametrize("lengths", [
+    [300, 280, 250, 200, 1500, 1400, 3000, 120, 90, 700],
+    [900, 800, 2600, 2500, 2400, 120, 100, 4000, 350, 330, 310],
+])
+def test_decomposition_at_least_as_good_as_the_minlp_deployment(lengths):
+    """Both deployments judged alike: the dispatcher's balance of the batch on each."""
+    problem = tiny(lengths)
+    options = PlannerOptions(robust_samples=0, time_limit_s=60)
+    _, ranked = search(problem, options)
+    minlp = minlp_pool(problem, options)
+    assert minlp.pool[0].source == "minlp" and minlp.solves[0].proven_optimal
+    minlp_value = evaluate(minlp.pool[0].load, exact=False, options=options)[0].makespan
+    assert ranked[0].expected_makespan <= minlp_value * 1.01

@@ -1,0 +1,100 @@
+"""Baselines: LobRA's static buckets through the dispatcher, the best homogeneous config, the phases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lorafleet.dispatch import MicroBatchMode
+from lorafleet.planner import BaselineKind, baseline_schedules, best_homogeneous, padding_policy, pow2_boundaries
+from lorafleet.planner.baselines import estimated_makespan
+from lorafleet.planner.candidates import valid_candidates
+from lorafleet.planner.expected import expected_global_batch
+from lorafleet.planner.placement import build_plan
+from lorafleet.planner.schedule import select_tasks
+from lorafleet.sampling import sample_global_batch
+from lorafleet.specs.cluster import ClusterSpec
+
+from .conftest import small_workload
+
+
+@pytest.mark.parametrize("longest,max_tokens,expected", [
+    (16384, 16384, (256, 512, 1024, 2048, 4096, 8192, 16384)),
+    (3000, 8192, (256, 512, 1024, 2048, 4096)),
+    (3000, 3500, (256, 512, 1024, 2048, 3500)),
+    (200, 2048, (256,)),
+])
+def test_pow2_boundaries(longest, max_tokens, expected):
+    assert pow2_boundaries(longest, max_tokens) == expected
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    return small_workload(tmp_path_factory.mktemp("wl"), seed=1, nodes=1)
+
+
+def test_static_buckets_pad_to_their_boundary_and_keep_real_lengths(workload, cost_model_7b):
+    cluster = workload.cluster
+    cand = max(valid_candidates(cost_model_7b, cluster), key=lambda c: (c.max_tokens >= workload.max_length, -c.n_gpus))
+    plan = build_plan(workload, cluster, [(cand.config, cand.max_tokens, 8 // cand.n_gpus)], solver="test")
+    batch = sample_global_batch(workload, 3)
+    policy = padding_policy(int(batch.lengths.max()), cand.max_tokens)
+    step = policy.dispatch(batch, plan, cost_model_7b)
+    bounds = np.array(policy.static_boundaries)
+    seen = []
+    for work, replica in zip(step.work, plan.replicas, strict=True):
+        for mb in work.microbatches:
+            assert all(bounds[np.searchsorted(bounds, l)] == mb.padded_len for l in mb.lengths)  # each row in its static bucket
+            assert all(l == batch.lengths[q] <= mb.padded_len for q, l in zip(mb.seq_ids, mb.lengths))
+            assert mb.tokens <= replica.max_tokens
+            seen.extend(mb.seq_ids)
+        assert work.estimated_time_s == pytest.approx(cost_model_7b.replica_time(replica.config, [mb.shape for mb in work.microbatches]))
+    assert sorted(seen) == list(range(len(batch)))
+    expected_padding = int((bounds[np.searchsorted(bounds, batch.lengths)] - batch.lengths).sum())
+    assert step.padding_tokens == expected_padding
+    assert step.bucket_boundaries == policy.static_boundaries
+
+
+@pytest.mark.parametrize("mode", list(MicroBatchMode))
+def test_best_homogeneous_is_the_fewest_estimated_gpu_seconds(workload, cost_model_7b, mode):
+    cluster = ClusterSpec(nodes=2, gpus_per_node=8)
+    lengths = expected_global_batch(workload).lengths
+    candidates = valid_candidates(cost_model_7b, cluster)
+    chosen, replicas = best_homogeneous(lengths, candidates, cost_model_7b, cluster, mode)
+    brute = min((estimated_makespan(lengths, c, n, cost_model_7b, mode) * n * c.n_gpus, c.config)
+                for c in candidates if c.max_tokens >= lengths.max() for n in [cluster.n_gpus // c.n_gpus])
+    assert (estimated_makespan(lengths, chosen, replicas, cost_model_7b, mode) * replicas * chosen.n_gpus, chosen.config) == brute
+
+
+def test_load_model_estimate_bounds_the_dispatch(workload, cost_model_7b):
+    """The all-replicas-at-ceil estimate is an upper bound of the dispatched step, and close to it."""
+    cluster = ClusterSpec(nodes=1, gpus_per_node=8)
+    expected = expected_global_batch(workload)
+    for c in valid_candidates(cost_model_7b, cluster):
+        if c.max_tokens < expected.lengths.max():
+            continue
+        n = cluster.n_gpus // c.n_gpus
+        plan = build_plan(workload, cluster, [(c.config, c.max_tokens, n)], solver="test")
+        real = padding_policy(int(expected.lengths.max()), c.max_tokens).dispatch(expected, plan, cost_model_7b).estimated_makespan_s
+        estimate = estimated_makespan(expected.lengths, c, n, cost_model_7b, MicroBatchMode.PADDING)
+        assert real <= estimate * (1 + 1e-9) <= real * 1.15
+
+
+def test_baseline_schedules_replay_step_by_step(workload, cost_model_7b):
+    cluster = workload.cluster
+    expected = expected_global_batch(workload)
+    schedules = baseline_schedules(workload, expected, valid_candidates(cost_model_7b, cluster), cost_model_7b, cluster, 16)
+    assert [s.name for s in schedules] == [k.value for k in BaselineKind]
+    padding, packing, sequential = schedules
+    assert len(padding.phases) == len(packing.phases) == 1
+    assert padding.phases[0].policy.static_boundaries and not packing.phases[0].policy.static_boundaries
+    assert packing.phases[0].policy.options.microbatch_mode is MicroBatchMode.PACKING
+    assert [p.tasks for p in sequential.phases] == [(k,) for k in range(len(workload.tasks))]
+    batch = sample_global_batch(workload, 0)
+    cost = sequential.step_cost(batch, cost_model_7b)
+    parts = [p.policy.dispatch(select_tasks(batch, p.tasks), p.plan, cost_model_7b).estimated_makespan_s for p in sequential.phases]
+    assert cost.makespan_s == pytest.approx(sum(parts))
+    assert cost.gpu_seconds == pytest.approx(sum(t * p.plan.used_gpus for t, p in zip(parts, sequential.phases)))
+    for phase in sequential.phases:
+        longest = select_tasks(expected, phase.tasks).lengths.max()
+        assert max(r.max_tokens for r in phase.plan.replicas) >= longest

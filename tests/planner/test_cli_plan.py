@@ -1,0 +1,54 @@
+"""``lorafleet plan`` through ``lorafleet.cli.main``: tables, JSON, plot, and one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.cli import main
+from lorafleet.plans import DeploymentPlan
+
+from .conftest import small_workload, write_workload
+
+
+@pytest.fixture(scope="module")
+def workload_path(tmp_path_factory):
+    return small_workload(tmp_path_factory.mktemp("wl")).path
+
+
+def test_plan_prints_tables_and_writes_json_and_plot(workload_path, tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "load.png"
+    assert main(["plan", workload_path, "--samples", "2", "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    for word in ("config", "token share", "time/replica", "lorafleet", "task-fused-padding", "task-fused-packing",
+                 "task-sequential", "GPU-seconds"):
+        assert word in text
+    plan = DeploymentPlan.load(out)
+    assert plan.replicas and plan.expected_makespan_s > 0
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("flags,where", [
+    (["--gpus", "0"], "--gpus"),
+    (["--gpus", "12"], "--gpus"),  # not whole nodes of 8
+    (["--solver", "gurobi"], "--solver"),
+    (["--mode", "magic"], "--mode"),
+    (["--microbatch", "zip"], "--microbatch"),
+    (["--samples", "-1"], "--samples"),
+    (["--gpu", "TPU"], "--gpu"),
+])
+def test_bad_flags_are_one_line_errors(workload_path, tmp_path, capsys, flags, where):
+    out = tmp_path / "plan.json"
+    assert main(["plan", workload_path, *flags, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and where in err and err.startswith("lorafleet: error:")
+    assert not out.exists()
+
+
+def test_unholdable_sequences_are_an_error_and_nothing_is_written(tmp_path, capsys):
+    path = write_workload(tmp_path / "huge.yaml", [{"name": "huge", "batch_size": 2, "context_length": 200_000,
+                                                   "histogram": {150_000: 1, 100: 1}}])
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "tasks[0].context_length" in err and len(err.splitlines()) == 1
+    assert not out.exists()

@@ -1,0 +1,36 @@
+"""PlannerOptions validate themselves and name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lorafleet.dispatch import MicroBatchMode
+from lorafleet.errors import InputError
+from lorafleet.planner import PlannerMode, PlannerOptions
+from lorafleet.solvers import SolverName
+
+
+def test_strings_become_enums():
+    options = PlannerOptions(mode="exhaustive", solver="highs", microbatch_mode="padding")
+    assert options.mode is PlannerMode.EXHAUSTIVE and options.solver is SolverName.HIGHS
+    assert options.microbatch_mode is MicroBatchMode.PADDING
+
+
+@pytest.mark.parametrize("field,value", [
+    ("mode", "magic"), ("solver", "gurobi"), ("microbatch_mode", "zip"), ("time_limit_s", 0), ("n_buckets", 0),
+    ("pool_size", 0), ("min_survivors", 0), ("robust_top", 0), ("race_rung", 0), ("enumeration_limit", 0),
+    ("gap_rel", 1.0), ("tie_rel", -0.1), ("lower_bound_threshold", 2.0), ("exact_top", -1), ("robust_samples", -1),
+])
+def test_bad_values_name_the_field(field, value):
+    with pytest.raises(InputError, match=field):
+        PlannerOptions(**{field: value})
+
+
+def test_frozen_and_keyword_only():
+    options = PlannerOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.n_buckets = 3
+    with pytest.raises(TypeError):
+        PlannerOptions(PlannerMode.DECOMPOSED)

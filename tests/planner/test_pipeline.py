@@ -1,0 +1,115 @@
+"""plan_deployment end to end on small workloads: validity, determinism, JSON, fallback, idle GPUs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lorafleet.errors import InputError, SolverFallbackWarning
+from lorafleet.plans import DeploymentPlan
+from lorafleet.planner import LORAFLEET, BaselineKind, PlannerOptions, plan_deployment
+from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.workload import load_workload
+
+from .conftest import lobra_like_cost_model, small_workload, write_workload
+
+FAST = PlannerOptions(robust_samples=4, race_rung=2)
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    return small_workload(tmp_path_factory.mktemp("wl"))
+
+
+@pytest.fixture(scope="module")
+def result(workload, cost_model_7b):
+    return plan_deployment(workload, workload.cluster, cost_model_7b, FAST)
+
+
+def test_plan_is_valid_and_placed(result, workload):
+    plan = result.plan
+    assert plan.used_gpus <= workload.cluster.n_gpus
+    gpus = [g for r in plan.replicas for g in r.gpus]
+    assert len(gpus) == len(set(gpus))
+    for r in plan.replicas:
+        assert len(r.gpus) == r.config.n_gpus
+        for stage in range(r.config.pp):
+            group = r.gpus[stage * r.config.tp:(stage + 1) * r.config.tp]
+            assert len({g // plan.gpus_per_node for g in group}) == 1
+    assert max(r.max_tokens for r in plan.replicas) >= workload.max_length
+    assert plan.expected_makespan_s == pytest.approx(max(plan.expected_replica_time_s))
+    assert plan.tasks == tuple(t.name for t in workload.tasks)
+    assert result.expected_step.n_seqs == len(result.expected_batch)
+
+
+def test_costs_and_reductions_are_consistent(result):
+    names = [c.name for c in result.costs]
+    assert names == [LORAFLEET, *(k.value for k in BaselineKind)]
+    ours = result.cost(LORAFLEET)
+    for cost in result.costs[1:]:
+        time_cut, gpu_cut = result.reduction(cost.name)
+        assert time_cut == pytest.approx(1 - ours.makespan_s / cost.makespan_s)
+        assert gpu_cut == pytest.approx(1 - ours.gpu_seconds / cost.gpu_seconds)
+        assert gpu_cut > 0  # heterogeneous replicas beat every homogeneous baseline here
+    assert ours.gpu_seconds == pytest.approx(ours.makespan_s * result.plan.used_gpus)
+
+
+def test_diagnostics_explain_the_choice(result):
+    diag = result.diagnostics
+    assert diag.pool and diag.solves and not diag.fell_back
+    assert all(s.has_solution for s in diag.solves)
+    survivors = [e for e in diag.pool if e.expected is not None]
+    assert len(survivors) >= min(len(diag.pool), 1)
+    assert set(diag.timings_s) == {"candidates", "search", "robust", "baselines"}
+    assert any("valid configs" in n for n in result.plan.notes)
+
+
+def test_same_inputs_same_plan(workload, cost_model_7b, result):
+    again = plan_deployment(workload, workload.cluster, cost_model_7b, FAST)
+    assert again.plan.to_json() == result.plan.to_json()
+    assert [c.makespan_s for c in again.costs] == [c.makespan_s for c in result.costs]
+
+
+def test_json_round_trip(result, tmp_path):
+    path = tmp_path / "plan.json"
+    result.plan.save(path)
+    assert DeploymentPlan.load(path) == result.plan
+
+
+def test_forced_zero_time_limit_falls_back_with_a_warning(workload, cost_model_7b):
+    with pytest.warns(SolverFallbackWarning, match="falling back to the heuristic"):
+        fallback = plan_deployment(workload, workload.cluster, cost_model_7b,
+                                   PlannerOptions(time_limit_s=1e-6, robust_samples=0, baselines=False))
+    assert fallback.diagnostics.fell_back and fallback.plan.solver == "heuristic"
+    assert any("falling back" in n for n in fallback.plan.notes)
+    assert max(r.max_tokens for r in fallback.plan.replicas) >= workload.max_length
+
+
+def test_gpus_that_cannot_help_are_left_idle_and_said_so(tmp_path):
+    """One long document on the only config that holds it (<4,1>) sets the step time: replicas beyond a
+    second one for the chats cannot shorten it, and that second one saves only ~5 %, less than a
+    tie tolerance of 10 %."""
+    tasks = [{"name": "doc", "batch_size": 1, "context_length": 8192, "histogram": {8000: 1}},
+             {"name": "chat", "batch_size": 2, "context_length": 512, "histogram": {16: 1}}]
+    wl = load_workload(write_workload(tmp_path / "idle.yaml", tasks, nodes=1))
+    cm = lobra_like_cost_model(max_tp=4, max_pp=1)
+    strict = plan_deployment(wl, wl.cluster, cm, PlannerOptions(robust_samples=0, baselines=False, tie_rel=0.0))
+    loose = plan_deployment(wl, wl.cluster, cm, PlannerOptions(robust_samples=0, baselines=False, tie_rel=0.1))
+    assert loose.plan.used_gpus < strict.plan.used_gpus < wl.cluster.n_gpus
+    assert loose.plan.expected_makespan_s <= strict.plan.expected_makespan_s * 1.1
+    assert all(any("left idle" in n for n in r.plan.notes) for r in (strict, loose))
+
+
+def test_a_sequence_no_config_holds_is_an_input_error(tmp_path, cost_model_7b):
+    tasks = [{"name": "huge", "batch_size": 4, "context_length": 65536, "histogram": {60000: 1, 100: 3}}]
+    wl = load_workload(write_workload(tmp_path / "huge.yaml", tasks))
+    with pytest.raises(InputError, match=r"tasks\[0\].context_length.*'huge'.*60000"):
+        plan_deployment(wl, wl.cluster, cost_model_7b)
+
+
+def test_more_gpus_never_plan_slower(workload):
+    cm = lobra_like_cost_model()
+    small = plan_deployment(workload, ClusterSpec(nodes=1, gpus_per_node=8), cm, PlannerOptions(robust_samples=0, baselines=False))
+    large = plan_deployment(workload, ClusterSpec(nodes=2, gpus_per_node=8), cm, PlannerOptions(robust_samples=0, baselines=False))
+    assert large.plan.expected_makespan_s <= small.plan.expected_makespan_s * 1.01
+    assert np.isfinite(large.plan.expected_makespan_s)
