@@ -66,16 +66,17 @@ def estimated_makespan(lengths: np.ndarray, candidate: Candidate, replicas: int,
     return load.makespan(load.counts[None, :])
 
 
-def best_homogeneous(lengths: np.ndarray, candidates: Sequence[Candidate], cost_model: CostModel, cluster: ClusterSpec,
-                     mode: MicroBatchMode) -> tuple[Candidate, int]:
-    """The config (and its replica count, as many as fit) with the fewest estimated GPU-seconds for ``lengths``.
+def best_homogeneous(lengths: np.ndarray, longest: int, candidates: Sequence[Candidate], cost_model: CostModel,
+                     cluster: ClusterSpec, mode: MicroBatchMode) -> tuple[Candidate, int]:
+    """The config holding ``longest`` tokens (and its replica count, as many as fit) with the fewest
+    estimated GPU-seconds for ``lengths``.
 
     Raises:
         ValueError: no candidate holds the longest sequence.
     """
-    holders = [c for c in candidates if c.max_tokens >= int(lengths.max())]
+    holders = [c for c in candidates if c.max_tokens >= longest]
     if not holders:
-        raise ValueError(f"no config holds a {int(lengths.max())}-token sequence")
+        raise ValueError(f"no config holds a {longest}-token sequence")
     counts = max_replicas([c.config for c in holders], cluster)
     scored = [(estimated_makespan(lengths, c, int(p), cost_model, mode) * int(p) * c.n_gpus, int(p) * c.n_gpus, c.config, c, int(p))
               for c, p in zip(holders, counts, strict=True) if p > 0]
@@ -85,9 +86,11 @@ def best_homogeneous(lengths: np.ndarray, candidates: Sequence[Candidate], cost_
 
 def _phase(workload: Workload, tasks: tuple[int, ...], batch: GlobalBatch, candidates: Sequence[Candidate],
            cost_model: CostModel, cluster: ClusterSpec, mode: MicroBatchMode, n_buckets: int, name: str) -> Phase:
-    lengths = select_tasks(batch, tasks).lengths
-    cand, p = best_homogeneous(lengths, candidates, cost_model, cluster, mode)
-    policy = padding_policy(int(lengths.max()), cand.max_tokens) if mode is MicroBatchMode.PADDING else packing_policy(n_buckets)
+    """The tasks' phase on their best homogeneous config; it must hold the longest sequence the
+    tasks can present (any step may bring it), not just the expected batch's."""
+    longest = max(workload.tasks[k].lengths.max_length for k in tasks)
+    cand, p = best_homogeneous(select_tasks(batch, tasks).lengths, longest, candidates, cost_model, cluster, mode)
+    policy = padding_policy(longest, cand.max_tokens) if mode is MicroBatchMode.PADDING else packing_policy(n_buckets)
     plan = build_plan(workload, cluster, [(cand.config, cand.max_tokens, p)], solver=f"baseline:{name}")
     return Phase(tasks=tasks, plan=plan, policy=policy)
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import DispatchOptions, bucket_of, dispatch_step
+from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork, StepPlan
 
 SMALLEST_STATIC_BUCKET = 256
@@ -52,6 +53,10 @@ class DispatchPolicy:
         if not self.static_boundaries:
             return dispatch_step(batch, plan, cost_model, self.options)
         bounds = np.asarray(self.static_boundaries, dtype=np.int64)
+        over = np.flatnonzero(batch.lengths > bounds[-1])
+        if over.size:
+            raise InputError(f"<global batch of step {batch.step}>", f"lengths[{int(over[0])}]",
+                             f"{int(batch.lengths[over[0]])} tokens exceed the top static bucket {int(bounds[-1])}")
         padded = bounds[bucket_of(batch.lengths, bounds)]
         options = replace(self.options, n_buckets=bounds.size, bucket_alignment=1)
         step = dispatch_step(replace(batch, lengths=padded), plan, cost_model, options)

@@ -60,9 +60,9 @@ def test_best_homogeneous_is_the_fewest_estimated_gpu_seconds(workload, cost_mod
     cluster = ClusterSpec(nodes=2, gpus_per_node=8)
     lengths = expected_global_batch(workload).lengths
     candidates = valid_candidates(cost_model_7b, cluster)
-    chosen, replicas = best_homogeneous(lengths, candidates, cost_model_7b, cluster, mode)
+    chosen, replicas = best_homogeneous(lengths, workload.max_length, candidates, cost_model_7b, cluster, mode)
     brute = min((estimated_makespan(lengths, c, n, cost_model_7b, mode) * n * c.n_gpus, c.config)
-                for c in candidates if c.max_tokens >= lengths.max() for n in [cluster.n_gpus // c.n_gpus])
+                for c in candidates if c.max_tokens >= workload.max_length for n in [cluster.n_gpus // c.n_gpus])
     assert (estimated_makespan(lengths, chosen, replicas, cost_model_7b, mode) * replicas * chosen.n_gpus, chosen.config) == brute
 
 
@@ -95,6 +95,10 @@ def test_baseline_schedules_replay_step_by_step(workload, cost_model_7b):
     parts = [p.policy.dispatch(select_tasks(batch, p.tasks), p.plan, cost_model_7b).estimated_makespan_s for p in sequential.phases]
     assert cost.makespan_s == pytest.approx(sum(parts))
     assert cost.gpu_seconds == pytest.approx(sum(t * p.plan.used_gpus for t, p in zip(parts, sequential.phases)))
-    for phase in sequential.phases:
-        longest = select_tasks(expected, phase.tasks).lengths.max()
+    for phase in sequential.phases:  # every step's sequences fit, not just the expected batch's
+        longest = max(workload.tasks[k].lengths.max_length for k in phase.tasks)
         assert max(r.max_tokens for r in phase.plan.replicas) >= longest
+        assert phase.policy.static_boundaries[-1] >= longest
+    for step in range(8):
+        for schedule in schedules:
+            assert schedule.step_cost(sample_global_batch(workload, step), cost_model_7b).makespan_s > 0
