@@ -17,7 +17,7 @@ writing θ = 1 / t̂ (steps per second) and ξ_ij = θ x_ij (sequences per secon
                    ξ_ij = 0 where b_ij = 0                     memory
 
 which is linear except for a_i θ, taken at a reference makespan T_ref and iterated to the
-fixed point T_ref = 1 / θ (two or three solves). The model is solved in units of T_ref
+fixed point T_ref = 1 / θ (two or three solves from :func:`fluid_lower_bound`). The model is solved in units of T_ref
 (θ' = T_ref θ, ξ' = T_ref ξ, both O(1)): unscaled, CBC spends ten times longer in its root
 cut loop. Its only integers are the C replica counts, so it solves in tens of milliseconds
 at any batch size. A tie-breaker ``- λ Σ_i N_i p_i`` prefers fewer GPUs when the makespan
@@ -40,8 +40,8 @@ import pulp
 from lorafleet.planner.problem import PlanningProblem
 from lorafleet.solvers import SolveResult, SolverName, solve
 
-FIXED_POINT_RTOL = 1e-3
-"""Stop iterating T_ref when it moves by less than this fraction."""
+FIXED_POINT_RTOL = 2e-3
+"""Stop iterating T_ref when it moves by less than this fraction (the model only ranks deployments)."""
 FIXED_POINT_ITERATIONS = 5
 MILP_GAP_REL = 1e-3
 """The model ranks deployments for the dispatcher's exact judgement; 0.1 % is finer than it can tell apart."""
@@ -70,6 +70,14 @@ class RelaxedDeployment:
     """t̂ = 1 / θ of the relaxation: a ranking estimate, not the expected makespan."""
     branch: str
     """``root`` or the branch that produced it, e.g. ``tp2_pp1<=3``."""
+
+
+def fluid_lower_bound(problem: PlanningProblem) -> float:
+    """Σ_j D_j min_i N_i w_ij / N: every sequence at the best GPU-seconds any config offers, spread
+    over all N GPUs with no fixed time. Where the fixed-point iteration on T_ref starts."""
+    gpu_seconds = np.where(problem.microbatch_size > 0, problem.amortised_time * problem.gpus[:, None], np.inf)
+    present = problem.counts > 0
+    return float(problem.counts[present] @ gpu_seconds[:, present].min(axis=0) / problem.n_gpus)
 
 
 def fixed_time(problem: PlanningProblem) -> np.ndarray:
@@ -212,8 +220,7 @@ def solve_deployment(
 
 
 def propose_deployments(
-    problem: PlanningProblem, reference_makespan: float, *, tie_rel: float, solver: SolverName, time_limit_s: float,
-    max_branches: int,
+    problem: PlanningProblem, *, tie_rel: float, solver: SolverName, time_limit_s: float, max_branches: int,
 ) -> tuple[list[RelaxedDeployment], list[SolveResult]]:
     """The MILP's optimum p* and the optima of up to ``max_branches`` first-level branches, distinct, root first.
 
@@ -223,7 +230,8 @@ def propose_deployments(
     infeasible branch adds nothing. Returns [] when the root gives no solution (the caller
     falls back).
     """
-    root, results = solve_deployment(problem, reference_makespan, tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s)
+    root, results = solve_deployment(problem, fluid_lower_bound(problem), tie_rel=tie_rel, solver=solver,
+                                     time_limit_s=time_limit_s)
     if root is None:
         return [], results
     limits = problem.max_replicas()

@@ -12,7 +12,7 @@ Length-based fluid greedy:
    those that still fit, until none does.
 
 The fluid time ``max_i W_i / p_i + a_i`` it reaches is a feasible point of the aggregated
-MILP, hence that model's upper bound T̄.
+MILP, hence an upper bound on that model's optimum.
 """
 
 from __future__ import annotations

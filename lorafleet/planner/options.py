@@ -41,7 +41,7 @@ class PlannerOptions:
     microbatch_mode: MicroBatchMode = MicroBatchMode.PACKING
     """How the plan's steps form micro-batches: packed up to M tokens (lorafleet's default, with
     variable-length attention) or padded to the bucket boundary (LobRA)."""
-    pool_size: int = 12
+    pool_size: int = 8
     """Decomposed mode: the aggregated MILP's optimum and up to ``pool_size - 1`` branch optima."""
     lower_bound_threshold: float = 0.15
     """Drop deployments whose Theorem-1 bound is more than this fraction above the best (LobRA: 15 %)."""
@@ -55,7 +55,7 @@ class PlannerOptions:
     """Deployments evaluated on sampled batches with the real per-step dispatch; the best mean wins."""
     robust_samples: int = 32
     """K: sampled global batches of the robust evaluation (at most); 0 picks on the expected batch alone."""
-    race_rung: int = 8
+    race_rung: int = 4
     """Robust stage: sampled batches per round of successive halving (``pipeline.race``)."""
     seed: int | None = None
     """Seed of the sampled batches; None: the workload's seed."""

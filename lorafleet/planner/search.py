@@ -40,6 +40,8 @@ T = TypeVar("T")
 class Evaluation:
     """A deployment's expected dispatch: the dispatcher's balance of the expected batch on it."""
 
+    class_counts: np.ndarray
+    """d_ij: sequences of each bucket on each deployed config, shape (K, R) (the load model's classes and buckets)."""
     class_times: np.ndarray
     """T_i of the slowest replica of each deployed config (the dispatcher's class order)."""
     makespan: float
@@ -97,7 +99,7 @@ def evaluate(load: LoadModel, *, exact: bool, options: PlannerOptions) -> tuple[
             warnings.warn(f"exact dispatch ILP gave no solution ({result}, {result.wall_s:.2f} s); "
                           f"the fast dispatch stands", SolverFallbackWarning, stacklevel=2)
     times = load.times(assignment.counts)
-    return Evaluation(class_times=times, makespan=float(times.max()), method=method), result
+    return Evaluation(class_counts=assignment.counts, class_times=times, makespan=float(times.max()), method=method), result
 
 
 def preferred(items: Sequence[T], makespan: Callable[[T], float], gpus: Callable[[T], int], tie_rel: float) -> T:
@@ -126,10 +128,10 @@ def _fallback(outcome: SearchOutcome, what: str, result: SolveResult) -> None:
 
 def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
     """The heuristic plan and the aggregated MILP's proposals, the Theorem-1 filter applied."""
-    heuristic, horizon = heuristic_deployment(problem)
-    found, solves = propose_deployments(problem, horizon, tie_rel=options.tie_rel, solver=options.solver,
+    heuristic, heuristic_fluid = heuristic_deployment(problem)
+    found, solves = propose_deployments(problem, tie_rel=options.tie_rel, solver=options.solver,
                                         time_limit_s=options.time_limit_s, max_branches=options.pool_size - 1)
-    outcome = SearchOutcome(pool=[_entry(problem, heuristic, "heuristic", horizon)], solves=solves)
+    outcome = SearchOutcome(pool=[_entry(problem, heuristic, "heuristic", heuristic_fluid)], solves=solves)
     if not found:
         _fallback(outcome, "the deployment MILP", solves[-1])
     seen = {tuple(heuristic)}
@@ -166,25 +168,52 @@ POOLS: dict[PlannerMode, Callable[[PlanningProblem, PlannerOptions], SearchOutco
 }
 
 
+def _removal_candidates(problem: PlanningProblem, entry: PoolEntry, bar: float) -> list[tuple[int, float | None]]:
+    """Config indices whose replica might go, each with its makespan if it goes (None: needs a re-balance).
+
+    A class k of p_k >= 2 replicas losing one keeps its bucket totals, so its slowest replica
+    holds ceil(d_kj / (p_k - 1)) rows: an upper bound on the re-balanced makespan. A class of
+    one replica can only go if the others' slack under ``bar`` could absorb its time.
+    """
+    load, expected = entry.load, entry.expected
+    deployed = np.flatnonzero(entry.replicas > 0)  # classes are the deployed configs, in candidate order
+    slack = float(sum((bar - t) * len(c.replicas) for c, t in zip(load.classes, expected.class_times, strict=True)))
+    out: list[tuple[int, float | None]] = []
+    for k, (i, cls) in enumerate(zip(deployed, load.classes, strict=True)):
+        p = len(cls.replicas)
+        if p >= 2:
+            rows = -(-expected.class_counts[k] // (p - 1))
+            times = expected.class_times.copy()
+            times[k] = load.replica_load(k, rows)
+            out.append((int(i), float(times.max())))
+        elif expected.class_times[k] - float(load.overhead_s[k]) <= slack - (bar - expected.class_times[k]):
+            out.append((int(i), None))
+    return out
+
+
 def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions) -> PoolEntry | None:
     """``entry`` with replicas removed while its expected makespan stays within ``tie_rel`` of the original.
 
     The aggregated MILP spreads even a single sequence over replicas, so it never sees that
     a replica cannot help (one long sequence sets the makespan, say); the dispatcher's load
     model does. Greedily, the removal that frees the most GPUs among the acceptable ones is
-    made, until none is acceptable. None when nothing can be removed.
+    made, until none is acceptable; removals are screened by :func:`_removal_candidates`
+    before any re-balance. None when nothing can be removed.
     """
     current, bar = entry, entry.expected_makespan * (1 + options.tie_rel)
     while True:
         best = None
-        for i in np.flatnonzero(current.replicas > 0):
+        for i, bound in sorted(_removal_candidates(problem, current, bar), key=lambda c: -int(problem.gpus[c[0]])):
+            if bound is not None and bound > bar:
+                continue
             fewer = current.replicas - np.eye(len(current.replicas), dtype=np.int64)[i]
             candidate = _entry(problem, fewer, f"trim:{entry.source}")
             if not candidate.survived:
                 continue
             candidate = replace(candidate, expected=evaluate(candidate.load, exact=False, options=options)[0])
-            if candidate.expected_makespan <= bar and (best is None or candidate.used_gpus < best.used_gpus):
+            if candidate.expected_makespan <= bar:
                 best = candidate
+                break
         if best is None:
             return current if current is not entry else None
         current = best

@@ -14,7 +14,7 @@ import pytest
 from scipy.optimize import linprog
 
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.planner.deployment_ilp import Branch, fixed_time, propose_deployments, solve_deployment
+from lorafleet.planner.deployment_ilp import Branch, fixed_time, fluid_lower_bound, propose_deployments, solve_deployment
 from lorafleet.planner.fallback import heuristic_deployment
 from lorafleet.solvers import SolverName
 from lorafleet.specs.cluster import ClusterSpec
@@ -72,8 +72,8 @@ def test_milp_finds_the_best_replica_counts(seed, solver):
     plan, results = solve_deployment(problem, horizon, tie_rel=0.0, solver=solver, time_limit_s=20)
     assert all(r.has_solution for r in results)
     best, _ = brute_force(problem)
-    assert plan.makespan == pytest.approx(best, rel=3e-3)
-    assert fluid_makespan(problem, plan.replicas) == pytest.approx(best, rel=3e-3)
+    assert plan.makespan == pytest.approx(best, rel=5e-3)
+    assert fluid_makespan(problem, plan.replicas) == pytest.approx(best, rel=5e-3)
     assert problem.fits(plan.replicas)
 
 
@@ -99,11 +99,11 @@ def test_branches_find_the_best_plan_inside_them(seed):
 
 def test_propose_returns_distinct_plans_root_first():
     problem = instance(5)
-    _, horizon = heuristic_deployment(problem)
-    found, results = propose_deployments(problem, horizon, tie_rel=0.005, solver=SolverName.CBC, time_limit_s=20, max_branches=5)
+    found, results = propose_deployments(problem, tie_rel=0.005, solver=SolverName.CBC, time_limit_s=20, max_branches=5)
     assert found[0].branch == "root"
     assert len({tuple(f.replicas) for f in found}) == len(found)
     assert len(results) <= 5 + 5  # root fixed-point iterations plus at most five branches
+    assert fluid_lower_bound(problem) <= found[0].makespan
 
 
 def test_tie_weight_trades_makespan_for_gpus_as_documented():

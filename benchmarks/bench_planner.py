@@ -1,0 +1,169 @@
+"""Planner benchmark: plan time at scale, optimality against exhaustive search, GPU-seconds against the baselines.
+
+Run from the repository root (every figure is measured here, in one run)::
+
+    .venv/bin/python benchmarks/bench_planner.py            # all three parts
+    .venv/bin/python benchmarks/bench_planner.py --part time --part quality
+
+1. **Plan time** — ``examples/lobra-70b.yaml`` (Llama2-70B, 12 tasks) on 64 and 256 x A800-80GB,
+   analytic cost model, default options (CBC, K = 32 sampled batches). The analytic memory
+   model holds at most ~12K tokens per micro-batch for 70B, so task contexts are capped at
+   8192 (longer sequences truncated). Wall seconds and CPU seconds (this process plus the
+   CBC processes: the machine is shared, CPU time is the steadier figure), against LobRA's
+   pruning planner (148.8 s at 64 GPUs, 428.1 s at 256, SCIP on up to 64 threads).
+2. **Optimality** — random workloads small enough to enumerate (Llama2-7B on 8 x A100-40GB,
+   2-4 skewed tasks): the planner's expected makespan against the best of every maximal
+   deployment of every valid config (exhaustive mode); plus tiny instances (4 GPUs) against
+   LobRA's joint MINLP on SCIP.
+3. **Quality** — ``examples/lobra-7b.yaml`` on 16 x A100-40GB (analytic): expected step time
+   and GPU-seconds of lorafleet and each baseline, on the expected batch and as the mean
+   over 32 sampled batches dispatched step by step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from lorafleet.assemble import workload_cluster, workload_cost_model
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.errors import SolverFallbackWarning
+from lorafleet.planner import LORAFLEET, PlannerMode, PlannerOptions, plan_deployment
+from lorafleet.planner.candidates import valid_candidates
+from lorafleet.planner.expected import expected_global_batch
+from lorafleet.planner.joint_minlp import JointSolution
+from lorafleet.planner.problem import build_problem
+from lorafleet.planner.search import evaluate, minlp_pool
+from lorafleet.dispatch import DispatchOptions
+from lorafleet.sampling import sample_global_batch
+from lorafleet.workload import Workload, load_workload, resolve_workload
+
+REPO = Path(__file__).resolve().parents[1]
+LOBRA_PLANNER_S = {64: 148.81, 256: 428.08}
+CONTEXT_CAP = 8192
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and its finished children (the CBC solves)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def capped(workload: Workload, cap: int) -> Workload:
+    tasks = tuple(t.model_copy(update={"context_length": min(t.context_length, cap)}) for t in workload.spec.tasks)
+    return resolve_workload(workload.spec.model_copy(update={"tasks": tasks}), workload.path)
+
+
+def part_time() -> None:
+    print("\n== 1. plan time: llama2-70b, 12 tasks, A800-80GB (analytic), contexts capped at 8192 ==")
+    workload = capped(load_workload(REPO / "examples/lobra-70b.yaml"), CONTEXT_CAP)
+    print(f"{'GPUs':>5} {'wall s':>8} {'CPU s':>7} {'search':>7} {'robust':>7} {'baselines':>9} {'LobRA s':>8} {'LobRA/wall':>10}  plan")
+    for gpus in (64, 256):
+        cluster = workload_cluster(workload, gpus)
+        cost_model = workload_cost_model(workload, cluster)
+        wall, cpu = time.perf_counter(), cpu_seconds()
+        result = plan_deployment(workload, cluster, cost_model)
+        wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
+        t = result.diagnostics.timings_s
+        print(f"{gpus:>5} {wall:>8.2f} {cpu:>7.2f} {t['search']:>7.2f} {t['robust']:>7.2f} {t['baselines']:>9.2f} "
+              f"{LOBRA_PLANNER_S[gpus]:>8.1f} {LOBRA_PLANNER_S[gpus] / wall:>9.0f}x  {result.plan.describe()}")
+
+
+def random_workload(rng: np.random.Generator, path: Path) -> Workload:
+    tasks = []
+    for k in range(int(rng.integers(2, 5))):
+        context = int(rng.choice([2048, 4096, 8192]))
+        lengths = np.minimum(np.exp(rng.normal(np.log(rng.uniform(100, 900)), rng.uniform(0.5, 1.2), 300)).astype(int) + 1, context)
+        values, counts = np.unique(lengths, return_counts=True)
+        tasks.append({"name": f"t{k}", "batch_size": int(rng.choice([32, 64, 128])), "context_length": context,
+                      "lengths": {"histogram": {int(v): int(c) for v, c in zip(values, counts)}}})
+    path.write_text(yaml.safe_dump({"model": "llama2-7b", "cluster": {"gpu": "A100-40GB", "nodes": 1, "gpus_per_node": 8},
+                                    "seed": int(rng.integers(1000)), "tasks": tasks}))
+    return load_workload(path)
+
+
+def part_optimality(n_workloads: int, tmp: Path) -> None:
+    print(f"\n== 2. optimality: {n_workloads} random workloads, llama2-7b on 8 x A100-40GB (analytic) ==")
+    options = PlannerOptions(robust_samples=0, baselines=False)
+    gaps, plans, times = [], [], []
+    for seed in range(n_workloads):
+        workload = random_workload(np.random.default_rng(seed), tmp / f"random-{seed}.yaml")
+        cluster = workload.cluster
+        cost_model = workload_cost_model(workload, cluster)
+        start = time.perf_counter()
+        ours = plan_deployment(workload, cluster, cost_model, options)
+        times.append(time.perf_counter() - start)
+        best = plan_deployment(workload, cluster, cost_model, PlannerOptions(mode=PlannerMode.EXHAUSTIVE, robust_samples=0,
+                                                                             baselines=False))
+        plans.append(len(best.diagnostics.pool))
+        gaps.append(ours.plan.expected_makespan_s / best.plan.expected_makespan_s - 1)
+    gaps = np.array(gaps)
+    print(f"expected makespan vs exhaustive ({min(plans)}-{max(plans)} deployments each): "
+          f"mean gap {gaps.mean():+.2%}, worst {gaps.max():+.2%}, within 1 %: {(gaps <= 0.01).sum()}/{gaps.size}; "
+          f"planner {np.mean(times):.2f} s per workload")
+
+    print("tiny instances (4 x A100-40GB, <1,1> <1,2> <2,1>) against LobRA's joint MINLP on SCIP:")
+    configs = {ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1)}
+    rows = []
+    for seed in range(5):
+        workload = random_workload(np.random.default_rng(100 + seed), tmp / f"tiny-{seed}.yaml")
+        cluster = workload_cluster(workload, 4)
+        cost_model = workload_cost_model(workload, cluster)
+        batch = expected_global_batch(workload)
+        candidates = [c for c in valid_candidates(cost_model, cluster) if c.config in configs and c.max_tokens >= 1]
+        if max(c.max_tokens for c in candidates) < workload.max_length:
+            continue
+        problem = build_problem(batch, candidates, cost_model, cluster, DispatchOptions(n_buckets=4))
+        minlp = minlp_pool(problem, PlannerOptions(time_limit_s=120))
+        ours = plan_deployment(workload, cluster, cost_model, PlannerOptions(robust_samples=0, baselines=False))
+        value = evaluate(minlp.pool[0].load, exact=False, options=PlannerOptions())[0].makespan
+        rows.append((seed, minlp.solves[0], ours.plan.expected_makespan_s / value - 1))
+    for seed, solve, gap in rows:
+        print(f"  seed {seed}: MINLP {solve} in {solve.wall_s:.1f} s; lorafleet vs the MINLP's deployment {gap:+.2%}")
+
+
+def part_quality() -> None:
+    print("\n== 3. quality: examples/lobra-7b.yaml, 16 x A100-40GB (analytic) ==")
+    workload = load_workload(REPO / "examples/lobra-7b.yaml")
+    cluster = workload.cluster
+    cost_model = workload_cost_model(workload, cluster)
+    result = plan_deployment(workload, cluster, cost_model)
+    print(f"plan: {result.plan.describe()}")
+    batches = [sample_global_batch(workload, step) for step in range(32)]
+    schedules = (result.schedule, *result.baselines)
+    sampled = {s.name: [s.step_cost(b, cost_model) for b in batches] for s in schedules}
+    ours = result.cost(LORAFLEET)
+    ours_sampled = np.mean([c.gpu_seconds for c in sampled[LORAFLEET]])
+    print(f"{'method':<20} {'GPUs':>5} {'step s':>8} {'GPU-s':>8} {'lorafleet saves':>16} {'sampled GPU-s':>14} {'saves':>7}")
+    for cost in result.costs:
+        gpu_s = np.mean([c.gpu_seconds for c in sampled[cost.name]])
+        cut = "" if cost.name == LORAFLEET else f"{1 - ours.gpu_seconds / cost.gpu_seconds:.1%}"
+        cut_s = "" if cost.name == LORAFLEET else f"{1 - ours_sampled / gpu_s:.1%}"
+        print(f"{cost.name:<20} {cost.gpus:>5} {cost.makespan_s:>8.3f} {cost.gpu_seconds:>8.1f} {cut:>16} {gpu_s:>14.1f} {cut_s:>7}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", action="append", choices=("time", "optimality", "quality"))
+    parser.add_argument("--workloads", type=int, default=20, help="random workloads of the optimality part")
+    args = parser.parse_args()
+    parts = args.part or ["time", "optimality", "quality"]
+    warnings.simplefilter("error", SolverFallbackWarning)  # a fallback would make the figures meaningless
+    tmp = Path(REPO / "runs" / "bench_planner")
+    tmp.mkdir(parents=True, exist_ok=True)
+    if "time" in parts:
+        part_time()
+    if "optimality" in parts:
+        part_optimality(args.workloads, tmp)
+    if "quality" in parts:
+        part_quality()
+
+
+if __name__ == "__main__":
+    main()
