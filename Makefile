@@ -17,8 +17,15 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
+DEMO_OUT ?= runs/demo
+
+# The main job on built-in defaults: LobRA's 7B workload validated, planned on 16 x A100-40GB
+# against the baselines, and simulated step by step with a report (runs/demo/report/index.html).
 demo: setup
+	mkdir -p $(DEMO_OUT)
 	$(BIN)/lorafleet validate examples/lobra-7b.yaml
+	$(BIN)/lorafleet plan examples/lobra-7b.yaml --json $(DEMO_OUT)/plan.json --plot $(DEMO_OUT)/plan.png
+	$(BIN)/lorafleet simulate examples/lobra-7b.yaml --plan $(DEMO_OUT)/plan.json --steps 16 --report $(DEMO_OUT)/report
 
 test: setup
 	$(BIN)/python -m pytest -q

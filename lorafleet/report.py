@@ -34,7 +34,7 @@ def summary_rows(runs: Sequence[ScheduleRun]) -> list[Row]:
             "utilisation": run.utilisation,
             "padding_ratio": run.padding_ratio,
             "failures": run.failures,
-            "lorafleet_saves": 1 - float(ours.gpu_seconds.mean()) / gpu_s if run is not ours else 0.0,
+            "saved_by_lorafleet": 1 - float(ours.gpu_seconds.mean()) / gpu_s if run is not ours else 0.0,
         })
     return rows
 

@@ -83,15 +83,15 @@ def run(args: argparse.Namespace) -> int:
         schedule = replace(schedule, phases=(replace(schedule.phases[0], plan=plan),))
     runs = [simulate_schedule(workload, s, cost_model, args.steps, options, args.seed) for s in (schedule, *result.baselines)]
 
-    console = Console(width=130)
+    console = Console(width=150)
     console.print(f"plan: {schedule.phases[0].plan.describe()}  ({cost_model.source}, {cluster.n_gpus} x {cluster.gpu})")
     table = Table(title=f"{args.steps} simulated steps of {workload.path}")
     rows = summary_rows(runs)
     for column in rows[0]:
         table.add_column(column, justify="left" if column == "method" else "right", no_wrap=column == "method")
     for row in rows:
-        table.add_row(*[f"{v:.3f}" if isinstance(v, float) and k != "lorafleet_saves" else
-                        (f"{v:.1%}" if k == "lorafleet_saves" else str(v)) for k, v in row.items()])
+        table.add_row(*[f"{v:.3f}" if isinstance(v, float) and k != "saved_by_lorafleet" else
+                        (f"{v:.1%}" if k == "saved_by_lorafleet" else str(v)) for k, v in row.items()])
     console.print(table)
     if args.report:
         plan = schedule.phases[0].plan
