@@ -10,13 +10,16 @@
 Every step draws dropout (p = 0.1, training mode), computes ``dX`` (the layer is inside a model)
 and the adapter gradients; the frozen base gets none. The methods run interleaved, repeat after
 repeat, in one process, and the table reports median-time ratios (baseline / ours), so machine
-noise hits all of them alike. ``ranks`` is ``equal`` (all rank r) or ``mixed`` (r/4 ... 2r: no two
-neighbouring segments batch together, the torch path's worst case). ``load`` is the 1-minute
-load average when the row finished: on a shared 2-core machine, a load above ~2 means other
-processes steal the cores and two-thread GEMMs stall at their barriers; rerun such rows.
+noise hits all of them alike. ``ranks`` is ``equal`` (all rank r) or ``mixed`` (cycling r/4, r/2,
+r, 2r with alpha = 2r: ours pads them to 2r in one batched GEMM, PEFT runs each at its own
+rank). ``load`` is the 1-minute load average when the row finished: on a shared 2-core machine,
+a load above ~2 means other processes hold the cores, and two-thread GEMMs then stall at their
+barriers for whole scheduler slices; the ratios measure the scheduler, not the operator. Use
+``--threads 1 --clock cpu`` there: CPU time of one thread does not count time spent descheduled.
 
-    python benchmarks/bench_multi_lora.py            # full sweep (~10 min on 2 cores)
-    python benchmarks/bench_multi_lora.py --quick    # a few shapes (~1 min)
+    python benchmarks/bench_multi_lora.py                          # full sweep, 2 threads, wall clock
+    python benchmarks/bench_multi_lora.py --quick                  # a few shapes (~1-2 min)
+    python benchmarks/bench_multi_lora.py --threads 1 --clock cpu  # on a loaded machine
 """
 
 from __future__ import annotations
@@ -130,16 +133,16 @@ def build(hidden: int, specs: list[LoraSpec], tokens: int) -> dict[str, Callable
     return {"ours": step_ours, "peft_seq": step_peft_seq, "naive": step_naive}
 
 
-def measure(steps: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+def measure(steps: dict[str, Callable[[], None]], repeats: int, clock: Callable[[], float]) -> dict[str, float]:
     """Median seconds per step; methods interleaved so drift affects all alike."""
     for step in steps.values():  # warm-up: allocator, first-call dispatch
         step()
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
-            start = time.perf_counter()
+            start = clock()
             step()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -147,18 +150,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall: elapsed time (default); cpu: this process's CPU time, which with --threads 1 "
+        "ignores time the process spends descheduled on a machine shared with other jobs",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.manual_seed(0)
 
-    print(f"{N_ADAPTERS} adapters, fp32 CPU, {torch.get_num_threads()} threads, dropout {DROPOUT}, fwd+bwd per step")
+    print(
+        f"{N_ADAPTERS} adapters, fp32 CPU, {torch.get_num_threads()} threads, {args.clock} clock, "
+        f"dropout {DROPOUT}, fwd+bwd per step"
+    )
     print(f"{'layer':<16} {'ranks':<6} {'tok/adapter':>11} {'ours ms':>9} {'peft_seq/ours':>14} {'naive/ours':>11} {'load':>5}")
     rows = []
     for sweep in SWEEPS:
         specs = adapter_specs(sweep.rank, sweep.ranks)
         repeats = max(3, sweep.repeats // 3) if args.quick else sweep.repeats
         for tokens in sweep.quick_tokens if args.quick else sweep.tokens:
-            median = measure(build(sweep.hidden, specs, tokens), repeats)
+            median = measure(build(sweep.hidden, specs, tokens), repeats, clock)
             vs_peft, vs_naive = median["peft_seq"] / median["ours"], median["naive"] / median["ours"]
             rows.append((tokens, vs_peft, vs_naive))
             print(
