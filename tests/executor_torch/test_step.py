@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from lorafleet.executor.torch.layout import FleetLayout, ModelDims
 from lorafleet.executor.torch.multi_lora import Segments
 from lorafleet.executor.torch.pipeline import split_for_pipeline
 from lorafleet.executor.torch.step import attention_window, build_inputs, stage_forward
+from lorafleet.executor.torch.worker import check_step_plan
 from lorafleet.plans import MicroBatch
 
 STREAMS = h.synthetic_streams()
@@ -96,3 +98,19 @@ def test_stage_forward_equals_the_hf_model(packed):
             got = logits[0, offset : offset + n] if packed else logits[k, :n]
             offset += n
             assert (got - want).abs().max() < 1e-12
+
+
+def test_a_step_plan_must_place_every_sequence_exactly_once():
+    plan = h.make_step_plan(BATCH, 2)
+    check_step_plan(plan, BATCH, 2)
+    first = plan.work[0].microbatches[0]
+    dropped = replace(first, seq_ids=first.seq_ids[1:], task_ids=first.task_ids[1:], lengths=first.lengths[1:])
+    broken = replace(plan, work=(replace(plan.work[0], microbatches=(dropped, *plan.work[0].microbatches[1:])),
+                                 plan.work[1]))
+    with pytest.raises(ValueError, match="in 0 micro-batches"):
+        check_step_plan(broken, BATCH, 2)
+    with pytest.raises(ValueError, match="work for 2 replicas"):
+        check_step_plan(plan, BATCH, 3)
+    wrong_length = replace(first, lengths=(first.lengths[0] + 1, *first.lengths[1:]))
+    with pytest.raises(ValueError, match="does not match"):
+        check_step_plan(replace(plan, work=(replace(plan.work[0], microbatches=(wrong_length,)), plan.work[1])), BATCH, 2)

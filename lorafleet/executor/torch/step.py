@@ -60,7 +60,7 @@ def attention_window(config, layer_index: int) -> int | None:
     return window
 
 
-@dataclass
+@dataclass(frozen=True)
 class MicroBatchInputs:
     """The tensors of one micro-batch, on the rank's device. Shapes are ``(B, S)`` unless noted."""
 
