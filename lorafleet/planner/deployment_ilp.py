@@ -25,9 +25,10 @@ is (nearly) the same.
 
 Fragments, ceil(d / p) and the exact bubble are left to the dispatcher's load model, which
 the planner applies to the deployments this model proposes (``joint_minlp`` keeps them all
-in one model, for small instances). :func:`propose_deployments` returns the optimum and
-the optimum of every first-level branch on a replica count (p_i <= p*_i - 1, p_i >= p*_i + 1,
-and "some config p* does not use"), a pool of strong, distinct alternatives.
+in one model, for small instances). :func:`solve_root` gives the optimum and
+:func:`branch_deployments` the optima of the first-level branches on the replica counts of a
+center deployment (p_i <= c_i - 1, p_i >= c_i + 1, and "some config c does not use"): strong,
+distinct alternatives around it.
 """
 
 from __future__ import annotations
@@ -219,39 +220,48 @@ def solve_deployment(
     return plan, results
 
 
-def propose_deployments(
-    problem: PlanningProblem, *, tie_rel: float, solver: SolverName, time_limit_s: float, max_branches: int,
-) -> tuple[list[RelaxedDeployment], list[SolveResult]]:
-    """The MILP's optimum p* and the optima of up to ``max_branches`` first-level branches, distinct, root first.
+def solve_root(problem: PlanningProblem, *, tie_rel: float, solver: SolverName, time_limit_s: float
+               ) -> tuple[RelaxedDeployment | None, list[SolveResult]]:
+    """The MILP's optimum p*, by the fixed-point iteration from :func:`fluid_lower_bound`."""
+    return solve_deployment(problem, fluid_lower_bound(problem), tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s)
 
-    Branches, all at the root's T_ref, deployed configs taken by the GPUs they hold (most
-    first): p_i <= p*_i - 1 and p_i >= p*_i + 1 for each, with, after the first config's
-    two, one branch that deploys some config p* does not (Σ_{i: p*_i = 0} p_i >= 1). An
-    infeasible branch adds nothing. Returns [] when the root gives no solution (the caller
-    falls back).
+
+def branches_around(problem: PlanningProblem, center: np.ndarray) -> list[tuple[str, Branch]]:
+    """First-level branches on the replica counts of ``center``, most promising first.
+
+    Deployed configs are taken by the GPUs they hold (most first): p_i <= c_i - 1 and
+    p_i >= c_i + 1 for each; after the first config's two comes one branch that deploys
+    some config ``center`` does not (Σ_{i: c_i = 0} p_i >= 1).
     """
-    root, results = solve_deployment(problem, fluid_lower_bound(problem), tie_rel=tie_rel, solver=solver,
-                                     time_limit_s=time_limit_s)
-    if root is None:
-        return [], results
     limits = problem.max_replicas()
     modelled = modelled_configs(problem)
-    deployed = sorted((i for i in modelled if root.replicas[i] > 0), key=lambda i: (-int(root.replicas[i] * problem.gpus[i]), i))
+    deployed = sorted((i for i in modelled if center[i] > 0), key=lambda i: (-int(center[i] * problem.gpus[i]), i))
     branches: list[tuple[str, Branch]] = []
     for i in deployed:
-        name, p = problem.candidates[i].config.name, int(root.replicas[i])
+        name, p = problem.candidates[i].config.name, int(center[i])
         branches.append((f"{name}<={p - 1}", Branch(bounds={i: (0, p - 1)})))
         if p < limits[i]:
             branches.append((f"{name}>={p + 1}", Branch(bounds={i: (p + 1, int(limits[i]))})))
-    unused = tuple(i for i in modelled if root.replicas[i] == 0)
+    unused = tuple(i for i in modelled if center[i] == 0)
     if unused:
         branches.insert(min(2, len(branches)), ("new-config", Branch(deploy_one_of=unused)))
-    found, seen = [root], {tuple(root.replicas)}
-    for label, branch in branches[:max_branches]:
-        plan, res = solve_deployment(problem, root.makespan, tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s,
+    return branches
+
+
+def branch_deployments(
+    problem: PlanningProblem, center: np.ndarray, reference_makespan: float, *, tie_rel: float, solver: SolverName,
+    time_limit_s: float, max_branches: int,
+) -> tuple[list[RelaxedDeployment], list[SolveResult]]:
+    """The optima of up to ``max_branches`` branches around ``center`` (:func:`branches_around`), at T_ref.
+
+    An infeasible branch adds nothing; duplicates are the caller's to drop.
+    """
+    found: list[RelaxedDeployment] = []
+    results: list[SolveResult] = []
+    for label, branch in branches_around(problem, center)[:max_branches]:
+        plan, res = solve_deployment(problem, reference_makespan, tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s,
                                      branch=branch, label=label, iterate=False)
         results.extend(res)
-        if plan is not None and tuple(plan.replicas) not in seen:
-            seen.add(tuple(plan.replicas))
+        if plan is not None:
             found.append(plan)
     return found, results

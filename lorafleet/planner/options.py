@@ -42,7 +42,9 @@ class PlannerOptions:
     """How the plan's steps form micro-batches: packed up to M tokens (lorafleet's default, with
     variable-length attention) or padded to the bucket boundary (LobRA)."""
     pool_size: int = 8
-    """Decomposed mode: the aggregated MILP's optimum and up to ``pool_size - 1`` branch optima."""
+    """Decomposed mode: up to ``pool_size - 1`` branch optima around the center deployment per round."""
+    search_rounds: int = 3
+    """Decomposed mode: rounds of branching, each around the best plan so far (stops early when it stays)."""
     lower_bound_threshold: float = 0.15
     """Drop deployments whose Theorem-1 bound is more than this fraction above the best (LobRA: 15 %)."""
     min_survivors: int = 8
@@ -51,7 +53,7 @@ class PlannerOptions:
     """Deployments (best expected makespan first) whose expected dispatch is re-solved by the exact
     dispatch ILP (bounded by the fast one). 0 by default: on our instances it improves the fast
     dispatch by under 0.5 % at 10-100x the time (CBC often needs seconds)."""
-    robust_top: int = 3
+    robust_top: int = 2
     """Deployments evaluated on sampled batches with the real per-step dispatch; the best mean wins."""
     robust_samples: int = 32
     """K: sampled global batches of the robust evaluation (at most); 0 picks on the expected batch alone."""
@@ -74,7 +76,7 @@ class PlannerOptions:
             except ValueError:
                 raise InputError(OPTIONS_SOURCE, name, f"{value!r} is not one of {', '.join(e.value for e in enum)}") from None
         positive = {"time_limit_s": self.time_limit_s, "n_buckets": self.n_buckets, "pool_size": self.pool_size,
-                    "min_survivors": self.min_survivors, "robust_top": self.robust_top, "enumeration_limit": self.enumeration_limit,
+                    "min_survivors": self.min_survivors, "robust_top": self.robust_top, "search_rounds": self.search_rounds, "enumeration_limit": self.enumeration_limit,
                     "race_rung": self.race_rung}
         for name, value in positive.items():
             if not value > 0:

@@ -26,7 +26,7 @@ from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import LoadModel
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner.candidates import enumerate_deployments, has_distinct_max_tokens, lower_bound, lower_bound_filter
-from lorafleet.planner.deployment_ilp import propose_deployments
+from lorafleet.planner.deployment_ilp import branch_deployments, solve_root
 from lorafleet.planner.fallback import heuristic_deployment
 from lorafleet.planner.joint_minlp import JointSolution, solve_joint
 from lorafleet.planner.options import PlannerMode, PlannerOptions
@@ -126,23 +126,55 @@ def _fallback(outcome: SearchOutcome, what: str, result: SolveResult) -> None:
     outcome.fell_back = True
 
 
-def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
-    """The heuristic plan and the aggregated MILP's proposals, the Theorem-1 filter applied."""
-    heuristic, heuristic_fluid = heuristic_deployment(problem)
-    found, solves = propose_deployments(problem, tie_rel=options.tie_rel, solver=options.solver,
-                                        time_limit_s=options.time_limit_s, max_branches=options.pool_size - 1)
-    outcome = SearchOutcome(pool=[_entry(problem, heuristic, "heuristic", heuristic_fluid)], solves=solves)
-    if not found:
-        _fallback(outcome, "the deployment MILP", solves[-1])
-    seen = {tuple(heuristic)}
-    for plan in found:
-        if tuple(plan.replicas) not in seen:
-            seen.add(tuple(plan.replicas))
-            outcome.pool.append(_entry(problem, plan.replicas, f"milp:{plan.branch}", plan.makespan))
-    kept = set(lower_bound_filter([e.lower_bound for e in outcome.pool],
-                                  [has_distinct_max_tokens(problem, e.replicas) for e in outcome.pool],
+def _filter(problem: PlanningProblem, pool: list[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
+    """LobRA's Theorem-1 filter over the whole pool; a dropped entry stays dropped."""
+    kept = set(lower_bound_filter([e.lower_bound for e in pool], [has_distinct_max_tokens(problem, e.replicas) for e in pool],
                                   options.lower_bound_threshold, options.min_survivors))
-    outcome.pool = [replace(e, survived=e.survived and k in kept) for k, e in enumerate(outcome.pool)]
+    return [replace(e, survived=e.survived and k in kept) for k, e in enumerate(pool)]
+
+
+def _evaluate_survivors(pool: list[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
+    return [replace(e, expected=evaluate(e.load, exact=False, options=options)[0]) if e.survived and e.expected is None else e
+            for e in pool]
+
+
+def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
+    """The heuristic plan, the aggregated MILP's optimum and branch optima around the best plan so far.
+
+    Round r: branches around the center (the MILP's optimum at first, then the plan the
+    dispatcher judges best), the Theorem-1 filter over everything found, the survivors
+    evaluated. The search stops when the best plan beats the center by no more than the tie
+    tolerance, or after ``search_rounds`` rounds: the MILP ignores fragments and ceil(d / p),
+    so its optimum is a good start, not always the end.
+    """
+    heuristic, heuristic_fluid = heuristic_deployment(problem)
+    outcome = SearchOutcome(pool=[_entry(problem, heuristic, "heuristic", heuristic_fluid)])
+    root, outcome.solves = solve_root(problem, tie_rel=options.tie_rel, solver=options.solver, time_limit_s=options.time_limit_s)
+    seen = {tuple(heuristic)}
+
+    def add(replicas: np.ndarray, source: str, relaxed: float) -> None:
+        if tuple(replicas) not in seen:
+            seen.add(tuple(replicas))
+            outcome.pool.append(_entry(problem, replicas, source, relaxed))
+
+    if root is None:
+        _fallback(outcome, "the deployment MILP", outcome.solves[-1])
+    else:
+        add(root.replicas, "milp:root", root.makespan)
+    center = root.replicas if root is not None else None
+    for _ in range(options.search_rounds if root is not None else 0):
+        found, results = branch_deployments(problem, center, root.makespan, tie_rel=options.tie_rel, solver=options.solver,
+                                            time_limit_s=options.time_limit_s, max_branches=options.pool_size - 1)
+        outcome.solves.extend(results)
+        for plan in found:
+            add(plan.replicas, f"milp:{plan.branch}", plan.makespan)
+        outcome.pool = _evaluate_survivors(_filter(problem, outcome.pool, options), options)
+        best = _preferred_entry([e for e in outcome.pool if e.expected is not None], options)
+        at_center = next(e for e in outcome.pool if tuple(e.replicas) == tuple(center))
+        if best.expected_makespan >= at_center.expected_makespan * (1 - options.tie_rel):
+            break
+        center = best.replicas
+    outcome.pool = _evaluate_survivors(_filter(problem, outcome.pool, options), options)
     return outcome
 
 
@@ -229,8 +261,7 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
     by expected makespan.
     """
     outcome = POOLS[options.mode](problem, options)
-    outcome.pool = [replace(e, expected=evaluate(e.load, exact=False, options=options)[0]) if e.survived else e
-                    for e in outcome.pool]
+    outcome.pool = _evaluate_survivors(outcome.pool, options)
     ranked = sorted((e for e in outcome.pool if e.expected is not None), key=lambda e: (e.expected_makespan, e.used_gpus))
     for k, entry in enumerate(ranked[: options.exact_top]):
         expected, result = evaluate(entry.load, exact=True, options=options)

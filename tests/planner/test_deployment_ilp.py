@@ -14,7 +14,15 @@ import pytest
 from scipy.optimize import linprog
 
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.planner.deployment_ilp import Branch, fixed_time, fluid_lower_bound, propose_deployments, solve_deployment
+from lorafleet.planner.deployment_ilp import (
+    Branch,
+    branch_deployments,
+    branches_around,
+    fixed_time,
+    fluid_lower_bound,
+    solve_deployment,
+    solve_root,
+)
 from lorafleet.planner.fallback import heuristic_deployment
 from lorafleet.solvers import SolverName
 from lorafleet.specs.cluster import ClusterSpec
@@ -97,13 +105,16 @@ def test_branches_find_the_best_plan_inside_them(seed):
         assert plan.makespan == pytest.approx(best, rel=3e-3)
 
 
-def test_propose_returns_distinct_plans_root_first():
+def test_root_starts_at_the_fluid_bound_and_branches_stay_in_budget():
     problem = instance(5)
-    found, results = propose_deployments(problem, tie_rel=0.005, solver=SolverName.CBC, time_limit_s=20, max_branches=5)
-    assert found[0].branch == "root"
-    assert len({tuple(f.replicas) for f in found}) == len(found)
-    assert len(results) <= 5 + 5  # root fixed-point iterations plus at most five branches
-    assert fluid_lower_bound(problem) <= found[0].makespan
+    root, results = solve_root(problem, tie_rel=0.005, solver=SolverName.CBC, time_limit_s=20)
+    assert root.branch == "root" and fluid_lower_bound(problem) <= root.makespan
+    assert len(results) <= 5  # fixed-point iterations
+    found, results = branch_deployments(problem, root.replicas, root.makespan, tie_rel=0.005, solver=SolverName.CBC,
+                                        time_limit_s=20, max_branches=3)
+    assert len(results) == 3 and len(found) <= 3
+    labels = [label for label, _ in branches_around(problem, root.replicas)]
+    assert [f.branch for f in found] == [lab for lab in labels[:3] if lab in {f.branch for f in found}]
 
 
 def test_tie_weight_trades_makespan_for_gpus_as_documented():
