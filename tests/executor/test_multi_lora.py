@@ -303,3 +303,5 @@ def test_misuse_is_an_error():
         layer(torch.randn(5, K))
     with pytest.raises(ValueError, match="names an adapter"):
         LoraRouting(Segments.packed([1], [2]), (1.0,), (0.0,))
+    lists = LoraRouting(Segments.packed([0], [2]), [1.0], [0.0])  # lists are fine: stored as tuples
+    assert hash(lists) == hash(LoraRouting(Segments.packed([0], [2]), (1.0,), (0.0,)))
