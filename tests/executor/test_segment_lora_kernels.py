@@ -19,76 +19,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
-from lorafleet.executor.torch.multi_lora import LoraBackend, LoraRouting, Segments, draw_keep_mask, multi_lora_linear
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-# (id, tile cap, K, N, ranks, segments): 2-4 segments, an empty one, odd lengths, padding rows,
-# an adapter owning two segments.
-CASES = [
-    ("two-segments", 64, 16, 24, (4, 8), Segments([0, 1], [0, 9], [9, 5])),
-    ("empty-and-repeat", 16, 40, 33, (3, 8, 5), Segments([2, 0, 1, 2], [1, 8, 8, 30], [7, 0, 19, 3])),
-    ("rank-over-a-tile", 16, 24, 20, (20, 2), Segments([1, 0, 1], [0, 5, 40], [5, 35, 11])),
-    ("padding-rows", 64, 64, 64, (16, 16, 7), Segments([0, 1, 2], [3, 20, 41], [13, 17, 11])),
-]
+CASES_FILE = Path(__file__).with_name("interpreted_segment_lora.py")
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this process already interprets; the cases below run directly")
 def test_kernels_in_interpreter():
+    """Runs every case of ``interpreted_segment_lora.py`` in a fresh interpreter with TRITON_INTERPRET=1."""
     repo = Path(__file__).resolve().parents[2]
-    command = [sys.executable, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider", "-k", "not in_interpreter", __file__]
+    command = [sys.executable, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider", str(CASES_FILE)]
     result = subprocess.run(
         command, cwd=repo, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     summary = result.stdout.splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, summary
-
-
-interpreted = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 subprocess")
-
-
-@interpreted
-@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
-@pytest.mark.parametrize("tile,K,N,ranks,segments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_triton_matches_torch(tile, K, N, ranks, segments, dropout, monkeypatch):
-    from lorafleet.executor.torch.kernels import segment_lora
-
-    monkeypatch.setattr(segment_lora, "BLOCK_M", tile)
-    monkeypatch.setattr(segment_lora, "BLOCK_N", tile)
-    gen = torch.Generator().manual_seed(K + N)
-    T = segments.end + 2
-    x = torch.randn(T, K, generator=gen)
-    W, b = torch.randn(N, K, generator=gen) / K**0.5, torch.randn(N, generator=gen)
-    A = [torch.randn(r, K, generator=gen) / K**0.5 for r in ranks]
-    B = [torch.randn(N, r, generator=gen) for r in ranks]
-    grad_y = torch.randn(T, N, generator=gen)
-    routing = LoraRouting(segments, tuple(1.0 + i for i in range(len(ranks))), (dropout,) * len(ranks))
-    torch.manual_seed(0)
-    keep = draw_keep_mask(T, K, routing, device="cpu")
-    assert (keep is None) == (dropout == 0.0)
-
-    def run(backend):
-        leaves = [t.clone().requires_grad_() for t in (x, *A, *B)]
-        y = multi_lora_linear(leaves[0], W, b, leaves[1 : 1 + len(A)], leaves[1 + len(A) :], routing, keep, backend)
-        y.backward(grad_y)
-        return [y.detach()] + [t.grad for t in leaves]
-
-    names = ["y", "dx", *(f"dA{a}" for a in range(len(A))), *(f"dB{a}" for a in range(len(B)))]
-    for got, want, name in zip(run(LoraBackend.TRITON), run(LoraBackend.TORCH), names, strict=True):
-        if want is None:  # an adapter with no rows gets no gradient from either backend
-            assert got is None, name
-        else:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
-
-
-@interpreted
-def test_no_rows_is_the_base_layer():
-    x, W = torch.randn(5, 16), torch.randn(8, 16)
-    A, B = [torch.randn(4, 16, requires_grad=True)], [torch.randn(8, 4, requires_grad=True)]
-    routing = LoraRouting(Segments([0], [2], [0]), (1.0,), (0.0,))
-    y = multi_lora_linear(x, W, None, A, B, routing, None, LoraBackend.TRITON)
-    torch.testing.assert_close(y, x @ W.T)
