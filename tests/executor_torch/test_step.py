@@ -55,14 +55,14 @@ def test_targets_weights_and_segments(packed):
 
 def test_attention_stays_inside_each_sequence():
     inputs = build_inputs(_microbatch(True), [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
-    mask = inputs.attention_mask(None)[0, 0]  # (S, S)
+    mask = inputs.attention_mask(None, torch.float32)[0, 0] == 0  # (S, S): True where attending
     n0 = len(EXAMPLES[ROWS[0]])
     assert mask[n0 - 1, : n0].all() and not mask[n0, :n0].any() and mask[n0, n0]
     assert not mask.triu(1).any()  # causal
-    windowed = inputs.attention_mask(3)[0, 0]
+    windowed = inputs.attention_mask(3, torch.float32)[0, 0] == 0
     assert windowed.sum(-1).max() == 3
     padded = build_inputs(_microbatch(False), [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
-    pad_row = padded.attention_mask(None)[0, 0, -1]  # a padding token attends only to itself
+    pad_row = padded.attention_mask(None, torch.float32)[0, 0, -1] == 0  # a padding token attends only to itself
     assert pad_row.sum() == 1 and pad_row[-1]
 
 

@@ -120,8 +120,8 @@ def llama_config(spec: ModelSpec) -> Any:
 def load_causal_lm(source: ModelSource, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The full causal LM in eval mode (no dropout in the frozen base), every parameter frozen.
 
-    The executor masks attention itself (``step.attention_mask``), with a boolean mask that
-    SDPA takes, so the model is loaded with ``attn_implementation="sdpa"``.
+    The executor masks attention itself (``MicroBatchInputs.attention_mask``, additive), and
+    loads the model with ``attn_implementation="sdpa"``: no ``(B, H, S, S)`` weights kept.
     """
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 

@@ -77,18 +77,21 @@ class MicroBatchInputs:
     """Task of each token (0 on padding; its weight is 0)."""
     segments: Segments
     """Adapter rows of the flattened ``(B*S)`` grid: one segment per run of a task's sequences."""
-    masks: dict[int | None, Tensor] = field(default_factory=dict)
-    """Boolean attention masks ``(B, 1, S, S)`` per sliding window, built on first use."""
+    masks: dict[tuple[int | None, torch.dtype], Tensor] = field(default_factory=dict)
+    """Additive attention masks ``(B, 1, S, S)`` per (sliding window, dtype), built on first use."""
 
-    def attention_mask(self, window: int | None) -> Tensor:
-        if window not in self.masks:
+    def attention_mask(self, window: int | None, dtype: torch.dtype) -> Tensor:
+        """0 where a token may attend, -inf elsewhere: additive, so SDPA and eager attention take it
+        as is, and it is built once per micro-batch instead of converted in every layer."""
+        if (window, dtype) not in self.masks:
             i = torch.arange(self.documents.shape[1], device=self.documents.device)
             same = self.documents[:, :, None] == self.documents[:, None, :]  # (B, S, S)
             allowed = same & (i[None, :, None] >= i[None, None, :])  # causal
             if window is not None:
                 allowed &= (i[None, :, None] - i[None, None, :]) < window
-            self.masks[window] = allowed[:, None]  # (B, 1, S, S): one mask for all heads
-        return self.masks[window]
+            blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            self.masks[(window, dtype)] = blocked.masked_fill_(~allowed, float("-inf"))[:, None]  # one for all heads
+        return self.masks[(window, dtype)]
 
 
 def build_inputs(mb: MicroBatch, examples: Sequence[Example], inv_tokens: Sequence[float],
@@ -141,7 +144,7 @@ def stage_forward(model: nn.Module, role: RankRole, x: Tensor | None, inputs: Mi
         for index, layer in inner.layers.items():
             h = layer(
                 h,
-                attention_mask=inputs.attention_mask(attention_window(model.config, int(index))),
+                attention_mask=inputs.attention_mask(attention_window(model.config, int(index)), h.dtype),
                 position_ids=inputs.position_ids,
                 position_embeddings=rotary,
             )
