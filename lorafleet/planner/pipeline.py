@@ -75,6 +75,7 @@ class PlanDiagnostics:
     fell_back: bool = False
     """A solver failed and the heuristic plan stands in (a SolverFallbackWarning was issued)."""
     sampled_batches: int = 0
+    """Sampled batches the chosen plan was dispatched on in the robust race."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -114,9 +115,9 @@ def _check_longest(workload: Workload, valid: tuple[Candidate, ...], cluster: Cl
                              f"per micro-batch; lower context_length (overflow: truncate) or use more memory per replica")
 
 
-def _plan_of(problem: PlanningProblem, entry: PoolEntry, workload: Workload, cluster: ClusterSpec, solver: str) -> DeploymentPlan:
+def _plan_of(problem: PlanningProblem, entry: PoolEntry, workload: Workload, solver: str) -> DeploymentPlan:
     replicas = [(c.config, c.max_tokens, int(n)) for c, n in zip(problem.candidates, entry.replicas, strict=True) if n > 0]
-    return build_plan(workload, cluster, replicas, solver=solver)
+    return build_plan(workload, problem.cluster, replicas, solver=solver)
 
 
 def race(schedules: list[Schedule], batches: list[GlobalBatch], cost_model: CostModel, tie_rel: float, rung: int) -> list[np.ndarray]:
@@ -125,9 +126,8 @@ def race(schedules: list[Schedule], batches: list[GlobalBatch], cost_model: Cost
     Every schedule sees the same batches in the same order. After each rung of ``rung``
     batches the schedules still in the race are ranked by mean makespan (a schedule within
     ``tie_rel`` of a faster one on fewer GPUs ranks above it, as in :func:`preferred`) and
-    the worse half leaves; the race ends when one is left or the K batches are used. With
-    three plans and the defaults that is 3 x 8 + 2 x 8 dispatches instead of 3 x 32, and the
-    winner's mean is over 16 batches.
+    the worse half leaves; the race ends when one is left or the batches run out. With the
+    defaults (two plans, rungs of 4) that is 8 dispatches instead of 2 x 32.
     """
     samples: list[list[float]] = [[] for _ in schedules]
     alive = list(range(len(schedules)))
@@ -145,6 +145,42 @@ def race(schedules: list[Schedule], batches: list[GlobalBatch], cost_model: Cost
             rest.remove(best)
         alive = ranked[: (len(ranked) + 1) // 2]
     return [np.asarray(s) for s in samples]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RobustChoice:
+    """The chosen plan among the finalists, and how it was chosen."""
+
+    finalists: tuple[PoolEntry, ...]
+    """The best plans by expected makespan, with their sampled means when raced."""
+    chosen: int
+    """Index into ``finalists``."""
+    schedule: Schedule
+    """The chosen plan as a one-phase schedule."""
+    sampled_steps: int
+    """Sampled batches the chosen plan was dispatched on (0: chosen on the expected batch)."""
+
+
+def robust_choice(workload: Workload, problem: PlanningProblem, ranked: list[PoolEntry], options: PlannerOptions,
+                  policy: DispatchPolicy, solver: str) -> RobustChoice:
+    """The best ``robust_top`` plans raced on sampled batches (:func:`race`); the lowest mean wins,
+    ties going to fewer GPUs. Without samples (or with one finalist) the expected batch decides."""
+    finalists = ranked[: options.robust_top]
+    everyone = tuple(range(len(workload.tasks)))
+    schedules = [Schedule(name=LORAFLEET, phases=(Phase(tasks=everyone, plan=_plan_of(problem, e, workload, solver), policy=policy),))
+                 for e in finalists]
+    seed = workload.spec.seed if options.seed is None else options.seed
+    batches = [sample_global_batch(workload, step, seed) for step in range(options.robust_samples)]
+    if not batches or len(finalists) == 1:
+        pick = preferred(range(len(finalists)), lambda k: finalists[k].expected_makespan, lambda k: finalists[k].used_gpus,
+                         options.tie_rel)
+        return RobustChoice(finalists=tuple(finalists), chosen=pick, schedule=schedules[pick], sampled_steps=0)
+    makespans = race(schedules, batches, problem.cost_model, options.tie_rel, options.race_rung)
+    raced = [replace(e, sampled_makespan=float(m.mean())) for e, m in zip(finalists, makespans, strict=True)]
+    steps = max(m.size for m in makespans)
+    last = [k for k in range(len(raced)) if makespans[k].size == steps]  # still in the race at the end
+    pick = preferred(last, lambda k: raced[k].sampled_makespan, lambda k: raced[k].used_gpus, options.tie_rel)
+    return RobustChoice(finalists=tuple(raced), chosen=pick, schedule=schedules[pick], sampled_steps=steps)
 
 
 def _solver_label(options: PlannerOptions, outcome_solves: list[SolveResult], fell_back: bool) -> str:
@@ -203,36 +239,21 @@ def plan_deployment(workload: Workload, cluster: ClusterSpec, cost_model: CostMo
     lap("search")
 
     policy = DispatchPolicy(options=dispatch)
-    solver = _solver_label(options, outcome.solves, outcome.fell_back)
-    finalists = ranked[: options.robust_top]
-    schedules = [Schedule(name=LORAFLEET, phases=(Phase(tasks=tuple(range(len(workload.tasks))),
-                                                       plan=_plan_of(problem, e, workload, cluster, solver), policy=policy),))
-                 for e in finalists]
-    seed = workload.spec.seed if options.seed is None else options.seed
-    batches = [sample_global_batch(workload, step, seed) for step in range(options.robust_samples)]
-    if batches and len(finalists) > 1:
-        makespans = race(schedules, batches, cost_model, options.tie_rel, options.race_rung)
-        finalists = [replace(e, sampled_makespan=float(m.mean())) for e, m in zip(finalists, makespans, strict=True)]
-        sampled_steps = max(m.size for m in makespans)
-        last = [k for k in range(len(finalists)) if makespans[k].size == sampled_steps]  # still in the race at the end
-        pick = preferred(last, lambda k: finalists[k].sampled_makespan, lambda k: finalists[k].used_gpus, options.tie_rel)
-    else:
-        pick = preferred(range(len(finalists)), lambda k: finalists[k].expected_makespan, lambda k: finalists[k].used_gpus, options.tie_rel)
-    chosen, schedule = finalists[pick], schedules[pick]
+    choice = robust_choice(workload, problem, ranked, options, policy, _solver_label(options, outcome.solves, outcome.fell_back))
+    chosen = choice.finalists[choice.chosen]
     lap("robust")
 
-    expected_step = policy.dispatch(expected, schedule.phases[0].plan, cost_model)
-    notes = list(outcome.notes)
-    notes.append(f"{len(valid)} valid configs, {len(candidates)} candidates, {len(outcome.pool)} deployments considered, "
-                 f"{len(ranked)} survived the lower-bound filter")
-    if chosen.sampled_makespan is not None:
-        notes.append(f"robust choice among {len(finalists)} plans raced on up to {len(batches)} sampled batches: "
-                     f"mean makespan {chosen.sampled_makespan:.4g} s over {sampled_steps} of them")
+    expected_step = policy.dispatch(expected, choice.schedule.phases[0].plan, cost_model)
+    notes = [*outcome.notes, f"{len(valid)} valid configs, {len(candidates)} candidates, {len(outcome.pool)} deployments "
+                             f"considered, {len(ranked)} judged by the dispatcher on the expected batch"]
+    if choice.sampled_steps:
+        notes.append(f"robust choice among {len(choice.finalists)} plans raced on sampled batches: mean makespan "
+                     f"{chosen.sampled_makespan:.4g} s over {choice.sampled_steps} of them")
     idle = _idle_note(problem, chosen, ranked, expected_step.estimated_makespan_s)
     if idle:
         notes.append(idle)
-    plan = replace(with_expectation(schedule.phases[0].plan, expected_step), notes=tuple(notes))
-    schedule = Schedule(name=LORAFLEET, phases=(replace(schedule.phases[0], plan=plan),))
+    plan = replace(with_expectation(choice.schedule.phases[0].plan, expected_step), notes=tuple(notes))
+    schedule = replace(choice.schedule, phases=(replace(choice.schedule.phases[0], plan=plan),))
 
     costs = [ScheduleCost(name=LORAFLEET, gpus=plan.used_gpus, makespan_s=expected_step.estimated_makespan_s,
                           gpu_seconds=expected_step.estimated_makespan_s * plan.used_gpus)]
@@ -244,13 +265,13 @@ def plan_deployment(workload: Workload, cluster: ClusterSpec, cost_model: CostMo
             costs.append(ScheduleCost(name=b.name, gpus=b.max_gpus, makespan_s=step.makespan_s, gpu_seconds=step.gpu_seconds))
     lap("baselines")
 
-    sampled = {id(entry): final for entry, final in zip(ranked, finalists)}
+    sampled = {id(entry): final for entry, final in zip(ranked, choice.finalists)}
     pool = [sampled.get(id(e), e) for e in outcome.pool]
     diagnostics = PlanDiagnostics(
         mode=options.mode, valid_configs=len(valid), candidates=problem.candidates,
         bucket_boundaries=tuple(int(s) for s in problem.boundaries), bucket_counts=tuple(int(d) for d in problem.counts),
         pool=tuple(pool), solves=tuple(outcome.solves), timings_s=timings, fell_back=outcome.fell_back,
-        sampled_batches=len(batches),
+        sampled_batches=choice.sampled_steps,
     )
     return PlanResult(plan=plan, schedule=schedule, expected_step=expected_step, expected_batch=expected,
                       costs=tuple(costs), baselines=baselines, diagnostics=diagnostics)
