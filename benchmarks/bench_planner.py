@@ -23,6 +23,7 @@ Run from the repository root (every figure is measured here, in one run)::
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import time
 import warnings
@@ -72,6 +73,7 @@ def part_time() -> None:
         t = result.diagnostics.timings_s
         print(f"{gpus:>5} {wall:>8.2f} {cpu:>7.2f} {t['search']:>7.2f} {t['robust']:>7.2f} {t['baselines']:>9.2f} "
               f"{LOBRA_PLANNER_S[gpus]:>8.1f} {LOBRA_PLANNER_S[gpus] / wall:>9.0f}x  {result.plan.describe()}")
+    print(f"(1-minute load average of this 2-core machine now: {os.getloadavg()[0]:.1f}; wall times stretch with it)")
 
 
 def random_workload(rng: np.random.Generator, path: Path) -> Workload:
