@@ -8,9 +8,9 @@ import numpy as np
 import pulp
 import pytest
 
-from lorafleet.dispatch.balance import balance_by_length, balance_fast
+from lorafleet.dispatch.balance import balance_by_length
 from lorafleet.dispatch.ilp import build_model, solve_dispatch_ilp
-from lorafleet.dispatch.load import build_load_model, config_classes
+from lorafleet.dispatch.load import config_classes
 from lorafleet.dispatch.microbatch import padded_microbatches
 from lorafleet.dispatch.options import DispatchOptions, MicroBatchMode
 from lorafleet.dispatch.placement import interleave, place_sequences
