@@ -57,8 +57,9 @@ class PlannerOptions:
     """Deployments evaluated on sampled batches with the real per-step dispatch; the best mean wins."""
     robust_samples: int = 32
     """K: sampled global batches of the robust evaluation (at most); 0 picks on the expected batch alone."""
-    race_rung: int = 4
-    """Robust stage: sampled batches per round of successive halving (``pipeline.race``)."""
+    race_rung: int = 8
+    """Robust stage: sampled batches per round of successive halving (``pipeline.race``); at
+    ``robust_samples`` or more, every finalist is dispatched on all K batches."""
     seed: int | None = None
     """Seed of the sampled batches; None: the workload's seed."""
     tie_rel: float = 5e-3

@@ -183,7 +183,7 @@ def robust_choice(workload: Workload, problem: PlanningProblem, ranked: list[Poo
     return RobustChoice(finalists=tuple(raced), chosen=pick, schedule=schedules[pick], sampled_steps=steps)
 
 
-def _solver_label(options: PlannerOptions, outcome_solves: list[SolveResult], fell_back: bool) -> str:
+def _solver_label(options: PlannerOptions, outcome_solves: tuple[SolveResult, ...], fell_back: bool) -> str:
     if fell_back:
         return "heuristic"
     if options.mode is PlannerMode.EXHAUSTIVE:
@@ -270,7 +270,7 @@ def plan_deployment(workload: Workload, cluster: ClusterSpec, cost_model: CostMo
     diagnostics = PlanDiagnostics(
         mode=options.mode, valid_configs=len(valid), candidates=problem.candidates,
         bucket_boundaries=tuple(int(s) for s in problem.boundaries), bucket_counts=tuple(int(d) for d in problem.counts),
-        pool=tuple(pool), solves=tuple(outcome.solves), timings_s=timings, fell_back=outcome.fell_back,
+        pool=tuple(pool), solves=outcome.solves, timings_s=timings, fell_back=outcome.fell_back,
         sampled_batches=choice.sampled_steps,
     )
     return PlanResult(plan=plan, schedule=schedule, expected_step=expected_step, expected_batch=expected,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import numpy as np
@@ -77,13 +77,16 @@ class PoolEntry:
         return self.expected.makespan if self.expected is not None else float("inf")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SearchOutcome:
-    pool: list[PoolEntry]
-    solves: list[SolveResult] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    """Every deployment considered and what the solvers said."""
+
+    pool: tuple[PoolEntry, ...]
+    """Judged ones first, best first (the preferred plan leads); filtered-out ones last."""
+    solves: tuple[SolveResult, ...] = ()
+    notes: tuple[str, ...] = ()
     fell_back: bool = False
-    """A solver failed and the heuristic stands in for it."""
+    """A solver failed and the heuristic stands in for it (a SolverFallbackWarning was issued)."""
 
 
 def evaluate(load: LoadModel, *, exact: bool, options: PlannerOptions) -> tuple[Evaluation, SolveResult | None]:
@@ -119,21 +122,21 @@ def _entry(problem: PlanningProblem, replicas: np.ndarray, source: str, relaxed:
                      lower_bound=lower_bound(load, length_based))
 
 
-def _fallback(outcome: SearchOutcome, what: str, result: SolveResult) -> None:
+def _fallback_note(what: str, result: SolveResult) -> str:
+    """Warn that ``what`` failed and the heuristic plan stands in; the note for the plan."""
     message = f"{what} gave no solution ({result}, {result.wall_s:.2f} s); falling back to the heuristic plan"
     warnings.warn(message, SolverFallbackWarning, stacklevel=3)
-    outcome.notes.append(message)
-    outcome.fell_back = True
+    return message
 
 
-def _filter(problem: PlanningProblem, pool: list[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
+def _filter(problem: PlanningProblem, pool: Sequence[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
     """LobRA's Theorem-1 filter over the whole pool; a dropped entry stays dropped."""
     kept = set(lower_bound_filter([e.lower_bound for e in pool], [has_distinct_max_tokens(problem, e.replicas) for e in pool],
                                   options.lower_bound_threshold, options.min_survivors))
     return [replace(e, survived=e.survived and k in kept) for k, e in enumerate(pool)]
 
 
-def _evaluate_survivors(pool: list[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
+def _evaluate_survivors(pool: Sequence[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
     return [replace(e, expected=evaluate(e.load, exact=False, options=options)[0]) if e.survived and e.expected is None else e
             for e in pool]
 
@@ -148,49 +151,48 @@ def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> Search
     so its optimum is a good start, not always the end.
     """
     heuristic, heuristic_fluid = heuristic_deployment(problem)
-    outcome = SearchOutcome(pool=[_entry(problem, heuristic, "heuristic", heuristic_fluid)])
-    root, outcome.solves = solve_root(problem, tie_rel=options.tie_rel, solver=options.solver, time_limit_s=options.time_limit_s)
+    pool = [_entry(problem, heuristic, "heuristic", heuristic_fluid)]
+    root, solves = solve_root(problem, tie_rel=options.tie_rel, solver=options.solver, time_limit_s=options.time_limit_s)
+    if root is None:
+        note = _fallback_note("the deployment MILP", solves[-1])
+        return SearchOutcome(pool=tuple(_evaluate_survivors(pool, options)), solves=tuple(solves), notes=(note,), fell_back=True)
     seen = {tuple(heuristic)}
 
     def add(replicas: np.ndarray, source: str, relaxed: float) -> None:
         if tuple(replicas) not in seen:
             seen.add(tuple(replicas))
-            outcome.pool.append(_entry(problem, replicas, source, relaxed))
+            pool.append(_entry(problem, replicas, source, relaxed))
 
-    if root is None:
-        _fallback(outcome, "the deployment MILP", outcome.solves[-1])
-    else:
-        add(root.replicas, "milp:root", root.makespan)
-    center = root.replicas if root is not None else None
-    for _ in range(options.search_rounds if root is not None else 0):
+    add(root.replicas, "milp:root", root.makespan)
+    center = root.replicas
+    for _ in range(options.search_rounds):
         found, results = branch_deployments(problem, center, root.makespan, tie_rel=options.tie_rel, solver=options.solver,
                                             time_limit_s=options.time_limit_s, max_branches=options.pool_size - 1)
-        outcome.solves.extend(results)
+        solves.extend(results)
         for plan in found:
             add(plan.replicas, f"milp:{plan.branch}", plan.makespan)
-        outcome.pool = _evaluate_survivors(_filter(problem, outcome.pool, options), options)
-        best = _preferred_entry([e for e in outcome.pool if e.expected is not None], options)
-        at_center = next(e for e in outcome.pool if tuple(e.replicas) == tuple(center))
+        pool = _evaluate_survivors(_filter(problem, pool, options), options)
+        best = _preferred_entry([e for e in pool if e.expected is not None], options)
+        at_center = next(e for e in pool if tuple(e.replicas) == tuple(center))
         if best.expected_makespan >= at_center.expected_makespan * (1 - options.tie_rel):
             break
         center = best.replicas
-    outcome.pool = _evaluate_survivors(_filter(problem, outcome.pool, options), options)
-    return outcome
+    return SearchOutcome(pool=tuple(pool), solves=tuple(solves))
 
 
 def exhaustive_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
     """Every maximal deployment (no filter: this is the reference the others are checked against)."""
-    return SearchOutcome(pool=[_entry(problem, p, "enumeration") for p in enumerate_deployments(problem, options.enumeration_limit)])
+    return SearchOutcome(pool=tuple(_entry(problem, p, "enumeration") for p in enumerate_deployments(problem, options.enumeration_limit)))
 
 
 def minlp_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
     """LobRA's joint MINLP on SCIP; the heuristic plan if it gives nothing."""
     solution = solve_joint(problem, time_limit_s=options.time_limit_s, gap_rel=min(options.gap_rel, 1e-4))
     if isinstance(solution, JointSolution):
-        return SearchOutcome(pool=[_entry(problem, solution.replicas, "minlp", solution.makespan)], solves=[solution.solve])
-    outcome = SearchOutcome(pool=[_entry(problem, heuristic_deployment(problem)[0], "heuristic")], solves=[solution])
-    _fallback(outcome, "the joint MINLP", solution)
-    return outcome
+        return SearchOutcome(pool=(_entry(problem, solution.replicas, "minlp", solution.makespan),), solves=(solution.solve,))
+    note = _fallback_note("the joint MINLP", solution)
+    return SearchOutcome(pool=(_entry(problem, heuristic_deployment(problem)[0], "heuristic"),), solves=(solution,),
+                         notes=(note,), fell_back=True)
 
 
 POOLS: dict[PlannerMode, Callable[[PlanningProblem, PlannerOptions], SearchOutcome]] = {
@@ -261,20 +263,21 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
     by expected makespan.
     """
     outcome = POOLS[options.mode](problem, options)
-    outcome.pool = _evaluate_survivors(outcome.pool, options)
-    ranked = sorted((e for e in outcome.pool if e.expected is not None), key=lambda e: (e.expected_makespan, e.used_gpus))
+    pool = _evaluate_survivors(outcome.pool, options)
+    solves = list(outcome.solves)
+    ranked = sorted((e for e in pool if e.expected is not None), key=lambda e: (e.expected_makespan, e.used_gpus))
     for k, entry in enumerate(ranked[: options.exact_top]):
         expected, result = evaluate(entry.load, exact=True, options=options)
         ranked[k] = replace(entry, expected=expected)
-        outcome.solves.append(result)
+        solves.append(result)
     if ranked:
         trim = trimmed(problem, _preferred_entry(ranked, options), options)
         ranked.extend([trim] if trim is not None else [])
         ranked.sort(key=lambda e: (e.expected_makespan, e.used_gpus))
         best = _preferred_entry(ranked, options)
         ranked = [best, *(e for e in ranked if e is not best)]
-    outcome.pool = ranked + [e for e in outcome.pool if e.expected is None]
-    return outcome, ranked
+    pool = ranked + [e for e in pool if e.expected is None]
+    return replace(outcome, pool=tuple(pool), solves=tuple(solves)), ranked
 
 
 def _preferred_entry(entries: list[PoolEntry], options: PlannerOptions) -> PoolEntry:

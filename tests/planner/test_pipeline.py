@@ -7,7 +7,8 @@ import pytest
 
 from lorafleet.errors import InputError, SolverFallbackWarning
 from lorafleet.plans import DeploymentPlan
-from lorafleet.planner import LORAFLEET, BaselineKind, PlannerOptions, plan_deployment
+from lorafleet.planner import LORAFLEET, BaselineKind, PlannerOptions, StepCost, plan_deployment
+from lorafleet.planner.pipeline import race
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import load_workload
 
@@ -113,3 +114,22 @@ def test_more_gpus_never_plan_slower(workload):
     large = plan_deployment(workload, ClusterSpec(nodes=2, gpus_per_node=8), cm, PlannerOptions(robust_samples=0, baselines=False))
     assert large.plan.expected_makespan_s <= small.plan.expected_makespan_s * 1.01
     assert np.isfinite(large.plan.expected_makespan_s)
+
+
+class _Timed:
+    """A stand-in schedule whose step time is a table lookup (race only calls step_cost and max_gpus)."""
+
+    def __init__(self, times, gpus):
+        self.times, self.max_gpus = times, gpus
+
+    def step_cost(self, batch, cost_model):
+        return StepCost(makespan_s=self.times[batch], gpu_seconds=0.0)
+
+
+def test_race_halves_until_one_is_left_and_full_rungs_sample_everything():
+    fast, slow, tied_fewer_gpus = _Timed([1.0] * 8, 8), _Timed([2.0] * 8, 8), _Timed([1.004] * 8, 4)
+    samples = race([slow, fast, tied_fewer_gpus], list(range(8)), None, tie_rel=0.005, rung=2)
+    assert samples[0].size == 2  # the slow one leaves after the first rung
+    assert samples[2].size == max(s.size for s in samples)  # within the tie tolerance on fewer GPUs: it wins
+    every = race([slow, fast], list(range(8)), None, tie_rel=0.005, rung=8)
+    assert [s.size for s in every] == [8, 8]
