@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lorafleet.commands.dispatch import workload_cost_model
+from lorafleet.assemble import workload_cost_model
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.dispatch import DispatchMethod, DispatchOptions, MicroBatchMode, solve_step
 from lorafleet.plans import DeploymentPlan, ReplicaSpec
@@ -76,7 +76,7 @@ def build(scenario: Scenario):
     plan = DeploymentPlan(model=workload.model.name, gpu=workload.cluster.gpu, n_gpus=workload.cluster.n_gpus,
                           gpus_per_node=workload.cluster.gpus_per_node, tasks=tuple(t.name for t in workload.tasks),
                           replicas=tuple(replicas), bucket_boundaries=(), expected_makespan_s=0.0)
-    return workload, plan, workload_cost_model(workload, len(plan.replicas))
+    return workload, plan, workload_cost_model(workload, workload.cluster, sync_replicas=len(plan.replicas))
 
 
 def verdict(ok: bool) -> str:

@@ -36,6 +36,11 @@ def workload_adapters(workload: Workload) -> AdapterLoad:
     return AdapterLoad.from_specs([t.spec.lora for t in workload.tasks], workload.tasks[0].spec.optimizer.name)
 
 
-def workload_cost_model(workload: Workload, cluster: ClusterSpec, profile: str | Path | None = None) -> CostModel:
-    """The analytic model of ``cluster``'s GPU, or the fitted one of ``profile`` when given."""
-    return load_cost_model(profile, workload.model, cluster, workload_adapters(workload))
+def workload_cost_model(workload: Workload, cluster: ClusterSpec, profile: str | Path | None = None,
+                        sync_replicas: int = 2) -> CostModel:
+    """The analytic model of ``cluster``'s GPU, or the fitted one of ``profile`` when given.
+
+    ``sync_replicas`` is how many replicas all-reduce the adapter gradients each step (the
+    plan's replica count once there is a plan; the step overhead grows with it).
+    """
+    return load_cost_model(profile, workload.model, cluster, workload_adapters(workload), sync_replicas=sync_replicas)

@@ -112,7 +112,9 @@ def solve(
     A solver error (PuLP raises ``PulpSolverError``) is reported as ``FAILED`` so the caller
     can fall back to its heuristic with a warning; nothing is swallowed silently.
     """
-    threads = threads or min(2, os.cpu_count() or 1)
+    # One thread by default: CBC 2.10 with -threads N runs its parallel search, which stalls
+    # about 1 % of small solves for seconds and is slower on the rest (docs/planner.md).
+    threads = threads or 1
     backend = _make_solver(SolverName(solver), time_limit_s, gap_rel, threads)
     start = time.perf_counter()
     # highspy prints a banner even with msg=False; keep the CLI's stdout clean.

@@ -59,15 +59,6 @@ def _check_plan(plan, workload, plan_path: str) -> None:
         raise InputError(plan_path, "tasks", f"plan has tasks {list(plan.tasks)}, the workload {list(names)}")
 
 
-def workload_cost_model(workload, n_replicas: int, profile: str | None = None):
-    """The profile's cost model, or the analytic one of the workload's model and cluster GPU."""
-    from lorafleet.costmodel import load_cost_model
-    from lorafleet.costmodel.adapters import AdapterLoad
-
-    adapters = AdapterLoad.from_specs([t.spec.lora for t in workload.tasks], workload.tasks[0].spec.optimizer.name)
-    return load_cost_model(profile, workload.model, workload.cluster, adapters, sync_replicas=n_replicas)
-
-
 def _step_json(step_plan, batch, plan, task_names: tuple[str, ...], tokens) -> dict[str, Any]:
     replicas = []
     for work, replica, task_tokens in zip(step_plan.work, plan.replicas, tokens, strict=True):
@@ -106,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from lorafleet.assemble import workload_cost_model
     from lorafleet.dispatch import dispatch_step, task_tokens_per_replica
     from lorafleet.plans import DeploymentPlan
     from lorafleet.sampling import sample_global_batch
@@ -119,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload)
     plan = DeploymentPlan.load(args.plan)
     _check_plan(plan, workload, args.plan)
-    cost_model = workload_cost_model(workload, len(plan.replicas), args.profile)
+    cost_model = workload_cost_model(workload, workload.cluster, args.profile, sync_replicas=len(plan.replicas))
     task_names = tuple(t.name for t in workload.tasks)
 
     table = Table(title=f"{args.workload} on {plan.describe()} ({options.method.value}, {options.microbatch_mode.value}, "
