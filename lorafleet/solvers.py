@@ -58,10 +58,12 @@ class SolveResult:
         return f"{self.solver.value}:{self.status.value}"
 
 
-def _make_solver(name: SolverName, time_limit_s: float, gap_rel: float, threads: int) -> pulp.LpSolver:
+def _make_solver(name: SolverName, time_limit_s: float, gap_rel: float, threads: int | None) -> pulp.LpSolver:
     common = {"msg": False, "timeLimit": time_limit_s, "gapRel": gap_rel}
     if name is SolverName.CBC:
-        return pulp.PULP_CBC_CMD(threads=threads, **common)
+        # CBC 2.10 given any -threads runs its threaded search, which stalls about 1 % of
+        # small solves for ~10 s (docs/planner.md): leave the option out unless asked.
+        return pulp.PULP_CBC_CMD(**common, **({"threads": threads} if threads else {}))
     if name is SolverName.SCIP:
         return pulp.SCIP_PY(**common)  # PySCIPOpt solves on one thread; asking for more only warns
     return pulp.HiGHS(threads=threads, **common)
@@ -109,12 +111,11 @@ def solve(
 ) -> SolveResult:
     """Solve ``problem`` in place (its variables hold the solution) and report honestly.
 
+    ``threads`` is passed to the back end only when given (CBC and HiGHS; SCIP solves on one).
+
     A solver error (PuLP raises ``PulpSolverError``) is reported as ``FAILED`` so the caller
     can fall back to its heuristic with a warning; nothing is swallowed silently.
     """
-    # One thread by default: CBC 2.10 with -threads N runs its parallel search, which stalls
-    # about 1 % of small solves for seconds and is slower on the rest (docs/planner.md).
-    threads = threads or 1
     backend = _make_solver(SolverName(solver), time_limit_s, gap_rel, threads)
     start = time.perf_counter()
     # highspy prints a banner even with msg=False; keep the CLI's stdout clean.

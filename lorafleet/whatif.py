@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from lorafleet.assemble import workload_cluster, workload_cost_model
-from lorafleet.dispatch import DispatchOptions
 from lorafleet.errors import InputError
 from lorafleet.executor.simulated import SimulationOptions
 from lorafleet.planner import PlannerOptions, plan_deployment
@@ -102,7 +101,8 @@ def sweep(workload: Workload, variations: Sequence[Variation], steps: int = 8, p
         options = PlannerOptions(n_buckets=args["n_buckets"])
         result = plan_deployment(varied, cluster, cost_model, options)
         lorafleet = result.schedule
-        policy = replace(lorafleet.phases[0].policy, options=DispatchOptions(n_buckets=args["n_buckets"]))
+        policy = lorafleet.phases[0].policy
+        policy = replace(policy, options=replace(policy.options, n_buckets=args["n_buckets"]))
         lorafleet = replace(lorafleet, phases=(replace(lorafleet.phases[0], policy=policy),))
         for schedule in (lorafleet, *result.baselines):
             run = simulate_schedule(varied, schedule, cost_model, steps, sim)
