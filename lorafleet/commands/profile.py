@@ -30,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-lens", default="16,32,64,128,256,512,1024", help="grid of padded lengths")
     p.add_argument("--mbs", default="1,2,4,8,16", help="grid of micro-batch sizes")
     p.add_argument("--max-grid-tokens", type=int, default=4096, help="largest b*s of the grid and of random shapes")
+    p.add_argument("--packed", type=int, default=12, help="random packed micro-batches fitted with the grid, per TP degree")
     p.add_argument("--heldout", type=int, default=6, help="held-out padded (and packed) layer records per TP degree")
     p.add_argument("--replica-steps", type=int, default=5, help="timed whole steps per TP degree and sync setting")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before each timing (default 1)")
@@ -90,6 +91,7 @@ def _settings(args: argparse.Namespace):
         ("--tasks", args.tasks, 1),
         ("--rank", args.rank, 1),
         ("--max-grid-tokens", args.max_grid_tokens, 16),
+        ("--packed", args.packed, 0),
         ("--heldout", args.heldout, 0),
         ("--replica-steps", args.replica_steps, 0),
         ("--warmup", args.warmup, 0),
@@ -105,6 +107,7 @@ def _settings(args: argparse.Namespace):
         seq_lens=_ints(args.seq_lens, "--seq-lens"),
         mbs=_ints(args.mbs, "--mbs"),
         max_grid_tokens=args.max_grid_tokens,
+        packed=args.packed,
         heldout=args.heldout,
         replica_steps=args.replica_steps,
         warmup=args.warmup,

@@ -5,19 +5,21 @@ a process plays one device) that run the same program:
 
 1. per TP degree, with every process busy (two TP1 replicas side by side, or one TP2 replica
    on ranks 0-1 with real gloo all-reduces; a record is the slowest replica's time):
-   - layer: forward + backward of one block on every padded (mbs, seq_len) of the grid, plus
-     held-out off-grid padded and packed micro-batches the fit never sees;
+   - layer: forward + backward of the L blocks, over L, on every padded (mbs, seq_len) of the
+     grid and on random packed micro-batches, plus held-out off-grid padded and packed
+     micro-batches the fit never sees;
    - head: embedding, rotary table, final norm, LM head and loss, forward + input gradient;
    - replica: whole steps (all blocks, head, backward, optimizer) over random mixed lists of
-     padded and packed micro-batches, to check the composed cost model against;
+     padded and packed micro-batches, to check the composed cost model against; for TP1 also
+     with the adapters' gradient all-reduce across the replicas side by side;
    - memory: max tokens M of every requested <tp, pp> by ``search_max_tokens`` against the
      memory budget, emulating the first pipeline stage (pp micro-batches in flight, L/pp
      blocks, embedding) and the last (L/pp blocks, head, logits);
-2. replica steps of two TP1 replicas side by side with the adapters' gradient all-reduce;
-3. p2p ping-pong and 2-rank all-reduces over a range of sizes; optimizer steps of 1..n tasks.
+2. p2p ping-pong and 2-rank all-reduces over a range of sizes; optimizer steps of 1..n tasks.
 
 Every time is the median of ``repeats`` after ``warmup`` calls, the smallest over
-``rounds`` passes; see ``measure`` for how time and peak bytes are taken. Rank 0 writes the records; the caller fits and saves them.
+``rounds`` passes; see ``measure`` for how time and peak bytes are taken. Rank 0 writes the
+records; the caller fits and saves them.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.adapters import FP32_BYTES, AdapterLoad
 from lorafleet.costmodel.memory_model import StageMemory, search_max_tokens
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.profile_format import (
@@ -58,7 +60,8 @@ from lorafleet.profiling.replica import Replica
 from lorafleet.specs.model import ModelSpec
 
 MIB = 1 << 20
-FP32_BYTES = 4
+#: A measurement: what to time, and how its time (ms) becomes a (kind, record) pair.
+Timed = tuple[Callable[[], object], Callable[[float], tuple[str, object]]]
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class ProfileSettings:
     """Grid of micro-batch sizes b."""
     max_grid_tokens: int = 4096
     """Grid points and random micro-batches stay at or below b*s = this."""
+    packed: int = 12
+    """Random packed micro-batches per TP degree fitted with the grid (packing has costs of its own,
+    a loop over sequences in attention, that padded records alone cannot show)."""
     heldout: int = 6
     """Off-grid padded and (as many) packed layer records per TP degree, kept out of the fit."""
     replica_steps: int = 5
@@ -155,44 +161,67 @@ class _Worker:
             if self.rank < n_busy:
                 tp_group = tp_groups[self.rank // tp] if tp > 1 else None
                 replica = Replica(self.s.model, self.s.adapters, tp, self.rank % tp, tp_group, self.s.seed)
-                self.layer_records(replica, tp, busy)
-                self.head_records(replica, tp, busy)
-                self.replica_records(replica, ParallelConfig(tp), busy, sync=None)
+                plan = self.layer_plan(replica, tp) + self.head_plan(replica, tp) + self.step_plan(replica, tp, None, 1)
+                if tp == 1 and n_busy > 1:  # the TP1 replicas side by side also sync their adapters' gradients
+                    plan += self.step_plan(replica, tp, busy, n_busy)
+                self.measure(plan, busy, tp)
                 for config in (c for c in self.s.configs if c.tp == tp):
                     self.memory_record(replica, config, busy)
             dist.barrier()
         pair = dist.new_group([0, 1])
-        if 1 in self.s.tps and self.rank < 2:
-            replica = Replica(self.s.model, self.s.adapters, seed=self.s.seed)
-            self.replica_records(replica, ParallelConfig(1), pair, sync=pair)
         if self.rank < 2:
             self.comm_records(pair)
         if self.rank == 0:
             self.optimizer_records(Replica(self.s.model, self.s.adapters, seed=self.s.seed))
         dist.barrier()
 
-    def layer_records(self, replica: Replica, tp: int, group: dist.ProcessGroup) -> None:
+    def measure(self, plan: list[Timed], group: dist.ProcessGroup, tag: object) -> None:
+        """Time every run of ``plan`` and keep its record. The runs go in a shuffled order (the same on
+        every rank), so layer, head and step records share the machine's quiet and busy spells alike."""
+        order = list(range(len(plan)))
+        self.shapes_rng("order", tag).shuffle(order)
+        times = dict(zip(order, self.time([plan[i][0] for i in order], group)))
+        for i, (_, record) in enumerate(plan):
+            kind, rec = record(times[i])
+            self.records[kind].append(rec)
+
+    def layer_plan(self, replica: Replica, tp: int) -> list[Timed]:
+        """The blocks on the grid and random packed micro-batches, and on held-out padded and packed ones."""
         rng = self.shapes_rng("layer", tp)
         shapes = [(mb, False) for mb in self.s.grid]
+        shapes += [(_random_packed(rng, self.s.max_grid_tokens), False) for _ in range(self.s.packed)]
         shapes += [(_random_padded(rng, self.s.max_grid_tokens), True) for _ in range(self.s.heldout)]
         shapes += [(_random_packed(rng, self.s.max_grid_tokens), True) for _ in range(self.s.heldout)]
-        times = self.time([self._block_run(replica, mb, task=i) for i, (mb, _) in enumerate(shapes)], group)
-        for (mb, heldout), ms in zip(shapes, times):
-            self.records["layer"].append(LayerRecord(**ShapeJSON.of(mb).model_dump(), tp=tp, time_ms=ms, heldout=heldout))
+        n_layers = self.s.model.n_layers
 
-    def _block_run(self, replica: Replica, mb: MicroBatchShape, task: int) -> Callable[[], None]:
-        """Forward and backward of the first block on ``mb``, from a hidden state that needs its gradient."""
+        def record(ms: float, mb: MicroBatchShape, held: bool) -> tuple[str, LayerRecord]:
+            per_layer = ms / n_layers
+            return "layer", LayerRecord(**ShapeJSON.of(mb).model_dump(), tp=tp, time_ms=per_layer, heldout=held)
+
+        return [
+            (self._blocks_run(replica, mb, task=i), lambda ms, mb=mb, held=held: record(ms, mb, held))
+            for i, (mb, held) in enumerate(shapes)
+        ]
+
+    def _blocks_run(self, replica: Replica, mb: MicroBatchShape, task: int) -> Callable[[], None]:
+        """Forward and backward of all L blocks on ``mb``, from a hidden state that needs its gradient.
+
+        A record is this time over L (LobRA profiles a few layers and divides too): a block's
+        backward then finds its activations where a whole step leaves them, behind the other
+        blocks' (on a CPU, out of cache), not just written by its own forward.
+        """
         batch = replica.batch(mb, self.gen, task)
         hidden = torch.randn(*batch.input_ids.shape, self.s.model.hidden, requires_grad=True)
         rotary = replica.causal_lm.model.rotary_emb(hidden, batch.position_ids)
         grad = torch.randn_like(hidden)
-        return lambda: replica.run_blocks(hidden, rotary, batch, [0]).backward(grad)
+        return lambda: replica.run_blocks(hidden, rotary, batch, range(len(replica.blocks))).backward(grad)
 
-    def head_records(self, replica: Replica, tp: int, group: dist.ProcessGroup) -> None:
+    def head_plan(self, replica: Replica, tp: int) -> list[Timed]:
+        """The head on every token count of the grid."""
         sizes = sorted({mb.tokens for mb in self.s.grid})
-        times = self.time([self._head_run(replica, tokens) for tokens in sizes], group)
-        for tokens, ms in zip(sizes, times):
-            self.records["head"].append(HeadRecord(tp=tp, tokens=tokens, time_ms=ms))
+        return [
+            (self._head_run(replica, n), lambda ms, n=n: ("head", HeadRecord(tp=tp, tokens=n, time_ms=ms))) for n in sizes
+        ]
 
     def _head_run(self, replica: Replica, tokens: int) -> Callable[[], None]:
         batch = replica.batch(MicroBatchShape.padded(1, tokens), self.gen)
@@ -204,24 +233,17 @@ class _Worker:
 
         return run
 
-    def replica_records(
-        self, replica: Replica, config: ParallelConfig, group: dist.ProcessGroup, sync: dist.ProcessGroup | None
-    ) -> None:
+    def step_plan(self, replica: Replica, tp: int, sync: dist.ProcessGroup | None, replicas: int) -> list[Timed]:
         """Whole steps over random micro-batch lists (micro-batch k of task k), with the adapters'
-        gradient all-reduce over ``sync`` when given; timed across ``group``."""
-        rng = self.shapes_rng("replica", config, sync is not None)
+        gradient all-reduce across the ``replicas`` replicas of ``sync`` when given."""
+        rng = self.shapes_rng("replica", tp, replicas)
         steps = [_random_step(rng, self.s.max_grid_tokens) for _ in range(self.s.replica_steps)]
-        times = self.time([self._step_run(replica, step, sync) for step in steps], group)
-        for step, ms in zip(steps, times):
-            self.records["replica"].append(
-                ReplicaRecord(
-                    tp=config.tp,
-                    pp=config.pp,
-                    sync_replicas=2 if sync is not None else 1,
-                    microbatches=tuple(ShapeJSON.of(mb) for mb in step),
-                    time_ms=ms,
-                )
-            )
+
+        def record(ms: float, step: tuple[MicroBatchShape, ...]) -> tuple[str, ReplicaRecord]:
+            shapes = tuple(ShapeJSON.of(mb) for mb in step)
+            return "replica", ReplicaRecord(tp=tp, sync_replicas=replicas, microbatches=shapes, time_ms=ms)
+
+        return [(self._step_run(replica, step, sync), lambda ms, step=step: record(ms, step)) for step in steps]
 
     def _step_run(
         self, replica: Replica, step: tuple[MicroBatchShape, ...], sync: dist.ProcessGroup | None

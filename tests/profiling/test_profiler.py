@@ -25,6 +25,7 @@ def profile():
         seq_lens=(16, 64),
         mbs=(1, 2),
         max_grid_tokens=128,
+        packed=1,
         heldout=1,
         replica_steps=1,
         warmup=0,
@@ -41,9 +42,9 @@ def test_records_cover_every_kind(profile):
     rec = profile.records
     for tp in (1, 2):
         layer = [r for r in rec.layer if r.tp == tp]
-        assert len([r for r in layer if not r.heldout]) == 4  # the 2 x 2 grid
+        assert len([r for r in layer if not r.heldout]) == 5  # the 2 x 2 grid and one packed micro-batch
         assert {r.packed is None for r in layer if r.heldout} == {True, False}  # held-out padded and packed
-        assert len([r for r in rec.head if r.tp == tp]) == 3  # distinct grid token counts: 16, 32, 64|128
+        assert len([r for r in rec.head if r.tp == tp]) == 4  # distinct grid token counts: 16, 32, 64, 128
     assert sorted((r.tp, r.sync_replicas) for r in rec.replica) == [(1, 1), (1, 2), (2, 1)]
     assert len(rec.p2p) == len(rec.allreduce) == 2 and len(rec.optimizer) == 2
     assert all(r.time_ms > 0 for r in rec.layer + rec.head + rec.replica)
