@@ -1,7 +1,7 @@
 """Joint multi-LoRA training vs Task-Sequential vs Task-Fused padding: seconds per step, one run.
 
     python benchmarks/bench_train.py [--model bench-llama|smollm2-135m] [--steps 2] [--batch-scale 4]
-                                     [--max-tokens 4096] [--threads 1]
+                                     [--max-tokens 4096] [--threads 1] [--dropout P]
 
 The demo's four tasks (``examples/demo``, very different lengths) are trained for the same
 global batches three ways, in one process on this machine's CPUs (or one GPU):
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-scale", type=int, default=4, help="multiply every task's batch size (default 4)")
     parser.add_argument("--max-tokens", type=int, default=4096, help="M: tokens per micro-batch, padding included")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--dropout", type=float, help="override every task's LoRA dropout (the demo's is 0.05)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -145,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         data = [prepare_task_data(t.spec, tokenizer, "bench") for t in workload.tasks]
         streams = DataStreams(data, [t.batch_size * args.batch_scale for t in workload.tasks], workload.spec.seed)
         total = args.steps + 1
-        tasks = tuple(TaskTraining(name=t.name, lora=t.spec.lora, optimizer=t.spec.optimizer, total_steps=total)
-                      for t in workload.tasks)
+        loras = [t.spec.lora if args.dropout is None else t.spec.lora.model_copy(update={"dropout": args.dropout})
+                 for t in workload.tasks]
+        tasks = tuple(TaskTraining(name=t.name, lora=lora, optimizer=t.spec.optimizer, total_steps=total)
+                      for t, lora in zip(workload.tasks, loras, strict=True))
         plan = DeploymentPlan(model=workload.spec.model, gpu=workload.cluster.gpu, n_gpus=1, gpus_per_node=1,
                               tasks=tuple(t.name for t in tasks),
                               replicas=(ReplicaSpec(0, ParallelConfig(1, 1), args.max_tokens, (0,)),),
@@ -177,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
 
     print(f"model {args.model}, {len(tasks)} tasks, batch {sum(streams.batch_sizes)} sequences, M = {args.max_tokens}, "
-          f"{args.steps} steps after a warm-up, torch threads {torch.get_num_threads()}, device {device}")
+          f"LoRA dropout {tasks[0].lora.dropout}, {args.steps} steps after a warm-up, "
+          f"torch threads {torch.get_num_threads()}, device {device}")
     means = {k: [sum(col) / len(col) for col in zip(*v, strict=True)] for k, v in results.items()}
     print(f"{'way':<12}{'cpu s/step':>12}{'wall s/step':>12}{'padding':>10}{'joint speed-up (cpu)':>22}")
     for name, label in (("joint", "joint"), ("fused", "fused-pad"), ("sequential", "sequential")):

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-import fleet_harness as h
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.checkpoint import (
     LATEST,
