@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
 from lorafleet.executor.torch.base_model import ModelSource, SourceKind, load_causal_lm
@@ -28,6 +30,20 @@ from lorafleet.specs.model import MODEL_PRESETS
 
 TINY = ModelSource(kind=SourceKind.RANDOM, name="tiny-llama", spec=MODEL_PRESETS["tiny-llama"], seed=0)
 VOCAB = MODEL_PRESETS["tiny-llama"].vocab
+
+
+def build_model(family: str = "llama", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """tiny-llama, or a seeded Qwen2 (biased q/k/v) or Mistral (sliding window of 8, shorter than
+    most sequences) of the same shape; frozen, eval mode."""
+    if family == "llama":
+        return load_causal_lm(TINY, dtype)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, attn_implementation="sdpa")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = (Qwen2ForCausalLM(Qwen2Config(**shape)) if family == "qwen2"
+                 else MistralForCausalLM(MistralConfig(sliding_window=8, **shape)))
+    return model.to(dtype).eval().requires_grad_(False)
 
 #: Three tasks that differ in rank, scaling, targets and schedule.
 TASKS = (
@@ -109,12 +125,14 @@ class Run:
     """Restore the latest checkpoint of this directory first, then run up to ``steps``."""
     dtype: torch.dtype = torch.float32
     """Of the base model and the adapters."""
+    family: str = "llama"
+    """Model family (:func:`build_model`)."""
 
 
 def train(run: Run) -> list[StepReport]:
     """The training loop of every rank (rank 0 drives, the others serve)."""
     config = ExecutorConfig(plan=run.plan, tasks=TASKS, seed=run.seed, base_model="tiny-llama")
-    executor = TorchExecutor(config, load_causal_lm(TINY, run.dtype), synthetic_streams(), torch.device("cpu"))
+    executor = TorchExecutor(config, build_model(run.family, run.dtype), synthetic_streams(), torch.device("cpu"))
     if dist.get_rank() != 0:
         executor.serve()
         return []

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import MistralConfig, Qwen2Config
 
 import fleet_harness as h
 from lorafleet.data.tokenize import IGNORE_INDEX
@@ -73,24 +73,11 @@ def test_attention_windows_by_family():
     assert [attention_window(qwen, i) for i in range(2)] == [None, 8]
 
 
-def _family_model(family: str) -> torch.nn.Module:
-    """tiny-llama, or a Qwen2 (biased q/k/v) / Mistral (sliding window shorter than some sequences)
-    of the same shape, fp64."""
-    if family == "llama":
-        return load_causal_lm(h.TINY, torch.float64)
-    shape = dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    if family == "qwen2":
-        return Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.float64).eval().requires_grad_(False)
-    return MistralForCausalLM(MistralConfig(sliding_window=8, **shape)).to(torch.float64).eval().requires_grad_(False)
-
-
 @pytest.mark.parametrize("family,packed", [("llama", False), ("llama", True), ("qwen2", False), ("mistral", True)])
 def test_stage_forward_equals_the_hf_model(family, packed):
     """A whole-model stage with random adapters gives, row for row, the logits of the HF model run
     one sequence at a time with that sequence's adapter."""
-    model = _family_model(family)
+    model = h.build_model(family, torch.float64)
     inject_multi_lora(model, [t.lora for t in h.TASKS])
     with torch.no_grad():
         for p in adapter_parameters(model):
