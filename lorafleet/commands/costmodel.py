@@ -15,7 +15,6 @@ import sys
 from lorafleet.errors import InputError
 
 ARGS = "<args>"
-MS_PER_S = 1e3
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -87,7 +86,7 @@ def _config(cm, tp: int, pp: int, source: str, field: str):
 
 
 def _predict_one(cm, args: argparse.Namespace) -> None:
-    from lorafleet.costmodel.time_model import MicroBatchShape
+    from lorafleet.costmodel.time_model import MS_PER_S, MicroBatchShape
 
     if args.seq_len is None or args.mbs is None or args.seq_len < 1 or args.mbs < 1:
         raise InputError(ARGS, "--seq-len/--mbs", "give positive --tp, --seq-len and --mbs, or --csv")
@@ -109,6 +108,7 @@ def _predict_csv(cm, args: argparse.Namespace) -> None:
 
     from lorafleet.costmodel.fit import ErrorSummary
     from lorafleet.costmodel.profile_format import read_layer_csv
+    from lorafleet.costmodel.time_model import MS_PER_S
 
     rows = read_layer_csv(args.csv)
     configs = [_config(cm, r.tp, r.pp, args.csv, f"line {i}: tp") for i, r in enumerate(rows, start=2)]

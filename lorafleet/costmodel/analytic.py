@@ -38,13 +38,12 @@ from scipy.optimize import least_squares
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.fit import ROBUST_SCALE
 from lorafleet.costmodel.memory_model import MemoryFactors
-from lorafleet.costmodel.time_model import AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
+from lorafleet.costmodel.time_model import GB, MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
 from lorafleet.specs.gpus import GPUSpec
 from lorafleet.specs.model import ModelSpec
 
 TFLOP = 1e12
-GB = 1e9
-MS = 1e3
+US_PER_MS = 1e3
 #: TP all-reduces per block and micro-batch: after attention and MLP forward, and of their
 #: input gradients backward (Megatron's f and g operators).
 TP_ALLREDUCES_PER_BLOCK = 4
@@ -117,14 +116,14 @@ def analytic_layer_time(
     hq, hkv, p = _widths(model)
     flops = gpu.bf16_tflops * TFLOP
     hbm = gpu.hbm_gbps * GB
-    tp_link = Link(cal.link_latency_us / MS, gpu.intra_node_gbps * cal.link)
-    c1 = 7 * hq / tp / (flops * cal.attention) * MS
+    tp_link = Link(cal.link_latency_us / US_PER_MS, gpu.intra_node_gbps * cal.link)
+    c1 = 7 * hq / tp / (flops * cal.attention) * MS_PER_S
     gemm = (4 * p + 6 * adapters.mean_params_per_layer(model)) / tp / (flops * cal.matmul)
     model_width = 22 * h / (tp if sequence_parallel else 1)
     elementwise = (model_width + (4 * (hq + hkv) + 9 * f) / tp) * dtype_bytes / (hbm * cal.memory)
     allreduce = tp_link.allreduce(tp)  # ms vs bytes; a token carries h * dtype bytes
-    c3 = (gemm + elementwise) * MS + TP_ALLREDUCES_PER_BLOCK * allreduce.slope * h * dtype_bytes
-    weights = 2 * p * dtype_bytes / tp / (hbm * cal.memory) * MS
+    c3 = (gemm + elementwise) * MS_PER_S + TP_ALLREDUCES_PER_BLOCK * allreduce.slope * h * dtype_bytes
+    weights = 2 * p * dtype_bytes / tp / (hbm * cal.memory) * MS_PER_S
     c6 = weights + TP_ALLREDUCES_PER_BLOCK * allreduce.fixed + cal.layer_overhead_ms
     return LayerTimeCoeffs((c1, 0.0, c3, 0.0, 0.0, c6))
 
@@ -140,12 +139,12 @@ def analytic_head_time(model: ModelSpec, gpu: GPUSpec, tp: int, cal: Calibration
     hbm = gpu.hbm_gbps * GB * cal.memory
     per_token = 4 * model.hidden * model.vocab / tp / flops + model.vocab / tp * (dtype_bytes + 12) / hbm
     fixed = 2 * model.vocab * model.hidden * dtype_bytes / tp / hbm
-    return AffineTime(fixed * MS, per_token * MS)
+    return AffineTime(fixed * MS_PER_S, per_token * MS_PER_S)
 
 
 def analytic_links(gpu: GPUSpec, cal: Calibration = DEFAULT_CALIBRATION) -> tuple[Link, Link]:
     """(inside a node, across nodes) links of one GPU: datasheet bandwidth times the link efficiency."""
-    latency = cal.link_latency_us / MS
+    latency = cal.link_latency_us / US_PER_MS
     return Link(latency, gpu.intra_node_gbps * cal.link), Link(latency, gpu.inter_node_gbps * cal.link)
 
 
@@ -153,7 +152,7 @@ def analytic_optimizer_time(gpu: GPUSpec, adapters: AdapterLoad, cal: Calibratio
     """The optimizer step, ms vs adapter parameters on one device: memory-bound, it reads every
     state of a parameter and writes all but the gradient back."""
     traffic = 2 * adapters.state_bytes_per_param(dtype_bytes) - dtype_bytes
-    return AffineTime(0.0, traffic / (gpu.hbm_gbps * GB * cal.memory) * MS)
+    return AffineTime(0.0, traffic / (gpu.hbm_gbps * GB * cal.memory) * MS_PER_S)
 
 
 def calibrate(

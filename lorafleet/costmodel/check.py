@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 from lorafleet.costmodel.build import profile_cost_model
 from lorafleet.costmodel.fit import ErrorSummary
 from lorafleet.costmodel.profile_format import Profile
+from lorafleet.costmodel.time_model import MS_PER_S
 from lorafleet.specs.model import ModelSpec
 
-MS_PER_S = 1e3
 
 
 @dataclass(frozen=True)

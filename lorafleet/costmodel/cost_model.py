@@ -31,10 +31,9 @@ import numpy as np
 
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.costmodel.time_model import AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
+from lorafleet.costmodel.time_model import MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
 from lorafleet.specs.model import ModelSpec
 
-MS = 1e-3
 #: Pipeline messages per micro-batch on a stage: activations in (forward), their gradient out (backward).
 P2P_MESSAGES = 2
 
@@ -102,15 +101,15 @@ class CostModel:
 
     def microbatch_time(self, config: ParallelConfig, b: np.ndarray | float, s: np.ndarray | float) -> np.ndarray | float:
         """Stage time τ of one padded micro-batch of b sequences of length s, fwd+bwd, seconds (vectorised)."""
-        return self.stage_coeffs(config)(b, s) * MS
+        return self.stage_coeffs(config)(b, s) / MS_PER_S
 
     def packed_microbatch_time(self, config: ParallelConfig, seq_lens: Sequence[int]) -> float:
         """Stage time τ of one packed micro-batch, fwd+bwd, seconds."""
-        return self.stage_coeffs(config).packed(seq_lens) * MS if len(seq_lens) else 0.0
+        return self.stage_coeffs(config).packed(seq_lens) / MS_PER_S if len(seq_lens) else 0.0
 
     def shape_time(self, config: ParallelConfig, mb: MicroBatchShape) -> float:
         """Stage time of a micro-batch described by its shape (padded or packed), seconds."""
-        return self.stage_coeffs(config).shape(mb) * MS if mb.n_seqs else 0.0
+        return self.stage_coeffs(config).shape(mb) / MS_PER_S if mb.n_seqs else 0.0
 
     def adapter_params_per_device(self, config: ParallelConfig) -> float:
         """Adapter parameters on one device of ``config``: every task's, split over tp * pp."""
@@ -121,7 +120,7 @@ class CostModel:
         the adapters' gradient all-reduce across ``sync_replicas`` and the optimizer step."""
         params = self.adapter_params_per_device(config)
         sync = self.interconnect.grad_sync.allreduce(self.sync_replicas)(params * self.activation_bytes)
-        return (sync + self.optimizer_time(params)) * MS
+        return (sync + self.optimizer_time(params)) / MS_PER_S
 
     def replica_time(self, config: ParallelConfig, microbatches: Sequence[MicroBatchShape]) -> float:
         """One replica's step time, seconds (LobRA Eq. 12 plus the step overhead)::
@@ -134,5 +133,5 @@ class CostModel:
         if not microbatches:
             return 0.0
         coeffs = self.stage_coeffs(config)
-        times = [coeffs.shape(mb) * MS for mb in microbatches]
+        times = [coeffs.shape(mb) / MS_PER_S for mb in microbatches]
         return sum(times) + (config.pp - 1) * max(times) + self.step_overhead(config)

@@ -25,6 +25,7 @@ from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.specs.gpus import GIB
 from lorafleet.specs.model import ModelSpec
 
+#: Projections split by output rows under tensor parallelism (the rest, o and down, by input columns).
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 

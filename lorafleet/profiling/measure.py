@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-MS = 1e3
+from lorafleet.costmodel.time_model import MS_PER_S
+
 
 
 def median_ms(run: Callable[[], object], warmup: int, repeats: int, group: dist.ProcessGroup | None = None) -> float:
@@ -53,7 +54,7 @@ def median_ms(run: Callable[[], object], warmup: int, repeats: int, group: dist.
         slowest = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
         times = slowest.tolist()
-    return statistics.median(times) * MS
+    return statistics.median(times) * MS_PER_S
 
 
 def best_of_rounds(

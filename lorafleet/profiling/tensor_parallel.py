@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW_PARALLEL = ("o_proj", "down_proj")
+from lorafleet.costmodel.memory_model import COLUMN_PARALLEL
+
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
