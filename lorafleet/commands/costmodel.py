@@ -32,9 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     predict.add_argument("--gpu", default="A100-40GB", help="GPU preset of the analytic model (default A100-40GB)")
     predict.add_argument("--nodes", type=int, default=1, help="nodes of the analytic cluster (default 1)")
     predict.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node of the analytic cluster (default 8)")
-    predict.add_argument("--tasks", type=int, default=6, help="task adapters on every replica (default 6)")
-    predict.add_argument("--rank", type=int, default=16, help="LoRA rank of every task (default 16)")
-    predict.add_argument("--optimizer", default="adamw", help="adamw | adam | sgd")
+    predict.add_argument("--tasks", type=int, help="task adapters on every replica (default: the profile's, else 6)")
+    predict.add_argument("--rank", type=int, help="LoRA rank of every task (default: the profile's, else 16)")
+    predict.add_argument("--optimizer", help="adamw | adam | sgd (default: the profile's, else adamw)")
     predict.add_argument("--sync-replicas", type=int, default=2, help="replicas in the adapters' gradient all-reduce")
     predict.add_argument("--tp", type=int, help="tensor-parallel degree")
     predict.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
@@ -58,12 +58,15 @@ def _cost_model(args: argparse.Namespace):
 
     model = resolve_model(args.model)
     for flag, value in (("--tasks", args.tasks), ("--rank", args.rank), ("--sync-replicas", args.sync_replicas)):
-        if value < 1:
+        if value is not None and value < 1:
             raise InputError(ARGS, flag, f"must be >= 1, got {value}")
-    try:
-        adapters = AdapterLoad.uniform(args.tasks, args.rank, optimizer=OptimizerName(args.optimizer))
-    except ValueError:
-        raise InputError(ARGS, "--optimizer", f"unknown optimizer {args.optimizer!r}; choose from adamw, adam, sgd") from None
+    adapters = None  # a profile's own load, unless the adapters are given
+    if args.profile is None or (args.tasks, args.rank, args.optimizer) != (None, None, None):
+        try:
+            optimizer = OptimizerName(args.optimizer or "adamw")
+        except ValueError:
+            raise InputError(ARGS, "--optimizer", f"unknown optimizer {args.optimizer!r}; choose from adamw, adam, sgd") from None
+        adapters = AdapterLoad.uniform(args.tasks or 6, args.rank or 16, optimizer=optimizer)
     cluster = None
     if args.profile is None:
         try:
