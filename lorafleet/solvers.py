@@ -61,12 +61,14 @@ class SolveResult:
 def _make_solver(name: SolverName, time_limit_s: float, gap_rel: float, threads: int | None) -> pulp.LpSolver:
     common = {"msg": False, "timeLimit": time_limit_s, "gapRel": gap_rel}
     if name is SolverName.CBC:
-        # CBC 2.10 given any -threads runs its threaded search, which stalls about 1 % of
-        # small solves for ~10 s (docs/planner.md): leave the option out unless asked.
-        return pulp.PULP_CBC_CMD(**common, **({"threads": threads} if threads else {}))
+        # CBC 2.10 given any -threads (even 1) runs its threaded search, which stalls about
+        # 1 % of small solves for ~10 s (docs/planner.md): serial unless more are asked for.
+        return pulp.PULP_CBC_CMD(**common, **({"threads": threads} if threads and threads > 1 else {}))
     if name is SolverName.SCIP:
         return pulp.SCIP_PY(**common)  # PySCIPOpt solves on one thread; asking for more only warns
-    return pulp.HiGHS(threads=threads, **common)
+    # HiGHS keeps one process-wide thread pool: a solve asking for a different thread count
+    # than the first one fails outright, so every solve uses the same single thread.
+    return pulp.HiGHS(threads=1, **common)
 
 
 def available_solvers() -> list[SolverName]:
@@ -111,7 +113,7 @@ def solve(
 ) -> SolveResult:
     """Solve ``problem`` in place (its variables hold the solution) and report honestly.
 
-    ``threads`` is passed to the back end only when given (CBC and HiGHS; SCIP solves on one).
+    ``threads`` > 1 runs CBC's parallel search; HiGHS and SCIP always solve on one thread.
 
     A solver error (PuLP raises ``PulpSolverError``) is reported as ``FAILED`` so the caller
     can fall back to its heuristic with a warning; nothing is swallowed silently.
