@@ -31,3 +31,17 @@ class InputError(Exception):
 
 class SolverFallbackWarning(UserWarning):
     """A solver failed or timed out and a heuristic result was used instead."""
+
+
+def coerce_enum_fields(options: object, source: str, fields: dict) -> None:
+    """Turn string values of a frozen dataclass's enum fields into their enums, in place.
+
+    ``fields`` maps field name -> StrEnum class; a value that is not a member raises an
+    InputError naming ``source``, the field and the choices.
+    """
+    for name, enum in fields.items():
+        value = getattr(options, name)
+        try:
+            object.__setattr__(options, name, enum(value))
+        except ValueError:
+            raise InputError(source, name, f"{value!r} is not one of {', '.join(e.value for e in enum)}") from None

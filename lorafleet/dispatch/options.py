@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from lorafleet.errors import InputError
+from lorafleet.errors import InputError, coerce_enum_fields
 from lorafleet.solvers import SolverName
 
 OPTIONS_SOURCE = "<dispatch options>"
@@ -49,13 +49,7 @@ class DispatchOptions:
     """Try every bucket count 1..R and keep the one with the least estimated makespan (not least padding)."""
 
     def __post_init__(self) -> None:
-        for name, enum in (("method", DispatchMethod), ("solver", SolverName), ("microbatch_mode", MicroBatchMode)):
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, enum(value))
-            except ValueError:
-                choices = ", ".join(e.value for e in enum)
-                raise InputError(OPTIONS_SOURCE, name, f"{value!r} is not one of {choices}") from None
+        coerce_enum_fields(self, OPTIONS_SOURCE, {"method": DispatchMethod, "solver": SolverName, "microbatch_mode": MicroBatchMode})
         if not self.time_limit_s > 0:
             raise InputError(OPTIONS_SOURCE, "time_limit_s", f"must be > 0 seconds, got {self.time_limit_s}")
         if not 0 <= self.gap_rel < 1:

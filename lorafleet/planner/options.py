@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from lorafleet.dispatch.options import MicroBatchMode
-from lorafleet.errors import InputError
+from lorafleet.errors import InputError, coerce_enum_fields
 from lorafleet.solvers import SolverName
 
 OPTIONS_SOURCE = "<planner options>"
@@ -70,12 +70,7 @@ class PlannerOptions:
     """Also plan and evaluate the Task-Fused (padding, packing) and Task-Sequential baselines."""
 
     def __post_init__(self) -> None:
-        for name, enum in (("mode", PlannerMode), ("solver", SolverName), ("microbatch_mode", MicroBatchMode)):
-            value = getattr(self, name)
-            try:
-                object.__setattr__(self, name, enum(value))
-            except ValueError:
-                raise InputError(OPTIONS_SOURCE, name, f"{value!r} is not one of {', '.join(e.value for e in enum)}") from None
+        coerce_enum_fields(self, OPTIONS_SOURCE, {"mode": PlannerMode, "solver": SolverName, "microbatch_mode": MicroBatchMode})
         positive = {"time_limit_s": self.time_limit_s, "n_buckets": self.n_buckets, "pool_size": self.pool_size,
                     "min_survivors": self.min_survivors, "robust_top": self.robust_top, "search_rounds": self.search_rounds, "enumeration_limit": self.enumeration_limit,
                     "race_rung": self.race_rung}

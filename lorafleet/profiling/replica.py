@@ -27,11 +27,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.time_model import MicroBatchShape
+from lorafleet.executor.torch.base_model import llama_config
 from lorafleet.profiling.tensor_parallel import shard_block
 from lorafleet.specs.model import ModelSpec
 
@@ -102,17 +103,8 @@ class Replica:
         group: dist.ProcessGroup | None = None,
         seed: int = 0,
     ) -> None:
-        config = LlamaConfig(
-            vocab_size=spec.vocab,
-            hidden_size=spec.hidden,
-            intermediate_size=spec.ffn,
-            num_hidden_layers=spec.n_layers,
-            num_attention_heads=spec.n_heads,
-            num_key_value_heads=spec.n_kv_heads,
-            head_dim=spec.d_head,
-            tie_word_embeddings=spec.tied_embeddings,
-            attn_implementation=ATTENTION,
-        )
+        config = llama_config(spec)
+        config._attn_implementation = ATTENTION
         torch.manual_seed(seed)
         base = LlamaForCausalLM(config)
         if tp > 1:
