@@ -23,12 +23,14 @@ setup: $(BIN)/.installed
 DEMO_OUT ?= runs/demo
 
 # The main job on built-in defaults: LobRA's 7B workload validated, planned on 16 x A100-40GB
-# against the baselines, and simulated step by step with a report (runs/demo/report/index.html).
+# against the baselines, and simulated step by step with a report (runs/demo/report/index.html);
+# then two real training steps of SmolLM2 on the demo tasks (demo-train).
 demo: setup
 	mkdir -p $(DEMO_OUT)
 	$(BIN)/lorafleet validate examples/lobra-7b.yaml
 	$(BIN)/lorafleet plan examples/lobra-7b.yaml --json $(DEMO_OUT)/plan.json --plot $(DEMO_OUT)/plan.png
 	$(BIN)/lorafleet simulate examples/lobra-7b.yaml --plan $(DEMO_OUT)/plan.json --steps 16 --report $(DEMO_OUT)/report
+	$(MAKE) demo-train
 
 # A short real training run: SmolLM2-135M on the four demo tasks (examples/demo), CPU, gloo.
 # Slow on 2 cores (minutes per step); writes PEFT adapters and metrics under runs/demo-train.
