@@ -6,9 +6,7 @@ Not collected by the normal run (the file name does not start with ``test_``):
 ``TRITON_INTERPRET=1`` must be set before *triton* is first imported, not just before the
 kernels are: ``triton.language``'s own helpers (``tl.zeros``, ...) are ``@jit`` functions
 decorated at import, and ``peft`` imports triton (through torch), so in a normal test session
-it is too late. Unless the whole session runs interpreted, :func:`test_kernels_in_interpreter`
-re-runs this file in a subprocess with the variable set from the start (``--noconftest`` keeps
-transformers and peft out of it).
+it is too late.
 
 bf16 is not tested here: the interpreter's ``tl.dot`` multiplies bf16 bit patterns (Triton
 issues #4972, #11584). Each case caps the tiles at 16 or 64, so the cases cover one-tile and

@@ -1,15 +1,10 @@
-"""Triton kernels against the torch path, in Triton's interpreter (fp32, tiny shapes, CPU).
+"""Triton kernels against the torch path, in Triton's interpreter: the driver.
 
-``TRITON_INTERPRET=1`` must be set before *triton* is first imported, not just before the
-kernels are: ``triton.language``'s own helpers (``tl.zeros``, ...) are ``@jit`` functions
-decorated at import, and ``peft`` imports triton (through torch), so in a normal test session
-it is too late. Unless the whole session runs interpreted, :func:`test_kernels_in_interpreter`
-re-runs this file in a subprocess with the variable set from the start (``--noconftest`` keeps
+``TRITON_INTERPRET=1`` must be set before *triton* is first imported (``triton.language``'s own
+helpers are decorated at import, and ``peft`` imports triton through torch), which a normal test
+session has already done. So the cases live in ``interpreted_segment_lora.py`` (not collected
+by name) and run here in a fresh interpreter with the variable set (``--noconftest`` keeps
 transformers and peft out of it).
-
-bf16 is not tested here: the interpreter's ``tl.dot`` multiplies bf16 bit patterns (Triton
-issues #4972, #11584). Each case caps the tiles at 16 or 64, so the cases cover one-tile and
-multi-tile code (loops over K, N, rank and a segment's rows).
 """
 
 from __future__ import annotations
