@@ -1,7 +1,5 @@
 """The package's lazy public API and version."""
 
-import importlib
-import sys
 
 import pytest
 
