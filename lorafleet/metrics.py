@@ -1,11 +1,21 @@
-"""Step reports to files and to the run's summary: makespan, GPU-seconds, utilisation, padding."""
+"""Step reports to files and to the run's summary: makespan, GPU-seconds, utilisation, padding.
+
+Writers share one interface, ``write(report, **extra)`` and ``close()``: :class:`JsonlWriter`
+(``metrics.jsonl``), :class:`CsvWriter` (``metrics.csv``, one flat row per step),
+:class:`TensorBoardWriter` (scalars under a log directory), :class:`ProgressBar` (rich, on the
+console) and :class:`FanOut` (several of them at once). ``extra`` carries what the report does
+not: ``tokens_per_s`` and ``predicted_busy_s`` (the cost model's busy time per replica).
+"""
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -71,6 +81,194 @@ class JsonlWriter:
         self._file.close()
 
     def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class MetricsWriter(Protocol):
+    """Anything that takes step reports: the interface every writer here has."""
+
+    def write(self, report: StepReport, **extra: object) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _tokens_per_s(report: StepReport, extra: dict[str, object]) -> float:
+    if "tokens_per_s" in extra:
+        return float(extra["tokens_per_s"])  # type: ignore[arg-type]
+    tokens = sum(report.task_tokens.values())
+    return tokens / report.makespan_s if report.makespan_s > 0 else 0.0
+
+
+def _ratio(measured: float, predicted: float) -> float:
+    """Measured over predicted (> 1: the cost model was optimistic); nan without a prediction."""
+    return measured / predicted if predicted > 0 else math.nan
+
+
+def flat_record(report: StepReport, **extra: object) -> dict[str, object]:
+    """One report as a flat row: scalars, then ``loss/<task>``, ``tokens/<task>``, ``padding/<task>``,
+    ``busy_s/<replica>``, ``idle_s/<replica>`` and, given ``predicted_busy_s``, ``predicted_busy_s/<replica>``.
+    Other ``extra`` values are kept as they are (sequences joined by spaces)."""
+    extra = dict(extra)
+    predicted = tuple(extra.pop("predicted_busy_s", ()) or ())  # type: ignore[arg-type]
+    row: dict[str, object] = {
+        "step": report.step,
+        "makespan_s": report.makespan_s,
+        "estimated_makespan_s": report.estimated_makespan_s,
+        "makespan_ratio": _ratio(report.makespan_s, report.estimated_makespan_s),
+        "dispatch_solve_s": report.dispatch_solve_s,
+        "utilisation": report.utilisation,
+        "tokens": sum(report.task_tokens.values()),
+        "tokens_per_s": _tokens_per_s(report, extra),
+        "failed_replicas": " ".join(str(r) for r in report.failed_replicas),
+    }
+    extra.pop("tokens_per_s", None)
+    for task, loss in report.losses.items():
+        row[f"loss/{task}"] = loss
+    for task, tokens in report.task_tokens.items():
+        row[f"tokens/{task}"] = tokens
+    for task, tokens in report.task_padding_tokens.items():
+        row[f"padding/{task}"] = tokens
+    for i, busy in enumerate(report.replica_busy_s):
+        row[f"busy_s/{i}"] = busy
+    for i, idle in enumerate(report.replica_idle_s):
+        row[f"idle_s/{i}"] = idle
+    for i, busy in enumerate(predicted):
+        row[f"predicted_busy_s/{i}"] = busy
+    for key, value in extra.items():
+        row[key] = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    return row
+
+
+class CsvWriter:
+    """The JSONL's twin as a table: one flat row per step report (:func:`flat_record`), flushed per row.
+
+    The columns are those of the first row written (or, when appending to an existing file, its
+    header): a task or replica that first appears later has no column, and a missing value is empty.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        header: list[str] | None = None
+        if self.path.exists() and self.path.stat().st_size > 0:
+            with self.path.open(newline="", encoding="utf-8") as f:
+                header = next(csv.reader(f), None)
+        self._file = self.path.open("a", newline="", encoding="utf-8")
+        self._writer: csv.DictWriter | None = None
+        if header:
+            self._writer = csv.DictWriter(self._file, fieldnames=header, restval="", extrasaction="ignore")
+
+    def write(self, report: StepReport, **extra: object) -> None:
+        row = flat_record(report, **extra)
+        if self._writer is None:
+            self._writer = csv.DictWriter(self._file, fieldnames=list(row), restval="", extrasaction="ignore")
+            self._writer.writeheader()
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> CsvWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TensorBoardWriter:
+    """Scalars per step under ``log_dir`` (``torch.utils.tensorboard``; needs the ``tensorboard`` package).
+
+    Tags: ``loss/<task>``, ``throughput/tokens_per_s``, ``makespan/measured_s``, ``makespan/estimated_s``,
+    ``makespan/measured_over_estimated``, ``dispatch/solve_s``, ``utilisation``, ``busy/replica_<i>``
+    and, given ``predicted_busy_s``, ``busy_predicted/replica_<i>`` and ``busy_ratio/replica_<i>``
+    (measured over predicted). Ratios are left out where the prediction is zero.
+    """
+
+    def __init__(self, log_dir: str | Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # torch stays out of this module's import
+
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def write(self, report: StepReport, **extra: object) -> None:
+        step = report.step
+        scalar = self._writer.add_scalar
+        for task, loss in report.losses.items():
+            scalar(f"loss/{task}", loss, step)
+        scalar("throughput/tokens_per_s", _tokens_per_s(report, extra), step)
+        scalar("makespan/measured_s", report.makespan_s, step)
+        scalar("makespan/estimated_s", report.estimated_makespan_s, step)
+        if report.estimated_makespan_s > 0:
+            scalar("makespan/measured_over_estimated", _ratio(report.makespan_s, report.estimated_makespan_s), step)
+        scalar("dispatch/solve_s", report.dispatch_solve_s, step)
+        scalar("utilisation", report.utilisation, step)
+        for i, busy in enumerate(report.replica_busy_s):
+            scalar(f"busy/replica_{i}", busy, step)
+        predicted = tuple(extra.get("predicted_busy_s", ()) or ())  # type: ignore[arg-type]
+        for i, (busy, pred) in enumerate(zip(report.replica_busy_s, predicted)):
+            scalar(f"busy_predicted/replica_{i}", pred, step)
+            if pred > 0:
+                scalar(f"busy_ratio/replica_{i}", _ratio(busy, pred), step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def __enter__(self) -> TensorBoardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ProgressBar:
+    """A rich progress bar over steps ``start..total``: step k/K, makespan, mean loss over tasks, tokens/s."""
+
+    def __init__(self, total: int, start: int = 0, console: object | None = None) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[stats]}"), console=console,
+        )
+        self._task = self._progress.add_task("train", total=total, completed=start, stats="")
+        self._progress.start()
+
+    def write(self, report: StepReport, **extra: object) -> None:
+        losses = list(report.losses.values())
+        loss = f"loss {np.mean(losses):.4f}  " if losses else ""
+        stats = f"makespan {report.makespan_s:.2f}s  {loss}{_tokens_per_s(report, extra):,.0f} tok/s"
+        self._progress.update(self._task, completed=report.step + 1, stats=stats)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+class FanOut:
+    """Sends every report to several writers; closes them all (then raises the first error, if any)."""
+
+    def __init__(self, *writers: MetricsWriter) -> None:
+        self.writers = writers
+
+    def write(self, report: StepReport, **extra: object) -> None:
+        for writer in self.writers:
+            writer.write(report, **extra)
+
+    def close(self) -> None:
+        error: BaseException | None = None
+        for writer in self.writers:
+            try:
+                writer.close()
+            except BaseException as exc:  # close the others first
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> FanOut:
         return self
 
     def __exit__(self, *exc: object) -> None:

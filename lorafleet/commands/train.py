@@ -7,9 +7,11 @@ process joins the group and builds its part of the fleet; rank 0 then runs the s
     per step: global batch (data streams) -> dispatch (one step ahead) -> run_step -> metrics
               -> every --checkpoint-every steps, and at the end, a committed checkpoint
 
-Writes, under ``--out``: ``metrics.jsonl`` (one line per step: loss per task, tokens/s, busy
-time per replica), ``checkpoints/`` (resumable with ``--resume``) and ``adapters/<task>/``
-(the final PEFT adapters).
+Writes, under ``--out``: ``metrics.jsonl`` and its twin ``metrics.csv`` (one line per step: loss
+per task, tokens/s, busy time per replica and the cost model's prediction of it, dispatch solve
+time), ``tensorboard/`` (the same as TensorBoard scalars), ``checkpoints/`` (resumable with
+``--resume``) and ``adapters/<task>/`` (the final PEFT adapters). Rank 0 shows a progress bar
+when stdout is a terminal (``--no-progress`` turns it off).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="cuda: NCCL, one GPU per process; cpu: gloo (default: cuda when there are enough GPUs)")
     parser.add_argument("--profile", help="fitted profile JSON for dispatch (default: the analytic model of the plan's GPU)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (there is none anyway when stdout is not a terminal)")
     parser.set_defaults(func=run)
 
 
@@ -64,6 +68,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
             "--checkpoint-every", str(args.checkpoint_every), "--device", args.device]
     if args.profile:
         argv += ["--profile", args.profile]
+    if args.no_progress:
+        argv.append("--no-progress")
     return argv + (["--resume"] if args.resume else [])
 
 
@@ -86,7 +92,7 @@ def train_rank(args: argparse.Namespace, plan) -> int:
     from lorafleet.executor.torch.checkpoint import latest_step_dir
     from lorafleet.executor.torch.launch import build_torch_executor, init_distributed, plan_world_size
     from lorafleet.loop import run_loop
-    from lorafleet.metrics import JsonlWriter
+    from lorafleet.metrics import CsvWriter, FanOut, JsonlWriter, ProgressBar, TensorBoardWriter
 
     device = init_distributed(args.device)
     try:
@@ -109,12 +115,20 @@ def train_rank(args: argparse.Namespace, plan) -> int:
         cluster = workload_cluster(workload, gpus=plan.n_gpus, gpu=plan.gpu)
         cost_model = workload_cost_model(workload, cluster, args.profile)
         steps = range(start, min(args.steps, _last_step(executor, args.steps)))
-        with JsonlWriter(out / "metrics.jsonl") as metrics, \
-                LookaheadDispatcher(executor.next_global_batch, plan, cost_model) as ahead:
+        writers = [JsonlWriter(out / "metrics.jsonl"), CsvWriter(out / "metrics.csv"),
+                   TensorBoardWriter(out / "tensorboard")]
+        if _show_progress(args):
+            writers.append(ProgressBar(steps.stop, start=steps.start))
+        with FanOut(*writers) as metrics, \
+                LookaheadDispatcher(executor.next_global_batch, plan, cost_model) as dispatcher:
+            ahead = _RememberPlans(dispatcher)
 
             def on_report(report) -> None:
                 tokens = sum(report.task_tokens.values())
-                metrics.write(report, tokens_per_s=tokens / report.makespan_s if report.makespan_s else 0.0)
+                step_plan = ahead.plans.pop(report.step, None)
+                predicted = tuple(w.estimated_time_s for w in step_plan.work) if step_plan is not None else ()
+                metrics.write(report, tokens_per_s=tokens / report.makespan_s if report.makespan_s else 0.0,
+                              predicted_busy_s=predicted)
                 if (report.step + 1) % args.checkpoint_every == 0:
                     executor.save_checkpoint(checkpoints, report.step + 1)
 
@@ -122,10 +136,30 @@ def train_rank(args: argparse.Namespace, plan) -> int:
         executor.save_checkpoint(checkpoints, steps.stop)
         _export_adapters(latest_step_dir(checkpoints), [t.name for t in workload.tasks], out / "adapters")
         executor.close()
-        print(f"lorafleet train: {steps.stop} steps; adapters in {out / 'adapters'}, metrics in {out / 'metrics.jsonl'}")
+        print(f"lorafleet train: {steps.stop} steps; adapters in {out / 'adapters'}, metrics in "
+              f"{out / 'metrics.jsonl'} (and .csv, tensorboard/)")
         return 0
     finally:
         dist.destroy_process_group()
+
+
+def _show_progress(args: argparse.Namespace) -> bool:
+    import sys
+
+    return not args.no_progress and sys.stdout.isatty()
+
+
+class _RememberPlans:
+    """A plan source that keeps each step's plan until its report is written (for the predicted busy times)."""
+
+    def __init__(self, source) -> None:
+        self.source = source
+        self.plans: dict = {}
+
+    def plan_for(self, step: int):
+        plan = self.source.plan_for(step)
+        self.plans[step] = plan
+        return plan
 
 
 def _last_step(executor, steps: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -24,8 +25,8 @@ def test_cli_surface_is_frozen():
     parser = build_parser()
     train = parser._subparsers._group_actions[0].choices["train"]
     options = sorted(o for a in train._actions for o in a.option_strings)
-    assert options == ["--checkpoint-every", "--device", "--help", "--out", "--plan", "--profile", "--resume",
-                       "--steps", "-h"]
+    assert options == ["--checkpoint-every", "--device", "--help", "--no-progress", "--out", "--plan", "--profile",
+                       "--resume", "--steps", "-h"]
 
 
 @pytest.fixture
@@ -83,7 +84,13 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2]
     assert all(set(r["losses"]) == {"docsum", "chat"} and r["tokens_per_s"] > 0 and len(r["replica_busy_s"]) == 2
-               for r in lines)
+               and len(r["predicted_busy_s"]) == 2 for r in lines)
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows] == [0, 1, 2]
+    assert [float(r["loss/chat"]) for r in rows] == [r["losses"]["chat"] for r in lines]
+    assert all(float(r["predicted_busy_s/1"]) > 0 for r in rows)
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert "\x1b[" not in result.stdout  # stdout is a pipe here: no progress bar
     assert json.loads((out / "checkpoints" / "latest.json").read_text())["step"] == 3
     assert (out / "checkpoints" / "step-000002").is_dir()
     for task in ("docsum", "chat"):

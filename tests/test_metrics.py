@@ -1,0 +1,105 @@
+"""Metrics writers: the CSV twin of the JSONL, TensorBoard scalars, the fan-out, the progress bar."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+
+import pytest
+
+from lorafleet.metrics import CsvWriter, FanOut, JsonlWriter, ProgressBar, TensorBoardWriter
+from lorafleet.plans import StepReport
+
+REPORTS = (
+    StepReport(step=0, replica_busy_s=(1.0, 0.5), makespan_s=1.25, task_tokens={"docsum": 300, "chat": 200},
+               task_padding_tokens={"docsum": 10, "chat": 0}, losses={"docsum": 2.5, "chat": 3.0},
+               estimated_makespan_s=1.0, dispatch_solve_s=0.01),
+    StepReport(step=1, replica_busy_s=(0.8, 0.9), makespan_s=1.0, task_tokens={"docsum": 250, "chat": 150},
+               task_padding_tokens={"docsum": 5, "chat": 2}, losses={"docsum": 2.0, "chat": 2.75},
+               estimated_makespan_s=0.8, dispatch_solve_s=0.02, failed_replicas=(1,)),
+)
+PREDICTED = ((0.9, 0.6), (0.8, 0.6))
+
+
+def _write_all(writer) -> None:
+    for report, predicted in zip(REPORTS, PREDICTED):
+        writer.write(report, tokens_per_s=sum(report.task_tokens.values()) / report.makespan_s,
+                     predicted_busy_s=predicted)
+
+
+def test_csv_has_one_flat_row_per_report_and_appends_under_its_header(tmp_path):
+    path = tmp_path / "m" / "metrics.csv"
+    with CsvWriter(path) as writer:
+        _write_all(writer)
+    rows = list(csv.DictReader(path.open()))
+    assert [int(r["step"]) for r in rows] == [0, 1]
+    assert float(rows[0]["loss/docsum"]) == 2.5 and float(rows[1]["loss/chat"]) == 2.75
+    assert float(rows[0]["tokens_per_s"]) == 400.0 and int(rows[1]["tokens"]) == 400
+    assert float(rows[0]["busy_s/1"]) == 0.5 and float(rows[0]["idle_s/1"]) == 0.75
+    assert float(rows[1]["predicted_busy_s/1"]) == 0.6
+    assert float(rows[0]["makespan_ratio"]) == 1.25 and float(rows[1]["dispatch_solve_s"]) == 0.02
+    assert rows[0]["failed_replicas"] == "" and rows[1]["failed_replicas"] == "1"
+    with CsvWriter(path) as writer:  # a resumed run appends rows, not a second header
+        writer.write(REPORTS[0])
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("step,")
+    assert list(csv.DictReader(path.open()))[2]["predicted_busy_s/0"] == ""
+
+
+def test_tensorboard_scalars_read_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with TensorBoardWriter(tmp_path / "tb") as writer:
+        _write_all(writer)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"loss/docsum", "loss/chat", "throughput/tokens_per_s", "makespan/measured_s", "makespan/estimated_s",
+            "makespan/measured_over_estimated", "dispatch/solve_s", "busy/replica_0", "busy/replica_1",
+            "busy_predicted/replica_1", "busy_ratio/replica_1"} <= tags
+    loss = events.Scalars("loss/docsum")
+    assert [e.step for e in loss] == [0, 1]
+    assert [e.value for e in loss] == pytest.approx([2.5, 2.0])
+    assert [e.value for e in events.Scalars("busy_ratio/replica_1")] == pytest.approx([0.5 / 0.6, 0.9 / 0.6])
+    assert [e.value for e in events.Scalars("throughput/tokens_per_s")] == pytest.approx([400.0, 400.0])
+
+
+def test_fan_out_writes_to_every_writer_and_closes_them_all(tmp_path):
+    class Broken:
+        closed = False
+
+        def write(self, report, **extra):
+            pass
+
+        def close(self):
+            Broken.closed = True
+            raise OSError("disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        with FanOut(Broken(), JsonlWriter(tmp_path / "m.jsonl"), CsvWriter(tmp_path / "m.csv")) as writer:
+            _write_all(writer)
+    assert Broken.closed
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1] and records[1]["predicted_busy_s"] == [0.8, 0.6]
+    assert len((tmp_path / "m.csv").read_text().splitlines()) == 3
+
+
+def test_progress_bar_shows_step_makespan_loss_and_throughput():
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), force_terminal=True, width=160)
+    bar = ProgressBar(total=5, console=console)
+    _write_all(bar)
+    bar.close()
+    text = console.file.getvalue()
+    assert "2/5" in text and "makespan 1.00s" in text and "loss 2.3750" in text and "400 tok/s" in text
+
+
+def test_ratio_without_a_prediction_is_nan(tmp_path):
+    with CsvWriter(tmp_path / "m.csv") as writer:
+        writer.write(StepReport(step=0, replica_busy_s=(1.0,), makespan_s=1.0))
+    assert math.isnan(float(next(csv.DictReader((tmp_path / "m.csv").open()))["makespan_ratio"]))
