@@ -64,7 +64,20 @@ def summarize(reports: Sequence[StepReport], n_gpus: int) -> RunSummary:
     )
 
 
-class JsonlWriter:
+class ClosingWriter:
+    """``with`` support for writers: ``__exit__`` calls the subclass's ``close``."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> ClosingWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class JsonlWriter(ClosingWriter):
     """Appends one JSON object per step report to ``path`` (flushed per line, so a crash loses at most one)."""
 
     def __init__(self, path: str | Path) -> None:
@@ -79,12 +92,6 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._file.close()
-
-    def __enter__(self) -> JsonlWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class MetricsWriter(Protocol):
@@ -142,7 +149,7 @@ def flat_record(report: StepReport, **extra: object) -> dict[str, object]:
     return row
 
 
-class CsvWriter:
+class CsvWriter(ClosingWriter):
     """The JSONL's twin as a table: one flat row per step report (:func:`flat_record`), flushed per row.
 
     The columns are those of the first row written (or, when appending to an existing file, its
@@ -172,14 +179,8 @@ class CsvWriter:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> CsvWriter:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class TensorBoardWriter:
+class TensorBoardWriter(ClosingWriter):
     """Scalars per step under ``log_dir`` (``torch.utils.tensorboard``; needs the ``tensorboard`` package).
 
     Tags: ``loss/<task>``, ``throughput/tokens_per_s``, ``makespan/measured_s``, ``makespan/estimated_s``,
@@ -218,12 +219,6 @@ class TensorBoardWriter:
     def close(self) -> None:
         self._writer.close()
 
-    def __enter__(self) -> TensorBoardWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class ProgressBar:
     """A rich progress bar over steps ``start..total``: step k/K, makespan, mean loss over tasks, tokens/s."""
@@ -248,7 +243,7 @@ class ProgressBar:
         self._progress.stop()
 
 
-class FanOut:
+class FanOut(ClosingWriter):
     """Sends every report to several writers; closes them all (then raises the first error, if any)."""
 
     def __init__(self, *writers: MetricsWriter) -> None:
@@ -267,9 +262,3 @@ class FanOut:
                 error = error or exc
         if error is not None:
             raise error
-
-    def __enter__(self) -> FanOut:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
