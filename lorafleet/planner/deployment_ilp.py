@@ -162,13 +162,13 @@ def build_model(problem: PlanningProblem, reference_makespan: float, tie_weight:
     model = pulp.LpProblem("deployment", pulp.LpMaximize)
     limits = problem.max_replicas()
     present = (problem.microbatch_size > 0) & (problem.counts > 0)[None, :]
-    v = DeploymentVars(n_replicas={}, rate={}, throughput=pulp.LpVariable("throughput", lowBound=0),
+    v = DeploymentVars(n_replicas={}, rate={}, throughput=model.add_variable("throughput", lowBound=0),
                        reference_makespan=reference_makespan)
     for i in modelled_configs(problem):
         name = problem.candidates[i].config.name
-        v.n_replicas[i] = pulp.LpVariable(f"n_replicas[{name}]", lowBound=0, upBound=int(limits[i]), cat=pulp.LpInteger)
+        v.n_replicas[i] = model.add_variable(f"n_replicas[{name}]", lowBound=0, upBound=int(limits[i]), cat=pulp.LpInteger)
         for j in np.flatnonzero(present[i]):
-            v.rate[i, int(j)] = pulp.LpVariable(f"rate[{name}_bucket_{j}]", lowBound=0)
+            v.rate[i, int(j)] = model.add_variable(f"rate[{name}_bucket_{j}]", lowBound=0)
     add_gpu_budget_constraints(model, problem, v)
     add_coverage_constraints(model, problem, v)
     add_capacity_constraints(model, problem, v)
