@@ -20,6 +20,7 @@ import numpy as np
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.errors import InputError
+from lorafleet.specs.io import read_json_object
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -94,13 +95,8 @@ class DeploymentPlan:
     def load(cls, path: str | Path) -> DeploymentPlan:
         """Read a plan JSON; an InputError names the file and field when it is not one."""
         src = str(path)
-        try:
-            data = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise InputError(src, "", "no such file") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise InputError(src, "", f"not valid JSON ({err})") from None
-        if not isinstance(data, dict) or data.get("kind") != "lorafleet.DeploymentPlan":
+        data = read_json_object(path)
+        if data.get("kind") != "lorafleet.DeploymentPlan":
             raise InputError(src, "kind", "not a lorafleet deployment plan")
         if data.get("schema_version") != PLAN_SCHEMA_VERSION:
             raise InputError(src, "schema_version", f"expected {PLAN_SCHEMA_VERSION}, got {data.get('schema_version')!r}")

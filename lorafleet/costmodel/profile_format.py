@@ -37,7 +37,9 @@ from lorafleet.costmodel.memory_model import StageMemory
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import N_COEFFS, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
 from lorafleet.errors import InputError
+from lorafleet.specs.io import read_json_object
 from lorafleet.specs.lora import OptimizerName
+from lorafleet.specs.workload import format_validation_loc
 
 SCHEMA_VERSION = 1
 
@@ -253,24 +255,10 @@ class Profile(_Schema):
         return self
 
 
-def _field(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
-
-
 def read_profile(path: str | Path) -> Profile:
     """Load and validate a profile; an InputError names the file and the first bad field."""
     path = Path(path)
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise InputError(str(path), "", "no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InputError(str(path), "", f"not valid JSON ({err})") from None
-    if not isinstance(raw, dict):
-        raise InputError(str(path), "", "expected a JSON object")
+    raw = read_json_object(path)
     version = raw.get("schema_version")
     if version is None:
         raise InputError(str(path), "schema_version", "missing")
@@ -280,7 +268,7 @@ def read_profile(path: str | Path) -> Profile:
         return Profile.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
-        raise InputError(str(path), _field(first["loc"]), first["msg"]) from None
+        raise InputError(str(path), format_validation_loc(first["loc"]), first["msg"]) from None
 
 
 def write_profile(profile: Profile, path: str | Path) -> None:
@@ -329,7 +317,7 @@ def read_layer_csv(path: str | Path) -> list[CsvRow]:
                     rows.append(CsvRow.model_validate(values))
                 except ValidationError as err:
                     first = err.errors()[0]
-                    raise InputError(str(path), f"line {i}: {_field(first['loc'])}", first["msg"]) from None
+                    raise InputError(str(path), f"line {i}: {format_validation_loc(first['loc'])}", first["msg"]) from None
     except FileNotFoundError:
         raise InputError(str(path), "", "no such file") from None
     if not rows:

@@ -6,13 +6,13 @@ A ``ModelSpec`` comes from a named preset or from a Hugging Face ``config.json``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from pydantic import Field, model_validator
 
 from lorafleet.errors import InputError
 from lorafleet.specs._base import Spec
+from lorafleet.specs.io import read_json_object
 
 
 class ModelSpec(Spec):
@@ -122,14 +122,7 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (or a directory holding one) into a ModelSpec."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
-    try:
-        raw = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise InputError(str(file), "", "no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise InputError(str(file), "", f"not valid JSON ({err})") from None
-    if not isinstance(raw, dict):
-        raise InputError(str(file), "", "expected a JSON object")
+    raw = read_json_object(file)
     values: dict[str, object] = {}
     for ours, theirs in _HF_KEYS.items():
         if theirs not in raw:
