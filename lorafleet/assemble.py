@@ -41,6 +41,9 @@ def workload_cost_model(workload: Workload, cluster: ClusterSpec, profile: str |
     """The analytic model of ``cluster``'s GPU, or the fitted one of ``profile`` when given.
 
     ``sync_replicas`` is how many replicas all-reduce the adapter gradients each step (the
-    plan's replica count once there is a plan; the step overhead grows with it).
+    plan's replica count once there is a plan; the step overhead grows with it). The
+    workload's ``recompute`` policy says which configs, with or without activation
+    recomputation, the model offers.
     """
-    return load_cost_model(profile, workload.model, cluster, workload_adapters(workload), sync_replicas=sync_replicas)
+    return load_cost_model(profile, workload.model, cluster, workload_adapters(workload), sync_replicas=sync_replicas,
+                           recompute=workload.spec.recompute)

@@ -66,6 +66,7 @@ def field_mutations():
         st.builds(lambda v: ("model", _set(["model"], v)), UNKNOWN),
         st.builds(lambda v: ("cluster.gpu", _set(["cluster", "gpu"], v)), UNKNOWN),
         st.builds(lambda v: ("cluster.nodes", _set(["cluster", "nodes"], v)), st.one_of(NOT_INT, NEGATIVE)),
+        st.builds(lambda v: ("recompute", _set(["recompute"], v)), st.one_of(UNKNOWN, st.just(3), st.just([1]))),
         st.builds(lambda k: (k, _set([k], 1)), UNKNOWN),
         st.builds(lambda i, k: (f"tasks[{i}].{k}", _set(["tasks", i, k], 1)), t, UNKNOWN),
         st.builds(lambda v: ("tasks[1].optimizer.lr", _set(["tasks", 1, "optimizer", "lr"], v)), st.one_of(NEGATIVE, NOT_NUMBER)),

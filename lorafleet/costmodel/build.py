@@ -40,6 +40,7 @@ from lorafleet.costmodel.profile_format import (
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.model import ModelSpec
+from lorafleet.specs.recompute import RecomputePolicy
 
 BF16_BYTES = 2
 
@@ -51,16 +52,18 @@ def analytic_profile(
     calibration: Calibration = DEFAULT_CALIBRATION,
     command: str = "",
 ) -> Profile:
-    """The analytic figures of every valid config of ``model`` on ``cluster``, as a profile (bf16)."""
+    """The analytic figures of every valid config of ``model`` on ``cluster``, with and without
+    activation recomputation, as a profile (bf16)."""
     gpu = cluster.gpu_spec
     configs = enumerate_configs(model, cluster)
     memory = []
-    for config in configs:
+    for config in (c.with_recompute(rc) for c in configs for rc in (False, True)):
         line = stage_memory(model, config, adapters, gpu.memory_bytes, BF16_BYTES, calibration.memory_factors)
         memory.append(
             MemoryRecord(
                 tp=config.tp,
                 pp=config.pp,
+                recompute=config.recompute,
                 max_tokens=line.max_tokens(),
                 budget_bytes=line.budget_bytes,
                 static_bytes=line.static_bytes,
@@ -104,11 +107,13 @@ def profile_cost_model(
     adapters: AdapterLoad | None = None,
     *,
     sync_replicas: int = 2,
+    recompute: RecomputePolicy = RecomputePolicy.AUTO,
     source: str = "<profile>",
 ) -> CostModel:
     """The CostModel of a profile (fitting a measured one on the fly if it has no coefficients yet).
 
-    ``adapters`` defaults to the profile's own load.
+    ``adapters`` defaults to the profile's own load; ``recompute`` keeps the configs the
+    policy allows (an InputError when it leaves none).
     """
     if model.name != profile.model:
         raise InputError(source, "model", f"profile is for {profile.model!r}, not {model.name!r}")
@@ -117,7 +122,10 @@ def profile_cost_model(
     adapters = adapters or profiled
     extra_per_layer = adapters.params_per_layer(model) - profiled.params_per_layer(model)
     table = {}
-    for record in profile.memory:
+    records = [r for r in profile.memory if recompute.allows(r.recompute)]
+    if not records:
+        raise InputError(source, "memory", f"the profile has no config with recompute={recompute.value}")
+    for record in records:
         config = record.config
         line = record.line
         delta = extra_per_layer * model.n_layers / config.n_gpus * adapters.state_bytes_per_param(profile.dtype_bytes)
@@ -145,10 +153,11 @@ def analytic_cost_model(
     *,
     calibration: Calibration = DEFAULT_CALIBRATION,
     sync_replicas: int = 2,
+    recompute: RecomputePolicy = RecomputePolicy.AUTO,
 ) -> CostModel:
     """The analytic CostModel of ``model`` on ``cluster`` (its GPU kind, nodes and GPUs per node)."""
     profile = analytic_profile(model, cluster, adapters, calibration)
-    return profile_cost_model(profile, model, adapters, sync_replicas=sync_replicas, source=cluster.gpu)
+    return profile_cost_model(profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=cluster.gpu)
 
 
 def load_cost_model(
@@ -158,21 +167,22 @@ def load_cost_model(
     adapters: AdapterLoad | None,
     *,
     sync_replicas: int = 2,
+    recompute: RecomputePolicy = RecomputePolicy.AUTO,
 ) -> CostModel:
     """The builder the rest of lorafleet calls: analytic when ``profile_path`` is None, else from that file.
 
     With a profile and a cluster, the profile must be for the cluster's GPU kind, and configs
-    the cluster cannot run are dropped.
+    the cluster cannot run are dropped; ``recompute`` keeps the configs the policy allows.
     """
     if profile_path is None:
         if cluster is None or adapters is None:
             raise ValueError("an analytic cost model needs a cluster and an adapter load")
-        return analytic_cost_model(model, cluster, adapters, sync_replicas=sync_replicas)
+        return analytic_cost_model(model, cluster, adapters, sync_replicas=sync_replicas, recompute=recompute)
     source = str(profile_path)
     profile = read_profile(profile_path)
     if cluster is not None and profile.gpu.lower() != cluster.gpu.lower():
         raise InputError(source, "gpu", f"profile is for {profile.gpu!r}, the cluster has {cluster.gpu!r}")
-    cm = profile_cost_model(profile, model, adapters, sync_replicas=sync_replicas, source=source)
+    cm = profile_cost_model(profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=source)
     if cluster is None:
         return cm
     table = {c: m for c, m in cm.max_tokens_table.items() if not config_problems(c, model, cluster)}

@@ -10,8 +10,9 @@ L/pp blocks and the LM head)::
 
     τ_k = (L / pp) * t_tp(mb_k) + head_tp(tokens_k) + [pp > 1] * 2 * p2p(tokens_k * h * bytes)
 
-where t_tp is LobRA's per-block t(b, s) (Eq. 10), or its packed form; the p2p term receives
-the activations forward and sends their gradient backward. Every added term is affine in the
+where t_tp is LobRA's per-block t(b, s) (Eq. 10), or its packed form (with activation
+recomputation, ``LayerTimeCoeffs.recomputed``: each term grows by its forward share); the
+p2p term receives the activations forward and sends their gradient backward. Every added term is affine in the
 tokens, so τ keeps the LobRA form (``stage_coeffs``) and the planner's linear formulation
 still applies. A replica's step over micro-batches k = 1..K (LobRA Eq. 12, 1F1B) is::
 
@@ -97,7 +98,9 @@ class CostModel:
             p2p = self.interconnect.p2p(config).transfer()
             per_token += P2P_MESSAGES * p2p.slope * self.model.hidden * self.activation_bytes
             fixed += P2P_MESSAGES * p2p.fixed
-        return self.layer_time[config.tp].extended(self.model.n_layers / config.pp, per_token, fixed)
+        block = self.layer_time[config.tp]
+        block = block.recomputed() if config.recompute else block
+        return block.extended(self.model.n_layers / config.pp, per_token, fixed)
 
     def microbatch_time(self, config: ParallelConfig, b: np.ndarray | float, s: np.ndarray | float) -> np.ndarray | float:
         """Stage time τ of one padded micro-batch of b sequences of length s, fwd+bwd, seconds (vectorised)."""

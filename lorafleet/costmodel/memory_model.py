@@ -13,6 +13,16 @@ stage, times the micro-batches in flight: 1F1B keeps pp micro-batches on the fir
 one on the last, which instead holds the logits. The busiest stage sets M. (LobRA measures M
 on the real model and rounds it down to a power of two; this keeps the line, and the
 profiler measures it to 1/16 of its value with ``search_max_tokens``.)
+
+With full activation recomputation (``ParallelConfig.recompute``) a block keeps only its
+input hidden state (h elements a token, split over tp with sequence parallelism) for the
+backward, and re-runs its forward there, one block and one micro-batch at a time; so::
+
+    bytes_per_token = in_flight * (blocks + 1) * hidden_state + per_block
+
+instead of ``in_flight * (blocks * per_block + hidden_state)``: about 20x less for Llama2-70B (10x for 7B),
+which is what lets its 16K-token sequences fit (the analytic M without it is ~12K on
+A800-80GB even at ⟨8,8⟩, since 1F1B keeps pp micro-batches of L/pp blocks on stage one).
 """
 
 from __future__ import annotations
@@ -99,12 +109,19 @@ def stage_memory(
     common = blocks * model.layer_params / tp * dtype_bytes + adapter_state + factors.reserve_gib * GIB
     per_block = activation_elements_per_token(model, tp, adapters, sequence_parallel) * dtype_bytes * factors.activation_overhead
     logits = model.vocab / tp * (dtype_bytes + 2 * FP32_BYTES)  # logits, fp32 copy for the loss, its gradient
+    # One hidden state: the embedding output, the activations a stage receives, or a block input kept for recompute.
+    hidden_state = model.hidden * dtype_bytes / (tp if sequence_parallel else 1)
 
-    received = model.hidden * dtype_bytes / (tp if sequence_parallel else 1)  # embedding output or received activations
-    first = StageMemory(budget_bytes, common + vocab_matrix, pp * (blocks * per_block + received))
+    def activations(in_flight: int) -> float:
+        """Bytes a token costs a stage holding ``in_flight`` micro-batches (see the module docstring)."""
+        if config.recompute:
+            return in_flight * (blocks * hidden_state * factors.activation_overhead + hidden_state) + per_block
+        return in_flight * (blocks * per_block + hidden_state)
+
+    first = StageMemory(budget_bytes, common + vocab_matrix, activations(pp))
     head = 0 if (pp == 1 and model.tied_embeddings) else vocab_matrix
     last_static = (first.static_bytes if pp == 1 else common) + head
-    last_per_token = (first.bytes_per_token if pp == 1 else blocks * per_block) + logits
+    last_per_token = (first.bytes_per_token if pp == 1 else activations(1) - hidden_state) + logits
     last = StageMemory(budget_bytes, last_static, last_per_token)
     return min((first, last), key=lambda m: m.max_tokens()) if pp > 1 else last
 

@@ -1,8 +1,9 @@
-"""Parallel configurations ⟨TP, PP⟩ of one model replica and their validity."""
+"""Parallel configurations ⟨TP, PP⟩ of one model replica, with or without activation
+recomputation, and their validity."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.model import ModelSpec
@@ -16,6 +17,10 @@ class ParallelConfig:
     """Tensor-parallel degree (GPUs sharing every layer's weights)."""
     pp: int = 1
     """Pipeline-parallel degree (stages, each holding L / pp layers)."""
+    recompute: bool = False
+    """Full activation recomputation: every block keeps only its input for the backward and
+    runs its forward again there (``torch.utils.checkpoint``), trading about half a forward
+    more time per block for a micro-batch many times longer (see ``memory_model``)."""
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
@@ -28,20 +33,27 @@ class ParallelConfig:
 
     @property
     def name(self) -> str:
-        """Identifier safe for solver variable names and JSON keys: ``tp2_pp1``."""
-        return f"tp{self.tp}_pp{self.pp}"
+        """Identifier safe for solver variable names and JSON keys: ``tp2_pp1``, ``tp2_pp1_rc``."""
+        return f"tp{self.tp}_pp{self.pp}" + ("_rc" if self.recompute else "")
 
     def __str__(self) -> str:
-        return f"<{self.tp},{self.pp}>"
+        return f"<{self.tp},{self.pp}" + (",rc>" if self.recompute else ">")
+
+    def with_recompute(self, recompute: bool = True) -> ParallelConfig:
+        """The same layout with activation recomputation switched on (or off)."""
+        return replace(self, recompute=recompute)
 
     @classmethod
     def parse(cls, text: str) -> ParallelConfig:
-        """Inverse of ``name`` and ``str``: accepts ``tp2_pp1``, ``<2,1>``, ``2x1`` and ``2,1``."""
+        """Inverse of ``name`` and ``str``: accepts ``tp2_pp1``, ``<2,1>``, ``2x1``, ``2,1``, and
+        each with a recompute suffix: ``tp2_pp1_rc``, ``<2,1,rc>``, ``2x1rc``."""
         cleaned = text.strip().lower().strip("<>").replace("tp", "").replace("_pp", ",").replace("x", ",")
+        recompute = cleaned.endswith("rc")
+        cleaned = cleaned.removesuffix("rc").rstrip("_, ")
         parts = [p for p in cleaned.split(",") if p.strip()]
         if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
-            raise ValueError(f"not a parallel config: {text!r} (expected e.g. tp2_pp1 or <2,1>)")
-        return cls(int(parts[0]), int(parts[1]) if len(parts) == 2 else 1)
+            raise ValueError(f"not a parallel config: {text!r} (expected e.g. tp2_pp1, <2,1> or tp2_pp1_rc)")
+        return cls(int(parts[0]), int(parts[1]) if len(parts) == 2 else 1, recompute)
 
 
 def config_problems(config: ParallelConfig, model: ModelSpec, cluster: ClusterSpec) -> list[str]:

@@ -6,7 +6,8 @@ A profile is one JSON object::
     kind             "measured" (made by ``lorafleet profile``) or "analytic" (from a datasheet)
     model, gpu       preset names; gpus_per_node, dtype_bytes; adapters (tasks, ranks, optimizer)
     command          the command line that made the file; settings: how it was measured
-    memory           per <tp, pp>: max tokens M and its line (budget, static bytes, bytes per token)
+    memory           per <tp, pp> (and ``recompute``: activation recomputation on): max tokens M
+                     and its line (budget, static bytes, bytes per token)
     records          layer: per-layer fwd+bwd ms of padded {mbs, seq_len} or {packed: [lens]}
                      micro-batches per tp (``heldout`` ones are never fitted); head: embedding +
                      LM head + loss ms per tp and tokens; replica: whole steps of micro-batch
@@ -99,6 +100,7 @@ class ReplicaRecord(_Schema):
 
     tp: PositiveInt
     pp: PositiveInt = 1
+    recompute: bool = False
     sync_replicas: PositiveInt = 1
     """Replicas in the adapters' gradient all-reduce (1: none)."""
     microbatches: tuple[ShapeJSON, ...] = Field(min_length=1)
@@ -106,7 +108,7 @@ class ReplicaRecord(_Schema):
 
     @property
     def config(self) -> ParallelConfig:
-        return ParallelConfig(self.tp, self.pp)
+        return ParallelConfig(self.tp, self.pp, self.recompute)
 
 
 class SizeRecord(_Schema):
@@ -121,6 +123,8 @@ class MemoryRecord(_Schema):
 
     tp: PositiveInt
     pp: PositiveInt = 1
+    recompute: bool = False
+    """Activation recomputation on (every block re-runs its forward in the backward)."""
     max_tokens: int = Field(ge=0)
     budget_bytes: PositiveFloat
     static_bytes: NonNegativeFloat
@@ -128,7 +132,7 @@ class MemoryRecord(_Schema):
 
     @property
     def config(self) -> ParallelConfig:
-        return ParallelConfig(self.tp, self.pp)
+        return ParallelConfig(self.tp, self.pp, self.recompute)
 
     @property
     def line(self) -> StageMemory:

@@ -35,6 +35,14 @@ N_COEFFS = 6
 GB = 1e9
 MS_PER_S = 1e3
 
+#: Share of each coefficient of a block's forward+backward that is forward, so the extra cost of
+#: re-running the forward under activation recomputation. From the analytic model's terms (frozen
+#: base): causal attention's backward is 2.5x its forward (c1, c2: 2/7); the projections' input
+#: gradient GEMMs equal their forward ones (no weight gradients), the TP all-reduces and the
+#: elementwise passes come two forward, two backward, and the weights are read once each way
+#: (c3..c6: 1/2). ``benchmarks/bench_recompute.py`` measures the factor on this CPU.
+FORWARD_SHARE = (2 / 7, 2 / 7, 1 / 2, 1 / 2, 1 / 2, 1 / 2)
+
 
 @dataclass(frozen=True)
 class MicroBatchShape:
@@ -113,6 +121,10 @@ class LayerTimeCoeffs:
         """
         c1, c2, c3, c4, c5, c6 = (factor * x for x in self.c)
         return LayerTimeCoeffs((c1, c2, c3 + per_token, c4, c5, c6 + fixed))
+
+    def recomputed(self) -> LayerTimeCoeffs:
+        """t(b, s) of the block under activation recomputation: c_i * (1 + FORWARD_SHARE_i)."""
+        return LayerTimeCoeffs(tuple(c * (1 + share) for c, share in zip(self.c, FORWARD_SHARE)))
 
     @staticmethod
     def design_row(b: np.ndarray, s: np.ndarray) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 Three steps of LobRA's planner (Sec. 4.3), each a small pure function:
 
-1. :func:`valid_candidates` — every ⟨tp, pp⟩ the model and cluster allow and the cost model
-   can time and fit in memory (M > 0).
+1. :func:`valid_candidates` — every ⟨tp, pp⟩ (with or without activation recomputation) the
+   model and cluster allow and the cost model can time and fit in memory (M > 0).
 2. :func:`propose_candidates` — configuration proposal: the best-throughput config per
    (max-token class, GPU count).
 3. :func:`lower_bound` and :func:`lower_bound_filter` — Theorem 1: under length-based
@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.costmodel.parallel_config import enumerate_configs
+from lorafleet.costmodel.parallel_config import config_problems
 from lorafleet.dispatch.balance import Assignment
 from lorafleet.dispatch.load import LoadModel
 from lorafleet.planner.problem import Candidate, PlanningProblem, make_candidate
@@ -30,12 +30,12 @@ from lorafleet.specs.cluster import ClusterSpec
 
 
 def valid_candidates(cost_model: CostModel, cluster: ClusterSpec) -> tuple[Candidate, ...]:
-    """Every config that runs the model on the cluster (TP inside a node) and fits in memory, sorted."""
-    timed = set(cost_model.configs)
+    """Every config of the cost model (with or without activation recomputation) that runs the
+    model on the cluster (TP inside a node) and fits in memory, sorted."""
     return tuple(
         make_candidate(cost_model, c)
-        for c in enumerate_configs(cost_model.model, cluster)
-        if c in timed and cost_model.max_tokens(c) > 0
+        for c in cost_model.configs
+        if not config_problems(c, cost_model.model, cluster) and cost_model.max_tokens(c) > 0
     )
 
 
@@ -44,9 +44,9 @@ def max_token_class(max_tokens: int) -> int:
     return int(max_tokens).bit_length() - 1
 
 
-def _rank(c: Candidate) -> tuple[float, int, int]:
-    """Sort key, best first: throughput, then fewer pipeline stages, then the config order."""
-    return (-c.throughput, c.config.pp, c.config.tp)
+def _rank(c: Candidate) -> tuple[float, int, int, bool]:
+    """Sort key, best first: throughput, then fewer pipeline stages, then the config order (no recompute first)."""
+    return (-c.throughput, c.config.pp, c.config.tp, c.config.recompute)
 
 
 def propose_candidates(candidates: Sequence[Candidate], longest: int) -> tuple[Candidate, ...]:

@@ -32,6 +32,7 @@ from lorafleet.specs._base import Spec
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
+from lorafleet.specs.recompute import RecomputePolicy
 
 class FieldError(ValueError):
     """A validation error that knows which sub-field it is about (pydantic reports only the validator's field)."""
@@ -192,6 +193,8 @@ class WorkloadSpec(Spec):
     """Local tokenizer directory for ``dataset``/``data`` lengths; defaults to the model directory."""
     cluster: ClusterSpec = ClusterSpec()
     """The GPUs to plan for."""
+    recompute: RecomputePolicy = RecomputePolicy.AUTO
+    """Activation recomputation: ``auto`` (the planner picks per config), ``off`` or ``on``."""
     seed: int = Field(0, ge=0)
     """Seed of every sampled global batch."""
     tasks: tuple[TaskSpec, ...] = Field(min_length=1, max_length=256)
@@ -211,6 +214,12 @@ class WorkloadSpec(Spec):
         if isinstance(tasks, list):
             raw["tasks"] = [_deep_merge(defaults, t) if isinstance(t, dict) else t for t in tasks]
         return raw
+
+    @field_validator("recompute", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads a bare ``on``/``off`` as a boolean: take it as the word it was."""
+        return ("on" if value else "off") if isinstance(value, bool) else value
 
     @field_validator("tasks")
     @classmethod

@@ -9,6 +9,7 @@ from lorafleet.costmodel.build import profile_cost_model
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.model import MODEL_PRESETS
+from lorafleet.specs.recompute import RecomputePolicy
 
 LLAMA7B = MODEL_PRESETS["llama2-7b"]
 SIX = AdapterLoad.uniform(6, 16)
@@ -23,6 +24,28 @@ def test_no_profile_means_analytic():
     assert max(c.n_gpus for c in cm.configs) <= CLUSTER.n_gpus
     with pytest.raises(ValueError):
         load_cost_model(None, LLAMA7B, None, SIX)
+
+
+def test_recompute_policy_picks_the_configs():
+    every = load_cost_model(None, LLAMA7B, CLUSTER, SIX)
+    off = load_cost_model(None, LLAMA7B, CLUSTER, SIX, recompute=RecomputePolicy.OFF)
+    on = load_cost_model(None, LLAMA7B, CLUSTER, SIX, recompute=RecomputePolicy.ON)
+    assert off.configs and not any(c.recompute for c in off.configs)
+    assert on.configs and all(c.recompute for c in on.configs)
+    assert set(every.configs) == set(off.configs) | set(on.configs)
+    for config in off.configs:  # same layout: far more tokens, every block term slower by its forward share
+        rc = config.with_recompute()
+        assert every.max_tokens(rc) > 8 * every.max_tokens(config)
+        ratio = every.microbatch_time(rc, 1, 2048) / every.microbatch_time(config, 1, 2048)
+        assert 1 + 2 / 7 < ratio < 1.5
+
+
+def test_a_profile_without_recompute_configs_refuses_policy_on(tmp_path):
+    profile = analytic_profile(LLAMA7B, CLUSTER, SIX)
+    plain = profile.model_copy(update={"memory": tuple(r for r in profile.memory if not r.recompute)})
+    assert not any(c.recompute for c in profile_cost_model(plain, LLAMA7B).configs)
+    with pytest.raises(InputError, match="recompute=on"):
+        profile_cost_model(plain, LLAMA7B, recompute=RecomputePolicy.ON, source="p.json")
 
 
 def test_a_profile_file_gives_the_same_model(tmp_path):

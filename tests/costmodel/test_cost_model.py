@@ -10,7 +10,7 @@ import pytest
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.cost_model import CostModel, Interconnect
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.costmodel.time_model import AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
+from lorafleet.costmodel.time_model import FORWARD_SHARE, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
 from lorafleet.specs.model import MODEL_PRESETS
 
 MODEL = MODEL_PRESETS["llama2-7b"]
@@ -50,6 +50,14 @@ def test_stage_time_adds_head_and_pipeline_transfers():
     cm = replace(CM, layer_time={**CM.layer_time, 4: LAYER}, head_time={**CM.head_time, 4: AffineTime()})
     slow = 2 * Link(0.02, 10.0).transfer()(tokens * MODEL.hidden * 2)
     assert cm.microbatch_time(spread, b, s) == pytest.approx((8 * LAYER(b, s) + slow) / 1e3)
+
+
+def test_recompute_grows_the_blocks_not_the_head():
+    """Recomputation re-runs every block's forward (c_i * (1 + FORWARD_SHARE_i)); the LM head runs once."""
+    b, s, tokens = 2, 1024, 2048
+    rc = ParallelConfig(1, 1, recompute=True)
+    assert LAYER.recomputed().c == pytest.approx([c * (1 + f) for c, f in zip(LAYER.c, FORWARD_SHARE)])
+    assert CM.microbatch_time(rc, b, s) == pytest.approx((32 * LAYER.recomputed()(b, s) + 0.5 + 1e-3 * tokens) / 1e3)
 
 
 def test_microbatch_time_vectorises_and_empty_is_free():

@@ -45,6 +45,23 @@ def test_more_memory_tp_or_pp_hold_more_tokens():
     assert _m(ParallelConfig(1, 1)) < _m(ParallelConfig(1, 4))
 
 
+@pytest.mark.parametrize("config", [ParallelConfig(1, 1), ParallelConfig(2, 1), ParallelConfig(8, 1), ParallelConfig(2, 4)])
+def test_recompute_keeps_one_hidden_state_per_block(config):
+    """With recompute a token costs (blocks + 1) hidden states per micro-batch in flight plus
+    one block's activations, not every block's: same static bytes, ~10x the tokens on Llama2-7B."""
+    factors = DEFAULT_CALIBRATION.memory_factors
+    plain = stage_memory(LLAMA7B, config, LOBRA_ADAPTERS, A100_40.memory_bytes, 2, factors)
+    rc = stage_memory(LLAMA7B, config.with_recompute(), LOBRA_ADAPTERS, A100_40.memory_bytes, 2, factors)
+    assert rc.static_bytes == plain.static_bytes
+    if config.pp == 1:  # one stage: blocks * one_block + hidden + logits without recompute
+        hidden = LLAMA7B.hidden * 2 / config.tp
+        logits = LLAMA7B.vocab / config.tp * (2 + 2 * 4)
+        one_block = (plain.bytes_per_token - hidden - logits) / LLAMA7B.n_layers
+        expected = LLAMA7B.n_layers * hidden * factors.activation_overhead + hidden + one_block + logits
+        assert rc.bytes_per_token == pytest.approx(expected)
+    assert 8 * plain.max_tokens() < rc.max_tokens() < 20 * plain.max_tokens()
+
+
 def test_a_model_too_big_for_the_device_fits_nothing():
     seventy = MODEL_PRESETS["llama2-70b"]
     line = stage_memory(seventy, ParallelConfig(1, 1), LOBRA_ADAPTERS, A100_40.memory_bytes)

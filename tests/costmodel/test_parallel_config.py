@@ -51,7 +51,16 @@ def test_parse_round_trips(text):
     assert ParallelConfig.parse(config.name) == ParallelConfig.parse(str(config)) == config
 
 
-@pytest.mark.parametrize("text", ["", "two", "1,2,3", "0x1"])
+@pytest.mark.parametrize("text", ["tp2_pp4_rc", "<2,4,rc>", "2x4rc", "2,4,rc"])
+def test_recompute_configs_parse_and_name_apart(text):
+    config = ParallelConfig.parse(text)
+    assert config == ParallelConfig(2, 4, recompute=True) == ParallelConfig(2, 4).with_recompute()
+    assert (config.name, str(config)) == ("tp2_pp4_rc", "<2,4,rc>")
+    assert ParallelConfig.parse(config.name) == ParallelConfig.parse(str(config)) == config
+    assert config != ParallelConfig(2, 4) and config.n_gpus == 8
+
+
+@pytest.mark.parametrize("text", ["", "two", "1,2,3", "0x1", "rc"])
 def test_parse_rejects_garbage(text):
     with pytest.raises(ValueError):
         ParallelConfig.parse(text)

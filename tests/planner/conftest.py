@@ -65,11 +65,12 @@ def tiny_problem(lengths: np.ndarray, cluster: ClusterSpec, cost_model: CostMode
 
 
 def write_workload(path: Path, tasks: list[dict], nodes: int = 2, gpus_per_node: int = 8, model: str = "llama2-7b",
-                   seed: int = 0) -> Path:
+                   seed: int = 0, recompute: str = "auto") -> Path:
     """A workload YAML whose tasks give ``name``, ``batch_size``, ``context_length`` and a ``histogram``."""
     spec = {
         "model": model,
         "cluster": {"gpu": "A100-40GB", "nodes": nodes, "gpus_per_node": gpus_per_node},
+        "recompute": recompute,
         "seed": seed,
         "tasks": [{"name": t["name"], "batch_size": t["batch_size"], "context_length": t["context_length"],
                    "lengths": {"histogram": t["histogram"]}} for t in tasks],

@@ -44,11 +44,23 @@ def test_bad_flags_are_one_line_errors(workload_path, tmp_path, capsys, flags, w
     assert not out.exists()
 
 
+HUGE = [{"name": "huge", "batch_size": 2, "context_length": 200_000, "histogram": {150_000: 1, 100: 1}}]
+
+
 def test_unholdable_sequences_are_an_error_and_nothing_is_written(tmp_path, capsys):
-    path = write_workload(tmp_path / "huge.yaml", [{"name": "huge", "batch_size": 2, "context_length": 200_000,
-                                                   "histogram": {150_000: 1, 100: 1}}])
+    path = write_workload(tmp_path / "huge.yaml", HUGE, recompute="off")
     out = tmp_path / "plan.json"
     assert main(["plan", str(path), "--json", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "tasks[0].context_length" in err and len(err.splitlines()) == 1
     assert not out.exists()
+
+
+def test_recompute_lets_a_replica_hold_what_no_plain_config_can(tmp_path, capsys):
+    """150K tokens exceed every plain config's M on 16 x A100-40GB, not <8,1,rc>'s (~300K)."""
+    path = write_workload(tmp_path / "huge.yaml", HUGE, recompute="auto")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--samples", "0", "--json", str(out)]) == 0
+    plan = DeploymentPlan.load(out)
+    holders = [r for r in plan.replicas if r.max_tokens >= 150_000]
+    assert holders and all(r.config.recompute for r in holders)

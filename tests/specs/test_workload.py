@@ -10,6 +10,7 @@ import yaml
 
 from lorafleet.errors import InputError
 from lorafleet.sampling import sample_global_batch
+from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import load_workload
 from tests.conftest import EXAMPLES
 
@@ -28,6 +29,14 @@ def test_lobra_examples_load():
     assert seven.task("dolly").spec.lora.rank == 16  # from defaults
     seventy = load_workload(EXAMPLES / "lobra-70b.yaml")
     assert len(seventy.tasks) == 12 and seventy.cluster.n_gpus == 64 and seventy.cluster.gpu == "A800-80GB"
+    assert (seven.spec.recompute, seventy.spec.recompute) == (RecomputePolicy.OFF, RecomputePolicy.AUTO)
+
+
+@pytest.mark.parametrize("text,policy", [("", "auto"), ("recompute: off\n", "off"), ("recompute: on\n", "on"),
+                                         ("recompute: 'off'\n", "off"), ("recompute: auto\n", "auto")])
+def test_recompute_policy_reads_bare_yaml_on_and_off(tmp_path, text, policy):
+    path = write(tmp_path, text + "tasks: [{name: a, preset: dolly}]\n")
+    assert load_workload(path).spec.recompute == RecomputePolicy(policy)
 
 
 def test_length_modes(tmp_path, tiny_tokenizer_dir):
