@@ -84,6 +84,8 @@ def _settings(args: argparse.Namespace):
     # Pipeline stages are emulated one at a time, so a config needs only its TP group of processes.
     host = ClusterSpec(gpu="cpu", nodes=max(c.pp for c in configs), gpus_per_node=max(2, *(c.tp for c in configs)))
     for config in configs:
+        if config != ParallelConfig(config.tp, config.pp):  # a field beyond <tp, pp>: activation recomputation
+            raise InputError(ARGS, "--configs", f"{config}: the profiler measures plain <tp, pp> configs only")
         problems = config_problems(config, model, host)
         if problems:
             raise InputError(ARGS, "--configs", f"{config}: {problems[0]}")

@@ -1,241 +1,265 @@
-"""A profiling replica: a seeded Llama from a ModelSpec with every task's PEFT LoRA adapter.
+"""The profiler's replica: the torch executor's own, and the runs the profiler times on it.
 
-There is no torch executor yet, so the profiler builds its own replica from public parts:
-``transformers.LlamaForCausalLM`` (random weights from a seed, nothing downloaded), sharded
-for TP by ``tensor_parallel.shard_block``, then one PEFT LoRA adapter per task. Rows go
-through their task's adapter with PEFT's multi-adapter forward (``adapter_names``, one GEMM
-pair per task over that task's rows). The profiler gives each micro-batch one task, as
-LobRA forms its full micro-batches: on this CPU every further task in a micro-batch adds
-about a millisecond per block of small gather, GEMM and scatter calls, a per-task cost
-t(b, s) has no term for.
+Every rank builds what ``lorafleet train`` builds, with ``executor.torch.replica.build_replica``:
+a seeded random base model of the ModelSpec (``load_causal_lm``), every task's adapter injected
+as ``MultiLoraLinear`` (one base GEMM, one low-rank update per segment of rows), Megatron TP
+over the process group (``executor.torch.tp``), from a plan of ``world // tp`` replicas of
+⟨tp, 1⟩ side by side on the busy ranks (idle ranks get no replica). Each task steps its own
+``TaskOptimizer``.
 
-Attention is a variable-length causal kernel (``segment_attention``): a padded micro-batch
-attends within each row, a packed one within each sequence of its single row, as
-FlashAttention's varlen kernel does on a GPU. The step runs the model's parts explicitly
-(embedding, rotary table, blocks, norm, LM head, loss) so that one block, the head or any
-pipeline stage can be timed on its own.
+Micro-batches are the executor's ``MicroBatch``: ``b`` rows padded to ``s``, or one row of
+packed sequences, of random tokens that are all learned (labels = inputs). The profiler gives
+each micro-batch one task, as LobRA forms its full micro-batches. ``build_inputs`` lays them
+out (attention masked per sequence with a dense ``(B, 1, S, S)`` additive mask, so a packed
+row of S tokens attends over S² pairs, as the executor does), ``stage_forward`` runs them.
+
+What is timed:
+
+- ``blocks_run``: ``build_inputs`` and forward + backward of all L blocks from a hidden state
+  that needs its gradient (a middle pipeline stage over every layer; a layer record is this
+  over L, so each block carries 1/L of the micro-batch's mask);
+- ``head_run``: embedding, rotary table, final norm, LM head and the weighted token loss,
+  forward + input gradient;
+- ``step_run``: a whole step of one rank, as ``TorchExecutor`` runs it: ``run_rank_step``
+  (1F1B over the micro-batches), then, within a fleet, the adapter-gradient sum
+  (``grad_sync``) and one all-reduce of the per-task squared norms, then every task with
+  tokens steps its optimizer clipped by its norm.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
-from transformers import AttentionInterface, LlamaForCausalLM
-from transformers.integrations.sdpa_attention import repeat_kv
+from torch import Tensor
 
 from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
-from lorafleet.executor.torch.base_model import llama_config
-from lorafleet.profiling.tensor_parallel import shard_block
+from lorafleet.data.tokenize import Example
+from lorafleet.executor.torch.base_model import ModelSource, SourceKind, load_causal_lm
+from lorafleet.executor.torch.optim import TaskOptimizer
+from lorafleet.executor.torch.pipeline import microbatch_shape
+from lorafleet.executor.torch.replica import build_replica
+from lorafleet.executor.torch.step import (
+    MicroBatchInputs,
+    build_inputs,
+    run_rank_step,
+    stage_forward,
+    task_token_counts,
+    token_losses,
+)
+from lorafleet.plans import DeploymentPlan, MicroBatch, ReplicaSpec
+from lorafleet.profiling.stages import only_layers, part_role, role_in, stage_layout
+from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.model import ModelSpec
 
-ATTENTION = "lorafleet_segments"
+CPU = torch.device("cpu")
+#: Optimizer steps a profiling task's schedule spans (the rate never reaches its floor while profiling).
+SCHEDULE_STEPS = 1 << 20
+#: M of the profiling plan's replicas: the executor never reads it (the profiler picks the shapes).
+MAX_TOKENS = 1 << 20
 
 
-def segment_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """Causal attention within each row, or within each packed sequence when ``cu_seq_lens_q`` is given.
-
-    Shapes: query (B, heads, S, d), key/value (B, kv_heads, S, d) -> (B, S, heads, d).
-    """
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
-    bounds = kwargs.get("cu_seq_lens_q")
-    if bounds is None:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
-    else:
-        edges = bounds.tolist()
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling)
-                for a, b in zip(edges[:-1], edges[1:])
-            ],
-            dim=2,
-        )
-    return out.transpose(1, 2).contiguous(), None
+def adapter_specs(adapters: AdapterLoad) -> list[LoraSpec]:
+    """One LoRA spec per task of the load (alpha = rank, no dropout)."""
+    return [LoraSpec(rank=t.rank, alpha=t.rank, target_modules=t.targets) for t in adapters.tasks]
 
 
-AttentionInterface.register(ATTENTION, segment_attention)
+def side_by_side_plan(spec: ModelSpec, tp: int, busy: int, world: int, n_tasks: int) -> DeploymentPlan:
+    """``busy // tp`` replicas of ⟨tp, 1⟩ on ranks 0..busy-1 of a world of ``world``."""
+    replicas = tuple(
+        ReplicaSpec(i, ParallelConfig(tp, 1), MAX_TOKENS, tuple(range(i * tp, (i + 1) * tp))) for i in range(busy // tp)
+    )
+    return DeploymentPlan(model=spec.name, gpu="cpu", n_gpus=world, gpus_per_node=world,
+                          tasks=tuple(f"task{t}" for t in range(n_tasks)), replicas=replicas,
+                          bucket_boundaries=(), expected_makespan_s=0.0)
 
 
-@dataclass(frozen=True)
-class Batch:
-    """Inputs of one micro-batch as the model sees them."""
+def microbatches(shapes: Sequence[MicroBatchShape], tasks: Iterable[int]) -> tuple[MicroBatch, ...]:
+    """Micro-batch k laid out as ``shapes[k]``, every sequence of task ``tasks[k]``; sequences numbered 0, 1, ..."""
+    out, first = [], 0
+    for shape, task in zip(shapes, tasks):
+        n = shape.n_seqs
+        out.append(MicroBatch(tuple(range(first, first + n)), (task,) * n, shape.seq_lens, shape.padded_len))
+        first += n
+    return tuple(out)
 
-    input_ids: torch.Tensor
-    """(rows, S) token ids."""
-    position_ids: torch.Tensor
-    """(rows, S), restarting at 0 for every packed sequence."""
-    adapter_names: tuple[str, ...]
-    """Task (adapter) of every row."""
-    cu_seq_lens: torch.Tensor | None
-    """Packed sequence boundaries [0, s_1, s_1 + s_2, ...], or None for a padded micro-batch."""
+
+def random_examples(mbs: Sequence[MicroBatch], vocab: int, rng: random.Random) -> dict[int, Example]:
+    """Random tokens for every sequence of ``mbs``, each one a label (the whole sequence is learned)."""
+    examples = {}
+    for mb in mbs:
+        for q, n in zip(mb.seq_ids, mb.lengths):
+            ids = tuple(rng.randrange(vocab) for _ in range(n))
+            examples[q] = Example(ids, ids)
+    return examples
+
+
+def inverse_counts(mbs: Sequence[MicroBatch], examples: dict[int, Example], n_tasks: int) -> list[float]:
+    """``1 / N_t`` per task over the micro-batches (0 for a task without tokens), as the executor weights losses."""
+    seqs = [(task, examples[q]) for mb in mbs for q, task in zip(mb.seq_ids, mb.task_ids)]
+    counts = task_token_counts([t for t, _ in seqs], [e for _, e in seqs], n_tasks)
+    return [1.0 / c if c else 0.0 for c in counts]
+
+
+def weighted_loss(logits: Tensor, inputs: MicroBatchInputs) -> Tensor:
+    """``Σ_i ℓ_i / N_t(i)``: the scalar a last stage differentiates."""
+    return (token_losses(logits, inputs) * inputs.weights.view(-1)).sum()
+
+
+class ProfiledReplica:
+    """This rank's part of the executor replicas of one TP degree, its task optimizers, and timed runs."""
+
+    def __init__(self, spec: ModelSpec, adapters: AdapterLoad, tp: int, rank: int, busy: int, world: int,
+                 seed: int = 0) -> None:
+        """Collective (``build_replica`` creates process groups): every rank of the world calls it."""
+        self.spec = spec
+        self.n_tasks = adapters.n_tasks
+        self.rng = random.Random(seed)
+        model = load_causal_lm(ModelSource(kind=SourceKind.RANDOM, name=spec.name, spec=spec, seed=seed))
+        plan = side_by_side_plan(spec, tp, busy, world, self.n_tasks)
+        self.replica = build_replica(model, adapter_specs(adapters), plan, rank, world, seed=seed, device=CPU)
+        optimizer = OptimizerSpec(name=adapters.optimizer)
+        self.optimizers = [
+            TaskOptimizer(optimizer, self.replica.task_params(t), SCHEDULE_STEPS) for t in range(self.n_tasks)
+        ]
 
     @property
-    def attention_kwargs(self) -> dict:
-        return {} if self.cu_seq_lens is None else {"cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens}
+    def active(self) -> bool:
+        """Whether this rank holds a replica (false on a rank the degree leaves idle)."""
+        return self.replica.role is not None
 
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.replica.model
 
-class Replica:
-    """One TP rank of a replica: the sharded, adapter-carrying model and one optimizer per task."""
+    @property
+    def tp(self) -> tuple[int, int]:
+        """(TP degree, this rank's TP rank)."""
+        role = self.replica.role
+        return role.replica.tp, role.tp_rank
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        adapters: AdapterLoad,
-        tp: int = 1,
-        rank: int = 0,
-        group: dist.ProcessGroup | None = None,
-        seed: int = 0,
-    ) -> None:
-        config = llama_config(spec)
-        config._attn_implementation = ATTENTION
-        torch.manual_seed(seed)
-        base = LlamaForCausalLM(config)
-        if tp > 1:
-            for layer in base.model.layers:
-                shard_block(layer.self_attn, layer.mlp, rank, tp, group)
-        self.tasks = tuple(f"task{i}" for i in range(adapters.n_tasks))
-        model: PeftModel | None = None
-        for name, task in zip(self.tasks, adapters.tasks):
-            lora = LoraConfig(r=task.rank, lora_alpha=task.rank, target_modules=list(task.targets), lora_dropout=0.0)
-            if model is None:
-                model = get_peft_model(base, lora, adapter_name=name)
-            else:
-                model.add_adapter(name, lora)
-        self.peft = model
-        self.causal_lm: LlamaForCausalLM = model.base_model.model
-        self.lora_layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-        # Found structurally, through each LoRA layer's per-adapter A and B (not by parameter name).
-        self.task_params = {
-            name: [p for layer in self.lora_layers for part in (layer.lora_A, layer.lora_B) for p in part[name].parameters()]
-            for name in self.tasks
+    def _one(self, shape: MicroBatchShape, task: int) -> tuple[MicroBatch, list[Example], list[float]]:
+        """One micro-batch of task ``task`` (mod n), its examples in order, and ``1 / N_t`` per task."""
+        (mb,) = microbatches([shape], [task % self.n_tasks])
+        examples = random_examples([mb], self.spec.vocab, self.rng)
+        return mb, [examples[q] for q in mb.seq_ids], inverse_counts([mb], examples, self.n_tasks)
+
+    def _row(self, tokens: int) -> MicroBatchInputs:
+        """The executor's inputs of one sequence of ``tokens`` tokens (task 0)."""
+        return build_inputs(*self._one(MicroBatchShape.padded(1, tokens), 0), CPU)
+
+    def blocks_run(self, shape: MicroBatchShape, task: int) -> Callable[[], None]:
+        """``build_inputs`` and forward + backward of all L blocks on one micro-batch of task ``task``."""
+        mb, examples, inv = self._one(shape, task)
+        x = torch.randn(*microbatch_shape(mb), self.spec.hidden, requires_grad=True)
+        grad = torch.randn_like(x)
+        role = part_role(*self.tp, embeds=False, heads=False)
+        return lambda: stage_forward(self.model, role, x, build_inputs(mb, examples, inv, CPU)).backward(grad)
+
+    def head_run(self, tokens: int) -> Callable[[], None]:
+        """Embedding, then a last stage over no layer (norm, LM head, loss), forward + input gradient."""
+        inputs = self._row(tokens)
+        role = part_role(*self.tp, embeds=False, heads=True)
+
+        def run() -> None:
+            # The embedding's output stands for the last block's: the head's backward must produce its gradient.
+            x = self.model.model.embed_tokens(inputs.input_ids).detach().requires_grad_()
+            with only_layers(self.model, ()):
+                weighted_loss(stage_forward(self.model, role, x, inputs), inputs).backward()
+
+        return run
+
+    def step_run(self, shapes: Sequence[MicroBatchShape], fleet: dist.ProcessGroup | None) -> Callable[[], None]:
+        """One executor step over micro-batches ``shapes`` (micro-batch k of task k mod n).
+
+        ``fleet``: the ranks of every replica the step syncs with (adapter-gradient sum and the
+        norms' all-reduce); None for a TP1 replica alone, which has nothing to reduce.
+        """
+        mbs = microbatches(shapes, [k % self.n_tasks for k in range(len(shapes))])
+        examples = random_examples(mbs, self.spec.vocab, self.rng)
+        inv = inverse_counts(mbs, examples, self.n_tasks)
+        stepping = [t for t in range(self.n_tasks) if inv[t]]
+        r = self.replica
+
+        def run() -> None:
+            run_rank_step(r.model, r.role, r.neighbours, mbs, examples, inv)
+            if fleet is not None:
+                r.grad_sync.all_reduce(stepping)
+            norms = r.grad_sync.squared_norms(self.n_tasks, stepping)
+            if fleet is not None:
+                dist.all_reduce(norms, group=fleet)
+            for t in stepping:
+                self.optimizers[t].step(math.sqrt(float(norms[t])))
+
+        return run
+
+    def prime(self) -> None:
+        """One tiny step of every task: every optimizer now has its states, as after any first step."""
+        self.step_run([MicroBatchShape.padded(1, 8)] * self.n_tasks, None)()
+
+    def stage_runs(self, config: ParallelConfig) -> dict[str, tuple[int, Callable[[int], None]]]:
+        """Per binding stage of ``config`` on this rank's TP shard: its static bytes and a run on a
+        micro-batch of n tokens (forward and backward, no optimizer step).
+
+        pp = 1: the whole step. pp > 1: the first stage under 1F1B's warm-up (pp micro-batches of
+        its layers forward, all held, then their backwards) and the last (received activations,
+        its layers, head and loss).
+        """
+        tp, tp_rank = self.tp
+        layout = stage_layout(tp, config.pp, self.spec.n_layers)
+        first, last = role_in(layout, 0, tp_rank), role_in(layout, config.pp - 1, tp_rank)
+        if config.pp == 1:
+            r = self.replica
+
+            def whole(tokens: int) -> None:
+                mb, examples, inv = self._one(MicroBatchShape.padded(1, tokens), 0)
+                run_rank_step(r.model, r.role, r.neighbours, (mb,), dict(zip(mb.seq_ids, examples)), inv)
+
+            return {"replica": (self.static_bytes(first.layers, True, True), whole)}
+
+        def first_stage(tokens: int) -> None:
+            outputs = []
+            with only_layers(self.model, first.layers):
+                for _ in range(config.pp):
+                    outputs.append(stage_forward(self.model, first, None, self._row(tokens)))
+            for out in outputs:
+                out.backward(torch.ones_like(out))  # the gradient the next stage would send back
+
+        def last_stage(tokens: int) -> None:
+            inputs = self._row(tokens)
+            received = torch.randn(1, tokens, self.spec.hidden, requires_grad=True)
+            with only_layers(self.model, last.layers):
+                weighted_loss(stage_forward(self.model, last, received, inputs), inputs).backward()
+
+        return {
+            "first": (self.static_bytes(first.layers, True, False), first_stage),
+            "last": (self.static_bytes(last.layers, False, True), last_stage),
         }
-        for params in self.task_params.values():
-            for p in params:
-                p.requires_grad_(True)
-        self.optimizers = [torch.optim.AdamW(params, lr=1e-4) for params in self.task_params.values()]
-        self.vocab = spec.vocab
 
-    @property
-    def adapter_params(self) -> list[torch.nn.Parameter]:
-        return [p for params in self.task_params.values() for p in params]
+    def clear_grads(self) -> None:
+        """Frees every adapter gradient, as each task's optimizer step does: a measured run allocates them anew."""
+        for p in self.replica.params.values():
+            p.grad = None
 
-    @property
-    def blocks(self) -> torch.nn.ModuleList:
-        return self.causal_lm.model.layers
-
-    def batch(self, mb: MicroBatchShape, generator: torch.Generator, task: int = 0) -> Batch:
-        """Random token ids laid out as ``mb``, every row (or the packed row) of task ``task`` (mod tasks)."""
-        name = self.tasks[task % len(self.tasks)]
-        if mb.padded_len is None:
-            lens = list(mb.seq_lens)
-            ids = torch.randint(0, self.vocab, (1, sum(lens)), generator=generator)
-            pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
-            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-            return Batch(ids, pos, (name,), cu)
-        b, s = mb.n_seqs, mb.padded_len
-        ids = torch.randint(0, self.vocab, (b, s), generator=generator)
-        return Batch(ids, torch.arange(s).expand(b, s), (name,) * b, None)
-
-    @contextmanager
-    def rows_to_adapters(self, batch: Batch) -> Iterator[None]:
-        """Route every row through its task's adapter (PEFT's ``adapter_names`` multi-adapter forward)."""
-
-        def inject(_module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            return args, {**kwargs, "adapter_names": list(batch.adapter_names)}
-
-        handles = [layer.register_forward_pre_hook(inject, with_kwargs=True) for layer in self.lora_layers]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def embed(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Token embeddings (rows, S, h) and the rotary table for the batch's positions."""
-        hidden = self.causal_lm.model.embed_tokens(batch.input_ids)
-        return hidden, self.causal_lm.model.rotary_emb(hidden, batch.position_ids)
-
-    def run_blocks(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], batch: Batch, blocks: Sequence[int]
-    ) -> torch.Tensor:
-        """Blocks ``blocks`` in order over ``hidden`` (rows, S, h)."""
-        with self.rows_to_adapters(batch):
-            for i in blocks:
-                hidden = self.blocks[i](
-                    hidden, position_ids=batch.position_ids, position_embeddings=rotary, **batch.attention_kwargs
-                )
-        return hidden
-
-    def head_loss(self, hidden: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Final norm, LM head and next-token cross-entropy (fp32 logits, as transformers computes them)."""
-        logits = self.causal_lm.lm_head(self.causal_lm.model.norm(hidden)).float()
-        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch.input_ids[:, 1:].reshape(-1))
-
-    def forward_backward(self, batch: Batch) -> None:
-        """The whole model's forward and backward on one micro-batch (gradients accumulate)."""
-        hidden, rotary = self.embed(batch)
-        hidden = self.run_blocks(hidden, rotary, batch, range(len(self.blocks)))
-        self.head_loss(hidden, batch).backward()
-
-    def sync_and_step(self, group: dist.ProcessGroup | None) -> None:
-        """End of a step: all-reduce every adapter gradient across replicas in one flat buffer (as DDP's
-        buckets do) when ``group`` is given, then every task's optimizer step."""
-        if group is not None:
-            grads = [p.grad for p in self.adapter_params if p.grad is not None]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        for optimizer in self.optimizers:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
-
-    def prime(self, generator: torch.Generator) -> None:
-        """One tiny micro-batch per task and an optimizer step: every adapter now has its gradient
-        and its optimizer states, as in any step after the first."""
-        for task in range(len(self.tasks)):
-            self.forward_backward(self.batch(MicroBatchShape.padded(1, 8), generator, task))
-        self.sync_and_step(None)
-
-    def static_bytes(self, blocks: Sequence[int], first: bool, last: bool) -> int:
-        """Bytes of the state a pipeline stage holding ``blocks`` keeps: frozen weights, adapters with
-        their gradients and optimizer states (after ``prime``, so the states exist)."""
-        modules: list[torch.nn.Module] = [self.blocks[i] for i in blocks]
-        if first:
-            modules.append(self.causal_lm.model.embed_tokens)
-        if last:
-            modules += [self.causal_lm.model.norm, self.causal_lm.lm_head]
+    def static_bytes(self, layers: Iterable[int], first: bool, last: bool) -> int:
+        """Bytes a stage holding ``layers`` keeps between steps: frozen weights and adapters, any
+        gradient that exists, and the optimizer states (after ``prime``, so they exist)."""
+        inner = self.model.model
+        modules = [inner.layers[str(i)] for i in layers]
+        modules += [inner.embed_tokens] if first else []
+        modules += [inner.norm, self.model.lm_head] if last else []
+        states = {id(p): state for o in self.optimizers if o.optimizer for p, state in o.optimizer.state.items()}
         seen: set[int] = set()
         total = 0
-        for module in modules:
-            for p in module.parameters():
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
-                if p.requires_grad:
-                    total += p.numel() * p.element_size()  # its gradient
-                    for optimizer in self.optimizers:
-                        for state in optimizer.state.get(p, {}).values():
-                            if torch.is_tensor(state):
-                                total += state.numel() * state.element_size()
+        for p in (p for m in modules for p in m.parameters()):
+            if id(p) in seen:  # tied embeddings
+                continue
+            seen.add(id(p))
+            tensors = [p, p.grad, *states.get(id(p), {}).values()]
+            total += sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
         return total

@@ -3,15 +3,17 @@
 The profiler spawns ``world`` gloo processes (torch.multiprocessing, one CPU thread each, so
 a process plays one device) that run the same program:
 
-1. per TP degree, with every process busy (two TP1 replicas side by side, or one TP2 replica
-   on ranks 0-1 with real gloo all-reduces; a record is the slowest replica's time):
-   - layer: forward + backward of the L blocks, over L, on every padded (mbs, seq_len) of the
-     grid and on random packed micro-batches, plus held-out off-grid padded and packed
-     micro-batches the fit never sees;
+1. per TP degree, with every process busy on the torch executor's own replicas
+   (``replica.ProfiledReplica``: two TP1 replicas side by side, or one TP2 replica on ranks
+   0-1 with the executor's gloo TP; a record is the slowest replica's time):
+   - layer: the executor's inputs and forward + backward of the L blocks, over L, on every
+     padded (mbs, seq_len) of the grid and on random packed micro-batches, plus held-out
+     off-grid padded and packed micro-batches the fit never sees;
    - head: embedding, rotary table, final norm, LM head and loss, forward + input gradient;
-   - replica: whole steps (all blocks, head, backward, optimizer) over random mixed lists of
-     padded and packed micro-batches, to check the composed cost model against; for TP1 also
-     with the adapters' gradient all-reduce across the replicas side by side;
+   - replica: whole executor steps (1F1B over the micro-batches, gradient sum, norms, every
+     task's optimizer) over random mixed lists of padded and packed micro-batches, to check
+     the composed cost model against; for TP1 both alone and with the adapters' gradient
+     all-reduce across the replicas side by side;
    - memory: max tokens M of every requested <tp, pp> by ``search_max_tokens`` against the
      memory budget, emulating the first pipeline stage (pp micro-batches in flight, L/pp
      blocks, embedding) and the last (L/pp blocks, head, logits);
@@ -56,7 +58,7 @@ from lorafleet.costmodel.profile_format import (
 )
 from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.profiling.measure import best_of_rounds, peak_bytes
-from lorafleet.profiling.replica import Replica
+from lorafleet.profiling.replica import ProfiledReplica
 from lorafleet.specs.model import ModelSpec
 
 MIB = 1 << 20
@@ -153,17 +155,16 @@ class _Worker:
         world = self.s.world
         for tp in self.s.tps:
             # Every device is busy, as in a cluster: world // tp replicas of this degree run side by side
-            # (so TP1 is timed with its neighbour core loaded too). new_group is collective: every rank
-            # creates every group, member or not.
+            # (so TP1 is timed with its neighbour core loaded too). Groups are collective: every rank
+            # creates every group (``ProfiledReplica`` too, through build_replica), member or not.
             n_busy = world // tp * tp
             busy = dist.new_group(list(range(n_busy)))
-            tp_groups = [dist.new_group(list(range(i, i + tp))) for i in range(0, n_busy, tp)] if tp > 1 else []
-            if self.rank < n_busy:
-                tp_group = tp_groups[self.rank // tp] if tp > 1 else None
-                replica = Replica(self.s.model, self.s.adapters, tp, self.rank % tp, tp_group, self.s.seed)
-                plan = self.layer_plan(replica, tp) + self.head_plan(replica, tp) + self.step_plan(replica, tp, None, 1)
-                if tp == 1 and n_busy > 1:  # the TP1 replicas side by side also sync their adapters' gradients
-                    plan += self.step_plan(replica, tp, busy, n_busy)
+            replica = ProfiledReplica(self.s.model, self.s.adapters, tp, self.rank, n_busy, world, self.s.seed)
+            if replica.active:
+                plan = self.layer_plan(replica, tp) + self.head_plan(replica, tp)
+                if tp == 1:  # a TP1 replica alone has nothing to all-reduce
+                    plan += self.step_plan(replica, tp, None, 1)
+                plan += self.step_plan(replica, tp, busy, n_busy // tp)
                 self.measure(plan, busy, tp)
                 for config in (c for c in self.s.configs if c.tp == tp):
                     self.memory_record(replica, config, busy)
@@ -172,7 +173,7 @@ class _Worker:
         if self.rank < 2:
             self.comm_records(pair)
         if self.rank == 0:
-            self.optimizer_records(Replica(self.s.model, self.s.adapters, seed=self.s.seed))
+            self.optimizer_records(ProfiledReplica(self.s.model, self.s.adapters, 1, 0, 1, 1, self.s.seed))
         dist.barrier()
 
     def measure(self, plan: list[Timed], group: dist.ProcessGroup, tag: object) -> None:
@@ -185,8 +186,13 @@ class _Worker:
             kind, rec = record(times[i])
             self.records[kind].append(rec)
 
-    def layer_plan(self, replica: Replica, tp: int) -> list[Timed]:
-        """The blocks on the grid and random packed micro-batches, and on held-out padded and packed ones."""
+    def layer_plan(self, replica: ProfiledReplica, tp: int) -> list[Timed]:
+        """The blocks on the grid and random packed micro-batches, and on held-out padded and packed ones.
+
+        A record is the time of all L blocks over L (LobRA profiles a few layers and divides too):
+        a block's backward then finds its activations where a whole step leaves them, behind the
+        other blocks' (on a CPU, out of cache), not just written by its own forward.
+        """
         rng = self.shapes_rng("layer", tp)
         shapes = [(mb, False) for mb in self.s.grid]
         shapes += [(_random_packed(rng, self.s.max_grid_tokens), False) for _ in range(self.s.packed)]
@@ -199,81 +205,41 @@ class _Worker:
             return "layer", LayerRecord(**ShapeJSON.of(mb).model_dump(), tp=tp, time_ms=per_layer, heldout=held)
 
         return [
-            (self._blocks_run(replica, mb, task=i), lambda ms, mb=mb, held=held: record(ms, mb, held))
+            (replica.blocks_run(mb, task=i), lambda ms, mb=mb, held=held: record(ms, mb, held))
             for i, (mb, held) in enumerate(shapes)
         ]
 
-    def _blocks_run(self, replica: Replica, mb: MicroBatchShape, task: int) -> Callable[[], None]:
-        """Forward and backward of all L blocks on ``mb``, from a hidden state that needs its gradient.
-
-        A record is this time over L (LobRA profiles a few layers and divides too): a block's
-        backward then finds its activations where a whole step leaves them, behind the other
-        blocks' (on a CPU, out of cache), not just written by its own forward.
-        """
-        batch = replica.batch(mb, self.gen, task)
-        hidden = torch.randn(*batch.input_ids.shape, self.s.model.hidden, requires_grad=True)
-        rotary = replica.causal_lm.model.rotary_emb(hidden, batch.position_ids)
-        grad = torch.randn_like(hidden)
-        return lambda: replica.run_blocks(hidden, rotary, batch, range(len(replica.blocks))).backward(grad)
-
-    def head_plan(self, replica: Replica, tp: int) -> list[Timed]:
+    def head_plan(self, replica: ProfiledReplica, tp: int) -> list[Timed]:
         """The head on every token count of the grid."""
         sizes = sorted({mb.tokens for mb in self.s.grid})
         return [
-            (self._head_run(replica, n), lambda ms, n=n: ("head", HeadRecord(tp=tp, tokens=n, time_ms=ms))) for n in sizes
+            (replica.head_run(n), lambda ms, n=n: ("head", HeadRecord(tp=tp, tokens=n, time_ms=ms))) for n in sizes
         ]
 
-    def _head_run(self, replica: Replica, tokens: int) -> Callable[[], None]:
-        batch = replica.batch(MicroBatchShape.padded(1, tokens), self.gen)
-
-        def run() -> None:
-            embedded, _ = replica.embed(batch)
-            # Stands for the last block's output: the head's backward must produce its gradient.
-            replica.head_loss(embedded.detach().requires_grad_(), batch).backward()
-
-        return run
-
-    def step_plan(self, replica: Replica, tp: int, sync: dist.ProcessGroup | None, replicas: int) -> list[Timed]:
-        """Whole steps over random micro-batch lists (micro-batch k of task k), with the adapters'
-        gradient all-reduce across the ``replicas`` replicas of ``sync`` when given."""
-        rng = self.shapes_rng("replica", tp, replicas)
+    def step_plan(
+        self, replica: ProfiledReplica, tp: int, fleet: dist.ProcessGroup | None, replicas: int
+    ) -> list[Timed]:
+        """Whole executor steps over random micro-batch lists (micro-batch k of task k), synced across
+        the ``replicas`` replicas of ``fleet`` when given."""
+        rng = self.shapes_rng("replica", tp, fleet is not None)
         steps = [_random_step(rng, self.s.max_grid_tokens) for _ in range(self.s.replica_steps)]
 
         def record(ms: float, step: tuple[MicroBatchShape, ...]) -> tuple[str, ReplicaRecord]:
             shapes = tuple(ShapeJSON.of(mb) for mb in step)
             return "replica", ReplicaRecord(tp=tp, sync_replicas=replicas, microbatches=shapes, time_ms=ms)
 
-        return [(self._step_run(replica, step, sync), lambda ms, step=step: record(ms, step)) for step in steps]
+        return [(replica.step_run(step, fleet), lambda ms, step=step: record(ms, step)) for step in steps]
 
-    def _step_run(
-        self, replica: Replica, step: tuple[MicroBatchShape, ...], sync: dist.ProcessGroup | None
-    ) -> Callable[[], None]:
-        batches = [replica.batch(mb, self.gen, task=k) for k, mb in enumerate(step)]
-
-        def run() -> None:
-            for batch in batches:
-                replica.forward_backward(batch)
-            replica.sync_and_step(sync)
-
-        return run
-
-    def memory_record(self, replica: Replica, config: ParallelConfig, group: dist.ProcessGroup) -> None:
+    def memory_record(self, replica: ProfiledReplica, config: ParallelConfig, group: dist.ProcessGroup) -> None:
         """M of ``config`` against the budget, and the memory line of its binding stage."""
-        n_layers = self.s.model.n_layers
-        per_stage = n_layers // config.pp
-        replica.prime(self.gen)  # optimizer states now exist and count as static bytes
-        if config.pp == 1:
-            stages = {"replica": (replica.static_bytes(range(n_layers), True, True), self._whole_step(replica))}
-        else:
-            stages = {
-                "first": (replica.static_bytes(range(per_stage), True, False), self._first_stage(replica, config.pp, per_stage)),
-                "last": (replica.static_bytes(range(n_layers - per_stage, n_layers), False, True), self._last_stage(replica, per_stage)),
-            }
+        replica.prime()  # optimizer states now exist and count as static bytes
+        stages = replica.stage_runs(config)
         samples: dict[str, list[tuple[int, int]]] = defaultdict(list)
 
         def fits(tokens: int) -> bool:
             ok = True
             for name, (static, step) in stages.items():
+                replica.clear_grads()  # a step allocates its adapter gradients: they are in its peak
                 total = static + peak_bytes(lambda: step(tokens), group)
                 samples[name].append((tokens, total))
                 ok &= total <= self.s.memory_budget_bytes
@@ -296,39 +262,6 @@ class _Worker:
                 bytes_per_token=line.bytes_per_token,
             )
         )
-
-    def _whole_step(self, replica: Replica) -> Callable[[int], None]:
-        def step(tokens: int) -> None:
-            replica.forward_backward(replica.batch(MicroBatchShape.padded(1, tokens), self.gen))
-
-        return step
-
-    def _first_stage(self, replica: Replica, pp: int, per_stage: int) -> Callable[[int], None]:
-        """1F1B warm-up of the first stage: pp micro-batches forward (all held), then their backwards."""
-
-        def step(tokens: int) -> None:
-            outputs = []
-            for _ in range(pp):
-                batch = replica.batch(MicroBatchShape.padded(1, tokens), self.gen)
-                hidden, rotary = replica.embed(batch)
-                outputs.append(replica.run_blocks(hidden, rotary, batch, range(per_stage)))
-            for out in outputs:
-                out.backward(torch.ones_like(out))  # the gradient the next stage would send back
-
-        return step
-
-    def _last_stage(self, replica: Replica, per_stage: int) -> Callable[[int], None]:
-        """The last stage on one micro-batch: received activations, its blocks, head, loss, backward."""
-        n_layers = self.s.model.n_layers
-
-        def step(tokens: int) -> None:
-            batch = replica.batch(MicroBatchShape.padded(1, tokens), self.gen)
-            received = torch.randn(1, tokens, self.s.model.hidden, requires_grad=True)
-            rotary = replica.causal_lm.model.rotary_emb(received, batch.position_ids)
-            hidden = replica.run_blocks(received, rotary, batch, range(n_layers - per_stage, n_layers))
-            replica.head_loss(hidden, batch).backward()
-
-        return step
 
     def comm_records(self, pair: dist.ProcessGroup) -> None:
         runs = []
@@ -354,13 +287,13 @@ class _Worker:
 
         return run
 
-    def optimizer_records(self, replica: Replica) -> None:
-        """Optimizer steps of the first k tasks' adapters, k = 1..n."""
-        replica.prime(self.gen)  # every task's parameters have gradients, so every optimizer steps them all
-        counts = range(1, len(replica.optimizers) + 1)
-        runs = [lambda k=k: [o.step() for o in replica.optimizers[:k]] for k in counts]
+    def optimizer_records(self, replica: ProfiledReplica) -> None:
+        """Optimizer steps (``TaskOptimizer.step``, no clipping) of the first k tasks' adapters, k = 1..n."""
+        replica.prime()  # every task's optimizer has its states
+        counts = range(1, replica.n_tasks + 1)
+        runs = [lambda k=k: [o.step(0.0) for o in replica.optimizers[:k]] for k in counts]
         for k, ms in zip(counts, self.time(runs, None)):
-            params = sum(p.numel() for name in replica.tasks[:k] for p in replica.task_params[name])
+            params = sum(p.numel() for t in range(k) for p in replica.replica.task_params(t))
             self.records["optimizer"].append(SizeRecord(size=params, time_ms=ms))
 
 
