@@ -81,12 +81,13 @@ def synthetic_streams(batch_sizes: Sequence[int] = BATCH_SIZES, seed: int = 7) -
     return DataStreams(tasks, batch_sizes, seed)
 
 
-def plan_of(*replicas: tuple[int, int], max_tokens: int = 4096) -> DeploymentPlan:
-    """Replicas of the given (tp, pp), on consecutive ranks."""
+def plan_of(*replicas: tuple[int, int] | tuple[int, int, bool], max_tokens: int = 4096) -> DeploymentPlan:
+    """Replicas of the given (tp, pp) or (tp, pp, recompute), on consecutive ranks."""
     specs, next_rank = [], 0
-    for i, (tp, pp) in enumerate(replicas):
-        specs.append(ReplicaSpec(i, ParallelConfig(tp, pp), max_tokens, tuple(range(next_rank, next_rank + tp * pp))))
-        next_rank += tp * pp
+    for i, layout in enumerate(replicas):
+        config = ParallelConfig(*layout)
+        specs.append(ReplicaSpec(i, config, max_tokens, tuple(range(next_rank, next_rank + config.n_gpus))))
+        next_rank += config.n_gpus
     return DeploymentPlan(model="tiny-llama", gpu="cpu", n_gpus=next_rank, gpus_per_node=next_rank,
                           tasks=tuple(t.name for t in TASKS), replicas=tuple(specs), bucket_boundaries=(),
                           expected_makespan_s=0.0)

@@ -41,6 +41,7 @@ PLANS = {
     "pp2+tp1+tp1": h.plan_of((1, 2), (1, 1), (1, 1)),
     "tp2pp2-packed": h.plan_of((2, 2)),
     "tp1+pp2, rank 3 idle": h.plan_of((1, 1), (1, 2)),
+    "tp2 rc+pp2 rc": h.plan_of((2, 1, True), (1, 2, True)),  # activation recomputation under TP and PP
 }
 #: Qwen2's q/k/v biases are sharded with their column-parallel projections; Mistral's sliding
 #: window (8) is shorter than most sequences, across a pipeline boundary.
@@ -55,6 +56,7 @@ def _runs(root: Path) -> dict[str, h.Run]:
         "pp2+tp1+tp1": h.Run(PLANS["pp2+tp1+tp1"], STEPS, per_microbatch=2, out=str(root / "b"), save_at=(2,)),
         "tp2pp2-packed": h.Run(PLANS["tp2pp2-packed"], STEPS, packed=True, per_microbatch=4, out=str(root / "c")),
         "tp1+pp2, rank 3 idle": h.Run(PLANS["tp1+pp2, rank 3 idle"], STEPS, out=str(root / "d")),
+        "tp2 rc+pp2 rc": h.Run(PLANS["tp2 rc+pp2 rc"], STEPS, per_microbatch=2, out=str(root / "e")),
     }
     # Resume the pp2+tp1+tp1 run after 2 steps: on the same plan (bitwise), and on another one.
     runs["pp2+tp1+tp1 resumed"] = h.Run(PLANS["pp2+tp1+tp1"], STEPS, per_microbatch=2, out=str(root / "b2"),

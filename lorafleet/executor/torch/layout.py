@@ -55,6 +55,8 @@ class ReplicaLayout:
     pp: int
     gpus: tuple[int, ...]
     n_layers: int
+    recompute: bool = False
+    """Activation recomputation: every block keeps its input only and re-runs in the backward."""
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.pp < 1:
@@ -154,7 +156,8 @@ class FleetLayout:
             for what, n in (("attention heads", dims.n_heads), ("KV heads", dims.n_kv_heads), ("FFN width", dims.ffn)):
                 if n % tp:
                     raise ValueError(f"replica {spec.replica_id}: tp={tp} does not divide the model's {n} {what}")
-            replicas.append(ReplicaLayout(spec.replica_id, tp, spec.config.pp, tuple(spec.gpus), dims.n_layers))
+            replicas.append(ReplicaLayout(spec.replica_id, tp, spec.config.pp, tuple(spec.gpus), dims.n_layers,
+                                          spec.config.recompute))
         return cls(tuple(replicas), world_size)
 
     def role(self, rank: int) -> RankRole | None:

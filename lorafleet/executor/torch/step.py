@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
 from lorafleet.executor.torch.data_stream import loss_tokens
@@ -136,18 +137,27 @@ def build_inputs(mb: MicroBatch, examples: Sequence[Example], inv_tokens: Sequen
 
 def stage_forward(model: nn.Module, role: RankRole, x: Tensor | None, inputs: MicroBatchInputs) -> Tensor:
     """This rank's stage on one micro-batch: ``(B, S)`` ids or ``(B, S, H)`` activations in,
-    ``(B, S, H)`` activations or ``(B, S, V)`` logits out."""
+    ``(B, S, H)`` activations or ``(B, S, V)`` logits out.
+
+    With ``role.replica.recompute`` every block runs under ``torch.utils.checkpoint``
+    (non-reentrant): autograd keeps the block's input only and re-runs its forward in the
+    backward, with the RNG state of the first run, so the adapters' dropout masks and hence
+    the gradients are the same as without recomputation.
+    """
     inner = model.model
     with segments_context(model, inputs.segments):
         h = inner.embed_tokens(inputs.input_ids) if role.is_first_stage else x  # (B, S, H)
         rotary = inner.rotary_emb(h, inputs.position_ids)  # (cos, sin), each (B, S, head_dim)
         for index, layer in inner.layers.items():
-            h = layer(
-                h,
-                attention_mask=inputs.attention_mask(attention_window(model.config, int(index)), h.dtype),
-                position_ids=inputs.position_ids,
-                position_embeddings=rotary,
-            )
+            mask = inputs.attention_mask(attention_window(model.config, int(index)), h.dtype)
+
+            def block(hidden: Tensor, layer: nn.Module = layer, mask: Tensor = mask) -> Tensor:
+                # The backward's re-run happens outside this function's ``with``: route rows again.
+                with segments_context(layer, inputs.segments):
+                    return layer(hidden, attention_mask=mask, position_ids=inputs.position_ids,
+                                 position_embeddings=rotary)
+
+            h = checkpoint(block, h, use_reentrant=False) if role.replica.recompute else block(h)
         if not role.is_last_stage:
             return h
         return model.lm_head(inner.norm(h))  # (B, S, V)

@@ -228,21 +228,24 @@ class TorchExecutor:
             needed = {q: examples[q] for mb in microbatches for q in mb.seq_ids}
             result = run_rank_step(self.replica.model, role, self.replica.neighbours, microbatches, needed, inv_tokens)
         self.replica.grad_sync.all_reduce(stepping)
-        busy = torch.zeros(self.world_size, dtype=torch.float64)
-        busy[self.rank] = result.busy_s
-        stats = torch.cat([result.task_loss.cpu(), self.replica.grad_sync.squared_norms(n_tasks, stepping), busy])
+        times = torch.zeros(2, self.world_size, dtype=torch.float64)  # busy, elapsed up to here, per rank
+        times[:, self.rank] = torch.tensor([result.busy_s, time.perf_counter() - start], dtype=torch.float64)
+        stats = torch.cat([result.task_loss.cpu(), self.replica.grad_sync.squared_norms(n_tasks, stepping), times.view(-1)])
         stats = stats.to(self.device)
         dist.all_reduce(stats)  # one collective for losses, norms and times
         stats = stats.cpu()
+        synced = time.perf_counter()
         for t in stepping:
             self.optimizers[t].step(math.sqrt(float(stats[n_tasks + t])))
         if self.rank != 0:
             return None
-        return self._report(step_plan, stats, stepping, time.perf_counter() - start)
+        return self._report(step_plan, stats, stepping, time.perf_counter() - synced)
 
-    def _report(self, step_plan: StepPlan, stats: torch.Tensor, stepping: Sequence[int], wall_s: float) -> StepReport:
+    def _report(self, step_plan: StepPlan, stats: torch.Tensor, stepping: Sequence[int], optimizer_s: float) -> StepReport:
+        """The step's report; its makespan is the slowest rank's time up to the gradient sync's end
+        plus the optimizer step (so no replica's busy time can exceed it)."""
         n_tasks = len(self.names)
-        busy = stats[2 * n_tasks :]
+        busy, elapsed = stats[2 * n_tasks :].view(2, self.world_size)
         tokens = dict.fromkeys(self.names, 0)
         padding = dict.fromkeys(self.names, 0)
         for work in step_plan.work:
@@ -253,7 +256,7 @@ class TorchExecutor:
         return StepReport(
             step=step_plan.step,
             replica_busy_s=tuple(float(max(busy[g] for g in r.gpus)) for r in self.replica.fleet.replicas),
-            makespan_s=wall_s,
+            makespan_s=float(elapsed.max()) + optimizer_s,
             task_tokens=tokens,
             task_padding_tokens=padding,
             losses={self.names[t]: float(stats[t]) for t in stepping},
