@@ -138,7 +138,7 @@ class ProfiledReplica:
         return self.replica.model
 
     @property
-    def tp(self) -> tuple[int, int]:
+    def tp_position(self) -> tuple[int, int]:
         """(TP degree, this rank's TP rank)."""
         role = self.replica.role
         return role.replica.tp, role.tp_rank
@@ -158,13 +158,13 @@ class ProfiledReplica:
         mb, examples, inv = self._one(shape, task)
         x = torch.randn(*microbatch_shape(mb), self.spec.hidden, requires_grad=True)
         grad = torch.randn_like(x)
-        role = part_role(*self.tp, embeds=False, heads=False)
+        role = part_role(*self.tp_position, embeds=False, heads=False)
         return lambda: stage_forward(self.model, role, x, build_inputs(mb, examples, inv, CPU)).backward(grad)
 
     def head_run(self, tokens: int) -> Callable[[], None]:
         """Embedding, then a last stage over no layer (norm, LM head, loss), forward + input gradient."""
         inputs = self._row(tokens)
-        role = part_role(*self.tp, embeds=False, heads=True)
+        role = part_role(*self.tp_position, embeds=False, heads=True)
 
         def run() -> None:
             # The embedding's output stands for the last block's: the head's backward must produce its gradient.
@@ -210,7 +210,7 @@ class ProfiledReplica:
         its layers forward, all held, then their backwards) and the last (received activations,
         its layers, head and loss).
         """
-        tp, tp_rank = self.tp
+        tp, tp_rank = self.tp_position
         layout = stage_layout(tp, config.pp, self.spec.n_layers)
         first, last = role_in(layout, 0, tp_rank), role_in(layout, config.pp - 1, tp_rank)
         if config.pp == 1:
