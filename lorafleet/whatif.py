@@ -7,7 +7,8 @@ A variation changes one axis of the question "what would this cost?":
 - ``model=llama2-7b,llama2-13b``: the base model;
 - ``tasks=none,+xsum,-billsum,+billsum+pubmedqa``: tasks added (a dataset preset, named
   after it) or removed (by name); ``none`` keeps the workload's tasks;
-- ``R=4,8,16``: the dispatcher's bucket count.
+- ``R=4,8,16``: the dispatcher's bucket count;
+- ``recompute=off,auto``: whether replicas may recompute activations (``on``: all must).
 
 Several ``--vary`` options form their Cartesian product. Each point is planned with the
 same planner and simulated with the same sampled batches as ``lorafleet simulate``.
@@ -27,9 +28,10 @@ from lorafleet.planner import PlannerOptions, plan_deployment
 from lorafleet.simulate import simulate_schedule
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.model import resolve_model
+from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import Workload, resolve_workload
 
-AXES = ("gpus", "gpu", "model", "tasks", "R")
+AXES = ("gpus", "gpu", "model", "tasks", "R", "recompute")
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ class Variation:
             raise InputError("<args>", "--vary", f"{axis} needs at least one value")
         if axis in ("gpus", "R") and not all(v.isdigit() and int(v) > 0 for v in items):
             raise InputError("<args>", "--vary", f"{axis} values must be positive integers, got {values!r}")
+        if axis == "recompute" and not set(items) <= {p.value for p in RecomputePolicy}:
+            raise InputError("<args>", "--vary", f"recompute values are {', '.join(p.value for p in RecomputePolicy)}, got {values!r}")
         return cls(axis, items)
 
 
@@ -83,6 +87,9 @@ def _point(workload: Workload, point: dict[str, str]) -> tuple[Workload, dict]:
     if "model" in point:
         resolve_model(point["model"], "<args>", "--vary")
         workload = resolve_workload(workload.spec.model_copy(update={"model": point["model"]}), workload.path)
+    if "recompute" in point:
+        workload = resolve_workload(workload.spec.model_copy(update={"recompute": RecomputePolicy(point["recompute"])}),
+                                    workload.path)
     if "tasks" in point:
         workload = _edit_tasks(workload, point["tasks"])
     gpus = int(point["gpus"]) if "gpus" in point else None

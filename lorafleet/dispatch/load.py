@@ -17,8 +17,10 @@ rows, so its 1F1B time (Eq. 12) is exactly::
 with o_i the per-step overhead (charged even to an idle class: an upper bound). alpha and
 beta are read off the cost model: alpha = t(2, s) - t(1, s), beta = 2 t(1, s) - t(2, s). In
 packing mode alpha_ij is the mean per-sequence time of
-the bucket's actual lengths, beta_ij the per-micro-batch constant at the boundary, and
-b_ij = floor(M / mean length): an estimate of how densely the bucket packs.
+the bucket's actual lengths plus its share of the per-micro-batch constant at the boundary,
+beta_bound * mean length / M (micro-batches are packed to M tokens across buckets, so a
+bucket does not cost a micro-batch of its own), beta_ij = 0, and b_ij = floor(M / mean
+length): an estimate of how densely the bucket packs.
 """
 
 from __future__ import annotations
@@ -153,7 +155,9 @@ def build_load_model(
             per_seq[i] = np.where(counts > 0, np.bincount(bucket, weights=seq_time, minlength=n_buckets)
                                   / np.maximum(counts, 1), two - one)
             packed_one = np.array([cost_model.packed_microbatch_time(cls.config, [int(x)]) for x in s])
-            per_mb[i] = packed_one - (two - one)
+            # A packed micro-batch fills up to M tokens from every bucket, so each sequence pays
+            # its token share of one micro-batch's constant, not a micro-batch per bucket.
+            per_seq[i] += (packed_one - (two - one)) * mean_len / cls.max_tokens
             rows[i] = np.where(fits, np.maximum(cls.max_tokens // np.maximum(mean_len, 1).astype(np.int64), 1), 0)
     overhead = np.array([cost_model.step_overhead(c.config) for c in classes])
     compute_table, largest_table, table_start = _cost_tables(per_seq, per_mb, rows, counts)

@@ -10,8 +10,9 @@ over the process group (``executor.torch.tp``), from a plan of ``world // tp`` r
 Micro-batches are the executor's ``MicroBatch``: ``b`` rows padded to ``s``, or one row of
 packed sequences, of random tokens that are all learned (labels = inputs). The profiler gives
 each micro-batch one task, as LobRA forms its full micro-batches. ``build_inputs`` lays them
-out (attention masked per sequence with a dense ``(B, 1, S, S)`` additive mask, so a packed
-row of S tokens attends over S² pairs, as the executor does), ``stage_forward`` runs them.
+out (padded rows attend under an additive ``(B, 1, S, S)`` mask; a packed row attends per
+sequence through ``executor.torch.attention.document_attention``, Σ s_i² pairs, as the cost
+model prices it), ``stage_forward`` runs them.
 
 What is timed:
 

@@ -11,6 +11,7 @@ from transformers import MistralConfig, Qwen2Config
 
 import fleet_harness as h
 from lorafleet.data.tokenize import IGNORE_INDEX
+from lorafleet.executor.torch.attention import use_document_attention
 from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.executor.torch.data_stream import loss_tokens
 from lorafleet.executor.torch.inject import adapter_parameters, inject_multi_lora, multi_lora_layers, segments_context
@@ -85,6 +86,7 @@ def test_stage_forward_equals_the_hf_model(family, packed):
     reference = copy.deepcopy(model)
     role = FleetLayout.of(h.plan_of((1, 1)), ModelDims.of(model.config), 1).role(0)
     split_for_pipeline(model, role)
+    use_document_attention(model)
     mb = _microbatch(packed)
     inputs = build_inputs(mb, [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
     with torch.no_grad():
@@ -119,6 +121,7 @@ def test_recompute_gives_the_same_loss_and_gradients_and_saves_less(packed):
         stage = copy.deepcopy(model)
         role = FleetLayout.of(h.plan_of((1, 1, recompute)), ModelDims.of(stage.config), 1).role(0)
         split_for_pipeline(stage, role)
+        use_document_attention(stage)
         saved = []
         torch.manual_seed(5)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):

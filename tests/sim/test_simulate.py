@@ -120,6 +120,16 @@ def test_whatif_sweep_rows(small):
     assert by[("8", "none", "lorafleet")]["step_s"] <= by[("4", "none", "lorafleet")]["step_s"] * 1.02
 
 
+def test_whatif_recompute_axis(small):
+    """``off`` plans no recomputing replica, ``on`` only recomputing ones, for every method."""
+    workload, _, _ = small
+    rows = sweep(workload, [Variation.parse("recompute=off,on")], steps=2)
+    assert len(rows) == 2 * 4
+    for row in rows:
+        configs = [part.split(" x ")[0].strip() for part in row["plan"].split(" + ")] if "phases" not in row["plan"] else []
+        assert all(c.endswith(",rc>") == (row["vary_recompute"] == "on") for c in configs), row
+
+
 def test_whatif_cli(tmp_path, capsys):
     rc = main(["whatif", str(EXAMPLES / "lobra-7b.yaml"), "--vary", "gpu=A100-80GB,H100-80GB", "--steps", "2",
                "--out", str(tmp_path)])
@@ -131,7 +141,7 @@ def test_whatif_cli(tmp_path, capsys):
     assert (tmp_path / "gpu_s_per_step.png").exists() and (tmp_path / "step_s.png").exists()
 
 
-@pytest.mark.parametrize("vary", ["gpus=x", "nope=1", "tasks=+notapreset", "tasks=-nobody", "gpus="])
+@pytest.mark.parametrize("vary", ["gpus=x", "nope=1", "tasks=+notapreset", "tasks=-nobody", "gpus=", "recompute=maybe"])
 def test_whatif_bad_variations(capsys, vary):
     assert main(["whatif", str(EXAMPLES / "lobra-7b.yaml"), "--vary", vary, "--steps", "1", "--out", "/tmp/lf-wi"]) == 2
     assert "--vary" in capsys.readouterr().err

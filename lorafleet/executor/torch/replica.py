@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lorafleet.executor.torch.attention import use_document_attention
 from lorafleet.executor.torch.grad_sync import (
     FACTORS,
     AdapterParam,
@@ -88,6 +89,7 @@ def build_replica(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         inject_multi_lora(model, adapters, backend=backend)
+    use_document_attention(model)  # packed micro-batches attend per sequence (Σ s_i^2, not (Σ s_i)^2)
     for _, layer in multi_lora_layers(model):
         layer.train()  # adapter dropout is on while training; the frozen base stays in eval mode
     # 2. Full shapes, pieces, and every process group.

@@ -22,9 +22,11 @@ all-masked row would put NaN into the loss through ``0 * NaN``).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +34,7 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
+from lorafleet.executor.torch.attention import uses_document_attention
 from lorafleet.executor.torch.data_stream import loss_tokens
 from lorafleet.executor.torch.inject import segments_context
 from lorafleet.executor.torch.layout import RankRole
@@ -78,8 +81,17 @@ class MicroBatchInputs:
     """Task of each token (0 on padding; its weight is 0)."""
     segments: Segments
     """Adapter rows of the flattened ``(B*S)`` grid: one segment per run of a task's sequences."""
+    document_bounds: tuple[int, ...] | None = None
+    """Packed: [0, s_1, s_1 + s_2, ..., S], each sequence's slice of the one row; None when padded."""
     masks: dict[tuple[int | None, torch.dtype], Tensor] = field(default_factory=dict)
     """Additive attention masks ``(B, 1, S, S)`` per (sliding window, dtype), built on first use."""
+
+    def attention(self, window: int | None, dtype: torch.dtype) -> dict[str, Any]:
+        """A decoder layer's attention arguments: each packed sequence's bounds for
+        ``document_attention`` (Σ s_i^2 work), or the padded rows' additive mask."""
+        if self.document_bounds is not None:
+            return {"attention_mask": None, "document_bounds": self.document_bounds, "document_window": window}
+        return {"attention_mask": self.attention_mask(window, dtype)}
 
     def attention_mask(self, window: int | None, dtype: torch.dtype) -> Tensor:
         """0 where a token may attend, -inf elsewhere: additive, so SDPA and eager attention take it
@@ -129,9 +141,10 @@ def build_inputs(mb: MicroBatch, examples: Sequence[Example], inv_tokens: Sequen
         # cheaper than one per sequence.
         tuple(ends[first + count - 1] - starts[first] for _, first, count in mb.segments),
     )
+    bounds = None if mb.padded_len is not None else tuple(int(x) for x in itertools.accumulate(mb.lengths, initial=0))
     return MicroBatchInputs(
         ids.to(device), positions.to(device), documents.to(device), targets.to(device),
-        weights.to(device), token_task.to(device), segments,
+        weights.to(device), token_task.to(device), segments, bounds,
     )
 
 
@@ -144,18 +157,19 @@ def stage_forward(model: nn.Module, role: RankRole, x: Tensor | None, inputs: Mi
     backward, with the RNG state of the first run, so the adapters' dropout masks and hence
     the gradients are the same as without recomputation.
     """
+    if not uses_document_attention(model):
+        raise ValueError("the stage must attend with document_attention: call use_document_attention(model)")
     inner = model.model
     with segments_context(model, inputs.segments):
         h = inner.embed_tokens(inputs.input_ids) if role.is_first_stage else x  # (B, S, H)
         rotary = inner.rotary_emb(h, inputs.position_ids)  # (cos, sin), each (B, S, head_dim)
         for index, layer in inner.layers.items():
-            mask = inputs.attention_mask(attention_window(model.config, int(index)), h.dtype)
+            attention = inputs.attention(attention_window(model.config, int(index)), h.dtype)
 
-            def block(hidden: Tensor, layer: nn.Module = layer, mask: Tensor = mask) -> Tensor:
+            def block(hidden: Tensor, layer: nn.Module = layer, attention: dict[str, Any] = attention) -> Tensor:
                 # The backward's re-run happens outside this function's ``with``: route rows again.
                 with segments_context(layer, inputs.segments):
-                    return layer(hidden, attention_mask=mask, position_ids=inputs.position_ids,
-                                 position_embeddings=rotary)
+                    return layer(hidden, position_ids=inputs.position_ids, position_embeddings=rotary, **attention)
 
             h = checkpoint(block, h, use_reentrant=False) if role.replica.recompute else block(h)
         if not role.is_last_stage:
