@@ -10,6 +10,8 @@ Three references, from strongest to cheapest:
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import peft
 import pytest
@@ -20,6 +22,7 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 from torch import nn
 from torch.nn import functional as F
 
+from lorafleet.executor.torch import multi_lora
 from lorafleet.executor.torch.multi_lora import (
     LoraBackend,
     LoraRouting,
@@ -230,9 +233,12 @@ def layouts(draw):
     layout=layouts(),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     training=st.booleans(),
+    split=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_matches_plain_autograd_on_any_layout(layout, dtype, training, seed):
+def test_matches_plain_autograd_on_any_layout(layout, dtype, training, split, seed):
+    """``split``: runs of mixed ranks are split by rank (these shapes are too small to be split
+    otherwise), so both the zero-padded and the rank-split paths meet the oracle."""
     ranks, routing, T = layout
     gen = torch.Generator().manual_seed(seed)
 
@@ -252,7 +258,8 @@ def test_matches_plain_autograd_on_any_layout(layout, dtype, training, seed):
         y.backward(g.to(dt))
         return [y] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
 
-    ours = run(lambda *args: multi_lora_linear(*args, backend=LoraBackend.TORCH), dtype)
+    with split_break_even(0 if split else multi_lora.SPLIT_BREAK_EVEN):
+        ours = run(lambda *args: multi_lora_linear(*args, backend=LoraBackend.TORCH), dtype)
     ref = run(plain_reference, torch.float32)  # the oracle runs in fp32 for both dtypes
     for got, want in zip(ours, ref, strict=True):
         if dtype == torch.float32:
@@ -265,15 +272,39 @@ def test_equal_segments_form_one_run():
     """Equal lengths at equal spacing need one bmm per GEMM, not one per segment, whatever the
     ranks (padded to the largest), scalings and dropout rates of the adapters."""
     same = LoraRouting(Segments.packed([2, 0, 1, 0], [16] * 4), (2.0,) * 3, (0.0,) * 3)
-    assert [r.adapters for r in _runs(same)] == [(2, 0, 1, 0)]
+    assert [r.adapters for r in _runs(same, (8, 8, 8), 64)] == [(2, 0, 1, 0)]
     padded = LoraRouting(Segments.padded([0, 1, 0], [5, 5, 5], seq_len=9), (2.0, 2.0), (0.0, 0.0))
-    (run,) = _runs(padded)
+    (run,) = _runs(padded, (8, 8), 64)
     assert (run.start, run.length, run.spacing) == (0, 5, 9)
     mixed = LoraRouting(Segments.packed([0, 1, 2], [4, 4, 4]), (1.0, 2.0, 0.5), (0.1, 0.0, 0.3))
-    (run,) = _runs(mixed)
+    (run,) = _runs(mixed, (8, 4, 2), 64)
     assert (run.scalings, run.dropouts) == ((1.0, 2.0, 0.5), (0.1, 0.0, 0.3))
     split = LoraRouting(Segments([0, 1, 2, 2], [0, 4, 10, 14], [4, 4, 4, 3]), (1.0,) * 3, (0.0,) * 3)
-    assert [r.adapters for r in _runs(split)] == [(0, 1), (2,), (2,)]  # spacing, then length change
+    assert [r.adapters for r in _runs(split, (8, 4, 4), 64)] == [(0, 1), (2,), (2,)]  # spacing, then length change
+
+
+def test_mixed_ranks_split_by_rank_when_padding_costs_more():
+    """A wide layer splits a run of cycling ranks into one run per rank (members equally
+    spaced, so still one strided view each); a narrow one keeps one zero-padded run."""
+    routing = LoraRouting(Segments.packed(range(6), [128] * 6), (2.0,) * 6, (0.1,) * 6)
+    ranks = (4, 16, 4, 16, 4, 8)
+    (one,) = _runs(routing, ranks, 128)
+    assert one.adapters == tuple(range(6))
+    pieces = _runs(routing, ranks, 8192)
+    assert [(r.adapters, r.start, r.spacing) for r in pieces] == [((0, 2, 4), 0, 256), ((1, 3), 128, 256), ((5,), 640, 128)]
+
+
+@contextmanager
+def split_break_even(value: float) -> Iterator[None]:
+    """Runs with ``multi_lora.SPLIT_BREAK_EVEN = value`` (0: split every run of mixed ranks)."""
+    old = multi_lora.SPLIT_BREAK_EVEN
+    multi_lora.SPLIT_BREAK_EVEN = value
+    _runs.cache_clear()
+    try:
+        yield
+    finally:
+        multi_lora.SPLIT_BREAK_EVEN = old
+        _runs.cache_clear()
 
 
 @pytest.mark.parametrize(

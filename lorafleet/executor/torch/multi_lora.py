@@ -339,9 +339,16 @@ class _Run:
         )
 
 
+SPLIT_BREAK_EVEN = 4_000_000
+"""Padded multiply-adds worth one more run on CPU: a run costs ~16 more small ops (~0.1 ms of
+dispatch), about what the six LoRA GEMMs spend on this many zero-padded multiply-adds."""
+
+
 @functools.lru_cache(maxsize=1024)
-def _runs(routing: LoraRouting) -> tuple[_Run, ...]:
-    """Greedily merges consecutive non-empty segments into :class:`_Run` s.
+def _runs(routing: LoraRouting, ranks: tuple[int, ...], width: int) -> tuple[_Run, ...]:
+    """Greedily merges consecutive non-empty segments into :class:`_Run` s, then splits a run
+    of mixed ranks by rank where the zero padding costs more than the extra runs
+    (:func:`_rank_pieces`); ``width`` is ``K + N``.
 
     Cached: every injected layer with the same adapters sees the same routing, in the forward
     and again in the backward.
@@ -360,15 +367,44 @@ def _runs(routing: LoraRouting) -> tuple[_Run, ...]:
         open_runs.append([[a], start, length, length])
     return tuple(
         _Run(
-            tuple(adapters),
-            first,
+            members,
+            first + piece[0] * spacing,
             length,
-            spacing,
-            tuple(routing.scalings[a] for a in adapters),
-            tuple(routing.dropouts[a] for a in adapters),
+            (piece[1] - piece[0]) * spacing if len(piece) > 1 else length,
+            tuple(routing.scalings[a] for a in members),
+            tuple(routing.dropouts[a] for a in members),
         )
         for adapters, first, length, spacing in open_runs
+        for piece in _rank_pieces([ranks[a] for a in adapters], length * width)
+        for members in [tuple(adapters[i] for i in piece)]
     )
+
+
+def _rank_pieces(member_ranks: list[int], row_width: int) -> list[list[int]]:
+    """Positions in a run of the members to batch together: all of them (one ``bmm`` per GEMM,
+    ranks zero-padded to the largest), or, when that padding costs more than the extra runs,
+    the members of each rank cut into arithmetic progressions (equally spaced, so each piece
+    is again one strided view).
+
+    Padding costs ``row_width (G R_max - Σ_g r_g)`` multiply-adds per GEMM pair; each extra
+    run costs :data:`SPLIT_BREAK_EVEN`.
+    """
+    by_rank: dict[int, list[int]] = {}
+    for i, r in enumerate(member_ranks):
+        by_rank.setdefault(r, []).append(i)
+    pieces: list[list[int]] = []
+    for positions in by_rank.values():
+        pieces.append(positions[:1])
+        for i in positions[1:]:
+            piece = pieces[-1]
+            if len(piece) == 1 or i - piece[-1] == piece[1] - piece[0]:
+                piece.append(i)
+            else:
+                pieces.append([i])
+    padding = row_width * (len(member_ranks) * max(member_ranks) - sum(member_ranks))
+    if padding <= (len(pieces) - 1) * SPLIT_BREAK_EVEN:
+        return [list(range(len(member_ranks)))]
+    return pieces
 
 
 def _per_member(values: tuple[float, ...], like: Tensor) -> float | Tensor:
@@ -427,7 +463,7 @@ def _torch_forward(x, weight, bias, lora_A, lora_B, routing, keep):
     """
     y = F.linear(x, weight, bias)  # (T, N): the one base GEMM
     saved = []
-    for run in _runs(routing):
+    for run in _runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0]):
         A_g, B_g = run.stacked(lora_A, lora_B)  # (G, R, K), (G, N, R)
         keep_g = _run_keep(run, keep, x)
         factor = _run_factor(run, keep_g is not None, x)
@@ -446,7 +482,7 @@ def _torch_backward(grad_y, x, weight, lora_A, lora_B, routing, keep, saved, nee
     dx = grad_y.mm(weight) if need_x else None  # (T, N) @ (N, K): the single dX buffer
     dA: list[Tensor | None] = [None] * len(lora_A)
     dB: list[Tensor | None] = [None] * len(lora_B)
-    for i, run in enumerate(_runs(routing)):
+    for i, run in enumerate(_runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0])):
         s_g, A_g, B_g, keep_g = saved[4 * i : 4 * i + 4]  # (G, L, R), (G, R, K), (G, N, R), (G, L, K)
         g_g = run.rows(grad_y)  # (G, L, N)
         ds_g = torch.bmm(g_g, B_g).mul_(_run_factor(run, keep_g is not None, x))  # (G, L, R) = c G B
