@@ -234,11 +234,13 @@ def layouts(draw):
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     training=st.booleans(),
     split=st.booleans(),
+    tile_bytes=st.sampled_from([multi_lora.TILE_BYTES, 200, 64]),
     seed=st.integers(0, 2**16),
 )
-def test_matches_plain_autograd_on_any_layout(layout, dtype, training, split, seed):
-    """``split``: runs of mixed ranks are split by rank (these shapes are too small to be split
-    otherwise), so both the zero-padded and the rank-split paths meet the oracle."""
+def test_matches_plain_autograd_on_any_layout(layout, dtype, training, split, tile_bytes, seed):
+    """These shapes are too small to be split or tiled otherwise, so: ``split`` splits every
+    run of mixed ranks by rank; a small ``tile_bytes`` cuts the masked products into tiles of
+    3 rows (200) or 1 row (64) of fp32, whole members in bf16; both then meet the oracle."""
     ranks, routing, T = layout
     gen = torch.Generator().manual_seed(seed)
 
@@ -258,7 +260,7 @@ def test_matches_plain_autograd_on_any_layout(layout, dtype, training, split, se
         y.backward(g.to(dt))
         return [y] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
 
-    with split_break_even(0 if split else multi_lora.SPLIT_BREAK_EVEN):
+    with patched(SPLIT_BREAK_EVEN=0 if split else multi_lora.SPLIT_BREAK_EVEN, TILE_BYTES=tile_bytes):
         ours = run(lambda *args: multi_lora_linear(*args, backend=LoraBackend.TORCH), dtype)
     ref = run(plain_reference, torch.float32)  # the oracle runs in fp32 for both dtypes
     for got, want in zip(ours, ref, strict=True):
@@ -295,16 +297,21 @@ def test_mixed_ranks_split_by_rank_when_padding_costs_more():
 
 
 @contextmanager
-def split_break_even(value: float) -> Iterator[None]:
-    """Runs with ``multi_lora.SPLIT_BREAK_EVEN = value`` (0: split every run of mixed ranks)."""
-    old = multi_lora.SPLIT_BREAK_EVEN
-    multi_lora.SPLIT_BREAK_EVEN = value
-    _runs.cache_clear()
+def patched(**constants: int) -> Iterator[None]:
+    """Runs with the given ``multi_lora`` constants, clearing the caches that depend on them."""
+    old = {name: getattr(multi_lora, name) for name in constants}
+
+    def set_all(values: dict[str, int]) -> None:
+        for name, value in values.items():
+            setattr(multi_lora, name, value)
+        _runs.cache_clear()
+        multi_lora._tiles.cache_clear()
+
+    set_all(constants)
     try:
         yield
     finally:
-        multi_lora.SPLIT_BREAK_EVEN = old
-        _runs.cache_clear()
+        set_all(old)
 
 
 @pytest.mark.parametrize(

@@ -150,10 +150,9 @@ def draw_keep_mask(rows: int, cols: int, routing: LoraRouting, *, device: torch.
 
     Rows of adapters without dropout, and padding rows, are all True. Returns None when no
     non-empty segment has dropout, so the common p = 0 case allocates nothing. The mask is one
-    byte per element. The Triton backend saves it instead of each adapter's dropped input (what
-    an ``nn.Dropout`` per adapter would keep alive) and reapplies it in the backward; the torch
-    backend saves its rows converted to the compute dtype instead (see :func:`_run_keep`).
-    Either way the backward uses exactly the forward's mask and recomputes ``Xd``.
+    byte per element. Both backends save it instead of each adapter's dropped input (what an
+    ``nn.Dropout`` per adapter would keep alive: 4 bytes an element) and reapply it in the
+    backward, which so uses exactly the forward's mask and recomputes ``Xd``.
     """
     spans = _dropout_spans(routing)
     if not spans:
@@ -188,8 +187,9 @@ def _dropout_spans(routing: LoraRouting) -> list[tuple[int, int, float]]:
     return spans
 
 
-_DRAW_CHUNK = 1 << 20
-"""int64 random words per draw of :func:`_draw_keep_rows` (8 MiB, reused)."""
+_DRAW_CHUNK = 1 << 17
+"""int64 random words per draw of :func:`_draw_keep_rows` (1 MiB, reused, read back from cache
+by the compare: measured ~10% cheaper than 8 MiB chunks)."""
 
 
 def _draw_keep_rows(keep: Tensor, p: float) -> None:
@@ -199,7 +199,7 @@ def _draw_keep_rows(keep: Tensor, p: float) -> None:
     P(drop) is p to within 2^-32 (finer than a float32 uniform's 2^-24). The int32s are drawn as
     half as many full-range int64s, measured ~20% cheaper on CPU than ``rand`` + compare (itself
     ~35% cheaper than ``bernoulli_``, which draws through a slower generic path). They are drawn
-    into one reused 8 MiB buffer, not one temporary twice the mask's size: on CPU a fresh
+    into one reused 1 MiB buffer, not one temporary twice the mask's size: on CPU a fresh
     multi-MiB temporary costs a page fault per 4 KiB. The CPU generator fills elements in order,
     so the chunks draw exactly the words one ``randint`` over the whole span would.
     """
@@ -250,9 +250,7 @@ def multi_lora_linear(
 
 
 class _MultiLoraFunction(torch.autograd.Function):
-    """Autograd glue: one saved keep-mask, one dX buffer, per-backend forward/backward.
-
-    The bool mask itself is saved only for Triton; the torch forward saves its converted rows."""
+    """Autograd glue: one saved bool keep-mask, one dX buffer, per-backend forward/backward."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, routing, keep, backend, *lora):
@@ -260,7 +258,7 @@ class _MultiLoraFunction(torch.autograd.Function):
         forward_impl, _ = _implementation(backend)
         y, saved = forward_impl(x, weight, bias, lora[:n], lora[n:], routing, keep)
         ctx.routing, ctx.backend, ctx.n_adapters = routing, backend, n
-        ctx.save_for_backward(x, weight, keep if backend is LoraBackend.TRITON else None, *lora, *saved)
+        ctx.save_for_backward(x, weight, keep, *lora, *saved)
         return y
 
     @staticmethod
@@ -414,19 +412,79 @@ def _per_member(values: tuple[float, ...], like: Tensor) -> float | Tensor:
     return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
 
 
-def _run_keep(run: _Run, keep: Tensor | None, like: Tensor) -> Tensor | None:
-    """The run's keep-mask rows ``M (G, L, K)`` as 0/1 in ``like``'s dtype; None when this call
-    drops nothing on the run (p = 0, or no mask: eval mode). Members without dropout have
-    all-ones rows.
+TILE_BYTES = 1 << 20
+"""Size of one ``(members, rows, K)`` tile of the K-wide temporaries of the masked products
+(1 MiB, inside a 2-4 MiB L2 cache)."""
 
-    Converted once, in the forward, and saved for the backward (4 bytes an element: as much as
-    the dropped input an ``nn.Dropout`` per adapter keeps alive). The conversion reads the bool
-    through a uint8 view (same bytes): uint8 -> float is vectorized, measured ~3x faster than
-    bool -> float. The mask stays 0/1, so multiplying by it is exact in any dtype.
+
+@functools.lru_cache(maxsize=1024)
+def _tiles(run: _Run, width: int, itemsize: int) -> tuple[tuple[slice, slice], ...]:
+    """``(members, rows)`` slices tiling a run's ``(G, L)`` grid into pieces of about
+    :data:`TILE_BYTES` of a ``(G, L, width)`` tensor: whole members where one fits, else row
+    blocks of one member. Row blocks split the ``dA`` reduction over rows, so they are used
+    only for 4- and 8-byte dtypes: a bf16 partial sum per block would round each time.
     """
-    if keep is None or not any(run.dropouts):
-        return None
-    return run.rows(keep.view(torch.uint8)).to(like.dtype)
+    member_bytes = run.length * width * itemsize
+    if member_bytes <= TILE_BYTES or itemsize < 4:
+        step = max(1, TILE_BYTES // member_bytes)
+        return tuple((slice(g, g + step), slice(0, run.length)) for g in range(0, len(run.adapters), step))
+    step = max(1, TILE_BYTES // (width * itemsize))
+    return tuple(
+        (slice(g, g + 1), slice(r, r + step)) for g in range(len(run.adapters)) for r in range(0, run.length, step)
+    )
+
+
+def _dropping(run: _Run, keep: Tensor | None) -> bool:
+    """Whether this call drops anything on the run (a mask, and p > 0 for some member)."""
+    return keep is not None and any(run.dropouts)
+
+
+class _MaskTiles:
+    """The masked K-wide products of one run, a tile at a time (:func:`_tiles`).
+
+    ``X ⊙ M`` and ``(dS' A) ⊙ M`` are never materialised whole: each tile converts its bytes
+    of the bool mask into a reused float scratch tile (read through a uint8 view, which
+    converts vectorised, ~3x faster than from bool) and multiplies there. The tiles stay in
+    cache between the elementwise op and the GEMM that reads them, no K-wide temporary is
+    allocated per call (on CPU a fresh multi-MiB buffer costs a page fault per 4 KiB), and
+    only the 1-byte mask is saved for the backward.
+    """
+
+    def __init__(self, run: _Run, keep: Tensor, x: Tensor) -> None:
+        self.keep_g = run.rows(keep.view(torch.uint8))  # (G, L, K) bytes, 0/1
+        self.x_g = run.rows(x)  # (G, L, K)
+        self.tiles = _tiles(run, x.shape[1], x.element_size())
+        members, rows = self.tiles[0]
+        shape = (len(range(*members.indices(len(run.adapters)))), len(range(*rows.indices(run.length))), x.shape[1])
+        self.scratch = x.new_empty((2, *shape))  # a mask tile and a product tile
+
+    def __iter__(self) -> Iterator[tuple[slice, slice, Tensor, Tensor]]:
+        """Yields ``(members, rows, M tile as 0/1 floats, free product tile)`` per tile."""
+        for members, rows in self.tiles:
+            keep_t = self.keep_g[members, rows]
+            mask, product = (buf[: keep_t.shape[0], : keep_t.shape[1]] for buf in self.scratch)
+            yield members, rows, mask.copy_(keep_t), product
+
+    def shrink(self, A_g: Tensor) -> Tensor:
+        """``(X ⊙ M) A^T`` ``(G, L, R)``."""
+        s_g = self.x_g.new_empty((*self.x_g.shape[:2], A_g.shape[1]))
+        for members, rows, mask, product in self:
+            xm = torch.mul(self.x_g[members, rows], mask, out=product)
+            torch.bmm(xm, A_g[members].transpose(1, 2), out=s_g[members, rows])
+        return s_g
+
+    def backward(self, ds_g: Tensor, A_g: Tensor, dx_g: Tensor | None, need_lora: bool) -> Tensor | None:
+        """``dX_g += (dS' A) ⊙ M`` in place (when ``dx_g`` is given); returns
+        ``dS'^T (X ⊙ M)`` ``(G, R, K)`` when ``need_lora``, else None."""
+        dA_g = A_g.new_zeros(A_g.shape) if need_lora else None
+        for members, rows, mask, product in self:
+            ds_t = ds_g[members, rows]  # (g, l, R)
+            if dA_g is not None:
+                xm = torch.mul(self.x_g[members, rows], mask, out=product)
+                dA_g[members].baddbmm_(ds_t.transpose(1, 2), xm)
+            if dx_g is not None:
+                dx_g[members, rows].addcmul_(torch.bmm(ds_t, A_g[members], out=product), mask)
+        return dA_g
 
 
 def _run_factor(run: _Run, dropping: bool, like: Tensor) -> float | Tensor:
@@ -440,11 +498,6 @@ def _run_factor(run: _Run, dropping: bool, like: Tensor) -> float | Tensor:
     return _per_member(tuple(s / (1.0 - p) for s, p in zip(run.scalings, run.dropouts, strict=True)), like)
 
 
-def _masked(t: Tensor, keep_g: Tensor | None) -> Tensor:
-    """``t ⊙ M`` (``t`` itself without a mask)."""
-    return t if keep_g is None else t * keep_g
-
-
 def _accumulate(grads: list[Tensor | None], adapters: tuple[int, ...], stacked: Tensor, weights: Sequence[Tensor]) -> None:
     """Adds ``stacked[i]``, cut to the unpadded shape, to the gradient of ``adapters[i]``
     (an adapter may recur in a run or across runs)."""
@@ -455,8 +508,7 @@ def _accumulate(grads: list[Tensor | None], adapters: tuple[int, ...], stacked: 
 
 
 def _torch_forward(x, weight, bias, lora_A, lora_B, routing, keep):
-    """Returns ``(Y, saved)``; ``saved`` holds per run ``(c S, A_g, B_g, M_g)`` for the backward,
-    ``M_g (G, L, K)`` the run's keep-mask rows as 0/1 in ``x``'s dtype (None without dropout).
+    """Returns ``(Y, saved)``; ``saved`` holds per run ``(c S, A_g, B_g)`` for the backward.
 
     With ``c = s / (1 - p)`` (:func:`_run_factor`), ``c (X ⊙ M) A^T = s Xd A^T = s S``: the
     expand input and, saved, the right factor of ``dB = G^T (s S)``.
@@ -465,11 +517,14 @@ def _torch_forward(x, weight, bias, lora_A, lora_B, routing, keep):
     saved = []
     for run in _runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0]):
         A_g, B_g = run.stacked(lora_A, lora_B)  # (G, R, K), (G, N, R)
-        keep_g = _run_keep(run, keep, x)
-        factor = _run_factor(run, keep_g is not None, x)
-        s_g = torch.bmm(_masked(run.rows(x), keep_g), A_g.transpose(1, 2)).mul_(factor)  # (G, L, R) = s S
+        dropping = _dropping(run, keep)
+        if dropping:
+            s_g = _MaskTiles(run, keep, x).shrink(A_g)  # (G, L, R) = (X ⊙ M) A^T
+        else:
+            s_g = torch.bmm(run.rows(x), A_g.transpose(1, 2))  # (G, L, R) = X A^T
+        s_g.mul_(_run_factor(run, dropping, x))  # s S
         run.rows(y).baddbmm_(s_g, B_g.transpose(1, 2))  # (G, L, N) += s S B^T, in the base output
-        saved += (s_g, A_g, B_g, keep_g)
+        saved += (s_g, A_g, B_g)
     return y, saved
 
 
@@ -483,28 +538,21 @@ def _torch_backward(grad_y, x, weight, lora_A, lora_B, routing, keep, saved, nee
     dA: list[Tensor | None] = [None] * len(lora_A)
     dB: list[Tensor | None] = [None] * len(lora_B)
     for i, run in enumerate(_runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0])):
-        s_g, A_g, B_g, keep_g = saved[4 * i : 4 * i + 4]  # (G, L, R), (G, R, K), (G, N, R), (G, L, K)
+        s_g, A_g, B_g = saved[3 * i : 3 * i + 3]  # (G, L, R), (G, R, K), (G, N, R)
         g_g = run.rows(grad_y)  # (G, L, N)
-        ds_g = torch.bmm(g_g, B_g).mul_(_run_factor(run, keep_g is not None, x))  # (G, L, R) = c G B
-        scratch = None  # a (G, L, K) temporary of ours, once dA is done with it
+        dropping = _dropping(run, keep)
+        ds_g = torch.bmm(g_g, B_g).mul_(_run_factor(run, dropping, x))  # (G, L, R) = c G B
+        dx_g = run.rows(dx) if need_x else None  # (G, L, K) view: written in place
+        if dropping:
+            dA_g = _MaskTiles(run, keep, x).backward(ds_g, A_g, dx_g, need_lora)
+        else:
+            dA_g = torch.bmm(ds_g.transpose(1, 2), run.rows(x)) if need_lora else None  # (G, R, K)
+            if dx_g is not None:
+                dx_g.baddbmm_(ds_g, A_g)  # += dS A
         if need_lora:
-            x_m = _masked(run.rows(x), keep_g)  # (G, L, K) = X ⊙ M, recomputed from the saved M
-            _accumulate(dA, run.adapters, torch.bmm(ds_g.transpose(1, 2), x_m), lora_A)  # (G, R, K)
-            _accumulate(dB, run.adapters, torch.bmm(g_g.transpose(1, 2), s_g), lora_B)  # (G, N, R)
-            scratch = x_m if keep_g is not None else None
-        if need_x:
-            _add_input_grad(run.rows(dx), ds_g, A_g, keep_g, scratch)
+            _accumulate(dA, run.adapters, dA_g, lora_A)
+            _accumulate(dB, run.adapters, torch.bmm(g_g.transpose(1, 2), s_g), lora_B)  # (G, N, R) = s G^T S
     return dx, dA, dB
-
-
-def _add_input_grad(dx_g: Tensor, ds_g: Tensor, A_g: Tensor, keep_g: Tensor | None, scratch: Tensor | None) -> None:
-    """``dX_g += (dS' A) ⊙ M`` in place into the ``G W`` buffer's rows ``dx_g (G, L, K)``: one
-    ``baddbmm_`` without a mask, else the product (into ``scratch`` when given, saving a
-    K-wide allocation) and one fused ``addcmul_``."""
-    if keep_g is None:
-        dx_g.baddbmm_(ds_g, A_g)
-    else:
-        dx_g.addcmul_(torch.bmm(ds_g, A_g, out=scratch), keep_g)
 
 
 # ---- the module ---------------------------------------------------------------------------------
