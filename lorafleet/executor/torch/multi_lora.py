@@ -551,7 +551,8 @@ def _torch_backward(grad_y, x, weight, lora_A, lora_B, routing, keep, saved, nee
                 dx_g.baddbmm_(ds_g, A_g)  # += dS A
         if need_lora:
             _accumulate(dA, run.adapters, dA_g, lora_A)
-            _accumulate(dB, run.adapters, torch.bmm(g_g.transpose(1, 2), s_g), lora_B)  # (G, N, R) = s G^T S
+            dB_g = torch.bmm(s_g.transpose(1, 2), g_g).transpose(1, 2)  # (G, N, R) = s G^T S, as (s S^T G)^T:
+            _accumulate(dB, run.adapters, dB_g, lora_B)  # ~25% faster; AccumulateGrad lays it out like B
     return dx, dA, dB
 
 
