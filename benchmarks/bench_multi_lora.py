@@ -8,9 +8,12 @@
   the per-adapter loop that mLoRA's BatchLoRA operator replaced.
 
 Every step draws dropout (p = 0.1, training mode), computes ``dX`` (the layer is inside a model)
-and the adapter gradients; the frozen base gets none. The methods run interleaved, repeat after
-repeat, in one process, and the table reports median-time ratios (baseline / ours), so machine
-noise hits all of them alike. ``ranks`` is ``equal`` (all rank r) or ``mixed`` (cycling r/4, r/2,
+and the adapter gradients; the frozen base gets none, and all three use the same base, inputs,
+upstream gradient, fp32 and dropout rate. After one warm-up step each, the methods run
+interleaved, repeat after repeat, in one process, each repeat starting with the next method in
+turn (so none always follows the same one), and the table reports median-time ratios
+(baseline / ours), so machine noise hits all of them alike. A row gets as many repeats as fit
+in about :data:`ROW_SECONDS` (judged from the warm-up), at least 3 and at most the sweep's. ``ranks`` is ``equal`` (all rank r) or ``mixed`` (cycling r/4, r/2,
 r, 2r with alpha = 2r: ours pads them to 2r in one batched GEMM, PEFT runs each at its own
 rank). ``load`` is the 1-minute load average when the row finished: on a shared 2-core machine,
 a load above ~2 means other processes hold the cores, and two-thread GEMMs then stall at their
@@ -18,7 +21,7 @@ barriers for whole scheduler slices; the ratios measure the scheduler, not the o
 ``--threads 1 --clock cpu`` there: CPU time of one thread does not count time spent descheduled.
 
     python benchmarks/bench_multi_lora.py                          # full sweep, 2 threads, wall clock
-    python benchmarks/bench_multi_lora.py --quick                  # a few shapes (~1-2 min)
+    python benchmarks/bench_multi_lora.py --quick                  # a few shapes (~1 min)
     python benchmarks/bench_multi_lora.py --threads 1 --clock cpu  # on a loaded machine
 """
 
@@ -51,16 +54,18 @@ class Sweep:
     ranks: str  # "equal" or "mixed", see adapter_specs
     tokens: tuple[int, ...]  # per adapter
     quick_tokens: tuple[int, ...]
-    repeats: int  # timed steps per method (after one warm-up); --quick uses a third, at least 3
+    repeats: int  # at most this many timed steps per method; --quick uses a third, at least 3
 
 
 TINY_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 SWEEPS = [
     Sweep("tiny-llama h=64", 64, 8, "equal", TINY_TOKENS, (16, 128, 2048), 21),
     Sweep("tiny-llama h=64", 64, 8, "mixed", TINY_TOKENS, (16, 128, 2048), 21),
-    Sweep("7B h=4096", 4096, 16, "equal", (16, 64, 128, 512, 2048), (16, 128), 3),
-    Sweep("7B h=4096", 4096, 16, "mixed", (16, 128, 2048), (16,), 3),
+    Sweep("7B h=4096", 4096, 16, "equal", (16, 64, 128, 512, 2048), (16, 128), 15),
+    Sweep("7B h=4096", 4096, 16, "mixed", (16, 128, 2048), (16,), 15),
 ]
+ROW_SECONDS = 30.0
+"""Timed seconds per row, all methods together (the slow 7B rows get 3 repeats whatever this is)."""
 
 
 def adapter_specs(rank: int, ranks: str) -> list[LoraSpec]:
@@ -133,15 +138,25 @@ def build(hidden: int, specs: list[LoraSpec], tokens: int) -> dict[str, Callable
     return {"ours": step_ours, "peft_seq": step_peft_seq, "naive": step_naive}
 
 
-def measure(steps: dict[str, Callable[[], None]], repeats: int, clock: Callable[[], float]) -> dict[str, float]:
-    """Median seconds per step; methods interleaved so drift affects all alike."""
+def measure(
+    steps: dict[str, Callable[[], None]], max_repeats: int, seconds: float, clock: Callable[[], float]
+) -> dict[str, float]:
+    """Median seconds per step; methods interleaved, in rotating order, so drift affects all alike.
+
+    Repeats: as many as fit in ``seconds`` at the warm-up's pace, at least 3, at most ``max_repeats``.
+    """
+    warm_up = 0.0
     for step in steps.values():  # warm-up: allocator, first-call dispatch
+        start = clock()
         step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
+        warm_up += clock() - start
+    repeats = min(max_repeats, max(3, int(seconds / warm_up)))
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(repeats):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             start = clock()
-            step()
+            steps[name]()
             times[name].append(clock() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
@@ -171,8 +186,9 @@ def main() -> None:
     for sweep in SWEEPS:
         specs = adapter_specs(sweep.rank, sweep.ranks)
         repeats = max(3, sweep.repeats // 3) if args.quick else sweep.repeats
+        seconds = ROW_SECONDS / 3 if args.quick else ROW_SECONDS
         for tokens in sweep.quick_tokens if args.quick else sweep.tokens:
-            median = measure(build(sweep.hidden, specs, tokens), repeats, clock)
+            median = measure(build(sweep.hidden, specs, tokens), repeats, seconds, clock)
             vs_peft, vs_naive = median["peft_seq"] / median["ours"], median["naive"] / median["ours"]
             rows.append((tokens, vs_peft, vs_naive))
             print(

@@ -551,8 +551,8 @@ def _torch_backward(grad_y, x, weight, lora_A, lora_B, routing, keep, saved, nee
                 dx_g.baddbmm_(ds_g, A_g)  # += dS A
         if need_lora:
             _accumulate(dA, run.adapters, dA_g, lora_A)
-            dB_g = torch.bmm(s_g.transpose(1, 2), g_g).transpose(1, 2)  # (G, N, R) = s G^T S, as (s S^T G)^T:
-            _accumulate(dB, run.adapters, dB_g, lora_B)  # ~25% faster; AccumulateGrad lays it out like B
+            dB_g = torch.bmm(s_g.transpose(1, 2), g_g).transpose(1, 2).contiguous()  # (G, N, R) = s G^T S
+            _accumulate(dB, run.adapters, dB_g, lora_B)  # as (s S^T G)^T: measured ~25% faster, copy included
     return dx, dA, dB
 
 
