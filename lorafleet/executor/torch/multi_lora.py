@@ -447,21 +447,32 @@ class _MaskTiles:
     converts vectorised, ~3x faster than from bool) and multiplies there. The tiles stay in
     cache between the elementwise op and the GEMM that reads them, no K-wide temporary is
     allocated per call (on CPU a fresh multi-MiB buffer costs a page fault per 4 KiB), and
-    only the 1-byte mask is saved for the backward.
+    only the 1-byte mask is saved for the backward. A run that is one tile (short segments,
+    where per-op overhead dominates) is neither sliced nor given a scratch.
     """
 
     def __init__(self, run: _Run, keep: Tensor, x: Tensor) -> None:
         self.keep_g = run.rows(keep.view(torch.uint8))  # (G, L, K) bytes, 0/1
         self.x_g = run.rows(x)  # (G, L, K)
         self.tiles = _tiles(run, x.shape[1], x.element_size())
+        self.whole = len(self.tiles) == 1
         members, rows = self.tiles[0]
         shape = (len(range(*members.indices(len(run.adapters)))), len(range(*rows.indices(run.length))), x.shape[1])
-        self.scratch = x.new_empty((2, *shape))  # a mask tile and a product tile
+        self.scratch = None if self.whole else (x.new_empty(shape), x.new_empty(shape))  # mask, product
 
-    def __iter__(self) -> Iterator[tuple[slice, slice, Tensor, Tensor]]:
-        """Yields ``(members, rows, M tile as 0/1 floats, free product tile)`` per tile."""
+    def cut(self, t: Tensor, members: slice, rows: slice | None = None) -> Tensor:
+        """A tile of a run-shaped ``(G, L, ·)`` tensor, or of a ``(G, ·, ·)`` one without ``rows``."""
+        if self.whole:
+            return t
+        return t[members] if rows is None else t[members, rows]
+
+    def __iter__(self) -> Iterator[tuple[slice, slice, Tensor, Tensor | None]]:
+        """Yields ``(members, rows, M tile as 0/1 floats, product tile or None to allocate)``."""
         for members, rows in self.tiles:
-            keep_t = self.keep_g[members, rows]
+            keep_t = self.cut(self.keep_g, members, rows)
+            if self.scratch is None:
+                yield members, rows, keep_t.to(self.x_g.dtype), None
+                continue
             mask, product = (buf[: keep_t.shape[0], : keep_t.shape[1]] for buf in self.scratch)
             yield members, rows, mask.copy_(keep_t), product
 
@@ -469,21 +480,27 @@ class _MaskTiles:
         """``(X ⊙ M) A^T`` ``(G, L, R)``."""
         s_g = self.x_g.new_empty((*self.x_g.shape[:2], A_g.shape[1]))
         for members, rows, mask, product in self:
-            xm = torch.mul(self.x_g[members, rows], mask, out=product)
-            torch.bmm(xm, A_g[members].transpose(1, 2), out=s_g[members, rows])
+            xm = torch.mul(self.cut(self.x_g, members, rows), mask, out=product)
+            torch.bmm(xm, self.cut(A_g, members).transpose(1, 2), out=self.cut(s_g, members, rows))
         return s_g
 
     def backward(self, ds_g: Tensor, A_g: Tensor, dx_g: Tensor | None, need_lora: bool) -> Tensor | None:
         """``dX_g += (dS' A) ⊙ M`` in place (when ``dx_g`` is given); returns
-        ``dS'^T (X ⊙ M)`` ``(G, R, K)`` when ``need_lora``, else None."""
-        dA_g = A_g.new_zeros(A_g.shape) if need_lora else None
+        ``dS'^T (X ⊙ M)`` ``(G, R, K)`` when ``need_lora``, else None. A member's first row tile
+        writes its ``dA`` rows, the next ones add to them."""
+        dA_g = A_g.new_empty(A_g.shape) if need_lora else None
         for members, rows, mask, product in self:
-            ds_t = ds_g[members, rows]  # (g, l, R)
+            ds_t = self.cut(ds_g, members, rows)  # (g, l, R)
             if dA_g is not None:
-                xm = torch.mul(self.x_g[members, rows], mask, out=product)
-                dA_g[members].baddbmm_(ds_t.transpose(1, 2), xm)
+                xm = torch.mul(self.cut(self.x_g, members, rows), mask, out=product)
+                dA_t = self.cut(dA_g, members)
+                if rows.start == 0:
+                    torch.bmm(ds_t.transpose(1, 2), xm, out=dA_t)
+                else:
+                    dA_t.baddbmm_(ds_t.transpose(1, 2), xm)
             if dx_g is not None:
-                dx_g[members, rows].addcmul_(torch.bmm(ds_t, A_g[members], out=product), mask)
+                product = torch.bmm(ds_t, self.cut(A_g, members), out=product)
+                self.cut(dx_g, members, rows).addcmul_(product, mask)
         return dA_g
 
 
