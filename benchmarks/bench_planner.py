@@ -70,7 +70,7 @@ def part_time() -> None:
     print(f"(1-minute load average of this 2-core machine now: {os.getloadavg()[0]:.1f}; wall times stretch with it)")
 
 
-def random_workload(rng: np.random.Generator, path: Path) -> Workload:
+def random_workload(rng: np.random.Generator, path: Path, recompute: str = "auto") -> Workload:
     tasks = []
     for k in range(int(rng.integers(2, 5))):
         context = int(rng.choice([2048, 4096, 8192]))
@@ -79,16 +79,16 @@ def random_workload(rng: np.random.Generator, path: Path) -> Workload:
         tasks.append({"name": f"t{k}", "batch_size": int(rng.choice([32, 64, 128])), "context_length": context,
                       "lengths": {"histogram": {int(v): int(c) for v, c in zip(values, counts)}}})
     path.write_text(yaml.safe_dump({"model": "llama2-7b", "cluster": {"gpu": "A100-40GB", "nodes": 1, "gpus_per_node": 8},
-                                    "seed": int(rng.integers(1000)), "tasks": tasks}))
+                                    "recompute": recompute, "seed": int(rng.integers(1000)), "tasks": tasks}))
     return load_workload(path)
 
 
-def part_optimality(n_workloads: int, tmp: Path) -> None:
-    print(f"\n== 2. optimality: {n_workloads} random workloads, llama2-7b on 8 x A100-40GB (analytic) ==")
+def part_optimality(n_workloads: int, tmp: Path, recompute: str = "auto") -> None:
+    print(f"\n== 2. optimality: {n_workloads} random workloads, llama2-7b on 8 x A100-40GB (analytic), recompute {recompute} ==")
     options = PlannerOptions(robust_samples=0, baselines=False)
     gaps, plans, times = [], [], []
     for seed in range(n_workloads):
-        workload = random_workload(np.random.default_rng(seed), tmp / f"random-{seed}.yaml")
+        workload = random_workload(np.random.default_rng(seed), tmp / f"random-{seed}.yaml", recompute)
         cluster = workload.cluster
         cost_model = workload_cost_model(workload, cluster)
         start = time.perf_counter()
@@ -147,6 +147,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", action="append", choices=("time", "optimality", "quality"))
     parser.add_argument("--workloads", type=int, default=20, help="random workloads of the optimality part")
+    parser.add_argument("--recompute", default="auto", choices=("auto", "off", "on"),
+                        help="the random workloads' recompute policy (optimality part)")
     args = parser.parse_args()
     parts = args.part or ["time", "optimality", "quality"]
     warnings.simplefilter("error", SolverFallbackWarning)  # a fallback would make the figures meaningless
@@ -155,7 +157,7 @@ def main() -> None:
     if "time" in parts:
         part_time()
     if "optimality" in parts:
-        part_optimality(args.workloads, tmp)
+        part_optimality(args.workloads, tmp, args.recompute)
     if "quality" in parts:
         part_quality()
 

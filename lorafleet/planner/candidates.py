@@ -50,17 +50,24 @@ def _rank(c: Candidate) -> tuple[float, int, int, bool]:
 
 
 def propose_candidates(candidates: Sequence[Candidate], longest: int) -> tuple[Candidate, ...]:
-    """LobRA's configuration proposal: the best-throughput config per (max-token class, GPU count).
+    """LobRA's configuration proposal: the best-throughput config per (max-token class, GPU
+    count), and the best one without pipeline stages of each such group as well; configs with
+    and without activation recomputation are proposed apart (so the plain ones are exactly
+    those a ``recompute: off`` workload gets).
 
     That is their paper's ``GROUP BY num_gpus, seq_len`` rule (their code drops, within a
     class, GPU counts above the best config's; on this repository's test instances that
-    loses up to 5 % against exhaustive search, so the paper's rule it is). The best config
-    whose M holds the longest sequence is always kept, so a class boundary never removes
-    every config that can.
+    loses up to 5 % against exhaustive search, so the paper's rule it is). Their throughput
+    prices a pipeline's bubble over 16 micro-batches, more than a replica gets when
+    heterogeneous replicas share a step, so it favours pipelines: the best unpipelined
+    config of a group is kept too (with recomputing variants, a ``<2,1,rc>`` that the
+    rule dropped for ``<1,2,rc>`` made a 7B plan 2.9% faster). The best config whose M
+    holds the longest sequence is always kept, so a class boundary never removes every
+    config that can.
     """
-    groups: dict[tuple[int, int], list[Candidate]] = {}
+    groups: dict[tuple[int, int, bool, bool], list[Candidate]] = {}
     for c in candidates:
-        groups.setdefault((max_token_class(c.max_tokens), c.n_gpus), []).append(c)
+        groups.setdefault((max_token_class(c.max_tokens), c.n_gpus, c.config.pp > 1, c.config.recompute), []).append(c)
     kept = {min(members, key=_rank) for members in groups.values()}
     holders = [c for c in candidates if c.max_tokens >= longest]
     if holders:

@@ -64,6 +64,10 @@ class PlannerOptions:
     """Seed of the sampled batches; None: the workload's seed."""
     tie_rel: float = 5e-3
     """Makespans within this fraction count as equal, and the plan with fewer GPUs wins (idle GPUs)."""
+    polish_starts: int = 4
+    """Decomposed mode: the best plans a local search of GPU-neutral swaps starts from."""
+    polish_evaluations: int = 64
+    """... and the swapped deployments it looks at, at most, in all (0: no polish)."""
     enumeration_limit: int = 20_000
     """Exhaustive mode refuses instances with more deployments than this."""
     baselines: bool = True
@@ -73,13 +77,14 @@ class PlannerOptions:
         coerce_enum_fields(self, OPTIONS_SOURCE, {"mode": PlannerMode, "solver": SolverName, "microbatch_mode": MicroBatchMode})
         positive = {"time_limit_s": self.time_limit_s, "n_buckets": self.n_buckets, "pool_size": self.pool_size,
                     "min_survivors": self.min_survivors, "robust_top": self.robust_top, "search_rounds": self.search_rounds, "enumeration_limit": self.enumeration_limit,
-                    "race_rung": self.race_rung}
+                    "race_rung": self.race_rung, "polish_starts": self.polish_starts}
         for name, value in positive.items():
             if not value > 0:
                 raise InputError(OPTIONS_SOURCE, name, f"must be > 0, got {value}")
         for name, value in {"gap_rel": self.gap_rel, "tie_rel": self.tie_rel, "lower_bound_threshold": self.lower_bound_threshold}.items():
             if not 0 <= value < 1:
                 raise InputError(OPTIONS_SOURCE, name, f"must be in [0, 1), got {value}")
-        for name, value in {"exact_top": self.exact_top, "robust_samples": self.robust_samples}.items():
+        for name, value in {"exact_top": self.exact_top, "robust_samples": self.robust_samples,
+                            "polish_evaluations": self.polish_evaluations}.items():
             if value < 0:
                 raise InputError(OPTIONS_SOURCE, name, f"must be >= 0, got {value}")

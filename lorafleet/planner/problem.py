@@ -181,6 +181,10 @@ class PlanningProblem:
                 start += int(p)
         return tuple(classes)
 
+    def restricted(self, keep: Sequence[int]) -> PlanningProblem:
+        """The same planning question over candidates ``keep`` only (their own planning buckets)."""
+        return build_problem(self.batch, [self.candidates[i] for i in keep], self.cost_model, self.cluster, self.dispatch)
+
     def plan_view(self, replicas: np.ndarray) -> tuple[LoadModel, Assignment]:
         """Deployment p as its steps will see the expected batch: the dispatcher's buckets for the
         deployed configs' M (its DP, ``dispatch.n_buckets``), their load model, and LobRA's

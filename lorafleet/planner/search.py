@@ -15,7 +15,7 @@ a :class:`~lorafleet.errors.SolverFallbackWarning`.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -142,6 +142,33 @@ def _evaluate_survivors(pool: Sequence[PoolEntry], options: PlannerOptions) -> l
 
 
 def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
+    """The decomposed search (``_decomposed_search``), run again on the configs without
+    activation recomputation when the candidates mix both, its plans judged in the full problem.
+
+    Recomputing variants double the candidates; the MILP-guided branching then explores a
+    larger space in the same rounds and can miss a plan it finds when they are absent (2 of
+    20 random 7B workloads, +2.9%). Searching the plain sub-problem too means allowing
+    recomputation never yields a worse expected plan than forbidding it.
+    """
+    outcome = _decomposed_search(problem, options)
+    plain = [i for i, c in enumerate(problem.candidates) if not c.config.recompute]
+    if not 0 < len(plain) < len(problem.candidates) or max(problem.candidates[i].max_tokens for i in plain) < problem.batch.lengths.max():
+        return outcome
+    sub = problem.restricted(plain)
+    sub_outcome = _decomposed_search(sub, options)
+    pool, seen = list(outcome.pool), {tuple(e.replicas) for e in outcome.pool}
+    for entry in sub_outcome.pool:
+        replicas = np.zeros(len(problem.candidates), dtype=np.int64)
+        replicas[plain] = entry.replicas
+        if tuple(replicas) not in seen:
+            seen.add(tuple(replicas))
+            pool.append(_entry(problem, replicas, f"plain:{entry.source}", entry.relaxed_makespan))
+    return SearchOutcome(pool=tuple(_evaluate_survivors(_filter(problem, pool, options), options)),
+                         solves=(*outcome.solves, *sub_outcome.solves), notes=(*outcome.notes, *sub_outcome.notes),
+                         fell_back=outcome.fell_back and sub_outcome.fell_back)
+
+
+def _decomposed_search(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
     """The heuristic plan, the aggregated MILP's optimum and branch optima around the best plan so far.
 
     Round r: branches around the center (the MILP's optimum at first, then the plan the
@@ -253,13 +280,87 @@ def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions)
         current = best
 
 
+def _swaps(problem: PlanningProblem, replicas: np.ndarray) -> Iterator[np.ndarray]:
+    """Deployments on the same GPUs: one replica of a deployed config i traded for N_i / N_j
+    replicas of config j (N_j dividing N_i), or N_j / N_i replicas of i for one of j."""
+    gpus = problem.gpus
+    for i in np.flatnonzero(replicas > 0):
+        for j in range(len(replicas)):
+            if j == i:
+                continue
+            if gpus[i] % gpus[j] == 0:
+                give, take = 1, gpus[i] // gpus[j]
+            elif gpus[j] % gpus[i] == 0:
+                give, take = gpus[j] // gpus[i], 1
+            else:
+                continue
+            if replicas[i] >= give:
+                swapped = replicas.copy()
+                swapped[i] -= give
+                swapped[j] += take
+                if problem.fits(swapped):
+                    yield swapped
+
+
+def polished(problem: PlanningProblem, starts: Sequence[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
+    """Local search from each of ``starts``: GPU-neutral swaps (:func:`_swaps`), first
+    improvement, until none helps; at most ``options.polish_evaluations`` deployments looked
+    at in all. Returns the improved plans (none when no swap helps).
+
+    The aggregated MILP prices a plan by a fluid model, so its optimum and branches can all
+    sit one trade away from the best plan, the more so when every layout also comes with
+    activation recomputation (a case: ``<1,1> x 4 + <1,2> + <1,1,rc> x 2`` found, one
+    ``<1,1,rc>`` -> ``<1,1>`` swap 8% faster). A swap is evaluated only when its Theorem-1
+    bound is below the current makespan.
+    """
+    looked, seen, found = 0, {tuple(e.replicas) for e in starts}, []
+    for start in starts:
+        current = start
+        while looked < options.polish_evaluations:
+            better = None
+            for replicas in _swaps(problem, current.replicas):
+                if looked >= options.polish_evaluations:
+                    break
+                if tuple(replicas) in seen:
+                    continue
+                seen.add(tuple(replicas))
+                looked += 1
+                candidate = _entry(problem, replicas, f"swap:{start.source}")
+                if not candidate.survived or candidate.lower_bound >= current.expected_makespan:
+                    continue
+                candidate = replace(candidate, expected=evaluate(candidate.load, exact=False, options=options)[0])
+                if candidate.expected_makespan < current.expected_makespan * (1 - options.tie_rel):
+                    better = candidate
+                    break
+            if better is None:
+                break
+            current = better
+        if current is not start:
+            found.append(current)
+    return found
+
+
+def _polish_starts(problem: PlanningProblem, ranked: Sequence[PoolEntry], k: int) -> list[PoolEntry]:
+    """The best plan, the best of the other family (with or without a recomputing replica: a
+    swap rarely turns one into the other), then the next best, ``k`` in all."""
+    def recomputes(e: PoolEntry) -> bool:
+        return any(problem.candidates[i].config.recompute for i in np.flatnonzero(e.replicas))
+
+    if not ranked:
+        return []
+    other = [e for e in ranked if recomputes(e) != recomputes(ranked[0])][:1]
+    rest = [e for e in ranked[1:] if all(e is not o for o in other)]
+    return [ranked[0], *other, *rest][:k]
+
+
 def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOutcome, list[PoolEntry]]:
     """The pool of ``options.mode`` and its survivors with their expected dispatch, best first.
 
     Every survivor gets the fast expected dispatch; the best ``exact_top`` are then
-    re-solved by the exact dispatch ILP. The preferred one (least expected makespan, or
-    within ``tie_rel`` of it on fewer GPUs) is also offered with idle replicas trimmed
-    (:func:`trimmed`); the list returned starts with the preferred plan, then the others
+    re-solved by the exact dispatch ILP. In decomposed mode the best ``polish_starts`` are
+    polished by GPU-neutral swaps (:func:`polished`). The preferred one (least expected
+    makespan, or within ``tie_rel`` of it on fewer GPUs) is also offered with idle replicas
+    trimmed (:func:`trimmed`); the list returned starts with the preferred plan, then the others
     by expected makespan.
     """
     outcome = POOLS[options.mode](problem, options)
@@ -270,6 +371,9 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
         expected, result = evaluate(entry.load, exact=True, options=options)
         ranked[k] = replace(entry, expected=expected)
         solves.append(result)
+    if options.mode is PlannerMode.DECOMPOSED:
+        ranked.extend(polished(problem, _polish_starts(problem, ranked, options.polish_starts), options))
+        ranked.sort(key=lambda e: (e.expected_makespan, e.used_gpus))
     if ranked:
         trim = trimmed(problem, _preferred_entry(ranked, options), options)
         ranked.extend([trim] if trim is not None else [])
