@@ -1,6 +1,7 @@
 """``lorafleet costmodel predict|check``: query a cost model, or check a profile against its held-out records.
 
     lorafleet costmodel predict --model llama2-7b --gpu A100-40GB --tp 2 --seq-len 2048 --mbs 4
+    lorafleet costmodel predict --model llama2-70b --gpu A800-80GB --tp 4 --recompute --seq-len 16384 --mbs 1
     lorafleet costmodel predict --model llama2-7b --csv ../shared/reference/lobra_a100_40gb_llama2_7b_layer_time.csv
     lorafleet costmodel predict --profile profiles/tiny-llama-cpu.json --model tiny-llama --tp 1 --seq-len 256 --mbs 4
     lorafleet costmodel check profiles/tiny-llama-cpu.json
@@ -38,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     predict.add_argument("--sync-replicas", type=int, default=2, help="replicas in the adapters' gradient all-reduce")
     predict.add_argument("--tp", type=int, help="tensor-parallel degree")
     predict.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    predict.add_argument("--recompute", action="store_true", help="with activation recomputation (<tp,pp,rc>)")
     predict.add_argument("--seq-len", type=int, help="padded sequence length s")
     predict.add_argument("--mbs", type=int, help="sequences per micro-batch b")
     predict.add_argument("--csv", help="CSV of micro-batches instead of --tp/--seq-len/--mbs")
@@ -93,14 +95,15 @@ def _predict_one(cm, args: argparse.Namespace) -> None:
 
     if args.seq_len is None or args.mbs is None or args.seq_len < 1 or args.mbs < 1:
         raise InputError(ARGS, "--seq-len/--mbs", "give positive --tp, --seq-len and --mbs, or --csv")
-    config = _config(cm, args.tp, args.pp, ARGS, "--tp")
+    config = _config(cm, args.tp, args.pp, ARGS, "--tp").with_recompute(args.recompute)
+    layer = cm.layer_time[config.tp].recomputed() if config.recompute else cm.layer_time[config.tp]
     mb = MicroBatchShape.padded(args.mbs, args.seq_len)
     m = cm.max_tokens(config)
     tau = cm.shape_time(config, mb)
     print(f"cost model        {cm.source}")
     print(f"config            {config}  max tokens M = {m}")
     print(f"micro-batch       {args.mbs} x {args.seq_len} = {mb.tokens} tokens: {'fits' if 0 < mb.tokens <= m else 'exceeds M'}")
-    print(f"per-layer time    {cm.layer_time[config.tp](args.mbs, args.seq_len):.3f} ms  (LobRA t(b, s))")
+    print(f"per-layer time    {layer(args.mbs, args.seq_len):.3f} ms  (LobRA t(b, s){', recomputed' if config.recompute else ''})")
     print(f"stage time        {tau * MS_PER_S:.3f} ms  ({cm.model.n_layers // config.pp} layers + head + transfers)")
     print(f"step overhead     {cm.step_overhead(config) * MS_PER_S:.3f} ms  (adapter all-reduce over {cm.sync_replicas} + optimizer)")
     print(f"replica step      {cm.replica_time(config, [mb]) * MS_PER_S:.3f} ms  (this micro-batch alone)")

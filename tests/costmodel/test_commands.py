@@ -45,6 +45,16 @@ def test_predict_one_micro_batch_analytic(capsys):
     assert "analytic:A100-40GB" in out and "max tokens M" in out and "per-layer time" in out and "replica step" in out
 
 
+def test_predict_with_recompute_holds_what_the_plain_config_cannot(capsys):
+    argv = ["costmodel", "predict", "--model", "llama2-70b", "--gpu", "A800-80GB", "--tp", "4", "--seq-len", "16384", "--mbs", "1"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main([*argv, "--recompute"]) == 0
+    rc = capsys.readouterr().out
+    assert "<4,1>" in plain and "exceeds M" in plain
+    assert "<4,1,rc>" in rc and "fits" in rc and "recomputed" in rc
+
+
 def test_predict_csv_adds_pred_ms(reference_dir, tmp_path, capsys):
     out_path = tmp_path / "pred.csv"
     assert main(["costmodel", "predict", "--model", "llama2-7b", "--csv", str(reference_dir / LAYER_TIME_CSV), "--out", str(out_path)]) == 0
