@@ -209,17 +209,18 @@ class ProfiledReplica:
 
         pp = 1: the whole step. pp > 1: the first stage under 1F1B's warm-up (pp micro-batches of
         its layers forward, all held, then their backwards) and the last (received activations,
-        its layers, head and loss).
+        its layers, head and loss). With ``config.recompute`` every block runs as the executor
+        runs it then, under activation checkpointing.
         """
         tp, tp_rank = self.tp_position
-        layout = stage_layout(tp, config.pp, self.spec.n_layers)
+        layout = stage_layout(tp, config.pp, self.spec.n_layers, config.recompute)
         first, last = role_in(layout, 0, tp_rank), role_in(layout, config.pp - 1, tp_rank)
         if config.pp == 1:
             r = self.replica
 
             def whole(tokens: int) -> None:
                 mb, examples, inv = self._one(MicroBatchShape.padded(1, tokens), 0)
-                run_rank_step(r.model, r.role, r.neighbours, (mb,), dict(zip(mb.seq_ids, examples)), inv)
+                run_rank_step(r.model, first, r.neighbours, (mb,), dict(zip(mb.seq_ids, examples)), inv)
 
             return {"replica": (self.static_bytes(first.layers, True, True), whole)}
 

@@ -256,6 +256,7 @@ class _Worker:
             MemoryRecord(
                 tp=config.tp,
                 pp=config.pp,
+                recompute=config.recompute,
                 max_tokens=max_tokens,
                 budget_bytes=line.budget_bytes,
                 static_bytes=line.static_bytes,

@@ -27,9 +27,9 @@ def role_in(layout: ReplicaLayout, stage: int, tp_rank: int) -> RankRole:
     return RankRole(layout.stage_ranks(stage)[tp_rank], layout, stage, tp_rank)
 
 
-def stage_layout(tp: int, pp: int, n_layers: int) -> ReplicaLayout:
+def stage_layout(tp: int, pp: int, n_layers: int, recompute: bool = False) -> ReplicaLayout:
     """One replica of ⟨tp, pp⟩ on ranks 0..tp*pp-1 (the profiler emulates its stages one at a time)."""
-    return ReplicaLayout(0, tp, pp, tuple(range(tp * pp)), n_layers)
+    return ReplicaLayout(0, tp, pp, tuple(range(tp * pp)), n_layers, recompute)
 
 
 def part_role(tp: int, tp_rank: int, *, embeds: bool, heads: bool) -> RankRole:

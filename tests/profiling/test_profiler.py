@@ -13,7 +13,7 @@ from lorafleet.profiling.run import MIB, ProfileSettings, measure_profile
 from lorafleet.specs.model import MODEL_PRESETS
 
 TINY = MODEL_PRESETS["tiny-llama"]
-CONFIGS = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1))
+CONFIGS = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1), ParallelConfig(1, 1, recompute=True))
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,8 @@ def test_max_tokens_are_searched_against_the_budget(profile):
     # A TP2 rank holds half the FFN activations; a PP2 stage half the blocks.
     assert m[ParallelConfig(2, 1)].max_tokens > m[ParallelConfig(1, 1)].max_tokens
     assert m[ParallelConfig(1, 2)].max_tokens > m[ParallelConfig(1, 1)].max_tokens
+    # Recomputation keeps one hidden state per block instead of every activation.
+    assert m[ParallelConfig(1, 1, recompute=True)].max_tokens > 1.5 * m[ParallelConfig(1, 1)].max_tokens
     for r in m.values():  # the fitted memory line agrees with the search (which stops within 1/16)
         assert r.line.max_tokens() == pytest.approx(r.max_tokens, rel=0.15)
 

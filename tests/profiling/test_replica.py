@@ -95,6 +95,19 @@ def test_stage_runs_grow_with_tokens_and_halve_under_pp(replica):
     assert peak(halves["last"][1], 256) < peaks[1]  # half the blocks, one micro-batch
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_recomputing_stages_peak_lower(replica, pp):
+    replica.prime()
+    plain = replica.stage_runs(ParallelConfig(1, pp))
+    rc = replica.stage_runs(ParallelConfig(1, pp, recompute=True))
+    for name, (static, run) in plain.items():
+        replica.clear_grads()
+        plain_peak = peak_bytes(lambda: run(512))
+        replica.clear_grads()
+        rc_peak = peak_bytes(lambda: rc[name][1](512))
+        assert rc[name][0] == static and rc_peak < plain_peak
+
+
 def test_timed_runs_run(replica):
     for run in (replica.blocks_run(MicroBatchShape.packed([7, 4]), task=1), replica.head_run(16),
                 replica.step_run([MicroBatchShape.padded(2, 8), MicroBatchShape.packed([5, 3])], None)):
