@@ -13,9 +13,10 @@ upstream gradient, fp32 and dropout rate. After one warm-up step each, the metho
 interleaved, repeat after repeat, in one process, each repeat starting with the next method in
 turn (so none always follows the same one), and the table reports median-time ratios
 (baseline / ours), so machine noise hits all of them alike. A row gets as many repeats as fit
-in about :data:`ROW_SECONDS` (judged from the warm-up), at least 3 and at most the sweep's. ``ranks`` is ``equal`` (all rank r) or ``mixed`` (cycling r/4, r/2,
-r, 2r with alpha = 2r: ours pads them to 2r in one batched GEMM, PEFT runs each at its own
-rank). ``load`` is the 1-minute load average when the row finished: on a shared 2-core machine,
+in about :data:`ROW_SECONDS` (judged from the warm-up), at least 3 and at most the sweep's.
+``ranks`` is ``equal`` (all rank r) or ``mixed`` (cycling r/4, r/2, r, 2r with alpha = 2r: ours
+pads them to 2r in one batched GEMM, or splits the run by rank where that pays; PEFT runs each
+at its own rank). ``load`` is the 1-minute load average when the row finished: on a shared 2-core machine,
 a load above ~2 means other processes hold the cores, and two-thread GEMMs then stall at their
 barriers for whole scheduler slices; the ratios measure the scheduler, not the operator. Use
 ``--threads 1 --clock cpu`` there: CPU time of one thread does not count time spent descheduled.
