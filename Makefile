@@ -33,7 +33,7 @@ demo: setup
 	$(MAKE) demo-train
 
 # A short real training run: SmolLM2-135M on the four demo tasks (examples/demo), CPU, gloo.
-# Slow on 2 cores (minutes per step); writes PEFT adapters and metrics under runs/demo-train.
+# ~15 s a step on a quiet 2-core machine; writes PEFT adapters and metrics under runs/demo-train.
 demo-train: setup
 	mkdir -p runs/demo-train
 	$(BIN)/lorafleet plan examples/demo/workload.yaml --gpus 1 --gpu cpu --json runs/demo-train/plan.json

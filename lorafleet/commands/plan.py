@@ -69,7 +69,7 @@ def comparison_table(result):
     for column in ("method", "GPUs", "makespan (s)", "GPU-seconds", "lorafleet: makespan", "lorafleet: GPU-s"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for cost in result.costs:
-        cut = ("", "") if cost.name == LORAFLEET else tuple(f"{-r:+.1%}" for r in result.reduction(cost.name))
+        cut = ("", "") if cost.name == LORAFLEET else tuple(f"{0.0 - r:+.1%}" for r in result.reduction(cost.name))
         table.add_row(cost.name, str(cost.gpus), f"{cost.makespan_s:.3f}", f"{cost.gpu_seconds:.1f}", *cut)
     return table
 
