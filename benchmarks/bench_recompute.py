@@ -20,16 +20,16 @@ from pathlib import Path
 
 import torch
 
-from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.build import load_cost_model
+from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import FORWARD_SHARE
 from lorafleet.data.tokenize import Example
 from lorafleet.executor.torch.attention import use_document_attention
 from lorafleet.executor.torch.base_model import ModelSource, SourceKind, load_causal_lm
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.layout import FleetLayout, ModelDims
-from lorafleet.executor.torch.step import build_inputs, stage_forward
 from lorafleet.executor.torch.pipeline import split_for_pipeline
+from lorafleet.executor.torch.step import build_inputs, stage_forward
 from lorafleet.plans import DeploymentPlan, MicroBatch, ReplicaSpec
 from lorafleet.specs.lora import LoraSpec
 from lorafleet.specs.model import MODEL_PRESETS
