@@ -31,7 +31,8 @@ def test_cli_surface_is_frozen():
 
 @pytest.fixture
 def workload(tmp_path, tiny_tokenizer_dir):
-    """Two demo tasks on tiny-llama (the project's tiny tokenizer), and a two-replica plan for them."""
+    """Two demo tasks on tiny-llama (the project's tiny tokenizer), and a two-replica plan for
+    them, the second recomputing activations."""
     path = tmp_path / "w.yaml"
     path.write_text(
         f"model: tiny-llama\ntokenizer: {tiny_tokenizer_dir}\n"
@@ -41,7 +42,7 @@ def workload(tmp_path, tiny_tokenizer_dir):
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
         f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128}}\n"
     )
-    plan = replace(h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat"))
+    plan = replace(h.plan_of((1, 1), (1, 1, True)), gpu="A100-40GB", tasks=("docsum", "chat"))
     plan.save(tmp_path / "plan.json")
     return path, tmp_path / "plan.json"
 
