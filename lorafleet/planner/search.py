@@ -152,8 +152,9 @@ def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> Search
     """
     outcome = _decomposed_search(problem, options)
     plain = [i for i, c in enumerate(problem.candidates) if not c.config.recompute]
-    if not 0 < len(plain) < len(problem.candidates) or max(problem.candidates[i].max_tokens for i in plain) < problem.batch.lengths.max():
-        return outcome
+    mixed = 0 < len(plain) < len(problem.candidates)
+    if not mixed or max(problem.candidates[i].max_tokens for i in plain) < problem.batch.lengths.max():
+        return outcome  # nothing to compare with, or no plain config holds the longest sequence
     sub = problem.restricted(plain)
     sub_outcome = _decomposed_search(sub, options)
     pool, seen = list(outcome.pool), {tuple(e.replicas) for e in outcome.pool}
