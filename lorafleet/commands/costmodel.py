@@ -96,14 +96,13 @@ def _predict_one(cm, args: argparse.Namespace) -> None:
     if args.seq_len is None or args.mbs is None or args.seq_len < 1 or args.mbs < 1:
         raise InputError(ARGS, "--seq-len/--mbs", "give positive --tp, --seq-len and --mbs, or --csv")
     config = _config(cm, args.tp, args.pp, ARGS, "--tp").with_recompute(args.recompute)
-    layer = cm.layer_time[config.tp].recomputed() if config.recompute else cm.layer_time[config.tp]
     mb = MicroBatchShape.padded(args.mbs, args.seq_len)
     m = cm.max_tokens(config)
     tau = cm.shape_time(config, mb)
     print(f"cost model        {cm.source}")
     print(f"config            {config}  max tokens M = {m}")
     print(f"micro-batch       {args.mbs} x {args.seq_len} = {mb.tokens} tokens: {'fits' if 0 < mb.tokens <= m else 'exceeds M'}")
-    print(f"per-layer time    {layer(args.mbs, args.seq_len):.3f} ms  (LobRA t(b, s){', recomputed' if config.recompute else ''})")
+    print(f"per-layer time    {cm.block_coeffs(config)(args.mbs, args.seq_len):.3f} ms  (LobRA t(b, s){', recomputed' if config.recompute else ''})")
     print(f"stage time        {tau * MS_PER_S:.3f} ms  ({cm.model.n_layers // config.pp} layers + head + transfers)")
     print(f"step overhead     {cm.step_overhead(config) * MS_PER_S:.3f} ms  (adapter all-reduce over {cm.sync_replicas} + optimizer)")
     print(f"replica step      {cm.replica_time(config, [mb]) * MS_PER_S:.3f} ms  (this micro-batch alone)")

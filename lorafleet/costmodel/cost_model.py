@@ -90,6 +90,12 @@ class CostModel:
         """M of ``config`` (0 when the model does not fit at all)."""
         return int(self.max_tokens_table.get(config, 0))
 
+    def block_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
+        """t(b, s) of one block of ``config``, ms: its TP degree's, grown by the forward share
+        under activation recomputation (``LayerTimeCoeffs.recomputed``)."""
+        block = self.layer_time[config.tp]
+        return block.recomputed() if config.recompute else block
+
     def stage_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
         """τ(b, s) of ``config`` in LobRA form, ms per stage (see the module docstring)."""
         head = self.head_time.get(config.tp, AffineTime())
@@ -98,9 +104,7 @@ class CostModel:
             p2p = self.interconnect.p2p(config).transfer()
             per_token += P2P_MESSAGES * p2p.slope * self.model.hidden * self.activation_bytes
             fixed += P2P_MESSAGES * p2p.fixed
-        block = self.layer_time[config.tp]
-        block = block.recomputed() if config.recompute else block
-        return block.extended(self.model.n_layers / config.pp, per_token, fixed)
+        return self.block_coeffs(config).extended(self.model.n_layers / config.pp, per_token, fixed)
 
     def microbatch_time(self, config: ParallelConfig, b: np.ndarray | float, s: np.ndarray | float) -> np.ndarray | float:
         """Stage time τ of one padded micro-batch of b sequences of length s, fwd+bwd, seconds (vectorised)."""

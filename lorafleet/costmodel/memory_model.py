@@ -112,16 +112,17 @@ def stage_memory(
     # One hidden state: the embedding output, the activations a stage receives, or a block input kept for recompute.
     hidden_state = model.hidden * dtype_bytes / (tp if sequence_parallel else 1)
 
-    def activations(in_flight: int) -> float:
-        """Bytes a token costs a stage holding ``in_flight`` micro-batches (see the module docstring)."""
+    def kept(in_flight: int) -> float:
+        """Bytes a token's blocks keep for the backward on a stage holding ``in_flight`` micro-batches:
+        every block's activations, or with recompute each block's input plus one block's working set."""
         if config.recompute:
-            return in_flight * (blocks * hidden_state * factors.activation_overhead + hidden_state) + per_block
-        return in_flight * (blocks * per_block + hidden_state)
+            return in_flight * blocks * hidden_state * factors.activation_overhead + per_block
+        return in_flight * blocks * per_block
 
-    first = StageMemory(budget_bytes, common + vocab_matrix, activations(pp))
+    first = StageMemory(budget_bytes, common + vocab_matrix, kept(pp) + pp * hidden_state)
     head = 0 if (pp == 1 and model.tied_embeddings) else vocab_matrix
     last_static = (first.static_bytes if pp == 1 else common) + head
-    last_per_token = (first.bytes_per_token if pp == 1 else activations(1) - hidden_state) + logits
+    last_per_token = (first.bytes_per_token if pp == 1 else kept(1)) + logits
     last = StageMemory(budget_bytes, last_static, last_per_token)
     return min((first, last), key=lambda m: m.max_tokens()) if pp > 1 else last
 

@@ -100,7 +100,6 @@ class ReplicaRecord(_Schema):
 
     tp: PositiveInt
     pp: PositiveInt = 1
-    recompute: bool = False
     sync_replicas: PositiveInt = 1
     """Replicas in the adapters' gradient all-reduce (1: none)."""
     microbatches: tuple[ShapeJSON, ...] = Field(min_length=1)
@@ -108,7 +107,7 @@ class ReplicaRecord(_Schema):
 
     @property
     def config(self) -> ParallelConfig:
-        return ParallelConfig(self.tp, self.pp, self.recompute)
+        return ParallelConfig(self.tp, self.pp)
 
 
 class SizeRecord(_Schema):
