@@ -163,7 +163,9 @@ def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> Search
         replicas[plain] = entry.replicas
         if tuple(replicas) not in seen:
             seen.add(tuple(replicas))
-            pool.append(_entry(problem, replicas, f"plain:{entry.source}", entry.relaxed_makespan))
+            # Its load view and evaluation depend only on the deployed configs, not on the problem's
+            # planning buckets: kept as judged, re-filtered against the whole pool's bound.
+            pool.append(replace(entry, replicas=replicas, source=f"plain:{entry.source}", survived=entry.load is not None))
     return SearchOutcome(pool=tuple(_evaluate_survivors(_filter(problem, pool, options), options)),
                          solves=(*outcome.solves, *sub_outcome.solves), notes=(*outcome.notes, *sub_outcome.notes),
                          fell_back=outcome.fell_back and sub_outcome.fell_back)
@@ -303,10 +305,12 @@ def _swaps(problem: PlanningProblem, replicas: np.ndarray) -> Iterator[np.ndarra
                     yield swapped
 
 
-def polished(problem: PlanningProblem, starts: Sequence[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
+def polished(problem: PlanningProblem, starts: Sequence[PoolEntry], judged: Sequence[PoolEntry],
+             options: PlannerOptions) -> list[PoolEntry]:
     """Local search from each of ``starts``: GPU-neutral swaps (:func:`_swaps`), first
     improvement, until none helps; at most ``options.polish_evaluations`` deployments looked
-    at in all. Returns the improved plans (none when no swap helps).
+    at in all, none of them one of ``judged`` (already evaluated). Returns the improved plans
+    (none when no swap helps).
 
     The aggregated MILP prices a plan by a fluid model, so its optimum and branches can all
     sit one trade away from the best plan, the more so when every layout also comes with
@@ -314,7 +318,7 @@ def polished(problem: PlanningProblem, starts: Sequence[PoolEntry], options: Pla
     ``<1,1,rc>`` -> ``<1,1>`` swap 8% faster). A swap is evaluated only when its Theorem-1
     bound is below the current makespan.
     """
-    looked, seen, found = 0, {tuple(e.replicas) for e in starts}, []
+    looked, seen, found = 0, {tuple(e.replicas) for e in (*starts, *judged)}, []
     for start in starts:
         current = start
         while looked < options.polish_evaluations:
@@ -373,7 +377,7 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
         ranked[k] = replace(entry, expected=expected)
         solves.append(result)
     if options.mode is PlannerMode.DECOMPOSED:
-        ranked.extend(polished(problem, _polish_starts(problem, ranked, options.polish_starts), options))
+        ranked.extend(polished(problem, _polish_starts(problem, ranked, options.polish_starts), ranked, options))
         ranked.sort(key=lambda e: (e.expected_makespan, e.used_gpus))
     if ranked:
         trim = trimmed(problem, _preferred_entry(ranked, options), options)
