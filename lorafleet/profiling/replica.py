@@ -48,9 +48,9 @@ from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.step import (
     MicroBatchInputs,
     build_inputs,
+    inverse_token_counts,
     run_rank_step,
     stage_forward,
-    task_token_counts,
     token_losses,
 )
 from lorafleet.plans import DeploymentPlan, MicroBatch, ReplicaSpec
@@ -103,8 +103,7 @@ def random_examples(mbs: Sequence[MicroBatch], vocab: int, rng: random.Random) -
 def inverse_counts(mbs: Sequence[MicroBatch], examples: dict[int, Example], n_tasks: int) -> list[float]:
     """``1 / N_t`` per task over the micro-batches (0 for a task without tokens), as the executor weights losses."""
     seqs = [(task, examples[q]) for mb in mbs for q, task in zip(mb.seq_ids, mb.task_ids)]
-    counts = task_token_counts([t for t, _ in seqs], [e for _, e in seqs], n_tasks)
-    return [1.0 / c if c else 0.0 for c in counts]
+    return inverse_token_counts([t for t, _ in seqs], [e for _, e in seqs], n_tasks)
 
 
 def weighted_loss(logits: Tensor, inputs: MicroBatchInputs) -> Tensor:

@@ -43,12 +43,13 @@ from lorafleet.executor.torch.pipeline import Neighbours, microbatch_shape, run_
 from lorafleet.plans import MicroBatch
 
 
-def task_token_counts(task_ids: Sequence[int], examples: Sequence[Example], n_tasks: int) -> list[int]:
-    """``N_t`` of every task: loss tokens of its sequences in the whole global batch."""
+def inverse_token_counts(task_ids: Sequence[int], examples: Sequence[Example], n_tasks: int) -> list[float]:
+    """``1 / N_t`` of every task, ``N_t`` the loss tokens of its sequences in the whole global
+    batch (the weight of each of its tokens); 0 for a task with none (it does not step)."""
     counts = [0] * n_tasks
     for task, example in zip(task_ids, examples, strict=True):
         counts[int(task)] += loss_tokens(example)
-    return counts
+    return [1.0 / c if c else 0.0 for c in counts]
 
 
 def attention_window(config, layer_index: int) -> int | None:

@@ -46,7 +46,7 @@ from lorafleet.executor.torch.data_stream import DataStreams
 from lorafleet.executor.torch.multi_lora import LoraBackend
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.replica import build_replica
-from lorafleet.executor.torch.step import RankStepResult, run_rank_step, task_token_counts
+from lorafleet.executor.torch.step import RankStepResult, inverse_token_counts, run_rank_step
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 
@@ -217,9 +217,8 @@ class TorchExecutor:
         torch.manual_seed(step_seed(self.config.seed, step_plan.step, self.rank))
         n_tasks = len(self.config.tasks)
         examples = self.streams.examples(task_ids, sample_ids)
-        counts = task_token_counts(task_ids, examples, n_tasks)
-        inv_tokens = [1.0 / c if c else 0.0 for c in counts]
-        stepping = [t for t in range(n_tasks) if counts[t]]
+        inv_tokens = inverse_token_counts(task_ids, examples, n_tasks)
+        stepping = [t for t in range(n_tasks) if inv_tokens[t]]
         role = self.replica.role
         if role is None:
             result = RankStepResult(torch.zeros(n_tasks, dtype=torch.float64), 0.0)
