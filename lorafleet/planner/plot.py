@@ -21,7 +21,7 @@ def plot_expected_load(plan: DeploymentPlan, step: StepPlan, out: str | Path) ->
     out = Path(out)
     tokens = [sum(sum(mb.lengths) for mb in w.microbatches) for w in step.work]
     total = max(sum(tokens), 1)
-    configs = sorted({str(r.config) for r in plan.replicas}, key=lambda c: [int(x) for x in c.strip("<>").split(",")])
+    configs = [str(c) for c in sorted({r.config for r in plan.replicas})]
     colours = {c: plt.get_cmap("tab10")(k % 10) for k, c in enumerate(configs)}
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(plan.replicas) + 2), 4.0))
     for replica, work, tok in zip(plan.replicas, step.work, tokens, strict=True):

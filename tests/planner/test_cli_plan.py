@@ -57,10 +57,12 @@ def test_unholdable_sequences_are_an_error_and_nothing_is_written(tmp_path, caps
 
 
 def test_recompute_lets_a_replica_hold_what_no_plain_config_can(tmp_path, capsys):
-    """150K tokens exceed every plain config's M on 16 x A100-40GB, not <8,1,rc>'s (~300K)."""
+    """150K tokens exceed every plain config's M on 16 x A100-40GB, not <8,1,rc>'s (~300K); the
+    plot labels recomputing configs too."""
     path = write_workload(tmp_path / "huge.yaml", HUGE, recompute="auto")
-    out = tmp_path / "plan.json"
-    assert main(["plan", str(path), "--samples", "0", "--json", str(out)]) == 0
+    out, png = tmp_path / "plan.json", tmp_path / "load.png"
+    assert main(["plan", str(path), "--samples", "0", "--json", str(out), "--plot", str(png)]) == 0
     plan = DeploymentPlan.load(out)
     holders = [r for r in plan.replicas if r.max_tokens >= 150_000]
     assert holders and all(r.config.recompute for r in holders)
+    assert png.stat().st_size > 0
