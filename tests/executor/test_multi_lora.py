@@ -10,6 +10,7 @@ Three references, from strongest to cheapest:
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -285,19 +286,19 @@ def test_equal_segments_form_one_run():
     assert [r.adapters for r in _runs(split, (8, 4, 4), 64)] == [(0, 1), (2,), (2,)]  # spacing, then length change
 
 
-def test_keep_mask_is_one_randint_stream_whatever_the_chunk():
+def test_keep_mask_is_one_random_stream_whatever_the_chunk():
     """The mask is drawn in chunks, but from the same RNG words, in the same order, as one
-    ``randint`` per span: a given seed gives one mask (what checkpoint recomputation relies
-    on), and the generator ends in the same state. Rows outside the span are all True."""
+    full-range ``random_`` per span: a given seed gives one mask (what checkpoint recomputation
+    relies on), and the generator ends in the same state. Rows outside the span are all True."""
     routing = LoraRouting(Segments([0, 1, 0], [1, 4, 7], [3, 3, 2]), (1.0, 1.0), (0.25, 0.0))
-    T, k = 10, 7  # spans rows 1-3 and 7-8: 21 and 14 int32s, the first an odd count
-    threshold = -(2**31) + round(0.25 * 2**32)
+    T, k = 10, 7  # spans rows 1-3 and 7-8: 21 and 14 int16s, neither a whole number of int64s
+    threshold = -(2**15) + round(0.25 * 2**16)
     torch.manual_seed(5)
     want = torch.ones(T, k, dtype=torch.bool)
     for first, end in ((1, 4), (7, 9)):
         n = (end - first) * k
-        words = torch.randint(-(2**63), 2**63 - 1, ((n + 1) // 2,), dtype=torch.int64)
-        want[first:end] = words.view(torch.int32)[:n].view(end - first, k) >= threshold
+        words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
+        want[first:end] = words.view(torch.int16)[:n].view(end - first, k) >= threshold
     after = torch.rand(4)
     for chunk in (1, 3, multi_lora._DRAW_CHUNK):
         with patched(_DRAW_CHUNK=chunk):
@@ -305,6 +306,15 @@ def test_keep_mask_is_one_randint_stream_whatever_the_chunk():
             assert torch.equal(draw_keep_mask(T, k, routing, device="cpu"), want)
             assert torch.equal(torch.rand(4), after)
     assert not want[1:4].all()
+
+
+def test_keep_mask_drops_at_the_rate_asked():
+    """P(drop) = round(p 2^16) / 2^16: over 2^22 draws the dropped share is p within 5 sigma."""
+    for p in (0.05, 0.1, 0.5):
+        routing = LoraRouting(Segments.packed([0], [1024]), (1.0,), (p,))
+        keep = draw_keep_mask(1024, 4096, routing, device="cpu")
+        dropped = 1.0 - keep.float().mean().item()
+        assert abs(dropped - p) < 5 * math.sqrt(p * (1 - p) / keep.numel()), (p, dropped)
 
 
 def test_mixed_ranks_split_by_rank_when_padding_costs_more():

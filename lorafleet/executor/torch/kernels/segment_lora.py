@@ -258,7 +258,7 @@ def backward(grad_y, x, weight, lora_A, lora_B, routing: LoraRouting, keep, save
     if not need_lora:
         return dx, [None] * len(lora_A), [None] * len(lora_B)
     dA = torch.empty_like(A)  # (n, R, K)
-    dB = torch.empty_like(B)  # (n, N, R)
+    dB = B.new_empty(B.shape)  # (n, N, R) contiguous (a mixed-rank B is a strided view)
     launch.weight_grad(ds, x, dA, masked=keep is not None, scaled=False)  # dA = dS^T Xd
     launch.weight_grad(grad_y, s, dB, masked=False, scaled=True)  # dB = s G^T S
     owners = set(routing.segments.adapter_ids[j] for j, n in enumerate(routing.segments.lengths) if n)
