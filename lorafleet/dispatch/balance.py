@@ -15,7 +15,8 @@ The fast method (the default) improves three starting points and keeps the best:
   the LP ``min tau s.t. sum_i x_ij = D_j, o_i + sum_j a_ij x_ij <= tau, x >= 0`` sees which
   class is relatively fastest at which lengths (water-filling only sees levels). Its x is
   rounded down to multiples of p_i (a non-multiple costs every replica a whole row), and
-  the remainder water-filled.
+  the remainder water-filled. The LP's tau is also a lower bound on every dispatch's
+  makespan (:func:`fluid_bound`).
 - *LPT over whole buckets.* The costliest bucket first, each whole to the class that then
   finishes first: on small batches the optimum often keeps buckets whole, and exchanges
   alone cannot reach a permutation of whole buckets.
@@ -125,8 +126,21 @@ def _whole_buckets(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
     return d
 
 
-def _lp_rounded(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
-    """The LP relaxation's x_ij (see module docstring) rounded down to multiples of p_i."""
+def fluid_bound(load: LoadModel) -> float:
+    """A lower bound on the slowest replica of every dispatch on ``load``, as placed or all-ceil: the LP's tau.
+
+    A replica of class i holding n_j rows of each bucket takes at least
+    o_i + sum_j n_j (alpha_ij + beta_ij / b_ij) (ceil(n / b) >= n / b with the fitted
+    beta >= 0, the bubble >= 0), and the slowest of the class at least their mean,
+    o_i + sum_j a_ij d_ij; the LP's tau is the least largest class mean over every split d.
+    0 where the LP solve fails.
+    """
+    solved = _fluid_lp(load, load.feasible)
+    return solved[0] if solved is not None else 0.0
+
+
+def _fluid_lp(load: LoadModel, allowed: np.ndarray) -> tuple[float, np.ndarray] | None:
+    """The LP relaxation (see module docstring): its tau and x_ij (K, R); None on numerical trouble."""
     pairs = np.argwhere(allowed & (load.counts > 0)[None, :])
     n_classes, n_buckets = allowed.shape
     n = len(pairs)
@@ -141,10 +155,20 @@ def _lp_rounded(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
     a_eq[pairs[:, 1], np.arange(n)] = 1.0
     solved = linprog(cost, A_ub=a_ub, b_ub=-load.overhead_s, A_eq=a_eq, b_eq=load.counts.astype(float),
                      bounds=(0, None), method="highs")
-    d = np.zeros(allowed.shape, dtype=np.int64)
-    if solved.status == 0:  # otherwise (numerical trouble) water-filling alone takes over
-        x = solved.x[:-1]
-        d[pairs[:, 0], pairs[:, 1]] = np.floor(x / p[pairs[:, 0]] + 1e-9).astype(np.int64) * p[pairs[:, 0]]
+    if solved.status != 0:
+        return None
+    x = np.zeros(allowed.shape)
+    x[pairs[:, 0], pairs[:, 1]] = solved.x[:-1]
+    return float(solved.x[-1]), x
+
+
+def _lp_rounded(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
+    """The LP relaxation's x_ij (see module docstring) rounded down to multiples of p_i."""
+    solved = _fluid_lp(load, allowed)
+    if solved is None:  # numerical trouble: water-filling alone takes over
+        return np.zeros(allowed.shape, dtype=np.int64)
+    p = load.n_replicas[:, None]
+    d = np.floor(solved[1] / p + 1e-9).astype(np.int64) * p
     return np.minimum(d, load.counts[None, :])
 
 

@@ -31,6 +31,33 @@ def interleave(shares: np.ndarray) -> np.ndarray:
     return owners[np.lexsort((owners, keys))]
 
 
+def replica_rows(load: LoadModel, i: int, totals: np.ndarray, p: int) -> np.ndarray:
+    """(p, R) rows of each bucket on each of p replicas of class i holding class totals ``totals`` (R,).
+
+    Bucket by bucket, longest first, every replica gets floor(d_j / p) rows and the d_j mod p
+    extra ones go to the replicas with the least modelled load so far
+    (:meth:`LoadModel.replica_load`; ties to the first): the rows :func:`place_sequences` deals.
+    """
+    rows = np.zeros((p, load.boundaries.size), dtype=np.int64)
+    for j in np.argsort(-load.boundaries, kind="stable"):
+        if totals[j] == 0:
+            continue
+        least_loaded = np.argsort(load.replica_load(i, rows), kind="stable")
+        rows[:, j] = totals[j] // p
+        rows[least_loaded[: totals[j] % p], j] += 1
+    return rows
+
+
+def placed_times(load: LoadModel, counts: np.ndarray) -> np.ndarray:
+    """(K,) modelled time of each class's slowest replica once class totals ``counts`` (K, R) are placed.
+
+    max_r T(n_r) over the class's replicas r with :func:`replica_rows`' n_r <= ceil(d_ij / p_i),
+    so never above :meth:`LoadModel.times` when T grows with the rows.
+    """
+    return np.array([load.replica_load(i, replica_rows(load, i, counts[i], len(c.replicas))).max()
+                     for i, c in enumerate(load.classes)])
+
+
 def place_sequences(
     load: LoadModel,
     counts: np.ndarray,
@@ -41,8 +68,7 @@ def place_sequences(
 ) -> list[np.ndarray]:
     """Sequence positions held by each replica of the plan (in plan order), from class totals ``counts`` (K, R)."""
     held: list[list[np.ndarray]] = [[] for _ in range(n_replicas_total)]
-    # modelled time of each replica so far, per class; rows[i][r, j] is replica r's count in bucket j
-    rows = [np.zeros((len(c.replicas), load.boundaries.size), dtype=np.int64) for c in load.classes]
+    rows = [replica_rows(load, i, counts[i], len(c.replicas)) for i, c in enumerate(load.classes)]
     order = np.lexsort((np.arange(bucket.size), lengths, task_ids, bucket))
     starts = np.searchsorted(bucket[order], np.arange(load.boundaries.size + 1))
     for j in np.argsort(-load.boundaries, kind="stable"):
@@ -52,13 +78,7 @@ def place_sequences(
             mine = members[to_class == i]
             if mine.size == 0:
                 continue
-            p = len(cls.replicas)
-            least_loaded = np.argsort(load.replica_load(i, rows[i]), kind="stable")
-            shares = np.full(p, mine.size // p)
-            shares[least_loaded[: mine.size % p]] += 1
-            to_replica = interleave(shares)
-            for r in range(p):
-                got = mine[to_replica == r]
-                rows[i][r, j] = got.size
-                held[cls.replicas[r]].append(got)
+            to_replica = interleave(rows[i][:, j])
+            for r, replica in enumerate(cls.replicas):
+                held[replica].append(mine[to_replica == r])
     return [np.concatenate(h) if h else np.zeros(0, dtype=np.int64) for h in held]

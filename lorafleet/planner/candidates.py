@@ -10,7 +10,9 @@ Three steps of LobRA's planner (Sec. 4.3), each a small pure function:
    dispatch (every bucket on the tightest deployed config that holds it) let t_i be replica
    i's time and N_i its GPUs; then the balanced makespan t̂ of the same deployment obeys
    ``N * t̂ >= Σ_i N_i * t_i``, so ``LB = Σ_i N_i t_i / N``. Plans more than a threshold above
-   the best bound are dropped, keeping a minimum number.
+   the best bound are dropped, keeping a minimum number. The theorem's premise does not
+   always hold, so where a plan is skipped against a makespan the planner uses the
+   dispatcher's LP bound (:func:`~lorafleet.dispatch.balance.fluid_bound`) instead.
 
 :func:`enumerate_deployments` lists every maximal deployment, for the exhaustive mode.
 """
@@ -97,7 +99,10 @@ def lower_bound(load: LoadModel, length_based: Assignment) -> float:
     only on the deployed configs with the least M >= s_j, balanced among them, each
     config's share spread evenly over its replicas) and N_r its GPUs. Theorem 1 assumes a
     higher average-throughput bound means a higher realised per-GPU throughput, which
-    fails with few sequences per micro-batch, so the bound only compares plans.
+    fails with few sequences per micro-batch and with pipelines (whose bubble a long bucket
+    may leave for a larger-M config), so the bound only compares plans: it exceeds the
+    balanced makespan of some deployments (``tests/planner/test_search.py``), where
+    :func:`~lorafleet.dispatch.balance.fluid_bound` cannot.
     """
     gpu_time = gpus = 0.0
     for k, cls in enumerate(load.classes):

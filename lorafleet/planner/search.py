@@ -1,10 +1,13 @@
 """Find the deployment: candidate pool -> Theorem-1 filter -> expected dispatch -> exact re-solve.
 
-Every deployment p is judged by the dispatcher's own load model on the expected batch's
-planning buckets: the balanced class totals d_ij that minimise the slowest replica
-(``balance_fast``, milliseconds), re-solved by the exact dispatch ILP for the best few
-(``solve_dispatch_ilp``, bounded by the fast answer). That is LobRA's Eq. 1-3 for a fixed
-p with every replica of a config taking ceil(d_ij / p_i) rows of bucket j (Eq. 12).
+Every deployment p is judged by the dispatcher's own load model on the expected batch: the
+class totals d_ij balanced as a step would be (``balance_fast``, milliseconds; re-solved by
+the exact dispatch ILP, bounded by the fast answer, for the best few), then placed on the
+replicas as a step places them, and the slowest replica's time taken (``placed_times``).
+The balancers minimise LobRA's Eq. 1-3 for a fixed p with every replica of a config taking
+ceil(d_ij / p_i) rows of bucket j (Eq. 12); the placement gives only d_ij mod p_i replicas
+a ceil share, the least-loaded ones, so with few sequences per bucket a config of several
+replicas is judged below that bound, as its steps will run, not charged every ceil share.
 
 Where the pool comes from depends on the mode (``PlannerMode``): the aggregated MILP's k
 best plus the heuristic (decomposed), every maximal deployment (exhaustive), or LobRA's
@@ -21,9 +24,10 @@ from typing import TypeVar
 
 import numpy as np
 
-from lorafleet.dispatch.balance import balance_fast
+from lorafleet.dispatch.balance import balance_fast, fluid_bound
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import LoadModel
+from lorafleet.dispatch.placement import placed_times, replica_rows
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner.candidates import enumerate_deployments, has_distinct_max_tokens, lower_bound, lower_bound_filter
 from lorafleet.planner.deployment_ilp import branch_deployments, solve_root
@@ -43,9 +47,10 @@ class Evaluation:
     class_counts: np.ndarray
     """d_ij: sequences of each bucket on each deployed config, shape (K, R) (the load model's classes and buckets)."""
     class_times: np.ndarray
-    """T_i of the slowest replica of each deployed config (the dispatcher's class order)."""
+    """T_i of the slowest replica of each deployed config once d_ij is placed on its replicas as the
+    dispatcher places it (:func:`~lorafleet.dispatch.placement.placed_times`; the dispatcher's class order)."""
     makespan: float
-    """t̂ = max_i T_i (Eq. 1)."""
+    """t̂ = max_i T_i (Eq. 1): the ranking value."""
     method: str
     """``fast`` or the exact ILP's ``milp:<solver>:<status>``."""
 
@@ -64,7 +69,8 @@ class PoolEntry:
     relaxed_makespan: float | None = None
     """The aggregated MILP's (or the heuristic's fluid) t̂."""
     lower_bound: float = float("inf")
-    """LobRA's Theorem 1 bound (inf: the deployment cannot hold the longest sequence)."""
+    """LobRA's Theorem 1 bound (inf: the deployment cannot hold the longest sequence); it compares
+    plans in the filter, but is no bound on the makespan (see :func:`lower_bound`)."""
     survived: bool = True
     """Passed the lower-bound filter."""
     expected: Evaluation | None = None
@@ -90,7 +96,9 @@ class SearchOutcome:
 
 
 def evaluate(load: LoadModel, *, exact: bool, options: PlannerOptions) -> tuple[Evaluation, SolveResult | None]:
-    """The best expected dispatch on ``load``: the dispatcher's fast balance, or its exact ILP bounded by it."""
+    """The best expected dispatch on ``load``: the dispatcher's fast balance, or its exact ILP bounded by it,
+    judged by its slowest replica once placed (both balancers minimise the all-ceil bound
+    ``load.times``, which places every replica of class i at ceil(d_ij / p_i) rows)."""
     assignment, method, result = balance_fast(load), "fast", None
     if exact:
         outcome = solve_dispatch_ilp(load, options.solver, options.time_limit_s, options.gap_rel, upper_bound_s=assignment.makespan_s)
@@ -101,7 +109,7 @@ def evaluate(load: LoadModel, *, exact: bool, options: PlannerOptions) -> tuple[
             method = f"milp:{result}->fast"
             warnings.warn(f"exact dispatch ILP gave no solution ({result}, {result.wall_s:.2f} s); "
                           f"the fast dispatch stands", SolverFallbackWarning, stacklevel=2)
-    times = load.times(assignment.counts)
+    times = placed_times(load, assignment.counts)
     return Evaluation(class_counts=assignment.counts, class_times=times, makespan=float(times.max()), method=method), result
 
 
@@ -235,9 +243,10 @@ POOLS: dict[PlannerMode, Callable[[PlanningProblem, PlannerOptions], SearchOutco
 def _removal_candidates(problem: PlanningProblem, entry: PoolEntry, bar: float) -> list[tuple[int, float | None]]:
     """Config indices whose replica might go, each with its makespan if it goes (None: needs a re-balance).
 
-    A class k of p_k >= 2 replicas losing one keeps its bucket totals, so its slowest replica
-    holds ceil(d_kj / (p_k - 1)) rows: an upper bound on the re-balanced makespan. A class of
-    one replica can only go if the others' slack under ``bar`` could absorb its time.
+    A class k of p_k >= 2 replicas losing one may keep its bucket totals, placed on p_k - 1
+    replicas (:func:`replica_rows`): that dispatch's makespan stands for the re-balanced one.
+    A class of one replica can only go if the others' slack under ``bar``, at least
+    Σ_i p_i (bar - T_i), could absorb its time.
     """
     load, expected = entry.load, entry.expected
     deployed = np.flatnonzero(entry.replicas > 0)  # classes are the deployed configs, in candidate order
@@ -246,9 +255,8 @@ def _removal_candidates(problem: PlanningProblem, entry: PoolEntry, bar: float) 
     for k, (i, cls) in enumerate(zip(deployed, load.classes, strict=True)):
         p = len(cls.replicas)
         if p >= 2:
-            rows = -(-expected.class_counts[k] // (p - 1))
             times = expected.class_times.copy()
-            times[k] = load.replica_load(k, rows)
+            times[k] = load.replica_load(k, replica_rows(load, k, expected.class_counts[k], p - 1)).max()
             out.append((int(i), float(times.max())))
         elif expected.class_times[k] - float(load.overhead_s[k]) <= slack - (bar - expected.class_times[k]):
             out.append((int(i), None))
@@ -315,8 +323,9 @@ def polished(problem: PlanningProblem, starts: Sequence[PoolEntry], judged: Sequ
     The aggregated MILP prices a plan by a fluid model, so its optimum and branches can all
     sit one trade away from the best plan, the more so when every layout also comes with
     activation recomputation (a case: ``<1,1> x 4 + <1,2> + <1,1,rc> x 2`` found, one
-    ``<1,1,rc>`` -> ``<1,1>`` swap 8% faster). A swap is evaluated only when its Theorem-1
-    bound is below the current makespan.
+    ``<1,1,rc>`` -> ``<1,1>`` swap 8% faster). A swap is evaluated only when its LP bound
+    (:func:`~lorafleet.dispatch.balance.fluid_bound`) leaves room for the improvement asked;
+    the Theorem-1 bound is no bound on the makespan and skipped improving swaps.
     """
     looked, seen, found = 0, {tuple(e.replicas) for e in (*starts, *judged)}, []
     for start in starts:
@@ -331,7 +340,7 @@ def polished(problem: PlanningProblem, starts: Sequence[PoolEntry], judged: Sequ
                 seen.add(tuple(replicas))
                 looked += 1
                 candidate = _entry(problem, replicas, f"swap:{start.source}")
-                if not candidate.survived or candidate.lower_bound >= current.expected_makespan:
+                if not candidate.survived or fluid_bound(candidate.load) >= current.expected_makespan * (1 - options.tie_rel):
                     continue
                 candidate = replace(candidate, expected=evaluate(candidate.load, exact=False, options=options)[0])
                 if candidate.expected_makespan < current.expected_makespan * (1 - options.tie_rel):

@@ -13,7 +13,7 @@ from lorafleet.dispatch.ilp import build_model, solve_dispatch_ilp
 from lorafleet.dispatch.load import config_classes
 from lorafleet.dispatch.microbatch import padded_microbatches
 from lorafleet.dispatch.options import DispatchOptions, MicroBatchMode
-from lorafleet.dispatch.placement import interleave, place_sequences
+from lorafleet.dispatch.placement import interleave, place_sequences, placed_times
 from lorafleet.dispatch.step import choose_buckets
 from lorafleet.solvers import SolverName, solve
 from tests.dispatch.fleet import LOBRA_7B_PLAN, TP1, TP2, TP2_PP2, TP4, TP8, lobra_7b_cost_model, make_batch, make_plan
@@ -97,6 +97,23 @@ def test_load_model_is_the_cost_model_in_padding_mode():
         for r in cls.replicas:
             mbs = padded_microbatches(held[r], batch.lengths, batch.task_ids, padded_len, cls.max_tokens)
             assert COST_MODEL.replica_time(cls.config, [mb.shape for mb in mbs]) == pytest.approx(times[i], rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_placed_times_are_the_cost_model_of_the_placed_replicas_in_padding_mode(seed):
+    """Whatever the class totals, a class's slowest replica as placed (``placed_times``, what the
+    planner ranks by) is the cost model's time of its padded micro-batches; with few sequences
+    per bucket it is below the all-ceil bound ``load.times`` that the balancers minimise."""
+    layouts = [((TP1, 3), (TP2, 2)), ((TP1, 2), (TP2_PP2, 2), (TP8, 1)), ((TP1, 4), (TP2, 2), (TP8, 1))]
+    batch, plan, load, fast = small_load(layouts[seed], n_seqs=25, n_buckets=6, seed=seed)
+    bucket = np.searchsorted(load.boundaries, batch.lengths)
+    held = place_sequences(load, fast.counts, bucket, batch.lengths, batch.task_ids, len(plan.replicas))
+    placed = placed_times(load, fast.counts)
+    for i, cls in enumerate(load.classes):
+        estimates = [COST_MODEL.replica_time(cls.config, [mb.shape for mb in padded_microbatches(
+            held[r], batch.lengths, batch.task_ids, load.boundaries[bucket], cls.max_tokens)]) for r in cls.replicas]
+        assert placed[i] == pytest.approx(max(estimates), rel=1e-9)
+    assert np.all(placed <= load.times(fast.counts)) and placed.max() < load.makespan(fast.counts)
 
 
 def test_replica_load_beyond_the_step_counts_uses_the_closed_form():

@@ -15,6 +15,7 @@ import pytest
 from lorafleet.planner import PlannerMode, PlannerOptions
 from lorafleet.planner.candidates import propose_candidates, valid_candidates
 from lorafleet.dispatch import DispatchOptions
+from lorafleet.dispatch.balance import fluid_bound
 from lorafleet.planner.problem import build_problem
 from lorafleet.planner.search import search
 from lorafleet.specs.cluster import ClusterSpec
@@ -72,3 +73,19 @@ def test_allowing_recompute_never_gives_a_worse_plan(seed):
     assert any(c.config.recompute for c in valid) and len(plain) < len(valid)
     assert mixed[0].expected_makespan <= alone[0].expected_makespan * (1 + 1e-9)
     assert mixed[0].expected_makespan <= exhaustive[0].expected_makespan * 1.02
+
+
+@pytest.mark.parametrize("mode", ["padding", "packing"])
+def test_fluid_bound_bounds_every_judged_plan_and_theorem_1_does_not(mode):
+    """Every maximal deployment of a random 8-GPU instance: ``fluid_bound`` <= the placed makespan
+    the planner ranks by <= the all-ceil bound the balancers minimise. LobRA's Theorem-1 bound,
+    which the filter compares plans by, is above the placed makespan of some (with pipelines),
+    so the swap polish skips deployments by ``fluid_bound`` instead."""
+    _, everything = problems(1)
+    problem = build_problem(everything.batch, everything.candidates, everything.cost_model, everything.cluster,
+                            replace(everything.dispatch, microbatch_mode=mode))
+    _, judged = search(problem, PlannerOptions(mode=PlannerMode.EXHAUSTIVE, robust_samples=0))
+    for entry in judged:
+        assert fluid_bound(entry.load) <= entry.expected_makespan * (1 + 1e-9)
+        assert entry.expected_makespan <= entry.load.makespan(entry.expected.class_counts) * (1 + 1e-12)
+    assert any(e.lower_bound > e.expected_makespan for e in judged)
