@@ -11,7 +11,8 @@
 
 "Best" is the config with the fewest expected GPU-seconds (makespan x GPUs) on the
 expected batch, estimated with the dispatcher's load model (a homogeneous deployment needs
-no balancing, so the estimate is the load model's closed form); the chosen baseline is then
+no balancing: the estimate is its slowest replica once the batch is placed on the replicas
+as the dispatcher places it, as lorafleet's plans are judged); the chosen baseline is then
 costed by the real dispatcher like lorafleet's plan.
 """
 
@@ -25,6 +26,7 @@ import numpy as np
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import DispatchOptions, MicroBatchMode, bucket_of
 from lorafleet.dispatch.load import ConfigClass, build_load_model
+from lorafleet.dispatch.placement import placed_times
 from lorafleet.plans import GlobalBatch
 from lorafleet.planner.placement import build_plan
 from lorafleet.planner.problem import Candidate, max_replicas
@@ -54,7 +56,8 @@ def packing_policy(n_buckets: int) -> DispatchPolicy:
 
 def estimated_makespan(lengths: np.ndarray, candidate: Candidate, replicas: int, cost_model: CostModel,
                        mode: MicroBatchMode) -> float:
-    """The load model's makespan of ``replicas`` copies of one config sharing ``lengths`` evenly.
+    """The load model's makespan of ``replicas`` copies of one config sharing ``lengths``, as placed
+    (:func:`~lorafleet.dispatch.placement.placed_times`: each replica floor or ceil of d_j / p).
 
     Buckets are the static power-of-two ones (padding), which also stand for packing's
     density estimate.
@@ -63,7 +66,7 @@ def estimated_makespan(lengths: np.ndarray, candidate: Candidate, replicas: int,
     bucket = bucket_of(lengths, boundaries)
     cls = ConfigClass(config=candidate.config, max_tokens=candidate.max_tokens, replicas=tuple(range(replicas)))
     load = build_load_model((cls,), cost_model, boundaries, lengths, bucket, mode)
-    return load.makespan(load.counts[None, :])
+    return float(placed_times(load, load.counts[None, :]).max())
 
 
 def best_homogeneous(lengths: np.ndarray, longest: int, candidates: Sequence[Candidate], cost_model: CostModel,
