@@ -9,7 +9,9 @@ address from the environment torchrun sets.
 The backend follows the device: NCCL when the ranks compute on CUDA devices (one per local
 rank), gloo on CPU. Every rank then builds the same :class:`TorchExecutor` from the same
 workload spec and plan (:func:`build_torch_executor`): data, tokenizer and model are loaded
-by every rank, so nothing but the plans and the adapter gradients travels between them.
+by every rank, so nothing but the plans and the adapter gradients travels between them. The
+model is loaded per stage where its source allows (``base_model.load_base``): a rank reads
+only the base weights of its own stage and TP shard.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from lorafleet.errors import InputError
 from lorafleet.executor.torch.base_model import (
     ModelSource,
     SourceKind,
-    load_causal_lm,
+    load_base,
     load_source_tokenizer,
     resolve_model_source,
 )
@@ -118,4 +120,5 @@ def build_torch_executor(spec: WorkloadSpec, plan: DeploymentPlan, run_steps: in
         for t, limit in zip(spec.tasks, limits, strict=True)
     )
     config = ExecutorConfig(plan=plan, tasks=tasks, seed=spec.seed, base_model=spec.model)
-    return TorchExecutor(config, load_causal_lm(source, dtype), streams, device)
+    model, weights = load_base(source, dtype)
+    return TorchExecutor(config, model, streams, device, weights=weights)

@@ -12,7 +12,16 @@ way, one function, comments on why):
 3. **TP-shard** the projections and their adapters (``tp``): needs the TP group.
 4. **PP-split**: keep this stage's layers (``pipeline``). After TP, so the hooks TP put on the
    attention and MLP blocks travel with the layers that stay.
-5. **move** to the device (the whole model was built on the host).
+5. **move** to the device (the whole model was built on the host), or, per stage, **load**.
+
+**Per-stage loading** (``weights`` given, ``base_model.load_base``): the model is a skeleton on
+the ``meta`` device, and steps 1-4 run on it unchanged: adapters are created for real on the
+host (``inject``), TP and PP cut and drop meta tensors, which costs nothing. Step 5 then reads
+from the checkpoint only the base tensors left in the stage, each as the slice TP keeps
+(``tp.base_index``, the rule ``parallelize_tensor`` cut the skeleton by), in the model's dtype
+on the device; the buffers the checkpoint does not hold (rotary ``inv_freq``) are recomputed
+on the host, as ``from_pretrained`` does, and moved. The stage is then the same, name for name
+and bit for bit, as the one built from the whole model.
 """
 
 from __future__ import annotations
@@ -21,9 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lorafleet.executor.torch.attention import use_document_attention
+from lorafleet.executor.torch.base_model import SafetensorsWeights
 from lorafleet.executor.torch.grad_sync import (
     FACTORS,
     AdapterParam,
@@ -37,7 +47,7 @@ from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.layout import FleetLayout, ModelDims, RankRole
 from lorafleet.executor.torch.multi_lora import LoraBackend
 from lorafleet.executor.torch.pipeline import Neighbours, split_for_pipeline
-from lorafleet.executor.torch.tp import parallelize_tensor
+from lorafleet.executor.torch.tp import base_index, parallelize_tensor
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.lora import LoraSpec
 
@@ -72,16 +82,19 @@ def build_replica(
     seed: int,
     device: torch.device,
     backend: LoraBackend = LoraBackend.AUTO,
+    weights: SafetensorsWeights | None = None,
 ) -> Replica:
     """Turns a full frozen causal LM into this rank's stage, following the steps of the module doc.
 
     Args:
-        model: the full HF causal LM (Llama, Qwen2, Mistral), on the host; changed in place.
+        model: the full HF causal LM (Llama, Qwen2, Mistral), on the host, or with ``weights``
+            its skeleton on the meta device; changed in place.
         adapters: one LoRA spec per task; adapter id ``i`` is task ``i``.
         plan: the deployment; ``rank``'s replica, stage and TP rank come from it.
         seed: seed of the initial adapter weights (A Kaiming-uniform, B zero, as PEFT).
         device: where this rank computes.
         backend: the multi-LoRA operator's implementation.
+        weights: per-stage loading: where the skeleton's base tensors are read from.
 
     Collective: every rank of the world must call it, with the same plan.
     """
@@ -103,7 +116,9 @@ def build_replica(
     # 3. Tensor parallelism, then 4. the pipeline split, then 5. the device.
     parallelize_tensor(model, role.tp_rank, role.replica.tp, groups.tp)
     split_for_pipeline(model, role)
-    model.to(device)
+    if weights is not None:
+        load_stage(model, weights, role, device)
+    model.to(device)  # per stage: moves the adapters, the rest is there
     local = {
         (task, name, factor): getattr(layer, factor)[str(task)]
         for name, layer in multi_lora_layers(model)
@@ -113,3 +128,54 @@ def build_replica(
     dtype = next(model.parameters()).dtype
     neighbours = Neighbours(role.prev_rank, role.next_rank, model.config.hidden_size, dtype, device)
     return Replica(model, role, neighbours, fleet, params, local, GradSync(pieces, role, local, groups.sync))
+
+
+def load_stage(model: nn.Module, weights: SafetensorsWeights, role: RankRole, device: torch.device) -> None:
+    """Replaces every meta tensor of a skeleton's stage by its real value (step 5, per stage).
+
+    A parameter or persistent buffer is read from ``weights`` under its name *before*
+    injection (an injected projection keeps its linear as ``base_layer``: the stage's
+    ``...q_proj.base_layer.weight`` is the checkpoint's ``...q_proj.weight``), as the slice
+    ``tp.base_index`` gives for this TP rank. Tied tensors are read once and stay tied.
+    """
+    before_injection = {id(layer.base_layer): name for name, layer in multi_lora_layers(model)}
+    real: dict[int, Tensor] = {}  # meta tensor -> its value, so a tied pair stays one tensor
+    recompute: list[nn.Module] = []
+    for module_name, module in model.named_modules():
+        name = before_injection.get(id(module), module_name)
+        tensors = [(k, t, module._parameters) for k, t in module._parameters.items()]
+        tensors += [(k, t, module._buffers) for k, t in module._buffers.items()]
+        for key, meta, slot in tensors:
+            if meta is None or not meta.is_meta:
+                continue
+            if key in module._non_persistent_buffers_set and slot is module._buffers:
+                recompute.append(module)
+                continue
+            if id(meta) not in real:
+                full = f"{name}.{key}"
+                index = base_index(name, key, weights.entries[full].shape, role.tp_rank, role.replica.tp)
+                value = weights.read(full, index, meta.dtype, device)
+                if value.shape != meta.shape:
+                    raise RuntimeError(f"{full}: read {tuple(value.shape)}, the stage holds {tuple(meta.shape)}")
+                real[id(meta)] = nn.Parameter(value, requires_grad=False) if slot is module._parameters else value
+            slot[key] = real[id(meta)]
+    for module in dict.fromkeys(recompute):
+        _recompute_buffers(model, module)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"per-stage loading left meta tensors: {left}")
+
+
+def _recompute_buffers(model: nn.Module, module: nn.Module) -> None:
+    """Recomputes a module's non-persistent buffers (rotary ``inv_freq``) on the host, as
+    ``from_pretrained`` does: a placeholder, then transformers' own ``_init_weights`` of the module.
+    NaN placeholders show any value it did not write."""
+    if next(module.parameters(recurse=False), None) is not None:
+        raise RuntimeError(f"{type(module).__name__} holds parameters and non-checkpointed buffers: cannot recompute")
+    for key in module._non_persistent_buffers_set:
+        if module._buffers.get(key) is not None:
+            module._buffers[key] = torch.full_like(module._buffers[key], float("nan"), device="cpu")
+    model._init_weights(module)
+    for key in module._non_persistent_buffers_set:
+        if module._buffers.get(key) is not None and module._buffers[key].isnan().any():
+            raise RuntimeError(f"{type(module).__name__}.{key}: not recomputed by {type(model).__name__}._init_weights")

@@ -26,6 +26,7 @@ no gradient at all.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 
 import torch
@@ -67,15 +68,56 @@ def adapter_shard_dim(style: ParallelStyle, factor: str) -> int | None:
     raise ValueError(f"unknown adapter factor {factor!r}")
 
 
+def base_shard_dim(style: ParallelStyle, tensor: str) -> int | None:
+    """The dim of a projection's frozen ``weight (N, K)`` or ``bias (N,)`` that is split; None when
+    whole (a row-parallel bias, held by TP rank 0 only: :func:`holds_bias`)."""
+    if tensor == "weight":
+        return weight_shard_dim(style)
+    if tensor == "bias":
+        return 0 if style is ParallelStyle.COLUMN else None
+    raise ValueError(f"unknown projection tensor {tensor!r}")
+
+
+def holds_bias(style: ParallelStyle, tp_rank: int) -> bool:
+    """Whether TP rank ``tp_rank`` keeps the projection's bias. Row-parallel: the bias is added
+    once (on rank 0) before the all-reduce sums the ranks."""
+    return style is ParallelStyle.COLUMN or tp_rank == 0
+
+
+def shard_index(shape: Sequence[int], dim: int | None, tp_rank: int, tp_size: int) -> tuple[slice, ...]:
+    """Rank ``tp_rank``'s contiguous slice of a tensor of ``shape`` along ``dim``, as an index
+    (``t[index]``); the whole tensor when ``dim`` is None.
+
+    :func:`shard` cuts a tensor in memory with it, and per-stage loading
+    (``replica.build_replica`` with ``weights``) reads the same slice from a checkpoint.
+    """
+    index = [slice(None)] * len(shape)
+    if dim is not None:
+        size = shape[dim]
+        if size % tp_size:
+            raise ValueError(f"dim {dim} of size {size} does not split over {tp_size} TP ranks")
+        step = size // tp_size
+        index[dim] = slice(tp_rank * step, (tp_rank + 1) * step)
+    return tuple(index)
+
+
+def base_index(module_name: str, tensor: str, shape: Sequence[int], tp_rank: int, tp_size: int) -> tuple[slice, ...]:
+    """The part of a frozen base tensor of the whole model (``shape``) that TP rank ``tp_rank`` keeps:
+    a projection's slice, as :func:`parallelize_tensor` cuts it, or the whole for any other module.
+
+    Args:
+        module_name: the module's name in the model before injection (``model.layers.0.mlp.down_proj``).
+        tensor: its tensor (``weight``, ``bias``).
+    """
+    style = TP_STYLES.get(module_suffix(module_name))
+    if style is None or tp_size == 1:  # parallelize_tensor leaves everything whole on one rank
+        return shard_index(shape, None, tp_rank, tp_size)
+    return shard_index(shape, base_shard_dim(style, tensor), tp_rank, tp_size)
+
+
 def shard(t: Tensor, dim: int | None, tp_rank: int, tp_size: int) -> Tensor:
     """Rank ``tp_rank``'s contiguous slice of ``t`` along ``dim`` (a copy); the whole when dim is None."""
-    if dim is None:
-        return t.detach().clone()
-    size = t.shape[dim]
-    if size % tp_size:
-        raise ValueError(f"dim {dim} of size {size} does not split over {tp_size} TP ranks")
-    step = size // tp_size
-    return t.detach().narrow(dim, tp_rank * step, step).clone()
+    return t.detach()[shard_index(t.shape, dim, tp_rank, tp_size)].clone()
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -109,12 +151,10 @@ class _ReduceFromTP(torch.autograd.Function):
 
 def _sliced_linear(linear: nn.Linear, style: ParallelStyle, tp_rank: int, tp_size: int) -> nn.Linear:
     """A frozen ``nn.Linear`` holding this rank's slice of ``linear``."""
-    dim = weight_shard_dim(style)
-    weight = shard(linear.weight, dim, tp_rank, tp_size)
+    weight = shard(linear.weight, base_shard_dim(style, "weight"), tp_rank, tp_size)
     bias = None
-    if linear.bias is not None and (style is ParallelStyle.COLUMN or tp_rank == 0):
-        # Row-parallel: the bias is added once (on rank 0) before the all-reduce sums the ranks.
-        bias = shard(linear.bias, 0, tp_rank, tp_size) if style is ParallelStyle.COLUMN else linear.bias.detach().clone()
+    if linear.bias is not None and holds_bias(style, tp_rank):
+        bias = shard(linear.bias, base_shard_dim(style, "bias"), tp_rank, tp_size)
     out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         out.weight.copy_(weight)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lorafleet.errors import InputError
+from lorafleet.executor.torch.base_model import SafetensorsWeights
 from lorafleet.executor.torch.checkpoint import (
     TrainState,
     gather_task_states,
@@ -119,8 +120,10 @@ def check_step_plan(step_plan: StepPlan, batch: GlobalBatch, n_replicas: int) ->
 class TorchExecutor:
     """An :class:`~lorafleet.executor.Executor` over torch.distributed replicas (see the module doc)."""
 
-    def __init__(self, config: ExecutorConfig, model: nn.Module, streams: DataStreams, device: torch.device) -> None:
-        """Builds this rank's replica from the full ``model``. Collective: every rank calls it."""
+    def __init__(self, config: ExecutorConfig, model: nn.Module, streams: DataStreams, device: torch.device, *,
+                 weights: SafetensorsWeights | None = None) -> None:
+        """Builds this rank's replica from the full ``model``, or from its meta skeleton and the
+        checkpoint ``weights`` (per-stage loading, ``base_model.load_base``). Collective: every rank calls it."""
         self.config = config
         self.streams = streams
         self.device = device
@@ -128,7 +131,7 @@ class TorchExecutor:
         self.names = tuple(t.name for t in config.tasks)
         self.replica = build_replica(
             model, [t.lora for t in config.tasks], config.plan, self.rank, self.world_size,
-            seed=config.seed, device=device, backend=config.lora_backend,
+            seed=config.seed, device=device, backend=config.lora_backend, weights=weights,
         )
         self.optimizers = [
             TaskOptimizer(t.optimizer, self.replica.task_params(i), t.total_steps) for i, t in enumerate(config.tasks)
