@@ -76,3 +76,16 @@ def test_no_rows_is_the_base_layer():
     routing = LoraRouting(Segments([0], [2], [0]), (1.0,), (0.0,))
     y = multi_lora_linear(x, W, None, A, B, routing, None, LoraBackend.TRITON)
     torch.testing.assert_close(y, x @ W.T)
+
+
+def test_tables_are_copied_once_per_routing():
+    """Every layer of a micro-batch shares a routing, so its device tables are built once."""
+    from lorafleet.executor.torch.kernels import segment_lora
+
+    routing = LoraRouting(Segments([0, 1], [0, 9], [9, 5]), (1.0, 2.0), (0.0, 0.25))
+    first = segment_lora._tables(routing, torch.device("cpu"))
+    again = segment_lora._tables(LoraRouting(Segments([0, 1], [0, 9], [9, 5]), (1.0, 2.0), (0.0, 0.25)), torch.device("cpu"))
+    assert all(a is b for a, b in zip(first, again))
+    ints, floats = first
+    assert ints.tolist() == [0, 9, 9, 5, 0, 1, 0, 1, 2, 0, 1]  # starts | lengths | ids | CSR offsets | by adapter
+    assert torch.equal(floats, torch.tensor([1.0, 2.0, 1.0, 1 / 0.75]))

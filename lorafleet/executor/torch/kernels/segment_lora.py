@@ -24,6 +24,7 @@ config is a full extra run, and benchmarking needs a GPU driver).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -167,25 +168,40 @@ def _weight_grad_kernel(
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@functools.lru_cache(maxsize=256)
+def _tables(routing: LoraRouting, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The routing's int32 table ``[starts | lengths | adapter ids | CSR offsets | segments by
+    adapter]`` and float32 table ``[scalings | 1 / (1 - p)]`` on ``device``.
+
+    Cached: every injected layer of a micro-batch has the same routing (``multi_lora`` caches
+    the routing objects too), so the copy happens once a micro-batch, not once a layer call.
+    On CUDA the tables go through pinned memory with ``non_blocking=True``: a pageable
+    host-to-device copy synchronises the stream, which would make the host wait for the GPU
+    to drain before every layer's kernels and lose all CPU/GPU overlap. The copy is ordered
+    on the current stream, where the kernels run.
+    """
+    segs = routing.segments
+    n = len(routing.scalings)
+    by_adapter = sorted(range(len(segs)), key=lambda j: segs.adapter_ids[j])
+    offsets = [0] * (n + 1)
+    for a in segs.adapter_ids:
+        offsets[a + 1] += 1
+    for a in range(n):
+        offsets[a + 1] += offsets[a]
+    ints = torch.tensor([*segs.starts, *segs.lengths, *segs.adapter_ids, *offsets, *by_adapter], dtype=torch.int32)
+    floats = torch.tensor([*routing.scalings, *(1.0 / (1.0 - p) for p in routing.dropouts)], dtype=torch.float32)
+    if device.type == "cuda":
+        return ints.pin_memory().to(device, non_blocking=True), floats.pin_memory().to(device, non_blocking=True)
+    return ints.to(device), floats.to(device)
+
+
 class _Launch:
     """Device-side tables and launch constants of one layer call, shared by all its kernels."""
 
     def __init__(self, routing: LoraRouting, rank: int, keep: Tensor | None, x: Tensor) -> None:
         segs = routing.segments
         n = len(routing.scalings)
-        by_adapter = sorted(range(len(segs)), key=lambda j: segs.adapter_ids[j])
-        offsets = [0] * (n + 1)
-        for a in segs.adapter_ids:
-            offsets[a + 1] += 1
-        for a in range(n):
-            offsets[a + 1] += offsets[a]
-        # One int and one float host-to-device copy per layer call; the tables are tiny.
-        ints = torch.tensor(
-            [*segs.starts, *segs.lengths, *segs.adapter_ids, *offsets, *by_adapter], dtype=torch.int32, device=x.device
-        )
-        floats = torch.tensor(
-            [*routing.scalings, *(1.0 / (1.0 - p) for p in routing.dropouts)], dtype=torch.float32, device=x.device
-        )
+        ints, floats = _tables(routing, x.device)
         self.n_segments, self.n_adapters, self.rank = len(segs), n, rank
         self.seg, self.group = ints[: 3 * len(segs)], ints[3 * len(segs) :]
         self.scale, self.inv_keep = floats[:n], floats[n:]
