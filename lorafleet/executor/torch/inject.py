@@ -9,8 +9,8 @@ adapter). Works for Llama, Qwen2 and
 Mistral decoder layers, GQA included: k/v projections are just narrower linears.
 
 A model whose base weights are on the ``meta`` device (the skeleton of per-stage loading, see
-``replica.py``) gets real adapters on the host, drawn from the generator exactly as over a real
-host model: adapters are small, and every rank must start from the same whole ones.
+``replica.py``) gets real adapters on the host (``MultiLoraLinear.add_adapter``), drawn from the
+generator exactly as over a real host model.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-import torch
 from torch import nn
 
 from lorafleet.executor.torch.multi_lora import LoraBackend, MultiLoraLinear, Segments
@@ -56,31 +55,11 @@ def inject_multi_lora(
         original = getattr(parent, child)
         # A new module starts in training mode; keep the model's mode (dropout off in eval).
         layer = MultiLoraLinear(original, backend=backend).train(original.training)
-        with _host_base(layer):
-            for adapter_id, spec in enumerate(adapters):
-                if child in spec.target_modules:
-                    layer.add_adapter(adapter_id, spec)
+        for adapter_id, spec in enumerate(adapters):
+            if child in spec.target_modules:
+                layer.add_adapter(adapter_id, spec)
         setattr(parent, child, layer)
     return names
-
-
-@contextmanager
-def _host_base(layer: MultiLoraLinear) -> Iterator[None]:
-    """Inside the block, a base on the meta device is replaced by a host stand-in of its shape and
-    dtype (one element of memory: a zero-stride view), so that ``add_adapter``, which creates the
-    adapters like the base weight, creates them on the host. A real base is left as it is."""
-    base = layer.base_layer
-    if not base.weight.is_meta:
-        yield
-        return
-    stand_in = nn.Linear(base.in_features, base.out_features, bias=False, device="meta")
-    stand_in.weight = nn.Parameter(torch.zeros((), dtype=base.weight.dtype).expand(base.weight.shape),
-                                   requires_grad=False)
-    layer.base_layer = stand_in
-    try:
-        yield
-    finally:
-        layer.base_layer = base
 
 
 def multi_lora_layers(model: nn.Module) -> Iterator[tuple[str, MultiLoraLinear]]:

@@ -661,12 +661,15 @@ class MultiLoraLinear(nn.Module):
 
         Without ``weights`` it is initialised as PEFT does: A Kaiming-uniform (a = sqrt(5)),
         B zero, so the adapter starts as the identity update. With ``weights = (A, B)`` they are
-        copied into the base layer's dtype and device.
+        copied into the base layer's dtype and device. A base on the ``meta`` device (the
+        skeleton of per-stage loading, materialised later) gets real adapters on the host:
+        they are small, and every rank must draw the same whole ones.
         """
         base = self.base_layer.weight
+        device = torch.device("cpu") if base.is_meta else base.device
         shape_A, shape_B = (spec.rank, self.in_features), (self.out_features, spec.rank)
-        A = torch.empty(shape_A, dtype=base.dtype, device=base.device)
-        B = torch.zeros(shape_B, dtype=base.dtype, device=base.device)
+        A = torch.empty(shape_A, dtype=base.dtype, device=device)
+        B = torch.zeros(shape_B, dtype=base.dtype, device=device)
         if weights is None:
             nn.init.kaiming_uniform_(A, a=math.sqrt(5))
         else:
