@@ -2,8 +2,9 @@
 
 Run from the repository root (every figure is measured here, in one run)::
 
-    .venv/bin/python benchmarks/bench_planner.py            # all three parts
+    .venv/bin/python benchmarks/bench_planner.py            # parts 1-3
     .venv/bin/python benchmarks/bench_planner.py --part time --part quality
+    .venv/bin/python benchmarks/bench_planner.py --part robust   # part 4 (~1.5 min)
 
 1. **Plan time** — ``examples/lobra-70b.yaml`` (Llama2-70B, 12 tasks) on 64 and 256 x A800-80GB,
    analytic cost model, default options (CBC, K = 32 sampled batches), LobRA's 16K contexts
@@ -17,7 +18,11 @@ Run from the repository root (every figure is measured here, in one run)::
    LobRA's joint MINLP on SCIP.
 3. **Quality** — ``examples/lobra-7b.yaml`` on 16 x A100-40GB (analytic): expected step time
    and GPU-seconds of lorafleet and each baseline, on the expected batch and as the mean
-   over 32 sampled batches dispatched step by step.
+   over 32 sampled batches dispatched step by step; and the makespan the planner ranked the
+   plan by (its load model, as placed) beside the dispatcher's estimate of the same step.
+4. **Robust race** — ``robust_top`` 2 against 3 (the default) on a small two-task workload and
+   LobRA's 7B and 70B experiments: the chosen plan's mean GPU-seconds on 32 held-out sampled
+   batches, and the planner's CPU seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import os
 import resource
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -36,13 +42,15 @@ from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.dispatch import DispatchOptions
 from lorafleet.errors import SolverFallbackWarning
-from lorafleet.planner import LORAFLEET, PlannerMode, PlannerOptions, plan_deployment
+from lorafleet.planner import LORAFLEET, PlannerMode, PlannerOptions, PlanResult, plan_deployment
 from lorafleet.planner.candidates import valid_candidates
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.problem import build_problem
-from lorafleet.planner.search import evaluate, minlp_pool, search
+from lorafleet.planner.search import PoolEntry, evaluate, minlp_pool, search
 from lorafleet.sampling import sample_global_batch
-from lorafleet.workload import Workload, load_workload
+from lorafleet.specs.recompute import RecomputePolicy
+from lorafleet.workload import Workload, load_workload, resolve_workload
+from reproduce_lobra import EIGHT, FOUR, SECOND_TENANTS, with_tasks
 
 REPO = Path(__file__).resolve().parents[1]
 LOBRA_PLANNER_S = {64: 148.81, 256: 428.08}
@@ -123,13 +131,21 @@ def part_optimality(n_workloads: int, tmp: Path, recompute: str = "auto") -> Non
               f"decomposition's plan vs the MINLP's {ranked[0].expected_makespan / value - 1:+.2%}")
 
 
+def chosen_entry(result: PlanResult) -> PoolEntry:
+    """The pool entry of the plan ``result`` chose: the judged deployment with the plan's replica counts."""
+    deployed = Counter(r.config for r in result.plan.replicas)
+    return next(e for e in result.diagnostics.pool if e.expected is not None
+                and Counter({c.config: int(n) for c, n in zip(result.diagnostics.candidates, e.replicas) if n}) == deployed)
+
+
 def part_quality() -> None:
     print("\n== 3. quality: examples/lobra-7b.yaml, 16 x A100-40GB (analytic) ==")
     workload = load_workload(REPO / "examples/lobra-7b.yaml")
     cluster = workload.cluster
     cost_model = workload_cost_model(workload, cluster)
     result = plan_deployment(workload, cluster, cost_model)
-    print(f"plan: {result.plan.describe()}")
+    print(f"plan: {result.plan.describe()}; the planner judged it at {chosen_entry(result).expected_makespan:.3f} s "
+          f"(load model, as placed), the dispatcher estimates {result.expected_step.estimated_makespan_s:.3f} s")
     batches = [sample_global_batch(workload, step) for step in range(32)]
     schedules = (result.schedule, *result.baselines)
     sampled = {s.name: [s.step_cost(b, cost_model) for b in batches] for s in schedules}
@@ -143,9 +159,44 @@ def part_quality() -> None:
         print(f"{cost.name:<20} {cost.gpus:>5} {cost.makespan_s:>8.3f} {cost.gpu_seconds:>8.1f} {cut:>16} {gpu_s:>14.1f} {cut_s:>7}")
 
 
+SMALL_TWO_TASKS = {"model": "llama2-7b", "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8}, "tasks": [
+    {"name": "chat", "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0}, "batch_size": 48, "context_length": 4096},
+    {"name": "docs", "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0}, "batch_size": 8, "context_length": 8192},
+]}
+"""56 sequences a step on 8 GPUs (the workload of ``tests/sim/test_simulate.py``): few per bucket."""
+
+
+def part_robust(tmp: Path) -> None:
+    """``robust_top`` 2 against 3: planner CPU time and the chosen plan's mean GPU-seconds on 32
+    held-out sampled batches (steps 100-131, past the race's K = 32)."""
+    print("\n== 4. robust race: 2 or 3 finalists; mean GPU-s per step on 32 held-out batches ==")
+    small = tmp / "small-two-tasks.yaml"
+    small.write_text(yaml.safe_dump(SMALL_TWO_TASKS))
+    seven, seventy = load_workload(REPO / "examples/lobra-7b.yaml"), load_workload(REPO / "examples/lobra-70b.yaml")
+    seven_rc = resolve_workload(seven.spec.model_copy(update={"recompute": RecomputePolicy.AUTO}), seven.path)
+    cases = [("2 tasks, 56 sequences", load_workload(small), 8), ("7B", seven, 16), ("7B, recompute auto", seven_rc, 16),
+             *(("70B, 4 tasks", with_tasks(seventy, FOUR), gpus) for gpus in (16, 32, 64)),
+             ("70B, 8 tasks", with_tasks(seventy, EIGHT), 64), ("70B, 12 tasks", seventy, 64),
+             ("70B, 16 tasks", with_tasks(seventy, twins=SECOND_TENANTS), 64)]
+    cpu_total = {2: 0.0, 3: 0.0}
+    for label, workload, gpus in cases:
+        cluster = workload_cluster(workload, gpus)
+        cost_model = workload_cost_model(workload, cluster)
+        held_out = [sample_global_batch(workload, step) for step in range(100, 132)]
+        row = {}
+        for top in (2, 3):
+            cpu = cpu_seconds()
+            result = plan_deployment(workload, cluster, cost_model, PlannerOptions(robust_top=top, baselines=False))
+            cpu_total[top] += cpu_seconds() - cpu
+            row[top] = (result.plan.describe(), np.mean([result.schedule.step_cost(b, cost_model).gpu_seconds for b in held_out]))
+        change = "same plan" if row[2][0] == row[3][0] else f"{row[3][1] / row[2][1] - 1:+.2%}: {row[2][0]} -> {row[3][0]}"
+        print(f"{label} on {gpus} GPUs: {row[2][1]:.2f} -> {row[3][1]:.2f} GPU-s ({change})", flush=True)
+    print(f"planner CPU seconds in all: {cpu_total[2]:.1f} (2 finalists) -> {cpu_total[3]:.1f} (3)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", action="append", choices=("time", "optimality", "quality"))
+    parser.add_argument("--part", action="append", choices=("time", "optimality", "quality", "robust"))
     parser.add_argument("--workloads", type=int, default=20, help="random workloads of the optimality part")
     parser.add_argument("--recompute", default="auto", choices=("auto", "off", "on"),
                         help="the random workloads' recompute policy (optimality part)")
@@ -160,6 +211,8 @@ def main() -> None:
         part_optimality(args.workloads, tmp, args.recompute)
     if "quality" in parts:
         part_quality()
+    if "robust" in parts:
+        part_robust(tmp)
 
 
 if __name__ == "__main__":

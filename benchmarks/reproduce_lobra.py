@@ -17,7 +17,7 @@ Experiments (LobRA, VLDB 2025, Sec. 6):
    MeetingBank; all 12; all 12 plus a second tenant of dolly, Evol-Instruct, XSum and BillSum
    (same dataset statistics, its own adapter: 12 presets exist, LobRA does not list its 16).
 
-    .venv/bin/python benchmarks/reproduce_lobra.py              # everything (~5 min on 2 cores)
+    .venv/bin/python benchmarks/reproduce_lobra.py              # everything (~40 s on 2 cores)
     .venv/bin/python benchmarks/reproduce_lobra.py --only 70b   # experiments 2-4
 """
 
