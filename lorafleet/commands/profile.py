@@ -1,6 +1,7 @@
 """``lorafleet profile`` (measure a profile on this machine) and ``lorafleet fit`` (fit its coefficients).
 
     lorafleet profile --model tiny-llama --configs 1x1,1x2,2x1,2x2 --out profiles/tiny-llama-cpu.json
+    lorafleet profile --device cuda --dtype bf16 --model smollm2-135m --configs 1x1,1x2 --out P.json
     lorafleet fit profiles/tiny-llama-cpu.json
 """
 
@@ -13,13 +14,16 @@ import sys
 from lorafleet.errors import InputError
 
 ARGS = "<args>"
+DEVICE_KINDS = ("cpu", "cuda")
+CPU_BUDGET_MIB = 48
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "profile",
         help="measure per-layer, head, step, transfer and memory records of a model on this machine",
-        description="Spawns gloo processes (one CPU thread each, one per device) and writes a measured, fitted profile.",
+        description="Spawns one process per device (cpu: gloo processes of one CPU thread each; cuda: one GPU "
+        "each, NCCL) and writes a measured, fitted profile.",
     )
     p.add_argument("--model", required=True, help="model preset or HF config.json path")
     p.add_argument("--configs", required=True, help="comma-separated <tp,pp> to profile, e.g. 1x1,1x2,2x1; "
@@ -37,7 +41,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before each timing (default 1)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls; a record is their median (default 5)")
     p.add_argument("--rounds", type=int, default=2, help="passes over all timings; a record keeps its smallest median (default 2)")
-    p.add_argument("--memory-budget-mib", type=float, default=48, help="memory of one device for the max-tokens search")
+    p.add_argument("--memory-budget-mib", type=float, help="memory of one device for the max-tokens search "
+                   "(default: 48 on cpu, the GPU's memory on cuda)")
+    p.add_argument("--device", default="cpu", choices=DEVICE_KINDS,
+                   help="cpu (default): one CPU thread per process, gloo; cuda: one GPU per process, NCCL, "
+                   "times synchronised with the GPU")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="of the base model and the adapters "
+                   "(default fp32)")
+    p.add_argument("--gpu", help="GPU preset the profile is for (default: cpu on cpu; on cuda the preset that "
+                   "matches the device's name and memory)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run, profile_action="profile")
 
@@ -66,6 +78,7 @@ def _at_least(value: float, minimum: float, flag: str) -> None:
 def _settings(args: argparse.Namespace):
     from lorafleet.costmodel.adapters import AdapterLoad
     from lorafleet.costmodel.parallel_config import ParallelConfig, config_problems
+    from lorafleet.profiling.device import DeviceKind, Precision
     from lorafleet.profiling.run import MIB, ProfileSettings
     from lorafleet.specs.cluster import ClusterSpec
     from lorafleet.specs.lora import OptimizerName
@@ -82,8 +95,10 @@ def _settings(args: argparse.Namespace):
         raise InputError(ARGS, "--optimizer", f"unknown optimizer {args.optimizer!r}; choose from adamw, adam, sgd") from None
     if not configs:
         raise InputError(ARGS, "--configs", "names no config")
+    device = DeviceKind(args.device)
+    gpu, budget_mib, transfers = _device_choices(args, device, configs)
     # Pipeline stages are emulated one at a time, so a config needs only its TP group of processes.
-    host = ClusterSpec(gpu="cpu", nodes=max(c.pp for c in configs), gpus_per_node=max(2, *(c.tp for c in configs)))
+    host = ClusterSpec(gpu=gpu, nodes=max(c.pp for c in configs), gpus_per_node=max(2, *(c.tp for c in configs)))
     for config in configs:
         problems = config_problems(config, model, host)
         if problems:
@@ -98,7 +113,7 @@ def _settings(args: argparse.Namespace):
         ("--warmup", args.warmup, 0),
         ("--repeats", args.repeats, 1),
         ("--rounds", args.rounds, 1),
-        ("--memory-budget-mib", args.memory_budget_mib, 1),
+        ("--memory-budget-mib", budget_mib, 1),
     ):
         _at_least(value, minimum, flag)
     return ProfileSettings(
@@ -114,10 +129,48 @@ def _settings(args: argparse.Namespace):
         warmup=args.warmup,
         repeats=args.repeats,
         rounds=args.rounds,
-        memory_budget_bytes=int(args.memory_budget_mib * MIB),
+        memory_budget_bytes=int(budget_mib * MIB),
         seed=args.seed,
+        transfers=transfers,
+        device=device,
+        precision=Precision(args.dtype),
+        gpu=gpu,
         command=shlex.join(["lorafleet", *sys.argv[1:]]),
     )
+
+
+def _device_choices(args: argparse.Namespace, device, configs) -> tuple[str, float, bool]:
+    """(GPU preset, memory budget in MiB, whether to time transfers) for ``--device``.
+
+    On cuda every process takes one GPU: a world larger than the GPUs this process sees is an
+    InputError, and on one GPU the world is one process (TP1 only, no transfer records).
+    """
+    from lorafleet.profiling.device import DeviceKind, cuda_device_count, cuda_memory_bytes, gpu_preset_for
+    from lorafleet.profiling.run import MIB
+    from lorafleet.specs.gpus import resolve_gpu
+
+    if device is DeviceKind.CPU:
+        gpu = resolve_gpu(args.gpu or "cpu", ARGS, "--gpu").name
+        return gpu, CPU_BUDGET_MIB if args.memory_budget_mib is None else args.memory_budget_mib, True
+    import torch
+
+    n_gpus = cuda_device_count()
+    if n_gpus == 0:
+        raise InputError(ARGS, "--device", f"cuda: no CUDA device is visible (torch {torch.__version__})")
+    tp = max(c.tp for c in configs)
+    if tp > n_gpus:
+        raise InputError(ARGS, "--configs", f"tp={tp} needs {tp} processes of one GPU each; this machine has "
+                         f"{n_gpus} GPU{'s' if n_gpus > 1 else ''}: profile configs of tp <= {n_gpus}")
+    memory = cuda_memory_bytes(0)
+    name = torch.cuda.get_device_name(0)
+    if args.gpu is not None:
+        gpu = resolve_gpu(args.gpu, ARGS, "--gpu").name
+    else:
+        gpu = gpu_preset_for(name, memory)
+        if gpu is None:
+            raise InputError(ARGS, "--gpu", f"no GPU preset matches {name!r}; name the closest one with --gpu")
+    budget_mib = memory / MIB if args.memory_budget_mib is None else args.memory_budget_mib
+    return gpu, budget_mib, n_gpus >= 2
 
 
 def fit_and_report(profile, source: str, folds: int):

@@ -1,6 +1,7 @@
 """The profiler's replica: the torch executor's own, and the runs the profiler times on it.
 
-Every rank builds what ``lorafleet train`` builds, with ``executor.torch.replica.build_replica``:
+Every rank builds what ``lorafleet train`` builds, with ``executor.torch.replica.build_replica``,
+on its own device (``device.ProfileDevice``: a CPU process or one GPU) in the profile's precision:
 a seeded random base model of the ModelSpec (``load_causal_lm``), every task's adapter injected
 as ``MultiLoraLinear`` (one base GEMM, one low-rank update per segment of rows), Megatron TP
 over the process group (``executor.torch.tp``), from a plan of ``world // tp`` replicas of
@@ -54,11 +55,11 @@ from lorafleet.executor.torch.step import (
     token_losses,
 )
 from lorafleet.plans import DeploymentPlan, MicroBatch, ReplicaSpec
+from lorafleet.profiling.device import Precision, ProfileDevice
 from lorafleet.profiling.stages import only_layers, part_role, role_in, stage_layout
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.model import ModelSpec
 
-CPU = torch.device("cpu")
 #: Optimizer steps a profiling task's schedule spans (the rate never reaches its floor while profiling).
 SCHEDULE_STEPS = 1 << 20
 #: M of the profiling plan's replicas: the executor never reads it (the profiler picks the shapes).
@@ -115,14 +116,19 @@ class ProfiledReplica:
     """This rank's part of the executor replicas of one TP degree, its task optimizers, and timed runs."""
 
     def __init__(self, spec: ModelSpec, adapters: AdapterLoad, tp: int, rank: int, busy: int, world: int,
-                 seed: int = 0) -> None:
-        """Collective (``build_replica`` creates process groups): every rank of the world calls it."""
+                 seed: int = 0, device: ProfileDevice = ProfileDevice(), precision: Precision = Precision.FP32) -> None:
+        """Collective (``build_replica`` creates process groups): every rank of the world calls it.
+
+        ``device``: where this rank computes; ``precision``: the dtype of the base and the adapters.
+        """
         self.spec = spec
         self.n_tasks = adapters.n_tasks
         self.rng = random.Random(seed)
-        model = load_causal_lm(ModelSource(kind=SourceKind.RANDOM, name=spec.name, spec=spec, seed=seed))
+        self.device = device.torch_device
+        self.dtype = precision.dtype
+        model = load_causal_lm(ModelSource(kind=SourceKind.RANDOM, name=spec.name, spec=spec, seed=seed), self.dtype)
         plan = side_by_side_plan(spec, tp, busy, world, self.n_tasks)
-        self.replica = build_replica(model, adapter_specs(adapters), plan, rank, world, seed=seed, device=CPU)
+        self.replica = build_replica(model, adapter_specs(adapters), plan, rank, world, seed=seed, device=self.device)
         optimizer = OptimizerSpec(name=adapters.optimizer)
         self.optimizers = [
             TaskOptimizer(optimizer, self.replica.task_params(t), SCHEDULE_STEPS) for t in range(self.n_tasks)
@@ -151,15 +157,15 @@ class ProfiledReplica:
 
     def _row(self, tokens: int) -> MicroBatchInputs:
         """The executor's inputs of one sequence of ``tokens`` tokens (task 0)."""
-        return build_inputs(*self._one(MicroBatchShape.padded(1, tokens), 0), CPU)
+        return build_inputs(*self._one(MicroBatchShape.padded(1, tokens), 0), self.device)
 
     def blocks_run(self, shape: MicroBatchShape, task: int) -> Callable[[], None]:
         """``build_inputs`` and forward + backward of all L blocks on one micro-batch of task ``task``."""
         mb, examples, inv = self._one(shape, task)
-        x = torch.randn(*microbatch_shape(mb), self.spec.hidden, requires_grad=True)
+        x = torch.randn(*microbatch_shape(mb), self.spec.hidden, dtype=self.dtype, device=self.device, requires_grad=True)
         grad = torch.randn_like(x)
         role = part_role(*self.tp_position, embeds=False, heads=False)
-        return lambda: stage_forward(self.model, role, x, build_inputs(mb, examples, inv, CPU)).backward(grad)
+        return lambda: stage_forward(self.model, role, x, build_inputs(mb, examples, inv, self.device)).backward(grad)
 
     def head_run(self, tokens: int) -> Callable[[], None]:
         """Embedding, then a last stage over no layer (norm, LM head, loss), forward + input gradient."""
@@ -233,7 +239,7 @@ class ProfiledReplica:
 
         def last_stage(tokens: int) -> None:
             inputs = self._row(tokens)
-            received = torch.randn(1, tokens, self.spec.hidden, requires_grad=True)
+            received = torch.randn(1, tokens, self.spec.hidden, dtype=self.dtype, device=self.device, requires_grad=True)
             with only_layers(self.model, last.layers):
                 weighted_loss(stage_forward(self.model, last, received, inputs), inputs).backward()
 

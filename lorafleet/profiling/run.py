@@ -1,7 +1,9 @@
 """``lorafleet profile``: measure a model's cost-model records on this machine.
 
-The profiler spawns ``world`` gloo processes (torch.multiprocessing, one CPU thread each, so
-a process plays one device) that run the same program:
+The profiler spawns ``world`` processes (torch.multiprocessing) that run the same program,
+each on one device (``device.ProfileDevice``): on a CPU, gloo processes of one CPU thread
+each, so a process plays one device; on CUDA, one GPU per process and NCCL. On a machine of
+one GPU the world is one process: TP1 only, and no transfer records.
 
 1. per TP degree, with every process busy on the torch executor's own replicas
    (``replica.ProfiledReplica``: two TP1 replicas side by side, or one TP2 replica on ranks
@@ -17,7 +19,8 @@ a process plays one device) that run the same program:
    - memory: max tokens M of every requested <tp, pp> by ``search_max_tokens`` against the
      memory budget, emulating the first pipeline stage (pp micro-batches in flight, L/pp
      blocks, embedding) and the last (L/pp blocks, head, logits);
-2. p2p ping-pong and 2-rank all-reduces over a range of sizes; optimizer steps of 1..n tasks.
+2. p2p ping-pong and 2-rank all-reduces over a range of sizes (``transfers``: two processes);
+   optimizer steps of 1..n tasks.
 
 Every time is the median of ``repeats`` after ``warmup`` calls, the smallest over
 ``rounds`` passes; see ``measure`` for how time and peak bytes are taken. Rank 0 writes the
@@ -26,9 +29,7 @@ records; the caller fits and saves them.
 
 from __future__ import annotations
 
-import os
 import pickle
-import platform
 import random
 import socket
 import tempfile
@@ -57,6 +58,7 @@ from lorafleet.costmodel.profile_format import (
     SizeRecord,
 )
 from lorafleet.costmodel.time_model import MicroBatchShape
+from lorafleet.profiling.device import DeviceKind, Precision, ProfileDevice, describe_host
 from lorafleet.profiling.measure import best_of_rounds, peak_bytes
 from lorafleet.profiling.replica import ProfiledReplica
 from lorafleet.specs.model import ModelSpec
@@ -96,13 +98,22 @@ class ProfileSettings:
     seed: int = 0
     comm_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(6))
     """Bytes of the timed p2p messages and all-reduces (1 KiB .. 1 MiB)."""
+    transfers: bool = True
+    """Time the p2p and all-reduce records, which need two processes. Off on a machine of one GPU:
+    the fitted links then cost nothing."""
+    device: DeviceKind = DeviceKind.CPU
+    """cpu: gloo processes of one thread; cuda: one GPU per process, NCCL."""
+    precision: Precision = Precision.FP32
+    """dtype of the base model and the adapters."""
+    gpu: str = "cpu"
+    """GPU preset name the profile is for (``specs.gpus.GPU_PRESETS``)."""
     command: str = ""
     """The command line, recorded in the profile."""
 
     @property
     def world(self) -> int:
-        """Processes to spawn: the largest TP degree, and at least two for the transfer records."""
-        return max(2, *(c.tp for c in self.configs))
+        """Processes to spawn: the largest TP degree, and two for the transfer records when ``transfers``."""
+        return max(2 if self.transfers else 1, *(c.tp for c in self.configs))
 
     @property
     def tps(self) -> list[int]:
@@ -140,6 +151,7 @@ class _Worker:
     def __init__(self, settings: ProfileSettings, rank: int) -> None:
         self.s = settings
         self.rank = rank
+        self.device = ProfileDevice(settings.device, rank)
         self.gen = torch.Generator().manual_seed(settings.seed + rank)
         self.records: dict[str, list] = defaultdict(list)
         self.memory: list[MemoryRecord] = []
@@ -149,7 +161,12 @@ class _Worker:
         return random.Random("-".join(map(str, (self.s.seed, *phase))))
 
     def time(self, runs: list[Callable[[], object]], group: dist.ProcessGroup | None) -> list[float]:
-        return best_of_rounds(runs, self.s.rounds, self.s.warmup, self.s.repeats, group)
+        return best_of_rounds(runs, self.s.rounds, self.s.warmup, self.s.repeats, group, self.device)
+
+    def replica(self, tp: int, busy: int, world: int) -> ProfiledReplica:
+        """This rank's part of ``busy // tp`` replicas of ⟨tp, 1⟩ in a world of ``world``. Collective."""
+        return ProfiledReplica(self.s.model, self.s.adapters, tp, self.rank, busy, world, self.s.seed,
+                               self.device, self.s.precision)
 
     def run(self) -> None:
         world = self.s.world
@@ -159,21 +176,23 @@ class _Worker:
             # creates every group (``ProfiledReplica`` too, through build_replica), member or not.
             n_busy = world // tp * tp
             busy = dist.new_group(list(range(n_busy)))
-            replica = ProfiledReplica(self.s.model, self.s.adapters, tp, self.rank, n_busy, world, self.s.seed)
+            replica = self.replica(tp, n_busy, world)
             if replica.active:
                 plan = self.layer_plan(replica, tp) + self.head_plan(replica, tp)
                 if tp == 1:  # a TP1 replica alone has nothing to all-reduce
                     plan += self.step_plan(replica, tp, None, 1)
-                plan += self.step_plan(replica, tp, busy, n_busy // tp)
+                if tp > 1 or n_busy > 1:  # (a world of one: the TP1 replica alone, just timed)
+                    plan += self.step_plan(replica, tp, busy, n_busy // tp)
                 self.measure(plan, busy, tp)
                 for config in (c for c in self.s.configs if c.tp == tp):
                     self.memory_record(replica, config, busy)
             dist.barrier()
-        pair = dist.new_group([0, 1])
-        if self.rank < 2:
-            self.comm_records(pair)
+        if self.s.transfers:
+            pair = dist.new_group([0, 1])
+            if self.rank < 2:
+                self.comm_records(pair)
         if self.rank == 0:
-            self.optimizer_records(ProfiledReplica(self.s.model, self.s.adapters, 1, 0, 1, 1, self.s.seed))
+            self.optimizer_records(self.replica(1, 1, 1))
         dist.barrier()
 
     def measure(self, plan: list[Timed], group: dist.ProcessGroup, tag: object) -> None:
@@ -240,7 +259,11 @@ class _Worker:
             ok = True
             for name, (static, step) in stages.items():
                 replica.clear_grads()  # a step allocates its adapter gradients: they are in its peak
-                total = static + peak_bytes(lambda: step(tokens), group)
+                peak = peak_bytes(lambda: step(tokens), group, self.device)
+                if peak is None:  # out of device memory: above any budget, and no point of the line
+                    ok = False
+                    continue
+                total = static + peak
                 samples[name].append((tokens, total))
                 ok &= total <= self.s.memory_budget_bytes
             return ok
@@ -267,7 +290,7 @@ class _Worker:
     def comm_records(self, pair: dist.ProcessGroup) -> None:
         runs = []
         for nbytes in self.s.comm_sizes:
-            buf = torch.zeros(nbytes // FP32_BYTES)
+            buf = torch.zeros(nbytes // FP32_BYTES, device=self.device.torch_device)
             runs += [self._ping_pong(buf, pair), lambda buf=buf: dist.all_reduce(buf, group=pair)]
         times = self.time(runs, pair)
         for nbytes, round_trip, allreduce in zip(self.s.comm_sizes, times[::2], times[1::2]):
@@ -298,9 +321,16 @@ class _Worker:
             self.records["optimizer"].append(SizeRecord(size=params, time_ms=ms))
 
 
+TIMING_CPU = "process CPU time"
+TIMING_CUDA = "wall time between torch.cuda.synchronize() calls"
+TIMING_COMMON = ": median of repeats, smallest over rounds; slowest replica or TP rank, every repeat behind a barrier"
+MEMORY_CPU = "peak of torch.profiler [memory] events + parameter, gradient and optimizer-state bytes"
+MEMORY_CUDA = ("torch.cuda.max_memory_allocated after reset_peak_memory_stats, less the bytes allocated before "
+               "+ parameter, gradient and optimizer-state bytes; out of memory: does not fit")
+
+
 def _rank_main(rank: int, settings: ProfileSettings, port: int, out_path: str) -> None:
-    torch.set_num_threads(1)  # one core per process: a process plays one device
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=settings.world)
+    ProfileDevice(settings.device, rank).join(rank, settings.world, port)
     try:
         worker = _Worker(settings, rank)
         worker.run()
@@ -318,7 +348,7 @@ def _free_port() -> int:
 
 
 def measure_profile(settings: ProfileSettings) -> Profile:
-    """Run the measurements in ``settings.world`` spawned gloo processes; the profile has records, no fit."""
+    """Run the measurements in ``settings.world`` spawned processes; the profile has records, no fit."""
     with tempfile.TemporaryDirectory() as tmp:
         out_path = str(Path(tmp) / "records.pkl")
         mp.start_processes(
@@ -326,24 +356,27 @@ def measure_profile(settings: ProfileSettings) -> Profile:
         )
         with open(out_path, "rb") as f:
             records, memory = pickle.load(f)
+    on_cuda = settings.device is DeviceKind.CUDA
     return Profile(
         kind="measured",
         model=settings.model.name,
-        gpu="cpu",
+        gpu=settings.gpu,
         gpus_per_node=settings.world,
-        dtype_bytes=FP32_BYTES,
+        dtype_bytes=settings.precision.bytes,
         adapters=AdaptersJSON.of(settings.adapters),
         command=settings.command,
         settings={
-            "host": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}",
+            "host": describe_host(settings.device),
             "processes": settings.world,
-            "threads_per_process": 1,
+            **({"gpus_per_process": 1} if on_cuda else {"threads_per_process": 1}),
+            "backend": ProfileDevice(settings.device).backend,
+            "dtype": settings.precision.value,
             "warmup": settings.warmup,
             "repeats": settings.repeats,
             "rounds": settings.rounds,
-            "timing": "process CPU time: median of repeats, smallest over rounds; slowest replica or TP rank, every repeat behind a barrier",
+            "timing": (TIMING_CUDA if on_cuda else TIMING_CPU) + TIMING_COMMON,
             "memory_budget_bytes": settings.memory_budget_bytes,
-            "memory_method": "peak of torch.profiler [memory] events + parameter, gradient and optimizer-state bytes",
+            "memory_method": MEMORY_CUDA if on_cuda else MEMORY_CPU,
             "seed": settings.seed,
         },
         memory=tuple(sorted(memory, key=lambda m: (m.tp, m.pp))),

@@ -1,4 +1,5 @@
-"""``measure_profile`` end to end on a tiny grid: 2 gloo processes, TP1 and TP2, PP emulated for memory."""
+"""``measure_profile`` end to end on a tiny grid: 2 gloo processes, TP1 and TP2, PP emulated for memory;
+and one process (the world of a one-GPU machine) in bf16."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from lorafleet.costmodel.build import profile_cost_model
 from lorafleet.costmodel.check import heldout_comparisons
 from lorafleet.costmodel.fitted import fit_profile
 from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.profiling.device import Precision
 from lorafleet.profiling.run import MIB, ProfileSettings, measure_profile
 from lorafleet.specs.model import MODEL_PRESETS
 
@@ -73,3 +75,36 @@ def test_fit_and_check_run_on_measured_records(profile):
     assert cm.step_overhead(ParallelConfig(1, 1)) > 0  # the optimizer step was measured
     kinds = {c.kind for c in heldout_comparisons(fitted, TINY)}
     assert kinds == {"layer", "packed", "replica"}
+
+
+def test_one_device_profiles_tp1_alone_in_bf16():
+    """The path of a machine with one GPU, on one CPU process: a world of one, no transfer records,
+    the lone TP1 replica's steps timed once (not again as a fleet of one), bf16 weights and adapters."""
+    settings = ProfileSettings(
+        model=TINY,
+        configs=(ParallelConfig(1, 1), ParallelConfig(1, 2)),
+        adapters=AdapterLoad.uniform(2, 4),
+        seq_lens=(16, 64),
+        mbs=(1, 2),
+        max_grid_tokens=128,
+        packed=1,
+        heldout=1,
+        replica_steps=1,
+        warmup=0,
+        repeats=1,
+        rounds=1,
+        memory_budget_bytes=4 * MIB,
+        transfers=False,
+        precision=Precision.BF16,
+        command="pytest",
+    )
+    assert settings.world == 1
+    profile = measure_profile(settings)
+    rec = profile.records
+    assert rec.p2p == rec.allreduce == () and len(rec.optimizer) == 2
+    assert [(r.tp, r.sync_replicas) for r in rec.replica] == [(1, 1)]
+    assert profile.dtype_bytes == 2 and profile.settings["dtype"] == "bf16" and profile.settings["processes"] == 1
+    assert {r.config for r in profile.memory} == set(settings.configs) and all(r.max_tokens > 0 for r in profile.memory)
+    fitted = fit_profile(profile)
+    assert fitted.coefficients.grad_sync.gb_per_s is None  # no all-reduce measured: a free link
+    profile_cost_model(fitted, TINY)

@@ -17,7 +17,7 @@ from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 from lorafleet.executor.torch.step import build_inputs, stage_forward
 from lorafleet.profiling.measure import median_ms, peak_bytes
-from lorafleet.profiling.replica import CPU, ProfiledReplica, inverse_counts, microbatches, random_examples
+from lorafleet.profiling.replica import ProfiledReplica, inverse_counts, microbatches, random_examples
 from lorafleet.profiling.stages import only_layers, part_role
 from lorafleet.specs.model import MODEL_PRESETS
 
@@ -54,7 +54,7 @@ def test_blocks_and_head_compose_to_the_executors_whole_stage(replica):
                     b.normal_(0, 0.5)
     mbs = microbatches([MicroBatchShape.packed([5, 9, 3])], [1])
     examples = random_examples(mbs, TINY.vocab, random.Random(1))
-    inputs = build_inputs(mbs[0], [examples[q] for q in mbs[0].seq_ids], inverse_counts(mbs, examples, 2), CPU)
+    inputs = build_inputs(mbs[0], [examples[q] for q in mbs[0].seq_ids], inverse_counts(mbs, examples, 2), torch.device("cpu"))
     model = replica.model
     with torch.no_grad():
         whole = stage_forward(model, part_role(1, 0, embeds=True, heads=True), None, inputs)

@@ -1,0 +1,85 @@
+"""``lorafleet profile`` options: --device, --dtype, --gpu and the memory budget, validated before any
+process starts. CUDA machines are faked here (device count, name, memory): the check needs no GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lorafleet.profiling.device as device_module
+from lorafleet.cli import build_parser, main
+from lorafleet.commands.profile import _settings
+from lorafleet.profiling.device import DeviceKind, Precision
+
+MIB = 1 << 20
+H200_MIB = 143771  # the device machine's H200, as nvidia-smi reports it
+
+
+def _args(*extra: str):
+    return build_parser().parse_args(["profile", "--model", "tiny-llama", "--configs", "1x1,1x2", "--out", "p.json",
+                                      *extra])
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """``gpus(n, name, mib)``: this process sees ``n`` CUDA devices of that name and memory."""
+
+    def fake(n: int, name: str = "NVIDIA H200", mib: int = H200_MIB) -> None:
+        monkeypatch.setattr(device_module, "cuda_device_count", lambda: n)
+        monkeypatch.setattr(device_module, "cuda_memory_bytes", lambda index=0: mib * MIB)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: name)
+
+    return fake
+
+
+def test_cpu_defaults_are_unchanged():
+    s = _settings(_args())
+    assert (s.device, s.precision, s.gpu, s.memory_budget_bytes) == (DeviceKind.CPU, Precision.FP32, "cpu", 48 * MIB)
+    assert s.transfers and s.world == 2
+
+
+def test_one_gpu_is_a_world_of_one_in_bf16_with_the_gpus_memory(gpus):
+    gpus(1)
+    s = _settings(_args("--device", "cuda", "--dtype", "bf16"))
+    assert (s.device, s.precision, s.gpu) == (DeviceKind.CUDA, Precision.BF16, "H200-141GB")
+    assert s.world == 1 and not s.transfers  # TP1 only; no peer for p2p and all-reduce records
+    assert s.memory_budget_bytes == H200_MIB * MIB
+    assert _settings(_args("--device", "cuda", "--memory-budget-mib", "4096")).memory_budget_bytes == 4096 * MIB
+
+
+def test_two_gpus_time_transfers(gpus):
+    gpus(2)
+    s = _settings(_args("--device", "cuda", "--configs", "1x1,2x1"))
+    assert s.world == 2 and s.transfers
+
+
+@pytest.mark.parametrize("n_gpus,extra,message", [
+    (1, ["--configs", "1x1,2x1"], "--configs: tp=2 needs 2 processes of one GPU each; this machine has 1 GPU"),
+    (0, [], "--device: cuda: no CUDA device is visible"),
+    (1, ["--gpu", "B200"], "--gpu: unknown GPU 'B200'"),
+])
+def test_bad_cuda_choices_are_one_line_and_exit_2(gpus, capsys, n_gpus, extra, message):
+    gpus(n_gpus)
+    assert main(["profile", "--model", "tiny-llama", "--configs", "1x1", "--out", "p.json", "--device", "cuda",
+                 *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_an_unknown_gpu_must_be_named(gpus, capsys):
+    gpus(1, "NVIDIA GeForce RTX 4090", 24564)
+    assert main(["profile", "--model", "tiny-llama", "--configs", "1x1", "--out", "p.json", "--device", "cuda"]) == 2
+    assert "no GPU preset matches 'NVIDIA GeForce RTX 4090'" in capsys.readouterr().err
+    assert _settings(_args("--device", "cuda", "--gpu", "a6000-48gb")).gpu == "A6000-48GB"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_refused_here(capsys):
+    assert main(["profile", "--model", "tiny-llama", "--configs", "1x1", "--out", "p.json", "--device", "cuda"]) == 2
+    assert "no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_device_and_dtype_choices():
+    for flag, value in (("--device", "tpu"), ("--dtype", "fp16")):
+        with pytest.raises(SystemExit):
+            _args(flag, value)
