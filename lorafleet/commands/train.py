@@ -21,6 +21,9 @@ from pathlib import Path
 
 from lorafleet.errors import InputError
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+"""``--dtype`` choices -> torch dtype names (torch is imported only once a run starts)."""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="train the workload's adapters on a deployment plan (torch)")
@@ -32,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=50, metavar="K", help="checkpoint every K steps")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="cuda: NCCL, one GPU per process; cpu: gloo (default: cuda when there are enough GPUs)")
+    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES),
+                        help="of the frozen base model and the activations (default fp32); adapters stay fp32 master "
+                             "weights over a bf16 base")
     parser.add_argument("--profile", help="fitted profile JSON for dispatch (default: the analytic model of the plan's GPU)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (there is none anyway when stdout is not a terminal)")
@@ -65,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
 def _argv(args: argparse.Namespace) -> list[str]:
     """The command line that re-creates ``args`` (what each torchrun worker is started with)."""
     argv = ["train", args.workload, "--plan", args.plan, "--steps", str(args.steps), "--out", args.out,
-            "--checkpoint-every", str(args.checkpoint_every), "--device", args.device]
+            "--checkpoint-every", str(args.checkpoint_every), "--device", args.device, "--dtype", args.dtype]
     if args.profile:
         argv += ["--profile", args.profile]
     if args.no_progress:
@@ -85,6 +91,7 @@ def load_training_workload(path: str):
 
 def train_rank(args: argparse.Namespace, plan) -> int:
     """One process of the run: build the fleet; rank 0 drives the loop, the others serve it."""
+    import torch
     import torch.distributed as dist
 
     from lorafleet.assemble import workload_cluster, workload_cost_model
@@ -100,7 +107,7 @@ def train_rank(args: argparse.Namespace, plan) -> int:
             raise InputError(args.plan, "replicas", f"the plan needs {plan_world_size(plan)} processes, "
                              f"torchrun started {dist.get_world_size()}")
         workload = load_training_workload(args.workload)
-        executor = build_torch_executor(workload.spec, plan, args.steps, device)
+        executor = build_torch_executor(workload.spec, plan, args.steps, device, getattr(torch, DTYPES[args.dtype]))
         if dist.get_rank() != 0:
             executor.serve()
             return 0

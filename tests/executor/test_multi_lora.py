@@ -229,19 +229,22 @@ def layouts(draw):
     return ranks, LoraRouting(Segments(ids, starts, lengths), scalings, dropouts), max(rows, 1)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     layout=layouts(),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    dtypes=st.sampled_from([(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)]),
     training=st.booleans(),
     split=st.booleans(),
     tile_bytes=st.sampled_from([multi_lora.TILE_BYTES, 200, 64]),
     seed=st.integers(0, 2**16),
 )
-def test_matches_plain_autograd_on_any_layout(layout, dtype, training, split, tile_bytes, seed):
+def test_matches_plain_autograd_on_any_layout(layout, dtypes, training, split, tile_bytes, seed):
     """These shapes are too small to be split or tiled otherwise, so: ``split`` splits every
     run of mixed ranks by rank; a small ``tile_bytes`` cuts the masked products into tiles of
-    3 rows (200) or 1 row (64) of fp32, whole members in bf16; both then meet the oracle."""
+    3 rows (200) or 1 row (64) of fp32, whole members in bf16; both then meet the oracle.
+    ``dtypes`` = (activations and base, adapters): fp32 adapters over bf16 are master weights,
+    computed in bf16 and given fp32 gradients."""
+    dtype, master = dtypes
     ranks, routing, T = layout
     gen = torch.Generator().manual_seed(seed)
 
@@ -255,15 +258,16 @@ def test_matches_plain_autograd_on_any_layout(layout, dtype, training, split, ti
     torch.manual_seed(seed)
     keep = draw_keep_mask(T, k, routing, device="cpu") if training else None
 
-    def run(op, dt):
-        leaves = [t.detach().to(dt).requires_grad_() for t in (x, *A, *B)]
+    def run(op, dt, adapter_dt):
+        leaves = [x.detach().to(dt).requires_grad_()] + [t.detach().to(adapter_dt).requires_grad_() for t in (*A, *B)]
         y = op(leaves[0], W.to(dt), b.to(dt), leaves[1 : 1 + len(A)], leaves[1 + len(A) :], routing, keep)
         y.backward(g.to(dt))
+        assert all(t.grad is None or t.grad.dtype == t.dtype for t in leaves)
         return [y] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
 
     with patched(SPLIT_BREAK_EVEN=0 if split else multi_lora.SPLIT_BREAK_EVEN, TILE_BYTES=tile_bytes):
-        ours = run(lambda *args: multi_lora_linear(*args, backend=LoraBackend.TORCH), dtype)
-    ref = run(plain_reference, torch.float32)  # the oracle runs in fp32 for both dtypes
+        ours = run(lambda *args: multi_lora_linear(*args, backend=LoraBackend.TORCH), dtype, master)
+    ref = run(plain_reference, torch.float32, torch.float32)  # the oracle runs in fp32 for every case
     for got, want in zip(ours, ref, strict=True):
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -375,3 +379,17 @@ def test_misuse_is_an_error():
         LoraRouting(Segments.packed([1], [2]), (1.0,), (0.0,))
     lists = LoraRouting(Segments.packed([0], [2]), [1.0], [0.0])  # lists are fine: stored as tuples
     assert hash(lists) == hash(LoraRouting(Segments.packed([0], [2]), (1.0,), (0.0,)))
+
+
+def test_a_16_bit_base_keeps_fp32_master_adapters():
+    """Over a bf16 base the adapters are fp32 parameters (an AdamW step of ~1e-4 relative size
+    would round away in bf16) while the output stays bf16; over fp32 they are fp32."""
+    layer = MultiLoraLinear(nn.Linear(16, 8).to(torch.bfloat16))
+    layer.add_adapter(0, LoraSpec(rank=4, alpha=8, dropout=0.1))
+    layer.segments = Segments.packed([0], [5])
+    y = layer(torch.randn(5, 16, dtype=torch.bfloat16))
+    y.float().sum().backward()
+    A, B = layer.lora_A["0"], layer.lora_B["0"]
+    assert (A.dtype, B.dtype, y.dtype) == (torch.float32, torch.float32, torch.bfloat16)
+    assert (A.grad.dtype, B.grad.dtype) == (torch.float32, torch.float32) and B.grad.abs().sum() > 0
+    assert multi_lora.adapter_dtype(torch.float32) is torch.float32

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import peft
 import pytest
+from safetensors import safe_open
 
 import fleet_harness as h
 from lorafleet.cli import build_parser, main
@@ -25,8 +27,8 @@ def test_cli_surface_is_frozen():
     parser = build_parser()
     train = parser._subparsers._group_actions[0].choices["train"]
     options = sorted(o for a in train._actions for o in a.option_strings)
-    assert options == ["--checkpoint-every", "--device", "--help", "--no-progress", "--out", "--plan", "--profile",
-                       "--resume", "--steps", "-h"]
+    assert options == ["--checkpoint-every", "--device", "--dtype", "--help", "--no-progress", "--out", "--plan",
+                       "--profile", "--resume", "--steps", "-h"]
 
 
 @pytest.fixture
@@ -96,3 +98,19 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
     assert (out / "checkpoints" / "step-000002").is_dir()
     for task in ("docsum", "chat"):
         peft.PeftModel.from_pretrained(load_causal_lm(h.TINY), out / "adapters" / task)
+
+
+def test_train_bf16_keeps_fp32_adapters(workload, tmp_path):
+    """A bf16 base trains fp32 master adapters: the losses are finite and the exported PEFT
+    adapters are fp32."""
+    path, plan = workload
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "lorafleet", "train", str(path), "--plan", str(plan), "--steps", "2",
+                             "--out", str(out), "--device", "cpu", "--dtype", "bf16"],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [v for line in (out / "metrics.jsonl").read_text().splitlines() for v in json.loads(line)["losses"].values()]
+    assert len(losses) == 4 and all(math.isfinite(v) and v > 0 for v in losses)
+    for task in ("docsum", "chat"):
+        with safe_open(out / "adapters" / task / "adapter_model.safetensors", "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}

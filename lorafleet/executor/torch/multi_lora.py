@@ -272,6 +272,8 @@ class _MultiLoraFunction(torch.autograd.Function):
         need_x, need_lora = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
         _, backward_impl = _implementation(ctx.backend)
         dx, dA, dB = backward_impl(grad_y, x, weight, lora_A, lora_B, ctx.routing, keep, saved, need_x, need_lora)
+        dA = [g if g is None else g.to(w.dtype) for g, w in zip(dA, lora_A, strict=True)]  # compute -> master dtype
+        dB = [g if g is None else g.to(w.dtype) for g, w in zip(dB, lora_B, strict=True)]
         return dx, None, None, None, None, None, *dA, *dB
 
 
@@ -290,9 +292,9 @@ def _implementation(backend: LoraBackend):
 # ---- torch backend ------------------------------------------------------------------------------
 
 
-def stack_padded(weights: Sequence[Tensor], dim: int) -> Tensor:
+def stack_padded(weights: Sequence[Tensor], dim: int, dtype: torch.dtype | None = None) -> Tensor:
     """``(G, ...)`` stack of LoRA weights zero-padded along their rank ``dim`` to the largest
-    rank ``R`` among them.
+    rank ``R`` among them, in ``dtype`` (the compute dtype; default: the weights').
 
     ``A (r, K)`` pads rows (``dim=0``): ``(G, R, K)``. ``B (N, r)`` pads columns (``dim=1``):
     ``(G, N, R)``, for mixed ranks a strided view of one ``(N, G R)`` block. The padding is
@@ -302,16 +304,17 @@ def stack_padded(weights: Sequence[Tensor], dim: int) -> Tensor:
     ``cat`` along the rank and one ``index_copy_`` of its ``Σ r`` slices into the zeroed stack
     (:func:`_padded_slots`); measured ~40% cheaper than ``pad_sequence``.
     """
+    dtype = dtype or weights[0].dtype
     ranks = tuple(w.shape[dim] for w in weights)
     if all(r == ranks[0] for r in ranks):
-        return torch.stack(list(weights))
+        return torch.stack(list(weights)).to(dtype)
     width = weights[0].shape[1 - dim]
     slots = _padded_slots(ranks, weights[0].device)
     if dim == 0:
-        out = weights[0].new_zeros((len(ranks) * max(ranks), width))
-        return out.index_copy_(0, slots, torch.cat(list(weights))).view(len(ranks), max(ranks), width)
-    out = weights[0].new_zeros((width, len(ranks) * max(ranks)))
-    out.index_copy_(1, slots, torch.cat(list(weights), dim=1))
+        out = weights[0].new_zeros((len(ranks) * max(ranks), width), dtype=dtype)
+        return out.index_copy_(0, slots, torch.cat(list(weights)).to(dtype)).view(len(ranks), max(ranks), width)
+    out = weights[0].new_zeros((width, len(ranks) * max(ranks)), dtype=dtype)
+    out.index_copy_(1, slots, torch.cat(list(weights), dim=1).to(dtype))
     return out.view(width, len(ranks), max(ranks)).permute(1, 0, 2)
 
 
@@ -363,11 +366,11 @@ class _Run:
             t.storage_offset() + self.start * t.stride(0),
         )
 
-    def stacked(self, lora_A: Sequence[Tensor], lora_B: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-        """``A_g (G, R, K)`` and ``B_g (G, N, R)`` of the members, R their largest rank."""
+    def stacked(self, lora_A: Sequence[Tensor], lora_B: Sequence[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``A_g (G, R, K)`` and ``B_g (G, N, R)`` of the members in ``dtype``, R their largest rank."""
         return (
-            stack_padded([lora_A[a] for a in self.adapters], 0),
-            stack_padded([lora_B[a] for a in self.adapters], 1),
+            stack_padded([lora_A[a] for a in self.adapters], 0, dtype),
+            stack_padded([lora_B[a] for a in self.adapters], 1, dtype),
         )
 
 
@@ -564,7 +567,7 @@ def _torch_forward(x, weight, bias, lora_A, lora_B, routing, keep):
     y = F.linear(x, weight, bias)  # (T, N): the one base GEMM
     saved = []
     for run in _runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0]):
-        A_g, B_g = run.stacked(lora_A, lora_B)  # (G, R, K), (G, N, R)
+        A_g, B_g = run.stacked(lora_A, lora_B, x.dtype)  # (G, R, K), (G, N, R)
         dropping = _dropping(run, keep)
         if dropping:
             s_g = _MaskTiles(run, keep, x).shrink(A_g)  # (G, L, R) = (X ⊙ M) A^T
@@ -617,6 +620,15 @@ def _layer_routing(
     return LoraRouting(segments.relabel({a: i for i, a in enumerate(ids)}), scalings, dropouts)
 
 
+def adapter_dtype(base_dtype: torch.dtype) -> torch.dtype:
+    """The dtype adapters are kept in over a base of ``base_dtype``: fp32 over a 16-bit base
+    (master weights, as PEFT's ``autocast_adapter_dtype``: optimizer updates of ~1e-4 relative
+    size would round away in bf16's 8-bit mantissa), the base's own otherwise. The low-rank
+    GEMMs still run in the activations' dtype (the stacked copies are cast, the gradients cast
+    back), so a bf16 step costs bf16 GEMMs and fp32 only for the tiny weights."""
+    return torch.float32 if base_dtype in (torch.bfloat16, torch.float16) else base_dtype
+
+
 class MultiLoraLinear(nn.Module):
     """A frozen ``nn.Linear`` (kept as ``base_layer``) plus any number of LoRA adapters.
 
@@ -661,15 +673,15 @@ class MultiLoraLinear(nn.Module):
 
         Without ``weights`` it is initialised as PEFT does: A Kaiming-uniform (a = sqrt(5)),
         B zero, so the adapter starts as the identity update. With ``weights = (A, B)`` they are
-        copied into the base layer's dtype and device. A base on the ``meta`` device (the
-        skeleton of per-stage loading, materialised later) gets real adapters on the host:
-        they are small, and every rank must draw the same whole ones.
+        copied into the adapter dtype (:func:`adapter_dtype`) on the base layer's device. A base
+        on the ``meta`` device (the skeleton of per-stage loading, materialised later) gets real
+        adapters on the host: they are small, and every rank must draw the same whole ones.
         """
         base = self.base_layer.weight
         device = torch.device("cpu") if base.is_meta else base.device
         shape_A, shape_B = (spec.rank, self.in_features), (self.out_features, spec.rank)
-        A = torch.empty(shape_A, dtype=base.dtype, device=device)
-        B = torch.zeros(shape_B, dtype=base.dtype, device=device)
+        A = torch.empty(shape_A, dtype=adapter_dtype(base.dtype), device=device)
+        B = torch.zeros(shape_B, dtype=adapter_dtype(base.dtype), device=device)
         if weights is None:
             nn.init.kaiming_uniform_(A, a=math.sqrt(5))
         else:

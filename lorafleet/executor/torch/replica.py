@@ -125,7 +125,7 @@ def build_replica(
         for task in sorted(layer.adapters)
         for factor in FACTORS
     }
-    dtype = next(model.parameters()).dtype
+    dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)  # the base's: adapters may be fp32 masters
     neighbours = Neighbours(role.prev_rank, role.next_rank, model.config.hidden_size, dtype, device)
     return Replica(model, role, neighbours, fleet, params, local, GradSync(pieces, role, local, groups.sync))
 

@@ -250,7 +250,7 @@ def forward(x, weight, bias, lora_A, lora_B, routing: LoraRouting, keep):
         return y, ()
     x = x.contiguous()
     rank = max(a.shape[0] for a in lora_A)
-    A, B = stack_padded(lora_A, 0), stack_padded(lora_B, 1)  # (n, R, K), (n, N, R), R = rank
+    A, B = stack_padded(lora_A, 0, x.dtype), stack_padded(lora_B, 1, x.dtype)  # (n, R, K), (n, N, R), R = rank
     launch = _Launch(routing, rank, keep, x)
     s = torch.empty((x.shape[0], rank), dtype=x.dtype, device=x.device)  # (T, R); padding rows never read
     launch.shrink(x, A, A.stride(), s, masked=keep is not None, scaled=False)  # S = Xd A^T
