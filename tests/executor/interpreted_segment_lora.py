@@ -10,7 +10,8 @@ it is too late.
 
 bf16 is not tested here: the interpreter's ``tl.dot`` multiplies bf16 bit patterns (Triton
 issues #4972, #11584). Each case caps the tiles at 16 or 64, so the cases cover one-tile and
-multi-tile code (loops over K, N, rank and a segment's rows).
+multi-tile code (loops over K, N, rank and a segment's rows). The cases live in
+``segment_lora_cases.py``, shared with the compiled run on a GPU (``tests/gpu``).
 """
 
 from __future__ import annotations
@@ -25,49 +26,36 @@ import pytest
 import torch
 
 from lorafleet.executor.torch.multi_lora import LoraBackend, LoraRouting, Segments, draw_keep_mask, multi_lora_linear
-
-
-# (id, tile cap, K, N, ranks, segments): 2-4 segments, an empty one, odd lengths, padding rows,
-# an adapter owning two segments.
-CASES = [
-    ("two-segments", 64, 16, 24, (4, 8), Segments([0, 1], [0, 9], [9, 5])),
-    ("empty-and-repeat", 16, 40, 33, (3, 8, 5), Segments([2, 0, 1, 2], [1, 8, 8, 30], [7, 0, 19, 3])),
-    ("rank-over-a-tile", 16, 24, 20, (20, 2), Segments([1, 0, 1], [0, 5, 40], [5, 35, 11])),
-    ("padding-rows", 64, 64, 64, (16, 16, 7), Segments([0, 1, 2], [3, 20, 41], [13, 17, 11])),
-]
+from tests.executor.segment_lora_cases import (
+    CASE_IDS,
+    CASE_PARAMS,
+    case_routing,
+    case_tensors,
+    forward_backward,
+    result_names,
+)
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
-@pytest.mark.parametrize("tile,K,N,ranks,segments", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("tile,K,N,ranks,segments", CASE_PARAMS, ids=CASE_IDS)
 def test_triton_matches_torch(tile, K, N, ranks, segments, dropout, monkeypatch):
     from lorafleet.executor.torch.kernels import segment_lora
 
     monkeypatch.setattr(segment_lora, "BLOCK_M", tile)
     monkeypatch.setattr(segment_lora, "BLOCK_N", tile)
-    gen = torch.Generator().manual_seed(K + N)
-    T = segments.end + 2
-    x = torch.randn(T, K, generator=gen)
-    W, b = torch.randn(N, K, generator=gen) / K**0.5, torch.randn(N, generator=gen)
-    A = [torch.randn(r, K, generator=gen) / K**0.5 for r in ranks]
-    B = [torch.randn(N, r, generator=gen) for r in ranks]
-    grad_y = torch.randn(T, N, generator=gen)
-    routing = LoraRouting(segments, tuple(1.0 + i for i in range(len(ranks))), (dropout,) * len(ranks))
+    tensors = case_tensors(K, N, ranks, segments)
+    routing = case_routing(ranks, segments, dropout)
     torch.manual_seed(0)
-    keep = draw_keep_mask(T, K, routing, device="cpu")
+    keep = draw_keep_mask(tensors.x.shape[0], K, routing, device="cpu")
     assert (keep is None) == (dropout == 0.0)
 
-    def run(backend):
-        leaves = [t.clone().requires_grad_() for t in (x, *A, *B)]
-        y = multi_lora_linear(leaves[0], W, b, leaves[1 : 1 + len(A)], leaves[1 + len(A) :], routing, keep, backend)
-        y.backward(grad_y)
-        return [y.detach()] + [t.grad for t in leaves]
-
-    names = ["y", "dx", *(f"dA{a}" for a in range(len(A))), *(f"dB{a}" for a in range(len(B)))]
-    for got, want, name in zip(run(LoraBackend.TRITON), run(LoraBackend.TORCH), names, strict=True):
-        if want is None:  # an adapter with no rows gets no gradient from either backend
-            assert got is None, name
+    got = forward_backward(LoraBackend.TRITON, tensors, routing, keep)
+    want = forward_backward(LoraBackend.TORCH, tensors, routing, keep)
+    for g, w, name in zip(got, want, result_names(len(ranks)), strict=True):
+        if w is None:  # an adapter with no rows gets no gradient from either backend
+            assert g is None, name
         else:
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_no_rows_is_the_base_layer():
