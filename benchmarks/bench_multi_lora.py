@@ -25,9 +25,17 @@ a load above ~2 means other processes hold the cores, and two-thread GEMMs then 
 barriers for whole scheduler slices; the ratios measure the scheduler, not the operator. Use
 ``--threads 1 --clock cpu`` there: CPU time of one thread does not count time spent descheduled.
 
+On a GPU (``--device cuda``) every time is wall time read after ``torch.cuda.synchronize()``,
+and a fourth method runs first: **ours_triton**, the same layer on its Triton backend (what
+``LoraBackend.AUTO`` picks for CUDA tensors); ``ours`` is then its torch backend, and every
+ratio is over ``ours_triton``. Each method gets a second warm-up step there: the first compiles
+Triton's kernels (and lets cuBLAS pick its GEMMs), and the pace that sets the repeats is judged
+from the second. ``--dtype bf16`` runs every method in bf16 (fp32 by default).
+
     python benchmarks/bench_multi_lora.py                          # full sweep, 2 threads, wall clock
     python benchmarks/bench_multi_lora.py --quick                  # a few shapes (~1 min)
     python benchmarks/bench_multi_lora.py --threads 1 --clock cpu  # on a loaded machine
+    python benchmarks/bench_multi_lora.py --device cuda --dtype bf16 --quick --row-seconds 2
 """
 
 from __future__ import annotations
@@ -87,24 +95,32 @@ def randomize(params) -> None:
             p.normal_(0, 0.02)
 
 
-def build(hidden: int, specs: list[LoraSpec], tokens: int) -> dict[str, Callable[[], None]]:
-    """One fwd+bwd step per method, all on the same base, inputs and upstream gradient."""
-    base = nn.Linear(hidden, hidden, bias=False).requires_grad_(False)
+def build(hidden: int, specs: list[LoraSpec], tokens: int, device: torch.device = torch.device("cpu"),
+          dtype: torch.dtype = torch.float32) -> dict[str, Callable[[], None]]:
+    """One fwd+bwd step per method, all on the same base, inputs and upstream gradient; on CUDA
+    ``ours_triton`` first."""
+    base = nn.Linear(hidden, hidden, bias=False, device=device, dtype=dtype).requires_grad_(False)
     T = tokens * N_ADAPTERS
-    x = torch.randn(T, hidden)
-    grad_y = torch.randn(T, hidden)
+    x = torch.randn(T, hidden, device=device, dtype=dtype)
+    grad_y = torch.randn(T, hidden, device=device, dtype=dtype)
 
-    ours = MultiLoraLinear(base, backend=LoraBackend.TORCH)
-    for i, spec in enumerate(specs):
-        ours.add_adapter(i, spec)
-    randomize(ours.parameters())
-    ours.segments = Segments.packed(range(N_ADAPTERS), [tokens] * N_ADAPTERS)
-    x_ours = x.clone().requires_grad_()
+    def operator(backend: LoraBackend) -> Callable[[], None]:
+        layer = MultiLoraLinear(base, backend=backend)
+        for i, spec in enumerate(specs):
+            layer.add_adapter(i, spec)
+        randomize(layer.parameters())
+        layer.segments = Segments.packed(range(N_ADAPTERS), [tokens] * N_ADAPTERS)
+        x_layer = x.clone().requires_grad_()
 
-    def step_ours() -> None:
-        x_ours.grad = None
-        ours.zero_grad(set_to_none=True)
-        ours(x_ours).backward(grad_y)
+        def step() -> None:
+            x_layer.grad = None
+            layer.zero_grad(set_to_none=True)
+            layer(x_layer).backward(grad_y)
+
+        return step
+
+    steps = {"ours_triton": operator(LoraBackend.TRITON)} if device.type == "cuda" else {}
+    steps["ours"] = operator(LoraBackend.TORCH)
 
     peft_layers = [
         PeftLinear(
@@ -117,6 +133,8 @@ def build(hidden: int, specs: list[LoraSpec], tokens: int) -> dict[str, Callable
         for s in specs
     ]
     for layer in peft_layers:
+        for adapters in (layer.lora_A, layer.lora_B):
+            adapters.to(device=device, dtype=dtype)  # where the base is, whatever peft's own placement rule
         randomize([layer.lora_A["default"].weight, layer.lora_B["default"].weight])
     x_tasks = [x[i * tokens : (i + 1) * tokens].clone().requires_grad_() for i in range(N_ADAPTERS)]
     g_tasks = [grad_y[i * tokens : (i + 1) * tokens] for i in range(N_ADAPTERS)]
@@ -127,9 +145,9 @@ def build(hidden: int, specs: list[LoraSpec], tokens: int) -> dict[str, Callable
             layer.zero_grad(set_to_none=True)
             layer(x_t).backward(g_t)
 
-    naive_A = [nn.Parameter(torch.randn(s.rank, hidden) * 0.02) for s in specs]
-    naive_B = [nn.Parameter(torch.randn(hidden, s.rank) * 0.02) for s in specs]
-    row_masks = [(torch.arange(T) // tokens == i).float()[:, None] for i in range(N_ADAPTERS)]  # (T, 1)
+    naive_A = [nn.Parameter(torch.randn(s.rank, hidden, device=device, dtype=dtype) * 0.02) for s in specs]
+    naive_B = [nn.Parameter(torch.randn(hidden, s.rank, device=device, dtype=dtype) * 0.02) for s in specs]
+    row_masks = [(torch.arange(T, device=device) // tokens == i).to(dtype)[:, None] for i in range(N_ADAPTERS)]  # (T, 1)
     dropout = nn.Dropout(DROPOUT)
     x_naive = x.clone().requires_grad_()
 
@@ -146,21 +164,23 @@ def build(hidden: int, specs: list[LoraSpec], tokens: int) -> dict[str, Callable
         torch.nn.functional.linear(x, base.weight)  # (T, N) = X W^T
         grad_y.mm(base.weight)  # (T, K) = G W
 
-    return {"ours": step_ours, "peft_seq": step_peft_seq, "naive": step_naive, "base": step_base}
+    return {**steps, "peft_seq": step_peft_seq, "naive": step_naive, "base": step_base}
 
 
 def measure(
-    steps: dict[str, Callable[[], None]], max_repeats: int, seconds: float, clock: Callable[[], float]
+    steps: dict[str, Callable[[], None]], max_repeats: int, seconds: float, clock: Callable[[], float],
+    warmups: int = 1,
 ) -> dict[str, float]:
     """Median seconds per step; methods interleaved, in rotating order, so drift affects all alike.
 
-    Repeats: as many as fit in ``seconds`` at the warm-up's pace, at least 3, at most ``max_repeats``.
+    Repeats: as many as fit in ``seconds`` at the last warm-up's pace, at least 3, at most ``max_repeats``.
     """
-    warm_up = 0.0
-    for step in steps.values():  # warm-up: allocator, first-call dispatch
-        start = clock()
-        step()
-        warm_up += clock() - start
+    for _ in range(warmups):
+        warm_up = 0.0
+        for step in steps.values():  # warm-up: allocator, first-call dispatch (on CUDA: Triton's compile)
+            start = clock()
+            step()
+            warm_up += clock() - start
     repeats = min(max_repeats, max(3, int(seconds / warm_up)))
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -170,6 +190,12 @@ def measure(
             steps[name]()
             times[name].append(clock() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def cuda_clock() -> float:
+    """Wall time once the GPU has finished everything launched so far."""
+    torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def main() -> None:
@@ -183,34 +209,55 @@ def main() -> None:
         help="wall: elapsed time (default); cpu: this process's CPU time, which with --threads 1 "
         "ignores time the process spends descheduled on a machine shared with other jobs",
     )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: wall time after torch.cuda.synchronize(), and the Triton backend as ours_triton")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="of every method (default fp32)")
+    parser.add_argument("--row-seconds", type=float, default=ROW_SECONDS,
+                        help=f"timed seconds per row, all methods together (default {ROW_SECONDS:g}; --quick: a third)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    device = torch.device(args.device)
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    on_cuda = device.type == "cuda"
+    clock = cuda_clock if on_cuda else time.process_time if args.clock == "cpu" else time.perf_counter
     torch.manual_seed(0)
 
-    print(
-        f"{N_ADAPTERS} adapters, fp32 CPU, {torch.get_num_threads()} threads, {args.clock} clock, "
-        f"dropout {DROPOUT}, fwd+bwd per step"
-    )
-    print(f"{'layer':<16} {'ranks':<6} {'tok/adapter':>11} {'ours ms':>9} {'peft_seq/ours':>14} {'naive/ours':>11} "
-          f"{'peft_seq/base':>14} {'load':>5}")
+    # Every ratio is (other method) / (the operator as the device runs it: Triton on CUDA).
+    ours = "ours_triton" if on_cuda else "ours"
+    others = ["ours", "peft_seq", "naive"] if on_cuda else ["peft_seq", "naive"]
+    if on_cuda:
+        print(f"{N_ADAPTERS} adapters, {args.dtype} {torch.cuda.get_device_name()}, {torch.get_num_threads()} host "
+              f"threads, synchronized wall clock, dropout {DROPOUT}, fwd+bwd per step")
+    else:
+        print(
+            f"{N_ADAPTERS} adapters, {args.dtype} CPU, {torch.get_num_threads()} threads, {args.clock} clock, "
+            f"dropout {DROPOUT}, fwd+bwd per step"
+        )
+    ms_label = f"{ours} ms"
+    ms_width = max(9, len(ms_label))
+    labels = [f"{other}/{ours}" for other in others]
+    print(f"{'layer':<16} {'ranks':<6} {'tok/adapter':>11} {ms_label:>{ms_width}} "
+          + " ".join(f"{label:>{len(label) + 1}}" for label in labels) + f" {'peft_seq/base':>14} {'load':>5}")
     rows = []
     for sweep in SWEEPS:
         specs = adapter_specs(sweep.rank, sweep.ranks)
         repeats = max(3, sweep.repeats // 3) if args.quick else sweep.repeats
-        seconds = ROW_SECONDS / 3 if args.quick else ROW_SECONDS
+        seconds = args.row_seconds / 3 if args.quick else args.row_seconds
         for tokens in sweep.quick_tokens if args.quick else sweep.tokens:
-            median = measure(build(sweep.hidden, specs, tokens), repeats, seconds, clock)
-            vs_peft, vs_naive = median["peft_seq"] / median["ours"], median["naive"] / median["ours"]
+            steps = build(sweep.hidden, specs, tokens, device, dtype)
+            median = measure(steps, repeats, seconds, clock, warmups=2 if on_cuda else 1)
+            ratios = {other: median[other] / median[ours] for other in others}
             bound = median["peft_seq"] / median["base"]
-            rows.append((tokens, vs_peft, vs_naive, bound))
+            rows.append((tokens, ratios, bound))
             print(
-                f"{sweep.layer:<16} {sweep.ranks:<6} {tokens:>11} {median['ours'] * 1e3:>9.2f} "
-                f"{vs_peft:>13.2f}x {vs_naive:>10.2f}x {bound:>13.2f}x {os.getloadavg()[0]:>5.1f}",
+                f"{sweep.layer:<16} {sweep.ranks:<6} {tokens:>11} {median[ours] * 1e3:>{ms_width}.2f} "
+                + " ".join(f"{ratios[other]:>{len(label)}.2f}x" for other, label in zip(others, labels))
+                + f" {bound:>13.2f}x {os.getloadavg()[0]:>5.1f}",
                 flush=True,
             )
-    slowest = min(min(p, n) for _, p, n, _ in rows)
-    tokens, short, _, bound = min((r for r in rows if r[0] <= 128), key=lambda r: r[1])
+    slowest = min(min(ratios.values()) for _, ratios, _ in rows)
+    tokens, ratios, bound = min((r for r in rows if r[0] <= 128), key=lambda r: r[1]["peft_seq"])
+    short = ratios["peft_seq"]
     print(f"\nnever slower: {'yes' if slowest >= 1.0 else 'NO'} (worst ratio {slowest:.2f}x)")
     print(f">= 1.5x over peft_seq at <= 128 tokens/adapter: {'yes' if short >= 1.5 else 'NO'} (worst {short:.2f}x, "
           f"at {tokens} tokens, where the base GEMMs alone bound it at {bound:.2f}x)")
