@@ -202,6 +202,6 @@ def run(args: argparse.Namespace) -> int:
     profile = fit_and_report(measure_profile(settings), args.out, folds=5)
     write_profile(profile, args.out)
     for m in profile.memory:
-        print(f"max tokens <{m.tp},{m.pp}>: {m.max_tokens}")
+        print(f"max tokens {m.config}: {m.max_tokens}")
     print(f"wrote {args.out}")
     return 0
