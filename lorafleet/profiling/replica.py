@@ -196,8 +196,9 @@ class ProfiledReplica:
             run_rank_step(r.model, r.role, r.neighbours, mbs, examples, inv)
             if fleet is not None:
                 r.grad_sync.all_reduce(stepping)
-            norms = r.grad_sync.squared_norms(self.n_tasks, stepping)
+            norms = r.grad_sync.squared_norms(self.n_tasks, stepping)  # on the host
             if fleet is not None:
+                norms = norms.to(self.device)  # NCCL reduces device tensors only (a no-op on CPU)
                 dist.all_reduce(norms, group=fleet)
             for t in stepping:
                 self.optimizers[t].step(math.sqrt(float(norms[t])))
