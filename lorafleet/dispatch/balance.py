@@ -15,8 +15,8 @@ The fast method (the default) improves three starting points and keeps the best:
   the LP ``min tau s.t. sum_i x_ij = D_j, o_i + sum_j a_ij x_ij <= tau, x >= 0`` sees which
   class is relatively fastest at which lengths (water-filling only sees levels). Its x is
   rounded down to multiples of p_i (a non-multiple costs every replica a whole row), and
-  the remainder water-filled. The LP's tau is also a lower bound on every dispatch's
-  makespan (:func:`fluid_bound`).
+  the remainder water-filled. The same LP on rates that bound every step from below gives a
+  lower bound on every dispatch's makespan (:func:`fluid_bound`).
 - *LPT over whole buckets.* The costliest bucket first, each whole to the class that then
   finishes first: on small batches the optimum often keeps buckets whole, and exchanges
   alone cannot reach a permutation of whole buckets.
@@ -127,38 +127,69 @@ def _whole_buckets(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
 
 
 def fluid_bound(load: LoadModel) -> float:
-    """A lower bound on the slowest replica of every dispatch on ``load``, as placed or all-ceil: the LP's tau.
+    """A lower bound on the dispatcher's estimate of every dispatch on ``load`` (padded or packed, as
+    placed), and so on the load model's makespans too: an LP's least largest class mean.
 
-    A replica of class i holding n_j rows of each bucket takes at least
-    o_i + sum_j n_j (alpha_ij + beta_ij / b_ij) (ceil(n / b) >= n / b with the fitted
-    beta >= 0, the bubble >= 0), and the slowest of the class at least their mean,
-    o_i + sum_j a_ij d_ij; the LP's tau is the least largest class mean over every split d.
-    0 where the LP solve fails.
+    A busy replica of class i holding n_j sequences of each bucket, with y_j tokens, takes at
+    least o_i + sum_j (u_ij n_j + v_ij y_j) (the ``bound_*`` rates: ceil(n / b) >= n / b when
+    padded, a micro-batch's constant spread over at most M tokens when packed, see
+    :mod:`.load`; the bubble >= 0), so the slowest of the class takes at least
+    o + sum_j (u_ij x_ij + v_ij y_ij) / p_i with x_ij, y_ij the class's sequences and tokens of
+    bucket j and o the least overhead of any class (an idle replica's estimate is 0, but some
+    replica is busy). Which sequences of a bucket a class gets is left to the LP, with
+    sum_i y_ij = Y_j and the bucket's shortest and longest lengths bounding y_ij / x_ij.
+    Assumes non-negative cost coefficients (fits and the analytic model have them). 0 where
+    the LP solve fails.
     """
-    solved = _fluid_lp(load, load.feasible)
+    per_token = load.bound_per_token_s if np.any(load.bound_per_token_s) else None
+    solved = _min_max_lp(load, load.feasible, load.bound_per_seq_s / load.n_replicas[:, None],
+                         np.full(len(load.classes), load.overhead_s.min()), per_token)
     return solved[0] if solved is not None else 0.0
 
 
 def _fluid_lp(load: LoadModel, allowed: np.ndarray) -> tuple[float, np.ndarray] | None:
     """The LP relaxation (see module docstring): its tau and x_ij (K, R); None on numerical trouble."""
+    p = load.n_replicas[:, None]
+    rate = (load.per_seq_s + load.per_microbatch_s / np.maximum(load.microbatch_rows, 1)) / p
+    return _min_max_lp(load, allowed, rate, load.overhead_s)
+
+
+def _min_max_lp(load: LoadModel, allowed: np.ndarray, rate: np.ndarray, overhead: np.ndarray,
+                per_token: np.ndarray | None = None) -> tuple[float, np.ndarray] | None:
+    """``min tau s.t. sum_i x_ij = D_j, overhead_i + sum_j rate_ij x_ij <= tau, x >= 0`` over the
+    allowed (i, j): tau and x (K, R), None on numerical trouble. With ``per_token`` (K, R), each
+    pair also has tokens y_ij: sum_i y_ij = Y_j, shortest_j x_ij <= y_ij <= longest_j x_ij, and
+    class i's row adds per_token_ij y_ij / p_i."""
     pairs = np.argwhere(allowed & (load.counts > 0)[None, :])
     n_classes, n_buckets = allowed.shape
-    n = len(pairs)
-    p = load.n_replicas
-    rate = (load.per_seq_s + load.per_microbatch_s / np.maximum(load.microbatch_rows, 1)) / p[:, None]
-    cost = np.zeros(n + 1)
+    n, cls, bucket = len(pairs), pairs[:, 0], pairs[:, 1]
+    n_vars = (2 * n if per_token is not None else n) + 1
+    cost = np.zeros(n_vars)
     cost[-1] = 1.0  # minimise tau, the last variable
-    a_ub = np.zeros((n_classes, n + 1))
-    a_ub[pairs[:, 0], np.arange(n)] = rate[pairs[:, 0], pairs[:, 1]]
+    a_ub = np.zeros((n_classes, n_vars))
+    a_ub[cls, np.arange(n)] = rate[cls, bucket]
     a_ub[:, -1] = -1.0
-    a_eq = np.zeros((n_buckets, n + 1))
-    a_eq[pairs[:, 1], np.arange(n)] = 1.0
-    solved = linprog(cost, A_ub=a_ub, b_ub=-load.overhead_s, A_eq=a_eq, b_eq=load.counts.astype(float),
-                     bounds=(0, None), method="highs")
+    b_ub = -np.asarray(overhead, dtype=float)
+    a_eq = np.zeros((n_buckets, n_vars))
+    a_eq[bucket, np.arange(n)] = 1.0
+    b_eq = load.counts.astype(float)
+    if per_token is not None:
+        y = n + np.arange(n)
+        a_ub[cls, y] = per_token[cls, bucket] / load.n_replicas[cls]
+        ranges = np.zeros((2 * n, n_vars))  # shortest x - y <= 0, y - longest x <= 0
+        ranges[np.arange(n), np.arange(n)] = load.length_range[bucket, 0]
+        ranges[np.arange(n), y] = -1.0
+        ranges[n + np.arange(n), np.arange(n)] = -load.length_range[bucket, 1]
+        ranges[n + np.arange(n), y] = 1.0
+        tokens = np.zeros((n_buckets, n_vars))
+        tokens[bucket, y] = 1.0
+        a_ub, b_ub = np.vstack((a_ub, ranges)), np.concatenate((b_ub, np.zeros(2 * n)))
+        a_eq, b_eq = np.vstack((a_eq, tokens)), np.concatenate((b_eq, load.tokens))
+    solved = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs")
     if solved.status != 0:
         return None
     x = np.zeros(allowed.shape)
-    x[pairs[:, 0], pairs[:, 1]] = solved.x[:-1]
+    x[cls, bucket] = solved.x[:n]
     return float(solved.x[-1]), x
 
 

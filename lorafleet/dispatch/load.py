@@ -20,7 +20,21 @@ packing mode alpha_ij is the mean per-sequence time of
 the bucket's actual lengths plus its share of the per-micro-batch constant at the boundary,
 beta_bound * mean length / M (micro-batches are packed to M tokens across buckets, so a
 bucket does not cost a micro-batch of its own), beta_ij = 0, and b_ij = floor(M / mean
-length): an estimate of how densely the bucket packs.
+length): an estimate of how densely the bucket packs. It is only an estimate of the packed
+step: the packer (first-fit decreasing) pays each micro-batch's whole constant at its longest
+sequence and may leave micro-batches part-empty, and a packed micro-batch mixes buckets, so
+its pipeline bubble is not one bucket's. The dispatcher's estimate of a step (and the
+planner's judgement of a deployment) prices the packed micro-batches themselves
+(:func:`lorafleet.dispatch.step.placed_work`); the balancers need this separable form.
+
+Beside it the model keeps rates that *bound* every dispatch from below (``bound_*``, used by
+:func:`lorafleet.dispatch.balance.fluid_bound`), whatever the micro-batches: with
+non-negative cost coefficients a replica holding sequences Q of bucket j takes at least
+u_ij |Q| + v_ij Σ_{q in Q} l_q of compute. Padding: u = alpha + beta / b, v = 0
+(ceil(n / b) >= n / b). Packing: a micro-batch of at most M tokens pays its constant
+beta(max l) >= Σ_q (l_q / M) beta(l_q) (beta grows with the length), so a sequence costs at
+least r(l) = t(2, l) - t(1, l) + l beta(l) / M, a convex function of l; (u, v) is its
+tangent at the bucket's mean length, below r at every length.
 """
 
 from __future__ import annotations
@@ -31,6 +45,7 @@ import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.costmodel.time_model import MS_PER_S
 from lorafleet.dispatch.options import MicroBatchMode
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan
@@ -88,6 +103,15 @@ class LoadModel:
     """(K, sum_j (D_j + 1)) the largest micro-batch time of n rows of bucket j (0 for n = 0)."""
     table_start: np.ndarray
     """(R,) where bucket j's entries start in the tables."""
+    bound_per_seq_s: np.ndarray
+    """(K, R) u_ij: with ``bound_per_token_s``, the compute of sequences of bucket j on class i is at
+    least u_ij n + v_ij (their tokens) (module docstring)."""
+    bound_per_token_s: np.ndarray
+    """(K, R) v_ij (0 in padding mode)."""
+    tokens: np.ndarray
+    """(R,) Y_j: the step's tokens per bucket."""
+    length_range: np.ndarray
+    """(R, 2) the shortest and longest length of each bucket (the boundary for an empty one)."""
 
     @property
     def feasible(self) -> np.ndarray:
@@ -161,11 +185,39 @@ def build_load_model(
             rows[i] = np.where(fits, np.maximum(cls.max_tokens // np.maximum(mean_len, 1).astype(np.int64), 1), 0)
     overhead = np.array([cost_model.step_overhead(c.config) for c in classes])
     compute_table, largest_table, table_start = _cost_tables(per_seq, per_mb, rows, counts)
+    tokens = np.bincount(bucket, weights=lengths, minlength=n_buckets)
+    length_range = np.stack([s, s], axis=1).astype(float)
+    present = np.flatnonzero(counts)
+    order = np.lexsort((lengths, bucket))
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    length_range[present, 0] = lengths[order][starts[present]]
+    length_range[present, 1] = lengths[order][starts[present + 1] - 1]
+    if mode is MicroBatchMode.PADDING:
+        bound_seq, bound_token = per_seq + per_mb / np.maximum(rows, 1), np.zeros(shape)
+    else:
+        tangent_at = np.where(counts > 0, tokens / np.maximum(counts, 1), s)
+        bound_seq, bound_token = np.zeros(shape), np.zeros(shape)
+        for i, cls in enumerate(classes):
+            bound_seq[i], bound_token[i] = _packed_tangent(cost_model, cls, tangent_at)
     return LoadModel(classes=classes, boundaries=s, counts=counts, per_seq_s=per_seq, per_microbatch_s=per_mb,
                      microbatch_rows=rows, overhead_s=overhead,
                      n_replicas=np.array([len(c.replicas) for c in classes], dtype=np.int64),
                      pp=np.array([c.config.pp for c in classes], dtype=np.int64),
-                     compute_table=compute_table, largest_table=largest_table, table_start=table_start)
+                     compute_table=compute_table, largest_table=largest_table, table_start=table_start,
+                     bound_per_seq_s=bound_seq, bound_per_token_s=bound_token, tokens=tokens, length_range=length_range)
+
+
+def _packed_tangent(cost_model: CostModel, cls: ConfigClass, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(u, v) with u + v l the tangent at length m of a packed sequence's least cost
+    r(l) = c1 l^2 + c3 l + c5 + l (c2 l^2 + c4 l + c6) / M (module docstring), seconds; (0, 0),
+    which bounds nothing, for a cost model with a negative coefficient (r need not be convex)."""
+    c1, c2, c3, c4, c5, c6 = np.asarray(cost_model.stage_coeffs(cls.config).c) / MS_PER_S
+    if min(c1, c2, c3, c4, c5, c6) < 0:
+        return np.zeros_like(m, dtype=float), np.zeros_like(m, dtype=float)
+    M = cls.max_tokens
+    value = c1 * m**2 + c3 * m + c5 + m * (c2 * m**2 + c4 * m + c6) / M
+    slope = 2 * c1 * m + c3 + (3 * c2 * m**2 + 2 * c4 * m + c6) / M
+    return value - slope * m, slope
 
 
 def _cost_tables(per_seq: np.ndarray, per_mb: np.ndarray, rows: np.ndarray, counts: np.ndarray

@@ -66,18 +66,25 @@ def packed_microbatches(seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.n
     """First-fit decreasing packing of one replica's sequences into micro-batches of <= M tokens."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     order = seq_ids[np.lexsort((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
-    room = np.zeros(order.size, dtype=np.int64)  # free tokens of each opened micro-batch
-    bin_of = np.empty(order.size, dtype=np.int64)
-    n_open = 0
-    for pos, need in enumerate(lengths[order].tolist()):
-        fits = np.flatnonzero(room[:n_open] >= need)
-        k = int(fits[0]) if fits.size else n_open
-        if k == n_open:
-            room[k] = max_tokens
-            n_open += 1
+    needs = lengths[order].tolist()
+    smallest = needs[-1] if needs else 0
+    room: list[int] = []  # free tokens of each opened micro-batch
+    open_bins: list[int] = []  # those that can still take the shortest sequence, in opening order
+    bin_of: list[int] = []
+    # plain Python: a replica opens tens of micro-batches, and a list scan beats a numpy call per sequence
+    for need in needs:
+        for pos, k in enumerate(open_bins):
+            if room[k] >= need:
+                break
+        else:
+            pos, k = len(open_bins), len(room)
+            room.append(max_tokens)
+            open_bins.append(k)
         room[k] -= need
-        bin_of[pos] = k
-    rows = _sorted_rows(bin_of[np.argsort(order)], np.sort(order), lengths, task_ids)
+        bin_of.append(k)
+        if room[k] < smallest:
+            del open_bins[pos]
+    rows = _sorted_rows(np.asarray(bin_of, dtype=np.int64)[np.argsort(order)], np.sort(order), lengths, task_ids)
     return order_for_1f1b([_microbatch(list(in_bin), None) for _, in_bin in groupby(rows, key=itemgetter(0))])
 
 

@@ -52,7 +52,10 @@ def placed_times(load: LoadModel, counts: np.ndarray) -> np.ndarray:
     """(K,) modelled time of each class's slowest replica once class totals ``counts`` (K, R) are placed.
 
     max_r T(n_r) over the class's replicas r with :func:`replica_rows`' n_r <= ceil(d_ij / p_i),
-    so never above :meth:`LoadModel.times` when T grows with the rows.
+    so never above :meth:`LoadModel.times` when T grows with the rows. In padding mode it is the
+    cost model's time of the padded micro-batches; in packing mode only the load model's
+    estimate of the packed ones (the dispatcher and the planner price those:
+    :func:`~lorafleet.dispatch.step.placed_work`).
     """
     return np.array([load.replica_load(i, replica_rows(load, i, counts[i], len(c.replicas))).max()
                      for i, c in enumerate(load.classes)])

@@ -7,7 +7,8 @@
    result, which is used with a note when the solve gives nothing), or LobRA's length
    baseline (:mod:`.balance`, :mod:`.ilp`).
 3. Placement of the actual sequences on replicas (:mod:`.placement`), micro-batches per
-   replica (:mod:`.microbatch`), and each replica's time from the cost model.
+   replica (:mod:`.microbatch`), and each replica's time from the cost model
+   (:func:`placed_work`, which the planner also judges deployments by).
 
 Nothing here warns or keeps state: the same inputs give the same plan, so the look-ahead
 dispatcher can compute it on another thread.
@@ -16,6 +17,7 @@ dispatcher can compute it on another thread.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +31,7 @@ from lorafleet.dispatch.microbatch import packed_microbatches, padded_microbatch
 from lorafleet.dispatch.options import DispatchMethod, DispatchOptions, MicroBatchMode
 from lorafleet.dispatch.placement import place_sequences
 from lorafleet.errors import InputError
-from lorafleet.plans import DeploymentPlan, GlobalBatch, ReplicaWork, StepPlan
+from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork, StepPlan
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,9 @@ class DispatchOutcome:
 
     plan: StepPlan
     modelled_makespan_s: float
-    """The load model's makespan of the chosen class totals (an upper bound of the plan's estimate)."""
+    """The load model's makespan of the chosen class totals: what the balancer minimised. In padding
+    mode an upper bound of the plan's estimate; in packing mode an approximation of it (the
+    load model spreads each micro-batch's constant over its tokens, :mod:`.load`)."""
     fallback: str | None = None
     """Why the exact solve's answer was not used (the fast one was); None otherwise."""
     lower_bound_s: float | None = None
@@ -90,22 +94,38 @@ def choose_buckets(
     return best
 
 
-def _replica_work(
-    batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, options: DispatchOptions,
-    load: LoadModel, assignment: Assignment,
-) -> tuple[ReplicaWork, ...]:
+def placed_work(batch: GlobalBatch, load: LoadModel, counts: np.ndarray, cost_model: CostModel, mode: MicroBatchMode,
+                classes: Collection[int] | None = None) -> list[tuple[tuple[MicroBatch, ...], float]]:
+    """Every replica's micro-batches and estimated time, in plan order, once class totals ``counts`` (K, R)
+    are placed: the sequences dealt by :func:`~.placement.place_sequences`, cut by the mode's
+    micro-batcher and priced by ``CostModel.replica_time`` (0 for a replica given nothing).
+
+    The step plan's work, and what the planner judges a deployment by: one code path, so the
+    planner's expected makespan is the dispatcher's estimate of the same step. With ``classes``,
+    only those classes' replicas are cut and priced (the others are left empty).
+    """
     bucket = bucket_of(batch.lengths, load.boundaries)
-    held = place_sequences(load, assignment.counts, bucket, batch.lengths, batch.task_ids, len(plan.replicas))
+    n_replicas = sum(len(c.replicas) for c in load.classes)
+    held = place_sequences(load, counts, bucket, batch.lengths, batch.task_ids, n_replicas)
     padded_len = load.boundaries[bucket] if bucket.size else bucket
-    work = []
-    for replica, seqs in zip(plan.replicas, held, strict=True):
-        if options.microbatch_mode is MicroBatchMode.PADDING:
-            mbs = padded_microbatches(seqs, batch.lengths, batch.task_ids, padded_len, replica.max_tokens)
-        else:
-            mbs = packed_microbatches(seqs, batch.lengths, batch.task_ids, replica.max_tokens)
-        estimate = cost_model.replica_time(replica.config, [mb.shape for mb in mbs])
-        work.append(ReplicaWork(replica_id=replica.replica_id, microbatches=tuple(mbs), estimated_time_s=estimate))
-    return tuple(work)
+    work: list[tuple[tuple[MicroBatch, ...], float]] = [((), 0.0)] * n_replicas
+    for i, cls in enumerate(load.classes):
+        if classes is not None and i not in classes:
+            continue
+        for r in cls.replicas:
+            if mode is MicroBatchMode.PADDING:
+                mbs = padded_microbatches(held[r], batch.lengths, batch.task_ids, padded_len, cls.max_tokens)
+            else:
+                mbs = packed_microbatches(held[r], batch.lengths, batch.task_ids, cls.max_tokens)
+            work[r] = (tuple(mbs), cost_model.replica_time(cls.config, [mb.shape for mb in mbs]))
+    return work
+
+
+def _replica_work(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, options: DispatchOptions,
+                  load: LoadModel, assignment: Assignment) -> tuple[ReplicaWork, ...]:
+    work = placed_work(batch, load, assignment.counts, cost_model, options.microbatch_mode)
+    return tuple(ReplicaWork(replica_id=replica.replica_id, microbatches=mbs, estimated_time_s=estimate)
+                 for replica, (mbs, estimate) in zip(plan.replicas, work, strict=True))
 
 
 def solve_step(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, options: DispatchOptions) -> DispatchOutcome:

@@ -10,9 +10,9 @@
   the tasks' makespans and GPU-seconds add up.
 
 "Best" is the config with the fewest expected GPU-seconds (makespan x GPUs) on the
-expected batch, estimated with the dispatcher's load model (a homogeneous deployment needs
-no balancing: the estimate is its slowest replica once the batch is placed on the replicas
-as the dispatcher places it, as lorafleet's plans are judged); the chosen baseline is then
+expected batch, each config judged as lorafleet's plans are: the dispatcher's estimate of
+the step under the baseline's own policy (a homogeneous deployment needs no balancing: the
+batch placed on the replicas, cut into micro-batches, priced); the chosen baseline is then
 costed by the real dispatcher like lorafleet's plan.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import DispatchOptions, MicroBatchMode, bucket_of
 from lorafleet.dispatch.load import ConfigClass, build_load_model
-from lorafleet.dispatch.placement import placed_times
+from lorafleet.dispatch.step import choose_buckets, placed_work
 from lorafleet.plans import GlobalBatch
 from lorafleet.planner.placement import build_plan
 from lorafleet.planner.problem import Candidate, max_replicas
@@ -54,25 +54,26 @@ def packing_policy(n_buckets: int) -> DispatchPolicy:
     return DispatchPolicy(options=DispatchOptions(n_buckets=n_buckets, microbatch_mode=MicroBatchMode.PACKING))
 
 
-def estimated_makespan(lengths: np.ndarray, candidate: Candidate, replicas: int, cost_model: CostModel,
-                       mode: MicroBatchMode) -> float:
-    """The load model's makespan of ``replicas`` copies of one config sharing ``lengths``, as placed
-    (:func:`~lorafleet.dispatch.placement.placed_times`: each replica floor or ceil of d_j / p).
-
-    Buckets are the static power-of-two ones (padding), which also stand for packing's
-    density estimate.
-    """
-    boundaries = np.asarray(pow2_boundaries(int(lengths.max()), candidate.max_tokens), dtype=np.int64)
-    bucket = bucket_of(lengths, boundaries)
+def estimated_makespan(batch: GlobalBatch, candidate: Candidate, replicas: int, cost_model: CostModel,
+                       mode: MicroBatchMode, n_buckets: int) -> float:
+    """The dispatcher's estimate of ``batch`` on ``replicas`` copies of one config (``placed_work``),
+    under the baseline's policy: LobRA's static power-of-two buckets, padded (:func:`padding_policy`:
+    the same micro-batches as the dispatcher pads rounded lengths into), or the dispatcher's
+    own buckets, packed (:func:`packing_policy`)."""
     cls = ConfigClass(config=candidate.config, max_tokens=candidate.max_tokens, replicas=tuple(range(replicas)))
-    load = build_load_model((cls,), cost_model, boundaries, lengths, bucket, mode)
-    return float(placed_times(load, load.counts[None, :]).max())
+    if mode is MicroBatchMode.PADDING:
+        boundaries = np.asarray(pow2_boundaries(int(batch.lengths.max()), candidate.max_tokens), dtype=np.int64)
+        load = build_load_model((cls,), cost_model, boundaries, batch.lengths, bucket_of(batch.lengths, boundaries), mode)
+    else:
+        _, load, _ = choose_buckets(batch, (cls,), cost_model, packing_policy(n_buckets).options)
+    work = placed_work(batch, load, load.counts[None, :], cost_model, mode)
+    return max(t for _, t in work)
 
 
-def best_homogeneous(lengths: np.ndarray, longest: int, candidates: Sequence[Candidate], cost_model: CostModel,
-                     cluster: ClusterSpec, mode: MicroBatchMode) -> tuple[Candidate, int]:
+def best_homogeneous(batch: GlobalBatch, longest: int, candidates: Sequence[Candidate], cost_model: CostModel,
+                     cluster: ClusterSpec, mode: MicroBatchMode, n_buckets: int) -> tuple[Candidate, int]:
     """The config holding ``longest`` tokens (and its replica count, as many as fit) with the fewest
-    estimated GPU-seconds for ``lengths``.
+    estimated GPU-seconds for ``batch``.
 
     Raises:
         ValueError: no candidate holds the longest sequence.
@@ -81,7 +82,8 @@ def best_homogeneous(lengths: np.ndarray, longest: int, candidates: Sequence[Can
     if not holders:
         raise ValueError(f"no config holds a {longest}-token sequence")
     counts = max_replicas([c.config for c in holders], cluster)
-    scored = [(estimated_makespan(lengths, c, int(p), cost_model, mode) * int(p) * c.n_gpus, int(p) * c.n_gpus, c.config, c, int(p))
+    scored = [(estimated_makespan(batch, c, int(p), cost_model, mode, n_buckets) * int(p) * c.n_gpus, int(p) * c.n_gpus,
+               c.config, c, int(p))
               for c, p in zip(holders, counts, strict=True) if p > 0]
     _, _, _, cand, p = min(scored, key=lambda x: x[:3])
     return cand, p
@@ -92,7 +94,7 @@ def _phase(workload: Workload, tasks: tuple[int, ...], batch: GlobalBatch, candi
     """The tasks' phase on their best homogeneous config; it must hold the longest sequence the
     tasks can present (any step may bring it), not just the expected batch's."""
     longest = max(workload.tasks[k].lengths.max_length for k in tasks)
-    cand, p = best_homogeneous(select_tasks(batch, tasks).lengths, longest, candidates, cost_model, cluster, mode)
+    cand, p = best_homogeneous(select_tasks(batch, tasks), longest, candidates, cost_model, cluster, mode, n_buckets)
     policy = padding_policy(longest, cand.max_tokens) if mode is MicroBatchMode.PADDING else packing_policy(n_buckets)
     plan = build_plan(workload, cluster, [(cand.config, cand.max_tokens, p)], solver=f"baseline:{name}")
     return Phase(tasks=tasks, plan=plan, policy=policy)

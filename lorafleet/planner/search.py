@@ -1,13 +1,15 @@
 """Find the deployment: candidate pool -> Theorem-1 filter -> expected dispatch -> exact re-solve.
 
-Every deployment p is judged by the dispatcher's own load model on the expected batch: the
-class totals d_ij balanced as a step would be (``balance_fast``, milliseconds; re-solved by
-the exact dispatch ILP, bounded by the fast answer, for the best few), then placed on the
-replicas as a step places them, and the slowest replica's time taken (``placed_times``).
-The balancers minimise LobRA's Eq. 1-3 for a fixed p with every replica of a config taking
-ceil(d_ij / p_i) rows of bucket j (Eq. 12); the placement gives only d_ij mod p_i replicas
-a ceil share, the least-loaded ones, so with few sequences per bucket a config of several
-replicas is judged below that bound, as its steps will run, not charged every ceil share.
+Every deployment p is judged by the dispatcher itself on the expected batch: the class
+totals d_ij balanced as a step would be (``balance_fast``, milliseconds; re-solved by the
+exact dispatch ILP, bounded by the fast answer, for the best few), the sequences placed on
+the replicas, cut into micro-batches (padded or packed) and priced by the cost model as a
+step is (``dispatch.step.placed_work``); the slowest replica's estimate is the plan's
+expected makespan. The balancers minimise the load model (LobRA's Eq. 1-3 for a fixed p,
+every replica of a config taking ceil(d_ij / p_i) rows of bucket j, Eq. 12, and in packing
+mode each sequence's token share of a micro-batch's constant); the step as placed gives
+only d_ij mod p_i replicas a ceil share, and packs real micro-batches, each paying its whole
+constant at its longest sequence, so it is judged as its steps will run.
 
 Where the pool comes from depends on the mode (``PlannerMode``): the aggregated MILP's k
 best plus the heuristic (decomposed), every maximal deployment (exhaustive), or LobRA's
@@ -27,7 +29,7 @@ import numpy as np
 from lorafleet.dispatch.balance import balance_fast, fluid_bound
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import LoadModel
-from lorafleet.dispatch.placement import placed_times, replica_rows
+from lorafleet.dispatch.step import placed_work
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner.candidates import enumerate_deployments, has_distinct_max_tokens, lower_bound, lower_bound_filter
 from lorafleet.planner.deployment_ilp import branch_deployments, solve_root
@@ -47,10 +49,11 @@ class Evaluation:
     class_counts: np.ndarray
     """d_ij: sequences of each bucket on each deployed config, shape (K, R) (the load model's classes and buckets)."""
     class_times: np.ndarray
-    """T_i of the slowest replica of each deployed config once d_ij is placed on its replicas as the
-    dispatcher places it (:func:`~lorafleet.dispatch.placement.placed_times`; the dispatcher's class order)."""
+    """T_i: the dispatcher's estimate of the slowest replica of each deployed config once d_ij is
+    placed and cut into micro-batches (:func:`~lorafleet.dispatch.step.placed_work`; the
+    dispatcher's class order)."""
     makespan: float
-    """t̂ = max_i T_i (Eq. 1): the ranking value."""
+    """t̂ = max_i T_i (Eq. 1), the dispatcher's estimate of the expected step: the ranking value."""
     method: str
     """``fast`` or the exact ILP's ``milp:<solver>:<status>``."""
 
@@ -95,10 +98,11 @@ class SearchOutcome:
     """A solver failed and the heuristic stands in for it (a SolverFallbackWarning was issued)."""
 
 
-def evaluate(load: LoadModel, *, exact: bool, options: PlannerOptions) -> tuple[Evaluation, SolveResult | None]:
-    """The best expected dispatch on ``load``: the dispatcher's fast balance, or its exact ILP bounded by it,
-    judged by its slowest replica once placed (both balancers minimise the all-ceil bound
-    ``load.times``, which places every replica of class i at ceil(d_ij / p_i) rows)."""
+def evaluate(problem: PlanningProblem, load: LoadModel, *, exact: bool, options: PlannerOptions
+             ) -> tuple[Evaluation, SolveResult | None]:
+    """The best expected dispatch on ``load`` (a deployment's view of the expected batch): the
+    dispatcher's fast balance, or its exact ILP bounded by it, judged by the dispatcher's estimate
+    of the step (:func:`class_times`; both balancers minimise the load model ``load.times``)."""
     assignment, method, result = balance_fast(load), "fast", None
     if exact:
         outcome = solve_dispatch_ilp(load, options.solver, options.time_limit_s, options.gap_rel, upper_bound_s=assignment.makespan_s)
@@ -109,8 +113,17 @@ def evaluate(load: LoadModel, *, exact: bool, options: PlannerOptions) -> tuple[
             method = f"milp:{result}->fast"
             warnings.warn(f"exact dispatch ILP gave no solution ({result}, {result.wall_s:.2f} s); "
                           f"the fast dispatch stands", SolverFallbackWarning, stacklevel=2)
-    times = placed_times(load, assignment.counts)
+    times = class_times(problem, load, assignment.counts)
     return Evaluation(class_counts=assignment.counts, class_times=times, makespan=float(times.max()), method=method), result
+
+
+def class_times(problem: PlanningProblem, load: LoadModel, counts: np.ndarray, only: int | None = None) -> np.ndarray:
+    """(K,) the dispatcher's estimate of each class's slowest replica once class totals ``counts``
+    of the expected batch are placed, cut into micro-batches and priced (``placed_work``); with
+    ``only``, of that class alone (the others 0)."""
+    work = placed_work(problem.batch, load, counts, problem.cost_model, problem.dispatch.microbatch_mode,
+                       classes=None if only is None else (only,))
+    return np.array([max(work[r][1] for r in c.replicas) for c in load.classes])
 
 
 def preferred(items: Sequence[T], makespan: Callable[[T], float], gpus: Callable[[T], int], tie_rel: float) -> T:
@@ -144,9 +157,9 @@ def _filter(problem: PlanningProblem, pool: Sequence[PoolEntry], options: Planne
     return [replace(e, survived=e.survived and k in kept) for k, e in enumerate(pool)]
 
 
-def _evaluate_survivors(pool: Sequence[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
-    return [replace(e, expected=evaluate(e.load, exact=False, options=options)[0]) if e.survived and e.expected is None else e
-            for e in pool]
+def _evaluate_survivors(problem: PlanningProblem, pool: Sequence[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
+    return [replace(e, expected=evaluate(problem, e.load, exact=False, options=options)[0])
+            if e.survived and e.expected is None else e for e in pool]
 
 
 def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
@@ -174,7 +187,7 @@ def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> Search
             # Its load view and evaluation depend only on the deployed configs, not on the problem's
             # planning buckets: kept as judged, re-filtered against the whole pool's bound.
             pool.append(replace(entry, replicas=replicas, source=f"plain:{entry.source}", survived=entry.load is not None))
-    return SearchOutcome(pool=tuple(_evaluate_survivors(_filter(problem, pool, options), options)),
+    return SearchOutcome(pool=tuple(_evaluate_survivors(problem, _filter(problem, pool, options), options)),
                          solves=(*outcome.solves, *sub_outcome.solves), notes=(*outcome.notes, *sub_outcome.notes),
                          fell_back=outcome.fell_back and sub_outcome.fell_back)
 
@@ -193,7 +206,8 @@ def _decomposed_search(problem: PlanningProblem, options: PlannerOptions) -> Sea
     root, solves = solve_root(problem, tie_rel=options.tie_rel, solver=options.solver, time_limit_s=options.time_limit_s)
     if root is None:
         note = _fallback_note("the deployment MILP", solves[-1])
-        return SearchOutcome(pool=tuple(_evaluate_survivors(pool, options)), solves=tuple(solves), notes=(note,), fell_back=True)
+        return SearchOutcome(pool=tuple(_evaluate_survivors(problem, pool, options)), solves=tuple(solves), notes=(note,),
+                             fell_back=True)
     seen = {tuple(heuristic)}
 
     def add(replicas: np.ndarray, source: str, relaxed: float) -> None:
@@ -209,7 +223,7 @@ def _decomposed_search(problem: PlanningProblem, options: PlannerOptions) -> Sea
         solves.extend(results)
         for plan in found:
             add(plan.replicas, f"milp:{plan.branch}", plan.makespan)
-        pool = _evaluate_survivors(_filter(problem, pool, options), options)
+        pool = _evaluate_survivors(problem, _filter(problem, pool, options), options)
         best = _preferred_entry([e for e in pool if e.expected is not None], options)
         at_center = next(e for e in pool if tuple(e.replicas) == tuple(center))
         if best.expected_makespan >= at_center.expected_makespan * (1 - options.tie_rel):
@@ -240,13 +254,23 @@ POOLS: dict[PlannerMode, Callable[[PlanningProblem, PlannerOptions], SearchOutco
 }
 
 
+def _one_fewer(load: LoadModel, k: int) -> LoadModel:
+    """``load`` with class k one replica short (the plan's later replicas moved up one place)."""
+    classes, start = [], 0
+    for i, cls in enumerate(load.classes):
+        n = len(cls.replicas) - (i == k)
+        classes.append(replace(cls, replicas=tuple(range(start, start + n))))
+        start += n
+    return replace(load, classes=tuple(classes), n_replicas=load.n_replicas - (np.arange(len(classes)) == k))
+
+
 def _removal_candidates(problem: PlanningProblem, entry: PoolEntry, bar: float) -> list[tuple[int, float | None]]:
     """Config indices whose replica might go, each with its makespan if it goes (None: needs a re-balance).
 
     A class k of p_k >= 2 replicas losing one may keep its bucket totals, placed on p_k - 1
-    replicas (:func:`replica_rows`): that dispatch's makespan stands for the re-balanced one.
-    A class of one replica can only go if the others' slack under ``bar``, at least
-    Σ_i p_i (bar - T_i), could absorb its time.
+    replicas and estimated as the dispatcher would (:func:`class_times`): that dispatch's
+    makespan stands for the re-balanced one. A class of one replica can only go if the
+    others' slack under ``bar``, at least Σ_i p_i (bar - T_i), could absorb its time.
     """
     load, expected = entry.load, entry.expected
     deployed = np.flatnonzero(entry.replicas > 0)  # classes are the deployed configs, in candidate order
@@ -256,7 +280,7 @@ def _removal_candidates(problem: PlanningProblem, entry: PoolEntry, bar: float) 
         p = len(cls.replicas)
         if p >= 2:
             times = expected.class_times.copy()
-            times[k] = load.replica_load(k, replica_rows(load, k, expected.class_counts[k], p - 1)).max()
+            times[k] = class_times(problem, _one_fewer(load, k), expected.class_counts, only=k)[k]
             out.append((int(i), float(times.max())))
         elif expected.class_times[k] - float(load.overhead_s[k]) <= slack - (bar - expected.class_times[k]):
             out.append((int(i), None))
@@ -282,7 +306,7 @@ def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions)
             candidate = _entry(problem, fewer, f"trim:{entry.source}")
             if not candidate.survived:
                 continue
-            candidate = replace(candidate, expected=evaluate(candidate.load, exact=False, options=options)[0])
+            candidate = replace(candidate, expected=evaluate(problem, candidate.load, exact=False, options=options)[0])
             if candidate.expected_makespan <= bar:
                 best = candidate
                 break
@@ -342,7 +366,7 @@ def polished(problem: PlanningProblem, starts: Sequence[PoolEntry], judged: Sequ
                 candidate = _entry(problem, replicas, f"swap:{start.source}")
                 if not candidate.survived or fluid_bound(candidate.load) >= current.expected_makespan * (1 - options.tie_rel):
                     continue
-                candidate = replace(candidate, expected=evaluate(candidate.load, exact=False, options=options)[0])
+                candidate = replace(candidate, expected=evaluate(problem, candidate.load, exact=False, options=options)[0])
                 if candidate.expected_makespan < current.expected_makespan * (1 - options.tie_rel):
                     better = candidate
                     break
@@ -378,11 +402,11 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
     by expected makespan.
     """
     outcome = POOLS[options.mode](problem, options)
-    pool = _evaluate_survivors(outcome.pool, options)
+    pool = _evaluate_survivors(problem, outcome.pool, options)
     solves = list(outcome.solves)
     ranked = sorted((e for e in pool if e.expected is not None), key=lambda e: (e.expected_makespan, e.used_gpus))
     for k, entry in enumerate(ranked[: options.exact_top]):
-        expected, result = evaluate(entry.load, exact=True, options=options)
+        expected, result = evaluate(problem, entry.load, exact=True, options=options)
         ranked[k] = replace(entry, expected=expected)
         solves.append(result)
     if options.mode is PlannerMode.DECOMPOSED:

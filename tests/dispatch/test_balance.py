@@ -101,8 +101,8 @@ def test_load_model_is_the_cost_model_in_padding_mode():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_placed_times_are_the_cost_model_of_the_placed_replicas_in_padding_mode(seed):
-    """Whatever the class totals, a class's slowest replica as placed (``placed_times``, what the
-    planner ranks by) is the cost model's time of its padded micro-batches; with few sequences
+    """Whatever the class totals, a class's slowest replica as placed (``placed_times``, the load
+    model's view of the placement) is the cost model's time of its padded micro-batches; with few sequences
     per bucket it is below the all-ceil bound ``load.times`` that the balancers minimise."""
     layouts = [((TP1, 3), (TP2, 2)), ((TP1, 2), (TP2_PP2, 2), (TP8, 1)), ((TP1, 4), (TP2, 2), (TP8, 1))]
     batch, plan, load, fast = small_load(layouts[seed], n_seqs=25, n_buckets=6, seed=seed)

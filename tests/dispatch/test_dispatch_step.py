@@ -20,6 +20,9 @@ from lorafleet.dispatch import (
     solve_step,
     task_tokens_per_replica,
 )
+from lorafleet.dispatch.balance import fluid_bound
+from lorafleet.dispatch.load import config_classes
+from lorafleet.dispatch.step import choose_buckets
 from lorafleet.errors import InputError, SolverFallbackWarning
 from lorafleet.solvers import SolveResult, SolverName, SolveStatus
 from tests.dispatch.fleet import LOBRA_7B_PLAN, TP1, TP2, TP2_PP2, TP4, TP8, lobra_7b_cost_model, lognormal_batch, make_batch, make_plan
@@ -84,6 +87,17 @@ def test_every_sequence_once_within_memory(case):
     check_step_plan(outcome.plan, batch, plan, options)
     if options.microbatch_mode is MicroBatchMode.PADDING:  # the load model bounds the padded plan's estimate
         assert outcome.plan.estimated_makespan_s <= outcome.modelled_makespan_s * (1 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=dispatch_cases())
+def test_fluid_bound_is_below_the_steps_estimate(case):
+    """The LP bound the planner's swap polish skips deployments by is a lower bound of the
+    dispatcher's estimate, padded or packed (packed micro-batches pay their constant at their
+    longest sequence and may run part-empty; the bound charges each sequence its token share)."""
+    batch, plan, options = case
+    _, load, _ = choose_buckets(batch, config_classes(plan, COST_MODEL), COST_MODEL, options)
+    assert fluid_bound(load) <= solve_step(batch, plan, COST_MODEL, options).plan.estimated_makespan_s * (1 + 1e-9)
 
 
 @settings(max_examples=15, deadline=None)

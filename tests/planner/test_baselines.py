@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lorafleet.dispatch import MicroBatchMode
-from lorafleet.planner import BaselineKind, baseline_schedules, best_homogeneous, padding_policy, pow2_boundaries
+from lorafleet.planner import BaselineKind, baseline_schedules, best_homogeneous, packing_policy, padding_policy, pow2_boundaries
 from lorafleet.planner.baselines import estimated_makespan
 from lorafleet.planner.candidates import valid_candidates
 from lorafleet.planner.expected import expected_global_batch
@@ -15,7 +15,7 @@ from lorafleet.planner.schedule import select_tasks
 from lorafleet.sampling import sample_global_batch
 from lorafleet.specs.cluster import ClusterSpec
 
-from .conftest import lobra_like_cost_model, small_workload
+from .conftest import batch_of, lobra_like_cost_model, small_workload
 
 
 @pytest.mark.parametrize("longest,max_tokens,expected", [
@@ -58,16 +58,17 @@ def test_static_buckets_pad_to_their_boundary_and_keep_real_lengths(workload, co
 @pytest.mark.parametrize("mode", list(MicroBatchMode))
 def test_best_homogeneous_is_the_fewest_estimated_gpu_seconds(workload, cost_model_7b, mode):
     cluster = ClusterSpec(nodes=2, gpus_per_node=8)
-    lengths = expected_global_batch(workload).lengths
+    batch = expected_global_batch(workload)
     candidates = valid_candidates(cost_model_7b, cluster)
-    chosen, replicas = best_homogeneous(lengths, workload.max_length, candidates, cost_model_7b, cluster, mode)
-    brute = min((estimated_makespan(lengths, c, n, cost_model_7b, mode) * n * c.n_gpus, c.config)
+    chosen, replicas = best_homogeneous(batch, workload.max_length, candidates, cost_model_7b, cluster, mode, 16)
+    brute = min((estimated_makespan(batch, c, n, cost_model_7b, mode, 16) * n * c.n_gpus, c.config)
                 for c in candidates if c.max_tokens >= workload.max_length for n in [cluster.n_gpus // c.n_gpus])
-    assert (estimated_makespan(lengths, chosen, replicas, cost_model_7b, mode) * replicas * chosen.n_gpus, chosen.config) == brute
+    assert (estimated_makespan(batch, chosen, replicas, cost_model_7b, mode, 16) * replicas * chosen.n_gpus, chosen.config) == brute
 
 
-def test_load_model_estimate_is_the_dispatch_in_padding_mode(workload, cost_model_7b):
-    """The estimate (the batch placed as the dispatcher places it) is the dispatched step's makespan."""
+@pytest.mark.parametrize("mode", list(MicroBatchMode))
+def test_estimate_is_the_dispatch_under_the_baselines_policy(workload, cost_model_7b, mode):
+    """The estimate a baseline's config is chosen by is the makespan of the step its policy dispatches."""
     cluster = ClusterSpec(nodes=1, gpus_per_node=8)
     expected = expected_global_batch(workload)
     for c in valid_candidates(cost_model_7b, cluster):
@@ -75,9 +76,9 @@ def test_load_model_estimate_is_the_dispatch_in_padding_mode(workload, cost_mode
             continue
         n = cluster.n_gpus // c.n_gpus
         plan = build_plan(workload, cluster, [(c.config, c.max_tokens, n)], solver="test")
-        real = padding_policy(int(expected.lengths.max()), c.max_tokens).dispatch(expected, plan, cost_model_7b).estimated_makespan_s
-        estimate = estimated_makespan(expected.lengths, c, n, cost_model_7b, MicroBatchMode.PADDING)
-        assert estimate == pytest.approx(real, rel=1e-9)
+        policy = padding_policy(int(expected.lengths.max()), c.max_tokens) if mode is MicroBatchMode.PADDING else packing_policy(16)
+        real = policy.dispatch(expected, plan, cost_model_7b).estimated_makespan_s
+        assert estimated_makespan(expected, c, n, cost_model_7b, mode, 16) == pytest.approx(real, rel=1e-9)
 
 
 def test_baseline_schedules_replay_step_by_step(workload, cost_model_7b):
@@ -109,7 +110,7 @@ def test_best_homogeneous_judges_replicas_as_placed():
     (1.02 s as placed, 1.28 s if each took every bucket's ceil(d / 2)) beat one <2,2> (1.25 s);
     the all-ceil estimate chose <2,2>."""
     cost_model, cluster = lobra_like_cost_model(max_tp=2, max_pp=2), ClusterSpec(nodes=1, gpus_per_node=4)
-    lengths = np.array([166, 299, 319, 386, 432, 969, 1332, 3236, 4096])
-    chosen, replicas = best_homogeneous(lengths, 4096, valid_candidates(cost_model, cluster), cost_model, cluster,
-                                        MicroBatchMode.PADDING)
+    batch = batch_of(np.array([166, 299, 319, 386, 432, 969, 1332, 3236, 4096]))
+    chosen, replicas = best_homogeneous(batch, 4096, valid_candidates(cost_model, cluster), cost_model, cluster,
+                                        MicroBatchMode.PADDING, 16)
     assert (str(chosen.config), replicas) == ("<2,1>", 2)

@@ -106,5 +106,5 @@ def test_decomposition_at_least_as_good_as_the_minlp_deployment(lengths):
     _, ranked = search(problem, options)
     minlp = minlp_pool(problem, options)
     assert minlp.pool[0].source == "minlp" and minlp.solves[0].proven_optimal
-    minlp_value = evaluate(minlp.pool[0].load, exact=False, options=options)[0].makespan
+    minlp_value = evaluate(problem, minlp.pool[0].load, exact=False, options=options)[0].makespan
     assert ranked[0].expected_makespan <= minlp_value * 1.01

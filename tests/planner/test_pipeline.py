@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -63,6 +65,16 @@ def test_diagnostics_explain_the_choice(result):
     assert len(survivors) >= min(len(diag.pool), 1)
     assert set(diag.timings_s) == {"candidates", "search", "robust", "baselines"}
     assert any("valid configs" in n for n in result.plan.notes)
+
+
+def test_the_chosen_plan_was_judged_at_the_dispatchers_estimate(result):
+    """Packed micro-batches (the default): the expected makespan the search ranked the chosen
+    deployment by is the dispatcher's estimate of the expected batch on the plan."""
+    deployed = Counter(r.config for r in result.plan.replicas)
+    chosen = next(e for e in result.diagnostics.pool if e.expected is not None and deployed == Counter(
+        {c.config: int(n) for c, n in zip(result.diagnostics.candidates, e.replicas, strict=True) if n}))
+    assert result.expected_step.estimated_makespan_s == result.plan.expected_makespan_s
+    assert chosen.expected_makespan == pytest.approx(result.plan.expected_makespan_s, rel=1e-9)
 
 
 def test_same_inputs_same_plan(workload, cost_model_7b, result):
