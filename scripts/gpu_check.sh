@@ -61,7 +61,7 @@ START_S=$SECONDS
 
 # Packages the image lacks, carried as wheels (see --fetch-wheels), go to /tmp/site.
 SITE=""
-if compgen -G ".whl/*.whl" >/dev/null; then
+if ! "$PY" -c "import pydantic, pulp" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && SITE=/tmp/site || echo "gpu_check: installing .whl/*.whl failed; going on without them"
 fi
@@ -77,7 +77,8 @@ for name in ("torch", "triton", "transformers", "peft", "safetensors", "numpy", 
         module = importlib.import_module(name)
         print(f"{name:12s} {getattr(module, '__version__', '?')}  {module.__file__}")
     except Exception as err:  # report every missing package, then fail below
-        print(f"{name:12s} MISSING ({err}); carry it: bash scripts/gpu_check.sh --fetch-wheels, carry=['.whl']")
+        carried = name in ("pydantic", "pulp")  # the image has the rest
+        print(f"{name:12s} MISSING ({err})" + ("; run bash scripts/gpu_check.sh --fetch-wheels here, carry=['.whl']" if carried else ""))
 import torch
 assert torch.cuda.is_available(), "torch sees no CUDA device"
 props = torch.cuda.get_device_properties(0)
@@ -88,8 +89,12 @@ print("lorafleet imports: ok")
 EOF
 }
 
+# pytest-xdist (on the GPU image) compiles the kernels' variants in 4 processes at once.
+xdist_args() { if "$PY" -c "import xdist" 2>/dev/null; then echo "-n 4"; fi; }
+
 part_gpu_tests() {
-    "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tee "$WORK/gpu-tests.out"
+    # shellcheck disable=SC2046
+    "$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider $(xdist_args) 2>&1 | tee "$WORK/gpu-tests.out"
     if tail -n 1 "$WORK/gpu-tests.out" | grep -q skipped; then
         echo "gpu_check: some GPU tests were skipped (is the GPU visible?)"
         return 1
@@ -136,11 +141,12 @@ EOF
 }
 
 part_cpu_twins() {
-    "$PY" -m pytest -q -p no:cacheprovider tests/executor/test_segment_lora_kernels.py tests/executor/test_multi_lora.py \
-        tests/profiling/test_device.py tests/profiling/test_profile_command.py
+    # shellcheck disable=SC2046
+    "$PY" -m pytest -q -p no:cacheprovider $(xdist_args) tests/executor/test_segment_lora_kernels.py \
+        tests/executor/test_multi_lora.py tests/profiling/test_device.py tests/profiling/test_profile_command.py
 }
 
-export -f part_env part_gpu_tests part_profile part_bench part_train part_cpu_twins
+export -f xdist_args part_env part_gpu_tests part_profile part_bench part_train part_cpu_twins
 STATUS=()
 FAILED=0
 PARTS="${GPU_CHECK_PARTS:-env gpu-tests profile bench train cpu-twins}"  # e.g. GPU_CHECK_PARTS="profile bench" to re-run two
