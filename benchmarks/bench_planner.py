@@ -5,6 +5,7 @@ Run from the repository root (every figure is measured here, in one run)::
     .venv/bin/python benchmarks/bench_planner.py            # parts 1-3
     .venv/bin/python benchmarks/bench_planner.py --part time --part quality
     .venv/bin/python benchmarks/bench_planner.py --part robust   # part 4 (~1.5 min)
+    .venv/bin/python benchmarks/bench_planner.py --part judge    # part 5 (~1 min)
 
 1. **Plan time** — ``examples/lobra-70b.yaml`` (Llama2-70B, 12 tasks) on 64 and 256 x A800-80GB,
    analytic cost model, default options (CBC, K = 32 sampled batches), LobRA's 16K contexts
@@ -23,6 +24,12 @@ Run from the repository root (every figure is measured here, in one run)::
 4. **Robust race** — ``robust_top`` 2 against 3 (the default) on a small two-task workload and
    LobRA's 7B and 70B experiments: the chosen plan's mean GPU-seconds on 32 held-out sampled
    batches, and the planner's CPU seconds.
+5. **Judging packed plans** — every deployment the search judged on LobRA's 7B and 70B
+   experiments (packed micro-batches, the default): the load model's makespan as placed (what
+   the planner ranked by before it priced the packed step) against the dispatcher's estimate
+   (what it ranks by now), how often the two orders disagree among the 8 best, and how much
+   slower the load model's pick is; and the same gap on the dispatch tests' fleets
+   (``tests/dispatch/fleet.py``) on lognormal batches.
 """
 
 from __future__ import annotations
@@ -40,10 +47,13 @@ import yaml
 
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.dispatch import DispatchOptions
+from lorafleet.dispatch import DispatchOptions, MicroBatchMode, solve_step
+from lorafleet.dispatch.load import config_classes
+from lorafleet.dispatch.placement import placed_times
+from lorafleet.dispatch.step import choose_buckets
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner import LORAFLEET, PlannerMode, PlannerOptions, PlanResult, plan_deployment
-from lorafleet.planner.candidates import valid_candidates
+from lorafleet.planner.candidates import propose_candidates, valid_candidates
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.problem import build_problem
 from lorafleet.planner.search import PoolEntry, evaluate, minlp_pool, search
@@ -194,9 +204,58 @@ def part_robust(tmp: Path) -> None:
     print(f"planner CPU seconds in all: {cpu_total[2]:.1f} (2 finalists) -> {cpu_total[3]:.1f} (3)")
 
 
+def part_judge() -> None:
+    """The load model as placed against the dispatcher's estimate, on every judged deployment."""
+    print("\n== 5. judging packed plans: load model as placed vs the dispatcher's estimate of the expected step ==")
+    seven, seventy = load_workload(REPO / "examples/lobra-7b.yaml"), load_workload(REPO / "examples/lobra-70b.yaml")
+    cases = [("7B", seven, 16), ("70B, 12 tasks", seventy, 64), ("70B, 12 tasks", seventy, 256),
+             *(("70B, 4 tasks", with_tasks(seventy, FOUR), gpus) for gpus in (16, 32, 64)),
+             ("70B, 8 tasks", with_tasks(seventy, EIGHT), 64), ("70B, 16 tasks", with_tasks(seventy, twins=SECOND_TENANTS), 64)]
+    options, top = PlannerOptions(), 8
+    for label, workload, gpus in cases:
+        cluster = workload_cluster(workload, gpus)
+        cost_model = workload_cost_model(workload, cluster)
+        expected = expected_global_batch(workload)
+        candidates = propose_candidates(valid_candidates(cost_model, cluster), int(expected.lengths.max()))
+        dispatch = DispatchOptions(n_buckets=options.n_buckets, microbatch_mode=options.microbatch_mode)
+        _, ranked = search(build_problem(expected, candidates, cost_model, cluster, dispatch), options)
+        estimate = np.array([e.expected_makespan for e in ranked])
+        model = np.array([placed_times(e.load, e.expected.class_counts).max() for e in ranked])
+        gap = model / estimate - 1
+        k = min(top, len(ranked))
+        discordant = sum((model[a] - model[b]) * (estimate[a] - estimate[b]) < 0 for a in range(k) for b in range(a + 1, k))
+        pick = int(np.argmin(model))
+        print(f"{label} on {gpus} GPUs: {len(ranked)} judged, load model / estimate - 1 from {gap.min():+.1%} to "
+              f"{gap.max():+.1%} (mean {gap.mean():+.1%}); {discordant} of {k * (k - 1) // 2} pairs of the {k} best "
+              f"ordered differently; the load model's pick is {estimate[pick] / estimate.min() - 1:+.1%} slower", flush=True)
+    fleet = _test_fleet()
+    cost_model = fleet.lobra_7b_cost_model()
+    options = DispatchOptions(microbatch_mode=MicroBatchMode.PACKING)
+    for layout in (fleet.LOBRA_7B_PLAN, ((fleet.TP1, 4), (fleet.TP2_PP2, 1), (fleet.TP8, 1)),
+                   ((fleet.TP2_PP2, 2), (fleet.TP4, 2), (fleet.TP8, 1))):
+        plan = fleet.make_plan(layout)
+        gaps = []
+        for scale in (0.1, 0.5, 1.0):
+            for step in range(5):
+                batch = fleet.lognormal_batch(step, scale=scale)
+                out = solve_step(batch, plan, cost_model, options)
+                _, load, assignment = choose_buckets(batch, config_classes(plan, cost_model), cost_model, options)
+                gaps.append(placed_times(load, assignment.counts).max() / out.plan.estimated_makespan_s - 1)
+        print(f"fleet {plan.describe()}, 15 lognormal batches (0.1-1x LobRA's 7B batch): load model / estimate - 1 "
+              f"from {min(gaps):+.1%} to {max(gaps):+.1%} (mean {np.mean(gaps):+.1%})")
+
+
+def _test_fleet():
+    """``tests/dispatch/fleet.py`` (the dispatch tests' fleets), imported from the repository root."""
+    import sys
+    sys.path.insert(0, str(REPO))
+    from tests.dispatch import fleet
+    return fleet
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", action="append", choices=("time", "optimality", "quality", "robust"))
+    parser.add_argument("--part", action="append", choices=("time", "optimality", "quality", "robust", "judge"))
     parser.add_argument("--workloads", type=int, default=20, help="random workloads of the optimality part")
     parser.add_argument("--recompute", default="auto", choices=("auto", "off", "on"),
                         help="the random workloads' recompute policy (optimality part)")
@@ -213,6 +272,8 @@ def main() -> None:
         part_quality()
     if "robust" in parts:
         part_robust(tmp)
+    if "judge" in parts:
+        part_judge()
 
 
 if __name__ == "__main__":
