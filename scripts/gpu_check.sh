@@ -40,6 +40,7 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
         specs+=("$pkg${version:+==$version}")
     done
     exclude="$(git rev-parse --git-path info/exclude)"
+    mkdir -p "$(dirname "$exclude")"
     grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
     rm -rf .whl && mkdir -p .whl
     "$LOCAL_PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
