@@ -26,6 +26,7 @@ import numpy as np
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import DispatchOptions, MicroBatchMode, bucket_of
 from lorafleet.dispatch.load import ConfigClass, build_load_model
+from lorafleet.dispatch.placement import placed_times
 from lorafleet.dispatch.step import choose_buckets, placed_work
 from lorafleet.plans import GlobalBatch
 from lorafleet.planner.placement import build_plan
@@ -56,18 +57,22 @@ def packing_policy(n_buckets: int) -> DispatchPolicy:
 
 def estimated_makespan(batch: GlobalBatch, candidate: Candidate, replicas: int, cost_model: CostModel,
                        mode: MicroBatchMode, n_buckets: int) -> float:
-    """The dispatcher's estimate of ``batch`` on ``replicas`` copies of one config (``placed_work``),
-    under the baseline's policy: LobRA's static power-of-two buckets, padded (:func:`padding_policy`:
-    the same micro-batches as the dispatcher pads rounded lengths into), or the dispatcher's
-    own buckets, packed (:func:`packing_policy`)."""
+    """The dispatcher's estimate of ``batch`` on ``replicas`` copies of one config, under the
+    baseline's policy: LobRA's static power-of-two buckets, padded (:func:`padding_policy`), or
+    the dispatcher's own buckets, packed (:func:`packing_policy`).
+
+    Padded, the load model as placed (:func:`~lorafleet.dispatch.placement.placed_times`) is that
+    estimate exactly and needs no micro-batches (Task-Sequential judges every config for every
+    task: hundreds of estimates); packed, the step's micro-batches are priced
+    (:func:`~lorafleet.dispatch.step.placed_work`), as lorafleet's plans are judged.
+    """
     cls = ConfigClass(config=candidate.config, max_tokens=candidate.max_tokens, replicas=tuple(range(replicas)))
     if mode is MicroBatchMode.PADDING:
         boundaries = np.asarray(pow2_boundaries(int(batch.lengths.max()), candidate.max_tokens), dtype=np.int64)
         load = build_load_model((cls,), cost_model, boundaries, batch.lengths, bucket_of(batch.lengths, boundaries), mode)
-    else:
-        _, load, _ = choose_buckets(batch, (cls,), cost_model, packing_policy(n_buckets).options)
-    work = placed_work(batch, load, load.counts[None, :], cost_model, mode)
-    return max(t for _, t in work)
+        return float(placed_times(load, load.counts[None, :]).max())
+    _, load, _ = choose_buckets(batch, (cls,), cost_model, packing_policy(n_buckets).options)
+    return max(t for _, t in placed_work(batch, load, load.counts[None, :], cost_model, mode))
 
 
 def best_homogeneous(batch: GlobalBatch, longest: int, candidates: Sequence[Candidate], cost_model: CostModel,
