@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -54,17 +55,37 @@ def test_targets_weights_and_segments(packed):
         assert seg.starts == (0, 2 * s, 3 * s) and seg.lengths == (2 * s, s, s)
 
 
-def test_attention_stays_inside_each_sequence():
-    inputs = build_inputs(_microbatch(True), [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
-    mask = inputs.attention_mask(None, torch.float32)[0, 0] == 0  # (S, S): True where attending
-    n0 = len(EXAMPLES[ROWS[0]])
-    assert mask[n0 - 1, : n0].all() and not mask[n0, :n0].any() and mask[n0, n0]
-    assert not mask.triu(1).any()  # causal
-    windowed = inputs.attention_mask(3, torch.float32)[0, 0] == 0
-    assert windowed.sum(-1).max() == 3
+def test_attention_bounds_are_the_documents():
+    """Packed: each sequence's slice of the row; padded: the whole row (padding after it)."""
+    packed = build_inputs(_microbatch(True), [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
+    lengths = [len(EXAMPLES[q]) for q in ROWS]
+    assert packed.attention(None)["document_bounds"] == tuple(itertools.accumulate(lengths, initial=0))
     padded = build_inputs(_microbatch(False), [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
-    pad_row = padded.attention_mask(None, torch.float32)[0, 0, -1] == 0  # a padding token attends only to itself
-    assert pad_row.sum() == 1 and pad_row[-1]
+    assert padded.attention(3) == {"attention_mask": None, "document_bounds": (0, max(lengths) + 2), "document_window": 3}
+
+
+def test_padding_takes_no_gradient_and_changes_no_real_token():
+    """Right padding under row-causal attention: the real tokens' logits do not depend on what
+    the padding holds, and the padding's positions get exactly zero gradient."""
+    model = h.build_model("llama", torch.float64)
+    inject_multi_lora(model, [t.lora for t in h.TASKS])
+    role = FleetLayout.of(h.plan_of((1, 1)), ModelDims.of(model.config), 1).role(0)
+    split_for_pipeline(model, role)
+    use_document_attention(model)
+    mb = _microbatch(False)
+    inputs = build_inputs(mb, [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
+    real = torch.zeros(inputs.input_ids.shape, dtype=torch.bool)
+    for k, n in enumerate(mb.lengths):
+        real[k, :n] = True
+    noisy = replace(inputs, input_ids=inputs.input_ids.masked_fill(~real, 7))
+    with torch.no_grad():
+        assert torch.equal(stage_forward(model, role, None, inputs)[real], stage_forward(model, role, None, noisy)[real])
+    embeds = model.model.embed_tokens(inputs.input_ids).detach().requires_grad_()
+    hooks = model.model.embed_tokens.register_forward_hook(lambda *_: embeds)
+    logits = stage_forward(model, role, None, inputs)
+    hooks.remove()
+    (logits.log_softmax(-1).gather(-1, inputs.targets.clamp(min=0)[..., None])[..., 0] * inputs.weights).sum().backward()
+    assert embeds.grad[~real].abs().max() == 0 and embeds.grad[real].abs().max() > 0
 
 
 def test_attention_windows_by_family():

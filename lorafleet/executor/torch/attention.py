@@ -10,8 +10,10 @@ row, causal, and within the layer's sliding window where it has one (Mistral, Qw
 
 It is registered with transformers' ``AttentionInterface``; the executor's models use it
 (``use_document_attention``) and pass ``document_bounds`` (and ``document_window``) through
-the decoder layers' keyword arguments. Without bounds (padded micro-batches) it is
-transformers' own SDPA attention with the additive mask it is given.
+the decoder layers' keyword arguments. A right-padded micro-batch passes ``[0, S]``: each row
+is one document, causal, no mask (the padding follows the sequence, so causality alone hides
+it). Without bounds it is transformers' own SDPA attention with the mask it is given (a
+model called outside the executor).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def document_attention(
 ) -> tuple[Tensor, None]:
     """query (B, heads, S, d), key/value (B, kv_heads, S, d) -> (B, S, heads, d).
 
-    ``document_bounds`` = [0, s_1, s_1 + s_2, ..., S]: the sequences of the packed row(s).
+    ``document_bounds`` = [0, s_1, s_1 + s_2, ..., S]: the sequences of the packed row, or
+    [0, S] for right-padded rows.
     """
     if document_bounds is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

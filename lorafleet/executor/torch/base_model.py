@@ -135,8 +135,8 @@ def llama_config(spec: ModelSpec) -> Any:
 def load_causal_lm(source: ModelSource, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The full causal LM in eval mode (no dropout in the frozen base), every parameter frozen.
 
-    The executor masks attention itself (``MicroBatchInputs.attention_mask``, additive), and
-    loads the model with ``attn_implementation="sdpa"``: no ``(B, H, S, S)`` weights kept.
+    The model is loaded with ``attn_implementation="sdpa"`` (no ``(B, H, S, S)`` weights kept);
+    the executor then attends per document (``attention.document_attention``).
     """
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 

@@ -14,10 +14,13 @@ sequences. Adapter ``θ_t`` sees only task ``t``'s rows and attention never cros
 so ``∂L/∂θ_t = ∂L_t/∂θ_t``: tasks do not leak into each other's gradients.
 
 **Token grid.** A padded micro-batch is ``(B, padded_len)``, one sequence a row, right-padded;
-a packed one is ``(1, Σ lengths)``. Attention is masked per token by a *document id*: a token
-attends to earlier tokens of the same sequence (and within a sliding window when the layer
-has one). Each padding token is its own document, so its softmax row is never empty (an
-all-masked row would put NaN into the loss through ``0 * NaN``).
+a packed one is ``(1, Σ lengths)``. A token attends to earlier tokens of its own sequence (and
+within a sliding window when the layer has one): in a packed row per sequence slice
+(``document_attention``), in a padded one causally over the whole row, with no mask. That is
+exact: the padding comes after the sequence, so causality alone keeps every real token from
+seeing it; padding tokens see their row's tokens, but take no loss, and nothing real attends
+to them, so every gradient through them is exactly zero. No ``(B, S, S)`` mask is built (at
+16K tokens one would be 512 MiB in bf16, and it would keep SDPA off its flash kernels).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,8 +74,6 @@ class MicroBatchInputs:
 
     input_ids: Tensor
     position_ids: Tensor
-    documents: Tensor
-    """Which sequence each token belongs to; every padding token is its own (negative) document."""
     targets: Tensor
     """The next token to predict, ``IGNORE_INDEX`` where no loss is taken (labels shifted left)."""
     weights: Tensor
@@ -82,30 +83,13 @@ class MicroBatchInputs:
     """Task of each token (0 on padding; its weight is 0)."""
     segments: Segments
     """Adapter rows of the flattened ``(B*S)`` grid: one segment per run of a task's sequences."""
-    document_bounds: tuple[int, ...] | None = None
-    """Packed: [0, s_1, s_1 + s_2, ..., S], each sequence's slice of the one row; None when padded."""
-    masks: dict[tuple[int | None, torch.dtype], Tensor] = field(default_factory=dict)
-    """Additive attention masks ``(B, 1, S, S)`` per (sliding window, dtype), built on first use."""
+    document_bounds: tuple[int, ...]
+    """Where each row's documents start and end: packed, [0, s_1, s_1 + s_2, ..., S] (each
+    sequence's slice of the one row); padded, [0, S] (the row, padding after the sequence)."""
 
-    def attention(self, window: int | None, dtype: torch.dtype) -> dict[str, Any]:
-        """A decoder layer's attention arguments: each packed sequence's bounds for
-        ``document_attention`` (Σ s_i^2 work), or the padded rows' additive mask."""
-        if self.document_bounds is not None:
-            return {"attention_mask": None, "document_bounds": self.document_bounds, "document_window": window}
-        return {"attention_mask": self.attention_mask(window, dtype)}
-
-    def attention_mask(self, window: int | None, dtype: torch.dtype) -> Tensor:
-        """0 where a token may attend, -inf elsewhere: additive, so SDPA and eager attention take it
-        as is, and it is built once per micro-batch instead of converted in every layer."""
-        if (window, dtype) not in self.masks:
-            i = torch.arange(self.documents.shape[1], device=self.documents.device)
-            same = self.documents[:, :, None] == self.documents[:, None, :]  # (B, S, S)
-            allowed = same & (i[None, :, None] >= i[None, None, :])  # causal
-            if window is not None:
-                allowed &= (i[None, :, None] - i[None, None, :]) < window
-            blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            self.masks[(window, dtype)] = blocked.masked_fill_(~allowed, float("-inf"))[:, None]  # one for all heads
-        return self.masks[(window, dtype)]
+    def attention(self, window: int | None) -> dict[str, Any]:
+        """A decoder layer's attention arguments for ``document_attention`` (Σ s_i^2 work)."""
+        return {"attention_mask": None, "document_bounds": self.document_bounds, "document_window": window}
 
 
 def build_inputs(mb: MicroBatch, examples: Sequence[Example], inv_tokens: Sequence[float],
@@ -114,7 +98,6 @@ def build_inputs(mb: MicroBatch, examples: Sequence[Example], inv_tokens: Sequen
     b, s = microbatch_shape(mb)
     ids = torch.zeros((b, s), dtype=torch.long)
     positions = torch.zeros((b, s), dtype=torch.long)
-    documents = -1 - torch.arange(b * s, dtype=torch.long).view(b, s)  # padding: one document per token
     targets = torch.full((b, s), IGNORE_INDEX, dtype=torch.long)
     weights = torch.zeros((b, s), dtype=torch.float64)
     token_task = torch.zeros((b, s), dtype=torch.long)
@@ -127,7 +110,6 @@ def build_inputs(mb: MicroBatch, examples: Sequence[Example], inv_tokens: Sequen
         span = slice(col, col + n)
         ids[row, span] = torch.tensor(example.input_ids)
         positions[row, span] = torch.arange(n)
-        documents[row, span] = k
         next_labels = torch.tensor(example.labels[1:] + (IGNORE_INDEX,))  # label of token i+1 at i
         targets[row, span] = next_labels
         weights[row, span] = (next_labels != IGNORE_INDEX).double() * inv_tokens[task]
@@ -137,15 +119,15 @@ def build_inputs(mb: MicroBatch, examples: Sequence[Example], inv_tokens: Sequen
     segments = Segments(
         tuple(task for task, _, _ in mb.segments),
         tuple(starts[first] for _, first, _ in mb.segments),
-        # A padded task run covers its rows' padding too: those rows get no loss and attend only
-        # to themselves, so their adapter gradient is exactly zero, and one segment per run is
-        # cheaper than one per sequence.
+        # A padded task run covers its rows' padding too: those rows get no loss and nothing
+        # real attends to them, so their adapter gradient is exactly zero, and one segment per
+        # run is cheaper than one per sequence.
         tuple(ends[first + count - 1] - starts[first] for _, first, count in mb.segments),
     )
-    bounds = None if mb.padded_len is not None else tuple(int(x) for x in itertools.accumulate(mb.lengths, initial=0))
+    bounds = (0, s) if mb.padded_len is not None else tuple(int(x) for x in itertools.accumulate(mb.lengths, initial=0))
     return MicroBatchInputs(
-        ids.to(device), positions.to(device), documents.to(device), targets.to(device),
-        weights.to(device), token_task.to(device), segments, bounds,
+        ids.to(device), positions.to(device), targets.to(device), weights.to(device), token_task.to(device),
+        segments, bounds,
     )
 
 
@@ -165,7 +147,7 @@ def stage_forward(model: nn.Module, role: RankRole, x: Tensor | None, inputs: Mi
         h = inner.embed_tokens(inputs.input_ids) if role.is_first_stage else x  # (B, S, H)
         rotary = inner.rotary_emb(h, inputs.position_ids)  # (cos, sin), each (B, S, head_dim)
         for index, layer in inner.layers.items():
-            attention = inputs.attention(attention_window(model.config, int(index)), h.dtype)
+            attention = inputs.attention(attention_window(model.config, int(index)))
 
             def block(hidden: Tensor, layer: nn.Module = layer, attention: dict[str, Any] = attention) -> Tensor:
                 # The backward's re-run happens outside this function's ``with``: route rows again.
