@@ -19,7 +19,7 @@
 #   profile    lorafleet profile --device cuda --dtype bf16 on smollm2-135m, TP1 (<1,1>, <1,2>, <1,1> recompute),
 #              memory searched against 8 GiB (not the GPU's memory: see the docs) -> a fitted profile JSON
 #   bench      benchmarks/bench_multi_lora.py --device cuda --dtype bf16 --quick: ours_triton vs ours vs peft_seq
-#   train      lorafleet train --device cuda, tiny-llama on the four demo tasks, one NCCL process, 20 steps
+#   train      lorafleet train --device cuda --dtype bf16, tiny-llama on the four demo tasks, one NCCL process, 20 steps
 #   cpu-twins  the CPU twins under the image's packages: Triton's interpreter, the torch backend, the profiler options
 #
 # Writes $OUT/<part>.log, the profile JSON and $OUT/summary.txt (each part's status and seconds;
@@ -136,7 +136,7 @@ DeploymentPlan(model="tiny-llama", gpu="H200-141GB", n_gpus=1, gpus_per_node=1, 
                expected_makespan_s=0.0).save(work / "plan.json")
 EOF
     "$PY" -m lorafleet train "$WORK/workload.yaml" --plan "$WORK/plan.json" --steps 20 --out "$WORK/train" \
-        --device cuda --no-progress
+        --device cuda --dtype bf16 --no-progress
     echo "--- metrics.jsonl"
     cat "$WORK/train/metrics.jsonl"
 }

@@ -46,8 +46,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", choices=DEVICE_KINDS,
                    help="cpu (default): one CPU thread per process, gloo; cuda: one GPU per process, NCCL, "
                    "times synchronised with the GPU")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="of the base model and the adapters "
-                   "(default fp32)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="of the base model and the activations "
+                   "(default fp32); adapters stay fp32 master weights over bf16, as in training")
     p.add_argument("--gpu", help="GPU preset the profile is for (default: cpu on cpu; on cuda the preset that "
                    "matches the device's name and memory)")
     p.add_argument("--seed", type=int, default=0)
