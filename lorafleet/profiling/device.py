@@ -45,7 +45,8 @@ class DeviceKind(StrEnum):
 
 
 class Precision(StrEnum):
-    """The dtype of the base model and the adapters while profiling."""
+    """The dtype of the base model and the activations while profiling (over bf16 the adapters are
+    fp32 master weights, ``multi_lora.adapter_dtype``, as in training)."""
 
     FP32 = "fp32"
     BF16 = "bf16"
