@@ -317,8 +317,11 @@ def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions)
 
 def _swaps(problem: PlanningProblem, replicas: np.ndarray) -> Iterator[np.ndarray]:
     """Deployments on the same GPUs: one replica of a deployed config i traded for N_i / N_j
-    replicas of config j (N_j dividing N_i), or N_j / N_i replicas of i for one of j."""
+    replicas of config j (N_j dividing N_i), or N_j / N_i replicas of i for one of j; then
+    every replica of a deployed config i traded for replicas of j on the same GPUs (a class
+    replaced whole: mixing the two can be worse than either, so single trades cannot reach it)."""
     gpus = problem.gpus
+    whole = []
     for i in np.flatnonzero(replicas > 0):
         for j in range(len(replicas)):
             if j == i:
@@ -330,11 +333,20 @@ def _swaps(problem: PlanningProblem, replicas: np.ndarray) -> Iterator[np.ndarra
             else:
                 continue
             if replicas[i] >= give:
-                swapped = replicas.copy()
-                swapped[i] -= give
-                swapped[j] += take
-                if problem.fits(swapped):
-                    yield swapped
+                yield from _traded(problem, replicas, i, give, j, take)
+            if replicas[i] > give and replicas[i] * gpus[i] % gpus[j] == 0:
+                whole.append((i, replicas[i], j, replicas[i] * gpus[i] // gpus[j]))
+    for i, give, j, take in whole:
+        yield from _traded(problem, replicas, i, give, j, take)
+
+
+def _traded(problem: PlanningProblem, replicas: np.ndarray, i: int, give: int, j: int, take: int) -> Iterator[np.ndarray]:
+    """``replicas`` with ``give`` fewer of config i and ``take`` more of j, if that fits the GPUs."""
+    swapped = replicas.copy()
+    swapped[i] -= give
+    swapped[j] += take
+    if problem.fits(swapped):
+        yield swapped
 
 
 def polished(problem: PlanningProblem, starts: Sequence[PoolEntry], judged: Sequence[PoolEntry],

@@ -20,7 +20,7 @@ from lorafleet.dispatch.placement import placed_times
 from lorafleet.dispatch.step import solve_step
 from lorafleet.plans import DeploymentPlan, ReplicaSpec
 from lorafleet.planner.problem import build_problem
-from lorafleet.planner.search import evaluate, search
+from lorafleet.planner.search import _swaps, evaluate, search
 from lorafleet.specs.cluster import ClusterSpec
 
 from .conftest import batch_of, lobra_like_cost_model, skewed_lengths
@@ -145,3 +145,16 @@ def test_packing_ranks_deployments_as_the_dispatcher_estimates_them():
     _, exhaustive = search(problem, PlannerOptions(mode=PlannerMode.EXHAUSTIVE, robust_samples=0))
     assert exhaustive[0].expected_makespan <= new_pipes
     assert dispatched(problem, exhaustive[0].replicas) < real_small
+
+
+def test_swaps_trade_one_replica_then_a_whole_config():
+    """From <1,1> x 4 + <4,1> on 8 GPUs: single trades first (two <1,1> for a <1,2>, ...), then
+    whole configs replaced (four <1,1> for two <1,2>): on random workload 18 of
+    ``bench_planner.py --part optimality`` mixing <1,1> and <1,2> was slower than either alone,
+    and only the whole trade reached the best plan."""
+    problem = problems(2)[1]
+    swaps = [tuple(int(n) for n in s) for s in _swaps(problem, FOUR_SMALL)]
+    single, whole = tuple(FOUR_SMALL - [2, -1, 0, 0, 0, 0, 0, 0, 0]), tuple(FOUR_SMALL - [4, -2, 0, 0, 0, 0, 0, 0, 0])
+    assert single in swaps and whole in swaps and swaps.index(single) < swaps.index(whole)
+    assert len(swaps) == len(set(swaps)) and all(problem.fits(np.array(s)) for s in swaps)
+    assert all(np.array(s) @ problem.gpus == FOUR_SMALL @ problem.gpus for s in swaps)
