@@ -78,12 +78,8 @@ def test_a_plan_for_other_tasks_is_refused(workload, capsys, tmp_path):
 
 @pytest.mark.slow
 def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workload, tmp_path):
-    path, plan = workload
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "lorafleet", "train", str(path), "--plan", str(plan), "--steps", "3",
-                             "--out", str(out), "--checkpoint-every", "2", "--device", "cpu"],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = _train(workload, out, "--steps", "3", "--checkpoint-every", "2")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2]
     assert all(set(r["losses"]) == {"docsum", "chat"} and r["tokens_per_s"] > 0 and len(r["replica_busy_s"]) == 2
@@ -103,14 +99,19 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
 def test_train_bf16_keeps_fp32_adapters(workload, tmp_path):
     """A bf16 base trains fp32 master adapters: the losses are finite and the exported PEFT
     adapters are fp32."""
-    path, plan = workload
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "lorafleet", "train", str(path), "--plan", str(plan), "--steps", "2",
-                             "--out", str(out), "--device", "cpu", "--dtype", "bf16"],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    _train(workload, out, "--steps", "2", "--dtype", "bf16")
     losses = [v for line in (out / "metrics.jsonl").read_text().splitlines() for v in json.loads(line)["losses"].values()]
     assert len(losses) == 4 and all(math.isfinite(v) and v > 0 for v in losses)
     for task in ("docsum", "chat"):
         with safe_open(out / "adapters" / task / "adapter_model.safetensors", "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+
+
+def _train(workload: tuple[Path, Path], out: Path, *options: str) -> subprocess.CompletedProcess:
+    """``lorafleet train`` on gloo as a user runs it (it re-runs itself under torchrun); must succeed."""
+    path, plan = workload
+    result = subprocess.run([sys.executable, "-m", "lorafleet", "train", str(path), "--plan", str(plan), "--out", str(out),
+                             "--device", "cpu", *options], capture_output=True, text=True, timeout=300, cwd=out.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result

@@ -18,26 +18,17 @@ TINY = MODEL_PRESETS["tiny-llama"]
 CONFIGS = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1), ParallelConfig(1, 1, recompute=True))
 
 
+def tiny_settings(**changes) -> ProfileSettings:
+    """The tiny grid every test here profiles: 1-2 rows of 16-64 tokens, one repeat, two tasks."""
+    fields = dict(model=TINY, configs=CONFIGS, adapters=AdapterLoad.uniform(2, 4), seq_lens=(16, 64), mbs=(1, 2),
+                  max_grid_tokens=128, packed=1, heldout=1, replica_steps=1, warmup=0, repeats=1, rounds=1,
+                  memory_budget_bytes=8 * MIB, comm_sizes=(1024, 16384), command="pytest")
+    return ProfileSettings(**{**fields, **changes})
+
+
 @pytest.fixture(scope="module")
 def profile():
-    settings = ProfileSettings(
-        model=TINY,
-        configs=CONFIGS,
-        adapters=AdapterLoad.uniform(2, 4),
-        seq_lens=(16, 64),
-        mbs=(1, 2),
-        max_grid_tokens=128,
-        packed=1,
-        heldout=1,
-        replica_steps=1,
-        warmup=0,
-        repeats=1,
-        rounds=1,
-        memory_budget_bytes=8 * MIB,
-        comm_sizes=(1024, 16384),
-        command="pytest",
-    )
-    return measure_profile(settings)
+    return measure_profile(tiny_settings())
 
 
 def test_records_cover_every_kind(profile):
@@ -79,25 +70,9 @@ def test_fit_and_check_run_on_measured_records(profile):
 
 def test_one_device_profiles_tp1_alone_in_bf16():
     """The path of a machine with one GPU, on one CPU process: a world of one, no transfer records,
-    the lone TP1 replica's steps timed once (not again as a fleet of one), bf16 weights and adapters."""
-    settings = ProfileSettings(
-        model=TINY,
-        configs=(ParallelConfig(1, 1), ParallelConfig(1, 2)),
-        adapters=AdapterLoad.uniform(2, 4),
-        seq_lens=(16, 64),
-        mbs=(1, 2),
-        max_grid_tokens=128,
-        packed=1,
-        heldout=1,
-        replica_steps=1,
-        warmup=0,
-        repeats=1,
-        rounds=1,
-        memory_budget_bytes=4 * MIB,
-        transfers=False,
-        precision=Precision.BF16,
-        command="pytest",
-    )
+    the lone TP1 replica's steps timed once (not again as a fleet of one), a bf16 base (fp32 adapters)."""
+    settings = tiny_settings(configs=(ParallelConfig(1, 1), ParallelConfig(1, 2)), memory_budget_bytes=4 * MIB,
+                             transfers=False, precision=Precision.BF16)
     assert settings.world == 1
     profile = measure_profile(settings)
     rec = profile.records
