@@ -139,6 +139,5 @@ class CostModel:
         """
         if not microbatches:
             return 0.0
-        coeffs = self.stage_coeffs(config)
-        times = [coeffs.shape(mb) / MS_PER_S for mb in microbatches]
-        return sum(times) + (config.pp - 1) * max(times) + self.step_overhead(config)
+        times = self.stage_coeffs(config).shapes(microbatches) / MS_PER_S
+        return float(times.sum() + (config.pp - 1) * times.max()) + self.step_overhead(config)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
-from lorafleet.costmodel.time_model import AffineTime, LayerTimeCoeffs, Link, MicroBatchShape, shape_features
+from lorafleet.costmodel.time_model import AffineTime, LayerTimeCoeffs, Link, MicroBatchShape, features_of
 
 #: Relative residual beyond which the soft-L1 loss grows linearly instead of quadratically.
 ROBUST_SCALE = 0.05
@@ -74,7 +74,7 @@ class ErrorSummary:
 
 def fit_layer_time(shapes: Sequence[MicroBatchShape], times_ms: Sequence[float]) -> LayerTimeCoeffs:
     """LobRA's t(b, s) (and its packed form) for one TP degree from measured micro-batches (ms)."""
-    x = np.stack([shape_features(mb) for mb in shapes])
+    x = features_of(shapes)
     return LayerTimeCoeffs(tuple(float(c) for c in fit_nonneg_relative(x, np.asarray(times_ms))))
 
 

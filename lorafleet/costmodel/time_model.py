@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain, repeat
 
 import numpy as np
 
@@ -77,13 +78,27 @@ class MicroBatchShape:
 def shape_features(mb: MicroBatchShape) -> np.ndarray:
     """Feature row x with t = x @ c: [Σ s_i^2, max s_i^2, Σ s_i, max s_i, n, 1] over the rows as computed
     (each padded row counts as ``padded_len``); for a padded (b, s) this is [b s^2, s^2, b s, s, b, 1]."""
-    if mb.padded_len is None:
-        lens = np.asarray(mb.seq_lens, dtype=float)
-    else:
-        lens = np.full(mb.n_seqs, float(mb.padded_len))
-    if lens.size == 0:
-        return np.zeros(N_COEFFS)
-    return np.array([(lens**2).sum(), lens.max() ** 2, lens.sum(), lens.max(), lens.size, 1.0])
+    return features_of([mb])[0]
+
+
+def features_of(mbs: Sequence[MicroBatchShape]) -> np.ndarray:
+    """``(len(mbs), 6)``: :func:`shape_features` of every micro-batch in one pass (segment sums and
+    maxima over their concatenated lengths), what prices a replica's step and fits a profile;
+    an empty micro-batch gives a zero row."""
+    counts = np.fromiter((mb.n_seqs for mb in mbs), dtype=np.int64, count=len(mbs))
+    out = np.zeros((len(mbs), N_COEFFS))
+    held = counts > 0
+    if not held.any():
+        return out
+    lens = np.fromiter(
+        chain.from_iterable(mb.seq_lens if mb.padded_len is None else repeat(mb.padded_len, mb.n_seqs) for mb in mbs),
+        dtype=float, count=int(counts.sum()),
+    )
+    starts = (np.cumsum(counts) - counts)[held]  # empty micro-batches own no lengths, so skipping them is exact
+    longest = np.maximum.reduceat(lens, starts)
+    out[held] = np.column_stack([np.add.reduceat(lens**2, starts), longest**2, np.add.reduceat(lens, starts), longest,
+                                 counts[held], np.ones(starts.size)])
+    return out
 
 
 @dataclass(frozen=True)
@@ -112,6 +127,10 @@ class LayerTimeCoeffs:
     def shape(self, mb: MicroBatchShape) -> float:
         """Time of a micro-batch given by its shape, padded or packed, in ms."""
         return float(shape_features(mb) @ np.asarray(self.c))
+
+    def shapes(self, mbs: Sequence[MicroBatchShape]) -> np.ndarray:
+        """Times of many micro-batches, ms, in one matrix product (:func:`features_of`)."""
+        return features_of(mbs) @ np.asarray(self.c)
 
     def extended(self, factor: float, per_token: float = 0.0, fixed: float = 0.0) -> LayerTimeCoeffs:
         """``factor * t + per_token * tokens + fixed``, still in LobRA form (tokens = b*s adds to c3, fixed to c6).
