@@ -178,10 +178,10 @@ def build_load_model(
                 cost_model.microbatch_time(cls.config, 1, lengths), dtype=float)
             per_seq[i] = np.where(counts > 0, np.bincount(bucket, weights=seq_time, minlength=n_buckets)
                                   / np.maximum(counts, 1), two - one)
-            packed_one = np.array([cost_model.packed_microbatch_time(cls.config, [int(x)]) for x in s])
             # A packed micro-batch fills up to M tokens from every bucket, so each sequence pays
-            # its token share of one micro-batch's constant, not a micro-batch per bucket.
-            per_seq[i] += (packed_one - (two - one)) * mean_len / cls.max_tokens
+            # its token share of one micro-batch's constant, not a micro-batch per bucket. That
+            # constant is beta = 2 t(1, s) - t(2, s): a lone sequence packed costs t(1, s) (time_model).
+            per_seq[i] += (2 * one - two) * mean_len / cls.max_tokens
             rows[i] = np.where(fits, np.maximum(cls.max_tokens // np.maximum(mean_len, 1).astype(np.int64), 1), 0)
     overhead = np.array([cost_model.step_overhead(c.config) for c in classes])
     compute_table, largest_table, table_start = _cost_tables(per_seq, per_mb, rows, counts)
