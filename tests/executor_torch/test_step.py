@@ -12,6 +12,7 @@ from transformers import MistralConfig, Qwen2Config
 
 import fleet_harness as h
 from lorafleet.data.tokenize import IGNORE_INDEX
+from lorafleet.executor.torch import attention
 from lorafleet.executor.torch.attention import use_document_attention
 from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.executor.torch.data_stream import loss_tokens
@@ -171,3 +172,13 @@ def test_a_step_plan_must_place_every_sequence_exactly_once():
     wrong_length = replace(first, lengths=(first.lengths[0] + 1, *first.lengths[1:]))
     with pytest.raises(ValueError, match="does not match"):
         check_step_plan(replace(plan, work=(replace(plan.work[0], microbatches=(wrong_length,)), plan.work[1])), BATCH, 2)
+
+
+def test_varlen_layout_and_choice():
+    """The varlen kernel's document starts for rows laid end to end (padded rows: one document a
+    row), and the kernel is taken only on CUDA in 16-bit without dropout; the CPU loops."""
+    starts, longest = attention._cumulative_starts((0, 3, 7), 2, torch.device("cpu"))
+    assert starts.tolist() == [0, 3, 7, 10, 14] and starts.dtype == torch.int32 and longest == 4
+    starts, longest = attention._cumulative_starts((0, 5), 3, torch.device("cpu"))
+    assert starts.tolist() == [0, 5, 10, 15] and longest == 5
+    assert not attention.uses_varlen(torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16), 0.0)

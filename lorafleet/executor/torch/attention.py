@@ -8,6 +8,11 @@ row, causal, and within the layer's sliding window where it has one (Mistral, Qw
 
     out[a:b] = softmax(q[a:b] k[a:b]^T * scale + causal(/window) mask) v[a:b]
 
+On CUDA in fp16/bf16 (no attention dropout) the documents of every row go to FlashAttention's
+variable-length kernel in one launch (``torch.nn.attention.varlen.varlen_attn``, where torch has
+it); elsewhere SDPA runs once per document, a Python loop (the CPU path, and the reference the
+GPU test compares the kernel with).
+
 It is registered with transformers' ``AttentionInterface``; the executor's models use it
 (``use_document_attention``) and pass ``document_bounds`` (and ``document_window``) through
 the decoder layers' keyword arguments. A right-padded micro-batch passes ``[0, S]``: each row
@@ -18,6 +23,8 @@ model called outside the executor).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -25,6 +32,14 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+try:  # FlashAttention's variable-length kernel (CUDA), in the form used here: windows and GQA
+    from torch.nn.attention.varlen import varlen_attn
+
+    if not {"window_size", "enable_gqa", "scale"} <= set(inspect.signature(varlen_attn).parameters):
+        varlen_attn = None  # an earlier form of the API: the per-document loop instead
+except ImportError:  # no varlen API in this torch: every device takes the per-document loop
+    varlen_attn = None
 
 DOCUMENT_ATTENTION = "lorafleet_documents"
 
@@ -55,17 +70,61 @@ def document_attention(
     """
     if document_bounds is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if uses_varlen(query, dropout):
+        return varlen_documents(query, key, value, tuple(document_bounds), document_window, scaling), None
     key = repeat_kv(key, module.num_key_value_groups)
     value = repeat_kv(value, module.num_key_value_groups)
+    return per_document(query, key, value, document_bounds, document_window, dropout, scaling), None
+
+
+def uses_varlen(query: Tensor, dropout: float) -> bool:
+    """Whether FlashAttention's varlen kernel takes this call: CUDA, fp16/bf16, no dropout, torch has it."""
+    return varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout
+
+
+def per_document(query: Tensor, key: Tensor, value: Tensor, bounds: Sequence[int], window: int | None,
+                 dropout: float = 0.0, scaling: float | None = None) -> Tensor:
+    """SDPA over each document's slice of the rows, one call per document; key/value already have
+    the query's heads. Returns (B, S, heads, d)."""
     outs = []
-    for a, b in zip(document_bounds[:-1], document_bounds[1:]):
+    for a, b in zip(bounds[:-1], bounds[1:]):
         q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
-        if document_window is None or b - a <= document_window:
+        if window is None or b - a <= window:
             outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling))
         else:
-            mask = _window_mask(b - a, document_window, query.device)
+            mask = _window_mask(b - a, window, query.device)
             outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def varlen_documents(query: Tensor, key: Tensor, value: Tensor, bounds: tuple[int, ...], window: int | None,
+                     scaling: float | None = None) -> Tensor:
+    """Every document of every row in one FlashAttention varlen launch: the B rows laid end to end
+    as (B S, heads, d), documents at :func:`_cumulative_starts`; causal, and a sliding window of
+    ``window`` tokens (the query and the window - 1 before it, as :func:`_window_mask`) as
+    FlashAttention's left window ``window - 1``. GQA is the kernel's own. Returns (B, S, heads, d)."""
+    b, heads, s, d = query.shape
+    starts, longest = _cumulative_starts(bounds, b, query.device)
+    out = varlen_attn(
+        query.transpose(1, 2).reshape(b * s, heads, d),
+        key.transpose(1, 2).reshape(b * s, key.shape[1], d),
+        value.transpose(1, 2).reshape(b * s, value.shape[1], d),
+        starts, starts, longest, longest,
+        scale=scaling, window_size=(-1, 0) if window is None else (window - 1, 0), enable_gqa=key.shape[1] != heads,
+    )
+    return out.view(b, s, heads, d)
+
+
+@functools.lru_cache(maxsize=256)
+def _cumulative_starts(bounds: tuple[int, ...], rows: int, device: torch.device) -> tuple[Tensor, int]:
+    """The documents' starts in ``rows`` rows of ``bounds[-1]`` tokens laid end to end, and the end
+    (int32, on ``device``), with the longest document. Cached: every layer of a micro-batch asks
+    for the same; copied through pinned memory so the copy does not synchronise the stream."""
+    width = bounds[-1]
+    starts = [r * width + a for r in range(rows) for a in bounds[:-1]] + [rows * width]
+    host = torch.tensor(starts, dtype=torch.int32)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device), longest
 
 
 AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)
