@@ -230,7 +230,9 @@ def multi_lora_linear(
     Args:
         x: ``(T, K)`` rows of the micro-batch.
         weight: ``(N, K)`` frozen base weight (must not require grad); ``bias``: ``(N,)`` or None.
-        lora_A: per adapter ``A_a (r_a, K)``; ``lora_B``: per adapter ``B_a (N, r_a)``.
+        lora_A: per adapter ``A_a (r_a, K)``; ``lora_B``: per adapter ``B_a (N, r_a)``; any float dtype
+            (fp32 masters over a bf16 ``x``): the low-rank GEMMs run in ``x``'s dtype, the
+            gradients come back in each weight's own.
         routing: segments (indexing ``lora_A``) and per-adapter scaling and dropout.
         keep: ``(T, K)`` bool keep-mask (:func:`draw_keep_mask`), or None for no dropout.
         backend: implementation; AUTO is Triton on CUDA, torch elsewhere.
