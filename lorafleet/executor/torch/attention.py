@@ -33,6 +33,8 @@ from torch.nn import functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+from lorafleet.executor.torch.transfer import to_device
+
 try:  # FlashAttention's variable-length kernel (CUDA), in the form used here: windows and GQA
     from torch.nn.attention.varlen import varlen_attn
 
@@ -119,12 +121,12 @@ def varlen_documents(query: Tensor, key: Tensor, value: Tensor, bounds: tuple[in
 def _cumulative_starts(bounds: tuple[int, ...], rows: int, device: torch.device) -> tuple[Tensor, int]:
     """The documents' starts in ``rows`` rows of ``bounds[-1]`` tokens laid end to end, and the end
     (int32, on ``device``), with the longest document. Cached: every layer of a micro-batch asks
-    for the same; copied through pinned memory so the copy does not synchronise the stream."""
+    for the same."""
     width = bounds[-1]
     starts = [r * width + a for r in range(rows) for a in bounds[:-1]] + [rows * width]
     host = torch.tensor(starts, dtype=torch.int32)
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device), longest
+    return to_device(host, device), longest
 
 
 AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)

@@ -43,6 +43,7 @@ from lorafleet.executor.torch.inject import segments_context
 from lorafleet.executor.torch.layout import RankRole
 from lorafleet.executor.torch.multi_lora import Segments
 from lorafleet.executor.torch.pipeline import Neighbours, microbatch_shape, run_1f1b
+from lorafleet.executor.torch.transfer import to_device
 from lorafleet.plans import MicroBatch
 
 
@@ -125,10 +126,8 @@ def build_inputs(mb: MicroBatch, examples: Sequence[Example], inv_tokens: Sequen
         tuple(ends[first + count - 1] - starts[first] for _, first, count in mb.segments),
     )
     bounds = (0, s) if mb.padded_len is not None else tuple(int(x) for x in itertools.accumulate(mb.lengths, initial=0))
-    return MicroBatchInputs(
-        ids.to(device), positions.to(device), targets.to(device), weights.to(device), token_task.to(device),
-        segments, bounds,
-    )
+    tensors = (to_device(t, device) for t in (ids, positions, targets, weights, token_task))
+    return MicroBatchInputs(*tensors, segments, bounds)
 
 
 def stage_forward(model: nn.Module, role: RankRole, x: Tensor | None, inputs: MicroBatchInputs) -> Tensor:

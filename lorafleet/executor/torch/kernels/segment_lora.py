@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from lorafleet.executor.torch.multi_lora import LoraRouting, stack_padded
+from lorafleet.executor.torch.transfer import to_device
 
 BLOCK_M = 64
 """Rows per tile: tokens of one segment (also the token chunk of the weight-gradient reduction)."""
@@ -174,11 +175,8 @@ def _tables(routing: LoraRouting, device: torch.device) -> tuple[Tensor, Tensor]
     adapter]`` and float32 table ``[scalings | 1 / (1 - p)]`` on ``device``.
 
     Cached: every injected layer of a micro-batch has the same routing (``multi_lora`` caches
-    the routing objects too), so the copy happens once a micro-batch, not once a layer call.
-    On CUDA the tables go through pinned memory with ``non_blocking=True``: a pageable
-    host-to-device copy synchronises the stream, which would make the host wait for the GPU
-    to drain before every layer's kernels and lose all CPU/GPU overlap. The copy is ordered
-    on the current stream, where the kernels run.
+    the routing objects too), so the copy happens once a micro-batch, not once a layer call,
+    and it does not stall the host (:func:`~lorafleet.executor.torch.transfer.to_device`).
     """
     segs = routing.segments
     n = len(routing.scalings)
@@ -190,9 +188,7 @@ def _tables(routing: LoraRouting, device: torch.device) -> tuple[Tensor, Tensor]
         offsets[a + 1] += offsets[a]
     ints = torch.tensor([*segs.starts, *segs.lengths, *segs.adapter_ids, *offsets, *by_adapter], dtype=torch.int32)
     floats = torch.tensor([*routing.scalings, *(1.0 / (1.0 - p) for p in routing.dropouts)], dtype=torch.float32)
-    if device.type == "cuda":
-        return ints.pin_memory().to(device, non_blocking=True), floats.pin_memory().to(device, non_blocking=True)
-    return ints.to(device), floats.to(device)
+    return to_device(ints, device), to_device(floats, device)
 
 
 class _Launch:
