@@ -71,10 +71,3 @@ def best_of_rounds(
         for i, run in enumerate(runs):
             best[i] = min(best[i], median_ms(run, warmup, repeats, group, device))
     return best
-
-
-def peak_bytes(run: Callable[[], object], group: dist.ProcessGroup | None = None,
-               device: ProfileDevice = CPU) -> int | None:
-    """Peak bytes allocated during ``run()`` (the largest across ``group``'s ranks); None when a
-    rank ran out of device memory (see ``ProfileDevice.peak_bytes``)."""
-    return device.peak_bytes(run, group)

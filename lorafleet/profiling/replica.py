@@ -11,9 +11,9 @@ over the process group (``executor.torch.tp``), from a plan of ``world // tp`` r
 Micro-batches are the executor's ``MicroBatch``: ``b`` rows padded to ``s``, or one row of
 packed sequences, of random tokens that are all learned (labels = inputs). The profiler gives
 each micro-batch one task, as LobRA forms its full micro-batches. ``build_inputs`` lays them
-out (padded rows attend under an additive ``(B, 1, S, S)`` mask; a packed row attends per
-sequence through ``executor.torch.attention.document_attention``, Σ s_i² pairs, as the cost
-model prices it), ``stage_forward`` runs them.
+out (attention through ``executor.torch.attention.document_attention``: a padded row
+causally, a packed row per sequence, Σ s_i² pairs, as the cost model prices it),
+``stage_forward`` runs them.
 
 What is timed:
 
@@ -119,7 +119,8 @@ class ProfiledReplica:
                  seed: int = 0, device: ProfileDevice = ProfileDevice(), precision: Precision = Precision.FP32) -> None:
         """Collective (``build_replica`` creates process groups): every rank of the world calls it.
 
-        ``device``: where this rank computes; ``precision``: the dtype of the base and the adapters.
+        ``device``: where this rank computes; ``precision``: the dtype of the base and the activations
+        (the adapters are fp32 masters over bf16, ``multi_lora.adapter_dtype``).
         """
         self.spec = spec
         self.n_tasks = adapters.n_tasks

@@ -59,7 +59,7 @@ from lorafleet.costmodel.profile_format import (
 )
 from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.profiling.device import DeviceKind, Precision, ProfileDevice, describe_host
-from lorafleet.profiling.measure import best_of_rounds, peak_bytes
+from lorafleet.profiling.measure import best_of_rounds
 from lorafleet.profiling.replica import ProfiledReplica
 from lorafleet.specs.model import ModelSpec
 
@@ -259,7 +259,7 @@ class _Worker:
             ok = True
             for name, (static, step) in stages.items():
                 replica.clear_grads()  # a step allocates its adapter gradients: they are in its peak
-                peak = peak_bytes(lambda: step(tokens), group, self.device)
+                peak = self.device.peak_bytes(lambda: step(tokens), group)
                 if peak is None:  # out of device memory: above any budget, and no point of the line
                     ok = False
                     continue

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lorafleet.profiling.device import DeviceKind, Precision, ProfileDevice, gpu_preset_for
-from lorafleet.profiling.measure import median_ms, peak_bytes
+from lorafleet.profiling.measure import CPU, median_ms
 from lorafleet.specs.gpus import GIB
 
 MIB = 1 << 20
@@ -43,9 +43,9 @@ def test_cpu_peak_is_what_the_run_allocates_above_what_existed():
         b = torch.ones(2 * MIB // 4)  # 2 MiB more while a lives
         return (a.sum() + b.sum() + held[0]).item()
 
-    peak = peak_bytes(run)
+    peak = CPU.peak_bytes(run)
     assert 3 * MIB <= peak < 4 * MIB
-    assert peak_bytes(lambda: None) == 0
+    assert CPU.peak_bytes(lambda: None) == 0
 
 
 def test_median_is_in_ms_of_the_device_clock():

@@ -16,7 +16,7 @@ from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 from lorafleet.executor.torch.step import build_inputs, stage_forward
-from lorafleet.profiling.measure import median_ms, peak_bytes
+from lorafleet.profiling.measure import CPU, median_ms
 from lorafleet.profiling.replica import ProfiledReplica, inverse_counts, microbatches, random_examples
 from lorafleet.profiling.stages import only_layers, part_role
 from lorafleet.specs.model import MODEL_PRESETS
@@ -86,7 +86,7 @@ def test_stage_runs_grow_with_tokens_and_halve_under_pp(replica):
 
     def peak(run, tokens):
         replica.clear_grads()
-        return peak_bytes(lambda: run(tokens))
+        return CPU.peak_bytes(lambda: run(tokens))
 
     step = whole["replica"][1]
     peaks = [peak(step, n) for n in (128, 256, 512)]
@@ -102,9 +102,9 @@ def test_recomputing_stages_peak_lower(replica, pp):
     rc = replica.stage_runs(ParallelConfig(1, pp, recompute=True))
     for name, (static, run) in plain.items():
         replica.clear_grads()
-        plain_peak = peak_bytes(lambda: run(512))
+        plain_peak = CPU.peak_bytes(lambda: run(512))
         replica.clear_grads()
-        rc_peak = peak_bytes(lambda: rc[name][1](512))
+        rc_peak = CPU.peak_bytes(lambda: rc[name][1](512))
         assert rc[name][0] == static and rc_peak < plain_peak
 
 
