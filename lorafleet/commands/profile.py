@@ -78,7 +78,8 @@ def _at_least(value: float, minimum: float, flag: str) -> None:
 def _settings(args: argparse.Namespace):
     from lorafleet.costmodel.adapters import AdapterLoad
     from lorafleet.costmodel.parallel_config import ParallelConfig, config_problems
-    from lorafleet.profiling.device import DeviceKind, Precision
+    from lorafleet.executor.torch.precision import Precision
+    from lorafleet.profiling.device import DeviceKind
     from lorafleet.profiling.run import MIB, ProfileSettings
     from lorafleet.specs.cluster import ClusterSpec
     from lorafleet.specs.lora import OptimizerName

@@ -21,9 +21,6 @@ from pathlib import Path
 
 from lorafleet.errors import InputError
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-"""``--dtype`` choices -> torch dtype names (torch is imported only once a run starts)."""
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("train", help="train the workload's adapters on a deployment plan (torch)")
@@ -35,7 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=50, metavar="K", help="checkpoint every K steps")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                         help="cuda: NCCL, one GPU per process; cpu: gloo (default: cuda when there are enough GPUs)")
-    parser.add_argument("--dtype", default="fp32", choices=tuple(DTYPES),
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
                         help="of the frozen base model and the activations (default fp32); adapters stay fp32 master "
                              "weights over a bf16 base")
     parser.add_argument("--profile", help="fitted profile JSON for dispatch (default: the analytic model of the plan's GPU)")
@@ -91,13 +88,13 @@ def load_training_workload(path: str):
 
 def train_rank(args: argparse.Namespace, plan) -> int:
     """One process of the run: build the fleet; rank 0 drives the loop, the others serve it."""
-    import torch
     import torch.distributed as dist
 
     from lorafleet.assemble import workload_cluster, workload_cost_model
     from lorafleet.dispatch import LookaheadDispatcher
     from lorafleet.executor.torch.checkpoint import latest_step_dir
     from lorafleet.executor.torch.launch import build_torch_executor, init_distributed, plan_world_size
+    from lorafleet.executor.torch.precision import Precision
     from lorafleet.loop import run_loop
     from lorafleet.metrics import CsvWriter, FanOut, JsonlWriter, ProgressBar, TensorBoardWriter
 
@@ -107,7 +104,7 @@ def train_rank(args: argparse.Namespace, plan) -> int:
             raise InputError(args.plan, "replicas", f"the plan needs {plan_world_size(plan)} processes, "
                              f"torchrun started {dist.get_world_size()}")
         workload = load_training_workload(args.workload)
-        executor = build_torch_executor(workload.spec, plan, args.steps, device, getattr(torch, DTYPES[args.dtype]))
+        executor = build_torch_executor(workload.spec, plan, args.steps, device, Precision(args.dtype).dtype)
         if dist.get_rank() != 0:
             executor.serve()
             return 0

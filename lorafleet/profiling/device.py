@@ -44,22 +44,6 @@ class DeviceKind(StrEnum):
     CUDA = "cuda"
 
 
-class Precision(StrEnum):
-    """The dtype of the base model and the activations while profiling (over bf16 the adapters are
-    fp32 master weights, ``multi_lora.adapter_dtype``, as in training)."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32 if self is Precision.FP32 else torch.bfloat16
-
-    @property
-    def bytes(self) -> int:
-        return torch.finfo(self.dtype).bits // 8
-
-
 @dataclass(frozen=True)
 class ProfileDevice:
     """One profiling process's device: ``kind``, and for CUDA the GPU ``index`` (the process's rank)."""

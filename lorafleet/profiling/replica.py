@@ -55,7 +55,8 @@ from lorafleet.executor.torch.step import (
     token_losses,
 )
 from lorafleet.plans import DeploymentPlan, MicroBatch, ReplicaSpec
-from lorafleet.profiling.device import Precision, ProfileDevice
+from lorafleet.executor.torch.precision import Precision
+from lorafleet.profiling.device import ProfileDevice
 from lorafleet.profiling.stages import only_layers, part_role, role_in, stage_layout
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.model import ModelSpec

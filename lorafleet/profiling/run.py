@@ -58,7 +58,8 @@ from lorafleet.costmodel.profile_format import (
     SizeRecord,
 )
 from lorafleet.costmodel.time_model import MicroBatchShape
-from lorafleet.profiling.device import DeviceKind, Precision, ProfileDevice, describe_host
+from lorafleet.executor.torch.precision import Precision
+from lorafleet.profiling.device import DeviceKind, ProfileDevice, describe_host
 from lorafleet.profiling.measure import best_of_rounds
 from lorafleet.profiling.replica import ProfiledReplica
 from lorafleet.specs.model import ModelSpec

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from lorafleet.profiling.device import DeviceKind, Precision, ProfileDevice, gpu_preset_for
+from lorafleet.executor.torch.precision import Precision
+from lorafleet.profiling.device import DeviceKind, ProfileDevice, gpu_preset_for
 from lorafleet.profiling.measure import CPU, median_ms
 from lorafleet.specs.gpus import GIB
 

@@ -9,7 +9,8 @@ import torch
 import lorafleet.profiling.device as device_module
 from lorafleet.cli import build_parser, main
 from lorafleet.commands.profile import _settings
-from lorafleet.profiling.device import DeviceKind, Precision
+from lorafleet.executor.torch.precision import Precision
+from lorafleet.profiling.device import DeviceKind
 
 MIB = 1 << 20
 H200_MIB = 143771  # the device machine's H200, as nvidia-smi reports it

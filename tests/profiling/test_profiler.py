@@ -10,7 +10,7 @@ from lorafleet.costmodel.build import profile_cost_model
 from lorafleet.costmodel.check import heldout_comparisons
 from lorafleet.costmodel.fitted import fit_profile
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.profiling.device import Precision
+from lorafleet.executor.torch.precision import Precision
 from lorafleet.profiling.run import MIB, ProfileSettings, measure_profile
 from lorafleet.specs.model import MODEL_PRESETS
 
