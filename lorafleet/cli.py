@@ -19,7 +19,8 @@ EXIT_INPUT_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full parser, with every subcommand module's ``register`` applied in name order."""
+    """The full parser, with every subcommand module's ``register`` applied in name order (modules
+    whose name starts with ``_`` are shared helpers, not commands)."""
     parser = argparse.ArgumentParser(
         prog="lorafleet",
         description="Plan, simulate and train many LoRA adapters on a heterogeneous fleet of replicas.",
@@ -27,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"lorafleet {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
         importlib.import_module(f"{commands.__name__}.{info.name}").register(subparsers)
     return parser
 

@@ -1,54 +1,62 @@
-"""The one step loop every executor runs under: get the step's plan, run it, record it.
+"""The one step loop every executor runs under: get the step's plan, run it, learn from it, record it.
 
 The plan source computes plans ahead (``lorafleet.dispatch.LookaheadDispatcher`` starts
-step t+1 while step t runs); the executor is simulated or real. The loop itself knows
-neither, which is what lets a what-if and a training run share it.
+step t+1 while step t runs); the executor is simulated or real. After every step the
+:class:`~lorafleet.dispatch.recalibration.Recalibrator` folds the measured replica times into
+per-replica corrections of the cost model, which price the plans the source computes from
+then on (the StepReport loop of DESIGN.md). The loop itself knows neither source nor
+executor, which is what lets a what-if and a training run share it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from lorafleet.costmodel import CostModel
+from lorafleet.dispatch import dispatch_step
+from lorafleet.dispatch.recalibration import Recalibrator
 from lorafleet.executor import Executor
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
-from lorafleet.planner import DispatchPolicy
 
 
 class StepPlanSource(Protocol):
     """Where step plans come from (``LookaheadDispatcher`` is one)."""
 
-    def plan_for(self, step: int) -> StepPlan:
-        """Step ``step``'s plan."""
+    def plan_for(self, step: int, speed: Sequence[float] | None = None) -> StepPlan:
+        """Step ``step``'s plan; plans the source starts from now on price replicas at ``speed``."""
         ...
 
 
 @dataclass(frozen=True)
 class PolicySource:
-    """Step plans of one deployment under a planner's :class:`DispatchPolicy` (static or dynamic buckets)."""
+    """Step plans of one deployment under its plan's policy, computed when asked (no look-ahead)."""
 
     batch_for_step: Callable[[int], GlobalBatch]
     plan: DeploymentPlan
     cost_model: CostModel
-    policy: DispatchPolicy
 
-    def plan_for(self, step: int) -> StepPlan:
-        return self.policy.dispatch(self.batch_for_step(step), self.plan, self.cost_model)
+    def plan_for(self, step: int, speed: Sequence[float] | None = None) -> StepPlan:
+        return dispatch_step(self.batch_for_step(step), self.plan, self.cost_model, speed=speed)
 
 
 def run_loop(
     source: StepPlanSource,
     executor: Executor,
     steps: Iterable[int],
-    on_report: Callable[[StepReport], None] | None = None,
+    on_report: Callable[[StepReport, StepPlan], None] | None = None,
+    recalibrator: Recalibrator | None = None,
 ) -> list[StepReport]:
-    """Run ``steps`` in order; every StepReport goes to ``on_report`` as soon as it exists."""
+    """Run ``steps`` in order; every StepReport (with the plan it ran) goes to ``on_report`` as soon as it
+    exists, after ``recalibrator`` has learnt from it."""
     reports = []
     for step in steps:
-        report = executor.run_step(source.plan_for(step))
+        step_plan = source.plan_for(step, recalibrator.factors if recalibrator is not None else None)
+        report = executor.run_step(step_plan)
+        if recalibrator is not None:
+            recalibrator.observe(step_plan, report)
         if on_report is not None:
-            on_report(report)
+            on_report(report, step_plan)
         reports.append(report)
     return reports

@@ -116,10 +116,12 @@ def _ratio(measured: float, predicted: float) -> float:
 
 def flat_record(report: StepReport, **extra: object) -> dict[str, object]:
     """One report as a flat row: scalars, then ``loss/<task>``, ``tokens/<task>``, ``padding/<task>``,
-    ``busy_s/<replica>``, ``idle_s/<replica>`` and, given ``predicted_busy_s``, ``predicted_busy_s/<replica>``.
+    ``busy_s/<replica>``, ``idle_s/<replica>``, given ``predicted_busy_s`` and ``correction`` (recalibration
+    factors), ``predicted_busy_s/<replica>`` and ``correction/<replica>``, and ``cpu_s/rank_<i>``.
     Other ``extra`` values are kept as they are (sequences joined by spaces)."""
     extra = dict(extra)
     predicted = tuple(extra.pop("predicted_busy_s", ()) or ())  # type: ignore[arg-type]
+    correction = tuple(extra.pop("correction", ()) or ())  # type: ignore[arg-type]
     row: dict[str, object] = {
         "step": report.step,
         "makespan_s": report.makespan_s,
@@ -144,6 +146,10 @@ def flat_record(report: StepReport, **extra: object) -> dict[str, object]:
         row[f"idle_s/{i}"] = idle
     for i, busy in enumerate(predicted):
         row[f"predicted_busy_s/{i}"] = busy
+    for i, factor in enumerate(correction):
+        row[f"correction/{i}"] = factor
+    for i, cpu in enumerate(report.rank_cpu_s):
+        row[f"cpu_s/rank_{i}"] = cpu
     for key, value in extra.items():
         row[key] = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
     return row
@@ -186,7 +192,8 @@ class TensorBoardWriter(ClosingWriter):
     Tags: ``loss/<task>``, ``throughput/tokens_per_s``, ``makespan/measured_s``, ``makespan/estimated_s``,
     ``makespan/measured_over_estimated``, ``dispatch/solve_s``, ``utilisation``, ``busy/replica_<i>``
     and, given ``predicted_busy_s``, ``busy_predicted/replica_<i>`` and ``busy_ratio/replica_<i>``
-    (measured over predicted). Ratios are left out where the prediction is zero.
+    (measured over predicted), given ``correction``, ``correction/replica_<i>``, and ``cpu_s/total``.
+    Ratios are left out where the prediction is zero.
     """
 
     def __init__(self, log_dir: str | Path) -> None:
@@ -214,6 +221,10 @@ class TensorBoardWriter(ClosingWriter):
             scalar(f"busy_predicted/replica_{i}", pred, step)
             if pred > 0:
                 scalar(f"busy_ratio/replica_{i}", _ratio(busy, pred), step)
+        for i, factor in enumerate(tuple(extra.get("correction", ()) or ())):  # type: ignore[arg-type]
+            scalar(f"correction/replica_{i}", factor, step)
+        if report.rank_cpu_s:
+            scalar("cpu_s/total", sum(report.rank_cpu_s), step)
         self._writer.flush()
 
     def close(self) -> None:
@@ -241,6 +252,33 @@ class ProgressBar:
 
     def close(self) -> None:
         self._progress.stop()
+
+
+class LogLines:
+    """One line per step on stdout, for runs whose output is a file (nohup, Slurm, a pod's log)::
+
+        step 3/10  loss docsum 2.41 chat 1.97  2,113 tok/s  step 11.2 s (predicted 10.9 s)  ETA 1m18s
+
+    The prediction is the dispatcher's estimate of the step (``estimated_makespan_s``); the ETA
+    is the mean measured step time of this run times the steps left.
+    """
+
+    def __init__(self, total: int, print_fn=None) -> None:
+        self.total = total
+        self._print = print_fn or (lambda line: print(line, flush=True))
+        self._times: list[float] = []
+
+    def write(self, report: StepReport, **extra: object) -> None:
+        self._times.append(report.makespan_s)
+        losses = "  loss " + " ".join(f"{t} {v:.3g}" for t, v in report.losses.items()) if report.losses else ""
+        eta = float(np.mean(self._times)) * max(self.total - report.step - 1, 0)
+        minutes, seconds = divmod(int(round(eta)), 60)
+        self._print(f"step {report.step + 1}/{self.total}{losses}  {_tokens_per_s(report, extra):,.0f} tok/s  "
+                    f"step {report.makespan_s:.3g} s (predicted {report.estimated_makespan_s:.3g} s)  "
+                    f"ETA {minutes}m{seconds:02d}s")
+
+    def close(self) -> None:
+        pass
 
 
 class FanOut(ClosingWriter):

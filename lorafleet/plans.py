@@ -1,7 +1,9 @@
 """The typed objects every stage passes on: DeploymentPlan, GlobalBatch, StepPlan, StepReport.
 
 - The planner writes a :class:`DeploymentPlan` (which replicas of which config, on which
-  GPUs); ``simulate`` and ``train`` read it back from versioned JSON.
+  GPUs, and the dispatch policy and cost model it was judged under); ``simulate``,
+  ``dispatch`` and ``train`` read it back from versioned JSON and check it
+  (:mod:`lorafleet.plan_check`) before any work.
 - Each step, dispatch turns a :class:`GlobalBatch` into a :class:`StepPlan`: every sequence
   assigned to one replica and one micro-batch, rows contiguous by task.
 - An executor runs the StepPlan and returns a :class:`StepReport`.
@@ -17,12 +19,18 @@ from typing import Any
 
 import numpy as np
 
+from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.errors import InputError
-from lorafleet.specs.io import read_json_object
+from lorafleet.specs.dispatch import DispatchPolicy
+from lorafleet.specs.io import read_json_object, write_text_atomic
+from lorafleet.specs.recompute import RecomputePolicy
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
+"""2 adds what a plan was judged under: ``policy``, ``cost_model`` and ``recompute``. A version-1
+file does not say which micro-batches (padded or packed) or which cost model its figures
+assume, so it is refused rather than guessed at (re-run ``lorafleet plan --json``)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,13 @@ class DeploymentPlan:
     """Human-readable remarks (idle GPUs and why, fallbacks, pruning)."""
     expected_replica_time_s: tuple[float, ...] = ()
     """Expected step time of each replica, in ``replicas`` order."""
+    policy: DispatchPolicy = field(default_factory=DispatchPolicy)
+    """How every step of this deployment is dispatched: what the plan was judged under, and what
+    ``simulate``, ``dispatch`` and ``train`` run unless told otherwise."""
+    cost_model: CostModelOrigin | None = None
+    """The cost model the plan was judged by (analytic preset, or a profile and its content hash)."""
+    recompute: RecomputePolicy = RecomputePolicy.AUTO
+    """The workload's activation-recomputation policy the configs were chosen under."""
 
     @property
     def used_gpus(self) -> int:
@@ -81,15 +96,13 @@ class DeploymentPlan:
         data["kind"] = "lorafleet.DeploymentPlan"
         for replica in data["replicas"]:
             replica["config"] = ParallelConfig(**replica["config"]).name
+        data["policy"] = self.policy.to_json()
+        data["recompute"] = self.recompute.value
         return data
 
     def save(self, path: str | Path) -> None:
-        """Write atomically: a reader never sees half a plan."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
+        """Write atomically: a reader never sees half a plan (an InputError when ``path`` is unwritable)."""
+        write_text_atomic(path, json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> DeploymentPlan:
@@ -98,8 +111,25 @@ class DeploymentPlan:
         data = read_json_object(path)
         if data.get("kind") != "lorafleet.DeploymentPlan":
             raise InputError(src, "kind", "not a lorafleet deployment plan")
-        if data.get("schema_version") != PLAN_SCHEMA_VERSION:
-            raise InputError(src, "schema_version", f"expected {PLAN_SCHEMA_VERSION}, got {data.get('schema_version')!r}")
+        version = data.get("schema_version")
+        if version == 1:
+            raise InputError(src, "schema_version", "a version-1 plan does not record the dispatch policy and cost model "
+                             "it was judged under; re-run `lorafleet plan --json` to write a version-2 plan")
+        if version != PLAN_SCHEMA_VERSION:
+            raise InputError(src, "schema_version", f"expected {PLAN_SCHEMA_VERSION}, got {version!r}")
+        for name in ("policy", "cost_model", "recompute"):
+            if name not in data:
+                raise InputError(src, name, "missing")
+        policy = DispatchPolicy.from_json(data["policy"], src)
+        try:
+            recompute = RecomputePolicy(data["recompute"])
+        except ValueError:
+            raise InputError(src, "recompute", f"{data['recompute']!r} is not one of auto, off, on") from None
+        origin = data["cost_model"]
+        try:
+            cost_model = CostModelOrigin(**origin) if origin is not None else None
+        except (TypeError, ValueError) as err:
+            raise InputError(src, "cost_model", str(err)) from None
         try:
             replicas = tuple(
                 ReplicaSpec(
@@ -110,7 +140,7 @@ class DeploymentPlan:
                 )
                 for r in data["replicas"]
             )
-            return cls(
+            plan = cls(
                 model=str(data["model"]),
                 gpu=str(data["gpu"]),
                 n_gpus=int(data["n_gpus"]),
@@ -122,11 +152,17 @@ class DeploymentPlan:
                 solver=str(data.get("solver", "")),
                 notes=tuple(str(n) for n in data.get("notes", ())),
                 expected_replica_time_s=tuple(float(t) for t in data.get("expected_replica_time_s", ())),
+                policy=policy,
+                cost_model=cost_model,
+                recompute=recompute,
             )
         except KeyError as err:
             raise InputError(src, str(err.args[0]), "missing") from None
         except (TypeError, ValueError) as err:
             raise InputError(src, "replicas", str(err)) from None
+        if not (np.isfinite(plan.expected_makespan_s) and plan.expected_makespan_s >= 0):
+            raise InputError(src, "expected_makespan_s", f"must be a finite number >= 0, got {plan.expected_makespan_s}")
+        return plan
 
 
 @dataclass(frozen=True)
@@ -209,6 +245,14 @@ class StepPlan:
     """Wall time spent computing this plan (bucketing, assignment, micro-batches)."""
     truncated: int = 0
     rejected: int = 0
+    speed: tuple[float, ...] = ()
+    """Per replica, the factor the dispatcher multiplied the cost model's times by (online
+    recalibration, :mod:`lorafleet.dispatch.recalibration`); empty: 1 for every replica."""
+
+    def base_estimate(self, position: int) -> float:
+        """The uncorrected cost model's estimate of replica ``position``'s time (its estimate over its speed factor)."""
+        estimate = self.work[position].estimated_time_s
+        return estimate / self.speed[position] if self.speed else estimate
 
     @property
     def n_seqs(self) -> int:
@@ -246,6 +290,8 @@ class StepReport:
     estimated_makespan_s: float = 0.0
     dispatch_solve_s: float = 0.0
     failed_replicas: tuple[int, ...] = ()
+    rank_cpu_s: tuple[float, ...] = ()
+    """Process CPU seconds of each rank during the step (torch executor; the CPU analogue of GPU-seconds)."""
 
     @property
     def replica_idle_s(self) -> tuple[float, ...]:

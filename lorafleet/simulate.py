@@ -6,7 +6,9 @@ per task; the others have one), so per step
     makespan = Σ_phases makespan_p          GPU-seconds = Σ_phases makespan_p * GPUs_p
 
 Every phase sees the same sampled global batches (restricted to its tasks), the same
-noise seed, stragglers and failures, so methods are compared on identical data.
+noise seed, stragglers and failures, so methods are compared on identical data. Each phase
+runs its plan's dispatch policy, online recalibration included: a straggler is priced by
+what it was measured to do, in every method alike.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from functools import partial
 import numpy as np
 
 from lorafleet.costmodel import CostModel
+from lorafleet.dispatch.recalibration import Recalibrator, ReplicaCalibration
 from lorafleet.executor.simulated import SimulatedExecutor, SimulationOptions
 from lorafleet.loop import PolicySource, run_loop
 from lorafleet.plans import GlobalBatch, StepReport
@@ -32,6 +35,8 @@ class PhaseRun:
 
     phase: Phase
     reports: tuple[StepReport, ...]
+    calibration: tuple[ReplicaCalibration, ...] = ()
+    """Each replica's recalibration factor after the last step."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,9 @@ def simulate_schedule(workload: Workload, schedule: Schedule, cost_model: CostMo
     names = [t.name for t in workload.tasks]
     runs = []
     for phase in schedule.phases:
-        source = PolicySource(partial(_phase_batch, workload, phase.tasks, seed), phase.plan, cost_model, phase.policy)
+        source = PolicySource(partial(_phase_batch, workload, phase.tasks, seed), phase.plan, cost_model)
         executor = SimulatedExecutor(phase.plan, cost_model, names, options)
-        runs.append(PhaseRun(phase=phase, reports=tuple(run_loop(source, executor, range(steps)))))
+        recalibrator = Recalibrator(len(phase.plan.replicas), phase.plan.policy.recalibration)
+        reports = run_loop(source, executor, range(steps), recalibrator=recalibrator)
+        runs.append(PhaseRun(phase=phase, reports=tuple(reports), calibration=recalibrator.replicas()))
     return ScheduleRun(name=schedule.name, gpus=schedule.max_gpus, phases=tuple(runs))

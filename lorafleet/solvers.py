@@ -19,11 +19,7 @@ from enum import StrEnum
 
 import pulp
 
-
-class SolverName(StrEnum):
-    CBC = "cbc"
-    SCIP = "scip"
-    HIGHS = "highs"
+from lorafleet.specs.solver import SolverName
 
 
 class SolveStatus(StrEnum):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.errors import InputError
@@ -107,11 +107,7 @@ def sweep(workload: Workload, variations: Sequence[Variation], steps: int = 8, p
         cost_model = workload_cost_model(varied, cluster, profile)
         options = PlannerOptions(n_buckets=args["n_buckets"])
         result = plan_deployment(varied, cluster, cost_model, options)
-        lorafleet = result.schedule
-        policy = lorafleet.phases[0].policy
-        policy = replace(policy, options=replace(policy.options, n_buckets=args["n_buckets"]))
-        lorafleet = replace(lorafleet, phases=(replace(lorafleet.phases[0], policy=policy),))
-        for schedule in (lorafleet, *result.baselines):
+        for schedule in (result.schedule, *result.baselines):
             run = simulate_schedule(varied, schedule, cost_model, steps, sim)
             rows.append({**{f"vary_{k}": v for k, v in point.items()}, "gpus_total": cluster.n_gpus, "gpu_kind": cluster.gpu, "model": varied.model.name,
                          "tasks": len(varied.tasks), "method": schedule.name, "plan": schedule.phases[0].plan.describe()

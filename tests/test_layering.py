@@ -21,7 +21,7 @@ ALLOWED = {
     "lorafleet.errors": ("lorafleet.errors",),
     "lorafleet.specs": L0,
     "lorafleet.costmodel": L0 + ("lorafleet.costmodel",),
-    "lorafleet.solvers": ("lorafleet.solvers",),
+    "lorafleet.solvers": L0 + ("lorafleet.solvers",),
     "lorafleet.data": L0 + ("lorafleet.data",),
     "lorafleet.plans": L1 + ("lorafleet.plans",),
     "lorafleet.workload": L1 + ("lorafleet.workload",),

@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _options(args: argparse.Namespace):
-    from lorafleet.dispatch.options import MicroBatchMode
+    from lorafleet.specs.dispatch import MicroBatchMode
     from lorafleet.planner import PlannerMode, PlannerOptions
     from lorafleet.solvers import SolverName
 
@@ -74,14 +74,25 @@ def comparison_table(result):
     return table
 
 
+def _above(value: float, bound: float) -> str:
+    """``+12.3% above it`` (or ``no bound`` when the bound is 0)."""
+    return f"+{value / bound - 1:.1%} above it" if bound > 0 else "no bound"
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from lorafleet.assemble import workload_cluster, workload_cost_model
     from lorafleet.planner import plan_deployment
+    from lorafleet.planner.bounds import step_bounds
+    from lorafleet.planner.candidates import valid_candidates
     from lorafleet.planner.plot import plot_expected_load
+    from lorafleet.specs.io import check_writable
     from lorafleet.workload import load_workload
 
+    for path in (args.json, args.plot):
+        if path:
+            check_writable(path)
     options = _options(args)
     workload = load_workload(args.workload)
     cluster = workload_cluster(workload, args.gpus, args.gpu)
@@ -93,8 +104,15 @@ def run(args: argparse.Namespace) -> int:
     console.print(comparison_table(result))
     for note in result.plan.notes:
         console.print(f"  note: {note}")
+    bounds = step_bounds(result.plan, result.expected_batch, valid_candidates(cost_model, cluster), cost_model,
+                         cluster.n_gpus)
+    ours = result.expected_step.estimated_makespan_s
+    console.print("  lower bound of the expected step (perfect balance, no padding, no overhead; docs/planner.md):")
+    console.print(f"    this deployment {bounds.deployment_s:.3f} s (plan {_above(ours, bounds.deployment_s)}); any "
+                  f"deployment of the {cluster.n_gpus} GPUs, each sequence on its cheapest config, "
+                  f"{bounds.fleet_s:.3f} s (plan {_above(ours, bounds.fleet_s)})")
     timings = ", ".join(f"{k} {v:.2f} s" for k, v in result.diagnostics.timings_s.items())
-    console.print(f"  planned in {timings} ({cost_model.source})")
+    console.print(f"  planned in {timings} ({cost_model.source}; policy {result.plan.policy.describe()})")
     if args.json:
         result.plan.save(args.json)
         console.print(f"  plan: {args.json}")

@@ -7,8 +7,8 @@ measures profiles lives in ``lorafleet.profiling``.
 """
 
 from lorafleet.costmodel.adapters import AdapterLoad, TaskAdapter
-from lorafleet.costmodel.build import analytic_cost_model, analytic_profile, load_cost_model, profile_cost_model
-from lorafleet.costmodel.cost_model import CostModel, Interconnect
+from lorafleet.costmodel.build import analytic_cost_model, analytic_profile, file_sha256, load_cost_model, profile_cost_model
+from lorafleet.costmodel.cost_model import CostModel, CostModelOrigin, Interconnect
 from lorafleet.costmodel.parallel_config import ParallelConfig, config_problems, enumerate_configs
 from lorafleet.costmodel.profile_format import Profile, read_profile, write_profile
 from lorafleet.costmodel.time_model import LayerTimeCoeffs, MicroBatchShape
@@ -16,6 +16,7 @@ from lorafleet.costmodel.time_model import LayerTimeCoeffs, MicroBatchShape
 __all__ = [
     "AdapterLoad",
     "CostModel",
+    "CostModelOrigin",
     "Interconnect",
     "LayerTimeCoeffs",
     "MicroBatchShape",
@@ -26,6 +27,7 @@ __all__ = [
     "analytic_profile",
     "config_problems",
     "enumerate_configs",
+    "file_sha256",
     "load_cost_model",
     "profile_cost_model",
     "read_profile",

@@ -12,6 +12,7 @@ bytes per token.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from lorafleet.costmodel.analytic import (
     analytic_links,
     analytic_optimizer_time,
 )
-from lorafleet.costmodel.cost_model import CostModel
+from lorafleet.costmodel.cost_model import CostModel, CostModelOrigin
 from lorafleet.costmodel.fitted import fit_profile
 from lorafleet.costmodel.memory_model import stage_memory
 from lorafleet.costmodel.parallel_config import config_problems, enumerate_configs
@@ -157,7 +158,13 @@ def analytic_cost_model(
 ) -> CostModel:
     """The analytic CostModel of ``model`` on ``cluster`` (its GPU kind, nodes and GPUs per node)."""
     profile = analytic_profile(model, cluster, adapters, calibration)
-    return profile_cost_model(profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=cluster.gpu)
+    cm = profile_cost_model(profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=cluster.gpu)
+    return replace(cm, origin=CostModelOrigin(kind="analytic", gpu=cluster.gpu))
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes (what a plan records of the profile it was judged with)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def load_cost_model(
@@ -183,6 +190,7 @@ def load_cost_model(
     if cluster is not None and profile.gpu.lower() != cluster.gpu.lower():
         raise InputError(source, "gpu", f"profile is for {profile.gpu!r}, the cluster has {cluster.gpu!r}")
     cm = profile_cost_model(profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=source)
+    cm = replace(cm, origin=CostModelOrigin(kind="profile", gpu=profile.gpu, profile=source, sha256=file_sha256(profile_path)))
     if cluster is None:
         return cm
     table = {c: m for c, m in cm.max_tokens_table.items() if not config_problems(c, model, cluster)}

@@ -56,6 +56,30 @@ class Interconnect:
         return self.p2p_intra_node if config.n_gpus <= self.gpus_per_node else self.p2p_inter_node
 
 
+@dataclass(frozen=True, kw_only=True)
+class CostModelOrigin:
+    """Where a cost model's figures come from: what a plan records, so a later command rebuilds the same model."""
+
+    kind: str
+    """``analytic`` (the datasheet model of ``gpu``) or ``profile`` (the file ``profile``)."""
+    gpu: str
+    """The GPU kind the figures are for."""
+    profile: str = ""
+    """The profile file, as it was given (empty for analytic)."""
+    sha256: str = ""
+    """Hex SHA-256 of the profile file's bytes when the model was built (empty for analytic)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("analytic", "profile"):
+            raise ValueError(f"cost model kind must be analytic or profile, got {self.kind!r}")
+
+    def describe(self) -> str:
+        """``analytic:A100-40GB`` or ``profile:profiles/x.json (sha256 1a2b3c4d)``."""
+        if self.kind == "analytic":
+            return f"analytic:{self.gpu}"
+        return f"profile:{self.profile} (sha256 {self.sha256[:8]})"
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Time (seconds) and memory (tokens) of every parallel config of one model on one GPU kind."""
@@ -80,6 +104,8 @@ class CostModel:
     """Bytes of one activation or gradient element (2 for bf16)."""
     sync_replicas: int = 2
     """Replicas taking part in the adapters' gradient all-reduce (1: no sync)."""
+    origin: CostModelOrigin | None = None
+    """How to rebuild this model (``load_cost_model`` sets it; None for one built by hand)."""
 
     @property
     def configs(self) -> list[ParallelConfig]:

@@ -39,6 +39,7 @@ tangent at the bucket's mean length, below r at every length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,25 +47,43 @@ import numpy as np
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MS_PER_S
-from lorafleet.dispatch.options import MicroBatchMode
+from lorafleet.specs.dispatch import MicroBatchMode
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan
 
 
+SPEED_TOLERANCE = 0.05
+"""Replicas of one config whose speed factors lie within this fraction above the least factor of
+their class share it, priced at the members' mean factor (``config_classes``)."""
+
+
 @dataclass(frozen=True)
 class ConfigClass:
-    """Replicas of one config and one max tokens M; they share their load evenly."""
+    """Replicas of one config and one max tokens M (and, once recalibrated, about one speed); they share
+    their load evenly."""
 
     config: ParallelConfig
     max_tokens: int
     replicas: tuple[int, ...]
     """Positions of the class's replicas in ``DeploymentPlan.replicas``."""
+    time_scale: float = 1.0
+    """Every time of the cost model is multiplied by this for the class (online recalibration: a
+    replica measured 2x slower than modelled has 2.0; ``dispatch.recalibration``)."""
 
 
-def config_classes(plan: DeploymentPlan, cost_model: CostModel) -> tuple[ConfigClass, ...]:
-    """The plan's replicas grouped by (config, M), ordered by (M, config); checked against the cost model."""
+def config_classes(plan: DeploymentPlan, cost_model: CostModel, speed: Sequence[float] | None = None
+                   ) -> tuple[ConfigClass, ...]:
+    """The plan's replicas grouped by (config, M), ordered by (M, config); checked against the cost model.
+
+    With ``speed`` (a time factor per replica, in plan order), a group is further split where the
+    factors, in increasing order, rise more than ``SPEED_TOLERANCE`` above the class's first: each
+    class is priced at its members' mean factor, so measurement noise keeps identical replicas
+    together while a straggler gets a class, and a share, of its own.
+    """
     if not plan.replicas:
         raise InputError("<plan>", "replicas", "the deployment plan has no replicas")
+    if speed is not None and len(speed) != len(plan.replicas):
+        raise ValueError(f"{len(speed)} speed factors for {len(plan.replicas)} replicas")
     groups: dict[tuple[int, ParallelConfig], list[int]] = {}
     for pos, replica in enumerate(plan.replicas):
         if replica.config.tp not in cost_model.layer_time:
@@ -73,7 +92,21 @@ def config_classes(plan: DeploymentPlan, cost_model: CostModel) -> tuple[ConfigC
         if replica.max_tokens < 1:
             raise InputError("<plan>", f"replicas[{pos}].max_tokens", f"must be >= 1, got {replica.max_tokens}")
         groups.setdefault((replica.max_tokens, replica.config), []).append(pos)
-    return tuple(ConfigClass(config=c, max_tokens=m, replicas=tuple(r)) for (m, c), r in sorted(groups.items()))
+    classes = []
+    for (m, c), members in sorted(groups.items()):
+        if speed is None:
+            classes.append(ConfigClass(config=c, max_tokens=m, replicas=tuple(members)))
+            continue
+        ordered = sorted(members, key=lambda pos: (speed[pos], pos))
+        runs: list[list[int]] = []
+        for pos in ordered:
+            if runs and speed[pos] <= speed[runs[-1][0]] * (1 + SPEED_TOLERANCE):
+                runs[-1].append(pos)
+            else:
+                runs.append([pos])
+        classes += [ConfigClass(config=c, max_tokens=m, replicas=tuple(sorted(run)),
+                                time_scale=float(np.mean([speed[pos] for pos in run]))) for run in runs]
+    return tuple(classes)
 
 
 @dataclass(frozen=True)
@@ -167,15 +200,16 @@ def build_load_model(
         mean_len = np.where(counts > 0, token_sum / np.maximum(counts, 1), s)
     for i, cls in enumerate(classes):
         fits = s <= cls.max_tokens
-        one = np.asarray(cost_model.microbatch_time(cls.config, 1, s), dtype=float)
-        two = np.asarray(cost_model.microbatch_time(cls.config, 2, s), dtype=float)
+        scale = cls.time_scale
+        one = scale * np.asarray(cost_model.microbatch_time(cls.config, 1, s), dtype=float)
+        two = scale * np.asarray(cost_model.microbatch_time(cls.config, 2, s), dtype=float)
         if mode is MicroBatchMode.PADDING:
             per_seq[i] = two - one
             per_mb[i] = 2 * one - two
             rows[i] = np.where(fits, cls.max_tokens // s, 0)
         else:
-            seq_time = np.asarray(cost_model.microbatch_time(cls.config, 2, lengths), dtype=float) - np.asarray(
-                cost_model.microbatch_time(cls.config, 1, lengths), dtype=float)
+            seq_time = scale * (np.asarray(cost_model.microbatch_time(cls.config, 2, lengths), dtype=float)
+                                - np.asarray(cost_model.microbatch_time(cls.config, 1, lengths), dtype=float))
             per_seq[i] = np.where(counts > 0, np.bincount(bucket, weights=seq_time, minlength=n_buckets)
                                   / np.maximum(counts, 1), two - one)
             # A packed micro-batch fills up to M tokens from every bucket, so each sequence pays
@@ -183,7 +217,7 @@ def build_load_model(
             # constant is beta = 2 t(1, s) - t(2, s): a lone sequence packed costs t(1, s) (time_model).
             per_seq[i] += (2 * one - two) * mean_len / cls.max_tokens
             rows[i] = np.where(fits, np.maximum(cls.max_tokens // np.maximum(mean_len, 1).astype(np.int64), 1), 0)
-    overhead = np.array([cost_model.step_overhead(c.config) for c in classes])
+    overhead = np.array([c.time_scale * cost_model.step_overhead(c.config) for c in classes])
     compute_table, largest_table, table_start = _cost_tables(per_seq, per_mb, rows, counts)
     tokens = np.bincount(bucket, weights=lengths, minlength=n_buckets)
     length_range = np.stack([s, s], axis=1).astype(float)
@@ -198,7 +232,8 @@ def build_load_model(
         tangent_at = np.where(counts > 0, tokens / np.maximum(counts, 1), s)
         bound_seq, bound_token = np.zeros(shape), np.zeros(shape)
         for i, cls in enumerate(classes):
-            bound_seq[i], bound_token[i] = _packed_tangent(cost_model, cls, tangent_at)
+            u, v = _packed_tangent(cost_model, cls, tangent_at)
+            bound_seq[i], bound_token[i] = cls.time_scale * u, cls.time_scale * v
     return LoadModel(classes=classes, boundaries=s, counts=counts, per_seq_s=per_seq, per_microbatch_s=per_mb,
                      microbatch_rows=rows, overhead_s=overhead,
                      n_replicas=np.array([len(c.replicas) for c in classes], dtype=np.int64),
@@ -207,13 +242,33 @@ def build_load_model(
                      bound_per_seq_s=bound_seq, bound_per_token_s=bound_token, tokens=tokens, length_range=length_range)
 
 
+def _bound_coeffs(cost_model: CostModel, config: ParallelConfig) -> np.ndarray | None:
+    """The stage's LobRA coefficients c1..c6 in seconds, or None when one is negative (r need not be convex)."""
+    c = np.asarray(cost_model.stage_coeffs(config).c, dtype=float) / MS_PER_S
+    return None if c.min() < 0 else c
+
+
+def sequence_lower_bound(cost_model: CostModel, config: ParallelConfig, max_tokens: int, lengths: np.ndarray) -> np.ndarray:
+    """r(l) = c1 l^2 + c3 l + c5 + l (c2 l^2 + c4 l + c6) / M, seconds: the least stage time a sequence of
+    length l adds to a replica of ``config``, padded or packed (module docstring); +inf where l > M,
+    0 everywhere for a cost model with a negative coefficient (then nothing is bounded)."""
+    lengths = np.asarray(lengths, dtype=float)
+    c = _bound_coeffs(cost_model, config)
+    if c is None:
+        return np.zeros_like(lengths)
+    c1, c2, c3, c4, c5, c6 = c
+    r = c1 * lengths**2 + c3 * lengths + c5 + lengths * (c2 * lengths**2 + c4 * lengths + c6) / max_tokens
+    return np.where(lengths <= max_tokens, r, np.inf)
+
+
 def _packed_tangent(cost_model: CostModel, cls: ConfigClass, m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(u, v) with u + v l the tangent at length m of a packed sequence's least cost
-    r(l) = c1 l^2 + c3 l + c5 + l (c2 l^2 + c4 l + c6) / M (module docstring), seconds; (0, 0),
-    which bounds nothing, for a cost model with a negative coefficient (r need not be convex)."""
-    c1, c2, c3, c4, c5, c6 = np.asarray(cost_model.stage_coeffs(cls.config).c) / MS_PER_S
-    if min(c1, c2, c3, c4, c5, c6) < 0:
+    """(u, v) with u + v l the tangent at length m of a packed sequence's least cost r(l)
+    (:func:`sequence_lower_bound`), seconds; (0, 0), which bounds nothing, for a cost model with a
+    negative coefficient (r need not be convex)."""
+    c = _bound_coeffs(cost_model, cls.config)
+    if c is None:
         return np.zeros_like(m, dtype=float), np.zeros_like(m, dtype=float)
+    c1, c2, c3, c4, c5, c6 = c
     M = cls.max_tokens
     value = c1 * m**2 + c3 * m + c5 + m * (c2 * m**2 + c4 * m + c6) / M
     slope = 2 * c1 * m + c3 + (3 * c2 * m**2 + 2 * c4 * m + c6) / M

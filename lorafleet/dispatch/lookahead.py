@@ -1,24 +1,28 @@
 """Step t+1's dispatch computed on a background thread while step t runs.
 
 The global batch of any step is a pure function of (workload, seed, step) and dispatch is
-a pure function of (batch, plan, cost model, options), so the plan computed ahead is the
-plan a synchronous call would return: look-ahead changes when a plan is computed, never
-what it is. One worker thread keeps the plans in step order; the solvers (numpy,
-the CBC/HiGHS/SCIP back ends) spend most of their time outside the GIL.
+a pure function of (batch, plan, cost model, options, speed factors), so the plan computed
+ahead is the plan a synchronous call with the same factors would return: look-ahead changes
+when a plan is computed, never what it is. The factors of online recalibration are taken
+when a plan is *started*: step t+1's plan is started during ``plan_for(t)``, after step t-1's
+report was folded in, so it prices replicas by what steps up to t-1 measured. One worker
+thread keeps the plans in step order; the solvers (numpy, the CBC/HiGHS/SCIP back ends)
+spend most of their time outside the GIL.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.dispatch.options import DispatchOptions
-from lorafleet.dispatch.step import DispatchOutcome, solve_step
+from lorafleet.dispatch.policy import solve_policy
+from lorafleet.dispatch.step import DispatchOutcome
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
+from lorafleet.specs.dispatch import DispatchOptions, DispatchPolicy
 
 
 class LookaheadDispatcher:
@@ -27,7 +31,8 @@ class LookaheadDispatcher:
     Args:
         batch_for_step: the global batch of a step, deterministic in the step
             (e.g. ``functools.partial(sample_global_batch, workload, seed=seed)``).
-        plan, cost_model, options: as for :func:`lorafleet.dispatch.dispatch_step`.
+        plan, cost_model, options: as for :func:`lorafleet.dispatch.dispatch_step` (the plan's own
+            policy when ``options`` is None).
 
     Example::
 
@@ -46,27 +51,29 @@ class LookaheadDispatcher:
         self._batch_for_step = batch_for_step
         self._plan = plan
         self._cost_model = cost_model
-        self._options = options or DispatchOptions()
+        self._policy = DispatchPolicy(options=options) if options is not None else plan.policy
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-lookahead")
         self._pending: dict[int, Future[DispatchOutcome]] = {}
 
-    def _solve(self, step: int) -> DispatchOutcome:
-        return solve_step(self._batch_for_step(step), self._plan, self._cost_model, self._options)
+    def _solve(self, step: int, speed: tuple[float, ...] | None) -> DispatchOutcome:
+        return solve_policy(self._batch_for_step(step), self._plan, self._cost_model, self._policy, speed)
 
-    def _ensure(self, step: int) -> Future[DispatchOutcome]:
+    def _ensure(self, step: int, speed: tuple[float, ...] | None) -> Future[DispatchOutcome]:
         if step not in self._pending:
-            self._pending[step] = self._pool.submit(self._solve, step)
+            self._pending[step] = self._pool.submit(self._solve, step, speed)
         return self._pending[step]
 
-    def plan_for(self, step: int) -> StepPlan:
-        """Step ``step``'s plan (waiting for it if it is still being computed); starts step + 1's.
+    def plan_for(self, step: int, speed: Sequence[float] | None = None) -> StepPlan:
+        """Step ``step``'s plan (waiting for it if it is still being computed); starts step + 1's,
+        pricing replicas at ``speed`` (a snapshot: later changes do not reach that plan).
 
         A fallback of the exact solve is warned about here, on the caller's thread.
         """
+        snapshot = tuple(float(f) for f in speed) if speed is not None else None
         for stale in [s for s in self._pending if s not in (step, step + 1)]:
             self._pending.pop(stale).cancel()  # a jump (resume, skip) discards what was planned ahead
-        current = self._ensure(step)
-        self._ensure(step + 1)
+        current = self._ensure(step, snapshot)
+        self._ensure(step + 1, snapshot)
         outcome = current.result()
         del self._pending[step]
         if outcome.fallback:

@@ -17,7 +17,7 @@ dispatcher can compute it on another thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +28,7 @@ from lorafleet.dispatch.bucketing import BucketingResult, bucket_of, optimal_buc
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import ConfigClass, LoadModel, build_load_model, config_classes
 from lorafleet.dispatch.microbatch import packed_microbatches, padded_microbatches
-from lorafleet.dispatch.options import DispatchMethod, DispatchOptions, MicroBatchMode
+from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions, MicroBatchMode
 from lorafleet.dispatch.placement import place_sequences
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork, StepPlan
@@ -98,7 +98,8 @@ def placed_work(batch: GlobalBatch, load: LoadModel, counts: np.ndarray, cost_mo
                 classes: Collection[int] | None = None) -> list[tuple[tuple[MicroBatch, ...], float]]:
     """Every replica's micro-batches and estimated time, in plan order, once class totals ``counts`` (K, R)
     are placed: the sequences dealt by :func:`~.placement.place_sequences`, cut by the mode's
-    micro-batcher and priced by ``CostModel.replica_time`` (0 for a replica given nothing).
+    micro-batcher and priced by ``CostModel.replica_time`` times the class's ``time_scale`` (0 for a
+    replica given nothing).
 
     The step plan's work, and what the planner judges a deployment by: one code path, so the
     planner's expected makespan is the dispatcher's estimate of the same step. With ``classes``,
@@ -117,7 +118,7 @@ def placed_work(batch: GlobalBatch, load: LoadModel, counts: np.ndarray, cost_mo
                 mbs = padded_microbatches(held[r], batch.lengths, batch.task_ids, padded_len, cls.max_tokens)
             else:
                 mbs = packed_microbatches(held[r], batch.lengths, batch.task_ids, cls.max_tokens)
-            work[r] = (tuple(mbs), cost_model.replica_time(cls.config, [mb.shape for mb in mbs]))
+            work[r] = (tuple(mbs), cls.time_scale * cost_model.replica_time(cls.config, [mb.shape for mb in mbs]))
     return work
 
 
@@ -128,10 +129,24 @@ def _replica_work(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostMode
                  for replica, (mbs, estimate) in zip(plan.replicas, work, strict=True))
 
 
-def solve_step(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, options: DispatchOptions) -> DispatchOutcome:
-    """Dispatch one global batch on the plan (see the module docstring); never skips the step."""
+def _priced_speeds(classes: tuple[ConfigClass, ...], n_replicas: int) -> tuple[float, ...]:
+    """The factor each replica (plan order) was priced at: its class's ``time_scale``."""
+    speeds = [1.0] * n_replicas
+    for cls in classes:
+        for r in cls.replicas:
+            speeds[r] = cls.time_scale
+    return tuple(speeds)
+
+
+def solve_step(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, options: DispatchOptions,
+               speed: Sequence[float] | None = None) -> DispatchOutcome:
+    """Dispatch one global batch on the plan (see the module docstring); never skips the step.
+
+    ``speed``, one time factor per replica (online recalibration), prices each replica's times
+    that much slower (``load.config_classes``); the step plan records the factor each was priced at.
+    """
     start = time.perf_counter()
-    classes = config_classes(plan, cost_model)
+    classes = config_classes(plan, cost_model, speed)
     _check_lengths(batch, classes)
     bucketing, load, assignment = choose_buckets(batch, classes, cost_model, options)
     method, fallback, lower_bound = options.method.value, None, None
@@ -155,6 +170,7 @@ def solve_step(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, 
         solve_s=time.perf_counter() - start,
         truncated=batch.truncated,
         rejected=batch.rejected,
+        speed=_priced_speeds(classes, len(plan.replicas)) if speed is not None else (),
     )
     return DispatchOutcome(plan=step_plan, modelled_makespan_s=assignment.makespan_s, fallback=fallback,
                            lower_bound_s=lower_bound)

@@ -13,6 +13,7 @@ of its share), the DLRover "process restart" rung; the step still completes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -46,11 +47,20 @@ class SimulationOptions:
     """Seed of the noise and of the failure points."""
 
     def __post_init__(self) -> None:
-        if self.noise_sigma < 0:
-            raise ValueError(f"noise_sigma must be >= 0, got {self.noise_sigma}")
-        bad = {r: f for r, f in self.slowdown.items() if f < 1.0}
+        if not (math.isfinite(self.noise_sigma) and self.noise_sigma >= 0):
+            raise ValueError(f"noise_sigma must be a finite number >= 0, got {self.noise_sigma}")
+        bad = {r: f for r, f in self.slowdown.items() if not (math.isfinite(f) and f >= 1.0)}
         if bad:
-            raise ValueError(f"slowdown factors must be >= 1, got {bad}")
+            raise ValueError(f"slowdown factors must be finite numbers >= 1, got {bad}")
+        late = [f for f in self.failures if not (f.step >= 0 and math.isfinite(f.restart_s) and f.restart_s >= 0)]
+        if late:
+            raise ValueError(f"a failure needs a step >= 0 and a finite restart time >= 0, got {late[0]}")
+
+    def check_replicas(self, n_replicas: int) -> None:
+        """ValueError naming a straggler or failure whose replica id the deployment does not have."""
+        for r in [*self.slowdown, *(f.replica_id for f in self.failures)]:
+            if not 0 <= r < n_replicas:
+                raise ValueError(f"replica {r} does not exist: the plan has replicas 0..{n_replicas - 1}")
 
 
 class SimulatedExecutor:

@@ -5,16 +5,22 @@ point (see :mod:`.pipeline`). The baselines are :class:`Schedule`\\ s (a Deploym
 dispatch policy per phase) that a simulator can replay step by step, like the plan itself.
 """
 
-from lorafleet.planner.baselines import BaselineKind, baseline_schedules, best_homogeneous, packing_policy, padding_policy
+from lorafleet.planner.baselines import (
+    BaselineKind,
+    baseline_schedules,
+    best_homogeneous,
+    packing_policy,
+    padding_policy,
+    workload_baselines,
+)
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.options import PlannerMode, PlannerOptions
 from lorafleet.planner.pipeline import LORAFLEET, PlanDiagnostics, PlanResult, ScheduleCost, plan_deployment
-from lorafleet.planner.schedule import DispatchPolicy, Phase, Schedule, StepCost, pow2_boundaries
+from lorafleet.planner.schedule import Phase, Schedule, StepCost, pow2_boundaries
 
 __all__ = [
     "LORAFLEET",
     "BaselineKind",
-    "DispatchPolicy",
     "Phase",
     "PlanDiagnostics",
     "PlanResult",
@@ -30,4 +36,5 @@ __all__ = [
     "padding_policy",
     "plan_deployment",
     "pow2_boundaries",
+    "workload_baselines",
 ]

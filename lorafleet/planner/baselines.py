@@ -24,14 +24,16 @@ from enum import StrEnum
 import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.dispatch import DispatchOptions, MicroBatchMode, bucket_of
+from lorafleet.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode, bucket_of
 from lorafleet.dispatch.load import ConfigClass, build_load_model
 from lorafleet.dispatch.placement import placed_times
 from lorafleet.dispatch.step import choose_buckets, placed_work
 from lorafleet.plans import GlobalBatch
+from lorafleet.planner.candidates import valid_candidates
+from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.placement import build_plan
 from lorafleet.planner.problem import Candidate, max_replicas
-from lorafleet.planner.schedule import DispatchPolicy, Phase, Schedule, pow2_boundaries, select_tasks
+from lorafleet.planner.schedule import Phase, Schedule, pow2_boundaries, select_tasks
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import Workload
 
@@ -101,8 +103,9 @@ def _phase(workload: Workload, tasks: tuple[int, ...], batch: GlobalBatch, candi
     longest = max(workload.tasks[k].lengths.max_length for k in tasks)
     cand, p = best_homogeneous(select_tasks(batch, tasks), longest, candidates, cost_model, cluster, mode, n_buckets)
     policy = padding_policy(longest, cand.max_tokens) if mode is MicroBatchMode.PADDING else packing_policy(n_buckets)
-    plan = build_plan(workload, cluster, [(cand.config, cand.max_tokens, p)], solver=f"baseline:{name}")
-    return Phase(tasks=tasks, plan=plan, policy=policy)
+    plan = build_plan(workload, cluster, [(cand.config, cand.max_tokens, p)], solver=f"baseline:{name}", policy=policy,
+                      cost_model=cost_model)
+    return Phase(tasks=tasks, plan=plan)
 
 
 def baseline_schedules(workload: Workload, expected: GlobalBatch, candidates: Sequence[Candidate], cost_model: CostModel,
@@ -120,3 +123,11 @@ def baseline_schedules(workload: Workload, expected: GlobalBatch, candidates: Se
                f"{BaselineKind.TASK_SEQUENTIAL.value}:{workload.tasks[k].name}")
         for k in everyone))
     return (*fused.values(), sequential)
+
+
+def workload_baselines(workload: Workload, cluster: ClusterSpec, cost_model: CostModel, n_buckets: int = 16
+                       ) -> tuple[Schedule, ...]:
+    """The three baselines of ``workload`` on ``cluster``, chosen on its expected batch as ``plan_deployment``
+    chooses them (for a command that runs a plan made earlier and needs only the baselines beside it)."""
+    return baseline_schedules(workload, expected_global_batch(workload), valid_candidates(cost_model, cluster),
+                              cost_model, cluster, n_buckets)

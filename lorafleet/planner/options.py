@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from lorafleet.dispatch.options import MicroBatchMode
+from lorafleet.specs.dispatch import MicroBatchMode
 from lorafleet.errors import InputError, coerce_enum_fields
 from lorafleet.solvers import SolverName
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.dispatch import DispatchOptions
+from lorafleet.dispatch import DispatchOptions, DispatchPolicy, dispatch_step
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
 from lorafleet.planner.baselines import baseline_schedules
@@ -32,7 +32,7 @@ from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.options import PlannerMode, PlannerOptions
 from lorafleet.planner.placement import build_plan, with_expectation
 from lorafleet.planner.problem import Candidate, PlanningProblem, build_problem
-from lorafleet.planner.schedule import DispatchPolicy, Phase, Schedule
+from lorafleet.planner.schedule import Phase, Schedule
 from lorafleet.planner.search import PoolEntry, preferred, search
 from lorafleet.sampling import sample_global_batch
 from lorafleet.solvers import SolveResult
@@ -115,9 +115,10 @@ def _check_longest(workload: Workload, valid: tuple[Candidate, ...], cluster: Cl
                              f"per micro-batch; lower context_length (overflow: truncate) or use more memory per replica")
 
 
-def _plan_of(problem: PlanningProblem, entry: PoolEntry, workload: Workload, solver: str) -> DeploymentPlan:
+def _plan_of(problem: PlanningProblem, entry: PoolEntry, workload: Workload, solver: str, policy: DispatchPolicy
+             ) -> DeploymentPlan:
     replicas = [(c.config, c.max_tokens, int(n)) for c, n in zip(problem.candidates, entry.replicas, strict=True) if n > 0]
-    return build_plan(workload, problem.cluster, replicas, solver=solver)
+    return build_plan(workload, problem.cluster, replicas, solver=solver, policy=policy, cost_model=problem.cost_model)
 
 
 def race(schedules: list[Schedule], batches: list[GlobalBatch], cost_model: CostModel, tie_rel: float, rung: int) -> list[np.ndarray]:
@@ -167,7 +168,7 @@ def robust_choice(workload: Workload, problem: PlanningProblem, ranked: list[Poo
     ties going to fewer GPUs. Without samples (or with one finalist) the expected batch decides."""
     finalists = ranked[: options.robust_top]
     everyone = tuple(range(len(workload.tasks)))
-    schedules = [Schedule(name=LORAFLEET, phases=(Phase(tasks=everyone, plan=_plan_of(problem, e, workload, solver), policy=policy),))
+    schedules = [Schedule(name=LORAFLEET, phases=(Phase(tasks=everyone, plan=_plan_of(problem, e, workload, solver, policy)),))
                  for e in finalists]
     seed = workload.spec.seed if options.seed is None else options.seed
     batches = [sample_global_batch(workload, step, seed) for step in range(options.robust_samples)]
@@ -243,7 +244,7 @@ def plan_deployment(workload: Workload, cluster: ClusterSpec, cost_model: CostMo
     chosen = choice.finalists[choice.chosen]
     lap("robust")
 
-    expected_step = policy.dispatch(expected, choice.schedule.phases[0].plan, cost_model)
+    expected_step = dispatch_step(expected, choice.schedule.phases[0].plan, cost_model)
     notes = [*outcome.notes, f"{len(valid)} valid configs, {len(candidates)} candidates, {len(outcome.pool)} deployments "
                              f"considered, {len(ranked)} judged by the dispatcher on the expected batch"]
     if choice.sampled_steps:

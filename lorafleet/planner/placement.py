@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.plans import DeploymentPlan, ReplicaSpec, StepPlan
+from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import Workload
 
@@ -47,9 +49,13 @@ def build_plan(
     replicas: Sequence[tuple[ParallelConfig, int, int]],
     *,
     solver: str,
+    policy: DispatchPolicy,
+    cost_model: CostModel,
     notes: Sequence[str] = (),
 ) -> DeploymentPlan:
-    """A placed DeploymentPlan of ``(config, max_tokens, count)`` triples, replicas in the order given.
+    """A placed DeploymentPlan of ``(config, max_tokens, count)`` triples, replicas in the order given,
+    recording the dispatch ``policy`` and the cost model it is judged under, and the workload's
+    recompute policy.
 
     The expectation fields (makespan, per-replica times, buckets) start empty; the planner
     fills them from the expected batch's dispatch (:func:`with_expectation`).
@@ -67,6 +73,9 @@ def build_plan(
         expected_makespan_s=0.0,
         solver=solver,
         notes=tuple(notes),
+        policy=policy,
+        cost_model=cost_model.origin,
+        recompute=workload.spec.recompute,
     )
 
 

@@ -1,4 +1,4 @@
-"""What a simulator replays every step: phases of (tasks, deployment plan, dispatch policy).
+"""What a simulator replays every step: phases of (tasks, deployment plan with its dispatch policy).
 
 lorafleet's plan is one phase: all tasks, the heterogeneous deployment, the dispatcher's
 dynamic buckets and balanced dispatch. Each baseline is expressed the same way
@@ -9,14 +9,13 @@ their makespans, and GPU-seconds count the GPUs each phase holds while it runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.dispatch import DispatchOptions, bucket_of, dispatch_step
-from lorafleet.errors import InputError
-from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork, StepPlan
+from lorafleet.dispatch import dispatch_step
+from lorafleet.plans import DeploymentPlan, GlobalBatch
 
 SMALLEST_STATIC_BUCKET = 256
 """LobRA's Task-Fused buckets start at 256 tokens and double."""
@@ -33,51 +32,12 @@ def pow2_boundaries(longest: int, max_tokens: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class DispatchPolicy:
-    """How a phase's sequences are bucketed, balanced and cut into micro-batches."""
-
-    options: DispatchOptions = field(default_factory=DispatchOptions)
-    """The dispatcher's options: balance method, padding or packing, dynamic bucket count."""
-    static_boundaries: tuple[int, ...] = ()
-    """Fixed padding buckets (LobRA's Task-Fused baseline); empty: the dispatcher's per-step DP."""
-
-    def dispatch(self, batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel) -> StepPlan:
-        """The batch's StepPlan under this policy.
-
-        Static buckets go through the dispatcher unchanged in its code: every length is
-        rounded up to its static boundary, so the DP (alignment 1, one bucket per boundary)
-        keeps each boundary as a bucket and the micro-batches and their padded times are
-        exactly those of static bucketing; the real lengths are then put back, so token and
-        padding counts stay true.
-        """
-        if not self.static_boundaries:
-            return dispatch_step(batch, plan, cost_model, self.options)
-        bounds = np.asarray(self.static_boundaries, dtype=np.int64)
-        over = np.flatnonzero(batch.lengths > bounds[-1])
-        if over.size:
-            raise InputError(f"<global batch of step {batch.step}>", f"lengths[{int(over[0])}]",
-                             f"{int(batch.lengths[over[0]])} tokens exceed the top static bucket {int(bounds[-1])}")
-        padded = bounds[bucket_of(batch.lengths, bounds)]
-        options = replace(self.options, n_buckets=bounds.size, bucket_alignment=1)
-        step = dispatch_step(replace(batch, lengths=padded), plan, cost_model, options)
-        real = batch.lengths
-
-        def restore(mb: MicroBatch) -> MicroBatch:
-            return replace(mb, lengths=tuple(int(real[q]) for q in mb.seq_ids))
-
-        work = tuple(ReplicaWork(replica_id=w.replica_id, microbatches=tuple(restore(mb) for mb in w.microbatches),
-                                 estimated_time_s=w.estimated_time_s) for w in step.work)
-        return replace(step, bucket_boundaries=self.static_boundaries, work=work)
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class Phase:
-    """Some tasks trained on one deployment with one policy."""
+    """Some tasks trained on one deployment, dispatched under the deployment's own policy (``plan.policy``)."""
 
     tasks: tuple[int, ...]
     """Indices (into the workload's tasks) of the tasks this phase trains."""
     plan: DeploymentPlan
-    policy: DispatchPolicy
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,7 +67,7 @@ class Schedule:
             part = select_tasks(batch, phase.tasks)
             if len(part) == 0:
                 continue
-            t = phase.policy.dispatch(part, phase.plan, cost_model).estimated_makespan_s
+            t = dispatch_step(part, phase.plan, cost_model).estimated_makespan_s
             makespan += t
             gpu_seconds += t * phase.plan.used_gpus
         return StepCost(makespan_s=makespan, gpu_seconds=gpu_seconds)

@@ -12,7 +12,7 @@ from lorafleet.dispatch.balance import balance_by_length
 from lorafleet.dispatch.ilp import build_model, solve_dispatch_ilp
 from lorafleet.dispatch.load import config_classes
 from lorafleet.dispatch.microbatch import padded_microbatches
-from lorafleet.dispatch.options import DispatchOptions, MicroBatchMode
+from lorafleet.specs.dispatch import DispatchOptions, MicroBatchMode
 from lorafleet.dispatch.placement import interleave, place_sequences, placed_times
 from lorafleet.dispatch.step import choose_buckets
 from lorafleet.solvers import SolverName, solve

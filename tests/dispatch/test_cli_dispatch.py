@@ -25,7 +25,7 @@ def files(tmp_path):
     workload = tmp_path / "workload.yaml"
     workload.write_text(WORKLOAD)
     plan = tmp_path / "plan.json"
-    dataclasses.replace(make_plan(LOBRA_7B_PLAN, n_tasks=2), tasks=("chat", "docs")).save(plan)
+    dataclasses.replace(make_plan(LOBRA_7B_PLAN, n_tasks=2), tasks=("chat", "docs"), bucket_boundaries=(16384,)).save(plan)
     return workload, plan, tmp_path
 
 
@@ -52,7 +52,7 @@ def test_prints_steps_and_writes_assignments(files, capsys):
 
 def test_exact_and_packing(files, capsys):
     workload, plan, _ = files
-    argv = ["dispatch", str(workload), "--plan", str(plan), "--method", "exact", "--solver", "highs", "--mode", "packing"]
+    argv = ["dispatch", str(workload), "--plan", str(plan), "--method", "exact", "--solver", "highs", "--microbatch", "packing"]
     assert main(argv) == 0
     assert "milp:highs:" in capsys.readouterr().out
 
@@ -75,14 +75,16 @@ def test_plan_that_does_not_match_the_workload(files, capsys):
     other = tmp / "other.json"
     make_plan(LOBRA_7B_PLAN, n_tasks=2).save(other)  # task names task0, task1
     assert main(["dispatch", str(workload), "--plan", str(other)]) == 2
-    assert "other.json: tasks: plan has tasks" in capsys.readouterr().err
+    assert "other.json: tasks: the plan is for tasks" in capsys.readouterr().err
     assert main(["dispatch", str(workload), "--plan", str(tmp / "missing.json")]) == 2
     assert "missing.json: no such file" in capsys.readouterr().err
 
 
 def test_sequence_longer_than_every_replica(files, capsys):
+    """Found by the plan check, before any batch is drawn."""
     workload, _, tmp = files
     small = tmp / "small.json"
-    dataclasses.replace(make_plan(LOBRA_7B_PLAN[:2], n_tasks=2), tasks=("chat", "docs")).save(small)
+    dataclasses.replace(make_plan(LOBRA_7B_PLAN[:2], n_tasks=2), tasks=("chat", "docs"), bucket_boundaries=(16384,)).save(small)
     assert main(["dispatch", str(workload), "--plan", str(small), "--steps", "3"]) == 2
-    assert "exceed every replica's max tokens (largest M = 4096)" in capsys.readouterr().err
+    assert "small.json: replicas: no replica holds task 'docs''s 15000-token sequences (largest max_tokens 4096)" \
+        in capsys.readouterr().err

@@ -27,8 +27,10 @@ def test_cli_surface_is_frozen():
     parser = build_parser()
     train = parser._subparsers._group_actions[0].choices["train"]
     options = sorted(o for a in train._actions for o in a.option_strings)
-    assert options == ["--checkpoint-every", "--device", "--dtype", "--help", "--no-progress", "--out", "--plan",
-                       "--profile", "--resume", "--steps", "-h"]
+    assert options == ["--alignment", "--buckets", "--checkpoint-every", "--choose-buckets-by-makespan", "--device",
+                       "--dtype", "--gap", "--gpu", "--gpus", "--help", "--inject-slowdown", "--method", "--microbatch",
+                       "--no-progress", "--no-recalibrate", "--out", "--plan", "--profile", "--recalibrate", "--resume",
+                       "--solver", "--steps", "--time-limit", "-h"]
 
 
 @pytest.fixture
@@ -44,7 +46,7 @@ def workload(tmp_path, tiny_tokenizer_dir):
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
         f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128}}\n"
     )
-    plan = replace(h.plan_of((1, 1), (1, 1, True)), gpu="A100-40GB", tasks=("docsum", "chat"))
+    plan = replace(h.plan_of((1, 1), (1, 1, True)), gpu="A100-40GB", tasks=("docsum", "chat"), bucket_boundaries=(256,))
     plan.save(tmp_path / "plan.json")
     return path, tmp_path / "plan.json"
 
@@ -70,7 +72,7 @@ def test_bad_input_is_one_line_and_exit_2(workload, capsys, change, extra, messa
 
 def test_a_plan_for_other_tasks_is_refused(workload, capsys, tmp_path):
     path, plan = workload
-    other = replace(h.plan_of((1, 1)), gpu="A100-40GB", tasks=("a", "b"))
+    other = replace(h.plan_of((1, 1)), gpu="A100-40GB", tasks=("a", "b"), bucket_boundaries=(256,))
     other.save(tmp_path / "other.json")
     assert main(["train", str(path), "--plan", str(tmp_path / "other.json")]) == 2
     assert "the plan is for tasks ['a', 'b']" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from lorafleet.dispatch import MicroBatchMode
+from lorafleet.dispatch import dispatch_step
 from lorafleet.planner import BaselineKind, baseline_schedules, best_homogeneous, packing_policy, padding_policy, pow2_boundaries
 from lorafleet.planner.baselines import estimated_makespan
 from lorafleet.planner.candidates import valid_candidates
@@ -36,10 +37,11 @@ def workload(tmp_path_factory):
 def test_static_buckets_pad_to_their_boundary_and_keep_real_lengths(workload, cost_model_7b):
     cluster = workload.cluster
     cand = max(valid_candidates(cost_model_7b, cluster), key=lambda c: (c.max_tokens >= workload.max_length, -c.n_gpus))
-    plan = build_plan(workload, cluster, [(cand.config, cand.max_tokens, 8 // cand.n_gpus)], solver="test")
     batch = sample_global_batch(workload, 3)
     policy = padding_policy(int(batch.lengths.max()), cand.max_tokens)
-    step = policy.dispatch(batch, plan, cost_model_7b)
+    plan = build_plan(workload, cluster, [(cand.config, cand.max_tokens, 8 // cand.n_gpus)], solver="test", policy=policy,
+                      cost_model=cost_model_7b)
+    step = dispatch_step(batch, plan, cost_model_7b)
     bounds = np.array(policy.static_boundaries)
     seen = []
     for work, replica in zip(step.work, plan.replicas, strict=True):
@@ -75,9 +77,9 @@ def test_estimate_is_the_dispatch_under_the_baselines_policy(workload, cost_mode
         if c.max_tokens < expected.lengths.max():
             continue
         n = cluster.n_gpus // c.n_gpus
-        plan = build_plan(workload, cluster, [(c.config, c.max_tokens, n)], solver="test")
         policy = padding_policy(int(expected.lengths.max()), c.max_tokens) if mode is MicroBatchMode.PADDING else packing_policy(16)
-        real = policy.dispatch(expected, plan, cost_model_7b).estimated_makespan_s
+        plan = build_plan(workload, cluster, [(c.config, c.max_tokens, n)], solver="test", policy=policy, cost_model=cost_model_7b)
+        real = dispatch_step(expected, plan, cost_model_7b).estimated_makespan_s
         assert estimated_makespan(expected, c, n, cost_model_7b, mode, 16) == pytest.approx(real, rel=1e-9)
 
 
@@ -88,18 +90,18 @@ def test_baseline_schedules_replay_step_by_step(workload, cost_model_7b):
     assert [s.name for s in schedules] == [k.value for k in BaselineKind]
     padding, packing, sequential = schedules
     assert len(padding.phases) == len(packing.phases) == 1
-    assert padding.phases[0].policy.static_boundaries and not packing.phases[0].policy.static_boundaries
-    assert packing.phases[0].policy.options.microbatch_mode is MicroBatchMode.PACKING
+    assert padding.phases[0].plan.policy.static_boundaries and not packing.phases[0].plan.policy.static_boundaries
+    assert packing.phases[0].plan.policy.options.microbatch_mode is MicroBatchMode.PACKING
     assert [p.tasks for p in sequential.phases] == [(k,) for k in range(len(workload.tasks))]
     batch = sample_global_batch(workload, 0)
     cost = sequential.step_cost(batch, cost_model_7b)
-    parts = [p.policy.dispatch(select_tasks(batch, p.tasks), p.plan, cost_model_7b).estimated_makespan_s for p in sequential.phases]
+    parts = [dispatch_step(select_tasks(batch, p.tasks), p.plan, cost_model_7b).estimated_makespan_s for p in sequential.phases]
     assert cost.makespan_s == pytest.approx(sum(parts))
     assert cost.gpu_seconds == pytest.approx(sum(t * p.plan.used_gpus for t, p in zip(parts, sequential.phases)))
     for phase in sequential.phases:  # every step's sequences fit, not just the expected batch's
         longest = max(workload.tasks[k].lengths.max_length for k in phase.tasks)
         assert max(r.max_tokens for r in phase.plan.replicas) >= longest
-        assert phase.policy.static_boundaries[-1] >= longest
+        assert phase.plan.policy.static_boundaries[-1] >= longest
     for step in range(8):
         for schedule in schedules:
             assert schedule.step_cost(sample_global_batch(workload, step), cost_model_7b).makespan_s > 0

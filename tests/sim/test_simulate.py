@@ -39,7 +39,7 @@ def small(tmp_path_factory):
 
 def _source(workload, cost_model, result):
     phase = result.schedule.phases[0]
-    return PolicySource(lambda s: sample_global_batch(workload, s), phase.plan, cost_model, phase.policy)
+    return PolicySource(lambda s: sample_global_batch(workload, s), phase.plan, cost_model)
 
 
 def test_noise_free_simulation_equals_the_cost_model(small):

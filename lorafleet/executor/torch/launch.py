@@ -20,7 +20,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -104,11 +104,9 @@ def task_batches(task: TaskSpec, data: TaskData) -> int | None:
 
 
 def build_torch_executor(spec: WorkloadSpec, plan: DeploymentPlan, run_steps: int, device: torch.device,
-                         dtype: torch.dtype = torch.float32) -> TorchExecutor:
-    """This rank's executor for a workload (data paths resolved) and a plan. Collective."""
-    if tuple(plan.tasks) != tuple(t.name for t in spec.tasks):
-        raise InputError("plan", "tasks", f"the plan is for tasks {list(plan.tasks)}, the workload has "
-                         f"{[t.name for t in spec.tasks]}")
+                         dtype: torch.dtype = torch.float32, slowdown: Mapping[int, float] | None = None) -> TorchExecutor:
+    """This rank's executor for a workload (data paths resolved) and a plan (checked by the caller:
+    ``lorafleet.plan_check``). Collective. ``slowdown`` injects stragglers (``ExecutorConfig.slowdown``)."""
     source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
     tokenizer = task_tokenizer(spec, source)
     data = [prepare_task_data(task, tokenizer, "workload") for task in spec.tasks]
@@ -119,6 +117,6 @@ def build_torch_executor(spec: WorkloadSpec, plan: DeploymentPlan, run_steps: in
                      total_steps=min(run_steps, limit) if limit is not None else run_steps)
         for t, limit in zip(spec.tasks, limits, strict=True)
     )
-    config = ExecutorConfig(plan=plan, tasks=tasks, seed=spec.seed, base_model=spec.model)
+    config = ExecutorConfig(plan=plan, tasks=tasks, seed=spec.seed, base_model=spec.model, slowdown=dict(slowdown or {}))
     model, weights = load_base(source, dtype)
     return TorchExecutor(config, model, streams, device, weights=weights)

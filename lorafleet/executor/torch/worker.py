@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,10 @@ class ExecutorConfig:
     base_model: str = ""
     """The base model's name, written into each adapter's ``base_model_name_or_path``."""
     lora_backend: LoraBackend = LoraBackend.AUTO
+    slowdown: Mapping[int, float] = field(default_factory=dict)
+    """Fault injection: replica id -> factor f >= 1. The replica's ranks wait (f - 1) x their compute time
+    after each step's micro-batches, as a replica f times slower would take (stragglers in tests and
+    benchmarks; the busy time reported includes the wait)."""
 
 
 class CommandKind(StrEnum):
@@ -216,7 +220,7 @@ class TorchExecutor:
         return None
 
     def _run_step(self, step_plan: StepPlan, task_ids: Sequence[int], sample_ids: Sequence[int]) -> StepReport | None:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         torch.manual_seed(step_seed(self.config.seed, step_plan.step, self.rank))
         n_tasks = len(self.config.tasks)
         examples = self.streams.examples(task_ids, sample_ids)
@@ -229,9 +233,15 @@ class TorchExecutor:
             microbatches = step_plan.work[role.replica.replica_id].microbatches
             needed = {q: examples[q] for mb in microbatches for q in mb.seq_ids}
             result = run_rank_step(self.replica.model, role, self.replica.neighbours, microbatches, needed, inv_tokens)
+            factor = self.config.slowdown.get(role.replica.replica_id, 1.0)
+            if factor > 1.0:
+                waited = time.perf_counter()
+                time.sleep((factor - 1.0) * result.busy_s)
+                result = RankStepResult(result.task_loss, result.busy_s + time.perf_counter() - waited)
         self.replica.grad_sync.all_reduce(stepping)
-        times = torch.zeros(2, self.world_size, dtype=torch.float64)  # busy, elapsed up to here, per rank
-        times[:, self.rank] = torch.tensor([result.busy_s, time.perf_counter() - start], dtype=torch.float64)
+        times = torch.zeros(3, self.world_size, dtype=torch.float64)  # busy, elapsed, CPU up to here, per rank
+        times[:, self.rank] = torch.tensor([result.busy_s, time.perf_counter() - start, time.process_time() - cpu_start],
+                                           dtype=torch.float64)
         stats = torch.cat([result.task_loss.cpu(), self.replica.grad_sync.squared_norms(n_tasks, stepping), times.view(-1)])
         stats = stats.to(self.device)
         dist.all_reduce(stats)  # one collective for losses, norms and times
@@ -247,7 +257,7 @@ class TorchExecutor:
         """The step's report; its makespan is the slowest rank's time up to the gradient sync's end
         plus the optimizer step (so no replica's busy time can exceed it)."""
         n_tasks = len(self.names)
-        busy, elapsed = stats[2 * n_tasks :].view(2, self.world_size)
+        busy, elapsed, cpu = stats[2 * n_tasks :].view(3, self.world_size)
         tokens = dict.fromkeys(self.names, 0)
         padding = dict.fromkeys(self.names, 0)
         for work in step_plan.work:
@@ -264,4 +274,5 @@ class TorchExecutor:
             losses={self.names[t]: float(stats[t]) for t in stepping},
             estimated_makespan_s=step_plan.estimated_makespan_s,
             dispatch_solve_s=step_plan.solve_s,
+            rank_cpu_s=tuple(float(c) for c in cpu),
         )

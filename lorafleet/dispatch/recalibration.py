@@ -1,0 +1,97 @@
+"""Online recalibration: what a run measures corrects the cost model the dispatcher prices with.
+
+For replica r, each step it ran with a prediction p_r > 0 from the *uncorrected* cost model
+(``StepPlan.base_estimate``) and a measured busy time m_r, the log-ratio
+x = log(m_r / p_r) enters a debiased exponential average (as Adam's moments):
+
+    a_n = beta * a_{n-1} + (1 - beta) * x_n,   a_0 = 0
+    c_r = clip(exp(a_n / (1 - beta^n)), 1 / B, B)
+
+n counts the steps r was observed, so the first observation is taken whole and later ones
+are smoothed with weight (1 - beta); B bounds how far the model may be corrected. The
+dispatcher of the following steps prices replica r's micro-batches at c_r times the model's
+times (``load.config_classes``: replicas of one config whose factors agree within 5% stay
+one class). A replica 2x slower than modelled gets c = 2 after its first report, so it is
+given about half the work from the next dispatch on; iid noise of sigma moves c by about
+sigma * sqrt((1 - beta) / (1 + beta)) in steady state.
+
+Steps where a replica failed, or was given nothing, say nothing about its speed and are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lorafleet.plans import StepPlan, StepReport
+from lorafleet.specs.dispatch import Recalibration
+
+
+@dataclass(frozen=True)
+class ReplicaCalibration:
+    """What recalibration knows of one replica."""
+
+    factor: float
+    """c_r: the dispatcher multiplies this replica's modelled times by it."""
+    observed: int
+    """Steps that informed it."""
+
+
+class Recalibrator:
+    """Per-replica correction factors of the cost model, updated from step reports (see the module doc)."""
+
+    def __init__(self, n_replicas: int, options: Recalibration = Recalibration()) -> None:
+        self.options = options
+        self._average = [0.0] * n_replicas
+        self._observed = [0] * n_replicas
+
+    @property
+    def factors(self) -> tuple[float, ...] | None:
+        """c_r per replica, in plan order; None when recalibration is off (the dispatcher prices at 1)."""
+        if not self.options.enabled:
+            return None
+        return tuple(self._factor(r) for r in range(len(self._average)))
+
+    def _factor(self, r: int) -> float:
+        n = self._observed[r]
+        if n == 0:
+            return 1.0
+        beta, bound = self.options.smoothing, self.options.bound
+        mean = self._average[r] / (1 - beta**n)
+        return min(max(math.exp(mean), 1 / bound), bound)
+
+    def replicas(self) -> tuple[ReplicaCalibration, ...]:
+        return tuple(ReplicaCalibration(factor=self._factor(r), observed=self._observed[r]) for r in range(len(self._average)))
+
+    def observe(self, step_plan: StepPlan, report: StepReport) -> None:
+        """Fold one step's measured busy times into the factors."""
+        if not self.options.enabled:
+            return
+        beta = self.options.smoothing
+        failed = set(report.failed_replicas)
+        for r, (work, measured) in enumerate(zip(step_plan.work, report.replica_busy_s, strict=True)):
+            predicted = step_plan.base_estimate(r)
+            if work.replica_id in failed or not work.microbatches or not (predicted > 0 and measured > 0):
+                continue
+            if not (math.isfinite(predicted) and math.isfinite(measured)):
+                continue
+            self._average[r] = beta * self._average[r] + (1 - beta) * math.log(measured / predicted)
+            self._observed[r] += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps, so a resumed run dispatches as the uninterrupted one would."""
+        return {"average": list(self._average), "observed": list(self._observed)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        average, observed = state.get("average", []), state.get("observed", [])
+        if len(average) != len(self._average) or len(observed) != len(self._observed):
+            return  # another deployment (re-planned): its replicas are not these; start afresh
+        self._average = [float(a) for a in average]
+        self._observed = [int(n) for n in observed]
+
+
+def summarize_factors(factors: Sequence[ReplicaCalibration]) -> str:
+    """``replica 0 x1.02 (12 steps), replica 1 x2.01 (12 steps)``: the run's last corrections."""
+    return ", ".join(f"replica {r} x{c.factor:.2f} ({c.observed} steps)" for r, c in enumerate(factors))

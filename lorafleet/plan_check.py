@@ -1,0 +1,108 @@
+"""The one check of a plan against the workload, cluster and cost model a command runs it with.
+
+Every command that reads a plan (``simulate``, ``dispatch``, ``train``) calls
+:func:`check_plan` before it spawns a process or writes a file, so a plan that cannot run
+as planned ends with one line naming the plan file and the field, exit code 2, and nothing
+done. The rules, in the order they are checked:
+
+- the tasks, in order, are the workload's; the model, GPU kind, GPUs per node and
+  recompute policy are the workload's and the cluster's;
+- the plan holds at most the cluster's GPUs; every GPU id is unique and below ``n_gpus``;
+- replica k has id k; it holds tp * pp GPUs, each stage's TP group inside one node (the
+  planner's placement rule); tp and pp are legal for the model (heads, KV heads, layers);
+- each replica's max tokens is at most the cost model's M of its config on this cluster;
+- the bucket boundaries are positive, strictly increasing and cover the longest sequence
+  any task can present, and some replica holds it (static buckets of the policy too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lorafleet.costmodel.cost_model import CostModel
+from lorafleet.costmodel.parallel_config import config_problems
+from lorafleet.errors import InputError
+from lorafleet.plans import DeploymentPlan
+from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.workload import Workload
+
+Fail = Callable[[str, str], None]
+
+
+def check_plan(plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, cost_model: CostModel, source: str) -> None:
+    """Raise an :class:`InputError` naming ``source`` (the plan file) and the first field that breaks a rule
+    (module docstring); return quietly when ``plan`` runs as planned on ``cluster`` for ``workload``."""
+
+    def fail(field: str, msg: str) -> None:
+        raise InputError(source, field, msg)
+
+    names = tuple(t.name for t in workload.tasks)
+    if plan.tasks != names:
+        fail("tasks", f"the plan is for tasks {list(plan.tasks)}, the workload has {list(names)}")
+    if plan.model != workload.model.name:
+        fail("model", f"the plan is for {plan.model!r}, the workload trains {workload.model.name!r}")
+    if plan.gpu.lower() != cluster.gpu.lower():
+        fail("gpu", f"the plan is for {plan.gpu} GPUs, the cluster has {cluster.gpu} (same --gpu as for `plan`?)")
+    if plan.gpus_per_node != cluster.gpus_per_node:
+        fail("gpus_per_node", f"the plan has {plan.gpus_per_node} GPUs per node, the cluster {cluster.gpus_per_node}")
+    if plan.recompute != workload.spec.recompute:
+        fail("recompute", f"the plan was made with recompute: {plan.recompute.value}, the workload says "
+             f"{workload.spec.recompute.value}")
+    if not 1 <= plan.n_gpus <= cluster.n_gpus:
+        fail("n_gpus", f"the plan needs {plan.n_gpus} GPUs, the cluster has {cluster.n_gpus} (same --gpus as for `plan`?)")
+    if not plan.replicas:
+        fail("replicas", "the plan has no replicas")
+    _check_replicas(plan, workload, cluster, cost_model, fail)
+    _check_buckets(plan, workload, fail)
+
+
+def _check_replicas(plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, cost_model: CostModel, fail: Fail) -> None:
+    seen: dict[int, int] = {}
+    for k, replica in enumerate(plan.replicas):
+        where, config = f"replicas[{k}]", replica.config
+        if replica.replica_id != k:
+            fail(f"{where}.replica_id", f"replica {k} has id {replica.replica_id}; ids must be 0..{len(plan.replicas) - 1} in order")
+        if len(replica.gpus) != config.n_gpus:
+            fail(f"{where}.gpus", f"{config} needs tp * pp = {config.n_gpus} GPUs, the replica holds {len(replica.gpus)}")
+        for g in replica.gpus:
+            if not 0 <= g < plan.n_gpus:
+                fail(f"{where}.gpus", f"GPU {g} is outside 0..{plan.n_gpus - 1}")
+            if g in seen:
+                fail(f"{where}.gpus", f"GPU {g} is also in replica {seen[g]}")
+            seen[g] = k
+        for stage in range(config.pp):
+            group = replica.gpus[stage * config.tp:(stage + 1) * config.tp]
+            nodes = sorted({g // plan.gpus_per_node for g in group})
+            if len(nodes) > 1:
+                fail(f"{where}.gpus", f"stage {stage}'s TP group {list(group)} spans nodes {nodes}; a TP group stays "
+                     f"inside one node of {plan.gpus_per_node} GPUs")
+        problems = config_problems(config, workload.model, cluster)
+        if problems:
+            fail(f"{where}.config", f"{config}: {problems[0]}")
+        capacity = cost_model.max_tokens(config)
+        if capacity <= 0:
+            fail(f"{where}.config", f"{config} does not fit {workload.model.name} on {cluster.gpu} by the cost model "
+                 f"{cost_model.source}")
+        if not 1 <= replica.max_tokens <= capacity:
+            fail(f"{where}.max_tokens", f"{replica.max_tokens} tokens, but {config} holds at most {capacity} per "
+                 f"micro-batch by the cost model {cost_model.source}")
+    if plan.expected_replica_time_s and len(plan.expected_replica_time_s) != len(plan.replicas):
+        fail("expected_replica_time_s", f"{len(plan.expected_replica_time_s)} times for {len(plan.replicas)} replicas")
+
+
+def _check_buckets(plan: DeploymentPlan, workload: Workload, fail: Fail) -> None:
+    longest = workload.max_length
+    for field, bounds in (("bucket_boundaries", plan.bucket_boundaries), ("policy.static_boundaries", plan.policy.static_boundaries)):
+        if field == "policy.static_boundaries" and not bounds:
+            continue
+        if not bounds:
+            fail(field, "empty; a plan's buckets must cover the workload's lengths")
+        if bounds[0] < 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
+            fail(field, f"must be positive and strictly increasing, got {list(bounds)}")
+        if bounds[-1] < longest:
+            fail(field, f"the top bucket {bounds[-1]} does not cover the workload's longest sequence ({longest} tokens)")
+    largest = max(r.max_tokens for r in plan.replicas)
+    for task in workload.tasks:
+        if task.lengths.max_length > largest:
+            fail("replicas", f"no replica holds task {task.name!r}'s {task.lengths.max_length}-token sequences "
+                 f"(largest max_tokens {largest})")
