@@ -116,12 +116,10 @@ def _ratio(measured: float, predicted: float) -> float:
 
 def flat_record(report: StepReport, **extra: object) -> dict[str, object]:
     """One report as a flat row: scalars, then ``loss/<task>``, ``tokens/<task>``, ``padding/<task>``,
-    ``busy_s/<replica>``, ``idle_s/<replica>``, given ``predicted_busy_s`` and ``correction`` (recalibration
-    factors), ``predicted_busy_s/<replica>`` and ``correction/<replica>``, and ``cpu_s/rank_<i>``.
-    Other ``extra`` values are kept as they are (sequences joined by spaces)."""
+    ``busy_s/<replica>``, ``idle_s/<replica>`` and ``cpu_s/rank_<i>``. An ``extra`` sequence (one value per
+    replica: ``predicted_busy_s``, ``correction``, ``replica_tokens``) becomes ``<key>/<replica>`` columns;
+    other ``extra`` values are kept as they are."""
     extra = dict(extra)
-    predicted = tuple(extra.pop("predicted_busy_s", ()) or ())  # type: ignore[arg-type]
-    correction = tuple(extra.pop("correction", ()) or ())  # type: ignore[arg-type]
     row: dict[str, object] = {
         "step": report.step,
         "makespan_s": report.makespan_s,
@@ -144,14 +142,13 @@ def flat_record(report: StepReport, **extra: object) -> dict[str, object]:
         row[f"busy_s/{i}"] = busy
     for i, idle in enumerate(report.replica_idle_s):
         row[f"idle_s/{i}"] = idle
-    for i, busy in enumerate(predicted):
-        row[f"predicted_busy_s/{i}"] = busy
-    for i, factor in enumerate(correction):
-        row[f"correction/{i}"] = factor
     for i, cpu in enumerate(report.rank_cpu_s):
         row[f"cpu_s/rank_{i}"] = cpu
     for key, value in extra.items():
-        row[key] = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+        if isinstance(value, (list, tuple)):  # one value per replica: a column each
+            row.update({f"{key}/{i}": v for i, v in enumerate(value)})
+        else:
+            row[key] = value
     return row
 
 

@@ -204,6 +204,7 @@ class Trainer:
                 tokens = sum(report.task_tokens.values())
                 metrics.write(report, tokens_per_s=tokens / report.makespan_s if report.makespan_s else 0.0,
                               predicted_busy_s=tuple(w.estimated_time_s for w in step_plan.work),
+                              replica_tokens=tuple(sum(sum(mb.lengths) for mb in w.microbatches) for w in step_plan.work),
                               correction=self.recalibrator.factors or ())
                 if (report.step + 1) % self.options.checkpoint_every == 0:
                     self._checkpoint(report.step + 1)

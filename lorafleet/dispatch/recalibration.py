@@ -4,16 +4,22 @@ For replica r, each step it ran with a prediction p_r > 0 from the *uncorrected*
 (``StepPlan.base_estimate``) and a measured busy time m_r, the log-ratio
 x = log(m_r / p_r) enters a debiased exponential average (as Adam's moments):
 
-    a_n = beta * a_{n-1} + (1 - beta) * x_n,   a_0 = 0
-    c_r = clip(exp(a_n / (1 - beta^n)), 1 / B, B)
+    a_n = beta * a_{n-1} + (1 - beta) * x_n,   a_0 = 0,   f_r = exp(a_n / (1 - beta^n))
 
 n counts the steps r was observed, so the first observation is taken whole and later ones
-are smoothed with weight (1 - beta); B bounds how far the model may be corrected. The
-dispatcher of the following steps prices replica r's micro-batches at c_r times the model's
-times (``load.config_classes``: replicas of one config whose factors agree within 5% stay
-one class). A replica 2x slower than modelled gets c = 2 after its first report, so it is
-given about half the work from the next dispatch on; iid noise of sigma moves c by about
-sigma * sqrt((1 - beta) / (1 + beta)) in steady state.
+are smoothed with weight (1 - beta). The correction splits into the fleet's scale g, the
+median of the observed f_r (the model's general error: a CPU is not the GPU it was fitted
+on), and each replica's bounded departure from it:
+
+    c_r = g * clip(f_r / g, 1 / B, B)          (c_r = g for a replica not yet observed)
+
+so one absurd measurement never prices a replica more than B times its peers, while a model
+that is off for everyone is corrected in full (that rescales every estimate, and changes no
+dispatch). The dispatcher of the following steps prices replica r's micro-batches at c_r
+times the model's times (``load.config_classes``: replicas of one config whose factors agree
+within 5% stay one class). A replica 2x slower than its peers gets twice their factor after
+its first report, so it is given about half the work from the next dispatch on; iid noise of
+sigma moves f_r by about sigma * sqrt((1 - beta) / (1 + beta)) in steady state.
 
 Steps where a replica failed, or was given nothing, say nothing about its speed and are skipped.
 """
@@ -21,6 +27,7 @@ Steps where a replica failed, or was given nothing, say nothing about its speed 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,18 +59,25 @@ class Recalibrator:
         """c_r per replica, in plan order; None when recalibration is off (the dispatcher prices at 1)."""
         if not self.options.enabled:
             return None
-        return tuple(self._factor(r) for r in range(len(self._average)))
+        return self._corrections()
 
-    def _factor(self, r: int) -> float:
-        n = self._observed[r]
-        if n == 0:
-            return 1.0
-        beta, bound = self.options.smoothing, self.options.bound
-        mean = self._average[r] / (1 - beta**n)
-        return min(max(math.exp(mean), 1 / bound), bound)
+    @property
+    def scale(self) -> float:
+        """g: the median of the observed replicas' factors (1 before any observation)."""
+        observed = [f for f in self._raw() if f is not None]
+        return statistics.median(observed) if observed else 1.0
+
+    def _raw(self) -> list[float | None]:
+        """f_r, the debiased average of each replica's log ratios, exponentiated; None if never observed."""
+        beta = self.options.smoothing
+        return [math.exp(a / (1 - beta**n)) if n else None for a, n in zip(self._average, self._observed, strict=True)]
+
+    def _corrections(self) -> tuple[float, ...]:
+        g, bound = self.scale, self.options.bound
+        return tuple(g * min(max((f if f is not None else g) / g, 1 / bound), bound) for f in self._raw())
 
     def replicas(self) -> tuple[ReplicaCalibration, ...]:
-        return tuple(ReplicaCalibration(factor=self._factor(r), observed=self._observed[r]) for r in range(len(self._average)))
+        return tuple(ReplicaCalibration(factor=c, observed=n) for c, n in zip(self._corrections(), self._observed, strict=True))
 
     def observe(self, step_plan: StepPlan, report: StepReport) -> None:
         """Fold one step's measured busy times into the factors."""

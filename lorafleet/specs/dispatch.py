@@ -82,7 +82,7 @@ class Recalibration:
     smoothing: float = 0.5
     """beta of the debiased exponential average of log(measured / predicted): the weight of the past."""
     bound: float = 4.0
-    """A correction stays within [1 / bound, bound] (a replica is never priced more than bound x off)."""
+    """A replica's correction stays within [1 / bound, bound] times the fleet's median correction."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.smoothing < 1:

@@ -117,3 +117,32 @@ def _train(workload: tuple[Path, Path], out: Path, *options: str) -> subprocess.
                              "--device", "cpu", *options], capture_output=True, text=True, timeout=300, cwd=out.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_tokenizer_dir):
+    """Two identical TP1 replicas priced by the shipped CPU profile; replica 0 is made 4x slower by an
+    injected wait. Its first report (step 0) corrects the cost model, so from step 2 (step 1 was
+    dispatched ahead, before that report) it holds far fewer tokens than its peer."""
+    from lorafleet.costmodel import CostModelOrigin, file_sha256
+
+    profile = REPO / "profiles" / "tiny-llama-cpu.json"
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        f"model: tiny-llama\ntokenizer: {tiny_tokenizer_dir}\n"
+        "cluster: {gpu: cpu, nodes: 1, gpus_per_node: 2}\n"
+        "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-3}}\n"
+        "tasks:\n"
+        f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 8, context_length: 256}}\n"
+        f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 8, context_length: 128}}\n"
+    )
+    plan = replace(h.plan_of((1, 1), (1, 1), max_tokens=1024), gpu="cpu", tasks=("docsum", "chat"),
+                   bucket_boundaries=(256,),
+                   cost_model=CostModelOrigin(kind="profile", gpu="cpu", profile=str(profile), sha256=file_sha256(profile)))
+    plan.save(tmp_path / "plan.json")
+    out = tmp_path / "out"
+    _train((path, tmp_path / "plan.json"), out, "--steps", "4", "--inject-slowdown", "0=4")
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    share = [float(r["replica_tokens/0"]) / float(r["replica_tokens/1"]) for r in rows]
+    assert 0.6 < share[0] < 1.6  # dispatched before anything was measured: about even
+    assert float(rows[0]["correction/0"]) > 2.5 * float(rows[0]["correction/1"])
+    assert max(share[2:]) < 0.6 * share[0]

@@ -1,0 +1,200 @@
+"""A plan is a contract: schema v2 round trip, the one plan check, and every command refusing a plan that
+cannot run as planned (one line naming the plan file and field, exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from lorafleet.assemble import prepare_run, workload_cluster, workload_cost_model
+from lorafleet.cli import main
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.errors import InputError
+from lorafleet.plan_check import check_plan
+from lorafleet.planner import PlannerOptions, plan_deployment
+from lorafleet.plans import DeploymentPlan, ReplicaSpec
+from lorafleet.specs.dispatch import MicroBatchMode
+from lorafleet.specs.recompute import RecomputePolicy
+from lorafleet.workload import load_workload
+
+WORKLOAD = {"model": "llama2-7b", "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8}, "tasks": [
+    {"name": "chat", "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0}, "batch_size": 48, "context_length": 4096},
+    {"name": "docs", "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0}, "batch_size": 8, "context_length": 8192},
+]}
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """The workload file, its plan (padding mode, so the policy differs from every default) and the plan file."""
+    tmp = tmp_path_factory.mktemp("contract")
+    path = tmp / "w.yaml"
+    path.write_text(yaml.safe_dump(WORKLOAD))
+    workload = load_workload(path)
+    cluster = workload_cluster(workload)
+    cost_model = workload_cost_model(workload, cluster)
+    result = plan_deployment(workload, cluster, cost_model, PlannerOptions(microbatch_mode=MicroBatchMode.PADDING,
+                                                                          robust_samples=0))
+    result.plan.save(tmp / "plan.json")
+    return path, workload, result.plan, tmp / "plan.json"
+
+
+def test_v2_round_trip_keeps_what_the_plan_was_judged_under(planned):
+    _, workload, plan, plan_path = planned
+    loaded = DeploymentPlan.load(plan_path)
+    assert loaded == plan
+    assert loaded.policy.options.microbatch_mode is MicroBatchMode.PADDING
+    assert loaded.cost_model.kind == "analytic" and loaded.cost_model.gpu == "A100-80GB"
+    assert loaded.recompute is workload.spec.recompute
+    data = json.loads(plan_path.read_text())
+    assert data["schema_version"] == 2 and data["policy"]["microbatch_mode"] == "padding"
+
+
+def test_version_1_is_refused_naming_the_field(planned, tmp_path):
+    _, _, _, plan_path = planned
+    data = json.loads(plan_path.read_text())
+    data["schema_version"] = 1
+    for key in ("policy", "cost_model", "recompute"):
+        data.pop(key)
+    old = tmp_path / "v1.json"
+    old.write_text(json.dumps(data))
+    with pytest.raises(InputError, match="schema_version: a version-1 plan does not record the dispatch policy"):
+        DeploymentPlan.load(old)
+    data["schema_version"] = 2
+    old.write_text(json.dumps(data))
+    with pytest.raises(InputError, match="v1.json: policy: missing"):
+        DeploymentPlan.load(old)
+
+
+def _replica(plan: DeploymentPlan, k: int, **change) -> DeploymentPlan:
+    replicas = list(plan.replicas)
+    replicas[k] = replace(replicas[k], **change)
+    return replace(plan, replicas=tuple(replicas))
+
+
+def _broken(plan: DeploymentPlan):
+    """(name, broken plan, field, words in the message): one per rule of plan_check."""
+    first = plan.replicas[0]
+    two = next(r for r in plan.replicas if r.config.n_gpus >= 1)
+    yield "tasks", replace(plan, tasks=plan.tasks[::-1]), "tasks", "the plan is for tasks"
+    yield "model", replace(plan, model="llama2-13b"), "model", "'llama2-13b'"
+    yield "gpu", replace(plan, gpu="H100-80GB"), "gpu", "H100-80GB"
+    yield "per node", replace(plan, gpus_per_node=4), "gpus_per_node", "4 GPUs per node"
+    yield "recompute", replace(plan, recompute=RecomputePolicy.ON), "recompute", "recompute: on"
+    yield "too many gpus", replace(plan, n_gpus=16), "n_gpus", "16 GPUs"
+    yield "ids", _replica(plan, 0, replica_id=5), "replicas[0].replica_id", "has id 5"
+    yield "gpu count", _replica(plan, 0, config=ParallelConfig(first.config.tp * 2, first.config.pp)), \
+        "replicas[0].gpus", "GPUs, the replica holds"
+    yield "duplicate", _replica(plan, 1, gpus=first.gpus[:1] + plan.replicas[1].gpus[1:]), "replicas[1].gpus", \
+        f"GPU {first.gpus[0]} is also in replica 0"
+    yield "range", _replica(plan, 0, gpus=(99,) + first.gpus[1:]), "replicas[0].gpus", "GPU 99 is outside"
+    yield "max tokens", _replica(plan, 0, max_tokens=10**9), "replicas[0].max_tokens", "holds at most"
+    yield "illegal tp", _replica(plan, 0, config=ParallelConfig(3, 1), gpus=(0, 1, 2)), "replicas[0].config", \
+        "tp=3 does not divide"
+    yield "buckets", replace(plan, bucket_boundaries=(512, 256, 8192)), "bucket_boundaries", "strictly increasing"
+    yield "coverage", replace(plan, bucket_boundaries=(512, 1024)), "bucket_boundaries", "does not cover"
+    yield "holder", replace(plan, replicas=tuple(replace(r, max_tokens=1000) for r in plan.replicas)), "replicas", \
+        "no replica holds task"
+    del two
+
+
+def test_every_rule_names_its_field(planned):
+    _, workload, plan, _ = planned
+    cluster = workload_cluster(workload)
+    cost_model = workload_cost_model(workload, cluster)
+    check_plan(plan, workload, cluster, cost_model, "plan.json")  # the real plan passes
+    for name, broken, field, words in _broken(plan):
+        with pytest.raises(InputError) as err:
+            check_plan(broken, workload, cluster, cost_model, "plan.json")
+        assert err.value.path == "plan.json" and err.value.field == field, name
+        assert words in err.value.msg, (name, err.value.msg)
+
+
+def test_a_tp_group_across_nodes_is_refused(planned):
+    _, workload, _, _ = planned
+    cluster = workload_cluster(workload, gpus=16)
+    cost_model = workload_cost_model(workload, cluster)
+    config = ParallelConfig(2, 1)
+    plan = DeploymentPlan(model="llama2-7b", gpu="A100-80GB", n_gpus=16, gpus_per_node=8, tasks=("chat", "docs"),
+                          replicas=(ReplicaSpec(0, config, 4096, (7, 8)),), bucket_boundaries=(8192,),
+                          expected_makespan_s=1.0, recompute=workload.spec.recompute)
+    with pytest.raises(InputError, match="spans nodes"):
+        check_plan(plan, workload, cluster, cost_model, "p")
+
+
+@pytest.mark.parametrize("name", ["tasks", "model", "gpu", "too many gpus", "duplicate", "gpu count"])
+@pytest.mark.parametrize("command", ["simulate", "dispatch", "train"])
+def test_commands_refuse_a_plan_before_any_work(planned, tmp_path, capsys, command, name):
+    path, _, plan, _ = planned
+    broken, field, _ = next((b, f, w) for n, b, f, w in _broken(plan) if n == name)
+    bad = tmp_path / "bad.json"
+    broken.save(bad)
+    out = tmp_path / "out"
+    extra = {"simulate": ["--report", str(out)], "dispatch": ["--json", str(out / "d.json")], "train": ["--out", str(out)]}
+    argv = [command, str(path), "--plan", str(bad), *extra[command]]
+    if command == "train":  # training needs data; the plan is checked after the workload
+        argv[1] = str(_with_data(path, tmp_path))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"bad.json: {field}:" in err
+    assert not out.exists()
+
+
+def _with_data(path, tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"text": "a b c d " * (k + 3)}) + "\n" for k in range(8)))
+    data = yaml.safe_load(path.read_text())
+    for task in data["tasks"]:
+        task["data"] = {"path": str(rows)}
+    out = tmp_path / "with-data.yaml"
+    out.write_text(yaml.safe_dump(data))
+    return out
+
+
+def test_the_plans_policy_runs_by_default_and_a_flag_says_it_overrides(planned, capsys):
+    path, workload, plan, plan_path = planned
+    run = prepare_run(workload, workload_cluster(workload), str(plan_path))
+    assert run.plan.policy == plan.policy and run.overrides == ()
+    assert main(["dispatch", str(path), "--plan", str(plan_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "override" not in printed and "padding, R=16" in printed
+    assert main(["dispatch", str(path), "--plan", str(plan_path), "--microbatch", "packing", "--no-recalibrate"]) == 0
+    printed = capsys.readouterr().out
+    assert "override: policy packing, R=16, alignment 16, fast, not recalibrated (overriding the plan's: padding" in printed
+
+
+def test_simulate_plan_runs_the_plan_as_made(planned, capsys):
+    path, _, plan, plan_path = planned
+    assert main(["simulate", str(path), "--plan", str(plan_path), "--steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert f"plan: {plan.describe()}" in printed and "padding, R=16" in printed
+    assert main(["simulate", str(path), "--microbatch", "packing"]) == 2
+    assert "--plan: policy flags" in capsys.readouterr().err
+
+
+def test_profile_plans_record_their_file_and_refuse_a_changed_one(tmp_path, capsys):
+    from tests.conftest import REPO
+
+    profile = tmp_path / "tiny.json"
+    profile.write_bytes((REPO / "profiles" / "tiny-llama-cpu.json").read_bytes())
+    work = tmp_path / "w.yaml"
+    work.write_text(yaml.safe_dump({"model": "tiny-llama", "cluster": {"gpu": "cpu", "nodes": 1, "gpus_per_node": 4},
+                                    "tasks": [{"name": "a", "lengths": {"values": [100, 900]}, "batch_size": 8,
+                                               "context_length": 1024}]}))
+    plan = tmp_path / "plan.json"
+    assert main(["plan", str(work), "--profile", str(profile), "--json", str(plan), "--samples", "0"]) == 0
+    assert "lower bound of the expected step" in capsys.readouterr().out
+    recorded = DeploymentPlan.load(plan).cost_model
+    assert recorded.kind == "profile" and recorded.profile == str(profile) and len(recorded.sha256) == 64
+    assert main(["simulate", str(work), "--plan", str(plan), "--steps", "1"]) == 0
+    capsys.readouterr()
+    profile.write_text(profile.read_text().replace('"command"', '"command" ', 1))
+    assert main(["simulate", str(work), "--plan", str(plan), "--steps", "1"]) == 2
+    assert "plan.json: cost_model.sha256: " in capsys.readouterr().err
+    assert main(["simulate", str(work), "--plan", str(plan), "--steps", "1", "--profile", str(profile)]) == 0
+    assert "override: cost model profile:" in capsys.readouterr().out
+    profile.unlink()
+    assert main(["dispatch", str(work), "--plan", str(plan)]) == 2
+    assert "plan.json: cost_model.profile: " in capsys.readouterr().err
