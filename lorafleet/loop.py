@@ -47,11 +47,15 @@ def run_loop(
     steps: Iterable[int],
     on_report: Callable[[StepReport, StepPlan], None] | None = None,
     recalibrator: Recalibrator | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[StepReport]:
     """Run ``steps`` in order; every StepReport (with the plan it ran) goes to ``on_report`` as soon as it
-    exists, after ``recalibrator`` has learnt from it."""
+    exists, after ``recalibrator`` has learnt from it. ``stop`` is asked before each step (a step
+    boundary): when it says so, the loop ends there."""
     reports = []
     for step in steps:
+        if stop is not None and stop():
+            break
         step_plan = source.plan_for(step, recalibrator.factors if recalibrator is not None else None)
         report = executor.run_step(step_plan)
         if recalibrator is not None:

@@ -130,6 +130,7 @@ def flat_record(report: StepReport, **extra: object) -> dict[str, object]:
         "tokens": sum(report.task_tokens.values()),
         "tokens_per_s": _tokens_per_s(report, extra),
         "failed_replicas": " ".join(str(r) for r in report.failed_replicas),
+        "nonfinite_tasks": " ".join(report.nonfinite_tasks),
     }
     extra.pop("tokens_per_s", None)
     for task, loss in report.losses.items():
@@ -193,11 +194,12 @@ class TensorBoardWriter(ClosingWriter):
     Ratios are left out where the prediction is zero.
     """
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None) -> None:
+        """``purge_step``: events at this step or later, left by a run this one resumes, are discarded."""
         from torch.utils.tensorboard import SummaryWriter  # torch stays out of this module's import
 
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step or None)
 
     def write(self, report: StepReport, **extra: object) -> None:
         step = report.step

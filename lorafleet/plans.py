@@ -292,6 +292,10 @@ class StepReport:
     failed_replicas: tuple[int, ...] = ()
     rank_cpu_s: tuple[float, ...] = ()
     """Process CPU seconds of each rank during the step (torch executor; the CPU analogue of GPU-seconds)."""
+    nonfinite_tasks: tuple[str, ...] = ()
+    """Tasks whose update this step was skipped: a non-finite loss or gradient norm."""
+    unmoved_tasks: tuple[str, ...] = ()
+    """Tasks found, at this step, not to have moved their adapter at all since their warm-up began."""
 
     @property
     def replica_idle_s(self) -> tuple[float, ...]:

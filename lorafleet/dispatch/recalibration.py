@@ -21,7 +21,10 @@ within 5% stay one class). A replica 2x slower than its peers gets twice their f
 its first report, so it is given about half the work from the next dispatch on; iid noise of
 sigma moves f_r by about sigma * sqrt((1 - beta) / (1 + beta)) in steady state.
 
-Steps where a replica failed, or was given nothing, say nothing about its speed and are skipped.
+Steps where a replica failed, or was given nothing, say nothing about its speed and are skipped,
+and so are the first ``warmup_steps`` a process runs (a real executor's first step pays one-time
+costs, allocations and lazy initialisation, unevenly across ranks: on CPU up to 3x the steady
+step, which taken whole would mis-price replicas for several steps).
 """
 
 from __future__ import annotations
@@ -49,10 +52,12 @@ class ReplicaCalibration:
 class Recalibrator:
     """Per-replica correction factors of the cost model, updated from step reports (see the module doc)."""
 
-    def __init__(self, n_replicas: int, options: Recalibration = Recalibration()) -> None:
+    def __init__(self, n_replicas: int, options: Recalibration = Recalibration(), warmup_steps: int = 0) -> None:
+        """``warmup_steps``: reports ignored at first (1 for a real executor's fresh processes, 0 simulated)."""
         self.options = options
         self._average = [0.0] * n_replicas
         self._observed = [0] * n_replicas
+        self._warmup = warmup_steps
 
     @property
     def factors(self) -> tuple[float, ...] | None:
@@ -82,6 +87,9 @@ class Recalibrator:
     def observe(self, step_plan: StepPlan, report: StepReport) -> None:
         """Fold one step's measured busy times into the factors."""
         if not self.options.enabled:
+            return
+        if self._warmup > 0:
+            self._warmup -= 1
             return
         beta = self.options.smoothing
         failed = set(report.failed_replicas)

@@ -24,14 +24,14 @@ from enum import StrEnum
 import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode, bucket_of
+from lorafleet.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode, bucket_of, dispatch_step
 from lorafleet.dispatch.load import ConfigClass, build_load_model
 from lorafleet.dispatch.placement import placed_times
 from lorafleet.dispatch.step import choose_buckets, placed_work
 from lorafleet.plans import GlobalBatch
 from lorafleet.planner.candidates import valid_candidates
 from lorafleet.planner.expected import expected_global_batch
-from lorafleet.planner.placement import build_plan
+from lorafleet.planner.placement import build_plan, with_expectation
 from lorafleet.planner.problem import Candidate, max_replicas
 from lorafleet.planner.schedule import Phase, Schedule, pow2_boundaries, select_tasks
 from lorafleet.specs.cluster import ClusterSpec
@@ -105,7 +105,8 @@ def _phase(workload: Workload, tasks: tuple[int, ...], batch: GlobalBatch, candi
     policy = padding_policy(longest, cand.max_tokens) if mode is MicroBatchMode.PADDING else packing_policy(n_buckets)
     plan = build_plan(workload, cluster, [(cand.config, cand.max_tokens, p)], solver=f"baseline:{name}", policy=policy,
                       cost_model=cost_model)
-    return Phase(tasks=tasks, plan=plan)
+    # record the expected step as lorafleet's plan does: the buckets a plan check asks for, the expected times
+    return Phase(tasks=tasks, plan=with_expectation(plan, dispatch_step(select_tasks(batch, tasks), plan, cost_model)))
 
 
 def baseline_schedules(workload: Workload, expected: GlobalBatch, candidates: Sequence[Candidate], cost_model: CostModel,

@@ -1,7 +1,8 @@
 """Shared base for the typed, validated specs (pydantic v2).
 
 Specs are frozen and reject unknown keys, so a typo in a YAML file is an error that names
-the key instead of a silently ignored setting.
+the key instead of a silently ignored setting; they reject NaN and infinities in every number
+(``alpha: .inf`` would train NaN adapters).
 """
 
 from __future__ import annotations
@@ -10,6 +11,6 @@ from pydantic import BaseModel, ConfigDict
 
 
 class Spec(BaseModel):
-    """Base of every spec: immutable, no unknown keys, validated on assignment."""
+    """Base of every spec: immutable, no unknown keys, finite numbers only."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)

@@ -24,6 +24,9 @@ global batch counts how many of its sequences were truncated.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -59,6 +62,16 @@ class TaskData:
     def __post_init__(self) -> None:
         if not self.examples:
             raise ValueError(f"task {self.name!r} has no example to train on")
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """SHA-256 (16 hex digits) of every example's tokens and labels, in order: what a resume checks the
+        data by (a changed row, tokenizer or overflow policy changes it)."""
+        digest = hashlib.sha256()
+        for example in self.examples:
+            digest.update(np.asarray(example.input_ids, dtype=np.int64).tobytes())
+            digest.update(np.asarray(example.labels, dtype=np.int64).tobytes())
+        return digest.hexdigest()[:16]
 
 
 def apply_overflow(name: str, examples: Sequence[Example], context_length: int, policy: OverflowPolicy) -> TaskData:
@@ -135,6 +148,13 @@ class DataStreams:
         self.streams = tuple(TaskStream(i, data, seed) for i, data in enumerate(tasks))
         self.batch_sizes = tuple(int(b) for b in batch_sizes)
         self.max_batches = tuple(max_batches) if max_batches is not None else (None,) * len(tasks)
+        self.retired: dict[int, int] = {}
+        """Task index -> the first step whose batch leaves it out (a task stopped for non-finite updates)."""
+
+    def retire(self, task_index: int, from_step: int) -> None:
+        """Leave task ``task_index`` out of the batches of ``from_step`` on. Keyed by step, not by when it
+        is called, so a batch drawn ahead (look-ahead dispatch) is the same whenever it is drawn."""
+        self.retired = {**self.retired, task_index: min(from_step, self.retired.get(task_index, from_step))}
 
     def batches_taken(self, task_index: int, step: int) -> int:
         """Global batches task ``task_index`` took part in before step ``step``."""
@@ -154,8 +174,8 @@ class DataStreams:
         task_ids, sample_ids, lengths = [], [], []
         truncated = 0
         for t, (stream, start) in enumerate(zip(self.streams, self.cursors(step), strict=True)):
-            if self.batches_taken(t, step + 1) == self.batches_taken(t, step):
-                continue  # the task has taken its batches
+            if self.batches_taken(t, step + 1) == self.batches_taken(t, step) or step >= self.retired.get(t, step + 1):
+                continue  # the task has taken its batches, or was stopped
             for sample_id in range(start, start + self.batch_sizes[t]):
                 index = stream.example_index(sample_id)
                 truncated += index in stream.data.truncated_ids
@@ -178,12 +198,13 @@ class DataStreams:
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """What a checkpoint after ``step`` completed steps records of the data."""
-        return {"step": step, "cursors": self.cursors(step), "examples": [len(s.data.examples) for s in self.streams]}
+        return {"step": step, "cursors": self.cursors(step), "examples": [len(s.data.examples) for s in self.streams],
+                "fingerprints": [s.data.fingerprint for s in self.streams]}
 
     def check_state(self, state: Mapping[str, Any]) -> None:
         """ValueError unless this data, at the checkpoint's step, is where the checkpoint left it
         (same tasks, example counts and batch sizes: otherwise the batches would silently differ)."""
         now = self.state_dict(int(state["step"]))
-        for key in ("examples", "cursors"):
-            if list(state[key]) != now[key]:
+        for key in ("examples", "cursors", "fingerprints"):
+            if key in state and list(state[key]) != now[key]:
                 raise ValueError(f"the data changed since the checkpoint: {key} {list(state[key])} then, {now[key]} now")

@@ -54,10 +54,11 @@ def plan_world_size(plan: DeploymentPlan) -> int:
     return max(g for r in plan.replicas for g in r.gpus) + 1
 
 
-def torchrun_argv(nproc: int, argv: Sequence[str]) -> list[str]:
-    """The command that re-runs ``python -m lorafleet <argv>`` as ``nproc`` processes on this machine."""
+def torchrun_argv(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> list[str]:
+    """The command that re-runs ``python -m lorafleet <argv>`` as ``nproc`` processes on this machine,
+    restarting them up to ``max_restarts`` times after a failure (torchrun's elastic agent)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "lorafleet", *argv]
+            f"--max-restarts={max_restarts}", "-m", "lorafleet", *argv]
 
 
 def init_distributed(device: str = "auto") -> torch.device:
@@ -101,6 +102,15 @@ def task_batches(task: TaskSpec, data: TaskData) -> int | None:
     if task.epochs is not None:
         return max(1, math.ceil(task.epochs * len(data.examples) / task.batch_size))
     return None
+
+
+def training_streams(spec: WorkloadSpec, run_steps: int) -> DataStreams:
+    """Every task's data stream as the executor builds it (tokenized with the run's tokenizer)."""
+    source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
+    tokenizer = task_tokenizer(spec, source)
+    data = [prepare_task_data(task, tokenizer, "workload") for task in spec.tasks]
+    limits = [task_batches(task, d) for task, d in zip(spec.tasks, data, strict=True)]
+    return DataStreams(data, [t.batch_size for t in spec.tasks], spec.seed, limits)
 
 
 def build_torch_executor(spec: WorkloadSpec, plan: DeploymentPlan, run_steps: int, device: torch.device,

@@ -87,3 +87,9 @@ class TaskOptimizer:
             self.optimizer.zero_grad(set_to_none=True)
         self.steps_taken += 1
         return lr
+
+    def skip(self) -> None:
+        """Drops this step's gradients without an update (a non-finite loss or gradient): the adapter,
+        the optimizer's moments and the schedule's step count stay as they were."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)

@@ -14,8 +14,17 @@ One step, on every rank (``_run_step``):
 2. count ``N_t``, the loss tokens of each task in the whole global batch (host, no comm.);
 3. run the replica's micro-batches, 1F1B over its stages (``step.run_rank_step``);
 4. sum adapter gradients over the holders of each piece (``grad_sync``);
-5. one world all-reduce of [loss per task | squared gradient norm per task | busy per rank];
-6. step the optimizer of every task that had sequences in the batch, clipped by its norm.
+5. one world all-reduce of [loss per task | squared gradient norm per task | moved per task |
+   busy, elapsed and CPU seconds per rank];
+6. step the optimizer of every task that had sequences in the batch, clipped by its norm,
+   unless its loss or gradient norm is not finite: then the task's gradients are dropped and
+   its adapter and optimizer state stay as they were (every rank sees the same all-reduced
+   numbers, so every rank skips alike; other tasks' updates are untouched, bitwise), and the
+   report names it in ``nonfinite_tasks``.
+
+Once a task has taken its warm-up steps (at least one), its adapter is compared with where it
+started; one that has not moved at all (a learning rate or scale that rounds every update
+away) is named in the report's ``unmoved_tasks``.
 """
 
 from __future__ import annotations
@@ -141,6 +150,20 @@ class TorchExecutor:
             TaskOptimizer(t.optimizer, self.replica.task_params(i), t.total_steps) for i, t in enumerate(config.tasks)
         ]
         self._pending: dict[int, GlobalBatch] = {}
+        self._initial = self._snapshot()
+
+    def _snapshot(self) -> dict[int, list[torch.Tensor]]:
+        """Each task's local adapter shards as they start (kept until the task's moved-check)."""
+        return {t: [p.detach().clone() for p in self.replica.task_params(t)] for t in range(len(self.config.tasks))}
+
+    def _moved(self, t: int) -> float:
+        """1.0 unless task t is at its moved-check (``max(warm-up, 1)`` steps taken) and this rank's
+        shards of its adapter are exactly where they started (then 0.0; summed over ranks)."""
+        check_at = max(self.config.tasks[t].optimizer.warmup_steps, 1)
+        if t not in self._initial or self.optimizers[t].steps_taken != check_at:
+            return 1.0
+        start = self._initial.pop(t)
+        return float(any(not torch.equal(p.detach(), q) for p, q in zip(self.replica.task_params(t), start, strict=True)))
 
     # ---- coordinator (rank 0) -----------------------------------------------------------------
 
@@ -216,6 +239,8 @@ class TorchExecutor:
         if command.kind is CommandKind.RESTORE:
             if command.payload is not None:
                 restore_task_states(self.replica, self.optimizers, command.payload.tasks)
+                # a task restored mid-warm-up cannot be compared with its start any more
+                self._initial = {t: v for t, v in self._snapshot().items() if self.optimizers[t].steps_taken == 0}
             return command.payload
         return None
 
@@ -242,22 +267,30 @@ class TorchExecutor:
         times = torch.zeros(3, self.world_size, dtype=torch.float64)  # busy, elapsed, CPU up to here, per rank
         times[:, self.rank] = torch.tensor([result.busy_s, time.perf_counter() - start, time.process_time() - cpu_start],
                                            dtype=torch.float64)
-        stats = torch.cat([result.task_loss.cpu(), self.replica.grad_sync.squared_norms(n_tasks, stepping), times.view(-1)])
+        moved = torch.tensor([self._moved(t) for t in range(n_tasks)], dtype=torch.float64)
+        stats = torch.cat([result.task_loss.cpu(), self.replica.grad_sync.squared_norms(n_tasks, stepping), moved,
+                           times.view(-1)])
         stats = stats.to(self.device)
-        dist.all_reduce(stats)  # one collective for losses, norms and times
+        dist.all_reduce(stats)  # one collective for losses, norms, moved-checks and times
         stats = stats.cpu()
         synced = time.perf_counter()
+        nonfinite = [t for t in stepping if not (math.isfinite(float(stats[t])) and math.isfinite(float(stats[n_tasks + t])))]
         for t in stepping:
-            self.optimizers[t].step(math.sqrt(float(stats[n_tasks + t])))
+            if t in nonfinite:
+                self.optimizers[t].skip()
+            else:
+                self.optimizers[t].step(math.sqrt(float(stats[n_tasks + t])))
         if self.rank != 0:
             return None
-        return self._report(step_plan, stats, stepping, time.perf_counter() - synced)
+        unmoved = [t for t in range(n_tasks) if float(stats[2 * n_tasks + t]) == 0.0]
+        return self._report(step_plan, stats, stepping, time.perf_counter() - synced, nonfinite, unmoved)
 
-    def _report(self, step_plan: StepPlan, stats: torch.Tensor, stepping: Sequence[int], optimizer_s: float) -> StepReport:
+    def _report(self, step_plan: StepPlan, stats: torch.Tensor, stepping: Sequence[int], optimizer_s: float,
+                nonfinite: Sequence[int], unmoved: Sequence[int]) -> StepReport:
         """The step's report; its makespan is the slowest rank's time up to the gradient sync's end
         plus the optimizer step (so no replica's busy time can exceed it)."""
         n_tasks = len(self.names)
-        busy, elapsed, cpu = stats[2 * n_tasks :].view(3, self.world_size)
+        busy, elapsed, cpu = stats[3 * n_tasks :].view(3, self.world_size)
         tokens = dict.fromkeys(self.names, 0)
         padding = dict.fromkeys(self.names, 0)
         for work in step_plan.work:
@@ -272,6 +305,8 @@ class TorchExecutor:
             task_tokens=tokens,
             task_padding_tokens=padding,
             losses={self.names[t]: float(stats[t]) for t in stepping},
+            nonfinite_tasks=tuple(self.names[t] for t in nonfinite),
+            unmoved_tasks=tuple(self.names[t] for t in unmoved),
             estimated_makespan_s=step_plan.estimated_makespan_s,
             dispatch_solve_s=step_plan.solve_s,
             rank_cpu_s=tuple(float(c) for c in cpu),

@@ -1,0 +1,90 @@
+"""Process hygiene of a training run: workers never outlive their launcher, run the launcher's code,
+and stop at a step boundary when asked.
+
+- **Parent death.** On Linux every process of a run asks the kernel for SIGKILL when its parent
+  dies (``prctl(PR_SET_PDEATHSIG)``): torchrun when ``lorafleet train`` dies, each worker when
+  torchrun dies. A SIGKILL of the launcher therefore takes the whole run with it. The worker
+  also checks that its parent has not already gone between fork and prctl.
+- **The launcher's code.** Workers are started with ``PYTHONSAFEPATH=1`` (the current directory
+  is not put on ``sys.path``) and the launcher's package root first on ``PYTHONPATH``, and each
+  checks that the ``lorafleet`` it imported is the launcher's (``LORAFLEET_PACKAGE``): a
+  different checkout in the current directory cannot run in their place.
+- **Stopping.** The launcher runs torchrun in a session of its own, so a terminal's Ctrl-C
+  reaches the launcher alone; it turns SIGINT or SIGTERM into a stop request, a file in the run
+  directory that rank 0 reads at every step boundary (a second signal kills the run). Under a
+  user's own torchrun, rank 0 takes SIGINT and SIGTERM as the same request.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lorafleet
+from lorafleet.errors import InputError
+
+PACKAGE_ENV = "LORAFLEET_PACKAGE"
+LOCKED_ENV = "LORAFLEET_RUN_LOCKED"
+"""Set by the launcher, which holds the run directory's lock, for the workers it starts."""
+STOP_REQUEST = ".stop-request"
+"""In the run directory: the signal number a stop was asked with."""
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+
+
+def package_root() -> Path:
+    """The directory the running ``lorafleet`` package was imported from the parent of."""
+    return Path(lorafleet.__file__).resolve().parents[1]
+
+
+def worker_env(locked: bool) -> dict[str, str]:
+    """The environment torchrun and its workers start with: this code, and whether the lock is held."""
+    env = dict(os.environ)
+    root = str(package_root())
+    env["PYTHONSAFEPATH"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
+    env[PACKAGE_ENV] = str(Path(lorafleet.__file__).resolve())
+    if locked:
+        env[LOCKED_ENV] = "1"
+    return env
+
+
+def check_code() -> None:
+    """InputError when this worker imported another ``lorafleet`` than its launcher's."""
+    expected = os.environ.get(PACKAGE_ENV)
+    here = str(Path(lorafleet.__file__).resolve())
+    if expected and expected != here:
+        raise InputError("<environment>", PACKAGE_ENV, f"this worker imported lorafleet from {here}, its launcher runs "
+                         f"{expected}; start the run from another directory")
+
+
+def request_stop(out: str | Path, sig: int) -> None:
+    """Ask rank 0 of the run in ``out`` to stop at its next step boundary."""
+    path = Path(out) / STOP_REQUEST
+    path.write_text(f"{sig}\n")
+
+
+def stop_requested(out: str | Path) -> int | None:
+    """The signal a stop of the run in ``out`` was asked with, or None."""
+    try:
+        return int((Path(out) / STOP_REQUEST).read_text().strip() or signal.SIGTERM)
+    except (OSError, ValueError):
+        return None
+
+
+def clear_stop(out: str | Path) -> None:
+    (Path(out) / STOP_REQUEST).unlink(missing_ok=True)

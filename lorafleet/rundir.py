@@ -1,0 +1,122 @@
+"""A run directory belongs to one run: its lock, what makes it used, and putting it back to a step.
+
+DESIGN ("A run directory belongs to one run"): a run holds an exclusive lock on its ``--out``
+for its whole life (``fcntl.flock`` on ``.lock``: the kernel drops it when the holder dies, so a
+killed run never leaves a stale lock); a fresh run refuses a directory another run has used
+unless told ``--resume`` or ``--overwrite``; a resumed run's metrics end at the step it resumes
+from before it appends (nothing replayed is counted twice).
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorafleet.errors import InputError
+
+LOCK = ".lock"
+METRICS_JSONL = "metrics.jsonl"
+METRICS_CSV = "metrics.csv"
+RUN_FILES = (METRICS_JSONL, METRICS_CSV, "tensorboard", "checkpoints", "adapters", "plan.json", "summary.json")
+"""What a run writes under its directory (``--overwrite`` removes exactly these)."""
+
+
+@dataclass
+class RunLock:
+    """An exclusive lock on a run directory, held until :meth:`release` or the process's end."""
+
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = -1
+
+
+def lock_run(out: str | Path) -> RunLock:
+    """Take ``out``'s lock (creating the directory); an InputError naming it when another run holds it."""
+    root = Path(out)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        raise InputError(str(out), "", f"cannot use as the run directory ({err.strerror or err})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _read_holder(fd)
+        os.close(fd)
+        raise InputError(str(out), "", f"another run is using this directory{holder}; wait for it, or use another --out") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return RunLock(root / LOCK, fd)
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        pid = os.pread(fd, 32, 0).decode().strip()
+    except OSError:
+        return ""
+    return f" (process {pid})" if pid.isdigit() else ""
+
+
+def used_by(out: str | Path) -> list[str]:
+    """The run files already in ``out`` (empty: a fresh directory)."""
+    root = Path(out)
+    return [name for name in RUN_FILES if (root / name).exists()]
+
+
+def clear_run(out: str | Path) -> None:
+    """Remove a previous run's files from ``out`` (``--overwrite``); other files are left alone."""
+    root = Path(out)
+    for name in RUN_FILES:
+        path = root / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def truncate_metrics(out: str | Path, step: int) -> None:
+    """Keep only the metrics of steps before ``step`` (a resumed run replays from there).
+
+    Each file is rewritten whole to a temporary file and renamed over the old one, so a crash
+    here leaves either the old file or the truncated one.
+    """
+    root = Path(out)
+    jsonl = root / METRICS_JSONL
+    if jsonl.is_file():
+        kept = [line for line in jsonl.read_text(encoding="utf-8").splitlines(keepends=True)
+                if line.strip() and _step_of_json(line) < step]
+        _replace(jsonl, "".join(kept))
+    table = root / METRICS_CSV
+    if table.is_file():
+        with table.open(newline="", encoding="utf-8") as f:
+            rows = list(csv.reader(f))
+        if rows:
+            header, body = rows[0], rows[1:]
+            at = header.index("step") if "step" in header else None
+            kept_rows = [r for r in body if at is None or (len(r) > at and r[at].isdigit() and int(r[at]) < step)]
+            tmp = table.with_name(f".{table.name}.tmp")
+            with tmp.open("w", newline="", encoding="utf-8") as f:
+                csv.writer(f).writerows([header, *kept_rows])
+            os.replace(tmp, table)
+
+
+def _step_of_json(line: str) -> int:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 62  # a torn last line (a crash mid-write): dropped
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
