@@ -422,7 +422,7 @@ class Trainer:
         reached = start + len(done)
         if self.signal is not None and reached < steps.stop:
             return self._stopped(reached)
-        final = self._checkpoint(reached)
+        final = self._checkpoint(reached, wait=True)
         _export_adapters(final, self.names, self.out / "adapters")
         self.executor.close()
         print(self.summary(reached), flush=True)
@@ -432,7 +432,7 @@ class Trainer:
         """A stop asked by a signal, at the boundary before step ``reached``: checkpoint (unless told not to)."""
         committed = ""
         if self.options.checkpoint_on_stop:
-            committed = f"; checkpoint {self._checkpoint(reached).name} committed, continue with --resume"
+            committed = f"; checkpoint {self._checkpoint(reached, wait=True).name} committed, continue with --resume"
         self.executor.close()
         print(f"lorafleet train: stopped by {signal.Signals(self.signal).name} after {reached} steps{committed}",
               flush=True)
@@ -460,9 +460,10 @@ class Trainer:
             print(f"lorafleet train: task {name!r} stopped after {self.options.nonfinite_patience} non-finite steps in a "
                   "row; its adapter stays at its last finite update", file=sys.stderr, flush=True)
 
-    def _checkpoint(self, step: int) -> Path:
-        extra = {"recalibration": self.recalibrator.state_dict(), "stopped_tasks": self.stopped_tasks}
-        return self.executor.save_checkpoint(self.checkpoints, step, extra)
+    def _checkpoint(self, step: int, wait: bool = False) -> Path:
+        """A checkpoint after ``step`` steps, written in the background (committed on return with ``wait``)."""
+        extra = {"recalibration": self.recalibrator.state_dict(), "stopped_tasks": dict(self.stopped_tasks)}
+        return self.executor.save_checkpoint(self.checkpoints, step, extra, wait=wait)
 
     def _writers(self, steps: range):
         from lorafleet.metrics import CsvWriter, FanOut, JsonlWriter, LogLines, ProgressBar, TensorBoardWriter

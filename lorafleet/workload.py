@@ -90,6 +90,8 @@ def read_workload_spec(path: str | Path) -> WorkloadSpec:
         raise InputError(path, "", "is a directory, expected a YAML file") from None
     except UnicodeDecodeError as err:
         raise InputError(path, "", f"not UTF-8 text ({err.reason})") from None
+    except OSError as err:  # a symlink loop, no permission
+        raise InputError(path, "", f"cannot read ({err.strerror or err})") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as err:

@@ -136,3 +136,65 @@ def test_valid_file_passes(tmp_path, capsys):
 @pytest.mark.parametrize("argv", [["validate", "/nonexistent.yaml"], ["validate", "/"]])
 def test_missing_or_directory(capsys, argv):
     _check(capsys, argv[1], main(argv))
+
+
+def _one_line(capsys, words: str) -> None:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and words in err, err
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_non_finite_numbers_are_refused(tmp_path, capsys, value):
+    data = copy.deepcopy(VALID)
+    data["tasks"][1]["lora"]["alpha"] = "ALPHA"
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(data).replace("ALPHA", value))
+    assert main(["validate", str(path)]) == 2
+    _one_line(capsys, "tasks[1].lora.alpha: Input should be a finite number")
+
+
+def test_a_symlink_loop_is_one_line(tmp_path, capsys):
+    loop = tmp_path / "loop.yaml"
+    loop.symlink_to(tmp_path / "loop.yaml")
+    assert main(["validate", str(loop)]) == 2
+    _one_line(capsys, "loop.yaml: cannot read")
+
+
+@pytest.mark.parametrize("command,flag", [("plan", "--json"), ("plan", "--plot"), ("simulate", "--report"),
+                                          ("whatif", "--out")])
+def test_an_unwritable_output_is_refused_before_the_work(tmp_path, capsys, command, flag):
+    from tests.conftest import EXAMPLES
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    target = blocker if flag in ("--report", "--out") else blocker / "out.json"
+    argv = [command, str(EXAMPLES / "lobra-7b.yaml"), flag, str(target)]
+    if command == "whatif":
+        argv += ["--vary", "gpus=16"]
+    assert main(argv) == 2
+    _one_line(capsys, str(blocker))
+    assert blocker.read_text() == "x"
+
+
+def test_joint_minlp_without_pyscipopt_is_one_line(monkeypatch, capsys):
+    import importlib.util
+
+    from tests.conftest import EXAMPLES
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyscipopt" else real(name, *a))
+    assert main(["plan", str(EXAMPLES / "lobra-7b.yaml"), "--mode", "joint-minlp"]) == 2
+    _one_line(capsys, "--mode: joint-minlp solves LobRA's MINLP with SCIP, which needs PySCIPOpt")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--noise", "nan"], "--noise: must be a finite number"),
+    (["--straggler", "0=inf"], "--straggler: must be a finite number"),
+    (["--straggler", "9=2"], "--straggler/--fail: replica 9 does not exist"),
+    (["--fail", "1:7"], "--straggler/--fail: replica 7 does not exist"),
+])
+def test_simulate_refuses_non_finite_and_unknown_replicas(capsys, argv, words):
+    from tests.conftest import EXAMPLES
+
+    assert main(["simulate", str(EXAMPLES / "lobra-7b.yaml"), "--steps", "1", *argv]) == 2
+    _one_line(capsys, words)

@@ -25,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _options(args: argparse.Namespace):
+    import importlib.util
+
     from lorafleet.specs.dispatch import MicroBatchMode
     from lorafleet.planner import PlannerMode, PlannerOptions
     from lorafleet.solvers import SolverName
@@ -35,6 +37,9 @@ def _options(args: argparse.Namespace):
             raise InputError(ARGS, flag, f"{value!r} is not one of {', '.join(e.value for e in enum)}")
     if args.samples < 0:
         raise InputError(ARGS, "--samples", f"must be >= 0, got {args.samples}")
+    if args.mode == PlannerMode.JOINT_MINLP and importlib.util.find_spec("pyscipopt") is None:
+        raise InputError(ARGS, "--mode", "joint-minlp solves LobRA's MINLP with SCIP, which needs PySCIPOpt "
+                         "(pip install pyscipopt); the default decomposed mode does not")
     return PlannerOptions(solver=args.solver, mode=args.mode, microbatch_mode=args.microbatch, robust_samples=args.samples)
 
 

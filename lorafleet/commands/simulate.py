@@ -58,6 +58,8 @@ def _number(text: str, kind: type, flag: str) -> float:
 def simulation_options(args: argparse.Namespace):
     from lorafleet.executor.simulated import FailureSpec, SimulationOptions
 
+    if not (math.isfinite(args.noise) and args.noise >= 0):
+        raise InputError("<args>", "--noise", f"must be a finite number >= 0, got {args.noise}")
     slowdown = {int(_number(r, int, "--straggler")): _number(f, float, "--straggler") for r, f in _pairs(args.straggler, "=", "--straggler")}
     failures = [FailureSpec(step=int(_number(s, int, "--fail")), replica_id=int(_number(r, int, "--fail")))
                 for s, r in _pairs(args.fail, ":", "--fail")]

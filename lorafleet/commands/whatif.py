@@ -56,8 +56,11 @@ def run(args: argparse.Namespace) -> int:
     from lorafleet.whatif import Variation, sweep
     from lorafleet.workload import load_workload
 
+    from lorafleet.specs.io import check_writable
+
     if args.steps < 1:
         raise InputError("<args>", "--steps", f"must be >= 1, got {args.steps}")
+    check_writable(args.out, directory=True)
     variations = [Variation.parse(v) for v in args.vary]
     axes = [v.axis for v in variations]
     if len(set(axes)) != len(axes):

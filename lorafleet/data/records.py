@@ -32,6 +32,8 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
         raise InputError(str(path), "", "no such file") from None
     except UnicodeDecodeError as err:
         raise InputError(str(path), "", f"not UTF-8 text ({err.reason})") from None
+    except OSError as err:  # a symlink loop, a directory, no permission
+        raise InputError(str(path), "", f"cannot read ({err.strerror or err})") from None
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue

@@ -23,6 +23,8 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
         raise InputError(src, "", "is a directory, expected a JSON file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise InputError(src, "", f"not valid JSON ({err})") from None
+    except OSError as err:  # a symlink loop, no permission
+        raise InputError(src, "", f"cannot read ({err.strerror or err})") from None
     if not isinstance(raw, dict):
         raise InputError(src, "", "expected a JSON object")
     return raw

@@ -60,3 +60,50 @@ def test_a_checkpoint_of_other_tasks_is_an_input_error(tmp_path):
     save_train_state(tmp_path, _state(1, 1.0), base_model="m")
     with pytest.raises(InputError, match="checkpoint has tasks"):
         load_train_state(latest_step_dir(tmp_path), ["t", "u"])
+
+
+@pytest.mark.parametrize("damage", ["truncate tensor", "truncate manifest", "drop optimizer", "garble pointer"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact(tmp_path, damage):
+    from lorafleet.executor.torch.checkpoint import resumable_checkpoint
+
+    for step in (1, 2):
+        save_train_state(tmp_path, _state(step, float(step)), base_model="m")
+    newest = tmp_path / "step-000002"
+    if damage == "truncate tensor":
+        tensor = newest / "t" / "adapter_model.safetensors"
+        tensor.write_bytes(tensor.read_bytes()[:-7])
+    elif damage == "truncate manifest":
+        manifest = newest / "manifest.json"
+        manifest.write_text(manifest.read_text()[:40])
+    elif damage == "drop optimizer":
+        (newest / "t" / "optimizer.safetensors").unlink()
+    else:
+        (tmp_path / LATEST).write_text('{"step": 2, "pa')
+    found = resumable_checkpoint(tmp_path)
+    if damage == "garble pointer":  # the pointer is a hint: the newest intact directory wins
+        assert found.step == 2 and found.broken == ()
+        return
+    assert found.step == 1 and found.step_dir.name == "step-000001"
+    assert len(found.broken) == 1 and found.broken[0].startswith("step-000002: ")
+    assert load_train_state(found.step_dir, ["t"]).step == 1
+
+
+def test_no_intact_checkpoint_is_one_input_error(tmp_path):
+    from lorafleet.executor.torch.checkpoint import resumable_checkpoint
+
+    save_train_state(tmp_path, _state(1, 1.0), base_model="m")
+    (tmp_path / "step-000001" / "manifest.json").write_text("{")
+    with pytest.raises(InputError, match="no intact checkpoint to resume from \\(step-000001: unreadable manifest"):
+        resumable_checkpoint(tmp_path)
+
+
+def test_adapter_export_replaces_a_directory_whole(tmp_path):
+    from lorafleet.train import _export_adapters
+
+    save_train_state(tmp_path / "ckpt", _state(3, 3.0), base_model="m")
+    target = tmp_path / "adapters"
+    (target / "t").mkdir(parents=True)
+    (target / "t" / "stale.bin").write_text("old")
+    _export_adapters(latest_step_dir(tmp_path / "ckpt"), ["t"], target)
+    assert sorted(p.name for p in target.iterdir()) == ["t"]
+    assert sorted(p.name for p in (target / "t").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]

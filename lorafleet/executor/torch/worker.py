@@ -8,6 +8,13 @@ rank (``broadcast_object_list``) and then runs rank 0's own share. The other ran
 STOP. Checkpoint saves and restores travel the same way, so every collective is entered by
 every rank in the same order.
 
+Checkpoints do not stall training (DLRover's flash checkpoint): a SAVE gathers every adapter
+and optimizer piece into rank 0's host memory (the only part the ranks wait for), and a
+background thread writes and commits it while the next steps run. One write is in flight at a
+time; the next SAVE, :meth:`TorchExecutor.flush_checkpoints` and :meth:`TorchExecutor.close`
+wait for it, and a failed write raises there. A process killed mid-write leaves that
+checkpoint uncommitted, so a resume takes the one before.
+
 One step, on every rank (``_run_step``):
 
 1. reseed the generators from ``(seed, step, rank)`` (adapter dropout draws from them);
@@ -32,6 +39,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -51,6 +59,7 @@ from lorafleet.executor.torch.checkpoint import (
     load_train_state,
     restore_task_states,
     save_train_state,
+    step_dir_name,
 )
 from lorafleet.executor.torch.data_stream import DataStreams
 from lorafleet.executor.torch.multi_lora import LoraBackend
@@ -151,6 +160,8 @@ class TorchExecutor:
         ]
         self._pending: dict[int, GlobalBatch] = {}
         self._initial = self._snapshot()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-checkpoint") if self.rank == 0 else None
+        self._writing: Future[Path] | None = None
 
     def _snapshot(self) -> dict[int, list[torch.Tensor]]:
         """Each task's local adapter shards as they start (kept until the task's moved-check)."""
@@ -182,17 +193,28 @@ class TorchExecutor:
         assert report is not None
         return report
 
-    def save_checkpoint(self, directory: str | Path, step: int, extra: dict[str, Any] | None = None) -> Path:
-        """Commits a checkpoint after ``step`` completed steps; returns its directory."""
+    def save_checkpoint(self, directory: str | Path, step: int, extra: dict[str, Any] | None = None, *,
+                        wait: bool = False) -> Path:
+        """Checkpoints the state after ``step`` completed steps; returns its directory, which is committed
+        once the background write ends (at once with ``wait``; see the module docstring)."""
         path = self._broadcast_and_run(Command(CommandKind.SAVE, (str(directory), step, extra or {})))
         assert path is not None
+        if wait:
+            self.flush_checkpoints()
         return path
+
+    def flush_checkpoints(self) -> None:
+        """Waits for the checkpoint being written, if any; re-raises its error."""
+        if self._writing is not None:
+            writing, self._writing = self._writing, None
+            writing.result()
 
     def restore_checkpoint(self, directory: str | Path) -> TrainState | None:
         """Loads the latest committed checkpoint of ``directory`` on every rank; None when there is none.
 
         The returned state's ``step`` is the next step to run and ``extra`` the caller's state.
         """
+        self.flush_checkpoints()
         step_dir = latest_step_dir(directory)
         state = load_train_state(step_dir, self.names) if step_dir is not None else None
         if state is not None:
@@ -204,8 +226,13 @@ class TorchExecutor:
         return state
 
     def close(self) -> None:
-        """Releases the other ranks from :meth:`serve`."""
-        self._broadcast_and_run(Command(CommandKind.STOP))
+        """Finishes the checkpoint being written and releases the other ranks from :meth:`serve`."""
+        try:
+            self.flush_checkpoints()
+        finally:
+            self._broadcast_and_run(Command(CommandKind.STOP))
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
 
     def _broadcast_and_run(self, command: Command) -> Any:
         if self.rank != 0:
@@ -231,11 +258,15 @@ class TorchExecutor:
             return self._run_step(*command.payload)
         if command.kind is CommandKind.SAVE:
             directory, step, extra = command.payload
+            if self.rank == 0:
+                self.flush_checkpoints()  # one write in flight, commits in step order
             states = gather_task_states(self.replica, self.optimizers, [t.lora for t in self.config.tasks], self.names)
             if states is None:
                 return None
             state = TrainState(step, states, self.streams.state_dict(step), extra)
-            return save_train_state(directory, state, base_model=self.config.base_model)
+            assert self._writer is not None
+            self._writing = self._writer.submit(save_train_state, directory, state, base_model=self.config.base_model)
+            return Path(directory) / step_dir_name(step)
         if command.kind is CommandKind.RESTORE:
             if command.payload is not None:
                 restore_task_states(self.replica, self.optimizers, command.payload.tasks)

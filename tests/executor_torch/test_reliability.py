@@ -1,0 +1,231 @@
+"""``lorafleet train`` under faults and mistakes (docs/reliability.md): each rule of the run directory,
+checkpoints, signals, processes and numbers, as a user would meet it (real torchrun, gloo, tiny-llama)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fleet_harness as h
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "examples" / "demo"
+LAUNCHER = [sys.executable, "-m", "lorafleet"]
+
+
+def _workload(tmp_path: Path, tokenizer: Path, chat: str = "lr: 1.0e-3", extra_task: str = "") -> Path:
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        f"model: tiny-llama\ntokenizer: {tokenizer}\n"
+        "cluster: {gpu: A100-40GB, nodes: 1, gpus_per_node: 2}\n"
+        "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-3}}\n"
+        "tasks:\n"
+        f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
+        f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128,"
+        f" optimizer: {{{chat}}}}}\n" + extra_task
+    )
+    return path
+
+
+@pytest.fixture
+def run(tmp_path, tiny_tokenizer_dir):
+    """A two-task workload, a two-replica plan for it, and a ``train(*args)`` that runs the CLI."""
+    workload = _workload(tmp_path, tiny_tokenizer_dir)
+    plan = replace(h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat"), bucket_boundaries=(256,))
+    plan.save(tmp_path / "plan.json")
+
+    def train(*args: str, workload_path: Path = workload, cwd: Path = tmp_path, timeout: float = 300):
+        argv = [*LAUNCHER, "train", str(workload_path), "--plan", str(tmp_path / "plan.json"), "--out",
+                str(tmp_path / "out"), "--device", "cpu", "--no-recalibrate", *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+    return train, tmp_path
+
+
+def _steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _one_error(result, words: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    err = result.stderr.strip()
+    assert err.count("\n") == 0 and words in err, err
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_run_directory_checkpoints_and_resume(run):
+    train, tmp = run
+    out = tmp / "out"
+    first = train("--steps", "3", "--checkpoint-every", "1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    _one_error(train("--steps", "3"), "holds a previous run (metrics.jsonl, metrics.csv, tensorboard, checkpoints")
+    _one_error(train("--steps", "2", "--resume"), "--steps: 2 is below the 3 steps the run has committed")
+    _one_error(train("--resume", "--out", str(tmp / "fresh")), "--resume: nothing to resume")
+    (tmp / "file").write_text("x")
+    _one_error(train("--out", str(tmp / "file")), "is a file, expected a directory")
+    assert not (tmp / "fresh").exists()
+
+    # The newest checkpoint is damaged: resume warns, takes the one before, and replays from it.
+    newest = out / "checkpoints" / "step-000003" / "chat" / "adapter_model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-9])
+    resumed = train("--steps", "4", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "warning: checkpoint step-000003: chat/adapter_model.safetensors does not match its checksum; resuming " \
+           "from step-000002" in resumed.stderr
+    assert _steps(out) == [0, 1, 2, 3]  # step 2 replayed once, nothing counted twice
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 5 and rows[0].startswith("step,") and sum(r.startswith("step,") for r in rows) == 1
+
+    # Data changed since the checkpoint: refused before any process starts.
+    changed = tmp / "changed.jsonl"
+    changed.write_text((DEMO / "chat.jsonl").read_text().replace("a", "b", 5))
+    workload = Path(str(tmp / "w.yaml"))
+    other = tmp / "w2.yaml"
+    other.write_text(workload.read_text().replace(str(DEMO / "chat.jsonl"), str(changed)))
+    _one_error(train("--steps", "5", "--resume", workload_path=other), "data: the data changed since the checkpoint")
+
+    # Every checkpoint damaged: one line, exit 2.
+    for manifest in (out / "checkpoints").glob("step-*/manifest.json"):
+        manifest.write_text("{")
+    _one_error(train("--steps", "5", "--resume"), "no intact checkpoint to resume from")
+
+    # --overwrite starts afresh.
+    again = train("--steps", "2", "--overwrite")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert _steps(out) == [0, 1]
+    assert json.loads((out / "checkpoints" / "latest.json").read_text())["step"] == 2
+
+
+def test_a_second_run_refuses_a_locked_directory(run):
+    from lorafleet.rundir import lock_run
+
+    train, tmp = run
+    lock = lock_run(tmp / "out")
+    try:
+        _one_error(train("--steps", "1"), "another run is using this directory")
+    finally:
+        lock.release()
+
+
+def _worker_pids(marker: str) -> list[int]:
+    """Processes whose command line names ``marker`` (the run directory), this test's excepted."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and "torch.distributed.run" not in cmdline and " -u -m lorafleet" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _start(run, *args: str) -> subprocess.Popen:
+    train, tmp = run
+    argv = [*LAUNCHER, "train", str(tmp / "w.yaml"), "--plan", str(tmp / "plan.json"), "--out", str(tmp / "out"),
+            "--device", "cpu", "--no-recalibrate", *args]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
+
+
+def _wait_for_steps(out: Path, n: int, process: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = out / "metrics.jsonl"
+        if path.is_file() and len(path.read_text().splitlines()) >= n:
+            return
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} steps within {timeout} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(run, sig, code):
+    train, tmp = run
+    process = _start(run, "--steps", "400", "--checkpoint-every", "1000")
+    _wait_for_steps(tmp / "out", 2, process)
+    process.send_signal(sig)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == code, stderr[-2000:]
+    assert "Traceback" not in stderr
+    (line,) = [x for x in stdout.splitlines() if x.startswith("lorafleet train: stopped by")]
+    steps = int(line.split(" after ")[1].split()[0])
+    assert line == (f"lorafleet train: stopped by {sig.name} after {steps} steps; checkpoint step-{steps:06d} committed, "
+                    "continue with --resume")
+    assert json.loads((tmp / "out" / "checkpoints" / "latest.json").read_text())["step"] == steps
+    assert _steps(tmp / "out") == list(range(steps))
+    assert not _worker_pids(str(tmp / "out"))
+
+
+@pytest.mark.slow
+def test_workers_never_outlive_their_launcher(run):
+    _, tmp = run
+    process = _start(run, "--steps", "4000", "--checkpoint-every", "1000")
+    _wait_for_steps(tmp / "out", 1, process)
+    assert len(_worker_pids(str(tmp / "out"))) == 2
+    process.kill()  # SIGKILL: no handler runs
+    process.communicate()
+    deadline = time.monotonic() + 20
+    while _worker_pids(str(tmp / "out")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _worker_pids(str(tmp / "out"))
+
+
+@pytest.mark.slow
+def test_workers_run_the_launchers_code_not_the_current_directorys(run):
+    """A different ``lorafleet`` in the directory the run starts from is not what the workers import."""
+    train, tmp = run
+    fake = tmp / "elsewhere" / "lorafleet"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise SystemExit('the wrong lorafleet was imported')\n")
+    (fake / "__main__.py").write_text("raise SystemExit('the wrong lorafleet was run')\n")
+    script = Path(sys.executable).parent / "lorafleet"  # the installed console script, as a user runs it
+    argv = [str(script), "train", str(tmp / "w.yaml"), "--plan", str(tmp / "plan.json"), "--out", str(tmp / "out"),
+            "--device", "cpu", "--steps", "1"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=fake.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "wrong lorafleet" not in result.stderr + result.stdout
+
+
+@pytest.mark.slow
+def test_a_nonfinite_task_is_skipped_then_stopped_and_the_others_are_bitwise_untouched(run, tiny_tokenizer_dir):
+    """``chat`` blows up (lr 1e30: its first update makes every later loss non-finite): its updates are
+    skipped and it stops after three in a row; ``docsum`` trains bitwise as in a run where chat is sane.
+    A third task whose SGD step underflows to nothing (lr 1e-45) is warned about in both runs."""
+    train, tmp = run
+    frozen = (f"  - {{name: frozen, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 2, context_length: 256,"
+              " optimizer: {name: sgd, lr: 1.0e-45}}\n")
+    plan = replace(h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat", "frozen"), bucket_boundaries=(256,))
+    plan.save(tmp / "plan.json")
+    results = {}
+    for name, chat in (("sane", "lr: 1.0e-3"), ("blown", "lr: 1.0e+30")):
+        folder = tmp / name
+        folder.mkdir()
+        workload = _workload(folder, tiny_tokenizer_dir, chat, frozen)
+        result = train("--steps", "4", "--out", str(folder / "out"), workload_path=workload)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "task 'frozen': its adapter has not moved after its warm-up" in result.stderr
+        results[name] = (result, folder / "out")
+    blown, out = results["blown"]
+    assert "step 1: task 'chat' has a non-finite loss or gradient; its update is skipped (1 in a row)" in blown.stderr
+    assert "task 'chat' stopped after 3 non-finite steps in a row" in blown.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["nonfinite_tasks"] for r in records] == [[], ["chat"], ["chat"], ["chat"]]
+    chat = load_file(out / "adapters" / "chat" / "adapter_model.safetensors")
+    assert all(torch.isfinite(t).all() for t in chat.values())
+    sane = load_file(results["sane"][1] / "adapters" / "docsum" / "adapter_model.safetensors")
+    ours = load_file(out / "adapters" / "docsum" / "adapter_model.safetensors")
+    assert sane.keys() == ours.keys() and all(torch.equal(sane[k], ours[k]) for k in sane)
