@@ -366,7 +366,7 @@ class Trainer:
         self.names = [t.name for t in prepared.workload.tasks]
         self.out = Path(options.out)
         self.checkpoints = self.out / "checkpoints"
-        self.recalibrator = Recalibrator(len(self.plan.replicas), self.plan.policy.recalibration, warmup_steps=1)
+        self.recalibrator = Recalibrator(len(self.plan.replicas), self.plan.policy.recalibration)
         self.reports: list[tuple[StepReport, StepPlan]] = []
         self.nonfinite_streak = dict.fromkeys(self.names, 0)
         self.stopped_tasks: dict[str, int] = {}
@@ -404,6 +404,8 @@ class Trainer:
             signal.signal(s, lambda signum, _frame: setattr(self, "signal", signum))
         start = self.restore()
         steps = range(start, min(self.options.steps, _last_step(self.executor, self.options.steps)))
+        if self.plan.policy.recalibration.enabled and len(steps):
+            self._probe(start)
         with self._writers(steps) as metrics,                 LookaheadDispatcher(self.executor.next_global_batch, self.plan, self.prepared.run.cost_model) as ahead:
 
             def on_report(report: StepReport, step_plan: StepPlan) -> None:
@@ -427,6 +429,27 @@ class Trainer:
         self.executor.close()
         print(self.summary(reached), flush=True)
         return 0
+
+    def _probe(self, step: int) -> None:
+        """Before the first step: each replica's first micro-batch of step ``step``'s dispatch, at most
+        ``PROBE_TOKENS`` of it, timed twice without training on it (``TorchExecutor.probe``). The first
+        pass pays a fresh process's one-time costs; the second is the recalibrator's first observation,
+        so the run's first steps are already priced by this machine's speed."""
+        from lorafleet.dispatch import dispatch_step
+
+        batch = self.executor.streams.global_batch(step)
+        full = dispatch_step(batch, self.plan, self.prepared.run.cost_model)
+        cost_model = self.prepared.run.cost_model
+        work = []
+        for replica, w in zip(self.plan.replicas, full.work, strict=True):
+            mbs = w.microbatches[:1]
+            if mbs and mbs[0].tokens > PROBE_TOKENS:
+                mbs = (_cut(mbs[0], PROBE_TOKENS),)
+            work.append(replace(w, microbatches=mbs, estimated_time_s=cost_model.replica_time(
+                replica.config, [mb.shape for mb in mbs]) if mbs else 0.0))
+        probe = replace(full, work=tuple(work), speed=())
+        self.executor.probe(probe, batch)
+        self.recalibrator.observe(probe, self.executor.probe(probe, batch))
 
     def _stopped(self, reached: int) -> int:
         """A stop asked by a signal, at the boundary before step ``reached``: checkpoint (unless told not to)."""
@@ -492,6 +515,20 @@ class Trainer:
         if self.stopped_tasks:
             lines.append(f"  stopped tasks (non-finite updates): {', '.join(self.stopped_tasks)}")
         return "\n".join(lines)
+
+
+PROBE_TOKENS = 1024
+"""The most tokens of a replica's probe micro-batch (``Trainer._probe``): enough to be timed as its
+steps are, small next to a step."""
+
+
+def _cut(mb, tokens: int):
+    """The first rows of a micro-batch that fit in ``tokens`` (at least one)."""
+    keep = 1
+    while keep < len(mb.lengths) and replace(mb, seq_ids=mb.seq_ids[:keep + 1], task_ids=mb.task_ids[:keep + 1],
+                                             lengths=mb.lengths[:keep + 1]).tokens <= tokens:
+        keep += 1
+    return replace(mb, seq_ids=mb.seq_ids[:keep], task_ids=mb.task_ids[:keep], lengths=mb.lengths[:keep])
 
 
 def _last_step(executor, steps: int) -> int:

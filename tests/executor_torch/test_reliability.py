@@ -23,7 +23,7 @@ DEMO = REPO / "examples" / "demo"
 LAUNCHER = [sys.executable, "-m", "lorafleet"]
 
 
-def _workload(tmp_path: Path, tokenizer: Path, chat: str = "lr: 1.0e-3", extra_task: str = "") -> Path:
+def _workload(tmp_path: Path, tokenizer: Path, chat: str = "optimizer: {lr: 1.0e-3}", extra_task: str = "") -> Path:
     path = tmp_path / "w.yaml"
     path.write_text(
         f"model: tiny-llama\ntokenizer: {tokenizer}\n"
@@ -31,8 +31,8 @@ def _workload(tmp_path: Path, tokenizer: Path, chat: str = "lr: 1.0e-3", extra_t
         "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-3}}\n"
         "tasks:\n"
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
-        f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128,"
-        f" optimizer: {{{chat}}}}}\n" + extra_task
+        f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128, {chat}}}\n"
+        + extra_task
     )
     return path
 
@@ -89,7 +89,7 @@ def test_run_directory_checkpoints_and_resume(run):
 
     # Data changed since the checkpoint: refused before any process starts.
     changed = tmp / "changed.jsonl"
-    changed.write_text((DEMO / "chat.jsonl").read_text().replace("a", "b", 5))
+    changed.write_text((DEMO / "chat.jsonl").read_text().replace(" the ", " THE ", 5))
     workload = Path(str(tmp / "w.yaml"))
     other = tmp / "w2.yaml"
     other.write_text(workload.read_text().replace(str(DEMO / "chat.jsonl"), str(changed)))
@@ -202,16 +202,17 @@ def test_workers_run_the_launchers_code_not_the_current_directorys(run):
 
 @pytest.mark.slow
 def test_a_nonfinite_task_is_skipped_then_stopped_and_the_others_are_bitwise_untouched(run, tiny_tokenizer_dir):
-    """``chat`` blows up (lr 1e30: its first update makes every later loss non-finite): its updates are
-    skipped and it stops after three in a row; ``docsum`` trains bitwise as in a run where chat is sane.
-    A third task whose SGD step underflows to nothing (lr 1e-45) is warned about in both runs."""
+    """``chat`` blows up (lr 10, alpha 1e30: the issue's case; its gradient overflows, and any update it
+    took would overflow its activations): its updates are skipped and it stops after three in a row;
+    ``docsum`` trains bitwise as in a run where chat is sane. A third task whose SGD step underflows to
+    nothing (lr 1e-45) is warned about in both runs."""
     train, tmp = run
     frozen = (f"  - {{name: frozen, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 2, context_length: 256,"
               " optimizer: {name: sgd, lr: 1.0e-45}}\n")
     plan = replace(h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat", "frozen"), bucket_boundaries=(256,))
     plan.save(tmp / "plan.json")
     results = {}
-    for name, chat in (("sane", "lr: 1.0e-3"), ("blown", "lr: 1.0e+30")):
+    for name, chat in (("sane", "optimizer: {lr: 1.0e-3}"), ("blown", "lora: {alpha: 1.0e+30}, optimizer: {lr: 10}")):
         folder = tmp / name
         folder.mkdir()
         workload = _workload(folder, tiny_tokenizer_dir, chat, frozen)
@@ -220,10 +221,11 @@ def test_a_nonfinite_task_is_skipped_then_stopped_and_the_others_are_bitwise_unt
         assert "task 'frozen': its adapter has not moved after its warm-up" in result.stderr
         results[name] = (result, folder / "out")
     blown, out = results["blown"]
-    assert "step 1: task 'chat' has a non-finite loss or gradient; its update is skipped (1 in a row)" in blown.stderr
+    assert "task 'chat' has a non-finite loss or gradient; its update is skipped (3 in a row)" in blown.stderr
     assert "task 'chat' stopped after 3 non-finite steps in a row" in blown.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["nonfinite_tasks"] for r in records] == [[], ["chat"], ["chat"], ["chat"]]
+    flagged = ["chat" in r["nonfinite_tasks"] for r in records]
+    assert sum(flagged) >= 3 and all(not r["nonfinite_tasks"] or r["nonfinite_tasks"] == ["chat"] for r in records)
     chat = load_file(out / "adapters" / "chat" / "adapter_model.safetensors")
     assert all(torch.isfinite(t).all() for t in chat.values())
     sane = load_file(results["sane"][1] / "adapters" / "docsum" / "adapter_model.safetensors")

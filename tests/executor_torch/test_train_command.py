@@ -90,7 +90,7 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
     assert [float(r["loss/chat"]) for r in rows] == [r["losses"]["chat"] for r in lines]
-    assert float(rows[0]["predicted_busy_s/1"]) > 0  # before recalibration moves work, both replicas have some
+    assert all(max(float(r[f"predicted_busy_s/{i}"]) for i in (0, 1)) > 0 for r in rows)
     assert all(float(r["correction/0"]) > 0 and float(r["model_busy_s/0"]) > 0 and float(r["cpu_s/rank_0"]) > 0 for r in rows)
     assert (out / "plan.json").is_file() and not (out / ".stop-request").exists()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
@@ -123,10 +123,10 @@ def _train(workload: tuple[Path, Path], out: Path, *options: str) -> subprocess.
 
 
 def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_tokenizer_dir):
-    """Two identical TP1 replicas priced by the shipped CPU profile; replica 0 is made 4x slower by an
-    injected wait. The first step's report is a fresh process's (one-time costs) and is not used;
-    the second's corrects the cost model, so from step 3 (step 2 was dispatched ahead, before that
-    report) replica 0 holds far fewer tokens than its peer."""
+    """Two identical TP1 replicas priced by the shipped CPU profile, which splits the work evenly between
+    them; replica 0 is made 4x slower by an injected wait. The probe before the first step (a micro-batch
+    of each replica's share timed twice, not trained on) already sees it, so from step 0 on replica 0
+    holds far fewer tokens than its peer, and every step's report keeps it so."""
     from lorafleet.costmodel import CostModelOrigin, file_sha256
 
     profile = REPO / "profiles" / "tiny-llama-cpu.json"
@@ -144,10 +144,10 @@ def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_to
                    cost_model=CostModelOrigin(kind="profile", gpu="cpu", profile=str(profile), sha256=file_sha256(profile)))
     plan.save(tmp_path / "plan.json")
     out = tmp_path / "out"
-    _train((path, tmp_path / "plan.json"), out, "--steps", "5", "--inject-slowdown", "0=4")
+    _train((path, tmp_path / "plan.json"), out, "--steps", "4", "--inject-slowdown", "0=4")
     rows = list(csv.DictReader((out / "metrics.csv").open()))
+    model = [float(r["model_busy_s/0"]) / float(r["model_busy_s/1"]) for r in rows]
     share = [float(r["replica_tokens/0"]) / float(r["replica_tokens/1"]) for r in rows]
-    assert 0.6 < share[0] < 1.6 and 0.6 < share[2] < 1.6  # dispatched before anything was used: about even
-    assert float(rows[0]["correction/0"]) == float(rows[0]["correction/1"]) == 1.0  # the warm-up step is not used
-    assert float(rows[1]["correction/0"]) > 2.5 * float(rows[1]["correction/1"])
-    assert max(share[3:]) < 0.6 * share[0]
+    assert all(float(r["correction/0"]) > 2.5 * float(r["correction/1"]) for r in rows)
+    assert max(share) < 0.6, share  # an even split would be ~1 (the uncorrected model prices them alike)
+    assert max(model) < 0.6  # what the model says of those very micro-batches: replica 0 was given less

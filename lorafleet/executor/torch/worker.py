@@ -100,6 +100,7 @@ class ExecutorConfig:
 
 class CommandKind(StrEnum):
     STEP = "step"
+    PROBE = "probe"
     SAVE = "save"
     RESTORE = "restore"
     STOP = "stop"
@@ -193,6 +194,16 @@ class TorchExecutor:
         assert report is not None
         return report
 
+    def probe(self, step_plan: StepPlan, batch: GlobalBatch) -> StepReport:
+        """Times ``step_plan`` (micro-batches of ``batch``, any subset of it) on every replica without
+        changing any state: forwards and backwards, the gradients dropped, no optimizer step, no
+        moved-check. What it is for: how fast each replica really is before the first step (DLRover's
+        node check, on the run's own work), and a fresh process's one-time costs paid outside the run."""
+        payload = (step_plan, tuple(int(t) for t in batch.task_ids), tuple(int(s) for s in batch.sample_ids), True)
+        report = self._broadcast_and_run(Command(CommandKind.PROBE, payload))
+        assert report is not None
+        return report
+
     def save_checkpoint(self, directory: str | Path, step: int, extra: dict[str, Any] | None = None, *,
                         wait: bool = False) -> Path:
         """Checkpoints the state after ``step`` completed steps; returns its directory, which is committed
@@ -254,7 +265,7 @@ class TorchExecutor:
         return box[0]
 
     def _execute(self, command: Command) -> Any:
-        if command.kind is CommandKind.STEP:
+        if command.kind in (CommandKind.STEP, CommandKind.PROBE):
             return self._run_step(*command.payload)
         if command.kind is CommandKind.SAVE:
             directory, step, extra = command.payload
@@ -275,7 +286,8 @@ class TorchExecutor:
             return command.payload
         return None
 
-    def _run_step(self, step_plan: StepPlan, task_ids: Sequence[int], sample_ids: Sequence[int]) -> StepReport | None:
+    def _run_step(self, step_plan: StepPlan, task_ids: Sequence[int], sample_ids: Sequence[int],
+                  probe: bool = False) -> StepReport | None:
         start, cpu_start = time.perf_counter(), time.process_time()
         torch.manual_seed(step_seed(self.config.seed, step_plan.step, self.rank))
         n_tasks = len(self.config.tasks)
@@ -294,11 +306,15 @@ class TorchExecutor:
                 waited = time.perf_counter()
                 time.sleep((factor - 1.0) * result.busy_s)
                 result = RankStepResult(result.task_loss, result.busy_s + time.perf_counter() - waited)
+        if probe:  # timed, not trained on: drop the gradients before they are summed
+            for t in stepping:
+                self.optimizers[t].skip()
+            stepping = []
         self.replica.grad_sync.all_reduce(stepping)
         times = torch.zeros(3, self.world_size, dtype=torch.float64)  # busy, elapsed, CPU up to here, per rank
         times[:, self.rank] = torch.tensor([result.busy_s, time.perf_counter() - start, time.process_time() - cpu_start],
                                            dtype=torch.float64)
-        moved = torch.tensor([self._moved(t) for t in range(n_tasks)], dtype=torch.float64)
+        moved = torch.tensor([1.0 if probe else self._moved(t) for t in range(n_tasks)], dtype=torch.float64)
         stats = torch.cat([result.task_loss.cpu(), self.replica.grad_sync.squared_norms(n_tasks, stepping), moved,
                            times.view(-1)])
         stats = stats.to(self.device)
