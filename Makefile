@@ -32,12 +32,15 @@ demo: setup
 	$(BIN)/lorafleet simulate examples/lobra-7b.yaml --plan $(DEMO_OUT)/plan.json --steps 16 --report $(DEMO_OUT)/report
 	$(MAKE) demo-train
 
-# A short real training run: SmolLM2-135M on the four demo tasks (examples/demo), CPU, gloo.
-# ~15 s a step on a quiet 2-core machine; writes PEFT adapters and metrics under runs/demo-train.
+# A short real training run: SmolLM2-135M on the four demo tasks (examples/demo), CPU, gloo, on the
+# plan made for 1 x cpu (the same --gpus/--gpu for train, which checks the plan against them).
+# Prints each step's measured and predicted time; writes PEFT adapters and metrics under
+# runs/demo-train (--overwrite: a rerun of the demo replaces the last one).
 demo-train: setup
 	mkdir -p runs/demo-train
 	$(BIN)/lorafleet plan examples/demo/workload.yaml --gpus 1 --gpu cpu --json runs/demo-train/plan.json
-	$(BIN)/lorafleet train examples/demo/workload.yaml --plan runs/demo-train/plan.json --steps 2 --out runs/demo-train
+	$(BIN)/lorafleet train examples/demo/workload.yaml --gpus 1 --gpu cpu --plan runs/demo-train/plan.json --steps 2 \
+		--out runs/demo-train --overwrite
 
 test: setup
 	$(BIN)/python -m pytest -q

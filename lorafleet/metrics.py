@@ -231,13 +231,15 @@ class TensorBoardWriter(ClosingWriter):
 
 
 class ProgressBar:
-    """A rich progress bar over steps ``start..total``: step k/K, makespan, mean loss over tasks, tokens/s."""
+    """A rich progress bar over steps ``start..total`` with an ETA: step k/K, the step's measured and
+    predicted time, mean loss over tasks, tokens/s."""
 
     def __init__(self, total: int, start: int = 0, console: object | None = None) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                   TimeRemainingColumn)
 
         self._progress = Progress(
-            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
+            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
             TextColumn("{task.fields[stats]}"), console=console,
         )
         self._task = self._progress.add_task("train", total=total, completed=start, stats="")
@@ -246,7 +248,8 @@ class ProgressBar:
     def write(self, report: StepReport, **extra: object) -> None:
         losses = list(report.losses.values())
         loss = f"loss {np.mean(losses):.4f}  " if losses else ""
-        stats = f"makespan {report.makespan_s:.2f}s  {loss}{_tokens_per_s(report, extra):,.0f} tok/s"
+        stats = (f"step {report.makespan_s:.2f}s (predicted {report.estimated_makespan_s:.2f}s)  {loss}"
+                 f"{_tokens_per_s(report, extra):,.0f} tok/s")
         self._progress.update(self._task, completed=report.step + 1, stats=stats)
 
     def close(self) -> None:

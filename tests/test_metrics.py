@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from lorafleet.metrics import CsvWriter, FanOut, JsonlWriter, ProgressBar, TensorBoardWriter
+from lorafleet.metrics import CsvWriter, FanOut, JsonlWriter, LogLines, ProgressBar, TensorBoardWriter
 from lorafleet.plans import StepReport
 
 REPORTS = (
@@ -96,7 +96,16 @@ def test_progress_bar_shows_step_makespan_loss_and_throughput():
     _write_all(bar)
     bar.close()
     text = console.file.getvalue()
-    assert "2/5" in text and "makespan 1.00s" in text and "loss 2.3750" in text and "400 tok/s" in text
+    assert "2/5" in text and "step 1.00s (predicted 0.80s)" in text and "loss 2.3750" in text and "400 tok/s" in text
+
+
+def test_log_lines_give_step_losses_times_and_eta():
+    lines = []
+    log = LogLines(total=4, print_fn=lines.append)
+    _write_all(log)
+    assert lines[0].startswith("step 1/4  loss docsum")
+    assert "step 1.25 s (predicted 1 s)" in lines[0] and lines[0].endswith("ETA 0m04s")  # 1.25 s x 3 left
+    assert lines[1].endswith("ETA 0m02s")  # mean 1.125 s a step, 2 left
 
 
 def test_ratio_without_a_prediction_is_nan(tmp_path):

@@ -4,9 +4,11 @@
   ``--max-restarts``: torchrun restarts them, they resume from the newest intact checkpoint, and
   the final adapters are bitwise those of an uninterrupted run (CPU, recalibration off: the
   dispatch is then a function of the step alone).
-- A resume on fewer or more GPUs (4 -> 2, 2 -> 4) re-plans for them with the run's cost model
-  and policy and continues on the same data order; the adapters equal an uninterrupted run's to
-  float tolerance (another plan sums gradients in another order).
+- A run stopped halfway (SIGINT, at a step boundary) and resumed on fewer or more GPUs (4 -> 2,
+  2 -> 4) re-plans for them with the run's cost model and policy and continues on the same data
+  order; the adapters equal an uninterrupted run's to float tolerance (another plan sums
+  gradients in another order). The first part is told the run's total steps, as a resume is:
+  the learning-rate schedules span ``--steps``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_reliability import DEMO, LAUNCHER, _steps, _worker_pids
+from test_reliability import DEMO, LAUNCHER, _steps, _wait_for_steps, _worker_pids
 
 TASKS = ("docsum", "chat")
 
@@ -100,9 +102,17 @@ def test_a_resume_on_other_gpus_replans_and_continues(tmp_path, tiny_tokenizer_d
     two = _plan(workload, tmp_path / "two.json", "--gpus", "2")
     _train(workload, four, tmp_path / "reference", "--steps", "4", "--gpus", "4")
     reference = _adapters(tmp_path / "reference")
-    for name, (first, gpus, then) in {"shrink": (four, "4", "2"), "grow": (two, "2", "4")}.items():
+    cases = {"shrink": (four, "4", "2", signal.SIGINT), "grow": (two, "2", "4", signal.SIGTERM)}
+    for name, (first, gpus, then, sig) in cases.items():
         out = tmp_path / name
-        _train(workload, first, out, "--steps", "2", "--gpus", gpus)
+        part = subprocess.Popen([*LAUNCHER, "train", str(workload), "--plan", str(first), "--out", str(out), "--device",
+                                 "cpu", "--no-recalibrate", "--steps", "4", "--gpus", gpus], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        _wait_for_steps(out, 1, part)
+        part.send_signal(sig)
+        stdout, stderr = part.communicate(timeout=300)
+        assert part.returncode == 128 + sig and f"stopped by {sig.name} after" in stdout, stderr[-3000:]
+        assert "Traceback" not in stderr
         resumed = _train(workload, first, out, "--steps", "4", "--resume", "--gpus", then)
         assert f"re-planned for {then} GPUs: " in resumed.stdout, resumed.stdout
         assert _steps(out) == [0, 1, 2, 3]
