@@ -78,6 +78,11 @@ class DeploymentPlan:
         return sum(r.config.n_gpus for r in self.replicas)
 
     @property
+    def world_size(self) -> int:
+        """Processes a training run of the plan needs: one per rank it names (idle ranks included)."""
+        return max(g for r in self.replicas for g in r.gpus) + 1
+
+    @property
     def expected_gpu_seconds(self) -> float:
         """GPU-seconds per step: every allocated GPU is held for the whole makespan."""
         return self.expected_makespan_s * self.used_gpus

@@ -55,6 +55,30 @@ def _step_json(step_plan, batch, plan, task_names: tuple[str, ...], tokens) -> d
             "rejected": step_plan.rejected, "replicas": replicas}
 
 
+PROGRESS_FROM = 50
+"""Runs of at least this many steps show their progress on stderr (a bar on a terminal, else a line every tenth)."""
+
+
+def _with_progress(steps: range):
+    """``steps``, reporting progress on stderr when there are many of them."""
+    import sys
+
+    if len(steps) < PROGRESS_FROM:
+        yield from steps
+        return
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import track
+
+        yield from track(steps, description="dispatching", console=Console(stderr=True), transient=True)
+        return
+    every = max(1, len(steps) // 10)
+    for k, step in enumerate(steps, start=1):
+        yield step
+        if k % every == 0 or k == len(steps):
+            print(f"lorafleet dispatch: {k:,}/{len(steps):,} steps dispatched", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
     from rich.console import Console
@@ -85,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     for column in ("step", "method", "solve ms", "makespan s", "padding", "load per replica, s"):
         table.add_column(column, justify="left" if column in ("method", "load per replica, s") else "right")
     steps_json, tokens_sum = [], np.zeros((len(plan.replicas), len(task_names)))
-    for step in range(args.start_step, args.start_step + args.steps):
+    for step in _with_progress(range(args.start_step, args.start_step + args.steps)):
         batch = sample_global_batch(workload, step, args.seed)
         step_plan = dispatch_step(batch, plan, cost_model)
         tokens = task_tokens_per_replica(step_plan, len(task_names))

@@ -81,6 +81,11 @@ class Recalibrator:
         g, bound = self.scale, self.options.bound
         return tuple(g * min(max((f if f is not None else g) / g, 1 / bound), bound) for f in self._raw())
 
+    def skip_next(self, n: int) -> None:
+        """Leave the next ``n`` reports out (a fresh process's first steps, whose one-time costs say
+        nothing of its speed)."""
+        self._warmup = max(self._warmup, n)
+
     def replicas(self) -> tuple[ReplicaCalibration, ...]:
         return tuple(ReplicaCalibration(factor=c, observed=n) for c, n in zip(self._corrections(), self._observed, strict=True))
 

@@ -88,3 +88,12 @@ def test_sequence_longer_than_every_replica(files, capsys):
     assert main(["dispatch", str(workload), "--plan", str(small), "--steps", "3"]) == 2
     assert "small.json: replicas: no replica holds task 'docs''s 15000-token sequences (largest max_tokens 4096)" \
         in capsys.readouterr().err
+
+
+def test_a_long_run_shows_progress_and_an_absurd_one_is_refused(files, capsys):
+    workload, plan, _ = files
+    assert main(["dispatch", str(workload), "--plan", str(plan), "--steps", "50"]) == 0
+    err = capsys.readouterr().err
+    assert "lorafleet dispatch: 5/50 steps dispatched" in err and "50/50 steps dispatched" in err
+    assert main(["dispatch", str(workload), "--plan", str(plan), "--steps", "1000000000"]) == 2
+    assert "--steps: must be >= 1 and <= 100,000" in capsys.readouterr().err

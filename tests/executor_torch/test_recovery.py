@@ -94,29 +94,37 @@ def test_random_worker_kills_recover_to_the_bitwise_same_adapters(tmp_path, tiny
         assert all(torch.equal(reference[task][k], recovered[task][k]) for k in reference[task]), task
 
 
+def _run_until_signal(argv: list[str], cwd: Path, out: Path, sig: signal.Signals) -> str:
+    """Start ``argv``, let it take one more step than ``out`` holds, stop it with ``sig``; its stdout."""
+    done = len(_steps(out)) if (out / "metrics.jsonl").is_file() else 0
+    part = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    _wait_for_steps(out, done + 1, part)
+    part.send_signal(sig)
+    stdout, stderr = part.communicate(timeout=300)
+    assert part.returncode == 128 + sig and f"stopped by {sig.name} after" in stdout, stderr[-3000:]
+    assert "Traceback" not in stderr
+    return stdout
+
+
 @pytest.mark.slow
 def test_a_resume_on_other_gpus_replans_and_continues(tmp_path, tiny_tokenizer_dir):
-    """4 -> 2 and 2 -> 4 GPUs halfway through, against an uninterrupted run on 4."""
+    """4 GPUs, stopped by SIGINT; resumed on 2 (4 -> 2), stopped by SIGTERM; resumed on 4 (2 -> 4) to the
+    end: against an uninterrupted run on 4."""
     workload = _workload(tmp_path, tiny_tokenizer_dir, gpus_per_node=4)
     four = _plan(workload, tmp_path / "four.json", "--gpus", "4")
-    two = _plan(workload, tmp_path / "two.json", "--gpus", "2")
-    _train(workload, four, tmp_path / "reference", "--steps", "4", "--gpus", "4")
-    reference = _adapters(tmp_path / "reference")
-    cases = {"shrink": (four, "4", "2", signal.SIGINT), "grow": (two, "2", "4", signal.SIGTERM)}
-    for name, (first, gpus, then, sig) in cases.items():
-        out = tmp_path / name
-        part = subprocess.Popen([*LAUNCHER, "train", str(workload), "--plan", str(first), "--out", str(out), "--device",
-                                 "cpu", "--no-recalibrate", "--steps", "4", "--gpus", gpus], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-        _wait_for_steps(out, 1, part)
-        part.send_signal(sig)
-        stdout, stderr = part.communicate(timeout=300)
-        assert part.returncode == 128 + sig and f"stopped by {sig.name} after" in stdout, stderr[-3000:]
-        assert "Traceback" not in stderr
-        resumed = _train(workload, first, out, "--steps", "4", "--resume", "--gpus", then)
-        assert f"re-planned for {then} GPUs: " in resumed.stdout, resumed.stdout
-        assert _steps(out) == [0, 1, 2, 3]
-        ours = _adapters(out)
-        for task in TASKS:
-            for key, value in reference[task].items():
-                torch.testing.assert_close(ours[task][key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {task} {key}")
+    steps = "6"
+    _train(workload, four, tmp_path / "reference", "--steps", steps, "--gpus", "4")
+    out = tmp_path / "elastic"
+    base = [*LAUNCHER, "train", str(workload), "--plan", str(four), "--out", str(out), "--device", "cpu",
+            "--no-recalibrate", "--steps", steps]
+    _run_until_signal([*base, "--gpus", "4"], tmp_path, out, signal.SIGINT)
+    shrunk = _run_until_signal([*base, "--gpus", "2", "--resume"], tmp_path, out, signal.SIGTERM)
+    assert "re-planned for 2 GPUs: " in shrunk, shrunk
+    # resumed with the run's own plan, which is the 2-GPU one now: re-planned for 4
+    grown = _train(workload, out / "plan.json", out, "--steps", steps, "--resume", "--gpus", "4").stdout
+    assert "re-planned for 4 GPUs: " in grown, grown
+    assert _steps(out) == list(range(int(steps)))
+    reference, ours = _adapters(tmp_path / "reference"), _adapters(out)
+    for task in TASKS:
+        for key, value in reference[task].items():
+            torch.testing.assert_close(ours[task][key], value, rtol=1e-5, atol=1e-6, msg=f"{task} {key}")

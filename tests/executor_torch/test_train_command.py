@@ -148,6 +148,7 @@ def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_to
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     model = [float(r["model_busy_s/0"]) / float(r["model_busy_s/1"]) for r in rows]
     share = [float(r["replica_tokens/0"]) / float(r["replica_tokens/1"]) for r in rows]
-    assert all(float(r["correction/0"]) > 2.5 * float(r["correction/1"]) for r in rows)
+    corrections = [float(r["correction/0"]) / float(r["correction/1"]) for r in rows]
+    assert min(corrections) > 2.5, corrections  # the probe saw it (step 0's report, warm-up, is left out)
     assert max(share) < 0.6, share  # an even split would be ~1 (the uncorrected model prices them alike)
-    assert max(model) < 0.6  # what the model says of those very micro-batches: replica 0 was given less
+    assert max(model) < 0.6, model  # what the model says of those very micro-batches: replica 0 was given less

@@ -29,7 +29,6 @@ intact checkpoint before it; with none intact, resume is an InputError.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -45,16 +44,19 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lorafleet.errors import InputError
+from lorafleet.executor.torch.checkpoint_files import (
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    file_sha256,
+    resumable_checkpoint,
+)
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.peft_export import PEFT_PREFIX, lora_config, peft_key, read_peft_spec
 from lorafleet.executor.torch.replica import Replica
 from lorafleet.executor.torch.tp import shard
 from lorafleet.specs.lora import LoraSpec
 
-FORMAT_VERSION = 2
-"""2 adds ``files``: the SHA-256 of every file of the step directory, verified on resume."""
-MANIFEST = "manifest.json"
-LATEST = "latest.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 
 
@@ -187,7 +189,7 @@ def save_train_state(directory: str | Path, state: TrainState, *, base_model: st
         "tasks": [{"name": t.name, "optimizer_steps": t.optimizer_steps} for t in state.tasks],
         "data": state.data,
         "extra": state.extra,
-        "files": {str(f.relative_to(partial)): _sha256(f) for f in sorted(partial.rglob("*")) if f.is_file()},
+        "files": {str(f.relative_to(partial)): file_sha256(f) for f in sorted(partial.rglob("*")) if f.is_file()},
     }
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     final = root / name
@@ -203,74 +205,10 @@ def save_train_state(directory: str | Path, state: TrainState, *, base_model: st
     return final
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def checkpoint_problem(step_dir: Path) -> str | None:
-    """Why ``step_dir`` is not an intact committed checkpoint (None when it is): its manifest does
-    not read, is of another format, or a file is missing or differs from its recorded SHA-256."""
-    try:
-        manifest = json.loads((step_dir / MANIFEST).read_text())
-        files = manifest["files"]
-        if manifest.get("format") != FORMAT_VERSION:
-            return f"format {manifest.get('format')!r}, expected {FORMAT_VERSION}"
-        int(manifest["step"])
-    except FileNotFoundError:
-        return "no manifest"
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return f"unreadable manifest ({type(err).__name__})"
-    for name, digest in files.items():
-        path = step_dir / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if _sha256(path) != digest:
-            return f"{name} does not match its checksum"
-    return None
-
-
-@dataclass(frozen=True)
-class Resumable:
-    """The checkpoint a run resumes from, and the newer ones that were passed over."""
-
-    step_dir: Path
-    step: int
-    broken: tuple[str, ...] = ()
-    """One line per newer checkpoint that is not intact (``step-000006: adapter_model... checksum``)."""
-
-
-def resumable_checkpoint(directory: str | Path) -> Resumable | None:
-    """The newest intact checkpoint of ``directory`` (module docstring); None when there is no checkpoint.
-
-    Raises:
-        InputError: there are checkpoints but none is intact.
-    """
-    root = Path(directory)
-    broken = []
-    for step_dir in sorted((p for p in root.glob("step-*") if p.is_dir()), key=lambda p: p.name, reverse=True):
-        problem = checkpoint_problem(step_dir)
-        if problem is None:
-            step = int(json.loads((step_dir / MANIFEST).read_text())["step"])
-            return Resumable(step_dir=step_dir, step=step, broken=tuple(broken))
-        broken.append(f"{step_dir.name}: {problem}")
-    if broken:
-        raise InputError(str(root), "", f"no intact checkpoint to resume from ({'; '.join(broken)})")
-    return None
-
-
 def latest_step_dir(directory: str | Path) -> Path | None:
     """The newest intact committed checkpoint of ``directory``; None when there is none."""
     found = resumable_checkpoint(directory)
     return found.step_dir if found is not None else None
-
-
-def read_manifest(step_dir: str | Path) -> dict[str, Any]:
-    """The manifest of a (verified) step directory."""
-    return json.loads((Path(step_dir) / MANIFEST).read_text())
 
 
 def load_train_state(step_dir: str | Path, names: Sequence[str]) -> TrainState:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -40,25 +39,6 @@ from lorafleet.executor.torch.data_stream import DataStreams, TaskData, prepare_
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.workload import TaskSpec, WorkloadSpec
-
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def under_torchrun() -> bool:
-    """Whether this process was started by torchrun (or anything that sets its variables)."""
-    return all(name in os.environ for name in TORCHRUN_ENV)
-
-
-def plan_world_size(plan: DeploymentPlan) -> int:
-    """Processes a plan needs: one per rank it names (idle ranks included)."""
-    return max(g for r in plan.replicas for g in r.gpus) + 1
-
-
-def torchrun_argv(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> list[str]:
-    """The command that re-runs ``python -m lorafleet <argv>`` as ``nproc`` processes on this machine,
-    restarting them up to ``max_restarts`` times after a failure (torchrun's elastic agent)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "-m", "lorafleet", *argv]
 
 
 def init_distributed(device: str = "auto") -> torch.device:

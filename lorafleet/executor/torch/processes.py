@@ -1,5 +1,6 @@
-"""Process hygiene of a training run: workers never outlive their launcher, run the launcher's code,
-and stop at a step boundary when asked.
+"""Process hygiene of a training run: how it is started (torchrun), that workers never outlive their
+launcher and run its code, and that it stops at a step boundary when asked. Torch-free, so the
+launcher checks and starts a run without importing torch.
 
 - **Parent death.** On Linux every process of a run asks the kernel for SIGKILL when its parent
   dies (``prctl(PR_SET_PDEATHSIG)``): torchrun when ``lorafleet train`` dies, each worker when
@@ -21,17 +22,31 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import lorafleet
 from lorafleet.errors import InputError
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 PACKAGE_ENV = "LORAFLEET_PACKAGE"
 LOCKED_ENV = "LORAFLEET_RUN_LOCKED"
 """Set by the launcher, which holds the run directory's lock, for the workers it starts."""
 STOP_REQUEST = ".stop-request"
 """In the run directory: the signal number a stop was asked with."""
 PR_SET_PDEATHSIG = 1
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by torchrun (or anything that sets its variables)."""
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def torchrun_argv(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> list[str]:
+    """The command that re-runs ``python -m lorafleet <argv>`` as ``nproc`` processes on this machine,
+    restarting them up to ``max_restarts`` times after a failure (torchrun's elastic agent)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "-m", "lorafleet", *argv]
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
