@@ -100,11 +100,15 @@ def test_run_directory_checkpoints_and_resume(run):
         manifest.write_text("{")
     _one_error(train("--steps", "5", "--resume"), "no intact checkpoint to resume from")
 
-    # --overwrite starts afresh.
-    again = train("--steps", "2", "--overwrite")
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert _steps(out) == [0, 1]
-    assert json.loads((out / "checkpoints" / "latest.json").read_text())["step"] == 2
+    # --overwrite starts afresh: the launcher clears the previous run's files (in process here, as
+    # `lorafleet train` does before it starts torchrun) and writes the new run's plan.
+    from lorafleet.train import TrainOptions, _claim, prepare
+
+    (out / "notes.txt").write_text("mine")
+    options = TrainOptions(workload=str(tmp / "w.yaml"), plan=str(tmp / "plan.json"), out=str(out), overwrite=True)
+    lock = _claim(options, prepare(options))
+    lock.release()
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "notes.txt", "plan.json"]
 
 
 def test_a_second_run_refuses_a_locked_directory(run):

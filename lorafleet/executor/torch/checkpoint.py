@@ -107,23 +107,36 @@ def gather_task_states(replica: Replica, optimizers: Sequence[TaskOptimizer], sp
         moments = {k: (piece.local_view(v, replica.role) if v.dim() else v).detach().cpu().clone()
                    for k, v in state.items() if isinstance(v, Tensor)}
         local.append((piece, piece.local_view(param.detach(), replica.role).cpu().clone(), moments))
-    gathered: list | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, gathered, dst=0)
+    rank = dist.get_rank()
+    gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
+    # rank 0's own pieces are already in its memory: only the others' travel (pickled), so a
+    # one-process run, or rank 0's share of any run, costs a host copy and no serialisation
+    dist.gather_object(None if rank == 0 else local, gathered, dst=0)
     if gathered is None:
         return None
+    gathered[0] = local
     weights: list[dict[tuple[str, str], Tensor]] = [{} for _ in names]
     moments_of: list[dict[tuple[str, str, str], Tensor]] = [{} for _ in names]
-    shapes = {p.key: p.shape for p in replica.adapter_params}
+    shapes = {p.key: tuple(p.shape) for p in replica.adapter_params}
+
+    def place(store: dict, key: tuple, value: Tensor, piece, shape: tuple[int, ...]) -> None:
+        """Put one piece into its whole matrix (a piece that is the whole matrix is kept as it is)."""
+        if tuple(value.shape) == shape:
+            store[key] = value
+            return
+        if key not in store:
+            store[key] = torch.zeros(shape, dtype=value.dtype)
+        piece.full_view(store[key]).copy_(value)
+
     for piece, value, moments in (item for part in gathered for item in part):
         task, module, factor = piece.param.key
-        whole = weights[task].setdefault((module, factor), torch.zeros(shapes[piece.param.key], dtype=value.dtype))
-        piece.full_view(whole).copy_(value)
+        shape = shapes[piece.param.key]
+        place(weights[task], (module, factor), value, piece, shape)
         for key, tensor in moments.items():
             if tensor.dim() == 0:
                 moments_of[task][(module, factor, key)] = tensor
             else:
-                target = moments_of[task].setdefault((module, factor, key), torch.zeros(whole.shape, dtype=tensor.dtype))
-                piece.full_view(target).copy_(tensor)
+                place(moments_of[task], (module, factor, key), tensor, piece, shape)
     return tuple(
         TaskState(name, spec, weights[t], moments_of[t], optimizers[t].steps_taken)
         for t, (name, spec) in enumerate(zip(names, specs, strict=True))
