@@ -1,10 +1,14 @@
 """Online recalibration: what a run measures corrects the cost model the dispatcher prices with.
 
 For replica r, each step it ran with a prediction p_r > 0 from the *uncorrected* cost model
-(``StepPlan.base_estimate``) and a measured busy time m_r, the log-ratio
-x = log(m_r / p_r) enters a debiased exponential average (as Adam's moments):
+(``StepPlan.base_estimate``) and a measured busy time m_r, the ratio x = m_r / p_r enters a
+debiased exponential average (as Adam's moments):
 
-    a_n = beta * a_{n-1} + (1 - beta) * x_n,   a_0 = 0,   f_r = exp(a_n / (1 - beta^n))
+    a_n = beta * a_{n-1} + (1 - beta) * x_n,   a_0 = 0,   f_r = a_n / (1 - beta^n)
+
+An average of the ratios, not of their logarithms: step times are skewed to the right (a
+preempted core, a page fault), and the geometric mean of such noise sits below its mean,
+which would price every replica a few percent fast (with 20-30% noise, 2-5%).
 
 n counts the steps r was observed, so the first observation is taken whole and later ones
 are smoothed with weight (1 - beta). The correction splits into the fleet's scale g, the
@@ -73,9 +77,9 @@ class Recalibrator:
         return statistics.median(observed) if observed else 1.0
 
     def _raw(self) -> list[float | None]:
-        """f_r, the debiased average of each replica's log ratios, exponentiated; None if never observed."""
+        """f_r, the debiased average of each replica's ratios; None if never observed."""
         beta = self.options.smoothing
-        return [math.exp(a / (1 - beta**n)) if n else None for a, n in zip(self._average, self._observed, strict=True)]
+        return [a / (1 - beta**n) if n else None for a, n in zip(self._average, self._observed, strict=True)]
 
     def _corrections(self) -> tuple[float, ...]:
         g, bound = self.scale, self.options.bound
@@ -104,7 +108,7 @@ class Recalibrator:
                 continue
             if not (math.isfinite(predicted) and math.isfinite(measured)):
                 continue
-            self._average[r] = beta * self._average[r] + (1 - beta) * math.log(measured / predicted)
+            self._average[r] = beta * self._average[r] + (1 - beta) * measured / predicted
             self._observed[r] += 1
 
     def state_dict(self) -> dict[str, Any]:

@@ -40,8 +40,8 @@ def test_first_observation_is_taken_whole_then_smoothed():
     cal.observe(_step([1.0, 2.0, 1.0]), _report([2.0, 2.0, 1.0]))
     assert cal.factors == pytest.approx((2.0, 1.0, 1.0))
     cal.observe(_step([1.0, 2.0, 1.0]), _report([1.0, 2.0, 1.0]))
-    # the debiased mean of the logs: (0.25 log 2 + 0.5 log 1) / (1 - 0.5^2)
-    assert cal.factors[0] == pytest.approx(math.exp(0.25 * math.log(2) / 0.75))
+    # the debiased mean of the ratios: (0.25 * 2 + 0.5 * 1) / (1 - 0.5^2)
+    assert cal.factors[0] == pytest.approx((0.25 * 2 + 0.5 * 1) / 0.75)
 
 
 def test_prediction_is_taken_before_the_correction():

@@ -63,17 +63,28 @@ def _one_error(result, words: str) -> None:
     assert "Traceback" not in result.stderr
 
 
+def _refused(capsys, tmp: Path, words: str, *args: str, workload: Path | None = None) -> None:
+    """``lorafleet train`` in this process (the launcher's checks need no worker): one line, exit 2."""
+    from lorafleet.cli import main
+
+    argv = ["train", str(workload or tmp / "w.yaml"), "--plan", str(tmp / "plan.json"), "--out", str(tmp / "out"),
+            "--device", "cpu", "--no-recalibrate", *args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and words in err, err
+
+
 @pytest.mark.slow
-def test_run_directory_checkpoints_and_resume(run):
+def test_run_directory_checkpoints_and_resume(run, capsys):
     train, tmp = run
     out = tmp / "out"
     first = train("--steps", "3", "--checkpoint-every", "1")
     assert first.returncode == 0, first.stderr[-2000:]
-    _one_error(train("--steps", "3"), "holds a previous run (metrics.jsonl, metrics.csv, tensorboard, checkpoints")
-    _one_error(train("--steps", "2", "--resume"), "--steps: 2 is below the 3 steps the run has committed")
-    _one_error(train("--resume", "--out", str(tmp / "fresh")), "--resume: nothing to resume")
+    _refused(capsys, tmp, "holds a previous run (metrics.jsonl, metrics.csv, tensorboard, checkpoints", "--steps", "3")
+    _refused(capsys, tmp, "--steps: 2 is below the 3 steps the run has committed", "--steps", "2", "--resume")
+    _refused(capsys, tmp, "--resume: nothing to resume", "--resume", "--out", str(tmp / "fresh"))
     (tmp / "file").write_text("x")
-    _one_error(train("--out", str(tmp / "file")), "is a file, expected a directory")
+    _refused(capsys, tmp, "is a file, expected a directory", "--out", str(tmp / "file"))
     assert not (tmp / "fresh").exists()
 
     # The newest checkpoint is damaged: resume warns, takes the one before, and replays from it.
@@ -93,12 +104,12 @@ def test_run_directory_checkpoints_and_resume(run):
     workload = Path(str(tmp / "w.yaml"))
     other = tmp / "w2.yaml"
     other.write_text(workload.read_text().replace(str(DEMO / "chat.jsonl"), str(changed)))
-    _one_error(train("--steps", "5", "--resume", workload_path=other), "data: the data changed since the checkpoint")
+    _refused(capsys, tmp, "data: the data changed since the checkpoint", "--steps", "5", "--resume", workload=other)
 
     # Every checkpoint damaged: one line, exit 2.
     for manifest in (out / "checkpoints").glob("step-*/manifest.json"):
         manifest.write_text("{")
-    _one_error(train("--steps", "5", "--resume"), "no intact checkpoint to resume from")
+    _refused(capsys, tmp, "no intact checkpoint to resume from", "--steps", "5", "--resume")
 
     # --overwrite starts afresh: the launcher clears the previous run's files (in process here, as
     # `lorafleet train` does before it starts torchrun) and writes the new run's plan.

@@ -81,8 +81,10 @@ def test_a_plan_for_other_tasks_is_refused(workload, capsys, tmp_path):
 
 @pytest.mark.slow
 def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workload, tmp_path):
+    """One run checks the files and, in bf16, that a bf16 base trains fp32 master adapters: the losses
+    are finite and the exported PEFT adapters are fp32."""
     out = tmp_path / "out"
-    result = _train(workload, out, "--steps", "3", "--checkpoint-every", "2")
+    result = _train(workload, out, "--steps", "3", "--checkpoint-every", "2", "--dtype", "bf16")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2]
     assert all(set(r["losses"]) == {"docsum", "chat"} and r["tokens_per_s"] > 0 and len(r["replica_busy_s"]) == 2
@@ -99,18 +101,9 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
     assert (out / "checkpoints" / "step-000002").is_dir()
     for task in ("docsum", "chat"):
         peft.PeftModel.from_pretrained(load_causal_lm(h.TINY), out / "adapters" / task)
-
-
-def test_train_bf16_keeps_fp32_adapters(workload, tmp_path):
-    """A bf16 base trains fp32 master adapters: the losses are finite and the exported PEFT
-    adapters are fp32."""
-    out = tmp_path / "out"
-    _train(workload, out, "--steps", "2", "--dtype", "bf16")
-    losses = [v for line in (out / "metrics.jsonl").read_text().splitlines() for v in json.loads(line)["losses"].values()]
-    assert len(losses) == 4 and all(math.isfinite(v) and v > 0 for v in losses)
-    for task in ("docsum", "chat"):
         with safe_open(out / "adapters" / task / "adapter_model.safetensors", "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    assert all(math.isfinite(v) and v > 0 for r in lines for v in r["losses"].values())
 
 
 def _train(workload: tuple[Path, Path], out: Path, *options: str) -> subprocess.CompletedProcess:
