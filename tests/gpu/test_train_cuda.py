@@ -1,6 +1,6 @@
 """``lorafleet train --device cuda``: one process under torchrun, NCCL, a tiny-llama replica on the GPU
 (its LoRA layers on the Triton backend, which AUTO picks for CUDA tensors). CPU twin: the same run
-on gloo, ``tests/executor_torch/test_train_command.py``."""
+on gloo, ``tests/training/test_train_command.py``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.conftest import EXAMPLES, REPO
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="needs a CUDA GPU (CPU twin: tests/executor_torch/test_train_command.py, gloo)",
+    reason="needs a CUDA GPU (CPU twin: tests/training/test_train_command.py, gloo)",
 )
 
 DEMO = EXAMPLES / "demo"

@@ -19,14 +19,14 @@ from __future__ import annotations
 import os
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("run these cases through tests/executor/test_segment_lora_kernels.py (needs TRITON_INTERPRET=1 before triton loads)")
+    raise RuntimeError("run these cases through tests/multi_lora/test_segment_lora_kernels.py (needs TRITON_INTERPRET=1 before triton loads)")
 
 
 import pytest
 import torch
 
 from lorafleet.executor.torch.multi_lora import LoraBackend, LoraRouting, Segments, draw_keep_mask, multi_lora_linear
-from tests.executor.segment_lora_cases import (
+from tests.multi_lora.segment_lora_cases import (
     CASE_IDS,
     CASE_PARAMS,
     case_routing,
