@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from lorafleet.costmodel import CostModel
-from lorafleet.dispatch import dispatch_step
-from lorafleet.dispatch.recalibration import Recalibrator
+from lorafleet.dispatch import Recalibrator, dispatch_step
 from lorafleet.executor import Executor
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
 

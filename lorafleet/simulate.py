@@ -19,7 +19,7 @@ from functools import partial
 import numpy as np
 
 from lorafleet.costmodel import CostModel
-from lorafleet.dispatch.recalibration import Recalibrator, ReplicaCalibration
+from lorafleet.dispatch import Recalibrator, ReplicaCalibration
 from lorafleet.executor.simulated import SimulatedExecutor, SimulationOptions
 from lorafleet.loop import PolicySource, run_loop
 from lorafleet.plans import GlobalBatch, StepReport

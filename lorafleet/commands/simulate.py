@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     calibration = runs[0].phases[0].calibration
     if any(abs(c.factor - 1) > 0.005 for c in calibration):
-        from lorafleet.dispatch.recalibration import summarize_factors
+        from lorafleet.dispatch import summarize_factors
 
         console.print(f"recalibrated: {summarize_factors(calibration)}")
     if args.report:

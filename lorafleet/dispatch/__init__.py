@@ -6,6 +6,27 @@ near-optimal and fast (milliseconds by default). See :mod:`.step` for the pipeli
 :mod:`.policy` for static buckets, :mod:`.bucketing` for the bucket DP, :mod:`.balance` and
 :mod:`.ilp` for the two balancing methods, :mod:`.recalibration` for the online correction
 of the cost model, and :mod:`.lookahead` for computing step t+1 while step t runs.
+
+This package is dispatch's whole public API; code outside it imports from here only (an
+import-linter contract holds the planner to it). Two uses:
+
+**Running steps**: :func:`dispatch_step`, :class:`LookaheadDispatcher` (step t+1 while t
+runs), :class:`Recalibrator` (measured/modelled time per replica, fed back as ``speed``).
+
+**Judging a deployment** (what the planner asks of dispatch, so that a plan is judged by
+exactly what its steps will run):
+
+1. *the load model*: :func:`config_classes` (a plan's replicas grouped by config and
+   speed), :func:`choose_buckets` (a batch's buckets, as the dispatcher picks them) and
+   :func:`build_load_model` (a :class:`LoadModel`: per class i and bucket j the time
+   ``T_i(d) = Σ_j ⌈d_ij / p_i⌉ t_ij + c_i``, LobRA Eq. 1-3 with p fixed);
+2. *balance*: :func:`balance_fast` (milliseconds) or :func:`solve_dispatch_ilp` (exact,
+   bounded by the fast answer), each an :class:`Assignment` d_ij; :func:`fluid_bound` is
+   the LP bound no balance beats;
+3. *the placed step*: :func:`placed_work` (the sequences placed on replicas, cut into
+   micro-batches and priced as a step is; its max is the expected makespan) and
+   :func:`placed_times` (the padded load model as placed, no micro-batches formed);
+   :func:`sequence_lower_bound` is each sequence's least time on a config.
 """
 
 from __future__ import annotations
@@ -14,34 +35,55 @@ import warnings
 from collections.abc import Sequence
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.dispatch.balance import Assignment, balance_by_length, balance_fast
+from lorafleet.dispatch.balance import Assignment, balance_by_length, balance_fast, fluid_bound
 from lorafleet.dispatch.bucketing import BucketingResult, bucket_of, optimal_buckets, optimal_buckets_by_count
 from lorafleet.dispatch.fairness import task_tokens_per_replica
+from lorafleet.dispatch.ilp import IlpOutcome, solve_dispatch_ilp
+from lorafleet.dispatch.load import ConfigClass, LoadModel, build_load_model, config_classes, sequence_lower_bound
 from lorafleet.dispatch.lookahead import LookaheadDispatcher
+from lorafleet.dispatch.placement import placed_times
 from lorafleet.dispatch.policy import solve_policy
-from lorafleet.dispatch.step import DispatchOutcome, solve_step
+from lorafleet.dispatch.recalibration import Recalibrator, ReplicaCalibration, summarize_factors
+from lorafleet.dispatch.step import DispatchOutcome, choose_buckets, placed_work, solve_step
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
 from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions, DispatchPolicy, MicroBatchMode
 
 __all__ = [
-    "Assignment",
-    "BucketingResult",
+    # running steps
     "DispatchMethod",
     "DispatchOptions",
     "DispatchOutcome",
     "DispatchPolicy",
     "LookaheadDispatcher",
     "MicroBatchMode",
-    "balance_by_length",
-    "balance_fast",
-    "bucket_of",
+    "Recalibrator",
+    "ReplicaCalibration",
     "dispatch_step",
-    "optimal_buckets",
-    "optimal_buckets_by_count",
     "solve_policy",
     "solve_step",
+    "summarize_factors",
     "task_tokens_per_replica",
+    # judging a deployment
+    "Assignment",
+    "ConfigClass",
+    "IlpOutcome",
+    "LoadModel",
+    "balance_fast",
+    "build_load_model",
+    "choose_buckets",
+    "config_classes",
+    "fluid_bound",
+    "placed_times",
+    "placed_work",
+    "sequence_lower_bound",
+    "solve_dispatch_ilp",
+    # buckets
+    "BucketingResult",
+    "balance_by_length",
+    "bucket_of",
+    "optimal_buckets",
+    "optimal_buckets_by_count",
 ]
 
 

@@ -1,7 +1,7 @@
 """Deployment planning: which replicas of which ⟨TP, PP⟩ config to run, and the baselines.
 
 ``plan_deployment(workload, cluster, cost_model, options) -> PlanResult`` is the entry
-point (see :mod:`.pipeline`). The baselines are :class:`Schedule`\\ s (a DeploymentPlan and a
+point (see :mod:`.driver`; what makes one plan better than another is :mod:`.objective`). The baselines are :class:`Schedule`\\ s (a DeploymentPlan and a
 dispatch policy per phase) that a simulator can replay step by step, like the plan itself.
 """
 
@@ -13,9 +13,9 @@ from lorafleet.planner.baselines import (
     padding_policy,
     workload_baselines,
 )
+from lorafleet.planner.driver import LORAFLEET, PlanDiagnostics, PlanResult, ScheduleCost, plan_deployment
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.options import PlannerMode, PlannerOptions
-from lorafleet.planner.pipeline import LORAFLEET, PlanDiagnostics, PlanResult, ScheduleCost, plan_deployment
 from lorafleet.planner.schedule import Phase, Schedule, StepCost, pow2_boundaries
 
 __all__ = [

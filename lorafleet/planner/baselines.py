@@ -24,10 +24,10 @@ from enum import StrEnum
 import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode, bucket_of, dispatch_step
-from lorafleet.dispatch.load import ConfigClass, build_load_model
-from lorafleet.dispatch.placement import placed_times
-from lorafleet.dispatch.step import choose_buckets, placed_work
+from lorafleet.dispatch import (
+    ConfigClass, DispatchOptions, DispatchPolicy, MicroBatchMode, bucket_of, build_load_model, choose_buckets,
+    dispatch_step, placed_times, placed_work,
+)
 from lorafleet.plans import GlobalBatch
 from lorafleet.planner.candidates import valid_candidates
 from lorafleet.planner.expected import expected_global_batch

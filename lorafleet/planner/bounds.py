@@ -24,9 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.dispatch.balance import fluid_bound
-from lorafleet.dispatch.load import config_classes, sequence_lower_bound
-from lorafleet.dispatch.step import choose_buckets
+from lorafleet.dispatch import choose_buckets, config_classes, fluid_bound, sequence_lower_bound
 from lorafleet.plans import DeploymentPlan, GlobalBatch
 from lorafleet.planner.problem import Candidate
 from lorafleet.specs.dispatch import MicroBatchMode

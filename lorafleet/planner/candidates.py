@@ -25,8 +25,7 @@ import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import config_problems
-from lorafleet.dispatch.balance import Assignment
-from lorafleet.dispatch.load import LoadModel
+from lorafleet.dispatch import Assignment, LoadModel
 from lorafleet.planner.problem import Candidate, PlanningProblem, make_candidate
 from lorafleet.specs.cluster import ClusterSpec
 

@@ -125,7 +125,13 @@ def add_capacity_constraints(model: pulp.LpProblem, problem: PlanningProblem, v:
 
 
 def objective(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars, tie_weight: float) -> None:
-    """max θ' - λ Σ_i N_i p_i: the shortest makespan first, then fewer GPUs (λ = ``tie_weight`` per GPU)."""
+    """max θ' - λ Σ_i N_i p_i: the shortest makespan first, then fewer GPUs (λ = ``tie_weight`` per GPU).
+
+    A ranking surrogate, not the planner's objective: θ' is the fluid throughput of the
+    aggregated model (no ceil(d/p), fragments or micro-batches), good for proposing
+    deployments; which of them is the plan is decided by
+    :func:`lorafleet.planner.objective.preferred` on the dispatcher's own makespans.
+    """
     gpus = problem.gpus
     model.setObjective(v.throughput - tie_weight * pulp.lpSum(int(gpus[i]) * p for i, p in v.n_replicas.items()))
 

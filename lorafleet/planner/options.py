@@ -60,7 +60,7 @@ class PlannerOptions:
     robust_samples: int = 32
     """K: sampled global batches of the robust evaluation (at most); 0 picks on the expected batch alone."""
     race_rung: int = 8
-    """Robust stage: sampled batches per round of successive halving (``pipeline.race``); at
+    """Robust stage: sampled batches per round of successive halving (``objective.race``); at
     ``robust_samples`` or more, every finalist is dispatched on all K batches."""
     seed: int | None = None
     """Seed of the sampled batches; None: the workload's seed."""

@@ -25,11 +25,10 @@ import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.dispatch.balance import Assignment
-from lorafleet.dispatch.bucketing import bucket_of, optimal_buckets
-from lorafleet.dispatch.load import ConfigClass, LoadModel, build_load_model
+from lorafleet.dispatch import (
+    Assignment, ConfigClass, LoadModel, bucket_of, build_load_model, choose_buckets, optimal_buckets,
+)
 from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions
-from lorafleet.dispatch.step import choose_buckets
 from lorafleet.plans import GlobalBatch
 from lorafleet.specs.cluster import ClusterSpec
 

@@ -22,25 +22,18 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TypeVar
-
 import numpy as np
 
-from lorafleet.dispatch.balance import balance_fast, fluid_bound
-from lorafleet.dispatch.ilp import solve_dispatch_ilp
-from lorafleet.dispatch.load import LoadModel
-from lorafleet.dispatch.step import placed_work
+from lorafleet.dispatch import LoadModel, balance_fast, fluid_bound, placed_work, solve_dispatch_ilp
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner.candidates import enumerate_deployments, has_distinct_max_tokens, lower_bound, lower_bound_filter
 from lorafleet.planner.deployment_ilp import branch_deployments, solve_root
 from lorafleet.planner.fallback import heuristic_deployment
 from lorafleet.planner.joint_minlp import JointSolution, solve_joint
+from lorafleet.planner.objective import preferred
 from lorafleet.planner.options import PlannerMode, PlannerOptions
 from lorafleet.planner.problem import PlanningProblem
 from lorafleet.solvers import SolveResult
-
-T = TypeVar("T")
-
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class Evaluation:
@@ -124,13 +117,6 @@ def class_times(problem: PlanningProblem, load: LoadModel, counts: np.ndarray, o
     work = placed_work(problem.batch, load, counts, problem.cost_model, problem.dispatch.microbatch_mode,
                        classes=None if only is None else (only,))
     return np.array([max(work[r][1] for r in c.replicas) for c in load.classes])
-
-
-def preferred(items: Sequence[T], makespan: Callable[[T], float], gpus: Callable[[T], int], tie_rel: float) -> T:
-    """The fastest item, except that one within ``tie_rel`` of it on fewer GPUs wins (then the faster)."""
-    best = min(makespan(x) for x in items)
-    tied = [x for x in items if makespan(x) <= best * (1 + tie_rel)]
-    return min(tied, key=lambda x: (gpus(x), makespan(x)))
 
 
 def _entry(problem: PlanningProblem, replicas: np.ndarray, source: str, relaxed: float | None = None) -> PoolEntry:

@@ -10,7 +10,7 @@
 4. Robust choice: the best ``robust_top`` are dispatched by the real per-step dispatcher on
    up to K sampled global batches, raced by successive halving; the lowest mean makespan
    wins, and a plan within ``tie_rel`` of it on fewer GPUs wins over it (GPUs are left idle
-   only when that lowers GPU-seconds).
+   only when that lowers GPU-seconds): the objective, ``objective.preferred``.
 5. The plan is placed on GPUs, its expected dispatch recorded, and the baselines built
    and costed on the same expected batch.
 """
@@ -33,7 +33,8 @@ from lorafleet.planner.options import PlannerMode, PlannerOptions
 from lorafleet.planner.placement import build_plan, with_expectation
 from lorafleet.planner.problem import Candidate, PlanningProblem, build_problem
 from lorafleet.planner.schedule import Phase, Schedule
-from lorafleet.planner.search import PoolEntry, preferred, search
+from lorafleet.planner.objective import preferred, race
+from lorafleet.planner.search import PoolEntry, search
 from lorafleet.sampling import sample_global_batch
 from lorafleet.solvers import SolveResult
 from lorafleet.specs.cluster import ClusterSpec
@@ -121,33 +122,6 @@ def _plan_of(problem: PlanningProblem, entry: PoolEntry, workload: Workload, sol
     return build_plan(workload, problem.cluster, replicas, solver=solver, policy=policy, cost_model=problem.cost_model)
 
 
-def race(schedules: list[Schedule], batches: list[GlobalBatch], cost_model: CostModel, tie_rel: float, rung: int) -> list[np.ndarray]:
-    """Makespans of each schedule on the sampled batches, dispatched step by step: successive halving.
-
-    Every schedule sees the same batches in the same order. After each rung of ``rung``
-    batches the schedules still in the race are ranked by mean makespan (a schedule within
-    ``tie_rel`` of a faster one on fewer GPUs ranks above it, as in :func:`preferred`) and
-    the worse half leaves; the race ends when one is left or the batches run out. With the
-    defaults (three plans, rungs of 8, K = 32) that is 3 x 8 + 2 x 8 = 40 dispatches instead of 3 x 32.
-    """
-    samples: list[list[float]] = [[] for _ in schedules]
-    alive = list(range(len(schedules)))
-    for start in range(0, len(batches), rung):
-        if len(alive) == 1 and start > 0:
-            break
-        for batch in batches[start:start + rung]:
-            for k in alive:
-                samples[k].append(schedules[k].step_cost(batch, cost_model).makespan_s)
-        ranked = []
-        rest = list(alive)
-        while rest:
-            best = preferred(rest, lambda k: float(np.mean(samples[k])), lambda k: schedules[k].max_gpus, tie_rel)
-            ranked.append(best)
-            rest.remove(best)
-        alive = ranked[: (len(ranked) + 1) // 2]
-    return [np.asarray(s) for s in samples]
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RobustChoice:
     """The chosen plan among the finalists, and how it was chosen."""
@@ -164,8 +138,8 @@ class RobustChoice:
 
 def robust_choice(workload: Workload, problem: PlanningProblem, ranked: list[PoolEntry], options: PlannerOptions,
                   policy: DispatchPolicy, solver: str) -> RobustChoice:
-    """The best ``robust_top`` plans raced on sampled batches (:func:`race`); the lowest mean wins,
-    ties going to fewer GPUs. Without samples (or with one finalist) the expected batch decides."""
+    """The best ``robust_top`` plans raced on sampled batches (:func:`~lorafleet.planner.objective.race`); the
+    preferred mean wins (:func:`~lorafleet.planner.objective.preferred`). Without samples (or with one finalist) the expected batch decides."""
     finalists = ranked[: options.robust_top]
     everyone = tuple(range(len(workload.tasks)))
     schedules = [Schedule(name=LORAFLEET, phases=(Phase(tasks=everyone, plan=_plan_of(problem, e, workload, solver, policy)),))

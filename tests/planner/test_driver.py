@@ -10,7 +10,7 @@ import pytest
 from lorafleet.errors import InputError, SolverFallbackWarning
 from lorafleet.plans import DeploymentPlan
 from lorafleet.planner import LORAFLEET, BaselineKind, PlannerOptions, StepCost, plan_deployment
-from lorafleet.planner.pipeline import race
+from lorafleet.planner.objective import race
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import load_workload
 

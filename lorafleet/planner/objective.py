@@ -1,0 +1,78 @@
+"""The planner's objective: which of several deployments is the better plan.
+
+Every stage of the planner that compares deployments (the search around the MILP's optimum,
+the polish and trim of the best plans, the robust race on sampled batches and the final pick)
+ranks them with :func:`preferred`, the one function that states the objective. (The
+baselines are built by their own papers' rule, fewest GPU-seconds on one config:
+``baselines.best_homogeneous``.) Their makespans come from the dispatcher itself:
+
+- on the expected batch (search): ``dispatch.placed_work`` on the balance of its bucket
+  totals (``search.evaluate``), K = 1, B_1 = E[B];
+- on K sampled global batches (robust race, :func:`race`): every step dispatched by
+  ``dispatch_step`` as training will dispatch it (``Schedule.step_cost``).
+
+The aggregated MILP's objective (``deployment_ilp.objective``: max throughput θ' minus a
+per-GPU tie weight, a fluid model without ceil(d/p), fragments or micro-batches) is only a
+surrogate that proposes deployments; it never decides between them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from lorafleet.costmodel.cost_model import CostModel
+from lorafleet.planner.schedule import Schedule
+from lorafleet.plans import GlobalBatch
+
+T = TypeVar("T")
+
+
+def preferred(items: Sequence[T], makespan: Callable[[T], float], gpus: Callable[[T], int], tie_rel: float) -> T:
+    """The plan the planner prefers among ``items``: the objective, in one place.
+
+    With t̄(p) the dispatcher's mean makespan of deployment p over the batches it was judged on,
+
+        t̄(p) = (1/K) Σ_k max_r T_r(D(B_k, p))          (LobRA Eq. 1, averaged over K batches)
+
+    where D is the per-step dispatch under the plan's policy and T_r the cost model's time of
+    replica r's placed micro-batches, and N(p) its GPUs, the preferred plan is
+
+        p* = argmin_lex { (N(p), t̄(p)) : t̄(p) <= (1 + ε) min_q t̄(q) },   ε = ``tie_rel``
+
+    the fastest plan, except that one within ε of it on fewer GPUs wins (GPU-seconds per step
+    fall by more than the step time rises), then the faster of those.
+    """
+    best = min(makespan(x) for x in items)
+    tied = [x for x in items if makespan(x) <= best * (1 + tie_rel)]
+    return min(tied, key=lambda x: (gpus(x), makespan(x)))
+
+
+def race(schedules: Sequence[Schedule], batches: Sequence[GlobalBatch], cost_model: CostModel, tie_rel: float, rung: int
+         ) -> list[np.ndarray]:
+    """Makespans of each schedule on the sampled batches, dispatched step by step: successive halving.
+
+    Every schedule sees the same batches in the same order. After each rung of ``rung``
+    batches the schedules still in the race are ranked by :func:`preferred` on their mean so
+    far and the worse half leaves; the race ends when one is left or the batches run out.
+    With the defaults (three plans, rungs of 8, K = 32) that is 3 x 8 + 2 x 8 = 40 dispatches
+    instead of 3 x 32.
+    """
+    samples: list[list[float]] = [[] for _ in schedules]
+    alive = list(range(len(schedules)))
+    for start in range(0, len(batches), rung):
+        if len(alive) == 1 and start > 0:
+            break
+        for batch in batches[start:start + rung]:
+            for k in alive:
+                samples[k].append(schedules[k].step_cost(batch, cost_model).makespan_s)
+        ranked = []
+        rest = list(alive)
+        while rest:
+            best = preferred(rest, lambda k: float(np.mean(samples[k])), lambda k: schedules[k].max_gpus, tie_rel)
+            ranked.append(best)
+            rest.remove(best)
+        alive = ranked[: (len(ranked) + 1) // 2]
+    return [np.asarray(s) for s in samples]
