@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from lorafleet.specs.dispatch import MicroBatchMode
 from lorafleet.errors import InputError, coerce_enum_fields
 from lorafleet.solvers import SolverName
+from lorafleet.specs.dispatch import MicroBatchMode
 
 OPTIONS_SOURCE = "<planner options>"
 
@@ -26,25 +26,53 @@ class PlannerMode(StrEnum):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannerOptions:
-    """Everything the planner may be told; defaults follow LobRA where it has one."""
+    """Everything the planner may be told; defaults follow LobRA where it has one.
 
-    mode: PlannerMode = PlannerMode.DECOMPOSED
-    """How deployments are searched (see PlannerMode)."""
+    The knobs are grouped by the stage of :func:`~lorafleet.planner.plan_deployment` they steer
+    (flat, so ``PlannerOptions(robust_samples=0)`` reads as it does on the command line):
+
+    1. **policy**: how the plan's steps are dispatched (recorded in the plan): ``n_buckets``,
+       ``microbatch_mode``;
+    2. **solvers**: ``solver``, ``time_limit_s``, ``gap_rel``;
+    3. **search** for the pool of deployments: ``mode``, then per mode ``pool_size``,
+       ``search_rounds``, ``polish_starts``, ``polish_evaluations`` (decomposed) and
+       ``enumeration_limit`` (exhaustive);
+    4. **filter and judge**: ``lower_bound_threshold``, ``min_survivors``, ``exact_top``;
+    5. **robust race** on sampled batches: ``robust_top``, ``robust_samples``, ``race_rung``, ``seed``;
+    6. **objective**: ``tie_rel`` (:func:`~lorafleet.planner.objective.preferred`);
+    7. **report**: ``baselines``.
+    """
+
+    # 1. policy
+    n_buckets: int = 16
+    """R: buckets of every step's dispatch (LobRA's default), raised to the memory classes present."""
+    microbatch_mode: MicroBatchMode = MicroBatchMode.PACKING
+    """How the plan's steps form micro-batches: packed up to M tokens (lorafleet's default, with
+    variable-length attention) or padded to the bucket boundary (LobRA)."""
+
+    # 2. solvers
     solver: SolverName = SolverName.CBC
     """Back end of the aggregated MILP and of the exact dispatch ILP (CBC, SCIP or HiGHS)."""
     time_limit_s: float = 10.0
     """Wall-clock limit of every single solve, seconds; on failure the planner falls back with a warning."""
     gap_rel: float = 5e-3
     """Relative optimality gap of the exact dispatch ILP (LobRA's SCIP ``limits/gap``)."""
-    n_buckets: int = 16
-    """R: buckets of every step's dispatch (LobRA's default), raised to the memory classes present."""
-    microbatch_mode: MicroBatchMode = MicroBatchMode.PACKING
-    """How the plan's steps form micro-batches: packed up to M tokens (lorafleet's default, with
-    variable-length attention) or padded to the bucket boundary (LobRA)."""
+
+    # 3. search
+    mode: PlannerMode = PlannerMode.DECOMPOSED
+    """How deployments are searched (see PlannerMode)."""
     pool_size: int = 8
     """Decomposed mode: up to ``pool_size - 1`` branch optima around the center deployment per round."""
     search_rounds: int = 3
     """Decomposed mode: rounds of branching, each around the best plan so far (stops early when it stays)."""
+    polish_starts: int = 4
+    """Decomposed mode: the best plans a local search of GPU-neutral swaps starts from."""
+    polish_evaluations: int = 64
+    """... and the swapped deployments it looks at, at most, in all (0: no polish)."""
+    enumeration_limit: int = 20_000
+    """Exhaustive mode refuses instances with more deployments than this."""
+
+    # 4. filter and judge
     lower_bound_threshold: float = 0.15
     """Drop deployments whose Theorem-1 bound is more than this fraction above the best (LobRA: 15 %)."""
     min_survivors: int = 8
@@ -53,6 +81,8 @@ class PlannerOptions:
     """Deployments (best expected makespan first) whose expected dispatch is re-solved by the exact
     dispatch ILP (bounded by the fast one). 0 by default: on our instances it improves the fast
     dispatch by under 0.5 % at 10-100x the time (CBC often needs seconds)."""
+
+    # 5. robust race
     robust_top: int = 3
     """Deployments evaluated on sampled batches with the real per-step dispatch; the best mean wins.
     Three, not two: on 32 held-out batches the third plan won 3 of 9 test workloads (-0.4 % to
@@ -64,29 +94,29 @@ class PlannerOptions:
     ``robust_samples`` or more, every finalist is dispatched on all K batches."""
     seed: int | None = None
     """Seed of the sampled batches; None: the workload's seed."""
+
+    # 6. objective
     tie_rel: float = 5e-3
     """Makespans within this fraction count as equal, and the plan with fewer GPUs wins (idle GPUs)."""
-    polish_starts: int = 4
-    """Decomposed mode: the best plans a local search of GPU-neutral swaps starts from."""
-    polish_evaluations: int = 64
-    """... and the swapped deployments it looks at, at most, in all (0: no polish)."""
-    enumeration_limit: int = 20_000
-    """Exhaustive mode refuses instances with more deployments than this."""
+
+    # 7. report
     baselines: bool = True
     """Also plan and evaluate the Task-Fused (padding, packing) and Task-Sequential baselines."""
 
     def __post_init__(self) -> None:
         coerce_enum_fields(self, OPTIONS_SOURCE, {"mode": PlannerMode, "solver": SolverName, "microbatch_mode": MicroBatchMode})
-        positive = {"time_limit_s": self.time_limit_s, "n_buckets": self.n_buckets, "pool_size": self.pool_size,
-                    "min_survivors": self.min_survivors, "robust_top": self.robust_top, "search_rounds": self.search_rounds, "enumeration_limit": self.enumeration_limit,
-                    "race_rung": self.race_rung, "polish_starts": self.polish_starts}
+        positive = {"n_buckets": self.n_buckets, "time_limit_s": self.time_limit_s, "pool_size": self.pool_size,
+                    "search_rounds": self.search_rounds, "polish_starts": self.polish_starts,
+                    "enumeration_limit": self.enumeration_limit, "min_survivors": self.min_survivors,
+                    "robust_top": self.robust_top, "race_rung": self.race_rung}
         for name, value in positive.items():
             if not value > 0:
                 raise InputError(OPTIONS_SOURCE, name, f"must be > 0, got {value}")
-        for name, value in {"gap_rel": self.gap_rel, "tie_rel": self.tie_rel, "lower_bound_threshold": self.lower_bound_threshold}.items():
+        for name, value in {"gap_rel": self.gap_rel, "lower_bound_threshold": self.lower_bound_threshold,
+                            "tie_rel": self.tie_rel}.items():
             if not 0 <= value < 1:
                 raise InputError(OPTIONS_SOURCE, name, f"must be in [0, 1), got {value}")
-        for name, value in {"exact_top": self.exact_top, "robust_samples": self.robust_samples,
-                            "polish_evaluations": self.polish_evaluations}.items():
+        for name, value in {"polish_evaluations": self.polish_evaluations, "exact_top": self.exact_top,
+                            "robust_samples": self.robust_samples}.items():
             if value < 0:
                 raise InputError(OPTIONS_SOURCE, name, f"must be >= 0, got {value}")
