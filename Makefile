@@ -1,4 +1,5 @@
-# Two commands: `make demo` and `make test`. Both create .venv on first use.
+# Two commands: `make demo` and `make test`. Both create .venv on first use. `make lint` (ruff and
+# the import-linter contracts of pyproject.toml) runs in CI before the tests.
 # torch is pinned here (not in pyproject, which keeps a range) because torch==2.13.0
 # resolves to the CPU build on these machines instead of a multi-GB CUDA download.
 PY ?= python3
@@ -6,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo demo-train test setup clean
+.PHONY: demo demo-train test lint setup clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +45,11 @@ demo-train: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) build *.egg-info
