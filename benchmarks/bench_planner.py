@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from reproduce_lobra import EIGHT, FOUR, SECOND_TENANTS, with_tasks
 
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.costmodel.parallel_config import ParallelConfig
@@ -54,13 +55,13 @@ from lorafleet.dispatch.step import choose_buckets
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner import LORAFLEET, PlannerMode, PlannerOptions, PlanResult, plan_deployment
 from lorafleet.planner.candidates import propose_candidates, valid_candidates
+from lorafleet.planner.evaluation import PoolEntry, evaluate
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.problem import build_problem
-from lorafleet.planner.search import PoolEntry, evaluate, minlp_pool, search
+from lorafleet.planner.search import minlp_pool, search
 from lorafleet.sampling import sample_global_batch
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import Workload, load_workload, resolve_workload
-from reproduce_lobra import EIGHT, FOUR, SECOND_TENANTS, with_tasks
 
 REPO = Path(__file__).resolve().parents[1]
 LOBRA_PLANNER_S = {64: 148.81, 256: 428.08}

@@ -25,15 +25,23 @@ import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import (
-    ConfigClass, DispatchOptions, DispatchPolicy, MicroBatchMode, bucket_of, build_load_model, choose_buckets,
-    dispatch_step, placed_times, placed_work,
+    ConfigClass,
+    DispatchOptions,
+    DispatchPolicy,
+    MicroBatchMode,
+    bucket_of,
+    build_load_model,
+    choose_buckets,
+    dispatch_step,
+    placed_times,
+    placed_work,
 )
-from lorafleet.plans import GlobalBatch
 from lorafleet.planner.candidates import valid_candidates
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.placement import build_plan, with_expectation
 from lorafleet.planner.problem import Candidate, max_replicas
 from lorafleet.planner.schedule import Phase, Schedule, pow2_boundaries, select_tasks
+from lorafleet.plans import GlobalBatch
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import Workload
 

@@ -25,8 +25,8 @@ import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import choose_buckets, config_classes, fluid_bound, sequence_lower_bound
-from lorafleet.plans import DeploymentPlan, GlobalBatch
 from lorafleet.planner.problem import Candidate
+from lorafleet.plans import DeploymentPlan, GlobalBatch
 from lorafleet.specs.dispatch import MicroBatchMode
 
 

@@ -25,16 +25,16 @@ import numpy as np
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import DispatchOptions, DispatchPolicy, dispatch_step
 from lorafleet.errors import InputError
-from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
 from lorafleet.planner.baselines import baseline_schedules
 from lorafleet.planner.candidates import propose_candidates, valid_candidates
 from lorafleet.planner.expected import expected_global_batch
+from lorafleet.planner.objective import preferred, race
 from lorafleet.planner.options import PlannerMode, PlannerOptions
 from lorafleet.planner.placement import build_plan, with_expectation
 from lorafleet.planner.problem import Candidate, PlanningProblem, build_problem
 from lorafleet.planner.schedule import Phase, Schedule
-from lorafleet.planner.objective import preferred, race
 from lorafleet.planner.search import PoolEntry, search
+from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
 from lorafleet.sampling import sample_global_batch
 from lorafleet.solvers import SolveResult
 from lorafleet.specs.cluster import ClusterSpec

@@ -7,7 +7,7 @@ baselines are built by their own papers' rule, fewest GPU-seconds on one config:
 ``baselines.best_homogeneous``.) Their makespans come from the dispatcher itself:
 
 - on the expected batch (search): ``dispatch.placed_work`` on the balance of its bucket
-  totals (``search.evaluate``), K = 1, B_1 = E[B];
+  totals (``evaluation.evaluate``), K = 1, B_1 = E[B];
 - on K sampled global batches (robust race, :func:`race`): every step dispatched by
   ``dispatch_step`` as training will dispatch it (``Schedule.step_cost``).
 

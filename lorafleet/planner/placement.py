@@ -15,8 +15,8 @@ from dataclasses import replace
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.plans import DeploymentPlan, ReplicaSpec, StepPlan
-from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.workload import Workload
 
 

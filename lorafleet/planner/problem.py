@@ -26,11 +26,17 @@ import numpy as np
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.dispatch import (
-    Assignment, ConfigClass, LoadModel, bucket_of, build_load_model, choose_buckets, optimal_buckets,
+    Assignment,
+    ConfigClass,
+    LoadModel,
+    bucket_of,
+    build_load_model,
+    choose_buckets,
+    optimal_buckets,
 )
-from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions
 from lorafleet.plans import GlobalBatch
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions
 
 LOBRA_PROFILE_MICROBATCHES = 16
 """Micro-batches of one M-token sequence in LobRA's throughput probe (their code, notes Sec. 2.4)."""

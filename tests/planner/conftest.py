@@ -18,9 +18,9 @@ from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import LayerTimeCoeffs
 from lorafleet.dispatch import DispatchOptions
-from lorafleet.plans import GlobalBatch
 from lorafleet.planner.candidates import valid_candidates
 from lorafleet.planner.problem import PlanningProblem, build_problem
+from lorafleet.plans import GlobalBatch
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.model import MODEL_PRESETS
 from lorafleet.workload import Workload, load_workload

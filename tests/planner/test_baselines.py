@@ -5,9 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lorafleet.dispatch import MicroBatchMode
-from lorafleet.dispatch import dispatch_step
-from lorafleet.planner import BaselineKind, baseline_schedules, best_homogeneous, packing_policy, padding_policy, pow2_boundaries
+from lorafleet.dispatch import MicroBatchMode, dispatch_step
+from lorafleet.planner import (
+    BaselineKind,
+    baseline_schedules,
+    best_homogeneous,
+    packing_policy,
+    padding_policy,
+    pow2_boundaries,
+)
 from lorafleet.planner.baselines import estimated_makespan
 from lorafleet.planner.candidates import valid_candidates
 from lorafleet.planner.expected import expected_global_batch

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from lorafleet.errors import InputError, SolverFallbackWarning
-from lorafleet.plans import DeploymentPlan
 from lorafleet.planner import LORAFLEET, BaselineKind, PlannerOptions, StepCost, plan_deployment
 from lorafleet.planner.objective import race
+from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import load_workload
 

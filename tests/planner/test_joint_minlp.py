@@ -19,8 +19,9 @@ from lorafleet.dispatch import MicroBatchMode, bucket_of
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import build_load_model
 from lorafleet.planner import PlannerOptions
+from lorafleet.planner.evaluation import evaluate
 from lorafleet.planner.joint_minlp import JointSolution, solve_joint
-from lorafleet.planner.search import evaluate, minlp_pool, search
+from lorafleet.planner.search import minlp_pool, search
 from lorafleet.solvers import SolverName
 from lorafleet.specs.cluster import ClusterSpec
 

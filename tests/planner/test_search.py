@@ -12,15 +12,17 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from lorafleet.planner import PlannerMode, PlannerOptions
-from lorafleet.planner.candidates import propose_candidates, valid_candidates
 from lorafleet.dispatch import DispatchOptions
 from lorafleet.dispatch.balance import fluid_bound
 from lorafleet.dispatch.placement import placed_times
 from lorafleet.dispatch.step import solve_step
-from lorafleet.plans import DeploymentPlan, ReplicaSpec
+from lorafleet.planner import PlannerMode, PlannerOptions
+from lorafleet.planner.candidates import propose_candidates, valid_candidates
+from lorafleet.planner.evaluation import evaluate
 from lorafleet.planner.problem import build_problem
-from lorafleet.planner.search import _swaps, evaluate, search
+from lorafleet.planner.refine import _swaps
+from lorafleet.planner.search import search
+from lorafleet.plans import DeploymentPlan, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec
 
 from .conftest import batch_of, lobra_like_cost_model, skewed_lengths
