@@ -4,8 +4,8 @@
   ``--max-restarts``: torchrun restarts them, they resume from the newest intact checkpoint, and
   the final adapters are bitwise those of an uninterrupted run (CPU, recalibration off: the
   dispatch is then a function of the step alone).
-- A run stopped halfway (SIGINT, at a step boundary) and resumed on fewer or more GPUs (4 -> 2,
-  2 -> 4) re-plans for them with the run's cost model and policy and continues on the same data
+- A run stopped (SIGINT, at a step boundary) and resumed on more or fewer GPUs (2 -> 4,
+  4 -> 2) re-plans for them with the run's cost model and policy and continues on the same data
   order; the adapters equal an uninterrupted run's to float tolerance (another plan sums
   gradients in another order). The first part is told the run's total steps, as a resume is:
   the learning-rate schedules span ``--steps``.
@@ -64,19 +64,18 @@ STEPS = "24"
 
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory, tiny_tokenizer_dir):
-    """The workload (nodes of 4 cpu devices), its plans for 2 and 4 GPUs, and one uninterrupted run of
+    """The workload (nodes of 4 cpu devices), its plan for 2 GPUs, and one uninterrupted run of
     ``STEPS`` steps on 2 (recalibration off): the reference both tests compare with."""
     tmp = tmp_path_factory.mktemp("recovery")
     workload = _workload(tmp, tiny_tokenizer_dir, gpus_per_node=4)
     two = _plan(workload, tmp / "two.json", "--gpus", "2")
-    four = _plan(workload, tmp / "four.json", "--gpus", "4")
     _train(workload, two, tmp / "reference", "--steps", STEPS, "--gpus", "2")
-    return workload, two, four, _adapters(tmp / "reference")
+    return workload, two, _adapters(tmp / "reference")
 
 
 @pytest.mark.slow
 def test_random_worker_kills_recover_to_the_bitwise_same_adapters(shared, tmp_path):
-    workload, plan, _, reference = shared
+    workload, plan, reference = shared
     out = tmp_path / "faulty"
     process = subprocess.Popen([*LAUNCHER, "train", str(workload), "--plan", str(plan), "--out", str(out), "--device",
                                 "cpu", "--no-recalibrate", "--steps", STEPS, "--gpus", "2", "--checkpoint-every", "1",
@@ -106,11 +105,11 @@ def test_random_worker_kills_recover_to_the_bitwise_same_adapters(shared, tmp_pa
         assert all(torch.equal(reference[task][k], recovered[task][k]) for k in reference[task]), task
 
 
-def _run_until_signal(argv: list[str], cwd: Path, out: Path, sig: signal.Signals) -> str:
-    """Start ``argv``, let it take one more step than ``out`` holds, stop it with ``sig``; its stdout."""
+def _run_until_signal(argv: list[str], cwd: Path, out: Path, sig: signal.Signals, steps: int) -> str:
+    """Start ``argv``, let ``out`` hold ``steps`` steps (at least one more than now), stop it with ``sig``; its stdout."""
     done = len(_steps(out)) if (out / "metrics.jsonl").is_file() else 0
     part = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
-    _wait_for_steps(out, done + 1, part)
+    _wait_for_steps(out, max(steps, done + 1), part)
     part.send_signal(sig)
     stdout, stderr = part.communicate(timeout=300)
     assert part.returncode == 128 + sig and f"stopped by {sig.name} after" in stdout, stderr[-3000:]
@@ -120,18 +119,19 @@ def _run_until_signal(argv: list[str], cwd: Path, out: Path, sig: signal.Signals
 
 @pytest.mark.slow
 def test_a_resume_on_other_gpus_replans_and_continues(shared, tmp_path):
-    """4 GPUs, stopped by SIGINT; resumed on 2 (4 -> 2), stopped by SIGTERM; resumed on 4 (2 -> 4) to the
-    end: against the uninterrupted run (on 2 GPUs: any plan's adapters agree to float tolerance)."""
-    workload, _, four, reference = shared
+    """2 GPUs, stopped by SIGINT halfway; resumed on 4 (2 -> 4) for a step or two, stopped by SIGTERM; resumed
+    on 2 (4 -> 2) to the end: against the uninterrupted run on 2 GPUs (any plan's adapters agree to float
+    tolerance). Most steps run on 2 processes: on a 2-core machine 4 gloo processes cost twice as much."""
+    workload, two, reference = shared
     out = tmp_path / "elastic"
-    base = [*LAUNCHER, "train", str(workload), "--plan", str(four), "--out", str(out), "--device", "cpu",
-            "--no-recalibrate", "--steps", STEPS]
-    _run_until_signal([*base, "--gpus", "4"], tmp_path, out, signal.SIGINT)
-    shrunk = _run_until_signal([*base, "--gpus", "2", "--resume"], tmp_path, out, signal.SIGTERM)
-    assert "re-planned for 2 GPUs: " in shrunk, shrunk
-    # resumed with the run's own plan, which is the 2-GPU one now: re-planned for 4
-    grown = _train(workload, out / "plan.json", out, "--steps", STEPS, "--resume", "--gpus", "4").stdout
+    base = [*LAUNCHER, "train", str(workload), "--out", str(out), "--device", "cpu", "--no-recalibrate", "--steps", STEPS]
+    _run_until_signal([*base, "--plan", str(two), "--gpus", "2"], tmp_path, out, signal.SIGINT, int(STEPS) // 2)
+    # resumed with the run's own plan (out/plan.json), which each resume re-plans for its GPUs
+    grown = _run_until_signal([*base, "--plan", str(out / "plan.json"), "--gpus", "4", "--resume"], tmp_path, out,
+                              signal.SIGTERM, int(STEPS) // 2 + 1)
     assert "re-planned for 4 GPUs: " in grown, grown
+    shrunk = _train(workload, out / "plan.json", out, "--steps", STEPS, "--resume", "--gpus", "2").stdout
+    assert "re-planned for 2 GPUs: " in shrunk, shrunk
     assert _steps(out) == list(range(int(STEPS)))
     ours = _adapters(out)
     for task in TASKS:
