@@ -52,7 +52,8 @@ import torch
 from peft.tuners.lora.layer import Linear as PeftLinear
 from torch import nn
 
-from lorafleet.executor.torch.multi_lora import LoraBackend, MultiLoraLinear, Segments
+from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.routing import LoraBackend, Segments
 from lorafleet.specs.lora import LoraSpec
 
 N_ADAPTERS = 8

@@ -14,7 +14,9 @@ import pytest
 import torch
 from torch import nn
 
-from lorafleet.executor.torch.multi_lora import LoraBackend, MultiLoraLinear, Segments, draw_keep_mask
+from lorafleet.executor.torch.dropout import draw_keep_mask
+from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.routing import LoraBackend, Segments
 from lorafleet.specs.lora import LoraSpec
 from tests.multi_lora.segment_lora_cases import (
     CASE_IDS,
@@ -81,7 +83,8 @@ def test_compiled_triton_bf16_meets_the_fp32_oracle(tile, K, N, ranks, segments,
 
 
 def test_no_rows_is_the_base_layer():
-    from lorafleet.executor.torch.multi_lora import LoraRouting, multi_lora_linear
+    from lorafleet.executor.torch.multi_lora import multi_lora_linear
+    from lorafleet.executor.torch.routing import LoraRouting
 
     x, W = torch.randn(5, 16, device=CUDA), torch.randn(8, 16, device=CUDA)
     A = [torch.randn(4, 16, device=CUDA, requires_grad=True)]

@@ -25,7 +25,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import pytest
 import torch
 
-from lorafleet.executor.torch.multi_lora import LoraBackend, LoraRouting, Segments, draw_keep_mask, multi_lora_linear
+from lorafleet.executor.torch.dropout import draw_keep_mask
+from lorafleet.executor.torch.multi_lora import multi_lora_linear
+from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
 from tests.multi_lora.segment_lora_cases import (
     CASE_IDS,
     CASE_PARAMS,

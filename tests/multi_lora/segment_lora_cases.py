@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lorafleet.executor.torch.multi_lora import LoraBackend, LoraRouting, Segments, multi_lora_linear
+from lorafleet.executor.torch.multi_lora import multi_lora_linear
+from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
 
 # (id, tile cap, K, N, ranks, segments): 2-4 segments, an empty one, odd lengths, padding rows,
 # an adapter owning two segments. Each case caps the tiles (BLOCK_M, BLOCK_N) at 16 or 64, so the

@@ -14,7 +14,8 @@ from lorafleet.executor.torch.inject import (
     multi_lora_layers,
     segments_context,
 )
-from lorafleet.executor.torch.multi_lora import MultiLoraLinear, Segments
+from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.routing import Segments
 from lorafleet.specs.lora import LoraSpec
 
 TASKS = [

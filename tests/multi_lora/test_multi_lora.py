@@ -23,16 +23,12 @@ from peft.tuners.lora.layer import Linear as PeftLinear
 from torch import nn
 from torch.nn import functional as F
 
-from lorafleet.executor.torch import multi_lora
-from lorafleet.executor.torch.multi_lora import (
-    LoraBackend,
-    LoraRouting,
-    MultiLoraLinear,
-    Segments,
-    _runs,
-    draw_keep_mask,
-    multi_lora_linear,
-)
+from lorafleet.executor.torch import dropout, multi_lora
+from lorafleet.executor.torch.dropout import draw_keep_mask
+from lorafleet.executor.torch.kernels import torch_lora
+from lorafleet.executor.torch.kernels.torch_lora import _runs
+from lorafleet.executor.torch.multi_lora import MultiLoraLinear, multi_lora_linear
+from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
 from lorafleet.specs.lora import LoraSpec
 
 K, N = 24, 20
@@ -235,7 +231,7 @@ def layouts(draw):
     dtypes=st.sampled_from([(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.bfloat16, torch.float32)]),
     training=st.booleans(),
     split=st.booleans(),
-    tile_bytes=st.sampled_from([multi_lora.TILE_BYTES, 200, 64]),
+    tile_bytes=st.sampled_from([torch_lora.TILE_BYTES, 200, 64]),
     seed=st.integers(0, 2**16),
 )
 def test_matches_plain_autograd_on_any_layout(layout, dtypes, training, split, tile_bytes, seed):
@@ -265,7 +261,7 @@ def test_matches_plain_autograd_on_any_layout(layout, dtypes, training, split, t
         assert all(t.grad is None or t.grad.dtype == t.dtype for t in leaves)
         return [y] + [t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves]
 
-    with patched(SPLIT_BREAK_EVEN=0 if split else multi_lora.SPLIT_BREAK_EVEN, TILE_BYTES=tile_bytes):
+    with patched(SPLIT_BREAK_EVEN=0 if split else torch_lora.SPLIT_BREAK_EVEN, TILE_BYTES=tile_bytes):
         ours = run(lambda *args: multi_lora_linear(*args, backend=LoraBackend.TORCH), dtype, master)
     ref = run(plain_reference, torch.float32, torch.float32)  # the oracle runs in fp32 for every case
     for got, want in zip(ours, ref, strict=True):
@@ -304,7 +300,7 @@ def test_keep_mask_is_one_random_stream_whatever_the_chunk():
         words = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(2**63), None)
         want[first:end] = words.view(torch.int16)[:n].view(end - first, k) >= threshold
     after = torch.rand(4)
-    for chunk in (1, 3, multi_lora._DRAW_CHUNK):
+    for chunk in (1, 3, dropout._DRAW_CHUNK):
         with patched(_DRAW_CHUNK=chunk):
             torch.manual_seed(5)
             assert torch.equal(draw_keep_mask(T, k, routing, device="cpu"), want)
@@ -334,14 +330,15 @@ def test_mixed_ranks_split_by_rank_when_padding_costs_more():
 
 @contextmanager
 def patched(**constants: int) -> Iterator[None]:
-    """Runs with the given ``multi_lora`` constants, clearing the caches that depend on them."""
-    old = {name: getattr(multi_lora, name) for name in constants}
+    """Runs with the given ``torch_lora`` or ``dropout`` constants, clearing the caches that depend on them."""
+    home = {name: torch_lora if hasattr(torch_lora, name) else dropout for name in constants}
+    old = {name: getattr(home[name], name) for name in constants}
 
     def set_all(values: dict[str, int]) -> None:
         for name, value in values.items():
-            setattr(multi_lora, name, value)
+            setattr(home[name], name, value)
         _runs.cache_clear()
-        multi_lora._tiles.cache_clear()
+        torch_lora._tiles.cache_clear()
 
     set_all(constants)
     try:

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers, segments_context
-from lorafleet.executor.torch.multi_lora import Segments
 from lorafleet.executor.torch.peft_export import load_peft_adapter, save_peft_adapter
+from lorafleet.executor.torch.routing import Segments
 from lorafleet.specs.lora import LoraSpec
 
 TASKS = [

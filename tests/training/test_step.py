@@ -18,8 +18,8 @@ from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.executor.torch.data_stream import loss_tokens
 from lorafleet.executor.torch.inject import adapter_parameters, inject_multi_lora, multi_lora_layers, segments_context
 from lorafleet.executor.torch.layout import FleetLayout, ModelDims
-from lorafleet.executor.torch.multi_lora import Segments
 from lorafleet.executor.torch.pipeline import split_for_pipeline
+from lorafleet.executor.torch.routing import Segments
 from lorafleet.executor.torch.step import attention_window, build_inputs, stage_forward
 from lorafleet.executor.torch.worker import check_step_plan
 from lorafleet.plans import MicroBatch

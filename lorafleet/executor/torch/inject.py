@@ -20,7 +20,8 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from lorafleet.executor.torch.multi_lora import LoraBackend, MultiLoraLinear, Segments
+from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.routing import LoraBackend, Segments
 from lorafleet.specs.lora import LoraSpec
 
 

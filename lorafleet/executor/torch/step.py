@@ -41,8 +41,8 @@ from lorafleet.executor.torch.attention import uses_document_attention
 from lorafleet.executor.torch.data_stream import loss_tokens
 from lorafleet.executor.torch.inject import segments_context
 from lorafleet.executor.torch.layout import RankRole
-from lorafleet.executor.torch.multi_lora import Segments
 from lorafleet.executor.torch.pipeline import Neighbours, microbatch_shape, run_1f1b
+from lorafleet.executor.torch.routing import Segments
 from lorafleet.executor.torch.transfer import to_device
 from lorafleet.plans import MicroBatch
 

@@ -62,9 +62,9 @@ from lorafleet.executor.torch.checkpoint import (
     step_dir_name,
 )
 from lorafleet.executor.torch.data_stream import DataStreams
-from lorafleet.executor.torch.multi_lora import LoraBackend
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.replica import build_replica
+from lorafleet.executor.torch.routing import LoraBackend
 from lorafleet.executor.torch.step import RankStepResult, inverse_token_counts, run_rank_step
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec

@@ -33,7 +33,8 @@ import triton.language as tl
 from torch import Tensor
 from torch.nn import functional as F
 
-from lorafleet.executor.torch.multi_lora import LoraRouting, stack_padded
+from lorafleet.executor.torch.kernels.stacking import stack_padded
+from lorafleet.executor.torch.routing import LoraRouting
 from lorafleet.executor.torch.transfer import to_device
 
 BLOCK_M = 64
@@ -240,7 +241,7 @@ class _Launch:
 
 
 def forward(x, weight, bias, lora_A, lora_B, routing: LoraRouting, keep):
-    """Same contract as ``multi_lora._torch_forward``; saves ``S`` and the stacked weights."""
+    """Same contract as ``torch_lora.forward``; saves ``S`` and the stacked weights."""
     y = F.linear(x, weight, bias)  # (T, N): the one base GEMM (cuBLAS)
     if not any(routing.segments.lengths):
         return y, ()
@@ -255,7 +256,7 @@ def forward(x, weight, bias, lora_A, lora_B, routing: LoraRouting, keep):
 
 
 def backward(grad_y, x, weight, lora_A, lora_B, routing: LoraRouting, keep, saved, need_x, need_lora):
-    """Same contract as ``multi_lora._torch_backward``."""
+    """Same contract as ``torch_lora.backward``."""
     dx = grad_y.mm(weight) if need_x else None  # (T, K) = G W, the buffer dX is written into
     if not saved:
         return dx, [None] * len(lora_A), [None] * len(lora_B)

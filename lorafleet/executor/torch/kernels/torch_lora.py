@@ -1,0 +1,313 @@
+"""The torch backend of ``multi_lora``: every equation of its module doc as one ``bmm`` per run.
+
+Consecutive segments of equal length at equal spacing form a *run* (:class:`_Run`): their rows
+of ``X``, ``Y``, ``G`` and ``dX`` are one strided ``(G, L, ·)`` view, so ``S = Xd A^T``,
+``Y += s S B^T``, ``dS = s G B``, ``dX += (dS A) ⊙ M / (1 - p)``, ``dA = dS^T Xd`` and
+``dB = s G^T S`` are one batched GEMM each per run, with ranks zero-padded to the run's largest
+(:mod:`.stacking`). The inverted dropout is folded into one factor ``c = s / (1 - p)`` per
+member (:func:`_run_factor`), and the K-wide masked products are made a cache-sized tile at a
+time (:class:`_MaskTiles`). Any device; the reference the Triton kernels are tested against.
+
+:func:`forward` and :func:`backward` have the signatures of ``segment_lora.forward`` and
+``segment_lora.backward``: ``multi_lora._implementation`` picks one of the two modules.
+
+The two constants below only change speed: they decide how the same products are grouped into
+ops, never which products are computed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from lorafleet.executor.torch.kernels.stacking import stack_padded, unstack_padded
+from lorafleet.executor.torch.routing import LoraRouting
+
+SPLIT_BREAK_EVEN = 4_000_000
+"""Zero-padded multiply-adds worth one more run (:func:`_rank_pieces`): a CPU speed constant.
+
+It trades wasted arithmetic against dispatch. A run of mixed ranks either stays one run, every
+member padded to the largest rank (``row_width (G R_max - Σ_g r_g)`` multiply-adds of zeros per
+GEMM pair), or is split into one run per rank, each extra run costing ~16 more small ops; it is
+split when the padding exceeds this many multiply-adds per extra run. The figure was set in
+334c544 from CPU timings: ~16 ops are ~0.1 ms of dispatch, about what the six LoRA GEMMs spend
+on this many padded multiply-adds. It does not change results: padding contributes exact zeros,
+so both groupings compute the same products, differing at most in the GEMMs' summation order
+(the hypothesis oracle test runs every example also with this at 0, every mixed run split).
+"""
+
+TILE_BYTES = 1 << 20
+"""Bytes of one ``(members, rows, K)`` tile of the masked products (:func:`_tiles`): a CPU
+speed constant.
+
+It trades per-tile op overhead (smaller tiles: more ``mul`` and ``bmm`` calls) against cache
+misses: a 1 MiB tile stays in a 2-4 MiB L2 between the elementwise op that writes it and the
+GEMM that reads it, and its reused scratch replaces the K-wide temporaries that page-faulted
+(set in 8b8a99f: at 7B size and 2048 tokens per adapter a step then took 148 k minor page faults
+against PEFT's 655 k, docs/multi_lora.md; no sweep of the size is recorded). It does not change
+which products are computed: whole-member tiles give the same values, and row tiles, used only
+for 4- and 8-byte dtypes, split the ``dA`` reduction into partial sums, i.e. change its
+summation order (the oracle test runs tiles of 1 and 3 rows).
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    """Consecutive segments of equal length with equally spaced starts: their rows of any
+    ``(T, C)`` tensor form one strided ``(G, L, C)`` view, so each GEMM of ``multi_lora``'s module doc is
+    one ``bmm`` per run instead of one ``mm`` per segment. That is what makes short segments
+    cheap (per-op overhead dominates a 16-row GEMM). A packed micro-batch of equal-length
+    sequences, or a padded batch whose sequences of one length sit ``seq_len`` rows apart, is
+    one run whatever its adapters: ranks are zero-padded to the run's largest
+    (:func:`stack_padded`), scalings and dropout rates become per-member factors."""
+
+    adapters: tuple[int, ...]
+    start: int
+    length: int
+    spacing: int
+    scalings: tuple[float, ...]
+    dropouts: tuple[float, ...]
+
+    def rows(self, t: Tensor) -> Tensor:
+        """The run's rows of a 2-D ``t (T, C)`` as a ``(G, L, C)`` view (no copy)."""
+        return t.as_strided(
+            (len(self.adapters), self.length, t.shape[1]),
+            (self.spacing * t.stride(0), t.stride(0), t.stride(1)),
+            t.storage_offset() + self.start * t.stride(0),
+        )
+
+    def stacked(self, lora_A: Sequence[Tensor], lora_B: Sequence[Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``A_g (G, R, K)`` and ``B_g (G, N, R)`` of the members in ``dtype``, R their largest rank."""
+        return (
+            stack_padded([lora_A[a] for a in self.adapters], 0, dtype),
+            stack_padded([lora_B[a] for a in self.adapters], 1, dtype),
+        )
+
+
+@functools.lru_cache(maxsize=1024)
+def _runs(routing: LoraRouting, ranks: tuple[int, ...], width: int) -> tuple[_Run, ...]:
+    """Greedily merges consecutive non-empty segments into :class:`_Run` s, then splits a run
+    of mixed ranks by rank where the zero padding costs more than the extra runs
+    (:func:`_rank_pieces`); ``width`` is ``K + N``.
+
+    Cached: every injected layer with the same adapters sees the same routing, in the forward
+    and again in the backward.
+    """
+    open_runs: list[list] = []  # [adapters, first row, length, spacing]
+    for a, start, length in routing.segments:
+        if length == 0:
+            continue
+        if open_runs:
+            adapters, first, prev_length, spacing = open_runs[-1]
+            spacing = start - first if len(adapters) == 1 else spacing
+            if length == prev_length and start == first + len(adapters) * spacing:
+                adapters.append(a)
+                open_runs[-1][3] = spacing
+                continue
+        open_runs.append([[a], start, length, length])
+    return tuple(
+        _Run(
+            members,
+            first + piece[0] * spacing,
+            length,
+            (piece[1] - piece[0]) * spacing if len(piece) > 1 else length,
+            tuple(routing.scalings[a] for a in members),
+            tuple(routing.dropouts[a] for a in members),
+        )
+        for adapters, first, length, spacing in open_runs
+        for piece in _rank_pieces([ranks[a] for a in adapters], length * width)
+        for members in [tuple(adapters[i] for i in piece)]
+    )
+
+
+def _rank_pieces(member_ranks: list[int], row_width: int) -> list[list[int]]:
+    """Positions in a run of the members to batch together: all of them (one ``bmm`` per GEMM,
+    ranks zero-padded to the largest), or, when that padding costs more than the extra runs,
+    the members of each rank cut into arithmetic progressions (equally spaced, so each piece
+    is again one strided view).
+
+    Padding costs ``row_width (G R_max - Σ_g r_g)`` multiply-adds per GEMM pair; each extra
+    run costs :data:`SPLIT_BREAK_EVEN`.
+    """
+    by_rank: dict[int, list[int]] = {}
+    for i, r in enumerate(member_ranks):
+        by_rank.setdefault(r, []).append(i)
+    pieces: list[list[int]] = []
+    for positions in by_rank.values():
+        pieces.append(positions[:1])
+        for i in positions[1:]:
+            piece = pieces[-1]
+            if len(piece) == 1 or i - piece[-1] == piece[1] - piece[0]:
+                piece.append(i)
+            else:
+                pieces.append([i])
+    padding = row_width * (len(member_ranks) * max(member_ranks) - sum(member_ranks))
+    if padding <= (len(pieces) - 1) * SPLIT_BREAK_EVEN:
+        return [list(range(len(member_ranks)))]
+    return pieces
+
+
+def _per_member(values: tuple[float, ...], like: Tensor) -> float | Tensor:
+    """One factor per run member: a float when they agree (the usual case), else ``(G, 1, 1)``."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tiles(run: _Run, width: int, itemsize: int) -> tuple[tuple[slice, slice], ...]:
+    """``(members, rows)`` slices tiling a run's ``(G, L)`` grid into pieces of about
+    :data:`TILE_BYTES` of a ``(G, L, width)`` tensor: whole members where one fits, else row
+    blocks of one member. Row blocks split the ``dA`` reduction over rows, so they are used
+    only for 4- and 8-byte dtypes: a bf16 partial sum per block would round each time.
+    """
+    member_bytes = run.length * width * itemsize
+    if member_bytes <= TILE_BYTES or itemsize < 4:
+        step = max(1, TILE_BYTES // member_bytes)
+        return tuple((slice(g, g + step), slice(0, run.length)) for g in range(0, len(run.adapters), step))
+    step = max(1, TILE_BYTES // (width * itemsize))
+    return tuple(
+        (slice(g, g + 1), slice(r, r + step)) for g in range(len(run.adapters)) for r in range(0, run.length, step)
+    )
+
+
+def _dropping(run: _Run, keep: Tensor | None) -> bool:
+    """Whether this call drops anything on the run (a mask, and p > 0 for some member)."""
+    return keep is not None and any(run.dropouts)
+
+
+class _MaskTiles:
+    """The masked K-wide products of one run, a tile at a time (:func:`_tiles`).
+
+    ``X ⊙ M`` and ``(dS' A) ⊙ M`` are never materialised whole: each tile converts its bytes
+    of the bool mask into a reused float scratch tile (read through a uint8 view, which
+    converts vectorised, ~3x faster than from bool) and multiplies there. The tiles stay in
+    cache between the elementwise op and the GEMM that reads them, no K-wide temporary is
+    allocated per call (on CPU a fresh multi-MiB buffer costs a page fault per 4 KiB), and
+    only the 1-byte mask is saved for the backward. A run that is one tile (short segments,
+    where per-op overhead dominates) is neither sliced nor given a scratch.
+    """
+
+    def __init__(self, run: _Run, keep: Tensor, x: Tensor) -> None:
+        self.keep_g = run.rows(keep.view(torch.uint8))  # (G, L, K) bytes, 0/1
+        self.x_g = run.rows(x)  # (G, L, K)
+        self.tiles = _tiles(run, x.shape[1], x.element_size())
+        self.whole = len(self.tiles) == 1
+        members, rows = self.tiles[0]
+        shape = (len(range(*members.indices(len(run.adapters)))), len(range(*rows.indices(run.length))), x.shape[1])
+        self.scratch = None if self.whole else (x.new_empty(shape), x.new_empty(shape))  # mask, product
+
+    def cut(self, t: Tensor, members: slice, rows: slice | None = None) -> Tensor:
+        """A tile of a run-shaped ``(G, L, ·)`` tensor, or of a ``(G, ·, ·)`` one without ``rows``."""
+        if self.whole:
+            return t
+        return t[members] if rows is None else t[members, rows]
+
+    def __iter__(self) -> Iterator[tuple[slice, slice, Tensor, Tensor | None]]:
+        """Yields ``(members, rows, M tile as 0/1 floats, product tile or None to allocate)``."""
+        for members, rows in self.tiles:
+            keep_t = self.cut(self.keep_g, members, rows)
+            if self.scratch is None:
+                yield members, rows, keep_t.to(self.x_g.dtype), None
+                continue
+            mask, product = (buf[: keep_t.shape[0], : keep_t.shape[1]] for buf in self.scratch)
+            yield members, rows, mask.copy_(keep_t), product
+
+    def shrink(self, A_g: Tensor) -> Tensor:
+        """``(X ⊙ M) A^T`` ``(G, L, R)``."""
+        s_g = self.x_g.new_empty((*self.x_g.shape[:2], A_g.shape[1]))
+        for members, rows, mask, product in self:
+            xm = torch.mul(self.cut(self.x_g, members, rows), mask, out=product)
+            torch.bmm(xm, self.cut(A_g, members).transpose(1, 2), out=self.cut(s_g, members, rows))
+        return s_g
+
+    def backward(self, ds_g: Tensor, A_g: Tensor, dx_g: Tensor | None, need_lora: bool) -> Tensor | None:
+        """``dX_g += (dS' A) ⊙ M`` in place (when ``dx_g`` is given); returns
+        ``dS'^T (X ⊙ M)`` ``(G, R, K)`` when ``need_lora``, else None. A member's first row tile
+        writes its ``dA`` rows, the next ones add to them."""
+        dA_g = A_g.new_empty(A_g.shape) if need_lora else None
+        for members, rows, mask, product in self:
+            ds_t = self.cut(ds_g, members, rows)  # (g, l, R)
+            if dA_g is not None:
+                xm = torch.mul(self.cut(self.x_g, members, rows), mask, out=product)
+                dA_t = self.cut(dA_g, members)
+                if rows.start == 0:
+                    torch.bmm(ds_t.transpose(1, 2), xm, out=dA_t)
+                else:
+                    dA_t.baddbmm_(ds_t.transpose(1, 2), xm)
+            if dx_g is not None:
+                product = torch.bmm(ds_t, self.cut(A_g, members), out=product)
+                self.cut(dx_g, members, rows).addcmul_(product, mask)
+        return dA_g
+
+
+def _run_factor(run: _Run, dropping: bool, like: Tensor) -> float | Tensor:
+    """``c = s / (1 - p)`` per member when the run drops (``keep_g`` not None), else ``s``.
+
+    It folds the scaling and inverted dropout's ``1 / (1 - p)`` into one multiply of a
+    rank-wide tensor in the forward (``c S``) and one in the backward (``c G B``).
+    """
+    if not dropping:
+        return _per_member(run.scalings, like)
+    return _per_member(tuple(s / (1.0 - p) for s, p in zip(run.scalings, run.dropouts, strict=True)), like)
+
+
+def _accumulate(grads: list[Tensor | None], adapters: tuple[int, ...], members: Sequence[Tensor]) -> None:
+    """Adds each member's gradient to that of ``adapters[i]`` (an adapter may recur in a run or across runs)."""
+    for a, grad in zip(adapters, members, strict=True):
+        grads[a] = grad if grads[a] is None else grads[a] + grad
+
+
+def forward(x, weight, bias, lora_A, lora_B, routing: LoraRouting, keep):
+    """Returns ``(Y, saved)``; ``saved`` holds per run ``(c S, A_g, B_g)`` for the backward.
+
+    With ``c = s / (1 - p)`` (:func:`_run_factor`), ``c (X ⊙ M) A^T = s Xd A^T = s S``: the
+    expand input and, saved, the right factor of ``dB = G^T (s S)``.
+    """
+    y = F.linear(x, weight, bias)  # (T, N): the one base GEMM
+    saved = []
+    for run in _runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0]):
+        A_g, B_g = run.stacked(lora_A, lora_B, x.dtype)  # (G, R, K), (G, N, R)
+        dropping = _dropping(run, keep)
+        if dropping:
+            s_g = _MaskTiles(run, keep, x).shrink(A_g)  # (G, L, R) = (X ⊙ M) A^T
+        else:
+            s_g = torch.bmm(run.rows(x), A_g.transpose(1, 2))  # (G, L, R) = X A^T
+        s_g.mul_(_run_factor(run, dropping, x))  # s S
+        run.rows(y).baddbmm_(s_g, B_g.transpose(1, 2))  # (G, L, N) += s S B^T, in the base output
+        saved += (s_g, A_g, B_g)
+    return y, saved
+
+
+def backward(grad_y, x, weight, lora_A, lora_B, routing: LoraRouting, keep, saved, need_x, need_lora):
+    """Returns ``(dX or None, dA per adapter, dB per adapter)``; see ``multi_lora``'s module doc for the math.
+
+    With ``c = s / (1 - p)``, ``dS' = c G B = dS / (1 - p)`` serves both products that need
+    ``dS``: ``dA = dS^T Xd = dS'^T (X ⊙ M)`` and ``(dS A) ⊙ M / (1 - p) = (dS' A) ⊙ M``.
+    """
+    dx = grad_y.mm(weight) if need_x else None  # (T, N) @ (N, K): the single dX buffer
+    dA: list[Tensor | None] = [None] * len(lora_A)
+    dB: list[Tensor | None] = [None] * len(lora_B)
+    for i, run in enumerate(_runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0])):
+        s_g, A_g, B_g = saved[3 * i : 3 * i + 3]  # (G, L, R), (G, R, K), (G, N, R)
+        g_g = run.rows(grad_y)  # (G, L, N)
+        dropping = _dropping(run, keep)
+        ds_g = torch.bmm(g_g, B_g).mul_(_run_factor(run, dropping, x))  # (G, L, R) = c G B
+        dx_g = run.rows(dx) if need_x else None  # (G, L, K) view: written in place
+        if dropping:
+            dA_g = _MaskTiles(run, keep, x).backward(ds_g, A_g, dx_g, need_lora)
+        else:
+            dA_g = torch.bmm(ds_g.transpose(1, 2), run.rows(x)) if need_lora else None  # (G, R, K)
+            if dx_g is not None:
+                dx_g.baddbmm_(ds_g, A_g)  # += dS A
+        if need_lora:
+            ranks = [lora_A[a].shape[0] for a in run.adapters]
+            _accumulate(dA, run.adapters, unstack_padded(dA_g, ranks))
+            dBt_g = torch.bmm(s_g.transpose(1, 2), g_g)  # (G, R, N) = (s G^T S)^T
+            _accumulate(dB, run.adapters, unstack_padded(dBt_g, ranks, transpose=True))
+    return dx, dA, dB
