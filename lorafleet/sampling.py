@@ -3,9 +3,9 @@
 Step t of a run with seed s draws task k's ``batch_size`` lengths from a generator seeded
 by (s, t, k), so any step can be re-drawn alone (look-ahead, resume, what-ifs) and two
 runs with the same seed see the same batches. Lengths are drawn from the task's *raw*
-distribution and then the overflow policy is applied and counted: ``truncate`` clips to
-the context length, ``reject`` drops the sequence and draws a replacement from the kept
-distribution.
+distribution and then the overflow rule is applied and counted
+(:func:`lorafleet.specs.workload.fit_to_context`): ``truncate`` clips to the context length,
+``reject`` drops the sequence and draws a replacement from the kept distribution.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from lorafleet.plans import GlobalBatch
-from lorafleet.specs.workload import OverflowPolicy
+from lorafleet.specs.workload import fit_to_context
 from lorafleet.workload import Workload
 
 
@@ -30,15 +30,12 @@ def sample_global_batch(workload: Workload, step: int, seed: int | None = None) 
     for k, task in enumerate(workload.tasks):
         rng = task_rng(seed, step, k)
         n = task.batch_size
-        drawn = task.raw_lengths.sample(n, rng)
-        ctx = task.spec.context_length
-        over = drawn > ctx
-        if task.spec.overflow is OverflowPolicy.TRUNCATE:
-            truncated += int(over.sum())
-            drawn = np.minimum(drawn, ctx)
-        elif over.any():
-            rejected += int(over.sum())
-            drawn[over] = task.lengths.sample(int(over.sum()), rng)
+        fit = fit_to_context(task.raw_lengths.sample(n, rng), task.spec.context_length, task.spec.overflow)
+        truncated += int(fit.truncated.sum())
+        rejected += int(fit.rejected.sum())
+        drawn = fit.lengths
+        if fit.rejected.any():
+            drawn[fit.rejected] = task.lengths.sample(int(fit.rejected.sum()), rng)
         task_ids.append(np.full(n, k, dtype=np.int64))
         sample_ids.append(np.arange(step * n, (step + 1) * n, dtype=np.int64))
         lengths.append(drawn.astype(np.int64))

@@ -25,7 +25,15 @@ from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.length_presets import find_preset, preset_distribution
 from lorafleet.specs.lengths import LengthDistribution
 from lorafleet.specs.model import MODEL_PRESETS, ModelSpec, resolve_model
-from lorafleet.specs.workload import DataSpec, LengthSpec, OverflowPolicy, TaskSpec, WorkloadSpec, describe_validation_error
+from lorafleet.specs.workload import (
+    DataSpec,
+    LengthSpec,
+    OverflowPolicy,
+    TaskSpec,
+    WorkloadSpec,
+    describe_validation_error,
+    fit_to_context,
+)
 
 
 @dataclass(frozen=True)
@@ -160,15 +168,16 @@ def _resolve_relative(spec: WorkloadSpec, base: Path) -> WorkloadSpec:
 
 
 def apply_overflow(raw: LengthDistribution, ctx: int, policy: OverflowPolicy, source: tuple[str, str]) -> tuple[LengthDistribution, float]:
-    """The task's trained-on distribution and the overflowing mass under ``policy``."""
-    over = float(raw.probs[raw.lengths > ctx].sum())
-    if policy is OverflowPolicy.TRUNCATE:
-        return raw.truncate(ctx), over
-    try:
-        kept, rejected = raw.reject_above(ctx)
-    except ValueError:
-        raise InputError(source[0], f"{source[1]}.overflow", f"every sequence is longer than context_length {ctx}; reject drops them all") from None
-    return kept, rejected
+    """The task's trained-on distribution and the overflowing mass under ``policy``: the overflow rule
+    (``fit_to_context``) applied to every length ``raw`` puts mass on; a truncated length's mass moves to
+    ``ctx``, a rejected one's is dropped and the rest renormalised."""
+    fit = fit_to_context(raw.lengths, ctx, policy)
+    if fit.rejected.all():
+        raise InputError(source[0], f"{source[1]}.overflow", f"every sequence is longer than context_length {ctx}; reject drops them all")
+    over = float(raw.probs[fit.truncated | fit.rejected].sum())
+    if fit.rejected.any():
+        return raw.reject_above(ctx)[0], over
+    return raw.truncate(ctx), over  # the identity when nothing overflows
 
 
 def load_workload(path: str | Path) -> Workload:

@@ -1,14 +1,18 @@
 """``lorafleet train WORKLOAD --plan PLAN.json``: train every task's adapter on the plan's replicas.
 
-Parses the command line into :class:`lorafleet.train.TrainOptions` and hands it to
-:func:`lorafleet.train.launch` (checks, torchrun, the step loop: see that module).
+Parses the command line into :class:`lorafleet.train.options.TrainOptions` and hands it to
+:func:`lorafleet.train.launcher.launch` (checks, torchrun, the step loop: see :mod:`lorafleet.train`).
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from lorafleet.errors import InputError
+
+if TYPE_CHECKING:
+    from lorafleet.train.options import TrainOptions
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,10 +63,10 @@ def _slowdown(items: list[str]) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def options_of(args: argparse.Namespace):
+def options_of(args: argparse.Namespace) -> TrainOptions:
     """The TrainOptions a parsed command line asks for."""
     from lorafleet.commands._plan_flags import policy_overrides
-    from lorafleet.train import TrainOptions
+    from lorafleet.train.options import TrainOptions
 
     return TrainOptions(workload=args.workload, plan=args.plan, steps=args.steps, out=args.out, resume=args.resume,
                         overwrite=args.overwrite, max_restarts=args.max_restarts,
@@ -73,6 +77,6 @@ def options_of(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from lorafleet.train import launch
+    from lorafleet.train.launcher import launch
 
     return launch(options_of(args))

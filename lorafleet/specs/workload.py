@@ -18,14 +18,20 @@ Example (``examples/lobra-7b.yaml``)::
 A task's length distribution comes from exactly one of: a dataset preset (``preset``),
 ``lengths`` (``preset``, ``stats`` keys mean/skewness/kurtosis, ``values``, ``histogram`` or
 ``dataset``), or its training ``data`` (tokenized with the workload's tokenizer).
+
+A sequence longer than its task's ``context_length`` follows the task's ``overflow`` policy, by
+the one rule of :func:`fit_to_context`.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
 from pydantic import Field, field_validator, model_validator
 
 from lorafleet.specs._base import Spec
@@ -33,6 +39,7 @@ from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.recompute import RecomputePolicy
+
 
 class FieldError(ValueError):
     """A validation error that knows which sub-field it is about (pydantic reports only the validator's field)."""
@@ -46,12 +53,36 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
 class OverflowPolicy(StrEnum):
-    """What happens to a sequence longer than the task's context length (never silent)."""
+    """What happens to a sequence longer than the task's context length (never silent; :func:`fit_to_context`)."""
 
     TRUNCATE = "truncate"
     """Cut it to the context length; counted in every report."""
     REJECT = "reject"
     """Drop it from the data; counted in every report."""
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    """Sequences fitted to a context length, one entry per sequence (:func:`fit_to_context`)."""
+
+    lengths: np.ndarray
+    """int64: the length each sequence trains at (a rejected one keeps its own)."""
+    truncated: np.ndarray
+    """bool: cut to the context length."""
+    rejected: np.ndarray
+    """bool: dropped."""
+
+
+def fit_to_context(lengths: Sequence[int] | np.ndarray, context_length: int, policy: OverflowPolicy) -> ContextFit:
+    """The overflow rule, its one implementation (the workload's length distributions, the sampled
+    batches and the training data all apply it): a sequence longer than ``context_length`` is cut to
+    it under ``truncate`` and dropped under ``reject``; the others stay as they are."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    over = lengths > context_length
+    none = np.zeros_like(over)
+    if policy is OverflowPolicy.TRUNCATE:
+        return ContextFit(np.where(over, context_length, lengths), truncated=over, rejected=none)
+    return ContextFit(lengths.copy(), truncated=none, rejected=over)
 
 
 class DataFormat(StrEnum):

@@ -98,7 +98,7 @@ def test_no_intact_checkpoint_is_one_input_error(tmp_path):
 
 
 def test_adapter_export_replaces_a_directory_whole(tmp_path):
-    from lorafleet.train import _export_adapters
+    from lorafleet.train.trainer import _export_adapters
 
     save_train_state(tmp_path / "ckpt", _state(3, 3.0), base_model="m")
     target = tmp_path / "adapters"

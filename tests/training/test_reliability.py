@@ -113,7 +113,9 @@ def test_run_directory_checkpoints_and_resume(run, capsys):
 
     # --overwrite starts afresh: the launcher clears the previous run's files (in process here, as
     # `lorafleet train` does before it starts torchrun) and writes the new run's plan.
-    from lorafleet.train import TrainOptions, _claim, prepare
+    from lorafleet.train.options import TrainOptions
+    from lorafleet.train.preflight import claim as _claim
+    from lorafleet.train.preflight import prepare
 
     (out / "notes.txt").write_text("mine")
     options = TrainOptions(workload=str(tmp / "w.yaml"), plan=str(tmp / "plan.json"), out=str(out), overwrite=True)

@@ -38,7 +38,7 @@ from lorafleet.data.records import read_rows
 from lorafleet.data.tokenize import IGNORE_INDEX, Example, tokenize_rows
 from lorafleet.errors import InputError
 from lorafleet.plans import GlobalBatch
-from lorafleet.specs.workload import OverflowPolicy, TaskSpec
+from lorafleet.specs.workload import OverflowPolicy, TaskSpec, fit_to_context
 
 
 def loss_tokens(example: Example) -> int:
@@ -75,16 +75,18 @@ class TaskData:
 
 
 def apply_overflow(name: str, examples: Sequence[Example], context_length: int, policy: OverflowPolicy) -> TaskData:
-    """Truncate or reject examples over ``context_length``; drop those with nothing to learn."""
+    """Truncate or reject examples over ``context_length`` (the overflow rule, ``fit_to_context``); drop those
+    with nothing to learn."""
     kept: list[Example] = []
     truncated: set[int] = set()
     rejected = no_target = 0
-    for example in examples:
-        cut = len(example) > context_length
-        if cut and policy is OverflowPolicy.REJECT:
+    fit = fit_to_context([len(e) for e in examples], context_length, policy)
+    for example, length, cut, dropped in zip(examples, fit.lengths.tolist(), fit.truncated.tolist(),
+                                             fit.rejected.tolist(), strict=True):
+        if dropped:
             rejected += 1
             continue
-        example = example.truncated(context_length) if cut else example
+        example = example.truncated(length) if cut else example
         if loss_tokens(example) == 0:
             no_target += 1
             continue

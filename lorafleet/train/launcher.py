@@ -1,0 +1,73 @@
+"""The entry of ``lorafleet train``: :func:`launch` checks and claims the run, then re-runs the command
+under ``torchrun --standalone`` (one process a rank) and supervises it: torchrun in a session of its
+own that dies with this process, SIGINT/SIGTERM turned into a stop request at the next step boundary
+(a second one kills), the exit code saying which. Already under torchrun (the re-run, or a user's
+own), :func:`launch` is this process's rank (:func:`lorafleet.train.trainer.train_rank`).
+
+No torch import here: the launcher reaches the torch executor only through its torchrun helpers
+(``executor.torch.processes``, torch-free) and, under torchrun, the rank it becomes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import FrameType
+
+from lorafleet.train.options import TrainOptions
+from lorafleet.train.preflight import Prepared, claim, prepare
+
+
+def launch(options: TrainOptions) -> int:
+    """``lorafleet train``: check, lock, then run under torchrun (re-executing this command) or, already
+    under one, as this process's rank. SIGINT/SIGTERM stop the run at a step boundary: exit 130/143."""
+    from lorafleet.executor.torch.processes import under_torchrun
+
+    prepared = prepare(options)
+    if under_torchrun():
+        from lorafleet.train.trainer import train_rank
+
+        return train_rank(options, prepared)
+    lock = claim(options, prepared)
+    try:
+        for line in prepared.run.overrides:
+            print(f"lorafleet train: {line}", flush=True)
+        plan_path = str(Path(options.out) / "plan.json")
+        return _supervise(replace(options, plan=plan_path), prepared)
+    finally:
+        lock.release()
+
+
+def _supervise(options: TrainOptions, prepared: Prepared) -> int:
+    """Run torchrun in a session of its own, dying with this process; turn the first SIGINT/SIGTERM into a
+    stop request, a second into a kill; the exit code says which (128 + signal) or torchrun's."""
+    from lorafleet.executor.torch.processes import clear_stop, die_with_parent, request_stop, torchrun_argv, worker_env
+
+    clear_stop(options.out)
+    argv = torchrun_argv(prepared.world_size, options.to_argv(), max_restarts=options.max_restarts)
+    child = subprocess.Popen(argv, env=worker_env(locked=True), start_new_session=True, preexec_fn=die_with_parent)
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            request_stop(options.out, signum)
+            print(f"lorafleet train: {signal.Signals(signum).name}: stopping at the next step boundary "
+                  "(again to abort)", file=sys.stderr, flush=True)
+        else:
+            os.killpg(child.pid, signal.SIGKILL)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        clear_stop(options.out)
+    if received:
+        return 128 + received[0]
+    return code

@@ -1,0 +1,189 @@
+"""Everything checked before a process of a run starts, and the run directory made the run's.
+
+    prepare(options)         the workload (data for every task), the plan (re-planned on a resume with other
+                             GPUs), its cost model and policy, the checkpoint resumed from: every input
+                             error before any process is spawned or any file written (but a re-plan's)
+    claim(options, prepared) the run directory locked and made this run's (a used one refused unless
+                             resuming or told to overwrite), the data checked against the checkpoint
+                             resumed from, the run's plan written
+
+No torch import here: a resume's checks import the torch executor's data and checkpoint helpers
+inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lorafleet.assemble import PlannedRun
+from lorafleet.errors import InputError
+from lorafleet.train.options import ARGS, TrainOptions
+from lorafleet.workload import Workload
+
+if TYPE_CHECKING:
+    from lorafleet.plans import DeploymentPlan
+    from lorafleet.rundir import RunLock
+    from lorafleet.specs.cluster import ClusterSpec
+
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Everything checked before a process starts."""
+
+    workload: Workload
+    run: PlannedRun
+    """The plan (replanned on a resume with other GPUs; its policy as overridden), its cost model,
+    and what to report of it."""
+    world_size: int
+    """Processes the plan needs: one per rank it names."""
+    resume_step: int | None
+    """The step the run resumes from (None: a fresh start)."""
+
+
+def load_training_workload(path: str) -> Workload:
+    """The workload, with data for every task (planning needs only lengths; training needs rows)."""
+    from lorafleet.workload import load_workload
+
+    workload = load_workload(path)
+    missing = [t.name for t in workload.tasks if t.spec.data is None]
+    if missing:
+        raise InputError(path, "tasks", f"training needs data for every task; {', '.join(missing)} has none")
+    return workload
+
+
+def restarted() -> bool:
+    """Whether torchrun restarted this worker after a failure (then it resumes, asked or not)."""
+    return int(os.environ.get(RESTART_ENV, "0") or 0) > 0
+
+
+def _target_gpus(cluster: ClusterSpec) -> int:
+    """The GPUs the run has: the processes torchrun started, else the cluster's."""
+    started = os.environ.get("WORLD_SIZE")
+    return int(started) if started is not None else cluster.n_gpus
+
+
+def _replan(workload: Workload, cluster: ClusterSpec, options: TrainOptions) -> PlannedRun:
+    """A resumed run on another number of GPUs: the plan for the GPUs it now has, by the old plan's cost
+    model and dispatch policy, saved as the run's ``plan.json`` (then checked like any plan)."""
+    from lorafleet.assemble import plan_cost_model, prepare_run
+    from lorafleet.planner import PlannerOptions, plan_deployment
+    from lorafleet.plans import DeploymentPlan
+    from lorafleet.specs.cluster import ClusterSpec
+
+    old = DeploymentPlan.load(options.plan)
+    try:
+        target = ClusterSpec.with_gpus(_target_gpus(cluster), cluster.gpu, cluster.gpus_per_node)
+    except ValueError as err:
+        raise InputError(ARGS, "--gpus", str(err).splitlines()[-1]) from None
+    cost_model, _ = plan_cost_model(workload, target, old, options.plan, options.profile)
+    planned = plan_deployment(workload, target, cost_model, PlannerOptions(
+        microbatch_mode=old.policy.options.microbatch_mode, n_buckets=old.policy.options.n_buckets, baselines=False))
+    path = Path(options.out) / "plan.json"
+    replace(planned.plan, policy=old.policy).save(path)
+    run = prepare_run(workload, target, str(path), options.profile, dict(options.policy_overrides))
+    note = (f"re-planned for {target.n_gpus} GPUs: {run.plan.describe()} (the plan was {old.describe()} on "
+            f"{old.n_gpus}); checkpoints do not depend on the plan")
+    return replace(run, overrides=(*run.overrides, note))
+
+
+def prepare(options: TrainOptions) -> Prepared:
+    """Every input check of a run, before any process is spawned or any file written (but a re-plan's)."""
+    from lorafleet.assemble import prepare_run, workload_cluster
+    from lorafleet.plans import DeploymentPlan
+    from lorafleet.specs.io import check_writable
+
+    check_writable(options.out, directory=True)
+    workload = load_training_workload(options.workload)
+    cluster = workload_cluster(workload, options.gpus, options.gpu)
+    resume_step = _resume_step(options) if options.resume or restarted() else None
+    if resume_step is not None and DeploymentPlan.load(options.plan).n_gpus != _target_gpus(cluster):
+        run = _replan(workload, cluster, options)
+    else:
+        run = prepare_run(workload, cluster, options.plan, options.profile, dict(options.policy_overrides))
+    world = run.plan.world_size
+    started = os.environ.get("WORLD_SIZE")
+    if started is not None and int(started) != world:
+        raise InputError(options.plan, "replicas", f"the plan needs {world} processes (one per GPU it names); "
+                         f"torchrun started {started}")
+    for r, _ in options.slowdown:
+        if not 0 <= r < len(run.plan.replicas):
+            raise InputError(ARGS, "--inject-slowdown", f"replica {r} does not exist: the plan has replicas "
+                             f"0..{len(run.plan.replicas) - 1}")
+    return Prepared(workload=workload, run=run, world_size=world, resume_step=resume_step)
+
+
+def _resume_step(options: TrainOptions) -> int | None:
+    """The step a resume starts from, checked: an intact checkpoint exists (a restart may find none yet)
+    and ``--steps`` does not go below it. Broken newer checkpoints are reported."""
+    from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
+
+    found = resumable_checkpoint(Path(options.out) / "checkpoints")
+    if found is None:
+        if restarted():
+            return 0
+        raise InputError(ARGS, "--resume", f"nothing to resume: no checkpoint in {Path(options.out) / 'checkpoints'}")
+    for line in found.broken:
+        print(f"lorafleet train: warning: checkpoint {line}; resuming from {found.step_dir.name}", file=sys.stderr)
+    if options.steps < found.step:
+        raise InputError(ARGS, "--steps", f"{options.steps} is below the {found.step} steps the run has committed; "
+                         "--steps is the run's total and a resume never rolls back")
+    return found.step
+
+
+def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
+    """Lock the run directory and make it this run's: refuse a used one unless resuming or told to
+    overwrite; check the data against the checkpoint resumed from; write the run's plan."""
+    from lorafleet.rundir import clear_run, lock_run, used_by
+
+    lock = lock_run(options.out)
+    try:
+        used = used_by(options.out)
+        if prepared.resume_step is None and used and not restarted():
+            if not options.overwrite:
+                raise InputError(options.out, "", f"holds a previous run ({', '.join(used)}); pass --resume to "
+                                 "continue it or --overwrite to replace it")
+            clear_run(options.out)
+        if prepared.resume_step:
+            _check_data(options, prepared)
+        if not prepared.run.plan == _saved_plan(options.out):
+            prepared.run.plan.save(Path(options.out) / "plan.json")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _saved_plan(out: str) -> DeploymentPlan | None:
+    from lorafleet.plans import DeploymentPlan
+
+    path = Path(out) / "plan.json"
+    try:
+        return DeploymentPlan.load(path) if path.is_file() else None
+    except InputError:
+        return None
+
+
+def _check_data(options: TrainOptions, prepared: Prepared) -> None:
+    """InputError when the workload's data is not the data the checkpoint was trained on."""
+    from lorafleet.executor.torch.checkpoint_files import read_manifest, resumable_checkpoint
+    from lorafleet.executor.torch.launch import training_streams
+
+    found = resumable_checkpoint(Path(options.out) / "checkpoints")
+    if found is None:
+        return
+    manifest = read_manifest(found.step_dir)
+    names = [t.name for t in prepared.workload.tasks]
+    saved = [t["name"] for t in manifest["tasks"]]
+    if saved != names:
+        raise InputError(str(found.step_dir), "tasks", f"the checkpoint has tasks {saved}, the workload {names}")
+    streams = training_streams(prepared.workload.spec, options.steps)
+    try:
+        streams.check_state(manifest["data"])
+    except ValueError as err:
+        raise InputError(str(found.step_dir), "data", str(err)) from None
