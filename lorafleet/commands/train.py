@@ -65,14 +65,16 @@ def _slowdown(items: list[str]) -> tuple[tuple[int, float], ...]:
 
 def options_of(args: argparse.Namespace) -> TrainOptions:
     """The TrainOptions a parsed command line asks for."""
-    from lorafleet.commands._plan_flags import policy_overrides
+    from lorafleet.commands._plan_flags import policy_argv, policy_overrides
     from lorafleet.train.options import TrainOptions
 
+    overrides = policy_overrides(args)
     return TrainOptions(workload=args.workload, plan=args.plan, steps=args.steps, out=args.out, resume=args.resume,
                         overwrite=args.overwrite, max_restarts=args.max_restarts,
                         checkpoint_on_stop=not args.no_stop_checkpoint, nonfinite_patience=args.nonfinite_patience,
                         checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype, gpus=args.gpus,
-                        gpu=args.gpu, profile=args.profile, policy_overrides=tuple(policy_overrides(args).items()),
+                        gpu=args.gpu, profile=args.profile, policy_overrides=tuple(overrides.items()),
+                        policy_flags=tuple(policy_argv(overrides)),
                         progress=not args.no_progress, slowdown=_slowdown(args.inject_slowdown))
 
 

@@ -46,6 +46,9 @@ class TrainOptions:
     """A cost-model profile overriding the one the plan was judged by."""
     policy_overrides: tuple[tuple[str, object], ...] = ()
     """(policy field, value) pairs overriding the plan's dispatch policy (``commands._plan_flags``)."""
+    policy_flags: tuple[str, ...] = ()
+    """The command-line flags that give ``policy_overrides``, as each worker is re-run with them
+    (built by the command, which owns the flags: ``commands._plan_flags.policy_argv``)."""
     progress: bool = True
     """A progress bar on rank 0 when stdout is a terminal (a log line per step otherwise)."""
     slowdown: tuple[tuple[int, float], ...] = ()
@@ -62,15 +65,13 @@ class TrainOptions:
 
     def to_argv(self) -> list[str]:
         """The ``lorafleet train`` command line that re-creates these options (what each worker runs)."""
-        from lorafleet.commands._plan_flags import policy_argv
-
         argv = ["train", self.workload, "--plan", self.plan, "--steps", str(self.steps), "--out", self.out,
                 "--checkpoint-every", str(self.checkpoint_every), "--device", self.device, "--dtype", self.dtype,
                 "--nonfinite-patience", str(self.nonfinite_patience)]
         for flag, value in (("--gpus", self.gpus), ("--gpu", self.gpu), ("--profile", self.profile)):
             if value is not None:
                 argv += [flag, str(value)]
-        argv += policy_argv(dict(self.policy_overrides))
+        argv += self.policy_flags
         argv += [f"--inject-slowdown={r}={f}" for r, f in self.slowdown]
         for flag, on in (("--resume", self.resume), ("--no-progress", not self.progress),
                          ("--no-stop-checkpoint", not self.checkpoint_on_stop)):
