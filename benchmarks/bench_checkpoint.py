@@ -45,17 +45,38 @@ BENCH_LLAMA = ModelSpec(name="bench-llama", n_layers=6, hidden=256, ffn=704, n_h
 
 def _executor(tasks: int, rank: int) -> TorchExecutor:
     rng = np.random.default_rng(0)
-    data = [TaskData(f"t{k}", tuple(Example(tuple(ids), (IGNORE_INDEX, *ids[1:]))
-                                    for ids in (rng.integers(3, BENCH_LLAMA.vocab, 32).tolist() for _ in range(8))))
-            for k in range(tasks)]
+    data = [
+        TaskData(
+            f"t{k}",
+            tuple(
+                Example(tuple(ids), (IGNORE_INDEX, *ids[1:]))
+                for ids in (rng.integers(3, BENCH_LLAMA.vocab, 32).tolist() for _ in range(8))
+            ),
+        )
+        for k in range(tasks)
+    ]
     names = tuple(d.name for d in data)
-    plan = DeploymentPlan(model="bench-llama", gpu="cpu", n_gpus=1, gpus_per_node=1, tasks=names,
-                          replicas=(ReplicaSpec(0, ParallelConfig(1, 1), 4096, (0,)),), bucket_boundaries=(32,),
-                          expected_makespan_s=0.0)
-    lora = LoraSpec(rank=rank, alpha=2 * rank, target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                                "up_proj", "down_proj"))
-    config = ExecutorConfig(plan=plan, seed=0, base_model="bench-llama", tasks=tuple(
-        TaskTraining(name=n, lora=lora, optimizer=OptimizerSpec(lr=1e-3), total_steps=100) for n in names))
+    plan = DeploymentPlan(
+        model="bench-llama",
+        gpu="cpu",
+        n_gpus=1,
+        gpus_per_node=1,
+        tasks=names,
+        replicas=(ReplicaSpec(0, ParallelConfig(1, 1), 4096, (0,)),),
+        bucket_boundaries=(32,),
+        expected_makespan_s=0.0,
+    )
+    lora = LoraSpec(
+        rank=rank,
+        alpha=2 * rank,
+        target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    )
+    config = ExecutorConfig(
+        plan=plan,
+        seed=0,
+        base_model="bench-llama",
+        tasks=tuple(TaskTraining(name=n, lora=lora, optimizer=OptimizerSpec(lr=1e-3), total_steps=100) for n in names),
+    )
     model = load_causal_lm(ModelSource(kind=SourceKind.RANDOM, name="bench-llama", spec=BENCH_LLAMA, seed=0))
     return TorchExecutor(config, model, DataStreams(data, [2] * tasks, 0), torch.device("cpu"))
 
@@ -64,8 +85,9 @@ def _step(executor: TorchExecutor, step: int) -> None:
     batch = executor.next_global_batch(step)
     rows = tuple(range(len(batch)))
     mb = MicroBatch(rows, tuple(int(t) for t in batch.task_ids), tuple(int(n) for n in batch.lengths), 32)
-    executor.run_step(StepPlan(step=step, bucket_boundaries=(32,), work=(ReplicaWork(0, (mb,), 0.0),),
-                               estimated_makespan_s=0.0))
+    executor.run_step(
+        StepPlan(step=step, bucket_boundaries=(32,), work=(ReplicaWork(0, (mb,), 0.0),), estimated_makespan_s=0.0)
+    )
 
 
 def main() -> int:
@@ -91,8 +113,10 @@ def main() -> int:
         dist.destroy_process_group()
     sync, background = (statistics.median(stalls[n]) for n in ("synchronous", "background"))
     print(f"checkpoint of {args.tasks} adapters of rank {args.rank} (bench-llama, AdamW): {size / 2**20:.1f} MiB")
-    print(f"  stall per checkpoint, median of {args.repeats}: synchronous {sync * 1e3:.1f} ms, "
-          f"background {background * 1e3:.1f} ms ({sync / background:.1f}x less)")
+    print(
+        f"  stall per checkpoint, median of {args.repeats}: synchronous {sync * 1e3:.1f} ms, "
+        f"background {background * 1e3:.1f} ms ({sync / background:.1f}x less)"
+    )
     return 0
 
 

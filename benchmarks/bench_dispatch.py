@@ -56,11 +56,18 @@ class Scenario:
 
 
 SCENARIOS = {
-    "7b": Scenario("examples/lobra-7b.yaml", ((ParallelConfig(1), 6), (ParallelConfig(2), 1), (ParallelConfig(8), 1)),
-                   {1: 2048, 2: 4096, 8: 16384}, p95_target_ms=50.0),
-    "70b": Scenario("examples/lobra-70b.yaml",
-                    ((ParallelConfig(2, 2), 8), (ParallelConfig(4, 2), 2), (ParallelConfig(8, 2), 1)),
-                    {2: 4096, 4: 8192, 8: 16384}, p95_target_ms=200.0),
+    "7b": Scenario(
+        "examples/lobra-7b.yaml",
+        ((ParallelConfig(1), 6), (ParallelConfig(2), 1), (ParallelConfig(8), 1)),
+        {1: 2048, 2: 4096, 8: 16384},
+        p95_target_ms=50.0,
+    ),
+    "70b": Scenario(
+        "examples/lobra-70b.yaml",
+        ((ParallelConfig(2, 2), 8), (ParallelConfig(4, 2), 2), (ParallelConfig(8, 2), 1)),
+        {2: 4096, 4: 8192, 8: 16384},
+        p95_target_ms=200.0,
+    ),
 }
 
 
@@ -70,12 +77,22 @@ def build(scenario: Scenario):
     replicas, gpu = [], 0
     for config, count in scenario.layout:
         for _ in range(count):
-            replicas.append(ReplicaSpec(len(replicas), config, scenario.max_tokens[config.tp],
-                                        tuple(range(gpu, gpu + config.n_gpus))))
+            replicas.append(
+                ReplicaSpec(
+                    len(replicas), config, scenario.max_tokens[config.tp], tuple(range(gpu, gpu + config.n_gpus))
+                )
+            )
             gpu += config.n_gpus
-    plan = DeploymentPlan(model=workload.model.name, gpu=workload.cluster.gpu, n_gpus=workload.cluster.n_gpus,
-                          gpus_per_node=workload.cluster.gpus_per_node, tasks=tuple(t.name for t in workload.tasks),
-                          replicas=tuple(replicas), bucket_boundaries=(), expected_makespan_s=0.0)
+    plan = DeploymentPlan(
+        model=workload.model.name,
+        gpu=workload.cluster.gpu,
+        n_gpus=workload.cluster.n_gpus,
+        gpus_per_node=workload.cluster.gpus_per_node,
+        tasks=tuple(t.name for t in workload.tasks),
+        replicas=tuple(replicas),
+        bucket_boundaries=(),
+        expected_makespan_s=0.0,
+    )
     return workload, plan, workload_cost_model(workload, workload.cluster, sync_replicas=len(plan.replicas))
 
 
@@ -93,10 +110,13 @@ def bench_speed(batches, plan, cost_model, target_ms: float) -> None:
         cpu.append(time.process_time() - start)
         wall.append(outcome.plan.solve_s)
     wall_ms, cpu_ms = np.array(wall) * 1e3, np.array(cpu) * 1e3
-    print(f"  speed, fast method, {len(batches)} steps: wall p50 {np.median(wall_ms):.1f} ms, p95 "
-          f"{np.percentile(wall_ms, 95):.1f} ms, max {wall_ms.max():.1f} ms; CPU p50 {np.median(cpu_ms):.1f} ms, p95 "
-          f"{np.percentile(cpu_ms, 95):.1f} ms   [target p95 <= {target_ms:.0f} ms: "
-          f"{verdict(np.percentile(wall_ms, 95) <= target_ms)} wall, {verdict(np.percentile(cpu_ms, 95) <= target_ms)} CPU]")
+    print(
+        f"  speed, fast method, {len(batches)} steps: wall p50 {np.median(wall_ms):.1f} ms, p95 "
+        f"{np.percentile(wall_ms, 95):.1f} ms, max {wall_ms.max():.1f} ms; CPU p50 {np.median(cpu_ms):.1f} ms, p95 "
+        f"{np.percentile(cpu_ms, 95):.1f} ms   [target p95 <= {target_ms:.0f} ms: "
+        f"{verdict(np.percentile(wall_ms, 95) <= target_ms)} wall, {verdict(np.percentile(cpu_ms, 95) <= target_ms)} "
+        "CPU]"
+    )
 
 
 def bench_quality(batches, plan, cost_model, solver: SolverName, limit_s: float) -> None:
@@ -107,9 +127,18 @@ def bench_quality(batches, plan, cost_model, solver: SolverName, limit_s: float)
         fast = solve_step(batch, plan, cost_model, fast_opts)
         length = solve_step(batch, plan, cost_model, DispatchOptions(method=DispatchMethod.LENGTH))
         exact = solve_step(batch, plan, cost_model, exact_opts)
-        rows.append((fast.plan.estimated_makespan_s, exact.plan.estimated_makespan_s, length.plan.estimated_makespan_s,
-                     fast.modelled_makespan_s, exact.modelled_makespan_s, exact.lower_bound_s or np.nan,
-                     exact.plan.method, exact.plan.solve_s))
+        rows.append(
+            (
+                fast.plan.estimated_makespan_s,
+                exact.plan.estimated_makespan_s,
+                length.plan.estimated_makespan_s,
+                fast.modelled_makespan_s,
+                exact.modelled_makespan_s,
+                exact.lower_bound_s or np.nan,
+                exact.plan.method,
+                exact.plan.solve_s,
+            )
+        )
     fast_est, exact_est, length_est, fast_model, exact_model, bound = (np.array([r[i] for r in rows]) for i in range(6))
     statuses = [r[6] for r in rows]
     exact_s = np.array([r[7] for r in rows])
@@ -117,20 +146,33 @@ def bench_quality(batches, plan, cost_model, solver: SolverName, limit_s: float)
     proven = (exact_model - bound) / exact_model
     certified = (fast_model - bound) / bound
     n = len(rows)
-    print(f"  quality on {n} batches, exact = {solver.value} MILP with {limit_s:g} s per batch "
-          f"(solve time mean {exact_s.mean():.1f} s, max {exact_s.max():.1f} s; "
-          f"{sum(s.endswith(':optimal') for s in statuses)} proven optimal, "
-          f"{sum(s.endswith(':feasible') for s in statuses)} time-limited with a solution, "
-          f"{sum(s.endswith('->fast') for s in statuses)} fell back):")
-    print(f"    fast vs exact, estimated makespan: mean {gap.mean():+.2%}, max {gap.max():+.2%}, "
-          f"within {QUALITY_TARGET:.0%} on {(gap <= QUALITY_TARGET).sum()}/{n}   [{verdict(bool((gap <= QUALITY_TARGET).all()))}]")
-    print(f"    gap the solver proves on its own solution (model): mean {np.nanmean(proven):.2%}, max {np.nanmax(proven):.2%}; "
-          f"fast vs the proven lower bound (model): mean {np.nanmean(certified):+.2%}, max {np.nanmax(certified):+.2%}")
+    print(
+        f"  quality on {n} batches, exact = {solver.value} MILP with {limit_s:g} s per batch "
+        f"(solve time mean {exact_s.mean():.1f} s, max {exact_s.max():.1f} s; "
+        f"{sum(s.endswith(':optimal') for s in statuses)} proven optimal, "
+        f"{sum(s.endswith(':feasible') for s in statuses)} time-limited with a solution, "
+        f"{sum(s.endswith('->fast') for s in statuses)} fell back):"
+    )
+    print(
+        f"    fast vs exact, estimated makespan: mean {gap.mean():+.2%}, max {gap.max():+.2%}, "
+        f"within {QUALITY_TARGET:.0%} on {(gap <= QUALITY_TARGET).sum()}/{n}   "
+        f"[{verdict(bool((gap <= QUALITY_TARGET).all()))}]"
+    )
+    print(
+        f"    gap the solver proves on its own solution (model): mean {np.nanmean(proven):.2%}, max "
+        f"{np.nanmax(proven):.2%}; "
+        f"fast vs the proven lower bound (model): mean {np.nanmean(certified):+.2%}, max {np.nanmax(certified):+.2%}"
+    )
     better = fast_est <= length_est * (1 + 1e-9)
-    print(f"    fast vs LobRA length-based dispatch: makespan {np.mean(fast_est / length_est - 1):+.1%} on average "
-          f"(best {np.min(fast_est / length_est - 1):+.1%}), never worse on {better.sum()}/{n}   [{verdict(bool(better.all()))}]")
-    print(f"    mean estimated makespan: fast {fast_est.mean():.3f} s, exact {exact_est.mean():.3f} s, "
-          f"length {length_est.mean():.3f} s")
+    print(
+        f"    fast vs LobRA length-based dispatch: makespan {np.mean(fast_est / length_est - 1):+.1%} on average "
+        f"(best {np.min(fast_est / length_est - 1):+.1%}), never worse on {better.sum()}/{n}   "
+        f"[{verdict(bool(better.all()))}]"
+    )
+    print(
+        f"    mean estimated makespan: fast {fast_est.mean():.3f} s, exact {exact_est.mean():.3f} s, "
+        f"length {length_est.mean():.3f} s"
+    )
 
 
 def bench_buckets(batches, plan, cost_model) -> None:
@@ -143,13 +185,20 @@ def bench_buckets(batches, plan, cost_model) -> None:
     print(f"  buckets over {len(batches)} batches (fast method): R, padding ratio (LobRA), makespan vs R = 4 (LobRA)")
     for r, (lobra_time, lobra_pad) in LOBRA_R.items():
         pad, makespan = results[r]
-        print(f"    R = {r:2d}: padding {pad:.3f} ({lobra_pad:.2f}), makespan {makespan / base:.3f} ({lobra_time:.3f}), "
-              f"{makespan:.3f} s")
+        print(
+            f"    R = {r:2d}: padding {pad:.3f} ({lobra_pad:.2f}), makespan {makespan / base:.3f} ({lobra_time:.3f}), "
+            f"{makespan:.3f} s"
+        )
     pad16, span16 = results[16]
-    for label, kw in (("R chosen by makespan (<= 16)", {"choose_buckets_by_makespan": True}),
-                      ("packing, R = 16", {"microbatch_mode": MicroBatchMode.PACKING})):
+    for label, kw in (
+        ("R chosen by makespan (<= 16)", {"choose_buckets_by_makespan": True}),
+        ("packing, R = 16", {"microbatch_mode": MicroBatchMode.PACKING}),
+    ):
         pad, makespan = run(**kw)
-        print(f"    {label}: padding {pad:.3f}, makespan {makespan:.3f} s ({makespan / span16 - 1:+.1%} vs padding at R = 16)")
+        print(
+            f"    {label}: padding {pad:.3f}, makespan {makespan:.3f} s ({makespan / span16 - 1:+.1%} vs padding at "
+            "R = 16)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,12 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         scenario = SCENARIOS[name.strip()]
         workload, plan, cost_model = build(scenario)
         batches = [sample_global_batch(workload, step) for step in range(max(args.timing_steps, args.batches))]
-        print(f"{name}: {scenario.workload}, {len(batches[0])} sequences a step, plan {plan.describe()} "
-              f"(M {scenario.max_tokens}), cost model {cost_model.source}")
-        bench_speed(batches[:args.timing_steps], plan, cost_model, scenario.p95_target_ms)
+        print(
+            f"{name}: {scenario.workload}, {len(batches[0])} sequences a step, plan {plan.describe()} "
+            f"(M {scenario.max_tokens}), cost model {cost_model.source}"
+        )
+        bench_speed(batches[: args.timing_steps], plan, cost_model, scenario.p95_target_ms)
         if not args.skip_exact:
-            bench_quality(batches[:args.batches], plan, cost_model, SolverName(args.solver), args.exact_limit)
-        bench_buckets(batches[:args.batches], plan, cost_model)
+            bench_quality(batches[: args.batches], plan, cost_model, SolverName(args.solver), args.exact_limit)
+        bench_buckets(batches[: args.batches], plan, cost_model)
         sys.stdout.flush()
     return 0
 

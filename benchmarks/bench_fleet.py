@@ -53,8 +53,8 @@ sys.path.insert(0, str(REPO))
 
 from lorafleet.assemble import workload_cluster, workload_cost_model  # noqa: E402
 from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
-from lorafleet.plans import DeploymentPlan  # noqa: E402
 from lorafleet.planner import workload_baselines  # noqa: E402
+from lorafleet.plans import DeploymentPlan  # noqa: E402
 from lorafleet.workload import load_workload  # noqa: E402
 
 DEMO = REPO / "examples" / "demo"
@@ -68,11 +68,15 @@ TASKS = (  # name, batch size, context length (the demo's data; larger batches)
 
 def write_workload(root: Path, tokenizer: Path, tasks=TASKS) -> Path:
     spec = {
-        "model": "tiny-llama", "tokenizer": str(tokenizer), "seed": 0,
+        "model": "tiny-llama",
+        "tokenizer": str(tokenizer),
+        "seed": 0,
         "cluster": {"gpu": "cpu", "nodes": 1, "gpus_per_node": 4},
         "defaults": {"lora": {"rank": 8, "alpha": 16}, "optimizer": {"lr": 1e-3}},
-        "tasks": [{"name": n, "data": {"path": str(DEMO / f"{n}.jsonl")}, "batch_size": b, "context_length": c}
-                  for n, b, c in tasks],
+        "tasks": [
+            {"name": n, "data": {"path": str(DEMO / f"{n}.jsonl")}, "batch_size": b, "context_length": c}
+            for n, b, c in tasks
+        ],
     }
     path = root / f"workload-{'-'.join(t[0] for t in tasks)}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -81,8 +85,24 @@ def write_workload(root: Path, tokenizer: Path, tasks=TASKS) -> Path:
 
 def train(workload: Path, plan: Path, out: Path, steps: int) -> list[dict]:
     """One ``lorafleet train`` run; its step records."""
-    cmd = [sys.executable, "-m", "lorafleet", "train", str(workload), "--plan", str(plan), "--out", str(out),
-           "--steps", str(steps), "--device", "cpu", "--checkpoint-every", "100000", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lorafleet",
+        "train",
+        str(workload),
+        "--plan",
+        str(plan),
+        "--out",
+        str(out),
+        "--steps",
+        str(steps),
+        "--device",
+        "cpu",
+        "--checkpoint-every",
+        "100000",
+        "--no-progress",
+    ]
     started = time.perf_counter()
     result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if result.returncode != 0:
@@ -106,9 +126,15 @@ def step_figures(records: list[dict], plan: DeploymentPlan) -> dict[str, np.ndar
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=10, help="training steps per run (default 10; the first is warm-up)")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds of every method, interleaved; the least "
-                        "measured CPU time of each method counts (default 2)")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="training steps per run (default 10; the first is warm-up)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="rounds of every method, interleaved; the least measured CPU time of each method counts (default 2)",
+    )
     parser.add_argument("--profile", default=str(REPO / "profiles" / "tiny-llama-cpu.json"))
     parser.add_argument("--keep", help="keep the runs under this directory")
     args = parser.parse_args()
@@ -121,8 +147,12 @@ def main() -> int:
     cost_model = workload_cost_model(workload, cluster, args.profile)
 
     ours = root / "lorafleet.json"
-    subprocess.run([sys.executable, "-m", "lorafleet", "plan", str(workload_path), "--profile", args.profile,
-                    "--json", str(ours)], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "lorafleet", "plan", str(workload_path), "--profile", args.profile, "--json", str(ours)],
+        check=True,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+    )
     runs: dict[str, list[tuple[Path, Path]]] = {"lorafleet": [(workload_path, ours)]}
     for schedule in workload_baselines(workload, cluster, cost_model):
         runs[schedule.name] = []
@@ -134,8 +164,10 @@ def main() -> int:
             plan.save(target)
             runs[schedule.name].append((path, target))
 
-    print(f"workload: {', '.join(f'{n} (batch {b}, context {c})' for n, b, c in TASKS)} on 4 x cpu; "
-          f"cost model {cost_model.source}")
+    print(
+        f"workload: {', '.join(f'{n} (batch {b}, context {c})' for n, b, c in TASKS)} on 4 x cpu; "
+        f"cost model {cost_model.source}"
+    )
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     for round_ in range(args.repeats):  # methods interleaved: a slow spell of the machine hits all alike
         for name, parts in runs.items():
@@ -158,20 +190,29 @@ def main() -> int:
     for name, rounds in samples.items():
         best = min(rounds, key=lambda f: f["cpu_s"])
         n_cpu, n_cal = args.steps - 1, args.steps - 2
-        figures[name] = {k: v / (n_cpu if k in ("cpu_s", "model_busy", "model_gpu_s") else n_cal)
-                         for k, v in best.items() if k != "steps_cpu"}
+        figures[name] = {
+            k: v / (n_cpu if k in ("cpu_s", "model_busy", "model_gpu_s") else n_cal)
+            for k, v in best.items()
+            if k != "steps_cpu"
+        }
         figures[name]["spread"] = max(f["cpu_s"] for f in rounds) / best["cpu_s"] - 1
 
     base = figures["lorafleet"]
-    print(f"\n{'method':20s} {'measured CPU-s':>15s} {'predicted':>10s} {'pred. GPU-s':>12s} "
-          f"{'saved, measured':>16s} {'saved, predicted':>17s} {'recalibrated/measured':>22s} {'round spread':>13s}")
+    print(
+        f"\n{'method':20s} {'measured CPU-s':>15s} {'predicted':>10s} {'pred. GPU-s':>12s} "
+        f"{'saved, measured':>16s} {'saved, predicted':>17s} {'recalibrated/measured':>22s} {'round spread':>13s}"
+    )
     for name, f in figures.items():
         saved = "" if name == "lorafleet" else f"{1 - base['cpu_s'] / f['cpu_s']:16.1%}"
         predicted = "" if name == "lorafleet" else f"{1 - base['model_busy'] / f['model_busy']:17.1%}"
-        print(f"{name:20s} {f['cpu_s']:15.3f} {f['model_busy']:10.3f} {f['model_gpu_s']:12.3f} {saved:>16s} "
-              f"{predicted:>17s} {f['priced_busy'] / f['busy']:22.3f} {f['spread']:13.1%}")
-    print(f"\n(steps 2..{args.steps} measured; recalibration compared from step 3; the least of {args.repeats} "
-          f"interleaved rounds per method; round spread: the other rounds' excess; runs under {root})")
+        print(
+            f"{name:20s} {f['cpu_s']:15.3f} {f['model_busy']:10.3f} {f['model_gpu_s']:12.3f} {saved:>16s} "
+            f"{predicted:>17s} {f['priced_busy'] / f['busy']:22.3f} {f['spread']:13.1%}"
+        )
+    print(
+        f"\n(steps 2..{args.steps} measured; recalibration compared from step 3; the least of {args.repeats} "
+        f"interleaved rounds per method; round spread: the other rounds' excess; runs under {root})"
+    )
     if not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     return 0

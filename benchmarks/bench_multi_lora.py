@@ -87,7 +87,9 @@ ROW_SECONDS = 30.0
 def adapter_specs(rank: int, ranks: str) -> list[LoraSpec]:
     """8 specs: all rank ``rank``, or ranks cycling r/4, r/2, r, 2r (alphas = 2 x rank)."""
     cycle = [rank] if ranks == "equal" else [max(1, rank // 4), max(1, rank // 2), rank, 2 * rank]
-    return [LoraSpec(rank=r, alpha=2.0 * r, dropout=DROPOUT) for r in (cycle[i % len(cycle)] for i in range(N_ADAPTERS))]
+    return [
+        LoraSpec(rank=r, alpha=2.0 * r, dropout=DROPOUT) for r in (cycle[i % len(cycle)] for i in range(N_ADAPTERS))
+    ]
 
 
 def randomize(params) -> None:
@@ -96,8 +98,13 @@ def randomize(params) -> None:
             p.normal_(0, 0.02)
 
 
-def build(hidden: int, specs: list[LoraSpec], tokens: int, device: torch.device = torch.device("cpu"),
-          dtype: torch.dtype = torch.float32) -> dict[str, Callable[[], None]]:
+def build(
+    hidden: int,
+    specs: list[LoraSpec],
+    tokens: int,
+    device: torch.device = torch.device("cpu"),
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Callable[[], None]]:
     """One fwd+bwd step per method, all on the same base, inputs and upstream gradient; on CUDA
     ``ours_triton`` first."""
     base = nn.Linear(hidden, hidden, bias=False, device=device, dtype=dtype).requires_grad_(False)
@@ -148,7 +155,9 @@ def build(hidden: int, specs: list[LoraSpec], tokens: int, device: torch.device 
 
     naive_A = [nn.Parameter(torch.randn(s.rank, hidden, device=device, dtype=dtype) * 0.02) for s in specs]
     naive_B = [nn.Parameter(torch.randn(hidden, s.rank, device=device, dtype=dtype) * 0.02) for s in specs]
-    row_masks = [(torch.arange(T, device=device) // tokens == i).to(dtype)[:, None] for i in range(N_ADAPTERS)]  # (T, 1)
+    row_masks = [
+        (torch.arange(T, device=device) // tokens == i).to(dtype)[:, None] for i in range(N_ADAPTERS)
+    ]  # (T, 1)
     dropout = nn.Dropout(DROPOUT)
     x_naive = x.clone().requires_grad_()
 
@@ -169,7 +178,10 @@ def build(hidden: int, specs: list[LoraSpec], tokens: int, device: torch.device 
 
 
 def measure(
-    steps: dict[str, Callable[[], None]], max_repeats: int, seconds: float, clock: Callable[[], float],
+    steps: dict[str, Callable[[], None]],
+    max_repeats: int,
+    seconds: float,
+    clock: Callable[[], float],
     warmups: int = 1,
 ) -> dict[str, float]:
     """Median seconds per step; methods interleaved, in rotating order, so drift affects all alike.
@@ -210,11 +222,19 @@ def main() -> None:
         help="wall: elapsed time (default); cpu: this process's CPU time, which with --threads 1 "
         "ignores time the process spends descheduled on a machine shared with other jobs",
     )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                        help="cuda: wall time after torch.cuda.synchronize(), and the Triton backend as ours_triton")
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: wall time after torch.cuda.synchronize(), and the Triton backend as ours_triton",
+    )
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="of every method (default fp32)")
-    parser.add_argument("--row-seconds", type=float, default=ROW_SECONDS,
-                        help=f"timed seconds per row, all methods together (default {ROW_SECONDS:g}; --quick: a third)")
+    parser.add_argument(
+        "--row-seconds",
+        type=float,
+        default=ROW_SECONDS,
+        help=f"timed seconds per row, all methods together (default {ROW_SECONDS:g}; --quick: a third)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -227,8 +247,10 @@ def main() -> None:
     ours = "ours_triton" if on_cuda else "ours"
     others = ["ours", "peft_seq", "naive"] if on_cuda else ["peft_seq", "naive"]
     if on_cuda:
-        print(f"{N_ADAPTERS} adapters, {args.dtype} {torch.cuda.get_device_name()}, {torch.get_num_threads()} host "
-              f"threads, synchronized wall clock, dropout {DROPOUT}, fwd+bwd per step")
+        print(
+            f"{N_ADAPTERS} adapters, {args.dtype} {torch.cuda.get_device_name()}, {torch.get_num_threads()} host "
+            f"threads, synchronized wall clock, dropout {DROPOUT}, fwd+bwd per step"
+        )
     else:
         print(
             f"{N_ADAPTERS} adapters, {args.dtype} CPU, {torch.get_num_threads()} threads, {args.clock} clock, "
@@ -237,8 +259,11 @@ def main() -> None:
     ms_label = f"{ours} ms"
     ms_width = max(9, len(ms_label))
     labels = [f"{other}/{ours}" for other in others]
-    print(f"{'layer':<16} {'ranks':<6} {'tok/adapter':>11} {ms_label:>{ms_width}} "
-          + " ".join(f"{label:>{len(label) + 1}}" for label in labels) + f" {'peft_seq/base':>14} {'load':>5}")
+    print(
+        f"{'layer':<16} {'ranks':<6} {'tok/adapter':>11} {ms_label:>{ms_width}} "
+        + " ".join(f"{label:>{len(label) + 1}}" for label in labels)
+        + f" {'peft_seq/base':>14} {'load':>5}"
+    )
     rows = []
     for sweep in SWEEPS:
         specs = adapter_specs(sweep.rank, sweep.ranks)
@@ -260,8 +285,10 @@ def main() -> None:
     tokens, ratios, bound = min((r for r in rows if r[0] <= 128), key=lambda r: r[1]["peft_seq"])
     short = ratios["peft_seq"]
     print(f"\nnever slower: {'yes' if slowest >= 1.0 else 'NO'} (worst ratio {slowest:.2f}x)")
-    print(f">= 1.5x over peft_seq at <= 128 tokens/adapter: {'yes' if short >= 1.5 else 'NO'} (worst {short:.2f}x, "
-          f"at {tokens} tokens, where the base GEMMs alone bound it at {bound:.2f}x)")
+    print(
+        f">= 1.5x over peft_seq at <= 128 tokens/adapter: {'yes' if short >= 1.5 else 'NO'} (worst {short:.2f}x, "
+        f"at {tokens} tokens, where the base GEMMs alone bound it at {bound:.2f}x)"
+    )
 
 
 if __name__ == "__main__":

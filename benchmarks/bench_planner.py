@@ -76,7 +76,10 @@ def cpu_seconds() -> float:
 def part_time() -> None:
     print("\n== 1. plan time: llama2-70b, 12 tasks, A800-80GB (analytic), recompute auto ==")
     workload = load_workload(REPO / "examples/lobra-70b.yaml")
-    print(f"{'GPUs':>5} {'wall s':>8} {'CPU s':>7} {'search':>7} {'robust':>7} {'baselines':>9} {'LobRA s':>8} {'LobRA/wall':>10}  plan")
+    print(
+        f"{'GPUs':>5} {'wall s':>8} {'CPU s':>7} {'search':>7} {'robust':>7} {'baselines':>9} {'LobRA s':>8} "
+        f"{'LobRA/wall':>10}  plan"
+    )
     for gpus in (64, 256):
         cluster = workload_cluster(workload, gpus)
         cost_model = workload_cost_model(workload, cluster)
@@ -84,8 +87,10 @@ def part_time() -> None:
         result = plan_deployment(workload, cluster, cost_model)
         wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
         t = result.diagnostics.timings_s
-        print(f"{gpus:>5} {wall:>8.2f} {cpu:>7.2f} {t['search']:>7.2f} {t['robust']:>7.2f} {t['baselines']:>9.2f} "
-              f"{LOBRA_PLANNER_S[gpus]:>8.1f} {LOBRA_PLANNER_S[gpus] / wall:>9.0f}x  {result.plan.describe()}")
+        print(
+            f"{gpus:>5} {wall:>8.2f} {cpu:>7.2f} {t['search']:>7.2f} {t['robust']:>7.2f} {t['baselines']:>9.2f} "
+            f"{LOBRA_PLANNER_S[gpus]:>8.1f} {LOBRA_PLANNER_S[gpus] / wall:>9.0f}x  {result.plan.describe()}"
+        )
     print(f"(1-minute load average of this 2-core machine now: {os.getloadavg()[0]:.1f}; wall times stretch with it)")
 
 
@@ -93,17 +98,37 @@ def random_workload(rng: np.random.Generator, path: Path, recompute: str = "auto
     tasks = []
     for k in range(int(rng.integers(2, 5))):
         context = int(rng.choice([2048, 4096, 8192]))
-        lengths = np.minimum(np.exp(rng.normal(np.log(rng.uniform(100, 900)), rng.uniform(0.5, 1.2), 300)).astype(int) + 1, context)
+        lengths = np.minimum(
+            np.exp(rng.normal(np.log(rng.uniform(100, 900)), rng.uniform(0.5, 1.2), 300)).astype(int) + 1, context
+        )
         values, counts = np.unique(lengths, return_counts=True)
-        tasks.append({"name": f"t{k}", "batch_size": int(rng.choice([32, 64, 128])), "context_length": context,
-                      "lengths": {"histogram": {int(v): int(c) for v, c in zip(values, counts)}}})
-    path.write_text(yaml.safe_dump({"model": "llama2-7b", "cluster": {"gpu": "A100-40GB", "nodes": 1, "gpus_per_node": 8},
-                                    "recompute": recompute, "seed": int(rng.integers(1000)), "tasks": tasks}))
+        tasks.append(
+            {
+                "name": f"t{k}",
+                "batch_size": int(rng.choice([32, 64, 128])),
+                "context_length": context,
+                "lengths": {"histogram": {int(v): int(c) for v, c in zip(values, counts)}},
+            }
+        )
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "model": "llama2-7b",
+                "cluster": {"gpu": "A100-40GB", "nodes": 1, "gpus_per_node": 8},
+                "recompute": recompute,
+                "seed": int(rng.integers(1000)),
+                "tasks": tasks,
+            }
+        )
+    )
     return load_workload(path)
 
 
 def part_optimality(n_workloads: int, tmp: Path, recompute: str = "auto") -> None:
-    print(f"\n== 2. optimality: {n_workloads} random workloads, llama2-7b on 8 x A100-40GB (analytic), recompute {recompute} ==")
+    print(
+        f"\n== 2. optimality: {n_workloads} random workloads, llama2-7b on 8 x A100-40GB (analytic), recompute "
+        f"{recompute} =="
+    )
     options = PlannerOptions(robust_samples=0, baselines=False)
     gaps, plans, times = [], [], []
     for seed in range(n_workloads):
@@ -113,17 +138,26 @@ def part_optimality(n_workloads: int, tmp: Path, recompute: str = "auto") -> Non
         start = time.perf_counter()
         ours = plan_deployment(workload, cluster, cost_model, options)
         times.append(time.perf_counter() - start)
-        best = plan_deployment(workload, cluster, cost_model, PlannerOptions(mode=PlannerMode.EXHAUSTIVE, robust_samples=0,
-                                                                             baselines=False))
+        best = plan_deployment(
+            workload,
+            cluster,
+            cost_model,
+            PlannerOptions(mode=PlannerMode.EXHAUSTIVE, robust_samples=0, baselines=False),
+        )
         plans.append(len(best.diagnostics.pool))
         gaps.append(ours.plan.expected_makespan_s / best.plan.expected_makespan_s - 1)
     gaps = np.array(gaps)
     if gaps.size:
-        print(f"expected makespan vs exhaustive ({min(plans)}-{max(plans)} deployments each): "
-              f"mean gap {gaps.mean():+.2%}, worst {gaps.max():+.2%}, within 1 %: {(gaps <= 0.01).sum()}/{gaps.size}; "
-              f"planner {np.mean(times):.2f} s per workload")
+        print(
+            f"expected makespan vs exhaustive ({min(plans)}-{max(plans)} deployments each): "
+            f"mean gap {gaps.mean():+.2%}, worst {gaps.max():+.2%}, within 1 %: {(gaps <= 0.01).sum()}/{gaps.size}; "
+            f"planner {np.mean(times):.2f} s per workload"
+        )
 
-    print("tiny instances (4 x A100-40GB, configs <1,1> <1,2> <2,1>) against LobRA's joint MINLP on SCIP, same candidates:")
+    print(
+        "tiny instances (4 x A100-40GB, configs <1,1> <1,2> <2,1>) against LobRA's joint MINLP on SCIP, same "
+        "candidates:"
+    )
     configs = {ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1)}
     for seed in (1, 2, 4):  # instances SCIP proves in under a minute here (others take minutes)
         workload = random_workload(np.random.default_rng(100 + seed), tmp / f"tiny-{seed}.yaml")
@@ -138,15 +172,21 @@ def part_optimality(n_workloads: int, tmp: Path, recompute: str = "auto") -> Non
         ours_s = time.perf_counter() - start
         minlp = minlp_pool(problem, PlannerOptions(time_limit_s=120))
         value = evaluate(problem, minlp.pool[0].load, exact=False, options=options)[0].makespan
-        print(f"  seed {seed}: MINLP {minlp.solves[0]} in {minlp.solves[0].wall_s:.1f} s, decomposition {ours_s:.1f} s; "
-              f"decomposition's plan vs the MINLP's {ranked[0].expected_makespan / value - 1:+.2%}")
+        print(
+            f"  seed {seed}: MINLP {minlp.solves[0]} in {minlp.solves[0].wall_s:.1f} s, decomposition {ours_s:.1f} s; "
+            f"decomposition's plan vs the MINLP's {ranked[0].expected_makespan / value - 1:+.2%}"
+        )
 
 
 def chosen_entry(result: PlanResult) -> PoolEntry:
     """The pool entry of the plan ``result`` chose: the judged deployment with the plan's replica counts."""
     deployed = Counter(r.config for r in result.plan.replicas)
-    return next(e for e in result.diagnostics.pool if e.expected is not None
-                and Counter({c.config: int(n) for c, n in zip(result.diagnostics.candidates, e.replicas) if n}) == deployed)
+    return next(
+        e
+        for e in result.diagnostics.pool
+        if e.expected is not None
+        and Counter({c.config: int(n) for c, n in zip(result.diagnostics.candidates, e.replicas) if n}) == deployed
+    )
 
 
 def part_quality() -> None:
@@ -156,26 +196,48 @@ def part_quality() -> None:
     cost_model = workload_cost_model(workload, cluster)
     result = plan_deployment(workload, cluster, cost_model)
     chosen = chosen_entry(result)
-    print(f"plan: {result.plan.describe()}; the planner judged it at {chosen.expected_makespan:.3f} s, the dispatcher "
-          f"estimates {result.expected_step.estimated_makespan_s:.3f} s (the load model as placed: "
-          f"{placed_times(chosen.load, chosen.expected.class_counts).max():.3f} s)")
+    print(
+        f"plan: {result.plan.describe()}; the planner judged it at {chosen.expected_makespan:.3f} s, the dispatcher "
+        f"estimates {result.expected_step.estimated_makespan_s:.3f} s (the load model as placed: "
+        f"{placed_times(chosen.load, chosen.expected.class_counts).max():.3f} s)"
+    )
     batches = [sample_global_batch(workload, step) for step in range(32)]
     schedules = (result.schedule, *result.baselines)
     sampled = {s.name: [s.step_cost(b, cost_model) for b in batches] for s in schedules}
     ours = result.cost(LORAFLEET)
     ours_sampled = np.mean([c.gpu_seconds for c in sampled[LORAFLEET]])
-    print(f"{'method':<20} {'GPUs':>5} {'step s':>8} {'GPU-s':>8} {'lorafleet saves':>16} {'sampled GPU-s':>14} {'saves':>7}")
+    print(
+        f"{'method':<20} {'GPUs':>5} {'step s':>8} {'GPU-s':>8} {'lorafleet saves':>16} {'sampled GPU-s':>14} "
+        f"{'saves':>7}"
+    )
     for cost in result.costs:
         gpu_s = np.mean([c.gpu_seconds for c in sampled[cost.name]])
         cut = "" if cost.name == LORAFLEET else f"{1 - ours.gpu_seconds / cost.gpu_seconds:.1%}"
         cut_s = "" if cost.name == LORAFLEET else f"{1 - ours_sampled / gpu_s:.1%}"
-        print(f"{cost.name:<20} {cost.gpus:>5} {cost.makespan_s:>8.3f} {cost.gpu_seconds:>8.1f} {cut:>16} {gpu_s:>14.1f} {cut_s:>7}")
+        print(
+            f"{cost.name:<20} {cost.gpus:>5} {cost.makespan_s:>8.3f} {cost.gpu_seconds:>8.1f} {cut:>16} "
+            f"{gpu_s:>14.1f} {cut_s:>7}"
+        )
 
 
-SMALL_TWO_TASKS = {"model": "llama2-7b", "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8}, "tasks": [
-    {"name": "chat", "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0}, "batch_size": 48, "context_length": 4096},
-    {"name": "docs", "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0}, "batch_size": 8, "context_length": 8192},
-]}
+SMALL_TWO_TASKS = {
+    "model": "llama2-7b",
+    "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8},
+    "tasks": [
+        {
+            "name": "chat",
+            "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0},
+            "batch_size": 48,
+            "context_length": 4096,
+        },
+        {
+            "name": "docs",
+            "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0},
+            "batch_size": 8,
+            "context_length": 8192,
+        },
+    ],
+}
 """56 sequences a step on 8 GPUs (the workload of ``tests/sim/test_simulate.py``): few per bucket."""
 
 
@@ -187,10 +249,15 @@ def part_robust(tmp: Path) -> None:
     small.write_text(yaml.safe_dump(SMALL_TWO_TASKS))
     seven, seventy = load_workload(REPO / "examples/lobra-7b.yaml"), load_workload(REPO / "examples/lobra-70b.yaml")
     seven_rc = resolve_workload(seven.spec.model_copy(update={"recompute": RecomputePolicy.AUTO}), seven.path)
-    cases = [("2 tasks, 56 sequences", load_workload(small), 8), ("7B", seven, 16), ("7B, recompute auto", seven_rc, 16),
-             *(("70B, 4 tasks", with_tasks(seventy, FOUR), gpus) for gpus in (16, 32, 64)),
-             ("70B, 8 tasks", with_tasks(seventy, EIGHT), 64), ("70B, 12 tasks", seventy, 64),
-             ("70B, 16 tasks", with_tasks(seventy, twins=SECOND_TENANTS), 64)]
+    cases = [
+        ("2 tasks, 56 sequences", load_workload(small), 8),
+        ("7B", seven, 16),
+        ("7B, recompute auto", seven_rc, 16),
+        *(("70B, 4 tasks", with_tasks(seventy, FOUR), gpus) for gpus in (16, 32, 64)),
+        ("70B, 8 tasks", with_tasks(seventy, EIGHT), 64),
+        ("70B, 12 tasks", seventy, 64),
+        ("70B, 16 tasks", with_tasks(seventy, twins=SECOND_TENANTS), 64),
+    ]
     cpu_total = {2: 0.0, 3: 0.0}
     for label, workload, gpus in cases:
         cluster = workload_cluster(workload, gpus)
@@ -201,8 +268,13 @@ def part_robust(tmp: Path) -> None:
             cpu = cpu_seconds()
             result = plan_deployment(workload, cluster, cost_model, PlannerOptions(robust_top=top, baselines=False))
             cpu_total[top] += cpu_seconds() - cpu
-            row[top] = (result.plan.describe(), np.mean([result.schedule.step_cost(b, cost_model).gpu_seconds for b in held_out]))
-        change = "same plan" if row[2][0] == row[3][0] else f"{row[3][1] / row[2][1] - 1:+.2%}: {row[2][0]} -> {row[3][0]}"
+            row[top] = (
+                result.plan.describe(),
+                np.mean([result.schedule.step_cost(b, cost_model).gpu_seconds for b in held_out]),
+            )
+        change = (
+            "same plan" if row[2][0] == row[3][0] else f"{row[3][1] / row[2][1] - 1:+.2%}: {row[2][0]} -> {row[3][0]}"
+        )
         print(f"{label} on {gpus} GPUs: {row[2][1]:.2f} -> {row[3][1]:.2f} GPU-s ({change})", flush=True)
     print(f"planner CPU seconds in all: {cpu_total[2]:.1f} (2 finalists) -> {cpu_total[3]:.1f} (3)")
 
@@ -211,9 +283,14 @@ def part_judge() -> None:
     """The load model as placed against the dispatcher's estimate, on every judged deployment."""
     print("\n== 5. judging packed plans: load model as placed vs the dispatcher's estimate of the expected step ==")
     seven, seventy = load_workload(REPO / "examples/lobra-7b.yaml"), load_workload(REPO / "examples/lobra-70b.yaml")
-    cases = [("7B", seven, 16), ("70B, 12 tasks", seventy, 64), ("70B, 12 tasks", seventy, 256),
-             *(("70B, 4 tasks", with_tasks(seventy, FOUR), gpus) for gpus in (16, 32, 64)),
-             ("70B, 8 tasks", with_tasks(seventy, EIGHT), 64), ("70B, 16 tasks", with_tasks(seventy, twins=SECOND_TENANTS), 64)]
+    cases = [
+        ("7B", seven, 16),
+        ("70B, 12 tasks", seventy, 64),
+        ("70B, 12 tasks", seventy, 256),
+        *(("70B, 4 tasks", with_tasks(seventy, FOUR), gpus) for gpus in (16, 32, 64)),
+        ("70B, 8 tasks", with_tasks(seventy, EIGHT), 64),
+        ("70B, 16 tasks", with_tasks(seventy, twins=SECOND_TENANTS), 64),
+    ]
     options, top = PlannerOptions(), 8
     for label, workload, gpus in cases:
         cluster = workload_cluster(workload, gpus)
@@ -226,16 +303,24 @@ def part_judge() -> None:
         model = np.array([placed_times(e.load, e.expected.class_counts).max() for e in ranked])
         gap = model / estimate - 1
         k = min(top, len(ranked))
-        discordant = sum((model[a] - model[b]) * (estimate[a] - estimate[b]) < 0 for a in range(k) for b in range(a + 1, k))
+        discordant = sum(
+            (model[a] - model[b]) * (estimate[a] - estimate[b]) < 0 for a in range(k) for b in range(a + 1, k)
+        )
         pick = int(np.argmin(model))
-        print(f"{label} on {gpus} GPUs: {len(ranked)} judged, load model / estimate - 1 from {gap.min():+.1%} to "
-              f"{gap.max():+.1%} (mean {gap.mean():+.1%}); {discordant} of {k * (k - 1) // 2} pairs of the {k} best "
-              f"ordered differently; the load model's pick is {estimate[pick] / estimate.min() - 1:+.1%} slower", flush=True)
+        print(
+            f"{label} on {gpus} GPUs: {len(ranked)} judged, load model / estimate - 1 from {gap.min():+.1%} to "
+            f"{gap.max():+.1%} (mean {gap.mean():+.1%}); {discordant} of {k * (k - 1) // 2} pairs of the {k} best "
+            f"ordered differently; the load model's pick is {estimate[pick] / estimate.min() - 1:+.1%} slower",
+            flush=True,
+        )
     fleet = _test_fleet()
     cost_model = fleet.lobra_7b_cost_model()
     options = DispatchOptions(microbatch_mode=MicroBatchMode.PACKING)
-    for layout in (fleet.LOBRA_7B_PLAN, ((fleet.TP1, 4), (fleet.TP2_PP2, 1), (fleet.TP8, 1)),
-                   ((fleet.TP2_PP2, 2), (fleet.TP4, 2), (fleet.TP8, 1))):
+    for layout in (
+        fleet.LOBRA_7B_PLAN,
+        ((fleet.TP1, 4), (fleet.TP2_PP2, 1), (fleet.TP8, 1)),
+        ((fleet.TP2_PP2, 2), (fleet.TP4, 2), (fleet.TP8, 1)),
+    ):
         plan = fleet.make_plan(layout)
         gaps = []
         for scale in (0.1, 0.5, 1.0):
@@ -244,15 +329,19 @@ def part_judge() -> None:
                 out = solve_step(batch, plan, cost_model, options)
                 _, load, assignment = choose_buckets(batch, config_classes(plan, cost_model), cost_model, options)
                 gaps.append(placed_times(load, assignment.counts).max() / out.plan.estimated_makespan_s - 1)
-        print(f"fleet {plan.describe()}, 15 lognormal batches (0.1-1x LobRA's 7B batch): load model / estimate - 1 "
-              f"from {min(gaps):+.1%} to {max(gaps):+.1%} (mean {np.mean(gaps):+.1%})")
+        print(
+            f"fleet {plan.describe()}, 15 lognormal batches (0.1-1x LobRA's 7B batch): load model / estimate - 1 "
+            f"from {min(gaps):+.1%} to {max(gaps):+.1%} (mean {np.mean(gaps):+.1%})"
+        )
 
 
 def _test_fleet():
     """``tests/dispatch/fleet.py`` (the dispatch tests' fleets), imported from the repository root."""
     import sys
+
     sys.path.insert(0, str(REPO))
     from tests.dispatch import fleet
+
     return fleet
 
 
@@ -260,8 +349,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", action="append", choices=("time", "optimality", "quality", "robust", "judge"))
     parser.add_argument("--workloads", type=int, default=20, help="random workloads of the optimality part")
-    parser.add_argument("--recompute", default="auto", choices=("auto", "off", "on"),
-                        help="the random workloads' recompute policy (optimality part)")
+    parser.add_argument(
+        "--recompute",
+        default="auto",
+        choices=("auto", "off", "on"),
+        help="the random workloads' recompute policy (optimality part)",
+    )
     args = parser.parse_args()
     parts = args.part or ["time", "optimality", "quality"]
     warnings.simplefilter("error", SolverFallbackWarning)  # a fallback would make the figures meaningless

@@ -39,9 +39,16 @@ PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "tiny-llama-cpu.jso
 
 
 def role(recompute: bool, model: torch.nn.Module):
-    plan = DeploymentPlan(model=SPEC.name, gpu="cpu", n_gpus=1, gpus_per_node=1, tasks=("a",),
-                          replicas=(ReplicaSpec(0, ParallelConfig(1, 1, recompute), 1 << 20, (0,)),),
-                          bucket_boundaries=(), expected_makespan_s=0.0)
+    plan = DeploymentPlan(
+        model=SPEC.name,
+        gpu="cpu",
+        n_gpus=1,
+        gpus_per_node=1,
+        tasks=("a",),
+        replicas=(ReplicaSpec(0, ParallelConfig(1, 1, recompute), 1 << 20, (0,)),),
+        bucket_boundaries=(),
+        expected_makespan_s=0.0,
+    )
     return FleetLayout.of(plan, ModelDims.of(model.config), 1).role(0)
 
 
@@ -69,7 +76,10 @@ def main() -> None:
     split_for_pipeline(model, roles[False])  # one stage of every layer: the same split for both
 
     cost_model = load_cost_model(PROFILE, SPEC, None, None)
-    print(f"{'tokens':>7} {'plain ms':>9} {'rc ms':>8} {'ratio':>6} {'predicted':>9} {'saved MB plain':>15} {'saved MB rc':>12}")
+    print(
+        f"{'tokens':>7} {'plain ms':>9} {'rc ms':>8} {'ratio':>6} {'predicted':>9} {'saved MB plain':>15} "
+        f"{'saved MB rc':>12}"
+    )
     rng = torch.Generator().manual_seed(0)
     for lengths in ([256] * 4, [512] * 4, [1024] * 2, [2048]):
         ids = [tuple(int(x) for x in torch.randint(3, SPEC.vocab, (n,), generator=rng)) for n in lengths]
@@ -83,13 +93,18 @@ def main() -> None:
                 t, saved[rc] = step_cpu_s(model, roles[rc], inputs)
                 times[rc].append(t)
         plain, rc = statistics.median(times[False]), statistics.median(times[True])
-        predicted = (cost_model.packed_microbatch_time(ParallelConfig(1, 1, True), lengths)
-                     / cost_model.packed_microbatch_time(ParallelConfig(1, 1), lengths))
-        print(f"{sum(lengths):>7} {1e3 * plain:>9.1f} {1e3 * rc:>8.1f} {rc / plain:>6.2f} {predicted:>9.2f} "
-              f"{saved[False] / 2**20:>15.1f} {saved[True] / 2**20:>12.1f}")
+        predicted = cost_model.packed_microbatch_time(
+            ParallelConfig(1, 1, True), lengths
+        ) / cost_model.packed_microbatch_time(ParallelConfig(1, 1), lengths)
+        print(
+            f"{sum(lengths):>7} {1e3 * plain:>9.1f} {1e3 * rc:>8.1f} {rc / plain:>6.2f} {predicted:>9.2f} "
+            f"{saved[False] / 2**20:>15.1f} {saved[True] / 2**20:>12.1f}"
+        )
     lo, hi = 1 + min(FORWARD_SHARE), 1 + max(FORWARD_SHARE)
-    print(f"cost model: each block term grows by its forward share, x{lo:.2f} (attention) to x{hi:.2f} (the rest); "
-          "the LM head and loss run once")
+    print(
+        f"cost model: each block term grows by its forward share, x{lo:.2f} (attention) to x{hi:.2f} (the rest); "
+        "the LM head and loss run once"
+    )
 
 
 if __name__ == "__main__":

@@ -37,9 +37,15 @@ def save_model(directory: Path, layers: int, hidden: int, vocab: int, dtype: str
 
     weights = directory / "model.safetensors"
     if not weights.is_file():
-        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                             num_hidden_layers=layers, num_attention_heads=hidden // 64,
-                             num_key_value_heads=hidden // 192, tie_word_embeddings=False)
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=hidden * 8 // 3,
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 64,
+            num_key_value_heads=hidden // 192,
+            tie_word_embeddings=False,
+        )
         torch.manual_seed(0)
         LlamaForCausalLM(config).to(getattr(torch, DTYPES[dtype])).save_pretrained(directory, safe_serialization=True)
     return weights.stat().st_size
@@ -60,9 +66,16 @@ def rank_main(mode: str, rank: int, tp: int, pp: int, directory: str, init_file:
     torch.set_num_threads(1)
     world = tp * pp
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    plan = DeploymentPlan(model=directory, gpu="cpu", n_gpus=world, gpus_per_node=world, tasks=("a", "b"),
-                          replicas=(ReplicaSpec(0, ParallelConfig(tp, pp), 4096, tuple(range(world))),),
-                          bucket_boundaries=(), expected_makespan_s=0.0)
+    plan = DeploymentPlan(
+        model=directory,
+        gpu="cpu",
+        n_gpus=world,
+        gpus_per_node=world,
+        tasks=("a", "b"),
+        replicas=(ReplicaSpec(0, ParallelConfig(tp, pp), 4096, tuple(range(world))),),
+        bucket_boundaries=(),
+        expected_makespan_s=0.0,
+    )
     source = ModelSource(kind=SourceKind.HF_DIR, name=directory, path=directory)
     adapters = [LoraSpec(rank=16, alpha=32), LoraSpec(rank=8, alpha=8, target_modules=("q_proj", "v_proj"))]
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -79,8 +92,20 @@ def rank_main(mode: str, rank: int, tp: int, pp: int, directory: str, init_file:
     checksum = sum(float(t.detach().float().sum()) for t in tensors)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     held = sum(t.numel() * t.element_size() for t in tensors)
-    print(json.dumps({"rank": rank, "stage": replica.role.stage, "tp_rank": replica.role.tp_rank,
-                      "baseline_kb": baseline, "peak_kb": peak, "held_bytes": held, "checksum": checksum}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "stage": replica.role.stage,
+                "tp_rank": replica.role.tp_rank,
+                "baseline_kb": baseline,
+                "peak_kb": peak,
+                "held_bytes": held,
+                "checksum": checksum,
+            }
+        ),
+        flush=True,
+    )
     dist.destroy_process_group()
 
 
@@ -89,9 +114,26 @@ def run_world(mode: str, tp: int, pp: int, directory: Path, dtype: str) -> list[
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-") as tmp:
         init_file = str(Path(tmp) / "init")
         env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
-        procs = [subprocess.Popen([sys.executable, __file__, "--rank-main", mode, str(r), str(tp), str(pp),
-                                   str(directory), init_file, dtype], stdout=subprocess.PIPE, text=True, env=env)
-                 for r in range(tp * pp)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--rank-main",
+                    mode,
+                    str(r),
+                    str(tp),
+                    str(pp),
+                    str(directory),
+                    init_file,
+                    dtype,
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for r in range(tp * pp)
+        ]
         reports = []
         for proc in procs:
             out, _ = proc.communicate()
@@ -118,27 +160,50 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--checkpoint-dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--dtype", choices=DTYPES, default="fp32", help="of the built stage")
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "lorafleet-bench-stage-loading",
-                        help="where the checkpoint is saved (kept; delete it to rebuild)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "lorafleet-bench-stage-loading",
+        help="where the checkpoint is saved (kept; delete it to rebuild)",
+    )
     args = parser.parse_args()
     directory = args.dir / f"llama-{args.layers}x{args.hidden}-v{args.vocab}-{args.checkpoint_dtype}"
     # Everything that imports torch runs in a child: a child inherits its parent's peak RSS
     # across exec (Linux keeps ru_maxrss), so this process must never hold a model.
-    saved = subprocess.run([sys.executable, __file__, "--save", str(directory), str(args.layers), str(args.hidden),
-                            str(args.vocab), args.checkpoint_dtype], stdout=subprocess.PIPE, text=True, check=True)
+    saved = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--save",
+            str(directory),
+            str(args.layers),
+            str(args.hidden),
+            str(args.vocab),
+            args.checkpoint_dtype,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    )
     size = int(saved.stdout.strip().splitlines()[-1])
-    print(f"checkpoint {directory}: {size / 2**20:.0f} MiB; plan: one replica tp={args.tp} pp={args.pp}; "
-          f"stage in {args.dtype}")
+    print(
+        f"checkpoint {directory}: {size / 2**20:.0f} MiB; plan: one replica tp={args.tp} pp={args.pp}; "
+        f"stage in {args.dtype}"
+    )
     reports = {mode: run_world(mode, args.tp, args.pp, directory, args.dtype) for mode in MODES}
     mib = 1 / 1024  # ru_maxrss is in KiB on Linux
-    print(f"{'rank':>4} {'stage':>5} {'holds MiB':>9} | {'whole peak':>10} {'stage peak':>10} {'ratio':>6} |"
-          f" {'whole +':>8} {'stage +':>8} {'ratio':>6}   (MiB; '+': peak minus the rank's baseline)")
+    print(
+        f"{'rank':>4} {'stage':>5} {'holds MiB':>9} | {'whole peak':>10} {'stage peak':>10} {'ratio':>6} |"
+        f" {'whole +':>8} {'stage +':>8} {'ratio':>6}   (MiB; '+': peak minus the rank's baseline)"
+    )
     for w, s in zip(reports["whole"], reports["stage"], strict=True):
         assert w["checksum"] == s["checksum"], f"rank {w['rank']}: the two stages differ"
         grow_w, grow_s = w["peak_kb"] - w["baseline_kb"], s["peak_kb"] - s["baseline_kb"]
-        print(f"{w['rank']:>4} {w['stage']:>5} {s['held_bytes'] / 2**20:>9.0f} | {w['peak_kb'] * mib:>10.0f}"
-              f" {s['peak_kb'] * mib:>10.0f} {w['peak_kb'] / s['peak_kb']:>5.2f}x | {grow_w * mib:>8.0f}"
-              f" {grow_s * mib:>8.0f} {grow_w / max(grow_s, 1):>5.2f}x")
+        print(
+            f"{w['rank']:>4} {w['stage']:>5} {s['held_bytes'] / 2**20:>9.0f} | {w['peak_kb'] * mib:>10.0f}"
+            f" {s['peak_kb'] * mib:>10.0f} {w['peak_kb'] / s['peak_kb']:>5.2f}x | {grow_w * mib:>8.0f}"
+            f" {grow_s * mib:>8.0f} {grow_w / max(grow_s, 1):>5.2f}x"
+        )
 
 
 if __name__ == "__main__":

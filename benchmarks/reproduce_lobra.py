@@ -39,7 +39,8 @@ BASELINES = ("task-fused-padding", "task-fused-packing", "task-sequential")
 
 
 def with_tasks(workload: Workload, names: tuple[str, ...] | None = None, twins: tuple[str, ...] = ()) -> Workload:
-    """The workload keeping the tasks ``names`` (all when None), plus a second tenant ``<name>-2`` of each of ``twins``."""
+    """The workload keeping the tasks ``names`` (all when None), plus a second tenant ``<name>-2``
+    of each of ``twins``."""
     tasks = [t for t in workload.spec.tasks if names is None or t.name in names]
     tasks += [t.model_copy(update={"name": f"{t.name}-2"}) for t in workload.spec.tasks if t.name in twins]
     return resolve_workload(workload.spec.model_copy(update={"tasks": tuple(tasks)}), workload.path)
@@ -58,9 +59,15 @@ def row(label: str, workload: Workload, gpus: int, steps: int, recompute: str | 
     start = time.perf_counter()
     rows = _simulated(workload, gpus, steps, recompute)
     ours = rows["lorafleet"]["gpu_s_per_step"]
-    cells = [f"{rows[b]['gpu_s_per_step']:.0f} (-{100 * (1 - ours / rows[b]['gpu_s_per_step']):.1f}%)" for b in BASELINES]
+    cells = [
+        f"{rows[b]['gpu_s_per_step']:.0f} (-{100 * (1 - ours / rows[b]['gpu_s_per_step']):.1f}%)" for b in BASELINES
+    ]
     print(f"  [{label}: {time.perf_counter() - start:.0f} s]", flush=True)
-    return f"| {label} | {gpus} | {len(workload.tasks)} | {rows['lorafleet']['plan']} | {ours:.0f} | " + " | ".join(cells) + " |"
+    return (
+        f"| {label} | {gpus} | {len(workload.tasks)} | {rows['lorafleet']['plan']} | {ours:.0f} | "
+        + " | ".join(cells)
+        + " |"
+    )
 
 
 def main() -> None:
@@ -68,8 +75,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="simulated steps per method (default 8)")
     parser.add_argument("--only", choices=("7b", "70b"), help="run one model's experiments")
     args = parser.parse_args()
-    lines = ["| experiment | GPUs | tasks | lorafleet plan | lorafleet GPU-s/step | Task-Fused padding | Task-Fused packing "
-             "| Task-Sequential |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| experiment | GPUs | tasks | lorafleet plan | lorafleet GPU-s/step | Task-Fused padding | Task-Fused packing "
+        "| Task-Sequential |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     if args.only in (None, "7b"):
         seven = load_workload(REPO / "examples/lobra-7b.yaml")
         lines.append(row("7B, LobRA setup (no recompute)", seven, 16, args.steps))
@@ -79,8 +89,12 @@ def main() -> None:
         lines.append(row("70B, 12 tasks", seventy, 64, args.steps))
         four = with_tasks(seventy, FOUR)
         lines += [row("70B, 4 tasks, GPU sweep", four, gpus, args.steps) for gpus in (16, 32, 64)]
-        for label, workload in (("4", four), ("8", with_tasks(seventy, EIGHT)), ("12", seventy),
-                                ("16", with_tasks(seventy, twins=SECOND_TENANTS))):
+        for label, workload in (
+            ("4", four),
+            ("8", with_tasks(seventy, EIGHT)),
+            ("12", seventy),
+            ("16", with_tasks(seventy, twins=SECOND_TENANTS)),
+        ):
             lines.append(row(f"70B, task sweep ({label})", workload, 64, args.steps))
     print("\nGPU-seconds per step, mean over the simulated steps (lorafleet's saving in parentheses):\n")
     print("\n".join(lines))

@@ -41,8 +41,9 @@ def workload_adapters(workload: Workload) -> AdapterLoad:
     return AdapterLoad.from_specs([t.spec.lora for t in workload.tasks], workload.tasks[0].spec.optimizer.name)
 
 
-def workload_cost_model(workload: Workload, cluster: ClusterSpec, profile: str | Path | None = None,
-                        sync_replicas: int = 2) -> CostModel:
+def workload_cost_model(
+    workload: Workload, cluster: ClusterSpec, profile: str | Path | None = None, sync_replicas: int = 2
+) -> CostModel:
     """The analytic model of ``cluster``'s GPU, or the fitted one of ``profile`` when given.
 
     ``sync_replicas`` is how many replicas all-reduce the adapter gradients each step (the
@@ -50,8 +51,14 @@ def workload_cost_model(workload: Workload, cluster: ClusterSpec, profile: str |
     workload's ``recompute`` policy says which configs, with or without activation
     recomputation, the model offers.
     """
-    return load_cost_model(profile, workload.model, cluster, workload_adapters(workload), sync_replicas=sync_replicas,
-                           recompute=workload.spec.recompute)
+    return load_cost_model(
+        profile,
+        workload.model,
+        cluster,
+        workload_adapters(workload),
+        sync_replicas=sync_replicas,
+        recompute=workload.spec.recompute,
+    )
 
 
 @dataclass(frozen=True)
@@ -73,16 +80,24 @@ def _plan_profile(plan: DeploymentPlan, plan_path: str) -> Path:
     recorded = Path(origin.profile)
     found = next((p for p in (recorded, Path(plan_path).parent / recorded) if p.is_file()), None)
     if found is None:
-        raise InputError(plan_path, "cost_model.profile", f"{origin.profile}: no such file (the profile the plan was "
-                         "judged by); run from where the plan was made, or name a profile with --profile")
+        raise InputError(
+            plan_path,
+            "cost_model.profile",
+            f"{origin.profile}: no such file (the profile the plan was "
+            "judged by); run from where the plan was made, or name a profile with --profile",
+        )
     if file_sha256(found) != origin.sha256:
-        raise InputError(plan_path, "cost_model.sha256", f"{found} changed since the plan was made; re-plan, or pass "
-                         f"--profile {found} to run by it as it is now")
+        raise InputError(
+            plan_path,
+            "cost_model.sha256",
+            f"{found} changed since the plan was made; re-plan, or pass --profile {found} to run by it as it is now",
+        )
     return found
 
 
-def plan_cost_model(workload: Workload, cluster: ClusterSpec, plan: DeploymentPlan, plan_path: str,
-                    profile: str | Path | None = None) -> tuple[CostModel, str | None]:
+def plan_cost_model(
+    workload: Workload, cluster: ClusterSpec, plan: DeploymentPlan, plan_path: str, profile: str | Path | None = None
+) -> tuple[CostModel, str | None]:
     """The cost model to run ``plan`` by: the one it was judged by (its profile, verified by content hash,
     or the analytic model of its GPU), or ``profile`` when given; with a line saying so when it is not
     the plan's own. The gradient all-reduce is priced over the plan's replicas."""
@@ -100,8 +115,13 @@ def plan_cost_model(workload: Workload, cluster: ClusterSpec, plan: DeploymentPl
     return workload_cost_model(workload, cluster, _plan_profile(plan, plan_path), sync_replicas=sync), None
 
 
-def prepare_run(workload: Workload, cluster: ClusterSpec, plan_path: str, profile: str | Path | None = None,
-                policy_overrides: dict[str, object] | None = None) -> PlannedRun:
+def prepare_run(
+    workload: Workload,
+    cluster: ClusterSpec,
+    plan_path: str,
+    profile: str | Path | None = None,
+    policy_overrides: dict[str, object] | None = None,
+) -> PlannedRun:
     """Load the plan at ``plan_path``, apply the flags that override its dispatch policy (field -> value of
     ``DispatchOptions``, or ``recalibration`` -> bool), build its cost model and check the plan against all
     of it (:func:`~lorafleet.plan_check.check_plan`): what every plan-reading command does before any work."""

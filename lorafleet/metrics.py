@@ -235,12 +235,23 @@ class ProgressBar:
     predicted time, mean loss over tasks, tokens/s."""
 
     def __init__(self, total: int, start: int = 0, console: object | None = None) -> None:
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self._progress = Progress(
-            TextColumn("step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-            TextColumn("{task.fields[stats]}"), console=console,
+            TextColumn("step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[stats]}"),
+            console=console,
         )
         self._task = self._progress.add_task("train", total=total, completed=start, stats="")
         self._progress.start()
@@ -248,8 +259,10 @@ class ProgressBar:
     def write(self, report: StepReport, **extra: object) -> None:
         losses = list(report.losses.values())
         loss = f"loss {np.mean(losses):.4f}  " if losses else ""
-        stats = (f"step {report.makespan_s:.2f}s (predicted {report.estimated_makespan_s:.2f}s)  {loss}"
-                 f"{_tokens_per_s(report, extra):,.0f} tok/s")
+        stats = (
+            f"step {report.makespan_s:.2f}s (predicted {report.estimated_makespan_s:.2f}s)  {loss}"
+            f"{_tokens_per_s(report, extra):,.0f} tok/s"
+        )
         self._progress.update(self._task, completed=report.step + 1, stats=stats)
 
     def close(self) -> None:
@@ -275,9 +288,11 @@ class LogLines:
         losses = "  loss " + " ".join(f"{t} {v:.3g}" for t, v in report.losses.items()) if report.losses else ""
         eta = float(np.mean(self._times)) * max(self.total - report.step - 1, 0)
         minutes, seconds = divmod(int(round(eta)), 60)
-        self._print(f"step {report.step + 1}/{self.total}{losses}  {_tokens_per_s(report, extra):,.0f} tok/s  "
-                    f"step {report.makespan_s:.3g} s (predicted {report.estimated_makespan_s:.3g} s)  "
-                    f"ETA {minutes}m{seconds:02d}s")
+        self._print(
+            f"step {report.step + 1}/{self.total}{losses}  {_tokens_per_s(report, extra):,.0f} tok/s  "
+            f"step {report.makespan_s:.3g} s (predicted {report.estimated_makespan_s:.3g} s)  "
+            f"ETA {minutes}m{seconds:02d}s"
+        )
 
     def close(self) -> None:
         pass

@@ -29,7 +29,9 @@ from lorafleet.workload import Workload
 Fail = Callable[[str, str], None]
 
 
-def check_plan(plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, cost_model: CostModel, source: str) -> None:
+def check_plan(
+    plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, cost_model: CostModel, source: str
+) -> None:
     """Raise an :class:`InputError` naming ``source`` (the plan file) and the first field that breaks a rule
     (module docstring); return quietly when ``plan`` runs as planned on ``cluster`` for ``workload``."""
 
@@ -46,24 +48,37 @@ def check_plan(plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, c
     if plan.gpus_per_node != cluster.gpus_per_node:
         fail("gpus_per_node", f"the plan has {plan.gpus_per_node} GPUs per node, the cluster {cluster.gpus_per_node}")
     if plan.recompute != workload.spec.recompute:
-        fail("recompute", f"the plan was made with recompute: {plan.recompute.value}, the workload says "
-             f"{workload.spec.recompute.value}")
+        fail(
+            "recompute",
+            f"the plan was made with recompute: {plan.recompute.value}, the workload says "
+            f"{workload.spec.recompute.value}",
+        )
     if not 1 <= plan.n_gpus <= cluster.n_gpus:
-        fail("n_gpus", f"the plan needs {plan.n_gpus} GPUs, the cluster has {cluster.n_gpus} (same --gpus as for `plan`?)")
+        fail(
+            "n_gpus",
+            f"the plan needs {plan.n_gpus} GPUs, the cluster has {cluster.n_gpus} (same --gpus as for `plan`?)",
+        )
     if not plan.replicas:
         fail("replicas", "the plan has no replicas")
     _check_replicas(plan, workload, cluster, cost_model, fail)
     _check_buckets(plan, workload, fail)
 
 
-def _check_replicas(plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, cost_model: CostModel, fail: Fail) -> None:
+def _check_replicas(
+    plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, cost_model: CostModel, fail: Fail
+) -> None:
     seen: dict[int, int] = {}
     for k, replica in enumerate(plan.replicas):
         where, config = f"replicas[{k}]", replica.config
         if replica.replica_id != k:
-            fail(f"{where}.replica_id", f"replica {k} has id {replica.replica_id}; ids must be 0..{len(plan.replicas) - 1} in order")
+            fail(
+                f"{where}.replica_id",
+                f"replica {k} has id {replica.replica_id}; ids must be 0..{len(plan.replicas) - 1} in order",
+            )
         if len(replica.gpus) != config.n_gpus:
-            fail(f"{where}.gpus", f"{config} needs tp * pp = {config.n_gpus} GPUs, the replica holds {len(replica.gpus)}")
+            fail(
+                f"{where}.gpus", f"{config} needs tp * pp = {config.n_gpus} GPUs, the replica holds {len(replica.gpus)}"
+            )
         for g in replica.gpus:
             if not 0 <= g < plan.n_gpus:
                 fail(f"{where}.gpus", f"GPU {g} is outside 0..{plan.n_gpus - 1}")
@@ -71,28 +86,39 @@ def _check_replicas(plan: DeploymentPlan, workload: Workload, cluster: ClusterSp
                 fail(f"{where}.gpus", f"GPU {g} is also in replica {seen[g]}")
             seen[g] = k
         for stage in range(config.pp):
-            group = replica.gpus[stage * config.tp:(stage + 1) * config.tp]
+            group = replica.gpus[stage * config.tp : (stage + 1) * config.tp]
             nodes = sorted({g // plan.gpus_per_node for g in group})
             if len(nodes) > 1:
-                fail(f"{where}.gpus", f"stage {stage}'s TP group {list(group)} spans nodes {nodes}; a TP group stays "
-                     f"inside one node of {plan.gpus_per_node} GPUs")
+                fail(
+                    f"{where}.gpus",
+                    f"stage {stage}'s TP group {list(group)} spans nodes {nodes}; a TP group stays "
+                    f"inside one node of {plan.gpus_per_node} GPUs",
+                )
         problems = config_problems(config, workload.model, cluster)
         if problems:
             fail(f"{where}.config", f"{config}: {problems[0]}")
         capacity = cost_model.max_tokens(config)
         if capacity <= 0:
-            fail(f"{where}.config", f"{config} does not fit {workload.model.name} on {cluster.gpu} by the cost model "
-                 f"{cost_model.source}")
+            fail(
+                f"{where}.config",
+                f"{config} does not fit {workload.model.name} on {cluster.gpu} by the cost model {cost_model.source}",
+            )
         if not 1 <= replica.max_tokens <= capacity:
-            fail(f"{where}.max_tokens", f"{replica.max_tokens} tokens, but {config} holds at most {capacity} per "
-                 f"micro-batch by the cost model {cost_model.source}")
+            fail(
+                f"{where}.max_tokens",
+                f"{replica.max_tokens} tokens, but {config} holds at most {capacity} per "
+                f"micro-batch by the cost model {cost_model.source}",
+            )
     if plan.expected_replica_time_s and len(plan.expected_replica_time_s) != len(plan.replicas):
         fail("expected_replica_time_s", f"{len(plan.expected_replica_time_s)} times for {len(plan.replicas)} replicas")
 
 
 def _check_buckets(plan: DeploymentPlan, workload: Workload, fail: Fail) -> None:
     longest = workload.max_length
-    for field, bounds in (("bucket_boundaries", plan.bucket_boundaries), ("policy.static_boundaries", plan.policy.static_boundaries)):
+    for field, bounds in (
+        ("bucket_boundaries", plan.bucket_boundaries),
+        ("policy.static_boundaries", plan.policy.static_boundaries),
+    ):
         if field == "policy.static_boundaries" and not bounds:
             continue
         if not bounds:
@@ -100,9 +126,14 @@ def _check_buckets(plan: DeploymentPlan, workload: Workload, fail: Fail) -> None
         if bounds[0] < 1 or any(a >= b for a, b in zip(bounds, bounds[1:])):
             fail(field, f"must be positive and strictly increasing, got {list(bounds)}")
         if bounds[-1] < longest:
-            fail(field, f"the top bucket {bounds[-1]} does not cover the workload's longest sequence ({longest} tokens)")
+            fail(
+                field, f"the top bucket {bounds[-1]} does not cover the workload's longest sequence ({longest} tokens)"
+            )
     largest = max(r.max_tokens for r in plan.replicas)
     for task in workload.tasks:
         if task.lengths.max_length > largest:
-            fail("replicas", f"no replica holds task {task.name!r}'s {task.lengths.max_length}-token sequences "
-                 f"(largest max_tokens {largest})")
+            fail(
+                "replicas",
+                f"no replica holds task {task.name!r}'s {task.lengths.max_length}-token sequences "
+                f"(largest max_tokens {largest})",
+            )

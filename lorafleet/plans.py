@@ -118,8 +118,12 @@ class DeploymentPlan:
             raise InputError(src, "kind", "not a lorafleet deployment plan")
         version = data.get("schema_version")
         if version == 1:
-            raise InputError(src, "schema_version", "a version-1 plan does not record the dispatch policy and cost model "
-                             "it was judged under; re-run `lorafleet plan --json` to write a version-2 plan")
+            raise InputError(
+                src,
+                "schema_version",
+                "a version-1 plan does not record the dispatch policy and cost model "
+                "it was judged under; re-run `lorafleet plan --json` to write a version-2 plan",
+            )
         if version != PLAN_SCHEMA_VERSION:
             raise InputError(src, "schema_version", f"expected {PLAN_SCHEMA_VERSION}, got {version!r}")
         for name in ("policy", "cost_model", "recompute"):
@@ -166,7 +170,9 @@ class DeploymentPlan:
         except (TypeError, ValueError) as err:
             raise InputError(src, "replicas", str(err)) from None
         if not (np.isfinite(plan.expected_makespan_s) and plan.expected_makespan_s >= 0):
-            raise InputError(src, "expected_makespan_s", f"must be a finite number >= 0, got {plan.expected_makespan_s}")
+            raise InputError(
+                src, "expected_makespan_s", f"must be a finite number >= 0, got {plan.expected_makespan_s}"
+            )
         return plan
 
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never a window
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from lorafleet.simulate import ScheduleRun  # noqa: E402
-from lorafleet.workload import Workload  # noqa: E402
+from lorafleet.simulate import ScheduleRun
+from lorafleet.workload import Workload
 
 Row = dict[str, object]
 
@@ -25,17 +25,19 @@ def summary_rows(runs: Sequence[ScheduleRun]) -> list[Row]:
     rows = []
     for run in runs:
         gpu_s = float(run.gpu_seconds.mean())
-        rows.append({
-            "method": run.name,
-            "gpus": run.gpus,
-            "mean_step_s": float(run.makespan_s.mean()),
-            "p95_step_s": float(np.percentile(run.makespan_s, 95)),
-            "gpu_s_per_step": gpu_s,
-            "utilisation": run.utilisation,
-            "padding_ratio": run.padding_ratio,
-            "failures": run.failures,
-            "saved_by_lorafleet": 1 - float(ours.gpu_seconds.mean()) / gpu_s if run is not ours else 0.0,
-        })
+        rows.append(
+            {
+                "method": run.name,
+                "gpus": run.gpus,
+                "mean_step_s": float(run.makespan_s.mean()),
+                "p95_step_s": float(np.percentile(run.makespan_s, 95)),
+                "gpu_s_per_step": gpu_s,
+                "utilisation": run.utilisation,
+                "padding_ratio": run.padding_ratio,
+                "failures": run.failures,
+                "saved_by_lorafleet": 1 - float(ours.gpu_seconds.mean()) / gpu_s if run is not ours else 0.0,
+            }
+        )
     return rows
 
 
@@ -73,8 +75,12 @@ def _plot_lengths(workload: Workload, boundaries: Sequence[int], out: Path) -> N
         ax.hist(d.lengths, bins=bins, weights=d.probs * task.batch_size, histtype="step", label=task.name)
     for b in boundaries:
         ax.axvline(b, color="grey", linewidth=0.6, linestyle=":")
-    ax.set(xscale="log", xlabel="sequence length (tokens)", ylabel="sequences per step",
-           title="Length distribution per task and the plan's bucket boundaries")
+    ax.set(
+        xscale="log",
+        xlabel="sequence length (tokens)",
+        ylabel="sequences per step",
+        title="Length distribution per task and the plan's bucket boundaries",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -93,13 +99,17 @@ def _plot_gpu_seconds(rows: Sequence[Row], out: Path) -> None:
 
 def _html_table(rows: Sequence[Row]) -> str:
     head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
+
     def cell(v: object) -> str:
         return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
+
     body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def write_report(out_dir: str | Path, workload: Workload, runs: Sequence[ScheduleRun], plan_rows: Sequence[Row]) -> Path:
+def write_report(
+    out_dir: str | Path, workload: Workload, runs: Sequence[ScheduleRun], plan_rows: Sequence[Row]
+) -> Path:
     """Plots, ``summary.json`` and ``index.html`` in ``out_dir`` (written to a temporary name, then renamed)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,8 +120,10 @@ def write_report(out_dir: str | Path, workload: Workload, runs: Sequence[Schedul
     _plot_lengths(workload, ours.phases[0].phase.plan.bucket_boundaries, out / "lengths.png")
     _plot_gpu_seconds(rows, out / "gpu_seconds.png")
     (out / "summary.json").write_text(json.dumps({"methods": rows, "plan": list(plan_rows)}, indent=2) + "\n")
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>lorafleet simulation: {html.escape(workload.path)}</title>
-<style>body{{font-family:sans-serif;max-width:1000px;margin:auto}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}</style></head><body>
+    title = f"lorafleet simulation: {html.escape(workload.path)}"
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
+<style>body{{font-family:sans-serif;max-width:1000px;margin:auto}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}</style></head><body>
 <h1>Simulation of {html.escape(workload.path)}</h1>
 <p>{len(workload.tasks)} tasks, {html.escape(workload.model.name)}, {ours.gpus} GPUs, {len(ours.makespan_s)} steps.</p>
 <h2>Methods</h2>{_html_table(rows)}

@@ -52,7 +52,9 @@ def lock_run(out: str | Path) -> RunLock:
     except BlockingIOError:
         holder = _read_holder(fd)
         os.close(fd)
-        raise InputError(str(out), "", f"another run is using this directory{holder}; wait for it, or use another --out") from None
+        raise InputError(
+            str(out), "", f"another run is using this directory{holder}; wait for it, or use another --out"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return RunLock(root / LOCK, fd)
@@ -92,8 +94,11 @@ def truncate_metrics(out: str | Path, step: int) -> None:
     root = Path(out)
     jsonl = root / METRICS_JSONL
     if jsonl.is_file():
-        kept = [line for line in jsonl.read_text(encoding="utf-8").splitlines(keepends=True)
-                if line.strip() and _step_of_json(line) < step]
+        kept = [
+            line
+            for line in jsonl.read_text(encoding="utf-8").splitlines(keepends=True)
+            if line.strip() and _step_of_json(line) < step
+        ]
         _replace(jsonl, "".join(kept))
     table = root / METRICS_CSV
     if table.is_file():

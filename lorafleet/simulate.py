@@ -22,9 +22,9 @@ from lorafleet.costmodel import CostModel
 from lorafleet.dispatch import Recalibrator, ReplicaCalibration
 from lorafleet.executor.simulated import SimulatedExecutor, SimulationOptions
 from lorafleet.loop import PolicySource, run_loop
-from lorafleet.plans import GlobalBatch, StepReport
 from lorafleet.planner import Phase, Schedule
 from lorafleet.planner.schedule import select_tasks
+from lorafleet.plans import GlobalBatch, StepReport
 from lorafleet.sampling import sample_global_batch
 from lorafleet.workload import Workload
 
@@ -67,8 +67,12 @@ class ScheduleRun:
     @property
     def utilisation(self) -> float:
         """Busy GPU-time over held GPU-time, over all phases and steps."""
-        busy = sum(b * rep.config.n_gpus for p in self.phases for r in p.reports
-                   for b, rep in zip(r.replica_busy_s, p.phase.plan.replicas, strict=True))
+        busy = sum(
+            b * rep.config.n_gpus
+            for p in self.phases
+            for r in p.reports
+            for b, rep in zip(r.replica_busy_s, p.phase.plan.replicas, strict=True)
+        )
         return float(busy / self.gpu_seconds.sum()) if self.gpu_seconds.sum() else 0.0
 
     @property
@@ -80,8 +84,14 @@ def _phase_batch(workload: Workload, tasks: tuple[int, ...], seed: int, step: in
     return select_tasks(sample_global_batch(workload, step, seed), tasks)
 
 
-def simulate_schedule(workload: Workload, schedule: Schedule, cost_model: CostModel, steps: int,
-                      options: SimulationOptions = SimulationOptions(), seed: int | None = None) -> ScheduleRun:
+def simulate_schedule(
+    workload: Workload,
+    schedule: Schedule,
+    cost_model: CostModel,
+    steps: int,
+    options: SimulationOptions = SimulationOptions(),
+    seed: int | None = None,
+) -> ScheduleRun:
     """Simulate ``steps`` steps of ``schedule`` on batches sampled with ``seed`` (default: the workload's)."""
     seed = workload.spec.seed if seed is None else seed
     names = [t.name for t in workload.tasks]

@@ -46,14 +46,20 @@ class Variation:
         axis, eq, values = text.partition("=")
         axis = axis.strip()
         if not eq or axis not in AXES:
-            raise InputError("<args>", "--vary", f"expected AXIS=V1,V2 with AXIS one of {', '.join(AXES)}, got {text!r}")
+            raise InputError(
+                "<args>", "--vary", f"expected AXIS=V1,V2 with AXIS one of {', '.join(AXES)}, got {text!r}"
+            )
         items = tuple(v.strip() for v in values.split(",") if v.strip())
         if not items:
             raise InputError("<args>", "--vary", f"{axis} needs at least one value")
         if axis in ("gpus", "R") and not all(v.isdigit() and int(v) > 0 for v in items):
             raise InputError("<args>", "--vary", f"{axis} values must be positive integers, got {values!r}")
         if axis == "recompute" and not set(items) <= {p.value for p in RecomputePolicy}:
-            raise InputError("<args>", "--vary", f"recompute values are {', '.join(p.value for p in RecomputePolicy)}, got {values!r}")
+            raise InputError(
+                "<args>",
+                "--vary",
+                f"recompute values are {', '.join(p.value for p in RecomputePolicy)}, got {values!r}",
+            )
         return cls(axis, items)
 
 
@@ -88,16 +94,22 @@ def _point(workload: Workload, point: dict[str, str]) -> tuple[Workload, dict]:
         resolve_model(point["model"], "<args>", "--vary")
         workload = resolve_workload(workload.spec.model_copy(update={"model": point["model"]}), workload.path)
     if "recompute" in point:
-        workload = resolve_workload(workload.spec.model_copy(update={"recompute": RecomputePolicy(point["recompute"])}),
-                                    workload.path)
+        workload = resolve_workload(
+            workload.spec.model_copy(update={"recompute": RecomputePolicy(point["recompute"])}), workload.path
+        )
     if "tasks" in point:
         workload = _edit_tasks(workload, point["tasks"])
     gpus = int(point["gpus"]) if "gpus" in point else None
     return workload, {"gpus": gpus, "gpu": point.get("gpu"), "n_buckets": int(point.get("R", 16))}
 
 
-def sweep(workload: Workload, variations: Sequence[Variation], steps: int = 8, profile: str | None = None,
-          sim: SimulationOptions = SimulationOptions()) -> list[dict[str, object]]:
+def sweep(
+    workload: Workload,
+    variations: Sequence[Variation],
+    steps: int = 8,
+    profile: str | None = None,
+    sim: SimulationOptions = SimulationOptions(),
+) -> list[dict[str, object]]:
     """One row per (sweep point, method): mean step time and GPU-seconds per step, simulated over ``steps``."""
     rows = []
     for values in itertools.product(*(v.values for v in variations)):
@@ -109,8 +121,19 @@ def sweep(workload: Workload, variations: Sequence[Variation], steps: int = 8, p
         result = plan_deployment(varied, cluster, cost_model, options)
         for schedule in (result.schedule, *result.baselines):
             run = simulate_schedule(varied, schedule, cost_model, steps, sim)
-            rows.append({**{f"vary_{k}": v for k, v in point.items()}, "gpus_total": cluster.n_gpus, "gpu_kind": cluster.gpu, "model": varied.model.name,
-                         "tasks": len(varied.tasks), "method": schedule.name, "plan": schedule.phases[0].plan.describe()
-                         if len(schedule.phases) == 1 else f"{len(schedule.phases)} phases",
-                         "step_s": float(run.makespan_s.mean()), "gpu_s_per_step": float(run.gpu_seconds.mean())})
+            rows.append(
+                {
+                    **{f"vary_{k}": v for k, v in point.items()},
+                    "gpus_total": cluster.n_gpus,
+                    "gpu_kind": cluster.gpu,
+                    "model": varied.model.name,
+                    "tasks": len(varied.tasks),
+                    "method": schedule.name,
+                    "plan": schedule.phases[0].plan.describe()
+                    if len(schedule.phases) == 1
+                    else f"{len(schedule.phases)} phases",
+                    "step_s": float(run.makespan_s.mean()),
+                    "gpu_s_per_step": float(run.gpu_seconds.mean()),
+                }
+            )
     return rows

@@ -115,7 +115,9 @@ def read_workload_spec(path: str | Path) -> WorkloadSpec:
         raise InputError(path, *describe_validation_error(err.errors()[0])) from None
 
 
-def _raw_distribution(spec: LengthSpec | None, data: DataSpec | None, ctx: int, workload: WorkloadSpec, source: tuple[str, str]) -> LengthDistribution:
+def _raw_distribution(
+    spec: LengthSpec | None, data: DataSpec | None, ctx: int, workload: WorkloadSpec, source: tuple[str, str]
+) -> LengthDistribution:
     if spec is not None and spec.preset is not None:
         return preset_distribution(find_preset(spec.preset))
     if spec is not None and spec.mean is not None:
@@ -157,7 +159,9 @@ def _resolve_relative(spec: WorkloadSpec, base: Path) -> WorkloadSpec:
             update["data"] = task.data.model_copy(update={"path": rel(task.data.path)})
         if task.lengths is not None and task.lengths.dataset is not None:
             ds = task.lengths.dataset
-            update["lengths"] = task.lengths.model_copy(update={"dataset": ds.model_copy(update={"path": rel(ds.path)})})
+            update["lengths"] = task.lengths.model_copy(
+                update={"dataset": ds.model_copy(update={"path": rel(ds.path)})}
+            )
         tasks.append(task.model_copy(update=update))
     top: dict = {"tasks": tuple(tasks)}
     if spec.tokenizer is not None:
@@ -167,13 +171,19 @@ def _resolve_relative(spec: WorkloadSpec, base: Path) -> WorkloadSpec:
     return spec.model_copy(update=top)
 
 
-def apply_overflow(raw: LengthDistribution, ctx: int, policy: OverflowPolicy, source: tuple[str, str]) -> tuple[LengthDistribution, float]:
+def apply_overflow(
+    raw: LengthDistribution, ctx: int, policy: OverflowPolicy, source: tuple[str, str]
+) -> tuple[LengthDistribution, float]:
     """The task's trained-on distribution and the overflowing mass under ``policy``: the overflow rule
     (``fit_to_context``) applied to every length ``raw`` puts mass on; a truncated length's mass moves to
     ``ctx``, a rejected one's is dropped and the rest renormalised."""
     fit = fit_to_context(raw.lengths, ctx, policy)
     if fit.rejected.all():
-        raise InputError(source[0], f"{source[1]}.overflow", f"every sequence is longer than context_length {ctx}; reject drops them all")
+        raise InputError(
+            source[0],
+            f"{source[1]}.overflow",
+            f"every sequence is longer than context_length {ctx}; reject drops them all",
+        )
     over = float(raw.probs[fit.truncated | fit.rejected].sum())
     if fit.rejected.any():
         return raw.reject_above(ctx)[0], over

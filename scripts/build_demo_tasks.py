@@ -38,17 +38,102 @@ from pathlib import Path
 
 # Modules that are safe to import (no side effects, no GUI, no deprecation noise).
 STDLIB_MODULES = (
-    "abc", "argparse", "ast", "base64", "bisect", "calendar", "cmd", "code", "codecs", "colorsys",
-    "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "dis",
-    "email.utils", "enum", "filecmp", "fileinput", "fnmatch", "fractions", "ftplib", "functools", "getopt",
-    "gettext", "glob", "graphlib", "gzip", "hashlib", "heapq", "hmac", "html", "http.cookies", "imaplib",
-    "inspect", "ipaddress", "json", "keyword", "linecache", "locale", "logging", "lzma", "mailbox",
-    "mimetypes", "netrc", "numbers", "operator", "optparse", "os", "pathlib", "pickle", "pkgutil", "platform",
-    "plistlib", "poplib", "pprint", "queue", "quopri", "random", "reprlib", "sched", "secrets", "selectors",
-    "shlex", "shutil", "smtplib", "socketserver", "statistics", "string", "stringprep", "struct", "subprocess",
-    "tabnanny", "tarfile", "tempfile", "textwrap", "threading", "timeit", "token", "tokenize", "trace",
-    "traceback", "types", "typing", "urllib.parse", "uuid", "warnings", "wave", "weakref", "zipapp",
-    "zipfile", "zoneinfo",
+    "abc",
+    "argparse",
+    "ast",
+    "base64",
+    "bisect",
+    "calendar",
+    "cmd",
+    "code",
+    "codecs",
+    "colorsys",
+    "configparser",
+    "contextlib",
+    "copy",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "dis",
+    "email.utils",
+    "enum",
+    "filecmp",
+    "fileinput",
+    "fnmatch",
+    "fractions",
+    "ftplib",
+    "functools",
+    "getopt",
+    "gettext",
+    "glob",
+    "graphlib",
+    "gzip",
+    "hashlib",
+    "heapq",
+    "hmac",
+    "html",
+    "http.cookies",
+    "imaplib",
+    "inspect",
+    "ipaddress",
+    "json",
+    "keyword",
+    "linecache",
+    "locale",
+    "logging",
+    "lzma",
+    "mailbox",
+    "mimetypes",
+    "netrc",
+    "numbers",
+    "operator",
+    "optparse",
+    "os",
+    "pathlib",
+    "pickle",
+    "pkgutil",
+    "platform",
+    "plistlib",
+    "poplib",
+    "pprint",
+    "queue",
+    "quopri",
+    "random",
+    "reprlib",
+    "sched",
+    "secrets",
+    "selectors",
+    "shlex",
+    "shutil",
+    "smtplib",
+    "socketserver",
+    "statistics",
+    "string",
+    "stringprep",
+    "struct",
+    "subprocess",
+    "tabnanny",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "token",
+    "tokenize",
+    "trace",
+    "traceback",
+    "types",
+    "typing",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "wave",
+    "weakref",
+    "zipapp",
+    "zipfile",
+    "zoneinfo",
 )
 #: Longest module source kept for ``moddoc`` (characters); longer ones are cut at a line end,
 #: so prompt and docstring fit the task's context (a cut would fall on the docstring, the target).
@@ -75,8 +160,12 @@ def docsum_rows() -> list[dict]:
         summary, _, body = doc.partition("\n")
         body = body.strip()
         if 20 <= len(summary) <= 120 and len(body) >= 80:
-            rows.append({"prompt": f"Summarize this documentation of `{name}` in one line.\n\n{body}",
-                         "response": summary.strip()})
+            rows.append(
+                {
+                    "prompt": f"Summarize this documentation of `{name}` in one line.\n\n{body}",
+                    "response": summary.strip(),
+                }
+            )
     return rows
 
 
@@ -105,8 +194,12 @@ def codegen_rows() -> list[dict]:
             with gzip.open(path, "rt") as f:
                 for line in f:
                     problem = json.loads(line)
-                    rows.append({"prompt": f"Complete this Python function.\n\n{problem['prompt']}",
-                                 "response": problem["canonical_solution"]})
+                    rows.append(
+                        {
+                            "prompt": f"Complete this Python function.\n\n{problem['prompt']}",
+                            "response": problem["canonical_solution"],
+                        }
+                    )
     for _, fn in _stdlib_functions():
         split = _signature_and_body(fn)
         if split is not None:
@@ -164,8 +257,9 @@ def moddoc_rows() -> list[dict]:
             continue
         if len(rest) > MODULE_SOURCE_CHARS:
             rest = rest[: rest.rfind("\n", 0, MODULE_SOURCE_CHARS)]
-        rows.append({"prompt": f"Write the module docstring of this Python module `{name}`.\n\n{rest}",
-                     "response": doc})
+        rows.append(
+            {"prompt": f"Write the module docstring of this Python module `{name}`.\n\n{rest}", "response": doc}
+        )
     return rows
 
 
@@ -245,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
         lengths = token_lengths(rows)
         histograms[name] = Counter(lengths)
-        print(f"{name}: {len(rows)} rows, tokens min {min(lengths)} median {sorted(lengths)[len(lengths) // 2]} "
-              f"max {max(lengths)}")
+        print(
+            f"{name}: {len(rows)} rows, tokens min {min(lengths)} median {sorted(lengths)[len(lengths) // 2]} "
+            f"max {max(lengths)}"
+        )
     (out / "workload.yaml").write_text(workload_yaml(histograms))
     return 0
 

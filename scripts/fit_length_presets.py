@@ -39,9 +39,7 @@ def main() -> None:
             dist = preset_distribution(preset)
         else:
             start = time.perf_counter()
-            params = fit_params(
-                preset.mean, preset.skewness, preset.kurtosis, preset.context_length
-            )
+            params = fit_params(preset.mean, preset.skewness, preset.kurtosis, preset.context_length)
             print(f"# {preset.id}: fitted in {time.perf_counter() - start:.2f} s")
             print(f"params=({', '.join(repr(v) for v in params)}),")
             dist = LengthDistribution.from_params(params, preset.context_length)

@@ -1,6 +1,5 @@
 """The package's lazy public API and version."""
 
-
 import pytest
 
 import lorafleet

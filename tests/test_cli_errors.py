@@ -18,16 +18,25 @@ VALID = {
     "cluster": {"gpu": "A100-40GB", "nodes": 2, "gpus_per_node": 8},
     "tasks": [
         {"name": "chat", "preset": "dolly"},
-        {"name": "sum", "lengths": {"mean": 900, "skewness": 1.0, "kurtosis": 1.5}, "batch_size": 32, "context_length": 4096,
-         "lora": {"rank": 8, "alpha": 16, "dropout": 0.05}, "optimizer": {"lr": 2e-4}},
+        {
+            "name": "sum",
+            "lengths": {"mean": 900, "skewness": 1.0, "kurtosis": 1.5},
+            "batch_size": 32,
+            "context_length": 4096,
+            "lora": {"rank": 8, "alpha": 16, "dropout": 0.05},
+            "optimizer": {"lr": 2e-4},
+        },
     ],
 }
 
-NOT_INT = st.one_of(st.text(alphabet="abcxyz", min_size=1, max_size=5), st.just([1, 2]), st.just({"a": 1}), st.just(2.5))
+NOT_INT = st.one_of(
+    st.text(alphabet="abcxyz", min_size=1, max_size=5), st.just([1, 2]), st.just({"a": 1}), st.just(2.5)
+)
 NOT_NUMBER = st.one_of(st.text(alphabet="abcxyz", min_size=1, max_size=5), st.just([1, 2]), st.just({"a": 1}))
 NEGATIVE = st.integers(max_value=0)
 BAD_NAME = st.text(alphabet=" /\\:*?é", min_size=1, max_size=6)
 UNKNOWN = st.text(alphabet="qwzkj", min_size=3, max_size=8)
+
 
 # (field path to expect in the message, mutation of a deep copy of VALID)
 def _set(path, value):
@@ -37,6 +46,7 @@ def _set(path, value):
             target = target[key]
         target[path[-1]] = value
         return d
+
     return apply
 
 
@@ -47,6 +57,7 @@ def _delete(path):
             target = target[key]
         del target[path[-1]]
         return d
+
     return apply
 
 
@@ -58,10 +69,18 @@ def field_mutations():
         st.builds(lambda v: ("tasks[1].batch_size", _set(["tasks", 1, "batch_size"], v)), st.one_of(NOT_INT, NEGATIVE)),
         st.builds(lambda i, v: (f"tasks[{i}].context_length", _set(["tasks", i, "context_length"], v)), t, NEGATIVE),
         st.builds(lambda v: ("tasks[0].preset", _set(["tasks", 0, "preset"], v)), UNKNOWN),
-        st.builds(lambda i, v: (f"tasks[{i}].lora.rank", _set(["tasks", i, "lora"], {"rank": v})), t, st.one_of(NOT_INT, NEGATIVE)),
-        st.builds(lambda v: ("tasks[1].lora.dropout", _set(["tasks", 1, "lora", "dropout"], v)),
-                  st.one_of(st.floats(min_value=1.0, max_value=1e6), st.floats(max_value=-1e-3, min_value=-1e6))),
-        st.builds(lambda v: ("tasks[1].lora.target_modules", _set(["tasks", 1, "lora", "target_modules"], [v])), UNKNOWN),
+        st.builds(
+            lambda i, v: (f"tasks[{i}].lora.rank", _set(["tasks", i, "lora"], {"rank": v})),
+            t,
+            st.one_of(NOT_INT, NEGATIVE),
+        ),
+        st.builds(
+            lambda v: ("tasks[1].lora.dropout", _set(["tasks", 1, "lora", "dropout"], v)),
+            st.one_of(st.floats(min_value=1.0, max_value=1e6), st.floats(max_value=-1e-3, min_value=-1e6)),
+        ),
+        st.builds(
+            lambda v: ("tasks[1].lora.target_modules", _set(["tasks", 1, "lora", "target_modules"], [v])), UNKNOWN
+        ),
         st.builds(lambda i, v: (f"tasks[{i}].name", _set(["tasks", i, "name"], v)), t, BAD_NAME),
         st.builds(lambda v: ("model", _set(["model"], v)), UNKNOWN),
         st.builds(lambda v: ("cluster.gpu", _set(["cluster", "gpu"], v)), UNKNOWN),
@@ -69,13 +88,24 @@ def field_mutations():
         st.builds(lambda v: ("recompute", _set(["recompute"], v)), st.one_of(UNKNOWN, st.just(3), st.just([1]))),
         st.builds(lambda k: (k, _set([k], 1)), UNKNOWN),
         st.builds(lambda i, k: (f"tasks[{i}].{k}", _set(["tasks", i, k], 1)), t, UNKNOWN),
-        st.builds(lambda v: ("tasks[1].optimizer.lr", _set(["tasks", 1, "optimizer", "lr"], v)), st.one_of(NEGATIVE, NOT_NUMBER)),
+        st.builds(
+            lambda v: ("tasks[1].optimizer.lr", _set(["tasks", 1, "optimizer", "lr"], v)),
+            st.one_of(NEGATIVE, NOT_NUMBER),
+        ),
         st.builds(lambda v: ("tasks[1].overflow", _set(["tasks", 1, "overflow"], v)), UNKNOWN),
-        st.builds(lambda k: ("tasks[1].lengths", _delete(["tasks", 1, "lengths", k])), st.sampled_from(["skewness", "kurtosis"])),
+        st.builds(
+            lambda k: ("tasks[1].lengths", _delete(["tasks", 1, "lengths", k])),
+            st.sampled_from(["skewness", "kurtosis"]),
+        ),
         st.just(("tasks[1].lengths", _set(["tasks", 1, "lengths", "values"], [1, 2]))),
-        st.builds(lambda v: ("tasks[1].lengths", _set(["tasks", 1, "lengths"], {"histogram": {100: v}})), st.integers(max_value=-1)),
-        st.builds(lambda v: ("tasks[1].lengths", _set(["tasks", 1, "lengths"], {"values": v})),
-                  st.lists(st.integers(max_value=0), min_size=1, max_size=3)),
+        st.builds(
+            lambda v: ("tasks[1].lengths", _set(["tasks", 1, "lengths"], {"histogram": {100: v}})),
+            st.integers(max_value=-1),
+        ),
+        st.builds(
+            lambda v: ("tasks[1].lengths", _set(["tasks", 1, "lengths"], {"values": v})),
+            st.lists(st.integers(max_value=0), min_size=1, max_size=3),
+        ),
         st.builds(lambda v: ("tasks[1]", _set(["tasks", 1], v)), st.one_of(st.text(max_size=5), st.integers())),
         st.just(("tasks[1].name", _set(["tasks", 1, "name"], "chat"))),
         st.just(("tasks[1]", _delete(["tasks", 1, "lengths"]))),
@@ -160,8 +190,9 @@ def test_a_symlink_loop_is_one_line(tmp_path, capsys):
     _one_line(capsys, "loop.yaml: cannot read")
 
 
-@pytest.mark.parametrize("command,flag", [("plan", "--json"), ("plan", "--plot"), ("simulate", "--report"),
-                                          ("whatif", "--out")])
+@pytest.mark.parametrize(
+    "command,flag", [("plan", "--json"), ("plan", "--plot"), ("simulate", "--report"), ("whatif", "--out")]
+)
 def test_an_unwritable_output_is_refused_before_the_work(tmp_path, capsys, command, flag):
     from tests.conftest import EXAMPLES
 
@@ -187,12 +218,15 @@ def test_joint_minlp_without_pyscipopt_is_one_line(monkeypatch, capsys):
     _one_line(capsys, "--mode: joint-minlp solves LobRA's MINLP with SCIP, which needs PySCIPOpt")
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--noise", "nan"], "--noise: must be a finite number"),
-    (["--straggler", "0=inf"], "--straggler: must be a finite number"),
-    (["--straggler", "9=2"], "--straggler/--fail: replica 9 does not exist"),
-    (["--fail", "1:7"], "--straggler/--fail: replica 7 does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--noise", "nan"], "--noise: must be a finite number"),
+        (["--straggler", "0=inf"], "--straggler: must be a finite number"),
+        (["--straggler", "9=2"], "--straggler/--fail: replica 9 does not exist"),
+        (["--fail", "1:7"], "--straggler/--fail: replica 7 does not exist"),
+    ],
+)
 def test_simulate_refuses_non_finite_and_unknown_replicas(capsys, argv, words):
     from tests.conftest import EXAMPLES
 

@@ -32,8 +32,17 @@ ALLOWED = {
     "lorafleet.executor.torch": L0 + ("lorafleet.plans", "lorafleet.data", "lorafleet.executor"),
     "lorafleet.executor": L2 + ("lorafleet.executor",),
 }
-NO_TORCH = ("lorafleet.specs", "lorafleet.costmodel", "lorafleet.planner", "lorafleet.dispatch", "lorafleet.plans",
-            "lorafleet.solvers", "lorafleet.workload", "lorafleet.sampling", "lorafleet.errors")
+NO_TORCH = (
+    "lorafleet.specs",
+    "lorafleet.costmodel",
+    "lorafleet.planner",
+    "lorafleet.dispatch",
+    "lorafleet.plans",
+    "lorafleet.solvers",
+    "lorafleet.workload",
+    "lorafleet.sampling",
+    "lorafleet.errors",
+)
 
 
 def _modules():
@@ -62,8 +71,13 @@ def test_imports_follow_layers(module, path):
     allowed = _rule(module)
     imports = _imports(path)
     if allowed is not None:
-        upward = [m for m in imports if m.startswith("lorafleet") and m != "lorafleet"
-                  and not any(m == a or m.startswith(a + ".") for a in allowed)]
+        upward = [
+            m
+            for m in imports
+            if m.startswith("lorafleet")
+            and m != "lorafleet"
+            and not any(m == a or m.startswith(a + ".") for a in allowed)
+        ]
         assert not upward, f"{module} imports {upward} from a layer above it"
     if any(module == p or module.startswith(p + ".") for p in NO_TORCH):
         heavy = [m for m in imports if m.split(".")[0] in ("torch", "triton", "transformers", "peft")]

@@ -13,20 +13,36 @@ from lorafleet.metrics import CsvWriter, FanOut, JsonlWriter, LogLines, Progress
 from lorafleet.plans import StepReport
 
 REPORTS = (
-    StepReport(step=0, replica_busy_s=(1.0, 0.5), makespan_s=1.25, task_tokens={"docsum": 300, "chat": 200},
-               task_padding_tokens={"docsum": 10, "chat": 0}, losses={"docsum": 2.5, "chat": 3.0},
-               estimated_makespan_s=1.0, dispatch_solve_s=0.01),
-    StepReport(step=1, replica_busy_s=(0.8, 0.9), makespan_s=1.0, task_tokens={"docsum": 250, "chat": 150},
-               task_padding_tokens={"docsum": 5, "chat": 2}, losses={"docsum": 2.0, "chat": 2.75},
-               estimated_makespan_s=0.8, dispatch_solve_s=0.02, failed_replicas=(1,)),
+    StepReport(
+        step=0,
+        replica_busy_s=(1.0, 0.5),
+        makespan_s=1.25,
+        task_tokens={"docsum": 300, "chat": 200},
+        task_padding_tokens={"docsum": 10, "chat": 0},
+        losses={"docsum": 2.5, "chat": 3.0},
+        estimated_makespan_s=1.0,
+        dispatch_solve_s=0.01,
+    ),
+    StepReport(
+        step=1,
+        replica_busy_s=(0.8, 0.9),
+        makespan_s=1.0,
+        task_tokens={"docsum": 250, "chat": 150},
+        task_padding_tokens={"docsum": 5, "chat": 2},
+        losses={"docsum": 2.0, "chat": 2.75},
+        estimated_makespan_s=0.8,
+        dispatch_solve_s=0.02,
+        failed_replicas=(1,),
+    ),
 )
 PREDICTED = ((0.9, 0.6), (0.8, 0.6))
 
 
 def _write_all(writer) -> None:
     for report, predicted in zip(REPORTS, PREDICTED):
-        writer.write(report, tokens_per_s=sum(report.task_tokens.values()) / report.makespan_s,
-                     predicted_busy_s=predicted)
+        writer.write(
+            report, tokens_per_s=sum(report.task_tokens.values()) / report.makespan_s, predicted_busy_s=predicted
+        )
 
 
 def test_csv_has_one_flat_row_per_report_and_appends_under_its_header(tmp_path):
@@ -58,9 +74,19 @@ def test_tensorboard_scalars_read_back(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"loss/docsum", "loss/chat", "throughput/tokens_per_s", "makespan/measured_s", "makespan/estimated_s",
-            "makespan/measured_over_estimated", "dispatch/solve_s", "busy/replica_0", "busy/replica_1",
-            "busy_predicted/replica_1", "busy_ratio/replica_1"} <= tags
+    assert {
+        "loss/docsum",
+        "loss/chat",
+        "throughput/tokens_per_s",
+        "makespan/measured_s",
+        "makespan/estimated_s",
+        "makespan/measured_over_estimated",
+        "dispatch/solve_s",
+        "busy/replica_0",
+        "busy/replica_1",
+        "busy_predicted/replica_1",
+        "busy_ratio/replica_1",
+    } <= tags
     loss = events.Scalars("loss/docsum")
     assert [e.step for e in loss] == [0, 1]
     assert [e.value for e in loss] == pytest.approx([2.5, 2.0])

@@ -20,10 +20,24 @@ from lorafleet.specs.dispatch import MicroBatchMode
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import load_workload
 
-WORKLOAD = {"model": "llama2-7b", "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8}, "tasks": [
-    {"name": "chat", "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0}, "batch_size": 48, "context_length": 4096},
-    {"name": "docs", "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0}, "batch_size": 8, "context_length": 8192},
-]}
+WORKLOAD = {
+    "model": "llama2-7b",
+    "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8},
+    "tasks": [
+        {
+            "name": "chat",
+            "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0},
+            "batch_size": 48,
+            "context_length": 4096,
+        },
+        {
+            "name": "docs",
+            "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0},
+            "batch_size": 8,
+            "context_length": 8192,
+        },
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +49,9 @@ def planned(tmp_path_factory):
     workload = load_workload(path)
     cluster = workload_cluster(workload)
     cost_model = workload_cost_model(workload, cluster)
-    result = plan_deployment(workload, cluster, cost_model, PlannerOptions(microbatch_mode=MicroBatchMode.PADDING,
-                                                                          robust_samples=0))
+    result = plan_deployment(
+        workload, cluster, cost_model, PlannerOptions(microbatch_mode=MicroBatchMode.PADDING, robust_samples=0)
+    )
     result.plan.save(tmp / "plan.json")
     return path, workload, result.plan, tmp / "plan.json"
 
@@ -85,18 +100,34 @@ def _broken(plan: DeploymentPlan):
     yield "recompute", replace(plan, recompute=RecomputePolicy.ON), "recompute", "recompute: on"
     yield "too many gpus", replace(plan, n_gpus=16), "n_gpus", "16 GPUs"
     yield "ids", _replica(plan, 0, replica_id=5), "replicas[0].replica_id", "has id 5"
-    yield "gpu count", _replica(plan, 0, config=ParallelConfig(first.config.tp * 2, first.config.pp)), \
-        "replicas[0].gpus", "GPUs, the replica holds"
-    yield "duplicate", _replica(plan, 1, gpus=first.gpus[:1] + plan.replicas[1].gpus[1:]), "replicas[1].gpus", \
-        f"GPU {first.gpus[0]} is also in replica 0"
+    yield (
+        "gpu count",
+        _replica(plan, 0, config=ParallelConfig(first.config.tp * 2, first.config.pp)),
+        "replicas[0].gpus",
+        "GPUs, the replica holds",
+    )
+    yield (
+        "duplicate",
+        _replica(plan, 1, gpus=first.gpus[:1] + plan.replicas[1].gpus[1:]),
+        "replicas[1].gpus",
+        f"GPU {first.gpus[0]} is also in replica 0",
+    )
     yield "range", _replica(plan, 0, gpus=(99,) + first.gpus[1:]), "replicas[0].gpus", "GPU 99 is outside"
     yield "max tokens", _replica(plan, 0, max_tokens=10**9), "replicas[0].max_tokens", "holds at most"
-    yield "illegal tp", _replica(plan, 0, config=ParallelConfig(3, 1), gpus=(0, 1, 2)), "replicas[0].config", \
-        "tp=3 does not divide"
+    yield (
+        "illegal tp",
+        _replica(plan, 0, config=ParallelConfig(3, 1), gpus=(0, 1, 2)),
+        "replicas[0].config",
+        "tp=3 does not divide",
+    )
     yield "buckets", replace(plan, bucket_boundaries=(512, 256, 8192)), "bucket_boundaries", "strictly increasing"
     yield "coverage", replace(plan, bucket_boundaries=(512, 1024)), "bucket_boundaries", "does not cover"
-    yield "holder", replace(plan, replicas=tuple(replace(r, max_tokens=1000) for r in plan.replicas)), "replicas", \
-        "no replica holds task"
+    yield (
+        "holder",
+        replace(plan, replicas=tuple(replace(r, max_tokens=1000) for r in plan.replicas)),
+        "replicas",
+        "no replica holds task",
+    )
     del two
 
 
@@ -117,9 +148,17 @@ def test_a_tp_group_across_nodes_is_refused(planned):
     cluster = workload_cluster(workload, gpus=16)
     cost_model = workload_cost_model(workload, cluster)
     config = ParallelConfig(2, 1)
-    plan = DeploymentPlan(model="llama2-7b", gpu="A100-80GB", n_gpus=16, gpus_per_node=8, tasks=("chat", "docs"),
-                          replicas=(ReplicaSpec(0, config, 4096, (7, 8)),), bucket_boundaries=(8192,),
-                          expected_makespan_s=1.0, recompute=workload.spec.recompute)
+    plan = DeploymentPlan(
+        model="llama2-7b",
+        gpu="A100-80GB",
+        n_gpus=16,
+        gpus_per_node=8,
+        tasks=("chat", "docs"),
+        replicas=(ReplicaSpec(0, config, 4096, (7, 8)),),
+        bucket_boundaries=(8192,),
+        expected_makespan_s=1.0,
+        recompute=workload.spec.recompute,
+    )
     with pytest.raises(InputError, match="spans nodes"):
         check_plan(plan, workload, cluster, cost_model, "p")
 
@@ -132,7 +171,11 @@ def test_commands_refuse_a_plan_before_any_work(planned, tmp_path, capsys, comma
     bad = tmp_path / "bad.json"
     broken.save(bad)
     out = tmp_path / "out"
-    extra = {"simulate": ["--report", str(out)], "dispatch": ["--json", str(out / "d.json")], "train": ["--out", str(out)]}
+    extra = {
+        "simulate": ["--report", str(out)],
+        "dispatch": ["--json", str(out / "d.json")],
+        "train": ["--out", str(out)],
+    }
     argv = [command, str(path), "--plan", str(bad), *extra[command]]
     if command == "train":  # training needs data; the plan is checked after the workload
         argv[1] = str(_with_data(path, tmp_path))
@@ -162,7 +205,10 @@ def test_the_plans_policy_runs_by_default_and_a_flag_says_it_overrides(planned, 
     assert "override" not in printed and "padding, R=16" in printed
     assert main(["dispatch", str(path), "--plan", str(plan_path), "--microbatch", "packing", "--no-recalibrate"]) == 0
     printed = capsys.readouterr().out
-    assert "override: policy packing, R=16, alignment 16, fast, not recalibrated (overriding the plan's: padding" in printed
+    assert (
+        "override: policy packing, R=16, alignment 16, fast, not recalibrated (overriding the plan's: padding"
+        in printed
+    )
 
 
 def test_simulate_plan_runs_the_plan_as_made(planned, capsys):
@@ -180,9 +226,15 @@ def test_profile_plans_record_their_file_and_refuse_a_changed_one(tmp_path, caps
     profile = tmp_path / "tiny.json"
     profile.write_bytes((REPO / "profiles" / "tiny-llama-cpu.json").read_bytes())
     work = tmp_path / "w.yaml"
-    work.write_text(yaml.safe_dump({"model": "tiny-llama", "cluster": {"gpu": "cpu", "nodes": 1, "gpus_per_node": 4},
-                                    "tasks": [{"name": "a", "lengths": {"values": [100, 900]}, "batch_size": 8,
-                                               "context_length": 1024}]}))
+    work.write_text(
+        yaml.safe_dump(
+            {
+                "model": "tiny-llama",
+                "cluster": {"gpu": "cpu", "nodes": 1, "gpus_per_node": 4},
+                "tasks": [{"name": "a", "lengths": {"values": [100, 900]}, "batch_size": 8, "context_length": 1024}],
+            }
+        )
+    )
     plan = tmp_path / "plan.json"
     assert main(["plan", str(work), "--profile", str(profile), "--json", str(plan), "--samples", "0"]) == 0
     assert "lower bound of the expected step" in capsys.readouterr().out

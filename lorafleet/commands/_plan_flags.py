@@ -13,9 +13,17 @@ import argparse
 from lorafleet.errors import InputError
 
 ARGS = "<args>"
-POLICY_FLAGS = {"microbatch_mode": "--microbatch", "n_buckets": "--buckets", "bucket_alignment": "--alignment",
-                "method": "--method", "solver": "--solver", "time_limit_s": "--time-limit", "gap_rel": "--gap",
-                "choose_buckets_by_makespan": "--choose-buckets-by-makespan", "recalibration": "--recalibrate"}
+POLICY_FLAGS = {
+    "microbatch_mode": "--microbatch",
+    "n_buckets": "--buckets",
+    "bucket_alignment": "--alignment",
+    "method": "--method",
+    "solver": "--solver",
+    "time_limit_s": "--time-limit",
+    "gap_rel": "--gap",
+    "choose_buckets_by_makespan": "--choose-buckets-by-makespan",
+    "recalibration": "--recalibrate",
+}
 """DispatchOptions field (or ``recalibration``) -> the flag that overrides it."""
 
 
@@ -35,17 +43,32 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--solver", help="MILP back end of --method exact: cbc, scip or highs")
     group.add_argument("--time-limit", type=float, help="seconds per exact solve")
     group.add_argument("--gap", type=float, help="relative gap an exact solve may stop at")
-    group.add_argument("--choose-buckets-by-makespan", action="store_const", const=True,
-                       help="pick the bucket count <= R with the least estimated makespan, not the least padding")
-    group.add_argument("--recalibrate", action=argparse.BooleanOptionalAction,
-                       help="correct the cost model from measured replica times between steps")
+    group.add_argument(
+        "--choose-buckets-by-makespan",
+        action="store_const",
+        const=True,
+        help="pick the bucket count <= R with the least estimated makespan, not the least padding",
+    )
+    group.add_argument(
+        "--recalibrate",
+        action=argparse.BooleanOptionalAction,
+        help="correct the cost model from measured replica times between steps",
+    )
 
 
 def policy_overrides(args: argparse.Namespace) -> dict[str, object]:
     """Policy field -> value, for the flags that were given."""
-    values = {"microbatch_mode": args.microbatch, "n_buckets": args.buckets, "bucket_alignment": args.alignment,
-              "method": args.method, "solver": args.solver, "time_limit_s": args.time_limit, "gap_rel": args.gap,
-              "choose_buckets_by_makespan": args.choose_buckets_by_makespan, "recalibration": args.recalibrate}
+    values = {
+        "microbatch_mode": args.microbatch,
+        "n_buckets": args.buckets,
+        "bucket_alignment": args.alignment,
+        "method": args.method,
+        "solver": args.solver,
+        "time_limit_s": args.time_limit,
+        "gap_rel": args.gap,
+        "choose_buckets_by_makespan": args.choose_buckets_by_makespan,
+        "recalibration": args.recalibrate,
+    }
     return {k: v for k, v in values.items() if v is not None}
 
 

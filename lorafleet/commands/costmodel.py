@@ -1,10 +1,10 @@
 """``lorafleet costmodel predict|check``: query a cost model, or check a profile against its held-out records.
 
-    lorafleet costmodel predict --model llama2-7b --gpu A100-40GB --tp 2 --seq-len 2048 --mbs 4
-    lorafleet costmodel predict --model llama2-70b --gpu A800-80GB --tp 4 --recompute --seq-len 16384 --mbs 1
-    lorafleet costmodel predict --model llama2-7b --csv ../shared/reference/lobra_a100_40gb_llama2_7b_layer_time.csv
-    lorafleet costmodel predict --profile profiles/tiny-llama-cpu.json --model tiny-llama --tp 1 --seq-len 256 --mbs 4
-    lorafleet costmodel check profiles/tiny-llama-cpu.json
+lorafleet costmodel predict --model llama2-7b --gpu A100-40GB --tp 2 --seq-len 2048 --mbs 4
+lorafleet costmodel predict --model llama2-70b --gpu A800-80GB --tp 4 --recompute --seq-len 16384 --mbs 1
+lorafleet costmodel predict --model llama2-7b --csv ../shared/reference/lobra_a100_40gb_llama2_7b_layer_time.csv
+lorafleet costmodel predict --profile profiles/tiny-llama-cpu.json --model tiny-llama --tp 1 --seq-len 256 --mbs 4
+lorafleet costmodel check profiles/tiny-llama-cpu.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     predict.add_argument("--model", required=True, help="model preset or HF config.json path")
     predict.add_argument("--gpu", default="A100-40GB", help="GPU preset of the analytic model (default A100-40GB)")
     predict.add_argument("--nodes", type=int, default=1, help="nodes of the analytic cluster (default 1)")
-    predict.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node of the analytic cluster (default 8)")
+    predict.add_argument(
+        "--gpus-per-node", type=int, default=8, help="GPUs per node of the analytic cluster (default 8)"
+    )
     predict.add_argument("--tasks", type=int, help="task adapters on every replica (default: the profile's, else 6)")
     predict.add_argument("--rank", type=int, help="LoRA rank of every task (default: the profile's, else 16)")
     predict.add_argument("--optimizer", help="adamw | adam | sgd (default: the profile's, else adamw)")
@@ -67,7 +69,9 @@ def _cost_model(args: argparse.Namespace):
         try:
             optimizer = OptimizerName(args.optimizer or "adamw")
         except ValueError:
-            raise InputError(ARGS, "--optimizer", f"unknown optimizer {args.optimizer!r}; choose from adamw, adam, sgd") from None
+            raise InputError(
+                ARGS, "--optimizer", f"unknown optimizer {args.optimizer!r}; choose from adamw, adam, sgd"
+            ) from None
         adapters = AdapterLoad.uniform(args.tasks or 6, args.rank or 16, optimizer=optimizer)
     cluster = None
     if args.profile is None:
@@ -101,10 +105,19 @@ def _predict_one(cm, args: argparse.Namespace) -> None:
     tau = cm.shape_time(config, mb)
     print(f"cost model        {cm.source}")
     print(f"config            {config}  max tokens M = {m}")
-    print(f"micro-batch       {args.mbs} x {args.seq_len} = {mb.tokens} tokens: {'fits' if 0 < mb.tokens <= m else 'exceeds M'}")
-    print(f"per-layer time    {cm.block_coeffs(config)(args.mbs, args.seq_len):.3f} ms  (LobRA t(b, s){', recomputed' if config.recompute else ''})")
+    print(
+        f"micro-batch       {args.mbs} x {args.seq_len} = {mb.tokens} tokens: "
+        f"{'fits' if 0 < mb.tokens <= m else 'exceeds M'}"
+    )
+    print(
+        f"per-layer time    {cm.block_coeffs(config)(args.mbs, args.seq_len):.3f} ms  (LobRA t(b, "
+        f"s){', recomputed' if config.recompute else ''})"
+    )
     print(f"stage time        {tau * MS_PER_S:.3f} ms  ({cm.model.n_layers // config.pp} layers + head + transfers)")
-    print(f"step overhead     {cm.step_overhead(config) * MS_PER_S:.3f} ms  (adapter all-reduce over {cm.sync_replicas} + optimizer)")
+    print(
+        f"step overhead     {cm.step_overhead(config) * MS_PER_S:.3f} ms  (adapter all-reduce over "
+        f"{cm.sync_replicas} + optimizer)"
+    )
     print(f"replica step      {cm.replica_time(config, [mb]) * MS_PER_S:.3f} ms  (this micro-batch alone)")
 
 
@@ -152,7 +165,10 @@ def _check(args: argparse.Namespace) -> None:
         print(f"{name:16s} {summary}")
     for name, stored in sorted(profile.quality.items()):
         if name.startswith("layer_cv"):
-            print(f"{name:16s} n={stored['n']} median={stored['median']:.1%} p90={stored['p90']:.1%} (k-fold CV of the fit)")
+            print(
+                f"{name:16s} n={stored['n']} median={stored['median']:.1%} p90={stored['p90']:.1%} (k-fold CV of the "
+                "fit)"
+            )
 
 
 def run(args: argparse.Namespace) -> int:

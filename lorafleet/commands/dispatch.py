@@ -36,23 +36,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _step_json(step_plan, batch, plan, task_names: tuple[str, ...], tokens) -> dict[str, Any]:
     replicas = []
     for work, replica, task_tokens in zip(step_plan.work, plan.replicas, tokens, strict=True):
-        replicas.append({
-            "replica_id": work.replica_id,
-            "config": replica.config.name,
-            "estimated_time_s": work.estimated_time_s,
-            "task_tokens": {name: int(t) for name, t in zip(task_names, task_tokens, strict=True)},
-            "microbatches": [{
-                "padded_len": mb.padded_len,
-                "tasks": [task_names[t] for t in mb.task_ids],
-                "lengths": list(mb.lengths),
-                "sample_ids": batch.sample_ids[list(mb.seq_ids)].tolist(),
-                "segments": [[task_names[t], first, n] for t, first, n in mb.segments],
-            } for mb in work.microbatches],
-        })
-    return {"step": step_plan.step, "method": step_plan.method, "solve_s": step_plan.solve_s,
-            "estimated_makespan_s": step_plan.estimated_makespan_s, "padding_ratio": step_plan.padding_ratio,
-            "bucket_boundaries": list(step_plan.bucket_boundaries), "truncated": step_plan.truncated,
-            "rejected": step_plan.rejected, "replicas": replicas}
+        replicas.append(
+            {
+                "replica_id": work.replica_id,
+                "config": replica.config.name,
+                "estimated_time_s": work.estimated_time_s,
+                "task_tokens": {name: int(t) for name, t in zip(task_names, task_tokens, strict=True)},
+                "microbatches": [
+                    {
+                        "padded_len": mb.padded_len,
+                        "tasks": [task_names[t] for t in mb.task_ids],
+                        "lengths": list(mb.lengths),
+                        "sample_ids": batch.sample_ids[list(mb.seq_ids)].tolist(),
+                        "segments": [[task_names[t], first, n] for t, first, n in mb.segments],
+                    }
+                    for mb in work.microbatches
+                ],
+            }
+        )
+    return {
+        "step": step_plan.step,
+        "method": step_plan.method,
+        "solve_s": step_plan.solve_s,
+        "estimated_makespan_s": step_plan.estimated_makespan_s,
+        "padding_ratio": step_plan.padding_ratio,
+        "bucket_boundaries": list(step_plan.bucket_boundaries),
+        "truncated": step_plan.truncated,
+        "rejected": step_plan.rejected,
+        "replicas": replicas,
+    }
 
 
 PROGRESS_FROM = 50
@@ -105,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=160)
     for line in run_.overrides:
         console.print(f"override: {line}")
-    table = Table(title=f"{args.workload} on {plan.describe()} ({plan.policy.describe()}; cost model {cost_model.source})")
+    table = Table(
+        title=f"{args.workload} on {plan.describe()} ({plan.policy.describe()}; cost model {cost_model.source})"
+    )
     for column in ("step", "method", "solve ms", "makespan s", "padding", "load per replica, s"):
         table.add_column(column, justify="left" if column in ("method", "load per replica, s") else "right")
     steps_json, tokens_sum = [], np.zeros((len(plan.replicas), len(task_names)))
@@ -114,8 +128,14 @@ def run(args: argparse.Namespace) -> int:
         step_plan = dispatch_step(batch, plan, cost_model)
         tokens = task_tokens_per_replica(step_plan, len(task_names))
         tokens_sum += tokens
-        table.add_row(str(step), step_plan.method, f"{step_plan.solve_s * 1e3:.1f}", f"{step_plan.estimated_makespan_s:.3f}",
-                      f"{step_plan.padding_ratio:.3f}", " ".join(f"{w.estimated_time_s:.2f}" for w in step_plan.work))
+        table.add_row(
+            str(step),
+            step_plan.method,
+            f"{step_plan.solve_s * 1e3:.1f}",
+            f"{step_plan.estimated_makespan_s:.3f}",
+            f"{step_plan.padding_ratio:.3f}",
+            " ".join(f"{w.estimated_time_s:.2f}" for w in step_plan.work),
+        )
         if args.json_out:
             steps_json.append(_step_json(step_plan, batch, plan, task_names, tokens))
 
@@ -128,10 +148,24 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(fairness)
     if args.json_out:
-        write_text_atomic(args.json_out, json.dumps({
-            "kind": "lorafleet.DispatchRun", "workload": str(args.workload), "plan": str(args.plan),
-            "seed": workload.spec.seed if args.seed is None else args.seed, "tasks": list(task_names),
-            "cost_model": cost_model.source, "method": options.method.value, "mode": options.microbatch_mode.value,
-            "policy": plan.policy.to_json(), "steps": steps_json,
-        }, indent=1, sort_keys=True) + "\n")
+        write_text_atomic(
+            args.json_out,
+            json.dumps(
+                {
+                    "kind": "lorafleet.DispatchRun",
+                    "workload": str(args.workload),
+                    "plan": str(args.plan),
+                    "seed": workload.spec.seed if args.seed is None else args.seed,
+                    "tasks": list(task_names),
+                    "cost_model": cost_model.source,
+                    "method": options.method.value,
+                    "mode": options.microbatch_mode.value,
+                    "policy": plan.policy.to_json(),
+                    "steps": steps_json,
+                },
+                indent=1,
+                sort_keys=True,
+            )
+            + "\n",
+        )
     return 0

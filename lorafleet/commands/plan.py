@@ -27,20 +27,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _options(args: argparse.Namespace):
     import importlib.util
 
-    from lorafleet.specs.dispatch import MicroBatchMode
     from lorafleet.planner import PlannerMode, PlannerOptions
     from lorafleet.solvers import SolverName
+    from lorafleet.specs.dispatch import MicroBatchMode
 
-    for flag, value, enum in (("--solver", args.solver, SolverName), ("--mode", args.mode, PlannerMode),
-                              ("--microbatch", args.microbatch, MicroBatchMode)):
+    for flag, value, enum in (
+        ("--solver", args.solver, SolverName),
+        ("--mode", args.mode, PlannerMode),
+        ("--microbatch", args.microbatch, MicroBatchMode),
+    ):
         if value not in {e.value for e in enum}:
             raise InputError(ARGS, flag, f"{value!r} is not one of {', '.join(e.value for e in enum)}")
     if args.samples < 0:
         raise InputError(ARGS, "--samples", f"must be >= 0, got {args.samples}")
     if args.mode == PlannerMode.JOINT_MINLP and importlib.util.find_spec("pyscipopt") is None:
-        raise InputError(ARGS, "--mode", "joint-minlp solves LobRA's MINLP with SCIP, which needs PySCIPOpt "
-                         "(pip install pyscipopt); the default decomposed mode does not")
-    return PlannerOptions(solver=args.solver, mode=args.mode, microbatch_mode=args.microbatch, robust_samples=args.samples)
+        raise InputError(
+            ARGS,
+            "--mode",
+            "joint-minlp solves LobRA's MINLP with SCIP, which needs PySCIPOpt "
+            "(pip install pyscipopt); the default decomposed mode does not",
+        )
+    return PlannerOptions(
+        solver=args.solver, mode=args.mode, microbatch_mode=args.microbatch, robust_samples=args.samples
+    )
 
 
 def plan_table(result):
@@ -109,12 +118,15 @@ def run(args: argparse.Namespace) -> int:
     console.print(comparison_table(result))
     for note in result.plan.notes:
         console.print(f"  note: {note}")
-    bounds = step_bounds(result.plan, result.expected_batch, valid_candidates(cost_model, cluster), cost_model,
-                         cluster.n_gpus)
+    bounds = step_bounds(
+        result.plan, result.expected_batch, valid_candidates(cost_model, cluster), cost_model, cluster.n_gpus
+    )
     ours = result.expected_step.estimated_makespan_s
     console.print("  lower bound of the expected step (perfect balance, no padding, no overhead; docs/planner.md):")
-    console.print(f"    this deployment {bounds.deployment_s:.3f} s (plan {_above(ours, bounds.deployment_s)}); "
-                  f"any deployment of the {cluster.n_gpus} GPUs {bounds.fleet_s:.3f} s (plan {_above(ours, bounds.fleet_s)})")
+    console.print(
+        f"    this deployment {bounds.deployment_s:.3f} s (plan {_above(ours, bounds.deployment_s)}); "
+        f"any deployment of the {cluster.n_gpus} GPUs {bounds.fleet_s:.3f} s (plan {_above(ours, bounds.fleet_s)})"
+    )
     timings = ", ".join(f"{k} {v:.2f} s" for k, v in result.diagnostics.timings_s.items())
     console.print(f"  planned in {timings}")
     console.print(f"  cost model {cost_model.source}; policy {result.plan.policy.describe()}")

@@ -1,8 +1,8 @@
 """``lorafleet profile`` (measure a profile on this machine) and ``lorafleet fit`` (fit its coefficients).
 
-    lorafleet profile --model tiny-llama --configs 1x1,1x2,2x1,2x2 --out profiles/tiny-llama-cpu.json
-    lorafleet profile --device cuda --dtype bf16 --model smollm2-135m --configs 1x1,1x2 --out P.json
-    lorafleet fit profiles/tiny-llama-cpu.json
+lorafleet profile --model tiny-llama --configs 1x1,1x2,2x1,2x2 --out profiles/tiny-llama-cpu.json
+lorafleet profile --device cuda --dtype bf16 --model smollm2-135m --configs 1x1,1x2 --out P.json
+lorafleet fit profiles/tiny-llama-cpu.json
 """
 
 from __future__ import annotations
@@ -26,8 +26,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "each, NCCL) and writes a measured, fitted profile.",
     )
     p.add_argument("--model", required=True, help="model preset or HF config.json path")
-    p.add_argument("--configs", required=True, help="comma-separated <tp,pp> to profile, e.g. 1x1,1x2,2x1; "
-                   "a config with recompute (1x1rc) gets its own max tokens")
+    p.add_argument(
+        "--configs",
+        required=True,
+        help="comma-separated <tp,pp> to profile, e.g. 1x1,1x2,2x1; "
+        "a config with recompute (1x1rc) gets its own max tokens",
+    )
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--tasks", type=int, default=3, help="number of task adapters (default 3)")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank of every task (default 8)")
@@ -35,21 +39,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-lens", default="16,32,64,128,256,512,1024", help="grid of padded lengths")
     p.add_argument("--mbs", default="1,2,4,8,16", help="grid of micro-batch sizes")
     p.add_argument("--max-grid-tokens", type=int, default=4096, help="largest b*s of the grid and of random shapes")
-    p.add_argument("--packed", type=int, default=12, help="random packed micro-batches fitted with the grid, per TP degree")
+    p.add_argument(
+        "--packed", type=int, default=12, help="random packed micro-batches fitted with the grid, per TP degree"
+    )
     p.add_argument("--heldout", type=int, default=6, help="held-out padded (and packed) layer records per TP degree")
     p.add_argument("--replica-steps", type=int, default=5, help="timed whole steps per TP degree and sync setting")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before each timing (default 1)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls; a record is their median (default 5)")
-    p.add_argument("--rounds", type=int, default=2, help="passes over all timings; a record keeps its smallest median (default 2)")
-    p.add_argument("--memory-budget-mib", type=float, help="memory of one device for the max-tokens search "
-                   "(default: 48 on cpu, the GPU's memory on cuda)")
-    p.add_argument("--device", default="cpu", choices=DEVICE_KINDS,
-                   help="cpu (default): one CPU thread per process, gloo; cuda: one GPU per process, NCCL, "
-                   "times synchronised with the GPU")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="of the base model and the activations "
-                   "(default fp32); adapters stay fp32 master weights over bf16, as in training")
-    p.add_argument("--gpu", help="GPU preset the profile is for (default: cpu on cpu; on cuda the preset that "
-                   "matches the device's name and memory)")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="passes over all timings; a record keeps its smallest median (default 2)"
+    )
+    p.add_argument(
+        "--memory-budget-mib",
+        type=float,
+        help="memory of one device for the max-tokens search (default: 48 on cpu, the GPU's memory on cuda)",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=DEVICE_KINDS,
+        help="cpu (default): one CPU thread per process, gloo; cuda: one GPU per process, NCCL, "
+        "times synchronised with the GPU",
+    )
+    p.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="of the base model and the activations "
+        "(default fp32); adapters stay fp32 master weights over bf16, as in training",
+    )
+    p.add_argument(
+        "--gpu",
+        help="GPU preset the profile is for (default: cpu on cpu; on cuda the preset that "
+        "matches the device's name and memory)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run, profile_action="profile")
 
@@ -93,7 +116,9 @@ def _settings(args: argparse.Namespace):
     try:
         optimizer = OptimizerName(args.optimizer)
     except ValueError:
-        raise InputError(ARGS, "--optimizer", f"unknown optimizer {args.optimizer!r}; choose from adamw, adam, sgd") from None
+        raise InputError(
+            ARGS, "--optimizer", f"unknown optimizer {args.optimizer!r}; choose from adamw, adam, sgd"
+        ) from None
     if not configs:
         raise InputError(ARGS, "--configs", "names no config")
     device = DeviceKind(args.device)
@@ -160,8 +185,12 @@ def _device_choices(args: argparse.Namespace, device, configs) -> tuple[str, flo
         raise InputError(ARGS, "--device", f"cuda: no CUDA device is visible (torch {torch.__version__})")
     tp = max(c.tp for c in configs)
     if tp > n_gpus:
-        raise InputError(ARGS, "--configs", f"tp={tp} needs {tp} processes of one GPU each; this machine has "
-                         f"{n_gpus} GPU{'s' if n_gpus > 1 else ''}: profile configs of tp <= {n_gpus}")
+        raise InputError(
+            ARGS,
+            "--configs",
+            f"tp={tp} needs {tp} processes of one GPU each; this machine has "
+            f"{n_gpus} GPU{'s' if n_gpus > 1 else ''}: profile configs of tp <= {n_gpus}",
+        )
     memory = cuda_memory_bytes(0)
     name = torch.cuda.get_device_name(0)
     if args.gpu is not None:
@@ -184,7 +213,10 @@ def fit_and_report(profile, source: str, folds: int):
     heldout = summarize(heldout_comparisons(fitted, resolve_model(fitted.model, source, "model"), source))
     quality = {**fitted.quality, **{name: s.to_json() for name, s in heldout.items()}}
     for name, summary in sorted(quality.items()):
-        print(f"{name:22s} n={summary['n']:<4} median={summary['median']:.1%} p90={summary['p90']:.1%} max={summary['max']:.1%}")
+        print(
+            f"{name:22s} n={summary['n']:<4} median={summary['median']:.1%} p90={summary['p90']:.1%} "
+            f"max={summary['max']:.1%}"
+        )
     return fitted.model_copy(update={"quality": quality})
 
 

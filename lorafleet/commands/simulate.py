@@ -12,7 +12,6 @@ import math
 
 from lorafleet.errors import InputError
 
-
 MAX_STEPS = 100_000
 
 
@@ -23,11 +22,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("workload", help="workload YAML file")
     parser.add_argument("--plan", help="DeploymentPlan JSON from `lorafleet plan --json` (default: plan now)")
     parser.add_argument("--steps", type=int, default=16, help="steps to simulate (default 16)")
-    parser.add_argument("--noise", type=float, default=0.0, help="log-normal step-time noise sigma per replica (0.03 = 3%%)")
-    parser.add_argument("--straggler", action="append", default=[], metavar="REPLICA=FACTOR",
-                        help="replica id slowed down by a factor >= 1 (repeatable)")
-    parser.add_argument("--fail", action="append", default=[], metavar="STEP:REPLICA",
-                        help="replica failing during a step, restarted (repeatable)")
+    parser.add_argument(
+        "--noise", type=float, default=0.0, help="log-normal step-time noise sigma per replica (0.03 = 3%%)"
+    )
+    parser.add_argument(
+        "--straggler",
+        action="append",
+        default=[],
+        metavar="REPLICA=FACTOR",
+        help="replica id slowed down by a factor >= 1 (repeatable)",
+    )
+    parser.add_argument(
+        "--fail",
+        action="append",
+        default=[],
+        metavar="STEP:REPLICA",
+        help="replica failing during a step, restarted (repeatable)",
+    )
     parser.add_argument("--seed", type=int, help="seed of the sampled batches and the noise (default: the workload's)")
     parser.add_argument("--report", help="directory for PNG plots, summary.json and index.html")
     add_cluster_flags(parser)
@@ -60,12 +71,21 @@ def simulation_options(args: argparse.Namespace):
 
     if not (math.isfinite(args.noise) and args.noise >= 0):
         raise InputError("<args>", "--noise", f"must be a finite number >= 0, got {args.noise}")
-    slowdown = {int(_number(r, int, "--straggler")): _number(f, float, "--straggler") for r, f in _pairs(args.straggler, "=", "--straggler")}
-    failures = [FailureSpec(step=int(_number(s, int, "--fail")), replica_id=int(_number(r, int, "--fail")))
-                for s, r in _pairs(args.fail, ":", "--fail")]
+    slowdown = {
+        int(_number(r, int, "--straggler")): _number(f, float, "--straggler")
+        for r, f in _pairs(args.straggler, "=", "--straggler")
+    }
+    failures = [
+        FailureSpec(step=int(_number(s, int, "--fail")), replica_id=int(_number(r, int, "--fail")))
+        for s, r in _pairs(args.fail, ":", "--fail")
+    ]
     try:
-        return SimulationOptions(noise_sigma=args.noise, slowdown=slowdown, failures=tuple(failures),
-                                 seed=args.seed if args.seed is not None else 0)
+        return SimulationOptions(
+            noise_sigma=args.noise,
+            slowdown=slowdown,
+            failures=tuple(failures),
+            seed=args.seed if args.seed is not None else 0,
+        )
     except ValueError as err:
         raise InputError("<args>", "--fail" if "failure" in str(err) else "--noise/--straggler", str(err)) from None
 
@@ -81,8 +101,12 @@ def _schedules(workload, args: argparse.Namespace, console):
     if not args.plan:
         overridden = sorted(policy_overrides(args))
         if overridden:
-            raise InputError("<args>", "--plan", f"policy flags ({', '.join(overridden)}) change a plan's policy: give "
-                             "--plan, or plan with them first (`lorafleet plan --microbatch ...`)")
+            raise InputError(
+                "<args>",
+                "--plan",
+                f"policy flags ({', '.join(overridden)}) change a plan's policy: give "
+                "--plan, or plan with them first (`lorafleet plan --microbatch ...`)",
+            )
         cost_model = workload_cost_model(workload, cluster, args.profile)
         result = plan_deployment(workload, cluster, cost_model)
         return result.schedule, result.baselines, cost_model, cluster
@@ -118,14 +142,22 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("<args>", "--straggler/--fail", str(err)) from None
     runs = [simulate_schedule(workload, s, cost_model, args.steps, options, args.seed) for s in (schedule, *baselines)]
 
-    console.print(f"plan: {plan.describe()}  ({cost_model.source}, {cluster.n_gpus} x {cluster.gpu}; {plan.policy.describe()})")
+    console.print(
+        f"plan: {plan.describe()}  ({cost_model.source}, {cluster.n_gpus} x {cluster.gpu}; {plan.policy.describe()})"
+    )
     table = Table(title=f"{args.steps} simulated steps of {workload.path}")
     rows = summary_rows(runs)
     for column in rows[0]:
         table.add_column(column, justify="left" if column == "method" else "right", no_wrap=column == "method")
     for row in rows:
-        table.add_row(*[f"{v:.3f}" if isinstance(v, float) and k != "saved_by_lorafleet" else
-                        (f"{v:.1%}" if k == "saved_by_lorafleet" else str(v)) for k, v in row.items()])
+        table.add_row(
+            *[
+                f"{v:.3f}"
+                if isinstance(v, float) and k != "saved_by_lorafleet"
+                else (f"{v:.1%}" if k == "saved_by_lorafleet" else str(v))
+                for k, v in row.items()
+            ]
+        )
     console.print(table)
     calibration = runs[0].phases[0].calibration
     if any(abs(c.factor - 1) > 0.005 for c in calibration):
@@ -134,8 +166,16 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"recalibrated: {summarize_factors(calibration)}")
     if args.report:
         times = plan.expected_replica_time_s or (0.0,) * len(plan.replicas)
-        plan_rows = [{"replica": r.replica_id, "config": str(r.config), "gpus": ",".join(map(str, r.gpus)),
-                      "max_tokens": r.max_tokens, "expected_s": t} for r, t in zip(plan.replicas, times, strict=True)]
+        plan_rows = [
+            {
+                "replica": r.replica_id,
+                "config": str(r.config),
+                "gpus": ",".join(map(str, r.gpus)),
+                "max_tokens": r.max_tokens,
+                "expected_s": t,
+            }
+            for r, t in zip(plan.replicas, times, strict=True)
+        ]
         page = write_report(args.report, workload, runs, plan_rows)
         console.print(f"report: {page}")
     return 0

@@ -24,24 +24,57 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=int, default=10, help="the run's total training steps (default 10)")
     parser.add_argument("--out", default="runs/train", help="output directory (default runs/train)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in --out")
-    parser.add_argument("--overwrite", action="store_true", help="start afresh in an --out a previous run used (its files "
-                        "are removed); without it, or --resume, a used --out is refused")
-    parser.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                        help="restart the workers up to K times after a failure, from the last checkpoint (default 0)")
-    parser.add_argument("--no-stop-checkpoint", action="store_true",
-                        help="on SIGINT/SIGTERM stop at the step boundary without committing a checkpoint")
-    parser.add_argument("--nonfinite-patience", type=int, default=3, metavar="K",
-                        help="a task skipped K steps in a row for a non-finite loss or gradient stops (default 3)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in an --out a previous run used (its files "
+        "are removed); without it, or --resume, a used --out is refused",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart the workers up to K times after a failure, from the last checkpoint (default 0)",
+    )
+    parser.add_argument(
+        "--no-stop-checkpoint",
+        action="store_true",
+        help="on SIGINT/SIGTERM stop at the step boundary without committing a checkpoint",
+    )
+    parser.add_argument(
+        "--nonfinite-patience",
+        type=int,
+        default=3,
+        metavar="K",
+        help="a task skipped K steps in a row for a non-finite loss or gradient stops (default 3)",
+    )
     parser.add_argument("--checkpoint-every", type=int, default=50, metavar="K", help="checkpoint every K steps")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                        help="cuda: NCCL, one GPU per process; cpu: gloo (default: cuda when there are enough GPUs)")
-    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
-                        help="of the frozen base model and the activations (default fp32); adapters stay fp32 master "
-                             "weights over a bf16 base")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bar (a log line per step instead; so too when stdout is not a terminal)")
-    parser.add_argument("--inject-slowdown", action="append", default=[], metavar="REPLICA=FACTOR",
-                        help="fault injection: replica REPLICA runs FACTOR >= 1 times slower (a straggler; repeatable)")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="cuda: NCCL, one GPU per process; cpu: gloo (default: cuda when there are enough GPUs)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="of the frozen base model and the activations (default fp32); adapters stay fp32 master "
+        "weights over a bf16 base",
+    )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (a log line per step instead; so too when stdout is not a terminal)",
+    )
+    parser.add_argument(
+        "--inject-slowdown",
+        action="append",
+        default=[],
+        metavar="REPLICA=FACTOR",
+        help="fault injection: replica REPLICA runs FACTOR >= 1 times slower (a straggler; repeatable)",
+    )
     add_cluster_flags(parser)
     add_policy_flags(parser)
     parser.set_defaults(func=run)
@@ -69,13 +102,27 @@ def options_of(args: argparse.Namespace) -> TrainOptions:
     from lorafleet.train.options import TrainOptions
 
     overrides = policy_overrides(args)
-    return TrainOptions(workload=args.workload, plan=args.plan, steps=args.steps, out=args.out, resume=args.resume,
-                        overwrite=args.overwrite, max_restarts=args.max_restarts,
-                        checkpoint_on_stop=not args.no_stop_checkpoint, nonfinite_patience=args.nonfinite_patience,
-                        checkpoint_every=args.checkpoint_every, device=args.device, dtype=args.dtype, gpus=args.gpus,
-                        gpu=args.gpu, profile=args.profile, policy_overrides=tuple(overrides.items()),
-                        policy_flags=tuple(policy_argv(overrides)),
-                        progress=not args.no_progress, slowdown=_slowdown(args.inject_slowdown))
+    return TrainOptions(
+        workload=args.workload,
+        plan=args.plan,
+        steps=args.steps,
+        out=args.out,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        max_restarts=args.max_restarts,
+        checkpoint_on_stop=not args.no_stop_checkpoint,
+        nonfinite_patience=args.nonfinite_patience,
+        checkpoint_every=args.checkpoint_every,
+        device=args.device,
+        dtype=args.dtype,
+        gpus=args.gpus,
+        gpu=args.gpu,
+        profile=args.profile,
+        policy_overrides=tuple(overrides.items()),
+        policy_flags=tuple(policy_argv(overrides)),
+        progress=not args.no_progress,
+        slowdown=_slowdown(args.inject_slowdown),
+    )
 
 
 def run(args: argparse.Namespace) -> int:

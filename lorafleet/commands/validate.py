@@ -18,22 +18,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def summary_table(workload: Workload) -> Table:
     """Per task: batch size, context, mean/p50/p99/max length, expected tokens per step, overflow; then totals."""
-    table = Table(title=f"{workload.path}: {len(workload.tasks)} tasks, model {workload.model.name}, "
-                  f"{workload.cluster.n_gpus} x {workload.cluster.gpu}")
+    table = Table(
+        title=f"{workload.path}: {len(workload.tasks)} tasks, model {workload.model.name}, "
+        f"{workload.cluster.n_gpus} x {workload.cluster.gpu}"
+    )
     for column in ("task", "batch", "context", "mean", "p50", "p99", "max", "tokens/step", "overflow", "policy"):
         table.add_column(column, justify="left" if column in ("task", "policy") else "right")
     for task in workload.tasks:
         d = task.lengths
         table.add_row(
-            task.name, str(task.batch_size), str(task.spec.context_length), f"{d.mean:.0f}", str(d.quantile(0.5)),
-            str(d.quantile(0.99)), str(d.max_length), f"{task.expected_tokens:,.0f}", f"{task.overflow_fraction:.2%}",
+            task.name,
+            str(task.batch_size),
+            str(task.spec.context_length),
+            f"{d.mean:.0f}",
+            str(d.quantile(0.5)),
+            str(d.quantile(0.99)),
+            str(d.max_length),
+            f"{task.expected_tokens:,.0f}",
+            f"{task.overflow_fraction:.2%}",
             task.spec.overflow.value,
         )
     total_batch = sum(t.batch_size for t in workload.tasks)
     total_tokens = sum(t.expected_tokens for t in workload.tasks)
     table.add_section()
-    table.add_row("total", str(total_batch), "", f"{total_tokens / total_batch:.0f}", "", "", str(workload.max_length),
-                  f"{total_tokens:,.0f}", "", "")
+    table.add_row(
+        "total",
+        str(total_batch),
+        "",
+        f"{total_tokens / total_batch:.0f}",
+        "",
+        "",
+        str(workload.max_length),
+        f"{total_tokens:,.0f}",
+        "",
+        "",
+    )
     return table
 
 

@@ -8,12 +8,19 @@ import argparse
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("whatif", help="sweep GPU count/kind, model, tasks or R; CSV and plots")
     parser.add_argument("workload", help="workload YAML file")
-    parser.add_argument("--vary", action="append", required=True, metavar="AXIS=V1,V2",
-                        help="gpus=16,32 | gpu=A100-40GB,H100-80GB | model=llama2-7b,... | tasks=none,+xsum,-billsum | R=4,8,16 "
-                             "(repeatable: the Cartesian product is swept)")
+    parser.add_argument(
+        "--vary",
+        action="append",
+        required=True,
+        metavar="AXIS=V1,V2",
+        help="gpus=16,32 | gpu=A100-40GB,H100-80GB | model=llama2-7b,... | tasks=none,+xsum,-billsum | R=4,8,16 "
+        "(repeatable: the Cartesian product is swept)",
+    )
     parser.add_argument("--steps", type=int, default=8, help="simulated steps per point (default 8)")
     parser.add_argument("--profile", help="fitted profile JSON (default: analytic per GPU kind)")
-    parser.add_argument("--out", default="whatif", help="output directory for whatif.csv and PNG plots (default ./whatif)")
+    parser.add_argument(
+        "--out", default="whatif", help="output directory for whatif.csv and PNG plots (default ./whatif)"
+    )
     parser.set_defaults(func=run)
 
 
@@ -31,8 +38,10 @@ def _plots(rows: list[dict], axes: list[str], out) -> list:
         fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(points)), 3.8))
         width = 0.8 / len(methods)
         for m, method in enumerate(methods):
-            values = [next(r[metric] for r in rows if r["method"] == method and " ".join(str(r[k]) for k in keys) == p)
-                      for p in points]
+            values = [
+                next(r[metric] for r in rows if r["method"] == method and " ".join(str(r[k]) for k in keys) == p)
+                for p in points
+            ]
             ax.bar([i + m * width for i in range(len(points))], values, width, label=method)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(points))], points, rotation=20, fontsize=8)
         ax.set(ylabel=label, xlabel=" / ".join(axes), title=f"{label} across the sweep")
@@ -53,10 +62,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from lorafleet.errors import InputError
+    from lorafleet.specs.io import check_writable
     from lorafleet.whatif import Variation, sweep
     from lorafleet.workload import load_workload
-
-    from lorafleet.specs.io import check_writable
 
     if args.steps < 1:
         raise InputError("<args>", "--steps", f"must be >= 1, got {args.steps}")

@@ -7,7 +7,13 @@ measures profiles lives in ``lorafleet.profiling``.
 """
 
 from lorafleet.costmodel.adapters import AdapterLoad, TaskAdapter
-from lorafleet.costmodel.build import analytic_cost_model, analytic_profile, file_sha256, load_cost_model, profile_cost_model
+from lorafleet.costmodel.build import (
+    analytic_cost_model,
+    analytic_profile,
+    file_sha256,
+    load_cost_model,
+    profile_cost_model,
+)
 from lorafleet.costmodel.cost_model import CostModel, CostModelOrigin, Interconnect
 from lorafleet.costmodel.parallel_config import ParallelConfig, config_problems, enumerate_configs
 from lorafleet.costmodel.profile_format import Profile, read_profile, write_profile

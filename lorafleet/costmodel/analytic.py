@@ -70,7 +70,9 @@ class Calibration:
 
     @property
     def time_factors(self) -> np.ndarray:
-        return np.array([self.matmul, self.attention, self.memory, self.link, self.layer_overhead_ms, self.link_latency_us])
+        return np.array(
+            [self.matmul, self.attention, self.memory, self.link, self.layer_overhead_ms, self.link_latency_us]
+        )
 
     def with_time_factors(self, x: Sequence[float]) -> Calibration:
         keys = ("matmul", "attention", "memory", "link", "layer_overhead_ms", "link_latency_us")
@@ -128,7 +130,9 @@ def analytic_layer_time(
     return LayerTimeCoeffs((c1, 0.0, c3, 0.0, 0.0, c6))
 
 
-def analytic_head_time(model: ModelSpec, gpu: GPUSpec, tp: int, cal: Calibration = DEFAULT_CALIBRATION, dtype_bytes: int = 2) -> AffineTime:
+def analytic_head_time(
+    model: ModelSpec, gpu: GPUSpec, tp: int, cal: Calibration = DEFAULT_CALIBRATION, dtype_bytes: int = 2
+) -> AffineTime:
     """Embedding, final norm, vocab-parallel LM head and loss, forward and input gradient, ms vs tokens.
 
     Per token 4 h V / tp FLOPs (forward and input gradient; the head is frozen) and the logits'
@@ -148,7 +152,9 @@ def analytic_links(gpu: GPUSpec, cal: Calibration = DEFAULT_CALIBRATION) -> tupl
     return Link(latency, gpu.intra_node_gbps * cal.link), Link(latency, gpu.inter_node_gbps * cal.link)
 
 
-def analytic_optimizer_time(gpu: GPUSpec, adapters: AdapterLoad, cal: Calibration = DEFAULT_CALIBRATION, dtype_bytes: int = 2) -> AffineTime:
+def analytic_optimizer_time(
+    gpu: GPUSpec, adapters: AdapterLoad, cal: Calibration = DEFAULT_CALIBRATION, dtype_bytes: int = 2
+) -> AffineTime:
     """The optimizer step, ms vs adapter parameters on one device: memory-bound, it reads every
     state of a parameter and writes all but the gradient back."""
     traffic = 2 * adapters.state_bytes_per_param(dtype_bytes) - dtype_bytes

@@ -158,7 +158,9 @@ def analytic_cost_model(
 ) -> CostModel:
     """The analytic CostModel of ``model`` on ``cluster`` (its GPU kind, nodes and GPUs per node)."""
     profile = analytic_profile(model, cluster, adapters, calibration)
-    cm = profile_cost_model(profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=cluster.gpu)
+    cm = profile_cost_model(
+        profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=cluster.gpu
+    )
     return replace(cm, origin=CostModelOrigin(kind="analytic", gpu=cluster.gpu))
 
 
@@ -190,7 +192,9 @@ def load_cost_model(
     if cluster is not None and profile.gpu.lower() != cluster.gpu.lower():
         raise InputError(source, "gpu", f"profile is for {profile.gpu!r}, the cluster has {cluster.gpu!r}")
     cm = profile_cost_model(profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=source)
-    cm = replace(cm, origin=CostModelOrigin(kind="profile", gpu=profile.gpu, profile=source, sha256=file_sha256(profile_path)))
+    cm = replace(
+        cm, origin=CostModelOrigin(kind="profile", gpu=profile.gpu, profile=source, sha256=file_sha256(profile_path))
+    )
     if cluster is None:
         return cm
     table = {c: m for c, m in cm.max_tokens_table.items() if not config_problems(c, model, cluster)}

@@ -18,7 +18,6 @@ from lorafleet.costmodel.time_model import MS_PER_S
 from lorafleet.specs.model import ModelSpec
 
 
-
 @dataclass(frozen=True)
 class Comparison:
     """One held-out record: what was measured and what the cost model predicts, ms."""
@@ -49,7 +48,9 @@ def heldout_comparisons(profile: Profile, model: ModelSpec, source: str = "<prof
             out.append(Comparison(kind, label, r.time_ms, cm.layer_time[r.tp].shape(r.shape)))
     for r in profile.records.replica:
         step = replace(cm, sync_replicas=r.sync_replicas)
-        label = f"{r.config} sync={r.sync_replicas} " + " ".join(_shape_label(m.mbs, m.seq_len, m.packed) for m in r.microbatches)
+        label = f"{r.config} sync={r.sync_replicas} " + " ".join(
+            _shape_label(m.mbs, m.seq_len, m.packed) for m in r.microbatches
+        )
         predicted = step.replica_time(r.config, [m.shape for m in r.microbatches]) * MS_PER_S
         out.append(Comparison("replica", label, r.time_ms, predicted))
     return out
@@ -63,5 +64,6 @@ def summarize(comparisons: list[Comparison]) -> dict[str, ErrorSummary]:
     if comparisons:
         groups["heldout"] = comparisons
     return {
-        name: ErrorSummary.of([c.predicted_ms for c in group], [c.measured_ms for c in group]) for name, group in sorted(groups.items())
+        name: ErrorSummary.of([c.predicted_ms for c in group], [c.measured_ms for c in group])
+        for name, group in sorted(groups.items())
     }

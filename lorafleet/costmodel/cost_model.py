@@ -132,7 +132,9 @@ class CostModel:
             fixed += P2P_MESSAGES * p2p.fixed
         return self.block_coeffs(config).extended(self.model.n_layers / config.pp, per_token, fixed)
 
-    def microbatch_time(self, config: ParallelConfig, b: np.ndarray | float, s: np.ndarray | float) -> np.ndarray | float:
+    def microbatch_time(
+        self, config: ParallelConfig, b: np.ndarray | float, s: np.ndarray | float
+    ) -> np.ndarray | float:
         """Stage time τ of one padded micro-batch of b sequences of length s, fwd+bwd, seconds (vectorised)."""
         return self.stage_coeffs(config)(b, s) / MS_PER_S
 

@@ -75,7 +75,9 @@ def fit_profile(profile: Profile, source: str = "<profile>", folds: int = 5) -> 
     p2p = LinkJSON.of(_link(rec.p2p, allreduce=False))
     coefficients = Coefficients(
         layer_ms={tp: fit_layer_time([r.shape for r in g], [r.time_ms for r in g]).c for tp, g in layers.items()},
-        head_ms={tp: AffineJSON.of(fit_affine([r.tokens for r in g], [r.time_ms for r in g])) for tp, g in heads.items()},
+        head_ms={
+            tp: AffineJSON.of(fit_affine([r.tokens for r in g], [r.time_ms for r in g])) for tp, g in heads.items()
+        },
         p2p_intra_node=p2p,
         p2p_inter_node=p2p,
         grad_sync=LinkJSON.of(_link(rec.allreduce, allreduce=True)),

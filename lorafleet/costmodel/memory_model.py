@@ -70,7 +70,9 @@ class MemoryFactors:
     """Allocator fragmentation and transient buffers, as a factor on activation bytes."""
 
 
-def activation_elements_per_token(model: ModelSpec, tp: int, adapters: AdapterLoad, sequence_parallel: bool = True) -> float:
+def activation_elements_per_token(
+    model: ModelSpec, tp: int, adapters: AdapterLoad, sequence_parallel: bool = True
+) -> float:
     """Elements one token leaves saved for backward in one block, on one of ``tp`` devices.
 
     What lives at head or FFN width is split over the TP ranks; what lives at model width h is
@@ -107,7 +109,11 @@ def stage_memory(
     vocab_matrix = model.vocab * model.hidden * dtype_bytes / tp  # vocab-parallel embedding or LM head
     adapter_state = adapters.params_per_layer(model) * blocks / tp * adapters.state_bytes_per_param(dtype_bytes)
     common = blocks * model.layer_params / tp * dtype_bytes + adapter_state + factors.reserve_gib * GIB
-    per_block = activation_elements_per_token(model, tp, adapters, sequence_parallel) * dtype_bytes * factors.activation_overhead
+    per_block = (
+        activation_elements_per_token(model, tp, adapters, sequence_parallel)
+        * dtype_bytes
+        * factors.activation_overhead
+    )
     logits = model.vocab / tp * (dtype_bytes + 2 * FP32_BYTES)  # logits, fp32 copy for the loss, its gradient
     # One hidden state: the embedding output, the activations a stage receives, or a block input kept for recompute.
     hidden_state = model.hidden * dtype_bytes / (tp if sequence_parallel else 1)
@@ -127,7 +133,9 @@ def stage_memory(
     return min((first, last), key=lambda m: m.max_tokens()) if pp > 1 else last
 
 
-def search_max_tokens(fits: Callable[[int], bool], start: int = 256, resolution: float = 1 / 16, limit: int = 1 << 24) -> int:
+def search_max_tokens(
+    fits: Callable[[int], bool], start: int = 256, resolution: float = 1 / 16, limit: int = 1 << 24
+) -> int:
     """The largest token count n with ``fits(n)``, to within ``resolution`` of its value.
 
     ``fits`` must be monotone (true up to M, false above). Doubling (or halving) from

@@ -30,7 +30,16 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from lorafleet.costmodel.adapters import AdapterLoad, TaskAdapter
 from lorafleet.costmodel.cost_model import Interconnect
@@ -217,7 +226,9 @@ class AdaptersJSON(_Schema):
 
     @classmethod
     def of(cls, load: AdapterLoad) -> AdaptersJSON:
-        return cls(optimizer=load.optimizer, tasks=tuple(TaskAdapterJSON(rank=t.rank, targets=t.targets) for t in load.tasks))
+        return cls(
+            optimizer=load.optimizer, tasks=tuple(TaskAdapterJSON(rank=t.rank, targets=t.targets) for t in load.tasks)
+        )
 
 
 class Records(_Schema):
@@ -266,7 +277,9 @@ def read_profile(path: str | Path) -> Profile:
     if version is None:
         raise InputError(str(path), "schema_version", "missing")
     if version != SCHEMA_VERSION:
-        raise InputError(str(path), "schema_version", f"unsupported version {version!r}; this lorafleet reads {SCHEMA_VERSION}")
+        raise InputError(
+            str(path), "schema_version", f"unsupported version {version!r}; this lorafleet reads {SCHEMA_VERSION}"
+        )
     try:
         return Profile.model_validate(raw)
     except ValidationError as err:
@@ -320,7 +333,9 @@ def read_layer_csv(path: str | Path) -> list[CsvRow]:
                     rows.append(CsvRow.model_validate(values))
                 except ValidationError as err:
                     first = err.errors()[0]
-                    raise InputError(str(path), f"line {i}: {format_validation_loc(first['loc'])}", first["msg"]) from None
+                    raise InputError(
+                        str(path), f"line {i}: {format_validation_loc(first['loc'])}", first["msg"]
+                    ) from None
     except FileNotFoundError:
         raise InputError(str(path), "", "no such file") from None
     if not rows:

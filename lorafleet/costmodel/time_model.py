@@ -92,12 +92,21 @@ def features_of(mbs: Sequence[MicroBatchShape]) -> np.ndarray:
         return out
     lens = np.fromiter(
         chain.from_iterable(mb.seq_lens if mb.padded_len is None else repeat(mb.padded_len, mb.n_seqs) for mb in mbs),
-        dtype=float, count=int(counts.sum()),
+        dtype=float,
+        count=int(counts.sum()),
     )
     starts = (np.cumsum(counts) - counts)[held]  # empty micro-batches own no lengths, so skipping them is exact
     longest = np.maximum.reduceat(lens, starts)
-    out[held] = np.column_stack([np.add.reduceat(lens**2, starts), longest**2, np.add.reduceat(lens, starts), longest,
-                                 counts[held], np.ones(starts.size)])
+    out[held] = np.column_stack(
+        [
+            np.add.reduceat(lens**2, starts),
+            longest**2,
+            np.add.reduceat(lens, starts),
+            longest,
+            counts[held],
+            np.ones(starts.size),
+        ]
+    )
     return out
 
 

@@ -50,7 +50,9 @@ def _read_hf_dataset(path: Path) -> list[Row]:
     try:
         import datasets
     except ImportError:
-        raise InputError(str(path), "", "a dataset directory needs the `datasets` package (pip install datasets)") from None
+        raise InputError(
+            str(path), "", "a dataset directory needs the `datasets` package (pip install datasets)"
+        ) from None
     try:
         loaded = datasets.load_from_disk(str(path))
     except FileNotFoundError as err:

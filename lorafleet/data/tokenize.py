@@ -63,7 +63,11 @@ def _check_messages(value: Any, where: tuple[str, str]) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
         raise InputError(where[0], f"{where[1]}.messages", "must be a non-empty list")
     for j, message in enumerate(value):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
             raise InputError(where[0], f"{where[1]}.messages[{j}]", "needs string fields role and content")
         if message["role"] not in ("system", "user", "assistant"):
             raise InputError(where[0], f"{where[1]}.messages[{j}].role", f"unknown role {message['role']!r}")
@@ -80,12 +84,16 @@ def tokenize_row(tokenizer: Any, row: Row, fmt: DataFormat, where: tuple[str, st
     if kind is DataFormat.PROMPT_RESPONSE:
         prompt, response = _text_field(row, "prompt", where), _text_field(row, "response", where)
         if tokenizer.chat_template:
-            return _messages_example(tokenizer, [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}])
+            return _messages_example(
+                tokenizer, [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            )
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         return Example(tuple(prompt_ids + response_ids), tuple([IGNORE_INDEX] * len(prompt_ids) + response_ids))
     if kind is DataFormat.TEXT:
-        ids = tokenizer(_text_field(row, "text", where), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = tokenizer(_text_field(row, "text", where), add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id
+        ]
         return Example(tuple(ids), tuple(ids))
     raise InputError(where[0], where[1], "has none of the fields messages, prompt+response, text")
 

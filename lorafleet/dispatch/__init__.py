@@ -88,7 +88,11 @@ __all__ = [
 
 
 def dispatch_step(
-    batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, options: DispatchOptions | None = None, *,
+    batch: GlobalBatch,
+    plan: DeploymentPlan,
+    cost_model: CostModel,
+    options: DispatchOptions | None = None,
+    *,
     speed: Sequence[float] | None = None,
 ) -> StepPlan:
     """The step's StepPlan: one ReplicaWork per replica of ``plan``, in order, with estimated times.
@@ -99,7 +103,9 @@ def dispatch_step(
     solution falls back to the fast dispatch and emits a
     :class:`~lorafleet.errors.SolverFallbackWarning`; the step is never skipped.
     """
-    outcome = solve_policy(batch, plan, cost_model, DispatchPolicy(options=options) if options is not None else None, speed)
+    outcome = solve_policy(
+        batch, plan, cost_model, DispatchPolicy(options=options) if options is not None else None, speed
+    )
     if outcome.fallback:
         warnings.warn(outcome.fallback, SolverFallbackWarning, stacklevel=2)
     return outcome.plan

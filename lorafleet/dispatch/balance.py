@@ -76,8 +76,11 @@ def _balance(load: LoadModel, allowed: np.ndarray) -> Assignment:
     if np.any((load.counts > 0) & ~allowed.any(axis=0)):
         raise ValueError("a non-empty bucket fits no config class")
     empty = np.zeros(allowed.shape, dtype=np.int64)
-    starts = (_water_fill(load, allowed, empty), _water_fill(load, allowed, _lp_rounded(load, allowed)),
-              _whole_buckets(load, allowed))
+    starts = (
+        _water_fill(load, allowed, empty),
+        _water_fill(load, allowed, _lp_rounded(load, allowed)),
+        _whole_buckets(load, allowed),
+    )
     best = min((_exchange_search(load, allowed, d) for d in starts), key=load.makespan)
     return Assignment(counts=best, makespan_s=load.makespan(best))
 
@@ -94,7 +97,8 @@ def _water_fill(load: LoadModel, allowed: np.ndarray, start: np.ndarray) -> np.n
         # (takers, total + 1): time of each taker holding x = 0..total more of bucket j; the running
         # max makes each row monotone even for cost models with a negative coefficient
         curve = np.maximum.accumulate(
-            np.stack([_times_after(load, _row(load, d, i), d, i, bucket, none, bucket, extra) for i in takers]), axis=1)
+            np.stack([_times_after(load, _row(load, d, i), d, i, bucket, none, bucket, extra) for i in takers]), axis=1
+        )
         levels = np.unique(curve)
         cap = np.stack([np.searchsorted(row, levels, side="right") - 1 for row in curve])  # -1: above tau already
         level = int(np.argmax(np.maximum(cap, 0).sum(axis=0) >= total))
@@ -142,8 +146,13 @@ def fluid_bound(load: LoadModel) -> float:
     the LP solve fails.
     """
     per_token = load.bound_per_token_s if np.any(load.bound_per_token_s) else None
-    solved = _min_max_lp(load, load.feasible, load.bound_per_seq_s / load.n_replicas[:, None],
-                         np.full(len(load.classes), load.overhead_s.min()), per_token)
+    solved = _min_max_lp(
+        load,
+        load.feasible,
+        load.bound_per_seq_s / load.n_replicas[:, None],
+        np.full(len(load.classes), load.overhead_s.min()),
+        per_token,
+    )
     return solved[0] if solved is not None else 0.0
 
 
@@ -154,8 +163,9 @@ def _fluid_lp(load: LoadModel, allowed: np.ndarray) -> tuple[float, np.ndarray] 
     return _min_max_lp(load, allowed, rate, load.overhead_s)
 
 
-def _min_max_lp(load: LoadModel, allowed: np.ndarray, rate: np.ndarray, overhead: np.ndarray,
-                per_token: np.ndarray | None = None) -> tuple[float, np.ndarray] | None:
+def _min_max_lp(
+    load: LoadModel, allowed: np.ndarray, rate: np.ndarray, overhead: np.ndarray, per_token: np.ndarray | None = None
+) -> tuple[float, np.ndarray] | None:
     """``min tau s.t. sum_i x_ij = D_j, overhead_i + sum_j rate_ij x_ij <= tau, x >= 0`` over the
     allowed (i, j): tau and x (K, R), None on numerical trouble. With ``per_token`` (K, R), each
     pair also has tokens y_ij: sum_i y_ij = Y_j, shortest_j x_ij <= y_ij <= longest_j x_ij, and
@@ -219,8 +229,9 @@ def _move_sizes(load: LoadModel, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return give, take
 
 
-def _pair_sizes(give: np.ndarray, take: np.ndarray, d: np.ndarray, giver: int, taker: int, buckets: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray]:
+def _pair_sizes(
+    give: np.ndarray, take: np.ndarray, d: np.ndarray, giver: int, taker: int, buckets: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Distinct (bucket, amount) candidates for moving part of ``buckets`` from ``giver`` to ``taker``."""
     sizes = np.clip(np.concatenate((give[:, giver, buckets], take[:, taker, buckets])), 1, d[giver, buckets])
     # many kinds coincide (half = one row fewer, ...): drop repeats, the scoring matrix is |give| x |back|
@@ -249,16 +260,29 @@ def _row(load: LoadModel, d: np.ndarray, i: int) -> _Row:
     compute, largest = load.row_cost(i, np.arange(d.shape[1]), -(-d[i] // load.n_replicas[i]))
     top = np.argsort(-largest, kind="stable")[:3]
     pad = 3 - top.size
-    return _Row(compute=compute, largest=largest, base=float(load.overhead_s[i] + compute.sum()),
-                top=np.concatenate((top, np.full(pad, -2))), top_values=np.concatenate((largest[top], np.zeros(pad))))
+    return _Row(
+        compute=compute,
+        largest=largest,
+        base=float(load.overhead_s[i] + compute.sum()),
+        top=np.concatenate((top, np.full(pad, -2))),
+        top_values=np.concatenate((largest[top], np.zeros(pad))),
+    )
 
 
 def _class_time(load: LoadModel, row: _Row, i: int) -> float:
     return row.base + (load.pp[i] - 1) * float(row.top_values[0])
 
 
-def _times_after(load: LoadModel, row: _Row, d: np.ndarray, i: int, lose_j: np.ndarray, lose_amount: np.ndarray,
-                 gain_j: np.ndarray, gain_amount: np.ndarray) -> np.ndarray:
+def _times_after(
+    load: LoadModel,
+    row: _Row,
+    d: np.ndarray,
+    i: int,
+    lose_j: np.ndarray,
+    lose_amount: np.ndarray,
+    gain_j: np.ndarray,
+    gain_amount: np.ndarray,
+) -> np.ndarray:
     """Class i's time after losing ``lose_amount`` of bucket ``lose_j`` and gaining ``gain_amount`` of ``gain_j``.
 
     Arguments broadcast against each other; an amount of 0 leaves its bucket as it is. The
@@ -281,8 +305,15 @@ def _times_after(load: LoadModel, row: _Row, d: np.ndarray, i: int, lose_j: np.n
     return total + (load.pp[i] - 1) * bubble
 
 
-def _best_exchange(load: LoadModel, allowed: np.ndarray, d: np.ndarray, rows: list[_Row],
-                   sizes: tuple[np.ndarray, np.ndarray], c: int, k: int) -> tuple[float, tuple[int, int, int, int]] | None:
+def _best_exchange(
+    load: LoadModel,
+    allowed: np.ndarray,
+    d: np.ndarray,
+    rows: list[_Row],
+    sizes: tuple[np.ndarray, np.ndarray],
+    c: int,
+    k: int,
+) -> tuple[float, tuple[int, int, int, int]] | None:
     """The exchange between the slowest class c and class k with the least max(T_c', T_k')."""
     give = np.flatnonzero((d[c] > 0) & allowed[k])
     if give.size == 0:
@@ -293,8 +324,10 @@ def _best_exchange(load: LoadModel, allowed: np.ndarray, d: np.ndarray, rows: li
     in_j = np.concatenate(([0], back_j))[None, :]
     in_amount = np.concatenate(([0], back_amount))[None, :]
     out_j, out_amount = out_j[:, None], out_amount[:, None]
-    worst = np.maximum(_times_after(load, rows[c], d, c, out_j, out_amount, in_j, in_amount),
-                       _times_after(load, rows[k], d, k, in_j, in_amount, out_j, out_amount))
+    worst = np.maximum(
+        _times_after(load, rows[c], d, c, out_j, out_amount, in_j, in_amount),
+        _times_after(load, rows[k], d, k, in_j, in_amount, out_j, out_amount),
+    )
     worst = np.where((out_j == in_j) & (in_amount > 0), np.inf, worst)
     a, e = np.unravel_index(int(np.argmin(worst)), worst.shape)
     return float(worst[a, e]), (int(out_j[a, 0]), int(out_amount[a, 0]), int(in_j[0, e]), int(in_amount[0, e]))

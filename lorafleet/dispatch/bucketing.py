@@ -140,7 +140,9 @@ def optimal_buckets_by_count(
     )
 
 
-def _occupied_tokens_dp(u: np.ndarray, w: np.ndarray, segment: np.ndarray, n_buckets: int) -> tuple[np.ndarray, np.ndarray]:
+def _occupied_tokens_dp(
+    u: np.ndarray, w: np.ndarray, segment: np.ndarray, n_buckets: int
+) -> tuple[np.ndarray, np.ndarray]:
     """F[j][i] (fewest occupied tokens, see module docstring) and the argmin k, for j <= n_buckets.
 
     Prefix index i counts candidates: F[j][i] covers u[0:i]. The cost splits as
@@ -159,11 +161,11 @@ def _occupied_tokens_dp(u: np.ndarray, w: np.ndarray, segment: np.ndarray, n_buc
         ks = np.arange(hi - 1)  # only k < i <= hi - 1 can be valid
         # (block, k): -u_i * W_k where bucket (k, i] stays within one segment, else inf
         # bucket (k, i] holds u[k..i-1]; it is valid when its first and last candidates share a segment
-        valid = (ks[None, :] < rows[:, None]) & (segment[None, :hi - 1] == last_seg[rows][:, None])
-        minus_uw = np.where(valid, -u[rows - 1][:, None] * cum[None, :hi - 1], np.inf)
+        valid = (ks[None, :] < rows[:, None]) & (segment[None, : hi - 1] == last_seg[rows][:, None])
+        minus_uw = np.where(valid, -u[rows - 1][:, None] * cum[None, : hi - 1], np.inf)
         uw_i = u[rows - 1] * cum[rows]
         for j in range(1, n_buckets + 1):
-            total = occupied[j - 1, None, :hi - 1] + minus_uw
+            total = occupied[j - 1, None, : hi - 1] + minus_uw
             best = np.argmin(total, axis=1)
             occupied[j, rows] = total[np.arange(rows.size), best] + uw_i
             choice[j, rows] = best

@@ -120,7 +120,10 @@ def add_coverage_constraints(problem: pulp.LpProblem, load: LoadModel, v: _Vars)
     """sum_i d_ij = D_j: every sequence of every bucket goes to exactly one class."""
     for j in np.flatnonzero(load.counts > 0):
         j = int(j)
-        problem += pulp.lpSum(v.d[i, jj] for (i, jj) in v.d if jj == j) == int(load.counts[j]), f"cover_{_bucket_name(load, j)}"
+        problem += (
+            pulp.lpSum(v.d[i, jj] for (i, jj) in v.d if jj == j) == int(load.counts[j]),
+            f"cover_{_bucket_name(load, j)}",
+        )
 
 
 def add_ceil_constraints(problem: pulp.LpProblem, load: LoadModel, v: _Vars) -> None:
@@ -155,8 +158,9 @@ def add_bubble_constraints(problem: pulp.LpProblem, load: LoadModel, v: _Vars) -
 def add_makespan_constraints(problem: pulp.LpProblem, load: LoadModel, v: _Vars) -> None:
     """T >= o_i + sum_j [t(b, s) m + t~(r, z)] + (pp_i - 1) B_i for every class (LobRA Eq. 12 per class)."""
     for i in range(len(load.classes)):
-        compute = pulp.lpSum(_full_time(load, i, j) * v.m[i, j] + _fragment_time(load, v, i, j)
-                             for (ii, j) in v.m if ii == i)
+        compute = pulp.lpSum(
+            _full_time(load, i, j) * v.m[i, j] + _fragment_time(load, v, i, j) for (ii, j) in v.m if ii == i
+        )
         bubble = (int(load.pp[i]) - 1) * v.largest[i] if i in v.largest else 0
         problem += v.makespan >= float(load.overhead_s[i]) + compute + bubble, f"makespan_{_class_name(load, i)}"
 

@@ -47,10 +47,9 @@ import numpy as np
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MS_PER_S
-from lorafleet.specs.dispatch import MicroBatchMode
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan
-
+from lorafleet.specs.dispatch import MicroBatchMode
 
 SPEED_TOLERANCE = 0.05
 """Replicas of one config whose speed factors lie within this fraction above the least factor of
@@ -71,8 +70,9 @@ class ConfigClass:
     replica measured 2x slower than modelled has 2.0; ``dispatch.recalibration``)."""
 
 
-def config_classes(plan: DeploymentPlan, cost_model: CostModel, speed: Sequence[float] | None = None
-                   ) -> tuple[ConfigClass, ...]:
+def config_classes(
+    plan: DeploymentPlan, cost_model: CostModel, speed: Sequence[float] | None = None
+) -> tuple[ConfigClass, ...]:
     """The plan's replicas grouped by (config, M), ordered by (M, config); checked against the cost model.
 
     With ``speed`` (a time factor per replica, in plan order), a group is further split where the
@@ -87,8 +87,11 @@ def config_classes(plan: DeploymentPlan, cost_model: CostModel, speed: Sequence[
     groups: dict[tuple[int, ParallelConfig], list[int]] = {}
     for pos, replica in enumerate(plan.replicas):
         if replica.config.tp not in cost_model.layer_time:
-            raise InputError("<cost model>", f"layer_time[tp={replica.config.tp}]",
-                             f"no time model for replica {replica.replica_id} ({replica.config})")
+            raise InputError(
+                "<cost model>",
+                f"layer_time[tp={replica.config.tp}]",
+                f"no time model for replica {replica.replica_id} ({replica.config})",
+            )
         if replica.max_tokens < 1:
             raise InputError("<plan>", f"replicas[{pos}].max_tokens", f"must be >= 1, got {replica.max_tokens}")
         groups.setdefault((replica.max_tokens, replica.config), []).append(pos)
@@ -104,8 +107,15 @@ def config_classes(plan: DeploymentPlan, cost_model: CostModel, speed: Sequence[
                 runs[-1].append(pos)
             else:
                 runs.append([pos])
-        classes += [ConfigClass(config=c, max_tokens=m, replicas=tuple(sorted(run)),
-                                time_scale=float(np.mean([speed[pos] for pos in run]))) for run in runs]
+        classes += [
+            ConfigClass(
+                config=c,
+                max_tokens=m,
+                replicas=tuple(sorted(run)),
+                time_scale=float(np.mean([speed[pos] for pos in run])),
+            )
+            for run in runs
+        ]
     return tuple(classes)
 
 
@@ -159,8 +169,12 @@ class LoadModel:
         """
         rows = np.asarray(rows)
         if np.any(rows > self.counts[bucket]):
-            return _row_cost(self.per_seq_s[i, bucket], self.per_microbatch_s[i, bucket],
-                             np.maximum(self.microbatch_rows[i, bucket], 1), rows)
+            return _row_cost(
+                self.per_seq_s[i, bucket],
+                self.per_microbatch_s[i, bucket],
+                np.maximum(self.microbatch_rows[i, bucket], 1),
+                rows,
+            )
         at = self.table_start[bucket] + rows
         return self.compute_table[i, at], self.largest_table[i, at]
 
@@ -208,10 +222,15 @@ def build_load_model(
             per_mb[i] = 2 * one - two
             rows[i] = np.where(fits, cls.max_tokens // s, 0)
         else:
-            seq_time = scale * (np.asarray(cost_model.microbatch_time(cls.config, 2, lengths), dtype=float)
-                                - np.asarray(cost_model.microbatch_time(cls.config, 1, lengths), dtype=float))
-            per_seq[i] = np.where(counts > 0, np.bincount(bucket, weights=seq_time, minlength=n_buckets)
-                                  / np.maximum(counts, 1), two - one)
+            seq_time = scale * (
+                np.asarray(cost_model.microbatch_time(cls.config, 2, lengths), dtype=float)
+                - np.asarray(cost_model.microbatch_time(cls.config, 1, lengths), dtype=float)
+            )
+            per_seq[i] = np.where(
+                counts > 0,
+                np.bincount(bucket, weights=seq_time, minlength=n_buckets) / np.maximum(counts, 1),
+                two - one,
+            )
             # A packed micro-batch fills up to M tokens from every bucket, so each sequence pays
             # its token share of one micro-batch's constant, not a micro-batch per bucket. That
             # constant is beta = 2 t(1, s) - t(2, s): a lone sequence packed costs t(1, s) (time_model).
@@ -234,12 +253,24 @@ def build_load_model(
         for i, cls in enumerate(classes):
             u, v = _packed_tangent(cost_model, cls, tangent_at)
             bound_seq[i], bound_token[i] = cls.time_scale * u, cls.time_scale * v
-    return LoadModel(classes=classes, boundaries=s, counts=counts, per_seq_s=per_seq, per_microbatch_s=per_mb,
-                     microbatch_rows=rows, overhead_s=overhead,
-                     n_replicas=np.array([len(c.replicas) for c in classes], dtype=np.int64),
-                     pp=np.array([c.config.pp for c in classes], dtype=np.int64),
-                     compute_table=compute_table, largest_table=largest_table, table_start=table_start,
-                     bound_per_seq_s=bound_seq, bound_per_token_s=bound_token, tokens=tokens, length_range=length_range)
+    return LoadModel(
+        classes=classes,
+        boundaries=s,
+        counts=counts,
+        per_seq_s=per_seq,
+        per_microbatch_s=per_mb,
+        microbatch_rows=rows,
+        overhead_s=overhead,
+        n_replicas=np.array([len(c.replicas) for c in classes], dtype=np.int64),
+        pp=np.array([c.config.pp for c in classes], dtype=np.int64),
+        compute_table=compute_table,
+        largest_table=largest_table,
+        table_start=table_start,
+        bound_per_seq_s=bound_seq,
+        bound_per_token_s=bound_token,
+        tokens=tokens,
+        length_range=length_range,
+    )
 
 
 def _bound_coeffs(cost_model: CostModel, config: ParallelConfig) -> np.ndarray | None:
@@ -248,7 +279,9 @@ def _bound_coeffs(cost_model: CostModel, config: ParallelConfig) -> np.ndarray |
     return None if c.min() < 0 else c
 
 
-def sequence_lower_bound(cost_model: CostModel, config: ParallelConfig, max_tokens: int, lengths: np.ndarray) -> np.ndarray:
+def sequence_lower_bound(
+    cost_model: CostModel, config: ParallelConfig, max_tokens: int, lengths: np.ndarray
+) -> np.ndarray:
     """r(l) = c1 l^2 + c3 l + c5 + l (c2 l^2 + c4 l + c6) / M, seconds: the least stage time a sequence of
     length l adds to a replica of ``config``, padded or packed (module docstring); +inf where l > M,
     0 everywhere for a cost model with a negative coefficient (then nothing is bounded)."""
@@ -275,8 +308,9 @@ def _packed_tangent(cost_model: CostModel, cls: ConfigClass, m: np.ndarray) -> t
     return value - slope * m, slope
 
 
-def _cost_tables(per_seq: np.ndarray, per_mb: np.ndarray, rows: np.ndarray, counts: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _cost_tables(
+    per_seq: np.ndarray, per_mb: np.ndarray, rows: np.ndarray, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """alpha n + beta ceil(n / b) and alpha min(n, b) + beta for n = 0..D_j, every class, buckets laid end to end."""
     table_start = np.concatenate(([0], np.cumsum(counts + 1)[:-1])).astype(np.int64)
     bucket = np.repeat(np.arange(counts.size), counts + 1)

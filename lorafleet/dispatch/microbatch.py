@@ -26,15 +26,18 @@ import numpy as np
 
 from lorafleet.plans import MicroBatch
 
-
 _Row = tuple[int, int, int, int]
 """(padded length or micro-batch index, task, position in the batch, length): one sequence, as sorted."""
 
 
 def _microbatch(rows: list[_Row], padded_len: int | None) -> MicroBatch:
     """A micro-batch of ``rows``, which are already sorted by (task, position)."""
-    return MicroBatch(seq_ids=tuple(r[2] for r in rows), task_ids=tuple(r[1] for r in rows),
-                      lengths=tuple(r[3] for r in rows), padded_len=padded_len)
+    return MicroBatch(
+        seq_ids=tuple(r[2] for r in rows),
+        task_ids=tuple(r[1] for r in rows),
+        lengths=tuple(r[3] for r in rows),
+        padded_len=padded_len,
+    )
 
 
 def _sorted_rows(key: np.ndarray, seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray) -> list[_Row]:
@@ -56,13 +59,15 @@ def padded_microbatches(
         for _, of_task in groupby(in_bucket, key=itemgetter(1)):
             of_task = list(of_task)
             n_full = len(of_task) // b * b
-            out.extend(_microbatch(of_task[k:k + b], s) for k in range(0, n_full, b))
+            out.extend(_microbatch(of_task[k : k + b], s) for k in range(0, n_full, b))
             leftovers.extend(of_task[n_full:])  # stays sorted by (task, position)
-        out.extend(_microbatch(leftovers[k:k + b], s) for k in range(0, len(leftovers), b))
+        out.extend(_microbatch(leftovers[k : k + b], s) for k in range(0, len(leftovers), b))
     return order_for_1f1b(out)
 
 
-def packed_microbatches(seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, max_tokens: int) -> list[MicroBatch]:
+def packed_microbatches(
+    seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, max_tokens: int
+) -> list[MicroBatch]:
     """First-fit decreasing packing of one replica's sequences into micro-batches of <= M tokens."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     order = seq_ids[np.lexsort((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
@@ -73,7 +78,7 @@ def packed_microbatches(seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.n
     bin_of: list[int] = []
     # plain Python: a replica opens tens of micro-batches, and a list scan beats a numpy call per sequence
     for need in needs:
-        for pos, k in enumerate(open_bins):
+        for pos, k in enumerate(open_bins):  # noqa: B007 (pos is used after the loop)
             if room[k] >= need:
                 break
         else:

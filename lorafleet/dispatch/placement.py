@@ -57,8 +57,12 @@ def placed_times(load: LoadModel, counts: np.ndarray) -> np.ndarray:
     estimate of the packed ones (the dispatcher and the planner price those:
     :func:`~lorafleet.dispatch.step.placed_work`).
     """
-    return np.array([load.replica_load(i, replica_rows(load, i, counts[i], len(c.replicas))).max()
-                     for i, c in enumerate(load.classes)])
+    return np.array(
+        [
+            load.replica_load(i, replica_rows(load, i, counts[i], len(c.replicas))).max()
+            for i, c in enumerate(load.classes)
+        ]
+    )
 
 
 def place_sequences(
@@ -75,7 +79,7 @@ def place_sequences(
     order = np.lexsort((np.arange(bucket.size), lengths, task_ids, bucket))
     starts = np.searchsorted(bucket[order], np.arange(load.boundaries.size + 1))
     for j in np.argsort(-load.boundaries, kind="stable"):
-        members = order[starts[j]:starts[j + 1]]
+        members = order[starts[j] : starts[j + 1]]
         to_class = interleave(counts[:, j])
         for i, cls in enumerate(load.classes):
             mine = members[to_class == i]

@@ -23,8 +23,13 @@ from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork
 from lorafleet.specs.dispatch import DispatchPolicy
 
 
-def solve_policy(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, policy: DispatchPolicy | None = None,
-                 speed: Sequence[float] | None = None) -> DispatchOutcome:
+def solve_policy(
+    batch: GlobalBatch,
+    plan: DeploymentPlan,
+    cost_model: CostModel,
+    policy: DispatchPolicy | None = None,
+    speed: Sequence[float] | None = None,
+) -> DispatchOutcome:
     """The batch dispatched under ``policy`` (default: the plan's own), replicas priced at ``speed``."""
     policy = plan.policy if policy is None else policy
     if not policy.static_boundaries:
@@ -32,8 +37,11 @@ def solve_policy(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel
     bounds = np.asarray(policy.static_boundaries, dtype=np.int64)
     over = np.flatnonzero(batch.lengths > bounds[-1])
     if over.size:
-        raise InputError(f"<global batch of step {batch.step}>", f"lengths[{int(over[0])}]",
-                         f"{int(batch.lengths[over[0]])} tokens exceed the top static bucket {int(bounds[-1])}")
+        raise InputError(
+            f"<global batch of step {batch.step}>",
+            f"lengths[{int(over[0])}]",
+            f"{int(batch.lengths[over[0]])} tokens exceed the top static bucket {int(bounds[-1])}",
+        )
     padded = bounds[bucket_of(batch.lengths, bounds)]
     options = replace(policy.options, n_buckets=bounds.size, bucket_alignment=1)
     outcome = solve_step(replace(batch, lengths=padded), plan, cost_model, options, speed)
@@ -43,6 +51,12 @@ def solve_policy(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel
         return replace(mb, lengths=tuple(int(real[q]) for q in mb.seq_ids))
 
     step = outcome.plan
-    work = tuple(ReplicaWork(replica_id=w.replica_id, microbatches=tuple(restore(mb) for mb in w.microbatches),
-                             estimated_time_s=w.estimated_time_s) for w in step.work)
+    work = tuple(
+        ReplicaWork(
+            replica_id=w.replica_id,
+            microbatches=tuple(restore(mb) for mb in w.microbatches),
+            estimated_time_s=w.estimated_time_s,
+        )
+        for w in step.work
+    )
     return replace(outcome, plan=replace(step, bucket_boundaries=policy.static_boundaries, work=work))

@@ -91,7 +91,9 @@ class Recalibrator:
         self._warmup = max(self._warmup, n)
 
     def replicas(self) -> tuple[ReplicaCalibration, ...]:
-        return tuple(ReplicaCalibration(factor=c, observed=n) for c, n in zip(self._corrections(), self._observed, strict=True))
+        return tuple(
+            ReplicaCalibration(factor=c, observed=n) for c, n in zip(self._corrections(), self._observed, strict=True)
+        )
 
     def observe(self, step_plan: StepPlan, report: StepReport) -> None:
         """Fold one step's measured busy times into the factors."""

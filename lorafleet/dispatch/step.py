@@ -28,10 +28,10 @@ from lorafleet.dispatch.bucketing import BucketingResult, bucket_of, optimal_buc
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import ConfigClass, LoadModel, build_load_model, config_classes
 from lorafleet.dispatch.microbatch import packed_microbatches, padded_microbatches
-from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions, MicroBatchMode
 from lorafleet.dispatch.placement import place_sequences
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork, StepPlan
+from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions, MicroBatchMode
 
 
 @dataclass(frozen=True)
@@ -58,9 +58,12 @@ def _check_lengths(batch: GlobalBatch, classes: tuple[ConfigClass, ...]) -> None
     too_long = np.flatnonzero(batch.lengths > largest)
     if too_long.size:
         q = int(too_long[0])
-        raise InputError(where, f"lengths[{q}]",
-                         f"{int(batch.lengths[q])} tokens (task {int(batch.task_ids[q])}) exceed every replica's "
-                         f"max tokens (largest M = {largest}); {too_long.size} such sequences")
+        raise InputError(
+            where,
+            f"lengths[{q}]",
+            f"{int(batch.lengths[q])} tokens (task {int(batch.task_ids[q])}) exceed every replica's "
+            f"max tokens (largest M = {largest}); {too_long.size} such sequences",
+        )
 
 
 def _balance(load: LoadModel, method: DispatchMethod) -> Assignment:
@@ -79,23 +82,31 @@ def choose_buckets(
     """
     barriers = sorted({c.max_tokens for c in classes})
     present = np.unique(np.searchsorted(barriers, batch.lengths, side="left")).size
-    candidates = optimal_buckets_by_count(batch.lengths, max(options.n_buckets, present),
-                                          alignment=options.bucket_alignment, barriers=barriers)
+    candidates = optimal_buckets_by_count(
+        batch.lengths, max(options.n_buckets, present), alignment=options.bucket_alignment, barriers=barriers
+    )
     if not options.choose_buckets_by_makespan:
         candidates = candidates[-1:]
     best = None
     for bucketing in candidates:
         bucket = bucket_of(batch.lengths, bucketing.boundaries)
-        load = build_load_model(classes, cost_model, np.array(bucketing.boundaries), batch.lengths, bucket,
-                                options.microbatch_mode)
+        load = build_load_model(
+            classes, cost_model, np.array(bucketing.boundaries), batch.lengths, bucket, options.microbatch_mode
+        )
         assignment = _balance(load, options.method)
         if best is None or assignment.makespan_s < best[2].makespan_s:
             best = (bucketing, load, assignment)
     return best
 
 
-def placed_work(batch: GlobalBatch, load: LoadModel, counts: np.ndarray, cost_model: CostModel, mode: MicroBatchMode,
-                classes: Collection[int] | None = None) -> list[tuple[tuple[MicroBatch, ...], float]]:
+def placed_work(
+    batch: GlobalBatch,
+    load: LoadModel,
+    counts: np.ndarray,
+    cost_model: CostModel,
+    mode: MicroBatchMode,
+    classes: Collection[int] | None = None,
+) -> list[tuple[tuple[MicroBatch, ...], float]]:
     """Every replica's micro-batches and estimated time, in plan order, once class totals ``counts`` (K, R)
     are placed: the sequences dealt by :func:`~.placement.place_sequences`, cut by the mode's
     micro-batcher and priced by ``CostModel.replica_time`` times the class's ``time_scale`` (0 for a
@@ -122,11 +133,19 @@ def placed_work(batch: GlobalBatch, load: LoadModel, counts: np.ndarray, cost_mo
     return work
 
 
-def _replica_work(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, options: DispatchOptions,
-                  load: LoadModel, assignment: Assignment) -> tuple[ReplicaWork, ...]:
+def _replica_work(
+    batch: GlobalBatch,
+    plan: DeploymentPlan,
+    cost_model: CostModel,
+    options: DispatchOptions,
+    load: LoadModel,
+    assignment: Assignment,
+) -> tuple[ReplicaWork, ...]:
     work = placed_work(batch, load, assignment.counts, cost_model, options.microbatch_mode)
-    return tuple(ReplicaWork(replica_id=replica.replica_id, microbatches=mbs, estimated_time_s=estimate)
-                 for replica, (mbs, estimate) in zip(plan.replicas, work, strict=True))
+    return tuple(
+        ReplicaWork(replica_id=replica.replica_id, microbatches=mbs, estimated_time_s=estimate)
+        for replica, (mbs, estimate) in zip(plan.replicas, work, strict=True)
+    )
 
 
 def _priced_speeds(classes: tuple[ConfigClass, ...], n_replicas: int) -> tuple[float, ...]:
@@ -138,8 +157,13 @@ def _priced_speeds(classes: tuple[ConfigClass, ...], n_replicas: int) -> tuple[f
     return tuple(speeds)
 
 
-def solve_step(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, options: DispatchOptions,
-               speed: Sequence[float] | None = None) -> DispatchOutcome:
+def solve_step(
+    batch: GlobalBatch,
+    plan: DeploymentPlan,
+    cost_model: CostModel,
+    options: DispatchOptions,
+    speed: Sequence[float] | None = None,
+) -> DispatchOutcome:
     """Dispatch one global batch on the plan (see the module docstring); never skips the step.
 
     ``speed``, one time factor per replica (online recalibration), prices each replica's times
@@ -151,15 +175,18 @@ def solve_step(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, 
     bucketing, load, assignment = choose_buckets(batch, classes, cost_model, options)
     method, fallback, lower_bound = options.method.value, None, None
     if options.method is DispatchMethod.EXACT:
-        outcome = solve_dispatch_ilp(load, options.solver, options.time_limit_s, options.gap_rel,
-                                     upper_bound_s=assignment.makespan_s)
+        outcome = solve_dispatch_ilp(
+            load, options.solver, options.time_limit_s, options.gap_rel, upper_bound_s=assignment.makespan_s
+        )
         lower_bound = outcome.lower_bound_s
         if outcome.assignment is not None:
             assignment, method = outcome.assignment, f"milp:{outcome.result}"
         else:
             method = f"milp:{outcome.result}->fast"
-            fallback = (f"step {batch.step}: the {outcome.result.solver.value} dispatch MILP gave no usable solution "
-                        f"({outcome.result.status.value} after {outcome.result.wall_s:.2f} s); using the fast dispatch")
+            fallback = (
+                f"step {batch.step}: the {outcome.result.solver.value} dispatch MILP gave no usable solution "
+                f"({outcome.result.status.value} after {outcome.result.wall_s:.2f} s); using the fast dispatch"
+            )
     work = _replica_work(batch, plan, cost_model, options, load, assignment)
     step_plan = StepPlan(
         step=batch.step,
@@ -172,5 +199,6 @@ def solve_step(batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, 
         rejected=batch.rejected,
         speed=_priced_speeds(classes, len(plan.replicas)) if speed is not None else (),
     )
-    return DispatchOutcome(plan=step_plan, modelled_makespan_s=assignment.makespan_s, fallback=fallback,
-                           lower_bound_s=lower_bound)
+    return DispatchOutcome(
+        plan=step_plan, modelled_makespan_s=assignment.makespan_s, fallback=fallback, lower_bound_s=lower_bound
+    )

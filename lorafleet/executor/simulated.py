@@ -66,8 +66,13 @@ class SimulationOptions:
 class SimulatedExecutor:
     """An :class:`~lorafleet.executor.Executor` whose hardware is the cost model."""
 
-    def __init__(self, plan: DeploymentPlan, cost_model: CostModel, task_names: Sequence[str],
-                 options: SimulationOptions = SimulationOptions()) -> None:
+    def __init__(
+        self,
+        plan: DeploymentPlan,
+        cost_model: CostModel,
+        task_names: Sequence[str],
+        options: SimulationOptions = SimulationOptions(),
+    ) -> None:
         self.plan = plan
         self.cost_model = cost_model
         self.task_names = tuple(task_names)

@@ -1,8 +1,9 @@
 """Deployment planning: which replicas of which ⟨TP, PP⟩ config to run, and the baselines.
 
 ``plan_deployment(workload, cluster, cost_model, options) -> PlanResult`` is the entry
-point (see :mod:`.driver`; what makes one plan better than another is :mod:`.objective`). The baselines are :class:`Schedule`\\ s (a DeploymentPlan and a
-dispatch policy per phase) that a simulator can replay step by step, like the plan itself.
+point (see :mod:`.driver`; what makes one plan better than another is :mod:`.objective`).
+The baselines are :class:`Schedule`\\ s (a DeploymentPlan and a dispatch policy per phase)
+that a simulator can replay step by step, like the plan itself.
 """
 
 from lorafleet.planner.baselines import (

@@ -65,8 +65,9 @@ def packing_policy(n_buckets: int) -> DispatchPolicy:
     return DispatchPolicy(options=DispatchOptions(n_buckets=n_buckets, microbatch_mode=MicroBatchMode.PACKING))
 
 
-def estimated_makespan(batch: GlobalBatch, candidate: Candidate, replicas: int, cost_model: CostModel,
-                       mode: MicroBatchMode, n_buckets: int) -> float:
+def estimated_makespan(
+    batch: GlobalBatch, candidate: Candidate, replicas: int, cost_model: CostModel, mode: MicroBatchMode, n_buckets: int
+) -> float:
     """The dispatcher's estimate of ``batch`` on ``replicas`` copies of one config, under the
     baseline's policy: LobRA's static power-of-two buckets, padded (:func:`padding_policy`), or
     the dispatcher's own buckets, packed (:func:`packing_policy`).
@@ -79,14 +80,23 @@ def estimated_makespan(batch: GlobalBatch, candidate: Candidate, replicas: int, 
     cls = ConfigClass(config=candidate.config, max_tokens=candidate.max_tokens, replicas=tuple(range(replicas)))
     if mode is MicroBatchMode.PADDING:
         boundaries = np.asarray(pow2_boundaries(int(batch.lengths.max()), candidate.max_tokens), dtype=np.int64)
-        load = build_load_model((cls,), cost_model, boundaries, batch.lengths, bucket_of(batch.lengths, boundaries), mode)
+        load = build_load_model(
+            (cls,), cost_model, boundaries, batch.lengths, bucket_of(batch.lengths, boundaries), mode
+        )
         return float(placed_times(load, load.counts[None, :]).max())
     _, load, _ = choose_buckets(batch, (cls,), cost_model, packing_policy(n_buckets).options)
     return max(t for _, t in placed_work(batch, load, load.counts[None, :], cost_model, mode))
 
 
-def best_homogeneous(batch: GlobalBatch, longest: int, candidates: Sequence[Candidate], cost_model: CostModel,
-                     cluster: ClusterSpec, mode: MicroBatchMode, n_buckets: int) -> tuple[Candidate, int]:
+def best_homogeneous(
+    batch: GlobalBatch,
+    longest: int,
+    candidates: Sequence[Candidate],
+    cost_model: CostModel,
+    cluster: ClusterSpec,
+    mode: MicroBatchMode,
+    n_buckets: int,
+) -> tuple[Candidate, int]:
     """The config holding ``longest`` tokens (and its replica count, as many as fit) with the fewest
     estimated GPU-seconds for ``batch``.
 
@@ -97,46 +107,96 @@ def best_homogeneous(batch: GlobalBatch, longest: int, candidates: Sequence[Cand
     if not holders:
         raise ValueError(f"no config holds a {longest}-token sequence")
     counts = max_replicas([c.config for c in holders], cluster)
-    scored = [(estimated_makespan(batch, c, int(p), cost_model, mode, n_buckets) * int(p) * c.n_gpus, int(p) * c.n_gpus,
-               c.config, c, int(p))
-              for c, p in zip(holders, counts, strict=True) if p > 0]
+    scored = [
+        (
+            estimated_makespan(batch, c, int(p), cost_model, mode, n_buckets) * int(p) * c.n_gpus,
+            int(p) * c.n_gpus,
+            c.config,
+            c,
+            int(p),
+        )
+        for c, p in zip(holders, counts, strict=True)
+        if p > 0
+    ]
     _, _, _, cand, p = min(scored, key=lambda x: x[:3])
     return cand, p
 
 
-def _phase(workload: Workload, tasks: tuple[int, ...], batch: GlobalBatch, candidates: Sequence[Candidate],
-           cost_model: CostModel, cluster: ClusterSpec, mode: MicroBatchMode, n_buckets: int, name: str) -> Phase:
+def _phase(
+    workload: Workload,
+    tasks: tuple[int, ...],
+    batch: GlobalBatch,
+    candidates: Sequence[Candidate],
+    cost_model: CostModel,
+    cluster: ClusterSpec,
+    mode: MicroBatchMode,
+    n_buckets: int,
+    name: str,
+) -> Phase:
     """The tasks' phase on their best homogeneous config; it must hold the longest sequence the
     tasks can present (any step may bring it), not just the expected batch's."""
     longest = max(workload.tasks[k].lengths.max_length for k in tasks)
     cand, p = best_homogeneous(select_tasks(batch, tasks), longest, candidates, cost_model, cluster, mode, n_buckets)
     policy = padding_policy(longest, cand.max_tokens) if mode is MicroBatchMode.PADDING else packing_policy(n_buckets)
-    plan = build_plan(workload, cluster, [(cand.config, cand.max_tokens, p)], solver=f"baseline:{name}", policy=policy,
-                      cost_model=cost_model)
+    plan = build_plan(
+        workload,
+        cluster,
+        [(cand.config, cand.max_tokens, p)],
+        solver=f"baseline:{name}",
+        policy=policy,
+        cost_model=cost_model,
+    )
     # record the expected step as lorafleet's plan does: the buckets a plan check asks for, the expected times
     return Phase(tasks=tasks, plan=with_expectation(plan, dispatch_step(select_tasks(batch, tasks), plan, cost_model)))
 
 
-def baseline_schedules(workload: Workload, expected: GlobalBatch, candidates: Sequence[Candidate], cost_model: CostModel,
-                       cluster: ClusterSpec, n_buckets: int) -> tuple[Schedule, ...]:
+def baseline_schedules(
+    workload: Workload,
+    expected: GlobalBatch,
+    candidates: Sequence[Candidate],
+    cost_model: CostModel,
+    cluster: ClusterSpec,
+    n_buckets: int,
+) -> tuple[Schedule, ...]:
     """Task-Fused padding, Task-Fused packing and Task-Sequential, chosen on the expected batch."""
     everyone = tuple(range(len(workload.tasks)))
     fused = {
-        kind: Schedule(name=kind.value, phases=(_phase(workload, everyone, expected, candidates, cost_model, cluster, mode,
-                                                       n_buckets, kind.value),))
-        for kind, mode in ((BaselineKind.TASK_FUSED_PADDING, MicroBatchMode.PADDING),
-                           (BaselineKind.TASK_FUSED_PACKING, MicroBatchMode.PACKING))
+        kind: Schedule(
+            name=kind.value,
+            phases=(
+                _phase(workload, everyone, expected, candidates, cost_model, cluster, mode, n_buckets, kind.value),
+            ),
+        )
+        for kind, mode in (
+            (BaselineKind.TASK_FUSED_PADDING, MicroBatchMode.PADDING),
+            (BaselineKind.TASK_FUSED_PACKING, MicroBatchMode.PACKING),
+        )
     }
-    sequential = Schedule(name=BaselineKind.TASK_SEQUENTIAL.value, phases=tuple(
-        _phase(workload, (k,), expected, candidates, cost_model, cluster, MicroBatchMode.PADDING, n_buckets,
-               f"{BaselineKind.TASK_SEQUENTIAL.value}:{workload.tasks[k].name}")
-        for k in everyone))
+    sequential = Schedule(
+        name=BaselineKind.TASK_SEQUENTIAL.value,
+        phases=tuple(
+            _phase(
+                workload,
+                (k,),
+                expected,
+                candidates,
+                cost_model,
+                cluster,
+                MicroBatchMode.PADDING,
+                n_buckets,
+                f"{BaselineKind.TASK_SEQUENTIAL.value}:{workload.tasks[k].name}",
+            )
+            for k in everyone
+        ),
+    )
     return (*fused.values(), sequential)
 
 
-def workload_baselines(workload: Workload, cluster: ClusterSpec, cost_model: CostModel, n_buckets: int = 16
-                       ) -> tuple[Schedule, ...]:
+def workload_baselines(
+    workload: Workload, cluster: ClusterSpec, cost_model: CostModel, n_buckets: int = 16
+) -> tuple[Schedule, ...]:
     """The three baselines of ``workload`` on ``cluster``, chosen on its expected batch as ``plan_deployment``
     chooses them (for a command that runs a plan made earlier and needs only the baselines beside it)."""
-    return baseline_schedules(workload, expected_global_batch(workload), valid_candidates(cost_model, cluster),
-                              cost_model, cluster, n_buckets)
+    return baseline_schedules(
+        workload, expected_global_batch(workload), valid_candidates(cost_model, cluster), cost_model, cluster, n_buckets
+    )

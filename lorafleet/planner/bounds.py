@@ -44,14 +44,18 @@ def fleet_bound(batch: GlobalBatch, candidates: Sequence[Candidate], cost_model:
     """(1/N) * sum_q min_c g_c r_c(l_q) over the configs that hold sequence q (module docstring), seconds."""
     if len(batch) == 0 or not candidates:
         return 0.0
-    per_config = np.stack([c.n_gpus * sequence_lower_bound(cost_model, c.config, c.max_tokens, batch.lengths)
-                           for c in candidates])
+    per_config = np.stack(
+        [c.n_gpus * sequence_lower_bound(cost_model, c.config, c.max_tokens, batch.lengths) for c in candidates]
+    )
     return float(per_config.min(axis=0).sum() / n_gpus)
 
 
-def step_bounds(plan: DeploymentPlan, batch: GlobalBatch, candidates: Sequence[Candidate], cost_model: CostModel,
-                n_gpus: int) -> StepBounds:
+def step_bounds(
+    plan: DeploymentPlan, batch: GlobalBatch, candidates: Sequence[Candidate], cost_model: CostModel, n_gpus: int
+) -> StepBounds:
     """Both bounds of ``batch`` for ``plan`` on a cluster of ``n_gpus`` offering ``candidates``."""
-    packed = replace(plan.policy.options, microbatch_mode=MicroBatchMode.PACKING)  # no padding, whatever the plan's mode
+    packed = replace(
+        plan.policy.options, microbatch_mode=MicroBatchMode.PACKING
+    )  # no padding, whatever the plan's mode
     _, load, _ = choose_buckets(batch, config_classes(plan, cost_model), cost_model, packed)
     return StepBounds(deployment_s=fluid_bound(load), fleet_s=fleet_bound(batch, candidates, cost_model, n_gpus))

@@ -111,7 +111,9 @@ def lower_bound(load: LoadModel, length_based: Assignment) -> float:
     return gpu_time / gpus
 
 
-def lower_bound_filter(bounds: Sequence[float], distinct_m: Sequence[bool], threshold: float, keep_at_least: int) -> list[int]:
+def lower_bound_filter(
+    bounds: Sequence[float], distinct_m: Sequence[bool], threshold: float, keep_at_least: int
+) -> list[int]:
     """Indices of the plans that survive, lowest bound first.
 
     The reference bound is the lowest over plans whose configs all have distinct M (as in

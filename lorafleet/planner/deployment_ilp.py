@@ -106,8 +106,10 @@ def add_coverage_constraints(model: pulp.LpProblem, problem: PlanningProblem, v:
     """Eq. 2: Σ_i ξ'_ij = θ' D_j over the configs that hold bucket j (memory: b_ij >= 1)."""
     for j, demand in enumerate(problem.counts):
         if demand > 0:
-            model += (pulp.lpSum(x for (i, jj), x in v.rate.items() if jj == j) == float(demand) * v.throughput,
-                      f"cover[bucket_{j}]")
+            model += (
+                pulp.lpSum(x for (i, jj), x in v.rate.items() if jj == j) == float(demand) * v.throughput,
+                f"cover[bucket_{j}]",
+            )
 
 
 def add_capacity_constraints(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars) -> None:
@@ -156,8 +158,9 @@ def add_branch_constraints(model: pulp.LpProblem, problem: PlanningProblem, v: D
         model += (pulp.lpSum(v.n_replicas[i] for i in branch.deploy_one_of) >= 1, "branch_new_config")
 
 
-def build_model(problem: PlanningProblem, reference_makespan: float, tie_weight: float,
-                branch: Branch = Branch()) -> tuple[pulp.LpProblem, DeploymentVars]:
+def build_model(
+    problem: PlanningProblem, reference_makespan: float, tie_weight: float, branch: Branch = Branch()
+) -> tuple[pulp.LpProblem, DeploymentVars]:
     """The MILP over every candidate that holds some non-empty bucket.
 
     Args:
@@ -168,11 +171,17 @@ def build_model(problem: PlanningProblem, reference_makespan: float, tie_weight:
     model = pulp.LpProblem("deployment", pulp.LpMaximize)
     limits = problem.max_replicas()
     present = (problem.microbatch_size > 0) & (problem.counts > 0)[None, :]
-    v = DeploymentVars(n_replicas={}, rate={}, throughput=model.add_variable("throughput", lowBound=0),
-                       reference_makespan=reference_makespan)
+    v = DeploymentVars(
+        n_replicas={},
+        rate={},
+        throughput=model.add_variable("throughput", lowBound=0),
+        reference_makespan=reference_makespan,
+    )
     for i in modelled_configs(problem):
         name = problem.candidates[i].config.name
-        v.n_replicas[i] = model.add_variable(f"n_replicas[{name}]", lowBound=0, upBound=int(limits[i]), cat=pulp.LpInteger)
+        v.n_replicas[i] = model.add_variable(
+            f"n_replicas[{name}]", lowBound=0, upBound=int(limits[i]), cat=pulp.LpInteger
+        )
         for j in np.flatnonzero(present[i]):
             v.rate[i, int(j)] = model.add_variable(f"rate[{name}_bucket_{j}]", lowBound=0)
     add_gpu_budget_constraints(model, problem, v)
@@ -188,7 +197,9 @@ def extract_plan(problem: PlanningProblem, v: DeploymentVars, branch: str) -> Re
     for i, p in v.n_replicas.items():
         replicas[i] = int(round(p.value() or 0.0))
     theta = v.throughput.value() or 0.0
-    return RelaxedDeployment(replicas=replicas, makespan=v.reference_makespan / theta if theta > 0 else float("inf"), branch=branch)
+    return RelaxedDeployment(
+        replicas=replicas, makespan=v.reference_makespan / theta if theta > 0 else float("inf"), branch=branch
+    )
 
 
 def solve_deployment(
@@ -226,10 +237,13 @@ def solve_deployment(
     return plan, results
 
 
-def solve_root(problem: PlanningProblem, *, tie_rel: float, solver: SolverName, time_limit_s: float
-               ) -> tuple[RelaxedDeployment | None, list[SolveResult]]:
+def solve_root(
+    problem: PlanningProblem, *, tie_rel: float, solver: SolverName, time_limit_s: float
+) -> tuple[RelaxedDeployment | None, list[SolveResult]]:
     """The MILP's optimum p*, by the fixed-point iteration from :func:`fluid_lower_bound`."""
-    return solve_deployment(problem, fluid_lower_bound(problem), tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s)
+    return solve_deployment(
+        problem, fluid_lower_bound(problem), tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s
+    )
 
 
 def branches_around(problem: PlanningProblem, center: np.ndarray) -> list[tuple[str, Branch]]:
@@ -255,8 +269,14 @@ def branches_around(problem: PlanningProblem, center: np.ndarray) -> list[tuple[
 
 
 def branch_deployments(
-    problem: PlanningProblem, center: np.ndarray, reference_makespan: float, *, tie_rel: float, solver: SolverName,
-    time_limit_s: float, max_branches: int,
+    problem: PlanningProblem,
+    center: np.ndarray,
+    reference_makespan: float,
+    *,
+    tie_rel: float,
+    solver: SolverName,
+    time_limit_s: float,
+    max_branches: int,
 ) -> tuple[list[RelaxedDeployment], list[SolveResult]]:
     """The optima of up to ``max_branches`` branches around ``center`` (:func:`branches_around`), at T_ref.
 
@@ -265,8 +285,16 @@ def branch_deployments(
     found: list[RelaxedDeployment] = []
     results: list[SolveResult] = []
     for label, branch in branches_around(problem, center)[:max_branches]:
-        plan, res = solve_deployment(problem, reference_makespan, tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s,
-                                     branch=branch, label=label, iterate=False)
+        plan, res = solve_deployment(
+            problem,
+            reference_makespan,
+            tie_rel=tie_rel,
+            solver=solver,
+            time_limit_s=time_limit_s,
+            branch=branch,
+            label=label,
+            iterate=False,
+        )
         results.extend(res)
         if plan is not None:
             found.append(plan)

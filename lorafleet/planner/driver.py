@@ -107,18 +107,26 @@ def _check_longest(workload: Workload, valid: tuple[Candidate, ...], cluster: Cl
     """InputError naming the task whose longest sequence no config can hold."""
     largest = max((c.max_tokens for c in valid), default=0)
     if not valid:
-        raise InputError(workload.path, "model", f"{workload.model.name} fits no parallel config of {cluster.n_gpus} x {cluster.gpu}")
+        raise InputError(
+            workload.path, "model", f"{workload.model.name} fits no parallel config of {cluster.n_gpus} x {cluster.gpu}"
+        )
     for k, task in enumerate(workload.tasks):
         if task.lengths.max_length > largest:
-            raise InputError(workload.path, f"tasks[{k}].context_length",
-                             f"task {task.name!r} has {task.lengths.max_length}-token sequences, but no config of "
-                             f"{workload.model.name} on {cluster.n_gpus} x {cluster.gpu} holds more than {largest} tokens "
-                             f"per micro-batch; lower context_length (overflow: truncate) or use more memory per replica")
+            raise InputError(
+                workload.path,
+                f"tasks[{k}].context_length",
+                f"task {task.name!r} has {task.lengths.max_length}-token sequences, but no config of "
+                f"{workload.model.name} on {cluster.n_gpus} x {cluster.gpu} holds more than {largest} tokens "
+                f"per micro-batch; lower context_length (overflow: truncate) or use more memory per replica",
+            )
 
 
-def _plan_of(problem: PlanningProblem, entry: PoolEntry, workload: Workload, solver: str, policy: DispatchPolicy
-             ) -> DeploymentPlan:
-    replicas = [(c.config, c.max_tokens, int(n)) for c, n in zip(problem.candidates, entry.replicas, strict=True) if n > 0]
+def _plan_of(
+    problem: PlanningProblem, entry: PoolEntry, workload: Workload, solver: str, policy: DispatchPolicy
+) -> DeploymentPlan:
+    replicas = [
+        (c.config, c.max_tokens, int(n)) for c, n in zip(problem.candidates, entry.replicas, strict=True) if n > 0
+    ]
     return build_plan(workload, problem.cluster, replicas, solver=solver, policy=policy, cost_model=problem.cost_model)
 
 
@@ -136,19 +144,32 @@ class RobustChoice:
     """Sampled batches the chosen plan was dispatched on (0: chosen on the expected batch)."""
 
 
-def robust_choice(workload: Workload, problem: PlanningProblem, ranked: list[PoolEntry], options: PlannerOptions,
-                  policy: DispatchPolicy, solver: str) -> RobustChoice:
-    """The best ``robust_top`` plans raced on sampled batches (:func:`~lorafleet.planner.objective.race`); the
-    preferred mean wins (:func:`~lorafleet.planner.objective.preferred`). Without samples (or with one finalist) the expected batch decides."""
+def robust_choice(
+    workload: Workload,
+    problem: PlanningProblem,
+    ranked: list[PoolEntry],
+    options: PlannerOptions,
+    policy: DispatchPolicy,
+    solver: str,
+) -> RobustChoice:
+    """The best ``robust_top`` plans raced on sampled batches (:func:`~lorafleet.planner.objective.race`);
+    the preferred mean wins (:func:`~lorafleet.planner.objective.preferred`). Without samples (or with
+    one finalist) the expected batch decides."""
     finalists = ranked[: options.robust_top]
     everyone = tuple(range(len(workload.tasks)))
-    schedules = [Schedule(name=LORAFLEET, phases=(Phase(tasks=everyone, plan=_plan_of(problem, e, workload, solver, policy)),))
-                 for e in finalists]
+    schedules = [
+        Schedule(name=LORAFLEET, phases=(Phase(tasks=everyone, plan=_plan_of(problem, e, workload, solver, policy)),))
+        for e in finalists
+    ]
     seed = workload.spec.seed if options.seed is None else options.seed
     batches = [sample_global_batch(workload, step, seed) for step in range(options.robust_samples)]
     if not batches or len(finalists) == 1:
-        pick = preferred(range(len(finalists)), lambda k: finalists[k].expected_makespan, lambda k: finalists[k].used_gpus,
-                         options.tie_rel)
+        pick = preferred(
+            range(len(finalists)),
+            lambda k: finalists[k].expected_makespan,
+            lambda k: finalists[k].used_gpus,
+            options.tie_rel,
+        )
         return RobustChoice(finalists=tuple(finalists), chosen=pick, schedule=schedules[pick], sampled_steps=0)
     makespans = race(schedules, batches, problem.cost_model, options.tie_rel, options.race_rung)
     raced = [replace(e, sampled_makespan=float(m.mean())) for e, m in zip(finalists, makespans, strict=True)]
@@ -171,18 +192,29 @@ def _idle_note(problem: PlanningProblem, chosen: PoolEntry, ranked: list[PoolEnt
     idle = problem.n_gpus - chosen.used_gpus
     if idle == 0:
         return None
-    if not any(problem.fits(chosen.replicas + np.eye(len(chosen.replicas), dtype=np.int64)[i])
-               for i in range(len(problem.candidates))):
+    if not any(
+        problem.fits(chosen.replicas + np.eye(len(chosen.replicas), dtype=np.int64)[i])
+        for i in range(len(problem.candidates))
+    ):
         return f"{idle} GPU(s) idle: no candidate config fits in them (TP groups stay inside a node)"
     bigger = [e for e in ranked if e.used_gpus > chosen.used_gpus]
-    versus = (f"; the best plan using more GPUs found ({bigger[0].used_gpus} GPUs) expects "
-              f"{bigger[0].expected_makespan:.3g} s vs {chosen.expected_makespan:.3g} s") if bigger else ""
-    return (f"{idle} GPU(s) left idle: more replicas would not lower the expected makespan beyond the tie tolerance, "
-            f"so idling them saves {idle * makespan_s:.3g} GPU-seconds per step{versus}")
+    versus = (
+        (
+            f"; the best plan using more GPUs found ({bigger[0].used_gpus} GPUs) expects "
+            f"{bigger[0].expected_makespan:.3g} s vs {chosen.expected_makespan:.3g} s"
+        )
+        if bigger
+        else ""
+    )
+    return (
+        f"{idle} GPU(s) left idle: more replicas would not lower the expected makespan beyond the tie tolerance, "
+        f"so idling them saves {idle * makespan_s:.3g} GPU-seconds per step{versus}"
+    )
 
 
-def plan_deployment(workload: Workload, cluster: ClusterSpec, cost_model: CostModel,
-                    options: PlannerOptions = PlannerOptions()) -> PlanResult:
+def plan_deployment(
+    workload: Workload, cluster: ClusterSpec, cost_model: CostModel, options: PlannerOptions = PlannerOptions()
+) -> PlanResult:
     """Plan how many replicas of which config to deploy on ``cluster`` for ``workload``.
 
     Minimises the expected step makespan (LobRA Eq. 1-3): ``min t̂`` subject to ``t̂ >= T_i``
@@ -205,7 +237,9 @@ def plan_deployment(workload: Workload, cluster: ClusterSpec, cost_model: CostMo
     expected = expected_global_batch(workload)
     valid = valid_candidates(cost_model, cluster)
     _check_longest(workload, valid, cluster)
-    candidates = valid if options.mode is PlannerMode.EXHAUSTIVE else propose_candidates(valid, int(expected.lengths.max()))
+    candidates = (
+        valid if options.mode is PlannerMode.EXHAUSTIVE else propose_candidates(valid, int(expected.lengths.max()))
+    )
     dispatch = DispatchOptions(n_buckets=options.n_buckets, microbatch_mode=options.microbatch_mode)
     problem = build_problem(expected, candidates, cost_model, cluster, dispatch)
     lap("candidates")
@@ -214,39 +248,67 @@ def plan_deployment(workload: Workload, cluster: ClusterSpec, cost_model: CostMo
     lap("search")
 
     policy = DispatchPolicy(options=dispatch)
-    choice = robust_choice(workload, problem, ranked, options, policy, _solver_label(options, outcome.solves, outcome.fell_back))
+    choice = robust_choice(
+        workload, problem, ranked, options, policy, _solver_label(options, outcome.solves, outcome.fell_back)
+    )
     chosen = choice.finalists[choice.chosen]
     lap("robust")
 
     expected_step = dispatch_step(expected, choice.schedule.phases[0].plan, cost_model)
-    notes = [*outcome.notes, f"{len(valid)} valid configs, {len(candidates)} candidates, {len(outcome.pool)} deployments "
-                             f"considered, {len(ranked)} judged by the dispatcher on the expected batch"]
+    notes = [
+        *outcome.notes,
+        f"{len(valid)} valid configs, {len(candidates)} candidates, {len(outcome.pool)} deployments "
+        f"considered, {len(ranked)} judged by the dispatcher on the expected batch",
+    ]
     if choice.sampled_steps:
-        notes.append(f"robust choice among {len(choice.finalists)} plans raced on sampled batches: mean makespan "
-                     f"{chosen.sampled_makespan:.4g} s over {choice.sampled_steps} of them")
+        notes.append(
+            f"robust choice among {len(choice.finalists)} plans raced on sampled batches: mean makespan "
+            f"{chosen.sampled_makespan:.4g} s over {choice.sampled_steps} of them"
+        )
     idle = _idle_note(problem, chosen, ranked, expected_step.estimated_makespan_s)
     if idle:
         notes.append(idle)
     plan = replace(with_expectation(choice.schedule.phases[0].plan, expected_step), notes=tuple(notes))
     schedule = replace(choice.schedule, phases=(replace(choice.schedule.phases[0], plan=plan),))
 
-    costs = [ScheduleCost(name=LORAFLEET, gpus=plan.used_gpus, makespan_s=expected_step.estimated_makespan_s,
-                          gpu_seconds=expected_step.estimated_makespan_s * plan.used_gpus)]
+    costs = [
+        ScheduleCost(
+            name=LORAFLEET,
+            gpus=plan.used_gpus,
+            makespan_s=expected_step.estimated_makespan_s,
+            gpu_seconds=expected_step.estimated_makespan_s * plan.used_gpus,
+        )
+    ]
     baselines: tuple[Schedule, ...] = ()
     if options.baselines:
         baselines = baseline_schedules(workload, expected, valid, cost_model, cluster, options.n_buckets)
         for b in baselines:
             step = b.step_cost(expected, cost_model)
-            costs.append(ScheduleCost(name=b.name, gpus=b.max_gpus, makespan_s=step.makespan_s, gpu_seconds=step.gpu_seconds))
+            costs.append(
+                ScheduleCost(name=b.name, gpus=b.max_gpus, makespan_s=step.makespan_s, gpu_seconds=step.gpu_seconds)
+            )
     lap("baselines")
 
     sampled = {id(entry): final for entry, final in zip(ranked, choice.finalists)}
     pool = [sampled.get(id(e), e) for e in outcome.pool]
     diagnostics = PlanDiagnostics(
-        mode=options.mode, valid_configs=len(valid), candidates=problem.candidates,
-        bucket_boundaries=tuple(int(s) for s in problem.boundaries), bucket_counts=tuple(int(d) for d in problem.counts),
-        pool=tuple(pool), solves=outcome.solves, timings_s=timings, fell_back=outcome.fell_back,
+        mode=options.mode,
+        valid_configs=len(valid),
+        candidates=problem.candidates,
+        bucket_boundaries=tuple(int(s) for s in problem.boundaries),
+        bucket_counts=tuple(int(d) for d in problem.counts),
+        pool=tuple(pool),
+        solves=outcome.solves,
+        timings_s=timings,
+        fell_back=outcome.fell_back,
         sampled_batches=choice.sampled_steps,
     )
-    return PlanResult(plan=plan, schedule=schedule, expected_step=expected_step, expected_batch=expected,
-                      costs=tuple(costs), baselines=baselines, diagnostics=diagnostics)
+    return PlanResult(
+        plan=plan,
+        schedule=schedule,
+        expected_step=expected_step,
+        expected_batch=expected,
+        costs=tuple(costs),
+        baselines=baselines,
+        diagnostics=diagnostics,
+    )

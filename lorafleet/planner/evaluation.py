@@ -73,31 +73,45 @@ class PoolEntry:
         return self.expected.makespan if self.expected is not None else float("inf")
 
 
-def evaluate(problem: PlanningProblem, load: LoadModel, *, exact: bool, options: PlannerOptions
-             ) -> tuple[Evaluation, SolveResult | None]:
+def evaluate(
+    problem: PlanningProblem, load: LoadModel, *, exact: bool, options: PlannerOptions
+) -> tuple[Evaluation, SolveResult | None]:
     """The best expected dispatch on ``load`` (a deployment's view of the expected batch): the
     dispatcher's fast balance, or its exact ILP bounded by it, judged by the dispatcher's estimate
     of the step (:func:`class_times`; both balancers minimise the load model ``load.times``)."""
     assignment, method, result = balance_fast(load), "fast", None
     if exact:
-        outcome = solve_dispatch_ilp(load, options.solver, options.time_limit_s, options.gap_rel, upper_bound_s=assignment.makespan_s)
+        outcome = solve_dispatch_ilp(
+            load, options.solver, options.time_limit_s, options.gap_rel, upper_bound_s=assignment.makespan_s
+        )
         result = outcome.result
         if outcome.assignment is not None:
             assignment, method = outcome.assignment, f"milp:{result}"
         else:
             method = f"milp:{result}->fast"
-            warnings.warn(f"exact dispatch ILP gave no solution ({result}, {result.wall_s:.2f} s); "
-                          f"the fast dispatch stands", SolverFallbackWarning, stacklevel=2)
+            warnings.warn(
+                f"exact dispatch ILP gave no solution ({result}, {result.wall_s:.2f} s); the fast dispatch stands",
+                SolverFallbackWarning,
+                stacklevel=2,
+            )
     times = class_times(problem, load, assignment.counts)
-    return Evaluation(class_counts=assignment.counts, class_times=times, makespan=float(times.max()), method=method), result
+    return Evaluation(
+        class_counts=assignment.counts, class_times=times, makespan=float(times.max()), method=method
+    ), result
 
 
 def class_times(problem: PlanningProblem, load: LoadModel, counts: np.ndarray, only: int | None = None) -> np.ndarray:
     """(K,) the dispatcher's estimate of each class's slowest replica once class totals ``counts``
     of the expected batch are placed, cut into micro-batches and priced (``placed_work``); with
     ``only``, of that class alone (the others 0)."""
-    work = placed_work(problem.batch, load, counts, problem.cost_model, problem.dispatch.microbatch_mode,
-                       classes=None if only is None else (only,))
+    work = placed_work(
+        problem.batch,
+        load,
+        counts,
+        problem.cost_model,
+        problem.dispatch.microbatch_mode,
+        classes=None if only is None else (only,),
+    )
     return np.array([max(work[r][1] for r in c.replicas) for c in load.classes])
 
 
@@ -105,7 +119,15 @@ def pool_entry(problem: PlanningProblem, replicas: np.ndarray, source: str, rela
     replicas = np.asarray(replicas, dtype=np.int64)
     used = int(replicas @ problem.gpus)
     if not problem.covers(replicas):
-        return PoolEntry(replicas=replicas, source=source, used_gpus=used, load=None, relaxed_makespan=relaxed, survived=False)
+        return PoolEntry(
+            replicas=replicas, source=source, used_gpus=used, load=None, relaxed_makespan=relaxed, survived=False
+        )
     load, length_based = problem.plan_view(replicas)
-    return PoolEntry(replicas=replicas, source=source, used_gpus=used, load=load, relaxed_makespan=relaxed,
-                     lower_bound=lower_bound(load, length_based))
+    return PoolEntry(
+        replicas=replicas,
+        source=source,
+        used_gpus=used,
+        load=load,
+        relaxed_makespan=relaxed,
+        lower_bound=lower_bound(load, length_based),
+    )

@@ -36,5 +36,9 @@ def expected_global_batch(workload: Workload) -> GlobalBatch:
     longest = max(range(len(workload.tasks)), key=lambda k: (workload.tasks[k].lengths.max_length, -k))
     lengths[longest][-1] = workload.tasks[longest].lengths.max_length
     all_tasks = np.concatenate(task_ids)
-    return GlobalBatch(step=EXPECTED_STEP, task_ids=all_tasks, sample_ids=np.arange(all_tasks.size, dtype=np.int64),
-                       lengths=np.concatenate(lengths))
+    return GlobalBatch(
+        step=EXPECTED_STEP,
+        task_ids=all_tasks,
+        sample_ids=np.arange(all_tasks.size, dtype=np.int64),
+        lengths=np.concatenate(lengths),
+    )

@@ -32,8 +32,10 @@ def _support(problem: PlanningProblem) -> dict[int, list[int]]:
         if not holders:
             raise ValueError(f"bucket {j} (length {int(problem.boundaries[j])}) fits no candidate config")
         tightest = min(problem.candidates[i].max_tokens for i in holders)
-        best = max((i for i in holders if problem.candidates[i].max_tokens == tightest),
-                   key=lambda i: (problem.candidates[i].throughput, -i))
+        best = max(
+            (i for i in holders if problem.candidates[i].max_tokens == tightest),
+            key=lambda i: (problem.candidates[i].throughput, -i),
+        )
         chosen.setdefault(best, []).append(int(j))
     return chosen
 

@@ -104,7 +104,9 @@ def add_gpu_budget_constraints(model: Any, problem: PlanningProblem, v: JointVar
     rows, caps = problem.gpu_budget_rows()
     limits = problem.max_replicas()
     for r, (row, cap) in enumerate(zip(rows, caps)):
-        model.addCons(quicksum(int(row[i]) * p for i, p in v.n_replicas.items() if row[i]) <= int(cap), name=f"gpus_row_{r}")
+        model.addCons(
+            quicksum(int(row[i]) * p for i, p in v.n_replicas.items() if row[i]) <= int(cap), name=f"gpus_row_{r}"
+        )
     for i, p in v.n_replicas.items():
         model.addCons(p <= int(limits[i]) * v.active[i], name=f"activate[{_name(problem, i)}]")
         model.addCons(p >= v.active[i], name=f"deploy[{_name(problem, i)}]")
@@ -126,13 +128,16 @@ def add_bubble_constraints(model: Any, problem: PlanningProblem, v: JointVars) -
 
 def _fragment_time(problem: PlanningProblem, v: JointVars, i: int, j: int) -> Any:
     """t~(r, z) = α_ij r_ij + β_ij z_ij: the fragment's stage time, 0 when r_ij = 0."""
-    return float(problem.load.per_seq_s[i, j]) * v.frag[i, j] + float(problem.load.per_microbatch_s[i, j]) * v.has_frag[i, j]
+    return (
+        float(problem.load.per_seq_s[i, j]) * v.frag[i, j]
+        + float(problem.load.per_microbatch_s[i, j]) * v.has_frag[i, j]
+    )
 
 
 def add_makespan_constraints(model: Any, problem: PlanningProblem, v: JointVars) -> None:
     """Eq. 1, t̂ >= T_i for every config (Eq. 12)::
 
-        T_i = o_i active_i + Σ_j [ t(b_ij, s_j) m_ij + α_ij r_ij + β_ij z_ij ] + (pp_i - 1) B_i
+    T_i = o_i active_i + Σ_j [ t(b_ij, s_j) m_ij + α_ij r_ij + β_ij z_ij ] + (pp_i - 1) B_i
     """
     from pyscipopt import quicksum
 
@@ -187,18 +192,23 @@ def build_model(problem: PlanningProblem) -> tuple[Any, JointVars]:
 
 def extract_plan(model: Any, problem: PlanningProblem, v: JointVars, result: SolveResult) -> JointSolution:
     """Read p and n_ij back; the makespan is recomputed with the load model's closed form."""
-    replicas = np.array([int(round(model.getVal(v.n_replicas[i]))) for i in range(len(problem.candidates))], dtype=np.int64)
+    replicas = np.array(
+        [int(round(model.getVal(v.n_replicas[i]))) for i in range(len(problem.candidates))], dtype=np.int64
+    )
     per_replica = np.zeros(problem.microbatch_size.shape, dtype=np.int64)
     for (i, j), m in v.full.items():
         if replicas[i] > 0:
             frag = v.frag.get((i, j))
             per_replica[i, j] = int(problem.microbatch_size[i, j]) * int(round(model.getVal(m))) + (
-                int(round(model.getVal(frag))) if frag is not None else 0)
+                int(round(model.getVal(frag))) if frag is not None else 0
+            )
     times = [problem.load.replica_load(int(i), per_replica[i]) for i in np.flatnonzero(replicas > 0)]
     return JointSolution(replicas=replicas, per_replica=per_replica, makespan=float(max(times)), solve=result)
 
 
-def solve_joint(problem: PlanningProblem, time_limit_s: float = 60.0, gap_rel: float = 1e-4) -> JointSolution | SolveResult:
+def solve_joint(
+    problem: PlanningProblem, time_limit_s: float = 60.0, gap_rel: float = 1e-4
+) -> JointSolution | SolveResult:
     """Solve the MINLP on SCIP: a JointSolution, or the SolveResult saying why there is none.
 
     A time limit that stops SCIP with an incumbent is reported FEASIBLE, never OPTIMAL.

@@ -50,8 +50,9 @@ def preferred(items: Sequence[T], makespan: Callable[[T], float], gpus: Callable
     return min(tied, key=lambda x: (gpus(x), makespan(x)))
 
 
-def race(schedules: Sequence[Schedule], batches: Sequence[GlobalBatch], cost_model: CostModel, tie_rel: float, rung: int
-         ) -> list[np.ndarray]:
+def race(
+    schedules: Sequence[Schedule], batches: Sequence[GlobalBatch], cost_model: CostModel, tie_rel: float, rung: int
+) -> list[np.ndarray]:
     """Makespans of each schedule on the sampled batches, dispatched step by step: successive halving.
 
     Every schedule sees the same batches in the same order. After each rung of ``rung``
@@ -65,7 +66,7 @@ def race(schedules: Sequence[Schedule], batches: Sequence[GlobalBatch], cost_mod
     for start in range(0, len(batches), rung):
         if len(alive) == 1 and start > 0:
             break
-        for batch in batches[start:start + rung]:
+        for batch in batches[start : start + rung]:
             for k in alive:
                 samples[k].append(schedules[k].step_cost(batch, cost_model).makespan_s)
         ranked = []

@@ -104,19 +104,34 @@ class PlannerOptions:
     """Also plan and evaluate the Task-Fused (padding, packing) and Task-Sequential baselines."""
 
     def __post_init__(self) -> None:
-        coerce_enum_fields(self, OPTIONS_SOURCE, {"mode": PlannerMode, "solver": SolverName, "microbatch_mode": MicroBatchMode})
-        positive = {"n_buckets": self.n_buckets, "time_limit_s": self.time_limit_s, "pool_size": self.pool_size,
-                    "search_rounds": self.search_rounds, "polish_starts": self.polish_starts,
-                    "enumeration_limit": self.enumeration_limit, "min_survivors": self.min_survivors,
-                    "robust_top": self.robust_top, "race_rung": self.race_rung}
+        coerce_enum_fields(
+            self, OPTIONS_SOURCE, {"mode": PlannerMode, "solver": SolverName, "microbatch_mode": MicroBatchMode}
+        )
+        positive = {
+            "n_buckets": self.n_buckets,
+            "time_limit_s": self.time_limit_s,
+            "pool_size": self.pool_size,
+            "search_rounds": self.search_rounds,
+            "polish_starts": self.polish_starts,
+            "enumeration_limit": self.enumeration_limit,
+            "min_survivors": self.min_survivors,
+            "robust_top": self.robust_top,
+            "race_rung": self.race_rung,
+        }
         for name, value in positive.items():
             if not value > 0:
                 raise InputError(OPTIONS_SOURCE, name, f"must be > 0, got {value}")
-        for name, value in {"gap_rel": self.gap_rel, "lower_bound_threshold": self.lower_bound_threshold,
-                            "tie_rel": self.tie_rel}.items():
+        for name, value in {
+            "gap_rel": self.gap_rel,
+            "lower_bound_threshold": self.lower_bound_threshold,
+            "tie_rel": self.tie_rel,
+        }.items():
             if not 0 <= value < 1:
                 raise InputError(OPTIONS_SOURCE, name, f"must be in [0, 1), got {value}")
-        for name, value in {"polish_evaluations": self.polish_evaluations, "exact_top": self.exact_top,
-                            "robust_samples": self.robust_samples}.items():
+        for name, value in {
+            "polish_evaluations": self.polish_evaluations,
+            "exact_top": self.exact_top,
+            "robust_samples": self.robust_samples,
+        }.items():
             if value < 0:
                 raise InputError(OPTIONS_SOURCE, name, f"must be >= 0, got {value}")

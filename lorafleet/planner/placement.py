@@ -20,7 +20,9 @@ from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.workload import Workload
 
 
-def place_replicas(configs: Sequence[ParallelConfig], max_tokens: Sequence[int], cluster: ClusterSpec) -> tuple[ReplicaSpec, ...]:
+def place_replicas(
+    configs: Sequence[ParallelConfig], max_tokens: Sequence[int], cluster: ClusterSpec
+) -> tuple[ReplicaSpec, ...]:
     """ReplicaSpecs, in the order given, with global GPU indices (node * gpus_per_node + local).
 
     Raises:
@@ -28,17 +30,26 @@ def place_replicas(configs: Sequence[ParallelConfig], max_tokens: Sequence[int],
     """
     per_node = cluster.gpus_per_node
     used = [0] * cluster.nodes
-    groups = sorted(((c.tp, r, stage) for r, c in enumerate(configs) for stage in range(c.pp)), key=lambda g: (-g[0], g[1], g[2]))
+    groups = sorted(
+        ((c.tp, r, stage) for r, c in enumerate(configs) for stage in range(c.pp)), key=lambda g: (-g[0], g[1], g[2])
+    )
     stage_gpus: dict[tuple[int, int], tuple[int, ...]] = {}
     for tp, r, stage in groups:
         node = next((n for n in range(cluster.nodes) if per_node - used[n] >= tp), None)
         if node is None:
-            raise ValueError(f"cannot place a TP group of {tp} GPUs: nodes hold {[per_node - u for u in used]} free GPUs")
+            raise ValueError(
+                f"cannot place a TP group of {tp} GPUs: nodes hold {[per_node - u for u in used]} free GPUs"
+            )
         start = node * per_node + used[node]
         stage_gpus[r, stage] = tuple(range(start, start + tp))
         used[node] += tp
     return tuple(
-        ReplicaSpec(replica_id=r, config=c, max_tokens=int(m), gpus=tuple(g for stage in range(c.pp) for g in stage_gpus[r, stage]))
+        ReplicaSpec(
+            replica_id=r,
+            config=c,
+            max_tokens=int(m),
+            gpus=tuple(g for stage in range(c.pp) for g in stage_gpus[r, stage]),
+        )
         for r, (c, m) in enumerate(zip(configs, max_tokens, strict=True))
     )
 
@@ -81,5 +92,9 @@ def build_plan(
 
 def with_expectation(plan: DeploymentPlan, step: StepPlan) -> DeploymentPlan:
     """``plan`` with the expected batch's dispatch recorded: its buckets, makespan and replica times."""
-    return replace(plan, bucket_boundaries=tuple(step.bucket_boundaries), expected_makespan_s=step.estimated_makespan_s,
-                   expected_replica_time_s=tuple(w.estimated_time_s for w in step.work))
+    return replace(
+        plan,
+        bucket_boundaries=tuple(step.bucket_boundaries),
+        expected_makespan_s=step.estimated_makespan_s,
+        expected_replica_time_s=tuple(w.estimated_time_s for w in step.work),
+    )

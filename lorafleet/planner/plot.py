@@ -7,10 +7,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only; never a window
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
 
-from lorafleet.plans import DeploymentPlan, StepPlan  # noqa: E402
+from lorafleet.plans import DeploymentPlan, StepPlan
 
 
 def plot_expected_load(plan: DeploymentPlan, step: StepPlan, out: str | Path) -> Path:
@@ -27,13 +27,20 @@ def plot_expected_load(plan: DeploymentPlan, step: StepPlan, out: str | Path) ->
     for replica, work, tok in zip(plan.replicas, step.work, tokens, strict=True):
         ax.bar(replica.replica_id, work.estimated_time_s, color=colours[str(replica.config)])
         ax.text(replica.replica_id, work.estimated_time_s, f"{tok / total:.0%}", ha="center", va="bottom", fontsize=7)
-    line = ax.axhline(step.estimated_makespan_s, color="black", linestyle="--", linewidth=1,
-                      label=f"makespan {step.estimated_makespan_s:.3g} s")
+    line = ax.axhline(
+        step.estimated_makespan_s,
+        color="black",
+        linestyle="--",
+        linewidth=1,
+        label=f"makespan {step.estimated_makespan_s:.3g} s",
+    )
     handles = [line, *(Patch(color=colours[c], label=c) for c in configs)]
     ax.set_xticks([r.replica_id for r in plan.replicas])
     ax.set_xlabel("replica (label: share of the batch's tokens)")
     ax.set_ylabel("expected time per step (s)")
-    ax.set_title(f"expected load per replica\n{plan.describe()} on {plan.used_gpus} of {plan.n_gpus} x {plan.gpu}", fontsize=10)
+    ax.set_title(
+        f"expected load per replica\n{plan.describe()} on {plan.used_gpus} of {plan.n_gpus} x {plan.gpu}", fontsize=10
+    )
     ax.legend(handles=handles, fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(out, dpi=120)

@@ -60,7 +60,7 @@ class Candidate:
 def lobra_throughput(cost_model: CostModel, config: ParallelConfig) -> float:
     """Tokens/s per GPU of 16 micro-batches of one M-token sequence (LobRA's proposal probe)::
 
-        latency = t(1, M) * (16 + pp - 1),   throughput = 16 * M / (latency * tp * pp)
+    latency = t(1, M) * (16 + pp - 1),   throughput = 16 * M / (latency * tp * pp)
     """
     m = cost_model.max_tokens(config)
     latency = float(cost_model.microbatch_time(config, 1, m)) * (LOBRA_PROFILE_MICROBATCHES + config.pp - 1)
@@ -68,7 +68,9 @@ def lobra_throughput(cost_model: CostModel, config: ParallelConfig) -> float:
 
 
 def make_candidate(cost_model: CostModel, config: ParallelConfig) -> Candidate:
-    return Candidate(config=config, max_tokens=cost_model.max_tokens(config), throughput=lobra_throughput(cost_model, config))
+    return Candidate(
+        config=config, max_tokens=cost_model.max_tokens(config), throughput=lobra_throughput(cost_model, config)
+    )
 
 
 def gpu_budget_rows(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +87,9 @@ def gpu_budget_rows(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> 
     gpus = np.array([c.n_gpus for c in configs], dtype=np.int64)
     thresholds = sorted({1, *tps.tolist()})
     per_node = cluster.gpus_per_node
-    rows = np.array([np.where(tps >= t, gpus, 0) for t in thresholds], dtype=np.int64).reshape(len(thresholds), len(configs))
+    rows = np.array([np.where(tps >= t, gpus, 0) for t in thresholds], dtype=np.int64).reshape(
+        len(thresholds), len(configs)
+    )
     caps = np.array([cluster.nodes * t * (per_node // t) for t in thresholds], dtype=np.int64)
     return rows, caps
 
@@ -182,13 +186,19 @@ class PlanningProblem:
         classes, start = [], 0
         for cand, p in zip(self.candidates, np.asarray(replicas, dtype=np.int64), strict=True):
             if p > 0:
-                classes.append(ConfigClass(config=cand.config, max_tokens=cand.max_tokens, replicas=tuple(range(start, start + int(p)))))
+                classes.append(
+                    ConfigClass(
+                        config=cand.config, max_tokens=cand.max_tokens, replicas=tuple(range(start, start + int(p)))
+                    )
+                )
                 start += int(p)
         return tuple(classes)
 
     def restricted(self, keep: Sequence[int]) -> PlanningProblem:
         """The same planning question over candidates ``keep`` only (their own planning buckets)."""
-        return build_problem(self.batch, [self.candidates[i] for i in keep], self.cost_model, self.cluster, self.dispatch)
+        return build_problem(
+            self.batch, [self.candidates[i] for i in keep], self.cost_model, self.cluster, self.dispatch
+        )
 
     def plan_view(self, replicas: np.ndarray) -> tuple[LoadModel, Assignment]:
         """Deployment p as its steps will see the expected batch: the dispatcher's buckets for the
@@ -199,8 +209,13 @@ class PlanningProblem:
         return load, assignment
 
 
-def build_problem(batch: GlobalBatch, candidates: Sequence[Candidate], cost_model: CostModel, cluster: ClusterSpec,
-                  dispatch: DispatchOptions) -> PlanningProblem:
+def build_problem(
+    batch: GlobalBatch,
+    candidates: Sequence[Candidate],
+    cost_model: CostModel,
+    cluster: ClusterSpec,
+    dispatch: DispatchOptions,
+) -> PlanningProblem:
     """Bucket the expected batch for the whole candidate set and tabulate every candidate on the buckets.
 
     The planning buckets are the dispatcher's padding-minimising DP with a barrier at every
@@ -212,8 +227,14 @@ def build_problem(batch: GlobalBatch, candidates: Sequence[Candidate], cost_mode
     barriers = sorted({c.max_tokens for c in ordered})
     lengths = batch.lengths
     present = np.unique(np.searchsorted(barriers, lengths, side="left")).size
-    bucketing = optimal_buckets(lengths, dispatch.n_buckets + present, alignment=dispatch.bucket_alignment, barriers=barriers)
+    bucketing = optimal_buckets(
+        lengths, dispatch.n_buckets + present, alignment=dispatch.bucket_alignment, barriers=barriers
+    )
     boundaries = np.array(bucketing.boundaries, dtype=np.int64)
     classes = tuple(ConfigClass(config=c.config, max_tokens=c.max_tokens, replicas=()) for c in ordered)
-    load = build_load_model(classes, cost_model, boundaries, lengths, bucket_of(lengths, boundaries), dispatch.microbatch_mode)
-    return PlanningProblem(candidates=ordered, cluster=cluster, load=load, batch=batch, cost_model=cost_model, dispatch=dispatch)
+    load = build_load_model(
+        classes, cost_model, boundaries, lengths, bucket_of(lengths, boundaries), dispatch.microbatch_mode
+    )
+    return PlanningProblem(
+        candidates=ordered, cluster=cluster, load=load, batch=batch, cost_model=cost_model, dispatch=dispatch
+    )

@@ -102,7 +102,9 @@ def _swaps(problem: PlanningProblem, replicas: np.ndarray) -> Iterator[np.ndarra
         yield from _traded(problem, replicas, i, give, j, take)
 
 
-def _traded(problem: PlanningProblem, replicas: np.ndarray, i: int, give: int, j: int, take: int) -> Iterator[np.ndarray]:
+def _traded(
+    problem: PlanningProblem, replicas: np.ndarray, i: int, give: int, j: int, take: int
+) -> Iterator[np.ndarray]:
     """``replicas`` with ``give`` fewer of config i and ``take`` more of j, if that fits the GPUs."""
     swapped = replicas.copy()
     swapped[i] -= give
@@ -111,8 +113,9 @@ def _traded(problem: PlanningProblem, replicas: np.ndarray, i: int, give: int, j
         yield swapped
 
 
-def polished(problem: PlanningProblem, starts: Sequence[PoolEntry], judged: Sequence[PoolEntry],
-             options: PlannerOptions) -> list[PoolEntry]:
+def polished(
+    problem: PlanningProblem, starts: Sequence[PoolEntry], judged: Sequence[PoolEntry], options: PlannerOptions
+) -> list[PoolEntry]:
     """Local search from each of ``starts``: GPU-neutral swaps (:func:`_swaps`), first
     improvement, until none helps; at most ``options.polish_evaluations`` deployments looked
     at in all, none of them one of ``judged`` (already evaluated). Returns the improved plans
@@ -138,9 +141,13 @@ def polished(problem: PlanningProblem, starts: Sequence[PoolEntry], judged: Sequ
                 seen.add(tuple(replicas))
                 looked += 1
                 candidate = pool_entry(problem, replicas, f"swap:{start.source}")
-                if not candidate.survived or fluid_bound(candidate.load) >= current.expected_makespan * (1 - options.tie_rel):
+                if not candidate.survived or fluid_bound(candidate.load) >= current.expected_makespan * (
+                    1 - options.tie_rel
+                ):
                     continue
-                candidate = replace(candidate, expected=evaluate(problem, candidate.load, exact=False, options=options)[0])
+                candidate = replace(
+                    candidate, expected=evaluate(problem, candidate.load, exact=False, options=options)[0]
+                )
                 if candidate.expected_makespan < current.expected_makespan * (1 - options.tie_rel):
                     better = candidate
                     break
@@ -155,6 +162,7 @@ def polished(problem: PlanningProblem, starts: Sequence[PoolEntry], judged: Sequ
 def polish_starts(problem: PlanningProblem, ranked: Sequence[PoolEntry], k: int) -> list[PoolEntry]:
     """The best plan, the best of the other family (with or without a recomputing replica: a
     swap rarely turns one into the other), then the next best, ``k`` in all."""
+
     def recomputes(e: PoolEntry) -> bool:
         return any(problem.candidates[i].config.recompute for i in np.flatnonzero(e.replicas))
 

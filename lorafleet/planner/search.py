@@ -51,14 +51,26 @@ def _fallback_note(what: str, result: SolveResult) -> str:
 
 def _filter(problem: PlanningProblem, pool: Sequence[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
     """LobRA's Theorem-1 filter over the whole pool; a dropped entry stays dropped."""
-    kept = set(lower_bound_filter([e.lower_bound for e in pool], [has_distinct_max_tokens(problem, e.replicas) for e in pool],
-                                  options.lower_bound_threshold, options.min_survivors))
+    kept = set(
+        lower_bound_filter(
+            [e.lower_bound for e in pool],
+            [has_distinct_max_tokens(problem, e.replicas) for e in pool],
+            options.lower_bound_threshold,
+            options.min_survivors,
+        )
+    )
     return [replace(e, survived=e.survived and k in kept) for k, e in enumerate(pool)]
 
 
-def _evaluate_survivors(problem: PlanningProblem, pool: Sequence[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
-    return [replace(e, expected=evaluate(problem, e.load, exact=False, options=options)[0])
-            if e.survived and e.expected is None else e for e in pool]
+def _evaluate_survivors(
+    problem: PlanningProblem, pool: Sequence[PoolEntry], options: PlannerOptions
+) -> list[PoolEntry]:
+    return [
+        replace(e, expected=evaluate(problem, e.load, exact=False, options=options)[0])
+        if e.survived and e.expected is None
+        else e
+        for e in pool
+    ]
 
 
 def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
@@ -85,10 +97,15 @@ def decomposed_pool(problem: PlanningProblem, options: PlannerOptions) -> Search
             seen.add(tuple(replicas))
             # Its load view and evaluation depend only on the deployed configs, not on the problem's
             # planning buckets: kept as judged, re-filtered against the whole pool's bound.
-            pool.append(replace(entry, replicas=replicas, source=f"plain:{entry.source}", survived=entry.load is not None))
-    return SearchOutcome(pool=tuple(_evaluate_survivors(problem, _filter(problem, pool, options), options)),
-                         solves=(*outcome.solves, *sub_outcome.solves), notes=(*outcome.notes, *sub_outcome.notes),
-                         fell_back=outcome.fell_back and sub_outcome.fell_back)
+            pool.append(
+                replace(entry, replicas=replicas, source=f"plain:{entry.source}", survived=entry.load is not None)
+            )
+    return SearchOutcome(
+        pool=tuple(_evaluate_survivors(problem, _filter(problem, pool, options), options)),
+        solves=(*outcome.solves, *sub_outcome.solves),
+        notes=(*outcome.notes, *sub_outcome.notes),
+        fell_back=outcome.fell_back and sub_outcome.fell_back,
+    )
 
 
 def _decomposed_search(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
@@ -102,11 +119,14 @@ def _decomposed_search(problem: PlanningProblem, options: PlannerOptions) -> Sea
     """
     heuristic, heuristic_fluid = heuristic_deployment(problem)
     pool = [pool_entry(problem, heuristic, "heuristic", heuristic_fluid)]
-    root, solves = solve_root(problem, tie_rel=options.tie_rel, solver=options.solver, time_limit_s=options.time_limit_s)
+    root, solves = solve_root(
+        problem, tie_rel=options.tie_rel, solver=options.solver, time_limit_s=options.time_limit_s
+    )
     if root is None:
         note = _fallback_note("the deployment MILP", solves[-1])
-        return SearchOutcome(pool=tuple(_evaluate_survivors(problem, pool, options)), solves=tuple(solves), notes=(note,),
-                             fell_back=True)
+        return SearchOutcome(
+            pool=tuple(_evaluate_survivors(problem, pool, options)), solves=tuple(solves), notes=(note,), fell_back=True
+        )
     seen = {tuple(heuristic)}
 
     def add(replicas: np.ndarray, source: str, relaxed: float) -> None:
@@ -117,8 +137,15 @@ def _decomposed_search(problem: PlanningProblem, options: PlannerOptions) -> Sea
     add(root.replicas, "milp:root", root.makespan)
     center = root.replicas
     for _ in range(options.search_rounds):
-        found, results = branch_deployments(problem, center, root.makespan, tie_rel=options.tie_rel, solver=options.solver,
-                                            time_limit_s=options.time_limit_s, max_branches=options.pool_size - 1)
+        found, results = branch_deployments(
+            problem,
+            center,
+            root.makespan,
+            tie_rel=options.tie_rel,
+            solver=options.solver,
+            time_limit_s=options.time_limit_s,
+            max_branches=options.pool_size - 1,
+        )
         solves.extend(results)
         for plan in found:
             add(plan.replicas, f"milp:{plan.branch}", plan.makespan)
@@ -133,17 +160,27 @@ def _decomposed_search(problem: PlanningProblem, options: PlannerOptions) -> Sea
 
 def exhaustive_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
     """Every maximal deployment (no filter: this is the reference the others are checked against)."""
-    return SearchOutcome(pool=tuple(pool_entry(problem, p, "enumeration") for p in enumerate_deployments(problem, options.enumeration_limit)))
+    return SearchOutcome(
+        pool=tuple(
+            pool_entry(problem, p, "enumeration") for p in enumerate_deployments(problem, options.enumeration_limit)
+        )
+    )
 
 
 def minlp_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
     """LobRA's joint MINLP on SCIP; the heuristic plan if it gives nothing."""
     solution = solve_joint(problem, time_limit_s=options.time_limit_s, gap_rel=min(options.gap_rel, 1e-4))
     if isinstance(solution, JointSolution):
-        return SearchOutcome(pool=(pool_entry(problem, solution.replicas, "minlp", solution.makespan),), solves=(solution.solve,))
+        return SearchOutcome(
+            pool=(pool_entry(problem, solution.replicas, "minlp", solution.makespan),), solves=(solution.solve,)
+        )
     note = _fallback_note("the joint MINLP", solution)
-    return SearchOutcome(pool=(pool_entry(problem, heuristic_deployment(problem)[0], "heuristic"),), solves=(solution,),
-                         notes=(note,), fell_back=True)
+    return SearchOutcome(
+        pool=(pool_entry(problem, heuristic_deployment(problem)[0], "heuristic"),),
+        solves=(solution,),
+        notes=(note,),
+        fell_back=True,
+    )
 
 
 POOLS: dict[PlannerMode, Callable[[PlanningProblem, PlannerOptions], SearchOutcome]] = {

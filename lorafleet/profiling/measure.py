@@ -29,8 +29,13 @@ from lorafleet.profiling.device import ProfileDevice
 CPU = ProfileDevice()
 
 
-def median_ms(run: Callable[[], object], warmup: int, repeats: int, group: dist.ProcessGroup | None = None,
-              device: ProfileDevice = CPU) -> float:
+def median_ms(
+    run: Callable[[], object],
+    warmup: int,
+    repeats: int,
+    group: dist.ProcessGroup | None = None,
+    device: ProfileDevice = CPU,
+) -> float:
     """Median busy time of ``run()`` in ms after ``warmup`` untimed calls.
 
     With a process group every repeat starts behind a barrier and takes the slowest rank's
@@ -58,8 +63,12 @@ def median_ms(run: Callable[[], object], warmup: int, repeats: int, group: dist.
 
 
 def best_of_rounds(
-    runs: Sequence[Callable[[], object]], rounds: int, warmup: int, repeats: int,
-    group: dist.ProcessGroup | None = None, device: ProfileDevice = CPU,
+    runs: Sequence[Callable[[], object]],
+    rounds: int,
+    warmup: int,
+    repeats: int,
+    group: dist.ProcessGroup | None = None,
+    device: ProfileDevice = CPU,
 ) -> list[float]:
     """``median_ms`` of every run, in ``rounds`` passes over the whole list, keeping each run's smallest.
 

@@ -45,6 +45,7 @@ from lorafleet.data.tokenize import Example
 from lorafleet.executor.torch.base_model import ModelSource, SourceKind, load_causal_lm
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.pipeline import microbatch_shape
+from lorafleet.executor.torch.precision import Precision
 from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.step import (
     MicroBatchInputs,
@@ -55,7 +56,6 @@ from lorafleet.executor.torch.step import (
     token_losses,
 )
 from lorafleet.plans import DeploymentPlan, MicroBatch, ReplicaSpec
-from lorafleet.executor.torch.precision import Precision
 from lorafleet.profiling.device import ProfileDevice
 from lorafleet.profiling.stages import only_layers, part_role, role_in, stage_layout
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
@@ -77,9 +77,16 @@ def side_by_side_plan(spec: ModelSpec, tp: int, busy: int, world: int, n_tasks: 
     replicas = tuple(
         ReplicaSpec(i, ParallelConfig(tp, 1), MAX_TOKENS, tuple(range(i * tp, (i + 1) * tp))) for i in range(busy // tp)
     )
-    return DeploymentPlan(model=spec.name, gpu="cpu", n_gpus=world, gpus_per_node=world,
-                          tasks=tuple(f"task{t}" for t in range(n_tasks)), replicas=replicas,
-                          bucket_boundaries=(), expected_makespan_s=0.0)
+    return DeploymentPlan(
+        model=spec.name,
+        gpu="cpu",
+        n_gpus=world,
+        gpus_per_node=world,
+        tasks=tuple(f"task{t}" for t in range(n_tasks)),
+        replicas=replicas,
+        bucket_boundaries=(),
+        expected_makespan_s=0.0,
+    )
 
 
 def microbatches(shapes: Sequence[MicroBatchShape], tasks: Iterable[int]) -> tuple[MicroBatch, ...]:
@@ -116,8 +123,18 @@ def weighted_loss(logits: Tensor, inputs: MicroBatchInputs) -> Tensor:
 class ProfiledReplica:
     """This rank's part of the executor replicas of one TP degree, its task optimizers, and timed runs."""
 
-    def __init__(self, spec: ModelSpec, adapters: AdapterLoad, tp: int, rank: int, busy: int, world: int,
-                 seed: int = 0, device: ProfileDevice = ProfileDevice(), precision: Precision = Precision.FP32) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        adapters: AdapterLoad,
+        tp: int,
+        rank: int,
+        busy: int,
+        world: int,
+        seed: int = 0,
+        device: ProfileDevice = ProfileDevice(),
+        precision: Precision = Precision.FP32,
+    ) -> None:
         """Collective (``build_replica`` creates process groups): every rank of the world calls it.
 
         ``device``: where this rank computes; ``precision``: the dtype of the base and the activations
@@ -164,7 +181,9 @@ class ProfiledReplica:
     def blocks_run(self, shape: MicroBatchShape, task: int) -> Callable[[], None]:
         """``build_inputs`` and forward + backward of all L blocks on one micro-batch of task ``task``."""
         mb, examples, inv = self._one(shape, task)
-        x = torch.randn(*microbatch_shape(mb), self.spec.hidden, dtype=self.dtype, device=self.device, requires_grad=True)
+        x = torch.randn(
+            *microbatch_shape(mb), self.spec.hidden, dtype=self.dtype, device=self.device, requires_grad=True
+        )
         grad = torch.randn_like(x)
         role = part_role(*self.tp_position, embeds=False, heads=False)
         return lambda: stage_forward(self.model, role, x, build_inputs(mb, examples, inv, self.device)).backward(grad)
@@ -242,7 +261,9 @@ class ProfiledReplica:
 
         def last_stage(tokens: int) -> None:
             inputs = self._row(tokens)
-            received = torch.randn(1, tokens, self.spec.hidden, dtype=self.dtype, device=self.device, requires_grad=True)
+            received = torch.randn(
+                1, tokens, self.spec.hidden, dtype=self.dtype, device=self.device, requires_grad=True
+            )
             with only_layers(self.model, last.layers):
                 weighted_loss(stage_forward(self.model, last, received, inputs), inputs).backward()
 

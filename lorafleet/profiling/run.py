@@ -29,6 +29,7 @@ records; the caller fits and saves them.
 
 from __future__ import annotations
 
+import functools
 import pickle
 import random
 import socket
@@ -97,7 +98,7 @@ class ProfileSettings:
     memory_budget_bytes: int = 48 * MIB
     """The memory a "device" may use: M is searched against it."""
     seed: int = 0
-    comm_sizes: tuple[int, ...] = tuple(4 ** k * 1024 for k in range(6))
+    comm_sizes: tuple[int, ...] = tuple(4**k * 1024 for k in range(6))
     """Bytes of the timed p2p messages and all-reduces (1 KiB .. 1 MiB)."""
     transfers: bool = True
     """Time the p2p and all-reduce records, which need two processes. Off on a machine of one GPU:
@@ -166,8 +167,9 @@ class _Worker:
 
     def replica(self, tp: int, busy: int, world: int) -> ProfiledReplica:
         """This rank's part of ``busy // tp`` replicas of ⟨tp, 1⟩ in a world of ``world``. Collective."""
-        return ProfiledReplica(self.s.model, self.s.adapters, tp, self.rank, busy, world, self.s.seed,
-                               self.device, self.s.precision)
+        return ProfiledReplica(
+            self.s.model, self.s.adapters, tp, self.rank, busy, world, self.s.seed, self.device, self.s.precision
+        )
 
     def run(self) -> None:
         world = self.s.world
@@ -232,9 +234,7 @@ class _Worker:
     def head_plan(self, replica: ProfiledReplica, tp: int) -> list[Timed]:
         """The head on every token count of the grid."""
         sizes = sorted({mb.tokens for mb in self.s.grid})
-        return [
-            (replica.head_run(n), lambda ms, n=n: ("head", HeadRecord(tp=tp, tokens=n, time_ms=ms))) for n in sizes
-        ]
+        return [(replica.head_run(n), lambda ms, n=n: ("head", HeadRecord(tp=tp, tokens=n, time_ms=ms))) for n in sizes]
 
     def step_plan(
         self, replica: ProfiledReplica, tp: int, fleet: dist.ProcessGroup | None, replicas: int
@@ -260,7 +260,7 @@ class _Worker:
             ok = True
             for name, (static, step) in stages.items():
                 replica.clear_grads()  # a step allocates its adapter gradients: they are in its peak
-                peak = self.device.peak_bytes(lambda: step(tokens), group)
+                peak = self.device.peak_bytes(functools.partial(step, tokens), group)
                 if peak is None:  # out of device memory: above any budget, and no point of the line
                     ok = False
                     continue
@@ -326,8 +326,10 @@ TIMING_CPU = "process CPU time"
 TIMING_CUDA = "wall time between torch.cuda.synchronize() calls"
 TIMING_COMMON = ": median of repeats, smallest over rounds; slowest replica or TP rank, every repeat behind a barrier"
 MEMORY_CPU = "peak of torch.profiler [memory] events + parameter, gradient and optimizer-state bytes"
-MEMORY_CUDA = ("torch.cuda.max_memory_allocated after reset_peak_memory_stats, less the bytes allocated before "
-               "+ parameter, gradient and optimizer-state bytes; out of memory: does not fit")
+MEMORY_CUDA = (
+    "torch.cuda.max_memory_allocated after reset_peak_memory_stats, less the bytes allocated before "
+    "+ parameter, gradient and optimizer-state bytes; out of memory: does not fit"
+)
 
 
 def _rank_main(rank: int, settings: ProfileSettings, port: int, out_path: str) -> None:

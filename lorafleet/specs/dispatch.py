@@ -62,7 +62,9 @@ class DispatchOptions:
     """Try every bucket count 1..R and keep the one with the least estimated makespan (not least padding)."""
 
     def __post_init__(self) -> None:
-        coerce_enum_fields(self, OPTIONS_SOURCE, {"method": DispatchMethod, "solver": SolverName, "microbatch_mode": MicroBatchMode})
+        coerce_enum_fields(
+            self, OPTIONS_SOURCE, {"method": DispatchMethod, "solver": SolverName, "microbatch_mode": MicroBatchMode}
+        )
         if not self.time_limit_s > 0:
             raise InputError(OPTIONS_SOURCE, "time_limit_s", f"must be > 0 seconds, got {self.time_limit_s}")
         if not 0 <= self.gap_rel < 1:
@@ -105,7 +107,9 @@ class DispatchPolicy:
     def __post_init__(self) -> None:
         bounds = self.static_boundaries
         if any(b < 1 for b in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:])):
-            raise InputError(OPTIONS_SOURCE, "static_boundaries", f"must be positive and strictly increasing, got {list(bounds)}")
+            raise InputError(
+                OPTIONS_SOURCE, "static_boundaries", f"must be positive and strictly increasing, got {list(bounds)}"
+            )
 
     def describe(self) -> str:
         """``packing, R=16, alignment 16, fast, recalibrated`` (what a command prints it runs)."""
@@ -118,9 +122,15 @@ class DispatchPolicy:
     def to_json(self) -> dict[str, Any]:
         o, r = self.options, self.recalibration
         return {
-            "microbatch_mode": o.microbatch_mode.value, "n_buckets": o.n_buckets, "bucket_alignment": o.bucket_alignment,
-            "method": o.method.value, "solver": o.solver.value, "time_limit_s": o.time_limit_s, "gap_rel": o.gap_rel,
-            "choose_buckets_by_makespan": o.choose_buckets_by_makespan, "static_boundaries": list(self.static_boundaries),
+            "microbatch_mode": o.microbatch_mode.value,
+            "n_buckets": o.n_buckets,
+            "bucket_alignment": o.bucket_alignment,
+            "method": o.method.value,
+            "solver": o.solver.value,
+            "time_limit_s": o.time_limit_s,
+            "gap_rel": o.gap_rel,
+            "choose_buckets_by_makespan": o.choose_buckets_by_makespan,
+            "static_boundaries": list(self.static_boundaries),
             "recalibration": {"enabled": r.enabled, "smoothing": r.smoothing, "bound": r.bound},
         }
 
@@ -129,8 +139,16 @@ class DispatchPolicy:
         """The policy of a JSON object (a plan's ``policy``); an InputError names ``source`` and the field."""
         if not isinstance(data, dict):
             raise InputError(source, where, f"expected an object, got {type(data).__name__}")
-        names = {"microbatch_mode", "n_buckets", "bucket_alignment", "method", "solver", "time_limit_s", "gap_rel",
-                 "choose_buckets_by_makespan"}
+        names = {
+            "microbatch_mode",
+            "n_buckets",
+            "bucket_alignment",
+            "method",
+            "solver",
+            "time_limit_s",
+            "gap_rel",
+            "choose_buckets_by_makespan",
+        }
         unknown = sorted(set(data) - names - {"static_boundaries", "recalibration"})
         if unknown:
             raise InputError(source, f"{where}.{unknown[0]}", "unknown field")
@@ -138,9 +156,11 @@ class DispatchPolicy:
         if not isinstance(cal, dict) or set(cal) - {"enabled", "smoothing", "bound"}:
             raise InputError(source, f"{where}.recalibration", "expected {enabled, smoothing, bound}")
         try:
-            return cls(options=DispatchOptions(**{k: v for k, v in data.items() if k in names}),
-                       static_boundaries=tuple(int(b) for b in data.get("static_boundaries", ())),
-                       recalibration=Recalibration(**cal))
+            return cls(
+                options=DispatchOptions(**{k: v for k, v in data.items() if k in names}),
+                static_boundaries=tuple(int(b) for b in data.get("static_boundaries", ())),
+                recalibration=Recalibration(**cal),
+            )
         except InputError as err:
             raise InputError(source, f"{where}.{err.field}", err.msg) from None
         except (TypeError, ValueError) as err:

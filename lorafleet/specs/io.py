@@ -55,7 +55,9 @@ def check_writable(path: str | Path, *, directory: bool = False) -> None:
     directory where a file goes (or the reverse), or a nearest existing folder that is not writable."""
     target = Path(path)
     if target.exists() and target.is_dir() != directory:
-        raise InputError(str(path), "", "is a directory, expected a file" if not directory else "is a file, expected a directory")
+        raise InputError(
+            str(path), "", "is a directory, expected a file" if not directory else "is a file, expected a directory"
+        )
     parent = target if directory and target.exists() else target.parent
     while not parent.exists():
         parent = parent.parent

@@ -42,7 +42,13 @@ class DatasetPreset:
 
 _PRESETS = (
     DatasetPreset(
-        "dolly", "databricks-dolly-15k", 207.0, 7.11, 95.43, 256, 8192,
+        "dolly",
+        "databricks-dolly-15k",
+        207.0,
+        7.11,
+        95.43,
+        256,
+        8192,
         params=(
             10000.00000000001,
             0.008658563726178426,
@@ -51,7 +57,13 @@ _PRESETS = (
         ),
     ),
     DatasetPreset(
-        "python-code", "python_code_instructions_18k", 269.0, 10.01, 121.55, 128, 16384,
+        "python-code",
+        "python_code_instructions_18k",
+        269.0,
+        10.01,
+        121.55,
+        128,
+        16384,
         params=(
             0.3468104584937852,
             -2.452072085825347,
@@ -60,7 +72,13 @@ _PRESETS = (
         ),
     ),
     DatasetPreset(
-        "evol-instruct", "Magicoder-Evol-Instruct-110K", 702.0, 6.59, 80.28, 128, 16384,
+        "evol-instruct",
+        "Magicoder-Evol-Instruct-110K",
+        702.0,
+        6.59,
+        80.28,
+        128,
+        16384,
         params=(
             10000.00000000001,
             0.010419043396606079,
@@ -69,7 +87,13 @@ _PRESETS = (
         ),
     ),
     DatasetPreset(
-        "commitpackft", "CommitPackFT", 663.0, 0.79, 1.68, 128, 8192,
+        "commitpackft",
+        "CommitPackFT",
+        663.0,
+        0.79,
+        1.68,
+        128,
+        8192,
         params=(
             10000.00000000001,
             0.0394713047247174,
@@ -78,7 +102,13 @@ _PRESETS = (
         ),
     ),
     DatasetPreset(
-        "mathinstruct", "MathInstruct", 252.0, 3.03, 12.72, 128, 8192,
+        "mathinstruct",
+        "MathInstruct",
+        252.0,
+        3.03,
+        12.72,
+        128,
+        8192,
         params=(
             2.240937359887394,
             0.5987160831416148,
@@ -87,7 +117,13 @@ _PRESETS = (
         ),
     ),
     DatasetPreset(
-        "metamathqa", "MetaMathQA", 236.0, 2.56, 14.56, 128, 4096,
+        "metamathqa",
+        "MetaMathQA",
+        236.0,
+        2.56,
+        14.56,
+        128,
+        4096,
         params=(
             10000.00000000001,
             -0.015802938689227622,
@@ -96,7 +132,13 @@ _PRESETS = (
         ),
     ),
     DatasetPreset(
-        "numinamath-cot", "NuminaMath-CoT", 543.0, 1.52, 3.51, 256, 8192,
+        "numinamath-cot",
+        "NuminaMath-CoT",
+        543.0,
+        1.52,
+        3.51,
+        256,
+        8192,
         params=(
             1.9542136804400478,
             0.9603625027382742,
@@ -105,7 +147,13 @@ _PRESETS = (
         ),
     ),
     DatasetPreset(
-        "pubmedqa", "PubMedQA", 371.0, 0.73, 3.29, 64, 2048,
+        "pubmedqa",
+        "PubMedQA",
+        371.0,
+        0.73,
+        3.29,
+        64,
+        2048,
         params=(
             10000.00000000001,
             -0.05058185073346468,
@@ -114,7 +162,13 @@ _PRESETS = (
         ),
     ),
     DatasetPreset(
-        "xsum", "XSum", 526.0, 7.49, 371.8, 128, 16384,
+        "xsum",
+        "XSum",
+        526.0,
+        7.49,
+        371.8,
+        128,
+        16384,
         params=(
             10000.00000000001,
             0.021932621388156288,
@@ -123,7 +177,13 @@ _PRESETS = (
         ),
     ),
     DatasetPreset(
-        "billsum", "BillSum", 3903.0, 0.85, 0.3, 32, 16384,
+        "billsum",
+        "BillSum",
+        3903.0,
+        0.85,
+        0.3,
+        32,
+        16384,
         params=(
             0.43287542938774437,
             2.3101334289506616,
@@ -132,7 +192,13 @@ _PRESETS = (
         ),
     ),
     DatasetPreset(
-        "cnn-dailymail", "cnn_dailymail", 947.0, 0.89, 0.64, 256, 8192,
+        "cnn-dailymail",
+        "cnn_dailymail",
+        947.0,
+        0.89,
+        0.64,
+        256,
+        8192,
         params=(
             0.582231697863387,
             2.0136159866523657,
@@ -141,7 +207,13 @@ _PRESETS = (
         ),
     ),
     DatasetPreset(
-        "meetingbank", "MeetingBank", 3622.0, 4.35, 26.5, 64, 16384,
+        "meetingbank",
+        "MeetingBank",
+        3622.0,
+        4.35,
+        26.5,
+        64,
+        16384,
         params=(
             10000.00000000001,
             -0.030828136022034127,
@@ -158,9 +230,7 @@ LOBRA_DATASETS: dict[str, DatasetPreset] = {preset.id: preset for preset in _PRE
 def find_preset(name: str) -> DatasetPreset | None:
     """The preset whose id or full name equals ``name`` (case-insensitive), else None."""
     key = name.strip().casefold()
-    return next(
-        (p for p in _PRESETS if key in (p.id.casefold(), p.full_name.casefold())), None
-    )
+    return next((p for p in _PRESETS if key in (p.id.casefold(), p.full_name.casefold())), None)
 
 
 @functools.cache

@@ -78,8 +78,7 @@ class LengthDistribution:
         probs = np.asarray(self.probs, dtype=np.float64)
         if lengths.ndim != 1 or lengths.shape != probs.shape or lengths.size == 0:
             raise ValueError(
-                f"lengths and probs must be non-empty 1-D arrays of one shape, "
-                f"got {lengths.shape} and {probs.shape}"
+                f"lengths and probs must be non-empty 1-D arrays of one shape, got {lengths.shape} and {probs.shape}"
             )
         if not np.issubdtype(lengths.dtype, np.integer):
             raise ValueError(f"lengths must be integers, got dtype {lengths.dtype}")
@@ -104,9 +103,7 @@ class LengthDistribution:
         if arr.size == 0:
             raise ValueError("no samples")
         if not np.issubdtype(arr.dtype, np.integer):
-            if not np.issubdtype(arr.dtype, np.floating) or not np.all(
-                np.isfinite(arr) & (arr == np.round(arr))
-            ):
+            if not np.issubdtype(arr.dtype, np.floating) or not np.all(np.isfinite(arr) & (arr == np.round(arr))):
                 raise ValueError("samples must be integer lengths")
         if np.min(arr) < 1:
             raise ValueError(f"lengths must be >= 1, got {np.min(arr)}")
@@ -137,9 +134,7 @@ class LengthDistribution:
         return cls(lengths, pmf[keep] / pmf[keep].sum())
 
     @classmethod
-    def from_moments(
-        cls, mean: float, skewness: float, kurtosis: float, context_length: int
-    ) -> LengthDistribution:
+    def from_moments(cls, mean: float, skewness: float, kurtosis: float, context_length: int) -> LengthDistribution:
         """Fit the family to (mean, skewness, excess kurtosis) of the truncated lengths.
 
         Raises ValueError when the targets are infeasible or the best fit misses the mean
@@ -256,19 +251,21 @@ class _Grid:
         :func:`fit_params` corrects for the moment error this makes.
         """
         n_geo = max(int(np.log(context_length / _DENSE_UP_TO) / np.log(_BIN_RATIO)), 0) + 2
-        uppers = np.unique(np.concatenate([
-            np.arange(1, min(_DENSE_UP_TO, context_length)),
-            np.round(np.geomspace(_DENSE_UP_TO, context_length, n_geo)),
-        ]).astype(np.int64))
+        uppers = np.unique(
+            np.concatenate(
+                [
+                    np.arange(1, min(_DENSE_UP_TO, context_length)),
+                    np.round(np.geomspace(_DENSE_UP_TO, context_length, n_geo)),
+                ]
+            ).astype(np.int64)
+        )
         uppers = uppers[uppers < context_length]  # last length of every bin but the top one
         lowers = np.concatenate([[1], uppers + 1])
         highs = np.append(uppers, context_length)
         return cls(_log_edges(uppers + 0.5), (lowers + highs) / 2.0)
 
 
-def _incomplete_gamma(
-    a: np.ndarray, c: np.ndarray, log_scale: np.ndarray, log_x: np.ndarray
-) -> np.ndarray:
+def _incomplete_gamma(a: np.ndarray, c: np.ndarray, log_scale: np.ndarray, log_x: np.ndarray) -> np.ndarray:
     """``G(x) = P(a, (x/s)**c)``, computed as ``P(a, exp(c (log x - log s)))``.
 
     ``P`` is the regularised lower incomplete gamma; the family's CDF is ``F = G`` for
@@ -362,9 +359,7 @@ def _residuals(x: np.ndarray, stats: np.ndarray, target: np.ndarray) -> np.ndarr
 def _start_grid(target: np.ndarray, grid: _Grid) -> tuple[np.ndarray, np.ndarray]:
     """Search coordinates and signs of a grid of candidate shapes, each with its
     location ``mu`` moved by a few fixed-point sweeps ``mu += log(target_mean / mean)``."""
-    sign, log_a, u, w = (
-        g.ravel() for g in np.meshgrid([1.0, -1.0], np.log(_GRID_A), _GRID_SPREAD, _GRID_TAIL)
-    )
+    sign, log_a, u, w = (g.ravel() for g in np.meshgrid([1.0, -1.0], np.log(_GRID_A), _GRID_SPREAD, _GRID_TAIL))
     x = np.stack([log_a, u, np.full(sign.shape, np.log(target[0])), w], axis=1)
     for _ in range(_MEAN_SWEEPS):
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -404,9 +399,7 @@ def _least_squares(
     )
 
 
-def fit_params(
-    mean: float, skewness: float, kurtosis: float, context_length: int
-) -> tuple[float, float, float, float]:
+def fit_params(mean: float, skewness: float, kurtosis: float, context_length: int) -> tuple[float, float, float, float]:
     """Family parameters ``(a, c, log_scale, tail_mass)`` matching the truncated moments.
 
     Minimises the squared norm of :func:`_residuals`. Moments are computed on coarse
@@ -423,9 +416,7 @@ def fit_params(
     if not (np.isfinite(skewness) and np.isfinite(kurtosis)):
         raise ValueError("skewness and kurtosis must be finite")
     if kurtosis < skewness**2 - 2.0:
-        raise ValueError(
-            f"no distribution has excess kurtosis {kurtosis} < skewness**2 - 2 = {skewness**2 - 2}"
-        )
+        raise ValueError(f"no distribution has excess kurtosis {kurtosis} < skewness**2 - 2 = {skewness**2 - 2}")
     target = np.array([mean, skewness, kurtosis], dtype=np.float64)
     coarse, exact = _Grid.coarse(context_length), _Grid.exact(context_length)
     starts, signs = _start_grid(target, coarse)

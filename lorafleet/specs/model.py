@@ -84,9 +84,18 @@ class ModelSpec(Spec):
         }
 
 
-def _preset(name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int, vocab: int, tied: bool = False) -> ModelSpec:
+def _preset(
+    name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int, vocab: int, tied: bool = False
+) -> ModelSpec:
     return ModelSpec(
-        name=name, n_layers=layers, hidden=hidden, ffn=ffn, n_heads=heads, n_kv_heads=kv, vocab=vocab, tied_embeddings=tied
+        name=name,
+        n_layers=layers,
+        hidden=hidden,
+        ffn=ffn,
+        n_heads=heads,
+        n_kv_heads=kv,
+        vocab=vocab,
+        tied_embeddings=tied,
     )
 
 
@@ -144,4 +153,6 @@ def resolve_model(name_or_path: str, source: str = "<args>", field: str = "model
     path = Path(name_or_path)
     if path.exists():
         return model_from_hf_config(path)
-    raise InputError(source, field, f"unknown model {name_or_path!r}: not a preset ({', '.join(MODEL_PRESETS)}) nor an existing path")
+    raise InputError(
+        source, field, f"unknown model {name_or_path!r}: not a preset ({', '.join(MODEL_PRESETS)}) nor an existing path"
+    )

@@ -140,7 +140,9 @@ class LengthSpec(Spec):
             if present
         ]
         if len(modes) != 1:
-            raise ValueError(f"set exactly one of preset, mean/skewness/kurtosis, values, histogram, dataset (got {modes or 'none'})")
+            raise ValueError(
+                f"set exactly one of preset, mean/skewness/kurtosis, values, histogram, dataset (got {modes or 'none'})"
+            )
         if modes[0] == "mean/skewness/kurtosis" and None in stats:
             raise ValueError("summary statistics need all of mean, skewness and kurtosis")
         if self.preset is not None and find_preset(self.preset) is None:
@@ -148,7 +150,12 @@ class LengthSpec(Spec):
         if self.values is not None and (not self.values or min(self.values) < 1):
             raise ValueError("values must be a non-empty list of lengths >= 1")
         if self.histogram is not None:
-            if not self.histogram or min(self.histogram) < 1 or min(self.histogram.values()) < 0 or sum(self.histogram.values()) <= 0:
+            if (
+                not self.histogram
+                or min(self.histogram) < 1
+                or min(self.histogram.values()) < 0
+                or sum(self.histogram.values()) <= 0
+            ):
                 raise ValueError("histogram needs lengths >= 1 with non-negative counts summing to more than 0")
         return self
 

@@ -56,8 +56,11 @@ def _supervise(options: TrainOptions, prepared: Prepared) -> int:
         received.append(signum)
         if len(received) == 1:
             request_stop(options.out, signum)
-            print(f"lorafleet train: {signal.Signals(signum).name}: stopping at the next step boundary "
-                  "(again to abort)", file=sys.stderr, flush=True)
+            print(
+                f"lorafleet train: {signal.Signals(signum).name}: stopping at the next step boundary (again to abort)",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             os.killpg(child.pid, signal.SIGKILL)
 

@@ -55,9 +55,12 @@ class TrainOptions:
     """Fault injection: (replica id, factor) stragglers (``ExecutorConfig.slowdown``)."""
 
     def __post_init__(self) -> None:
-        for flag, value, least in (("--steps", self.steps, 1), ("--checkpoint-every", self.checkpoint_every, 1),
-                                   ("--max-restarts", self.max_restarts, 0),
-                                   ("--nonfinite-patience", self.nonfinite_patience, 1)):
+        for flag, value, least in (
+            ("--steps", self.steps, 1),
+            ("--checkpoint-every", self.checkpoint_every, 1),
+            ("--max-restarts", self.max_restarts, 0),
+            ("--nonfinite-patience", self.nonfinite_patience, 1),
+        ):
             if value < least:
                 raise InputError(ARGS, flag, f"must be >= {least}, got {value}")
         if self.resume and self.overwrite:
@@ -65,16 +68,34 @@ class TrainOptions:
 
     def to_argv(self) -> list[str]:
         """The ``lorafleet train`` command line that re-creates these options (what each worker runs)."""
-        argv = ["train", self.workload, "--plan", self.plan, "--steps", str(self.steps), "--out", self.out,
-                "--checkpoint-every", str(self.checkpoint_every), "--device", self.device, "--dtype", self.dtype,
-                "--nonfinite-patience", str(self.nonfinite_patience)]
+        argv = [
+            "train",
+            self.workload,
+            "--plan",
+            self.plan,
+            "--steps",
+            str(self.steps),
+            "--out",
+            self.out,
+            "--checkpoint-every",
+            str(self.checkpoint_every),
+            "--device",
+            self.device,
+            "--dtype",
+            self.dtype,
+            "--nonfinite-patience",
+            str(self.nonfinite_patience),
+        ]
         for flag, value in (("--gpus", self.gpus), ("--gpu", self.gpu), ("--profile", self.profile)):
             if value is not None:
                 argv += [flag, str(value)]
         argv += self.policy_flags
         argv += [f"--inject-slowdown={r}={f}" for r, f in self.slowdown]
-        for flag, on in (("--resume", self.resume), ("--no-progress", not self.progress),
-                         ("--no-stop-checkpoint", not self.checkpoint_on_stop)):
+        for flag, on in (
+            ("--resume", self.resume),
+            ("--no-progress", not self.progress),
+            ("--no-stop-checkpoint", not self.checkpoint_on_stop),
+        ):
             if on:
                 argv.append(flag)
         return argv

@@ -82,13 +82,21 @@ def _replan(workload: Workload, cluster: ClusterSpec, options: TrainOptions) -> 
     except ValueError as err:
         raise InputError(ARGS, "--gpus", str(err).splitlines()[-1]) from None
     cost_model, _ = plan_cost_model(workload, target, old, options.plan, options.profile)
-    planned = plan_deployment(workload, target, cost_model, PlannerOptions(
-        microbatch_mode=old.policy.options.microbatch_mode, n_buckets=old.policy.options.n_buckets, baselines=False))
+    planned = plan_deployment(
+        workload,
+        target,
+        cost_model,
+        PlannerOptions(
+            microbatch_mode=old.policy.options.microbatch_mode, n_buckets=old.policy.options.n_buckets, baselines=False
+        ),
+    )
     path = Path(options.out) / "plan.json"
     replace(planned.plan, policy=old.policy).save(path)
     run = prepare_run(workload, target, str(path), options.profile, dict(options.policy_overrides))
-    note = (f"re-planned for {target.n_gpus} GPUs: {run.plan.describe()} (the plan was {old.describe()} on "
-            f"{old.n_gpus}); checkpoints do not depend on the plan")
+    note = (
+        f"re-planned for {target.n_gpus} GPUs: {run.plan.describe()} (the plan was {old.describe()} on "
+        f"{old.n_gpus}); checkpoints do not depend on the plan"
+    )
     return replace(run, overrides=(*run.overrides, note))
 
 
@@ -109,12 +117,18 @@ def prepare(options: TrainOptions) -> Prepared:
     world = run.plan.world_size
     started = os.environ.get("WORLD_SIZE")
     if started is not None and int(started) != world:
-        raise InputError(options.plan, "replicas", f"the plan needs {world} processes (one per GPU it names); "
-                         f"torchrun started {started}")
+        raise InputError(
+            options.plan,
+            "replicas",
+            f"the plan needs {world} processes (one per GPU it names); torchrun started {started}",
+        )
     for r, _ in options.slowdown:
         if not 0 <= r < len(run.plan.replicas):
-            raise InputError(ARGS, "--inject-slowdown", f"replica {r} does not exist: the plan has replicas "
-                             f"0..{len(run.plan.replicas) - 1}")
+            raise InputError(
+                ARGS,
+                "--inject-slowdown",
+                f"replica {r} does not exist: the plan has replicas 0..{len(run.plan.replicas) - 1}",
+            )
     return Prepared(workload=workload, run=run, world_size=world, resume_step=resume_step)
 
 
@@ -131,8 +145,12 @@ def _resume_step(options: TrainOptions) -> int | None:
     for line in found.broken:
         print(f"lorafleet train: warning: checkpoint {line}; resuming from {found.step_dir.name}", file=sys.stderr)
     if options.steps < found.step:
-        raise InputError(ARGS, "--steps", f"{options.steps} is below the {found.step} steps the run has committed; "
-                         "--steps is the run's total and a resume never rolls back")
+        raise InputError(
+            ARGS,
+            "--steps",
+            f"{options.steps} is below the {found.step} steps the run has committed; "
+            "--steps is the run's total and a resume never rolls back",
+        )
     return found.step
 
 
@@ -146,8 +164,12 @@ def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
         used = used_by(options.out)
         if prepared.resume_step is None and used and not restarted():
             if not options.overwrite:
-                raise InputError(options.out, "", f"holds a previous run ({', '.join(used)}); pass --resume to "
-                                 "continue it or --overwrite to replace it")
+                raise InputError(
+                    options.out,
+                    "",
+                    f"holds a previous run ({', '.join(used)}); pass --resume to "
+                    "continue it or --overwrite to replace it",
+                )
             clear_run(options.out)
         if prepared.resume_step:
             _check_data(options, prepared)

@@ -46,8 +46,14 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     try:
         if dist.get_rank() == 0 and not os.environ.get(LOCKED_ENV):  # under the user's own torchrun
             lock = claim(options, prepared)
-        executor = build_torch_executor(prepared.workload.spec, prepared.run.plan, options.steps, device,
-                                        Precision(options.dtype).dtype, slowdown=dict(options.slowdown))
+        executor = build_torch_executor(
+            prepared.workload.spec,
+            prepared.run.plan,
+            options.steps,
+            device,
+            Precision(options.dtype).dtype,
+            slowdown=dict(options.slowdown),
+        )
         if dist.get_rank() != 0:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the run stops
             executor.serve()
@@ -116,19 +122,23 @@ class Trainer:
         steps = range(start, min(self.options.steps, _last_step(self.executor, self.options.steps)))
         if self.plan.policy.recalibration.enabled and len(steps):
             self._probe(start)
-        with (self._writers(steps) as metrics,
-              LookaheadDispatcher(self.executor.next_global_batch, self.plan, self.prepared.run.cost_model) as ahead):
+        with (
+            self._writers(steps) as metrics,
+            LookaheadDispatcher(self.executor.next_global_batch, self.plan, self.prepared.run.cost_model) as ahead,
+        ):
 
             def on_report(report: StepReport, step_plan: StepPlan) -> None:
                 self.reports.append((report, step_plan))
                 self._watch(report)
                 tokens = sum(report.task_tokens.values())
-                metrics.write(report, tokens_per_s=tokens / report.makespan_s if report.makespan_s else 0.0,
-                              predicted_busy_s=tuple(w.estimated_time_s for w in step_plan.work),
-                              model_busy_s=tuple(step_plan.base_estimate(r) for r in range(len(step_plan.work))),
-                              replica_tokens=tuple(sum(sum(mb.lengths) for mb in w.microbatches)
-                                                   for w in step_plan.work),
-                              correction=self.recalibrator.factors or ())
+                metrics.write(
+                    report,
+                    tokens_per_s=tokens / report.makespan_s if report.makespan_s else 0.0,
+                    predicted_busy_s=tuple(w.estimated_time_s for w in step_plan.work),
+                    model_busy_s=tuple(step_plan.base_estimate(r) for r in range(len(step_plan.work))),
+                    replica_tokens=tuple(sum(sum(mb.lengths) for mb in w.microbatches) for w in step_plan.work),
+                    correction=self.recalibrator.factors or (),
+                )
                 if (report.step + 1) % self.options.checkpoint_every == 0:
                     self._checkpoint(report.step + 1)
 
@@ -157,8 +167,13 @@ class Trainer:
             mbs = w.microbatches[:1]
             if mbs and mbs[0].tokens > PROBE_TOKENS:
                 mbs = (_cut(mbs[0], PROBE_TOKENS),)
-            work.append(replace(w, microbatches=mbs, estimated_time_s=cost_model.replica_time(
-                replica.config, [mb.shape for mb in mbs]) if mbs else 0.0))
+            work.append(
+                replace(
+                    w,
+                    microbatches=mbs,
+                    estimated_time_s=cost_model.replica_time(replica.config, [mb.shape for mb in mbs]) if mbs else 0.0,
+                )
+            )
         probe = replace(full, work=tuple(work), speed=())
         self.executor.probe(probe, batch)
         self.recalibrator.observe(probe, self.executor.probe(probe, batch))
@@ -172,8 +187,10 @@ class Trainer:
         if self.options.checkpoint_on_stop:
             committed = f"; checkpoint {self._checkpoint(reached, wait=True).name} committed, continue with --resume"
         self.executor.close()
-        print(f"lorafleet train: stopped by {signal.Signals(self.signal).name} after {reached} steps{committed}",
-              flush=True)
+        print(
+            f"lorafleet train: stopped by {signal.Signals(self.signal).name} after {reached} steps{committed}",
+            flush=True,
+        )
         return 0
 
     def _watch(self, report: StepReport) -> None:
@@ -183,20 +200,32 @@ class Trainer:
             self.nonfinite_streak[name] = self.nonfinite_streak[name] + 1 if name in report.nonfinite_tasks else 0
         for name in report.nonfinite_tasks:
             streak = self.nonfinite_streak[name]
-            print(f"lorafleet train: step {report.step}: task {name!r} has a non-finite loss or gradient; its update "
-                  f"is skipped ({streak} in a row)", file=sys.stderr, flush=True)
+            print(
+                f"lorafleet train: step {report.step}: task {name!r} has a non-finite loss or gradient; its update "
+                f"is skipped ({streak} in a row)",
+                file=sys.stderr,
+                flush=True,
+            )
             if streak >= self.options.nonfinite_patience and name not in self.stopped_tasks:
                 self._stop_task(name, report.step + 2)  # step + 1 may be drawn already (look-ahead)
         for name in report.unmoved_tasks:
-            print(f"lorafleet train: warning: task {name!r}: its adapter has not moved after its warm-up; check its "
-                  "learning rate, alpha and grad_clip", file=sys.stderr, flush=True)
+            print(
+                f"lorafleet train: warning: task {name!r}: its adapter has not moved after its warm-up; check its "
+                "learning rate, alpha and grad_clip",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _stop_task(self, name: str, from_step: int, announce: bool = True) -> None:
         self.stopped_tasks[name] = from_step
         self.executor.streams.retire(self.names.index(name), from_step)
         if announce:
-            print(f"lorafleet train: task {name!r} stopped after {self.options.nonfinite_patience} non-finite steps "
-                  "in a row; its adapter stays at its last finite update", file=sys.stderr, flush=True)
+            print(
+                f"lorafleet train: task {name!r} stopped after {self.options.nonfinite_patience} non-finite steps "
+                "in a row; its adapter stays at its last finite update",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _checkpoint(self, step: int, wait: bool = False) -> Path:
         """A checkpoint after ``step`` steps, written in the background (committed on return with ``wait``)."""
@@ -206,8 +235,11 @@ class Trainer:
     def _writers(self, steps: range) -> FanOut:
         from lorafleet.metrics import CsvWriter, FanOut, JsonlWriter, LogLines, ProgressBar, TensorBoardWriter
 
-        writers = [JsonlWriter(self.out / "metrics.jsonl"), CsvWriter(self.out / "metrics.csv"),
-                   TensorBoardWriter(self.out / "tensorboard", purge_step=steps.start)]
+        writers = [
+            JsonlWriter(self.out / "metrics.jsonl"),
+            CsvWriter(self.out / "metrics.csv"),
+            TensorBoardWriter(self.out / "tensorboard", purge_step=steps.start),
+        ]
         if self.options.progress and sys.stdout.isatty():
             writers.append(ProgressBar(steps.stop, start=steps.start))
         else:
@@ -218,14 +250,18 @@ class Trainer:
         """What the run did, predicted against measured, and where its files are."""
         from lorafleet.dispatch.recalibration import summarize_factors
 
-        lines = [f"lorafleet train: {stop} steps; adapters in {self.out / 'adapters'}, metrics in "
-                 f"{self.out / 'metrics.jsonl'} (and .csv, tensorboard/)"]
+        lines = [
+            f"lorafleet train: {stop} steps; adapters in {self.out / 'adapters'}, metrics in "
+            f"{self.out / 'metrics.jsonl'} (and .csv, tensorboard/)"
+        ]
         if self.reports:
             measured = np.mean([r.makespan_s for r, _ in self.reports])
             predicted = np.mean([p.estimated_makespan_s for _, p in self.reports])
-            lines.append(f"  step time: measured {measured:.3f} s, predicted {predicted:.3f} s "
-                         f"(x{measured / predicted:.2f}, mean over {len(self.reports)} steps; "
-                         f"cost model {self.prepared.run.cost_model.source})")
+            lines.append(
+                f"  step time: measured {measured:.3f} s, predicted {predicted:.3f} s "
+                f"(x{measured / predicted:.2f}, mean over {len(self.reports)} steps; "
+                f"cost model {self.prepared.run.cost_model.source})"
+            )
             if self.plan.policy.recalibration.enabled:
                 lines.append(f"  recalibrated: {summarize_factors(self.recalibrator.replicas())}")
         if self.stopped_tasks:
@@ -241,8 +277,13 @@ steps are, small next to a step."""
 def _cut(mb: MicroBatch, tokens: int) -> MicroBatch:
     """The first rows of a micro-batch that fit in ``tokens`` (at least one)."""
     keep = 1
-    while keep < len(mb.lengths) and replace(mb, seq_ids=mb.seq_ids[:keep + 1], task_ids=mb.task_ids[:keep + 1],
-                                             lengths=mb.lengths[:keep + 1]).tokens <= tokens:
+    while (
+        keep < len(mb.lengths)
+        and replace(
+            mb, seq_ids=mb.seq_ids[: keep + 1], task_ids=mb.task_ids[: keep + 1], lengths=mb.lengths[: keep + 1]
+        ).tokens
+        <= tokens
+    ):
         keep += 1
     return replace(mb, seq_ids=mb.seq_ids[:keep], task_ids=mb.task_ids[:keep], lengths=mb.lengths[:keep])
 

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet.costmodel import AdapterLoad, ParallelConfig, analytic_cost_model, analytic_profile, load_cost_model, write_profile
+from lorafleet.costmodel import (
+    AdapterLoad,
+    ParallelConfig,
+    analytic_cost_model,
+    analytic_profile,
+    load_cost_model,
+    write_profile,
+)
 from lorafleet.costmodel.build import profile_cost_model
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
@@ -67,7 +74,9 @@ def test_adapter_load_moves_memory_and_overheads_of_a_profile(tmp_path):
     assert twelve.max_tokens(config) < base.max_tokens(config)
     assert twelve.step_overhead(config) > base.step_overhead(config)
     # Recomputing analytically for 12 tasks lands on the same M.
-    assert twelve.max_tokens(config) == pytest.approx(analytic_cost_model(LLAMA7B, CLUSTER, AdapterLoad.uniform(12, 16)).max_tokens(config), abs=2)
+    assert twelve.max_tokens(config) == pytest.approx(
+        analytic_cost_model(LLAMA7B, CLUSTER, AdapterLoad.uniform(12, 16)).max_tokens(config), abs=2
+    )
 
 
 def test_profile_must_match_model_and_gpu(tmp_path):

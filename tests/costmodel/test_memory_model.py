@@ -45,7 +45,9 @@ def test_more_memory_tp_or_pp_hold_more_tokens():
     assert _m(ParallelConfig(1, 1)) < _m(ParallelConfig(1, 4))
 
 
-@pytest.mark.parametrize("config", [ParallelConfig(1, 1), ParallelConfig(2, 1), ParallelConfig(8, 1), ParallelConfig(2, 4)])
+@pytest.mark.parametrize(
+    "config", [ParallelConfig(1, 1), ParallelConfig(2, 1), ParallelConfig(8, 1), ParallelConfig(2, 4)]
+)
 def test_recompute_keeps_one_hidden_state_per_block(config):
     """With recompute a token costs (blocks + 1) hidden states per micro-batch in flight plus
     one block's activations, not every block's: same static bytes, ~10x the tokens on Llama2-7B."""

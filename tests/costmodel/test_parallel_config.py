@@ -28,7 +28,9 @@ def test_invalid_configs_name_their_problem(config, model, problem):
     assert problems and any(problem in p for p in problems)
 
 
-@pytest.mark.parametrize("config", [ParallelConfig(1, 1), ParallelConfig(8, 1), ParallelConfig(2, 8), ParallelConfig(8, 2)])
+@pytest.mark.parametrize(
+    "config", [ParallelConfig(1, 1), ParallelConfig(8, 1), ParallelConfig(2, 8), ParallelConfig(8, 2)]
+)
 def test_valid_configs_have_no_problem(config):
     assert config_problems(config, LLAMA7B, TWO_NODES) == []
 

@@ -23,7 +23,9 @@ from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.model import MODEL_PRESETS
 
-PROFILE = analytic_profile(MODEL_PRESETS["tiny-llama"], ClusterSpec(gpu="cpu", nodes=1, gpus_per_node=2), AdapterLoad.uniform(3, 8))
+PROFILE = analytic_profile(
+    MODEL_PRESETS["tiny-llama"], ClusterSpec(gpu="cpu", nodes=1, gpus_per_node=2), AdapterLoad.uniform(3, 8)
+)
 RECORDS = Records(
     layer=(
         LayerRecord(tp=1, mbs=2, seq_len=64, time_ms=3.5),

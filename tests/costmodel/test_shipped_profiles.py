@@ -17,7 +17,9 @@ MEASURED = PROFILES / "tiny-llama-cpu.json"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("make_analytic_profiles", REPO / "scripts" / "make_analytic_profiles.py")
+    spec = importlib.util.spec_from_file_location(
+        "make_analytic_profiles", REPO / "scripts" / "make_analytic_profiles.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -39,7 +41,9 @@ def test_analytic_profiles_are_what_the_script_makes():
     shipped = {p.name for p in PROFILES.glob("*-analytic.json")}
     assert shipped == set(made)
     for name, profile in made.items():
-        assert read_profile(PROFILES / name) == profile, f"{name} is stale: run python scripts/make_analytic_profiles.py"
+        assert read_profile(PROFILES / name) == profile, (
+            f"{name} is stale: run python scripts/make_analytic_profiles.py"
+        )
 
 
 def test_measured_cpu_profile_predicts_held_out_steps():
@@ -47,7 +51,12 @@ def test_measured_cpu_profile_predicts_held_out_steps():
     on this CPU within 10% median relative error."""
     profile = read_profile(MEASURED)
     assert {r.tp for r in profile.records.layer} == {1, 2}
-    assert {r.config for r in profile.memory} == {ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1), ParallelConfig(2, 2)}
+    assert {r.config for r in profile.memory} == {
+        ParallelConfig(1, 1),
+        ParallelConfig(1, 2),
+        ParallelConfig(2, 1),
+        ParallelConfig(2, 2),
+    }
     summary = summarize(heldout_comparisons(profile, resolve_model(profile.model)))
     replica = summary["heldout_replica"]
     assert replica.n >= 10

@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lorafleet.costmodel.time_model import AffineTime, LayerTimeCoeffs, Link, MicroBatchShape, features_of, shape_features
+from lorafleet.costmodel.time_model import (
+    AffineTime,
+    LayerTimeCoeffs,
+    Link,
+    MicroBatchShape,
+    features_of,
+    shape_features,
+)
 
 COEFFS = LayerTimeCoeffs((1e-7, 2e-8, 4e-3, 8e-4, 3e-2, 2.5))
 
@@ -75,8 +82,13 @@ def test_link_alpha_beta_and_ring_allreduce():
 def test_features_of_many_is_each_one_alone():
     """The one-pass features of a mixed list (padded, packed, empty between them) are those of
     each micro-batch alone, and a padded (b, s) is [b s^2, s^2, b s, s, b, 1]."""
-    mbs = [MicroBatchShape.padded(3, 7), MicroBatchShape((), None), MicroBatchShape.packed([5, 2, 9]),
-           MicroBatchShape((), 4), MicroBatchShape.packed([1])]
+    mbs = [
+        MicroBatchShape.padded(3, 7),
+        MicroBatchShape((), None),
+        MicroBatchShape.packed([5, 2, 9]),
+        MicroBatchShape((), 4),
+        MicroBatchShape.packed([1]),
+    ]
     many = features_of(mbs)
     assert many.shape == (5, 6)
     assert np.array_equal(many[0], [3 * 49, 49, 21, 7, 3, 1]) and not many[1].any() and not many[3].any()

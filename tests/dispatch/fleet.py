@@ -50,25 +50,39 @@ def make_plan(layout: Sequence[tuple[ParallelConfig, int]], n_tasks: int = 6) ->
     gpu = 0
     for config, count in layout:
         for _ in range(count):
-            replicas.append(ReplicaSpec(len(replicas), config, MAX_TOKENS[config.tp], tuple(range(gpu, gpu + config.n_gpus))))
+            replicas.append(
+                ReplicaSpec(len(replicas), config, MAX_TOKENS[config.tp], tuple(range(gpu, gpu + config.n_gpus)))
+            )
             gpu += config.n_gpus
-    return DeploymentPlan(model="llama2-7b", gpu="A100-40GB", n_gpus=gpu, gpus_per_node=8,
-                          tasks=tuple(f"task{k}" for k in range(n_tasks)), replicas=tuple(replicas),
-                          bucket_boundaries=(), expected_makespan_s=0.0)
+    return DeploymentPlan(
+        model="llama2-7b",
+        gpu="A100-40GB",
+        n_gpus=gpu,
+        gpus_per_node=8,
+        tasks=tuple(f"task{k}" for k in range(n_tasks)),
+        replicas=tuple(replicas),
+        bucket_boundaries=(),
+        expected_makespan_s=0.0,
+    )
 
 
 def make_batch(lengths: Sequence[int], task_ids: Sequence[int], step: int = 0) -> GlobalBatch:
     lengths = np.asarray(lengths, dtype=np.int64)
-    return GlobalBatch(step=step, task_ids=np.asarray(task_ids, dtype=np.int64),
-                       sample_ids=np.arange(lengths.size, dtype=np.int64), lengths=lengths)
+    return GlobalBatch(
+        step=step,
+        task_ids=np.asarray(task_ids, dtype=np.int64),
+        sample_ids=np.arange(lengths.size, dtype=np.int64),
+        lengths=lengths,
+    )
 
 
 LOBRA_7B_TASKS = ((207, 256), (702, 128), (526, 128), (663, 128), (3622, 64), (269, 128))
 """(mean length, batch size) of LobRA's six 7B tasks: dolly, evol-instruct, xsum, commitpackft, meetingbank, python."""
 
 
-def lognormal_batch(step: int, tasks: Sequence[tuple[int, int]] = LOBRA_7B_TASKS, scale: float = 1.0,
-                    max_len: int = 16384) -> GlobalBatch:
+def lognormal_batch(
+    step: int, tasks: Sequence[tuple[int, int]] = LOBRA_7B_TASKS, scale: float = 1.0, max_len: int = 16384
+) -> GlobalBatch:
     """A skewed multi-task batch: lognormal lengths (sigma 1) with the tasks' means, ``scale`` x batch sizes."""
     rng = np.random.default_rng(step)
     lengths, task_ids = [], []

@@ -12,10 +12,10 @@ from lorafleet.dispatch.balance import balance_by_length
 from lorafleet.dispatch.ilp import build_model, solve_dispatch_ilp
 from lorafleet.dispatch.load import config_classes
 from lorafleet.dispatch.microbatch import padded_microbatches
-from lorafleet.specs.dispatch import DispatchOptions, MicroBatchMode
 from lorafleet.dispatch.placement import interleave, place_sequences, placed_times
 from lorafleet.dispatch.step import choose_buckets
 from lorafleet.solvers import SolverName, solve
+from lorafleet.specs.dispatch import DispatchOptions, MicroBatchMode
 from tests.dispatch.fleet import LOBRA_7B_PLAN, TP1, TP2, TP2_PP2, TP4, TP8, lobra_7b_cost_model, make_batch, make_plan
 
 COST_MODEL = lobra_7b_cost_model()
@@ -49,12 +49,15 @@ def all_assignments(load):
         yield np.stack(columns, axis=1)
 
 
-@pytest.mark.parametrize("layout,seed", [
-    (((TP1, 2), (TP2, 1)), 0),
-    (((TP1, 3), (TP4, 1)), 1),
-    (((TP1, 2), (TP2_PP2, 1)), 2),  # pipelined: the bubble constraints
-    (((TP2_PP2, 1), (TP8, 1)), 3),
-])
+@pytest.mark.parametrize(
+    "layout,seed",
+    [
+        (((TP1, 2), (TP2, 1)), 0),
+        (((TP1, 3), (TP4, 1)), 1),
+        (((TP1, 2), (TP2_PP2, 1)), 2),  # pipelined: the bubble constraints
+        (((TP2_PP2, 1), (TP8, 1)), 3),
+    ],
+)
 def test_milp_optimum_equals_brute_force(layout, seed):
     _, _, load, fast = small_load(layout, n_seqs=9, n_buckets=3, seed=seed)
     best = min(load.makespan(d) for d in all_assignments(load))
@@ -89,8 +92,9 @@ def test_load_model_is_the_cost_model_in_padding_mode():
     p = load.n_replicas[:, None]
     d = fast.counts // p * p
     d[-1] += load.counts - d.sum(axis=0)  # the rest to the <8,1> class (p = 1), which holds every bucket
-    held = place_sequences(load, d, np.searchsorted(load.boundaries, batch.lengths), batch.lengths, batch.task_ids,
-                           len(plan.replicas))
+    held = place_sequences(
+        load, d, np.searchsorted(load.boundaries, batch.lengths), batch.lengths, batch.task_ids, len(plan.replicas)
+    )
     times = load.times(d)
     padded_len = load.boundaries[np.searchsorted(load.boundaries, batch.lengths)]
     for i, cls in enumerate(load.classes):
@@ -110,8 +114,18 @@ def test_placed_times_are_the_cost_model_of_the_placed_replicas_in_padding_mode(
     held = place_sequences(load, fast.counts, bucket, batch.lengths, batch.task_ids, len(plan.replicas))
     placed = placed_times(load, fast.counts)
     for i, cls in enumerate(load.classes):
-        estimates = [COST_MODEL.replica_time(cls.config, [mb.shape for mb in padded_microbatches(
-            held[r], batch.lengths, batch.task_ids, load.boundaries[bucket], cls.max_tokens)]) for r in cls.replicas]
+        estimates = [
+            COST_MODEL.replica_time(
+                cls.config,
+                [
+                    mb.shape
+                    for mb in padded_microbatches(
+                        held[r], batch.lengths, batch.task_ids, load.boundaries[bucket], cls.max_tokens
+                    )
+                ],
+            )
+            for r in cls.replicas
+        ]
         assert placed[i] == pytest.approx(max(estimates), rel=1e-9)
     assert np.all(placed <= load.times(fast.counts)) and placed.max() < load.makespan(fast.counts)
 
@@ -123,8 +137,11 @@ def test_replica_load_beyond_the_step_counts_uses_the_closed_form():
         b = np.maximum(load.microbatch_rows[i], 1)
         alpha, beta = load.per_seq_s[i], load.per_microbatch_s[i]
         for rows in (load.counts, load.counts * 3 + 1):  # in the tables, beyond them
-            expected = (load.overhead_s[i] + (alpha * rows + beta * np.ceil(rows / b)).sum()
-                        + (load.pp[i] - 1) * (alpha * np.minimum(rows, b) + beta).max())
+            expected = (
+                load.overhead_s[i]
+                + (alpha * rows + beta * np.ceil(rows / b)).sum()
+                + (load.pp[i] - 1) * (alpha * np.minimum(rows, b) + beta).max()
+            )
             assert load.replica_load(i, rows) == pytest.approx(expected)
 
 

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from lorafleet.dispatch.bucketing import bucket_of, candidate_lengths, optimal_buckets, optimal_buckets_by_count
 
 
-def brute_force_padding(lengths: np.ndarray, weights: np.ndarray, n_buckets: int, alignment: int,
-                        barriers: list[int]) -> float:
+def brute_force_padding(
+    lengths: np.ndarray, weights: np.ndarray, n_buckets: int, alignment: int, barriers: list[int]
+) -> float:
     """Least padding over every set of at most ``n_buckets`` boundaries drawn from the candidates."""
     cand = candidate_lengths(lengths, alignment, barriers)
     values = np.unique(cand)
@@ -34,11 +35,18 @@ small_lengths = st.lists(st.integers(1, 300), min_size=1, max_size=9)
 
 
 @settings(max_examples=150, deadline=None)
-@given(lengths=small_lengths, n_buckets=st.integers(1, 4), alignment=st.sampled_from([1, 8, 16]),
-       barriers=st.lists(st.integers(1, 300), max_size=2), data=st.data())
+@given(
+    lengths=small_lengths,
+    n_buckets=st.integers(1, 4),
+    alignment=st.sampled_from([1, 8, 16]),
+    barriers=st.lists(st.integers(1, 300), max_size=2),
+    data=st.data(),
+)
 def test_dp_matches_brute_force(lengths, n_buckets, alignment, barriers, data):
     lengths = np.array(lengths)
-    weights = np.array(data.draw(st.lists(st.integers(1, 5), min_size=lengths.size, max_size=lengths.size)), dtype=float)
+    weights = np.array(
+        data.draw(st.lists(st.integers(1, 5), min_size=lengths.size, max_size=lengths.size)), dtype=float
+    )
     expected = brute_force_padding(lengths, weights, n_buckets, alignment, barriers)
     if expected == np.inf:  # fewer buckets than barrier segments
         with pytest.raises(ValueError, match="barrier segments"):

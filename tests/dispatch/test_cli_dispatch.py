@@ -25,7 +25,9 @@ def files(tmp_path):
     workload = tmp_path / "workload.yaml"
     workload.write_text(WORKLOAD)
     plan = tmp_path / "plan.json"
-    dataclasses.replace(make_plan(LOBRA_7B_PLAN, n_tasks=2), tasks=("chat", "docs"), bucket_boundaries=(16384,)).save(plan)
+    dataclasses.replace(make_plan(LOBRA_7B_PLAN, n_tasks=2), tasks=("chat", "docs"), bucket_boundaries=(16384,)).save(
+        plan
+    )
     return workload, plan, tmp_path
 
 
@@ -41,7 +43,9 @@ def test_prints_steps_and_writes_assignments(files, capsys):
     assert [s["step"] for s in data["steps"]] == [0, 1]
     for step in data["steps"]:
         assert len(step["replicas"]) == 8
-        rows = [(t, n) for r in step["replicas"] for mb in r["microbatches"] for t, n in zip(mb["tasks"], mb["lengths"])]
+        rows = [
+            (t, n) for r in step["replicas"] for mb in r["microbatches"] for t, n in zip(mb["tasks"], mb["lengths"])
+        ]
         assert sorted(t for t, _ in rows) == ["chat"] * 32 + ["docs"] * 8
         for replica in step["replicas"]:
             for mb in replica["microbatches"]:
@@ -52,17 +56,31 @@ def test_prints_steps_and_writes_assignments(files, capsys):
 
 def test_exact_and_packing(files, capsys):
     workload, plan, _ = files
-    argv = ["dispatch", str(workload), "--plan", str(plan), "--method", "exact", "--solver", "highs", "--microbatch", "packing"]
+    argv = [
+        "dispatch",
+        str(workload),
+        "--plan",
+        str(plan),
+        "--method",
+        "exact",
+        "--solver",
+        "highs",
+        "--microbatch",
+        "packing",
+    ]
     assert main(argv) == 0
     assert "milp:highs:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("extra,message", [
-    (["--steps", "0"], "<args>: --steps: must be >= 1"),
-    (["--method", "greedy"], "<args>: --method: 'greedy' is not one of fast, exact, length"),
-    (["--time-limit", "0"], "<args>: --time-limit: must be > 0"),
-    (["--buckets", "0"], "<args>: --buckets"),
-])
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--steps", "0"], "<args>: --steps: must be >= 1"),
+        (["--method", "greedy"], "<args>: --method: 'greedy' is not one of fast, exact, length"),
+        (["--time-limit", "0"], "<args>: --time-limit: must be > 0"),
+        (["--buckets", "0"], "<args>: --buckets"),
+    ],
+)
 def test_bad_flags_are_one_line_errors(files, capsys, extra, message):
     workload, plan, _ = files
     assert main(["dispatch", str(workload), "--plan", str(plan), *extra]) == 2
@@ -84,10 +102,14 @@ def test_sequence_longer_than_every_replica(files, capsys):
     """Found by the plan check, before any batch is drawn."""
     workload, _, tmp = files
     small = tmp / "small.json"
-    dataclasses.replace(make_plan(LOBRA_7B_PLAN[:2], n_tasks=2), tasks=("chat", "docs"), bucket_boundaries=(16384,)).save(small)
+    dataclasses.replace(
+        make_plan(LOBRA_7B_PLAN[:2], n_tasks=2), tasks=("chat", "docs"), bucket_boundaries=(16384,)
+    ).save(small)
     assert main(["dispatch", str(workload), "--plan", str(small), "--steps", "3"]) == 2
-    assert "small.json: replicas: no replica holds task 'docs''s 15000-token sequences (largest max_tokens 4096)" \
+    assert (
+        "small.json: replicas: no replica holds task 'docs''s 15000-token sequences (largest max_tokens 4096)"
         in capsys.readouterr().err
+    )
 
 
 def test_a_long_run_shows_progress_and_an_absurd_one_is_refused(files, capsys):

@@ -25,7 +25,18 @@ from lorafleet.dispatch.load import config_classes
 from lorafleet.dispatch.step import choose_buckets
 from lorafleet.errors import InputError, SolverFallbackWarning
 from lorafleet.solvers import SolveResult, SolverName, SolveStatus
-from tests.dispatch.fleet import LOBRA_7B_PLAN, TP1, TP2, TP2_PP2, TP4, TP8, lobra_7b_cost_model, lognormal_batch, make_batch, make_plan
+from tests.dispatch.fleet import (
+    LOBRA_7B_PLAN,
+    TP1,
+    TP2,
+    TP2_PP2,
+    TP4,
+    TP8,
+    lobra_7b_cost_model,
+    lognormal_batch,
+    make_batch,
+    make_plan,
+)
 
 COST_MODEL = lobra_7b_cost_model()
 LAYOUTS = [LOBRA_7B_PLAN, ((TP1, 2), (TP2, 1)), ((TP1, 2), (TP2_PP2, 1), (TP8, 1)), ((TP4, 2),), ((TP2, 3), (TP8, 1))]
@@ -104,7 +115,9 @@ def test_fluid_bound_is_below_the_steps_estimate(case):
 @given(case=dispatch_cases())
 def test_deterministic(case):
     batch, plan, options = case
-    first, second = (dataclasses.replace(dispatch_step(batch, plan, COST_MODEL, options), solve_s=0.0) for _ in range(2))
+    first, second = (
+        dataclasses.replace(dispatch_step(batch, plan, COST_MODEL, options), solve_s=0.0) for _ in range(2)
+    )
     assert first == second
 
 
@@ -133,7 +146,9 @@ def test_exact_method_is_at_least_as_good_and_reports_its_bound():
     plan = make_plan(((TP1, 3), (TP2, 1), (TP8, 1)))
     batch = lognormal_batch(1, scale=0.15)
     fast = solve_step(batch, plan, COST_MODEL, DispatchOptions())
-    exact = solve_step(batch, plan, COST_MODEL, DispatchOptions(method="exact", solver=SolverName.HIGHS, time_limit_s=30))
+    exact = solve_step(
+        batch, plan, COST_MODEL, DispatchOptions(method="exact", solver=SolverName.HIGHS, time_limit_s=30)
+    )
     assert exact.plan.method.startswith("milp:highs:")
     assert exact.modelled_makespan_s <= fast.modelled_makespan_s * (1 + 1e-6)
     assert exact.lower_bound_s is not None and exact.lower_bound_s <= exact.modelled_makespan_s * (1 + 1e-6)
@@ -162,7 +177,9 @@ def test_near_zero_time_limit_never_skips_the_step(solver):
     batch = lognormal_batch(4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step_plan = dispatch_step(batch, plan, COST_MODEL, DispatchOptions(method="exact", solver=solver, time_limit_s=1e-3))
+        step_plan = dispatch_step(
+            batch, plan, COST_MODEL, DispatchOptions(method="exact", solver=solver, time_limit_s=1e-3)
+        )
     check_step_plan(step_plan, batch, plan, DispatchOptions())
     fell_back = step_plan.method.endswith("->fast")
     assert fell_back == any(issubclass(w.category, SolverFallbackWarning) for w in caught)
@@ -174,8 +191,18 @@ def test_too_long_sequence_is_an_input_error():
         dispatch_step(make_batch([100, 5000], [0, 1]), plan, COST_MODEL)
 
 
-@pytest.mark.parametrize("field,value", [("method", "greedy"), ("microbatch_mode", "pad"), ("solver", "gurobi"),
-                                         ("time_limit_s", 0), ("n_buckets", 0), ("bucket_alignment", 0), ("gap_rel", 1.5)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("method", "greedy"),
+        ("microbatch_mode", "pad"),
+        ("solver", "gurobi"),
+        ("time_limit_s", 0),
+        ("n_buckets", 0),
+        ("bucket_alignment", 0),
+        ("gap_rel", 1.5),
+    ],
+)
 def test_bad_options_name_the_field(field, value):
     with pytest.raises(InputError, match=field):
         DispatchOptions(**{field: value})
@@ -194,6 +221,9 @@ def test_fairness_matrix_accounts_for_every_token():
     batch = lognormal_batch(5)
     tokens = task_tokens_per_replica(dispatch_step(batch, plan, COST_MODEL), n_tasks=6)
     assert tokens.shape == (len(plan.replicas), 6)
-    assert tokens.sum(axis=0).tolist() == np.bincount(batch.task_ids, weights=batch.lengths, minlength=6).astype(int).tolist()
+    assert (
+        tokens.sum(axis=0).tolist()
+        == np.bincount(batch.task_ids, weights=batch.lengths, minlength=6).astype(int).tolist()
+    )
     # replicas of one class share every task: the six <1,1> replicas each get some of every short task
     assert np.all(tokens[:6, [0, 5]] > 0)

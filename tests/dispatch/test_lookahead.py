@@ -43,8 +43,11 @@ def test_next_step_is_planned_while_the_current_one_runs():
 
 
 def test_fallback_is_warned_on_the_callers_thread(monkeypatch):
-    monkeypatch.setattr(ilp_module, "solve", lambda problem, solver, time_limit_s, gap_rel:
-                        SolveResult(SolveStatus.FAILED, None, 0.0, SolverName(solver)))
+    monkeypatch.setattr(
+        ilp_module,
+        "solve",
+        lambda problem, solver, time_limit_s, gap_rel: SolveResult(SolveStatus.FAILED, None, 0.0, SolverName(solver)),
+    )
     with LookaheadDispatcher(batch_for_step, PLAN, COST_MODEL, DispatchOptions(method="exact")) as ahead:
         with pytest.warns(SolverFallbackWarning):
             step_plan = ahead.plan_for(0)

@@ -35,8 +35,11 @@ def test_padded_batch_count_is_ceil_per_bucket_and_order_is_1f1b():
 
 
 @settings(max_examples=80, deadline=None)
-@given(lengths=st.lists(st.integers(1, 4096), min_size=1, max_size=60), max_tokens=st.sampled_from([4096, 8192]),
-       data=st.data())
+@given(
+    lengths=st.lists(st.integers(1, 4096), min_size=1, max_size=60),
+    max_tokens=st.sampled_from([4096, 8192]),
+    data=st.data(),
+)
 def test_packing_keeps_every_sequence_whole_within_m(lengths, max_tokens, data):
     lengths = np.array(lengths)
     task_ids = np.array(data.draw(st.lists(st.integers(0, 3), min_size=lengths.size, max_size=lengths.size)))

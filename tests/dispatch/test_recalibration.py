@@ -18,15 +18,19 @@ from lorafleet.specs.dispatch import DispatchOptions, DispatchPolicy, MicroBatch
 from tests.dispatch.fleet import LOBRA_7B_PLAN, TP1, lobra_7b_cost_model, lognormal_batch, make_plan
 
 COST_MODEL = lobra_7b_cost_model()
-PLAN = replace(make_plan(LOBRA_7B_PLAN), policy=DispatchPolicy(options=DispatchOptions(microbatch_mode=MicroBatchMode.PACKING)))
+PLAN = replace(
+    make_plan(LOBRA_7B_PLAN), policy=DispatchPolicy(options=DispatchOptions(microbatch_mode=MicroBatchMode.PACKING))
+)
 
 
 def _step(predicted, speed=()) -> StepPlan:
     from lorafleet.plans import MicroBatch
 
     mb = MicroBatch(seq_ids=(0,), task_ids=(0,), lengths=(10,), padded_len=None)
-    work = tuple(ReplicaWork(replica_id=r, microbatches=(mb,) if p > 0 else (), estimated_time_s=p)
-                 for r, p in enumerate(predicted))
+    work = tuple(
+        ReplicaWork(replica_id=r, microbatches=(mb,) if p > 0 else (), estimated_time_s=p)
+        for r, p in enumerate(predicted)
+    )
     return StepPlan(step=0, bucket_boundaries=(16,), work=work, estimated_makespan_s=max(predicted), speed=tuple(speed))
 
 
@@ -74,8 +78,9 @@ def test_bounded_and_skipping_what_says_nothing():
     assert other.factors == (1.0, 1.0)
 
 
-@pytest.mark.parametrize("bad", [dict(smoothing=1.0), dict(smoothing=-0.1), dict(bound=0.5), dict(bound=math.inf),
-                                 dict(smoothing=math.nan)])
+@pytest.mark.parametrize(
+    "bad", [dict(smoothing=1.0), dict(smoothing=-0.1), dict(bound=0.5), dict(bound=math.inf), dict(smoothing=math.nan)]
+)
 def test_bad_options(bad):
     from lorafleet.errors import InputError
 
@@ -102,8 +107,9 @@ def test_unit_speed_changes_nothing_and_a_slow_replica_is_priced_slower():
     tokens = task_tokens_per_replica(slow, 6).sum(axis=1)
     before = task_tokens_per_replica(plain, 6).sum(axis=1)
     assert tokens[0] < 0.65 * before[0]
-    assert slow.work[0].estimated_time_s == pytest.approx(2.0 * COST_MODEL.replica_time(
-        PLAN.replicas[0].config, [mb.shape for mb in slow.work[0].microbatches]))
+    assert slow.work[0].estimated_time_s == pytest.approx(
+        2.0 * COST_MODEL.replica_time(PLAN.replicas[0].config, [mb.shape for mb in slow.work[0].microbatches])
+    )
     assert slow.base_estimate(0) == pytest.approx(slow.work[0].estimated_time_s / 2.0)
 
 

@@ -11,8 +11,10 @@ import torch
 from lorafleet.executor.torch import attention
 
 pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="needs a CUDA GPU (CPU twin: the per-document loop, tests/training/test_step.py)"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU (CPU twin: the per-document loop, tests/training/test_step.py)",
+    ),
     pytest.mark.skipif(attention.varlen_attn is None, reason="this torch has no torch.nn.attention.varlen"),
 ]
 
@@ -33,8 +35,9 @@ def test_varlen_matches_the_loop(rows, bounds, window):
     got = [out, *torch.autograd.grad(out, (q, k, v), grad)]
     groups = heads // kv_heads
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
-    ref = attention.per_document(qf, kf.repeat_interleave(groups, 1), vf.repeat_interleave(groups, 1), bounds, window,
-                                 scaling=d**-0.5)
+    ref = attention.per_document(
+        qf, kf.repeat_interleave(groups, 1), vf.repeat_interleave(groups, 1), bounds, window, scaling=d**-0.5
+    )
     want = [ref, *torch.autograd.grad(ref, (qf, kf, vf), grad.float())]
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
         assert (g.float() - w).norm() <= 2e-2 * w.norm(), name

@@ -39,9 +39,16 @@ def workload(tmp_path, tiny_tokenizer_dir):
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
         f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128}}\n"
     )
-    plan = DeploymentPlan(model="tiny-llama", gpu="H200-141GB", n_gpus=1, gpus_per_node=1, tasks=("docsum", "chat"),
-                          replicas=(ReplicaSpec(0, ParallelConfig(1, 1), 4096, (0,)),), bucket_boundaries=(),
-                          expected_makespan_s=0.0)
+    plan = DeploymentPlan(
+        model="tiny-llama",
+        gpu="H200-141GB",
+        n_gpus=1,
+        gpus_per_node=1,
+        tasks=("docsum", "chat"),
+        replicas=(ReplicaSpec(0, ParallelConfig(1, 1), 4096, (0,)),),
+        bucket_boundaries=(),
+        expected_makespan_s=0.0,
+    )
     plan.save(tmp_path / "plan.json")
     return path, tmp_path / "plan.json"
 
@@ -51,9 +58,28 @@ def test_nccl_training_steps_and_changes_the_adapters(workload, tmp_path):
     out = tmp_path / "out"
     # lorafleet need not be installed (the GPU machine runs the checkout): the torchrun workers find it here.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-m", "lorafleet", "train", str(path), "--plan", str(plan),
-                             "--steps", str(STEPS), "--out", str(out), "--device", "cuda"],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lorafleet",
+            "train",
+            str(path),
+            "--plan",
+            str(plan),
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(out),
+            "--device",
+            "cuda",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(STEPS))

@@ -19,7 +19,10 @@ from __future__ import annotations
 import os
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    raise RuntimeError("run these cases through tests/multi_lora/test_segment_lora_kernels.py (needs TRITON_INTERPRET=1 before triton loads)")
+    raise RuntimeError(
+        "run these cases through tests/multi_lora/test_segment_lora_kernels.py (needs TRITON_INTERPRET=1 before "
+        "triton loads)"
+    )
 
 
 import pytest
@@ -74,7 +77,9 @@ def test_tables_are_copied_once_per_routing():
 
     routing = LoraRouting(Segments([0, 1], [0, 9], [9, 5]), (1.0, 2.0), (0.0, 0.25))
     first = segment_lora._tables(routing, torch.device("cpu"))
-    again = segment_lora._tables(LoraRouting(Segments([0, 1], [0, 9], [9, 5]), (1.0, 2.0), (0.0, 0.25)), torch.device("cpu"))
+    again = segment_lora._tables(
+        LoraRouting(Segments([0, 1], [0, 9], [9, 5]), (1.0, 2.0), (0.0, 0.25)), torch.device("cpu")
+    )
     assert all(a is b for a, b in zip(first, again))
     ints, floats = first
     assert ints.tolist() == [0, 9, 9, 5, 0, 1, 0, 1, 2, 0, 1]  # starts | lengths | ids | CSR offsets | by adapter

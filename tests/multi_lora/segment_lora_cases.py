@@ -46,8 +46,14 @@ class CaseTensors:
         def move(t: Tensor) -> Tensor:
             return t.to(device=device, dtype=dtype)
 
-        return CaseTensors(move(self.x), move(self.W), move(self.b), tuple(map(move, self.A)), tuple(map(move, self.B)),
-                           move(self.grad_y))
+        return CaseTensors(
+            move(self.x),
+            move(self.W),
+            move(self.b),
+            tuple(map(move, self.A)),
+            tuple(map(move, self.B)),
+            move(self.grad_y),
+        )
 
 
 def case_tensors(K: int, N: int, ranks: tuple[int, ...], segments: Segments) -> CaseTensors:
@@ -71,11 +77,12 @@ def result_names(n_adapters: int) -> list[str]:
     return ["y", "dx", *(f"dA{a}" for a in range(n_adapters)), *(f"dB{a}" for a in range(n_adapters))]
 
 
-def forward_backward(backend: LoraBackend, t: CaseTensors, routing: LoraRouting, keep: Tensor | None) -> list[Tensor | None]:
+def forward_backward(
+    backend: LoraBackend, t: CaseTensors, routing: LoraRouting, keep: Tensor | None
+) -> list[Tensor | None]:
     """``[y, dx, dA_0.., dB_0..]`` of one forward and backward (None: an adapter with no rows gets no gradient)."""
     leaves = [v.clone().requires_grad_() for v in (t.x, *t.A, *t.B)]
     n = len(t.A)
     y = multi_lora_linear(leaves[0], t.W, t.b, leaves[1 : 1 + n], leaves[1 + n :], routing, keep, backend)
     y.backward(t.grad_y)
     return [y.detach()] + [v.grad for v in leaves]
-

@@ -69,7 +69,9 @@ def peft_task_layer(layer: MultiLoraLinear, adapter_id: int) -> PeftLinear:
 
 
 def rows_of(segments: Segments, adapter_id: int) -> torch.Tensor:
-    return torch.cat([torch.arange(s, s + n) for a, s, n in segments if a == adapter_id] or [torch.zeros(0, dtype=torch.long)])
+    return torch.cat(
+        [torch.arange(s, s + n) for a, s, n in segments if a == adapter_id] or [torch.zeros(0, dtype=torch.long)]
+    )
 
 
 def peft_per_task(layer: MultiLoraLinear, x, grad_y, keep):
@@ -121,7 +123,11 @@ CASES = [
     ),
     (
         "dropout",  # exact backward: PEFT is handed the very mask the forward drew
-        {0: LoraSpec(rank=4, alpha=8, dropout=0.3), 1: LoraSpec(rank=4, alpha=8), 2: LoraSpec(rank=6, alpha=8, dropout=0.5)},
+        {
+            0: LoraSpec(rank=4, alpha=8, dropout=0.3),
+            1: LoraSpec(rank=4, alpha=8),
+            2: LoraSpec(rank=6, alpha=8, dropout=0.5),
+        },
         Segments.padded([0, 1, 2, 0], [5, 5, 5, 3], seq_len=5),
         True,
     ),
@@ -325,7 +331,11 @@ def test_mixed_ranks_split_by_rank_when_padding_costs_more():
     (one,) = _runs(routing, ranks, 128)
     assert one.adapters == tuple(range(6))
     pieces = _runs(routing, ranks, 8192)
-    assert [(r.adapters, r.start, r.spacing) for r in pieces] == [((0, 2, 4), 0, 256), ((1, 3), 128, 256), ((5,), 640, 128)]
+    assert [(r.adapters, r.start, r.spacing) for r in pieces] == [
+        ((0, 2, 4), 0, 256),
+        ((1, 3), 128, 256),
+        ((5,), 640, 128),
+    ]
 
 
 @contextmanager

@@ -75,7 +75,9 @@ def test_load_into_a_slot_reproduces_the_task(trained, tiny_model, tmp_path):
     # A fresh model whose slot 0 holds a different adapter (other rank and targets).
     target = tiny_model("llama")
     inject_multi_lora(target, [LoraSpec(rank=2, alpha=2)])
-    assert load_peft_adapter(target, path, 0) == TASKS[1].model_copy(update={"target_modules": ("k_proj", "up_proj", "v_proj")})
+    assert load_peft_adapter(target, path, 0) == TASKS[1].model_copy(
+        update={"target_modules": ("k_proj", "up_proj", "v_proj")}
+    )
     assert (task_logits(target, ids, 0) - want).abs().max() <= 1e-5
     holders = {name.rsplit(".", 1)[1] for name, layer in multi_lora_layers(target) if 0 in layer.adapters}
     assert holders == {"k_proj", "v_proj", "up_proj"}  # removed where the file has no adapter

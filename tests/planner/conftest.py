@@ -31,7 +31,8 @@ M_TP1 = 2048
 
 
 def lobra_like_cost_model(model: str = "llama2-7b", m_tp1: int = M_TP1, max_tp: int = 8, max_pp: int = 16) -> CostModel:
-    """LobRA's 7B A100 time model for every (tp, pp), power-of-two tp <= max_tp; M = m_tp1 * tp * sqrt(pp), floored to 256."""
+    """LobRA's 7B A100 time model for every (tp, pp), power-of-two tp <= max_tp;
+    M = m_tp1 * tp * sqrt(pp), floored to 256."""
     spec = MODEL_PRESETS[model]
     layer_time, table = {}, {}
     tp = 1
@@ -44,7 +45,9 @@ def lobra_like_cost_model(model: str = "llama2-7b", m_tp1: int = M_TP1, max_tp: 
     return CostModel(model=spec, layer_time=layer_time, max_tokens_table=table, source="test:lobra-like")
 
 
-def skewed_lengths(rng: np.random.Generator, n: int, longest: int, median: float = 300.0, sigma: float = 0.9) -> np.ndarray:
+def skewed_lengths(
+    rng: np.random.Generator, n: int, longest: int, median: float = 300.0, sigma: float = 0.9
+) -> np.ndarray:
     """Log-normal lengths capped at ``longest``, the first one exactly ``longest``."""
     lengths = np.minimum(np.exp(rng.normal(np.log(median), sigma, n)).astype(np.int64) + 1, longest)
     lengths[0] = longest
@@ -53,27 +56,50 @@ def skewed_lengths(rng: np.random.Generator, n: int, longest: int, median: float
 
 def batch_of(lengths: np.ndarray) -> GlobalBatch:
     lengths = np.asarray(lengths, dtype=np.int64)
-    return GlobalBatch(step=0, task_ids=np.zeros(lengths.size, dtype=np.int64),
-                       sample_ids=np.arange(lengths.size, dtype=np.int64), lengths=lengths)
+    return GlobalBatch(
+        step=0,
+        task_ids=np.zeros(lengths.size, dtype=np.int64),
+        sample_ids=np.arange(lengths.size, dtype=np.int64),
+        lengths=lengths,
+    )
 
 
-def tiny_problem(lengths: np.ndarray, cluster: ClusterSpec, cost_model: CostModel, n_buckets: int = 3,
-                 configs: tuple[ParallelConfig, ...] | None = None) -> PlanningProblem:
+def tiny_problem(
+    lengths: np.ndarray,
+    cluster: ClusterSpec,
+    cost_model: CostModel,
+    n_buckets: int = 3,
+    configs: tuple[ParallelConfig, ...] | None = None,
+) -> PlanningProblem:
     """A planning problem over every valid config (or ``configs``) of ``cluster`` for a batch of ``lengths``."""
     candidates = [c for c in valid_candidates(cost_model, cluster) if configs is None or c.config in configs]
     return build_problem(batch_of(lengths), candidates, cost_model, cluster, DispatchOptions(n_buckets=n_buckets))
 
 
-def write_workload(path: Path, tasks: list[dict], nodes: int = 2, gpus_per_node: int = 8, model: str = "llama2-7b",
-                   seed: int = 0, recompute: str = "auto") -> Path:
+def write_workload(
+    path: Path,
+    tasks: list[dict],
+    nodes: int = 2,
+    gpus_per_node: int = 8,
+    model: str = "llama2-7b",
+    seed: int = 0,
+    recompute: str = "auto",
+) -> Path:
     """A workload YAML whose tasks give ``name``, ``batch_size``, ``context_length`` and a ``histogram``."""
     spec = {
         "model": model,
         "cluster": {"gpu": "A100-40GB", "nodes": nodes, "gpus_per_node": gpus_per_node},
         "recompute": recompute,
         "seed": seed,
-        "tasks": [{"name": t["name"], "batch_size": t["batch_size"], "context_length": t["context_length"],
-                   "lengths": {"histogram": t["histogram"]}} for t in tasks],
+        "tasks": [
+            {
+                "name": t["name"],
+                "batch_size": t["batch_size"],
+                "context_length": t["context_length"],
+                "lengths": {"histogram": t["histogram"]},
+            }
+            for t in tasks
+        ],
     }
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -90,7 +116,12 @@ def small_workload(tmp_path: Path, seed: int = 0, nodes: int = 2, longest: int =
     tasks = [
         {"name": "chat", "batch_size": 96, "context_length": 2048, "histogram": skewed_histogram(rng, 200, 2048)},
         {"name": "code", "batch_size": 64, "context_length": 4096, "histogram": skewed_histogram(rng, 500, 4096)},
-        {"name": "summarise", "batch_size": 48, "context_length": longest, "histogram": skewed_histogram(rng, 1200, longest)},
+        {
+            "name": "summarise",
+            "batch_size": 48,
+            "context_length": longest,
+            "histogram": skewed_histogram(rng, 1200, longest),
+        },
     ]
     return load_workload(write_workload(tmp_path / f"workload-{seed}.yaml", tasks, nodes=nodes, seed=seed))
 

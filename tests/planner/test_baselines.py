@@ -25,12 +25,15 @@ from lorafleet.specs.cluster import ClusterSpec
 from .conftest import batch_of, lobra_like_cost_model, small_workload
 
 
-@pytest.mark.parametrize("longest,max_tokens,expected", [
-    (16384, 16384, (256, 512, 1024, 2048, 4096, 8192, 16384)),
-    (3000, 8192, (256, 512, 1024, 2048, 4096)),
-    (3000, 3500, (256, 512, 1024, 2048, 3500)),
-    (200, 2048, (256,)),
-])
+@pytest.mark.parametrize(
+    "longest,max_tokens,expected",
+    [
+        (16384, 16384, (256, 512, 1024, 2048, 4096, 8192, 16384)),
+        (3000, 8192, (256, 512, 1024, 2048, 4096)),
+        (3000, 3500, (256, 512, 1024, 2048, 3500)),
+        (200, 2048, (256,)),
+    ],
+)
 def test_pow2_boundaries(longest, max_tokens, expected):
     assert pow2_boundaries(longest, max_tokens) == expected
 
@@ -45,18 +48,28 @@ def test_static_buckets_pad_to_their_boundary_and_keep_real_lengths(workload, co
     cand = max(valid_candidates(cost_model_7b, cluster), key=lambda c: (c.max_tokens >= workload.max_length, -c.n_gpus))
     batch = sample_global_batch(workload, 3)
     policy = padding_policy(int(batch.lengths.max()), cand.max_tokens)
-    plan = build_plan(workload, cluster, [(cand.config, cand.max_tokens, 8 // cand.n_gpus)], solver="test", policy=policy,
-                      cost_model=cost_model_7b)
+    plan = build_plan(
+        workload,
+        cluster,
+        [(cand.config, cand.max_tokens, 8 // cand.n_gpus)],
+        solver="test",
+        policy=policy,
+        cost_model=cost_model_7b,
+    )
     step = dispatch_step(batch, plan, cost_model_7b)
     bounds = np.array(policy.static_boundaries)
     seen = []
     for work, replica in zip(step.work, plan.replicas, strict=True):
         for mb in work.microbatches:
-            assert all(bounds[np.searchsorted(bounds, l)] == mb.padded_len for l in mb.lengths)  # each row in its static bucket
-            assert all(l == batch.lengths[q] <= mb.padded_len for q, l in zip(mb.seq_ids, mb.lengths))
+            assert all(
+                bounds[np.searchsorted(bounds, n)] == mb.padded_len for n in mb.lengths
+            )  # each row in its static bucket
+            assert all(n == batch.lengths[q] <= mb.padded_len for q, n in zip(mb.seq_ids, mb.lengths))
             assert mb.tokens <= replica.max_tokens
             seen.extend(mb.seq_ids)
-        assert work.estimated_time_s == pytest.approx(cost_model_7b.replica_time(replica.config, [mb.shape for mb in work.microbatches]))
+        assert work.estimated_time_s == pytest.approx(
+            cost_model_7b.replica_time(replica.config, [mb.shape for mb in work.microbatches])
+        )
     assert sorted(seen) == list(range(len(batch)))
     expected_padding = int((bounds[np.searchsorted(bounds, batch.lengths)] - batch.lengths).sum())
     assert step.padding_tokens == expected_padding
@@ -69,9 +82,16 @@ def test_best_homogeneous_is_the_fewest_estimated_gpu_seconds(workload, cost_mod
     batch = expected_global_batch(workload)
     candidates = valid_candidates(cost_model_7b, cluster)
     chosen, replicas = best_homogeneous(batch, workload.max_length, candidates, cost_model_7b, cluster, mode, 16)
-    brute = min((estimated_makespan(batch, c, n, cost_model_7b, mode, 16) * n * c.n_gpus, c.config)
-                for c in candidates if c.max_tokens >= workload.max_length for n in [cluster.n_gpus // c.n_gpus])
-    assert (estimated_makespan(batch, chosen, replicas, cost_model_7b, mode, 16) * replicas * chosen.n_gpus, chosen.config) == brute
+    brute = min(
+        (estimated_makespan(batch, c, n, cost_model_7b, mode, 16) * n * c.n_gpus, c.config)
+        for c in candidates
+        if c.max_tokens >= workload.max_length
+        for n in [cluster.n_gpus // c.n_gpus]
+    )
+    assert (
+        estimated_makespan(batch, chosen, replicas, cost_model_7b, mode, 16) * replicas * chosen.n_gpus,
+        chosen.config,
+    ) == brute
 
 
 @pytest.mark.parametrize("mode", list(MicroBatchMode))
@@ -83,8 +103,14 @@ def test_estimate_is_the_dispatch_under_the_baselines_policy(workload, cost_mode
         if c.max_tokens < expected.lengths.max():
             continue
         n = cluster.n_gpus // c.n_gpus
-        policy = padding_policy(int(expected.lengths.max()), c.max_tokens) if mode is MicroBatchMode.PADDING else packing_policy(16)
-        plan = build_plan(workload, cluster, [(c.config, c.max_tokens, n)], solver="test", policy=policy, cost_model=cost_model_7b)
+        policy = (
+            padding_policy(int(expected.lengths.max()), c.max_tokens)
+            if mode is MicroBatchMode.PADDING
+            else packing_policy(16)
+        )
+        plan = build_plan(
+            workload, cluster, [(c.config, c.max_tokens, n)], solver="test", policy=policy, cost_model=cost_model_7b
+        )
         real = dispatch_step(expected, plan, cost_model_7b).estimated_makespan_s
         assert estimated_makespan(expected, c, n, cost_model_7b, mode, 16) == pytest.approx(real, rel=1e-9)
 
@@ -92,7 +118,9 @@ def test_estimate_is_the_dispatch_under_the_baselines_policy(workload, cost_mode
 def test_baseline_schedules_replay_step_by_step(workload, cost_model_7b):
     cluster = workload.cluster
     expected = expected_global_batch(workload)
-    schedules = baseline_schedules(workload, expected, valid_candidates(cost_model_7b, cluster), cost_model_7b, cluster, 16)
+    schedules = baseline_schedules(
+        workload, expected, valid_candidates(cost_model_7b, cluster), cost_model_7b, cluster, 16
+    )
     assert [s.name for s in schedules] == [k.value for k in BaselineKind]
     padding, packing, sequential = schedules
     assert len(padding.phases) == len(packing.phases) == 1
@@ -101,7 +129,10 @@ def test_baseline_schedules_replay_step_by_step(workload, cost_model_7b):
     assert [p.tasks for p in sequential.phases] == [(k,) for k in range(len(workload.tasks))]
     batch = sample_global_batch(workload, 0)
     cost = sequential.step_cost(batch, cost_model_7b)
-    parts = [dispatch_step(select_tasks(batch, p.tasks), p.plan, cost_model_7b).estimated_makespan_s for p in sequential.phases]
+    parts = [
+        dispatch_step(select_tasks(batch, p.tasks), p.plan, cost_model_7b).estimated_makespan_s
+        for p in sequential.phases
+    ]
     assert cost.makespan_s == pytest.approx(sum(parts))
     assert cost.gpu_seconds == pytest.approx(sum(t * p.plan.used_gpus for t, p in zip(parts, sequential.phases)))
     for phase in sequential.phases:  # every step's sequences fit, not just the expected batch's
@@ -119,6 +150,7 @@ def test_best_homogeneous_judges_replicas_as_placed():
     the all-ceil estimate chose <2,2>."""
     cost_model, cluster = lobra_like_cost_model(max_tp=2, max_pp=2), ClusterSpec(nodes=1, gpus_per_node=4)
     batch = batch_of(np.array([166, 299, 319, 386, 432, 969, 1332, 3236, 4096]))
-    chosen, replicas = best_homogeneous(batch, 4096, valid_candidates(cost_model, cluster), cost_model, cluster,
-                                        MicroBatchMode.PADDING, 16)
+    chosen, replicas = best_homogeneous(
+        batch, 4096, valid_candidates(cost_model, cluster), cost_model, cluster, MicroBatchMode.PADDING, 16
+    )
     assert (str(chosen.config), replicas) == ("<2,1>", 2)

@@ -35,13 +35,23 @@ def test_valid_candidates_are_the_configs_that_run_and_fit(cost_model_7b):
 def test_proposal_keeps_the_best_per_class_and_gpu_count():
     rng = np.random.default_rng(3)
     configs = [ParallelConfig(tp, pp) for tp in (1, 2, 4) for pp in (1, 2, 4)]
-    candidates = [Candidate(config=c, max_tokens=int(rng.choice([1024, 1500, 2048, 4096, 6000])), throughput=float(rng.uniform(1, 5)))
-                  for c in configs]
+    candidates = [
+        Candidate(
+            config=c, max_tokens=int(rng.choice([1024, 1500, 2048, 4096, 6000])), throughput=float(rng.uniform(1, 5))
+        )
+        for c in configs
+    ]
     kept = set(propose_candidates(candidates, longest=5000))
     for c in candidates:
-        group = [d for d in candidates if max_token_class(d.max_tokens) == max_token_class(c.max_tokens) and d.n_gpus == c.n_gpus]
+        group = [
+            d
+            for d in candidates
+            if max_token_class(d.max_tokens) == max_token_class(c.max_tokens) and d.n_gpus == c.n_gpus
+        ]
         best = max(group, key=lambda d: d.throughput)
-        assert (c in kept) == (c is best or c is max((d for d in candidates if d.max_tokens >= 5000), key=lambda d: d.throughput))
+        assert (c in kept) == (
+            c is best or c is max((d for d in candidates if d.max_tokens >= 5000), key=lambda d: d.throughput)
+        )
 
 
 def _placeable(groups: list[int], nodes: int, per_node: int) -> bool:
@@ -65,8 +75,17 @@ def _placeable(groups: list[int], nodes: int, per_node: int) -> bool:
 @pytest.mark.parametrize("nodes,per_node", [(1, 4), (2, 4), (1, 6), (2, 6), (3, 3)])
 def test_gpu_budget_rows_are_exactly_the_placeable_deployments(nodes, per_node):
     cluster = ClusterSpec(nodes=nodes, gpus_per_node=per_node)
-    configs = [c for c in (ParallelConfig(1, 1), ParallelConfig(2, 1), ParallelConfig(4, 1), ParallelConfig(2, 2), ParallelConfig(1, 3))
-               if c.tp <= per_node]
+    configs = [
+        c
+        for c in (
+            ParallelConfig(1, 1),
+            ParallelConfig(2, 1),
+            ParallelConfig(4, 1),
+            ParallelConfig(2, 2),
+            ParallelConfig(1, 3),
+        )
+        if c.tp <= per_node
+    ]
     rows, caps = gpu_budget_rows(configs, cluster)
     limit = cluster.n_gpus
     for counts in itertools.product(*[range(limit // c.n_gpus + 1) for c in configs]):
@@ -74,18 +93,26 @@ def test_gpu_budget_rows_are_exactly_the_placeable_deployments(nodes, per_node):
         feasible = bool(np.all(rows @ np.array(counts) <= caps))
         assert feasible == _placeable(groups, nodes, per_node), counts
         if feasible:
-            replicas = place_replicas([c for c, n in zip(configs, counts) for _ in range(n)], [1] * sum(counts), cluster)
+            replicas = place_replicas(
+                [c for c, n in zip(configs, counts) for _ in range(n)], [1] * sum(counts), cluster
+            )
             gpus = [g for r in replicas for g in r.gpus]
             assert len(gpus) == len(set(gpus)) and all(0 <= g < cluster.n_gpus for g in gpus)
             for r in replicas:
                 for stage in range(r.config.pp):
-                    group = r.gpus[stage * r.config.tp:(stage + 1) * r.config.tp]
+                    group = r.gpus[stage * r.config.tp : (stage + 1) * r.config.tp]
                     assert len({g // per_node for g in group}) == 1  # a TP group inside one node
 
 
 def test_enumeration_lists_every_maximal_covering_deployment(cost_model_7b):
     cluster = ClusterSpec(nodes=1, gpus_per_node=8)
-    configs = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1), ParallelConfig(4, 1), ParallelConfig(8, 1))
+    configs = (
+        ParallelConfig(1, 1),
+        ParallelConfig(1, 2),
+        ParallelConfig(2, 1),
+        ParallelConfig(4, 1),
+        ParallelConfig(8, 1),
+    )
     problem = tiny_problem(skewed_lengths(np.random.default_rng(0), 60, 4096), cluster, cost_model_7b, configs=configs)
     limits = problem.max_replicas()
     brute = set()
@@ -112,8 +139,12 @@ def test_spread_rows_is_even_and_round_robin(total, replicas):
 def test_lower_bound_is_the_gpu_weighted_mean_replica_time():
     cm = lobra_like_cost_model(max_tp=2)
     cluster = ClusterSpec(nodes=1, gpus_per_node=4)
-    problem = tiny_problem(skewed_lengths(np.random.default_rng(1), 80, 4096), cluster, cm,
-                           configs=(ParallelConfig(1, 1), ParallelConfig(2, 1)))
+    problem = tiny_problem(
+        skewed_lengths(np.random.default_rng(1), 80, 4096),
+        cluster,
+        cm,
+        configs=(ParallelConfig(1, 1), ParallelConfig(2, 1)),
+    )
     replicas = np.array([2, 1])
     load, length_based = problem.plan_view(replicas)
     per_replica = []  # (GPUs, time) of every replica, computed one by one

@@ -19,23 +19,34 @@ def test_plan_prints_tables_and_writes_json_and_plot(workload_path, tmp_path, ca
     out, png = tmp_path / "plan.json", tmp_path / "load.png"
     assert main(["plan", workload_path, "--samples", "2", "--json", str(out), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
-    for word in ("config", "token share", "time/replica", "lorafleet", "task-fused-padding", "task-fused-packing",
-                 "task-sequential", "GPU-seconds"):
+    for word in (
+        "config",
+        "token share",
+        "time/replica",
+        "lorafleet",
+        "task-fused-padding",
+        "task-fused-packing",
+        "task-sequential",
+        "GPU-seconds",
+    ):
         assert word in text
     plan = DeploymentPlan.load(out)
     assert plan.replicas and plan.expected_makespan_s > 0
     assert png.stat().st_size > 1000
 
 
-@pytest.mark.parametrize("flags,where", [
-    (["--gpus", "0"], "--gpus"),
-    (["--gpus", "12"], "--gpus"),  # not whole nodes of 8
-    (["--solver", "gurobi"], "--solver"),
-    (["--mode", "magic"], "--mode"),
-    (["--microbatch", "zip"], "--microbatch"),
-    (["--samples", "-1"], "--samples"),
-    (["--gpu", "TPU"], "--gpu"),
-])
+@pytest.mark.parametrize(
+    "flags,where",
+    [
+        (["--gpus", "0"], "--gpus"),
+        (["--gpus", "12"], "--gpus"),  # not whole nodes of 8
+        (["--solver", "gurobi"], "--solver"),
+        (["--mode", "magic"], "--mode"),
+        (["--microbatch", "zip"], "--microbatch"),
+        (["--samples", "-1"], "--samples"),
+        (["--gpu", "TPU"], "--gpu"),
+    ],
+)
 def test_bad_flags_are_one_line_errors(workload_path, tmp_path, capsys, flags, where):
     out = tmp_path / "plan.json"
     assert main(["plan", workload_path, *flags, "--json", str(out)]) == 2

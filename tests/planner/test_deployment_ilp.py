@@ -35,7 +35,9 @@ CONFIGS = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1), Par
 def fluid_makespan(problem, p: np.ndarray) -> float:
     """The relaxation's makespan for fixed p, by scipy's LP (inf when p cannot hold every bucket)."""
     w, a, demand = problem.amortised_time, fixed_time(problem), problem.counts
-    pairs = [(i, j) for i in range(len(p)) for j in range(demand.size) if p[i] > 0 and demand[j] > 0 and np.isfinite(w[i, j])]
+    pairs = [
+        (i, j) for i in range(len(p)) for j in range(demand.size) if p[i] > 0 and demand[j] > 0 and np.isfinite(w[i, j])
+    ]
     if any(demand[j] > 0 and not any(jj == j for _, jj in pairs) for j in range(demand.size)):
         return float("inf")
     n = len(pairs) + 1  # x_ij..., T
@@ -92,12 +94,15 @@ def test_branches_find_the_best_plan_inside_them(seed):
     root, _ = solve_deployment(problem, horizon, tie_rel=0.0, solver=SolverName.HIGHS, time_limit_s=20)
     i = int(np.argmax(root.replicas * problem.gpus))
     p_i = int(root.replicas[i])
-    for branch, allowed in ((Branch(bounds={i: (0, p_i - 1)}), lambda p: p[i] <= p_i - 1),
-                            (Branch(bounds={i: (p_i + 1, 99)}), lambda p: p[i] >= p_i + 1),
-                            (Branch(deploy_one_of=tuple(np.flatnonzero(root.replicas == 0))),
-                             lambda p: p[root.replicas == 0].sum() >= 1)):
+    for branch, allowed in (
+        (Branch(bounds={i: (0, p_i - 1)}), lambda p: p[i] <= p_i - 1),
+        (Branch(bounds={i: (p_i + 1, 99)}), lambda p: p[i] >= p_i + 1),
+        (Branch(deploy_one_of=tuple(np.flatnonzero(root.replicas == 0))), lambda p: p[root.replicas == 0].sum() >= 1),
+    ):
         best, _ = brute_force(problem, allowed)
-        plan, _ = solve_deployment(problem, root.makespan, tie_rel=0.0, solver=SolverName.HIGHS, time_limit_s=20, branch=branch)
+        plan, _ = solve_deployment(
+            problem, root.makespan, tie_rel=0.0, solver=SolverName.HIGHS, time_limit_s=20, branch=branch
+        )
         if not np.isfinite(best):
             assert plan is None
             continue
@@ -110,8 +115,9 @@ def test_root_starts_at_the_fluid_bound_and_branches_stay_in_budget():
     root, results = solve_root(problem, tie_rel=0.005, solver=SolverName.CBC, time_limit_s=20)
     assert root.branch == "root" and fluid_lower_bound(problem) <= root.makespan
     assert len(results) <= 5  # fixed-point iterations
-    found, results = branch_deployments(problem, root.replicas, root.makespan, tie_rel=0.005, solver=SolverName.CBC,
-                                        time_limit_s=20, max_branches=3)
+    found, results = branch_deployments(
+        problem, root.replicas, root.makespan, tie_rel=0.005, solver=SolverName.CBC, time_limit_s=20, max_branches=3
+    )
     assert len(results) == 3 and len(found) <= 3
     labels = [label for label, _ in branches_around(problem, root.replicas)]
     assert [f.branch for f in found] == [lab for lab in labels[:3] if lab in {f.branch for f in found}]

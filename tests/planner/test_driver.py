@@ -37,7 +37,7 @@ def test_plan_is_valid_and_placed(result, workload):
     for r in plan.replicas:
         assert len(r.gpus) == r.config.n_gpus
         for stage in range(r.config.pp):
-            group = r.gpus[stage * r.config.tp:(stage + 1) * r.config.tp]
+            group = r.gpus[stage * r.config.tp : (stage + 1) * r.config.tp]
             assert len({g // plan.gpus_per_node for g in group}) == 1
     assert max(r.max_tokens for r in plan.replicas) >= workload.max_length
     assert plan.expected_makespan_s == pytest.approx(max(plan.expected_replica_time_s))
@@ -71,8 +71,13 @@ def test_the_chosen_plan_was_judged_at_the_dispatchers_estimate(result):
     """Packed micro-batches (the default): the expected makespan the search ranked the chosen
     deployment by is the dispatcher's estimate of the expected batch on the plan."""
     deployed = Counter(r.config for r in result.plan.replicas)
-    chosen = next(e for e in result.diagnostics.pool if e.expected is not None and deployed == Counter(
-        {c.config: int(n) for c, n in zip(result.diagnostics.candidates, e.replicas, strict=True) if n}))
+    chosen = next(
+        e
+        for e in result.diagnostics.pool
+        if e.expected is not None
+        and deployed
+        == Counter({c.config: int(n) for c, n in zip(result.diagnostics.candidates, e.replicas, strict=True) if n})
+    )
     assert result.expected_step.estimated_makespan_s == result.plan.expected_makespan_s
     assert chosen.expected_makespan == pytest.approx(result.plan.expected_makespan_s, rel=1e-9)
 
@@ -91,8 +96,12 @@ def test_json_round_trip(result, tmp_path):
 
 def test_forced_zero_time_limit_falls_back_with_a_warning(workload, cost_model_7b):
     with pytest.warns(SolverFallbackWarning, match="falling back to the heuristic"):
-        fallback = plan_deployment(workload, workload.cluster, cost_model_7b,
-                                   PlannerOptions(time_limit_s=1e-6, robust_samples=0, baselines=False))
+        fallback = plan_deployment(
+            workload,
+            workload.cluster,
+            cost_model_7b,
+            PlannerOptions(time_limit_s=1e-6, robust_samples=0, baselines=False),
+        )
     assert fallback.diagnostics.fell_back and fallback.plan.solver == "heuristic"
     assert any("falling back" in n for n in fallback.plan.notes)
     assert max(r.max_tokens for r in fallback.plan.replicas) >= workload.max_length
@@ -102,8 +111,10 @@ def test_gpus_that_cannot_help_are_left_idle_and_said_so(tmp_path):
     """One long document on the only config that holds it (<4,1>) sets the step time: replicas beyond a
     second one for the chats cannot shorten it, and that second one saves only ~5 %, less than a
     tie tolerance of 10 %."""
-    tasks = [{"name": "doc", "batch_size": 1, "context_length": 8192, "histogram": {8000: 1}},
-             {"name": "chat", "batch_size": 2, "context_length": 512, "histogram": {16: 1}}]
+    tasks = [
+        {"name": "doc", "batch_size": 1, "context_length": 8192, "histogram": {8000: 1}},
+        {"name": "chat", "batch_size": 2, "context_length": 512, "histogram": {16: 1}},
+    ]
     wl = load_workload(write_workload(tmp_path / "idle.yaml", tasks, nodes=1))
     cm = lobra_like_cost_model(max_tp=4, max_pp=1)
     strict = plan_deployment(wl, wl.cluster, cm, PlannerOptions(robust_samples=0, baselines=False, tie_rel=0.0))
@@ -122,8 +133,12 @@ def test_a_sequence_no_config_holds_is_an_input_error(tmp_path, cost_model_7b):
 
 def test_more_gpus_never_plan_slower(workload):
     cm = lobra_like_cost_model()
-    small = plan_deployment(workload, ClusterSpec(nodes=1, gpus_per_node=8), cm, PlannerOptions(robust_samples=0, baselines=False))
-    large = plan_deployment(workload, ClusterSpec(nodes=2, gpus_per_node=8), cm, PlannerOptions(robust_samples=0, baselines=False))
+    small = plan_deployment(
+        workload, ClusterSpec(nodes=1, gpus_per_node=8), cm, PlannerOptions(robust_samples=0, baselines=False)
+    )
+    large = plan_deployment(
+        workload, ClusterSpec(nodes=2, gpus_per_node=8), cm, PlannerOptions(robust_samples=0, baselines=False)
+    )
     assert large.plan.expected_makespan_s <= small.plan.expected_makespan_s * 1.01
     assert np.isfinite(large.plan.expected_makespan_s)
 

@@ -33,8 +33,14 @@ CONFIGS = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1))
 def planning_load(problem, p):
     """The load model of deployment p on the problem's planning buckets."""
     lengths = problem.batch.lengths
-    return build_load_model(problem.plan_classes(p), problem.cost_model, problem.boundaries, lengths,
-                            bucket_of(lengths, problem.boundaries), MicroBatchMode.PADDING)
+    return build_load_model(
+        problem.plan_classes(p),
+        problem.cost_model,
+        problem.boundaries,
+        lengths,
+        bucket_of(lengths, problem.boundaries),
+        MicroBatchMode.PADDING,
+    )
 
 
 def compositions(total: int, parts: int):
@@ -64,10 +70,13 @@ def tiny(lengths, gpus=4):
     return tiny_problem(np.array(lengths), ClusterSpec(nodes=1, gpus_per_node=gpus), cm, n_buckets=1, configs=CONFIGS)
 
 
-@pytest.mark.parametrize("lengths", [
-    [300, 280, 250, 200, 1500, 1400, 3000],
-    [900, 800, 2600, 2500, 2400, 120, 100, 4000],
-])
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [300, 280, 250, 200, 1500, 1400, 3000],
+        [900, 800, 2600, 2500, 2400, 120, 100, 4000],
+    ],
+)
 def test_minlp_equals_brute_force(lengths):
     problem = tiny(lengths)
     solution = solve_joint(problem, time_limit_s=60)
@@ -96,10 +105,13 @@ def test_minlp_equals_best_fixed_deployment(seed):
     assert solution.makespan == pytest.approx(best, rel=1e-4)
 
 
-@pytest.mark.parametrize("lengths", [
-    [300, 280, 250, 200, 1500, 1400, 3000, 120, 90, 700],
-    [900, 800, 2600, 2500, 2400, 120, 100, 4000, 350, 330, 310],
-])
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [300, 280, 250, 200, 1500, 1400, 3000, 120, 90, 700],
+        [900, 800, 2600, 2500, 2400, 120, 100, 4000, 350, 330, 310],
+    ],
+)
 def test_decomposition_at_least_as_good_as_the_minlp_deployment(lengths):
     """Both deployments judged alike: the dispatcher's balance of the batch on each."""
     problem = tiny(lengths)

@@ -18,11 +18,27 @@ def test_strings_become_enums():
     assert options.microbatch_mode is MicroBatchMode.PADDING
 
 
-@pytest.mark.parametrize("field,value", [
-    ("mode", "magic"), ("solver", "gurobi"), ("microbatch_mode", "zip"), ("time_limit_s", 0), ("n_buckets", 0),
-    ("pool_size", 0), ("search_rounds", 0), ("min_survivors", 0), ("robust_top", 0), ("race_rung", 0), ("enumeration_limit", 0),
-    ("gap_rel", 1.0), ("tie_rel", -0.1), ("lower_bound_threshold", 2.0), ("exact_top", -1), ("robust_samples", -1),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("mode", "magic"),
+        ("solver", "gurobi"),
+        ("microbatch_mode", "zip"),
+        ("time_limit_s", 0),
+        ("n_buckets", 0),
+        ("pool_size", 0),
+        ("search_rounds", 0),
+        ("min_survivors", 0),
+        ("robust_top", 0),
+        ("race_rung", 0),
+        ("enumeration_limit", 0),
+        ("gap_rel", 1.0),
+        ("tie_rel", -0.1),
+        ("lower_bound_threshold", 2.0),
+        ("exact_top", -1),
+        ("robust_samples", -1),
+    ],
+)
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(InputError, match=field):
         PlannerOptions(**{field: value})

@@ -38,8 +38,10 @@ def problems(seed: int):
     batch = batch_of(skewed_lengths(rng, int(rng.integers(60, 200)), longest, median=float(rng.uniform(150, 700))))
     valid = valid_candidates(cm, cluster)
     dispatch = DispatchOptions(n_buckets=8)
-    return (build_problem(batch, propose_candidates(valid, longest), cm, cluster, dispatch),
-            build_problem(batch, valid, cm, cluster, dispatch))
+    return (
+        build_problem(batch, propose_candidates(valid, longest), cm, cluster, dispatch),
+        build_problem(batch, valid, cm, cluster, dispatch),
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -73,8 +75,10 @@ def test_allowing_recompute_never_gives_a_worse_plan(seed):
     dispatch = DispatchOptions(n_buckets=8)
     _, mixed = search(build_problem(batch, propose_candidates(valid, longest), cm, cluster, dispatch), OPTIONS)
     _, alone = search(build_problem(batch, propose_candidates(plain, longest), cm, cluster, dispatch), OPTIONS)
-    _, exhaustive = search(build_problem(batch, valid, cm, cluster, dispatch),
-                           PlannerOptions(mode=PlannerMode.EXHAUSTIVE, robust_samples=0))
+    _, exhaustive = search(
+        build_problem(batch, valid, cm, cluster, dispatch),
+        PlannerOptions(mode=PlannerMode.EXHAUSTIVE, robust_samples=0),
+    )
     assert any(c.config.recompute for c in valid) and len(plain) < len(valid)
     assert mixed[0].expected_makespan <= alone[0].expected_makespan * (1 + 1e-9)
     assert mixed[0].expected_makespan <= exhaustive[0].expected_makespan * 1.02
@@ -82,8 +86,13 @@ def test_allowing_recompute_never_gives_a_worse_plan(seed):
 
 def in_mode(problem, mode):
     """``problem`` with its steps dispatched in micro-batch ``mode``."""
-    return build_problem(problem.batch, problem.candidates, problem.cost_model, problem.cluster,
-                         replace(problem.dispatch, microbatch_mode=mode))
+    return build_problem(
+        problem.batch,
+        problem.candidates,
+        problem.cost_model,
+        problem.cluster,
+        replace(problem.dispatch, microbatch_mode=mode),
+    )
 
 
 def plan_of(problem, replicas) -> DeploymentPlan:
@@ -93,14 +102,23 @@ def plan_of(problem, replicas) -> DeploymentPlan:
     for r, (config, max_tokens) in enumerate(configs):
         specs.append(ReplicaSpec(r, config, max_tokens, tuple(range(gpu, gpu + config.n_gpus))))
         gpu += config.n_gpus
-    return DeploymentPlan(model=problem.cost_model.model.name, gpu="A100-40GB", n_gpus=problem.n_gpus,
-                          gpus_per_node=problem.cluster.gpus_per_node, tasks=("t",), replicas=tuple(specs),
-                          bucket_boundaries=(), expected_makespan_s=0.0)
+    return DeploymentPlan(
+        model=problem.cost_model.model.name,
+        gpu="A100-40GB",
+        n_gpus=problem.n_gpus,
+        gpus_per_node=problem.cluster.gpus_per_node,
+        tasks=("t",),
+        replicas=tuple(specs),
+        bucket_boundaries=(),
+        expected_makespan_s=0.0,
+    )
 
 
 def dispatched(problem, replicas) -> float:
     """The dispatcher's estimate of the expected batch's step on the deployment."""
-    return solve_step(problem.batch, plan_of(problem, replicas), problem.cost_model, problem.dispatch).plan.estimated_makespan_s
+    return solve_step(
+        problem.batch, plan_of(problem, replicas), problem.cost_model, problem.dispatch
+    ).plan.estimated_makespan_s
 
 
 @pytest.mark.parametrize("mode", ["padding", "packing"])
@@ -134,7 +152,11 @@ def test_packing_ranks_deployments_as_the_dispatcher_estimates_them():
     against 1.74 s. Judged by the dispatcher's estimate, the two pipelines win, and exhaustive
     search picks a plan no slower than them."""
     problem = in_mode(problems(2)[1], "packing")
-    assert [str(c.config) for c, n in zip(problem.candidates, FOUR_SMALL + TWO_PIPELINES) if n] == ["<1,1>", "<1,2>", "<4,1>"]
+    assert [str(c.config) for c, n in zip(problem.candidates, FOUR_SMALL + TWO_PIPELINES) if n] == [
+        "<1,1>",
+        "<1,2>",
+        "<4,1>",
+    ]
     judged = {}
     for replicas in (FOUR_SMALL, TWO_PIPELINES):
         load, _ = problem.plan_view(replicas)

@@ -58,14 +58,17 @@ def test_precisions():
     assert (Precision.BF16.dtype, Precision.BF16.bytes) == (torch.bfloat16, 2)
 
 
-@pytest.mark.parametrize("name,memory_gib,preset", [
-    ("NVIDIA H200", 143771 / 1024, "H200-141GB"),  # as nvidia-smi reports the H200 of the device machine
-    ("NVIDIA H100 80GB HBM3", 79.6, "H100-80GB"),
-    ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),
-    ("NVIDIA A100 80GB PCIe", 79.2, "A100-80GB"),
-    ("NVIDIA RTX A6000", 47.5, "A6000-48GB"),
-    ("NVIDIA L40S", 44.4, "L40S"),
-    ("NVIDIA GeForce RTX 4090", 23.6, None),
-])
+@pytest.mark.parametrize(
+    "name,memory_gib,preset",
+    [
+        ("NVIDIA H200", 143771 / 1024, "H200-141GB"),  # as nvidia-smi reports the H200 of the device machine
+        ("NVIDIA H100 80GB HBM3", 79.6, "H100-80GB"),
+        ("NVIDIA A100-SXM4-40GB", 39.4, "A100-40GB"),
+        ("NVIDIA A100 80GB PCIe", 79.2, "A100-80GB"),
+        ("NVIDIA RTX A6000", 47.5, "A6000-48GB"),
+        ("NVIDIA L40S", 44.4, "L40S"),
+        ("NVIDIA GeForce RTX 4090", 23.6, None),
+    ],
+)
 def test_gpu_preset_follows_the_device_name_and_memory(name, memory_gib, preset):
     assert gpu_preset_for(name, int(memory_gib * GIB)) == preset

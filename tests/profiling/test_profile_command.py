@@ -17,8 +17,9 @@ H200_MIB = 143771  # the device machine's H200, as nvidia-smi reports it
 
 
 def _args(*extra: str):
-    return build_parser().parse_args(["profile", "--model", "tiny-llama", "--configs", "1x1,1x2", "--out", "p.json",
-                                      *extra])
+    return build_parser().parse_args(
+        ["profile", "--model", "tiny-llama", "--configs", "1x1,1x2", "--out", "p.json", *extra]
+    )
 
 
 @pytest.fixture
@@ -54,15 +55,20 @@ def test_two_gpus_time_transfers(gpus):
     assert s.world == 2 and s.transfers
 
 
-@pytest.mark.parametrize("n_gpus,extra,message", [
-    (1, ["--configs", "1x1,2x1"], "--configs: tp=2 needs 2 processes of one GPU each; this machine has 1 GPU"),
-    (0, [], "--device: cuda: no CUDA device is visible"),
-    (1, ["--gpu", "B200"], "--gpu: unknown GPU 'B200'"),
-])
+@pytest.mark.parametrize(
+    "n_gpus,extra,message",
+    [
+        (1, ["--configs", "1x1,2x1"], "--configs: tp=2 needs 2 processes of one GPU each; this machine has 1 GPU"),
+        (0, [], "--device: cuda: no CUDA device is visible"),
+        (1, ["--gpu", "B200"], "--gpu: unknown GPU 'B200'"),
+    ],
+)
 def test_bad_cuda_choices_are_one_line_and_exit_2(gpus, capsys, n_gpus, extra, message):
     gpus(n_gpus)
-    assert main(["profile", "--model", "tiny-llama", "--configs", "1x1", "--out", "p.json", "--device", "cuda",
-                 *extra]) == 2
+    assert (
+        main(["profile", "--model", "tiny-llama", "--configs", "1x1", "--out", "p.json", "--device", "cuda", *extra])
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
 

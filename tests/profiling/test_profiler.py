@@ -20,9 +20,23 @@ CONFIGS = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1), Par
 
 def tiny_settings(**changes) -> ProfileSettings:
     """The tiny grid every test here profiles: 1-2 rows of 16-64 tokens, one repeat, two tasks."""
-    fields = dict(model=TINY, configs=CONFIGS, adapters=AdapterLoad.uniform(2, 4), seq_lens=(16, 64), mbs=(1, 2),
-                  max_grid_tokens=128, packed=1, heldout=1, replica_steps=1, warmup=0, repeats=1, rounds=1,
-                  memory_budget_bytes=8 * MIB, comm_sizes=(1024, 16384), command="pytest")
+    fields = dict(
+        model=TINY,
+        configs=CONFIGS,
+        adapters=AdapterLoad.uniform(2, 4),
+        seq_lens=(16, 64),
+        mbs=(1, 2),
+        max_grid_tokens=128,
+        packed=1,
+        heldout=1,
+        replica_steps=1,
+        warmup=0,
+        repeats=1,
+        rounds=1,
+        memory_budget_bytes=8 * MIB,
+        comm_sizes=(1024, 16384),
+        command="pytest",
+    )
     return ProfileSettings(**{**fields, **changes})
 
 
@@ -41,7 +55,9 @@ def test_records_cover_every_kind(profile):
     assert sorted((r.tp, r.sync_replicas) for r in rec.replica) == [(1, 1), (1, 2), (2, 1)]
     assert len(rec.p2p) == len(rec.allreduce) == 2 and len(rec.optimizer) == 2
     assert all(r.time_ms > 0 for r in rec.layer + rec.head + rec.replica)
-    assert profile.kind == "measured" and profile.dtype_bytes == 4 and profile.settings["memory_budget_bytes"] == 8 * MIB
+    assert (
+        profile.kind == "measured" and profile.dtype_bytes == 4 and profile.settings["memory_budget_bytes"] == 8 * MIB
+    )
 
 
 def test_max_tokens_are_searched_against_the_budget(profile):
@@ -71,8 +87,12 @@ def test_fit_and_check_run_on_measured_records(profile):
 def test_one_device_profiles_tp1_alone_in_bf16():
     """The path of a machine with one GPU, on one CPU process: a world of one, no transfer records,
     the lone TP1 replica's steps timed once (not again as a fleet of one), a bf16 base (fp32 adapters)."""
-    settings = tiny_settings(configs=(ParallelConfig(1, 1), ParallelConfig(1, 2)), memory_budget_bytes=4 * MIB,
-                             transfers=False, precision=Precision.BF16)
+    settings = tiny_settings(
+        configs=(ParallelConfig(1, 1), ParallelConfig(1, 2)),
+        memory_budget_bytes=4 * MIB,
+        transfers=False,
+        precision=Precision.BF16,
+    )
     assert settings.world == 1
     profile = measure_profile(settings)
     rec = profile.records

@@ -6,6 +6,7 @@ synthetic micro-batches are laid out as the executor's, and its memory accountin
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -54,11 +55,15 @@ def test_blocks_and_head_compose_to_the_executors_whole_stage(replica):
                     b.normal_(0, 0.5)
     mbs = microbatches([MicroBatchShape.packed([5, 9, 3])], [1])
     examples = random_examples(mbs, TINY.vocab, random.Random(1))
-    inputs = build_inputs(mbs[0], [examples[q] for q in mbs[0].seq_ids], inverse_counts(mbs, examples, 2), torch.device("cpu"))
+    inputs = build_inputs(
+        mbs[0], [examples[q] for q in mbs[0].seq_ids], inverse_counts(mbs, examples, 2), torch.device("cpu")
+    )
     model = replica.model
     with torch.no_grad():
         whole = stage_forward(model, part_role(1, 0, embeds=True, heads=True), None, inputs)
-        hidden = stage_forward(model, part_role(1, 0, embeds=False, heads=False), model.model.embed_tokens(inputs.input_ids), inputs)
+        hidden = stage_forward(
+            model, part_role(1, 0, embeds=False, heads=False), model.model.embed_tokens(inputs.input_ids), inputs
+        )
         with only_layers(model, ()):
             head = stage_forward(model, part_role(1, 0, embeds=False, heads=True), hidden, inputs)
     assert hidden.shape == (1, 17, TINY.hidden) and len(model.model.layers) == TINY.n_layers  # restored
@@ -102,13 +107,16 @@ def test_recomputing_stages_peak_lower(replica, pp):
     rc = replica.stage_runs(ParallelConfig(1, pp, recompute=True))
     for name, (static, run) in plain.items():
         replica.clear_grads()
-        plain_peak = CPU.peak_bytes(lambda: run(512))
+        plain_peak = CPU.peak_bytes(functools.partial(run, 512))
         replica.clear_grads()
-        rc_peak = CPU.peak_bytes(lambda: rc[name][1](512))
+        rc_peak = CPU.peak_bytes(functools.partial(rc[name][1], 512))
         assert rc[name][0] == static and rc_peak < plain_peak
 
 
 def test_timed_runs_run(replica):
-    for run in (replica.blocks_run(MicroBatchShape.packed([7, 4]), task=1), replica.head_run(16),
-                replica.step_run([MicroBatchShape.padded(2, 8), MicroBatchShape.packed([5, 3])], None)):
+    for run in (
+        replica.blocks_run(MicroBatchShape.packed([7, 4]), task=1),
+        replica.head_run(16),
+        replica.step_run([MicroBatchShape.padded(2, 8), MicroBatchShape.packed([5, 3])], None),
+    ):
         assert median_ms(run, warmup=0, repeats=1) > 0

@@ -19,10 +19,24 @@ from lorafleet.whatif import Variation, sweep
 from lorafleet.workload import load_workload
 from tests.conftest import EXAMPLES
 
-SMALL = {"model": "llama2-7b", "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8}, "tasks": [
-    {"name": "chat", "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0}, "batch_size": 48, "context_length": 4096},
-    {"name": "docs", "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0}, "batch_size": 8, "context_length": 8192},
-]}
+SMALL = {
+    "model": "llama2-7b",
+    "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8},
+    "tasks": [
+        {
+            "name": "chat",
+            "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0},
+            "batch_size": 48,
+            "context_length": 4096,
+        },
+        {
+            "name": "docs",
+            "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0},
+            "batch_size": 8,
+            "context_length": 8192,
+        },
+    ],
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +78,9 @@ def test_stragglers_failures_and_noise(small):
     failing = SimulationOptions(failures=(FailureSpec(step=2, replica_id=1, restart_s=30.0),))
     failed = run_loop(source, SimulatedExecutor(plan, cost_model, names, failing), range(4))
     assert failed[2].failed_replicas == (1,) and failed[2].makespan_s >= 30.0
-    assert [r.makespan_s for i, r in enumerate(failed) if i != 2] == [r.makespan_s for i, r in enumerate(base) if i != 2]
+    assert [r.makespan_s for i, r in enumerate(failed) if i != 2] == [
+        r.makespan_s for i, r in enumerate(base) if i != 2
+    ]
     noisy = SimulationOptions(noise_sigma=0.05, seed=7)
     one = run_loop(source, SimulatedExecutor(plan, cost_model, names, noisy), range(3))
     two = run_loop(source, SimulatedExecutor(plan, cost_model, names, noisy), range(3))
@@ -88,8 +104,24 @@ def test_schedules_compare_on_the_same_batches(small):
 
 def test_simulate_cli_writes_report(tmp_path, capsys):
     out = tmp_path / "report"
-    rc = main(["simulate", str(EXAMPLES / "lobra-7b.yaml"), "--gpu", "A100-80GB", "--steps", "2", "--noise", "0.02",
-               "--straggler", "0=1.5", "--fail", "1:2", "--report", str(out)])
+    rc = main(
+        [
+            "simulate",
+            str(EXAMPLES / "lobra-7b.yaml"),
+            "--gpu",
+            "A100-80GB",
+            "--steps",
+            "2",
+            "--noise",
+            "0.02",
+            "--straggler",
+            "0=1.5",
+            "--fail",
+            "1:2",
+            "--report",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "task-fused-padding" in printed and "task-sequential" in printed
@@ -100,10 +132,17 @@ def test_simulate_cli_writes_report(tmp_path, capsys):
     assert summary["methods"][0]["failures"] == 1
 
 
-@pytest.mark.parametrize("argv,field", [
-    (["--steps", "0"], "--steps"), (["--straggler", "x"], "--straggler"), (["--straggler", "0=0.5"], "--noise/--straggler"),
-    (["--fail", "a:b"], "--fail"), (["--gpus", "12"], "--gpus"), (["--gpu", "TPU"], "--gpu"),
-])
+@pytest.mark.parametrize(
+    "argv,field",
+    [
+        (["--steps", "0"], "--steps"),
+        (["--straggler", "x"], "--straggler"),
+        (["--straggler", "0=0.5"], "--noise/--straggler"),
+        (["--fail", "a:b"], "--fail"),
+        (["--gpus", "12"], "--gpus"),
+        (["--gpu", "TPU"], "--gpu"),
+    ],
+)
 def test_simulate_bad_args(capsys, argv, field):
     assert main(["simulate", str(EXAMPLES / "lobra-7b.yaml"), *argv]) == 2
     err = capsys.readouterr().err.strip()
@@ -126,13 +165,25 @@ def test_whatif_recompute_axis(small):
     rows = sweep(workload, [Variation.parse("recompute=off,on")], steps=2)
     assert len(rows) == 2 * 4
     for row in rows:
-        configs = [part.split(" x ")[0].strip() for part in row["plan"].split(" + ")] if "phases" not in row["plan"] else []
+        configs = (
+            [part.split(" x ")[0].strip() for part in row["plan"].split(" + ")] if "phases" not in row["plan"] else []
+        )
         assert all(c.endswith(",rc>") == (row["vary_recompute"] == "on") for c in configs), row
 
 
 def test_whatif_cli(tmp_path, capsys):
-    rc = main(["whatif", str(EXAMPLES / "lobra-7b.yaml"), "--vary", "gpu=A100-80GB,H100-80GB", "--steps", "2",
-               "--out", str(tmp_path)])
+    rc = main(
+        [
+            "whatif",
+            str(EXAMPLES / "lobra-7b.yaml"),
+            "--vary",
+            "gpu=A100-80GB,H100-80GB",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     rows = list(csv.DictReader((tmp_path / "whatif.csv").open()))
     h100 = [r for r in rows if r["gpu_kind"] == "H100-80GB" and r["method"] == "lorafleet"][0]

@@ -5,7 +5,9 @@ from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.io import read_json_object
 
 
-@pytest.mark.parametrize("content,message", [(None, "no such file"), ("{", "not valid JSON"), ("[1]", "expected a JSON object")])
+@pytest.mark.parametrize(
+    "content,message", [(None, "no such file"), ("{", "not valid JSON"), ("[1]", "expected a JSON object")]
+)
 def test_bad_json_files_are_one_line_errors(tmp_path, content, message):
     path = tmp_path / "x.json"
     if content is not None:

@@ -160,9 +160,7 @@ def test_reject_above_drops_and_renormalises():
 
 
 # ---------------------------------------------------------------------- quantile
-@pytest.mark.parametrize(
-    "q, expected", [(0.0, 1), (0.25, 1), (0.26, 2), (0.5, 2), (0.51, 4), (1.0, 4)]
-)
+@pytest.mark.parametrize("q, expected", [(0.0, 1), (0.25, 1), (0.26, 2), (0.5, 2), (0.51, 4), (1.0, 4)])
 def test_quantile_is_smallest_length_with_cdf_at_least_q(q, expected):
     assert small().quantile(q) == expected
 
@@ -184,16 +182,15 @@ def test_from_samples_and_from_histogram_agree():
     assert dropped.lengths.tolist() == [5] and dropped.probs.tolist() == [1.0]
 
 
-@pytest.mark.parametrize(
-    "values", [[], [0, 3], [1.5, 2.0], [float("nan")], ["a"]], ids=repr
-)
+@pytest.mark.parametrize("values", [[], [0, 3], [1.5, 2.0], [float("nan")], ["a"]], ids=repr)
 def test_from_samples_rejects_bad_values(values):
     with pytest.raises(ValueError):
         LengthDistribution.from_samples(values)
 
 
 @pytest.mark.parametrize(
-    "counts", [{}, {0: 1.0}, {2: -1.0, 3: 2.0}, {2: 0.0}, {2.5: 1.0}, {2: float("inf")}],
+    "counts",
+    [{}, {0: 1.0}, {2: -1.0, 3: 2.0}, {2: 0.0}, {2.5: 1.0}, {2: float("inf")}],
     ids=repr,
 )
 def test_from_histogram_rejects_bad_counts(counts):

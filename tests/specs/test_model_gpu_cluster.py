@@ -8,8 +8,14 @@ from lorafleet.specs.gpus import GPU_PRESETS, resolve_gpu
 from lorafleet.specs.model import MODEL_PRESETS, model_from_hf_config, resolve_model
 
 # Published parameter counts (billions); ours omit biases (Qwen) so allow 2%.
-PUBLISHED_PARAMS_B = {"llama2-7b": 6.74, "llama2-13b": 13.0, "llama2-70b": 69.0, "mistral-7b": 7.24, "qwen2.5-72b": 72.7,
-                      "smollm2-135m": 0.135}
+PUBLISHED_PARAMS_B = {
+    "llama2-7b": 6.74,
+    "llama2-13b": 13.0,
+    "llama2-70b": 69.0,
+    "mistral-7b": 7.24,
+    "qwen2.5-72b": 72.7,
+    "smollm2-135m": 0.135,
+}
 
 
 @pytest.mark.parametrize("name,billions", sorted(PUBLISHED_PARAMS_B.items()))
@@ -18,16 +24,32 @@ def test_model_presets_match_published_sizes(name, billions):
 
 
 def test_every_required_preset_exists():
-    for name in ("llama2-7b", "llama2-13b", "llama2-70b", "lobra-60l", "qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b",
-                 "mistral-7b", "tiny-llama"):
+    for name in (
+        "llama2-7b",
+        "llama2-13b",
+        "llama2-70b",
+        "lobra-60l",
+        "qwen2.5-7b",
+        "qwen2.5-32b",
+        "qwen2.5-72b",
+        "mistral-7b",
+        "tiny-llama",
+    ):
         assert name in MODEL_PRESETS
     for gpu in ("A100-40GB", "A100-80GB", "A800-80GB", "H100-80GB", "H200-141GB", "A6000-48GB", "L40S", "cpu"):
         assert gpu in GPU_PRESETS
 
 
 def test_hf_config_round_trip(tmp_path):
-    config = {"num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
-              "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
+    config = {
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec = model_from_hf_config(tmp_path)
     assert spec.model_dump(exclude={"name"}) == MODEL_PRESETS["smollm2-135m"].model_dump(exclude={"name"})

@@ -23,7 +23,14 @@ def write(tmp_path, data, name="w.yaml"):
 
 def test_lobra_examples_load():
     seven = load_workload(EXAMPLES / "lobra-7b.yaml")
-    assert [t.name for t in seven.tasks] == ["dolly", "evol-instruct", "xsum", "commitpackft", "meetingbank", "python-code"]
+    assert [t.name for t in seven.tasks] == [
+        "dolly",
+        "evol-instruct",
+        "xsum",
+        "commitpackft",
+        "meetingbank",
+        "python-code",
+    ]
     assert seven.cluster.n_gpus == 16 and seven.model.name == "llama2-7b"
     assert seven.task("dolly").batch_size == 256 and seven.task("dolly").spec.context_length == 8192
     assert seven.task("dolly").spec.lora.rank == 16  # from defaults
@@ -32,8 +39,16 @@ def test_lobra_examples_load():
     assert (seven.spec.recompute, seventy.spec.recompute) == (RecomputePolicy.OFF, RecomputePolicy.AUTO)
 
 
-@pytest.mark.parametrize("text,policy", [("", "auto"), ("recompute: off\n", "off"), ("recompute: on\n", "on"),
-                                         ("recompute: 'off'\n", "off"), ("recompute: auto\n", "auto")])
+@pytest.mark.parametrize(
+    "text,policy",
+    [
+        ("", "auto"),
+        ("recompute: off\n", "off"),
+        ("recompute: on\n", "on"),
+        ("recompute: 'off'\n", "off"),
+        ("recompute: auto\n", "auto"),
+    ],
+)
 def test_recompute_policy_reads_bare_yaml_on_and_off(tmp_path, text, policy):
     path = write(tmp_path, text + "tasks: [{name: a, preset: dolly}]\n")
     assert load_workload(path).spec.recompute == RecomputePolicy(policy)
@@ -42,15 +57,30 @@ def test_recompute_policy_reads_bare_yaml_on_and_off(tmp_path, text, policy):
 def test_length_modes(tmp_path, tiny_tokenizer_dir):
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": "word " * n, "response": "ok"}) for n in (3, 30, 300)) + "\n")
-    path = write(tmp_path, {
-        "model": "tiny-llama", "tokenizer": str(tiny_tokenizer_dir),
-        "tasks": [
-            {"name": "stats", "lengths": {"mean": 300, "skewness": 2.0, "kurtosis": 8.0}, "batch_size": 8, "context_length": 2048},
-            {"name": "list", "lengths": {"values": [10, 20, 5000]}, "batch_size": 4, "context_length": 1000, "overflow": "reject"},
-            {"name": "hist", "lengths": {"histogram": {100: 3, 2000: 1}}, "batch_size": 4, "context_length": 1024},
-            {"name": "data", "data": {"path": "chat.jsonl"}, "batch_size": 2, "context_length": 200},
-        ],
-    })
+    path = write(
+        tmp_path,
+        {
+            "model": "tiny-llama",
+            "tokenizer": str(tiny_tokenizer_dir),
+            "tasks": [
+                {
+                    "name": "stats",
+                    "lengths": {"mean": 300, "skewness": 2.0, "kurtosis": 8.0},
+                    "batch_size": 8,
+                    "context_length": 2048,
+                },
+                {
+                    "name": "list",
+                    "lengths": {"values": [10, 20, 5000]},
+                    "batch_size": 4,
+                    "context_length": 1000,
+                    "overflow": "reject",
+                },
+                {"name": "hist", "lengths": {"histogram": {100: 3, 2000: 1}}, "batch_size": 4, "context_length": 1024},
+                {"name": "data", "data": {"path": "chat.jsonl"}, "batch_size": 2, "context_length": 200},
+            ],
+        },
+    )
     w = load_workload(path)
     assert w.task("stats").lengths.mean == pytest.approx(300, rel=0.02)
     listed = w.task("list")
@@ -62,21 +92,40 @@ def test_length_modes(tmp_path, tiny_tokenizer_dir):
 
 
 def test_sampling_is_deterministic_and_counts_overflow(tmp_path):
-    path = write(tmp_path, {"tasks": [
-        {"name": "a", "lengths": {"values": [10, 5000]}, "batch_size": 64, "context_length": 1000},
-        {"name": "b", "lengths": {"values": [10, 5000]}, "batch_size": 64, "context_length": 1000, "overflow": "reject"},
-    ]})
+    path = write(
+        tmp_path,
+        {
+            "tasks": [
+                {"name": "a", "lengths": {"values": [10, 5000]}, "batch_size": 64, "context_length": 1000},
+                {
+                    "name": "b",
+                    "lengths": {"values": [10, 5000]},
+                    "batch_size": 64,
+                    "context_length": 1000,
+                    "overflow": "reject",
+                },
+            ]
+        },
+    )
     w = load_workload(path)
     one, two = sample_global_batch(w, 3), sample_global_batch(w, 3)
-    assert np.array_equal(one.lengths, two.lengths) and not np.array_equal(one.lengths, sample_global_batch(w, 4).lengths)
+    assert np.array_equal(one.lengths, two.lengths) and not np.array_equal(
+        one.lengths, sample_global_batch(w, 4).lengths
+    )
     assert one.lengths.max() <= 1000 and one.truncated > 0 and one.rejected > 0
     assert not (one.lengths[one.task_ids == 1] == 1000).any()  # rejected, never truncated
 
 
 def test_data_row_errors_name_the_row(tmp_path, tiny_tokenizer_dir):
     (tmp_path / "d.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": 3, "response": "b"}\n')
-    path = write(tmp_path, {"model": "tiny-llama", "tokenizer": str(tiny_tokenizer_dir),
-                            "tasks": [{"name": "x", "data": {"path": "d.jsonl"}, "batch_size": 1, "context_length": 8}]})
+    path = write(
+        tmp_path,
+        {
+            "model": "tiny-llama",
+            "tokenizer": str(tiny_tokenizer_dir),
+            "tasks": [{"name": "x", "data": {"path": "d.jsonl"}, "batch_size": 1, "context_length": 8}],
+        },
+    )
     with pytest.raises(InputError, match=r"d.jsonl: row 2.prompt: must be a string"):
         load_workload(path)
 
@@ -84,9 +133,25 @@ def test_data_row_errors_name_the_row(tmp_path, tiny_tokenizer_dir):
 def test_lengths_from_saved_hf_dataset(tmp_path, tiny_tokenizer_dir):
     import datasets
 
-    rows = [{"messages": [{"role": "user", "content": "hi " * n}, {"role": "assistant", "content": "hello"}]} for n in (1, 5, 9)]
+    rows = [
+        {"messages": [{"role": "user", "content": "hi " * n}, {"role": "assistant", "content": "hello"}]}
+        for n in (1, 5, 9)
+    ]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
-    path = write(tmp_path, {"model": "tiny-llama", "tokenizer": str(tiny_tokenizer_dir), "tasks": [
-        {"name": "chat", "lengths": {"dataset": {"path": "ds", "format": "messages"}}, "batch_size": 2, "context_length": 512}]})
+    path = write(
+        tmp_path,
+        {
+            "model": "tiny-llama",
+            "tokenizer": str(tiny_tokenizer_dir),
+            "tasks": [
+                {
+                    "name": "chat",
+                    "lengths": {"dataset": {"path": "ds", "format": "messages"}},
+                    "batch_size": 2,
+                    "context_length": 512,
+                }
+            ],
+        },
+    )
     lengths = load_workload(path).task("chat").lengths
     assert lengths.lengths.size == 3 and lengths.lengths[0] < lengths.lengths[-1]

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lorafleet.costmodel.parallel_config import ParallelConfig
@@ -37,27 +36,53 @@ def build_model(family: str = "llama", dtype: torch.dtype = torch.float32) -> to
     most sequences) of the same shape; frozen, eval mode."""
     if family == "llama":
         return load_causal_lm(TINY, dtype)
-    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, attn_implementation="sdpa")
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = (Qwen2ForCausalLM(Qwen2Config(**shape)) if family == "qwen2"
-                 else MistralForCausalLM(MistralConfig(sliding_window=8, **shape)))
+        model = (
+            Qwen2ForCausalLM(Qwen2Config(**shape))
+            if family == "qwen2"
+            else MistralForCausalLM(MistralConfig(sliding_window=8, **shape))
+        )
     return model.to(dtype).eval().requires_grad_(False)
+
 
 #: Three tasks that differ in rank, scaling, targets and schedule.
 TASKS = (
-    TaskTraining(name="summary", lora=LoraSpec(rank=4, alpha=8), total_steps=4,
-                 optimizer=OptimizerSpec(lr=3e-4, warmup_steps=1, grad_clip=1.0)),
-    TaskTraining(name="code", lora=LoraSpec(rank=8, alpha=4, target_modules=("q_proj", "v_proj", "down_proj"),
-                                            use_rslora=True), total_steps=4,
-                 optimizer=OptimizerSpec(lr=1e-4, schedule="linear", weight_decay=0.01, grad_clip=0.05)),
-    TaskTraining(name="chat", lora=LoraSpec(rank=2, alpha=16, target_modules=("o_proj", "gate_proj", "up_proj", "k_proj")),
-                 total_steps=4, optimizer=OptimizerSpec(lr=5e-4, schedule="constant", grad_clip=0.0)),
+    TaskTraining(
+        name="summary",
+        lora=LoraSpec(rank=4, alpha=8),
+        total_steps=4,
+        optimizer=OptimizerSpec(lr=3e-4, warmup_steps=1, grad_clip=1.0),
+    ),
+    TaskTraining(
+        name="code",
+        lora=LoraSpec(rank=8, alpha=4, target_modules=("q_proj", "v_proj", "down_proj"), use_rslora=True),
+        total_steps=4,
+        optimizer=OptimizerSpec(lr=1e-4, schedule="linear", weight_decay=0.01, grad_clip=0.05),
+    ),
+    TaskTraining(
+        name="chat",
+        lora=LoraSpec(rank=2, alpha=16, target_modules=("o_proj", "gate_proj", "up_proj", "k_proj")),
+        total_steps=4,
+        optimizer=OptimizerSpec(lr=5e-4, schedule="constant", grad_clip=0.0),
+    ),
     # The same adapter and optimizer as "summary", other data: a mix-up of the two would pass
     # unnoticed by shapes, only by values.
-    TaskTraining(name="summary-b", lora=LoraSpec(rank=4, alpha=8), total_steps=4,
-                 optimizer=OptimizerSpec(lr=3e-4, warmup_steps=1, grad_clip=1.0)),
+    TaskTraining(
+        name="summary-b",
+        lora=LoraSpec(rank=4, alpha=8),
+        total_steps=4,
+        optimizer=OptimizerSpec(lr=3e-4, warmup_steps=1, grad_clip=1.0),
+    ),
 )
 BATCH_SIZES = (3, 4, 3, 2)
 
@@ -88,9 +113,16 @@ def plan_of(*replicas: tuple[int, int] | tuple[int, int, bool], max_tokens: int 
         config = ParallelConfig(*layout)
         specs.append(ReplicaSpec(i, config, max_tokens, tuple(range(next_rank, next_rank + config.n_gpus))))
         next_rank += config.n_gpus
-    return DeploymentPlan(model="tiny-llama", gpu="cpu", n_gpus=next_rank, gpus_per_node=next_rank,
-                          tasks=tuple(t.name for t in TASKS), replicas=tuple(specs), bucket_boundaries=(),
-                          expected_makespan_s=0.0)
+    return DeploymentPlan(
+        model="tiny-llama",
+        gpu="cpu",
+        n_gpus=next_rank,
+        gpus_per_node=next_rank,
+        tasks=tuple(t.name for t in TASKS),
+        replicas=tuple(specs),
+        bucket_boundaries=(),
+        expected_makespan_s=0.0,
+    )
 
 
 def make_step_plan(batch: GlobalBatch, n_replicas: int, *, per_microbatch: int = 3, packed: bool = False) -> StepPlan:
@@ -103,8 +135,14 @@ def make_step_plan(batch: GlobalBatch, n_replicas: int, *, per_microbatch: int =
         for k in range(0, len(seqs), per_microbatch):
             chunk = seqs[k : k + per_microbatch]
             lengths = tuple(int(batch.lengths[q]) for q in chunk)
-            mbs.append(MicroBatch(tuple(chunk), tuple(int(batch.task_ids[q]) for q in chunk), lengths,
-                                  None if packed else max(lengths)))
+            mbs.append(
+                MicroBatch(
+                    tuple(chunk),
+                    tuple(int(batch.task_ids[q]) for q in chunk),
+                    lengths,
+                    None if packed else max(lengths),
+                )
+            )
         work.append(ReplicaWork(r, tuple(mbs), 0.0))
     return StepPlan(step=batch.step, bucket_boundaries=(), work=tuple(work), estimated_makespan_s=0.0)
 
@@ -173,6 +211,7 @@ def run_world(world: int, runs: Sequence[Run], tmp: Path) -> list[list[StepRepor
         path.unlink(missing_ok=True)
     # fork, not spawn: a spawned child re-imports torch, transformers and peft (~8 s each when
     # four share two cores); a forked one starts with the test process's modules.
-    mp.start_processes(_rank_main, args=(world, str(init_file), list(runs), str(result_file)), nprocs=world,
-                       start_method="fork")
+    mp.start_processes(
+        _rank_main, args=(world, str(init_file), list(runs), str(result_file)), nprocs=world, start_method="fork"
+    )
     return pickle.loads(result_file.read_bytes())

@@ -24,9 +24,16 @@ MODULE = "model.layers.0.self_attn.q_proj"
 
 def _state(step: int, value: float) -> TrainState:
     weights = {(MODULE, "lora_A"): torch.full((2, 64), value), (MODULE, "lora_B"): torch.full((64, 2), -value)}
-    moments = {(MODULE, "lora_A", "exp_avg"): torch.full((2, 64), value / 2), (MODULE, "lora_A", "step"): torch.tensor(3.0)}
-    return TrainState(step, (TaskState("t", SPEC, weights, moments, optimizer_steps=step),), {"step": step, "cursors": [step]},
-                      {"dispatch": "state"})
+    moments = {
+        (MODULE, "lora_A", "exp_avg"): torch.full((2, 64), value / 2),
+        (MODULE, "lora_A", "step"): torch.tensor(3.0),
+    }
+    return TrainState(
+        step,
+        (TaskState("t", SPEC, weights, moments, optimizer_steps=step),),
+        {"step": step, "cursors": [step]},
+        {"dispatch": "state"},
+    )
 
 
 def test_round_trip(tmp_path):
@@ -38,7 +45,11 @@ def test_round_trip(tmp_path):
     assert torch.equal(task.weights[(MODULE, "lora_B")], torch.full((64, 2), -0.5))
     assert torch.equal(task.optimizer[(MODULE, "lora_A", "step")], torch.tensor(3.0))
     config = json.loads((latest_step_dir(tmp_path) / "t" / "adapter_config.json").read_text())
-    assert config["r"] == 2 and config["target_modules"] == ["q_proj"] and config["base_model_name_or_path"] == "tiny-llama"
+    assert (
+        config["r"] == 2
+        and config["target_modules"] == ["q_proj"]
+        and config["base_model_name_or_path"] == "tiny-llama"
+    )
 
 
 def test_only_committed_checkpoints_count_and_old_ones_go(tmp_path):

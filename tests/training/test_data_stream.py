@@ -19,8 +19,10 @@ def test_same_seed_same_batches_and_another_seed_others():
     a, b, c = h.synthetic_streams(), h.synthetic_streams(), h.synthetic_streams(seed=8)
     for x, y in zip(_batches(a, range(5)), _batches(b, range(5)), strict=True):
         assert np.array_equal(x.sample_ids, y.sample_ids) and np.array_equal(x.lengths, y.lengths)
-    assert not all(np.array_equal(x.lengths, y.lengths)
-                   for x, y in zip(_batches(h.synthetic_streams(), range(5)), _batches(c, range(5)), strict=True))
+    assert not all(
+        np.array_equal(x.lengths, y.lengths)
+        for x, y in zip(_batches(h.synthetic_streams(), range(5)), _batches(c, range(5)), strict=True)
+    )
 
 
 def test_every_example_once_per_epoch():

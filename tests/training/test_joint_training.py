@@ -59,14 +59,22 @@ def _runs(root: Path) -> dict[str, h.Run]:
         "tp2 rc+pp2 rc": h.Run(PLANS["tp2 rc+pp2 rc"], STEPS, per_microbatch=2, out=str(root / "e")),
     }
     # Resume the pp2+tp1+tp1 run after 2 steps: on the same plan (bitwise), and on another one.
-    runs["pp2+tp1+tp1 resumed"] = h.Run(PLANS["pp2+tp1+tp1"], STEPS, per_microbatch=2, out=str(root / "b2"),
-                                        resume_from=str(root / "b" / "ckpt"))
-    runs["resumed on tp1+tp1+tp2"] = h.Run(PLANS["tp1+tp1+tp2"], STEPS, out=str(root / "b3"),
-                                           resume_from=str(root / "b" / "ckpt"))
+    runs["pp2+tp1+tp1 resumed"] = h.Run(
+        PLANS["pp2+tp1+tp1"], STEPS, per_microbatch=2, out=str(root / "b2"), resume_from=str(root / "b" / "ckpt")
+    )
+    runs["resumed on tp1+tp1+tp2"] = h.Run(
+        PLANS["tp1+tp1+tp2"], STEPS, out=str(root / "b3"), resume_from=str(root / "b" / "ckpt")
+    )
     for i, (name, plan) in enumerate(PLANS.items()):
         base = runs[name]
-        runs[f"{name} fp64"] = h.Run(plan, STEPS, packed=base.packed, per_microbatch=base.per_microbatch,
-                                     out=str(root / f"fp64-{i}"), dtype=torch.float64)
+        runs[f"{name} fp64"] = h.Run(
+            plan,
+            STEPS,
+            packed=base.packed,
+            per_microbatch=base.per_microbatch,
+            out=str(root / f"fp64-{i}"),
+            dtype=torch.float64,
+        )
     for family, plan in FAMILY_PLANS.items():
         runs[f"{family} fp64"] = h.Run(plan, STEPS, out=str(root / family), dtype=torch.float64, family=family)
     return runs
@@ -118,8 +126,9 @@ def train_alone(task: int, dtype: torch.dtype, family: str = "llama", steps: int
         labels = torch.tensor([list(e.labels) + [IGNORE_INDEX] * (width - len(e)) for e in examples])
         mask = torch.tensor([[1] * len(e) + [0] * (width - len(e)) for e in examples])
         logits = model(ids, attention_mask=mask).logits  # (B, S, V)
-        ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum",
-                             ignore_index=IGNORE_INDEX)
+        ce = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+        )
         (ce / n_tokens).backward()
         if spec.optimizer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
@@ -127,7 +136,9 @@ def train_alone(task: int, dtype: torch.dtype, family: str = "llama", steps: int
             group["lr"] = lr_at(spec.optimizer, step, spec.total_steps)
         optimizer.step()
         optimizer.zero_grad()
-    return {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model, save_embedding_layers=False).items()}
+    return {
+        k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model, save_embedding_layers=False).items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -148,8 +159,12 @@ def test_references_are_far_apart(references):
     initial = _initial_adapters()
     fp32 = references[("llama", torch.float32)]
     for i, task in enumerate(h.TASKS):
-        start = {peft_key(name, f): getattr(layer, f)[str(i)].detach()
-                 for name, layer in multi_lora_layers(initial) if i in layer.adapters for f in ("lora_A", "lora_B")}
+        start = {
+            peft_key(name, f): getattr(layer, f)[str(i)].detach()
+            for name, layer in multi_lora_layers(initial)
+            if i in layer.adapters
+            for f in ("lora_A", "lora_B")
+        }
         assert _max_diff(fp32[task.name], start) > 20 * ATOL[torch.float32]
     assert _max_diff(fp32["summary"], fp32["summary-b"]) > 20 * ATOL[torch.float32]
 
@@ -196,7 +211,6 @@ def test_reports_cover_every_replica_and_token(fleet):
         assert set(report.task_tokens) == {t.name for t in h.TASKS}
     idle = fleet["tp1+pp2, rank 3 idle"][0]
     assert all(len(r.replica_busy_s) == 2 for r in idle)
-
 
 
 def test_checkpointed_adapters_load_in_peft(fleet):

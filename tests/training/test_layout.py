@@ -12,12 +12,15 @@ from lorafleet.executor.torch.layout import FleetLayout, ModelDims, ReplicaLayou
 DIMS = ModelDims(n_layers=4, n_heads=4, n_kv_heads=2, ffn=176)
 
 
-@pytest.mark.parametrize("layers,pp,expected", [
-    (4, 2, [range(0, 2), range(2, 4)]),
-    (5, 2, [range(0, 3), range(3, 5)]),
-    (7, 3, [range(0, 3), range(3, 5), range(5, 7)]),
-    (3, 3, [range(0, 1), range(1, 2), range(2, 3)]),
-])
+@pytest.mark.parametrize(
+    "layers,pp,expected",
+    [
+        (4, 2, [range(0, 2), range(2, 4)]),
+        (5, 2, [range(0, 3), range(3, 5)]),
+        (7, 3, [range(0, 3), range(3, 5), range(5, 7)]),
+        (3, 3, [range(0, 1), range(1, 2), range(2, 3)]),
+    ],
+)
 def test_stage_layers_are_a_balanced_contiguous_split(layers, pp, expected):
     replica = ReplicaLayout(0, 1, pp, tuple(range(pp)), layers)
     assert [replica.stage_layers(k) for k in range(pp)] == expected
@@ -35,11 +38,14 @@ def test_roles_of_a_tp2_pp2_replica():
     assert fleet.role(5) is None  # idle
 
 
-@pytest.mark.parametrize("replicas,world,message", [
-    (((4, 1),), 4, "does not divide the model's 2 KV heads"),
-    (((1, 5),), 5, "exceeds the model's 4 layers"),
-    (((1, 1), (2, 1)), 2, "outside the world"),
-])
+@pytest.mark.parametrize(
+    "replicas,world,message",
+    [
+        (((4, 1),), 4, "does not divide the model's 2 KV heads"),
+        (((1, 5),), 5, "exceeds the model's 4 layers"),
+        (((1, 1), (2, 1)), 2, "outside the world"),
+    ],
+)
 def test_layout_errors_name_the_replica_and_degree(replicas, world, message):
     with pytest.raises(ValueError, match=message):
         FleetLayout.of(h.plan_of(*replicas), DIMS, world)

@@ -43,14 +43,35 @@ def _workload(tmp: Path, tokenizer: Path, gpus_per_node: int = 2) -> Path:
 
 
 def _plan(workload: Path, out: Path, *args: str) -> Path:
-    subprocess.run([*LAUNCHER, "plan", str(workload), "--json", str(out), "--samples", "0", *args], check=True,
-                   capture_output=True, cwd=out.parent)
+    subprocess.run(
+        [*LAUNCHER, "plan", str(workload), "--json", str(out), "--samples", "0", *args],
+        check=True,
+        capture_output=True,
+        cwd=out.parent,
+    )
     return out
 
 
 def _train(workload: Path, plan: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
-    result = subprocess.run([*LAUNCHER, "train", str(workload), "--plan", str(plan), "--out", str(out), "--device", "cpu",
-                             "--no-recalibrate", *args], capture_output=True, text=True, timeout=600, cwd=out.parent)
+    result = subprocess.run(
+        [
+            *LAUNCHER,
+            "train",
+            str(workload),
+            "--plan",
+            str(plan),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--no-recalibrate",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=out.parent,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -77,10 +98,32 @@ def shared(tmp_path_factory, tiny_tokenizer_dir):
 def test_random_worker_kills_recover_to_the_bitwise_same_adapters(shared, tmp_path):
     workload, plan, reference = shared
     out = tmp_path / "faulty"
-    process = subprocess.Popen([*LAUNCHER, "train", str(workload), "--plan", str(plan), "--out", str(out), "--device",
-                                "cpu", "--no-recalibrate", "--steps", STEPS, "--gpus", "2", "--checkpoint-every", "1",
-                                "--max-restarts", "16"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               cwd=tmp_path)
+    process = subprocess.Popen(
+        [
+            *LAUNCHER,
+            "train",
+            str(workload),
+            "--plan",
+            str(plan),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--no-recalibrate",
+            "--steps",
+            STEPS,
+            "--gpus",
+            "2",
+            "--checkpoint-every",
+            "1",
+            "--max-restarts",
+            "16",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
     rng = random.Random(20261201)
     kills, deadline = 0, time.monotonic() + 480
     while process.poll() is None and kills < 10 and time.monotonic() < deadline:
@@ -106,7 +149,8 @@ def test_random_worker_kills_recover_to_the_bitwise_same_adapters(shared, tmp_pa
 
 
 def _run_until_signal(argv: list[str], cwd: Path, out: Path, sig: signal.Signals, steps: int) -> str:
-    """Start ``argv``, let ``out`` hold ``steps`` steps (at least one more than now), stop it with ``sig``; its stdout."""
+    """Start ``argv``, let ``out`` hold ``steps`` steps (at least one more than now), stop it with
+    ``sig``; its stdout."""
     done = len(_steps(out)) if (out / "metrics.jsonl").is_file() else 0
     part = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
     _wait_for_steps(out, max(steps, done + 1), part)
@@ -124,11 +168,27 @@ def test_a_resume_on_other_gpus_replans_and_continues(shared, tmp_path):
     tolerance). Most steps run on 2 processes: on a 2-core machine 4 gloo processes cost twice as much."""
     workload, two, reference = shared
     out = tmp_path / "elastic"
-    base = [*LAUNCHER, "train", str(workload), "--out", str(out), "--device", "cpu", "--no-recalibrate", "--steps", STEPS]
+    base = [
+        *LAUNCHER,
+        "train",
+        str(workload),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--no-recalibrate",
+        "--steps",
+        STEPS,
+    ]
     _run_until_signal([*base, "--plan", str(two), "--gpus", "2"], tmp_path, out, signal.SIGINT, int(STEPS) // 2)
     # resumed with the run's own plan (out/plan.json), which each resume re-plans for its GPUs
-    grown = _run_until_signal([*base, "--plan", str(out / "plan.json"), "--gpus", "4", "--resume"], tmp_path, out,
-                              signal.SIGTERM, int(STEPS) // 2 + 1)
+    grown = _run_until_signal(
+        [*base, "--plan", str(out / "plan.json"), "--gpus", "4", "--resume"],
+        tmp_path,
+        out,
+        signal.SIGTERM,
+        int(STEPS) // 2 + 1,
+    )
     assert "re-planned for 4 GPUs: " in grown, grown
     shrunk = _train(workload, out / "plan.json", out, "--steps", STEPS, "--resume", "--gpus", "2").stdout
     assert "re-planned for 2 GPUs: " in shrunk, shrunk

@@ -45,8 +45,19 @@ def run(tmp_path, tiny_tokenizer_dir):
     plan.save(tmp_path / "plan.json")
 
     def train(*args: str, workload_path: Path = workload, cwd: Path = tmp_path, timeout: float = 300):
-        argv = [*LAUNCHER, "train", str(workload_path), "--plan", str(tmp_path / "plan.json"), "--out",
-                str(tmp_path / "out"), "--device", "cpu", "--no-recalibrate", *args]
+        argv = [
+            *LAUNCHER,
+            "train",
+            str(workload_path),
+            "--plan",
+            str(tmp_path / "plan.json"),
+            "--out",
+            str(tmp_path / "out"),
+            "--device",
+            "cpu",
+            "--no-recalibrate",
+            *args,
+        ]
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
     return train, tmp_path
@@ -67,8 +78,18 @@ def _refused(capsys, tmp: Path, words: str, *args: str, workload: Path | None = 
     """``lorafleet train`` in this process (the launcher's checks need no worker): one line, exit 2."""
     from lorafleet.cli import main
 
-    argv = ["train", str(workload or tmp / "w.yaml"), "--plan", str(tmp / "plan.json"), "--out", str(tmp / "out"),
-            "--device", "cpu", "--no-recalibrate", *args]
+    argv = [
+        "train",
+        str(workload or tmp / "w.yaml"),
+        "--plan",
+        str(tmp / "plan.json"),
+        "--out",
+        str(tmp / "out"),
+        "--device",
+        "cpu",
+        "--no-recalibrate",
+        *args,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and words in err, err
@@ -92,8 +113,10 @@ def test_run_directory_checkpoints_and_resume(run, capsys):
     newest.write_bytes(newest.read_bytes()[:-9])
     resumed = train("--steps", "4", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "warning: checkpoint step-000003: chat/adapter_model.safetensors does not match its checksum; resuming " \
-           "from step-000002" in resumed.stderr
+    assert (
+        "warning: checkpoint step-000003: chat/adapter_model.safetensors does not match its checksum; resuming "
+        "from step-000002" in resumed.stderr
+    )
     assert _steps(out) == [0, 1, 2, 3]  # step 2 replayed once, nothing counted twice
     rows = (out / "metrics.csv").read_text().splitlines()
     assert len(rows) == 5 and rows[0].startswith("step,") and sum(r.startswith("step,") for r in rows) == 1
@@ -152,8 +175,19 @@ def _worker_pids(marker: str) -> list[int]:
 
 def _start(run, *args: str) -> subprocess.Popen:
     train, tmp = run
-    argv = [*LAUNCHER, "train", str(tmp / "w.yaml"), "--plan", str(tmp / "plan.json"), "--out", str(tmp / "out"),
-            "--device", "cpu", "--no-recalibrate", *args]
+    argv = [
+        *LAUNCHER,
+        "train",
+        str(tmp / "w.yaml"),
+        "--plan",
+        str(tmp / "plan.json"),
+        "--out",
+        str(tmp / "out"),
+        "--device",
+        "cpu",
+        "--no-recalibrate",
+        *args,
+    ]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
 
 
@@ -180,8 +214,10 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(run, sig, code):
     assert "Traceback" not in stderr
     (line,) = [x for x in stdout.splitlines() if x.startswith("lorafleet train: stopped by")]
     steps = int(line.split(" after ")[1].split()[0])
-    assert line == (f"lorafleet train: stopped by {sig.name} after {steps} steps; checkpoint step-{steps:06d} committed, "
-                    "continue with --resume")
+    assert line == (
+        f"lorafleet train: stopped by {sig.name} after {steps} steps; checkpoint step-{steps:06d} committed, "
+        "continue with --resume"
+    )
     assert json.loads((tmp / "out" / "checkpoints" / "latest.json").read_text())["step"] == steps
     assert _steps(tmp / "out") == list(range(steps))
     assert not _worker_pids(str(tmp / "out"))
@@ -216,17 +252,33 @@ def test_a_nonfinite_task_is_skipped_then_stopped_and_the_others_are_bitwise_unt
     (fake / "__init__.py").write_text("raise SystemExit('the wrong lorafleet was imported')\n")
     (fake / "__main__.py").write_text("raise SystemExit('the wrong lorafleet was run')\n")
     script = Path(sys.executable).parent / "lorafleet"
-    frozen = (f"  - {{name: frozen, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 2, context_length: 256,"
-              " optimizer: {name: sgd, lr: 1.0e-45}}\n")
-    plan = replace(h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat", "frozen"), bucket_boundaries=(256,))
+    frozen = (
+        f"  - {{name: frozen, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 2, context_length: 256,"
+        " optimizer: {name: sgd, lr: 1.0e-45}}\n"
+    )
+    plan = replace(
+        h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat", "frozen"), bucket_boundaries=(256,)
+    )
     plan.save(tmp / "plan.json")
     results = {}
     for name, chat in (("sane", "optimizer: {lr: 1.0e-3}"), ("blown", "lora: {alpha: 1.0e+30}, optimizer: {lr: 10}")):
         folder = tmp / name
         folder.mkdir()
         workload = _workload(folder, tiny_tokenizer_dir, chat, frozen)
-        argv = [str(script), "train", str(workload), "--plan", str(tmp / "plan.json"), "--out", str(folder / "out"),
-                "--device", "cpu", "--no-recalibrate", "--steps", "4"]
+        argv = [
+            str(script),
+            "train",
+            str(workload),
+            "--plan",
+            str(tmp / "plan.json"),
+            "--out",
+            str(folder / "out"),
+            "--device",
+            "cpu",
+            "--no-recalibrate",
+            "--steps",
+            "4",
+        ]
         result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=fake.parent)
         assert result.returncode == 0, result.stderr[-2000:]
         assert "wrong lorafleet" not in result.stderr + result.stdout

@@ -54,8 +54,15 @@ def save_llama(directory: Path) -> Path:
 
 def save_qwen2_tied_sharded(directory: Path) -> Path:
     """A Qwen2 (q/k/v biases) with tied embeddings, in bf16, in shards of at most 40 kB."""
-    config = Qwen2Config(vocab_size=h.VOCAB, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=h.VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(1)
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -88,8 +95,12 @@ def _forward(replica, batch_inputs) -> torch.Tensor:
 
 def _stage_bytes(stage: nn.Module, checkpoint_itemsize: int) -> int:
     """Bytes of the stage's frozen tensors as the checkpoint stores them (a tied pair once)."""
-    adapters = {id(p) for _, layer in multi_lora_layers(stage)
-                for factor in (layer.lora_A, layer.lora_B) for p in factor.values()}
+    adapters = {
+        id(p)
+        for _, layer in multi_lora_layers(stage)
+        for factor in (layer.lora_A, layer.lora_B)
+        for p in factor.values()
+    }
     frozen = [t for t in [*stage.parameters(), *stage.buffers()] if id(t) not in adapters]
     persistent = {id(t) for t in stage.state_dict(keep_vars=True).values()}
     return sum(t.numel() * checkpoint_itemsize for t in frozen if id(t) in persistent)
@@ -105,11 +116,18 @@ def compare_stages(directory: Path, plan_name: str, rank: int, world: int, items
     role = staged.role
     out = {
         "names": (sorted(a), sorted(b)),
-        "differ": [n for n in a if n in b and not (a[n].dtype == b[n].dtype and a[n].shape == b[n].shape
-                                                   and torch.equal(a[n], b[n]))],
+        "differ": [
+            n
+            for n in a
+            if n in b and not (a[n].dtype == b[n].dtype and a[n].shape == b[n].shape and torch.equal(a[n], b[n]))
+        ],
         "meta": [n for n, t in b.items() if t.is_meta],
-        "tied": [m.lm_head is not None and m.model.embed_tokens is not None
-                 and m.lm_head.weight is m.model.embed_tokens.weight for m in (whole.model, staged.model)],
+        "tied": [
+            m.lm_head is not None
+            and m.model.embed_tokens is not None
+            and m.lm_head.weight is m.model.embed_tokens.weight
+            for m in (whole.model, staged.model)
+        ],
         "reads": weights.reads,
         "stage_bytes": _stage_bytes(staged.model, itemsize),
         "layers": list(role.layers),

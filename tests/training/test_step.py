@@ -62,7 +62,11 @@ def test_attention_bounds_are_the_documents():
     lengths = [len(EXAMPLES[q]) for q in ROWS]
     assert packed.attention(None)["document_bounds"] == tuple(itertools.accumulate(lengths, initial=0))
     padded = build_inputs(_microbatch(False), [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
-    assert padded.attention(3) == {"attention_mask": None, "document_bounds": (0, max(lengths) + 2), "document_window": 3}
+    assert padded.attention(3) == {
+        "attention_mask": None,
+        "document_bounds": (0, max(lengths) + 2),
+        "document_window": 3,
+    }
 
 
 def test_padding_takes_no_gradient_and_changes_no_real_token():
@@ -80,12 +84,16 @@ def test_padding_takes_no_gradient_and_changes_no_real_token():
         real[k, :n] = True
     noisy = replace(inputs, input_ids=inputs.input_ids.masked_fill(~real, 7))
     with torch.no_grad():
-        assert torch.equal(stage_forward(model, role, None, inputs)[real], stage_forward(model, role, None, noisy)[real])
+        assert torch.equal(
+            stage_forward(model, role, None, inputs)[real], stage_forward(model, role, None, noisy)[real]
+        )
     embeds = model.model.embed_tokens(inputs.input_ids).detach().requires_grad_()
     hooks = model.model.embed_tokens.register_forward_hook(lambda *_: embeds)
     logits = stage_forward(model, role, None, inputs)
     hooks.remove()
-    (logits.log_softmax(-1).gather(-1, inputs.targets.clamp(min=0)[..., None])[..., 0] * inputs.weights).sum().backward()
+    (
+        logits.log_softmax(-1).gather(-1, inputs.targets.clamp(min=0)[..., None])[..., 0] * inputs.weights
+    ).sum().backward()
     assert embeds.grad[~real].abs().max() == 0 and embeds.grad[real].abs().max() > 0
 
 
@@ -146,7 +154,7 @@ def test_recompute_gives_the_same_loss_and_gradients_and_saves_less(packed):
         use_document_attention(stage)
         saved = []
         torch.manual_seed(5)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):  # noqa: B023
             loss = stage_forward(stage, role, None, inputs).square().mean()
         loss.backward()
         grads = [p.grad for p in adapter_parameters(stage) if p.grad is not None]  # task 0 has no rows here
@@ -163,15 +171,18 @@ def test_a_step_plan_must_place_every_sequence_exactly_once():
     check_step_plan(plan, BATCH, 2)
     first = plan.work[0].microbatches[0]
     dropped = replace(first, seq_ids=first.seq_ids[1:], task_ids=first.task_ids[1:], lengths=first.lengths[1:])
-    broken = replace(plan, work=(replace(plan.work[0], microbatches=(dropped, *plan.work[0].microbatches[1:])),
-                                 plan.work[1]))
+    broken = replace(
+        plan, work=(replace(plan.work[0], microbatches=(dropped, *plan.work[0].microbatches[1:])), plan.work[1])
+    )
     with pytest.raises(ValueError, match="in 0 micro-batches"):
         check_step_plan(broken, BATCH, 2)
     with pytest.raises(ValueError, match="work for 2 replicas"):
         check_step_plan(plan, BATCH, 3)
     wrong_length = replace(first, lengths=(first.lengths[0] + 1, *first.lengths[1:]))
     with pytest.raises(ValueError, match="does not match"):
-        check_step_plan(replace(plan, work=(replace(plan.work[0], microbatches=(wrong_length,)), plan.work[1])), BATCH, 2)
+        check_step_plan(
+            replace(plan, work=(replace(plan.work[0], microbatches=(wrong_length,)), plan.work[1])), BATCH, 2
+        )
 
 
 def test_varlen_layout_and_choice():

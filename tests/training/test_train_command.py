@@ -27,11 +27,36 @@ def test_cli_surface_is_frozen():
     parser = build_parser()
     train = parser._subparsers._group_actions[0].choices["train"]
     options = sorted(o for a in train._actions for o in a.option_strings)
-    assert options == ["--alignment", "--buckets", "--checkpoint-every", "--choose-buckets-by-makespan", "--device",
-                       "--dtype", "--gap", "--gpu", "--gpus", "--help", "--inject-slowdown", "--max-restarts", "--method",
-                       "--microbatch", "--no-progress", "--no-recalibrate", "--no-stop-checkpoint", "--nonfinite-patience",
-                       "--out", "--overwrite", "--plan", "--profile", "--recalibrate", "--resume", "--solver", "--steps",
-                       "--time-limit", "-h"]
+    assert options == [
+        "--alignment",
+        "--buckets",
+        "--checkpoint-every",
+        "--choose-buckets-by-makespan",
+        "--device",
+        "--dtype",
+        "--gap",
+        "--gpu",
+        "--gpus",
+        "--help",
+        "--inject-slowdown",
+        "--max-restarts",
+        "--method",
+        "--microbatch",
+        "--no-progress",
+        "--no-recalibrate",
+        "--no-stop-checkpoint",
+        "--nonfinite-patience",
+        "--out",
+        "--overwrite",
+        "--plan",
+        "--profile",
+        "--recalibrate",
+        "--resume",
+        "--solver",
+        "--steps",
+        "--time-limit",
+        "-h",
+    ]
 
 
 @pytest.fixture
@@ -58,10 +83,13 @@ def _without_data(text: str) -> str:
     return text[:start] + "lengths: {values: [5]}" + text[text.index("}", start) + 1 :]
 
 
-@pytest.mark.parametrize("change,extra,message", [
-    (_without_data, [], "training needs data for every task; docsum has none"),
-    (None, ["--steps", "0"], "--steps: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "change,extra,message",
+    [
+        (_without_data, [], "training needs data for every task; docsum has none"),
+        (None, ["--steps", "0"], "--steps: must be >= 1"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(workload, capsys, change, extra, message):
     path, plan = workload
     if change is not None:
@@ -87,13 +115,20 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
     result = _train(workload, out, "--steps", "3", "--checkpoint-every", "2", "--dtype", "bf16")
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [0, 1, 2]
-    assert all(set(r["losses"]) == {"docsum", "chat"} and r["tokens_per_s"] > 0 and len(r["replica_busy_s"]) == 2
-               and len(r["predicted_busy_s"]) == 2 for r in lines)
+    assert all(
+        set(r["losses"]) == {"docsum", "chat"}
+        and r["tokens_per_s"] > 0
+        and len(r["replica_busy_s"]) == 2
+        and len(r["predicted_busy_s"]) == 2
+        for r in lines
+    )
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert [int(r["step"]) for r in rows] == [0, 1, 2]
     assert [float(r["loss/chat"]) for r in rows] == [r["losses"]["chat"] for r in lines]
     assert all(max(float(r[f"predicted_busy_s/{i}"]) for i in (0, 1)) > 0 for r in rows)
-    assert all(float(r["correction/0"]) > 0 and float(r["model_busy_s/0"]) > 0 and float(r["cpu_s/rank_0"]) > 0 for r in rows)
+    assert all(
+        float(r["correction/0"]) > 0 and float(r["model_busy_s/0"]) > 0 and float(r["cpu_s/rank_0"]) > 0 for r in rows
+    )
     assert (out / "plan.json").is_file() and not (out / ".stop-request").exists()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert "\x1b[" not in result.stdout  # stdout is a pipe here: no progress bar
@@ -109,8 +144,26 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
 def _train(workload: tuple[Path, Path], out: Path, *options: str) -> subprocess.CompletedProcess:
     """``lorafleet train`` on gloo as a user runs it (it re-runs itself under torchrun); must succeed."""
     path, plan = workload
-    result = subprocess.run([sys.executable, "-m", "lorafleet", "train", str(path), "--plan", str(plan), "--out", str(out),
-                             "--device", "cpu", *options], capture_output=True, text=True, timeout=300, cwd=out.parent)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lorafleet",
+            "train",
+            str(path),
+            "--plan",
+            str(plan),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=out.parent,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -132,9 +185,13 @@ def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_to
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 8, context_length: 256}}\n"
         f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 8, context_length: 128}}\n"
     )
-    plan = replace(h.plan_of((1, 1), (1, 1), max_tokens=1024), gpu="cpu", tasks=("docsum", "chat"),
-                   bucket_boundaries=(256,),
-                   cost_model=CostModelOrigin(kind="profile", gpu="cpu", profile=str(profile), sha256=file_sha256(profile)))
+    plan = replace(
+        h.plan_of((1, 1), (1, 1), max_tokens=1024),
+        gpu="cpu",
+        tasks=("docsum", "chat"),
+        bucket_boundaries=(256,),
+        cost_model=CostModelOrigin(kind="profile", gpu="cpu", profile=str(profile), sha256=file_sha256(profile)),
+    )
     plan.save(tmp_path / "plan.json")
     out = tmp_path / "out"
     _train((path, tmp_path / "plan.json"), out, "--steps", "4", "--inject-slowdown", "0=4")

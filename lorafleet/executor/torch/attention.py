@@ -71,7 +71,9 @@ def document_attention(
     [0, S] for right-padded rows.
     """
     if document_bounds is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if uses_varlen(query, dropout):
         return varlen_documents(query, key, value, tuple(document_bounds), document_window, scaling), None
     key = repeat_kv(key, module.num_key_value_groups)
@@ -84,8 +86,15 @@ def uses_varlen(query: Tensor, dropout: float) -> bool:
     return varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and not dropout
 
 
-def per_document(query: Tensor, key: Tensor, value: Tensor, bounds: Sequence[int], window: int | None,
-                 dropout: float = 0.0, scaling: float | None = None) -> Tensor:
+def per_document(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    bounds: Sequence[int],
+    window: int | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+) -> Tensor:
     """SDPA over each document's slice of the rows, one call per document; key/value already have
     the query's heads. Returns (B, S, heads, d)."""
     outs = []
@@ -99,8 +108,9 @@ def per_document(query: Tensor, key: Tensor, value: Tensor, bounds: Sequence[int
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
 
-def varlen_documents(query: Tensor, key: Tensor, value: Tensor, bounds: tuple[int, ...], window: int | None,
-                     scaling: float | None = None) -> Tensor:
+def varlen_documents(
+    query: Tensor, key: Tensor, value: Tensor, bounds: tuple[int, ...], window: int | None, scaling: float | None = None
+) -> Tensor:
     """Every document of every row in one FlashAttention varlen launch: the B rows laid end to end
     as (B S, heads, d), documents at :func:`_cumulative_starts`; causal, and a sliding window of
     ``window`` tokens (the query and the window - 1 before it, as :func:`_window_mask`) as
@@ -111,8 +121,13 @@ def varlen_documents(query: Tensor, key: Tensor, value: Tensor, bounds: tuple[in
         query.transpose(1, 2).reshape(b * s, heads, d),
         key.transpose(1, 2).reshape(b * s, key.shape[1], d),
         value.transpose(1, 2).reshape(b * s, value.shape[1], d),
-        starts, starts, longest, longest,
-        scale=scaling, window_size=(-1, 0) if window is None else (window - 1, 0), enable_gqa=key.shape[1] != heads,
+        starts,
+        starts,
+        longest,
+        longest,
+        scale=scaling,
+        window_size=(-1, 0) if window is None else (window - 1, 0),
+        enable_gqa=key.shape[1] != heads,
     )
     return out.view(b, s, heads, d)
 

@@ -96,7 +96,9 @@ def resolve_model_source(name: str, *, source: str = "<args>", field: str = "mod
         package, file = GGUF_PACKAGES[name]
         directory = _package_dir(package)
         if directory is None or not (directory / file).is_file():
-            raise InputError(source, field, f"{name!r} needs the {package.replace('_', '-')!r} package (pip install it)")
+            raise InputError(
+                source, field, f"{name!r} needs the {package.replace('_', '-')!r} package (pip install it)"
+            )
         return ModelSource(kind=SourceKind.GGUF, name=name, path=str(directory), gguf_file=file)
     if name in RANDOM_PRESETS:
         return ModelSource(kind=SourceKind.RANDOM, name=name, spec=MODEL_PRESETS[name], seed=seed)
@@ -111,7 +113,9 @@ def resolve_model_source(name: str, *, source: str = "<args>", field: str = "mod
             return ModelSource(kind=SourceKind.GGUF, name=name, path=str(path), gguf_file=ggufs[0].name)
         raise InputError(source, field, f"{name!r} holds no config.json and not exactly one .gguf file")
     if name in MODEL_PRESETS:
-        raise InputError(source, field, f"preset {name!r} has no weights on this machine; name a local HF model directory")
+        raise InputError(
+            source, field, f"preset {name!r} has no weights on this machine; name a local HF model directory"
+        )
     raise InputError(source, field, f"unknown model {name!r}: not a preset with weights nor an existing path")
 
 
@@ -161,7 +165,9 @@ def load_causal_lm(source: ModelSource, dtype: torch.dtype = torch.float32) -> n
 
 def _check_supported(model_type: str, source: ModelSource) -> None:
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise InputError(source.name, "model", f"model type {model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise InputError(
+            source.name, "model", f"model type {model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
 
 
 def load_base(source: ModelSource, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, SafetensorsWeights | None]:
@@ -243,12 +249,18 @@ class SafetensorsWeights:
         for name, tensor in model.state_dict(keep_vars=True).items():
             key = next((n for n in aliases[id(tensor)] if n in files), None)
             if key is None:
-                raise InputError(where, name, f"tensor missing from the checkpoint (the model's config makes it "
-                                              f"{tuple(tensor.shape)})")
+                raise InputError(
+                    where,
+                    name,
+                    f"tensor missing from the checkpoint (the model's config makes it {tuple(tensor.shape)})",
+                )
             shape = shapes[key]
             if shape != tuple(tensor.shape):
-                raise InputError(str(directory / files[key]), key, f"shape {shape} in the checkpoint, but the "
-                                                                   f"model's config makes it {tuple(tensor.shape)}")
+                raise InputError(
+                    str(directory / files[key]),
+                    key,
+                    f"shape {shape} in the checkpoint, but the model's config makes it {tuple(tensor.shape)}",
+                )
             entries[name] = TensorEntry(files[key], key, shape)
         return cls(directory, entries)
 

@@ -93,8 +93,9 @@ def step_dir_name(step: int) -> str:
 # ---- gather (collective) and restore (local) -------------------------------------------------
 
 
-def gather_task_states(replica: Replica, optimizers: Sequence[TaskOptimizer], specs: Sequence[LoraSpec],
-                       names: Sequence[str]) -> tuple[TaskState, ...] | None:
+def gather_task_states(
+    replica: Replica, optimizers: Sequence[TaskOptimizer], specs: Sequence[LoraSpec], names: Sequence[str]
+) -> tuple[TaskState, ...] | None:
     """Whole adapters and optimizer states on rank 0 (None elsewhere). Collective over the world.
 
     Each piece is sent by its lowest holder (``GradSync.owned``): after the step every holder
@@ -103,9 +104,16 @@ def gather_task_states(replica: Replica, optimizers: Sequence[TaskOptimizer], sp
     local = []
     for piece in replica.grad_sync.owned:
         param = replica.params[piece.param.key]
-        state = optimizers[piece.param.task].optimizer.state.get(param, {}) if optimizers[piece.param.task].optimizer else {}
-        moments = {k: (piece.local_view(v, replica.role) if v.dim() else v).detach().cpu().clone()
-                   for k, v in state.items() if isinstance(v, Tensor)}
+        state = (
+            optimizers[piece.param.task].optimizer.state.get(param, {})
+            if optimizers[piece.param.task].optimizer
+            else {}
+        )
+        moments = {
+            k: (piece.local_view(v, replica.role) if v.dim() else v).detach().cpu().clone()
+            for k, v in state.items()
+            if isinstance(v, Tensor)
+        }
         local.append((piece, piece.local_view(param.detach(), replica.role).cpu().clone(), moments))
     rank = dist.get_rank()
     gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None

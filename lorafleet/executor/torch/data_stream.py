@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -81,8 +80,9 @@ def apply_overflow(name: str, examples: Sequence[Example], context_length: int, 
     truncated: set[int] = set()
     rejected = no_target = 0
     fit = fit_to_context([len(e) for e in examples], context_length, policy)
-    for example, length, cut, dropped in zip(examples, fit.lengths.tolist(), fit.truncated.tolist(),
-                                             fit.rejected.tolist(), strict=True):
+    for example, length, cut, dropped in zip(
+        examples, fit.lengths.tolist(), fit.truncated.tolist(), fit.rejected.tolist(), strict=True
+    ):
         if dropped:
             rejected += 1
             continue
@@ -104,8 +104,11 @@ def prepare_task_data(task: TaskSpec, tokenizer: Any, source: str) -> TaskData:
     try:
         return apply_overflow(task.name, examples, task.context_length, task.overflow)
     except ValueError:
-        raise InputError(task.data.path, "", f"no row is left to train on after overflow={task.overflow.value} "
-                         f"at context_length={task.context_length}") from None
+        raise InputError(
+            task.data.path,
+            "",
+            f"no row is left to train on after overflow={task.overflow.value} at context_length={task.context_length}",
+        ) from None
 
 
 @lru_cache(maxsize=64)
@@ -135,8 +138,13 @@ class TaskStream:
 class DataStreams:
     """Every task's stream: the global batch of any step, and the cursors to check a resume by."""
 
-    def __init__(self, tasks: Sequence[TaskData], batch_sizes: Sequence[int], seed: int,
-                 max_batches: Sequence[int | None] | None = None) -> None:
+    def __init__(
+        self,
+        tasks: Sequence[TaskData],
+        batch_sizes: Sequence[int],
+        seed: int,
+        max_batches: Sequence[int | None] | None = None,
+    ) -> None:
         """
         Args:
             tasks: per task, in workload order (the task index is the position).
@@ -200,8 +208,12 @@ class DataStreams:
 
     def state_dict(self, step: int) -> dict[str, Any]:
         """What a checkpoint after ``step`` completed steps records of the data."""
-        return {"step": step, "cursors": self.cursors(step), "examples": [len(s.data.examples) for s in self.streams],
-                "fingerprints": [s.data.fingerprint for s in self.streams]}
+        return {
+            "step": step,
+            "cursors": self.cursors(step),
+            "examples": [len(s.data.examples) for s in self.streams],
+            "fingerprints": [s.data.fingerprint for s in self.streams],
+        }
 
     def check_state(self, state: Mapping[str, Any]) -> None:
         """ValueError unless this data, at the checkpoint's step, is where the checkpoint left it
@@ -209,4 +221,6 @@ class DataStreams:
         now = self.state_dict(int(state["step"]))
         for key in ("examples", "cursors", "fingerprints"):
             if key in state and list(state[key]) != now[key]:
-                raise ValueError(f"the data changed since the checkpoint: {key} {list(state[key])} then, {now[key]} now")
+                raise ValueError(
+                    f"the data changed since the checkpoint: {key} {list(state[key])} then, {now[key]} now"
+                )

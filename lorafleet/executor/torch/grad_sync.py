@@ -117,9 +117,13 @@ def holder_sets(pieces: Sequence[Piece]) -> list[tuple[int, ...]]:
 class GradSync:
     """This rank's side of the adapter-gradient sum and of the per-task gradient norms."""
 
-    def __init__(self, pieces: Sequence[Piece], role: RankRole | None,
-                 params: Mapping[tuple[int, str, str], nn.Parameter],
-                 groups: Mapping[tuple[int, ...], dist.ProcessGroup]) -> None:
+    def __init__(
+        self,
+        pieces: Sequence[Piece],
+        role: RankRole | None,
+        params: Mapping[tuple[int, str, str], nn.Parameter],
+        groups: Mapping[tuple[int, ...], dist.ProcessGroup],
+    ) -> None:
         """
         Args:
             pieces: the fleet's pieces (:func:`sync_pieces`), the same on every rank.

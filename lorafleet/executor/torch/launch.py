@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lorafleet.data.tokenize import load_tokenizer
 from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer
+from lorafleet.data.tokenize import load_tokenizer
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.base_model import (
     ModelSource,
@@ -54,7 +54,9 @@ def init_distributed(device: str = "auto") -> torch.device:
         device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "cpu"
     if device == "cuda":
         if torch.cuda.device_count() <= local_rank:
-            raise InputError("<args>", "--device", f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)")
+            raise InputError(
+                "<args>", "--device", f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)"
+            )
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
         return torch.device("cuda", local_rank)
@@ -93,8 +95,14 @@ def training_streams(spec: WorkloadSpec, run_steps: int) -> DataStreams:
     return DataStreams(data, [t.batch_size for t in spec.tasks], spec.seed, limits)
 
 
-def build_torch_executor(spec: WorkloadSpec, plan: DeploymentPlan, run_steps: int, device: torch.device,
-                         dtype: torch.dtype = torch.float32, slowdown: Mapping[int, float] | None = None) -> TorchExecutor:
+def build_torch_executor(
+    spec: WorkloadSpec,
+    plan: DeploymentPlan,
+    run_steps: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    slowdown: Mapping[int, float] | None = None,
+) -> TorchExecutor:
     """This rank's executor for a workload (data paths resolved) and a plan (checked by the caller:
     ``lorafleet.plan_check``). Collective. ``slowdown`` injects stragglers (``ExecutorConfig.slowdown``)."""
     source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
@@ -103,10 +111,16 @@ def build_torch_executor(spec: WorkloadSpec, plan: DeploymentPlan, run_steps: in
     limits = [task_batches(task, d) for task, d in zip(spec.tasks, data, strict=True)]
     streams = DataStreams(data, [t.batch_size for t in spec.tasks], spec.seed, limits)
     tasks = tuple(
-        TaskTraining(name=t.name, lora=t.lora, optimizer=t.optimizer,
-                     total_steps=min(run_steps, limit) if limit is not None else run_steps)
+        TaskTraining(
+            name=t.name,
+            lora=t.lora,
+            optimizer=t.optimizer,
+            total_steps=min(run_steps, limit) if limit is not None else run_steps,
+        )
         for t, limit in zip(spec.tasks, limits, strict=True)
     )
-    config = ExecutorConfig(plan=plan, tasks=tasks, seed=spec.seed, base_model=spec.model, slowdown=dict(slowdown or {}))
+    config = ExecutorConfig(
+        plan=plan, tasks=tasks, seed=spec.seed, base_model=spec.model, slowdown=dict(slowdown or {})
+    )
     model, weights = load_base(source, dtype)
     return TorchExecutor(config, model, streams, device, weights=weights)

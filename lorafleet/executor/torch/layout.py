@@ -62,7 +62,9 @@ class ReplicaLayout:
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"replica {self.replica_id}: tp={self.tp} and pp={self.pp} must be >= 1")
         if len(self.gpus) != self.tp * self.pp:
-            raise ValueError(f"replica {self.replica_id}: tp*pp = {self.tp * self.pp} but {len(self.gpus)} gpus {self.gpus}")
+            raise ValueError(
+                f"replica {self.replica_id}: tp*pp = {self.tp * self.pp} but {len(self.gpus)} gpus {self.gpus}"
+            )
         if len(set(self.gpus)) != len(self.gpus):
             raise ValueError(f"replica {self.replica_id}: gpus {self.gpus} repeat a rank")
         if self.pp > self.n_layers:
@@ -156,8 +158,11 @@ class FleetLayout:
             for what, n in (("attention heads", dims.n_heads), ("KV heads", dims.n_kv_heads), ("FFN width", dims.ffn)):
                 if n % tp:
                     raise ValueError(f"replica {spec.replica_id}: tp={tp} does not divide the model's {n} {what}")
-            replicas.append(ReplicaLayout(spec.replica_id, tp, spec.config.pp, tuple(spec.gpus), dims.n_layers,
-                                          spec.config.recompute))
+            replicas.append(
+                ReplicaLayout(
+                    spec.replica_id, tp, spec.config.pp, tuple(spec.gpus), dims.n_layers, spec.config.recompute
+                )
+            )
         return cls(tuple(replicas), world_size)
 
     def role(self, rank: int) -> RankRole | None:

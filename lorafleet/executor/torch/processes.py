@@ -45,8 +45,17 @@ def under_torchrun() -> bool:
 def torchrun_argv(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> list[str]:
     """The command that re-runs ``python -m lorafleet <argv>`` as ``nproc`` processes on this machine,
     restarting them up to ``max_restarts`` times after a failure (torchrun's elastic agent)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "-m", "lorafleet", *argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        f"--max-restarts={max_restarts}",
+        "-m",
+        "lorafleet",
+        *argv,
+    ]
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -83,8 +92,12 @@ def check_code() -> None:
     expected = os.environ.get(PACKAGE_ENV)
     here = str(Path(lorafleet.__file__).resolve())
     if expected and expected != here:
-        raise InputError("<environment>", PACKAGE_ENV, f"this worker imported lorafleet from {here}, its launcher runs "
-                         f"{expected}; start the run from another directory")
+        raise InputError(
+            "<environment>",
+            PACKAGE_ENV,
+            f"this worker imported lorafleet from {here}, its launcher runs "
+            f"{expected}; start the run from another directory",
+        )
 
 
 def request_stop(out: str | Path, sig: int) -> None:

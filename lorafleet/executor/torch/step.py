@@ -93,8 +93,9 @@ class MicroBatchInputs:
         return {"attention_mask": None, "document_bounds": self.document_bounds, "document_window": window}
 
 
-def build_inputs(mb: MicroBatch, examples: Sequence[Example], inv_tokens: Sequence[float],
-                 device: torch.device) -> MicroBatchInputs:
+def build_inputs(
+    mb: MicroBatch, examples: Sequence[Example], inv_tokens: Sequence[float], device: torch.device
+) -> MicroBatchInputs:
     """Lays out ``mb``'s sequences (``examples[i]`` is its i-th sequence) as the token grid."""
     b, s = microbatch_shape(mb)
     ids = torch.zeros((b, s), dtype=torch.long)
@@ -163,8 +164,7 @@ def token_losses(logits: Tensor, inputs: MicroBatchInputs) -> Tensor:
     """``ℓ_i`` per token, ``(B*S,)``, in fp32 at least (bf16 logits are upcast); 0 where ignored."""
     vocab = logits.shape[-1]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.view(-1, vocab), inputs.targets.view(-1), reduction="none",
-                           ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(logits.view(-1, vocab), inputs.targets.view(-1), reduction="none", ignore_index=IGNORE_INDEX)
 
 
 @dataclass(frozen=True)

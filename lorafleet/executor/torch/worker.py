@@ -2,8 +2,9 @@
 
 Every rank runs the same program. Rank 0 (the coordinator) runs the training loop: it
 draws global batches (:meth:`TorchExecutor.next_global_batch`, a pure function of the step,
-so a dispatcher may draw the next one ahead), has them dispatched, and calls :meth:`TorchExecutor.run_step`, which broadcasts the StepPlan to every
-rank (``broadcast_object_list``) and then runs rank 0's own share. The other ranks sit in
+so a dispatcher may draw the next one ahead), has them dispatched, and calls
+:meth:`TorchExecutor.run_step`, which broadcasts the StepPlan to every rank
+(``broadcast_object_list``) and then runs rank 0's own share. The other ranks sit in
 :meth:`TorchExecutor.serve`, executing each broadcast command, until the coordinator sends
 STOP. Checkpoint saves and restores travel the same way, so every collective is entered by
 every rank in the same order.
@@ -143,8 +144,15 @@ def check_step_plan(step_plan: StepPlan, batch: GlobalBatch, n_replicas: int) ->
 class TorchExecutor:
     """An :class:`~lorafleet.executor.Executor` over torch.distributed replicas (see the module doc)."""
 
-    def __init__(self, config: ExecutorConfig, model: nn.Module, streams: DataStreams, device: torch.device, *,
-                 weights: SafetensorsWeights | None = None) -> None:
+    def __init__(
+        self,
+        config: ExecutorConfig,
+        model: nn.Module,
+        streams: DataStreams,
+        device: torch.device,
+        *,
+        weights: SafetensorsWeights | None = None,
+    ) -> None:
         """Builds this rank's replica from the full ``model``, or from its meta skeleton and the
         checkpoint ``weights`` (per-stage loading, ``base_model.load_base``). Collective: every rank calls it."""
         self.config = config
@@ -153,15 +161,24 @@ class TorchExecutor:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.names = tuple(t.name for t in config.tasks)
         self.replica = build_replica(
-            model, [t.lora for t in config.tasks], config.plan, self.rank, self.world_size,
-            seed=config.seed, device=device, backend=config.lora_backend, weights=weights,
+            model,
+            [t.lora for t in config.tasks],
+            config.plan,
+            self.rank,
+            self.world_size,
+            seed=config.seed,
+            device=device,
+            backend=config.lora_backend,
+            weights=weights,
         )
         self.optimizers = [
             TaskOptimizer(t.optimizer, self.replica.task_params(i), t.total_steps) for i, t in enumerate(config.tasks)
         ]
         self._pending: dict[int, GlobalBatch] = {}
         self._initial = self._snapshot()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-checkpoint") if self.rank == 0 else None
+        self._writer = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-checkpoint") if self.rank == 0 else None
+        )
         self._writing: Future[Path] | None = None
 
     def _snapshot(self) -> dict[int, list[torch.Tensor]]:
@@ -175,7 +192,9 @@ class TorchExecutor:
         if t not in self._initial or self.optimizers[t].steps_taken != check_at:
             return 1.0
         start = self._initial.pop(t)
-        return float(any(not torch.equal(p.detach(), q) for p, q in zip(self.replica.task_params(t), start, strict=True)))
+        return float(
+            any(not torch.equal(p.detach(), q) for p, q in zip(self.replica.task_params(t), start, strict=True))
+        )
 
     # ---- coordinator (rank 0) -----------------------------------------------------------------
 
@@ -204,8 +223,9 @@ class TorchExecutor:
         assert report is not None
         return report
 
-    def save_checkpoint(self, directory: str | Path, step: int, extra: dict[str, Any] | None = None, *,
-                        wait: bool = False) -> Path:
+    def save_checkpoint(
+        self, directory: str | Path, step: int, extra: dict[str, Any] | None = None, *, wait: bool = False
+    ) -> Path:
         """Checkpoints the state after ``step`` completed steps; returns its directory, which is committed
         once the background write ends (at once with ``wait``; see the module docstring)."""
         path = self._broadcast_and_run(Command(CommandKind.SAVE, (str(directory), step, extra or {})))
@@ -286,8 +306,9 @@ class TorchExecutor:
             return command.payload
         return None
 
-    def _run_step(self, step_plan: StepPlan, task_ids: Sequence[int], sample_ids: Sequence[int],
-                  probe: bool = False) -> StepReport | None:
+    def _run_step(
+        self, step_plan: StepPlan, task_ids: Sequence[int], sample_ids: Sequence[int], probe: bool = False
+    ) -> StepReport | None:
         start, cpu_start = time.perf_counter(), time.process_time()
         torch.manual_seed(step_seed(self.config.seed, step_plan.step, self.rank))
         n_tasks = len(self.config.tasks)
@@ -312,16 +333,20 @@ class TorchExecutor:
             stepping = []
         self.replica.grad_sync.all_reduce(stepping)
         times = torch.zeros(3, self.world_size, dtype=torch.float64)  # busy, elapsed, CPU up to here, per rank
-        times[:, self.rank] = torch.tensor([result.busy_s, time.perf_counter() - start, time.process_time() - cpu_start],
-                                           dtype=torch.float64)
+        times[:, self.rank] = torch.tensor(
+            [result.busy_s, time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64
+        )
         moved = torch.tensor([1.0 if probe else self._moved(t) for t in range(n_tasks)], dtype=torch.float64)
-        stats = torch.cat([result.task_loss.cpu(), self.replica.grad_sync.squared_norms(n_tasks, stepping), moved,
-                           times.view(-1)])
+        stats = torch.cat(
+            [result.task_loss.cpu(), self.replica.grad_sync.squared_norms(n_tasks, stepping), moved, times.view(-1)]
+        )
         stats = stats.to(self.device)
         dist.all_reduce(stats)  # one collective for losses, norms, moved-checks and times
         stats = stats.cpu()
         synced = time.perf_counter()
-        nonfinite = [t for t in stepping if not (math.isfinite(float(stats[t])) and math.isfinite(float(stats[n_tasks + t])))]
+        nonfinite = [
+            t for t in stepping if not (math.isfinite(float(stats[t])) and math.isfinite(float(stats[n_tasks + t])))
+        ]
         for t in stepping:
             if t in nonfinite:
                 self.optimizers[t].skip()
@@ -332,8 +357,15 @@ class TorchExecutor:
         unmoved = [t for t in range(n_tasks) if float(stats[2 * n_tasks + t]) == 0.0]
         return self._report(step_plan, stats, stepping, time.perf_counter() - synced, nonfinite, unmoved)
 
-    def _report(self, step_plan: StepPlan, stats: torch.Tensor, stepping: Sequence[int], optimizer_s: float,
-                nonfinite: Sequence[int], unmoved: Sequence[int]) -> StepReport:
+    def _report(
+        self,
+        step_plan: StepPlan,
+        stats: torch.Tensor,
+        stepping: Sequence[int],
+        optimizer_s: float,
+        nonfinite: Sequence[int],
+        unmoved: Sequence[int],
+    ) -> StepReport:
         """The step's report; its makespan is the slowest rank's time up to the gradient sync's end
         plus the optimizer step (so no replica's busy time can exceed it)."""
         n_tasks = len(self.names)

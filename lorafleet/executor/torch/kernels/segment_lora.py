@@ -86,7 +86,9 @@ def _shrink_kernel(
             kt = tl.load(keep_ptr + x_offs, mask=x_mask, other=0)
             xt = tl.where(kt != 0, xt * tl.load(inv_keep_ptr + adapter), 0.0).to(xt.dtype)
         w_mask = (offs_r[None, :] < R) & (ks[:, None] < K)
-        wt = tl.load(w_base + offs_r[None, :] * stride_wr + ks[:, None] * stride_wk, mask=w_mask, other=0.0)  # (BLOCK_K, BLOCK_R)
+        wt = tl.load(
+            w_base + offs_r[None, :] * stride_wr + ks[:, None] * stride_wk, mask=w_mask, other=0.0
+        )  # (BLOCK_K, BLOCK_R)
         acc = tl.dot(xt, wt, acc, input_precision=PRECISION)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + adapter)
@@ -134,7 +136,7 @@ def _expand_kernel(
 @triton.jit
 def _weight_grad_kernel(
     left_ptr, right_ptr, out_ptr, keep_ptr, seg_ptr, group_ptr, scale_ptr, inv_keep_ptr,
-    n_segments, n_adapters, I, J,
+    n_segments, n_adapters, I, J,  # noqa: E741 (the I x J gradient, as in the docstring)
     HAS_KEEP: tl.constexpr, HAS_SCALE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
@@ -208,7 +210,9 @@ class _Launch:
         # fp32 matmuls in torch are IEEE by default; TF32 would make the two backends disagree.
         self.precision = "ieee" if x.dtype == torch.float32 else "tf32"
 
-    def shrink(self, x: Tensor, w: Tensor, w_strides: Sequence[int], out: Tensor, *, masked: bool, scaled: bool) -> None:
+    def shrink(
+        self, x: Tensor, w: Tensor, w_strides: Sequence[int], out: Tensor, *, masked: bool, scaled: bool
+    ) -> None:
         """``out (T, R) = c_a x'(T, C) w[a]^T`` per segment; ``w[a, r, k]`` at ``w_strides``."""
         n_cols = x.shape[1]
         _shrink_kernel[(self.row_tiles, triton.cdiv(self.rank, self.block_r), self.n_segments)](
@@ -218,7 +222,9 @@ class _Launch:
             BLOCK_M=BLOCK_M, BLOCK_R=self.block_r, BLOCK_K=_tile(n_cols),
         )  # fmt: skip
 
-    def expand(self, s: Tensor, w: Tensor, w_strides: Sequence[int], out: Tensor, *, masked: bool, scaled: bool) -> None:
+    def expand(
+        self, s: Tensor, w: Tensor, w_strides: Sequence[int], out: Tensor, *, masked: bool, scaled: bool
+    ) -> None:
         """``out (T, C) += c_a s(T, R) w[a]`` per segment (⊙ keep / (1-p)); ``w[a, r, n]`` at ``w_strides``."""
         n_cols = out.shape[1]
         _expand_kernel[(self.row_tiles, triton.cdiv(n_cols, BLOCK_N), self.n_segments)](
