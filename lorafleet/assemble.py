@@ -1,7 +1,9 @@
 """Build the pieces a command needs from a workload: its cluster (with overrides) and cost model.
 
 Every command (plan, dispatch, simulate, whatif, train) goes through these functions, so
-``--gpus``, ``--gpu`` and ``--profile`` mean the same thing everywhere. A command that runs
+``--gpus``, ``--gpu`` and ``--profile`` mean the same thing everywhere; the dispatch-policy
+flags are named here once (:data:`POLICY_FLAGS`) for the commands that parse them and for the
+training launcher that re-runs ``lorafleet train`` in every worker (:func:`policy_argv`). A command that runs
 a plan prices it with the cost model the plan was judged by (:func:`plan_cost_model`) and
 checks it (:func:`lorafleet.plan_check.check_plan`) before any work.
 """
@@ -17,6 +19,34 @@ from lorafleet.plan_check import check_plan
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import Workload
+
+POLICY_FLAGS = {
+    "microbatch_mode": "--microbatch",
+    "n_buckets": "--buckets",
+    "bucket_alignment": "--alignment",
+    "method": "--method",
+    "solver": "--solver",
+    "time_limit_s": "--time-limit",
+    "gap_rel": "--gap",
+    "choose_buckets_by_makespan": "--choose-buckets-by-makespan",
+    "recalibration": "--recalibrate",
+}
+"""DispatchOptions field (or ``recalibration``) -> the flag that overrides it."""
+
+
+def policy_argv(overrides: dict[str, object]) -> list[str]:
+    """The flags that give ``overrides`` (the inverse of ``commands._plan_flags.policy_overrides``:
+    what a ``lorafleet train`` worker is re-run with)."""
+    argv: list[str] = []
+    for name, value in overrides.items():
+        flag = POLICY_FLAGS[name]
+        if name == "recalibration":
+            argv.append("--recalibrate" if value else "--no-recalibrate")
+        elif name == "choose_buckets_by_makespan":
+            argv += [flag] if value else []
+        else:
+            argv += [flag, str(getattr(value, "value", value))]
+    return argv
 
 
 def workload_cluster(workload: Workload, gpus: int | None = None, gpu: str | None = None) -> ClusterSpec:

@@ -10,21 +10,10 @@ from __future__ import annotations
 
 import argparse
 
+from lorafleet.assemble import POLICY_FLAGS
 from lorafleet.errors import InputError
 
 ARGS = "<args>"
-POLICY_FLAGS = {
-    "microbatch_mode": "--microbatch",
-    "n_buckets": "--buckets",
-    "bucket_alignment": "--alignment",
-    "method": "--method",
-    "solver": "--solver",
-    "time_limit_s": "--time-limit",
-    "gap_rel": "--gap",
-    "choose_buckets_by_makespan": "--choose-buckets-by-makespan",
-    "recalibration": "--recalibrate",
-}
-"""DispatchOptions field (or ``recalibration``) -> the flag that overrides it."""
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
@@ -84,17 +73,3 @@ def planned_run(workload, args: argparse.Namespace):
             raise
         flag = POLICY_FLAGS.get(err.field.removeprefix("recalibration."), err.field)
         raise InputError(ARGS, flag, err.msg) from None
-
-
-def policy_argv(overrides: dict[str, object]) -> list[str]:
-    """The flags that give ``overrides`` (the inverse of :func:`policy_overrides`)."""
-    argv: list[str] = []
-    for name, value in overrides.items():
-        flag = POLICY_FLAGS[name]
-        if name == "recalibration":
-            argv.append("--recalibrate" if value else "--no-recalibrate")
-        elif name == "choose_buckets_by_makespan":
-            argv += [flag] if value else []
-        else:
-            argv += [flag, str(getattr(value, "value", value))]
-    return argv

@@ -98,10 +98,9 @@ def _slowdown(items: list[str]) -> tuple[tuple[int, float], ...]:
 
 def options_of(args: argparse.Namespace) -> TrainOptions:
     """The TrainOptions a parsed command line asks for."""
-    from lorafleet.commands._plan_flags import policy_argv, policy_overrides
+    from lorafleet.commands._plan_flags import policy_overrides
     from lorafleet.train.options import TrainOptions
 
-    overrides = policy_overrides(args)
     return TrainOptions(
         workload=args.workload,
         plan=args.plan,
@@ -118,8 +117,7 @@ def options_of(args: argparse.Namespace) -> TrainOptions:
         gpus=args.gpus,
         gpu=args.gpu,
         profile=args.profile,
-        policy_overrides=tuple(overrides.items()),
-        policy_flags=tuple(policy_argv(overrides)),
+        policy_overrides=tuple(policy_overrides(args).items()),
         progress=not args.no_progress,
         slowdown=_slowdown(args.inject_slowdown),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lorafleet.assemble import policy_argv
 from lorafleet.errors import InputError
 
 ARGS = "<args>"
@@ -46,9 +47,6 @@ class TrainOptions:
     """A cost-model profile overriding the one the plan was judged by."""
     policy_overrides: tuple[tuple[str, object], ...] = ()
     """(policy field, value) pairs overriding the plan's dispatch policy (``commands._plan_flags``)."""
-    policy_flags: tuple[str, ...] = ()
-    """The command-line flags that give ``policy_overrides``, as each worker is re-run with them
-    (built by the command, which owns the flags: ``commands._plan_flags.policy_argv``)."""
     progress: bool = True
     """A progress bar on rank 0 when stdout is a terminal (a log line per step otherwise)."""
     slowdown: tuple[tuple[int, float], ...] = ()
@@ -89,7 +87,7 @@ class TrainOptions:
         for flag, value in (("--gpus", self.gpus), ("--gpu", self.gpu), ("--profile", self.profile)):
             if value is not None:
                 argv += [flag, str(value)]
-        argv += self.policy_flags
+        argv += policy_argv(dict(self.policy_overrides))
         argv += [f"--inject-slowdown={r}={f}" for r, f in self.slowdown]
         for flag, on in (
             ("--resume", self.resume),
