@@ -19,25 +19,7 @@ from lorafleet.plans import DeploymentPlan, ReplicaSpec
 from lorafleet.specs.dispatch import MicroBatchMode
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import load_workload
-
-WORKLOAD = {
-    "model": "llama2-7b",
-    "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8},
-    "tasks": [
-        {
-            "name": "chat",
-            "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0},
-            "batch_size": 48,
-            "context_length": 4096,
-        },
-        {
-            "name": "docs",
-            "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0},
-            "batch_size": 8,
-            "context_length": 8192,
-        },
-    ],
-}
+from tests.conftest import SMALL_WORKLOAD
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +27,7 @@ def planned(tmp_path_factory):
     """The workload file, its plan (padding mode, so the policy differs from every default) and the plan file."""
     tmp = tmp_path_factory.mktemp("contract")
     path = tmp / "w.yaml"
-    path.write_text(yaml.safe_dump(WORKLOAD))
+    path.write_text(yaml.safe_dump(SMALL_WORKLOAD))
     workload = load_workload(path)
     cluster = workload_cluster(workload)
     cost_model = workload_cost_model(workload, cluster)

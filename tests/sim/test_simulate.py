@@ -17,26 +17,7 @@ from lorafleet.sampling import sample_global_batch
 from lorafleet.simulate import simulate_schedule
 from lorafleet.whatif import Variation, sweep
 from lorafleet.workload import load_workload
-from tests.conftest import EXAMPLES
-
-SMALL = {
-    "model": "llama2-7b",
-    "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8},
-    "tasks": [
-        {
-            "name": "chat",
-            "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0},
-            "batch_size": 48,
-            "context_length": 4096,
-        },
-        {
-            "name": "docs",
-            "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0},
-            "batch_size": 8,
-            "context_length": 8192,
-        },
-    ],
-}
+from tests.conftest import EXAMPLES, SMALL_WORKLOAD
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +25,7 @@ def small(tmp_path_factory):
     import yaml
 
     path = tmp_path_factory.mktemp("w") / "small.yaml"
-    path.write_text(yaml.safe_dump(SMALL))
+    path.write_text(yaml.safe_dump(SMALL_WORKLOAD))
     workload = load_workload(path)
     cluster = workload_cluster(workload)
     cost_model = workload_cost_model(workload, cluster)

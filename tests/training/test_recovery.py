@@ -52,25 +52,15 @@ def _plan(workload: Path, out: Path, *args: str) -> Path:
     return out
 
 
+def _argv(workload: Path, plan: Path, out: Path, *args: str) -> list[str]:
+    """``lorafleet train`` of ``workload`` on ``plan`` into ``out``, on CPU, recalibration off."""
+    return [*LAUNCHER, "train", str(workload), "--plan", str(plan), "--out", str(out), "--device", "cpu",
+            "--no-recalibrate", *args]  # fmt: skip
+
+
 def _train(workload: Path, plan: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [
-            *LAUNCHER,
-            "train",
-            str(workload),
-            "--plan",
-            str(plan),
-            "--out",
-            str(out),
-            "--device",
-            "cpu",
-            "--no-recalibrate",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=out.parent,
+        _argv(workload, plan, out, *args), capture_output=True, text=True, timeout=600, cwd=out.parent
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -99,26 +89,7 @@ def test_random_worker_kills_recover_to_the_bitwise_same_adapters(shared, tmp_pa
     workload, plan, reference = shared
     out = tmp_path / "faulty"
     process = subprocess.Popen(
-        [
-            *LAUNCHER,
-            "train",
-            str(workload),
-            "--plan",
-            str(plan),
-            "--out",
-            str(out),
-            "--device",
-            "cpu",
-            "--no-recalibrate",
-            "--steps",
-            STEPS,
-            "--gpus",
-            "2",
-            "--checkpoint-every",
-            "1",
-            "--max-restarts",
-            "16",
-        ],
+        _argv(workload, plan, out, "--steps", STEPS, "--gpus", "2", "--checkpoint-every", "1", "--max-restarts", "16"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -168,22 +139,12 @@ def test_a_resume_on_other_gpus_replans_and_continues(shared, tmp_path):
     tolerance). Most steps run on 2 processes: on a 2-core machine 4 gloo processes cost twice as much."""
     workload, two, reference = shared
     out = tmp_path / "elastic"
-    base = [
-        *LAUNCHER,
-        "train",
-        str(workload),
-        "--out",
-        str(out),
-        "--device",
-        "cpu",
-        "--no-recalibrate",
-        "--steps",
-        STEPS,
-    ]
-    _run_until_signal([*base, "--plan", str(two), "--gpus", "2"], tmp_path, out, signal.SIGINT, int(STEPS) // 2)
+    _run_until_signal(
+        _argv(workload, two, out, "--steps", STEPS, "--gpus", "2"), tmp_path, out, signal.SIGINT, int(STEPS) // 2
+    )
     # resumed with the run's own plan (out/plan.json), which each resume re-plans for its GPUs
     grown = _run_until_signal(
-        [*base, "--plan", str(out / "plan.json"), "--gpus", "4", "--resume"],
+        _argv(workload, out / "plan.json", out, "--steps", STEPS, "--gpus", "4", "--resume"),
         tmp_path,
         out,
         signal.SIGTERM,
