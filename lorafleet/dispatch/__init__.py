@@ -20,7 +20,8 @@ exactly what its steps will run):
    speed), :func:`choose_buckets` (a batch's buckets, as the dispatcher picks them) and
    :func:`build_load_model` (a :class:`LoadModel`: per class i and bucket j the time
    ``T_i(d) = Σ_j ⌈d_ij / p_i⌉ t_ij + c_i``, LobRA Eq. 1-3 with p fixed);
-2. *balance*: :func:`balance_fast` (milliseconds) or :func:`solve_dispatch_ilp` (exact,
+2. *balance*: :func:`balance_fast` (milliseconds), :func:`balance_by_length` (LobRA's
+   length-based baseline) or :func:`solve_dispatch_ilp` (exact,
    bounded by the fast answer), each an :class:`Assignment` d_ij; :func:`fluid_bound` is
    the LP bound no balance beats;
 3. *the placed step*: :func:`placed_work` (the sequences placed on replicas, cut into
@@ -69,6 +70,7 @@ __all__ = [
     "ConfigClass",
     "IlpOutcome",
     "LoadModel",
+    "balance_by_length",
     "balance_fast",
     "build_load_model",
     "choose_buckets",
@@ -80,7 +82,6 @@ __all__ = [
     "solve_dispatch_ilp",
     # buckets
     "BucketingResult",
-    "balance_by_length",
     "bucket_of",
     "optimal_buckets",
     "optimal_buckets_by_count",
