@@ -45,10 +45,12 @@ demo-train: setup
 
 # Two pytest-xdist workers, a test file each at a time (module fixtures stay in one process): on a
 # 2-core machine the suite takes ~70% of its serial time. TEST_WORKERS=0 runs it in one process.
+# The multi-process training tests, the longest files, are handed out first so that the short ones
+# fill the end of both workers (collected twice, a file runs once).
 TEST_WORKERS ?= 2
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/training tests/test_notebooks.py tests
 
 lint: setup
 	$(BIN)/ruff check .

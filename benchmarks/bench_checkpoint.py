@@ -32,8 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from lorafleet.costmodel.parallel_config import ParallelConfig  # noqa: E402
+from lorafleet.data.model_source import ModelSource, SourceKind  # noqa: E402
 from lorafleet.data.tokenize import IGNORE_INDEX, Example  # noqa: E402
-from lorafleet.executor.torch.base_model import ModelSource, SourceKind, load_causal_lm  # noqa: E402
+from lorafleet.executor.torch.base_model import load_causal_lm  # noqa: E402
 from lorafleet.executor.torch.data_stream import DataStreams, TaskData  # noqa: E402
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor  # noqa: E402
 from lorafleet.plans import DeploymentPlan, MicroBatch, ReplicaSpec, ReplicaWork, StepPlan  # noqa: E402

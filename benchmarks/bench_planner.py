@@ -220,33 +220,11 @@ def part_quality() -> None:
         )
 
 
-SMALL_TWO_TASKS = {
-    "model": "llama2-7b",
-    "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8},
-    "tasks": [
-        {
-            "name": "chat",
-            "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0},
-            "batch_size": 48,
-            "context_length": 4096,
-        },
-        {
-            "name": "docs",
-            "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0},
-            "batch_size": 8,
-            "context_length": 8192,
-        },
-    ],
-}
-"""56 sequences a step on 8 GPUs (the workload of ``tests/sim/test_simulate.py``): few per bucket."""
-
-
 def part_robust(tmp: Path) -> None:
     """``robust_top`` 2 against 3: planner CPU time and the chosen plan's mean GPU-seconds on 32
     held-out sampled batches (steps 100-131, past the race's K = 32)."""
     print("\n== 4. robust race: 2 or 3 finalists; mean GPU-s per step on 32 held-out batches ==")
-    small = tmp / "small-two-tasks.yaml"
-    small.write_text(yaml.safe_dump(SMALL_TWO_TASKS))
+    small = REPO / "examples/two-tenants.yaml"  # 56 sequences a step on 8 GPUs: few per bucket
     seven, seventy = load_workload(REPO / "examples/lobra-7b.yaml"), load_workload(REPO / "examples/lobra-70b.yaml")
     seven_rc = resolve_workload(seven.spec.model_copy(update={"recompute": RecomputePolicy.AUTO}), seven.path)
     cases = [

@@ -23,9 +23,10 @@ import torch
 from lorafleet.costmodel.build import load_cost_model
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import FORWARD_SHARE
+from lorafleet.data.model_source import ModelSource, SourceKind
 from lorafleet.data.tokenize import Example
 from lorafleet.executor.torch.attention import use_document_attention
-from lorafleet.executor.torch.base_model import ModelSource, SourceKind, load_causal_lm
+from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.layout import FleetLayout, ModelDims
 from lorafleet.executor.torch.pipeline import split_for_pipeline

@@ -58,7 +58,8 @@ def rank_main(mode: str, rank: int, tp: int, pp: int, directory: str, init_file:
     import transformers.models.llama.modeling_llama  # noqa: F401  (in the baseline, as torch is)
 
     from lorafleet.costmodel.parallel_config import ParallelConfig
-    from lorafleet.executor.torch.base_model import ModelSource, SourceKind, load_base, load_causal_lm
+    from lorafleet.data.model_source import ModelSource, SourceKind
+    from lorafleet.executor.torch.base_model import load_base, load_causal_lm
     from lorafleet.executor.torch.replica import build_replica
     from lorafleet.plans import DeploymentPlan, ReplicaSpec
     from lorafleet.specs.lora import LoraSpec
@@ -84,7 +85,9 @@ def rank_main(mode: str, rank: int, tp: int, pp: int, directory: str, init_file:
         model, weights = load_causal_lm(source, torch_dtype), None
     else:
         model, weights = load_base(source, torch_dtype)
-    replica = build_replica(model, adapters, plan, rank, world, seed=0, device=torch.device("cpu"), weights=weights)
+    replica = build_replica(
+        model, adapters, plan, rank, world, seeds=range(len(adapters)), device=torch.device("cpu"), weights=weights
+    )
     tensors = [*replica.model.parameters(), *replica.model.buffers()]
     # Read every value once, as the first forward would: a tensor that still maps the checkpoint
     # file (safetensors and from_pretrained map it, and copy only what they convert or slice)

@@ -44,16 +44,16 @@ sys.path.insert(0, str(REPO))
 
 from lorafleet.assemble import workload_cluster, workload_cost_model  # noqa: E402
 from lorafleet.costmodel.parallel_config import ParallelConfig  # noqa: E402
-from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
-from lorafleet.data.tokenize import IGNORE_INDEX, load_tokenizer  # noqa: E402
-from lorafleet.dispatch import DispatchOptions, dispatch_step  # noqa: E402
-from lorafleet.executor.torch.base_model import (  # noqa: E402
+from lorafleet.data.model_source import (  # noqa: E402
     ModelSource,
     SourceKind,
-    load_causal_lm,
     load_source_tokenizer,
     resolve_model_source,
 )
+from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
+from lorafleet.data.tokenize import IGNORE_INDEX, load_tokenizer  # noqa: E402
+from lorafleet.dispatch import DispatchOptions, dispatch_step  # noqa: E402
+from lorafleet.executor.torch.base_model import load_causal_lm  # noqa: E402
 from lorafleet.executor.torch.data_stream import DataStreams, prepare_task_data  # noqa: E402
 from lorafleet.executor.torch.optim import build_optimizer, lr_at  # noqa: E402
 from lorafleet.executor.torch.peft_export import lora_config  # noqa: E402

@@ -4,7 +4,9 @@ Every row plans the workload (analytic cost model of the GPU, default planner op
 simulates ``--steps`` sampled global batches through ``lorafleet.simulate`` for lorafleet and
 each baseline (Task-Fused padding: LobRA's baseline; Task-Fused packing; Task-Sequential),
 exactly as ``lorafleet whatif`` does. Printed: mean GPU-seconds per step and lorafleet's
-saving against each baseline, as a markdown table.
+saving against each baseline, as a markdown table, every method under LobRA's 1F1B flushed every
+step (pipeline window 1); then lorafleet's plan and GPU-seconds with windows of 8 steps (pipelined
+replicas that do not drain between steps, docs/pipeline.md) next to those with 1.
 
 Experiments (LobRA, VLDB 2025, Sec. 6):
 
@@ -36,6 +38,8 @@ FOUR = ("evol-instruct", "commitpackft", "billsum", "pubmedqa")
 EIGHT = (*FOUR, "dolly", "python-code", "xsum", "meetingbank")
 SECOND_TENANTS = ("dolly", "evol-instruct", "xsum", "billsum")
 BASELINES = ("task-fused-padding", "task-fused-packing", "task-sequential")
+WINDOW = 8
+"""The pipeline window lorafleet trains with by default (``--pipeline-window``)."""
 
 
 def with_tasks(workload: Workload, names: tuple[str, ...] | None = None, twins: tuple[str, ...] = ()) -> Workload:
@@ -47,17 +51,22 @@ def with_tasks(workload: Workload, names: tuple[str, ...] | None = None, twins: 
 
 
 @functools.cache
-def _simulated(workload: Workload, gpus: int, steps: int, recompute: str | None) -> dict[str, dict]:
+def _simulated(workload: Workload, gpus: int, steps: int, recompute: str | None, window: int) -> dict[str, dict]:
     """Rows of ``lorafleet.whatif.sweep`` by method (an experiment shared by two sweeps runs once);
-    ``recompute`` overrides the workload's policy through the sweep's own axis."""
-    axes = [Variation("gpus", (str(gpus),)), *([Variation("recompute", (recompute,))] if recompute else [])]
+    ``recompute`` overrides the workload's policy, ``window`` sets the pipeline window, through the
+    sweep's own axes."""
+    axes = [
+        Variation("gpus", (str(gpus),)),
+        Variation("window", (str(window),)),
+        *([Variation("recompute", (recompute,))] if recompute else []),
+    ]
     return {r["method"]: r for r in sweep(workload, axes, steps=steps)}
 
 
-def row(label: str, workload: Workload, gpus: int, steps: int, recompute: str | None = None) -> str:
+def row(label: str, workload: Workload, gpus: int, steps: int, recompute: str | None = None, window: int = 1) -> str:
     """One markdown row: the experiment, lorafleet's plan and GPU-s, each baseline's GPU-s and the saving."""
     start = time.perf_counter()
-    rows = _simulated(workload, gpus, steps, recompute)
+    rows = _simulated(workload, gpus, steps, recompute, window)
     ours = rows["lorafleet"]["gpu_s_per_step"]
     cells = [
         f"{rows[b]['gpu_s_per_step']:.0f} (-{100 * (1 - ours / rows[b]['gpu_s_per_step']):.1f}%)" for b in BASELINES
@@ -80,24 +89,40 @@ def main() -> None:
         "| Task-Sequential |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    experiments = []  # (label, workload, gpus, recompute)
     if args.only in (None, "7b"):
         seven = load_workload(REPO / "examples/lobra-7b.yaml")
-        lines.append(row("7B, LobRA setup (no recompute)", seven, 16, args.steps))
-        lines.append(row("7B, recompute auto", seven, 16, args.steps, recompute="auto"))
+        experiments += [("7B, LobRA setup (no recompute)", seven, 16, None), ("7B, recompute auto", seven, 16, "auto")]
     if args.only in (None, "70b"):
         seventy = load_workload(REPO / "examples/lobra-70b.yaml")
-        lines.append(row("70B, 12 tasks", seventy, 64, args.steps))
         four = with_tasks(seventy, FOUR)
-        lines += [row("70B, 4 tasks, GPU sweep", four, gpus, args.steps) for gpus in (16, 32, 64)]
+        experiments.append(("70B, 12 tasks", seventy, 64, None))
+        experiments += [("70B, 4 tasks, GPU sweep", four, gpus, None) for gpus in (16, 32, 64)]
         for label, workload in (
             ("4", four),
             ("8", with_tasks(seventy, EIGHT)),
             ("12", seventy),
             ("16", with_tasks(seventy, twins=SECOND_TENANTS)),
         ):
-            lines.append(row(f"70B, task sweep ({label})", workload, 64, args.steps))
-    print("\nGPU-seconds per step, mean over the simulated steps (lorafleet's saving in parentheses):\n")
+            experiments.append((f"70B, task sweep ({label})", workload, 64, None))
+    lines += [row(label, w, gpus, args.steps, recompute) for label, w, gpus, recompute in experiments]
+    window_lines = [
+        "| experiment | GPUs | lorafleet plan, W = 1 | GPU-s/step | plan, W = 8 | GPU-s/step | change |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, w, gpus, recompute in experiments:
+        drained = _simulated(w, gpus, args.steps, recompute, 1)["lorafleet"]
+        streamed = _simulated(w, gpus, args.steps, recompute, WINDOW)["lorafleet"]
+        change = streamed["gpu_s_per_step"] / drained["gpu_s_per_step"] - 1
+        window_lines.append(
+            f"| {label} | {gpus} | {drained['plan']} | {drained['gpu_s_per_step']:.0f} | {streamed['plan']} | "
+            f"{streamed['gpu_s_per_step']:.0f} | {100 * change:+.1f}% |"
+        )
+    print("\nGPU-seconds per step, mean over the simulated steps (lorafleet's saving in parentheses),")
+    print("every method 1F1B flushed every step (pipeline window 1, LobRA's schedule):\n")
     print("\n".join(lines))
+    print(f"\nThe same experiments with pipelined replicas streaming windows of {WINDOW} steps (docs/pipeline.md):\n")
+    print("\n".join(window_lines))
 
 
 if __name__ == "__main__":

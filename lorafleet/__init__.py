@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _API = {
     "load_workload": "lorafleet.workload",
     "plan_deployment": "lorafleet.planner",
+    "size_fleet": "lorafleet.planner",
     "dispatch_step": "lorafleet.dispatch",
     "simulate_schedule": "lorafleet.simulate",
     "sweep": "lorafleet.whatif",

@@ -10,14 +10,17 @@ checks it (:func:`lorafleet.plan_check.check_plan`) before any work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+from pydantic import ValidationError
 
 from lorafleet.costmodel import AdapterLoad, CostModel, file_sha256, load_cost_model
 from lorafleet.errors import InputError
 from lorafleet.plan_check import check_plan
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.workload import describe_validation_error
 from lorafleet.workload import Workload
 
 POLICY_FLAGS = {
@@ -30,8 +33,9 @@ POLICY_FLAGS = {
     "gap_rel": "--gap",
     "choose_buckets_by_makespan": "--choose-buckets-by-makespan",
     "recalibration": "--recalibrate",
+    "pipeline_window": "--pipeline-window",
 }
-"""DispatchOptions field (or ``recalibration``) -> the flag that overrides it."""
+"""DispatchOptions field (or ``recalibration``, ``pipeline_window`` of the policy) -> the flag that overrides it."""
 
 
 def policy_argv(overrides: dict[str, object]) -> list[str]:
@@ -57,13 +61,21 @@ def workload_cluster(workload: Workload, gpus: int | None = None, gpu: str | Non
         try:
             return cluster.model_copy(update={"gpu": ClusterSpec(gpu=kind).gpu})
         except ValueError as err:
-            raise InputError("<args>", "--gpu", str(err).splitlines()[-1]) from None
+            raise InputError("<args>", "--gpu", _message(err)) from None
     if gpus < 1:
         raise InputError("<args>", "--gpus", f"must be >= 1, got {gpus}")
     try:
         return ClusterSpec.with_gpus(gpus, kind, cluster.gpus_per_node)
     except ValueError as err:
-        raise InputError("<args>", "--gpus" if "nodes" in str(err) else "--gpu", str(err).splitlines()[-1]) from None
+        raise InputError("<args>", "--gpus" if "nodes" in str(err) else "--gpu", _message(err)) from None
+
+
+def _message(err: ValueError) -> str:
+    """A validation error's own message, as the same mistake in a workload file gets it (a pydantic
+    error's last line is its help URL)."""
+    if isinstance(err, ValidationError):
+        return describe_validation_error(err.errors()[0])[1]
+    return str(err).splitlines()[-1]
 
 
 def workload_adapters(workload: Workload) -> AdapterLoad:
@@ -130,7 +142,16 @@ def plan_cost_model(
 ) -> tuple[CostModel, str | None]:
     """The cost model to run ``plan`` by: the one it was judged by (its profile, verified by content hash,
     or the analytic model of its GPU), or ``profile`` when given; with a line saying so when it is not
-    the plan's own. The gradient all-reduce is priced over the plan's replicas."""
+    the plan's own. The gradient all-reduce is priced over the plan's replicas, and the pipeline bubble
+    over the plan's policy's window (``policy.pipeline_window``: the cost model prices what the policy runs)."""
+    cm, note = _plan_figures(workload, cluster, plan, plan_path, profile)
+    return replace(cm, pipeline_window=plan.policy.pipeline_window), note
+
+
+def _plan_figures(
+    workload: Workload, cluster: ClusterSpec, plan: DeploymentPlan, plan_path: str, profile: str | Path | None
+) -> tuple[CostModel, str | None]:
+    """:func:`plan_cost_model` before the policy's pipeline window is applied."""
     sync = len(plan.replicas)
     origin = plan.cost_model
     if profile is not None:
@@ -153,10 +174,9 @@ def prepare_run(
     policy_overrides: dict[str, object] | None = None,
 ) -> PlannedRun:
     """Load the plan at ``plan_path``, apply the flags that override its dispatch policy (field -> value of
-    ``DispatchOptions``, or ``recalibration`` -> bool), build its cost model and check the plan against all
-    of it (:func:`~lorafleet.plan_check.check_plan`): what every plan-reading command does before any work."""
-    from dataclasses import replace
-
+    ``DispatchOptions``, ``recalibration`` -> bool, or ``pipeline_window`` -> steps), build its cost model
+    (with the policy's pipeline window, as overridden) and check the plan against all of it
+    (:func:`~lorafleet.plan_check.check_plan`): what every plan-reading command does before any work."""
     plan = DeploymentPlan.load(plan_path)
     overrides: list[str] = []
     changes = {k: v for k, v in (policy_overrides or {}).items() if v is not None}
@@ -165,6 +185,9 @@ def prepare_run(
         recalibrate = changes.pop("recalibration", None)
         if recalibrate is not None and recalibrate != policy.recalibration.enabled:
             policy = replace(policy, recalibration=replace(policy.recalibration, enabled=bool(recalibrate)))
+        window = changes.pop("pipeline_window", None)
+        if window is not None:
+            policy = replace(policy, pipeline_window=window)
         options = replace(policy.options, **changes) if changes else policy.options
         changed = replace(policy, options=options)
         if changed != plan.policy:

@@ -10,7 +10,7 @@ executor, which is what lets a what-if and a training run share it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,23 +43,39 @@ class PolicySource:
 def run_loop(
     source: StepPlanSource,
     executor: Executor,
-    steps: Iterable[int],
+    steps: range,
     on_report: Callable[[StepReport, StepPlan], None] | None = None,
     recalibrator: Recalibrator | None = None,
     stop: Callable[[], bool] | None = None,
+    window: int = 1,
+    boundary_every: int | None = None,
+    next_boundary: Callable[[int], int | None] | None = None,
 ) -> list[StepReport]:
-    """Run ``steps`` in order; every StepReport (with the plan it ran) goes to ``on_report`` as soon as it
-    exists, after ``recalibrator`` has learnt from it. ``stop`` is asked before each step (a step
-    boundary): when it says so, the loop ends there."""
-    reports = []
-    for step in steps:
+    """Run ``steps`` in order, in windows of up to ``window`` steps (``Executor.run_steps``: a
+    pipelined replica streams a window without draining between its steps), a window also ending
+    at every multiple of ``boundary_every`` (the checkpoint cadence). Every StepReport (with the
+    plan it ran) goes to ``on_report`` once its window has run, after ``recalibrator`` has learnt
+    from it. ``stop`` is asked before each window (a window boundary): when it says so, the loop
+    ends there. ``next_boundary(step)``, when given, names a step after ``step`` a window must also end at
+    (a queued change due then), or None."""
+    reports: list[StepReport] = []
+    step = steps.start
+    while step < steps.stop:
         if stop is not None and stop():
             break
-        step_plan = source.plan_for(step, recalibrator.factors if recalibrator is not None else None)
-        report = executor.run_step(step_plan)
-        if recalibrator is not None:
-            recalibrator.observe(step_plan, report)
-        if on_report is not None:
-            on_report(report, step_plan)
-        reports.append(report)
+        end = min(steps.stop, step + window)
+        if boundary_every:
+            end = min(end, (step // boundary_every + 1) * boundary_every)
+        forced = next_boundary(step) if next_boundary is not None else None
+        if forced is not None and forced > step:
+            end = min(end, forced)
+        speed = recalibrator.factors if recalibrator is not None else None
+        plans = [source.plan_for(s, speed) for s in range(step, end)]
+        for report, step_plan in zip(executor.run_steps(plans), plans, strict=True):
+            if recalibrator is not None:
+                recalibrator.observe(step_plan, report)
+            if on_report is not None:
+                on_report(report, step_plan)
+            reports.append(report)
+        step = end
     return reports

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lorafleet.simulate import ScheduleRun
+from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import Workload
 
 Row = dict[str, object]
@@ -36,6 +38,28 @@ def summary_rows(runs: Sequence[ScheduleRun]) -> list[Row]:
                 "padding_ratio": run.padding_ratio,
                 "failures": run.failures,
                 "saved_by_lorafleet": 1 - float(ours.gpu_seconds.mean()) / gpu_s if run is not ours else 0.0,
+            }
+        )
+    return rows
+
+
+def task_cost_rows(run: ScheduleRun) -> list[Row]:
+    """One row per task of ``run``: real tokens, GPU-seconds over the run (``ScheduleRun.task_gpu_seconds``:
+    each step's cost shared out by the simulated time of the replicas that ran the task), its share
+    of the run's GPU-seconds (``"12.3 %"``) and GPU-seconds per 1k real tokens."""
+    gpu_s = run.task_gpu_seconds
+    tokens = run.task_tokens
+    total = sum(gpu_s.values())
+    rows = []
+    for task in dict.fromkeys([*tokens, *gpu_s]):
+        seconds, n = gpu_s.get(task, 0.0), tokens.get(task, 0)
+        rows.append(
+            {
+                "task": task,
+                "tokens": n,
+                "gpu_s": seconds,
+                "share": f"{100 * seconds / total:.1f} %" if total > 0 else "",
+                "gpu_s_per_1k_tokens": 1000 * seconds / n if n else math.nan,
             }
         )
     return rows
@@ -97,20 +121,52 @@ def _plot_gpu_seconds(rows: Sequence[Row], out: Path) -> None:
     plt.close(fig)
 
 
+PERCENT_COLUMNS = frozenset({"utilisation", "padding_ratio", "saved_by_lorafleet"})
+"""Columns holding a fraction, shown as a percentage."""
+
+
+def format_value(column: str, value: object) -> str:
+    """A table cell as the report shows it: a fraction column (:data:`PERCENT_COLUMNS`) as a percentage
+    with one decimal (``53.4 %``), other floats (seconds, GPU-seconds) with three decimals and thousands
+    separators (``1,234.568``), integers (tokens, GPUs) with thousands separators, NaN as ``n/a``."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, float) and math.isnan(value):
+        return "n/a"
+    if column in PERCENT_COLUMNS:
+        return f"{100 * value:.1f} %"
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.3f}"
+
+
 def _html_table(rows: Sequence[Row]) -> str:
+    if not rows:
+        return "<p>(none)</p>"
     head = "".join(f"<th>{html.escape(k)}</th>" for k in rows[0])
-
-    def cell(v: object) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
-
-    body = "".join("<tr>" + "".join(f"<td>{cell(v)}</td>" for v in r.values()) + "</tr>" for r in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(format_value(k, v))}</td>" for k, v in r.items()) + "</tr>" for r in rows
+    )
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _json_safe(rows: Sequence[Row]) -> list[Row]:
+    """NaN (a task without tokens) as null: ``summary.json`` stays strict JSON."""
+    return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
+
+
 def write_report(
-    out_dir: str | Path, workload: Workload, runs: Sequence[ScheduleRun], plan_rows: Sequence[Row]
+    out_dir: str | Path,
+    workload: Workload,
+    runs: Sequence[ScheduleRun],
+    plan_rows: Sequence[Row],
+    *,
+    cluster: ClusterSpec,
+    cost_source: str,
 ) -> Path:
-    """Plots, ``summary.json`` and ``index.html`` in ``out_dir`` (written to a temporary name, then renamed)."""
+    """Plots, ``summary.json`` and ``index.html`` in ``out_dir`` (written to a temporary name, then renamed).
+
+    ``cluster`` is the one simulated (after any ``--gpus``/``--gpu``) and ``cost_source`` the cost model's
+    ``source`` (``analytic:A100-40GB``): the page's title and summary name both.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows = summary_rows(runs)
@@ -119,15 +175,29 @@ def write_report(
     _plot_utilisation(ours, out / "utilisation.png")
     _plot_lengths(workload, ours.phases[0].phase.plan.bucket_boundaries, out / "lengths.png")
     _plot_gpu_seconds(rows, out / "gpu_seconds.png")
-    (out / "summary.json").write_text(json.dumps({"methods": rows, "plan": list(plan_rows)}, indent=2) + "\n")
-    title = f"lorafleet simulation: {html.escape(workload.path)}"
+    costs = task_cost_rows(ours)
+    summary = {
+        "cluster": {"gpu": cluster.gpu, "gpus": cluster.n_gpus},
+        "cost_model": cost_source,
+        "methods": rows,
+        "plan": list(plan_rows),
+        "task_costs": _json_safe(costs),
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    hardware = html.escape(f"{cluster.n_gpus} x {cluster.gpu}")
+    title = f"lorafleet simulation: {html.escape(workload.path)} on {hardware}"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
 <style>body{{font-family:sans-serif;max-width:1000px;margin:auto}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}</style></head><body>
-<h1>Simulation of {html.escape(workload.path)}</h1>
-<p>{len(workload.tasks)} tasks, {html.escape(workload.model.name)}, {ours.gpus} GPUs, {len(ours.makespan_s)} steps.</p>
+<h1>Simulation of {html.escape(workload.path)} on {hardware}</h1>
+<p>{len(workload.tasks)} tasks, {html.escape(workload.model.name)}, {hardware} ({html.escape(ours.name)}'s plan
+holds {ours.gpus:,}), cost model {html.escape(cost_source)}, {len(ours.makespan_s):,} steps.</p>
 <h2>Methods</h2>{_html_table(rows)}
 <h2>lorafleet's deployment</h2>{_html_table(plan_rows)}
+<h2>Who pays what: {html.escape(ours.name)}'s GPU-seconds per task</h2>
+<p>Over the {len(ours.makespan_s)} steps, each step's GPU-seconds (makespan x GPUs held) are shared out among
+the tasks by the simulated time of the replicas that ran their sequences; the replicas' idle time by all the
+step's tasks, in proportion to their busy GPU-seconds.</p>{_html_table(costs)}
 <img src="gpu_seconds.png"><img src="makespan.png"><img src="utilisation.png"><img src="lengths.png">
 </body></html>
 """

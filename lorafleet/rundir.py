@@ -22,7 +22,22 @@ from lorafleet.errors import InputError
 LOCK = ".lock"
 METRICS_JSONL = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
-RUN_FILES = (METRICS_JSONL, METRICS_CSV, "tensorboard", "checkpoints", "adapters", "plan.json", "summary.json")
+RUN_FILES = (
+    METRICS_JSONL,
+    METRICS_CSV,
+    "tensorboard",
+    "checkpoints",
+    "adapters",
+    "plan.json",
+    "summary.json",
+    "tasks.json",
+    "workload.resolved.yaml",
+    "tokenizer",
+    "wandb",
+    ".wandb-run-id",
+    "mlruns",
+    ".mlflow-run-id",
+)
 """What a run writes under its directory (``--overwrite`` removes exactly these)."""
 
 

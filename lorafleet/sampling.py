@@ -14,7 +14,23 @@ import numpy as np
 
 from lorafleet.plans import GlobalBatch
 from lorafleet.specs.workload import fit_to_context
+from lorafleet.turns import TaskTurns
 from lorafleet.workload import Workload
+
+
+def workload_turns(workload: Workload) -> list[TaskTurns]:
+    """Each task's turns (``lorafleet.turns``) as a simulation draws them: its share and deadline, a batch's
+    expected tokens from its length distribution; its ``steps`` bound it only where a deadline needs them
+    (a simulation runs the steps it is told)."""
+    return [
+        TaskTurns(
+            tokens=task.batch_size * float(np.dot(task.lengths.lengths, task.lengths.probs)),
+            batches=task.spec.steps if task.spec.deadline is not None else None,
+            share=task.spec.share,
+            deadline=task.spec.deadline,
+        )
+        for task in workload.tasks
+    ]
 
 
 def task_rng(seed: int, step: int, task_index: int) -> np.random.Generator:

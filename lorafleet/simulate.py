@@ -5,6 +5,10 @@ per task; the others have one), so per step
 
     makespan = Σ_phases makespan_p          GPU-seconds = Σ_phases makespan_p * GPUs_p
 
+and each phase's GPU-seconds are shared out among the tasks whose sequences it ran
+(:func:`lorafleet.accounting.task_gpu_seconds`: by the simulated busy time of the replicas that
+ran them, the idle time by all of the phase's tasks), so Σ_tasks GPU-seconds_t = GPU-seconds.
+
 Every phase sees the same sampled global batches (restricted to its tasks), the same
 noise seed, stragglers and failures, so methods are compared on identical data. Each phase
 runs its plan's dispatch policy, online recalibration included: a straggler is priced by
@@ -13,19 +17,22 @@ what it was measured to do, in every method alike.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 
+from lorafleet.accounting import sum_task_gpu_seconds, task_gpu_seconds
 from lorafleet.costmodel import CostModel
 from lorafleet.dispatch import Recalibrator, ReplicaCalibration
 from lorafleet.executor.simulated import SimulatedExecutor, SimulationOptions
 from lorafleet.loop import PolicySource, run_loop
 from lorafleet.planner import Phase, Schedule
 from lorafleet.planner.schedule import select_tasks
-from lorafleet.plans import GlobalBatch, StepReport
-from lorafleet.sampling import sample_global_batch
+from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
+from lorafleet.sampling import sample_global_batch, workload_turns
+from lorafleet.turns import turns
 from lorafleet.workload import Workload
 
 
@@ -37,6 +44,8 @@ class PhaseRun:
     reports: tuple[StepReport, ...]
     calibration: tuple[ReplicaCalibration, ...] = ()
     """Each replica's recalibration factor after the last step."""
+    task_gpu_s: tuple[dict[str, float], ...] = ()
+    """Per step, the GPU-seconds each task owes (every task of the workload, 0 where absent)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,27 @@ class ScheduleRun:
     def gpu_seconds(self) -> np.ndarray:
         """Per step: Σ over phases of makespan x the phase's GPUs."""
         return np.sum([[r.makespan_s * p.phase.plan.used_gpus for r in p.reports] for p in self.phases], axis=0)
+
+    @property
+    def task_gpu_seconds_per_step(self) -> tuple[dict[str, float], ...]:
+        """Per step: each task's GPU-seconds, Σ over phases (sums to ``gpu_seconds`` of the step)."""
+        steps = len(self.phases[0].reports) if self.phases else 0
+        return tuple(sum_task_gpu_seconds(p.task_gpu_s[s] for p in self.phases if p.task_gpu_s) for s in range(steps))
+
+    @property
+    def task_gpu_seconds(self) -> dict[str, float]:
+        """Each task's GPU-seconds over all steps and phases (sums to ``gpu_seconds.sum()``)."""
+        return sum_task_gpu_seconds(self.task_gpu_seconds_per_step)
+
+    @property
+    def task_tokens(self) -> dict[str, int]:
+        """Each task's real tokens over all steps and phases."""
+        totals: dict[str, int] = {}
+        for p in self.phases:
+            for r in p.reports:
+                for task, n in r.task_tokens.items():
+                    totals[task] = totals.get(task, 0) + int(n)
+        return totals
 
     @property
     def padding_ratio(self) -> float:
@@ -80,8 +110,33 @@ class ScheduleRun:
         return sum(len(r.failed_replicas) for p in self.phases for r in p.reports)
 
 
-def _phase_batch(workload: Workload, tasks: tuple[int, ...], seed: int, step: int) -> GlobalBatch:
+def _phase_batch(
+    workload: Workload, tasks: tuple[int, ...], seed: int, took: np.ndarray | None, step: int
+) -> GlobalBatch:
+    """The phase's tasks' sequences of step ``step``; with ``took`` (``lorafleet.turns``: shares and deadlines),
+    only those whose turn it is."""
+    if took is not None:
+        tasks = tuple(t for t in tasks if took[step, t])
     return select_tasks(sample_global_batch(workload, step, seed), tasks)
+
+
+def _turns(workload: Workload, steps: int) -> np.ndarray | None:
+    """Which task takes part in which step when some task has a share or a deadline (else: every task every step)."""
+    if all(t.spec.share is None and t.spec.deadline is None for t in workload.tasks):
+        return None
+    return turns(workload_turns(workload), steps)
+
+
+def _account(
+    owed: list[dict[str, float]],
+    plan: DeploymentPlan,
+    cost_model: CostModel,
+    names: Sequence[str],
+    report: StepReport,
+    step_plan: StepPlan,
+) -> None:
+    """``run_loop``'s ``on_report``: what each task owes for the step, appended to ``owed``."""
+    owed.append(task_gpu_seconds(step_plan, report, plan, cost_model, names))
 
 
 def simulate_schedule(
@@ -96,10 +151,15 @@ def simulate_schedule(
     seed = workload.spec.seed if seed is None else seed
     names = [t.name for t in workload.tasks]
     runs = []
+    took = _turns(workload, steps) if len(schedule.phases) == 1 else None  # one task a phase: no sharing
     for phase in schedule.phases:
-        source = PolicySource(partial(_phase_batch, workload, phase.tasks, seed), phase.plan, cost_model)
+        source = PolicySource(partial(_phase_batch, workload, phase.tasks, seed, took), phase.plan, cost_model)
         executor = SimulatedExecutor(phase.plan, cost_model, names, options)
         recalibrator = Recalibrator(len(phase.plan.replicas), phase.plan.policy.recalibration)
-        reports = run_loop(source, executor, range(steps), recalibrator=recalibrator)
-        runs.append(PhaseRun(phase=phase, reports=tuple(reports), calibration=recalibrator.replicas()))
+        owed: list[dict[str, float]] = []
+        account = partial(_account, owed, phase.plan, cost_model, names)
+        reports = run_loop(source, executor, range(steps), on_report=account, recalibrator=recalibrator)
+        runs.append(
+            PhaseRun(phase=phase, reports=tuple(reports), calibration=recalibrator.replicas(), task_gpu_s=tuple(owed))
+        )
     return ScheduleRun(name=schedule.name, gpus=schedule.max_gpus, phases=tuple(runs))

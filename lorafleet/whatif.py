@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lorafleet.assemble import workload_cluster, workload_cost_model
@@ -31,7 +32,9 @@ from lorafleet.specs.model import resolve_model
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import Workload, resolve_workload
 
-AXES = ("gpus", "gpu", "model", "tasks", "R", "recompute")
+AXES = ("gpus", "gpu", "model", "tasks", "R", "recompute", "window")
+"""``window``: the pipeline window (steps a pipelined replica streams before it drains; 1 is 1F1B
+flushed every step, LobRA's), for the plan and for its baselines."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class Variation:
         items = tuple(v.strip() for v in values.split(",") if v.strip())
         if not items:
             raise InputError("<args>", "--vary", f"{axis} needs at least one value")
-        if axis in ("gpus", "R") and not all(v.isdigit() and int(v) > 0 for v in items):
+        if axis in ("gpus", "R", "window") and not all(v.isdigit() and int(v) > 0 for v in items):
             raise InputError("<args>", "--vary", f"{axis} values must be positive integers, got {values!r}")
         if axis == "recompute" and not set(items) <= {p.value for p in RecomputePolicy}:
             raise InputError(
@@ -100,7 +103,12 @@ def _point(workload: Workload, point: dict[str, str]) -> tuple[Workload, dict]:
     if "tasks" in point:
         workload = _edit_tasks(workload, point["tasks"])
     gpus = int(point["gpus"]) if "gpus" in point else None
-    return workload, {"gpus": gpus, "gpu": point.get("gpu"), "n_buckets": int(point.get("R", 16))}
+    window = int(point["window"]) if "window" in point else PlannerOptions().pipeline_window
+    return workload, {"gpus": gpus, "gpu": point.get("gpu"), "n_buckets": int(point.get("R", 16)), "window": window}
+
+
+def _describe_point(point: dict[str, str]) -> str:
+    return " ".join(f"{axis}={value}" for axis, value in point.items())
 
 
 def sweep(
@@ -109,18 +117,38 @@ def sweep(
     steps: int = 8,
     profile: str | None = None,
     sim: SimulationOptions = SimulationOptions(),
+    on_skip: Callable[[str], None] | None = None,
 ) -> list[dict[str, object]]:
-    """One row per (sweep point, method): mean step time and GPU-seconds per step, simulated over ``steps``."""
-    rows = []
+    """One row per (sweep point, method): mean step time and GPU-seconds per step, simulated over ``steps``.
+
+    Every point's workload and cluster are built before any is planned. A point whose GPU count
+    does not fill whole nodes (10 GPUs in nodes of 8) is skipped: ``on_skip`` gets one line naming
+    the point and why (without it, a :class:`UserWarning` says so). When every point would be
+    skipped the sweep raises an InputError (``--vary``) instead, and reports no skip.
+    """
+    points, skipped = [], []
     for values in itertools.product(*(v.values for v in variations)):
         point = dict(zip((v.axis for v in variations), values, strict=True))
         varied, args = _point(workload, point)
-        cluster = workload_cluster(varied, args["gpus"], args["gpu"])
-        cost_model = workload_cost_model(varied, cluster, profile)
-        options = PlannerOptions(n_buckets=args["n_buckets"])
-        result = plan_deployment(varied, cluster, cost_model, options)
+        try:
+            points.append((point, varied, args, workload_cluster(varied, args["gpus"], args["gpu"])))
+        except InputError as err:
+            if err.field != "--gpus":
+                raise
+            skipped.append(f"{_describe_point(point)}: {err.msg}")
+    if not points:
+        raise InputError("<args>", "--vary", f"no sweep point can be run ({'; '.join(skipped)})")
+    for reason in skipped:
+        if on_skip is not None:
+            on_skip(f"skipped {reason}")
+        else:
+            warnings.warn(f"skipped {reason}", UserWarning, stacklevel=2)
+    rows = []
+    for point, varied, args, cluster in points:
+        options = PlannerOptions(n_buckets=args["n_buckets"], pipeline_window=args["window"])
+        result = plan_deployment(varied, cluster, workload_cost_model(varied, cluster, profile), options)
         for schedule in (result.schedule, *result.baselines):
-            run = simulate_schedule(varied, schedule, cost_model, steps, sim)
+            run = simulate_schedule(varied, schedule, result.cost_model, steps, sim)
             rows.append(
                 {
                     **{f"vary_{k}": v for k, v in point.items()},

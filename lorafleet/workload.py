@@ -13,8 +13,11 @@ reports can say how much was cut or dropped.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -32,8 +35,12 @@ from lorafleet.specs.workload import (
     TaskSpec,
     WorkloadSpec,
     describe_validation_error,
+    describe_value,
     fit_to_context,
+    format_validation_loc,
 )
+
+ARGS = "<args>"
 
 
 @dataclass(frozen=True)
@@ -87,8 +94,8 @@ class Workload:
         raise KeyError(name)
 
 
-def read_workload_spec(path: str | Path) -> WorkloadSpec:
-    """Parse and validate a workload YAML file (no distributions built yet)."""
+def read_yaml(path: str | Path) -> Any:
+    """A YAML file's contents; a file that cannot be read or parsed is an InputError naming it."""
     path = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -101,18 +108,145 @@ def read_workload_spec(path: str | Path) -> WorkloadSpec:
     except OSError as err:  # a symlink loop, no permission
         raise InputError(path, "", f"cannot read ({err.strerror or err})") from None
     try:
-        raw = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or type(err).__name__
         raise InputError(path, "", f"malformed YAML: {problem}{where}") from None
-    if not isinstance(raw, dict):
-        raise InputError(path, "", f"expected a mapping with a 'tasks' list, got {type(raw).__name__}")
-    try:
-        return WorkloadSpec.model_validate(raw)
-    except ValidationError as err:
-        raise InputError(path, *describe_validation_error(err.errors()[0])) from None
+
+
+@dataclass(frozen=True)
+class _Override:
+    """One ``--set`` item as applied: the key as given and where it landed in the raw mapping."""
+
+    item: str
+    key: str
+    loc: tuple[int | str, ...]
+
+
+def apply_overrides(raw: dict, sets: Sequence[str]) -> dict:
+    """A copy of the workload mapping ``raw`` with each ``KEY=VALUE`` of ``sets`` applied in order.
+
+    KEY is a dotted path (``cluster.nodes``, ``defaults.lora.rank``); an item of a list is addressed by
+    its ``name`` (``tasks.dolly.batch_size``) or, failing that, its index (``tasks.0.batch_size``). A
+    missing mapping on the way is created. VALUE is parsed as YAML (``32``, ``true``, ``[1, 2]``,
+    ``{rank: 8}``, ``cosine``). A malformed item, an unknown task or a path through a scalar is an
+    InputError naming ``<args>`` and the ``--set`` key; the result is validated like the file."""
+    return _apply_overrides(raw, sets)[0]
+
+
+def _apply_overrides(raw: dict, sets: Sequence[str]) -> tuple[dict, tuple[_Override, ...]]:
+    if not sets:
+        return raw, ()
+    out = copy.deepcopy(raw)
+    applied = []
+    for item in sets:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InputError(ARGS, "--set", f"expected KEY=VALUE, got {item!r}")
+        parts = key.split(".")
+        if "" in parts:
+            raise InputError(ARGS, f"--set {key}", "a key is dotted names with none empty (e.g. tasks.dolly.lora.rank)")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or type(err).__name__
+            raise InputError(ARGS, f"--set {key}", f"the value {text!r} is not YAML: {problem}") from None
+        node: Any = out
+        loc: list[int | str] = []
+        for i, part in enumerate(parts):
+            where = ".".join(parts[:i])
+            if isinstance(node, dict):
+                slot: int | str = part
+                if part not in node and part.isdigit() and int(part) in node:
+                    slot = int(part)  # a YAML integer key (histogram lengths)
+                if i == len(parts) - 1:
+                    node[slot] = value
+                elif node.get(slot) is None:
+                    node[slot] = {}
+            elif isinstance(node, list):
+                slot = _list_slot(node, part, key, where)
+                if i == len(parts) - 1:
+                    node[slot] = value
+            else:
+                raise InputError(
+                    ARGS,
+                    f"--set {key}",
+                    f"{where} is {describe_value(node)}, not a mapping or a list: it has no {part!r}",
+                )
+            loc.append(slot)
+            node = node[slot]
+        applied.append(_Override(item=item, key=key, loc=tuple(loc)))
+    return out, tuple(applied)
+
+
+def _list_slot(items: list, part: str, key: str, where: str) -> int:
+    """The index of the list item ``part`` names: the item whose ``name`` it is, else its index."""
+    names = [str(e["name"]) for e in items if isinstance(e, dict) and "name" in e]
+    for i, e in enumerate(items):
+        if isinstance(e, dict) and str(e.get("name")) == part:
+            return i
+    if part.isdigit() and int(part) < len(items):
+        return int(part)
+    span = f"an index 0..{len(items) - 1}" if items else "no index (the list is empty)"
+    what = "task" if where == "tasks" else "item"
+    if names and part.isdigit():
+        msg = f"no {what} named {part!r} in {where}, and {where} has {span.removeprefix('an ')} only"
+    elif names:
+        msg = f"no {what} named {part!r} in {where}; name one of {', '.join(names)} or use {span}"
+    else:
+        msg = f"{where} is a list: address an item by {span}, not {part!r}"
+    raise InputError(ARGS, f"--set {key}", msg)
+
+
+def _effective_locs(override: _Override, raw: dict) -> list[tuple[int | str, ...]]:
+    """Where an override decides a value of the validated spec: its own place, or for ``defaults.X``
+    the ``tasks[i].X`` of every task that does not set X itself (the defaults merge rule)."""
+    if override.loc[:1] != ("defaults",) or len(override.loc) < 2:
+        return [override.loc]
+    sub = override.loc[1:]
+    tasks = raw.get("tasks")
+    locs = []
+    for i, task in enumerate(tasks if isinstance(tasks, list) else ()):
+        node = task
+        for part in sub:
+            if not isinstance(node, dict):
+                break
+            if part not in node:
+                locs.append(("tasks", i, *sub))
+                break
+            node = node[part]
+    return locs
+
+
+def _within(field: str, prefix: str) -> str | None:
+    """The rest of ``field`` below ``prefix`` (``""`` when equal), or None when it is not below it."""
+    if field == prefix:
+        return ""
+    if prefix and field.startswith(prefix) and field[len(prefix)] in ".[":
+        return field[len(prefix) :]
+    return None
+
+
+def _blame_overrides(error: InputError, raw: dict, applied: tuple[_Override, ...]) -> InputError:
+    """The file's error, said of the ``--set`` item it came from: an error inside a value an override
+    set names ``<args>: --set KEY``; one about a mapping holding such a value says it is with the item."""
+    if error.path == ARGS or not applied:
+        return error
+    around = []
+    for override in reversed(applied):  # the last item setting a value is the one that stands
+        for loc in _effective_locs(override, raw):
+            rest = _within(error.field, format_validation_loc(loc))
+            if rest is not None:
+                return InputError(ARGS, f"--set {override.key}{rest}", error.msg)
+            if _within(format_validation_loc(loc), error.field) is not None or not error.field:
+                around.append(override.item)
+                break
+    if not around:
+        return error
+    return InputError(error.path, error.field, f"{error.msg} (with --set {', --set '.join(reversed(around))})")
 
 
 def _raw_distribution(
@@ -135,11 +269,11 @@ def _raw_distribution(
 
 def _dataset_lengths(data: DataSpec, workload: WorkloadSpec, source: tuple[str, str]) -> np.ndarray:
     """Token lengths of every row of ``data``, tokenized as training will tokenize them."""
+    from lorafleet.data.model_source import data_tokenizer
     from lorafleet.data.records import read_rows
-    from lorafleet.data.tokenize import load_tokenizer, tokenize_rows
+    from lorafleet.data.tokenize import tokenize_rows
 
-    tokenizer_dir = workload.tokenizer or workload.model
-    tokenizer = load_tokenizer(tokenizer_dir, source[0], "tokenizer")
+    tokenizer = data_tokenizer(workload.model, workload.tokenizer, source=source[0])
     rows = read_rows(data.path)
     if not rows:
         raise InputError(data.path, "", "dataset has no rows")
@@ -190,9 +324,25 @@ def apply_overflow(
     return raw.truncate(ctx), over  # the identity when nothing overflows
 
 
-def load_workload(path: str | Path) -> Workload:
-    """Read, validate and resolve a workload file; every problem is an InputError."""
-    return resolve_workload(_resolve_relative(read_workload_spec(path), Path(path).parent), str(path))
+def load_workload(path: str | Path, overrides: Sequence[str] | None = None) -> Workload:
+    """Read, validate and resolve a workload file; every problem is an InputError. ``overrides`` are
+    ``--set KEY=VALUE`` items applied to the file's mapping before validation (:func:`apply_overrides`);
+    values they set are taken as if written in the file (paths relative to it), and an error in one is
+    said of its ``--set`` item."""
+    path = str(path)
+    raw = read_yaml(path)
+    if not isinstance(raw, dict):
+        raise InputError(path, "", f"expected a mapping with a 'tasks' list, got {type(raw).__name__}")
+    raw, applied = _apply_overrides(raw, overrides or ())
+    try:
+        spec = WorkloadSpec.model_validate(raw)
+    except ValidationError as err:
+        error = InputError(path, *describe_validation_error(err.errors()[0]))
+        raise _blame_overrides(error, raw, applied) from None
+    try:
+        return resolve_workload(_resolve_relative(spec, Path(path).parent), path)
+    except InputError as err:
+        raise _blame_overrides(err, raw, applied) from None
 
 
 def resolve_workload(spec: WorkloadSpec, path: str) -> Workload:

@@ -283,8 +283,8 @@ def _spread(rows: list[dict], n: int) -> list[dict]:
 def token_lengths(rows: list[dict]) -> list[int]:
     """Token length of each row as training tokenizes it (SmolLM2's tokenizer and chat template)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from lorafleet.data.model_source import load_source_tokenizer, resolve_model_source
     from lorafleet.data.tokenize import tokenize_rows
-    from lorafleet.executor.torch.base_model import load_source_tokenizer, resolve_model_source
     from lorafleet.specs.workload import DataFormat
 
     if not hasattr(token_lengths, "tokenizer"):

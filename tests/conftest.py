@@ -5,30 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 REFERENCE = REPO.parent / "shared" / "reference"
 
-# A small two-task llama2-7b workload on one node of 8 x A100-80GB: a short chat task and a long one.
-SMALL_WORKLOAD = {
-    "model": "llama2-7b",
-    "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8},
-    "tasks": [
-        {
-            "name": "chat",
-            "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0},
-            "batch_size": 48,
-            "context_length": 4096,
-        },
-        {
-            "name": "docs",
-            "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0},
-            "batch_size": 8,
-            "context_length": 8192,
-        },
-    ],
-}
+SMALL_WORKLOAD = yaml.safe_load((EXAMPLES / "two-tenants.yaml").read_text())
+"""``examples/two-tenants.yaml`` as a mapping: a short chat task and a long one on 8 x A100-80GB."""
 
 
 @pytest.fixture(scope="session")

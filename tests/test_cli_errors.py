@@ -232,3 +232,13 @@ def test_simulate_refuses_non_finite_and_unknown_replicas(capsys, argv, words):
 
     assert main(["simulate", str(EXAMPLES / "lobra-7b.yaml"), "--steps", "1", *argv]) == 2
     _one_line(capsys, words)
+
+
+@pytest.mark.parametrize("extra", [[], ["--gpus", "16"]])
+def test_an_unknown_gpu_flag_names_the_choices_not_a_help_url(tmp_path, capsys, extra):
+    """``--gpu B200`` gets the message the same typo gets in a workload file (issue #17)."""
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(VALID))
+    assert main(["plan", str(path), "--gpu", "B200", *extra]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "unknown GPU 'B200'; choose from" in err and "pydantic.dev" not in err, err

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from lorafleet.metrics import CsvWriter, FanOut, JsonlWriter, LogLines, ProgressBar, TensorBoardWriter
+from lorafleet.metrics import CsvWriter, FanOut, JsonlWriter, LogLines, ProgressBar, TensorBoardWriter, summarize
 from lorafleet.plans import StepReport
 
 REPORTS = (
@@ -36,12 +36,17 @@ REPORTS = (
     ),
 )
 PREDICTED = ((0.9, 0.6), (0.8, 0.6))
+TASK_GPU_S = ({"docsum": 1.5, "chat": 1.0}, {"docsum": 1.25, "chat": 0.75})
+"""What each task owes per step (``lorafleet.accounting.task_gpu_seconds``): sums to makespan x 2 GPUs."""
 
 
 def _write_all(writer) -> None:
-    for report, predicted in zip(REPORTS, PREDICTED):
+    for report, predicted, owed in zip(REPORTS, PREDICTED, TASK_GPU_S):
         writer.write(
-            report, tokens_per_s=sum(report.task_tokens.values()) / report.makespan_s, predicted_busy_s=predicted
+            report,
+            tokens_per_s=sum(report.task_tokens.values()) / report.makespan_s,
+            predicted_busy_s=predicted,
+            task_gpu_s=owed,
         )
 
 
@@ -57,6 +62,7 @@ def test_csv_has_one_flat_row_per_report_and_appends_under_its_header(tmp_path):
     assert float(rows[1]["predicted_busy_s/1"]) == 0.6
     assert float(rows[0]["makespan_ratio"]) == 1.25 and float(rows[1]["dispatch_solve_s"]) == 0.02
     assert rows[0]["failed_replicas"] == "" and rows[1]["failed_replicas"] == "1"
+    assert float(rows[0]["gpu_s/docsum"]) == 1.5 and float(rows[1]["gpu_s/chat"]) == 0.75
     with CsvWriter(path) as writer:  # a resumed run appends rows, not a second header
         writer.write(REPORTS[0])
     lines = path.read_text().splitlines()
@@ -86,7 +92,10 @@ def test_tensorboard_scalars_read_back(tmp_path):
         "busy/replica_1",
         "busy_predicted/replica_1",
         "busy_ratio/replica_1",
+        "gpu_s/docsum",
+        "gpu_s/chat",
     } <= tags
+    assert [e.value for e in events.Scalars("gpu_s/chat")] == pytest.approx([1.0, 0.75])
     loss = events.Scalars("loss/docsum")
     assert [e.step for e in loss] == [0, 1]
     assert [e.value for e in loss] == pytest.approx([2.5, 2.0])
@@ -111,6 +120,7 @@ def test_fan_out_writes_to_every_writer_and_closes_them_all(tmp_path):
     assert Broken.closed
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1] and records[1]["predicted_busy_s"] == [0.8, 0.6]
+    assert records[1]["task_gpu_s"] == {"docsum": 1.25, "chat": 0.75}
     assert len((tmp_path / "m.csv").read_text().splitlines()) == 3
 
 
@@ -123,6 +133,21 @@ def test_progress_bar_shows_step_makespan_loss_and_throughput():
     bar.close()
     text = console.file.getvalue()
     assert "2/5" in text and "step 1.00s (predicted 0.80s)" in text and "loss 2.3750" in text and "400 tok/s" in text
+    assert "ETA 0m03s" in text  # a mean 1.125 s a step, 3 left: from the reports, not rich's wall-clock rate
+
+
+def test_eta_reads_minutes_then_hours():
+    from lorafleet.metrics import format_eta
+
+    assert [format_eta(s) for s in (0, 59.4, 61, 3599, 3600, 7620, float("nan"))] == [
+        "0m00s",
+        "0m59s",
+        "1m01s",
+        "59m59s",
+        "1h00m",
+        "2h07m",
+        "--",
+    ]
 
 
 def test_log_lines_give_step_losses_times_and_eta():
@@ -138,3 +163,53 @@ def test_ratio_without_a_prediction_is_nan(tmp_path):
     with CsvWriter(tmp_path / "m.csv") as writer:
         writer.write(StepReport(step=0, replica_busy_s=(1.0,), makespan_s=1.0))
     assert math.isnan(float(next(csv.DictReader((tmp_path / "m.csv").open()))["makespan_ratio"]))
+
+
+def _owed(step: int, **owed: float) -> StepReport:
+    return StepReport(step=step, replica_busy_s=(1.0,), makespan_s=1.0, task_tokens=dict.fromkeys(owed, 10))
+
+
+def test_csv_gains_the_column_of_a_task_that_joins_later(tmp_path):
+    """A task first seen at step 2: the header is extended once (its column beside the other
+    ``gpu_s/`` ones), the earlier rows empty in it; a resumed run's new task likewise."""
+    path = tmp_path / "metrics.csv"
+    with CsvWriter(path) as writer:
+        writer.write(_owed(0, chat=1.0), task_gpu_s={"chat": 1.0})
+        writer.write(_owed(1, chat=1.0), task_gpu_s={"chat": 1.0})
+        writer.write(_owed(2, chat=0.25, docs=0.75), task_gpu_s={"chat": 0.25, "docs": 0.75})
+        writer.write(_owed(3, chat=0.5, docs=0.5), task_gpu_s={"chat": 0.5, "docs": 0.5})
+    lines = path.read_text().splitlines()
+    assert len(lines) == 5 and sum(line.startswith("step,") for line in lines) == 1
+    header = lines[0].split(",")
+    assert header.index("gpu_s/docs") == header.index("gpu_s/chat") + 1
+    assert header.index("tokens/docs") == header.index("tokens/chat") + 1
+    rows = list(csv.DictReader(path.open()))
+    assert [r["gpu_s/docs"] for r in rows] == ["", "", "0.75", "0.5"]
+    assert [r["gpu_s/chat"] for r in rows] == ["1.0", "1.0", "0.25", "0.5"]
+    assert [r["tokens/docs"] for r in rows] == ["", "", "10", "10"]
+    with CsvWriter(path) as writer:  # resumed with a third task
+        writer.write(_owed(4, chat=1.0, code=0.0), task_gpu_s={"chat": 1.0, "code": 0.0})
+    rows = list(csv.DictReader(path.open()))
+    assert [r["step"] for r in rows] == ["0", "1", "2", "3", "4"]
+    assert [r["gpu_s/code"] for r in rows] == ["", "", "", "", "0.0"] and rows[4]["gpu_s/docs"] == ""
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_summary_totals_gpu_seconds_per_task():
+    summary = summarize(REPORTS, 2, task_gpu_s=TASK_GPU_S)
+    assert summary.task_gpu_seconds == pytest.approx({"docsum": 2.75, "chat": 1.75})
+    assert sum(summary.task_gpu_seconds.values()) == pytest.approx(summary.gpu_seconds)
+    assert summarize(REPORTS, 2).task_gpu_seconds == {}
+    with pytest.raises(ValueError, match="1 steps, 2 step reports"):
+        summarize(REPORTS, 2, task_gpu_s=TASK_GPU_S[:1])
+
+
+def test_phases_count_in_words():
+    from lorafleet.train.phases import counted
+
+    assert [counted(1, "GPU"), counted(8, "GPU"), counted(1, "rank"), counted(2, "process", "processes")] == [
+        "1 GPU",
+        "8 GPUs",
+        "1 rank",
+        "2 processes",
+    ]

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from lorafleet.assemble import prepare_run, workload_cluster, workload_cost_model
+from lorafleet.assemble import plan_cost_model, prepare_run, workload_cluster, workload_cost_model
 from lorafleet.cli import main
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.errors import InputError
@@ -102,6 +102,12 @@ def _broken(plan: DeploymentPlan):
         "replicas[0].config",
         "tp=3 does not divide",
     )
+    yield (
+        "window",
+        replace(plan, policy=replace(plan.policy, pipeline_window=plan.policy.pipeline_window + 1)),
+        "policy.pipeline_window",
+        f"assumes {plan.policy.pipeline_window}",
+    )
     yield "buckets", replace(plan, bucket_boundaries=(512, 256, 8192)), "bucket_boundaries", "strictly increasing"
     yield "coverage", replace(plan, bucket_boundaries=(512, 1024)), "bucket_boundaries", "does not cover"
     yield (
@@ -114,9 +120,10 @@ def _broken(plan: DeploymentPlan):
 
 
 def test_every_rule_names_its_field(planned):
-    _, workload, plan, _ = planned
+    _, workload, plan, plan_path = planned
     cluster = workload_cluster(workload)
-    cost_model = workload_cost_model(workload, cluster)
+    cost_model, _ = plan_cost_model(workload, cluster, plan, str(plan_path))  # with the plan's pipeline window
+    assert cost_model.pipeline_window == plan.policy.pipeline_window == 8
     check_plan(plan, workload, cluster, cost_model, "plan.json")  # the real plan passes
     for name, broken, field, words in _broken(plan):
         with pytest.raises(InputError) as err:
@@ -188,9 +195,29 @@ def test_the_plans_policy_runs_by_default_and_a_flag_says_it_overrides(planned, 
     assert main(["dispatch", str(path), "--plan", str(plan_path), "--microbatch", "packing", "--no-recalibrate"]) == 0
     printed = capsys.readouterr().out
     assert (
-        "override: policy packing, R=16, alignment 16, fast, not recalibrated (overriding the plan's: padding"
-        in printed
+        "override: policy packing, R=16, alignment 16, fast, not recalibrated, pipeline window 8 "
+        "(overriding the plan's: padding" in printed
     )
+    assert main(["dispatch", str(path), "--plan", str(plan_path), "--pipeline-window", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "override: policy padding, R=16, alignment 16, fast, recalibrated, pipeline window 1 (overriding" in printed
+    run = prepare_run(workload, workload_cluster(workload), str(plan_path), policy_overrides={"pipeline_window": 1})
+    assert run.plan.policy.pipeline_window == run.cost_model.pipeline_window == 1
+    assert main(["dispatch", str(path), "--plan", str(plan_path), "--pipeline-window", "0"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--pipeline-window: must be >= 1 step, got 0")
+
+
+def test_a_plan_without_a_window_was_judged_flushed_every_step(planned, tmp_path):
+    """A schema-2 plan written before the window existed records no ``pipeline_window``: it was judged
+    under 1F1B flushed every step, so it reads (and is priced) as W = 1, not as today's default."""
+    _, workload, _, plan_path = planned
+    data = json.loads(plan_path.read_text())
+    assert data["policy"]["pipeline_window"] == 8
+    del data["policy"]["pipeline_window"]
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    run = prepare_run(workload, workload_cluster(workload), str(old))
+    assert run.plan.policy.pipeline_window == run.cost_model.pipeline_window == 1
 
 
 def test_simulate_plan_runs_the_plan_as_made(planned, capsys):

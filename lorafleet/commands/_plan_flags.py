@@ -43,6 +43,12 @@ def add_policy_flags(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="correct the cost model from measured replica times between steps",
     )
+    group.add_argument(
+        "--pipeline-window",
+        type=int,
+        metavar="N",
+        help="steps a pipelined replica streams before it drains (1: 1F1B flushed every step)",
+    )
 
 
 def policy_overrides(args: argparse.Namespace) -> dict[str, object]:
@@ -57,6 +63,7 @@ def policy_overrides(args: argparse.Namespace) -> dict[str, object]:
         "gap_rel": args.gap,
         "choose_buckets_by_makespan": args.choose_buckets_by_makespan,
         "recalibration": args.recalibrate,
+        "pipeline_window": args.pipeline_window,
     }
     return {k: v for k, v in values.items() if v is not None}
 

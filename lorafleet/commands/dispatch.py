@@ -20,6 +20,7 @@ MAX_STEPS = 100_000
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from lorafleet.commands._plan_flags import add_cluster_flags, add_policy_flags
+    from lorafleet.commands._set_flags import add_set_flag
 
     parser = subparsers.add_parser("dispatch", help="dispatch sampled global batches on a deployment plan")
     parser.add_argument("workload", help="workload YAML file")
@@ -28,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--start-step", type=int, default=0, help="first step to sample (default 0)")
     parser.add_argument("--seed", type=int, help="sampling seed (default: the workload's)")
     parser.add_argument("--json", dest="json_out", help="write every step's assignments to this JSON file")
+    add_set_flag(parser)
     add_cluster_flags(parser)
     add_policy_flags(parser)
     parser.set_defaults(func=run)
@@ -97,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from lorafleet.commands._plan_flags import planned_run
+    from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.dispatch import dispatch_step, task_tokens_per_replica
     from lorafleet.sampling import sample_global_batch
     from lorafleet.specs.io import check_writable, write_text_atomic
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(ARGS, "--steps", f"must be >= 1 and <= {MAX_STEPS:,}, got {args.steps}")
     if args.start_step < 0:
         raise InputError(ARGS, "--start-step", f"must be >= 0, got {args.start_step}")
-    workload = load_workload(args.workload)
+    workload = load_workload(args.workload, workload_overrides(args))
     run_ = planned_run(workload, args)
     plan, cost_model = run_.plan, run_.cost_model
     options = plan.policy.options

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from lorafleet.errors import InputError
 
@@ -10,17 +11,45 @@ ARGS = "<args>"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from lorafleet.commands._set_flags import add_set_flag
+
     parser = subparsers.add_parser("plan", help="plan a heterogeneous deployment and compare it with the baselines")
     parser.add_argument("workload", help="workload YAML file")
-    parser.add_argument("--gpus", type=int, help="override the workload's GPU count")
+    parser.add_argument(
+        "--gpus",
+        metavar="N|auto",
+        help="override the workload's GPU count; auto: plan 1 .. K whole nodes and pick the count (see --deadline, "
+        "--budget)",
+    )
     parser.add_argument("--gpu", help="override the workload's GPU kind")
     parser.add_argument("--profile", help="fitted profile JSON (default: the analytic model of the GPU)")
     parser.add_argument("--solver", default="cbc", help="MILP back end: cbc (default), scip or highs")
     parser.add_argument("--mode", default="decomposed", help="decomposed (default), exhaustive or joint-minlp")
     parser.add_argument("--microbatch", default="packing", help="packing (default) or padding (LobRA's)")
     parser.add_argument("--samples", type=int, default=32, help="K sampled batches of the robust choice (0: none)")
+    parser.add_argument(
+        "--pipeline-window",
+        type=int,
+        default=8,
+        metavar="N",
+        help="steps a pipelined replica streams before it drains (default 8; 1: 1F1B flushed every step, LobRA's)",
+    )
+    sizing = parser.add_argument_group("sizing the fleet (with --gpus auto; docs/planner.md)")
+    sizing.add_argument(
+        "--max-nodes", metavar="K", help="the most nodes --gpus auto sweeps (default: the workload cluster's nodes)"
+    )
+    sizing.add_argument(
+        "--deadline",
+        metavar="STEPS:HOURS",
+        help="the fewest GPUs that run STEPS steps within HOURS hours (default goal: fewest GPU-seconds)",
+    )
+    sizing.add_argument("--budget", metavar="GPU_HOURS", help="the fastest plan whose job fits GPU_HOURS GPU-hours")
+    sizing.add_argument(
+        "--steps", metavar="N", help="the job's steps for --budget and the job columns (default: the tasks' steps)"
+    )
     parser.add_argument("--json", help="write the versioned DeploymentPlan here (read by simulate and train)")
     parser.add_argument("--plot", help="write a PNG of the expected load per replica here")
+    add_set_flag(parser)
     parser.set_defaults(func=run)
 
 
@@ -40,6 +69,8 @@ def _options(args: argparse.Namespace):
             raise InputError(ARGS, flag, f"{value!r} is not one of {', '.join(e.value for e in enum)}")
     if args.samples < 0:
         raise InputError(ARGS, "--samples", f"must be >= 0, got {args.samples}")
+    if args.pipeline_window < 1:
+        raise InputError(ARGS, "--pipeline-window", f"must be >= 1 step, got {args.pipeline_window}")
     if args.mode == PlannerMode.JOINT_MINLP and importlib.util.find_spec("pyscipopt") is None:
         raise InputError(
             ARGS,
@@ -48,8 +79,126 @@ def _options(args: argparse.Namespace):
             "(pip install pyscipopt); the default decomposed mode does not",
         )
     return PlannerOptions(
-        solver=args.solver, mode=args.mode, microbatch_mode=args.microbatch, robust_samples=args.samples
+        solver=args.solver,
+        mode=args.mode,
+        microbatch_mode=args.microbatch,
+        robust_samples=args.samples,
+        pipeline_window=args.pipeline_window,
     )
+
+
+AUTO = "auto"
+SIZING_WIDTH = 160
+"""Columns the sweep's table may take: a plan per row, unwrapped up to five or six configs."""
+SIZING_FLAGS = {
+    "deadline": "--deadline",
+    "budget_gpu_hours": "--budget",
+    "steps": "--steps",
+    "max_nodes": "--max-nodes",
+}
+"""SizingObjective field (``planner.sizing.OBJECTIVE_SOURCE``) -> the flag that sets it."""
+
+
+def _number(flag: str, text: str, kind: type, what: str, part: str = ""):
+    """``text`` as a positive ``kind`` (int or float), else an InputError naming ``flag`` (and ``part`` of it)."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise InputError(ARGS, flag, f"expected {what}, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        finite = "" if math.isfinite(value) else " and finite"
+        raise InputError(ARGS, flag, f"{part + ' ' if part else ''}must be > 0{finite}, got {text}")
+    return value
+
+
+def _gpus(text: str | None) -> int | None:
+    """``--gpus``: None (the workload's), a count as given (``workload_cluster`` checks it) or ``AUTO``."""
+    if text is None or text == AUTO:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise InputError(ARGS, "--gpus", f"expected a whole number of GPUs or auto, got {text!r}") from None
+
+
+def _sizing(args: argparse.Namespace):
+    """The SizingObjective and K of ``--gpus auto`` (None, None without it; its flags are refused then)."""
+    from lorafleet.planner import Deadline, SizingObjective
+
+    given = [f for f in ("--max-nodes", "--deadline", "--budget", "--steps") if getattr(args, f[2:].replace("-", "_"))]
+    if args.gpus != AUTO:
+        if given:
+            raise InputError(ARGS, given[0], "goes with --gpus auto (it sizes the fleet)")
+        return None, None
+    if args.deadline is not None:
+        steps, colon, hours = args.deadline.partition(":")
+        if not colon:
+            raise InputError(ARGS, "--deadline", f"expected STEPS:HOURS (e.g. 2000:1.5), got {args.deadline!r}")
+        steps = _number("--deadline", steps, int, "STEPS:HOURS with STEPS a whole number (e.g. 2000:1.5)", "STEPS")
+        hours = _number("--deadline", hours, float, "STEPS:HOURS with HOURS a number (e.g. 2000:1.5)", "HOURS")
+    max_nodes = None if args.max_nodes is None else _number("--max-nodes", args.max_nodes, int, "a whole number")
+    try:
+        deadline = None if args.deadline is None else Deadline(steps, hours)
+        objective = SizingObjective(
+            deadline=deadline,
+            budget_gpu_hours=None if args.budget is None else _number("--budget", args.budget, float, "GPU-hours"),
+            steps=None if args.steps is None else _number("--steps", args.steps, int, "a whole number of steps"),
+        )
+    except InputError as err:
+        raise _sizing_flag_error(err) from None
+    return objective, max_nodes
+
+
+def _sizing_flag_error(err: InputError) -> InputError:
+    """An objective error (``planner.sizing.OBJECTIVE_SOURCE``) as the error of the flag that set the field."""
+    from lorafleet.planner.sizing import OBJECTIVE_SOURCE
+
+    if err.path != OBJECTIVE_SOURCE:
+        return err
+    return InputError(ARGS, SIZING_FLAGS.get(err.field, err.field), err.msg)
+
+
+def sizing_table(sizing):
+    """Every GPU count swept: its plan and figures, whether it meets the goal, and the chosen row."""
+    from rich.table import Table
+
+    from lorafleet.planner.sizing import describe_objective
+
+    objective = sizing.objective
+    job = f"a {sizing.job_steps}-step job" if sizing.job_steps else "job totals need --steps N"
+    table = Table(
+        title=f"fleet sizing: {describe_objective(objective)} ({job})",
+        caption=f"chosen: {sizing.chosen_row.gpus} GPUs, {sizing.reason}"
+        if sizing.chosen is not None
+        else f"none chosen: {sizing.reason}",
+    )
+    columns = ("GPUs", "nodes", "plan", "used", "step (s)", "GPU-s/step", "job h", "job GPU-h", "judged")
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("plan", "judged") else "right")
+    for k, row in enumerate(sizing.rows):
+        if not row.feasible:
+            table.add_row(str(row.gpus), str(row.cluster.nodes), "infeasible", "", "", "", "", "", row.infeasible)
+            continue
+        judged = []
+        if objective.deadline is not None:
+            judged.append("meets deadline" if row.job_hours <= objective.deadline.hours else "misses deadline")
+        if objective.budget_gpu_hours is not None:
+            judged.append("within budget" if row.job_gpu_hours <= objective.budget_gpu_hours else "over budget")
+        if k == sizing.chosen:
+            judged.append("<- chosen")
+        jobs = ("-", "-") if row.job_steps is None else (f"{row.job_hours:.3g}", f"{row.job_gpu_hours:.4g}")
+        table.add_row(
+            str(row.gpus),
+            str(row.cluster.nodes),
+            row.result.plan.describe(),
+            str(row.used_gpus),
+            f"{row.step_s:.3f}",
+            f"{row.gpu_seconds_per_step:.1f}",
+            *jobs,
+            ", ".join(judged),
+            style="bold" if k == sizing.chosen else None,
+        )
+    return table
 
 
 def plan_table(result):
@@ -93,10 +242,40 @@ def _above(value: float, bound: float) -> str:
     return f"+{value / bound - 1:.1%}" if bound > 0 else "no bound"
 
 
+def _sized_plan(workload, args: argparse.Namespace, options, objective, max_nodes: int | None):
+    """``--gpus auto``: every whole-node count planned (``planner.size_fleet``), the sweep printed (also
+    when no count is chosen, before the error), and the chosen count's PlanResult and cluster."""
+    from rich.console import Console
+
+    from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.planner import SizingError, size_fleet
+
+    console = Console(width=SIZING_WIDTH)
+    try:
+        sizing = size_fleet(
+            workload,
+            workload_cluster(workload, None, args.gpu),
+            lambda candidate: workload_cost_model(workload, candidate, args.profile),
+            options,
+            objective,
+            max_nodes=max_nodes,
+        )
+    except SizingError as err:
+        console.print(sizing_table(err.sweep))
+        raise _sizing_flag_error(err) from None
+    except InputError as err:
+        raise _sizing_flag_error(err) from None
+    console.print(sizing_table(sizing))
+    each = ", ".join(f"{row.gpus}: {row.plan_s:.1f} s" for row in sizing.rows)
+    console.print(f"  swept {len(sizing.rows)} GPU counts in {sum(r.plan_s for r in sizing.rows):.1f} s ({each})")
+    return sizing.chosen_row.result, sizing.chosen_row.cluster
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.planner import plan_deployment
     from lorafleet.planner.bounds import step_bounds
     from lorafleet.planner.candidates import valid_candidates
@@ -107,13 +286,18 @@ def run(args: argparse.Namespace) -> int:
     for path in (args.json, args.plot):
         if path:
             check_writable(path)
+    gpus = _gpus(args.gpus)
+    objective, max_nodes = _sizing(args)
     options = _options(args)
-    workload = load_workload(args.workload)
-    cluster = workload_cluster(workload, args.gpus, args.gpu)
-    cost_model = workload_cost_model(workload, cluster, args.profile)
-    result = plan_deployment(workload, cluster, cost_model, options)
-
+    workload = load_workload(args.workload, workload_overrides(args))
     console = Console(width=120)
+    if gpus == AUTO:
+        result, cluster = _sized_plan(workload, args, options, objective, max_nodes)
+    else:
+        cluster = workload_cluster(workload, gpus, args.gpu)
+        result = plan_deployment(workload, cluster, workload_cost_model(workload, cluster, args.profile), options)
+    cost_model = result.cost_model  # with the plan's pipeline window
+
     console.print(plan_table(result))
     console.print(comparison_table(result))
     for note in result.plan.notes:

@@ -3,6 +3,11 @@
 With ``--plan`` the plan runs as it was made, under its own dispatch policy and cost model
 (flags may override either, and the command says so), after the plan check; only the
 baselines are chosen here. Without it, the workload is planned first.
+
+With ``--arrivals TRACE`` it replays a trace of tasks arriving and departing instead
+(:mod:`lorafleet.arrivals`, docs/arrivals.md): the GPU-seconds of re-planning incrementally, of
+re-planning from scratch at every change and of one static plan for every task, and each task's
+completion time under each.
 """
 
 from __future__ import annotations
@@ -13,15 +18,17 @@ import math
 from lorafleet.errors import InputError
 
 MAX_STEPS = 100_000
+DEFAULT_STEPS = 16
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from lorafleet.commands._plan_flags import add_cluster_flags, add_policy_flags
+    from lorafleet.commands._set_flags import add_set_flag
 
     parser = subparsers.add_parser("simulate", help="simulate lorafleet's plan and the baselines step by step")
     parser.add_argument("workload", help="workload YAML file")
     parser.add_argument("--plan", help="DeploymentPlan JSON from `lorafleet plan --json` (default: plan now)")
-    parser.add_argument("--steps", type=int, default=16, help="steps to simulate (default 16)")
+    parser.add_argument("--steps", type=int, help=f"steps to simulate (default {DEFAULT_STEPS})")
     parser.add_argument(
         "--noise", type=float, default=0.0, help="log-normal step-time noise sigma per replica (0.03 = 3%%)"
     )
@@ -41,6 +48,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, help="seed of the sampled batches and the noise (default: the workload's)")
     parser.add_argument("--report", help="directory for PNG plots, summary.json and index.html")
+    arrivals = parser.add_argument_group("arrivals and departures (docs/arrivals.md)")
+    arrivals.add_argument(
+        "--arrivals",
+        metavar="TRACE",
+        help="replay a YAML trace of tasks added and cancelled over time: incremental re-planning, "
+        "re-planning from scratch and a static plan compared",
+    )
+    arrivals.add_argument(
+        "--migration-s",
+        type=float,
+        default=60.0,
+        help="--arrivals: seconds a torn-down replica's GPUs spend being rebuilt (default 60)",
+    )
+    arrivals.add_argument(
+        "--replan-horizon",
+        type=int,
+        default=200,
+        metavar="STEPS",
+        help="--arrivals: the most steps an incremental re-plan counts a move's savings over (default 200)",
+    )
+    add_set_flag(parser)
     add_cluster_flags(parser)
     add_policy_flags(parser)
     parser.set_defaults(func=run)
@@ -107,9 +135,8 @@ def _schedules(workload, args: argparse.Namespace, console):
                 f"policy flags ({', '.join(overridden)}) change a plan's policy: give "
                 "--plan, or plan with them first (`lorafleet plan --microbatch ...`)",
             )
-        cost_model = workload_cost_model(workload, cluster, args.profile)
-        result = plan_deployment(workload, cluster, cost_model)
-        return result.schedule, result.baselines, cost_model, cluster
+        result = plan_deployment(workload, cluster, workload_cost_model(workload, cluster, args.profile))
+        return result.schedule, result.baselines, result.cost_model, cluster
     run_ = planned_run(workload, args)
     for line in run_.overrides:
         console.print(f"override: {line}")
@@ -122,17 +149,21 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from lorafleet.report import summary_rows, write_report
+    from lorafleet.commands._set_flags import workload_overrides
+    from lorafleet.report import summary_rows, task_cost_rows, write_report
     from lorafleet.simulate import simulate_schedule
     from lorafleet.specs.io import check_writable
     from lorafleet.workload import load_workload
 
+    if args.arrivals:
+        return run_arrivals(args)
+    args.steps = DEFAULT_STEPS if args.steps is None else args.steps
     if not 1 <= args.steps <= MAX_STEPS:
         raise InputError("<args>", "--steps", f"must be >= 1 and <= {MAX_STEPS:,}, got {args.steps}")
     if args.report:
         check_writable(args.report, directory=True)
     options = simulation_options(args)
-    workload = load_workload(args.workload)
+    workload = load_workload(args.workload, workload_overrides(args))
     console = Console(width=150)
     schedule, baselines, cost_model, cluster = _schedules(workload, args, console)
     plan = schedule.phases[0].plan
@@ -159,6 +190,15 @@ def run(args: argparse.Namespace) -> int:
             ]
         )
     console.print(table)
+    costs = Table(title="who pays what: lorafleet's GPU-seconds by task")
+    cost_rows = task_cost_rows(runs[0])
+    for column in cost_rows[0] if cost_rows else ():
+        costs.add_column(column, justify="left" if column == "task" else "right")
+    for row in cost_rows:
+        costs.add_row(
+            *[f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else v for v in row.values()]
+        )
+    console.print(costs)
     calibration = runs[0].phases[0].calibration
     if any(abs(c.factor - 1) > 0.005 for c in calibration):
         from lorafleet.dispatch import summarize_factors
@@ -176,6 +216,108 @@ def run(args: argparse.Namespace) -> int:
             }
             for r, t in zip(plan.replicas, times, strict=True)
         ]
-        page = write_report(args.report, workload, runs, plan_rows)
+        page = write_report(args.report, workload, runs, plan_rows, cluster=cluster, cost_source=cost_model.source)
         console.print(f"report: {page}")
+    return 0
+
+
+def _arrival_flags(args: argparse.Namespace):
+    """``--arrivals``'s options, after refusing the flags that mean nothing to it."""
+    from lorafleet.arrivals import ArrivalOptions
+    from lorafleet.commands._plan_flags import policy_overrides
+    from lorafleet.planner import ReplanOptions
+
+    refused = {
+        "--plan": args.plan is not None,
+        "--steps": args.steps is not None,
+        "--noise": args.noise != 0,
+        "--straggler": bool(args.straggler),
+        "--fail": bool(args.fail),
+        "--report": args.report is not None,
+    }
+    given = [flag for flag, on in refused.items() if on]
+    overridden = sorted(policy_overrides(args))
+    if given or overridden:
+        names = ", ".join(given + [f"policy flags ({', '.join(overridden)})"] * bool(overridden))
+        raise InputError(
+            "<args>",
+            "--arrivals",
+            f"not with {names}: the trace's tasks bring their own steps and every plan is made by the replay",
+        )
+    if not (math.isfinite(args.migration_s) and args.migration_s >= 0):
+        raise InputError("<args>", "--migration-s", f"must be a finite number >= 0, got {args.migration_s}")
+    if args.replan_horizon < 1:
+        raise InputError("<args>", "--replan-horizon", f"must be >= 1, got {args.replan_horizon}")
+    replan = ReplanOptions(migration_s=args.migration_s, horizon_steps=args.replan_horizon)
+    return ArrivalOptions(replan=replan, seed=args.seed)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def run_arrivals(args: argparse.Namespace) -> int:
+    """``simulate WORKLOAD --arrivals TRACE``: the strategies' table and the per-task table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from lorafleet.arrivals import load_trace, replay_trace
+    from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.commands._set_flags import workload_overrides
+    from lorafleet.workload import load_workload
+
+    options = _arrival_flags(args)
+    workload = load_workload(args.workload, workload_overrides(args))
+    trace = load_trace(args.arrivals, workload)
+    cluster = workload_cluster(workload, args.gpus, args.gpu)
+    cost_model = workload_cost_model(trace.all_tasks(), cluster, args.profile)
+    result = replay_trace(trace, cluster, cost_model, options)
+    console = Console(width=150)
+    added = len(trace.arrivals) - len(workload.tasks)
+    console.print(
+        f"{len(trace.arrivals)} tasks ({len(workload.tasks)} in the workload, {added} added by the trace, "
+        f"{len(trace.cancels)} cancelled) on {cluster.n_gpus} x {cluster.gpu} ({cost_model.source})"
+    )
+    console.print(
+        f"migration {options.replan.migration_s:g} s per rebuilt replica; "
+        f"incremental horizon {options.replan.horizon_steps} steps"
+    )
+    if result.static_plan is not None:
+        console.print(f"static plan: {result.static_plan.describe()}")
+    table = Table(title=f"{trace.path}: GPU-seconds by strategy")
+    columns = ("strategy", "GPU-s", "migration GPU-s", "finish (s)", "steps", "tokens (M)", "plans", "moves", "rebuilt")
+    for column in columns:
+        table.add_column(column, justify="left" if column == "strategy" else "right", no_wrap=True)
+    for run_ in result.runs:
+        table.add_row(
+            run_.strategy.value,
+            f"{run_.gpu_s:,.0f}",
+            f"{run_.migration_gpu_s:,.0f}",
+            _seconds(run_.finish_s),
+            str(run_.steps),
+            f"{run_.tokens / 1e6:,.2f}",
+            str(run_.plans),
+            str(run_.moves),
+            str(run_.rebuilt),
+        )
+    console.print(table)
+    tasks = Table(
+        title="tasks: arrival and completion time (s), GPU-seconds, by strategy",
+        caption="(cut at n): cancelled after n of its steps",
+    )
+    tasks.add_column("task", no_wrap=True)
+    tasks.add_column("arrives", justify="right")
+    tasks.add_column("steps", justify="right")
+    for run_ in result.runs:
+        tasks.add_column(f"{run_.strategy.value} done", justify="right")
+        tasks.add_column(f"{run_.strategy.value} GPU-s", justify="right")
+    for arrival in trace.arrivals:
+        name = arrival.task.name
+        cells = [name, _seconds(arrival.at_s), str(arrival.task.spec.steps)]
+        for run_ in result.runs:
+            o = run_.tasks[name]
+            done = _seconds(o.completion_s) + (f" (cut at {o.steps_done})" if o.cancelled else "")
+            cells += [done, f"{o.gpu_s:,.0f}"]
+        tasks.add_row(*cells)
+    console.print(tasks)
     return 0

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from lorafleet.commands._plan_flags import add_cluster_flags, add_policy_flags
+    from lorafleet.commands._set_flags import add_set_flag
 
     parser = subparsers.add_parser("train", help="train the workload's adapters on a deployment plan (torch)")
     parser.add_argument("workload", help="workload YAML file (every task needs data)")
@@ -75,6 +76,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="REPLICA=FACTOR",
         help="fault injection: replica REPLICA runs FACTOR >= 1 times slower (a straggler; repeatable)",
     )
+    parser.add_argument(
+        "--logger",
+        action="append",
+        default=[],
+        metavar="wandb|mlflow",
+        help="also log the step scalars to Weights & Biases (project lorafleet; WANDB_MODE applies) or MLflow "
+        "(MLFLOW_TRACKING_URI, else <out>/mlruns); repeatable; needs pip install 'lorafleet[wandb]' / '[mlflow]'",
+    )
+    queue = parser.add_argument_group("live task queue (tasks added, finished, cancelled while training)")
+    queue.add_argument(
+        "--queue",
+        metavar="DIR",
+        help="the directory of task request files the run watches (default <out>/queue; docs/queue.md)",
+    )
+    queue.add_argument(
+        "--queue-http",
+        type=int,
+        metavar="PORT",
+        help="also take requests over HTTP on 127.0.0.1:PORT (0: a free port), with the token written to "
+        "<queue>/.http.json",
+    )
+    queue.add_argument(
+        "--migration-s",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="a re-plan's cost of rebuilding one replica, seconds of its GPUs (default 60)",
+    )
+    queue.add_argument(
+        "--replan-horizon",
+        type=int,
+        default=200,
+        metavar="STEPS",
+        help="the most steps a re-plan counts a new deployment's savings over (default 200)",
+    )
+    add_set_flag(parser)
     add_cluster_flags(parser)
     add_policy_flags(parser)
     parser.set_defaults(func=run)
@@ -99,10 +136,12 @@ def _slowdown(items: list[str]) -> tuple[tuple[int, float], ...]:
 def options_of(args: argparse.Namespace) -> TrainOptions:
     """The TrainOptions a parsed command line asks for."""
     from lorafleet.commands._plan_flags import policy_overrides
+    from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.train.options import TrainOptions
 
     return TrainOptions(
         workload=args.workload,
+        sets=workload_overrides(args),
         plan=args.plan,
         steps=args.steps,
         out=args.out,
@@ -120,6 +159,11 @@ def options_of(args: argparse.Namespace) -> TrainOptions:
         policy_overrides=tuple(policy_overrides(args).items()),
         progress=not args.no_progress,
         slowdown=_slowdown(args.inject_slowdown),
+        queue=args.queue,
+        queue_http=args.queue_http,
+        migration_s=args.migration_s,
+        replan_horizon=args.replan_horizon,
+        loggers=tuple(dict.fromkeys(args.logger)),
     )
 
 

@@ -7,12 +7,14 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
+from lorafleet.commands._set_flags import add_set_flag, workload_overrides
 from lorafleet.workload import Workload, load_workload
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("validate", help="check a workload file and summarise its tasks")
     parser.add_argument("workload", help="workload YAML file")
+    add_set_flag(parser)
     parser.set_defaults(func=run)
 
 
@@ -57,6 +59,6 @@ def summary_table(workload: Workload) -> Table:
 
 
 def run(args: argparse.Namespace) -> int:
-    workload = load_workload(args.workload)
+    workload = load_workload(args.workload, workload_overrides(args))
     Console(width=120).print(summary_table(workload))
     return 0

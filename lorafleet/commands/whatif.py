@@ -6,6 +6,8 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from lorafleet.commands._set_flags import add_set_flag
+
     parser = subparsers.add_parser("whatif", help="sweep GPU count/kind, model, tasks or R; CSV and plots")
     parser.add_argument("workload", help="workload YAML file")
     parser.add_argument(
@@ -21,6 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--out", default="whatif", help="output directory for whatif.csv and PNG plots (default ./whatif)"
     )
+    add_set_flag(parser)
     parser.set_defaults(func=run)
 
 
@@ -35,7 +38,8 @@ def _plots(rows: list[dict], axes: list[str], out) -> list:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     written = []
     for metric, label in (("gpu_s_per_step", "GPU-seconds per step"), ("step_s", "step time (s)")):
-        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(points)), 3.8))
+        # 1.8 in more for the legend, right of the axes: inside them it would cover the tallest bars.
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(points)) + 1.8, 3.8))
         width = 0.8 / len(methods)
         for m, method in enumerate(methods):
             values = [
@@ -45,7 +49,7 @@ def _plots(rows: list[dict], axes: list[str], out) -> list:
             ax.bar([i + m * width for i in range(len(points))], values, width, label=method)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(points))], points, rotation=20, fontsize=8)
         ax.set(ylabel=label, xlabel=" / ".join(axes), title=f"{label} across the sweep")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         fig.tight_layout()
         path = out / f"{metric}.png"
         fig.savefig(path, dpi=110)
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.errors import InputError
     from lorafleet.specs.io import check_writable
     from lorafleet.whatif import Variation, sweep
@@ -73,7 +78,14 @@ def run(args: argparse.Namespace) -> int:
     axes = [v.axis for v in variations]
     if len(set(axes)) != len(axes):
         raise InputError("<args>", "--vary", "each axis may be varied once")
-    rows = sweep(load_workload(args.workload), variations, args.steps, args.profile)
+    console = Console(width=160)
+    rows = sweep(
+        load_workload(args.workload, workload_overrides(args)),
+        variations,
+        args.steps,
+        args.profile,
+        on_skip=lambda note: console.print(f"note: {note}", soft_wrap=True, markup=False, highlight=False),
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "whatif.csv.tmp"
@@ -88,7 +100,6 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(column)
     for row in rows:
         table.add_row(*[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()])
-    console = Console(width=160)
     console.print(table)
     console.print(f"wrote {out / 'whatif.csv'} and {', '.join(str(p) for p in plots)}")
     return 0

@@ -14,22 +14,29 @@ where t_tp is LobRA's per-block t(b, s) (Eq. 10), or its packed form (with activ
 recomputation, ``LayerTimeCoeffs.recomputed``: each term grows by its forward share); the
 p2p term receives the activations forward and sends their gradient backward. Every added term is affine in the
 tokens, so τ keeps the LobRA form (``stage_coeffs``) and the planner's linear formulation
-still applies. A replica's step over micro-batches k = 1..K (LobRA Eq. 12, 1F1B) is::
+still applies. A replica's step over micro-batches k = 1..K is::
 
-    T = Σ_k τ_k + (pp - 1) * max_k τ_k + allreduce(adapter grads) + optimizer(adapter params)
+    T = Σ_k τ_k + bubble_slots * max_k τ_k + allreduce(adapter grads) + optimizer(adapter params)
 
-the last two being what LobRA's timed step skips: the ring all-reduce of every task's
-adapter gradients across the ``sync_replicas`` replicas and the optimizer step, both on the
-adapter parameters one device holds, Σ_tasks params / (tp * pp).
+    bubble_slots = ((pp - 1) + (W - 1) * min(stall, pp - 1)) / W          (costmodel.schedule)
+
+with W the ``pipeline_window``: the steps a pipelined replica streams as one 1F1B schedule
+before it drains, and ``stall`` what a step boundary inside the window costs given which tasks
+each micro-batch holds (0 when that is not known: the steady-state estimate a load model
+prices classes with before dispatch). W = 1 is LobRA Eq. 12, 1F1B flushed every step:
+``(pp - 1) * max_k τ_k``. The last two terms are what LobRA's timed step skips: the ring
+all-reduce of every task's adapter gradients across the ``sync_replicas`` replicas and the
+optimizer step, both on the adapter parameters one device holds, Σ_tasks params / (tp * pp).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from lorafleet.costmodel import schedule
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
@@ -106,6 +113,13 @@ class CostModel:
     """Replicas taking part in the adapters' gradient all-reduce (1: no sync)."""
     origin: CostModelOrigin | None = None
     """How to rebuild this model (``load_cost_model`` sets it; None for one built by hand)."""
+    pipeline_window: int = 1
+    """W: steps a pipelined replica streams before it drains (``costmodel.schedule``); 1 is 1F1B
+    flushed every step (LobRA Eq. 12). A plan's cost model carries its policy's window."""
+
+    def __post_init__(self) -> None:
+        if self.pipeline_window < 1:
+            raise ValueError(f"a pipeline window is at least one step, got {self.pipeline_window}")
 
     @property
     def configs(self) -> list[ParallelConfig]:
@@ -157,15 +171,41 @@ class CostModel:
         sync = self.interconnect.grad_sync.allreduce(self.sync_replicas)(params * self.activation_bytes)
         return (sync + self.optimizer_time(params)) / MS_PER_S
 
-    def replica_time(self, config: ParallelConfig, microbatches: Sequence[MicroBatchShape]) -> float:
-        """One replica's step time, seconds (LobRA Eq. 12 plus the step overhead)::
+    def bubble_slots(self, config: ParallelConfig, microbatch_tasks: Sequence[Collection[int]] | None = None) -> float:
+        """The pipeline bubble of one step of ``config``, in multiples of its largest stage time:
+        ``((pp - 1) + (W - 1) * min(stall, pp - 1)) / W`` (:func:`schedule.bubble_slots`). With
+        ``microbatch_tasks`` (the task ids of each micro-batch, in order) the stall is that order's;
+        without, 0 (the steady state). ``pp - 1`` when W = 1; 0 without a pipeline."""
+        if self.pipeline_window == 1:  # no inner step boundary: the stall is never charged, so never computed
+            microbatch_tasks = None
+        return schedule.bubble_slots(config.pp, self.pipeline_window, microbatch_tasks)
 
-            T = Σ_k τ_k + (pp - 1) * max_k τ_k + overhead
+    @staticmethod
+    def drained_bubble_slots(config: ParallelConfig) -> float:
+        """``pp - 1``: the bubble of a step that drains (LobRA Eq. 12), what load models charge
+        before any micro-batch exists (``dispatch.load``)."""
+        return float(config.pp - 1)
+
+    def replica_time(
+        self,
+        config: ParallelConfig,
+        microbatches: Sequence[MicroBatchShape],
+        tasks: Sequence[Collection[int]] | None = None,
+    ) -> float:
+        """One replica's step time, seconds::
+
+            T = Σ_k τ_k + bubble_slots(config, tasks) * max_k τ_k + overhead
 
         where τ_k is the stage time of micro-batch k: 1F1B pays every micro-batch once per
-        stage in steady state and the largest one again in warm-up and cool-down.
+        stage in steady state and the largest one again for each slot of bubble. ``tasks``: the
+        task ids of each micro-batch, in the same order (their stall at the window's step
+        boundaries; None: the steady-state estimate). With W = 1 the bubble is ``pp - 1`` slots
+        whatever the tasks: LobRA Eq. 12 plus the step overhead.
         """
         if not microbatches:
             return 0.0
+        if tasks is not None and len(tasks) != len(microbatches):
+            raise ValueError(f"{len(tasks)} task sets for {len(microbatches)} micro-batches")
         times = self.stage_coeffs(config).shapes(microbatches) / MS_PER_S
-        return float(times.sum() + (config.pp - 1) * times.max()) + self.step_overhead(config)
+        bubble = self.bubble_slots(config, tasks)
+        return float(times.sum() + bubble * times.max()) + self.step_overhead(config)

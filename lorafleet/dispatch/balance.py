@@ -26,7 +26,8 @@ c gives delta of bucket j to k and optionally takes epsilon of bucket j' back, a
 when max(T_c', T_k') < T_c. The sizes tried are those where the step functions change
 (one row fewer per replica, one micro-batch fewer, what fills the receiver's open rows or
 micro-batch, one row or micro-batch on every receiver replica, half, all). Class time is
-a sum over buckets plus the pipeline bubble (pp - 1) * max, so all candidate pairs of one
+a sum over buckets plus the pipeline bubble ``bubble_slots * max`` (``pp - 1`` slots, a drain,
+whatever the pipeline window: :mod:`~lorafleet.dispatch.load`), so all candidate pairs of one
 (c, k) are scored at once from per-bucket differences, the bubble from the top three
 micro-batch times. Each exchange lowers the sorted vector of class times
 lexicographically, so the search ends.
@@ -270,7 +271,7 @@ def _row(load: LoadModel, d: np.ndarray, i: int) -> _Row:
 
 
 def _class_time(load: LoadModel, row: _Row, i: int) -> float:
-    return row.base + (load.pp[i] - 1) * float(row.top_values[0])
+    return row.base + float(load.bubble_slots[i]) * float(row.top_values[0])
 
 
 def _times_after(
@@ -294,7 +295,7 @@ def _times_after(
     new_lose, big_lose = load.row_cost(i, lose_j, -(-(d[i, lose_j] - lose_amount) // p))
     new_gain, big_gain = load.row_cost(i, gain_j, -(-(d[i, gain_j] + gain_amount) // p))
     total = row.base + (new_lose - row.compute[lose_j]) + (new_gain - row.compute[gain_j])
-    if load.pp[i] == 1:
+    if load.bubble_slots[i] == 0:
         return total
     lose_j = np.where(lose_amount != 0, lose_j, -1)
     gain_j = np.where(gain_amount != 0, gain_j, -1)
@@ -302,7 +303,7 @@ def _times_after(
     for rank in (1, 0):
         others = np.where((lose_j != row.top[rank]) & (gain_j != row.top[rank]), row.top_values[rank], others)
     bubble = np.maximum(others, np.maximum(np.where(lose_j >= 0, big_lose, 0.0), np.where(gain_j >= 0, big_gain, 0.0)))
-    return total + (load.pp[i] - 1) * bubble
+    return total + float(load.bubble_slots[i]) * bubble
 
 
 def _best_exchange(

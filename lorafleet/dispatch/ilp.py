@@ -1,21 +1,23 @@
 """The exact per-step dispatch MILP over (config class, bucket) counts (LobRA's dispatch ILP).
 
-Classes i (p_i replicas of one config, max tokens M_i, pp_i stages), buckets j (boundary
+Classes i (p_i replicas of one config, max tokens M_i, pp_i stages, a bubble of w_i =
+``load.bubble_slots[i]`` largest stage times: ``pp_i - 1``, LobRA's 1F1B flushed every step, which
+load models charge whatever the pipeline window, :mod:`~lorafleet.dispatch.load`), buckets j (boundary
 s_j, D_j sequences), b_ij = floor(M_i / s_j) rows per full micro-batch; a pair with
 b_ij = 0 gets no variables. Micro-batch times are linear in rows,
 t(b, s) = alpha_ij b + beta_ij, so a fragment of r rows costs
 t~(r, z) = alpha_ij r + beta_ij z with z = [r > 0] (LobRA's t~(r, s, z)). Variables:
 d_ij in [0, D_j] (sequences to the class), m_ij >= 0 (full micro-batches per replica),
 r_ij in [0, b_ij - 1] (fragment rows per replica), z_ij, y_ij binary, B_i >= 0 (largest
-stage time, only when pp_i > 1), and the makespan T::
+stage time, only when w_i > 0, i.e. pp_i > 1), and the makespan T::
 
     min T
     sum_i d_ij = D_j                                          coverage        for all j
     d_ij <= p_i (b_ij m_ij + r_ij) <= d_ij + p_i - 1          ceil            (rows = ceil(d/p))
     z_ij <= r_ij <= (b_ij - 1) z_ij                           fragment
-    y_ij <= m_ij <= y_ij * floor(ceil(D_j / p_i) / b_ij)      full            (pp_i > 1)
-    B_i >= t(b_ij, s_j) y_ij,  B_i >= t~(r_ij, z_ij)          bubble          (pp_i > 1)
-    T >= o_i + sum_j [ t(b_ij, s_j) m_ij + t~(r_ij, z_ij) ] + (pp_i - 1) B_i    makespan  for all i
+    y_ij <= m_ij <= y_ij * floor(ceil(D_j / p_i) / b_ij)      full            (w_i > 0)
+    B_i >= t(b_ij, s_j) y_ij,  B_i >= t~(r_ij, z_ij)          bubble          (w_i > 0)
+    T >= o_i + sum_j [ t(b_ij, s_j) m_ij + t~(r_ij, z_ij) ] + w_i B_i    makespan  for all i
     T <= T_fast                                               bound           (the fast solution is feasible)
 
 This is the :mod:`~lorafleet.dispatch.load` model exactly, so the fast method's
@@ -94,10 +96,10 @@ def build_model(load: LoadModel, upper_bound_s: float | None = None) -> tuple[pu
         v.m[i, j] = problem.add_variable(f"m_{name}", 0, full_max, cat=pulp.LpInteger)
         v.r[i, j] = problem.add_variable(f"r_{name}", 0, rows - 1, cat=pulp.LpInteger)
         v.z[i, j] = problem.add_variable(f"z_{name}", 0, 1, cat=pulp.LpBinary)
-        if load.pp[i] > 1:
+        if load.bubble_slots[i] > 0:
             v.y[i, j] = problem.add_variable(f"y_{name}", 0, 1, cat=pulp.LpBinary)
     for i in range(len(load.classes)):
-        if load.pp[i] > 1:
+        if load.bubble_slots[i] > 0:
             v.largest[i] = problem.add_variable(f"largest_{_class_name(load, i)}", 0)
     v.makespan = problem.add_variable("makespan", 0)
     objective(problem, v)
@@ -137,7 +139,7 @@ def add_ceil_constraints(problem: pulp.LpProblem, load: LoadModel, v: _Vars) -> 
 
 
 def add_fragment_constraints(problem: pulp.LpProblem, load: LoadModel, v: _Vars) -> None:
-    """z <= r <= (b - 1) z, and for pipelined classes y <= m <= y * m_max: indicators of present micro-batches."""
+    """z <= r <= (b - 1) z, and for pipelined classes (w > 0) y <= m <= y * m_max: present micro-batches."""
     for (i, j), r in v.r.items():
         name = f"{_class_name(load, i)}_{_bucket_name(load, j)}"
         problem += v.z[i, j] <= r, f"frag_low_{name}"
@@ -148,7 +150,7 @@ def add_fragment_constraints(problem: pulp.LpProblem, load: LoadModel, v: _Vars)
 
 
 def add_bubble_constraints(problem: pulp.LpProblem, load: LoadModel, v: _Vars) -> None:
-    """B_i >= every present micro-batch's stage time (pp_i > 1): the 1F1B warm-up/cool-down term."""
+    """B_i >= every present micro-batch's stage time (w_i > 0): what the pipeline bubble is charged in."""
     for (i, j), y in v.y.items():
         name = f"{_class_name(load, i)}_{_bucket_name(load, j)}"
         problem += v.largest[i] >= _full_time(load, i, j) * y, f"bubble_full_{name}"
@@ -156,12 +158,12 @@ def add_bubble_constraints(problem: pulp.LpProblem, load: LoadModel, v: _Vars) -
 
 
 def add_makespan_constraints(problem: pulp.LpProblem, load: LoadModel, v: _Vars) -> None:
-    """T >= o_i + sum_j [t(b, s) m + t~(r, z)] + (pp_i - 1) B_i for every class (LobRA Eq. 12 per class)."""
+    """T >= o_i + sum_j [t(b, s) m + t~(r, z)] + w_i B_i for every class (LobRA Eq. 12 per class when W = 1)."""
     for i in range(len(load.classes)):
         compute = pulp.lpSum(
             _full_time(load, i, j) * v.m[i, j] + _fragment_time(load, v, i, j) for (ii, j) in v.m if ii == i
         )
-        bubble = (int(load.pp[i]) - 1) * v.largest[i] if i in v.largest else 0
+        bubble = float(load.bubble_slots[i]) * v.largest[i] if i in v.largest else 0
         problem += v.makespan >= float(load.overhead_s[i]) + compute + bubble, f"makespan_{_class_name(load, i)}"
 
 

@@ -9,12 +9,19 @@ The LobRA time of a micro-batch is linear in its row count b (Eq. 10):
 t(b, s) = alpha(s) * b + beta(s), with alpha(s) = c1 s^2 + c3 s + c5 and
 beta(s) = c2 s^2 + c4 s + c6 per layer (times L / pp for a stage). A replica cuts its n_j
 sequences of bucket j into ceil(n_j / b_j) micro-batches of at most b_j = floor(M / s_j)
-rows, so its 1F1B time (Eq. 12) is exactly::
+rows, so its pipelined time is exactly::
 
     T_i = o_i + sum_j [ alpha_ij * n_ij + beta_ij * ceil(n_ij / b_ij) ]
-              + (pp_i - 1) * max_{j: n_ij > 0} ( alpha_ij * min(n_ij, b_ij) + beta_ij )
+              + bubble_i * max_{j: n_ij > 0} ( alpha_ij * min(n_ij, b_ij) + beta_ij )
 
-with o_i the per-step overhead (charged even to an idle class: an upper bound). alpha and
+with o_i the per-step overhead (charged even to an idle class: an upper bound) and bubble_i
+``pp_i - 1`` (LobRA Eq. 12, ``CostModel.drained_bubble_slots``), whatever the pipeline window:
+what a window saves depends on how many micro-batches of how many tasks each replica gets
+(``costmodel.schedule``), which is what balancing decides. Charging the drain keeps the balance
+from loading a pipelined replica for a stream its step turns out not to have (a replica given a
+few long sequences of two tasks stalls as much as it drains); every dispatched step is then
+priced with its own micro-batches and tasks (``CostModel.replica_time``), which is where the
+window's saving shows, in the dispatcher's estimate, the planner's judgement and the simulator. alpha and
 beta are read off the cost model: alpha = t(2, s) - t(1, s), beta = 2 t(1, s) - t(2, s). In
 packing mode alpha_ij is the mean per-sequence time of
 the bucket's actual lengths plus its share of the per-micro-batch constant at the boundary,
@@ -140,6 +147,9 @@ class LoadModel:
     """(K,) p_i: replicas of each class."""
     pp: np.ndarray
     """(K,) pipeline stages of each class."""
+    bubble_slots: np.ndarray
+    """(K,) the pipeline bubble of each class in multiples of its largest micro-batch time
+    (``CostModel.bubble_slots`` without task structure); 0 without a pipeline."""
     compute_table: np.ndarray
     """(K, sum_j (D_j + 1)) alpha n + beta ceil(n / b) of n = 0..D_j rows of bucket j, from ``table_start[j]``."""
     largest_table: np.ndarray
@@ -182,13 +192,13 @@ class LoadModel:
         """T of one replica of class i holding ``rows`` (..., R) sequences per bucket (see module docstring)."""
         rows = np.asarray(rows)
         compute, largest = self.row_cost(i, np.arange(rows.shape[-1]), rows)
-        return self.overhead_s[i] + compute.sum(axis=-1) + (self.pp[i] - 1) * largest.max(axis=-1, initial=0.0)
+        return self.overhead_s[i] + compute.sum(axis=-1) + self.bubble_slots[i] * largest.max(axis=-1, initial=0.0)
 
     def times(self, d: np.ndarray) -> np.ndarray:
         """(K,) modelled time of each class's slowest replica for class totals ``d`` (K, R)."""
         rows = -(-np.asarray(d) // self.n_replicas[:, None])
         compute, largest = self.row_cost(np.arange(len(self.classes))[:, None], np.arange(rows.shape[1]), rows)
-        return self.overhead_s + compute.sum(axis=1) + (self.pp - 1) * largest.max(axis=1, initial=0.0)
+        return self.overhead_s + compute.sum(axis=1) + self.bubble_slots * largest.max(axis=1, initial=0.0)
 
     def makespan(self, d: np.ndarray) -> float:
         return float(self.times(d).max())
@@ -263,6 +273,7 @@ def build_load_model(
         overhead_s=overhead,
         n_replicas=np.array([len(c.replicas) for c in classes], dtype=np.int64),
         pp=np.array([c.config.pp for c in classes], dtype=np.int64),
+        bubble_slots=np.array([cost_model.drained_bubble_slots(c.config) for c in classes], dtype=float),
         compute_table=compute_table,
         largest_table=largest_table,
         table_start=table_start,

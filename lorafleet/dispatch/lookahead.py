@@ -1,11 +1,12 @@
-"""Step t+1's dispatch computed on a background thread while step t runs.
+"""The next steps' dispatch computed on a background thread while step t runs.
 
 The global batch of any step is a pure function of (workload, seed, step) and dispatch is
 a pure function of (batch, plan, cost model, options, speed factors), so the plan computed
 ahead is the plan a synchronous call with the same factors would return: look-ahead changes
 when a plan is computed, never what it is. The factors of online recalibration are taken
-when a plan is *started*: step t+1's plan is started during ``plan_for(t)``, after step t-1's
-report was folded in, so it prices replicas by what steps up to t-1 measured. One worker
+when a plan is *started*: step t+d's plan is started during ``plan_for(t)`` (d the depth, 1 by
+default; a pipeline window's length in training, so the next window's plans are computed while one
+runs), so it prices replicas by what the steps reported by then measured. One worker
 thread keeps the plans in step order; the solvers (numpy, the CBC/HiGHS/SCIP back ends)
 spend most of their time outside the GIL.
 """
@@ -33,6 +34,7 @@ class LookaheadDispatcher:
             (e.g. ``functools.partial(sample_global_batch, workload, seed=seed)``).
         plan, cost_model, options: as for :func:`lorafleet.dispatch.dispatch_step` (the plan's own
             policy when ``options`` is None).
+        depth: how many steps after the one asked for are started.
 
     Example::
 
@@ -47,7 +49,9 @@ class LookaheadDispatcher:
         plan: DeploymentPlan,
         cost_model: CostModel,
         options: DispatchOptions | None = None,
+        depth: int = 1,
     ) -> None:
+        self._depth = max(1, depth)
         self._batch_for_step = batch_for_step
         self._plan = plan
         self._cost_model = cost_model
@@ -64,16 +68,17 @@ class LookaheadDispatcher:
         return self._pending[step]
 
     def plan_for(self, step: int, speed: Sequence[float] | None = None) -> StepPlan:
-        """Step ``step``'s plan (waiting for it if it is still being computed); starts step + 1's,
-        pricing replicas at ``speed`` (a snapshot: later changes do not reach that plan).
+        """Step ``step``'s plan (waiting for it if it is still being computed); starts the next
+        ``depth`` steps', pricing replicas at ``speed`` (a snapshot: later changes do not reach them).
 
         A fallback of the exact solve is warned about here, on the caller's thread.
         """
         snapshot = tuple(float(f) for f in speed) if speed is not None else None
-        for stale in [s for s in self._pending if s not in (step, step + 1)]:
+        for stale in [s for s in self._pending if not step <= s <= step + self._depth]:
             self._pending.pop(stale).cancel()  # a jump (resume, skip) discards what was planned ahead
         current = self._ensure(step, snapshot)
-        self._ensure(step + 1, snapshot)
+        for ahead in range(step + 1, step + self._depth + 1):
+            self._ensure(ahead, snapshot)
         outcome = current.result()
         del self._pending[step]
         if outcome.fallback:

@@ -15,6 +15,17 @@ Either way rows are sorted by task inside a micro-batch (``MicroBatch.segments``
 per-task row ranges of the multi-adapter operator), and micro-batches are ordered for
 1F1B: largest first, descending by (rows * padded length, padded length) - by (tokens,
 longest row) when packed - so the warm-up and cool-down pay for the largest stage time once.
+
+With a pipeline window of W > 1 steps (``CostModel.pipeline_window``, ``costmodel.schedule``)
+they are ordered *task-major* instead (``task_major=True``): by the largest task id a
+micro-batch holds, ascending, then largest first within that. A window streams the next
+step's forwards while this step's last backwards run, and a forward holding tasks T may start
+once every task u <= max T has had its update of the step before; updates run in one global
+task order, each as soon as the task's last backward is done on every replica. So every
+replica, pipelined or not (pp = 1 too), finishes its tasks in that same order: task 0's last
+micro-batch as early as possible everywhere, so its update, and the next step's forwards that
+wait for it, can start while the later tasks still run. Largest-first order would put a task's
+last micro-batch anywhere in the step and make the next step wait for nearly all of it.
 """
 
 from __future__ import annotations
@@ -48,9 +59,16 @@ def _sorted_rows(key: np.ndarray, seq_ids: np.ndarray, lengths: np.ndarray, task
 
 
 def padded_microbatches(
-    seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, padded_len: np.ndarray, max_tokens: int
+    seq_ids: np.ndarray,
+    lengths: np.ndarray,
+    task_ids: np.ndarray,
+    padded_len: np.ndarray,
+    max_tokens: int,
+    *,
+    task_major: bool = False,
 ) -> list[MicroBatch]:
-    """LobRA's micro-batches of one replica; ``padded_len[q]`` is sequence q's bucket boundary (<= M)."""
+    """LobRA's micro-batches of one replica; ``padded_len[q]`` is sequence q's bucket boundary (<= M).
+    Ordered by :func:`order_for_1f1b` (``task_major``: for a pipeline window, module docstring)."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     out = []
     for s, in_bucket in groupby(_sorted_rows(padded_len[seq_ids], seq_ids, lengths, task_ids), key=itemgetter(0)):
@@ -62,13 +80,14 @@ def padded_microbatches(
             out.extend(_microbatch(of_task[k : k + b], s) for k in range(0, n_full, b))
             leftovers.extend(of_task[n_full:])  # stays sorted by (task, position)
         out.extend(_microbatch(leftovers[k : k + b], s) for k in range(0, len(leftovers), b))
-    return order_for_1f1b(out)
+    return order_for_1f1b(out, task_major=task_major)
 
 
 def packed_microbatches(
-    seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, max_tokens: int
+    seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, max_tokens: int, *, task_major: bool = False
 ) -> list[MicroBatch]:
-    """First-fit decreasing packing of one replica's sequences into micro-batches of <= M tokens."""
+    """First-fit decreasing packing of one replica's sequences into micro-batches of <= M tokens.
+    Ordered by :func:`order_for_1f1b` (``task_major``: for a pipeline window, module docstring)."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     order = seq_ids[np.lexsort((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
     needs = lengths[order].tolist()
@@ -90,9 +109,16 @@ def packed_microbatches(
         if room[k] < smallest:
             del open_bins[pos]
     rows = _sorted_rows(np.asarray(bin_of, dtype=np.int64)[np.argsort(order)], np.sort(order), lengths, task_ids)
-    return order_for_1f1b([_microbatch(list(in_bin), None) for _, in_bin in groupby(rows, key=itemgetter(0))])
+    return order_for_1f1b(
+        [_microbatch(list(in_bin), None) for _, in_bin in groupby(rows, key=itemgetter(0))], task_major=task_major
+    )
 
 
-def order_for_1f1b(microbatches: list[MicroBatch]) -> list[MicroBatch]:
-    """Descending by (tokens, longest row): LobRA's (b * s, s) order for padded micro-batches. Stable."""
+def order_for_1f1b(microbatches: list[MicroBatch], *, task_major: bool = False) -> list[MicroBatch]:
+    """Descending by (tokens, longest row): LobRA's (b * s, s) order for padded micro-batches. Stable.
+
+    ``task_major``: ascending by the largest task id a micro-batch holds first, then as above (the
+    order a pipeline window needs, module docstring)."""
+    if task_major:
+        return sorted(microbatches, key=lambda mb: (max(mb.task_ids), -mb.tokens, -(mb.padded_len or max(mb.lengths))))
     return sorted(microbatches, key=lambda mb: (-mb.tokens, -(mb.padded_len or max(mb.lengths))))

@@ -91,7 +91,12 @@ def choose_buckets(
     for bucketing in candidates:
         bucket = bucket_of(batch.lengths, bucketing.boundaries)
         load = build_load_model(
-            classes, cost_model, np.array(bucketing.boundaries), batch.lengths, bucket, options.microbatch_mode
+            classes,
+            cost_model,
+            np.array(bucketing.boundaries),
+            batch.lengths,
+            bucket,
+            options.microbatch_mode,
         )
         assignment = _balance(load, options.method)
         if best is None or assignment.makespan_s < best[2].makespan_s:
@@ -115,7 +120,12 @@ def placed_work(
     The step plan's work, and what the planner judges a deployment by: one code path, so the
     planner's expected makespan is the dispatcher's estimate of the same step. With ``classes``,
     only those classes' replicas are cut and priced (the others are left empty).
+
+    With a pipeline window (``cost_model.pipeline_window > 1``) every replica's micro-batches are
+    ordered task-major (:mod:`.microbatch`), and each replica is priced with its micro-batches'
+    tasks (their stall at the window's step boundaries).
     """
+    task_major = cost_model.pipeline_window > 1
     bucket = bucket_of(batch.lengths, load.boundaries)
     n_replicas = sum(len(c.replicas) for c in load.classes)
     held = place_sequences(load, counts, bucket, batch.lengths, batch.task_ids, n_replicas)
@@ -126,10 +136,13 @@ def placed_work(
             continue
         for r in cls.replicas:
             if mode is MicroBatchMode.PADDING:
-                mbs = padded_microbatches(held[r], batch.lengths, batch.task_ids, padded_len, cls.max_tokens)
+                mbs = padded_microbatches(
+                    held[r], batch.lengths, batch.task_ids, padded_len, cls.max_tokens, task_major=task_major
+                )
             else:
-                mbs = packed_microbatches(held[r], batch.lengths, batch.task_ids, cls.max_tokens)
-            work[r] = (tuple(mbs), cls.time_scale * cost_model.replica_time(cls.config, [mb.shape for mb in mbs]))
+                mbs = packed_microbatches(held[r], batch.lengths, batch.task_ids, cls.max_tokens, task_major=task_major)
+            seconds = cost_model.replica_time(cls.config, [mb.shape for mb in mbs], [mb.task_ids for mb in mbs])
+            work[r] = (tuple(mbs), cls.time_scale * seconds)
     return work
 
 

@@ -1,4 +1,4 @@
-"""Executors run a StepPlan and report what happened: ``run_step(step_plan) -> StepReport``.
+"""Executors run StepPlans and report what happened: ``run_steps(step_plans) -> [StepReport]``.
 
 Two implementations share this interface and the one training loop (``lorafleet.loop``):
 ``simulated`` (the cost model plays the hardware) and ``torch`` (real replicas).
@@ -6,6 +6,7 @@ Two implementations share this interface and the one training loop (``lorafleet.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
@@ -19,8 +20,9 @@ class ExecutorKind(StrEnum):
 
 @runtime_checkable
 class Executor(Protocol):
-    """Runs one step's plan on its replicas."""
+    """Runs consecutive steps' plans on its replicas."""
 
-    def run_step(self, step_plan: StepPlan) -> StepReport:
-        """Execute (or simulate) every replica's micro-batches; return measured times and losses."""
+    def run_steps(self, step_plans: Sequence[StepPlan]) -> list[StepReport]:
+        """Execute (or simulate) every replica's micro-batches of consecutive steps, as one pipeline
+        window (``costmodel.schedule``); return each step's measured times and losses."""
         ...

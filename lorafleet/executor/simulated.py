@@ -4,7 +4,9 @@ Replica r's busy time in a step is
 
     busy_r = slowdown_r * ε_r * T_r(micro-batches)          ε_r ~ LogNormal(0, σ²), E[ε] ≈ 1
 
-where T_r is the cost model's replica time (LobRA Eq. 12 plus the step overhead). The step's
+where T_r is the cost model's replica time (its pipeline bubble over the cost model's window,
+priced with the tasks each micro-batch holds; LobRA Eq. 12 plus the step overhead when the
+window is one step). The step's
 makespan is the slowest replica: adapter gradients are all-reduced across every replica at
 the end of a step, so everyone waits for it. A failure of replica r at step t costs a
 restart (``restart_s``) plus re-running the work it had done (a uniformly random fraction
@@ -82,7 +84,8 @@ class SimulatedExecutor:
         busy, failed = [], []
         failing = {f.replica_id: f for f in self.options.failures if f.step == step_plan.step}
         for replica, work in zip(self.plan.replicas, step_plan.work, strict=True):
-            t = self.cost_model.replica_time(replica.config, [mb.shape for mb in work.microbatches])
+            mbs = work.microbatches
+            t = self.cost_model.replica_time(replica.config, [mb.shape for mb in mbs], [mb.task_ids for mb in mbs])
             noise = rng.lognormal(0.0, self.options.noise_sigma) if self.options.noise_sigma else 1.0
             t *= self.options.slowdown.get(replica.replica_id, 1.0) * noise
             if replica.replica_id in failing:
@@ -91,6 +94,10 @@ class SimulatedExecutor:
                 failed.append(replica.replica_id)
             busy.append(float(t))
         return busy, failed
+
+    def run_steps(self, step_plans: Sequence[StepPlan]) -> list[StepReport]:
+        """The steps one after another (a window of them, as the executor protocol hands them over)."""
+        return [self.run_step(p) for p in step_plans]
 
     def run_step(self, step_plan: StepPlan) -> StepReport:
         rng = np.random.default_rng(np.random.SeedSequence([self.options.seed, step_plan.step]))

@@ -1,7 +1,9 @@
 """Deployment planning: which replicas of which ⟨TP, PP⟩ config to run, and the baselines.
 
 ``plan_deployment(workload, cluster, cost_model, options) -> PlanResult`` is the entry
-point (see :mod:`.driver`; what makes one plan better than another is :mod:`.objective`).
+point (see :mod:`.driver`; what makes one plan better than another is :mod:`.objective`);
+``size_fleet`` plans it on 1 .. K whole nodes and picks the GPU count for a deadline, a GPU-hour
+budget or the fewest GPU-seconds (:mod:`.sizing`).
 The baselines are :class:`Schedule`\\ s (a DeploymentPlan and a dispatch policy per phase)
 that a simulator can replay step by step, like the plan itself.
 """
@@ -16,19 +18,37 @@ from lorafleet.planner.baselines import (
 )
 from lorafleet.planner.driver import LORAFLEET, PlanDiagnostics, PlanResult, ScheduleCost, plan_deployment
 from lorafleet.planner.expected import expected_global_batch
+from lorafleet.planner.incremental import Replan, ReplanOptions, replan_incremental
 from lorafleet.planner.options import PlannerMode, PlannerOptions
 from lorafleet.planner.schedule import Phase, Schedule, StepCost, pow2_boundaries
+from lorafleet.planner.sizing import (
+    Deadline,
+    SizingError,
+    SizingGoal,
+    SizingObjective,
+    SizingResult,
+    SizingRow,
+    size_fleet,
+)
 
 __all__ = [
     "LORAFLEET",
     "BaselineKind",
+    "Deadline",
     "Phase",
     "PlanDiagnostics",
     "PlanResult",
     "PlannerMode",
     "PlannerOptions",
+    "Replan",
+    "ReplanOptions",
     "Schedule",
     "ScheduleCost",
+    "SizingError",
+    "SizingGoal",
+    "SizingObjective",
+    "SizingResult",
+    "SizingRow",
     "StepCost",
     "baseline_schedules",
     "best_homogeneous",
@@ -37,5 +57,7 @@ __all__ = [
     "padding_policy",
     "plan_deployment",
     "pow2_boundaries",
+    "replan_incremental",
+    "size_fleet",
     "workload_baselines",
 ]

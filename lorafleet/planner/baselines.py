@@ -55,14 +55,19 @@ class BaselineKind(StrEnum):
     """Each task alone on its best homogeneous config, one after another."""
 
 
-def padding_policy(longest: int, max_tokens: int) -> DispatchPolicy:
-    """LobRA's Task-Fused dispatch: static power-of-two buckets, padded micro-batches."""
-    return DispatchPolicy(static_boundaries=pow2_boundaries(longest, max_tokens))
+def padding_policy(longest: int, max_tokens: int, pipeline_window: int = 1) -> DispatchPolicy:
+    """LobRA's Task-Fused dispatch: static power-of-two buckets, padded micro-batches; pipelined replicas
+    streaming ``pipeline_window`` steps (the baselines run on the cost model's window, as lorafleet's plan)."""
+    return DispatchPolicy(static_boundaries=pow2_boundaries(longest, max_tokens), pipeline_window=pipeline_window)
 
 
-def packing_policy(n_buckets: int) -> DispatchPolicy:
-    """Packed micro-batches of up to M tokens (buckets only steer the balance estimate)."""
-    return DispatchPolicy(options=DispatchOptions(n_buckets=n_buckets, microbatch_mode=MicroBatchMode.PACKING))
+def packing_policy(n_buckets: int, pipeline_window: int = 1) -> DispatchPolicy:
+    """Packed micro-batches of up to M tokens (buckets only steer the balance estimate); pipelined replicas
+    streaming ``pipeline_window`` steps."""
+    return DispatchPolicy(
+        options=DispatchOptions(n_buckets=n_buckets, microbatch_mode=MicroBatchMode.PACKING),
+        pipeline_window=pipeline_window,
+    )
 
 
 def estimated_makespan(
@@ -81,7 +86,12 @@ def estimated_makespan(
     if mode is MicroBatchMode.PADDING:
         boundaries = np.asarray(pow2_boundaries(int(batch.lengths.max()), candidate.max_tokens), dtype=np.int64)
         load = build_load_model(
-            (cls,), cost_model, boundaries, batch.lengths, bucket_of(batch.lengths, boundaries), mode
+            (cls,),
+            cost_model,
+            boundaries,
+            batch.lengths,
+            bucket_of(batch.lengths, boundaries),
+            mode,
         )
         return float(placed_times(load, load.counts[None, :]).max())
     _, load, _ = choose_buckets(batch, (cls,), cost_model, packing_policy(n_buckets).options)
@@ -137,7 +147,11 @@ def _phase(
     tasks can present (any step may bring it), not just the expected batch's."""
     longest = max(workload.tasks[k].lengths.max_length for k in tasks)
     cand, p = best_homogeneous(select_tasks(batch, tasks), longest, candidates, cost_model, cluster, mode, n_buckets)
-    policy = padding_policy(longest, cand.max_tokens) if mode is MicroBatchMode.PADDING else packing_policy(n_buckets)
+    window = cost_model.pipeline_window
+    if mode is MicroBatchMode.PADDING:
+        policy = padding_policy(longest, cand.max_tokens, window)
+    else:
+        policy = packing_policy(n_buckets, window)
     plan = build_plan(
         workload,
         cluster,

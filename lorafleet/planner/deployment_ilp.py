@@ -6,9 +6,11 @@ dispatch per config removes that product: let x_ij >= 0 be the bucket-j sequence
 takes over all its replicas, charged the amortised full-micro-batch time
 w_ij = t(b_ij, s_j) / b_ij. Config i's replicas then all finish within t̂ if::
 
-    Σ_j w_ij x_ij / p_i + a_i <= t̂,      a_i = o_i + (pp_i - 1) * max_j t(b_ij, s_j)
+    Σ_j w_ij x_ij / p_i + a_i <= t̂,      a_i = o_i + bubble_i * max_j t(b_ij, s_j)
 
-(a_i: the step overhead plus the pipeline bubble of a full micro-batch). Dividing by t̂ and
+(a_i: the step overhead plus the pipeline bubble of a full micro-batch; bubble_i is the load
+model's, ``pp_i - 1``: a drain, whatever the pipeline window, ``dispatch.load``; the window's
+saving is priced where deployments are judged, on their dispatched micro-batches). Dividing by t̂ and
 writing θ = 1 / t̂ (steps per second) and ξ_ij = θ x_ij (sequences per second) gives::
 
     max θ   s.t.   Σ_i ξ_ij = θ D_j                         every bucket fully dispatched (Eq. 2)
@@ -82,10 +84,11 @@ def fluid_lower_bound(problem: PlanningProblem) -> float:
 
 
 def fixed_time(problem: PlanningProblem) -> np.ndarray:
-    """a_i = o_i + (pp_i - 1) * max_j t(b_ij, s_j) over the non-empty buckets config i can hold."""
+    """a_i = o_i + bubble_i * max_j t(b_ij, s_j) over the non-empty buckets config i can hold
+    (bubble_i: ``load.bubble_slots``, the dispatcher's)."""
     present = (problem.microbatch_size > 0) & (problem.counts > 0)[None, :]
     largest = np.where(present, problem.full_time, 0.0).max(axis=1)
-    return problem.load.overhead_s + (problem.pp - 1) * largest
+    return problem.load.overhead_s + problem.load.bubble_slots * largest
 
 
 def modelled_configs(problem: PlanningProblem) -> list[int]:

@@ -89,6 +89,9 @@ class PlanResult:
     expected_step: StepPlan
     """The expected batch dispatched on the plan: per-replica loads and times."""
     expected_batch: GlobalBatch
+    cost_model: CostModel
+    """The cost model the plan was judged by: the one given, its pipeline bubble over the options'
+    window (the window the plan's policy records). Simulate or dispatch the plan by this one."""
     costs: tuple[ScheduleCost, ...]
     """lorafleet first, then each baseline."""
     baselines: tuple[Schedule, ...]
@@ -222,6 +225,9 @@ def plan_deployment(
     the replicas fitting the GPUs with TP groups inside nodes. Solver failures fall back to
     the heuristic plan with a :class:`~lorafleet.errors.SolverFallbackWarning`.
 
+    Everything is priced by ``cost_model`` with the options' ``pipeline_window`` (whatever window it
+    carried), the window the plan's policy records; ``PlanResult.cost_model`` is that model.
+
     Raises:
         InputError: the model fits no config, or some task's sequences fit none.
     """
@@ -234,6 +240,7 @@ def plan_deployment(
         timings[name] = now - clock
         clock = now
 
+    cost_model = replace(cost_model, pipeline_window=options.pipeline_window)
     expected = expected_global_batch(workload)
     valid = valid_candidates(cost_model, cluster)
     _check_longest(workload, valid, cluster)
@@ -247,7 +254,7 @@ def plan_deployment(
     outcome, ranked = search(problem, options)
     lap("search")
 
-    policy = DispatchPolicy(options=dispatch)
+    policy = DispatchPolicy(options=dispatch, pipeline_window=options.pipeline_window)
     choice = robust_choice(
         workload, problem, ranked, options, policy, _solver_label(options, outcome.solves, outcome.fell_back)
     )
@@ -308,6 +315,7 @@ def plan_deployment(
         schedule=schedule,
         expected_step=expected_step,
         expected_batch=expected,
+        cost_model=cost_model,
         costs=tuple(costs),
         baselines=baselines,
         diagnostics=diagnostics,

@@ -26,7 +26,7 @@ from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner.candidates import lower_bound
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.problem import PlanningProblem
-from lorafleet.solvers import SolveResult
+from lorafleet.solvers import SolveResult, SolveStatus
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -90,7 +90,7 @@ def evaluate(
         else:
             method = f"milp:{result}->fast"
             warnings.warn(
-                f"exact dispatch ILP gave no solution ({result}, {result.wall_s:.2f} s); the fast dispatch stands",
+                unusable_solve_note("the exact dispatch ILP", result, "the fast dispatch stands"),
                 SolverFallbackWarning,
                 stacklevel=2,
             )
@@ -98,6 +98,31 @@ def evaluate(
     return Evaluation(
         class_counts=assignment.counts, class_times=times, makespan=float(times.max()), method=method
     ), result
+
+
+_NO_SOLUTION = {
+    SolveStatus.INFEASIBLE: "proved it infeasible",
+    SolveStatus.UNBOUNDED: "found it unbounded",
+    SolveStatus.FAILED: "found no solution (a solver error, or a limit reached before any solution)",
+}
+
+
+def unusable_solve_note(what: str, result: SolveResult, instead: str) -> str:
+    """One line saying why ``what``'s solve gave nothing the caller can use, and what stands ``instead``.
+
+    Built from both halves of ``result`` (its status and whether it carries a solution) so that they
+    never contradict each other: a status that claims a solution whose values the caller could not use
+    (``cbc returned no usable solution (status optimal, but its values were unusable; 0.12 s)``), values
+    without a solution status, or a plain failure (``cbc proved it infeasible (0.12 s)``).
+    """
+    solver, status, wall = result.solver.value, result.status.value, f"{result.wall_s:.2f} s"
+    if result.has_solution:
+        said = f"{solver} returned no usable solution (status {status}, but its values were unusable; {wall})"
+    elif result.objective is not None:
+        said = f"{solver} returned values without a solution (status {status}; they are not used; {wall})"
+    else:
+        said = f"{solver} {_NO_SOLUTION.get(result.status, f'gave no solution (status {status})')} ({wall})"
+    return f"{what}: {said}; {instead}"
 
 
 def class_times(problem: PlanningProblem, load: LoadModel, counts: np.ndarray, only: int | None = None) -> np.ndarray:

@@ -137,7 +137,10 @@ def _fragment_time(problem: PlanningProblem, v: JointVars, i: int, j: int) -> An
 def add_makespan_constraints(model: Any, problem: PlanningProblem, v: JointVars) -> None:
     """Eq. 1, t̂ >= T_i for every config (Eq. 12)::
 
-    T_i = o_i active_i + Σ_j [ t(b_ij, s_j) m_ij + α_ij r_ij + β_ij z_ij ] + (pp_i - 1) B_i
+    T_i = o_i active_i + Σ_j [ t(b_ij, s_j) m_ij + α_ij r_ij + β_ij z_ij ] + w_i B_i
+
+    with w_i the load model's ``bubble_slots`` (``pp_i - 1``, LobRA's 1F1B flushed every step,
+    whatever the pipeline window: ``dispatch.load``).
     """
     from pyscipopt import quicksum
 
@@ -146,7 +149,7 @@ def add_makespan_constraints(model: Any, problem: PlanningProblem, v: JointVars)
         work = [float(full_time[i, j]) * m for (ii, j), m in v.full.items() if ii == i]
         work += [_fragment_time(problem, v, i, j) for (ii, j) in v.frag if ii == i]
         if i in v.bubble:
-            work.append(float(problem.pp[i] - 1) * v.bubble[i])
+            work.append(float(problem.load.bubble_slots[i]) * v.bubble[i])
         work.append(float(problem.load.overhead_s[i]) * v.active[i])
         model.addCons(v.makespan >= quicksum(work), name=f"makespan[{_name(problem, i)}]")
 

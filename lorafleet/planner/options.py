@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.errors import InputError, coerce_enum_fields
 from lorafleet.solvers import SolverName
 from lorafleet.specs.dispatch import MicroBatchMode
@@ -32,7 +33,7 @@ class PlannerOptions:
     (flat, so ``PlannerOptions(robust_samples=0)`` reads as it does on the command line):
 
     1. **policy**: how the plan's steps are dispatched (recorded in the plan): ``n_buckets``,
-       ``microbatch_mode``;
+       ``microbatch_mode``, ``pipeline_window``;
     2. **solvers**: ``solver``, ``time_limit_s``, ``gap_rel``;
     3. **search** for the pool of deployments: ``mode``, then per mode ``pool_size``,
        ``search_rounds``, ``polish_starts``, ``polish_evaluations`` (decomposed) and
@@ -49,6 +50,9 @@ class PlannerOptions:
     microbatch_mode: MicroBatchMode = MicroBatchMode.PACKING
     """How the plan's steps form micro-batches: packed up to M tokens (lorafleet's default, with
     variable-length attention) or padded to the bucket boundary (LobRA)."""
+    pipeline_window: int = 8
+    """Steps a pipelined replica streams before it drains (``DispatchPolicy.pipeline_window``); the
+    plan is judged by the cost model with this window. 1: 1F1B flushed every step (LobRA's)."""
 
     # 2. solvers
     solver: SolverName = SolverName.CBC
@@ -71,6 +75,9 @@ class PlannerOptions:
     """... and the swapped deployments it looks at, at most, in all (0: no polish)."""
     enumeration_limit: int = 20_000
     """Exhaustive mode refuses instances with more deployments than this."""
+    incumbent: tuple[tuple[ParallelConfig, int], ...] = ()
+    """A running deployment's ``(config, replicas)``: entered into the pool as it stands (the warm start
+    of an incremental re-plan, ``planner.incremental``), so the plan found is never judged worse than it."""
 
     # 4. filter and judge
     lower_bound_threshold: float = 0.15
@@ -117,6 +124,7 @@ class PlannerOptions:
             "min_survivors": self.min_survivors,
             "robust_top": self.robust_top,
             "race_rung": self.race_rung,
+            "pipeline_window": self.pipeline_window,
         }
         for name, value in positive.items():
             if not value > 0:

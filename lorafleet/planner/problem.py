@@ -61,6 +61,10 @@ def lobra_throughput(cost_model: CostModel, config: ParallelConfig) -> float:
     """Tokens/s per GPU of 16 micro-batches of one M-token sequence (LobRA's proposal probe)::
 
     latency = t(1, M) * (16 + pp - 1),   throughput = 16 * M / (latency * tp * pp)
+
+    The bubble here stays LobRA's ``pp - 1`` (1F1B flushed) whatever the pipeline window: the
+    probe reproduces LobRA's own ranking of candidates, and the window is priced where
+    deployments are judged (their dispatched micro-batches, ``dispatch.placed_work``).
     """
     m = cost_model.max_tokens(config)
     latency = float(cost_model.microbatch_time(config, 1, m)) * (LOBRA_PROFILE_MICROBATCHES + config.pp - 1)
@@ -158,10 +162,6 @@ class PlanningProblem:
         """N_i, shape (C,)."""
         return np.array([c.n_gpus for c in self.candidates], dtype=np.int64)
 
-    @property
-    def pp(self) -> np.ndarray:
-        return np.array([c.config.pp for c in self.candidates], dtype=np.int64)
-
     def gpu_budget_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The GPU budget as rows ``A @ p <= cap`` over replica counts p_i (see :func:`gpu_budget_rows`)."""
         return gpu_budget_rows(self.configs, self.cluster)
@@ -233,7 +233,12 @@ def build_problem(
     boundaries = np.array(bucketing.boundaries, dtype=np.int64)
     classes = tuple(ConfigClass(config=c.config, max_tokens=c.max_tokens, replicas=()) for c in ordered)
     load = build_load_model(
-        classes, cost_model, boundaries, lengths, bucket_of(lengths, boundaries), dispatch.microbatch_mode
+        classes,
+        cost_model,
+        boundaries,
+        lengths,
+        bucket_of(lengths, boundaries),
+        dispatch.microbatch_mode,
     )
     return PlanningProblem(
         candidates=ordered, cluster=cluster, load=load, batch=batch, cost_model=cost_model, dispatch=dispatch

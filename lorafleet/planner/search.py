@@ -20,7 +20,7 @@ import numpy as np
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner.candidates import enumerate_deployments, has_distinct_max_tokens, lower_bound_filter
 from lorafleet.planner.deployment_ilp import branch_deployments, solve_root
-from lorafleet.planner.evaluation import PoolEntry, evaluate, pool_entry
+from lorafleet.planner.evaluation import PoolEntry, evaluate, pool_entry, unusable_solve_note
 from lorafleet.planner.fallback import heuristic_deployment
 from lorafleet.planner.joint_minlp import JointSolution, solve_joint
 from lorafleet.planner.objective import preferred
@@ -43,8 +43,8 @@ class SearchOutcome:
 
 
 def _fallback_note(what: str, result: SolveResult) -> str:
-    """Warn that ``what`` failed and the heuristic plan stands in; the note for the plan."""
-    message = f"{what} gave no solution ({result}, {result.wall_s:.2f} s); falling back to the heuristic plan"
+    """Warn that ``what`` gave nothing usable and the heuristic plan stands in; the note for the plan."""
+    message = unusable_solve_note(what, result, "falling back to the heuristic plan")
     warnings.warn(message, SolverFallbackWarning, stacklevel=3)
     return message
 
@@ -201,6 +201,9 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
     by expected makespan.
     """
     outcome = POOLS[options.mode](problem, options)
+    incumbent = _incumbent(problem, options)
+    if incumbent is not None and not any(np.array_equal(e.replicas, incumbent.replicas) for e in outcome.pool):
+        outcome = replace(outcome, pool=(*outcome.pool, incumbent))
     pool = _evaluate_survivors(problem, outcome.pool, options)
     solves = list(outcome.solves)
     ranked = sorted((e for e in pool if e.expected is not None), key=lambda e: (e.expected_makespan, e.used_gpus))
@@ -219,6 +222,20 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
         ranked = [best, *(e for e in ranked if e is not best)]
     pool = ranked + [e for e in pool if e.expected is None]
     return replace(outcome, pool=tuple(pool), solves=tuple(solves)), ranked
+
+
+def _incumbent(problem: PlanningProblem, options: PlannerOptions) -> PoolEntry | None:
+    """The running deployment (``options.incumbent``) as a pool entry; None without one, or when one of
+    its configs is not a candidate of this problem."""
+    if not options.incumbent:
+        return None
+    counts = np.zeros(len(problem.candidates), dtype=np.int64)
+    configs = [c.config for c in problem.candidates]
+    for config, n in options.incumbent:
+        if config not in configs:
+            return None
+        counts[configs.index(config)] += n
+    return pool_entry(problem, counts, "incumbent")
 
 
 def _preferred_entry(entries: list[PoolEntry], options: PlannerOptions) -> PoolEntry:

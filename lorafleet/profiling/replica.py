@@ -41,8 +41,9 @@ from torch import Tensor
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
+from lorafleet.data.model_source import ModelSource, SourceKind
 from lorafleet.data.tokenize import Example
-from lorafleet.executor.torch.base_model import ModelSource, SourceKind, load_causal_lm
+from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.pipeline import microbatch_shape
 from lorafleet.executor.torch.precision import Precision
@@ -147,7 +148,15 @@ class ProfiledReplica:
         self.dtype = precision.dtype
         model = load_causal_lm(ModelSource(kind=SourceKind.RANDOM, name=spec.name, spec=spec, seed=seed), self.dtype)
         plan = side_by_side_plan(spec, tp, busy, world, self.n_tasks)
-        self.replica = build_replica(model, adapter_specs(adapters), plan, rank, world, seed=seed, device=self.device)
+        self.replica = build_replica(
+            model,
+            specs := adapter_specs(adapters),
+            plan,
+            rank,
+            world,
+            seeds=range(seed, seed + len(specs)),
+            device=self.device,
+        )
         optimizer = OptimizerSpec(name=adapters.optimizer)
         self.optimizers = [
             TaskOptimizer(optimizer, self.replica.task_params(t), SCHEDULE_STEPS) for t in range(self.n_tasks)

@@ -4,7 +4,9 @@
   (:func:`lorafleet.dispatch.dispatch_step`).
 - :class:`Recalibration`: how measured replica times correct the cost model between steps
   (:mod:`lorafleet.dispatch.recalibration`).
-- :class:`DispatchPolicy`: both, plus LobRA's static buckets for its baseline. A
+- :class:`DispatchPolicy`: both, plus LobRA's static buckets for its baseline and the pipeline
+  window (how many steps a pipelined replica streams before it drains,
+  :mod:`lorafleet.costmodel.schedule`). A
   :class:`~lorafleet.plans.DeploymentPlan` records the policy it was judged under, and
   ``simulate``, ``dispatch`` and ``train`` run it (DESIGN: "A plan is a contract").
 
@@ -103,8 +105,17 @@ class DispatchPolicy:
     """Fixed padding buckets (LobRA's Task-Fused baseline); empty: the dispatcher's per-step DP."""
     recalibration: Recalibration = field(default_factory=Recalibration)
     """Online correction of the cost model from what the run measures."""
+    pipeline_window: int = 8
+    """Steps a pipelined replica streams before it drains; 1 = 1F1B flushed every step (LobRA's).
+    The cost model a plan is priced by carries the same window (``CostModel.pipeline_window``)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.pipeline_window, bool) or not isinstance(self.pipeline_window, int):
+            raise InputError(
+                OPTIONS_SOURCE, "pipeline_window", f"must be a whole number of steps, got {self.pipeline_window!r}"
+            )
+        if self.pipeline_window < 1:
+            raise InputError(OPTIONS_SOURCE, "pipeline_window", f"must be >= 1 step, got {self.pipeline_window}")
         bounds = self.static_boundaries
         if any(b < 1 for b in bounds) or any(a >= b for a, b in zip(bounds, bounds[1:])):
             raise InputError(
@@ -112,12 +123,15 @@ class DispatchPolicy:
             )
 
     def describe(self) -> str:
-        """``packing, R=16, alignment 16, fast, recalibrated`` (what a command prints it runs)."""
+        """``packing, R=16, alignment 16, fast, recalibrated, pipeline window 8`` (what a command prints it runs)."""
         o = self.options
         buckets = f"static buckets {list(self.static_boundaries)}" if self.static_boundaries else f"R={o.n_buckets}"
         extra = ", by makespan" if o.choose_buckets_by_makespan else ""
         cal = "recalibrated" if self.recalibration.enabled else "not recalibrated"
-        return f"{o.microbatch_mode.value}, {buckets}{extra}, alignment {o.bucket_alignment}, {o.method.value}, {cal}"
+        return (
+            f"{o.microbatch_mode.value}, {buckets}{extra}, alignment {o.bucket_alignment}, {o.method.value}, {cal}, "
+            f"pipeline window {self.pipeline_window}"
+        )
 
     def to_json(self) -> dict[str, Any]:
         o, r = self.options, self.recalibration
@@ -132,11 +146,17 @@ class DispatchPolicy:
             "choose_buckets_by_makespan": o.choose_buckets_by_makespan,
             "static_boundaries": list(self.static_boundaries),
             "recalibration": {"enabled": r.enabled, "smoothing": r.smoothing, "bound": r.bound},
+            "pipeline_window": self.pipeline_window,
         }
 
     @classmethod
     def from_json(cls, data: Any, source: str, where: str = "policy") -> DispatchPolicy:
-        """The policy of a JSON object (a plan's ``policy``); an InputError names ``source`` and the field."""
+        """The policy of a JSON object (a plan's ``policy``); an InputError names ``source`` and the field.
+
+        A policy without ``pipeline_window`` was written before the window existed, when every
+        pipelined step was 1F1B flushed (the plan was judged under that): it reads as 1, not as
+        today's default.
+        """
         if not isinstance(data, dict):
             raise InputError(source, where, f"expected an object, got {type(data).__name__}")
         names = {
@@ -149,7 +169,7 @@ class DispatchPolicy:
             "gap_rel",
             "choose_buckets_by_makespan",
         }
-        unknown = sorted(set(data) - names - {"static_boundaries", "recalibration"})
+        unknown = sorted(set(data) - names - {"static_boundaries", "recalibration", "pipeline_window"})
         if unknown:
             raise InputError(source, f"{where}.{unknown[0]}", "unknown field")
         cal = data.get("recalibration", {})
@@ -160,6 +180,7 @@ class DispatchPolicy:
                 options=DispatchOptions(**{k: v for k, v in data.items() if k in names}),
                 static_boundaries=tuple(int(b) for b in data.get("static_boundaries", ())),
                 recalibration=Recalibration(**cal),
+                pipeline_window=data.get("pipeline_window", 1),
             )
         except InputError as err:
             raise InputError(source, f"{where}.{err.field}", err.msg) from None

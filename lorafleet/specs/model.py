@@ -118,6 +118,20 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     )
 }
 
+#: The Hugging Face Hub id of each preset's weights (the ones its figures are of): what an adapter trained
+#: over the preset names as its ``base_model_name_or_path`` (:func:`adapter_base_model`). ``lobra-60l`` and
+#: ``tiny-llama`` are dimensions only, with no weights anywhere: no id.
+PRESET_HUB_IDS: dict[str, str] = {
+    "llama2-7b": "meta-llama/Llama-2-7b-hf",
+    "llama2-13b": "meta-llama/Llama-2-13b-hf",
+    "llama2-70b": "meta-llama/Llama-2-70b-hf",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "qwen2.5-32b": "Qwen/Qwen2.5-32B",
+    "qwen2.5-72b": "Qwen/Qwen2.5-72B",
+    "mistral-7b": "mistralai/Mistral-7B-v0.1",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
+}
+
 _HF_KEYS = {
     "n_layers": "num_hidden_layers",
     "hidden": "hidden_size",
@@ -156,3 +170,11 @@ def resolve_model(name_or_path: str, source: str = "<args>", field: str = "model
     raise InputError(
         source, field, f"unknown model {name_or_path!r}: not a preset ({', '.join(MODEL_PRESETS)}) nor an existing path"
     )
+
+
+def adapter_base_model(model: str, base_model_id: str | None = None) -> str:
+    """What an adapter trained over a workload's ``model:`` names as its ``base_model_name_or_path``: the
+    workload's ``base_model_id`` when set, else the preset's Hub id, else ``model`` as given (a directory)."""
+    if base_model_id is not None:
+        return base_model_id
+    return PRESET_HUB_IDS.get(model, model)

@@ -32,7 +32,7 @@ from enum import StrEnum
 from typing import Any
 
 import numpy as np
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from lorafleet.specs._base import Spec
 from lorafleet.specs.cluster import ClusterSpec
@@ -185,6 +185,14 @@ class TaskSpec(Spec):
     """Training steps (exclusive with ``epochs``); default: the run's step count."""
     epochs: float | None = Field(None, gt=0)
     """Passes over ``data`` (exclusive with ``steps``)."""
+    share: float | None = Field(None, gt=0, le=1)
+    """Target fraction of every global step's tokens: the task takes its batches in the steps that keep
+    it near that fraction (``lorafleet.turns``); default: it takes part in every step."""
+    deadline: int | None = Field(None, gt=0)
+    """The global step by which the task must have taken its last batch: it takes part in every step
+    once it has no slack left, whatever its share (needs ``steps``)."""
+    start_step: int = Field(0, ge=0)
+    """The first global step the task takes part in (a task added to a running job by its queue)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -219,6 +227,13 @@ class TaskSpec(Spec):
             raise ValueError("needs one of preset, lengths or data")
         if self.steps is not None and self.epochs is not None:
             raise ValueError("set steps or epochs, not both")
+        if self.deadline is not None:
+            if self.steps is None:
+                raise ValueError("a deadline needs steps")
+            if self.start_step + self.steps > self.deadline:
+                raise ValueError(
+                    f"cannot take {self.steps} steps from step {self.start_step} by its deadline, step {self.deadline}"
+                )
         return self
 
 
@@ -228,7 +243,12 @@ class WorkloadSpec(Spec):
     model: str = "llama2-7b"
     """A model preset (``lorafleet.specs.model.MODEL_PRESETS``) or a local HF model directory / config.json."""
     tokenizer: str | None = None
-    """Local tokenizer directory for ``dataset``/``data`` lengths; defaults to the model directory."""
+    """Local tokenizer directory the ``data`` (and ``dataset`` lengths) are tokenized with; default: the one
+    that comes with the model's weights (``lorafleet.data.model_source.data_tokenizer``)."""
+    base_model_id: str | None = Field(None, min_length=1)
+    """The Hub id (or path) written into each adapter's ``adapter_config.json`` as ``base_model_name_or_path``
+    (and its model card's ``base_model``); default: the model preset's Hub id, else the model directory as
+    given (``lorafleet.specs.model.adapter_base_model``)."""
     cluster: ClusterSpec = ClusterSpec()
     """The GPUs to plan for."""
     recompute: RecomputePolicy = RecomputePolicy.AUTO
@@ -237,6 +257,9 @@ class WorkloadSpec(Spec):
     """Seed of every sampled global batch."""
     tasks: tuple[TaskSpec, ...] = Field(min_length=1, max_length=256)
     """The tenants; at least one."""
+    defaults: dict[str, Any] = Field(default_factory=dict)
+    """Task fields every task takes unless it sets its own (merged key by key, nested mappings too); kept,
+    after merging, for the tasks that join later (a queued task, an arrival trace's)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -245,12 +268,14 @@ class WorkloadSpec(Spec):
         if not isinstance(raw, dict) or "defaults" not in raw:
             return raw
         raw = dict(raw)
-        defaults = raw.pop("defaults")
+        defaults = raw["defaults"]
+        if defaults is None:
+            defaults = raw["defaults"] = {}
         if not isinstance(defaults, dict):
             raise ValueError("defaults must be a mapping")
         tasks = raw.get("tasks")
         if isinstance(tasks, list):
-            raw["tasks"] = [_deep_merge(defaults, t) if isinstance(t, dict) else t for t in tasks]
+            raw["tasks"] = [deep_merge(defaults, t) if isinstance(t, dict) else t for t in tasks]
         return raw
 
     @field_validator("recompute", mode="before")
@@ -270,22 +295,81 @@ class WorkloadSpec(Spec):
         return tasks
 
 
-def _deep_merge(base: dict, override: dict) -> dict:
+def deep_merge(base: dict, override: dict) -> dict:
     """``override`` on top of ``base``, merging nested mappings key by key."""
     out = dict(base)
     for key, value in override.items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
 def describe_validation_error(error: dict) -> tuple[str, str]:
-    """One pydantic error as (field path, message), with a FieldError's own location appended."""
+    """One pydantic error as (field path, message), with a FieldError's own location appended. A wrong
+    shape says what the field takes: a mapping-typed field given a scalar or a list names the keys of its
+    model (which are required), a list-typed one says it takes a list."""
+    loc = validation_error_loc(error)
+    msg = error["msg"].removeprefix("Value error, ")
+    if error.get("type") in ("model_type", "dict_type"):
+        msg = _expected_mapping(error) or msg
+    elif error.get("type") in ("tuple_type", "list_type"):
+        msg = f"takes a list, got {describe_value(error.get('input'))}"
+    return format_validation_loc(loc), msg
+
+
+def validation_error_loc(error: dict) -> tuple[int | str, ...]:
+    """One pydantic error's location, with a FieldError's own location appended."""
     loc = tuple(error["loc"])
     cause = error.get("ctx", {}).get("error")
     if isinstance(cause, FieldError):
         loc += cause.loc
-    msg = error["msg"].removeprefix("Value error, ")
-    return format_validation_loc(loc), msg
+    return loc
+
+
+def _spec_class(name: object) -> type[BaseModel] | None:
+    """The pydantic model called ``name`` (a model_type error names its class only)."""
+    todo: list[type[BaseModel]] = [BaseModel]
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == name and cls is not BaseModel:
+            return cls
+        todo.extend(cls.__subclasses__())
+    return None
+
+
+def describe_value(value: object) -> str:
+    """The wrong value as a user would name it: ``a string 'x.jsonl'``, ``an integer 8``, ``a list``."""
+    kinds = {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+        dict: "a mapping",
+    }
+    kind = kinds.get(type(value), "nothing" if value is None else f"a {type(value).__name__}")
+    if isinstance(value, bool | int | float | str):
+        text = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        return f"{kind} {text}"
+    return kind
+
+
+def _expected_mapping(error: dict) -> str | None:
+    """For a mapping-shaped field given something else: the keys it takes, which are required, and
+    (for a scalar where one key is required) what was probably meant."""
+    got = describe_value(error.get("input"))
+    if error["type"] == "dict_type":
+        return f"takes a mapping, got {got}"
+    model = _spec_class(error.get("ctx", {}).get("class_name"))
+    if model is None:
+        return None
+    fields = model.model_fields
+    required = [k for k, f in fields.items() if f.is_required()]
+    keys = ", ".join(f"{k} (required)" if k in required else k for k in fields)
+    msg = f"takes a mapping with keys: {keys}; got {got}"
+    value = error.get("input")
+    if len(required) == 1 and isinstance(value, str | int | float) and not isinstance(value, bool):
+        msg += f"; did you mean {{{required[0]}: {value}}}?"
+    return msg
 
 
 def format_validation_loc(loc: tuple[int | str, ...]) -> str:

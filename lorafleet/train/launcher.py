@@ -19,7 +19,9 @@ from pathlib import Path
 from types import FrameType
 
 from lorafleet.train.options import TrainOptions
+from lorafleet.train.phases import counted, phase, start_clock
 from lorafleet.train.preflight import Prepared, claim, prepare
+from lorafleet.train.queue import has_pending
 
 
 def launch(options: TrainOptions) -> int:
@@ -27,19 +29,51 @@ def launch(options: TrainOptions) -> int:
     under one, as this process's rank. SIGINT/SIGTERM stop the run at a step boundary: exit 130/143."""
     from lorafleet.executor.torch.processes import under_torchrun
 
+    start_clock()
     prepared = prepare(options)
     if under_torchrun():
         from lorafleet.train.trainer import train_rank
 
         return train_rank(options, prepared)
     lock = claim(options, prepared)
+    plan = prepared.run.plan
+    tasks = counted(len(prepared.workload.tasks), "task")
+    phase(f"checked: {tasks}, {plan.describe()} on {counted(plan.used_gpus, 'GPU')}")
+    server = None
     try:
         for line in prepared.run.overrides:
             print(f"lorafleet train: {line}", flush=True)
-        plan_path = str(Path(options.out) / "plan.json")
-        return _supervise(replace(options, plan=plan_path), prepared)
+        if options.queue_http is not None:
+            from lorafleet.train.queue_http import start_queue_server
+
+            server = start_queue_server(Path(options.queue_dir), Path(options.out), options.queue_http)
+            print(f"lorafleet train: queue: {server.url} (token in {server.token_file})", flush=True)
+        return _run(replace(options, plan=str(Path(options.out) / "plan.json")), prepared)
     finally:
+        if server is not None:
+            server.close()
         lock.release()
+
+
+def _run(options: TrainOptions, prepared: Prepared) -> int:
+    """Launch the workers; each time they stop for queued requests (``train.queue``), apply them
+    (``train.live``) and launch again, resuming from the checkpoint they left. A resume first applies
+    what a launcher that died before applying them left."""
+    from lorafleet.train.live import apply_pending
+
+    apply = prepared.resume_step is not None
+    while True:
+        applied = apply_pending(options, prepared) if apply else None
+        if applied is not None:
+            if applied.prepared is None:
+                print(f"lorafleet train: every task has left the run at step {applied.step}", flush=True)
+                return 0
+            prepared = applied.prepared
+            options = replace(options, resume=True, overwrite=False)
+        code = _supervise(options, prepared)
+        if code != 0 or not has_pending(options.queue_dir):
+            return code
+        apply = True
 
 
 def _supervise(options: TrainOptions, prepared: Prepared) -> int:
@@ -48,6 +82,7 @@ def _supervise(options: TrainOptions, prepared: Prepared) -> int:
     from lorafleet.executor.torch.processes import clear_stop, die_with_parent, request_stop, torchrun_argv, worker_env
 
     clear_stop(options.out)
+    phase(f"starting {counted(prepared.world_size, 'worker process', 'worker processes')} (torchrun)")
     argv = torchrun_argv(prepared.world_size, options.to_argv(), max_restarts=options.max_restarts)
     child = subprocess.Popen(argv, env=worker_env(locked=True), start_new_session=True, preexec_fn=die_with_parent)
     received: list[int] = []

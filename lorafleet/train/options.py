@@ -4,6 +4,7 @@ and the command line that re-creates it (what each worker runs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 from lorafleet.assemble import policy_argv
 from lorafleet.errors import InputError
@@ -17,6 +18,9 @@ class TrainOptions:
 
     workload: str
     """Workload YAML; every task needs data."""
+    sets: tuple[str, ...] = ()
+    """``--set KEY=VALUE`` overrides of the workload's fields, applied before it is validated
+    (``lorafleet.workload.apply_overrides``); every worker re-applies them from its command line."""
     plan: str
     """DeploymentPlan JSON (``lorafleet plan --json``)."""
     steps: int = 10
@@ -51,6 +55,20 @@ class TrainOptions:
     """A progress bar on rank 0 when stdout is a terminal (a log line per step otherwise)."""
     slowdown: tuple[tuple[int, float], ...] = ()
     """Fault injection: (replica id, factor) stragglers (``ExecutorConfig.slowdown``)."""
+    queue: str | None = None
+    """The live task queue's directory (``train.queue``); default ``<out>/queue``."""
+    queue_http: int | None = None
+    """Also serve the queue over HTTP on 127.0.0.1 at this port (0: any free one; ``train.queue_http``)."""
+    migration_s: float = 60.0
+    """An incremental re-plan's cost of rebuilding a replica, seconds of its GPUs (``planner.incremental``)."""
+    replan_horizon: int = 200
+    """The most steps an incremental re-plan counts a new deployment's savings over."""
+    loggers: tuple[str, ...] = ()
+    """Experiment trackers rank 0 also logs the step scalars to: ``wandb``, ``mlflow`` (``lorafleet.metrics``)."""
+
+    @property
+    def queue_dir(self) -> str:
+        return self.queue if self.queue is not None else f"{self.out}/queue"
 
     def __post_init__(self) -> None:
         for flag, value, least in (
@@ -58,11 +76,17 @@ class TrainOptions:
             ("--checkpoint-every", self.checkpoint_every, 1),
             ("--max-restarts", self.max_restarts, 0),
             ("--nonfinite-patience", self.nonfinite_patience, 1),
+            ("--replan-horizon", self.replan_horizon, 1),
         ):
             if value < least:
                 raise InputError(ARGS, flag, f"must be >= {least}, got {value}")
+        if not self.migration_s >= 0:
+            raise InputError(ARGS, "--migration-s", f"must be >= 0, got {self.migration_s}")
+        if self.queue_http is not None and not 0 <= self.queue_http < 65536:
+            raise InputError(ARGS, "--queue-http", f"must be a port in 0..65535, got {self.queue_http}")
         if self.resume and self.overwrite:
             raise InputError(ARGS, "--overwrite", "cannot be combined with --resume")
+        check_loggers(self.loggers)
 
     def to_argv(self) -> list[str]:
         """The ``lorafleet train`` command line that re-creates these options (what each worker runs)."""
@@ -84,11 +108,19 @@ class TrainOptions:
             "--nonfinite-patience",
             str(self.nonfinite_patience),
         ]
-        for flag, value in (("--gpus", self.gpus), ("--gpu", self.gpu), ("--profile", self.profile)):
+        for flag, value in (
+            ("--gpus", self.gpus),
+            ("--gpu", self.gpu),
+            ("--profile", self.profile),
+            ("--queue", self.queue),
+        ):
             if value is not None:
                 argv += [flag, str(value)]
+        argv += [f"--set={item}" for item in self.sets]
         argv += policy_argv(dict(self.policy_overrides))
         argv += [f"--inject-slowdown={r}={f}" for r, f in self.slowdown]
+        for name in self.loggers:
+            argv += ["--logger", name]
         for flag, on in (
             ("--resume", self.resume),
             ("--no-progress", not self.progress),
@@ -97,3 +129,18 @@ class TrainOptions:
             if on:
                 argv.append(flag)
         return argv
+
+
+def check_loggers(loggers: tuple[str, ...]) -> None:
+    """InputError, before any process starts, for a ``--logger`` that is unknown or whose package is not
+    installed (looked up, not imported: ``lorafleet.metrics.LOGGERS``)."""
+    from lorafleet.metrics import LOGGERS
+
+    for name in loggers:
+        if name not in LOGGERS:
+            raise InputError(ARGS, "--logger", f"expected one of {', '.join(LOGGERS)}, got {name!r}")
+        package = LOGGERS[name].PACKAGE
+        if find_spec(package) is None:
+            raise InputError(
+                ARGS, "--logger", f"{name}: the {package} package is not installed (pip install 'lorafleet[{name}]')"
+            )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from lorafleet.plans import DeploymentPlan
     from lorafleet.rundir import RunLock
     from lorafleet.specs.cluster import ClusterSpec
+    from lorafleet.specs.workload import WorkloadSpec
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
@@ -44,13 +45,23 @@ class Prepared:
     """Processes the plan needs: one per rank it names."""
     resume_step: int | None
     """The step the run resumes from (None: a fresh start)."""
+    turn_changes: dict[str, tuple] = field(default_factory=dict)
+    """Tasks whose share or deadline a queued update changed, with their history (the task ledger's)."""
+    departed: tuple = ()
+    """The turns of the tasks that left the run (the task ledger's: ``DataStreams``'s ``departed``)."""
 
 
-def load_training_workload(path: str) -> Workload:
-    """The workload, with data for every task (planning needs only lengths; training needs rows)."""
-    from lorafleet.workload import load_workload
+def load_training_workload(path: str, out: str | None = None, sets: tuple[str, ...] = ()) -> Workload:
+    """The workload, with data for every task (planning needs only lengths; training needs rows), its
+    ``--set`` overrides ``sets`` applied. With a run directory ``out`` whose task ledger exists (a run that
+    took queued changes), its active tasks replace the file's (``train.queue``)."""
+    from lorafleet.train.queue import Ledger
+    from lorafleet.workload import load_workload, resolve_workload
 
-    workload = load_workload(path)
+    workload = load_workload(path, sets)
+    ledger = Ledger.load(out) if out is not None else None
+    if ledger is not None:
+        workload = resolve_workload(workload.spec.model_copy(update={"tasks": ledger.active}), path)
     missing = [t.name for t in workload.tasks if t.spec.data is None]
     if missing:
         raise InputError(path, "tasks", f"training needs data for every task; {', '.join(missing)} has none")
@@ -87,7 +98,10 @@ def _replan(workload: Workload, cluster: ClusterSpec, options: TrainOptions) -> 
         target,
         cost_model,
         PlannerOptions(
-            microbatch_mode=old.policy.options.microbatch_mode, n_buckets=old.policy.options.n_buckets, baselines=False
+            microbatch_mode=old.policy.options.microbatch_mode,
+            n_buckets=old.policy.options.n_buckets,
+            pipeline_window=old.policy.pipeline_window,
+            baselines=False,
         ),
     )
     path = Path(options.out) / "plan.json"
@@ -107,9 +121,9 @@ def prepare(options: TrainOptions) -> Prepared:
     from lorafleet.specs.io import check_writable
 
     check_writable(options.out, directory=True)
-    workload = load_training_workload(options.workload)
-    cluster = workload_cluster(workload, options.gpus, options.gpu)
     resume_step = _resume_step(options) if options.resume or restarted() else None
+    workload = load_training_workload(options.workload, options.out if resume_step is not None else None, options.sets)
+    cluster = workload_cluster(workload, options.gpus, options.gpu)
     if resume_step is not None and DeploymentPlan.load(options.plan).n_gpus != _target_gpus(cluster):
         run = _replan(workload, cluster, options)
     else:
@@ -122,6 +136,7 @@ def prepare(options: TrainOptions) -> Prepared:
             "replicas",
             f"the plan needs {world} processes (one per GPU it names); torchrun started {started}",
         )
+    check_nodes(run.plan, options.plan)
     for r, _ in options.slowdown:
         if not 0 <= r < len(run.plan.replicas):
             raise InputError(
@@ -129,7 +144,35 @@ def prepare(options: TrainOptions) -> Prepared:
                 "--inject-slowdown",
                 f"replica {r} does not exist: the plan has replicas 0..{len(run.plan.replicas) - 1}",
             )
-    return Prepared(workload=workload, run=run, world_size=world, resume_step=resume_step)
+    from lorafleet.train.queue import Ledger
+
+    ledger = Ledger.load(options.out) if resume_step is not None else None
+    return Prepared(
+        workload=workload,
+        run=run,
+        world_size=world,
+        resume_step=resume_step,
+        turn_changes=ledger.turn_changes() if ledger is not None else {},
+        departed=ledger.departed() if ledger is not None else (),
+    )
+
+
+def check_nodes(plan: DeploymentPlan, path: str) -> None:
+    """Under a multi-node torchrun (more ranks than one node's: ``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``), each
+    node must hold the plan's ``gpus_per_node`` ranks: torchrun gives node n the global ranks
+    ``n * nproc_per_node ..``, and the plan put each TP group inside a node of ``gpus_per_node``. One node
+    (``--standalone``, or all ranks local) runs any plan. InputError otherwise, before any group forms."""
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if world is None or local is None or int(world) == int(local):
+        return
+    if int(local) != plan.gpus_per_node:
+        raise InputError(
+            path,
+            "gpus_per_node",
+            f"the plan puts {plan.gpus_per_node} GPUs on a node; torchrun started {local} processes a node "
+            f"(--nproc-per-node {local}, {int(world) // int(local)} nodes): launch with --nproc-per-node "
+            f"{plan.gpus_per_node} --nnodes {-(-int(world) // plan.gpus_per_node)}, or re-plan for {local} GPUs a node",
+        )
 
 
 def _resume_step(options: TrainOptions) -> int | None:
@@ -156,8 +199,10 @@ def _resume_step(options: TrainOptions) -> int | None:
 
 def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
     """Lock the run directory and make it this run's: refuse a used one unless resuming or told to
-    overwrite; check the data against the checkpoint resumed from; write the run's plan."""
+    overwrite; check the data against the checkpoint resumed from; write the run's plan and its resolved
+    workload (``workload.resolved.yaml``: :func:`save_resolved_workload`)."""
     from lorafleet.rundir import clear_run, lock_run, used_by
+    from lorafleet.train.queue import clear_pending
 
     lock = lock_run(options.out)
     try:
@@ -171,14 +216,46 @@ def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
                     "continue it or --overwrite to replace it",
                 )
             clear_run(options.out)
+        if prepared.resume_step is None:
+            clear_pending(options.queue_dir)  # a previous run's accepted requests are not this run's
         if prepared.resume_step:
-            _check_data(options, prepared)
+            check_data(options, prepared)
         if not prepared.run.plan == _saved_plan(options.out):
             prepared.run.plan.save(Path(options.out) / "plan.json")
+        save_resolved_workload(prepared.workload.spec, Path(options.out) / RESOLVED_WORKLOAD)
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+RESOLVED_WORKLOAD = "workload.resolved.yaml"
+"""The workload a run trains, validated, every path absolute: with ``plan.json``, what reproduces it."""
+
+
+def save_resolved_workload(spec: WorkloadSpec, path: Path) -> None:
+    """The validated workload ``spec`` as YAML (``defaults:`` merged into every task, presets' values filled
+    in, no unset field), its data, tokenizer and model paths absolute; written whole (a temporary file
+    renamed over the old one). On a resume that took queued changes, the tasks are the ledger's active ones."""
+    import yaml
+
+    from lorafleet.specs.io import write_text_atomic
+    from lorafleet.specs.model import MODEL_PRESETS
+
+    def absolute(p: str) -> str:
+        return str(Path(p).absolute())
+
+    raw = spec.model_dump(mode="json", exclude_none=True)
+    for task in raw["tasks"]:
+        if "data" in task:
+            task["data"]["path"] = absolute(task["data"]["path"])
+        if "dataset" in task.get("lengths", {}):
+            task["lengths"]["dataset"]["path"] = absolute(task["lengths"]["dataset"]["path"])
+    if "tokenizer" in raw:
+        raw["tokenizer"] = absolute(raw["tokenizer"])
+    if spec.model not in MODEL_PRESETS and Path(spec.model).exists():
+        raw["model"] = absolute(spec.model)
+    write_text_atomic(path, yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
 
 
 def _saved_plan(out: str) -> DeploymentPlan | None:
@@ -191,7 +268,7 @@ def _saved_plan(out: str) -> DeploymentPlan | None:
         return None
 
 
-def _check_data(options: TrainOptions, prepared: Prepared) -> None:
+def check_data(options: TrainOptions, prepared: Prepared) -> None:
     """InputError when the workload's data is not the data the checkpoint was trained on."""
     from lorafleet.executor.torch.checkpoint_files import read_manifest, resumable_checkpoint
     from lorafleet.executor.torch.launch import training_streams
@@ -200,11 +277,14 @@ def _check_data(options: TrainOptions, prepared: Prepared) -> None:
     if found is None:
         return
     manifest = read_manifest(found.step_dir)
-    names = [t.name for t in prepared.workload.tasks]
     saved = [t["name"] for t in manifest["tasks"]]
-    if saved != names:
+    missing = [t.name for t in prepared.workload.tasks if t.name not in saved and t.spec.start_step < found.step]
+    if missing:
+        names = [t.name for t in prepared.workload.tasks]
         raise InputError(str(found.step_dir), "tasks", f"the checkpoint has tasks {saved}, the workload {names}")
-    streams = training_streams(prepared.workload.spec, options.steps)
+    streams = training_streams(
+        prepared.workload.spec, options.steps, turn_changes=prepared.turn_changes, departed=prepared.departed
+    )
     try:
         streams.check_state(manifest["data"])
     except ValueError as err:

@@ -1,9 +1,13 @@
 """One process of a run: :func:`train_rank` joins the group and builds this rank's part of the fleet;
 rank 0 drives :meth:`Trainer.train`, the others serve it.
 
-    Trainer.train()   restore -> per step {dispatch (one step ahead), run_step, recalibrate, watch for
-                      non-finite tasks, metrics, checkpoint every K} -> final checkpoint -> PEFT
-                      adapters -> summary
+    Trainer.train()   restore -> per window of steps {dispatch (one window ahead), run_steps, per step
+                      recalibrate, watch for non-finite tasks, metrics; checkpoint every K} -> final
+                      checkpoint -> PEFT adapters -> summary
+
+A window is the plan's ``pipeline_window`` steps (cut at every checkpoint and at the run's end): its
+pipelined replicas do not drain between its steps (``costmodel.schedule``), and a stop asked by a
+signal takes effect at the next window boundary.
 
 Also here: the probe before the first step (``Trainer._probe``), the checkpoint cadence, the stop at a
 step boundary on a signal, and the export of the final adapters out of the last checkpoint.
@@ -14,38 +18,45 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lorafleet.plans import MicroBatch, StepPlan, StepReport
 from lorafleet.train.options import TrainOptions
+from lorafleet.train.phases import counted, phase
 from lorafleet.train.preflight import Prepared, claim
 
 if TYPE_CHECKING:
+    from lorafleet.executor.torch.data_stream import DataStreams
     from lorafleet.executor.torch.worker import TorchExecutor
     from lorafleet.metrics import FanOut
+    from lorafleet.specs.workload import TaskSpec
+    from lorafleet.train.queue import QueueWatcher, Request
 
 
 def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     """One process of the run: build the fleet; rank 0 drives the loop, the others serve it."""
     import torch.distributed as dist
 
-    from lorafleet.executor.torch.launch import build_torch_executor, init_distributed
+    from lorafleet.executor.torch.launch import build_torch_executor, init_distributed, task_tokenizer
     from lorafleet.executor.torch.precision import Precision
     from lorafleet.executor.torch.processes import LOCKED_ENV, check_code, die_with_parent
 
     die_with_parent()
     check_code()
     device = init_distributed(options.device)
+    report = phase if dist.get_rank() == 0 else None
+    if report is not None:
+        report(f"process group up: {counted(dist.get_world_size(), 'rank')} ({dist.get_backend()})")
     lock = None
     try:
         if dist.get_rank() == 0 and not os.environ.get(LOCKED_ENV):  # under the user's own torchrun
             lock = claim(options, prepared)
+        tokenizer = task_tokenizer(prepared.workload.spec)
         executor = build_torch_executor(
             prepared.workload.spec,
             prepared.run.plan,
@@ -53,12 +64,16 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
             device,
             Precision(options.dtype).dtype,
             slowdown=dict(options.slowdown),
+            turn_changes=prepared.turn_changes,
+            departed=prepared.departed,
+            report=report,
+            tokenizer=tokenizer,
         )
         if dist.get_rank() != 0:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the run stops
             executor.serve()
             return 0
-        return Trainer(options, prepared, executor).train()
+        return Trainer(options, prepared, executor, tokenizer).train()
     finally:
         dist.destroy_process_group()
         if lock is not None:
@@ -68,10 +83,13 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
 class Trainer:
     """Rank 0's loop over the steps of one run (see the module docstring)."""
 
-    def __init__(self, options: TrainOptions, prepared: Prepared, executor: TorchExecutor) -> None:
+    def __init__(self, options: TrainOptions, prepared: Prepared, executor: TorchExecutor, tokenizer: Any) -> None:
         from lorafleet.dispatch.recalibration import Recalibrator
 
         self.options = options
+        self.tokenizer = tokenizer
+        """The run's tokenizer (its data's: ``launch.task_tokenizer``): saved for the exports, and what a
+        queued task's data is checked with."""
         self.prepared = prepared
         self.executor = executor
         self.plan = prepared.run.plan
@@ -84,6 +102,16 @@ class Trainer:
         self.stopped_tasks: dict[str, int] = {}
         """Task -> the first step it was left out of (``nonfinite_patience`` non-finite updates in a row)."""
         self.signal: int | None = None
+        pipelined = any(r.config.pp > 1 for r in self.plan.replicas)
+        self.window = self.plan.policy.pipeline_window if pipelined else 1
+        """Steps a window runs (``lorafleet.loop``); windows also end at checkpoints and queued changes. Only
+        a pipelined replica streams across a boundary: without one a window is a step, so each step is
+        reported (its log line, its recalibration) as it ends."""
+        self.watcher = _queue_watcher(options, prepared, tokenizer)
+        """The live task queue, read at every window boundary (None under a user's own torchrun)."""
+        self.due: list[Request] = []
+        """Queued requests due at the boundary the loop stopped at: applied by a restart."""
+        self.next_step = 0
 
     def restore(self) -> int:
         """The first step to run: 0, or the resumed checkpoint's (with its recalibration and stopped tasks);
@@ -102,15 +130,23 @@ class Trainer:
         return start
 
     def _stop_requested(self) -> bool:
+        """At a window boundary: a signal asked to stop, or queued requests are due (the run restarts to apply them)."""
         from lorafleet.executor.torch.processes import stop_requested
 
         if self.signal is None:
             self.signal = stop_requested(self.out)
-        return self.signal is not None
+        if self.signal is None and self.watcher is not None:
+            self.due = self.watcher.poll(self.next_step)
+            if self.next_step < self.options.steps:
+                left = {r.name for r in self.due}
+                self.due += [r for r in finished_tasks(self.executor.streams, self.next_step) if r.name not in left]
+        return self.signal is not None or bool(self.due)
 
     def train(self) -> int:
         """Run the steps left to the run's total; 0 when done or stopped by a signal at a step boundary."""
+        from lorafleet.accounting import task_gpu_seconds
         from lorafleet.dispatch import LookaheadDispatcher
+        from lorafleet.executor.torch.checkpoint_files import export_adapters
         from lorafleet.loop import run_loop
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:  # under a user's torchrun: a stop request
@@ -119,20 +155,29 @@ class Trainer:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, on_signal)
         start = self.restore()
+        self.next_step = start
+        self._save_tokenizer()
         steps = range(start, min(self.options.steps, _last_step(self.executor, self.options.steps)))
+        resumed = f" (resumed from the checkpoint of step {start})" if start else ""
+        if steps:
+            phase(f"training steps {steps.start}..{steps.stop - 1} of {self.options.steps}{resumed}")
         if self.plan.policy.recalibration.enabled and len(steps):
             self._probe(start)
         with (
             self._writers(steps) as metrics,
-            LookaheadDispatcher(self.executor.next_global_batch, self.plan, self.prepared.run.cost_model) as ahead,
+            LookaheadDispatcher(
+                self.executor.next_global_batch, self.plan, self.prepared.run.cost_model, depth=self.window
+            ) as ahead,
         ):
 
             def on_report(report: StepReport, step_plan: StepPlan) -> None:
+                self.next_step = report.step + 1
                 self.reports.append((report, step_plan))
                 self._watch(report)
                 tokens = sum(report.task_tokens.values())
                 metrics.write(
                     report,
+                    task_gpu_s=task_gpu_seconds(step_plan, report, self.plan, self.prepared.run.cost_model, self.names),
                     tokens_per_s=tokens / report.makespan_s if report.makespan_s else 0.0,
                     predicted_busy_s=tuple(w.estimated_time_s for w in step_plan.work),
                     model_busy_s=tuple(step_plan.base_estimate(r) for r in range(len(step_plan.work))),
@@ -142,15 +187,36 @@ class Trainer:
                 if (report.step + 1) % self.options.checkpoint_every == 0:
                     self._checkpoint(report.step + 1)
 
-            done = run_loop(ahead, self.executor, steps, on_report, self.recalibrator, stop=self._stop_requested)
+            done = run_loop(
+                ahead,
+                self.executor,
+                steps,
+                on_report,
+                self.recalibrator,
+                stop=self._stop_requested,
+                window=self.window,
+                boundary_every=self.options.checkpoint_every,
+                next_boundary=(lambda _step: self.watcher.next_due()) if self.watcher is not None else None,
+            )
         reached = start + len(done)
         if self.signal is not None and reached < steps.stop:
             return self._stopped(reached)
+        if self.due:
+            return self._apply_queued(reached)
         final = self._checkpoint(reached, wait=True)
-        _export_adapters(final, self.names, self.out / "adapters")
+        export_adapters(
+            final, self.names, self.out / "adapters", tasks=self.prepared.workload.spec.tasks, run_dir=self.out
+        )
         self.executor.close()
         print(self.summary(reached), flush=True)
         return 0
+
+    def _save_tokenizer(self) -> None:
+        """The run's tokenizer into ``<out>/tokenizer/`` (once a run directory), for every adapter exported
+        (here, and by the launcher when a task leaves a running job: ``train.live``) to ship with."""
+        from lorafleet.executor.torch.checkpoint_files import TOKENIZER_DIR, save_tokenizer
+
+        save_tokenizer(self.tokenizer, self.out / TOKENIZER_DIR)
 
     def _probe(self, step: int) -> None:
         """Before the first step: each replica's first micro-batch of step ``step``'s dispatch, at most
@@ -171,7 +237,11 @@ class Trainer:
                 replace(
                     w,
                     microbatches=mbs,
-                    estimated_time_s=cost_model.replica_time(replica.config, [mb.shape for mb in mbs]) if mbs else 0.0,
+                    estimated_time_s=cost_model.replica_time(
+                        replica.config, [mb.shape for mb in mbs], tasks=[mb.task_ids for mb in mbs]
+                    )
+                    if mbs
+                    else 0.0,
                 )
             )
         probe = replace(full, work=tuple(work), speed=())
@@ -193,6 +263,19 @@ class Trainer:
         )
         return 0
 
+    def _apply_queued(self, reached: int) -> int:
+        """Queued requests due before step ``reached``: checkpoint, hand them to the launcher (``train.live``),
+        which applies them and restarts the run from this checkpoint."""
+        from lorafleet.train.queue import Pending, save_pending
+
+        step_dir = self._checkpoint(reached, wait=True)
+        turns = dict(zip(self.names, self.executor.streams.turns, strict=True))
+        save_pending(self.options.queue_dir, Pending(reached, self.due, turns))
+        self.executor.close()
+        changes = ", ".join(f"{r.action.value} {r.name}" for r in self.due)
+        print(f"lorafleet train: queue: step {reached}: {changes} (checkpoint {step_dir.name})", flush=True)
+        return 0
+
     def _watch(self, report: StepReport) -> None:
         """Non-finite updates (skipped by the executor) counted per task; a task skipped
         ``nonfinite_patience`` steps in a row stops; a task whose adapter never moved is warned about."""
@@ -207,7 +290,8 @@ class Trainer:
                 flush=True,
             )
             if streak >= self.options.nonfinite_patience and name not in self.stopped_tasks:
-                self._stop_task(name, report.step + 2)  # step + 1 may be drawn already (look-ahead)
+                # The rest of this window and the next window's plans may be drawn already (look-ahead).
+                self._stop_task(name, report.step + 1 + 2 * self.window)
         for name in report.unmoved_tasks:
             print(
                 f"lorafleet train: warning: task {name!r}: its adapter has not moved after its warm-up; check its "
@@ -217,6 +301,8 @@ class Trainer:
             )
 
     def _stop_task(self, name: str, from_step: int, announce: bool = True) -> None:
+        if name not in self.names:
+            return  # stopped, then finished or cancelled through the queue
         self.stopped_tasks[name] = from_step
         self.executor.streams.retire(self.names.index(name), from_step)
         if announce:
@@ -233,13 +319,31 @@ class Trainer:
         return self.executor.save_checkpoint(self.checkpoints, step, extra, wait=wait)
 
     def _writers(self, steps: range) -> FanOut:
-        from lorafleet.metrics import CsvWriter, FanOut, JsonlWriter, LogLines, ProgressBar, TensorBoardWriter
+        """The run's metrics files, its ``--logger`` trackers (continuing their run when this launch resumes
+        one) and, on the console, a progress bar on a terminal or a flushed line per step elsewhere."""
+        from lorafleet.metrics import (
+            CsvWriter,
+            FanOut,
+            JsonlWriter,
+            LogLines,
+            ProgressBar,
+            TensorBoardWriter,
+            experiment_logger,
+        )
 
         writers = [
             JsonlWriter(self.out / "metrics.jsonl"),
             CsvWriter(self.out / "metrics.csv"),
             TensorBoardWriter(self.out / "tensorboard", purge_step=steps.start),
         ]
+        config = {
+            "plan": self.plan.describe(),
+            "gpus": self.plan.used_gpus,
+            "steps": self.options.steps,
+            "tasks": ",".join(self.names),
+            "pipeline_window": self.window,
+        }
+        writers += [experiment_logger(name, self.out, config, resume=steps.start > 0) for name in self.options.loggers]
         if self.options.progress and sys.stdout.isatty():
             writers.append(ProgressBar(steps.stop, start=steps.start))
         else:
@@ -248,30 +352,79 @@ class Trainer:
 
     def summary(self, stop: int) -> str:
         """What the run did, predicted against measured, and where its files are."""
+        from lorafleet.accounting import sum_task_gpu_seconds
         from lorafleet.dispatch.recalibration import summarize_factors
 
         lines = [
             f"lorafleet train: {stop} steps; adapters in {self.out / 'adapters'}, metrics in "
             f"{self.out / 'metrics.jsonl'} (and .csv, tensorboard/)"
         ]
-        if self.reports:
-            measured = np.mean([r.makespan_s for r, _ in self.reports])
-            predicted = np.mean([p.estimated_makespan_s for _, p in self.reports])
+        rows = _metrics_rows(self.out / "metrics.jsonl")  # the whole run's steps, across restarts
+        if rows:
+            measured = np.mean([r["makespan_s"] for r in rows])
+            predicted = np.mean([r["estimated_makespan_s"] for r in rows])
             lines.append(
                 f"  step time: measured {measured:.3f} s, predicted {predicted:.3f} s "
-                f"(x{measured / predicted:.2f}, mean over {len(self.reports)} steps; "
+                f"(x{measured / predicted:.2f}, mean over {len(rows)} steps; "
                 f"cost model {self.prepared.run.cost_model.source})"
             )
-            if self.plan.policy.recalibration.enabled:
-                lines.append(f"  recalibrated: {summarize_factors(self.recalibrator.replicas())}")
+        if self.reports and self.plan.policy.recalibration.enabled:
+            lines.append(f"  recalibrated: {summarize_factors(self.recalibrator.replicas())}")
+        owed = sum_task_gpu_seconds(r.get("task_gpu_s", {}) for r in rows)
+        if owed:
+            total = sum(owed.values()) or 1.0
+            shares = ", ".join(f"{name} {s:.4g} ({100 * s / total:.0f} %)" for name, s in owed.items())
+            lines.append(f"  GPU-seconds by task (the whole run): {shares}")
         if self.stopped_tasks:
             lines.append(f"  stopped tasks (non-finite updates): {', '.join(self.stopped_tasks)}")
         return "\n".join(lines)
 
 
+def finished_tasks(streams: DataStreams, step: int) -> list[Request]:
+    """Tasks that took their last batch before ``step`` (their ``steps`` or ``epochs``) while the run goes on:
+    finished, as if asked through the queue, so their adapters are exported now and their memory freed."""
+    from lorafleet.train.queue import Action, Request
+
+    out = []
+    for t, (stream, limit) in enumerate(zip(streams.streams, streams.max_batches, strict=True)):
+        if limit is not None and streams.batches_taken(t, step) >= limit and t not in streams.retired:
+            out.append(Request(TOOK_ITS_STEPS, Action.FINISH, stream.data.name))
+    return out
+
+
+TOOK_ITS_STEPS = "(took its steps)"
+"""The request file of a task that finished on its own (no file)."""
+
+
+def _queue_watcher(options: TrainOptions, prepared: Prepared, tokenizer: Any) -> QueueWatcher | None:
+    """The queue's watcher, under ``lorafleet train``'s own launcher only (which applies what it accepts):
+    a task to add is checked against the workload's defaults and its data tokenized as training will."""
+    from lorafleet.executor.torch.data_stream import prepare_task_data
+    from lorafleet.executor.torch.processes import LOCKED_ENV
+    from lorafleet.train.queue import Ledger, QueueWatcher
+
+    if not os.environ.get(LOCKED_ENV):
+        return None
+
+    def check(task: TaskSpec) -> None:
+        prepare_task_data(task, tokenizer, task.data.path if task.data else "queue")
+
+    ledger = Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks)
+    return QueueWatcher(options.queue_dir, prepared.workload.spec.defaults, ledger, check=check)
+
+
 PROBE_TOKENS = 1024
 """The most tokens of a replica's probe micro-batch (``Trainer._probe``): enough to be timed as its
 steps are, small next to a step."""
+
+
+def _metrics_rows(path: Path) -> list[dict]:
+    """The run's metrics so far, one mapping a step (``metrics.jsonl``: every launch's, cut back on resume)."""
+    import json
+
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _cut(mb: MicroBatch, tokens: int) -> MicroBatch:
@@ -289,28 +442,5 @@ def _cut(mb: MicroBatch, tokens: int) -> MicroBatch:
 
 
 def _last_step(executor: TorchExecutor, steps: int) -> int:
-    """The step after which every task has taken all its batches (``steps`` when a task is unbounded)."""
-    limits = executor.streams.max_batches
-    return steps if any(limit is None for limit in limits) else max(limits)
-
-
-def _export_adapters(step_dir: Path, names: Sequence[str], target: Path) -> None:
-    """The final PEFT adapters, copied out of the last checkpoint; each task's directory appears whole
-    (written beside it, then renamed over the old one)."""
-    import shutil
-
-    from peft.utils.constants import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
-
-    target.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        staging = target / f".{name}.partial"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        for file in (CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME):
-            shutil.copy2(step_dir / name / file, staging / file)
-        old = target / f".{name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if (target / name).exists():
-            (target / name).rename(old)
-        staging.rename(target / name)
-        shutil.rmtree(old, ignore_errors=True)
+    """The step after which every task has taken all its batches (``steps`` when a task still has turns)."""
+    return executor.streams.end_step(steps)

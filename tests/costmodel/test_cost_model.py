@@ -87,6 +87,32 @@ def test_replica_time_is_lobra_eq_12_plus_overhead():
     assert CM.replica_time(config, []) == 0.0
 
 
+def test_a_pipeline_window_charges_less_bubble_with_many_tasks():
+    """W = 1 is Eq. 12 whatever the tasks; W = 8 over micro-batches of many tasks (each task's
+    micro-batches spread by more than pp - 1 others: no stall) pays the fill and drain once in 8 steps."""
+    config = ParallelConfig(1, 4)
+    mbs = [MicroBatchShape.padded(2, 512)] * 8
+    tasks = [{k} for k in range(8)]
+    taus = CM.stage_coeffs(config).shapes(mbs) / 1e3
+    flushed = CM.replica_time(config, mbs, tasks)
+    assert flushed == pytest.approx(CM.replica_time(config, mbs))
+    assert flushed == pytest.approx(taus.sum() + 3 * taus.max() + CM.step_overhead(config))
+    windowed = replace(CM, pipeline_window=8)
+    assert windowed.bubble_slots(config, tasks) == pytest.approx(3 / 8)
+    assert windowed.replica_time(config, mbs, tasks) == pytest.approx(
+        taus.sum() + 3 / 8 * taus.max() + CM.step_overhead(config)
+    )
+    assert windowed.replica_time(config, mbs, tasks) < flushed
+    # one task: every boundary stalls a whole drain, so the window gains nothing
+    assert windowed.replica_time(config, mbs, [{0}] * 8) == pytest.approx(flushed)
+    # no pipeline, no bubble; the tasks must be one collection per micro-batch
+    assert windowed.bubble_slots(ParallelConfig(1, 1), tasks) == 0.0
+    with pytest.raises(ValueError, match="7 task sets for 8 micro-batches"):
+        windowed.replica_time(config, mbs, tasks[:7])
+    with pytest.raises(ValueError, match="at least one step"):
+        replace(CM, pipeline_window=0)
+
+
 def test_step_overhead_grows_with_tasks_and_rank_and_shrinks_with_gpus():
     config = ParallelConfig(1, 1)
     params = CM.adapters.total_params(MODEL)

@@ -227,3 +227,28 @@ def test_fairness_matrix_accounts_for_every_token():
     )
     # replicas of one class share every task: the six <1,1> replicas each get some of every short task
     assert np.all(tokens[:6, [0, 5]] > 0)
+
+
+@pytest.mark.parametrize("mode", list(MicroBatchMode))
+def test_a_pipeline_window_orders_task_major_and_prices_the_tasks(mode):
+    """W > 1: every replica (pp = 1 too) finishes its tasks in one global order, and each replica is priced
+    with its micro-batches' tasks; the same step under W = 1 keeps LobRA's largest-first order and Eq. 12."""
+    plan = make_plan(((TP1, 2), (TP2_PP2, 1), (TP8, 1)), n_tasks=6)
+    batch = lognormal_batch(3)
+    options = DispatchOptions(microbatch_mode=mode)
+    windowed = dataclasses.replace(COST_MODEL, pipeline_window=8)
+    step = solve_step(batch, plan, windowed, options).plan
+    flushed = solve_step(batch, plan, COST_MODEL, options).plan
+    for work, replica in zip(step.work, plan.replicas, strict=True):
+        tops = [max(mb.task_ids) for mb in work.microbatches]
+        assert tops == sorted(tops)
+        shapes, tasks = [mb.shape for mb in work.microbatches], [mb.task_ids for mb in work.microbatches]
+        assert work.estimated_time_s == pytest.approx(windowed.replica_time(replica.config, shapes, tasks))
+    for work, replica in zip(flushed.work, plan.replicas, strict=True):
+        sizes = [mb.tokens for mb in work.microbatches]
+        assert sizes == sorted(sizes, reverse=True)
+        assert work.estimated_time_s == pytest.approx(
+            COST_MODEL.replica_time(replica.config, [mb.shape for mb in work.microbatches])
+        )
+    pipelined = [w for w, r in zip(step.work, plan.replicas, strict=True) if r.config.pp > 1 and w.microbatches]
+    assert pipelined

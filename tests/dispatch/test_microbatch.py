@@ -60,3 +60,27 @@ def test_order_for_1f1b_is_stable():
     assert [mb.seq_ids for mb in mbs] == [(0, 2), (1, 3)]
     assert [mb.tokens for mb in mbs] == [3100, 1000]
     assert order_for_1f1b(mbs) == mbs
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 2048), min_size=1, max_size=60),
+    packed=st.booleans(),
+    data=st.data(),
+)
+def test_task_major_order_finishes_tasks_in_order(lengths, packed, data):
+    """For a pipeline window: ascending by the largest task a micro-batch holds, largest first within it;
+    the same micro-batches as the 1F1B order, only reordered."""
+    lengths = np.array(lengths)
+    task_ids = np.array(data.draw(st.lists(st.integers(0, 4), min_size=lengths.size, max_size=lengths.size)))
+    ids = np.arange(lengths.size)
+    padded = np.where(lengths <= 512, 512, 2048)
+    if packed:
+        plain = packed_microbatches(ids, lengths, task_ids, 4096)
+        major = packed_microbatches(ids, lengths, task_ids, 4096, task_major=True)
+    else:
+        plain = padded_microbatches(ids, lengths, task_ids, padded, 4096)
+        major = padded_microbatches(ids, lengths, task_ids, padded, 4096, task_major=True)
+    assert sorted(mb.seq_ids for mb in major) == sorted(mb.seq_ids for mb in plain)
+    keys = [(max(mb.task_ids), -mb.tokens, -(mb.padded_len or max(mb.lengths))) for mb in major]
+    assert keys == sorted(keys)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lorafleet.cli import main
+from lorafleet.cli import build_parser, main
 from lorafleet.plans import DeploymentPlan
 
 from .conftest import small_workload, write_workload
@@ -13,6 +13,31 @@ from .conftest import small_workload, write_workload
 @pytest.fixture(scope="module")
 def workload_path(tmp_path_factory):
     return small_workload(tmp_path_factory.mktemp("wl")).path
+
+
+def test_cli_surface_is_frozen():
+    """A new option of `plan` must be added here on purpose (as `train`'s are in test_train_command.py).
+    --max-nodes, --deadline, --budget and --steps size the fleet with --gpus auto (docs/planner.md)."""
+    plan = build_parser()._subparsers._group_actions[0].choices["plan"]
+    assert sorted(o for a in plan._actions for o in a.option_strings) == [
+        "--budget",
+        "--deadline",
+        "--gpu",
+        "--gpus",
+        "--help",
+        "--json",
+        "--max-nodes",
+        "--microbatch",
+        "--mode",
+        "--pipeline-window",
+        "--plot",
+        "--profile",
+        "--samples",
+        "--set",
+        "--solver",
+        "--steps",
+        "-h",
+    ]
 
 
 def test_plan_prints_tables_and_writes_json_and_plot(workload_path, tmp_path, capsys):
@@ -45,6 +70,7 @@ def test_plan_prints_tables_and_writes_json_and_plot(workload_path, tmp_path, ca
         (["--microbatch", "zip"], "--microbatch"),
         (["--samples", "-1"], "--samples"),
         (["--gpu", "TPU"], "--gpu"),
+        (["--pipeline-window", "0"], "--pipeline-window: must be >= 1 step, got 0"),
     ],
 )
 def test_bad_flags_are_one_line_errors(workload_path, tmp_path, capsys, flags, where):
@@ -77,3 +103,13 @@ def test_recompute_lets_a_replica_hold_what_no_plain_config_can(tmp_path, capsys
     holders = [r for r in plan.replicas if r.max_tokens >= 150_000]
     assert holders and all(r.config.recompute for r in holders)
     assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("window", [None, "1", "3"])
+def test_the_pipeline_window_is_recorded_in_the_plans_policy(workload_path, tmp_path, capsys, window):
+    out = tmp_path / "plan.json"
+    flags = ["--pipeline-window", window] if window else []
+    assert main(["plan", workload_path, "--samples", "0", *flags, "--json", str(out)]) == 0
+    expected = int(window or 8)
+    assert f"pipeline window {expected}" in capsys.readouterr().out
+    assert DeploymentPlan.load(out).policy.pipeline_window == expected

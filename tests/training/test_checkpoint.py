@@ -109,12 +109,12 @@ def test_no_intact_checkpoint_is_one_input_error(tmp_path):
 
 
 def test_adapter_export_replaces_a_directory_whole(tmp_path):
-    from lorafleet.train.trainer import _export_adapters
+    from lorafleet.executor.torch.checkpoint_files import export_adapters
 
     save_train_state(tmp_path / "ckpt", _state(3, 3.0), base_model="m")
     target = tmp_path / "adapters"
     (target / "t").mkdir(parents=True)
     (target / "t" / "stale.bin").write_text("old")
-    _export_adapters(latest_step_dir(tmp_path / "ckpt"), ["t"], target)
+    export_adapters(latest_step_dir(tmp_path / "ckpt"), ["t"], target)
     assert sorted(p.name for p in target.iterdir()) == ["t"]
     assert sorted(p.name for p in (target / "t").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]

@@ -16,6 +16,7 @@ a gradient entry near ``ε = 1e-8`` moves by up to ``η / (4ε)`` per unit of ro
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import peft
@@ -29,7 +30,7 @@ import fleet_harness as h
 from lorafleet.data.tokenize import IGNORE_INDEX
 from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.executor.torch.checkpoint import latest_step_dir
-from lorafleet.executor.torch.data_stream import loss_tokens
+from lorafleet.executor.torch.data_stream import loss_tokens, task_key
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.optim import build_optimizer, lr_at
 from lorafleet.executor.torch.peft_export import lora_config, peft_key
@@ -42,6 +43,15 @@ PLANS = {
     "tp2pp2-packed": h.plan_of((2, 2)),
     "tp1+pp2, rank 3 idle": h.plan_of((1, 1), (1, 2)),
     "tp2 rc+pp2 rc": h.plan_of((2, 1, True), (1, 2, True)),  # activation recomputation under TP and PP
+    "pp4": h.plan_of((1, 4)),
+}
+#: Runs streamed through pipeline windows (``costmodel.schedule``): a task's next forward waits only
+#: for its own update, so steps overlap in the pipeline; the adapters must not change.
+WINDOWED = {
+    "pp2+tp1+tp1 w4": ("pp2+tp1+tp1", 4),
+    "tp2pp2-packed w4": ("tp2pp2-packed", 4),
+    "pp4 w4": ("pp4", 4),
+    "pp4 w2": ("pp4", 2),
 }
 #: Qwen2's q/k/v biases are sharded with their column-parallel projections; Mistral's sliding
 #: window (8) is shorter than most sequences, across a pipeline boundary.
@@ -58,6 +68,9 @@ def _runs(root: Path) -> dict[str, h.Run]:
         "tp1+pp2, rank 3 idle": h.Run(PLANS["tp1+pp2, rank 3 idle"], STEPS, out=str(root / "d")),
         "tp2 rc+pp2 rc": h.Run(PLANS["tp2 rc+pp2 rc"], STEPS, per_microbatch=2, out=str(root / "e")),
     }
+    runs["pp4"] = h.Run(PLANS["pp4"], STEPS, per_microbatch=2, out=str(root / "f"))
+    for name, (base, window) in WINDOWED.items():
+        runs[name] = replace(runs[base], window=window, save_at=(), out=str(root / name.replace(" ", "-")))
     # Resume the pp2+tp1+tp1 run after 2 steps: on the same plan (bitwise), and on another one.
     runs["pp2+tp1+tp1 resumed"] = h.Run(
         PLANS["pp2+tp1+tp1"], STEPS, per_microbatch=2, out=str(root / "b2"), resume_from=str(root / "b" / "ckpt")
@@ -65,16 +78,8 @@ def _runs(root: Path) -> dict[str, h.Run]:
     runs["resumed on tp1+tp1+tp2"] = h.Run(
         PLANS["tp1+tp1+tp2"], STEPS, out=str(root / "b3"), resume_from=str(root / "b" / "ckpt")
     )
-    for i, (name, plan) in enumerate(PLANS.items()):
-        base = runs[name]
-        runs[f"{name} fp64"] = h.Run(
-            plan,
-            STEPS,
-            packed=base.packed,
-            per_microbatch=base.per_microbatch,
-            out=str(root / f"fp64-{i}"),
-            dtype=torch.float64,
-        )
+    for i, name in enumerate([*PLANS, *WINDOWED]):
+        runs[f"{name} fp64"] = replace(runs[name], out=str(root / f"fp64-{i}"), dtype=torch.float64, save_at=())
     for family, plan in FAMILY_PLANS.items():
         runs[f"{family} fp64"] = h.Run(plan, STEPS, out=str(root / family), dtype=torch.float64, family=family)
     return runs
@@ -94,11 +99,9 @@ def fleet(tmp_path_factory):
 
 
 def _initial_adapters(dtype: torch.dtype = torch.float32, family: str = "llama") -> torch.nn.Module:
-    """The adapters every rank starts from: all tasks injected into one model under the run's seed."""
+    """The adapters every rank starts from: each task's drawn from its own seed (``task_key``) under the run's."""
     model = h.build_model(family, dtype)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        inject_multi_lora(model, [t.lora for t in h.TASKS])
+    inject_multi_lora(model, [t.lora for t in h.TASKS], seeds=[task_key(0, t.name) for t in h.TASKS])
     return model
 
 
@@ -169,7 +172,10 @@ def test_references_are_far_apart(references):
     assert _max_diff(fp32["summary"], fp32["summary-b"]) > 20 * ATOL[torch.float32]
 
 
-@pytest.mark.parametrize("run", [*PLANS, "resumed on tp1+tp1+tp2", *(f"{p} fp64" for p in [*PLANS, *FAMILY_PLANS])])
+@pytest.mark.parametrize(
+    "run",
+    [*PLANS, *WINDOWED, "resumed on tp1+tp1+tp2", *(f"{p} fp64" for p in [*PLANS, *WINDOWED, *FAMILY_PLANS])],
+)
 def test_joint_equals_each_task_alone(fleet, references, run):
     dtype = torch.float64 if run.endswith("fp64") else torch.float32
     family = run.split()[0] if run.split()[0] in FAMILY_PLANS else "llama"
@@ -181,7 +187,7 @@ def test_joint_equals_each_task_alone(fleet, references, run):
 def test_losses_are_each_tasks_mean_token_loss(fleet):
     """Reported losses do not depend on the plan (float tolerance) and are plausible CE values."""
     base = [r.losses for r in fleet["tp1+tp1+tp2"][0]]
-    for run in ("pp2+tp1+tp1", "tp2pp2-packed", "tp1+pp2, rank 3 idle"):
+    for run in ("pp2+tp1+tp1", "tp2pp2-packed", "tp1+pp2, rank 3 idle", "pp4", *WINDOWED):
         for mine, theirs in zip([r.losses for r in fleet[run][0]], base, strict=True):
             assert mine.keys() == theirs.keys()
             assert all(abs(mine[k] - theirs[k]) < 1e-4 for k in mine)
@@ -211,6 +217,17 @@ def test_reports_cover_every_replica_and_token(fleet):
         assert set(report.task_tokens) == {t.name for t in h.TASKS}
     idle = fleet["tp1+pp2, rank 3 idle"][0]
     assert all(len(r.replica_busy_s) == 2 for r in idle)
+
+
+def test_windows_report_every_step(fleet):
+    """A window of 4 steps reports each step; their makespans add up to the window's wall time, so
+    a streamed step is charged for what it overlapped, not twice."""
+    for name in WINDOWED:
+        reports = fleet[name][0]
+        assert [r.step for r in reports] == list(range(STEPS))
+        assert all(
+            r.makespan_s > 0 and len(r.replica_busy_s) == len(PLANS[WINDOWED[name][0]].replicas) for r in reports
+        )
 
 
 def test_checkpointed_adapters_load_in_peft(fleet):

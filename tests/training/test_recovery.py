@@ -79,7 +79,9 @@ def shared(tmp_path_factory, tiny_tokenizer_dir):
     ``STEPS`` steps on 2 (recalibration off): the reference both tests compare with."""
     tmp = tmp_path_factory.mktemp("recovery")
     workload = _workload(tmp, tiny_tokenizer_dir, gpus_per_node=4)
-    two = _plan(workload, tmp / "two.json", "--gpus", "2")
+    # Windows of 2 steps: a signal stops a run at a window boundary, and the elastic test's stops
+    # must land before the run's last window.
+    two = _plan(workload, tmp / "two.json", "--gpus", "2", "--pipeline-window", "2")
     _train(workload, two, tmp / "reference", "--steps", STEPS, "--gpus", "2")
     return workload, two, _adapters(tmp / "reference")
 

@@ -144,7 +144,7 @@ def test_run_directory_checkpoints_and_resume(run, capsys):
     options = TrainOptions(workload=str(tmp / "w.yaml"), plan=str(tmp / "plan.json"), out=str(out), overwrite=True)
     lock = _claim(options, prepare(options))
     lock.release()
-    assert sorted(p.name for p in out.iterdir()) == [".lock", "notes.txt", "plan.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "notes.txt", "plan.json", "workload.resolved.yaml"]
 
 
 def test_a_second_run_refuses_a_locked_directory(run):

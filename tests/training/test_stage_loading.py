@@ -26,15 +26,9 @@ from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import fleet_harness as h
+from lorafleet.data.model_source import ModelSource, SourceKind
 from lorafleet.errors import InputError
-from lorafleet.executor.torch.base_model import (
-    SAFETENSORS_FILE,
-    SAFETENSORS_INDEX,
-    ModelSource,
-    SourceKind,
-    load_base,
-    load_causal_lm,
-)
+from lorafleet.executor.torch.base_model import SAFETENSORS_FILE, SAFETENSORS_INDEX, load_base, load_causal_lm
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.layout import layer_of
 from lorafleet.executor.torch.replica import build_replica
@@ -109,9 +103,10 @@ def _stage_bytes(stage: nn.Module, checkpoint_itemsize: int) -> int:
 def compare_stages(directory: Path, plan_name: str, rank: int, world: int, itemsize: int) -> dict:
     """Builds ``rank``'s stage of ``directory``'s model under a plan both ways; what differs."""
     plan = PLANS[plan_name]
-    whole = build_replica(load_causal_lm(hf_source(directory)), ADAPTERS, plan, rank, world, seed=0, device=CPU)
+    seeds = range(len(ADAPTERS))
+    whole = build_replica(load_causal_lm(hf_source(directory)), ADAPTERS, plan, rank, world, seeds=seeds, device=CPU)
     skeleton, weights = load_base(hf_source(directory))
-    staged = build_replica(skeleton, ADAPTERS, plan, rank, world, seed=0, device=CPU, weights=weights)
+    staged = build_replica(skeleton, ADAPTERS, plan, rank, world, seeds=seeds, device=CPU, weights=weights)
     a, b = _tensors(whole.model), _tensors(staged.model)
     role = staged.role
     out = {

@@ -5,9 +5,13 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import re
 import subprocess
 import sys
-from dataclasses import replace
+import tempfile
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import peft
@@ -39,19 +43,26 @@ def test_cli_surface_is_frozen():
         "--gpus",
         "--help",
         "--inject-slowdown",
+        "--logger",
         "--max-restarts",
         "--method",
         "--microbatch",
+        "--migration-s",
         "--no-progress",
         "--no-recalibrate",
         "--no-stop-checkpoint",
         "--nonfinite-patience",
         "--out",
         "--overwrite",
+        "--pipeline-window",
         "--plan",
         "--profile",
+        "--queue",
+        "--queue-http",
         "--recalibrate",
+        "--replan-horizon",
         "--resume",
+        "--set",
         "--solver",
         "--steps",
         "--time-limit",
@@ -88,6 +99,7 @@ def _without_data(text: str) -> str:
     [
         (_without_data, [], "training needs data for every task; docsum has none"),
         (None, ["--steps", "0"], "--steps: must be >= 1"),
+        (None, ["--logger", "comet"], "--logger: expected one of wandb, mlflow, got 'comet'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(workload, capsys, change, extra, message):
@@ -108,12 +120,41 @@ def test_a_plan_for_other_tasks_is_refused(workload, capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workload, tmp_path):
+def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workload, tmp_path, monkeypatch):
     """One run checks the files and, in bf16, that a bf16 base trains fp32 master adapters: the losses
-    are finite and the exported PEFT adapters are fp32."""
+    are finite and the exported PEFT adapters are fp32. Its stdout, a pipe, tells the start-up phases and
+    then a line per step as the step ends (a plan without pipelined replicas runs a step a window); the
+    W&B (offline) and MLflow (file store) loggers get the step scalars."""
+    from mlflow.tracking import MlflowClient
+
     out = tmp_path / "out"
-    result = _train(workload, out, "--steps", "3", "--checkpoint-every", "2", "--dtype", "bf16")
+    offline = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "MLFLOW_TRACKING_URI": ""}
+    result = _train(
+        workload,
+        out,
+        *("--steps", "3", "--checkpoint-every", "2", "--dtype", "bf16", "--logger", "wandb", "--logger", "mlflow"),
+        env=offline,
+    )
+    said = [line for _, line in result.lines]
+    phases = [re.sub(r"^lorafleet train: \[ *[0-9.]+s\] ", "", line).strip() for line in said if "s] " in line]
+    assert phases[0] == "checked: 2 tasks, <1,1> x 1 + <1,1,rc> x 1 on 2 GPUs"
+    assert phases[1] == "starting 2 worker processes (torchrun)"
+    assert phases[2] == "process group up: 2 ranks (gloo)"
+    assert re.fullmatch(r"tokenized: 2 tasks, [0-9,]+ examples, [0-9,]+ tokens", phases[3]), phases[3]
+    assert re.fullmatch(r"base model loaded: tiny-llama, [0-9.]+M parameters, bfloat16", phases[4]), phases[4]
+    assert phases[5] == "training steps 0..2 of 3"
+    steps = [(t, line) for t, line in result.lines if re.match(r"step [0-9]+/3  loss ", line)]
+    assert [line.split()[1] for _, line in steps] == ["1/3", "2/3", "3/3"]
+    assert all(re.search(r"ETA [0-9]+m[0-9]{2}s$", line.strip()) for _, line in steps)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # each line came as its step ended: the first two are apart by at least most of the second step
+    assert steps[1][0] - steps[0][0] >= 0.5 * lines[1]["makespan_s"], (steps, lines[1]["makespan_s"])
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store only when allowed
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    run_id = (out / ".mlflow-run-id").read_text().strip()
+    assert [m.step for m in client.get_metric_history(run_id, "loss/chat")] == [0, 1, 2]
+    assert client.get_run(run_id).data.params["gpus"] == "2"
+    assert len(list(out.glob("wandb/offline-run-*/run-*.wandb"))) == 1
     assert [r["step"] for r in lines] == [0, 1, 2]
     assert all(
         set(r["losses"]) == {"docsum", "chat"}
@@ -141,31 +182,43 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
     assert all(math.isfinite(v) and v > 0 for r in lines for v in r["losses"].values())
 
 
-def _train(workload: tuple[Path, Path], out: Path, *options: str) -> subprocess.CompletedProcess:
-    """``lorafleet train`` on gloo as a user runs it (it re-runs itself under torchrun); must succeed."""
+@dataclass(frozen=True)
+class Run:
+    """A finished ``lorafleet train``: its exit code, stderr, and each stdout line with when it arrived."""
+
+    returncode: int
+    stderr: str
+    lines: tuple[tuple[float, str], ...]
+
+    @property
+    def stdout(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+
+def _train(workload: tuple[Path, Path], out: Path, *options: str, env: dict | None = None) -> Run:
+    """``lorafleet train`` on gloo as a user runs it (it re-runs itself under torchrun), its stdout a pipe
+    read line by line as it comes (as nohup or a pod's log would take it); must succeed."""
     path, plan = workload
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lorafleet",
-            "train",
-            str(path),
-            "--plan",
-            str(plan),
-            "--out",
-            str(out),
-            "--device",
-            "cpu",
-            *options,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=out.parent,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+    argv = [sys.executable, "-m", "lorafleet", "train", str(path), "--plan", str(plan), "--out", str(out)]
+    with tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(
+            [*argv, "--device", "cpu", *options],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            cwd=out.parent,
+            env={**os.environ, **(env or {})},
+        )
+        lines = []
+        deadline = time.monotonic() + 300
+        for line in process.stdout:
+            lines.append((time.monotonic(), line))
+            assert time.monotonic() < deadline, "lorafleet train ran past 300 s"
+        returncode = process.wait(timeout=60)
+        err.seek(0)
+        run = Run(returncode, err.read(), tuple(lines))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
 
 
 def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_tokenizer_dir):
@@ -199,6 +252,8 @@ def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_to
     model = [float(r["model_busy_s/0"]) / float(r["model_busy_s/1"]) for r in rows]
     share = [float(r["replica_tokens/0"]) / float(r["replica_tokens/1"]) for r in rows]
     corrections = [float(r["correction/0"]) / float(r["correction/1"]) for r in rows]
-    assert min(corrections) > 2.5, corrections  # the probe saw it (step 0's report, warm-up, is left out)
+    # The probe saw it (uncorrected: ~1). Not 4: the wait slows replica 0's compute, not the step's
+    # collectives, and replica 0 now holds so little that those weigh more; measured 1.7-5.2 per step.
+    assert min(corrections) > 1.3, corrections
     assert max(share) < 0.6, share  # an even split would be ~1 (the uncorrected model prices them alike)
     assert max(model) < 0.6, model  # what the model says of those very micro-batches: replica 0 was given less

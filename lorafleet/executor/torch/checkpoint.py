@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,8 @@ class TrainState:
 
     step: int
     """Steps completed: the next step to run."""
-    tasks: tuple[TaskState, ...]
+    tasks: tuple[TaskState | None, ...]
+    """Per task of the run (``load_train_state``'s ``names``): its state, None for one that joins later."""
     data: dict[str, Any]
     """``DataStreams.state_dict(step)``: cursors and example counts, checked on resume."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -151,12 +152,17 @@ def gather_task_states(
     )
 
 
-def restore_task_states(replica: Replica, optimizers: Sequence[TaskOptimizer], states: Sequence[TaskState]) -> None:
-    """Loads whole-matrix states into this rank's shards and optimizers (no communication)."""
+def restore_task_states(
+    replica: Replica, optimizers: Sequence[TaskOptimizer], states: Sequence[TaskState | None]
+) -> None:
+    """Loads whole-matrix states into this rank's shards and optimizers (no communication); a task whose
+    state is None (it joined after the checkpoint) keeps its initial adapter and a fresh optimizer."""
     full = {p.key: p for p in replica.adapter_params}
     role = replica.role
     for (task, module, factor), param in replica.params.items():
         state = states[task]
+        if state is None:
+            continue
         whole = state.weights.get((module, factor))
         expected = full[(task, module, factor)].shape
         if whole is None or tuple(whole.shape) != expected:
@@ -172,14 +178,16 @@ def restore_task_states(replica: Replica, optimizers: Sequence[TaskOptimizer], s
                 for key, t in moments.items()
             }
     for optimizer, state in zip(optimizers, states, strict=True):
-        optimizer.steps_taken = state.optimizer_steps
+        if state is not None:
+            optimizer.steps_taken = state.optimizer_steps
 
 
 # ---- files ----------------------------------------------------------------------------------
 
 
 def write_peft_adapter(path: Path, spec: LoraSpec, weights: dict[tuple[str, str], Tensor], base_model: str) -> None:
-    """A PEFT adapter directory from whole matrices (keys and config from ``peft_export``)."""
+    """A PEFT adapter directory from whole matrices (keys and config from ``peft_export``); ``base_model`` is
+    its ``base_model_name_or_path``: the Hub id or path a tenant loads it over (``specs.model.adapter_base_model``)."""
     path.mkdir(parents=True, exist_ok=True)
     tensors = {peft_key(module, factor): w.contiguous() for (module, factor), w in sorted(weights.items())}
     save_file(tensors, path / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
@@ -232,8 +240,10 @@ def latest_step_dir(directory: str | Path) -> Path | None:
     return found.step_dir if found is not None else None
 
 
-def load_train_state(step_dir: str | Path, names: Sequence[str]) -> TrainState:
-    """Reads a committed checkpoint; InputError when it does not match the run's tasks."""
+def load_train_state(step_dir: str | Path, names: Sequence[str], joining: Collection[str] = ()) -> TrainState:
+    """Reads a committed checkpoint for the run's tasks ``names``, in that order; InputError when one of them
+    is missing from it, unless it is ``joining`` (added after the checkpoint: its state is None). Tasks of
+    the checkpoint the run no longer has (finished, cancelled) are left out."""
     step_dir = Path(step_dir)
     manifest_path = step_dir / MANIFEST
     try:
@@ -242,11 +252,16 @@ def load_train_state(step_dir: str | Path, names: Sequence[str]) -> TrainState:
         raise InputError(str(manifest_path), "", "no such file (not a committed checkpoint)") from None
     if manifest.get("format") != FORMAT_VERSION:
         raise InputError(str(manifest_path), "format", f"expected {FORMAT_VERSION}, got {manifest.get('format')!r}")
-    saved = [t["name"] for t in manifest["tasks"]]
-    if saved != list(names):
-        raise InputError(str(manifest_path), "tasks", f"checkpoint has tasks {saved}, the run has {list(names)}")
-    tasks = []
-    for entry in manifest["tasks"]:
+    saved = {t["name"]: t for t in manifest["tasks"]}
+    missing = [n for n in names if n not in saved and n not in joining]
+    if missing:
+        raise InputError(str(manifest_path), "tasks", f"checkpoint has tasks {list(saved)}, the run has {list(names)}")
+    tasks: list[TaskState | None] = []
+    for name in names:
+        entry = saved.get(name)
+        if entry is None or name in joining:
+            tasks.append(None)
+            continue
         path = step_dir / entry["name"]
         spec = read_peft_spec(path)
         weights = {_split_peft_key(k): t for k, t in load_file(str(path / SAFETENSORS_WEIGHTS_NAME)).items()}

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lorafleet.errors import InputError
+from lorafleet.specs.workload import TaskSpec
 
 FORMAT_VERSION = 2
 """2 adds ``files``: the SHA-256 of every file of the step directory, verified on resume."""
@@ -86,3 +89,158 @@ def resumable_checkpoint(directory: str | Path) -> Resumable | None:
 def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     """The manifest of a (verified) step directory."""
     return json.loads((Path(step_dir) / MANIFEST).read_text())
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+"""A PEFT adapter's files (peft's ``CONFIG_NAME`` and ``SAFETENSORS_WEIGHTS_NAME``), as a checkpoint holds them."""
+
+
+TOKENIZER_DIR = "tokenizer"
+"""``<out>/tokenizer/``: the run's tokenizer (the one its data was tokenized with), saved by rank 0 as the
+run starts (:func:`save_tokenizer`) and copied into every exported adapter by :func:`export_adapters`."""
+CARD = "README.md"
+"""An exported adapter's model card (:func:`model_card`)."""
+
+
+def save_tokenizer(tokenizer: Any, directory: Path) -> None:
+    """``tokenizer.save_pretrained`` into ``directory``, unless it holds one already (a resumed run's is the
+    same: ``--overwrite`` removes it with the run's other files); written beside it, then renamed into place."""
+    if (directory / "tokenizer_config.json").is_file():
+        return
+    staging = directory.with_name(f".{directory.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    tokenizer.save_pretrained(str(staging))
+    shutil.rmtree(directory, ignore_errors=True)
+    staging.rename(directory)
+
+
+def export_adapters(
+    step_dir: Path,
+    names: Sequence[str],
+    target: Path,
+    *,
+    tasks: Sequence[TaskSpec] = (),
+    run_dir: Path | None = None,
+) -> None:
+    """Tasks' PEFT adapters, copied out of a committed checkpoint into ``target/<task>``; each task's
+    directory appears whole (written beside it, then renamed over the old one).
+
+    With ``run_dir`` (the run's ``--out``), each directory is one a tenant can use anywhere: the run's
+    tokenizer files (``<run_dir>/tokenizer/``, when there) and a model card ``README.md``
+    (:func:`model_card`: the task's spec from ``tasks``, its steps from the checkpoint's manifest, its last
+    loss from ``<run_dir>/metrics.jsonl``)."""
+    target.mkdir(parents=True, exist_ok=True)
+    manifest = read_manifest(step_dir) if run_dir is not None else {}
+    losses = last_losses(run_dir / "metrics.jsonl") if run_dir is not None else {}
+    specs = {t.name: t for t in tasks}
+    for name in names:
+        staging = target / f".{name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        for file in ADAPTER_FILES:
+            shutil.copy2(step_dir / name / file, staging / file)
+        if run_dir is not None:
+            tokenizer = run_dir / TOKENIZER_DIR
+            if tokenizer.is_dir():
+                for file in sorted(tokenizer.iterdir()):
+                    if file.is_file() and file.name not in ADAPTER_FILES:
+                        shutil.copy2(file, staging / file.name)
+            config = json.loads((step_dir / name / ADAPTER_FILES[0]).read_text())
+            (staging / CARD).write_text(
+                model_card(name, config, specs.get(name), manifest, losses.get(name)), encoding="utf-8"
+            )
+        old = target / f".{name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if (target / name).exists():
+            (target / name).rename(old)
+        staging.rename(target / name)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def last_losses(metrics: Path) -> dict[str, tuple[int, float]]:
+    """Task -> (step, loss) of the last step it appeared in, from a run's ``metrics.jsonl`` (a torn or
+    unreadable line is skipped; no file: empty)."""
+    out: dict[str, tuple[int, float]] = {}
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+            out.update({name: (step, float(loss)) for name, loss in row.get("losses", {}).items()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
+def _count_rows(path: Path) -> int | None:
+    """Rows of a task's data: a JSONL file's non-blank lines, a saved dataset's rows; None when unreadable."""
+    try:
+        if path.is_dir():
+            from lorafleet.data.records import read_rows
+
+            return len(read_rows(path))
+        with path.open(encoding="utf-8") as f:
+            return sum(1 for line in f if line.strip())
+    except (OSError, UnicodeDecodeError, InputError):
+        return None
+
+
+def model_card(
+    name: str,
+    config: Mapping[str, Any],
+    task: TaskSpec | None,
+    manifest: Mapping[str, Any],
+    loss: tuple[int, float] | None,
+) -> str:
+    """An exported adapter's ``README.md``: YAML front matter for the Hub (``base_model``, ``library_name``,
+    ``tags``), then what the adapter was trained on and how: the task, its data (path, rows, and the examples
+    trained on from the checkpoint's data record), its steps (optimizer updates, from the manifest), batch size
+    and learning rate, its last loss, its LoRA, and the lorafleet version. ``config`` is the adapter's
+    ``adapter_config.json``; ``manifest`` the checkpoint's."""
+    import yaml
+
+    from lorafleet import __version__
+
+    base = config.get("base_model_name_or_path") or ""
+    front = yaml.safe_dump({"base_model": base, "library_name": "peft", "tags": ["lora", "lorafleet"]}, sort_keys=False)
+    lines = [f"# {name}", "", f"A LoRA adapter for `{base}`, trained by lorafleet {__version__}.", ""]
+    if task is not None and task.data is not None:
+        data = manifest.get("data", {})
+        trained = dict(zip(data.get("tasks", ()), data.get("examples", ()), strict=False))
+        rows = _count_rows(Path(task.data.path))
+        counts = ([f"{rows} rows"] if rows is not None else []) + (
+            [f"{trained[name]} trained on"] if name in trained else []
+        )
+        where = f" ({', '.join(counts)})" if counts else ""
+        lines.append(f"- Data: `{Path(task.data.path).absolute()}`{where}, format {task.data.format.value}")
+        lines.append(f"- Context length: {task.context_length} tokens (longer sequences: {task.overflow.value})")
+    steps = {t.get("name"): t.get("optimizer_steps") for t in manifest.get("tasks", ())}
+    if steps.get(name) is not None:
+        total = f" (of the run's first {manifest['step']})" if "step" in manifest else ""
+        lines.append(f"- Steps trained: {steps[name]}{total}")
+    if task is not None:
+        lines.append(f"- Batch size: {task.batch_size} sequences a step; learning rate {task.optimizer.lr:g}")
+    if loss is not None:
+        lines.append(f"- Final loss: {loss[1]:.4f} (step {loss[0]})")
+    targets = ", ".join(sorted(config.get("target_modules") or ()))
+    lines.append(
+        f"- LoRA: rank {config.get('r')}, alpha {config.get('lora_alpha')}, dropout {config.get('lora_dropout')}"
+        f"{', rsLoRA' if config.get('use_rslora') else ''}; targets {targets}"
+    )
+    lines += [
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from peft import AutoPeftModelForCausalLM",
+        "from transformers import AutoTokenizer",
+        "",
+        'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/directory")',
+        'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory")',
+        "```",
+        "",
+    ]
+    return f"---\n{front}---\n\n" + "\n".join(lines)

@@ -1,20 +1,23 @@
 """Each task's examples as an endless, deterministic, resumable stream; global batches from it.
 
 **Stream.** Task ``t`` with ``N`` examples is read epoch by epoch; epoch ``e`` visits the
-examples in the order of a permutation drawn from ``(seed, t, e)``. Stream position ``k``
-(the *sample id*) is therefore
+examples in the order of a permutation drawn from ``(seed, key_t, e)``, ``key_t`` a hash of the
+task's *name* (:func:`task_key`), not of its position: a task's stream is the same whichever
+tasks train beside it, join or leave. Stream position ``k`` (the *sample id*) is therefore
 
-    example(t, k) = perm(seed, t, k // N)[k mod N]
+    example(t, k) = perm(seed, key_t, k // N)[k mod N]
 
 a pure function: any rank can look up any sample without state, and a sample id in a
 :class:`~lorafleet.plans.GlobalBatch` names one example on every machine.
 
-**Cursor.** Per task, the next sample id. Task ``t`` takes its next ``batch_size_t`` ids in
-every global batch until it has taken ``max_batches_t`` batches, so its cursor before step
-``s`` is ``min(s, max_batches_t) * batch_size_t``, and the global batch of any step is a pure
-function of the step: a dispatcher may draw step ``s + 1`` ahead while step ``s`` runs, and a
-resumed run draws exactly the batches the uninterrupted one would have. A checkpoint records
-the cursors, and a resume checks that the data still yields them (:meth:`DataStreams.check_state`).
+**Cursor.** Per task, the next sample id: ``taken_t(s) * batch_size_t`` before step ``s``, with
+``taken_t(s)`` the global batches it took part in before ``s``. Which steps those are is
+:func:`lorafleet.turns.turns` of the tasks' joins, ends, shares and deadlines (by
+default: every step from the task's join until it has taken its ``max_batches_t``), a pure
+function of the task list, so the global batch of any step is a pure function of the step: a
+dispatcher may draw step ``s + 1`` ahead while step ``s`` runs, and a resumed run draws exactly
+the batches the uninterrupted one would have. A checkpoint records the cursors, and a resume
+checks that the data still yields them (:meth:`DataStreams.check_state`).
 
 **Overflow.** Examples longer than the task's context length are truncated or rejected by
 its policy when the data is prepared (:func:`prepare_task_data`); examples with no token to
@@ -27,7 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -38,6 +41,7 @@ from lorafleet.data.tokenize import IGNORE_INDEX, Example, tokenize_rows
 from lorafleet.errors import InputError
 from lorafleet.plans import GlobalBatch
 from lorafleet.specs.workload import OverflowPolicy, TaskSpec, fit_to_context
+from lorafleet.turns import TaskTurns, last_step, turns
 
 
 def loss_tokens(example: Example) -> int:
@@ -111,10 +115,17 @@ def prepare_task_data(task: TaskSpec, tokenizer: Any, source: str) -> TaskData:
         ) from None
 
 
+def task_key(seed: int, name: str) -> int:
+    """A task's own seed: 63 bits of SHA-256 over ``(seed, name)``. Its data order and its adapter's
+    initial weights are drawn from it, so they depend on the task, never on the tasks beside it."""
+    digest = hashlib.sha256(f"{seed}\0{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
 @lru_cache(maxsize=64)
-def _epoch_order(seed: int, task_index: int, epoch: int, n: int) -> np.ndarray:
+def _epoch_order(seed: int, key: int, epoch: int, n: int) -> np.ndarray:
     """The visiting order of one task's ``n`` examples in one epoch (read-only)."""
-    order = np.random.default_rng(np.random.SeedSequence([seed, task_index, epoch])).permutation(n)
+    order = np.random.default_rng(np.random.SeedSequence([seed, key, epoch])).permutation(n)
     order.setflags(write=False)
     return order
 
@@ -123,13 +134,21 @@ def _epoch_order(seed: int, task_index: int, epoch: int, n: int) -> np.ndarray:
 class TaskStream:
     """Sample id -> example of one task (stateless; see the module doc)."""
 
-    task_index: int
     data: TaskData
     seed: int
 
+    @functools.cached_property
+    def key(self) -> int:
+        return task_key(self.seed, self.data.name)
+
     def example_index(self, sample_id: int) -> int:
         n = len(self.data.examples)
-        return int(_epoch_order(self.seed, self.task_index, sample_id // n, n)[sample_id % n])
+        return int(_epoch_order(self.seed, self.key, sample_id // n, n)[sample_id % n])
+
+    @functools.cached_property
+    def batch_tokens(self) -> float:
+        """Mean tokens of one example (times a batch size: a batch's expected tokens, for shares)."""
+        return float(np.mean([len(e) for e in self.data.examples]))
 
     def example(self, sample_id: int) -> Example:
         return self.data.examples[self.example_index(sample_id)]
@@ -144,36 +163,88 @@ class DataStreams:
         batch_sizes: Sequence[int],
         seed: int,
         max_batches: Sequence[int | None] | None = None,
+        *,
+        joined: Sequence[int] | None = None,
+        shares: Sequence[float | None] | None = None,
+        deadlines: Sequence[int | None] | None = None,
+        changes: Sequence[tuple[tuple[int, float | None, int | None], ...]] | None = None,
+        departed: Sequence[TaskTurns] = (),
     ) -> None:
         """
         Args:
             tasks: per task, in workload order (the task index is the position).
-            batch_sizes: sequences of each task in every global batch.
+            batch_sizes: sequences of each task in every global batch it takes part in.
             seed: seed of the epoch permutations.
             max_batches: per task, how many global batches it takes part in (its ``steps``);
                 None for no limit.
+            joined: per task, the first global step it takes part in (a task that joined a running
+                job); 0 for all by default.
+            shares: per task, its target fraction of every step's tokens (None: every step).
+            deadlines: per task, the global step by which its last batch must be taken.
+            changes: per task, its share and deadline changed while the job ran (``TaskTurns.changes``).
+            departed: the turns of tasks that have left the job (finished, cancelled): a share's turns
+                depend on every task a step took, so the steps before they left are drawn as they were.
         """
         if len(batch_sizes) != len(tasks):
             raise ValueError(f"{len(tasks)} tasks but {len(batch_sizes)} batch sizes")
-        self.streams = tuple(TaskStream(i, data, seed) for i, data in enumerate(tasks))
+        n = len(tasks)
+        self.streams = tuple(TaskStream(data, seed) for data in tasks)
         self.batch_sizes = tuple(int(b) for b in batch_sizes)
-        self.max_batches = tuple(max_batches) if max_batches is not None else (None,) * len(tasks)
-        self.retired: dict[int, int] = {}
-        """Task index -> the first step whose batch leaves it out (a task stopped for non-finite updates)."""
+        self.max_batches = tuple(max_batches) if max_batches is not None else (None,) * n
+        self.turns = [
+            TaskTurns(
+                tokens=b * s.batch_tokens, batches=limit, joined=j, share=share, deadline=deadline, changes=history
+            )
+            for s, b, limit, j, share, deadline, history in zip(
+                self.streams,
+                self.batch_sizes,
+                self.max_batches,
+                joined or (0,) * n,
+                shares or (None,) * n,
+                deadlines or (None,) * n,
+                changes or ((),) * n,
+                strict=True,
+            )
+        ]
+        self.departed = tuple(departed)
+        self._taken = np.zeros((1, n), dtype=np.int64)
+        """``_taken[s, t]``: global batches task ``t`` took part in before step ``s`` (grown on demand)."""
+
+    @property
+    def joined(self) -> tuple[int, ...]:
+        return tuple(t.joined for t in self.turns)
+
+    @property
+    def retired(self) -> dict[int, int]:
+        """Task index -> the first step whose batch leaves it out (stopped or finished)."""
+        return {t: turn.until for t, turn in enumerate(self.turns) if turn.until is not None}
 
     def retire(self, task_index: int, from_step: int) -> None:
         """Leave task ``task_index`` out of the batches of ``from_step`` on. Keyed by step, not by when it
         is called, so a batch drawn ahead (look-ahead dispatch) is the same whenever it is drawn."""
-        self.retired = {**self.retired, task_index: min(from_step, self.retired.get(task_index, from_step))}
+        turn = self.turns[task_index]
+        until = from_step if turn.until is None else min(turn.until, from_step)
+        self.turns[task_index] = replace(turn, until=until)
+        self._taken = self._taken[: until + 1]
+
+    def _cumulative(self, step: int) -> np.ndarray:
+        if step >= len(self._taken):
+            horizon = max(step + 1, 2 * len(self._taken))
+            took = turns([*self.turns, *self.departed], horizon - 1)[:, : len(self.turns)]
+            self._taken = np.vstack([np.zeros((1, len(self.turns)), dtype=np.int64), np.cumsum(took, axis=0)])
+        return self._taken[step]
 
     def batches_taken(self, task_index: int, step: int) -> int:
         """Global batches task ``task_index`` took part in before step ``step``."""
-        limit = self.max_batches[task_index]
-        return step if limit is None else min(step, limit)
+        return int(self._cumulative(step)[task_index])
+
+    def end_step(self, horizon: int) -> int:
+        """The step after the last one (within ``horizon``) any task takes part in."""
+        return last_step(self.turns, horizon)
 
     def cursors(self, step: int) -> list[int]:
         """Per task, the next sample id before step ``step``."""
-        return [self.batches_taken(t, step) * b for t, b in enumerate(self.batch_sizes)]
+        return [int(n) * b for n, b in zip(self._cumulative(step), self.batch_sizes, strict=True)]
 
     def global_batch(self, step: int) -> GlobalBatch:
         """Step ``step``'s batch: each active task's next ``batch_size`` samples, grouped by task.
@@ -183,9 +254,10 @@ class DataStreams:
         """
         task_ids, sample_ids, lengths = [], [], []
         truncated = 0
+        after = self._cumulative(step + 1)
         for t, (stream, start) in enumerate(zip(self.streams, self.cursors(step), strict=True)):
-            if self.batches_taken(t, step + 1) == self.batches_taken(t, step) or step >= self.retired.get(t, step + 1):
-                continue  # the task has taken its batches, or was stopped
+            if after[t] * self.batch_sizes[t] == start:
+                continue  # not its turn: not joined yet, done, stopped, or its share skips this step
             for sample_id in range(start, start + self.batch_sizes[t]):
                 index = stream.example_index(sample_id)
                 truncated += index in stream.data.truncated_ids
@@ -207,20 +279,32 @@ class DataStreams:
         return [self.streams[int(t)].example(int(s)) for t, s in zip(task_ids, sample_ids, strict=True)]
 
     def state_dict(self, step: int) -> dict[str, Any]:
-        """What a checkpoint after ``step`` completed steps records of the data."""
+        """What a checkpoint after ``step`` completed steps records of the data, per task by name."""
         return {
             "step": step,
+            "tasks": [s.data.name for s in self.streams],
             "cursors": self.cursors(step),
             "examples": [len(s.data.examples) for s in self.streams],
             "fingerprints": [s.data.fingerprint for s in self.streams],
         }
 
     def check_state(self, state: Mapping[str, Any]) -> None:
-        """ValueError unless this data, at the checkpoint's step, is where the checkpoint left it
-        (same tasks, example counts and batch sizes: otherwise the batches would silently differ)."""
-        now = self.state_dict(int(state["step"]))
-        for key in ("examples", "cursors", "fingerprints"):
-            if key in state and list(state[key]) != now[key]:
-                raise ValueError(
-                    f"the data changed since the checkpoint: {key} {list(state[key])} then, {now[key]} now"
-                )
+        """ValueError unless this data, at the checkpoint's step, is where the checkpoint left it, task by
+        task (same example counts, cursors and contents: otherwise the batches would silently differ). A
+        task the checkpoint does not have must join at or after its step; one it has that this data lacks
+        has left the run."""
+        step = int(state["step"])
+        now = self.state_dict(step)
+        saved_names = list(state.get("tasks", now["tasks"]))
+        for t, name in enumerate(now["tasks"]):
+            if name not in saved_names:
+                if self.turns[t].joined < step:
+                    raise ValueError(f"the data changed since the checkpoint: task {name!r} is not in it")
+                continue
+            k = saved_names.index(name)
+            for key in ("examples", "cursors", "fingerprints"):
+                if key in state and state[key][k] != now[key][t]:
+                    raise ValueError(
+                        f"the data changed since the checkpoint: task {name!r}'s {key[:-1]} {state[key][k]} "
+                        f"then, {now[key][t]} now"
+                    )

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
@@ -31,12 +32,19 @@ def module_suffix(name: str) -> str:
 
 
 def inject_multi_lora(
-    model: nn.Module, adapters: Sequence[LoraSpec], *, backend: LoraBackend = LoraBackend.AUTO
+    model: nn.Module,
+    adapters: Sequence[LoraSpec],
+    *,
+    backend: LoraBackend = LoraBackend.AUTO,
+    seeds: Sequence[int] | None = None,
 ) -> list[str]:
     """Wraps every targeted linear of ``model`` in place; adapter id ``i`` is ``adapters[i]``.
 
     A module is wrapped when its name's suffix is in some adapter's ``target_modules``; adapter
     ``i`` is added only where its own targets match. Every other parameter of the model is frozen.
+    With ``seeds``, adapter ``i``'s initial weights are drawn, layer by layer in model order, from a
+    generator seeded with ``seeds[i]`` alone (the global one is left as it was): an adapter starts the
+    same whichever adapters are injected beside it. Without, all are drawn from the global generator.
 
     Returns:
         The names of the wrapped modules, in model order.
@@ -49,17 +57,28 @@ def inject_multi_lora(
     names = [name for name, _ in model.named_modules() if module_suffix(name) in targets]
     if not names:
         raise ValueError(f"no module of {type(model).__name__} matches target_modules {sorted(targets)}")
+    if seeds is not None and len(seeds) != len(adapters):
+        raise ValueError(f"{len(adapters)} adapters but {len(seeds)} seeds")
     model.requires_grad_(False)
+    layers = []
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         original = getattr(parent, child)
         # A new module starts in training mode; keep the model's mode (dropout off in eval).
         layer = MultiLoraLinear(original, backend=backend).train(original.training)
-        for adapter_id, spec in enumerate(adapters):
-            if child in spec.target_modules:
-                layer.add_adapter(adapter_id, spec)
+        if seeds is None:
+            for adapter_id, spec in enumerate(adapters):
+                if child in spec.target_modules:
+                    layer.add_adapter(adapter_id, spec)
         setattr(parent, child, layer)
+        layers.append((child, layer))
+    for adapter_id, (spec, seed) in enumerate(zip(adapters, seeds or (), strict=False)):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for child, layer in layers:
+                if child in spec.target_modules:
+                    layer.add_adapter(adapter_id, spec)
     return names
 
 

@@ -18,27 +18,21 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer
-from lorafleet.data.tokenize import load_tokenizer
+from lorafleet.data.model_source import data_tokenizer, resolve_model_source
 from lorafleet.errors import InputError
-from lorafleet.executor.torch.base_model import (
-    ModelSource,
-    SourceKind,
-    load_base,
-    load_source_tokenizer,
-    resolve_model_source,
-)
+from lorafleet.executor.torch.base_model import load_base
 from lorafleet.executor.torch.data_stream import DataStreams, TaskData, prepare_task_data
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import DeploymentPlan
+from lorafleet.specs.model import adapter_base_model
 from lorafleet.specs.workload import TaskSpec, WorkloadSpec
+from lorafleet.turns import TaskTurns
 
 
 def init_distributed(device: str = "auto") -> torch.device:
@@ -66,15 +60,10 @@ def init_distributed(device: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def task_tokenizer(spec: WorkloadSpec, source: ModelSource) -> Any:
-    """The tokenizer training data is tokenized with: the workload's ``tokenizer`` directory, else
-    the model's own, else (random-weight presets) the project's tiny BPE, built here."""
-    if spec.tokenizer is not None:
-        return load_tokenizer(spec.tokenizer, "workload", "tokenizer")
-    if source.kind is not SourceKind.RANDOM:
-        return load_source_tokenizer(source)
-    with tempfile.TemporaryDirectory(prefix="lorafleet-tokenizer-") as tmp:
-        return load_tokenizer(str(build_tiny_tokenizer(tmp, vocab_size=source.spec.vocab)), "workload", "tokenizer")
+def task_tokenizer(spec: WorkloadSpec) -> Any:
+    """The tokenizer a workload's data is tokenized with (``lorafleet.data.model_source.data_tokenizer``: the
+    same rule as the lengths ``validate`` and ``plan`` measure from data)."""
+    return data_tokenizer(spec.model, spec.tokenizer, source="workload")
 
 
 def task_batches(task: TaskSpec, data: TaskData) -> int | None:
@@ -86,13 +75,30 @@ def task_batches(task: TaskSpec, data: TaskData) -> int | None:
     return None
 
 
-def training_streams(spec: WorkloadSpec, run_steps: int) -> DataStreams:
-    """Every task's data stream as the executor builds it (tokenized with the run's tokenizer)."""
-    source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
-    tokenizer = task_tokenizer(spec, source)
+def training_streams(
+    spec: WorkloadSpec,
+    run_steps: int,
+    tokenizer: Any | None = None,
+    turn_changes: Mapping[str, tuple] | None = None,
+    departed: Sequence[TaskTurns] = (),
+) -> DataStreams:
+    """Every task's data stream as the executor builds it (tokenized with the run's tokenizer): its batch
+    size and steps, and its turns (its start step, share and deadline, and ``turn_changes``, by task, of
+    the share and deadline while the job ran, and the turns of the tasks that ``departed``: ``lorafleet.turns``)."""
+    if tokenizer is None:
+        tokenizer = task_tokenizer(spec)
     data = [prepare_task_data(task, tokenizer, "workload") for task in spec.tasks]
-    limits = [task_batches(task, d) for task, d in zip(spec.tasks, data, strict=True)]
-    return DataStreams(data, [t.batch_size for t in spec.tasks], spec.seed, limits)
+    return DataStreams(
+        data,
+        [t.batch_size for t in spec.tasks],
+        spec.seed,
+        [task_batches(task, d) for task, d in zip(spec.tasks, data, strict=True)],
+        joined=[t.start_step for t in spec.tasks],
+        shares=[t.share for t in spec.tasks],
+        deadlines=[t.deadline for t in spec.tasks],
+        changes=[(turn_changes or {}).get(t.name, ()) for t in spec.tasks],
+        departed=departed,
+    )
 
 
 def build_torch_executor(
@@ -102,25 +108,42 @@ def build_torch_executor(
     device: torch.device,
     dtype: torch.dtype = torch.float32,
     slowdown: Mapping[int, float] | None = None,
+    turn_changes: Mapping[str, tuple] | None = None,
+    departed: Sequence[TaskTurns] = (),
+    report: Callable[[str], None] | None = None,
+    tokenizer: Any | None = None,
 ) -> TorchExecutor:
     """This rank's executor for a workload (data paths resolved) and a plan (checked by the caller:
-    ``lorafleet.plan_check``). Collective. ``slowdown`` injects stragglers (``ExecutorConfig.slowdown``)."""
+    ``lorafleet.plan_check``). Collective. ``slowdown`` injects stragglers (``ExecutorConfig.slowdown``).
+    A task's learning-rate schedule spans the run's steps from its start, at most its own ``steps``.
+    ``report``, when given, is told each phase as it ends (the data tokenized, the base model loaded).
+    ``tokenizer``: the workload's (:func:`task_tokenizer`), when the caller has it already."""
     source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
-    tokenizer = task_tokenizer(spec, source)
-    data = [prepare_task_data(task, tokenizer, "workload") for task in spec.tasks]
-    limits = [task_batches(task, d) for task, d in zip(spec.tasks, data, strict=True)]
-    streams = DataStreams(data, [t.batch_size for t in spec.tasks], spec.seed, limits)
+    streams = training_streams(spec, run_steps, tokenizer, turn_changes, departed)
+    if report is not None:
+        examples = [stream.data.examples for stream in streams.streams]
+        tokens = sum(len(e.input_ids) for task in examples for e in task)
+        report(f"tokenized: {len(examples)} tasks, {sum(map(len, examples)):,} examples, {tokens:,} tokens")
+    limits = streams.max_batches
     tasks = tuple(
         TaskTraining(
             name=t.name,
             lora=t.lora,
             optimizer=t.optimizer,
-            total_steps=min(run_steps, limit) if limit is not None else run_steps,
+            total_steps=max(1, min(run_steps - t.start_step, limit if limit is not None else run_steps)),
         )
         for t, limit in zip(spec.tasks, limits, strict=True)
     )
     config = ExecutorConfig(
-        plan=plan, tasks=tasks, seed=spec.seed, base_model=spec.model, slowdown=dict(slowdown or {})
+        plan=plan,
+        tasks=tasks,
+        seed=spec.seed,
+        base_model=adapter_base_model(spec.model, spec.base_model_id),
+        slowdown=dict(slowdown or {}),
     )
     model, weights = load_base(source, dtype)
+    if report is not None:
+        params = sum(p.numel() for p in model.parameters()) / 1e6
+        precision = str(dtype).removeprefix("torch.")
+        report(f"base model loaded: {config.base_model}, {params:,.1f}M parameters, {precision}")
     return TorchExecutor(config, model, streams, device, weights=weights)

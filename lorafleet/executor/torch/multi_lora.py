@@ -92,16 +92,25 @@ class _MultiLoraFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, routing, keep, backend, *lora):
         n = len(lora) // 2
         y, saved = _implementation(backend).forward(x, weight, bias, lora[:n], lora[n:], routing, keep)
-        ctx.routing, ctx.backend, ctx.n_adapters = routing, backend, n
-        ctx.save_for_backward(x, weight, keep, *lora, *saved)
+        # Only the adapters this call routes rows to are saved (and so version-checked in the
+        # backward): another task's adapter may be stepped in place while this micro-batch is in
+        # flight (the streamed pipeline, costmodel.schedule), and it gets no gradient from here.
+        used = sorted({a for a, length in zip(routing.segments.adapter_ids, routing.segments.lengths) if length})
+        ctx.routing, ctx.backend, ctx.used = routing, backend, used
+        ctx.unused = [None if a in used else (lora[a], lora[n + a]) for a in range(n)]  # shapes only
+        ctx.save_for_backward(x, weight, keep, *(lora[a] for a in used), *(lora[n + a] for a in used), *saved)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
         x, weight, keep, *rest = ctx.saved_tensors
-        n = ctx.n_adapters
-        lora_A, lora_B, saved = rest[:n], rest[n : 2 * n], rest[2 * n :]
+        used = ctx.used
+        lora_A = [None if pair is None else pair[0] for pair in ctx.unused]
+        lora_B = [None if pair is None else pair[1] for pair in ctx.unused]
+        for j, a in enumerate(used):
+            lora_A[a], lora_B[a] = rest[j], rest[len(used) + j]
+        saved = rest[2 * len(used) :]
         need_x, need_lora = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
         impl = _implementation(ctx.backend)
         dx, dA, dB = impl.backward(grad_y, x, weight, lora_A, lora_B, ctx.routing, keep, saved, need_x, need_lora)

@@ -11,24 +11,27 @@ stages. No shape header is sent: every rank holds the whole StepPlan, so the rec
 each micro-batch's ``(B, S)`` already (:func:`microbatch_shape`), which saves one message and
 one synchronisation per transfer; variable-length micro-batches need nothing more.
 
-**Schedule.** 1F1B (PipeDream-flush, as in Megatron-LM): stage ``k`` of ``P`` runs
-``w = min(P - k - 1, n)`` warm-up forwards, then alternates one forward and one backward,
-then drains the remaining backwards. At most ``P - k`` micro-batches' activations are alive
-on stage ``k``, against ``n`` for GPipe. Sends and receives that happen together (forward
-out, gradient in) are posted as one batch, so two neighbours never wait on each other.
-Because every task's loss is normalised by its *global* token count before the step, the
-gradients of the ``n`` micro-batches simply accumulate: no flush-time rescaling.
+**Schedule.** The order of a stage's forwards and backwards comes from
+``costmodel.schedule.stream_order`` (1F1B over a window of steps; one step is 1F1B flushed, as in
+Megatron-LM): :func:`run_stream` only carries it out. Sends are posted without waiting (each
+message has its own tag, the micro-batch's position in the window and its direction, and is
+waited for at the end of the window), receives are waited for when the op needs them, so a stage
+never blocks on a neighbour that is busy elsewhere in its order. Because every task's loss is
+normalised by its *global* token count before the step, the gradients of a step's micro-batches
+simply accumulate: no flush-time rescaling.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lorafleet.costmodel.schedule import FORWARD
 from lorafleet.executor.torch.layout import RankRole
 from lorafleet.plans import MicroBatch
 
@@ -66,85 +69,61 @@ class Neighbours:
         return torch.empty((*microbatch_shape(mb), self.hidden), dtype=self.dtype, device=self.device)
 
 
-def _exchange(sends: list[tuple[Tensor, int]], recvs: list[tuple[Tensor, int]]) -> None:
-    """Posts every send and receive at once and waits for all of them."""
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer) for t, peer in sends]
-    ops += [dist.P2POp(dist.irecv, t, peer) for t, peer in recvs]
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-
-
-def run_1f1b(
-    microbatches: tuple[MicroBatch, ...],
+def run_stream(
+    microbatches: Sequence[MicroBatch],
+    order: Sequence[tuple[str, int]],
     role: RankRole,
     neighbours: Neighbours,
     forward: Callable[[int, Tensor | None], Tensor],
+    after_op: Callable[[str, int, float], None] = lambda kind, i, seconds: None,
 ) -> None:
-    """Runs forward and backward of every micro-batch on this rank's stage, 1F1B order.
+    """Runs this stage's forwards and backwards of ``microbatches`` in ``order``.
 
     Args:
-        microbatches: the replica's micro-batches (every stage of it gets the same tuple).
+        microbatches: the replica's micro-batches of the window, in stream order (every stage of it
+            gets the same sequence).
+        order: ``("F", i)`` / ``("B", i)`` ops (``costmodel.schedule.stream_order`` of this stage).
         role: this rank's stage.
         neighbours: peers and activation layout.
         forward: ``forward(i, x)`` runs micro-batch ``i`` on this stage; ``x`` is the received
             activation ``(B, S, H)`` (None on the first stage). It returns the activation to
             send on, or, on the last stage, the scalar loss to differentiate.
+        after_op: called with ``(kind, i, seconds)`` after each op; ``seconds`` is its compute time,
+            from its input's arrival to its output's send (what ``costmodel.schedule.timeline``
+            replays).
     """
-    n = len(microbatches)
     first, last = role.is_first_stage, role.is_last_stage
     inputs: dict[int, Tensor | None] = {}
     outputs: dict[int, Tensor] = {}
+    sends: list[tuple[dist.Work, Tensor]] = []  # kept alive until sent
 
-    def recv_input(i: int) -> Tensor | None:
-        if first:
-            return None
-        x = neighbours.buffer(microbatches[i])
-        _exchange([], [(x, neighbours.prev)])
-        return x
+    def send(tensor: Tensor, peer: int | None, tag: int) -> None:
+        tensor = tensor.contiguous()
+        sends.append((dist.isend(tensor, peer, tag=tag), tensor))
 
-    def run_forward(i: int, x: Tensor | None) -> Tensor:
-        if x is not None:
-            x.requires_grad_(True)
-        inputs[i], outputs[i] = x, forward(i, x)
-        return outputs[i]
+    def recv(i: int, peer: int | None, tag: int) -> Tensor:
+        buffer = neighbours.buffer(microbatches[i])
+        dist.irecv(buffer, peer, tag=tag).wait()
+        return buffer
 
-    def run_backward(i: int, grad: Tensor | None) -> Tensor | None:
-        """Backward of micro-batch ``i``; returns the gradient of its input (None on stage 0)."""
-        x, y = inputs.pop(i), outputs.pop(i)
-        if y.requires_grad:  # a first stage whose layers hold no adapter has nothing to differentiate
-            torch.autograd.backward(y, None if last else grad)
-        return None if x is None else x.grad
-
-    def send_output_recv_grad(y: Tensor, j: int) -> Tensor | None:
-        """Send micro-batch's output on; receive the gradient of micro-batch ``j``'s output."""
-        if last:
-            return None
-        grad = neighbours.buffer(microbatches[j])
-        _exchange([(y.detach(), neighbours.next)], [(grad, neighbours.next)])
-        return grad
-
-    def send_grad_recv_input(dx: Tensor | None, i: int | None) -> Tensor | None:
-        """Send a gradient back; receive micro-batch ``i``'s input (when ``i`` is not None)."""
-        x = None if (first or i is None) else neighbours.buffer(microbatches[i])
-        sends = [] if first else [(dx, neighbours.prev)]
-        _exchange(sends, [] if x is None else [(x, neighbours.prev)])
-        return x
-
-    warmup = min(role.replica.pp - role.stage - 1, n)
-    for i in range(warmup):
-        y = run_forward(i, recv_input(i))
-        if not last:
-            _exchange([(y.detach(), neighbours.next)], [])
-    x = recv_input(warmup) if warmup < n else None
-    for j in range(n - warmup):  # steady state: forward i = warmup + j, backward j
-        i = warmup + j
-        grad = send_output_recv_grad(run_forward(i, x), j)
-        dx = run_backward(j, grad)
-        x = send_grad_recv_input(dx, i + 1 if i + 1 < n else None)
-    for j in range(n - warmup, n):  # cool-down: the backwards still owed
-        grad = None
-        if not last:
-            grad = neighbours.buffer(microbatches[j])
-            _exchange([], [(grad, neighbours.next)])
-        send_grad_recv_input(run_backward(j, grad), None)
+    for kind, i in order:
+        if kind == FORWARD:
+            x = None if first else recv(i, neighbours.prev, 2 * i)
+            start = time.perf_counter()
+            if x is not None:
+                x.requires_grad_(True)
+            y = forward(i, x)
+            inputs[i], outputs[i] = x, y
+            if not last:
+                send(y.detach(), neighbours.next, 2 * i)
+        else:
+            grad = None if last else recv(i, neighbours.next, 2 * i + 1)
+            start = time.perf_counter()
+            x, y = inputs.pop(i), outputs.pop(i)
+            if y.requires_grad:  # a first stage whose layers hold no adapter has nothing to differentiate
+                torch.autograd.backward(y, grad)
+            if not first:
+                send(x.grad, neighbours.prev, 2 * i + 1)
+        after_op(kind, i, time.perf_counter() - start)
+    for work, _ in sends:
+        work.wait()

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lorafleet.executor.torch.attention import use_document_attention
@@ -66,6 +67,8 @@ class Replica:
     params: dict[tuple[int, str, str], nn.Parameter]
     """This rank's local shards, by (task, module, factor)."""
     grad_sync: GradSync
+    update_group: dist.ProcessGroup | None
+    """Every rank: the per-task updates' statistics (``updates``); None in a world of one."""
 
     def task_params(self, task: int) -> list[nn.Parameter]:
         """This rank's shards of one task's adapter (empty when no layer of its stage has it)."""
@@ -79,7 +82,7 @@ def build_replica(
     rank: int,
     world_size: int,
     *,
-    seed: int,
+    seeds: Sequence[int],
     device: torch.device,
     backend: LoraBackend = LoraBackend.AUTO,
     weights: SafetensorsWeights | None = None,
@@ -91,17 +94,15 @@ def build_replica(
             its skeleton on the meta device; changed in place.
         adapters: one LoRA spec per task; adapter id ``i`` is task ``i``.
         plan: the deployment; ``rank``'s replica, stage and TP rank come from it.
-        seed: seed of the initial adapter weights (A Kaiming-uniform, B zero, as PEFT).
+        seeds: per adapter, the seed of its initial weights (A Kaiming-uniform, B zero, as PEFT).
         device: where this rank computes.
         backend: the multi-LoRA operator's implementation.
         weights: per-stage loading: where the skeleton's base tensors are read from.
 
     Collective: every rank of the world must call it, with the same plan.
     """
-    # 1. Inject, from a generator forked off the global one so building does not move it.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        inject_multi_lora(model, adapters, backend=backend)
+    # 1. Inject, each adapter from its own seed (the global generator does not move).
+    inject_multi_lora(model, adapters, backend=backend, seeds=seeds)
     use_document_attention(model)  # packed micro-batches attend per sequence (Σ s_i^2, not (Σ s_i)^2)
     for _, layer in multi_lora_layers(model):
         layer.train()  # adapter dropout is on while training; the frozen base stays in eval mode
@@ -112,7 +113,7 @@ def build_replica(
     groups = build_process_groups(fleet, holder_sets(pieces), rank)
     role = fleet.role(rank)
     if role is None:
-        return Replica(None, None, None, fleet, params, {}, GradSync(pieces, None, {}, groups.sync))
+        return Replica(None, None, None, fleet, params, {}, GradSync(pieces, None, {}, groups.sync), groups.updates)
     # 3. Tensor parallelism, then 4. the pipeline split, then 5. the device.
     parallelize_tensor(model, role.tp_rank, role.replica.tp, groups.tp)
     split_for_pipeline(model, role)
@@ -127,7 +128,8 @@ def build_replica(
     }
     dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)  # the base's: adapters may be fp32 masters
     neighbours = Neighbours(role.prev_rank, role.next_rank, model.config.hidden_size, dtype, device)
-    return Replica(model, role, neighbours, fleet, params, local, GradSync(pieces, role, local, groups.sync))
+    sync = GradSync(pieces, role, local, groups.sync)
+    return Replica(model, role, neighbours, fleet, params, local, sync, groups.updates)
 
 
 def load_stage(model: nn.Module, weights: SafetensorsWeights, role: RankRole, device: torch.device) -> None:

@@ -36,12 +36,13 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from lorafleet.costmodel.schedule import StreamMicroBatch, stream_order
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
 from lorafleet.executor.torch.attention import uses_document_attention
 from lorafleet.executor.torch.data_stream import loss_tokens
 from lorafleet.executor.torch.inject import segments_context
 from lorafleet.executor.torch.layout import RankRole
-from lorafleet.executor.torch.pipeline import Neighbours, microbatch_shape, run_1f1b
+from lorafleet.executor.torch.pipeline import Neighbours, microbatch_shape, run_stream
 from lorafleet.executor.torch.routing import Segments
 from lorafleet.executor.torch.transfer import to_device
 from lorafleet.plans import MicroBatch
@@ -168,6 +169,51 @@ def token_losses(logits: Tensor, inputs: MicroBatchInputs) -> Tensor:
 
 
 @dataclass(frozen=True)
+class WindowStep:
+    """One step of a window as one rank runs it."""
+
+    step: int
+    microbatches: tuple[MicroBatch, ...]
+    """This rank's replica's micro-batches of the step, in plan order."""
+    examples: Mapping[int, Example]
+    """Global-batch position -> example, for every sequence of ``microbatches``."""
+    inv_tokens: Sequence[float]
+    """``1 / N_t`` per task (0 for a task absent from the step's batch)."""
+
+
+def window_stream(steps: Sequence[WindowStep]) -> tuple[list[tuple[int, MicroBatch]], list[StreamMicroBatch]]:
+    """The window's micro-batches in stream order as ``(position of its step in the window, micro-batch)``,
+    and the same as the schedule sees them."""
+    mbs = [(j, mb) for j, step in enumerate(steps) for mb in step.microbatches]
+    return mbs, [StreamMicroBatch(j, frozenset(mb.task_ids)) for j, mb in mbs]
+
+
+class WindowForward:
+    """``forward(i, x)`` of the window's i-th micro-batch on this rank's stage (``pipeline.run_stream``'s
+    callback), accumulating each step's ``Σ_{i on this rank} ℓ_i / N_t`` per task."""
+
+    def __init__(self, model: nn.Module, role: RankRole, device: torch.device, steps: Sequence[WindowStep]) -> None:
+        self.model, self.role, self.device, self.steps = model, role, device, steps
+        self.mbs, self.stream = window_stream(steps)
+        n_tasks = len(steps[0].inv_tokens) if steps else 0
+        self.task_loss = torch.zeros((len(steps), n_tasks), dtype=torch.float64, device=device)
+        """(W, tasks) fp64; zeros off the last stage and off TP rank 0 (TP ranks compute the same loss)."""
+        self._report = role.is_last_stage and role.tp_rank == 0
+
+    def __call__(self, i: int, x: Tensor | None) -> Tensor:
+        j, mb = self.mbs[i]
+        step = self.steps[j]
+        inputs = build_inputs(mb, [step.examples[q] for q in mb.seq_ids], step.inv_tokens, self.device)
+        out = stage_forward(self.model, self.role, x, inputs)
+        if not self.role.is_last_stage:
+            return out
+        weighted = token_losses(out, inputs) * inputs.weights.view(-1)  # (B*S,) fp64: ℓ_i / N_t(i)
+        if self._report:
+            self.task_loss[j].index_add_(0, inputs.token_task.view(-1), weighted.detach())
+        return weighted.sum()
+
+
+@dataclass(frozen=True)
 class RankStepResult:
     """What one rank measured in a step."""
 
@@ -185,27 +231,10 @@ def run_rank_step(
     examples: Mapping[int, Example],
     inv_tokens: Sequence[float],
 ) -> RankStepResult:
-    """Forward and backward of the replica's micro-batches on this rank; gradients accumulate.
-
-    Args:
-        examples: global-batch position -> example, for every sequence of ``microbatches``.
-        inv_tokens: ``1 / N_t`` per task (0 for a task absent from the batch).
-    """
+    """Forward and backward of one step's micro-batches on this rank, 1F1B; gradients accumulate,
+    nothing is updated (the profiler's unit of a step; the executor runs windows, ``worker``)."""
     start = time.perf_counter()
-    device = neighbours.device
-    task_loss = torch.zeros(len(inv_tokens), dtype=torch.float64, device=device)
-    report_loss = role.is_last_stage and role.tp_rank == 0  # TP ranks compute the same loss: count it once
-
-    def forward(i: int, x: Tensor | None) -> Tensor:
-        mb = microbatches[i]
-        inputs = build_inputs(mb, [examples[q] for q in mb.seq_ids], inv_tokens, device)
-        out = stage_forward(model, role, x, inputs)
-        if not role.is_last_stage:
-            return out
-        weighted = token_losses(out, inputs) * inputs.weights.view(-1)  # (B*S,) fp64: ℓ_i / N_t(i)
-        if report_loss:
-            task_loss.index_add_(0, inputs.token_task.view(-1), weighted.detach())
-        return weighted.sum()
-
-    run_1f1b(microbatches, role, neighbours, forward)
-    return RankStepResult(task_loss, time.perf_counter() - start)
+    forward = WindowForward(model, role, neighbours.device, [WindowStep(0, microbatches, examples, inv_tokens)])
+    order = stream_order(role.replica.pp, role.stage, forward.stream)
+    run_stream(microbatches, order, role, neighbours, forward)
+    return RankStepResult(forward.task_loss[0], time.perf_counter() - start)

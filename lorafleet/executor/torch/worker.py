@@ -16,19 +16,23 @@ time; the next SAVE, :meth:`TorchExecutor.flush_checkpoints` and :meth:`TorchExe
 wait for it, and a failed write raises there. A process killed mid-write leaves that
 checkpoint uncommitted, so a resume takes the one before.
 
-One step, on every rank (``_run_step``):
+A window of consecutive steps, on every rank (``_run_window``; ``run_step`` is a window of one):
 
-1. reseed the generators from ``(seed, step, rank)`` (adapter dropout draws from them);
-2. count ``N_t``, the loss tokens of each task in the whole global batch (host, no comm.);
-3. run the replica's micro-batches, 1F1B over its stages (``step.run_rank_step``);
-4. sum adapter gradients over the holders of each piece (``grad_sync``);
-5. one world all-reduce of [loss per task | squared gradient norm per task | moved per task |
-   busy, elapsed and CPU seconds per rank];
-6. step the optimizer of every task that had sequences in the batch, clipped by its norm,
-   unless its loss or gradient norm is not finite: then the task's gradients are dropped and
-   its adapter and optimizer state stay as they were (every rank sees the same all-reduced
-   numbers, so every rank skips alike; other tasks' updates are untouched, bitwise), and the
-   report names it in ``nonfinite_tasks``.
+1. count ``N_t``, the loss tokens of each task in each step's whole global batch (host, no comm.);
+2. run the replica's micro-batches of the whole window in one stream, 1F1B over its stages
+   (``costmodel.schedule.stream_order``, ``pipeline.run_stream``): a pipelined replica does not
+   drain between the window's steps. Each forward reseeds the generator from ``(seed, step, rank,
+   micro-batch)`` (adapter dropout draws from it), so masks do not depend on the window;
+3. as soon as this rank has run every backward of a step that holds task ``t``, submit ``t``'s
+   update of that step (``updates.TaskUpdates``): its gradient sum over the holders of each piece
+   (``grad_sync``) and one all-reduce of its loss and squared gradient norm run on a worker
+   thread while the pipeline goes on with other tasks; the optimizer steps ``t`` (clipped by its
+   norm) on this thread before ``t``'s next forward, or skips it when the loss or norm is not
+   finite: the gradients are dropped, the adapter and optimizer state stay as they were (every
+   rank sees the same all-reduced numbers, so every rank skips alike; other tasks' updates are
+   untouched), and the report names it in ``nonfinite_tasks``;
+4. at the window's end, the remaining updates, then one world all-reduce of [moved per step and
+   task | busy, finished and CPU seconds per step and rank] for the reports.
 
 Once a task has taken its warm-up steps (at least one), its adapter is compared with where it
 started; one that has not moved at all (a learning rate or scale that rounds every update
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,6 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lorafleet.costmodel.schedule import BACKWARD, stream_order
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.base_model import SafetensorsWeights
 from lorafleet.executor.torch.checkpoint import (
@@ -62,11 +68,14 @@ from lorafleet.executor.torch.checkpoint import (
     save_train_state,
     step_dir_name,
 )
-from lorafleet.executor.torch.data_stream import DataStreams
+from lorafleet.executor.torch.checkpoint_files import read_manifest
+from lorafleet.executor.torch.data_stream import DataStreams, task_key
 from lorafleet.executor.torch.optim import TaskOptimizer
+from lorafleet.executor.torch.pipeline import run_stream
 from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.routing import LoraBackend
-from lorafleet.executor.torch.step import RankStepResult, inverse_token_counts, run_rank_step
+from lorafleet.executor.torch.step import WindowForward, WindowStep, inverse_token_counts
+from lorafleet.executor.torch.updates import UPDATE, Key, TaskUpdates, UpdateOutcome
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 
@@ -97,6 +106,9 @@ class ExecutorConfig:
     """Fault injection: replica id -> factor f >= 1. The replica's ranks wait (f - 1) x their compute time
     after each step's micro-batches, as a replica f times slower would take (stragglers in tests and
     benchmarks; the busy time reported includes the wait)."""
+    record_ops: bool = False
+    """Keep every op's duration in ``TorchExecutor.op_log`` (``benchmarks/bench_pipeline.py``); off in
+    training, where the log would grow with every step."""
 
 
 class CommandKind(StrEnum):
@@ -115,9 +127,10 @@ class Command:
     payload: Any = None
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """The generator seed of one rank at one step (63 bits, from a SeedSequence)."""
-    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1, dtype=np.uint64)[0] >> 1)
+def microbatch_seed(seed: int, step: int, rank: int, index: int) -> int:
+    """The generator seed of one rank's forward of micro-batch ``index`` of a step (63 bits, from a
+    SeedSequence): adapter dropout draws the same masks whatever the window or schedule."""
+    return int(np.random.SeedSequence([seed, step, rank, index]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 def check_step_plan(step_plan: StepPlan, batch: GlobalBatch, n_replicas: int) -> None:
@@ -166,7 +179,7 @@ class TorchExecutor:
             config.plan,
             self.rank,
             self.world_size,
-            seed=config.seed,
+            seeds=[task_key(config.seed, t.name) for t in config.tasks],
             device=device,
             backend=config.lora_backend,
             weights=weights,
@@ -180,6 +193,10 @@ class TorchExecutor:
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-checkpoint") if self.rank == 0 else None
         )
         self._writing: Future[Path] | None = None
+        self.op_log: list[tuple[int, str, int, float]] = []
+        """With ``config.record_ops``, this rank's ops so far: (step, ``F``/``B``, index in its window,
+        compute seconds), and its optimizer steps (step, ``U``, task, seconds), for
+        ``costmodel.schedule.timeline`` replays (``benchmarks/bench_pipeline.py``)."""
 
     def _snapshot(self) -> dict[int, list[torch.Tensor]]:
         """Each task's local adapter shards as they start (kept until the task's moved-check)."""
@@ -205,23 +222,30 @@ class TorchExecutor:
         return batch
 
     def run_step(self, step_plan: StepPlan) -> StepReport:
-        """Runs a dispatched step of a batch from :meth:`next_global_batch` on every rank."""
-        batch = self._pending.pop(step_plan.step)
-        check_step_plan(step_plan, batch, len(self.config.plan.replicas))
-        payload = (step_plan, tuple(int(t) for t in batch.task_ids), tuple(int(s) for s in batch.sample_ids))
-        report = self._broadcast_and_run(Command(CommandKind.STEP, payload))
-        assert report is not None
-        return report
+        """Runs one dispatched step (a window of one: 1F1B, drained)."""
+        return self.run_steps([step_plan])[0]
+
+    def run_steps(self, step_plans: Sequence[StepPlan]) -> list[StepReport]:
+        """Runs consecutive dispatched steps, of batches from :meth:`next_global_batch`, as one window
+        on every rank: pipelined replicas stream them without draining between them (module doc)."""
+        payload = []
+        for step_plan in step_plans:
+            batch = self._pending.pop(step_plan.step)
+            check_step_plan(step_plan, batch, len(self.config.plan.replicas))
+            payload.append((step_plan, tuple(int(t) for t in batch.task_ids), tuple(int(s) for s in batch.sample_ids)))
+        reports = self._broadcast_and_run(Command(CommandKind.STEP, tuple(payload)))
+        assert reports is not None
+        return reports
 
     def probe(self, step_plan: StepPlan, batch: GlobalBatch) -> StepReport:
         """Times ``step_plan`` (micro-batches of ``batch``, any subset of it) on every replica without
         changing any state: forwards and backwards, the gradients dropped, no optimizer step, no
         moved-check. What it is for: how fast each replica really is before the first step (DLRover's
         node check, on the run's own work), and a fresh process's one-time costs paid outside the run."""
-        payload = (step_plan, tuple(int(t) for t in batch.task_ids), tuple(int(s) for s in batch.sample_ids), True)
-        report = self._broadcast_and_run(Command(CommandKind.PROBE, payload))
-        assert report is not None
-        return report
+        payload = ((step_plan, tuple(int(t) for t in batch.task_ids), tuple(int(s) for s in batch.sample_ids)),)
+        reports = self._broadcast_and_run(Command(CommandKind.PROBE, payload))
+        assert reports is not None
+        return reports[0]
 
     def save_checkpoint(
         self, directory: str | Path, step: int, extra: dict[str, Any] | None = None, *, wait: bool = False
@@ -247,7 +271,11 @@ class TorchExecutor:
         """
         self.flush_checkpoints()
         step_dir = latest_step_dir(directory)
-        state = load_train_state(step_dir, self.names) if step_dir is not None else None
+        state = None
+        if step_dir is not None:
+            step = read_manifest(step_dir)["step"]
+            joining = [n for n, j in zip(self.names, self.streams.joined, strict=True) if j >= step]
+            state = load_train_state(step_dir, self.names, joining)
         if state is not None:
             try:
                 self.streams.check_state(state.data)
@@ -286,7 +314,7 @@ class TorchExecutor:
 
     def _execute(self, command: Command) -> Any:
         if command.kind in (CommandKind.STEP, CommandKind.PROBE):
-            return self._run_step(*command.payload)
+            return self._run_window(command.payload, probe=command.kind is CommandKind.PROBE)
         if command.kind is CommandKind.SAVE:
             directory, step, extra = command.payload
             if self.rank == 0:
@@ -306,70 +334,134 @@ class TorchExecutor:
             return command.payload
         return None
 
-    def _run_step(
-        self, step_plan: StepPlan, task_ids: Sequence[int], sample_ids: Sequence[int], probe: bool = False
-    ) -> StepReport | None:
+    def _run_window(self, payloads: Sequence[tuple[StepPlan, Sequence[int], Sequence[int]]], probe: bool = False):
+        """Runs a window of steps on this rank (module doc); rank 0 returns their reports."""
         start, cpu_start = time.perf_counter(), time.process_time()
-        torch.manual_seed(step_seed(self.config.seed, step_plan.step, self.rank))
-        n_tasks = len(self.config.tasks)
-        examples = self.streams.examples(task_ids, sample_ids)
-        inv_tokens = inverse_token_counts(task_ids, examples, n_tasks)
-        stepping = [t for t in range(n_tasks) if inv_tokens[t]]
-        role = self.replica.role
-        if role is None:
-            result = RankStepResult(torch.zeros(n_tasks, dtype=torch.float64), 0.0)
-        else:
-            microbatches = step_plan.work[role.replica.replica_id].microbatches
-            needed = {q: examples[q] for mb in microbatches for q in mb.seq_ids}
-            result = run_rank_step(self.replica.model, role, self.replica.neighbours, microbatches, needed, inv_tokens)
-            factor = self.config.slowdown.get(role.replica.replica_id, 1.0)
-            if factor > 1.0:
-                waited = time.perf_counter()
-                time.sleep((factor - 1.0) * result.busy_s)
-                result = RankStepResult(result.task_loss, result.busy_s + time.perf_counter() - waited)
-        if probe:  # timed, not trained on: drop the gradients before they are summed
-            for t in stepping:
-                self.optimizers[t].skip()
-            stepping = []
-        self.replica.grad_sync.all_reduce(stepping)
-        times = torch.zeros(3, self.world_size, dtype=torch.float64)  # busy, elapsed, CPU up to here, per rank
-        times[:, self.rank] = torch.tensor(
-            [result.busy_s, time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64
-        )
-        moved = torch.tensor([1.0 if probe else self._moved(t) for t in range(n_tasks)], dtype=torch.float64)
-        stats = torch.cat(
-            [result.task_loss.cpu(), self.replica.grad_sync.squared_norms(n_tasks, stepping), moved, times.view(-1)]
-        )
-        stats = stats.to(self.device)
-        dist.all_reduce(stats)  # one collective for losses, norms, moved-checks and times
-        stats = stats.cpu()
-        synced = time.perf_counter()
-        nonfinite = [
-            t for t in stepping if not (math.isfinite(float(stats[t])) and math.isfinite(float(stats[n_tasks + t])))
-        ]
-        for t in stepping:
-            if t in nonfinite:
-                self.optimizers[t].skip()
+        n_tasks, role = len(self.config.tasks), self.replica.role
+        steps, stepping = [], []
+        for step_plan, task_ids, sample_ids in payloads:
+            examples = self.streams.examples(task_ids, sample_ids)
+            inv_tokens = inverse_token_counts(task_ids, examples, n_tasks)
+            mbs = step_plan.work[role.replica.replica_id].microbatches if role is not None else ()
+            steps.append(
+                WindowStep(step_plan.step, mbs, {q: examples[q] for mb in mbs for q in mb.seq_ids}, inv_tokens)
+            )
+            stepping.append([t for t in range(n_tasks) if inv_tokens[t]])
+        width = len(steps)
+        moved = torch.ones(width, n_tasks, dtype=torch.float64)
+        last_backward = [0.0] * width  # when this rank ran each step's last backward
+        forward = WindowForward(self.replica.model, role, self.device, steps) if role is not None else None
+
+        def step_task(key: Key, outcome: UpdateOutcome) -> None:
+            j, t = key
+            begin = time.perf_counter()
+            moved[j, t] = self._moved(t)
+            if outcome.finite:
+                self.optimizers[t].step(math.sqrt(outcome.squared_norm))
             else:
-                self.optimizers[t].step(math.sqrt(float(stats[n_tasks + t])))
+                self.optimizers[t].skip()
+            if self.config.record_ops:
+                self.op_log.append((steps[j].step, UPDATE, t, time.perf_counter() - begin))
+
+        keys = [] if probe else [(j, t) for j in range(width) for t in stepping[j]]
+        local_loss = (lambda key: float(forward.task_loss[key].item())) if forward is not None else (lambda key: 0.0)
+        updates = TaskUpdates(
+            keys, self.replica.grad_sync, self.replica.update_group, n_tasks, step_task, local_loss, start
+        )
+        if forward is not None:
+            self._run_stream(forward, updates, last_backward, start)
+        outcomes = updates.finish()
+        if probe:  # timed, not trained on: drop the gradients
+            for t in range(n_tasks):
+                self.optimizers[t].skip()
+        finished = [
+            max([last_backward[j]] + [o.finished_s for (k, _), o in outcomes.items() if k == j]) for j in range(width)
+        ]
+        times = torch.zeros(3, width, self.world_size, dtype=torch.float64)  # busy, finished, CPU per step and rank
+        busy = np.diff([0.0, *np.maximum.accumulate(last_backward)]) if forward is not None else np.zeros(width)
+        times[0, :, self.rank] = torch.tensor(busy, dtype=torch.float64)
+        times[1, :, self.rank] = torch.tensor(np.maximum.accumulate(finished), dtype=torch.float64)
+        times[2, :, self.rank] = (time.process_time() - cpu_start) / width
+        stats = torch.cat([moved.view(-1), times.view(-1)]).to(self.device)
+        dist.all_reduce(stats)  # one collective for the moved-checks and the times of the window
+        stats = stats.cpu()
         if self.rank != 0:
             return None
-        unmoved = [t for t in range(n_tasks) if float(stats[2 * n_tasks + t]) == 0.0]
-        return self._report(step_plan, stats, stepping, time.perf_counter() - synced, nonfinite, unmoved)
+        moved = stats[: width * n_tasks].view(width, n_tasks)
+        times = stats[width * n_tasks :].view(3, width, self.world_size)
+        ends = np.concatenate([[0.0], times[1].max(dim=1).values.numpy()])
+        ends[-1] = max(ends[-1], time.perf_counter() - start)
+        reports = []
+        for j, (step_plan, _, _) in enumerate(payloads):
+            outcome = {t: outcomes[(j, t)] for t in stepping[j] if (j, t) in outcomes}
+            reports.append(
+                self._report(
+                    step_plan,
+                    losses={t: o.loss for t, o in outcome.items()} if not probe else {},
+                    busy=times[0, j],
+                    makespan_s=float(ends[j + 1] - ends[j]),
+                    cpu=times[2, j],
+                    nonfinite=[t for t, o in outcome.items() if not o.finite],
+                    unmoved=[t for t in range(n_tasks) if float(moved[j, t]) == 0.0],
+                )
+            )
+        return reports
+
+    def _run_stream(self, forward: WindowForward, updates: TaskUpdates, last_backward: list[float], start: float):
+        """This rank's ops of the window: 1F1B over its stage (``costmodel.schedule.stream_order``), each
+        forward after the updates its tasks need, each task's update submitted after its last backward."""
+        role = self.replica.role
+        assert role is not None
+        stream = forward.stream
+        order = stream_order(role.replica.pp, role.stage, stream)
+        left = Counter((mb.step, t) for mb in stream for t in mb.tasks)  # backwards still to run here
+        factor = self.config.slowdown.get(role.replica.replica_id, 1.0)
+        first: dict[int, int] = {}
+        for i, mb in enumerate(stream):
+            first.setdefault(mb.step, i)
+
+        def run_forward(i: int, x: torch.Tensor | None) -> torch.Tensor:
+            j, mb = forward.mbs[i]
+            top = max(mb.task_ids)
+            # Every update this forward may wait for is submitted (their backwards ran here: the
+            # order's guarantee), then its own tasks' are applied.
+            updates.submit_while(lambda key: left[key] == 0)
+            if not updates.submitted((j - 1, top)):
+                raise RuntimeError(f"pipeline schedule: forward {i} of the window runs before an update it needs")
+            for t in sorted(set(mb.task_ids)):
+                updates.apply(t)
+            torch.manual_seed(microbatch_seed(self.config.seed, forward.steps[j].step, self.rank, i - first[j]))
+            return forward(i, x)
+
+        def after_op(kind: str, i: int, seconds: float) -> None:
+            if factor > 1.0:  # fault injection: a replica `factor` times slower
+                time.sleep((factor - 1.0) * seconds)
+            if self.config.record_ops:
+                self.op_log.append((forward.steps[stream[i].step].step, kind, i, seconds * factor))
+            if kind == BACKWARD:
+                j = stream[i].step
+                for t in stream[i].tasks:
+                    left[(j, t)] -= 1
+                last_backward[j] = time.perf_counter() - start
+                updates.submit_while(lambda key: left[key] == 0)
+
+        mbs = [mb for _, mb in forward.mbs]
+        run_stream(mbs, order, role, self.replica.neighbours, run_forward, after_op)
 
     def _report(
         self,
         step_plan: StepPlan,
-        stats: torch.Tensor,
-        stepping: Sequence[int],
-        optimizer_s: float,
+        *,
+        losses: Mapping[int, float],
+        busy: torch.Tensor,
+        makespan_s: float,
+        cpu: torch.Tensor,
         nonfinite: Sequence[int],
         unmoved: Sequence[int],
     ) -> StepReport:
-        """The step's report; its makespan is the slowest rank's time up to the gradient sync's end
-        plus the optimizer step (so no replica's busy time can exceed it)."""
-        n_tasks = len(self.names)
-        busy, elapsed, cpu = stats[3 * n_tasks :].view(3, self.world_size)
+        """One step's report; its makespan runs from the previous step's last update to this one's (so
+        a window's makespans add up to its wall time), a replica's busy time from its last backward
+        of the previous step to its last of this one."""
         tokens = dict.fromkeys(self.names, 0)
         padding = dict.fromkeys(self.names, 0)
         for work in step_plan.work:
@@ -380,10 +472,10 @@ class TorchExecutor:
         return StepReport(
             step=step_plan.step,
             replica_busy_s=tuple(float(max(busy[g] for g in r.gpus)) for r in self.replica.fleet.replicas),
-            makespan_s=float(elapsed.max()) + optimizer_s,
+            makespan_s=makespan_s,
             task_tokens=tokens,
             task_padding_tokens=padding,
-            losses={self.names[t]: float(stats[t]) for t in stepping},
+            losses={self.names[t]: loss for t, loss in losses.items()},
             nonfinite_tasks=tuple(self.names[t] for t in nonfinite),
             unmoved_tasks=tuple(self.names[t] for t in unmoved),
             estimated_makespan_s=step_plan.estimated_makespan_s,

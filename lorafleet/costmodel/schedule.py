@@ -1,0 +1,310 @@
+"""The pipeline schedule of a PP replica over a window of steps, its timeline, and its bubble.
+
+**Schedule.** A replica of ``pp`` stages runs the micro-batches of ``W`` consecutive steps (a
+*window*) as one stream, 1F1B: stage ``k`` runs a forward whenever fewer than ``pp - k``
+micro-batches are in flight on it and the forward is allowed, and a backward otherwise; forwards
+and backwards each go in stream order (:func:`stream_order`). ``W = 1`` is 1F1B flushed every
+step (Megatron-LM's PipeDream-flush, LobRA Eq. 12). With ``W > 1`` the stream does not drain at
+step boundaries: micro-batches of step ``s + 1`` fill the stages while step ``s``'s last
+backwards run, which is mLoRA's observation (LoRAPP, VLDB 2025) that adapters share no
+gradient, so a task's optimizer step waits only for its own backward.
+
+**Exactness.** Task ``a``'s update of step ``s``, ``U(a, s)``, sums its gradients over the fleet,
+clips them by their global norm and steps its optimizer; it needs every backward of a micro-batch
+holding ``a`` in step ``s``, on every replica. Updates run in one global order, ``(s, a)``. A
+forward of step ``s + 1`` holding tasks ``T`` is allowed once ``U(u, s)`` is done for every
+``u <= max T``, so on its own stage once every backward of step ``s`` (or earlier) whose micro-batch
+holds such a task has run (:func:`forward_dependencies`). So no forward ever reads an adapter that
+misses an update of an earlier step, and every task gets the updates it would get alone.
+
+**Memory.** At most ``pp - k`` micro-batches are in flight on stage ``k`` whatever ``W``: the same
+bound as 1F1B, which is what ``memory_model.stage_memory`` charges (``pp`` on the first stage).
+
+**Bubble.** For micro-batches of equal stage time τ a step of ``K`` micro-batches costs ``K τ`` of
+work per stage. 1F1B with a flush adds ``(pp - 1) τ`` (warm-up plus cool-down). In a stream a
+forward of step ``s + 1`` on stage 0 would run right after the backward ``pp`` places before it;
+when the last micro-batch it depends on (:func:`forward_dependencies`) is later than that, the stage
+waits. When no forward waits (``max_i (dep(i) - i + pp) <= 0``; every task has at least ``pp - 1``
+micro-batches of other tasks between its steps: mLoRA's max((D - L)/D, 0) with L adapters of one
+micro-batch each) the boundary costs nothing; otherwise the waits compound and the stall is read
+off the timeline (:func:`stall_slots`). A boundary whose streaming would cost at least a drain
+drains instead (:func:`flushed_steps`), so a stall counts at most ``pp - 1``. A window pays the fill
+and drain once and the stall at each of its ``W - 1`` inner boundaries, so per step
+
+    bubble_slots = ((pp - 1) + (W - 1) * min(stall, pp - 1)) / W          (:func:`bubble_slots`)
+
+and the cost model charges ``bubble_slots * max_k τ_k`` where 1F1B charged ``(pp - 1) * max_k τ_k``.
+:func:`timeline` replays the schedule with any op durations (measured ones in
+``benchmarks/bench_pipeline.py``) and is the reference the closed form is checked against.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from lorafleet.costmodel import time_model
+
+FORWARD, BACKWARD = "F", "B"
+FORWARD_SHARE = time_model.FORWARD_SHARE[2]
+"""A forward's share of a micro-batch's stage time when only the total is known: 1/2, the share of
+the projections' terms of the time model (``time_model.FORWARD_SHARE``: over a frozen base the
+backward computes input gradients only, one GEMM per forward GEMM). Measured on this CPU over
+``bench-llama``'s 8 stages: 0.47-0.53 (``benchmarks/bench_pipeline.py``)."""
+
+
+@dataclass(frozen=True)
+class StreamMicroBatch:
+    """One micro-batch of a replica's window, as the schedule sees it."""
+
+    step: int
+    tasks: frozenset[int]
+
+
+def forward_dependencies(stream: Sequence[StreamMicroBatch], flushed: Collection[int] = ()) -> list[int]:
+    """``dep(i)``: the last micro-batch of an earlier step whose backward must run (on the same
+    stage) before forward ``i``: the latest ``m`` with ``step(m) < step(i) - 1``, or with
+    ``step(m) = step(i) - 1`` and ``min tasks(m) <= max tasks(i)`` (module doc, "Exactness": the
+    updates of step ``s - 1`` that forward ``i`` needs follow, in the global order, every update of
+    step ``s - 2``, hence every backward of it); -1 when there is none. A step in ``flushed`` waits
+    for every earlier micro-batch (the pipeline drains before it)."""
+    firsts: dict[int, int] = {}
+    for i, mb in enumerate(stream):
+        firsts.setdefault(mb.step, i)
+    lows = [min(mb.tasks) if mb.tasks else -1 for mb in stream]
+    deps = []
+    for mb in stream:
+        m = firsts[mb.step] - 1
+        if mb.step not in flushed:
+            top = max(mb.tasks) if mb.tasks else -1
+            while m >= 0 and stream[m].step == mb.step - 1 and lows[m] > top:
+                m -= 1
+        deps.append(m)
+    return deps
+
+
+def flushed_steps(pp: int, stream: Sequence[StreamMicroBatch]) -> set[int]:
+    """The steps of the window (after its first) that start on a drained pipeline: those whose
+    boundary with the step before costs more streamed than drained (:func:`_streaming_loses`). A
+    replica with fewer tasks than stages gains nothing from streaming them and would lose by it."""
+    steps: dict[int, list[frozenset[int]]] = {}
+    for mb in stream:
+        steps.setdefault(mb.step, []).append(mb.tasks)
+    keys = list(steps)
+    return {s for prev, s in zip(keys, keys[1:]) if _streaming_loses(pp, tuple(steps[prev]), tuple(steps[s]))}
+
+
+@functools.lru_cache(maxsize=4096)
+def _streaming_loses(pp: int, prev: tuple[frozenset[int], ...], nxt: tuple[frozenset[int], ...]) -> bool:
+    """Whether the two steps, one slot a micro-batch (:data:`FORWARD_SHARE` of it forward), take at least as long
+    streamed as each drained on its own. At once False when no forward of the second would wait
+    (the closed form of :func:`stall_slots`)."""
+    pair = [StreamMicroBatch(0, t) for t in prev] + [StreamMicroBatch(1, t) for t in nxt]
+    deps = forward_dependencies(pair)
+    if max(deps[i] - i + pp for i in range(len(prev), len(pair))) <= 0:
+        return False
+
+    alone = _unit_span(pp, [StreamMicroBatch(0, t) for t in prev]) + _unit_span(
+        pp, [StreamMicroBatch(0, t) for t in nxt]
+    )
+    return _unit_span(pp, pair) >= alone - 1e-9
+
+
+def stream_order(
+    pp: int, stage: int, stream: Sequence[StreamMicroBatch], *, drain_stalls: bool = True
+) -> list[tuple[str, int]]:
+    """The ops of stage ``stage`` over ``stream``: ``("F", i)`` and ``("B", i)``, 1F1B with the
+    window's dependencies (module doc). For one step it is exactly 1F1B: ``pp - stage`` forwards,
+    then backward and forward alternating, then the remaining backwards. ``drain_stalls``: start the
+    steps of :func:`flushed_steps` on a drained pipeline (False: stream every step, what
+    :func:`stall_slots` measures)."""
+    if not 0 <= stage < pp:
+        raise ValueError(f"stage {stage} is not in a pipeline of {pp} stages")
+    deps = forward_dependencies(stream, flushed_steps(pp, stream) if drain_stalls else ())
+    n, limit = len(stream), pp - stage
+    ops: list[tuple[str, int]] = []
+    f = b = 0
+    while b < n:
+        if f < n and f - b < limit and b > deps[f]:
+            ops.append((FORWARD, f))
+            f += 1
+        else:
+            ops.append((BACKWARD, b))
+            b += 1
+    return ops
+
+
+def max_in_flight(ops: Sequence[tuple[str, int]]) -> int:
+    """The most micro-batches whose forward has run and backward not yet, over ``ops``."""
+    live = peak = 0
+    for kind, _ in ops:
+        live += 1 if kind == FORWARD else -1
+        peak = max(peak, live)
+    return peak
+
+
+def stall_slots(pp: int, microbatch_tasks: Sequence[Collection[int]]) -> float:
+    """Slots of stage time a boundary between two steps of this micro-batch order costs on top of
+    the steps' work, in the steady state (the same order every step).
+
+    First the closed form ``max_i (dep(i) - i + pp)^+`` over a second step's forwards (module doc):
+    when it is 0 no forward waits and that is exact. Otherwise the waits compound (a late forward
+    delays the backwards the next forwards wait for), so the stall is read off :func:`timeline` with
+    every micro-batch one slot (:data:`FORWARD_SHARE` of it forward): the third step's span minus
+    the second's, minus the step's work.
+    """
+    if pp <= 1 or not microbatch_tasks:
+        return 0.0
+    one = tuple(frozenset(t) for t in microbatch_tasks)
+    stream = [StreamMicroBatch(0, t) for t in one] + [StreamMicroBatch(1, t) for t in one]
+    deps = forward_dependencies(stream)
+    k = len(one)
+    if max(deps[i] - i + pp for i in range(k, 2 * k)) <= 0:
+        return 0.0
+    return _timed_stall(pp, one)
+
+
+@functools.lru_cache(maxsize=4096)
+def _timed_stall(pp: int, one: tuple[frozenset[int], ...]) -> float:
+    def span(steps: int) -> float:
+        return _unit_span(pp, [StreamMicroBatch(s, t) for s in range(steps) for t in one])
+
+    return max(0.0, span(3) - span(2) - len(one))
+
+
+def _unit_span(pp: int, stream: list[StreamMicroBatch]) -> float:
+    """The span of ``stream`` streamed without drains, every micro-batch one slot a stage
+    (:data:`FORWARD_SHARE` of it forward)."""
+    n = len(stream)
+    forward, backward = [[FORWARD_SHARE] * n] * pp, [[1.0 - FORWARD_SHARE] * n] * pp
+    return timeline(pp, stream, forward, backward, drain_stalls=False).span
+
+
+def bubble_slots(pp: int, window: int, microbatch_tasks: Sequence[Collection[int]] | None = None) -> float:
+    """Bubble of one step in slots of the largest stage time: ``((pp - 1) + (W - 1) min(stall, pp - 1)) / W``
+    (a step that would stall more than a drain costs is run after a drain: :func:`flushed_steps`).
+
+    Without the step's micro-batches the stall is taken as 0: the steady state of a step whose
+    tasks each have ``pp - 1`` micro-batches of other tasks around them.
+    """
+    if pp <= 1:
+        return 0.0
+    if window < 1:
+        raise ValueError(f"a pipeline window is at least one step, got {window}")
+    stall = min(stall_slots(pp, microbatch_tasks), pp - 1) if microbatch_tasks is not None else 0.0
+    return ((pp - 1) + (window - 1) * stall) / window
+
+
+@dataclass(frozen=True)
+class TimedOp:
+    """One op of a stage on the timeline, seconds from the window's start."""
+
+    stage: int
+    kind: str
+    index: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Every stage's ops of one window, placed by their dependencies (see :func:`timeline`)."""
+
+    pp: int
+    ops: tuple[TimedOp, ...]
+
+    @property
+    def span(self) -> float:
+        """From the first op's start to the last op's end."""
+        return max(o.end for o in self.ops) - min(o.start for o in self.ops) if self.ops else 0.0
+
+    def busy(self, lo: float = float("-inf"), hi: float = float("inf")) -> float:
+        """Stage-seconds of work inside ``[lo, hi]``, summed over stages."""
+        return sum(max(0.0, min(o.end, hi) - max(o.start, lo)) for o in self.ops)
+
+    def bubble(self) -> float:
+        """Idle fraction of ``pp`` stages over the span: ``1 - busy / (pp span)``."""
+        return 1.0 - self.busy() / (self.pp * self.span) if self.span else 0.0
+
+    def steady_bubble(self) -> float:
+        """Idle fraction between the fill and the drain: from the last stage's first op to stage 0's
+        last forward (before it, stages wait to be filled; after it, they empty)."""
+        lo = min(o.start for o in self.ops if o.stage == self.pp - 1)
+        hi = max(o.end for o in self.ops if o.stage == 0 and o.kind == FORWARD)
+        if hi <= lo:
+            return 0.0
+        return 1.0 - self.busy(lo, hi) / (self.pp * (hi - lo))
+
+
+def timeline(
+    pp: int,
+    stream: Sequence[StreamMicroBatch],
+    forward_s: Sequence[Sequence[float]],
+    backward_s: Sequence[Sequence[float]],
+    update_s: float = 0.0,
+    *,
+    drain_stalls: bool = True,
+) -> Timeline:
+    """Replays the window on ``pp`` stages with op durations ``forward_s[k][i]``, ``backward_s[k][i]``.
+
+    Each stage runs :func:`stream_order` in order; an op starts when its stage is free and its
+    inputs exist: forward ``i`` on stage ``k`` after forward ``i`` on ``k - 1``; backward ``i`` after
+    backward ``i`` on ``k + 1`` (on the last stage after its own forward); a forward of a later step
+    also after the updates it needs (module doc), ``U(u, s)`` ending ``update_s`` after the last
+    backward of step ``s`` holding ``u`` on any stage, in the global ``(s, u)`` order. Raises
+    ValueError if the orders deadlock (they never should: this is also the property tests' check).
+    """
+    n = len(stream)
+    orders = [stream_order(pp, k, stream, drain_stalls=drain_stalls) for k in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}
+    placed: list[TimedOp] = []
+    free = [0.0] * pp
+    cursor = [0] * pp
+    # The updates of the window, in their global order, and which micro-batches each waits for.
+    keys = sorted({(mb.step, u) for mb in stream for u in mb.tasks})
+    holders = {key: [i for i, mb in enumerate(stream) if mb.step == key[0] and key[1] in mb.tasks] for key in keys}
+    update_end: dict[tuple[int, int], float] = {}
+    position = {key: j for j, key in enumerate(keys)}
+
+    def updates_ready_at(i: int) -> float | None:
+        """When every update forward ``i`` needs has ended (None: one of them cannot end yet)."""
+        mb = stream[i]
+        top = max(mb.tasks) if mb.tasks else -1
+        needed = keys[: bisect.bisect_right(keys, (mb.step - 1, top))]
+        needed = [key for key in needed if key[0] < mb.step and (key[0] < mb.step - 1 or key[1] <= top)]
+        last = 0.0
+        for key in needed:
+            if key not in update_end:
+                ends = [done.get((BACKWARD, 0, m)) for m in holders[key]]
+                if any(e is None for e in ends):
+                    return None
+                before = update_end[keys[position[key] - 1]] if position[key] else 0.0
+                update_end[key] = max(before, max(ends, default=0.0)) + update_s
+            last = max(last, update_end[key])
+        return last
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for k in range(pp):
+            while cursor[k] < len(orders[k]):
+                kind, i = orders[k][cursor[k]]
+                if kind == FORWARD:
+                    ready = updates_ready_at(i)
+                    inputs = done.get((FORWARD, k - 1, i)) if k > 0 else 0.0
+                else:
+                    ready = 0.0
+                    inputs = done.get((BACKWARD, k + 1, i)) if k < pp - 1 else done.get((FORWARD, k, i))
+                if ready is None or inputs is None:
+                    break
+                start = max(free[k], ready, inputs)
+                end = start + (forward_s if kind == FORWARD else backward_s)[k][i]
+                done[(kind, k, i)] = free[k] = end
+                placed.append(TimedOp(k, kind, i, start, end))
+                cursor[k] += 1
+                progressed = True
+    if len(placed) != 2 * pp * n:
+        raise ValueError(f"the stage orders deadlock after {len(placed)} of {2 * pp * n} ops")
+    return Timeline(pp, tuple(placed))

@@ -1,0 +1,359 @@
+"""An optional HTTP front-end for a live run's task queue: requests over HTTP become request files.
+
+A running ``lorafleet train`` watches a queue directory of request files (one request a file, YAML or
+JSON, names ending ``.yaml``/``.yml``/``.json``; names starting with ``.`` are ignored). This server
+is a second way to put files there, nothing more: it checks a request's shape only, writes it as a
+request file (a ``.``-named temp file in the queue, then ``os.replace`` to
+``<UTC timestamp YYYYmmddTHHMMSSffffff>-<name>.json``), and reads back what the watcher did. The
+watcher stays the one path of truth: it validates, applies at step boundaries, and moves each file to
+``accepted/`` or ``rejected/`` (the reason in ``rejected/<file>.reason``).
+
+:func:`start_queue_server` binds 127.0.0.1 only (never another interface) and writes the address and
+a fresh bearer token to ``<queue_dir>/.http.json`` (``{"url": ..., "token": ...}``, mode 0600; the
+leading dot keeps the watcher off it); :meth:`QueueServer.close` removes it. Every request needs
+``Authorization: Bearer <token>`` (else 401). JSON in and out:
+
+    POST   /v1/tasks                           a request object (an add: the task, with optional
+                                               "at_step", "share", "deadline")        -> 202
+    DELETE /v1/tasks/<name>?mode=finish|cancel stop a task (default cancel)            -> 202
+    PATCH  /v1/tasks/<name>                    {"share": ..., "deadline": ...}, one at least -> 202
+    GET    /v1/tasks                           {"ledger": <run_dir/tasks.json or null>, "pending": [...],
+                                               "rejected": [{"file", "reason"}], "accepted": [...]} -> 200
+
+A 202 answers ``{"file": <basename>, "status": "queued"}``. Errors answer ``{"error": <one line>}``:
+400 bad JSON or shape, 401 no or wrong token, 404 anything else, 411 no ``Content-Length`` on a
+POST/PATCH, 413 a body over 1 MiB. Nothing is logged per request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import re
+import secrets
+import tempfile
+import threading
+from datetime import datetime, timezone
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+HOST = "127.0.0.1"
+TOKEN_FILE = ".http.json"
+MAX_BODY = 1 << 20
+ACTIONS = ("add", "finish", "cancel", "update")
+REQUEST_SUFFIXES = (".yaml", ".yml", ".json")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_MAX_NAME = 128
+_UPDATE_KEYS = ("share", "deadline")
+_TASKS = "/v1/tasks"
+_POLL_S = 0.05  # how often the serving thread looks for close(): close() waits up to this long
+
+
+class _HttpError(Exception):
+    """A request answered with ``status`` and ``{"error": message}``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = " ".join(message.split())
+
+
+class _Server(ThreadingHTTPServer):
+    """The HTTP server, carrying the queue, the run directory and the token its handlers need."""
+
+    daemon_threads = True
+
+    def __init__(self, port: int, queue_dir: Path, run_dir: Path, token: str) -> None:
+        super().__init__((HOST, port), _Handler)
+        self.queue_dir = queue_dir
+        self.run_dir = run_dir
+        self.token = token
+        self.write_lock = threading.Lock()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Silent: a client that hangs up mid-request is not worth a traceback on stderr."""
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One request: authenticate, route, answer JSON; never raises, never logs."""
+
+    server: _Server
+    server_version = "lorafleet-queue"
+    sys_version = ""
+    timeout = 10.0
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Silent: no line on stderr per request."""
+
+    def do_GET(self) -> None:
+        self._handle()
+
+    def do_POST(self) -> None:
+        self._handle()
+
+    def do_DELETE(self) -> None:
+        self._handle()
+
+    def do_PATCH(self) -> None:
+        self._handle()
+
+    def do_PUT(self) -> None:
+        self._handle()
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The base class's own errors (a malformed request line, an unknown method) as JSON too, with a
+        status line even where the request line was never parsed (the base class would answer HTTP/0.9)."""
+        self.close_connection = True
+        if getattr(self, "request_version", "HTTP/0.9") == "HTTP/0.9":
+            self.request_version = "HTTP/1.0"
+        self._reply(code, {"error": message or HTTPStatus(code).phrase})
+
+    def _handle(self) -> None:
+        self.close_connection = True
+        try:
+            if not self._authorized():
+                self._drain()
+                raise _HttpError(401, "missing or wrong bearer token")
+            status, payload = self._route()
+        except _HttpError as exc:
+            status, payload = exc.status, {"error": exc.message}
+        except Exception as exc:  # a bad request must never take the server down
+            status, payload = 500, {"error": " ".join(f"{type(exc).__name__}: {exc}".split())}
+        self._reply(status, payload)
+
+    def _authorized(self) -> bool:
+        scheme, _, given = (self.headers.get("Authorization") or "").strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(given.strip().encode(), self.server.token.encode())
+
+    def _route(self) -> tuple[int, dict[str, Any]]:
+        url = urlsplit(self.path)
+        path = url.path.rstrip("/") or "/"
+        method = self.command
+        if path == _TASKS and method == "GET":
+            self._drain()
+            return 200, _listing(self.server.queue_dir, self.server.run_dir)
+        if path == _TASKS and method == "POST":
+            body = _check_request(self._json_body())
+            return 202, self._queue(body)
+        if path.startswith(_TASKS + "/") and method in ("DELETE", "PATCH"):
+            name = _check_name(unquote(path[len(_TASKS) + 1 :]))
+            if method == "DELETE":
+                self._drain()
+                return 202, self._queue({"action": _mode(url.query), "name": name})
+            return 202, self._queue({"action": "update", "name": name, **_check_update(self._json_body())})
+        self._drain()
+        raise _HttpError(404, f"no such endpoint: {method} {url.path}")
+
+    def _queue(self, request: dict[str, Any]) -> dict[str, Any]:
+        with self.server.write_lock:
+            target = _request_path(self.server.queue_dir, request["name"])
+            _write_private(target, json.dumps(request, indent=2) + "\n")
+        return {"file": target.name, "status": "queued"}
+
+    def _content_length(self) -> int | None:
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            return None
+        try:
+            length = int(raw)
+        except ValueError:
+            raise _HttpError(400, f"bad Content-Length: {raw!r}") from None
+        if length < 0:
+            raise _HttpError(400, f"bad Content-Length: {raw!r}")
+        return length
+
+    def _json_body(self) -> Any:
+        length = self._content_length()
+        if length is None:
+            raise _HttpError(411, "Content-Length required")
+        if length > MAX_BODY:
+            raise _HttpError(413, f"body over {MAX_BODY} bytes")
+        raw = self.rfile.read(length)
+        if len(raw) != length:
+            raise _HttpError(400, "body shorter than its Content-Length")
+        try:
+            return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise _HttpError(400, f"bad JSON: {exc}") from None
+
+    def _drain(self) -> None:
+        """Read a body nobody needs (up to the limit), so closing the connection cannot reset the reply."""
+        try:
+            length = self._content_length()
+        except _HttpError:
+            return
+        if length is not None and length <= MAX_BODY:
+            self.rfile.read(length)
+
+    def _reply(self, status: int, payload: dict[str, Any]) -> None:
+        data = (json.dumps(payload) + "\n").encode()
+        try:
+            self.send_response(status)
+            if status == 401:
+                self.send_header("WWW-Authenticate", "Bearer")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if getattr(self, "command", None) != "HEAD":
+                self.wfile.write(data)
+        except OSError:
+            pass  # the client hung up; nothing to tell it
+
+
+def _no_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not JSON")
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name:
+        raise _HttpError(400, '"name" must be a non-empty string')
+    if len(name) > _MAX_NAME or not _NAME.fullmatch(name):
+        raise _HttpError(400, f"bad task name {name!r}: letters, digits, '_', '.', '-' (a letter or digit first)")
+    return name
+
+
+def _check_request(body: Any) -> dict[str, Any]:
+    """The shape only (a JSON object with a good "name" and a known "action"); the watcher validates."""
+    if not isinstance(body, dict):
+        raise _HttpError(400, "a request must be a JSON object")
+    _check_name(body.get("name"))
+    action = body.get("action", "add")
+    if action not in ACTIONS:
+        raise _HttpError(400, f'"action" must be one of {", ".join(ACTIONS)}, not {action!r}')
+    return body
+
+
+def _check_update(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise _HttpError(400, "an update must be a JSON object")
+    unknown = sorted(set(body) - set(_UPDATE_KEYS))
+    if unknown:
+        raise _HttpError(400, f"an update takes only share and deadline, not {', '.join(unknown)}")
+    if not body:
+        raise _HttpError(400, "an update needs share or deadline")
+    return {key: body[key] for key in _UPDATE_KEYS if key in body}
+
+
+def _mode(query: str) -> str:
+    modes = parse_qs(query).get("mode", ["cancel"])
+    if len(modes) != 1 or modes[0] not in ("finish", "cancel"):
+        raise _HttpError(400, "mode must be finish or cancel")
+    return modes[0]
+
+
+def _request_path(queue_dir: Path, name: str) -> Path:
+    """``<UTC timestamp>-<name>.json``, with a counter where that name is taken (here or already moved)."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+    candidate, counter = f"{stamp}-{name}.json", 0
+    while any((folder / candidate).exists() for folder in (queue_dir, queue_dir / "accepted", queue_dir / "rejected")):
+        counter += 1
+        candidate = f"{stamp}-{name}-{counter}.json"
+    return queue_dir / candidate
+
+
+def _write_private(target: Path, text: str) -> None:
+    """Write atomically: a ``.``-named temp file (mode 0600) beside ``target``, then ``os.replace``."""
+    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".part")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+
+
+def _request_files(folder: Path) -> list[str]:
+    """The sorted basenames in ``folder`` the watcher would read as requests."""
+    if not folder.is_dir():
+        return []
+    return sorted(
+        entry.name
+        for entry in folder.iterdir()
+        if not entry.name.startswith(".") and entry.name.endswith(REQUEST_SUFFIXES) and entry.is_file()
+    )
+
+
+def _listing(queue_dir: Path, run_dir: Path) -> dict[str, Any]:
+    ledger_path = run_dir / "tasks.json"
+    try:
+        ledger = json.loads(ledger_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        ledger = None
+    except (OSError, ValueError) as exc:
+        raise _HttpError(500, f"cannot read {ledger_path}: {exc}") from None
+    rejected = []
+    for name in _request_files(queue_dir / "rejected"):
+        reason_path = queue_dir / "rejected" / f"{name}.reason"
+        try:
+            reason: str | None = reason_path.read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            reason = None
+        rejected.append({"file": name, "reason": reason})
+    return {
+        "ledger": ledger,
+        "pending": _request_files(queue_dir),
+        "rejected": rejected,
+        "accepted": _request_files(queue_dir / "accepted"),
+    }
+
+
+class QueueServer:
+    """A running queue server: ``url``, ``token``, ``close()``; a context manager (closes on exit)."""
+
+    def __init__(self, server: _Server, thread: threading.Thread, token_file: Path) -> None:
+        self._server = server
+        self._thread = thread
+        self.token_file = token_file
+        self.token = server.token
+        self.host, self.port = server.server_address[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        self._closed = False
+
+    def close(self) -> None:
+        """Stop serving, join the thread, remove the token file (if it is still this server's). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+        try:
+            if json.loads(self.token_file.read_text(encoding="utf-8")).get("token") == self.token:
+                self.token_file.unlink()
+        except (OSError, ValueError, AttributeError):
+            pass
+
+    def __enter__(self) -> QueueServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_queue_server(queue_dir: Path, run_dir: Path, port: int = 0) -> QueueServer:
+    """Serve ``queue_dir`` (created if needed) on 127.0.0.1:``port`` (0: a free one) from a daemon thread;
+    the URL and a fresh token go to ``<queue_dir>/.http.json`` (mode 0600)."""
+    queue_dir, run_dir = Path(queue_dir), Path(run_dir)
+    queue_dir.mkdir(parents=True, exist_ok=True)
+    server = _Server(port, queue_dir, run_dir, secrets.token_urlsafe(32))
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": _POLL_S}, name="lorafleet-queue-http", daemon=True
+    )
+    thread.start()
+    queue = QueueServer(server, thread, queue_dir / TOKEN_FILE)
+    try:
+        _write_private(queue.token_file, json.dumps({"url": queue.url, "token": queue.token}) + "\n")
+    except BaseException:
+        queue.close()
+        raise
+    return queue

@@ -1,0 +1,118 @@
+"""Which tasks take part in which global step: joins, ends, shares and deadlines.
+
+A task's own steps never change: its k-th update is always its k-th batch (``batch_size``
+samples from its stream), whatever global step runs it. What this module decides is *when*
+each task takes its next batch, as a pure function of the task list, so a batch drawn ahead
+(look-ahead dispatch), a resumed run and a what-if all see the same turns.
+
+Task ``t`` is *eligible* for global step ``k`` when ``joined_t <= k < until_t`` and it has
+batches left (``taken_t < batches_t``). Among the eligible:
+
+- a task without a share takes part in every step;
+- a task with share ``σ_t`` (its target fraction of every step's tokens) keeps a token credit
+  ``c_t``. With ``T`` the step's tokens so far (the unshared and the forced tasks' expected
+  tokens, and the shared tasks admitted before it, in order of credit), it takes part when
+  ``c_t + σ_t (T + τ_t) >= τ_t`` (its entitlement covers its batch of ``τ_t`` expected tokens);
+  after the step every eligible shared task earns ``σ_t T_k`` (``T_k`` the step's expected
+  tokens) and each admitted one pays ``τ_t``. Over many steps its tokens are ``≈ σ_t`` of the
+  tokens trained (stride scheduling with tokens as the currency);
+- a task with a deadline ``d_t`` (the global step by which its last batch must be taken) is
+  forced in once it has no slack left, ``batches_t - taken_t >= d_t - k``, whatever its share.
+
+A step with eligible tasks is never empty: if the shares admitted none, the shared task with
+the most credit per token takes part.
+
+A share or deadline changed while the job runs (a queued update) takes effect from the step it was
+changed at (``TaskTurns.changes``): the turns before it stay what they were, so the batches a task
+already took never change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TaskTurns:
+    """What decides one task's turns."""
+
+    tokens: float
+    """τ: expected tokens of one of its batches (only shares use it)."""
+    batches: int | None = None
+    """Its steps (None: unbounded)."""
+    joined: int = 0
+    """The first global step it may take part in."""
+    until: int | None = None
+    """The first global step it is left out of for good (finished, cancelled, stopped); None: never."""
+    share: float | None = None
+    """σ in (0, 1]: its target fraction of every step's tokens; None: every step."""
+    deadline: int | None = None
+    """The global step by which it must have taken its last batch (forced in when out of slack)."""
+    changes: tuple[tuple[int, float | None, int | None], ...] = ()
+    """``(step, share, deadline)``, in step order: from that step on, these replace ``share`` and ``deadline``."""
+
+    def __post_init__(self) -> None:
+        for share in (self.share, *(c[1] for c in self.changes)):
+            if share is not None and not 0 < share <= 1:
+                raise ValueError(f"share must be in (0, 1], got {share}")
+        if self.tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {self.tokens}")
+
+    def at(self, step: int) -> tuple[float | None, int | None]:
+        """The share and deadline in effect at ``step``."""
+        share, deadline = self.share, self.deadline
+        for since, s, d in self.changes:
+            if since <= step:
+                share, deadline = s, d
+        return share, deadline
+
+
+def turns(tasks: Sequence[TaskTurns], steps: int) -> np.ndarray:
+    """``(steps, n)`` booleans: whether task ``t`` takes part in global step ``k`` (module doc)."""
+    n = len(tasks)
+    out = np.zeros((steps, n), dtype=bool)
+    taken = np.zeros(n, dtype=np.int64)
+    credit = np.zeros(n)
+    for k in range(steps):
+        eligible = [
+            t
+            for t, task in enumerate(tasks)
+            if task.joined <= k
+            and (task.until is None or k < task.until)
+            and (task.batches is None or taken[t] < task.batches)
+        ]
+        now = {t: tasks[t].at(k) for t in eligible}
+        shared = [t for t in eligible if now[t][0] is not None]
+        forced = {
+            t
+            for t in shared
+            if now[t][1] is not None and tasks[t].batches is not None and tasks[t].batches - taken[t] >= now[t][1] - k  # type: ignore[operator]
+        }
+        admitted = [t for t in eligible if t not in shared or t in forced]
+        total = sum(tasks[t].tokens for t in admitted)
+        for t in sorted((t for t in shared if t not in forced), key=lambda t: -credit[t]):
+            share, tokens = now[t][0], tasks[t].tokens
+            if credit[t] + share * (total + tokens) >= tokens:  # type: ignore[operator]
+                admitted.append(t)
+                total += tokens
+        if eligible and not admitted:
+            best = max(shared, key=lambda t: (credit[t] + 1.0) / max(tasks[t].tokens, 1.0))
+            admitted.append(best)
+            total += tasks[best].tokens
+        for t in shared:
+            credit[t] += now[t][0] * total  # type: ignore[operator]
+        for t in admitted:
+            out[k, t] = True
+            taken[t] += 1
+            if t in shared:
+                credit[t] -= tasks[t].tokens
+    return out
+
+
+def last_step(tasks: Sequence[TaskTurns], horizon: int) -> int:
+    """The step after the last one within ``horizon`` in which some task takes part (0: none does)."""
+    took = np.flatnonzero(turns(tasks, horizon).any(axis=1))
+    return int(took[-1]) + 1 if took.size else 0
