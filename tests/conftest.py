@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import settings
+
+# No per-example deadline: Hypothesis times each example by the wall clock, and on a 2-core machine
+# beside the other test worker's process groups a trivial example can take longer than its 200 ms.
+settings.register_profile("lorafleet", deadline=None)
+settings.load_profile("lorafleet")
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"

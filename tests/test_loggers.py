@@ -74,13 +74,15 @@ def _wandb_history(out: Path) -> tuple[set[str], dict[str, list[tuple[int, float
     return ids, history
 
 
-def _settled_history(out: Path, key: str, steps: int, wait_s: float = 20.0):
-    """:func:`_wandb_history` once ``key`` has ``steps`` rows: W&B's service process (``wandb-core``) writes
-    the run file, and on a loaded machine its last records can land just after ``finish`` returns."""
+def _settled_history(out: Path, runs: int = 1, key: str = "", steps: int = 0, wait_s: float = 60.0):
+    """:func:`_wandb_history` once ``runs`` run files are there and ``key`` has ``steps`` rows: W&B's service
+    process (``wandb-core``) writes the run file, and on a loaded machine its last records can land just
+    after ``finish`` returns."""
     deadline = time.monotonic() + wait_s
     while True:
         ids, history = _wandb_history(out)
-        if len(history.get(key, ())) >= steps or time.monotonic() > deadline:
+        settled = len(ids) >= runs and len(history.get(key, ())) >= steps
+        if settled or time.monotonic() > deadline:
             return ids, history
         time.sleep(0.2)
 
@@ -104,7 +106,7 @@ def test_wandb_offline_logs_every_scalar_and_a_resume_continues_the_run(tmp_path
     again.write(REPORTS[2], tokens_per_s=400.0)
     again.close()
 
-    ids, history = _settled_history(out, "loss/docsum", 3)
+    ids, history = _settled_history(out, key="loss/docsum", steps=3)
     assert ids == {(out / ".wandb-run-id").read_text().strip()}  # one run across both launches
     assert history["loss/docsum"] == [(0, 2.5), (1, 2.4), (2, 2.3)]
     assert history["makespan/measured_s"] == [(0, 1.0), (1, 2.0), (2, 3.0)]
@@ -118,7 +120,7 @@ def test_a_fresh_launch_starts_a_new_wandb_run(tmp_path, offline_wandb):
         writer = experiment_logger("wandb", out, CONFIG)
         writer.write(REPORTS[0])
         writer.close()
-    ids, _ = _wandb_history(out)
+    ids, _ = _settled_history(out, runs=2)
     assert len(ids) == 2
 
 

@@ -220,9 +220,13 @@ class Trainer:
 
     def _probe(self, step: int) -> None:
         """Before the first step: each replica's first micro-batch of step ``step``'s dispatch, at most
-        ``PROBE_TOKENS`` of it, timed twice without training on it (``TorchExecutor.probe``). The first
-        pass pays a fresh process's one-time costs; the second is the recalibrator's first observation,
-        so the run's first steps are already priced by this machine's speed and by each replica's."""
+        ``PROBE_TOKENS`` of it, run ``1 + PROBE_TIMINGS`` times without training on it
+        (``TorchExecutor.probe``). The first pass pays a fresh process's one-time costs; of the others,
+        each replica's shortest busy time is the recalibrator's first observation, so the run's first
+        steps are already priced by this machine's speed and by each replica's. The minimum, not one
+        pass: on a shared machine a pass is only ever slowed (a core taken by another process), and the
+        probe's one observation prices the first steps whole (a fast replica timed while preempted was
+        priced as slow as an injected 4x straggler); the steps after it are averaged as usual."""
         from lorafleet.dispatch import dispatch_step
 
         batch = self.executor.streams.global_batch(step)
@@ -246,7 +250,10 @@ class Trainer:
             )
         probe = replace(full, work=tuple(work), speed=())
         self.executor.probe(probe, batch)
-        self.recalibrator.observe(probe, self.executor.probe(probe, batch))
+        timed = [self.executor.probe(probe, batch) for _ in range(PROBE_TIMINGS)]
+        fastest = tuple(min(busy) for busy in zip(*(r.replica_busy_s for r in timed), strict=True))
+        failed = tuple(sorted({r for report in timed for r in report.failed_replicas}))
+        self.recalibrator.observe(probe, replace(timed[-1], replica_busy_s=fastest, failed_replicas=failed))
         # The first real step still meets shapes the probe did not (allocator growth, on CPU up to 2x
         # on one rank and not another): its report is left out too.
         self.recalibrator.skip_next(1)
@@ -416,6 +423,9 @@ def _queue_watcher(options: TrainOptions, prepared: Prepared, tokenizer: Any) ->
 PROBE_TOKENS = 1024
 """The most tokens of a replica's probe micro-batch (``Trainer._probe``): enough to be timed as its
 steps are, small next to a step."""
+
+PROBE_TIMINGS = 2
+"""Timed passes of the probe after its warm-up pass; each replica's shortest is observed."""
 
 
 def _metrics_rows(path: Path) -> list[dict]:

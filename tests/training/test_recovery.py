@@ -98,7 +98,7 @@ def test_random_worker_kills_recover_to_the_bitwise_same_adapters(shared, tmp_pa
         cwd=tmp_path,
     )
     rng = random.Random(20261201)
-    kills, deadline = 0, time.monotonic() + 480
+    kills, deadline = 0, time.monotonic() + 720
     while process.poll() is None and kills < 10 and time.monotonic() < deadline:
         pids = _worker_pids(str(out))
         if len(pids) < 2:
@@ -111,7 +111,7 @@ def test_random_worker_kills_recover_to_the_bitwise_same_adapters(shared, tmp_pa
             kills += 1
             while set(_worker_pids(str(out))) & set(pids) and process.poll() is None:
                 time.sleep(0.05)  # the old workers are gone before the next round looks
-    stdout, stderr = process.communicate(timeout=max(30.0, deadline - time.monotonic()))
+    stdout, stderr = process.communicate(timeout=600)  # the steps left after the last kill
     assert kills >= 10, f"only {kills} kills before the run ended"
     assert process.returncode == 0, stderr[-3000:]
     assert _steps(out) == list(range(int(STEPS)))  # replayed steps are counted once

@@ -191,7 +191,7 @@ def _start(run, *args: str) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
 
 
-def _wait_for_steps(out: Path, n: int, process: subprocess.Popen, timeout: float = 240) -> None:
+def _wait_for_steps(out: Path, n: int, process: subprocess.Popen, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         path = out / "metrics.jsonl"

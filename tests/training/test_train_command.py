@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,8 +148,10 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
     assert [line.split()[1] for _, line in steps] == ["1/3", "2/3", "3/3"]
     assert all(re.search(r"ETA [0-9]+m[0-9]{2}s$", line.strip()) for _, line in steps)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    # each line came as its step ended: the first two are apart by at least most of the second step
-    assert steps[1][0] - steps[0][0] >= 0.5 * lines[1]["makespan_s"], (steps, lines[1]["makespan_s"])
+    # each line came as its step ended: the first and the last are apart by at least half of the two steps
+    # between them (lines held back until the end, as 8-step windows did, come together)
+    between = lines[1]["makespan_s"] + lines[2]["makespan_s"]
+    assert steps[2][0] - steps[0][0] >= 0.5 * between, (steps, between)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store only when allowed
     client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
     run_id = (out / ".mlflow-run-id").read_text().strip()
@@ -210,10 +213,10 @@ def _train(workload: tuple[Path, Path], out: Path, *options: str, env: dict | No
             env={**os.environ, **(env or {})},
         )
         lines = []
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 900
         for line in process.stdout:
             lines.append((time.monotonic(), line))
-            assert time.monotonic() < deadline, "lorafleet train ran past 300 s"
+            assert time.monotonic() < deadline, "lorafleet train ran past 900 s"
         returncode = process.wait(timeout=60)
         err.seek(0)
         run = Run(returncode, err.read(), tuple(lines))
@@ -223,9 +226,10 @@ def _train(workload: tuple[Path, Path], out: Path, *options: str, env: dict | No
 
 def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_tokenizer_dir):
     """Two identical TP1 replicas priced by the shipped CPU profile, which splits the work evenly between
-    them; replica 0 is made 4x slower by an injected wait. The probe before the first step (a micro-batch
-    of each replica's share timed twice, not trained on) already sees it, so from step 0 on replica 0
-    holds far fewer tokens than its peer, and every step's report keeps it so."""
+    them; replica 0 is made 8x slower by an injected wait. The probe before the first step (a micro-batch
+    of each replica's share, its fastest of two timed passes, not trained on) already sees it, so from
+    step 0 on replica 0 is priced slower and holds fewer tokens than its peer, and the steps' reports
+    keep it so."""
     from lorafleet.costmodel import CostModelOrigin, file_sha256
 
     profile = REPO / "profiles" / "tiny-llama-cpu.json"
@@ -247,13 +251,19 @@ def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_to
     )
     plan.save(tmp_path / "plan.json")
     out = tmp_path / "out"
-    _train((path, tmp_path / "plan.json"), out, "--steps", "4", "--inject-slowdown", "0=4")
+    _train((path, tmp_path / "plan.json"), out, "--steps", "4", "--inject-slowdown", "0=8")
     rows = list(csv.DictReader((out / "metrics.csv").open()))
-    model = [float(r["model_busy_s/0"]) / float(r["model_busy_s/1"]) for r in rows]
-    share = [float(r["replica_tokens/0"]) / float(r["replica_tokens/1"]) for r in rows]
-    corrections = [float(r["correction/0"]) / float(r["correction/1"]) for r in rows]
-    # The probe saw it (uncorrected: ~1). Not 4: the wait slows replica 0's compute, not the step's
-    # collectives, and replica 0 now holds so little that those weigh more; measured 1.7-5.2 per step.
-    assert min(corrections) > 1.3, corrections
-    assert max(share) < 0.6, share  # an even split would be ~1 (the uncorrected model prices them alike)
-    assert max(model) < 0.6, model  # what the model says of those very micro-batches: replica 0 was given less
+
+    def ratio(column: str) -> list[float]:
+        return [float(r[f"{column}/0"]) / float(r[f"{column}/1"]) for r in rows]
+
+    # The factors each step was dispatched with (corrected over uncorrected estimate), not those after it:
+    # steps 0 and 1 are priced by the probe alone (a dispatch looks a step ahead, the first step's report is
+    # left out). Uncorrected they would be ~1. Not 8: the wait slows replica 0's compute, not the step's
+    # collectives, which weigh more the less replica 0 holds (at 4x: 1.7-5.2 per step, 1.3 in a loaded CI).
+    priced = [p / m for p, m in zip(ratio("predicted_busy_s"), ratio("model_busy_s"), strict=True)]
+    assert min(priced) > 2.0, priced
+    # Each step's dispatch balances those prices, so replica 0 holds far less; an even split is ~1 (the
+    # uncorrected model prices the two alike), and one long sequence moves a split by ~0.15.
+    for held in (ratio("replica_tokens"), ratio("model_busy_s")):
+        assert max(held) < 0.8 and statistics.median(held) < 0.6, (held, priced)
