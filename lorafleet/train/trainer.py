@@ -225,8 +225,8 @@ class Trainer:
         each replica's shortest busy time is the recalibrator's first observation, so the run's first
         steps are already priced by this machine's speed and by each replica's. The minimum, not one
         pass: on a shared machine a pass is only ever slowed (a core taken by another process), and the
-        probe's one observation prices the first steps whole (a fast replica timed while preempted was
-        priced as slow as an injected 4x straggler); the steps after it are averaged as usual."""
+        probe's one observation prices the first steps whole (in a loaded CI, one pass priced an injected
+        4x straggler at well under 2x its peer); the steps after it are averaged as usual."""
         from lorafleet.dispatch import dispatch_step
 
         batch = self.executor.streams.global_batch(step)

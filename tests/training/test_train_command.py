@@ -260,7 +260,7 @@ def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_to
     # The factors each step was dispatched with (corrected over uncorrected estimate), not those after it:
     # steps 0 and 1 are priced by the probe alone (a dispatch looks a step ahead, the first step's report is
     # left out). Uncorrected they would be ~1. Not 8: the wait slows replica 0's compute, not the step's
-    # collectives, which weigh more the less replica 0 holds (at 4x: 1.7-5.2 per step, 1.3 in a loaded CI).
+    # collectives, which weigh more the less replica 0 holds (at 4x: 1.7-5.2 per step, down to ~1.3 in a loaded CI).
     priced = [p / m for p, m in zip(ratio("predicted_busy_s"), ratio("model_busy_s"), strict=True)]
     assert min(priced) > 2.0, priced
     # Each step's dispatch balances those prices, so replica 0 holds far less; an even split is ~1 (the
