@@ -1,10 +1,11 @@
-"""``lorafleet schema``: the JSON Schema of a workload file, generated from its pydantic models.
+"""``lorafleet schema [KIND]``: the JSON Schema of one of lorafleet's files, generated from its typed models.
 
-The schema is :meth:`WorkloadSpec.model_json_schema` with what the models accept before their
-fields are read added: the ``defaults:`` mapping (any task key, merged under every task), tasks
-needing only a ``name`` (``batch_size`` and ``context_length`` may come from a preset or the
-defaults) and YAML's bare ``on``/``off`` for ``recompute``. Editors use it to complete and check
-workload files; ``lorafleet validate`` remains the full check (presets, exactly one length mode, ...).
+``KIND`` names the file (:data:`SCHEMAS`); the default is ``workload``. The workload's schema is
+:meth:`WorkloadSpec.model_json_schema` with what the models accept before their fields are read
+added: the ``defaults:`` mapping (any task key, merged under every task), tasks needing only a
+``name`` (``batch_size`` and ``context_length`` may come from a preset or the defaults) and YAML's
+bare ``on``/``off`` for ``recompute``. Editors use it to complete and check workload files;
+``lorafleet validate`` remains the full check (presets, exactly one length mode, ...).
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+from collections.abc import Callable
 from typing import Any
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("schema", help="print the JSON Schema of workload files")
+    parser = subparsers.add_parser("schema", help="print the JSON Schema of a lorafleet file (default: workload)")
+    parser.add_argument(
+        "kind", nargs="?", default="workload", choices=sorted(SCHEMAS), help="which file (default workload)"
+    )
     parser.add_argument("--output", metavar="FILE", help="write the schema to FILE instead of stdout")
     parser.set_defaults(func=run)
 
@@ -52,8 +57,14 @@ def workload_json_schema() -> dict[str, Any]:
     return {"$schema": SCHEMA_DIALECT, **schema, "title": "lorafleet workload"}
 
 
+SCHEMAS: dict[str, Callable[[], dict[str, Any]]] = {
+    "workload": workload_json_schema,
+}
+"""File kind -> its JSON Schema (draft 2020-12), each generated from the models that read the file."""
+
+
 def run(args: argparse.Namespace) -> int:
-    text = json.dumps(workload_json_schema(), indent=2) + "\n"
+    text = json.dumps(SCHEMAS[args.kind](), indent=2) + "\n"
     if args.output:
         from lorafleet.specs.io import check_writable, write_text_atomic
 
