@@ -586,9 +586,8 @@ def replay_trace(
     """Replay ``trace`` under each of ``options.strategies`` (module docstring) on ``cluster``, priced by
     ``cost_model`` (one for the run's tasks: ``assemble.workload_cost_model(trace.all_tasks(), cluster)``)."""
     planner = _Planner(trace, cluster, cost_model, options)
-    dispatch_cost_model = replace(cost_model, pipeline_window=options.planner.pipeline_window)
     static_plan = None
     if Strategy.STATIC in options.strategies:
         static_plan = planner.fresh(trace.names)
-    runs = tuple(_replay(s, trace, planner, dispatch_cost_model, options, static_plan) for s in options.strategies)
+    runs = tuple(_replay(s, trace, planner, cost_model, options, static_plan) for s in options.strategies)
     return ArrivalsResult(trace=trace, runs=runs, static_plan=static_plan)

@@ -1,15 +1,15 @@
 """Build the pieces a command needs from a workload: its cluster (with overrides) and cost model.
 
 Every command (plan, dispatch, simulate, whatif, train) goes through these functions, so
-``--gpus``, ``--gpu`` and ``--profile`` mean the same thing everywhere; the dispatch-policy
-flags are named here once (:data:`POLICY_FLAGS`) for the commands that parse them and for the
-training launcher that re-runs ``lorafleet train`` in every worker (:func:`policy_argv`). A command that runs
-a plan prices it with the cost model the plan was judged by (:func:`plan_cost_model`) and
-checks it (:func:`lorafleet.plan_check.check_plan`) before any work.
+``--gpus``, ``--gpu`` and ``--profile`` mean the same thing everywhere. A command that runs a plan
+applies the overrides of its policy (field key -> value, ``DispatchPolicy.with_overrides``), prices it
+with the cost model the plan was judged by (:func:`plan_cost_model`) and checks it
+(:func:`lorafleet.plan_check.check_plan`) before any work: :func:`prepare_run`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,37 +20,9 @@ from lorafleet.errors import InputError
 from lorafleet.plan_check import check_plan
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.dispatch import flag_error
 from lorafleet.specs.workload import describe_validation_error
 from lorafleet.workload import Workload
-
-POLICY_FLAGS = {
-    "microbatch_mode": "--microbatch",
-    "n_buckets": "--buckets",
-    "bucket_alignment": "--alignment",
-    "method": "--method",
-    "solver": "--solver",
-    "time_limit_s": "--time-limit",
-    "gap_rel": "--gap",
-    "choose_buckets_by_makespan": "--choose-buckets-by-makespan",
-    "recalibration": "--recalibrate",
-    "pipeline_window": "--pipeline-window",
-}
-"""DispatchOptions field (or ``recalibration``, ``pipeline_window`` of the policy) -> the flag that overrides it."""
-
-
-def policy_argv(overrides: dict[str, object]) -> list[str]:
-    """The flags that give ``overrides`` (the inverse of ``commands._plan_flags.policy_overrides``:
-    what a ``lorafleet train`` worker is re-run with)."""
-    argv: list[str] = []
-    for name, value in overrides.items():
-        flag = POLICY_FLAGS[name]
-        if name == "recalibration":
-            argv.append("--recalibrate" if value else "--no-recalibrate")
-        elif name == "choose_buckets_by_makespan":
-            argv += [flag] if value else []
-        else:
-            argv += [flag, str(getattr(value, "value", value))]
-    return argv
 
 
 def workload_cluster(workload: Workload, gpus: int | None = None, gpu: str | None = None) -> ClusterSpec:
@@ -142,16 +114,7 @@ def plan_cost_model(
 ) -> tuple[CostModel, str | None]:
     """The cost model to run ``plan`` by: the one it was judged by (its profile, verified by content hash,
     or the analytic model of its GPU), or ``profile`` when given; with a line saying so when it is not
-    the plan's own. The gradient all-reduce is priced over the plan's replicas, and the pipeline bubble
-    over the plan's policy's window (``policy.pipeline_window``: the cost model prices what the policy runs)."""
-    cm, note = _plan_figures(workload, cluster, plan, plan_path, profile)
-    return replace(cm, pipeline_window=plan.policy.pipeline_window), note
-
-
-def _plan_figures(
-    workload: Workload, cluster: ClusterSpec, plan: DeploymentPlan, plan_path: str, profile: str | Path | None
-) -> tuple[CostModel, str | None]:
-    """:func:`plan_cost_model` before the policy's pipeline window is applied."""
+    the plan's own. The gradient all-reduce is priced over the plan's replicas."""
     sync = len(plan.replicas)
     origin = plan.cost_model
     if profile is not None:
@@ -171,28 +134,21 @@ def prepare_run(
     cluster: ClusterSpec,
     plan_path: str,
     profile: str | Path | None = None,
-    policy_overrides: dict[str, object] | None = None,
+    policy_overrides: Mapping[str, object] | None = None,
 ) -> PlannedRun:
-    """Load the plan at ``plan_path``, apply the flags that override its dispatch policy (field -> value of
-    ``DispatchOptions``, ``recalibration`` -> bool, or ``pipeline_window`` -> steps), build its cost model
-    (with the policy's pipeline window, as overridden) and check the plan against all of it
-    (:func:`~lorafleet.plan_check.check_plan`): what every plan-reading command does before any work."""
+    """Load the plan at ``plan_path``, apply the overrides of its dispatch policy (policy field key -> value,
+    ``DispatchPolicy.with_overrides``; a bad value is an InputError naming its flag), build its cost model
+    and check the plan against all of it (:func:`~lorafleet.plan_check.check_plan`): what every
+    plan-reading command does before any work."""
     plan = DeploymentPlan.load(plan_path)
     overrides: list[str] = []
-    changes = {k: v for k, v in (policy_overrides or {}).items() if v is not None}
-    if changes:
-        policy = plan.policy
-        recalibrate = changes.pop("recalibration", None)
-        if recalibrate is not None and recalibrate != policy.recalibration.enabled:
-            policy = replace(policy, recalibration=replace(policy.recalibration, enabled=bool(recalibrate)))
-        window = changes.pop("pipeline_window", None)
-        if window is not None:
-            policy = replace(policy, pipeline_window=window)
-        options = replace(policy.options, **changes) if changes else policy.options
-        changed = replace(policy, options=options)
-        if changed != plan.policy:
-            overrides.append(f"policy {changed.describe()} (overriding the plan's: {plan.policy.describe()})")
-            plan = replace(plan, policy=changed)
+    try:
+        changed = plan.policy.with_overrides({k: v for k, v in (policy_overrides or {}).items() if v is not None})
+    except InputError as err:
+        raise flag_error(err) from None
+    if changed != plan.policy:
+        overrides.append(f"policy {changed.describe()} (overriding the plan's: {plan.policy.describe()})")
+        plan = replace(plan, policy=changed)
     cost_model, note = plan_cost_model(workload, cluster, plan, plan_path, profile)
     if note:
         overrides.append(note)

@@ -13,9 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from lorafleet import __version__, commands
-from lorafleet.errors import InputError
-
-EXIT_INPUT_ERROR = 2
+from lorafleet.errors import EXIT_INPUT_ERROR, exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,11 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_INPUT_ERROR
-    try:
-        return int(args.func(args) or 0)
-    except InputError as err:
-        print(f"lorafleet: error: {err}", file=sys.stderr)
-        return EXIT_INPUT_ERROR
+    return exit_code(lambda: args.func(args))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ one line and exits with code 2; nothing else in the package catches it.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 class InputError(Exception):
     """Bad user input: ``path: field: message``.
@@ -27,6 +30,20 @@ class InputError(Exception):
     def __str__(self) -> str:
         where = f"{self.path}: {self.field}" if self.field else self.path
         return f"{where}: {self.msg}"
+
+
+EXIT_INPUT_ERROR = 2
+"""The exit code of a process that stopped on an InputError."""
+
+
+def exit_code(run: Callable[[], int | None], prog: str = "lorafleet") -> int:
+    """``run()``'s exit code, or, when it raises an InputError, the error printed as one line on stderr
+    and :data:`EXIT_INPUT_ERROR` (what every lorafleet entry point does: no traceback for bad input)."""
+    try:
+        return int(run() or 0)
+    except InputError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
 
 
 class SolverFallbackWarning(UserWarning):

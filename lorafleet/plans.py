@@ -11,34 +11,68 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
+from pydantic import BeforeValidator, ConfigDict, PlainSerializer, WithJsonSchema
 
 from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.errors import InputError
-from lorafleet.specs.dispatch import DispatchPolicy
+from lorafleet.specs.dispatch import DispatchPolicy, policy_json_schema
 from lorafleet.specs.io import read_json_object, write_text_atomic
 from lorafleet.specs.recompute import RecomputePolicy
+from lorafleet.specs.typed import adapter, join_path, validate_strict
 
 PLAN_SCHEMA_VERSION = 2
 """2 adds what a plan was judged under: ``policy``, ``cost_model`` and ``recompute``. A version-1
 file does not say which micro-batches (padded or packed) or which cost model its figures
 assume, so it is refused rather than guessed at (re-run ``lorafleet plan --json``)."""
+PLAN_KIND = "lorafleet.DeploymentPlan"
+PLAN_SOURCE = "<plan>"
+"""The source an error of a plan's nested policy names while it is validated (replaced by the file's)."""
+
+
+def _config_of(value: Any) -> Any:
+    return ParallelConfig.parse(value) if isinstance(value, str) else value
+
+
+ConfigName = Annotated[
+    ParallelConfig,
+    BeforeValidator(_config_of),
+    PlainSerializer(lambda c: c.name, return_type=str),
+    WithJsonSchema({"type": "string", "description": "a parallel config: tp2_pp1, tp2_pp1_rc"}),
+]
+"""A parallel config as a plan file writes it (``tp2_pp1``; :meth:`ParallelConfig.parse` reads any spelling)."""
+
+
+def _policy_of(value: Any) -> Any:
+    return value if isinstance(value, DispatchPolicy) else DispatchPolicy.from_json(value, PLAN_SOURCE, "")
+
+
+PolicyJson = Annotated[
+    DispatchPolicy,
+    BeforeValidator(_policy_of),
+    PlainSerializer(lambda p: p.to_json(), return_type=dict),
+    WithJsonSchema(policy_json_schema()),
+]
+"""A dispatch policy as a plan records it (:meth:`DispatchPolicy.to_json`, validated by its ``from_json``)."""
 
 
 @dataclass(frozen=True)
 class ReplicaSpec:
     """One model replica of the deployment."""
 
+    __pydantic_config__ = ConfigDict(extra="forbid")
+
     replica_id: int
-    config: ParallelConfig
+    config: ConfigName
     max_tokens: int
     """M: the most tokens (padding included) one micro-batch may hold on this replica."""
     gpus: tuple[int, ...]
@@ -47,13 +81,24 @@ class ReplicaSpec:
 
 @dataclass(frozen=True)
 class DeploymentPlan:
-    """How many replicas of which config, where they sit, and what the planner expects of them."""
+    """How many replicas of which config, where they sit, and what the planner expects of them.
+
+    Its file (:meth:`save`, :meth:`load`; ``lorafleet schema plan``) is this dataclass as JSON, typed
+    field by field (a pydantic adapter, strict: no unknown key, no string for a number), with
+    ``schema_version`` and ``kind`` beside the fields.
+    """
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     model: str
+    """The base model the plan is for."""
     gpu: str
+    """The GPU kind of the cluster the plan is for."""
     n_gpus: int
+    """GPUs of that cluster (the plan may leave some idle)."""
     gpus_per_node: int
     tasks: tuple[str, ...]
+    """The workload's tasks, in order."""
     replicas: tuple[ReplicaSpec, ...]
     bucket_boundaries: tuple[int, ...]
     """Planning buckets (ascending upper lengths) the expected dispatch was computed on."""
@@ -65,7 +110,7 @@ class DeploymentPlan:
     """Human-readable remarks (idle GPUs and why, fallbacks, pruning)."""
     expected_replica_time_s: tuple[float, ...] = ()
     """Expected step time of each replica, in ``replicas`` order."""
-    policy: DispatchPolicy = field(default_factory=DispatchPolicy)
+    policy: PolicyJson = field(default_factory=DispatchPolicy)
     """How every step of this deployment is dispatched: what the plan was judged under, and what
     ``simulate``, ``dispatch`` and ``train`` run unless told otherwise."""
     cost_model: CostModelOrigin | None = None
@@ -96,84 +141,63 @@ class DeploymentPlan:
         return " + ".join(f"{c} x {n}" for c, n in self.config_counts().items())
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["schema_version"] = PLAN_SCHEMA_VERSION
-        data["kind"] = "lorafleet.DeploymentPlan"
-        for replica in data["replicas"]:
-            replica["config"] = ParallelConfig(**replica["config"]).name
-        data["policy"] = self.policy.to_json()
-        data["recompute"] = self.recompute.value
-        return data
+        """The plan file's object: every field (typed as the adapter dumps it), its schema version and kind."""
+        return {**adapter(DeploymentPlan).dump_python(self, mode="json"), **_header()}
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a reader never sees half a plan (an InputError when ``path`` is unwritable)."""
         write_text_atomic(path, json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path) -> DeploymentPlan:
-        """Read a plan JSON; an InputError names the file and field when it is not one."""
-        src = str(path)
-        data = read_json_object(path)
-        if data.get("kind") != "lorafleet.DeploymentPlan":
-            raise InputError(src, "kind", "not a lorafleet deployment plan")
-        version = data.get("schema_version")
+    def from_json(cls, data: dict[str, Any], source: str, where: str = "") -> DeploymentPlan:
+        """The plan of a plan file's object (``to_json``); an InputError names ``source`` and the field path
+        (``replicas[3].gpus``) when it is not one, an unknown key too."""
+        data = dict(data)
+        at = functools.partial(join_path, where)
+        if data.pop("kind", None) != PLAN_KIND:
+            raise InputError(source, at("kind"), "not a lorafleet deployment plan")
+        version = data.pop("schema_version", None)
         if version == 1:
             raise InputError(
-                src,
-                "schema_version",
+                source,
+                at("schema_version"),
                 "a version-1 plan does not record the dispatch policy and cost model "
                 "it was judged under; re-run `lorafleet plan --json` to write a version-2 plan",
             )
         if version != PLAN_SCHEMA_VERSION:
-            raise InputError(src, "schema_version", f"expected {PLAN_SCHEMA_VERSION}, got {version!r}")
+            raise InputError(source, at("schema_version"), f"expected {PLAN_SCHEMA_VERSION}, got {version!r}")
         for name in ("policy", "cost_model", "recompute"):
             if name not in data:
-                raise InputError(src, name, "missing")
-        policy = DispatchPolicy.from_json(data["policy"], src)
+                raise InputError(source, at(name), "missing")
         try:
-            recompute = RecomputePolicy(data["recompute"])
-        except ValueError:
-            raise InputError(src, "recompute", f"{data['recompute']!r} is not one of auto, off, on") from None
-        origin = data["cost_model"]
-        try:
-            cost_model = CostModelOrigin(**origin) if origin is not None else None
-        except (TypeError, ValueError) as err:
-            raise InputError(src, "cost_model", str(err)) from None
-        try:
-            replicas = tuple(
-                ReplicaSpec(
-                    replica_id=int(r["replica_id"]),
-                    config=ParallelConfig.parse(r["config"]),
-                    max_tokens=int(r["max_tokens"]),
-                    gpus=tuple(int(g) for g in r["gpus"]),
-                )
-                for r in data["replicas"]
-            )
-            plan = cls(
-                model=str(data["model"]),
-                gpu=str(data["gpu"]),
-                n_gpus=int(data["n_gpus"]),
-                gpus_per_node=int(data["gpus_per_node"]),
-                tasks=tuple(str(t) for t in data["tasks"]),
-                replicas=replicas,
-                bucket_boundaries=tuple(int(b) for b in data["bucket_boundaries"]),
-                expected_makespan_s=float(data["expected_makespan_s"]),
-                solver=str(data.get("solver", "")),
-                notes=tuple(str(n) for n in data.get("notes", ())),
-                expected_replica_time_s=tuple(float(t) for t in data.get("expected_replica_time_s", ())),
-                policy=policy,
-                cost_model=cost_model,
-                recompute=recompute,
-            )
-        except KeyError as err:
-            raise InputError(src, str(err.args[0]), "missing") from None
-        except (TypeError, ValueError) as err:
-            raise InputError(src, "replicas", str(err)) from None
+            plan = validate_strict(cls, data, source, where)
+        except InputError as err:
+            if err.path != PLAN_SOURCE:
+                raise
+            raise InputError(source, at(join_path("policy", err.field)), err.msg) from None
         if not (np.isfinite(plan.expected_makespan_s) and plan.expected_makespan_s >= 0):
             raise InputError(
-                src, "expected_makespan_s", f"must be a finite number >= 0, got {plan.expected_makespan_s}"
+                source, at("expected_makespan_s"), f"must be a finite number >= 0, got {plan.expected_makespan_s}"
             )
         return plan
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeploymentPlan:
+        """Read a plan JSON; an InputError names the file and field when it is not one."""
+        return cls.from_json(read_json_object(path), str(path))
+
+
+def _header() -> dict[str, Any]:
+    return {"schema_version": PLAN_SCHEMA_VERSION, "kind": PLAN_KIND}
+
+
+def plan_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a plan file (``lorafleet schema plan``), generated from :class:`DeploymentPlan`."""
+    schema = adapter(DeploymentPlan).json_schema(mode="serialization")
+    schema["properties"]["schema_version"] = {"const": PLAN_SCHEMA_VERSION}
+    schema["properties"]["kind"] = {"const": PLAN_KIND}
+    schema["required"] = sorted({*schema.get("required", ()), "schema_version", "kind", "policy", "cost_model"})
+    return schema
 
 
 @dataclass(frozen=True)

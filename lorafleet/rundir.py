@@ -29,6 +29,7 @@ RUN_FILES = (
     "checkpoints",
     "adapters",
     "plan.json",
+    "run.json",
     "summary.json",
     "tasks.json",
     "workload.resolved.yaml",

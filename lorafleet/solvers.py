@@ -53,6 +53,30 @@ class SolveResult:
     def __str__(self) -> str:
         return f"{self.solver.value}:{self.status.value}"
 
+    def unusable_note(self, what: str, instead: str) -> str:
+        """One line saying why ``what``'s solve gave nothing the caller can use, and what stands ``instead``.
+
+        Built from both halves of the result (its status and whether it carries a solution) so that they
+        never contradict each other: a status that claims a solution whose values the caller could not use
+        (``cbc returned no usable solution (status optimal, but its values were unusable; 0.12 s)``), values
+        without a solution status, or a plain failure (``cbc proved it infeasible (0.12 s)``).
+        """
+        solver, status, wall = self.solver.value, self.status.value, f"{self.wall_s:.2f} s"
+        if self.has_solution:
+            said = f"{solver} returned no usable solution (status {status}, but its values were unusable; {wall})"
+        elif self.objective is not None:
+            said = f"{solver} returned values without a solution (status {status}; they are not used; {wall})"
+        else:
+            said = f"{solver} {_NO_SOLUTION.get(self.status, f'gave no solution (status {status})')} ({wall})"
+        return f"{what}: {said}; {instead}"
+
+
+_NO_SOLUTION = {
+    SolveStatus.INFEASIBLE: "proved it infeasible",
+    SolveStatus.UNBOUNDED: "found it unbounded",
+    SolveStatus.FAILED: "found no solution (a solver error, or a limit reached before any solution)",
+}
+
 
 def _make_solver(name: SolverName, time_limit_s: float, gap_rel: float, threads: int | None) -> pulp.LpSolver:
     common = {"msg": False, "timeLimit": time_limit_s, "gapRel": gap_rel}

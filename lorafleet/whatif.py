@@ -27,6 +27,7 @@ from lorafleet.errors import InputError
 from lorafleet.executor.simulated import SimulationOptions
 from lorafleet.planner import PlannerOptions, plan_deployment
 from lorafleet.simulate import simulate_schedule
+from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.model import resolve_model
 from lorafleet.specs.recompute import RecomputePolicy
@@ -103,8 +104,12 @@ def _point(workload: Workload, point: dict[str, str]) -> tuple[Workload, dict]:
     if "tasks" in point:
         workload = _edit_tasks(workload, point["tasks"])
     gpus = int(point["gpus"]) if "gpus" in point else None
-    window = int(point["window"]) if "window" in point else PlannerOptions().pipeline_window
-    return workload, {"gpus": gpus, "gpu": point.get("gpu"), "n_buckets": int(point.get("R", 16)), "window": window}
+    policy = {key: int(point[axis]) for axis, key in POLICY_AXES.items() if axis in point}
+    return workload, {"gpus": gpus, "gpu": point.get("gpu"), "policy": policy}
+
+
+POLICY_AXES = {"R": "n_buckets", "window": "pipeline_window"}
+"""Sweep axes that vary the dispatch policy the plans are judged under -> the policy field (``specs.dispatch``)."""
 
 
 def _describe_point(point: dict[str, str]) -> str:
@@ -145,7 +150,10 @@ def sweep(
             warnings.warn(f"skipped {reason}", UserWarning, stacklevel=2)
     rows = []
     for point, varied, args, cluster in points:
-        options = PlannerOptions(n_buckets=args["n_buckets"], pipeline_window=args["window"])
+        try:
+            options = PlannerOptions(policy=DispatchPolicy().with_overrides(args["policy"]))
+        except InputError as err:
+            raise InputError("<args>", "--vary", f"{_describe_point(point)}: {err.field}: {err.msg}") from None
         result = plan_deployment(varied, cluster, workload_cost_model(varied, cluster, profile), options)
         for schedule in (result.schedule, *result.baselines):
             run = simulate_schedule(varied, schedule, result.cost_model, steps, sim)

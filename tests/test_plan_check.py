@@ -16,7 +16,7 @@ from lorafleet.errors import InputError
 from lorafleet.plan_check import check_plan
 from lorafleet.planner import PlannerOptions, plan_deployment
 from lorafleet.plans import DeploymentPlan, ReplicaSpec
-from lorafleet.specs.dispatch import MicroBatchMode
+from lorafleet.specs.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import load_workload
 from tests.conftest import SMALL_WORKLOAD
@@ -31,9 +31,8 @@ def planned(tmp_path_factory):
     workload = load_workload(path)
     cluster = workload_cluster(workload)
     cost_model = workload_cost_model(workload, cluster)
-    result = plan_deployment(
-        workload, cluster, cost_model, PlannerOptions(microbatch_mode=MicroBatchMode.PADDING, robust_samples=0)
-    )
+    padded = DispatchPolicy(options=DispatchOptions(microbatch_mode=MicroBatchMode.PADDING))
+    result = plan_deployment(workload, cluster, cost_model, PlannerOptions(policy=padded, robust_samples=0))
     result.plan.save(tmp / "plan.json")
     return path, workload, result.plan, tmp / "plan.json"
 
@@ -102,12 +101,6 @@ def _broken(plan: DeploymentPlan):
         "replicas[0].config",
         "tp=3 does not divide",
     )
-    yield (
-        "window",
-        replace(plan, policy=replace(plan.policy, pipeline_window=plan.policy.pipeline_window + 1)),
-        "policy.pipeline_window",
-        f"assumes {plan.policy.pipeline_window}",
-    )
     yield "buckets", replace(plan, bucket_boundaries=(512, 256, 8192)), "bucket_boundaries", "strictly increasing"
     yield "coverage", replace(plan, bucket_boundaries=(512, 1024)), "bucket_boundaries", "does not cover"
     yield (
@@ -122,8 +115,7 @@ def _broken(plan: DeploymentPlan):
 def test_every_rule_names_its_field(planned):
     _, workload, plan, plan_path = planned
     cluster = workload_cluster(workload)
-    cost_model, _ = plan_cost_model(workload, cluster, plan, str(plan_path))  # with the plan's pipeline window
-    assert cost_model.pipeline_window == plan.policy.pipeline_window == 8
+    cost_model, _ = plan_cost_model(workload, cluster, plan, str(plan_path))
     check_plan(plan, workload, cluster, cost_model, "plan.json")  # the real plan passes
     for name, broken, field, words in _broken(plan):
         with pytest.raises(InputError) as err:
@@ -202,7 +194,7 @@ def test_the_plans_policy_runs_by_default_and_a_flag_says_it_overrides(planned, 
     printed = capsys.readouterr().out
     assert "override: policy padding, R=16, alignment 16, fast, recalibrated, pipeline window 1 (overriding" in printed
     run = prepare_run(workload, workload_cluster(workload), str(plan_path), policy_overrides={"pipeline_window": 1})
-    assert run.plan.policy.pipeline_window == run.cost_model.pipeline_window == 1
+    assert run.plan.policy.pipeline_window == 1
     assert main(["dispatch", str(path), "--plan", str(plan_path), "--pipeline-window", "0"]) == 2
     assert capsys.readouterr().err.strip().endswith("--pipeline-window: must be >= 1 step, got 0")
 
@@ -217,7 +209,7 @@ def test_a_plan_without_a_window_was_judged_flushed_every_step(planned, tmp_path
     old = tmp_path / "old.json"
     old.write_text(json.dumps(data))
     run = prepare_run(workload, workload_cluster(workload), str(old))
-    assert run.plan.policy.pipeline_window == run.cost_model.pipeline_window == 1
+    assert run.plan.policy.pipeline_window == 1
 
 
 def test_simulate_plan_runs_the_plan_as_made(planned, capsys):

@@ -10,8 +10,15 @@ from lorafleet.errors import InputError
 ARGS = "<args>"
 
 
+PLAN_POLICY_FLAGS = ("microbatch_mode", "pipeline_window")
+"""The policy fields ``plan`` has flags for (the others take their defaults and can be overridden when the
+plan is run; ``plan``'s own ``--solver`` is the planner's MILP back end, not the exact dispatch's)."""
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from lorafleet.commands._plan_flags import add_policy_flags
     from lorafleet.commands._set_flags import add_set_flag
+    from lorafleet.specs.dispatch import DispatchPolicy
 
     parser = subparsers.add_parser("plan", help="plan a heterogeneous deployment and compare it with the baselines")
     parser.add_argument("workload", help="workload YAML file")
@@ -25,15 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--profile", help="fitted profile JSON (default: the analytic model of the GPU)")
     parser.add_argument("--solver", default="cbc", help="MILP back end: cbc (default), scip or highs")
     parser.add_argument("--mode", default="decomposed", help="decomposed (default), exhaustive or joint-minlp")
-    parser.add_argument("--microbatch", default="packing", help="packing (default) or padding (LobRA's)")
     parser.add_argument("--samples", type=int, default=32, help="K sampled batches of the robust choice (0: none)")
-    parser.add_argument(
-        "--pipeline-window",
-        type=int,
-        default=8,
-        metavar="N",
-        help="steps a pipelined replica streams before it drains (default 8; 1: 1F1B flushed every step, LobRA's)",
-    )
+    add_policy_flags(parser, defaults=DispatchPolicy(), only=PLAN_POLICY_FLAGS)
     sizing = parser.add_argument_group("sizing the fleet (with --gpus auto; docs/planner.md)")
     sizing.add_argument(
         "--max-nodes", metavar="K", help="the most nodes --gpus auto sweeps (default: the workload cluster's nodes)"
@@ -56,21 +56,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _options(args: argparse.Namespace):
     import importlib.util
 
+    from lorafleet.commands._plan_flags import flagged_policy
     from lorafleet.planner import PlannerMode, PlannerOptions
     from lorafleet.solvers import SolverName
-    from lorafleet.specs.dispatch import MicroBatchMode
+    from lorafleet.specs.dispatch import DispatchPolicy
 
-    for flag, value, enum in (
-        ("--solver", args.solver, SolverName),
-        ("--mode", args.mode, PlannerMode),
-        ("--microbatch", args.microbatch, MicroBatchMode),
-    ):
+    for flag, value, enum in (("--solver", args.solver, SolverName), ("--mode", args.mode, PlannerMode)):
         if value not in {e.value for e in enum}:
             raise InputError(ARGS, flag, f"{value!r} is not one of {', '.join(e.value for e in enum)}")
     if args.samples < 0:
         raise InputError(ARGS, "--samples", f"must be >= 0, got {args.samples}")
-    if args.pipeline_window < 1:
-        raise InputError(ARGS, "--pipeline-window", f"must be >= 1 step, got {args.pipeline_window}")
+    policy = flagged_policy(DispatchPolicy(), args)
     if args.mode == PlannerMode.JOINT_MINLP and importlib.util.find_spec("pyscipopt") is None:
         raise InputError(
             ARGS,
@@ -78,13 +74,7 @@ def _options(args: argparse.Namespace):
             "joint-minlp solves LobRA's MINLP with SCIP, which needs PySCIPOpt "
             "(pip install pyscipopt); the default decomposed mode does not",
         )
-    return PlannerOptions(
-        solver=args.solver,
-        mode=args.mode,
-        microbatch_mode=args.microbatch,
-        robust_samples=args.samples,
-        pipeline_window=args.pipeline_window,
-    )
+    return PlannerOptions(policy=policy, solver=args.solver, mode=args.mode, robust_samples=args.samples)
 
 
 AUTO = "auto"

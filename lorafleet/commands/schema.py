@@ -57,8 +57,29 @@ def workload_json_schema() -> dict[str, Any]:
     return {"$schema": SCHEMA_DIALECT, **schema, "title": "lorafleet workload"}
 
 
+def _plan() -> dict[str, Any]:
+    from lorafleet.plans import plan_json_schema
+
+    return {"$schema": SCHEMA_DIALECT, **plan_json_schema(), "title": "lorafleet deployment plan"}
+
+
+def _policy() -> dict[str, Any]:
+    from lorafleet.specs.dispatch import policy_json_schema
+
+    return {"$schema": SCHEMA_DIALECT, **policy_json_schema(), "title": "lorafleet dispatch policy"}
+
+
+def _run() -> dict[str, Any]:
+    from lorafleet.train.run_file import run_json_schema
+
+    return {"$schema": SCHEMA_DIALECT, **run_json_schema(), "title": "lorafleet run file"}
+
+
 SCHEMAS: dict[str, Callable[[], dict[str, Any]]] = {
     "workload": workload_json_schema,
+    "plan": _plan,
+    "policy": _policy,
+    "run": _run,
 }
 """File kind -> its JSON Schema (draft 2020-12), each generated from the models that read the file."""
 

@@ -122,12 +122,12 @@ def _schedules(workload, args: argparse.Namespace, console):
     """lorafleet's schedule (the plan of ``--plan`` as it was made, or a fresh one), the baselines, and the
     cost model and cluster both are simulated with."""
     from lorafleet.assemble import workload_cluster, workload_cost_model
-    from lorafleet.commands._plan_flags import planned_run, policy_overrides
+    from lorafleet.commands._plan_flags import given_policy_flags, planned_run
     from lorafleet.planner import LORAFLEET, Phase, Schedule, plan_deployment, workload_baselines
 
     cluster = workload_cluster(workload, args.gpus, args.gpu)
     if not args.plan:
-        overridden = sorted(policy_overrides(args))
+        overridden = given_policy_flags(args)
         if overridden:
             raise InputError(
                 "<args>",
@@ -141,7 +141,7 @@ def _schedules(workload, args: argparse.Namespace, console):
     for line in run_.overrides:
         console.print(f"override: {line}")
     lorafleet = Schedule(name=LORAFLEET, phases=(Phase(tasks=tuple(range(len(workload.tasks))), plan=run_.plan),))
-    baselines = workload_baselines(workload, cluster, run_.cost_model, run_.plan.policy.options.n_buckets)
+    baselines = workload_baselines(workload, cluster, run_.cost_model, run_.plan.policy)
     return lorafleet, baselines, run_.cost_model, cluster
 
 
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
 def _arrival_flags(args: argparse.Namespace):
     """``--arrivals``'s options, after refusing the flags that mean nothing to it."""
     from lorafleet.arrivals import ArrivalOptions
-    from lorafleet.commands._plan_flags import policy_overrides
+    from lorafleet.commands._plan_flags import given_policy_flags
     from lorafleet.planner import ReplanOptions
 
     refused = {
@@ -236,7 +236,7 @@ def _arrival_flags(args: argparse.Namespace):
         "--report": args.report is not None,
     }
     given = [flag for flag, on in refused.items() if on]
-    overridden = sorted(policy_overrides(args))
+    overridden = given_policy_flags(args)
     if given or overridden:
         names = ", ".join(given + [f"policy flags ({', '.join(overridden)})"] * bool(overridden))
         raise InputError(

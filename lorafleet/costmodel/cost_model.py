@@ -20,10 +20,11 @@ still applies. A replica's step over micro-batches k = 1..K is::
 
     bubble_slots = ((pp - 1) + (W - 1) * min(stall, pp - 1)) / W          (costmodel.schedule)
 
-with W the ``pipeline_window``: the steps a pipelined replica streams as one 1F1B schedule
-before it drains, and ``stall`` what a step boundary inside the window costs given which tasks
-each micro-batch holds (0 when that is not known: the steady-state estimate a load model
-prices classes with before dispatch). W = 1 is LobRA Eq. 12, 1F1B flushed every step:
+with W the pipeline window: the steps a pipelined replica streams as one 1F1B schedule before
+it drains (the dispatch policy's ``pipeline_window``, an argument of every call that prices a
+replica, so one cost model prices any policy), and ``stall`` what a step boundary inside the window
+costs given which tasks each micro-batch holds (0 when that is not known: the steady-state estimate
+a load model prices classes with before dispatch). W = 1 is LobRA Eq. 12, 1F1B flushed every step:
 ``(pp - 1) * max_k τ_k``. The last two terms are what LobRA's timed step skips: the ring
 all-reduce of every task's adapter gradients across the ``sync_replicas`` replicas and the
 optimizer step, both on the adapter parameters one device holds, Σ_tasks params / (tp * pp).
@@ -35,6 +36,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from pydantic import ConfigDict
 
 from lorafleet.costmodel import schedule
 from lorafleet.costmodel.adapters import AdapterLoad
@@ -66,6 +68,8 @@ class Interconnect:
 @dataclass(frozen=True, kw_only=True)
 class CostModelOrigin:
     """Where a cost model's figures come from: what a plan records, so a later command rebuilds the same model."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     kind: str
     """``analytic`` (the datasheet model of ``gpu``) or ``profile`` (the file ``profile``)."""
@@ -113,13 +117,6 @@ class CostModel:
     """Replicas taking part in the adapters' gradient all-reduce (1: no sync)."""
     origin: CostModelOrigin | None = None
     """How to rebuild this model (``load_cost_model`` sets it; None for one built by hand)."""
-    pipeline_window: int = 1
-    """W: steps a pipelined replica streams before it drains (``costmodel.schedule``); 1 is 1F1B
-    flushed every step (LobRA Eq. 12). A plan's cost model carries its policy's window."""
-
-    def __post_init__(self) -> None:
-        if self.pipeline_window < 1:
-            raise ValueError(f"a pipeline window is at least one step, got {self.pipeline_window}")
 
     @property
     def configs(self) -> list[ParallelConfig]:
@@ -171,14 +168,20 @@ class CostModel:
         sync = self.interconnect.grad_sync.allreduce(self.sync_replicas)(params * self.activation_bytes)
         return (sync + self.optimizer_time(params)) / MS_PER_S
 
-    def bubble_slots(self, config: ParallelConfig, microbatch_tasks: Sequence[Collection[int]] | None = None) -> float:
-        """The pipeline bubble of one step of ``config``, in multiples of its largest stage time:
-        ``((pp - 1) + (W - 1) * min(stall, pp - 1)) / W`` (:func:`schedule.bubble_slots`). With
-        ``microbatch_tasks`` (the task ids of each micro-batch, in order) the stall is that order's;
-        without, 0 (the steady state). ``pp - 1`` when W = 1; 0 without a pipeline."""
-        if self.pipeline_window == 1:  # no inner step boundary: the stall is never charged, so never computed
+    @staticmethod
+    def bubble_slots(
+        config: ParallelConfig, microbatch_tasks: Sequence[Collection[int]] | None = None, window: int = 1
+    ) -> float:
+        """The pipeline bubble of one step of ``config`` streamed in windows of ``window`` steps, in
+        multiples of its largest stage time: ``((pp - 1) + (W - 1) * min(stall, pp - 1)) / W``
+        (:func:`schedule.bubble_slots`). With ``microbatch_tasks`` (the task ids of each micro-batch, in
+        order) the stall is that order's; without, 0 (the steady state). ``pp - 1`` when W = 1; 0
+        without a pipeline."""
+        if window < 1:
+            raise ValueError(f"a pipeline window is at least one step, got {window}")
+        if window == 1:  # no inner step boundary: the stall is never charged, so never computed
             microbatch_tasks = None
-        return schedule.bubble_slots(config.pp, self.pipeline_window, microbatch_tasks)
+        return schedule.bubble_slots(config.pp, window, microbatch_tasks)
 
     @staticmethod
     def drained_bubble_slots(config: ParallelConfig) -> float:
@@ -191,10 +194,11 @@ class CostModel:
         config: ParallelConfig,
         microbatches: Sequence[MicroBatchShape],
         tasks: Sequence[Collection[int]] | None = None,
+        window: int = 1,
     ) -> float:
-        """One replica's step time, seconds::
+        """One replica's step time, seconds, streamed in windows of ``window`` steps::
 
-            T = Σ_k τ_k + bubble_slots(config, tasks) * max_k τ_k + overhead
+            T = Σ_k τ_k + bubble_slots(config, tasks, window) * max_k τ_k + overhead
 
         where τ_k is the stage time of micro-batch k: 1F1B pays every micro-batch once per
         stage in steady state and the largest one again for each slot of bubble. ``tasks``: the
@@ -207,5 +211,5 @@ class CostModel:
         if tasks is not None and len(tasks) != len(microbatches):
             raise ValueError(f"{len(tasks)} task sets for {len(microbatches)} micro-batches")
         times = self.stage_coeffs(config).shapes(microbatches) / MS_PER_S
-        bubble = self.bubble_slots(config, tasks)
+        bubble = self.bubble_slots(config, tasks, window)
         return float(times.sum() + bubble * times.max()) + self.step_overhead(config)

@@ -20,10 +20,10 @@ exactly what its steps will run):
    speed), :func:`choose_buckets` (a batch's buckets, as the dispatcher picks them) and
    :func:`build_load_model` (a :class:`LoadModel`: per class i and bucket j the time
    ``T_i(d) = Σ_j ⌈d_ij / p_i⌉ t_ij + c_i``, LobRA Eq. 1-3 with p fixed);
-2. *balance*: :func:`balance_fast` (milliseconds), :func:`balance_by_length` (LobRA's
-   length-based baseline) or :func:`solve_dispatch_ilp` (exact,
-   bounded by the fast answer), each an :class:`Assignment` d_ij; :func:`fluid_bound` is
-   the LP bound no balance beats;
+2. *balance*: :func:`balance_load` (what every step runs: :func:`balance_fast`, milliseconds,
+   :func:`balance_by_length`, LobRA's length-based baseline, or :func:`solve_dispatch_ilp`,
+   exact, bounded by the fast answer, which stands with a note when the solve gives nothing), each
+   an :class:`Assignment` d_ij; :func:`fluid_bound` is the LP bound no balance beats;
 3. *the placed step*: :func:`placed_work` (the sequences placed on replicas, cut into
    micro-batches and priced as a step is; its max is the expected makespan) and
    :func:`placed_times` (the padded load model as placed, no micro-batches formed);
@@ -43,9 +43,9 @@ from lorafleet.dispatch.ilp import IlpOutcome, solve_dispatch_ilp
 from lorafleet.dispatch.load import ConfigClass, LoadModel, build_load_model, config_classes, sequence_lower_bound
 from lorafleet.dispatch.lookahead import LookaheadDispatcher
 from lorafleet.dispatch.placement import placed_times
-from lorafleet.dispatch.policy import solve_policy
+from lorafleet.dispatch.policy import policy_with, solve_policy
 from lorafleet.dispatch.recalibration import Recalibrator, ReplicaCalibration, summarize_factors
-from lorafleet.dispatch.step import DispatchOutcome, choose_buckets, placed_work, solve_step
+from lorafleet.dispatch.step import Balanced, DispatchOutcome, balance_load, choose_buckets, placed_work, solve_step
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
 from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions, DispatchPolicy, MicroBatchMode
@@ -65,8 +65,11 @@ __all__ = [
     "solve_step",
     "summarize_factors",
     "task_tokens_per_replica",
+    "policy_with",
     # judging a deployment
     "Assignment",
+    "Balanced",
+    "balance_load",
     "ConfigClass",
     "IlpOutcome",
     "LoadModel",
@@ -99,14 +102,13 @@ def dispatch_step(
     """The step's StepPlan: one ReplicaWork per replica of ``plan``, in order, with estimated times.
 
     Dispatched under the plan's policy (``plan.policy``, static buckets included), or under
-    ``options`` with dynamic buckets when given; ``speed`` prices replicas slower or faster
+    ``options`` with dynamic buckets when given (in the plan's pipeline window, :func:`policy_with`);
+    ``speed`` prices replicas slower or faster
     (online recalibration). With ``method=exact``, a solve that fails or times out without a
     solution falls back to the fast dispatch and emits a
     :class:`~lorafleet.errors.SolverFallbackWarning`; the step is never skipped.
     """
-    outcome = solve_policy(
-        batch, plan, cost_model, DispatchPolicy(options=options) if options is not None else None, speed
-    )
+    outcome = solve_policy(batch, plan, cost_model, policy_with(plan, options), speed)
     if outcome.fallback:
         warnings.warn(outcome.fallback, SolverFallbackWarning, stacklevel=2)
     return outcome.plan

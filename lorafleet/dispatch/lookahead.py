@@ -19,11 +19,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.dispatch.policy import solve_policy
+from lorafleet.dispatch.policy import policy_with, solve_policy
 from lorafleet.dispatch.step import DispatchOutcome
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
-from lorafleet.specs.dispatch import DispatchOptions, DispatchPolicy
+from lorafleet.specs.dispatch import DispatchOptions
 
 
 class LookaheadDispatcher:
@@ -55,7 +55,7 @@ class LookaheadDispatcher:
         self._batch_for_step = batch_for_step
         self._plan = plan
         self._cost_model = cost_model
-        self._policy = DispatchPolicy(options=options) if options is not None else plan.policy
+        self._policy = policy_with(plan, options)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-lookahead")
         self._pending: dict[int, Future[DispatchOutcome]] = {}
 

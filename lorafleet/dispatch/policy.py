@@ -20,7 +20,7 @@ from lorafleet.dispatch.bucketing import bucket_of
 from lorafleet.dispatch.step import DispatchOutcome, solve_step
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork
-from lorafleet.specs.dispatch import DispatchPolicy
+from lorafleet.specs.dispatch import DispatchOptions, DispatchPolicy
 
 
 def solve_policy(
@@ -30,10 +30,12 @@ def solve_policy(
     policy: DispatchPolicy | None = None,
     speed: Sequence[float] | None = None,
 ) -> DispatchOutcome:
-    """The batch dispatched under ``policy`` (default: the plan's own), replicas priced at ``speed``."""
+    """The batch dispatched under ``policy`` (default: the plan's own), replicas priced at ``speed``, in the
+    policy's pipeline window."""
     policy = plan.policy if policy is None else policy
+    window = policy.pipeline_window
     if not policy.static_boundaries:
-        return solve_step(batch, plan, cost_model, policy.options, speed)
+        return solve_step(batch, plan, cost_model, policy.options, speed, window)
     bounds = np.asarray(policy.static_boundaries, dtype=np.int64)
     over = np.flatnonzero(batch.lengths > bounds[-1])
     if over.size:
@@ -44,7 +46,7 @@ def solve_policy(
         )
     padded = bounds[bucket_of(batch.lengths, bounds)]
     options = replace(policy.options, n_buckets=bounds.size, bucket_alignment=1)
-    outcome = solve_step(replace(batch, lengths=padded), plan, cost_model, options, speed)
+    outcome = solve_step(replace(batch, lengths=padded), plan, cost_model, options, speed, window)
     real = batch.lengths
 
     def restore(mb: MicroBatch) -> MicroBatch:
@@ -60,3 +62,11 @@ def solve_policy(
         for w in step.work
     )
     return replace(outcome, plan=replace(step, bucket_boundaries=policy.static_boundaries, work=work))
+
+
+def policy_with(plan: DeploymentPlan, options: DispatchOptions | None) -> DispatchPolicy:
+    """The plan's policy, or, with ``options``, the plan's policy with those options and dynamic buckets
+    (its pipeline window and recalibration kept: what a caller that overrides the options runs)."""
+    if options is None:
+        return plan.policy
+    return replace(plan.policy, options=options, static_boundaries=())

@@ -5,7 +5,8 @@
    modelled makespan instead.
 2. Balance: class totals d_ij by the fast method, the exact MILP (bounded by the fast
    result, which is used with a note when the solve gives nothing), or LobRA's length
-   baseline (:mod:`.balance`, :mod:`.ilp`).
+   baseline (:func:`balance_load`, over :mod:`.balance` and :mod:`.ilp`; the planner judges
+   deployments through the same function).
 3. Placement of the actual sequences on replicas (:mod:`.placement`), micro-batches per
    replica (:mod:`.microbatch`), and each replica's time from the cost model
    (:func:`placed_work`, which the planner also judges deployments by).
@@ -31,6 +32,7 @@ from lorafleet.dispatch.microbatch import packed_microbatches, padded_microbatch
 from lorafleet.dispatch.placement import place_sequences
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork, StepPlan
+from lorafleet.solvers import SolveResult
 from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions, MicroBatchMode
 
 
@@ -68,6 +70,54 @@ def _check_lengths(batch: GlobalBatch, classes: tuple[ConfigClass, ...]) -> None
 
 def _balance(load: LoadModel, method: DispatchMethod) -> Assignment:
     return balance_by_length(load) if method is DispatchMethod.LENGTH else balance_fast(load)
+
+
+EXACT_DISPATCH = "the exact dispatch ILP"
+
+
+@dataclass(frozen=True)
+class Balanced:
+    """Class totals d_ij of one load model, and how they were found."""
+
+    assignment: Assignment
+    method: str
+    """``fast``, ``length``, ``milp:<solver>:<status>``, or ``milp:<solver>:<status>->fast`` when the
+    exact solve gave nothing usable and the fast answer stands."""
+    result: SolveResult | None = None
+    """The exact solve's result (None for fast and length)."""
+    fallback: str | None = None
+    """Why the exact solve's answer was not used (:meth:`SolveResult.unusable_note`); None otherwise."""
+    lower_bound_s: float | None = None
+    """Exact only: the solver's proven lower bound on the modelled makespan."""
+
+
+def balance_load(
+    load: LoadModel, options: DispatchOptions, first: Assignment | None = None, what: str = EXACT_DISPATCH
+) -> Balanced:
+    """The class totals of ``load`` by ``options.method``: the fast balance, LobRA's length baseline, or
+    the exact MILP bounded by the fast answer (``first``, computed when not given), which stands, with a
+    note naming ``what`` was solved, when the solve gives nothing usable. The one sequence every step
+    and every judged deployment goes through; nothing here warns (the caller does, with the note)."""
+    assignment = first if first is not None else _balance(load, options.method)
+    if options.method is not DispatchMethod.EXACT:
+        return Balanced(assignment=assignment, method=options.method.value)
+    outcome = solve_dispatch_ilp(
+        load, options.solver, options.time_limit_s, options.gap_rel, upper_bound_s=assignment.makespan_s
+    )
+    if outcome.assignment is not None:
+        return Balanced(
+            assignment=outcome.assignment,
+            method=f"milp:{outcome.result}",
+            result=outcome.result,
+            lower_bound_s=outcome.lower_bound_s,
+        )
+    return Balanced(
+        assignment=assignment,
+        method=f"milp:{outcome.result}->fast",
+        result=outcome.result,
+        fallback=outcome.result.unusable_note(what, "the fast dispatch stands"),
+        lower_bound_s=outcome.lower_bound_s,
+    )
 
 
 def choose_buckets(
@@ -111,6 +161,7 @@ def placed_work(
     cost_model: CostModel,
     mode: MicroBatchMode,
     classes: Collection[int] | None = None,
+    window: int = 1,
 ) -> list[tuple[tuple[MicroBatch, ...], float]]:
     """Every replica's micro-batches and estimated time, in plan order, once class totals ``counts`` (K, R)
     are placed: the sequences dealt by :func:`~.placement.place_sequences`, cut by the mode's
@@ -121,11 +172,11 @@ def placed_work(
     planner's expected makespan is the dispatcher's estimate of the same step. With ``classes``,
     only those classes' replicas are cut and priced (the others are left empty).
 
-    With a pipeline window (``cost_model.pipeline_window > 1``) every replica's micro-batches are
-    ordered task-major (:mod:`.microbatch`), and each replica is priced with its micro-batches'
-    tasks (their stall at the window's step boundaries).
+    With a pipeline window of ``window > 1`` steps (the policy's ``pipeline_window``) every replica's
+    micro-batches are ordered task-major (:mod:`.microbatch`), and each replica is priced with its
+    micro-batches' tasks (their stall at the window's step boundaries).
     """
-    task_major = cost_model.pipeline_window > 1
+    task_major = window > 1
     bucket = bucket_of(batch.lengths, load.boundaries)
     n_replicas = sum(len(c.replicas) for c in load.classes)
     held = place_sequences(load, counts, bucket, batch.lengths, batch.task_ids, n_replicas)
@@ -141,7 +192,9 @@ def placed_work(
                 )
             else:
                 mbs = packed_microbatches(held[r], batch.lengths, batch.task_ids, cls.max_tokens, task_major=task_major)
-            seconds = cost_model.replica_time(cls.config, [mb.shape for mb in mbs], [mb.task_ids for mb in mbs])
+            seconds = cost_model.replica_time(
+                cls.config, [mb.shape for mb in mbs], [mb.task_ids for mb in mbs], window=window
+            )
             work[r] = (tuple(mbs), cls.time_scale * seconds)
     return work
 
@@ -151,10 +204,11 @@ def _replica_work(
     plan: DeploymentPlan,
     cost_model: CostModel,
     options: DispatchOptions,
+    window: int,
     load: LoadModel,
     assignment: Assignment,
 ) -> tuple[ReplicaWork, ...]:
-    work = placed_work(batch, load, assignment.counts, cost_model, options.microbatch_mode)
+    work = placed_work(batch, load, assignment.counts, cost_model, options.microbatch_mode, window=window)
     return tuple(
         ReplicaWork(replica_id=replica.replica_id, microbatches=mbs, estimated_time_s=estimate)
         for replica, (mbs, estimate) in zip(plan.replicas, work, strict=True)
@@ -176,42 +230,34 @@ def solve_step(
     cost_model: CostModel,
     options: DispatchOptions,
     speed: Sequence[float] | None = None,
+    window: int = 1,
 ) -> DispatchOutcome:
     """Dispatch one global batch on the plan (see the module docstring); never skips the step.
 
     ``speed``, one time factor per replica (online recalibration), prices each replica's times
     that much slower (``load.config_classes``); the step plan records the factor each was priced at.
+    ``window``: the pipeline window the step runs in (the policy's; :func:`placed_work`).
     """
     start = time.perf_counter()
     classes = config_classes(plan, cost_model, speed)
     _check_lengths(batch, classes)
-    bucketing, load, assignment = choose_buckets(batch, classes, cost_model, options)
-    method, fallback, lower_bound = options.method.value, None, None
-    if options.method is DispatchMethod.EXACT:
-        outcome = solve_dispatch_ilp(
-            load, options.solver, options.time_limit_s, options.gap_rel, upper_bound_s=assignment.makespan_s
-        )
-        lower_bound = outcome.lower_bound_s
-        if outcome.assignment is not None:
-            assignment, method = outcome.assignment, f"milp:{outcome.result}"
-        else:
-            method = f"milp:{outcome.result}->fast"
-            fallback = (
-                f"step {batch.step}: the {outcome.result.solver.value} dispatch MILP gave no usable solution "
-                f"({outcome.result.status.value} after {outcome.result.wall_s:.2f} s); using the fast dispatch"
-            )
-    work = _replica_work(batch, plan, cost_model, options, load, assignment)
+    bucketing, load, first = choose_buckets(batch, classes, cost_model, options)
+    balanced = balance_load(load, options, first, what=f"step {batch.step}: {EXACT_DISPATCH}")
+    work = _replica_work(batch, plan, cost_model, options, window, load, balanced.assignment)
     step_plan = StepPlan(
         step=batch.step,
         bucket_boundaries=bucketing.boundaries,
         work=work,
         estimated_makespan_s=max((w.estimated_time_s for w in work), default=0.0),
-        method=method,
+        method=balanced.method,
         solve_s=time.perf_counter() - start,
         truncated=batch.truncated,
         rejected=batch.rejected,
         speed=_priced_speeds(classes, len(plan.replicas)) if speed is not None else (),
     )
     return DispatchOutcome(
-        plan=step_plan, modelled_makespan_s=assignment.makespan_s, fallback=fallback, lower_bound_s=lower_bound
+        plan=step_plan,
+        modelled_makespan_s=balanced.assignment.makespan_s,
+        fallback=balanced.fallback,
+        lower_bound_s=balanced.lower_bound_s,
     )

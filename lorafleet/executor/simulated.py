@@ -4,9 +4,9 @@ Replica r's busy time in a step is
 
     busy_r = slowdown_r * ε_r * T_r(micro-batches)          ε_r ~ LogNormal(0, σ²), E[ε] ≈ 1
 
-where T_r is the cost model's replica time (its pipeline bubble over the cost model's window,
-priced with the tasks each micro-batch holds; LobRA Eq. 12 plus the step overhead when the
-window is one step). The step's
+where T_r is the cost model's replica time (its pipeline bubble over the plan's policy's
+window, priced with the tasks each micro-batch holds; LobRA Eq. 12 plus the step overhead when
+the window is one step). The step's
 makespan is the slowest replica: adapter gradients are all-reduced across every replica at
 the end of a step, so everyone waits for it. A failure of replica r at step t costs a
 restart (``restart_s``) plus re-running the work it had done (a uniformly random fraction
@@ -83,9 +83,12 @@ class SimulatedExecutor:
     def _replica_busy(self, step_plan: StepPlan, rng: np.random.Generator) -> tuple[list[float], list[int]]:
         busy, failed = [], []
         failing = {f.replica_id: f for f in self.options.failures if f.step == step_plan.step}
+        window = self.plan.policy.pipeline_window
         for replica, work in zip(self.plan.replicas, step_plan.work, strict=True):
             mbs = work.microbatches
-            t = self.cost_model.replica_time(replica.config, [mb.shape for mb in mbs], [mb.task_ids for mb in mbs])
+            t = self.cost_model.replica_time(
+                replica.config, [mb.shape for mb in mbs], [mb.task_ids for mb in mbs], window=window
+            )
             noise = rng.lognormal(0.0, self.options.noise_sigma) if self.options.noise_sigma else 1.0
             t *= self.options.slowdown.get(replica.replica_id, 1.0) * noise
             if replica.replica_id in failing:

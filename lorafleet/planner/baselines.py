@@ -55,27 +55,36 @@ class BaselineKind(StrEnum):
     """Each task alone on its best homogeneous config, one after another."""
 
 
-def padding_policy(longest: int, max_tokens: int, pipeline_window: int = 1) -> DispatchPolicy:
+def padding_policy(longest: int, max_tokens: int, policy: DispatchPolicy) -> DispatchPolicy:
     """LobRA's Task-Fused dispatch: static power-of-two buckets, padded micro-batches; pipelined replicas
-    streaming ``pipeline_window`` steps (the baselines run on the cost model's window, as lorafleet's plan)."""
-    return DispatchPolicy(static_boundaries=pow2_boundaries(longest, max_tokens), pipeline_window=pipeline_window)
-
-
-def packing_policy(n_buckets: int, pipeline_window: int = 1) -> DispatchPolicy:
-    """Packed micro-batches of up to M tokens (buckets only steer the balance estimate); pipelined replicas
-    streaming ``pipeline_window`` steps."""
+    streaming ``policy``'s window (the baselines run in the window lorafleet's plan runs in)."""
     return DispatchPolicy(
-        options=DispatchOptions(n_buckets=n_buckets, microbatch_mode=MicroBatchMode.PACKING),
-        pipeline_window=pipeline_window,
+        options=DispatchOptions(microbatch_mode=MicroBatchMode.PADDING),
+        static_boundaries=pow2_boundaries(longest, max_tokens),
+        pipeline_window=policy.pipeline_window,
+    )
+
+
+def packing_policy(policy: DispatchPolicy) -> DispatchPolicy:
+    """Packed micro-batches of up to M tokens (buckets, ``policy``'s count, only steer the balance estimate);
+    pipelined replicas streaming ``policy``'s window."""
+    return DispatchPolicy(
+        options=DispatchOptions(n_buckets=policy.options.n_buckets, microbatch_mode=MicroBatchMode.PACKING),
+        pipeline_window=policy.pipeline_window,
     )
 
 
 def estimated_makespan(
-    batch: GlobalBatch, candidate: Candidate, replicas: int, cost_model: CostModel, mode: MicroBatchMode, n_buckets: int
+    batch: GlobalBatch,
+    candidate: Candidate,
+    replicas: int,
+    cost_model: CostModel,
+    mode: MicroBatchMode,
+    policy: DispatchPolicy,
 ) -> float:
     """The dispatcher's estimate of ``batch`` on ``replicas`` copies of one config, under the
     baseline's policy: LobRA's static power-of-two buckets, padded (:func:`padding_policy`), or
-    the dispatcher's own buckets, packed (:func:`packing_policy`).
+    the dispatcher's own buckets, packed (:func:`packing_policy`), each in ``policy``'s window.
 
     Padded, the load model as placed (:func:`~lorafleet.dispatch.placement.placed_times`) is that
     estimate exactly and needs no micro-batches (Task-Sequential judges every config for every
@@ -94,8 +103,10 @@ def estimated_makespan(
             mode,
         )
         return float(placed_times(load, load.counts[None, :]).max())
-    _, load, _ = choose_buckets(batch, (cls,), cost_model, packing_policy(n_buckets).options)
-    return max(t for _, t in placed_work(batch, load, load.counts[None, :], cost_model, mode))
+    packing = packing_policy(policy)
+    _, load, _ = choose_buckets(batch, (cls,), cost_model, packing.options)
+    counts = load.counts[None, :]
+    return max(t for _, t in placed_work(batch, load, counts, cost_model, mode, window=packing.pipeline_window))
 
 
 def best_homogeneous(
@@ -105,7 +116,7 @@ def best_homogeneous(
     cost_model: CostModel,
     cluster: ClusterSpec,
     mode: MicroBatchMode,
-    n_buckets: int,
+    policy: DispatchPolicy,
 ) -> tuple[Candidate, int]:
     """The config holding ``longest`` tokens (and its replica count, as many as fit) with the fewest
     estimated GPU-seconds for ``batch``.
@@ -119,7 +130,7 @@ def best_homogeneous(
     counts = max_replicas([c.config for c in holders], cluster)
     scored = [
         (
-            estimated_makespan(batch, c, int(p), cost_model, mode, n_buckets) * int(p) * c.n_gpus,
+            estimated_makespan(batch, c, int(p), cost_model, mode, policy) * int(p) * c.n_gpus,
             int(p) * c.n_gpus,
             c.config,
             c,
@@ -140,24 +151,23 @@ def _phase(
     cost_model: CostModel,
     cluster: ClusterSpec,
     mode: MicroBatchMode,
-    n_buckets: int,
+    policy: DispatchPolicy,
     name: str,
 ) -> Phase:
     """The tasks' phase on their best homogeneous config; it must hold the longest sequence the
     tasks can present (any step may bring it), not just the expected batch's."""
     longest = max(workload.tasks[k].lengths.max_length for k in tasks)
-    cand, p = best_homogeneous(select_tasks(batch, tasks), longest, candidates, cost_model, cluster, mode, n_buckets)
-    window = cost_model.pipeline_window
+    cand, p = best_homogeneous(select_tasks(batch, tasks), longest, candidates, cost_model, cluster, mode, policy)
     if mode is MicroBatchMode.PADDING:
-        policy = padding_policy(longest, cand.max_tokens, window)
+        own = padding_policy(longest, cand.max_tokens, policy)
     else:
-        policy = packing_policy(n_buckets, window)
+        own = packing_policy(policy)
     plan = build_plan(
         workload,
         cluster,
         [(cand.config, cand.max_tokens, p)],
         solver=f"baseline:{name}",
-        policy=policy,
+        policy=own,
         cost_model=cost_model,
     )
     # record the expected step as lorafleet's plan does: the buckets a plan check asks for, the expected times
@@ -170,16 +180,15 @@ def baseline_schedules(
     candidates: Sequence[Candidate],
     cost_model: CostModel,
     cluster: ClusterSpec,
-    n_buckets: int,
+    policy: DispatchPolicy,
 ) -> tuple[Schedule, ...]:
-    """Task-Fused padding, Task-Fused packing and Task-Sequential, chosen on the expected batch."""
+    """Task-Fused padding, Task-Fused packing and Task-Sequential, chosen on the expected batch, with
+    lorafleet's ``policy``'s bucket count and pipeline window."""
     everyone = tuple(range(len(workload.tasks)))
     fused = {
         kind: Schedule(
             name=kind.value,
-            phases=(
-                _phase(workload, everyone, expected, candidates, cost_model, cluster, mode, n_buckets, kind.value),
-            ),
+            phases=(_phase(workload, everyone, expected, candidates, cost_model, cluster, mode, policy, kind.value),),
         )
         for kind, mode in (
             (BaselineKind.TASK_FUSED_PADDING, MicroBatchMode.PADDING),
@@ -197,7 +206,7 @@ def baseline_schedules(
                 cost_model,
                 cluster,
                 MicroBatchMode.PADDING,
-                n_buckets,
+                policy,
                 f"{BaselineKind.TASK_SEQUENTIAL.value}:{workload.tasks[k].name}",
             )
             for k in everyone
@@ -207,10 +216,11 @@ def baseline_schedules(
 
 
 def workload_baselines(
-    workload: Workload, cluster: ClusterSpec, cost_model: CostModel, n_buckets: int = 16
+    workload: Workload, cluster: ClusterSpec, cost_model: CostModel, policy: DispatchPolicy
 ) -> tuple[Schedule, ...]:
     """The three baselines of ``workload`` on ``cluster``, chosen on its expected batch as ``plan_deployment``
-    chooses them (for a command that runs a plan made earlier and needs only the baselines beside it)."""
+    chooses them with ``policy`` (for a command that runs a plan made earlier and needs only the baselines
+    beside it: the plan's policy)."""
     return baseline_schedules(
-        workload, expected_global_batch(workload), valid_candidates(cost_model, cluster), cost_model, cluster, n_buckets
+        workload, expected_global_batch(workload), valid_candidates(cost_model, cluster), cost_model, cluster, policy
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.dispatch import DispatchOptions, DispatchPolicy, dispatch_step
+from lorafleet.dispatch import DispatchPolicy, dispatch_step
 from lorafleet.errors import InputError
 from lorafleet.planner.baselines import baseline_schedules
 from lorafleet.planner.candidates import propose_candidates, valid_candidates
@@ -90,8 +90,8 @@ class PlanResult:
     """The expected batch dispatched on the plan: per-replica loads and times."""
     expected_batch: GlobalBatch
     cost_model: CostModel
-    """The cost model the plan was judged by: the one given, its pipeline bubble over the options'
-    window (the window the plan's policy records). Simulate or dispatch the plan by this one."""
+    """The cost model the plan was judged by (the one given); the pipeline window it was priced in is
+    the plan's policy's. Simulate or dispatch the plan by this one."""
     costs: tuple[ScheduleCost, ...]
     """lorafleet first, then each baseline."""
     baselines: tuple[Schedule, ...]
@@ -225,8 +225,8 @@ def plan_deployment(
     the replicas fitting the GPUs with TP groups inside nodes. Solver failures fall back to
     the heuristic plan with a :class:`~lorafleet.errors.SolverFallbackWarning`.
 
-    Everything is priced by ``cost_model`` with the options' ``pipeline_window`` (whatever window it
-    carried), the window the plan's policy records; ``PlanResult.cost_model`` is that model.
+    Every deployment is judged under ``options.policy`` (its steps priced by ``cost_model`` in the
+    policy's pipeline window), and the plan records that policy whole.
 
     Raises:
         InputError: the model fits no config, or some task's sequences fit none.
@@ -240,21 +240,19 @@ def plan_deployment(
         timings[name] = now - clock
         clock = now
 
-    cost_model = replace(cost_model, pipeline_window=options.pipeline_window)
+    policy = options.policy
     expected = expected_global_batch(workload)
     valid = valid_candidates(cost_model, cluster)
     _check_longest(workload, valid, cluster)
     candidates = (
         valid if options.mode is PlannerMode.EXHAUSTIVE else propose_candidates(valid, int(expected.lengths.max()))
     )
-    dispatch = DispatchOptions(n_buckets=options.n_buckets, microbatch_mode=options.microbatch_mode)
-    problem = build_problem(expected, candidates, cost_model, cluster, dispatch)
+    problem = build_problem(expected, candidates, cost_model, cluster, policy)
     lap("candidates")
 
     outcome, ranked = search(problem, options)
     lap("search")
 
-    policy = DispatchPolicy(options=dispatch, pipeline_window=options.pipeline_window)
     choice = robust_choice(
         workload, problem, ranked, options, policy, _solver_label(options, outcome.solves, outcome.fell_back)
     )
@@ -288,7 +286,7 @@ def plan_deployment(
     ]
     baselines: tuple[Schedule, ...] = ()
     if options.baselines:
-        baselines = baseline_schedules(workload, expected, valid, cost_model, cluster, options.n_buckets)
+        baselines = baseline_schedules(workload, expected, valid, cost_model, cluster, policy)
         for b in baselines:
             step = b.step_cost(expected, cost_model)
             costs.append(

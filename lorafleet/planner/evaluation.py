@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lorafleet.dispatch import LoadModel, balance_fast, placed_work, solve_dispatch_ilp
+from lorafleet.dispatch import DispatchMethod, DispatchOptions, LoadModel, balance_load, placed_work
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner.candidates import lower_bound
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.problem import PlanningProblem
-from lorafleet.solvers import SolveResult, SolveStatus
+from lorafleet.solvers import SolveResult
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -77,52 +77,21 @@ def evaluate(
     problem: PlanningProblem, load: LoadModel, *, exact: bool, options: PlannerOptions
 ) -> tuple[Evaluation, SolveResult | None]:
     """The best expected dispatch on ``load`` (a deployment's view of the expected batch): the
-    dispatcher's fast balance, or its exact ILP bounded by it, judged by the dispatcher's estimate
+    dispatcher's fast balance, or its exact ILP bounded by it with the planner's solver settings
+    (:func:`~lorafleet.dispatch.balance_load`, what a step runs), judged by the dispatcher's estimate
     of the step (:func:`class_times`; both balancers minimise the load model ``load.times``)."""
-    assignment, method, result = balance_fast(load), "fast", None
-    if exact:
-        outcome = solve_dispatch_ilp(
-            load, options.solver, options.time_limit_s, options.gap_rel, upper_bound_s=assignment.makespan_s
-        )
-        result = outcome.result
-        if outcome.assignment is not None:
-            assignment, method = outcome.assignment, f"milp:{result}"
-        else:
-            method = f"milp:{result}->fast"
-            warnings.warn(
-                unusable_solve_note("the exact dispatch ILP", result, "the fast dispatch stands"),
-                SolverFallbackWarning,
-                stacklevel=2,
-            )
-    times = class_times(problem, load, assignment.counts)
-    return Evaluation(
-        class_counts=assignment.counts, class_times=times, makespan=float(times.max()), method=method
-    ), result
-
-
-_NO_SOLUTION = {
-    SolveStatus.INFEASIBLE: "proved it infeasible",
-    SolveStatus.UNBOUNDED: "found it unbounded",
-    SolveStatus.FAILED: "found no solution (a solver error, or a limit reached before any solution)",
-}
-
-
-def unusable_solve_note(what: str, result: SolveResult, instead: str) -> str:
-    """One line saying why ``what``'s solve gave nothing the caller can use, and what stands ``instead``.
-
-    Built from both halves of ``result`` (its status and whether it carries a solution) so that they
-    never contradict each other: a status that claims a solution whose values the caller could not use
-    (``cbc returned no usable solution (status optimal, but its values were unusable; 0.12 s)``), values
-    without a solution status, or a plain failure (``cbc proved it infeasible (0.12 s)``).
-    """
-    solver, status, wall = result.solver.value, result.status.value, f"{result.wall_s:.2f} s"
-    if result.has_solution:
-        said = f"{solver} returned no usable solution (status {status}, but its values were unusable; {wall})"
-    elif result.objective is not None:
-        said = f"{solver} returned values without a solution (status {status}; they are not used; {wall})"
-    else:
-        said = f"{solver} {_NO_SOLUTION.get(result.status, f'gave no solution (status {status})')} ({wall})"
-    return f"{what}: {said}; {instead}"
+    method = DispatchMethod.EXACT if exact else DispatchMethod.FAST
+    settings = DispatchOptions(
+        method=method, solver=options.solver, time_limit_s=options.time_limit_s, gap_rel=options.gap_rel
+    )
+    balanced = balance_load(load, settings)
+    if balanced.fallback is not None:
+        warnings.warn(balanced.fallback, SolverFallbackWarning, stacklevel=2)
+    times = class_times(problem, load, balanced.assignment.counts)
+    evaluation = Evaluation(
+        class_counts=balanced.assignment.counts, class_times=times, makespan=float(times.max()), method=balanced.method
+    )
+    return evaluation, balanced.result
 
 
 def class_times(problem: PlanningProblem, load: LoadModel, counts: np.ndarray, only: int | None = None) -> np.ndarray:
@@ -134,8 +103,9 @@ def class_times(problem: PlanningProblem, load: LoadModel, counts: np.ndarray, o
         load,
         counts,
         problem.cost_model,
-        problem.dispatch.microbatch_mode,
+        problem.policy.options.microbatch_mode,
         classes=None if only is None else (only,),
+        window=problem.policy.pipeline_window,
     )
     return np.array([max(work[r][1] for r in c.replicas) for c in load.classes])
 

@@ -116,15 +116,15 @@ def replan_incremental(
     replan: ReplanOptions,
     steps_left: int,
 ) -> Replan:
-    """Keep ``current`` or move to a new plan for ``workload`` (module doc); the chosen plan has ``current``'s
-    dispatch policy. ``steps_left``: the steps the job still has to run (the horizon's bound)."""
+    """Keep ``current`` or move to a new plan for ``workload`` (module doc); every deployment is judged
+    under ``current``'s dispatch policy, which the chosen plan keeps (``options.policy`` is replaced by it).
+    ``steps_left``: the steps the job still has to run (the horizon's bound)."""
     counts: dict = {}
     for r in current.replicas:
         counts[r.config] = counts.get(r.config, 0) + 1
-    fresh = plan_deployment(
-        workload, cluster, cost_model, replace(options, incumbent=tuple(counts.items()), baselines=False)
-    )
-    move = replace(fresh.plan, policy=current.policy)
+    running = replace(options, policy=current.policy, incumbent=tuple(counts.items()), baselines=False)
+    fresh = plan_deployment(workload, cluster, cost_model, running)
+    move = fresh.plan
     keep = kept_plan(current, workload, fresh.cost_model)
     horizon = max(1, min(replan.horizon_steps, steps_left))
     gone = torn_down(current, move)

@@ -8,7 +8,7 @@ from enum import StrEnum
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.errors import InputError, coerce_enum_fields
 from lorafleet.solvers import SolverName
-from lorafleet.specs.dispatch import MicroBatchMode
+from lorafleet.specs.dispatch import DispatchPolicy
 
 OPTIONS_SOURCE = "<planner options>"
 
@@ -32,8 +32,8 @@ class PlannerOptions:
     The knobs are grouped by the stage of :func:`~lorafleet.planner.plan_deployment` they steer
     (flat, so ``PlannerOptions(robust_samples=0)`` reads as it does on the command line):
 
-    1. **policy**: how the plan's steps are dispatched (recorded in the plan): ``n_buckets``,
-       ``microbatch_mode``, ``pipeline_window``;
+    1. **policy**: how the plan's steps are dispatched, one :class:`DispatchPolicy` (judged under and
+       recorded in the plan whole: bucket count, padding or packing, pipeline window, ...);
     2. **solvers**: ``solver``, ``time_limit_s``, ``gap_rel``;
     3. **search** for the pool of deployments: ``mode``, then per mode ``pool_size``,
        ``search_rounds``, ``polish_starts``, ``polish_evaluations`` (decomposed) and
@@ -45,14 +45,10 @@ class PlannerOptions:
     """
 
     # 1. policy
-    n_buckets: int = 16
-    """R: buckets of every step's dispatch (LobRA's default), raised to the memory classes present."""
-    microbatch_mode: MicroBatchMode = MicroBatchMode.PACKING
-    """How the plan's steps form micro-batches: packed up to M tokens (lorafleet's default, with
-    variable-length attention) or padded to the bucket boundary (LobRA)."""
-    pipeline_window: int = 8
-    """Steps a pipelined replica streams before it drains (``DispatchPolicy.pipeline_window``); the
-    plan is judged by the cost model with this window. 1: 1F1B flushed every step (LobRA's)."""
+    policy: DispatchPolicy = DispatchPolicy()
+    """How the plan's steps are dispatched: every deployment is judged under it (its bucket count, micro-batch
+    mode and pipeline window price the expected and sampled steps), the baselines share its bucket count and
+    window, and the plan records it whole. A re-plan passes the running plan's policy (``train``)."""
 
     # 2. solvers
     solver: SolverName = SolverName.CBC
@@ -111,11 +107,8 @@ class PlannerOptions:
     """Also plan and evaluate the Task-Fused (padding, packing) and Task-Sequential baselines."""
 
     def __post_init__(self) -> None:
-        coerce_enum_fields(
-            self, OPTIONS_SOURCE, {"mode": PlannerMode, "solver": SolverName, "microbatch_mode": MicroBatchMode}
-        )
+        coerce_enum_fields(self, OPTIONS_SOURCE, {"mode": PlannerMode, "solver": SolverName})
         positive = {
-            "n_buckets": self.n_buckets,
             "time_limit_s": self.time_limit_s,
             "pool_size": self.pool_size,
             "search_rounds": self.search_rounds,
@@ -124,7 +117,6 @@ class PlannerOptions:
             "min_survivors": self.min_survivors,
             "robust_top": self.robust_top,
             "race_rung": self.race_rung,
-            "pipeline_window": self.pipeline_window,
         }
         for name, value in positive.items():
             if not value > 0:

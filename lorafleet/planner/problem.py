@@ -36,7 +36,7 @@ from lorafleet.dispatch import (
 )
 from lorafleet.plans import GlobalBatch
 from lorafleet.specs.cluster import ClusterSpec
-from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions
+from lorafleet.specs.dispatch import DispatchMethod, DispatchPolicy
 
 LOBRA_PROFILE_MICROBATCHES = 16
 """Micro-batches of one M-token sequence in LobRA's throughput probe (their code, notes Sec. 2.4)."""
@@ -119,8 +119,9 @@ class PlanningProblem:
     batch: GlobalBatch
     """The expected global batch."""
     cost_model: CostModel
-    dispatch: DispatchOptions
-    """How steps will be dispatched (bucket count, padding or packing): deployments are judged by it."""
+    policy: DispatchPolicy
+    """How steps will be dispatched (bucket count, padding or packing, pipeline window): deployments are
+    judged by it, and the plan records it."""
 
     @property
     def n_gpus(self) -> int:
@@ -196,15 +197,13 @@ class PlanningProblem:
 
     def restricted(self, keep: Sequence[int]) -> PlanningProblem:
         """The same planning question over candidates ``keep`` only (their own planning buckets)."""
-        return build_problem(
-            self.batch, [self.candidates[i] for i in keep], self.cost_model, self.cluster, self.dispatch
-        )
+        return build_problem(self.batch, [self.candidates[i] for i in keep], self.cost_model, self.cluster, self.policy)
 
     def plan_view(self, replicas: np.ndarray) -> tuple[LoadModel, Assignment]:
         """Deployment p as its steps will see the expected batch: the dispatcher's buckets for the
-        deployed configs' M (its DP, ``dispatch.n_buckets``), their load model, and LobRA's
+        deployed configs' M (its DP, ``policy.options.n_buckets``), their load model, and LobRA's
         length-based dispatch on them."""
-        options = replace(self.dispatch, method=DispatchMethod.LENGTH, choose_buckets_by_makespan=False)
+        options = replace(self.policy.options, method=DispatchMethod.LENGTH, choose_buckets_by_makespan=False)
         _, load, assignment = choose_buckets(self.batch, self.plan_classes(replicas), self.cost_model, options)
         return load, assignment
 
@@ -214,15 +213,16 @@ def build_problem(
     candidates: Sequence[Candidate],
     cost_model: CostModel,
     cluster: ClusterSpec,
-    dispatch: DispatchOptions,
+    policy: DispatchPolicy,
 ) -> PlanningProblem:
     """Bucket the expected batch for the whole candidate set and tabulate every candidate on the buckets.
 
     The planning buckets are the dispatcher's padding-minimising DP with a barrier at every
     candidate's M (no bucket straddles a memory limit, so each is held by a config entirely
-    or not at all) and ``dispatch.n_buckets`` buckets on top of the one per memory segment
+    or not at all) and ``policy.options.n_buckets`` buckets on top of the one per memory segment
     present, so that many barriers do not leave the buckets coarse.
     """
+    dispatch = policy.options
     ordered = tuple(sorted(candidates, key=lambda c: (c.max_tokens, c.config)))
     barriers = sorted({c.max_tokens for c in ordered})
     lengths = batch.lengths
@@ -241,5 +241,5 @@ def build_problem(
         dispatch.microbatch_mode,
     )
     return PlanningProblem(
-        candidates=ordered, cluster=cluster, load=load, batch=batch, cost_model=cost_model, dispatch=dispatch
+        candidates=ordered, cluster=cluster, load=load, batch=batch, cost_model=cost_model, policy=policy
     )

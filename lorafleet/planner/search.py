@@ -20,7 +20,7 @@ import numpy as np
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner.candidates import enumerate_deployments, has_distinct_max_tokens, lower_bound_filter
 from lorafleet.planner.deployment_ilp import branch_deployments, solve_root
-from lorafleet.planner.evaluation import PoolEntry, evaluate, pool_entry, unusable_solve_note
+from lorafleet.planner.evaluation import PoolEntry, evaluate, pool_entry
 from lorafleet.planner.fallback import heuristic_deployment
 from lorafleet.planner.joint_minlp import JointSolution, solve_joint
 from lorafleet.planner.objective import preferred
@@ -44,7 +44,7 @@ class SearchOutcome:
 
 def _fallback_note(what: str, result: SolveResult) -> str:
     """Warn that ``what`` gave nothing usable and the heuristic plan stands in; the note for the plan."""
-    message = unusable_solve_note(what, result, "falling back to the heuristic plan")
+    message = result.unusable_note(what, "falling back to the heuristic plan")
     warnings.warn(message, SolverFallbackWarning, stacklevel=3)
     return message
 

@@ -1,8 +1,9 @@
-"""The entry of ``lorafleet train``: :func:`launch` checks and claims the run, then re-runs the command
-under ``torchrun --standalone`` (one process a rank) and supervises it: torchrun in a session of its
+"""The entry of ``lorafleet train``: :func:`launch` checks and claims the run, writes the run file its
+workers read (``train.run_file``), then starts them under ``torchrun --standalone`` (one process a rank,
+``python -m lorafleet.train.rank <out>/run.json``) and supervises them: torchrun in a session of its
 own that dies with this process, SIGINT/SIGTERM turned into a stop request at the next step boundary
-(a second one kills), the exit code saying which. Already under torchrun (the re-run, or a user's
-own), :func:`launch` is this process's rank (:func:`lorafleet.train.trainer.train_rank`).
+(a second one kills), the exit code saying which. Already under a user's own torchrun, :func:`launch` is
+this process's rank (:func:`lorafleet.train.trainer.train_rank`), which checks the run itself.
 
 No torch import here: the launcher reaches the torch executor only through its torchrun helpers
 (``executor.torch.processes``, torch-free) and, under torchrun, the rank it becomes.
@@ -22,6 +23,9 @@ from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase, start_clock
 from lorafleet.train.preflight import Prepared, claim, prepare
 from lorafleet.train.queue import has_pending
+
+RANK_MODULE = "lorafleet.train.rank"
+"""What torchrun runs in every worker process (with the run file's path)."""
 
 
 def launch(options: TrainOptions) -> int:
@@ -80,10 +84,12 @@ def _supervise(options: TrainOptions, prepared: Prepared) -> int:
     """Run torchrun in a session of its own, dying with this process; turn the first SIGINT/SIGTERM into a
     stop request, a second into a kill; the exit code says which (128 + signal) or torchrun's."""
     from lorafleet.executor.torch.processes import clear_stop, die_with_parent, request_stop, torchrun_argv, worker_env
+    from lorafleet.train.run_file import ResolvedRun
 
     clear_stop(options.out)
+    path = ResolvedRun.of(options, prepared).save(options.out)
     phase(f"starting {counted(prepared.world_size, 'worker process', 'worker processes')} (torchrun)")
-    argv = torchrun_argv(prepared.world_size, options.to_argv(), max_restarts=options.max_restarts)
+    argv = torchrun_argv(prepared.world_size, RANK_MODULE, [str(path)], max_restarts=options.max_restarts)
     child = subprocess.Popen(argv, env=worker_env(locked=True), start_new_session=True, preexec_fn=die_with_parent)
     received: list[int] = []
 

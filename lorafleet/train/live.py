@@ -25,11 +25,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.preflight import Prepared, check_data, load_training_workload, prepare
 from lorafleet.train.queue import Action, Ledger, Request, clear_pending, load_pending
+
+if TYPE_CHECKING:
+    from lorafleet.costmodel import CostModel
+    from lorafleet.planner import PlannerOptions, Replan
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,7 @@ def _log(line: str) -> None:
 
 
 def _cluster(prepared: Prepared) -> ClusterSpec:
-    """The GPUs the running plan is for."""
+    """The GPUs the running plan is for (the processes the run has: a re-plan keeps to them)."""
     plan = prepared.run.plan
     return ClusterSpec.with_gpus(plan.n_gpus, plan.gpu, plan.gpus_per_node)
 
@@ -75,10 +80,10 @@ def _unplaceable(requests: list[Request], prepared: Prepared) -> list[tuple[Requ
 
 def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
     """Apply ``<queue>/.apply.json`` (module doc); None when there is none."""
-    from lorafleet.assemble import plan_cost_model
     from lorafleet.executor.torch.checkpoint_files import export_adapters
-    from lorafleet.planner import PlannerOptions, ReplanOptions, replan_incremental
+    from lorafleet.planner import ReplanOptions, replan_incremental
     from lorafleet.train.queue import QueueWatcher
+    from lorafleet.train.replan import replan_run
 
     pending = load_pending(options.queue_dir)
     if pending is None:
@@ -108,24 +113,13 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
     workload = load_training_workload(options.workload, options.out, options.sets)
     old = prepared.run.plan
     cluster = _cluster(prepared)
-    cost_model, _ = plan_cost_model(workload, cluster, old, options.plan, options.profile)  # the new tasks' M
-    replanned = replan_incremental(
-        old,
-        workload,
-        cluster,
-        cost_model,
-        PlannerOptions(
-            microbatch_mode=old.policy.options.microbatch_mode,
-            n_buckets=old.policy.options.n_buckets,
-            pipeline_window=old.policy.pipeline_window,
-            baselines=False,
-        ),
-        ReplanOptions(migration_s=options.migration_s, horizon_steps=options.replan_horizon),
-        steps_left=options.steps - step,
-    )
-    plan_path = Path(options.out) / "plan.json"
-    replace(replanned.plan, policy=old.policy).save(plan_path)
-    _log(f"step {step}: {replanned.describe()}")
+    replan = ReplanOptions(migration_s=options.migration_s, horizon_steps=options.replan_horizon)
+
+    def incremental(cost_model: CostModel, planner: PlannerOptions) -> Replan:
+        return replan_incremental(old, workload, cluster, cost_model, planner, replan, options.steps - step)
+
+    plan_path, chosen = replan_run(workload, cluster, old, old.policy, options, incremental)  # the new tasks' M
+    _log(f"step {step}: {chosen.describe()}")
     clear_pending(queue)
     relaunch = replace(options, resume=True, overwrite=False, plan=str(plan_path))
     prepared = prepare(relaunch)

@@ -1,12 +1,13 @@
-"""What ``lorafleet train`` is told: :class:`TrainOptions`, one field a flag, checked as it is built,
-and the command line that re-creates it (what each worker runs)."""
+"""What ``lorafleet train`` is told: :class:`TrainOptions`, one field a flag, checked as it is built. The
+launcher resolves them into the run file its workers read (``train.run_file``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib.util import find_spec
 
-from lorafleet.assemble import policy_argv
+from pydantic import ConfigDict
+
 from lorafleet.errors import InputError
 
 ARGS = "<args>"
@@ -16,11 +17,13 @@ ARGS = "<args>"
 class TrainOptions:
     """What ``lorafleet train`` is told (one field a flag)."""
 
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
     workload: str
     """Workload YAML; every task needs data."""
     sets: tuple[str, ...] = ()
     """``--set KEY=VALUE`` overrides of the workload's fields, applied before it is validated
-    (``lorafleet.workload.apply_overrides``); every worker re-applies them from its command line."""
+    (``lorafleet.workload.apply_overrides``); the workers run the workload they made (``train.run_file``)."""
     plan: str
     """DeploymentPlan JSON (``lorafleet plan --json``)."""
     steps: int = 10
@@ -50,7 +53,8 @@ class TrainOptions:
     profile: str | None = None
     """A cost-model profile overriding the one the plan was judged by."""
     policy_overrides: tuple[tuple[str, object], ...] = ()
-    """(policy field, value) pairs overriding the plan's dispatch policy (``commands._plan_flags``)."""
+    """(policy field key, value) pairs overriding the plan's dispatch policy (``DispatchPolicy.with_overrides``);
+    the launcher applies them once, the workers run the policy it checked."""
     progress: bool = True
     """A progress bar on rank 0 when stdout is a terminal (a log line per step otherwise)."""
     slowdown: tuple[tuple[int, float], ...] = ()
@@ -87,48 +91,6 @@ class TrainOptions:
         if self.resume and self.overwrite:
             raise InputError(ARGS, "--overwrite", "cannot be combined with --resume")
         check_loggers(self.loggers)
-
-    def to_argv(self) -> list[str]:
-        """The ``lorafleet train`` command line that re-creates these options (what each worker runs)."""
-        argv = [
-            "train",
-            self.workload,
-            "--plan",
-            self.plan,
-            "--steps",
-            str(self.steps),
-            "--out",
-            self.out,
-            "--checkpoint-every",
-            str(self.checkpoint_every),
-            "--device",
-            self.device,
-            "--dtype",
-            self.dtype,
-            "--nonfinite-patience",
-            str(self.nonfinite_patience),
-        ]
-        for flag, value in (
-            ("--gpus", self.gpus),
-            ("--gpu", self.gpu),
-            ("--profile", self.profile),
-            ("--queue", self.queue),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
-        argv += [f"--set={item}" for item in self.sets]
-        argv += policy_argv(dict(self.policy_overrides))
-        argv += [f"--inject-slowdown={r}={f}" for r, f in self.slowdown]
-        for name in self.loggers:
-            argv += ["--logger", name]
-        for flag, on in (
-            ("--resume", self.resume),
-            ("--no-progress", not self.progress),
-            ("--no-stop-checkpoint", not self.checkpoint_on_stop),
-        ):
-            if on:
-                argv.append(flag)
-        return argv
 
 
 def check_loggers(loggers: tuple[str, ...]) -> None:

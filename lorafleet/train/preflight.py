@@ -16,18 +16,19 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lorafleet.assemble import PlannedRun
 from lorafleet.errors import InputError
+from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import ARGS, TrainOptions
 from lorafleet.workload import Workload
 
 if TYPE_CHECKING:
     from lorafleet.plans import DeploymentPlan
     from lorafleet.rundir import RunLock
-    from lorafleet.specs.cluster import ClusterSpec
     from lorafleet.specs.workload import WorkloadSpec
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -41,6 +42,8 @@ class Prepared:
     run: PlannedRun
     """The plan (replanned on a resume with other GPUs; its policy as overridden), its cost model,
     and what to report of it."""
+    cluster: ClusterSpec
+    """The cluster the plan was checked against (the GPUs the run has)."""
     world_size: int
     """Processes the plan needs: one per rank it names."""
     resume_step: int | None
@@ -79,39 +82,33 @@ def _target_gpus(cluster: ClusterSpec) -> int:
     return int(started) if started is not None else cluster.n_gpus
 
 
-def _replan(workload: Workload, cluster: ClusterSpec, options: TrainOptions) -> PlannedRun:
+def _replan(workload: Workload, cluster: ClusterSpec, options: TrainOptions) -> tuple[PlannedRun, ClusterSpec]:
     """A resumed run on another number of GPUs: the plan for the GPUs it now has, by the old plan's cost
-    model and dispatch policy, saved as the run's ``plan.json`` (then checked like any plan)."""
-    from lorafleet.assemble import plan_cost_model, prepare_run
-    from lorafleet.planner import PlannerOptions, plan_deployment
+    model and under its dispatch policy as this run overrides it (``train.replan``), then checked like any
+    plan."""
+    from lorafleet.assemble import prepare_run
+    from lorafleet.planner import plan_deployment
     from lorafleet.plans import DeploymentPlan
     from lorafleet.specs.cluster import ClusterSpec
+    from lorafleet.specs.dispatch import flag_error
+    from lorafleet.train.replan import replan_run
 
     old = DeploymentPlan.load(options.plan)
     try:
         target = ClusterSpec.with_gpus(_target_gpus(cluster), cluster.gpu, cluster.gpus_per_node)
     except ValueError as err:
         raise InputError(ARGS, "--gpus", str(err).splitlines()[-1]) from None
-    cost_model, _ = plan_cost_model(workload, target, old, options.plan, options.profile)
-    planned = plan_deployment(
-        workload,
-        target,
-        cost_model,
-        PlannerOptions(
-            microbatch_mode=old.policy.options.microbatch_mode,
-            n_buckets=old.policy.options.n_buckets,
-            pipeline_window=old.policy.pipeline_window,
-            baselines=False,
-        ),
-    )
-    path = Path(options.out) / "plan.json"
-    replace(planned.plan, policy=old.policy).save(path)
+    try:
+        policy = old.policy.with_overrides(dict(options.policy_overrides))
+    except InputError as err:
+        raise flag_error(err) from None
+    path, _ = replan_run(workload, target, old, policy, options, partial(plan_deployment, workload, target))
     run = prepare_run(workload, target, str(path), options.profile, dict(options.policy_overrides))
     note = (
         f"re-planned for {target.n_gpus} GPUs: {run.plan.describe()} (the plan was {old.describe()} on "
         f"{old.n_gpus}); checkpoints do not depend on the plan"
     )
-    return replace(run, overrides=(*run.overrides, note))
+    return replace(run, overrides=(*run.overrides, note)), target
 
 
 def prepare(options: TrainOptions) -> Prepared:
@@ -121,11 +118,11 @@ def prepare(options: TrainOptions) -> Prepared:
     from lorafleet.specs.io import check_writable
 
     check_writable(options.out, directory=True)
-    resume_step = _resume_step(options) if options.resume or restarted() else None
-    workload = load_training_workload(options.workload, options.out if resume_step is not None else None, options.sets)
+    start = resume_step(options)
+    workload = load_training_workload(options.workload, options.out if start is not None else None, options.sets)
     cluster = workload_cluster(workload, options.gpus, options.gpu)
-    if resume_step is not None and DeploymentPlan.load(options.plan).n_gpus != _target_gpus(cluster):
-        run = _replan(workload, cluster, options)
+    if start is not None and DeploymentPlan.load(options.plan).n_gpus != _target_gpus(cluster):
+        run, cluster = _replan(workload, cluster, options)
     else:
         run = prepare_run(workload, cluster, options.plan, options.profile, dict(options.policy_overrides))
     world = run.plan.world_size
@@ -144,17 +141,31 @@ def prepare(options: TrainOptions) -> Prepared:
                 "--inject-slowdown",
                 f"replica {r} does not exist: the plan has replicas 0..{len(run.plan.replicas) - 1}",
             )
-    from lorafleet.train.queue import Ledger
-
-    ledger = Ledger.load(options.out) if resume_step is not None else None
+    changes, departed = ledger_turns(options, start)
     return Prepared(
         workload=workload,
         run=run,
+        cluster=cluster,
         world_size=world,
-        resume_step=resume_step,
-        turn_changes=ledger.turn_changes() if ledger is not None else {},
-        departed=ledger.departed() if ledger is not None else (),
+        resume_step=start,
+        turn_changes=changes,
+        departed=departed,
     )
+
+
+def resume_step(options: TrainOptions) -> int | None:
+    """The step this start of the run resumes from: None for a fresh start, else the newest intact checkpoint's
+    (a resume asked for, or a restart after a failure; :func:`_resume_step` checks it)."""
+    return _resume_step(options) if options.resume or restarted() else None
+
+
+def ledger_turns(options: TrainOptions, start: int | None) -> tuple[dict[str, tuple], tuple]:
+    """The task ledger's turn changes and departed tasks' turns (``train.queue``), when resuming from ``start``
+    (a fresh start has none)."""
+    from lorafleet.train.queue import Ledger
+
+    ledger = Ledger.load(options.out) if start is not None else None
+    return (ledger.turn_changes(), ledger.departed()) if ledger is not None else ({}, ())
 
 
 def check_nodes(plan: DeploymentPlan, path: str) -> None:
@@ -271,7 +282,7 @@ def _saved_plan(out: str) -> DeploymentPlan | None:
 def check_data(options: TrainOptions, prepared: Prepared) -> None:
     """InputError when the workload's data is not the data the checkpoint was trained on."""
     from lorafleet.executor.torch.checkpoint_files import read_manifest, resumable_checkpoint
-    from lorafleet.executor.torch.launch import training_streams
+    from lorafleet.executor.torch.data_stream import training_streams
 
     found = resumable_checkpoint(Path(options.out) / "checkpoints")
     if found is None:

@@ -42,7 +42,8 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     """One process of the run: build the fleet; rank 0 drives the loop, the others serve it."""
     import torch.distributed as dist
 
-    from lorafleet.executor.torch.launch import build_torch_executor, init_distributed, task_tokenizer
+    from lorafleet.executor.torch.data_stream import task_tokenizer
+    from lorafleet.executor.torch.launch import build_torch_executor, init_distributed
     from lorafleet.executor.torch.precision import Precision
     from lorafleet.executor.torch.processes import LOCKED_ENV, check_code, die_with_parent
 
@@ -242,7 +243,10 @@ class Trainer:
                     w,
                     microbatches=mbs,
                     estimated_time_s=cost_model.replica_time(
-                        replica.config, [mb.shape for mb in mbs], tasks=[mb.task_ids for mb in mbs]
+                        replica.config,
+                        [mb.shape for mb in mbs],
+                        tasks=[mb.task_ids for mb in mbs],
+                        window=self.plan.policy.pipeline_window,
                     )
                     if mbs
                     else 0.0,

@@ -97,20 +97,19 @@ def test_a_pipeline_window_charges_less_bubble_with_many_tasks():
     flushed = CM.replica_time(config, mbs, tasks)
     assert flushed == pytest.approx(CM.replica_time(config, mbs))
     assert flushed == pytest.approx(taus.sum() + 3 * taus.max() + CM.step_overhead(config))
-    windowed = replace(CM, pipeline_window=8)
-    assert windowed.bubble_slots(config, tasks) == pytest.approx(3 / 8)
-    assert windowed.replica_time(config, mbs, tasks) == pytest.approx(
+    assert CM.bubble_slots(config, tasks, window=8) == pytest.approx(3 / 8)
+    assert CM.replica_time(config, mbs, tasks, window=8) == pytest.approx(
         taus.sum() + 3 / 8 * taus.max() + CM.step_overhead(config)
     )
-    assert windowed.replica_time(config, mbs, tasks) < flushed
+    assert CM.replica_time(config, mbs, tasks, window=8) < flushed
     # one task: every boundary stalls a whole drain, so the window gains nothing
-    assert windowed.replica_time(config, mbs, [{0}] * 8) == pytest.approx(flushed)
+    assert CM.replica_time(config, mbs, [{0}] * 8, window=8) == pytest.approx(flushed)
     # no pipeline, no bubble; the tasks must be one collection per micro-batch
-    assert windowed.bubble_slots(ParallelConfig(1, 1), tasks) == 0.0
+    assert CM.bubble_slots(ParallelConfig(1, 1), tasks, window=8) == 0.0
     with pytest.raises(ValueError, match="7 task sets for 8 micro-batches"):
-        windowed.replica_time(config, mbs, tasks[:7])
+        CM.replica_time(config, mbs, tasks[:7], window=8)
     with pytest.raises(ValueError, match="at least one step"):
-        replace(CM, pipeline_window=0)
+        CM.replica_time(config, mbs, tasks, window=0)
 
 
 def test_step_overhead_grows_with_tasks_and_rank_and_shrinks_with_gpus():

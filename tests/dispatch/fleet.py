@@ -16,6 +16,7 @@ from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import LayerTimeCoeffs
 from lorafleet.plans import DeploymentPlan, GlobalBatch, ReplicaSpec
+from lorafleet.specs.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode
 from lorafleet.specs.model import MODEL_PRESETS
 
 LOBRA_TP1 = (1.29e-7, 0.0, 4.65e-3, 8.4e-4, 3.1e-2, 2.45)
@@ -44,8 +45,15 @@ def lobra_7b_cost_model() -> CostModel:
     )
 
 
-def make_plan(layout: Sequence[tuple[ParallelConfig, int]], n_tasks: int = 6) -> DeploymentPlan:
-    """Replicas in ``layout`` order, GPUs numbered consecutively."""
+FLUSHED_PADDING = DispatchPolicy(options=DispatchOptions(microbatch_mode=MicroBatchMode.PADDING), pipeline_window=1)
+"""The policy these plans run unless told: padded micro-batches, 1F1B flushed every step (LobRA's dispatch,
+which the tests here were written against; ``DispatchPolicy()`` packs and streams 8-step windows)."""
+
+
+def make_plan(
+    layout: Sequence[tuple[ParallelConfig, int]], n_tasks: int = 6, policy: DispatchPolicy = FLUSHED_PADDING
+) -> DeploymentPlan:
+    """Replicas in ``layout`` order, GPUs numbered consecutively, running ``policy``."""
     replicas = []
     gpu = 0
     for config, count in layout:
@@ -63,6 +71,7 @@ def make_plan(layout: Sequence[tuple[ParallelConfig, int]], n_tasks: int = 6) ->
         replicas=tuple(replicas),
         bucket_boundaries=(),
         expected_makespan_s=0.0,
+        policy=policy,
     )
 
 

@@ -125,8 +125,8 @@ def test_lobra_7b_step_fast_beats_length_baseline():
     plan = make_plan(LOBRA_7B_PLAN)
     batch = lognormal_batch(0)
     fast = dispatch_step(batch, plan, COST_MODEL)
-    length = dispatch_step(batch, plan, COST_MODEL, DispatchOptions(method="length"))
-    check_step_plan(fast, batch, plan, DispatchOptions())
+    length = dispatch_step(batch, plan, COST_MODEL, DispatchOptions(microbatch_mode="padding", method="length"))
+    check_step_plan(fast, batch, plan, DispatchOptions(microbatch_mode="padding"))
     assert fast.method == "fast" and length.method == "length"
     assert fast.estimated_makespan_s < length.estimated_makespan_s
     assert len(fast.bucket_boundaries) == 16
@@ -136,8 +136,13 @@ def test_lobra_7b_step_fast_beats_length_baseline():
 def test_choosing_buckets_by_makespan_is_never_worse_in_the_model():
     plan = make_plan(LOBRA_7B_PLAN)
     batch = lognormal_batch(3, scale=0.25)
-    by_padding = solve_step(batch, plan, COST_MODEL, DispatchOptions(n_buckets=8))
-    by_makespan = solve_step(batch, plan, COST_MODEL, DispatchOptions(n_buckets=8, choose_buckets_by_makespan=True))
+    by_padding = solve_step(batch, plan, COST_MODEL, DispatchOptions(microbatch_mode="padding", n_buckets=8))
+    by_makespan = solve_step(
+        batch,
+        plan,
+        COST_MODEL,
+        DispatchOptions(microbatch_mode="padding", n_buckets=8, choose_buckets_by_makespan=True),
+    )
     assert by_makespan.modelled_makespan_s <= by_padding.modelled_makespan_s
     assert len(by_makespan.plan.bucket_boundaries) <= 8
 
@@ -145,14 +150,17 @@ def test_choosing_buckets_by_makespan_is_never_worse_in_the_model():
 def test_exact_method_is_at_least_as_good_and_reports_its_bound():
     plan = make_plan(((TP1, 3), (TP2, 1), (TP8, 1)))
     batch = lognormal_batch(1, scale=0.15)
-    fast = solve_step(batch, plan, COST_MODEL, DispatchOptions())
+    fast = solve_step(batch, plan, COST_MODEL, DispatchOptions(microbatch_mode="padding"))
     exact = solve_step(
-        batch, plan, COST_MODEL, DispatchOptions(method="exact", solver=SolverName.HIGHS, time_limit_s=30)
+        batch,
+        plan,
+        COST_MODEL,
+        DispatchOptions(microbatch_mode="padding", method="exact", solver=SolverName.HIGHS, time_limit_s=30),
     )
     assert exact.plan.method.startswith("milp:highs:")
     assert exact.modelled_makespan_s <= fast.modelled_makespan_s * (1 + 1e-6)
     assert exact.lower_bound_s is not None and exact.lower_bound_s <= exact.modelled_makespan_s * (1 + 1e-6)
-    check_step_plan(exact.plan, batch, plan, DispatchOptions())
+    check_step_plan(exact.plan, batch, plan, DispatchOptions(microbatch_mode="padding"))
 
 
 def test_failed_solve_falls_back_to_fast_with_a_warning(monkeypatch):
@@ -163,8 +171,10 @@ def test_failed_solve_falls_back_to_fast_with_a_warning(monkeypatch):
         return SolveResult(SolveStatus.FAILED, None, time_limit_s, SolverName(solver))
 
     monkeypatch.setattr(ilp_module, "solve", failing)
-    with pytest.warns(SolverFallbackWarning, match="using the fast dispatch"):
-        fallback = dispatch_step(batch, plan, COST_MODEL, DispatchOptions(method="exact", time_limit_s=0.001))
+    with pytest.warns(SolverFallbackWarning, match="the fast dispatch stands"):
+        fallback = dispatch_step(
+            batch, plan, COST_MODEL, DispatchOptions(microbatch_mode="padding", method="exact", time_limit_s=0.001)
+        )
     fast = dispatch_step(batch, plan, COST_MODEL)
     assert fallback.method == "milp:cbc:failed->fast"
     assert fallback.work == fast.work
@@ -178,9 +188,12 @@ def test_near_zero_time_limit_never_skips_the_step(solver):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         step_plan = dispatch_step(
-            batch, plan, COST_MODEL, DispatchOptions(method="exact", solver=solver, time_limit_s=1e-3)
+            batch,
+            plan,
+            COST_MODEL,
+            DispatchOptions(microbatch_mode="padding", method="exact", solver=solver, time_limit_s=1e-3),
         )
-    check_step_plan(step_plan, batch, plan, DispatchOptions())
+    check_step_plan(step_plan, batch, plan, DispatchOptions(microbatch_mode="padding"))
     fell_back = step_plan.method.endswith("->fast")
     assert fell_back == any(issubclass(w.category, SolverFallbackWarning) for w in caught)
 
@@ -236,14 +249,13 @@ def test_a_pipeline_window_orders_task_major_and_prices_the_tasks(mode):
     plan = make_plan(((TP1, 2), (TP2_PP2, 1), (TP8, 1)), n_tasks=6)
     batch = lognormal_batch(3)
     options = DispatchOptions(microbatch_mode=mode)
-    windowed = dataclasses.replace(COST_MODEL, pipeline_window=8)
-    step = solve_step(batch, plan, windowed, options).plan
+    step = solve_step(batch, plan, COST_MODEL, options, window=8).plan
     flushed = solve_step(batch, plan, COST_MODEL, options).plan
     for work, replica in zip(step.work, plan.replicas, strict=True):
         tops = [max(mb.task_ids) for mb in work.microbatches]
         assert tops == sorted(tops)
         shapes, tasks = [mb.shape for mb in work.microbatches], [mb.task_ids for mb in work.microbatches]
-        assert work.estimated_time_s == pytest.approx(windowed.replica_time(replica.config, shapes, tasks))
+        assert work.estimated_time_s == pytest.approx(COST_MODEL.replica_time(replica.config, shapes, tasks, window=8))
     for work, replica in zip(flushed.work, plan.replicas, strict=True):
         sizes = [mb.tokens for mb in work.microbatches]
         assert sizes == sorted(sizes, reverse=True)

@@ -24,7 +24,9 @@ def without_timing(step_plan):
     return dataclasses.replace(step_plan, solve_s=0.0)
 
 
-@pytest.mark.parametrize("options", [DispatchOptions(), DispatchOptions(microbatch_mode="packing", n_buckets=8)])
+@pytest.mark.parametrize(
+    "options", [DispatchOptions(microbatch_mode="padding"), DispatchOptions(microbatch_mode="packing", n_buckets=8)]
+)
 def test_lookahead_equals_synchronous(options):
     with LookaheadDispatcher(batch_for_step, PLAN, COST_MODEL, options) as ahead:
         ahead_plans = [ahead.plan_for(step) for step in range(4)]
@@ -48,7 +50,9 @@ def test_fallback_is_warned_on_the_callers_thread(monkeypatch):
         "solve",
         lambda problem, solver, time_limit_s, gap_rel: SolveResult(SolveStatus.FAILED, None, 0.0, SolverName(solver)),
     )
-    with LookaheadDispatcher(batch_for_step, PLAN, COST_MODEL, DispatchOptions(method="exact")) as ahead:
+    with LookaheadDispatcher(
+        batch_for_step, PLAN, COST_MODEL, DispatchOptions(microbatch_mode="padding", method="exact")
+    ) as ahead:
         with pytest.warns(SolverFallbackWarning):
             step_plan = ahead.plan_for(0)
     assert step_plan.method.endswith("->fast")

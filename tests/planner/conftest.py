@@ -17,7 +17,7 @@ import yaml
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import LayerTimeCoeffs
-from lorafleet.dispatch import DispatchOptions
+from lorafleet.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode
 from lorafleet.planner.candidates import valid_candidates
 from lorafleet.planner.problem import PlanningProblem, build_problem
 from lorafleet.plans import GlobalBatch
@@ -70,10 +70,19 @@ def tiny_problem(
     cost_model: CostModel,
     n_buckets: int = 3,
     configs: tuple[ParallelConfig, ...] | None = None,
+    window: int = 1,
 ) -> PlanningProblem:
-    """A planning problem over every valid config (or ``configs``) of ``cluster`` for a batch of ``lengths``."""
+    """A planning problem over every valid config (or ``configs``) of ``cluster`` for a batch of ``lengths``,
+    its steps padded and streamed in windows of ``window`` steps."""
     candidates = [c for c in valid_candidates(cost_model, cluster) if configs is None or c.config in configs]
-    return build_problem(batch_of(lengths), candidates, cost_model, cluster, DispatchOptions(n_buckets=n_buckets))
+    return build_problem(batch_of(lengths), candidates, cost_model, cluster, padded_policy(n_buckets, window))
+
+
+def padded_policy(n_buckets: int, window: int = 1) -> DispatchPolicy:
+    """Padded micro-batches of at most ``n_buckets`` buckets, 1F1B flushed every step unless ``window`` says
+    otherwise: the dispatch these planner tests were written against."""
+    options = DispatchOptions(n_buckets=n_buckets, microbatch_mode=MicroBatchMode.PADDING)
+    return DispatchPolicy(options=options, pipeline_window=window)
 
 
 def write_workload(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lorafleet.dispatch import MicroBatchMode, dispatch_step
+from lorafleet.dispatch import DispatchPolicy, MicroBatchMode, dispatch_step
 from lorafleet.planner import (
     BaselineKind,
     baseline_schedules,
@@ -38,6 +38,11 @@ def test_pow2_boundaries(longest, max_tokens, expected):
     assert pow2_boundaries(longest, max_tokens) == expected
 
 
+FLUSHED = DispatchPolicy(pipeline_window=1)
+"""lorafleet's policy the baselines share their bucket count (16) and window with: 1F1B flushed every step,
+the window of the cost model these tests were written against."""
+
+
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory):
     return small_workload(tmp_path_factory.mktemp("wl"), seed=1, nodes=1)
@@ -47,7 +52,7 @@ def test_static_buckets_pad_to_their_boundary_and_keep_real_lengths(workload, co
     cluster = workload.cluster
     cand = max(valid_candidates(cost_model_7b, cluster), key=lambda c: (c.max_tokens >= workload.max_length, -c.n_gpus))
     batch = sample_global_batch(workload, 3)
-    policy = padding_policy(int(batch.lengths.max()), cand.max_tokens)
+    policy = padding_policy(int(batch.lengths.max()), cand.max_tokens, FLUSHED)
     plan = build_plan(
         workload,
         cluster,
@@ -81,15 +86,15 @@ def test_best_homogeneous_is_the_fewest_estimated_gpu_seconds(workload, cost_mod
     cluster = ClusterSpec(nodes=2, gpus_per_node=8)
     batch = expected_global_batch(workload)
     candidates = valid_candidates(cost_model_7b, cluster)
-    chosen, replicas = best_homogeneous(batch, workload.max_length, candidates, cost_model_7b, cluster, mode, 16)
+    chosen, replicas = best_homogeneous(batch, workload.max_length, candidates, cost_model_7b, cluster, mode, FLUSHED)
     brute = min(
-        (estimated_makespan(batch, c, n, cost_model_7b, mode, 16) * n * c.n_gpus, c.config)
+        (estimated_makespan(batch, c, n, cost_model_7b, mode, FLUSHED) * n * c.n_gpus, c.config)
         for c in candidates
         if c.max_tokens >= workload.max_length
         for n in [cluster.n_gpus // c.n_gpus]
     )
     assert (
-        estimated_makespan(batch, chosen, replicas, cost_model_7b, mode, 16) * replicas * chosen.n_gpus,
+        estimated_makespan(batch, chosen, replicas, cost_model_7b, mode, FLUSHED) * replicas * chosen.n_gpus,
         chosen.config,
     ) == brute
 
@@ -104,22 +109,22 @@ def test_estimate_is_the_dispatch_under_the_baselines_policy(workload, cost_mode
             continue
         n = cluster.n_gpus // c.n_gpus
         policy = (
-            padding_policy(int(expected.lengths.max()), c.max_tokens)
+            padding_policy(int(expected.lengths.max()), c.max_tokens, FLUSHED)
             if mode is MicroBatchMode.PADDING
-            else packing_policy(16)
+            else packing_policy(FLUSHED)
         )
         plan = build_plan(
             workload, cluster, [(c.config, c.max_tokens, n)], solver="test", policy=policy, cost_model=cost_model_7b
         )
         real = dispatch_step(expected, plan, cost_model_7b).estimated_makespan_s
-        assert estimated_makespan(expected, c, n, cost_model_7b, mode, 16) == pytest.approx(real, rel=1e-9)
+        assert estimated_makespan(expected, c, n, cost_model_7b, mode, FLUSHED) == pytest.approx(real, rel=1e-9)
 
 
 def test_baseline_schedules_replay_step_by_step(workload, cost_model_7b):
     cluster = workload.cluster
     expected = expected_global_batch(workload)
     schedules = baseline_schedules(
-        workload, expected, valid_candidates(cost_model_7b, cluster), cost_model_7b, cluster, 16
+        workload, expected, valid_candidates(cost_model_7b, cluster), cost_model_7b, cluster, FLUSHED
     )
     assert [s.name for s in schedules] == [k.value for k in BaselineKind]
     padding, packing, sequential = schedules
@@ -151,6 +156,6 @@ def test_best_homogeneous_judges_replicas_as_placed():
     cost_model, cluster = lobra_like_cost_model(max_tp=2, max_pp=2), ClusterSpec(nodes=1, gpus_per_node=4)
     batch = batch_of(np.array([166, 299, 319, 386, 432, 969, 1332, 3236, 4096]))
     chosen, replicas = best_homogeneous(
-        batch, 4096, valid_candidates(cost_model, cluster), cost_model, cluster, MicroBatchMode.PADDING, 16
+        batch, 4096, valid_candidates(cost_model, cluster), cost_model, cluster, MicroBatchMode.PADDING, FLUSHED
     )
     assert (str(chosen.config), replicas) == ("<2,1>", 2)

@@ -15,7 +15,7 @@ from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import load_workload
 
-from .conftest import lobra_like_cost_model, small_workload, write_workload
+from .conftest import lobra_like_cost_model, padded_policy, small_workload, write_workload
 
 FAST = PlannerOptions(robust_samples=4, race_rung=2)
 
@@ -84,17 +84,17 @@ def test_the_chosen_plan_was_judged_at_the_dispatchers_estimate(result):
 
 
 def test_the_plan_records_the_window_it_was_judged_under(workload, cost_model_7b, result):
-    """The options' pipeline window is the plan's policy's and the judging cost model's, whatever window
-    the given cost model carried; the expected step is that model's dispatch, and so are the baselines."""
+    """The options' policy (its pipeline window) is the plan's; the expected step is the dispatch of the plan
+    under it, and the baselines run in the same window."""
     from lorafleet.dispatch import dispatch_step
 
-    assert cost_model_7b.pipeline_window == 1
-    assert result.plan.policy.pipeline_window == result.cost_model.pipeline_window == FAST.pipeline_window == 8
+    assert result.plan.policy == FAST.policy and result.plan.policy.pipeline_window == 8
     assert all(p.plan.policy.pipeline_window == 8 for b in result.baselines for p in b.phases)
     again = dispatch_step(result.expected_batch, result.plan, result.cost_model)
     assert again.estimated_makespan_s == pytest.approx(result.plan.expected_makespan_s, rel=1e-12)
-    flushed = plan_deployment(workload, workload.cluster, result.cost_model, replace(FAST, pipeline_window=1))
-    assert flushed.plan.policy.pipeline_window == flushed.cost_model.pipeline_window == 1
+    one_step = replace(FAST, policy=replace(FAST.policy, pipeline_window=1))
+    flushed = plan_deployment(workload, workload.cluster, result.cost_model, one_step)
+    assert flushed.plan.policy.pipeline_window == 1
 
 
 def test_same_inputs_same_plan(workload, cost_model_7b, result):
@@ -188,7 +188,7 @@ def test_plans_are_ranked_by_the_dispatch_as_placed(tmp_path):
     ranked as placed, <2,1> x 2 wins, and the planner's expected makespan is the dispatcher's."""
     tasks = [{"name": "few", "batch_size": len(NINE), "context_length": 4096, "histogram": {n: 1 for n in NINE}}]
     wl = load_workload(write_workload(tmp_path / "nine.yaml", tasks, nodes=1, gpus_per_node=4))
-    options = PlannerOptions(robust_samples=0, baselines=False, n_buckets=4, microbatch_mode="padding")
+    options = PlannerOptions(robust_samples=0, baselines=False, policy=padded_policy(4, window=8))
     result = plan_deployment(wl, wl.cluster, lobra_like_cost_model(max_tp=2, max_pp=2), options)
     assert np.array_equal(np.sort(result.expected_batch.lengths), NINE)
     assert result.plan.describe() == "<2,1> x 2"

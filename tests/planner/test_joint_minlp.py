@@ -10,7 +10,6 @@ on slightly larger instances.
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -67,8 +66,9 @@ def brute_force(problem) -> float:
 
 
 def tiny(lengths, gpus=4, window=1):
-    cm = replace(lobra_like_cost_model(max_tp=2, max_pp=2), pipeline_window=window)
-    return tiny_problem(np.array(lengths), ClusterSpec(nodes=1, gpus_per_node=gpus), cm, n_buckets=1, configs=CONFIGS)
+    cm = lobra_like_cost_model(max_tp=2, max_pp=2)
+    cluster = ClusterSpec(nodes=1, gpus_per_node=gpus)
+    return tiny_problem(np.array(lengths), cluster, cm, n_buckets=1, configs=CONFIGS, window=window)
 
 
 @pytest.mark.parametrize(

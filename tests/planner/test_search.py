@@ -12,7 +12,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from lorafleet.dispatch import DispatchOptions
 from lorafleet.dispatch.balance import fluid_bound
 from lorafleet.dispatch.placement import placed_times
 from lorafleet.dispatch.step import solve_step
@@ -25,7 +24,7 @@ from lorafleet.planner.search import search
 from lorafleet.plans import DeploymentPlan, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec
 
-from .conftest import batch_of, lobra_like_cost_model, skewed_lengths
+from .conftest import batch_of, lobra_like_cost_model, padded_policy, skewed_lengths
 
 OPTIONS = PlannerOptions(robust_samples=0)
 
@@ -37,7 +36,7 @@ def problems(seed: int):
     longest = int(rng.choice([4096, 8192]))
     batch = batch_of(skewed_lengths(rng, int(rng.integers(60, 200)), longest, median=float(rng.uniform(150, 700))))
     valid = valid_candidates(cm, cluster)
-    dispatch = DispatchOptions(n_buckets=8)
+    dispatch = padded_policy(8)
     return (
         build_problem(batch, propose_candidates(valid, longest), cm, cluster, dispatch),
         build_problem(batch, valid, cm, cluster, dispatch),
@@ -72,7 +71,7 @@ def test_allowing_recompute_never_gives_a_worse_plan(seed):
     batch = batch_of(skewed_lengths(rng, int(rng.integers(60, 200)), longest, median=float(rng.uniform(150, 700))))
     valid = valid_candidates(cm, cluster)
     plain = [c for c in valid if not c.config.recompute]
-    dispatch = DispatchOptions(n_buckets=8)
+    dispatch = padded_policy(8)
     _, mixed = search(build_problem(batch, propose_candidates(valid, longest), cm, cluster, dispatch), OPTIONS)
     _, alone = search(build_problem(batch, propose_candidates(plain, longest), cm, cluster, dispatch), OPTIONS)
     _, exhaustive = search(
@@ -91,7 +90,7 @@ def in_mode(problem, mode):
         problem.candidates,
         problem.cost_model,
         problem.cluster,
-        replace(problem.dispatch, microbatch_mode=mode),
+        replace(problem.policy, options=replace(problem.policy.options, microbatch_mode=mode)),
     )
 
 
@@ -111,13 +110,15 @@ def plan_of(problem, replicas) -> DeploymentPlan:
         replicas=tuple(specs),
         bucket_boundaries=(),
         expected_makespan_s=0.0,
+        policy=problem.policy,
     )
 
 
 def dispatched(problem, replicas) -> float:
     """The dispatcher's estimate of the expected batch's step on the deployment."""
+    policy = problem.policy
     return solve_step(
-        problem.batch, plan_of(problem, replicas), problem.cost_model, problem.dispatch
+        problem.batch, plan_of(problem, replicas), problem.cost_model, policy.options, window=policy.pipeline_window
     ).plan.estimated_makespan_s
 
 
@@ -236,14 +237,14 @@ def test_an_optimal_milp_without_a_usable_plan_is_noted_truthfully(monkeypatch):
 def test_the_exact_dispatch_note_names_what_the_solver_said(monkeypatch):
     """The exact dispatch ILP reports optimal but its values cover no bucket: the fast dispatch stands,
     and the warning says so in words that agree with the status."""
-    import lorafleet.planner.evaluation as evaluation
+    import lorafleet.dispatch.step as dispatch_step_module
     from lorafleet.dispatch.ilp import IlpOutcome
     from lorafleet.errors import SolverFallbackWarning
 
     problem = problems(0)[1]
     load, _ = problem.plan_view(np.array([4, 0, 0, 0, 0, 0, 1, 0, 0]))
     monkeypatch.setattr(
-        evaluation, "solve_dispatch_ilp", lambda *a, **k: IlpOutcome(None, _solve("optimal", 1.0), None)
+        dispatch_step_module, "solve_dispatch_ilp", lambda *a, **k: IlpOutcome(None, _solve("optimal", 1.0), None)
     )
     with pytest.warns(SolverFallbackWarning) as caught:
         expected, result = evaluate(problem, load, exact=True, options=OPTIONS)

@@ -42,18 +42,21 @@ def test_a_window_of_steps_is_simulated_as_the_dispatcher_priced_it():
     from dataclasses import replace
 
     from lorafleet.dispatch import solve_step
-    from tests.dispatch.fleet import TP1, TP2_PP2, lobra_7b_cost_model, lognormal_batch, make_plan
+    from tests.dispatch.fleet import FLUSHED_PADDING, TP1, TP2_PP2, lobra_7b_cost_model, lognormal_batch, make_plan
 
-    plan = make_plan(((TP1, 2), (TP2_PP2, 2)), n_tasks=6)
-    cost_model = replace(lobra_7b_cost_model(), pipeline_window=8)
-    steps = [solve_step(lognormal_batch(s, max_len=4096), plan, cost_model, plan.policy.options).plan for s in range(3)]
+    plan = make_plan(((TP1, 2), (TP2_PP2, 2)), n_tasks=6, policy=replace(FLUSHED_PADDING, pipeline_window=8))
+    cost_model = lobra_7b_cost_model()
+    steps = [
+        solve_step(lognormal_batch(s, max_len=4096), plan, cost_model, plan.policy.options, window=8).plan
+        for s in range(3)
+    ]
     executor = SimulatedExecutor(plan, cost_model, plan.tasks)
     reports = executor.run_steps(steps)
     assert [r.step for r in reports] == [0, 1, 2]
     assert reports == [executor.run_step(p) for p in steps]
     for report, step in zip(reports, steps, strict=True):
         assert report.replica_busy_s == pytest.approx([w.estimated_time_s for w in step.work], rel=1e-12)
-    flushed = SimulatedExecutor(plan, replace(cost_model, pipeline_window=1), executor.task_names)
+    flushed = SimulatedExecutor(replace(plan, policy=FLUSHED_PADDING), cost_model, executor.task_names)
     for report, step in zip(flushed.run_steps(steps), steps, strict=True):
         pipelined = [k for k, r in enumerate(plan.replicas) if r.config.pp > 1 and step.work[k].microbatches]
         assert pipelined and all(report.replica_busy_s[k] > step.work[k].estimated_time_s for k in pipelined)

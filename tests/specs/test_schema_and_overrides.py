@@ -363,16 +363,26 @@ def test_plan_with_set_changes_the_gpu_count(tmp_path, capsys):
 # --- train: the overrides travel to the workers ------------------------------------------------------------
 
 
-def test_train_options_carry_sets_through_the_worker_command_line():
+def test_train_options_carry_sets_through_the_run_file(tmp_path, capsys):
+    """The launcher resolves ``--set`` (and the policy flags) once; its workers read the run file it writes."""
     from lorafleet.commands.train import options_of
+    from lorafleet.train.preflight import prepare
+    from lorafleet.train.run_file import ResolvedRun
 
-    argv = ["train", "w.yaml", "--plan", "p.json", "--set", "tasks.chat.lora.rank=8", "--set=cluster.nodes=1"]
+    demo, plan = str(EXAMPLES / "demo" / "workload.yaml"), tmp_path / "plan.json"
+    assert main(["plan", demo, "--gpus", "1", "--gpu", "cpu", "--samples", "0", "--json", str(plan)]) == 0
+    capsys.readouterr()
+    argv = ["train", demo, "--plan", str(plan), "--gpus", "1", "--gpu", "cpu", "--out", str(tmp_path / "run")]
+    argv += ["--set", "tasks.chat.lora.rank=8", "--set=defaults.optimizer.lr=1e-3", "--buckets", "4"]
     options = options_of(build_parser().parse_args(argv))
-    assert options.sets == ("tasks.chat.lora.rank=8", "cluster.nodes=1")
-    worker = options.to_argv()
-    assert "--set=tasks.chat.lora.rank=8" in worker and "--set=cluster.nodes=1" in worker
-    assert options_of(build_parser().parse_args(worker)) == options
-    assert "--set" not in " ".join(options_of(build_parser().parse_args(argv[:4])).to_argv())
+    assert options.sets == ("tasks.chat.lora.rank=8", "defaults.optimizer.lr=1e-3")
+    resolved = ResolvedRun.of(options, prepare(options))
+    path = resolved.save(tmp_path)
+    assert ResolvedRun.load(path) == resolved
+    worker = ResolvedRun.load(path).prepared()
+    assert worker.workload.task("chat").spec.lora.rank == 8
+    assert {t.spec.optimizer.lr for t in worker.workload.tasks} == {1e-3}
+    assert worker.run.plan.policy.options.n_buckets == 4 and worker.run.overrides == ()
 
 
 def test_training_workload_applies_sets():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -36,11 +37,12 @@ from typing import Any
 
 import numpy as np
 
+from lorafleet.data.model_source import data_tokenizer
 from lorafleet.data.records import read_rows
 from lorafleet.data.tokenize import IGNORE_INDEX, Example, tokenize_rows
 from lorafleet.errors import InputError
 from lorafleet.plans import GlobalBatch
-from lorafleet.specs.workload import OverflowPolicy, TaskSpec, fit_to_context
+from lorafleet.specs.workload import OverflowPolicy, TaskSpec, WorkloadSpec, fit_to_context
 from lorafleet.turns import TaskTurns, last_step, turns
 
 
@@ -308,3 +310,44 @@ class DataStreams:
                         f"the data changed since the checkpoint: task {name!r}'s {key[:-1]} {state[key][k]} "
                         f"then, {now[key][t]} now"
                     )
+
+
+def task_tokenizer(spec: WorkloadSpec) -> Any:
+    """The tokenizer a workload's data is tokenized with (``lorafleet.data.model_source.data_tokenizer``: the
+    same rule as the lengths ``validate`` and ``plan`` measure from data)."""
+    return data_tokenizer(spec.model, spec.tokenizer, source="workload")
+
+
+def task_batches(task: TaskSpec, data: TaskData) -> int | None:
+    """Global batches a task takes part in: its ``steps``, or its ``epochs`` over its examples; None: unbounded."""
+    if task.steps is not None:
+        return task.steps
+    if task.epochs is not None:
+        return max(1, math.ceil(task.epochs * len(data.examples) / task.batch_size))
+    return None
+
+
+def training_streams(
+    spec: WorkloadSpec,
+    run_steps: int,
+    tokenizer: Any | None = None,
+    turn_changes: Mapping[str, tuple] | None = None,
+    departed: Sequence[TaskTurns] = (),
+) -> DataStreams:
+    """Every task's data stream as the executor builds it (tokenized with the run's tokenizer): its batch
+    size and steps, and its turns (its start step, share and deadline, and ``turn_changes``, by task, of
+    the share and deadline while the job ran, and the turns of the tasks that ``departed``: ``lorafleet.turns``)."""
+    if tokenizer is None:
+        tokenizer = task_tokenizer(spec)
+    data = [prepare_task_data(task, tokenizer, "workload") for task in spec.tasks]
+    return DataStreams(
+        data,
+        [t.batch_size for t in spec.tasks],
+        spec.seed,
+        [task_batches(task, d) for task, d in zip(spec.tasks, data, strict=True)],
+        joined=[t.start_step for t in spec.tasks],
+        shares=[t.share for t in spec.tasks],
+        deadlines=[t.deadline for t in spec.tasks],
+        changes=[(turn_changes or {}).get(t.name, ()) for t in spec.tasks],
+        departed=departed,
+    )

@@ -16,7 +16,6 @@ only the base weights of its own stage and TP shard.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -24,14 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lorafleet.data.model_source import data_tokenizer, resolve_model_source
+from lorafleet.data.model_source import resolve_model_source
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.base_model import load_base
-from lorafleet.executor.torch.data_stream import DataStreams, TaskData, prepare_task_data
+from lorafleet.executor.torch.data_stream import training_streams
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.model import adapter_base_model
-from lorafleet.specs.workload import TaskSpec, WorkloadSpec
+from lorafleet.specs.workload import WorkloadSpec
 from lorafleet.turns import TaskTurns
 
 
@@ -58,47 +57,6 @@ def init_distributed(device: str = "auto") -> torch.device:
         raise InputError("<args>", "--device", f"expected auto, cpu or cuda, got {device!r}")
     dist.init_process_group("gloo")
     return torch.device("cpu")
-
-
-def task_tokenizer(spec: WorkloadSpec) -> Any:
-    """The tokenizer a workload's data is tokenized with (``lorafleet.data.model_source.data_tokenizer``: the
-    same rule as the lengths ``validate`` and ``plan`` measure from data)."""
-    return data_tokenizer(spec.model, spec.tokenizer, source="workload")
-
-
-def task_batches(task: TaskSpec, data: TaskData) -> int | None:
-    """Global batches a task takes part in: its ``steps``, or its ``epochs`` over its examples; None: unbounded."""
-    if task.steps is not None:
-        return task.steps
-    if task.epochs is not None:
-        return max(1, math.ceil(task.epochs * len(data.examples) / task.batch_size))
-    return None
-
-
-def training_streams(
-    spec: WorkloadSpec,
-    run_steps: int,
-    tokenizer: Any | None = None,
-    turn_changes: Mapping[str, tuple] | None = None,
-    departed: Sequence[TaskTurns] = (),
-) -> DataStreams:
-    """Every task's data stream as the executor builds it (tokenized with the run's tokenizer): its batch
-    size and steps, and its turns (its start step, share and deadline, and ``turn_changes``, by task, of
-    the share and deadline while the job ran, and the turns of the tasks that ``departed``: ``lorafleet.turns``)."""
-    if tokenizer is None:
-        tokenizer = task_tokenizer(spec)
-    data = [prepare_task_data(task, tokenizer, "workload") for task in spec.tasks]
-    return DataStreams(
-        data,
-        [t.batch_size for t in spec.tasks],
-        spec.seed,
-        [task_batches(task, d) for task, d in zip(spec.tasks, data, strict=True)],
-        joined=[t.start_step for t in spec.tasks],
-        shares=[t.share for t in spec.tasks],
-        deadlines=[t.deadline for t in spec.tasks],
-        changes=[(turn_changes or {}).get(t.name, ()) for t in spec.tasks],
-        departed=departed,
-    )
 
 
 def build_torch_executor(

@@ -42,8 +42,8 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_ENV)
 
 
-def torchrun_argv(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> list[str]:
-    """The command that re-runs ``python -m lorafleet <argv>`` as ``nproc`` processes on this machine,
+def torchrun_argv(nproc: int, module: str, argv: Sequence[str], max_restarts: int = 0) -> list[str]:
+    """The command that runs ``python -m <module> <argv>`` as ``nproc`` processes on this machine,
     restarting them up to ``max_restarts`` times after a failure (torchrun's elastic agent)."""
     return [
         sys.executable,
@@ -53,7 +53,7 @@ def torchrun_argv(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> lis
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
         "-m",
-        "lorafleet",
+        module,
         *argv,
     ]
 

@@ -1,0 +1,28 @@
+"""One rank of a run its launcher started: ``python -m lorafleet.train.rank <out>/run.json`` (under torchrun).
+
+The rank reads the run file its launcher wrote (``train.run_file``) and runs
+:func:`lorafleet.train.trainer.train_rank`; there is no command line to parse again. Bad input is one
+line on stderr and exit code 2, as from the ``lorafleet`` command.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from lorafleet.errors import InputError, exit_code
+
+
+def main(argv: Sequence[str]) -> int:
+    """Run this process's rank of the run file ``argv[0]``."""
+    from lorafleet.train.run_file import ResolvedRun
+    from lorafleet.train.trainer import train_rank
+
+    if len(argv) != 1:
+        raise InputError("<args>", "", "usage: python -m lorafleet.train.rank RUN_FILE (started by lorafleet train)")
+    resolved = ResolvedRun.load(argv[0])
+    return train_rank(resolved.options, resolved.prepared())
+
+
+if __name__ == "__main__":
+    sys.exit(exit_code(lambda: main(sys.argv[1:])))

@@ -1,0 +1,131 @@
+"""The run file: what the launcher resolved and checked, written once for the workers it starts.
+
+``lorafleet train`` checks everything before any process starts (``train.preflight``): the workload
+with its ``--set`` overrides and the task ledger's changes, the plan with its policy overrides, the
+cost model the plan is priced by. It then writes ``<out>/run.json`` (atomically, before every launch
+of its workers) and starts each rank as ``python -m lorafleet.train.rank <out>/run.json``. A rank
+reads that file and nothing else of the command line: it runs the plan and policy the launcher
+checked, the workload it resolved, by the cost model it built (whose profile, when there is one, must
+still have the content hash the launcher saw). What a rank finds out for itself is what changes
+between its starts: the newest intact checkpoint to resume from (after a torchrun restart) and the
+task ledger's turn changes.
+
+The file is typed (``lorafleet schema run``): a pydantic adapter over :class:`ResolvedRun`, strict,
+unknown keys refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ConfigDict
+
+from lorafleet.assemble import PlannedRun
+from lorafleet.costmodel.cost_model import CostModelOrigin
+from lorafleet.errors import InputError
+from lorafleet.plans import DeploymentPlan
+from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.train.options import TrainOptions
+from lorafleet.train.preflight import Prepared
+
+RUN_FILE = "run.json"
+RUN_KIND = "lorafleet.ResolvedRun"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedRun:
+    """One launch of a run's workers, as its launcher resolved it."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    kind: str = RUN_KIND
+    options: TrainOptions
+    """The run's options; ``plan`` is the run's own ``plan.json``, ``resume`` whether this launch resumes."""
+    plan: DeploymentPlan
+    """The plan the launcher checked, its dispatch policy as overridden: the one policy the ranks run."""
+    workload_path: str
+    """The workload file the run was given (what errors name)."""
+    workload: dict[str, Any]
+    """The validated workload spec as JSON: ``--set`` applied, the ledger's tasks, every path absolute."""
+    cluster: ClusterSpec
+    """The cluster the plan was checked against."""
+    cost_model: CostModelOrigin
+    """Where the launcher's cost model came from (a profile: its absolute path and SHA-256)."""
+
+    @classmethod
+    def of(cls, options: TrainOptions, prepared: Prepared) -> ResolvedRun:
+        """The run file of a launch of ``options`` (already pointing at the run's ``plan.json``)."""
+        origin = prepared.run.cost_model.origin
+        assert origin is not None, "a run's cost model is always built from an origin (assemble.plan_cost_model)"
+        if origin.kind == "profile":
+            origin = CostModelOrigin(
+                kind=origin.kind, gpu=origin.gpu, profile=str(Path(origin.profile).absolute()), sha256=origin.sha256
+            )
+        return cls(
+            options=options,
+            plan=prepared.run.plan,
+            workload_path=prepared.workload.path,
+            workload=prepared.workload.spec.model_dump(mode="json", exclude_none=True),
+            cluster=prepared.cluster,
+            cost_model=origin,
+        )
+
+    def save(self, out: str | Path) -> Path:
+        """Write ``<out>/run.json`` whole or not at all."""
+        import json
+
+        from lorafleet.specs.io import write_text_atomic
+        from lorafleet.specs.typed import adapter
+
+        path = Path(out) / RUN_FILE
+        write_text_atomic(path, json.dumps(adapter(ResolvedRun).dump_python(self, mode="json"), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> ResolvedRun:
+        """The run file at ``path``; an InputError naming the field when it is not one."""
+        from lorafleet.specs.io import read_json_object
+        from lorafleet.specs.typed import validate_strict
+
+        data = read_json_object(path)
+        if data.get("kind") != RUN_KIND:
+            raise InputError(str(path), "kind", f"not a lorafleet run file (expected {RUN_KIND!r})")
+        return validate_strict(cls, data, str(path), "")
+
+    def prepared(self) -> Prepared:
+        """This rank's view of the run: the resolved workload and the checked plan as they are, the cost model
+        rebuilt from its origin (its profile unchanged), and where to resume from now."""
+        from lorafleet.assemble import workload_cost_model
+        from lorafleet.specs.workload import WorkloadSpec
+        from lorafleet.train.preflight import ledger_turns, resume_step
+        from lorafleet.workload import resolve_workload
+
+        workload = resolve_workload(WorkloadSpec.model_validate(self.workload), self.workload_path)
+        origin = self.cost_model
+        profile = origin.profile if origin.kind == "profile" else None
+        cost_model = workload_cost_model(workload, self.cluster, profile, sync_replicas=len(self.plan.replicas))
+        assert cost_model.origin is not None
+        if cost_model.origin.sha256 != origin.sha256:
+            raise InputError(
+                origin.profile, "", "changed since the launcher checked the run (its SHA-256); start the run again"
+            )
+        start = resume_step(self.options)
+        changes, departed = ledger_turns(self.options, start)
+        return Prepared(
+            workload=workload,
+            run=PlannedRun(plan=self.plan, cost_model=cost_model, overrides=()),
+            cluster=self.cluster,
+            world_size=self.plan.world_size,
+            resume_step=start,
+            turn_changes=changes,
+            departed=departed,
+        )
+
+
+def run_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a run file (``lorafleet schema run``)."""
+    from lorafleet.specs.typed import adapter
+
+    return adapter(ResolvedRun).json_schema(mode="serialization")
