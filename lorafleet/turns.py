@@ -33,11 +33,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from pydantic import ConfigDict
 
 
 @dataclass(frozen=True)
 class TaskTurns:
     """What decides one task's turns."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # read back from the queue's typed files: no unknown keys
 
     tokens: float
     """τ: expected tokens of one of its batches (only shares use it)."""
