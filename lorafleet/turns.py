@@ -40,7 +40,8 @@ from pydantic import ConfigDict
 class TaskTurns:
     """What decides one task's turns."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")  # read back from the queue's typed files: no unknown keys
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    """How the queue's typed files (the task ledger, the pending changes) read it back: no unknown keys."""
 
     tokens: float
     """τ: expected tokens of one of its batches (only shares use it)."""

@@ -27,46 +27,30 @@ files; the watcher stays the one judge of them.
 
 The request files, the ledger and the pending changes are typed: unknown keys are refused, a wrong
 value is named by its field path, and ``lorafleet schema request|ledger|pending`` prints their JSON
-Schemas. The names below are the package's API; its modules import each other by module.
+Schemas (from the models in ``requests.py``, ``ledger.py`` and ``pending.py``). The names below are what the
+rest of lorafleet uses; the package's modules import each other by module.
 """
 
 from lorafleet.train.queue.http import QueueServer, start_queue_server
-from lorafleet.train.queue.ledger import LEDGER, Ledger, LedgerEntry, LedgerFile, TaskState
-from lorafleet.train.queue.pending import PENDING, Pending, clear_pending, has_pending, load_pending, save_pending
-from lorafleet.train.queue.requests import (
-    REQUEST_SUFFIXES,
-    Action,
-    AddRequestFile,
-    Request,
-    RequestError,
-    StopRequestFile,
-    UpdateRequestFile,
-    request_files,
-)
+from lorafleet.train.queue.ledger import Ledger, LedgerEntry, TaskState
+from lorafleet.train.queue.pending import Pending, clear_pending, has_pending, load_pending, save_pending
+from lorafleet.train.queue.requests import Action, Request, RequestError
 from lorafleet.train.queue.watcher import QueueWatcher, read_request
 
 __all__ = [
-    "LEDGER",
-    "PENDING",
-    "REQUEST_SUFFIXES",
     "Action",
-    "AddRequestFile",
     "Ledger",
     "LedgerEntry",
-    "LedgerFile",
     "Pending",
     "QueueServer",
     "QueueWatcher",
     "Request",
     "RequestError",
-    "StopRequestFile",
     "TaskState",
-    "UpdateRequestFile",
     "clear_pending",
     "has_pending",
     "load_pending",
     "read_request",
-    "request_files",
     "save_pending",
     "start_queue_server",
 ]

@@ -45,7 +45,7 @@ LedgerSpec = Annotated[TaskSpec, PlainSerializer(lambda spec: spec.model_dump(mo
 class LedgerEntry:
     """One task the run has had."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     spec: LedgerSpec
     state: TaskState = TaskState.ACTIVE
@@ -58,14 +58,16 @@ class LedgerEntry:
     redraw the steps before it left with it)."""
 
 
-@with_config(ConfigDict(extra="forbid"))
+@with_config(ConfigDict(extra="forbid", use_attribute_docstrings=True))
 class AppliedRequest(TypedDict):
     """A request the ledger took, at the boundary before ``step``."""
 
     step: int
     file: str
+    """The request file (its name in the queue directory), or how the change came (a task that took its steps)."""
     action: Action
     name: str
+    """The task."""
 
 
 class LedgerFile(BaseModel):

@@ -25,7 +25,7 @@ PENDING = ".apply.json"
 class Pending:
     """What the workers hand the launcher at a boundary: the requests due, and the running tasks' turns."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     step: int
     """The boundary: the step the run checkpointed at and resumes from."""

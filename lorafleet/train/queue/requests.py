@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -28,8 +28,9 @@ ACCEPTED = "accepted"
 """The folder of the queue directory that the requests applied are moved to."""
 REJECTED = "rejected"
 """The folder of the queue directory that malformed requests are moved to, each with its reason file."""
-UPDATE_KEYS = ("share", "deadline")
+UpdateKey = Literal["share", "deadline"]
 """What an ``update`` may change of a running task."""
+UPDATE_KEYS: tuple[UpdateKey, ...] = get_args(UpdateKey)
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -71,9 +72,9 @@ AtStep = Annotated[int, Field(ge=0, strict=True)]
 
 
 class AddRequestFile(TaskSpec):
-    """A task to add: a workload task, taken over the workload's ``defaults`` (so that only ``name`` is
-    required here), with the two keys of a request. The task needs ``data``; its relative data paths are
-    relative to the request file."""
+    """A task to add: a workload task, taken over the workload's ``defaults``, with the two keys of a request.
+    The task needs ``data``; its relative data paths (``data``, ``lengths.dataset``) are relative to the
+    request file."""
 
     action: Literal[Action.ADD] = Action.ADD
     """``add``, the default."""
@@ -108,7 +109,7 @@ class UpdateRequestFile(Spec):
                 raise ValueError("update takes share and/or deadline")
         return raw
 
-    def changes(self) -> dict[str, Any]:
+    def changes(self) -> dict[UpdateKey, float | int | None]:
         """The keys the file sets of ``share`` and ``deadline``."""
         return self.model_dump(include=set(UPDATE_KEYS), exclude_unset=True)
 
@@ -137,7 +138,7 @@ class StopRequestFile(Spec):
 class Request:
     """One request, validated against the run (``watcher.read_request``); the pending-changes file holds them."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
     file: str
     """Its file's name in the queue directory."""
@@ -148,7 +149,7 @@ class Request:
     """Not before this global step."""
     task: TaskSpec | None = None
     """``add``: the task (data paths absolute; ``start_step`` set when it is applied)."""
-    changes: Mapping[str, Any] = field(default_factory=dict)
+    changes: Mapping[UpdateKey, float | int | None] = field(default_factory=dict)
     """``update``: the new ``share`` and/or ``deadline``."""
 
 
