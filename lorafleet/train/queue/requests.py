@@ -153,9 +153,9 @@ class Request:
     """``update``: the new ``share`` and/or ``deadline``."""
 
 
-def read_request_file(path: Path) -> dict[str, Any]:
-    """The mapping in a request file, with the keys every request has checked first, each with a sentence of its
-    own (``action``, ``at_step``, ``name``); RequestError."""
+def read_request_file(path: Path) -> tuple[Action, dict[str, Any]]:
+    """A request file's action and mapping, the keys every request has checked first, each with a sentence of
+    its own (``action``, ``at_step``, ``name``); RequestError."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
@@ -168,7 +168,7 @@ def read_request_file(path: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise RequestError(f"expected a mapping, got {type(raw).__name__}")
     try:
-        Action(raw.get("action", Action.ADD))
+        action = Action(raw.get("action", Action.ADD))
     except ValueError:
         raise RequestError(f"action must be one of {', '.join(Action)}") from None
     at_step = raw.get("at_step", 0)
@@ -177,7 +177,7 @@ def read_request_file(path: Path) -> dict[str, Any]:
     name = raw.get("name")
     if not isinstance(name, str) or not name:
         raise RequestError("needs the task's name")
-    return raw
+    return action, raw
 
 
 def validated(model: type[M], raw: Mapping[str, Any]) -> M:

@@ -37,8 +37,8 @@ from lorafleet.train.queue.requests import (
 
 def read_request(path: Path, defaults: Mapping[str, Any], ledger: Ledger) -> Request:
     """A request file, validated against the run's ``ledger`` (``defaults``: the workload's); RequestError."""
-    raw = read_request_file(path)
-    action, name = Action(raw.get("action", Action.ADD)), raw["name"]
+    action, raw = read_request_file(path)
+    name = raw["name"]
     if action is Action.ADD:
         if name in ledger.names():
             raise RequestError(f"task {name!r} is already in this run (task names name their adapters)")
