@@ -79,7 +79,7 @@ from lorafleet.planner import PlannerOptions, ReplanOptions, plan_deployment, re
 from lorafleet.planner.incremental import torn_down
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepReport
 from lorafleet.specs.cluster import ClusterSpec
-from lorafleet.specs.workload import TaskSpec, deep_merge, describe_validation_error, fit_to_context
+from lorafleet.specs.workload import TaskSpec, deep_merge, describe_validation_error, fit_to_context, resolve_data_paths
 from lorafleet.workload import Task, Workload, read_yaml, resolve_workload
 
 T = TypeVar("T")
@@ -144,21 +144,6 @@ class Trace:
     def all_tasks(self) -> Workload:
         """Every task of the workload and the trace (what ``static`` plans for, and the cost model's adapters)."""
         return self.subset(self.names)
-
-
-def _relative_to(spec: TaskSpec, base: Path) -> TaskSpec:
-    """A trace task's dataset paths are relative to the trace file."""
-
-    def rel(p: str) -> str:
-        return p if Path(p).is_absolute() else str(base / p)
-
-    update: dict = {}
-    if spec.data is not None:
-        update["data"] = spec.data.model_copy(update={"path": rel(spec.data.path)})
-    if spec.lengths is not None and spec.lengths.dataset is not None:
-        ds = spec.lengths.dataset
-        update["lengths"] = spec.lengths.model_copy(update={"dataset": ds.model_copy(update={"path": rel(ds.path)})})
-    return spec.model_copy(update=update) if update else spec
 
 
 def _check_task(spec: TaskSpec, path: str, where: str, what: str) -> None:
@@ -260,7 +245,7 @@ def load_trace(path: str | Path, workload: Workload) -> Trace:
         if spec.name in defined:
             raise InputError(path, f"{where}.name", f"task name {spec.name!r} is taken: {defined[spec.name]}")
         _check_task(spec, path, where, f"task {spec.name!r}")
-        task = _resolve_added(workload, _relative_to(spec, Path(path).parent), path, where)
+        task = _resolve_added(workload, resolve_data_paths(spec, Path(path).parent), path, where)
         defined[spec.name] = f"added by {here}"
         arrivals.append(Arrival(task, at, (path, where)))
     return Trace(path=path, workload=workload, arrivals=tuple(arrivals), cancels=tuple(cancels))

@@ -15,12 +15,13 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from lorafleet.costmodel import AdapterLoad, CostModel, file_sha256, load_cost_model
+from lorafleet.costmodel import AdapterLoad, CostModel, load_cost_model
 from lorafleet.errors import InputError
 from lorafleet.plan_check import check_plan
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.dispatch import flag_error
+from lorafleet.specs.io import file_sha256
 from lorafleet.specs.workload import describe_validation_error
 from lorafleet.workload import Workload
 

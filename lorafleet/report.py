@@ -16,6 +16,7 @@ import numpy as np
 
 from lorafleet.simulate import ScheduleRun
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.io import write_text_atomic
 from lorafleet.workload import Workload
 
 Row = dict[str, object]
@@ -183,7 +184,7 @@ def write_report(
         "plan": list(plan_rows),
         "task_costs": _json_safe(costs),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     hardware = html.escape(f"{cluster.n_gpus} x {cluster.gpu}")
     title = f"lorafleet simulation: {html.escape(workload.path)} on {hardware}"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
@@ -201,7 +202,4 @@ step's tasks, in proportion to their busy GPU-seconds.</p>{_html_table(costs)}
 <img src="gpu_seconds.png"><img src="makespan.png"><img src="utilisation.png"><img src="lengths.png">
 </body></html>
 """
-    tmp = out / "index.html.tmp"
-    tmp.write_text(page)
-    tmp.replace(out / "index.html")
-    return out / "index.html"
+    return write_text_atomic(out / "index.html", page)

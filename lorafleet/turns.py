@@ -33,11 +33,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from pydantic import ConfigDict
 
 
 @dataclass(frozen=True)
 class TaskTurns:
     """What decides one task's turns."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    """How the queue's typed files (the task ledger, the pending changes) read it back: no unknown keys."""
 
     tokens: float
     """τ: expected tokens of one of its batches (only shares use it)."""

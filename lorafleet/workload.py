@@ -38,6 +38,8 @@ from lorafleet.specs.workload import (
     describe_value,
     fit_to_context,
     format_validation_loc,
+    resolve_data_paths,
+    resolve_path,
 )
 
 ARGS = "<args>"
@@ -282,26 +284,11 @@ def _dataset_lengths(data: DataSpec, workload: WorkloadSpec, source: tuple[str, 
 
 def _resolve_relative(spec: WorkloadSpec, base: Path) -> WorkloadSpec:
     """Dataset and tokenizer paths in a workload file are relative to that file."""
-
-    def rel(p: str) -> str:
-        return p if Path(p).is_absolute() else str(base / p)
-
-    tasks = []
-    for task in spec.tasks:
-        update: dict = {}
-        if task.data is not None:
-            update["data"] = task.data.model_copy(update={"path": rel(task.data.path)})
-        if task.lengths is not None and task.lengths.dataset is not None:
-            ds = task.lengths.dataset
-            update["lengths"] = task.lengths.model_copy(
-                update={"dataset": ds.model_copy(update={"path": rel(ds.path)})}
-            )
-        tasks.append(task.model_copy(update=update))
-    top: dict = {"tasks": tuple(tasks)}
+    top: dict = {"tasks": tuple(resolve_data_paths(task, base) for task in spec.tasks)}
     if spec.tokenizer is not None:
-        top["tokenizer"] = rel(spec.tokenizer)
+        top["tokenizer"] = resolve_path(spec.tokenizer, base)
     if spec.model not in MODEL_PRESETS and (base / spec.model).exists():
-        top["model"] = rel(spec.model)
+        top["model"] = resolve_path(spec.model, base)
     return spec.model_copy(update=top)
 
 

@@ -6,6 +6,10 @@ added: the ``defaults:`` mapping (any task key, merged under every task), tasks 
 ``name`` (``batch_size`` and ``context_length`` may come from a preset or the defaults) and YAML's
 bare ``on``/``off`` for ``recompute``. Editors use it to complete and check workload files;
 ``lorafleet validate`` remains the full check (presets, exactly one length mode, ...).
+
+The live task queue's files (``lorafleet.train.queue``) have theirs: ``request`` (a request file: a task
+to add, an update, a finish or a cancel), ``ledger`` (a run's ``tasks.json``) and ``pending`` (a queue's
+``.apply.json``), each generated from the models that read the file back.
 """
 
 from __future__ import annotations
@@ -33,12 +37,8 @@ def workload_json_schema() -> dict[str, Any]:
     from lorafleet.specs.workload import WorkloadSpec
 
     schema = WorkloadSpec.model_json_schema()
-    defs = schema["$defs"]
-    task = defs["TaskSpec"]
-    task["required"] = ["name"]
-    task["description"] += (
-        " batch_size and context_length are required unless the task's preset or the workload's defaults give them."
-    )
+    task = schema["$defs"]["TaskSpec"]
+    _as_written(task)
     props = schema["properties"]
     recompute = props["recompute"]
     ref = {"$ref": recompute.pop("$ref")}
@@ -54,25 +54,63 @@ def workload_json_schema() -> dict[str, Any]:
         field.pop("default", None)  # a default of defaults would read as a value every task gets
     tasks = props.pop("tasks")
     schema["properties"] = {**props, "defaults": defaults, "tasks": tasks}
-    return {"$schema": SCHEMA_DIALECT, **schema, "title": "lorafleet workload"}
+    return _titled(schema, "lorafleet workload")
+
+
+def request_json_schema() -> dict[str, Any]:
+    """A queue request file: one of a task to add (a task as a workload writes it, over the workload's
+    ``defaults``, with ``action: add`` and ``at_step``), an update, or a finish/cancel."""
+    from pydantic import TypeAdapter
+
+    from lorafleet.train.queue.requests import AddRequestFile, StopRequestFile, UpdateRequestFile
+
+    schema = TypeAdapter(AddRequestFile | UpdateRequestFile | StopRequestFile).json_schema()
+    _as_written(schema["$defs"]["AddRequestFile"])
+    return _titled(schema, "lorafleet queue request")
+
+
+def ledger_json_schema() -> dict[str, Any]:
+    """A run's task ledger, ``<out>/tasks.json``."""
+    from lorafleet.train.queue.ledger import LedgerFile
+
+    return _titled(LedgerFile.model_json_schema(), "lorafleet task ledger")
+
+
+def pending_json_schema() -> dict[str, Any]:
+    """A queue's pending changes, ``<queue>/.apply.json``."""
+    from lorafleet.train.queue.pending import PENDING_FILE
+
+    return _titled(PENDING_FILE.json_schema(), "lorafleet pending queue changes")
+
+
+def _as_written(task: dict[str, Any]) -> None:
+    """A task's schema as a file writes it: only ``name`` is required."""
+    task["required"] = ["name"]
+    task["description"] += (
+        " batch_size and context_length are required unless the task's preset or the workload's defaults give them."
+    )
+
+
+def _titled(schema: dict[str, Any], title: str) -> dict[str, Any]:
+    return {"$schema": SCHEMA_DIALECT, **schema, "title": title}
 
 
 def _plan() -> dict[str, Any]:
     from lorafleet.plans import plan_json_schema
 
-    return {"$schema": SCHEMA_DIALECT, **plan_json_schema(), "title": "lorafleet deployment plan"}
+    return _titled(plan_json_schema(), "lorafleet deployment plan")
 
 
 def _policy() -> dict[str, Any]:
     from lorafleet.specs.dispatch import policy_json_schema
 
-    return {"$schema": SCHEMA_DIALECT, **policy_json_schema(), "title": "lorafleet dispatch policy"}
+    return _titled(policy_json_schema(), "lorafleet dispatch policy")
 
 
 def _run() -> dict[str, Any]:
     from lorafleet.train.run_file import run_json_schema
 
-    return {"$schema": SCHEMA_DIALECT, **run_json_schema(), "title": "lorafleet run file"}
+    return _titled(run_json_schema(), "lorafleet run file")
 
 
 SCHEMAS: dict[str, Callable[[], dict[str, Any]]] = {
@@ -80,6 +118,9 @@ SCHEMAS: dict[str, Callable[[], dict[str, Any]]] = {
     "plan": _plan,
     "policy": _policy,
     "run": _run,
+    "request": request_json_schema,
+    "ledger": ledger_json_schema,
+    "pending": pending_json_schema,
 }
 """File kind -> its JSON Schema (draft 2020-12), each generated from the models that read the file."""
 

@@ -60,6 +60,7 @@ def _plots(rows: list[dict], axes: list[str], out) -> list:
 
 def run(args: argparse.Namespace) -> int:
     import csv
+    import io
     from pathlib import Path
 
     from rich.console import Console
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.errors import InputError
-    from lorafleet.specs.io import check_writable
+    from lorafleet.specs.io import check_writable, write_text_atomic
     from lorafleet.whatif import Variation, sweep
     from lorafleet.workload import load_workload
 
@@ -88,12 +89,11 @@ def run(args: argparse.Namespace) -> int:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "whatif.csv.tmp"
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(out / "whatif.csv")
+    table_text = io.StringIO()
+    writer = csv.DictWriter(table_text, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text_atomic(out / "whatif.csv", table_text.getvalue())
     plots = _plots(rows, axes, out)
     table = Table(title=f"what-if over {', '.join(axes)} ({args.steps} simulated steps per point)")
     for column in rows[0]:

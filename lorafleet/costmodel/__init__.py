@@ -10,7 +10,6 @@ from lorafleet.costmodel.adapters import AdapterLoad, TaskAdapter
 from lorafleet.costmodel.build import (
     analytic_cost_model,
     analytic_profile,
-    file_sha256,
     load_cost_model,
     profile_cost_model,
 )
@@ -33,7 +32,6 @@ __all__ = [
     "analytic_profile",
     "config_problems",
     "enumerate_configs",
-    "file_sha256",
     "load_cost_model",
     "profile_cost_model",
     "read_profile",

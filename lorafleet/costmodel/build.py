@@ -12,7 +12,6 @@ bytes per token.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -40,6 +39,7 @@ from lorafleet.costmodel.profile_format import (
 )
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.io import file_sha256
 from lorafleet.specs.model import ModelSpec
 from lorafleet.specs.recompute import RecomputePolicy
 
@@ -162,11 +162,6 @@ def analytic_cost_model(
         profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=cluster.gpu
     )
     return replace(cm, origin=CostModelOrigin(kind="analytic", gpu=cluster.gpu))
-
-
-def file_sha256(path: str | Path) -> str:
-    """Hex SHA-256 of a file's bytes (what a plan records of the profile it was judged with)."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def load_cost_model(

@@ -25,8 +25,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -47,7 +45,7 @@ from lorafleet.costmodel.memory_model import StageMemory
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import N_COEFFS, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
 from lorafleet.errors import InputError
-from lorafleet.specs.io import read_json_object
+from lorafleet.specs.io import read_json_object, write_text_atomic
 from lorafleet.specs.lora import OptimizerName
 from lorafleet.specs.workload import format_validation_loc
 
@@ -289,18 +287,8 @@ def read_profile(path: str | Path) -> Profile:
 
 def write_profile(profile: Profile, path: str | Path) -> None:
     """Write ``profile`` as sorted, indented JSON, atomically (a temporary file renamed into place)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(profile.model_dump(mode="json"), indent=2, sort_keys=True, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as out:
-            out.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a profile is a shared artifact
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_text_atomic(path, text, mode=0o644)  # a profile is a shared artifact, whatever the umask
 
 
 class CsvRow(_Schema):

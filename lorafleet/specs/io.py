@@ -1,14 +1,22 @@
-"""Reading the JSON files users hand to lorafleet (plans, profiles, HF configs) with one-line errors."""
+"""Files on disk, one rule each: JSON read with one-line errors (plans, profiles, HF configs, typed files),
+every file written whole or not at all, and a file's SHA-256."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import TypeAdapter, ValidationError
 
 from lorafleet.errors import InputError
+from lorafleet.specs.workload import describe_validation_error
+
+T = TypeVar("T")
 
 
 def read_json_object(path: str | Path) -> dict[str, Any]:
@@ -30,24 +38,70 @@ def read_json_object(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` whole or not at all: a temporary file beside it, then ``os.replace``.
+def read_json_as(path: str | Path, adapter: TypeAdapter[T], what: str) -> T:
+    """The JSON file ``path`` validated as ``adapter``'s type (a file lorafleet writes and reads back: the task
+    ledger, the pending queue changes). An InputError naming the file: ``not a lorafleet <what> (...)`` when
+    it is not JSON or not an object at all, else the field path of the first wrong value
+    (``tasks[2].spec.batch_size: ...``; unknown keys are wrong values)."""
+    src = str(path)
+    try:
+        text = Path(path).read_bytes()
+    except OSError as err:
+        raise InputError(src, "", f"cannot read ({err.strerror or err})") from None
+    try:
+        return adapter.validate_json(text)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where, message = describe_validation_error(first)
+        if first["type"] == "json_invalid" or not where:
+            raise InputError(src, "", f"not a lorafleet {what} ({message})") from None
+        raise InputError(src, where, message) from None
 
-    A reader never sees half a file, and a failed write leaves neither a partial target nor
-    the temporary behind. An unwritable place (no permission, a file where a folder should
-    be, a full disk) is an InputError naming the path.
+
+def write_json_as(path: str | Path, adapter: TypeAdapter[T], value: T) -> Path:
+    """``value`` as ``adapter`` serialises it: indented JSON with sorted keys, written by :func:`write_text_atomic`."""
+    return write_text_atomic(path, json.dumps(adapter.dump_python(value, mode="json"), indent=2, sort_keys=True) + "\n")
+
+
+def write_text_atomic(path: str | Path, text: str, *, mode: int | None = None) -> Path:
+    """Write ``text`` to ``path`` whole or not at all: a ``.``-named temporary file beside it, flushed to disk,
+    then ``os.replace``.
+
+    A reader never sees half a file (a directory watcher skips the ``.``-named temporary), a crash leaves
+    the old file or the new one, and a failed write leaves neither a partial target nor the temporary
+    behind. ``mode``: the file's permission bits, exactly, from its first byte (``0o600``: private);
+    default: what the umask gives a new file. An unwritable place (no permission, a file where a folder
+    should be, a full disk) is an InputError naming the path.
     """
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text, encoding="utf-8")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            if mode is not None:
+                os.fchmod(out.fileno(), mode)  # the umask may have cleared bits that mode asks for
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(tmp, target)
-    except OSError as err:
+    except BaseException as err:
         with contextlib.suppress(OSError):  # cleanup only: the error raised below is the one that matters
             tmp.unlink(missing_ok=True)
-        raise InputError(str(path), "", f"cannot write ({err.strerror or err})") from None
+        if isinstance(err, OSError):
+            raise InputError(str(path), "", f"cannot write ({err.strerror or err})") from None
+        raise
     return target
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB chunks (a plan's record of its profile, a checkpoint's
+    of each of its files)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def check_writable(path: str | Path, *, directory: bool = False) -> None:

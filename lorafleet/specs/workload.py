@@ -29,6 +29,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -303,6 +304,24 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
+def resolve_path(path: str, base: Path) -> str:
+    """The one rule for a path written in a file: a relative path is relative to ``base`` (the file's folder,
+    or the working directory to make it absolute); an absolute one stays as it is."""
+    return path if Path(path).is_absolute() else str(base / path)
+
+
+def resolve_data_paths(task: TaskSpec, base: Path) -> TaskSpec:
+    """``task`` with its data paths (``data.path`` and ``lengths.dataset.path``) resolved against ``base``
+    (:func:`resolve_path`): a workload's, a trace's or a queued request's tasks, against their file's folder."""
+    update: dict[str, Any] = {}
+    if task.data is not None:
+        update["data"] = task.data.model_copy(update={"path": resolve_path(task.data.path, base)})
+    if task.lengths is not None and task.lengths.dataset is not None:
+        dataset = task.lengths.dataset.model_copy(update={"path": resolve_path(task.lengths.dataset.path, base)})
+        update["lengths"] = task.lengths.model_copy(update={"dataset": dataset})
+    return task.model_copy(update=update) if update else task
+
+
 def describe_validation_error(error: dict) -> tuple[str, str]:
     """One pydantic error as (field path, message), with a FieldError's own location appended. A wrong
     shape says what the field takes: a mapping-typed field given a scalar or a list names the keys of its
@@ -313,6 +332,8 @@ def describe_validation_error(error: dict) -> tuple[str, str]:
         msg = _expected_mapping(error) or msg
     elif error.get("type") in ("tuple_type", "list_type"):
         msg = f"takes a list, got {describe_value(error.get('input'))}"
+    elif error.get("type") == "unexpected_keyword_argument":  # an unknown key of a dataclass: say it as of a model
+        msg = "Extra inputs are not permitted"
     return format_validation_loc(loc), msg
 
 

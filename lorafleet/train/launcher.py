@@ -48,7 +48,7 @@ def launch(options: TrainOptions) -> int:
         for line in prepared.run.overrides:
             print(f"lorafleet train: {line}", flush=True)
         if options.queue_http is not None:
-            from lorafleet.train.queue_http import start_queue_server
+            from lorafleet.train.queue import start_queue_server
 
             server = start_queue_server(Path(options.queue_dir), Path(options.out), options.queue_http)
             print(f"lorafleet train: queue: {server.url} (token in {server.token_file})", flush=True)

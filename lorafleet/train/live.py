@@ -80,7 +80,7 @@ def _unplaceable(requests: list[Request], prepared: Prepared) -> list[tuple[Requ
 
 def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
     """Apply ``<queue>/.apply.json`` (module doc); None when there is none."""
-    from lorafleet.executor.torch.checkpoint_files import export_adapters
+    from lorafleet.executor.torch.checkpoint_files import export_adapters, step_dir_name
     from lorafleet.planner import ReplanOptions, replan_incremental
     from lorafleet.train.queue import QueueWatcher
     from lorafleet.train.replan import replan_run
@@ -98,7 +98,7 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
     leaving = [r.name for r in requests if r.action in (Action.FINISH, Action.CANCEL)]
     if leaving:
         export_adapters(
-            Path(options.out) / "checkpoints" / f"step-{step:06d}",
+            Path(options.out) / "checkpoints" / step_dir_name(step),
             leaving,
             Path(options.out) / "adapters",
             tasks=prepared.workload.spec.tasks,

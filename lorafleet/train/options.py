@@ -62,7 +62,7 @@ class TrainOptions:
     queue: str | None = None
     """The live task queue's directory (``train.queue``); default ``<out>/queue``."""
     queue_http: int | None = None
-    """Also serve the queue over HTTP on 127.0.0.1 at this port (0: any free one; ``train.queue_http``)."""
+    """Also serve the queue over HTTP on 127.0.0.1 at this port (0: any free one; ``train.queue.http``)."""
     migration_s: float = 60.0
     """An incremental re-plan's cost of rebuilding a replica, seconds of its GPUs (``planner.incremental``)."""
     replan_horizon: int = 200

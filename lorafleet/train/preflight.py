@@ -252,20 +252,15 @@ def save_resolved_workload(spec: WorkloadSpec, path: Path) -> None:
 
     from lorafleet.specs.io import write_text_atomic
     from lorafleet.specs.model import MODEL_PRESETS
+    from lorafleet.specs.workload import resolve_data_paths, resolve_path
 
-    def absolute(p: str) -> str:
-        return str(Path(p).absolute())
-
-    raw = spec.model_dump(mode="json", exclude_none=True)
-    for task in raw["tasks"]:
-        if "data" in task:
-            task["data"]["path"] = absolute(task["data"]["path"])
-        if "dataset" in task.get("lengths", {}):
-            task["lengths"]["dataset"]["path"] = absolute(task["lengths"]["dataset"]["path"])
+    here = Path.cwd()
+    tasks = tuple(resolve_data_paths(task, here) for task in spec.tasks)
+    raw = spec.model_copy(update={"tasks": tasks}).model_dump(mode="json", exclude_none=True)
     if "tokenizer" in raw:
-        raw["tokenizer"] = absolute(raw["tokenizer"])
+        raw["tokenizer"] = resolve_path(raw["tokenizer"], here)
     if spec.model not in MODEL_PRESETS and Path(spec.model).exists():
-        raw["model"] = absolute(spec.model)
+        raw["model"] = resolve_path(spec.model, here)
     write_text_atomic(path, yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lorafleet.train.queue_http import QueueServer, start_queue_server
+from lorafleet.train.queue import QueueServer, start_queue_server
 
 ADD = {"name": "chat2", "data": {"path": "/x/chat.jsonl"}, "batch_size": 8, "context_length": 256, "steps": 20}
 

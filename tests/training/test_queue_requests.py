@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from pydantic import TypeAdapter
 
 from fleet_harness import synthetic_task
 from lorafleet.errors import InputError
@@ -49,7 +50,7 @@ def test_an_added_task_takes_the_workloads_defaults_and_paths_relative_to_its_fi
     assert (r.action, r.name, r.at_step) == (Action.ADD, "code", 3)
     assert r.task.lora.rank == 4 and r.task.optimizer.lr == 1e-3
     assert r.task.data.path == str(tmp_path / "code.jsonl")
-    assert Request.from_json(json.loads(json.dumps(r.to_json()))) == r
+    assert TypeAdapter(Request).validate_json(TypeAdapter(Request).dump_json(r)) == r
 
 
 @pytest.mark.parametrize(
@@ -224,3 +225,15 @@ def test_the_tasks_that_stay_redraw_the_steps_before_a_departure_with_it():
     assert after.cursors(10) == before.cursors(10)[1:]
     alone = DataStreams([b], (3,), seed=7, shares=(0.3,))
     assert alone.cursors(10) != before.cursors(10)[1:]  # what the resume checked against, had chat been forgotten
+
+
+def test_an_added_tasks_length_dataset_path_is_relative_to_its_file_too(tmp_path):
+    """A queued task's data paths follow the workload's rule: ``data.path`` and ``lengths.dataset.path``
+    are both relative to the request file (the ledger keeps them absolute for every later launch)."""
+    r = _request(
+        tmp_path,
+        "name: code\ndata: {path: code.jsonl}\nlengths: {dataset: {path: lengths.jsonl}}\n"
+        "batch_size: 4\ncontext_length: 128\n",
+    )
+    assert r.task.data.path == str(tmp_path / "code.jsonl")
+    assert r.task.lengths.dataset.path == str(tmp_path / "lengths.jsonl")

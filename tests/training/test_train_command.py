@@ -230,7 +230,8 @@ def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_to
     of each replica's share, its fastest of two timed passes, not trained on) already sees it, so from
     step 0 on replica 0 is priced slower and holds fewer tokens than its peer, and the steps' reports
     keep it so."""
-    from lorafleet.costmodel import CostModelOrigin, file_sha256
+    from lorafleet.costmodel import CostModelOrigin
+    from lorafleet.specs.io import file_sha256
 
     profile = REPO / "profiles" / "tiny-llama-cpu.json"
     path = tmp_path / "w.yaml"

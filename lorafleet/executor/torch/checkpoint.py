@@ -48,13 +48,14 @@ from lorafleet.executor.torch.checkpoint_files import (
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
-    file_sha256,
     resumable_checkpoint,
+    step_dir_name,
 )
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.peft_export import PEFT_PREFIX, lora_config, peft_key, read_peft_spec
 from lorafleet.executor.torch.replica import Replica
 from lorafleet.executor.torch.tp import shard
+from lorafleet.specs.io import file_sha256
 from lorafleet.specs.lora import LoraSpec
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -85,10 +86,6 @@ class TrainState:
     """``DataStreams.state_dict(step)``: cursors and example counts, checked on resume."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The caller's JSON-serialisable state (the training loop's, the dispatcher's)."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 # ---- gather (collective) and restore (local) -------------------------------------------------

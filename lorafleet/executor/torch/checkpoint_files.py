@@ -9,7 +9,6 @@ a pointer for people and tools, not trusted), naming every newer one it passed o
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from collections.abc import Mapping, Sequence
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.errors import InputError
+from lorafleet.specs.io import file_sha256
 from lorafleet.specs.workload import TaskSpec
 
 FORMAT_VERSION = 2
@@ -26,13 +26,9 @@ MANIFEST = "manifest.json"
 LATEST = "latest.json"
 
 
-def file_sha256(path: Path) -> str:
-    """Hex SHA-256 of a file, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def step_dir_name(step: int) -> str:
+    """The name of the step directory of the checkpoint taken after ``step`` steps: ``step-NNNNNN``."""
+    return f"step-{step:06d}"
 
 
 def checkpoint_problem(step_dir: Path) -> str | None:

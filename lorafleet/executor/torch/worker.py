@@ -66,9 +66,8 @@ from lorafleet.executor.torch.checkpoint import (
     load_train_state,
     restore_task_states,
     save_train_state,
-    step_dir_name,
 )
-from lorafleet.executor.torch.checkpoint_files import read_manifest
+from lorafleet.executor.torch.checkpoint_files import read_manifest, step_dir_name
 from lorafleet.executor.torch.data_stream import DataStreams, task_key
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.pipeline import run_stream

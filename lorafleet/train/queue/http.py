@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 import re
 import secrets
-import tempfile
 import threading
 from datetime import datetime, timezone
 from http import HTTPStatus
@@ -41,14 +39,18 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from lorafleet.specs.io import write_text_atomic
+from lorafleet.train.queue.ledger import LEDGER
+from lorafleet.train.queue.requests import ACCEPTED, REJECTED, UPDATE_KEYS, Action, reason_file, request_files
+
 HOST = "127.0.0.1"
 TOKEN_FILE = ".http.json"
 MAX_BODY = 1 << 20
-ACTIONS = ("add", "finish", "cancel", "update")
-REQUEST_SUFFIXES = (".yaml", ".yml", ".json")
+PRIVATE = 0o600
+"""The mode of the files the server writes: the token file and the request files."""
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MAX_NAME = 128
-_UPDATE_KEYS = ("share", "deadline")
+_STOPS = (Action.FINISH, Action.CANCEL)
 _TASKS = "/v1/tasks"
 _POLL_S = 0.05  # how often the serving thread looks for close(): close() waits up to this long
 
@@ -146,14 +148,14 @@ class _Handler(BaseHTTPRequestHandler):
             if method == "DELETE":
                 self._drain()
                 return 202, self._queue({"action": _mode(url.query), "name": name})
-            return 202, self._queue({"action": "update", "name": name, **_check_update(self._json_body())})
+            return 202, self._queue({"action": Action.UPDATE.value, "name": name, **_check_update(self._json_body())})
         self._drain()
         raise _HttpError(404, f"no such endpoint: {method} {url.path}")
 
     def _queue(self, request: dict[str, Any]) -> dict[str, Any]:
         with self.server.write_lock:
             target = _request_path(self.server.queue_dir, request["name"])
-            _write_private(target, json.dumps(request, indent=2) + "\n")
+            write_text_atomic(target, json.dumps(request, indent=2) + "\n", mode=PRIVATE)
         return {"file": target.name, "status": "queued"}
 
     def _content_length(self) -> int | None:
@@ -224,27 +226,27 @@ def _check_request(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _HttpError(400, "a request must be a JSON object")
     _check_name(body.get("name"))
-    action = body.get("action", "add")
-    if action not in ACTIONS:
-        raise _HttpError(400, f'"action" must be one of {", ".join(ACTIONS)}, not {action!r}')
+    action = body.get("action", Action.ADD.value)
+    if action not in tuple(Action):
+        raise _HttpError(400, f'"action" must be one of {", ".join(Action)}, not {action!r}')
     return body
 
 
 def _check_update(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _HttpError(400, "an update must be a JSON object")
-    unknown = sorted(set(body) - set(_UPDATE_KEYS))
+    unknown = sorted(set(body) - set(UPDATE_KEYS))
     if unknown:
         raise _HttpError(400, f"an update takes only share and deadline, not {', '.join(unknown)}")
     if not body:
         raise _HttpError(400, "an update needs share or deadline")
-    return {key: body[key] for key in _UPDATE_KEYS if key in body}
+    return {key: body[key] for key in UPDATE_KEYS if key in body}
 
 
 def _mode(query: str) -> str:
-    modes = parse_qs(query).get("mode", ["cancel"])
-    if len(modes) != 1 or modes[0] not in ("finish", "cancel"):
-        raise _HttpError(400, "mode must be finish or cancel")
+    modes = parse_qs(query).get("mode", [Action.CANCEL.value])
+    if len(modes) != 1 or modes[0] not in _STOPS:
+        raise _HttpError(400, f"mode must be {' or '.join(_STOPS)}")
     return modes[0]
 
 
@@ -252,39 +254,14 @@ def _request_path(queue_dir: Path, name: str) -> Path:
     """``<UTC timestamp>-<name>.json``, with a counter where that name is taken (here or already moved)."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
     candidate, counter = f"{stamp}-{name}.json", 0
-    while any((folder / candidate).exists() for folder in (queue_dir, queue_dir / "accepted", queue_dir / "rejected")):
+    while any((folder / candidate).exists() for folder in (queue_dir, queue_dir / ACCEPTED, queue_dir / REJECTED)):
         counter += 1
         candidate = f"{stamp}-{name}-{counter}.json"
     return queue_dir / candidate
 
 
-def _write_private(target: Path, text: str) -> None:
-    """Write atomically: a ``.``-named temp file (mode 0600) beside ``target``, then ``os.replace``."""
-    fd, temp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-", suffix=".part")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, target)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-
-
-def _request_files(folder: Path) -> list[str]:
-    """The sorted basenames in ``folder`` the watcher would read as requests."""
-    if not folder.is_dir():
-        return []
-    return sorted(
-        entry.name
-        for entry in folder.iterdir()
-        if not entry.name.startswith(".") and entry.name.endswith(REQUEST_SUFFIXES) and entry.is_file()
-    )
-
-
 def _listing(queue_dir: Path, run_dir: Path) -> dict[str, Any]:
-    ledger_path = run_dir / "tasks.json"
+    ledger_path = run_dir / LEDGER
     try:
         ledger = json.loads(ledger_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -292,18 +269,17 @@ def _listing(queue_dir: Path, run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise _HttpError(500, f"cannot read {ledger_path}: {exc}") from None
     rejected = []
-    for name in _request_files(queue_dir / "rejected"):
-        reason_path = queue_dir / "rejected" / f"{name}.reason"
+    for path in request_files(queue_dir / REJECTED):
         try:
-            reason: str | None = reason_path.read_text(encoding="utf-8", errors="replace").strip()
+            reason: str | None = reason_file(path).read_text(encoding="utf-8", errors="replace").strip()
         except OSError:
             reason = None
-        rejected.append({"file": name, "reason": reason})
+        rejected.append({"file": path.name, "reason": reason})
     return {
         "ledger": ledger,
-        "pending": _request_files(queue_dir),
+        "pending": [path.name for path in request_files(queue_dir)],
         "rejected": rejected,
-        "accepted": _request_files(queue_dir / "accepted"),
+        "accepted": [path.name for path in request_files(queue_dir / ACCEPTED)],
     }
 
 
@@ -352,7 +328,7 @@ def start_queue_server(queue_dir: Path, run_dir: Path, port: int = 0) -> QueueSe
     thread.start()
     queue = QueueServer(server, thread, queue_dir / TOKEN_FILE)
     try:
-        _write_private(queue.token_file, json.dumps({"url": queue.url, "token": queue.token}) + "\n")
+        write_text_atomic(queue.token_file, json.dumps({"url": queue.url, "token": queue.token}) + "\n", mode=PRIVATE)
     except BaseException:
         queue.close()
         raise

@@ -1,0 +1,150 @@
+"""The run's task ledger, ``<out>/tasks.json``: every task the run has had, and the requests applied.
+
+Each task is there in the order it joined, with its spec (data paths absolute, ``start_step`` the step
+it joined at), its state (:class:`TaskState`) and the step it left at; then every request applied, by
+step. A resume trains the ledger's active tasks. The file is typed (:class:`LedgerFile`: unknown keys
+refused, a wrong value named by its field path); ``lorafleet schema ledger`` prints its JSON Schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, PlainSerializer, TypeAdapter, with_config
+from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing only on Python >= 3.12
+
+from lorafleet.specs.io import read_json_as, write_json_as
+from lorafleet.specs.workload import TaskSpec
+from lorafleet.train.queue.requests import Action, Request
+from lorafleet.turns import TaskTurns
+
+LEDGER = "tasks.json"
+"""The ledger's file name, in the run directory."""
+
+
+class TaskState(StrEnum):
+    """Where a task of the ledger stands."""
+
+    ACTIVE = "active"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+Change = tuple[int, float | None, int | None]
+"""``(step, share, deadline)``: from that step on (``turns.TaskTurns.changes``)."""
+
+LedgerSpec = Annotated[TaskSpec, PlainSerializer(lambda spec: spec.model_dump(mode="json", exclude_none=True))]
+"""A task's spec in the ledger: written without its unset (None) fields."""
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """One task the run has had."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    spec: LedgerSpec
+    state: TaskState = TaskState.ACTIVE
+    left: int | None = None
+    """The step it left the run at (finished or cancelled)."""
+    changes: tuple[Change, ...] = ()
+    """Its share and deadline over time, from its start, once an update changed them (else empty)."""
+    turns: TaskTurns | None = None
+    """Its turns as the run drew them when it left (``lorafleet.turns``; the streams of the tasks that stay
+    redraw the steps before it left with it)."""
+
+
+@with_config(ConfigDict(extra="forbid", use_attribute_docstrings=True))
+class AppliedRequest(TypedDict):
+    """A request the ledger took, at the boundary before ``step``."""
+
+    step: int
+    file: str
+    """The request file (its name in the queue directory), or how the change came (a task that took its steps)."""
+    action: Action
+    name: str
+    """The task."""
+
+
+class LedgerFile(BaseModel):
+    """``tasks.json`` as written: the ledger's entries (``tasks``) and the requests applied, in order."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    tasks: tuple[LedgerEntry, ...]
+    """Every task the run has had, in the order it joined."""
+    applied: tuple[AppliedRequest, ...] = ()
+    """Every request applied, in order."""
+
+
+LEDGER_FILE = TypeAdapter(LedgerFile)
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Every task the run has had (module doc)."""
+
+    entries: tuple[LedgerEntry, ...]
+    applied: tuple[AppliedRequest, ...] = ()
+    """Every request applied, in order."""
+
+    @classmethod
+    def of(cls, tasks: Sequence[TaskSpec]) -> Ledger:
+        return cls(tuple(LedgerEntry(t) for t in tasks))
+
+    @property
+    def active(self) -> tuple[TaskSpec, ...]:
+        return tuple(e.spec for e in self.entries if e.state is TaskState.ACTIVE)
+
+    def names(self) -> set[str]:
+        return {e.spec.name for e in self.entries}
+
+    def turn_changes(self) -> dict[str, tuple[Change, ...]]:
+        """Active tasks whose share or deadline changed while the run went on: their history."""
+        return {e.spec.name: e.changes for e in self.entries if e.state is TaskState.ACTIVE and e.changes}
+
+    def departed(self) -> tuple[TaskTurns, ...]:
+        """The turns of the tasks that left (in the order they were added)."""
+        return tuple(e.turns for e in self.entries if e.state is not TaskState.ACTIVE and e.turns is not None)
+
+    def apply(self, requests: Sequence[Request], step: int, turns: Mapping[str, TaskTurns] | None = None) -> Ledger:
+        """The ledger after ``requests``, applied at the boundary before ``step``; ``turns``: the running tasks'
+        (kept for those that leave)."""
+        entries = list(self.entries)
+        index = {e.spec.name: k for k, e in enumerate(entries)}
+        for r in requests:
+            if r.action is Action.ADD:
+                assert r.task is not None
+                index[r.name] = len(entries)
+                entries.append(LedgerEntry(r.task.model_copy(update={"start_step": step})))
+                continue
+            k = index[r.name]
+            if r.action is Action.UPDATE:
+                e = entries[k]
+                spec = e.spec.model_copy(update=dict(r.changes))
+                history = e.changes or ((e.spec.start_step, e.spec.share, e.spec.deadline),)
+                entries[k] = replace(e, spec=spec, changes=(*history, (step, spec.share, spec.deadline)))
+            else:
+                state = TaskState.FINISHED if r.action is Action.FINISH else TaskState.CANCELLED
+                turn = (turns or {}).get(r.name)
+                until = step if turn is None or turn.until is None else min(step, turn.until)
+                kept = replace(turn, until=until) if turn is not None else None
+                entries[k] = replace(entries[k], state=state, left=step, turns=kept)
+        log = tuple(AppliedRequest(step=step, file=r.file, action=r.action, name=r.name) for r in requests)
+        return Ledger(tuple(entries), self.applied + log)
+
+    def save(self, out: str | Path) -> None:
+        write_json_as(Path(out) / LEDGER, LEDGER_FILE, LedgerFile(tasks=self.entries, applied=self.applied))
+
+    @classmethod
+    def load(cls, out: str | Path) -> Ledger | None:
+        """The ledger of the run directory ``out``; None when it has none; InputError when it is not one."""
+        path = Path(out) / LEDGER
+        if not path.is_file():
+            return None
+        ledger = read_json_as(path, LEDGER_FILE, "task ledger")
+        return cls(ledger.tasks, ledger.applied)

@@ -1,0 +1,189 @@
+"""Queue request files: the folder they sit in, their kinds, their typed shapes, and a request once read.
+
+A request file is YAML or JSON (:data:`REQUEST_SUFFIXES`) in the queue directory; a name starting with
+``.`` is never read, so a writer can stage ``.name.json`` and rename it in. The watcher moves each file
+it has judged to :data:`ACCEPTED` or :data:`REJECTED` (the reason beside it, :func:`reason_file`).
+``lorafleet schema request`` prints the files' JSON Schema, generated from the three shapes here:
+:class:`AddRequestFile`, :class:`UpdateRequestFile` and :class:`StopRequestFile`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from lorafleet.specs._base import Spec
+from lorafleet.specs.workload import TaskSpec, describe_validation_error
+
+REQUEST_SUFFIXES = (".yaml", ".yml", ".json")
+"""The endings of the files in the queue directory that are requests."""
+ACCEPTED = "accepted"
+"""The folder of the queue directory that the requests applied are moved to."""
+REJECTED = "rejected"
+"""The folder of the queue directory that malformed requests are moved to, each with its reason file."""
+UpdateKey = Literal["share", "deadline"]
+"""What an ``update`` may change of a running task."""
+UPDATE_KEYS: tuple[UpdateKey, ...] = get_args(UpdateKey)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class Action(StrEnum):
+    """What a request asks of the run."""
+
+    ADD = "add"
+    """A task joins (the default action)."""
+    FINISH = "finish"
+    """A task stops and its adapter is exported; the ledger records it finished."""
+    CANCEL = "cancel"
+    """As finish; the ledger records it cancelled."""
+    UPDATE = "update"
+    """A running task's ``share`` and/or ``deadline`` change."""
+
+
+class RequestError(ValueError):
+    """A request that cannot be applied; the message is the reason (one line)."""
+
+
+def request_files(directory: Path) -> list[Path]:
+    """The request files in ``directory`` (not ``.``-named, ending in a request suffix), sorted by name;
+    none when it does not exist."""
+    if not directory.is_dir():
+        return []
+    return sorted(
+        p for p in directory.iterdir() if not p.name.startswith(".") and p.suffix in REQUEST_SUFFIXES and p.is_file()
+    )
+
+
+def reason_file(rejected: Path) -> Path:
+    """Where the reason of the rejected request file ``rejected`` is written: ``<file>.reason`` beside it."""
+    return rejected.with_name(f"{rejected.name}.reason")
+
+
+AtStep = Annotated[int, Field(ge=0, strict=True)]
+"""A request's ``at_step``: not before this global step (a whole number, not a boolean)."""
+
+
+class AddRequestFile(TaskSpec):
+    """A task to add: a workload task, taken over the workload's ``defaults``, with the two keys of a request.
+    The task needs ``data``; its relative data paths (``data``, ``lengths.dataset``) are relative to the
+    request file."""
+
+    action: Literal[Action.ADD] = Action.ADD
+    """``add``, the default."""
+    at_step: AtStep = 0
+    """Not before this global step: it is applied at the first window boundary at or after it."""
+
+    def task(self) -> TaskSpec:
+        """The task alone, as a workload's task (the request's own keys left out)."""
+        return TaskSpec.model_validate(self.model_dump(exclude={"action", "at_step"}, exclude_unset=True))
+
+
+class UpdateRequestFile(Spec):
+    """``{action: update, name: T, share: 0.3}`` (and/or ``deadline``): a running task's new share or deadline,
+    from the step it is applied at."""
+
+    action: Literal[Action.UPDATE]
+    name: str = Field(min_length=1)
+    """The running task."""
+    at_step: AtStep = 0
+    """Not before this global step."""
+    share: float | None = None
+    """Its new ``share``, checked as the task's own."""
+    deadline: int | None = None
+    """Its new ``deadline``, checked as the task's own (it needs ``steps``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _share_or_deadline(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            changes = set(raw) - {"action", "name", "at_step"}
+            if not changes or changes - set(UPDATE_KEYS):
+                raise ValueError("update takes share and/or deadline")
+        return raw
+
+    def changes(self) -> dict[UpdateKey, float | int | None]:
+        """The keys the file sets of ``share`` and ``deadline``."""
+        return self.model_dump(include=set(UPDATE_KEYS), exclude_unset=True)
+
+
+class StopRequestFile(Spec):
+    """``{action: finish, name: T}`` or ``{action: cancel, name: T}``: task ``T`` stops at the step it is applied
+    at, and its adapter is exported to ``<out>/adapters/T``."""
+
+    action: Literal[Action.FINISH, Action.CANCEL]
+    name: str = Field(min_length=1)
+    """The running task."""
+    at_step: AtStep = 0
+    """Not before this global step."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_the_name(cls, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            unknown = sorted(set(raw) - set(cls.model_fields))
+            if unknown:
+                raise ValueError(f"{raw.get('action')} takes only the task's name, got {', '.join(unknown)}")
+        return raw
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request, validated against the run (``watcher.read_request``); the pending-changes file holds them."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    file: str
+    """Its file's name in the queue directory."""
+    action: Action
+    name: str
+    """The task it is about."""
+    at_step: int = 0
+    """Not before this global step."""
+    task: TaskSpec | None = None
+    """``add``: the task (data paths absolute; ``start_step`` set when it is applied)."""
+    changes: Mapping[UpdateKey, float | int | None] = field(default_factory=dict)
+    """``update``: the new ``share`` and/or ``deadline``."""
+
+
+def read_request_file(path: Path) -> tuple[Action, dict[str, Any]]:
+    """A request file's action and mapping, the keys every request has checked first, each with a sentence of
+    its own (``action``, ``at_step``, ``name``); RequestError."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RequestError(f"cannot read it ({err})") from None
+    try:
+        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise RequestError(f"malformed {kind}: {str(err).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise RequestError(f"expected a mapping, got {type(raw).__name__}")
+    try:
+        action = Action(raw.get("action", Action.ADD))
+    except ValueError:
+        raise RequestError(f"action must be one of {', '.join(Action)}") from None
+    at_step = raw.get("at_step", 0)
+    if not isinstance(at_step, int) or isinstance(at_step, bool) or at_step < 0:
+        raise RequestError(f"at_step must be a whole number >= 0, got {at_step!r}")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name:
+        raise RequestError("needs the task's name")
+    return action, raw
+
+
+def validated(model: type[M], raw: Mapping[str, Any]) -> M:
+    """``raw`` as ``model``; a RequestError naming the field path of the first wrong value (an unknown key is one)."""
+    try:
+        return model.model_validate(raw)
+    except ValidationError as err:
+        where, message = describe_validation_error(err.errors()[0])
+        raise RequestError(f"{where}: {message}" if where else message) from None
