@@ -77,7 +77,9 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
     """Apply ``<queue>/.apply.json`` (module doc); None when there is none."""
     from lorafleet.assemble import plan_cost_model
     from lorafleet.executor.torch.checkpoint_files import export_adapters
+    from lorafleet.metrics import last_losses
     from lorafleet.planner import PlannerOptions, ReplanOptions, replan_incremental
+    from lorafleet.rundir import METRICS_JSONL
     from lorafleet.train.queue import QueueWatcher
 
     pending = load_pending(options.queue_dir)
@@ -98,6 +100,7 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
             Path(options.out) / "adapters",
             tasks=prepared.workload.spec.tasks,
             run_dir=Path(options.out),
+            losses=last_losses(Path(options.out) / METRICS_JSONL),
         )
         _log(f"step {step}: exported {', '.join(leaving)} to {Path(options.out) / 'adapters'}")
     ledger.save(options.out)

@@ -23,8 +23,6 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from lorafleet.plans import MicroBatch, StepPlan, StepReport
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase
@@ -116,7 +114,7 @@ class Trainer:
     def restore(self) -> int:
         """The first step to run: 0, or the resumed checkpoint's (with its recalibration and stopped tasks);
         the metrics are cut back to it, so nothing replayed is counted twice."""
-        from lorafleet.rundir import truncate_metrics
+        from lorafleet.metrics import truncate_metrics
 
         start = 0
         if self.prepared.resume_step is not None:
@@ -148,6 +146,7 @@ class Trainer:
         from lorafleet.dispatch import LookaheadDispatcher
         from lorafleet.executor.torch.checkpoint_files import export_adapters
         from lorafleet.loop import run_loop
+        from lorafleet.metrics import last_losses
 
         def on_signal(signum: int, _frame: FrameType | None) -> None:  # under a user's torchrun: a stop request
             self.signal = signum
@@ -205,7 +204,12 @@ class Trainer:
             return self._apply_queued(reached)
         final = self._checkpoint(reached, wait=True)
         export_adapters(
-            final, self.names, self.out / "adapters", tasks=self.prepared.workload.spec.tasks, run_dir=self.out
+            final,
+            self.names,
+            self.out / "adapters",
+            tasks=self.prepared.workload.spec.tasks,
+            run_dir=self.out,
+            losses=last_losses(self.out / "metrics.jsonl"),
         )
         self.executor.close()
         print(self.summary(reached), flush=True)
@@ -359,25 +363,25 @@ class Trainer:
 
     def summary(self, stop: int) -> str:
         """What the run did, predicted against measured, and where its files are."""
-        from lorafleet.accounting import sum_task_gpu_seconds
         from lorafleet.dispatch.recalibration import summarize_factors
+        from lorafleet.metrics import read_rows, summarize_rows
 
         lines = [
             f"lorafleet train: {stop} steps; adapters in {self.out / 'adapters'}, metrics in "
             f"{self.out / 'metrics.jsonl'} (and .csv, tensorboard/)"
         ]
-        rows = _metrics_rows(self.out / "metrics.jsonl")  # the whole run's steps, across restarts
-        if rows:
-            measured = np.mean([r["makespan_s"] for r in rows])
-            predicted = np.mean([r["estimated_makespan_s"] for r in rows])
+        summary = summarize_rows(read_rows(self.out / "metrics.jsonl"))  # the whole run's steps, across restarts
+        if summary.steps:
+            measured = summary.mean_makespan_s
+            predicted = summary.mean_estimated_makespan_s
             lines.append(
                 f"  step time: measured {measured:.3f} s, predicted {predicted:.3f} s "
-                f"(x{measured / predicted:.2f}, mean over {len(rows)} steps; "
+                f"(x{measured / predicted:.2f}, mean over {summary.steps} steps; "
                 f"cost model {self.prepared.run.cost_model.source})"
             )
         if self.reports and self.plan.policy.recalibration.enabled:
             lines.append(f"  recalibrated: {summarize_factors(self.recalibrator.replicas())}")
-        owed = sum_task_gpu_seconds(r.get("task_gpu_s", {}) for r in rows)
+        owed = summary.task_gpu_seconds
         if owed:
             total = sum(owed.values()) or 1.0
             shares = ", ".join(f"{name} {s:.4g} ({100 * s / total:.0f} %)" for name, s in owed.items())
@@ -426,15 +430,6 @@ steps are, small next to a step."""
 
 PROBE_TIMINGS = 2
 """Timed passes of the probe after its warm-up pass; each replica's shortest is observed."""
-
-
-def _metrics_rows(path: Path) -> list[dict]:
-    """The run's metrics so far, one mapping a step (``metrics.jsonl``: every launch's, cut back on resume)."""
-    import json
-
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _cut(mb: MicroBatch, tokens: int) -> MicroBatch:
