@@ -462,13 +462,7 @@ class TorchExecutor:
         """One step's report; its makespan runs from the previous step's last update to this one's (so
         a window's makespans add up to its wall time), a replica's busy time from its last backward
         of the previous step to its last of this one."""
-        tokens = dict.fromkeys(self.names, 0)
-        padding = dict.fromkeys(self.names, 0)
-        for work in step_plan.work:
-            for mb in work.microbatches:
-                for task, length in zip(mb.task_ids, mb.lengths, strict=True):
-                    tokens[self.names[task]] += length
-                    padding[self.names[task]] += mb.padded_len - length if mb.padded_len is not None else 0
+        tokens, padding = step_plan.task_token_counts(self.names)
         return StepReport(
             step=step_plan.step,
             replica_busy_s=tuple(float(max(busy[g] for g in r.gpus)) for r in self.replica.fleet.replicas),
