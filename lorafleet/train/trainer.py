@@ -26,7 +26,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from lorafleet.plans import StepPlan, StepReport
-from lorafleet.rundir import METRICS_JSONL
+from lorafleet.rundir import METRICS_CSV, METRICS_JSONL
 from lorafleet.train.health import TaskHealth
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase
@@ -290,8 +290,8 @@ class Trainer:
         )
 
         writers = [
-            JsonlWriter(self.out / "metrics.jsonl"),
-            CsvWriter(self.out / "metrics.csv"),
+            JsonlWriter(self.out / METRICS_JSONL),
+            CsvWriter(self.out / METRICS_CSV),
             TensorBoardWriter(self.out / "tensorboard", purge_step=steps.start),
         ]
         config = {

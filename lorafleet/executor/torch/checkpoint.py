@@ -12,7 +12,7 @@ Whole matrices mean a run can resume on another plan (torchrun restarted it on f
 the planner re-planned): each rank slices what its new role holds. The learning-rate
 schedule's whole state is the task's optimizer step count. No RNG state is saved: the
 executor reseeds every step from ``(seed, step, rank)``, so the generators at the start of
-any step are a function of the step (``worker``).
+any step are a function of the step (``window.microbatch_seed``).
 
 **Commit** (DLRover's two phases, on one writer): rank 0 gathers the pieces, writes the step
 into ``.step-000004.partial/`` with a manifest holding the SHA-256 of every other file in it,
