@@ -42,13 +42,14 @@ real tokens do. Where the cost model gives a micro-batch or replica no time, its
 tokens. A step without a single sequence has no task to charge: every value is 0 and its cost is
 left unattributed.
 
-Pure numpy and lorafleet's types (no torch), so the trainer, the simulator and the report share it.
+Pure numpy and lorafleet's types (no torch), so the trainer, the simulator and the report share it. The
+sums of these over steps and phases are the run summary's (``lorafleet.metrics.summary``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -154,12 +155,3 @@ def task_gpu_seconds(
     cost = makespan * plan.used_gpus  # C
     owed = per_task * (cost / total) if total > 0 else np.zeros(len(names))
     return {name: float(v) for name, v in zip(names, owed)}
-
-
-def sum_task_gpu_seconds(per_step: Iterable[Mapping[str, float]]) -> dict[str, float]:
-    """Per-task totals over steps (or phases): Σ of the mappings, tasks in the order first seen."""
-    totals: dict[str, float] = {}
-    for step in per_step:
-        for task, seconds in step.items():
-            totals[task] = totals.get(task, 0.0) + float(seconds)
-    return totals

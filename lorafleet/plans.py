@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
@@ -306,6 +307,19 @@ class StepPlan:
         """Padding tokens over all occupied tokens (LobRA's padding ratio)."""
         total = self.tokens + self.padding_tokens
         return self.padding_tokens / total if total else 0.0
+
+    def task_token_counts(self, names: Sequence[str]) -> tuple[dict[str, int], dict[str, int]]:
+        """Each task's real tokens and padding tokens in this step, keyed ``names[task_id]`` (every name, 0 for a
+        task without a sequence here): a padded row pads up to its micro-batch's length, a packed micro-batch
+        has no padding. What an executor reports (``StepReport.task_tokens``, ``task_padding_tokens``)."""
+        tokens = dict.fromkeys(names, 0)
+        padding = dict.fromkeys(names, 0)
+        for work in self.work:
+            for mb in work.microbatches:
+                for task, length in zip(mb.task_ids, mb.lengths, strict=True):
+                    tokens[names[task]] += length
+                    padding[names[task]] += mb.padded_len - length if mb.padded_len is not None else 0
+        return tokens, padding
 
 
 @dataclass(frozen=True)

@@ -23,33 +23,35 @@ Row = dict[str, object]
 
 
 def summary_rows(runs: Sequence[ScheduleRun]) -> list[Row]:
-    """One row per method: GPUs, mean and p95 step time, GPU-seconds, utilisation, padding, reduction."""
+    """One row per method (its :attr:`ScheduleRun.summary`): GPUs, mean and p95 step time, GPU-seconds per
+    step, utilisation, padding, failures, and the GPU-seconds the first run saves over it."""
     ours = runs[0]
     rows = []
     for run in runs:
-        gpu_s = float(run.gpu_seconds.mean())
+        summary = run.summary
+        gpu_s = summary.mean_gpu_seconds
         rows.append(
             {
                 "method": run.name,
                 "gpus": run.gpus,
-                "mean_step_s": float(run.makespan_s.mean()),
-                "p95_step_s": float(np.percentile(run.makespan_s, 95)),
+                "mean_step_s": float(summary.mean_makespan_s),
+                "p95_step_s": summary.p95_makespan_s,
                 "gpu_s_per_step": gpu_s,
-                "utilisation": run.utilisation,
-                "padding_ratio": run.padding_ratio,
-                "failures": run.failures,
-                "saved_by_lorafleet": 1 - float(ours.gpu_seconds.mean()) / gpu_s if run is not ours else 0.0,
+                "utilisation": summary.utilisation,
+                "padding_ratio": summary.padding_ratio,
+                "failures": summary.failures,
+                "saved_by_lorafleet": 1 - ours.summary.mean_gpu_seconds / gpu_s if run is not ours else 0.0,
             }
         )
     return rows
 
 
 def task_cost_rows(run: ScheduleRun) -> list[Row]:
-    """One row per task of ``run``: real tokens, GPU-seconds over the run (``ScheduleRun.task_gpu_seconds``:
+    """One row per task of ``run``: real tokens, GPU-seconds over the run (``RunSummary.task_gpu_seconds``:
     each step's cost shared out by the simulated time of the replicas that ran the task), its share
     of the run's GPU-seconds (``"12.3 %"``) and GPU-seconds per 1k real tokens."""
-    gpu_s = run.task_gpu_seconds
-    tokens = run.task_tokens
+    gpu_s = run.summary.task_gpu_seconds
+    tokens = run.summary.task_tokens
     total = sum(gpu_s.values())
     rows = []
     for task in dict.fromkeys([*tokens, *gpu_s]):

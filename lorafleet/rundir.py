@@ -1,17 +1,15 @@
-"""A run directory belongs to one run: its lock, what makes it used, and putting it back to a step.
+"""A run directory belongs to one run: its lock, what makes it used, and clearing it for ``--overwrite``.
 
 DESIGN ("A run directory belongs to one run"): a run holds an exclusive lock on its ``--out``
 for its whole life (``fcntl.flock`` on ``.lock``: the kernel drops it when the holder dies, so a
 killed run never leaves a stale lock); a fresh run refuses a directory another run has used
 unless told ``--resume`` or ``--overwrite``; a resumed run's metrics end at the step it resumes
-from before it appends (nothing replayed is counted twice).
+from before it appends (nothing replayed is counted twice: ``lorafleet.metrics.truncate_metrics``).
 """
 
 from __future__ import annotations
 
-import csv
 import fcntl
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -99,45 +97,3 @@ def clear_run(out: str | Path) -> None:
             shutil.rmtree(path)
         elif path.exists() or path.is_symlink():
             path.unlink()
-
-
-def truncate_metrics(out: str | Path, step: int) -> None:
-    """Keep only the metrics of steps before ``step`` (a resumed run replays from there).
-
-    Each file is rewritten whole to a temporary file and renamed over the old one, so a crash
-    here leaves either the old file or the truncated one.
-    """
-    root = Path(out)
-    jsonl = root / METRICS_JSONL
-    if jsonl.is_file():
-        kept = [
-            line
-            for line in jsonl.read_text(encoding="utf-8").splitlines(keepends=True)
-            if line.strip() and _step_of_json(line) < step
-        ]
-        _replace(jsonl, "".join(kept))
-    table = root / METRICS_CSV
-    if table.is_file():
-        with table.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.reader(f))
-        if rows:
-            header, body = rows[0], rows[1:]
-            at = header.index("step") if "step" in header else None
-            kept_rows = [r for r in body if at is None or (len(r) > at and r[at].isdigit() and int(r[at]) < step)]
-            tmp = table.with_name(f".{table.name}.tmp")
-            with tmp.open("w", newline="", encoding="utf-8") as f:
-                csv.writer(f).writerows([header, *kept_rows])
-            os.replace(tmp, table)
-
-
-def _step_of_json(line: str) -> int:
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return 1 << 62  # a torn last line (a crash mid-write): dropped
-
-
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

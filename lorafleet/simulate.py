@@ -19,15 +19,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 
 import numpy as np
 
-from lorafleet.accounting import sum_task_gpu_seconds, task_gpu_seconds
+from lorafleet.accounting import task_gpu_seconds
 from lorafleet.costmodel import CostModel
 from lorafleet.dispatch import Recalibrator, ReplicaCalibration
 from lorafleet.executor.simulated import SimulatedExecutor, SimulationOptions
 from lorafleet.loop import PolicySource, run_loop
+from lorafleet.metrics import DeploymentSteps, RunSummary, summarize_phases
 from lorafleet.planner import Phase, Schedule
 from lorafleet.planner.schedule import select_tasks
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
@@ -50,64 +51,61 @@ class PhaseRun:
 
 @dataclass(frozen=True)
 class ScheduleRun:
-    """A schedule's simulated steps, per phase and summed per step."""
+    """A schedule's simulated steps, per phase; its aggregates are :attr:`summary`'s (the phases one after
+    another within each step, ``lorafleet.metrics.summary``), named below as the simulation reads them."""
 
     name: str
     gpus: int
     """GPUs the schedule holds (the most any phase holds)."""
     phases: tuple[PhaseRun, ...]
 
+    @cached_property
+    def summary(self) -> RunSummary:
+        """The run's summary: every phase's reports, its replicas' GPUs and what each task owed per step."""
+        return summarize_phases(
+            [
+                DeploymentSteps(p.reports, tuple(r.config.n_gpus for r in p.phase.plan.replicas), p.task_gpu_s)
+                for p in self.phases
+            ]
+        )
+
     @property
     def makespan_s(self) -> np.ndarray:
         """Per step: Σ over phases of the phase's makespan."""
-        return np.sum([[r.makespan_s for r in p.reports] for p in self.phases], axis=0)
+        return self.summary.makespan_s
 
     @property
     def gpu_seconds(self) -> np.ndarray:
         """Per step: Σ over phases of makespan x the phase's GPUs."""
-        return np.sum([[r.makespan_s * p.phase.plan.used_gpus for r in p.reports] for p in self.phases], axis=0)
+        return self.summary.gpu_seconds_per_step
 
     @property
     def task_gpu_seconds_per_step(self) -> tuple[dict[str, float], ...]:
         """Per step: each task's GPU-seconds, Σ over phases (sums to ``gpu_seconds`` of the step)."""
-        steps = len(self.phases[0].reports) if self.phases else 0
-        return tuple(sum_task_gpu_seconds(p.task_gpu_s[s] for p in self.phases if p.task_gpu_s) for s in range(steps))
+        return self.summary.task_gpu_seconds_per_step
 
     @property
     def task_gpu_seconds(self) -> dict[str, float]:
         """Each task's GPU-seconds over all steps and phases (sums to ``gpu_seconds.sum()``)."""
-        return sum_task_gpu_seconds(self.task_gpu_seconds_per_step)
+        return self.summary.task_gpu_seconds
 
     @property
     def task_tokens(self) -> dict[str, int]:
         """Each task's real tokens over all steps and phases."""
-        totals: dict[str, int] = {}
-        for p in self.phases:
-            for r in p.reports:
-                for task, n in r.task_tokens.items():
-                    totals[task] = totals.get(task, 0) + int(n)
-        return totals
+        return self.summary.task_tokens
 
     @property
     def padding_ratio(self) -> float:
-        real = sum(sum(r.task_tokens.values()) for p in self.phases for r in p.reports)
-        pad = sum(sum(r.task_padding_tokens.values()) for p in self.phases for r in p.reports)
-        return pad / (real + pad) if real + pad else 0.0
+        return self.summary.padding_ratio
 
     @property
     def utilisation(self) -> float:
         """Busy GPU-time over held GPU-time, over all phases and steps."""
-        busy = sum(
-            b * rep.config.n_gpus
-            for p in self.phases
-            for r in p.reports
-            for b, rep in zip(r.replica_busy_s, p.phase.plan.replicas, strict=True)
-        )
-        return float(busy / self.gpu_seconds.sum()) if self.gpu_seconds.sum() else 0.0
+        return self.summary.utilisation
 
     @property
     def failures(self) -> int:
-        return sum(len(r.failed_replicas) for p in self.phases for r in p.reports)
+        return self.summary.failures
 
 
 def _phase_batch(

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lorafleet.accounting import replica_task_shares, sum_task_gpu_seconds, task_gpu_seconds
+from lorafleet.accounting import replica_task_shares, task_gpu_seconds
 from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.dispatch import solve_step
 from lorafleet.executor.simulated import SimulatedExecutor, SimulationOptions
+from lorafleet.metrics import sum_task_gpu_seconds
 from lorafleet.plans import MicroBatch, ReplicaWork, StepPlan, StepReport
 from tests.dispatch.fleet import TP1, TP2, TP2_PP2, TP4, lobra_7b_cost_model, lognormal_batch, make_batch, make_plan
 

@@ -213,3 +213,20 @@ def test_phases_count_in_words():
         "1 rank",
         "2 processes",
     ]
+
+
+def test_a_jsonl_row_reads_back_as_its_report_and_the_rows_summarise_as_the_reports(tmp_path):
+    from lorafleet.metrics import read_rows, step_report, summarize_rows
+
+    with JsonlWriter(tmp_path / "metrics.jsonl") as writer:
+        _write_all(writer)
+    rows = read_rows(tmp_path / "metrics.jsonl")
+    assert [step_report(row) for row in rows] == list(REPORTS)
+    from_rows, from_reports = summarize_rows(rows), summarize(REPORTS, 2, task_gpu_s=TASK_GPU_S)
+    assert from_rows.steps == 2 and list(from_rows.makespan_s) == list(from_reports.makespan_s)
+    assert from_rows.mean_estimated_makespan_s == pytest.approx(0.9)
+    assert from_rows.task_gpu_seconds == from_reports.task_gpu_seconds
+    assert from_rows.padding_ratio == from_reports.padding_ratio and from_rows.failures == 1
+    assert math.isnan(from_rows.gpu_seconds) and math.isnan(from_rows.utilisation)  # the rows do not say the GPUs
+    assert from_reports.utilisation == pytest.approx((1.0 + 0.5 + 0.8 + 0.9) / (2 * (1.25 + 1.0)))
+    assert read_rows(tmp_path / "none.jsonl") == []

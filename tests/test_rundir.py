@@ -10,7 +10,8 @@ import os
 import pytest
 
 from lorafleet.errors import InputError
-from lorafleet.rundir import clear_run, lock_run, truncate_metrics, used_by
+from lorafleet.metrics import truncate_metrics
+from lorafleet.rundir import clear_run, lock_run, used_by
 
 
 def _try_lock(out: str, queue) -> None:

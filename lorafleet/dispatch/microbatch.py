@@ -16,7 +16,7 @@ per-task row ranges of the multi-adapter operator), and micro-batches are ordere
 1F1B: largest first, descending by (rows * padded length, padded length) - by (tokens,
 longest row) when packed - so the warm-up and cool-down pay for the largest stage time once.
 
-With a pipeline window of W > 1 steps (``CostModel.pipeline_window``, ``costmodel.schedule``)
+With a pipeline window of W > 1 steps (the policy's ``pipeline_window``, ``costmodel.schedule``)
 they are ordered *task-major* instead (``task_major=True``): by the largest task id a
 micro-batch holds, ascending, then largest first within that. A window streams the next
 step's forwards while this step's last backwards run, and a forward holding tasks T may start

@@ -105,15 +105,7 @@ class SimulatedExecutor:
     def run_step(self, step_plan: StepPlan) -> StepReport:
         rng = np.random.default_rng(np.random.SeedSequence([self.options.seed, step_plan.step]))
         busy, failed = self._replica_busy(step_plan, rng)
-        tokens = dict.fromkeys(self.task_names, 0)
-        padding = dict.fromkeys(self.task_names, 0)
-        for work in step_plan.work:
-            for mb in work.microbatches:
-                for task, length in zip(mb.task_ids, mb.lengths, strict=True):
-                    name = self.task_names[task]
-                    tokens[name] += length
-                    # A packed micro-batch has no padding; a padded row pads up to the bucket length.
-                    padding[name] += (mb.padded_len - length) if mb.padded_len is not None else 0
+        tokens, padding = step_plan.task_token_counts(self.task_names)
         return StepReport(
             step=step_plan.step,
             replica_busy_s=tuple(busy),

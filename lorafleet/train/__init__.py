@@ -11,6 +11,11 @@
                   trains, the others serve it. Trainer.train(): restore -> per step {dispatch (one step
                   ahead), run_step, recalibrate, watch for non-finite tasks, metrics, checkpoint every K}
                   -> final checkpoint -> PEFT adapters -> summary
+    probe.py      probe(): each replica timed on a cut of the first step before it runs (the first
+                  observation of the recalibrator)
+    health.py     TaskHealth: non-finite updates counted per task; a task stopped after too many in a row
+    summary.py    the closing lines: the run's RunSummary (lorafleet.metrics, from every launch's
+                  metrics.jsonl rows), formatted
 
 options, preflight and launcher do not import torch: the torch executor's helpers are imported
 inside the functions that need them (a resume's checks, a rank), so a fresh run's launcher calls

@@ -81,7 +81,9 @@ def _unplaceable(requests: list[Request], prepared: Prepared) -> list[tuple[Requ
 def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
     """Apply ``<queue>/.apply.json`` (module doc); None when there is none."""
     from lorafleet.executor.torch.checkpoint_files import export_adapters, step_dir_name
+    from lorafleet.metrics import last_losses
     from lorafleet.planner import ReplanOptions, replan_incremental
+    from lorafleet.rundir import METRICS_JSONL
     from lorafleet.train.queue import QueueWatcher
     from lorafleet.train.replan import replan_run
 
@@ -103,6 +105,7 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
             Path(options.out) / "adapters",
             tasks=prepared.workload.spec.tasks,
             run_dir=Path(options.out),
+            losses=last_losses(Path(options.out) / METRICS_JSONL),
         )
         _log(f"step {step}: exported {', '.join(leaving)} to {Path(options.out) / 'adapters'}")
     ledger.save(options.out)

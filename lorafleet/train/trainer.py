@@ -1,16 +1,18 @@
 """One process of a run: :func:`train_rank` joins the group and builds this rank's part of the fleet;
 rank 0 drives :meth:`Trainer.train`, the others serve it.
 
-    Trainer.train()   restore -> per window of steps {dispatch (one window ahead), run_steps, per step
-                      recalibrate, watch for non-finite tasks, metrics; checkpoint every K} -> final
-                      checkpoint -> PEFT adapters -> summary
+    Trainer.train()   restore -> probe -> per window of steps {dispatch (one window ahead), run_steps,
+                      per step recalibrate, watch for non-finite tasks, metrics; checkpoint every K} ->
+                      final checkpoint -> PEFT adapters -> summary
 
 A window is the plan's ``pipeline_window`` steps (cut at every checkpoint and at the run's end): its
 pipelined replicas do not drain between its steps (``costmodel.schedule``), and a stop asked by a
 signal takes effect at the next window boundary.
 
-Also here: the probe before the first step (``Trainer._probe``), the checkpoint cadence, the stop at a
-step boundary on a signal, and the export of the final adapters out of the last checkpoint.
+Also here: the checkpoint cadence, the stop at a step boundary on a signal or for queued requests, and the
+export of the final adapters out of the last checkpoint. The loop's components have modules of their own:
+the probe before the first step (``train.probe``), the non-finite watch (``train.health``) and the closing
+summary (``train.summary``).
 """
 
 from __future__ import annotations
@@ -18,17 +20,19 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from lorafleet.plans import MicroBatch, StepPlan, StepReport
+from lorafleet.plans import StepPlan, StepReport
+from lorafleet.rundir import METRICS_CSV, METRICS_JSONL
+from lorafleet.train.health import TaskHealth
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase
 from lorafleet.train.preflight import Prepared, claim
+from lorafleet.train.probe import probe
+from lorafleet.train.summary import run_summary, summary_text
 
 if TYPE_CHECKING:
     from lorafleet.executor.torch.data_stream import DataStreams
@@ -94,30 +98,66 @@ class Trainer:
         self.prepared = prepared
         self.executor = executor
         self.plan = prepared.run.plan
+        self.cost_model = prepared.run.cost_model
         self.names = [t.name for t in prepared.workload.tasks]
         self.out = Path(options.out)
         self.checkpoints = self.out / "checkpoints"
         self.recalibrator = Recalibrator(len(self.plan.replicas), self.plan.policy.recalibration)
-        self.reports: list[tuple[StepReport, StepPlan]] = []
-        self.nonfinite_streak = dict.fromkeys(self.names, 0)
-        self.stopped_tasks: dict[str, int] = {}
-        """Task -> the first step it was left out of (``nonfinite_patience`` non-finite updates in a row)."""
         self.signal: int | None = None
         pipelined = any(r.config.pp > 1 for r in self.plan.replicas)
         self.window = self.plan.policy.pipeline_window if pipelined else 1
         """Steps a window runs (``lorafleet.loop``); windows also end at checkpoints and queued changes. Only
         a pipelined replica streams across a boundary: without one a window is a step, so each step is
         reported (its log line, its recalibration) as it ends."""
+        self.health = TaskHealth(self.names, options.nonfinite_patience, self.window, executor.streams.retire)
         self.watcher = _queue_watcher(options, prepared, tokenizer)
         """The live task queue, read at every window boundary (None under a user's own torchrun)."""
         self.due: list[Request] = []
         """Queued requests due at the boundary the loop stopped at: applied by a restart."""
         self.next_step = 0
 
+    def train(self) -> int:
+        """Run the steps left to the run's total; 0 when done or stopped by a signal at a step boundary."""
+        from lorafleet.dispatch import LookaheadDispatcher
+        from lorafleet.loop import run_loop
+
+        self._catch_signals()
+        start = self.next_step = self.restore()
+        self._save_tokenizer()
+        steps = range(start, min(self.options.steps, _last_step(self.executor, self.options.steps)))
+        resumed = f" (resumed from the checkpoint of step {start})" if start else ""
+        if steps:
+            phase(f"training steps {steps.start}..{steps.stop - 1} of {self.options.steps}{resumed}")
+        if self.plan.policy.recalibration.enabled and len(steps):
+            probe(self.executor, self.plan, self.cost_model, self.recalibrator, start)
+        with (
+            self._writers(steps) as metrics,
+            LookaheadDispatcher(
+                self.executor.next_global_batch, self.plan, self.cost_model, depth=self.window
+            ) as ahead,
+        ):
+            done = run_loop(
+                ahead,
+                self.executor,
+                steps,
+                partial(self._on_report, metrics),
+                self.recalibrator,
+                stop=self._stop_requested,
+                window=self.window,
+                boundary_every=self.options.checkpoint_every,
+                next_boundary=(lambda _step: self.watcher.next_due()) if self.watcher is not None else None,
+            )
+        reached = start + len(done)
+        if self.signal is not None and reached < steps.stop:
+            return self._stopped(reached)
+        if self.due:
+            return self._apply_queued(reached)
+        return self._finish(reached, ran=bool(done))
+
     def restore(self) -> int:
         """The first step to run: 0, or the resumed checkpoint's (with its recalibration and stopped tasks);
         the metrics are cut back to it, so nothing replayed is counted twice."""
-        from lorafleet.rundir import truncate_metrics
+        from lorafleet.metrics import truncate_metrics
 
         start = 0
         if self.prepared.resume_step is not None:
@@ -125,10 +165,39 @@ class Trainer:
             if state is not None:
                 start = state.step
                 self.recalibrator.load_state_dict(state.extra.get("recalibration", {}))
-                for name, step in state.extra.get("stopped_tasks", {}).items():
-                    self._stop_task(name, int(step), announce=False)
+                self.health.load_state_dict(state.extra.get("stopped_tasks", {}))
         truncate_metrics(self.out, start)
         return start
+
+    def _catch_signals(self) -> None:
+        """SIGINT and SIGTERM ask the loop to stop at the next window boundary (under a user's own torchrun;
+        ``lorafleet train``'s launcher turns them into a stop file)."""
+
+        def on_signal(signum: int, _frame: FrameType | None) -> None:
+            self.signal = signum
+
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, on_signal)
+
+    def _on_report(self, metrics: FanOut, report: StepReport, step_plan: StepPlan) -> None:
+        """``run_loop``'s ``on_report``: one step's report watched, written with what the plan predicted of it,
+        and a checkpoint every ``checkpoint_every`` steps."""
+        from lorafleet.accounting import task_gpu_seconds
+
+        self.next_step = report.step + 1
+        self.health.watch(report)
+        tokens = sum(report.task_tokens.values())
+        metrics.write(
+            report,
+            task_gpu_s=task_gpu_seconds(step_plan, report, self.plan, self.cost_model, self.names),
+            tokens_per_s=tokens / report.makespan_s if report.makespan_s else 0.0,
+            predicted_busy_s=tuple(w.estimated_time_s for w in step_plan.work),
+            model_busy_s=tuple(step_plan.base_estimate(r) for r in range(len(step_plan.work))),
+            replica_tokens=tuple(sum(sum(mb.lengths) for mb in w.microbatches) for w in step_plan.work),
+            correction=self.recalibrator.factors or (),
+        )
+        if (report.step + 1) % self.options.checkpoint_every == 0:
+            self._checkpoint(report.step + 1)
 
     def _stop_requested(self) -> bool:
         """At a window boundary: a signal asked to stop, or queued requests are due (the run restarts to apply them)."""
@@ -143,73 +212,32 @@ class Trainer:
                 self.due += [r for r in finished_tasks(self.executor.streams, self.next_step) if r.name not in left]
         return self.signal is not None or bool(self.due)
 
-    def train(self) -> int:
-        """Run the steps left to the run's total; 0 when done or stopped by a signal at a step boundary."""
-        from lorafleet.accounting import task_gpu_seconds
-        from lorafleet.dispatch import LookaheadDispatcher
+    def _finish(self, reached: int, ran: bool) -> int:
+        """The run's end after ``reached`` steps (``ran``: some of them in this launch): a final checkpoint
+        (waited for), its PEFT adapters exported to ``<out>/adapters``, and the summary."""
         from lorafleet.executor.torch.checkpoint_files import export_adapters
-        from lorafleet.loop import run_loop
+        from lorafleet.metrics import last_losses
 
-        def on_signal(signum: int, _frame: FrameType | None) -> None:  # under a user's torchrun: a stop request
-            self.signal = signum
-
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, on_signal)
-        start = self.restore()
-        self.next_step = start
-        self._save_tokenizer()
-        steps = range(start, min(self.options.steps, _last_step(self.executor, self.options.steps)))
-        resumed = f" (resumed from the checkpoint of step {start})" if start else ""
-        if steps:
-            phase(f"training steps {steps.start}..{steps.stop - 1} of {self.options.steps}{resumed}")
-        if self.plan.policy.recalibration.enabled and len(steps):
-            self._probe(start)
-        with (
-            self._writers(steps) as metrics,
-            LookaheadDispatcher(
-                self.executor.next_global_batch, self.plan, self.prepared.run.cost_model, depth=self.window
-            ) as ahead,
-        ):
-
-            def on_report(report: StepReport, step_plan: StepPlan) -> None:
-                self.next_step = report.step + 1
-                self.reports.append((report, step_plan))
-                self._watch(report)
-                tokens = sum(report.task_tokens.values())
-                metrics.write(
-                    report,
-                    task_gpu_s=task_gpu_seconds(step_plan, report, self.plan, self.prepared.run.cost_model, self.names),
-                    tokens_per_s=tokens / report.makespan_s if report.makespan_s else 0.0,
-                    predicted_busy_s=tuple(w.estimated_time_s for w in step_plan.work),
-                    model_busy_s=tuple(step_plan.base_estimate(r) for r in range(len(step_plan.work))),
-                    replica_tokens=tuple(sum(sum(mb.lengths) for mb in w.microbatches) for w in step_plan.work),
-                    correction=self.recalibrator.factors or (),
-                )
-                if (report.step + 1) % self.options.checkpoint_every == 0:
-                    self._checkpoint(report.step + 1)
-
-            done = run_loop(
-                ahead,
-                self.executor,
-                steps,
-                on_report,
-                self.recalibrator,
-                stop=self._stop_requested,
-                window=self.window,
-                boundary_every=self.options.checkpoint_every,
-                next_boundary=(lambda _step: self.watcher.next_due()) if self.watcher is not None else None,
-            )
-        reached = start + len(done)
-        if self.signal is not None and reached < steps.stop:
-            return self._stopped(reached)
-        if self.due:
-            return self._apply_queued(reached)
         final = self._checkpoint(reached, wait=True)
         export_adapters(
-            final, self.names, self.out / "adapters", tasks=self.prepared.workload.spec.tasks, run_dir=self.out
+            final,
+            self.names,
+            self.out / "adapters",
+            tasks=self.prepared.workload.spec.tasks,
+            run_dir=self.out,
+            losses=last_losses(self.out / METRICS_JSONL),
         )
         self.executor.close()
-        print(self.summary(reached), flush=True)
+        recalibrated = ran and self.plan.policy.recalibration.enabled
+        text = summary_text(
+            self.out,
+            reached,
+            run_summary(self.out),
+            cost_source=self.cost_model.source,
+            recalibration=self.recalibrator.replicas() if recalibrated else None,
+            stopped=self.health.stopped,
+        )
+        print(text, flush=True)
         return 0
 
     def _save_tokenizer(self) -> None:
@@ -218,49 +246,6 @@ class Trainer:
         from lorafleet.executor.torch.checkpoint_files import TOKENIZER_DIR, save_tokenizer
 
         save_tokenizer(self.tokenizer, self.out / TOKENIZER_DIR)
-
-    def _probe(self, step: int) -> None:
-        """Before the first step: each replica's first micro-batch of step ``step``'s dispatch, at most
-        ``PROBE_TOKENS`` of it, run ``1 + PROBE_TIMINGS`` times without training on it
-        (``TorchExecutor.probe``). The first pass pays a fresh process's one-time costs; of the others,
-        each replica's shortest busy time is the recalibrator's first observation, so the run's first
-        steps are already priced by this machine's speed and by each replica's. The minimum, not one
-        pass: on a shared machine a pass is only ever slowed (a core taken by another process), and the
-        probe's one observation prices the first steps whole (in a loaded CI, one pass priced an injected
-        4x straggler at well under 2x its peer); the steps after it are averaged as usual."""
-        from lorafleet.dispatch import dispatch_step
-
-        batch = self.executor.streams.global_batch(step)
-        full = dispatch_step(batch, self.plan, self.prepared.run.cost_model)
-        cost_model = self.prepared.run.cost_model
-        work = []
-        for replica, w in zip(self.plan.replicas, full.work, strict=True):
-            mbs = w.microbatches[:1]
-            if mbs and mbs[0].tokens > PROBE_TOKENS:
-                mbs = (_cut(mbs[0], PROBE_TOKENS),)
-            work.append(
-                replace(
-                    w,
-                    microbatches=mbs,
-                    estimated_time_s=cost_model.replica_time(
-                        replica.config,
-                        [mb.shape for mb in mbs],
-                        tasks=[mb.task_ids for mb in mbs],
-                        window=self.plan.policy.pipeline_window,
-                    )
-                    if mbs
-                    else 0.0,
-                )
-            )
-        probe = replace(full, work=tuple(work), speed=())
-        self.executor.probe(probe, batch)
-        timed = [self.executor.probe(probe, batch) for _ in range(PROBE_TIMINGS)]
-        fastest = tuple(min(busy) for busy in zip(*(r.replica_busy_s for r in timed), strict=True))
-        failed = tuple(sorted({r for report in timed for r in report.failed_replicas}))
-        self.recalibrator.observe(probe, replace(timed[-1], replica_busy_s=fastest, failed_replicas=failed))
-        # The first real step still meets shapes the probe did not (allocator growth, on CPU up to 2x
-        # on one rank and not another): its report is left out too.
-        self.recalibrator.skip_next(1)
 
     def _stopped(self, reached: int) -> int:
         """A stop asked by a signal, at the boundary before step ``reached``: checkpoint (unless told not to)."""
@@ -287,46 +272,9 @@ class Trainer:
         print(f"lorafleet train: queue: step {reached}: {changes} (checkpoint {step_dir.name})", flush=True)
         return 0
 
-    def _watch(self, report: StepReport) -> None:
-        """Non-finite updates (skipped by the executor) counted per task; a task skipped
-        ``nonfinite_patience`` steps in a row stops; a task whose adapter never moved is warned about."""
-        for name in report.losses:
-            self.nonfinite_streak[name] = self.nonfinite_streak[name] + 1 if name in report.nonfinite_tasks else 0
-        for name in report.nonfinite_tasks:
-            streak = self.nonfinite_streak[name]
-            print(
-                f"lorafleet train: step {report.step}: task {name!r} has a non-finite loss or gradient; its update "
-                f"is skipped ({streak} in a row)",
-                file=sys.stderr,
-                flush=True,
-            )
-            if streak >= self.options.nonfinite_patience and name not in self.stopped_tasks:
-                # The rest of this window and the next window's plans may be drawn already (look-ahead).
-                self._stop_task(name, report.step + 1 + 2 * self.window)
-        for name in report.unmoved_tasks:
-            print(
-                f"lorafleet train: warning: task {name!r}: its adapter has not moved after its warm-up; check its "
-                "learning rate, alpha and grad_clip",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def _stop_task(self, name: str, from_step: int, announce: bool = True) -> None:
-        if name not in self.names:
-            return  # stopped, then finished or cancelled through the queue
-        self.stopped_tasks[name] = from_step
-        self.executor.streams.retire(self.names.index(name), from_step)
-        if announce:
-            print(
-                f"lorafleet train: task {name!r} stopped after {self.options.nonfinite_patience} non-finite steps "
-                "in a row; its adapter stays at its last finite update",
-                file=sys.stderr,
-                flush=True,
-            )
-
     def _checkpoint(self, step: int, wait: bool = False) -> Path:
         """A checkpoint after ``step`` steps, written in the background (committed on return with ``wait``)."""
-        extra = {"recalibration": self.recalibrator.state_dict(), "stopped_tasks": dict(self.stopped_tasks)}
+        extra = {"recalibration": self.recalibrator.state_dict(), "stopped_tasks": self.health.state_dict()}
         return self.executor.save_checkpoint(self.checkpoints, step, extra, wait=wait)
 
     def _writers(self, steps: range) -> FanOut:
@@ -343,8 +291,8 @@ class Trainer:
         )
 
         writers = [
-            JsonlWriter(self.out / "metrics.jsonl"),
-            CsvWriter(self.out / "metrics.csv"),
+            JsonlWriter(self.out / METRICS_JSONL),
+            CsvWriter(self.out / METRICS_CSV),
             TensorBoardWriter(self.out / "tensorboard", purge_step=steps.start),
         ]
         config = {
@@ -360,35 +308,6 @@ class Trainer:
         else:
             writers.append(LogLines(steps.stop))
         return FanOut(*writers)
-
-    def summary(self, stop: int) -> str:
-        """What the run did, predicted against measured, and where its files are."""
-        from lorafleet.accounting import sum_task_gpu_seconds
-        from lorafleet.dispatch.recalibration import summarize_factors
-
-        lines = [
-            f"lorafleet train: {stop} steps; adapters in {self.out / 'adapters'}, metrics in "
-            f"{self.out / 'metrics.jsonl'} (and .csv, tensorboard/)"
-        ]
-        rows = _metrics_rows(self.out / "metrics.jsonl")  # the whole run's steps, across restarts
-        if rows:
-            measured = np.mean([r["makespan_s"] for r in rows])
-            predicted = np.mean([r["estimated_makespan_s"] for r in rows])
-            lines.append(
-                f"  step time: measured {measured:.3f} s, predicted {predicted:.3f} s "
-                f"(x{measured / predicted:.2f}, mean over {len(rows)} steps; "
-                f"cost model {self.prepared.run.cost_model.source})"
-            )
-        if self.reports and self.plan.policy.recalibration.enabled:
-            lines.append(f"  recalibrated: {summarize_factors(self.recalibrator.replicas())}")
-        owed = sum_task_gpu_seconds(r.get("task_gpu_s", {}) for r in rows)
-        if owed:
-            total = sum(owed.values()) or 1.0
-            shares = ", ".join(f"{name} {s:.4g} ({100 * s / total:.0f} %)" for name, s in owed.items())
-            lines.append(f"  GPU-seconds by task (the whole run): {shares}")
-        if self.stopped_tasks:
-            lines.append(f"  stopped tasks (non-finite updates): {', '.join(self.stopped_tasks)}")
-        return "\n".join(lines)
 
 
 def finished_tasks(streams: DataStreams, step: int) -> list[Request]:
@@ -422,37 +341,6 @@ def _queue_watcher(options: TrainOptions, prepared: Prepared, tokenizer: Any) ->
 
     ledger = Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks)
     return QueueWatcher(options.queue_dir, prepared.workload.spec.defaults, ledger, check=check)
-
-
-PROBE_TOKENS = 1024
-"""The most tokens of a replica's probe micro-batch (``Trainer._probe``): enough to be timed as its
-steps are, small next to a step."""
-
-PROBE_TIMINGS = 2
-"""Timed passes of the probe after its warm-up pass; each replica's shortest is observed."""
-
-
-def _metrics_rows(path: Path) -> list[dict]:
-    """The run's metrics so far, one mapping a step (``metrics.jsonl``: every launch's, cut back on resume)."""
-    import json
-
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def _cut(mb: MicroBatch, tokens: int) -> MicroBatch:
-    """The first rows of a micro-batch that fit in ``tokens`` (at least one)."""
-    keep = 1
-    while (
-        keep < len(mb.lengths)
-        and replace(
-            mb, seq_ids=mb.seq_ids[: keep + 1], task_ids=mb.task_ids[: keep + 1], lengths=mb.lengths[: keep + 1]
-        ).tokens
-        <= tokens
-    ):
-        keep += 1
-    return replace(mb, seq_ids=mb.seq_ids[:keep], task_ids=mb.task_ids[:keep], lengths=mb.lengths[:keep])
 
 
 def _last_step(executor: TorchExecutor, steps: int) -> int:

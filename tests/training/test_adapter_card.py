@@ -19,6 +19,7 @@ from lorafleet import __version__
 from lorafleet.cli import main
 from lorafleet.executor.torch.checkpoint import TaskState, TrainState, latest_step_dir, save_train_state
 from lorafleet.executor.torch.checkpoint_files import export_adapters, save_tokenizer
+from lorafleet.metrics import last_losses
 from lorafleet.rundir import clear_run, used_by
 from lorafleet.specs.lora import LoraSpec
 from lorafleet.specs.model import MODEL_PRESETS, PRESET_HUB_IDS, adapter_base_model
@@ -69,7 +70,10 @@ def test_an_export_ships_the_runs_tokenizer_and_a_model_card(tmp_path, tiny_toke
     save_tokenizer(AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir)), out / "tokenizer")
     task = TaskSpec(name="t", data={"path": "/data/t.jsonl"}, batch_size=3, context_length=128, lora=spec)
 
-    export_adapters(latest_step_dir(out / "checkpoints"), ["t"], out / "adapters", tasks=(task,), run_dir=out)
+    losses = last_losses(out / "metrics.jsonl")
+    export_adapters(
+        latest_step_dir(out / "checkpoints"), ["t"], out / "adapters", tasks=(task,), run_dir=out, losses=losses
+    )
 
     adapter = out / "adapters" / "t"
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "my-org/base"

@@ -12,7 +12,7 @@ Whole matrices mean a run can resume on another plan (torchrun restarted it on f
 the planner re-planned): each rank slices what its new role holds. The learning-rate
 schedule's whole state is the task's optimizer step count. No RNG state is saved: the
 executor reseeds every step from ``(seed, step, rank)``, so the generators at the start of
-any step are a function of the step (``worker``).
+any step are a function of the step (``window.microbatch_seed``).
 
 **Commit** (DLRover's two phases, on one writer): rank 0 gathers the pieces, writes the step
 into ``.step-000004.partial/`` with a manifest holding the SHA-256 of every other file in it,
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft.utils.constants import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
+from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -52,7 +52,7 @@ from lorafleet.executor.torch.checkpoint_files import (
     step_dir_name,
 )
 from lorafleet.executor.torch.optim import TaskOptimizer
-from lorafleet.executor.torch.peft_export import PEFT_PREFIX, lora_config, peft_key, read_peft_spec
+from lorafleet.executor.torch.peft_export import PEFT_PREFIX, peft_key, read_peft_spec, write_peft_adapter
 from lorafleet.executor.torch.replica import Replica
 from lorafleet.executor.torch.tp import shard
 from lorafleet.specs.io import file_sha256
@@ -180,17 +180,6 @@ def restore_task_states(
 
 
 # ---- files ----------------------------------------------------------------------------------
-
-
-def write_peft_adapter(path: Path, spec: LoraSpec, weights: dict[tuple[str, str], Tensor], base_model: str) -> None:
-    """A PEFT adapter directory from whole matrices (keys and config from ``peft_export``); ``base_model`` is
-    its ``base_model_name_or_path``: the Hub id or path a tenant loads it over (``specs.model.adapter_base_model``)."""
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = {peft_key(module, factor): w.contiguous() for (module, factor), w in sorted(weights.items())}
-    save_file(tensors, path / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
-    config = lora_config(spec, base_model_name_or_path=base_model).to_dict()
-    config["target_modules"] = sorted(config["target_modules"])
-    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _optimizer_key(module: str, factor: str, key: str) -> str:

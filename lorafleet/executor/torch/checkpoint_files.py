@@ -117,6 +117,7 @@ def export_adapters(
     *,
     tasks: Sequence[TaskSpec] = (),
     run_dir: Path | None = None,
+    losses: Mapping[str, tuple[int, float]] | None = None,
 ) -> None:
     """Tasks' PEFT adapters, copied out of a committed checkpoint into ``target/<task>``; each task's
     directory appears whole (written beside it, then renamed over the old one).
@@ -124,10 +125,11 @@ def export_adapters(
     With ``run_dir`` (the run's ``--out``), each directory is one a tenant can use anywhere: the run's
     tokenizer files (``<run_dir>/tokenizer/``, when there) and a model card ``README.md``
     (:func:`model_card`: the task's spec from ``tasks``, its steps from the checkpoint's manifest, its last
-    loss from ``<run_dir>/metrics.jsonl``)."""
+    loss from ``losses``, task -> (step, loss): the caller reads them out of the run's metrics,
+    ``lorafleet.metrics.last_losses``, which this package does not import)."""
     target.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(step_dir) if run_dir is not None else {}
-    losses = last_losses(run_dir / "metrics.jsonl") if run_dir is not None else {}
+    losses = losses or {}
     specs = {t.name: t for t in tasks}
     for name in names:
         staging = target / f".{name}.partial"
@@ -151,24 +153,6 @@ def export_adapters(
             (target / name).rename(old)
         staging.rename(target / name)
         shutil.rmtree(old, ignore_errors=True)
-
-
-def last_losses(metrics: Path) -> dict[str, tuple[int, float]]:
-    """Task -> (step, loss) of the last step it appeared in, from a run's ``metrics.jsonl`` (a torn or
-    unreadable line is skipped; no file: empty)."""
-    out: dict[str, tuple[int, float]] = {}
-    try:
-        lines = metrics.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        try:
-            row = json.loads(line)
-            step = int(row["step"])
-            out.update({name: (step, float(loss)) for name, loss in row.get("losses", {}).items()})
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
-    return out
 
 
 def _count_rows(path: Path) -> int | None:

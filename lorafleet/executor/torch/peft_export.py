@@ -14,6 +14,7 @@ own names.)
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import peft
@@ -63,12 +64,29 @@ def lora_config(spec: LoraSpec, *, base_model_name_or_path: str | None = None) -
     )
 
 
-def save_peft_adapter(model: nn.Module, adapter_id: int, path: str | Path) -> Path:
-    """Writes adapter ``adapter_id`` of an injected model as a PEFT adapter directory.
+def write_peft_adapter(
+    path: str | Path, spec: LoraSpec, weights: Mapping[tuple[str, str], Tensor], base_model: str | None
+) -> None:
+    """A PEFT adapter directory from whole matrices, (module, ``lora_A``/``lora_B``) -> matrix; ``base_model`` is
+    its ``base_model_name_or_path``: the Hub id or path a tenant loads it over (``specs.model.adapter_base_model``).
 
     The config JSON has sorted keys and a sorted ``target_modules`` list, so the same adapter
     always gives the same bytes (``LoraConfig.save_pretrained`` would dump ``target_modules``
-    from a set, in hash order).
+    from a set, in hash order). The one writer of the format: :func:`save_peft_adapter` (from an
+    injected model) and the checkpoints (``checkpoint.save_train_state``, from gathered pieces) both use it.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {peft_key(module, factor): w.contiguous() for (module, factor), w in sorted(weights.items())}
+    save_file(tensors, path / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
+    config = lora_config(spec, base_model_name_or_path=base_model).to_dict()
+    config["target_modules"] = sorted(config["target_modules"])
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def save_peft_adapter(model: nn.Module, adapter_id: int, path: str | Path) -> Path:
+    """Writes adapter ``adapter_id`` of an injected model as a PEFT adapter directory (:func:`write_peft_adapter`;
+    its base model is the model config's ``name_or_path``, when it has one).
 
     Returns:
         The directory.
@@ -77,18 +95,13 @@ def save_peft_adapter(model: nn.Module, adapter_id: int, path: str | Path) -> Pa
     if not layers:
         raise KeyError(f"no injected layer holds adapter {adapter_id}")
     spec = layers[0][1].adapters[adapter_id]
-    tensors: dict[str, Tensor] = {}
+    weights: dict[tuple[str, str], Tensor] = {}
     for name, layer in layers:
-        tensors[peft_key(name, "lora_A")] = layer.lora_A[str(adapter_id)].detach().contiguous()
-        tensors[peft_key(name, "lora_B")] = layer.lora_B[str(adapter_id)].detach().contiguous()
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, path / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
+        weights[(name, "lora_A")] = layer.lora_A[str(adapter_id)].detach()
+        weights[(name, "lora_B")] = layer.lora_B[str(adapter_id)].detach()
     name_or_path = getattr(getattr(model, "config", None), "name_or_path", None) or None
-    config = lora_config(spec, base_model_name_or_path=name_or_path).to_dict()
-    config["target_modules"] = sorted(config["target_modules"])
-    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return path
+    write_peft_adapter(path, spec, weights, name_or_path)
+    return Path(path)
 
 
 def read_peft_spec(path: str | Path) -> LoraSpec:

@@ -232,7 +232,7 @@ def run_rank_step(
     inv_tokens: Sequence[float],
 ) -> RankStepResult:
     """Forward and backward of one step's micro-batches on this rank, 1F1B; gradients accumulate,
-    nothing is updated (the profiler's unit of a step; the executor runs windows, ``worker``)."""
+    nothing is updated (the profiler's unit of a step; the executor runs windows, ``window``)."""
     start = time.perf_counter()
     forward = WindowForward(model, role, neighbours.device, [WindowStep(0, microbatches, examples, inv_tokens)])
     order = stream_order(role.replica.pp, role.stage, forward.stream)
