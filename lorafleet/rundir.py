@@ -12,14 +12,113 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 from lorafleet.errors import InputError
 
 LOCK = ".lock"
+STOP_REQUEST = ".stop-request"
+"""The signal number a stop of the run was asked with (the launcher writes it, rank 0 reads it)."""
 METRICS_JSONL = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
+LEDGER = "tasks.json"
+"""The task ledger of a run that took queued changes (``train.queue.ledger``)."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """A run directory's layout: every path a run reads or writes under ``--out``, named here once.
+
+    The files a run writes are :data:`RUN_FILES` (what ``--overwrite`` removes); the lock and the stop
+    request are the run's own bookkeeping. ``queue`` is ``--queue`` when given (it may live elsewhere).
+    """
+
+    root: Path
+    queue_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def plan(self) -> Path:
+        """The plan the run trains on (the checked one, its policy as overridden)."""
+        return self.root / "plan.json"
+
+    @property
+    def run_file(self) -> Path:
+        """What the launcher resolved for its workers (``train.run_file``)."""
+        return self.root / "run.json"
+
+    @property
+    def resolved_workload(self) -> Path:
+        """The validated workload, every path absolute: with ``plan.json``, what reproduces the run."""
+        return self.root / "workload.resolved.yaml"
+
+    @property
+    def metrics_jsonl(self) -> Path:
+        return self.root / METRICS_JSONL
+
+    @property
+    def metrics_csv(self) -> Path:
+        return self.root / METRICS_CSV
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def checkpoints(self) -> Path:
+        """The committed checkpoints, one directory a step (``executor.torch.checkpoint_files``)."""
+        return self.root / "checkpoints"
+
+    @property
+    def adapters(self) -> Path:
+        """Every task's exported PEFT adapter, a directory a task."""
+        return self.root / "adapters"
+
+    @property
+    def tokenizer(self) -> Path:
+        """The run's tokenizer, which every exported adapter ships with."""
+        return self.root / "tokenizer"
+
+    @property
+    def ledger(self) -> Path:
+        return self.root / LEDGER
+
+    @property
+    def queue(self) -> Path:
+        """The live task queue's directory: ``--queue``, or ``<out>/queue``."""
+        return self.queue_dir if self.queue_dir is not None else self.root / "queue"
+
+    def lock(self) -> RunLock:
+        """Take the directory's lock for this run's life (:func:`lock_run`)."""
+        return lock_run(self.root)
+
+    def used(self) -> list[str]:
+        """The run files already here (:func:`used_by`)."""
+        return used_by(self.root)
+
+    def clear(self) -> None:
+        """Remove a previous run's files (:func:`clear_run`)."""
+        clear_run(self.root)
+
+    def request_stop(self, sig: int) -> None:
+        """Ask rank 0 of the run here to stop at its next step boundary."""
+        (self.root / STOP_REQUEST).write_text(f"{sig}\n")
+
+    def stop_requested(self) -> int | None:
+        """The signal a stop of the run was asked with, or None."""
+        try:
+            return int((self.root / STOP_REQUEST).read_text().strip() or signal.SIGTERM)
+        except (OSError, ValueError):
+            return None
+
+    def clear_stop(self) -> None:
+        (self.root / STOP_REQUEST).unlink(missing_ok=True)
+
+
 RUN_FILES = (
     METRICS_JSONL,
     METRICS_CSV,
@@ -29,7 +128,7 @@ RUN_FILES = (
     "plan.json",
     "run.json",
     "summary.json",
-    "tasks.json",
+    LEDGER,
     "workload.resolved.yaml",
     "tokenizer",
     "wandb",
@@ -37,7 +136,8 @@ RUN_FILES = (
     "mlruns",
     ".mlflow-run-id",
 )
-"""What a run writes under its directory (``--overwrite`` removes exactly these)."""
+"""What a run writes under its directory (``--overwrite`` removes exactly these; :class:`RunDir` names the
+paths of the first ten)."""
 
 
 @dataclass

@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 from dataclasses import replace
-from pathlib import Path
 from types import FrameType
 
 from lorafleet.train.options import TrainOptions
@@ -50,9 +49,9 @@ def launch(options: TrainOptions) -> int:
         if options.queue_http is not None:
             from lorafleet.train.queue import start_queue_server
 
-            server = start_queue_server(Path(options.queue_dir), Path(options.out), options.queue_http)
+            server = start_queue_server(options.queue_dir, options.run_dir.root, options.queue_http)
             print(f"lorafleet train: queue: {server.url} (token in {server.token_file})", flush=True)
-        return _run(replace(options, plan=str(Path(options.out) / "plan.json")), prepared)
+        return _run(replace(options, plan=str(options.run_dir.plan)), prepared)
     finally:
         if server is not None:
             server.close()
@@ -83,11 +82,12 @@ def _run(options: TrainOptions, prepared: Prepared) -> int:
 def _supervise(options: TrainOptions, prepared: Prepared) -> int:
     """Run torchrun in a session of its own, dying with this process; turn the first SIGINT/SIGTERM into a
     stop request, a second into a kill; the exit code says which (128 + signal) or torchrun's."""
-    from lorafleet.executor.torch.processes import clear_stop, die_with_parent, request_stop, torchrun_argv, worker_env
+    from lorafleet.executor.torch.processes import die_with_parent, torchrun_argv, worker_env
     from lorafleet.train.run_file import ResolvedRun
 
-    clear_stop(options.out)
-    path = ResolvedRun.of(options, prepared).save(options.out)
+    run_dir = options.run_dir
+    run_dir.clear_stop()
+    path = ResolvedRun.of(options, prepared).save(run_dir)
     phase(f"starting {counted(prepared.world_size, 'worker process', 'worker processes')} (torchrun)")
     argv = torchrun_argv(prepared.world_size, RANK_MODULE, [str(path)], max_restarts=options.max_restarts)
     child = subprocess.Popen(argv, env=worker_env(locked=True), start_new_session=True, preexec_fn=die_with_parent)
@@ -96,7 +96,7 @@ def _supervise(options: TrainOptions, prepared: Prepared) -> int:
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         received.append(signum)
         if len(received) == 1:
-            request_stop(options.out, signum)
+            run_dir.request_stop(signum)
             print(
                 f"lorafleet train: {signal.Signals(signum).name}: stopping at the next step boundary (again to abort)",
                 file=sys.stderr,
@@ -111,7 +111,7 @@ def _supervise(options: TrainOptions, prepared: Prepared) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        clear_stop(options.out)
+        run_dir.clear_stop()
     if received:
         return 128 + received[0]
     return code

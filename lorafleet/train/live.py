@@ -24,7 +24,6 @@ change, and an added one as it would alone from its start step.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lorafleet.specs.cluster import ClusterSpec
@@ -83,7 +82,6 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
     from lorafleet.executor.torch.checkpoint_files import export_adapters, step_dir_name
     from lorafleet.metrics import last_losses
     from lorafleet.planner import ReplanOptions, replan_incremental
-    from lorafleet.rundir import METRICS_JSONL
     from lorafleet.train.queue import QueueWatcher
     from lorafleet.train.replan import replan_run
 
@@ -91,7 +89,8 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
     if pending is None:
         return None
     step, requests = pending.step, pending.requests
-    queue = Path(options.queue_dir)
+    queue = options.queue_dir
+    run_dir = options.run_dir
     for request, reason in _unplaceable(requests, prepared):
         QueueWatcher(queue, {}, Ledger(()), log=_log).reject(queue / "accepted" / request.file, reason)
         requests = [r for r in requests if r is not request]
@@ -100,14 +99,14 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
     leaving = [r.name for r in requests if r.action in (Action.FINISH, Action.CANCEL)]
     if leaving:
         export_adapters(
-            Path(options.out) / "checkpoints" / step_dir_name(step),
+            run_dir.checkpoints / step_dir_name(step),
             leaving,
-            Path(options.out) / "adapters",
+            run_dir.adapters,
             tasks=prepared.workload.spec.tasks,
-            run_dir=Path(options.out),
-            losses=last_losses(Path(options.out) / METRICS_JSONL),
+            tokenizer=run_dir.tokenizer,
+            losses=last_losses(run_dir.metrics_jsonl),
         )
-        _log(f"step {step}: exported {', '.join(leaving)} to {Path(options.out) / 'adapters'}")
+        _log(f"step {step}: exported {', '.join(leaving)} to {run_dir.adapters}")
     ledger.save(options.out)
     if not ledger.active:
         clear_pending(queue)

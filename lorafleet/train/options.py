@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib.util import find_spec
+from pathlib import Path
 
 from pydantic import ConfigDict
 
 from lorafleet.errors import InputError
+from lorafleet.rundir import RunDir
 
 ARGS = "<args>"
 
@@ -71,8 +73,13 @@ class TrainOptions:
     """Experiment trackers rank 0 also logs the step scalars to: ``wandb``, ``mlflow`` (``lorafleet.metrics``)."""
 
     @property
-    def queue_dir(self) -> str:
-        return self.queue if self.queue is not None else f"{self.out}/queue"
+    def run_dir(self) -> RunDir:
+        """The run directory's layout (``--out``, with ``--queue`` when given)."""
+        return RunDir(Path(self.out), Path(self.queue) if self.queue is not None else None)
+
+    @property
+    def queue_dir(self) -> Path:
+        return self.run_dir.queue
 
     def __post_init__(self) -> None:
         for flag, value, least in (

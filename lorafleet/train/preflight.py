@@ -191,11 +191,12 @@ def _resume_step(options: TrainOptions) -> int | None:
     and ``--steps`` does not go below it. Broken newer checkpoints are reported."""
     from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
 
-    found = resumable_checkpoint(Path(options.out) / "checkpoints")
+    checkpoints = options.run_dir.checkpoints
+    found = resumable_checkpoint(checkpoints)
     if found is None:
         if restarted():
             return 0
-        raise InputError(ARGS, "--resume", f"nothing to resume: no checkpoint in {Path(options.out) / 'checkpoints'}")
+        raise InputError(ARGS, "--resume", f"nothing to resume: no checkpoint in {checkpoints}")
     for line in found.broken:
         print(f"lorafleet train: warning: checkpoint {line}; resuming from {found.step_dir.name}", file=sys.stderr)
     if options.steps < found.step:
@@ -212,12 +213,12 @@ def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
     """Lock the run directory and make it this run's: refuse a used one unless resuming or told to
     overwrite; check the data against the checkpoint resumed from; write the run's plan and its resolved
     workload (``workload.resolved.yaml``: :func:`save_resolved_workload`)."""
-    from lorafleet.rundir import clear_run, lock_run, used_by
     from lorafleet.train.queue import clear_pending
 
-    lock = lock_run(options.out)
+    run_dir = options.run_dir
+    lock = run_dir.lock()
     try:
-        used = used_by(options.out)
+        used = run_dir.used()
         if prepared.resume_step is None and used and not restarted():
             if not options.overwrite:
                 raise InputError(
@@ -226,22 +227,18 @@ def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
                     f"holds a previous run ({', '.join(used)}); pass --resume to "
                     "continue it or --overwrite to replace it",
                 )
-            clear_run(options.out)
+            run_dir.clear()
         if prepared.resume_step is None:
             clear_pending(options.queue_dir)  # a previous run's accepted requests are not this run's
         if prepared.resume_step:
             check_data(options, prepared)
-        if not prepared.run.plan == _saved_plan(options.out):
-            prepared.run.plan.save(Path(options.out) / "plan.json")
-        save_resolved_workload(prepared.workload.spec, Path(options.out) / RESOLVED_WORKLOAD)
+        if not prepared.run.plan == _saved_plan(run_dir.plan):
+            prepared.run.plan.save(run_dir.plan)
+        save_resolved_workload(prepared.workload.spec, run_dir.resolved_workload)
     except BaseException:
         lock.release()
         raise
     return lock
-
-
-RESOLVED_WORKLOAD = "workload.resolved.yaml"
-"""The workload a run trains, validated, every path absolute: with ``plan.json``, what reproduces it."""
 
 
 def save_resolved_workload(spec: WorkloadSpec, path: Path) -> None:
@@ -264,10 +261,9 @@ def save_resolved_workload(spec: WorkloadSpec, path: Path) -> None:
     write_text_atomic(path, yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
 
 
-def _saved_plan(out: str) -> DeploymentPlan | None:
+def _saved_plan(path: Path) -> DeploymentPlan | None:
     from lorafleet.plans import DeploymentPlan
 
-    path = Path(out) / "plan.json"
     try:
         return DeploymentPlan.load(path) if path.is_file() else None
     except InputError:
@@ -279,7 +275,7 @@ def check_data(options: TrainOptions, prepared: Prepared) -> None:
     from lorafleet.executor.torch.checkpoint_files import read_manifest, resumable_checkpoint
     from lorafleet.executor.torch.data_stream import training_streams
 
-    found = resumable_checkpoint(Path(options.out) / "checkpoints")
+    found = resumable_checkpoint(options.run_dir.checkpoints)
     if found is None:
         return
     manifest = read_manifest(found.step_dir)

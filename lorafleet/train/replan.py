@@ -53,6 +53,6 @@ def replan_run(
 
     cost_model, _ = plan_cost_model(workload, cluster, old, options.plan, options.profile)
     planned = plan_with(cost_model, PlannerOptions(policy=policy, baselines=False))
-    path = Path(options.out) / "plan.json"
+    path = options.run_dir.plan
     planned.plan.save(path)
     return path, planned

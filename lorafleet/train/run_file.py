@@ -26,11 +26,11 @@ from lorafleet.assemble import PlannedRun
 from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan
+from lorafleet.rundir import RunDir
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.preflight import Prepared
 
-RUN_FILE = "run.json"
 RUN_KIND = "lorafleet.ResolvedRun"
 
 
@@ -72,14 +72,14 @@ class ResolvedRun:
             cost_model=origin,
         )
 
-    def save(self, out: str | Path) -> Path:
-        """Write ``<out>/run.json`` whole or not at all."""
+    def save(self, run_dir: RunDir) -> Path:
+        """Write the run directory's ``run.json`` whole or not at all."""
         import json
 
         from lorafleet.specs.io import write_text_atomic
         from lorafleet.specs.typed import adapter
 
-        path = Path(out) / RUN_FILE
+        path = run_dir.run_file
         write_text_atomic(path, json.dumps(adapter(ResolvedRun).dump_python(self, mode="json"), indent=2) + "\n")
         return path
 

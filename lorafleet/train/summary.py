@@ -13,23 +13,22 @@ The figures are the run's :class:`~lorafleet.metrics.RunSummary`, built from eve
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lorafleet.metrics import RunSummary, read_rows, summarize_rows
-from lorafleet.rundir import METRICS_JSONL
+from lorafleet.rundir import RunDir
 
 if TYPE_CHECKING:
     from lorafleet.dispatch.recalibration import ReplicaCalibration
 
 
-def run_summary(out: Path) -> RunSummary:
-    """The summary of the run in ``out``: its whole ``metrics.jsonl``, every launch's steps."""
-    return summarize_rows(read_rows(out / METRICS_JSONL))
+def run_summary(run_dir: RunDir) -> RunSummary:
+    """The summary of the run in ``run_dir``: its whole ``metrics.jsonl``, every launch's steps."""
+    return summarize_rows(read_rows(run_dir.metrics_jsonl))
 
 
 def summary_text(
-    out: Path,
+    run_dir: RunDir,
     steps: int,
     summary: RunSummary,
     *,
@@ -37,13 +36,13 @@ def summary_text(
     recalibration: Sequence[ReplicaCalibration] | None,
     stopped: Iterable[str],
 ) -> str:
-    """The closing lines (module docstring) of the run in ``out`` after ``steps`` steps. ``recalibration``: each
+    """The closing lines (module docstring) of the run in ``run_dir`` after ``steps`` steps. ``recalibration``: each
     replica's factor, or None for no line (recalibration off, or no step ran in this launch)."""
     from lorafleet.dispatch.recalibration import summarize_factors
 
     lines = [
-        f"lorafleet train: {steps} steps; adapters in {out / 'adapters'}, metrics in "
-        f"{out / METRICS_JSONL} (and .csv, tensorboard/)"
+        f"lorafleet train: {steps} steps; adapters in {run_dir.adapters}, metrics in "
+        f"{run_dir.metrics_jsonl} (and .csv, tensorboard/)"
     ]
     if summary.steps:
         measured, predicted = summary.mean_makespan_s, summary.mean_estimated_makespan_s

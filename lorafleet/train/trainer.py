@@ -26,7 +26,6 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from lorafleet.plans import StepPlan, StepReport
-from lorafleet.rundir import METRICS_CSV, METRICS_JSONL
 from lorafleet.train.health import TaskHealth
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase
@@ -100,8 +99,9 @@ class Trainer:
         self.plan = prepared.run.plan
         self.cost_model = prepared.run.cost_model
         self.names = [t.name for t in prepared.workload.tasks]
-        self.out = Path(options.out)
-        self.checkpoints = self.out / "checkpoints"
+        self.run_dir = options.run_dir
+        self.out = self.run_dir.root
+        self.checkpoints = self.run_dir.checkpoints
         self.recalibrator = Recalibrator(len(self.plan.replicas), self.plan.policy.recalibration)
         self.signal: int | None = None
         pipelined = any(r.config.pp > 1 for r in self.plan.replicas)
@@ -201,10 +201,8 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """At a window boundary: a signal asked to stop, or queued requests are due (the run restarts to apply them)."""
-        from lorafleet.executor.torch.processes import stop_requested
-
         if self.signal is None:
-            self.signal = stop_requested(self.out)
+            self.signal = self.run_dir.stop_requested()
         if self.signal is None and self.watcher is not None:
             self.due = self.watcher.poll(self.next_step)
             if self.next_step < self.options.steps:
@@ -222,17 +220,17 @@ class Trainer:
         export_adapters(
             final,
             self.names,
-            self.out / "adapters",
+            self.run_dir.adapters,
             tasks=self.prepared.workload.spec.tasks,
-            run_dir=self.out,
-            losses=last_losses(self.out / METRICS_JSONL),
+            tokenizer=self.run_dir.tokenizer,
+            losses=last_losses(self.run_dir.metrics_jsonl),
         )
         self.executor.close()
         recalibrated = ran and self.plan.policy.recalibration.enabled
         text = summary_text(
-            self.out,
+            self.run_dir,
             reached,
-            run_summary(self.out),
+            run_summary(self.run_dir),
             cost_source=self.cost_model.source,
             recalibration=self.recalibrator.replicas() if recalibrated else None,
             stopped=self.health.stopped,
@@ -243,9 +241,9 @@ class Trainer:
     def _save_tokenizer(self) -> None:
         """The run's tokenizer into ``<out>/tokenizer/`` (once a run directory), for every adapter exported
         (here, and by the launcher when a task leaves a running job: ``train.live``) to ship with."""
-        from lorafleet.executor.torch.checkpoint_files import TOKENIZER_DIR, save_tokenizer
+        from lorafleet.executor.torch.checkpoint_files import save_tokenizer
 
-        save_tokenizer(self.tokenizer, self.out / TOKENIZER_DIR)
+        save_tokenizer(self.tokenizer, self.run_dir.tokenizer)
 
     def _stopped(self, reached: int) -> int:
         """A stop asked by a signal, at the boundary before step ``reached``: checkpoint (unless told not to)."""
@@ -291,9 +289,9 @@ class Trainer:
         )
 
         writers = [
-            JsonlWriter(self.out / METRICS_JSONL),
-            CsvWriter(self.out / METRICS_CSV),
-            TensorBoardWriter(self.out / "tensorboard", purge_step=steps.start),
+            JsonlWriter(self.run_dir.metrics_jsonl),
+            CsvWriter(self.run_dir.metrics_csv),
+            TensorBoardWriter(self.run_dir.tensorboard, purge_step=steps.start),
         ]
         config = {
             "plan": self.plan.describe(),

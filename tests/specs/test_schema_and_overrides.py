@@ -12,6 +12,7 @@ import yaml
 from lorafleet.cli import build_parser, main
 from lorafleet.commands.schema import workload_json_schema
 from lorafleet.errors import InputError
+from lorafleet.rundir import RunDir
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.workload import DataSpec, LengthSpec, TaskSpec, WorkloadSpec
@@ -377,12 +378,34 @@ def test_train_options_carry_sets_through_the_run_file(tmp_path, capsys):
     options = options_of(build_parser().parse_args(argv))
     assert options.sets == ("tasks.chat.lora.rank=8", "defaults.optimizer.lr=1e-3")
     resolved = ResolvedRun.of(options, prepare(options))
-    path = resolved.save(tmp_path)
+    path = resolved.save(RunDir(tmp_path))
     assert ResolvedRun.load(path) == resolved
     worker = ResolvedRun.load(path).prepared()
     assert worker.workload.task("chat").spec.lora.rank == 8
     assert {t.spec.optimizer.lr for t in worker.workload.tasks} == {1e-3}
     assert worker.run.plan.policy.options.n_buckets == 4 and worker.run.overrides == ()
+
+
+def test_the_launchers_checks_and_run_file_are_torch_free(tmp_path):
+    """Everything the launcher does before its workers start (checks, the lock, the run file) imports no torch
+    (ARCHITECTURE: torch only on a rank; an import-linter contract holds the import graph to it)."""
+    import subprocess
+    import sys
+
+    demo, plan, out = EXAMPLES / "demo" / "workload.yaml", tmp_path / "plan.json", tmp_path / "run"
+    assert main(["plan", str(demo), "--gpus", "1", "--gpu", "cpu", "--samples", "0", "--json", str(plan)]) == 0
+    code = (
+        "import sys\n"
+        "from lorafleet.train.options import TrainOptions\n"
+        "from lorafleet.train.preflight import claim, prepare\n"
+        "from lorafleet.train.run_file import ResolvedRun\n"
+        f"o = TrainOptions(workload={str(demo)!r}, plan={str(plan)!r}, out={str(out)!r}, gpus=1, gpu='cpu')\n"
+        "p = prepare(o); claim(o, p).release(); ResolvedRun.of(o, p).save(o.run_dir)\n"
+        "print(sorted({'torch', 'triton', 'peft'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]" and (out / "run.json").is_file()
 
 
 def test_training_workload_applies_sets():

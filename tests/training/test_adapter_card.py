@@ -72,7 +72,12 @@ def test_an_export_ships_the_runs_tokenizer_and_a_model_card(tmp_path, tiny_toke
 
     losses = last_losses(out / "metrics.jsonl")
     export_adapters(
-        latest_step_dir(out / "checkpoints"), ["t"], out / "adapters", tasks=(task,), run_dir=out, losses=losses
+        latest_step_dir(out / "checkpoints"),
+        ["t"],
+        out / "adapters",
+        tasks=(task,),
+        tokenizer=out / "tokenizer",
+        losses=losses,
     )
 
     adapter = out / "adapters" / "t"
@@ -228,7 +233,9 @@ def test_a_presets_adapters_name_its_hub_id_and_ship_its_own_tokenizer(tmp_path)
     save_train_state(out / "checkpoints", state, base_model=hub)
     trained_with = task_tokenizer(spec)
     save_tokenizer(trained_with, out / "tokenizer")
-    export_adapters(latest_step_dir(out / "checkpoints"), ["chat"], out / "adapters", tasks=spec.tasks, run_dir=out)
+    export_adapters(
+        latest_step_dir(out / "checkpoints"), ["chat"], out / "adapters", tasks=spec.tasks, tokenizer=out / "tokenizer"
+    )
 
     adapter = out / "adapters" / "chat"
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == hub

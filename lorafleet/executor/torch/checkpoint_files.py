@@ -91,9 +91,6 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 """A PEFT adapter's files (peft's ``CONFIG_NAME`` and ``SAFETENSORS_WEIGHTS_NAME``), as a checkpoint holds them."""
 
 
-TOKENIZER_DIR = "tokenizer"
-"""``<out>/tokenizer/``: the run's tokenizer (the one its data was tokenized with), saved by rank 0 as the
-run starts (:func:`save_tokenizer`) and copied into every exported adapter by :func:`export_adapters`."""
 CARD = "README.md"
 """An exported adapter's model card (:func:`model_card`)."""
 
@@ -116,19 +113,19 @@ def export_adapters(
     target: Path,
     *,
     tasks: Sequence[TaskSpec] = (),
-    run_dir: Path | None = None,
+    tokenizer: Path | None = None,
     losses: Mapping[str, tuple[int, float]] | None = None,
 ) -> None:
     """Tasks' PEFT adapters, copied out of a committed checkpoint into ``target/<task>``; each task's
     directory appears whole (written beside it, then renamed over the old one).
 
-    With ``run_dir`` (the run's ``--out``), each directory is one a tenant can use anywhere: the run's
-    tokenizer files (``<run_dir>/tokenizer/``, when there) and a model card ``README.md``
+    With ``tokenizer`` (the run's tokenizer directory, ``rundir.RunDir.tokenizer``), each directory is one a
+    tenant can use anywhere: the tokenizer's files (when it was saved there) and a model card ``README.md``
     (:func:`model_card`: the task's spec from ``tasks``, its steps from the checkpoint's manifest, its last
     loss from ``losses``, task -> (step, loss): the caller reads them out of the run's metrics,
     ``lorafleet.metrics.last_losses``, which this package does not import)."""
     target.mkdir(parents=True, exist_ok=True)
-    manifest = read_manifest(step_dir) if run_dir is not None else {}
+    manifest = read_manifest(step_dir) if tokenizer is not None else {}
     losses = losses or {}
     specs = {t.name: t for t in tasks}
     for name in names:
@@ -137,8 +134,7 @@ def export_adapters(
         staging.mkdir()
         for file in ADAPTER_FILES:
             shutil.copy2(step_dir / name / file, staging / file)
-        if run_dir is not None:
-            tokenizer = run_dir / TOKENIZER_DIR
+        if tokenizer is not None:
             if tokenizer.is_dir():
                 for file in sorted(tokenizer.iterdir()):
                     if file.is_file() and file.name not in ADAPTER_FILES:

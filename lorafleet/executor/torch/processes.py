@@ -12,8 +12,9 @@ launcher checks and starts a run without importing torch.
   different checkout in the current directory cannot run in their place.
 - **Stopping.** The launcher runs torchrun in a session of its own, so a terminal's Ctrl-C
   reaches the launcher alone; it turns SIGINT or SIGTERM into a stop request, a file in the run
-  directory that rank 0 reads at every step boundary (a second signal kills the run). Under a
-  user's own torchrun, rank 0 takes SIGINT and SIGTERM as the same request.
+  directory (``rundir.RunDir.request_stop``) that rank 0 reads at every step boundary (a second
+  signal kills the run). Under a user's own torchrun, rank 0 takes SIGINT and SIGTERM as the same
+  request.
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 PACKAGE_ENV = "LORAFLEET_PACKAGE"
 LOCKED_ENV = "LORAFLEET_RUN_LOCKED"
 """Set by the launcher, which holds the run directory's lock, for the workers it starts."""
-STOP_REQUEST = ".stop-request"
-"""In the run directory: the signal number a stop was asked with."""
 PR_SET_PDEATHSIG = 1
 
 
@@ -98,21 +97,3 @@ def check_code() -> None:
             f"this worker imported lorafleet from {here}, its launcher runs "
             f"{expected}; start the run from another directory",
         )
-
-
-def request_stop(out: str | Path, sig: int) -> None:
-    """Ask rank 0 of the run in ``out`` to stop at its next step boundary."""
-    path = Path(out) / STOP_REQUEST
-    path.write_text(f"{sig}\n")
-
-
-def stop_requested(out: str | Path) -> int | None:
-    """The signal a stop of the run in ``out`` was asked with, or None."""
-    try:
-        return int((Path(out) / STOP_REQUEST).read_text().strip() or signal.SIGTERM)
-    except (OSError, ValueError):
-        return None
-
-
-def clear_stop(out: str | Path) -> None:
-    (Path(out) / STOP_REQUEST).unlink(missing_ok=True)

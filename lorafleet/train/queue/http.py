@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from lorafleet.rundir import LEDGER
 from lorafleet.specs.io import write_text_atomic
-from lorafleet.train.queue.ledger import LEDGER
 from lorafleet.train.queue.requests import ACCEPTED, REJECTED, UPDATE_KEYS, Action, reason_file, request_files
 
 HOST = "127.0.0.1"

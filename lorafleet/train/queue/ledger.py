@@ -17,13 +17,11 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, PlainSerializer, TypeAdapter, with_config
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing only on Python >= 3.12
 
+from lorafleet.rundir import LEDGER
 from lorafleet.specs.io import read_json_as, write_json_as
 from lorafleet.specs.workload import TaskSpec
 from lorafleet.train.queue.requests import Action, Request
 from lorafleet.turns import TaskTurns
-
-LEDGER = "tasks.json"
-"""The ledger's file name, in the run directory."""
 
 
 class TaskState(StrEnum):
