@@ -45,6 +45,9 @@ LOBRA_R = {4: (1.00, 0.44), 8: (0.715, 0.23), 12: (0.645, 0.15), 16: (0.625, 0.1
 QUALITY_TARGET = 0.03
 """The fast method's estimated makespan must be within 3% of the exact MILP's best solution."""
 
+PADDED = MicroBatchMode.PADDING
+"""The micro-batches these figures are for (LobRA's padded buckets; ``packing`` rows say so)."""
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -101,7 +104,7 @@ def verdict(ok: bool) -> str:
 
 
 def bench_speed(batches, plan, cost_model, target_ms: float) -> None:
-    options = DispatchOptions()
+    options = DispatchOptions(microbatch_mode=PADDED)
     solve_step(batches[0], plan, cost_model, options)  # warm-up: imports, scipy's HiGHS
     wall, cpu = [], []
     for batch in batches:
@@ -120,12 +123,16 @@ def bench_speed(batches, plan, cost_model, target_ms: float) -> None:
 
 
 def bench_quality(batches, plan, cost_model, solver: SolverName, limit_s: float) -> None:
-    fast_opts = DispatchOptions()
-    exact_opts = DispatchOptions(method=DispatchMethod.EXACT, solver=solver, time_limit_s=limit_s, gap_rel=1e-6)
+    fast_opts = DispatchOptions(microbatch_mode=PADDED)
+    exact_opts = DispatchOptions(
+        microbatch_mode=PADDED, method=DispatchMethod.EXACT, solver=solver, time_limit_s=limit_s, gap_rel=1e-6
+    )
     rows = []
     for batch in batches:
         fast = solve_step(batch, plan, cost_model, fast_opts)
-        length = solve_step(batch, plan, cost_model, DispatchOptions(method=DispatchMethod.LENGTH))
+        length = solve_step(
+            batch, plan, cost_model, DispatchOptions(microbatch_mode=PADDED, method=DispatchMethod.LENGTH)
+        )
         exact = solve_step(batch, plan, cost_model, exact_opts)
         rows.append(
             (
@@ -177,7 +184,9 @@ def bench_quality(batches, plan, cost_model, solver: SolverName, limit_s: float)
 
 def bench_buckets(batches, plan, cost_model) -> None:
     def run(**kw):
-        outs = [solve_step(b, plan, cost_model, DispatchOptions(**kw)).plan for b in batches]
+        outs = [
+            solve_step(b, plan, cost_model, DispatchOptions(**({"microbatch_mode": PADDED} | kw))).plan for b in batches
+        ]
         return np.mean([p.padding_ratio for p in outs]), np.mean([p.estimated_makespan_s for p in outs])
 
     results = {r: run(n_buckets=r) for r in LOBRA_R}

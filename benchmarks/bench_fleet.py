@@ -55,6 +55,7 @@ from lorafleet.assemble import workload_cluster, workload_cost_model  # noqa: E4
 from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from lorafleet.planner import workload_baselines  # noqa: E402
 from lorafleet.plans import DeploymentPlan  # noqa: E402
+from lorafleet.specs.dispatch import DispatchPolicy  # noqa: E402
 from lorafleet.workload import load_workload  # noqa: E402
 
 DEMO = REPO / "examples" / "demo"
@@ -154,7 +155,8 @@ def main() -> int:
         stdout=subprocess.DEVNULL,
     )
     runs: dict[str, list[tuple[Path, Path]]] = {"lorafleet": [(workload_path, ours)]}
-    for schedule in workload_baselines(workload, cluster, cost_model):
+    flushed = DispatchPolicy(pipeline_window=1)  # the baselines' window these figures were measured with
+    for schedule in workload_baselines(workload, cluster, cost_model, flushed):
         runs[schedule.name] = []
         for phase in schedule.phases:
             tasks = tuple(TASKS[k] for k in phase.tasks)

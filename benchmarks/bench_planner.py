@@ -59,6 +59,7 @@ from lorafleet.planner.evaluation import PoolEntry, evaluate
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.problem import build_problem
 from lorafleet.planner.search import minlp_pool, search
+from lorafleet.presets import FLUSHED_PADDING
 from lorafleet.sampling import sample_global_batch
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import Workload, load_workload, resolve_workload
@@ -164,7 +165,7 @@ def part_optimality(n_workloads: int, tmp: Path, recompute: str = "auto") -> Non
         cluster = workload_cluster(workload, 4)
         cost_model = workload_cost_model(workload, cluster)
         candidates = [c for c in valid_candidates(cost_model, cluster) if c.config in configs]
-        problem = build_problem(expected_global_batch(workload), candidates, cost_model, cluster, DispatchOptions())
+        problem = build_problem(expected_global_batch(workload), candidates, cost_model, cluster, FLUSHED_PADDING)
         if not problem.covers(np.ones(len(candidates), dtype=np.int64)):
             continue
         start = time.perf_counter()
@@ -275,8 +276,7 @@ def part_judge() -> None:
         cost_model = workload_cost_model(workload, cluster)
         expected = expected_global_batch(workload)
         candidates = propose_candidates(valid_candidates(cost_model, cluster), int(expected.lengths.max()))
-        dispatch = DispatchOptions(n_buckets=options.n_buckets, microbatch_mode=options.microbatch_mode)
-        _, ranked = search(build_problem(expected, candidates, cost_model, cluster, dispatch), options)
+        _, ranked = search(build_problem(expected, candidates, cost_model, cluster, options.policy), options)
         estimate = np.array([e.expected_makespan for e in ranked])
         model = np.array([placed_times(e.load, e.expected.class_counts).max() for e in ranked])
         gap = model / estimate - 1
@@ -291,7 +291,8 @@ def part_judge() -> None:
             f"ordered differently; the load model's pick is {estimate[pick] / estimate.min() - 1:+.1%} slower",
             flush=True,
         )
-    fleet = _test_fleet()
+    from lorafleet import presets as fleet
+
     cost_model = fleet.lobra_7b_cost_model()
     options = DispatchOptions(microbatch_mode=MicroBatchMode.PACKING)
     for layout in (
@@ -311,16 +312,6 @@ def part_judge() -> None:
             f"fleet {plan.describe()}, 15 lognormal batches (0.1-1x LobRA's 7B batch): load model / estimate - 1 "
             f"from {min(gaps):+.1%} to {max(gaps):+.1%} (mean {np.mean(gaps):+.1%})"
         )
-
-
-def _test_fleet():
-    """``tests/dispatch/fleet.py`` (the dispatch tests' fleets), imported from the repository root."""
-    import sys
-
-    sys.path.insert(0, str(REPO))
-    from tests.dispatch import fleet
-
-    return fleet
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ from lorafleet.data.model_source import (  # noqa: E402
 )
 from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from lorafleet.data.tokenize import IGNORE_INDEX, load_tokenizer  # noqa: E402
-from lorafleet.dispatch import DispatchOptions, dispatch_step  # noqa: E402
+from lorafleet.dispatch import DispatchOptions, MicroBatchMode, dispatch_step  # noqa: E402
 from lorafleet.executor.torch.base_model import load_causal_lm  # noqa: E402
 from lorafleet.executor.torch.data_stream import DataStreams, prepare_task_data  # noqa: E402
 from lorafleet.executor.torch.optim import build_optimizer, lr_at  # noqa: E402
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, executor in executors.items():
                 batch = executor.next_global_batch(step)
                 step_plan = (
-                    dispatch_step(batch, plan, cost_model, DispatchOptions())
+                    dispatch_step(batch, plan, cost_model, DispatchOptions(microbatch_mode=MicroBatchMode.PADDING))
                     if name == "joint"
                     else fused_padding_plan(batch, args.max_tokens)
                 )

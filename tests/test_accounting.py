@@ -11,7 +11,7 @@ from lorafleet.dispatch import solve_step
 from lorafleet.executor.simulated import SimulatedExecutor, SimulationOptions
 from lorafleet.metrics import sum_task_gpu_seconds
 from lorafleet.plans import MicroBatch, ReplicaWork, StepPlan, StepReport
-from tests.dispatch.fleet import TP1, TP2, TP2_PP2, TP4, lobra_7b_cost_model, lognormal_batch, make_batch, make_plan
+from lorafleet.presets import TP1, TP2, TP2_PP2, TP4, lobra_7b_cost_model, lognormal_batch, make_batch, make_plan
 
 NAMES = ("a", "b", "c", "d")
 COST_MODEL = lobra_7b_cost_model()

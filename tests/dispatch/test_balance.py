@@ -14,9 +14,9 @@ from lorafleet.dispatch.load import config_classes
 from lorafleet.dispatch.microbatch import padded_microbatches
 from lorafleet.dispatch.placement import interleave, place_sequences, placed_times
 from lorafleet.dispatch.step import choose_buckets
+from lorafleet.presets import LOBRA_7B_PLAN, TP1, TP2, TP2_PP2, TP4, TP8, lobra_7b_cost_model, make_batch, make_plan
 from lorafleet.solvers import SolverName, solve
 from lorafleet.specs.dispatch import DispatchOptions, MicroBatchMode
-from tests.dispatch.fleet import LOBRA_7B_PLAN, TP1, TP2, TP2_PP2, TP4, TP8, lobra_7b_cost_model, make_batch, make_plan
 
 COST_MODEL = lobra_7b_cost_model()
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from lorafleet.cli import main
-from tests.dispatch.fleet import LOBRA_7B_PLAN, make_plan
+from lorafleet.presets import LOBRA_7B_PLAN, make_plan
 
 WORKLOAD = """\
 model: llama2-7b

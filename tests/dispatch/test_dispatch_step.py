@@ -24,8 +24,7 @@ from lorafleet.dispatch.balance import fluid_bound
 from lorafleet.dispatch.load import config_classes
 from lorafleet.dispatch.step import choose_buckets
 from lorafleet.errors import InputError, SolverFallbackWarning
-from lorafleet.solvers import SolveResult, SolverName, SolveStatus
-from tests.dispatch.fleet import (
+from lorafleet.presets import (
     LOBRA_7B_PLAN,
     TP1,
     TP2,
@@ -37,6 +36,7 @@ from tests.dispatch.fleet import (
     make_batch,
     make_plan,
 )
+from lorafleet.solvers import SolveResult, SolverName, SolveStatus
 
 COST_MODEL = lobra_7b_cost_model()
 LAYOUTS = [LOBRA_7B_PLAN, ((TP1, 2), (TP2, 1)), ((TP1, 2), (TP2_PP2, 1), (TP8, 1)), ((TP4, 2),), ((TP2, 3), (TP8, 1))]

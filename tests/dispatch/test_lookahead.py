@@ -9,8 +9,8 @@ import pytest
 import lorafleet.dispatch.ilp as ilp_module
 from lorafleet.dispatch import DispatchOptions, LookaheadDispatcher, dispatch_step
 from lorafleet.errors import SolverFallbackWarning
+from lorafleet.presets import LOBRA_7B_PLAN, lobra_7b_cost_model, lognormal_batch, make_plan
 from lorafleet.solvers import SolveResult, SolverName, SolveStatus
-from tests.dispatch.fleet import LOBRA_7B_PLAN, lobra_7b_cost_model, lognormal_batch, make_plan
 
 COST_MODEL = lobra_7b_cost_model()
 PLAN = make_plan(LOBRA_7B_PLAN)

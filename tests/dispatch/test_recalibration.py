@@ -14,8 +14,8 @@ from lorafleet.dispatch.recalibration import Recalibrator
 from lorafleet.executor.simulated import FailureSpec, SimulatedExecutor, SimulationOptions
 from lorafleet.loop import PolicySource, run_loop
 from lorafleet.plans import ReplicaWork, StepPlan, StepReport
+from lorafleet.presets import LOBRA_7B_PLAN, TP1, lobra_7b_cost_model, lognormal_batch, make_plan
 from lorafleet.specs.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode, Recalibration
-from tests.dispatch.fleet import LOBRA_7B_PLAN, TP1, lobra_7b_cost_model, lognormal_batch, make_plan
 
 COST_MODEL = lobra_7b_cost_model()
 PLAN = replace(

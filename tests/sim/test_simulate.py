@@ -42,7 +42,7 @@ def test_a_window_of_steps_is_simulated_as_the_dispatcher_priced_it():
     from dataclasses import replace
 
     from lorafleet.dispatch import solve_step
-    from tests.dispatch.fleet import FLUSHED_PADDING, TP1, TP2_PP2, lobra_7b_cost_model, lognormal_batch, make_plan
+    from lorafleet.presets import FLUSHED_PADDING, TP1, TP2_PP2, lobra_7b_cost_model, lognormal_batch, make_plan
 
     plan = make_plan(((TP1, 2), (TP2_PP2, 2)), n_tasks=6, policy=replace(FLUSHED_PADDING, pipeline_window=8))
     cost_model = lobra_7b_cost_model()

@@ -1,4 +1,4 @@
-"""Small fleets for dispatch tests: a LobRA-like 7B cost model, plans and global batches built in code.
+"""Named fleets built in code, for tests, benchmarks and notebooks: a LobRA-like 7B cost model, plans, batches.
 
 The cost model is LobRA's TP1 fit (ms per layer) with scaled variants per TP degree: the
 work terms shrink with TP at 85% efficiency per doubling, the fixed term grows. Max tokens
@@ -41,7 +41,7 @@ def lobra_7b_cost_model() -> CostModel:
         model=MODEL_PRESETS["llama2-7b"],
         layer_time={tp: scaled_coeffs(tp) for tp in MAX_TOKENS},
         max_tokens_table={c: MAX_TOKENS[c.tp] for c in configs},
-        source="test:lobra-7b-scaled",
+        source="preset:lobra-7b-scaled",
     )
 
 
