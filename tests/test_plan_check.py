@@ -64,6 +64,44 @@ def test_version_1_is_refused_naming_the_field(planned, tmp_path):
         DeploymentPlan.load(old)
 
 
+@pytest.mark.parametrize(
+    "edit,field,words",
+    [
+        (lambda d: d["replicas"][0].update(gpus=["x"]), "replicas[0].gpus[0]", "whole number"),
+        (lambda d: d["replicas"][0].update(max_tokens=2.5), "replicas[0].max_tokens", "whole number"),
+        (lambda d: d["replicas"][0].update(config="banana"), "replicas[0].config", "not a parallel config"),
+        (lambda d: d["replicas"][0].update(colour="red"), "replicas[0].colour", "unknown field"),
+        (lambda d: d.update(expected_makespan_s="fast"), "expected_makespan_s", "number"),
+        (lambda d: d.update(extra=1), "extra", "unknown field"),
+        (lambda d: d["policy"].update(n_buckets="8"), "policy.n_buckets", "whole number"),
+        (lambda d: d["policy"]["recalibration"].update(bound=0.5), "policy.recalibration.bound", ">= 1"),
+        (lambda d: d["policy"].update(shuffle=True), "policy.shuffle", "unknown field"),
+        (lambda d: d["cost_model"].update(kind="guessed"), "cost_model", "analytic or profile"),
+    ],
+)
+def test_a_broken_plan_file_names_the_field_path(planned, tmp_path, edit, field, words):
+    """The plan file is read through its typed model, strictly: one line naming the file and the field path."""
+    _, _, _, plan_path = planned
+    data = json.loads(plan_path.read_text())
+    edit(data)
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(data))
+    with pytest.raises(InputError) as err:
+        DeploymentPlan.load(broken)
+    assert err.value.path == str(broken) and err.value.field == field and words in err.value.msg, str(err.value)
+
+
+def test_the_plan_schema_validates_a_plan_the_planner_wrote(planned):
+    import jsonschema
+
+    from lorafleet.commands.schema import SCHEMAS
+
+    _, _, _, plan_path = planned
+    jsonschema.Draft202012Validator(SCHEMAS["plan"]()).validate(json.loads(plan_path.read_text()))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft202012Validator(SCHEMAS["plan"]()).validate({**json.loads(plan_path.read_text()), "x": 1})
+
+
 def _replica(plan: DeploymentPlan, k: int, **change) -> DeploymentPlan:
     replicas = list(plan.replicas)
     replicas[k] = replace(replicas[k], **change)

@@ -384,6 +384,15 @@ def test_train_options_carry_sets_through_the_run_file(tmp_path, capsys):
     assert worker.workload.task("chat").spec.lora.rank == 8
     assert {t.spec.optimizer.lr for t in worker.workload.tasks} == {1e-3}
     assert worker.run.plan.policy.options.n_buckets == 4 and worker.run.overrides == ()
+    import jsonschema
+
+    from lorafleet.commands.schema import SCHEMAS
+
+    jsonschema.Draft202012Validator(SCHEMAS["run"]()).validate(json.loads(path.read_text()))
+    jsonschema.Draft202012Validator(SCHEMAS["policy"]()).validate(worker.run.plan.policy.to_json())
+    with pytest.raises(InputError, match="run.json: options.steps: must be a whole number"):
+        path.write_text(path.read_text().replace('"steps": 10', '"steps": "10"'))
+        ResolvedRun.load(path)
 
 
 def test_the_launchers_checks_and_run_file_are_torch_free(tmp_path):
