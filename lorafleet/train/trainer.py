@@ -92,7 +92,7 @@ class Trainer:
 
         self.options = options
         self.tokenizer = tokenizer
-        """The run's tokenizer (its data's: ``launch.task_tokenizer``): saved for the exports, and what a
+        """The run's tokenizer (its data's: ``data_stream.task_tokenizer``): saved for the exports, and what a
         queued task's data is checked with."""
         self.prepared = prepared
         self.executor = executor

@@ -216,7 +216,7 @@ def test_a_presets_adapters_name_its_hub_id_and_ship_its_own_tokenizer(tmp_path)
     and all), which tokenizes as it does."""
     from transformers import AutoTokenizer
 
-    from lorafleet.executor.torch.launch import task_tokenizer
+    from lorafleet.executor.torch.data_stream import task_tokenizer
 
     spec = WorkloadSpec.model_validate(
         {
