@@ -10,12 +10,16 @@ distribution and then the overflow rule is applied and counted
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import numpy as np
 
 from lorafleet.plans import GlobalBatch
 from lorafleet.specs.workload import fit_to_context
 from lorafleet.turns import TaskTurns
-from lorafleet.workload import Workload
+from lorafleet.workload import Task, Workload
 
 
 def workload_turns(workload: Workload) -> list[TaskTurns]:
@@ -36,6 +40,48 @@ def workload_turns(workload: Workload) -> list[TaskTurns]:
 def task_rng(seed: int, step: int, task_index: int) -> np.random.Generator:
     """The generator of one task's draw at one step."""
     return np.random.default_rng(np.random.SeedSequence([seed, step, task_index]))
+
+
+class TaskDraw(NamedTuple):
+    """One task's sequences of one step (:func:`task_lengths`)."""
+
+    lengths: np.ndarray
+    """int64, ``batch_size`` of them, each at most the task's context length."""
+    truncated: int
+    """Drawn longer than the context length and cut to it."""
+    rejected: int
+    """Drawn longer than the context length, dropped and drawn again from the kept distribution."""
+
+
+def _name_key(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "little")
+
+
+def task_lengths(task: Task, step: int, seed: int) -> TaskDraw:
+    """Task ``task``'s batch at its own step ``step``: its ``batch_size`` lengths, truncated and rejected
+    counts (``sampling.sample_global_batch``'s draw, seeded by (seed, own step, the task's name))."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, step, _name_key(task.name)]))
+    n = task.batch_size
+    fit = fit_to_context(task.raw_lengths.sample(n, rng), task.spec.context_length, task.spec.overflow)
+    drawn = fit.lengths
+    if fit.rejected.any():
+        drawn[fit.rejected] = task.lengths.sample(int(fit.rejected.sum()), rng)
+    return TaskDraw(drawn.astype(np.int64), int(fit.truncated.sum()), int(fit.rejected.sum()))
+
+
+def global_batch(step: int, draws: Sequence[tuple[int, int, TaskDraw]]) -> GlobalBatch:
+    """Global step ``step``'s batch of the draws ``(task id, the step it was drawn at, draw)``, in that order:
+    a task's sample ids at draw step s are ``s * batch_size ...`` (each draw names its own sequences)."""
+    return GlobalBatch(
+        step=step,
+        task_ids=np.concatenate([np.full(d.lengths.size, k, dtype=np.int64) for k, _, d in draws]),
+        sample_ids=np.concatenate(
+            [np.arange(s * d.lengths.size, (s + 1) * d.lengths.size, dtype=np.int64) for _, s, d in draws]
+        ),
+        lengths=np.concatenate([d.lengths for _, _, d in draws]),
+        truncated=sum(d.truncated for _, _, d in draws),
+        rejected=sum(d.rejected for _, _, d in draws),
+    )
 
 
 def sample_global_batch(workload: Workload, step: int, seed: int | None = None) -> GlobalBatch:
