@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import yaml
 
-from lorafleet.arrivals import ArrivalOptions, Strategy, load_trace, replay_trace, task_lengths
+from lorafleet.arrivals import ArrivalOptions, Strategy, load_trace, replay_trace
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.cli import main
 from lorafleet.errors import InputError
 from lorafleet.planner import PlannerOptions, ReplanOptions, plan_deployment
+from lorafleet.sampling import task_lengths
 from lorafleet.workload import load_workload
 
 # A quick planner: the replay's figures, not the plans' quality, are under test.

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from lorafleet.errors import InputError
-from lorafleet.sampling import sample_global_batch
+from lorafleet.sampling import sample_global_batch, task_lengths
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import load_workload
 from tests.conftest import EXAMPLES
@@ -114,6 +114,19 @@ def test_sampling_is_deterministic_and_counts_overflow(tmp_path):
     )
     assert one.lengths.max() <= 1000 and one.truncated > 0 and one.rejected > 0
     assert not (one.lengths[one.task_ids == 1] == 1000).any()  # rejected, never truncated
+
+
+def test_a_tasks_sampled_batch_depends_on_its_name_not_its_place(tmp_path):
+    """One sampling rule keyed by the task's name: a task draws the same lengths whatever tasks are beside it
+    and wherever it stands among them (the arrivals replay and the task queue rely on it)."""
+    task = {"lengths": {"mean": 600, "skewness": 2.0, "kurtosis": 8.0}, "batch_size": 16, "context_length": 2048}
+    both = load_workload(write(tmp_path, {"tasks": [{"name": "a", **task}, {"name": "b", **task}]}, "both.yaml"))
+    alone = load_workload(write(tmp_path, {"tasks": [{"name": "b", **task}]}, "alone.yaml"))
+    batch = sample_global_batch(both, 5)
+    b = batch.lengths[batch.task_ids == 1]
+    assert np.array_equal(b, sample_global_batch(alone, 5).lengths)
+    assert np.array_equal(b, task_lengths(both.task("b"), 5, both.spec.seed).lengths)
+    assert not np.array_equal(b, batch.lengths[batch.task_ids == 0])  # same distribution, another name
 
 
 def test_data_row_errors_name_the_row(tmp_path, tiny_tokenizer_dir):

@@ -1,0 +1,195 @@
+"""A trace replayed under each strategy on the one step loop, and the GPU-seconds each strategy spends.
+
+Simulated time starts at 0 and the fleet runs global steps of the tasks present
+(:mod:`lorafleet.arrivals.fleet`: changes at step boundaries, idle time not charged). At each change the
+strategy (:mod:`lorafleet.arrivals.strategies`) names the plan the tasks run on; a change with replicas
+torn down makes the clock wait ``migration_s`` first. Then that plan runs on :func:`lorafleet.loop.run_loop`
+until the task set changes again, as ``simulate`` and ``train`` run theirs: in the plan's pipeline windows,
+each step planned by the event-aware source (:mod:`lorafleet.arrivals.source`), run on the noise-free
+simulated executor and learnt from by a recalibrator.
+
+**One loop run per deployment segment.** ``run_loop`` takes one executor, and a simulated executor (and a
+recalibrator) belongs to one deployment: its replicas. So the replay calls ``run_loop`` once per
+*segment*, a stretch of steps with one plan and one task set, with that plan's executor. A segment's
+steps end where its first present task departs; ``stop`` ends it sooner, at the first window boundary
+(after its first step) where an event has changed the task set. The replay, between segments, is where
+the things outside any step happen: the idle jumps, the strategy's answer and the migration wait. The
+recalibrator carries over a change that keeps the deployment's replicas and starts afresh with a new
+deployment (as ``Recalibrator.load_state_dict`` does for a re-planned one).
+
+A step costs ``makespan x plan.used_gpus`` GPU-seconds (the GPUs the plan's replicas hold, as ``simulate``
+charges: GPUs a plan leaves unused are free for other work), and each task's part of it is
+:func:`lorafleet.accounting.task_gpu_seconds`'s (the parts sum to the step's GPU-seconds). Every strategy
+is priced by one cost model, built for all the tasks of the run (each replica keeps room for every adapter
+the trace brings, so no deployment is rebuilt only because an adapter arrives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from lorafleet.accounting import task_gpu_seconds
+from lorafleet.arrivals.fleet import Fleet, TaskOutcome
+from lorafleet.arrivals.source import TraceSource
+from lorafleet.arrivals.strategies import REPLANNERS, Change, PlanMaker, Replanner, Static, Strategy
+from lorafleet.arrivals.trace import Trace
+from lorafleet.costmodel import CostModel
+from lorafleet.dispatch import Recalibrator
+from lorafleet.executor.simulated import SimulatedExecutor
+from lorafleet.loop import run_loop
+from lorafleet.planner import PlannerOptions, ReplanOptions
+from lorafleet.plans import DeploymentPlan, StepPlan, StepReport
+from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.workload import Task
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArrivalOptions:
+    """How the trace is replayed."""
+
+    planner: PlannerOptions = PlannerOptions(robust_samples=0, baselines=False)
+    """Options of every plan made (the first plan, each re-plan, the static plan)."""
+    replan: ReplanOptions = ReplanOptions()
+    """``migration_s`` (every strategy's price of a rebuilt replica) and the incremental horizon."""
+    seed: int | None = None
+    """Seed of the sampled batches; None: the workload's."""
+    strategies: tuple[Strategy, ...] = tuple(Strategy)
+
+
+@dataclass(frozen=True)
+class StrategyRun:
+    """One strategy's replay of the trace."""
+
+    strategy: Strategy
+    step_gpu_s: float
+    """GPU-seconds of the steps (makespan x the plan's used GPUs, summed)."""
+    migration_gpu_s: float
+    finish_s: float
+    """When the last task departed."""
+    steps: int
+    """Global steps run."""
+    plans: int
+    """Plans made (the planner's calls: the first plan, then one per change; 1 for static)."""
+    moves: int
+    """Changes of deployment after the first plan."""
+    rebuilt: int
+    """Replicas torn down and rebuilt, in all."""
+    tasks: dict[str, TaskOutcome]
+    changes: tuple[Change, ...]
+    step_s: tuple[float, ...] = field(repr=False, default=())
+    """Each global step's makespan."""
+
+    @property
+    def gpu_s(self) -> float:
+        """Total: the steps' and the migrations'."""
+        return self.step_gpu_s + self.migration_gpu_s
+
+    @property
+    def tokens(self) -> int:
+        """Real tokens trained, all tasks (fewer where a cancel came before a task's steps were taken)."""
+        return sum(o.tokens for o in self.tasks.values())
+
+
+@dataclass(frozen=True)
+class ArrivalsResult:
+    """Every strategy's replay of one trace."""
+
+    trace: Trace
+    runs: tuple[StrategyRun, ...]
+    static_plan: DeploymentPlan | None = None
+
+    def run(self, strategy: Strategy | str) -> StrategyRun:
+        return next(r for r in self.runs if r.strategy == Strategy(strategy))
+
+
+def _same_replicas(a: DeploymentPlan | None, b: DeploymentPlan) -> bool:
+    """``b`` runs ``a``'s replicas (the same configs on the same GPUs, in the same order)."""
+    return a is not None and [(r.config, r.gpus) for r in a.replicas] == [(r.config, r.gpus) for r in b.replicas]
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """The steps of one plan and one task set (module docstring): ``run_loop``'s source, executor and hooks."""
+
+    fleet: Fleet
+    plan: DeploymentPlan
+    cost_model: CostModel
+    tasks: Mapping[str, Task]
+    seed: int
+    recalibrator: Recalibrator
+    first_step: int
+
+    def on_report(self, report: StepReport, step_plan: StepPlan) -> None:
+        """A step ran: the fleet's clock and tasks move on, each task owing its part of the step."""
+        owed = task_gpu_seconds(step_plan, report, self.plan, self.cost_model, self.plan.tasks)
+        self.fleet.record(report.makespan_s, self.plan.used_gpus, owed, report.task_tokens)
+
+    def stop(self) -> bool:
+        """At a window boundary after the segment's first step: the events due change the task set."""
+        return self.fleet.step > self.first_step and self.fleet.apply_due()
+
+    def run(self) -> None:
+        source = TraceSource(self.fleet, self.plan, self.cost_model, self.tasks, self.seed, self.recalibrator)
+        run_loop(
+            source,
+            SimulatedExecutor(self.plan, self.cost_model, self.plan.tasks),
+            range(self.first_step, self.first_step + self.fleet.first_departure()),
+            on_report=self.on_report,
+            recalibrator=self.recalibrator,
+            stop=self.stop,
+            window=self.plan.policy.pipeline_window,
+            next_boundary=source.next_boundary,
+        )
+
+
+def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int, migration_s: float) -> StrategyRun:
+    """One strategy's replay: between segments the idle jumps, the strategy's answer and the migration wait."""
+    fleet = Fleet(trace)
+    tasks = {a.task.name: a.task for a in trace.arrivals}
+    plan: DeploymentPlan | None = None
+    recalibrator: Recalibrator | None = None
+    changes: list[Change] = []
+    while True:
+        fleet.apply_due()
+        if not fleet.present:
+            if fleet.idle():
+                continue
+            break
+        decision = replanner.on_change(plan, tuple(fleet.present), fleet.clock, fleet.steps_left())
+        if decision.change is not None:
+            changes.append(decision.change)
+            if decision.change.torn_down:
+                fleet.wait(migration_s)  # the fleet rebuilds (its replicas in parallel) before the next step
+        if recalibrator is None or not _same_replicas(plan, decision.plan):
+            recalibrator = Recalibrator(len(decision.plan.replicas), decision.plan.policy.recalibration)
+        plan = decision.plan
+        assert set(fleet.present) <= set(plan.tasks), (fleet.present, plan.tasks)
+        _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, fleet.step).run()
+    return StrategyRun(
+        strategy=replanner.strategy,
+        step_gpu_s=fleet.step_gpu_s,
+        migration_gpu_s=sum((c.migration_gpu_s for c in changes), 0.0),
+        finish_s=max((o.completion_s or 0.0 for o in fleet.outcomes.values()), default=0.0),
+        steps=fleet.step,
+        plans=replanner.plans_made,
+        moves=sum(c.moved for c in changes),
+        rebuilt=sum(c.torn_down for c in changes),
+        tasks=fleet.outcomes,
+        changes=tuple(changes),
+        step_s=tuple(fleet.step_s),
+    )
+
+
+def replay_trace(
+    trace: Trace, cluster: ClusterSpec, cost_model: CostModel, options: ArrivalOptions = ArrivalOptions()
+) -> ArrivalsResult:
+    """Replay ``trace`` under each of ``options.strategies`` (module docstring) on ``cluster``, priced by
+    ``cost_model`` (one for the run's tasks: ``assemble.workload_cost_model(trace.all_tasks(), cluster)``)."""
+    plans = PlanMaker(trace, cluster, cost_model, options.planner)
+    seed = trace.workload.spec.seed if options.seed is None else options.seed
+    replanners = [REPLANNERS[s](plans, options.replan) for s in options.strategies]
+    migration_s = options.replan.migration_s
+    runs = tuple(_replay(r, trace, cost_model, seed, migration_s) for r in replanners)
+    static_plan = next((r.plan for r in replanners if isinstance(r, Static)), None)
+    return ArrivalsResult(trace=trace, runs=runs, static_plan=static_plan)
