@@ -9,12 +9,13 @@ the run directory's (``lorafleet.rundir``: ``METRICS_JSONL``, ``METRICS_CSV``).
 from __future__ import annotations
 
 import csv
+import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from lorafleet.rundir import METRICS_CSV, METRICS_JSONL
+from lorafleet.specs.io import write_text_atomic
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -47,8 +48,8 @@ def truncate_metrics(out: str | Path, step: int) -> None:
     """Keep only the metrics of steps before ``step`` in the run directory ``out`` (a resumed run replays
     from there, so nothing replayed is counted twice).
 
-    Each file is rewritten whole to a temporary file and renamed over the old one, so a crash
-    here leaves either the old file or the truncated one.
+    Each file is rewritten whole (``specs.io.write_text_atomic``), so a crash here leaves either the old
+    file or the truncated one.
     """
     root = Path(out)
     jsonl = root / METRICS_JSONL
@@ -58,7 +59,7 @@ def truncate_metrics(out: str | Path, step: int) -> None:
             for line in jsonl.read_text(encoding="utf-8").splitlines(keepends=True)
             if line.strip() and _step_of_json(line) < step
         ]
-        _replace(jsonl, "".join(kept))
+        write_text_atomic(jsonl, "".join(kept))
     table = root / METRICS_CSV
     if table.is_file():
         with table.open(newline="", encoding="utf-8") as f:
@@ -67,10 +68,9 @@ def truncate_metrics(out: str | Path, step: int) -> None:
             header, body = rows[0], rows[1:]
             at = header.index("step") if "step" in header else None
             kept_rows = [r for r in body if at is None or (len(r) > at and r[at].isdigit() and int(r[at]) < step)]
-            tmp = table.with_name(f".{table.name}.tmp")
-            with tmp.open("w", newline="", encoding="utf-8") as f:
-                csv.writer(f).writerows([header, *kept_rows])
-            os.replace(tmp, table)
+            text = io.StringIO(newline="")
+            csv.writer(text).writerows([header, *kept_rows])
+            write_text_atomic(table, text.getvalue())
 
 
 def _step_of_json(line: str) -> int:
@@ -78,9 +78,3 @@ def _step_of_json(line: str) -> int:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return 1 << 62  # a torn last line (a crash mid-write): dropped
-
-
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -17,7 +17,7 @@ any step are a function of the step (``window.microbatch_seed``).
 **Commit** (DLRover's two phases, on one writer): rank 0 gathers the pieces, writes the step
 into ``.step-000004.partial/`` with a manifest holding the SHA-256 of every other file in it,
 renames it to ``step-000004/`` (atomic on POSIX: from here the checkpoint is committed), then
-replaces ``latest.json`` (write a temporary file, ``os.replace``), a pointer for people and
+replaces ``latest.json`` (``specs.io.write_text_atomic``), a pointer for people and
 tools. Older step directories beyond ``keep`` are removed after the commit.
 
 **Resume** (:func:`resumable_checkpoint`) verifies before it trusts: the newest step directory
@@ -30,7 +30,6 @@ intact checkpoint before it; with none intact, resume is an InputError.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +54,7 @@ from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.peft_export import PEFT_PREFIX, peft_key, read_peft_spec, write_peft_adapter
 from lorafleet.executor.torch.replica import Replica
 from lorafleet.executor.torch.tp import shard
-from lorafleet.specs.io import file_sha256
+from lorafleet.specs.io import file_sha256, write_text_atomic
 from lorafleet.specs.lora import LoraSpec
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -210,9 +209,7 @@ def save_train_state(directory: str | Path, state: TrainState, *, base_model: st
     final = root / name
     shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (not the committed one's target)
     partial.rename(final)
-    tmp = root / f".{LATEST}.tmp"
-    tmp.write_text(json.dumps({"step": state.step, "path": name}) + "\n")
-    os.replace(tmp, root / LATEST)
+    write_text_atomic(root / LATEST, json.dumps({"step": state.step, "path": name}) + "\n")
     steps = sorted(p for p in root.glob("step-*") if p.is_dir())
     for old in steps[: max(0, len(steps) - keep)]:
         if old != final:
