@@ -194,7 +194,7 @@ def test_a_symlink_loop_is_one_line(tmp_path, capsys):
     "command,flag", [("plan", "--json"), ("plan", "--plot"), ("simulate", "--report"), ("whatif", "--out")]
 )
 def test_an_unwritable_output_is_refused_before_the_work(tmp_path, capsys, command, flag):
-    from tests.conftest import EXAMPLES
+    from tests.helpers.repo import EXAMPLES
 
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
@@ -210,7 +210,7 @@ def test_an_unwritable_output_is_refused_before_the_work(tmp_path, capsys, comma
 def test_joint_minlp_without_pyscipopt_is_one_line(monkeypatch, capsys):
     import importlib.util
 
-    from tests.conftest import EXAMPLES
+    from tests.helpers.repo import EXAMPLES
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyscipopt" else real(name, *a))
@@ -228,7 +228,7 @@ def test_joint_minlp_without_pyscipopt_is_one_line(monkeypatch, capsys):
     ],
 )
 def test_simulate_refuses_non_finite_and_unknown_replicas(capsys, argv, words):
-    from tests.conftest import EXAMPLES
+    from tests.helpers.repo import EXAMPLES
 
     assert main(["simulate", str(EXAMPLES / "lobra-7b.yaml"), "--steps", "1", *argv]) == 2
     _one_line(capsys, words)

@@ -11,7 +11,7 @@ from lorafleet.assemble import workload_cluster
 from lorafleet.cli import main
 from lorafleet.report import format_value, summary_rows, task_cost_rows, write_report
 from lorafleet.simulate import simulate_schedule
-from tests.conftest import EXAMPLES
+from tests.helpers.repo import EXAMPLES
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from lorafleet.cli import main
 from lorafleet.errors import InputError
 from lorafleet.whatif import Variation, sweep
 from lorafleet.workload import load_workload
-from tests.conftest import EXAMPLES, SMALL_WORKLOAD
+from tests.helpers.repo import EXAMPLES, SMALL_WORKLOAD
 
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,7 @@ def test_a_bad_file_and_a_workload_task_without_steps(files, setting, tmp_path):
 
 
 def test_the_example_trace_reads():
-    from tests.conftest import EXAMPLES
+    from tests.helpers.repo import EXAMPLES
 
     trace = load_trace(EXAMPLES / "arrivals" / "trace.yaml", load_workload(EXAMPLES / "arrivals" / "workload.yaml"))
     assert trace.names == ("dolly", "chat", "meetingbank", "code")

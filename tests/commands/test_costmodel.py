@@ -23,8 +23,7 @@ from lorafleet.costmodel.profile_format import (
 from lorafleet.costmodel.time_model import LayerTimeCoeffs, MicroBatchShape
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.model import MODEL_PRESETS
-
-from .lobra_data import LAYER_TIME_CSV
+from tests.helpers.lobra_data import LAYER_TIME_CSV
 
 TINY = MODEL_PRESETS["tiny-llama"]
 TRUE = LayerTimeCoeffs((2e-6, 0.0, 0.02, 0.0, 0.1, 3.0))

@@ -6,8 +6,7 @@ import pytest
 
 from lorafleet.cli import build_parser, main
 from lorafleet.plans import DeploymentPlan
-
-from .conftest import small_workload, write_workload
+from tests.helpers.planning import small_workload, write_workload
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +15,7 @@ def workload_path(tmp_path_factory):
 
 
 def test_cli_surface_is_frozen():
-    """A new option of `plan` must be added here on purpose (as `train`'s are in test_train_command.py).
+    """A new option of `plan` must be added here on purpose (as `train`'s are in test_train.py).
     --max-nodes, --deadline, --budget and --steps size the fleet with --gpus auto (docs/planner.md)."""
     plan = build_parser()._subparsers._group_actions[0].choices["plan"]
     assert sorted(o for a in plan._actions for o in a.option_strings) == [

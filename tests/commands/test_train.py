@@ -19,12 +19,10 @@ import peft
 import pytest
 from safetensors import safe_open
 
-import fleet_harness as h
 from lorafleet.cli import build_parser, main
 from lorafleet.executor.torch.base_model import load_causal_lm
-
-REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "examples" / "demo"
+from tests.helpers import fleet_harness as h
+from tests.helpers.repo import DEMO, REPO
 
 
 def test_cli_surface_is_frozen():

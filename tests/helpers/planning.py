@@ -1,4 +1,4 @@
-"""Fixtures of the planner tests: a LobRA-like cost model, tiny planning problems, small workloads.
+"""Builders of the planner tests: a LobRA-like cost model, tiny planning problems, small workloads.
 
 The time model is LobRA's TP1 fit for one Llama2-7B layer on A100-40GB (their Appendix D,
 ``c2`` clipped to 0), divided by ``tp ** TP_SPEEDUP`` per TP degree so that per-GPU
@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import pytest
 import yaml
 
 from lorafleet.costmodel.cost_model import CostModel
@@ -133,8 +132,3 @@ def small_workload(tmp_path: Path, seed: int = 0, nodes: int = 2, longest: int =
         },
     ]
     return load_workload(write_workload(tmp_path / f"workload-{seed}.yaml", tasks, nodes=nodes, seed=seed))
-
-
-@pytest.fixture(scope="session")
-def cost_model_7b() -> CostModel:
-    return lobra_like_cost_model()

@@ -1,6 +1,6 @@
 """The segmented-LoRA cases both kernel tests run: in Triton's interpreter on CPU
-(``interpreted_segment_lora.py``, fp32) and compiled on a GPU (``tests/gpu/test_segment_lora_cuda.py``,
-fp32 and bf16), each against the torch backend.
+(``tests/executor/torch/kernels/interpreted_segment_lora.py``, fp32) and compiled on a GPU
+(``tests/gpu/test_segment_lora_cuda.py``, fp32 and bf16), each against the torch backend.
 
 Importing this module imports neither triton nor the kernels (``multi_lora`` loads them on first
 use), so the interpreter's file can import it after checking TRITON_INTERPRET.

@@ -14,7 +14,6 @@ import pytest
 import torch
 import yaml
 
-import fleet_harness as h
 from lorafleet import __version__
 from lorafleet.cli import main
 from lorafleet.executor.torch.checkpoint import TaskState, TrainState, latest_step_dir, save_train_state
@@ -24,9 +23,9 @@ from lorafleet.rundir import clear_run, used_by
 from lorafleet.specs.lora import LoraSpec
 from lorafleet.specs.model import MODEL_PRESETS, PRESET_HUB_IDS, adapter_base_model
 from lorafleet.specs.workload import TaskSpec, WorkloadSpec
+from tests.helpers import fleet_harness as h
+from tests.helpers.repo import DEMO
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "examples" / "demo"
 MODULE = "model.layers.0.self_attn.q_proj"
 
 
@@ -108,7 +107,7 @@ def test_overwrite_removes_the_resolved_workload_and_the_tokenizer(tmp_path):
 
 
 def _workload(tmp_path: Path, tokenizer: Path, header: str) -> tuple[Path, Path]:
-    """Two demo tasks on tiny-llama (as ``test_train_command``'s), data paths relative to the file."""
+    """Two demo tasks on tiny-llama (as ``tests/commands/test_train.py``'s), data paths relative to the file."""
     (tmp_path / "data").mkdir()
     for name in ("docsum", "chat"):
         (tmp_path / "data" / f"{name}.jsonl").write_text((DEMO / f"{name}.jsonl").read_text())

@@ -18,13 +18,13 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-import fleet_harness as h
 from lorafleet.cli import build_parser, main
 from lorafleet.errors import InputError
 from lorafleet.plans import ReplicaSpec
-from test_reliability import DEMO, LAUNCHER
+from tests.helpers import fleet_harness as h
+from tests.helpers.repo import DEMO, REPO
+from tests.helpers.train_cli import LAUNCHER
 
-REPO = Path(__file__).resolve().parents[2]
 TASKS = ("docsum", "chat")
 STEPS = "3"
 

@@ -24,7 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_reliability import DEMO, LAUNCHER, _steps, _wait_for_steps, _worker_pids
+from tests.helpers.repo import DEMO
+from tests.helpers.train_cli import LAUNCHER, _steps, _wait_for_steps, _worker_pids
 
 TASKS = ("docsum", "chat")
 

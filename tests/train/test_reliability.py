@@ -4,7 +4,6 @@ checkpoints, signals, processes and numbers, as a user would meet it (real torch
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,11 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import fleet_harness as h
-
-REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "examples" / "demo"
-LAUNCHER = [sys.executable, "-m", "lorafleet"]
+from tests.helpers import fleet_harness as h
+from tests.helpers.repo import DEMO
+from tests.helpers.train_cli import LAUNCHER, _steps, _wait_for_steps, _worker_pids
 
 
 def _workload(tmp_path: Path, tokenizer: Path, chat: str = "optimizer: {lr: 1.0e-3}", extra_task: str = "") -> Path:
@@ -61,10 +58,6 @@ def run(tmp_path, tiny_tokenizer_dir):
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
     return train, tmp_path
-
-
-def _steps(out: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def _one_error(result, words: str) -> None:
@@ -158,21 +151,6 @@ def test_a_second_run_refuses_a_locked_directory(run):
         lock.release()
 
 
-def _worker_pids(marker: str) -> list[int]:
-    """Processes whose command line names ``marker`` (the run directory), this test's excepted."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline and "torch.distributed.run" not in cmdline and " -u -m lorafleet" in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
 def _start(run, *args: str) -> subprocess.Popen:
     train, tmp = run
     argv = [
@@ -189,17 +167,6 @@ def _start(run, *args: str) -> subprocess.Popen:
         *args,
     ]
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
-
-
-def _wait_for_steps(out: Path, n: int, process: subprocess.Popen, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        path = out / "metrics.jsonl"
-        if path.is_file() and len(path.read_text().splitlines()) >= n:
-            return
-        assert process.poll() is None, process.communicate()
-        time.sleep(0.2)
-    raise AssertionError(f"no {n} steps within {timeout} s")
 
 
 @pytest.mark.slow

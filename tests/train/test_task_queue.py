@@ -22,9 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from lorafleet.cli import main
+from tests.helpers.repo import DEMO
 
-REPO = Path(__file__).resolve().parents[2]
-DEMO = REPO / "examples" / "demo"
 STEPS = 8
 ATOL = 1e-5
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import fleet_harness as h
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
 from lorafleet.executor.torch.data_stream import DataStreams, apply_overflow, loss_tokens
 from lorafleet.specs.workload import OverflowPolicy
+from tests.helpers import fleet_harness as h
 
 
 def _batches(streams: DataStreams, steps: range) -> list:

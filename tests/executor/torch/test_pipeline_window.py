@@ -15,9 +15,9 @@ import pytest
 from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import load_file
 
-import fleet_harness as h
 from lorafleet.executor.torch.checkpoint import latest_step_dir
-from test_joint_training import ATOL, STEPS, _max_diff, train_alone
+from tests.helpers import fleet_harness as h
+from tests.helpers.trained_alone import ATOL, STEPS, _max_diff, train_alone
 
 RUNS = {
     "pp4+tp1 w3": dict(plan=h.plan_of((1, 4), (1, 1)), window=3),

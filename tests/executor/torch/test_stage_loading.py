@@ -25,7 +25,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import fleet_harness as h
 from lorafleet.data.model_source import ModelSource, SourceKind
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.base_model import SAFETENSORS_FILE, SAFETENSORS_INDEX, load_base, load_causal_lm
@@ -34,6 +33,7 @@ from lorafleet.executor.torch.layout import layer_of
 from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.step import build_inputs, stage_forward
 from lorafleet.executor.torch.tp import TP_STYLES, _shard_module, base_index, holds_bias
+from tests.helpers import fleet_harness as h
 
 PLANS = {"tp2+pp2": h.plan_of((2, 1), (1, 2)), "tp2xpp2": h.plan_of((2, 2))}
 ADAPTERS = [t.lora for t in h.TASKS]

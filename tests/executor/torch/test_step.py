@@ -10,7 +10,6 @@ import pytest
 import torch
 from transformers import MistralConfig, Qwen2Config
 
-import fleet_harness as h
 from lorafleet.data.tokenize import IGNORE_INDEX
 from lorafleet.executor.torch import attention
 from lorafleet.executor.torch.attention import use_document_attention
@@ -23,6 +22,7 @@ from lorafleet.executor.torch.routing import Segments
 from lorafleet.executor.torch.step import attention_window, build_inputs, stage_forward
 from lorafleet.executor.torch.worker import check_step_plan
 from lorafleet.plans import MicroBatch
+from tests.helpers import fleet_harness as h
 
 STREAMS = h.synthetic_streams()
 BATCH = STREAMS.global_batch(0)

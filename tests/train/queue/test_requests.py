@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from pydantic import TypeAdapter
 
-from fleet_harness import synthetic_task
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.data_stream import DataStreams
 from lorafleet.specs.workload import TaskSpec
@@ -26,6 +25,7 @@ from lorafleet.train.queue import (
     save_pending,
 )
 from lorafleet.turns import TaskTurns, last_step, turns
+from tests.helpers.fleet_harness import synthetic_task
 
 DEFAULTS = {"lora": {"rank": 4, "alpha": 8}, "optimizer": {"lr": 1e-3}}
 

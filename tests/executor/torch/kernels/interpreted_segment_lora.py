@@ -1,7 +1,7 @@
 """Triton kernels against the torch path, in Triton's interpreter (fp32, tiny shapes, CPU).
 
 Not collected by the normal run (the file name does not start with ``test_``):
-``test_segment_lora_kernels.py`` runs it in a subprocess with TRITON_INTERPRET=1 from the start.
+``test_segment_lora.py`` (beside it) runs it in a subprocess with TRITON_INTERPRET=1 from the start.
 
 ``TRITON_INTERPRET=1`` must be set before *triton* is first imported, not just before the
 kernels are: ``triton.language``'s own helpers (``tl.zeros``, ...) are ``@jit`` functions
@@ -11,7 +11,7 @@ it is too late.
 bf16 is not tested here: the interpreter's ``tl.dot`` multiplies bf16 bit patterns (Triton
 issues #4972, #11584). Each case caps the tiles at 16 or 64, so the cases cover one-tile and
 multi-tile code (loops over K, N, rank and a segment's rows). The cases live in
-``segment_lora_cases.py``, shared with the compiled run on a GPU (``tests/gpu``).
+``tests/helpers/segment_lora_cases.py``, shared with the compiled run on a GPU (``tests/gpu``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     raise RuntimeError(
-        "run these cases through tests/multi_lora/test_segment_lora_kernels.py (needs TRITON_INTERPRET=1 before "
+        "run these cases through tests/executor/torch/kernels/test_segment_lora.py (needs TRITON_INTERPRET=1 before "
         "triton loads)"
     )
 
@@ -31,7 +31,7 @@ import torch
 from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.multi_lora import multi_lora_linear
 from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
-from tests.multi_lora.segment_lora_cases import (
+from tests.helpers.segment_lora_cases import (
     CASE_IDS,
     CASE_PARAMS,
     case_routing,

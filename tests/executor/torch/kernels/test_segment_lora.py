@@ -14,12 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.repo import REPO
+
 CASES_FILE = Path(__file__).with_name("interpreted_segment_lora.py")
 
 
 def test_kernels_in_interpreter():
     """Runs every case of ``interpreted_segment_lora.py`` in a fresh interpreter with TRITON_INTERPRET=1."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = REPO
     command = [sys.executable, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider", str(CASES_FILE)]
     result = subprocess.run(
         command, cwd=repo, env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=300
