@@ -48,9 +48,14 @@ demo-train: setup
 # The multi-process training tests, the longest files, are handed out first so that the short ones
 # fill the end of both workers (collected twice, a file runs once).
 TEST_WORKERS ?= 2
+LONG_TESTS := tests/train/test_adapter_card.py tests/executor/torch/test_checkpoint.py \
+	tests/executor/torch/test_joint_training.py tests/train/test_multinode.py \
+	tests/executor/torch/test_pipeline_window.py tests/train/queue/test_http.py tests/train/test_recovery.py \
+	tests/train/test_reliability.py tests/executor/torch/test_stage_loading.py tests/executor/torch/test_step.py \
+	tests/train/test_task_queue.py tests/commands/test_train.py
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/training tests/test_notebooks.py tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(LONG_TESTS) tests/test_notebooks.py tests
 
 lint: setup
 	$(BIN)/ruff check .

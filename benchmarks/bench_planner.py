@@ -29,7 +29,7 @@ Run from the repository root (every figure is measured here, in one run)::
    the planner ranked by before it priced the packed step) against the dispatcher's estimate
    (what it ranks by now), how often the two orders disagree among the 8 best, and how much
    slower the load model's pick is; and the same gap on the dispatch tests' fleets
-   (``tests/dispatch/fleet.py``) on lognormal batches.
+   (``lorafleet/presets.py``) on lognormal batches.
 """
 
 from __future__ import annotations

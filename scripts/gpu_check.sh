@@ -143,8 +143,8 @@ EOF
 
 part_cpu_twins() {
     # shellcheck disable=SC2046
-    "$PY" -m pytest -q -p no:cacheprovider $(xdist_args) tests/multi_lora/test_segment_lora_kernels.py \
-        tests/multi_lora/test_multi_lora.py tests/profiling/test_device.py tests/profiling/test_profile_command.py
+    "$PY" -m pytest -q -p no:cacheprovider $(xdist_args) tests/executor/torch/kernels/test_segment_lora.py \
+        tests/executor/torch/test_multi_lora.py tests/profiling/test_device.py tests/commands/test_profile.py
 }
 
 export -f xdist_args part_env part_gpu_tests part_profile part_bench part_train part_cpu_twins

@@ -1,24 +1,21 @@
-"""Shared fixtures: paths to the repository, examples and the read-only reference data."""
+"""Fixtures of the whole suite: the reference data, the project's tiny tokenizer, the small workload planned.
+
+Paths and shared data that tests import are in :mod:`tests.helpers`, not here.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import yaml
 from hypothesis import settings
+
+from tests.helpers.repo import REFERENCE, SMALL_WORKLOAD
 
 # No per-example deadline: Hypothesis times each example by the wall clock, and on a 2-core machine
 # beside the other test worker's process groups a trivial example can take longer than its 200 ms.
 settings.register_profile("lorafleet", deadline=None)
 settings.load_profile("lorafleet")
-
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples"
-REFERENCE = REPO.parent / "shared" / "reference"
-
-SMALL_WORKLOAD = yaml.safe_load((EXAMPLES / "two-tenants.yaml").read_text())
-"""``examples/two-tenants.yaml`` as a mapping: a short chat task and a long one on 8 x A100-80GB."""
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +32,21 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer
 
     return build_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """(workload, cost model, planning result) of ``SMALL_WORKLOAD``; the cost model is the one the plan was
+    judged by (its pipeline window). The simulation tests' common input, planned once per test module."""
+    import yaml
+
+    from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.planner import plan_deployment
+    from lorafleet.workload import load_workload
+
+    path = tmp_path_factory.mktemp("w") / "small.yaml"
+    path.write_text(yaml.safe_dump(SMALL_WORKLOAD))
+    workload = load_workload(path)
+    cluster = workload_cluster(workload)
+    result = plan_deployment(workload, cluster, workload_cost_model(workload, cluster))
+    return workload, result.cost_model, result

@@ -6,7 +6,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests.conftest import REPO
+from tests.helpers.repo import REPO
 
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 

@@ -19,7 +19,7 @@ from lorafleet.plans import DeploymentPlan, ReplicaSpec
 from lorafleet.specs.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import load_workload
-from tests.conftest import SMALL_WORKLOAD
+from tests.helpers.repo import SMALL_WORKLOAD
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +260,7 @@ def test_simulate_plan_runs_the_plan_as_made(planned, capsys):
 
 
 def test_profile_plans_record_their_file_and_refuse_a_changed_one(tmp_path, capsys):
-    from tests.conftest import REPO
+    from tests.helpers.repo import REPO
 
     profile = tmp_path / "tiny.json"
     profile.write_bytes((REPO / "profiles" / "tiny-llama-cpu.json").read_bytes())

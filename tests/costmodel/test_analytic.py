@@ -16,8 +16,7 @@ from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.gpus import GPU_PRESETS
 from lorafleet.specs.model import MODEL_PRESETS
-
-from .lobra_data import LOBRA_ADAPTERS, layer_rows
+from tests.helpers.lobra_data import LOBRA_ADAPTERS, layer_rows
 
 LLAMA7B = MODEL_PRESETS["llama2-7b"]
 A100 = GPU_PRESETS["A100-40GB"]

@@ -7,8 +7,7 @@ import pytest
 
 from lorafleet.costmodel.fit import ErrorSummary, fit_affine, fit_layer_time, fit_link, kfold_layer_predictions
 from lorafleet.costmodel.time_model import LayerTimeCoeffs, Link, MicroBatchShape
-
-from .lobra_data import layer_rows
+from tests.helpers.lobra_data import layer_rows
 
 TRUE = LayerTimeCoeffs((1.3e-7, 0.0, 4.6e-3, 8.0e-4, 3.1e-2, 2.45))
 GRID = [MicroBatchShape.padded(b, s) for s in (128, 256, 512, 1024, 2048, 4096) for b in (1, 2, 4, 8, 16)]

@@ -14,8 +14,7 @@ from lorafleet.costmodel.memory_model import StageMemory, search_max_tokens, sta
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.specs.gpus import GPU_PRESETS
 from lorafleet.specs.model import MODEL_PRESETS
-
-from .lobra_data import LOBRA_ADAPTERS, max_tokens
+from tests.helpers.lobra_data import LOBRA_ADAPTERS, max_tokens
 
 LLAMA7B = MODEL_PRESETS["llama2-7b"]
 A100_40 = GPU_PRESETS["A100-40GB"]

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 from lorafleet.costmodel.build import profile_cost_model
 from lorafleet.costmodel.check import heldout_comparisons, summarize
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.profile_format import read_profile
 from lorafleet.specs.model import resolve_model
+from tests.helpers.repo import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 PROFILES = REPO / "profiles"
 MEASURED = PROFILES / "tiny-llama-cpu.json"
 

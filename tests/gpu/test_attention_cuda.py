@@ -1,7 +1,7 @@
 """FlashAttention's varlen kernel against the per-document SDPA loop on the same GPU, forward and
 backward, in bf16: packed rows (documents of several lengths), right-padded rows (one document a
 row), grouped-query heads and a sliding window. CPU twin: the loop itself is what the CPU runs,
-checked against the transformers models in ``tests/training/test_step.py``."""
+checked against the transformers models in ``tests/executor/torch/test_step.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from lorafleet.executor.torch import attention
 pytestmark = [
     pytest.mark.skipif(
         not torch.cuda.is_available(),
-        reason="needs a CUDA GPU (CPU twin: the per-document loop, tests/training/test_step.py)",
+        reason="needs a CUDA GPU (CPU twin: the per-document loop, tests/executor/torch/test_step.py)",
     ),
     pytest.mark.skipif(attention.varlen_attn is None, reason="this torch has no torch.nn.attention.varlen"),
 ]

@@ -1,9 +1,9 @@
 """The Triton kernels compiled for a GPU, against the torch backend on the same GPU: the cases of
-``tests/multi_lora/segment_lora_cases.py`` (CPU twin: the same cases in Triton's interpreter,
-``tests/multi_lora/test_segment_lora_kernels.py``) in fp32 and bf16, plus one wide case at the
+``tests/helpers/segment_lora_cases.py`` (CPU twin: the same cases in Triton's interpreter,
+``tests/executor/torch/kernels/test_segment_lora.py``) in fp32 and bf16, plus one wide case at the
 kernels' own tile sizes; and ``LoraBackend.AUTO`` choosing Triton for CUDA tensors.
 
-bf16 (which the interpreter cannot run) is judged as ``tests/multi_lora/test_multi_lora.py`` judges
+bf16 (which the interpreter cannot run) is judged as ``tests/executor/torch/test_multi_lora.py`` judges
 the torch backend's bf16: by the error relative to the tensor's norm, against an fp32 oracle
 computed from the same bf16-rounded operands.
 """
@@ -18,7 +18,7 @@ from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 from lorafleet.executor.torch.routing import LoraBackend, Segments
 from lorafleet.specs.lora import LoraSpec
-from tests.multi_lora.segment_lora_cases import (
+from tests.helpers.segment_lora_cases import (
     CASE_IDS,
     CASE_PARAMS,
     case_routing,
@@ -29,7 +29,7 @@ from tests.multi_lora.segment_lora_cases import (
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="needs a CUDA GPU (CPU twin: tests/multi_lora/test_segment_lora_kernels.py, in Triton's interpreter)",
+    reason="needs a CUDA GPU (CPU twin: tests/executor/torch/kernels/test_segment_lora.py, in Triton's interpreter)",
 )
 
 CUDA = torch.device("cuda")

@@ -1,6 +1,6 @@
 """``lorafleet train --device cuda``: one process under torchrun, NCCL, a tiny-llama replica on the GPU
 (its LoRA layers on the Triton backend, which AUTO picks for CUDA tensors). CPU twin: the same run
-on gloo, ``tests/training/test_train_command.py``."""
+on gloo, ``tests/commands/test_train.py``."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from safetensors.torch import load_file
 
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.plans import DeploymentPlan, ReplicaSpec
-from tests.conftest import EXAMPLES, REPO
+from tests.helpers.repo import EXAMPLES, REPO
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
-    reason="needs a CUDA GPU (CPU twin: tests/training/test_train_command.py, gloo)",
+    reason="needs a CUDA GPU (CPU twin: tests/commands/test_train.py, gloo)",
 )
 
 DEMO = EXAMPLES / "demo"

@@ -21,8 +21,7 @@ from lorafleet.planner.placement import build_plan
 from lorafleet.planner.schedule import select_tasks
 from lorafleet.sampling import sample_global_batch
 from lorafleet.specs.cluster import ClusterSpec
-
-from .conftest import batch_of, lobra_like_cost_model, small_workload
+from tests.helpers.planning import batch_of, lobra_like_cost_model, small_workload
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,7 @@ from lorafleet.planner.candidates import (
 from lorafleet.planner.placement import place_replicas
 from lorafleet.planner.problem import Candidate, gpu_budget_rows
 from lorafleet.specs.cluster import ClusterSpec
-
-from .conftest import lobra_like_cost_model, skewed_lengths, tiny_problem
+from tests.helpers.planning import lobra_like_cost_model, skewed_lengths, tiny_problem
 
 
 def test_valid_candidates_are_the_configs_that_run_and_fit(cost_model_7b):

@@ -26,8 +26,7 @@ from lorafleet.planner.deployment_ilp import (
 from lorafleet.planner.fallback import heuristic_deployment
 from lorafleet.solvers import SolverName
 from lorafleet.specs.cluster import ClusterSpec
-
-from .conftest import lobra_like_cost_model, skewed_lengths, tiny_problem
+from tests.helpers.planning import lobra_like_cost_model, skewed_lengths, tiny_problem
 
 CONFIGS = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1), ParallelConfig(4, 1))
 

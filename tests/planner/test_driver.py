@@ -14,8 +14,7 @@ from lorafleet.planner.objective import race
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import load_workload
-
-from .conftest import lobra_like_cost_model, padded_policy, small_workload, write_workload
+from tests.helpers.planning import lobra_like_cost_model, padded_policy, small_workload, write_workload
 
 FAST = PlannerOptions(robust_samples=4, race_rung=2)
 

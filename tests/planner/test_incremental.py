@@ -11,8 +11,7 @@ import pytest
 from lorafleet.planner import PlannerOptions, ReplanOptions, plan_deployment, replan_incremental
 from lorafleet.planner.incremental import kept_plan, torn_down
 from lorafleet.workload import load_workload
-
-from .conftest import skewed_histogram, write_workload
+from tests.helpers.planning import skewed_histogram, write_workload
 
 OPTIONS = PlannerOptions(robust_samples=0, baselines=False)
 

@@ -24,8 +24,7 @@ from lorafleet.planner.joint_minlp import JointSolution, solve_joint
 from lorafleet.planner.search import minlp_pool, search
 from lorafleet.solvers import SolverName
 from lorafleet.specs.cluster import ClusterSpec
-
-from .conftest import lobra_like_cost_model, tiny_problem
+from tests.helpers.planning import lobra_like_cost_model, tiny_problem
 
 CONFIGS = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1))
 

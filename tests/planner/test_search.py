@@ -23,8 +23,7 @@ from lorafleet.planner.refine import _swaps
 from lorafleet.planner.search import search
 from lorafleet.plans import DeploymentPlan, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec
-
-from .conftest import batch_of, lobra_like_cost_model, padded_policy, skewed_lengths
+from tests.helpers.planning import batch_of, lobra_like_cost_model, padded_policy, skewed_lengths
 
 OPTIONS = PlannerOptions(robust_samples=0)
 

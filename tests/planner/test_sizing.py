@@ -25,9 +25,8 @@ from lorafleet.planner import (
 from lorafleet.planner.sizing import OBJECTIVE_SOURCE, job_steps, judge, plan_counts
 from lorafleet.plans import DeploymentPlan
 from lorafleet.workload import load_workload
-from tests.conftest import SMALL_WORKLOAD
-
-from .conftest import small_workload
+from tests.helpers.planning import small_workload
+from tests.helpers.repo import SMALL_WORKLOAD
 
 FAST = PlannerOptions(robust_samples=0, baselines=False, time_limit_s=5.0)
 STEPS = 1000

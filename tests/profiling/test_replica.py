@@ -1,7 +1,7 @@
 """The profiler's replica is the executor's: its timed parts compose to the executor's stage, its
 synthetic micro-batches are laid out as the executor's, and its memory accounting sees what a step keeps.
 
-(TP exactness of the executor's TP path over gloo is tests/training/test_joint_training.py.)
+(TP exactness of the executor's TP path over gloo is tests/executor/torch/test_joint_training.py.)
 """
 
 from __future__ import annotations

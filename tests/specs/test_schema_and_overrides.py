@@ -17,7 +17,7 @@ from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.workload import DataSpec, LengthSpec, TaskSpec, WorkloadSpec
 from lorafleet.workload import apply_overrides, load_workload
-from tests.conftest import EXAMPLES, REPO
+from tests.helpers.repo import EXAMPLES, REPO
 
 DOC = REPO / "docs" / "workload.md"
 SHIPPED = sorted(EXAMPLES.glob("*.yaml")) + [

@@ -12,7 +12,7 @@ from lorafleet.errors import InputError
 from lorafleet.sampling import sample_global_batch, task_lengths
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import load_workload
-from tests.conftest import EXAMPLES
+from tests.helpers.repo import EXAMPLES
 
 
 def write(tmp_path, data, name="w.yaml"):

@@ -1,0 +1,114 @@
+"""``lorafleet plan`` through ``lorafleet.cli.main``: tables, JSON, plot, and one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.cli import build_parser, main
+from lorafleet.plans import DeploymentPlan
+from tests.helpers.planning import small_workload, write_workload
+
+
+@pytest.fixture(scope="module")
+def workload_path(tmp_path_factory):
+    return small_workload(tmp_path_factory.mktemp("wl")).path
+
+
+def test_cli_surface_is_frozen():
+    """A new option of `plan` must be added here on purpose (as `train`'s are in test_train.py).
+    --max-nodes, --deadline, --budget and --steps size the fleet with --gpus auto (docs/planner.md)."""
+    plan = build_parser()._subparsers._group_actions[0].choices["plan"]
+    assert sorted(o for a in plan._actions for o in a.option_strings) == [
+        "--budget",
+        "--deadline",
+        "--gpu",
+        "--gpus",
+        "--help",
+        "--json",
+        "--max-nodes",
+        "--microbatch",
+        "--mode",
+        "--pipeline-window",
+        "--plot",
+        "--profile",
+        "--samples",
+        "--set",
+        "--solver",
+        "--steps",
+        "-h",
+    ]
+
+
+def test_plan_prints_tables_and_writes_json_and_plot(workload_path, tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "load.png"
+    assert main(["plan", workload_path, "--samples", "2", "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    for word in (
+        "config",
+        "token share",
+        "time/replica",
+        "lorafleet",
+        "task-fused-padding",
+        "task-fused-packing",
+        "task-sequential",
+        "GPU-seconds",
+    ):
+        assert word in text
+    plan = DeploymentPlan.load(out)
+    assert plan.replicas and plan.expected_makespan_s > 0
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "flags,where",
+    [
+        (["--gpus", "0"], "--gpus"),
+        (["--gpus", "12"], "--gpus"),  # not whole nodes of 8
+        (["--solver", "gurobi"], "--solver"),
+        (["--mode", "magic"], "--mode"),
+        (["--microbatch", "zip"], "--microbatch"),
+        (["--samples", "-1"], "--samples"),
+        (["--gpu", "TPU"], "--gpu"),
+        (["--pipeline-window", "0"], "--pipeline-window: must be >= 1 step, got 0"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(workload_path, tmp_path, capsys, flags, where):
+    out = tmp_path / "plan.json"
+    assert main(["plan", workload_path, *flags, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and where in err and err.startswith("lorafleet: error:")
+    assert not out.exists()
+
+
+HUGE = [{"name": "huge", "batch_size": 2, "context_length": 200_000, "histogram": {150_000: 1, 100: 1}}]
+
+
+def test_unholdable_sequences_are_an_error_and_nothing_is_written(tmp_path, capsys):
+    path = write_workload(tmp_path / "huge.yaml", HUGE, recompute="off")
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "tasks[0].context_length" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_recompute_lets_a_replica_hold_what_no_plain_config_can(tmp_path, capsys):
+    """150K tokens exceed every plain config's M on 16 x A100-40GB, not <8,1,rc>'s (~300K); the
+    plot labels recomputing configs too."""
+    path = write_workload(tmp_path / "huge.yaml", HUGE, recompute="auto")
+    out, png = tmp_path / "plan.json", tmp_path / "load.png"
+    assert main(["plan", str(path), "--samples", "0", "--json", str(out), "--plot", str(png)]) == 0
+    plan = DeploymentPlan.load(out)
+    holders = [r for r in plan.replicas if r.max_tokens >= 150_000]
+    assert holders and all(r.config.recompute for r in holders)
+    assert png.stat().st_size > 0
+
+
+@pytest.mark.parametrize("window", [None, "1", "3"])
+def test_the_pipeline_window_is_recorded_in_the_plans_policy(workload_path, tmp_path, capsys, window):
+    out = tmp_path / "plan.json"
+    flags = ["--pipeline-window", window] if window else []
+    assert main(["plan", workload_path, "--samples", "0", *flags, "--json", str(out)]) == 0
+    expected = int(window or 8)
+    assert f"pipeline window {expected}" in capsys.readouterr().out
+    assert DeploymentPlan.load(out).policy.pipeline_window == expected

@@ -1,0 +1,303 @@
+"""Per-stage loading (``base_model.load_base`` + ``build_replica(weights=...)``) == the whole-model path.
+
+Two tiny checkpoints are saved with ``save_pretrained(safe_serialization=True)``: tiny-llama
+in one fp32 ``model.safetensors``, and a Qwen2 with q/k/v biases and tied embeddings in bf16,
+sharded (``max_shard_size``), so the index, the bf16 -> fp32 cast and a tied pair stored once
+are all exercised. One forked world of 4 gloo processes builds, on every rank, each
+checkpoint's stage both ways for a TP2 + PP2 plan and a TP2xPP2 plan. Every rank checks that
+its two stages hold the same parameters and buffers (names, dtypes, shapes, bits), that a
+forward of the stage gives the same output, and that the per-stage build read from the
+checkpoint exactly its own stage's slices, byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lorafleet.data.model_source import ModelSource, SourceKind
+from lorafleet.errors import InputError
+from lorafleet.executor.torch.base_model import SAFETENSORS_FILE, SAFETENSORS_INDEX, load_base, load_causal_lm
+from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
+from lorafleet.executor.torch.layout import layer_of
+from lorafleet.executor.torch.replica import build_replica
+from lorafleet.executor.torch.step import build_inputs, stage_forward
+from lorafleet.executor.torch.tp import TP_STYLES, _shard_module, base_index, holds_bias
+from tests.helpers import fleet_harness as h
+
+PLANS = {"tp2+pp2": h.plan_of((2, 1), (1, 2)), "tp2xpp2": h.plan_of((2, 2))}
+ADAPTERS = [t.lora for t in h.TASKS]
+CPU = torch.device("cpu")
+
+
+def save_llama(directory: Path) -> Path:
+    """tiny-llama (untied) in one fp32 ``model.safetensors``."""
+    h.build_model("llama").save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def save_qwen2_tied_sharded(directory: Path) -> Path:
+    """A Qwen2 (q/k/v biases) with tied embeddings, in bf16, in shards of at most 40 kB."""
+    config = Qwen2Config(
+        vocab_size=h.VOCAB,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1)
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True, max_shard_size="40kB")
+    return directory
+
+
+def hf_source(directory: Path) -> ModelSource:
+    return ModelSource(kind=SourceKind.HF_DIR, name=str(directory), path=str(directory))
+
+
+def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (non-persistent ones too) by name."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _forward(replica, batch_inputs) -> torch.Tensor:
+    """The stage's output on a fixed micro-batch (a seeded activation in, off the first stage)."""
+    role = replica.role
+    x = None
+    if not role.is_first_stage:
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn((*batch_inputs.input_ids.shape, replica.model.config.hidden_size), generator=gen)
+    with torch.no_grad():
+        for _, layer in multi_lora_layers(replica.model):  # adapters that act: B != 0, the same in both
+            for b in layer.lora_B.values():
+                b.fill_(0.01)
+        return stage_forward(replica.model, role, x, batch_inputs)
+
+
+def _stage_bytes(stage: nn.Module, checkpoint_itemsize: int) -> int:
+    """Bytes of the stage's frozen tensors as the checkpoint stores them (a tied pair once)."""
+    adapters = {
+        id(p)
+        for _, layer in multi_lora_layers(stage)
+        for factor in (layer.lora_A, layer.lora_B)
+        for p in factor.values()
+    }
+    frozen = [t for t in [*stage.parameters(), *stage.buffers()] if id(t) not in adapters]
+    persistent = {id(t) for t in stage.state_dict(keep_vars=True).values()}
+    return sum(t.numel() * checkpoint_itemsize for t in frozen if id(t) in persistent)
+
+
+def compare_stages(directory: Path, plan_name: str, rank: int, world: int, itemsize: int) -> dict:
+    """Builds ``rank``'s stage of ``directory``'s model under a plan both ways; what differs."""
+    plan = PLANS[plan_name]
+    seeds = range(len(ADAPTERS))
+    whole = build_replica(load_causal_lm(hf_source(directory)), ADAPTERS, plan, rank, world, seeds=seeds, device=CPU)
+    skeleton, weights = load_base(hf_source(directory))
+    staged = build_replica(skeleton, ADAPTERS, plan, rank, world, seeds=seeds, device=CPU, weights=weights)
+    a, b = _tensors(whole.model), _tensors(staged.model)
+    role = staged.role
+    out = {
+        "names": (sorted(a), sorted(b)),
+        "differ": [
+            n
+            for n in a
+            if n in b and not (a[n].dtype == b[n].dtype and a[n].shape == b[n].shape and torch.equal(a[n], b[n]))
+        ],
+        "meta": [n for n, t in b.items() if t.is_meta],
+        "tied": [
+            m.lm_head is not None
+            and m.model.embed_tokens is not None
+            and m.lm_head.weight is m.model.embed_tokens.weight
+            for m in (whole.model, staged.model)
+        ],
+        "reads": weights.reads,
+        "stage_bytes": _stage_bytes(staged.model, itemsize),
+        "layers": list(role.layers),
+        "first": role.is_first_stage,
+        "last": role.is_last_stage,
+    }
+    streams = h.synthetic_streams()
+    batch = streams.global_batch(0)
+    mb = h.make_step_plan(batch, len(plan.replicas)).work[role.replica.replica_id].microbatches[0]
+    examples = streams.examples(batch.task_ids, batch.sample_ids)
+    inputs = build_inputs(mb, [examples[q] for q in mb.seq_ids], [1.0] * len(h.TASKS), CPU)
+    out["forward_equal"] = torch.equal(_forward(whole, inputs), _forward(staged, inputs))
+    return out
+
+
+def _rank_main(rank: int, world: int, tmp: str, cases: list[tuple[str, str, int]]) -> None:
+    torch.set_num_threads(1)  # four ranks share two cores
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
+    try:
+        results = {(d, p): compare_stages(Path(d), p, rank, world, size) for d, p, size in cases}
+        Path(tmp, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {"llama": save_llama(root / "llama"), "qwen2": save_qwen2_tied_sharded(root / "qwen2")}
+
+
+@pytest.fixture(scope="module")
+def world(checkpoints, tmp_path_factory):
+    """rank -> (checkpoint directory, plan) -> what ``compare_stages`` found."""
+    tmp = tmp_path_factory.mktemp("world")
+    itemsize = {"llama": 4, "qwen2": 2}
+    cases = [(str(d), p, itemsize[name]) for name, d in checkpoints.items() for p in PLANS]
+    mp.start_processes(_rank_main, args=(4, str(tmp), cases), nprocs=4, start_method="fork")
+    return {r: pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(4)}
+
+
+def test_checkpoints_are_what_the_cases_need(checkpoints):
+    llama, qwen2 = checkpoints["llama"], checkpoints["qwen2"]
+    assert (llama / SAFETENSORS_FILE).is_file() and not (llama / SAFETENSORS_INDEX).exists()
+    index = json.loads((qwen2 / SAFETENSORS_INDEX).read_text())["weight_map"]
+    assert len(set(index.values())) > 3 and "lm_head.weight" not in index  # sharded; the tied pair stored once
+    assert "model.layers.0.self_attn.q_proj.bias" in index
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_stage_equals_the_whole_model_path(world, checkpoints, model, plan):
+    for rank in range(4):
+        found = world[rank][(str(checkpoints[model]), plan)]
+        whole_names, stage_names = found["names"]
+        assert whole_names == stage_names, f"rank {rank}"
+        assert any(n.endswith("rotary_emb.inv_freq") for n in stage_names)
+        assert found["differ"] == [] and found["meta"] == [], f"rank {rank}"
+        assert found["forward_equal"], f"rank {rank}"
+        # The tied pair stays one tensor where the stage holds both ends (pp = 1), as on the whole path.
+        assert found["tied"][0] == found["tied"][1]
+        if model == "qwen2" and found["first"] and found["last"]:
+            assert found["tied"][1]
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_a_stage_reads_only_its_own_slices(world, checkpoints, model, plan):
+    tied = model == "qwen2"
+    for rank in range(4):
+        found = world[rank][(str(checkpoints[model]), plan)]
+        keys = [key for key, _, _ in found["reads"]]
+        assert len(keys) == len(set(keys)), f"rank {rank} read a tensor twice"
+        for key in keys:
+            if ".layers." in key:
+                assert layer_of(key) in found["layers"], f"rank {rank} read {key}"
+            elif key == "model.embed_tokens.weight":
+                assert found["first"] or (tied and found["last"]), f"rank {rank} read {key}"
+            else:
+                assert found["last"] and key in ("model.norm.weight", "lm_head.weight"), f"rank {rank} read {key}"
+        # Exactly the bytes of the stage's tensors (TP slices, not whole projections).
+        assert sum(n for _, _, n in found["reads"]) == found["stage_bytes"], f"rank {rank}"
+
+
+def test_tp_slices_come_from_the_same_rule_as_sharding():
+    """``base_index`` on the whole tensor == what ``parallelize_tensor`` keeps, bias rule included."""
+    gen = torch.Generator().manual_seed(0)
+    for suffix, style in TP_STYLES.items():
+        linear = nn.Linear(8, 12, bias=True)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(12, 8, generator=gen))
+            linear.bias.copy_(torch.randn(12, generator=gen))
+        name = f"model.layers.0.x.{suffix}"
+        for tp in (2, 4):
+            for r in range(tp):
+                part = _shard_module(linear, style, r, tp)
+                assert torch.equal(part.weight, linear.weight[base_index(name, "weight", (12, 8), r, tp)])
+                assert (part.bias is not None) == holds_bias(style, r)
+                if part.bias is not None:
+                    assert torch.equal(part.bias, linear.bias[base_index(name, "bias", (12,), r, tp)])
+    assert base_index("model.embed_tokens", "weight", (16, 8), 1, 2) == (slice(None), slice(None))
+
+
+def test_skeleton_gets_the_host_models_adapters(checkpoints):
+    """Injection into the meta skeleton draws the same adapters, on the host, as into the real model."""
+    real = load_causal_lm(hf_source(checkpoints["llama"]))
+    skeleton, _ = load_base(hf_source(checkpoints["llama"]))
+    for model in (real, skeleton):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            inject_multi_lora(model, ADAPTERS)
+    a, b = dict(multi_lora_layers(real)), dict(multi_lora_layers(skeleton))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert b[name].base_layer.weight.is_meta
+        for factor in ("lora_A", "lora_B"):
+            for key, p in getattr(a[name], factor).items():
+                q = getattr(b[name], factor)[key]
+                assert q.device == CPU and q.requires_grad and torch.equal(p, q)
+
+
+def test_sources_without_safetensors_are_built_whole():
+    model, weights = load_base(h.TINY)
+    assert weights is None and not any(p.is_meta for p in model.parameters())
+
+
+# ---- errors: an InputError naming the file and tensor, before anything is built ------------------
+
+
+def _copy_checkpoint(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_missing_tensor(checkpoints, tmp_path):
+    d = _copy_checkpoint(checkpoints["llama"], tmp_path / "m")
+    tensors = load_file(d / SAFETENSORS_FILE)
+    del tensors["model.layers.2.mlp.down_proj.weight"]
+    save_file(tensors, d / SAFETENSORS_FILE, metadata={"format": "pt"})
+    with pytest.raises(InputError) as err:
+        load_base(hf_source(d))
+    assert err.value.path == str(d / SAFETENSORS_FILE) and err.value.field == "model.layers.2.mlp.down_proj.weight"
+    assert "missing" in err.value.msg
+
+
+def test_shape_mismatch(checkpoints, tmp_path):
+    d = _copy_checkpoint(checkpoints["llama"], tmp_path / "s")
+    tensors = load_file(d / SAFETENSORS_FILE)
+    tensors["model.norm.weight"] = torch.ones(32)
+    save_file(tensors, d / SAFETENSORS_FILE, metadata={"format": "pt"})
+    with pytest.raises(InputError) as err:
+        load_base(hf_source(d))
+    assert err.value.path == str(d / SAFETENSORS_FILE) and err.value.field == "model.norm.weight"
+    assert "(32,)" in err.value.msg and "(64,)" in err.value.msg
+
+
+def test_sharded_checkpoint_errors(checkpoints, tmp_path):
+    d = _copy_checkpoint(checkpoints["qwen2"], tmp_path / "q")
+    index = json.loads((d / SAFETENSORS_INDEX).read_text())
+    # A tensor the index does not list: named with the index.
+    missing = json.loads(json.dumps(index))
+    del missing["weight_map"]["model.layers.3.self_attn.k_proj.bias"]
+    (d / SAFETENSORS_INDEX).write_text(json.dumps(missing))
+    with pytest.raises(InputError) as err:
+        load_base(hf_source(d))
+    assert err.value.path == str(d / SAFETENSORS_INDEX) and err.value.field == "model.layers.3.self_attn.k_proj.bias"
+    # A shard the index names but the directory lacks.
+    (d / SAFETENSORS_INDEX).write_text(json.dumps(index))
+    shard = index["weight_map"]["model.norm.weight"]
+    (d / shard).unlink()
+    with pytest.raises(InputError, match=shard) as err:
+        load_base(hf_source(d))
+    assert err.value.path == str(d / SAFETENSORS_INDEX)

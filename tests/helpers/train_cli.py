@@ -1,0 +1,43 @@
+"""``lorafleet train`` run as a user runs it, in a subprocess: the command, and watching the run's steps and
+its worker processes from outside (the training tests of ``tests/train``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LAUNCHER = [sys.executable, "-m", "lorafleet"]
+
+
+def _steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _worker_pids(marker: str) -> list[int]:
+    """Processes whose command line names ``marker`` (the run directory), this test's excepted."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline and "torch.distributed.run" not in cmdline and " -u -m lorafleet" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def _wait_for_steps(out: Path, n: int, process: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        path = out / "metrics.jsonl"
+        if path.is_file() and len(path.read_text().splitlines()) >= n:
+            return
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} steps within {timeout} s")

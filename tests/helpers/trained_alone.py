@@ -1,0 +1,70 @@
+"""Each task trained alone with PEFT's own LoRA model, in this process: the reference the joint-training
+tests (``tests/executor/torch/test_joint_training.py``, ``test_pipeline_window.py``) hold the executor's
+adapters to, and the distance they measure it by."""
+
+from __future__ import annotations
+
+import peft
+import torch
+from torch.nn import functional as F
+
+from lorafleet.data.tokenize import IGNORE_INDEX
+from lorafleet.executor.torch.data_stream import loss_tokens, task_key
+from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
+from lorafleet.executor.torch.optim import build_optimizer, lr_at
+from lorafleet.executor.torch.peft_export import lora_config
+from tests.helpers import fleet_harness as h
+
+STEPS = 4
+ATOL = {torch.float32: 1e-5, torch.float64: 1e-9}
+
+
+def _initial_adapters(dtype: torch.dtype = torch.float32, family: str = "llama") -> torch.nn.Module:
+    """The adapters every rank starts from: each task's drawn from its own seed (``task_key``) under the run's."""
+    model = h.build_model(family, dtype)
+    inject_multi_lora(model, [t.lora for t in h.TASKS], seeds=[task_key(0, t.name) for t in h.TASKS])
+    return model
+
+
+def train_alone(task: int, dtype: torch.dtype, family: str = "llama", steps: int = STEPS) -> dict[str, torch.Tensor]:
+    """Task ``task`` trained by itself with PEFT on the same global batches; its adapter by PEFT key."""
+    spec = h.TASKS[task]
+    model = peft.get_peft_model(h.build_model(family, dtype), lora_config(spec.lora))
+    with torch.no_grad():
+        for name, layer in multi_lora_layers(_initial_adapters(dtype, family)):
+            if task in layer.adapters:
+                target = model.get_submodule(f"base_model.model.{name}")
+                target.lora_A["default"].weight.copy_(layer.lora_A[str(task)])
+                target.lora_B["default"].weight.copy_(layer.lora_B[str(task)])
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(spec.optimizer, params)
+    streams = h.synthetic_streams()
+    for step in range(steps):
+        batch = streams.global_batch(step)
+        mine = [i for i, t in enumerate(batch.task_ids) if t == task]
+        examples = streams.examples(batch.task_ids[mine], batch.sample_ids[mine])
+        n_tokens = sum(loss_tokens(e) for e in examples)  # N_t
+        # One right-padded batch through HF's own masking (attention_mask), labels -100 on padding.
+        width = max(len(e) for e in examples)
+        ids = torch.tensor([list(e.input_ids) + [0] * (width - len(e)) for e in examples])
+        labels = torch.tensor([list(e.labels) + [IGNORE_INDEX] * (width - len(e)) for e in examples])
+        mask = torch.tensor([[1] * len(e) + [0] * (width - len(e)) for e in examples])
+        logits = model(ids, attention_mask=mask).logits  # (B, S, V)
+        ce = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), reduction="sum", ignore_index=IGNORE_INDEX
+        )
+        (ce / n_tokens).backward()
+        if spec.optimizer.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(spec.optimizer, step, spec.total_steps)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model, save_embedding_layers=False).items()
+    }
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)

@@ -1,0 +1,239 @@
+"""The queue's parts without a run: request files (``train.queue``), the task ledger, each task's turns
+(``lorafleet.turns``) and the streams that follow them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from pydantic import TypeAdapter
+
+from lorafleet.errors import InputError
+from lorafleet.executor.torch.data_stream import DataStreams
+from lorafleet.specs.workload import TaskSpec
+from lorafleet.train.queue import (
+    Action,
+    Ledger,
+    Pending,
+    QueueWatcher,
+    Request,
+    RequestError,
+    TaskState,
+    load_pending,
+    read_request,
+    save_pending,
+)
+from lorafleet.turns import TaskTurns, last_step, turns
+from tests.helpers.fleet_harness import synthetic_task
+
+DEFAULTS = {"lora": {"rank": 4, "alpha": 8}, "optimizer": {"lr": 1e-3}}
+
+
+def _spec(name: str, **kw) -> TaskSpec:
+    return TaskSpec.model_validate(
+        {"name": name, "data": {"path": "/d.jsonl"}, "batch_size": 2, "context_length": 64, **kw}
+    )
+
+
+LEDGER = Ledger.of([_spec("chat"), _spec("docs")])
+
+
+def _request(tmp_path, text: str, name: str = "r.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return read_request(path, DEFAULTS, LEDGER)
+
+
+def test_an_added_task_takes_the_workloads_defaults_and_paths_relative_to_its_file(tmp_path):
+    r = _request(tmp_path, "name: code\ndata: {path: code.jsonl}\nbatch_size: 4\ncontext_length: 128\nat_step: 3\n")
+    assert (r.action, r.name, r.at_step) == (Action.ADD, "code", 3)
+    assert r.task.lora.rank == 4 and r.task.optimizer.lr == 1e-3
+    assert r.task.data.path == str(tmp_path / "code.jsonl")
+    assert TypeAdapter(Request).validate_json(TypeAdapter(Request).dump_json(r)) == r
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("name: [x\n", "malformed YAML"),
+        ("- a\n", "expected a mapping, got list"),
+        ("action: pause\nname: chat\n", "action must be one of add, finish, cancel, update"),
+        ("name: code\nat_step: -1\n", "at_step must be a whole number >= 0"),
+        ("batch_size: 2\n", "needs the task's name"),
+        ("name: chat\ndata: {path: c.jsonl}\nbatch_size: 2\ncontext_length: 64\n", "already in this run"),
+        ("name: code\ndata: {path: c.jsonl}\nbatch_size: 0\ncontext_length: 64\n", "batch_size"),
+        ("name: code\nlengths: {values: [30, 40]}\nbatch_size: 2\ncontext_length: 64\n", "data: training needs data"),
+        ("action: finish\nname: nobody\n", "no active task 'nobody'"),
+        ("action: cancel\nname: chat\nshare: 0.5\n", "cancel takes only the task's name"),
+        ("action: update\nname: chat\n", "update takes share and/or deadline"),
+        ("action: update\nname: chat\nshare: 1.5\n", "share"),
+        ("action: update\nname: chat\ndeadline: 5\n", "a deadline needs steps"),
+    ],
+)
+def test_a_malformed_request_says_why_in_one_line(tmp_path, text, reason):
+    with pytest.raises(RequestError, match=reason) as err:
+        _request(tmp_path, text)
+    assert "\n" not in str(err.value)
+
+
+def test_a_json_request_and_an_update(tmp_path):
+    r = _request(tmp_path, json.dumps({"action": "update", "name": "docs", "share": 0.25}), "u.json")
+    assert (r.action, dict(r.changes)) == (Action.UPDATE, {"share": 0.25})
+    assert LEDGER.apply([r], 4).active[1].share == 0.25
+
+
+def test_the_watcher_waits_for_at_step_accepts_what_is_due_and_rejects_the_rest(tmp_path):
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    (queue / "a-later.yaml").write_text(
+        "name: code\ndata: {path: c.jsonl}\nbatch_size: 2\ncontext_length: 64\nat_step: 5\n"
+    )
+    (queue / "b-now.yaml").write_text("action: finish\nname: chat\n")
+    (queue / "c-bad.yaml").write_text("name: [\n")
+    (queue / "d-dataless.yaml").write_text("name: big\ndata: {path: big.jsonl}\nbatch_size: 2\ncontext_length: 64\n")
+    (queue / ".staged.yaml").write_text("name: [\n")  # a writer's temporary file: not read
+    (queue / "notes.txt").write_text("not a request")
+    lines = []
+
+    def check(task: TaskSpec) -> None:
+        if task.name == "big":
+            raise InputError(task.data.path, "", "no such file")
+
+    watcher = QueueWatcher(queue, DEFAULTS, LEDGER, check=check, log=lines.append)
+    due = watcher.poll(2)
+    assert [r.file for r in due] == ["b-now.yaml"] and watcher.next_due() == 5
+    assert sorted(p.name for p in (queue / "accepted").iterdir()) == ["b-now.yaml"]
+    assert sorted(p.name for p in (queue / "rejected").iterdir()) == [
+        "c-bad.yaml",
+        "c-bad.yaml.reason",
+        "d-dataless.yaml",
+        "d-dataless.yaml.reason",
+    ]
+    assert "no such file" in (queue / "rejected" / "d-dataless.yaml.reason").read_text()
+    assert len(lines) == 2 and lines[0].startswith("rejected c-bad.yaml: malformed YAML")
+    assert watcher.poll(4) == [] and [r.name for r in watcher.poll(5)] == ["code"]
+    assert watcher.next_due() is None and (queue / ".staged.yaml").exists() and (queue / "notes.txt").exists()
+
+
+def test_the_ledger_records_joins_and_departures_and_round_trips(tmp_path):
+    add = Request("a.yaml", Action.ADD, "code", task=_spec("code"))
+    ledger = LEDGER.apply([add, Request("f.yaml", Action.FINISH, "chat")], 3).apply(
+        [Request("c.yaml", Action.CANCEL, "code")], 6
+    )
+    assert [(e.spec.name, e.state, e.spec.start_step, e.left) for e in ledger.entries] == [
+        ("chat", TaskState.FINISHED, 0, 3),
+        ("docs", TaskState.ACTIVE, 0, None),
+        ("code", TaskState.CANCELLED, 3, 6),
+    ]
+    assert [t.name for t in ledger.active] == ["docs"] and [a["step"] for a in ledger.applied] == [3, 3, 6]
+    ledger.save(tmp_path)
+    assert Ledger.load(tmp_path) == ledger
+    pending = Pending(3, [add], {"chat": TaskTurns(60.0, batches=9, share=0.5, changes=((2, 0.3, None),))})
+    save_pending(tmp_path / "q", pending)
+    assert load_pending(tmp_path / "q") == pending
+    (tmp_path / "tasks.json").write_text("{not json")
+    with pytest.raises(InputError, match="not a lorafleet task ledger"):
+        Ledger.load(tmp_path)
+
+
+# ---- turns ----------------------------------------------------------------------------------------
+
+
+def test_by_default_every_task_takes_part_in_every_step_from_its_start_to_its_end():
+    took = turns([TaskTurns(10.0), TaskTurns(10.0, batches=3, joined=2), TaskTurns(10.0, until=4)], 8)
+    assert took[:, 0].all()
+    assert took[:, 1].tolist() == [False, False, True, True, True, False, False, False]
+    assert took[:, 2].tolist() == [True] * 4 + [False] * 4
+    assert last_step([TaskTurns(1.0, batches=3, joined=2)], 20) == 5
+
+
+def test_a_share_is_the_tasks_fraction_of_the_tokens_over_many_steps():
+    tasks = [TaskTurns(400.0), TaskTurns(300.0, share=0.1), TaskTurns(100.0, share=0.5)]
+    took = turns(tasks, 400)
+    tokens = took * np.array([t.tokens for t in tasks])
+    fraction = tokens.sum(axis=0) / tokens.sum()
+    assert fraction[1] == pytest.approx(0.1, abs=0.01)
+    assert took[:, 2].all()  # its batch is under half the step's tokens: it is in every step
+    assert took[:, 0].all()  # no share: every step
+
+
+def test_a_deadline_forces_a_task_in_once_it_has_no_slack():
+    slow = TaskTurns(300.0, batches=10, share=0.01, deadline=20)
+    took = turns([TaskTurns(400.0), slow], 30)[:, 1]
+    assert took.sum() == 10 and np.flatnonzero(took)[-1] == 19  # its last batch exactly at the deadline
+    assert not took[:10].any()  # a share that small gave it no turn before its slack ran out
+
+
+def test_a_step_with_eligible_tasks_is_never_empty():
+    took = turns([TaskTurns(100.0, share=0.01), TaskTurns(100.0, share=0.01)], 10)
+    assert took.any(axis=1).all()
+
+
+def test_a_tasks_stream_is_its_own_whoever_trains_beside_it_or_joins():
+    a, b = synthetic_task("a", 30, (20, 40), 0), synthetic_task("b", 30, (20, 40), 1)
+    together = DataStreams([a, b], (2, 3), seed=7, joined=(0, 2))
+    alone = DataStreams([b], (3,), seed=7)
+    for step in range(2, 6):
+        batch = together.global_batch(step)
+        mine = batch.task_ids == 1
+        own = alone.global_batch(step - 2)
+        assert batch.sample_ids[mine].tolist() == own.sample_ids.tolist()
+        assert [e.input_ids for e in together.examples(batch.task_ids[mine], batch.sample_ids[mine])] == [
+            e.input_ids for e in alone.examples(own.task_ids, own.sample_ids)
+        ]
+    assert set(together.global_batch(1).task_ids.tolist()) == {0}
+    assert together.cursors(4) == [8, 6]
+
+
+def test_a_task_that_took_its_steps_is_finished_as_if_asked():
+    """Mid-run, a task whose ``steps`` are done is handed to the launcher like a queued finish (its adapter
+    exported, its memory freed, the fleet re-planned for the others)."""
+    from lorafleet.train.trainer import finished_tasks
+
+    a, b = synthetic_task("a", 30, (20, 40), 0), synthetic_task("b", 30, (20, 40), 1)
+    streams = DataStreams([a, b], (2, 3), seed=7, max_batches=(3, None))
+    assert finished_tasks(streams, 2) == []
+    assert [(r.name, r.action) for r in finished_tasks(streams, 3)] == [("a", Action.FINISH)]
+    streams.retire(0, 1)  # stopped for non-finite updates: not finished
+    assert finished_tasks(streams, 5) == []
+
+
+def test_a_share_changed_mid_run_leaves_the_batches_already_taken_alone():
+    """An update at step 6 takes effect from step 6: the turns before it, and so the cursors a checkpoint
+    at step 6 recorded, are those of the run before the update (a resume checks them)."""
+    update = Request("u.yaml", Action.UPDATE, "docs", changes={"share": 0.2})
+    ledger = LEDGER.apply([update], 6)
+    history = ledger.turn_changes()["docs"]
+    assert history == ((0, None, None), (6, 0.2, None)) and ledger.active[1].share == 0.2
+    a, b = synthetic_task("chat", 30, (20, 40), 0), synthetic_task("docs", 30, (20, 40), 1)
+    before = DataStreams([a, b], (2, 3), seed=7)
+    after = DataStreams([a, b], (2, 3), seed=7, shares=(None, 0.2), changes=((), history))
+    assert after.cursors(6) == before.cursors(6)
+    took = [after.batches_taken(1, k + 1) - after.batches_taken(1, k) for k in range(6, 40)]
+    assert 0 < sum(took) < 34  # from step 6 on, docs takes turns by its share
+
+
+def test_the_tasks_that_stay_redraw_the_steps_before_a_departure_with_it():
+    """Shares depend on every task a step took: after ``chat`` leaves at step 10, ``docs`` (share 0.3) must
+    still see the first 10 steps as they were, so the ledger keeps chat's turns and the streams use them."""
+    a, b = synthetic_task("chat", 30, (20, 40), 0), synthetic_task("docs", 30, (20, 40), 1)
+    before = DataStreams([a, b], (4, 3), seed=7, shares=(None, 0.3))
+    ledger = LEDGER.apply([Request("f.yaml", Action.FINISH, "chat")], 10, dict(zip(["chat", "docs"], before.turns)))
+    assert ledger.departed()[0].until == 10 and ledger.departed()[0].tokens == before.turns[0].tokens
+    after = DataStreams([b], (3,), seed=7, shares=(0.3,), departed=ledger.departed())
+    assert after.cursors(10) == before.cursors(10)[1:]
+    alone = DataStreams([b], (3,), seed=7, shares=(0.3,))
+    assert alone.cursors(10) != before.cursors(10)[1:]  # what the resume checked against, had chat been forgotten
+
+
+def test_an_added_tasks_length_dataset_path_is_relative_to_its_file_too(tmp_path):
+    """A queued task's data paths follow the workload's rule: ``data.path`` and ``lengths.dataset.path``
+    are both relative to the request file (the ledger keeps them absolute for every later launch)."""
+    r = _request(
+        tmp_path,
+        "name: code\ndata: {path: code.jsonl}\nlengths: {dataset: {path: lengths.jsonl}}\n"
+        "batch_size: 4\ncontext_length: 128\n",
+    )
+    assert r.task.data.path == str(tmp_path / "code.jsonl")
+    assert r.task.lengths.dataset.path == str(tmp_path / "lengths.jsonl")

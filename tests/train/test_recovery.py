@@ -1,0 +1,163 @@
+"""Automatic recovery and elastic re-planning (DLRover's, on torchrun's elastic agent), end to end.
+
+- Workers SIGKILLed at seeded random points (start-up, mid-step, mid-checkpoint-write) under
+  ``--max-restarts``: torchrun restarts them, they resume from the newest intact checkpoint, and
+  the final adapters are bitwise those of an uninterrupted run (CPU, recalibration off: the
+  dispatch is then a function of the step alone).
+- A run stopped (SIGINT, at a step boundary) and resumed on more or fewer GPUs (2 -> 4,
+  4 -> 2) re-plans for them with the run's cost model and policy and continues on the same data
+  order; the adapters equal an uninterrupted run's to float tolerance (another plan sums
+  gradients in another order). The first part is told the run's total steps, as a resume is:
+  the learning-rate schedules span ``--steps``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers.repo import DEMO
+from tests.helpers.train_cli import LAUNCHER, _steps, _wait_for_steps, _worker_pids
+
+TASKS = ("docsum", "chat")
+
+
+def _workload(tmp: Path, tokenizer: Path, gpus_per_node: int = 2) -> Path:
+    path = tmp / "w.yaml"
+    path.write_text(
+        f"model: tiny-llama\ntokenizer: {tokenizer}\n"
+        f"cluster: {{gpu: cpu, nodes: 1, gpus_per_node: {gpus_per_node}}}\n"
+        "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-3}}\n"
+        "tasks:\n"
+        f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
+        f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128}}\n"
+    )
+    return path
+
+
+def _plan(workload: Path, out: Path, *args: str) -> Path:
+    subprocess.run(
+        [*LAUNCHER, "plan", str(workload), "--json", str(out), "--samples", "0", *args],
+        check=True,
+        capture_output=True,
+        cwd=out.parent,
+    )
+    return out
+
+
+def _argv(workload: Path, plan: Path, out: Path, *args: str) -> list[str]:
+    """``lorafleet train`` of ``workload`` on ``plan`` into ``out``, on CPU, recalibration off."""
+    return [*LAUNCHER, "train", str(workload), "--plan", str(plan), "--out", str(out), "--device", "cpu",
+            "--no-recalibrate", *args]  # fmt: skip
+
+
+def _train(workload: Path, plan: Path, out: Path, *args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        _argv(workload, plan, out, *args), capture_output=True, text=True, timeout=600, cwd=out.parent
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _adapters(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {t: load_file(out / "adapters" / t / "adapter_model.safetensors") for t in TASKS}
+
+
+STEPS = "24"
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, tiny_tokenizer_dir):
+    """The workload (nodes of 4 cpu devices), its plan for 2 GPUs, and one uninterrupted run of
+    ``STEPS`` steps on 2 (recalibration off): the reference both tests compare with."""
+    tmp = tmp_path_factory.mktemp("recovery")
+    workload = _workload(tmp, tiny_tokenizer_dir, gpus_per_node=4)
+    # Windows of 2 steps: a signal stops a run at a window boundary, and the elastic test's stops
+    # must land before the run's last window.
+    two = _plan(workload, tmp / "two.json", "--gpus", "2", "--pipeline-window", "2")
+    _train(workload, two, tmp / "reference", "--steps", STEPS, "--gpus", "2")
+    return workload, two, _adapters(tmp / "reference")
+
+
+@pytest.mark.slow
+def test_random_worker_kills_recover_to_the_bitwise_same_adapters(shared, tmp_path):
+    workload, plan, reference = shared
+    out = tmp_path / "faulty"
+    process = subprocess.Popen(
+        _argv(workload, plan, out, "--steps", STEPS, "--gpus", "2", "--checkpoint-every", "1", "--max-restarts", "16"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    rng = random.Random(20261201)
+    kills, deadline = 0, time.monotonic() + 720
+    while process.poll() is None and kills < 10 and time.monotonic() < deadline:
+        pids = _worker_pids(str(out))
+        if len(pids) < 2:
+            time.sleep(0.05)
+            continue
+        time.sleep(rng.uniform(0.0, 3.0))  # start-up (import, model build), a step, or a checkpoint write
+        pids = _worker_pids(str(out))
+        if pids:
+            os.kill(rng.choice(sorted(pids)), signal.SIGKILL)
+            kills += 1
+            while set(_worker_pids(str(out))) & set(pids) and process.poll() is None:
+                time.sleep(0.05)  # the old workers are gone before the next round looks
+    stdout, stderr = process.communicate(timeout=600)  # the steps left after the last kill
+    assert kills >= 10, f"only {kills} kills before the run ended"
+    assert process.returncode == 0, stderr[-3000:]
+    assert _steps(out) == list(range(int(STEPS)))  # replayed steps are counted once
+    recovered = _adapters(out)
+    for task in TASKS:
+        assert reference[task].keys() == recovered[task].keys()
+        assert all(torch.equal(reference[task][k], recovered[task][k]) for k in reference[task]), task
+
+
+def _run_until_signal(argv: list[str], cwd: Path, out: Path, sig: signal.Signals, steps: int) -> str:
+    """Start ``argv``, let ``out`` hold ``steps`` steps (at least one more than now), stop it with
+    ``sig``; its stdout."""
+    done = len(_steps(out)) if (out / "metrics.jsonl").is_file() else 0
+    part = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    _wait_for_steps(out, max(steps, done + 1), part)
+    part.send_signal(sig)
+    stdout, stderr = part.communicate(timeout=300)
+    assert part.returncode == 128 + sig and f"stopped by {sig.name} after" in stdout, stderr[-3000:]
+    assert "Traceback" not in stderr
+    return stdout
+
+
+@pytest.mark.slow
+def test_a_resume_on_other_gpus_replans_and_continues(shared, tmp_path):
+    """2 GPUs, stopped by SIGINT halfway; resumed on 4 (2 -> 4) for a step or two, stopped by SIGTERM; resumed
+    on 2 (4 -> 2) to the end: against the uninterrupted run on 2 GPUs (any plan's adapters agree to float
+    tolerance). Most steps run on 2 processes: on a 2-core machine 4 gloo processes cost twice as much."""
+    workload, two, reference = shared
+    out = tmp_path / "elastic"
+    _run_until_signal(
+        _argv(workload, two, out, "--steps", STEPS, "--gpus", "2"), tmp_path, out, signal.SIGINT, int(STEPS) // 2
+    )
+    # resumed with the run's own plan (out/plan.json), which each resume re-plans for its GPUs
+    grown = _run_until_signal(
+        _argv(workload, out / "plan.json", out, "--steps", STEPS, "--gpus", "4", "--resume"),
+        tmp_path,
+        out,
+        signal.SIGTERM,
+        int(STEPS) // 2 + 1,
+    )
+    assert "re-planned for 4 GPUs: " in grown, grown
+    shrunk = _train(workload, out / "plan.json", out, "--steps", STEPS, "--resume", "--gpus", "2").stdout
+    assert "re-planned for 2 GPUs: " in shrunk, shrunk
+    assert _steps(out) == list(range(int(STEPS)))
+    ours = _adapters(out)
+    for task in TASKS:
+        for key, value in reference[task].items():
+            torch.testing.assert_close(ours[task][key], value, rtol=1e-5, atol=1e-6, msg=f"{task} {key}")

@@ -1,0 +1,264 @@
+"""``lorafleet train`` under faults and mistakes (docs/reliability.md): each rule of the run directory,
+checkpoints, signals, processes and numbers, as a user would meet it (real torchrun, gloo, tiny-llama)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import fleet_harness as h
+from tests.helpers.repo import DEMO
+from tests.helpers.train_cli import LAUNCHER, _steps, _wait_for_steps, _worker_pids
+
+
+def _workload(tmp_path: Path, tokenizer: Path, chat: str = "optimizer: {lr: 1.0e-3}", extra_task: str = "") -> Path:
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        f"model: tiny-llama\ntokenizer: {tokenizer}\n"
+        "cluster: {gpu: A100-40GB, nodes: 1, gpus_per_node: 2}\n"
+        "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-3}}\n"
+        "tasks:\n"
+        f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
+        f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128, {chat}}}\n"
+        + extra_task
+    )
+    return path
+
+
+@pytest.fixture
+def run(tmp_path, tiny_tokenizer_dir):
+    """A two-task workload, a two-replica plan for it, and a ``train(*args)`` that runs the CLI."""
+    workload = _workload(tmp_path, tiny_tokenizer_dir)
+    plan = replace(h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat"), bucket_boundaries=(256,))
+    plan.save(tmp_path / "plan.json")
+
+    def train(*args: str, workload_path: Path = workload, cwd: Path = tmp_path, timeout: float = 300):
+        argv = [
+            *LAUNCHER,
+            "train",
+            str(workload_path),
+            "--plan",
+            str(tmp_path / "plan.json"),
+            "--out",
+            str(tmp_path / "out"),
+            "--device",
+            "cpu",
+            "--no-recalibrate",
+            *args,
+        ]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+    return train, tmp_path
+
+
+def _one_error(result, words: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    err = result.stderr.strip()
+    assert err.count("\n") == 0 and words in err, err
+    assert "Traceback" not in result.stderr
+
+
+def _refused(capsys, tmp: Path, words: str, *args: str, workload: Path | None = None) -> None:
+    """``lorafleet train`` in this process (the launcher's checks need no worker): one line, exit 2."""
+    from lorafleet.cli import main
+
+    argv = [
+        "train",
+        str(workload or tmp / "w.yaml"),
+        "--plan",
+        str(tmp / "plan.json"),
+        "--out",
+        str(tmp / "out"),
+        "--device",
+        "cpu",
+        "--no-recalibrate",
+        *args,
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and words in err, err
+
+
+@pytest.mark.slow
+def test_run_directory_checkpoints_and_resume(run, capsys):
+    train, tmp = run
+    out = tmp / "out"
+    first = train("--steps", "3", "--checkpoint-every", "1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    _refused(capsys, tmp, "holds a previous run (metrics.jsonl, metrics.csv, tensorboard, checkpoints", "--steps", "3")
+    _refused(capsys, tmp, "--steps: 2 is below the 3 steps the run has committed", "--steps", "2", "--resume")
+    _refused(capsys, tmp, "--resume: nothing to resume", "--resume", "--out", str(tmp / "fresh"))
+    (tmp / "file").write_text("x")
+    _refused(capsys, tmp, "is a file, expected a directory", "--out", str(tmp / "file"))
+    assert not (tmp / "fresh").exists()
+
+    # The newest checkpoint is damaged: resume warns, takes the one before, and replays from it.
+    newest = out / "checkpoints" / "step-000003" / "chat" / "adapter_model.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-9])
+    resumed = train("--steps", "4", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert (
+        "warning: checkpoint step-000003: chat/adapter_model.safetensors does not match its checksum; resuming "
+        "from step-000002" in resumed.stderr
+    )
+    assert _steps(out) == [0, 1, 2, 3]  # step 2 replayed once, nothing counted twice
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert len(rows) == 5 and rows[0].startswith("step,") and sum(r.startswith("step,") for r in rows) == 1
+
+    # Data changed since the checkpoint: refused before any process starts.
+    changed = tmp / "changed.jsonl"
+    changed.write_text((DEMO / "chat.jsonl").read_text().replace(" the ", " THE ", 5))
+    workload = Path(str(tmp / "w.yaml"))
+    other = tmp / "w2.yaml"
+    other.write_text(workload.read_text().replace(str(DEMO / "chat.jsonl"), str(changed)))
+    _refused(capsys, tmp, "data: the data changed since the checkpoint", "--steps", "5", "--resume", workload=other)
+
+    # Every checkpoint damaged: one line, exit 2.
+    for manifest in (out / "checkpoints").glob("step-*/manifest.json"):
+        manifest.write_text("{")
+    _refused(capsys, tmp, "no intact checkpoint to resume from", "--steps", "5", "--resume")
+
+    # --overwrite starts afresh: the launcher clears the previous run's files (in process here, as
+    # `lorafleet train` does before it starts torchrun) and writes the new run's plan.
+    from lorafleet.train.options import TrainOptions
+    from lorafleet.train.preflight import claim as _claim
+    from lorafleet.train.preflight import prepare
+
+    (out / "notes.txt").write_text("mine")
+    options = TrainOptions(workload=str(tmp / "w.yaml"), plan=str(tmp / "plan.json"), out=str(out), overwrite=True)
+    lock = _claim(options, prepare(options))
+    lock.release()
+    assert sorted(p.name for p in out.iterdir()) == [".lock", "notes.txt", "plan.json", "workload.resolved.yaml"]
+
+
+def test_a_second_run_refuses_a_locked_directory(run):
+    from lorafleet.rundir import lock_run
+
+    train, tmp = run
+    lock = lock_run(tmp / "out")
+    try:
+        _one_error(train("--steps", "1"), "another run is using this directory")
+    finally:
+        lock.release()
+
+
+def _start(run, *args: str) -> subprocess.Popen:
+    train, tmp = run
+    argv = [
+        *LAUNCHER,
+        "train",
+        str(tmp / "w.yaml"),
+        "--plan",
+        str(tmp / "plan.json"),
+        "--out",
+        str(tmp / "out"),
+        "--device",
+        "cpu",
+        "--no-recalibrate",
+        *args,
+    ]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130)])  # SIGTERM (143): test_recovery's resume on other GPUs
+def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(run, sig, code):
+    train, tmp = run
+    process = _start(run, "--steps", "400", "--checkpoint-every", "1000")
+    _wait_for_steps(tmp / "out", 2, process)
+    process.send_signal(sig)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == code, stderr[-2000:]
+    assert "Traceback" not in stderr
+    (line,) = [x for x in stdout.splitlines() if x.startswith("lorafleet train: stopped by")]
+    steps = int(line.split(" after ")[1].split()[0])
+    assert line == (
+        f"lorafleet train: stopped by {sig.name} after {steps} steps; checkpoint step-{steps:06d} committed, "
+        "continue with --resume"
+    )
+    assert json.loads((tmp / "out" / "checkpoints" / "latest.json").read_text())["step"] == steps
+    assert _steps(tmp / "out") == list(range(steps))
+    assert not _worker_pids(str(tmp / "out"))
+
+
+@pytest.mark.slow
+def test_workers_never_outlive_their_launcher(run):
+    _, tmp = run
+    process = _start(run, "--steps", "4000", "--checkpoint-every", "1000")
+    _wait_for_steps(tmp / "out", 1, process)
+    assert len(_worker_pids(str(tmp / "out"))) == 2
+    process.kill()  # SIGKILL: no handler runs
+    process.communicate()
+    deadline = time.monotonic() + 20
+    while _worker_pids(str(tmp / "out")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _worker_pids(str(tmp / "out"))
+
+
+@pytest.mark.slow
+def test_a_nonfinite_task_is_skipped_then_stopped_and_the_others_are_bitwise_untouched(run, tiny_tokenizer_dir):
+    """``chat`` blows up (lr 10, alpha 1e30: the issue's case; its gradient overflows, and any update it
+    took would overflow its activations): its updates are skipped and it stops after three in a row;
+    ``docsum`` trains bitwise as in a run where chat is sane. A third task whose SGD step underflows to
+    nothing (lr 1e-45) is warned about in both runs.
+
+    Both runs start, as a user would, with the installed ``lorafleet`` console script from a directory
+    that holds another ``lorafleet`` package: the workers must run the launcher's code, not that one."""
+    train, tmp = run
+    fake = tmp / "elsewhere" / "lorafleet"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise SystemExit('the wrong lorafleet was imported')\n")
+    (fake / "__main__.py").write_text("raise SystemExit('the wrong lorafleet was run')\n")
+    script = Path(sys.executable).parent / "lorafleet"
+    frozen = (
+        f"  - {{name: frozen, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 2, context_length: 256,"
+        " optimizer: {name: sgd, lr: 1.0e-45}}\n"
+    )
+    plan = replace(
+        h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat", "frozen"), bucket_boundaries=(256,)
+    )
+    plan.save(tmp / "plan.json")
+    results = {}
+    for name, chat in (("sane", "optimizer: {lr: 1.0e-3}"), ("blown", "lora: {alpha: 1.0e+30}, optimizer: {lr: 10}")):
+        folder = tmp / name
+        folder.mkdir()
+        workload = _workload(folder, tiny_tokenizer_dir, chat, frozen)
+        argv = [
+            str(script),
+            "train",
+            str(workload),
+            "--plan",
+            str(tmp / "plan.json"),
+            "--out",
+            str(folder / "out"),
+            "--device",
+            "cpu",
+            "--no-recalibrate",
+            "--steps",
+            "4",
+        ]
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=fake.parent)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "wrong lorafleet" not in result.stderr + result.stdout
+        assert "task 'frozen': its adapter has not moved after its warm-up" in result.stderr
+        results[name] = (result, folder / "out")
+    blown, out = results["blown"]
+    assert "task 'chat' has a non-finite loss or gradient; its update is skipped (3 in a row)" in blown.stderr
+    assert "task 'chat' stopped after 3 non-finite steps in a row" in blown.stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    flagged = ["chat" in r["nonfinite_tasks"] for r in records]
+    assert sum(flagged) >= 3 and all(not r["nonfinite_tasks"] or r["nonfinite_tasks"] == ["chat"] for r in records)
+    chat = load_file(out / "adapters" / "chat" / "adapter_model.safetensors")
+    assert all(torch.isfinite(t).all() for t in chat.values())
+    sane = load_file(results["sane"][1] / "adapters" / "docsum" / "adapter_model.safetensors")
+    ours = load_file(out / "adapters" / "docsum" / "adapter_model.safetensors")
+    assert sane.keys() == ours.keys() and all(torch.equal(sane[k], ours[k]) for k in sane)

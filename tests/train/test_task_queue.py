@@ -1,0 +1,147 @@
+"""The live task queue end to end (``train.queue``, ``train.live``): a run of ``lorafleet train`` takes a
+task added at step 3 and a task finished at step 6 through its queue directory, and a malformed request
+and one naming no task are rejected while it goes on.
+
+Each task's semantics do not depend on the tasks beside it (its stream, its initial adapter and its
+updates are its own), so, on the same data:
+
+- the task that stays (``docsum``) ends equal to a run without the changes;
+- the finished task (``chat``) is exported at step 6 equal to that run's checkpoint at step 6;
+- the added task (``codegen``) equals the task trained alone for the steps it had (8 - 3).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lorafleet.cli import main
+from tests.helpers.repo import DEMO
+
+STEPS = 8
+ATOL = 1e-5
+
+
+def _workload(path: Path, tokenizer: Path, tasks: list[str]) -> Path:
+    lines = [
+        "model: tiny-llama",
+        f"tokenizer: {tokenizer}",
+        "cluster: {gpu: cpu, nodes: 1, gpus_per_node: 1}",
+        "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-2}}",
+        "tasks:",
+        *tasks,
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _task(name: str, batch: int, context: int) -> str:
+    data = DEMO / f"{name}.jsonl"
+    return f"  - {{name: {name}, data: {{path: {data}}}, batch_size: {batch}, context_length: {context}}}"
+
+
+DOCSUM, CHAT, CODEGEN = _task("docsum", 3, 256), _task("chat", 3, 128), _task("codegen", 2, 256)
+
+
+def _lorafleet(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lorafleet", *argv], cwd=cwd, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def _train(workload: Path, out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    plan = workload.with_suffix(".plan.json")
+    if not plan.exists():
+        assert main(["plan", str(workload), "--json", str(plan)]) == 0
+    return _lorafleet(
+        "train", str(workload), "--plan", str(plan), "--steps", str(steps), "--out", str(out), "--no-progress",
+        *extra, cwd=out.parent,
+    )  # fmt: skip
+
+
+def _adapter(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_tokenizer_dir):
+    root = tmp_path_factory.mktemp("queue")
+    queued = root / "queued"
+    (queued / "queue").mkdir(parents=True)
+    (queued / "queue" / "add-codegen.yaml").write_text(
+        f"name: codegen\ndata: {{path: {DEMO / 'codegen.jsonl'}}}\nbatch_size: 2\ncontext_length: 256\nat_step: 3\n"
+    )
+    (queued / "queue" / "finish-chat.json").write_text(json.dumps({"action": "finish", "name": "chat", "at_step": 6}))
+    (queued / "queue" / "broken.yaml").write_text("name: [unclosed\n")
+    (queued / "queue" / "ghost.yaml").write_text("action: cancel\nname: nobody\n")
+    both = _workload(root / "both.yaml", tiny_tokenizer_dir, [DOCSUM, CHAT])
+    log = _train(both, queued, STEPS, "--checkpoint-every", "4", "--migration-s", "0", "--queue-http", "0")
+    reference = root / "reference"
+    _train(both, reference, STEPS, "--checkpoint-every", "2")
+    alone = root / "alone"
+    _train(_workload(root / "alone.yaml", tiny_tokenizer_dir, [CODEGEN]), alone, STEPS - 3)
+    return queued, reference, alone, log
+
+
+def test_the_task_that_stays_equals_a_run_without_the_changes(runs):
+    queued, reference, _, _ = runs
+    assert _max_diff(_adapter(queued / "adapters" / "docsum"), _adapter(reference / "adapters" / "docsum")) < ATOL
+
+
+def test_the_finished_task_is_exported_as_it_was_at_its_step(runs):
+    queued, reference, _, _ = runs
+    at_six = reference / "checkpoints" / "step-000006" / "chat"
+    assert _max_diff(_adapter(queued / "adapters" / "chat"), _adapter(at_six)) < ATOL
+    assert _max_diff(_adapter(queued / "adapters" / "chat"), _adapter(reference / "adapters" / "chat")) > 1e-4
+
+
+def test_the_added_task_equals_it_trained_alone_from_its_start(runs):
+    queued, _, alone, _ = runs
+    assert _max_diff(_adapter(queued / "adapters" / "codegen"), _adapter(alone / "adapters" / "codegen")) < ATOL
+
+
+def test_the_ledger_metrics_and_log_tell_what_happened(runs):
+    queued, _, _, log = runs
+    ledger = json.loads((queued / "tasks.json").read_text())
+    states = {t["spec"]["name"]: (t["state"], t["spec"].get("start_step", 0), t["left"]) for t in ledger["tasks"]}
+    assert states == {"docsum": ("active", 0, None), "chat": ("finished", 0, 6), "codegen": ("active", 3, None)}
+    rows = [json.loads(line) for line in (queued / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    present = [sorted(r["task_gpu_s"]) for r in rows]
+    assert present[2] == ["chat", "docsum"] and present[3] == ["chat", "codegen", "docsum"]
+    assert present[6] == ["codegen", "docsum"]
+    for r in rows:  # the step's device-seconds, shared out among the tasks it ran
+        assert sum(r["task_gpu_s"].values()) == pytest.approx(r["makespan_s"] * 1, rel=1e-6)
+    assert "GPU-seconds by task (the whole run): chat" in log.stdout
+    assert "step 3: add codegen" in log.stdout and "step 6: finish chat" in log.stdout
+    assert "lorafleet train: queue: http://127.0.0.1:" in log.stdout  # served for the whole run, then closed
+    assert not (queued / "queue" / ".http.json").exists()
+
+
+def test_bad_requests_are_rejected_with_one_line_and_the_run_goes_on(runs):
+    queued, _, _, log = runs
+    rejected = queued / "queue" / "rejected"
+    assert sorted(p.name for p in rejected.iterdir()) == [
+        "broken.yaml",
+        "broken.yaml.reason",
+        "ghost.yaml",
+        "ghost.yaml.reason",
+    ]
+    assert "malformed YAML" in (rejected / "broken.yaml.reason").read_text()
+    assert "no active task 'nobody'" in (rejected / "ghost.yaml.reason").read_text()
+    lines = [line for line in log.stderr.splitlines() if "queue: rejected" in line]
+    assert len(lines) == 2 and all(line.startswith("lorafleet train: queue: rejected ") for line in lines)
+    assert sorted(p.name for p in (queued / "queue" / "accepted").iterdir()) == ["add-codegen.yaml", "finish-chat.json"]

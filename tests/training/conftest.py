@@ -1,8 +1,0 @@
-"""The executor tests import their harness (``fleet_harness``) from this directory."""
-
-from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
