@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -146,14 +147,17 @@ def wait_for_kill_point(fault: Fault, out: Path, process: subprocess.Popen, dead
     return False
 
 
-def one_round(fault: Fault, workload: Path, plan: Path, tmp: Path, steps: int, reference, timeout: float) -> str:
-    """'' when the round passed, else why not."""
+def one_round(
+    fault: Fault, workload: Path, plan: Path, tmp: Path, steps: int, reference: dict[str, bytes], timeout: float, log
+) -> str:
+    """'' when the round passed, else why not; the run's stderr goes to ``log``."""
     out = tmp / "round"
+    shutil.rmtree(out, ignore_errors=True)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 if fault.hog else 0)]
     process = subprocess.Popen(
-        train_argv(workload, plan, out, steps, "--checkpoint-every", "2", "--max-restarts", "2", "--overwrite"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        train_argv(workload, plan, out, steps, "--checkpoint-every", "2", "--max-restarts", "2"),
+        stdout=subprocess.DEVNULL,
+        stderr=log,
         text=True,
         cwd=tmp,
     )
@@ -166,16 +170,18 @@ def one_round(fault: Fault, workload: Path, plan: Path, tmp: Path, steps: int, r
             return f"no rank {fault.rank} process to kill"
         os.kill(pid, signal.SIGKILL)
         try:
-            _, stderr = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()  # the launcher: torchrun and the workers die with it (parent-death signal)
-            process.communicate()
+            process.wait()
             return f"hung: not finished within {timeout:.0f} s"
     finally:
         for hog in hogs:
             hog.kill()
+        for pid in worker_ranks(out).values():  # none should be left; never let one leak into the next round
+            os.kill(pid, signal.SIGKILL)
     if process.returncode != 0:
-        return f"exit {process.returncode}: {stderr.strip().splitlines()[-1] if stderr.strip() else ''}"
+        return f"exit {process.returncode} (stderr in {log.name})"
     if steps_logged(out) != list(range(steps)):
         return f"metrics hold steps {steps_logged(out)}"
     if adapters(out) != reference:
@@ -204,7 +210,8 @@ def main() -> int:
     failed = 0
     for k, fault in enumerate(faults(args.rounds, args.steps, args.seed)):
         start = time.monotonic()
-        why = one_round(fault, workload, plan, tmp, args.steps, reference, args.round_timeout)
+        with (tmp / f"round-{k + 1:02d}.log").open("w") as log:
+            why = one_round(fault, workload, plan, tmp, args.steps, reference, args.round_timeout, log)
         failed += bool(why)
         verdict = "ok" if not why else f"FAILED: {why}"
         print(f"round {k + 1:2d} ({fault.describe()}): {verdict} ({time.monotonic() - start:.0f} s)", flush=True)

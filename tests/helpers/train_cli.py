@@ -41,3 +41,13 @@ def _wait_for_steps(out: Path, n: int, process: subprocess.Popen, timeout: float
         assert process.poll() is None, process.communicate()
         time.sleep(0.2)
     raise AssertionError(f"no {n} steps within {timeout} s")
+
+
+def _worker_rank(pid: int) -> int | None:
+    """The torch.distributed rank of a worker process (its ``RANK``), or None when it is gone."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    env = dict(item.split(b"=", 1) for item in environ if b"=" in item)
+    return int(env[b"RANK"]) if b"RANK" in env else None

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers.repo import DEMO
-from tests.helpers.train_cli import LAUNCHER, _steps, _wait_for_steps, _worker_pids
+from tests.helpers.train_cli import LAUNCHER, _steps, _wait_for_steps, _worker_pids, _worker_rank
 
 TASKS = ("docsum", "chat")
 
@@ -119,6 +119,48 @@ def test_random_worker_kills_recover_to_the_bitwise_same_adapters(shared, tmp_pa
     recovered = _adapters(out)
     for task in TASKS:
         assert reference[task].keys() == recovered[task].keys()
+        assert all(torch.equal(reference[task][k], recovered[task][k]) for k in reference[task]), task
+
+
+def _kill_rank_when(out: Path, process: subprocess.Popen, rank: int, when: str, after_step: int) -> None:
+    """SIGKILL worker ``rank`` of the run in ``out`` once it has logged ``after_step`` steps, at ``when``:
+    ``writing`` (a checkpoint's ``.partial`` directory exists), ``committed`` (a new step directory
+    appeared) or ``step`` (at once: mid-step or at a boundary)."""
+    checkpoints = out / "checkpoints"
+    _wait_for_steps(out, after_step, process)
+    before = {p.name for p in checkpoints.glob("step-*")}
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if when == "step" or (when == "writing" and any(checkpoints.glob(".step-*.partial"))):
+            break
+        if when == "committed" and {p.name for p in checkpoints.glob("step-*")} - before:
+            break
+        time.sleep(0.002)
+    pids = [pid for pid in _worker_pids(str(out)) if _worker_rank(pid) == rank]
+    assert pids and process.poll() is None, f"no rank {rank} to kill {when} after step {after_step}"
+    os.kill(pids[0], signal.SIGKILL)
+    while pids[0] in _worker_pids(str(out)):
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_restarts_reconnect_after_kills_of_either_rank_around_checkpoint_writes(shared, tmp_path):
+    """Issue #25: a restarted group must not find the dead group's peers (a fresh rendezvous store each
+    round). Rank 1 killed mid-checkpoint-write, rank 0 just after a commit, rank 1 mid-step: every restart
+    reconnects and the adapters are bitwise the uninterrupted run's (``benchmarks/soak_restarts.py`` soaks
+    50 such kills)."""
+    workload, plan, reference = shared
+    out = tmp_path / "restarted"
+    argv = _argv(workload, plan, out, "--steps", STEPS, "--gpus", "2", "--checkpoint-every", "2", "--max-restarts", "3")
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    for rank, when, after in ((1, "writing", 4), (0, "committed", 10), (1, "step", 16)):
+        _kill_rank_when(out, process, rank, when, after)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "connectFullMesh" not in stderr
+    assert _steps(out) == list(range(int(STEPS)))
+    recovered = _adapters(out)
+    for task in TASKS:
         assert all(torch.equal(reference[task][k], recovered[task][k]) for k in reference[task]), task
 
 

@@ -31,6 +31,8 @@ from lorafleet.errors import InputError
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 PACKAGE_ENV = "LORAFLEET_PACKAGE"
+FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Set to 1 for torchrun: each rendezvous round (every restart) gets a TCPStore of its own."""
 LOCKED_ENV = "LORAFLEET_RUN_LOCKED"
 """Set by the launcher, which holds the run directory's lock, for the workers it starts."""
 PR_SET_PDEATHSIG = 1
@@ -78,6 +80,10 @@ def worker_env(locked: bool) -> dict[str, str]:
     """The environment torchrun and its workers start with: this code, and whether the lock is held."""
     env = dict(os.environ)
     root = str(package_root())
+    # A fresh rendezvous store for every restart: torchrun's agent otherwise keeps one TCPStore for all its
+    # rounds, and a restarted group reads the dead group's addresses from it (gloo "Connection refused" to a
+    # stale peer, or a hang in connectFullMesh; pytorch/pytorch#135712).
+    env[FRESH_STORE_ENV] = "1"
     env["PYTHONSAFEPATH"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
     env[PACKAGE_ENV] = str(Path(lorafleet.__file__).resolve())
