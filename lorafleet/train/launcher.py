@@ -34,9 +34,13 @@ def launch(options: TrainOptions) -> int:
 
     start_clock()
     prepared = prepare(options)
-    if under_torchrun():
+    if under_torchrun():  # the user's own torchrun: this process is a rank
+        from lorafleet.executor.torch.processes import shared_store_warning
         from lorafleet.train.trainer import train_rank
 
+        warning = shared_store_warning()
+        if warning is not None and os.environ.get("RANK") == "0":
+            print(f"lorafleet train: warning: {warning}", file=sys.stderr, flush=True)
         return train_rank(options, prepared)
     lock = claim(options, prepared)
     plan = prepared.run.plan

@@ -150,9 +150,11 @@ def test_the_slurm_and_kubernetes_examples_launch_lorafleet_train_under_torchrun
     assert f"#SBATCH --nodes={workload['cluster']['nodes']}" in sbatch
     assert f"#SBATCH --gpus-per-node={per_node}" in sbatch
     commands = [sbatch[sbatch.index("srun --") :]]
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in sbatch  # a fresh store every restart (issue #25)
     for manifest in ("pytorchjob.yaml", "trainjob.yaml"):
         documents = list(yaml.safe_load_all((EXAMPLES / manifest).read_text()))
         text = json.dumps(documents)
+        assert '{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}' in text, manifest
         assert f"nproc-per-node={per_node}" in text or f'"numProcPerNode": {per_node}' in text, manifest
         commands += [" ".join(c["command"]) for c in _containers(documents)]
     for command in commands:

@@ -59,6 +59,19 @@ def torchrun_argv(nproc: int, module: str, argv: Sequence[str], max_restarts: in
     ]
 
 
+def shared_store_warning() -> str | None:
+    """A warning line when this worker runs under a torchrun that may restart it but shares one rendezvous
+    store across restarts (a restarted group would read the dead group's addresses); None otherwise."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get(FRESH_STORE_ENV) != "1":
+        return (
+            f"torchrun may restart the workers (--max-restarts {restarts}) but shares one rendezvous store "
+            f"across restarts: a restarted group can fail to connect or hang; start torchrun with "
+            f"{FRESH_STORE_ENV}=1 (docs/multinode.md)"
+        )
+    return None
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere)."""
     if not sys.platform.startswith("linux"):

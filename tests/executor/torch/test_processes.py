@@ -5,7 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import lorafleet
-from lorafleet.executor.torch.processes import FRESH_STORE_ENV, LOCKED_ENV, PACKAGE_ENV, worker_env
+from lorafleet.executor.torch.processes import (
+    FRESH_STORE_ENV,
+    LOCKED_ENV,
+    PACKAGE_ENV,
+    shared_store_warning,
+    worker_env,
+)
 
 
 def test_every_restart_gets_a_fresh_rendezvous_store_and_the_launchers_code(monkeypatch):
@@ -18,3 +24,13 @@ def test_every_restart_gets_a_fresh_rendezvous_store_and_the_launchers_code(monk
     assert env["PYTHONPATH"].split(":")[0] == str(Path(lorafleet.__file__).resolve().parents[1])
     assert env[PACKAGE_ENV] == str(Path(lorafleet.__file__).resolve())
     assert LOCKED_ENV not in worker_env(locked=False)
+
+
+def test_a_users_own_torchrun_that_shares_its_store_across_restarts_is_warned_about(monkeypatch):
+    monkeypatch.delenv(FRESH_STORE_ENV, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert shared_store_warning() is None  # no restarts, nothing to share
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert FRESH_STORE_ENV in shared_store_warning() and "\n" not in shared_store_warning()
+    monkeypatch.setenv(FRESH_STORE_ENV, "1")
+    assert shared_store_warning() is None
