@@ -11,6 +11,7 @@ No torch import here: the launcher reaches the torch executor only through its t
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -94,7 +95,12 @@ def _supervise(options: TrainOptions, prepared: Prepared) -> int:
     path = ResolvedRun.of(options, prepared).save(run_dir)
     phase(f"starting {counted(prepared.world_size, 'worker process', 'worker processes')} (torchrun)")
     argv = torchrun_argv(prepared.world_size, RANK_MODULE, [str(path)], max_restarts=options.max_restarts)
-    child = subprocess.Popen(argv, env=worker_env(locked=True), start_new_session=True, preexec_fn=die_with_parent)
+    child = subprocess.Popen(
+        argv,
+        env=worker_env(locked=True),
+        start_new_session=True,
+        preexec_fn=functools.partial(die_with_parent, parent=os.getpid()),
+    )
     received: list[int] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -15,6 +15,9 @@ from lorafleet.errors import InputError, exit_code
 
 def main(argv: Sequence[str]) -> int:
     """Run this process's rank of the run file ``argv[0]``."""
+    from lorafleet.executor.torch.processes import die_with_torchrun
+
+    die_with_torchrun()  # first, before the imports and reads of start-up: never outlive the run
     from lorafleet.train.run_file import ResolvedRun
     from lorafleet.train.trainer import train_rank
 

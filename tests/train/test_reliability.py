@@ -3,7 +3,9 @@ checkpoints, signals, processes and numbers, as a user would meet it (real torch
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -202,6 +204,33 @@ def test_workers_never_outlive_their_launcher(run):
     while _worker_pids(str(tmp / "out")) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _worker_pids(str(tmp / "out"))
+
+
+@pytest.mark.slow
+def test_no_worker_outlives_a_launcher_killed_during_start_up(run):
+    """Issue #25: the launcher SIGKILLed after torchrun started the workers and before their process group is
+    up (importing, reading the run file, tokenizing, loading the model): torchrun dies with it, and every
+    worker with torchrun, at each point of the window."""
+    _, tmp = run
+    for delay in (0.0, 0.2, 0.6, 1.5, 3.0):
+        process = _start(run, "--steps", "4000", "--checkpoint-every", "1000", "--overwrite")
+        deadline = time.monotonic() + 120
+        while not _worker_pids(str(tmp / "out")) and time.monotonic() < deadline:
+            assert process.poll() is None, process.communicate()
+            time.sleep(0.005)
+        time.sleep(delay)
+        started = _worker_pids(str(tmp / "out"))
+        process.kill()  # SIGKILL: no handler runs
+        process.wait()  # not communicate(): an orphan would hold the pipes open and hang the test
+        deadline = time.monotonic() + 20
+        while _worker_pids(str(tmp / "out")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        orphans = _worker_pids(str(tmp / "out"))
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.communicate()
+        assert started and not orphans, f"workers {orphans} outlived a launcher killed {delay} s in"
 
 
 @pytest.mark.slow

@@ -3,9 +3,11 @@ launcher and run its code, and that it stops at a step boundary when asked. Torc
 launcher checks and starts a run without importing torch.
 
 - **Parent death.** On Linux every process of a run asks the kernel for SIGKILL when its parent
-  dies (``prctl(PR_SET_PDEATHSIG)``): torchrun when ``lorafleet train`` dies, each worker when
-  torchrun dies. A SIGKILL of the launcher therefore takes the whole run with it. The worker
-  also checks that its parent has not already gone between fork and prctl.
+  dies (``prctl(PR_SET_PDEATHSIG)``): torchrun when ``lorafleet train`` dies (before it execs, with the
+  launcher's pid to compare), each worker when torchrun dies (its first act, before any import that
+  takes time: :func:`die_with_torchrun`). A SIGKILL of the launcher therefore takes the whole run with
+  it, at any moment of its start-up; each also checks that its parent had not already gone before the
+  request took effect.
 - **The launcher's code.** Workers are started with ``PYTHONSAFEPATH=1`` (the current directory
   is not put on ``sys.path``) and the launcher's package root first on ``PYTHONPATH``, and each
   checks that the ``lorafleet`` it imported is the launcher's (``LORAFLEET_PACKAGE``): a
@@ -31,6 +33,8 @@ from lorafleet.errors import InputError
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 PACKAGE_ENV = "LORAFLEET_PACKAGE"
+LAUNCHER_PID_ENV = "LORAFLEET_LAUNCHER_PID"
+"""The launcher's pid, for its workers: their torchrun's parent (:func:`die_with_torchrun`)."""
 FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """Set to 1 for torchrun: each rendezvous round (every restart) gets a TCPStore of its own."""
 LOCKED_ENV = "LORAFLEET_RUN_LOCKED"
@@ -72,16 +76,50 @@ def shared_store_warning() -> str | None:
     return None
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere)."""
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere).
+
+    Race-free when ``parent`` is the pid the parent had before this process was started (the launcher
+    passes its own to torchrun's ``preexec_fn``): a parent that died before the request took effect is
+    caught by comparing ``getppid()`` with it after the request, and one that dies later is the kernel's
+    to signal. Without ``parent``, the parent seen on entry is assumed (what a process can do that knows
+    nothing of who started it)."""
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
+    expected = os.getppid() if parent is None else parent
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         return
-    if os.getppid() != parent:  # the parent died before prctl took effect
+    if os.getppid() != expected:  # the parent died before prctl took effect
         os.kill(os.getpid(), sig)
+
+
+def die_with_torchrun(sig: int = signal.SIGKILL) -> None:
+    """A worker's first act: die with the torchrun agent that started it, race-free.
+
+    Its parent is the agent; under ``lorafleet train``'s launcher the agent's parent is the launcher, whose
+    pid the launcher put in the environment (:data:`LAUNCHER_PID_ENV`). After the parent-death request, a
+    parent whose own parent is not the launcher (the agent died during the worker's start-up and the worker
+    was reparented to init or a subreaper, or the agent lost its launcher) means the run is gone: the
+    worker ends at once instead of living on, holding memory (and devices) under PID 1. Under a user's
+    own torchrun there is no launcher to compare with (an agent may itself be PID 1 in a container): the
+    parent seen on entry is the agent."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    die_with_parent(sig, parent)
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is not None and _parent_of(parent) != int(launcher):
+        os.kill(os.getpid(), sig)
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (``/proc/<pid>/stat``), None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # fields after the (command): state, ppid, ...
 
 
 def package_root() -> Path:
@@ -100,6 +138,7 @@ def worker_env(locked: bool) -> dict[str, str]:
     env["PYTHONSAFEPATH"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([root, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
     env[PACKAGE_ENV] = str(Path(lorafleet.__file__).resolve())
+    env[LAUNCHER_PID_ENV] = str(os.getpid())
     if locked:
         env[LOCKED_ENV] = "1"
     return env
