@@ -20,6 +20,7 @@ round and the tally; exit code 1 unless every round passed. ``scripts/soak_resta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -179,7 +180,8 @@ def one_round(
         for hog in hogs:
             hog.kill()
         for pid in worker_ranks(out).values():  # none should be left; never let one leak into the next round
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may end between the listing and the kill
+                os.kill(pid, signal.SIGKILL)
     if process.returncode != 0:
         return f"exit {process.returncode} (stderr in {log.name})"
     if steps_logged(out) != list(range(steps)):

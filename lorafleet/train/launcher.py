@@ -31,11 +31,14 @@ RANK_MODULE = "lorafleet.train.rank"
 def launch(options: TrainOptions) -> int:
     """``lorafleet train``: check, lock, then run under torchrun (re-executing this command) or, already
     under one, as this process's rank. SIGINT/SIGTERM stop the run at a step boundary: exit 130/143."""
-    from lorafleet.executor.torch.processes import under_torchrun
+    from lorafleet.executor.torch.processes import die_with_torchrun, under_torchrun
 
     start_clock()
+    rank = under_torchrun()  # the user's own torchrun: this process is a rank
+    if rank:
+        die_with_torchrun()  # first, before the reads of start-up, as rank.main does under the launcher
     prepared = prepare(options)
-    if under_torchrun():  # the user's own torchrun: this process is a rank
+    if rank:
         from lorafleet.executor.torch.processes import shared_store_warning
         from lorafleet.train.trainer import train_rank
 
@@ -99,7 +102,7 @@ def _supervise(options: TrainOptions, prepared: Prepared) -> int:
         argv,
         env=worker_env(locked=True),
         start_new_session=True,
-        preexec_fn=functools.partial(die_with_parent, parent=os.getpid()),
+        preexec_fn=functools.partial(die_with_parent, signal.SIGKILL, os.getpid()),
     )
     received: list[int] = []
 

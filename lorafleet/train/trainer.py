@@ -48,9 +48,8 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     from lorafleet.executor.torch.data_stream import task_tokenizer
     from lorafleet.executor.torch.launch import build_torch_executor, init_distributed
     from lorafleet.executor.torch.precision import Precision
-    from lorafleet.executor.torch.processes import LOCKED_ENV, check_code, die_with_torchrun
+    from lorafleet.executor.torch.processes import LOCKED_ENV, check_code
 
-    die_with_torchrun()  # again for a user's own torchrun, whose ranks start in launch(); a no-op repeated
     check_code()
     device = init_distributed(options.device)
     report = phase if dist.get_rank() == 0 else None

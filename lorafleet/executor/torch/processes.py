@@ -76,21 +76,19 @@ def shared_store_warning() -> str | None:
     return None
 
 
-def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+def die_with_parent(sig: int, parent: int) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent dies (Linux; a no-op elsewhere).
 
-    Race-free when ``parent`` is the pid the parent had before this process was started (the launcher
-    passes its own to torchrun's ``preexec_fn``): a parent that died before the request took effect is
-    caught by comparing ``getppid()`` with it after the request, and one that dies later is the kernel's
-    to signal. Without ``parent``, the parent seen on entry is assumed (what a process can do that knows
-    nothing of who started it)."""
+    Race-free because ``parent`` is the pid the parent had before this process was started (the launcher
+    passes its own to torchrun's ``preexec_fn``; a worker, the parent it saw on entry): a parent that died
+    before the request took effect is caught by comparing ``getppid()`` with it after the request, and one
+    that dies later is the kernel's to signal."""
     if not sys.platform.startswith("linux"):
         return
-    expected = os.getppid() if parent is None else parent
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         return
-    if os.getppid() != expected:  # the parent died before prctl took effect
+    if os.getppid() != parent:  # the parent died before prctl took effect
         os.kill(os.getpid(), sig)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import lorafleet
@@ -39,17 +42,12 @@ def test_a_users_own_torchrun_that_shares_its_store_across_restarts_is_warned_ab
 def test_a_worker_whose_torchrun_lost_its_launcher_ends_itself():
     """The start-up window of issue #25: a worker checks, after its parent-death request, that its parent's
     parent is still the launcher that started the run, and ends itself otherwise."""
-    import subprocess
-    import sys
-
     code = (
         "import os; os.environ['LORAFLEET_LAUNCHER_PID'] = '{launcher}'\n"
         "from lorafleet.executor.torch.processes import die_with_torchrun\n"
         "die_with_torchrun(); print('alive')"
     )
     # this process (pytest) is the parent of the child, and its own parent is the 'launcher' to compare with
-    import os
-
     alive = subprocess.run([sys.executable, "-c", code.format(launcher=os.getppid())], capture_output=True, text=True)
     assert alive.returncode == 0 and alive.stdout.strip() == "alive"
     gone = subprocess.run([sys.executable, "-c", code.format(launcher=os.getpid())], capture_output=True, text=True)
