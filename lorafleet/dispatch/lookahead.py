@@ -58,6 +58,7 @@ class LookaheadDispatcher:
         self._policy = policy_with(plan, options)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-lookahead")
         self._pending: dict[int, Future[DispatchOutcome]] = {}
+        self._started_until = 0
 
     def _solve(self, step: int, speed: tuple[float, ...] | None) -> DispatchOutcome:
         return solve_policy(self._batch_for_step(step), self._plan, self._cost_model, self._policy, speed)
@@ -65,7 +66,15 @@ class LookaheadDispatcher:
     def _ensure(self, step: int, speed: tuple[float, ...] | None) -> Future[DispatchOutcome]:
         if step not in self._pending:
             self._pending[step] = self._pool.submit(self._solve, step, speed)
+            self._started_until = max(self._started_until, step + 1)
         return self._pending[step]
+
+    @property
+    def started_until(self) -> int:
+        """The step after the last one whose plan has been started (its global batch drawn or about to be):
+        a change to the data streams keyed from this step on reaches no plan already under way. A function
+        of the ``plan_for`` calls made, not of the worker thread's progress."""
+        return self._started_until
 
     def plan_for(self, step: int, speed: Sequence[float] | None = None) -> StepPlan:
         """Step ``step``'s plan (waiting for it if it is still being computed); starts the next

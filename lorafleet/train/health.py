@@ -2,9 +2,11 @@
 executor skips them: ``nonfinite_tasks``) in a row, stops a task after ``nonfinite_patience`` of them, and
 warns about a task whose adapter never moved after its warm-up (``unmoved_tasks``).
 
-A stopped task takes no more batches from the step its stop reaches (``DataStreams.retire``); its adapter
-stays at its last finite update. The stopped tasks are part of the run's state: they travel in every
-checkpoint (:meth:`TaskHealth.state_dict`) and are stopped again, silently, on resume.
+A stopped task takes no more batches from the first step whose plan had not been started when the
+report of its ``patience``-th non-finite update in a row arrived (``LookaheadDispatcher.started_until``:
+with windows of one step, the step after next); its adapter stays at its last finite update. The stopped
+tasks are part of the run's state: they travel in every checkpoint (:meth:`TaskHealth.state_dict`), the
+resume check draws the data cursors with them, and they are stopped again, silently, on resume.
 
 Why an object of its own (as the recalibrator is one): it is the loop's one piece of per-task state that
 is not the executor's, and it is checkpointed with the run.
@@ -14,8 +16,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+from lorafleet.executor.torch.checkpoint_files import STOPPED_TASKS, stopped_tasks
 from lorafleet.plans import StepReport
+
+NONFINITE_STREAKS = "nonfinite_streaks"
+"""The key of a checkpoint's ``extra`` under which each task's non-finite updates in a row are recorded."""
 
 
 def _warn(message: str) -> None:
@@ -25,22 +32,21 @@ def _warn(message: str) -> None:
 class TaskHealth:
     """The non-finite watch of one launch's tasks (module docstring)."""
 
-    def __init__(self, names: Sequence[str], patience: int, window: int, retire: Callable[[int, int], None]) -> None:
+    def __init__(self, names: Sequence[str], patience: int, retire: Callable[[int, int], None]) -> None:
         """``names``: the run's tasks, in task order; ``patience``: non-finite updates in a row that stop a task;
-        ``window``: steps a window runs (the rest of one and the next one's plans may be drawn already: a stop
-        takes effect after them); ``retire(task, from_step)``: leaves task ``task`` out from ``from_step`` on."""
+        ``retire(task, from_step)``: leaves task ``task`` out from ``from_step`` on."""
         self.names = list(names)
         self.patience = patience
-        self.window = window
         self._retire = retire
         self.streak = dict.fromkeys(self.names, 0)
         """Task -> its non-finite updates in a row, up to the last step watched."""
         self.stopped: dict[str, int] = {}
         """Task -> the first step it was left out of (``patience`` non-finite updates in a row)."""
 
-    def watch(self, report: StepReport) -> None:
-        """One step's report: count its non-finite updates, stop a task at its ``patience``-th in a row, and
-        warn about a task whose adapter has not moved."""
+    def watch(self, report: StepReport, undrawn: int) -> None:
+        """One step's report: count its non-finite updates, stop a task at its ``patience``-th in a row (from
+        step ``undrawn``, the first whose plan is not under way), and warn about a task whose adapter has not
+        moved."""
         for name in report.losses:
             self.streak[name] = self.streak[name] + 1 if name in report.nonfinite_tasks else 0
         for name in report.nonfinite_tasks:
@@ -50,8 +56,7 @@ class TaskHealth:
                 f"is skipped ({streak} in a row)"
             )
             if streak >= self.patience and name not in self.stopped:
-                # The rest of this window and the next window's plans may be drawn already (look-ahead).
-                self.stop(name, report.step + 1 + 2 * self.window)
+                self.stop(name, undrawn)
         for name in report.unmoved_tasks:
             _warn(
                 f"warning: task {name!r}: its adapter has not moved after its warm-up; check its "
@@ -70,11 +75,15 @@ class TaskHealth:
                 "in a row; its adapter stays at its last finite update"
             )
 
-    def state_dict(self) -> dict[str, int]:
-        """The stopped tasks, for a checkpoint: task -> the first step it was left out of."""
-        return dict(self.stopped)
+    def state_dict(self) -> dict[str, dict[str, int]]:
+        """For a checkpoint's ``extra``: the stopped tasks (task -> the first step it was left out of) and each
+        task's non-finite updates in a row, so that a resumed run stops a task where the uninterrupted one does."""
+        return {STOPPED_TASKS: dict(self.stopped), NONFINITE_STREAKS: {n: k for n, k in self.streak.items() if k}}
 
-    def load_state_dict(self, stopped: Mapping[str, int]) -> None:
-        """A checkpoint's stopped tasks, stopped again without a word."""
-        for name, step in stopped.items():
-            self.stop(name, int(step), announce=False)
+    def load_state_dict(self, extra: Mapping[str, Any]) -> None:
+        """A checkpoint's ``extra``: its stopped tasks stopped again without a word, its streaks carried on."""
+        for name, step in stopped_tasks(extra).items():
+            self.stop(name, step, announce=False)
+        for name, streak in extra.get(NONFINITE_STREAKS, {}).items():
+            if name in self.streak:
+                self.streak[name] = int(streak)

@@ -121,6 +121,8 @@ def prepare(options: TrainOptions) -> Prepared:
     start = resume_step(options)
     workload = load_training_workload(options.workload, options.out if start is not None else None, options.sets)
     cluster = workload_cluster(workload, options.gpus, options.gpu)
+    if start is not None:
+        options = replace(options, plan=resumed_plan(options, workload))
     if start is not None and DeploymentPlan.load(options.plan).n_gpus != _target_gpus(cluster):
         run, cluster = _replan(workload, cluster, options)
     else:
@@ -151,6 +153,19 @@ def prepare(options: TrainOptions) -> Prepared:
         turn_changes=changes,
         departed=departed,
     )
+
+
+def resumed_plan(options: TrainOptions, workload: Workload) -> str:
+    """The plan a resume trains by: ``--plan``, unless the run's queue changed its tasks since (``workload``
+    holds the ledger's) and the run's own plan (``<out>/plan.json``, what it last trained by) is for them:
+    the command that started the run resumes it as it is."""
+    from lorafleet.plans import DeploymentPlan
+
+    names = tuple(t.name for t in workload.tasks)
+    own = options.run_dir.plan
+    if DeploymentPlan.load(options.plan).tasks == names or not own.is_file():
+        return options.plan
+    return str(own) if DeploymentPlan.load(own).tasks == names else options.plan
 
 
 def resume_step(options: TrainOptions) -> int | None:
@@ -272,7 +287,7 @@ def _saved_plan(path: Path) -> DeploymentPlan | None:
 
 def check_data(options: TrainOptions, prepared: Prepared) -> None:
     """InputError when the workload's data is not the data the checkpoint was trained on."""
-    from lorafleet.executor.torch.checkpoint_files import read_manifest, resumable_checkpoint
+    from lorafleet.executor.torch.checkpoint_files import read_manifest, resumable_checkpoint, stopped_tasks
     from lorafleet.executor.torch.data_stream import training_streams
 
     found = resumable_checkpoint(options.run_dir.checkpoints)
@@ -288,6 +303,6 @@ def check_data(options: TrainOptions, prepared: Prepared) -> None:
         prepared.workload.spec, options.steps, turn_changes=prepared.turn_changes, departed=prepared.departed
     )
     try:
-        streams.check_state(manifest["data"])
+        streams.check_state(manifest["data"], stopped_tasks(manifest.get("extra", {})))
     except ValueError as err:
         raise InputError(str(found.step_dir), "data", str(err)) from None

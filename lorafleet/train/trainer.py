@@ -34,6 +34,7 @@ from lorafleet.train.probe import probe
 from lorafleet.train.summary import run_summary, summary_text
 
 if TYPE_CHECKING:
+    from lorafleet.dispatch import LookaheadDispatcher
     from lorafleet.executor.torch.data_stream import DataStreams
     from lorafleet.executor.torch.worker import TorchExecutor
     from lorafleet.metrics import FanOut
@@ -108,7 +109,7 @@ class Trainer:
         """Steps a window runs (``lorafleet.loop``); windows also end at checkpoints and queued changes. Only
         a pipelined replica streams across a boundary: without one a window is a step, so each step is
         reported (its log line, its recalibration) as it ends."""
-        self.health = TaskHealth(self.names, options.nonfinite_patience, self.window, executor.streams.retire)
+        self.health = TaskHealth(self.names, options.nonfinite_patience, executor.streams.retire)
         self.watcher = _queue_watcher(options, prepared, tokenizer)
         """The live task queue, read at every window boundary (None under a user's own torchrun)."""
         self.due: list[Request] = []
@@ -139,7 +140,7 @@ class Trainer:
                 ahead,
                 self.executor,
                 steps,
-                partial(self._on_report, metrics),
+                partial(self._on_report, metrics, ahead),
                 self.recalibrator,
                 stop=self._stop_requested,
                 window=self.window,
@@ -164,7 +165,7 @@ class Trainer:
             if state is not None:
                 start = state.step
                 self.recalibrator.load_state_dict(state.extra.get("recalibration", {}))
-                self.health.load_state_dict(state.extra.get("stopped_tasks", {}))
+                self.health.load_state_dict(state.extra)
         truncate_metrics(self.out, start)
         return start
 
@@ -178,13 +179,13 @@ class Trainer:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, on_signal)
 
-    def _on_report(self, metrics: FanOut, report: StepReport, step_plan: StepPlan) -> None:
+    def _on_report(self, metrics: FanOut, ahead: LookaheadDispatcher, report: StepReport, step_plan: StepPlan) -> None:
         """``run_loop``'s ``on_report``: one step's report watched, written with what the plan predicted of it,
         and a checkpoint every ``checkpoint_every`` steps."""
         from lorafleet.accounting import task_gpu_seconds
 
         self.next_step = report.step + 1
-        self.health.watch(report)
+        self.health.watch(report, ahead.started_until)
         tokens = sum(report.task_tokens.values())
         metrics.write(
             report,
@@ -271,7 +272,7 @@ class Trainer:
 
     def _checkpoint(self, step: int, wait: bool = False) -> Path:
         """A checkpoint after ``step`` steps, written in the background (committed on return with ``wait``)."""
-        extra = {"recalibration": self.recalibrator.state_dict(), "stopped_tasks": self.health.state_dict()}
+        extra = {"recalibration": self.recalibrator.state_dict(), **self.health.state_dict()}
         return self.executor.save_checkpoint(self.checkpoints, step, extra, wait=wait)
 
     def _writers(self, steps: range) -> FanOut:

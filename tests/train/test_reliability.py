@@ -291,3 +291,56 @@ def test_a_nonfinite_task_is_skipped_then_stopped_and_the_others_are_bitwise_unt
     sane = load_file(results["sane"][1] / "adapters" / "docsum" / "adapter_model.safetensors")
     ours = load_file(out / "adapters" / "docsum" / "adapter_model.safetensors")
     assert sane.keys() == ours.keys() and all(torch.equal(sane[k], ours[k]) for k in sane)
+
+
+@pytest.mark.slow
+def test_a_run_resumes_past_a_stopped_task_and_a_finished_share_task_bitwise(run, tiny_tokenizer_dir):
+    """A task stopped for non-finite updates took fewer batches than the steps run, and one with its own
+    ``steps`` and a ``share`` fewer still (it finished through the queue, a relaunch): a resume must draw the
+    data cursors as the run did (they are not every task's every step) and carry on the non-finite streaks.
+    Run straight through 10 steps, and stopped by SIGINT after step 6 then ``--resume``: the second ends
+    bitwise as the first. The stopped task is dispatched up to the documented step: its third non-finite
+    report (step 2) arrives once step 3 is dispatched ahead, so steps 0-3 hold it, in both runs."""
+    train, tmp = run
+    short = (
+        f"  - {{name: short, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 2, context_length: 128,"
+        " steps: 2, share: 0.5}\n"
+    )
+    plan = replace(
+        h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat", "short"), bucket_boundaries=(256,)
+    )
+    plan.save(tmp / "plan.json")
+    outs = {}
+    for name in ("straight", "resumed"):
+        folder = tmp / name
+        folder.mkdir()
+        workload = _workload(folder, tiny_tokenizer_dir, "lora: {alpha: 1.0e+30}, optimizer: {lr: 10}", short)
+        args = ("--steps", "10", "--out", str(folder / "out"), "--inject-slowdown", "0=20")
+        if name == "resumed":
+            process = subprocess.Popen(
+                [*LAUNCHER, "train", str(workload), "--plan", str(tmp / "plan.json"), "--device", "cpu"]
+                + ["--no-recalibrate", *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=folder,
+            )
+            _wait_for_steps(folder / "out", 6, process)
+            process.send_signal(signal.SIGINT)
+            _, stderr = process.communicate(timeout=120)
+            assert process.returncode == 130, stderr[-3000:]
+            assert _steps(folder / "out")[-1] < 9
+            args = (*args, "--resume")
+        result = train(*args, workload_path=workload, cwd=folder)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        outs[name] = folder / "out"
+    for out in outs.values():
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(10))
+        assert [r["step"] for r in records if "chat" in r["losses"]] == [0, 1, 2, 3]
+        assert [r["step"] for r in records if "short" in r["losses"]] == [0, 1]
+    for task in ("docsum", "chat", "short"):
+        a = load_file(outs["straight"] / "adapters" / task / "adapter_model.safetensors")
+        b = load_file(outs["resumed"] / "adapters" / task / "adapter_model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), task

@@ -87,6 +87,16 @@ def read_manifest(step_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(step_dir) / MANIFEST).read_text())
 
 
+STOPPED_TASKS = "stopped_tasks"
+"""The key of a manifest's ``extra`` (the training loop's state) under which it records the tasks stopped for
+non-finite updates: task name -> the first step it took no batch in (``lorafleet.train.health``)."""
+
+
+def stopped_tasks(extra: Mapping[str, Any]) -> dict[str, int]:
+    """A checkpoint's stopped tasks (from its manifest's ``extra``): what its data cursors were drawn with."""
+    return {str(name): int(step) for name, step in extra.get(STOPPED_TASKS, {}).items()}
+
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 """A PEFT adapter's files (peft's ``CONFIG_NAME`` and ``SAFETENSORS_WEIGHTS_NAME``), as a checkpoint holds them."""
 

@@ -30,7 +30,7 @@ from lorafleet.executor.torch.checkpoint import (
     restore_task_states,
     save_train_state,
 )
-from lorafleet.executor.torch.checkpoint_files import read_manifest, step_dir_name
+from lorafleet.executor.torch.checkpoint_files import read_manifest, step_dir_name, stopped_tasks
 from lorafleet.executor.torch.data_stream import DataStreams
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.replica import Replica
@@ -88,7 +88,7 @@ class Checkpointer:
         joining = [n for n, j in zip(self.names, self.streams.joined, strict=True) if j >= step]
         state = load_train_state(step_dir, self.names, joining)
         try:
-            self.streams.check_state(state.data)
+            self.streams.check_state(state.data, stopped_tasks(state.extra))
         except ValueError as err:
             raise InputError(str(step_dir), "data", str(err)) from None
         return state

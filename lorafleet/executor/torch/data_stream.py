@@ -27,6 +27,7 @@ global batch counts how many of its sequences were truncated.
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import math
@@ -290,13 +291,25 @@ class DataStreams:
             "fingerprints": [s.data.fingerprint for s in self.streams],
         }
 
-    def check_state(self, state: Mapping[str, Any]) -> None:
+    def with_stops(self, stopped: Mapping[str, int]) -> DataStreams:
+        """A copy of these streams with each task of ``stopped`` (name -> step) retired from its step on;
+        the names this data lacks are ignored (they left the run)."""
+        view = copy.copy(self)
+        view.turns = list(self.turns)
+        names = [s.data.name for s in self.streams]
+        for name, step in stopped.items():
+            if name in names:
+                view.retire(names.index(name), int(step))
+        return view
+
+    def check_state(self, state: Mapping[str, Any], stopped: Mapping[str, int] | None = None) -> None:
         """ValueError unless this data, at the checkpoint's step, is where the checkpoint left it, task by
-        task (same example counts, cursors and contents: otherwise the batches would silently differ). A
-        task the checkpoint does not have must join at or after its step; one it has that this data lacks
-        has left the run."""
+        task (same example counts, cursors and contents: otherwise the batches would silently differ), with
+        the tasks the run had ``stopped`` by then (name -> the first step left out) taking no batch from
+        their stop on. A task the checkpoint does not have must join at or after its step; one it has that
+        this data lacks has left the run."""
         step = int(state["step"])
-        now = self.state_dict(step)
+        now = (self.with_stops(stopped) if stopped else self).state_dict(step)
         saved_names = list(state.get("tasks", now["tasks"]))
         for t, name in enumerate(now["tasks"]):
             if name not in saved_names:
