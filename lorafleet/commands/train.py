@@ -26,6 +26,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", default="runs/train", help="output directory (default runs/train)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint in --out")
     parser.add_argument(
+        "--allow-changes",
+        action="store_true",
+        help="with --resume: train on with task hyperparameters changed since the run started (recorded with "
+        "their step in tasks.json, workload.resolved.yaml and the adapter cards); without it they are refused",
+    )
+    parser.add_argument(
         "--overwrite",
         action="store_true",
         help="start afresh in an --out a previous run used (its files "
@@ -146,6 +152,7 @@ def options_of(args: argparse.Namespace) -> TrainOptions:
         steps=args.steps,
         out=args.out,
         resume=args.resume,
+        allow_changes=args.allow_changes,
         overwrite=args.overwrite,
         max_restarts=args.max_restarts,
         checkpoint_on_stop=not args.no_stop_checkpoint,

@@ -83,6 +83,7 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
     from lorafleet.metrics import last_losses
     from lorafleet.planner import ReplanOptions, replan_incremental
     from lorafleet.train.queue import QueueWatcher
+    from lorafleet.train.queue.ledger import revision_lines
     from lorafleet.train.replan import replan_run
 
     pending = load_pending(options.queue_dir)
@@ -105,6 +106,7 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
             tasks=prepared.workload.spec.tasks,
             tokenizer=run_dir.tokenizer,
             losses=last_losses(run_dir.metrics_jsonl),
+            changes=revision_lines(options.out),
         )
         _log(f"step {step}: exported {', '.join(leaving)} to {run_dir.adapters}")
     ledger.save(options.out)

@@ -35,6 +35,9 @@ class TrainOptions:
     resume: bool = False
     """Continue from the newest intact checkpoint in ``out``."""
     overwrite: bool = False
+    allow_changes: bool = False
+    """On a resume, train on with task hyperparameters changed since the run started, recording each change
+    with its step (``train.revisions``); without it such a resume is refused."""
     """Start afresh in an ``out`` a previous run used, removing its files."""
     checkpoint_every: int = 50
     """Commit a checkpoint every K steps (and always at the end)."""

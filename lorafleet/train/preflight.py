@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from lorafleet.plans import DeploymentPlan
     from lorafleet.rundir import RunLock
     from lorafleet.specs.workload import WorkloadSpec
+    from lorafleet.train.revisions import Revision
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
@@ -52,23 +53,42 @@ class Prepared:
     """Tasks whose share or deadline a queued update changed, with their history (the task ledger's)."""
     departed: tuple = ()
     """The turns of the tasks that left the run (the task ledger's: ``DataStreams``'s ``departed``)."""
+    revisions: dict[str, list[Revision]] = field(default_factory=dict)
+    """Task hyperparameters this resume changes (``--allow-changes``: ``train.revisions``), by task."""
 
 
 def load_training_workload(path: str, out: str | None = None, sets: tuple[str, ...] = ()) -> Workload:
     """The workload, with data for every task (planning needs only lengths; training needs rows), its
     ``--set`` overrides ``sets`` applied. With a run directory ``out`` whose task ledger exists (a run that
     took queued changes), its active tasks replace the file's (``train.queue``)."""
+    return training_workload(path, out, sets)[0]
+
+
+def training_workload(
+    path: str, out: str | None, sets: tuple[str, ...], resumed_at: int | None = None, allow_changes: bool = False
+) -> tuple[Workload, dict[str, list[Revision]]]:
+    """:func:`load_training_workload`, and on a resume at step ``resumed_at`` the file's tasks compared with
+    those the run trained by (``train.revisions``): refused when changed, unless ``allow_changes``; then the
+    changed fields are the file's, and the revisions are returned by task."""
     from lorafleet.train.queue import Ledger
+    from lorafleet.train.revisions import resume_revisions, revised, trained_specs
     from lorafleet.workload import load_workload, resolve_workload
 
     workload = load_workload(path, sets)
     ledger = Ledger.load(out) if out is not None else None
+    revisions: dict[str, list[Revision]] = {}
+    if resumed_at is not None and out is not None:
+        trained = trained_specs(Path(out), ledger.active if ledger is not None else None)
+        if trained is not None:
+            queued = ledger.queued() if ledger is not None else frozenset()
+            revisions = resume_revisions(workload.spec.tasks, trained, resumed_at, path, allow_changes, queued)
     if ledger is not None:
-        workload = resolve_workload(workload.spec.model_copy(update={"tasks": ledger.active}), path)
+        tasks = revised(ledger.active, workload.spec.tasks, revisions)
+        workload = resolve_workload(workload.spec.model_copy(update={"tasks": tasks}), path)
     missing = [t.name for t in workload.tasks if t.spec.data is None]
     if missing:
         raise InputError(path, "tasks", f"training needs data for every task; {', '.join(missing)} has none")
-    return workload
+    return workload, revisions
 
 
 def restarted() -> bool:
@@ -119,7 +139,9 @@ def prepare(options: TrainOptions) -> Prepared:
 
     check_writable(options.out, directory=True)
     start = resume_step(options)
-    workload = load_training_workload(options.workload, options.out if start is not None else None, options.sets)
+    workload, revisions = training_workload(
+        options.workload, options.out if start is not None else None, options.sets, start, options.allow_changes
+    )
     cluster = workload_cluster(workload, options.gpus, options.gpu)
     if start is not None:
         options = replace(options, plan=resumed_plan(options, workload))
@@ -152,6 +174,7 @@ def prepare(options: TrainOptions) -> Prepared:
         resume_step=start,
         turn_changes=changes,
         departed=departed,
+        revisions=revisions,
     )
 
 
@@ -249,17 +272,41 @@ def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
             check_data(options, prepared)
         if not prepared.run.plan == _saved_plan(run_dir.plan):
             prepared.run.plan.save(run_dir.plan)
-        save_resolved_workload(prepared.workload.spec, run_dir.resolved_workload)
+        if prepared.revisions:
+            record_revisions(options, prepared)
+        save_resolved_workload(prepared.workload.spec, run_dir.resolved_workload, header=revisions_header(options))
     except BaseException:
         lock.release()
         raise
     return lock
 
 
-def save_resolved_workload(spec: WorkloadSpec, path: Path) -> None:
+def record_revisions(options: TrainOptions, prepared: Prepared) -> None:
+    """This resume's revisions (``--allow-changes``) into the task ledger, made from the run's tasks when the
+    run has none yet; from then on a resume trains the ledger's tasks."""
+    from lorafleet.train.queue import Ledger
+    from lorafleet.train.revisions import trained_specs
+
+    ledger = Ledger.load(options.out)
+    if ledger is None:
+        ledger = Ledger.of(trained_specs(Path(options.out), None) or prepared.workload.spec.tasks)
+    ledger.revise(prepared.workload.spec.tasks, prepared.revisions).save(options.out)
+
+
+def revisions_header(options: TrainOptions) -> str:
+    """The comment block of every revision the run's ledger records (empty when none)."""
+    from lorafleet.train.queue import Ledger
+    from lorafleet.train.revisions import resolved_header
+
+    ledger = Ledger.load(options.out)
+    return resolved_header(ledger.revisions()) if ledger is not None else ""
+
+
+def save_resolved_workload(spec: WorkloadSpec, path: Path, header: str = "") -> None:
     """The validated workload ``spec`` as YAML (``defaults:`` merged into every task, presets' values filled
     in, no unset field), its data, tokenizer and model paths absolute; written whole (a temporary file
-    renamed over the old one). On a resume that took queued changes, the tasks are the ledger's active ones."""
+    renamed over the old one), after ``header`` (comments). On a resume that took queued changes, the tasks
+    are the ledger's active ones."""
     import yaml
 
     from lorafleet.specs.io import write_text_atomic
@@ -273,7 +320,7 @@ def save_resolved_workload(spec: WorkloadSpec, path: Path) -> None:
         raw["tokenizer"] = resolve_path(raw["tokenizer"], here)
     if spec.model not in MODEL_PRESETS and Path(spec.model).exists():
         raw["model"] = resolve_path(spec.model, here)
-    write_text_atomic(path, yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
+    write_text_atomic(path, header + yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
 
 
 def _saved_plan(path: Path) -> DeploymentPlan | None:

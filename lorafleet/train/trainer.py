@@ -215,6 +215,7 @@ class Trainer:
         (waited for), its PEFT adapters exported to ``<out>/adapters``, and the summary."""
         from lorafleet.executor.torch.checkpoint_files import export_adapters
         from lorafleet.metrics import last_losses
+        from lorafleet.train.queue.ledger import revision_lines
 
         final = self._checkpoint(reached, wait=True)
         export_adapters(
@@ -224,6 +225,7 @@ class Trainer:
             tasks=self.prepared.workload.spec.tasks,
             tokenizer=self.run_dir.tokenizer,
             losses=last_losses(self.run_dir.metrics_jsonl),
+            changes=revision_lines(self.out),
         )
         self.executor.close()
         recalibrated = ran and self.plan.policy.recalibration.enabled

@@ -344,3 +344,40 @@ def test_a_run_resumes_past_a_stopped_task_and_a_finished_share_task_bitwise(run
         a = load_file(outs["straight"] / "adapters" / task / "adapter_model.safetensors")
         b = load_file(outs["resumed"] / "adapters" / task / "adapter_model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), task
+
+
+@pytest.mark.slow
+def test_a_resume_refuses_changed_hyperparameters_unless_allowed_and_records_them(run, capsys):
+    """A changed learning rate on ``--resume`` is refused (one line naming the field, nothing written);
+    with ``--allow-changes`` the run trains on with it and records the change with its step in the ledger,
+    the resolved workload and the adapter's card; a later resume with the same file is no change."""
+    train, tmp = run
+    out = tmp / "out"
+    first = train("--steps", "2", "--checkpoint-every", "1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    resolved = (out / "workload.resolved.yaml").read_text()
+    workload = tmp / "w.yaml"
+    workload.write_text(workload.read_text().replace("128, optimizer: {lr: 1.0e-3}", "128, optimizer: {lr: 5.0e-3}"))
+    _refused(
+        capsys,
+        tmp,
+        "w.yaml: tasks.chat.optimizer.lr: 0.005 now, 0.001 in the run being resumed; a resume trains on as the run "
+        "did: pass --allow-changes to train with the new values from step 2 on",
+        "--steps",
+        "3",
+        "--resume",
+    )
+    assert (out / "workload.resolved.yaml").read_text() == resolved and not (out / "tasks.json").exists()
+    changed = train("--steps", "3", "--resume", "--allow-changes")
+    assert changed.returncode == 0, changed.stderr[-2000:]
+    ledger = json.loads((out / "tasks.json").read_text())
+    chat = next(e for e in ledger["tasks"] if e["spec"]["name"] == "chat")
+    assert chat["revisions"] == [{"step": 2, "field": "optimizer.lr", "before": 0.001, "after": 0.005}]
+    assert chat["spec"]["optimizer"]["lr"] == 0.005
+    assert "#   tasks.chat.optimizer.lr 0.001 -> 0.005 from step 2" in (out / "workload.resolved.yaml").read_text()
+    card = (out / "adapters" / "chat" / "README.md").read_text()
+    assert "learning rate 0.005" in card and "- Changed on resume: optimizer.lr 0.001 -> 0.005 from step 2" in card
+    assert "Changed on resume" not in (out / "adapters" / "docsum" / "README.md").read_text()
+    again = train("--steps", "4", "--resume")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((out / "tasks.json").read_text())["tasks"] == ledger["tasks"]

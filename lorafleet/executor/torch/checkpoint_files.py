@@ -125,6 +125,7 @@ def export_adapters(
     tasks: Sequence[TaskSpec] = (),
     tokenizer: Path | None = None,
     losses: Mapping[str, tuple[int, float]] | None = None,
+    changes: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
     """Tasks' PEFT adapters, copied out of a committed checkpoint into ``target/<task>``; each task's
     directory appears whole (written beside it, then renamed over the old one).
@@ -133,7 +134,8 @@ def export_adapters(
     tenant can use anywhere: the tokenizer's files (when it was saved there) and a model card ``README.md``
     (:func:`model_card`: the task's spec from ``tasks``, its steps from the checkpoint's manifest, its last
     loss from ``losses``, task -> (step, loss): the caller reads them out of the run's metrics,
-    ``lorafleet.metrics.last_losses``, which this package does not import)."""
+    ``lorafleet.metrics.last_losses``, which this package does not import; and ``changes``, task -> the
+    hyperparameters a resume changed, described: ``lorafleet.train.revisions``)."""
     target.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(step_dir) if tokenizer is not None else {}
     losses = losses or {}
@@ -151,7 +153,8 @@ def export_adapters(
                         shutil.copy2(file, staging / file.name)
             config = json.loads((step_dir / name / ADAPTER_FILES[0]).read_text())
             (staging / CARD).write_text(
-                model_card(name, config, specs.get(name), manifest, losses.get(name)), encoding="utf-8"
+                model_card(name, config, specs.get(name), manifest, losses.get(name), (changes or {}).get(name, ())),
+                encoding="utf-8",
             )
         old = target / f".{name}.old"
         shutil.rmtree(old, ignore_errors=True)
@@ -180,11 +183,13 @@ def model_card(
     task: TaskSpec | None,
     manifest: Mapping[str, Any],
     loss: tuple[int, float] | None,
+    changes: Sequence[str] = (),
 ) -> str:
     """An exported adapter's ``README.md``: YAML front matter for the Hub (``base_model``, ``library_name``,
     ``tags``), then what the adapter was trained on and how: the task, its data (path, rows, and the examples
     trained on from the checkpoint's data record), its steps (optimizer updates, from the manifest), batch size
-    and learning rate, its last loss, its LoRA, and the lorafleet version. ``config`` is the adapter's
+    and learning rate (as in force at the end: ``changes`` lists what a resume changed, with its step), its
+    last loss, its LoRA, and the lorafleet version. ``config`` is the adapter's
     ``adapter_config.json``; ``manifest`` the checkpoint's."""
     import yaml
 
@@ -209,6 +214,7 @@ def model_card(
         lines.append(f"- Steps trained: {steps[name]}{total}")
     if task is not None:
         lines.append(f"- Batch size: {task.batch_size} sequences a step; learning rate {task.optimizer.lr:g}")
+    lines += [f"- Changed on resume: {change}" for change in changes]
     if loss is not None:
         lines.append(f"- Final loss: {loss[1]:.4f} (step {loss[0]})")
     targets = ", ".join(sorted(config.get("target_modules") or ()))

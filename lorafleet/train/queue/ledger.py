@@ -21,6 +21,7 @@ from lorafleet.rundir import LEDGER
 from lorafleet.specs.io import read_json_as, write_json_as
 from lorafleet.specs.workload import TaskSpec
 from lorafleet.train.queue.requests import Action, Request
+from lorafleet.train.revisions import Revision, describe
 from lorafleet.turns import TaskTurns
 
 
@@ -54,6 +55,8 @@ class LedgerEntry:
     turns: TaskTurns | None = None
     """Its turns as the run drew them when it left (``lorafleet.turns``; the streams of the tasks that stay
     redraw the steps before it left with it)."""
+    revisions: tuple[Revision, ...] = ()
+    """Its hyperparameters changed on resumes (``--allow-changes``; ``train.revisions``), in order."""
 
 
 @with_config(ConfigDict(extra="forbid", use_attribute_docstrings=True))
@@ -135,6 +138,25 @@ class Ledger:
         log = tuple(AppliedRequest(step=step, file=r.file, action=r.action, name=r.name) for r in requests)
         return Ledger(tuple(entries), self.applied + log)
 
+    def revise(self, specs: Sequence[TaskSpec], revisions: Mapping[str, Sequence[Revision]]) -> Ledger:
+        """The ledger with each revised task's spec now ``specs``'s (by name) and its ``revisions`` recorded."""
+        by_name = {t.name: t for t in specs}
+        entries = tuple(
+            replace(e, spec=by_name[e.spec.name], revisions=(*e.revisions, *revisions[e.spec.name]))
+            if e.spec.name in revisions
+            else e
+            for e in self.entries
+        )
+        return Ledger(entries, self.applied)
+
+    def revisions(self) -> dict[str, tuple[Revision, ...]]:
+        """Each task's hyperparameters changed on resumes (only the tasks with some)."""
+        return {e.spec.name: e.revisions for e in self.entries if e.revisions}
+
+    def queued(self) -> frozenset[str]:
+        """Tasks whose share or deadline a queued update changed."""
+        return frozenset(e.spec.name for e in self.entries if e.changes)
+
     def save(self, out: str | Path) -> None:
         write_json_as(Path(out) / LEDGER, LEDGER_FILE, LedgerFile(tasks=self.entries, applied=self.applied))
 
@@ -146,3 +168,9 @@ class Ledger:
             return None
         ledger = read_json_as(path, LEDGER_FILE, "task ledger")
         return cls(ledger.tasks, ledger.applied)
+
+
+def revision_lines(out: str | Path) -> dict[str, list[str]]:
+    """Per task of the run in ``out``, its revisions described (for the adapter cards); empty without a ledger."""
+    ledger = Ledger.load(out)
+    return {name: [describe(r) for r in rs] for name, rs in ledger.revisions().items()} if ledger else {}
