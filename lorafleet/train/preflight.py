@@ -191,10 +191,14 @@ def resumed_plan(options: TrainOptions, workload: Workload) -> str:
     return str(own) if DeploymentPlan.load(own).tasks == names else options.plan
 
 
-def resume_step(options: TrainOptions) -> int | None:
+def resume_step(options: TrainOptions, warn: bool | None = None) -> int | None:
     """The step this start of the run resumes from: None for a fresh start, else the newest intact checkpoint's
-    (a resume asked for, or a restart after a failure; :func:`_resume_step` checks it)."""
-    return _resume_step(options) if options.resume or restarted() else None
+    (a resume asked for, or a restart after a failure; :func:`_resume_step` checks it). ``warn``: whether to
+    name the broken checkpoints passed over; by default in the launcher and in rank 0 of a user's torchrun,
+    so that a run says it once."""
+    if warn is None:
+        warn = os.environ.get("RANK", "0") == "0"
+    return _resume_step(options, warn) if options.resume or restarted() else None
 
 
 def ledger_turns(options: TrainOptions, start: int | None) -> tuple[dict[str, tuple], tuple]:
@@ -224,7 +228,7 @@ def check_nodes(plan: DeploymentPlan, path: str) -> None:
         )
 
 
-def _resume_step(options: TrainOptions) -> int | None:
+def _resume_step(options: TrainOptions, warn: bool) -> int | None:
     """The step a resume starts from, checked: an intact checkpoint exists (a restart may find none yet)
     and ``--steps`` does not go below it. Broken newer checkpoints are reported."""
     from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
@@ -235,7 +239,7 @@ def _resume_step(options: TrainOptions) -> int | None:
         if restarted():
             return 0
         raise InputError(ARGS, "--resume", f"nothing to resume: no checkpoint in {checkpoints}")
-    for line in found.broken:
+    for line in found.broken if warn else ():
         print(f"lorafleet train: warning: checkpoint {line}; resuming from {found.step_dir.name}", file=sys.stderr)
     if options.steps < found.step:
         raise InputError(

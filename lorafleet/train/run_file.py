@@ -16,6 +16,7 @@ unknown keys refused.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,7 @@ class ResolvedRun:
         rebuilt from its origin (its profile unchanged), and where to resume from now."""
         from lorafleet.assemble import workload_cost_model
         from lorafleet.specs.workload import WorkloadSpec
-        from lorafleet.train.preflight import ledger_turns, resume_step
+        from lorafleet.train.preflight import ledger_turns, restarted, resume_step
         from lorafleet.workload import resolve_workload
 
         workload = resolve_workload(WorkloadSpec.model_validate(self.workload), self.workload_path)
@@ -111,7 +112,8 @@ class ResolvedRun:
             raise InputError(
                 origin.profile, "", "changed since the launcher checked the run (its SHA-256); start the run again"
             )
-        start = resume_step(self.options)
+        # The launcher named the broken checkpoints it passed over; after an elastic restart, rank 0 does.
+        start = resume_step(self.options, warn=restarted() and os.environ.get("RANK") == "0")
         changes, departed = ledger_turns(self.options, start)
         return Prepared(
             workload=workload,
