@@ -31,12 +31,13 @@ RANK_MODULE = "lorafleet.train.rank"
 def launch(options: TrainOptions) -> int:
     """``lorafleet train``: check, lock, then run under torchrun (re-executing this command) or, already
     under one, as this process's rank. SIGINT/SIGTERM stop the run at a step boundary: exit 130/143."""
-    from lorafleet.executor.torch.processes import die_with_torchrun, under_torchrun
+    from lorafleet.executor.torch.processes import catch_stop_signals, die_with_torchrun, under_torchrun
 
     start_clock()
     rank = under_torchrun()  # the user's own torchrun: this process is a rank
     if rank:
         die_with_torchrun()  # first, before the reads of start-up, as rank.main does under the launcher
+        catch_stop_signals()
     prepared = prepare(options)
     if rank:
         from lorafleet.executor.torch.processes import shared_store_warning
@@ -90,7 +91,7 @@ def _run(options: TrainOptions, prepared: Prepared) -> int:
 def _supervise(options: TrainOptions, prepared: Prepared) -> int:
     """Run torchrun in a session of its own, dying with this process; turn the first SIGINT/SIGTERM into a
     stop request, a second into a kill; the exit code says which (128 + signal) or torchrun's."""
-    from lorafleet.executor.torch.processes import die_with_parent, torchrun_argv, worker_env
+    from lorafleet.executor.torch.processes import agent_preexec, torchrun_argv, worker_env
     from lorafleet.train.run_file import ResolvedRun
 
     run_dir = options.run_dir
@@ -102,7 +103,7 @@ def _supervise(options: TrainOptions, prepared: Prepared) -> int:
         argv,
         env=worker_env(locked=True),
         start_new_session=True,
-        preexec_fn=functools.partial(die_with_parent, signal.SIGKILL, os.getpid()),
+        preexec_fn=functools.partial(agent_preexec, os.getpid()),
     )
     received: list[int] = []
 

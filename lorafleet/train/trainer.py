@@ -22,7 +22,6 @@ import signal
 import sys
 from functools import partial
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from lorafleet.plans import StepPlan, StepReport
@@ -74,8 +73,7 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
             tokenizer=tokenizer,
         )
         if dist.get_rank() != 0:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when the run stops
-            executor.serve()
+            executor.serve()  # rank 0 decides when the run stops (a signal here was recorded, no more)
             return 0
         return Trainer(options, prepared, executor, tokenizer).train()
     finally:
@@ -121,7 +119,6 @@ class Trainer:
         from lorafleet.dispatch import LookaheadDispatcher
         from lorafleet.loop import run_loop
 
-        self._catch_signals()
         start = self.next_step = self.restore()
         self._save_tokenizer()
         steps = range(start, min(self.options.steps, _last_step(self.executor, self.options.steps)))
@@ -169,16 +166,6 @@ class Trainer:
         truncate_metrics(self.out, start)
         return start
 
-    def _catch_signals(self) -> None:
-        """SIGINT and SIGTERM ask the loop to stop at the next window boundary (under a user's own torchrun;
-        ``lorafleet train``'s launcher turns them into a stop file)."""
-
-        def on_signal(signum: int, _frame: FrameType | None) -> None:
-            self.signal = signum
-
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, on_signal)
-
     def _on_report(self, metrics: FanOut, ahead: LookaheadDispatcher, report: StepReport, step_plan: StepPlan) -> None:
         """``run_loop``'s ``on_report``: one step's report watched, written with what the plan predicted of it,
         and a checkpoint every ``checkpoint_every`` steps."""
@@ -200,9 +187,12 @@ class Trainer:
             self._checkpoint(report.step + 1)
 
     def _stop_requested(self) -> bool:
-        """At a window boundary: a signal asked to stop, or queued requests are due (the run restarts to apply them)."""
+        """At a window boundary: a signal asked to stop (this process's, ``processes.catch_stop_signals``, or the
+        launcher's stop request), or queued requests are due (the run restarts to apply them)."""
+        from lorafleet.executor.torch.processes import stop_signal
+
         if self.signal is None:
-            self.signal = self.run_dir.stop_requested()
+            self.signal = stop_signal() or self.run_dir.stop_requested()
         if self.signal is None and self.watcher is not None:
             self.due = self.watcher.poll(self.next_step)
             if self.next_step < self.options.steps:

@@ -17,9 +17,10 @@ def _steps(out: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _worker_pids(marker: str) -> list[int]:
-    """Processes whose command line names ``marker`` (the run directory), this test's excepted."""
-    found = []
+def _job_processes(marker: str) -> dict[int, str]:
+    """Pid -> command line of every process whose command line names ``marker`` (the run directory: the
+    launcher, torchrun and the workers), this test's excepted."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -27,9 +28,18 @@ def _worker_pids(marker: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if marker in cmdline and "torch.distributed.run" not in cmdline and " -u -m lorafleet" in cmdline:
-            found.append(int(entry.name))
+        if marker in cmdline:
+            found[int(entry.name)] = cmdline
     return found
+
+
+def _worker_pids(marker: str) -> list[int]:
+    """The workers among :func:`_job_processes` (torchrun runs them ``python -u -m lorafleet...``)."""
+    return [
+        pid
+        for pid, cmdline in _job_processes(marker).items()
+        if "torch.distributed.run" not in cmdline and " -u -m lorafleet" in cmdline
+    ]
 
 
 def _wait_for_steps(out: Path, n: int, process: subprocess.Popen, timeout: float = 600) -> None:

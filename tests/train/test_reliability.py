@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import fleet_harness as h
 from tests.helpers.repo import DEMO
-from tests.helpers.train_cli import LAUNCHER, _steps, _wait_for_steps, _worker_pids
+from tests.helpers.train_cli import LAUNCHER, _job_processes, _steps, _wait_for_steps, _worker_pids
 
 
 def _workload(tmp_path: Path, tokenizer: Path, chat: str = "optimizer: {lr: 1.0e-3}", extra_task: str = "") -> Path:
@@ -191,6 +191,31 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(run, sig, code):
     assert json.loads((tmp / "out" / "checkpoints" / "latest.json").read_text())["step"] == steps
     assert _steps(tmp / "out") == list(range(steps))
     assert not _worker_pids(str(tmp / "out"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_every_process_of_the_job_stops_it_once_with_a_checkpoint(run, sig, code):
+    """Slurm's scancel and a shell's job control signal every process of the job: the launcher, torchrun
+    and each worker. The run stops as when the launcher alone is signalled: one stop line, a stop
+    checkpoint, 130/143, no traceback (torchrun's agent neither kills the workers first nor raises)."""
+    _, tmp = run
+    process = _start(run, "--steps", "400", "--checkpoint-every", "1000", "--inject-slowdown", "0=5")
+    _wait_for_steps(tmp / "out", 2, process)
+    job = _job_processes(str(tmp / "out"))
+    assert process.pid in job and len(job) == 4, job  # the launcher, torchrun, two workers
+    for pid in job:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == code, stderr[-3000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr[-3000:]
+    (line,) = [x for x in stdout.splitlines() if x.startswith("lorafleet train: stopped by")]
+    steps = int(line.split(" after ")[1].split()[0])
+    assert f"checkpoint step-{steps:06d} committed, continue with --resume" in line
+    assert json.loads((tmp / "out" / "checkpoints" / "latest.json").read_text())["step"] == steps
+    assert _steps(tmp / "out") == list(range(steps))
+    assert not _job_processes(str(tmp / "out"))
 
 
 @pytest.mark.slow

@@ -15,8 +15,13 @@ launcher checks and starts a run without importing torch.
 - **Stopping.** The launcher runs torchrun in a session of its own, so a terminal's Ctrl-C
   reaches the launcher alone; it turns SIGINT or SIGTERM into a stop request, a file in the run
   directory (``rundir.RunDir.request_stop``) that rank 0 reads at every step boundary (a second
-  signal kills the run). Under a user's own torchrun, rank 0 takes SIGINT and SIGTERM as the same
-  request.
+  signal kills the run). A signal to every process of the job (Slurm's ``scancel``, a shell's job
+  control) stops it the same way: torchrun ignores SIGINT and SIGTERM (:func:`agent_preexec` and
+  ``--signals-to-handle``, torch >= 2.9; its agent would otherwise kill the workers before the
+  stop's checkpoint and print a traceback),
+  and every worker records them from its first act (:func:`catch_stop_signals`) instead of dying:
+  rank 0 takes one as the stop request, the other ranks go on until rank 0 stops them. Under a
+  user's own torchrun, rank 0 takes SIGINT and SIGTERM as the same request.
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 LOCKED_ENV = "LORAFLEET_RUN_LOCKED"
 """Set by the launcher, which holds the run directory's lock, for the workers it starts."""
 PR_SET_PDEATHSIG = 1
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+AGENT_SIGNALS = "SIGHUP,SIGQUIT"
+"""The signals the launcher's torchrun turns into a shutdown of its workers (``--signals-to-handle``, torch >= 2.9;
+torch's default adds SIGTERM and SIGINT, which the launcher and the workers handle instead)."""
+_received: list[int] = []
+"""The stop signals this process received, in order (:func:`catch_stop_signals`)."""
 
 
 def under_torchrun() -> bool:
@@ -57,10 +68,19 @@ def torchrun_argv(nproc: int, module: str, argv: Sequence[str], max_restarts: in
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",
+        *([f"--signals-to-handle={AGENT_SIGNALS}"] if _torch_version() >= (2, 9) else []),
         "-m",
         module,
         *argv,
     ]
+
+
+def _torch_version() -> tuple[int, int]:
+    """The installed torch's (major, minor), read from its metadata (no import of torch)."""
+    from importlib.metadata import version
+
+    major, minor = version("torch").split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def shared_store_warning() -> str | None:
@@ -90,6 +110,31 @@ def die_with_parent(sig: int, parent: int) -> None:
         return
     if os.getppid() != parent:  # the parent died before prctl took effect
         os.kill(os.getpid(), sig)
+
+
+def agent_preexec(launcher: int) -> None:
+    """torchrun's ``preexec_fn`` under the launcher (pid ``launcher``): die with it, and ignore SIGINT and
+    SIGTERM, which are the launcher's and the workers' to handle (module doc, "Stopping"); the workers inherit
+    the ignoring until their first act replaces it."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL, launcher)
+
+
+def catch_stop_signals() -> None:
+    """Record SIGINT and SIGTERM instead of dying of them (:func:`stop_signal` reads the first): a worker's
+    first act after :func:`die_with_torchrun`, so that a job-wide signal never ends a rank mid-step."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        _received.append(signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, on_signal)
+
+
+def stop_signal() -> int | None:
+    """The first stop signal this process received (:func:`catch_stop_signals`), None when none came."""
+    return _received[0] if _received else None
 
 
 def die_with_torchrun(sig: int = signal.SIGKILL) -> None:
