@@ -88,6 +88,16 @@ class RunDir:
         return self.root / LEDGER
 
     @property
+    def logs(self) -> Path:
+        """Each worker's error, when it failed (``logs/rank-<r>.txt``: its traceback; ``train.failures``)."""
+        return self.root / "logs"
+
+    @property
+    def failures(self) -> Path:
+        """The failed workers torchrun reported last (``train.failures``)."""
+        return self.logs / "failures.json"
+
+    @property
     def queue(self) -> Path:
         """The live task queue's directory: ``--queue``, or ``<out>/queue``."""
         return self.queue_dir if self.queue_dir is not None else self.root / "queue"
@@ -131,13 +141,14 @@ RUN_FILES = (
     LEDGER,
     "workload.resolved.yaml",
     "tokenizer",
+    "logs",
     "wandb",
     ".wandb-run-id",
     "mlruns",
     ".mlflow-run-id",
 )
 """What a run writes under its directory (``--overwrite`` removes exactly these; :class:`RunDir` names the
-paths of the first ten)."""
+paths of most)."""
 
 
 @dataclass

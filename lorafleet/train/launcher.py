@@ -26,6 +26,8 @@ from lorafleet.train.queue import has_pending
 
 RANK_MODULE = "lorafleet.train.rank"
 """What torchrun runs in every worker process (with the run file's path)."""
+AGENT_MODULE = "lorafleet.train.agent"
+"""torchrun's agent as the launcher runs it (failures reported as data: ``train.failures``)."""
 
 
 def launch(options: TrainOptions) -> int:
@@ -98,7 +100,8 @@ def _supervise(options: TrainOptions, prepared: Prepared) -> int:
     run_dir.clear_stop()
     path = ResolvedRun.of(options, prepared).save(run_dir)
     phase(f"starting {counted(prepared.world_size, 'worker process', 'worker processes')} (torchrun)")
-    argv = torchrun_argv(prepared.world_size, RANK_MODULE, [str(path)], max_restarts=options.max_restarts)
+    agent = (AGENT_MODULE, str(run_dir.root))
+    argv = torchrun_argv(agent, prepared.world_size, RANK_MODULE, [str(path)], max_restarts=options.max_restarts)
     child = subprocess.Popen(
         argv,
         env=worker_env(locked=True),
@@ -128,4 +131,9 @@ def _supervise(options: TrainOptions, prepared: Prepared) -> int:
         run_dir.clear_stop()
     if received:
         return 128 + received[0]
+    if code != 0:
+        from lorafleet.train.failures import failure_line
+
+        print(failure_line(run_dir, code, child.pid), file=sys.stderr, flush=True)
+        return 128 - code if code < 0 else code
     return code

@@ -2,11 +2,14 @@
 
 The rank reads the run file its launcher wrote (``train.run_file``) and runs
 :func:`lorafleet.train.trainer.train_rank`; there is no command line to parse again. Bad input is one
-line on stderr and exit code 2, as from the ``lorafleet`` command.
+line on stderr and exit code 2, as from the ``lorafleet`` command; any other error is recorded under
+``<out>/logs/`` (its traceback) and ends the rank with exit code 1, for the launcher's one line
+(``train.failures``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -25,7 +28,15 @@ def main(argv: Sequence[str]) -> int:
     if len(argv) != 1:
         raise InputError("<args>", "", "usage: python -m lorafleet.train.rank RUN_FILE (started by lorafleet train)")
     resolved = ResolvedRun.load(argv[0])
-    return train_rank(resolved.options, resolved.prepared())
+    try:
+        return train_rank(resolved.options, resolved.prepared())
+    except (InputError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as err:  # recorded in logs/ for the launcher's one line (train.failures), exit 1
+        from lorafleet.train.failures import record_worker_error
+
+        record_worker_error(resolved.options.run_dir, int(os.environ.get("RANK", "0")), err)
+        return 1
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def _worker_pids(marker: str) -> list[int]:
     return [
         pid
         for pid, cmdline in _job_processes(marker).items()
-        if "torch.distributed.run" not in cmdline and " -u -m lorafleet" in cmdline
+        if "lorafleet.train.agent" not in cmdline and " -u -m lorafleet" in cmdline
     ]
 
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import fleet_harness as h
 from tests.helpers.repo import DEMO
-from tests.helpers.train_cli import LAUNCHER, _job_processes, _steps, _wait_for_steps, _worker_pids
+from tests.helpers.train_cli import LAUNCHER, _job_processes, _steps, _wait_for_steps, _worker_pids, _worker_rank
 
 
 def _workload(tmp_path: Path, tokenizer: Path, chat: str = "optimizer: {lr: 1.0e-3}", extra_task: str = "") -> Path:
@@ -216,6 +216,67 @@ def test_a_signal_to_every_process_of_the_job_stops_it_once_with_a_checkpoint(ru
     assert json.loads((tmp / "out" / "checkpoints" / "latest.json").read_text())["step"] == steps
     assert _steps(tmp / "out") == list(range(steps))
     assert not _job_processes(str(tmp / "out"))
+
+
+def _stopped_line(stderr: str) -> str:
+    (line,) = [x for x in stderr.splitlines() if x.startswith("lorafleet train: the run stopped: ")]
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr[-3000:]
+    return line
+
+
+@pytest.mark.slow
+def test_a_failure_without_restarts_is_one_line_that_says_how_to_resume(run):
+    """Without ``--max-restarts``: a SIGKILLed worker, a SIGKILLed torchrun and a checkpoint that cannot
+    be written each end in one lorafleet line naming what happened and the checkpoint to resume from,
+    not in gloo's or torchrun's dumps; nothing of the run is left running."""
+    _, tmp = run
+    out = tmp / "out"
+    slow = ("--steps", "400", "--checkpoint-every", "2", "--inject-slowdown", "0=5")
+
+    def newest() -> str:
+        return f"step-{json.loads((out / 'checkpoints' / 'latest.json').read_text())['step']:06d}"
+
+    process = _start(run, *slow)
+    _wait_for_steps(out, 3, process)
+    victim = next(pid for pid in _worker_pids(str(out)) if _worker_rank(pid) == 1)
+    os.kill(victim, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=180)
+    assert process.returncode == 1, stderr[-3000:]
+    assert _stopped_line(stderr) == (
+        f"lorafleet train: the run stopped: worker rank 1 (pid {victim}) was killed by SIGKILL; checkpoint "
+        f"{newest()} is the newest committed: continue with --resume"
+    )
+    assert not _job_processes(str(out))
+
+    process = _start(run, *slow, "--resume")
+    _wait_for_steps(out, 6, process)
+    (agent,) = [pid for pid, cmd in _job_processes(str(out)).items() if "lorafleet.train.agent" in cmd]
+    os.kill(agent, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=180)
+    assert process.returncode == 137, stderr[-3000:]
+    assert _stopped_line(stderr) == (
+        f"lorafleet train: the run stopped: torchrun (pid {agent}) was killed by SIGKILL, and its workers with "
+        f"it; checkpoint {newest()} is the newest committed: continue with --resume"
+    )
+    deadline = time.monotonic() + 30
+    while _job_processes(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _job_processes(str(out))
+
+    process = _start(run, *slow, "--resume")
+    _wait_for_steps(out, 9, process)
+    for step in range(10, 400, 2):  # every checkpoint from here on cannot be written
+        (out / "checkpoints" / f".step-{step:06d}.partial").write_text("in the way")
+    _, stderr = process.communicate(timeout=180)
+    assert process.returncode == 1, stderr[-3000:]
+    line = _stopped_line(stderr)
+    assert line.startswith("lorafleet train: the run stopped: worker rank 0 failed: ") and "Error: " in line, line
+    assert line.endswith(
+        f"(traceback in {out / 'logs' / 'rank-0.txt'}); checkpoint {newest()} is the newest committed: "
+        "continue with --resume"
+    ), line
+    assert "Traceback" in (out / "logs" / "rank-0.txt").read_text()
+    assert not _job_processes(str(out))
 
 
 @pytest.mark.slow

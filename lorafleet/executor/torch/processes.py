@@ -58,13 +58,16 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_ENV)
 
 
-def torchrun_argv(nproc: int, module: str, argv: Sequence[str], max_restarts: int = 0) -> list[str]:
+def torchrun_argv(
+    agent: Sequence[str], nproc: int, module: str, argv: Sequence[str], max_restarts: int = 0
+) -> list[str]:
     """The command that runs ``python -m <module> <argv>`` as ``nproc`` processes on this machine,
-    restarting them up to ``max_restarts`` times after a failure (torchrun's elastic agent)."""
+    restarting them up to ``max_restarts`` times after a failure: torchrun's elastic agent, run as
+    ``python -m <agent...>`` (an entry that takes torchrun's arguments after its own)."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        *agent,
         "--standalone",
         f"--nproc-per-node={nproc}",
         f"--max-restarts={max_restarts}",

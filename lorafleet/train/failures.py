@@ -1,0 +1,116 @@
+"""A run that failed, said in one line: which worker failed and how, and where the run resumes from.
+
+Under ``lorafleet train``'s launcher:
+
+- a worker that raises (but for bad input, which is its one line and exit 2) writes its traceback to
+  ``<out>/logs/rank-<r>.txt`` and a summary to ``rank-<r>.json`` (:func:`record_worker_error`), and exits 1
+  without printing it: its peers' errors are consequences, not news;
+- torchrun (``executor.torch.agent``) writes the ranks that failed, with their exit codes or signals, to
+  ``<out>/logs/failures.json`` instead of its table and traceback;
+- the launcher prints :func:`failure_line`: the cause, or torchrun's own death, and the newest committed
+  checkpoint to ``--resume`` from. The cause is, in this order: a worker that raised an error of its own
+  (not a lost peer's); one killed by a signal; one that lost a peer; any other (torchrun's shutdown
+  of the rest follows the first failure, and its SIGKILLs come later than the cause).
+
+Torch-free: the launcher imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorafleet.rundir import RunDir
+
+PEER_LOST = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|communicator was aborted|"
+    r"Socket Timeout|Timed out"
+)
+"""What a collective's error says when another rank died (gloo's and NCCL's words)."""
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One failed worker, as torchrun saw it."""
+
+    rank: int
+    pid: int
+    exitcode: int
+    """Negative: killed by signal ``-exitcode``."""
+    timestamp: int
+
+
+def record_worker_error(run_dir: RunDir, rank: int, err: BaseException) -> None:
+    """A worker's failure into ``logs/``: its traceback and its one-line summary."""
+    run_dir.logs.mkdir(parents=True, exist_ok=True)
+    text = "".join(traceback.format_exception(err))
+    (run_dir.logs / f"rank-{rank}.txt").write_text(text, encoding="utf-8")
+    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    summary = {"error": f"{type(err).__name__}: {message}" if message else type(err).__name__}
+    summary["peer_lost"] = bool(PEER_LOST.search(text))
+    (run_dir.logs / f"rank-{rank}.json").write_text(json.dumps(summary), encoding="utf-8")
+
+
+def write_failures(path: Path, failures: list[WorkerFailure]) -> None:
+    """torchrun's failed workers into ``logs/failures.json`` (``executor.torch.agent``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([f.__dict__ for f in failures]), encoding="utf-8")
+
+
+def _worker_error(run_dir: RunDir, rank: int) -> dict | None:
+    try:
+        return json.loads((run_dir.logs / f"rank-{rank}.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _cause(run_dir: RunDir, failures: list[WorkerFailure]) -> str:
+    """What the first failed worker did (module doc: which is first)."""
+
+    def order(f: WorkerFailure) -> tuple[int, int, int]:
+        error = _worker_error(run_dir, f.rank)
+        if error is not None:
+            rank = 2 if error.get("peer_lost") else 0
+        else:
+            rank = 1 if f.exitcode < 0 else 3
+        return rank, f.timestamp, f.rank
+
+    first = min(failures, key=order)
+    if first.exitcode < 0:
+        return f"worker rank {first.rank} (pid {first.pid}) was killed by {signal.Signals(-first.exitcode).name}"
+    error = _worker_error(run_dir, first.rank)
+    if error is None:
+        return f"worker rank {first.rank} (pid {first.pid}) exited with code {first.exitcode}"
+    where = run_dir.logs / f"rank-{first.rank}.txt"
+    return f"worker rank {first.rank} failed: {error['error']} (traceback in {where})"
+
+
+def failure_line(run_dir: RunDir, code: int, agent_pid: int) -> str:
+    """The launcher's one line for a run whose torchrun ended with ``code`` (not 0, and no signal to the
+    launcher): the cause, and how to go on."""
+    from lorafleet.errors import InputError
+    from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
+
+    try:
+        failures = [WorkerFailure(**f) for f in json.loads(run_dir.failures.read_text(encoding="utf-8"))]
+    except (OSError, ValueError, TypeError):
+        failures = []
+    if failures:
+        cause = _cause(run_dir, failures)
+    elif code < 0:
+        cause = f"torchrun (pid {agent_pid}) was killed by {signal.Signals(-code).name}, and its workers with it"
+    else:
+        cause = f"torchrun (pid {agent_pid}) exited with code {code}"
+    try:
+        found = resumable_checkpoint(run_dir.checkpoints)
+    except InputError:
+        found = None
+    if found is None:
+        after = "no checkpoint was committed: start it again (--overwrite)"
+    else:
+        after = f"checkpoint {found.step_dir.name} is the newest committed: continue with --resume"
+    return f"lorafleet train: the run stopped: {cause}; {after}"
