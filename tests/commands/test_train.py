@@ -32,6 +32,7 @@ def test_cli_surface_is_frozen():
     options = sorted(o for a in train._actions for o in a.option_strings)
     assert options == [
         "--alignment",
+        "--allow-changes",
         "--buckets",
         "--checkpoint-every",
         "--choose-buckets-by-makespan",
