@@ -5,7 +5,7 @@ Under ``lorafleet train``'s launcher:
 - a worker that raises (but for bad input, which is its one line and exit 2) writes its traceback to
   ``<out>/logs/rank-<r>.txt`` and a summary to ``rank-<r>.json`` (:func:`record_worker_error`), and exits 1
   without printing it: its peers' errors are consequences, not news;
-- torchrun (``executor.torch.agent``) writes the ranks that failed, with their exit codes or signals, to
+- torchrun (``train.agent``) writes the ranks that failed, with their exit codes or signals, to
   ``<out>/logs/failures.json`` instead of its table and traceback;
 - the launcher prints :func:`failure_line`: the cause, or torchrun's own death, and the newest committed
   checkpoint to ``--resume`` from. The cause is, in this order: a worker that raised an error of its own
@@ -49,14 +49,13 @@ def record_worker_error(run_dir: RunDir, rank: int, err: BaseException) -> None:
     run_dir.logs.mkdir(parents=True, exist_ok=True)
     text = "".join(traceback.format_exception(err))
     (run_dir.logs / f"rank-{rank}.txt").write_text(text, encoding="utf-8")
-    message = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    summary = {"error": f"{type(err).__name__}: {message}" if message else type(err).__name__}
-    summary["peer_lost"] = bool(PEER_LOST.search(text))
+    message = str(err).strip().splitlines()[:1]
+    summary = {"error": ": ".join([type(err).__name__, *message]), "peer_lost": bool(PEER_LOST.search(text))}
     (run_dir.logs / f"rank-{rank}.json").write_text(json.dumps(summary), encoding="utf-8")
 
 
 def write_failures(path: Path, failures: list[WorkerFailure]) -> None:
-    """torchrun's failed workers into ``logs/failures.json`` (``executor.torch.agent``)."""
+    """torchrun's failed workers into ``logs/failures.json`` (``train.agent``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps([f.__dict__ for f in failures]), encoding="utf-8")
 
@@ -71,8 +70,10 @@ def _worker_error(run_dir: RunDir, rank: int) -> dict | None:
 def _cause(run_dir: RunDir, failures: list[WorkerFailure]) -> str:
     """What the first failed worker did (module doc: which is first)."""
 
+    errors = {f.rank: _worker_error(run_dir, f.rank) for f in failures}
+
     def order(f: WorkerFailure) -> tuple[int, int, int]:
-        error = _worker_error(run_dir, f.rank)
+        error = errors[f.rank]
         if error is not None:
             rank = 2 if error.get("peer_lost") else 0
         else:
@@ -82,7 +83,7 @@ def _cause(run_dir: RunDir, failures: list[WorkerFailure]) -> str:
     first = min(failures, key=order)
     if first.exitcode < 0:
         return f"worker rank {first.rank} (pid {first.pid}) was killed by {signal.Signals(-first.exitcode).name}"
-    error = _worker_error(run_dir, first.rank)
+    error = errors[first.rank]
     if error is None:
         return f"worker rank {first.rank} (pid {first.pid}) exited with code {first.exitcode}"
     where = run_dir.logs / f"rank-{first.rank}.txt"

@@ -129,7 +129,10 @@ def trained_specs(out: Path, ledger_active: Sequence[TaskSpec] | None) -> tuple[
     if ledger_active is not None:
         return tuple(ledger_active)
     from lorafleet.rundir import RunDir
-    from lorafleet.workload import load_workload
+    from lorafleet.specs.workload import WorkloadSpec
+    from lorafleet.workload import read_yaml
 
     path = RunDir(out).resolved_workload
-    return load_workload(str(path)).spec.tasks if path.is_file() else None
+    if not path.is_file():
+        return None
+    return WorkloadSpec.model_validate(read_yaml(path)).tasks  # the run's own file, as written; no data is read
