@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
 from tests.helpers import fleet_harness as h
 from tests.helpers.repo import DEMO
 from tests.helpers.train_cli import LAUNCHER, _job_processes, _steps, _wait_for_steps, _worker_pids, _worker_rank
@@ -233,8 +234,8 @@ def test_a_failure_without_restarts_is_one_line_that_says_how_to_resume(run):
     out = tmp / "out"
     slow = ("--steps", "400", "--checkpoint-every", "2", "--inject-slowdown", "0=5")
 
-    def newest() -> str:
-        return f"step-{json.loads((out / 'checkpoints' / 'latest.json').read_text())['step']:06d}"
+    def newest() -> str:  # what --resume would take: latest.json is written after a step directory commits
+        return resumable_checkpoint(out / "checkpoints").step_dir.name
 
     process = _start(run, *slow)
     _wait_for_steps(out, 3, process)
