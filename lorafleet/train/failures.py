@@ -4,13 +4,15 @@ Under ``lorafleet train``'s launcher:
 
 - a worker that raises (but for bad input, which is its one line and exit 2) writes its traceback to
   ``<out>/logs/rank-<r>.txt`` and a summary to ``rank-<r>.json`` (:func:`record_worker_error`), and exits 1
-  without printing it: its peers' errors are consequences, not news;
+  without printing it: its peers' errors are consequences, not news. It records before its process group
+  closes (``train.trainer.train_rank``), so the record exists before any peer can fail of the loss;
 - torchrun (``train.agent``) writes the ranks that failed, with their exit codes or signals, to
   ``<out>/logs/failures.json`` instead of its table and traceback;
 - the launcher prints :func:`failure_line`: the cause, or torchrun's own death, and the newest committed
   checkpoint to ``--resume`` from. The cause is, in this order: a worker that raised an error of its own
-  (not a lost peer's); one killed by a signal; one that lost a peer; any other (torchrun's shutdown
-  of the rest follows the first failure, and its SIGKILLs come later than the cause).
+  (not a lost peer's), said by that error even when torchrun's shutdown then killed it; one killed by a
+  signal; one that lost a peer; any other (torchrun's shutdown of the rest follows the first failure, and
+  its signals come later than the cause).
 
 Torch-free: the launcher imports it.
 """
@@ -81,9 +83,9 @@ def _cause(run_dir: RunDir, failures: list[WorkerFailure]) -> str:
         return rank, f.timestamp, f.rank
 
     first = min(failures, key=order)
-    if first.exitcode < 0:
-        return f"worker rank {first.rank} (pid {first.pid}) was killed by {signal.Signals(-first.exitcode).name}"
     error = errors[first.rank]
+    if error is None and first.exitcode < 0:
+        return f"worker rank {first.rank} (pid {first.pid}) was killed by {signal.Signals(-first.exitcode).name}"
     if error is None:
         return f"worker rank {first.rank} (pid {first.pid}) exited with code {first.exitcode}"
     where = run_dir.logs / f"rank-{first.rank}.txt"

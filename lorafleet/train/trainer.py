@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorafleet.errors import InputError
 from lorafleet.plans import StepPlan, StepReport
 from lorafleet.train.health import TaskHealth
 from lorafleet.train.options import TrainOptions
@@ -42,7 +43,11 @@ if TYPE_CHECKING:
 
 
 def train_rank(options: TrainOptions, prepared: Prepared) -> int:
-    """One process of the run: build the fleet; rank 0 drives the loop, the others serve it."""
+    """One process of the run: build the fleet; rank 0 drives the loop, the others serve it.
+
+    An error once the process group is up (but bad input, one line and exit 2) is recorded under
+    ``<out>/logs/`` (``train.failures``) before the group closes, and the rank returns 1: its peers learn of
+    the failure only from the closed group, so their lost-peer errors can never come first."""
     import torch.distributed as dist
 
     from lorafleet.executor.torch.data_stream import task_tokenizer
@@ -76,6 +81,13 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
             executor.serve()  # rank 0 decides when the run stops (a signal here was recorded, no more)
             return 0
         return Trainer(options, prepared, executor, tokenizer).train()
+    except (InputError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as err:  # recorded before the group closes: the peers' errors that follow are not news
+        from lorafleet.train.failures import record_worker_error
+
+        record_worker_error(options.run_dir, dist.get_rank(), err)
+        return 1
     finally:
         dist.destroy_process_group()
         if lock is not None:

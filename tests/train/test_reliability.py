@@ -264,10 +264,10 @@ def test_a_failure_without_restarts_is_one_line_that_says_how_to_resume(run):
         time.sleep(0.2)
     assert not _job_processes(str(out))
 
+    resumed = resumable_checkpoint(out / "checkpoints").step
+    for step in range(resumed + 1, 400):  # no checkpoint after the one resumed from can be written; set up
+        (out / "checkpoints" / f".step-{step:06d}.partial").write_text("in the way")  # before the run races it
     process = _start(run, *slow, "--resume")
-    _wait_for_steps(out, 9, process)
-    for step in range(10, 400, 2):  # every checkpoint from here on cannot be written
-        (out / "checkpoints" / f".step-{step:06d}.partial").write_text("in the way")
     _, stderr = process.communicate(timeout=180)
     assert process.returncode == 1, stderr[-3000:]
     line = _stopped_line(stderr)
