@@ -161,7 +161,7 @@ def sweep(
                 {
                     **{f"vary_{k}": v for k, v in point.items()},
                     "gpus_total": cluster.n_gpus,
-                    "gpu_kind": cluster.gpu,
+                    "gpu_kind": " + ".join(cluster.kinds),
                     "model": varied.model.name,
                     "tasks": len(varied.tasks),
                     "method": schedule.name,

@@ -204,7 +204,7 @@ def plan_table(result):
         row[1] += replica.config.n_gpus
         row[3] += sum(sum(mb.lengths) for mb in work.microbatches)
         row[4] = max(row[4], work.estimated_time_s)
-    table = Table(title=f"plan: {plan.describe()}  ({plan.used_gpus} of {plan.n_gpus} x {plan.gpu}, {plan.solver})")
+    table = Table(title=f"plan: {plan.describe()}  ({plan.used_gpus} of {plan.describe_fleet()}, {plan.solver})")
     for column in ("config", "count", "GPUs", "max tokens", "token share", "time/replica (s)"):
         table.add_column(column, justify="left" if column == "config" else "right")
     for config, (count, gpus, m, tokens, t) in rows.items():

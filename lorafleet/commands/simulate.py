@@ -173,9 +173,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("<args>", "--straggler/--fail", str(err)) from None
     runs = [simulate_schedule(workload, s, cost_model, args.steps, options, args.seed) for s in (schedule, *baselines)]
 
-    console.print(
-        f"plan: {plan.describe()}  ({cost_model.source}, {cluster.n_gpus} x {cluster.gpu}; {plan.policy.describe()})"
-    )
+    console.print(f"plan: {plan.describe()}  ({cost_model.source}, {cluster.describe()}; {plan.policy.describe()})")
     table = Table(title=f"{args.steps} simulated steps of {workload.path}")
     rows = summary_rows(runs)
     for column in rows[0]:
@@ -276,7 +274,7 @@ def run_arrivals(args: argparse.Namespace) -> int:
     added = len(trace.arrivals) - len(workload.tasks)
     console.print(
         f"{len(trace.arrivals)} tasks ({len(workload.tasks)} in the workload, {added} added by the trace, "
-        f"{len(trace.cancels)} cancelled) on {cluster.n_gpus} x {cluster.gpu} ({cost_model.source})"
+        f"{len(trace.cancels)} cancelled) on {cluster.describe()} ({cost_model.source})"
     )
     console.print(
         f"migration {options.replan.migration_s:g} s per rebuilt replica; "

@@ -111,7 +111,7 @@ def _check_longest(workload: Workload, valid: tuple[Candidate, ...], cluster: Cl
     largest = max((c.max_tokens for c in valid), default=0)
     if not valid:
         raise InputError(
-            workload.path, "model", f"{workload.model.name} fits no parallel config of {cluster.n_gpus} x {cluster.gpu}"
+            workload.path, "model", f"{workload.model.name} fits no parallel config of {cluster.describe()}"
         )
     for k, task in enumerate(workload.tasks):
         if task.lengths.max_length > largest:
@@ -119,7 +119,7 @@ def _check_longest(workload: Workload, valid: tuple[Candidate, ...], cluster: Cl
                 workload.path,
                 f"tasks[{k}].context_length",
                 f"task {task.name!r} has {task.lengths.max_length}-token sequences, but no config of "
-                f"{workload.model.name} on {cluster.n_gpus} x {cluster.gpu} holds more than {largest} tokens "
+                f"{workload.model.name} on {cluster.describe()} holds more than {largest} tokens "
                 f"per micro-batch; lower context_length (overflow: truncate) or use more memory per replica",
             )
 

@@ -83,7 +83,7 @@ def workload(tmp_path, tiny_tokenizer_dir):
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
         f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128}}\n"
     )
-    plan = replace(h.plan_of((1, 1), (1, 1, True)), gpu="A100-40GB", tasks=("docsum", "chat"), bucket_boundaries=(256,))
+    plan = replace(h.plan_of((1, 1), (1, 1, True), gpu="A100-40GB"), tasks=("docsum", "chat"), bucket_boundaries=(256,))
     plan.save(tmp_path / "plan.json")
     return path, tmp_path / "plan.json"
 
@@ -113,7 +113,7 @@ def test_bad_input_is_one_line_and_exit_2(workload, capsys, change, extra, messa
 
 def test_a_plan_for_other_tasks_is_refused(workload, capsys, tmp_path):
     path, plan = workload
-    other = replace(h.plan_of((1, 1)), gpu="A100-40GB", tasks=("a", "b"), bucket_boundaries=(256,))
+    other = replace(h.plan_of((1, 1), gpu="A100-40GB"), tasks=("a", "b"), bucket_boundaries=(256,))
     other.save(tmp_path / "other.json")
     assert main(["train", str(path), "--plan", str(tmp_path / "other.json")]) == 2
     assert "the plan is for tasks ['a', 'b']" in capsys.readouterr().err
@@ -242,12 +242,11 @@ def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_to
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 8, context_length: 256}}\n"
         f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 8, context_length: 128}}\n"
     )
+    origin = CostModelOrigin(kind="profile", gpu="cpu", profile=str(profile), sha256=file_sha256(profile))
     plan = replace(
-        h.plan_of((1, 1), (1, 1), max_tokens=1024),
-        gpu="cpu",
+        h.plan_of((1, 1), (1, 1), max_tokens=1024, cost_model=origin),
         tasks=("docsum", "chat"),
         bucket_boundaries=(256,),
-        cost_model=CostModelOrigin(kind="profile", gpu="cpu", profile=str(profile), sha256=file_sha256(profile)),
     )
     plan.save(tmp_path / "plan.json")
     out = tmp_path / "out"

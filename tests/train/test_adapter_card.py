@@ -120,7 +120,7 @@ def _workload(tmp_path: Path, tokenizer: Path, header: str) -> tuple[Path, Path]
         "  - {name: docsum, data: {path: data/docsum.jsonl}, batch_size: 3, context_length: 256}\n"
         "  - {name: chat, data: {path: data/chat.jsonl}, batch_size: 3, context_length: 128, steps: 1}\n"
     )
-    plan = replace(h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat"), bucket_boundaries=(256,))
+    plan = replace(h.plan_of((1, 1), (1, 1), gpu="A100-40GB"), tasks=("docsum", "chat"), bucket_boundaries=(256,))
     plan.save(tmp_path / "plan.json")
     return path, tmp_path / "plan.json"
 

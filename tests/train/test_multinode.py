@@ -50,7 +50,7 @@ def setup(tmp_path_factory, tiny_tokenizer_dir):
         f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 4, context_length: 128}}\n"
     )
     plan = replace(
-        h.plan_of((1, 1), (1, 2), (1, 1)), gpu="A100-40GB", gpus_per_node=2, tasks=TASKS, bucket_boundaries=(256,)
+        h.plan_of((1, 1), (1, 2), (1, 1), gpu="A100-40GB", gpus_per_node=2), tasks=TASKS, bucket_boundaries=(256,)
     )
     assert plan.replicas[1] == ReplicaSpec(1, plan.replicas[1].config, 4096, (1, 2))  # node 0 -> node 1
     plan.save(tmp / "plan.json")

@@ -41,7 +41,7 @@ def _workload(tmp_path: Path, tokenizer: Path, chat: str = "optimizer: {lr: 1.0e
 def run(tmp_path, tiny_tokenizer_dir):
     """A two-task workload, a two-replica plan for it, and a ``train(*args)`` that runs the CLI."""
     workload = _workload(tmp_path, tiny_tokenizer_dir)
-    plan = replace(h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat"), bucket_boundaries=(256,))
+    plan = replace(h.plan_of((1, 1), (1, 1), gpu="A100-40GB"), tasks=("docsum", "chat"), bucket_boundaries=(256,))
     plan.save(tmp_path / "plan.json")
 
     def train(*args: str, workload_path: Path = workload, cwd: Path = tmp_path, timeout: float = 300):
@@ -341,7 +341,7 @@ def test_a_nonfinite_task_is_skipped_then_stopped_and_the_others_are_bitwise_unt
         " optimizer: {name: sgd, lr: 1.0e-45}}\n"
     )
     plan = replace(
-        h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat", "frozen"), bucket_boundaries=(256,)
+        h.plan_of((1, 1), (1, 1), gpu="A100-40GB"), tasks=("docsum", "chat", "frozen"), bucket_boundaries=(256,)
     )
     plan.save(tmp / "plan.json")
     results = {}
@@ -395,7 +395,7 @@ def test_a_run_resumes_past_a_stopped_task_and_a_finished_share_task_bitwise(run
         " steps: 2, share: 0.5}\n"
     )
     plan = replace(
-        h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat", "short"), bucket_boundaries=(256,)
+        h.plan_of((1, 1), (1, 1), gpu="A100-40GB"), tasks=("docsum", "chat", "short"), bucket_boundaries=(256,)
     )
     plan.save(tmp / "plan.json")
     outs = {}
