@@ -19,6 +19,7 @@ from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from lorafleet.specs.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import load_workload
+from tests.helpers.pools import pools_fleet
 from tests.helpers.repo import REPO, SMALL_WORKLOAD
 
 
@@ -328,43 +329,10 @@ def test_profile_plans_record_their_file_and_refuse_a_changed_one(tmp_path, caps
 
 # --- pools (#29) --------------------------------------------------------------------------------------
 
-POOLS_WORKLOAD = {
-    **SMALL_WORKLOAD,
-    "cluster": {
-        "pools": [
-            {"name": "a100", "gpu": "A100-40GB", "nodes": 1, "gpus_per_node": 8},
-            {"name": "h100", "gpu": "H100-80GB", "nodes": 2, "gpus_per_node": 4},
-        ]
-    },
-}
-
 
 @pytest.fixture(scope="module")
 def pools(tmp_path_factory):
-    """A workload on two pools, its cost model, and a plan by hand: <2,1> on A100s 0-1, <1,1> on H100 8,
-    <2,2> on H100s 12-15 (the second H100 node)."""
-    path = tmp_path_factory.mktemp("pools") / "w.yaml"
-    path.write_text(yaml.safe_dump(POOLS_WORKLOAD))
-    workload = load_workload(path)
-    cluster = workload_cluster(workload)
-    cost_model = workload_cost_model(workload, cluster, sync_replicas=3)
-    configs = [ParallelConfig(2, 1, pool="a100"), ParallelConfig(1, 1, pool="h100"), ParallelConfig(2, 2, pool="h100")]
-    gpus = [(0, 1), (8,), (12, 13, 14, 15)]
-    replicas = tuple(
-        ReplicaSpec(k, c, cost_model.max_tokens(c), g) for k, (c, g) in enumerate(zip(configs, gpus, strict=True))
-    )
-    plan = DeploymentPlan(
-        model="llama2-7b",
-        pools=tuple(
-            PlanPool(p.name, p.gpu, p.n_gpus, p.gpus_per_node, cost_model.origins()[p.name]) for p in cluster.pools
-        ),
-        tasks=("chat", "docs"),
-        replicas=replicas,
-        bucket_boundaries=(8192,),
-        expected_makespan_s=1.0,
-        recompute=workload.spec.recompute,
-    )
-    return workload, cluster, cost_model, plan
+    return pools_fleet(tmp_path_factory.mktemp("pools"))
 
 
 def test_a_plan_on_two_pools_passes_and_round_trips(pools, tmp_path):
@@ -374,6 +342,7 @@ def test_a_plan_on_two_pools_passes_and_round_trips(pools, tmp_path):
     data = json.loads((tmp_path / "plan.json").read_text())
     assert [(r["config"], r["pool"]) for r in data["replicas"]] == [
         ("tp2_pp1", "a100"),
+        ("tp2_pp1", "h100"),
         ("tp1_pp1", "h100"),
         ("tp2_pp2", "h100"),
     ]
@@ -382,9 +351,9 @@ def test_a_plan_on_two_pools_passes_and_round_trips(pools, tmp_path):
         ("h100", "H100-80GB"),
     ]
     loaded = DeploymentPlan.load(tmp_path / "plan.json")
-    assert loaded == plan and loaded.replicas[2].config == ParallelConfig(2, 2, pool="h100")
-    assert plan.describe() == "<2,1>@a100 x 1 + <1,1>@h100 x 1 + <2,2>@h100 x 1"
-    assert plan.pool_gpus() == {"a100": 2, "h100": 5}
+    assert loaded == plan and loaded.replicas[3].config == ParallelConfig(2, 2, pool="h100")
+    assert plan.describe() == "<2,1>@a100 x 1 + <1,1>@h100 x 1 + <2,1>@h100 x 1 + <2,2>@h100 x 1"
+    assert plan.pool_gpus() == {"a100": 2, "h100": 7}
     assert plan.describe_fleet() == "8 x A100-40GB (a100) + 8 x H100-80GB (h100)"
     # the same config prices differently on each pool: the H100's model
     a100, h100 = ParallelConfig(1, 1, pool="a100"), ParallelConfig(1, 1, pool="h100")
@@ -416,23 +385,22 @@ def _pools_broken(plan: DeploymentPlan):
     )
     yield (
         "unknown pool",
-        _replica(plan, 1, pool="l40s", config=ParallelConfig(1, 1, pool="l40s")),
-        "replicas[1].pool",
+        _replica(plan, 2, pool="l40s", config=ParallelConfig(1, 1, pool="l40s")),
+        "replicas[2].pool",
         "no pool 'l40s'",
     )
     yield (
         "gpus of another pool",
-        _replica(plan, 1, gpus=(3,)),
-        "replicas[1].gpus",
+        _replica(plan, 2, gpus=(3,)),
+        "replicas[2].gpus",
         "GPU 3 is not pool 'h100''s: its GPUs are 8..15",
     )
     yield (
         "across a pool's nodes",
-        _replica(plan, 2, gpus=(10, 12, 13, 14)),
-        "replicas[2].gpus",
+        _replica(plan, 3, gpus=(11, 12, 13, 14)),
+        "replicas[3].gpus",
         "spans nodes [0, 1] of pool 'h100'",
     )
-    # fmt: skip
 
 
 def test_every_pool_rule_names_its_field(pools):

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from lorafleet.commands._set_flags import workload_overrides
-    from lorafleet.report import summary_rows, task_cost_rows, write_report
+    from lorafleet.report import pool_rows, summary_rows, task_cost_rows, write_report
     from lorafleet.simulate import simulate_schedule
     from lorafleet.specs.io import check_writable
     from lorafleet.workload import load_workload
@@ -175,19 +175,20 @@ def run(args: argparse.Namespace) -> int:
 
     console.print(f"plan: {plan.describe()}  ({cost_model.source}, {cluster.describe()}; {plan.policy.describe()})")
     table = Table(title=f"{args.steps} simulated steps of {workload.path}")
-    rows = summary_rows(runs)
+    rows = summary_rows(runs, cluster)
     for column in rows[0]:
         table.add_column(column, justify="left" if column == "method" else "right", no_wrap=column == "method")
     for row in rows:
-        table.add_row(
-            *[
-                f"{v:.3f}"
-                if isinstance(v, float) and k != "saved_by_lorafleet"
-                else (f"{v:.1%}" if k == "saved_by_lorafleet" else str(v))
-                for k, v in row.items()
-            ]
-        )
+        table.add_row(*[_cell(k, v) for k, v in row.items()])
     console.print(table)
+    if len(cluster.pools) > 1 or cluster.priced:
+        pools = Table(title=f"pools: what {runs[0].name} holds and uses of each")
+        prows = pool_rows(runs[0], cluster)
+        for column in prows[0]:
+            pools.add_column(column, justify="left" if column in ("pool", "gpu") else "right")
+        for row in prows:
+            pools.add_row(*[_cell(k, v) for k, v in row.items()])
+        console.print(pools)
     costs = Table(title="who pays what: lorafleet's GPU-seconds by task")
     cost_rows = task_cost_rows(runs[0])
     for column in cost_rows[0] if cost_rows else ():
@@ -217,6 +218,13 @@ def run(args: argparse.Namespace) -> int:
         page = write_report(args.report, workload, runs, plan_rows, cluster=cluster, cost_source=cost_model.source)
         console.print(f"report: {page}")
     return 0
+
+
+def _cell(column: str, value: object) -> str:
+    """A table cell: what lorafleet saves as a percentage, other floats with three decimals."""
+    if column in ("saved_by_lorafleet", "cost_saved_by_lorafleet") and isinstance(value, float):
+        return f"{value:.1%}"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def _arrival_flags(args: argparse.Namespace):

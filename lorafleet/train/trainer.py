@@ -112,7 +112,7 @@ class Trainer:
         self.run_dir = options.run_dir
         self.out = self.run_dir.root
         self.checkpoints = self.run_dir.checkpoints
-        self.recalibrator = Recalibrator(len(self.plan.replicas), self.plan.policy.recalibration)
+        self.recalibrator = Recalibrator.for_plan(self.plan)
         self.signal: int | None = None
         pipelined = any(r.config.pp > 1 for r in self.plan.replicas)
         self.window = self.plan.policy.pipeline_window if pipelined else 1
