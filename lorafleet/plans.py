@@ -26,7 +26,7 @@ from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.errors import InputError
-from lorafleet.specs.cluster import ClusterSpec, PoolSpec
+from lorafleet.specs.cluster import ClusterSpec, PoolSpec, first_gpu, named_pool, pool_at
 from lorafleet.specs.dispatch import DispatchPolicy, policy_json_schema
 from lorafleet.specs.io import read_json_object, write_text_atomic
 from lorafleet.specs.recompute import RecomputePolicy
@@ -163,19 +163,15 @@ class DeploymentPlan:
 
     def pool(self, name: str) -> PlanPool:
         """The plan's pool ``name`` (KeyError when it has none)."""
-        for pool in self.pools:
-            if pool.name == name:
-                return pool
-        raise KeyError(name)
+        return named_pool(self.pools, name)
+
+    def pool_at(self, gpu: int) -> tuple[int, PlanPool]:
+        """The index and pool of global GPU (rank) ``gpu`` (ValueError when no pool of the plan has it)."""
+        return pool_at(self.pools, gpu)
 
     def first_gpu(self, name: str) -> int:
         """The first global GPU index (rank) of the plan's pool ``name``."""
-        first = 0
-        for pool in self.pools:
-            if pool.name == name:
-                return first
-            first += pool.n_gpus
-        raise KeyError(name)
+        return first_gpu(self.pools, name)
 
     @property
     def cost_models(self) -> dict[str, CostModelOrigin | None]:

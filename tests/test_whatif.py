@@ -108,3 +108,18 @@ def test_the_whatif_legend_covers_no_bar(tmp_path, monkeypatch, n_points):
         page = fig.bbox
         assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
         real_close(fig)
+
+
+def test_a_pool_field_is_an_axis_and_nodes_0_leaves_the_pool_out(tmp_path):
+    """#29: ``--vary pools.h100.nodes=0`` plans the a100 pool alone; a pool or value that is not is one line."""
+    from tests.helpers.pools import pools_fleet
+
+    workload = pools_fleet(tmp_path)[0]
+    (row, *_) = sweep(workload, [Variation.parse("pools.h100.nodes=0")], steps=1)
+    assert row["vary_pools.h100.nodes"] == "0" and row["gpus_total"] == 8 and row["gpu_kind"] == "A100-40GB"
+    with pytest.raises(InputError, match="--vary: pools.b200.nodes: the cluster has no pool 'b200' .a100, h100."):
+        sweep(workload, [Variation.parse("pools.b200.nodes=1")], steps=1)
+    with pytest.raises(InputError, match="pools.h100.price_per_gpu_hour=-1: Input should be greater than or equal"):
+        sweep(workload, [Variation.parse("pools.h100.price_per_gpu_hour=-1")], steps=1)
+    with pytest.raises(InputError, match="or pools.NAME.KEY"):
+        Variation.parse("pools.h100.name=x")

@@ -221,9 +221,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _cell(column: str, value: object) -> str:
-    """A table cell: what lorafleet saves as a percentage, other floats with three decimals."""
+    """A table cell: what lorafleet saves as a percentage, costs to four figures, other floats with three
+    decimals."""
     if column in ("saved_by_lorafleet", "cost_saved_by_lorafleet") and isinstance(value, float):
         return f"{value:.1%}"
+    if column.startswith("cost") and isinstance(value, float):
+        return f"{value:.4g}"  # a step costs cents
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 

@@ -16,7 +16,8 @@ never spans two pools.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, TypeVar
 
 from pydantic import Field, ValidationError, field_validator, model_serializer, model_validator
 
@@ -70,6 +71,47 @@ class PoolSpec(Spec):
     def describe(self) -> str:
         """``16 x A100-40GB`` (and the pool's name when it has one: ``16 x A100-40GB (a100)``)."""
         return f"{self.n_gpus} x {self.gpu}" + (f" ({self.name})" if self.name else "")
+
+
+class Pooled(Protocol):
+    """A pool as a cluster or a plan lists it: a name and its GPUs."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def n_gpus(self) -> int: ...
+
+
+P = TypeVar("P", bound=Pooled)
+
+
+def named_pool(pools: Sequence[P], name: str) -> P:
+    """The pool of ``pools`` called ``name`` (KeyError if none is)."""
+    for pool in pools:
+        if pool.name == name:
+            return pool
+    raise KeyError(name)
+
+
+def first_gpu(pools: Sequence[Pooled], name: str) -> int:
+    """The first global GPU index (rank) of pool ``name``: ranks number pool after pool, in ``pools``' order."""
+    first = 0
+    for pool in pools:
+        if pool.name == name:
+            return first
+        first += pool.n_gpus
+    raise KeyError(name)
+
+
+def pool_at(pools: Sequence[P], gpu: int) -> tuple[int, P]:
+    """The index and pool of global GPU (rank) ``gpu`` (ValueError when none of ``pools`` has it)."""
+    first = 0
+    for k, pool in enumerate(pools):
+        if first <= gpu < first + pool.n_gpus:
+            return k, pool
+        first += pool.n_gpus
+    raise ValueError(f"GPU {gpu} is outside 0..{first - 1}")
 
 
 class ClusterSpec(Spec):
@@ -139,30 +181,11 @@ class ClusterSpec(Spec):
 
     def pool(self, name: str) -> PoolSpec:
         """The pool called ``name`` (KeyError if none is)."""
-        for pool in self.pools:
-            if pool.name == name:
-                return pool
-        raise KeyError(name)
+        return named_pool(self.pools, name)
 
     def first_gpu(self, name: str) -> int:
-        """The first global GPU index (rank) of pool ``name``: its pools before it hold the ones below."""
-        first = 0
-        for pool in self.pools:
-            if pool.name == name:
-                return first
-            first += pool.n_gpus
-        raise KeyError(name)
-
-    def locate(self, gpu: int) -> tuple[PoolSpec, int]:
-        """The pool of global GPU ``gpu`` and the fleet-wide index of its node (nodes numbered pool after
-        pool); ValueError when the fleet has no such GPU."""
-        first = node = 0
-        for pool in self.pools:
-            if first <= gpu < first + pool.n_gpus:
-                return pool, node + (gpu - first) // pool.gpus_per_node
-            first += pool.n_gpus
-            node += pool.nodes
-        raise ValueError(f"GPU {gpu} is outside 0..{self.n_gpus - 1}")
+        """The first global GPU index (rank) of pool ``name``: the pools before it hold the ones below."""
+        return first_gpu(self.pools, name)
 
     def only(self, name: str) -> ClusterSpec:
         """The one-pool cluster of pool ``name`` (what a pool's cost model is built for)."""

@@ -165,6 +165,7 @@ def prepare(options: TrainOptions) -> Prepared:
             f"the plan needs {world} processes (one per GPU it names); torchrun started {started}",
         )
     check_nodes(run.plan, options.plan)
+    check_cpu_device(run.plan, options.device, options.plan)
     for r, _ in options.slowdown:
         if not 0 <= r < len(run.plan.replicas):
             raise InputError(
@@ -217,6 +218,23 @@ def ledger_turns(options: TrainOptions, start: int | None) -> tuple[dict[str, tu
     return (ledger.turn_changes(), ledger.departed()) if ledger is not None else ({}, ())
 
 
+def check_cpu_device(plan: DeploymentPlan, device: str, path: str) -> None:
+    """``--device cpu`` runs every rank on a CPU, whose GPU kind is ``cpu``: a plan with a pool of another
+    kind is refused before any process starts (on GPUs each rank checks its own device,
+    ``executor.torch.launch.check_device_kinds``)."""
+    if device != "cpu":
+        return
+    for k, pool in enumerate(plan.pools):
+        if pool.gpu.lower() != "cpu":
+            where = f"pool {pool.name!r}" if pool.name else "the cluster"
+            raise InputError(
+                path,
+                f"pools[{k}].gpu",
+                f"--device cpu runs every rank on a CPU, but the plan puts ranks in {where} of {pool.gpu} "
+                "GPUs: plan for the devices the job runs on (--gpu cpu)",
+            )
+
+
 def check_nodes(plan: DeploymentPlan, path: str) -> None:
     """Under a multi-node torchrun (more ranks than one node's: ``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``), the
     node of this rank must be one of its pool's nodes as the plan numbers them: ``gpus_per_node`` ranks of the
@@ -227,14 +245,9 @@ def check_nodes(plan: DeploymentPlan, path: str) -> None:
     if world is None or local is None or int(world) == int(local):
         return
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    first, pool = 0, plan.pools[-1]
-    for candidate in plan.pools:
-        if rank < first + candidate.n_gpus:
-            pool = candidate
-            break
-        first += candidate.n_gpus
-    per_node = pool.gpus_per_node
-    field = "gpus_per_node" if len(plan.pools) == 1 else f"pools[{plan.pools.index(pool)}].gpus_per_node"
+    k, pool = plan.pool_at(min(rank, plan.n_gpus - 1))  # a rank the plan has not: the world-size check's
+    first, per_node = plan.first_gpu(pool.name), pool.gpus_per_node
+    field = "gpus_per_node" if len(plan.pools) == 1 else f"pools[{k}].gpus_per_node"
     of = "" if len(plan.pools) == 1 else f" of pool {pool.name!r}"
     if int(local) != per_node:
         nodes = (

@@ -9,7 +9,7 @@ import yaml
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.cli import main
 from lorafleet.errors import InputError
-from lorafleet.specs.cluster import ClusterSpec, PoolSpec
+from lorafleet.specs.cluster import ClusterSpec, PoolSpec, pool_at
 from lorafleet.workload import load_workload
 from tests.helpers.repo import REPO
 
@@ -32,11 +32,10 @@ def test_pools_and_their_rank_layout(tmp_path):
     assert cluster.n_gpus == 20 and cluster.first_gpu("h100") == 16
     assert cluster.kinds == ("A100-40GB", "H100-80GB") and cluster.priced
     assert cluster.describe() == "16 x A100-40GB (a100) + 4 x H100-80GB (h100)"
-    # nodes are numbered pool after pool: a100's 0 and 1, then h100's 2
-    assert [cluster.locate(g)[1] for g in (0, 7, 8, 15, 16, 19)] == [0, 0, 1, 1, 2, 2]
-    assert cluster.locate(17)[0].name == "h100"
+    # ranks number pool after pool: a100's 0-15, then h100's 16-19
+    assert [pool_at(cluster.pools, g)[0] for g in (0, 15, 16, 19)] == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="outside 0..19"):
-        cluster.locate(20)
+        pool_at(cluster.pools, 20)
     with pytest.raises(ValueError, match="no one GPU kind"):
         _ = cluster.gpu
 
