@@ -28,8 +28,8 @@ from lorafleet.errors import InputError
 from lorafleet.planner.baselines import baseline_schedules
 from lorafleet.planner.candidates import propose_candidates, valid_candidates
 from lorafleet.planner.expected import expected_global_batch
-from lorafleet.planner.objective import preferred, race
-from lorafleet.planner.options import PlannerMode, PlannerOptions
+from lorafleet.planner.objective import preferred, race, replica_price
+from lorafleet.planner.options import PlannerMode, PlannerOptions, PlanObjective
 from lorafleet.planner.placement import build_plan, with_expectation
 from lorafleet.planner.problem import Candidate, PlanningProblem, build_problem
 from lorafleet.planner.schedule import Phase, Schedule
@@ -166,19 +166,23 @@ def robust_choice(
     ]
     seed = workload.spec.seed if options.seed is None else options.seed
     batches = [sample_global_batch(workload, step, seed) for step in range(options.robust_samples)]
+    price = replica_price(problem, options)
+    prices = None if price is None else [price(e.replicas) for e in finalists]
+    by_price = None if prices is None else prices.__getitem__
     if not batches or len(finalists) == 1:
         pick = preferred(
             range(len(finalists)),
             lambda k: finalists[k].expected_makespan,
             lambda k: finalists[k].used_gpus,
             options.tie_rel,
+            by_price,
         )
         return RobustChoice(finalists=tuple(finalists), chosen=pick, schedule=schedules[pick], sampled_steps=0)
-    makespans = race(schedules, batches, problem.cost_model, options.tie_rel, options.race_rung)
+    makespans = race(schedules, batches, problem.cost_model, options.tie_rel, options.race_rung, prices)
     raced = [replace(e, sampled_makespan=float(m.mean())) for e, m in zip(finalists, makespans, strict=True)]
     steps = max(m.size for m in makespans)
     last = [k for k in range(len(raced)) if makespans[k].size == steps]  # still in the race at the end
-    pick = preferred(last, lambda k: raced[k].sampled_makespan, lambda k: raced[k].used_gpus, options.tie_rel)
+    pick = preferred(last, lambda k: raced[k].sampled_makespan, lambda k: raced[k].used_gpus, options.tie_rel, by_price)
     return RobustChoice(finalists=tuple(raced), chosen=pick, schedule=schedules[pick], sampled_steps=steps)
 
 
@@ -241,6 +245,11 @@ def plan_deployment(
         clock = now
 
     policy = options.policy
+    if options.objective is PlanObjective.COST and not cluster.priced:
+        unpriced = ", ".join(
+            repr(p.name) if p.name else "the cluster's" for p in cluster.pools if p.price_per_gpu_hour is None
+        )
+        raise InputError("<args>", "--objective", f"cost needs a price_per_gpu_hour on every pool; {unpriced} has none")
     expected = expected_global_batch(workload)
     valid = valid_candidates(cost_model, cluster)
     _check_longest(workload, valid, cluster)

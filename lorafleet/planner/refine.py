@@ -12,7 +12,7 @@ import numpy as np
 
 from lorafleet.dispatch import LoadModel, fluid_bound
 from lorafleet.planner.evaluation import PoolEntry, class_times, evaluate, pool_entry
-from lorafleet.planner.options import PlannerOptions
+from lorafleet.planner.options import PlannerOptions, PlanObjective
 from lorafleet.planner.problem import PlanningProblem
 
 
@@ -54,14 +54,17 @@ def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions)
 
     The aggregated MILP spreads even a single sequence over replicas, so it never sees that
     a replica cannot help (one long sequence sets the makespan, say); the dispatcher's load
-    model does. Greedily, the removal that frees the most GPUs among the acceptable ones is
-    made, until none is acceptable; removals are screened by :func:`_removal_candidates`
-    before any re-balance. None when nothing can be removed.
+    model does. Greedily, the removal that frees the most GPUs (under ``--objective cost``: the most
+    currency a second, ``PlanningProblem.replica_prices``) among the acceptable ones is made, until
+    none is acceptable; removals are screened by :func:`_removal_candidates` before any re-balance.
+    None when nothing can be removed.
     """
     current, bar = entry, entry.expected_makespan * (1 + options.tie_rel)
+    prices = problem.replica_prices if options.objective is PlanObjective.COST else None
+    saved = problem.gpus.astype(float) if prices is None else prices
     while True:
         best = None
-        for i, bound in sorted(_removal_candidates(problem, current, bar), key=lambda c: -int(problem.gpus[c[0]])):
+        for i, bound in sorted(_removal_candidates(problem, current, bar), key=lambda c: -float(saved[c[0]])):
             if bound is not None and bound > bar:
                 continue
             fewer = current.replicas - np.eye(len(current.replicas), dtype=np.int64)[i]
