@@ -55,8 +55,9 @@ def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions)
     The aggregated MILP spreads even a single sequence over replicas, so it never sees that
     a replica cannot help (one long sequence sets the makespan, say); the dispatcher's load
     model does. Greedily, the removal that frees the most GPUs (under ``--objective cost``: the most
-    currency a second, ``PlanningProblem.replica_prices``) among the acceptable ones is made, until
-    none is acceptable; removals are screened by :func:`_removal_candidates` before any re-balance.
+    currency a second, ``PlanningProblem.replica_prices``, and only if the step then costs less) among
+    the acceptable ones is made, until none is acceptable; removals are screened by
+    :func:`_removal_candidates` before any re-balance.
     None when nothing can be removed.
     """
     current, bar = entry, entry.expected_makespan * (1 + options.tie_rel)
@@ -72,7 +73,11 @@ def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions)
             if not candidate.survived:
                 continue
             candidate = replace(candidate, expected=evaluate(problem, candidate.load, exact=False, options=options)[0])
-            if candidate.expected_makespan <= bar:
+            if candidate.expected_makespan <= bar and (
+                prices is None  # under --objective cost a removal must also make the step cheaper
+                or candidate.expected_makespan * (candidate.replicas @ prices)
+                < current.expected_makespan * (current.replicas @ prices)
+            ):
                 best = candidate
                 break
         if best is None:
