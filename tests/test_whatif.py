@@ -111,12 +111,17 @@ def test_the_whatif_legend_covers_no_bar(tmp_path, monkeypatch, n_points):
 
 
 def test_a_pool_field_is_an_axis_and_nodes_0_leaves_the_pool_out(tmp_path):
-    """#29: ``--vary pools.h100.nodes=0`` plans the a100 pool alone; a pool or value that is not is one line."""
+    """#29: ``--vary pools.h100.nodes=0,1`` plans the a100 pool alone, then with one H100 node; a pool or value
+    that is not is one line."""
     from tests.helpers.pools import pools_fleet
 
     workload = pools_fleet(tmp_path)[0]
-    (row, *_) = sweep(workload, [Variation.parse("pools.h100.nodes=0")], steps=1)
-    assert row["vary_pools.h100.nodes"] == "0" and row["gpus_total"] == 8 and row["gpu_kind"] == "A100-40GB"
+    rows = sweep(workload, [Variation.parse("pools.h100.nodes=0,1")], steps=1)
+    ours = [r for r in rows if r["method"] == "lorafleet"]
+    assert [(r["vary_pools.h100.nodes"], r["gpus_total"], r["gpu_kind"]) for r in ours] == [
+        ("0", 8, "A100-40GB"),
+        ("1", 12, "A100-40GB + H100-80GB"),
+    ]
     with pytest.raises(InputError, match="--vary: pools.b200.nodes: the cluster has no pool 'b200' .a100, h100."):
         sweep(workload, [Variation.parse("pools.b200.nodes=1")], steps=1)
     with pytest.raises(InputError, match="pools.h100.price_per_gpu_hour=-1: Input should be greater than or equal"):

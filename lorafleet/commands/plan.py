@@ -155,19 +155,21 @@ def sizing_table(sizing):
     from lorafleet.planner.sizing import describe_objective
 
     objective = sizing.objective
+    priced = all(r.cost_per_step is not None for r in sizing.rows)
     job = f"a {sizing.job_steps}-step job" if sizing.job_steps else "job totals need --steps N"
     table = Table(
-        title=f"fleet sizing: {describe_objective(objective)} ({job})",
+        title=f"fleet sizing: {describe_objective(objective, priced)} ({job})",
         caption=f"chosen: {sizing.chosen_row.gpus} GPUs, {sizing.reason}"
         if sizing.chosen is not None
         else f"none chosen: {sizing.reason}",
     )
-    columns = ("GPUs", "nodes", "plan", "used", "step (s)", "GPU-s/step", "job h", "job GPU-h", "judged")
+    columns = ("GPUs", "nodes", "plan", "used", "step (s)", "GPU-s/step", "job h", "job GPU-h")
+    columns += ("cost/step", "judged") if priced else ("judged",)
     for column in columns:
         table.add_column(column, justify="left" if column in ("plan", "judged") else "right")
     for k, row in enumerate(sizing.rows):
         if not row.feasible:
-            table.add_row(str(row.gpus), str(row.cluster.nodes), "infeasible", "", "", "", "", "", row.infeasible)
+            table.add_row(str(row.gpus), row.nodes, "infeasible", *[""] * (len(columns) - 4), row.infeasible)
             continue
         judged = []
         if objective.deadline is not None:
@@ -179,12 +181,13 @@ def sizing_table(sizing):
         jobs = ("-", "-") if row.job_steps is None else (f"{row.job_hours:.3g}", f"{row.job_gpu_hours:.4g}")
         table.add_row(
             str(row.gpus),
-            str(row.cluster.nodes),
+            row.nodes,
             row.result.plan.describe(),
             str(row.used_gpus),
             f"{row.step_s:.3f}",
             f"{row.gpu_seconds_per_step:.1f}",
             *jobs,
+            *((f"{row.cost_per_step:.4g}",) if priced else ()),
             ", ".join(judged),
             style="bold" if k == sizing.chosen else None,
         )
@@ -256,8 +259,10 @@ def _sized_plan(workload, args: argparse.Namespace, options, objective, max_node
     except InputError as err:
         raise _sizing_flag_error(err) from None
     console.print(sizing_table(sizing))
-    each = ", ".join(f"{row.gpus}: {row.plan_s:.1f} s" for row in sizing.rows)
-    console.print(f"  swept {len(sizing.rows)} GPU counts in {sum(r.plan_s for r in sizing.rows):.1f} s ({each})")
+    pools = len(sizing.rows[0].cluster.pools) > 1 or sizing.rows[0].cluster.pools[0].name
+    each = ", ".join(f"{row.gpus}{f' ({row.nodes})' if pools else ''}: {row.plan_s:.1f} s" for row in sizing.rows)
+    what = "fleets" if pools else "GPU counts"
+    console.print(f"  swept {len(sizing.rows)} {what} in {sum(r.plan_s for r in sizing.rows):.1f} s ({each})")
     return sizing.chosen_row.result, sizing.chosen_row.cluster
 
 

@@ -22,6 +22,15 @@ and the chosen count n* is, over the counts that give a plan:
 - both (``DEADLINE_AND_BUDGET``): n* = argmin_lex { (C(n), n) : H(n) <= H_d, C(n) <= B }, the
   cheapest plan that meets both.
 
+**Pools.** On a cluster of several pools the candidates are every combination of each pool's
+node count, 0 .. its ``nodes`` (or ``max_nodes``), some pool not empty: "how many H100 nodes to
+add to these A100s" is the rows with the A100 pool whole. With a price on every pool (one pool or
+several) the sizing counts money where it counted GPUs: with P(n) what candidate n's plan costs a
+second at its pools' prices (``accounting.price_per_second``), a job costs t̂(n) P(n) S, and the
+GPU-seconds goal becomes the cheapest job, argmin_lex (t̂(n) P(n), n), the deadline goal the cheapest
+job that finishes in time, argmin_lex { (t̂(n) P(n), n) : t̂(n) S_d <= 3600 H_d } (a budget stays
+in GPU-hours).
+
 When no count qualifies, :class:`SizingError` (an InputError) says which limit was missed and
 by how much, and carries the sweep. ``size_fleet`` is :func:`plan_counts` (the planning, one row
 per count) then :func:`judge` (the choice, pure: the same rows can be judged for other goals).
@@ -29,12 +38,14 @@ per count) then :func:`judge` (the choice, pure: the same rows can be judged for
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from lorafleet.accounting import price_per_second
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.errors import InputError
 from lorafleet.planner.driver import LORAFLEET, PlanResult, plan_deployment
@@ -100,12 +111,13 @@ class SizingGoal(StrEnum):
     DEADLINE_AND_BUDGET = "deadline+budget"
 
 
-def describe_objective(objective: SizingObjective) -> str:
-    """``fewest GPUs for 2000 steps in 1.5 h``: the goal in words."""
+def describe_objective(objective: SizingObjective, priced: bool = False) -> str:
+    """``fewest GPUs for 2000 steps in 1.5 h``: the goal in words (``priced``: the pools have prices)."""
     deadline, budget = objective.deadline, objective.budget_gpu_hours
+    least = "cheapest" if priced else "fewest GPUs"
     return {
-        SizingGoal.GPU_SECONDS: lambda: "fewest GPU-seconds",
-        SizingGoal.DEADLINE: lambda: f"fewest GPUs for {deadline.steps} steps in {_hours(deadline.hours)}",
+        SizingGoal.GPU_SECONDS: lambda: "cheapest at the pools' prices" if priced else "fewest GPU-seconds",
+        SizingGoal.DEADLINE: lambda: f"{least} for {deadline.steps} steps in {_hours(deadline.hours)}",
         SizingGoal.BUDGET: lambda: f"fastest within {budget:.4g} GPU-hours",
         SizingGoal.DEADLINE_AND_BUDGET: lambda: (
             f"fewest GPU-hours for {deadline.steps} steps in {_hours(deadline.hours)} within {budget:.4g} GPU-hours"
@@ -165,6 +177,19 @@ class SizingRow:
     def gpu_seconds_per_step(self) -> float:
         """t̂(n) G(n)."""
         return self.result.cost(LORAFLEET).gpu_seconds if self.result is not None else math.inf
+
+    @property
+    def cost_per_step(self) -> float | None:
+        """t̂(n) P(n): what a step costs at the pools' prices; None when a pool has no price (inf: no plan)."""
+        if self.result is None:
+            return math.inf
+        price = price_per_second(self.result.plan, self.cluster)
+        return None if price is None else self.step_s * price
+
+    @property
+    def nodes(self) -> str:
+        """``2``, or by named pool ``a100 2, h100 1``."""
+        return ", ".join(f"{p.name} {p.nodes}" if p.name else str(p.nodes) for p in self.cluster.pools)
 
     @property
     def job_hours(self) -> float | None:
@@ -227,12 +252,23 @@ def _choose(rows: list[SizingRow], objective: SizingObjective, steps: int | None
     meeting = [k for k in feasible if rows[k].meets(objective)]
     goal, deadline, budget = objective.goal, objective.deadline, objective.budget_gpu_hours
     of = f"of {len(feasible)} feasible count{'s' if len(feasible) != 1 else ''}"
+    priced = all(rows[k].cost_per_step is not None for k in feasible)
+    if goal is SizingGoal.GPU_SECONDS and priced:
+        k = min(feasible, key=lambda k: (rows[k].cost_per_step, rows[k].gpus))
+        job = f", {rows[k].cost_per_step * steps:.4g} for {steps} steps" if steps else ""
+        return k, f"cheapest {of} at the pools' prices ({rows[k].cost_per_step:.4g} a step{job})", ""
     if goal is SizingGoal.GPU_SECONDS:
         k = min(feasible, key=lambda k: (rows[k].gpu_seconds_per_step, rows[k].gpus))
         job = f", {rows[k].job_gpu_hours:.4g} GPU-hours for {steps} steps" if steps else ""
         return k, f"fewest GPU-seconds {of} ({rows[k].gpu_seconds_per_step:.4g} GPU-s per step{job})", ""
     if meeting:
-        if goal is SizingGoal.DEADLINE:
+        if goal is SizingGoal.DEADLINE and priced:
+            k = min(meeting, key=lambda k: (rows[k].cost_per_step, rows[k].gpus))
+            why = (
+                f"cheapest that finishes {steps} steps within {_hours(deadline.hours)} at the pools' prices "
+                f"({_hours(rows[k].job_hours)}, {rows[k].cost_per_step * steps:.4g})"
+            )
+        elif goal is SizingGoal.DEADLINE:
             k = min(meeting, key=lambda k: rows[k].gpus)
             why = f"fewest GPUs that finish {steps} steps within {_hours(deadline.hours)} ({_hours(rows[k].job_hours)})"
         elif goal is SizingGoal.BUDGET:
@@ -281,19 +317,13 @@ def plan_counts(
     *,
     max_nodes: int | None = None,
 ) -> tuple[SizingRow, ...]:
-    """The workload planned on 1 .. K whole nodes of ``cluster``'s kind, one row per count, smallest first.
-
-    Every candidate cluster is ``ClusterSpec.with_gpus(n, gpu, gpus_per_node)``, as ``plan --gpus n``
-    builds its own, so a row's plan is the one planning that count alone gives. A count with no plan
-    (the model or a task's longest sequence fits no config: the planner's InputError) is a row with
-    its ``error``. Arguments as :func:`size_fleet`'s.
+    """The workload planned on every candidate cluster (:func:`candidate_clusters`), one row each, smallest
+    first. A row's plan is the one planning that cluster alone gives; one with no plan (the model or a
+    task's longest sequence fits no config: the planner's InputError) is a row with its ``error``.
+    Arguments as :func:`size_fleet`'s.
     """
-    nodes = cluster.nodes if max_nodes is None else max_nodes
-    if nodes < 1:
-        raise InputError(OBJECTIVE_SOURCE, "max_nodes", f"must be >= 1, got {nodes}")
     rows = []
-    for k in range(1, nodes + 1):
-        candidate = ClusterSpec.with_gpus(k * cluster.gpus_per_node, cluster.gpu, cluster.gpus_per_node)
+    for candidate in candidate_clusters(cluster, max_nodes):
         model = cost_model(candidate) if callable(cost_model) else cost_model
         start = time.perf_counter()
         try:
@@ -302,6 +332,31 @@ def plan_counts(
             result, error = None, err
         rows.append(SizingRow(cluster=candidate, result=result, error=error, plan_s=time.perf_counter() - start))
     return tuple(rows)
+
+
+def candidate_clusters(cluster: ClusterSpec, max_nodes: int | None = None) -> list[ClusterSpec]:
+    """The clusters a sizing plans: of one pool, 1 .. K whole nodes (K its ``nodes``, or ``max_nodes``),
+    each ``ClusterSpec.with_gpus(n, gpu, gpus_per_node)`` as ``plan --gpus n`` builds it (the pool's name,
+    price and profile kept); of several, every combination of each pool's 0 .. K_p nodes (K_p its
+    ``nodes``, or ``max_nodes``) with some pool not empty, the empty pools left out. Fewest GPUs first,
+    then more nodes of the earlier pools."""
+    if max_nodes is not None and max_nodes < 1:
+        raise InputError(OBJECTIVE_SOURCE, "max_nodes", f"must be >= 1, got {max_nodes}")
+    if len(cluster.pools) == 1:
+        pool = cluster.pools[0]
+        kept = {"name": pool.name, "price_per_gpu_hour": pool.price_per_gpu_hour, "profile": pool.profile}
+        nodes = pool.nodes if max_nodes is None else max_nodes
+        return [
+            ClusterSpec.with_gpus(k * pool.gpus_per_node, pool.gpu, pool.gpus_per_node, **kept)
+            for k in range(1, nodes + 1)
+        ]
+    ranges = [range(0, (p.nodes if max_nodes is None else max_nodes) + 1) for p in cluster.pools]
+    out = []
+    for counts in itertools.product(*ranges):
+        pools = tuple(p.model_copy(update={"nodes": n}) for p, n in zip(cluster.pools, counts, strict=True) if n)
+        if pools:
+            out.append((sum(n * p.gpus_per_node for p, n in zip(cluster.pools, counts)), [-n for n in counts], pools))
+    return [ClusterSpec(pools=pools) for *_, pools in sorted(out, key=lambda x: x[:2])]
 
 
 def _check_steps(objective: SizingObjective, steps: int | None) -> None:

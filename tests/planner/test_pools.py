@@ -110,3 +110,45 @@ def test_the_cost_objective_buys_the_cheapest_step_within_the_makespan_tolerance
     )
     with pytest.raises(InputError, match="--objective: cost needs a price_per_gpu_hour on every pool; 'a100' has none"):
         plan_deployment(workload, unpriced, cost_model, PlannerOptions(objective=PlanObjective.COST))
+
+
+def test_the_clusters_a_sizing_sweeps_over_pools():
+    from lorafleet.planner.sizing import candidate_clusters
+
+    two = ClusterSpec.model_validate(
+        {"pools": [{"name": "a100", "nodes": 2, "price_per_gpu_hour": 1.3}, {"name": "h100", "gpu": "H100-80GB"}]}
+    )
+    swept = [tuple((p.name, p.nodes) for p in c.pools) for c in candidate_clusters(two)]
+    assert swept == [
+        (("a100", 1),),
+        (("h100", 1),),
+        (("a100", 2),),
+        (("a100", 1), ("h100", 1)),
+        (("a100", 2), ("h100", 1)),
+    ]
+    assert [c.n_gpus for c in candidate_clusters(two, max_nodes=1)] == [8, 8, 16]
+    one = candidate_clusters(ClusterSpec.model_validate({"pools": [two.pools[0].model_dump()]}))
+    assert [c.pools[0] for c in one] == [two.pools[0].model_copy(update={"nodes": n}) for n in (1, 2)]
+
+
+def test_sizing_over_pools_buys_the_cheapest_fleet_that_meets_the_deadline(fleet):
+    """#29: which of the pools' nodes to hold for a deadline, at the fewest cost: every combination of the
+    pools' nodes planned, the cheapest job that finishes in time chosen (not the one on fewest GPUs)."""
+    from lorafleet.assemble import workload_cost_model
+    from lorafleet.planner import Deadline, SizingObjective, size_fleet
+
+    workload, cluster, _ = fleet
+    options = PlannerOptions(robust_samples=0, baselines=False)
+
+    def model(candidate):
+        return workload_cost_model(workload, candidate)
+
+    free = size_fleet(workload, cluster, model, options, max_nodes=1)
+    steps = 1000
+    fastest = min(r.step_s for r in free.rows if r.feasible)
+    deadline = Deadline(steps, fastest * steps / 3600 * 1.5)
+    sized = size_fleet(workload, cluster, model, options, SizingObjective(deadline=deadline), max_nodes=1)
+    assert [r.nodes for r in sized.rows] == ["h100 1", "a100 1", "a100 1, h100 1"]  # 4, 8, 12 GPUs
+    meeting = [r for r in sized.rows if r.meets(sized.objective)]
+    assert sized.chosen_row.cost_per_step == min(r.cost_per_step for r in meeting)
+    assert "cheapest that finishes 1000 steps" in sized.reason
