@@ -33,6 +33,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--solver", default="cbc", help="MILP back end: cbc (default), scip or highs")
     parser.add_argument("--mode", default="decomposed", help="decomposed (default), exhaustive or joint-minlp")
     parser.add_argument("--samples", type=int, default=32, help="K sampled batches of the robust choice (0: none)")
+    parser.add_argument(
+        "--objective",
+        default="makespan",
+        help="makespan (default: the shortest step, then the fewest GPUs) or cost (the fewest currency units "
+        "per step at the pools' prices, within --makespan-tolerance of the shortest)",
+    )
+    parser.add_argument(
+        "--makespan-tolerance",
+        metavar="FRACTION",
+        type=float,
+        default=5e-3,
+        help="plans whose expected step is within this fraction of the fastest tie; the tie goes to fewer GPUs "
+        "or, with --objective cost, to the cheaper step (default 0.005)",
+    )
     add_policy_flags(parser, defaults=DispatchPolicy(), only=PLAN_POLICY_FLAGS)
     sizing = parser.add_argument_group("sizing the fleet (with --gpus auto; docs/planner.md)")
     sizing.add_argument(
@@ -57,11 +71,12 @@ def _options(args: argparse.Namespace):
     import importlib.util
 
     from lorafleet.commands._plan_flags import flagged_policy
-    from lorafleet.planner import PlannerMode, PlannerOptions
+    from lorafleet.planner import PlannerMode, PlannerOptions, PlanObjective
     from lorafleet.solvers import SolverName
     from lorafleet.specs.dispatch import DispatchPolicy
 
-    for flag, value, enum in (("--solver", args.solver, SolverName), ("--mode", args.mode, PlannerMode)):
+    choices = (("--solver", args.solver, SolverName), ("--mode", args.mode, PlannerMode))
+    for flag, value, enum in (*choices, ("--objective", args.objective, PlanObjective)):
         if value not in {e.value for e in enum}:
             raise InputError(ARGS, flag, f"{value!r} is not one of {', '.join(e.value for e in enum)}")
     if args.samples < 0:
@@ -74,7 +89,16 @@ def _options(args: argparse.Namespace):
             "joint-minlp solves LobRA's MINLP with SCIP, which needs PySCIPOpt "
             "(pip install pyscipopt); the default decomposed mode does not",
         )
-    return PlannerOptions(policy=policy, solver=args.solver, mode=args.mode, robust_samples=args.samples)
+    if not 0 <= args.makespan_tolerance < 1:
+        raise InputError(ARGS, "--makespan-tolerance", f"must be in [0, 1), got {args.makespan_tolerance}")
+    return PlannerOptions(
+        policy=policy,
+        solver=args.solver,
+        mode=args.mode,
+        robust_samples=args.samples,
+        objective=args.objective,
+        tie_rel=args.makespan_tolerance,
+    )
 
 
 AUTO = "auto"
@@ -222,12 +246,32 @@ def comparison_table(result):
     from lorafleet.planner import LORAFLEET
 
     table = Table(title="per step (expected batch)")
-    for column in ("method", "GPUs", "makespan (s)", "GPU-seconds", "lorafleet: makespan", "lorafleet: GPU-s"):
+    priced = all(c.cost_per_step is not None for c in result.costs)
+    columns = ("method", "GPUs", "makespan (s)", "GPU-seconds", "lorafleet: makespan", "lorafleet: GPU-s")
+    for column in (*columns, *(("cost", "lorafleet: cost") if priced else ())):
         table.add_column(column, justify="left" if column == "method" else "right")
+    ours = result.cost(LORAFLEET)
     for cost in result.costs:
         cut = ("", "") if cost.name == LORAFLEET else tuple(f"{0.0 - r:+.1%}" for r in result.reduction(cost.name))
-        table.add_row(cost.name, str(cost.gpus), f"{cost.makespan_s:.3f}", f"{cost.gpu_seconds:.1f}", *cut)
+        money = ()
+        if priced:
+            saved = "" if cost.name == LORAFLEET else f"{ours.cost_per_step / cost.cost_per_step - 1:+.1%}"
+            money = (f"{cost.cost_per_step:.4g}", saved)
+        table.add_row(cost.name, str(cost.gpus), f"{cost.makespan_s:.3f}", f"{cost.gpu_seconds:.1f}", *cut, *money)
     return table
+
+
+def cost_line(result, workload) -> str | None:
+    """``cost 0.0123 a step at the pools' prices, 24.6 for the 2000-step job``; None when a pool has no price."""
+    from lorafleet.planner import LORAFLEET
+    from lorafleet.planner.sizing import SizingObjective, job_steps
+
+    per_step = result.cost(LORAFLEET).cost_per_step
+    if per_step is None:
+        return None
+    steps = job_steps(workload, SizingObjective())
+    job = f", {per_step * steps:.4g} for the {steps}-step job" if steps else " (a job's cost needs the tasks' steps)"
+    return f"cost {per_step:.4g} a step at the pools' prices{job}"
 
 
 def _above(value: float, bound: float) -> str:
@@ -297,6 +341,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(comparison_table(result))
     for note in result.plan.notes:
         console.print(f"  note: {note}")
+    money = cost_line(result, workload)
+    if money:
+        console.print(f"  {money}")
     bounds = step_bounds(
         result.plan, result.expected_batch, valid_candidates(cost_model, cluster), cost_model, cluster.n_gpus
     )

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lorafleet.accounting import price_per_second
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import DispatchPolicy, dispatch_step
 from lorafleet.errors import InputError
@@ -54,6 +55,9 @@ class ScheduleCost:
     """Expected step time: the dispatcher's estimate on the expected batch."""
     gpu_seconds: float
     """Expected GPU-seconds per step (makespan x GPUs held, summed over phases)."""
+    cost_per_step: float | None = None
+    """Expected currency units per step at the pools' prices (each phase's makespan x what its replicas
+    cost a second, ``accounting.price_per_second``); None when a pool has no price."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -219,6 +223,18 @@ def _idle_note(problem: PlanningProblem, chosen: PoolEntry, ranked: list[PoolEnt
     )
 
 
+def _expected_cost(schedule: Schedule, cluster: ClusterSpec) -> float | None:
+    """Σ over phases of the expected makespan each phase's plan recorded x what its replicas cost a second at
+    the pools' prices; None when a pool has no price."""
+    total = 0.0
+    for phase in schedule.phases:
+        price = price_per_second(phase.plan, cluster)
+        if price is None:
+            return None
+        total += phase.plan.expected_makespan_s * price
+    return total
+
+
 def plan_deployment(
     workload: Workload, cluster: ClusterSpec, cost_model: CostModel, options: PlannerOptions = PlannerOptions()
 ) -> PlanResult:
@@ -291,6 +307,7 @@ def plan_deployment(
             gpus=plan.used_gpus,
             makespan_s=expected_step.estimated_makespan_s,
             gpu_seconds=expected_step.estimated_makespan_s * plan.used_gpus,
+            cost_per_step=_expected_cost(replace(schedule, phases=(replace(schedule.phases[0], plan=plan),)), cluster),
         )
     ]
     baselines: tuple[Schedule, ...] = ()
@@ -299,7 +316,13 @@ def plan_deployment(
         for b in baselines:
             step = b.step_cost(expected, cost_model)
             costs.append(
-                ScheduleCost(name=b.name, gpus=b.max_gpus, makespan_s=step.makespan_s, gpu_seconds=step.gpu_seconds)
+                ScheduleCost(
+                    name=b.name,
+                    gpus=b.max_gpus,
+                    makespan_s=step.makespan_s,
+                    gpu_seconds=step.gpu_seconds,
+                    cost_per_step=_expected_cost(b, cluster),
+                )
             )
     lap("baselines")
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from lorafleet.dispatch import LoadModel, fluid_bound
 from lorafleet.planner.evaluation import PoolEntry, class_times, evaluate, pool_entry
-from lorafleet.planner.options import PlannerOptions, PlanObjective
+from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.problem import PlanningProblem
 
 
@@ -49,23 +49,29 @@ def _removal_candidates(problem: PlanningProblem, entry: PoolEntry, bar: float) 
     return out
 
 
-def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions) -> PoolEntry | None:
+def trimmed(
+    problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions, prices: np.ndarray | None = None
+) -> PoolEntry | None:
     """``entry`` with replicas removed while its expected makespan stays within ``tie_rel`` of the original.
 
     The aggregated MILP spreads even a single sequence over replicas, so it never sees that
     a replica cannot help (one long sequence sets the makespan, say); the dispatcher's load
-    model does. Greedily, the removal that frees the most GPUs (under ``--objective cost``: the most
-    currency a second, ``PlanningProblem.replica_prices``, and only if the step then costs less) among
-    the acceptable ones is made, until none is acceptable; removals are screened by
-    :func:`_removal_candidates` before any re-balance.
-    None when nothing can be removed.
+    model does. Greedily, the removal that frees the most GPUs among the acceptable ones is made,
+    until none is acceptable; with ``prices`` (what a replica of each candidate costs a second:
+    ``--objective cost``) every acceptable removal is judged and the one that leaves the cheapest step
+    is made, if that step costs less than the current one. Removals are screened by
+    :func:`_removal_candidates` before any re-balance. None when nothing can be removed.
     """
     current, bar = entry, entry.expected_makespan * (1 + options.tie_rel)
-    prices = problem.replica_prices if options.objective is PlanObjective.COST else None
-    saved = problem.gpus.astype(float) if prices is None else prices
+
+    def cost(e: PoolEntry) -> float:
+        assert prices is not None
+        return e.expected_makespan * float(e.replicas @ prices)
+
     while True:
         best = None
-        for i, bound in sorted(_removal_candidates(problem, current, bar), key=lambda c: -float(saved[c[0]])):
+        screened = sorted(_removal_candidates(problem, current, bar), key=lambda c: -int(problem.gpus[c[0]]))
+        for i, bound in screened:
             if bound is not None and bound > bar:
                 continue
             fewer = current.replicas - np.eye(len(current.replicas), dtype=np.int64)[i]
@@ -73,13 +79,13 @@ def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions)
             if not candidate.survived:
                 continue
             candidate = replace(candidate, expected=evaluate(problem, candidate.load, exact=False, options=options)[0])
-            if candidate.expected_makespan <= bar and (
-                prices is None  # under --objective cost a removal must also make the step cheaper
-                or candidate.expected_makespan * (candidate.replicas @ prices)
-                < current.expected_makespan * (current.replicas @ prices)
-            ):
+            if candidate.expected_makespan > bar:
+                continue
+            if prices is None:
                 best = candidate
                 break
+            if cost(candidate) < cost(best if best is not None else current):
+                best = candidate
         if best is None:
             return current if current is not entry else None
         current = best

@@ -24,7 +24,7 @@ from lorafleet.planner.evaluation import PoolEntry, evaluate, pool_entry
 from lorafleet.planner.fallback import heuristic_deployment
 from lorafleet.planner.joint_minlp import JointSolution, solve_joint
 from lorafleet.planner.objective import preferred, replica_price
-from lorafleet.planner.options import PlannerMode, PlannerOptions
+from lorafleet.planner.options import PlannerMode, PlannerOptions, PlanObjective
 from lorafleet.planner.problem import PlanningProblem
 from lorafleet.planner.refine import polish_starts, polished, trimmed
 from lorafleet.solvers import SolveResult
@@ -215,8 +215,11 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
         ranked.extend(polished(problem, polish_starts(problem, ranked, options.polish_starts), ranked, options))
         ranked.sort(key=lambda e: (e.expected_makespan, e.used_gpus))
     if ranked:
-        trim = trimmed(problem, _preferred_entry(problem, ranked, options), options)
-        ranked.extend([trim] if trim is not None else [])
+        start = _preferred_entry(problem, ranked, options)
+        trims = [trimmed(problem, start, options)]
+        if options.objective is PlanObjective.COST:  # the GPU-freeing trim and the cost-greedy one: either may win
+            trims.append(trimmed(problem, start, options, problem.replica_prices))
+        ranked.extend(t for t in trims if t is not None)
         ranked.sort(key=lambda e: (e.expected_makespan, e.used_gpus))
         best = _preferred_entry(problem, ranked, options)
         ranked = [best, *(e for e in ranked if e is not best)]
