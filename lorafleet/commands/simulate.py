@@ -98,7 +98,9 @@ def simulation_options(args: argparse.Namespace):
     from lorafleet.executor.simulated import MAX_NOISE_SIGMA, FailureSpec, SimulationOptions
 
     if not 0 <= args.noise <= MAX_NOISE_SIGMA:  # NaN fails both comparisons
-        raise InputError("<args>", "--noise", f"must be a number from 0 to {MAX_NOISE_SIGMA:g}, got {args.noise}")
+        raise InputError(
+            "<args>", "--noise", f"must be a finite number from 0 to {MAX_NOISE_SIGMA:g}, got {args.noise}"
+        )
     slowdown = {
         int(_number(r, int, "--straggler")): _number(f, float, "--straggler")
         for r, f in _pairs(args.straggler, "=", "--straggler")

@@ -57,7 +57,9 @@ class SimulationOptions:
 
     def __post_init__(self) -> None:
         if not 0 <= self.noise_sigma <= MAX_NOISE_SIGMA:  # NaN fails both comparisons
-            raise ValueError(f"noise_sigma must be a number from 0 to {MAX_NOISE_SIGMA:g}, got {self.noise_sigma}")
+            raise ValueError(
+                f"noise_sigma must be a finite number from 0 to {MAX_NOISE_SIGMA:g}, got {self.noise_sigma}"
+            )
         bad = {r: f for r, f in self.slowdown.items() if not (math.isfinite(f) and f >= 1.0)}
         if bad:
             raise ValueError(f"slowdown factors must be finite numbers >= 1, got {bad}")
