@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import ConfigDict
 
+from lorafleet.specs._base import Float, Int
+
 
 @dataclass(frozen=True)
 class TaskTurns:
@@ -43,19 +45,19 @@ class TaskTurns:
     __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     """How the queue's typed files (the task ledger, the pending changes) read it back: no unknown keys."""
 
-    tokens: float
+    tokens: Float
     """τ: expected tokens of one of its batches (only shares use it)."""
-    batches: int | None = None
+    batches: Int | None = None
     """Its steps (None: unbounded)."""
-    joined: int = 0
+    joined: Int = 0
     """The first global step it may take part in."""
-    until: int | None = None
+    until: Int | None = None
     """The first global step it is left out of for good (finished, cancelled, stopped); None: never."""
-    share: float | None = None
+    share: Float | None = None
     """σ in (0, 1]: its target fraction of every step's tokens; None: every step."""
-    deadline: int | None = None
+    deadline: Int | None = None
     """The global step by which it must have taken its last batch (forced in when out of slack)."""
-    changes: tuple[tuple[int, float | None, int | None], ...] = ()
+    changes: tuple[tuple[Int, Float | None, Int | None], ...] = ()
     """``(step, share, deadline)``, in step order: from that step on, these replace ``share`` and ``deadline``."""
 
     def __post_init__(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from lorafleet.specs._base import Spec
+from lorafleet.specs._base import Int, Spec
 from lorafleet.specs.gpus import GPU_PRESETS, GPUSpec
 
 
@@ -13,9 +13,9 @@ class ClusterSpec(Spec):
 
     gpu: str = "A100-40GB"
     """GPU preset name (see ``lorafleet.specs.gpus.GPU_PRESETS``)."""
-    nodes: int = Field(1, gt=0, le=4096)
+    nodes: Int = Field(1, gt=0, le=4096)
     """Number of nodes."""
-    gpus_per_node: int = Field(8, gt=0, le=64)
+    gpus_per_node: Int = Field(8, gt=0, le=64)
     """GPUs in each node."""
 
     @field_validator("gpu")

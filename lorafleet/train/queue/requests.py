@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from lorafleet.specs._base import Spec
+from lorafleet.specs._base import Float, Int, Spec
 from lorafleet.specs.workload import TaskSpec, describe_validation_error
 
 REQUEST_SUFFIXES = (".yaml", ".yml", ".json")
@@ -95,9 +95,9 @@ class UpdateRequestFile(Spec):
     """The running task."""
     at_step: AtStep = 0
     """Not before this global step."""
-    share: float | None = None
+    share: Float | None = None
     """Its new ``share``, checked as the task's own."""
-    deadline: int | None = None
+    deadline: Int | None = None
     """Its new ``deadline``, checked as the task's own (it needs ``steps``)."""
 
     @model_validator(mode="before")
@@ -145,11 +145,11 @@ class Request:
     action: Action
     name: str
     """The task it is about."""
-    at_step: int = 0
+    at_step: Int = 0
     """Not before this global step."""
     task: TaskSpec | None = None
     """``add``: the task (data paths absolute; ``start_step`` set when it is applied)."""
-    changes: Mapping[UpdateKey, float | int | None] = field(default_factory=dict)
+    changes: Mapping[UpdateKey, Float | Int | None] = field(default_factory=dict)
     """``update``: the new ``share`` and/or ``deadline``."""
 
 
