@@ -123,7 +123,9 @@ def test_fit_checks_its_output_before_fitting(tmp_path, capsys, where):
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
 
 
-@pytest.mark.parametrize("command", [["profile", "--model", "tiny-llama", "--configs", "1x1"], ["costmodel", "predict"]])
+@pytest.mark.parametrize(
+    "command", [["profile", "--model", "tiny-llama", "--configs", "1x1"], ["costmodel", "predict"]]
+)
 def test_profile_and_predict_check_their_output_before_the_work(tmp_path, capsys, command):
     from tests.helpers.permissions import read_only, unprivileged
 
