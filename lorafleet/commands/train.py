@@ -104,6 +104,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "<queue>/.http.json",
     )
     queue.add_argument(
+        "--queue-data-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a queued task's data must resolve inside DIR (symlinks followed; repeatable; default: the "
+        "directories that hold the workload's own data); a request outside is rejected",
+    )
+    queue.add_argument(
         "--migration-s",
         type=float,
         default=60.0,
@@ -168,6 +176,7 @@ def options_of(args: argparse.Namespace) -> TrainOptions:
         slowdown=_slowdown(args.inject_slowdown),
         queue=args.queue,
         queue_http=args.queue_http,
+        queue_data_roots=tuple(args.queue_data_root),
         migration_s=args.migration_s,
         replan_horizon=args.replan_horizon,
         loggers=tuple(dict.fromkeys(args.logger)),

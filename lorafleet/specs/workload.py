@@ -86,6 +86,14 @@ def fit_to_context(lengths: Sequence[int] | np.ndarray, context_length: int, pol
     return ContextFit(lengths.copy(), truncated=none, rejected=over)
 
 
+MAX_BATCH_SIZE = 1_000_000
+"""The most sequences a task may put in one global batch."""
+MAX_STEPS = (2**63 - 1) // MAX_BATCH_SIZE
+"""The most global steps a run (``train --steps``, a task's ``steps``, ``deadline`` and ``start_step``) may
+count: 9,223,372,036,854. A task's data cursor, its batches taken times its batch size, is a 64-bit sample
+id; at this many steps the largest batch size still fits."""
+
+
 class DataFormat(StrEnum):
     """How rows of a task's dataset are turned into text."""
 
@@ -172,7 +180,7 @@ class TaskSpec(Spec):
     """Length distribution (see LengthSpec); defaults to the preset's or the data's."""
     data: DataSpec | None = None
     """Training data; required to train, optional to plan."""
-    batch_size: Int = Field(gt=0, le=1_000_000)
+    batch_size: Int = Field(gt=0, le=MAX_BATCH_SIZE)
     """Sequences of this task in every global batch."""
     context_length: Int = Field(gt=0, le=1_048_576)
     """Longest sequence this task trains on, in tokens."""
@@ -182,17 +190,17 @@ class TaskSpec(Spec):
     """The task's adapter."""
     optimizer: OptimizerSpec = OptimizerSpec()
     """The task's optimizer and schedule."""
-    steps: Int | None = Field(None, gt=0)
+    steps: Int | None = Field(None, gt=0, le=MAX_STEPS)
     """Training steps (exclusive with ``epochs``); default: the run's step count."""
     epochs: Float | None = Field(None, gt=0)
     """Passes over ``data`` (exclusive with ``steps``)."""
     share: Float | None = Field(None, gt=0, le=1)
     """Target fraction of every global step's tokens: the task takes its batches in the steps that keep
     it near that fraction (``lorafleet.turns``); default: it takes part in every step."""
-    deadline: Int | None = Field(None, gt=0)
+    deadline: Int | None = Field(None, gt=0, le=MAX_STEPS)
     """The global step by which the task must have taken its last batch: it takes part in every step
     once it has no slack left, whatever its share (needs ``steps``)."""
-    start_step: Int = Field(0, ge=0)
+    start_step: Int = Field(0, ge=0, le=MAX_STEPS)
     """The first global step the task takes part in (a task added to a running job by its queue)."""
 
     @model_validator(mode="before")

@@ -330,7 +330,8 @@ def _queue_watcher(options: TrainOptions, prepared: Prepared, tokenizer: Any) ->
         prepare_task_data(task, tokenizer, task.data.path if task.data else "queue")
 
     ledger = Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks)
-    return QueueWatcher(options.queue_dir, prepared.workload.spec.defaults, ledger, check=check)
+    defaults = prepared.workload.spec.defaults
+    return QueueWatcher(options.queue_dir, defaults, ledger, check=check, data_roots=options.queue_data_roots)
 
 
 def _last_step(executor: TorchExecutor, steps: int) -> int:

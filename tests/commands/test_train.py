@@ -58,6 +58,7 @@ def test_cli_surface_is_frozen():
         "--plan",
         "--profile",
         "--queue",
+        "--queue-data-root",
         "--queue-http",
         "--recalibrate",
         "--replan-horizon",
