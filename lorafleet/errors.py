@@ -89,6 +89,11 @@ def missing_dependency(err: ModuleNotFoundError) -> str | None:
     return f"the package {top} that lorafleet needs is not installed (pip install '{requirement}')"
 
 
+class StartTimeout(RuntimeError):
+    """A run's process group did not form in time: a rank never arrived (stuck starting, or on a node that
+    never joined). The worker that waited says so; the launcher's one line names it (``train.failures``)."""
+
+
 class SolverFallbackWarning(UserWarning):
     """A solver failed or timed out and a heuristic result was used instead."""
 

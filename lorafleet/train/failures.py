@@ -24,6 +24,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorafleet.errors import StartTimeout
 from lorafleet.rundir import RunDir
 
 PEER_LOST = re.compile(
@@ -50,7 +51,8 @@ def record_worker_error(run_dir: RunDir, rank: int, err: BaseException) -> None:
     text = "".join(traceback.format_exception(err))
     (run_dir.logs / f"rank-{rank}.txt").write_text(text, encoding="utf-8")
     message = str(err).strip().splitlines()[:1]
-    summary = {"error": ": ".join([type(err).__name__, *message]), "peer_lost": bool(PEER_LOST.search(text))}
+    lost = not isinstance(err, StartTimeout) and bool(PEER_LOST.search(text))  # a start timeout is its own news
+    summary = {"error": ": ".join([type(err).__name__, *message]), "peer_lost": lost}
     (run_dir.logs / f"rank-{rank}.json").write_text(json.dumps(summary), encoding="utf-8")
 
 

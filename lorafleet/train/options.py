@@ -3,6 +3,7 @@ launcher resolves them into the run file its workers read (``train.run_file``)."
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 from pydantic import ConfigDict
 
 from lorafleet.errors import InputError
+from lorafleet.executor.torch.processes import START_TIMEOUT_S
 from lorafleet.rundir import RunDir
 from lorafleet.specs.workload import MAX_STEPS
 
@@ -47,6 +49,9 @@ class TrainOptions:
     """On SIGINT/SIGTERM, commit a checkpoint at the step boundary before stopping."""
     max_restarts: int = 0
     """Restart the workers this many times after a failure, resuming from the last checkpoint."""
+    start_timeout_s: float = START_TIMEOUT_S
+    """Seconds the workers have to form their process group (each start, each restart): a worker that never
+    arrives ends the start with one line, and another restart when ``max_restarts`` allows."""
     nonfinite_patience: int = 3
     """A task whose update is skipped this many steps in a row (non-finite loss or gradient) stops."""
     device: str = "auto"
@@ -105,6 +110,10 @@ class TrainOptions:
                 "--steps",
                 f"must be at most {MAX_STEPS:,} (a task's data cursor, steps x batch size, is a 64-bit sample id), "
                 f"got {self.steps:,}",
+            )
+        if not (math.isfinite(self.start_timeout_s) and self.start_timeout_s > 0):
+            raise InputError(
+                ARGS, "--start-timeout", f"must be a finite number of seconds > 0, got {self.start_timeout_s}"
             )
         if not self.migration_s >= 0:
             raise InputError(ARGS, "--migration-s", f"must be >= 0, got {self.migration_s}")

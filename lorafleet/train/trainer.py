@@ -51,7 +51,7 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     from lorafleet.executor.torch.processes import LOCKED_ENV, check_code
 
     check_code()
-    device = init_distributed(options.device)
+    device = init_distributed(options.device, options.start_timeout_s)
     report = phase if dist.get_rank() == 0 else None
     if report is not None:
         report(f"process group up: {counted(dist.get_world_size(), 'rank')} ({dist.get_backend()})")

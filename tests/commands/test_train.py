@@ -65,6 +65,7 @@ def test_cli_surface_is_frozen():
         "--resume",
         "--set",
         "--solver",
+        "--start-timeout",
         "--steps",
         "--time-limit",
         "-h",
