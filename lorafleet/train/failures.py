@@ -9,8 +9,9 @@ Under ``lorafleet train``'s launcher:
   ``<out>/logs/failures.json`` instead of its table and traceback;
 - the launcher prints :func:`failure_line`: the cause, or torchrun's own death, and the newest committed
   checkpoint to ``--resume`` from. The cause is, in this order: a worker that raised an error of its own
-  (not a lost peer's); one killed by a signal; one that lost a peer; any other (torchrun's shutdown
-  of the rest follows the first failure, and its SIGKILLs come later than the cause).
+  (not a lost peer's), even if torchrun's shutdown then killed it while it was exiting (its peer, which lost
+  it, can end first); one killed by a signal; one that lost a peer; any other (torchrun's shutdown of the
+  rest follows the first failure, and its SIGKILLs come later than the cause).
 
 Torch-free: the launcher imports it.
 """
@@ -83,9 +84,10 @@ def _cause(run_dir: RunDir, failures: list[WorkerFailure]) -> str:
         return rank, f.timestamp, f.rank
 
     first = min(failures, key=order)
-    if first.exitcode < 0:
-        return f"worker rank {first.rank} (pid {first.pid}) was killed by {signal.Signals(-first.exitcode).name}"
     error = errors[first.rank]
+    own = error is not None and not error.get("peer_lost")
+    if first.exitcode < 0 and not own:  # an error of its own stands: torchrun may SIGTERM a worker still exiting
+        return f"worker rank {first.rank} (pid {first.pid}) was killed by {signal.Signals(-first.exitcode).name}"
     if error is None:
         return f"worker rank {first.rank} (pid {first.pid}) exited with code {first.exitcode}"
     where = run_dir.logs / f"rank-{first.rank}.txt"

@@ -85,7 +85,8 @@ def test_a_peer_that_never_arrives_ends_the_start_within_its_timeout(tmp_path):
 
 def test_a_start_timeout_is_the_runs_one_line(tmp_path):
     """The worker that waited records a StartTimeout as an error of its own (not a lost peer's, though its
-    words say "Timed out"); the peer torchrun killed after it is not the cause."""
+    words say "Timed out"); the peer torchrun killed after it is not the cause, nor the SIGTERM that ends
+    the worker itself if it comes while it exits."""
     from lorafleet.errors import StartTimeout
     from lorafleet.rundir import RunDir
     from lorafleet.train.failures import WorkerFailure, failure_line, record_worker_error, write_failures
@@ -96,8 +97,17 @@ def test_a_start_timeout_is_the_runs_one_line(tmp_path):
         raise StartTimeout(said)
     except StartTimeout as err:
         record_worker_error(run_dir, 0, err)
-    write_failures(run_dir.failures, [WorkerFailure(0, 11, 1, 100), WorkerFailure(1, 12, -9, 99)])
-    assert failure_line(run_dir, 1, 10) == (
+    expected = (
         f"lorafleet train: the run stopped: worker rank 0 failed: StartTimeout: {said} (traceback in "
         f"{run_dir.logs / 'rank-0.txt'}); no checkpoint was committed: start it again (--overwrite)"
     )
+    write_failures(run_dir.failures, [WorkerFailure(0, 11, 1, 100), WorkerFailure(1, 12, -9, 99)])
+    assert failure_line(run_dir, 1, 10) == expected
+    # torchrun's SIGTERM can reach a worker that recorded its own error and is still exiting, after its peer
+    # (which lost it) ended first: its own error is the cause, not the signal (a race seen under load)
+    try:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+    except RuntimeError as err:
+        record_worker_error(run_dir, 1, err)
+    write_failures(run_dir.failures, [WorkerFailure(0, 11, -15, 100), WorkerFailure(1, 12, 1, 99)])
+    assert failure_line(run_dir, 1, 10) == expected
