@@ -212,10 +212,9 @@ def one_long_task(tmp_path_factory):
 def test_a_scan_stops_once_no_larger_count_can_be_better(one_long_task):
     """Fewest GPU-seconds (and fastest within a budget) have no order to search in: counts are planned in turn
     until t_0 n reaches the best per-step GPU-seconds found (or the budget's), since a plan on n GPUs costs at
-    least t_0 n. Counted: 5 of 4,096 counts planned (3 for a budget of 3 GPU-s a step, which none meets); a
-    plan on more GPUs does cost more."""
+    least t_0 n. Counted: 5 of 4,096 counts planned (3 for a budget of 3 GPU-s a step, which none meets)."""
     from lorafleet.assemble import workload_cost_model
-    from lorafleet.planner.sizing import CountBounds, plan_count
+    from lorafleet.planner.sizing import CountBounds
 
     cluster = one_long_task.cluster
     cost_model = lambda candidate: workload_cost_model(one_long_task, candidate)  # noqa: E731
@@ -225,8 +224,6 @@ def test_a_scan_stops_once_no_larger_count_can_be_better(one_long_task):
     bounds = CountBounds.swept(one_long_task, cluster, cost_model, 4096, FAST.policy.pipeline_window)
     best = sized.chosen_row.gpu_seconds_per_step
     assert bounds.floor_s * 40 >= best > bounds.floor_s * 32
-    beyond = plan_count(one_long_task, cluster, cost_model, FAST, 6)
-    assert beyond.gpu_seconds_per_step >= bounds.floor_s * beyond.used_gpus and beyond.step_s >= bounds.floor_s
 
     planned: list[int] = []
     budget = SizingObjective(budget_gpu_hours=3 * STEPS / 3600, steps=STEPS)

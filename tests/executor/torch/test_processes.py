@@ -59,7 +59,7 @@ import sys, time
 from lorafleet.executor.torch.launch import init_distributed
 start = time.monotonic()
 try:
-    init_distributed("cpu", start_timeout_s=2)
+    init_distributed("cpu", start_timeout_s=1)
 except Exception as err:
     print(type(err).__name__, err, sep=": ")
     print(round(time.monotonic() - start, 1))
@@ -68,7 +68,7 @@ except Exception as err:
 
 def test_a_peer_that_never_arrives_ends_the_start_within_its_timeout(tmp_path):
     """Rank 0 of two, whose peer never starts (#25): torch would wait 30 minutes (gloo's default); the group
-    must form within --start-timeout, here 2 s, or the worker ends with a StartTimeout that says so (and the
+    must form within --start-timeout, here 1 s, or the worker ends with a StartTimeout that says so (and the
     launcher's one line names it, as a failure of its own, not a lost peer: the next test)."""
     import socket
 
@@ -79,7 +79,7 @@ def test_a_peer_that_never_arrives_ends_the_start_within_its_timeout(tmp_path):
     env |= {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(Path(lorafleet.__file__).parents[1])}
     done = subprocess.run([sys.executable, "-c", FORM], env=env, capture_output=True, text=True, timeout=120)
     said, seconds = done.stdout.strip().splitlines()
-    assert said.startswith("StartTimeout: the process group did not form within 2 s (--start-timeout): ")
+    assert said.startswith("StartTimeout: the process group did not form within 1 s (--start-timeout): ")
     assert "1/2 clients joined" in said and float(seconds) < 30, done.stdout + done.stderr
 
 
