@@ -50,7 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_policy_flags(parser, defaults=DispatchPolicy(), only=PLAN_POLICY_FLAGS)
     sizing = parser.add_argument_group("sizing the fleet (with --gpus auto; docs/planner.md)")
     sizing.add_argument(
-        "--max-nodes", metavar="K", help="the most nodes --gpus auto sweeps (default: the workload cluster's nodes)"
+        "--max-nodes",
+        metavar="K",
+        help="the most nodes --gpus auto sweeps, at most 4096 (default: the workload cluster's nodes)",
     )
     sizing.add_argument(
         "--deadline",
@@ -176,13 +178,13 @@ def sizing_table(sizing):
     """Every GPU count swept: its plan and figures, whether it meets the goal, and the chosen row."""
     from rich.table import Table
 
-    from lorafleet.planner.sizing import describe_objective
+    from lorafleet.planner.sizing import by_cost, describe_objective
 
     objective = sizing.objective
     priced = all(r.cost_per_step is not None for r in sizing.rows)
     job = f"a {sizing.job_steps}-step job" if sizing.job_steps else "job totals need --steps N"
     table = Table(
-        title=f"fleet sizing: {describe_objective(objective, priced)} ({job})",
+        title=f"fleet sizing: {describe_objective(objective, by_cost(sizing.rows))} ({job})",
         caption=f"chosen: {sizing.chosen_row.gpus} GPUs, {sizing.reason}"
         if sizing.chosen is not None
         else f"none chosen: {sizing.reason}",
@@ -296,6 +298,7 @@ def _sized_plan(workload, args: argparse.Namespace, options, objective, max_node
             options,
             objective,
             max_nodes=max_nodes,
+            progress=_sizing_progress,
         )
     except SizingError as err:
         console.print(sizing_table(err.sweep))
@@ -303,11 +306,33 @@ def _sized_plan(workload, args: argparse.Namespace, options, objective, max_node
     except InputError as err:
         raise _sizing_flag_error(err) from None
     console.print(sizing_table(sizing))
-    pools = len(sizing.rows[0].cluster.pools) > 1 or sizing.rows[0].cluster.pools[0].name
+    pools = len({p.name for r in sizing.rows for p in r.cluster.pools}) > 1
     each = ", ".join(f"{row.gpus}{f' ({row.nodes})' if pools else ''}: {row.plan_s:.1f} s" for row in sizing.rows)
-    what = "fleets" if pools else "GPU counts"
-    console.print(f"  swept {len(sizing.rows)} {what} in {sum(r.plan_s for r in sizing.rows):.1f} s ({each})")
+    what = "fleet" if pools else "GPU count"
+    counts = f"{len(sizing.rows)} {what}{'s' if len(sizing.rows) != 1 else ''}"
+    console.print(f"  swept {counts} in {sum(r.plan_s for r in sizing.rows):.1f} s ({each})")
+    if sizing.stopped:
+        console.print(f"  {sizing.stopped}")
     return sizing.chosen_row.result, sizing.chosen_row.cluster
+
+
+def _sizing_progress(row, planned: int) -> None:
+    """One line on stderr per count planned (a sweep of many counts takes minutes)."""
+    import sys
+
+    got = (
+        f"{row.result.plan.describe()}, {row.step_s:.4g} s and {row.gpu_seconds_per_step:.4g} GPU-s a step"
+        if row.feasible
+        else f"no plan ({row.infeasible})"
+    )
+    nodes = row.nodes if len(row.cluster.pools) > 1 or row.cluster.pools[0].name else row.cluster.nodes
+    of = f"{nodes} node{'s' if nodes != 1 else ''}" if isinstance(nodes, int) else f"nodes {nodes}"
+    print(
+        f"lorafleet plan: sizing: {row.gpus} GPUs ({of}): {got} "
+        f"[{row.plan_s:.1f} s; {planned} count{'s' if planned != 1 else ''} planned]",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,9 +21,13 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import Field, ValidationError, field_validator, model_serializer, model_validator
 
-from lorafleet.specs._base import FieldError, Spec
+from lorafleet.specs._base import FieldError, Float, Int, Spec
 from lorafleet.specs.gpus import GPU_PRESETS, GPUSpec
 
+MAX_NODES = 4096
+"""The most nodes a pool may have (``PoolSpec.nodes``; ``plan --gpus auto --max-nodes`` is capped by it)."""
+MAX_GPUS_PER_NODE = 64
+"""The most GPUs a node may hold."""
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 SHORTHAND_KEYS = ("gpu", "nodes", "gpus_per_node", "price_per_gpu_hour", "profile")
 """The keys of a cluster written as its one pool (the shorthand): a pool's, less its name."""
@@ -36,11 +40,11 @@ class PoolSpec(Spec):
     """Names the pool in plans and reports (letters, digits, ``_ . -``); empty only for a cluster's one pool."""
     gpu: str = "A100-40GB"
     """GPU preset name (see ``lorafleet.specs.gpus.GPU_PRESETS``)."""
-    nodes: int = Field(1, gt=0, le=4096)
+    nodes: Int = Field(1, gt=0, le=MAX_NODES)
     """Number of nodes."""
-    gpus_per_node: int = Field(8, gt=0, le=64)
+    gpus_per_node: Int = Field(8, gt=0, le=MAX_GPUS_PER_NODE)
     """GPUs in each node."""
-    price_per_gpu_hour: float | None = Field(None, ge=0)
+    price_per_gpu_hour: Float | None = Field(None, ge=0)
     """What one GPU of the pool costs an hour, in any currency (the same for every pool); none: unpriced."""
     profile: str | None = Field(None, min_length=1)
     """A measured profile of the pool's GPU kind (relative to the workload file); none: the kind's analytic model."""

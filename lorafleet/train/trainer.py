@@ -56,7 +56,7 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     from lorafleet.executor.torch.processes import LOCKED_ENV, check_code
 
     check_code()
-    device = init_distributed(options.device)
+    device = init_distributed(options.device, options.start_timeout_s)
     report = phase if dist.get_rank() == 0 else None
     if report is not None:
         report(f"process group up: {counted(dist.get_world_size(), 'rank')} ({dist.get_backend()})")
@@ -343,7 +343,8 @@ def _queue_watcher(options: TrainOptions, prepared: Prepared, tokenizer: Any) ->
         prepare_task_data(task, tokenizer, task.data.path if task.data else "queue")
 
     ledger = Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks)
-    return QueueWatcher(options.queue_dir, prepared.workload.spec.defaults, ledger, check=check)
+    defaults = prepared.workload.spec.defaults
+    return QueueWatcher(options.queue_dir, defaults, ledger, check=check, data_roots=options.queue_data_roots)
 
 
 def _last_step(executor: TorchExecutor, steps: int) -> int:
