@@ -87,27 +87,19 @@ def test_the_baselines_run_one_layout_on_every_pool(planned):
 
 
 def test_the_cost_objective_buys_the_cheapest_step_within_the_makespan_tolerance(fleet, planned):
-    """With H100s at 10x the A100s' price and a 25% makespan tolerance, the cost objective's plan costs less
-    a step than the makespan objective's, and is at most 25% slower than the fastest plan found."""
+    """With a 25% makespan tolerance the cost objective's plan costs less a step than the fastest plan's, and
+    is at most 25% slower than it."""
     workload, cluster, cost_model = fleet
-    pools = [p.model_copy(update={"price_per_gpu_hour": 1.0 if p.name == "a100" else 10.0}) for p in cluster.pools]
-    dear = cluster.model_copy(update={"pools": tuple(pools)})
-    fastest = plan_deployment(workload, dear, cost_model, PlannerOptions(robust_samples=0, tie_rel=0.25))
-    cheapest = plan_deployment(
-        workload, dear, cost_model, PlannerOptions(robust_samples=0, tie_rel=0.25, objective=PlanObjective.COST)
-    )
+    options = PlannerOptions(robust_samples=0, tie_rel=0.25, objective=PlanObjective.COST)
+    cheapest = plan_deployment(workload, cluster, cost_model, options)
 
     def cost(result):
-        return result.plan.expected_makespan_s * price_per_second(result.plan, dear)
+        return result.plan.expected_makespan_s * price_per_second(result.plan, cluster)
 
-    assert cost(cheapest) < cost(fastest)
-    assert (
-        cheapest.plan.expected_makespan_s
-        <= 1.25 * min(fastest.plan.expected_makespan_s, planned.plan.expected_makespan_s) * 1.01
-    )
-    unpriced = cluster.model_copy(
-        update={"pools": (cluster.pools[0].model_copy(update={"price_per_gpu_hour": None}), cluster.pools[1])}
-    )
+    assert cost(cheapest) < cost(planned)
+    assert cheapest.plan.expected_makespan_s <= 1.25 * planned.plan.expected_makespan_s
+    pools = (cluster.pools[0].model_copy(update={"price_per_gpu_hour": None}), cluster.pools[1])
+    unpriced = cluster.model_copy(update={"pools": pools})
     with pytest.raises(InputError, match="--objective: cost needs a price_per_gpu_hour on every pool; 'a100' has none"):
         plan_deployment(workload, unpriced, cost_model, PlannerOptions(objective=PlanObjective.COST))
 
@@ -136,19 +128,16 @@ def test_sizing_over_pools_buys_the_cheapest_fleet_that_meets_the_deadline(fleet
     pools' nodes planned, the cheapest job that finishes in time chosen (not the one on fewest GPUs)."""
     from lorafleet.assemble import workload_cost_model
     from lorafleet.planner import Deadline, SizingObjective, size_fleet
+    from lorafleet.planner.sizing import judge
 
     workload, cluster, _ = fleet
     options = PlannerOptions(robust_samples=0, baselines=False)
-
-    def model(candidate):
-        return workload_cost_model(workload, candidate)
-
-    free = size_fleet(workload, cluster, model, options, max_nodes=1)
+    free = size_fleet(workload, cluster, lambda c: workload_cost_model(workload, c), options, max_nodes=1)
+    assert [r.nodes for r in free.rows] == ["h100 1", "a100 1", "a100 1, h100 1"]  # 4, 8, 12 GPUs
+    assert free.chosen_row.cost_per_step == min(r.cost_per_step for r in free.rows)
     steps = 1000
     fastest = min(r.step_s for r in free.rows if r.feasible)
-    deadline = Deadline(steps, fastest * steps / 3600 * 1.5)
-    sized = size_fleet(workload, cluster, model, options, SizingObjective(deadline=deadline), max_nodes=1)
-    assert [r.nodes for r in sized.rows] == ["h100 1", "a100 1", "a100 1, h100 1"]  # 4, 8, 12 GPUs
+    sized = judge(free.rows, SizingObjective(deadline=Deadline(steps, fastest * steps / 3600 * 1.5)), steps)
     meeting = [r for r in sized.rows if r.meets(sized.objective)]
     assert sized.chosen_row.cost_per_step == min(r.cost_per_step for r in meeting)
     assert "cheapest that finishes 1000 steps" in sized.reason
