@@ -14,8 +14,8 @@ recalibrator) belongs to one deployment: its replicas. So the replay calls ``run
 steps end where its first present task departs; ``stop`` ends it sooner, at the first window boundary
 (after its first step) where an event has changed the task set. The replay, between segments, is where
 the things outside any step happen: the idle jumps, the strategy's answer and the migration wait. The
-recalibrator carries over a change that keeps the deployment's replicas and starts afresh with a new
-deployment (as ``Recalibrator.load_state_dict`` does for a re-planned one).
+recalibrator carries over a change that keeps the deployment's replicas; a new deployment's starts from
+what the last one measured of each pool (as ``Recalibrator.load_state_dict`` does for a re-planned one).
 
 A step costs ``makespan x plan.used_gpus`` GPU-seconds (the GPUs the plan's replicas hold, as ``simulate``
 charges: GPUs a plan leaves unused are free for other work), and each task's part of it is
@@ -162,7 +162,8 @@ def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int
             if decision.change.torn_down:
                 fleet.wait(migration_s)  # the fleet rebuilds (its replicas in parallel) before the next step
         if recalibrator is None or not _same_replicas(plan, decision.plan):
-            recalibrator = Recalibrator(len(decision.plan.replicas), decision.plan.policy.recalibration)
+            measured = recalibrator.measured_pool_scales() if recalibrator is not None else None
+            recalibrator = Recalibrator.for_plan(decision.plan, prior=measured)
         plan = decision.plan
         assert set(fleet.present) <= set(plan.tasks), (fleet.present, plan.tasks)
         _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, fleet.step).run()

@@ -171,9 +171,9 @@ def _device_choices(args: argparse.Namespace, device, configs) -> tuple[str, flo
     On cuda every process takes one GPU: a world larger than the GPUs this process sees is an
     InputError, and on one GPU the world is one process (TP1 only, no transfer records).
     """
-    from lorafleet.profiling.device import DeviceKind, cuda_device_count, cuda_memory_bytes, gpu_preset_for
+    from lorafleet.profiling.device import DeviceKind, cuda_device_count, cuda_memory_bytes
     from lorafleet.profiling.run import MIB
-    from lorafleet.specs.gpus import resolve_gpu
+    from lorafleet.specs.gpus import gpu_preset_for, resolve_gpu
 
     if device is DeviceKind.CPU:
         gpu = resolve_gpu(args.gpu or "cpu", ARGS, "--gpu").name

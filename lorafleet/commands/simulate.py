@@ -152,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from lorafleet.commands._set_flags import workload_overrides
-    from lorafleet.report import summary_rows, task_cost_rows, write_report
+    from lorafleet.report import pool_rows, summary_rows, task_cost_rows, write_report
     from lorafleet.simulate import simulate_schedule
     from lorafleet.specs.io import check_writable
     from lorafleet.workload import load_workload
@@ -175,23 +175,22 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("<args>", "--straggler/--fail", str(err)) from None
     runs = [simulate_schedule(workload, s, cost_model, args.steps, options, args.seed) for s in (schedule, *baselines)]
 
-    console.print(
-        f"plan: {plan.describe()}  ({cost_model.source}, {cluster.n_gpus} x {cluster.gpu}; {plan.policy.describe()})"
-    )
+    console.print(f"plan: {plan.describe()}  ({cost_model.source}, {cluster.describe()}; {plan.policy.describe()})")
     table = Table(title=f"{args.steps} simulated steps of {workload.path}")
-    rows = summary_rows(runs)
+    rows = summary_rows(runs, cluster)
     for column in rows[0]:
         table.add_column(column, justify="left" if column == "method" else "right", no_wrap=column == "method")
     for row in rows:
-        table.add_row(
-            *[
-                f"{v:.3f}"
-                if isinstance(v, float) and k != "saved_by_lorafleet"
-                else (f"{v:.1%}" if k == "saved_by_lorafleet" else str(v))
-                for k, v in row.items()
-            ]
-        )
+        table.add_row(*[_cell(k, v) for k, v in row.items()])
     console.print(table)
+    if len(cluster.pools) > 1 or cluster.priced:
+        pools = Table(title=f"pools: what {runs[0].name} holds and uses of each")
+        prows = pool_rows(runs[0], cluster)
+        for column in prows[0]:
+            pools.add_column(column, justify="left" if column in ("pool", "gpu") else "right")
+        for row in prows:
+            pools.add_row(*[_cell(k, v) for k, v in row.items()])
+        console.print(pools)
     costs = Table(title="who pays what: lorafleet's GPU-seconds by task")
     cost_rows = task_cost_rows(runs[0])
     for column in cost_rows[0] if cost_rows else ():
@@ -221,6 +220,16 @@ def run(args: argparse.Namespace) -> int:
         page = write_report(args.report, workload, runs, plan_rows, cluster=cluster, cost_source=cost_model.source)
         console.print(f"report: {page}")
     return 0
+
+
+def _cell(column: str, value: object) -> str:
+    """A table cell: what lorafleet saves as a percentage, costs to four figures, other floats with three
+    decimals."""
+    if column in ("saved_by_lorafleet", "cost_saved_by_lorafleet") and isinstance(value, float):
+        return f"{value:.1%}"
+    if column.startswith("cost") and isinstance(value, float):
+        return f"{value:.4g}"  # a step costs cents
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
 def _arrival_flags(args: argparse.Namespace):
@@ -278,7 +287,7 @@ def run_arrivals(args: argparse.Namespace) -> int:
     added = len(trace.arrivals) - len(workload.tasks)
     console.print(
         f"{len(trace.arrivals)} tasks ({len(workload.tasks)} in the workload, {added} added by the trace, "
-        f"{len(trace.cancels)} cancelled) on {cluster.n_gpus} x {cluster.gpu} ({cost_model.source})"
+        f"{len(trace.cancels)} cancelled) on {cluster.describe()} ({cost_model.source})"
     )
     console.print(
         f"migration {options.replan.migration_s:g} s per rebuilt replica; "

@@ -19,7 +19,7 @@ from lorafleet.planner.baselines import (
 from lorafleet.planner.driver import LORAFLEET, PlanDiagnostics, PlanResult, ScheduleCost, plan_deployment
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.incremental import Replan, ReplanOptions, replan_incremental
-from lorafleet.planner.options import PlannerMode, PlannerOptions
+from lorafleet.planner.options import PlannerMode, PlannerOptions, PlanObjective
 from lorafleet.planner.schedule import Phase, Schedule, StepCost, pow2_boundaries
 from lorafleet.planner.sizing import (
     Deadline,
@@ -38,6 +38,7 @@ __all__ = [
     "Phase",
     "PlanDiagnostics",
     "PlanResult",
+    "PlanObjective",
     "PlannerMode",
     "PlannerOptions",
     "Replan",

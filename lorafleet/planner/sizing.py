@@ -22,6 +22,16 @@ and the chosen count n* is, over the counts that give a plan:
 - both (``DEADLINE_AND_BUDGET``): n* = argmin_lex { (C(n), n) : H(n) <= H_d, C(n) <= B }, the
   cheapest plan that meets both.
 
+**Pools.** On a cluster of several pools the candidates are every combination of each pool's
+node count, 0 .. its ``nodes`` (or ``max_nodes``), some pool not empty (:func:`candidate_clusters`,
+all planned: the bounds below are of one kind): "how many H100 nodes to add to these A100s" is the
+rows with the A100 pool whole. With a price on every pool such a sweep counts money where it counts
+GPUs: with P(n) what candidate n's plan costs a second at its pools' prices
+(``accounting.price_per_second``), the GPU-seconds goal becomes the cheapest step, argmin_lex
+(t̂(n) P(n), n), and the deadline goal the cheapest step that finishes in time, argmin_lex
+{ (t̂(n) P(n), n) : t̂(n) S_d <= 3600 H_d } (a budget stays in GPU-hours). On one pool money is
+proportional to GPU-seconds, and the goals stand as above.
+
 When no count qualifies, :class:`SizingError` (an InputError) says which limit was missed and
 by how much, and carries the sweep. ``size_fleet`` is :func:`sweep_counts` (the planning, one row
 per count planned) then :func:`judge` (the choice, pure: the same rows can be judged for other goals).
@@ -49,6 +59,7 @@ least stage time of the batch's hardest sequence on its best config), so C = t̂
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +68,7 @@ from enum import StrEnum
 
 import numpy as np
 
+from lorafleet.accounting import price_per_second
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import sequence_lower_bound
 from lorafleet.errors import InputError
@@ -126,12 +138,13 @@ class SizingGoal(StrEnum):
     DEADLINE_AND_BUDGET = "deadline+budget"
 
 
-def describe_objective(objective: SizingObjective) -> str:
-    """``fewest GPUs for 2000 steps in 1.5 h``: the goal in words."""
+def describe_objective(objective: SizingObjective, priced: bool = False) -> str:
+    """``fewest GPUs for 2000 steps in 1.5 h``: the goal in words (``priced``: a sweep over pools with prices)."""
     deadline, budget = objective.deadline, objective.budget_gpu_hours
+    least = "cheapest" if priced else "fewest GPUs"
     return {
-        SizingGoal.GPU_SECONDS: lambda: "fewest GPU-seconds",
-        SizingGoal.DEADLINE: lambda: f"fewest GPUs for {deadline.steps} steps in {_hours(deadline.hours)}",
+        SizingGoal.GPU_SECONDS: lambda: "cheapest at the pools' prices" if priced else "fewest GPU-seconds",
+        SizingGoal.DEADLINE: lambda: f"{least} for {deadline.steps} steps in {_hours(deadline.hours)}",
         SizingGoal.BUDGET: lambda: f"fastest within {budget:.4g} GPU-hours",
         SizingGoal.DEADLINE_AND_BUDGET: lambda: (
             f"fewest GPU-hours for {deadline.steps} steps in {_hours(deadline.hours)} within {budget:.4g} GPU-hours"
@@ -191,6 +204,19 @@ class SizingRow:
     def gpu_seconds_per_step(self) -> float:
         """t̂(n) G(n)."""
         return self.result.cost(LORAFLEET).gpu_seconds if self.result is not None else math.inf
+
+    @property
+    def cost_per_step(self) -> float | None:
+        """t̂(n) P(n): what a step costs at the pools' prices; None when a pool has no price (inf: no plan)."""
+        if self.result is None:
+            return math.inf
+        price = price_per_second(self.result.plan, self.cluster)
+        return None if price is None else self.step_s * price
+
+    @property
+    def nodes(self) -> str:
+        """``2``, or by named pool ``a100 2, h100 1``."""
+        return ", ".join(f"{p.name} {p.nodes}" if p.name else str(p.nodes) for p in self.cluster.pools)
 
     @property
     def job_hours(self) -> float | None:
@@ -256,6 +282,18 @@ def _choose(rows: list[SizingRow], objective: SizingObjective, steps: int | None
     meeting = [k for k in feasible if rows[k].meets(objective)]
     goal, deadline, budget = objective.goal, objective.deadline, objective.budget_gpu_hours
     of = f"of {len(feasible)} feasible count{'s' if len(feasible) != 1 else ''}"
+    if by_cost(rows):
+        if goal is SizingGoal.GPU_SECONDS:
+            k = min(feasible, key=lambda k: (rows[k].cost_per_step, rows[k].gpus))
+            job = f", {rows[k].cost_per_step * steps:.4g} for {steps} steps" if steps else ""
+            return k, f"cheapest {of} at the pools' prices ({rows[k].cost_per_step:.4g} a step{job})", ""
+        if goal is SizingGoal.DEADLINE and meeting:
+            k = min(meeting, key=lambda k: (rows[k].cost_per_step, rows[k].gpus))
+            why = (
+                f"cheapest that finishes {steps} steps within {_hours(deadline.hours)} at the pools' prices "
+                f"({_hours(rows[k].job_hours)}, {rows[k].cost_per_step * steps:.4g})"
+            )
+            return k, why, ""
     if goal is SizingGoal.GPU_SECONDS:
         k = min(feasible, key=lambda k: (rows[k].gpu_seconds_per_step, rows[k].gpus))
         job = f", {rows[k].job_gpu_hours:.4g} GPU-hours for {steps} steps" if steps else ""
@@ -310,15 +348,13 @@ def plan_counts(
     *,
     max_nodes: int | None = None,
 ) -> tuple[SizingRow, ...]:
-    """The workload planned on 1 .. K whole nodes of ``cluster``'s kind, one row per count, smallest first.
-
-    Every candidate cluster is ``ClusterSpec.with_gpus(n, gpu, gpus_per_node)``, as ``plan --gpus n``
-    builds its own, so a row's plan is the one planning that count alone gives. A count with no plan
-    (the model or a task's longest sequence fits no config: the planner's InputError) is a row with
-    its ``error``. Arguments as :func:`size_fleet`'s.
+    """The workload planned on every candidate cluster (:func:`candidate_clusters`: 1 .. K whole nodes of one
+    pool, each ``ClusterSpec.with_gpus(n, gpu, gpus_per_node)`` as ``plan --gpus n`` builds its own; every
+    combination of several pools' nodes), one row each, smallest first. A candidate with no plan (the model
+    or a task's longest sequence fits no config: the planner's InputError) is a row with its ``error``.
+    Arguments as :func:`size_fleet`'s.
     """
-    nodes = _max_nodes(cluster, max_nodes)
-    return tuple(plan_count(workload, cluster, cost_model, options, k) for k in range(1, nodes + 1))
+    return tuple(_plan_cluster(workload, cost_model, options, c) for c in candidate_clusters(cluster, max_nodes))
 
 
 def _max_nodes(cluster: ClusterSpec, max_nodes: int | None) -> int:
@@ -336,7 +372,11 @@ def _max_nodes(cluster: ClusterSpec, max_nodes: int | None) -> int:
 
 
 def _candidate(cluster: ClusterSpec, k: int) -> ClusterSpec:
-    return ClusterSpec.with_gpus(k * cluster.gpus_per_node, cluster.gpu, cluster.gpus_per_node)
+    """``k`` whole nodes of a one-pool ``cluster``, as ``plan --gpus n`` builds them (the pool's name, price and
+    profile kept)."""
+    pool = cluster.pools[0]
+    kept = {"name": pool.name, "price_per_gpu_hour": pool.price_per_gpu_hour, "profile": pool.profile}
+    return ClusterSpec.with_gpus(k * pool.gpus_per_node, pool.gpu, pool.gpus_per_node, **kept)
 
 
 def plan_count(
@@ -347,14 +387,7 @@ def plan_count(
     k: int,
 ) -> SizingRow:
     """The row of ``k`` whole nodes of ``cluster``'s kind: its plan, or the planner's InputError."""
-    candidate = _candidate(cluster, k)
-    model = cost_model(candidate) if callable(cost_model) else cost_model
-    start = time.perf_counter()
-    try:
-        result, error = plan_deployment(workload, candidate, model, options), None
-    except InputError as err:
-        result, error = None, err
-    return SizingRow(cluster=candidate, result=result, error=error, plan_s=time.perf_counter() - start)
+    return _plan_cluster(workload, cost_model, options, _candidate(cluster, k))
 
 
 @dataclass(frozen=True, slots=True)
@@ -470,6 +503,43 @@ def _scan(plan: _Sweep, start: int, nodes: int, enough: Callable[[int], bool], w
     return ""
 
 
+def by_cost(rows: Sequence[SizingRow]) -> bool:
+    """Whether a sweep counts money: its candidates span several pools and every pool has a price."""
+    pools = {p.name for r in rows for p in r.cluster.pools}
+    return len(pools) > 1 and all(r.cost_per_step is not None for r in rows)
+
+
+def candidate_clusters(cluster: ClusterSpec, max_nodes: int | None = None) -> list[ClusterSpec]:
+    """The clusters a sweep over pools plans: every combination of each pool's 0 .. K_p nodes (K_p its
+    ``nodes``, or ``max_nodes``) with some pool not empty, the empty pools left out; fewest GPUs first, then
+    more nodes of the earlier pools. (One pool: its whole-node counts 1 .. K, :func:`_candidate`.)"""
+    if len(cluster.pools) == 1:
+        return [_candidate(cluster, k) for k in range(1, _max_nodes(cluster, max_nodes) + 1)]
+    ranges = [range(0, _max_nodes(cluster.only(p.name), max_nodes) + 1) for p in cluster.pools]
+    out = []
+    for counts in itertools.product(*ranges):
+        pools = tuple(p.model_copy(update={"nodes": n}) for p, n in zip(cluster.pools, counts, strict=True) if n)
+        if pools:
+            out.append((sum(n * p.gpus_per_node for p, n in zip(cluster.pools, counts)), [-n for n in counts], pools))
+    return [ClusterSpec(pools=pools) for *_, pools in sorted(out, key=lambda x: x[:2])]
+
+
+def _plan_cluster(
+    workload: Workload,
+    cost_model: CostModel | Callable[[ClusterSpec], CostModel],
+    options: PlannerOptions,
+    candidate: ClusterSpec,
+) -> SizingRow:
+    """The row of one candidate cluster: its plan, or the planner's InputError."""
+    model = cost_model(candidate) if callable(cost_model) else cost_model
+    start = time.perf_counter()
+    try:
+        result, error = plan_deployment(workload, candidate, model, options), None
+    except InputError as err:
+        result, error = None, err
+    return SizingRow(cluster=candidate, result=result, error=error, plan_s=time.perf_counter() - start)
+
+
 def _check_steps(objective: SizingObjective, steps: int | None) -> None:
     if objective.budget_gpu_hours is not None and steps is None:
         raise InputError(
@@ -518,6 +588,10 @@ def sweep_counts(
     Raises:
         SizingError: the bounds show that no count can meet the deadline or the budget (a sweep of no rows).
     """
+    if len(cluster.pools) > 1:  # every combination of the pools' nodes (the bounds are of one kind)
+        candidates = candidate_clusters(cluster, max_nodes)
+        sweep = _Sweep(lambda k: _plan_cluster(workload, cost_model, options, candidates[k]), progress)
+        return tuple(sweep(k) for k in range(len(candidates))), ""
     nodes = _max_nodes(cluster, max_nodes)
     per_node = cluster.gpus_per_node
     plan = _Sweep(functools.partial(plan_count, workload, cluster, cost_model, options), progress)

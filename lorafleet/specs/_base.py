@@ -47,3 +47,11 @@ class Spec(BaseModel):
     """Base of every spec: immutable, no unknown keys, finite numbers only."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
+
+
+class FieldError(ValueError):
+    """A validation error that knows which sub-field it is about (pydantic reports only the validator's field)."""
+
+    def __init__(self, loc: tuple[int | str, ...], msg: str) -> None:
+        super().__init__(msg)
+        self.loc = loc

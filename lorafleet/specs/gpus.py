@@ -62,6 +62,17 @@ GPU_PRESETS: dict[str, GPUSpec] = {
 }
 
 
+def gpu_preset_for(device_name: str, memory_bytes: int) -> str | None:
+    """The ``GPU_PRESETS`` name of a device as CUDA names it (``"NVIDIA H200"``, 139.8 GiB ->
+    ``"H200-141GB"``): the presets whose model (the name before the first ``-``) appears in the
+    device name, the one nearest in memory; None when no preset's model does."""
+    name = device_name.upper()
+    models = [g for g in GPU_PRESETS.values() if g.name != "cpu" and g.name.split("-")[0].upper() in name]
+    if not models:
+        return None
+    return min(models, key=lambda g: abs(g.memory_gib * GIB - memory_bytes)).name
+
+
 def resolve_gpu(name: str, source: str = "<args>", field: str = "gpu") -> GPUSpec:
     """Look up a preset (case-insensitive), else an InputError naming ``source: field``."""
     for key, spec in GPU_PRESETS.items():

@@ -35,20 +35,11 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from lorafleet.specs._base import Float, Int, IntKey, Spec
+from lorafleet.specs._base import FieldError, Float, Int, IntKey, Spec
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.recompute import RecomputePolicy
-
-
-class FieldError(ValueError):
-    """A validation error that knows which sub-field it is about (pydantic reports only the validator's field)."""
-
-    def __init__(self, loc: tuple[int | str, ...], msg: str) -> None:
-        super().__init__(msg)
-        self.loc = loc
-
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 

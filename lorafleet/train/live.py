@@ -52,7 +52,7 @@ def _log(line: str) -> None:
 def _cluster(prepared: Prepared) -> ClusterSpec:
     """The GPUs the running plan is for (the processes the run has: a re-plan keeps to them)."""
     plan = prepared.run.plan
-    return ClusterSpec.with_gpus(plan.n_gpus, plan.gpu, plan.gpus_per_node)
+    return plan.fleet()
 
 
 def _unplaceable(requests: list[Request], prepared: Prepared) -> list[tuple[Request, str]]:
@@ -70,8 +70,8 @@ def _unplaceable(requests: list[Request], prepared: Prepared) -> list[tuple[Requ
                 out.append(
                     (
                         r,
-                        f"its {task.lengths.max_length}-token sequences fit no config of {cluster.n_gpus} x "
-                        f"{cluster.gpu} (at most {largest} tokens a micro-batch); lower context_length",
+                        f"its {task.lengths.max_length}-token sequences fit no config of {cluster.describe()} "
+                        f"(at most {largest} tokens a micro-batch); lower context_length",
                     )
                 )
     return out

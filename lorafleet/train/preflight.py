@@ -121,6 +121,13 @@ def _replan(workload: Workload, cluster: ClusterSpec, options: TrainOptions) -> 
     from lorafleet.train.replan import replan_run
 
     old = DeploymentPlan.load(options.plan)
+    if len(cluster.pools) > 1:
+        raise InputError(
+            ARGS,
+            "--resume",
+            f"the run has {_target_gpus(cluster)} GPUs, its plan {old.n_gpus}; which pool changed is not known: "
+            "plan again for the pools the run has (--set cluster.pools.NAME.nodes=N) and resume with that --plan",
+        )
     try:
         target = ClusterSpec.with_gpus(_target_gpus(cluster), cluster.gpu, cluster.gpus_per_node)
     except ValueError as err:
@@ -171,6 +178,7 @@ def prepare(options: TrainOptions) -> Prepared:
             f"the plan needs {world} processes (one per GPU it names); torchrun started {started}",
         )
     check_nodes(run.plan, options.plan)
+    check_cpu_device(run.plan, options.device, options.plan)
     for r, _ in options.slowdown:
         if not 0 <= r < len(run.plan.replicas):
             raise InputError(
@@ -244,21 +252,57 @@ def ledger_turns(options: TrainOptions, start: int | None) -> tuple[dict[str, tu
     return (ledger.turn_changes(), ledger.departed()) if ledger is not None else ({}, ())
 
 
+def check_cpu_device(plan: DeploymentPlan, device: str, path: str) -> None:
+    """``--device cpu`` runs every rank on a CPU, whose GPU kind is ``cpu``: a plan with a pool of another
+    kind is refused before any process starts (on GPUs each rank checks its own device,
+    ``executor.torch.launch.check_device_kinds``)."""
+    if device != "cpu":
+        return
+    for k, pool in enumerate(plan.pools):
+        if pool.gpu.lower() != "cpu":
+            where = f"pool {pool.name!r}" if pool.name else "the cluster"
+            raise InputError(
+                path,
+                f"pools[{k}].gpu",
+                f"--device cpu runs every rank on a CPU, but the plan puts ranks in {where} of {pool.gpu} "
+                "GPUs: plan for the devices the job runs on (--gpu cpu)",
+            )
+
+
 def check_nodes(plan: DeploymentPlan, path: str) -> None:
-    """Under a multi-node torchrun (more ranks than one node's: ``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``), each
-    node must hold the plan's ``gpus_per_node`` ranks: torchrun gives node n the global ranks
-    ``n * nproc_per_node ..``, and the plan put each TP group inside a node of ``gpus_per_node``. One node
-    (``--standalone``, or all ranks local) runs any plan. InputError otherwise, before any group forms."""
+    """Under a multi-node torchrun (more ranks than one node's: ``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``), the
+    node of this rank must be one of its pool's nodes as the plan numbers them: ``gpus_per_node`` ranks of the
+    pool (torchrun gives a node the ranks after those of the nodes before it), since the plan put each TP
+    group inside a node of its pool. One node (``--standalone``, or all ranks local) runs any plan.
+    InputError otherwise, before any group forms."""
     world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
     if world is None or local is None or int(world) == int(local):
         return
-    if int(local) != plan.gpus_per_node:
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    k, pool = plan.pool_at(min(rank, plan.n_gpus - 1))  # a rank the plan has not: the world-size check's
+    first, per_node = plan.first_gpu(pool.name), pool.gpus_per_node
+    field = "gpus_per_node" if len(plan.pools) == 1 else f"pools[{k}].gpus_per_node"
+    of = "" if len(plan.pools) == 1 else f" of pool {pool.name!r}"
+    if int(local) != per_node:
+        nodes = (
+            -(-int(world) // per_node)
+            if len(plan.pools) == 1
+            else sum(-(-p.n_gpus // p.gpus_per_node) for p in plan.pools)
+        )
         raise InputError(
             path,
-            "gpus_per_node",
-            f"the plan puts {plan.gpus_per_node} GPUs on a node; torchrun started {local} processes a node "
+            field,
+            f"the plan puts {per_node} GPUs on a node{of}; torchrun started {local} processes a node "
             f"(--nproc-per-node {local}, {int(world) // int(local)} nodes): launch with --nproc-per-node "
-            f"{plan.gpus_per_node} --nnodes {-(-int(world) // plan.gpus_per_node)}, or re-plan for {local} GPUs a node",
+            f"{per_node} --nnodes {nodes}, or re-plan for {local} GPUs a node",
+        )
+    if (rank - local_rank - first) % per_node:
+        raise InputError(
+            path,
+            field,
+            f"this node's ranks start at {rank - local_rank}, not at a node of pool {pool.name!r} "
+            f"(its GPUs {first}..{first + pool.n_gpus - 1}, {per_node} a node): start the pools' nodes in "
+            "the plan's pool order",
         )
 
 

@@ -51,7 +51,7 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     import torch.distributed as dist
 
     from lorafleet.executor.torch.data_stream import task_tokenizer
-    from lorafleet.executor.torch.launch import build_torch_executor, init_distributed
+    from lorafleet.executor.torch.launch import build_torch_executor, check_device_kinds, init_distributed
     from lorafleet.executor.torch.precision import Precision
     from lorafleet.executor.torch.processes import LOCKED_ENV, check_code
 
@@ -62,6 +62,7 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
         report(f"process group up: {counted(dist.get_world_size(), 'rank')} ({dist.get_backend()})")
     lock = None
     try:
+        check_device_kinds(prepared.run.plan, device, options.plan)
         if dist.get_rank() == 0 and not os.environ.get(LOCKED_ENV):  # under the user's own torchrun
             lock = claim(options, prepared)
         tokenizer = task_tokenizer(prepared.workload.spec)
@@ -112,7 +113,7 @@ class Trainer:
         self.run_dir = options.run_dir
         self.out = self.run_dir.root
         self.checkpoints = self.run_dir.checkpoints
-        self.recalibrator = Recalibrator(len(self.plan.replicas), self.plan.policy.recalibration)
+        self.recalibrator = Recalibrator.for_plan(self.plan)
         self.signal: int | None = None
         pipelined = any(r.config.pp > 1 for r in self.plan.replicas)
         self.window = self.plan.policy.pipeline_window if pipelined else 1

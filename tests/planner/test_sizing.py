@@ -392,7 +392,7 @@ def test_an_unmet_goal_prints_the_sweep_and_one_error_line(cli_workload, tmp_pat
         ),
         (
             ["--budget", "0.01", "--steps", "1000"],
-            "--budget: no count runs 1000 steps within 0.01 GPU-hours: every plan's step costs at least 6.899",
+            "--budget: no count runs 1000 steps within 0.01 GPU-hours: every plan's step costs at least 6.69 GPU-s",
         ),
     ],
 )

@@ -26,12 +26,12 @@ def run(tmp_path, tiny_tokenizer_dir):
     path = tmp_path / "w.yaml"
     path.write_text(
         f"model: tiny-llama\ntokenizer: {tiny_tokenizer_dir}\n"
-        "cluster: {gpu: A100-40GB, nodes: 1, gpus_per_node: 2}\n"
+        "cluster: {gpu: cpu, nodes: 1, gpus_per_node: 2}\n"
         "tasks:\n"
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
         f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128}}\n"
     )
-    plan = replace(h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat"), bucket_boundaries=(256,))
+    plan = replace(h.plan_of((1, 1), (1, 1)), tasks=("docsum", "chat"), bucket_boundaries=(256,))
     plan.save(tmp_path / "plan.json")
 
     def train(*args: str) -> int:

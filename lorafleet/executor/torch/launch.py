@@ -32,6 +32,7 @@ from lorafleet.executor.torch.data_stream import training_streams
 from lorafleet.executor.torch.processes import START_TIMEOUT_S
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import DeploymentPlan
+from lorafleet.specs.gpus import GIB, gpu_preset_for
 from lorafleet.specs.model import adapter_base_model
 from lorafleet.specs.workload import WorkloadSpec
 from lorafleet.turns import TaskTurns
@@ -89,6 +90,42 @@ def form_group(backend: str, start_timeout_s: float, **kwargs: Any) -> None:
         ) from err
     run_timeout = default_pg_nccl_timeout if backend == "nccl" else default_pg_timeout
     dist.distributed_c10d._set_pg_timeout(run_timeout)
+
+
+def device_kind(device: torch.device) -> tuple[str | None, str]:
+    """This rank's device as a GPU kind (a ``GPU_PRESETS`` name) and in words: ``("cpu", "cpu")`` on CPU,
+    ``("H200-141GB", "NVIDIA H200 (139.8 GiB)")`` for a CUDA device (``torch.cuda.get_device_name``); no
+    kind when no preset names it."""
+    if device.type != "cuda":
+        return "cpu", "cpu"
+    props = torch.cuda.get_device_properties(device)
+    return gpu_preset_for(props.name, props.total_memory), f"{props.name} ({props.total_memory / GIB:.1f} GiB)"
+
+
+def check_device_kinds(plan: DeploymentPlan, device: torch.device, source: str) -> None:
+    """Collective, once the group is up: every rank's device is of the GPU kind of the pool the plan puts the
+    rank in (its replicas are priced, and were placed, by that kind). Otherwise rank 0 raises an InputError
+    naming the first rank that is not, its pool and the device found, and the other ranks exit with code 2
+    without a word (one line for the run, not one per rank)."""
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, device_kind(device))
+    for rank, (kind, words) in enumerate(found):
+        k, pool = plan.pool_at(rank)
+        if kind is not None and kind.lower() == pool.gpu.lower():
+            continue
+        if dist.get_rank() != 0:
+            raise SystemExit(2)
+        where = f"pool {pool.name!r}" if pool.name else "the cluster"
+        raise InputError(
+            source,
+            f"pools[{k}].gpu",
+            f"rank {rank} is in {where} of {pool.gpu} GPUs, but its device is {words}: "
+            + (
+                "start each pool's nodes in the plan's pool order (ranks number pool after pool)"
+                if len(plan.pools) > 1
+                else f"plan for the devices the job runs on (--gpu {kind or 'KIND'})"
+            ),
+        )
 
 
 def build_torch_executor(
