@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,11 +27,11 @@ import torch.distributed as dist
 from lorafleet.data.model_source import resolve_model_source
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.base_model import load_base
-from lorafleet.executor.torch.data_stream import training_streams
+from lorafleet.executor.torch.data_stream import TaskData, prepare_task_data, task_tokenizer, training_streams
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.model import adapter_base_model
-from lorafleet.specs.workload import WorkloadSpec
+from lorafleet.specs.workload import TaskSpec, WorkloadSpec
 from lorafleet.turns import TaskTurns
 
 
@@ -77,6 +78,7 @@ def build_torch_executor(
     ``report``, when given, is told each phase as it ends (the data tokenized, the base model loaded).
     ``tokenizer``: the workload's (:func:`task_tokenizer`), when the caller has it already."""
     source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
+    tokenizer = tokenizer if tokenizer is not None else task_tokenizer(spec)
     streams = training_streams(spec, run_steps, tokenizer, turn_changes, departed)
     if report is not None:
         examples = [stream.data.examples for stream in streams.streams]
@@ -104,4 +106,17 @@ def build_torch_executor(
         params = sum(p.numel() for p in model.parameters()) / 1e6
         precision = str(dtype).removeprefix("torch.")
         report(f"base model loaded: {config.base_model}, {params:,.1f}M parameters, {precision}")
-    return TorchExecutor(config, model, streams, device, weights=weights)
+    return TorchExecutor(
+        config,
+        model,
+        streams,
+        device,
+        weights=weights,
+        base=partial(load_base, source, dtype),
+        task_data=partial(_added_task_data, tokenizer=tokenizer),
+    )
+
+
+def _added_task_data(task: TaskSpec, *, tokenizer: Any) -> TaskData:
+    """A task added to the running fleet: its data tokenized as the launch tokenized the others'."""
+    return prepare_task_data(task, tokenizer, task.data.path if task.data is not None else "queue")
