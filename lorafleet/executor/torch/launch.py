@@ -17,6 +17,7 @@ only the base weights of its own stage and TP shard.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
@@ -84,16 +85,7 @@ def build_torch_executor(
         examples = [stream.data.examples for stream in streams.streams]
         tokens = sum(len(e.input_ids) for task in examples for e in task)
         report(f"tokenized: {len(examples)} tasks, {sum(map(len, examples)):,} examples, {tokens:,} tokens")
-    limits = streams.max_batches
-    tasks = tuple(
-        TaskTraining(
-            name=t.name,
-            lora=t.lora,
-            optimizer=t.optimizer,
-            total_steps=max(1, min(run_steps - t.start_step, limit if limit is not None else run_steps)),
-        )
-        for t, limit in zip(spec.tasks, limits, strict=True)
-    )
+    tasks = tuple(task_training(t, limit, run_steps) for t, limit in zip(spec.tasks, streams.max_batches, strict=True))
     config = ExecutorConfig(
         plan=plan,
         tasks=tasks,
@@ -101,12 +93,13 @@ def build_torch_executor(
         base_model=adapter_base_model(spec.model, spec.base_model_id),
         slowdown=dict(slowdown or {}),
     )
+    start = time.perf_counter()
     model, weights = load_base(source, dtype)
     if report is not None:
         params = sum(p.numel() for p in model.parameters()) / 1e6
         precision = str(dtype).removeprefix("torch.")
         report(f"base model loaded: {config.base_model}, {params:,.1f}M parameters, {precision}")
-    return TorchExecutor(
+    executor = TorchExecutor(
         config,
         model,
         streams,
@@ -115,6 +108,15 @@ def build_torch_executor(
         base=partial(load_base, source, dtype),
         task_data=partial(_added_task_data, tokenizer=tokenizer),
     )
+    executor.stage_build_s = time.perf_counter() - start
+    return executor
+
+
+def task_training(task: TaskSpec, limit: int | None, run_steps: int) -> TaskTraining:
+    """A task as the executor trains it: its learning-rate schedule spans the run's steps from its start, at most
+    its own ``limit`` of batches (``data_stream.task_batches``)."""
+    total = max(1, min(run_steps - task.start_step, limit if limit is not None else run_steps))
+    return TaskTraining(name=task.name, lora=task.lora, optimizer=task.optimizer, total_steps=total)
 
 
 def _added_task_data(task: TaskSpec, *, tokenizer: Any) -> TaskData:

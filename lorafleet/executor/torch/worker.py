@@ -146,6 +146,8 @@ class TorchExecutor:
             TaskOptimizer(t.optimizer, self.replica.task_params(i), t.total_steps) for i, t in enumerate(config.tasks)
         ]
         self._pending: dict[int, GlobalBatch] = {}
+        self._prepared: dict[str, TaskData] = {}
+        """Rank 0, during a change: the new tasks' data it was handed (``change``)."""
         self.windows = WindowRunner(
             self.replica,
             self.optimizers,
@@ -161,6 +163,8 @@ class TorchExecutor:
         )
         self.op_log = self.windows.op_log
         """With ``config.record_ops``, this rank's ops so far (``WindowRunner.op_log``)."""
+        self.stage_build_s = 0.0
+        """Seconds this rank took to get its base model and build its stage (``launch.build_torch_executor``)."""
 
     # ---- coordinator (rank 0) -----------------------------------------------------------------
 
@@ -220,11 +224,13 @@ class TorchExecutor:
         self._broadcast_and_run(Command(CommandKind.RESTORE, state))
         return state
 
-    def change(self, change: FleetChange) -> ChangeReport:
+    def change(self, change: FleetChange, data: Mapping[str, TaskData] | None = None) -> ChangeReport:
         """Changes the running fleet at the boundary before ``change.step`` (``change.py``): its tasks and their
-        turns, its deployment; every rank in place. The checkpoint being written is finished first."""
+        turns, its deployment; every rank in place. The checkpoint being written is finished first. ``data``:
+        new tasks' data rank 0 has prepared already (the queue's check tokenized it); the others prepare theirs."""
         start = time.perf_counter()
         self.flush_checkpoints()
+        self._prepared = dict(data or {})
         report = self._broadcast_and_run(Command(CommandKind.CHANGE, change))
         assert report is not None
         return replace(report, seconds=time.perf_counter() - start)
@@ -276,6 +282,8 @@ class TorchExecutor:
             raise RuntimeError("the executor was given no way to prepare a new task's data (task_data)")
         old = {name: t for t, name in enumerate(self.names)}
         groups_before = self.replica.groups.created
+        prepared, self._prepared = self._prepared, {}
+        task_data = self.task_data
         replica, optimizers, streams, phases, kept_stage = change_fleet(
             self.replica,
             self.optimizers,
@@ -286,7 +294,7 @@ class TorchExecutor:
             device=self.device,
             backend=self.config.lora_backend,
             base=self.base,
-            task_data=self.task_data,
+            task_data=lambda spec: prepared.pop(spec.name, None) or task_data(spec),
         )
         created = replica.groups.created - groups_before
         self.checkpointer.close()
