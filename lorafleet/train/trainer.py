@@ -264,7 +264,8 @@ class Trainer:
         requests, self.due = self.due, []
         turns = dict(zip(self.names, self.executor.streams.turns, strict=True))
         tasks_change = any(r.action is not Action.UPDATE for r in requests)
-        committed = f" (checkpoint {self._checkpoint(step, wait=True).name})" if tasks_change else ""
+        relaunch = bool(os.environ.get(RELAUNCH_ENV))
+        committed = f" (checkpoint {self._checkpoint(step, wait=True).name})" if tasks_change or relaunch else ""
         save_pending(self.options.queue_dir, Pending(step, requests, turns))
         live.log(f"step {step}: {', '.join(f'{r.action.value} {r.name}' for r in requests)}{committed}")
         active = self.ledger.apply(requests, step, turns).active
@@ -272,6 +273,9 @@ class Trainer:
         if active:
             workload = live.changed_workload(self.workload, active)
             plan = replace(self.plan, tasks=tuple(t.name for t in active))
+        if relaunch:
+            live.log(f"step {step}: {RELAUNCH_ENV} is set: the workers restart to apply the changes")
+            return False
         if active and tasks_change:
             replan = live.replan_change(self.options, workload, self.plan, step, self.migration, save=False)
             plan = replan.plan
@@ -488,6 +492,11 @@ def finished_tasks(
 
 TOOK_ITS_STEPS = "(took its steps)"
 """The request file of a task that finished on its own (no file)."""
+
+RELAUNCH_ENV = "LORAFLEET_RELAUNCH_CHANGES"
+"""When set, every queued change is applied by stopping the workers and launching them again from the
+boundary's checkpoint (``train.live.apply_pending``): the fallback's path, and the way before changes were
+applied in the running fleet, which ``benchmarks/bench_queue.py`` measures against."""
 
 
 def _queue_watcher(trainer: Trainer, options: TrainOptions, prepared: Prepared, tokenizer: Any) -> QueueWatcher | None:

@@ -18,6 +18,7 @@ resumed from the checkpoint of step 6 with the change recorded once.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from lorafleet.cli import main
+from lorafleet.train.trainer import RELAUNCH_ENV
 from tests.helpers.repo import DEMO
 
 STEPS = 8
@@ -56,21 +58,26 @@ DOCSUM, CHAT, CODEGEN = _task("docsum", 3, 256), _task("chat", 3, 128), _task("c
 CODEGEN_AT_3 = CODEGEN[:-1] + ", start_step: 3}"
 
 
-def _lorafleet(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+def _lorafleet(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "lorafleet", *argv], cwd=cwd, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "lorafleet", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
 
-def _train(workload: Path, out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+def _train(workload: Path, out: Path, steps: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     plan = workload.with_suffix(".plan.json")
     if not plan.exists():
         assert main(["plan", str(workload), "--json", str(plan)]) == 0
     return _lorafleet(
         "train", str(workload), "--plan", str(plan), "--steps", str(steps), "--out", str(out), "--no-progress",
-        *extra, cwd=out.parent,
+        *extra, cwd=out.parent, env=env,
     )  # fmt: skip
 
 
@@ -166,10 +173,19 @@ def test_a_crash_amid_a_change_resumes_from_its_checkpoint_and_records_it_once(r
     (crashed / "queue" / ".apply.json").write_text(json.dumps(pending))
     before = json.loads((crashed / "plan.json").read_text())
     (crashed / "plan.json").write_text(json.dumps({**before, "tasks": ["docsum", "chat", "codegen"]}))
-    log = _train(queued.parent / "both.yaml", crashed, STEPS, "--resume")
+    # A change the running fleet hands to the launcher (the fallback's path, forced): the workers restart at
+    # step 7 from its checkpoint and no step is lost.
+    (crashed / "queue" / "share.yaml").write_text("action: update\nname: docsum\nshare: 1.0\nat_step: 7\n")
+    log = _train(queued.parent / "both.yaml", crashed, STEPS, "--resume", env={RELAUNCH_ENV: "1"})
+    assert log.stdout.count("starting 1 worker process") == 2
+    assert f"step 7: {RELAUNCH_ENV} is set: the workers restart to apply the changes" in log.stdout
+    assert [json.loads(line)["step"] for line in (crashed / "metrics.jsonl").read_text().splitlines()] == list(
+        range(STEPS)
+    )
     assert "re-planned for the ledger's tasks docsum, codegen" in log.stdout
     assert "resumed from the checkpoint of step 6" in log.stdout and "step 6: exported chat" in log.stdout
-    assert json.loads((crashed / "tasks.json").read_text())["applied"] == ledger["applied"]
+    applied = json.loads((crashed / "tasks.json").read_text())["applied"]
+    assert applied == [*ledger["applied"], {"step": 7, "file": "share.yaml", "action": "update", "name": "docsum"}]
     assert not (crashed / "queue" / ".apply.json").exists()
     for task in ("docsum", "codegen", "chat"):
         assert _max_diff(_adapter(crashed / "adapters" / task), _adapter(queued / "adapters" / task)) < ATOL, task

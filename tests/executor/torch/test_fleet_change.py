@@ -4,11 +4,12 @@ it would alone (1e-5 in fp32 against PEFT per task, ``tests/helpers/trained_alon
 
 One forked world of 4 gloo processes (no process restarts between the changes):
 
-    steps 0-1   summary, code, chat         on tp1 + tp1 + tp2        (ranks 0 | 1 | 2-3)
+    steps 0-1   summary, code, chat         on tp1 + tp2              (ranks 0 | 1-2, rank 3 idle)
     step 2      chat finishes, summary-b joins; the deployment is kept: every stage kept, its slots changed
     steps 2-3   summary, code, summary-b
-    step 4      the deployment moves to tp1 + tp1 + pp2: ranks 0 and 1 keep their stages, 2 and 3 build
-                theirs and take the adapters and optimizer states; a checkpoint is taken right after
+    step 4      the deployment moves from 2 replicas to 3, tp1 + tp1 + pp2 (ranks 0 | 1 | 2-3): rank 0 keeps
+                its stage, 1 and 2 build theirs, the idle rank 3 its first; they take the adapters and optimizer
+                states; a checkpoint is taken right after
     steps 4-5   on the new deployment
 
 then a fresh executor (a second run in the same world) resumes from the checkpoint taken right after the
@@ -40,7 +41,7 @@ from tests.helpers.trained_alone import ATOL, _max_diff, train_alone
 STEPS = 6
 SUMMARY, CODE, CHAT, SUMMARY_B = range(4)
 LENGTHS = [(4, 12), (10, 24), (6, 16), (4, 12)]
-KEPT = h.plan_of((1, 1), (1, 1), (2, 1))
+KEPT = replace(h.plan_of((1, 1), (2, 1)), n_gpus=4, gpus_per_node=4)
 MOVED = h.plan_of((1, 1), (1, 1), (1, 2))
 JOINS = 2
 """summary-b joins (and chat leaves) at this step; the deployment moves at ``MOVE``."""
@@ -177,8 +178,8 @@ def test_a_kept_deployment_keeps_every_stage_and_a_move_rebuilds_only_the_change
     _, reports = fleet
     kept, moved = reports["kept"], reports["moved"]
     assert kept.rebuilt == () and kept.groups_created == 0 and kept.phases["stage"] == 0.0
-    assert moved.rebuilt == (2, 3)  # ranks 0 and 1 keep tp1 replicas; 2-3 go from tp2 to pp2
+    assert moved.rebuilt == (1, 2, 3)  # rank 0 keeps its tp1 replica; 1-2 leave tp2, 3 was idle
     assert moved.phases["stage"] > 0 and moved.phases["state"] > 0
-    # Every group is reused: pp2's holder sets, (0, 1, 2) for layers 0-1 and (0, 1, 3) for 2-3, are those of
-    # the tp2 replica's two halves of a sharded factor; the world group and no TP group remain.
-    assert moved.groups_created == 0
+    # One group is new: the holders (0, 1, 3) of layers 2-3 (pp2's second stage); (0, 1, 2), the holders of
+    # layers 0-1, is the tp2 replica's set of its replicated factors, and the world group stays.
+    assert moved.groups_created == 1
