@@ -67,17 +67,32 @@ def cluster_of(plan: DeploymentPlan) -> ClusterSpec:
     return ClusterSpec.with_gpus(plan.n_gpus, plan.gpu, plan.gpus_per_node)
 
 
-def changed_workload(workload: Workload, tasks: Sequence[TaskSpec]) -> Workload:
+def changed_workload(
+    workload: Workload, tasks: Sequence[TaskSpec], lengths: Mapping[str, Sequence[int]] | None = None
+) -> Workload:
     """``workload`` with ``tasks`` (the ledger's active ones) as its tasks: each task it has keeps its resolved
-    lengths (its spec is the ledger's: a share may have changed), and only the new ones are resolved (their
-    lengths read from their data)."""
+    lengths (its spec is the ledger's: a share may have changed), and only the new ones are resolved, their
+    lengths read from their data or, from ``lengths`` (task -> its rows' token lengths, as the queue's check
+    tokenized them), not read again."""
+    from lorafleet.specs.workload import LengthSpec
     from lorafleet.workload import resolve_workload
 
     have = {t.spec.name: t for t in workload.tasks}
-    new = [t for t in tasks if t.name not in have]
+    known = lengths or {}
+    new = [
+        t.model_copy(update={"lengths": LengthSpec(values=tuple(known[t.name]))})
+        if t.name in known and t.lengths is None
+        else t
+        for t in tasks
+        if t.name not in have
+    ]
     spec = workload.spec.model_copy(update={"tasks": tuple(new)}) if new else None
     resolved = {t.spec.name: t for t in resolve_workload(spec, workload.path).tasks} if spec is not None else {}
-    out = tuple(replace(have[t.name], spec=t) if t.name in have else resolved[t.name] for t in tasks)
+    by_name = {t.name: t for t in tasks}
+    out = tuple(
+        replace(have[name], spec=spec) if name in have else replace(resolved[name], spec=spec)
+        for name, spec in by_name.items()
+    )
     return replace(workload, spec=workload.spec.model_copy(update={"tasks": tuple(tasks)}), tasks=out)
 
 

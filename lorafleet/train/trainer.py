@@ -265,13 +265,19 @@ class Trainer:
         turns = dict(zip(self.names, self.executor.streams.turns, strict=True))
         tasks_change = any(r.action is not Action.UPDATE for r in requests)
         relaunch = bool(os.environ.get(RELAUNCH_ENV))
-        committed = f" (checkpoint {self._checkpoint(step, wait=True).name})" if tasks_change or relaunch else ""
+        # A task that leaves is exported from this checkpoint, and the ledger records it gone only once it is
+        # committed (a resume from an older one would lose its last steps); a join or an update may be recorded
+        # before: a resume from an older checkpoint replays the steps before it, then the change.
+        leaving = any(r.action in live.LEAVING for r in requests)
+        checkpoint = self._checkpoint(step, wait=leaving or relaunch) if tasks_change or relaunch else None
+        committed = f" (checkpoint {checkpoint.name})" if checkpoint is not None else ""
         save_pending(self.options.queue_dir, Pending(step, requests, turns))
         live.log(f"step {step}: {', '.join(f'{r.action.value} {r.name}' for r in requests)}{committed}")
         active = self.ledger.apply(requests, step, turns).active
         plan, replan = self.plan, None
         if active:
-            workload = live.changed_workload(self.workload, active)
+            lengths = {name: data.raw_lengths for name, data in self.added.items()}
+            workload = live.changed_workload(self.workload, active, lengths)
             plan = replace(self.plan, tasks=tuple(t.name for t in active))
         if relaunch:
             live.log(f"step {step}: {RELAUNCH_ENV} is set: the workers restart to apply the changes")

@@ -72,6 +72,19 @@ class Checkpointer:
         self._writing = self._writer.submit(save_train_state, directory, state, base_model=self.base_model)
         return Path(directory) / step_dir_name(step)
 
+    def retask(
+        self,
+        replica: Replica,
+        optimizers: Sequence[TaskOptimizer],
+        streams: DataStreams,
+        loras: Sequence[LoraSpec],
+        names: Sequence[str],
+    ) -> None:
+        """The fleet changed at a boundary (``change.py``): later saves gather its tasks. A write in flight goes
+        on: it holds its own copy of what it writes."""
+        self.replica, self.optimizers, self.streams = replica, optimizers, streams
+        self.loras, self.names = tuple(loras), tuple(names)
+
     def flush(self) -> None:
         """Waits for the checkpoint being written, if any; re-raises its error."""
         if self._writing is not None:

@@ -64,6 +64,9 @@ class TaskData:
     """Examples dropped for exceeding the context length (``reject`` policy)."""
     no_target: int = 0
     """Examples dropped because no token of theirs carries a label."""
+    raw_lengths: tuple[int, ...] = ()
+    """Every row's token length before the overflow rule, when known (:func:`prepare_task_data`): the lengths the
+    planner reads from the task's data (``workload``), so a task added to a running fleet is tokenized once."""
 
     def __post_init__(self) -> None:
         if not self.examples:
@@ -100,7 +103,7 @@ def apply_overflow(name: str, examples: Sequence[Example], context_length: int, 
         if cut:
             truncated.add(len(kept))
         kept.append(example)
-    return TaskData(name, tuple(kept), frozenset(truncated), rejected, no_target)
+    return TaskData(name, tuple(kept), frozenset(truncated), rejected, no_target, tuple(len(e) for e in examples))
 
 
 def prepare_task_data(task: TaskSpec, tokenizer: Any, source: str) -> TaskData:

@@ -226,10 +226,9 @@ class TorchExecutor:
 
     def change(self, change: FleetChange, data: Mapping[str, TaskData] | None = None) -> ChangeReport:
         """Changes the running fleet at the boundary before ``change.step`` (``change.py``): its tasks and their
-        turns, its deployment; every rank in place. The checkpoint being written is finished first. ``data``:
-        new tasks' data rank 0 has prepared already (the queue's check tokenized it); the others prepare theirs."""
+        turns, its deployment; every rank in place. A checkpoint being written goes on meanwhile. ``data``: new
+        tasks' data rank 0 has prepared already (the queue's check tokenized it); the others prepare theirs."""
         start = time.perf_counter()
-        self.flush_checkpoints()
         self._prepared = dict(data or {})
         report = self._broadcast_and_run(Command(CommandKind.CHANGE, change))
         assert report is not None
@@ -297,14 +296,11 @@ class TorchExecutor:
             task_data=lambda spec: prepared.pop(spec.name, None) or task_data(spec),
         )
         created = replica.groups.created - groups_before
-        self.checkpointer.close()
         names = tuple(t.name for t in change.tasks)
         kept = {t: old[n] for t, n in enumerate(names) if n in old} if kept_stage else None
         self.windows = self.windows.changed(replica, optimizers, streams, names, kept)
         self.op_log = self.windows.op_log
-        self.checkpointer = Checkpointer(
-            replica, optimizers, streams, [t.lora for t in change.tasks], names, self.config.base_model
-        )
+        self.checkpointer.retask(replica, optimizers, streams, [t.lora for t in change.tasks], names)
         self.config = replace(self.config, plan=change.plan, tasks=change.tasks)
         self.replica, self.optimizers, self.streams, self.names = replica, optimizers, streams, names
         self._pending.clear()  # batches drawn ahead for the old tasks
