@@ -12,8 +12,9 @@ for the change at step S (the same figure for a step without a change is the loo
 steps, printed beside it). Two runs, each once in the running workers and once relaunching, interleaved in
 rounds (``--rounds``), the best round of each kept:
 
-- **kept**: tiny-llama on 1 rank, docsum and chat; ``codegen`` added at step 3, ``chat`` finished at step 6,
-  ``docsum``'s share updated at step 9: the deployment is kept at every change;
+- **kept**: tiny-llama on 1 rank, docsum and chat (batches of 12 and 24, as ``bench_fleet.py``'s); ``codegen``
+  added at step 3, ``chat`` finished at step 6, ``docsum``'s share updated at step 9: the deployment is kept
+  at every change;
 - **move**: tiny-llama on 4 ranks of 48 MiB (``profiles/tiny-llama-cpu.json``), docsum and chat on two
   ``<1,1>`` replicas (ranks 0 and 3); ``moddoc`` (1,536-token documents, which only a TP2 or PP2 replica
   holds) added at step 3: the re-plan moves to ``<1,1> x 2 + <2,1>``, 2 replicas to 3 on 4 ranks.
@@ -61,7 +62,7 @@ class Scenario:
 KEPT = Scenario(
     "kept",
     1,
-    (("docsum", 6, 384), ("chat", 12, 256)),
+    (("docsum", 12, 384), ("chat", 24, 256)),
     {
         "add-codegen.json": {"name": "codegen", "data": {"path": str(DEMO / "codegen.jsonl")}, "batch_size": 4,
                              "context_length": 768, "at_step": 3},

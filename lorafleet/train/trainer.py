@@ -305,10 +305,11 @@ class Trainer:
         report = self.executor.change(
             change, {t.name: self.added.pop(t.name) for t in change.tasks if t.name in self.added}
         )
-        built = (
+        what = [
             f"ranks {', '.join(map(str, report.rebuilt))} built their stages" if report.rebuilt else "every stage kept"
-        )
-        live.log(f"step {step}: applied in the running fleet in {report.seconds:.3g} s ({built})")
+        ]
+        what += [f"{name} {seconds:.2g} s" for name, seconds in report.phases.items() if seconds >= 0.01]
+        live.log(f"step {step}: applied in the running fleet in {report.seconds:.3g} s ({'; '.join(what)})")
         self._learn_migration(report, plan)
         self._continue_with(workload, plan)
         return True

@@ -5,8 +5,9 @@ stays where it is, no tokenization but the new tasks'.
 The coordinator broadcasts a :class:`FleetChange` (the run's tasks from the boundary on, in task order, their
 specs and turns, and the deployment); every rank then (:func:`change_fleet`):
 
-1. **data**: keeps every staying task's tokenized examples and prepares only the new tasks' data
-   (``DataStreams.changed``); the turns are those a launch on the task ledger would draw;
+1. **data**: keeps every staying task's tokenized examples; only the new tasks' data is prepared, once, on
+   rank 0 (the queue's check tokenized it already), and sent to the others (``DataStreams.changed``); the
+   turns are those a launch on the task ledger would draw;
 2. **which stages stay**: a rank keeps its stage (its base-model shard and the adapters in it) when its
    replica's degrees, its stage and its TP rank are unchanged, its TP group has the same ranks (the TP hooks
    hold that group) and every projection a new task targets in its layers is already wrapped
@@ -177,9 +178,10 @@ def change_fleet(
     task_data: Callable[[TaskSpec], TaskData],
 ) -> tuple[Replica, list[TaskOptimizer], DataStreams, dict[str, float], bool]:
     """This rank's part of ``change`` (module doc; collective): the fleet was running ``tasks`` on ``replica``
-    with ``optimizers`` and ``streams``. Returns the new replica, optimizers (in the new task order) and
-    streams, the seconds of each phase, and whether this rank kept its stage. ``seed``: the run's (each new
-    adapter's initial weights are drawn from ``task_key(seed, name)``, as at the run's start)."""
+    with ``optimizers`` and ``streams``; ``task_data`` prepares a new task's data (called on rank 0 only);
+    ``seed``: the run's (a new adapter's initial weights are drawn from ``task_key(seed, name)``, as at the run's
+    start). Returns the new replica, optimizers (in the new task order) and streams, the seconds of each phase,
+    and whether this rank kept its stage."""
     phases = dict.fromkeys(PHASES, 0.0)
     rank, world = dist.get_rank(), dist.get_world_size()
     old_names = [t.name for t in tasks]
@@ -188,8 +190,15 @@ def change_fleet(
     added = [t for t in range(len(names)) if t not in kept]
     loras = [t.lora for t in change.tasks]
     seeds = [task_key(seed, n) for n in names]
-    with _timed(phases, "data"):
-        streams = streams.changed(change.specs, task_data, change.turn_changes, change.departed, change.stopped)
+    with _timed(phases, "data"):  # tokenized once, on rank 0, and sent: rows are small beside a rank's time
+        box = [
+            {spec.name: task_data(spec) for spec in change.specs if spec.name not in old_names} if rank == 0 else None
+        ]
+        dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+        joining = box[0]
+        streams = streams.changed(
+            change.specs, lambda spec: joining[spec.name], change.turn_changes, change.departed, change.stopped
+        )
     fleet = FleetLayout.of(change.plan, replica.dims, world)
     role = fleet.role(rank)
     keep = can_keep_stage(replica, role, loras, added)

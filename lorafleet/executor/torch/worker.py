@@ -124,7 +124,7 @@ class TorchExecutor:
         checkpoint ``weights`` (per-stage loading, ``base_model.load_base``). Collective: every rank calls it.
 
         For :meth:`change`: ``base`` gives the base model again when a rank must build a new stage, and
-        ``task_data`` prepares a new task's data (tokenizes it)."""
+        ``task_data`` prepares a new task's data (tokenizes it; rank 0's is used)."""
         self.config = config
         self.streams = streams
         self.device = device
@@ -277,12 +277,17 @@ class TorchExecutor:
 
     def _change(self, change: FleetChange) -> ChangeReport | None:
         """This rank's part of a change (``change.change_fleet``); rank 0 returns what it cost."""
-        if self.task_data is None:
-            raise RuntimeError("the executor was given no way to prepare a new task's data (task_data)")
         old = {name: t for t, name in enumerate(self.names)}
         groups_before = self.replica.groups.created
         prepared, self._prepared = self._prepared, {}
-        task_data = self.task_data
+
+        def task_data(spec: TaskSpec) -> TaskData:  # rank 0 only (change.change_fleet sends it to the others)
+            if spec.name in prepared:
+                return prepared.pop(spec.name)
+            if self.task_data is None:
+                raise RuntimeError("the executor was given no way to prepare a new task's data (task_data)")
+            return self.task_data(spec)
+
         replica, optimizers, streams, phases, kept_stage = change_fleet(
             self.replica,
             self.optimizers,
@@ -293,7 +298,7 @@ class TorchExecutor:
             device=self.device,
             backend=self.config.lora_backend,
             base=self.base,
-            task_data=lambda spec: prepared.pop(spec.name, None) or task_data(spec),
+            task_data=task_data,
         )
         created = replica.groups.created - groups_before
         names = tuple(t.name for t in change.tasks)
