@@ -22,6 +22,11 @@ rounds (``--rounds``), the best round of each kept:
 Targets (issue #28): with the deployment kept a change costs at most one step of the run; an in-process
 rebuild at most half a relaunch. The script prints each figure, the run's median step, and the ratios.
 
+It also measures the two figures of the migration price (``planner.incremental.MigrationModel``): the rate
+a rank builds its stage from a safetensors checkpoint (a random 12-layer, width-768 Llama, 88M parameters in
+bf16, built per stage in fp32 as ``lorafleet train`` builds it, every value touched: bytes of the stage over
+seconds), and the fixed part of a move (the move's in-process change less its stage builds, from its log).
+
     python benchmarks/bench_queue.py [--rounds 2] [--keep DIR]
 """
 
@@ -122,9 +127,38 @@ def write_plan(workload_path: Path, scenario: Scenario) -> Path:
     return path
 
 
-def run(workload: Path, plan: Path, out: Path, scenario: Scenario, relaunch: bool) -> dict[int, float]:
-    """One ``lorafleet train`` run with the scenario's requests queued; step -> seconds from the previous step's
-    end to its start."""
+def load_rate(root: Path) -> tuple[float, float]:
+    """(bytes, seconds) of one rank building a ``<1,1>`` stage per stage from the saved random Llama."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import torch
+    from bench_stage_loading import save_model
+
+    from lorafleet.data.model_source import ModelSource, SourceKind
+    from lorafleet.executor.torch.base_model import load_base
+    from lorafleet.executor.torch.layout import FleetLayout, ModelDims
+    from lorafleet.executor.torch.replica import build_stage
+    from lorafleet.executor.torch.routing import LoraBackend
+    from lorafleet.specs.lora import LoraSpec
+    from tests.helpers.fleet_harness import plan_of
+
+    directory = root / "llama-88m"
+    directory.mkdir(exist_ok=True)
+    save_model(directory, 12, 768, 8192, "bf16")
+    source = ModelSource(kind=SourceKind.HF_DIR, name=str(directory), path=str(directory))
+    started = time.perf_counter()
+    model, weights = load_base(source, torch.float32)
+    role = FleetLayout.of(plan_of((1, 1)), ModelDims.of(model.config), 1).role(0)
+    stage = build_stage(model, [LoraSpec(rank=8)], role, None, seeds=[0], device=torch.device("cpu"),
+                        backend=LoraBackend.TORCH, weights=weights)  # fmt: skip
+    held = sum(t.numel() * t.element_size() for t in [*stage.parameters(), *stage.buffers()])
+    sum(float(t.detach().float().sum()) for t in stage.parameters())  # touched, as the first forward would
+    return held, time.perf_counter() - started
+
+
+def run(workload: Path, plan: Path, out: Path, scenario: Scenario, relaunch: bool):
+    """One ``lorafleet train`` run with the scenario's requests queued: step -> seconds from the previous step's
+    end to its start, the step records, and the seconds the fleet's in-process changes took less their stage
+    builds (from their log lines)."""
     (out / "queue").mkdir(parents=True)
     for name, request in scenario.requests.items():
         (out / "queue" / name).write_text(json.dumps(request))
@@ -134,15 +168,21 @@ def run(workload: Path, plan: Path, out: Path, scenario: Scenario, relaunch: boo
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(RELAUNCH if relaunch else {})}
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out, env=env)
     arrived: dict[int, float] = {}
+    fixed = []
     assert process.stdout is not None
     for line in process.stdout:
         if line.startswith("step ") and "/" in line.split()[1]:
             arrived[int(line.split()[1].split("/")[0]) - 1] = time.perf_counter()
+        elif "applied in the running fleet in " in line:
+            seconds = float(line.split("applied in the running fleet in ")[1].split()[0])
+            stage = line.split("stage ")[1].split()[0] if "; stage " in line else "0"
+            fixed.append(seconds - float(stage))
     _, stderr = process.communicate()
     if process.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{stderr[-3000:]}")
     records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-    return {s: arrived[s] - records[s]["makespan_s"] - arrived[s - 1] for s in range(1, scenario.steps)}, records
+    gaps = {s: arrived[s] - records[s]["makespan_s"] - arrived[s - 1] for s in range(1, scenario.steps)}
+    return gaps, records, fixed
 
 
 def main() -> int:
@@ -162,13 +202,18 @@ def main() -> int:
         workload = write_workload(root, tokenizer, scenario)
         inputs[scenario.name] = (workload, write_plan(workload, scenario))
     best: dict[tuple[str, bool], tuple[dict[int, float], dict]] = {}
+    fixed: list[float] = []
+    loads = []
     for k in range(args.rounds):
+        loads.append(load_rate(root))
         for scenario in (KEPT, MOVE):
             for relaunch in (False, True):
                 how = "relaunch" if relaunch else "in-process"
                 out = root / f"{scenario.name}-{how}-{k}"
                 started = time.perf_counter()
-                gaps, records = run(*inputs[scenario.name], out, scenario, relaunch)
+                gaps, records, moved = run(*inputs[scenario.name], out, scenario, relaunch)
+                if scenario is MOVE and not relaunch:
+                    fixed += moved
                 print(f"  {out.name}: {time.perf_counter() - started:.0f} s wall", flush=True)
                 key = (scenario.name, relaunch)
                 total = sum(gaps[s] for s in scenario.changes)
@@ -189,7 +234,13 @@ def main() -> int:
                 f"| {what} (step {s}) | {step:.3f} | {loop:.3f} | {gaps[s]:.3f} | {relaunched[s]:.2f} "
                 f"| {gaps[s] / step:.2f} | {gaps[s] / relaunched[s]:.3f} |"
             )
-    print(f"\nruns in {root}")
+    held, seconds = min(loads, key=lambda load: load[1])
+    print(
+        f"\nmigration price: a stage built per stage at {held / seconds / 1e6:.0f} MB/s ({held / 2**20:.0f} MiB in "
+        f"{seconds:.2f} s, the best of {len(loads)}); a move's fixed part {min(fixed):.2f} s (the least of "
+        f"{len(fixed)}: its change less its stage builds)"
+    )
+    print(f"runs in {root}")
     return 0
 
 

@@ -51,8 +51,8 @@ class Checkpointer:
     ) -> None:
         """``loras`` and ``names``: each task's adapter and name, in task order; ``base_model`` goes into each
         adapter's config (``ExecutorConfig.base_model``)."""
-        self.replica, self.optimizers, self.streams = replica, optimizers, streams
-        self.loras, self.names, self.base_model = tuple(loras), tuple(names), base_model
+        self.retask(replica, optimizers, streams, loras, names)
+        self.base_model = base_model
         self.rank = dist.get_rank()
         self._writer = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-checkpoint") if self.rank == 0 else None
@@ -80,8 +80,8 @@ class Checkpointer:
         loras: Sequence[LoraSpec],
         names: Sequence[str],
     ) -> None:
-        """The fleet changed at a boundary (``change.py``): later saves gather its tasks. A write in flight goes
-        on: it holds its own copy of what it writes."""
+        """What later saves gather: this fleet's tasks (also after a change at a boundary, ``change.py``; a write
+        in flight goes on, with its own copy of what it writes)."""
         self.replica, self.optimizers, self.streams = replica, optimizers, streams
         self.loras, self.names = tuple(loras), tuple(names)
 
