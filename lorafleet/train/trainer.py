@@ -364,14 +364,21 @@ class Trainer:
 
     def _continue_with(self, workload: Workload, plan: DeploymentPlan) -> None:
         """Rank 0's loop state after a change: the tasks, the plan and its cost model (as a launch would build
-        them), a recalibrator afresh for a new deployment, the health watch and the queue's view of the tasks."""
+        them), the recalibration of the replicas that stay, the health watch and the queue's view of the tasks."""
         from lorafleet.assemble import plan_cost_model
         from lorafleet.dispatch.recalibration import Recalibrator
         from lorafleet.train.live import cluster_of
 
-        moved = {(r.config, r.gpus) for r in plan.replicas} != {(r.config, r.gpus) for r in self.plan.replicas}
-        if moved:
+        old = {(r.config, r.gpus): r.replica_id for r in self.plan.replicas}
+        if list(old) != [(r.config, r.gpus) for r in plan.replicas]:
+            # A replica that stays keeps what it measured; a new one is priced at the fleet's scale until it
+            # reports (``Recalibrator``: an unobserved replica's correction).
+            state = self.recalibrator.state_dict()
+            kept = [old.get((r.config, r.gpus)) for r in plan.replicas]
             self.recalibrator = Recalibrator(len(plan.replicas), plan.policy.recalibration)
+            self.recalibrator.load_state_dict(
+                {key: [0 if k is None else values[k] for k in kept] for key, values in state.items()}
+            )
         self.cost_model, _ = plan_cost_model(workload, cluster_of(plan), plan, self.options.plan, self.options.profile)
         self.plan, self.workload = plan, workload
         self.names = [t.spec.name for t in workload.tasks]
