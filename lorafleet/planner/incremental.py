@@ -83,12 +83,14 @@ class Migration:
 class MigrationModel:
     """A change of deployment priced by what the in-process rebuild costs, measured (module doc)."""
 
-    fixed_s: float = 0.5
-    """Seconds of a move whatever is loaded: the staying tasks' states gathered and sent, the groups made,
-    the slots changed (``benchmarks/bench_queue.py``: the 2 -> 3 replicas move on 4 CPU ranks)."""
-    load_bytes_per_s: float = 2.0e8
-    """Base-model bytes a rank builds its stage from per second (``benchmarks/bench_queue.py``: tiny-llama's
-    stage built from its checkpoint on the 2-core machine)."""
+    fixed_s: float = 0.17
+    """Seconds of a move whatever is loaded: the new task's rows sent, the staying tasks' states gathered and
+    sent, the groups made, the slots changed (``benchmarks/bench_queue.py``: the 2 -> 3 replicas move of
+    tiny-llama on 4 CPU ranks, its change less its stage builds; 2026-12-04, the 2-core machine)."""
+    load_bytes_per_s: float = 3.3e8
+    """Bytes of its stage a rank builds per second from a safetensors checkpoint (``benchmarks/bench_queue.py``:
+    a random 88M-parameter Llama's ``<1,1>`` stage, 341 MiB in fp32 from a bf16 checkpoint, per stage, in
+    1.08 s; 2026-12-04, the 2-core machine)."""
     dtype_bytes: int = 2
     """Bytes of one base weight (the run's ``--dtype``; bf16 for a what-if)."""
 
