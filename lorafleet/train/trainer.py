@@ -489,16 +489,18 @@ class Trainer:
 
 
 def finished_tasks(
-    streams: DataStreams, step: int, horizon: int, now: bool = False
+    streams: DataStreams, step: int, run_steps: int, now: bool = False
 ) -> tuple[list[Request], int | None]:
     """Tasks that took their last batch before ``step`` (their ``steps`` or ``epochs``) while the run goes on and
     whose departure is due there (``turns.departures``: ``now``, other changes are applied at this boundary):
     finished, as if asked through the queue, so their adapters are exported and their slots freed; and the next
-    step a departure is to be looked at (None: no task ends within ``horizon``)."""
+    step a departure is to be looked at (None: no task is done within twice the departure window: the turns are
+    drawn that far ahead only, so their cost grows with the steps run, not the run's ``run_steps``)."""
     from lorafleet.train.queue import Action, Request
-    from lorafleet.turns import departures
+    from lorafleet.turns import DEPARTURE_WINDOW, departures
 
     names = [s.data.name for s in streams.streams]
+    horizon = min(run_steps, step + 2 * DEPARTURE_WINDOW)
     ends = {names[t]: end for t, end in streams.end_steps(horizon).items()}
     done, boundary = departures(ends, step, now)
     return [Request(TOOK_ITS_STEPS, Action.FINISH, name) for name in done], boundary
