@@ -228,7 +228,7 @@ def change_fleet(
             model = build_stage(
                 whole, loras, role, groups.tp, seeds=seeds, device=device, backend=backend, weights=weights
             )
-    new = assemble_replica(model, fleet, params, groups, replica.shapes, replica.dims, device)
+    new = assemble_replica(model, fleet, rank, params, groups, replica.shapes, replica.dims, device)
     stays = keep and role is not None and replica.role is not None
     out = []
     for t, task in enumerate(change.tasks):

@@ -118,7 +118,7 @@ def build_replica(
     role = fleet.role(rank)
     # 1, 3-5. Inject, shard, split, move or load (this rank's stage only).
     stage = build_stage(model, adapters, role, groups.tp, seeds=seeds, device=device, backend=backend, weights=weights)
-    return assemble_replica(stage, fleet, params, groups, shapes, dims, device)
+    return assemble_replica(stage, fleet, rank, params, groups, shapes, dims, device)
 
 
 def fleet_groups(
@@ -180,15 +180,15 @@ def build_stage(
 def assemble_replica(
     model: nn.Module | None,
     fleet: FleetLayout,
+    rank: int,
     params: list[AdapterParam],
     groups: FleetGroups,
     shapes: dict[str, tuple[int, int]],
     dims: ModelDims,
     device: torch.device,
 ) -> Replica:
-    """The :class:`Replica` of a built stage (None: an idle rank) in ``fleet``: its local adapter shards by key,
-    its pipeline neighbours and its side of the gradient sum."""
-    rank = dist.get_rank()
+    """The :class:`Replica` of ``rank``'s built stage (None: an idle rank) in ``fleet``: its local adapter shards by
+    key, its pipeline neighbours and its side of the gradient sum."""
     role = fleet.role(rank)
     if model is None or role is None:
         sync = GradSync(groups.pieces, None, {}, groups.made.sync)
