@@ -77,6 +77,10 @@ def test_version_1_is_refused_naming_the_field(planned, tmp_path):
         (lambda d: d["policy"]["recalibration"].update(bound=0.5), "policy.recalibration.bound", ">= 1"),
         (lambda d: d["policy"].update(shuffle=True), "policy.shuffle", "unknown field"),
         (lambda d: d["cost_model"].update(kind="guessed"), "cost_model", "analytic or profile"),
+        (lambda d: d["cost_model"].update(colour="red"), "cost_model.colour", "unknown field"),
+        (lambda d: d.update(n_gpus=True), "n_gpus", "whole number, got a boolean True"),
+        (lambda d: d.update(n_gpus=8.0), "n_gpus", "whole number, got a number 8.0"),
+        (lambda d: d["policy"]["recalibration"].update(enabled=1), "policy.recalibration.enabled", "true or false"),
     ],
 )
 def test_a_broken_plan_file_names_the_field_path(planned, tmp_path, edit, field, words):

@@ -107,6 +107,9 @@ def test_simulate_cli_writes_report(tmp_path, capsys):
         (["--steps", "0"], "--steps"),
         (["--straggler", "x"], "--straggler"),
         (["--straggler", "0=0.5"], "--noise/--straggler"),
+        (["--noise", "1000"], "--noise"),  # exp(1000 Z) overflowed into a ValueError traceback
+        (["--noise", "-0.1"], "--noise"),
+        (["--noise", "nan"], "--noise"),
         (["--fail", "a:b"], "--fail"),
         (["--gpus", "12"], "--gpus"),
         (["--gpu", "TPU"], "--gpu"),

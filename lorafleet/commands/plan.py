@@ -36,7 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_policy_flags(parser, defaults=DispatchPolicy(), only=PLAN_POLICY_FLAGS)
     sizing = parser.add_argument_group("sizing the fleet (with --gpus auto; docs/planner.md)")
     sizing.add_argument(
-        "--max-nodes", metavar="K", help="the most nodes --gpus auto sweeps (default: the workload cluster's nodes)"
+        "--max-nodes",
+        metavar="K",
+        help="the most nodes --gpus auto sweeps, at most 4096 (default: the workload cluster's nodes)",
     )
     sizing.add_argument(
         "--deadline",
@@ -249,6 +251,7 @@ def _sized_plan(workload, args: argparse.Namespace, options, objective, max_node
             options,
             objective,
             max_nodes=max_nodes,
+            progress=_sizing_progress,
         )
     except SizingError as err:
         console.print(sizing_table(err.sweep))
@@ -257,8 +260,29 @@ def _sized_plan(workload, args: argparse.Namespace, options, objective, max_node
         raise _sizing_flag_error(err) from None
     console.print(sizing_table(sizing))
     each = ", ".join(f"{row.gpus}: {row.plan_s:.1f} s" for row in sizing.rows)
-    console.print(f"  swept {len(sizing.rows)} GPU counts in {sum(r.plan_s for r in sizing.rows):.1f} s ({each})")
+    counts = f"{len(sizing.rows)} GPU count{'s' if len(sizing.rows) != 1 else ''}"
+    console.print(f"  swept {counts} in {sum(r.plan_s for r in sizing.rows):.1f} s ({each})")
+    if sizing.stopped:
+        console.print(f"  {sizing.stopped}")
     return sizing.chosen_row.result, sizing.chosen_row.cluster
+
+
+def _sizing_progress(row, planned: int) -> None:
+    """One line on stderr per count planned (a sweep of many counts takes minutes)."""
+    import sys
+
+    got = (
+        f"{row.result.plan.describe()}, {row.step_s:.4g} s and {row.gpu_seconds_per_step:.4g} GPU-s a step"
+        if row.feasible
+        else f"no plan ({row.infeasible})"
+    )
+    nodes = row.cluster.nodes
+    print(
+        f"lorafleet plan: sizing: {row.gpus} GPUs ({nodes} node{'s' if nodes != 1 else ''}): {got} "
+        f"[{row.plan_s:.1f} s; {planned} count{'s' if planned != 1 else ''} planned]",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

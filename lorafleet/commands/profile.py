@@ -222,15 +222,18 @@ def fit_and_report(profile, source: str, folds: int):
 
 def run(args: argparse.Namespace) -> int:
     from lorafleet.costmodel.profile_format import read_profile, write_profile
+    from lorafleet.specs.io import check_writable
 
     if args.profile_action == "fit":
         _at_least(args.folds, 2, "--folds")
         profile = read_profile(args.profile)
+        check_writable(args.out or args.profile)  # before the fit, not after it
         write_profile(fit_and_report(profile, args.profile, args.folds), args.out or args.profile)
         return 0
 
     from lorafleet.profiling.run import measure_profile
 
+    check_writable(args.out)  # before the measurements, not after them
     settings = _settings(args)
     profile = fit_and_report(measure_profile(settings), args.out, folds=5)
     write_profile(profile, args.out)

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--plan", help="DeploymentPlan JSON from `lorafleet plan --json` (default: plan now)")
     parser.add_argument("--steps", type=int, help=f"steps to simulate (default {DEFAULT_STEPS})")
     parser.add_argument(
-        "--noise", type=float, default=0.0, help="log-normal step-time noise sigma per replica (0.03 = 3%%)"
+        "--noise", type=float, default=0.0, help="log-normal step-time noise sigma per replica, 0 to 1 (0.03 = 3%%)"
     )
     parser.add_argument(
         "--straggler",
@@ -103,10 +103,12 @@ def _number(text: str, kind: type, flag: str) -> float:
 
 
 def simulation_options(args: argparse.Namespace):
-    from lorafleet.executor.simulated import FailureSpec, SimulationOptions
+    from lorafleet.executor.simulated import MAX_NOISE_SIGMA, FailureSpec, SimulationOptions
 
-    if not (math.isfinite(args.noise) and args.noise >= 0):
-        raise InputError("<args>", "--noise", f"must be a finite number >= 0, got {args.noise}")
+    if not 0 <= args.noise <= MAX_NOISE_SIGMA:  # NaN fails both comparisons
+        raise InputError(
+            "<args>", "--noise", f"must be a finite number from 0 to {MAX_NOISE_SIGMA:g}, got {args.noise}"
+        )
     slowdown = {
         int(_number(r, int, "--straggler")): _number(f, float, "--straggler")
         for r, f in _pairs(args.straggler, "=", "--straggler")

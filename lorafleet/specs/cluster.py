@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from lorafleet.specs._base import Spec
+from lorafleet.specs._base import Int, Spec
 from lorafleet.specs.gpus import GPU_PRESETS, GPUSpec
+
+MAX_NODES = 4096
+"""The most nodes a cluster may have (``ClusterSpec.nodes``; ``plan --gpus auto --max-nodes`` is capped by it)."""
+MAX_GPUS_PER_NODE = 64
+"""The most GPUs a node may hold."""
 
 
 class ClusterSpec(Spec):
@@ -13,9 +18,9 @@ class ClusterSpec(Spec):
 
     gpu: str = "A100-40GB"
     """GPU preset name (see ``lorafleet.specs.gpus.GPU_PRESETS``)."""
-    nodes: int = Field(1, gt=0, le=4096)
+    nodes: Int = Field(1, gt=0, le=MAX_NODES)
     """Number of nodes."""
-    gpus_per_node: int = Field(8, gt=0, le=64)
+    gpus_per_node: Int = Field(8, gt=0, le=MAX_GPUS_PER_NODE)
     """GPUs in each node."""
 
     @field_validator("gpu")

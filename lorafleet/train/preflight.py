@@ -1,11 +1,17 @@
 """Everything checked before a process of a run starts, and the run directory made the run's.
 
     prepare(options)         the workload (data for every task), the plan (re-planned on a resume with other
-                             GPUs), its cost model and policy, the checkpoint resumed from: every input
-                             error before any process is spawned or any file written (but a re-plan's)
+                             GPUs), its cost model and policy, the checkpoint resumed from, every place the
+                             run will write (the run directory, the queue) and the trackers it will log to:
+                             every input error before any process is spawned or any file written (but a
+                             re-plan's)
     claim(options, prepared) the run directory locked and made this run's (a used one refused unless
-                             resuming or told to overwrite), the data checked against the checkpoint
-                             resumed from, the run's plan written
+                             resuming or told to overwrite, its own queue cleared with it), the data checked
+                             against the checkpoint resumed from, the run's plan written, a stale queue
+                             token removed
+
+What the launcher can check up front it checks in ``prepare`` (or, an HTTP port, binds before ``claim``),
+so that nothing fails once the directory is claimed and a half-made run is never left behind.
 
 No torch import here: a resume's checks import the torch executor's data and checkpoint helpers
 inside the functions that need them.
@@ -24,11 +30,12 @@ from lorafleet.assemble import PlannedRun
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import ARGS, TrainOptions
+from lorafleet.train.phases import counted
 from lorafleet.workload import Workload
 
 if TYPE_CHECKING:
     from lorafleet.plans import DeploymentPlan
-    from lorafleet.rundir import RunLock
+    from lorafleet.rundir import RunDir, RunLock
     from lorafleet.specs.workload import WorkloadSpec
     from lorafleet.train.revisions import Revision
 
@@ -152,6 +159,12 @@ def prepare(options: TrainOptions) -> Prepared:
     from lorafleet.specs.io import check_writable
 
     check_writable(options.out, directory=True)
+    check_writable(options.queue_dir, directory=True)  # the watcher moves requests; the server writes them
+    for root in options.queue_data_roots:
+        if not Path(root).is_dir():
+            raise InputError(ARGS, "--queue-data-root", f"{root}: not a directory")
+    if os.environ.get("RANK", "0") == "0":  # the trackers log from rank 0 only
+        check_trackers(options.loggers)
     start = resume_step(options)
     workload, revisions = training_workload(
         options.workload, options.out if start is not None else None, options.sets, start, options.allow_changes
@@ -190,6 +203,27 @@ def prepare(options: TrainOptions) -> Prepared:
         departed=departed,
         revisions=revisions,
     )
+
+
+def check_trackers(loggers: tuple[str, ...]) -> None:
+    """An InputError, before any process starts, when a ``--logger`` would fail as rank 0 starts it
+    (``TrackerWriter.start_problem``: W&B online without an API key, an MLflow server that does not answer)."""
+    from lorafleet.metrics import LOGGERS
+
+    for name in loggers:
+        problem = LOGGERS[name].start_problem(os.environ)
+        if problem is not None:
+            raise InputError(ARGS, "--logger", f"{name}: {problem}")
+
+
+def queue_data_roots(options: TrainOptions, workload: Workload) -> tuple[str, ...]:
+    """The folders a queued task's data must resolve inside: ``--queue-data-root``, else the folders that hold
+    the workload's data (``train.queue.data_roots``), symlinks resolved."""
+    from lorafleet.train.queue import data_roots
+
+    if options.queue_data_roots:
+        return tuple(os.path.realpath(root) for root in options.queue_data_roots)
+    return data_roots(workload.spec.tasks)
 
 
 def resumed_plan(options: TrainOptions, workload: Workload) -> str:
@@ -267,9 +301,10 @@ def _resume_step(options: TrainOptions, warn: bool) -> int | None:
 
 def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
     """Lock the run directory and make it this run's: refuse a used one unless resuming or told to
-    overwrite; check the data against the checkpoint resumed from; write the run's plan and its resolved
-    workload (``workload.resolved.yaml``: :func:`save_resolved_workload`)."""
-    from lorafleet.train.queue import clear_pending
+    overwrite (which clears the run's own queue too, and refuses requests waiting in a ``--queue`` elsewhere);
+    check the data against the checkpoint resumed from; write the run's plan and its resolved workload
+    (``workload.resolved.yaml``: :func:`save_resolved_workload`)."""
+    from lorafleet.train.queue import clear_pending, remove_stale_token
 
     run_dir = options.run_dir
     lock = run_dir.lock()
@@ -283,9 +318,12 @@ def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
                     f"holds a previous run ({', '.join(used)}); pass --resume to "
                     "continue it or --overwrite to replace it",
                 )
+            refuse_foreign_requests(run_dir)
             run_dir.clear()
+            clear_own_queue(run_dir)
         if prepared.resume_step is None:
             clear_pending(options.queue_dir)  # a previous run's accepted requests are not this run's
+        remove_stale_token(options.queue_dir)  # its server is gone: this run holds the directory's lock
         if prepared.resume_step:
             check_data(options, prepared)
         if not prepared.run.plan == _saved_plan(run_dir.plan):
@@ -297,6 +335,47 @@ def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
         lock.release()
         raise
     return lock
+
+
+def refuse_foreign_requests(run_dir: RunDir) -> None:
+    """``--overwrite`` with a ``--queue`` outside the run directory that holds requests: an InputError. They may
+    be the previous run's, which the fresh run would apply at its step 0, and ``--overwrite`` removes only the
+    run directory's files."""
+    from lorafleet.train.queue.requests import request_files
+
+    if run_dir.owns_queue:
+        return
+    waiting = request_files(run_dir.queue)
+    if waiting:
+        raise InputError(
+            str(run_dir.queue),
+            "",
+            f"holds {len(waiting)} request(s) not yet applied ({', '.join(p.name for p in waiting[:3])}"
+            f"{', ...' if len(waiting) > 3 else ''}), perhaps the previous run's, which this fresh run would "
+            "apply at its step 0; --overwrite removes only the run directory's files: move them away, or "
+            "give another --queue",
+        )
+
+
+def clear_own_queue(run_dir: RunDir) -> None:
+    """``--overwrite``: remove the run directory's own queue (``<out>/queue``: requests not yet applied, the
+    accepted and rejected ones, a token file), saying so in one line when it held anything."""
+    import shutil
+
+    from lorafleet.train.queue.requests import request_files
+
+    queue = run_dir.queue
+    if not run_dir.owns_queue or not queue.is_dir():
+        return
+    waiting = request_files(queue)
+    held = any(queue.iterdir())
+    shutil.rmtree(queue)
+    if held:
+        print(
+            f"lorafleet train: --overwrite: removed the previous run's queue {queue} "
+            f"({counted(len(waiting), 'request')} not yet applied)",
+            flush=True,
+        )
 
 
 def record_revisions(options: TrainOptions, prepared: Prepared) -> None:

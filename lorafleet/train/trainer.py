@@ -62,7 +62,7 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     from lorafleet.executor.torch.processes import LOCKED_ENV, check_code
 
     check_code()
-    device = init_distributed(options.device)
+    device = init_distributed(options.device, options.start_timeout_s)
     report = phase if dist.get_rank() == 0 else None
     if report is not None:
         report(f"process group up: {counted(dist.get_world_size(), 'rank')} ({dist.get_backend()})")
@@ -532,7 +532,8 @@ def _queue_watcher(trainer: Trainer, options: TrainOptions, prepared: Prepared, 
         check_placeable(task, trainer.workload, trainer.plan, trainer.cost_model)
         trainer.added[task.name] = data
 
-    return QueueWatcher(options.queue_dir, prepared.workload.spec.defaults, trainer.ledger, check=check)
+    defaults = prepared.workload.spec.defaults
+    return QueueWatcher(options.queue_dir, defaults, trainer.ledger, check=check, data_roots=options.queue_data_roots)
 
 
 def _start_migration(executor: TorchExecutor, plan: DeploymentPlan, workload: Workload, dtype: str) -> MigrationModel:

@@ -17,8 +17,10 @@ only the base weights of its own stage and TP shard.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from functools import partial
 from typing import Any
 
@@ -26,22 +28,30 @@ import torch
 import torch.distributed as dist
 
 from lorafleet.data.model_source import resolve_model_source
-from lorafleet.errors import InputError
+from lorafleet.errors import InputError, StartTimeout
 from lorafleet.executor.torch.base_model import load_base
 from lorafleet.executor.torch.data_stream import TaskData, prepare_task_data, task_tokenizer, training_streams
+from lorafleet.executor.torch.processes import START_TIMEOUT_S
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.model import adapter_base_model
 from lorafleet.specs.workload import TaskSpec, WorkloadSpec
 from lorafleet.turns import TaskTurns
 
+_TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
 
-def init_distributed(device: str = "auto") -> torch.device:
+
+def init_distributed(device: str = "auto", start_timeout_s: float = START_TIMEOUT_S) -> torch.device:
     """Joins the process group torchrun set up; returns this rank's device.
+
+    The group must form within ``start_timeout_s`` seconds (:func:`form_group`), not the backend's
+    collective timeout (30 minutes for gloo, 10 for NCCL, which torch would otherwise wait for a rank
+    that never arrives).
 
     Args:
         device: ``cuda`` (one GPU per local rank, NCCL), ``cpu`` (gloo), or ``auto`` (CUDA when
             there are enough GPUs for the local ranks).
+        start_timeout_s: seconds the ranks have to meet.
     """
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
@@ -53,12 +63,34 @@ def init_distributed(device: str = "auto") -> torch.device:
                 "<args>", "--device", f"local rank {local_rank} has no GPU ({torch.cuda.device_count()} visible)"
             )
         torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        form_group("nccl", start_timeout_s, device_id=torch.device("cuda", local_rank))
         return torch.device("cuda", local_rank)
     if device != "cpu":
         raise InputError("<args>", "--device", f"expected auto, cpu or cuda, got {device!r}")
-    dist.init_process_group("gloo")
+    form_group("gloo", start_timeout_s)
     return torch.device("cpu")
+
+
+def form_group(backend: str, start_timeout_s: float, **kwargs: Any) -> None:
+    """``init_process_group`` (env://, from torchrun's variables) bounded by ``start_timeout_s``: the store
+    waits that long for every rank (and a rank for the store), gloo and NCCL connect within it. A timeout is a
+    :class:`~lorafleet.errors.StartTimeout` saying how many ranks came (torch's message): the worker ends, and
+    torchrun restarts the group (``--max-restarts``) or the launcher says so in one line. Once formed, the
+    group's collectives get the backend's default timeout back (a step or a checkpoint may take longer than
+    the start)."""
+    from torch.distributed.constants import default_pg_nccl_timeout, default_pg_timeout
+
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=start_timeout_s), **kwargs)
+    except RuntimeError as err:  # DistStoreError: ranks did not join; DistNetworkError: no store to join
+        if not _TIMED_OUT.search(str(err)):
+            raise
+        said = " ".join(str(err).split("\n")[0].split())
+        raise StartTimeout(
+            f"the process group did not form within {start_timeout_s:g} s (--start-timeout): {said}"
+        ) from err
+    run_timeout = default_pg_nccl_timeout if backend == "nccl" else default_pg_timeout
+    dist.distributed_c10d._set_pg_timeout(run_timeout)
 
 
 def build_torch_executor(

@@ -31,10 +31,10 @@ Schemas (from the models in ``requests.py``, ``ledger.py`` and ``pending.py``). 
 rest of lorafleet uses; the package's modules import each other by module.
 """
 
-from lorafleet.train.queue.http import QueueServer, start_queue_server
+from lorafleet.train.queue.http import QueueServer, bind_queue_server, remove_stale_token, start_queue_server
 from lorafleet.train.queue.ledger import Ledger, LedgerEntry, TaskState
 from lorafleet.train.queue.pending import Pending, clear_pending, has_pending, load_pending, save_pending
-from lorafleet.train.queue.requests import Action, Request, RequestError
+from lorafleet.train.queue.requests import Action, Request, RequestError, data_roots
 from lorafleet.train.queue.watcher import QueueWatcher, read_request
 
 __all__ = [
@@ -47,10 +47,13 @@ __all__ = [
     "Request",
     "RequestError",
     "TaskState",
+    "bind_queue_server",
     "clear_pending",
+    "data_roots",
     "has_pending",
     "load_pending",
     "read_request",
+    "remove_stale_token",
     "save_pending",
     "start_queue_server",
 ]

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, PlainSerializer, TypeAdapter, with_c
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing only on Python >= 3.12
 
 from lorafleet.rundir import LEDGER
+from lorafleet.specs._base import Float, Int
 from lorafleet.specs.io import read_json_as, write_json_as
 from lorafleet.specs.workload import TaskSpec
 from lorafleet.train.queue.requests import Action, Request
@@ -33,7 +34,7 @@ class TaskState(StrEnum):
     CANCELLED = "cancelled"
 
 
-Change = tuple[int, float | None, int | None]
+Change = tuple[Int, Float | None, Int | None]
 """``(step, share, deadline)``: from that step on (``turns.TaskTurns.changes``)."""
 
 LedgerSpec = Annotated[TaskSpec, PlainSerializer(lambda spec: spec.model_dump(mode="json", exclude_none=True))]
@@ -48,7 +49,7 @@ class LedgerEntry:
 
     spec: LedgerSpec
     state: TaskState = TaskState.ACTIVE
-    left: int | None = None
+    left: Int | None = None
     """The step it left the run at (finished or cancelled)."""
     changes: tuple[Change, ...] = ()
     """Its share and deadline over time, from its start, once an update changed them (else empty)."""
@@ -63,7 +64,7 @@ class LedgerEntry:
 class AppliedRequest(TypedDict):
     """A request the ledger took, at the boundary before ``step``."""
 
-    step: int
+    step: Int
     file: str
     """The request file (its name in the queue directory), or how the change came (a task that took its steps)."""
     action: Action

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import ConfigDict, TypeAdapter
 
+from lorafleet.specs._base import Int
 from lorafleet.specs.io import read_json_as, write_json_as
 from lorafleet.train.queue.requests import Request
 from lorafleet.turns import TaskTurns
@@ -27,7 +28,7 @@ class Pending:
 
     __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    step: int
+    step: Int
     """The boundary: the step the run checkpointed at and resumes from."""
     requests: list[Request]
     """The requests due there, in the order the watcher took them."""
