@@ -29,8 +29,9 @@ already took never change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from pydantic import ConfigDict
@@ -166,3 +167,33 @@ def last_step(tasks: Sequence[TaskTurns], horizon: int) -> int:
         if took.size:
             last = first + int(took[-1]) + 1
     return last
+
+
+T = TypeVar("T", bound=Hashable)
+
+DEPARTURE_WINDOW = 8
+"""The most steps a task that has taken all its batches waits for other tasks that end soon after it, so that
+their departures are one change of the running fleet (one checkpoint, one re-plan, at most one move) rather
+than one each. A finished task takes no batch: waiting costs only its adapter slot's memory and, for a move
+the re-plan would make, its saving over those steps, which a move's horizon (``--replan-horizon``, 200 by
+default) dwarfs."""
+
+
+def departures(
+    ends: Mapping[T, int], step: int, now: bool = False, window: int = DEPARTURE_WINDOW
+) -> tuple[list[T], int | None]:
+    """The tasks that depart at the boundary before ``step``, and the next step to look again at (None: no
+    task has an end ahead). ``ends``: the step each task with a bounded number of batches is done at (the step
+    after its last batch; ``DataStreams.end_steps``); ``now``: other changes are applied at this boundary.
+
+    The tasks done by ``step`` depart now, unless another task is done within ``window`` steps of the
+    earliest of them and nothing else happens here: then they wait for it, and the run ends a window there.
+    So departures within ``window`` steps of the first are applied at one boundary, a finished task waits at
+    most ``window`` steps, and the rule depends on the turns and on this boundary's other changes only."""
+    done = [t for t, end in ends.items() if end <= step]
+    later = sorted(end for end in ends.values() if end > step)
+    if done and not now:
+        soon = [end for end in later if end <= min(ends[t] for t in done) + window]
+        if soon:
+            return [], soon[0]
+    return done, (later[0] if later else None)

@@ -2,8 +2,9 @@
 
 Simulated time starts at 0 and the fleet runs global steps of the tasks present
 (:mod:`lorafleet.arrivals.fleet`: changes at step boundaries, idle time not charged). At each change the
-strategy (:mod:`lorafleet.arrivals.strategies`) names the plan the tasks run on; a change with replicas
-torn down makes the clock wait ``migration_s`` first. Then that plan runs on :func:`lorafleet.loop.run_loop`
+strategy (:mod:`lorafleet.arrivals.strategies`) names the plan the tasks run on; a change of deployment
+makes the clock wait its migration first (``planner.incremental.MigrationModel``: the in-process rebuild's
+measured price, or ``--migration-s`` a rebuilt replica). Then that plan runs on :func:`lorafleet.loop.run_loop`
 until the task set changes again, as ``simulate`` and ``train`` run theirs: in the plan's pipeline windows,
 each step planned by the event-aware source (:mod:`lorafleet.arrivals.source`), run on the noise-free
 simulated executor and learnt from by a recalibrator.
@@ -51,7 +52,7 @@ class ArrivalOptions:
     planner: PlannerOptions = PlannerOptions(robust_samples=0, baselines=False)
     """Options of every plan made (the first plan, each re-plan, the static plan)."""
     replan: ReplanOptions = ReplanOptions()
-    """``migration_s`` (every strategy's price of a rebuilt replica) and the incremental horizon."""
+    """How every strategy prices a change of deployment (``pricing``), the incremental horizon and objective."""
     seed: int | None = None
     """Seed of the sampled batches; None: the workload's."""
     strategies: tuple[Strategy, ...] = tuple(Strategy)
@@ -143,7 +144,7 @@ class _Segment:
         )
 
 
-def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int, migration_s: float) -> StrategyRun:
+def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int) -> StrategyRun:
     """One strategy's replay: between segments the idle jumps, the strategy's answer and the migration wait."""
     fleet = Fleet(trace)
     tasks = {a.task.name: a.task for a in trace.arrivals}
@@ -159,8 +160,8 @@ def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int
         decision = replanner.on_change(plan, tuple(fleet.present), fleet.clock, fleet.steps_left())
         if decision.change is not None:
             changes.append(decision.change)
-            if decision.change.torn_down:
-                fleet.wait(migration_s)  # the fleet rebuilds (its replicas in parallel) before the next step
+            if decision.change.migration_s:
+                fleet.wait(decision.change.migration_s)  # the fleet rebuilds before the next step
         if recalibrator is None or not _same_replicas(plan, decision.plan):
             measured = recalibrator.measured_pool_scales() if recalibrator is not None else None
             recalibrator = Recalibrator.for_plan(decision.plan, prior=measured)
@@ -190,7 +191,6 @@ def replay_trace(
     plans = PlanMaker(trace, cluster, cost_model, options.planner)
     seed = trace.workload.spec.seed if options.seed is None else options.seed
     replanners = [REPLANNERS[s](plans, options.replan) for s in options.strategies]
-    migration_s = options.replan.migration_s
-    runs = tuple(_replay(r, trace, cost_model, seed, migration_s) for r in replanners)
+    runs = tuple(_replay(r, trace, cost_model, seed) for r in replanners)
     static_plan = next((r.plan for r in replanners if isinstance(r, Static)), None)
     return ArrivalsResult(trace=trace, runs=runs, static_plan=static_plan)

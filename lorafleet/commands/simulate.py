@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 
 from lorafleet.errors import InputError
 
@@ -58,8 +59,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     arrivals.add_argument(
         "--migration-s",
         type=float,
-        default=60.0,
-        help="--arrivals: seconds a torn-down replica's GPUs spend being rebuilt (default 60)",
+        default=None,
+        help="--arrivals: price a change of deployment at a flat N seconds of each torn-down replica's GPUs "
+        "(default: the in-process rebuild's measured price, docs/arrivals.md)",
+    )
+    arrivals.add_argument(
+        "--replan-objective",
+        choices=("makespan", "gpu-s"),
+        default="makespan",
+        help="--arrivals: what an incremental re-plan minimises (default makespan; docs/queue.md)",
     )
     arrivals.add_argument(
         "--replan-horizon",
@@ -236,7 +244,7 @@ def _arrival_flags(args: argparse.Namespace):
     """``--arrivals``'s options, after refusing the flags that mean nothing to it."""
     from lorafleet.arrivals import ArrivalOptions
     from lorafleet.commands._plan_flags import given_policy_flags
-    from lorafleet.planner import ReplanOptions
+    from lorafleet.planner import ReplanObjective, ReplanOptions
 
     refused = {
         "--plan": args.plan is not None,
@@ -255,11 +263,15 @@ def _arrival_flags(args: argparse.Namespace):
             "--arrivals",
             f"not with {names}: the trace's tasks bring their own steps and every plan is made by the replay",
         )
-    if not (math.isfinite(args.migration_s) and args.migration_s >= 0):
+    if args.migration_s is not None and not (math.isfinite(args.migration_s) and args.migration_s >= 0):
         raise InputError("<args>", "--migration-s", f"must be a finite number >= 0, got {args.migration_s}")
     if args.replan_horizon < 1:
         raise InputError("<args>", "--replan-horizon", f"must be >= 1, got {args.replan_horizon}")
-    replan = ReplanOptions(migration_s=args.migration_s, horizon_steps=args.replan_horizon)
+    replan = ReplanOptions(
+        migration_s=args.migration_s,
+        horizon_steps=args.replan_horizon,
+        objective=ReplanObjective(args.replan_objective),
+    )
     return ArrivalOptions(replan=replan, seed=args.seed)
 
 
@@ -282,6 +294,9 @@ def run_arrivals(args: argparse.Namespace) -> int:
     trace = load_trace(args.arrivals, workload)
     cluster = workload_cluster(workload, args.gpus, args.gpu)
     cost_model = workload_cost_model(trace.all_tasks(), cluster, args.profile)
+    if options.replan.migration_s is None:  # the measured model, for the fleet's weights
+        migration = replace(options.replan.migration, dtype_bytes=cost_model.activation_bytes)
+        options = replace(options, replan=replace(options.replan, migration=migration))
     result = replay_trace(trace, cluster, cost_model, options)
     console = Console(width=150)
     added = len(trace.arrivals) - len(workload.tasks)
@@ -290,8 +305,8 @@ def run_arrivals(args: argparse.Namespace) -> int:
         f"{len(trace.cancels)} cancelled) on {cluster.describe()} ({cost_model.source})"
     )
     console.print(
-        f"migration {options.replan.migration_s:g} s per rebuilt replica; "
-        f"incremental horizon {options.replan.horizon_steps} steps"
+        f"migration {options.replan.pricing.describe()}; incremental horizon {options.replan.horizon_steps} steps, "
+        f"objective {options.replan.objective.value}"
     )
     if result.static_plan is not None:
         console.print(f"static plan: {result.static_plan.describe()}")

@@ -123,9 +123,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     queue.add_argument(
         "--migration-s",
         type=float,
-        default=60.0,
+        default=None,
         metavar="S",
-        help="a re-plan's cost of rebuilding one replica, seconds of its GPUs (default 60)",
+        help="price a change of deployment at a flat S seconds of each torn-down replica's GPUs (default: what "
+        "the in-process rebuild costs, measured by the run)",
+    )
+    queue.add_argument(
+        "--replan-objective",
+        choices=("makespan", "gpu-s"),
+        default="makespan",
+        help="what a re-plan minimises: the planner's makespan, a move taken when its GPU-seconds repay its "
+        "migration (default), or the GPU-seconds over the horizon, migration included",
     )
     queue.add_argument(
         "--replan-horizon",
@@ -189,6 +197,7 @@ def options_of(args: argparse.Namespace) -> TrainOptions:
         queue_data_roots=tuple(args.queue_data_root),
         migration_s=args.migration_s,
         replan_horizon=args.replan_horizon,
+        replan_objective=args.replan_objective,
         loggers=tuple(dict.fromkeys(args.logger)),
     )
 

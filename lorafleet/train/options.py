@@ -78,10 +78,13 @@ class TrainOptions:
     queue_data_roots: tuple[str, ...] = ()
     """Directories a queued task's data must resolve inside, symlinks followed (``--queue-data-root``); empty:
     the directories that hold the workload's own data (the launcher resolves them: :func:`data_roots`)."""
-    migration_s: float = 60.0
-    """An incremental re-plan's cost of rebuilding a replica, seconds of its GPUs (``planner.incremental``)."""
+    migration_s: float | None = None
+    """A flat price of a change of deployment: seconds of each torn-down replica's GPUs; None: what the in-process
+    rebuild costs, measured by the run (``planner.incremental.MigrationModel``)."""
     replan_horizon: int = 200
     """The most steps an incremental re-plan counts a new deployment's savings over."""
+    replan_objective: str = "makespan"
+    """What an incremental re-plan minimises: ``makespan`` or ``gpu-s`` (``planner.incremental.ReplanObjective``)."""
     loggers: tuple[str, ...] = ()
     """Experiment trackers rank 0 also logs the step scalars to: ``wandb``, ``mlflow`` (``lorafleet.metrics``)."""
 
@@ -115,8 +118,10 @@ class TrainOptions:
             raise InputError(
                 ARGS, "--start-timeout", f"must be a finite number of seconds > 0, got {self.start_timeout_s}"
             )
-        if not self.migration_s >= 0:
-            raise InputError(ARGS, "--migration-s", f"must be >= 0, got {self.migration_s}")
+        if self.migration_s is not None and not (math.isfinite(self.migration_s) and self.migration_s >= 0):
+            raise InputError(ARGS, "--migration-s", f"must be a finite number >= 0, got {self.migration_s}")
+        if self.replan_objective not in ("makespan", "gpu-s"):
+            raise InputError(ARGS, "--replan-objective", f"expected makespan or gpu-s, got {self.replan_objective!r}")
         if self.queue_http is not None and not 0 <= self.queue_http < 65536:
             raise InputError(ARGS, "--queue-http", f"must be a port in 0..65535, got {self.queue_http}")
         if self.resume and self.overwrite:

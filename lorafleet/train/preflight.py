@@ -142,7 +142,21 @@ def _replan(workload: Workload, cluster: ClusterSpec, options: TrainOptions) -> 
         f"re-planned for {target.n_gpus} GPUs: {run.plan.describe()} (the plan was {old.describe()} on "
         f"{old.n_gpus}); checkpoints do not depend on the plan"
     )
+    if old.n_gpus == target.n_gpus:  # the ledger's tasks lost their plan in a crash amid a change (``_stale``)
+        names = ", ".join(t.name for t in workload.tasks)
+        note = (
+            f"re-planned for the ledger's tasks {names}: {run.plan.describe()} (a queued change was left half-applied)"
+        )
     return replace(run, overrides=(*run.overrides, note)), target
+
+
+def _stale(plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, options: TrainOptions) -> bool:
+    """Whether a resume re-plans: the run has another number of GPUs, or a crash amid a change of its tasks left
+    the ledger's tasks without their plan (the pending changes are still there: ``train.live``)."""
+    from lorafleet.train.queue import has_pending
+
+    names = tuple(t.name for t in workload.tasks)
+    return plan.n_gpus != _target_gpus(cluster) or (plan.tasks != names and has_pending(options.queue_dir))
 
 
 def prepare(options: TrainOptions) -> Prepared:
@@ -165,7 +179,7 @@ def prepare(options: TrainOptions) -> Prepared:
     cluster = workload_cluster(workload, options.gpus, options.gpu)
     if start is not None:
         options = replace(options, plan=resumed_plan(options, workload))
-    if start is not None and DeploymentPlan.load(options.plan).n_gpus != _target_gpus(cluster):
+    if start is not None and _stale(DeploymentPlan.load(options.plan), workload, cluster, options):
         run, cluster = _replan(workload, cluster, options)
     else:
         run = prepare_run(workload, cluster, options.plan, options.profile, dict(options.policy_overrides))

@@ -62,6 +62,7 @@ def test_cli_surface_is_frozen():
         "--queue-http",
         "--recalibrate",
         "--replan-horizon",
+        "--replan-objective",
         "--resume",
         "--set",
         "--solver",

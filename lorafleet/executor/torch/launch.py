@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,13 +30,13 @@ import torch.distributed as dist
 from lorafleet.data.model_source import resolve_model_source
 from lorafleet.errors import InputError, StartTimeout
 from lorafleet.executor.torch.base_model import load_base
-from lorafleet.executor.torch.data_stream import training_streams
+from lorafleet.executor.torch.data_stream import TaskData, prepare_task_data, task_tokenizer, training_streams
 from lorafleet.executor.torch.processes import START_TIMEOUT_S
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.gpus import GIB, gpu_preset_for
 from lorafleet.specs.model import adapter_base_model
-from lorafleet.specs.workload import WorkloadSpec
+from lorafleet.specs.workload import TaskSpec, WorkloadSpec
 from lorafleet.turns import TaskTurns
 
 _TIMED_OUT = re.compile(r"[Tt]imed out|[Tt]imeout")
@@ -146,21 +148,13 @@ def build_torch_executor(
     ``report``, when given, is told each phase as it ends (the data tokenized, the base model loaded).
     ``tokenizer``: the workload's (:func:`task_tokenizer`), when the caller has it already."""
     source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
+    tokenizer = tokenizer if tokenizer is not None else task_tokenizer(spec)
     streams = training_streams(spec, run_steps, tokenizer, turn_changes, departed)
     if report is not None:
         examples = [stream.data.examples for stream in streams.streams]
         tokens = sum(len(e.input_ids) for task in examples for e in task)
         report(f"tokenized: {len(examples)} tasks, {sum(map(len, examples)):,} examples, {tokens:,} tokens")
-    limits = streams.max_batches
-    tasks = tuple(
-        TaskTraining(
-            name=t.name,
-            lora=t.lora,
-            optimizer=t.optimizer,
-            total_steps=max(1, min(run_steps - t.start_step, limit if limit is not None else run_steps)),
-        )
-        for t, limit in zip(spec.tasks, limits, strict=True)
-    )
+    tasks = tuple(task_training(t, limit, run_steps) for t, limit in zip(spec.tasks, streams.max_batches, strict=True))
     config = ExecutorConfig(
         plan=plan,
         tasks=tasks,
@@ -168,9 +162,32 @@ def build_torch_executor(
         base_model=adapter_base_model(spec.model, spec.base_model_id),
         slowdown=dict(slowdown or {}),
     )
+    start = time.perf_counter()
     model, weights = load_base(source, dtype)
     if report is not None:
         params = sum(p.numel() for p in model.parameters()) / 1e6
         precision = str(dtype).removeprefix("torch.")
         report(f"base model loaded: {config.base_model}, {params:,.1f}M parameters, {precision}")
-    return TorchExecutor(config, model, streams, device, weights=weights)
+    executor = TorchExecutor(
+        config,
+        model,
+        streams,
+        device,
+        weights=weights,
+        base=partial(load_base, source, dtype),
+        task_data=partial(_added_task_data, tokenizer=tokenizer),
+    )
+    executor.stage_build_s = time.perf_counter() - start
+    return executor
+
+
+def task_training(task: TaskSpec, limit: int | None, run_steps: int) -> TaskTraining:
+    """A task as the executor trains it: its learning-rate schedule spans the run's steps from its start, at most
+    its own ``limit`` of batches (``data_stream.task_batches``)."""
+    total = max(1, min(run_steps - task.start_step, limit if limit is not None else run_steps))
+    return TaskTraining(name=task.name, lora=task.lora, optimizer=task.optimizer, total_steps=total)
+
+
+def _added_task_data(task: TaskSpec, *, tokenizer: Any) -> TaskData:
+    """A task added to the running fleet: its data tokenized as the launch tokenized the others'."""
+    return prepare_task_data(task, tokenizer, task.data.path if task.data is not None else "queue")

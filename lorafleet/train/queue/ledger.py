@@ -115,7 +115,11 @@ class Ledger:
 
     def apply(self, requests: Sequence[Request], step: int, turns: Mapping[str, TaskTurns] | None = None) -> Ledger:
         """The ledger after ``requests``, applied at the boundary before ``step``; ``turns``: the running tasks'
-        (kept for those that leave)."""
+        (kept for those that leave). A request the ledger has applied at that step already (the same file,
+        action and task) is skipped: applying a boundary's pending changes again (after a crash between the
+        ledger's write and the pending file's removal) records each change once."""
+        done = {(a["step"], a["file"], a["action"], a["name"]) for a in self.applied}
+        requests = [r for r in requests if (step, r.file, r.action, r.name) not in done]
         entries = list(self.entries)
         index = {e.spec.name: k for k, e in enumerate(entries)}
         for r in requests:

@@ -267,16 +267,32 @@ def test_a_tasks_stream_is_its_own_whoever_trains_beside_it_or_joins():
 
 
 def test_a_task_that_took_its_steps_is_finished_as_if_asked():
-    """Mid-run, a task whose ``steps`` are done is handed to the launcher like a queued finish (its adapter
-    exported, its memory freed, the fleet re-planned for the others)."""
+    """Mid-run, a task whose ``steps`` are done is handed to the running fleet like a queued finish (its adapter
+    exported, its slot freed, the fleet re-planned for the others)."""
     from lorafleet.train.trainer import finished_tasks
 
     a, b = synthetic_task("a", 30, (20, 40), 0), synthetic_task("b", 30, (20, 40), 1)
     streams = DataStreams([a, b], (2, 3), seed=7, max_batches=(3, None))
-    assert finished_tasks(streams, 2) == []
-    assert [(r.name, r.action) for r in finished_tasks(streams, 3)] == [("a", Action.FINISH)]
+    assert finished_tasks(streams, 2, 100) == ([], 3)  # the run ends a window where a is done
+    done, later = finished_tasks(streams, 3, 100)
+    assert [(r.name, r.action) for r in done] == [("a", Action.FINISH)] and later is None
     streams.retire(0, 1)  # stopped for non-finite updates: not finished
-    assert finished_tasks(streams, 5) == []
+    assert finished_tasks(streams, 5, 100) == ([], None)
+
+
+def test_departures_within_the_window_of_the_first_are_applied_at_one_boundary():
+    """``turns.departures``: a finished task waits for the tasks done within ``window`` steps of it (then they
+    leave together), never longer; with another change at the boundary it leaves at once."""
+    from lorafleet.turns import departures
+
+    ends = {"a": 10, "b": 15, "c": 19, "d": 40}
+    assert departures(ends, 9, window=8) == ([], 10)
+    assert departures(ends, 10, window=8) == ([], 15)  # b is done within 8 steps of a: a waits for it
+    assert departures(ends, 15, window=8) == (["a", "b"], 19)  # c (19) is more than 8 steps after a (10)
+    assert departures(ends, 19, window=8) == (["a", "b", "c"], 40)  # (a and b had left: the caller's ends lack them)
+    assert departures({"c": 19, "d": 40}, 19, window=8) == (["c"], 40)
+    assert departures(ends, 10, now=True, window=8) == (["a"], 15)  # a change here anyway: a goes with it
+    assert departures({"d": 40}, 41) == (["d"], None)
 
 
 def test_a_share_changed_mid_run_leaves_the_batches_already_taken_alone():
