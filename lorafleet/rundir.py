@@ -93,6 +93,11 @@ class RunDir:
         return self.root / "logs"
 
     @property
+    def input_error(self) -> Path:
+        """A worker's refusal of bad input, its one line, for the launcher to say (``train.failures``)."""
+        return self.logs / "input-error.txt"
+
+    @property
     def failures(self) -> Path:
         """The failed workers torchrun reported last (``train.failures``)."""
         return self.logs / "failures.json"

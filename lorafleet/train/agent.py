@@ -3,17 +3,22 @@
 torch's own entry (``python -m torch.distributed.run``) answers a failed worker with a table of the failures
 and a traceback of its own. Here the same agent (``torch.distributed.run.run``) reports them as data
 instead, into ``OUT/logs/failures.json`` (``train.failures``, which the launcher turns into one line), and
-exits 1 without a word.
+exits 1 without a word. Its log lines are quiet too (``LOGLEVEL``, torch elastic's own setting, is
+``CRITICAL`` unless the user set it): the OpenMP banner of every multi-rank start, each failed worker and
+each signal sent at a shutdown are said by the launcher's lines instead (a restart by rank 0's "process
+group up ..., restart k of K").
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
 
 def main(argv: Sequence[str]) -> int:
     """Run torchrun's agent over ``argv[1:]`` for the run directory ``argv[0]``."""
+    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # read as torch's elastic loggers are made: before the imports
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -2,7 +2,12 @@
 
 Under ``lorafleet train``'s launcher:
 
-- a worker that raises (but for bad input, which is its one line and exit 2) writes its traceback to
+- a worker that refuses bad input (an ``InputError``: a device of another kind than its pool's, a checkpoint
+  that does not fit the run, ...) writes its one line to ``<out>/logs/input-error.txt``
+  (:func:`record_input_error`; the first rank's stands: its peers often refuse the same input) and exits 2
+  without printing it. The launcher, watching for that file, stops the job at once (a restart cannot mend
+  bad input) and prints the line: the run's one line, exit 2 (``train.launcher``);
+- a worker that raises any other error writes its traceback to
   ``<out>/logs/rank-<r>.txt`` and a summary to ``rank-<r>.json`` (:func:`record_worker_error`), and exits 1
   without printing it: its peers' errors are consequences, not news. It records before its process group
   closes (``train.trainer.train_rank``), so the record exists before any peer can fail of the loss;
@@ -20,13 +25,14 @@ Torch-free: the launcher imports it.
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafleet.errors import StartTimeout
+from lorafleet.errors import InputError, StartTimeout
 from lorafleet.rundir import RunDir
 
 PEER_LOST = re.compile(
@@ -56,6 +62,28 @@ def record_worker_error(run_dir: RunDir, rank: int, err: BaseException) -> None:
     lost = not isinstance(err, StartTimeout) and bool(PEER_LOST.search(text))  # a start timeout is its own news
     summary = {"error": ": ".join([type(err).__name__, *message]), "peer_lost": lost}
     (run_dir.logs / f"rank-{rank}.json").write_text(json.dumps(summary), encoding="utf-8")
+
+
+def record_input_error(run_dir: RunDir, err: InputError) -> None:
+    """A worker's refusal of bad input into ``logs/input-error.txt``, whole (written aside, then linked: the
+    launcher never reads half a line), unless a peer's is there already."""
+    run_dir.logs.mkdir(parents=True, exist_ok=True)
+    aside = run_dir.logs / f".input-error.{os.getpid()}"
+    aside.write_text(str(err), encoding="utf-8")
+    try:
+        os.link(aside, run_dir.input_error)
+    except FileExistsError:
+        pass  # a peer refused first: its line is the run's
+    finally:
+        aside.unlink()
+
+
+def input_error(run_dir: RunDir) -> str | None:
+    """The line a worker refused bad input with, or None."""
+    try:
+        return run_dir.input_error.read_text(encoding="utf-8")
+    except OSError:
+        return None
 
 
 def write_failures(path: Path, failures: list[WorkerFailure]) -> None:
@@ -98,7 +126,6 @@ def _cause(run_dir: RunDir, failures: list[WorkerFailure]) -> str:
 def failure_line(run_dir: RunDir, code: int, agent_pid: int) -> str:
     """The launcher's one line for a run whose torchrun ended with ``code`` (not 0, and no signal to the
     launcher): the cause, and how to go on."""
-    from lorafleet.errors import InputError
     from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
 
     try:

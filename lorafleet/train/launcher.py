@@ -19,6 +19,9 @@ import sys
 from dataclasses import replace
 from types import FrameType
 
+from lorafleet.errors import EXIT_INPUT_ERROR
+from lorafleet.rundir import RunDir
+from lorafleet.train.failures import input_error
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase, start_clock
 from lorafleet.train.preflight import Prepared, claim, prepare, queue_data_roots
@@ -28,6 +31,8 @@ RANK_MODULE = "lorafleet.train.rank"
 """What torchrun runs in every worker process (with the run file's path)."""
 AGENT_MODULE = "lorafleet.train.agent"
 """torchrun's agent as the launcher runs it (failures reported as data: ``train.failures``)."""
+WATCH_S = 0.5
+"""How often the launcher looks for a worker's refusal of bad input while torchrun runs."""
 
 
 def launch(options: TrainOptions) -> int:
@@ -70,17 +75,18 @@ def launch(options: TrainOptions) -> int:
         if server is not None:
             server.serve(options.queue_dir, options.run_dir.root)
             print(f"lorafleet train: queue: {server.url} (token in {server.token_file})", flush=True)
-        return _run(replace(options, plan=str(options.run_dir.plan)), prepared)
+        return _run(replace(options, plan=str(options.run_dir.plan)), prepared, named=options.plan)
     finally:
         if server is not None:
             server.close()
         lock.release()
 
 
-def _run(options: TrainOptions, prepared: Prepared) -> int:
+def _run(options: TrainOptions, prepared: Prepared, named: str) -> int:
     """Launch the workers; each time they stop for queued requests (``train.queue``), apply them
     (``train.live``) and launch again, resuming from the checkpoint they left. A resume first applies
-    what a launcher that died before applying them left."""
+    what a launcher that died before applying them left. ``named``: the plan as the command named it (the
+    workers read the run's copy, ``options.plan``)."""
     from lorafleet.train.live import apply_pending
 
     apply = prepared.resume_step is not None
@@ -92,20 +98,23 @@ def _run(options: TrainOptions, prepared: Prepared) -> int:
                 return 0
             prepared = applied.prepared
             options = replace(options, resume=True, overwrite=False)
-        code = _supervise(options, prepared)
+        code = _supervise(options, prepared, named)
         if code != 0 or not has_pending(options.queue_dir):
             return code
         apply = True
 
 
-def _supervise(options: TrainOptions, prepared: Prepared) -> int:
+def _supervise(options: TrainOptions, prepared: Prepared, named: str) -> int:
     """Run torchrun in a session of its own, dying with this process; turn the first SIGINT/SIGTERM into a
-    stop request, a second into a kill; the exit code says which (128 + signal) or torchrun's."""
+    stop request, a second into a kill; the exit code says which (128 + signal) or torchrun's. A worker's
+    refusal of bad input is the run's one line and exit 2, the run directory rolled back when nothing was
+    trained (the line then names the plan as the command did: the run's copy is gone)."""
     from lorafleet.executor.torch.processes import agent_preexec, torchrun_argv, worker_env
     from lorafleet.train.run_file import ResolvedRun
 
     run_dir = options.run_dir
     run_dir.clear_stop()
+    run_dir.input_error.unlink(missing_ok=True)
     path = ResolvedRun.of(options, prepared).save(run_dir)
     phase(f"starting {counted(prepared.world_size, 'worker process', 'worker processes')} (torchrun)")
     agent = (AGENT_MODULE, str(run_dir.root))
@@ -132,16 +141,44 @@ def _supervise(options: TrainOptions, prepared: Prepared) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = child.wait()
+        code = _wait(child, run_dir)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         run_dir.clear_stop()
     if received:
         return 128 + received[0]
+    refused = input_error(run_dir)
+    if refused is not None:
+        if _roll_back(options):
+            refused = refused.replace(str(run_dir.plan), named)
+        print(f"lorafleet: error: {refused}", file=sys.stderr, flush=True)
+        return EXIT_INPUT_ERROR
     if code != 0:
         from lorafleet.train.failures import failure_line
 
         print(failure_line(run_dir, code, child.pid), file=sys.stderr, flush=True)
         return 128 - code if code < 0 else code
     return code
+
+
+def _wait(child: subprocess.Popen, run_dir: RunDir) -> int:
+    """torchrun's exit code; once a worker has refused bad input (``train.failures``), torchrun and its workers
+    killed first: torchrun would restart them into the same refusal, ``--max-restarts`` times."""
+    while True:
+        try:
+            return child.wait(timeout=WATCH_S)
+        except subprocess.TimeoutExpired:
+            if run_dir.input_error.exists():
+                os.killpg(child.pid, signal.SIGKILL)  # the workers die with torchrun (processes.die_with_torchrun)
+                return child.wait()
+
+
+def _roll_back(options: TrainOptions) -> bool:
+    """Whether the run directory was cleared: a fresh run refused before it trained a step leaves the directory
+    as it found it (the next run there is not "used"); a resumed one, or one that trained, keeps its files."""
+    run_dir = options.run_dir
+    if options.resume or run_dir.metrics_jsonl.exists() or run_dir.checkpoints.exists():
+        return False
+    run_dir.clear()
+    return True

@@ -176,6 +176,7 @@ def prepare(options: TrainOptions) -> Prepared:
     workload, revisions = training_workload(
         options.workload, options.out if start is not None else None, options.sets, start, options.allow_changes
     )
+    check_model(workload, options.workload)
     cluster = workload_cluster(workload, options.gpus, options.gpu)
     if start is not None:
         options = replace(options, plan=resumed_plan(options, workload))
@@ -211,6 +212,17 @@ def prepare(options: TrainOptions) -> Prepared:
         departed=departed,
         revisions=revisions,
     )
+
+
+def check_model(workload: Workload, path: str) -> None:
+    """The weights the workers will load are there and whole: a preset without weights, a missing path, or a
+    truncated or corrupt safetensors file is one line here, not an error in every worker."""
+    from lorafleet.data.model_source import SourceKind, resolve_model_source
+    from lorafleet.data.weights_index import check_weights
+
+    source = resolve_model_source(workload.spec.model, source=path, field="model")
+    if source.kind is SourceKind.HF_DIR:
+        check_weights(Path(source.path))
 
 
 def check_trackers(loggers: tuple[str, ...]) -> None:

@@ -1,10 +1,11 @@
 """One rank of a run its launcher started: ``python -m lorafleet.train.rank <out>/run.json`` (under torchrun).
 
 The rank reads the run file its launcher wrote (``train.run_file``) and runs
-:func:`lorafleet.train.trainer.train_rank`; there is no command line to parse again. Bad input is one
-line on stderr and exit code 2, as from the ``lorafleet`` command; any other error is recorded under
-``<out>/logs/`` (its traceback) and ends the rank with exit code 1, for the launcher's one line
-(``train.failures``).
+:func:`lorafleet.train.trainer.train_rank`; there is no command line to parse again. Bad input found in the
+rank is recorded as its one line and ends the rank with exit code 2: the launcher stops the job and says it
+(once for the run, not once per rank); any other error is recorded under ``<out>/logs/`` (its traceback) and
+ends the rank with exit code 1, for the launcher's one line (``train.failures``). A run file that cannot be
+read is this process's own line, exit 2.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lorafleet.errors import InputError, exit_code
+from lorafleet.errors import EXIT_INPUT_ERROR, InputError, exit_code
 
 
 def main(argv: Sequence[str]) -> int:
@@ -30,7 +31,12 @@ def main(argv: Sequence[str]) -> int:
     resolved = ResolvedRun.load(argv[0])
     try:
         return train_rank(resolved.options, resolved.prepared())
-    except (InputError, KeyboardInterrupt, SystemExit):
+    except InputError as err:  # the launcher says it, once for the run (train.failures)
+        from lorafleet.train.failures import record_input_error
+
+        record_input_error(resolved.options.run_dir, err)
+        return EXIT_INPUT_ERROR
+    except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as err:  # before the process group (train_rank records its own): logs/, exit 1
         from lorafleet.train.failures import record_worker_error

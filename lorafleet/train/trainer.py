@@ -30,7 +30,7 @@ from lorafleet.plans import StepPlan, StepReport
 from lorafleet.train.health import TaskHealth
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase
-from lorafleet.train.preflight import Prepared, claim
+from lorafleet.train.preflight import RESTART_ENV, Prepared, claim
 from lorafleet.train.probe import probe
 from lorafleet.train.queue import Action, Ledger
 from lorafleet.train.summary import run_summary, summary_text
@@ -65,7 +65,9 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     device = init_distributed(options.device, options.start_timeout_s)
     report = phase if dist.get_rank() == 0 else None
     if report is not None:
-        report(f"process group up: {counted(dist.get_world_size(), 'rank')} ({dist.get_backend()})")
+        again = os.environ.get(RESTART_ENV, "0")
+        restart = f", restart {again} of {options.max_restarts}" if again != "0" else ""
+        report(f"process group up: {counted(dist.get_world_size(), 'rank')} ({dist.get_backend()}){restart}")
     lock = None
     try:
         check_device_kinds(prepared.run.plan, device, options.plan)

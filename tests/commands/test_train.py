@@ -114,6 +114,27 @@ def test_bad_input_is_one_line_and_exit_2(workload, capsys, change, extra, messa
     assert len(err.splitlines()) == 1 and message in err
 
 
+def test_weights_no_worker_could_load_are_refused_before_any_process(workload, capsys, tmp_path):
+    """A preset without weights on this machine, or a safetensors file cut short, is one line naming the
+    workload or the file, exit 2, and nothing written: not the same error in every worker."""
+    path, plan = workload
+    model = tmp_path / "model"
+    h.build_model("llama").save_pretrained(model, safe_serialization=True)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    capsys.readouterr()  # transformers' progress bar
+    out = tmp_path / "out"
+    for name, words in (
+        (model, f"{weights}: not a readable safetensors file (Error while deserializing header"),
+        ("llama2-7b", f"{path}: model: preset 'llama2-7b' has no weights on this machine"),
+    ):
+        path.write_text(re.sub(r"^model: .*$", f"model: {name}", path.read_text(), flags=re.M))
+        assert main(["train", str(path), "--plan", str(plan), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and words in err, err
+        assert not out.exists()
+
+
 def test_a_plan_for_other_tasks_is_refused(workload, capsys, tmp_path):
     path, plan = workload
     other = replace(h.plan_of((1, 1)), tasks=("a", "b"), bucket_boundaries=(256,))

@@ -54,3 +54,17 @@ def test_a_lost_peer_comes_before_a_bare_exit_code(tmp_path):
     assert "worker rank 1 failed: RuntimeError: gloo: Connection closed by peer" in line, line
     summary = json.loads((tmp_path / "out" / "logs" / "rank-1.json").read_text())
     assert summary["peer_lost"] is True
+
+
+def test_the_first_workers_refusal_of_bad_input_is_the_runs_line(tmp_path):
+    """Two ranks refuse bad input (each its own words): the first one recorded is the run's line, whole, and
+    nothing else is left in ``logs/``; no refusal reads as None."""
+    from lorafleet.errors import InputError
+    from lorafleet.train.failures import input_error, record_input_error
+
+    run_dir = RunDir(tmp_path / "out")
+    assert input_error(run_dir) is None
+    record_input_error(run_dir, InputError("plan.json", "pools[0].gpu", "rank 0 is in the cluster of A100s"))
+    record_input_error(run_dir, InputError("plan.json", "pools[0].gpu", "rank 1 is in the cluster of A100s"))
+    assert input_error(run_dir) == "plan.json: pools[0].gpu: rank 0 is in the cluster of A100s"
+    assert sorted(p.name for p in run_dir.logs.iterdir()) == ["input-error.txt"]

@@ -281,6 +281,31 @@ def test_a_failure_without_restarts_is_one_line_that_says_how_to_resume(run):
 
 
 @pytest.mark.slow
+def test_bad_input_a_worker_finds_is_the_runs_one_line_without_restarts(run):
+    """Issues #25/#29: bad input only a worker can see (here a rank whose device is not its pool's kind: an
+    A100 plan under ``--device auto`` on a machine without GPUs) is the run's one line and exit 2, as the
+    launcher's own checks are: said once (not once per rank, not torchrun's or the launcher's failure lines),
+    no restart although ``--max-restarts 2`` allows two (a restart cannot mend input), nothing of the job left
+    running, and the fresh run directory rolled back (the command, once fixed, is not refused as "used")."""
+    from lorafleet.rundir import used_by
+
+    train, tmp = run
+    a100 = replace(h.plan_of((1, 1), (1, 1), gpu="A100-40GB"), tasks=("docsum", "chat"), bucket_boundaries=(256,))
+    a100.save(tmp / "plan.json")
+    workload = tmp / "w.yaml"
+    workload.write_text(workload.read_text().replace("gpu: cpu", "gpu: A100-40GB"))
+    result = train("--device", "auto", "--max-restarts", "2", "--steps", "4")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip() == (
+        f"lorafleet: error: {tmp / 'plan.json'}: pools[0].gpu: rank 0 is in the cluster of A100-40GB GPUs, but "
+        "its device is cpu: plan for the devices the job runs on (--gpu cpu)"
+    )
+    assert result.stdout.count("process group up") == 1, result.stdout
+    assert not _job_processes(str(tmp / "out"))
+    assert used_by(tmp / "out") == []
+
+
+@pytest.mark.slow
 def test_workers_never_outlive_their_launcher(run):
     _, tmp = run
     process = _start(run, "--steps", "4000", "--checkpoint-every", "1000")

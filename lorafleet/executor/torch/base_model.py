@@ -14,8 +14,6 @@ whole model, and transformers dequantises a GGUF as a whole.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,15 +22,18 @@ import torch
 from torch import Tensor, nn
 
 from lorafleet.data.model_source import ModelSource, SourceKind
+from lorafleet.data.weights_index import (
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    checkpoint_files,
+    has_safetensors,
+    tensor_shapes,
+)
 from lorafleet.errors import InputError
 from lorafleet.specs.model import ModelSpec
 
 #: Model families whose decoder layers the executor can shard and split (same module names).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-
-#: The safetensors weights of an HF model directory: one file, or shards named by an index.
-SAFETENSORS_FILE = "model.safetensors"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 def llama_config(spec: ModelSpec) -> Any:
@@ -98,7 +99,7 @@ def load_base(source: ModelSource, dtype: torch.dtype = torch.float32) -> tuple[
         InputError: the directory cannot be loaded, or its checkpoint lacks a tensor of the model
             or holds one of another shape (naming the file and tensor), before anything is built.
     """
-    if source.kind is not SourceKind.HF_DIR or not _has_safetensors(Path(source.path)):
+    if source.kind is not SourceKind.HF_DIR or not has_safetensors(Path(source.path)):
         return load_causal_lm(source, dtype), None
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -113,10 +114,6 @@ def load_base(source: ModelSource, dtype: torch.dtype = torch.float32) -> tuple[
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     weights = SafetensorsWeights.of(Path(source.path), model)
     return model.eval().requires_grad_(False), weights
-
-
-def _has_safetensors(directory: Path) -> bool:
-    return (directory / SAFETENSORS_INDEX).is_file() or (directory / SAFETENSORS_FILE).is_file()
 
 
 @dataclass(frozen=True)
@@ -157,8 +154,8 @@ class SafetensorsWeights:
                 the checkpoint (path: the index or file; field: the tensor), or has another shape
                 (path: the file holding it).
         """
-        files = _checkpoint_files(directory)
-        shapes = _tensor_shapes(directory, set(files.values()))
+        files = checkpoint_files(directory)
+        shapes = tensor_shapes(directory, set(files.values()))
         where = str(directory / (SAFETENSORS_INDEX if (directory / SAFETENSORS_INDEX).is_file() else SAFETENSORS_FILE))
         aliases = _aliases(model)
         entries = {}
@@ -189,36 +186,6 @@ class SafetensorsWeights:
             part = f.get_slice(entry.key)[index]
         self.reads.append((entry.key, tuple(part.shape), part.numel() * part.element_size()))
         return part.to(device=device, dtype=dtype).contiguous()
-
-
-def _checkpoint_files(directory: Path) -> dict[str, str]:
-    """Tensor key -> file (relative to ``directory``), from the shard index or the one file's header."""
-    from safetensors import safe_open
-
-    index = directory / SAFETENSORS_INDEX
-    if not index.is_file():
-        with safe_open(str(directory / SAFETENSORS_FILE), framework="pt") as f:
-            return dict.fromkeys(f.keys(), SAFETENSORS_FILE)
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise InputError(str(index), "weight_map", f"not a safetensors index ({err})") from None
-    for file in sorted(set(weight_map.values())):
-        if not (directory / file).is_file():
-            raise InputError(str(index), "weight_map", f"names {file!r}, which is not in {directory}")
-    return dict(weight_map)
-
-
-def _tensor_shapes(directory: Path, files: Iterable[str]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape, from the files' headers (no tensor data is read)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for file in files:
-        with safe_open(str(directory / file), framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
 
 
 def _aliases(model: nn.Module) -> dict[int, list[str]]:

@@ -26,8 +26,9 @@ from torch import nn
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lorafleet.data.model_source import ModelSource, SourceKind
+from lorafleet.data.weights_index import SAFETENSORS_FILE, SAFETENSORS_INDEX, check_weights
 from lorafleet.errors import InputError
-from lorafleet.executor.torch.base_model import SAFETENSORS_FILE, SAFETENSORS_INDEX, load_base, load_causal_lm
+from lorafleet.executor.torch.base_model import load_base, load_causal_lm
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.layout import layer_of
 from lorafleet.executor.torch.replica import build_replica
@@ -301,3 +302,20 @@ def test_sharded_checkpoint_errors(checkpoints, tmp_path):
     with pytest.raises(InputError, match=shard) as err:
         load_base(hf_source(d))
     assert err.value.path == str(d / SAFETENSORS_INDEX)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_a_truncated_weights_file_is_named(checkpoints, tmp_path, model):
+    """A safetensors file cut short (a copy that did not finish) or emptied is one InputError naming it, from
+    the header alone, in a worker (``load_base``) and in the launcher's check (``check_weights``): not
+    safetensors' own SafetensorError."""
+    d = _copy_checkpoint(checkpoints[model], tmp_path / "t")
+    victim = sorted(d.glob("*.safetensors"))[-1]
+    victim.write_bytes(victim.read_bytes()[:-100])
+    for check in (lambda: load_base(hf_source(d)), lambda: check_weights(d)):
+        with pytest.raises(InputError, match="not a readable safetensors file") as err:
+            check()
+        assert err.value.path == str(victim)
+    victim.write_bytes(b"")
+    with pytest.raises(InputError, match="header too small"):
+        check_weights(d)
