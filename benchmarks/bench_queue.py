@@ -28,6 +28,11 @@ bf16, built per stage in fp32 as ``lorafleet train`` builds it, every value touc
 seconds), and the fixed part of a move (the move's in-process change less its stage builds, from its log).
 
     python benchmarks/bench_queue.py [--rounds 2] [--keep DIR]
+
+``--replan WORKLOAD`` measures instead what the boundary's incremental re-plan costs at a workload's scale
+(a service's: ``examples/service-64.yaml``): the workload planned without its last task, then the re-plan with
+it added (a tenant joins; ``planner.incremental.replan_incremental``, as ``lorafleet train`` runs it at the
+boundary), in CPU seconds of this process and wall seconds, best of ``--rounds``.
 """
 
 from __future__ import annotations
@@ -185,11 +190,44 @@ def run(workload: Path, plan: Path, out: Path, scenario: Scenario, relaunch: boo
     return gaps, records, fixed
 
 
+def replan_at_scale(path: Path, rounds: int) -> None:
+    """The ``--replan`` measurement (module doc)."""
+    import resource
+
+    from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.planner import PlannerOptions, ReplanOptions, plan_deployment, replan_incremental
+    from lorafleet.workload import load_workload
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    workload = load_workload(path)
+    cluster = workload_cluster(workload)
+    cost_model = workload_cost_model(workload, cluster, None)
+    before = replace(workload, tasks=workload.tasks[:-1])
+    running = plan_deployment(before, cluster, cost_model, PlannerOptions()).plan
+    timings = []
+    for _ in range(rounds):
+        cpu0, wall0 = cpu(), time.perf_counter()
+        replan = replan_incremental(running, workload, cluster, cost_model, PlannerOptions(), ReplanOptions(), 10**6)
+        timings.append((cpu() - cpu0, time.perf_counter() - wall0))
+    spent, wall = min(timings)
+    print(
+        f"{path.name}: {len(before.tasks)} tasks on {running.used_gpus} GPUs, {workload.tasks[-1].spec.name} joins: "
+        f"the re-plan takes {spent:.2f} CPU s ({wall:.2f} s wall; best of {rounds}): {replan.describe()[:100]}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2, help="rounds of every run, interleaved (default 2)")
     parser.add_argument("--keep", help="keep the runs in this directory")
+    parser.add_argument("--replan", type=Path, help="measure the boundary's re-plan on this workload instead")
     args = parser.parse_args()
+    if args.replan is not None:
+        replan_at_scale(args.replan, args.rounds)
+        return 0
     from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer
 
     root = Path(args.keep or tempfile.mkdtemp(prefix="bench-queue-"))
