@@ -117,6 +117,9 @@ class CostModel:
     """Replicas taking part in the adapters' gradient all-reduce (1: no sync)."""
     origin: CostModelOrigin | None = None
     """How to rebuild this model (``load_cost_model`` sets it; None for one built by hand)."""
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Per-config figures already derived from the fields above (stage coefficients, step overhead):
+    the model is frozen, so they never change; a copy (``dataclasses.replace``) starts empty."""
 
     @property
     def configs(self) -> list[ParallelConfig]:
@@ -135,6 +138,12 @@ class CostModel:
 
     def stage_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
         """τ(b, s) of ``config`` in LobRA form, ms per stage (see the module docstring)."""
+        key = ("stage", config)
+        if key not in self._memo:
+            self._memo[key] = self._stage_coeffs(config)
+        return self._memo[key]
+
+    def _stage_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
         head = self.head_time.get(config.tp, AffineTime())
         per_token, fixed = head.slope, head.fixed
         if config.pp > 1:
@@ -164,6 +173,12 @@ class CostModel:
     def step_overhead(self, config: ParallelConfig) -> float:
         """Per-step time of one replica of ``config`` outside its micro-batches, seconds:
         the adapters' gradient all-reduce across ``sync_replicas`` and the optimizer step."""
+        key = ("overhead", config)
+        if key not in self._memo:
+            self._memo[key] = self._step_overhead(config)
+        return self._memo[key]
+
+    def _step_overhead(self, config: ParallelConfig) -> float:
         params = self.adapter_params_per_device(config)
         sync = self.interconnect.grad_sync.allreduce(self.sync_replicas)(params * self.activation_bytes)
         return (sync + self.optimizer_time(params)) / MS_PER_S
