@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", help="write the versioned DeploymentPlan here (read by simulate and train)")
     parser.add_argument("--plot", help="write a PNG of the expected load per replica here")
+    parser.add_argument(
+        "--stats", action="store_true", help="print the planner's work counters and CPU seconds (docs/planner.md)"
+    )
     add_set_flag(parser)
     parser.set_defaults(func=run)
 
@@ -227,6 +230,22 @@ def comparison_table(result):
     return table
 
 
+def stats_table(result, cpu_s: float):
+    """The plan's work counters (deterministic: ``lorafleet.work``), then where the seconds went."""
+    from rich.table import Table
+
+    from lorafleet.work import WORK
+
+    work = result.diagnostics.work
+    laps = ", ".join(f"{k} {v:.2f} s" for k, v in result.diagnostics.timings_s.items())
+    table = Table(title="planner work", caption=f"{cpu_s:.2f} CPU s for the whole command (wall: {laps})")
+    for column in ("counter", "count", "one is"):
+        table.add_column(column, justify="right" if column == "count" else "left")
+    for name, (label, what) in WORK.items():
+        table.add_row(label, str(work[name]), what)
+    return table
+
+
 def _above(value: float, bound: float) -> str:
     """``+12.3%`` above the bound (or ``no bound`` when the bound is 0)."""
     return f"+{value / bound - 1:.1%}" if bound > 0 else "no bound"
@@ -309,4 +328,14 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"  plan: {args.json}")
     if args.plot:
         console.print(f"  plot: {plot_expected_load(result.plan, result.expected_step, args.plot)}")
+    if args.stats:
+        console.print(stats_table(result, cpu_seconds()))
     return 0
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and its finished children (the CBC solves)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime

@@ -43,6 +43,7 @@ from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
 from lorafleet.specs.model import ModelSpec
+from lorafleet.work import count as count_work
 
 #: Pipeline messages per micro-batch on a stage: activations in (forward), their gradient out (backward).
 P2P_MESSAGES = 2
@@ -223,6 +224,7 @@ class CostModel:
         """
         if not microbatches:
             return 0.0
+        count_work("replicas_priced")
         if tasks is not None and len(tasks) != len(microbatches):
             raise ValueError(f"{len(tasks)} task sets for {len(microbatches)} micro-batches")
         times = self.stage_coeffs(config).shapes(microbatches) / MS_PER_S

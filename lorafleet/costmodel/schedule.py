@@ -50,6 +50,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from lorafleet.costmodel import time_model
+from lorafleet.work import count as count_work
+from lorafleet.work import memo as work_memo
 
 FORWARD, BACKWARD = "F", "B"
 FORWARD_SHARE = time_model.FORWARD_SHARE[2]
@@ -169,7 +171,13 @@ def stall_slots(pp: int, microbatch_tasks: Sequence[Collection[int]]) -> float:
     k = d.size
     if int((d - np.arange(k, 2 * k)).max()) + pp <= 0:
         return 0.0
-    return _timed_stall(pp, tuple(d.tolist()))
+    key = (pp, tuple(d.tolist()))
+    memo = work_memo("stall")  # a counted scope (a plan) keeps its own, so its count is reproducible
+    if memo is None:
+        return _cached_stall(*key)
+    if key not in memo:
+        memo[key] = _timed_stall(*key)
+    return memo[key]
 
 
 def second_step_dependencies(microbatch_tasks: Sequence[Collection[int]]) -> np.ndarray:
@@ -182,7 +190,6 @@ def second_step_dependencies(microbatch_tasks: Sequence[Collection[int]]) -> np.
     return np.searchsorted(suffix_min, tops, side="right") - 1
 
 
-@functools.lru_cache(maxsize=65536)
 def _timed_stall(pp: int, d: tuple[int, ...]) -> float:
     """Steady-state stall of a step of ``len(d)`` micro-batches whose second-step dependencies are ``d``
     (:func:`second_step_dependencies`): span(3 steps) - span(2 steps) - K, one slot a micro-batch."""
@@ -193,6 +200,9 @@ def _timed_stall(pp: int, d: tuple[int, ...]) -> float:
         return stream_span(pp, deps, FORWARD_SHARE, 1.0 - FORWARD_SHARE)
 
     return max(0.0, span(3) - span(2) - k)
+
+
+_cached_stall = functools.lru_cache(maxsize=65536)(_timed_stall)
 
 
 def _unit_span(pp: int, stream: list[StreamMicroBatch]) -> float:
@@ -237,6 +247,7 @@ def stream_span(pp: int, deps: np.ndarray, forward_s: float | np.ndarray, backwa
     n = deps.size
     if n == 0:
         return 0.0
+    count_work("stall_timelines")
     positions = stage_positions(pp, deps)
     fwd = np.broadcast_to(np.asarray(forward_s, dtype=float), (pp, n))
     bwd = np.broadcast_to(np.asarray(backward_s, dtype=float), (pp, n))

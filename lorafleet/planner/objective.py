@@ -26,6 +26,7 @@ import numpy as np
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.planner.schedule import Schedule
 from lorafleet.plans import GlobalBatch
+from lorafleet.work import count as count_work
 
 T = TypeVar("T")
 
@@ -68,6 +69,7 @@ def race(
             break
         for batch in batches[start : start + rung]:
             for k in alive:
+                count_work("batches_raced")
                 samples[k].append(schedules[k].step_cost(batch, cost_model).makespan_s)
         ranked = []
         rest = list(alive)

@@ -16,7 +16,8 @@ def workload_path(tmp_path_factory):
 
 def test_cli_surface_is_frozen():
     """A new option of `plan` must be added here on purpose (as `train`'s are in test_train.py).
-    --max-nodes, --deadline, --budget and --steps size the fleet with --gpus auto (docs/planner.md)."""
+    --max-nodes, --deadline, --budget and --steps size the fleet with --gpus auto (docs/planner.md); --stats
+    prints the planner's work counters (issue #26)."""
     plan = build_parser()._subparsers._group_actions[0].choices["plan"]
     assert sorted(o for a in plan._actions for o in a.option_strings) == [
         "--budget",
@@ -34,6 +35,7 @@ def test_cli_surface_is_frozen():
         "--samples",
         "--set",
         "--solver",
+        "--stats",
         "--steps",
         "-h",
     ]
