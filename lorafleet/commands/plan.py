@@ -288,7 +288,6 @@ def run(args: argparse.Namespace) -> int:
     from lorafleet.planner import plan_deployment
     from lorafleet.planner.bounds import step_bounds
     from lorafleet.planner.candidates import valid_candidates
-    from lorafleet.planner.plot import plot_expected_load
     from lorafleet.specs.io import check_writable
     from lorafleet.workload import load_workload
 
@@ -327,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
         result.plan.save(args.json)
         console.print(f"  plan: {args.json}")
     if args.plot:
+        from lorafleet.planner.plot import plot_expected_load  # matplotlib only when asked for: ~0.4 s
+
         console.print(f"  plot: {plot_expected_load(result.plan, result.expected_step, args.plot)}")
     if args.stats:
         console.print(stats_table(result, cpu_seconds()))

@@ -84,7 +84,8 @@ def _balance(load: LoadModel, allowed: np.ndarray) -> Assignment:
         _water_fill(load, allowed, _lp_rounded(load, allowed)),
         _whole_buckets(load, allowed),
     )
-    best = min((_exchange_search(load, allowed, d) for d in starts), key=load.makespan)
+    ends: dict[bytes, np.ndarray] = {}
+    best = min((_exchange_search(load, allowed, d, ends) for d in starts), key=load.makespan)
     return Assignment(counts=best, makespan_s=load.makespan(best))
 
 
@@ -219,7 +220,7 @@ def _lp_rounded(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
 
 
 def _move_sizes(load: LoadModel, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Candidate amounts, per (class, bucket): (4, K, R) when the class gives and (4, K, R) when it takes.
+    """Candidate amounts, per (class, bucket): (K, R, 4) when the class gives and (K, R, 4) when it takes.
 
     Giving: one row fewer on every replica, one micro-batch fewer on every replica, half,
     everything. Taking: what fills its open rows, what fills its open micro-batches, one more
@@ -229,8 +230,8 @@ def _move_sizes(load: LoadModel, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     b = np.maximum(load.microbatch_rows, 1)
     rows = -(-d // p)
     microbatches = -(-rows // b)
-    give = np.stack([d - p * (rows - 1), d - p * b * (microbatches - 1), d // 2, d])
-    take = np.stack([p * rows - d, p * b * microbatches - d, np.broadcast_to(p, d.shape), p * b])
+    give = np.stack([d - p * (rows - 1), d - p * b * (microbatches - 1), d // 2, d], axis=-1)
+    take = np.stack([p * rows - d, p * b * microbatches - d, np.broadcast_to(p, d.shape), p * b], axis=-1)
     return give, take
 
 
@@ -244,6 +245,8 @@ def _offers(
     the taker's ``take[k, j]`` (4 each, :func:`_move_sizes`), clipped to 1 .. ``held[k, j]``, what the
     giver holds.
     """
+    cols = np.flatnonzero(mask.any(axis=0))  # the buckets some pair may move
+    give, take, held, mask = give[:, cols], take[:, cols], held[:, cols], mask[:, cols]
     sizes = np.clip(np.concatenate((give, take), axis=2), 1, held[:, :, None])
     sizes.sort(axis=2)
     keep = np.ones(sizes.shape, dtype=bool)
@@ -253,7 +256,7 @@ def _offers(
     keep, sizes = keep.reshape(pairs, -1), sizes.reshape(pairs, -1)
     n = keep.sum(axis=1)
     order = np.argsort(~keep, axis=1, kind="stable")[:, : int(n.max(initial=0))]
-    buckets = np.broadcast_to(np.repeat(np.arange(n_buckets), kinds), keep.shape)
+    buckets = np.broadcast_to(np.repeat(cols, kinds), keep.shape)
     valid = np.arange(order.shape[1]) < n[:, None]
     return (
         np.where(valid, np.take_along_axis(buckets, order, axis=1), 0),
@@ -339,29 +342,23 @@ def _best_exchange(
     back nothing or some of a bucket it can hold that k holds.
     """
     give, take = sizes
-    n_classes = d.shape[0]
     out_mask = (d[c] > 0)[None, :] & allowed
     out_mask[c] = False
-    if not out_mask.any():
+    takers = np.flatnonzero(out_mask.any(axis=1))  # the classes c can give something to, in order
+    if takers.size == 0:
         return None
-    to_k = lambda a: np.moveaxis(a, 0, -1)  # (4, K, R) -> (K, R, 4)  # noqa: E731
+    shape = (takers.size, *d.shape[1:], 4)
     out_j, out_amount, out_valid = _offers(
-        np.broadcast_to(to_k(give[:, c : c + 1]), (n_classes, *give.shape[2:], 4)),
-        to_k(take),
-        np.broadcast_to(d[c], d.shape),
-        out_mask,
+        np.broadcast_to(give[c], shape), take[takers], np.broadcast_to(d[c], shape[:2]), out_mask[takers]
     )
     back_j, back_amount, back_valid = _offers(
-        to_k(give),
-        np.broadcast_to(to_k(take[:, c : c + 1]), (n_classes, *take.shape[2:], 4)),
-        d,
-        (d > 0) & allowed[c][None, :],
+        give[takers], np.broadcast_to(take[c], shape), d[takers], (d[takers] > 0) & allowed[c][None, :]
     )
     # column 0: nothing back (an amount of 0 changes nothing, whatever its bucket)
-    zero = np.zeros((n_classes, 1), dtype=np.int64)
+    zero = np.zeros((takers.size, 1), dtype=np.int64)
     in_j, in_amount = np.concatenate((zero, back_j), axis=1), np.concatenate((zero, back_amount), axis=1)
-    in_valid = np.concatenate((np.ones((n_classes, 1), dtype=bool), back_valid), axis=1)
-    k = np.arange(n_classes)[:, None, None]
+    in_valid = np.concatenate((np.ones((takers.size, 1), dtype=bool), back_valid), axis=1)
+    k = takers[:, None, None]
     out_j, out_amount, in_j, in_amount = (
         out_j[:, :, None],
         out_amount[:, :, None],
@@ -380,20 +377,29 @@ def _best_exchange(
     taker, a, e = (int(x) for x in best)
     return (
         float(worst[best]),
-        taker,
+        int(takers[taker]),
         (int(out_j[taker, a, 0]), int(out_amount[taker, a, 0]), int(in_j[taker, 0, e]), int(in_amount[taker, 0, e])),
     )
 
 
-def _exchange_search(load: LoadModel, allowed: np.ndarray, d: np.ndarray) -> np.ndarray:
+def _exchange_search(load: LoadModel, allowed: np.ndarray, d: np.ndarray, ends: dict[bytes, np.ndarray]) -> np.ndarray:
+    """Exchanges (:func:`_best_exchange`) from ``d`` until none improves. The search is a function of the
+    totals alone, so a start that reaches totals an earlier start passed through ends where that one
+    ended: ``ends`` maps every totals passed through to its end, and is added to."""
     d = d.copy()
     rows = _Rows(load, d)
+    path = []
     for _ in range(_MAX_EXCHANGES):
+        state = d.tobytes()
+        if state in ends:
+            d = ends[state]
+            break
+        path.append(state)
         times = rows.times(load)
         c = int(np.argmax(times))
         best = _best_exchange(load, allowed, d, rows, _move_sizes(load, d), c)
         if best is None or not best[0] < times[c] * (1 - _REL_TOL):
-            return d
+            break
         _, k, (j, amount, back_j, back_amount) = best
         d[c, j] -= amount
         d[k, j] += amount
@@ -401,4 +407,7 @@ def _exchange_search(load: LoadModel, allowed: np.ndarray, d: np.ndarray) -> np.
         d[c, back_j] += back_amount
         rows.update(load, d, c)
         rows.update(load, d, k)
+    else:
+        return d  # the safety cap: not an end another start may take
+    ends.update(dict.fromkeys(path, d))
     return d
