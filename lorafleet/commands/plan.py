@@ -195,24 +195,17 @@ def sizing_table(sizing):
 
 
 def plan_table(result):
-    """Per config: count, GPUs, max tokens, share of the expected batch's tokens, expected time per replica."""
-    from rich.table import Table
+    """Per config: count, GPUs, max tokens, share of the expected batch's tokens, and the min / median / max
+    of its replicas' expected times (every replica's own: ``--json``, ``expected_replica_time_s``)."""
+    import numpy as np
+
+    from lorafleet.commands._replica_groups import config_groups, groups_table, plan_name
 
     plan, step = result.plan, result.expected_step
-    rows: dict[str, list] = {}
-    total = max(step.tokens, 1)
-    for replica, work in zip(plan.replicas, step.work, strict=True):
-        row = rows.setdefault(str(replica.config), [0, 0, replica.max_tokens, 0, 0.0])
-        row[0] += 1
-        row[1] += replica.config.n_gpus
-        row[3] += sum(sum(mb.lengths) for mb in work.microbatches)
-        row[4] = max(row[4], work.estimated_time_s)
-    table = Table(title=f"plan: {plan.describe()}  ({plan.used_gpus} of {plan.n_gpus} x {plan.gpu}, {plan.solver})")
-    for column in ("config", "count", "GPUs", "max tokens", "token share", "time/replica (s)"):
-        table.add_column(column, justify="left" if column == "config" else "right")
-    for config, (count, gpus, m, tokens, t) in rows.items():
-        table.add_row(config, str(count), str(gpus), str(m), f"{tokens / total:.1%}", f"{t:.3f}")
-    return table
+    times = np.array([w.estimated_time_s for w in step.work])
+    tokens = np.array([sum(sum(mb.lengths) for mb in w.microbatches) for w in step.work])
+    title = f"plan: {plan_name(plan)}  ({plan.used_gpus} of {plan.n_gpus} x {plan.gpu}, {plan.solver})"
+    return groups_table(title, config_groups(plan, times, tokens), "time/replica (s)")
 
 
 def comparison_table(result):
@@ -284,6 +277,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.commands._replica_groups import WIDTH
     from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.planner import plan_deployment
     from lorafleet.planner.bounds import step_bounds
@@ -298,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     objective, max_nodes = _sizing(args)
     options = _options(args)
     workload = load_workload(args.workload, workload_overrides(args))
-    console = Console(width=120)
+    console = Console(width=WIDTH)
     if gpus == AUTO:
         result, cluster = _sized_plan(workload, args, options, objective, max_nodes)
     else:

@@ -163,7 +163,11 @@ def stall_slots(pp: int, microbatch_tasks: Sequence[Collection[int]]) -> float:
 
     Only the order's dependencies decide it: a second step's forward ``i`` waits for the backward of
     ``d(i)``, the last micro-batch ``m`` of the first step with ``min tasks(m) <= max tasks(i)``
-    (:func:`forward_dependencies`), so the stall is a function of ``(pp, d)`` and is memoised on it.
+    (:func:`forward_dependencies`). And only the late ones: stage k issues forward f after
+    ``max(f - (pp - k) + 1, dep(f) + 1)`` backwards (:func:`stage_positions`), so a dependency
+    ``dep(f) <= f - pp`` never moves an op and may be read as ``f - pp``. With ``d'(i) = max(d(i), K + i
+    - pp)``, every ``d'(i)`` from ``i = pp - 1`` on is ``K + i - pp``: the stall is a function of ``(pp, K,
+    d'(0 .. pp - 2))`` and is memoised on it.
     """
     if pp <= 1 or not microbatch_tasks:
         return 0.0
@@ -171,7 +175,8 @@ def stall_slots(pp: int, microbatch_tasks: Sequence[Collection[int]]) -> float:
     k = d.size
     if int((d - np.arange(k, 2 * k)).max()) + pp <= 0:
         return 0.0
-    key = (pp, tuple(d.tolist()))
+    late = np.maximum(d[: pp - 1], k + np.arange(min(pp - 1, k)) - pp)
+    key = (pp, k, tuple(late.tolist()))
     memo = work_memo("stall")  # a counted scope (a plan) keeps its own, so its count is reproducible
     if memo is None:
         return _cached_stall(*key)
@@ -190,10 +195,10 @@ def second_step_dependencies(microbatch_tasks: Sequence[Collection[int]]) -> np.
     return np.searchsorted(suffix_min, tops, side="right") - 1
 
 
-def _timed_stall(pp: int, d: tuple[int, ...]) -> float:
-    """Steady-state stall of a step of ``len(d)`` micro-batches whose second-step dependencies are ``d``
-    (:func:`second_step_dependencies`): span(3 steps) - span(2 steps) - K, one slot a micro-batch."""
-    k, rel = len(d), np.asarray(d, dtype=np.int64)
+def _timed_stall(pp: int, k: int, late: tuple[int, ...]) -> float:
+    """Steady-state stall of a step of ``k`` micro-batches whose second-step dependencies read ``late``,
+    then ``K + i - pp`` (:func:`stall_slots`): span(3 steps) - span(2 steps) - K, one slot a micro-batch."""
+    rel = np.concatenate((np.asarray(late, dtype=np.int64), k + np.arange(len(late), k) - pp))
 
     def span(steps: int) -> float:
         deps = np.concatenate([np.full(k, -1, dtype=np.int64), *(rel + (s - 1) * k for s in range(1, steps))])
