@@ -194,14 +194,14 @@ def sizing_table(sizing):
     return table
 
 
-def plan_table(result):
-    """Per config: count, GPUs, max tokens, share of the expected batch's tokens, and the min / median / max
-    of its replicas' expected times (every replica's own: ``--json``, ``expected_replica_time_s``)."""
+def plan_table(plan, step):
+    """Per config of ``plan``: count, GPUs, max tokens, share of the expected batch's tokens, and the min /
+    median / max of its replicas' times in the expected ``step`` (every replica's own: ``--json``,
+    ``expected_replica_time_s``)."""
     import numpy as np
 
     from lorafleet.commands._replica_groups import config_groups, groups_table, plan_name
 
-    plan, step = result.plan, result.expected_step
     times = np.array([w.estimated_time_s for w in step.work])
     tokens = np.array([sum(sum(mb.lengths) for mb in w.microbatches) for w in step.work])
     title = f"plan: {plan_name(plan)}  ({plan.used_gpus} of {plan.n_gpus} x {plan.gpu}, {plan.solver})"
@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
         result = plan_deployment(workload, cluster, workload_cost_model(workload, cluster, args.profile), options)
     cost_model = result.cost_model  # with the plan's pipeline window
 
-    console.print(plan_table(result))
+    console.print(plan_table(result.plan, result.expected_step))
     console.print(comparison_table(result))
     for note in result.plan.notes:
         console.print(f"  note: {note}")
