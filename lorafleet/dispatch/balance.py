@@ -102,10 +102,10 @@ def _water_fill(load: LoadModel, allowed: np.ndarray, start: np.ndarray) -> np.n
         # (takers, total + 1): time of each taker holding x = 0..total more of bucket j; the running
         # max makes each row monotone even for cost models with a negative coefficient
         curve = np.maximum.accumulate(_after(load, rows, d, takers[:, None], bucket, none, bucket, extra), axis=1)
-        levels = np.unique(curve)
-        cap = np.stack([np.searchsorted(row, levels, side="right") - 1 for row in curve])  # -1: above tau already
-        level = int(np.argmax(np.maximum(cap, 0).sum(axis=0) >= total))
-        take = np.maximum(cap[:, level], 0)
+        # The least level tau at which the takers hold them all: taker t holds the x >= 1 more with
+        # curve[t, x] <= tau (its row is monotone), so tau is the total-th smallest of curve[:, 1:].
+        more = curve[:, 1:]
+        take = (more <= np.partition(more, total - 1, axis=None)[total - 1]).sum(axis=1)
         surplus = int(take.sum()) - total
         for t in np.argsort(-curve[np.arange(takers.size), take], kind="stable"):
             cut = min(surplus, int(take[t]))
