@@ -44,7 +44,7 @@ from lorafleet.dispatch import (
     dispatch_step,
     solve_step,
 )
-from lorafleet.plans import DeploymentPlan, ReplicaSpec
+from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from lorafleet.presets import FLUSHED_PADDING
 from lorafleet.sampling import sample_global_batch
 from lorafleet.solvers import SolverName
@@ -131,9 +131,7 @@ def build(scenario: Scenario):
             gpu += config.n_gpus
     plan = DeploymentPlan(
         model=workload.model.name,
-        gpu=workload.cluster.gpu,
-        n_gpus=workload.cluster.n_gpus,
-        gpus_per_node=workload.cluster.gpus_per_node,
+        pools=(PlanPool("", workload.cluster.gpu, workload.cluster.n_gpus, workload.cluster.gpus_per_node),),
         tasks=tuple(t.name for t in workload.tasks),
         replicas=tuple(replicas),
         bucket_boundaries=(),
