@@ -92,30 +92,42 @@ def forward_dependencies(stream: Sequence[StreamMicroBatch], flushed: Collection
 
 
 def flushed_steps(pp: int, stream: Sequence[StreamMicroBatch]) -> set[int]:
-    """The steps of the window (after its first) that start on a drained pipeline: those whose
-    boundary with the step before costs more streamed than drained (:func:`_streaming_loses`). A
-    replica with fewer tasks than stages gains nothing from streaming them and would lose by it."""
-    steps: dict[int, list[frozenset[int]]] = {}
-    for mb in stream:
-        steps.setdefault(mb.step, []).append(mb.tasks)
-    keys = list(steps)
-    return {s for prev, s in zip(keys, keys[1:]) if _streaming_loses(pp, tuple(steps[prev]), tuple(steps[s]))}
+    """The steps of the window (after its first) that start on a drained pipeline.
+
+    The boundaries are judged in order, each over the whole window up to it, one slot a micro-batch
+    (:data:`FORWARD_SHARE` of it forward): step ``s`` starts drained when the window streamed into it
+    would end no earlier than the window before it, as decided, plus ``s`` run alone (a drained
+    step's ops are its own 1F1B shifted to where the window before it ends). So each prefix of the
+    window ends no later than the one before it plus its last step alone, and by induction the
+    window is never slower than its steps flushed one by one. Pair by pair is not enough: a forward
+    may wait for a step two back (:func:`forward_dependencies`) and stalls compound, so two
+    boundaries each cheaper streamed on their own can be dearer together (``pp`` = 5, steps
+    ``{0},{2} | {1} | {0},{0,1}``: 18 slots streamed, 16 with the second boundary drained, 17 both).
+    A replica with fewer tasks than stages gains nothing from streaming them and would lose by it.
+    """
+    return set(_flushed_steps(pp, tuple(stream)))
 
 
 @functools.lru_cache(maxsize=4096)
-def _streaming_loses(pp: int, prev: tuple[frozenset[int], ...], nxt: tuple[frozenset[int], ...]) -> bool:
-    """Whether the two steps, one slot a micro-batch (:data:`FORWARD_SHARE` of it forward), take at least as long
-    streamed as each drained on its own. At once False when no forward of the second would wait
-    (the closed form of :func:`stall_slots`)."""
-    pair = [StreamMicroBatch(0, t) for t in prev] + [StreamMicroBatch(1, t) for t in nxt]
-    deps = forward_dependencies(pair)
-    if max(deps[i] - i + pp for i in range(len(prev), len(pair))) <= 0:
-        return False
-
-    alone = _unit_span(pp, [StreamMicroBatch(0, t) for t in prev]) + _unit_span(
-        pp, [StreamMicroBatch(0, t) for t in nxt]
-    )
-    return _unit_span(pp, pair) >= alone - 1e-9
+def _flushed_steps(pp: int, stream: tuple[StreamMicroBatch, ...]) -> frozenset[int]:
+    if pp <= 1:
+        return frozenset()
+    ends: dict[int, int] = {}
+    for i, mb in enumerate(stream):
+        ends[mb.step] = i + 1
+    starts = [0, *ends.values()]
+    steps = list(ends)
+    flushed: set[int] = set()
+    span = _unit_span(pp, list(stream[: starts[1]]))
+    for k in range(1, len(steps)):
+        streamed = _unit_span(pp, list(stream[: starts[k + 1]]), flushed)
+        drained = span + _unit_span(pp, list(stream[starts[k] : starts[k + 1]]))
+        if streamed >= drained - 1e-9:
+            flushed.add(steps[k])
+            span = drained
+        else:
+            span = streamed
+    return frozenset(flushed)
 
 
 def stream_order(
@@ -210,10 +222,10 @@ def _timed_stall(pp: int, k: int, late: tuple[int, ...]) -> float:
 _cached_stall = functools.lru_cache(maxsize=65536)(_timed_stall)
 
 
-def _unit_span(pp: int, stream: list[StreamMicroBatch]) -> float:
-    """The span of ``stream`` streamed without drains, every micro-batch one slot a stage
-    (:data:`FORWARD_SHARE` of it forward)."""
-    deps = np.asarray(forward_dependencies(stream), dtype=np.int64)
+def _unit_span(pp: int, stream: list[StreamMicroBatch], flushed: Collection[int] = ()) -> float:
+    """The span of ``stream`` with the steps ``flushed`` drained before and the others streamed, every
+    micro-batch one slot a stage (:data:`FORWARD_SHARE` of it forward)."""
+    deps = np.asarray(forward_dependencies(stream, flushed), dtype=np.int64)
     return stream_span(pp, deps, FORWARD_SHARE, 1.0 - FORWARD_SHARE)
 
 

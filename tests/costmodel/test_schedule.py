@@ -173,12 +173,18 @@ def test_a_streamed_window_is_never_slower_than_flushing_every_step(pp, w, step)
         assert stall_slots(pp, step) >= pp - 1
 
 
+# Two boundaries each cheaper streamed on their own, dearer together: judged pair by pair, both streamed
+# and the window took 18 slots where its steps flushed one by one take 17.
+COMPOUNDING = (5, window([[frozenset({0}), frozenset({2})], [frozenset({1})], [frozenset({0}), frozenset({0, 1})]]))
+
+
 @settings(max_examples=300, deadline=None)
 @given(windows(max_pp=6, max_steps=4))
+@example(COMPOUNDING)
 def test_a_window_of_different_steps_is_never_slower_than_flushing_every_step(case):
     """Steps of different orders (what dispatch gives), uniform ops: each boundary streams only when
-    that beats draining there (``flushed_steps`` judges the real pair of steps), so the window is
-    never slower than its steps run one by one, flushed."""
+    that beats draining there, judged over the whole window up to it (``flushed_steps``), so the
+    window is never slower than its steps run one by one, flushed."""
     pp, stream = case
     streamed = timeline(pp, stream, *uniform(pp, stream)).span
     drained = 0.0
@@ -186,6 +192,28 @@ def test_a_window_of_different_steps_is_never_slower_than_flushing_every_step(ca
         one = [StreamMicroBatch(0, mb.tasks) for mb in stream if mb.step == s]
         drained += timeline(pp, one, *uniform(pp, one)).span
     assert streamed <= drained + TOL
+
+
+@settings(max_examples=200, deadline=None)
+@given(windows(max_pp=6, max_steps=4))
+@example(COMPOUNDING)
+def test_a_drained_step_ends_its_own_span_after_the_window_before_it(case):
+    """What ``flushed_steps``' induction rests on: with the steps decided before it, a step started
+    drained ends the window exactly its own 1F1B span after the window before it ends."""
+    pp, stream = case
+    flushed = flushed_steps(pp, stream)
+    steps = sorted({mb.step for mb in stream})
+    for k, s in enumerate(steps[1:], start=1):
+        before = [mb for mb in stream if mb.step < s]
+        upto = [mb for mb in stream if mb.step <= s]
+        one = [StreamMicroBatch(0, mb.tasks) for mb in stream if mb.step == s]
+        decided = flushed & set(steps[:k]) | {s}
+
+        def span(part, drained):
+            deps = np.asarray(forward_dependencies(part, drained))
+            return stream_span(pp, deps, FORWARD_SHARE, 1.0 - FORWARD_SHARE)
+
+        assert span(upto, decided) == pytest.approx(span(before, flushed) + span(one, ()), abs=TOL)
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4, 8])
