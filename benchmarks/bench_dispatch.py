@@ -7,6 +7,9 @@ Scenarios (the workloads' own seeds; steps 0, 1, 2, ... sampled with lorafleet.s
   artifact, ../shared/reference/lobra_a100_40gb_llama2_7b_max_tokens.csv).
 - ``70b``: examples/lobra-70b.yaml on <2,2> x 8 + <4,2> x 2 + <8,2> x 1 (64 A800-80GB),
   with LobRA-style M of 4096 / 8192 / 16384 at TP 2 / 4 / 8: our choice, see docs/dispatch.md.
+- ``service-64``: examples/service-64.yaml (64 tenants, 3,840 sequences a step) on the 84 replicas of
+  15 configs that ``lorafleet plan examples/service-64.yaml`` chooses on 1,024 A800-80GB, the analytic
+  model's M, under the default policy (packed micro-batches, pipeline window 8): speed only.
 
 Times come from the analytic cost model of the workload's model and GPU
 (``lorafleet.costmodel.load_cost_model``). Figures printed per scenario:
@@ -33,8 +36,16 @@ import numpy as np
 
 from lorafleet.assemble import workload_cost_model
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.dispatch import DispatchMethod, DispatchOptions, MicroBatchMode, solve_step
+from lorafleet.dispatch import (
+    DispatchMethod,
+    DispatchOptions,
+    DispatchPolicy,
+    MicroBatchMode,
+    dispatch_step,
+    solve_step,
+)
 from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
+from lorafleet.presets import FLUSHED_PADDING
 from lorafleet.sampling import sample_global_batch
 from lorafleet.solvers import SolverName
 from lorafleet.workload import load_workload
@@ -53,9 +64,14 @@ PADDED = MicroBatchMode.PADDING
 class Scenario:
     workload: str
     layout: tuple[tuple[ParallelConfig, int], ...]
-    max_tokens: dict[int, int]
-    """M per TP degree given to the plan's replicas."""
+    max_tokens: dict[int, int] | None
+    """M per TP degree given to the plan's replicas (None: the cost model's M of each config)."""
     p95_target_ms: float
+    policy: DispatchPolicy = FLUSHED_PADDING
+    """What the speed part dispatches under: LobRA's padded micro-batches, one-step windows (the policy these
+    figures were first measured under), unless said otherwise."""
+    speed_only: bool = False
+    """No quality or bucket parts (their exact MILPs and bucket sweeps are for LobRA's two fleets)."""
 
 
 SCENARIOS = {
@@ -71,20 +87,47 @@ SCENARIOS = {
         {2: 4096, 4: 8192, 8: 16384},
         p95_target_ms=200.0,
     ),
+    "service-64": Scenario(
+        "examples/service-64.yaml",
+        tuple(
+            (ParallelConfig.parse(name), count)
+            for name, count in (
+                ("tp1_pp8", 1),
+                ("tp1_pp10", 6),
+                ("tp1_pp16", 1),
+                ("tp2_pp4", 8),
+                ("tp2_pp5", 2),
+                ("tp2_pp8", 3),
+                ("tp2_pp10", 1),
+                ("tp4_pp2", 9),
+                ("tp4_pp4", 15),
+                ("tp4_pp5", 1),
+                ("tp8_pp1", 11),
+                ("tp8_pp2", 10),
+                ("tp8_pp4", 1),
+                ("tp8_pp8", 1),
+                ("tp8_pp1_rc", 14),
+            )
+        ),
+        None,
+        p95_target_ms=100.0,
+        policy=DispatchPolicy(),
+        speed_only=True,
+    ),
 }
 
 
 def build(scenario: Scenario):
     """The scenario's workload, plan and analytic cost model."""
     workload = load_workload(REPO / scenario.workload)
+    cost_model = workload_cost_model(
+        workload, workload.cluster, sync_replicas=sum(count for _, count in scenario.layout)
+    )
     replicas, gpu = [], 0
     for config, count in scenario.layout:
+        m = scenario.max_tokens[config.tp] if scenario.max_tokens else cost_model.max_tokens(config)
         for _ in range(count):
-            replicas.append(
-                ReplicaSpec(
-                    len(replicas), config, scenario.max_tokens[config.tp], tuple(range(gpu, gpu + config.n_gpus))
-                )
-            )
+            replicas.append(ReplicaSpec(len(replicas), config, m, tuple(range(gpu, gpu + config.n_gpus))))
             gpu += config.n_gpus
     plan = DeploymentPlan(
         model=workload.model.name,
@@ -93,8 +136,9 @@ def build(scenario: Scenario):
         replicas=tuple(replicas),
         bucket_boundaries=(),
         expected_makespan_s=0.0,
+        policy=scenario.policy,
     )
-    return workload, plan, workload_cost_model(workload, workload.cluster, sync_replicas=len(plan.replicas))
+    return workload, plan, cost_model
 
 
 def verdict(ok: bool) -> str:
@@ -102,17 +146,18 @@ def verdict(ok: bool) -> str:
 
 
 def bench_speed(batches, plan, cost_model, target_ms: float) -> None:
-    options = DispatchOptions(microbatch_mode=PADDED)
-    solve_step(batches[0], plan, cost_model, options)  # warm-up: imports, scipy's HiGHS
+    """``dispatch_step`` under the plan's policy (its micro-batches and pipeline window), step by step."""
+    dispatch_step(batches[0], plan, cost_model)  # warm-up: imports, scipy's HiGHS
     wall, cpu = [], []
     for batch in batches:
         start = time.process_time()
-        outcome = solve_step(batch, plan, cost_model, options)
+        outcome = dispatch_step(batch, plan, cost_model)
         cpu.append(time.process_time() - start)
-        wall.append(outcome.plan.solve_s)
+        wall.append(outcome.solve_s)
     wall_ms, cpu_ms = np.array(wall) * 1e3, np.array(cpu) * 1e3
     print(
-        f"  speed, fast method, {len(batches)} steps: wall p50 {np.median(wall_ms):.1f} ms, p95 "
+        f"  speed, fast method ({plan.policy.describe()}), {len(batches)} steps: wall p50 "
+        f"{np.median(wall_ms):.1f} ms, p95 "
         f"{np.percentile(wall_ms, 95):.1f} ms, max {wall_ms.max():.1f} ms; CPU p50 {np.median(cpu_ms):.1f} ms, p95 "
         f"{np.percentile(cpu_ms, 95):.1f} ms   [target p95 <= {target_ms:.0f} ms: "
         f"{verdict(np.percentile(wall_ms, 95) <= target_ms)} wall, {verdict(np.percentile(cpu_ms, 95) <= target_ms)} "
@@ -210,7 +255,7 @@ def bench_buckets(batches, plan, cost_model) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scenarios", default="7b,70b", help="comma-separated: 7b, 70b (default both)")
+    parser.add_argument("--scenarios", default="7b,70b", help="comma-separated: 7b, 70b, service-64 (default 7b,70b)")
     parser.add_argument("--timing-steps", type=int, default=100, help="steps timed per scenario (default 100)")
     parser.add_argument("--batches", type=int, default=50, help="batches compared with the exact MILP (default 50)")
     parser.add_argument("--exact-limit", type=float, default=60.0, help="seconds per exact solve (default 60)")
@@ -220,12 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.scenarios.split(","):
         scenario = SCENARIOS[name.strip()]
         workload, plan, cost_model = build(scenario)
-        batches = [sample_global_batch(workload, step) for step in range(max(args.timing_steps, args.batches))]
+        n_batches = args.timing_steps if scenario.speed_only else max(args.timing_steps, args.batches)
+        batches = [sample_global_batch(workload, step) for step in range(n_batches)]
         print(
             f"{name}: {scenario.workload}, {len(batches[0])} sequences a step, plan {plan.describe()} "
             f"(M {scenario.max_tokens}), cost model {cost_model.source}"
         )
         bench_speed(batches[: args.timing_steps], plan, cost_model, scenario.p95_target_ms)
+        if scenario.speed_only:
+            continue
         if not args.skip_exact:
             bench_quality(batches[: args.batches], plan, cost_model, SolverName(args.solver), args.exact_limit)
         bench_buckets(batches[: args.batches], plan, cost_model)

@@ -4,15 +4,19 @@ Run from the repository root (every figure is measured here, in one run)::
 
     .venv/bin/python benchmarks/bench_planner.py            # parts 1-3
     .venv/bin/python benchmarks/bench_planner.py --part time --part quality
+    .venv/bin/python benchmarks/bench_planner.py --part time --case 70b-64 --rounds 3   # one case (~15 s)
     .venv/bin/python benchmarks/bench_planner.py --part robust   # part 4 (~1.5 min)
     .venv/bin/python benchmarks/bench_planner.py --part judge    # part 5 (~1 min)
 
-1. **Plan time** — ``examples/lobra-70b.yaml`` (Llama2-70B, 12 tasks) on 64 and 256 x A800-80GB,
-   analytic cost model, default options (CBC, K = 32 sampled batches), LobRA's 16K contexts
-   (the planner chooses which replicas recompute activations; without recomputation no 70B
-   config holds more than ~9K tokens). Wall seconds and CPU seconds (this process plus the
-   CBC processes: the machine is shared, CPU time is the steadier figure), against LobRA's
-   pruning planner (148.8 s at 64 GPUs, 428.1 s at 256, SCIP on up to 64 threads).
+1. **Plan time** (issue #26's targets) — the whole ``lorafleet plan`` command, each in a fresh process,
+   default options (CBC, K = 32 sampled batches, baselines), analytic A800-80GB: ``examples/lobra-70b.yaml``
+   (Llama2-70B, 12 tasks, LobRA's 16K contexts: the planner chooses which replicas recompute activations;
+   without recomputation no 70B config holds more than ~9K tokens) on 64 and 256 GPUs, and the service-scale
+   ``examples/service-64.yaml`` and ``service-128.yaml`` on 1,024. CPU seconds (the process plus its CBC
+   processes: the machine is shared, CPU time is the steadier figure; the least of ``--rounds`` runs,
+   cases taking turns) beside those recorded in ``benchmarks/planner_times.json`` (``--record`` writes
+   them, with the machine and the date) and the ratio; LobRA's pruning planner took 148.8 s at 64
+   GPUs and 428.1 s at 256 (SCIP on up to 64 threads).
 2. **Optimality** — random workloads small enough to enumerate (Llama2-7B on 8 x A100-40GB,
    2-4 skewed tasks): the planner's expected makespan against the best of every maximal
    deployment of every valid config (exhaustive mode); plus tiny instances (4 GPUs) against
@@ -35,8 +39,12 @@ Run from the repository root (every figure is measured here, in one run)::
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import resource
+import subprocess
+import sys
 import time
 import warnings
 from collections import Counter
@@ -65,7 +73,6 @@ from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import Workload, load_workload, resolve_workload
 
 REPO = Path(__file__).resolve().parents[1]
-LOBRA_PLANNER_S = {64: 148.81, 256: 428.08}
 
 
 def cpu_seconds() -> float:
@@ -74,25 +81,73 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def part_time() -> None:
-    print("\n== 1. plan time: llama2-70b, 12 tasks, A800-80GB (analytic), recompute auto ==")
-    workload = load_workload(REPO / "examples/lobra-70b.yaml")
-    print(
-        f"{'GPUs':>5} {'wall s':>8} {'CPU s':>7} {'search':>7} {'robust':>7} {'baselines':>9} {'LobRA s':>8} "
-        f"{'LobRA/wall':>10}  plan"
+TIME_CASES: dict[str, tuple[str, list[str], float]] = {
+    "70b-64": ("LobRA 70B, 12 tasks, 64 GPUs", ["examples/lobra-70b.yaml", "--gpus", "64"], 5.0),
+    "70b-256": ("LobRA 70B, 12 tasks, 256 GPUs", ["examples/lobra-70b.yaml", "--gpus", "256"], 12.0),
+    "service-64": ("64 tenants, 1,024 GPUs", ["examples/service-64.yaml"], 20.0),
+    "service-128": ("128 tenants, 1,024 GPUs", ["examples/service-128.yaml"], 40.0),
+}
+"""The planner's time targets (issue #26): case -> (what, ``lorafleet plan`` arguments, target CPU s)."""
+TIMES_FILE = REPO / "benchmarks/planner_times.json"
+"""CPU seconds recorded for each case (``--record``), with the machine, its load and the date."""
+
+
+def machine() -> str:
+    """``2 CPUs, Intel(R) Xeon(R) ...``: what the figures were measured on."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return f"{os.cpu_count()} CPUs, {names[0] if names else platform.processor() or platform.machine()}"
+
+
+def plan_command_cpu(argv: list[str]) -> tuple[float, str]:
+    """CPU seconds of a whole ``lorafleet plan`` command in a fresh process (its CBC solves included), and
+    its timing line."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(
+        [sys.executable, "-m", "lorafleet", "plan", *argv], cwd=REPO, capture_output=True, text=True, check=True
     )
-    for gpus in (64, 256):
-        cluster = workload_cluster(workload, gpus)
-        cost_model = workload_cost_model(workload, cluster)
-        wall, cpu = time.perf_counter(), cpu_seconds()
-        result = plan_deployment(workload, cluster, cost_model)
-        wall, cpu = time.perf_counter() - wall, cpu_seconds() - cpu
-        t = result.diagnostics.timings_s
-        print(
-            f"{gpus:>5} {wall:>8.2f} {cpu:>7.2f} {t['search']:>7.2f} {t['robust']:>7.2f} {t['baselines']:>9.2f} "
-            f"{LOBRA_PLANNER_S[gpus]:>8.1f} {LOBRA_PLANNER_S[gpus] / wall:>9.0f}x  {result.plan.describe()}"
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    laps = next((line.strip() for line in done.stdout.splitlines() if "planned in" in line), "")
+    return cpu, laps
+
+
+def part_time(cases: list[str], rounds: int, record: bool) -> None:
+    """Every case's ``lorafleet plan`` command, ``rounds`` times in turn (a busy machine slows each alike),
+    its least CPU seconds beside the committed figure (``benchmarks/planner_times.json``) and the target."""
+    print(f"\n== 1. plan time: the whole `lorafleet plan` command, CPU seconds (least of {rounds}) ==")
+    recorded = json.loads(TIMES_FILE.read_text()) if TIMES_FILE.exists() else {"cases": {}}
+    runs: dict[str, list[tuple[float, str]]] = {case: [] for case in cases}
+    for _ in range(rounds):
+        for case in cases:
+            runs[case].append(plan_command_cpu(TIME_CASES[case][1]))
+    print(f"{'case':<32} {'CPU s':>7} {'recorded':>9} {'ratio':>6} {'target':>7}  timing of the least")
+    measured = {}
+    for case in cases:
+        what, _, target = TIME_CASES[case]
+        cpu, laps = min(runs[case])
+        measured[case] = round(cpu, 2)
+        before = recorded["cases"].get(case)
+        ratio = f"{cpu / before:.2f}" if before else "-"
+        verdict = "pass" if cpu <= target else "MISS"
+        print(f"{what:<32} {cpu:>7.2f} {before or '-':>9} {ratio:>6} {target:>5.0f} {verdict}  {laps}")
+    load = os.getloadavg()[0]
+    print(f"(recorded: {recorded.get('machine', '-')}, {recorded.get('date', '-')}; 1-minute load now {load:.1f})")
+    if record:
+        TIMES_FILE.write_text(
+            json.dumps(
+                {
+                    "machine": machine(),
+                    "date": time.strftime("%Y-%m-%d"),
+                    "load": round(load, 1),
+                    "command": "python benchmarks/bench_planner.py --part time --record",
+                    "cases": {**recorded["cases"], **measured},
+                },
+                indent=1,
+            )
+            + "\n"
         )
-    print(f"(1-minute load average of this 2-core machine now: {os.getloadavg()[0]:.1f}; wall times stretch with it)")
+        print(f"recorded in {TIMES_FILE.relative_to(REPO)}")
 
 
 def random_workload(rng: np.random.Generator, path: Path, recompute: str = "auto") -> Workload:
@@ -317,6 +372,11 @@ def part_judge() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", action="append", choices=("time", "optimality", "quality", "robust", "judge"))
+    parser.add_argument(
+        "--case", action="append", choices=tuple(TIME_CASES), help="the time part's cases (default: all four)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each case in the time part (the least counts)")
+    parser.add_argument("--record", action="store_true", help="write the time part's figures to planner_times.json")
     parser.add_argument("--workloads", type=int, default=20, help="random workloads of the optimality part")
     parser.add_argument(
         "--recompute",
@@ -330,7 +390,7 @@ def main() -> None:
     tmp = Path(REPO / "runs" / "bench_planner")
     tmp.mkdir(parents=True, exist_ok=True)
     if "time" in parts:
-        part_time()
+        part_time(args.case or list(TIME_CASES), args.rounds, args.record)
     if "optimality" in parts:
         part_optimality(args.workloads, tmp, args.recompute)
     if "quality" in parts:

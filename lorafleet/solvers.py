@@ -20,6 +20,7 @@ from enum import StrEnum
 import pulp
 
 from lorafleet.specs.solver import SolverName
+from lorafleet.work import count as count_work
 
 
 class SolveStatus(StrEnum):
@@ -139,6 +140,7 @@ def solve(
     can fall back to its heuristic with a warning; nothing is swallowed silently.
     """
     backend = _make_solver(SolverName(solver), time_limit_s, gap_rel, threads)
+    count_work("milp_solves")
     start = time.perf_counter()
     # highspy prints a banner even with msg=False; keep the CLI's stdout clean.
     with _quiet_stdout():

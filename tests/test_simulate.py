@@ -218,6 +218,20 @@ def test_a_share_is_honoured_in_simulation(tmp_path):
     assert 0 < steps_with_docs < 60 and all(r.task_tokens["chat"] > 0 for r in run.phases[0].reports)
 
 
+def test_hundreds_of_replicas_stay_readable(tmp_path, capsys):
+    """A 188-replica plan: lorafleet's replicas as one row per config (count, GPUs, busy min / median / max),
+    the plan named by its counts, no line over 160 characters."""
+    from tests.helpers.planning import LINE_WIDTH, wide_fleet, widest_line
+
+    workload, plan = wide_fleet(tmp_path)
+    assert main(["simulate", str(workload), "--plan", str(plan), "--steps", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert widest_line(printed) <= LINE_WIDTH
+    assert "plan: <1,1> x 144 + <2,1> x 40 + <8,1> x 4" in printed
+    rows = [line.split("│")[1:3] for line in printed.splitlines() if line.startswith("│ <")]
+    assert rows == [[" <1,1>  ", "   144 "], [" <2,1>  ", "    40 "], [" <8,1>  ", "     4 "]]
+
+
 def test_a_run_on_two_pools_reports_each_pools_use_and_cost(tmp_path):
     """#29: per-pool GPUs held, utilisation and GPU-seconds, and the cost at the pools' prices: per step
     (the makespan x Σ price x GPUs) and over the run, in the tables, the HTML report and summary.json."""

@@ -1,8 +1,11 @@
 """``lorafleet dispatch WORKLOAD --plan PLAN --steps K``: sample K global batches and dispatch each on the plan.
 
-Prints, per step, the solve time, the estimated makespan, the padding ratio and every
-replica's estimated load, then each task's mean tokens per replica (fairness). ``--json``
-writes the assignments: per step, replica and micro-batch, the sequences' lengths and tasks.
+Prints, per step, the solve time, the estimated makespan, the padding ratio, the spread of the
+replicas' estimated loads and the slowest replica; then the replicas grouped by config over the
+steps (count, GPUs, token share, load min / median / max), and per task how proportionally its
+tokens are spread over the replicas (fairness). No column per replica, so hundreds of replicas stay
+readable; ``--json`` writes every replica's figures and assignments: per step, replica and
+micro-batch, the sequences' lengths and tasks.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 from typing import Any
+
+import numpy as np
 
 from lorafleet.errors import InputError
 
@@ -93,12 +98,27 @@ def _with_progress(steps: range):
             print(f"lorafleet dispatch: {k:,}/{len(steps):,} steps dispatched", file=sys.stderr, flush=True)
 
 
+def fairness_table(task_names: tuple[str, ...], tokens):
+    """Per task: its tokens a step, how many replicas hold some, and the least, median and most a holding
+    replica gets (``tokens``: (replicas, tasks), a step's mean; every replica's figure is in ``--json``)."""
+    from rich.table import Table
+
+    table = Table(title="fairness: each task's mean tokens per step, over the replicas that hold some (all: --json)")
+    for column in ("task", "tokens/step", "replicas holding it", "per replica min", "median", "max"):
+        table.add_column(column, justify="left" if column == "task" else "right")
+    for k, name in enumerate(task_names):
+        held = tokens[tokens[:, k] > 0, k]
+        spread_ = [f"{x:,.0f}" for x in (held.min(), np.median(held), held.max())] if held.size else ["-"] * 3
+        table.add_row(name, f"{tokens[:, k].sum():,.0f}", str(held.size), *spread_)
+    return table
+
+
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
     from rich.console import Console
     from rich.table import Table
 
     from lorafleet.commands._plan_flags import planned_run
+    from lorafleet.commands._replica_groups import WIDTH, config_groups, groups_table, plan_name, spread
     from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.dispatch import dispatch_step, task_tokens_per_replica
     from lorafleet.sampling import sample_global_batch
@@ -117,39 +137,39 @@ def run(args: argparse.Namespace) -> int:
     options = plan.policy.options
     task_names = tuple(t.name for t in workload.tasks)
 
-    console = Console(width=160)
+    console = Console(width=WIDTH)
     for line in run_.overrides:
         console.print(f"override: {line}")
     table = Table(
-        title=f"{args.workload} on {plan.describe()} ({plan.policy.describe()}; cost model {cost_model.source})"
+        title=f"{args.workload} on {plan_name(plan)} ({plan.policy.describe()}; cost model {cost_model.source})"
     )
-    for column in ("step", "method", "solve ms", "makespan s", "padding", "load per replica, s"):
-        table.add_column(column, justify="left" if column in ("method", "load per replica, s") else "right")
-    steps_json, tokens_sum = [], np.zeros((len(plan.replicas), len(task_names)))
+    for column in ("step", "method", "solve ms", "makespan s", "padding", "load per replica, s", "slowest replica"):
+        table.add_column(column, justify="left" if column in ("method", "slowest replica") else "right")
+    steps_json, loads, tokens_sum = [], [], np.zeros((len(plan.replicas), len(task_names)))
     for step in _with_progress(range(args.start_step, args.start_step + args.steps)):
         batch = sample_global_batch(workload, step, args.seed)
         step_plan = dispatch_step(batch, plan, cost_model)
         tokens = task_tokens_per_replica(step_plan, len(task_names))
         tokens_sum += tokens
+        load = np.array([w.estimated_time_s for w in step_plan.work])
+        loads.append(load)
+        slowest = plan.replicas[int(np.argmax(load))]
         table.add_row(
             str(step),
             step_plan.method,
             f"{step_plan.solve_s * 1e3:.1f}",
             f"{step_plan.estimated_makespan_s:.3f}",
             f"{step_plan.padding_ratio:.3f}",
-            " ".join(f"{w.estimated_time_s:.2f}" for w in step_plan.work),
+            spread(load),
+            f"{slowest.replica_id} {slowest.config}",
         )
         if args.json_out:
             steps_json.append(_step_json(step_plan, batch, plan, task_names, tokens))
-
-    fairness = Table(title="mean tokens per step of each task on each replica (fairness)")
-    fairness.add_column("task")
-    for replica in plan.replicas:
-        fairness.add_column(f"{replica.replica_id} {replica.config}", justify="right")
-    for k, name in enumerate(task_names):
-        fairness.add_row(name, *(f"{t:,.0f}" for t in tokens_sum[:, k] / args.steps))
+    table.caption = "load per replica: min / median / max of the replicas' estimated times"
     console.print(table)
-    console.print(fairness)
+    by_config = config_groups(plan, np.array(loads), tokens_sum.sum(axis=1))
+    console.print(groups_table(f"replicas by config over {args.steps} step(s)", by_config, "load (s)"))
+    console.print(fairness_table(task_names, tokens_sum / args.steps))
     if args.json_out:
         write_text_atomic(
             args.json_out,

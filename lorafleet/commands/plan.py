@@ -65,6 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--json", help="write the versioned DeploymentPlan here (read by simulate and train)")
     parser.add_argument("--plot", help="write a PNG of the expected load per replica here")
+    parser.add_argument(
+        "--stats", action="store_true", help="print the planner's work counters and CPU seconds (docs/planner.md)"
+    )
     add_set_flag(parser)
     parser.set_defaults(func=run)
 
@@ -220,25 +223,18 @@ def sizing_table(sizing):
     return table
 
 
-def plan_table(result):
-    """Per config: count, GPUs, max tokens, share of the expected batch's tokens, expected time per replica."""
-    from rich.table import Table
+def plan_table(plan, step):
+    """Per config of ``plan``: count, GPUs, max tokens, share of the expected batch's tokens, and the min /
+    median / max of its replicas' times in the expected ``step`` (every replica's own: ``--json``,
+    ``expected_replica_time_s``)."""
+    import numpy as np
 
-    plan, step = result.plan, result.expected_step
-    rows: dict[str, list] = {}
-    total = max(step.tokens, 1)
-    for replica, work in zip(plan.replicas, step.work, strict=True):
-        row = rows.setdefault(str(replica.config), [0, 0, replica.max_tokens, 0, 0.0])
-        row[0] += 1
-        row[1] += replica.config.n_gpus
-        row[3] += sum(sum(mb.lengths) for mb in work.microbatches)
-        row[4] = max(row[4], work.estimated_time_s)
-    table = Table(title=f"plan: {plan.describe()}  ({plan.used_gpus} of {plan.describe_fleet()}, {plan.solver})")
-    for column in ("config", "count", "GPUs", "max tokens", "token share", "time/replica (s)"):
-        table.add_column(column, justify="left" if column == "config" else "right")
-    for config, (count, gpus, m, tokens, t) in rows.items():
-        table.add_row(config, str(count), str(gpus), str(m), f"{tokens / total:.1%}", f"{t:.3f}")
-    return table
+    from lorafleet.commands._replica_groups import config_groups, groups_table, plan_name
+
+    times = np.array([w.estimated_time_s for w in step.work])
+    tokens = np.array([sum(sum(mb.lengths) for mb in w.microbatches) for w in step.work])
+    title = f"plan: {plan_name(plan)}  ({plan.used_gpus} of {plan.describe_fleet()}, {plan.solver})"
+    return groups_table(title, config_groups(plan, times, tokens), "time/replica (s)")
 
 
 def comparison_table(result):
@@ -260,6 +256,22 @@ def comparison_table(result):
             saved = "" if cost.name == LORAFLEET else f"{ours.cost_per_step / cost.cost_per_step - 1:+.1%}"
             money = (f"{cost.cost_per_step:.4g}", saved)
         table.add_row(cost.name, str(cost.gpus), f"{cost.makespan_s:.3f}", f"{cost.gpu_seconds:.1f}", *cut, *money)
+    return table
+
+
+def stats_table(result, cpu_s: float):
+    """The plan's work counters (deterministic: ``lorafleet.work``), then where the seconds went."""
+    from rich.table import Table
+
+    from lorafleet.work import WORK
+
+    work = result.diagnostics.work
+    laps = ", ".join(f"{k} {v:.2f} s" for k, v in result.diagnostics.timings_s.items())
+    table = Table(title="planner work", caption=f"{cpu_s:.2f} CPU s for the whole command (wall: {laps})")
+    for column in ("counter", "count", "one is"):
+        table.add_column(column, justify="right" if column == "count" else "left")
+    for name, (label, what) in WORK.items():
+        table.add_row(label, str(work[name]), what)
     return table
 
 
@@ -339,11 +351,11 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.commands._replica_groups import WIDTH
     from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.planner import plan_deployment
     from lorafleet.planner.bounds import step_bounds
     from lorafleet.planner.candidates import valid_candidates
-    from lorafleet.planner.plot import plot_expected_load
     from lorafleet.specs.io import check_writable
     from lorafleet.workload import load_workload
 
@@ -354,7 +366,7 @@ def run(args: argparse.Namespace) -> int:
     objective, max_nodes = _sizing(args)
     options = _options(args)
     workload = load_workload(args.workload, workload_overrides(args))
-    console = Console(width=120)
+    console = Console(width=WIDTH)
     if gpus == AUTO:
         result, cluster = _sized_plan(workload, args, options, objective, max_nodes)
     else:
@@ -362,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
         result = plan_deployment(workload, cluster, workload_cost_model(workload, cluster, args.profile), options)
     cost_model = result.cost_model  # with the plan's pipeline window
 
-    console.print(plan_table(result))
+    console.print(plan_table(result.plan, result.expected_step))
     console.print(comparison_table(result))
     for note in result.plan.notes:
         console.print(f"  note: {note}")
@@ -385,5 +397,17 @@ def run(args: argparse.Namespace) -> int:
         result.plan.save(args.json)
         console.print(f"  plan: {args.json}")
     if args.plot:
+        from lorafleet.planner.plot import plot_expected_load  # matplotlib only when asked for: ~0.4 s
+
         console.print(f"  plot: {plot_expected_load(result.plan, result.expected_step, args.plot)}")
+    if args.stats:
+        console.print(stats_table(result, cpu_seconds()))
     return 0
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and its finished children (the CBC solves)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime

@@ -155,10 +155,29 @@ def _schedules(workload, args: argparse.Namespace, console):
     return lorafleet, baselines, run_.cost_model, cluster
 
 
+def replicas_table(phase_run):
+    """lorafleet's replicas by config over the simulated steps: their busy seconds (min / median / max over
+    the replicas and steps) and, when the run recalibrated them, the least and largest correction."""
+    import numpy as np
+
+    from lorafleet.commands._replica_groups import config_groups, groups_table
+
+    plan = phase_run.phase.plan
+    busy = np.array([r.replica_busy_s for r in phase_run.reports])
+    groups = config_groups(plan, busy)
+    factors = np.array([c.factor for c in phase_run.calibration])
+    extra = []
+    if factors.size and np.any(np.abs(factors - 1) > 0.005):
+        ranges = [(factors[list(g.replicas)].min(), factors[list(g.replicas)].max()) for g in groups]
+        extra.append(("recalibrated", [f"x{lo:.2f}" if lo == hi else f"x{lo:.2f}-{hi:.2f}" for lo, hi in ranges]))
+    return groups_table("lorafleet's replicas by config over the simulated steps", groups, "busy (s)", extra)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from lorafleet.commands._replica_groups import WIDTH, plan_name
     from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.report import pool_rows, summary_rows, task_cost_rows, write_report
     from lorafleet.simulate import simulate_schedule
@@ -174,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         check_writable(args.report, directory=True)
     options = simulation_options(args)
     workload = load_workload(args.workload, workload_overrides(args))
-    console = Console(width=150)
+    console = Console(width=WIDTH)
     schedule, baselines, cost_model, cluster = _schedules(workload, args, console)
     plan = schedule.phases[0].plan
     try:
@@ -183,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("<args>", "--straggler/--fail", str(err)) from None
     runs = [simulate_schedule(workload, s, cost_model, args.steps, options, args.seed) for s in (schedule, *baselines)]
 
-    console.print(f"plan: {plan.describe()}  ({cost_model.source}, {cluster.describe()}; {plan.policy.describe()})")
+    console.print(f"plan: {plan_name(plan)}  ({cost_model.source}, {cluster.describe()}; {plan.policy.describe()})")
     table = Table(title=f"{args.steps} simulated steps of {workload.path}")
     rows = summary_rows(runs, cluster)
     for column in rows[0]:
@@ -208,11 +227,7 @@ def run(args: argparse.Namespace) -> int:
             *[f"{v:,.3f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else v for v in row.values()]
         )
     console.print(costs)
-    calibration = runs[0].phases[0].calibration
-    if any(abs(c.factor - 1) > 0.005 for c in calibration):
-        from lorafleet.dispatch import summarize_factors
-
-        console.print(f"recalibrated: {summarize_factors(calibration)}")
+    console.print(replicas_table(runs[0].phases[0]))
     if args.report:
         times = plan.expected_replica_time_s or (0.0,) * len(plan.replicas)
         plan_rows = [

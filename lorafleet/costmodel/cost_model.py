@@ -48,6 +48,7 @@ from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
 from lorafleet.specs.model import ModelSpec
+from lorafleet.work import count as count_work
 
 #: Pipeline messages per micro-batch on a stage: activations in (forward), their gradient out (backward).
 P2P_MESSAGES = 2
@@ -125,6 +126,10 @@ class CostModel:
     pools: Mapping[str, CostModel] = field(default_factory=dict)
     """A fleet's models, by pool name (:meth:`of_pools`): a config is priced by its pool's. Empty: this
     model's own tables price every config (one GPU kind, configs of no named pool)."""
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Per-config figures already derived from the fields above (stage coefficients, step overhead),
+    keyed by the config, its pool included: the model is frozen, so they never change; a copy
+    (``dataclasses.replace``) starts empty."""
 
     @classmethod
     def of_pools(cls, models: Mapping[str, CostModel]) -> CostModel:
@@ -191,6 +196,12 @@ class CostModel:
 
     def stage_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
         """τ(b, s) of ``config`` in LobRA form, ms per stage (see the module docstring)."""
+        key = ("stage", config)
+        if key not in self._memo:
+            self._memo[key] = self._stage_coeffs(config)
+        return self._memo[key]
+
+    def _stage_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
         model, layout = self.pool_model(config)
         if model is not self:
             return model.stage_coeffs(layout)
@@ -223,6 +234,12 @@ class CostModel:
     def step_overhead(self, config: ParallelConfig) -> float:
         """Per-step time of one replica of ``config`` outside its micro-batches, seconds:
         the adapters' gradient all-reduce across ``sync_replicas`` and the optimizer step."""
+        key = ("overhead", config)
+        if key not in self._memo:
+            self._memo[key] = self._step_overhead(config)
+        return self._memo[key]
+
+    def _step_overhead(self, config: ParallelConfig) -> float:
         model, layout = self.pool_model(config)
         if model is not self:
             return model.step_overhead(layout)
@@ -270,6 +287,7 @@ class CostModel:
         """
         if not microbatches:
             return 0.0
+        count_work("replicas_priced")
         if tasks is not None and len(tasks) != len(microbatches):
             raise ValueError(f"{len(tasks)} task sets for {len(microbatches)} micro-batches")
         times = self.stage_coeffs(config).shapes(microbatches) / MS_PER_S

@@ -35,7 +35,9 @@ and drain once and the stall at each of its ``W - 1`` inner boundaries, so per s
 
 and the cost model charges ``bubble_slots * max_k τ_k`` where 1F1B charged ``(pp - 1) * max_k τ_k``.
 :func:`timeline` replays the schedule with any op durations (measured ones in
-``benchmarks/bench_pipeline.py``) and is the reference the closed form is checked against.
+``benchmarks/bench_pipeline.py``) and is the reference the closed form is checked against; the stall
+itself is read off :func:`stream_span`, the same span as a longest path over arrays (tens of times
+faster: every pipelined replica of every dispatched step asks for it), memoised on what decides it.
 """
 
 from __future__ import annotations
@@ -45,7 +47,11 @@ import functools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from lorafleet.costmodel import time_model
+from lorafleet.work import count as count_work
+from lorafleet.work import memo as work_memo
 
 FORWARD, BACKWARD = "F", "B"
 FORWARD_SHARE = time_model.FORWARD_SHARE[2]
@@ -86,30 +92,42 @@ def forward_dependencies(stream: Sequence[StreamMicroBatch], flushed: Collection
 
 
 def flushed_steps(pp: int, stream: Sequence[StreamMicroBatch]) -> set[int]:
-    """The steps of the window (after its first) that start on a drained pipeline: those whose
-    boundary with the step before costs more streamed than drained (:func:`_streaming_loses`). A
-    replica with fewer tasks than stages gains nothing from streaming them and would lose by it."""
-    steps: dict[int, list[frozenset[int]]] = {}
-    for mb in stream:
-        steps.setdefault(mb.step, []).append(mb.tasks)
-    keys = list(steps)
-    return {s for prev, s in zip(keys, keys[1:]) if _streaming_loses(pp, tuple(steps[prev]), tuple(steps[s]))}
+    """The steps of the window (after its first) that start on a drained pipeline.
+
+    The boundaries are judged in order, each over the whole window up to it, one slot a micro-batch
+    (:data:`FORWARD_SHARE` of it forward): step ``s`` starts drained when the window streamed into it
+    would end no earlier than the window before it, as decided, plus ``s`` run alone (a drained
+    step's ops are its own 1F1B shifted to where the window before it ends). So each prefix of the
+    window ends no later than the one before it plus its last step alone, and by induction the
+    window is never slower than its steps flushed one by one. Pair by pair is not enough: a forward
+    may wait for a step two back (:func:`forward_dependencies`) and stalls compound, so two
+    boundaries each cheaper streamed on their own can be dearer together (``pp`` = 5, steps
+    ``{0},{2} | {1} | {0},{0,1}``: 18 slots streamed, 16 with the second boundary drained, 17 both).
+    A replica with fewer tasks than stages gains nothing from streaming them and would lose by it.
+    """
+    return set(_flushed_steps(pp, tuple(stream)))
 
 
 @functools.lru_cache(maxsize=4096)
-def _streaming_loses(pp: int, prev: tuple[frozenset[int], ...], nxt: tuple[frozenset[int], ...]) -> bool:
-    """Whether the two steps, one slot a micro-batch (:data:`FORWARD_SHARE` of it forward), take at least as long
-    streamed as each drained on its own. At once False when no forward of the second would wait
-    (the closed form of :func:`stall_slots`)."""
-    pair = [StreamMicroBatch(0, t) for t in prev] + [StreamMicroBatch(1, t) for t in nxt]
-    deps = forward_dependencies(pair)
-    if max(deps[i] - i + pp for i in range(len(prev), len(pair))) <= 0:
-        return False
-
-    alone = _unit_span(pp, [StreamMicroBatch(0, t) for t in prev]) + _unit_span(
-        pp, [StreamMicroBatch(0, t) for t in nxt]
-    )
-    return _unit_span(pp, pair) >= alone - 1e-9
+def _flushed_steps(pp: int, stream: tuple[StreamMicroBatch, ...]) -> frozenset[int]:
+    if pp <= 1:
+        return frozenset()
+    ends: dict[int, int] = {}
+    for i, mb in enumerate(stream):
+        ends[mb.step] = i + 1
+    starts = [0, *ends.values()]
+    steps = list(ends)
+    flushed: set[int] = set()
+    span = _unit_span(pp, list(stream[: starts[1]]))
+    for k in range(1, len(steps)):
+        streamed = _unit_span(pp, list(stream[: starts[k + 1]]), flushed)
+        drained = span + _unit_span(pp, list(stream[starts[k] : starts[k + 1]]))
+        if streamed >= drained - 1e-9:
+            flushed.add(steps[k])
+            span = drained
+        else:
+            span = streamed
+    return frozenset(flushed)
 
 
 def stream_order(
@@ -151,35 +169,128 @@ def stall_slots(pp: int, microbatch_tasks: Sequence[Collection[int]]) -> float:
 
     First the closed form ``max_i (dep(i) - i + pp)^+`` over a second step's forwards (module doc):
     when it is 0 no forward waits and that is exact. Otherwise the waits compound (a late forward
-    delays the backwards the next forwards wait for), so the stall is read off :func:`timeline` with
+    delays the backwards the next forwards wait for), so the stall is read off the timeline with
     every micro-batch one slot (:data:`FORWARD_SHARE` of it forward): the third step's span minus
-    the second's, minus the step's work.
+    the second's, minus the step's work (:func:`_timed_stall`).
+
+    Only the order's dependencies decide it: a second step's forward ``i`` waits for the backward of
+    ``d(i)``, the last micro-batch ``m`` of the first step with ``min tasks(m) <= max tasks(i)``
+    (:func:`forward_dependencies`). And only the late ones: stage k issues forward f after
+    ``max(f - (pp - k) + 1, dep(f) + 1)`` backwards (:func:`stage_positions`), so a dependency
+    ``dep(f) <= f - pp`` never moves an op and may be read as ``f - pp``. With ``d'(i) = max(d(i), K + i
+    - pp)``, every ``d'(i)`` from ``i = pp - 1`` on is ``K + i - pp``: the stall is a function of ``(pp, K,
+    d'(0 .. pp - 2))`` and is memoised on it.
     """
     if pp <= 1 or not microbatch_tasks:
         return 0.0
-    one = tuple(frozenset(t) for t in microbatch_tasks)
-    stream = [StreamMicroBatch(0, t) for t in one] + [StreamMicroBatch(1, t) for t in one]
-    deps = forward_dependencies(stream)
-    k = len(one)
-    if max(deps[i] - i + pp for i in range(k, 2 * k)) <= 0:
+    d = second_step_dependencies(microbatch_tasks)
+    k = d.size
+    if int((d - np.arange(k, 2 * k)).max()) + pp <= 0:
         return 0.0
-    return _timed_stall(pp, one)
+    late = np.maximum(d[: pp - 1], k + np.arange(min(pp - 1, k)) - pp)
+    key = (pp, k, tuple(late.tolist()))
+    memo = work_memo("stall")  # a counted scope (a plan) keeps its own, so its count is reproducible
+    if memo is None:
+        return _cached_stall(*key)
+    if key not in memo:
+        memo[key] = _timed_stall(*key)
+    return memo[key]
 
 
-@functools.lru_cache(maxsize=4096)
-def _timed_stall(pp: int, one: tuple[frozenset[int], ...]) -> float:
+def second_step_dependencies(microbatch_tasks: Sequence[Collection[int]]) -> np.ndarray:
+    """``d``: :func:`forward_dependencies` of the second of two steps of this order, as indices into
+    the first (-1: none). With ``lo`` the suffix minima of the micro-batches' smallest tasks,
+    ``d(i) = max { m : lo(m) <= max tasks(i) }``, a sorted search."""
+    lows = np.array([min(t) if t else -1 for t in microbatch_tasks], dtype=np.int64)
+    tops = np.array([max(t) if t else -1 for t in microbatch_tasks], dtype=np.int64)
+    suffix_min = np.minimum.accumulate(lows[::-1])[::-1]
+    return np.searchsorted(suffix_min, tops, side="right") - 1
+
+
+def _timed_stall(pp: int, k: int, late: tuple[int, ...]) -> float:
+    """Steady-state stall of a step of ``k`` micro-batches whose second-step dependencies read ``late``,
+    then ``K + i - pp`` (:func:`stall_slots`): span(3 steps) - span(2 steps) - K, one slot a micro-batch."""
+    rel = np.concatenate((np.asarray(late, dtype=np.int64), k + np.arange(len(late), k) - pp))
+
     def span(steps: int) -> float:
-        return _unit_span(pp, [StreamMicroBatch(s, t) for s in range(steps) for t in one])
+        deps = np.concatenate([np.full(k, -1, dtype=np.int64), *(rel + (s - 1) * k for s in range(1, steps))])
+        return stream_span(pp, deps, FORWARD_SHARE, 1.0 - FORWARD_SHARE)
 
-    return max(0.0, span(3) - span(2) - len(one))
+    return max(0.0, span(3) - span(2) - k)
 
 
-def _unit_span(pp: int, stream: list[StreamMicroBatch]) -> float:
-    """The span of ``stream`` streamed without drains, every micro-batch one slot a stage
-    (:data:`FORWARD_SHARE` of it forward)."""
-    n = len(stream)
-    forward, backward = [[FORWARD_SHARE] * n] * pp, [[1.0 - FORWARD_SHARE] * n] * pp
-    return timeline(pp, stream, forward, backward, drain_stalls=False).span
+_cached_stall = functools.lru_cache(maxsize=65536)(_timed_stall)
+
+
+def _unit_span(pp: int, stream: list[StreamMicroBatch], flushed: Collection[int] = ()) -> float:
+    """The span of ``stream`` with the steps ``flushed`` drained before and the others streamed, every
+    micro-batch one slot a stage (:data:`FORWARD_SHARE` of it forward)."""
+    deps = np.asarray(forward_dependencies(stream, flushed), dtype=np.int64)
+    return stream_span(pp, deps, FORWARD_SHARE, 1.0 - FORWARD_SHARE)
+
+
+def stage_positions(pp: int, deps: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per stage ``k``, where forward ``i`` and backward ``i`` sit in its :func:`stream_order` (given
+    its dependencies ``deps``), in closed form: forward ``f`` waits for ``c(f)`` backwards,
+
+        c(f) = max(0, max_{g <= f} max(g - (pp - k) + 1, dep(g) + 1))
+
+    (fewer than ``pp - k`` in flight, its dependency's backward run, after forward ``f - 1``), so it
+    sits at ``f + c(f)``, and backward ``b`` at ``b + #{f : c(f) <= b}``."""
+    n = deps.size
+    idx = np.arange(n)
+    out = []
+    for k in range(pp):
+        waits = np.maximum.accumulate(np.maximum(idx - (pp - k) + 1, deps + 1)).clip(min=0)
+        out.append((idx + waits, idx + np.searchsorted(waits, idx, side="right")))
+    return out
+
+
+def stream_span(pp: int, deps: np.ndarray, forward_s: float | np.ndarray, backward_s: float | np.ndarray) -> float:
+    """The span of :func:`timeline` with no update time (``update_s = 0``), computed as a longest path.
+
+    With no update time, a forward's updates are ready when its dependency's backward has run on
+    stage 0, which stage 0's order already waits for, so every op waits only for the op before it
+    on its stage and for its input (forward ``i`` on the stage before, backward ``i`` on the stage
+    after). On one stage, ops at positions ``p`` of durations ``t_p`` arriving at ``a_p`` end at
+
+        e_p = max(e_{p-1}, a_p) + t_p = D_p + max_{q <= p} (a_q - D_{q-1}),    D_p = t_0 + ... + t_p
+
+    (a running maximum). Sweeping the stages down then up until no end moves gives the least fixed
+    point, which is the timeline's (the same recurrences, solved in another order); every sweep
+    follows the critical path through one more turn between forwards and backwards. ``forward_s``,
+    ``backward_s``: one duration for all, or ``(pp, n)``. Raises ValueError if the orders deadlock.
+    """
+    n = deps.size
+    if n == 0:
+        return 0.0
+    count_work("stall_timelines")
+    positions = stage_positions(pp, deps)
+    fwd = np.broadcast_to(np.asarray(forward_s, dtype=float), (pp, n))
+    bwd = np.broadcast_to(np.asarray(backward_s, dtype=float), (pp, n))
+    cum, before = [], []
+    for k, (pos_f, pos_b) in enumerate(positions):
+        t = np.empty(2 * n)
+        t[pos_f], t[pos_b] = fwd[k], bwd[k]
+        cum.append(np.cumsum(t))
+        before.append(cum[-1] - t)
+    f_end, b_end = np.zeros((pp, n)), np.zeros((pp, n))
+    arrive = np.zeros(2 * n)
+    sweeps = list(range(pp)) + list(range(pp - 1, -1, -1))
+    for _ in range(2 * pp * n + 1):
+        moved = False
+        for k in sweeps:
+            pos_f, pos_b = positions[k]
+            arrive[pos_f] = f_end[k - 1] if k > 0 else 0.0
+            arrive[pos_b] = b_end[k + 1] if k < pp - 1 else 0.0  # the last stage: its own forward, earlier
+            end = cum[k] + np.maximum.accumulate(arrive - before[k])
+            new_f, new_b = end[pos_f], end[pos_b]
+            if not moved and not (np.array_equal(new_f, f_end[k]) and np.array_equal(new_b, b_end[k])):
+                moved = True
+            f_end[k], b_end[k] = new_f, new_b
+        if not moved:
+            return float(max(f_end.max(), b_end.max()))
+    raise ValueError(f"the stage orders deadlock: the ends of {2 * pp * n} ops do not settle")
 
 
 def bubble_slots(pp: int, window: int, microbatch_tasks: Sequence[Collection[int]] | None = None) -> float:

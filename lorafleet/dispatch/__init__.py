@@ -17,9 +17,10 @@ runs), :class:`Recalibrator` (measured/modelled time per replica, fed back as ``
 exactly what its steps will run):
 
 1. *the load model*: :func:`config_classes` (a plan's replicas grouped by config and
-   speed), :func:`choose_buckets` (a batch's buckets, as the dispatcher picks them) and
-   :func:`build_load_model` (a :class:`LoadModel`: per class i and bucket j the time
-   ``T_i(d) = Σ_j ⌈d_ij / p_i⌉ t_ij + c_i``, LobRA Eq. 1-3 with p fixed);
+   speed), :func:`choose_buckets` (a batch's buckets, as the dispatcher picks them, balanced;
+   :func:`bucket_load` without the balance) and :func:`build_load_model` (a :class:`LoadModel`:
+   per class i and bucket j the time ``T_i(d) = Σ_j ⌈d_ij / p_i⌉ t_ij + c_i``, LobRA Eq. 1-3 with
+   p fixed);
 2. *balance*: :func:`balance_load` (what every step runs: :func:`balance_fast`, milliseconds,
    :func:`balance_by_length`, LobRA's length-based baseline, or :func:`solve_dispatch_ilp`,
    exact, bounded by the fast answer, which stands with a note when the solve gives nothing), each
@@ -45,7 +46,15 @@ from lorafleet.dispatch.lookahead import LookaheadDispatcher
 from lorafleet.dispatch.placement import placed_times
 from lorafleet.dispatch.policy import policy_with, solve_policy
 from lorafleet.dispatch.recalibration import Recalibrator, ReplicaCalibration, summarize_factors
-from lorafleet.dispatch.step import Balanced, DispatchOutcome, balance_load, choose_buckets, placed_work, solve_step
+from lorafleet.dispatch.step import (
+    Balanced,
+    DispatchOutcome,
+    balance_load,
+    bucket_load,
+    choose_buckets,
+    placed_work,
+    solve_step,
+)
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
 from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions, DispatchPolicy, MicroBatchMode
@@ -76,6 +85,7 @@ __all__ = [
     "balance_by_length",
     "balance_fast",
     "build_load_model",
+    "bucket_load",
     "choose_buckets",
     "config_classes",
     "fluid_bound",

@@ -44,6 +44,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from lorafleet.dispatch.load import LoadModel
+from lorafleet.work import count as count_work
 
 _REL_TOL = 1e-12
 """An exchange must lower the slowest class by more than this fraction (floating-point noise)."""
@@ -76,19 +77,22 @@ def balance_by_length(load: LoadModel) -> Assignment:
 def _balance(load: LoadModel, allowed: np.ndarray) -> Assignment:
     if np.any((load.counts > 0) & ~allowed.any(axis=0)):
         raise ValueError("a non-empty bucket fits no config class")
+    count_work("balances")
     empty = np.zeros(allowed.shape, dtype=np.int64)
     starts = (
         _water_fill(load, allowed, empty),
         _water_fill(load, allowed, _lp_rounded(load, allowed)),
         _whole_buckets(load, allowed),
     )
-    best = min((_exchange_search(load, allowed, d) for d in starts), key=load.makespan)
+    ends: dict[bytes, np.ndarray] = {}
+    best = min((_exchange_search(load, allowed, d, ends) for d in starts), key=load.makespan)
     return Assignment(counts=best, makespan_s=load.makespan(best))
 
 
 def _water_fill(load: LoadModel, allowed: np.ndarray, start: np.ndarray) -> np.ndarray:
     """Add each bucket's sequences not yet in ``start`` (K, R), longest bucket first, at the least level."""
     d = start.copy()
+    rows = _Rows(load, d)
     for j in np.argsort(-load.boundaries, kind="stable"):
         total = int(load.counts[j] - d[:, j].sum())
         if total == 0:
@@ -97,19 +101,19 @@ def _water_fill(load: LoadModel, allowed: np.ndarray, start: np.ndarray) -> np.n
         bucket, none, extra = np.array(j), np.array(0), np.arange(total + 1)
         # (takers, total + 1): time of each taker holding x = 0..total more of bucket j; the running
         # max makes each row monotone even for cost models with a negative coefficient
-        curve = np.maximum.accumulate(
-            np.stack([_times_after(load, _row(load, d, i), d, i, bucket, none, bucket, extra) for i in takers]), axis=1
-        )
-        levels = np.unique(curve)
-        cap = np.stack([np.searchsorted(row, levels, side="right") - 1 for row in curve])  # -1: above tau already
-        level = int(np.argmax(np.maximum(cap, 0).sum(axis=0) >= total))
-        take = np.maximum(cap[:, level], 0)
+        curve = np.maximum.accumulate(_after(load, rows, d, takers[:, None], bucket, none, bucket, extra), axis=1)
+        # The least level tau at which the takers hold them all: taker t holds the x >= 1 more with
+        # curve[t, x] <= tau (its row is monotone), so tau is the total-th smallest of curve[:, 1:].
+        more = curve[:, 1:]
+        take = (more <= np.partition(more, total - 1, axis=None)[total - 1]).sum(axis=1)
         surplus = int(take.sum()) - total
         for t in np.argsort(-curve[np.arange(takers.size), take], kind="stable"):
             cut = min(surplus, int(take[t]))
             take[t] -= cut
             surplus -= cut
         d[takers, j] += take
+        for i in takers[take > 0]:
+            rows.update(load, d, int(i))
     return d
 
 
@@ -196,6 +200,7 @@ def _min_max_lp(
         tokens[bucket, y] = 1.0
         a_ub, b_ub = np.vstack((a_ub, ranges)), np.concatenate((b_ub, np.zeros(2 * n)))
         a_eq, b_eq = np.vstack((a_eq, tokens)), np.concatenate((b_eq, load.tokens))
+    count_work("lp_solves")
     solved = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs")
     if solved.status != 0:
         return None
@@ -215,7 +220,7 @@ def _lp_rounded(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
 
 
 def _move_sizes(load: LoadModel, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Candidate amounts, per (class, bucket): (4, K, R) when the class gives and (4, K, R) when it takes.
+    """Candidate amounts, per (class, bucket): (K, R, 4) when the class gives and (K, R, 4) when it takes.
 
     Giving: one row fewer on every replica, one micro-batch fewer on every replica, half,
     everything. Taking: what fills its open rows, what fills its open micro-batches, one more
@@ -225,133 +230,184 @@ def _move_sizes(load: LoadModel, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     b = np.maximum(load.microbatch_rows, 1)
     rows = -(-d // p)
     microbatches = -(-rows // b)
-    give = np.stack([d - p * (rows - 1), d - p * b * (microbatches - 1), d // 2, d])
-    take = np.stack([p * rows - d, p * b * microbatches - d, np.broadcast_to(p, d.shape), p * b])
+    give = np.stack([d - p * (rows - 1), d - p * b * (microbatches - 1), d // 2, d], axis=-1)
+    take = np.stack([p * rows - d, p * b * microbatches - d, np.broadcast_to(p, d.shape), p * b], axis=-1)
     return give, take
 
 
-def _pair_sizes(
-    give: np.ndarray, take: np.ndarray, d: np.ndarray, giver: int, taker: int, buckets: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct (bucket, amount) candidates for moving part of ``buckets`` from ``giver`` to ``taker``."""
-    sizes = np.clip(np.concatenate((give[:, giver, buckets], take[:, taker, buckets])), 1, d[giver, buckets])
-    # many kinds coincide (half = one row fewer, ...): drop repeats, the scoring matrix is |give| x |back|
-    span = int(d.max()) + 1
-    pairs = np.unique((buckets * span + sizes).ravel())
-    return pairs // span, pairs % span
+def _offers(
+    give: np.ndarray, take: np.ndarray, held: np.ndarray, mask: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct (bucket, amount) offers of each of K pairs, ordered by (bucket, amount): ``(j, amount,
+    valid)``, each (K, A), A the most any pair has (``valid`` marks the real ones).
 
-
-@dataclass(frozen=True)
-class _Row:
-    """One class's per-bucket costs under the current totals: what candidate changes are scored against."""
-
-    compute: np.ndarray
-    """(R,) compute time of the bucket's rows on the slowest replica."""
-    largest: np.ndarray
-    """(R,) its largest micro-batch time."""
-    base: float
-    """o_i + sum of ``compute``."""
-    top: np.ndarray
-    """(3,) buckets with the largest micro-batch times, padded with -2."""
-    top_values: np.ndarray
-    """(3,) those times, padded with 0."""
-
-
-def _row(load: LoadModel, d: np.ndarray, i: int) -> _Row:
-    compute, largest = load.row_cost(i, np.arange(d.shape[1]), -(-d[i] // load.n_replicas[i]))
-    top = np.argsort(-largest, kind="stable")[:3]
-    pad = 3 - top.size
-    return _Row(
-        compute=compute,
-        largest=largest,
-        base=float(load.overhead_s[i] + compute.sum()),
-        top=np.concatenate((top, np.full(pad, -2))),
-        top_values=np.concatenate((largest[top], np.zeros(pad))),
+    Pair k may move bucket j where ``mask[k, j]``; the amounts tried are the giver's ``give[k, j]`` and
+    the taker's ``take[k, j]`` (4 each, :func:`_move_sizes`), clipped to 1 .. ``held[k, j]``, what the
+    giver holds.
+    """
+    cols = np.flatnonzero(mask.any(axis=0))  # the buckets some pair may move
+    give, take, held, mask = give[:, cols], take[:, cols], held[:, cols], mask[:, cols]
+    sizes = np.clip(np.concatenate((give, take), axis=2), 1, held[:, :, None])
+    sizes.sort(axis=2)
+    keep = np.ones(sizes.shape, dtype=bool)
+    keep[:, :, 1:] = sizes[:, :, 1:] != sizes[:, :, :-1]  # many kinds coincide (half = one row fewer, ...)
+    keep &= mask[:, :, None]
+    pairs, n_buckets, kinds = sizes.shape
+    keep, sizes = keep.reshape(pairs, -1), sizes.reshape(pairs, -1)
+    n = keep.sum(axis=1)
+    order = np.argsort(~keep, axis=1, kind="stable")[:, : int(n.max(initial=0))]
+    buckets = np.broadcast_to(np.repeat(cols, kinds), keep.shape)
+    valid = np.arange(order.shape[1]) < n[:, None]
+    return (
+        np.where(valid, np.take_along_axis(buckets, order, axis=1), 0),
+        np.where(valid, np.take_along_axis(sizes, order, axis=1), 0),
+        valid,
     )
 
 
-def _class_time(load: LoadModel, row: _Row, i: int) -> float:
-    return row.base + float(load.bubble_slots[i]) * float(row.top_values[0])
-
-
-def _times_after(
+def _after(
     load: LoadModel,
-    row: _Row,
+    rows: _Rows,
     d: np.ndarray,
-    i: int,
+    i: np.ndarray | int,
     lose_j: np.ndarray,
     lose_amount: np.ndarray,
     gain_j: np.ndarray,
     gain_amount: np.ndarray,
 ) -> np.ndarray:
-    """Class i's time after losing ``lose_amount`` of bucket ``lose_j`` and gaining ``gain_amount`` of ``gain_j``.
+    """Class times after a loss of ``lose_amount`` of bucket ``lose_j`` and a gain of ``gain_amount`` of
+    ``gain_j``: the class ``i`` (an int, or a (K, 1, 1) array of classes) of each candidate, the losses
+    over the last axis but one and the gains over the last (or the other way round: the shapes say).
 
-    Arguments broadcast against each other; an amount of 0 leaves its bucket as it is. The
-    two buckets of one candidate must differ when both amounts are non-zero. Only the two
-    buckets' terms are recomputed; the bubble's max over the other buckets comes from the
-    row's top three.
+    Only the two buckets' terms are recomputed; the bubble's max over the other buckets comes from
+    the row's top three. An amount of 0 leaves its bucket as it is; the two buckets of one candidate
+    must differ when both amounts are non-zero. Elementwise, in the order :class:`_Rows` keeps, so a
+    candidate's time does not depend on which others are scored with it.
     """
     p = load.n_replicas[i]
     new_lose, big_lose = load.row_cost(i, lose_j, -(-(d[i, lose_j] - lose_amount) // p))
     new_gain, big_gain = load.row_cost(i, gain_j, -(-(d[i, gain_j] + gain_amount) // p))
-    total = row.base + (new_lose - row.compute[lose_j]) + (new_gain - row.compute[gain_j])
-    if load.bubble_slots[i] == 0:
+    total = rows.base[i] + (new_lose - rows.compute[i, lose_j]) + (new_gain - rows.compute[i, gain_j])
+    slots = load.bubble_slots[i]
+    if not np.any(slots):
         return total
     lose_j = np.where(lose_amount != 0, lose_j, -1)
     gain_j = np.where(gain_amount != 0, gain_j, -1)
-    others = np.full(np.broadcast_shapes(lose_j.shape, gain_j.shape), row.top_values[2])
+    top, top_values = rows.top[i], rows.top_values[i]  # (..., 3): each candidate's class's top three
+    others = np.broadcast_to(top_values[..., 2], np.broadcast_shapes(lose_j.shape, gain_j.shape, np.shape(i)))
     for rank in (1, 0):
-        others = np.where((lose_j != row.top[rank]) & (gain_j != row.top[rank]), row.top_values[rank], others)
+        others = np.where((lose_j != top[..., rank]) & (gain_j != top[..., rank]), top_values[..., rank], others)
     bubble = np.maximum(others, np.maximum(np.where(lose_j >= 0, big_lose, 0.0), np.where(gain_j >= 0, big_gain, 0.0)))
-    return total + float(load.bubble_slots[i]) * bubble
+    return np.where(slots != 0, total + slots * bubble, total)
+
+
+class _Rows:
+    """Every class's per-bucket costs under the current totals d (K, R): what candidate changes are
+    scored against. Row i: the compute time of each bucket's rows on the class's slowest replica, its
+    largest micro-batch time, ``base`` = o_i + their sum, and the three buckets with the largest
+    micro-batch times (padded with -2, times 0)."""
+
+    def __init__(self, load: LoadModel, d: np.ndarray) -> None:
+        n_classes, n_buckets = d.shape
+        self.compute, self.largest = np.zeros((n_classes, n_buckets)), np.zeros((n_classes, n_buckets))
+        self.base = np.zeros(n_classes)
+        self.top, self.top_values = np.full((n_classes, 3), -2, dtype=np.int64), np.zeros((n_classes, 3))
+        for i in range(n_classes):
+            self.update(load, d, i)
+
+    def update(self, load: LoadModel, d: np.ndarray, i: int) -> None:
+        """Row i again, after class i's totals changed."""
+        compute, largest = load.row_cost(i, np.arange(d.shape[1]), -(-d[i] // load.n_replicas[i]))
+        top = np.argsort(-largest, kind="stable")[:3]
+        self.compute[i], self.largest[i] = compute, largest
+        self.base[i] = float(load.overhead_s[i] + compute.sum())
+        self.top[i] = -2
+        self.top[i, : top.size] = top
+        self.top_values[i] = 0.0
+        self.top_values[i, : top.size] = largest[top]
+
+    def times(self, load: LoadModel) -> np.ndarray:
+        """(K,) the load model's time of each class: ``base + bubble_slots * largest``."""
+        return self.base + load.bubble_slots * self.top_values[:, 0]
 
 
 def _best_exchange(
-    load: LoadModel,
-    allowed: np.ndarray,
-    d: np.ndarray,
-    rows: list[_Row],
-    sizes: tuple[np.ndarray, np.ndarray],
-    c: int,
-    k: int,
-) -> tuple[float, tuple[int, int, int, int]] | None:
-    """The exchange between the slowest class c and class k with the least max(T_c', T_k')."""
-    give = np.flatnonzero((d[c] > 0) & allowed[k])
-    if give.size == 0:
+    load: LoadModel, allowed: np.ndarray, d: np.ndarray, rows: _Rows, sizes: tuple[np.ndarray, np.ndarray], c: int
+) -> tuple[float, int, tuple[int, int, int, int]] | None:
+    """The exchange between the slowest class c and any other class k with the least max(T_c', T_k'),
+    scored for every k at once: the first k, then the first candidate of it, among equals (None: c
+    can give nothing to anyone).
+
+    Class c gives some of a bucket j it holds to k (an amount from either side's sizes) and takes
+    back nothing or some of a bucket it can hold that k holds.
+    """
+    give, take = sizes
+    out_mask = (d[c] > 0)[None, :] & allowed
+    out_mask[c] = False
+    takers = np.flatnonzero(out_mask.any(axis=1))  # the classes c can give something to, in order
+    if takers.size == 0:
         return None
-    out_j, out_amount = _pair_sizes(*sizes, d, c, k, give)
-    back_j, back_amount = _pair_sizes(*sizes, d, k, c, np.flatnonzero((d[k] > 0) & allowed[c]))
+    shape = (takers.size, *d.shape[1:], 4)
+    out_j, out_amount, out_valid = _offers(
+        np.broadcast_to(give[c], shape), take[takers], np.broadcast_to(d[c], shape[:2]), out_mask[takers]
+    )
+    back_j, back_amount, back_valid = _offers(
+        give[takers], np.broadcast_to(take[c], shape), d[takers], (d[takers] > 0) & allowed[c][None, :]
+    )
     # column 0: nothing back (an amount of 0 changes nothing, whatever its bucket)
-    in_j = np.concatenate(([0], back_j))[None, :]
-    in_amount = np.concatenate(([0], back_amount))[None, :]
-    out_j, out_amount = out_j[:, None], out_amount[:, None]
+    zero = np.zeros((takers.size, 1), dtype=np.int64)
+    in_j, in_amount = np.concatenate((zero, back_j), axis=1), np.concatenate((zero, back_amount), axis=1)
+    in_valid = np.concatenate((np.ones((takers.size, 1), dtype=bool), back_valid), axis=1)
+    k = takers[:, None, None]
+    out_j, out_amount, in_j, in_amount = (
+        out_j[:, :, None],
+        out_amount[:, :, None],
+        in_j[:, None, :],
+        in_amount[:, None, :],
+    )
     worst = np.maximum(
-        _times_after(load, rows[c], d, c, out_j, out_amount, in_j, in_amount),
-        _times_after(load, rows[k], d, k, in_j, in_amount, out_j, out_amount),
+        _after(load, rows, d, c, out_j, out_amount, in_j, in_amount),
+        _after(load, rows, d, k, in_j, in_amount, out_j, out_amount),
     )
     worst = np.where((out_j == in_j) & (in_amount > 0), np.inf, worst)
-    a, e = np.unravel_index(int(np.argmin(worst)), worst.shape)
-    return float(worst[a, e]), (int(out_j[a, 0]), int(out_amount[a, 0]), int(in_j[0, e]), int(in_amount[0, e]))
+    worst = np.where(out_valid[:, :, None] & in_valid[:, None, :], worst, np.inf)
+    best = np.unravel_index(int(np.argmin(worst)), worst.shape)
+    if not np.isfinite(worst[best]):
+        return None
+    taker, a, e = (int(x) for x in best)
+    return (
+        float(worst[best]),
+        int(takers[taker]),
+        (int(out_j[taker, a, 0]), int(out_amount[taker, a, 0]), int(in_j[taker, 0, e]), int(in_amount[taker, 0, e])),
+    )
 
 
-def _exchange_search(load: LoadModel, allowed: np.ndarray, d: np.ndarray) -> np.ndarray:
+def _exchange_search(load: LoadModel, allowed: np.ndarray, d: np.ndarray, ends: dict[bytes, np.ndarray]) -> np.ndarray:
+    """Exchanges (:func:`_best_exchange`) from ``d`` until none improves. The search is a function of the
+    totals alone, so a start that reaches totals an earlier start passed through ends where that one
+    ended: ``ends`` maps every totals passed through to its end, and is added to."""
     d = d.copy()
-    rows = [_row(load, d, i) for i in range(len(load.classes))]
+    rows = _Rows(load, d)
+    path = []
     for _ in range(_MAX_EXCHANGES):
-        times = [_class_time(load, row, i) for i, row in enumerate(rows)]
+        state = d.tobytes()
+        if state in ends:
+            d = ends[state]
+            break
+        path.append(state)
+        times = rows.times(load)
         c = int(np.argmax(times))
-        sizes = _move_sizes(load, d)
-        best = None
-        for k in range(len(load.classes)):
-            found = _best_exchange(load, allowed, d, rows, sizes, c, k) if k != c else None
-            if found is not None and found[0] < times[c] * (1 - _REL_TOL) and (best is None or found[0] < best[0]):
-                best = (found[0], k, found[1])
-        if best is None:
-            return d
+        best = _best_exchange(load, allowed, d, rows, _move_sizes(load, d), c)
+        if best is None or not best[0] < times[c] * (1 - _REL_TOL):
+            break
         _, k, (j, amount, back_j, back_amount) = best
         d[c, j] -= amount
         d[k, j] += amount
         d[k, back_j] -= back_amount
         d[c, back_j] += back_amount
-        rows[c], rows[k] = _row(load, d, c), _row(load, d, k)
+        rows.update(load, d, c)
+        rows.update(load, d, k)
+    else:
+        return d  # the safety cap: not an end another start may take
+    ends.update(dict.fromkeys(path, d))
     return d

@@ -87,11 +87,13 @@ def packed_microbatches(
     seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, max_tokens: int, *, task_major: bool = False
 ) -> list[MicroBatch]:
     """First-fit decreasing packing of one replica's sequences into micro-batches of <= M tokens.
-    Ordered by :func:`order_for_1f1b` (``task_major``: for a pipeline window, module docstring)."""
+    Ordered by :func:`order_for_1f1b`'s keys (``task_major``: for a pipeline window, module docstring)."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
+    if seq_ids.size == 0:
+        return []
     order = seq_ids[np.lexsort((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
     needs = lengths[order].tolist()
-    smallest = needs[-1] if needs else 0
+    smallest = needs[-1]
     room: list[int] = []  # free tokens of each opened micro-batch
     open_bins: list[int] = []  # those that can still take the shortest sequence, in opening order
     bin_of: list[int] = []
@@ -108,10 +110,23 @@ def packed_microbatches(
         bin_of.append(k)
         if room[k] < smallest:
             del open_bins[pos]
-    rows = _sorted_rows(np.asarray(bin_of, dtype=np.int64)[np.argsort(order)], np.sort(order), lengths, task_ids)
-    return order_for_1f1b(
-        [_microbatch(list(in_bin), None) for _, in_bin in groupby(rows, key=itemgetter(0))], task_major=task_major
-    )
+    # each micro-batch's rows by (task, position); then the micro-batches in 1F1B order (order_for_1f1b's
+    # keys, over arrays: largest first, or by largest task first when task_major; ties in opening order)
+    bins = np.asarray(bin_of, dtype=np.int64)
+    rows = np.lexsort((order, task_ids[order], bins))
+    ids, bins = order[rows], bins[rows]
+    starts = np.flatnonzero(np.r_[True, bins[1:] != bins[:-1]])
+    ends = np.r_[starts[1:], ids.size]
+    held = lengths[ids]
+    keys = (np.arange(starts.size), -np.maximum.reduceat(held, starts), -np.add.reduceat(held, starts))
+    if task_major:
+        keys += (np.maximum.reduceat(task_ids[ids], starts),)
+    seqs, tasks, lens = ids.tolist(), task_ids[ids].tolist(), held.tolist()
+    first = np.lexsort(keys)
+    return [
+        MicroBatch(seq_ids=tuple(seqs[a:b]), task_ids=tuple(tasks[a:b]), lengths=tuple(lens[a:b]), padded_len=None)
+        for a, b in zip(starts[first].tolist(), ends[first].tolist(), strict=True)
+    ]
 
 
 def order_for_1f1b(microbatches: list[MicroBatch], *, task_major: bool = False) -> list[MicroBatch]:

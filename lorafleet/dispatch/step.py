@@ -34,6 +34,7 @@ from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork, StepPlan
 from lorafleet.solvers import SolveResult
 from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions, MicroBatchMode
+from lorafleet.work import count as count_work
 
 
 @dataclass(frozen=True)
@@ -120,34 +121,55 @@ def balance_load(
     )
 
 
+def _candidate_bucketings(
+    batch: GlobalBatch, classes: tuple[ConfigClass, ...], options: DispatchOptions
+) -> list[BucketingResult]:
+    """The least-padding boundaries for every bucket count up to R (at least one bucket per memory class
+    present: barriers at every M), fewest buckets first."""
+    barriers = sorted({c.max_tokens for c in classes})
+    present = np.unique(np.searchsorted(barriers, batch.lengths, side="left")).size
+    return optimal_buckets_by_count(
+        batch.lengths, max(options.n_buckets, present), alignment=options.bucket_alignment, barriers=barriers
+    )
+
+
+def _load_of(
+    batch: GlobalBatch,
+    classes: tuple[ConfigClass, ...],
+    cost_model: CostModel,
+    bucketing: BucketingResult,
+    mode: MicroBatchMode,
+) -> LoadModel:
+    bucket = bucket_of(batch.lengths, bucketing.boundaries)
+    return build_load_model(classes, cost_model, np.array(bucketing.boundaries), batch.lengths, bucket, mode)
+
+
+def bucket_load(
+    batch: GlobalBatch, classes: tuple[ConfigClass, ...], cost_model: CostModel, options: DispatchOptions
+) -> tuple[BucketingResult, LoadModel]:
+    """The step's least-padding buckets with R buckets and their load model, not balanced: what
+    :func:`choose_buckets` gives without ``choose_buckets_by_makespan``, for a caller that needs the load
+    model only (a bound, a homogeneous deployment) or balances it itself."""
+    bucketing = _candidate_bucketings(batch, classes, options)[-1]
+    return bucketing, _load_of(batch, classes, cost_model, bucketing, options.microbatch_mode)
+
+
 def choose_buckets(
     batch: GlobalBatch, classes: tuple[ConfigClass, ...], cost_model: CostModel, options: DispatchOptions
 ) -> tuple[BucketingResult, LoadModel, Assignment]:
     """The step's buckets, their load model and the heuristic assignment on them.
 
     At least one bucket per memory class present (barriers at every M). By default the
-    least-padding boundaries with R buckets; with ``choose_buckets_by_makespan``, among the
-    optima for every bucket count up to R, the one whose heuristic makespan is least
+    least-padding boundaries with R buckets (:func:`bucket_load`); with ``choose_buckets_by_makespan``,
+    among the optima for every bucket count up to R, the one whose heuristic makespan is least
     (fewer buckets on ties).
     """
-    barriers = sorted({c.max_tokens for c in classes})
-    present = np.unique(np.searchsorted(barriers, batch.lengths, side="left")).size
-    candidates = optimal_buckets_by_count(
-        batch.lengths, max(options.n_buckets, present), alignment=options.bucket_alignment, barriers=barriers
-    )
     if not options.choose_buckets_by_makespan:
-        candidates = candidates[-1:]
+        bucketing, load = bucket_load(batch, classes, cost_model, options)
+        return bucketing, load, _balance(load, options.method)
     best = None
-    for bucketing in candidates:
-        bucket = bucket_of(batch.lengths, bucketing.boundaries)
-        load = build_load_model(
-            classes,
-            cost_model,
-            np.array(bucketing.boundaries),
-            batch.lengths,
-            bucket,
-            options.microbatch_mode,
-        )
+    for bucketing in _candidate_bucketings(batch, classes, options):
+        load = _load_of(batch, classes, cost_model, bucketing, options.microbatch_mode)
         assignment = _balance(load, options.method)
         if best is None or assignment.makespan_s < best[2].makespan_s:
             best = (bucketing, load, assignment)
@@ -239,6 +261,7 @@ def solve_step(
     ``window``: the pipeline window the step runs in (the policy's; :func:`placed_work`).
     """
     start = time.perf_counter()
+    count_work("dispatches")
     classes = config_classes(plan, cost_model, speed)
     _check_lengths(batch, classes)
     bucketing, load, first = choose_buckets(batch, classes, cost_model, options)

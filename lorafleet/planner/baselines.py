@@ -38,9 +38,9 @@ from lorafleet.dispatch import (
     DispatchOptions,
     DispatchPolicy,
     MicroBatchMode,
+    bucket_load,
     bucket_of,
     build_load_model,
-    choose_buckets,
     dispatch_step,
     placed_times,
     placed_work,
@@ -113,7 +113,7 @@ def estimated_makespan(
         )
         return float(placed_times(load, load.counts[None, :]).max())
     packing = packing_policy(policy)
-    _, load, _ = choose_buckets(batch, (cls,), cost_model, packing.options)
+    _, load = bucket_load(batch, (cls,), cost_model, packing.options)
     counts = load.counts[None, :]
     return max(t for _, t in placed_work(batch, load, counts, cost_model, mode, window=packing.pipeline_window))
 

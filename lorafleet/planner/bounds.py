@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
-from lorafleet.dispatch import choose_buckets, config_classes, fluid_bound, sequence_lower_bound
+from lorafleet.dispatch import bucket_load, config_classes, fluid_bound, sequence_lower_bound
 from lorafleet.planner.problem import Candidate
 from lorafleet.plans import DeploymentPlan, GlobalBatch
 from lorafleet.specs.dispatch import MicroBatchMode
@@ -57,5 +57,5 @@ def step_bounds(
     packed = replace(
         plan.policy.options, microbatch_mode=MicroBatchMode.PACKING
     )  # no padding, whatever the plan's mode
-    _, load, _ = choose_buckets(batch, config_classes(plan, cost_model), cost_model, packed)
+    _, load = bucket_load(batch, config_classes(plan, cost_model), cost_model, packed)
     return StepBounds(deployment_s=fluid_bound(load), fleet_s=fleet_bound(batch, candidates, cost_model, n_gpus))

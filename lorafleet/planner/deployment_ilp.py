@@ -150,6 +150,11 @@ class Branch:
     deploy_one_of: tuple[int, ...] = ()
     """At least one replica among these configs."""
 
+    @property
+    def key(self) -> tuple:
+        """What makes two branches the same MILP (with the same problem and T_ref)."""
+        return tuple(sorted(self.bounds.items())), self.deploy_one_of
+
 
 def add_branch_constraints(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars, branch: Branch) -> None:
     """The branch's restrictions: replica-count bounds, and Σ_{i in S} p_i >= 1 for ``deploy_one_of`` S."""
@@ -280,14 +285,22 @@ def branch_deployments(
     solver: SolverName,
     time_limit_s: float,
     max_branches: int,
+    solved: set[tuple] | None = None,
 ) -> tuple[list[RelaxedDeployment], list[SolveResult]]:
     """The optima of up to ``max_branches`` branches around ``center`` (:func:`branches_around`), at T_ref.
 
-    An infeasible branch adds nothing; duplicates are the caller's to drop.
+    An infeasible branch adds nothing; duplicates are the caller's to drop. ``solved``: the keys of the
+    branches already solved at this T_ref (a search round around another center shares most of them);
+    those are skipped (their optimum is already in the caller's pool: the same MILP solves to the same
+    plan) and the new ones added.
     """
     found: list[RelaxedDeployment] = []
     results: list[SolveResult] = []
     for label, branch in branches_around(problem, center)[:max_branches]:
+        if solved is not None:
+            if branch.key in solved:
+                continue
+            solved.add(branch.key)
         plan, res = solve_deployment(
             problem,
             reference_makespan,

@@ -33,12 +33,13 @@ from lorafleet.planner.objective import preferred, race, replica_price
 from lorafleet.planner.options import PlannerMode, PlannerOptions, PlanObjective
 from lorafleet.planner.placement import build_plan, with_expectation
 from lorafleet.planner.problem import Candidate, PlanningProblem, build_problem
-from lorafleet.planner.schedule import Phase, Schedule
+from lorafleet.planner.schedule import Phase, Schedule, expected_cost
 from lorafleet.planner.search import PoolEntry, search
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
 from lorafleet.sampling import sample_global_batch
 from lorafleet.solvers import SolveResult
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.work import WorkCounts, counting
 from lorafleet.workload import Workload
 
 LORAFLEET = "lorafleet"
@@ -81,6 +82,8 @@ class PlanDiagnostics:
     """A solver failed and the heuristic plan stands in (a SolverFallbackWarning was issued)."""
     sampled_batches: int = 0
     """Sampled batches the chosen plan was dispatched on in the robust race."""
+    work: WorkCounts = field(default_factory=WorkCounts)
+    """What the whole plan took, baselines included: deterministic counts (``lorafleet.work``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -248,9 +251,28 @@ def plan_deployment(
     Every deployment is judged under ``options.policy`` (its steps priced by ``cost_model`` in the
     policy's pipeline window), and the plan records that policy whole.
 
+    The work it took, counted where it is done (``lorafleet.work``), is in ``diagnostics.work`` and in
+    the plan's last note.
+
     Raises:
         InputError: the model fits no config, or some task's sequences fit none.
     """
+    with counting() as work:
+        result = _plan_deployment(workload, cluster, cost_model, options)
+    note = f"work: {work.describe()}"
+    plan = replace(result.plan, notes=(*result.plan.notes, note))
+    phase = replace(result.schedule.phases[0], plan=plan)
+    return replace(
+        result,
+        plan=plan,
+        schedule=replace(result.schedule, phases=(phase,)),
+        diagnostics=replace(result.diagnostics, work=work),
+    )
+
+
+def _plan_deployment(
+    workload: Workload, cluster: ClusterSpec, cost_model: CostModel, options: PlannerOptions
+) -> PlanResult:
     timings: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -314,7 +336,7 @@ def plan_deployment(
     if options.baselines:
         baselines = baseline_schedules(workload, expected, valid, cost_model, cluster, policy)
         for b in baselines:
-            step = b.step_cost(expected, cost_model)
+            step = expected_cost(b)  # each phase recorded its expected step when it was built
             costs.append(
                 ScheduleCost(
                     name=b.name,

@@ -27,6 +27,7 @@ from lorafleet.planner.candidates import lower_bound
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.problem import PlanningProblem
 from lorafleet.solvers import SolveResult
+from lorafleet.work import count as count_work
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -58,9 +59,10 @@ class PoolEntry:
     """The dispatcher's load model of the expected batch on it (None: it cannot hold the batch)."""
     relaxed_makespan: float | None = None
     """The aggregated MILP's (or the heuristic's fluid) t̂."""
-    lower_bound: float = float("inf")
-    """LobRA's Theorem 1 bound (inf: the deployment cannot hold the longest sequence); it compares
-    plans in the filter, but is no bound on the makespan (see :func:`lower_bound`)."""
+    lower_bound: float | None = float("inf")
+    """LobRA's Theorem 1 bound (inf: the deployment cannot hold the longest sequence; None: not computed,
+    for a polished or trimmed plan, which is never filtered); it compares plans in the filter, but is no
+    bound on the makespan (see :func:`lower_bound`)."""
     survived: bool = True
     """Passed the lower-bound filter."""
     expected: Evaluation | None = None
@@ -80,6 +82,7 @@ def evaluate(
     dispatcher's fast balance, or its exact ILP bounded by it with the planner's solver settings
     (:func:`~lorafleet.dispatch.balance_load`, what a step runs), judged by the dispatcher's estimate
     of the step (:func:`class_times`; both balancers minimise the load model ``load.times``)."""
+    count_work("deployments_judged")
     method = DispatchMethod.EXACT if exact else DispatchMethod.FAST
     settings = DispatchOptions(
         method=method, solver=options.solver, time_limit_s=options.time_limit_s, gap_rel=options.gap_rel
@@ -110,19 +113,23 @@ def class_times(problem: PlanningProblem, load: LoadModel, counts: np.ndarray, o
     return np.array([max(work[r][1] for r in c.replicas) for c in load.classes])
 
 
-def pool_entry(problem: PlanningProblem, replicas: np.ndarray, source: str, relaxed: float | None = None) -> PoolEntry:
+def pool_entry(
+    problem: PlanningProblem, replicas: np.ndarray, source: str, relaxed: float | None = None, filtered: bool = True
+) -> PoolEntry:
+    """Deployment ``replicas`` as the planner first sees it: its load view of the expected batch and, when it
+    will go through the Theorem-1 filter (``filtered``), its bound (a length-based balance)."""
     replicas = np.asarray(replicas, dtype=np.int64)
     used = int(replicas @ problem.gpus)
     if not problem.covers(replicas):
         return PoolEntry(
             replicas=replicas, source=source, used_gpus=used, load=None, relaxed_makespan=relaxed, survived=False
         )
-    load, length_based = problem.plan_view(replicas)
+    load, length_based = problem.plan_view(replicas, length_based=filtered)
     return PoolEntry(
         replicas=replicas,
         source=source,
         used_gpus=used,
         load=load,
         relaxed_makespan=relaxed,
-        lower_bound=lower_bound(load, length_based),
+        lower_bound=lower_bound(load, length_based) if length_based is not None else None,
     )

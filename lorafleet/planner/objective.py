@@ -28,6 +28,7 @@ from lorafleet.planner.options import PlannerOptions, PlanObjective
 from lorafleet.planner.problem import PlanningProblem
 from lorafleet.planner.schedule import Schedule
 from lorafleet.plans import GlobalBatch
+from lorafleet.work import count as count_work
 
 T = TypeVar("T")
 
@@ -97,6 +98,7 @@ def race(
             break
         for batch in batches[start : start + rung]:
             for k in alive:
+                count_work("batches_raced")
                 samples[k].append(schedules[k].step_cost(batch, cost_model).makespan_s)
         ranked = []
         rest = list(alive)

@@ -30,6 +30,7 @@ from lorafleet.dispatch import (
     Assignment,
     ConfigClass,
     LoadModel,
+    bucket_load,
     bucket_of,
     build_load_model,
     choose_buckets,
@@ -210,12 +211,15 @@ class PlanningProblem:
         """The same planning question over candidates ``keep`` only (their own planning buckets)."""
         return build_problem(self.batch, [self.candidates[i] for i in keep], self.cost_model, self.cluster, self.policy)
 
-    def plan_view(self, replicas: np.ndarray) -> tuple[LoadModel, Assignment]:
+    def plan_view(self, replicas: np.ndarray, length_based: bool = True) -> tuple[LoadModel, Assignment | None]:
         """Deployment p as its steps will see the expected batch: the dispatcher's buckets for the
         deployed configs' M (its DP, ``policy.options.n_buckets``), their load model, and LobRA's
-        length-based dispatch on them."""
+        length-based dispatch on them (None unless ``length_based``: it serves the Theorem-1 filter only)."""
         options = replace(self.policy.options, method=DispatchMethod.LENGTH, choose_buckets_by_makespan=False)
-        _, load, assignment = choose_buckets(self.batch, self.plan_classes(replicas), self.cost_model, options)
+        classes = self.plan_classes(replicas)
+        if not length_based:
+            return bucket_load(self.batch, classes, self.cost_model, options)[1], None
+        _, load, assignment = choose_buckets(self.batch, classes, self.cost_model, options)
         return load, assignment
 
 

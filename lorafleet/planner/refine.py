@@ -75,7 +75,7 @@ def trimmed(
             if bound is not None and bound > bar:
                 continue
             fewer = current.replicas - np.eye(len(current.replicas), dtype=np.int64)[i]
-            candidate = pool_entry(problem, fewer, f"trim:{entry.source}")
+            candidate = pool_entry(problem, fewer, f"trim:{entry.source}", filtered=False)
             if not candidate.survived:
                 continue
             candidate = replace(candidate, expected=evaluate(problem, candidate.load, exact=False, options=options)[0])
@@ -154,7 +154,7 @@ def polished(
                     continue
                 seen.add(tuple(replicas))
                 looked += 1
-                candidate = pool_entry(problem, replicas, f"swap:{start.source}")
+                candidate = pool_entry(problem, replicas, f"swap:{start.source}", filtered=False)
                 if not candidate.survived or fluid_bound(candidate.load) >= current.expected_makespan * (
                     1 - options.tie_rel
                 ):

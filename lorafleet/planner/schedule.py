@@ -73,6 +73,17 @@ class Schedule:
         return StepCost(makespan_s=makespan, gpu_seconds=gpu_seconds)
 
 
+def expected_cost(schedule: Schedule) -> StepCost:
+    """The expected step each phase's plan recorded (``with_expectation``: the expected batch's tasks of
+    the phase, dispatched under the plan's policy), added up as :meth:`Schedule.step_cost` adds them:
+    the expected batch's cost without dispatching it again."""
+    makespan = gpu_seconds = 0.0
+    for phase in schedule.phases:
+        makespan += phase.plan.expected_makespan_s
+        gpu_seconds += phase.plan.expected_makespan_s * phase.plan.used_gpus
+    return StepCost(makespan_s=makespan, gpu_seconds=gpu_seconds)
+
+
 def select_tasks(batch: GlobalBatch, tasks: tuple[int, ...]) -> GlobalBatch:
     """The sequences of ``tasks`` only, in batch order (the whole batch when it has no others)."""
     keep = np.isin(batch.task_ids, np.asarray(tasks, dtype=np.int64))

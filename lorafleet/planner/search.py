@@ -135,7 +135,7 @@ def _decomposed_search(problem: PlanningProblem, options: PlannerOptions) -> Sea
             pool.append(pool_entry(problem, replicas, source, relaxed))
 
     add(root.replicas, "milp:root", root.makespan)
-    center = root.replicas
+    center, solved = root.replicas, set()
     for _ in range(options.search_rounds):
         found, results = branch_deployments(
             problem,
@@ -145,6 +145,7 @@ def _decomposed_search(problem: PlanningProblem, options: PlannerOptions) -> Sea
             solver=options.solver,
             time_limit_s=options.time_limit_s,
             max_branches=options.pool_size - 1,
+            solved=solved,
         )
         solves.extend(results)
         for plan in found:

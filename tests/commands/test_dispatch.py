@@ -9,6 +9,7 @@ import pytest
 
 from lorafleet.cli import main
 from lorafleet.presets import LOBRA_7B_PLAN, make_plan
+from tests.helpers.planning import LINE_WIDTH, wide_fleet, widest_line
 
 WORKLOAD = """\
 model: llama2-7b
@@ -119,3 +120,24 @@ def test_a_long_run_shows_progress_and_an_absurd_one_is_refused(files, capsys):
     assert "lorafleet dispatch: 5/50 steps dispatched" in err and "50/50 steps dispatched" in err
     assert main(["dispatch", str(workload), "--plan", str(plan), "--steps", "1000000000"]) == 2
     assert "--steps: must be >= 1 and <= 100,000" in capsys.readouterr().err
+
+
+def test_hundreds_of_replicas_stay_readable_and_the_json_keeps_every_one(tmp_path, capsys):
+    """188 replicas: one row per config (count, GPUs, token share, load min / median / max), the per-step
+    load as min / median / max, no column per replica and no line over 160 characters; --json has every
+    replica of every step."""
+    workload, plan = wide_fleet(tmp_path)
+    out = tmp_path / "dispatch.json"
+    assert main(["dispatch", str(workload), "--plan", str(plan), "--steps", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert widest_line(printed) <= LINE_WIDTH
+    rows = [line for line in printed.splitlines() if line.startswith("│ <")]
+    assert [row.split("│")[1:3] for row in rows] == [
+        [" <1,1>  ", "   144 "],
+        [" <2,1>  ", "    40 "],
+        [" <8,1>  ", "     4 "],
+    ]
+    assert "fairness" in printed and "load per replica" in printed
+    data = json.loads(out.read_text())
+    assert [len(step["replicas"]) for step in data["steps"]] == [188, 188]
+    assert all(r["estimated_time_s"] > 0 for step in data["steps"] for r in step["replicas"][:144])

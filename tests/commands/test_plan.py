@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from lorafleet.cli import build_parser, main
 from lorafleet.plans import DeploymentPlan
-from tests.helpers.planning import small_workload, write_workload
+from tests.helpers.planning import LINE_WIDTH, small_workload, wide_fleet, widest_line, write_workload
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +19,8 @@ def workload_path(tmp_path_factory):
 def test_cli_surface_is_frozen():
     """A new option of `plan` must be added here on purpose (as `train`'s are in test_train.py).
     --max-nodes, --deadline, --budget and --steps size the fleet with --gpus auto (docs/planner.md);
-    --objective and --makespan-tolerance choose between plans (#29: the cost objective)."""
+    --objective and --makespan-tolerance choose between plans (#29: the cost objective); --stats prints the
+    planner's work counters (issue #26)."""
     plan = build_parser()._subparsers._group_actions[0].choices["plan"]
     assert sorted(o for a in plan._actions for o in a.option_strings) == [
         "--budget",
@@ -37,6 +40,7 @@ def test_cli_surface_is_frozen():
         "--samples",
         "--set",
         "--solver",
+        "--stats",
         "--steps",
         "-h",
     ]
@@ -59,7 +63,39 @@ def test_plan_prints_tables_and_writes_json_and_plot(workload_path, tmp_path, ca
         assert word in text
     plan = DeploymentPlan.load(out)
     assert plan.replicas and plan.expected_makespan_s > 0
+    assert len(plan.expected_replica_time_s) == len(plan.replicas)  # every replica's figure
     assert png.stat().st_size > 1000
+    assert widest_line(text) <= LINE_WIDTH
+    assert "work: " in text and "deployments judged" in text  # the work counters, in the notes
+
+
+def test_the_plan_table_has_a_row_per_config_at_any_fleet_size(tmp_path):
+    """188 replicas: one row per config with count, GPUs, token share and the min / median / max of the
+    replicas' expected times; no line over 160 characters."""
+    from rich.console import Console
+
+    from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.commands._replica_groups import WIDTH
+    from lorafleet.commands.plan import plan_table
+    from lorafleet.dispatch import dispatch_step
+    from lorafleet.planner.expected import expected_global_batch
+    from lorafleet.workload import load_workload
+
+    workload_path, plan_path = wide_fleet(tmp_path)
+    workload, plan = load_workload(workload_path), DeploymentPlan.load(plan_path)
+    cost_model = workload_cost_model(workload, workload_cluster(workload))
+    step = dispatch_step(expected_global_batch(workload), plan, cost_model)
+    console = Console(width=WIDTH, record=True, file=io.StringIO())
+    console.print(plan_table(plan, step))
+    text = console.export_text()
+    assert widest_line(text) <= LINE_WIDTH
+    rows = [line.split("│")[1:6] for line in text.splitlines() if line.startswith("│ <")]
+    assert [(r[0].strip(), int(r[1]), int(r[2])) for r in rows] == [
+        ("<1,1>", 144, 144),
+        ("<2,1>", 40, 80),
+        ("<8,1>", 4, 32),
+    ]
+    assert sum(float(r[4].strip(" %")) for r in rows) == pytest.approx(100, abs=0.2)  # token shares
 
 
 @pytest.mark.parametrize(

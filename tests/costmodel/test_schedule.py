@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -16,9 +17,11 @@ from lorafleet.costmodel.schedule import (
     StreamMicroBatch,
     bubble_slots,
     flushed_steps,
+    forward_dependencies,
     max_in_flight,
     stall_slots,
     stream_order,
+    stream_span,
     timeline,
 )
 
@@ -170,12 +173,18 @@ def test_a_streamed_window_is_never_slower_than_flushing_every_step(pp, w, step)
         assert stall_slots(pp, step) >= pp - 1
 
 
+# Two boundaries each cheaper streamed on their own, dearer together: judged pair by pair, both streamed
+# and the window took 18 slots where its steps flushed one by one take 17.
+COMPOUNDING = (5, window([[frozenset({0}), frozenset({2})], [frozenset({1})], [frozenset({0}), frozenset({0, 1})]]))
+
+
 @settings(max_examples=300, deadline=None)
 @given(windows(max_pp=6, max_steps=4))
+@example(COMPOUNDING)
 def test_a_window_of_different_steps_is_never_slower_than_flushing_every_step(case):
     """Steps of different orders (what dispatch gives), uniform ops: each boundary streams only when
-    that beats draining there (``flushed_steps`` judges the real pair of steps), so the window is
-    never slower than its steps run one by one, flushed."""
+    that beats draining there, judged over the whole window up to it (``flushed_steps``), so the
+    window is never slower than its steps run one by one, flushed."""
     pp, stream = case
     streamed = timeline(pp, stream, *uniform(pp, stream)).span
     drained = 0.0
@@ -183,6 +192,28 @@ def test_a_window_of_different_steps_is_never_slower_than_flushing_every_step(ca
         one = [StreamMicroBatch(0, mb.tasks) for mb in stream if mb.step == s]
         drained += timeline(pp, one, *uniform(pp, one)).span
     assert streamed <= drained + TOL
+
+
+@settings(max_examples=200, deadline=None)
+@given(windows(max_pp=6, max_steps=4))
+@example(COMPOUNDING)
+def test_a_drained_step_ends_its_own_span_after_the_window_before_it(case):
+    """What ``flushed_steps``' induction rests on: with the steps decided before it, a step started
+    drained ends the window exactly its own 1F1B span after the window before it ends."""
+    pp, stream = case
+    flushed = flushed_steps(pp, stream)
+    steps = sorted({mb.step for mb in stream})
+    for k, s in enumerate(steps[1:], start=1):
+        before = [mb for mb in stream if mb.step < s]
+        upto = [mb for mb in stream if mb.step <= s]
+        one = [StreamMicroBatch(0, mb.tasks) for mb in stream if mb.step == s]
+        decided = flushed & set(steps[:k]) | {s}
+
+        def span(part, drained):
+            deps = np.asarray(forward_dependencies(part, drained))
+            return stream_span(pp, deps, FORWARD_SHARE, 1.0 - FORWARD_SHARE)
+
+        assert span(upto, decided) == pytest.approx(span(before, flushed) + span(one, ()), abs=TOL)
 
 
 @pytest.mark.parametrize("stages", [2, 3, 4, 8])
@@ -204,3 +235,38 @@ def test_without_task_structure_the_stall_is_the_steady_state_zero():
     assert bubble_slots(1, 8) == 0
     with pytest.raises(ValueError, match="at least one step"):
         bubble_slots(4, 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(windows(), st.booleans(), st.integers(0, 2**31 - 1))
+@example(TWO_BACK, False, 0)
+def test_stream_span_is_the_timeline_span_without_update_time(case, drain, seed):
+    """The longest-path span (what prices a window's stall) equals the replayed timeline's, to the bit, for
+    random windows and op durations (dyadic: both sides add them exactly), drained or streamed."""
+    pp, stream = case
+    rng = random.Random(seed)
+    n = len(stream)
+    forward = [[rng.randint(1, 8) / 4 for _ in range(n)] for _ in range(pp)]
+    backward = [[rng.randint(1, 8) / 4 for _ in range(n)] for _ in range(pp)]
+    deps = forward_dependencies(stream, flushed_steps(pp, stream) if drain else ())
+    replayed = timeline(pp, stream, forward, backward, drain_stalls=drain).span
+    assert stream_span(pp, np.asarray(deps), np.asarray(forward), np.asarray(backward)) == replayed
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(2, 8),
+    st.lists(st.frozensets(st.integers(0, 6), min_size=1, max_size=3), min_size=1, max_size=12),
+    st.booleans(),
+)
+def test_the_memoised_stall_is_the_replayed_timeline_stall(pp, step, sort):
+    """stall_slots keyed by (pp, the second step's dependencies) gives what the timeline replay of the step's
+    own micro-batches gives: span(3 steps) - span(2) - K, one slot a micro-batch (or 0 by the closed form)."""
+    if sort:
+        step = sorted(step, key=max)  # the dispatcher's task-major order
+
+    def span(steps: int) -> float:
+        stream = window([step] * steps)
+        return timeline(pp, stream, *uniform(pp, stream), drain_stalls=False).span
+
+    assert stall_slots(pp, step) == pytest.approx(max(0.0, span(3) - span(2) - len(step)), abs=TOL)

@@ -132,3 +132,34 @@ def small_workload(tmp_path: Path, seed: int = 0, nodes: int = 2, longest: int =
         },
     ]
     return load_workload(write_workload(tmp_path / f"workload-{seed}.yaml", tasks, nodes=nodes, seed=seed))
+
+
+WIDE_WORKLOAD = """\
+model: llama2-7b
+cluster: {gpu: A100-40GB, nodes: 32, gpus_per_node: 8}
+seed: 3
+tasks:
+  - {name: chat, lengths: {values: [90, 200, 310, 900, 1500]}, batch_size: 512, context_length: 4096}
+  - {name: docs, lengths: {values: [1000, 3000, 9000, 15000]}, batch_size: 64, context_length: 16384}
+"""
+"""Two tasks on 256 GPUs: enough sequences a step for a fleet of hundreds of replicas."""
+LINE_WIDTH = 160
+"""The most characters a line of ``plan``, ``simulate`` and ``dispatch`` output may take (issue #26)."""
+
+
+def wide_fleet(directory: Path) -> tuple[Path, Path]:
+    """:data:`WIDE_WORKLOAD` and a plan of 188 replicas for it (<1,1> x 144 + <2,1> x 40 + <8,1> x 4, the
+    preset fleets' M), written under ``directory``: (workload, plan)."""
+    from dataclasses import replace
+
+    from lorafleet.presets import TP1, TP2, TP8, make_plan
+
+    workload, plan = directory / "wide.yaml", directory / "wide-plan.json"
+    workload.write_text(WIDE_WORKLOAD)
+    fleet = make_plan(((TP1, 144), (TP2, 40), (TP8, 4)), n_tasks=2)
+    replace(fleet, tasks=("chat", "docs"), bucket_boundaries=(16384,)).save(plan)
+    return workload, plan
+
+
+def widest_line(text: str) -> int:
+    return max((len(line) for line in text.splitlines()), default=0)
