@@ -32,7 +32,8 @@ seconds), and the fixed part of a move (the move's in-process change less its st
 ``--replan WORKLOAD`` measures instead what the boundary's incremental re-plan costs at a workload's scale
 (a service's: ``examples/service-64.yaml``): the workload planned without its last task, then the re-plan with
 it added (a tenant joins; ``planner.incremental.replan_incremental``, as ``lorafleet train`` runs it at the
-boundary), in CPU seconds of this process and wall seconds, best of ``--rounds``.
+boundary), in CPU seconds of this process and wall seconds, best of ``--rounds``, and as a share of the new
+plan's expected step time (the fleet waits for the re-plan at the boundary).
 """
 
 from __future__ import annotations
@@ -213,9 +214,11 @@ def replan_at_scale(path: Path, rounds: int) -> None:
         replan = replan_incremental(running, workload, cluster, cost_model, PlannerOptions(), ReplanOptions(), 10**6)
         timings.append((cpu() - cpu0, time.perf_counter() - wall0))
     spent, wall = min(timings)
+    step = replan.plan.expected_makespan_s
     print(
         f"{path.name}: {len(before.tasks)} tasks on {running.used_gpus} GPUs, {workload.tasks[-1].spec.name} joins: "
-        f"the re-plan takes {spent:.2f} CPU s ({wall:.2f} s wall; best of {rounds}): {replan.describe()[:100]}"
+        f"the re-plan takes {spent:.2f} CPU s ({wall:.2f} s wall; best of {rounds}), {spent / step:.2f} of the new "
+        f"plan's expected step ({step:.3g} s); {replan.describe()[:60]}..."
     )
 
 
