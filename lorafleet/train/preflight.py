@@ -176,7 +176,6 @@ def prepare(options: TrainOptions) -> Prepared:
     workload, revisions = training_workload(
         options.workload, options.out if start is not None else None, options.sets, start, options.allow_changes
     )
-    check_model(workload, options.workload)
     cluster = workload_cluster(workload, options.gpus, options.gpu)
     if start is not None:
         options = replace(options, plan=resumed_plan(options, workload))
@@ -201,6 +200,7 @@ def prepare(options: TrainOptions) -> Prepared:
                 "--inject-slowdown",
                 f"replica {r} does not exist: the plan has replicas 0..{len(run.plan.replicas) - 1}",
             )
+    check_model(workload, options.workload)  # after the plan's checks: a plan for GPUs may be refused on its own
     changes, departed = ledger_turns(options, start)
     return Prepared(
         workload=workload,

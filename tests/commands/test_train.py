@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from lorafleet.cli import build_parser, main
 from lorafleet.executor.torch.base_model import load_causal_lm
+from lorafleet.plans import DeploymentPlan
 from tests.helpers import fleet_harness as h
 from tests.helpers.repo import DEMO, REPO
 
@@ -129,6 +130,9 @@ def test_weights_no_worker_could_load_are_refused_before_any_process(workload, c
         ("llama2-7b", f"{path}: model: preset 'llama2-7b' has no weights on this machine"),
     ):
         path.write_text(re.sub(r"^model: .*$", f"model: {name}", path.read_text(), flags=re.M))
+        fitted = DeploymentPlan.load(plan)  # the weights are checked after the plan: one the CPU model holds
+        fitted = replace(fitted, model=str(name), replicas=tuple(replace(r, max_tokens=512) for r in fitted.replicas))
+        fitted.save(plan)
         assert main(["train", str(path), "--plan", str(plan), "--out", str(out)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and words in err, err
