@@ -45,3 +45,39 @@ def test_a_zero_gradient_still_steps_adamw():
     assert optimizer.step(grad_norm=0.0) == 0.1
     assert torch.allclose(p.detach(), torch.full((3,), 1 - 0.1 * 0.5)) and p.grad is None
     assert optimizer.steps_taken == 1
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float64, 1e-14)])
+def test_a_task_step_is_torchs_per_tensor_step(name, dtype, tol):
+    """A task's fused (Adam, AdamW) or foreach (SGD) step, clipping included, gives torch's per-tensor
+    loop's weights to rounding over several steps, and the same bits when run again."""
+    spec = OptimizerSpec(name=name, lr=0.05, weight_decay=0.1, warmup_steps=1, grad_clip=0.5)
+    shapes = [(4, 6), (6, 4), (8, 6), (6, 8)]
+
+    def grads(step: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(step)
+        return [torch.randn(s, dtype=dtype, generator=gen) for s in shapes]
+
+    def ours() -> list[torch.Tensor]:
+        params = [torch.nn.Parameter(torch.ones(s, dtype=dtype)) for s in shapes]
+        optimizer = TaskOptimizer(spec, params, total_steps=4)
+        for step in range(4):
+            for p, g in zip(params, grads(step), strict=True):
+                p.grad = g
+            optimizer.step(float(torch.cat([g.flatten() for g in grads(step)]).norm()))
+        return [p.detach() for p in params]
+
+    params = [torch.nn.Parameter(torch.ones(s, dtype=dtype)) for s in shapes]
+    kind = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[name]
+    reference = kind(params, lr=spec.lr, weight_decay=spec.weight_decay, foreach=False)
+    for step in range(4):
+        for p, g in zip(params, grads(step), strict=True):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(params, spec.grad_clip, foreach=False)
+        for group in reference.param_groups:
+            group["lr"] = lr_at(spec, step, 4)
+        reference.step()
+    got = ours()
+    assert all((a - b).abs().max() <= tol for a, b in zip(got, params, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got, ours(), strict=True))
