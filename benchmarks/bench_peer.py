@@ -113,6 +113,7 @@ def run_side(side: str, round_: int, args: argparse.Namespace, work: Path, workl
         **os.environ,
         "OMP_NUM_THREADS": str(args.threads),
         "MKL_NUM_THREADS": str(args.threads),
+        "OMP_WAIT_POLICY": args.omp_wait,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     if side == "lorafleet":
@@ -293,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sides", default="", help="comma-separated sides to run (default lorafleet,recipe[,trl])")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument(
+        "--omp-wait",
+        default="passive",
+        choices=("passive", "active"),
+        help="OMP_WAIT_POLICY of every side (default passive: an OpenMP thread waiting at a barrier sleeps "
+        "instead of spinning, which on a shared machine would count as CPU seconds)",
+    )
     parser.add_argument("--keep", default="", help="keep the runs' files in this directory")
     parser.add_argument("--child", choices=SIDES[1:], help=argparse.SUPPRESS)
     parser.add_argument("--events", help=argparse.SUPPRESS)
@@ -319,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         tasks = ", ".join(f"{t['name']} x{t['batch_size']}" for t in spec["tasks"])
         print(
             f"model {args.model}, tasks {tasks}, {args.steps} steps (steps {args.measure_from}-{args.steps} "
-            f"measured), {args.threads} thread(s) a side, {args.device} {args.dtype}, {args.rounds} round(s), "
-            f"{os.cpu_count()} CPUs",
+            f"measured), {args.threads} thread(s) a side (OMP_WAIT_POLICY={args.omp_wait}), {args.device} "
+            f"{args.dtype}, {args.rounds} round(s), {os.cpu_count()} CPUs",
             flush=True,
         )
         header = f"{'round':>5} {'side':<10}{'real tok':>9}{'processed':>10}{'wall s':>8}{'CPU s':>8}"

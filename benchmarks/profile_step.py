@@ -75,7 +75,8 @@ class OpClock(TorchDispatchMode):
 
 
 def site() -> str:
-    """The code an op runs for: our or the model's innermost Python frame, else the autograd node."""
+    """The code an op runs for: our or the model's innermost Python frame; in the backward, the autograd
+    node, unless the node is a Python function of ours (its frames come before autograd's own)."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
@@ -83,6 +84,8 @@ def site() -> str:
             return f"{Path(path).name}:{frame.f_code.co_name}"
         if "torch/optim" in path:
             return f"optim:{frame.f_code.co_name}"
+        if path.endswith(("torch/autograd/graph.py", "torch/_tensor.py")):
+            break  # the backward's entry: a C++ autograd node runs this op
         frame = frame.f_back
     node = torch._C._current_autograd_node()
     return node.name() if node is not None else "other"

@@ -46,12 +46,15 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     import torch.distributed as dist
 
     from lorafleet.executor.torch.data_stream import task_tokenizer
+    from lorafleet.executor.torch.host_memory import keep_freed_host_memory
     from lorafleet.executor.torch.launch import build_torch_executor, init_distributed
     from lorafleet.executor.torch.precision import Precision
     from lorafleet.executor.torch.processes import LOCKED_ENV, check_code
 
     check_code()
     device = init_distributed(options.device)
+    if device.type == "cpu":
+        keep_freed_host_memory()  # the probe's warm-up grows the heap to a step's size, once (host_memory)
     report = phase if dist.get_rank() == 0 else None
     if report is not None:
         report(f"process group up: {counted(dist.get_world_size(), 'rank')} ({dist.get_backend()})")
