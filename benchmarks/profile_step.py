@@ -1,11 +1,12 @@
 """Where a training step's time goes: thread CPU seconds per aten op, per code site, of steady steps.
 
-    python benchmarks/profile_step.py [--model smollm2-135m|bench-llama] [--steps 4] [--warmup 2]
+    python benchmarks/profile_step.py [--model smollm2-135m|bench-llama] [--steps 3] [--warmup 2]
                                       [--top 30] [--tasks a,b] [--torch-profiler TRACE.json]
 
-One process, one thread (``torch.set_num_threads(1)``), the workload's tasks (the demo's by default) on a
-one-replica plan (``lorafleet plan --gpus 1 --gpu cpu``'s policy: packed micro-batches), the executor
-itself (:class:`TorchExecutor`, ``run_step``). After ``--warmup`` steps, every aten op of ``--steps`` steps
+One process, one thread (``torch.set_num_threads(1)``), its freed heap kept as a CPU rank's is
+(``host_memory``), the workload's tasks (the demo's by default) on the one-replica plan ``lorafleet
+plan --gpus 1 --gpu cpu`` makes (packed micro-batches), the executor itself (:class:`TorchExecutor`,
+``run_step``). After ``--warmup`` steps, every aten op of ``--steps`` steps
 is timed by the CPU clock of the thread that runs it (``time.thread_time``: what another process on the
 machine does between two reads is not counted, unlike torch.profiler's wall clock, which on a shared
 2-core machine charged a 2.5 ms multiply 41 ms) and charged to
@@ -14,9 +15,10 @@ machine does between two reads is not counted, unlike torch.profiler's wall cloc
   (``multi_lora.py:forward``, ``modeling_llama.py:forward``, ``attention.py:per_document``); in the
   backward, the autograd node running it (``MulBackward0``, ``_MultiLoraFunctionBackward``), or ours
   (``torch_lora.py:backward``) when it is a Python function;
-- its **group**: base GEMMs (``mm``/``addmm``/``linear`` outside the LoRA kernels), the multi-LoRA
-  adapters' own work (ops in ``multi_lora``/``kernels``/``dropout``), attention (SDPA), the LM head
-  and loss, the optimizer, and the rest (norms, rotary, activations, residual adds, copies).
+- its **group** (:data:`GROUPS`): the frozen layers' GEMMs (``mm``/``addmm`` inside the multi-LoRA
+  layers), the adapters' own work (every other op there, the dropout mask's draw included),
+  attention (SDPA and the documents' split), the LM head and loss, the optimizer, and the rest
+  (norms, rotary, activations, residual adds, and the backward's slices and copies).
 
 Printed: the step's CPU seconds per group, the top sites, and the top (site, op) pairs, each the
 median over the measured steps. The dispatch mode costs ~10 us of Python per op outside the timed
@@ -45,6 +47,7 @@ from bench_peer import prepare_workload  # noqa: E402
 
 from lorafleet.assemble import workload_cluster, workload_cost_model  # noqa: E402
 from lorafleet.dispatch import dispatch_step  # noqa: E402
+from lorafleet.executor.torch.host_memory import keep_freed_host_memory  # noqa: E402
 from lorafleet.executor.torch.launch import build_torch_executor  # noqa: E402
 from lorafleet.planner import PlannerOptions, plan_deployment  # noqa: E402
 from lorafleet.workload import load_workload  # noqa: E402
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-profiler", default="", help="also write a torch.profiler trace of one step here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    keep_freed_host_memory()  # as a CPU rank of `lorafleet train` does (train.trainer.train_rank)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29000 + os.getpid() % 1000), RANK="0")
     os.environ.update(WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("gloo", rank=0, world_size=1)
