@@ -2,7 +2,7 @@
 
     python benchmarks/bench_peer.py [--model smollm2-135m|bench-llama] [--threads 1|2] [--rounds 2]
                                     [--steps 8] [--measure-from 3] [--tasks moddoc] [--batch-scale 1]
-                                    [--trl] [--device cpu|cuda] [--dtype fp32|bf16]
+                                    [--trl] [--device cpu|cuda] [--dtype fp32|bf16] [--omp-wait passive]
 
 Three sides train the same tasks, each in its own process tree started by this script, the sides
 interleaved in rounds (each round starts with the next side in turn):
@@ -27,7 +27,9 @@ seconds of the side's whole process tree (psutil: launcher, torchrun, ranks, thr
 and as the mean over rounds: **real tokens** (the sequences' own, not padding; the same count on every
 side) per second and per CPU-second, the tokens the recipe processes with its padding, and the ratios
 lorafleet / recipe. The machine load is printed with each run: on a shared machine, CPU seconds are the
-steadier measure.
+steadier measure. Every side's OpenMP threads sleep at barriers (``OMP_WAIT_POLICY=passive``, what
+``lorafleet train`` gives its workers unless told otherwise): spinning ones are counted as CPU seconds and,
+on a loaded machine, take the cores their peers need (a demo step ran 4-5x slower at load 6-7).
 
 ``--model bench-llama`` trains a random 6-layer, width-256 Llama (``bench_train.BENCH_LLAMA``) with the
 project's tiny tokenizer, saved once as an HF directory that every side loads. ``--device cuda --dtype
@@ -106,62 +108,27 @@ def watch(proc: subprocess.Popen, events: Path, run: Run, poll_s: float = 0.02) 
         time.sleep(poll_s)
 
 
+def repo_env(**extra: str) -> dict[str, str]:
+    """This environment with this checkout first on ``PYTHONPATH``, and ``extra``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **extra}
+
+
 def run_side(side: str, round_: int, args: argparse.Namespace, work: Path, workload: Path, plan: Path) -> Run:
     """Starts one side's process tree and records its step lines."""
     out = work / f"{side}-{round_}"
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(args.threads),
-        "MKL_NUM_THREADS": str(args.threads),
-        "OMP_WAIT_POLICY": args.omp_wait,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
+    threads = str(args.threads)
+    env = repo_env(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OMP_WAIT_POLICY=args.omp_wait)
     if side == "lorafleet":
         events = out / "metrics.jsonl"
-        argv = [
-            sys.executable,
-            "-m",
-            "lorafleet",
-            "train",
-            str(workload),
-            "--plan",
-            str(plan),
-            "--gpus",
-            "1",
-            "--gpu",
-            args.gpu,
-            "--steps",
-            str(args.steps),
-            "--out",
-            str(out),
-            "--overwrite",
-            "--no-progress",
-            "--device",
-            args.device,
-            "--dtype",
-            args.dtype,
-        ]
+        flags = f"--gpus 1 --gpu {args.gpu} --steps {args.steps} --device {args.device} --dtype {args.dtype}"
+        argv = [sys.executable, "-m", "lorafleet", "train", str(workload), "--plan", str(plan), "--out", str(out)]
+        argv += [*flags.split(), "--overwrite", "--no-progress"]
     else:
         out.mkdir(parents=True, exist_ok=True)
         events = out / "steps.jsonl"
-        argv = [
-            sys.executable,
-            __file__,
-            "--child",
-            side,
-            "--workload",
-            str(workload),
-            "--steps",
-            str(args.steps),
-            "--threads",
-            str(args.threads),
-            "--events",
-            str(events),
-            "--device",
-            args.device,
-            "--dtype",
-            args.dtype,
-        ]
+        flags = f"--steps {args.steps} --threads {args.threads} --device {args.device} --dtype {args.dtype}"
+        argv = [sys.executable, __file__, "--child", side, "--workload", str(workload), "--events", str(events)]
+        argv += flags.split()
     run = Run(side, round_)
     start_load = os.getloadavg()[0]
     with (out.parent / f"{side}-{round_}.log").open("w") as log:
@@ -294,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sides", default="", help="comma-separated sides to run (default lorafleet,recipe[,trl])")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--gpu", default="", help="the GPU preset lorafleet plans for (default: cpu, or H100-80GB)")
     parser.add_argument(
         "--omp-wait",
         default="passive",
@@ -310,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     sides = args.sides.split(",") if args.sides else ["lorafleet", "recipe", *(["trl"] if args.trl else [])]
     if not 1 < args.measure_from <= args.steps:
         raise SystemExit("--measure-from must be in 2..--steps (the step before it is the window's start)")
-    args.gpu = "cpu" if args.device == "cpu" else "H100-80GB"
+    args.gpu = args.gpu or ("cpu" if args.device == "cpu" else "H100-80GB")
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         work = Path(args.keep or tmp).resolve()
         work.mkdir(parents=True, exist_ok=True)
@@ -321,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             + ["--json", str(plan)],
             check=True,
             stdout=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])},
+            env=repo_env(),
         )
         spec = yaml.safe_load(workload.read_text())
         tasks = ", ".join(f"{t['name']} x{t['batch_size']}" for t in spec["tasks"])
