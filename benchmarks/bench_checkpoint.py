@@ -37,7 +37,7 @@ from lorafleet.data.tokenize import IGNORE_INDEX, Example  # noqa: E402
 from lorafleet.executor.torch.base_model import load_causal_lm  # noqa: E402
 from lorafleet.executor.torch.data_stream import DataStreams, TaskData  # noqa: E402
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor  # noqa: E402
-from lorafleet.plans import DeploymentPlan, MicroBatch, ReplicaSpec, ReplicaWork, StepPlan  # noqa: E402
+from lorafleet.plans import DeploymentPlan, MicroBatch, PlanPool, ReplicaSpec, ReplicaWork, StepPlan  # noqa: E402
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec  # noqa: E402
 from lorafleet.specs.model import ModelSpec  # noqa: E402
 
@@ -59,9 +59,7 @@ def _executor(tasks: int, rank: int) -> TorchExecutor:
     names = tuple(d.name for d in data)
     plan = DeploymentPlan(
         model="bench-llama",
-        gpu="cpu",
-        n_gpus=1,
-        gpus_per_node=1,
+        pools=(PlanPool("", "cpu", 1, 1),),
         tasks=names,
         replicas=(ReplicaSpec(0, ParallelConfig(1, 1), 4096, (0,)),),
         bucket_boundaries=(32,),

@@ -34,7 +34,7 @@ import numpy as np
 from lorafleet.assemble import workload_cost_model
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.dispatch import DispatchMethod, DispatchOptions, MicroBatchMode, solve_step
-from lorafleet.plans import DeploymentPlan, ReplicaSpec
+from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from lorafleet.sampling import sample_global_batch
 from lorafleet.solvers import SolverName
 from lorafleet.workload import load_workload
@@ -88,9 +88,7 @@ def build(scenario: Scenario):
             gpu += config.n_gpus
     plan = DeploymentPlan(
         model=workload.model.name,
-        gpu=workload.cluster.gpu,
-        n_gpus=workload.cluster.n_gpus,
-        gpus_per_node=workload.cluster.gpus_per_node,
+        pools=(PlanPool("", workload.cluster.gpu, workload.cluster.n_gpus, workload.cluster.gpus_per_node),),
         tasks=tuple(t.name for t in workload.tasks),
         replicas=tuple(replicas),
         bucket_boundaries=(),

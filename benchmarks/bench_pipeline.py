@@ -58,7 +58,7 @@ from lorafleet.executor.torch.base_model import load_causal_lm  # noqa: E402
 from lorafleet.executor.torch.data_stream import DataStreams, TaskData  # noqa: E402
 from lorafleet.executor.torch.updates import UPDATE  # noqa: E402
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor  # noqa: E402
-from lorafleet.plans import DeploymentPlan, MicroBatch, ReplicaSpec, ReplicaWork, StepPlan  # noqa: E402
+from lorafleet.plans import DeploymentPlan, MicroBatch, PlanPool, ReplicaSpec, ReplicaWork, StepPlan  # noqa: E402
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec  # noqa: E402
 from lorafleet.specs.model import ModelSpec  # noqa: E402
 
@@ -94,9 +94,7 @@ def _executor(case: Case, rank: int) -> TorchExecutor:
     ]
     plan = DeploymentPlan(
         model="bench-llama",
-        gpu="cpu",
-        n_gpus=case.pp,
-        gpus_per_node=case.pp,
+        pools=(PlanPool("", "cpu", case.pp, case.pp),),
         tasks=tuple(d.name for d in data),
         replicas=(ReplicaSpec(0, ParallelConfig(1, case.pp), 1 << 16, tuple(range(case.pp))),),
         bucket_boundaries=(),

@@ -10,7 +10,7 @@ Run from the repository root (every figure is measured here, in one run)::
 1. **Plan time** — ``examples/lobra-70b.yaml`` (Llama2-70B, 12 tasks) on 64 and 256 x A800-80GB,
    analytic cost model, default options (CBC, K = 32 sampled batches), LobRA's 16K contexts
    (the planner chooses which replicas recompute activations; without recomputation no 70B
-   config holds more than ~12K tokens). Wall seconds and CPU seconds (this process plus the
+   config holds more than ~9K tokens). Wall seconds and CPU seconds (this process plus the
    CBC processes: the machine is shared, CPU time is the steadier figure), against LobRA's
    pruning planner (148.8 s at 64 GPUs, 428.1 s at 256, SCIP on up to 64 threads).
 2. **Optimality** — random workloads small enough to enumerate (Llama2-7B on 8 x A100-40GB,

@@ -31,7 +31,7 @@ from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.layout import FleetLayout, ModelDims
 from lorafleet.executor.torch.pipeline import split_for_pipeline
 from lorafleet.executor.torch.step import build_inputs, stage_forward
-from lorafleet.plans import DeploymentPlan, MicroBatch, ReplicaSpec
+from lorafleet.plans import DeploymentPlan, MicroBatch, PlanPool, ReplicaSpec
 from lorafleet.specs.lora import LoraSpec
 from lorafleet.specs.model import MODEL_PRESETS
 
@@ -42,9 +42,7 @@ PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "tiny-llama-cpu.jso
 def role(recompute: bool, model: torch.nn.Module):
     plan = DeploymentPlan(
         model=SPEC.name,
-        gpu="cpu",
-        n_gpus=1,
-        gpus_per_node=1,
+        pools=(PlanPool("", "cpu", 1, 1),),
         tasks=("a",),
         replicas=(ReplicaSpec(0, ParallelConfig(1, 1, recompute), 1 << 20, (0,)),),
         bucket_boundaries=(),

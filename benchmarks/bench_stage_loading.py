@@ -61,7 +61,7 @@ def rank_main(mode: str, rank: int, tp: int, pp: int, directory: str, init_file:
     from lorafleet.data.model_source import ModelSource, SourceKind
     from lorafleet.executor.torch.base_model import load_base, load_causal_lm
     from lorafleet.executor.torch.replica import build_replica
-    from lorafleet.plans import DeploymentPlan, ReplicaSpec
+    from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
     from lorafleet.specs.lora import LoraSpec
 
     torch.set_num_threads(1)
@@ -69,9 +69,7 @@ def rank_main(mode: str, rank: int, tp: int, pp: int, directory: str, init_file:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     plan = DeploymentPlan(
         model=directory,
-        gpu="cpu",
-        n_gpus=world,
-        gpus_per_node=world,
+        pools=(PlanPool("", "cpu", world, world),),
         tasks=("a", "b"),
         replicas=(ReplicaSpec(0, ParallelConfig(tp, pp), 4096, tuple(range(world))),),
         bucket_boundaries=(),

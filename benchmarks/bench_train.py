@@ -58,7 +58,7 @@ from lorafleet.executor.torch.data_stream import DataStreams, prepare_task_data 
 from lorafleet.executor.torch.optim import build_optimizer, lr_at  # noqa: E402
 from lorafleet.executor.torch.peft_export import lora_config  # noqa: E402
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor  # noqa: E402
-from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaSpec, ReplicaWork, StepPlan  # noqa: E402
+from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, PlanPool, ReplicaSpec, ReplicaWork, StepPlan  # noqa: E402
 from lorafleet.specs.model import ModelSpec  # noqa: E402
 from lorafleet.workload import load_workload  # noqa: E402
 
@@ -168,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         plan = DeploymentPlan(
             model=workload.spec.model,
-            gpu=workload.cluster.gpu,
-            n_gpus=1,
-            gpus_per_node=1,
+            pools=(PlanPool("", workload.cluster.gpu, 1, 1),),
             tasks=tuple(t.name for t in tasks),
             replicas=(ReplicaSpec(0, ParallelConfig(1, 1), args.max_tokens, (0,)),),
             bucket_boundaries=(),

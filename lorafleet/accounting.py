@@ -1,4 +1,5 @@
-"""Who pays what: one step's GPU-seconds shared out among the tasks whose sequences it ran.
+"""Who pays what: one step's GPU-seconds shared out among the tasks whose sequences it ran; and what
+holding a deployment costs in money, on pools with prices (:func:`price_per_second`).
 
 The fleet is held for the whole step, idle or not, so with ``M`` the measured makespan, ``g_r`` the
 GPUs of replica ``r`` and ``G = Σ_r g_r`` (``DeploymentPlan.used_gpus``) the step costs::
@@ -57,6 +58,26 @@ from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.plans import DeploymentPlan, MicroBatch, StepPlan, StepReport
+from lorafleet.specs.cluster import ClusterSpec
+
+SECONDS_PER_HOUR = 3600.0
+
+
+def price_per_second(plan: DeploymentPlan, cluster: ClusterSpec) -> float | None:
+    """What holding ``plan``'s replicas costs a second, in the pools' currency::
+
+        price = Σ_r price_per_gpu_hour(pool of r) * g_r / 3600
+
+    (every GPU a replica holds is paid for the whole step, as GPU-seconds count it); a step of makespan M
+    costs M * price. None when a pool the replicas use has no price (or is not the cluster's)."""
+    prices = {p.name: p.price_per_gpu_hour for p in cluster.pools}
+    total = 0.0
+    for replica in plan.replicas:
+        price = prices.get(replica.pool)
+        if price is None:
+            return None
+        total += price * replica.config.n_gpus
+    return total / SECONDS_PER_HOUR
 
 
 def _split_by_tokens(mb: MicroBatch, n_tasks: int) -> np.ndarray:

@@ -1,7 +1,9 @@
 """``lorafleet`` command line: subcommands are discovered from ``lorafleet.commands``.
 
 Bad input raises :class:`lorafleet.errors.InputError` anywhere below; it is printed here as
-one line on stderr and the process exits with code 2, with no traceback.
+one line on stderr and the process exits with code 2, with no traceback. So is a hard dependency that is
+not installed, whether the parser's imports or a command's find it missing (``errors.missing_dependency``):
+this module imports none itself.
 """
 
 from __future__ import annotations
@@ -33,12 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    return exit_code(lambda: _run(argv))
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_INPUT_ERROR
-    return exit_code(lambda: args.func(args))
+    return args.func(args)
 
 
 if __name__ == "__main__":

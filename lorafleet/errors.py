@@ -7,8 +7,10 @@ one line and exits with code 2; nothing else in the package catches it.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
+from importlib import metadata
 
 
 class InputError(Exception):
@@ -38,12 +40,58 @@ EXIT_INPUT_ERROR = 2
 
 def exit_code(run: Callable[[], int | None], prog: str = "lorafleet") -> int:
     """``run()``'s exit code, or, when it raises an InputError, the error printed as one line on stderr
-    and :data:`EXIT_INPUT_ERROR` (what every lorafleet entry point does: no traceback for bad input)."""
+    and :data:`EXIT_INPUT_ERROR` (what every lorafleet entry point does: no traceback for bad input). A hard
+    dependency that is not installed is one line as well (:func:`missing_dependency`)."""
     try:
         return int(run() or 0)
     except InputError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return EXIT_INPUT_ERROR
+    except ModuleNotFoundError as err:
+        line = missing_dependency(err)
+        if line is None:
+            raise
+        print(f"{prog}: error: {line}", file=sys.stderr)
+        return EXIT_INPUT_ERROR
+
+
+IMPORT_NAMES = {"pyyaml": "yaml"}
+"""A distribution's import name where it is not the distribution's own name (lower case, ``-`` as ``_``)."""
+
+
+def hard_requirements() -> dict[str, str]:
+    """lorafleet's hard dependencies, import name -> requirement (``pulp`` -> ``pulp<4,>=3.3``), from the
+    installed package's metadata (pyproject's ``dependencies``; extras left out); empty when lorafleet is not
+    installed."""
+    try:
+        requires = metadata.requires("lorafleet") or []
+    except metadata.PackageNotFoundError:
+        return {}
+    hard = {}
+    for line in requires:
+        requirement, _, marker = line.partition(";")
+        if "extra" in marker:
+            continue
+        match = re.match(r"[A-Za-z0-9._-]+", requirement.strip())
+        if match is not None:
+            name = match.group().lower().replace("-", "_")
+            hard[IMPORT_NAMES.get(name, name)] = requirement.strip()
+    return hard
+
+
+def missing_dependency(err: ModuleNotFoundError) -> str | None:
+    """The one line for an import that failed because a hard dependency of lorafleet is not installed (its name
+    and the command that installs it); None for any other missing module (a bug, whose traceback stays)."""
+    top = (err.name or "").partition(".")[0]
+    requirement = hard_requirements().get(top)
+    if requirement is None:
+        return None
+    return f"the package {top} that lorafleet needs is not installed (pip install '{requirement}')"
+
+
+class StartTimeout(RuntimeError):
+    """A run's process group did not form in time: a rank never arrived (stuck starting, or on a node that
+    never joined). The worker that waited says so; the launcher's one line names it (``train.failures``)."""
 
 
 class SolverFallbackWarning(UserWarning):

@@ -5,12 +5,14 @@ Every command that reads a plan (``simulate``, ``dispatch``, ``train``) calls
 as planned ends with one line naming the plan file and the field, exit code 2, and nothing
 done. The rules, in the order they are checked:
 
-- the tasks, in order, are the workload's; the model, GPU kind, GPUs per node and
-  recompute policy are the workload's and the cluster's;
-- the plan holds at most the cluster's GPUs; every GPU id is unique and below ``n_gpus``;
-- replica k has id k; it holds tp * pp GPUs, each stage's TP group inside one node (the
-  planner's placement rule); tp and pp are legal for the model (heads, KV heads, layers);
-- each replica's max tokens is at most the cost model's M of its config on this cluster;
+- the tasks, in order, are the workload's; the model and recompute policy are the workload's;
+- the plan's pools are pools of the cluster, in its order (a pool the cluster lacks is refused), each
+  of the cluster's GPU kind and GPUs per node, with at most its GPUs (:func:`check_pools`);
+- replica k has id k; it is on one of the plan's pools, and its tp * pp GPUs are that pool's (global
+  ranks: a pool's follow those of the plans' pools before it), unique, each stage's TP group inside
+  one node of the pool (the planner's placement rule); tp and pp are legal for the model (heads,
+  KV heads, layers) and the pool;
+- each replica's max tokens is at most the cost model's M of its config on its pool;
 - the bucket boundaries are positive, strictly increasing and cover the longest sequence
   any task can present, and some replica holds it (static buckets of the policy too).
 
@@ -41,30 +43,66 @@ def check_plan(
     def fail(field: str, msg: str) -> None:
         raise InputError(source, field, msg)
 
-    names = tuple(t.name for t in workload.tasks)
-    if plan.tasks != names:
-        fail("tasks", f"the plan is for tasks {list(plan.tasks)}, the workload has {list(names)}")
-    if plan.model != workload.model.name:
-        fail("model", f"the plan is for {plan.model!r}, the workload trains {workload.model.name!r}")
-    if plan.gpu.lower() != cluster.gpu.lower():
-        fail("gpu", f"the plan is for {plan.gpu} GPUs, the cluster has {cluster.gpu} (same --gpu as for `plan`?)")
-    if plan.gpus_per_node != cluster.gpus_per_node:
-        fail("gpus_per_node", f"the plan has {plan.gpus_per_node} GPUs per node, the cluster {cluster.gpus_per_node}")
-    if plan.recompute != workload.spec.recompute:
-        fail(
-            "recompute",
-            f"the plan was made with recompute: {plan.recompute.value}, the workload says "
-            f"{workload.spec.recompute.value}",
-        )
-    if not 1 <= plan.n_gpus <= cluster.n_gpus:
-        fail(
-            "n_gpus",
-            f"the plan needs {plan.n_gpus} GPUs, the cluster has {cluster.n_gpus} (same --gpus as for `plan`?)",
-        )
+    check_fleet(plan, workload, cluster, source)
     if not plan.replicas:
         fail("replicas", "the plan has no replicas")
     _check_replicas(plan, workload, cluster, cost_model, fail)
     _check_buckets(plan, workload, fail)
+
+
+def check_fleet(plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, source: str) -> None:
+    """The rules that need no cost model (tasks, model, pools, recompute; module docstring): what is checked
+    before the plan's cost model is built, which is built pool by pool."""
+    names = tuple(t.name for t in workload.tasks)
+    if plan.tasks != names:
+        raise InputError(source, "tasks", f"the plan is for tasks {list(plan.tasks)}, the workload has {list(names)}")
+    if plan.model != workload.model.name:
+        raise InputError(
+            source, "model", f"the plan is for {plan.model!r}, the workload trains {workload.model.name!r}"
+        )
+    check_pools(plan, cluster, source)
+    if plan.recompute != workload.spec.recompute:
+        raise InputError(
+            source,
+            "recompute",
+            f"the plan was made with recompute: {plan.recompute.value}, the workload says "
+            f"{workload.spec.recompute.value}",
+        )
+
+
+def check_pools(plan: DeploymentPlan, cluster: ClusterSpec, source: str) -> None:
+    """The rules of the plan's pools against the cluster's (module docstring)."""
+    one = len(cluster.pools) == 1 and len(plan.pools) == 1
+    position = {p.name: k for k, p in enumerate(cluster.pools)}
+    last = -1
+    for k, pool in enumerate(plan.pools):
+        field = f"pools[{k}]"
+        if pool.name not in position:
+            has = ", ".join(repr(n) for n in cluster.pool_names)
+            raise InputError(source, f"{field}.name", f"the plan has pool {pool.name!r}, the cluster has not ({has})")
+        if position[pool.name] <= last:
+            raise InputError(source, f"{field}.name", "the plan's pools are not in the cluster's order")
+        last = position[pool.name]
+        theirs = cluster.pools[position[pool.name]]
+        of = "" if one else f" in pool {pool.name!r}"
+        if pool.gpu.lower() != theirs.gpu.lower():
+            flag = "same --gpu as for `plan`?" if one else "a kind mismatch"
+            raise InputError(
+                source, f"{field}.gpu", f"the plan is for {pool.gpu} GPUs{of}, the cluster has {theirs.gpu} ({flag})"
+            )
+        if pool.gpus_per_node != theirs.gpus_per_node:
+            raise InputError(
+                source,
+                f"{field}.gpus_per_node",
+                f"the plan has {pool.gpus_per_node} GPUs per node{of}, the cluster {theirs.gpus_per_node}",
+            )
+        if not 1 <= pool.n_gpus <= theirs.n_gpus:
+            flag = " (same --gpus as for `plan`?)" if one else ""
+            raise InputError(
+                source,
+                f"{field}.n_gpus",
+                f"the plan needs {pool.n_gpus} GPUs{of}, the cluster has {theirs.n_gpus}{flag}",
+            )
 
 
 def _check_replicas(
@@ -78,6 +116,14 @@ def _check_replicas(
                 f"{where}.replica_id",
                 f"replica {k} has id {replica.replica_id}; ids must be 0..{len(plan.replicas) - 1} in order",
             )
+        try:
+            pool = plan.pool(replica.pool)
+        except KeyError:
+            fail(
+                f"{where}.pool",
+                f"the plan has no pool {replica.pool!r} ({', '.join(repr(p.name) for p in plan.pools)})",
+            )
+        first = plan.first_gpu(pool.name)
         if len(replica.gpus) != config.n_gpus:
             fail(
                 f"{where}.gpus", f"{config} needs tp * pp = {config.n_gpus} GPUs, the replica holds {len(replica.gpus)}"
@@ -85,32 +131,37 @@ def _check_replicas(
         for g in replica.gpus:
             if not 0 <= g < plan.n_gpus:
                 fail(f"{where}.gpus", f"GPU {g} is outside 0..{plan.n_gpus - 1}")
+            if not first <= g < first + pool.n_gpus:
+                fail(
+                    f"{where}.gpus",
+                    f"GPU {g} is not pool {pool.name!r}'s: its GPUs are {first}..{first + pool.n_gpus - 1}",
+                )
             if g in seen:
                 fail(f"{where}.gpus", f"GPU {g} is also in replica {seen[g]}")
             seen[g] = k
         for stage in range(config.pp):
             group = replica.gpus[stage * config.tp : (stage + 1) * config.tp]
-            nodes = sorted({g // plan.gpus_per_node for g in group})
+            nodes = sorted({(g - first) // pool.gpus_per_node for g in group})
             if len(nodes) > 1:
+                of = f" of pool {pool.name!r}" if pool.name else ""
                 fail(
                     f"{where}.gpus",
-                    f"stage {stage}'s TP group {list(group)} spans nodes {nodes}; a TP group stays "
-                    f"inside one node of {plan.gpus_per_node} GPUs",
+                    f"stage {stage}'s TP group {list(group)} spans nodes {nodes}{of}; a TP group stays "
+                    f"inside one node of {pool.gpus_per_node} GPUs",
                 )
         problems = config_problems(config, workload.model, cluster)
         if problems:
             fail(f"{where}.config", f"{config}: {problems[0]}")
         capacity = cost_model.max_tokens(config)
+        by = cost_model.pool_model(config)[0].source
         if capacity <= 0:
-            fail(
-                f"{where}.config",
-                f"{config} does not fit {workload.model.name} on {cluster.gpu} by the cost model {cost_model.source}",
-            )
+            on = pool.gpu + (f" (pool {pool.name!r})" if pool.name else "")
+            fail(f"{where}.config", f"{config} does not fit {workload.model.name} on {on} by the cost model {by}")
         if not 1 <= replica.max_tokens <= capacity:
             fail(
                 f"{where}.max_tokens",
                 f"{replica.max_tokens} tokens, but {config} holds at most {capacity} per "
-                f"micro-batch by the cost model {cost_model.source}",
+                f"micro-batch by the cost model {by}",
             )
     if plan.expected_replica_time_s and len(plan.expected_replica_time_s) != len(plan.replicas):
         fail("expected_replica_time_s", f"{len(plan.expected_replica_time_s)} times for {len(plan.replicas)} replicas")

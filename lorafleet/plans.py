@@ -26,15 +26,19 @@ from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.errors import InputError
+from lorafleet.specs.cluster import ClusterSpec, PoolSpec, first_gpu, named_pool, pool_at
 from lorafleet.specs.dispatch import DispatchPolicy, policy_json_schema
 from lorafleet.specs.io import read_json_object, write_text_atomic
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.specs.typed import adapter, join_path, validate_strict
 
-PLAN_SCHEMA_VERSION = 2
+PLAN_SCHEMA_VERSION = 3
 """2 adds what a plan was judged under: ``policy``, ``cost_model`` and ``recompute``. A version-1
 file does not say which micro-batches (padded or packed) or which cost model its figures
-assume, so it is refused rather than guessed at (re-run ``lorafleet plan --json``)."""
+assume, so it is refused rather than guessed at (re-run ``lorafleet plan --json``). 3 has
+``pools`` (each with its GPU kind, GPUs and cost model) where 2 had one ``gpu``, ``n_gpus``,
+``gpus_per_node`` and ``cost_model``, and each replica's ``pool``; a version-2 file is read as a
+plan of one unnamed pool (:func:`_from_version_2`)."""
 PLAN_KIND = "lorafleet.DeploymentPlan"
 PLAN_SOURCE = "<plan>"
 """The source an error of a plan's nested policy names while it is validated (replaced by the file's)."""
@@ -47,10 +51,11 @@ def _config_of(value: Any) -> Any:
 ConfigName = Annotated[
     ParallelConfig,
     BeforeValidator(_config_of),
-    PlainSerializer(lambda c: c.name, return_type=str),
+    PlainSerializer(lambda c: c.layout.name, return_type=str),
     WithJsonSchema({"type": "string", "description": "a parallel config: tp2_pp1, tp2_pp1_rc"}),
 ]
-"""A parallel config as a plan file writes it (``tp2_pp1``; :meth:`ParallelConfig.parse` reads any spelling)."""
+"""A replica's parallel config as a plan file writes it, without its pool (the replica's ``pool`` says it):
+``tp2_pp1``; :meth:`ParallelConfig.parse` reads any spelling."""
 
 
 def _policy_of(value: Any) -> Any:
@@ -74,10 +79,46 @@ class ReplicaSpec:
 
     replica_id: int
     config: ConfigName
+    """Its layout; in memory it names the replica's pool too (``config.pool == pool``)."""
     max_tokens: int
     """M: the most tokens (padding included) one micro-batch may hold on this replica."""
     gpus: tuple[int, ...]
     """Global GPU indices (ranks), tp-major within each stage: stage k holds gpus[k*tp:(k+1)*tp]."""
+    pool: str = ""
+    """The pool whose GPUs the replica runs on (empty: the cluster's one unnamed pool)."""
+
+    def __post_init__(self) -> None:
+        """The config and the replica name one pool: either given, the other follows."""
+        if self.config.pool == self.pool:
+            return
+        if self.config.pool and self.pool:
+            raise ValueError(f"replica {self.replica_id}: config {self.config} is on another pool than {self.pool!r}")
+        if self.pool:
+            object.__setattr__(self, "config", self.config.in_pool(self.pool))
+        else:
+            object.__setattr__(self, "pool", self.config.pool)
+
+
+@dataclass(frozen=True)
+class PlanPool:
+    """One pool of the cluster a plan is for: its GPUs (global ranks follow the plan's pools in order)
+    and the cost model its replicas were judged by."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: str
+    """The cluster's name of the pool (empty: a cluster's one unnamed pool)."""
+    gpu: str
+    """Its GPU kind."""
+    n_gpus: int
+    """Its GPUs (the plan may leave some idle)."""
+    gpus_per_node: int
+    cost_model: CostModelOrigin | None = None
+    """The cost model the pool's replicas were judged by (analytic preset, or a profile and its content hash)."""
+
+    def describe(self) -> str:
+        """``16 x A100-40GB`` (with the pool's name when it has one: ``16 x A100-40GB (a100)``)."""
+        return f"{self.n_gpus} x {self.gpu}" + (f" ({self.name})" if self.name else "")
 
 
 @dataclass(frozen=True)
@@ -93,11 +134,9 @@ class DeploymentPlan:
 
     model: str
     """The base model the plan is for."""
-    gpu: str
-    """The GPU kind of the cluster the plan is for."""
-    n_gpus: int
-    """GPUs of that cluster (the plan may leave some idle)."""
-    gpus_per_node: int
+    pools: tuple[PlanPool, ...]
+    """The pools of the cluster the plan is for, in rank order: pool p holds the GPUs after those of the
+    pools before it."""
     tasks: tuple[str, ...]
     """The workload's tasks, in order."""
     replicas: tuple[ReplicaSpec, ...]
@@ -114,14 +153,54 @@ class DeploymentPlan:
     policy: PolicyJson = field(default_factory=DispatchPolicy)
     """How every step of this deployment is dispatched: what the plan was judged under, and what
     ``simulate``, ``dispatch`` and ``train`` run unless told otherwise."""
-    cost_model: CostModelOrigin | None = None
-    """The cost model the plan was judged by (analytic preset, or a profile and its content hash)."""
     recompute: RecomputePolicy = RecomputePolicy.AUTO
     """The workload's activation-recomputation policy the configs were chosen under."""
 
     @property
+    def n_gpus(self) -> int:
+        """GPUs of the plan's pools (the plan may leave some idle)."""
+        return sum(p.n_gpus for p in self.pools)
+
+    def pool(self, name: str) -> PlanPool:
+        """The plan's pool ``name`` (KeyError when it has none)."""
+        return named_pool(self.pools, name)
+
+    def pool_at(self, gpu: int) -> tuple[int, PlanPool]:
+        """The index and pool of global GPU (rank) ``gpu`` (ValueError when no pool of the plan has it)."""
+        return pool_at(self.pools, gpu)
+
+    def first_gpu(self, name: str) -> int:
+        """The first global GPU index (rank) of the plan's pool ``name``."""
+        return first_gpu(self.pools, name)
+
+    @property
+    def cost_models(self) -> dict[str, CostModelOrigin | None]:
+        """The cost model each pool was judged by, by pool name."""
+        return {p.name: p.cost_model for p in self.pools}
+
+    def fleet(self) -> ClusterSpec:
+        """The cluster of the plan's pools (their GPUs in whole nodes; no prices or profiles)."""
+        return ClusterSpec(
+            pools=tuple(
+                PoolSpec(name=p.name, gpu=p.gpu, nodes=-(-p.n_gpus // p.gpus_per_node), gpus_per_node=p.gpus_per_node)
+                for p in self.pools
+            )
+        )
+
+    def describe_fleet(self) -> str:
+        """``16 x A100-40GB``, or ``16 x A100-40GB (a100) + 8 x H100-80GB (h100)``."""
+        return " + ".join(p.describe() for p in self.pools)
+
+    @property
     def used_gpus(self) -> int:
         return sum(r.config.n_gpus for r in self.replicas)
+
+    def pool_gpus(self) -> dict[str, int]:
+        """GPUs the replicas hold in each of the plan's pools (0 for an idle pool), by pool name."""
+        held = dict.fromkeys((p.name for p in self.pools), 0)
+        for r in self.replicas:
+            held[r.pool] = held.get(r.pool, 0) + r.config.n_gpus
+        return held
 
     @property
     def world_size(self) -> int:
@@ -134,11 +213,13 @@ class DeploymentPlan:
         return self.expected_makespan_s * self.used_gpus
 
     def config_counts(self) -> dict[ParallelConfig, int]:
-        """Replicas per config, sorted by config."""
-        return dict(sorted(Counter(r.config for r in self.replicas).items()))
+        """Replicas per config, sorted by pool (in the plan's order), then config."""
+        order = {p.name: k for k, p in enumerate(self.pools)}
+        counts = Counter(r.config for r in self.replicas)
+        return dict(sorted(counts.items(), key=lambda item: (order.get(item[0].pool, len(order)), item[0])))
 
     def describe(self) -> str:
-        """``<1,1> x 6 + <2,1> x 1 + <8,1> x 1``"""
+        """``<1,1> x 6 + <2,1> x 1 + <8,1> x 1``; in a fleet of named pools ``<1,2>@a100 x 3 + <2,1>@h100 x 2``."""
         return " + ".join(f"{c} x {n}" for c, n in self.config_counts().items())
 
     def to_json(self) -> dict[str, Any]:
@@ -163,13 +244,15 @@ class DeploymentPlan:
                 source,
                 at("schema_version"),
                 "a version-1 plan does not record the dispatch policy and cost model "
-                "it was judged under; re-run `lorafleet plan --json` to write a version-2 plan",
+                f"it was judged under; re-run `lorafleet plan --json` to write a version-{PLAN_SCHEMA_VERSION} plan",
             )
-        if version != PLAN_SCHEMA_VERSION:
-            raise InputError(source, at("schema_version"), f"expected {PLAN_SCHEMA_VERSION}, got {version!r}")
-        for name in ("policy", "cost_model", "recompute"):
+        if version not in (2, PLAN_SCHEMA_VERSION):
+            raise InputError(source, at("schema_version"), f"expected {PLAN_SCHEMA_VERSION} (or 2), got {version!r}")
+        for name in ("policy", "cost_model", "recompute") if version == 2 else ("policy", "pools", "recompute"):
             if name not in data:
                 raise InputError(source, at(name), "missing")
+        if version == 2:
+            data = _from_version_2(data, source, at)
         try:
             plan = validate_strict(cls, data, source, where)
         except InputError as err:
@@ -188,6 +271,19 @@ class DeploymentPlan:
         return cls.from_json(read_json_object(path), str(path))
 
 
+def _from_version_2(data: dict[str, Any], source: str, at: Any) -> dict[str, Any]:
+    """A version-2 plan's object as version 3: its ``gpu``, ``n_gpus``, ``gpus_per_node`` and ``cost_model``
+    are its one pool's, unnamed (what a flat ``cluster`` is), and every replica is on it."""
+    pool = {}
+    for name in ("gpu", "n_gpus", "gpus_per_node", "cost_model"):
+        if name not in data:
+            raise InputError(source, at(name), "missing")
+        pool[name] = data.pop(name)
+    if "pools" in data:
+        raise InputError(source, at("pools"), "unknown field (pools are a version-3 plan's)")
+    return {**data, "pools": [{"name": "", **pool}]}
+
+
 def _header() -> dict[str, Any]:
     return {"schema_version": PLAN_SCHEMA_VERSION, "kind": PLAN_KIND}
 
@@ -197,7 +293,7 @@ def plan_json_schema() -> dict[str, Any]:
     schema = adapter(DeploymentPlan).json_schema(mode="serialization")
     schema["properties"]["schema_version"] = {"const": PLAN_SCHEMA_VERSION}
     schema["properties"]["kind"] = {"const": PLAN_KIND}
-    schema["required"] = sorted({*schema.get("required", ()), "schema_version", "kind", "policy", "cost_model"})
+    schema["required"] = sorted({*schema.get("required", ()), "schema_version", "kind", "policy", "recompute"})
     return schema
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import LayerTimeCoeffs
-from lorafleet.plans import DeploymentPlan, GlobalBatch, ReplicaSpec
+from lorafleet.plans import DeploymentPlan, GlobalBatch, PlanPool, ReplicaSpec
 from lorafleet.specs.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode
 from lorafleet.specs.model import MODEL_PRESETS
 
@@ -64,9 +64,7 @@ def make_plan(
             gpu += config.n_gpus
     return DeploymentPlan(
         model="llama2-7b",
-        gpu="A100-40GB",
-        n_gpus=gpu,
-        gpus_per_node=8,
+        pools=(PlanPool(name="", gpu="A100-40GB", n_gpus=gpu, gpus_per_node=8),),
         tasks=tuple(f"task{k}" for k in range(n_tasks)),
         replicas=tuple(replicas),
         bucket_boundaries=(),

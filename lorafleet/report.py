@@ -14,6 +14,7 @@ matplotlib.use("Agg")  # files only; never a window
 import matplotlib.pyplot as plt
 import numpy as np
 
+from lorafleet.accounting import SECONDS_PER_HOUR
 from lorafleet.simulate import ScheduleRun
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.io import write_text_atomic
@@ -22,27 +23,57 @@ from lorafleet.workload import Workload
 Row = dict[str, object]
 
 
-def summary_rows(runs: Sequence[ScheduleRun]) -> list[Row]:
+def summary_rows(runs: Sequence[ScheduleRun], cluster: ClusterSpec | None = None) -> list[Row]:
     """One row per method (its :attr:`ScheduleRun.summary`): GPUs, mean and p95 step time, GPU-seconds per
-    step, utilisation, padding, failures, and the GPU-seconds the first run saves over it."""
+    step, utilisation, padding, failures, and the GPU-seconds the first run saves over it; with a ``cluster``
+    whose pools all have prices, each method's mean cost per step and the cost the first run saves."""
     ours = runs[0]
+    costs = [run.cost_per_step(cluster) for run in runs] if cluster is not None and cluster.priced else []
     rows = []
-    for run in runs:
+    for k, run in enumerate(runs):
         summary = run.summary
         gpu_s = summary.mean_gpu_seconds
-        rows.append(
-            {
-                "method": run.name,
-                "gpus": run.gpus,
-                "mean_step_s": float(summary.mean_makespan_s),
-                "p95_step_s": summary.p95_makespan_s,
-                "gpu_s_per_step": gpu_s,
-                "utilisation": summary.utilisation,
-                "padding_ratio": summary.padding_ratio,
-                "failures": summary.failures,
-                "saved_by_lorafleet": 1 - ours.summary.mean_gpu_seconds / gpu_s if run is not ours else 0.0,
-            }
-        )
+        row: Row = {
+            "method": run.name,
+            "gpus": run.gpus,
+            "mean_step_s": float(summary.mean_makespan_s),
+            "p95_step_s": summary.p95_makespan_s,
+            "gpu_s_per_step": gpu_s,
+            "utilisation": summary.utilisation,
+            "padding_ratio": summary.padding_ratio,
+            "failures": summary.failures,
+            "saved_by_lorafleet": 1 - ours.summary.mean_gpu_seconds / gpu_s if run is not ours else 0.0,
+        }
+        if costs and all(c is not None for c in costs):
+            cost, first = float(np.mean(costs[k])), float(np.mean(costs[0]))
+            row["cost_per_step"] = cost
+            row["cost_saved_by_lorafleet"] = 1 - first / cost if run is not ours and cost > 0 else 0.0
+        rows.append(row)
+    return rows
+
+
+def pool_rows(run: ScheduleRun, cluster: ClusterSpec) -> list[Row]:
+    """One row per pool of ``cluster``: its GPU kind, the GPUs ``run`` holds there, their utilisation (busy
+    over held GPU-time), GPU-seconds per step and, where the pool has a price, its cost per step and over
+    the run (``ScheduleRun.pool_usage``)."""
+    usage = run.pool_usage()
+    steps = max(1, len(run.makespan_s))
+    rows = []
+    for pool in cluster.pools:
+        used = usage.get(pool.name)
+        held = used.gpu_seconds if used is not None else 0.0
+        row: Row = {
+            "pool": pool.name or "(one pool)",
+            "gpu": pool.gpu,
+            "gpus": pool.n_gpus,
+            "gpus_held": used.gpus if used is not None else 0,
+            "utilisation": used.utilisation if used is not None else 0.0,
+            "gpu_s_per_step": held / steps,
+        }
+        if pool.price_per_gpu_hour is not None:
+            row["cost_per_step"] = held * pool.price_per_gpu_hour / SECONDS_PER_HOUR / steps
+            row["cost_run"] = held * pool.price_per_gpu_hour / SECONDS_PER_HOUR
+        rows.append(row)
     return rows
 
 
@@ -124,7 +155,7 @@ def _plot_gpu_seconds(rows: Sequence[Row], out: Path) -> None:
     plt.close(fig)
 
 
-PERCENT_COLUMNS = frozenset({"utilisation", "padding_ratio", "saved_by_lorafleet"})
+PERCENT_COLUMNS = frozenset({"utilisation", "padding_ratio", "saved_by_lorafleet", "cost_saved_by_lorafleet"})
 """Columns holding a fraction, shown as a percentage."""
 
 
@@ -172,7 +203,8 @@ def write_report(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = summary_rows(runs)
+    rows = summary_rows(runs, cluster)
+    pools = pool_rows(runs[0], cluster)
     ours = runs[0]
     _plot_makespan(runs, out / "makespan.png")
     _plot_utilisation(ours, out / "utilisation.png")
@@ -180,14 +212,15 @@ def write_report(
     _plot_gpu_seconds(rows, out / "gpu_seconds.png")
     costs = task_cost_rows(ours)
     summary = {
-        "cluster": {"gpu": cluster.gpu, "gpus": cluster.n_gpus},
+        "cluster": {"gpu": " + ".join(cluster.kinds), "gpus": cluster.n_gpus},
+        "pools": pools,
         "cost_model": cost_source,
         "methods": rows,
         "plan": list(plan_rows),
         "task_costs": _json_safe(costs),
     }
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
-    hardware = html.escape(f"{cluster.n_gpus} x {cluster.gpu}")
+    hardware = html.escape(cluster.describe())
     title = f"lorafleet simulation: {html.escape(workload.path)} on {hardware}"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
 <style>body{{font-family:sans-serif;max-width:1000px;margin:auto}}table{{border-collapse:collapse}}
@@ -197,6 +230,9 @@ td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}</style></head><b
 holds {ours.gpus:,}), cost model {html.escape(cost_source)}, {len(ours.makespan_s):,} steps.</p>
 <h2>Methods</h2>{_html_table(rows)}
 <h2>lorafleet's deployment</h2>{_html_table(plan_rows)}
+<h2>Pools: what {html.escape(ours.name)} holds and uses of each, and what it costs</h2>
+<p>GPU-seconds held are every step's makespan x the GPUs the replicas hold in the pool; utilisation is
+their busy share; cost is held GPU-hours at the pool's price.</p>{_html_table(pools)}
 <h2>Who pays what: {html.escape(ours.name)}'s GPU-seconds per task</h2>
 <p>Over the {len(ours.makespan_s)} steps, each step's GPU-seconds (makespan x GPUs held) are shared out among
 the tasks by the simulated time of the replicas that ran their sequences; the replicas' idle time by all the

@@ -102,6 +102,12 @@ class RunDir:
         """The live task queue's directory: ``--queue``, or ``<out>/queue``."""
         return self.queue_dir if self.queue_dir is not None else self.root / "queue"
 
+    @property
+    def owns_queue(self) -> bool:
+        """Whether the queue is the run directory's own (``<out>/queue``, the default), which ``--overwrite``
+        clears with the run's files; a ``--queue`` elsewhere is not."""
+        return self.queue.resolve() == (self.root / "queue").resolve()
+
     def lock(self) -> RunLock:
         """Take the directory's lock for this run's life (:func:`lock_run`)."""
         return lock_run(self.root)

@@ -23,7 +23,7 @@ from functools import cached_property, partial
 
 import numpy as np
 
-from lorafleet.accounting import task_gpu_seconds
+from lorafleet.accounting import price_per_second, task_gpu_seconds
 from lorafleet.costmodel import CostModel
 from lorafleet.dispatch import Recalibrator, ReplicaCalibration
 from lorafleet.executor.simulated import SimulatedExecutor, SimulationOptions
@@ -33,6 +33,7 @@ from lorafleet.planner import Phase, Schedule
 from lorafleet.planner.schedule import select_tasks
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
 from lorafleet.sampling import sample_global_batch, workload_turns
+from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.turns import turns
 from lorafleet.workload import Workload
 
@@ -107,6 +108,48 @@ class ScheduleRun:
     def failures(self) -> int:
         return self.summary.failures
 
+    def cost_per_step(self, cluster: ClusterSpec) -> np.ndarray | None:
+        """Per step: Σ over phases of the phase's makespan x what its replicas cost a second at the pools'
+        prices (:func:`~lorafleet.accounting.price_per_second`); None when a pool it uses has no price."""
+        cost = np.zeros(len(self.makespan_s))
+        for run in self.phases:
+            price = price_per_second(run.phase.plan, cluster)
+            if price is None:
+                return None
+            cost += price * np.array([r.makespan_s for r in run.reports], dtype=float)
+        return cost
+
+    def pool_usage(self) -> dict[str, PoolUsage]:
+        """What the run held and used of each pool its plans' replicas are on, over all steps and phases."""
+        held: dict[str, float] = {}
+        busy: dict[str, float] = {}
+        gpus: dict[str, int] = {}
+        for run in self.phases:
+            replicas = run.phase.plan.replicas
+            for pool in dict.fromkeys(r.pool for r in replicas):
+                gpus[pool] = max(gpus.get(pool, 0), sum(r.config.n_gpus for r in replicas if r.pool == pool))
+            for report in run.reports:
+                for replica, b in zip(replicas, report.replica_busy_s, strict=True):
+                    held[replica.pool] = held.get(replica.pool, 0.0) + report.makespan_s * replica.config.n_gpus
+                    busy[replica.pool] = busy.get(replica.pool, 0.0) + min(b, report.makespan_s) * replica.config.n_gpus
+        return {pool: PoolUsage(gpus=gpus[pool], gpu_seconds=held[pool], busy_gpu_seconds=busy[pool]) for pool in gpus}
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """One pool's part of a simulated run."""
+
+    gpus: int
+    """GPUs the run's replicas hold in the pool (the most any phase holds)."""
+    gpu_seconds: float
+    """GPU-seconds held there over the run: every step's makespan x the replicas' GPUs."""
+    busy_gpu_seconds: float
+    """Of those, the replicas' busy time x their GPUs."""
+
+    @property
+    def utilisation(self) -> float:
+        return self.busy_gpu_seconds / self.gpu_seconds if self.gpu_seconds > 0 else 0.0
+
 
 def _phase_batch(
     workload: Workload, tasks: tuple[int, ...], seed: int, took: np.ndarray | None, step: int
@@ -153,7 +196,7 @@ def simulate_schedule(
     for phase in schedule.phases:
         source = PolicySource(partial(_phase_batch, workload, phase.tasks, seed, took), phase.plan, cost_model)
         executor = SimulatedExecutor(phase.plan, cost_model, names, options)
-        recalibrator = Recalibrator(len(phase.plan.replicas), phase.plan.policy.recalibration)
+        recalibrator = Recalibrator.for_plan(phase.plan)
         owed: list[dict[str, float]] = []
         account = partial(_account, owed, phase.plan, cost_model, names)
         reports = run_loop(source, executor, range(steps), on_report=account, recalibrator=recalibrator)

@@ -29,11 +29,14 @@ already took never change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from pydantic import ConfigDict
+
+from lorafleet.specs._base import Float, Int
 
 
 @dataclass(frozen=True)
@@ -43,19 +46,19 @@ class TaskTurns:
     __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
     """How the queue's typed files (the task ledger, the pending changes) read it back: no unknown keys."""
 
-    tokens: float
+    tokens: Float
     """τ: expected tokens of one of its batches (only shares use it)."""
-    batches: int | None = None
+    batches: Int | None = None
     """Its steps (None: unbounded)."""
-    joined: int = 0
+    joined: Int = 0
     """The first global step it may take part in."""
-    until: int | None = None
+    until: Int | None = None
     """The first global step it is left out of for good (finished, cancelled, stopped); None: never."""
-    share: float | None = None
+    share: Float | None = None
     """σ in (0, 1]: its target fraction of every step's tokens; None: every step."""
-    deadline: int | None = None
+    deadline: Int | None = None
     """The global step by which it must have taken its last batch (forced in when out of slack)."""
-    changes: tuple[tuple[int, float | None, int | None], ...] = ()
+    changes: tuple[tuple[Int, Float | None, Int | None], ...] = ()
     """``(step, share, deadline)``, in step order: from that step on, these replace ``share`` and ``deadline``."""
 
     def __post_init__(self) -> None:
@@ -76,47 +79,121 @@ class TaskTurns:
 
 def turns(tasks: Sequence[TaskTurns], steps: int) -> np.ndarray:
     """``(steps, n)`` booleans: whether task ``t`` takes part in global step ``k`` (module doc)."""
-    n = len(tasks)
-    out = np.zeros((steps, n), dtype=bool)
-    taken = np.zeros(n, dtype=np.int64)
-    credit = np.zeros(n)
-    for k in range(steps):
-        eligible = [
-            t
-            for t, task in enumerate(tasks)
-            if task.joined <= k
-            and (task.until is None or k < task.until)
-            and (task.batches is None or taken[t] < task.batches)
-        ]
-        now = {t: tasks[t].at(k) for t in eligible}
-        shared = [t for t in eligible if now[t][0] is not None]
-        forced = {
-            t
-            for t in shared
-            if now[t][1] is not None and tasks[t].batches is not None and tasks[t].batches - taken[t] >= now[t][1] - k  # type: ignore[operator]
-        }
-        admitted = [t for t in eligible if t not in shared or t in forced]
-        total = sum(tasks[t].tokens for t in admitted)
-        for t in sorted((t for t in shared if t not in forced), key=lambda t: -credit[t]):
-            share, tokens = now[t][0], tasks[t].tokens
-            if credit[t] + share * (total + tokens) >= tokens:  # type: ignore[operator]
-                admitted.append(t)
-                total += tokens
-        if eligible and not admitted:
-            best = max(shared, key=lambda t: (credit[t] + 1.0) / max(tasks[t].tokens, 1.0))
-            admitted.append(best)
-            total += tasks[best].tokens
-        for t in shared:
-            credit[t] += now[t][0] * total  # type: ignore[operator]
-        for t in admitted:
-            out[k, t] = True
-            taken[t] += 1
-            if t in shared:
-                credit[t] -= tasks[t].tokens
-    return out
+    return TurnDraw(tasks).rows(steps)
+
+
+class TurnDraw:
+    """The turns drawn step after step from step 0 (module doc): :meth:`rows` gives the next ones, so a caller
+    that needs only a summary of many steps holds one block of them at a time."""
+
+    def __init__(self, tasks: Sequence[TaskTurns]) -> None:
+        self.tasks = tuple(tasks)
+        self.step = 0
+        """The next step :meth:`rows` draws."""
+        self.taken = np.zeros(len(self.tasks), dtype=np.int64)
+        self.credit = np.zeros(len(self.tasks))
+
+    @property
+    def exhausted(self) -> bool:
+        """No task can take part in a step from :attr:`step` on (each has left or has taken its batches)."""
+        return all(
+            (task.until is not None and self.step >= task.until)
+            or (task.batches is not None and self.taken[t] >= task.batches)
+            for t, task in enumerate(self.tasks)
+        )
+
+    def rows(self, count: int) -> np.ndarray:
+        """``(count, n)`` booleans: the turns of the next ``count`` steps."""
+        tasks, taken, credit = self.tasks, self.taken, self.credit
+        out = np.zeros((count, len(tasks)), dtype=bool)
+        for row in range(count):
+            k = self.step + row
+            eligible = [
+                t
+                for t, task in enumerate(tasks)
+                if task.joined <= k
+                and (task.until is None or k < task.until)
+                and (task.batches is None or taken[t] < task.batches)
+            ]
+            now = {t: tasks[t].at(k) for t in eligible}
+            shared = [t for t in eligible if now[t][0] is not None]
+            forced = {
+                t
+                for t in shared
+                if now[t][1] is not None
+                and tasks[t].batches is not None
+                and tasks[t].batches - taken[t] >= now[t][1] - k  # type: ignore[operator]
+            }
+            admitted = [t for t in eligible if t not in shared or t in forced]
+            total = sum(tasks[t].tokens for t in admitted)
+            for t in sorted((t for t in shared if t not in forced), key=lambda t: -credit[t]):
+                share, tokens = now[t][0], tasks[t].tokens
+                if credit[t] + share * (total + tokens) >= tokens:  # type: ignore[operator]
+                    admitted.append(t)
+                    total += tokens
+            if eligible and not admitted:
+                best = max(shared, key=lambda t: (credit[t] + 1.0) / max(tasks[t].tokens, 1.0))
+                admitted.append(best)
+                total += tasks[best].tokens
+            for t in shared:
+                credit[t] += now[t][0] * total  # type: ignore[operator]
+            for t in admitted:
+                out[row, t] = True
+                taken[t] += 1
+                if t in shared:
+                    credit[t] -= tasks[t].tokens
+        self.step += count
+        return out
+
+
+DRAW_BLOCK = 1024
+"""Steps :func:`last_step` draws at a time: its memory is a block's, whatever the horizon."""
 
 
 def last_step(tasks: Sequence[TaskTurns], horizon: int) -> int:
-    """The step after the last one within ``horizon`` in which some task takes part (0: none does)."""
-    took = np.flatnonzero(turns(tasks, horizon).any(axis=1))
-    return int(took[-1]) + 1 if took.size else 0
+    """The step after the last one within ``horizon`` in which some task takes part (0: none does).
+
+    A task without an end (no ``batches``, no ``until``) that joins before ``horizon`` is eligible in every
+    step from its join, and a step with an eligible task is never empty: then it is ``horizon``, drawn from
+    nothing. Otherwise the turns are drawn a block of :data:`DRAW_BLOCK` steps at a time until every task has
+    ended, so a run told ``--steps 1000000000000`` holds one block, not a row per step of the run.
+    """
+    if any(t.batches is None and t.until is None and t.joined < horizon for t in tasks):
+        return horizon
+    draw, last = TurnDraw(tasks), 0
+    while draw.step < horizon and not draw.exhausted:
+        first = draw.step
+        took = np.flatnonzero(draw.rows(min(DRAW_BLOCK, horizon - first)).any(axis=1))
+        if took.size:
+            last = first + int(took[-1]) + 1
+    return last
+
+
+T = TypeVar("T", bound=Hashable)
+
+DEPARTURE_WINDOW = 8
+"""The most steps a task that has taken all its batches waits for other tasks that end soon after it, so that
+their departures are one change of the running fleet (one checkpoint, one re-plan, at most one move) rather
+than one each. A finished task takes no batch: waiting costs only its adapter slot's memory and, for a move
+the re-plan would make, its saving over those steps, which a move's horizon (``--replan-horizon``, 200 by
+default) dwarfs."""
+
+
+def departures(
+    ends: Mapping[T, int], step: int, now: bool = False, window: int = DEPARTURE_WINDOW
+) -> tuple[list[T], int | None]:
+    """The tasks that depart at the boundary before ``step``, and the next step to look again at (None: no
+    task has an end ahead). ``ends``: the step each task with a bounded number of batches is done at (the step
+    after its last batch; ``DataStreams.end_steps``); ``now``: other changes are applied at this boundary.
+
+    The tasks done by ``step`` depart now, unless another task is done within ``window`` steps of the
+    earliest of them and nothing else happens here: then they wait for it, and the run ends a window there.
+    So departures within ``window`` steps of the first are applied at one boundary, a finished task waits at
+    most ``window`` steps, and the rule depends on the turns and on this boundary's other changes only."""
+    done = [t for t, end in ends.items() if end <= step]
+    later = sorted(end for end in ends.values() if end > step)
+    if done and not now:
+        soon = [end for end in later if end <= min(ends[t] for t in done) + window]
+        if soon:
+            return [], soon[0]
+    return done, (later[0] if later else None)

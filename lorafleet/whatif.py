@@ -8,7 +8,9 @@ A variation changes one axis of the question "what would this cost?":
 - ``tasks=none,+xsum,-billsum,+billsum+pubmedqa``: tasks added (a dataset preset, named
   after it) or removed (by name); ``none`` keeps the workload's tasks;
 - ``R=4,8,16``: the dispatcher's bucket count;
-- ``recompute=off,auto``: whether replicas may recompute activations (``on``: all must).
+- ``recompute=off,auto``: whether replicas may recompute activations (``on``: all must);
+- ``pools.h100.nodes=0,1,2``: a field of one pool of the cluster (any pool key but ``name``: ``nodes``,
+  ``gpu``, ``gpus_per_node``, ``price_per_gpu_hour``, ``profile``); ``nodes=0`` leaves the pool out.
 
 Several ``--vary`` options form their Cartesian product. Each point is planned with the
 same planner and simulated with the same sampled batches as ``lorafleet simulate``.
@@ -22,15 +24,20 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import yaml
+from pydantic import ValidationError
+
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.errors import InputError
 from lorafleet.executor.simulated import SimulationOptions
 from lorafleet.planner import PlannerOptions, plan_deployment
 from lorafleet.simulate import simulate_schedule
+from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.model import resolve_model
 from lorafleet.specs.recompute import RecomputePolicy
+from lorafleet.specs.workload import describe_validation_error
 from lorafleet.workload import Workload, resolve_workload
 
 AXES = ("gpus", "gpu", "model", "tasks", "R", "recompute", "window")
@@ -49,9 +56,11 @@ class Variation:
     def parse(cls, text: str) -> Variation:
         axis, eq, values = text.partition("=")
         axis = axis.strip()
-        if not eq or axis not in AXES:
+        if not eq or (axis not in AXES and not POOL_AXIS.fullmatch(axis)):
             raise InputError(
-                "<args>", "--vary", f"expected AXIS=V1,V2 with AXIS one of {', '.join(AXES)}, got {text!r}"
+                "<args>",
+                "--vary",
+                f"expected AXIS=V1,V2 with AXIS one of {', '.join(AXES)} or pools.NAME.KEY, got {text!r}",
             )
         items = tuple(v.strip() for v in values.split(",") if v.strip())
         if not items:
@@ -92,8 +101,42 @@ def _edit_tasks(workload: Workload, edit: str) -> Workload:
     return resolve_workload(workload.spec.model_copy(update={"tasks": tuple(tasks)}), workload.path)
 
 
+POOL_AXIS = re.compile(r"pools\.([^.]+)\.(gpu|nodes|gpus_per_node|price_per_gpu_hour|profile)")
+"""A pool's field as a sweep axis: ``pools.NAME.KEY``."""
+
+
+def _edit_pool(workload: Workload, axis: str, value: str) -> Workload:
+    """The workload with pool NAME's KEY set to ``value`` (YAML), validated as the file's would be; ``nodes=0``
+    leaves the pool out of the cluster."""
+    match = POOL_AXIS.fullmatch(axis)
+    assert match is not None
+    name, key = match.groups()
+    cluster = workload.cluster
+    if name not in cluster.pool_names:
+        raise InputError(
+            "<args>", "--vary", f"{axis}: the cluster has no pool {name!r} ({', '.join(cluster.pool_names)})"
+        )
+    parsed = yaml.safe_load(value)
+    if key == "nodes" and parsed == 0:
+        pools = [p for p in cluster.pools if p.name != name]
+        if not pools:
+            raise InputError("<args>", "--vary", f"{axis}=0 leaves the cluster no pool")
+    else:
+        pools = [p if p.name != name else {**p.model_dump(), key: parsed} for p in cluster.pools]
+    try:
+        spec = workload.spec.model_copy(update={"cluster": ClusterSpec.model_validate({"pools": pools})})
+    except ValidationError as err:
+        raise InputError(
+            "<args>", "--vary", f"{axis}={value}: {describe_validation_error(err.errors()[0])[1]}"
+        ) from None
+    return resolve_workload(spec, workload.path)
+
+
 def _point(workload: Workload, point: dict[str, str]) -> tuple[Workload, dict]:
     """The workload and the planner/cluster arguments of one sweep point."""
+    for axis, value in point.items():
+        if POOL_AXIS.fullmatch(axis):
+            workload = _edit_pool(workload, axis, value)
     if "model" in point:
         resolve_model(point["model"], "<args>", "--vary")
         workload = resolve_workload(workload.spec.model_copy(update={"model": point["model"]}), workload.path)
@@ -161,7 +204,7 @@ def sweep(
                 {
                     **{f"vary_{k}": v for k, v in point.items()},
                     "gpus_total": cluster.n_gpus,
-                    "gpu_kind": cluster.gpu,
+                    "gpu_kind": " + ".join(cluster.kinds),
                     "model": varied.model.name,
                     "tasks": len(varied.tasks),
                     "method": schedule.name,

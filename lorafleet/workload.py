@@ -283,8 +283,14 @@ def _dataset_lengths(data: DataSpec, workload: WorkloadSpec, source: tuple[str, 
 
 
 def _resolve_relative(spec: WorkloadSpec, base: Path) -> WorkloadSpec:
-    """Dataset and tokenizer paths in a workload file are relative to that file."""
+    """Dataset, tokenizer and pool profile paths in a workload file are relative to that file."""
     top: dict = {"tasks": tuple(resolve_data_paths(task, base) for task in spec.tasks)}
+    if any(p.profile is not None for p in spec.cluster.pools):
+        pools = tuple(
+            p.model_copy(update={"profile": resolve_path(p.profile, base)}) if p.profile is not None else p
+            for p in spec.cluster.pools
+        )
+        top["cluster"] = spec.cluster.model_copy(update={"pools": pools})
     if spec.tokenizer is not None:
         top["tokenizer"] = resolve_path(spec.tokenizer, base)
     if spec.model not in MODEL_PRESETS and (base / spec.model).exists():

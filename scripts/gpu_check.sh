@@ -124,7 +124,7 @@ from pathlib import Path
 
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer
-from lorafleet.plans import DeploymentPlan, ReplicaSpec
+from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 
 work, demo = Path(os.environ["WORK"]), Path("examples/demo").resolve()
 tokenizer = build_tiny_tokenizer(work / "tokenizer")
@@ -134,7 +134,7 @@ lines = [f"model: tiny-llama\ntokenizer: {tokenizer}\ncluster: {{gpu: H200-141GB
 lines += [f"  - {{name: {n}, data: {{path: {demo / (n + '.jsonl')}}}, batch_size: {b}, context_length: {c}, lora: {{rank: {r}}}}}"
           for n, b, c, r in tasks]
 (work / "workload.yaml").write_text("\n".join(lines) + "\n")
-DeploymentPlan(model="tiny-llama", gpu="H200-141GB", n_gpus=1, gpus_per_node=1, tasks=tuple(t[0] for t in tasks),
+DeploymentPlan(model="tiny-llama", pools=(PlanPool("", "H200-141GB", 1, 1),), tasks=tuple(t[0] for t in tasks),
                replicas=(ReplicaSpec(0, ParallelConfig(1, 1), 8192, (0,)),), bucket_boundaries=(),
                expected_makespan_s=0.0).save(work / "plan.json")
 EOF

@@ -242,3 +242,57 @@ def test_an_unknown_gpu_flag_names_the_choices_not_a_help_url(tmp_path, capsys, 
     assert main(["plan", str(path), "--gpu", "B200", *extra]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "unknown GPU 'B200'; choose from" in err and "pydantic.dev" not in err, err
+
+
+BLOCKER = """import importlib.abc, sys
+class _Hidden(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == {hidden!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+sys.meta_path.insert(0, _Hidden())
+"""
+
+
+@pytest.mark.parametrize(
+    "hidden,argv",
+    [("pulp", ["plan", "two-tenants.yaml"]), ("yaml", ["validate", "two-tenants.yaml"]), ("pydantic", ["--help"])],
+)
+def test_a_missing_hard_dependency_is_one_line_naming_how_to_install_it(tmp_path, hidden, argv):
+    """The CLI in a process where ``hidden`` cannot be imported (a sitecustomize on a path of the test's own:
+    a finder first on ``sys.meta_path`` that raises what a missing package raises), not uninstalled: one line
+    naming the package and its ``pip install``, exit 2. ``pulp`` is first imported by a command, ``yaml`` and
+    ``pydantic`` while the parser is built."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.repo import EXAMPLES, REPO
+
+    (tmp_path / "sitecustomize.py").write_text(BLOCKER.format(hidden=hidden))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    done = subprocess.run(
+        [sys.executable, "-m", "lorafleet", *argv], cwd=EXAMPLES, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    install = "pyyaml" if hidden == "yaml" else hidden
+    assert f"the package {hidden} that lorafleet needs is not installed (pip install '{install}" in done.stderr
+
+
+def test_every_hard_dependency_has_its_line():
+    """Every package of pyproject's ``dependencies`` is known by its import name (``pyyaml`` as ``yaml``), and a
+    module that is not one keeps its traceback."""
+    import tomllib
+
+    from lorafleet.errors import hard_requirements, missing_dependency
+    from tests.helpers.repo import REPO
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    hard = hard_requirements()
+    assert len(hard) == len(declared) and {"pulp", "yaml", "torch", "pydantic", "pyscipopt"} <= set(hard)
+    for name in hard:
+        line = missing_dependency(ModuleNotFoundError(name=f"{name}.sub"))
+        assert line is not None and f"the package {name} " in line and "pip install" in line
+    assert missing_dependency(ModuleNotFoundError(name="lorafleet.nothing")) is None
+    assert missing_dependency(ModuleNotFoundError(name="sympy")) is None

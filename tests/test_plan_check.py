@@ -15,11 +15,12 @@ from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.errors import InputError
 from lorafleet.plan_check import check_plan
 from lorafleet.planner import PlannerOptions, plan_deployment
-from lorafleet.plans import DeploymentPlan, ReplicaSpec
+from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from lorafleet.specs.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.workload import load_workload
-from tests.helpers.repo import SMALL_WORKLOAD
+from tests.helpers.pools import pools_fleet
+from tests.helpers.repo import REPO, SMALL_WORKLOAD
 
 
 @pytest.fixture(scope="module")
@@ -37,20 +38,44 @@ def planned(tmp_path_factory):
     return path, workload, result.plan, tmp / "plan.json"
 
 
-def test_v2_round_trip_keeps_what_the_plan_was_judged_under(planned):
+def test_v3_round_trip_keeps_what_the_plan_was_judged_under(planned):
     _, workload, plan, plan_path = planned
     loaded = DeploymentPlan.load(plan_path)
     assert loaded == plan
     assert loaded.policy.options.microbatch_mode is MicroBatchMode.PADDING
-    assert loaded.cost_model.kind == "analytic" and loaded.cost_model.gpu == "A100-80GB"
+    (pool,) = loaded.pools
+    assert pool.name == "" and pool.cost_model.kind == "analytic" and pool.cost_model.gpu == "A100-80GB"
     assert loaded.recompute is workload.spec.recompute
     data = json.loads(plan_path.read_text())
-    assert data["schema_version"] == 2 and data["policy"]["microbatch_mode"] == "padding"
+    assert data["schema_version"] == 3 and data["policy"]["microbatch_mode"] == "padding"
+    assert {r["pool"] for r in data["replicas"]} == {""}
+
+
+def _as_version_2(data: dict) -> dict:
+    """A version-3 plan of one unnamed pool as version 2 wrote it."""
+    (pool,) = data.pop("pools")
+    for replica in data["replicas"]:
+        assert replica.pop("pool") == ""
+    return {**data, "schema_version": 2, **{k: pool[k] for k in ("gpu", "n_gpus", "gpus_per_node", "cost_model")}}
+
+
+def test_a_version_2_plan_loads_as_one_unnamed_pool(planned, tmp_path):
+    _, workload, plan, plan_path = planned
+    old = tmp_path / "v2.json"
+    old.write_text(json.dumps(_as_version_2(json.loads(plan_path.read_text()))))
+    assert DeploymentPlan.load(old) == plan
+    run = prepare_run(workload, workload_cluster(workload), str(old))
+    assert run.plan == plan
+    data = json.loads(old.read_text())
+    del data["gpus_per_node"]
+    old.write_text(json.dumps(data))
+    with pytest.raises(InputError, match="v2.json: gpus_per_node: missing"):
+        DeploymentPlan.load(old)
 
 
 def test_version_1_is_refused_naming_the_field(planned, tmp_path):
     _, _, _, plan_path = planned
-    data = json.loads(plan_path.read_text())
+    data = _as_version_2(json.loads(plan_path.read_text()))
     data["schema_version"] = 1
     for key in ("policy", "cost_model", "recompute"):
         data.pop(key)
@@ -76,7 +101,13 @@ def test_version_1_is_refused_naming_the_field(planned, tmp_path):
         (lambda d: d["policy"].update(n_buckets="8"), "policy.n_buckets", "whole number"),
         (lambda d: d["policy"]["recalibration"].update(bound=0.5), "policy.recalibration.bound", ">= 1"),
         (lambda d: d["policy"].update(shuffle=True), "policy.shuffle", "unknown field"),
-        (lambda d: d["cost_model"].update(kind="guessed"), "cost_model", "analytic or profile"),
+        (lambda d: d["pools"][0]["cost_model"].update(kind="guessed"), "pools[0].cost_model", "analytic or profile"),
+        (lambda d: d["pools"][0]["cost_model"].update(colour="red"), "pools[0].cost_model.colour", "unknown field"),
+        (lambda d: d["pools"][0].update(n_gpus=True), "pools[0].n_gpus", "whole number, got a boolean True"),
+        (lambda d: d["pools"][0].update(n_gpus=8.0), "pools[0].n_gpus", "whole number, got a number 8.0"),
+        (lambda d: d["policy"]["recalibration"].update(enabled=1), "policy.recalibration.enabled", "true or false"),
+        (lambda d: d["replicas"][0].update(pool=7), "replicas[0].pool", "string"),
+        (lambda d: d.pop("pools"), "pools", "missing"),
     ],
 )
 def test_a_broken_plan_file_names_the_field_path(planned, tmp_path, edit, field, words):
@@ -108,16 +139,27 @@ def _replica(plan: DeploymentPlan, k: int, **change) -> DeploymentPlan:
     return replace(plan, replicas=tuple(replicas))
 
 
+def _pool(plan: DeploymentPlan, **change) -> DeploymentPlan:
+    return replace(plan, pools=(replace(plan.pools[0], **change),))
+
+
 def _broken(plan: DeploymentPlan):
     """(name, broken plan, field, words in the message): one per rule of plan_check."""
     first = plan.replicas[0]
     two = next(r for r in plan.replicas if r.config.n_gpus >= 1)
     yield "tasks", replace(plan, tasks=plan.tasks[::-1]), "tasks", "the plan is for tasks"
     yield "model", replace(plan, model="llama2-13b"), "model", "'llama2-13b'"
-    yield "gpu", replace(plan, gpu="H100-80GB"), "gpu", "H100-80GB"
-    yield "per node", replace(plan, gpus_per_node=4), "gpus_per_node", "4 GPUs per node"
+    yield "gpu", _pool(plan, gpu="H100-80GB"), "pools[0].gpu", "H100-80GB"
+    yield "per node", _pool(plan, gpus_per_node=4), "pools[0].gpus_per_node", "4 GPUs per node"
     yield "recompute", replace(plan, recompute=RecomputePolicy.ON), "recompute", "recompute: on"
-    yield "too many gpus", replace(plan, n_gpus=16), "n_gpus", "16 GPUs"
+    yield "too many gpus", _pool(plan, n_gpus=16), "pools[0].n_gpus", "16 GPUs"
+    yield "pool", _pool(plan, name="h100"), "pools[0].name", "the plan has pool 'h100', the cluster has not"
+    yield (
+        "replica pool",
+        _replica(plan, 0, pool="h100", config=first.config.in_pool("h100")),
+        "replicas[0].pool",
+        "no pool 'h100'",
+    )
     yield "ids", _replica(plan, 0, replica_id=5), "replicas[0].replica_id", "has id 5"
     yield (
         "gpu count",
@@ -169,9 +211,7 @@ def test_a_tp_group_across_nodes_is_refused(planned):
     config = ParallelConfig(2, 1)
     plan = DeploymentPlan(
         model="llama2-7b",
-        gpu="A100-80GB",
-        n_gpus=16,
-        gpus_per_node=8,
+        pools=(PlanPool(name="", gpu="A100-80GB", n_gpus=16, gpus_per_node=8),),
         tasks=("chat", "docs"),
         replicas=(ReplicaSpec(0, config, 4096, (7, 8)),),
         bucket_boundaries=(8192,),
@@ -277,15 +317,134 @@ def test_profile_plans_record_their_file_and_refuse_a_changed_one(tmp_path, caps
     plan = tmp_path / "plan.json"
     assert main(["plan", str(work), "--profile", str(profile), "--json", str(plan), "--samples", "0"]) == 0
     assert "lower bound of the expected step" in capsys.readouterr().out
-    recorded = DeploymentPlan.load(plan).cost_model
+    recorded = DeploymentPlan.load(plan).pools[0].cost_model
     assert recorded.kind == "profile" and recorded.profile == str(profile) and len(recorded.sha256) == 64
     assert main(["simulate", str(work), "--plan", str(plan), "--steps", "1"]) == 0
     capsys.readouterr()
     profile.write_text(profile.read_text().replace('"command"', '"command" ', 1))
     assert main(["simulate", str(work), "--plan", str(plan), "--steps", "1"]) == 2
-    assert "plan.json: cost_model.sha256: " in capsys.readouterr().err
+    assert "plan.json: pools[0].cost_model.sha256: " in capsys.readouterr().err
     assert main(["simulate", str(work), "--plan", str(plan), "--steps", "1", "--profile", str(profile)]) == 0
     assert "override: cost model profile:" in capsys.readouterr().out
     profile.unlink()
     assert main(["dispatch", str(work), "--plan", str(plan)]) == 2
-    assert "plan.json: cost_model.profile: " in capsys.readouterr().err
+    assert "plan.json: pools[0].cost_model.profile: " in capsys.readouterr().err
+
+
+# --- pools (#29) --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pools(tmp_path_factory):
+    return pools_fleet(tmp_path_factory.mktemp("pools"))
+
+
+def test_a_plan_on_two_pools_passes_and_round_trips(pools, tmp_path):
+    workload, cluster, cost_model, plan = pools
+    check_plan(plan, workload, cluster, cost_model, "p")
+    plan.save(tmp_path / "plan.json")
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert [(r["config"], r["pool"]) for r in data["replicas"]] == [
+        ("tp2_pp1", "a100"),
+        ("tp2_pp1", "h100"),
+        ("tp1_pp1", "h100"),
+        ("tp2_pp2", "h100"),
+    ]
+    assert [(p["name"], p["cost_model"]["gpu"]) for p in data["pools"]] == [
+        ("a100", "A100-40GB"),
+        ("h100", "H100-80GB"),
+    ]
+    loaded = DeploymentPlan.load(tmp_path / "plan.json")
+    assert loaded == plan and loaded.replicas[3].config == ParallelConfig(2, 2, pool="h100")
+    assert plan.describe() == "<2,1>@a100 x 1 + <1,1>@h100 x 1 + <2,1>@h100 x 1 + <2,2>@h100 x 1"
+    assert plan.pool_gpus() == {"a100": 2, "h100": 7}
+    assert plan.describe_fleet() == "8 x A100-40GB (a100) + 8 x H100-80GB (h100)"
+    # the same config prices differently on each pool: the H100's model
+    a100, h100 = ParallelConfig(1, 1, pool="a100"), ParallelConfig(1, 1, pool="h100")
+    assert cost_model.microbatch_time(h100, 4, 1024) < cost_model.microbatch_time(a100, 4, 1024)
+    assert cost_model.max_tokens(h100) > cost_model.max_tokens(a100)
+
+
+def _pools_broken(plan: DeploymentPlan):
+    """(name, broken plan, field, words): the pool rules."""
+    h100 = plan.pools[1]
+    yield (
+        "pool missing from the cluster",
+        replace(plan, pools=(plan.pools[0], replace(h100, name="b200"))),
+        "pools[1].name",
+        "the cluster has not",
+    )
+    yield (
+        "kind mismatch",
+        replace(plan, pools=(plan.pools[0], replace(h100, gpu="A100-80GB"))),
+        "pools[1].gpu",
+        "a kind mismatch",
+    )
+    yield "pool order", replace(plan, pools=plan.pools[::-1]), "pools[1].name", "not in the cluster's order"
+    yield (
+        "more gpus",
+        replace(plan, pools=(plan.pools[0], replace(h100, n_gpus=12))),
+        "pools[1].n_gpus",
+        "needs 12 GPUs in pool 'h100'",
+    )
+    yield (
+        "unknown pool",
+        _replica(plan, 2, pool="l40s", config=ParallelConfig(1, 1, pool="l40s")),
+        "replicas[2].pool",
+        "no pool 'l40s'",
+    )
+    yield (
+        "gpus of another pool",
+        _replica(plan, 2, gpus=(3,)),
+        "replicas[2].gpus",
+        "GPU 3 is not pool 'h100''s: its GPUs are 8..15",
+    )
+    yield (
+        "across a pool's nodes",
+        _replica(plan, 3, gpus=(11, 12, 13, 14)),
+        "replicas[3].gpus",
+        "spans nodes [0, 1] of pool 'h100'",
+    )
+
+
+def test_every_pool_rule_names_its_field(pools):
+    workload, cluster, cost_model, plan = pools
+    for name, broken, field, words in _pools_broken(plan):
+        with pytest.raises(InputError) as err:
+            check_plan(broken, workload, cluster, cost_model, "plan.json")
+        assert err.value.field == field and words in err.value.msg, (name, str(err.value))
+
+
+def test_simulate_refuses_a_plan_on_a_pool_of_another_kind(pools, tmp_path, capsys):
+    """The kind mismatch as a command meets it: one line, exit 2, before the plan's cost model is built."""
+    workload, _, _, plan = pools
+    _, broken, field, _ = next(b for b in _pools_broken(plan) if b[0] == "kind mismatch")
+    broken.save(tmp_path / "bad.json")
+    assert main(["simulate", workload.path, "--plan", str(tmp_path / "bad.json"), "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"bad.json: {field}: the plan is for A100-80GB GPUs in pool 'h100'" in err
+
+
+def test_lobras_published_2_8_at_8k_passes_the_plan_check(tmp_path):
+    """#29: LobRA's 7B experiment ran <2,8> at 8K tokens a micro-batch on A100-40GB (its Appendix Table 9);
+    the plan check refused it while the memory model held 8,029 tokens there."""
+    workload = load_workload(REPO / "examples" / "lobra-7b.yaml")
+    cluster = workload_cluster(workload)
+    cost_model = workload_cost_model(workload, cluster)
+    (pool,) = cluster.pools
+    plan = DeploymentPlan(
+        model="llama2-7b",
+        pools=(PlanPool(pool.name, pool.gpu, pool.n_gpus, pool.gpus_per_node, cost_model.origin),),
+        tasks=tuple(t.name for t in workload.tasks),
+        replicas=(ReplicaSpec(0, ParallelConfig(2, 8), 8192, tuple(range(16))),),
+        bucket_boundaries=(8192, workload.max_length),
+        expected_makespan_s=10.6,
+        recompute=workload.spec.recompute,
+    )
+    longest = workload.max_length
+    with pytest.raises(InputError, match="no replica holds task"):  # 16K sequences need another replica
+        check_plan(plan, workload, cluster, cost_model, "p")
+    workload = load_workload(REPO / "examples" / "lobra-7b.yaml", ["defaults.context_length=8192"])
+    plan = replace(plan, bucket_boundaries=(8192,))
+    check_plan(plan, workload, cluster, cost_model, "p")
+    assert longest > 8192

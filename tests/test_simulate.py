@@ -107,6 +107,9 @@ def test_simulate_cli_writes_report(tmp_path, capsys):
         (["--steps", "0"], "--steps"),
         (["--straggler", "x"], "--straggler"),
         (["--straggler", "0=0.5"], "--noise/--straggler"),
+        (["--noise", "1000"], "--noise"),  # exp(1000 Z) overflowed into a ValueError traceback
+        (["--noise", "-0.1"], "--noise"),
+        (["--noise", "nan"], "--noise"),
         (["--fail", "a:b"], "--fail"),
         (["--gpus", "12"], "--gpus"),
         (["--gpu", "TPU"], "--gpu"),
@@ -213,3 +216,37 @@ def test_a_share_is_honoured_in_simulation(tmp_path):
     assert tokens["docs"] / (tokens["docs"] + tokens["chat"]) == pytest.approx(0.1, abs=0.03)
     steps_with_docs = sum(r.task_tokens.get("docs", 0) > 0 for r in run.phases[0].reports)
     assert 0 < steps_with_docs < 60 and all(r.task_tokens["chat"] > 0 for r in run.phases[0].reports)
+
+
+def test_a_run_on_two_pools_reports_each_pools_use_and_cost(tmp_path):
+    """#29: per-pool GPUs held, utilisation and GPU-seconds, and the cost at the pools' prices: per step
+    (the makespan x Σ price x GPUs) and over the run, in the tables, the HTML report and summary.json."""
+    from lorafleet.planner.schedule import Phase, Schedule
+    from lorafleet.report import pool_rows, summary_rows, write_report
+    from tests.helpers.pools import pools_fleet
+
+    workload, cluster, cost_model, plan = pools_fleet(tmp_path)
+    schedule = Schedule(name="lorafleet", phases=(Phase(tasks=(0, 1), plan=plan),))
+    run = simulate_schedule(workload, schedule, cost_model, 3)
+    usage = run.pool_usage()
+    assert {p: u.gpus for p, u in usage.items()} == {"a100": 2, "h100": 7}
+    assert sum(u.gpu_seconds for u in usage.values()) == pytest.approx(run.gpu_seconds.sum())
+    assert all(0 < u.utilisation <= 1 for u in usage.values())
+    per_second = (1.3 * 2 + 2.5 * 7) / 3600
+    assert run.cost_per_step(cluster) == pytest.approx(run.makespan_s * per_second)
+    rows = {r["pool"]: r for r in pool_rows(run, cluster)}
+    assert rows["h100"]["gpus_held"] == 7 and rows["a100"]["gpu"] == "A100-40GB"
+    assert sum(r["cost_run"] for r in rows.values()) == pytest.approx(run.cost_per_step(cluster).sum())
+    (method,) = summary_rows([run], cluster)
+    assert method["cost_per_step"] == pytest.approx(float(np.mean(run.makespan_s)) * per_second)
+    unpriced = cluster.model_copy(
+        update={"pools": (cluster.pools[0].model_copy(update={"price_per_gpu_hour": None}), cluster.pools[1])}
+    )
+    assert run.cost_per_step(unpriced) is None and "cost_per_step" not in summary_rows([run], unpriced)[0]
+    assert "cost_run" not in pool_rows(run, unpriced)[0] and "cost_run" in pool_rows(run, unpriced)[1]
+    write_report(tmp_path / "report", workload, [run], [{"replica": 0}], cluster=cluster, cost_source=cost_model.source)
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "Pools: what lorafleet holds" in page and "<td>h100</td>" in page and "<th>cost_per_step</th>" in page
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert [p["pool"] for p in summary["pools"]] == ["a100", "h100"]
+    assert summary["cluster"] == {"gpu": "A100-40GB + H100-80GB", "gpus": 16}

@@ -8,7 +8,7 @@ import pytest
 
 from lorafleet.cli import main
 from lorafleet.errors import InputError
-from lorafleet.whatif import Variation, sweep
+from lorafleet.whatif import Variation, _point, sweep
 from lorafleet.workload import load_workload
 from tests.helpers.repo import EXAMPLES, SMALL_WORKLOAD
 
@@ -108,3 +108,25 @@ def test_the_whatif_legend_covers_no_bar(tmp_path, monkeypatch, n_points):
         page = fig.bbox
         assert page.x0 <= box.x0 and box.x1 <= page.x1 and page.y0 <= box.y0 and box.y1 <= page.y1
         real_close(fig)
+
+
+def test_a_pool_field_is_an_axis_and_nodes_0_leaves_the_pool_out(tmp_path):
+    """#29: ``--vary pools.h100.nodes=0`` plans the a100 pool alone; another value edits the pool (the mixed
+    fleet is planned as tests/planner/test_pools.py plans it); a pool or value that is not is one line."""
+    from tests.helpers.pools import pools_fleet
+
+    workload = pools_fleet(tmp_path)[0]
+    rows = sweep(workload, [Variation.parse("pools.h100.nodes=0")], steps=1)
+    ours = [r for r in rows if r["method"] == "lorafleet"]
+    assert [(r["vary_pools.h100.nodes"], r["gpus_total"], r["gpu_kind"]) for r in ours] == [("0", 8, "A100-40GB")]
+    varied, _ = _point(workload, {"pools.h100.nodes": "1", "pools.a100.price_per_gpu_hour": "2"})
+    assert [(p.name, p.nodes, p.price_per_gpu_hour) for p in varied.cluster.pools] == [
+        ("a100", 1, 2.0),
+        ("h100", 1, 2.5),
+    ]
+    with pytest.raises(InputError, match="--vary: pools.b200.nodes: the cluster has no pool 'b200' .a100, h100."):
+        sweep(workload, [Variation.parse("pools.b200.nodes=1")], steps=1)
+    with pytest.raises(InputError, match="pools.h100.price_per_gpu_hour=-1: Input should be greater than or equal"):
+        sweep(workload, [Variation.parse("pools.h100.price_per_gpu_hour=-1")], steps=1)
+    with pytest.raises(InputError, match="or pools.NAME.KEY"):
+        Variation.parse("pools.h100.name=x")

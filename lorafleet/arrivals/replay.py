@@ -2,8 +2,9 @@
 
 Simulated time starts at 0 and the fleet runs global steps of the tasks present
 (:mod:`lorafleet.arrivals.fleet`: changes at step boundaries, idle time not charged). At each change the
-strategy (:mod:`lorafleet.arrivals.strategies`) names the plan the tasks run on; a change with replicas
-torn down makes the clock wait ``migration_s`` first. Then that plan runs on :func:`lorafleet.loop.run_loop`
+strategy (:mod:`lorafleet.arrivals.strategies`) names the plan the tasks run on; a change of deployment
+makes the clock wait its migration first (``planner.incremental.MigrationModel``: the in-process rebuild's
+measured price, or ``--migration-s`` a rebuilt replica). Then that plan runs on :func:`lorafleet.loop.run_loop`
 until the task set changes again, as ``simulate`` and ``train`` run theirs: in the plan's pipeline windows,
 each step planned by the event-aware source (:mod:`lorafleet.arrivals.source`), run on the noise-free
 simulated executor and learnt from by a recalibrator.
@@ -14,8 +15,8 @@ recalibrator) belongs to one deployment: its replicas. So the replay calls ``run
 steps end where its first present task departs; ``stop`` ends it sooner, at the first window boundary
 (after its first step) where an event has changed the task set. The replay, between segments, is where
 the things outside any step happen: the idle jumps, the strategy's answer and the migration wait. The
-recalibrator carries over a change that keeps the deployment's replicas and starts afresh with a new
-deployment (as ``Recalibrator.load_state_dict`` does for a re-planned one).
+recalibrator carries over a change that keeps the deployment's replicas; a new deployment's starts from
+what the last one measured of each pool (as ``Recalibrator.load_state_dict`` does for a re-planned one).
 
 A step costs ``makespan x plan.used_gpus`` GPU-seconds (the GPUs the plan's replicas hold, as ``simulate``
 charges: GPUs a plan leaves unused are free for other work), and each task's part of it is
@@ -51,7 +52,7 @@ class ArrivalOptions:
     planner: PlannerOptions = PlannerOptions(robust_samples=0, baselines=False)
     """Options of every plan made (the first plan, each re-plan, the static plan)."""
     replan: ReplanOptions = ReplanOptions()
-    """``migration_s`` (every strategy's price of a rebuilt replica) and the incremental horizon."""
+    """How every strategy prices a change of deployment (``pricing``), the incremental horizon and objective."""
     seed: int | None = None
     """Seed of the sampled batches; None: the workload's."""
     strategies: tuple[Strategy, ...] = tuple(Strategy)
@@ -143,7 +144,7 @@ class _Segment:
         )
 
 
-def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int, migration_s: float) -> StrategyRun:
+def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int) -> StrategyRun:
     """One strategy's replay: between segments the idle jumps, the strategy's answer and the migration wait."""
     fleet = Fleet(trace)
     tasks = {a.task.name: a.task for a in trace.arrivals}
@@ -159,10 +160,11 @@ def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int
         decision = replanner.on_change(plan, tuple(fleet.present), fleet.clock, fleet.steps_left())
         if decision.change is not None:
             changes.append(decision.change)
-            if decision.change.torn_down:
-                fleet.wait(migration_s)  # the fleet rebuilds (its replicas in parallel) before the next step
+            if decision.change.migration_s:
+                fleet.wait(decision.change.migration_s)  # the fleet rebuilds before the next step
         if recalibrator is None or not _same_replicas(plan, decision.plan):
-            recalibrator = Recalibrator(len(decision.plan.replicas), decision.plan.policy.recalibration)
+            measured = recalibrator.measured_pool_scales() if recalibrator is not None else None
+            recalibrator = Recalibrator.for_plan(decision.plan, prior=measured)
         plan = decision.plan
         assert set(fleet.present) <= set(plan.tasks), (fleet.present, plan.tasks)
         _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, fleet.step).run()
@@ -189,7 +191,6 @@ def replay_trace(
     plans = PlanMaker(trace, cluster, cost_model, options.planner)
     seed = trace.workload.spec.seed if options.seed is None else options.seed
     replanners = [REPLANNERS[s](plans, options.replan) for s in options.strategies]
-    migration_s = options.replan.migration_s
-    runs = tuple(_replay(r, trace, cost_model, seed, migration_s) for r in replanners)
+    runs = tuple(_replay(r, trace, cost_model, seed) for r in replanners)
     static_plan = next((r.plan for r in replanners if isinstance(r, Static)), None)
     return ArrivalsResult(trace=trace, runs=runs, static_plan=static_plan)

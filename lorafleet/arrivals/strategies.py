@@ -4,17 +4,17 @@ Each strategy is a :class:`Replanner`: the replay asks ``on_change(running, task
 at every change (the fleet starting included) and runs the :class:`Decision`'s plan from there.
 
 - :class:`Incremental`: :func:`lorafleet.planner.replan_incremental` from the running plan, over
-  ``min(horizon, steps_left)`` steps; when it moves, its ``migration_gpu_s`` (``migration_s`` x the
-  GPUs of every replica torn down) is charged;
-- :class:`Scratch`: :func:`lorafleet.planner.plan_deployment` for the present tasks, always taken;
-  every replica it tears down (:func:`lorafleet.planner.incremental.torn_down`) is charged;
+  ``min(horizon, steps_left)`` steps, by its objective; when it moves, its ``migration_gpu_s`` is charged;
+- :class:`Scratch`: :func:`lorafleet.planner.plan_deployment` for the present tasks, always taken, and its
+  move charged;
 - :class:`Static`: one plan for every task of the workload and the trace together, made up front and
   never changed: no migration, and no change recorded.
 
 The first plan of a run (the fleet starting, ``running`` None) is a fresh plan for the tasks present,
-like any other change but with nothing torn down. A change with replicas torn down makes the fleet
-wait ``migration_s`` (replicas rebuild in parallel; the replay's clock). Migration GPU-seconds are the
-fleet's, not any task's.
+like any other change but with nothing torn down. Every strategy prices a move alike
+(``ReplanOptions.pricing``: the in-process rebuild's measured model, ``planner.incremental.MigrationModel``,
+or a flat ``--migration-s`` a replica torn down), and the fleet waits the move's seconds (the replay's
+clock). Migration GPU-seconds are the fleet's, not any task's.
 """
 
 from __future__ import annotations
@@ -61,12 +61,14 @@ class Change:
     torn_down: int
     """Replicas of the previous deployment rebuilt."""
     migration_gpu_s: float
-    """Charged for this change (0 when nothing was torn down, or the strategy kept its deployment)."""
+    """Charged for this change (0 when the deployment stayed)."""
     step_gpu_s: float
     """The chosen deployment's expected GPU-seconds per step on the new task set."""
     keep_step_gpu_s: float | None = None
     """incremental only: the running deployment's expected GPU-seconds per step on it (inf: cannot serve it)."""
     note: str = ""
+    migration_s: float = 0.0
+    """Seconds the fleet waits for the move before its next step (0 when the deployment stayed)."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,17 @@ class Incremental(_PlansEveryChange):
         plan = r.plan
         chosen = plan.expected_gpu_seconds
         change = Change(
-            at_s, tasks, plan.describe(), plan.used_gpus, r.moved, gone, charged, chosen, keep, r.describe()
+            at_s,
+            tasks,
+            plan.describe(),
+            plan.used_gpus,
+            r.moved,
+            gone,
+            charged,
+            chosen,
+            keep,
+            r.describe(),
+            r.migration_s,
         )
         return Decision(plan, change)
 
@@ -180,8 +192,11 @@ class Scratch(_PlansEveryChange):
         new = self.plans.fresh(tasks)
         gone = torn_down(running, new)
         moved = {(r.config, r.gpus) for r in new.replicas} != {(r.config, r.gpus) for r in running.replicas}
-        charged = self.replan_options.migration_s * sum(running.replicas[r].config.n_gpus for r in gone)
-        change = Change(at_s, tasks, new.describe(), new.used_gpus, moved, len(gone), charged, new.expected_gpu_seconds)
+        move = self.replan_options.pricing.price(running, new, self.plans.cost_model.model.n_params)
+        change = Change(
+            at_s, tasks, new.describe(), new.used_gpus, moved, len(gone), move.gpu_s, new.expected_gpu_seconds,
+            migration_s=move.wall_s,
+        )  # fmt: skip
         return Decision(new, change)
 
 

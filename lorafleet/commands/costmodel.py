@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import sys
 
 from lorafleet.errors import InputError
@@ -127,21 +128,22 @@ def _predict_csv(cm, args: argparse.Namespace) -> None:
     from lorafleet.costmodel.fit import ErrorSummary
     from lorafleet.costmodel.profile_format import read_layer_csv
     from lorafleet.costmodel.time_model import MS_PER_S
+    from lorafleet.specs.io import write_text_atomic
 
     rows = read_layer_csv(args.csv)
     configs = [_config(cm, r.tp, r.pp, args.csv, f"line {i}: tp") for i, r in enumerate(rows, start=2)]
-    out = open(args.out, "w", newline="") if args.out else sys.stdout
-    try:
-        writer = csv.writer(out)
-        writer.writerow(["tp", "pp", "seq_len", "mbs", "time", "pred_ms", "stage_ms", "max_tokens"])
-        for r, config in zip(rows, configs):
-            pred = cm.layer_time[r.tp](r.mbs, r.seq_len)
-            stage = cm.shape_time(config, r.shape) * MS_PER_S
-            time = "" if r.time is None else r.time
-            writer.writerow([r.tp, r.pp, r.seq_len, r.mbs, time, f"{pred:.4f}", f"{stage:.3f}", cm.max_tokens(config)])
-    finally:
-        if out is not sys.stdout:
-            out.close()
+    out = io.StringIO()
+    writer = csv.writer(out)
+    writer.writerow(["tp", "pp", "seq_len", "mbs", "time", "pred_ms", "stage_ms", "max_tokens"])
+    for r, config in zip(rows, configs):
+        pred = cm.layer_time[r.tp](r.mbs, r.seq_len)
+        stage = cm.shape_time(config, r.shape) * MS_PER_S
+        time = "" if r.time is None else r.time
+        writer.writerow([r.tp, r.pp, r.seq_len, r.mbs, time, f"{pred:.4f}", f"{stage:.3f}", cm.max_tokens(config)])
+    if args.out:
+        write_text_atomic(args.out, out.getvalue())
+    else:
+        sys.stdout.write(out.getvalue())
     measured = [(cm.layer_time[r.tp](r.mbs, r.seq_len), r.time) for r in rows if r.time is not None]
     if measured:
         pred, meas = np.array(measured).T
@@ -175,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
     if args.costmodel_action == "check":
         _check(args)
         return 0
+    if args.out:
+        from lorafleet.specs.io import check_writable
+
+        check_writable(args.out)
     cm = _cost_model(args)
     if args.csv:
         _predict_csv(cm, args)

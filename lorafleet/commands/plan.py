@@ -33,10 +33,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--solver", default="cbc", help="MILP back end: cbc (default), scip or highs")
     parser.add_argument("--mode", default="decomposed", help="decomposed (default), exhaustive or joint-minlp")
     parser.add_argument("--samples", type=int, default=32, help="K sampled batches of the robust choice (0: none)")
+    parser.add_argument(
+        "--objective",
+        default="makespan",
+        help="makespan (default: the shortest step, then the fewest GPUs) or cost (the fewest currency units "
+        "per step at the pools' prices, within --makespan-tolerance of the shortest)",
+    )
+    parser.add_argument(
+        "--makespan-tolerance",
+        metavar="FRACTION",
+        type=float,
+        default=5e-3,
+        help="plans whose expected step is within this fraction of the fastest tie; the tie goes to fewer GPUs "
+        "or, with --objective cost, to the cheaper step (default 0.005)",
+    )
     add_policy_flags(parser, defaults=DispatchPolicy(), only=PLAN_POLICY_FLAGS)
     sizing = parser.add_argument_group("sizing the fleet (with --gpus auto; docs/planner.md)")
     sizing.add_argument(
-        "--max-nodes", metavar="K", help="the most nodes --gpus auto sweeps (default: the workload cluster's nodes)"
+        "--max-nodes",
+        metavar="K",
+        help="the most nodes --gpus auto sweeps, at most 4096 (default: the workload cluster's nodes)",
     )
     sizing.add_argument(
         "--deadline",
@@ -57,11 +73,12 @@ def _options(args: argparse.Namespace):
     import importlib.util
 
     from lorafleet.commands._plan_flags import flagged_policy
-    from lorafleet.planner import PlannerMode, PlannerOptions
+    from lorafleet.planner import PlannerMode, PlannerOptions, PlanObjective
     from lorafleet.solvers import SolverName
     from lorafleet.specs.dispatch import DispatchPolicy
 
-    for flag, value, enum in (("--solver", args.solver, SolverName), ("--mode", args.mode, PlannerMode)):
+    choices = (("--solver", args.solver, SolverName), ("--mode", args.mode, PlannerMode))
+    for flag, value, enum in (*choices, ("--objective", args.objective, PlanObjective)):
         if value not in {e.value for e in enum}:
             raise InputError(ARGS, flag, f"{value!r} is not one of {', '.join(e.value for e in enum)}")
     if args.samples < 0:
@@ -74,7 +91,16 @@ def _options(args: argparse.Namespace):
             "joint-minlp solves LobRA's MINLP with SCIP, which needs PySCIPOpt "
             "(pip install pyscipopt); the default decomposed mode does not",
         )
-    return PlannerOptions(policy=policy, solver=args.solver, mode=args.mode, robust_samples=args.samples)
+    if not 0 <= args.makespan_tolerance < 1:
+        raise InputError(ARGS, "--makespan-tolerance", f"must be in [0, 1), got {args.makespan_tolerance}")
+    return PlannerOptions(
+        policy=policy,
+        solver=args.solver,
+        mode=args.mode,
+        robust_samples=args.samples,
+        objective=args.objective,
+        tie_rel=args.makespan_tolerance,
+    )
 
 
 AUTO = "auto"
@@ -152,22 +178,24 @@ def sizing_table(sizing):
     """Every GPU count swept: its plan and figures, whether it meets the goal, and the chosen row."""
     from rich.table import Table
 
-    from lorafleet.planner.sizing import describe_objective
+    from lorafleet.planner.sizing import by_cost, describe_objective
 
     objective = sizing.objective
+    priced = all(r.cost_per_step is not None for r in sizing.rows)
     job = f"a {sizing.job_steps}-step job" if sizing.job_steps else "job totals need --steps N"
     table = Table(
-        title=f"fleet sizing: {describe_objective(objective)} ({job})",
+        title=f"fleet sizing: {describe_objective(objective, by_cost(sizing.rows))} ({job})",
         caption=f"chosen: {sizing.chosen_row.gpus} GPUs, {sizing.reason}"
         if sizing.chosen is not None
         else f"none chosen: {sizing.reason}",
     )
-    columns = ("GPUs", "nodes", "plan", "used", "step (s)", "GPU-s/step", "job h", "job GPU-h", "judged")
+    columns = ("GPUs", "nodes", "plan", "used", "step (s)", "GPU-s/step", "job h", "job GPU-h")
+    columns += ("cost/step", "judged") if priced else ("judged",)
     for column in columns:
         table.add_column(column, justify="left" if column in ("plan", "judged") else "right")
     for k, row in enumerate(sizing.rows):
         if not row.feasible:
-            table.add_row(str(row.gpus), str(row.cluster.nodes), "infeasible", "", "", "", "", "", row.infeasible)
+            table.add_row(str(row.gpus), row.nodes, "infeasible", *[""] * (len(columns) - 4), row.infeasible)
             continue
         judged = []
         if objective.deadline is not None:
@@ -179,12 +207,13 @@ def sizing_table(sizing):
         jobs = ("-", "-") if row.job_steps is None else (f"{row.job_hours:.3g}", f"{row.job_gpu_hours:.4g}")
         table.add_row(
             str(row.gpus),
-            str(row.cluster.nodes),
+            row.nodes,
             row.result.plan.describe(),
             str(row.used_gpus),
             f"{row.step_s:.3f}",
             f"{row.gpu_seconds_per_step:.1f}",
             *jobs,
+            *((f"{row.cost_per_step:.4g}",) if priced else ()),
             ", ".join(judged),
             style="bold" if k == sizing.chosen else None,
         )
@@ -204,7 +233,7 @@ def plan_table(result):
         row[1] += replica.config.n_gpus
         row[3] += sum(sum(mb.lengths) for mb in work.microbatches)
         row[4] = max(row[4], work.estimated_time_s)
-    table = Table(title=f"plan: {plan.describe()}  ({plan.used_gpus} of {plan.n_gpus} x {plan.gpu}, {plan.solver})")
+    table = Table(title=f"plan: {plan.describe()}  ({plan.used_gpus} of {plan.describe_fleet()}, {plan.solver})")
     for column in ("config", "count", "GPUs", "max tokens", "token share", "time/replica (s)"):
         table.add_column(column, justify="left" if column == "config" else "right")
     for config, (count, gpus, m, tokens, t) in rows.items():
@@ -219,12 +248,32 @@ def comparison_table(result):
     from lorafleet.planner import LORAFLEET
 
     table = Table(title="per step (expected batch)")
-    for column in ("method", "GPUs", "makespan (s)", "GPU-seconds", "lorafleet: makespan", "lorafleet: GPU-s"):
+    priced = all(c.cost_per_step is not None for c in result.costs)
+    columns = ("method", "GPUs", "makespan (s)", "GPU-seconds", "lorafleet: makespan", "lorafleet: GPU-s")
+    for column in (*columns, *(("cost", "lorafleet: cost") if priced else ())):
         table.add_column(column, justify="left" if column == "method" else "right")
+    ours = result.cost(LORAFLEET)
     for cost in result.costs:
         cut = ("", "") if cost.name == LORAFLEET else tuple(f"{0.0 - r:+.1%}" for r in result.reduction(cost.name))
-        table.add_row(cost.name, str(cost.gpus), f"{cost.makespan_s:.3f}", f"{cost.gpu_seconds:.1f}", *cut)
+        money = ()
+        if priced:
+            saved = "" if cost.name == LORAFLEET else f"{ours.cost_per_step / cost.cost_per_step - 1:+.1%}"
+            money = (f"{cost.cost_per_step:.4g}", saved)
+        table.add_row(cost.name, str(cost.gpus), f"{cost.makespan_s:.3f}", f"{cost.gpu_seconds:.1f}", *cut, *money)
     return table
+
+
+def cost_line(result, workload) -> str | None:
+    """``cost 0.0123 a step at the pools' prices, 24.6 for the 2000-step job``; None when a pool has no price."""
+    from lorafleet.planner import LORAFLEET
+    from lorafleet.planner.sizing import SizingObjective, job_steps
+
+    per_step = result.cost(LORAFLEET).cost_per_step
+    if per_step is None:
+        return None
+    steps = job_steps(workload, SizingObjective())
+    job = f", {per_step * steps:.4g} for the {steps}-step job" if steps else " (a job's cost needs the tasks' steps)"
+    return f"cost {per_step:.4g} a step at the pools' prices{job}"
 
 
 def _above(value: float, bound: float) -> str:
@@ -249,6 +298,7 @@ def _sized_plan(workload, args: argparse.Namespace, options, objective, max_node
             options,
             objective,
             max_nodes=max_nodes,
+            progress=_sizing_progress,
         )
     except SizingError as err:
         console.print(sizing_table(err.sweep))
@@ -256,9 +306,33 @@ def _sized_plan(workload, args: argparse.Namespace, options, objective, max_node
     except InputError as err:
         raise _sizing_flag_error(err) from None
     console.print(sizing_table(sizing))
-    each = ", ".join(f"{row.gpus}: {row.plan_s:.1f} s" for row in sizing.rows)
-    console.print(f"  swept {len(sizing.rows)} GPU counts in {sum(r.plan_s for r in sizing.rows):.1f} s ({each})")
+    pools = len({p.name for r in sizing.rows for p in r.cluster.pools}) > 1
+    each = ", ".join(f"{row.gpus}{f' ({row.nodes})' if pools else ''}: {row.plan_s:.1f} s" for row in sizing.rows)
+    what = "fleet" if pools else "GPU count"
+    counts = f"{len(sizing.rows)} {what}{'s' if len(sizing.rows) != 1 else ''}"
+    console.print(f"  swept {counts} in {sum(r.plan_s for r in sizing.rows):.1f} s ({each})")
+    if sizing.stopped:
+        console.print(f"  {sizing.stopped}")
     return sizing.chosen_row.result, sizing.chosen_row.cluster
+
+
+def _sizing_progress(row, planned: int) -> None:
+    """One line on stderr per count planned (a sweep of many counts takes minutes)."""
+    import sys
+
+    got = (
+        f"{row.result.plan.describe()}, {row.step_s:.4g} s and {row.gpu_seconds_per_step:.4g} GPU-s a step"
+        if row.feasible
+        else f"no plan ({row.infeasible})"
+    )
+    nodes = row.nodes if len(row.cluster.pools) > 1 or row.cluster.pools[0].name else row.cluster.nodes
+    of = f"{nodes} node{'s' if nodes != 1 else ''}" if isinstance(nodes, int) else f"nodes {nodes}"
+    print(
+        f"lorafleet plan: sizing: {row.gpus} GPUs ({of}): {got} "
+        f"[{row.plan_s:.1f} s; {planned} count{'s' if planned != 1 else ''} planned]",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -292,6 +366,9 @@ def run(args: argparse.Namespace) -> int:
     console.print(comparison_table(result))
     for note in result.plan.notes:
         console.print(f"  note: {note}")
+    money = cost_line(result, workload)
+    if money:
+        console.print(f"  {money}")
     bounds = step_bounds(
         result.plan, result.expected_batch, valid_candidates(cost_model, cluster), cost_model, cluster.n_gpus
     )

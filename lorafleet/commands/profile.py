@@ -171,9 +171,9 @@ def _device_choices(args: argparse.Namespace, device, configs) -> tuple[str, flo
     On cuda every process takes one GPU: a world larger than the GPUs this process sees is an
     InputError, and on one GPU the world is one process (TP1 only, no transfer records).
     """
-    from lorafleet.profiling.device import DeviceKind, cuda_device_count, cuda_memory_bytes, gpu_preset_for
+    from lorafleet.profiling.device import DeviceKind, cuda_device_count, cuda_memory_bytes
     from lorafleet.profiling.run import MIB
-    from lorafleet.specs.gpus import resolve_gpu
+    from lorafleet.specs.gpus import gpu_preset_for, resolve_gpu
 
     if device is DeviceKind.CPU:
         gpu = resolve_gpu(args.gpu or "cpu", ARGS, "--gpu").name
@@ -222,15 +222,18 @@ def fit_and_report(profile, source: str, folds: int):
 
 def run(args: argparse.Namespace) -> int:
     from lorafleet.costmodel.profile_format import read_profile, write_profile
+    from lorafleet.specs.io import check_writable
 
     if args.profile_action == "fit":
         _at_least(args.folds, 2, "--folds")
         profile = read_profile(args.profile)
+        check_writable(args.out or args.profile)  # before the fit, not after it
         write_profile(fit_and_report(profile, args.profile, args.folds), args.out or args.profile)
         return 0
 
     from lorafleet.profiling.run import measure_profile
 
+    check_writable(args.out)  # before the measurements, not after them
     settings = _settings(args)
     profile = fit_and_report(measure_profile(settings), args.out, folds=5)
     write_profile(profile, args.out)

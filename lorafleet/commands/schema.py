@@ -3,9 +3,10 @@
 ``KIND`` names the file (:data:`SCHEMAS`); the default is ``workload``. The workload's schema is
 :meth:`WorkloadSpec.model_json_schema` with what the models accept before their fields are read
 added: the ``defaults:`` mapping (any task key, merged under every task), tasks needing only a
-``name`` (``batch_size`` and ``context_length`` may come from a preset or the defaults) and YAML's
-bare ``on``/``off`` for ``recompute``. Editors use it to complete and check workload files;
-``lorafleet validate`` remains the full check (presets, exactly one length mode, ...).
+``name`` (``batch_size`` and ``context_length`` may come from a preset or the defaults), YAML's
+bare ``on``/``off`` for ``recompute`` and a ``cluster`` of one pool written flat. Editors use it to
+complete and check workload files; ``lorafleet validate`` remains the full check (presets, exactly
+one length mode, ...).
 
 The live task queue's files (``lorafleet.train.queue``) have theirs: ``request`` (a request file: a task
 to add, an update, a finish or a cancel), ``ledger`` (a run's ``tasks.json``) and ``pending`` (a queue's
@@ -52,9 +53,25 @@ def workload_json_schema() -> dict[str, Any]:
     del defaults["properties"]["name"]
     for field in defaults["properties"].values():
         field.pop("default", None)  # a default of defaults would read as a value every task gets
+    props["cluster"] = cluster_json_schema(props["cluster"], schema["$defs"]["PoolSpec"])
     tasks = props.pop("tasks")
     schema["properties"] = {**props, "defaults": defaults, "tasks": tasks}
     return _titled(schema, "lorafleet workload")
+
+
+def cluster_json_schema(pools_form: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:
+    """A ``cluster`` as a file writes it: its pools, or its one pool's keys written flat (the shorthand)."""
+    from lorafleet.specs.cluster import SHORTHAND_KEYS
+
+    pools_form = {**pools_form, "required": ["pools"]}
+    pools_form.pop("default", None)
+    flat = {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {k: copy.deepcopy(pool["properties"][k]) for k in SHORTHAND_KEYS},
+        "description": "One pool, unnamed, written flat.",
+    }
+    return {"description": pools_form.pop("description", ""), "anyOf": [flat, pools_form]}
 
 
 def request_json_schema() -> dict[str, Any]:

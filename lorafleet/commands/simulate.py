@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 
 from lorafleet.errors import InputError
 
@@ -30,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--plan", help="DeploymentPlan JSON from `lorafleet plan --json` (default: plan now)")
     parser.add_argument("--steps", type=int, help=f"steps to simulate (default {DEFAULT_STEPS})")
     parser.add_argument(
-        "--noise", type=float, default=0.0, help="log-normal step-time noise sigma per replica (0.03 = 3%%)"
+        "--noise", type=float, default=0.0, help="log-normal step-time noise sigma per replica, 0 to 1 (0.03 = 3%%)"
     )
     parser.add_argument(
         "--straggler",
@@ -58,8 +59,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     arrivals.add_argument(
         "--migration-s",
         type=float,
-        default=60.0,
-        help="--arrivals: seconds a torn-down replica's GPUs spend being rebuilt (default 60)",
+        default=None,
+        help="--arrivals: price a change of deployment at a flat N seconds of each torn-down replica's GPUs "
+        "(default: the in-process rebuild's measured price, docs/arrivals.md)",
+    )
+    arrivals.add_argument(
+        "--replan-objective",
+        choices=("makespan", "gpu-s"),
+        default="makespan",
+        help="--arrivals: what an incremental re-plan minimises (default makespan; docs/queue.md)",
     )
     arrivals.add_argument(
         "--replan-horizon",
@@ -95,10 +103,12 @@ def _number(text: str, kind: type, flag: str) -> float:
 
 
 def simulation_options(args: argparse.Namespace):
-    from lorafleet.executor.simulated import FailureSpec, SimulationOptions
+    from lorafleet.executor.simulated import MAX_NOISE_SIGMA, FailureSpec, SimulationOptions
 
-    if not (math.isfinite(args.noise) and args.noise >= 0):
-        raise InputError("<args>", "--noise", f"must be a finite number >= 0, got {args.noise}")
+    if not 0 <= args.noise <= MAX_NOISE_SIGMA:  # NaN fails both comparisons
+        raise InputError(
+            "<args>", "--noise", f"must be a finite number from 0 to {MAX_NOISE_SIGMA:g}, got {args.noise}"
+        )
     slowdown = {
         int(_number(r, int, "--straggler")): _number(f, float, "--straggler")
         for r, f in _pairs(args.straggler, "=", "--straggler")
@@ -150,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from lorafleet.commands._set_flags import workload_overrides
-    from lorafleet.report import summary_rows, task_cost_rows, write_report
+    from lorafleet.report import pool_rows, summary_rows, task_cost_rows, write_report
     from lorafleet.simulate import simulate_schedule
     from lorafleet.specs.io import check_writable
     from lorafleet.workload import load_workload
@@ -173,23 +183,22 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("<args>", "--straggler/--fail", str(err)) from None
     runs = [simulate_schedule(workload, s, cost_model, args.steps, options, args.seed) for s in (schedule, *baselines)]
 
-    console.print(
-        f"plan: {plan.describe()}  ({cost_model.source}, {cluster.n_gpus} x {cluster.gpu}; {plan.policy.describe()})"
-    )
+    console.print(f"plan: {plan.describe()}  ({cost_model.source}, {cluster.describe()}; {plan.policy.describe()})")
     table = Table(title=f"{args.steps} simulated steps of {workload.path}")
-    rows = summary_rows(runs)
+    rows = summary_rows(runs, cluster)
     for column in rows[0]:
         table.add_column(column, justify="left" if column == "method" else "right", no_wrap=column == "method")
     for row in rows:
-        table.add_row(
-            *[
-                f"{v:.3f}"
-                if isinstance(v, float) and k != "saved_by_lorafleet"
-                else (f"{v:.1%}" if k == "saved_by_lorafleet" else str(v))
-                for k, v in row.items()
-            ]
-        )
+        table.add_row(*[_cell(k, v) for k, v in row.items()])
     console.print(table)
+    if len(cluster.pools) > 1 or cluster.priced:
+        pools = Table(title=f"pools: what {runs[0].name} holds and uses of each")
+        prows = pool_rows(runs[0], cluster)
+        for column in prows[0]:
+            pools.add_column(column, justify="left" if column in ("pool", "gpu") else "right")
+        for row in prows:
+            pools.add_row(*[_cell(k, v) for k, v in row.items()])
+        console.print(pools)
     costs = Table(title="who pays what: lorafleet's GPU-seconds by task")
     cost_rows = task_cost_rows(runs[0])
     for column in cost_rows[0] if cost_rows else ():
@@ -221,11 +230,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cell(column: str, value: object) -> str:
+    """A table cell: what lorafleet saves as a percentage, costs to four figures, other floats with three
+    decimals."""
+    if column in ("saved_by_lorafleet", "cost_saved_by_lorafleet") and isinstance(value, float):
+        return f"{value:.1%}"
+    if column.startswith("cost") and isinstance(value, float):
+        return f"{value:.4g}"  # a step costs cents
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
 def _arrival_flags(args: argparse.Namespace):
     """``--arrivals``'s options, after refusing the flags that mean nothing to it."""
     from lorafleet.arrivals import ArrivalOptions
     from lorafleet.commands._plan_flags import given_policy_flags
-    from lorafleet.planner import ReplanOptions
+    from lorafleet.planner import ReplanObjective, ReplanOptions
 
     refused = {
         "--plan": args.plan is not None,
@@ -244,11 +263,15 @@ def _arrival_flags(args: argparse.Namespace):
             "--arrivals",
             f"not with {names}: the trace's tasks bring their own steps and every plan is made by the replay",
         )
-    if not (math.isfinite(args.migration_s) and args.migration_s >= 0):
+    if args.migration_s is not None and not (math.isfinite(args.migration_s) and args.migration_s >= 0):
         raise InputError("<args>", "--migration-s", f"must be a finite number >= 0, got {args.migration_s}")
     if args.replan_horizon < 1:
         raise InputError("<args>", "--replan-horizon", f"must be >= 1, got {args.replan_horizon}")
-    replan = ReplanOptions(migration_s=args.migration_s, horizon_steps=args.replan_horizon)
+    replan = ReplanOptions(
+        migration_s=args.migration_s,
+        horizon_steps=args.replan_horizon,
+        objective=ReplanObjective(args.replan_objective),
+    )
     return ArrivalOptions(replan=replan, seed=args.seed)
 
 
@@ -271,16 +294,19 @@ def run_arrivals(args: argparse.Namespace) -> int:
     trace = load_trace(args.arrivals, workload)
     cluster = workload_cluster(workload, args.gpus, args.gpu)
     cost_model = workload_cost_model(trace.all_tasks(), cluster, args.profile)
+    if options.replan.migration_s is None:  # the measured model, for the fleet's weights
+        migration = replace(options.replan.migration, dtype_bytes=cost_model.activation_bytes)
+        options = replace(options, replan=replace(options.replan, migration=migration))
     result = replay_trace(trace, cluster, cost_model, options)
     console = Console(width=150)
     added = len(trace.arrivals) - len(workload.tasks)
     console.print(
         f"{len(trace.arrivals)} tasks ({len(workload.tasks)} in the workload, {added} added by the trace, "
-        f"{len(trace.cancels)} cancelled) on {cluster.n_gpus} x {cluster.gpu} ({cost_model.source})"
+        f"{len(trace.cancels)} cancelled) on {cluster.describe()} ({cost_model.source})"
     )
     console.print(
-        f"migration {options.replan.migration_s:g} s per rebuilt replica; "
-        f"incremental horizon {options.replan.horizon_steps} steps"
+        f"migration {options.replan.pricing.describe()}; incremental horizon {options.replan.horizon_steps} steps, "
+        f"objective {options.replan.objective.value}"
     )
     if result.static_plan is not None:
         console.print(f"static plan: {result.static_plan.describe()}")

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 def register(subparsers: argparse._SubParsersAction) -> None:
     from lorafleet.commands._plan_flags import add_cluster_flags, add_policy_flags
     from lorafleet.commands._set_flags import add_set_flag
+    from lorafleet.executor.torch.processes import START_TIMEOUT_S
 
     parser = subparsers.add_parser("train", help="train the workload's adapters on a deployment plan (torch)")
     parser.add_argument("workload", help="workload YAML file (every task needs data)")
@@ -43,6 +44,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         metavar="K",
         help="restart the workers up to K times after a failure, from the last checkpoint (default 0)",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=START_TIMEOUT_S,
+        metavar="S",
+        help="seconds the workers have to form their process group at each start and restart; a worker that never "
+        f"arrives ends the start with one line, and another restart with --max-restarts (default {START_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "--no-stop-checkpoint",
@@ -104,11 +113,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "<queue>/.http.json",
     )
     queue.add_argument(
+        "--queue-data-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a queued task's data must resolve inside DIR (symlinks followed; repeatable; default: the "
+        "directories that hold the workload's own data); a request outside is rejected",
+    )
+    queue.add_argument(
         "--migration-s",
         type=float,
-        default=60.0,
+        default=None,
         metavar="S",
-        help="a re-plan's cost of rebuilding one replica, seconds of its GPUs (default 60)",
+        help="price a change of deployment at a flat S seconds of each torn-down replica's GPUs (default: what "
+        "the in-process rebuild costs, measured by the run)",
+    )
+    queue.add_argument(
+        "--replan-objective",
+        choices=("makespan", "gpu-s"),
+        default="makespan",
+        help="what a re-plan minimises: the planner's makespan, a move taken when its GPU-seconds repay its "
+        "migration (default), or the GPU-seconds over the horizon, migration included",
     )
     queue.add_argument(
         "--replan-horizon",
@@ -155,6 +180,7 @@ def options_of(args: argparse.Namespace) -> TrainOptions:
         allow_changes=args.allow_changes,
         overwrite=args.overwrite,
         max_restarts=args.max_restarts,
+        start_timeout_s=args.start_timeout,
         checkpoint_on_stop=not args.no_stop_checkpoint,
         nonfinite_patience=args.nonfinite_patience,
         checkpoint_every=args.checkpoint_every,
@@ -168,8 +194,10 @@ def options_of(args: argparse.Namespace) -> TrainOptions:
         slowdown=_slowdown(args.inject_slowdown),
         queue=args.queue,
         queue_http=args.queue_http,
+        queue_data_roots=tuple(args.queue_data_root),
         migration_s=args.migration_s,
         replan_horizon=args.replan_horizon,
+        replan_objective=args.replan_objective,
         loggers=tuple(dict.fromkeys(args.logger)),
     )
 

@@ -22,7 +22,7 @@ def summary_table(workload: Workload) -> Table:
     """Per task: batch size, context, mean/p50/p99/max length, expected tokens per step, overflow; then totals."""
     table = Table(
         title=f"{workload.path}: {len(workload.tasks)} tasks, model {workload.model.name}, "
-        f"{workload.cluster.n_gpus} x {workload.cluster.gpu}"
+        f"{workload.cluster.describe()}"
     )
     for column in ("task", "batch", "context", "mean", "p50", "p99", "max", "tokens/step", "overflow", "policy"):
         table.add_column(column, justify="left" if column in ("task", "policy") else "right")

@@ -1,8 +1,8 @@
 """Cost model: parallel configs, per-layer and replica time, max tokens, and their sources.
 
-The rest of lorafleet builds one with :func:`load_cost_model` (from a profile file, or
-analytic from the cluster's GPU datasheet when no profile is given) and consumes the
-:class:`CostModel` it returns. This package never imports torch; the profiler that
+The rest of lorafleet builds one with :func:`fleet_cost_model` (per pool of the cluster: from
+its profile file, or analytic from its GPU datasheet when it has none; :func:`load_cost_model` for
+one kind) and consumes the :class:`CostModel` it returns. This package never imports torch; the profiler that
 measures profiles lives in ``lorafleet.profiling``.
 """
 
@@ -10,6 +10,7 @@ from lorafleet.costmodel.adapters import AdapterLoad, TaskAdapter
 from lorafleet.costmodel.build import (
     analytic_cost_model,
     analytic_profile,
+    fleet_cost_model,
     load_cost_model,
     profile_cost_model,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "analytic_profile",
     "config_problems",
     "enumerate_configs",
+    "fleet_cost_model",
     "load_cost_model",
     "profile_cost_model",
     "read_profile",

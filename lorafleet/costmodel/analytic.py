@@ -89,7 +89,7 @@ DEFAULT_CALIBRATION = Calibration(
     link=0.254,
     layer_overhead_ms=2.50,
     link_latency_us=0.0,
-    memory_factors=MemoryFactors(reserve_gib=2.5, activation_overhead=1.35),
+    memory_factors=MemoryFactors(reserve_gib=2.5, activation_overhead=1.36),
 )
 
 

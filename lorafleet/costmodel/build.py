@@ -1,4 +1,5 @@
-"""Builders: a CostModel from a profile file, from a datasheet, or from whichever is given.
+"""Builders: a CostModel from a profile file, from a datasheet, or from whichever is given; and a
+fleet's, one of these per pool (``fleet_cost_model``).
 
 One path turns coefficients and a memory table into a CostModel (``profile_cost_model``);
 the analytic source first writes its figures as a Profile (``analytic_profile``), so a
@@ -12,6 +13,7 @@ bytes per token.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -56,7 +58,7 @@ def analytic_profile(
     """The analytic figures of every valid config of ``model`` on ``cluster``, with and without
     activation recomputation, as a profile (bf16)."""
     gpu = cluster.gpu_spec
-    configs = enumerate_configs(model, cluster)
+    configs = [c.layout for c in enumerate_configs(model, cluster)]
     memory = []
     for config in (c.with_recompute(rc) for c in configs for rc in (False, True)):
         line = stage_memory(model, config, adapters, gpu.memory_bytes, BF16_BYTES, calibration.memory_factors)
@@ -173,10 +175,11 @@ def load_cost_model(
     sync_replicas: int = 2,
     recompute: RecomputePolicy = RecomputePolicy.AUTO,
 ) -> CostModel:
-    """The builder the rest of lorafleet calls: analytic when ``profile_path`` is None, else from that file.
+    """The model of one GPU kind: analytic when ``profile_path`` is None, else from that file.
 
-    With a profile and a cluster, the profile must be for the cluster's GPU kind, and configs
-    the cluster cannot run are dropped; ``recompute`` keeps the configs the policy allows.
+    ``cluster`` has one pool (a fleet's models are built pool by pool, ``fleet_cost_model``). With a
+    profile and a cluster, the profile must be for the cluster's GPU kind, and configs the cluster
+    cannot run are dropped; ``recompute`` keeps the configs the policy allows.
     """
     if profile_path is None:
         if cluster is None or adapters is None:
@@ -192,5 +195,38 @@ def load_cost_model(
     )
     if cluster is None:
         return cm
-    table = {c: m for c, m in cm.max_tokens_table.items() if not config_problems(c, model, cluster)}
+    pool = cluster.pools[0].name  # one pool: its cluster.gpu was checked above
+    table = {c: m for c, m in cm.max_tokens_table.items() if not config_problems(c.in_pool(pool), model, cluster)}
     return replace(cm, max_tokens_table=table)
+
+
+def fleet_cost_model(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    adapters: AdapterLoad,
+    profiles: Mapping[str, str | Path | None],
+    *,
+    sync_replicas: int = 2,
+    recompute: RecomputePolicy = RecomputePolicy.AUTO,
+) -> CostModel:
+    """The CostModel of every pool of ``cluster`` (``CostModel.of_pools``): pool ``name``'s from the profile
+    ``profiles[name]``, or its GPU kind's analytic model where that is None or absent.
+
+    In a fleet of several pools the adapters' gradient all-reduce crosses pools, so every pool's model
+    prices it on its inter-node link (each pool's own NIC: the ring's pace is the slowest, which an
+    overhead of a few milliseconds a step does not make worth modelling).
+    """
+    models = {}
+    for pool in cluster.pools:
+        cm = load_cost_model(
+            profiles.get(pool.name),
+            model,
+            cluster.only(pool.name),
+            adapters,
+            sync_replicas=sync_replicas,
+            recompute=recompute,
+        )
+        if len(cluster.pools) > 1:
+            cm = replace(cm, interconnect=replace(cm.interconnect, grad_sync=cm.interconnect.p2p_inter_node))
+        models[pool.name] = cm
+    return CostModel.of_pools(models)

@@ -28,12 +28,17 @@ a load model prices classes with before dispatch). W = 1 is LobRA Eq. 12, 1F1B f
 ``(pp - 1) * max_k τ_k``. The last two terms are what LobRA's timed step skips: the ring
 all-reduce of every task's adapter gradients across the ``sync_replicas`` replicas and the
 optimizer step, both on the adapter parameters one device holds, Σ_tasks params / (tp * pp).
+
+A fleet of several pools (GPU kinds) is one CostModel too (:meth:`CostModel.of_pools`): each pool's
+own model (its profile's, or its kind's analytic one), and a config is priced by the model of the
+pool it names (``ParallelConfig.pool``). Every caller prices configs as before and never asks
+which kind a replica runs on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from pydantic import ConfigDict
@@ -116,25 +121,79 @@ class CostModel:
     sync_replicas: int = 2
     """Replicas taking part in the adapters' gradient all-reduce (1: no sync)."""
     origin: CostModelOrigin | None = None
-    """How to rebuild this model (``load_cost_model`` sets it; None for one built by hand)."""
+    """How to rebuild this model (``load_cost_model`` sets it; None for one built by hand or a fleet's)."""
+    pools: Mapping[str, CostModel] = field(default_factory=dict)
+    """A fleet's models, by pool name (:meth:`of_pools`): a config is priced by its pool's. Empty: this
+    model's own tables price every config (one GPU kind, configs of no named pool)."""
+
+    @classmethod
+    def of_pools(cls, models: Mapping[str, CostModel]) -> CostModel:
+        """The model of a fleet whose pool ``name`` is priced by ``models[name]`` (one-kind models of one
+        base model and adapter load); the one unnamed pool's model is simply that model."""
+        if not models:
+            raise ValueError("a fleet has at least one pool")
+        if tuple(models) == ("",):
+            return models[""]
+        if "" in models or any(m.pools for m in models.values()):
+            raise ValueError("a fleet's pools are named and priced by one-kind models")
+        first = next(iter(models.values()))
+        return replace(
+            first,
+            layer_time={},
+            max_tokens_table={},
+            head_time={},
+            source=" + ".join(f"{name}={m.source}" for name, m in models.items()),
+            origin=None,
+            pools=dict(models),
+        )
+
+    def pool_model(self, config: ParallelConfig) -> tuple[CostModel, ParallelConfig]:
+        """The one-kind model that prices ``config`` and the config as that model knows it (its layout):
+        its pool's in a fleet, else this model (ValueError for a pool the model has not)."""
+        if not self.pools:
+            if config.pool:
+                raise ValueError(f"{config} names pool {config.pool!r}; this cost model prices no pools")
+            return self, config
+        try:
+            return self.pools[config.pool], config.layout
+        except KeyError:
+            raise ValueError(
+                f"{config}: the cost model has no pool {config.pool!r} ({', '.join(self.pools)})"
+            ) from None
+
+    def origins(self) -> dict[str, CostModelOrigin | None]:
+        """Where each pool's figures come from, by pool name (``""``: a one-kind model's own)."""
+        return {name: m.origin for name, m in self.pools.items()} if self.pools else {"": self.origin}
 
     @property
     def configs(self) -> list[ParallelConfig]:
-        """Configs with both a time model and a memory figure, sorted."""
+        """Configs with both a time model and a memory figure (each pool's, in a fleet), sorted."""
+        if self.pools:
+            return sorted(c.in_pool(name) for name, m in self.pools.items() for c in m.configs)
         return sorted(c for c in self.max_tokens_table if c.tp in self.layer_time)
+
+    def times(self, config: ParallelConfig) -> bool:
+        """Whether the model has a time model for ``config``'s TP degree (on its pool)."""
+        model, layout = self.pool_model(config)
+        return layout.tp in model.layer_time
 
     def max_tokens(self, config: ParallelConfig) -> int:
         """M of ``config`` (0 when the model does not fit at all)."""
-        return int(self.max_tokens_table.get(config, 0))
+        model, layout = self.pool_model(config)
+        return int(model.max_tokens_table.get(layout, 0))
 
     def block_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
         """t(b, s) of one block of ``config``, ms: its TP degree's, grown by the forward share
         under activation recomputation (``LayerTimeCoeffs.recomputed``)."""
-        block = self.layer_time[config.tp]
-        return block.recomputed() if config.recompute else block
+        model, layout = self.pool_model(config)
+        block = model.layer_time[layout.tp]
+        return block.recomputed() if layout.recompute else block
 
     def stage_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
         """τ(b, s) of ``config`` in LobRA form, ms per stage (see the module docstring)."""
+        model, layout = self.pool_model(config)
+        if model is not self:
+            return model.stage_coeffs(layout)
         head = self.head_time.get(config.tp, AffineTime())
         per_token, fixed = head.slope, head.fixed
         if config.pp > 1:
@@ -164,6 +223,9 @@ class CostModel:
     def step_overhead(self, config: ParallelConfig) -> float:
         """Per-step time of one replica of ``config`` outside its micro-batches, seconds:
         the adapters' gradient all-reduce across ``sync_replicas`` and the optimizer step."""
+        model, layout = self.pool_model(config)
+        if model is not self:
+            return model.step_overhead(layout)
         params = self.adapter_params_per_device(config)
         sync = self.interconnect.grad_sync.allreduce(self.sync_replicas)(params * self.activation_bytes)
         return (sync + self.optimizer_time(params)) / MS_PER_S

@@ -21,7 +21,7 @@ backward, and re-runs its forward there, one block and one micro-batch at a time
     bytes_per_token = in_flight * (blocks + 1) * hidden_state + per_block
 
 instead of ``in_flight * (blocks * per_block + hidden_state)``: about 20x less for Llama2-70B (10x for 7B),
-which is what lets its 16K-token sequences fit (the analytic M without it is ~12K on
+which is what lets its 16K-token sequences fit (the analytic M without it is ~9K on
 A800-80GB even at ⟨8,8⟩, since 1F1B keeps pp micro-batches of L/pp blocks on stage one).
 """
 
@@ -35,8 +35,9 @@ from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.specs.gpus import GIB
 from lorafleet.specs.model import ModelSpec
 
-#: Projections split by output rows under tensor parallelism (the rest, o and down, by input columns).
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+#: The column-parallel projections (split by output rows under tensor parallelism; o and down, by input columns),
+#: grouped by the input they share: the attention norm's output feeds q, k and v, the MLP norm's gate and up.
+COLUMN_PARALLEL_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class MemoryFactors:
 
     reserve_gib: float = 2.5
     """Runtime memory outside the tensors: CUDA context, NCCL and GEMM workspaces, GiB."""
-    activation_overhead: float = 1.35
+    activation_overhead: float = 1.36
     """Allocator fragmentation and transient buffers, as a factor on activation bytes."""
 
 
@@ -77,21 +78,29 @@ def activation_elements_per_token(
 
     What lives at head or FFN width is split over the TP ranks; what lives at model width h is
     split too with sequence parallelism (Megatron-LM's, which LobRA's max-token runs use: their
-    table lists sp=1), and replicated on every rank without it::
+    table lists sp=1), and replicated on every rank without it. What a LoRA A GEMM of a
+    column-parallel projection saves for its weight gradient is its input after the sequence
+    all-gather: the whole sequence at width h, on every rank whatever the parallelism, once per
+    group of projections sharing that input (q, k, v share one; gate and up another)::
 
-        at width h: 2 RMSNorm inputs + 2 outputs (4h), the multi-task LoRA's per-task row copy of
-                    each column-parallel target's input (h each), LoRA A outputs (r per target)
-        split:      q, k, v after RoPE (hq + 2 hkv), attention output (hq), SwiGLU gate, up,
-                    SiLU(gate), product (4 ffn), LoRA row copies of o_proj (hq) and down_proj (ffn) inputs
+        split with SP:   2 RMSNorm inputs + 2 outputs (4h)
+        split:           q, k, v after RoPE (hq + 2 hkv), attention output (hq), SwiGLU gate, up,
+                         SiLU(gate), product (4 ffn), LoRA row copies of o_proj (hq) and down_proj (ffn) inputs
+        replicated:      h per column-parallel group the adapters target, LoRA A outputs (r per target)
+
+    So a token's bytes are A / tp + B with B > 0, as LobRA's measured table needs: it cannot be
+    bracketed by a pure 1 / tp (the per-target copies split over TP this model once charged, 5h a
+    block, put ⟨1,8⟩, ⟨2,8⟩ and ⟨1,16⟩ below LobRA's measured M).
     """
     h, f = model.hidden, model.ffn
     hq = model.n_heads * model.d_head
     hkv = model.n_kv_heads * model.d_head
     targets = {t for task in adapters.tasks for t in task.targets}
     mean_rank = sum(t.rank for t in adapters.tasks) / adapters.n_tasks
-    model_width = 4 * h + h * len(targets & set(COLUMN_PARALLEL)) + mean_rank * len(targets)
+    model_width = 4 * h
     split = hq + 2 * hkv + hq + 4 * f + hq * ("o_proj" in targets) + f * ("down_proj" in targets)
-    return (model_width + split) / tp if sequence_parallel else model_width + split / tp
+    replicated = h * sum(bool(targets & set(group)) for group in COLUMN_PARALLEL_GROUPS) + mean_rank * len(targets)
+    return (model_width if not sequence_parallel else model_width / tp) + split / tp + replicated
 
 
 def stage_memory(

@@ -47,7 +47,7 @@ from lorafleet.costmodel.time_model import N_COEFFS, AffineTime, LayerTimeCoeffs
 from lorafleet.errors import InputError
 from lorafleet.specs.io import read_json_object, write_text_atomic
 from lorafleet.specs.lora import OptimizerName
-from lorafleet.specs.workload import format_validation_loc
+from lorafleet.specs.workload import describe_validation_error, format_validation_loc
 
 SCHEMA_VERSION = 1
 
@@ -278,11 +278,11 @@ def read_profile(path: str | Path) -> Profile:
         raise InputError(
             str(path), "schema_version", f"unsupported version {version!r}; this lorafleet reads {SCHEMA_VERSION}"
         )
-    try:
-        return Profile.model_validate(raw)
+    try:  # strictly, as JSON: no boolean or 2.0 for a whole number, no string for a number (``specs.typed``)
+        return Profile.model_validate_json(json.dumps(raw), strict=True)
     except ValidationError as err:
-        first = err.errors()[0]
-        raise InputError(str(path), format_validation_loc(first["loc"]), first["msg"]) from None
+        where, message = describe_validation_error(err.errors()[0])
+        raise InputError(str(path), where, message) from None
 
 
 def write_profile(profile: Profile, path: str | Path) -> None:

@@ -93,7 +93,7 @@ def config_classes(
         raise ValueError(f"{len(speed)} speed factors for {len(plan.replicas)} replicas")
     groups: dict[tuple[int, ParallelConfig], list[int]] = {}
     for pos, replica in enumerate(plan.replicas):
-        if replica.config.tp not in cost_model.layer_time:
+        if not cost_model.times(replica.config):
             raise InputError(
                 "<cost model>",
                 f"layer_time[tp={replica.config.tp}]",

@@ -11,19 +11,24 @@ preempted core, a page fault), and the geometric mean of such noise sits below i
 which would price every replica a few percent fast (with 20-30% noise, 2-5%).
 
 n counts the steps r was observed, so the first observation is taken whole and later ones
-are smoothed with weight (1 - beta). The correction splits into the fleet's scale g, the
-median of the observed f_r (the model's general error: a CPU is not the GPU it was fitted
-on), and each replica's bounded departure from it:
+are smoothed with weight (1 - beta). The correction splits into the scale g_p of replica r's
+pool p, the median of the observed f of p's replicas (the model's general error on that GPU
+kind: a CPU is not the GPU it was fitted on, an H100's profile may be off where an A100's is
+not), and each replica's bounded departure from it:
 
-    c_r = g * clip(f_r / g, 1 / B, B)          (c_r = g for a replica not yet observed)
+    c_r = g_p * clip(f_r / g_p, 1 / B, B)          (c_r = g_p for a replica not yet observed)
 
-so one absurd measurement never prices a replica more than B times its peers, while a model
-that is off for everyone is corrected in full (that rescales every estimate, and changes no
-dispatch). The dispatcher of the following steps prices replica r's micro-batches at c_r
-times the model's times (``load.config_classes``: replicas of one config whose factors agree
-within 5% stay one class). A replica 2x slower than its peers gets twice their factor after
-its first report, so it is given about half the work from the next dispatch on; iid noise of
-sigma moves f_r by about sigma * sqrt((1 - beta) / (1 + beta)) in steady state.
+so one absurd measurement never prices a replica more than B times its pool's peers, while a
+model that is off for a whole pool is corrected in full. A pool none of whose replicas has been
+observed yet takes what an earlier deployment measured on it (``load_state_dict``, ``prior``),
+else the fleet's scale g, the median of every observed f: a new replica on a pool starts from
+what its siblings measured. With one pool, g_p = g.
+
+The dispatcher of the following steps prices replica r's micro-batches at c_r times the model's
+times (``load.config_classes``: replicas of one config whose factors agree within 5% stay one
+class). A replica 2x slower than its peers gets twice their factor after its first report, so it is
+given about half the work from the next dispatch on; iid noise of sigma moves f_r by about sigma *
+sqrt((1 - beta) / (1 + beta)) in steady state.
 
 Steps where a replica failed, or was given nothing, say nothing about its speed and are skipped,
 and so are the first ``warmup_steps`` a process runs (a real executor's first step pays one-time
@@ -35,11 +40,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.plans import StepPlan, StepReport
+from lorafleet.plans import DeploymentPlan, StepPlan, StepReport
 from lorafleet.specs.dispatch import Recalibration
 
 
@@ -56,12 +61,32 @@ class ReplicaCalibration:
 class Recalibrator:
     """Per-replica correction factors of the cost model, updated from step reports (see the module doc)."""
 
-    def __init__(self, n_replicas: int, options: Recalibration = Recalibration(), warmup_steps: int = 0) -> None:
-        """``warmup_steps``: reports ignored at first (1 for a real executor's fresh processes, 0 simulated)."""
+    def __init__(
+        self,
+        n_replicas: int,
+        options: Recalibration = Recalibration(),
+        warmup_steps: int = 0,
+        pools: Sequence[str] | None = None,
+        prior: Mapping[str, float] | None = None,
+    ) -> None:
+        """``warmup_steps``: reports ignored at first (1 for a real executor's fresh processes, 0 simulated);
+        ``pools``: each replica's pool (default: one pool); ``prior``: a pool's scale measured before, by pool
+        (a pool's replicas start from it until one of them is observed)."""
+        if pools is not None and len(pools) != n_replicas:
+            raise ValueError(f"{len(pools)} pools for {n_replicas} replicas")
         self.options = options
         self._average = [0.0] * n_replicas
         self._observed = [0] * n_replicas
         self._warmup = warmup_steps
+        self._pools = tuple(pools) if pools is not None else ("",) * n_replicas
+        self._prior = dict(prior or {})
+
+    @classmethod
+    def for_plan(
+        cls, plan: DeploymentPlan, warmup_steps: int = 0, prior: Mapping[str, float] | None = None
+    ) -> Recalibrator:
+        """The recalibrator of ``plan``'s replicas, under its policy's recalibration options."""
+        return cls(len(plan.replicas), plan.policy.recalibration, warmup_steps, [r.pool for r in plan.replicas], prior)
 
     @property
     def factors(self) -> tuple[float, ...] | None:
@@ -76,14 +101,27 @@ class Recalibrator:
         observed = [f for f in self._raw() if f is not None]
         return statistics.median(observed) if observed else 1.0
 
+    def pool_scales(self) -> dict[str, float]:
+        """g_p by pool: the median of its observed replicas' factors, else its prior, else g."""
+        g = self.scale
+        scales = {}
+        raw = self._raw()
+        for pool in dict.fromkeys(self._pools):
+            observed = [f for f, p in zip(raw, self._pools, strict=True) if p == pool and f is not None]
+            scales[pool] = statistics.median(observed) if observed else self._prior.get(pool, g)
+        return scales
+
     def _raw(self) -> list[float | None]:
         """f_r, the debiased average of each replica's ratios; None if never observed."""
         beta = self.options.smoothing
         return [a / (1 - beta**n) if n else None for a, n in zip(self._average, self._observed, strict=True)]
 
     def _corrections(self) -> tuple[float, ...]:
-        g, bound = self.scale, self.options.bound
-        return tuple(g * min(max((f if f is not None else g) / g, 1 / bound), bound) for f in self._raw())
+        scales, bound = self.pool_scales(), self.options.bound
+        return tuple(
+            scales[p] * min(max((f if f is not None else scales[p]) / scales[p], 1 / bound), bound)
+            for f, p in zip(self._raw(), self._pools, strict=True)
+        )
 
     def skip_next(self, n: int) -> None:
         """Leave the next ``n`` reports out (a fresh process's first steps, whose one-time costs say
@@ -114,13 +152,31 @@ class Recalibrator:
             self._observed[r] += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps, so a resumed run dispatches as the uninterrupted one would."""
-        return {"average": list(self._average), "observed": list(self._observed)}
+        """What a checkpoint keeps, so a resumed run dispatches as the uninterrupted one would: each replica's
+        average, and each pool's scale (what a re-planned deployment's replicas start from)."""
+        return {
+            "average": list(self._average),
+            "observed": list(self._observed),
+            "pools": list(self._pools),
+            "pool_scales": self.measured_pool_scales(),
+        }
+
+    def measured_pool_scales(self) -> dict[str, float]:
+        """g_p of the pools something was measured on (observed here, or before: a prior)."""
+        raw = self._raw()
+        measured = {p for f, p in zip(raw, self._pools, strict=True) if f is not None} | set(self._prior)
+        return {p: g for p, g in self.pool_scales().items() if p in measured}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         average, observed = state.get("average", []), state.get("observed", [])
-        if len(average) != len(self._average) or len(observed) != len(self._observed):
-            return  # another deployment (re-planned): its replicas are not these; start afresh
+        pools = state.get("pools", list(self._pools))  # a checkpoint from before pools: one pool
+        self._prior.update({str(p): float(g) for p, g in state.get("pool_scales", {}).items()})
+        if (
+            len(average) != len(self._average)
+            or len(observed) != len(self._observed)
+            or list(pools) != list(self._pools)
+        ):
+            return  # another deployment (re-planned): its replicas start from their pools' scales
         self._average = [float(a) for a in average]
         self._observed = [int(n) for n in observed]
 

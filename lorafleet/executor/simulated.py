@@ -35,12 +35,19 @@ class FailureSpec:
     """Detection plus process restart plus reload of the last checkpoint, seconds."""
 
 
+MAX_NOISE_SIGMA = 1.0
+"""The largest noise σ: a step's factor is exp(σ Z), Z standard normal, so at σ = 1 one step in six is 2.7x
+slow or fast and one in a thousand 20x; beyond that it is no longer noise but a failure (``failures``,
+``slowdown``), and exp(σ Z) soon overflows a float (σ = 1000 made times infinite)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class SimulationOptions:
     """How the simulated hardware deviates from the cost model."""
 
     noise_sigma: float = 0.0
-    """σ of the multiplicative log-normal noise per replica and step (0.03 = about 3%)."""
+    """σ of the multiplicative log-normal noise per replica and step (0.03 = about 3%), 0 to
+    :data:`MAX_NOISE_SIGMA`."""
     slowdown: Mapping[int, float] = field(default_factory=dict)
     """Replica id -> constant factor >= 1 (a straggler)."""
     failures: Sequence[FailureSpec] = ()
@@ -49,8 +56,10 @@ class SimulationOptions:
     """Seed of the noise and of the failure points."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.noise_sigma) and self.noise_sigma >= 0):
-            raise ValueError(f"noise_sigma must be a finite number >= 0, got {self.noise_sigma}")
+        if not 0 <= self.noise_sigma <= MAX_NOISE_SIGMA:  # NaN fails both comparisons
+            raise ValueError(
+                f"noise_sigma must be a finite number from 0 to {MAX_NOISE_SIGMA:g}, got {self.noise_sigma}"
+            )
         bad = {r: f for r, f in self.slowdown.items() if not (math.isfinite(f) and f >= 1.0)}
         if bad:
             raise ValueError(f"slowdown factors must be finite numbers >= 1, got {bad}")

@@ -1,17 +1,28 @@
 """Experiment trackers, ``--logger``: the step scalars (:func:`~lorafleet.metrics.records.step_scalars`, as
 TensorBoard's tags) to a Weights & Biases run (:class:`WandbWriter`) or an MLflow run (:class:`MlflowWriter`).
 Both packages are optional (the ``wandb`` and ``mlflow`` extras) and imported only when a writer is built.
+
+What would make a writer fail as it starts, and can be found without training, is found by the launcher
+before any process starts (:meth:`TrackerWriter.start_problem`: W&B online without an API key, an MLflow
+tracking server that does not answer): one line, exit 2, rather than rank 0 failing after start-up.
 """
 
 from __future__ import annotations
 
+import configparser
+import netrc
 import os
+import socket
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from lorafleet.metrics.records import step_scalars
 from lorafleet.metrics.sinks import ClosingWriter
 from lorafleet.plans import StepReport
+
+CONNECT_S = 5.0
+"""How long the launcher waits for a tracking server to accept a connection."""
 
 
 class TrackerWriter(ClosingWriter):
@@ -42,6 +53,12 @@ class TrackerWriter(ClosingWriter):
         """Continue the tracker run ``run_id`` (None: start one called ``name``); its id."""
         raise NotImplementedError
 
+    @classmethod
+    def start_problem(cls, env: Mapping[str, str]) -> str | None:
+        """Why the writer would fail to start under the environment ``env``, found without starting it (None:
+        nothing found)."""
+        return None
+
 
 class WandbWriter(TrackerWriter):
     """A Weights & Biases run (:class:`TrackerWriter`): project ``lorafleet`` (or ``WANDB_PROJECT``), files under
@@ -67,6 +84,31 @@ class WandbWriter(TrackerWriter):
             settings=wandb.Settings(console=os.environ.get("WANDB_CONSOLE") or "off"),
         )
         return self.run.id
+
+    @classmethod
+    def start_problem(cls, env: Mapping[str, str]) -> str | None:
+        """Online (``WANDB_MODE``, else W&B's settings files, not ``offline``/``disabled``) without an API key:
+        none in ``WANDB_API_KEY`` (or an identity token file) nor in the ``.netrc`` entry ``wandb login``
+        writes for the server's host. Offline nothing is needed."""
+        settings = configparser.ConfigParser()
+        config_dir = env.get("WANDB_CONFIG_DIR") or str(Path.home() / ".config" / "wandb")
+        settings.read([Path(config_dir) / "settings", Path(env.get("WANDB_DIR") or ".") / "wandb" / "settings"])
+        mode = (env.get("WANDB_MODE") or settings.get("default", "mode", fallback="")).lower()
+        if mode in ("offline", "dryrun", "disabled") or env.get("WANDB_DISABLED", "").lower() in ("1", "true"):
+            return None
+        if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE"):
+            return None
+        base = env.get("WANDB_BASE_URL") or settings.get("default", "base_url", fallback="https://api.wandb.ai")
+        host = urlsplit(base).hostname or base
+        try:
+            if netrc.netrc(env.get("NETRC") or str(Path.home() / ".netrc")).authenticators(host):
+                return None
+        except (OSError, netrc.NetrcParseError):
+            pass
+        return (
+            f"online, and no API key for {host} (WANDB_API_KEY, or `wandb login`); to log without one, "
+            "set WANDB_MODE=offline"
+        )
 
     def write(self, report: StepReport, **extra: object) -> None:
         self.run.log(step_scalars(report, **extra), step=report.step)
@@ -106,6 +148,26 @@ class MlflowWriter(TrackerWriter):
         for key, value in config.items():
             self.client.log_param(run_id, _mlflow_key(key), str(value)[:6000])
         return run_id
+
+    @classmethod
+    def start_problem(cls, env: Mapping[str, str]) -> str | None:
+        """An HTTP(S) ``MLFLOW_TRACKING_URI`` whose server does not accept a connection within
+        :data:`CONNECT_S` seconds (other stores are not checked). The message names the server without the
+        URI's credentials."""
+        uri = env.get("MLFLOW_TRACKING_URI") or ""
+        parts = urlsplit(uri)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return None
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            return f"MLFLOW_TRACKING_URI has a bad port: {parts.scheme}://{parts.hostname}"
+        server = f"{parts.scheme}://{parts.hostname}:{port}"
+        try:
+            socket.create_connection((parts.hostname, port), timeout=CONNECT_S).close()
+        except OSError as err:
+            return f"the tracking server {server} (MLFLOW_TRACKING_URI) does not answer ({err.strerror or err})"
+        return None
 
     def write(self, report: StepReport, **extra: object) -> None:
         import time

@@ -14,6 +14,13 @@ expected batch, each config judged as lorafleet's plans are: the dispatcher's es
 the step under the baseline's own policy (a homogeneous deployment needs no balancing: the
 batch placed on the replicas, cut into micro-batches, priced); the chosen baseline is then
 costed by the real dispatcher like lorafleet's plan.
+
+On a fleet of several pools a baseline's one config is one layout ⟨tp, pp⟩ that runs on every
+pool, as many replicas of it as fit in each (every GPU kind's replicas holding their own M):
+:func:`best_across_pools`. Its replicas differ in speed, so each layout is judged by the real
+dispatcher's estimate of its step (``dispatch_step``, which balances by each replica's own time
+model), and the best is the one of fewest GPU-seconds, or fewest currency units per step when
+every pool has a price.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from enum import StrEnum
 
 import numpy as np
 
+from lorafleet.accounting import price_per_second
 from lorafleet.costmodel.cost_model import CostModel
+from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.dispatch import (
     ConfigClass,
     DispatchOptions,
@@ -41,7 +50,7 @@ from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.placement import build_plan, with_expectation
 from lorafleet.planner.problem import Candidate, max_replicas
 from lorafleet.planner.schedule import Phase, Schedule, pow2_boundaries, select_tasks
-from lorafleet.plans import GlobalBatch
+from lorafleet.plans import DeploymentPlan, GlobalBatch
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import Workload
 
@@ -143,6 +152,62 @@ def best_homogeneous(
     return cand, p
 
 
+def layouts_across_pools(
+    candidates: Sequence[Candidate], longest: int, cluster: ClusterSpec
+) -> list[tuple[tuple[Candidate, int], ...]]:
+    """Every layout ⟨tp, pp[, rc]⟩ that holds ``longest`` tokens on every pool of ``cluster``: its candidate
+    on each pool and as many replicas of it as fit there, in pool order."""
+    by_layout: dict[ParallelConfig, dict[str, Candidate]] = {}
+    for c in candidates:
+        if c.max_tokens >= longest:
+            by_layout.setdefault(c.config.layout, {})[c.config.pool] = c
+    out = []
+    for per_pool in by_layout.values():
+        if set(per_pool) != set(cluster.pool_names):
+            continue
+        chosen = [per_pool[name] for name in cluster.pool_names]
+        counts = max_replicas([c.config for c in chosen], cluster)
+        if all(n > 0 for n in counts):
+            out.append(tuple((c, int(n)) for c, n in zip(chosen, counts, strict=True)))
+    return out
+
+
+def _policy_of(mode: MicroBatchMode, longest: int, max_tokens: int, policy: DispatchPolicy) -> DispatchPolicy:
+    """A baseline's own dispatch policy (:func:`padding_policy` or :func:`packing_policy`)."""
+    return padding_policy(longest, max_tokens, policy) if mode is MicroBatchMode.PADDING else packing_policy(policy)
+
+
+def best_across_pools(
+    workload: Workload,
+    batch: GlobalBatch,
+    longest: int,
+    candidates: Sequence[Candidate],
+    cost_model: CostModel,
+    cluster: ClusterSpec,
+    mode: MicroBatchMode,
+    policy: DispatchPolicy,
+    name: str,
+) -> DeploymentPlan:
+    """The fused baseline's plan on a fleet of several pools: the layout of :func:`layouts_across_pools`
+    whose step the dispatcher estimates cheapest (GPU-seconds, or cost at the pools' prices when every pool
+    has one), run under the baseline's own policy (static buckets capped at the least M of its replicas).
+
+    Raises:
+        ValueError: no layout holds the longest sequence on every pool.
+    """
+    scored = []
+    for deployment in layouts_across_pools(candidates, longest, cluster):
+        own = _policy_of(mode, longest, min(c.max_tokens for c, _ in deployment), policy)
+        replicas = [(c.config, c.max_tokens, n) for c, n in deployment]
+        plan = build_plan(workload, cluster, replicas, solver=f"baseline:{name}", policy=own, cost_model=cost_model)
+        makespan = dispatch_step(batch, plan, cost_model).estimated_makespan_s
+        price = price_per_second(plan, cluster)
+        scored.append((makespan * (price if price is not None else plan.used_gpus), plan.used_gpus, plan))
+    if not scored:
+        raise ValueError(f"no layout holds a {longest}-token sequence on every pool of {cluster.describe()}")
+    return min(scored, key=lambda x: x[:2])[2]
+
+
 def _phase(
     workload: Workload,
     tasks: tuple[int, ...],
@@ -157,19 +222,19 @@ def _phase(
     """The tasks' phase on their best homogeneous config; it must hold the longest sequence the
     tasks can present (any step may bring it), not just the expected batch's."""
     longest = max(workload.tasks[k].lengths.max_length for k in tasks)
-    cand, p = best_homogeneous(select_tasks(batch, tasks), longest, candidates, cost_model, cluster, mode, policy)
-    if mode is MicroBatchMode.PADDING:
-        own = padding_policy(longest, cand.max_tokens, policy)
+    part = select_tasks(batch, tasks)
+    if len(cluster.pools) > 1:
+        plan = best_across_pools(workload, part, longest, candidates, cost_model, cluster, mode, policy, name)
     else:
-        own = packing_policy(policy)
-    plan = build_plan(
-        workload,
-        cluster,
-        [(cand.config, cand.max_tokens, p)],
-        solver=f"baseline:{name}",
-        policy=own,
-        cost_model=cost_model,
-    )
+        cand, p = best_homogeneous(part, longest, candidates, cost_model, cluster, mode, policy)
+        plan = build_plan(
+            workload,
+            cluster,
+            [(cand.config, cand.max_tokens, p)],
+            solver=f"baseline:{name}",
+            policy=_policy_of(mode, longest, cand.max_tokens, policy),
+            cost_model=cost_model,
+        )
     # record the expected step as lorafleet's plan does: the buckets a plan check asks for, the expected times
     return Phase(tasks=tasks, plan=with_expectation(plan, dispatch_step(select_tasks(batch, tasks), plan, cost_model)))
 

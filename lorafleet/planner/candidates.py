@@ -64,15 +64,18 @@ def propose_candidates(candidates: Sequence[Candidate], longest: int) -> tuple[C
     config of a group is kept too (with recomputing variants, a ``<2,1,rc>`` that the
     rule dropped for ``<1,2,rc>`` made a 7B plan 2.9% faster). The best config whose M
     holds the longest sequence is always kept, so a class boundary never removes every
-    config that can.
+    config that can. On a fleet of several pools the rule runs in each pool: a config's
+    throughput is its pool's kind's, and each pool needs its own configs (its GPU budget).
     """
-    groups: dict[tuple[int, int, bool, bool], list[Candidate]] = {}
+    groups: dict[tuple[str, int, int, bool, bool], list[Candidate]] = {}
     for c in candidates:
-        groups.setdefault((max_token_class(c.max_tokens), c.n_gpus, c.config.pp > 1, c.config.recompute), []).append(c)
+        key = (c.config.pool, max_token_class(c.max_tokens), c.n_gpus, c.config.pp > 1, c.config.recompute)
+        groups.setdefault(key, []).append(c)
     kept = {min(members, key=_rank) for members in groups.values()}
-    holders = [c for c in candidates if c.max_tokens >= longest]
-    if holders:
-        kept.add(min(holders, key=_rank))
+    for pool in dict.fromkeys(c.config.pool for c in candidates):
+        holders = [c for c in candidates if c.max_tokens >= longest and c.config.pool == pool]
+        if holders:
+            kept.add(min(holders, key=_rank))
     return tuple(sorted(kept, key=lambda c: c.config))
 
 

@@ -22,14 +22,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lorafleet.accounting import price_per_second
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import DispatchPolicy, dispatch_step
 from lorafleet.errors import InputError
 from lorafleet.planner.baselines import baseline_schedules
 from lorafleet.planner.candidates import propose_candidates, valid_candidates
 from lorafleet.planner.expected import expected_global_batch
-from lorafleet.planner.objective import preferred, race
-from lorafleet.planner.options import PlannerMode, PlannerOptions
+from lorafleet.planner.objective import preferred, race, replica_price
+from lorafleet.planner.options import PlannerMode, PlannerOptions, PlanObjective
 from lorafleet.planner.placement import build_plan, with_expectation
 from lorafleet.planner.problem import Candidate, PlanningProblem, build_problem
 from lorafleet.planner.schedule import Phase, Schedule
@@ -54,6 +55,9 @@ class ScheduleCost:
     """Expected step time: the dispatcher's estimate on the expected batch."""
     gpu_seconds: float
     """Expected GPU-seconds per step (makespan x GPUs held, summed over phases)."""
+    cost_per_step: float | None = None
+    """Expected currency units per step at the pools' prices (each phase's makespan x what its replicas
+    cost a second, ``accounting.price_per_second``); None when a pool has no price."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,7 +115,7 @@ def _check_longest(workload: Workload, valid: tuple[Candidate, ...], cluster: Cl
     largest = max((c.max_tokens for c in valid), default=0)
     if not valid:
         raise InputError(
-            workload.path, "model", f"{workload.model.name} fits no parallel config of {cluster.n_gpus} x {cluster.gpu}"
+            workload.path, "model", f"{workload.model.name} fits no parallel config of {cluster.describe()}"
         )
     for k, task in enumerate(workload.tasks):
         if task.lengths.max_length > largest:
@@ -119,7 +123,7 @@ def _check_longest(workload: Workload, valid: tuple[Candidate, ...], cluster: Cl
                 workload.path,
                 f"tasks[{k}].context_length",
                 f"task {task.name!r} has {task.lengths.max_length}-token sequences, but no config of "
-                f"{workload.model.name} on {cluster.n_gpus} x {cluster.gpu} holds more than {largest} tokens "
+                f"{workload.model.name} on {cluster.describe()} holds more than {largest} tokens "
                 f"per micro-batch; lower context_length (overflow: truncate) or use more memory per replica",
             )
 
@@ -166,19 +170,23 @@ def robust_choice(
     ]
     seed = workload.spec.seed if options.seed is None else options.seed
     batches = [sample_global_batch(workload, step, seed) for step in range(options.robust_samples)]
+    price = replica_price(problem, options)
+    prices = None if price is None else [price(e.replicas) for e in finalists]
+    by_price = None if prices is None else prices.__getitem__
     if not batches or len(finalists) == 1:
         pick = preferred(
             range(len(finalists)),
             lambda k: finalists[k].expected_makespan,
             lambda k: finalists[k].used_gpus,
             options.tie_rel,
+            by_price,
         )
         return RobustChoice(finalists=tuple(finalists), chosen=pick, schedule=schedules[pick], sampled_steps=0)
-    makespans = race(schedules, batches, problem.cost_model, options.tie_rel, options.race_rung)
+    makespans = race(schedules, batches, problem.cost_model, options.tie_rel, options.race_rung, prices)
     raced = [replace(e, sampled_makespan=float(m.mean())) for e, m in zip(finalists, makespans, strict=True)]
     steps = max(m.size for m in makespans)
     last = [k for k in range(len(raced)) if makespans[k].size == steps]  # still in the race at the end
-    pick = preferred(last, lambda k: raced[k].sampled_makespan, lambda k: raced[k].used_gpus, options.tie_rel)
+    pick = preferred(last, lambda k: raced[k].sampled_makespan, lambda k: raced[k].used_gpus, options.tie_rel, by_price)
     return RobustChoice(finalists=tuple(raced), chosen=pick, schedule=schedules[pick], sampled_steps=steps)
 
 
@@ -215,6 +223,18 @@ def _idle_note(problem: PlanningProblem, chosen: PoolEntry, ranked: list[PoolEnt
     )
 
 
+def _expected_cost(schedule: Schedule, cluster: ClusterSpec) -> float | None:
+    """Σ over phases of the expected makespan each phase's plan recorded x what its replicas cost a second at
+    the pools' prices; None when a pool has no price."""
+    total = 0.0
+    for phase in schedule.phases:
+        price = price_per_second(phase.plan, cluster)
+        if price is None:
+            return None
+        total += phase.plan.expected_makespan_s * price
+    return total
+
+
 def plan_deployment(
     workload: Workload, cluster: ClusterSpec, cost_model: CostModel, options: PlannerOptions = PlannerOptions()
 ) -> PlanResult:
@@ -241,6 +261,11 @@ def plan_deployment(
         clock = now
 
     policy = options.policy
+    if options.objective is PlanObjective.COST and not cluster.priced:
+        unpriced = ", ".join(
+            repr(p.name) if p.name else "the cluster's" for p in cluster.pools if p.price_per_gpu_hour is None
+        )
+        raise InputError("<args>", "--objective", f"cost needs a price_per_gpu_hour on every pool; {unpriced} has none")
     expected = expected_global_batch(workload)
     valid = valid_candidates(cost_model, cluster)
     _check_longest(workload, valid, cluster)
@@ -282,6 +307,7 @@ def plan_deployment(
             gpus=plan.used_gpus,
             makespan_s=expected_step.estimated_makespan_s,
             gpu_seconds=expected_step.estimated_makespan_s * plan.used_gpus,
+            cost_per_step=_expected_cost(replace(schedule, phases=(replace(schedule.phases[0], plan=plan),)), cluster),
         )
     ]
     baselines: tuple[Schedule, ...] = ()
@@ -290,7 +316,13 @@ def plan_deployment(
         for b in baselines:
             step = b.step_cost(expected, cost_model)
             costs.append(
-                ScheduleCost(name=b.name, gpus=b.max_gpus, makespan_s=step.makespan_s, gpu_seconds=step.gpu_seconds)
+                ScheduleCost(
+                    name=b.name,
+                    gpus=b.max_gpus,
+                    makespan_s=step.makespan_s,
+                    gpu_seconds=step.gpu_seconds,
+                    cost_per_step=_expected_cost(b, cluster),
+                )
             )
     lap("baselines")
 

@@ -1,4 +1,4 @@
-"""Incremental re-planning: when tasks join or leave a running job, keep the deployment unless a new
+"""Incremental re-planning: when tasks join or leave a running job, keep the deployment unless another
 one pays for its migration.
 
 With the running plan ``P`` (replicas on their GPUs) and the new task set's workload:
@@ -8,22 +8,43 @@ With the running plan ``P`` (replicas on their GPUs) and the new task set's work
 2. **Move.** The planner's plan ``P'`` for the new workload, warm-started from ``P``: ``P``'s
    deployment enters the planner's pool as it stands (``PlannerOptions.incumbent``), so ``P'`` is never
    judged worse than keeping. Its expected step time is ``T_move``.
-3. **Migration.** Every replica of ``P`` that ``P'`` does not have on the same GPUs with the same config
-   is torn down and rebuilt (re-sharding, reloading its base weights); each costs ``migration_s``
-   seconds of its GPUs: ``C_mig = migration_s · Σ_{r torn down} g_r`` GPU-seconds.
-4. **Decide.** Over the horizon of ``H`` steps (the steps the job still has to run, at most
-   ``horizon_steps``), moving saves ``S = H · (T_keep · G_keep - T_move · G_move)`` GPU-seconds
-   (``G`` the GPUs each plan uses). ``P'`` is taken when ``S > C_mig`` (always when keeping is
-   infeasible), else ``P`` is kept with the new task list and buckets.
+3. **Migration** (:class:`MigrationModel`): what moving from ``P`` to a plan costs, ``C_mig`` GPU-seconds.
+4. **Decide**, over the horizon of ``H`` steps (the steps the job still has to run, at most
+   ``horizon_steps``), by the objective (:class:`ReplanObjective`):
 
-A change that moves nothing (``P'`` has every replica of ``P``) costs no migration and is taken when it
-is any better.
+   - ``makespan`` (the planner's own objective): ``P'`` is taken when its GPU-second saving
+     ``S = H · (T_keep · G_keep - T_move · G_move)`` exceeds ``C_mig`` (always when keeping is infeasible),
+     else ``P`` is kept with the new task list and buckets (``G`` the GPUs each plan uses). A plan cheaper in
+     GPU-seconds but slower than ``P`` is never proposed: the planner ranks by makespan.
+   - ``gpu-s``: the candidate with the fewest GPU-seconds over the horizon, migration included,
+     ``H · T_c · G_c + C_mig(c)``, is taken (``P`` on a tie). The candidates are ``P`` and ``P'``, and each of
+     them trimmed (:func:`trimmed`): replicas dropped one at a time while the GPU-seconds per step fall, so
+     a slower plan on fewer GPUs is found and can win.
+
+A change that moves nothing (``P'`` has every replica of ``P``, on the same GPUs) costs no migration.
+
+**Migration, measured** (:class:`MigrationModel`). A running fleet moves in its own processes
+(``executor/torch/change.py``): every rank whose stage changes (its replica's degrees, its stage, its TP
+rank or, under TP, the ranks beside it: :func:`rebuilt_ranks`) builds it from the base model's
+checkpoint, the staying tasks' adapters and optimizer states travel, the process groups are made, and
+every GPU of the run waits at that step boundary. So
+
+    W     = fixed_s + max over rebuilt ranks r of  bytes(stage_r) / load_bytes_per_s     (0: nothing moves)
+    C_mig = W · |GPUs of P ∪ GPUs of P'|
+
+with ``bytes(stage) = n_params · dtype_bytes / (tp · pp)``. ``fixed_s`` and ``load_bytes_per_s`` are
+measured: a training run starts from its own start-up's stage load and takes each in-process move's phases
+(``train.trainer``); the defaults are ``benchmarks/bench_queue.py``'s figures. ``--migration-s`` prices
+instead a flat ``migration_s`` seconds of the GPUs of every replica torn down (the pricing before the
+in-process rebuild).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import dispatch_step
@@ -31,23 +52,110 @@ from lorafleet.planner.driver import plan_deployment
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.placement import with_expectation
-from lorafleet.plans import DeploymentPlan
+from lorafleet.plans import DeploymentPlan, GlobalBatch, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import Workload
+
+
+class ReplanObjective(StrEnum):
+    """What an incremental re-plan minimises (module doc, step 4)."""
+
+    MAKESPAN = "makespan"
+    """The planner's fastest plan, taken when its GPU-second saving over the horizon repays its migration."""
+    GPU_S = "gpu-s"
+    """The fewest GPU-seconds over the horizon, migration included, among the kept, the planner's and the
+    trimmed plans."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    """What one change of deployment costs."""
+
+    wall_s: float
+    """Seconds the fleet stops at the step boundary."""
+    gpu_s: float
+    """GPU-seconds held meanwhile."""
+    rebuilt: int
+    """Replicas of the new plan with a rank that builds its stage (flat pricing: replicas torn down)."""
+
+
+@dataclass(frozen=True)
+class MigrationModel:
+    """A change of deployment priced by what the in-process rebuild costs, measured (module doc)."""
+
+    fixed_s: float = 0.17
+    """Seconds of a move whatever is loaded: the new task's rows sent, the staying tasks' states gathered and
+    sent, the groups made, the slots changed (``benchmarks/bench_queue.py``: the 2 -> 3 replicas move of
+    tiny-llama on 4 CPU ranks, its change less its stage builds; 2026-12-04, the 2-core machine)."""
+    load_bytes_per_s: float = 3.3e8
+    """Bytes of its stage a rank builds per second from a safetensors checkpoint (``benchmarks/bench_queue.py``:
+    a random 88M-parameter Llama's ``<1,1>`` stage, 341 MiB in fp32 from a bf16 checkpoint, per stage, in
+    1.08 s; 2026-12-04, the 2-core machine)."""
+    dtype_bytes: int = 2
+    """Bytes of one base weight (the run's ``--dtype``; bf16 for a what-if)."""
+
+    def __post_init__(self) -> None:
+        if not (self.fixed_s >= 0 and self.load_bytes_per_s > 0 and self.dtype_bytes > 0):
+            raise ValueError(f"a migration model needs fixed_s >= 0 and positive rates, got {self}")
+
+    def describe(self) -> str:
+        """``0.5 s + a stage's bytes at 200 MB/s, the fleet's GPUs waiting`` (the run's log, ``simulate``)."""
+        return (
+            f"measured: {self.fixed_s:.3g} s + a rebuilt stage's bytes at {self.load_bytes_per_s / 1e6:.4g} MB/s, "
+            "every GPU held waiting"
+        )
+
+    def stage_s(self, n_params: int, tp: int, pp: int) -> float:
+        """Seconds one rank builds its stage of a ``<tp, pp>`` replica in."""
+        return n_params * self.dtype_bytes / (tp * pp) / self.load_bytes_per_s
+
+    def price(self, current: DeploymentPlan, new: DeploymentPlan, n_params: int) -> Migration:
+        """The move from ``current`` to ``new`` of a model of ``n_params`` parameters (module doc)."""
+        if _deployment(current) == _deployment(new):
+            return Migration(0.0, 0.0, 0)
+        rebuilt = rebuilt_ranks(current, new)
+        replicas = [r for r in new.replicas if set(r.gpus) & rebuilt]
+        load = max((self.stage_s(n_params, r.config.tp, r.config.pp) for r in replicas), default=0.0)
+        wall = self.fixed_s + load
+        held = {g for plan in (current, new) for r in plan.replicas for g in r.gpus}
+        return Migration(wall, wall * len(held), len(replicas))
+
+
+@dataclass(frozen=True)
+class FlatMigration:
+    """``seconds`` of the GPUs of every replica torn down (``--migration-s``; the fleet waits ``seconds``)."""
+
+    seconds: float
+
+    def describe(self) -> str:
+        return f"{self.seconds:g} s per torn-down replica (--migration-s)"
+
+    def price(self, current: DeploymentPlan, new: DeploymentPlan, n_params: int) -> Migration:
+        gone = torn_down(current, new)
+        gpus = sum(current.replicas[r].config.n_gpus for r in gone)
+        return Migration(self.seconds if gone else 0.0, self.seconds * gpus, len(gone))
 
 
 @dataclass(frozen=True)
 class ReplanOptions:
     """What an incremental re-plan weighs."""
 
-    migration_s: float = 60.0
-    """Seconds a torn-down replica's GPUs spend being rebuilt (checkpoint, restart, reload its shards)."""
+    migration_s: float | None = None
+    """A flat price: seconds of a torn-down replica's GPUs (``FlatMigration``); None: ``migration``, measured."""
     horizon_steps: int = 200
     """The most steps a new deployment's savings are counted over (fewer when the job ends sooner)."""
+    objective: ReplanObjective = ReplanObjective.MAKESPAN
+    migration: MigrationModel = field(default_factory=MigrationModel)
+    """The measured price of a move, used unless ``migration_s`` is given."""
 
     def __post_init__(self) -> None:
-        if self.migration_s < 0 or self.horizon_steps < 1:
+        if (self.migration_s is not None and not self.migration_s >= 0) or self.horizon_steps < 1:
             raise ValueError(f"migration_s must be >= 0 and horizon_steps >= 1, got {self}")
+
+    @property
+    def pricing(self) -> MigrationModel | FlatMigration:
+        """How a move is priced."""
+        return FlatMigration(self.migration_s) if self.migration_s is not None else self.migration
 
 
 @dataclass(frozen=True)
@@ -56,17 +164,20 @@ class Replan:
 
     plan: DeploymentPlan
     moved: bool
-    """Whether the deployment changes (``plan`` is the planner's), or the running one is kept."""
+    """Whether the deployment changes, or the running one is kept."""
     keep_step_s: float
     """``T_keep``: the running deployment's expected step time on the new workload (inf: it cannot serve it)."""
     move_step_s: float
-    """``T_move``: the new plan's expected step time."""
+    """The expected step time of the best plan other than keeping (``T_move``, or with ``gpu-s`` the cheapest)."""
     torn_down: int
-    """Replicas of the running plan the new one does not keep."""
+    """Replicas of the running plan the new one does not keep (as they are, on the same GPUs)."""
     migration_gpu_s: float
     saving_gpu_s: float
-    """``S`` over ``horizon`` steps (inf when keeping is infeasible)."""
+    """What moving saves over ``horizon`` steps, before the migration (inf when keeping is infeasible)."""
     horizon: int
+    migration_s: float = 0.0
+    """Seconds the fleet stops to move (0 when it keeps its deployment)."""
+    objective: ReplanObjective = ReplanObjective.MAKESPAN
 
     def describe(self) -> str:
         """One line for the run's log."""
@@ -78,15 +189,41 @@ class Replan:
             )
             return (
                 f"re-planned to {self.plan.describe()}: {why}, migration {self.migration_gpu_s:.4g} GPU-s "
-                f"({self.torn_down} replicas rebuilt); step {self.keep_step_s:.4g} s -> {self.move_step_s:.4g} s"
+                f"({self.migration_s:.3g} s, {self.torn_down} replicas torn down); step {self.keep_step_s:.4g} s "
+                f"-> {self.move_step_s:.4g} s"
             )
-        if not self.torn_down:
+        if not self.torn_down and not self.migration_gpu_s:
             return f"kept {self.plan.describe()}: the planner's best plan for the new tasks is this deployment"
         return (
             f"kept {self.plan.describe()}: a new plan would save {max(self.saving_gpu_s, 0.0):.4g} GPU-s over "
-            f"{self.horizon} steps, less than its migration, {self.migration_gpu_s:.4g} GPU-s "
-            f"({self.torn_down} replicas rebuilt)"
+            f"{self.horizon} steps, not more than its migration, {self.migration_gpu_s:.4g} GPU-s "
+            f"({self.torn_down} replicas torn down)"
         )
+
+
+def _deployment(plan: DeploymentPlan) -> frozenset:
+    return frozenset((r.config, r.gpus) for r in plan.replicas)
+
+
+def _stages(plan: DeploymentPlan) -> dict[int, tuple]:
+    """Rank -> what its stage is: (tp, pp, stage, TP rank, the stage's ranks). Stage ``k`` of a replica is on
+    ``gpus[k·tp : (k+1)·tp]`` (``executor/torch/layout.py``'s rule)."""
+    out = {}
+    for r in plan.replicas:
+        tp, pp = r.config.tp, r.config.pp
+        for k in range(pp):
+            ranks = tuple(r.gpus[k * tp : (k + 1) * tp])
+            for j, g in enumerate(ranks):
+                out[g] = (tp, pp, k, j, ranks if tp > 1 else ())
+    return out
+
+
+def rebuilt_ranks(current: DeploymentPlan, new: DeploymentPlan) -> set[int]:
+    """The ranks of ``new`` that build their stage: their stage in ``current`` is another, or none (the rule of
+    ``executor/torch/change.can_keep_stage``, for the deployment; a task targeting a projection no running
+    adapter targets also makes a stage build, which the price leaves out)."""
+    before, after = _stages(current), _stages(new)
+    return {g for g, stage in after.items() if before.get(g) != stage}
 
 
 def kept_plan(current: DeploymentPlan, workload: Workload, cost_model: CostModel) -> DeploymentPlan | None:
@@ -98,6 +235,10 @@ def kept_plan(current: DeploymentPlan, workload: Workload, cost_model: CostModel
     if min(r.max_tokens for r in replicas) <= 0 or int(expected.lengths.max()) > max(r.max_tokens for r in replicas):
         return None
     plan = replace(current, tasks=tuple(t.name for t in workload.tasks), replicas=replicas)
+    return _judged(plan, expected, cost_model)
+
+
+def _judged(plan: DeploymentPlan, expected: GlobalBatch, cost_model: CostModel) -> DeploymentPlan:
     return with_expectation(plan, dispatch_step(expected, plan, cost_model))
 
 
@@ -105,6 +246,31 @@ def torn_down(current: DeploymentPlan, new: DeploymentPlan) -> list[int]:
     """The replicas of ``current`` that ``new`` does not have with the same config on the same GPUs."""
     kept = {(r.config, r.gpus) for r in new.replicas}
     return [r.replica_id for r in current.replicas if (r.config, r.gpus) not in kept]
+
+
+def _without(plan: DeploymentPlan, drop: int) -> tuple[ReplicaSpec, ...]:
+    kept = [r for r in plan.replicas if r.replica_id != drop]
+    return tuple(replace(r, replica_id=i) for i, r in enumerate(kept))
+
+
+def trimmed(plan: DeploymentPlan, expected: GlobalBatch, cost_model: CostModel) -> Iterator[DeploymentPlan]:
+    """``plan`` with replicas dropped one at a time, each time the one whose removal lowers the expected
+    GPU-seconds per step ``T · G`` the most (one replica per config tried: equal replicas are alike), while it
+    lowers them and every expected sequence still fits some replica; each plan on the way (``plan`` not
+    included). Replicas that stay keep their GPUs: a trim loads nothing."""
+    longest = int(expected.lengths.max())
+    while len(plan.replicas) > 1:
+        tried = {}
+        for r in plan.replicas:
+            if r.config not in tried:
+                replicas = _without(plan, r.replica_id)
+                if max(s.max_tokens for s in replicas) >= longest:
+                    tried[r.config] = _judged(replace(plan, replicas=replicas), expected, cost_model)
+        best = min(tried.values(), key=lambda p: p.expected_gpu_seconds, default=None)
+        if best is None or best.expected_gpu_seconds >= plan.expected_gpu_seconds:
+            return
+        yield best
+        plan = best
 
 
 def replan_incremental(
@@ -116,7 +282,7 @@ def replan_incremental(
     replan: ReplanOptions,
     steps_left: int,
 ) -> Replan:
-    """Keep ``current`` or move to a new plan for ``workload`` (module doc); every deployment is judged
+    """Keep ``current`` or move to another plan for ``workload`` (module doc); every deployment is judged
     under ``current``'s dispatch policy, which the chosen plan keeps (``options.policy`` is replaced by it).
     ``steps_left``: the steps the job still has to run (the horizon's bound)."""
     counts: dict = {}
@@ -127,12 +293,35 @@ def replan_incremental(
     move = fresh.plan
     keep = kept_plan(current, workload, fresh.cost_model)
     horizon = max(1, min(replan.horizon_steps, steps_left))
-    gone = torn_down(current, move)
-    migration = replan.migration_s * sum(current.replicas[r].config.n_gpus for r in gone)
+    pricing, n_params = replan.pricing, workload.model.n_params
+
+    def cost(plan: DeploymentPlan) -> float:
+        return horizon * plan.expected_gpu_seconds + pricing.price(current, plan, n_params).gpu_s
+
+    if replan.objective is ReplanObjective.GPU_S:
+        expected = expected_global_batch(workload)
+        others = [move, *trimmed(move, expected, fresh.cost_model)]
+        if keep is not None:
+            others += list(trimmed(keep, expected, fresh.cost_model))
+        move = min(others, key=cost)  # the first of equals: the planner's plan before its trims
+    mig = pricing.price(current, move, n_params)
+    gone = len(torn_down(current, move))
     move_s = move.expected_makespan_s
     if keep is None:
-        return Replan(move, True, math.inf, move_s, len(gone), migration, math.inf, horizon)
+        return Replan(move, True, math.inf, move_s, gone, mig.gpu_s, math.inf, horizon, mig.wall_s, replan.objective)
     keep_s = keep.expected_makespan_s
-    saving = horizon * (keep_s * keep.used_gpus - move_s * move.used_gpus)
-    moved = saving > migration if gone else saving > 0
-    return Replan(move if moved else keep, moved, keep_s, move_s, len(gone), migration, saving, horizon)
+    saving = horizon * (keep.expected_gpu_seconds - move.expected_gpu_seconds)
+    # The same deployment as the planner placed it is no move: the running replicas (in their order) serve on.
+    moved = _deployment(move) != _deployment(current) and saving > mig.gpu_s
+    return Replan(
+        move if moved else keep,
+        moved,
+        keep_s,
+        move_s,
+        gone,
+        mig.gpu_s,
+        saving,
+        horizon,
+        mig.wall_s if moved else 0.0,
+        replan.objective,
+    )

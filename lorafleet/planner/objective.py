@@ -24,13 +24,21 @@ from typing import TypeVar
 import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
+from lorafleet.planner.options import PlannerOptions, PlanObjective
+from lorafleet.planner.problem import PlanningProblem
 from lorafleet.planner.schedule import Schedule
 from lorafleet.plans import GlobalBatch
 
 T = TypeVar("T")
 
 
-def preferred(items: Sequence[T], makespan: Callable[[T], float], gpus: Callable[[T], int], tie_rel: float) -> T:
+def preferred(
+    items: Sequence[T],
+    makespan: Callable[[T], float],
+    gpus: Callable[[T], int],
+    tie_rel: float,
+    price: Callable[[T], float] | None = None,
+) -> T:
     """The plan the planner prefers among ``items``: the objective, in one place.
 
     With t̄(p) the dispatcher's mean makespan of deployment p over the batches it was judged on,
@@ -43,15 +51,36 @@ def preferred(items: Sequence[T], makespan: Callable[[T], float], gpus: Callable
         p* = argmin_lex { (N(p), t̄(p)) : t̄(p) <= (1 + ε) min_q t̄(q) },   ε = ``tie_rel``
 
     the fastest plan, except that one within ε of it on fewer GPUs wins (GPU-seconds per step
-    fall by more than the step time rises), then the faster of those.
+    fall by more than the step time rises), then the faster of those. With ``price`` (``--objective
+    cost``: c(p), what plan p's replicas cost a second at their pools' prices, Σ_i p_i c_i) the plan of
+    fewest currency units per step among those within ε wins instead::
+
+        p* = argmin_lex { (t̄(p) c(p), t̄(p)) : t̄(p) <= (1 + ε) min_q t̄(q) }
     """
     best = min(makespan(x) for x in items)
     tied = [x for x in items if makespan(x) <= best * (1 + tie_rel)]
+    if price is not None:
+        return min(tied, key=lambda x: (makespan(x) * price(x), makespan(x)))
     return min(tied, key=lambda x: (gpus(x), makespan(x)))
 
 
+def replica_price(problem: PlanningProblem, options: PlannerOptions) -> Callable[[np.ndarray], float] | None:
+    """Under ``--objective cost``, what a deployment p (replica counts, shape (C,)) costs a second: Σ_i p_i c_i
+    (``PlanningProblem.replica_prices``); None under the makespan objective."""
+    if options.objective is not PlanObjective.COST:
+        return None
+    prices = problem.replica_prices
+    assert prices is not None, "plan_deployment checks that every pool has a price"
+    return lambda replicas: float(np.asarray(replicas, dtype=float) @ prices)
+
+
 def race(
-    schedules: Sequence[Schedule], batches: Sequence[GlobalBatch], cost_model: CostModel, tie_rel: float, rung: int
+    schedules: Sequence[Schedule],
+    batches: Sequence[GlobalBatch],
+    cost_model: CostModel,
+    tie_rel: float,
+    rung: int,
+    prices: Sequence[float] | None = None,
 ) -> list[np.ndarray]:
     """Makespans of each schedule on the sampled batches, dispatched step by step: successive halving.
 
@@ -59,7 +88,7 @@ def race(
     batches the schedules still in the race are ranked by :func:`preferred` on their mean so
     far and the worse half leaves; the race ends when one is left or the batches run out.
     With the defaults (three plans, rungs of 8, K = 32) that is 3 x 8 + 2 x 8 = 40 dispatches
-    instead of 3 x 32.
+    instead of 3 x 32. ``prices``: what each schedule costs a second, under ``--objective cost``.
     """
     samples: list[list[float]] = [[] for _ in schedules]
     alive = list(range(len(schedules)))
@@ -72,7 +101,13 @@ def race(
         ranked = []
         rest = list(alive)
         while rest:
-            best = preferred(rest, lambda k: float(np.mean(samples[k])), lambda k: schedules[k].max_gpus, tie_rel)
+            best = preferred(
+                rest,
+                lambda k: float(np.mean(samples[k])),
+                lambda k: schedules[k].max_gpus,
+                tie_rel,
+                None if prices is None else prices.__getitem__,
+            )
             ranked.append(best)
             rest.remove(best)
         alive = ranked[: (len(ranked) + 1) // 2]

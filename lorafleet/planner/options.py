@@ -13,6 +13,16 @@ from lorafleet.specs.dispatch import DispatchPolicy
 OPTIONS_SOURCE = "<planner options>"
 
 
+class PlanObjective(StrEnum):
+    """What makes one plan better than another (``objective.preferred``)."""
+
+    MAKESPAN = "makespan"
+    """The shortest expected step; within ``tie_rel`` of it, the fewest GPUs."""
+    COST = "cost"
+    """Within ``tie_rel`` of the shortest expected step, the fewest currency units per step at the pools'
+    prices (every pool needs a ``price_per_gpu_hour``)."""
+
+
 class PlannerMode(StrEnum):
     """How the candidate deployments are found."""
 
@@ -40,7 +50,7 @@ class PlannerOptions:
        ``enumeration_limit`` (exhaustive);
     4. **filter and judge**: ``lower_bound_threshold``, ``min_survivors``, ``exact_top``;
     5. **robust race** on sampled batches: ``robust_top``, ``robust_samples``, ``race_rung``, ``seed``;
-    6. **objective**: ``tie_rel`` (:func:`~lorafleet.planner.objective.preferred`);
+    6. **objective**: ``objective``, ``tie_rel`` (:func:`~lorafleet.planner.objective.preferred`);
     7. **report**: ``baselines``.
     """
 
@@ -99,15 +109,21 @@ class PlannerOptions:
     """Seed of the sampled batches; None: the workload's seed."""
 
     # 6. objective
+    objective: PlanObjective = PlanObjective.MAKESPAN
+    """Among plans of makespans within ``tie_rel`` of the fastest: the one on fewest GPUs, or (``cost``) the
+    one of fewest currency units per step at the pools' prices."""
     tie_rel: float = 5e-3
-    """Makespans within this fraction count as equal, and the plan with fewer GPUs wins (idle GPUs)."""
+    """Makespans within this fraction count as equal, and the plan with fewer GPUs (or, by ``objective``,
+    the cheaper step) wins: the makespan tolerance."""
 
     # 7. report
     baselines: bool = True
     """Also plan and evaluate the Task-Fused (padding, packing) and Task-Sequential baselines."""
 
     def __post_init__(self) -> None:
-        coerce_enum_fields(self, OPTIONS_SOURCE, {"mode": PlannerMode, "solver": SolverName})
+        coerce_enum_fields(
+            self, OPTIONS_SOURCE, {"mode": PlannerMode, "solver": SolverName, "objective": PlanObjective}
+        )
         positive = {
             "time_limit_s": self.time_limit_s,
             "pool_size": self.pool_size,

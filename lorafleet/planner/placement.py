@@ -1,10 +1,10 @@
-"""GPU placement of a deployment (every TP group inside one node), and the DeploymentPlan it makes.
+"""GPU placement of a deployment (every TP group inside one node of its pool), and the DeploymentPlan it makes.
 
-A replica of ⟨tp, pp⟩ is pp TP groups of tp GPUs (one per pipeline stage). Groups are
-placed first-fit decreasing by tp over the nodes, each on the lowest free GPUs of its node;
-a replica's stages are placed in order, so they share a node when they can. With
-power-of-two TP degrees the group sizes divide each other, and first-fit decreasing
-succeeds whenever the budget rows of :meth:`PlanningProblem.gpu_budget_rows` hold.
+A replica of ⟨tp, pp⟩ is pp TP groups of tp GPUs (one per pipeline stage), all on its config's
+pool. In each pool, groups are placed first-fit decreasing by tp over the pool's nodes, each on
+the lowest free GPUs of its node; a replica's stages are placed in order, so they share a node
+when they can. With power-of-two TP degrees the group sizes divide each other, and first-fit
+decreasing succeeds whenever the budget rows of :meth:`PlanningProblem.gpu_budget_rows` hold.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.plans import DeploymentPlan, ReplicaSpec, StepPlan
+from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec, StepPlan
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.workload import Workload
@@ -23,26 +23,33 @@ from lorafleet.workload import Workload
 def place_replicas(
     configs: Sequence[ParallelConfig], max_tokens: Sequence[int], cluster: ClusterSpec
 ) -> tuple[ReplicaSpec, ...]:
-    """ReplicaSpecs, in the order given, with global GPU indices (node * gpus_per_node + local).
+    """ReplicaSpecs, in the order given, with global GPU indices (the pool's first GPU + node *
+    gpus_per_node + local).
 
     Raises:
-        ValueError: the TP groups do not fit the nodes (a planner bug: the budget rows forbid it).
+        ValueError: the TP groups do not fit their pool's nodes (a planner bug: the budget rows forbid it).
     """
-    per_node = cluster.gpus_per_node
-    used = [0] * cluster.nodes
-    groups = sorted(
-        ((c.tp, r, stage) for r, c in enumerate(configs) for stage in range(c.pp)), key=lambda g: (-g[0], g[1], g[2])
-    )
     stage_gpus: dict[tuple[int, int], tuple[int, ...]] = {}
-    for tp, r, stage in groups:
-        node = next((n for n in range(cluster.nodes) if per_node - used[n] >= tp), None)
-        if node is None:
-            raise ValueError(
-                f"cannot place a TP group of {tp} GPUs: nodes hold {[per_node - u for u in used]} free GPUs"
-            )
-        start = node * per_node + used[node]
-        stage_gpus[r, stage] = tuple(range(start, start + tp))
-        used[node] += tp
+    for pool in cluster.pools:
+        per_node, first = pool.gpus_per_node, cluster.first_gpu(pool.name)
+        used = [0] * pool.nodes
+        groups = sorted(
+            ((c.tp, r, stage) for r, c in enumerate(configs) if c.pool == pool.name for stage in range(c.pp)),
+            key=lambda g: (-g[0], g[1], g[2]),
+        )
+        for tp, r, stage in groups:
+            node = next((n for n in range(pool.nodes) if per_node - used[n] >= tp), None)
+            if node is None:
+                where = f" of pool {pool.name!r}" if pool.name else ""
+                raise ValueError(
+                    f"cannot place a TP group of {tp} GPUs: nodes{where} hold {[per_node - u for u in used]} free GPUs"
+                )
+            start = first + node * per_node + used[node]
+            stage_gpus[r, stage] = tuple(range(start, start + tp))
+            used[node] += tp
+    unplaced = [str(c) for r, c in enumerate(configs) if (r, 0) not in stage_gpus]
+    if unplaced:
+        raise ValueError(f"{', '.join(unplaced)}: the cluster has no such pool ({', '.join(cluster.pool_names)})")
     return tuple(
         ReplicaSpec(
             replica_id=r,
@@ -51,6 +58,20 @@ def place_replicas(
             gpus=tuple(g for stage in range(c.pp) for g in stage_gpus[r, stage]),
         )
         for r, (c, m) in enumerate(zip(configs, max_tokens, strict=True))
+    )
+
+
+def plan_pools(cluster: ClusterSpec, cost_model: CostModel) -> tuple[PlanPool, ...]:
+    """The cluster's pools as a plan records them, each with the origin of the cost model that prices it."""
+    return tuple(
+        PlanPool(
+            name=pool.name,
+            gpu=pool.gpu,
+            n_gpus=pool.n_gpus,
+            gpus_per_node=pool.gpus_per_node,
+            cost_model=cost_model.origins().get(pool.name),
+        )
+        for pool in cluster.pools
     )
 
 
@@ -75,9 +96,7 @@ def build_plan(
     max_tokens = [m for _, m, n in replicas for _ in range(n)]
     return DeploymentPlan(
         model=workload.model.name,
-        gpu=cluster.gpu,
-        n_gpus=cluster.n_gpus,
-        gpus_per_node=cluster.gpus_per_node,
+        pools=plan_pools(cluster, cost_model),
         tasks=tuple(t.name for t in workload.tasks),
         replicas=place_replicas(configs, max_tokens, cluster),
         bucket_boundaries=(),
@@ -85,7 +104,6 @@ def build_plan(
         solver=solver,
         notes=tuple(notes),
         policy=policy,
-        cost_model=cost_model.origin,
         recompute=workload.spec.recompute,
     )
 

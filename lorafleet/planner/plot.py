@@ -39,7 +39,7 @@ def plot_expected_load(plan: DeploymentPlan, step: StepPlan, out: str | Path) ->
     ax.set_xlabel("replica (label: share of the batch's tokens)")
     ax.set_ylabel("expected time per step (s)")
     ax.set_title(
-        f"expected load per replica\n{plan.describe()} on {plan.used_gpus} of {plan.n_gpus} x {plan.gpu}", fontsize=10
+        f"expected load per replica\n{plan.describe()} on {plan.used_gpus} of {plan.describe_fleet()}", fontsize=10
     )
     ax.legend(handles=handles, fontsize=8, loc="lower right")
     fig.tight_layout()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from lorafleet.accounting import SECONDS_PER_HOUR
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.dispatch import (
@@ -78,24 +79,25 @@ def make_candidate(cost_model: CostModel, config: ParallelConfig) -> Candidate:
 
 
 def gpu_budget_rows(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
-    """The GPU budget as linear rows ``A @ p <= cap`` over the replica counts p_i of ``configs``.
+    """The GPU budget as linear rows ``A @ p <= cap`` over the replica counts p_i of ``configs``: a budget
+    per pool, a replica on its config's pool.
 
-    A TP group stays inside one node and every group of a config with tp_i >= t takes a
-    multiple of t GPUs, so for every threshold t among the TP degrees those groups fit in at
-    most ``nodes * t * floor(G / t)`` GPUs (G GPUs per node). With power-of-two TP degrees the
-    sizes divide each other and these rows are also sufficient: first-fit decreasing places
-    every group (:func:`lorafleet.planner.placement.place_replicas`). For t = 1 the row is
-    Σ_i N_i p_i <= N.
+    A TP group stays inside one node of its pool and every group of a config with tp_i >= t takes a
+    multiple of t GPUs, so for every pool and every threshold t among the TP degrees of its configs those
+    groups fit in at most ``nodes * t * floor(G / t)`` GPUs (G: the pool's GPUs per node). With
+    power-of-two TP degrees the sizes divide each other and these rows are also sufficient: first-fit
+    decreasing places every group (:func:`lorafleet.planner.placement.place_replicas`). For t = 1 the
+    row is Σ_{i on the pool} N_i p_i <= N_pool.
     """
-    tps = np.array([c.tp for c in configs], dtype=np.int64)
-    gpus = np.array([c.n_gpus for c in configs], dtype=np.int64)
-    thresholds = sorted({1, *tps.tolist()})
-    per_node = cluster.gpus_per_node
-    rows = np.array([np.where(tps >= t, gpus, 0) for t in thresholds], dtype=np.int64).reshape(
-        len(thresholds), len(configs)
-    )
-    caps = np.array([cluster.nodes * t * (per_node // t) for t in thresholds], dtype=np.int64)
-    return rows, caps
+    rows, caps = [], []
+    for pool in cluster.pools:
+        on = np.array([c.pool == pool.name for c in configs], dtype=bool)
+        tps = np.array([c.tp for c in configs], dtype=np.int64)
+        gpus = np.array([c.n_gpus for c in configs], dtype=np.int64)
+        for t in sorted({1, *tps[on].tolist()}):
+            rows.append(np.where(on & (tps >= t), gpus, 0))
+            caps.append(pool.nodes * t * (pool.gpus_per_node // t))
+    return np.array(rows, dtype=np.int64).reshape(len(rows), len(configs)), np.array(caps, dtype=np.int64)
 
 
 def max_replicas(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> np.ndarray:
@@ -162,6 +164,15 @@ class PlanningProblem:
     def gpus(self) -> np.ndarray:
         """N_i, shape (C,)."""
         return np.array([c.n_gpus for c in self.candidates], dtype=np.int64)
+
+    @property
+    def replica_prices(self) -> np.ndarray | None:
+        """c_i = price(pool of i) * N_i / 3600: what one replica of config i costs a second at its pool's price,
+        shape (C,); None when a pool has no price."""
+        if not self.cluster.priced:
+            return None
+        prices = [self.cluster.pool(c.config.pool).price_per_gpu_hour or 0.0 for c in self.candidates]
+        return np.asarray(prices, dtype=float) * self.gpus / SECONDS_PER_HOUR
 
     def gpu_budget_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The GPU budget as rows ``A @ p <= cap`` over replica counts p_i (see :func:`gpu_budget_rows`)."""

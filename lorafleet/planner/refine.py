@@ -49,19 +49,29 @@ def _removal_candidates(problem: PlanningProblem, entry: PoolEntry, bar: float) 
     return out
 
 
-def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions) -> PoolEntry | None:
+def trimmed(
+    problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions, prices: np.ndarray | None = None
+) -> PoolEntry | None:
     """``entry`` with replicas removed while its expected makespan stays within ``tie_rel`` of the original.
 
     The aggregated MILP spreads even a single sequence over replicas, so it never sees that
     a replica cannot help (one long sequence sets the makespan, say); the dispatcher's load
-    model does. Greedily, the removal that frees the most GPUs among the acceptable ones is
-    made, until none is acceptable; removals are screened by :func:`_removal_candidates`
-    before any re-balance. None when nothing can be removed.
+    model does. Greedily, the removal that frees the most GPUs among the acceptable ones is made,
+    until none is acceptable; with ``prices`` (what a replica of each candidate costs a second:
+    ``--objective cost``) every acceptable removal is judged and the one that leaves the cheapest step
+    is made, if that step costs less than the current one. Removals are screened by
+    :func:`_removal_candidates` before any re-balance. None when nothing can be removed.
     """
     current, bar = entry, entry.expected_makespan * (1 + options.tie_rel)
+
+    def cost(e: PoolEntry) -> float:
+        assert prices is not None
+        return e.expected_makespan * float(e.replicas @ prices)
+
     while True:
         best = None
-        for i, bound in sorted(_removal_candidates(problem, current, bar), key=lambda c: -int(problem.gpus[c[0]])):
+        screened = sorted(_removal_candidates(problem, current, bar), key=lambda c: -int(problem.gpus[c[0]]))
+        for i, bound in screened:
             if bound is not None and bound > bar:
                 continue
             fewer = current.replicas - np.eye(len(current.replicas), dtype=np.int64)[i]
@@ -69,9 +79,13 @@ def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions)
             if not candidate.survived:
                 continue
             candidate = replace(candidate, expected=evaluate(problem, candidate.load, exact=False, options=options)[0])
-            if candidate.expected_makespan <= bar:
+            if candidate.expected_makespan > bar:
+                continue
+            if prices is None:
                 best = candidate
                 break
+            if cost(candidate) < cost(best if best is not None else current):
+                best = candidate
         if best is None:
             return current if current is not entry else None
         current = best

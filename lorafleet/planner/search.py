@@ -23,8 +23,8 @@ from lorafleet.planner.deployment_ilp import branch_deployments, solve_root
 from lorafleet.planner.evaluation import PoolEntry, evaluate, pool_entry
 from lorafleet.planner.fallback import heuristic_deployment
 from lorafleet.planner.joint_minlp import JointSolution, solve_joint
-from lorafleet.planner.objective import preferred
-from lorafleet.planner.options import PlannerMode, PlannerOptions
+from lorafleet.planner.objective import preferred, replica_price
+from lorafleet.planner.options import PlannerMode, PlannerOptions, PlanObjective
 from lorafleet.planner.problem import PlanningProblem
 from lorafleet.planner.refine import polish_starts, polished, trimmed
 from lorafleet.solvers import SolveResult
@@ -150,7 +150,7 @@ def _decomposed_search(problem: PlanningProblem, options: PlannerOptions) -> Sea
         for plan in found:
             add(plan.replicas, f"milp:{plan.branch}", plan.makespan)
         pool = _evaluate_survivors(problem, _filter(problem, pool, options), options)
-        best = _preferred_entry([e for e in pool if e.expected is not None], options)
+        best = _preferred_entry(problem, [e for e in pool if e.expected is not None], options)
         at_center = next(e for e in pool if tuple(e.replicas) == tuple(center))
         if best.expected_makespan >= at_center.expected_makespan * (1 - options.tie_rel):
             break
@@ -215,10 +215,13 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
         ranked.extend(polished(problem, polish_starts(problem, ranked, options.polish_starts), ranked, options))
         ranked.sort(key=lambda e: (e.expected_makespan, e.used_gpus))
     if ranked:
-        trim = trimmed(problem, _preferred_entry(ranked, options), options)
-        ranked.extend([trim] if trim is not None else [])
+        start = _preferred_entry(problem, ranked, options)
+        trims = [trimmed(problem, start, options)]
+        if options.objective is PlanObjective.COST:  # the GPU-freeing trim and the cost-greedy one: either may win
+            trims.append(trimmed(problem, start, options, problem.replica_prices))
+        ranked.extend(t for t in trims if t is not None)
         ranked.sort(key=lambda e: (e.expected_makespan, e.used_gpus))
-        best = _preferred_entry(ranked, options)
+        best = _preferred_entry(problem, ranked, options)
         ranked = [best, *(e for e in ranked if e is not best)]
     pool = ranked + [e for e in pool if e.expected is None]
     return replace(outcome, pool=tuple(pool), solves=tuple(solves)), ranked
@@ -238,5 +241,12 @@ def _incumbent(problem: PlanningProblem, options: PlannerOptions) -> PoolEntry |
     return pool_entry(problem, counts, "incumbent")
 
 
-def _preferred_entry(entries: list[PoolEntry], options: PlannerOptions) -> PoolEntry:
-    return preferred(entries, lambda e: e.expected_makespan, lambda e: e.used_gpus, options.tie_rel)
+def _preferred_entry(problem: PlanningProblem, entries: list[PoolEntry], options: PlannerOptions) -> PoolEntry:
+    price = replica_price(problem, options)
+    return preferred(
+        entries,
+        lambda e: e.expected_makespan,
+        lambda e: e.used_gpus,
+        options.tie_rel,
+        None if price is None else lambda e: price(e.replicas),
+    )

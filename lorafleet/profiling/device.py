@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from lorafleet.specs.gpus import GIB, GPU_PRESETS
+from lorafleet.specs.gpus import GIB
 
 
 class DeviceKind(StrEnum):
@@ -155,17 +155,6 @@ def cuda_memory_bytes(index: int = 0) -> int:
     """Total memory of GPU ``index``. Initialises CUDA in this process but allocates nothing on the
     device: the ranks are spawned, so they start clean either way."""
     return torch.cuda.get_device_properties(index).total_memory
-
-
-def gpu_preset_for(device_name: str, memory_bytes: int) -> str | None:
-    """The ``GPU_PRESETS`` name of a device as CUDA names it (``"NVIDIA H200"``, 139.8 GiB ->
-    ``"H200-141GB"``): the presets whose model (the name before the first ``-``) appears in the
-    device name, the one nearest in memory; None when no preset's model does."""
-    name = device_name.upper()
-    models = [g for g in GPU_PRESETS.values() if g.name != "cpu" and g.name.split("-")[0].upper() in name]
-    if not models:
-        return None
-    return min(models, key=lambda g: abs(g.memory_gib * GIB - memory_bytes)).name
 
 
 def describe_host(kind: DeviceKind) -> str:

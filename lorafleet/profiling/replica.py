@@ -55,7 +55,7 @@ from lorafleet.executor.torch.step import (
     stage_forward,
     weighted_losses,
 )
-from lorafleet.plans import DeploymentPlan, MicroBatch, ReplicaSpec
+from lorafleet.plans import DeploymentPlan, MicroBatch, PlanPool, ReplicaSpec
 from lorafleet.profiling.device import ProfileDevice
 from lorafleet.profiling.stages import only_layers, part_role, role_in, stage_layout
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
@@ -79,9 +79,7 @@ def side_by_side_plan(spec: ModelSpec, tp: int, busy: int, world: int, n_tasks: 
     )
     return DeploymentPlan(
         model=spec.name,
-        gpu="cpu",
-        n_gpus=world,
-        gpus_per_node=world,
+        pools=(PlanPool(name="", gpu="cpu", n_gpus=world, gpus_per_node=world),),
         tasks=tuple(f"task{t}" for t in range(n_tasks)),
         replicas=replicas,
         bucket_boundaries=(),

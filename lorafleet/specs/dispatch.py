@@ -37,6 +37,7 @@ from typing import Any
 from pydantic import ConfigDict
 
 from lorafleet.errors import InputError, coerce_enum_fields
+from lorafleet.specs._base import Bool, Float, Int
 from lorafleet.specs.solver import SolverName
 
 OPTIONS_SOURCE = "<dispatch options>"
@@ -74,20 +75,20 @@ class DispatchOptions:
     microbatch_mode: MicroBatchMode = field(default=MicroBatchMode.PACKING, metadata=flag("--microbatch"))
     """padding or packing micro-batches: rows padded to their bucket's boundary (LobRA), or sequences
     packed up to M tokens (lorafleet's default, with variable-length attention)"""
-    n_buckets: int = field(default=16, metadata=flag("--buckets", "R"))
+    n_buckets: Int = field(default=16, metadata=flag("--buckets", "R"))
     """R, the most buckets per step (LobRA's 16; raised to the number of memory classes present)"""
-    bucket_alignment: int = field(default=16, metadata=flag("--alignment", "TOKENS"))
+    bucket_alignment: Int = field(default=16, metadata=flag("--alignment", "TOKENS"))
     """bucket boundaries are lengths rounded up to a multiple of this many tokens"""
     method: DispatchMethod = field(default=DispatchMethod.FAST, metadata=flag("--method"))
     """how sequences are balanced over configs: fast (milliseconds), exact (the MILP, bounded by the fast
     answer, which stands when a solve gives nothing) or length (LobRA's length-based baseline)"""
     solver: SolverName = field(default=SolverName.CBC, metadata=flag("--solver"))
     """MILP back end of --method exact: cbc, scip or highs"""
-    time_limit_s: float = field(default=10.0, metadata=flag("--time-limit", "S"))
+    time_limit_s: Float = field(default=10.0, metadata=flag("--time-limit", "S"))
     """seconds one exact solve may take; on a timeout without a solution the fast dispatch is used"""
-    gap_rel: float = field(default=1e-4, metadata=flag("--gap", "REL"))
+    gap_rel: Float = field(default=1e-4, metadata=flag("--gap", "REL"))
     """relative optimality gap an exact solve may stop at"""
-    choose_buckets_by_makespan: bool = field(default=False, metadata=flag("--choose-buckets-by-makespan"))
+    choose_buckets_by_makespan: Bool = field(default=False, metadata=flag("--choose-buckets-by-makespan"))
     """pick the bucket count <= R with the least estimated makespan, not the least padding"""
 
     def __post_init__(self) -> None:
@@ -110,11 +111,11 @@ class Recalibration:
 
     __pydantic_config__ = _DOCUMENTED
 
-    enabled: bool = field(default=True, metadata=flag("--recalibrate"))
+    enabled: Bool = field(default=True, metadata=flag("--recalibrate"))
     """correct the cost model from measured replica times between steps"""
-    smoothing: float = 0.5
+    smoothing: Float = 0.5
     """beta of the debiased exponential average of measured / predicted: the weight of the past"""
-    bound: float = 4.0
+    bound: Float = 4.0
     """a replica's correction stays within [1 / bound, bound] times the fleet's median correction"""
 
     def __post_init__(self) -> None:
@@ -132,11 +133,11 @@ class DispatchPolicy:
 
     options: DispatchOptions = field(default_factory=DispatchOptions, metadata={"flatten": True})
     """the dispatcher's options: balance method, padding or packing, dynamic bucket count"""
-    static_boundaries: tuple[int, ...] = ()
+    static_boundaries: tuple[Int, ...] = ()
     """fixed padding buckets (LobRA's Task-Fused baseline); empty: the dispatcher's per-step DP"""
     recalibration: Recalibration = field(default_factory=Recalibration)
     """online correction of the cost model from what the run measures"""
-    pipeline_window: int = field(default=8, metadata=flag("--pipeline-window", "N"))
+    pipeline_window: Int = field(default=8, metadata=flag("--pipeline-window", "N"))
     """steps a pipelined replica streams before it drains (1: 1F1B flushed every step, LobRA's); the
     dispatcher and the executors price and run this window"""
 

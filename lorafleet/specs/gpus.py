@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from lorafleet.errors import InputError
-from lorafleet.specs._base import Spec
+from lorafleet.specs._base import Float, Spec
 
 GIB = 1024**3
 
@@ -20,15 +20,15 @@ class GPUSpec(Spec):
 
     name: str
     """Preset name."""
-    memory_gib: float = Field(gt=0)
+    memory_gib: Float = Field(gt=0)
     """Device memory in GiB."""
-    bf16_tflops: float = Field(gt=0)
+    bf16_tflops: Float = Field(gt=0)
     """Dense bf16 tensor-core peak, TFLOP/s (no sparsity)."""
-    hbm_gbps: float = Field(gt=0)
+    hbm_gbps: Float = Field(gt=0)
     """Device memory bandwidth, GB/s."""
-    intra_node_gbps: float = Field(gt=0)
+    intra_node_gbps: Float = Field(gt=0)
     """GPU-to-GPU bandwidth inside a node (NVLink, else PCIe), GB/s per direction."""
-    inter_node_gbps: float = Field(gt=0)
+    inter_node_gbps: Float = Field(gt=0)
     """Network bandwidth per GPU across nodes (InfiniBand/RoCE NIC), GB/s per direction."""
 
     @property
@@ -60,6 +60,17 @@ GPU_PRESETS: dict[str, GPUSpec] = {
         _gpu("cpu", 24, 0.1, 20, 5, 1),
     )
 }
+
+
+def gpu_preset_for(device_name: str, memory_bytes: int) -> str | None:
+    """The ``GPU_PRESETS`` name of a device as CUDA names it (``"NVIDIA H200"``, 139.8 GiB ->
+    ``"H200-141GB"``): the presets whose model (the name before the first ``-``) appears in the
+    device name, the one nearest in memory; None when no preset's model does."""
+    name = device_name.upper()
+    models = [g for g in GPU_PRESETS.values() if g.name != "cpu" and g.name.split("-")[0].upper() in name]
+    if not models:
+        return None
+    return min(models, key=lambda g: abs(g.memory_gib * GIB - memory_bytes)).name
 
 
 def resolve_gpu(name: str, source: str = "<args>", field: str = "gpu") -> GPUSpec:

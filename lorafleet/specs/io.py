@@ -106,14 +106,16 @@ def file_sha256(path: str | Path) -> str:
 
 def check_writable(path: str | Path, *, directory: bool = False) -> None:
     """An InputError naming ``path`` now, before any work, when it could not be written later: a
-    directory where a file goes (or the reverse), or a nearest existing folder that is not writable."""
+    directory where a file goes (or the reverse), or a nearest existing folder that is not writable
+    (by this process's effective user: what the write will be checked against; :func:`write_text_atomic`
+    writes beside the target, so the folder must be writable, not only the file)."""
     target = Path(path)
     if target.exists() and target.is_dir() != directory:
         raise InputError(
             str(path), "", "is a directory, expected a file" if not directory else "is a file, expected a directory"
         )
     parent = target if directory and target.exists() else target.parent
-    while not parent.exists():
+    while not parent.exists() and not parent.is_symlink():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK, effective_ids=True):
         raise InputError(str(path), "", f"cannot write here ({parent} is not a writable directory)")

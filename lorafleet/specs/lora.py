@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from pydantic import Field, field_validator
 
-from lorafleet.specs._base import Spec
+from lorafleet.specs._base import Bool, Float, Int, Spec
 
 #: Projection names of Llama-family decoder layers that an adapter may target.
 LLAMA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -16,15 +16,15 @@ LLAMA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 class LoraSpec(Spec):
     """One task's adapter: ``W x + scaling * B(A(dropout(x)))`` on each target module."""
 
-    rank: int = Field(16, gt=0, le=4096)
+    rank: Int = Field(16, gt=0, le=4096)
     """LoRA rank r (rows of A, columns of B)."""
-    alpha: float = Field(16.0, gt=0)
+    alpha: Float = Field(16.0, gt=0)
     """LoRA alpha; scaling = alpha / r, or alpha / sqrt(r) with ``use_rslora``."""
-    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    dropout: Float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout probability on the adapter's input (the base path sees no dropout)."""
     target_modules: tuple[str, ...] = LLAMA_TARGET_MODULES
     """Module names (suffix match) that get an adapter."""
-    use_rslora: bool = False
+    use_rslora: Bool = False
     """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski, 2023)."""
 
     @field_validator("target_modules")
@@ -62,19 +62,19 @@ class OptimizerSpec(Spec):
 
     name: OptimizerName = OptimizerName.ADAMW
     """Optimizer algorithm."""
-    lr: float = Field(1e-4, gt=0, le=10)
+    lr: Float = Field(1e-4, gt=0, le=10)
     """Peak learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: Float = Field(0.0, ge=0)
     """Decoupled weight decay (AdamW) or L2 (Adam, SGD)."""
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Float, Float] = (0.9, 0.999)
     """Adam betas."""
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: Int = Field(0, ge=0)
     """Linear warm-up steps from 0 to ``lr``."""
     schedule: LrSchedule = LrSchedule.COSINE
     """Decay after warm-up, down to ``min_lr_ratio * lr`` at the last step."""
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    min_lr_ratio: Float = Field(0.0, ge=0, le=1)
     """Final learning rate as a fraction of ``lr``."""
-    grad_clip: float = Field(1.0, ge=0)
+    grad_clip: Float = Field(1.0, ge=0)
     """Max global L2 norm of this task's adapter gradient; 0 disables clipping."""
 
     @field_validator("betas")

@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from lorafleet.errors import InputError
-from lorafleet.specs._base import Spec
+from lorafleet.specs._base import Bool, Int, Spec
 from lorafleet.specs.io import read_json_object
 
 
@@ -20,21 +20,21 @@ class ModelSpec(Spec):
 
     name: str
     """Preset name or the path it was read from."""
-    n_layers: int = Field(gt=0)
+    n_layers: Int = Field(gt=0)
     """Transformer blocks L."""
-    hidden: int = Field(gt=0)
+    hidden: Int = Field(gt=0)
     """Model width h."""
-    ffn: int = Field(gt=0)
+    ffn: Int = Field(gt=0)
     """Intermediate size of the SwiGLU MLP."""
-    n_heads: int = Field(gt=0)
+    n_heads: Int = Field(gt=0)
     """Attention (query) heads."""
-    n_kv_heads: int = Field(gt=0)
+    n_kv_heads: Int = Field(gt=0)
     """Key/value heads (GQA when smaller than ``n_heads``)."""
-    vocab: int = Field(gt=0)
+    vocab: Int = Field(gt=0)
     """Vocabulary size."""
-    tied_embeddings: bool = False
+    tied_embeddings: Bool = False
     """Whether the LM head shares the embedding matrix."""
-    head_dim: int = Field(0, ge=0)
+    head_dim: Int = Field(0, ge=0)
     """Per-head width; 0 means hidden // n_heads."""
 
     @model_validator(mode="after")

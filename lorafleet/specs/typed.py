@@ -16,9 +16,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from lorafleet.errors import InputError
-from lorafleet.specs.workload import describe_validation_error, describe_value
-
-WHOLE_NUMBER_ERRORS = ("int_type", "int_parsing", "int_from_float")
+from lorafleet.specs.workload import describe_validation_error
 
 
 @functools.cache
@@ -35,9 +33,7 @@ def validate_strict(kind: Any, value: Any, source: str, where: str) -> Any:
     except ValidationError as err:
         error = err.errors()[0]
         loc, msg = describe_validation_error(error)
-        if error.get("type") in WHOLE_NUMBER_ERRORS:
-            msg = f"must be a whole number, got {describe_value(error.get('input'))}"
-        elif error.get("type") == "unexpected_keyword_argument" or error.get("type") == "extra_forbidden":
+        if error.get("type") == "unexpected_keyword_argument" or error.get("type") == "extra_forbidden":
             msg = "unknown field"
         raise InputError(source, join_path(where, loc), msg) from None
 

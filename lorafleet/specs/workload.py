@@ -35,20 +35,11 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from lorafleet.specs._base import Spec
+from lorafleet.specs._base import FieldError, Float, Int, IntKey, Spec
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.recompute import RecomputePolicy
-
-
-class FieldError(ValueError):
-    """A validation error that knows which sub-field it is about (pydantic reports only the validator's field)."""
-
-    def __init__(self, loc: tuple[int | str, ...], msg: str) -> None:
-        super().__init__(msg)
-        self.loc = loc
-
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
@@ -86,6 +77,14 @@ def fit_to_context(lengths: Sequence[int] | np.ndarray, context_length: int, pol
     return ContextFit(lengths.copy(), truncated=none, rejected=over)
 
 
+MAX_BATCH_SIZE = 1_000_000
+"""The most sequences a task may put in one global batch."""
+MAX_STEPS = (2**63 - 1) // MAX_BATCH_SIZE
+"""The most global steps a run (``train --steps``, a task's ``steps``, ``deadline`` and ``start_step``) may
+count: 9,223,372,036,854. A task's data cursor, its batches taken times its batch size, is a 64-bit sample
+id; at this many steps the largest batch size still fits."""
+
+
 class DataFormat(StrEnum):
     """How rows of a task's dataset are turned into text."""
 
@@ -113,15 +112,15 @@ class LengthSpec(Spec):
 
     preset: str | None = None
     """A named dataset's published statistics (``lorafleet.specs.length_presets``)."""
-    mean: float | None = Field(None, gt=1)
+    mean: Float | None = Field(None, gt=1)
     """Summary statistics mode: mean length in tokens (with ``skewness`` and ``kurtosis``)."""
-    skewness: float | None = None
+    skewness: Float | None = None
     """Summary statistics mode: skewness of the lengths."""
-    kurtosis: float | None = None
+    kurtosis: Float | None = None
     """Summary statistics mode: excess (Fisher) kurtosis of the lengths."""
-    values: tuple[int, ...] | None = None
+    values: tuple[Int, ...] | None = None
     """Explicit list of observed lengths."""
-    histogram: dict[int, float] | None = None
+    histogram: dict[IntKey, Float] | None = None
     """Length -> count (or weight)."""
     dataset: DataSpec | None = None
     """Measure the lengths of a dataset, tokenized with the workload's tokenizer."""
@@ -172,9 +171,9 @@ class TaskSpec(Spec):
     """Length distribution (see LengthSpec); defaults to the preset's or the data's."""
     data: DataSpec | None = None
     """Training data; required to train, optional to plan."""
-    batch_size: int = Field(gt=0, le=1_000_000)
+    batch_size: Int = Field(gt=0, le=MAX_BATCH_SIZE)
     """Sequences of this task in every global batch."""
-    context_length: int = Field(gt=0, le=1_048_576)
+    context_length: Int = Field(gt=0, le=1_048_576)
     """Longest sequence this task trains on, in tokens."""
     overflow: OverflowPolicy = OverflowPolicy.TRUNCATE
     """Policy for sequences longer than ``context_length``."""
@@ -182,17 +181,17 @@ class TaskSpec(Spec):
     """The task's adapter."""
     optimizer: OptimizerSpec = OptimizerSpec()
     """The task's optimizer and schedule."""
-    steps: int | None = Field(None, gt=0)
+    steps: Int | None = Field(None, gt=0, le=MAX_STEPS)
     """Training steps (exclusive with ``epochs``); default: the run's step count."""
-    epochs: float | None = Field(None, gt=0)
+    epochs: Float | None = Field(None, gt=0)
     """Passes over ``data`` (exclusive with ``steps``)."""
-    share: float | None = Field(None, gt=0, le=1)
+    share: Float | None = Field(None, gt=0, le=1)
     """Target fraction of every global step's tokens: the task takes its batches in the steps that keep
     it near that fraction (``lorafleet.turns``); default: it takes part in every step."""
-    deadline: int | None = Field(None, gt=0)
+    deadline: Int | None = Field(None, gt=0, le=MAX_STEPS)
     """The global step by which the task must have taken its last batch: it takes part in every step
     once it has no slack left, whatever its share (needs ``steps``)."""
-    start_step: int = Field(0, ge=0)
+    start_step: Int = Field(0, ge=0, le=MAX_STEPS)
     """The first global step the task takes part in (a task added to a running job by its queue)."""
 
     @model_validator(mode="before")
@@ -254,7 +253,7 @@ class WorkloadSpec(Spec):
     """The GPUs to plan for."""
     recompute: RecomputePolicy = RecomputePolicy.AUTO
     """Activation recomputation: ``auto`` (the planner picks per config), ``off`` or ``on``."""
-    seed: int = Field(0, ge=0)
+    seed: Int = Field(0, ge=0)
     """Seed of every sampled global batch."""
     tasks: tuple[TaskSpec, ...] = Field(min_length=1, max_length=256)
     """The tenants; at least one."""
@@ -334,7 +333,19 @@ def describe_validation_error(error: dict) -> tuple[str, str]:
         msg = f"takes a list, got {describe_value(error.get('input'))}"
     elif error.get("type") == "unexpected_keyword_argument":  # an unknown key of a dataclass: say it as of a model
         msg = "Extra inputs are not permitted"
+    elif error.get("type") in TYPE_WORDS:
+        msg = f"{TYPE_WORDS[error['type']]}, got {describe_value(error.get('input'))}"
     return format_validation_loc(loc), msg
+
+
+TYPE_WORDS = {
+    "int_type": "must be a whole number",
+    "int_parsing": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "bool_type": "must be true or false",
+    "bool_parsing": "must be true or false",
+}
+"""What a value of the wrong type should have been (strict numbers and switches: ``specs._base``)."""
 
 
 def validation_error_loc(error: dict) -> tuple[int | str, ...]:

@@ -4,13 +4,15 @@ Under ``lorafleet train``'s launcher:
 
 - a worker that raises (but for bad input, which is its one line and exit 2) writes its traceback to
   ``<out>/logs/rank-<r>.txt`` and a summary to ``rank-<r>.json`` (:func:`record_worker_error`), and exits 1
-  without printing it: its peers' errors are consequences, not news;
+  without printing it: its peers' errors are consequences, not news. It records before its process group
+  closes (``train.trainer.train_rank``), so the record exists before any peer can fail of the loss;
 - torchrun (``train.agent``) writes the ranks that failed, with their exit codes or signals, to
   ``<out>/logs/failures.json`` instead of its table and traceback;
 - the launcher prints :func:`failure_line`: the cause, or torchrun's own death, and the newest committed
   checkpoint to ``--resume`` from. The cause is, in this order: a worker that raised an error of its own
-  (not a lost peer's); one killed by a signal; one that lost a peer; any other (torchrun's shutdown
-  of the rest follows the first failure, and its SIGKILLs come later than the cause).
+  (not a lost peer's), even if torchrun's shutdown then killed it while it was exiting (its peer, which lost
+  it, can end first); one killed by a signal; one that lost a peer; any other (torchrun's shutdown of the
+  rest follows the first failure, and its SIGKILLs come later than the cause).
 
 Torch-free: the launcher imports it.
 """
@@ -24,6 +26,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+from lorafleet.errors import StartTimeout
 from lorafleet.rundir import RunDir
 
 PEER_LOST = re.compile(
@@ -50,7 +53,8 @@ def record_worker_error(run_dir: RunDir, rank: int, err: BaseException) -> None:
     text = "".join(traceback.format_exception(err))
     (run_dir.logs / f"rank-{rank}.txt").write_text(text, encoding="utf-8")
     message = str(err).strip().splitlines()[:1]
-    summary = {"error": ": ".join([type(err).__name__, *message]), "peer_lost": bool(PEER_LOST.search(text))}
+    lost = not isinstance(err, StartTimeout) and bool(PEER_LOST.search(text))  # a start timeout is its own news
+    summary = {"error": ": ".join([type(err).__name__, *message]), "peer_lost": lost}
     (run_dir.logs / f"rank-{rank}.json").write_text(json.dumps(summary), encoding="utf-8")
 
 
@@ -81,9 +85,10 @@ def _cause(run_dir: RunDir, failures: list[WorkerFailure]) -> str:
         return rank, f.timestamp, f.rank
 
     first = min(failures, key=order)
-    if first.exitcode < 0:
-        return f"worker rank {first.rank} (pid {first.pid}) was killed by {signal.Signals(-first.exitcode).name}"
     error = errors[first.rank]
+    own = error is not None and not error.get("peer_lost")
+    if first.exitcode < 0 and not own:  # an error of its own stands: torchrun may SIGTERM a worker still exiting
+        return f"worker rank {first.rank} (pid {first.pid}) was killed by {signal.Signals(-first.exitcode).name}"
     if error is None:
         return f"worker rank {first.rank} (pid {first.pid}) exited with code {first.exitcode}"
     where = run_dir.logs / f"rank-{first.rank}.txt"

@@ -75,6 +75,12 @@ class TaskHealth:
                 "in a row; its adapter stays at its last finite update"
             )
 
+    def retask(self, names: Sequence[str]) -> None:
+        """The run's tasks changed at a boundary (queued changes): a task that stays keeps its streak, a new one
+        starts at 0; the stopped tasks stay recorded (they are part of the data's cursors)."""
+        self.names = list(names)
+        self.streak = {name: self.streak.get(name, 0) for name in self.names}
+
     def state_dict(self) -> dict[str, dict[str, int]]:
         """For a checkpoint's ``extra``: the stopped tasks (task -> the first step it was left out of) and each
         task's non-finite updates in a row, so that a resumed run stops a task where the uninterrupted one does."""

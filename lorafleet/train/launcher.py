@@ -21,7 +21,7 @@ from types import FrameType
 
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase, start_clock
-from lorafleet.train.preflight import Prepared, claim, prepare
+from lorafleet.train.preflight import Prepared, claim, prepare, queue_data_roots
 from lorafleet.train.queue import has_pending
 
 RANK_MODULE = "lorafleet.train.rank"
@@ -49,18 +49,26 @@ def launch(options: TrainOptions) -> int:
         if warning is not None and os.environ.get("RANK") == "0":
             print(f"lorafleet train: warning: {warning}", file=sys.stderr, flush=True)
         return train_rank(options, prepared)
-    lock = claim(options, prepared)
+    options = replace(options, queue_data_roots=queue_data_roots(options, prepared.workload))
+    server = None
+    if options.queue_http is not None:  # bound before the claim: a port in use leaves nothing written
+        from lorafleet.train.queue import bind_queue_server
+
+        server = bind_queue_server(options.queue_http)
+    try:
+        lock = claim(options, prepared)
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
     plan = prepared.run.plan
     tasks = counted(len(prepared.workload.tasks), "task")
     phase(f"checked: {tasks}, {plan.describe()} on {counted(plan.used_gpus, 'GPU')}")
-    server = None
     try:
         for line in prepared.run.overrides:
             print(f"lorafleet train: {line}", flush=True)
-        if options.queue_http is not None:
-            from lorafleet.train.queue import start_queue_server
-
-            server = start_queue_server(options.queue_dir, options.run_dir.root, options.queue_http)
+        if server is not None:
+            server.serve(options.queue_dir, options.run_dir.root)
             print(f"lorafleet train: queue: {server.url} (token in {server.token_file})", flush=True)
         return _run(replace(options, plan=str(options.run_dir.plan)), prepared)
     finally:

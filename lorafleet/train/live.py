@@ -1,20 +1,26 @@
-"""Applying the queued requests a run stopped for (``train.queue``), between two launches of its workers.
+"""Applying the queued requests of a boundary (``train.queue``): the task ledger, the adapters of the tasks
+that leave, the incremental re-plan. No torch here.
 
-The run's rank 0 checkpointed at the boundary before step ``S`` and left the accepted requests in
-``<queue>/.apply.json``; :func:`apply_pending`, in ``lorafleet train``'s launcher, then
+A running fleet applies them itself, in its processes (``train.trainer``: the executor changes its adapter
+slots, or its deployment, in place). Before anything is written, a change that adds or removes a task
+commits a checkpoint at the boundary ``S`` (what a crash resumes from, as a relaunch did) and every
+change leaves its requests in ``<queue>/.apply.json``; then
 
-1. puts them in the task ledger (``<out>/tasks.json``): an added task starts at step ``S``, a finished
-   or cancelled one leaves at ``S``, an update changes its share or deadline;
-2. exports each task that left: its PEFT adapter out of checkpoint ``S`` into ``<out>/adapters/<task>``
-   (its memory is freed with the workers that held it);
-3. re-plans incrementally for the active tasks (``planner.incremental``: the running deployment is kept
-   unless a new one saves more than its migration over the horizon), by the run's cost model and under
-   its dispatch policy, and writes the plan the run continues on;
-4. removes ``.apply.json``; the launcher restarts the workers, which resume from checkpoint ``S``.
+1. the ledger (``<out>/tasks.json``) takes them (:func:`record_change`): an added task starts at step ``S``, a
+   finished or cancelled one leaves at ``S``, an update changes its share or deadline; a request it took at
+   ``S`` already is not taken twice (``Ledger.apply``), so applying ``.apply.json`` again after a crash
+   records each change once;
+2. each task that left has its PEFT adapter copied out of checkpoint ``S``, the fleet's state at the
+   boundary, into ``<out>/adapters/<task>``;
+3. the run re-plans incrementally (:func:`replan_change`: ``planner.incremental``, by the run's cost model,
+   under its dispatch policy, by ``--replan-objective``, a move priced by what the in-process rebuild costs,
+   measured) and writes the plan it continues on;
+4. ``.apply.json`` is removed.
 
-A task to add that no config of the cluster can hold (its longest sequence is over every replica's
-M) is rejected there, like a malformed file: one line, the file moved to ``rejected/``. The other
-requests go ahead.
+When the new plan needs processes the run does not have (it places replicas on GPUs the old plan left idle,
+beyond the ranks torchrun started), the workers stop instead and :func:`apply_pending`, in the launcher,
+does all of this between two launches, as every change was applied before (and as a resume does with an
+``.apply.json`` a crash left behind).
 
 Each task's semantics are untouched by all this: its stream, initial adapter and updates depend on the
 task alone (``data_stream.task_key``), so a task that stays trains exactly as it would have without the
@@ -23,6 +29,7 @@ change, and an added one as it would alone from its start step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -30,10 +37,16 @@ from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.preflight import Prepared, check_data, load_training_workload, prepare
 from lorafleet.train.queue import Action, Ledger, Request, clear_pending, load_pending
+from lorafleet.workload import Workload
 
 if TYPE_CHECKING:
     from lorafleet.costmodel import CostModel
-    from lorafleet.planner import PlannerOptions, Replan
+    from lorafleet.planner import MigrationModel, PlannerOptions, Replan
+    from lorafleet.plans import DeploymentPlan
+    from lorafleet.specs.workload import TaskSpec
+    from lorafleet.turns import TaskTurns
+
+LEAVING = (Action.FINISH, Action.CANCEL)
 
 
 @dataclass(frozen=True)
@@ -45,86 +58,140 @@ class Applied:
     step: int
 
 
-def _log(line: str) -> None:
+def log(line: str) -> None:
     print(f"lorafleet train: queue: {line}", flush=True)
 
 
-def _cluster(prepared: Prepared) -> ClusterSpec:
+def cluster_of(plan: DeploymentPlan) -> ClusterSpec:
     """The GPUs the running plan is for (the processes the run has: a re-plan keeps to them)."""
-    plan = prepared.run.plan
-    return ClusterSpec.with_gpus(plan.n_gpus, plan.gpu, plan.gpus_per_node)
+    return plan.fleet()
 
 
-def _unplaceable(requests: list[Request], prepared: Prepared) -> list[tuple[Request, str]]:
-    """Tasks to add whose longest sequence fits no config of the cluster, with the reason."""
+def changed_workload(
+    workload: Workload, tasks: Sequence[TaskSpec], lengths: Mapping[str, Sequence[int]] | None = None
+) -> Workload:
+    """``workload`` with ``tasks`` (the ledger's active ones) as its tasks: each task it has keeps its resolved
+    lengths (its spec is the ledger's: a share may have changed), and only the new ones are resolved, their
+    lengths read from their data or, from ``lengths`` (task -> its rows' token lengths, as the queue's check
+    tokenized them), not read again."""
+    from lorafleet.specs.workload import LengthSpec
+    from lorafleet.workload import resolve_workload
+
+    have = {t.spec.name: t for t in workload.tasks}
+    known = lengths or {}
+    new = [
+        t.model_copy(update={"lengths": LengthSpec(values=tuple(known[t.name]))})
+        if t.name in known and t.lengths is None
+        else t
+        for t in tasks
+        if t.name not in have
+    ]
+    spec = workload.spec.model_copy(update={"tasks": tuple(new)}) if new else None
+    resolved = {t.spec.name: t for t in resolve_workload(spec, workload.path).tasks} if spec is not None else {}
+    by_name = {t.name: t for t in tasks}
+    out = tuple(
+        replace(have[name], spec=spec) if name in have else replace(resolved[name], spec=spec)
+        for name, spec in by_name.items()
+    )
+    return replace(workload, spec=workload.spec.model_copy(update={"tasks": tuple(tasks)}), tasks=out)
+
+
+def check_placeable(task: TaskSpec, workload: Workload, plan: DeploymentPlan, cost_model: CostModel) -> None:
+    """ValueError (its reason, for the queue's rejection) when ``task``, to be added, has sequences longer than
+    every config of the run's GPUs can hold (``workload``: the run's, for the task's defaults and model)."""
     from lorafleet.planner.candidates import valid_candidates
     from lorafleet.workload import resolve_workload
 
-    cluster = _cluster(prepared)
-    largest = max((c.max_tokens for c in valid_candidates(prepared.run.cost_model, cluster)), default=0)
-    out = []
-    for r in requests:
-        if r.action is Action.ADD and r.task is not None:
-            task = resolve_workload(prepared.workload.spec.model_copy(update={"tasks": (r.task,)}), r.file).tasks[0]
-            if task.lengths.max_length > largest:
-                out.append(
-                    (
-                        r,
-                        f"its {task.lengths.max_length}-token sequences fit no config of {cluster.n_gpus} x "
-                        f"{cluster.gpu} (at most {largest} tokens a micro-batch); lower context_length",
-                    )
-                )
-    return out
+    cluster = cluster_of(plan)
+    largest = max((c.max_tokens for c in valid_candidates(cost_model, cluster)), default=0)
+    longest = resolve_workload(workload.spec.model_copy(update={"tasks": (task,)}), workload.path).tasks[0]
+    if longest.lengths.max_length > largest:
+        raise ValueError(
+            f"its {longest.lengths.max_length}-token sequences fit no config of {cluster.describe()} "
+            f"(at most {largest} tokens a micro-batch); lower context_length"
+        )
 
 
-def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
-    """Apply ``<queue>/.apply.json`` (module doc); None when there is none."""
-    from lorafleet.executor.torch.checkpoint_files import export_adapters, step_dir_name
-    from lorafleet.metrics import last_losses
-    from lorafleet.planner import ReplanOptions, replan_incremental
-    from lorafleet.train.queue import QueueWatcher
-    from lorafleet.train.queue.ledger import revision_lines
+def replan_change(
+    options: TrainOptions,
+    workload: Workload,
+    old: DeploymentPlan,
+    step: int,
+    migration: MigrationModel | None = None,
+    *,
+    save: bool,
+) -> Replan:
+    """The incremental re-plan of the run after the changes of boundary ``step`` (module doc, step 3): for
+    ``workload``'s tasks on the GPUs of ``old``, by ``old``'s cost model and policy, by the run's objective and
+    horizon, a move priced by ``migration`` (measured; ``--migration-s`` overrides it); with ``save``, the plan
+    is written as the run's ``plan.json``."""
+    from lorafleet.planner import ReplanObjective, ReplanOptions, replan_incremental
     from lorafleet.train.replan import replan_run
 
-    pending = load_pending(options.queue_dir)
-    if pending is None:
-        return None
-    step, requests = pending.step, pending.requests
-    queue = options.queue_dir
+    replan = ReplanOptions(
+        migration_s=options.migration_s,
+        horizon_steps=options.replan_horizon,
+        objective=ReplanObjective(options.replan_objective),
+    )
+    if migration is not None:
+        replan = replace(replan, migration=migration)
+    cluster = cluster_of(old)
+
+    def incremental(cost_model: CostModel, planner: PlannerOptions) -> Replan:
+        return replan_incremental(old, workload, cluster, cost_model, planner, replan, options.steps - step)
+
+    return replan_run(workload, cluster, old, old.policy, options, incremental, save=save)[1]
+
+
+def record_change(
+    options: TrainOptions,
+    ledger: Ledger,
+    step: int,
+    requests: Sequence[Request],
+    turns: Mapping[str, TaskTurns],
+    tasks: Sequence[TaskSpec],
+) -> Ledger:
+    """Steps 1 and 2 of the module doc: ``requests`` applied at ``step`` to ``ledger`` and saved; the adapters of
+    the tasks that leave exported from checkpoint ``step``. ``turns``: the running tasks' (the ledger keeps
+    those of the tasks that leave); ``tasks``: the specs of the tasks before the change (for the cards)."""
+    from lorafleet.executor.torch.checkpoint_files import export_adapters, step_dir_name
+    from lorafleet.metrics import last_losses
+    from lorafleet.train.queue.ledger import revision_lines
+
     run_dir = options.run_dir
-    for request, reason in _unplaceable(requests, prepared):
-        QueueWatcher(queue, {}, Ledger(()), log=_log).reject(queue / "accepted" / request.file, reason)
-        requests = [r for r in requests if r is not request]
-    ledger = Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks)
-    ledger = ledger.apply(requests, step, pending.turns)
-    leaving = [r.name for r in requests if r.action in (Action.FINISH, Action.CANCEL)]
+    ledger = ledger.apply(requests, step, turns)
+    ledger.save(options.out)
+    leaving = [r.name for r in requests if r.action in LEAVING]
     if leaving:
         export_adapters(
             run_dir.checkpoints / step_dir_name(step),
             leaving,
             run_dir.adapters,
-            tasks=prepared.workload.spec.tasks,
+            tasks=tasks,
             tokenizer=run_dir.tokenizer,
             losses=last_losses(run_dir.metrics_jsonl),
             changes=revision_lines(options.out),
         )
-        _log(f"step {step}: exported {', '.join(leaving)} to {run_dir.adapters}")
-    ledger.save(options.out)
+        log(f"step {step}: exported {', '.join(leaving)} to {run_dir.adapters}")
+    return ledger
+
+
+def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
+    """Apply ``<queue>/.apply.json`` between two launches (module doc); None when there is none."""
+    pending = load_pending(options.queue_dir)
+    if pending is None:
+        return None
+    step = pending.step
+    ledger = Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks)
+    ledger = record_change(options, ledger, step, pending.requests, pending.turns, prepared.workload.spec.tasks)
     if not ledger.active:
-        clear_pending(queue)
-        _log(f"step {step}: no task is left to train")
+        clear_pending(options.queue_dir)
+        log(f"step {step}: no task is left to train")
         return Applied(None, step)
     workload = load_training_workload(options.workload, options.out, options.sets)
-    old = prepared.run.plan
-    cluster = _cluster(prepared)
-    replan = ReplanOptions(migration_s=options.migration_s, horizon_steps=options.replan_horizon)
-
-    def incremental(cost_model: CostModel, planner: PlannerOptions) -> Replan:
-        return replan_incremental(old, workload, cluster, cost_model, planner, replan, options.steps - step)
-
-    plan_path, chosen = replan_run(workload, cluster, old, old.policy, options, incremental)  # the new tasks' M
-    _log(f"step {step}: {chosen.describe()}")
-    clear_pending(queue)
+    plan_path = options.run_dir.plan
+    log(f"step {step}: {replan_change(options, workload, prepared.run.plan, step, save=True).describe()}")
+    clear_pending(options.queue_dir)
     relaunch = replace(options, resume=True, overwrite=False, plan=str(plan_path))
     prepared = prepare(relaunch)
     check_data(relaunch, prepared)  # before any worker starts: one line, not a worker's traceback

@@ -3,6 +3,7 @@ launcher resolves them into the run file its workers read (``train.run_file``)."
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 from pydantic import ConfigDict
 
 from lorafleet.errors import InputError
+from lorafleet.executor.torch.processes import START_TIMEOUT_S
 from lorafleet.rundir import RunDir
+from lorafleet.specs.workload import MAX_STEPS
 
 ARGS = "<args>"
 
@@ -29,22 +32,26 @@ class TrainOptions:
     plan: str
     """DeploymentPlan JSON (``lorafleet plan --json``)."""
     steps: int = 10
-    """The run's total steps (a resumed run continues up to it, and may not be told fewer than it has)."""
+    """The run's total steps (a resumed run continues up to it, and may not be told fewer than it has); at most
+    ``specs.workload.MAX_STEPS``."""
     out: str = "runs/train"
     """Run directory: plan, metrics, checkpoints, adapters; one run at a time (a lock)."""
     resume: bool = False
     """Continue from the newest intact checkpoint in ``out``."""
     overwrite: bool = False
+    """Start afresh in an ``out`` a previous run used, removing its files (and its own queue's)."""
     allow_changes: bool = False
     """On a resume, train on with task hyperparameters changed since the run started, recording each change
     with its step (``train.revisions``); without it such a resume is refused."""
-    """Start afresh in an ``out`` a previous run used, removing its files."""
     checkpoint_every: int = 50
     """Commit a checkpoint every K steps (and always at the end)."""
     checkpoint_on_stop: bool = True
     """On SIGINT/SIGTERM, commit a checkpoint at the step boundary before stopping."""
     max_restarts: int = 0
     """Restart the workers this many times after a failure, resuming from the last checkpoint."""
+    start_timeout_s: float = START_TIMEOUT_S
+    """Seconds the workers have to form their process group (each start, each restart): a worker that never
+    arrives ends the start with one line, and another restart when ``max_restarts`` allows."""
     nonfinite_patience: int = 3
     """A task whose update is skipped this many steps in a row (non-finite loss or gradient) stops."""
     device: str = "auto"
@@ -68,10 +75,16 @@ class TrainOptions:
     """The live task queue's directory (``train.queue``); default ``<out>/queue``."""
     queue_http: int | None = None
     """Also serve the queue over HTTP on 127.0.0.1 at this port (0: any free one; ``train.queue.http``)."""
-    migration_s: float = 60.0
-    """An incremental re-plan's cost of rebuilding a replica, seconds of its GPUs (``planner.incremental``)."""
+    queue_data_roots: tuple[str, ...] = ()
+    """Directories a queued task's data must resolve inside, symlinks followed (``--queue-data-root``); empty:
+    the directories that hold the workload's own data (the launcher resolves them: :func:`data_roots`)."""
+    migration_s: float | None = None
+    """A flat price of a change of deployment: seconds of each torn-down replica's GPUs; None: what the in-process
+    rebuild costs, measured by the run (``planner.incremental.MigrationModel``)."""
     replan_horizon: int = 200
     """The most steps an incremental re-plan counts a new deployment's savings over."""
+    replan_objective: str = "makespan"
+    """What an incremental re-plan minimises: ``makespan`` or ``gpu-s`` (``planner.incremental.ReplanObjective``)."""
     loggers: tuple[str, ...] = ()
     """Experiment trackers rank 0 also logs the step scalars to: ``wandb``, ``mlflow`` (``lorafleet.metrics``)."""
 
@@ -94,8 +107,21 @@ class TrainOptions:
         ):
             if value < least:
                 raise InputError(ARGS, flag, f"must be >= {least}, got {value}")
-        if not self.migration_s >= 0:
-            raise InputError(ARGS, "--migration-s", f"must be >= 0, got {self.migration_s}")
+        if self.steps > MAX_STEPS:
+            raise InputError(
+                ARGS,
+                "--steps",
+                f"must be at most {MAX_STEPS:,} (a task's data cursor, steps x batch size, is a 64-bit sample id), "
+                f"got {self.steps:,}",
+            )
+        if not (math.isfinite(self.start_timeout_s) and self.start_timeout_s > 0):
+            raise InputError(
+                ARGS, "--start-timeout", f"must be a finite number of seconds > 0, got {self.start_timeout_s}"
+            )
+        if self.migration_s is not None and not (math.isfinite(self.migration_s) and self.migration_s >= 0):
+            raise InputError(ARGS, "--migration-s", f"must be a finite number >= 0, got {self.migration_s}")
+        if self.replan_objective not in ("makespan", "gpu-s"):
+            raise InputError(ARGS, "--replan-objective", f"expected makespan or gpu-s, got {self.replan_objective!r}")
         if self.queue_http is not None and not 0 <= self.queue_http < 65536:
             raise InputError(ARGS, "--queue-http", f"must be a port in 0..65535, got {self.queue_http}")
         if self.resume and self.overwrite:

@@ -1,11 +1,17 @@
 """Everything checked before a process of a run starts, and the run directory made the run's.
 
     prepare(options)         the workload (data for every task), the plan (re-planned on a resume with other
-                             GPUs), its cost model and policy, the checkpoint resumed from: every input
-                             error before any process is spawned or any file written (but a re-plan's)
+                             GPUs), its cost model and policy, the checkpoint resumed from, every place the
+                             run will write (the run directory, the queue) and the trackers it will log to:
+                             every input error before any process is spawned or any file written (but a
+                             re-plan's)
     claim(options, prepared) the run directory locked and made this run's (a used one refused unless
-                             resuming or told to overwrite), the data checked against the checkpoint
-                             resumed from, the run's plan written
+                             resuming or told to overwrite, its own queue cleared with it), the data checked
+                             against the checkpoint resumed from, the run's plan written, a stale queue
+                             token removed
+
+What the launcher can check up front it checks in ``prepare`` (or, an HTTP port, binds before ``claim``),
+so that nothing fails once the directory is claimed and a half-made run is never left behind.
 
 No torch import here: a resume's checks import the torch executor's data and checkpoint helpers
 inside the functions that need them.
@@ -24,11 +30,12 @@ from lorafleet.assemble import PlannedRun
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import ARGS, TrainOptions
+from lorafleet.train.phases import counted
 from lorafleet.workload import Workload
 
 if TYPE_CHECKING:
     from lorafleet.plans import DeploymentPlan
-    from lorafleet.rundir import RunLock
+    from lorafleet.rundir import RunDir, RunLock
     from lorafleet.specs.workload import WorkloadSpec
     from lorafleet.train.revisions import Revision
 
@@ -114,6 +121,13 @@ def _replan(workload: Workload, cluster: ClusterSpec, options: TrainOptions) -> 
     from lorafleet.train.replan import replan_run
 
     old = DeploymentPlan.load(options.plan)
+    if len(cluster.pools) > 1:
+        raise InputError(
+            ARGS,
+            "--resume",
+            f"the run has {_target_gpus(cluster)} GPUs, its plan {old.n_gpus}; which pool changed is not known: "
+            "plan again for the pools the run has (--set cluster.pools.NAME.nodes=N) and resume with that --plan",
+        )
     try:
         target = ClusterSpec.with_gpus(_target_gpus(cluster), cluster.gpu, cluster.gpus_per_node)
     except ValueError as err:
@@ -128,7 +142,21 @@ def _replan(workload: Workload, cluster: ClusterSpec, options: TrainOptions) -> 
         f"re-planned for {target.n_gpus} GPUs: {run.plan.describe()} (the plan was {old.describe()} on "
         f"{old.n_gpus}); checkpoints do not depend on the plan"
     )
+    if old.n_gpus == target.n_gpus:  # the ledger's tasks lost their plan in a crash amid a change (``_stale``)
+        names = ", ".join(t.name for t in workload.tasks)
+        note = (
+            f"re-planned for the ledger's tasks {names}: {run.plan.describe()} (a queued change was left half-applied)"
+        )
     return replace(run, overrides=(*run.overrides, note)), target
+
+
+def _stale(plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, options: TrainOptions) -> bool:
+    """Whether a resume re-plans: the run has another number of GPUs, or a crash amid a change of its tasks left
+    the ledger's tasks without their plan (the pending changes are still there: ``train.live``)."""
+    from lorafleet.train.queue import has_pending
+
+    names = tuple(t.name for t in workload.tasks)
+    return plan.n_gpus != _target_gpus(cluster) or (plan.tasks != names and has_pending(options.queue_dir))
 
 
 def prepare(options: TrainOptions) -> Prepared:
@@ -138,6 +166,12 @@ def prepare(options: TrainOptions) -> Prepared:
     from lorafleet.specs.io import check_writable
 
     check_writable(options.out, directory=True)
+    check_writable(options.queue_dir, directory=True)  # the watcher moves requests; the server writes them
+    for root in options.queue_data_roots:
+        if not Path(root).is_dir():
+            raise InputError(ARGS, "--queue-data-root", f"{root}: not a directory")
+    if os.environ.get("RANK", "0") == "0":  # the trackers log from rank 0 only
+        check_trackers(options.loggers)
     start = resume_step(options)
     workload, revisions = training_workload(
         options.workload, options.out if start is not None else None, options.sets, start, options.allow_changes
@@ -145,7 +179,7 @@ def prepare(options: TrainOptions) -> Prepared:
     cluster = workload_cluster(workload, options.gpus, options.gpu)
     if start is not None:
         options = replace(options, plan=resumed_plan(options, workload))
-    if start is not None and DeploymentPlan.load(options.plan).n_gpus != _target_gpus(cluster):
+    if start is not None and _stale(DeploymentPlan.load(options.plan), workload, cluster, options):
         run, cluster = _replan(workload, cluster, options)
     else:
         run = prepare_run(workload, cluster, options.plan, options.profile, dict(options.policy_overrides))
@@ -158,6 +192,7 @@ def prepare(options: TrainOptions) -> Prepared:
             f"the plan needs {world} processes (one per GPU it names); torchrun started {started}",
         )
     check_nodes(run.plan, options.plan)
+    check_cpu_device(run.plan, options.device, options.plan)
     for r, _ in options.slowdown:
         if not 0 <= r < len(run.plan.replicas):
             raise InputError(
@@ -176,6 +211,27 @@ def prepare(options: TrainOptions) -> Prepared:
         departed=departed,
         revisions=revisions,
     )
+
+
+def check_trackers(loggers: tuple[str, ...]) -> None:
+    """An InputError, before any process starts, when a ``--logger`` would fail as rank 0 starts it
+    (``TrackerWriter.start_problem``: W&B online without an API key, an MLflow server that does not answer)."""
+    from lorafleet.metrics import LOGGERS
+
+    for name in loggers:
+        problem = LOGGERS[name].start_problem(os.environ)
+        if problem is not None:
+            raise InputError(ARGS, "--logger", f"{name}: {problem}")
+
+
+def queue_data_roots(options: TrainOptions, workload: Workload) -> tuple[str, ...]:
+    """The folders a queued task's data must resolve inside: ``--queue-data-root``, else the folders that hold
+    the workload's data (``train.queue.data_roots``), symlinks resolved."""
+    from lorafleet.train.queue import data_roots
+
+    if options.queue_data_roots:
+        return tuple(os.path.realpath(root) for root in options.queue_data_roots)
+    return data_roots(workload.spec.tasks)
 
 
 def resumed_plan(options: TrainOptions, workload: Workload) -> str:
@@ -210,21 +266,57 @@ def ledger_turns(options: TrainOptions, start: int | None) -> tuple[dict[str, tu
     return (ledger.turn_changes(), ledger.departed()) if ledger is not None else ({}, ())
 
 
+def check_cpu_device(plan: DeploymentPlan, device: str, path: str) -> None:
+    """``--device cpu`` runs every rank on a CPU, whose GPU kind is ``cpu``: a plan with a pool of another
+    kind is refused before any process starts (on GPUs each rank checks its own device,
+    ``executor.torch.launch.check_device_kinds``)."""
+    if device != "cpu":
+        return
+    for k, pool in enumerate(plan.pools):
+        if pool.gpu.lower() != "cpu":
+            where = f"pool {pool.name!r}" if pool.name else "the cluster"
+            raise InputError(
+                path,
+                f"pools[{k}].gpu",
+                f"--device cpu runs every rank on a CPU, but the plan puts ranks in {where} of {pool.gpu} "
+                "GPUs: plan for the devices the job runs on (--gpu cpu)",
+            )
+
+
 def check_nodes(plan: DeploymentPlan, path: str) -> None:
-    """Under a multi-node torchrun (more ranks than one node's: ``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``), each
-    node must hold the plan's ``gpus_per_node`` ranks: torchrun gives node n the global ranks
-    ``n * nproc_per_node ..``, and the plan put each TP group inside a node of ``gpus_per_node``. One node
-    (``--standalone``, or all ranks local) runs any plan. InputError otherwise, before any group forms."""
+    """Under a multi-node torchrun (more ranks than one node's: ``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``), the
+    node of this rank must be one of its pool's nodes as the plan numbers them: ``gpus_per_node`` ranks of the
+    pool (torchrun gives a node the ranks after those of the nodes before it), since the plan put each TP
+    group inside a node of its pool. One node (``--standalone``, or all ranks local) runs any plan.
+    InputError otherwise, before any group forms."""
     world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
     if world is None or local is None or int(world) == int(local):
         return
-    if int(local) != plan.gpus_per_node:
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    k, pool = plan.pool_at(min(rank, plan.n_gpus - 1))  # a rank the plan has not: the world-size check's
+    first, per_node = plan.first_gpu(pool.name), pool.gpus_per_node
+    field = "gpus_per_node" if len(plan.pools) == 1 else f"pools[{k}].gpus_per_node"
+    of = "" if len(plan.pools) == 1 else f" of pool {pool.name!r}"
+    if int(local) != per_node:
+        nodes = (
+            -(-int(world) // per_node)
+            if len(plan.pools) == 1
+            else sum(-(-p.n_gpus // p.gpus_per_node) for p in plan.pools)
+        )
         raise InputError(
             path,
-            "gpus_per_node",
-            f"the plan puts {plan.gpus_per_node} GPUs on a node; torchrun started {local} processes a node "
+            field,
+            f"the plan puts {per_node} GPUs on a node{of}; torchrun started {local} processes a node "
             f"(--nproc-per-node {local}, {int(world) // int(local)} nodes): launch with --nproc-per-node "
-            f"{plan.gpus_per_node} --nnodes {-(-int(world) // plan.gpus_per_node)}, or re-plan for {local} GPUs a node",
+            f"{per_node} --nnodes {nodes}, or re-plan for {local} GPUs a node",
+        )
+    if (rank - local_rank - first) % per_node:
+        raise InputError(
+            path,
+            field,
+            f"this node's ranks start at {rank - local_rank}, not at a node of pool {pool.name!r} "
+            f"(its GPUs {first}..{first + pool.n_gpus - 1}, {per_node} a node): start the pools' nodes in "
+            "the plan's pool order",
         )
 
 
@@ -253,9 +345,10 @@ def _resume_step(options: TrainOptions, warn: bool) -> int | None:
 
 def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
     """Lock the run directory and make it this run's: refuse a used one unless resuming or told to
-    overwrite; check the data against the checkpoint resumed from; write the run's plan and its resolved
-    workload (``workload.resolved.yaml``: :func:`save_resolved_workload`)."""
-    from lorafleet.train.queue import clear_pending
+    overwrite (which clears the run's own queue too, and refuses requests waiting in a ``--queue`` elsewhere);
+    check the data against the checkpoint resumed from; write the run's plan and its resolved workload
+    (``workload.resolved.yaml``: :func:`save_resolved_workload`)."""
+    from lorafleet.train.queue import clear_pending, remove_stale_token
 
     run_dir = options.run_dir
     lock = run_dir.lock()
@@ -269,9 +362,12 @@ def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
                     f"holds a previous run ({', '.join(used)}); pass --resume to "
                     "continue it or --overwrite to replace it",
                 )
+            refuse_foreign_requests(run_dir)
             run_dir.clear()
+            clear_own_queue(run_dir)
         if prepared.resume_step is None:
             clear_pending(options.queue_dir)  # a previous run's accepted requests are not this run's
+        remove_stale_token(options.queue_dir)  # its server is gone: this run holds the directory's lock
         if prepared.resume_step:
             check_data(options, prepared)
         if not prepared.run.plan == _saved_plan(run_dir.plan):
@@ -283,6 +379,47 @@ def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
         lock.release()
         raise
     return lock
+
+
+def refuse_foreign_requests(run_dir: RunDir) -> None:
+    """``--overwrite`` with a ``--queue`` outside the run directory that holds requests: an InputError. They may
+    be the previous run's, which the fresh run would apply at its step 0, and ``--overwrite`` removes only the
+    run directory's files."""
+    from lorafleet.train.queue.requests import request_files
+
+    if run_dir.owns_queue:
+        return
+    waiting = request_files(run_dir.queue)
+    if waiting:
+        raise InputError(
+            str(run_dir.queue),
+            "",
+            f"holds {len(waiting)} request(s) not yet applied ({', '.join(p.name for p in waiting[:3])}"
+            f"{', ...' if len(waiting) > 3 else ''}), perhaps the previous run's, which this fresh run would "
+            "apply at its step 0; --overwrite removes only the run directory's files: move them away, or "
+            "give another --queue",
+        )
+
+
+def clear_own_queue(run_dir: RunDir) -> None:
+    """``--overwrite``: remove the run directory's own queue (``<out>/queue``: requests not yet applied, the
+    accepted and rejected ones, a token file), saying so in one line when it held anything."""
+    import shutil
+
+    from lorafleet.train.queue.requests import request_files
+
+    queue = run_dir.queue
+    if not run_dir.owns_queue or not queue.is_dir():
+        return
+    waiting = request_files(queue)
+    held = any(queue.iterdir())
+    shutil.rmtree(queue)
+    if held:
+        print(
+            f"lorafleet train: --overwrite: removed the previous run's queue {queue} "
+            f"({counted(len(waiting), 'request')} not yet applied)",
+            flush=True,
+        )
 
 
 def record_revisions(options: TrainOptions, prepared: Prepared) -> None:

@@ -32,7 +32,7 @@ def main(argv: Sequence[str]) -> int:
         return train_rank(resolved.options, resolved.prepared())
     except (InputError, KeyboardInterrupt, SystemExit):
         raise
-    except Exception as err:  # recorded in logs/ for the launcher's one line (train.failures), exit 1
+    except Exception as err:  # before the process group (train_rank records its own): logs/, exit 1
         from lorafleet.train.failures import record_worker_error
 
         record_worker_error(resolved.options.run_dir, int(os.environ.get("RANK", "0")), err)

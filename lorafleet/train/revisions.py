@@ -26,6 +26,7 @@ from pydantic import ConfigDict, JsonValue, with_config
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing only on Python >= 3.12
 
 from lorafleet.errors import InputError
+from lorafleet.specs._base import Int
 from lorafleet.specs.workload import TaskSpec
 
 IGNORED = frozenset({"data", "start_step", "name"})
@@ -38,7 +39,7 @@ QUEUED = frozenset({"share", "deadline"})
 class Revision(TypedDict):
     """One hyperparameter of a task changed on a resume (``--allow-changes``)."""
 
-    step: int
+    step: Int
     """The first step trained with the new value."""
     field: str
     """Its dotted path in the task's spec (``optimizer.lr``)."""

@@ -52,25 +52,28 @@ class ResolvedRun:
     """The validated workload spec as JSON: ``--set`` applied, the ledger's tasks, every path absolute."""
     cluster: ClusterSpec
     """The cluster the plan was checked against."""
-    cost_model: CostModelOrigin
-    """Where the launcher's cost model came from (a profile: its absolute path and SHA-256)."""
+    cost_model: dict[str, CostModelOrigin]
+    """Where the launcher's cost model of each pool came from, by pool name (a profile: its absolute path
+    and SHA-256)."""
 
     @classmethod
     def of(cls, options: TrainOptions, prepared: Prepared) -> ResolvedRun:
         """The run file of a launch of ``options`` (already pointing at the run's ``plan.json``)."""
-        origin = prepared.run.cost_model.origin
-        assert origin is not None, "a run's cost model is always built from an origin (assemble.plan_cost_model)"
-        if origin.kind == "profile":
-            origin = CostModelOrigin(
-                kind=origin.kind, gpu=origin.gpu, profile=str(Path(origin.profile).absolute()), sha256=origin.sha256
-            )
+        origins = {}
+        for pool, origin in prepared.run.cost_model.origins().items():
+            assert origin is not None, "a run's cost model is always built from origins (assemble.plan_cost_model)"
+            if origin.kind == "profile":
+                origin = CostModelOrigin(
+                    kind=origin.kind, gpu=origin.gpu, profile=str(Path(origin.profile).absolute()), sha256=origin.sha256
+                )
+            origins[pool] = origin
         return cls(
             options=options,
             plan=prepared.run.plan,
             workload_path=prepared.workload.path,
             workload=prepared.workload.spec.model_dump(mode="json", exclude_none=True),
             cluster=prepared.cluster,
-            cost_model=origin,
+            cost_model=origins,
         )
 
     def save(self, run_dir: RunDir) -> Path:
@@ -98,20 +101,20 @@ class ResolvedRun:
     def prepared(self) -> Prepared:
         """This rank's view of the run: the resolved workload and the checked plan as they are, the cost model
         rebuilt from its origin (its profile unchanged), and where to resume from now."""
-        from lorafleet.assemble import workload_cost_model
+        from lorafleet.assemble import origins_cost_model
         from lorafleet.specs.workload import WorkloadSpec
         from lorafleet.train.preflight import ledger_turns, restarted, resume_step
         from lorafleet.workload import resolve_workload
 
         workload = resolve_workload(WorkloadSpec.model_validate(self.workload), self.workload_path)
-        origin = self.cost_model
-        profile = origin.profile if origin.kind == "profile" else None
-        cost_model = workload_cost_model(workload, self.cluster, profile, sync_replicas=len(self.plan.replicas))
-        assert cost_model.origin is not None
-        if cost_model.origin.sha256 != origin.sha256:
-            raise InputError(
-                origin.profile, "", "changed since the launcher checked the run (its SHA-256); start the run again"
-            )
+        profiles = {pool: o.profile if o.kind == "profile" else None for pool, o in self.cost_model.items()}
+        cost_model = origins_cost_model(workload, self.cluster, profiles, sync_replicas=len(self.plan.replicas))
+        for pool, origin in cost_model.origins().items():
+            assert origin is not None
+            if origin.sha256 != self.cost_model[pool].sha256:
+                raise InputError(
+                    origin.profile, "", "changed since the launcher checked the run (its SHA-256); start the run again"
+                )
         # The launcher named the broken checkpoints it passed over; after an elastic restart, rank 0 does.
         start = resume_step(self.options, warn=restarted() and os.environ.get("RANK") == "0")
         changes, departed = ledger_turns(self.options, start)

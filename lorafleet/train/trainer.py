@@ -20,39 +20,50 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorafleet.errors import InputError
 from lorafleet.plans import StepPlan, StepReport
 from lorafleet.train.health import TaskHealth
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase
 from lorafleet.train.preflight import Prepared, claim
 from lorafleet.train.probe import probe
+from lorafleet.train.queue import Action, Ledger
 from lorafleet.train.summary import run_summary, summary_text
 
 if TYPE_CHECKING:
     from lorafleet.dispatch import LookaheadDispatcher
-    from lorafleet.executor.torch.data_stream import DataStreams
+    from lorafleet.executor.torch.change import ChangeReport, FleetChange
+    from lorafleet.executor.torch.data_stream import DataStreams, TaskData
     from lorafleet.executor.torch.worker import TorchExecutor
     from lorafleet.metrics import FanOut
+    from lorafleet.planner import MigrationModel
+    from lorafleet.plans import DeploymentPlan
     from lorafleet.specs.workload import TaskSpec
     from lorafleet.train.queue import QueueWatcher, Request
+    from lorafleet.workload import Workload
 
 
 def train_rank(options: TrainOptions, prepared: Prepared) -> int:
-    """One process of the run: build the fleet; rank 0 drives the loop, the others serve it."""
+    """One process of the run: build the fleet; rank 0 drives the loop, the others serve it.
+
+    An error once the process group is up (but bad input, one line and exit 2) is recorded under
+    ``<out>/logs/`` (``train.failures``) before the group closes, and the rank returns 1: its peers learn of
+    the failure only from the closed group, so their lost-peer errors can never come first."""
     import torch.distributed as dist
 
     from lorafleet.executor.torch.data_stream import task_tokenizer
     from lorafleet.executor.torch.host_memory import keep_freed_host_memory
-    from lorafleet.executor.torch.launch import build_torch_executor, init_distributed
+    from lorafleet.executor.torch.launch import build_torch_executor, check_device_kinds, init_distributed
     from lorafleet.executor.torch.precision import Precision
     from lorafleet.executor.torch.processes import LOCKED_ENV, check_code
 
     check_code()
-    device = init_distributed(options.device)
+    device = init_distributed(options.device, options.start_timeout_s)
     if device.type == "cpu":
         keep_freed_host_memory()  # the probe's warm-up grows the heap to a step's size, once (host_memory)
     report = phase if dist.get_rank() == 0 else None
@@ -60,6 +71,7 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
         report(f"process group up: {counted(dist.get_world_size(), 'rank')} ({dist.get_backend()})")
     lock = None
     try:
+        check_device_kinds(prepared.run.plan, device, options.plan)
         if dist.get_rank() == 0 and not os.environ.get(LOCKED_ENV):  # under the user's own torchrun
             lock = claim(options, prepared)
         tokenizer = task_tokenizer(prepared.workload.spec)
@@ -79,6 +91,13 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
             executor.serve()  # rank 0 decides when the run stops (a signal here was recorded, no more)
             return 0
         return Trainer(options, prepared, executor, tokenizer).train()
+    except (InputError, KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as err:  # recorded before the group closes: the peers' errors that follow are not news
+        from lorafleet.train.failures import record_worker_error
+
+        record_worker_error(options.run_dir, dist.get_rank(), err)
+        return 1
     finally:
         dist.destroy_process_group()
         if lock is not None:
@@ -103,40 +122,64 @@ class Trainer:
         self.run_dir = options.run_dir
         self.out = self.run_dir.root
         self.checkpoints = self.run_dir.checkpoints
-        self.recalibrator = Recalibrator(len(self.plan.replicas), self.plan.policy.recalibration)
+        self.recalibrator = Recalibrator.for_plan(self.plan)
         self.signal: int | None = None
         pipelined = any(r.config.pp > 1 for r in self.plan.replicas)
         self.window = self.plan.policy.pipeline_window if pipelined else 1
         """Steps a window runs (``lorafleet.loop``); windows also end at checkpoints and queued changes. Only
         a pipelined replica streams across a boundary: without one a window is a step, so each step is
         reported (its log line, its recalibration) as it ends."""
-        self.health = TaskHealth(self.names, options.nonfinite_patience, executor.streams.retire)
-        self.watcher = _queue_watcher(options, prepared, tokenizer)
+        self.health = TaskHealth(self.names, options.nonfinite_patience, self._retire)
+        self.workload = prepared.workload
+        """The run's tasks now (the ledger's active ones, resolved)."""
+        self.ledger = Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks)
+        self.added: dict[str, TaskData] = {}
+        """The data of the tasks the queue accepted (tokenized when they were checked), until they join."""
+        self.watcher = _queue_watcher(self, options, prepared, tokenizer)
         """The live task queue, read at every window boundary (None under a user's own torchrun)."""
         self.due: list[Request] = []
-        """Queued requests due at the boundary the loop stopped at: applied by a restart."""
+        """Queued requests due at the boundary the loop stopped at: applied in the running fleet (:meth:`_change`)."""
+        self.departure: int | None = None
+        """The next step a task is done at, or the end of the departures it waits for (``turns.departures``)."""
+        self.migration = _start_migration(executor, self.plan, self.workload, options.dtype)
+        """What a move of the deployment costs, measured (``planner.incremental.MigrationModel``)."""
         self.next_step = 0
 
     def train(self) -> int:
-        """Run the steps left to the run's total; 0 when done or stopped by a signal at a step boundary."""
+        """Run the steps left to the run's total; 0 when done or stopped by a signal at a step boundary. The steps
+        run in segments, one per task set and deployment: queued changes are applied in the running fleet
+        between two segments (:meth:`_change`)."""
+        start = self.next_step = self.restore()
+        self._save_tokenizer()
+        end = self._end()
+        resumed = f" (resumed from the checkpoint of step {start})" if start else ""
+        if start < end:
+            phase(f"training steps {start}..{end - 1} of {self.options.steps}{resumed}")
+        if self.plan.policy.recalibration.enabled and start < end:
+            probe(self.executor, self.plan, self.cost_model, self.recalibrator, start)
+        ran = False
+        with self._writers(range(start, self.options.steps)) as metrics:
+            while True:
+                steps = range(self.next_step, self._end())
+                ran |= bool(self._segment(metrics, steps))
+                if self.signal is not None and self.next_step < steps.stop:
+                    return self._stopped(self.next_step)
+                if not self.due:
+                    return self._finish(self.next_step, ran=ran)
+                if not self._change(self.next_step):
+                    return self._apply_queued(self.next_step)
+                if not self.names:
+                    return self._all_left(self.next_step)
+
+    def _segment(self, metrics: FanOut, steps: range) -> list[StepReport]:
+        """``steps`` on the running deployment and tasks, up to a boundary where changes are due."""
         from lorafleet.dispatch import LookaheadDispatcher
         from lorafleet.loop import run_loop
 
-        start = self.next_step = self.restore()
-        self._save_tokenizer()
-        steps = range(start, min(self.options.steps, _last_step(self.executor, self.options.steps)))
-        resumed = f" (resumed from the checkpoint of step {start})" if start else ""
-        if steps:
-            phase(f"training steps {steps.start}..{steps.stop - 1} of {self.options.steps}{resumed}")
-        if self.plan.policy.recalibration.enabled and len(steps):
-            probe(self.executor, self.plan, self.cost_model, self.recalibrator, start)
-        with (
-            self._writers(steps) as metrics,
-            LookaheadDispatcher(
-                self.executor.next_global_batch, self.plan, self.cost_model, depth=self.window
-            ) as ahead,
-        ):
-            done = run_loop(
+        with LookaheadDispatcher(
+            self.executor.next_global_batch, self.plan, self.cost_model, depth=self.window
+        ) as ahead:
+            return run_loop(
                 ahead,
                 self.executor,
                 steps,
@@ -145,14 +188,12 @@ class Trainer:
                 stop=self._stop_requested,
                 window=self.window,
                 boundary_every=self.options.checkpoint_every,
-                next_boundary=(lambda _step: self.watcher.next_due()) if self.watcher is not None else None,
+                next_boundary=self._next_boundary if self.watcher is not None else None,
             )
-        reached = start + len(done)
-        if self.signal is not None and reached < steps.stop:
-            return self._stopped(reached)
-        if self.due:
-            return self._apply_queued(reached)
-        return self._finish(reached, ran=bool(done))
+
+    def _end(self) -> int:
+        """The step after which every task has taken all its batches (the run's total when a task still has turns)."""
+        return min(self.options.steps, self.executor.streams.end_step(self.options.steps))
 
     def restore(self) -> int:
         """The first step to run: 0, or the resumed checkpoint's (with its recalibration and stopped tasks);
@@ -191,7 +232,8 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """At a window boundary: a signal asked to stop (this process's, ``processes.catch_stop_signals``, or the
-        launcher's stop request), or queued requests are due (the run restarts to apply them)."""
+        launcher's stop request), or queued requests are due (applied in the running fleet), with the tasks
+        whose batches are done and whose departure is due (``turns.departures``)."""
         from lorafleet.executor.torch.processes import stop_signal
 
         if self.signal is None:
@@ -199,9 +241,156 @@ class Trainer:
         if self.signal is None and self.watcher is not None:
             self.due = self.watcher.poll(self.next_step)
             if self.next_step < self.options.steps:
+                done, self.departure = finished_tasks(
+                    self.executor.streams, self.next_step, self.options.steps, bool(self.due)
+                )
                 left = {r.name for r in self.due}
-                self.due += [r for r in finished_tasks(self.executor.streams, self.next_step) if r.name not in left]
+                self.due += [r for r in done if r.name not in left]
         return self.signal is not None or bool(self.due)
+
+    def _next_boundary(self, step: int) -> int | None:
+        """A step a window must end at: a queued request's ``at_step``, or a departure's (``run_loop``)."""
+        due = [s for s in (self.watcher.next_due() if self.watcher else None, self.departure) if s is not None]
+        return min(due, default=None)
+
+    def _retire(self, task: int, from_step: int) -> None:
+        """The health watch's stop of a task, in the streams the fleet runs now."""
+        self.executor.streams.retire(task, from_step)
+
+    def _change(self, step: int) -> bool:
+        """The requests due at the boundary before ``step`` applied in the running fleet (``train.live``): a
+        checkpoint when a task joins or leaves, the requests left in ``.apply.json``, then the ledger, the exports,
+        the re-plan and the executor's change of its slots or deployment (``TorchExecutor.change``). False when
+        the new plan needs processes the run does not have: the workers then stop and the launcher applies them."""
+        from lorafleet.train import live
+        from lorafleet.train.queue import Pending, clear_pending, save_pending
+
+        requests, self.due = self.due, []
+        turns = dict(zip(self.names, self.executor.streams.turns, strict=True))
+        tasks_change = any(r.action is not Action.UPDATE for r in requests)
+        relaunch = bool(os.environ.get(RELAUNCH_ENV))
+        # A task that leaves is exported from this checkpoint, and the ledger records it gone only once it is
+        # committed (a resume from an older one would lose its last steps); a join or an update may be recorded
+        # before: a resume from an older checkpoint replays the steps before it, then the change.
+        leaving = any(r.action in live.LEAVING for r in requests)
+        checkpoint = self._checkpoint(step, wait=leaving or relaunch) if tasks_change or relaunch else None
+        committed = f" (checkpoint {checkpoint.name})" if checkpoint is not None else ""
+        save_pending(self.options.queue_dir, Pending(step, requests, turns))
+        live.log(f"step {step}: {', '.join(f'{r.action.value} {r.name}' for r in requests)}{committed}")
+        active = self.ledger.apply(requests, step, turns).active
+        plan, replan = self.plan, None
+        if active:
+            lengths = {name: data.raw_lengths for name, data in self.added.items()}
+            workload = live.changed_workload(self.workload, active, lengths)
+            plan = replace(self.plan, tasks=tuple(t.name for t in active))
+        if relaunch:
+            live.log(f"step {step}: {RELAUNCH_ENV} is set: the workers restart to apply the changes")
+            return False
+        if active and tasks_change:
+            replan = live.replan_change(self.options, workload, self.plan, step, self.migration, save=False)
+            plan = replan.plan
+            if plan.world_size > self.executor.world_size:
+                live.log(
+                    f"step {step}: {replan.describe()}; it needs {plan.world_size} processes and the run has "
+                    f"{self.executor.world_size}: the workers restart to apply it"
+                )
+                return False
+        self.ledger = live.record_change(self.options, self.ledger, step, requests, turns, self.workload.spec.tasks)
+        if not active:
+            clear_pending(self.options.queue_dir)
+            live.log(f"step {step}: no task is left to train")
+            self.names = []
+            return True
+        plan.save(self.run_dir.plan)
+        clear_pending(self.options.queue_dir)
+        if replan is not None:
+            live.log(f"step {step}: {replan.describe()}")
+        change = self._fleet_change(step, workload, plan)
+        report = self.executor.change(
+            change, {t.name: self.added.pop(t.name) for t in change.tasks if t.name in self.added}
+        )
+        what = [
+            f"ranks {', '.join(map(str, report.rebuilt))} built their stages" if report.rebuilt else "every stage kept"
+        ]
+        what += [f"{name} {seconds:.2g} s" for name, seconds in report.phases.items() if seconds >= 0.01]
+        live.log(f"step {step}: applied in the running fleet in {report.seconds:.3g} s ({'; '.join(what)})")
+        self._learn_migration(report, plan)
+        self._continue_with(workload, plan)
+        return True
+
+    def _fleet_change(self, step: int, workload: Workload, plan: DeploymentPlan) -> FleetChange:
+        """What the executor is told of the change at ``step``: the tasks (a new one's schedule as a launch would
+        give it), their specs and turns (the ledger's), the plan, the stopped tasks that stay."""
+        from lorafleet.executor.torch.change import FleetChange
+        from lorafleet.executor.torch.data_stream import task_batches
+        from lorafleet.executor.torch.launch import task_training
+
+        running = {t.name: t for t in self.executor.config.tasks}
+        specs = tuple(t.spec for t in workload.tasks)
+        tasks = tuple(
+            running.get(spec.name)
+            or task_training(spec, task_batches(spec, self._added_data(spec)), self.options.steps)
+            for spec in specs
+        )
+        stopped = {name: at for name, at in self.health.stopped.items() if name in running}
+        return FleetChange(
+            step=step,
+            tasks=tasks,
+            specs=specs,
+            plan=plan,
+            turn_changes=self.ledger.turn_changes(),
+            departed=self.ledger.departed(),
+            stopped=stopped,
+        )
+
+    def _added_data(self, spec: TaskSpec) -> TaskData:
+        """A joining task's data, as the queue's check tokenized it (else tokenized now); kept for the executor."""
+        from lorafleet.executor.torch.data_stream import prepare_task_data
+
+        if spec.name not in self.added:
+            self.added[spec.name] = prepare_task_data(spec, self.tokenizer, spec.data.path if spec.data else "queue")
+        return self.added[spec.name]
+
+    def _learn_migration(self, report: ChangeReport, plan: DeploymentPlan) -> None:
+        """A move's measured phases price the next one: its stage builds give the load rate (the largest stage
+        built over the slowest rank's build), the rest of its time the fixed part (``MigrationModel``)."""
+        if not report.rebuilt:
+            return
+        n_params = self.workload.model.n_params
+        built = [r for r in plan.replicas if set(r.gpus) & set(report.rebuilt)]
+        largest = max(n_params * self.migration.dtype_bytes / r.config.n_gpus for r in built)
+        stage = report.phases["stage"]
+        self.migration = replace(
+            self.migration,
+            fixed_s=max(report.seconds - stage, 0.0),
+            load_bytes_per_s=largest / stage if stage > 0 else self.migration.load_bytes_per_s,
+        )
+
+    def _continue_with(self, workload: Workload, plan: DeploymentPlan) -> None:
+        """Rank 0's loop state after a change: the tasks, the plan and its cost model (as a launch would build
+        them), the recalibration of the replicas that stay, the health watch and the queue's view of the tasks."""
+        from lorafleet.assemble import plan_cost_model
+        from lorafleet.dispatch.recalibration import Recalibrator
+        from lorafleet.train.live import cluster_of
+
+        old = {(r.config, r.gpus): r.replica_id for r in self.plan.replicas}
+        if list(old) != [(r.config, r.gpus) for r in plan.replicas]:
+            # A replica that stays keeps what it measured; a new one is priced at the fleet's scale until it
+            # reports (``Recalibrator``: an unobserved replica's correction).
+            state = self.recalibrator.state_dict()
+            kept = [old.get((r.config, r.gpus)) for r in plan.replicas]
+            self.recalibrator = Recalibrator(len(plan.replicas), plan.policy.recalibration)
+            self.recalibrator.load_state_dict(
+                {key: [0 if k is None else values[k] for k in kept] for key, values in state.items()}
+            )
+        self.cost_model, _ = plan_cost_model(workload, cluster_of(plan), plan, self.options.plan, self.options.profile)
+        self.plan, self.workload = plan, workload
+        self.names = [t.spec.name for t in workload.tasks]
+        pipelined = any(r.config.pp > 1 for r in plan.replicas)
+        self.window = plan.policy.pipeline_window if pipelined else 1
+        self.health.retask(self.names)
+        if self.watcher is not None:
+            self.watcher.ledger = self.ledger
 
     def _finish(self, reached: int, ran: bool) -> int:
         """The run's end after ``reached`` steps (``ran``: some of them in this launch): a final checkpoint
@@ -215,7 +404,7 @@ class Trainer:
             final,
             self.names,
             self.run_dir.adapters,
-            tasks=self.prepared.workload.spec.tasks,
+            tasks=self.workload.spec.tasks,
             tokenizer=self.run_dir.tokenizer,
             losses=last_losses(self.run_dir.metrics_jsonl),
             changes=revision_lines(self.out),
@@ -253,16 +442,16 @@ class Trainer:
         return 0
 
     def _apply_queued(self, reached: int) -> int:
-        """Queued requests due before step ``reached``: checkpoint, hand them to the launcher (``train.live``),
-        which applies them and restarts the run from this checkpoint."""
-        from lorafleet.train.queue import Pending, save_pending
-
-        step_dir = self._checkpoint(reached, wait=True)
-        turns = dict(zip(self.names, self.executor.streams.turns, strict=True))
-        save_pending(self.options.queue_dir, Pending(reached, self.due, turns))
+        """Queued requests due before step ``reached`` that the running fleet cannot apply (:meth:`_change` left
+        them in ``.apply.json``, after the checkpoint): the workers stop, and the launcher applies them
+        (``train.live.apply_pending``) and starts them again from this checkpoint."""
         self.executor.close()
-        changes = ", ".join(f"{r.action.value} {r.name}" for r in self.due)
-        print(f"lorafleet train: queue: step {reached}: {changes} (checkpoint {step_dir.name})", flush=True)
+        return 0
+
+    def _all_left(self, reached: int) -> int:
+        """Every task has left the run at the boundary before ``reached`` (its adapters exported)."""
+        self.executor.close()
+        print(f"lorafleet train: every task has left the run at step {reached}", flush=True)
         return 0
 
     def _checkpoint(self, step: int, wait: bool = False) -> Path:
@@ -303,39 +492,63 @@ class Trainer:
         return FanOut(*writers)
 
 
-def finished_tasks(streams: DataStreams, step: int) -> list[Request]:
-    """Tasks that took their last batch before ``step`` (their ``steps`` or ``epochs``) while the run goes on:
-    finished, as if asked through the queue, so their adapters are exported now and their memory freed."""
+def finished_tasks(
+    streams: DataStreams, step: int, run_steps: int, now: bool = False
+) -> tuple[list[Request], int | None]:
+    """Tasks that took their last batch before ``step`` (their ``steps`` or ``epochs``) while the run goes on and
+    whose departure is due there (``turns.departures``: ``now``, other changes are applied at this boundary):
+    finished, as if asked through the queue, so their adapters are exported and their slots freed; and the next
+    step a departure is to be looked at (None: no task is done within twice the departure window: the turns are
+    drawn that far ahead only, so their cost grows with the steps run, not the run's ``run_steps``)."""
     from lorafleet.train.queue import Action, Request
+    from lorafleet.turns import DEPARTURE_WINDOW, departures
 
-    out = []
-    for t, (stream, limit) in enumerate(zip(streams.streams, streams.max_batches, strict=True)):
-        if limit is not None and streams.batches_taken(t, step) >= limit and t not in streams.retired:
-            out.append(Request(TOOK_ITS_STEPS, Action.FINISH, stream.data.name))
-    return out
+    names = [s.data.name for s in streams.streams]
+    horizon = min(run_steps, step + 2 * DEPARTURE_WINDOW)
+    ends = {names[t]: end for t, end in streams.end_steps(horizon).items()}
+    done, boundary = departures(ends, step, now)
+    return [Request(TOOK_ITS_STEPS, Action.FINISH, name) for name in done], boundary
 
 
 TOOK_ITS_STEPS = "(took its steps)"
 """The request file of a task that finished on its own (no file)."""
 
+RELAUNCH_ENV = "LORAFLEET_RELAUNCH_CHANGES"
+"""When set, every queued change is applied by stopping the workers and launching them again from the
+boundary's checkpoint (``train.live.apply_pending``): the fallback's path, and the way before changes were
+applied in the running fleet, which ``benchmarks/bench_queue.py`` measures against."""
 
-def _queue_watcher(options: TrainOptions, prepared: Prepared, tokenizer: Any) -> QueueWatcher | None:
-    """The queue's watcher, under ``lorafleet train``'s own launcher only (which applies what it accepts):
-    a task to add is checked against the workload's defaults and its data tokenized as training will."""
+
+def _queue_watcher(trainer: Trainer, options: TrainOptions, prepared: Prepared, tokenizer: Any) -> QueueWatcher | None:
+    """The queue's watcher, under ``lorafleet train``'s own launcher only (which applies what the running fleet
+    cannot): a task to add is checked against the workload's defaults, its data tokenized as training will (and
+    kept for when it joins) and its sequences held to the configs of the run's GPUs."""
     from lorafleet.executor.torch.data_stream import prepare_task_data
     from lorafleet.executor.torch.processes import LOCKED_ENV
-    from lorafleet.train.queue import Ledger, QueueWatcher
+    from lorafleet.train.live import check_placeable
+    from lorafleet.train.queue import QueueWatcher
 
     if not os.environ.get(LOCKED_ENV):
         return None
 
     def check(task: TaskSpec) -> None:
-        prepare_task_data(task, tokenizer, task.data.path if task.data else "queue")
+        data = prepare_task_data(task, tokenizer, task.data.path if task.data else "queue")
+        check_placeable(task, trainer.workload, trainer.plan, trainer.cost_model)
+        trainer.added[task.name] = data
 
-    ledger = Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks)
-    return QueueWatcher(options.queue_dir, prepared.workload.spec.defaults, ledger, check=check)
+    defaults = prepared.workload.spec.defaults
+    return QueueWatcher(options.queue_dir, defaults, trainer.ledger, check=check, data_roots=options.queue_data_roots)
 
 
-def _last_step(executor: TorchExecutor, steps: int) -> int:
-    """The step after which every task has taken all its batches (``steps`` when a task still has turns)."""
-    return executor.streams.end_step(steps)
+def _start_migration(executor: TorchExecutor, plan: DeploymentPlan, workload: Workload, dtype: str) -> MigrationModel:
+    """The price of a move before the run has made one: the defaults' fixed part, and the load rate of rank 0's
+    own stage as this launch built it (its base weights' bytes over the seconds it took)."""
+    from lorafleet.executor.torch.precision import Precision
+    from lorafleet.planner import MigrationModel
+
+    model = MigrationModel(dtype_bytes=Precision(dtype).bytes)
+    role = executor.replica.role
+    if role is None or executor.stage_build_s <= 0:
+        return model
+    stage_bytes = workload.model.n_params * model.dtype_bytes / (role.replica.tp * role.replica.pp)
+    return replace(model, load_bytes_per_s=stage_bytes / executor.stage_build_s)

@@ -13,7 +13,7 @@ from lorafleet.arrivals import ArrivalOptions, Strategy, load_trace, replay_trac
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.cli import main
 from lorafleet.errors import InputError
-from lorafleet.planner import PlannerOptions, ReplanOptions, plan_deployment
+from lorafleet.planner import PlannerOptions, ReplanObjective, ReplanOptions, plan_deployment
 from lorafleet.sampling import task_lengths
 from lorafleet.workload import load_workload
 
@@ -236,11 +236,10 @@ def swap(files):
     return trace, cluster, workload_cost_model(trace.all_tasks(), cluster)
 
 
-def _incremental(setting, migration_s: float):
+def _incremental(setting, migration_s: float, objective: ReplanObjective = ReplanObjective.MAKESPAN):
     trace, cluster, cost_model = setting
-    options = ArrivalOptions(
-        planner=FAST, replan=ReplanOptions(migration_s=migration_s), strategies=(Strategy.INCREMENTAL,)
-    )
+    replan = ReplanOptions(migration_s=migration_s, objective=objective)
+    options = ArrivalOptions(planner=FAST, replan=replan, strategies=(Strategy.INCREMENTAL,))
     return replay_trace(trace, cluster, cost_model, options).run(Strategy.INCREMENTAL)
 
 
@@ -270,6 +269,19 @@ def test_incremental_without_migration_moves_whenever_a_fresh_plan_is_better(swa
             assert change.moved and change.step_gpu_s < change.keep_step_gpu_s, change
         assert change.step_gpu_s <= change.keep_step_gpu_s * (1 + 1e-9)  # never worse than keeping
     assert better >= 1  # the scenario has such a change: the short task left alone on the long one's replicas
+
+
+def test_the_gpu_s_objective_takes_a_plan_cheaper_but_slower_than_the_running_one(swap):
+    """The limit of the makespan objective above, lifted by ``gpu-s`` (#28): with the same changes, it ends every
+    change on at most the GPU-seconds per step the makespan objective chose, and on fewer at the change where
+    the short task is left alone on the long one's replicas (a trimmed deployment: slower, on fewer GPUs)."""
+    makespan, gpu_s = _incremental(swap, 0.0), _incremental(swap, 0.0, ReplanObjective.GPU_S)
+    assert [c.tasks for c in gpu_s.changes] == [c.tasks for c in makespan.changes]
+    cheaper = 0
+    for mine, theirs in zip(gpu_s.changes[1:], makespan.changes[1:], strict=True):
+        assert mine.step_gpu_s <= theirs.step_gpu_s * (1 + 1e-9), (mine, theirs)
+        cheaper += mine.step_gpu_s < theirs.step_gpu_s * (1 - 1e-3)
+    assert cheaper >= 1 and gpu_s.step_gpu_s < makespan.step_gpu_s
 
 
 def run_gpus(run, change) -> int:
@@ -351,5 +363,7 @@ def test_a_bad_trace_exits_2_with_one_line(files, capsys):
 def test_arrivals_options_defaults():
     options = ArrivalOptions()
     assert options.planner.robust_samples == 0 and not options.planner.baselines
-    assert options.replan.migration_s == 60 and options.replan.horizon_steps == 200
+    # A move is priced by the in-process rebuild's measured model unless --migration-s says a flat price (#28).
+    assert options.replan.migration_s is None and options.replan.pricing == options.replan.migration
+    assert options.replan.horizon_steps == 200 and options.replan.objective is ReplanObjective.MAKESPAN
     assert replace(options, seed=3).seed == 3

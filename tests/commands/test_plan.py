@@ -16,7 +16,8 @@ def workload_path(tmp_path_factory):
 
 def test_cli_surface_is_frozen():
     """A new option of `plan` must be added here on purpose (as `train`'s are in test_train.py).
-    --max-nodes, --deadline, --budget and --steps size the fleet with --gpus auto (docs/planner.md)."""
+    --max-nodes, --deadline, --budget and --steps size the fleet with --gpus auto (docs/planner.md);
+    --objective and --makespan-tolerance choose between plans (#29: the cost objective)."""
     plan = build_parser()._subparsers._group_actions[0].choices["plan"]
     assert sorted(o for a in plan._actions for o in a.option_strings) == [
         "--budget",
@@ -25,9 +26,11 @@ def test_cli_surface_is_frozen():
         "--gpus",
         "--help",
         "--json",
+        "--makespan-tolerance",
         "--max-nodes",
         "--microbatch",
         "--mode",
+        "--objective",
         "--pipeline-window",
         "--plot",
         "--profile",
@@ -70,6 +73,9 @@ def test_plan_prints_tables_and_writes_json_and_plot(workload_path, tmp_path, ca
         (["--samples", "-1"], "--samples"),
         (["--gpu", "TPU"], "--gpu"),
         (["--pipeline-window", "0"], "--pipeline-window: must be >= 1 step, got 0"),
+        (["--objective", "speed"], "--objective: 'speed' is not one of makespan, cost"),
+        (["--makespan-tolerance", "1.5"], "--makespan-tolerance: must be in [0, 1), got 1.5"),
+        (["--objective", "cost"], "--objective: cost needs a price_per_gpu_hour on every pool"),
     ],
 )
 def test_bad_flags_are_one_line_errors(workload_path, tmp_path, capsys, flags, where):
@@ -112,3 +118,25 @@ def test_the_pipeline_window_is_recorded_in_the_plans_policy(workload_path, tmp_
     expected = int(window or 8)
     assert f"pipeline window {expected}" in capsys.readouterr().out
     assert DeploymentPlan.load(out).policy.pipeline_window == expected
+
+
+def test_a_plan_on_priced_pools_prints_its_cost_and_the_cost_objective_is_cheaper(tmp_path, capsys):
+    """#29: with prices, the comparison has a cost column and the plan its cost a step; --objective cost
+    within a 20% makespan tolerance finds a step no dearer than the fastest plan's."""
+    import yaml
+
+    from tests.helpers.pools import POOLS_WORKLOAD
+
+    path = tmp_path / "pools.yaml"
+    path.write_text(yaml.safe_dump(POOLS_WORKLOAD))
+    costs = {}
+    for objective in ("makespan", "cost"):
+        out = tmp_path / f"{objective}.json"
+        flags = ["--objective", objective, "--makespan-tolerance", "0.2", "--samples", "0", "--json", str(out)]
+        assert main(["plan", str(path), *flags]) == 0
+        text = capsys.readouterr().out
+        assert "lorafleet: cost" in text and "a step at the pools' prices" in text
+        line = next(x for x in text.splitlines() if "a step at the pools' prices" in x)
+        costs[objective] = float(line.split()[1])
+        assert [p.name for p in DeploymentPlan.load(out).pools] == ["a100", "h100"]
+    assert costs["cost"] <= costs["makespan"]

@@ -90,3 +90,51 @@ def test_device_and_dtype_choices():
     for flag, value in (("--device", "tpu"), ("--dtype", "fp16")):
         with pytest.raises(SystemExit):
             _args(flag, value)
+
+
+@pytest.mark.parametrize("where", ["read-only folder", "a directory", "under a file", "in place, read-only folder"])
+def test_fit_checks_its_output_before_fitting(tmp_path, capsys, where):
+    """``fit`` whose output cannot be written: one line, exit 2, nothing printed (the fit prints its quality
+    lines: it did not run) and nothing written (#25). The code runs unprivileged: root writes anywhere."""
+    import shutil
+
+    from tests.helpers.permissions import read_only, unprivileged
+    from tests.helpers.repo import REPO
+
+    profile = tmp_path / "p.json"
+    shutil.copy(REPO / "profiles" / "tiny-llama-cpu.json", profile)
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "ro").mkdir()
+    shutil.copy(profile, tmp_path / "ro" / "p.json")
+    read_only(tmp_path / "ro")
+    argv = {
+        "read-only folder": [str(profile), "--out", str(tmp_path / "ro" / "fitted.json")],
+        "a directory": [str(profile), "--out", str(tmp_path / "dir")],
+        "under a file": [str(profile), "--out", str(tmp_path / "file" / "fitted.json")],
+        "in place, read-only folder": [str(tmp_path / "ro" / "p.json")],
+    }[where]
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    with unprivileged():
+        code = main(["fit", *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "cannot write here" in err or "is a directory, expected a file" in err, err
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+
+
+@pytest.mark.parametrize(
+    "command", [["profile", "--model", "tiny-llama", "--configs", "1x1"], ["costmodel", "predict"]]
+)
+def test_profile_and_predict_check_their_output_before_the_work(tmp_path, capsys, command):
+    from tests.helpers.permissions import read_only, unprivileged
+
+    out_path = read_only(tmp_path / "ro") / "out.json"
+    if command[0] == "costmodel":
+        (tmp_path / "rows.csv").write_text("tp,seq_len,mbs\n1,128,2\n")
+        command = [*command, "--model", "tiny-llama", "--gpu", "cpu", "--csv", str(tmp_path / "rows.csv")]
+    with unprivileged():
+        code = main([*command, "--out", str(out_path)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and "cannot write here" in err, err
+    assert not list((tmp_path / "ro").iterdir())

@@ -58,12 +58,15 @@ def test_cli_surface_is_frozen():
         "--plan",
         "--profile",
         "--queue",
+        "--queue-data-root",
         "--queue-http",
         "--recalibrate",
         "--replan-horizon",
+        "--replan-objective",
         "--resume",
         "--set",
         "--solver",
+        "--start-timeout",
         "--steps",
         "--time-limit",
         "-h",
@@ -77,13 +80,13 @@ def workload(tmp_path, tiny_tokenizer_dir):
     path = tmp_path / "w.yaml"
     path.write_text(
         f"model: tiny-llama\ntokenizer: {tiny_tokenizer_dir}\n"
-        "cluster: {gpu: A100-40GB, nodes: 1, gpus_per_node: 2}\n"
+        "cluster: {gpu: cpu, nodes: 1, gpus_per_node: 2}\n"
         "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-3}}\n"
         "tasks:\n"
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
         f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128}}\n"
     )
-    plan = replace(h.plan_of((1, 1), (1, 1, True)), gpu="A100-40GB", tasks=("docsum", "chat"), bucket_boundaries=(256,))
+    plan = replace(h.plan_of((1, 1), (1, 1, True)), tasks=("docsum", "chat"), bucket_boundaries=(256,))
     plan.save(tmp_path / "plan.json")
     return path, tmp_path / "plan.json"
 
@@ -113,10 +116,26 @@ def test_bad_input_is_one_line_and_exit_2(workload, capsys, change, extra, messa
 
 def test_a_plan_for_other_tasks_is_refused(workload, capsys, tmp_path):
     path, plan = workload
-    other = replace(h.plan_of((1, 1)), gpu="A100-40GB", tasks=("a", "b"), bucket_boundaries=(256,))
+    other = replace(h.plan_of((1, 1)), tasks=("a", "b"), bucket_boundaries=(256,))
     other.save(tmp_path / "other.json")
     assert main(["train", str(path), "--plan", str(tmp_path / "other.json")]) == 2
     assert "the plan is for tasks ['a', 'b']" in capsys.readouterr().err
+
+
+def test_a_gpu_plan_on_the_cpu_device_is_refused_before_any_process(workload, capsys, tmp_path):
+    """#29: on CPU a rank's device kind is ``cpu``; ``--device cpu`` with a plan for A100s is one line, exit 2,
+    and nothing written (on GPUs each rank checks its own: tests/executor/torch/test_device_kind.py)."""
+    path, _ = workload
+    path.write_text(path.read_text().replace("gpu: cpu", "gpu: A100-40GB"))
+    plan = replace(h.plan_of((1, 1), (1, 1), gpu="A100-40GB"), tasks=("docsum", "chat"), bucket_boundaries=(256,))
+    plan.save(tmp_path / "a100.json")
+    out = tmp_path / "out"
+    assert main(["train", str(path), "--plan", str(tmp_path / "a100.json"), "--device", "cpu", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "a100.json: pools[0].gpu: --device cpu runs every rank on a CPU, but the plan puts ranks in " in err
+    assert "of A100-40GB GPUs: plan for the devices the job runs on (--gpu cpu)" in err
+    assert not out.exists()
 
 
 @pytest.mark.slow
@@ -242,12 +261,11 @@ def test_a_slowed_replica_gets_less_work_on_the_torch_executor(tmp_path, tiny_to
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 8, context_length: 256}}\n"
         f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 8, context_length: 128}}\n"
     )
+    origin = CostModelOrigin(kind="profile", gpu="cpu", profile=str(profile), sha256=file_sha256(profile))
     plan = replace(
-        h.plan_of((1, 1), (1, 1), max_tokens=1024),
-        gpu="cpu",
+        h.plan_of((1, 1), (1, 1), max_tokens=1024, cost_model=origin),
         tasks=("docsum", "chat"),
         bucket_boundaries=(256,),
-        cost_model=CostModelOrigin(kind="profile", gpu="cpu", profile=str(profile), sha256=file_sha256(profile)),
     )
     plan.save(tmp_path / "plan.json")
     out = tmp_path / "out"

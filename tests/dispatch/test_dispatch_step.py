@@ -264,3 +264,27 @@ def test_a_pipeline_window_orders_task_major_and_prices_the_tasks(mode):
         )
     pipelined = [w for w, r in zip(step.work, plan.replicas, strict=True) if r.config.pp > 1 and w.microbatches]
     assert pipelined
+
+
+def test_a_step_is_balanced_across_gpu_kinds_by_each_replicas_own_time_model(tmp_path):
+    """#29: <2,1> on H100s and <2,1> on A100s are one layout on two kinds; each is priced by its pool's model,
+    so the H100 replica takes more of the step's tokens, and every estimate is its own model's."""
+    from lorafleet.sampling import sample_global_batch
+    from tests.helpers.pools import pools_fleet
+
+    workload, _, cost_model, plan = pools_fleet(tmp_path)
+    step = dispatch_step(sample_global_batch(workload, 0, 0), plan, cost_model)
+    tokens = task_tokens_per_replica(step, len(workload.tasks)).sum(axis=1)
+    a100, h100 = plan.replicas[0], plan.replicas[1]
+    assert a100.config.layout == h100.config.layout and (a100.pool, h100.pool) == ("a100", "h100")
+    assert tokens[1] > 1.5 * tokens[0] > 0
+    for replica, work in zip(plan.replicas, step.work, strict=True):
+        mbs = work.microbatches
+        priced = cost_model.replica_time(
+            replica.config, [m.shape for m in mbs], [m.task_ids for m in mbs], window=plan.policy.pipeline_window
+        )
+        assert work.estimated_time_s == pytest.approx(priced)
+    # the A100's model would price the H100 replica's work slower than the H100's does
+    mbs = step.work[1].microbatches
+    as_a100 = cost_model.replica_time(a100.config, [m.shape for m in mbs])
+    assert as_a100 > cost_model.replica_time(h100.config, [m.shape for m in mbs])

@@ -74,8 +74,43 @@ def test_bounded_and_skipping_what_says_nothing():
     again.load_state_dict(state)
     assert again.factors == cal.factors
     other = Recalibrator(2)
-    other.load_state_dict(state)  # another deployment's state: ignored
-    assert other.factors == (1.0, 1.0)
+    other.load_state_dict(state)  # another deployment's replicas: they start from the pool's scale (#29)
+    assert other.factors == pytest.approx((2.0, 2.0))
+
+
+def test_each_pool_has_its_scale_and_a_replica_not_yet_observed_starts_from_its_siblings():
+    """#29: the A100 pool's model is 2x off, the H100's 0.5x: an idle H100 replica is priced at its
+    siblings' 0.5, not at the fleet's median; each replica departs from its own pool's scale."""
+    pools = ["a100", "a100", "h100", "h100", "h100"]
+    cal = Recalibrator(5, Recalibration(bound=3.0), pools=pools)
+    cal.observe(_step([1.0, 1.0, 1.0, 1.0, 0.0]), _report([2.0, 2.0, 0.5, 3.0, 0.0]))
+    assert cal.pool_scales() == pytest.approx({"a100": 2.0, "h100": 1.75})
+    assert cal.factors[4] == pytest.approx(1.75)  # the fleet's median would be 2.0
+    one = Recalibrator(5, Recalibration(bound=3.0))  # one pool: the old rule, every replica around the fleet's g
+    one.observe(_step([1.0, 1.0, 1.0, 1.0, 0.0]), _report([2.0, 2.0, 0.5, 3.0, 0.0]))
+    assert one.factors[4] == pytest.approx(2.0)
+    h100 = Recalibrator(3, Recalibration(bound=3.0), pools=["a100", "h100", "h100"])
+    h100.observe(_step([1.0, 1.0, 0.0]), _report([2.0, 0.5, 0.0]))
+    assert h100.factors == pytest.approx((2.0, 0.5, 0.5))  # the idle H100 replica: its sibling's, not 1.25
+
+
+def test_a_re_planned_deployment_starts_each_pool_from_what_it_measured():
+    old = Recalibrator(3, pools=["a100", "h100", "h100"])
+    old.observe(_step([1.0, 1.0, 1.0]), _report([2.0, 0.5, 0.5]))
+    state = old.state_dict()
+    assert state["pool_scales"] == pytest.approx({"a100": 2.0, "h100": 0.5})
+    new = Recalibrator(4, pools=["a100", "h100", "h100", "l40s"])
+    new.load_state_dict(state)
+    # l40s was never measured: the fleet's scale (the median of the new deployment's observations, none yet: 1)
+    assert new.factors == pytest.approx((2.0, 0.5, 0.5, 1.0))
+    carried = Recalibrator(2, pools=["h100", "a100"], prior=old.measured_pool_scales())
+    assert carried.factors == pytest.approx((0.5, 2.0))
+    resumed = Recalibrator(3, pools=["a100", "h100", "h100"])
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    legacy = Recalibrator(3)  # a checkpoint written before pools: one pool, its averages kept
+    legacy.load_state_dict({"average": state["average"], "observed": state["observed"]})
+    assert legacy.state_dict()["average"] == state["average"]
 
 
 @pytest.mark.parametrize(

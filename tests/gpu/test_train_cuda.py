@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.plans import DeploymentPlan, ReplicaSpec
+from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from tests.helpers.repo import EXAMPLES, REPO
 
 pytestmark = pytest.mark.skipif(
@@ -41,9 +41,7 @@ def workload(tmp_path, tiny_tokenizer_dir):
     )
     plan = DeploymentPlan(
         model="tiny-llama",
-        gpu="H200-141GB",
-        n_gpus=1,
-        gpus_per_node=1,
+        pools=(PlanPool("", "H200-141GB", 1, 1),),
         tasks=("docsum", "chat"),
         replicas=(ReplicaSpec(0, ParallelConfig(1, 1), 4096, (0,)),),
         bucket_boundaries=(),

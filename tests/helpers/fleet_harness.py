@@ -18,13 +18,23 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.data.model_source import ModelSource, SourceKind
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
 from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.executor.torch.data_stream import DataStreams, TaskData
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
-from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaSpec, ReplicaWork, StepPlan, StepReport
+from lorafleet.plans import (
+    DeploymentPlan,
+    GlobalBatch,
+    MicroBatch,
+    PlanPool,
+    ReplicaSpec,
+    ReplicaWork,
+    StepPlan,
+    StepReport,
+)
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.model import MODEL_PRESETS
 
@@ -107,8 +117,15 @@ def synthetic_streams(batch_sizes: Sequence[int] = BATCH_SIZES, seed: int = 7) -
     return DataStreams(tasks, batch_sizes, seed)
 
 
-def plan_of(*replicas: tuple[int, int] | tuple[int, int, bool], max_tokens: int = 4096) -> DeploymentPlan:
-    """Replicas of the given (tp, pp) or (tp, pp, recompute), on consecutive ranks."""
+def plan_of(
+    *replicas: tuple[int, int] | tuple[int, int, bool],
+    max_tokens: int = 4096,
+    gpu: str = "cpu",
+    gpus_per_node: int | None = None,
+    cost_model: CostModelOrigin | None = None,
+) -> DeploymentPlan:
+    """Replicas of the given (tp, pp) or (tp, pp, recompute), on consecutive ranks of one unnamed pool of
+    ``gpu`` (one node of every rank unless ``gpus_per_node`` says otherwise)."""
     specs, next_rank = [], 0
     for i, layout in enumerate(replicas):
         config = ParallelConfig(*layout)
@@ -116,9 +133,7 @@ def plan_of(*replicas: tuple[int, int] | tuple[int, int, bool], max_tokens: int 
         next_rank += config.n_gpus
     return DeploymentPlan(
         model="tiny-llama",
-        gpu="cpu",
-        n_gpus=next_rank,
-        gpus_per_node=next_rank,
+        pools=(PlanPool("", gpu, next_rank, gpus_per_node or next_rank, cost_model),),
         tasks=tuple(t.name for t in TASKS),
         replicas=tuple(specs),
         bucket_boundaries=(),

@@ -26,8 +26,12 @@ def _initial_adapters(dtype: torch.dtype = torch.float32, family: str = "llama")
     return model
 
 
-def train_alone(task: int, dtype: torch.dtype, family: str = "llama", steps: int = STEPS) -> dict[str, torch.Tensor]:
-    """Task ``task`` trained by itself with PEFT on the same global batches; its adapter by PEFT key."""
+def train_alone(
+    task: int, dtype: torch.dtype, family: str = "llama", steps: int = STEPS, total_steps: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Task ``task`` trained by itself with PEFT on its first ``steps`` batches (the rows of its own in every global
+    batch: each task's stream is its own), its schedule spanning ``total_steps`` (the task's own by default);
+    its adapter by PEFT key."""
     spec = h.TASKS[task]
     model = peft.get_peft_model(h.build_model(family, dtype), lora_config(spec.lora))
     with torch.no_grad():
@@ -57,7 +61,7 @@ def train_alone(task: int, dtype: torch.dtype, family: str = "llama", steps: int
         if spec.optimizer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(spec.optimizer, step, spec.total_steps)
+            group["lr"] = lr_at(spec.optimizer, step, total_steps or spec.total_steps)
         optimizer.step()
         optimizer.zero_grad()
     return {

@@ -157,3 +157,34 @@ def test_an_unknown_or_missing_logger_is_refused_up_front(monkeypatch):
     monkeypatch.setattr("lorafleet.train.options.find_spec", lambda name: None)
     with pytest.raises(InputError, match=r"the mlflow package is not installed \(pip install 'lorafleet\[mlflow\]'\)"):
         check_loggers(("mlflow",))
+
+
+def test_what_would_stop_a_tracker_starting_is_found_offline(tmp_path):
+    """The launcher's up-front checks (``start_problem``, #25): W&B needs an API key only online, and finds one in
+    the environment or ``wandb login``'s netrc; MLflow's tracking server must accept a connection."""
+    import socket
+
+    from lorafleet.metrics.trackers import MlflowWriter, WandbWriter
+
+    home = {"WANDB_CONFIG_DIR": str(tmp_path / "config"), "WANDB_DIR": str(tmp_path), "NETRC": str(tmp_path / "n")}
+    assert "no API key for api.wandb.ai" in WandbWriter.start_problem(home)
+    assert "no API key for w.example" in WandbWriter.start_problem({**home, "WANDB_BASE_URL": "https://w.example"})
+    assert WandbWriter.start_problem({**home, "WANDB_MODE": "offline"}) is None
+    assert WandbWriter.start_problem({**home, "WANDB_API_KEY": "k"}) is None
+    (tmp_path / "n").write_text("machine api.wandb.ai login user password k\n")
+    assert WandbWriter.start_problem(home) is None
+    (tmp_path / "n").unlink()
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "settings").write_text("[default]\nmode = offline\n")  # what `wandb offline` writes
+    assert WandbWriter.start_problem(home) is None
+
+    assert MlflowWriter.start_problem({}) is None
+    assert MlflowWriter.start_problem({"MLFLOW_TRACKING_URI": (tmp_path / "mlruns").as_uri()}) is None
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert MlflowWriter.start_problem({"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{port}"}) is None
+    refused = MlflowWriter.start_problem({"MLFLOW_TRACKING_URI": f"https://u:pw@127.0.0.1:{port}/x"})
+    assert refused.startswith(f"the tracking server https://127.0.0.1:{port} (MLFLOW_TRACKING_URI) does not answer")
+    assert "pw" not in refused

@@ -38,7 +38,7 @@ def test_plan_is_valid_and_placed(result, workload):
         assert len(r.gpus) == r.config.n_gpus
         for stage in range(r.config.pp):
             group = r.gpus[stage * r.config.tp : (stage + 1) * r.config.tp]
-            assert len({g // plan.gpus_per_node for g in group}) == 1
+            assert len({g // plan.pools[0].gpus_per_node for g in group}) == 1
     assert max(r.max_tokens for r in plan.replicas) >= workload.max_length
     assert plan.expected_makespan_s == pytest.approx(max(plan.expected_replica_time_s))
     assert plan.tasks == tuple(t.name for t in workload.tasks)

@@ -8,8 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from lorafleet.planner import PlannerOptions, ReplanOptions, plan_deployment, replan_incremental
-from lorafleet.planner.incremental import kept_plan, torn_down
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.planner import MigrationModel, PlannerOptions, ReplanOptions, plan_deployment, replan_incremental
+from lorafleet.planner.incremental import Migration, kept_plan, rebuilt_ranks, torn_down
+from lorafleet.plans import DeploymentPlan, ReplicaSpec
 from lorafleet.workload import load_workload
 from tests.helpers.planning import skewed_histogram, write_workload
 
@@ -92,3 +94,40 @@ def test_a_task_longer_than_every_replica_forces_a_move(running, cost_model_7b):
     assert max(r.max_tokens for r in replan.plan.replicas) >= 8192
     assert "cannot serve" in replan.describe()
     assert replan.plan.policy == current.policy
+
+
+# ---- migration, priced by what the in-process rebuild costs (#28) -----------------------------------
+
+
+def _plan(*replicas: tuple[int, int, tuple[int, ...]]) -> DeploymentPlan:
+    specs = tuple(ReplicaSpec(i, ParallelConfig(tp, pp), 4096, gpus) for i, (tp, pp, gpus) in enumerate(replicas))
+    return DeploymentPlan(
+        model="tiny-llama", gpu="cpu", n_gpus=4, gpus_per_node=4, tasks=("a",), replicas=specs,
+        bucket_boundaries=(), expected_makespan_s=1.0,
+    )  # fmt: skip
+
+
+TWO = _plan((1, 1, (0,)), (2, 1, (1, 2)))  # rank 3 idle
+THREE = _plan((1, 1, (0,)), (1, 1, (1,)), (1, 2, (2, 3)))
+
+
+def test_a_rank_rebuilds_when_its_stage_or_its_tp_partners_change():
+    assert rebuilt_ranks(TWO, TWO) == set()
+    assert rebuilt_ranks(TWO, THREE) == {1, 2, 3}  # tp2 -> tp1 and pp2; the idle rank 3 builds its first stage
+    assert rebuilt_ranks(THREE, _plan((1, 1, (0,)), (1, 2, (2, 3)))) == set()  # a replica dropped: the others stay
+    assert rebuilt_ranks(TWO, _plan((1, 1, (0,)), (2, 1, (2, 1)))) == {1, 2}  # the TP ranks swapped: other slices
+    assert rebuilt_ranks(_plan((2, 1, (0, 1))), _plan((2, 1, (0, 2)))) == {0, 2}  # rank 0's TP group changed
+
+
+def test_the_measured_migration_is_the_slowest_stage_load_plus_the_fixed_part_on_every_gpu_held():
+    model = MigrationModel(fixed_s=0.5, load_bytes_per_s=1e6, dtype_bytes=4)
+    n_params = 1_000_000
+    move = model.price(TWO, THREE, n_params)
+    stage = max(n_params * 4 / 1 / 1e6, n_params * 4 / 2 / 1e6)  # <1,1> rank 1 loads the whole model; pp2 half
+    assert move.wall_s == pytest.approx(0.5 + stage) and move.gpu_s == pytest.approx(move.wall_s * 4)
+    assert move.rebuilt == 2
+    trim = model.price(THREE, _plan((1, 1, (0,)), (1, 2, (2, 3))), n_params)
+    assert trim.wall_s == 0.5 and trim.gpu_s == 0.5 * 4 and trim.rebuilt == 0  # nothing loaded, the groups remade
+    assert model.price(TWO, TWO, n_params) == Migration(0.0, 0.0, 0)
+    flat = ReplanOptions(migration_s=60.0).pricing.price(TWO, THREE, n_params)
+    assert (flat.wall_s, flat.gpu_s, flat.rebuilt) == (60.0, 120.0, 1)  # the tp2 replica torn down, 2 GPUs

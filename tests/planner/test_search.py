@@ -21,7 +21,7 @@ from lorafleet.planner.evaluation import evaluate
 from lorafleet.planner.problem import build_problem
 from lorafleet.planner.refine import _swaps
 from lorafleet.planner.search import search
-from lorafleet.plans import DeploymentPlan, ReplicaSpec
+from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec
 from tests.helpers.planning import batch_of, lobra_like_cost_model, padded_policy, skewed_lengths
 
@@ -102,9 +102,7 @@ def plan_of(problem, replicas) -> DeploymentPlan:
         gpu += config.n_gpus
     return DeploymentPlan(
         model=problem.cost_model.model.name,
-        gpu="A100-40GB",
-        n_gpus=problem.n_gpus,
-        gpus_per_node=problem.cluster.gpus_per_node,
+        pools=(PlanPool("", "A100-40GB", problem.n_gpus, problem.cluster.gpus_per_node),),
         tasks=("t",),
         replicas=tuple(specs),
         bucket_boundaries=(),

@@ -172,6 +172,74 @@ def test_a_budget_without_steps_and_no_nodes_fail_before_planning(workload, cost
     assert bad.value.field == "max_nodes"
 
 
+# --- which counts are planned (#25: --max-nodes 100000 ran for days) -------------------------------
+
+
+def test_a_deadline_is_found_by_a_search_not_a_scan(workload, rows, cost_model_7b):
+    """Up to 4,096 nodes, the smallest count that meets a deadline is found by galloping (1, 2, 4 nodes) and
+    bisection (3): three counts planned, not 4,096 (one node is skipped: the lower bound of its step, W / 8,
+    already misses), and the count a full scan of 1..3 nodes chooses."""
+    hours = rows[2].step_s * STEPS / 3600 * 1.01  # 24 GPUs meet it, 16 do not
+    objective = SizingObjective(deadline=Deadline(STEPS, hours))
+    planned: list[int] = []
+    sized = size_fleet(
+        workload,
+        workload.cluster,
+        cost_model_7b,
+        FAST,
+        objective,
+        max_nodes=4096,
+        progress=lambda row, n: planned.append(row.gpus),
+    )
+    assert planned == [16, 32, 24] and [r.gpus for r in sized.rows] == [16, 24, 32]
+    assert sized.chosen_row.gpus == judge(rows, objective, STEPS).chosen_row.gpus == 24
+
+
+@pytest.fixture(scope="module")
+def one_long_task(tmp_path_factory):
+    """Two long sequences a step: the least step time of any plan (t_0) is high against its GPU-seconds."""
+    spec = {
+        "model": "llama2-7b",
+        "recompute": "off",
+        "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 8},
+        "tasks": [{"name": "long", "lengths": {"values": [8000, 6000]}, "batch_size": 2, "context_length": 8192}],
+    }
+    path = tmp_path_factory.mktemp("long") / "long.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return load_workload(path)
+
+
+def test_a_scan_stops_once_no_larger_count_can_be_better(one_long_task):
+    """Fewest GPU-seconds (and fastest within a budget) have no order to search in: counts are planned in turn
+    until t_0 n reaches the best per-step GPU-seconds found (or the budget's), since a plan on n GPUs costs at
+    least t_0 n. Counted: 5 of 4,096 counts planned (3 for a budget of 3 GPU-s a step, which none meets)."""
+    from lorafleet.assemble import workload_cost_model
+    from lorafleet.planner.sizing import CountBounds
+
+    cluster = one_long_task.cluster
+    cost_model = lambda candidate: workload_cost_model(one_long_task, candidate)  # noqa: E731
+    sized = size_fleet(one_long_task, cluster, cost_model, FAST, SizingObjective(), max_nodes=4096)
+    assert [r.gpus for r in sized.rows] == [8, 16, 24, 32, 40]
+    assert sized.stopped.startswith("stopped after 40 GPUs: a plan on more than 40 GPUs takes at least")
+    bounds = CountBounds.swept(one_long_task, cluster, cost_model, 4096, FAST.policy.pipeline_window)
+    best = sized.chosen_row.gpu_seconds_per_step
+    assert bounds.floor_s * 40 >= best > bounds.floor_s * 32
+
+    planned: list[int] = []
+    budget = SizingObjective(budget_gpu_hours=3 * STEPS / 3600, steps=STEPS)
+    with pytest.raises(SizingError, match="none of the counts swept \\(8 to 24 GPUs\\) runs 1000 steps within"):
+        size_fleet(
+            one_long_task,
+            cluster,
+            cost_model,
+            FAST,
+            budget,
+            max_nodes=4096,
+            progress=lambda row, n: planned.append(row.gpus),
+        )
+    assert planned == [8, 16, 24] and bounds.floor_s * 24 >= 3.0 > bounds.floor_s * 16
+
+
 # --- lorafleet plan --gpus auto ------------------------------------------------------------------
 
 
@@ -203,7 +271,11 @@ def sweep_rows(text: str) -> list[dict[str, str]]:
 def test_auto_prints_the_sweep_and_writes_the_chosen_plan(cli_workload, tmp_path, capsys):
     auto = tmp_path / "auto.json"
     assert main(["plan", cli_workload, "--gpus", "auto", "--samples", "0", "--json", str(auto)]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
+    progress = captured.err.splitlines()  # one line per count as it is planned
+    assert [line.split(" GPUs")[0] for line in progress] == [f"{PROGRESS}8", f"{PROGRESS}16"]
+    assert progress[1].endswith("; 2 counts planned]")
     assert "fleet sizing: fewest GPU-seconds" in text and "chosen:" in text
     rows = sweep_rows(text)
     assert [r["GPUs"] for r in rows] == ["8", "16"]
@@ -244,10 +316,19 @@ def test_gpus_n_plans_as_before(cli_workload, tmp_path, capsys):
     assert json.loads(out.read_text()) == json.loads(direct.read_text())
 
 
+PROGRESS = "lorafleet plan: sizing: "
+"""How each progress line of a sweep starts (stderr); the error is the one other line."""
+
+
+def error_lines(err: str) -> list[str]:
+    """stderr without the sweep's progress lines."""
+    return [line for line in err.strip().splitlines() if not line.startswith(PROGRESS)]
+
+
 def one_line_error(capsys) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("lorafleet: error: ")
-    return err
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and lines[0].startswith("lorafleet: error: ")
+    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -262,6 +343,7 @@ def one_line_error(capsys) -> str:
         (["--gpus", "auto", "--budget", "lots"], "--budget: expected GPU-hours, got 'lots'"),
         (["--gpus", "auto", "--budget", "-3"], "--budget: must be > 0, got -3"),
         (["--gpus", "auto", "--max-nodes", "0"], "--max-nodes: must be > 0, got 0"),
+        (["--gpus", "auto", "--max-nodes", "100000"], "--max-nodes: must be at most 4096 (the most nodes a cluster"),
         (["--gpus", "auto", "--deadline", "10:1", "--steps", "10"], "--steps: the deadline gives the steps (10)"),
         (["--gpus", "auto", "--budget", "5"], "--steps: a GPU-hour budget needs the job's steps"),
         (["--deadline", "2000:1.5"], "--deadline: goes with --gpus auto"),
@@ -279,25 +361,48 @@ def test_bad_sizing_flags_are_one_line_errors(cli_workload, tmp_path, capsys, fl
 @pytest.mark.parametrize(
     "flags,says",
     [
-        (
-            ["--deadline", "1000:0.01"],
-            "--deadline: none of the counts swept (8 GPUs) finishes 1000 steps within 0.01 h",
+        (  # 8 GPUs may make 0.972 s a step (the bound: 0.862 s), and take 1.07 s
+            ["--deadline", "1000:0.27"],
+            "--deadline: none of the counts swept (8 GPUs) finishes 1000 steps within 0.27 h",
         ),
-        (
-            ["--budget", "0.01", "--steps", "1000"],
-            "--budget: none of the counts swept (8 GPUs) runs 1000 steps within 0.01",
+        (  # 8 GPUs may cost 7.92 GPU-s a step (the bound: 6.9), and cost 8.58
+            ["--budget", "2.2", "--steps", "1000"],
+            "--budget: none of the counts swept (8 GPUs) runs 1000 steps within 2.2",
         ),
     ],
 )
 def test_an_unmet_goal_prints_the_sweep_and_one_error_line(cli_workload, tmp_path, capsys, flags, says):
+    """(A goal the bounds show no count can meet is refused before any planning: the test below.)"""
     out = tmp_path / "plan.json"
     assert main(["plan", cli_workload, "--gpus", "auto", "--max-nodes", "1", "--samples", "0", *flags]) == 2
     captured = capsys.readouterr()
-    err = captured.err.strip()
-    assert len(err.splitlines()) == 1 and says in err
-    assert "found, 8 GPUs" in err
+    err = error_lines(captured.err)
+    assert len(err) == 1 and says in err[0]
+    assert "found, 8 GPUs" in err[0]
     assert [r["GPUs"] for r in sweep_rows(captured.out)] == ["8"] and "none chosen" in captured.out
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "flags,says",
+    [
+        (
+            ["--deadline", "1000:0.01"],
+            "--deadline: no count finishes 1000 steps within 0.01 h: even 4096 nodes take at least 0.",
+        ),
+        (
+            ["--budget", "0.01", "--steps", "1000"],
+            "--budget: no count runs 1000 steps within 0.01 GPU-hours: every plan's step costs at least 6.69 GPU-s",
+        ),
+    ],
+)
+def test_a_goal_no_count_can_meet_is_refused_before_planning(cli_workload, capsys, flags, says):
+    """The lower bounds of any plan (``CountBounds``: the hardest sequence's least stage time, the batch's least
+    GPU-seconds) show it without planning a count, even with the most nodes (#25)."""
+    assert main(["plan", cli_workload, "--gpus", "auto", "--max-nodes", "4096", "--samples", "0", *flags]) == 2
+    captured = capsys.readouterr()
+    assert error_lines(captured.err) == [captured.err.strip()] and says in captured.err  # nothing planned
+    assert sweep_rows(captured.out) == [] and "none chosen" in captured.out
 
 
 def test_no_count_with_a_plan_is_one_line_naming_the_task(tmp_path, capsys):

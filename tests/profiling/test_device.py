@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lorafleet.executor.torch.precision import Precision
-from lorafleet.profiling.device import DeviceKind, ProfileDevice, gpu_preset_for
+from lorafleet.profiling.device import DeviceKind, ProfileDevice
 from lorafleet.profiling.measure import CPU, median_ms
-from lorafleet.specs.gpus import GIB
+from lorafleet.specs.gpus import GIB, gpu_preset_for
 
 MIB = 1 << 20
 

@@ -13,7 +13,7 @@ from lorafleet.cli import build_parser, main
 from lorafleet.commands.schema import workload_json_schema
 from lorafleet.errors import InputError
 from lorafleet.rundir import RunDir
-from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.cluster import ClusterSpec, PoolSpec
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.workload import DataSpec, LengthSpec, TaskSpec, WorkloadSpec
 from lorafleet.workload import apply_overrides, load_workload
@@ -114,7 +114,9 @@ def test_doc_example_matches_the_schema():
 
 
 @pytest.mark.parametrize(
-    "model", [WorkloadSpec, ClusterSpec, TaskSpec, DataSpec, LoraSpec, OptimizerSpec], ids=lambda m: m.__name__
+    "model",
+    [WorkloadSpec, ClusterSpec, PoolSpec, TaskSpec, DataSpec, LoraSpec, OptimizerSpec],
+    ids=lambda m: m.__name__,
 )
 def test_doc_tabulates_every_field(model):
     text = DOC.read_text(encoding="utf-8")

@@ -114,13 +114,13 @@ def _workload(tmp_path: Path, tokenizer: Path, header: str) -> tuple[Path, Path]
     path = tmp_path / "w.yaml"
     path.write_text(
         f"model: tiny-llama\ntokenizer: {tokenizer}\n{header}"
-        "cluster: {gpu: A100-40GB, nodes: 1, gpus_per_node: 2}\n"
+        "cluster: {gpu: cpu, nodes: 1, gpus_per_node: 2}\n"
         "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-3}}\n"
         "tasks:\n"
         "  - {name: docsum, data: {path: data/docsum.jsonl}, batch_size: 3, context_length: 256}\n"
         "  - {name: chat, data: {path: data/chat.jsonl}, batch_size: 3, context_length: 128, steps: 1}\n"
     )
-    plan = replace(h.plan_of((1, 1), (1, 1)), gpu="A100-40GB", tasks=("docsum", "chat"), bucket_boundaries=(256,))
+    plan = replace(h.plan_of((1, 1), (1, 1)), tasks=("docsum", "chat"), bucket_boundaries=(256,))
     plan.save(tmp_path / "plan.json")
     return path, tmp_path / "plan.json"
 

@@ -1,7 +1,8 @@
-"""``lorafleet train`` under a user's own multi-node torchrun (issue #17): two torchrun agents on 127.0.0.1
-act as two nodes of two processes each (``--nnodes 2 --nproc-per-node 2``, c10d rendezvous), training a
-heterogeneous plan whose pipelined replica spans both nodes; its adapters equal those of the same plan
-run on one node. A node of another size than the plan's ``gpus_per_node`` is one line, exit 2."""
+"""``lorafleet train`` under a user's own multi-node torchrun (issues #17, #29): three torchrun agents on
+127.0.0.1 act as the nodes of two pools of kind ``cpu`` (pool ``a``: two nodes of one process, pool ``b``:
+one node of two; static rendezvous, node ranks in pool order), training a heterogeneous plan whose
+pipelined replica spans pool ``a``'s two nodes; its adapters equal those of the same plan run on one node
+of one pool. A node of another size than its pool's is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,13 +20,15 @@ from safetensors.torch import load_file
 
 from lorafleet.cli import build_parser, main
 from lorafleet.errors import InputError
-from lorafleet.plans import ReplicaSpec
+from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from tests.helpers import fleet_harness as h
 from tests.helpers.repo import DEMO, REPO
 from tests.helpers.train_cli import LAUNCHER
 
 TASKS = ("docsum", "chat")
 STEPS = "3"
+AGENTS = (("a", 1), ("a", 1), ("b", 2))
+"""The nodes in rank order: (pool, processes)."""
 
 
 def _free_port() -> int:
@@ -35,26 +37,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory, tiny_tokenizer_dir):
-    """Two nodes of 2 cpu devices; the plan ``<1,1>`` on rank 0, ``<1,2>`` on ranks 1 and 2 (its stages on
-    node 0 and node 1), ``<1,1>`` on rank 3."""
-    tmp = tmp_path_factory.mktemp("multinode")
-    workload = tmp / "w.yaml"
-    workload.write_text(
-        f"model: tiny-llama\ntokenizer: {tiny_tokenizer_dir}\n"
-        "cluster: {gpu: A100-40GB, nodes: 2, gpus_per_node: 2}\n"
+def _workload(tmp: Path, name: str, cluster: str, tokenizer: Path) -> Path:
+    path = tmp / name
+    path.write_text(
+        f"model: tiny-llama\ntokenizer: {tokenizer}\ncluster: {cluster}\n"
         "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-3}}\n"
         "tasks:\n"
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 4, context_length: 256}}\n"
         f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 4, context_length: 128}}\n"
     )
-    plan = replace(
-        h.plan_of((1, 1), (1, 2), (1, 1)), gpu="A100-40GB", gpus_per_node=2, tasks=TASKS, bucket_boundaries=(256,)
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_tokenizer_dir):
+    """The workload on one pool of two nodes of 2 cpu devices and its plan ``<1,2>`` on ranks 0 and 1, then
+    ``<1,1>`` on 2 and on 3; the workload on the two pools and the same plan on them, ``<1,2>@a`` across
+    pool a's nodes."""
+    tmp = tmp_path_factory.mktemp("multinode")
+    one = _workload(tmp, "one.yaml", "{gpu: cpu, nodes: 2, gpus_per_node: 2}", tiny_tokenizer_dir)
+    pools = _workload(
+        tmp,
+        "pools.yaml",
+        "{pools: [{name: a, gpu: cpu, nodes: 2, gpus_per_node: 1}, {name: b, gpu: cpu, nodes: 1, gpus_per_node: 2}]}",
+        tiny_tokenizer_dir,
     )
-    assert plan.replicas[1] == ReplicaSpec(1, plan.replicas[1].config, 4096, (1, 2))  # node 0 -> node 1
+    plan = h.plan_of((1, 2), (1, 1), (1, 1), gpus_per_node=2)
+    plan = DeploymentPlan(**{**plan.__dict__, "tasks": TASKS, "bucket_boundaries": (256,)})
     plan.save(tmp / "plan.json")
-    return workload, tmp / "plan.json", tmp
+    on_pools = DeploymentPlan(
+        **{
+            **plan.__dict__,
+            "pools": (PlanPool("a", "cpu", 2, 1), PlanPool("b", "cpu", 2, 2)),
+            "replicas": tuple(
+                ReplicaSpec(r.replica_id, r.config, r.max_tokens, r.gpus, pool="a" if r.config.pp == 2 else "b")
+                for r in plan.replicas
+            ),
+        }
+    )
+    assert [(str(r.config), r.gpus) for r in on_pools.replicas] == [
+        ("<1,2>@a", (0, 1)),
+        ("<1,1>@b", (2,)),
+        ("<1,1>@b", (3,)),
+    ]
+    on_pools.save(tmp / "pools-plan.json")
+    return (one, tmp / "plan.json"), (pools, tmp / "pools-plan.json"), tmp
 
 
 def _common(workload: Path, plan: Path, out: Path) -> list[str]:
@@ -67,24 +94,26 @@ def _adapters(out: Path) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.slow
-def test_two_torchrun_agents_on_loopback_train_as_one_node_does(setup):
-    workload, plan, tmp = setup
+def test_two_pools_on_three_torchrun_agents_train_as_one_pool_on_one_node_does(setup):
+    (one, plan), (pools, pools_plan), tmp = setup
     single = tmp / "single"
     result = subprocess.run(
-        [*LAUNCHER, *_common(workload, plan, single)], capture_output=True, text=True, timeout=400, cwd=tmp
+        [*LAUNCHER, *_common(one, plan, single)], capture_output=True, text=True, timeout=400, cwd=tmp
     )
     assert result.returncode == 0, result.stderr[-3000:]
 
     multi = tmp / "multi"
     port = _free_port()
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=lorafleet-test",
-             "-m", "lorafleet", *_common(workload, plan, multi)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    nodes = [
-        subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=env)
-        for _ in range(2)
-    ]
+    nodes = []
+    for rank, (_, processes) in enumerate(AGENTS):
+        agent = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(AGENTS)}",
+                 f"--nproc-per-node={processes}", "--rdzv-backend=static", "--master-addr=127.0.0.1",
+                 f"--master-port={port}", f"--node-rank={rank}",
+                 "-m", "lorafleet", *_common(pools, pools_plan, multi)]  # fmt: skip
+        nodes.append(
+            subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=env)
+        )
     outputs = [node.communicate(timeout=400) for node in nodes]
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
@@ -96,13 +125,14 @@ def test_two_torchrun_agents_on_loopback_train_as_one_node_does(setup):
         assert reference[task].keys() == trained[task].keys()
         for key, value in reference[task].items():
             torch.testing.assert_close(trained[task][key], value, rtol=1e-5, atol=1e-6)
-    assert json.loads((multi / "plan.json").read_text())["replicas"][1]["gpus"] == [1, 2]
+    recorded = json.loads((multi / "plan.json").read_text())
+    assert [(r["pool"], r["gpus"]) for r in recorded["replicas"]] == [("a", [0, 1]), ("b", [2]), ("b", [3])]
 
 
 def test_a_node_of_another_size_than_the_plans_is_one_line_and_exit_2(setup, capsys, monkeypatch):
     """Four ranks as four nodes of one (``--nproc-per-node 1``) where the plan puts two on a node: refused by
     every rank before a process group forms."""
-    workload, plan, tmp = setup
+    (workload, plan), _, tmp = setup
     for name, value in (("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "1"), ("RANK", "2"), ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
     assert main(_common(workload, plan, tmp / "refused")) == 2
@@ -119,7 +149,7 @@ def test_one_node_or_nodes_of_the_plans_size_pass_the_node_check(setup, monkeypa
     from lorafleet.plans import DeploymentPlan
     from lorafleet.train.preflight import check_nodes
 
-    _, path, _ = setup
+    (_, path), _, _ = setup
     plan = DeploymentPlan.load(path)
     for local in ("4", "2"):
         monkeypatch.setenv("WORLD_SIZE", "4")
@@ -128,6 +158,35 @@ def test_one_node_or_nodes_of_the_plans_size_pass_the_node_check(setup, monkeypa
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     with pytest.raises(InputError, match="gpus_per_node"):
         check_nodes(plan, str(path))
+
+
+@pytest.mark.parametrize(
+    ("rank", "local_rank", "local", "words"),
+    [
+        (0, 0, 1, None),  # pool a's first node
+        (1, 0, 1, None),  # pool a's second node
+        (3, 1, 2, None),  # pool b's node
+        (0, 0, 2, "pools[0].gpus_per_node: the plan puts 1 GPUs on a node of pool 'a'; torchrun started 2"),
+        (2, 0, 1, "pools[1].gpus_per_node: the plan puts 2 GPUs on a node of pool 'b'; torchrun started 1"),
+        (3, 0, 2, "pools[1].gpus_per_node: this node's ranks start at 3, not at a node of pool 'b'"),
+    ],
+)
+def test_each_node_must_be_a_node_of_its_pool(setup, monkeypatch, rank, local_rank, local, words):
+    """#29: nodes of pools of other sizes; a node whose ranks straddle two of its pool's nodes (the agents
+    started out of pool order) is refused too."""
+    from lorafleet.train.preflight import check_nodes
+
+    _, (_, path), _ = setup
+    plan = DeploymentPlan.load(path)
+    env = {"WORLD_SIZE": 4, "LOCAL_WORLD_SIZE": local, "RANK": rank, "LOCAL_RANK": local_rank}
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    if words is None:
+        check_nodes(plan, str(path))
+        return
+    with pytest.raises(InputError) as err:
+        check_nodes(plan, str(path))
+    assert words in str(err.value)
 
 
 EXAMPLES = REPO / "examples" / "multinode"
@@ -181,3 +240,36 @@ def _containers(documents: list) -> list[dict]:
     walk(documents)
     assert found
     return found
+
+
+def test_the_pool_examples_start_each_pools_nodes_in_pool_order():
+    """#29: the Slurm heterogeneous job (one component per pool) and the Kubernetes jobs (one per pool) of
+    examples/multinode/pools.yaml: each pool's nodes run torchrun with its GPUs per node, static rendezvous
+    at one master, node ranks after the pools before it, and a ``lorafleet train`` command line the CLI
+    parses."""
+    pools = yaml.safe_load((EXAMPLES / "pools.yaml").read_text())["cluster"]["pools"]
+    total = sum(p["nodes"] for p in pools)
+    offsets = [sum(p["nodes"] for p in pools[:k]) for k in range(len(pools))]
+    sbatch = (EXAMPLES / "pools.sbatch").read_text()
+    components = sbatch.split("#SBATCH hetjob")
+    assert len(components) == len(pools)
+    for pool, component in zip(pools, components, strict=True):
+        assert f"--nodes={pool['nodes']} " in component and f"--gpus-per-node={pool['gpus_per_node']} " in component
+    launches = sbatch.split("srun --het-group=")[1:]
+    assert [int(launch[0]) for launch in launches] == list(range(len(pools)))
+    assert "--node-rank=$SLURM_NODEID" in launches[0] and "--node-rank=$(('\"$OFFSET\"' + SLURM_NODEID))" in launches[1]
+    for pool, launch in zip(pools, launches, strict=True):
+        assert f"--nproc-per-node={pool['gpus_per_node']}" in launch and "--rdzv-backend=static" in launch
+    for manifest, size in (("pools-pytorchjob.yaml", "replicas"), ("pools-trainjob.yaml", "numNodes")):
+        jobs = list(yaml.safe_load_all((EXAMPLES / manifest).read_text()))
+        assert [j["metadata"]["name"] for j in jobs] == [f"lorafleet-pools-{p['name']}" for p in pools], manifest
+        for k, (pool, job) in enumerate(zip(pools, jobs, strict=True)):
+            text = json.dumps(job)
+            assert f'"{size}": {pool["nodes"]}' in text, manifest
+            (container,) = _containers([job])  # a pod's container, or the TrainJob's trainer
+            command = container["command"][-1]
+            rank = "$PET_NODE_RANK" if offsets[k] == 0 else f"$(({offsets[k]} + PET_NODE_RANK))"
+            assert f"--node-rank={rank}" in command and f"--nnodes={total}" in command, manifest
+            assert f"--nproc-per-node={pool['gpus_per_node']}" in command and "--rdzv-backend=static" in command
+            args = build_parser().parse_args(command.split(" -m lorafleet ")[1].split())
+            assert args.command == "train" and args.workload.endswith("pools.yaml")

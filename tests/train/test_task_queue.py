@@ -1,18 +1,25 @@
 """The live task queue end to end (``train.queue``, ``train.live``): a run of ``lorafleet train`` takes a
-task added at step 3 and a task finished at step 6 through its queue directory, and a malformed request
-and one naming no task are rejected while it goes on.
+task added at step 3 and a task finished at step 6 through its queue directory, in its running workers (one
+launch, no restart), and a malformed request and one naming no task are rejected while it goes on.
 
 Each task's semantics do not depend on the tasks beside it (its stream, its initial adapter and its
-updates are its own), so, on the same data:
+updates are its own), so, on the same data, against one reference run of the three tasks with ``codegen``
+starting at step 3 (``start_step``, no queue):
 
-- the task that stays (``docsum``) ends equal to a run without the changes;
-- the finished task (``chat``) is exported at step 6 equal to that run's checkpoint at step 6;
-- the added task (``codegen``) equals the task trained alone for the steps it had (8 - 3).
+- the task that stays (``docsum``) ends equal to the reference's, a run without the changes;
+- the finished task (``chat``) is exported at step 6 equal to the reference's checkpoint at step 6;
+- the added task (``codegen``) equals the reference's, the task trained for the steps it had (8 - 3)
+  from its own start, whatever trained beside it.
+
+And a crash amid the change at step 6 (the ledger written, the plan and ``.apply.json`` not yet settled) is
+resumed from the checkpoint of step 6 with the change recorded once.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from lorafleet.cli import main
+from lorafleet.train.trainer import RELAUNCH_ENV
 from tests.helpers.repo import DEMO
 
 STEPS = 8
@@ -47,23 +55,29 @@ def _task(name: str, batch: int, context: int) -> str:
 
 
 DOCSUM, CHAT, CODEGEN = _task("docsum", 3, 256), _task("chat", 3, 128), _task("codegen", 2, 256)
+CODEGEN_AT_3 = CODEGEN[:-1] + ", start_step: 3}"
 
 
-def _lorafleet(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+def _lorafleet(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "lorafleet", *argv], cwd=cwd, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "lorafleet", *argv],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc
 
 
-def _train(workload: Path, out: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
+def _train(workload: Path, out: Path, steps: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
     plan = workload.with_suffix(".plan.json")
     if not plan.exists():
         assert main(["plan", str(workload), "--json", str(plan)]) == 0
     return _lorafleet(
         "train", str(workload), "--plan", str(plan), "--steps", str(steps), "--out", str(out), "--no-progress",
-        *extra, cwd=out.parent,
+        *extra, cwd=out.parent, env=env,
     )  # fmt: skip
 
 
@@ -90,10 +104,9 @@ def runs(tmp_path_factory, tiny_tokenizer_dir):
     both = _workload(root / "both.yaml", tiny_tokenizer_dir, [DOCSUM, CHAT])
     log = _train(both, queued, STEPS, "--checkpoint-every", "4", "--migration-s", "0", "--queue-http", "0")
     reference = root / "reference"
-    _train(both, reference, STEPS, "--checkpoint-every", "2")
-    alone = root / "alone"
-    _train(_workload(root / "alone.yaml", tiny_tokenizer_dir, [CODEGEN]), alone, STEPS - 3)
-    return queued, reference, alone, log
+    _train(_workload(root / "all.yaml", tiny_tokenizer_dir, [DOCSUM, CHAT, CODEGEN_AT_3]), reference, STEPS,
+           "--checkpoint-every", "2")  # fmt: skip
+    return queued, reference, reference, log
 
 
 def test_the_task_that_stays_equals_a_run_without_the_changes(runs):
@@ -129,6 +142,53 @@ def test_the_ledger_metrics_and_log_tell_what_happened(runs):
     assert "step 3: add codegen" in log.stdout and "step 6: finish chat" in log.stdout
     assert "lorafleet train: queue: http://127.0.0.1:" in log.stdout  # served for the whole run, then closed
     assert not (queued / "queue" / ".http.json").exists()
+    assert [(a["step"], a["action"], a["name"]) for a in ledger["applied"]] == [
+        (3, "add", "codegen"),
+        (6, "finish", "chat"),
+    ]
+
+
+def test_the_changes_are_applied_in_the_running_workers(runs):
+    """One launch of the workers for the whole run: both changes applied in place, every stage kept."""
+    queued, _, _, log = runs
+    assert log.stdout.count("starting 1 worker process") == 1 and log.stdout.count("process group up") == 1
+    for step in (3, 6):
+        assert f"queue: step {step}: applied in the running fleet in " in log.stdout
+    assert log.stdout.count("(every stage kept)") == 2
+    assert not (queued / "queue" / ".apply.json").exists()
+
+
+def test_a_crash_amid_a_change_resumes_from_its_checkpoint_and_records_it_once(runs, tmp_path):
+    """The queued run's directory as a crash at step 6 leaves it: checkpoint 6 committed, the ledger written with
+    the finish of chat, but the run's plan still the one before it and ``.apply.json`` still there. ``--resume``
+    re-plans for the ledger's tasks, applies the pending changes again (the ledger takes them once), resumes
+    from step 6 and ends as the uninterrupted run."""
+    queued, _, _, _ = runs
+    crashed = tmp_path / "crashed"
+    shutil.copytree(queued, crashed, ignore=shutil.ignore_patterns("step-000008", "adapters"))
+    ledger = json.loads((crashed / "tasks.json").read_text())
+    chat = next(e for e in ledger["tasks"] if e["spec"]["name"] == "chat")
+    pending = {"step": 6, "requests": [{"file": "finish-chat.json", "action": "finish", "name": "chat", "at_step": 6}]}
+    pending["turns"] = {"chat": {**chat["turns"], "until": None}}
+    (crashed / "queue" / ".apply.json").write_text(json.dumps(pending))
+    before = json.loads((crashed / "plan.json").read_text())
+    (crashed / "plan.json").write_text(json.dumps({**before, "tasks": ["docsum", "chat", "codegen"]}))
+    # A change the running fleet hands to the launcher (the fallback's path, forced): the workers restart at
+    # step 7 from its checkpoint and no step is lost.
+    (crashed / "queue" / "share.yaml").write_text("action: update\nname: docsum\nshare: 1.0\nat_step: 7\n")
+    log = _train(queued.parent / "both.yaml", crashed, STEPS, "--resume", env={RELAUNCH_ENV: "1"})
+    assert log.stdout.count("starting 1 worker process") == 2
+    assert f"step 7: {RELAUNCH_ENV} is set: the workers restart to apply the changes" in log.stdout
+    assert [json.loads(line)["step"] for line in (crashed / "metrics.jsonl").read_text().splitlines()] == list(
+        range(STEPS)
+    )
+    assert "re-planned for the ledger's tasks docsum, codegen" in log.stdout
+    assert "resumed from the checkpoint of step 6" in log.stdout and "step 6: exported chat" in log.stdout
+    applied = json.loads((crashed / "tasks.json").read_text())["applied"]
+    assert applied == [*ledger["applied"], {"step": 7, "file": "share.yaml", "action": "update", "name": "docsum"}]
+    assert not (crashed / "queue" / ".apply.json").exists()
+    for task in ("docsum", "codegen", "chat"):
+        assert _max_diff(_adapter(crashed / "adapters" / task), _adapter(queued / "adapters" / task)) < ATOL, task
 
 
 def test_bad_requests_are_rejected_with_one_line_and_the_run_goes_on(runs):

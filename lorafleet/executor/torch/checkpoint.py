@@ -38,7 +38,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft.utils.constants import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
@@ -51,7 +50,13 @@ from lorafleet.executor.torch.checkpoint_files import (
     step_dir_name,
 )
 from lorafleet.executor.torch.optim import TaskOptimizer
-from lorafleet.executor.torch.peft_export import PEFT_PREFIX, peft_key, read_peft_spec, write_peft_adapter
+from lorafleet.executor.torch.peft_export import (
+    PEFT_PREFIX,
+    SAFETENSORS_WEIGHTS_NAME,
+    peft_key,
+    read_peft_spec,
+    write_peft_adapter,
+)
 from lorafleet.executor.torch.replica import Replica
 from lorafleet.executor.torch.tp import shard
 from lorafleet.specs.io import file_sha256, write_text_atomic

@@ -33,13 +33,18 @@ def step_dir_name(step: int) -> str:
 
 def checkpoint_problem(step_dir: Path) -> str | None:
     """Why ``step_dir`` is not an intact committed checkpoint (None when it is): its manifest does
-    not read, is of another format, or a file is missing or differs from its recorded SHA-256."""
+    not read, is of another format, names another step than its directory's name (the manifest is not
+    among the files it checksums, so this is its own check: a resume would start from the wrong step and
+    fail later on a data cursor or a task's optimizer steps), or a file is missing or differs from its
+    recorded SHA-256."""
     try:
         manifest = json.loads((step_dir / MANIFEST).read_text())
         files = manifest["files"]
         if manifest.get("format") != FORMAT_VERSION:
             return f"format {manifest.get('format')!r}, expected {FORMAT_VERSION}"
-        int(manifest["step"])
+        step = manifest["step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step_dir_name(step) != step_dir.name:
+            return f"its manifest says step {step!r}, its directory's name {step_dir.name}"
     except FileNotFoundError:
         return "no manifest"
     except (OSError, ValueError, KeyError, TypeError) as err:

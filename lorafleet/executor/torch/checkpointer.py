@@ -51,8 +51,8 @@ class Checkpointer:
     ) -> None:
         """``loras`` and ``names``: each task's adapter and name, in task order; ``base_model`` goes into each
         adapter's config (``ExecutorConfig.base_model``)."""
-        self.replica, self.optimizers, self.streams = replica, optimizers, streams
-        self.loras, self.names, self.base_model = tuple(loras), tuple(names), base_model
+        self.retask(replica, optimizers, streams, loras, names)
+        self.base_model = base_model
         self.rank = dist.get_rank()
         self._writer = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-checkpoint") if self.rank == 0 else None
@@ -71,6 +71,19 @@ class Checkpointer:
         assert self._writer is not None
         self._writing = self._writer.submit(save_train_state, directory, state, base_model=self.base_model)
         return Path(directory) / step_dir_name(step)
+
+    def retask(
+        self,
+        replica: Replica,
+        optimizers: Sequence[TaskOptimizer],
+        streams: DataStreams,
+        loras: Sequence[LoraSpec],
+        names: Sequence[str],
+    ) -> None:
+        """What later saves gather: this fleet's tasks (also after a change at a boundary, ``change.py``; a write
+        in flight goes on, with its own copy of what it writes)."""
+        self.replica, self.optimizers, self.streams = replica, optimizers, streams
+        self.loras, self.names = tuple(loras), tuple(names)
 
     def flush(self) -> None:
         """Waits for the checkpoint being written, if any; re-raises its error."""

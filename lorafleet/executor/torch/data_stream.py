@@ -31,7 +31,7 @@ import copy
 import functools
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
@@ -64,6 +64,9 @@ class TaskData:
     """Examples dropped for exceeding the context length (``reject`` policy)."""
     no_target: int = 0
     """Examples dropped because no token of theirs carries a label."""
+    raw_lengths: tuple[int, ...] = ()
+    """Every row's token length before the overflow rule, when known (:func:`prepare_task_data`): the lengths the
+    planner reads from the task's data (``workload``), so a task added to a running fleet is tokenized once."""
 
     def __post_init__(self) -> None:
         if not self.examples:
@@ -100,7 +103,7 @@ def apply_overflow(name: str, examples: Sequence[Example], context_length: int, 
         if cut:
             truncated.add(len(kept))
         kept.append(example)
-    return TaskData(name, tuple(kept), frozenset(truncated), rejected, no_target)
+    return TaskData(name, tuple(kept), frozenset(truncated), rejected, no_target, tuple(len(e) for e in examples))
 
 
 def prepare_task_data(task: TaskSpec, tokenizer: Any, source: str) -> TaskData:
@@ -191,6 +194,7 @@ class DataStreams:
         if len(batch_sizes) != len(tasks):
             raise ValueError(f"{len(tasks)} tasks but {len(batch_sizes)} batch sizes")
         n = len(tasks)
+        self.seed = seed
         self.streams = tuple(TaskStream(data, seed) for data in tasks)
         self.batch_sizes = tuple(int(b) for b in batch_sizes)
         self.max_batches = tuple(max_batches) if max_batches is not None else (None,) * n
@@ -302,6 +306,33 @@ class DataStreams:
                 view.retire(names.index(name), int(step))
         return view
 
+    def changed(
+        self,
+        tasks: Sequence[TaskSpec],
+        prepare: Callable[[TaskSpec], TaskData],
+        turn_changes: Mapping[str, tuple],
+        departed: Sequence[TaskTurns],
+        stopped: Mapping[str, int],
+    ) -> DataStreams:
+        """The streams of a running fleet whose tasks became ``tasks`` (in task order): each staying task keeps its
+        prepared data (nothing is read or tokenized again), a new one's is ``prepare(spec)``; the turns are those a
+        launch on the task ledger draws (``turn_changes`` and ``departed``: ``lorafleet.turns``), with the tasks of
+        ``stopped`` (non-finite updates; name -> the first step left out) retired again."""
+        have = {s.data.name: s.data for s in self.streams}
+        data = [have[t.name] if t.name in have else prepare(t) for t in tasks]
+        return task_streams(tasks, data, self.seed, turn_changes, departed).with_stops(stopped)
+
+    def end_steps(self, horizon: int) -> dict[int, int]:
+        """Per task with a bounded number of batches (not stopped) that takes its last one within ``horizon``
+        steps: the step after that last one, when it is done."""
+        self._cumulative(horizon)  # rows up to the horizon
+        taken = self._taken[: horizon + 1]
+        return {
+            t: int(np.searchsorted(taken[:, t], limit))
+            for t, limit in enumerate(self.max_batches)
+            if limit is not None and t not in self.retired and taken[-1, t] >= limit
+        }
+
     def check_state(self, state: Mapping[str, Any], stopped: Mapping[str, int] | None = None) -> None:
         """ValueError unless this data, at the checkpoint's step, is where the checkpoint left it, task by
         task (same example counts, cursors and contents: otherwise the batches would silently differ), with
@@ -353,14 +384,26 @@ def training_streams(
     if tokenizer is None:
         tokenizer = task_tokenizer(spec)
     data = [prepare_task_data(task, tokenizer, "workload") for task in spec.tasks]
+    return task_streams(spec.tasks, data, spec.seed, turn_changes, departed)
+
+
+def task_streams(
+    tasks: Sequence[TaskSpec],
+    data: Sequence[TaskData],
+    seed: int,
+    turn_changes: Mapping[str, tuple] | None = None,
+    departed: Sequence[TaskTurns] = (),
+) -> DataStreams:
+    """The streams of ``tasks`` over their prepared ``data`` (in task order): :func:`training_streams` without the
+    tokenizing, so a running fleet whose tasks change keeps the data of those that stay (``DataStreams.changed``)."""
     return DataStreams(
         data,
-        [t.batch_size for t in spec.tasks],
-        spec.seed,
-        [task_batches(task, d) for task, d in zip(spec.tasks, data, strict=True)],
-        joined=[t.start_step for t in spec.tasks],
-        shares=[t.share for t in spec.tasks],
-        deadlines=[t.deadline for t in spec.tasks],
-        changes=[(turn_changes or {}).get(t.name, ()) for t in spec.tasks],
+        [t.batch_size for t in tasks],
+        seed,
+        [task_batches(task, d) for task, d in zip(tasks, data, strict=True)],
+        joined=[t.start_step for t in tasks],
+        shares=[t.share for t in tasks],
+        deadlines=[t.deadline for t in tasks],
+        changes=[(turn_changes or {}).get(t.name, ()) for t in tasks],
         departed=departed,
     )

@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lorafleet.executor.torch.inject import module_suffix, multi_lora_layers
+from lorafleet.executor.torch.inject import module_suffix
 from lorafleet.executor.torch.layout import FleetLayout, RankRole, layer_of
 from lorafleet.executor.torch.tp import TP_STYLES, adapter_shard_dim
+from lorafleet.specs.lora import LoraSpec
 
 FACTORS = ("lora_A", "lora_B")
 
@@ -56,15 +57,18 @@ class AdapterParam:
         return self.task, self.module, self.factor
 
 
-def adapter_params(model: nn.Module) -> list[AdapterParam]:
-    """Every adapter matrix of an injected, not yet split model, in model order, then task, then factor."""
+def adapter_params(shapes: Mapping[str, tuple[int, int]], adapters: Sequence[LoraSpec]) -> list[AdapterParam]:
+    """Every adapter matrix at its whole shape, in model order, then task, then factor: task ``t``'s ``lora_A
+    (r, in)`` and ``lora_B (out, r)`` of every projection of ``shapes`` (``inject.projection_shapes`` of the
+    whole model) that ``adapters[t]`` targets. A function of the tasks and the model alone, so a fleet that
+    changes its tasks derives it without the whole model (``change.py``)."""
     params = []
-    for name, layer in multi_lora_layers(model):
+    for name, (in_features, out_features) in shapes.items():
         style = TP_STYLES[module_suffix(name)]
-        for task in sorted(layer.adapters):
-            for factor in FACTORS:
-                weight = getattr(layer, factor)[str(task)]
-                params.append(AdapterParam(task, name, factor, tuple(weight.shape), adapter_shard_dim(style, factor)))
+        for task, spec in enumerate(adapters):
+            if module_suffix(name) in spec.target_modules:
+                for factor, shape in zip(FACTORS, ((spec.rank, in_features), (out_features, spec.rank)), strict=True):
+                    params.append(AdapterParam(task, name, factor, shape, adapter_shard_dim(style, factor)))
     return params
 
 

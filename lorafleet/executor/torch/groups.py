@@ -11,6 +11,12 @@ it for every group, members or not, in the same order. So each rank walks the sa
 A holder set with the ranks of a TP group (a TP2 replica alone: its TP group is also the
 holder set of its replicated factors) still gets a group of its own (threads, above). Sets of
 one rank get none: there is nothing to reduce. Pipeline neighbours need no group: point-to-point ops use global ranks.
+
+**Reuse** (:class:`GroupCache`). A running fleet that changes its tasks or its deployment at a step
+boundary (``change.py``) builds its groups again over the same world: every group whose purpose and
+rank set it already has is reused, and only the new ones are created. Every rank made the same groups
+in the same order before, so every rank's cache holds the same keys, skips the same ``new_group``
+calls and makes the others in the same order: the creation stays collective and ordered.
 """
 
 from __future__ import annotations
@@ -21,6 +27,24 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from lorafleet.executor.torch.layout import FleetLayout
+
+
+class GroupCache:
+    """Every group this rank has created, by purpose (``tp``, ``sync``, ``updates``) and rank set (module doc)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+        self.created = 0
+        """Groups created through this cache (``new_group`` calls), for the tests' and benchmark's counts."""
+
+    def get(self, purpose: str, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        """The group of ``ranks`` for ``purpose``, created when this cache has none (collective over the world:
+        every rank asks for the same keys in the same order)."""
+        key = (purpose, ranks)
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(ranks))
+            self.created += 1
+        return self._groups[key]
 
 
 @dataclass(frozen=True)
@@ -52,14 +76,18 @@ def ordered_rank_sets(
     return list(tp), list(sync)
 
 
-def build_process_groups(fleet: FleetLayout, holder_sets: Sequence[tuple[int, ...]], rank: int) -> ProcessGroups:
-    """Creates every group on this rank (collective: all ranks must call it with the same arguments)."""
+def build_process_groups(
+    fleet: FleetLayout, holder_sets: Sequence[tuple[int, ...]], rank: int, cache: GroupCache | None = None
+) -> ProcessGroups:
+    """Creates every group on this rank, or takes it from ``cache`` (collective: all ranks must call it with the
+    same arguments, and caches that made the same groups)."""
+    cache = cache if cache is not None else GroupCache()
     tp_sets, sync_sets = ordered_rank_sets(fleet, holder_sets)
-    tp_groups = {ranks: dist.new_group(list(ranks)) for ranks in tp_sets}
-    sync_groups = {ranks: dist.new_group(list(ranks)) for ranks in sync_sets}
+    tp_groups = {ranks: cache.get("tp", ranks) for ranks in tp_sets}
+    sync_groups = {ranks: cache.get("sync", ranks) for ranks in sync_sets}
     # A fleet of one rank has nothing to reduce (and may be built on one rank of a larger world:
     # the profiler's optimizer records), so it creates no group.
-    updates = dist.new_group(list(range(fleet.world_size))) if fleet.world_size > 1 else None
+    updates = cache.get("updates", tuple(range(fleet.world_size))) if fleet.world_size > 1 else None
     role = fleet.role(rank)
     tp = None
     if role is not None and role.replica.tp > 1:

@@ -11,24 +11,57 @@ Mistral decoder layers, GQA included: k/v projections are just narrower linears.
 A model whose base weights are on the ``meta`` device (the skeleton of per-stage loading, see
 ``replica.py``) gets real adapters on the host (``MultiLoraLinear.add_adapter``), drawn from the
 generator exactly as over a real host model.
+
+**One draw rule** (:func:`initial_lora_A`): a seeded adapter's ``A`` matrices are drawn from the shapes of
+the whole model's projections (:func:`projection_shapes`), not from the modules at hand, so a stage that
+holds a few layers (a task added to a running fleet, ``change.py``) draws the same matrices as an
+injection into the whole model.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.multi_lora import MultiLoraLinear, adapter_dtype
 from lorafleet.executor.torch.routing import LoraBackend, Segments
-from lorafleet.specs.lora import LoraSpec
+from lorafleet.specs.lora import LLAMA_TARGET_MODULES, LoraSpec
 
 
 def module_suffix(name: str) -> str:
     """The last component of a dotted module name: ``model.layers.0.self_attn.q_proj`` -> ``q_proj``."""
     return name.rpartition(".")[2]
+
+
+def projection_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Every projection an adapter may target (``specs.lora.LLAMA_TARGET_MODULES``) of a whole model, not yet
+    split: name -> ``(in_features, out_features)``, in model order (an injected one is read through its
+    ``base_layer``, so call it before TP slices the model)."""
+    shapes = {}
+    for name, module in model.named_modules():
+        if module_suffix(name) in LLAMA_TARGET_MODULES:
+            linear = module.base_layer if isinstance(module, MultiLoraLinear) else module
+            shapes[name] = (linear.in_features, linear.out_features)
+    return shapes
+
+
+def initial_lora_A(
+    shapes: dict[str, tuple[int, int]], spec: LoraSpec, seed: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Adapter ``spec``'s initial ``A (r, in)`` of every projection it targets in ``shapes`` (model order), on
+    the host in ``dtype``: Kaiming-uniform (a = sqrt(5)) as PEFT draws it, from a generator seeded with ``seed``
+    alone, one matrix after the other (the global generator is left as it was). ``B`` starts at zero."""
+    out = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, (in_features, _) in shapes.items():
+            if module_suffix(name) in spec.target_modules:
+                out[name] = nn.init.kaiming_uniform_(torch.empty(spec.rank, in_features, dtype=dtype), a=math.sqrt(5))
+    return out
 
 
 def inject_multi_lora(
@@ -59,6 +92,7 @@ def inject_multi_lora(
         raise ValueError(f"no module of {type(model).__name__} matches target_modules {sorted(targets)}")
     if seeds is not None and len(seeds) != len(adapters):
         raise ValueError(f"{len(adapters)} adapters but {len(seeds)} seeds")
+    shapes = projection_shapes(model)
     model.requires_grad_(False)
     layers = []
     for name in names:
@@ -72,13 +106,13 @@ def inject_multi_lora(
                 if child in spec.target_modules:
                     layer.add_adapter(adapter_id, spec)
         setattr(parent, child, layer)
-        layers.append((child, layer))
+        layers.append((name, layer))
     for adapter_id, (spec, seed) in enumerate(zip(adapters, seeds or (), strict=False)):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for child, layer in layers:
-                if child in spec.target_modules:
-                    layer.add_adapter(adapter_id, spec)
+        dtype = adapter_dtype(next(layer for _, layer in layers).base_layer.weight.dtype)
+        drawn = initial_lora_A(shapes, spec, seed, dtype)
+        for name, layer in layers:
+            if name in drawn:
+                layer.add_adapter(adapter_id, spec, (drawn[name], torch.zeros(layer.out_features, spec.rank)))
     return names
 
 

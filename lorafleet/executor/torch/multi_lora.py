@@ -227,6 +227,17 @@ class MultiLoraLinear(nn.Module):
         if self.adapters.pop(adapter_id, None) is not None:
             del self.lora_A[str(adapter_id)], self.lora_B[str(adapter_id)]
 
+    def relabel(self, new_ids: dict[int, int]) -> None:
+        """Keeps the adapters ``new_ids`` names (old id -> new id), renamed and in new-id order, and drops the
+        others (a task that left a running fleet: ``change.py``). The kept parameters stay the same objects,
+        so an optimizer's state keyed by them carries over."""
+        kept = sorted((new, old) for old, new in new_ids.items() if old in self.adapters)
+        pairs = [(self.lora_A[str(old)], self.lora_B[str(old)], self.adapters[old]) for _, old in kept]
+        self.lora_A, self.lora_B, self.adapters = nn.ParameterDict(), nn.ParameterDict(), {}
+        for (new, _), (A, B, spec) in zip(kept, pairs, strict=True):
+            self.lora_A[str(new)], self.lora_B[str(new)] = A, B
+            self.adapters[new] = spec
+
     def routing(self) -> LoraRouting:
         """The current segments in this layer's terms: adapter ``i`` is the i-th of :attr:`adapters`."""
         if self.segments is None:

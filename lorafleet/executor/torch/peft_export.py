@@ -16,9 +16,8 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import peft
-from peft.utils.constants import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
@@ -27,6 +26,15 @@ from lorafleet.errors import InputError
 from lorafleet.executor.torch.inject import module_suffix, multi_lora_layers
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 from lorafleet.specs.lora import LoraSpec
+
+if TYPE_CHECKING:
+    import peft
+
+CONFIG_NAME = "adapter_config.json"
+"""An adapter directory's config file (``peft.utils.constants.CONFIG_NAME``). peft itself is imported only
+where a config is made or read: importing it costs a worker ~2.5 s of CPU at start-up, and only rank 0 writes."""
+SAFETENSORS_WEIGHTS_NAME = "adapter_model.safetensors"
+"""An adapter directory's weights file (``peft.utils.constants.SAFETENSORS_WEIGHTS_NAME``)."""
 
 PEFT_PREFIX = "base_model.model."
 """Prefix of every key in a PEFT adapter file, in front of the base model's module name."""
@@ -53,6 +61,8 @@ def peft_key(module_name: str, matrix: str) -> str:
 
 def lora_config(spec: LoraSpec, *, base_model_name_or_path: str | None = None) -> peft.LoraConfig:
     """The ``peft.LoraConfig`` equivalent to ``spec`` (a causal-LM adapter)."""
+    import peft
+
     return peft.LoraConfig(
         r=spec.rank,
         lora_alpha=int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha,
@@ -106,6 +116,8 @@ def save_peft_adapter(model: nn.Module, adapter_id: int, path: str | Path) -> Pa
 
 def read_peft_spec(path: str | Path) -> LoraSpec:
     """The :class:`LoraSpec` of a PEFT adapter directory; InputError for what lorafleet cannot run."""
+    import peft
+
     config_path = Path(path) / CONFIG_NAME
     try:
         config = peft.LoraConfig.from_pretrained(str(path))

@@ -40,6 +40,9 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 PACKAGE_ENV = "LORAFLEET_PACKAGE"
 LAUNCHER_PID_ENV = "LORAFLEET_LAUNCHER_PID"
 """The launcher's pid, for its workers: their torchrun's parent (:func:`die_with_torchrun`)."""
+START_TIMEOUT_S = 300.0
+"""How long, by default, a rank waits for the others to form the process group (``train --start-timeout``;
+``launch.form_group``)."""
 FRESH_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """Set to 1 for torchrun: each rendezvous round (every restart) gets a TCPStore of its own."""
 LOCKED_ENV = "LORAFLEET_RUN_LOCKED"

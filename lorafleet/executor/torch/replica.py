@@ -3,19 +3,23 @@
 The order matters and is fixed (torchtitan's ``parallelize_llama`` applies its steps the same
 way, one function, comments on why):
 
-1. **inject** every task's adapter into the *whole* model, from one seeded generator. Every
-   rank does the same, so every rank starts from the same full adapters whatever its replica
-   or shard: the initial state does not depend on the plan.
-2. **list the adapter matrices** at their full shapes, and from them and the plan the pieces
-   of the gradient sum (``grad_sync``); then **create every process group** (collective,
-   idle ranks included, so it must come before anything rank-specific).
+1. **list the adapter matrices** at their full shapes (from the whole model's projection shapes and
+   the adapters' specs: ``grad_sync.adapter_params``), and from them and the plan the pieces of the
+   gradient sum (``grad_sync``); then **create every process group** (collective, idle ranks
+   included, so it must come before anything rank-specific);
+2. **inject** every task's adapter into the *whole* model, each from its own seed. Every rank
+   draws the same full adapters whatever its replica or shard: the initial state does not
+   depend on the plan.
 3. **TP-shard** the projections and their adapters (``tp``): needs the TP group.
 4. **PP-split**: keep this stage's layers (``pipeline``). After TP, so the hooks TP put on the
    attention and MLP blocks travel with the layers that stay.
 5. **move** to the device (the whole model was built on the host), or, per stage, **load**.
 
+Steps 2-5 are :func:`build_stage`, rank-local: a fleet changed at a step boundary (``change.py``)
+runs them again only on the ranks whose stage changes, over groups made (or reused) by step 1.
+
 **Per-stage loading** (``weights`` given, ``base_model.load_base``): the model is a skeleton on
-the ``meta`` device, and steps 1-4 run on it unchanged: adapters are created for real on the
+the ``meta`` device, and steps 2-4 run on it unchanged: adapters are created for real on the
 host (``inject``), TP and PP cut and drop meta tensors, which costs nothing. Step 5 then reads
 from the checkpoint only the base tensors left in the stage, each as the slice TP keeps
 (``tp.base_index``, the rule ``parallelize_tensor`` cut the skeleton by), in the model's dtype
@@ -39,12 +43,13 @@ from lorafleet.executor.torch.grad_sync import (
     FACTORS,
     AdapterParam,
     GradSync,
+    Piece,
     adapter_params,
     holder_sets,
     sync_pieces,
 )
-from lorafleet.executor.torch.groups import build_process_groups
-from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
+from lorafleet.executor.torch.groups import GroupCache, ProcessGroups, build_process_groups
+from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers, projection_shapes
 from lorafleet.executor.torch.layout import FleetLayout, ModelDims, RankRole
 from lorafleet.executor.torch.pipeline import Neighbours, split_for_pipeline
 from lorafleet.executor.torch.routing import LoraBackend
@@ -69,6 +74,12 @@ class Replica:
     grad_sync: GradSync
     update_group: dist.ProcessGroup | None
     """Every rank: the per-task updates' statistics (``updates``); None in a world of one."""
+    shapes: dict[str, tuple[int, int]]
+    """Every projection of the whole model an adapter may target (``inject.projection_shapes``): what the
+    adapter matrices and a new task's initial adapter are derived from once the model is split."""
+    dims: ModelDims
+    groups: GroupCache
+    """Every process group this rank has made: a change of the fleet (``change.py``) reuses them."""
 
     def task_params(self, task: int) -> list[nn.Parameter]:
         """This rank's shards of one task's adapter (empty when no layer of its stage has it)."""
@@ -101,25 +112,87 @@ def build_replica(
 
     Collective: every rank of the world must call it, with the same plan.
     """
+    # 2. Full shapes, pieces, and every process group (before anything rank-specific: collective).
+    shapes, dims = projection_shapes(model), ModelDims.of(model.config)
+    fleet, params, groups = fleet_groups(plan, dims, shapes, adapters, rank, world_size, GroupCache())
+    role = fleet.role(rank)
+    # 1, 3-5. Inject, shard, split, move or load (this rank's stage only).
+    stage = build_stage(model, adapters, role, groups.tp, seeds=seeds, device=device, backend=backend, weights=weights)
+    return assemble_replica(stage, fleet, rank, params, groups, shapes, dims, device)
+
+
+def fleet_groups(
+    plan: DeploymentPlan,
+    dims: ModelDims,
+    shapes: dict[str, tuple[int, int]],
+    adapters: Sequence[LoraSpec],
+    rank: int,
+    world_size: int,
+    cache: GroupCache,
+) -> tuple[FleetLayout, list[AdapterParam], FleetGroups]:
+    """The plan's layout, every adapter matrix, and the process groups (made, or reused from ``cache``; collective)."""
+    fleet = FleetLayout.of(plan, dims, world_size)
+    params = adapter_params(shapes, adapters)
+    pieces = sync_pieces(fleet, params)
+    return fleet, params, FleetGroups(pieces, build_process_groups(fleet, holder_sets(pieces), rank, cache), cache)
+
+
+@dataclass(frozen=True)
+class FleetGroups:
+    """The gradient-sum pieces of a fleet and this rank's groups in it, as :func:`assemble_replica` takes them."""
+
+    pieces: tuple[Piece, ...]
+    made: ProcessGroups
+    cache: GroupCache
+
+    @property
+    def tp(self) -> dist.ProcessGroup | None:
+        return self.made.tp
+
+
+def build_stage(
+    model: nn.Module,
+    adapters: Sequence[LoraSpec],
+    role: RankRole | None,
+    tp_group: dist.ProcessGroup | None,
+    *,
+    seeds: Sequence[int],
+    device: torch.device,
+    backend: LoraBackend,
+    weights: SafetensorsWeights | None,
+) -> nn.Module | None:
+    """Steps 1 and 3-5 on this rank: ``role``'s stage of the whole ``model`` (None for an idle rank)."""
+    if role is None:
+        return None
     # 1. Inject, each adapter from its own seed (the global generator does not move).
     inject_multi_lora(model, adapters, backend=backend, seeds=seeds)
     use_document_attention(model)  # packed micro-batches attend per sequence (Σ s_i^2, not (Σ s_i)^2)
     for _, layer in multi_lora_layers(model):
         layer.train()  # adapter dropout is on while training; the frozen base stays in eval mode
-    # 2. Full shapes, pieces, and every process group.
-    fleet = FleetLayout.of(plan, ModelDims.of(model.config), world_size)
-    params = adapter_params(model)
-    pieces = sync_pieces(fleet, params)
-    groups = build_process_groups(fleet, holder_sets(pieces), rank)
-    role = fleet.role(rank)
-    if role is None:
-        return Replica(None, None, None, fleet, params, {}, GradSync(pieces, None, {}, groups.sync), groups.updates)
     # 3. Tensor parallelism, then 4. the pipeline split, then 5. the device.
-    parallelize_tensor(model, role.tp_rank, role.replica.tp, groups.tp)
+    parallelize_tensor(model, role.tp_rank, role.replica.tp, tp_group)
     split_for_pipeline(model, role)
     if weights is not None:
         load_stage(model, weights, role, device)
-    model.to(device)  # per stage: moves the adapters, the rest is there
+    return model.to(device)  # per stage: moves the adapters, the rest is there
+
+
+def assemble_replica(
+    model: nn.Module | None,
+    fleet: FleetLayout,
+    rank: int,
+    params: list[AdapterParam],
+    groups: FleetGroups,
+    shapes: dict[str, tuple[int, int]],
+    dims: ModelDims,
+    device: torch.device,
+) -> Replica:
+    """The :class:`Replica` of ``rank``'s built stage (None: an idle rank) in ``fleet``: its local adapter shards by
+    key, its pipeline neighbours and its side of the gradient sum."""
+    role = fleet.role(rank)
+    if model is None or role is None:
+        sync = GradSync(groups.pieces, None, {}, groups.made.sync)
+        return Replica(None, None, None, fleet, params, {}, sync, groups.made.updates, shapes, dims, groups.cache)
     local = {
         (task, name, factor): getattr(layer, factor)[str(task)]
         for name, layer in multi_lora_layers(model)
@@ -128,8 +201,8 @@ def build_replica(
     }
     dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)  # the base's: adapters may be fp32 masters
     neighbours = Neighbours(role.prev_rank, role.next_rank, model.config.hidden_size, dtype, device)
-    sync = GradSync(pieces, role, local, groups.sync)
-    return Replica(model, role, neighbours, fleet, params, local, sync, groups.updates)
+    sync = GradSync(groups.pieces, role, local, groups.made.sync)
+    return Replica(model, role, neighbours, fleet, params, local, sync, groups.made.updates, shapes, dims, groups.cache)
 
 
 def load_stage(model: nn.Module, weights: SafetensorsWeights, role: RankRole, device: torch.device) -> None:

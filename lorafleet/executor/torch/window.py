@@ -104,6 +104,38 @@ class WindowRunner:
         more, so only those that have not stepped yet are checked."""
         self._initial = {t: v for t, v in self._snapshot().items() if self.optimizers[t].steps_taken == 0}
 
+    def changed(
+        self,
+        replica: Replica,
+        optimizers: Sequence[TaskOptimizer],
+        streams: DataStreams,
+        names: Sequence[str],
+        kept: Mapping[int, int] | None,
+    ) -> WindowRunner:
+        """This runner over a fleet changed at a boundary (``change.py``), its op log carried. ``kept`` (new task
+        -> old) when this rank kept its stage: the staying tasks keep their starting adapters for the moved-check
+        and the new ones start now; None for a new stage, which is checked as a restored one (:meth:`restored`)."""
+        runner = WindowRunner(
+            replica,
+            optimizers,
+            streams,
+            self.device,
+            names,
+            seed=self.seed,
+            slowdown=self.slowdown,
+            record_ops=self.record_ops,
+        )
+        runner.op_log = self.op_log
+        if kept is None:
+            runner.restored()
+        else:
+            runner._initial = {
+                t: self._initial[kept[t]] if t in kept else start
+                for t, start in runner._initial.items()
+                if t not in kept or kept[t] in self._initial
+            }
+        return runner
+
     def _moved(self, t: int) -> float:
         """1.0 unless task t is at its moved-check (``max(warm-up, 1)`` steps taken) and this rank's
         shards of its adapter are exactly where they started (then 0.0; summed over ranks)."""

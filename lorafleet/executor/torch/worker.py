@@ -15,12 +15,17 @@ The executor decides what every rank does next; two components do it:
   soon as its backwards are done, the moved-checks) and, on rank 0, the window's StepReports;
 - ``checkpointer.Checkpointer``: flash checkpoints (gathered into rank 0's memory, written and
   committed by a background thread) and their restore.
+
+A change of the running fleet (tasks joining or leaving, a new deployment) is one more command:
+:meth:`TorchExecutor.change` broadcasts a ``change.FleetChange`` at a step boundary, every rank changes its
+part of the fleet in place (``change.change_fleet``), and the next step runs on it; no process restarts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -31,26 +36,16 @@ import torch.distributed as dist
 from torch import nn
 
 from lorafleet.executor.torch.base_model import SafetensorsWeights
+from lorafleet.executor.torch.change import PHASES, BaseSource, ChangeReport, FleetChange, TaskTraining, change_fleet
 from lorafleet.executor.torch.checkpoint import TrainState
 from lorafleet.executor.torch.checkpointer import Checkpointer
-from lorafleet.executor.torch.data_stream import DataStreams, task_key
+from lorafleet.executor.torch.data_stream import DataStreams, TaskData, task_key
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.routing import LoraBackend
 from lorafleet.executor.torch.window import BroadcastStep, WindowRunner
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
-from lorafleet.specs.lora import LoraSpec, OptimizerSpec
-
-
-@dataclass(frozen=True, kw_only=True)
-class TaskTraining:
-    """One task as the executor trains it."""
-
-    name: str
-    lora: LoraSpec
-    optimizer: OptimizerSpec
-    total_steps: int
-    """Optimizer steps the schedule spans (the task's ``steps``, or the run's)."""
+from lorafleet.specs.workload import TaskSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +73,7 @@ class CommandKind(StrEnum):
     PROBE = "probe"
     SAVE = "save"
     RESTORE = "restore"
+    CHANGE = "change"
     STOP = "stop"
 
 
@@ -121,12 +117,18 @@ class TorchExecutor:
         device: torch.device,
         *,
         weights: SafetensorsWeights | None = None,
+        base: BaseSource | None = None,
+        task_data: Callable[[TaskSpec], TaskData] | None = None,
     ) -> None:
         """Builds this rank's replica from the full ``model``, or from its meta skeleton and the
-        checkpoint ``weights`` (per-stage loading, ``base_model.load_base``). Collective: every rank calls it."""
+        checkpoint ``weights`` (per-stage loading, ``base_model.load_base``). Collective: every rank calls it.
+
+        For :meth:`change`: ``base`` gives the base model again when a rank must build a new stage, and
+        ``task_data`` prepares a new task's data (tokenizes it; rank 0's is used)."""
         self.config = config
         self.streams = streams
         self.device = device
+        self.base, self.task_data = base, task_data
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.names = tuple(t.name for t in config.tasks)
         self.replica = build_replica(
@@ -144,6 +146,8 @@ class TorchExecutor:
             TaskOptimizer(t.optimizer, self.replica.task_params(i), t.total_steps) for i, t in enumerate(config.tasks)
         ]
         self._pending: dict[int, GlobalBatch] = {}
+        self._prepared: dict[str, TaskData] = {}
+        """Rank 0, during a change: the new tasks' data it was handed (``change``)."""
         self.windows = WindowRunner(
             self.replica,
             self.optimizers,
@@ -159,6 +163,8 @@ class TorchExecutor:
         )
         self.op_log = self.windows.op_log
         """With ``config.record_ops``, this rank's ops so far (``WindowRunner.op_log``)."""
+        self.stage_build_s = 0.0
+        """Seconds this rank took to get its base model and build its stage (``launch.build_torch_executor``)."""
 
     # ---- coordinator (rank 0) -----------------------------------------------------------------
 
@@ -218,6 +224,16 @@ class TorchExecutor:
         self._broadcast_and_run(Command(CommandKind.RESTORE, state))
         return state
 
+    def change(self, change: FleetChange, data: Mapping[str, TaskData] | None = None) -> ChangeReport:
+        """Changes the running fleet at the boundary before ``change.step`` (``change.py``): its tasks and their
+        turns, its deployment; every rank in place. A checkpoint being written goes on meanwhile. ``data``: new
+        tasks' data rank 0 has prepared already (the queue's check tokenized it); the others prepare theirs."""
+        start = time.perf_counter()
+        self._prepared = dict(data or {})
+        report = self._broadcast_and_run(Command(CommandKind.CHANGE, change))
+        assert report is not None
+        return replace(report, seconds=time.perf_counter() - start)
+
     def close(self) -> None:
         """Finishes the checkpoint being written and releases the other ranks from :meth:`serve`."""
         try:
@@ -250,9 +266,57 @@ class TorchExecutor:
             return self.windows.run(command.payload, probe=command.kind is CommandKind.PROBE)
         if command.kind is CommandKind.SAVE:
             return self.checkpointer.save(*command.payload)
+        if command.kind is CommandKind.CHANGE:
+            return self._change(command.payload)
         if command.kind is CommandKind.RESTORE:
             if command.payload is not None:
                 self.checkpointer.restore(command.payload)
                 self.windows.restored()
             return command.payload
         return None
+
+    def _change(self, change: FleetChange) -> ChangeReport | None:
+        """This rank's part of a change (``change.change_fleet``); rank 0 returns what it cost."""
+        old = {name: t for t, name in enumerate(self.names)}
+        groups_before = self.replica.groups.created
+        prepared, self._prepared = self._prepared, {}
+
+        def task_data(spec: TaskSpec) -> TaskData:  # rank 0 only (change.change_fleet sends it to the others)
+            if spec.name in prepared:
+                return prepared.pop(spec.name)
+            if self.task_data is None:
+                raise RuntimeError("the executor was given no way to prepare a new task's data (task_data)")
+            return self.task_data(spec)
+
+        replica, optimizers, streams, phases, kept_stage = change_fleet(
+            self.replica,
+            self.optimizers,
+            self.streams,
+            self.config.tasks,
+            change,
+            seed=self.config.seed,
+            device=self.device,
+            backend=self.config.lora_backend,
+            base=self.base,
+            task_data=task_data,
+        )
+        created = replica.groups.created - groups_before
+        names = tuple(t.name for t in change.tasks)
+        kept = {t: old[n] for t, n in enumerate(names) if n in old} if kept_stage else None
+        self.windows = self.windows.changed(replica, optimizers, streams, names, kept)
+        self.op_log = self.windows.op_log
+        self.checkpointer.retask(replica, optimizers, streams, [t.lora for t in change.tasks], names)
+        self.config = replace(self.config, plan=change.plan, tasks=change.tasks)
+        self.replica, self.optimizers, self.streams, self.names = replica, optimizers, streams, names
+        self._pending.clear()  # batches drawn ahead for the old tasks
+        # One all-reduce each: the slowest rank's seconds per phase, and which ranks built a stage.
+        slowest = torch.tensor([phases[p] for p in PHASES], dtype=torch.float64).to(self.device)
+        built = torch.zeros(self.world_size, dtype=torch.float64)
+        built[self.rank] = float(not kept_stage and replica.role is not None)
+        built = built.to(self.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(built)
+        if self.rank != 0:
+            return None
+        rebuilt = tuple(int(r) for r in torch.nonzero(built.cpu()).flatten())
+        return ChangeReport(0.0, dict(zip(PHASES, slowest.cpu().tolist(), strict=True)), rebuilt, created)

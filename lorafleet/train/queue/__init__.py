@@ -15,9 +15,10 @@ stage a file as ``.name`` and rename it in). A request is
 **When** (``watcher.py``). Rank 0 reads the queue at every window boundary (``QueueWatcher.poll``). A
 malformed request is rejected: one line in the run's log, and the file moved to ``queue/rejected/``
 beside a ``<file>.reason``; the run goes on. Valid requests that are due are accepted (moved to
-``queue/accepted/``) and applied together at that boundary: the run checkpoints, leaves them in
-``<queue>/.apply.json`` (``pending.py``), the launcher puts the changes into the ledger, re-plans
-incrementally (``planner.incremental``) and restarts the run from the checkpoint (``train.live``).
+``queue/accepted/``) and applied together at that boundary, in the running workers: the run checkpoints
+(when a task joins or leaves), leaves them in ``<queue>/.apply.json`` (``pending.py``), puts the changes into
+the ledger, re-plans incrementally (``planner.incremental``) and changes its fleet in place
+(``train.trainer``, ``train.live``); the launcher applies what the running fleet cannot, between two launches.
 
 **Ledger** (``ledger.py``). ``<out>/tasks.json``: every task the run has had, its state and the step it
 left at, and the requests applied. A resume trains the ledger's active tasks.
@@ -31,10 +32,10 @@ Schemas (from the models in ``requests.py``, ``ledger.py`` and ``pending.py``). 
 rest of lorafleet uses; the package's modules import each other by module.
 """
 
-from lorafleet.train.queue.http import QueueServer, start_queue_server
+from lorafleet.train.queue.http import QueueServer, bind_queue_server, remove_stale_token, start_queue_server
 from lorafleet.train.queue.ledger import Ledger, LedgerEntry, TaskState
 from lorafleet.train.queue.pending import Pending, clear_pending, has_pending, load_pending, save_pending
-from lorafleet.train.queue.requests import Action, Request, RequestError
+from lorafleet.train.queue.requests import Action, Request, RequestError, data_roots
 from lorafleet.train.queue.watcher import QueueWatcher, read_request
 
 __all__ = [
@@ -47,10 +48,13 @@ __all__ = [
     "Request",
     "RequestError",
     "TaskState",
+    "bind_queue_server",
     "clear_pending",
+    "data_roots",
     "has_pending",
     "load_pending",
     "read_request",
+    "remove_stale_token",
     "save_pending",
     "start_queue_server",
 ]

@@ -10,7 +10,10 @@ watcher stays the one path of truth: it validates, applies at step boundaries, a
 
 :func:`start_queue_server` binds 127.0.0.1 only (never another interface) and writes the address and
 a fresh bearer token to ``<queue_dir>/.http.json`` (``{"url": ..., "token": ...}``, mode 0600; the
-leading dot keeps the watcher off it); :meth:`QueueServer.close` removes it. Every request needs
+leading dot keeps the watcher off it); :meth:`QueueServer.close` removes it. The launcher binds first
+(:func:`bind_queue_server`: a port in use is an InputError before the run directory is claimed) and
+serves once the run is its (:meth:`QueueServer.serve`); a token file a killed run left is removed when
+the next run claims the queue (:func:`remove_stale_token`). Every request needs
 ``Authorization: Bearer <token>`` (else 401). JSON in and out:
 
     POST   /v1/tasks                           a request object (an add: the task, with optional
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from lorafleet.errors import InputError
 from lorafleet.rundir import LEDGER
 from lorafleet.specs.io import write_text_atomic
 from lorafleet.train.queue.requests import ACCEPTED, REJECTED, UPDATE_KEYS, Action, reason_file, request_files
@@ -48,6 +52,8 @@ TOKEN_FILE = ".http.json"
 MAX_BODY = 1 << 20
 PRIVATE = 0o600
 """The mode of the files the server writes: the token file and the request files."""
+PRIVATE_DIR = 0o700
+"""The mode of the queue directory when the run creates it."""
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _MAX_NAME = 128
 _STOPS = (Action.FINISH, Action.CANCEL)
@@ -69,10 +75,11 @@ class _Server(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, port: int, queue_dir: Path, run_dir: Path, token: str) -> None:
+    def __init__(self, port: int, token: str) -> None:
         super().__init__((HOST, port), _Handler)
-        self.queue_dir = queue_dir
-        self.run_dir = run_dir
+        self.queue_dir = Path()
+        """The queue it serves (set by :meth:`QueueServer.serve`)."""
+        self.run_dir = Path()
         self.token = token
         self.write_lock = threading.Lock()
 
@@ -284,25 +291,49 @@ def _listing(queue_dir: Path, run_dir: Path) -> dict[str, Any]:
 
 
 class QueueServer:
-    """A running queue server: ``url``, ``token``, ``close()``; a context manager (closes on exit)."""
+    """A queue server bound to its port (:func:`bind_queue_server`), serving once :meth:`serve` is called:
+    ``url``, ``token``, ``token_file``, ``close()``; a context manager (closes on exit)."""
 
-    def __init__(self, server: _Server, thread: threading.Thread, token_file: Path) -> None:
+    def __init__(self, server: _Server) -> None:
         self._server = server
-        self._thread = thread
-        self.token_file = token_file
+        self._thread: threading.Thread | None = None
+        self.token_file: Path | None = None
         self.token = server.token
         self.host, self.port = server.server_address[:2]
         self.url = f"http://{self.host}:{self.port}"
         self._closed = False
+
+    def serve(self, queue_dir: Path, run_dir: Path) -> None:
+        """Serve ``queue_dir`` (created, 0700, if needed) of the run in ``run_dir`` from a daemon thread; the URL
+        and the token go to ``<queue_dir>/.http.json`` (mode 0600)."""
+        queue_dir, run_dir = Path(queue_dir), Path(run_dir)
+        queue_dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+        self._server.queue_dir, self._server.run_dir = queue_dir, run_dir
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": _POLL_S},
+            name="lorafleet-queue-http",
+            daemon=True,
+        )
+        self._thread.start()
+        self.token_file = queue_dir / TOKEN_FILE
+        try:
+            write_text_atomic(self.token_file, json.dumps({"url": self.url, "token": self.token}) + "\n", mode=PRIVATE)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Stop serving, join the thread, remove the token file (if it is still this server's). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._server.shutdown()
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join()
         self._server.server_close()
-        self._thread.join()
+        if self.token_file is None:
+            return
         try:
             if json.loads(self.token_file.read_text(encoding="utf-8")).get("token") == self.token:
                 self.token_file.unlink()
@@ -316,20 +347,31 @@ class QueueServer:
         self.close()
 
 
-def start_queue_server(queue_dir: Path, run_dir: Path, port: int = 0) -> QueueServer:
-    """Serve ``queue_dir`` (created if needed) on 127.0.0.1:``port`` (0: a free one) from a daemon thread;
-    the URL and a fresh token go to ``<queue_dir>/.http.json`` (mode 0600)."""
-    queue_dir, run_dir = Path(queue_dir), Path(run_dir)
-    queue_dir.mkdir(parents=True, exist_ok=True)
-    server = _Server(port, queue_dir, run_dir, secrets.token_urlsafe(32))
-    thread = threading.Thread(
-        target=server.serve_forever, kwargs={"poll_interval": _POLL_S}, name="lorafleet-queue-http", daemon=True
-    )
-    thread.start()
-    queue = QueueServer(server, thread, queue_dir / TOKEN_FILE)
+def bind_queue_server(port: int = 0) -> QueueServer:
+    """A server bound to 127.0.0.1:``port`` (0: a free one) with a fresh token, not serving yet; an InputError
+    naming ``--queue-http`` when the port cannot be bound (in use, or privileged)."""
     try:
-        write_text_atomic(queue.token_file, json.dumps({"url": queue.url, "token": queue.token}) + "\n", mode=PRIVATE)
-    except BaseException:
-        queue.close()
-        raise
-    return queue
+        return QueueServer(_Server(port, secrets.token_urlsafe(32)))
+    except OSError as err:
+        raise InputError(
+            "<args>",
+            "--queue-http",
+            f"cannot serve on {HOST}:{port} ({err.strerror or err}); choose another port, or 0",
+        ) from None
+
+
+def start_queue_server(queue_dir: Path, run_dir: Path, port: int = 0) -> QueueServer:
+    """Bind 127.0.0.1:``port`` and serve ``queue_dir`` (:func:`bind_queue_server`, :meth:`QueueServer.serve`)."""
+    server = bind_queue_server(port)
+    server.serve(queue_dir, run_dir)
+    return server
+
+
+def remove_stale_token(queue_dir: Path) -> bool:
+    """Remove ``<queue_dir>/.http.json`` that a run which ended without closing its server left (the caller
+    holds the run directory: no live server of this run wrote it); whether there was one."""
+    path = Path(queue_dir) / TOKEN_FILE
+    if not path.is_file():
+        return False
+    path.unlink()
+    return True

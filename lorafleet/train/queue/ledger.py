@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, PlainSerializer, TypeAdapter, with_c
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing only on Python >= 3.12
 
 from lorafleet.rundir import LEDGER
+from lorafleet.specs._base import Float, Int
 from lorafleet.specs.io import read_json_as, write_json_as
 from lorafleet.specs.workload import TaskSpec
 from lorafleet.train.queue.requests import Action, Request
@@ -33,7 +34,7 @@ class TaskState(StrEnum):
     CANCELLED = "cancelled"
 
 
-Change = tuple[int, float | None, int | None]
+Change = tuple[Int, Float | None, Int | None]
 """``(step, share, deadline)``: from that step on (``turns.TaskTurns.changes``)."""
 
 LedgerSpec = Annotated[TaskSpec, PlainSerializer(lambda spec: spec.model_dump(mode="json", exclude_none=True))]
@@ -48,7 +49,7 @@ class LedgerEntry:
 
     spec: LedgerSpec
     state: TaskState = TaskState.ACTIVE
-    left: int | None = None
+    left: Int | None = None
     """The step it left the run at (finished or cancelled)."""
     changes: tuple[Change, ...] = ()
     """Its share and deadline over time, from its start, once an update changed them (else empty)."""
@@ -63,7 +64,7 @@ class LedgerEntry:
 class AppliedRequest(TypedDict):
     """A request the ledger took, at the boundary before ``step``."""
 
-    step: int
+    step: Int
     file: str
     """The request file (its name in the queue directory), or how the change came (a task that took its steps)."""
     action: Action
@@ -114,7 +115,11 @@ class Ledger:
 
     def apply(self, requests: Sequence[Request], step: int, turns: Mapping[str, TaskTurns] | None = None) -> Ledger:
         """The ledger after ``requests``, applied at the boundary before ``step``; ``turns``: the running tasks'
-        (kept for those that leave)."""
+        (kept for those that leave). A request the ledger has applied at that step already (the same file,
+        action and task) is skipped: applying a boundary's pending changes again (after a crash between the
+        ledger's write and the pending file's removal) records each change once."""
+        done = {(a["step"], a["file"], a["action"], a["name"]) for a in self.applied}
+        requests = [r for r in requests if (step, r.file, r.action, r.name) not in done]
         entries = list(self.entries)
         index = {e.spec.name: k for k, e in enumerate(entries)}
         for r in requests:

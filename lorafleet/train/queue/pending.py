@@ -1,9 +1,12 @@
-"""The pending changes, ``<queue>/.apply.json``: what the workers hand the launcher at a boundary.
+"""The pending changes, ``<queue>/.apply.json``: a boundary's requests, from the moment they are due until they
+are applied.
 
-Rank 0 writes it when requests are due (the run then checkpoints and its workers exit); the launcher
-applies it between two launches (``train.live``) and removes it. Its name starts with ``.``, so the
-watcher never reads it as a request. The file is typed (:data:`PENDING_FILE`: unknown keys refused, a
-wrong value named by its field path); ``lorafleet schema pending`` prints its JSON Schema.
+Rank 0 writes it when requests are due (after the boundary's checkpoint, when a task joins or leaves), and
+removes it once it has applied them in the running fleet (``train.trainer``); what the fleet cannot apply,
+or what a crash left, the launcher applies between two launches (``train.live.apply_pending``). Its name
+starts with ``.``, so the watcher never reads it as a request. The file is typed (:data:`PENDING_FILE`:
+unknown keys refused, a wrong value named by its field path); ``lorafleet schema pending`` prints its JSON
+Schema.
 """
 
 from __future__ import annotations
@@ -13,22 +16,23 @@ from pathlib import Path
 
 from pydantic import ConfigDict, TypeAdapter
 
+from lorafleet.specs._base import Int
 from lorafleet.specs.io import read_json_as, write_json_as
 from lorafleet.train.queue.requests import Request
 from lorafleet.turns import TaskTurns
 
 PENDING = ".apply.json"
-"""In the queue directory: the requests accepted at a boundary, until the restart has applied them."""
+"""In the queue directory: the requests accepted at a boundary, until they are applied."""
 
 
 @dataclass(frozen=True)
 class Pending:
-    """What the workers hand the launcher at a boundary: the requests due, and the running tasks' turns."""
+    """A boundary's changes until they are applied: the requests due, and the running tasks' turns."""
 
     __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    step: int
-    """The boundary: the step the run checkpointed at and resumes from."""
+    step: Int
+    """The boundary: the first step with the changes (its checkpoint's, when a task joins or leaves)."""
     requests: list[Request]
     """The requests due there, in the order the watcher took them."""
     turns: dict[str, TaskTurns] = field(default_factory=dict)
@@ -39,7 +43,7 @@ PENDING_FILE = TypeAdapter(Pending)
 
 
 def save_pending(directory: str | Path, pending: Pending) -> None:
-    """The requests accepted at the boundary before ``pending.step``, for the restart to apply."""
+    """The requests accepted at the boundary before ``pending.step``, until they are applied."""
     write_json_as(Path(directory) / PENDING, PENDING_FILE, pending)
 
 

@@ -5,12 +5,19 @@ A request file is YAML or JSON (:data:`REQUEST_SUFFIXES`) in the queue directory
 it has judged to :data:`ACCEPTED` or :data:`REJECTED` (the reason beside it, :func:`reason_file`).
 ``lorafleet schema request`` prints the files' JSON Schema, generated from the three shapes here:
 :class:`AddRequestFile`, :class:`UpdateRequestFile` and :class:`StopRequestFile`.
+
+**Reach.** A task to add names data the run's user will read. Its data paths must resolve, symlinks
+followed, inside the run's data roots (``--queue-data-root``; by default the folders that hold the
+workload's own data: :func:`data_roots`), or the request is rejected (:func:`check_reach`) before any of
+its data is read. The queue's folders and reasons are the run user's alone (:data:`PRIVATE_DIR`,
+:data:`PRIVATE_FILE`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -19,7 +26,7 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from lorafleet.specs._base import Spec
+from lorafleet.specs._base import Float, Int, Spec
 from lorafleet.specs.workload import TaskSpec, describe_validation_error
 
 REQUEST_SUFFIXES = (".yaml", ".yml", ".json")
@@ -28,6 +35,10 @@ ACCEPTED = "accepted"
 """The folder of the queue directory that the requests applied are moved to."""
 REJECTED = "rejected"
 """The folder of the queue directory that malformed requests are moved to, each with its reason file."""
+PRIVATE_DIR = 0o700
+"""The mode of the queue's folders the run creates (the queue, ``accepted``, ``rejected``)."""
+PRIVATE_FILE = 0o600
+"""The mode of the files the run writes there (a rejected request's reason)."""
 UpdateKey = Literal["share", "deadline"]
 """What an ``update`` may change of a running task."""
 UPDATE_KEYS: tuple[UpdateKey, ...] = get_args(UpdateKey)
@@ -95,9 +106,9 @@ class UpdateRequestFile(Spec):
     """The running task."""
     at_step: AtStep = 0
     """Not before this global step."""
-    share: float | None = None
+    share: Float | None = None
     """Its new ``share``, checked as the task's own."""
-    deadline: int | None = None
+    deadline: Int | None = None
     """Its new ``deadline``, checked as the task's own (it needs ``steps``)."""
 
     @model_validator(mode="before")
@@ -145,11 +156,11 @@ class Request:
     action: Action
     name: str
     """The task it is about."""
-    at_step: int = 0
+    at_step: Int = 0
     """Not before this global step."""
     task: TaskSpec | None = None
     """``add``: the task (data paths absolute; ``start_step`` set when it is applied)."""
-    changes: Mapping[UpdateKey, float | int | None] = field(default_factory=dict)
+    changes: Mapping[UpdateKey, Float | Int | None] = field(default_factory=dict)
     """``update``: the new ``share`` and/or ``deadline``."""
 
 
@@ -178,6 +189,29 @@ def read_request_file(path: Path) -> tuple[Action, dict[str, Any]]:
     if not isinstance(name, str) or not name:
         raise RequestError("needs the task's name")
     return action, raw
+
+
+def data_paths(task: TaskSpec) -> Iterator[tuple[str, str]]:
+    """(field, path) of each data path of ``task``: ``data`` and ``lengths.dataset``."""
+    if task.data is not None:
+        yield "data", task.data.path
+    if task.lengths is not None and task.lengths.dataset is not None:
+        yield "lengths.dataset", task.lengths.dataset.path
+
+
+def data_roots(tasks: Sequence[TaskSpec]) -> tuple[str, ...]:
+    """The default data roots: the folder that holds each data path of ``tasks`` (a JSONL file's folder, a saved
+    dataset's parent), symlinks resolved, each once, in order."""
+    return tuple(dict.fromkeys(os.path.realpath(Path(path).parent) for t in tasks for _, path in data_paths(t)))
+
+
+def check_reach(task: TaskSpec, roots: Sequence[str]) -> None:
+    """A RequestError when a data path of ``task`` (absolute) resolves, symlinks followed, outside every one of
+    ``roots`` (resolved folders). The reason names the path as the request gave it, never where it leads."""
+    for where, path in data_paths(task):
+        real = Path(os.path.realpath(path))
+        if not any(real.is_relative_to(root) for root in roots):
+            raise RequestError(f"{where}: {path} is outside the folders this run takes data from (--queue-data-root)")
 
 
 def validated(model: type[M], raw: Mapping[str, Any]) -> M:

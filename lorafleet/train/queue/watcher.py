@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from lorafleet.errors import InputError
+from lorafleet.specs.io import write_text_atomic
 from lorafleet.specs.workload import TaskSpec, deep_merge, resolve_data_paths
 from lorafleet.train.queue.ledger import Ledger
 from lorafleet.train.queue.requests import (
     ACCEPTED,
+    PRIVATE_DIR,
+    PRIVATE_FILE,
     REJECTED,
     Action,
     AddRequestFile,
@@ -28,6 +31,7 @@ from lorafleet.train.queue.requests import (
     RequestError,
     StopRequestFile,
     UpdateRequestFile,
+    check_reach,
     read_request_file,
     reason_file,
     request_files,
@@ -35,8 +39,11 @@ from lorafleet.train.queue.requests import (
 )
 
 
-def read_request(path: Path, defaults: Mapping[str, Any], ledger: Ledger) -> Request:
-    """A request file, validated against the run's ``ledger`` (``defaults``: the workload's); RequestError."""
+def read_request(
+    path: Path, defaults: Mapping[str, Any], ledger: Ledger, data_roots: Sequence[str] | None = None
+) -> Request:
+    """A request file, validated against the run's ``ledger`` (``defaults``: the workload's) and, a task to add,
+    its data against ``data_roots`` (``requests.check_reach``; None: anywhere); RequestError."""
     action, raw = read_request_file(path)
     name = raw["name"]
     if action is Action.ADD:
@@ -45,7 +52,10 @@ def read_request(path: Path, defaults: Mapping[str, Any], ledger: Ledger) -> Req
         add = validated(AddRequestFile, deep_merge(dict(defaults), raw))
         if add.data is None:
             raise RequestError("data: training needs data (a JSONL file or a saved dataset)")
-        return Request(path.name, action, name, add.at_step, task=resolve_data_paths(add.task(), path.parent))
+        task = resolve_data_paths(add.task(), path.parent)
+        if data_roots is not None:
+            check_reach(task, data_roots)
+        return Request(path.name, action, name, add.at_step, task=task)
     active = {t.name: t for t in ledger.active}
     if name not in active:
         raise RequestError(f"no active task {name!r} in this run (active: {', '.join(sorted(active)) or 'none'})")
@@ -66,9 +76,12 @@ class QueueWatcher:
         ledger: Ledger,
         check: Callable[[TaskSpec], None] | None = None,
         log: Callable[[str], None] | None = None,
+        data_roots: Sequence[str] | None = None,
     ) -> None:
-        """``check`` vets a task to add beyond its schema (its data tokenizes): raises InputError or ValueError."""
+        """``check`` vets a task to add beyond its schema (its data tokenizes): raises InputError or ValueError;
+        ``data_roots``: the folders a task's data must resolve inside (None: anywhere), checked first."""
         self.directory = Path(directory)
+        self.data_roots = None if data_roots is None else tuple(data_roots)
         self.defaults = dict(defaults)
         self.ledger = ledger
         self.check = check
@@ -83,7 +96,7 @@ class QueueWatcher:
         ledger = self.ledger
         for path in request_files(self.directory):
             try:
-                request = self.waiting.get(path.name) or read_request(path, self.defaults, ledger)
+                request = self.waiting.get(path.name) or read_request(path, self.defaults, ledger, self.data_roots)
                 if request.task is not None and self.check is not None and path.name not in self.waiting:
                     try:
                         self.check(request.task)
@@ -117,12 +130,12 @@ class QueueWatcher:
         reason = " ".join(reason.split())
         self.log(f"rejected {path.name}: {reason}")
         target = _move(path, self.directory / REJECTED)
-        reason_file(target).write_text(reason + "\n")
+        write_text_atomic(reason_file(target), reason + "\n", mode=PRIVATE_FILE)
         self.waiting.pop(path.name, None)
 
 
 def _move(path: Path, directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
     target = directory / path.name
     if target.exists():
         stem, n = target.stem, 1

@@ -73,7 +73,9 @@ def test_a_checkpoint_of_other_tasks_is_an_input_error(tmp_path):
         load_train_state(latest_step_dir(tmp_path), ["t", "u"])
 
 
-@pytest.mark.parametrize("damage", ["truncate tensor", "truncate manifest", "drop optimizer", "garble pointer"])
+@pytest.mark.parametrize(
+    "damage", ["truncate tensor", "truncate manifest", "drop optimizer", "garble pointer", "manifest of another step"]
+)
 def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact(tmp_path, damage):
     from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
 
@@ -88,6 +90,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact(tmp_path, d
         manifest.write_text(manifest.read_text()[:40])
     elif damage == "drop optimizer":
         (newest / "t" / "optimizer.safetensors").unlink()
+    elif damage == "manifest of another step":  # its files all match their checksums
+        manifest = newest / "manifest.json"
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "step": 7}))
     else:
         (tmp_path / LATEST).write_text('{"step": 2, "pa')
     found = resumable_checkpoint(tmp_path)
@@ -96,6 +101,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact(tmp_path, d
         return
     assert found.step == 1 and found.step_dir.name == "step-000001"
     assert len(found.broken) == 1 and found.broken[0].startswith("step-000002: ")
+    if damage == "manifest of another step":
+        assert found.broken[0] == "step-000002: its manifest says step 7, its directory's name step-000002"
     assert load_train_state(found.step_dir, ["t"]).step == 1
 
 

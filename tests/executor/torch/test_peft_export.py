@@ -102,3 +102,16 @@ def test_unsupported_or_mismatched_files_are_input_errors(trained, tmp_path):
         load_peft_adapter(model, path, 0)
     after = list(model.get_submodule("model.layers.0.mlp.up_proj").lora_A.values())
     assert all(torch.equal(b, a) for b, a in zip(before, after))  # nothing changed on error
+
+
+def test_file_names_are_pefts_own_and_a_worker_starts_without_peft():
+    """The names are peft's constants (kept as literals: importing peft costs a worker ~2.5 s at start-up),
+    and building a rank's executor imports no peft; only writing or reading an adapter config does."""
+    import subprocess
+    import sys
+
+    from lorafleet.executor.torch import peft_export
+
+    assert (peft_export.CONFIG_NAME, peft_export.SAFETENSORS_WEIGHTS_NAME) == (CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME)
+    probe = "import sys, lorafleet.train.trainer, lorafleet.executor.torch.launch; print('peft' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"

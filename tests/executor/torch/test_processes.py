@@ -61,3 +61,62 @@ def test_a_worker_whose_torchrun_lost_its_launcher_ends_itself():
     assert alive.returncode == 0 and alive.stdout.strip() == "alive"
     gone = subprocess.run([sys.executable, "-c", code.format(launcher=os.getpid())], capture_output=True, text=True)
     assert gone.returncode == -9 and gone.stdout == ""
+
+
+FORM = """
+import sys, time
+from lorafleet.executor.torch.launch import init_distributed
+start = time.monotonic()
+try:
+    init_distributed("cpu", start_timeout_s=1)
+except Exception as err:
+    print(type(err).__name__, err, sep=": ")
+    print(round(time.monotonic() - start, 1))
+"""
+
+
+def test_a_peer_that_never_arrives_ends_the_start_within_its_timeout(tmp_path):
+    """Rank 0 of two, whose peer never starts (#25): torch would wait 30 minutes (gloo's default); the group
+    must form within --start-timeout, here 1 s, or the worker ends with a StartTimeout that says so (and the
+    launcher's one line names it, as a failure of its own, not a lost peer: the next test)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0"}
+    env |= {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(Path(lorafleet.__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", FORM], env=env, capture_output=True, text=True, timeout=120)
+    said, seconds = done.stdout.strip().splitlines()
+    assert said.startswith("StartTimeout: the process group did not form within 1 s (--start-timeout): ")
+    assert "1/2 clients joined" in said and float(seconds) < 30, done.stdout + done.stderr
+
+
+def test_a_start_timeout_is_the_runs_one_line(tmp_path):
+    """The worker that waited records a StartTimeout as an error of its own (not a lost peer's, though its
+    words say "Timed out"); the peer torchrun killed after it is not the cause, nor the SIGTERM that ends
+    the worker itself if it comes while it exits."""
+    from lorafleet.errors import StartTimeout
+    from lorafleet.rundir import RunDir
+    from lorafleet.train.failures import WorkerFailure, failure_line, record_worker_error, write_failures
+
+    run_dir = RunDir(tmp_path)
+    said = "the process group did not form within 2 s (--start-timeout): Timed out after 3 seconds waiting for clients"
+    try:
+        raise StartTimeout(said)
+    except StartTimeout as err:
+        record_worker_error(run_dir, 0, err)
+    expected = (
+        f"lorafleet train: the run stopped: worker rank 0 failed: StartTimeout: {said} (traceback in "
+        f"{run_dir.logs / 'rank-0.txt'}); no checkpoint was committed: start it again (--overwrite)"
+    )
+    write_failures(run_dir.failures, [WorkerFailure(0, 11, 1, 100), WorkerFailure(1, 12, -9, 99)])
+    assert failure_line(run_dir, 1, 10) == expected
+    # torchrun's SIGTERM can reach a worker that recorded its own error and is still exiting, after its peer
+    # (which lost it) ended first: its own error is the cause, not the signal (a race seen under load)
+    try:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:29500")
+    except RuntimeError as err:
+        record_worker_error(run_dir, 1, err)
+    write_failures(run_dir.failures, [WorkerFailure(0, 11, -15, 100), WorkerFailure(1, 12, 1, 99)])
+    assert failure_line(run_dir, 1, 10) == expected

@@ -64,6 +64,8 @@ def _edited(path, edit) -> None:
         (lambda raw: raw["tasks"][1].update(state="paused"), "tasks[1].state", "'active', 'finished'"),
         (lambda raw: raw["applied"][0].update(when="now"), "applied[0].when", "Extra inputs"),
         (lambda raw: raw.update(version=3), "version", "Extra inputs are not permitted"),
+        (lambda raw: raw["tasks"][0].update(left=True), "tasks[0].left", "whole number, got a boolean True"),
+        (lambda raw: raw["applied"][0].update(step=3.0), "applied[0].step", "whole number, got a number 3.0"),
     ],
 )
 def test_a_wrong_ledger_names_the_field(tmp_path, edit, field, message):
@@ -88,6 +90,8 @@ def test_a_ledger_that_is_no_object_says_so(tmp_path):
         (lambda raw: raw["requests"][1].update(action="pause"), "requests[1].action"),
         (lambda raw: raw["turns"]["chat"].update(tokens="many"), "turns.chat.tokens"),
         (lambda raw: raw.pop("step"), "step"),
+        (lambda raw: raw.update(step=True), "step"),
+        (lambda raw: raw["turns"]["chat"].update(joined=2.0), "turns.chat.joined"),
     ],
 )
 def test_a_wrong_pending_file_names_the_field(tmp_path, edit, field):

@@ -51,6 +51,27 @@ def requests_in(queue_dir: Path) -> list[str]:
     return sorted(p.name for p in queue_dir.iterdir() if p.name not in (".http.json", "accepted", "rejected"))
 
 
+def test_a_port_in_use_is_one_input_error_and_binding_writes_nothing(tmp_path):
+    """The launcher binds before it claims the run directory (#25): a busy port is an InputError naming
+    ``--queue-http``; a bound server writes nothing until it serves, then creates the queue private (0700)."""
+    from lorafleet.errors import InputError
+    from lorafleet.train.queue import bind_queue_server
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(
+            InputError, match="--queue-http: cannot serve on 127.0.0.1:[0-9]+ \\(Address already in use"
+        ):
+            bind_queue_server(busy.getsockname()[1])
+    with bind_queue_server(0) as server:
+        assert not (tmp_path / "queue").exists() and server.token_file is None
+        server.serve(tmp_path / "queue", tmp_path / "run")
+        assert stat.S_IMODE(os.stat(tmp_path / "queue").st_mode) == 0o700
+        assert call(server, "GET", "/v1/tasks")[0] == 200
+    assert not (tmp_path / "queue" / ".http.json").exists()
+
+
 def test_token_file_is_private_and_the_server_binds_loopback(tmp_path):
     queue_dir = tmp_path / "queue"
     server = start_queue_server(queue_dir, tmp_path / "run")

@@ -116,6 +116,53 @@ def test_the_watcher_waits_for_at_step_accepts_what_is_due_and_rejects_the_rest(
     assert watcher.next_due() is None and (queue / ".staged.yaml").exists() and (queue / "notes.txt").exists()
 
 
+def test_a_queued_tasks_data_must_resolve_inside_the_data_roots_before_it_is_read(tmp_path):
+    """``--queue-data-root`` (#25): a task whose data path, or the file a symlink leads to, is outside every root
+    is rejected with a reason that names the path as given, and its data is never read (the check that
+    tokenizes it is not called); the queue's folders and reasons are private to the run's user."""
+    import os
+    import stat
+
+    from lorafleet.train.queue import data_roots
+
+    root, secret, queue = tmp_path / "data", tmp_path / "secret", tmp_path / "queue"
+    for folder in (root, secret, queue):
+        folder.mkdir()
+    (root / "ok.jsonl").write_text("{}\n")
+    (secret / "keys.jsonl").write_text("{}\n")
+    (root / "link.jsonl").symlink_to(secret / "keys.jsonl")
+    (root / "sub").symlink_to(secret)
+    task = "batch_size: 2\ncontext_length: 64\n"
+    (queue / "a-in.yaml").write_text(f"name: a\ndata: {{path: {root / 'ok.jsonl'}}}\n{task}")
+    (queue / "b-out.yaml").write_text(f"name: b\ndata: {{path: {secret / 'keys.jsonl'}}}\n{task}")
+    (queue / "c-link.yaml").write_text(f"name: c\ndata: {{path: {root / 'link.jsonl'}}}\n{task}")
+    (queue / "d-dir.yaml").write_text(f"name: d\ndata: {{path: {root / 'sub' / 'keys.jsonl'}}}\n{task}")
+    (queue / "e-up.yaml").write_text(f"name: e\ndata: {{path: ../secret/keys.jsonl}}\n{task}")
+    (queue / "f-lengths.yaml").write_text(
+        f"name: f\ndata: {{path: {root / 'ok.jsonl'}}}\nlengths: {{dataset: {{path: {secret}}}}}\n{task}"
+    )
+    checked: list[str] = []
+    roots = data_roots([_spec("chat", data={"path": str(root / "chat.jsonl")})])
+    assert roots == (os.path.realpath(root),)
+    watcher = QueueWatcher(queue, DEFAULTS, LEDGER, check=lambda t: checked.append(t.name), data_roots=roots)
+    assert [r.name for r in watcher.poll(0)] == ["a"] and checked == ["a"]
+    rejected = queue / "rejected"
+    for name, path in (("b-out", secret / "keys.jsonl"), ("c-link", root / "link.jsonl")):
+        reason = (rejected / f"{name}.yaml.reason").read_text()
+        assert reason == f"data: {path} is outside the folders this run takes data from (--queue-data-root)\n"
+    assert "lengths.dataset: " in (rejected / "f-lengths.yaml.reason").read_text()
+    assert str(secret / "keys.jsonl") not in (rejected / "c-link.yaml.reason").read_text()  # not where it leads
+    assert sorted(p.name for p in rejected.glob("*.reason")) == [
+        "b-out.yaml.reason",
+        "c-link.yaml.reason",
+        "d-dir.yaml.reason",
+        "e-up.yaml.reason",
+        "f-lengths.yaml.reason",
+    ]
+    assert stat.S_IMODE(rejected.stat().st_mode) == 0o700 and stat.S_IMODE((queue / "accepted").stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in rejected.glob("*.reason")} == {0o600}
+
+
 def test_the_ledger_records_joins_and_departures_and_round_trips(tmp_path):
     add = Request("a.yaml", Action.ADD, "code", task=_spec("code"))
     ledger = LEDGER.apply([add, Request("f.yaml", Action.FINISH, "chat")], 3).apply(
@@ -146,6 +193,39 @@ def test_by_default_every_task_takes_part_in_every_step_from_its_start_to_its_en
     assert took[:, 1].tolist() == [False, False, True, True, True, False, False, False]
     assert took[:, 2].tolist() == [True] * 4 + [False] * 4
     assert last_step([TaskTurns(1.0, batches=3, joined=2)], 20) == 5
+
+
+@pytest.mark.parametrize(
+    "tasks",
+    [
+        [TaskTurns(1.0, batches=3, joined=2), TaskTurns(2.0, until=7)],
+        [TaskTurns(400.0, batches=40), TaskTurns(300.0, batches=6, share=0.05), TaskTurns(100.0, share=0.2, until=33)],
+        [TaskTurns(300.0, batches=10, share=0.01, deadline=50), TaskTurns(5.0, batches=2, joined=60)],
+        [TaskTurns(1.0, batches=0), TaskTurns(1.0, until=0)],
+    ],
+)
+def test_the_last_step_is_drawn_a_block_at_a_time_and_never_for_the_whole_horizon(monkeypatch, tasks):
+    """``--steps 1000000000000`` drew a (steps, tasks) array of the whole run (1.82 TiB, #25): the last step
+    is now found a block at a time (a block of 4 here, to cross block edges), equal to the whole draw's, and
+    a horizon of 10^12 draws only until every task has ended (counted: the rows drawn)."""
+    import lorafleet.turns as turns_module
+
+    monkeypatch.setattr(turns_module, "DRAW_BLOCK", 4)
+    drawn: list[int] = []
+    rows = turns_module.TurnDraw.rows
+    monkeypatch.setattr(turns_module.TurnDraw, "rows", lambda self, count: drawn.append(count) or rows(self, count))
+    whole = turns(tasks, 100)
+    expected = int(np.flatnonzero(whole.any(axis=1))[-1]) + 1 if whole.any() else 0
+    drawn.clear()
+    assert last_step(tasks, 100) == expected
+    assert last_step(tasks, 10**12) == expected and max(drawn, default=0) <= 4 and sum(drawn) <= 2 * 100
+
+
+def test_a_task_without_an_end_takes_the_whole_horizon_without_a_draw(monkeypatch):
+    import lorafleet.turns as turns_module
+
+    monkeypatch.setattr(turns_module.TurnDraw, "rows", None)  # no row may be drawn
+    assert last_step([TaskTurns(1.0, batches=3), TaskTurns(2.0, share=0.1, joined=5)], 10**12) == 10**12
 
 
 def test_a_share_is_the_tasks_fraction_of_the_tokens_over_many_steps():
@@ -187,16 +267,32 @@ def test_a_tasks_stream_is_its_own_whoever_trains_beside_it_or_joins():
 
 
 def test_a_task_that_took_its_steps_is_finished_as_if_asked():
-    """Mid-run, a task whose ``steps`` are done is handed to the launcher like a queued finish (its adapter
-    exported, its memory freed, the fleet re-planned for the others)."""
+    """Mid-run, a task whose ``steps`` are done is handed to the running fleet like a queued finish (its adapter
+    exported, its slot freed, the fleet re-planned for the others)."""
     from lorafleet.train.trainer import finished_tasks
 
     a, b = synthetic_task("a", 30, (20, 40), 0), synthetic_task("b", 30, (20, 40), 1)
     streams = DataStreams([a, b], (2, 3), seed=7, max_batches=(3, None))
-    assert finished_tasks(streams, 2) == []
-    assert [(r.name, r.action) for r in finished_tasks(streams, 3)] == [("a", Action.FINISH)]
+    assert finished_tasks(streams, 2, 100) == ([], 3)  # the run ends a window where a is done
+    done, later = finished_tasks(streams, 3, 100)
+    assert [(r.name, r.action) for r in done] == [("a", Action.FINISH)] and later is None
     streams.retire(0, 1)  # stopped for non-finite updates: not finished
-    assert finished_tasks(streams, 5) == []
+    assert finished_tasks(streams, 5, 100) == ([], None)
+
+
+def test_departures_within_the_window_of_the_first_are_applied_at_one_boundary():
+    """``turns.departures``: a finished task waits for the tasks done within ``window`` steps of it (then they
+    leave together), never longer; with another change at the boundary it leaves at once."""
+    from lorafleet.turns import departures
+
+    ends = {"a": 10, "b": 15, "c": 19, "d": 40}
+    assert departures(ends, 9, window=8) == ([], 10)
+    assert departures(ends, 10, window=8) == ([], 15)  # b is done within 8 steps of a: a waits for it
+    assert departures(ends, 15, window=8) == (["a", "b"], 19)  # c (19) is more than 8 steps after a (10)
+    assert departures(ends, 19, window=8) == (["a", "b", "c"], 40)  # (a and b had left: the caller's ends lack them)
+    assert departures({"c": 19, "d": 40}, 19, window=8) == (["c"], 40)
+    assert departures(ends, 10, now=True, window=8) == (["a"], 15)  # a change here anyway: a goes with it
+    assert departures({"d": 40}, 41) == (["d"], None)
 
 
 def test_a_share_changed_mid_run_leaves_the_batches_already_taken_alone():

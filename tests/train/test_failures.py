@@ -1,0 +1,56 @@
+"""The launcher's one line for a failed run (``train.failures``): which worker's failure is the cause."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from lorafleet.rundir import RunDir
+from lorafleet.train.failures import WorkerFailure, failure_line, record_worker_error, write_failures
+
+
+def _failed(tmp_path, *failures: WorkerFailure, errors: dict[int, BaseException]) -> str:
+    run_dir = RunDir(tmp_path / "out")
+    for rank, err in errors.items():
+        record_worker_error(run_dir, rank, err)
+    write_failures(run_dir.failures, list(failures))
+    return failure_line(run_dir, 1, agent_pid=4242)
+
+
+def test_an_own_error_is_the_cause_even_when_torchrun_then_killed_its_worker(tmp_path):
+    """Rank 0 failed writing a checkpoint and recorded it; its closed group failed rank 1 (a lost peer), and
+    torchrun's shutdown then SIGTERMed rank 0: the line names rank 0's own error, not the signal."""
+    line = _failed(
+        tmp_path,
+        WorkerFailure(0, 100, -signal.SIGTERM, 7),
+        WorkerFailure(1, 101, 1, 5),
+        errors={0: NotADirectoryError("checkpoints/.step-000008.partial"), 1: RuntimeError("Connection reset by peer")},
+    )
+    assert "worker rank 0 failed: NotADirectoryError: checkpoints/.step-000008.partial" in line, line
+    assert line.endswith("no checkpoint was committed: start it again (--overwrite)")
+
+
+@pytest.mark.parametrize("killed_first", [True, False])
+def test_a_killed_worker_comes_before_the_peers_that_lost_it(tmp_path, killed_first):
+    stamps = (3, 9) if killed_first else (9, 3)
+    line = _failed(
+        tmp_path,
+        WorkerFailure(1, 101, -signal.SIGKILL, stamps[0]),
+        WorkerFailure(0, 100, 1, stamps[1]),
+        errors={0: RuntimeError("Read error: Connection reset by peer")},
+    )
+    assert "the run stopped: worker rank 1 (pid 101) was killed by SIGKILL;" in line, line
+
+
+def test_a_lost_peer_comes_before_a_bare_exit_code(tmp_path):
+    line = _failed(
+        tmp_path,
+        WorkerFailure(0, 100, 3, 1),
+        WorkerFailure(1, 101, 1, 2),
+        errors={1: RuntimeError("gloo: Connection closed by peer")},
+    )
+    assert "worker rank 1 failed: RuntimeError: gloo: Connection closed by peer" in line, line
+    summary = json.loads((tmp_path / "out" / "logs" / "rank-1.json").read_text())
+    assert summary["peer_lost"] is True
