@@ -41,7 +41,7 @@ from tests.helpers.trained_alone import ATOL, _max_diff, train_alone
 STEPS = 6
 SUMMARY, CODE, CHAT, SUMMARY_B = range(4)
 LENGTHS = [(4, 12), (10, 24), (6, 16), (4, 12)]
-KEPT = replace(h.plan_of((1, 1), (2, 1)), n_gpus=4, gpus_per_node=4)
+KEPT = h.plan_of((1, 1), (2, 1), n_gpus=4)
 MOVED = h.plan_of((1, 1), (1, 1), (1, 2))
 JOINS = 2
 """summary-b joins (and chat leaves) at this step; the deployment moves at ``MOVE``."""
