@@ -14,7 +14,11 @@ from tests.helpers.repo import REFERENCE, SMALL_WORKLOAD
 
 # No per-example deadline: Hypothesis times each example by the wall clock, and on a 2-core machine
 # beside the other test worker's process groups a trivial example can take longer than its 200 ms.
-settings.register_profile("lorafleet", deadline=None)
+# The suite's examples are derandomized (the same every run): a property that fails fails in every run,
+# not in one CI run of twenty. `pytest --hypothesis-profile=explore` draws fresh examples to hunt with
+# (a counterexample it finds belongs in the test as an @example).
+settings.register_profile("lorafleet", deadline=None, derandomize=True)
+settings.register_profile("explore", deadline=None)
 settings.load_profile("lorafleet")
 
 

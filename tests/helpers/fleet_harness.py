@@ -123,11 +123,9 @@ def plan_of(
     gpu: str = "cpu",
     gpus_per_node: int | None = None,
     cost_model: CostModelOrigin | None = None,
-    n_gpus: int | None = None,
 ) -> DeploymentPlan:
     """Replicas of the given (tp, pp) or (tp, pp, recompute), on consecutive ranks of one unnamed pool of
-    ``gpu``: as many GPUs as the replicas use unless ``n_gpus`` says more (the rest idle), one node of
-    them all unless ``gpus_per_node`` says otherwise."""
+    ``gpu`` (one node of every rank unless ``gpus_per_node`` says otherwise)."""
     specs, next_rank = [], 0
     for i, layout in enumerate(replicas):
         config = ParallelConfig(*layout)
@@ -135,7 +133,7 @@ def plan_of(
         next_rank += config.n_gpus
     return DeploymentPlan(
         model="tiny-llama",
-        pools=(PlanPool("", gpu, n_gpus or next_rank, gpus_per_node or n_gpus or next_rank, cost_model),),
+        pools=(PlanPool("", gpu, next_rank, gpus_per_node or next_rank, cost_model),),
         tasks=tuple(t.name for t in TASKS),
         replicas=tuple(specs),
         bucket_boundaries=(),

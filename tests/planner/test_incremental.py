@@ -11,7 +11,7 @@ import pytest
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.planner import MigrationModel, PlannerOptions, ReplanOptions, plan_deployment, replan_incremental
 from lorafleet.planner.incremental import Migration, kept_plan, rebuilt_ranks, torn_down
-from lorafleet.plans import DeploymentPlan, ReplicaSpec
+from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from lorafleet.workload import load_workload
 from tests.helpers.planning import skewed_histogram, write_workload
 
@@ -102,7 +102,7 @@ def test_a_task_longer_than_every_replica_forces_a_move(running, cost_model_7b):
 def _plan(*replicas: tuple[int, int, tuple[int, ...]]) -> DeploymentPlan:
     specs = tuple(ReplicaSpec(i, ParallelConfig(tp, pp), 4096, gpus) for i, (tp, pp, gpus) in enumerate(replicas))
     return DeploymentPlan(
-        model="tiny-llama", gpu="cpu", n_gpus=4, gpus_per_node=4, tasks=("a",), replicas=specs,
+        model="tiny-llama", pools=(PlanPool("", "cpu", 4, 4),), tasks=("a",), replicas=specs,
         bucket_boundaries=(), expected_makespan_s=1.0,
     )  # fmt: skip
 

@@ -34,6 +34,7 @@ from lorafleet.executor.torch.change import FleetChange
 from lorafleet.executor.torch.checkpoint import latest_step_dir
 from lorafleet.executor.torch.data_stream import DataStreams, task_streams
 from lorafleet.executor.torch.worker import ExecutorConfig, TorchExecutor
+from lorafleet.plans import PlanPool
 from lorafleet.specs.workload import TaskSpec
 from tests.helpers import fleet_harness as h
 from tests.helpers.trained_alone import ATOL, _max_diff, train_alone
@@ -41,7 +42,7 @@ from tests.helpers.trained_alone import ATOL, _max_diff, train_alone
 STEPS = 6
 SUMMARY, CODE, CHAT, SUMMARY_B = range(4)
 LENGTHS = [(4, 12), (10, 24), (6, 16), (4, 12)]
-KEPT = h.plan_of((1, 1), (2, 1), n_gpus=4)
+KEPT = replace(h.plan_of((1, 1), (2, 1)), pools=(PlanPool("", "cpu", 4, 4),))
 MOVED = h.plan_of((1, 1), (1, 1), (1, 2))
 JOINS = 2
 """summary-b joins (and chat leaves) at this step; the deployment moves at ``MOVE``."""
