@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections import Counter
 from dataclasses import replace
 
 import pytest
 import torch
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import MistralConfig, Qwen2Config
 
 from lorafleet.data.tokenize import IGNORE_INDEX
@@ -26,6 +24,7 @@ from lorafleet.executor.torch.step import attention_window, build_inputs, stage_
 from lorafleet.executor.torch.worker import check_step_plan
 from lorafleet.plans import MicroBatch
 from tests.helpers import fleet_harness as h
+from tests.helpers.op_count import OpCount
 
 STREAMS = h.synthetic_streams()
 BATCH = STREAMS.global_batch(0)
@@ -198,18 +197,6 @@ def test_varlen_layout_and_choice():
     assert not attention.uses_varlen(torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16), 0.0)
 
 
-class _OpCount(TorchDispatchMode):
-    """The aten ops run under it, by name (a deterministic work count, not a timing)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("window", [None, 5])
 def test_per_document_attention_is_each_document_alone_and_backward_writes_one_buffer(window):
     """Packed documents with grouped-query heads: output and gradients are, document by document, SDPA
@@ -221,7 +208,7 @@ def test_per_document_attention_is_each_document_alone_and_backward_writes_one_b
     k, v = (torch.randn(1, kv_heads, bounds[-1], d, dtype=torch.float64, generator=gen).requires_grad_() for _ in "kv")
     grad = torch.randn(1, bounds[-1], heads, d, dtype=torch.float64, generator=gen)
     out = attention.per_document(q, k, v, bounds, window, scaling=0.3)
-    with _OpCount() as counted:
+    with OpCount() as counted:
         got = torch.autograd.grad(out, (q, k, v), grad)
     assert "slice_backward" not in counted.ops and "fill_" not in counted.ops
     groups = heads // kv_heads
