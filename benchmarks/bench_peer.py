@@ -261,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sides", default="", help="comma-separated sides to run (default lorafleet,recipe[,trl])")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    parser.add_argument("--gpu", default="", help="the GPU preset lorafleet plans for (default: cpu, or H100-80GB)")
+    parser.add_argument(
+        "--gpu", default="", help="the GPU preset lorafleet plans for (default: cpu, or the CUDA device's own kind)"
+    )
     parser.add_argument(
         "--omp-wait",
         default="passive",
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     sides = args.sides.split(",") if args.sides else ["lorafleet", "recipe", *(["trl"] if args.trl else [])]
     if not 1 < args.measure_from <= args.steps:
         raise SystemExit("--measure-from must be in 2..--steps (the step before it is the window's start)")
-    args.gpu = args.gpu or ("cpu" if args.device == "cpu" else "H100-80GB")
+    args.gpu = args.gpu or device_gpu(args.device)
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         work = Path(args.keep or tmp).resolve()
         work.mkdir(parents=True, exist_ok=True)
@@ -315,6 +317,19 @@ def main(argv: list[str] | None = None) -> int:
                 )
         print_summary(results)
     return 0
+
+
+def device_gpu(device: str) -> str:
+    """The GPU preset of ``device`` (``cpu``, or the CUDA device's kind): ``lorafleet train`` checks every
+    rank's device against the plan's pool, so the plan must be made for the GPU the run has."""
+    import torch
+
+    from lorafleet.executor.torch.launch import device_kind
+
+    kind, words = device_kind(torch.device(device))
+    if kind is None:
+        raise SystemExit(f"--gpu: no GPU preset names {words}; pass the closest preset's name")
+    return kind
 
 
 def print_summary(results: dict[str, list[Measured]]) -> None:
