@@ -65,7 +65,7 @@ START_S=$SECONDS
 
 # Packages the image lacks, carried as wheels (see --fetch-wheels), go to /tmp/site.
 SITE=""
-if ! "$PY" -c "import pydantic, pulp" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+if ! "$PY" -c "import pydantic, pulp, psutil, yaml" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && SITE=/tmp/site || echo "gpu_check: installing .whl/*.whl failed; going on without them"
 fi
