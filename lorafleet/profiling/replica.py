@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.parallel_config import ParallelConfig
@@ -54,7 +53,7 @@ from lorafleet.executor.torch.step import (
     inverse_token_counts,
     run_rank_step,
     stage_forward,
-    token_losses,
+    weighted_losses,
 )
 from lorafleet.plans import DeploymentPlan, MicroBatch, PlanPool, ReplicaSpec
 from lorafleet.profiling.device import ProfileDevice
@@ -112,11 +111,6 @@ def inverse_counts(mbs: Sequence[MicroBatch], examples: dict[int, Example], n_ta
     """``1 / N_t`` per task over the micro-batches (0 for a task without tokens), as the executor weights losses."""
     seqs = [(task, examples[q]) for mb in mbs for q, task in zip(mb.seq_ids, mb.task_ids)]
     return inverse_token_counts([t for t, _ in seqs], [e for _, e in seqs], n_tasks)
-
-
-def weighted_loss(logits: Tensor, inputs: MicroBatchInputs) -> Tensor:
-    """``Σ_i ℓ_i / N_t(i)``: the scalar a last stage differentiates."""
-    return (token_losses(logits, inputs) * inputs.weights.view(-1)).sum()
 
 
 class ProfiledReplica:
@@ -204,7 +198,7 @@ class ProfiledReplica:
             # The embedding's output stands for the last block's: the head's backward must produce its gradient.
             x = self.model.model.embed_tokens(inputs.input_ids).detach().requires_grad_()
             with only_layers(self.model, ()):
-                weighted_loss(stage_forward(self.model, role, x, inputs), inputs).backward()
+                weighted_losses(self.model, role, x, inputs).sum().backward()
 
         return run
 
@@ -272,7 +266,7 @@ class ProfiledReplica:
                 1, tokens, self.spec.hidden, dtype=self.dtype, device=self.device, requires_grad=True
             )
             with only_layers(self.model, last.layers):
-                weighted_loss(stage_forward(self.model, last, received, inputs), inputs).backward()
+                weighted_losses(self.model, last, received, inputs).sum().backward()
 
         return {
             "first": (self.static_bytes(first.layers, True, False), first_stage),

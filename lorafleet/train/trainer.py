@@ -57,12 +57,15 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     import torch.distributed as dist
 
     from lorafleet.executor.torch.data_stream import task_tokenizer
+    from lorafleet.executor.torch.host_memory import keep_freed_host_memory
     from lorafleet.executor.torch.launch import build_torch_executor, check_device_kinds, init_distributed
     from lorafleet.executor.torch.precision import Precision
     from lorafleet.executor.torch.processes import LOCKED_ENV, check_code
 
     check_code()
     device = init_distributed(options.device, options.start_timeout_s)
+    if device.type == "cpu":
+        keep_freed_host_memory()  # the probe's warm-up grows the heap to a step's size, once (host_memory)
     report = phase if dist.get_rank() == 0 else None
     if report is not None:
         again = os.environ.get(RESTART_ENV, "0")

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lorafleet.executor.torch.transfer import to_device
 
@@ -76,8 +76,6 @@ def document_attention(
         )
     if uses_varlen(query, dropout):
         return varlen_documents(query, key, value, tuple(document_bounds), document_window, scaling), None
-    key = repeat_kv(key, module.num_key_value_groups)
-    value = repeat_kv(value, module.num_key_value_groups)
     return per_document(query, key, value, document_bounds, document_window, dropout, scaling), None
 
 
@@ -95,17 +93,34 @@ def per_document(
     dropout: float = 0.0,
     scaling: float | None = None,
 ) -> Tensor:
-    """SDPA over each document's slice of the rows, one call per document; key/value already have
-    the query's heads. Returns (B, S, heads, d)."""
+    """SDPA over each document's slice of the rows, one call per document. ``key``/``value`` may have
+    fewer heads than ``query`` (GQA: SDPA's ``enable_gqa`` shares each of them across its query heads
+    without copying it ``heads / kv_heads`` times). Returns (B, S, heads, d).
+
+    The documents are cut by one ``split`` per tensor, whose backward writes every document's gradient
+    into one buffer; slicing each document out (``query[:, :, a:b]``) would give each slice's backward a
+    zero-filled gradient of the whole row, summed per document: O(documents x S) memory traffic a layer.
+    Each output is laid out (B, s, heads, d) and concatenated along the row, one copy.
+    """
+    gqa = key.shape[1] != query.shape[1]
+    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    if len(lengths) == 1:
+        pieces = [(query, key, value)]
+    else:
+        pieces = list(zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True))
     outs = []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        q, k, v = query[:, :, a:b], key[:, :, a:b], value[:, :, a:b]
-        if window is None or b - a <= window:
-            outs.append(F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scaling))
+    for (q, k, v), n in zip(pieces, lengths, strict=True):
+        if window is None or n <= window:
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+            )
         else:
-            mask = _window_mask(b - a, window, query.device)
-            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling))
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+            mask = _window_mask(n, window, query.device)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+            )
+        outs.append(out.transpose(1, 2))  # (B, s, heads, d)
+    return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 def varlen_documents(

@@ -176,9 +176,19 @@ def package_root() -> Path:
     return Path(lorafleet.__file__).resolve().parents[1]
 
 
+OMP_WAIT = ("OMP_WAIT_POLICY", "PASSIVE")
+"""What a worker's OpenMP threads do at a barrier unless the user chose: sleep, not spin. libgomp's default
+spins a while first; on a machine whose cores other processes also want, a spinning thread burns the core
+its peer needs to reach the barrier. Measured on the 2-core development machine at load 6-7, one demo rank
+of 2 threads: 134, 162 and 99 s a step (61, 58 and 46 CPU-s) by default, 37, 28 and 19 s (16, 13 and 12
+CPU-s) passive (issue #27)."""
+
+
 def worker_env(locked: bool) -> dict[str, str]:
-    """The environment torchrun and its workers start with: this code, and whether the lock is held."""
+    """The environment torchrun and its workers start with: this code, whether the lock is held, and
+    OpenMP threads that sleep at a barrier (:data:`OMP_WAIT`) unless the user's environment says otherwise."""
     env = dict(os.environ)
+    env.setdefault(*OMP_WAIT)
     root = str(package_root())
     # A fresh rendezvous store for every restart: torchrun's agent otherwise keeps one TCPStore for all its
     # rounds, and a restarted group reads the dead group's addresses from it (gloo "Connection refused" to a

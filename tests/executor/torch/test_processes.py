@@ -29,6 +29,15 @@ def test_every_restart_gets_a_fresh_rendezvous_store_and_the_launchers_code(monk
     assert LOCKED_ENV not in worker_env(locked=False)
 
 
+def test_workers_openmp_threads_sleep_at_barriers_unless_the_user_chose(monkeypatch):
+    """A spinning OpenMP thread takes the core its peer needs on a shared machine (issue #27: a demo step
+    4-5x slower by default at load 6-7): workers wait passively, unless the environment names a policy."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert worker_env(locked=True)["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    assert worker_env(locked=True)["OMP_WAIT_POLICY"] == "active"
+
+
 def test_a_users_own_torchrun_that_shares_its_store_across_restarts_is_warned_about(monkeypatch):
     monkeypatch.delenv(FRESH_STORE_ENV, raising=False)
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")

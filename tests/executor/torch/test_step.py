@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.nn import functional as F
 from transformers import MistralConfig, Qwen2Config
 
 from lorafleet.data.tokenize import IGNORE_INDEX
@@ -19,10 +20,11 @@ from lorafleet.executor.torch.inject import adapter_parameters, inject_multi_lor
 from lorafleet.executor.torch.layout import FleetLayout, ModelDims
 from lorafleet.executor.torch.pipeline import split_for_pipeline
 from lorafleet.executor.torch.routing import Segments
-from lorafleet.executor.torch.step import attention_window, build_inputs, stage_forward
+from lorafleet.executor.torch.step import attention_window, build_inputs, stage_forward, weighted_losses
 from lorafleet.executor.torch.worker import check_step_plan
 from lorafleet.plans import MicroBatch
 from tests.helpers import fleet_harness as h
+from tests.helpers.op_count import OpCount
 
 STREAMS = h.synthetic_streams()
 BATCH = STREAMS.global_batch(0)
@@ -193,3 +195,72 @@ def test_varlen_layout_and_choice():
     starts, longest = attention._cumulative_starts((0, 5), 3, torch.device("cpu"))
     assert starts.tolist() == [0, 5, 10, 15] and longest == 5
     assert not attention.uses_varlen(torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16), 0.0)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_per_document_attention_is_each_document_alone_and_backward_writes_one_buffer(window):
+    """Packed documents with grouped-query heads: output and gradients are, document by document, SDPA
+    of that document alone with its keys and values repeated per query head (fp64); the backward cuts no
+    per-document gradient out of a zero-filled copy of the whole row (no ``slice_backward``)."""
+    gen = torch.Generator().manual_seed(3)
+    bounds, heads, kv_heads, d = (0, 4, 13, 14, 30), 6, 2, 8
+    q = torch.randn(1, heads, bounds[-1], d, dtype=torch.float64, generator=gen).requires_grad_()
+    k, v = (torch.randn(1, kv_heads, bounds[-1], d, dtype=torch.float64, generator=gen).requires_grad_() for _ in "kv")
+    grad = torch.randn(1, bounds[-1], heads, d, dtype=torch.float64, generator=gen)
+    out = attention.per_document(q, k, v, bounds, window, scaling=0.3)
+    with OpCount() as counted:
+        got = torch.autograd.grad(out, (q, k, v), grad)
+    assert "slice_backward" not in counted.ops and "fill_" not in counted.ops
+    groups = heads // kv_heads
+    for a, b in itertools.pairwise(bounds):
+        qa, ka, va = (t[:, :, a:b].detach().requires_grad_() for t in (q, k, v))
+        mask = None if window is None else attention._window_mask(b - a, window, q.device)
+        want = F.scaled_dot_product_attention(
+            qa,
+            ka.repeat_interleave(groups, 1),
+            va.repeat_interleave(groups, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=0.3,
+        ).transpose(1, 2)
+        assert (out[:, a:b] - want).abs().max() < 1e-12
+        want_grads = torch.autograd.grad(want, (qa, ka, va), grad[:, a:b])
+        for g, w in zip(got, want_grads, strict=True):
+            assert (g[:, :, a:b] - w).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_head_runs_on_loss_rows_only_and_changes_no_gradient(packed):
+    """``weighted_losses`` runs the norm and LM head on the rows with a target only (counted at the head's
+    input), and gives the weighted token losses and every adapter gradient of the full-logits loss (fp64)."""
+    model = h.build_model("llama", torch.float64)
+    inject_multi_lora(model, [t.lora for t in h.TASKS])
+    with torch.no_grad():
+        for p in adapter_parameters(model):
+            p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    role = FleetLayout.of(h.plan_of((1, 1)), ModelDims.of(model.config), 1).role(0)
+    split_for_pipeline(model, role)
+    use_document_attention(model)
+    inv = [0.0, 1 / 11, 1 / 13, 1 / 17]
+    inputs = build_inputs(_microbatch(packed), [EXAMPLES[q] for q in ROWS], inv, torch.device("cpu"))
+    rows = (inputs.targets.view(-1) != IGNORE_INDEX).nonzero().view(-1)
+    assert torch.equal(inputs.loss_rows, rows) and 0 < len(rows) < inputs.targets.numel()
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape))
+    weighted = weighted_losses(model, role, None, inputs)
+    hook.remove()
+    assert seen == [torch.Size([len(rows), model.config.hidden_size])]
+    weighted.sum().backward()
+    got = [p.grad.clone() for p in adapter_parameters(model) if p.grad is not None]
+    model.zero_grad()
+    logits = stage_forward(model, role, None, inputs)
+    full = F.cross_entropy(
+        logits.view(-1, logits.shape[-1]), inputs.targets.view(-1), reduction="none", ignore_index=IGNORE_INDEX
+    ) * inputs.weights.view(-1)
+    assert (weighted - full[rows]).abs().max() < 1e-12 and full[~torch.isin(torch.arange(full.numel()), rows)].eq(
+        0
+    ).all()
+    full.sum().backward()
+    want = [p.grad for p in adapter_parameters(model) if p.grad is not None]
+    assert len(got) == len(want) > 0
+    assert all((g - w).abs().max() < 1e-12 for g, w in zip(got, want, strict=True))
