@@ -135,7 +135,7 @@ def write_plan(workload_path: Path, scenario: Scenario) -> Path:
 
 def load_rate(root: Path) -> tuple[float, float]:
     """(bytes, seconds) of one rank building a ``<1,1>`` stage per stage from the saved random Llama."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
+    sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]  # bench_stage_loading; the tests' plan helper
     import torch
     from bench_stage_loading import save_model
 

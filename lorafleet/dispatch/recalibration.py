@@ -88,6 +88,16 @@ class Recalibrator:
         """The recalibrator of ``plan``'s replicas, under its policy's recalibration options."""
         return cls(len(plan.replicas), plan.policy.recalibration, warmup_steps, [r.pool for r in plan.replicas], prior)
 
+    def moved(self, plan: DeploymentPlan, kept: Sequence[int | None]) -> Recalibrator:
+        """The recalibrator of ``plan``, a new deployment of this run (a live change's move): replica ``i`` keeps
+        what replica ``kept[i]`` of this one measured (its average and observations); a new one (None) starts
+        from its pool's scale g_p as measured here (carried as the pools' priors)."""
+        new = Recalibrator.for_plan(plan, prior={**self._prior, **self.measured_pool_scales()})
+        for i, k in enumerate(kept):
+            if k is not None:
+                new._average[i], new._observed[i] = self._average[k], self._observed[k]
+        return new
+
     @property
     def factors(self) -> tuple[float, ...] | None:
         """c_r per replica, in plan order; None when recalibration is off (the dispatcher prices at 1)."""

@@ -11,6 +11,7 @@ group up ..., restart k of K").
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -18,9 +19,14 @@ from collections.abc import Sequence
 
 def main(argv: Sequence[str]) -> int:
     """Run torchrun's agent over ``argv[1:]`` for the run directory ``argv[0]``."""
-    os.environ.setdefault("LOGLEVEL", "CRITICAL")  # read as torch's elastic loggers are made: before the imports
+    quiet = "LOGLEVEL" not in os.environ
+    if quiet:
+        os.environ["LOGLEVEL"] = "CRITICAL"  # read as torch's elastic loggers are made: before the imports
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    if quiet:  # the loggers made without a level of their own (the worker processes' handler) inherit this
+        logging.getLogger("torch.distributed").setLevel(logging.CRITICAL)
 
     from lorafleet.rundir import RunDir
     from lorafleet.train.failures import WorkerFailure, write_failures

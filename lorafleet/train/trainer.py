@@ -372,19 +372,13 @@ class Trainer:
         """Rank 0's loop state after a change: the tasks, the plan and its cost model (as a launch would build
         them), the recalibration of the replicas that stay, the health watch and the queue's view of the tasks."""
         from lorafleet.assemble import plan_cost_model
-        from lorafleet.dispatch.recalibration import Recalibrator
         from lorafleet.train.live import cluster_of
 
         old = {(r.config, r.gpus): r.replica_id for r in self.plan.replicas}
         if list(old) != [(r.config, r.gpus) for r in plan.replicas]:
-            # A replica that stays keeps what it measured; a new one is priced at the fleet's scale until it
-            # reports (``Recalibrator``: an unobserved replica's correction).
-            state = self.recalibrator.state_dict()
-            kept = [old.get((r.config, r.gpus)) for r in plan.replicas]
-            self.recalibrator = Recalibrator(len(plan.replicas), plan.policy.recalibration)
-            self.recalibrator.load_state_dict(
-                {key: [0 if k is None else values[k] for k in kept] for key, values in state.items()}
-            )
+            # A replica that stays keeps what it measured; a new one is priced at its pool's scale until it
+            # reports (``Recalibrator.moved``).
+            self.recalibrator = self.recalibrator.moved(plan, [old.get((r.config, r.gpus)) for r in plan.replicas])
         self.cost_model, _ = plan_cost_model(workload, cluster_of(plan), plan, self.options.plan, self.options.profile)
         self.plan, self.workload = plan, workload
         self.names = [t.spec.name for t in workload.tasks]

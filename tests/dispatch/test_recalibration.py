@@ -189,3 +189,18 @@ def test_noise_free_healthy_fleet_is_left_alone():
 def test_a_failed_step_is_not_taken_for_slowness():
     reports, plans = _simulate(SimulationOptions(failures=(FailureSpec(step=0, replica_id=2, restart_s=30.0),)), 3)
     assert plans[1].speed == pytest.approx((1.0,) * 8)
+
+
+def test_a_moved_deployment_keeps_what_its_staying_replicas_measured():
+    """A live change's move (#28 with #29's pools): a replica that stays keeps its own average and count, a new
+    one starts from its pool's measured scale; the new recalibrator has the new plan's pools (a move's
+    recalibrator built from the checkpoint's state remapped every entry by replica, the pools' scales too, and
+    failed with a KeyError)."""
+    from tests.helpers import fleet_harness as h
+
+    old = Recalibrator.for_plan(h.plan_of((1, 1), (1, 1), (1, 1)))
+    old.observe(_step([1.0, 1.0, 1.0]), _report([2.0, 3.0, 4.0]))
+    new = old.moved(h.plan_of((1, 1), (2, 1), (1, 1), (1, 1)), [2, None, None, 0])
+    assert new.factors == pytest.approx((4.0, 3.0, 3.0, 2.0))
+    assert new.state_dict()["observed"] == [1, 0, 0, 1]
+    assert new.state_dict()["pools"] == [""] * 4

@@ -205,3 +205,49 @@ def test_bad_requests_are_rejected_with_one_line_and_the_run_goes_on(runs):
     lines = [line for line in log.stderr.splitlines() if "queue: rejected" in line]
     assert len(lines) == 2 and all(line.startswith("lorafleet train: queue: rejected ") for line in lines)
     assert sorted(p.name for p in (queued / "queue" / "accepted").iterdir()) == ["add-codegen.yaml", "finish-chat.json"]
+
+
+@pytest.mark.slow
+def test_a_task_no_replica_holds_moves_the_running_fleet_with_recalibration_on(tmp_path, tiny_tokenizer_dir):
+    """A move in the running workers under the default policy (recalibration on: every other queue test runs
+    with it too but keeps its deployment): ``moddoc``'s 1,536-token documents fit no ``<1,1>`` replica of
+    48 MiB, so the add at step 3 re-plans two ``<1,1>`` replicas (ranks 0 and 3 of 4) to three with a
+    ``<2,1>``, builds the new stages in place and trains on; the recalibrator moves with the deployment (its
+    remap of the checkpoint state failed on #29's pools, a KeyError or an AttributeError, stopping the run).
+    torchrun says nothing of its own on the way (its log lines are quiet under the launcher)."""
+    from dataclasses import replace
+
+    from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.planner import PlannerOptions, plan_deployment
+    from lorafleet.planner.incremental import kept_plan
+    from lorafleet.workload import load_workload
+    from tests.helpers.repo import REPO
+
+    profile = REPO / "profiles" / "tiny-llama-cpu.json"
+    path = tmp_path / "w.yaml"
+    _workload(path, tiny_tokenizer_dir, [DOCSUM, CHAT])
+    path.write_text(path.read_text().replace("gpus_per_node: 1", "gpus_per_node: 4"))
+    workload = load_workload(path)
+    cost_model = workload_cost_model(workload, workload_cluster(workload), profile)
+    planned = plan_deployment(workload, workload_cluster(workload), cost_model, PlannerOptions(robust_samples=0))
+    one = next(r for r in planned.plan.replicas if r.config.n_gpus == 1)
+    two = (replace(one, replica_id=0, gpus=(0,)), replace(one, replica_id=1, gpus=(3,)))
+    kept_plan(replace(planned.plan, replicas=two), workload, cost_model).save(path.with_suffix(".plan.json"))
+    out = tmp_path / "out"
+    (out / "queue").mkdir(parents=True)
+    (out / "queue" / "add-moddoc.json").write_text(
+        json.dumps(
+            {
+                "name": "moddoc",
+                "data": {"path": str(DEMO / "moddoc.jsonl")},
+                "batch_size": 1,
+                "context_length": 1536,
+                "at_step": 3,
+            }
+        )  # fmt: skip
+    )
+    log = _train(path, out, 5, "--profile", str(profile), "--checkpoint-every", "100")
+    assert "queue: step 3: re-planned to " in log.stdout and "built their stages" in log.stdout, log.stdout
+    assert log.stdout.count("process group up") == 1 and "torch/distributed" not in log.stderr, log.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(5)) and "moddoc" in rows[4]["task_gpu_s"]
