@@ -70,15 +70,10 @@ from lorafleet.planner.search import minlp_pool, search
 from lorafleet.presets import FLUSHED_PADDING
 from lorafleet.sampling import sample_global_batch
 from lorafleet.specs.recompute import RecomputePolicy
+from lorafleet.work import cpu_seconds
 from lorafleet.workload import Workload, load_workload, resolve_workload
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def cpu_seconds() -> float:
-    """User + system CPU of this process and its finished children (the CBC solves)."""
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 TIME_CASES: dict[str, tuple[str, list[str], float]] = {

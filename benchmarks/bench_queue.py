@@ -32,8 +32,8 @@ seconds), and the fixed part of a move (the move's in-process change less its st
 ``--replan WORKLOAD`` measures instead what the boundary's incremental re-plan costs at a workload's scale
 (a service's: ``examples/service-64.yaml``): the workload planned without its last task, then the re-plan with
 it added (a tenant joins; ``planner.incremental.replan_incremental``, as ``lorafleet train`` runs it at the
-boundary), in CPU seconds of this process and wall seconds, best of ``--rounds``, and as a share of the new
-plan's expected step time (the fleet waits for the re-plan at the boundary).
+boundary), in CPU seconds (this process and its CBC solves: ``lorafleet.work.cpu_seconds``) and wall seconds,
+best of ``--rounds``, and as a share of the new plan's expected step time (the fleet waits for it).
 """
 
 from __future__ import annotations
@@ -193,15 +193,10 @@ def run(workload: Path, plan: Path, out: Path, scenario: Scenario, relaunch: boo
 
 def replan_at_scale(path: Path, rounds: int) -> None:
     """The ``--replan`` measurement (module doc)."""
-    import resource
-
     from lorafleet.assemble import workload_cluster, workload_cost_model
     from lorafleet.planner import PlannerOptions, ReplanOptions, plan_deployment, replan_incremental
+    from lorafleet.work import cpu_seconds as cpu
     from lorafleet.workload import load_workload
-
-    def cpu() -> float:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime
 
     workload = load_workload(path)
     cluster = workload_cluster(workload)

@@ -18,6 +18,16 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and its finished children (the CBC solves run as subprocesses):
+    the figure a benchmark of planning time reads, beside the counts."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 WORK: dict[str, tuple[str, str]] = {
     "deployments_judged": ("deployments judged", "on the expected batch, by the dispatcher (planner.evaluation)"),
     "dispatches": ("dispatches", "a batch dispatched on a deployment (dispatch.step.solve_step)"),

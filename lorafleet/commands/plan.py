@@ -401,13 +401,7 @@ def run(args: argparse.Namespace) -> int:
 
         console.print(f"  plot: {plot_expected_load(result.plan, result.expected_step, args.plot)}")
     if args.stats:
+        from lorafleet.work import cpu_seconds
+
         console.print(stats_table(result, cpu_seconds()))
     return 0
-
-
-def cpu_seconds() -> float:
-    """User + system CPU of this process and its finished children (the CBC solves)."""
-    import resource
-
-    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
