@@ -94,8 +94,8 @@ class RunDir:
 
     @property
     def input_error(self) -> Path:
-        """A worker's refusal of bad input, its one line, for the launcher to say (``train.failures``)."""
-        return self.logs / "input-error.txt"
+        """A worker's refusal of bad input, for the launcher to raise (``train.failures``)."""
+        return self.logs / "input-error.json"
 
     @property
     def failures(self) -> Path:

@@ -3,10 +3,10 @@
 Under ``lorafleet train``'s launcher:
 
 - a worker that refuses bad input (an ``InputError``: a device of another kind than its pool's, a checkpoint
-  that does not fit the run, ...) writes its one line to ``<out>/logs/input-error.txt``
+  that does not fit the run, ...) records it in ``<out>/logs/input-error.json``
   (:func:`record_input_error`; the first rank's stands: its peers often refuse the same input) and exits 2
   without printing it. The launcher, watching for that file, stops the job at once (a restart cannot mend
-  bad input) and prints the line: the run's one line, exit 2 (``train.launcher``);
+  bad input) and raises it: the run's one line, exit 2 (``train.launcher``);
 - a worker that raises any other error writes its traceback to
   ``<out>/logs/rank-<r>.txt`` and a summary to ``rank-<r>.json`` (:func:`record_worker_error`), and exits 1
   without printing it: its peers' errors are consequences, not news. It records before its process group
@@ -65,23 +65,23 @@ def record_worker_error(run_dir: RunDir, rank: int, err: BaseException) -> None:
 
 
 def record_input_error(run_dir: RunDir, err: InputError) -> None:
-    """A worker's refusal of bad input into ``logs/input-error.txt``, whole (written aside, then linked: the
-    launcher never reads half a line), unless a peer's is there already."""
+    """A worker's refusal of bad input into ``logs/input-error.json`` (its path, field and message), whole
+    (written aside, then linked: the launcher never reads half of it), unless a peer's is there already."""
     run_dir.logs.mkdir(parents=True, exist_ok=True)
     aside = run_dir.logs / f".input-error.{os.getpid()}"
-    aside.write_text(str(err), encoding="utf-8")
+    aside.write_text(json.dumps({"path": err.path, "field": err.field, "msg": err.msg}), encoding="utf-8")
     try:
         os.link(aside, run_dir.input_error)
     except FileExistsError:
-        pass  # a peer refused first: its line is the run's
+        pass  # a peer refused first: its error is the run's
     finally:
         aside.unlink()
 
 
-def input_error(run_dir: RunDir) -> str | None:
-    """The line a worker refused bad input with, or None."""
+def input_error(run_dir: RunDir) -> InputError | None:
+    """The error a worker refused bad input with, or None."""
     try:
-        return run_dir.input_error.read_text(encoding="utf-8")
+        return InputError(**json.loads(run_dir.input_error.read_text(encoding="utf-8")))
     except OSError:
         return None
 

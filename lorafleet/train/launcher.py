@@ -19,7 +19,7 @@ import sys
 from dataclasses import replace
 from types import FrameType
 
-from lorafleet.errors import EXIT_INPUT_ERROR
+from lorafleet.errors import InputError
 from lorafleet.rundir import RunDir
 from lorafleet.train.failures import input_error
 from lorafleet.train.options import TrainOptions
@@ -107,8 +107,8 @@ def _run(options: TrainOptions, prepared: Prepared, named: str) -> int:
 def _supervise(options: TrainOptions, prepared: Prepared, named: str) -> int:
     """Run torchrun in a session of its own, dying with this process; turn the first SIGINT/SIGTERM into a
     stop request, a second into a kill; the exit code says which (128 + signal) or torchrun's. A worker's
-    refusal of bad input is the run's one line and exit 2, the run directory rolled back when nothing was
-    trained (the line then names the plan as the command did: the run's copy is gone)."""
+    refusal of bad input is raised here (the run's one line and exit 2), the run directory rolled back when
+    nothing was trained (the error then names the plan as the command did: the run's copy is gone)."""
     from lorafleet.executor.torch.processes import agent_preexec, torchrun_argv, worker_env
     from lorafleet.train.run_file import ResolvedRun
 
@@ -150,10 +150,9 @@ def _supervise(options: TrainOptions, prepared: Prepared, named: str) -> int:
         return 128 + received[0]
     refused = input_error(run_dir)
     if refused is not None:
-        if _roll_back(options):
-            refused = refused.replace(str(run_dir.plan), named)
-        print(f"lorafleet: error: {refused}", file=sys.stderr, flush=True)
-        return EXIT_INPUT_ERROR
+        if _roll_back(options) and refused.path == str(run_dir.plan):
+            raise InputError(named, refused.field, refused.msg)
+        raise refused
     if code != 0:
         from lorafleet.train.failures import failure_line
 

@@ -66,5 +66,5 @@ def test_the_first_workers_refusal_of_bad_input_is_the_runs_line(tmp_path):
     assert input_error(run_dir) is None
     record_input_error(run_dir, InputError("plan.json", "pools[0].gpu", "rank 0 is in the cluster of A100s"))
     record_input_error(run_dir, InputError("plan.json", "pools[0].gpu", "rank 1 is in the cluster of A100s"))
-    assert input_error(run_dir) == "plan.json: pools[0].gpu: rank 0 is in the cluster of A100s"
-    assert sorted(p.name for p in run_dir.logs.iterdir()) == ["input-error.txt"]
+    assert str(input_error(run_dir)) == "plan.json: pools[0].gpu: rank 0 is in the cluster of A100s"
+    assert sorted(p.name for p in run_dir.logs.iterdir()) == ["input-error.json"]
