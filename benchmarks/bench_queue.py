@@ -22,6 +22,11 @@ rounds (``--rounds``), the best round of each kept:
 Targets (issue #28): with the deployment kept a change costs at most one step of the run; an in-process
 rebuild at most half a relaunch. The script prints each figure, the run's median step, and the ratios.
 
+A join or a departure the kept deployment serves is applied at once and its re-plan runs beside the next
+step (``train.background``, ``--replan-after 1``): its answer is applied at the boundary after it. So each row
+also says what the change costs after its boundary: the next boundary's gap (its re-plan's answer, waited for
+when the re-plan is not done) and the step the re-plan ran beside, against the run's median step.
+
 It also measures the two figures of the migration price (``planner.incremental.MigrationModel``): the rate
 a rank builds its stage from a safetensors checkpoint (a random 12-layer, width-768 Llama, 88M parameters in
 bf16, built per stage in fp32 as ``lorafleet train`` builds it, every value touched: bytes of the stage over
@@ -29,11 +34,13 @@ seconds), and the fixed part of a move (the move's in-process change less its st
 
     python benchmarks/bench_queue.py [--rounds 2] [--keep DIR]
 
-``--replan WORKLOAD`` measures instead what the boundary's incremental re-plan costs at a workload's scale
-(a service's: ``examples/service-64.yaml``): the workload planned without its last task, then the re-plan with
-it added (a tenant joins; ``planner.incremental.replan_incremental``, as ``lorafleet train`` runs it at the
-boundary), in CPU seconds (this process and its CBC solves: ``lorafleet.work.cpu_seconds``) and wall seconds,
-best of ``--rounds``, and as a share of the new plan's expected step time (the fleet waits for it).
+``--replan WORKLOAD`` measures instead what a change's incremental re-plan costs at a workload's scale (a
+service's: ``examples/service-64.yaml``): the workload planned without its last task, then the re-plan with it
+added (a tenant joins; ``planner.incremental.replan_incremental``, as ``lorafleet train`` runs it), in CPU
+seconds (this process and its CBC solves: ``lorafleet.work.cpu_seconds``) and wall seconds, best of
+``--rounds``, and as a share of the new plan's expected step time; and the boundary's own work when the
+running deployment serves the new tasks (``planner.incremental.kept_plan`` by a cost model built afresh, as
+the trainer's ``live.kept_change``): then the fleet waits for that, and the re-plan runs beside the next step.
 """
 
 from __future__ import annotations
@@ -195,6 +202,7 @@ def replan_at_scale(path: Path, rounds: int) -> None:
     """The ``--replan`` measurement (module doc)."""
     from lorafleet.assemble import workload_cluster, workload_cost_model
     from lorafleet.planner import PlannerOptions, ReplanOptions, plan_deployment, replan_incremental
+    from lorafleet.planner.incremental import kept_plan
     from lorafleet.work import cpu_seconds as cpu
     from lorafleet.workload import load_workload
 
@@ -203,11 +211,14 @@ def replan_at_scale(path: Path, rounds: int) -> None:
     cost_model = workload_cost_model(workload, cluster, None)
     before = replace(workload, tasks=workload.tasks[:-1])
     running = plan_deployment(before, cluster, cost_model, PlannerOptions()).plan
-    timings = []
+    timings, kept = [], []
     for _ in range(rounds):
         cpu0, wall0 = cpu(), time.perf_counter()
         replan = replan_incremental(running, workload, cluster, cost_model, PlannerOptions(), ReplanOptions(), 10**6)
         timings.append((cpu() - cpu0, time.perf_counter() - wall0))
+        cpu0, wall0 = cpu(), time.perf_counter()
+        keep = kept_plan(running, workload, workload_cost_model(workload, cluster, None))  # a cold cost model
+        kept.append((cpu() - cpu0, time.perf_counter() - wall0))
     spent, wall = min(timings)
     step = replan.plan.expected_makespan_s
     print(
@@ -215,6 +226,13 @@ def replan_at_scale(path: Path, rounds: int) -> None:
         f"the re-plan takes {spent:.2f} CPU s ({wall:.2f} s wall; best of {rounds}), {spent / step:.2f} of the new "
         f"plan's expected step ({step:.3g} s); {replan.describe()[:60]}..."
     )
+    if keep is not None:
+        spent, wall = min(kept)
+        print(
+            f"  the boundary's own work when the running deployment serves the new tasks (the kept plan, the re-plan "
+            f"beside the next step): {spent:.3f} CPU s ({wall:.3f} s wall), {spent / keep.expected_makespan_s:.4f} of "
+            f"the kept plan's expected step ({keep.expected_makespan_s:.3g} s)"
+        )
 
 
 def main() -> int:
@@ -256,18 +274,21 @@ def main() -> int:
                 if key not in best or total < sum(best[key][0][s] for s in scenario.changes):
                     best[key] = (gaps, records)
     print()
-    print("| change | run's step (median s) | loop gap (median s) | in the running workers (s) | relaunch (s) "
-          "| in-process / step | in-process / relaunch |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| change | run's step (median s) | loop gap (median s) | in the running workers (s) | next boundary (s) "
+          "| its step / median | relaunch (s) | in-process / step | in-process / relaunch |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for scenario in (KEPT, MOVE):
         gaps, records = best[(scenario.name, False)]
         relaunched, _ = best[(scenario.name, True)]
-        quiet = [s for s in range(2, scenario.steps) if s not in scenario.changes and s - 1 not in scenario.changes]
+        near = {t for s in scenario.changes for t in (s, s + 1, s + 2)}
+        quiet = [s for s in range(2, scenario.steps) if s not in near]
         step = statistics.median(records[s]["makespan_s"] for s in range(1, scenario.steps))
         loop = statistics.median(gaps[s] for s in quiet) if quiet else float("nan")
         for s, what in scenario.changes.items():
+            after = f"{gaps[s + 1]:.3f}" if s + 1 in gaps else "-"
             print(
-                f"| {what} (step {s}) | {step:.3f} | {loop:.3f} | {gaps[s]:.3f} | {relaunched[s]:.2f} "
+                f"| {what} (step {s}) | {step:.3f} | {loop:.3f} | {gaps[s]:.3f} | {after} "
+                f"| {records[s]['makespan_s'] / step:.2f} | {relaunched[s]:.2f} "
                 f"| {gaps[s] / step:.2f} | {gaps[s] / relaunched[s]:.3f} |"
             )
     held, seconds = min(loads, key=lambda load: load[1])

@@ -142,6 +142,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="STEPS",
         help="the most steps a re-plan counts a new deployment's savings over (default 200)",
     )
+    queue.add_argument(
+        "--replan-after",
+        type=int,
+        default=1,
+        metavar="STEPS",
+        help="a change the running deployment can serve is applied on it at once, its re-plan runs beside the "
+        "next STEPS steps and a move it finds is applied after them (default 1; 0: the change waits for the "
+        "re-plan)",
+    )
     add_set_flag(parser)
     add_cluster_flags(parser)
     add_policy_flags(parser)
@@ -198,6 +207,7 @@ def options_of(args: argparse.Namespace) -> TrainOptions:
         migration_s=args.migration_s,
         replan_horizon=args.replan_horizon,
         replan_objective=args.replan_objective,
+        replan_after=args.replan_after,
         loggers=tuple(dict.fromkeys(args.logger)),
     )
 

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.preflight import Prepared, check_data, load_training_workload, prepare
-from lorafleet.train.queue import Action, Ledger, Request, clear_pending, load_pending
+from lorafleet.train.queue import Action, Ledger, Request, clear_pending, clear_pending_replan, load_pending
 from lorafleet.workload import Workload
 
 if TYPE_CHECKING:
@@ -143,6 +143,19 @@ def replan_change(
     return replan_run(workload, cluster, old, old.policy, options, incremental, save=save)[1]
 
 
+def kept_change(
+    options: TrainOptions, workload: Workload, old: DeploymentPlan
+) -> tuple[DeploymentPlan | None, CostModel]:
+    """The running deployment ``old`` serving ``workload``'s tasks (``planner.incremental.kept_plan``, what an
+    incremental re-plan's "keep" is), by the cost model a re-plan judges by (:func:`replan_change`'s), with
+    that cost model; None when the deployment cannot serve them (a sequence fits no replica)."""
+    from lorafleet.assemble import plan_cost_model
+    from lorafleet.planner.incremental import kept_plan
+
+    cost_model, _ = plan_cost_model(workload, cluster_of(old), old, options.plan, options.profile)
+    return kept_plan(old, workload, cost_model), cost_model
+
+
 def record_change(
     options: TrainOptions,
     ledger: Ledger,
@@ -184,6 +197,7 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
     step = pending.step
     ledger = Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks)
     ledger = record_change(options, ledger, step, pending.requests, pending.turns, prepared.workload.spec.tasks)
+    clear_pending_replan(options.queue_dir)  # a re-plan under way in the workers: this one supersedes it
     if not ledger.active:
         clear_pending(options.queue_dir)
         log(f"step {step}: no task is left to train")

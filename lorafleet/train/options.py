@@ -85,6 +85,9 @@ class TrainOptions:
     """The most steps an incremental re-plan counts a new deployment's savings over."""
     replan_objective: str = "makespan"
     """What an incremental re-plan minimises: ``makespan`` or ``gpu-s`` (``planner.incremental.ReplanObjective``)."""
+    replan_after: int = 1
+    """Steps a change's re-plan runs beside the training before its move is applied, when the running deployment
+    can serve the new tasks meanwhile (``train.background``); 0: the change's boundary waits for the re-plan."""
     loggers: tuple[str, ...] = ()
     """Experiment trackers rank 0 also logs the step scalars to: ``wandb``, ``mlflow`` (``lorafleet.metrics``)."""
 
@@ -104,6 +107,7 @@ class TrainOptions:
             ("--max-restarts", self.max_restarts, 0),
             ("--nonfinite-patience", self.nonfinite_patience, 1),
             ("--replan-horizon", self.replan_horizon, 1),
+            ("--replan-after", self.replan_after, 0),
         ):
             if value < least:
                 raise InputError(ARGS, flag, f"must be >= {least}, got {value}")

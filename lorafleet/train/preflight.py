@@ -360,7 +360,7 @@ def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
     overwrite (which clears the run's own queue too, and refuses requests waiting in a ``--queue`` elsewhere);
     check the data against the checkpoint resumed from; write the run's plan and its resolved workload
     (``workload.resolved.yaml``: :func:`save_resolved_workload`)."""
-    from lorafleet.train.queue import clear_pending, remove_stale_token
+    from lorafleet.train.queue import clear_pending, clear_pending_replan, remove_stale_token
 
     run_dir = options.run_dir
     lock = run_dir.lock()
@@ -379,6 +379,7 @@ def claim(options: TrainOptions, prepared: Prepared) -> RunLock:
             clear_own_queue(run_dir)
         if prepared.resume_step is None:
             clear_pending(options.queue_dir)  # a previous run's accepted requests are not this run's
+            clear_pending_replan(options.queue_dir)
         remove_stale_token(options.queue_dir)  # its server is gone: this run holds the directory's lock
         if prepared.resume_step:
             check_data(options, prepared)

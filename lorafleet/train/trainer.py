@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from lorafleet.planner import MigrationModel
     from lorafleet.plans import DeploymentPlan
     from lorafleet.specs.workload import TaskSpec
+    from lorafleet.train.background import BackgroundReplan
     from lorafleet.train.queue import QueueWatcher, Request
     from lorafleet.workload import Workload
 
@@ -145,6 +146,8 @@ class Trainer:
         """The next step a task is done at, or the end of the departures it waits for (``turns.departures``)."""
         self.migration = _start_migration(executor, self.plan, self.workload, options.dtype)
         """What a move of the deployment costs, measured (``planner.incremental.MigrationModel``)."""
+        self.replanning: BackgroundReplan | None = None
+        """The last change's re-plan, running beside the steps until its boundary (``train.background``)."""
         self.next_step = 0
 
     def train(self) -> int:
@@ -159,6 +162,7 @@ class Trainer:
             phase(f"training steps {start}..{end - 1} of {self.options.steps}{resumed}")
         if self.plan.policy.recalibration.enabled and start < end:
             probe(self.executor, self.plan, self.cost_model, self.recalibrator, start)
+        self._resume_replan(start)
         ran = False
         with self._writers(range(start, self.options.steps)) as metrics:
             while True:
@@ -166,7 +170,12 @@ class Trainer:
                 ran |= bool(self._segment(metrics, steps))
                 if self.signal is not None and self.next_step < steps.stop:
                     return self._stopped(self.next_step)
+                replanned = self._replan_due()
+                if replanned and not self._apply_replan(self.next_step):
+                    return self._apply_queued(self.next_step)
                 if not self.due:
+                    if replanned:
+                        continue
                     return self._finish(self.next_step, ran=ran)
                 if not self._change(self.next_step):
                     return self._apply_queued(self.next_step)
@@ -190,7 +199,7 @@ class Trainer:
                 stop=self._stop_requested,
                 window=self.window,
                 boundary_every=self.options.checkpoint_every,
-                next_boundary=self._next_boundary if self.watcher is not None else None,
+                next_boundary=self._next_boundary,
             )
 
     def _end(self) -> int:
@@ -248,12 +257,21 @@ class Trainer:
                 )
                 left = {r.name for r in self.due}
                 self.due += [r for r in done if r.name not in left]
-        return self.signal is not None or bool(self.due)
+        return self.signal is not None or bool(self.due) or self._replan_due()
 
     def _next_boundary(self, step: int) -> int | None:
-        """A step a window must end at: a queued request's ``at_step``, or a departure's (``run_loop``)."""
-        due = [s for s in (self.watcher.next_due() if self.watcher else None, self.departure) if s is not None]
-        return min(due, default=None)
+        """A step a window must end at: a queued request's ``at_step``, a departure's, or the step a re-plan's
+        answer is due at (``run_loop``)."""
+        due = [
+            self.watcher.next_due() if self.watcher else None,
+            self.departure,
+            self.replanning.at if self.replanning else None,
+        ]
+        return min((s for s in due if s is not None), default=None)
+
+    def _replan_due(self) -> bool:
+        """The change's re-plan is due at this boundary (before the run's last step: else it is never applied)."""
+        return self.replanning is not None and self.replanning.at == self.next_step < self._end()
 
     def _retire(self, task: int, from_step: int) -> None:
         """The health watch's stop of a task, in the streams the fleet runs now."""
@@ -262,10 +280,12 @@ class Trainer:
     def _change(self, step: int) -> bool:
         """The requests due at the boundary before ``step`` applied in the running fleet (``train.live``): a
         checkpoint when a task joins or leaves, the requests left in ``.apply.json``, then the ledger, the exports,
-        the re-plan and the executor's change of its slots or deployment (``TorchExecutor.change``). False when
-        the new plan needs processes the run does not have: the workers then stop and the launcher applies them."""
+        the plan and the executor's change of its slots or deployment (:meth:`_apply_plan`). When tasks join or
+        leave and the running deployment can serve them, it is kept for now and the re-plan runs beside the next
+        ``--replan-after`` steps (:meth:`_start_replan`); else the boundary re-plans. False when the new plan needs
+        processes the run does not have: the workers then stop and the launcher applies the changes."""
         from lorafleet.train import live
-        from lorafleet.train.queue import Pending, clear_pending, save_pending
+        from lorafleet.train.queue import Pending, clear_pending, clear_pending_replan, save_pending
 
         requests, self.due = self.due, []
         turns = dict(zip(self.names, self.executor.streams.turns, strict=True))
@@ -273,9 +293,11 @@ class Trainer:
         relaunch = bool(os.environ.get(RELAUNCH_ENV))
         # A task that leaves is exported from this checkpoint, and the ledger records it gone only once it is
         # committed (a resume from an older one would lose its last steps); a join or an update may be recorded
-        # before: a resume from an older checkpoint replays the steps before it, then the change.
+        # before: a resume from an older checkpoint replays the steps before it, then the change. A join's
+        # checkpoint is written once the change is applied (the state with the new task, in the background):
+        # begun here, its data would be flushed by the fsyncs of the ledger and the plan, at the boundary.
         leaving = any(r.action in live.LEAVING for r in requests)
-        checkpoint = self._checkpoint(step, wait=leaving or relaunch) if tasks_change or relaunch else None
+        checkpoint = self._checkpoint(step, wait=True) if leaving or relaunch else None
         committed = f" (checkpoint {checkpoint.name})" if checkpoint is not None else ""
         save_pending(self.options.queue_dir, Pending(step, requests, turns))
         live.log(f"step {step}: {', '.join(f'{r.action.value} {r.name}' for r in requests)}{committed}")
@@ -288,25 +310,62 @@ class Trainer:
         if relaunch:
             live.log(f"step {step}: {RELAUNCH_ENV} is set: the workers restart to apply the changes")
             return False
-        if active and tasks_change:
-            replan = live.replan_change(self.options, workload, self.plan, step, self.migration, save=False)
-            plan = replan.plan
-            if plan.world_size > self.executor.world_size:
-                live.log(
-                    f"step {step}: {replan.describe()}; it needs {plan.world_size} processes and the run has "
-                    f"{self.executor.world_size}: the workers restart to apply it"
-                )
-                return False
+        # A re-plan under way was for the tasks before these changes: this boundary's supersedes it.
+        superseded, self.replanning = self.replanning is not None, None
+        if superseded:
+            clear_pending_replan(self.options.queue_dir)
+        deferred = False
+        if active and (tasks_change or superseded):
+            kept = live.kept_change(self.options, workload, self.plan)[0] if self.options.replan_after else None
+            deferred = kept is not None
+            if kept is not None:
+                plan = kept
+            else:
+                replan = live.replan_change(self.options, workload, self.plan, step, self.migration, save=False)
+                plan = replan.plan
+                if plan.world_size > self.executor.world_size:
+                    checkpoint = checkpoint or self._checkpoint(step, wait=True)
+                    live.log(
+                        f"step {step}: {replan.describe()}; it needs {plan.world_size} processes and the run has "
+                        f"{self.executor.world_size}: the workers restart to apply it (checkpoint {checkpoint.name})"
+                    )
+                    return False
         self.ledger = live.record_change(self.options, self.ledger, step, requests, turns, self.workload.spec.tasks)
         if not active:
             clear_pending(self.options.queue_dir)
             live.log(f"step {step}: no task is left to train")
             self.names = []
             return True
-        plan.save(self.run_dir.plan)
+        self._commit_plan(workload, plan)
         clear_pending(self.options.queue_dir)
         if replan is not None:
             live.log(f"step {step}: {replan.describe()}")
+        self._apply_plan(step, workload, plan)
+        if deferred:
+            at = step + self.options.replan_after
+            live.log(f"step {step}: kept {plan.describe()} for now; the re-plan runs beside the steps to step {at}")
+            self._start_replan(step, at)
+        if tasks_change and checkpoint is None:
+            self._checkpoint(step)
+        return True
+
+    def _commit_plan(self, workload: Workload, plan: DeploymentPlan) -> None:
+        """The tasks and plan the fleet runs from this boundary on, where a restart finds them: the run's
+        ``plan.json`` and its run file (``train.run_file``: a torchrun restart of the workers reads the tasks and
+        the plan there; a resume re-reads the ledger and ``plan.json``)."""
+        from lorafleet.train.run_file import ResolvedRun
+
+        plan.save(self.run_dir.plan)
+        if self.run_dir.run_file.is_file():
+            run = ResolvedRun.load(self.run_dir.run_file)
+            spec = workload.spec.model_dump(mode="json", exclude_none=True)
+            replace(run, plan=plan, workload=spec).save(self.run_dir)
+
+    def _apply_plan(self, step: int, workload: Workload, plan: DeploymentPlan) -> None:
+        """The executor's change, in the running fleet, to ``workload``'s tasks on ``plan`` (its adapter slots, or
+        its deployment: ``TorchExecutor.change``), then rank 0's loop state (:meth:`_continue_with`)."""
+        from lorafleet.train import live
+
         change = self._fleet_change(step, workload, plan)
         report = self.executor.change(
             change, {t.name: self.added.pop(t.name) for t in change.tasks if t.name in self.added}
@@ -318,6 +377,57 @@ class Trainer:
         live.log(f"step {step}: applied in the running fleet in {report.seconds:.3g} s ({'; '.join(what)})")
         self._learn_migration(report, plan)
         self._continue_with(workload, plan)
+
+    def _start_replan(self, step: int, at: int) -> None:
+        """The re-plan of the change at ``step`` started beside the steps (``train.background``), for the tasks and
+        the deployment the fleet runs now, its answer due at ``at`` and recorded in ``<queue>/.replan.json``
+        (for a resume)."""
+        from lorafleet.train import live
+        from lorafleet.train.background import BackgroundReplan
+        from lorafleet.train.queue import PendingReplan, save_pending_replan
+
+        save_pending_replan(self.options.queue_dir, PendingReplan(step, at))
+        replan = partial(live.replan_change, self.options, self.workload, self.plan, at, self.migration, save=False)
+        self.replanning = BackgroundReplan.start(step, at, replan)
+
+    def _resume_replan(self, start: int) -> None:
+        """A resumed run's re-plan that was under way (``<queue>/.replan.json``), run again and due at the same
+        step (or this launch's first, when that has passed)."""
+        from lorafleet.train import live
+        from lorafleet.train.queue import load_pending_replan
+
+        pending = load_pending_replan(self.options.queue_dir)
+        if pending is not None:
+            at = max(pending.at, start)
+            live.log(f"step {start}: the re-plan of step {pending.step} runs again beside the steps to step {at}")
+            self._start_replan(pending.step, at)
+
+    def _apply_replan(self, step: int) -> bool:
+        """The re-plan's answer at its boundary ``step`` (waited for when not done): nothing when it keeps the
+        deployment, else the move applied in the running fleet; False when the move needs processes the run does
+        not have (the workers stop at a committed checkpoint, and the launcher re-plans and relaunches them)."""
+        from lorafleet.train import live
+        from lorafleet.train.queue import Pending, clear_pending_replan, save_pending
+
+        running, self.replanning = self.replanning, None
+        assert running is not None
+        replan, waited = running.answer()
+        wait = f" (waited {waited:.2g} s for it)" if waited >= 0.01 else ""
+        live.log(f"step {step}: the re-plan of step {running.step}{wait}: {replan.describe()}")
+        if replan.moved and replan.plan.world_size > self.executor.world_size:
+            checkpoint = self._checkpoint(step, wait=True)
+            turns = dict(zip(self.names, self.executor.streams.turns, strict=True))
+            save_pending(self.options.queue_dir, Pending(step, [], turns))
+            live.log(
+                f"step {step}: it needs {replan.plan.world_size} processes and the run has "
+                f"{self.executor.world_size}: the workers restart to apply it (checkpoint {checkpoint.name})"
+            )
+            return False
+        if replan.moved:
+            self._commit_plan(self.workload, replan.plan)
+        clear_pending_replan(self.options.queue_dir)
+        if replan.moved:
+            self._apply_plan(step, self.workload, replan.plan)
         return True
 
     def _fleet_change(self, step: int, workload: Workload, plan: DeploymentPlan) -> FleetChange:
@@ -390,12 +500,15 @@ class Trainer:
 
     def _finish(self, reached: int, ran: bool) -> int:
         """The run's end after ``reached`` steps (``ran``: some of them in this launch): a final checkpoint
-        (waited for), its PEFT adapters exported to ``<out>/adapters``, and the summary."""
+        (waited for), its PEFT adapters exported to ``<out>/adapters``, and the summary. A re-plan due after the
+        last step is never applied."""
         from lorafleet.executor.torch.checkpoint_files import export_adapters
         from lorafleet.metrics import last_losses
+        from lorafleet.train.queue import clear_pending_replan
         from lorafleet.train.queue.ledger import revision_lines
 
         final = self._checkpoint(reached, wait=True)
+        clear_pending_replan(self.options.queue_dir)
         export_adapters(
             final,
             self.names,

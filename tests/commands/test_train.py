@@ -62,6 +62,7 @@ def test_cli_surface_is_frozen():
         "--queue-data-root",
         "--queue-http",
         "--recalibrate",
+        "--replan-after",
         "--replan-horizon",
         "--replan-objective",
         "--resume",

@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from safetensors.torch import load_file
 from lorafleet.cli import main
 from lorafleet.train.trainer import RELAUNCH_ENV
 from tests.helpers.repo import DEMO
+from tests.helpers.train_cli import LAUNCHER, _worker_pids
 
 STEPS = 8
 ATOL = 1e-5
@@ -191,6 +194,43 @@ def test_a_crash_amid_a_change_resumes_from_its_checkpoint_and_records_it_once(r
         assert _max_diff(_adapter(crashed / "adapters" / task), _adapter(queued / "adapters" / task)) < ATOL, task
 
 
+@pytest.mark.slow
+def test_a_crash_while_the_replan_runs_resumes_it_and_applies_it_at_its_step(runs, tmp_path):
+    """``codegen`` joins at step 3 on the kept deployment and its re-plan runs beside the steps, due at step 6
+    (``--replan-after 3``). The worker is SIGKILLed once the change is committed (``.replan.json`` written, a
+    checkpoint after it) and before step 6; torchrun restarts it, the run resumes from that checkpoint, runs the
+    re-plan again and applies its answer at step 6, once; every task ends as in the reference run."""
+    queued, reference, _, _ = runs
+    out = tmp_path / "killed"
+    (out / "queue").mkdir(parents=True)
+    (out / "queue" / "add-codegen.yaml").write_text(
+        f"name: codegen\ndata: {{path: {DEMO / 'codegen.jsonl'}}}\nbatch_size: 2\ncontext_length: 256\nat_step: 3\n"
+    )
+    workload = queued.parent / "both.yaml"
+    argv = [*LAUNCHER, "train", str(workload), "--plan", str(workload.with_suffix(".plan.json")), "--steps",
+            str(STEPS), "--out", str(out), "--no-progress", "--checkpoint-every", "4", "--replan-after", "3",
+            "--max-restarts", "1"]  # fmt: skip
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.monotonic() + 300
+    replan, checkpoints = out / "queue" / ".replan.json", out / "checkpoints"
+    while not (replan.exists() and {p.name for p in checkpoints.glob("step-*")} & {"step-000003", "step-000004"}):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.002)
+    (pid,) = _worker_pids(str(out))
+    os.kill(pid, signal.SIGKILL)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "restart 1 of 1" in stdout and "the re-plan of step 3 runs again beside the steps to step 6" in stdout
+    assert stdout.count("queue: step 6: the re-plan of step 3") == 1, stdout
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == list(range(STEPS))
+    assert json.loads((out / "tasks.json").read_text())["applied"] == [
+        {"step": 3, "file": "add-codegen.yaml", "action": "add", "name": "codegen"}
+    ]
+    assert not replan.exists()
+    for task in ("docsum", "chat", "codegen"):
+        assert _max_diff(_adapter(out / "adapters" / task), _adapter(reference / "adapters" / task)) < ATOL, task
+
+
 def test_bad_requests_are_rejected_with_one_line_and_the_run_goes_on(runs):
     queued, _, _, log = runs
     rejected = queued / "queue" / "rejected"
@@ -208,12 +248,20 @@ def test_bad_requests_are_rejected_with_one_line_and_the_run_goes_on(runs):
 
 
 @pytest.mark.slow
-def test_a_task_no_replica_holds_moves_the_running_fleet_with_recalibration_on(tmp_path, tiny_tokenizer_dir):
-    """A move in the running workers under the default policy (recalibration on: every other queue test runs
-    with it too but keeps its deployment): ``moddoc``'s 1,536-token documents fit no ``<1,1>`` replica of
-    48 MiB, so the add at step 3 re-plans two ``<1,1>`` replicas (ranks 0 and 3 of 4) to three with a
-    ``<2,1>``, builds the new stages in place and trains on; the recalibrator moves with the deployment (its
-    remap of the checkpoint state failed on #29's pools, a KeyError or an AttributeError, stopping the run).
+def test_the_fleet_moves_in_place_after_its_background_replan_and_when_no_replica_holds_a_task(
+    tmp_path, tiny_tokenizer_dir
+):
+    """Two moves in the running workers of 4 ranks, under the default policy (recalibration on: every other
+    queue test runs with it too but keeps its deployment), by the GPU-seconds objective with free migration:
+
+    - ``codegen`` joins at step 3: the two ``<1,1>`` replicas (ranks 0 and 3) serve it, so the change is applied
+      on them at once and the re-plan runs beside step 3 (``train.background``); its answer, due at step 4,
+      drops a replica (one ``<1,1>`` costs fewer GPU-seconds a step), and the rank left idle stops comparing
+      adapter shards it no longer has (its moved-check failed the next step: a zip of unequal lengths);
+    - ``moddoc``'s 1,536-token documents fit no ``<1,1>`` replica of 48 MiB, so its add at step 5 re-plans at
+      the boundary to a ``<2,1>`` and builds the new stages in place; the recalibrator moves with the deployment
+      (its remap of the checkpoint state failed on #29's pools, a KeyError or an AttributeError).
+
     torchrun says nothing of its own on the way (its log lines are quiet under the launcher)."""
     from dataclasses import replace
 
@@ -235,19 +283,24 @@ def test_a_task_no_replica_holds_moves_the_running_fleet_with_recalibration_on(t
     kept_plan(replace(planned.plan, replicas=two), workload, cost_model).save(path.with_suffix(".plan.json"))
     out = tmp_path / "out"
     (out / "queue").mkdir(parents=True)
-    (out / "queue" / "add-moddoc.json").write_text(
-        json.dumps(
-            {
-                "name": "moddoc",
-                "data": {"path": str(DEMO / "moddoc.jsonl")},
-                "batch_size": 1,
-                "context_length": 1536,
-                "at_step": 3,
-            }
-        )  # fmt: skip
+    (out / "queue" / "add-codegen.yaml").write_text(
+        f"name: codegen\ndata: {{path: {DEMO / 'codegen.jsonl'}}}\nbatch_size: 2\ncontext_length: 256\nat_step: 3\n"
     )
-    log = _train(path, out, 5, "--profile", str(profile), "--checkpoint-every", "100")
-    assert "queue: step 3: re-planned to " in log.stdout and "built their stages" in log.stdout, log.stdout
+    (out / "queue" / "add-moddoc.yaml").write_text(
+        f"name: moddoc\ndata: {{path: {DEMO / 'moddoc.jsonl'}}}\nbatch_size: 1\ncontext_length: 1536\nat_step: 5\n"
+    )
+    log = _train(path, out, 7, "--profile", str(profile), "--checkpoint-every", "100", "--replan-objective", "gpu-s",
+                 "--migration-s", "0")  # fmt: skip
+    queue = [line.removeprefix("lorafleet train: queue: ") for line in log.stdout.splitlines() if "queue: " in line]
+    assert "step 3: kept <1,1> x 2 for now; the re-plan runs beside the steps to step 4" in queue, log.stdout
+    assert any(line.startswith("step 4: the re-plan of step 3") and "re-planned to <1,1> x 1" in line for line in queue)
+    assert queue.index("step 3: kept <1,1> x 2 for now; the re-plan runs beside the steps to step 4") < next(
+        k for k, line in enumerate(queue) if line.startswith("step 4: applied in the running fleet")
+    )
+    assert any(line.startswith("step 5: re-planned to ") for line in queue)
+    assert any(line.startswith("step 5: applied") and "built their stages" in line for line in queue)
     assert log.stdout.count("process group up") == 1 and "torch/distributed" not in log.stderr, log.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(5)) and "moddoc" in rows[4]["task_gpu_s"]
+    assert [r["step"] for r in rows] == list(range(7)) and "moddoc" in rows[6]["task_gpu_s"]
+    assert [len(r["correction"]) for r in rows] == [2] * 4 + [1] * 3  # 2 replicas, then 1 from step 4
+    assert not (out / "queue" / ".replan.json").exists()

@@ -114,7 +114,8 @@ class WindowRunner:
     ) -> WindowRunner:
         """This runner over a fleet changed at a boundary (``change.py``), its op log carried. ``kept`` (new task
         -> old) when this rank kept its stage: the staying tasks keep their starting adapters for the moved-check
-        and the new ones start now; None for a new stage, which is checked as a restored one (:meth:`restored`)."""
+        and the new ones start now; None for a new stage, which is checked as a restored one (:meth:`restored`). A
+        rank left idle (its stage gone: a replica dropped) compares no shards, whatever ``kept`` says."""
         runner = WindowRunner(
             replica,
             optimizers,
@@ -126,6 +127,8 @@ class WindowRunner:
             record_ops=self.record_ops,
         )
         runner.op_log = self.op_log
+        if replica.model is None:  # an idle rank holds no shard of any task: its (empty) starts are exact
+            return runner
         if kept is None:
             runner.restored()
         else:

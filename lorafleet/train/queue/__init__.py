@@ -34,7 +34,17 @@ rest of lorafleet uses; the package's modules import each other by module.
 
 from lorafleet.train.queue.http import QueueServer, bind_queue_server, remove_stale_token, start_queue_server
 from lorafleet.train.queue.ledger import Ledger, LedgerEntry, TaskState
-from lorafleet.train.queue.pending import Pending, clear_pending, has_pending, load_pending, save_pending
+from lorafleet.train.queue.pending import (
+    Pending,
+    PendingReplan,
+    clear_pending,
+    clear_pending_replan,
+    has_pending,
+    load_pending,
+    load_pending_replan,
+    save_pending,
+    save_pending_replan,
+)
 from lorafleet.train.queue.requests import Action, Request, RequestError, data_roots
 from lorafleet.train.queue.watcher import QueueWatcher, read_request
 
@@ -43,6 +53,7 @@ __all__ = [
     "Ledger",
     "LedgerEntry",
     "Pending",
+    "PendingReplan",
     "QueueServer",
     "QueueWatcher",
     "Request",
@@ -50,11 +61,14 @@ __all__ = [
     "TaskState",
     "bind_queue_server",
     "clear_pending",
+    "clear_pending_replan",
     "data_roots",
     "has_pending",
     "load_pending",
+    "load_pending_replan",
     "read_request",
     "remove_stale_token",
     "save_pending",
+    "save_pending_replan",
     "start_queue_server",
 ]

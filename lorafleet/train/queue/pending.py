@@ -7,6 +7,12 @@ or what a crash left, the launcher applies between two launches (``train.live.ap
 starts with ``.``, so the watcher never reads it as a request. The file is typed (:data:`PENDING_FILE`:
 unknown keys refused, a wrong value named by its field path); ``lorafleet schema pending`` prints its JSON
 Schema.
+
+**A re-plan under way**, ``<queue>/.replan.json`` (:class:`PendingReplan`). A change the running deployment
+can serve is applied on it at once, and the incremental re-plan runs beside the next steps
+(``train.background``); the move it finds, if any, is applied a fixed number of steps later. The file says so
+from the change's boundary until that step's boundary, so a resume in between runs the re-plan again and
+applies its answer at the same step.
 """
 
 from __future__ import annotations
@@ -42,6 +48,22 @@ class Pending:
 PENDING_FILE = TypeAdapter(Pending)
 
 
+@dataclass(frozen=True)
+class PendingReplan:
+    """An incremental re-plan running beside the steps: for the tasks of boundary ``step``, applied at ``at``."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    step: Int
+    """The boundary of the change it re-plans for."""
+    at: Int
+    """The boundary its answer is applied at (``--replan-after`` steps after ``step``)."""
+
+
+REPLAN = ".replan.json"
+REPLAN_FILE = TypeAdapter(PendingReplan)
+
+
 def save_pending(directory: str | Path, pending: Pending) -> None:
     """The requests accepted at the boundary before ``pending.step``, until they are applied."""
     write_json_as(Path(directory) / PENDING, PENDING_FILE, pending)
@@ -62,3 +84,18 @@ def has_pending(directory: str | Path) -> bool:
 
 def clear_pending(directory: str | Path) -> None:
     (Path(directory) / PENDING).unlink(missing_ok=True)
+
+
+def save_pending_replan(directory: str | Path, pending: PendingReplan) -> None:
+    write_json_as(Path(directory) / REPLAN, REPLAN_FILE, pending)
+
+
+def load_pending_replan(directory: str | Path) -> PendingReplan | None:
+    """The re-plan under way in the queue ``directory``; None when there is none; InputError when the file is
+    not one."""
+    path = Path(directory) / REPLAN
+    return read_json_as(path, REPLAN_FILE, "pending re-plan file") if path.is_file() else None
+
+
+def clear_pending_replan(directory: str | Path) -> None:
+    (Path(directory) / REPLAN).unlink(missing_ok=True)

@@ -1,0 +1,64 @@
+"""The incremental re-plan of a change, run beside the training steps instead of at their boundary.
+
+At a boundary where tasks join or leave, the running deployment usually serves the new task set
+(``planner.incremental.kept_plan``: every expected sequence fits a replica), and the planner's search, not
+the change itself, is most of what the fleet would wait for: 0.1 s on the toy model, 5 CPU s for LobRA's
+70B on 64 GPUs, 12 CPU s for 64 tenants on 1,024 GPUs, three quarters of that fleet's step
+(``benchmarks/bench_queue.py --replan``). So rank 0 (``train.trainer``) applies the change on the kept
+deployment at once and runs the re-plan (``train.live.replan_change``) in a thread beside the next steps;
+the step's own work is in torch's kernels and the collectives, which release the GIL, and CBC solves in
+processes of its own. The re-plan's answer is applied at the boundary ``after`` steps later, a fixed step
+(``--replan-after``): the run does not depend on how fast the planner was, and a resume in between
+(``<queue>/.replan.json``) applies the same answer at the same step. When the re-plan is not done by then,
+that boundary waits for it (the log says how long).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lorafleet.planner import Replan
+
+
+@dataclass
+class BackgroundReplan:
+    """A re-plan for the tasks of boundary ``step`` running in a daemon thread, its answer due at boundary ``at``.
+
+    A daemon: a run that ends (or stops) before ``at`` does not wait for a re-plan it will never apply."""
+
+    step: int
+    at: int
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _answer: Replan | None = field(default=None, repr=False)
+    _error: BaseException | None = field(default=None, repr=False)
+
+    @classmethod
+    def start(cls, step: int, at: int, replan: Callable[[], Replan]) -> BackgroundReplan:
+        """Run ``replan`` in a thread; its answer (or its error) is :meth:`answer`'s."""
+        running = cls(step, at)
+
+        def work() -> None:
+            try:
+                running._answer = replan()
+            except BaseException as err:  # re-raised in the loop's thread by answer(): the run fails there
+                running._error = err
+            finally:
+                running._done.set()
+
+        threading.Thread(target=work, name=f"lorafleet-replan-{step}", daemon=True).start()
+        return running
+
+    def answer(self) -> tuple[Replan, float]:
+        """The re-plan's answer and the seconds this call waited for it; its error, raised, when it failed."""
+        started = time.perf_counter()
+        self._done.wait()
+        waited = time.perf_counter() - started
+        if self._error is not None:
+            raise self._error
+        assert self._answer is not None
+        return self._answer, waited
