@@ -27,6 +27,7 @@ the trace brings, so no deployment is rebuilt only because an adapter arrives).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -55,6 +56,9 @@ class ArrivalOptions:
     """How every strategy prices a change of deployment (``pricing``), the incremental horizon and objective."""
     seed: int | None = None
     """Seed of the sampled batches; None: the workload's."""
+    replan_after: int = 1
+    """Steps a move found by the incremental re-plan waits, the tasks on the running deployment, when it can
+    serve them (``lorafleet train --replan-after``: the re-plan runs beside those steps); 0: at the change."""
     strategies: tuple[Strategy, ...] = tuple(Strategy)
 
 
@@ -120,6 +124,8 @@ class _Segment:
     seed: int
     recalibrator: Recalibrator
     first_step: int
+    most_steps: int | None = None
+    """At most this many steps (None: until the first present task departs)."""
 
     def on_report(self, report: StepReport, step_plan: StepPlan) -> None:
         """A step ran: the fleet's clock and tasks move on, each task owing its part of the step."""
@@ -135,7 +141,7 @@ class _Segment:
         run_loop(
             source,
             SimulatedExecutor(self.plan, self.cost_model, self.plan.tasks),
-            range(self.first_step, self.first_step + self.fleet.first_departure()),
+            range(self.first_step, self.first_step + min(self.fleet.first_departure(), self.most_steps or math.inf)),
             on_report=self.on_report,
             recalibrator=self.recalibrator,
             stop=self.stop,
@@ -144,8 +150,11 @@ class _Segment:
         )
 
 
-def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int) -> StrategyRun:
-    """One strategy's replay: between segments the idle jumps, the strategy's answer and the migration wait."""
+def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int, replan_after: int) -> StrategyRun:
+    """One strategy's replay: between segments the idle jumps, the strategy's answer and the migration wait. A
+    move with an ``interim`` runs ``replan_after`` steps on it first, as a training run waits for its re-plan
+    beside the steps; a change of the task set in those steps or at their end supersedes it (it is never
+    made: the next change is re-planned from the running deployment, as ``train.trainer`` does)."""
     fleet = Fleet(trace)
     tasks = {a.task.name: a.task for a in trace.arrivals}
     plan: DeploymentPlan | None = None
@@ -158,6 +167,12 @@ def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int
                 continue
             break
         decision = replanner.on_change(plan, tuple(fleet.present), fleet.clock, fleet.steps_left())
+        if decision.interim is not None and replan_after:
+            assert recalibrator is not None and _same_replicas(plan, decision.interim)
+            plan, present = decision.interim, tuple(fleet.present)
+            _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, fleet.step, replan_after).run()
+            if fleet.apply_due() or tuple(fleet.present) != present:
+                continue  # the task set changed by the move's step: the next change's re-plan supersedes it
         if decision.change is not None:
             changes.append(decision.change)
             if decision.change.migration_s:
@@ -191,6 +206,6 @@ def replay_trace(
     plans = PlanMaker(trace, cluster, cost_model, options.planner)
     seed = trace.workload.spec.seed if options.seed is None else options.seed
     replanners = [REPLANNERS[s](plans, options.replan) for s in options.strategies]
-    runs = tuple(_replay(r, trace, cost_model, seed) for r in replanners)
+    runs = tuple(_replay(r, trace, cost_model, seed, options.replan_after) for r in replanners)
     static_plan = next((r.plan for r in replanners if isinstance(r, Static)), None)
     return ArrivalsResult(trace=trace, runs=runs, static_plan=static_plan)

@@ -78,6 +78,9 @@ class Decision:
     plan: DeploymentPlan
     change: Change | None = None
     """None: nothing to record (``static`` keeps its one plan)."""
+    interim: DeploymentPlan | None = None
+    """A move's running deployment serving the new tasks, which they run on first while the re-plan runs
+    beside the steps (``ArrivalOptions.replan_after``; ``incremental`` only; None: no move, or it cannot)."""
 
 
 class PlanMaker:
@@ -180,7 +183,7 @@ class Incremental(_PlansEveryChange):
             r.describe(),
             r.migration_s,
         )
-        return Decision(plan, change)
+        return Decision(plan, change, r.kept if r.moved else None)
 
 
 class Scratch(_PlansEveryChange):

@@ -76,6 +76,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="STEPS",
         help="--arrivals: the most steps an incremental re-plan counts a move's savings over (default 200)",
     )
+    arrivals.add_argument(
+        "--replan-after",
+        type=int,
+        default=1,
+        metavar="STEPS",
+        help="--arrivals: steps a move waits on the running deployment, when it serves the new tasks, as "
+        "lorafleet train runs its re-plan beside them (default 1; 0: at the change)",
+    )
     add_set_flag(parser)
     add_cluster_flags(parser)
     add_policy_flags(parser)
@@ -282,12 +290,14 @@ def _arrival_flags(args: argparse.Namespace):
         raise InputError("<args>", "--migration-s", f"must be a finite number >= 0, got {args.migration_s}")
     if args.replan_horizon < 1:
         raise InputError("<args>", "--replan-horizon", f"must be >= 1, got {args.replan_horizon}")
+    if args.replan_after < 0:
+        raise InputError("<args>", "--replan-after", f"must be >= 0, got {args.replan_after}")
     replan = ReplanOptions(
         migration_s=args.migration_s,
         horizon_steps=args.replan_horizon,
         objective=ReplanObjective(args.replan_objective),
     )
-    return ArrivalOptions(replan=replan, seed=args.seed)
+    return ArrivalOptions(replan=replan, seed=args.seed, replan_after=args.replan_after)
 
 
 def _seconds(value: float | None) -> str:

@@ -178,6 +178,9 @@ class Replan:
     migration_s: float = 0.0
     """Seconds the fleet stops to move (0 when it keeps its deployment)."""
     objective: ReplanObjective = ReplanObjective.MAKESPAN
+    kept: DeploymentPlan | None = None
+    """The running deployment serving the new tasks (:func:`kept_plan`; None when it cannot): what a fleet runs
+    while its re-plan runs beside the steps (``train.background``), until a move is applied."""
 
     def describe(self) -> str:
         """One line for the run's log."""
@@ -324,4 +327,5 @@ def replan_incremental(
         horizon,
         mig.wall_s if moved else 0.0,
         replan.objective,
+        keep,
     )

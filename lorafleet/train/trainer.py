@@ -170,8 +170,8 @@ class Trainer:
                 ran |= bool(self._segment(metrics, steps))
                 if self.signal is not None and self.next_step < steps.stop:
                     return self._stopped(self.next_step)
-                replanned = self._replan_due()
-                if replanned and not self._apply_replan(self.next_step):
+                replanned = self._replan_due()  # superseded by requests due at its boundary (_change)
+                if replanned and not self.due and not self._apply_replan(self.next_step):
                     return self._apply_queued(self.next_step)
                 if not self.due:
                     if replanned:

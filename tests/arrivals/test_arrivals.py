@@ -284,6 +284,31 @@ def test_the_gpu_s_objective_takes_a_plan_cheaper_but_slower_than_the_running_on
     assert cheaper >= 1 and gpu_s.step_gpu_s < makespan.step_gpu_s
 
 
+def test_a_move_the_running_deployment_can_serve_waits_replan_after_steps_on_it(swap):
+    """As ``lorafleet train`` runs a change's re-plan beside the steps (#28): a move found for a task set the
+    running deployment can serve is made ``replan_after`` steps later, the tasks on that deployment meanwhile
+    (the steps dearer: it is the plan the move leaves); a change of the task set by then supersedes the move.
+    With ``replan_after=0`` the moves are made at their changes."""
+    trace, cluster, cost_model = swap
+
+    def run(after: int):
+        options = ArrivalOptions(
+            planner=FAST, replan=ReplanOptions(migration_s=0.0), strategies=(Strategy.INCREMENTAL,), replan_after=after
+        )
+        return replay_trace(trace, cluster, cost_model, options).run(Strategy.INCREMENTAL)
+
+    at_once, one, three, never = run(0), run(1), run(3), run(1000)
+    moves = [(c.tasks, c.plan) for c in at_once.changes if c.moved]
+    assert len(moves) == 2 and [(c.tasks, c.plan) for c in one.changes if c.moved] == moves
+    # Each move's first step runs on the deployment it leaves, dearer; the steps after it are the same.
+    changed = [k for k in range(1, at_once.steps) if at_once.step_s[k] != one.step_s[k]]
+    assert len(changed) == 2 and all(one.step_s[k] > at_once.step_s[k] for k in changed)
+    assert at_once.step_gpu_s < one.step_gpu_s < three.step_gpu_s < never.step_gpu_s
+    # Three steps on: docs departs before the first move is made (superseded), the second is made.
+    assert [(c.tasks, c.plan) for c in three.changes if c.moved] == moves[1:]
+    assert never.moves == 0 and at_once.steps == one.steps == three.steps == never.steps
+
+
 def run_gpus(run, change) -> int:
     """GPUs of the deployment running before ``change`` (the one kept or left)."""
     k = run.changes.index(change)
@@ -366,4 +391,5 @@ def test_arrivals_options_defaults():
     # A move is priced by the in-process rebuild's measured model unless --migration-s says a flat price (#28).
     assert options.replan.migration_s is None and options.replan.pricing == options.replan.migration
     assert options.replan.horizon_steps == 200 and options.replan.objective is ReplanObjective.MAKESPAN
+    assert options.replan_after == 1  # as lorafleet train --replan-after
     assert replace(options, seed=3).seed == 3
