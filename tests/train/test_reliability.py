@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -266,7 +267,10 @@ def test_a_failure_without_restarts_is_one_line_that_says_how_to_resume(run):
 
     resumed = resumable_checkpoint(out / "checkpoints").step
     for step in range(resumed + 1, 400):  # no checkpoint after the one resumed from can be written; set up
-        (out / "checkpoints" / f".step-{step:06d}.partial").write_text("in the way")  # before the run races it
+        partial = out / "checkpoints" / f".step-{step:06d}.partial"  # before the run races it
+        if partial.is_dir():  # a write the kill cut short: a writer clears such a directory, not a file
+            shutil.rmtree(partial)
+        partial.write_text("in the way")
     process = _start(run, *slow, "--resume")
     _, stderr = process.communicate(timeout=180)
     assert process.returncode == 1, stderr[-3000:]
