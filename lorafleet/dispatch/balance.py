@@ -41,9 +41,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
 
 from lorafleet.dispatch.load import LoadModel
+from lorafleet.solvers import solve_lp
 from lorafleet.work import count as count_work
 
 _REL_TOL = 1e-12
@@ -201,12 +201,12 @@ def _min_max_lp(
         a_ub, b_ub = np.vstack((a_ub, ranges)), np.concatenate((b_ub, np.zeros(2 * n)))
         a_eq, b_eq = np.vstack((a_eq, tokens)), np.concatenate((b_eq, load.tokens))
     count_work("lp_solves")
-    solved = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs")
-    if solved.status != 0:
+    solved = solve_lp(cost, a_ub, b_ub, a_eq, b_eq)
+    if solved is None:
         return None
     x = np.zeros(allowed.shape)
-    x[cls, bucket] = solved.x[:n]
-    return float(solved.x[-1]), x
+    x[cls, bucket] = solved[:n]
+    return float(solved[-1]), x
 
 
 def _lp_rounded(load: LoadModel, allowed: np.ndarray) -> np.ndarray:

@@ -107,10 +107,13 @@ def add_gpu_budget_constraints(model: pulp.LpProblem, problem: PlanningProblem, 
 
 def add_coverage_constraints(model: pulp.LpProblem, problem: PlanningProblem, v: DeploymentVars) -> None:
     """Eq. 2: Σ_i ξ'_ij = θ' D_j over the configs that hold bucket j (memory: b_ij >= 1)."""
+    by_bucket: dict[int, list[tuple[pulp.LpVariable, float]]] = {}
+    for (_, j), x in v.rate.items():
+        by_bucket.setdefault(j, []).append((x, 1))
     for j, demand in enumerate(problem.counts):
         if demand > 0:
             model += (
-                pulp.lpSum(x for (i, jj), x in v.rate.items() if jj == j) == float(demand) * v.throughput,
+                pulp.LpAffineExpression(by_bucket.get(j, [])) == float(demand) * v.throughput,
                 f"cover[bucket_{j}]",
             )
 
@@ -121,9 +124,12 @@ def add_capacity_constraints(model: pulp.LpProblem, problem: PlanningProblem, v:
     w = problem.amortised_time
     reference_makespan = v.reference_makespan
     share = 1.0 - fixed_time(problem) / reference_makespan
+    by_config: dict[int, list[tuple[pulp.LpVariable, float]]] = {}
+    for (i, j), x in v.rate.items():
+        by_config.setdefault(i, []).append((x, float(w[i, j] / reference_makespan)))
     for i, p in v.n_replicas.items():
         name = problem.candidates[i].config.name
-        work = pulp.lpSum(float(w[i, j] / reference_makespan) * x for (ii, j), x in v.rate.items() if ii == i)
+        work = pulp.LpAffineExpression(by_config.get(i, []))
         model += (work <= float(max(share[i], 0.0)) * p, f"capacity[{name}]")
         if share[i] <= 0:
             model += (p == 0, f"too_slow[{name}]")
