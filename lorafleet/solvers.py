@@ -184,6 +184,7 @@ def solve_lp(
     with _quiet_stdout():  # the first Highs of a process prints a banner
         highs = highspy.Highs()
     highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("threads", 1)  # the one process-wide pool's size: every solve must ask the same
     highs.setOptionValue("simplex_strategy", 1)  # dual, as linprog asks
     highs.passModel(lp)
     highs.run()

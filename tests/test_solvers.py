@@ -44,8 +44,10 @@ def test_infeasible_is_reported(solver):
 
 
 def test_thread_requests_do_not_break_later_highs_solves():
-    # HiGHS's thread pool is process-wide: a solve that asked for another count used to fail.
+    # HiGHS's thread pool is process-wide: a solve that asked for another count used to fail, and so
+    # did every MILP on HiGHS after the first LP (solve_lp) when that left the pool at its default size.
     for threads in (None, 2, 1, None):
+        assert solve_lp(*min_max_lp(0)) is not None
         assert solve(knapsack_cover(), SolverName.HIGHS, time_limit_s=20, threads=threads).proven_optimal
 
 
