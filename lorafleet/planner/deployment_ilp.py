@@ -236,19 +236,34 @@ def solve_deployment(
     plan = None
     t_ref = reference_makespan
     for _ in range(FIXED_POINT_ITERATIONS if iterate else 1):
-        model, v = build_model(problem, t_ref, tie_rel / problem.n_gpus, branch)
-        # threads=1: CBC's parallel search is not deterministic, and plans must be.
-        result = solve(model, solver, time_limit_s=time_limit_s, gap_rel=MILP_GAP_REL, threads=1)
+        plan, result = _solved(
+            problem, *build_model(problem, t_ref, tie_rel / problem.n_gpus, branch), label, solver, time_limit_s
+        )
         results.append(result)
-        if not result.has_solution:
-            return None, results
-        plan = extract_plan(problem, v, label)
-        if not np.isfinite(plan.makespan):  # θ = 0: no deployment in this branch covers every bucket
+        if plan is None:
             return None, results
         if abs(plan.makespan - t_ref) <= FIXED_POINT_RTOL * plan.makespan:
             break
         t_ref = plan.makespan
     return plan, results
+
+
+def _solved(
+    problem: PlanningProblem,
+    model: pulp.LpProblem,
+    v: DeploymentVars,
+    label: str,
+    solver: SolverName,
+    time_limit_s: float,
+) -> tuple[RelaxedDeployment | None, SolveResult]:
+    """``model`` solved, and its plan: None without a solution, or with θ = 0 (no deployment in it
+    covers every bucket)."""
+    # threads=1: CBC's parallel search is not deterministic, and plans must be.
+    result = solve(model, solver, time_limit_s=time_limit_s, gap_rel=MILP_GAP_REL, threads=1)
+    if not result.has_solution:
+        return None, result
+    plan = extract_plan(problem, v, label)
+    return (plan if np.isfinite(plan.makespan) else None), result
 
 
 def solve_root(
@@ -302,22 +317,18 @@ def branch_deployments(
     """
     found: list[RelaxedDeployment] = []
     results: list[SolveResult] = []
+    base = None  # every branch is the model at T_ref plus its restrictions: built once, copied per branch
     for label, branch in branches_around(problem, center)[:max_branches]:
         if solved is not None:
             if branch.key in solved:
                 continue
             solved.add(branch.key)
-        plan, res = solve_deployment(
-            problem,
-            reference_makespan,
-            tie_rel=tie_rel,
-            solver=solver,
-            time_limit_s=time_limit_s,
-            branch=branch,
-            label=label,
-            iterate=False,
-        )
-        results.extend(res)
+        if base is None:
+            base = build_model(problem, reference_makespan, tie_rel / problem.n_gpus)
+        model, v = base[0].copy(), base[1]  # the copy shares the expressions; its constraints are its own
+        add_branch_constraints(model, problem, v, branch)
+        plan, result = _solved(problem, model, v, label, solver, time_limit_s)
+        results.append(result)
         if plan is not None:
             found.append(plan)
     return found, results
