@@ -43,8 +43,11 @@ import pulp
 from lorafleet.planner.problem import PlanningProblem
 from lorafleet.solvers import SolveResult, SolverName, solve
 
-FIXED_POINT_RTOL = 2e-3
-"""Stop iterating T_ref when it moves by less than this fraction (the model only ranks deployments)."""
+FIXED_POINT_RTOL = 1e-2
+"""Stop iterating T_ref when it moves by less than this fraction (the model only ranks deployments). At
+2e-3 the last solve of the examples' roots only confirmed the plan of the one before (T_ref moving
+0.02-0.4 %) at 0.1-0.5 CPU s each; at 1 % the 12 example plans are the same and the optimality
+benchmark stays 20/20 (docs/planner.md, "Where the time goes")."""
 FIXED_POINT_ITERATIONS = 5
 MILP_GAP_REL = 1e-3
 """The model ranks deployments for the dispatcher's exact judgement; 0.1 % is finer than it can tell apart."""
