@@ -1,11 +1,16 @@
-"""The one solve() over CBC, SCIP and HiGHS: same answers, honest statuses."""
+"""The one solve() over CBC, SCIP and HiGHS: same answers, honest statuses; and the one LP solve."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import numpy as np
 import pulp
 import pytest
+from scipy.optimize import linprog
 
-from lorafleet.solvers import SolverName, SolveStatus, available_solvers, solve
+from lorafleet.solvers import SolverName, SolveStatus, available_solvers, solve, solve_lp
 
 
 def knapsack_cover(n: int = 30) -> pulp.LpProblem:
@@ -38,6 +43,51 @@ def test_infeasible_is_reported(solver):
 
 
 def test_thread_requests_do_not_break_later_highs_solves():
-    # HiGHS's thread pool is process-wide: a solve that asked for another count used to fail.
+    # HiGHS's thread pool is process-wide: a solve that asked for another count used to fail, and so
+    # did every MILP on HiGHS after the first LP (solve_lp) when that left the pool at its default size.
     for threads in (None, 2, 1, None):
+        assert solve_lp(*min_max_lp(0)) is not None
         assert solve(knapsack_cover(), SolverName.HIGHS, time_limit_s=20, threads=threads).proven_optimal
+
+
+def min_max_lp(seed: int) -> tuple[np.ndarray, ...]:
+    """A random instance of the dispatcher's LP: min tau s.t. sum_i x_ij = D_j, o_i + sum_j a_ij x_ij <= tau."""
+    rng = np.random.default_rng(seed)
+    k, r = 5, 12
+    rate = rng.uniform(0.1, 2.0, (k, r)) * (rng.random((k, r)) < 0.7)
+    rate[0] = rng.uniform(0.1, 2.0, r)  # every bucket has a class
+    pairs = np.argwhere(rate > 0)
+    n = len(pairs)
+    cost = np.zeros(n + 1)
+    cost[-1] = 1.0
+    a_ub = np.zeros((k, n + 1))
+    a_ub[pairs[:, 0], np.arange(n)] = rate[pairs[:, 0], pairs[:, 1]]
+    a_ub[:, -1] = -1.0
+    a_eq = np.zeros((r, n + 1))
+    a_eq[pairs[:, 1], np.arange(n)] = 1.0
+    return cost, a_ub, -rng.uniform(0, 1, k), a_eq, rng.integers(1, 50, r).astype(float)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lp_optimum_is_scipys(seed):
+    cost, a_ub, b_ub, a_eq, b_eq = min_max_lp(seed)
+    x = solve_lp(cost, a_ub, b_ub, a_eq, b_eq)
+    reference = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs")
+    assert x is not None and reference.status == 0
+    assert cost @ x == pytest.approx(reference.fun, rel=1e-9)
+    assert np.all(x >= -1e-9) and np.all(a_ub @ x <= b_ub + 1e-7) and np.allclose(a_eq @ x, b_eq)
+
+
+def test_lp_without_an_optimum_is_none():
+    cost, a_ub, b_ub, a_eq, b_eq = min_max_lp(0)
+    assert solve_lp(cost, a_ub, b_ub, a_eq, -b_eq) is None  # x >= 0 cannot sum to a negative demand
+
+
+def test_lp_prints_nothing():
+    # the first Highs of a process prints a banner from C, past sys.stdout: min x s.t. x = 1, in a fresh one
+    code = (
+        "import numpy as np; from lorafleet.solvers import solve_lp; "
+        "assert solve_lp(np.ones(1), np.zeros((0, 1)), np.zeros(0), np.ones((1, 1)), np.ones(1)) == [1.0]"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout == ""

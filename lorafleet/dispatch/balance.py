@@ -41,15 +41,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
 
 from lorafleet.dispatch.load import LoadModel
+from lorafleet.solvers import solve_lp
 from lorafleet.work import count as count_work
 
 _REL_TOL = 1e-12
 """An exchange must lower the slowest class by more than this fraction (floating-point noise)."""
 _MAX_EXCHANGES = 10_000
 """Safety cap on exchanges; each one strictly improves, so it is not reached in practice."""
+_BUCKET_KEY = 1 << 40
+"""An exchange offer's sort key is bucket * _BUCKET_KEY + amount (amounts are sequence counts, far below)."""
+_NO_OFFER = np.iinfo(np.int64).max
 
 
 @dataclass(frozen=True)
@@ -126,12 +129,10 @@ def _whole_buckets(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
     for j in np.argsort(-alone.min(axis=0), kind="stable"):
         if load.counts[j] == 0:
             continue
-        finish = np.full(len(classes), np.inf)
-        for i in np.flatnonzero(allowed[:, j]):
-            d[i, j] = load.counts[j]
-            finish[i] = load.times(d)[i]
-            d[i, j] = 0
-        d[int(np.argmin(finish)), j] = load.counts[j]
+        takers = np.flatnonzero(allowed[:, j])
+        trial = d[takers]  # each taker's totals with the whole bucket added
+        trial[:, j] = load.counts[j]
+        d[takers[int(np.argmin(load.times(trial, takers)))], j] = load.counts[j]
     return d
 
 
@@ -201,12 +202,12 @@ def _min_max_lp(
         a_ub, b_ub = np.vstack((a_ub, ranges)), np.concatenate((b_ub, np.zeros(2 * n)))
         a_eq, b_eq = np.vstack((a_eq, tokens)), np.concatenate((b_eq, load.tokens))
     count_work("lp_solves")
-    solved = linprog(cost, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=b_eq, bounds=(0, None), method="highs")
-    if solved.status != 0:
+    solved = solve_lp(cost, a_ub, b_ub, a_eq, b_eq)
+    if solved is None:
         return None
     x = np.zeros(allowed.shape)
-    x[cls, bucket] = solved.x[:n]
-    return float(solved.x[-1]), x
+    x[cls, bucket] = solved[:n]
+    return float(solved[-1]), x
 
 
 def _lp_rounded(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
@@ -246,23 +247,19 @@ def _offers(
     giver holds.
     """
     cols = np.flatnonzero(mask.any(axis=0))  # the buckets some pair may move
-    give, take, held, mask = give[:, cols], take[:, cols], held[:, cols], mask[:, cols]
-    sizes = np.clip(np.concatenate((give, take), axis=2), 1, held[:, :, None])
+    sizes = np.clip(np.concatenate((give[:, cols], take[:, cols]), axis=2), 1, held[:, cols, None])
     sizes.sort(axis=2)
-    keep = np.ones(sizes.shape, dtype=bool)
-    keep[:, :, 1:] = sizes[:, :, 1:] != sizes[:, :, :-1]  # many kinds coincide (half = one row fewer, ...)
-    keep &= mask[:, :, None]
-    pairs, n_buckets, kinds = sizes.shape
-    keep, sizes = keep.reshape(pairs, -1), sizes.reshape(pairs, -1)
-    n = keep.sum(axis=1)
-    order = np.argsort(~keep, axis=1, kind="stable")[:, : int(n.max(initial=0))]
-    buckets = np.broadcast_to(np.repeat(cols, kinds), keep.shape)
-    valid = np.arange(order.shape[1]) < n[:, None]
-    return (
-        np.where(valid, np.take_along_axis(buckets, order, axis=1), 0),
-        np.where(valid, np.take_along_axis(sizes, order, axis=1), 0),
-        valid,
-    )
+    drop = np.empty(sizes.shape, dtype=bool)
+    drop[:, :, 0] = False
+    drop[:, :, 1:] = sizes[:, :, 1:] == sizes[:, :, :-1]  # many kinds coincide (half = one row fewer, ...)
+    drop |= ~mask[:, cols, None]
+    # one key per offer, ordered as (bucket, amount); the dropped ones sort last
+    keys = np.where(drop, _NO_OFFER, cols[:, None] * _BUCKET_KEY + sizes).reshape(len(sizes), -1)
+    keys.sort(axis=1)
+    width = int((keys < _NO_OFFER).sum(axis=1).max(initial=0))
+    keys = keys[:, :width]
+    valid = keys < _NO_OFFER
+    return np.where(valid, keys // _BUCKET_KEY, 0), np.where(valid, keys % _BUCKET_KEY, 0), valid
 
 
 def _after(
@@ -285,20 +282,33 @@ def _after(
     candidate's time does not depend on which others are scored with it.
     """
     p = load.n_replicas[i]
-    new_lose, big_lose = load.row_cost(i, lose_j, -(-(d[i, lose_j] - lose_amount) // p))
-    new_gain, big_gain = load.row_cost(i, gain_j, -(-(d[i, gain_j] + gain_amount) // p))
+    new_lose, big_lose = load.table_cost(i, lose_j, -(-(d[i, lose_j] - lose_amount) // p))
+    new_gain, big_gain = load.table_cost(i, gain_j, -(-(d[i, gain_j] + gain_amount) // p))
     total = rows.base[i] + (new_lose - rows.compute[i, lose_j]) + (new_gain - rows.compute[i, gain_j])
     slots = load.bubble_slots[i]
     if not np.any(slots):
         return total
-    lose_j = np.where(lose_amount != 0, lose_j, -1)
-    gain_j = np.where(gain_amount != 0, gain_j, -1)
+    # The largest micro-batch of the buckets neither changes: the first of the row's top three that
+    # the candidate leaves alone. Bit r of ``touched`` says it changes bucket top[r] (r = 0, 1); the
+    # bits are set on each side's own (smaller) shape and combined once.
     top, top_values = rows.top[i], rows.top_values[i]  # (..., 3): each candidate's class's top three
-    others = np.broadcast_to(top_values[..., 2], np.broadcast_shapes(lose_j.shape, gain_j.shape, np.shape(i)))
-    for rank in (1, 0):
-        others = np.where((lose_j != top[..., rank]) & (gain_j != top[..., rank]), top_values[..., rank], others)
-    bubble = np.maximum(others, np.maximum(np.where(lose_j >= 0, big_lose, 0.0), np.where(gain_j >= 0, big_gain, 0.0)))
+    touched = _touched(lose_j, lose_amount, top) | _touched(gain_j, gain_amount, top)
+    pick = top_values[..., [0, 1, 0, 2]]  # by touched: rank 0 if free, else rank 1 if free, else rank 2
+    if np.ndim(i) == 0:
+        others = pick[touched]
+    else:  # a row of ``pick`` per class of ``i``
+        others = pick.reshape(-1)[np.arange(np.size(i)).reshape(np.shape(i)) * 4 + touched]
+    lost = np.where(lose_amount != 0, big_lose, 0.0)
+    gained = np.where(gain_amount != 0, big_gain, 0.0)
+    bubble = np.maximum(np.maximum(others, lost), gained)
+    if np.all(slots != 0):
+        return total + slots * bubble
     return np.where(slots != 0, total + slots * bubble, total)
+
+
+def _touched(j: np.ndarray, amount: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """1 where bucket j (changed by a non-zero ``amount``) is top[..., 0], 2 where it is top[..., 1]; else 0."""
+    return np.where(amount != 0, (j == top[..., 0]) + 2 * (j == top[..., 1]), 0)  # top's entries differ
 
 
 class _Rows:
@@ -317,7 +327,7 @@ class _Rows:
 
     def update(self, load: LoadModel, d: np.ndarray, i: int) -> None:
         """Row i again, after class i's totals changed."""
-        compute, largest = load.row_cost(i, np.arange(d.shape[1]), -(-d[i] // load.n_replicas[i]))
+        compute, largest = load.table_cost(i, np.arange(d.shape[1]), -(-d[i] // load.n_replicas[i]))
         top = np.argsort(-largest, kind="stable")[:3]
         self.compute[i], self.largest[i] = compute, largest
         self.base[i] = float(load.overhead_s[i] + compute.sum())

@@ -185,6 +185,10 @@ class LoadModel:
                 np.maximum(self.microbatch_rows[i, bucket], 1),
                 rows,
             )
+        return self.table_cost(i, bucket, rows)
+
+    def table_cost(self, i: int | np.ndarray, bucket: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`row_cost` of counts known to be within 0..D_j (the balancers' inner loops), from the tables."""
         at = self.table_start[bucket] + rows
         return self.compute_table[i, at], self.largest_table[i, at]
 
@@ -194,11 +198,13 @@ class LoadModel:
         compute, largest = self.row_cost(i, np.arange(rows.shape[-1]), rows)
         return self.overhead_s[i] + compute.sum(axis=-1) + self.bubble_slots[i] * largest.max(axis=-1, initial=0.0)
 
-    def times(self, d: np.ndarray) -> np.ndarray:
-        """(K,) modelled time of each class's slowest replica for class totals ``d`` (K, R)."""
-        rows = -(-np.asarray(d) // self.n_replicas[:, None])
-        compute, largest = self.row_cost(np.arange(len(self.classes))[:, None], np.arange(rows.shape[1]), rows)
-        return self.overhead_s + compute.sum(axis=1) + self.bubble_slots * largest.max(axis=1, initial=0.0)
+    def times(self, d: np.ndarray, classes: np.ndarray | None = None) -> np.ndarray:
+        """(K,) modelled time of each class's slowest replica for class totals ``d`` (K, R); with
+        ``classes`` (n,), of those classes, ``d`` (n, R) holding their totals."""
+        i = np.arange(len(self.classes)) if classes is None else np.asarray(classes)
+        rows = -(-np.asarray(d) // self.n_replicas[i, None])
+        compute, largest = self.row_cost(i[:, None], np.arange(rows.shape[1]), rows)
+        return self.overhead_s[i] + compute.sum(axis=1) + self.bubble_slots[i] * largest.max(axis=1, initial=0.0)
 
     def makespan(self, d: np.ndarray) -> float:
         return float(self.times(d).max())

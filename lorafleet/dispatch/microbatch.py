@@ -94,22 +94,25 @@ def packed_microbatches(
     order = seq_ids[np.lexsort((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
     needs = lengths[order].tolist()
     smallest = needs[-1]
-    room: list[int] = []  # free tokens of each opened micro-batch
+    opened = 0  # micro-batches opened so far
     open_bins: list[int] = []  # those that can still take the shortest sequence, in opening order
+    open_room: list[int] = []  # their free tokens
     bin_of: list[int] = []
     # plain Python: a replica opens tens of micro-batches, and a list scan beats a numpy call per sequence
     for need in needs:
-        for pos, k in enumerate(open_bins):  # noqa: B007 (pos is used after the loop)
-            if room[k] >= need:
+        for pos, room in enumerate(open_room):  # noqa: B007 (pos is used after the loop)
+            if room >= need:
                 break
         else:
-            pos, k = len(open_bins), len(room)
-            room.append(max_tokens)
-            open_bins.append(k)
-        room[k] -= need
-        bin_of.append(k)
-        if room[k] < smallest:
-            del open_bins[pos]
+            pos, room = len(open_bins), max_tokens
+            open_bins.append(opened)
+            open_room.append(max_tokens)
+            opened += 1
+        bin_of.append(open_bins[pos])
+        if room - need < smallest:
+            del open_bins[pos], open_room[pos]
+        else:
+            open_room[pos] = room - need
     # each micro-batch's rows by (task, position); then the micro-batches in 1F1B order (order_for_1f1b's
     # keys, over arrays: largest first, or by largest task first when task_major; ties in opening order)
     bins = np.asarray(bin_of, dtype=np.int64)

@@ -38,6 +38,8 @@ def replica_rows(load: LoadModel, i: int, totals: np.ndarray, p: int) -> np.ndar
     extra ones go to the replicas with the least modelled load so far
     (:meth:`LoadModel.replica_load`; ties to the first): the rows :func:`place_sequences` deals.
     """
+    if p == 1:
+        return np.asarray(totals, dtype=np.int64).reshape(1, -1).copy()
     rows = np.zeros((p, load.boundaries.size), dtype=np.int64)
     for j in np.argsort(-load.boundaries, kind="stable"):
         if totals[j] == 0:
@@ -84,6 +86,9 @@ def place_sequences(
         for i, cls in enumerate(load.classes):
             mine = members[to_class == i]
             if mine.size == 0:
+                continue
+            if len(cls.replicas) == 1:
+                held[cls.replicas[0]].append(mine)
                 continue
             to_replica = interleave(rows[i][:, j])
             for r, replica in enumerate(cls.replicas):

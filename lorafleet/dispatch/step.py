@@ -35,6 +35,7 @@ from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork
 from lorafleet.solvers import SolveResult
 from lorafleet.specs.dispatch import DispatchMethod, DispatchOptions, MicroBatchMode
 from lorafleet.work import count as count_work
+from lorafleet.work import memo as work_memo
 
 
 @dataclass(frozen=True)
@@ -125,12 +126,23 @@ def _candidate_bucketings(
     batch: GlobalBatch, classes: tuple[ConfigClass, ...], options: DispatchOptions
 ) -> list[BucketingResult]:
     """The least-padding boundaries for every bucket count up to R (at least one bucket per memory class
-    present: barriers at every M), fewest buckets first."""
+    present: barriers at every M), fewest buckets first.
+
+    They depend on the batch's lengths and the classes' M only, and a plan asks for the same ones again
+    (deployments of one config set judged on the expected batch, a sampled batch raced on plans of
+    the same M): a counted scope (a plan) keeps them in its memo (:func:`lorafleet.work.memo`)."""
     barriers = sorted({c.max_tokens for c in classes})
+    key = (batch.lengths.tobytes(), options.n_buckets, options.bucket_alignment, tuple(barriers))
+    memo = work_memo("bucketings")
+    if memo is not None and key in memo:
+        return memo[key]
     present = np.unique(np.searchsorted(barriers, batch.lengths, side="left")).size
-    return optimal_buckets_by_count(
+    bucketings = optimal_buckets_by_count(
         batch.lengths, max(options.n_buckets, present), alignment=options.bucket_alignment, barriers=barriers
     )
+    if memo is not None:
+        memo[key] = bucketings
+    return bucketings
 
 
 def _load_of(

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lorafleet.dispatch import DispatchMethod, DispatchOptions, LoadModel, balance_load, placed_work
+from lorafleet.dispatch import Balanced, DispatchMethod, DispatchOptions, LoadModel, balance_load, placed_work
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner.candidates import lower_bound
 from lorafleet.planner.options import PlannerOptions
@@ -82,6 +82,36 @@ def evaluate(
     dispatcher's fast balance, or its exact ILP bounded by it with the planner's solver settings
     (:func:`~lorafleet.dispatch.balance_load`, what a step runs), judged by the dispatcher's estimate
     of the step (:func:`class_times`; both balancers minimise the load model ``load.times``)."""
+    balanced = _balanced(load, exact, options)
+    times = class_times(problem, load, balanced.assignment.counts)
+    evaluation = Evaluation(
+        class_counts=balanced.assignment.counts, class_times=times, makespan=float(times.max()), method=balanced.method
+    )
+    return evaluation, balanced.result
+
+
+def evaluate_below(
+    problem: PlanningProblem, load: LoadModel, limit: float, options: PlannerOptions
+) -> Evaluation | None:
+    """:func:`evaluate`'s fast expected dispatch on ``load`` if its makespan is below ``limit``, else None.
+
+    The classes are priced one at a time, the load model's slowest first, and the pricing stops at
+    the first class at ``limit`` or slower: a deployment the caller would reject is mostly not priced
+    whole (a class's time does not depend on which others are priced, :func:`class_times`).
+    """
+    balanced = _balanced(load, False, options)
+    counts = balanced.assignment.counts
+    times = np.zeros(len(load.classes))
+    for k in np.argsort(-load.times(counts), kind="stable"):
+        times[k] = class_times(problem, load, counts, only=int(k))[k]
+        if times[k] >= limit:
+            return None
+    return Evaluation(class_counts=counts, class_times=times, makespan=float(times.max()), method=balanced.method)
+
+
+def _balanced(load: LoadModel, exact: bool, options: PlannerOptions) -> Balanced:
+    """The dispatcher's balance of ``load`` with the planner's solver settings (a judged deployment);
+    warns when the exact solve fell back to the fast answer."""
     count_work("deployments_judged")
     method = DispatchMethod.EXACT if exact else DispatchMethod.FAST
     settings = DispatchOptions(
@@ -89,12 +119,8 @@ def evaluate(
     )
     balanced = balance_load(load, settings)
     if balanced.fallback is not None:
-        warnings.warn(balanced.fallback, SolverFallbackWarning, stacklevel=2)
-    times = class_times(problem, load, balanced.assignment.counts)
-    evaluation = Evaluation(
-        class_counts=balanced.assignment.counts, class_times=times, makespan=float(times.max()), method=balanced.method
-    )
-    return evaluation, balanced.result
+        warnings.warn(balanced.fallback, SolverFallbackWarning, stacklevel=3)
+    return balanced
 
 
 def class_times(problem: PlanningProblem, load: LoadModel, counts: np.ndarray, only: int | None = None) -> np.ndarray:

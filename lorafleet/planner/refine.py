@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 
 from lorafleet.dispatch import LoadModel, fluid_bound
-from lorafleet.planner.evaluation import PoolEntry, class_times, evaluate, pool_entry
+from lorafleet.planner.evaluation import PoolEntry, class_times, evaluate, evaluate_below, pool_entry
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.problem import PlanningProblem
 
@@ -155,15 +155,12 @@ def polished(
                 seen.add(tuple(replicas))
                 looked += 1
                 candidate = pool_entry(problem, replicas, f"swap:{start.source}", filtered=False)
-                if not candidate.survived or fluid_bound(candidate.load) >= current.expected_makespan * (
-                    1 - options.tie_rel
-                ):
+                bar = current.expected_makespan * (1 - options.tie_rel)
+                if not candidate.survived or fluid_bound(candidate.load) >= bar:
                     continue
-                candidate = replace(
-                    candidate, expected=evaluate(problem, candidate.load, exact=False, options=options)[0]
-                )
-                if candidate.expected_makespan < current.expected_makespan * (1 - options.tie_rel):
-                    better = candidate
+                expected = evaluate_below(problem, candidate.load, bar, options)
+                if expected is not None:
+                    better = replace(candidate, expected=expected)
                     break
             if better is None:
                 break

@@ -29,9 +29,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from scipy import optimize, special
+from scipy import special
+
+if TYPE_CHECKING:  # scipy.optimize only where a fit runs: planning never imports it (0.15 s)
+    from scipy import optimize
 
 #: Largest standard deviation of log-length the fitted bulk may have: e**1.25 ~ 3.5x per
 #: sd, so the 1 % quantile stays above ~5 % of the median.
@@ -388,6 +392,8 @@ def _least_squares(
         step = np.where(x + step > upper, -step, step)
         res = rows(np.vstack([x, x + np.diag(step)]))
         return ((res[1:] - res[0]) / step[:, None]).T
+
+    from scipy import optimize
 
     return optimize.least_squares(
         lambda x: rows(x[None, :])[0],

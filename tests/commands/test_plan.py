@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 
 import pytest
@@ -48,7 +49,9 @@ def test_cli_surface_is_frozen():
 
 def test_plan_prints_tables_and_writes_json_and_plot(workload_path, tmp_path, capsys):
     out, png = tmp_path / "plan.json", tmp_path / "load.png"
+    thresholds = gc.get_threshold()
     assert main(["plan", workload_path, "--samples", "2", "--json", str(out), "--plot", str(png)]) == 0
+    assert gc.get_threshold() == thresholds  # collected less often while planning only
     text = capsys.readouterr().out
     for word in (
         "config",

@@ -37,6 +37,7 @@ from lorafleet.presets import (
     make_plan,
 )
 from lorafleet.solvers import SolveResult, SolverName, SolveStatus
+from lorafleet.work import counting
 
 COST_MODEL = lobra_7b_cost_model()
 LAYOUTS = [LOBRA_7B_PLAN, ((TP1, 2), (TP2, 1)), ((TP1, 2), (TP2_PP2, 1), (TP8, 1)), ((TP4, 2),), ((TP2, 3), (TP8, 1))]
@@ -145,6 +146,20 @@ def test_choosing_buckets_by_makespan_is_never_worse_in_the_model():
     )
     assert by_makespan.modelled_makespan_s <= by_padding.modelled_makespan_s
     assert len(by_makespan.plan.bucket_boundaries) <= 8
+
+
+def test_a_plan_scope_reuses_a_bucketing_of_the_same_lengths_and_memory_limits():
+    """A counted scope (a plan) keeps each bucketing DP's answer: the same batch on a deployment of other
+    replicas of the same M gets the same buckets, computed once; outside a scope nothing is kept."""
+    batch = lognormal_batch(1)
+    bigger = make_plan(((TP1, 4), (TP2, 2), (TP8, 1)))  # the configs of LOBRA_7B_PLAN, other counts
+    classes = [config_classes(p, COST_MODEL) for p in (make_plan(LOBRA_7B_PLAN), bigger)]
+    assert {c.max_tokens for c in classes[0]} == {c.max_tokens for c in classes[1]}
+    alone = [choose_buckets(batch, c, COST_MODEL, DispatchOptions())[0] for c in classes]
+    with counting() as work:
+        scoped = [choose_buckets(batch, c, COST_MODEL, DispatchOptions())[0] for c in classes]
+        assert len(work.memos["bucketings"]) == 1
+    assert scoped == alone and scoped[0] is scoped[1] and alone[0] is not alone[1]
 
 
 def test_exact_method_is_at_least_as_good_and_reports_its_bound():

@@ -17,12 +17,13 @@ from lorafleet.dispatch.placement import placed_times
 from lorafleet.dispatch.step import solve_step
 from lorafleet.planner import PlannerMode, PlannerOptions
 from lorafleet.planner.candidates import propose_candidates, valid_candidates
-from lorafleet.planner.evaluation import evaluate
+from lorafleet.planner.evaluation import evaluate, evaluate_below
 from lorafleet.planner.problem import build_problem
 from lorafleet.planner.refine import _swaps
 from lorafleet.planner.search import search
 from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.work import counting
 from tests.helpers.planning import batch_of, lobra_like_cost_model, padded_policy, skewed_lengths
 
 OPTIONS = PlannerOptions(robust_samples=0)
@@ -167,6 +168,25 @@ def test_packing_ranks_deployments_as_the_dispatcher_estimates_them():
     _, exhaustive = search(problem, PlannerOptions(mode=PlannerMode.EXHAUSTIVE, robust_samples=0))
     assert exhaustive[0].expected_makespan <= new_pipes
     assert dispatched(problem, exhaustive[0].replicas) < real_small
+
+
+@pytest.mark.parametrize("mode", ["padding", "packing"])
+def test_judging_below_a_limit_is_judging_whole_then_comparing(mode):
+    """The polish judges a swap only against the makespan it must beat: evaluate_below gives evaluate's
+    figures when the makespan is below the limit and None otherwise, having priced no more replicas."""
+    problem = in_mode(problems(2)[1], mode)
+    for replicas in (FOUR_SMALL, TWO_PIPELINES):
+        load, _ = problem.plan_view(replicas)
+        whole, _ = evaluate(problem, load, exact=False, options=OPTIONS)
+        above = evaluate_below(problem, load, whole.makespan * 1.001, OPTIONS)
+        assert above is not None and above.makespan == whole.makespan
+        assert np.array_equal(above.class_times, whole.class_times)
+        assert np.array_equal(above.class_counts, whole.class_counts)
+        with counting() as work:
+            assert evaluate_below(problem, load, whole.makespan, OPTIONS) is None
+        assert work["replicas_priced"] <= load.n_replicas.sum()
+        if mode == "padding":  # the load model's slowest class is the dispatcher's: priced first, and alone
+            assert work["replicas_priced"] < load.n_replicas.sum()
 
 
 def test_swaps_trade_one_replica_then_a_whole_config():
