@@ -16,7 +16,15 @@ from lorafleet.errors import InputError
 from lorafleet.specs.workload import TaskSpec
 from lorafleet.train.queue.http import start_queue_server
 from lorafleet.train.queue.ledger import Ledger, TaskState
-from lorafleet.train.queue.pending import Pending, load_pending, save_pending
+from lorafleet.train.queue.pending import (
+    Pending,
+    PendingReplan,
+    clear_pending_replan,
+    load_pending,
+    load_pending_replan,
+    save_pending,
+    save_pending_replan,
+)
 from lorafleet.train.queue.requests import Action, Request, RequestError
 from lorafleet.train.queue.watcher import QueueWatcher, read_request
 from lorafleet.turns import TaskTurns
@@ -80,6 +88,19 @@ def test_a_ledger_that_is_no_object_says_so(tmp_path):
     (tmp_path / "tasks.json").write_text("[1, 2]")
     with pytest.raises(InputError, match="not a lorafleet task ledger"):
         Ledger.load(tmp_path)
+
+
+def test_a_pending_replan_round_trips_and_a_wrong_one_names_its_field(tmp_path):
+    """``.replan.json``: the re-plan under way (``train.background``) a resume runs again."""
+    assert load_pending_replan(tmp_path) is None
+    save_pending_replan(tmp_path, PendingReplan(step=3, at=4))
+    assert load_pending_replan(tmp_path) == PendingReplan(3, 4)
+    _edited(tmp_path / ".replan.json", lambda raw: raw.update(at="soon"))
+    with pytest.raises(InputError) as err:
+        load_pending_replan(tmp_path)
+    assert err.value.field == "at" and err.value.path == str(tmp_path / ".replan.json")
+    clear_pending_replan(tmp_path)
+    assert load_pending_replan(tmp_path) is None
 
 
 @pytest.mark.parametrize(
