@@ -36,6 +36,7 @@ from lorafleet.train.queue import Action, Ledger
 from lorafleet.train.summary import run_summary, summary_text
 
 if TYPE_CHECKING:
+    from lorafleet.costmodel import CostModel
     from lorafleet.dispatch import LookaheadDispatcher
     from lorafleet.executor.torch.change import ChangeReport, FleetChange
     from lorafleet.executor.torch.data_stream import DataStreams, TaskData
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from lorafleet.specs.workload import TaskSpec
     from lorafleet.train.background import BackgroundReplan
     from lorafleet.train.queue import QueueWatcher, Request
+    from lorafleet.turns import TaskTurns
     from lorafleet.workload import Workload
 
 
@@ -288,7 +290,7 @@ class Trainer:
         from lorafleet.train.queue import Pending, clear_pending, clear_pending_replan, save_pending
 
         requests, self.due = self.due, []
-        turns = dict(zip(self.names, self.executor.streams.turns, strict=True))
+        turns = self._turns()
         tasks_change = any(r.action is not Action.UPDATE for r in requests)
         relaunch = bool(os.environ.get(RELAUNCH_ENV))
         # A task that leaves is exported from this checkpoint, and the ledger records it gone only once it is
@@ -314,22 +316,17 @@ class Trainer:
         superseded, self.replanning = self.replanning is not None, None
         if superseded:
             clear_pending_replan(self.options.queue_dir)
-        deferred = False
+        kept, cost_model = None, None  # the running deployment on the new tasks, its re-plan beside the steps
         if active and (tasks_change or superseded):
-            kept = live.kept_change(self.options, workload, self.plan)[0] if self.options.replan_after else None
-            deferred = kept is not None
+            if self.options.replan_after:
+                kept, cost_model = live.kept_change(self.options, workload, self.plan)
             if kept is not None:
                 plan = kept
             else:
                 replan = live.replan_change(self.options, workload, self.plan, step, self.migration, save=False)
                 plan = replan.plan
                 if plan.world_size > self.executor.world_size:
-                    checkpoint = checkpoint or self._checkpoint(step, wait=True)
-                    live.log(
-                        f"step {step}: {replan.describe()}; it needs {plan.world_size} processes and the run has "
-                        f"{self.executor.world_size}: the workers restart to apply it (checkpoint {checkpoint.name})"
-                    )
-                    return False
+                    return self._hand_to_launcher(step, plan, f"{replan.describe()}; ", checkpoint)
         self.ledger = live.record_change(self.options, self.ledger, step, requests, turns, self.workload.spec.tasks)
         if not active:
             clear_pending(self.options.queue_dir)
@@ -340,8 +337,8 @@ class Trainer:
         clear_pending(self.options.queue_dir)
         if replan is not None:
             live.log(f"step {step}: {replan.describe()}")
-        self._apply_plan(step, workload, plan)
-        if deferred:
+        self._apply_plan(step, workload, plan, cost_model if kept is not None else None)
+        if kept is not None:
             at = step + self.options.replan_after
             live.log(f"step {step}: kept {plan.describe()} for now; the re-plan runs beside the steps to step {at}")
             self._start_replan(step, at)
@@ -361,9 +358,12 @@ class Trainer:
             spec = workload.spec.model_dump(mode="json", exclude_none=True)
             replace(run, plan=plan, workload=spec).save(self.run_dir)
 
-    def _apply_plan(self, step: int, workload: Workload, plan: DeploymentPlan) -> None:
+    def _apply_plan(
+        self, step: int, workload: Workload, plan: DeploymentPlan, cost_model: CostModel | None = None
+    ) -> None:
         """The executor's change, in the running fleet, to ``workload``'s tasks on ``plan`` (its adapter slots, or
-        its deployment: ``TorchExecutor.change``), then rank 0's loop state (:meth:`_continue_with`)."""
+        its deployment: ``TorchExecutor.change``), then rank 0's loop state (:meth:`_continue_with`; ``cost_model``:
+        ``plan``'s, when the caller has built it)."""
         from lorafleet.train import live
 
         change = self._fleet_change(step, workload, plan)
@@ -376,7 +376,7 @@ class Trainer:
         what += [f"{name} {seconds:.2g} s" for name, seconds in report.phases.items() if seconds >= 0.01]
         live.log(f"step {step}: applied in the running fleet in {report.seconds:.3g} s ({'; '.join(what)})")
         self._learn_migration(report, plan)
-        self._continue_with(workload, plan)
+        self._continue_with(workload, plan, cost_model)
 
     def _start_replan(self, step: int, at: int) -> None:
         """The re-plan of the change at ``step`` started beside the steps (``train.background``), for the tasks and
@@ -416,19 +416,33 @@ class Trainer:
         live.log(f"step {step}: the re-plan of step {running.step}{wait}: {replan.describe()}")
         if replan.moved and replan.plan.world_size > self.executor.world_size:
             checkpoint = self._checkpoint(step, wait=True)
-            turns = dict(zip(self.names, self.executor.streams.turns, strict=True))
-            save_pending(self.options.queue_dir, Pending(step, [], turns))
-            live.log(
-                f"step {step}: it needs {replan.plan.world_size} processes and the run has "
-                f"{self.executor.world_size}: the workers restart to apply it (checkpoint {checkpoint.name})"
-            )
-            return False
+            save_pending(self.options.queue_dir, Pending(step, [], self._turns()))  # the launcher re-plans
+            return self._hand_to_launcher(step, replan.plan, checkpoint=checkpoint)
         if replan.moved:
             self._commit_plan(self.workload, replan.plan)
         clear_pending_replan(self.options.queue_dir)
         if replan.moved:
             self._apply_plan(step, self.workload, replan.plan)
         return True
+
+    def _turns(self) -> dict[str, TaskTurns]:
+        """The running tasks' turns, by name."""
+        return dict(zip(self.names, self.executor.streams.turns, strict=True))
+
+    def _hand_to_launcher(
+        self, step: int, plan: DeploymentPlan, said: str = "", checkpoint: Path | None = None
+    ) -> bool:
+        """False, for the loop to stop: ``plan`` needs more processes than the run has, so the workers stop at the
+        committed checkpoint of ``step`` and the launcher applies the pending changes (``live.apply_pending``);
+        ``said``: what the log line starts with."""
+        from lorafleet.train import live
+
+        checkpoint = checkpoint or self._checkpoint(step, wait=True)
+        live.log(
+            f"step {step}: {said}it needs {plan.world_size} processes and the run has {self.executor.world_size}: "
+            f"the workers restart to apply it (checkpoint {checkpoint.name})"
+        )
+        return False
 
     def _fleet_change(self, step: int, workload: Workload, plan: DeploymentPlan) -> FleetChange:
         """What the executor is told of the change at ``step``: the tasks (a new one's schedule as a launch would
@@ -478,9 +492,10 @@ class Trainer:
             load_bytes_per_s=largest / stage if stage > 0 else self.migration.load_bytes_per_s,
         )
 
-    def _continue_with(self, workload: Workload, plan: DeploymentPlan) -> None:
+    def _continue_with(self, workload: Workload, plan: DeploymentPlan, cost_model: CostModel | None = None) -> None:
         """Rank 0's loop state after a change: the tasks, the plan and its cost model (as a launch would build
-        them), the recalibration of the replicas that stay, the health watch and the queue's view of the tasks."""
+        them, unless given), the recalibration of the replicas that stay, the health watch and the queue's view of
+        the tasks."""
         from lorafleet.assemble import plan_cost_model
         from lorafleet.train.live import cluster_of
 
@@ -489,8 +504,9 @@ class Trainer:
             # A replica that stays keeps what it measured; a new one is priced at its pool's scale until it
             # reports (``Recalibrator.moved``).
             self.recalibrator = self.recalibrator.moved(plan, [old.get((r.config, r.gpus)) for r in plan.replicas])
-        self.cost_model, _ = plan_cost_model(workload, cluster_of(plan), plan, self.options.plan, self.options.profile)
-        self.plan, self.workload = plan, workload
+        if cost_model is None:
+            cost_model, _ = plan_cost_model(workload, cluster_of(plan), plan, self.options.plan, self.options.profile)
+        self.cost_model, self.plan, self.workload = cost_model, plan, workload
         self.names = [t.spec.name for t in workload.tasks]
         pipelined = any(r.config.pp > 1 for r in plan.replicas)
         self.window = plan.policy.pipeline_window if pipelined else 1
