@@ -27,9 +27,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class BackgroundReplan:
-    """A re-plan for the tasks of boundary ``step`` running in a daemon thread, its answer due at boundary ``at``.
+    """A re-plan for the tasks of boundary ``step`` running in a thread, its answer due at boundary ``at``.
 
-    A daemon: a run that ends (or stops) before ``at`` does not wait for a re-plan it will never apply."""
+    Not a daemon: a process that ends (a stop, a crash of the loop) waits for it, as the interpreter joins its
+    threads before it exits. A daemon thread would be frozen mid-solve there, inside HiGHS's native code, whose
+    thread pool the process's exit then tears down: ``terminate called without an active exception``, SIGABRT.
+    The trainer starts none whose answer is due after the run's last step."""
 
     step: int
     at: int
@@ -50,7 +53,7 @@ class BackgroundReplan:
             finally:
                 running._done.set()
 
-        threading.Thread(target=work, name=f"lorafleet-replan-{step}", daemon=True).start()
+        threading.Thread(target=work, name=f"lorafleet-replan-{step}").start()
         return running
 
     def answer(self) -> tuple[Replan, float]:

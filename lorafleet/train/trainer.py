@@ -340,8 +340,12 @@ class Trainer:
         self._apply_plan(step, workload, plan, cost_model if kept is not None else None)
         if kept is not None:
             at = step + self.options.replan_after
-            live.log(f"step {step}: kept {plan.describe()} for now; the re-plan runs beside the steps to step {at}")
-            self._start_replan(step, at)
+            if self._start_replan(step, at):
+                live.log(f"step {step}: kept {plan.describe()} for now; the re-plan runs beside the steps to step {at}")
+            else:
+                live.log(
+                    f"step {step}: kept {plan.describe()}: the run ends before step {at}, where a move would apply"
+                )
         if tasks_change and checkpoint is None:
             self._checkpoint(step)
         return True
@@ -378,17 +382,21 @@ class Trainer:
         self._learn_migration(report, plan)
         self._continue_with(workload, plan, cost_model)
 
-    def _start_replan(self, step: int, at: int) -> None:
+    def _start_replan(self, step: int, at: int) -> bool:
         """The re-plan of the change at ``step`` started beside the steps (``train.background``), for the tasks and
         the deployment the fleet runs now, its answer due at ``at`` and recorded in ``<queue>/.replan.json``
-        (for a resume)."""
+        (for a resume); False, and no re-plan, when the run ends before ``at`` (its answer would never apply)."""
         from lorafleet.train import live
         from lorafleet.train.background import BackgroundReplan
-        from lorafleet.train.queue import PendingReplan, save_pending_replan
+        from lorafleet.train.queue import PendingReplan, clear_pending_replan, save_pending_replan
 
+        if at >= self._end():
+            clear_pending_replan(self.options.queue_dir)
+            return False
         save_pending_replan(self.options.queue_dir, PendingReplan(step, at))
         replan = partial(live.replan_change, self.options, self.workload, self.plan, at, self.migration, save=False)
         self.replanning = BackgroundReplan.start(step, at, replan)
+        return True
 
     def _resume_replan(self, start: int) -> None:
         """A resumed run's re-plan that was under way (``<queue>/.replan.json``), run again and due at the same
@@ -397,10 +405,8 @@ class Trainer:
         from lorafleet.train.queue import load_pending_replan
 
         pending = load_pending_replan(self.options.queue_dir)
-        if pending is not None:
-            at = max(pending.at, start)
+        if pending is not None and self._start_replan(pending.step, at := max(pending.at, start)):
             live.log(f"step {start}: the re-plan of step {pending.step} runs again beside the steps to step {at}")
-            self._start_replan(pending.step, at)
 
     def _apply_replan(self, step: int) -> bool:
         """The re-plan's answer at its boundary ``step`` (waited for when not done): nothing when it keeps the
