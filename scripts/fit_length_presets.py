@@ -1,9 +1,10 @@
 """Fit the length family to the LobRA presets and print the reached statistics.
 
     python scripts/fit_length_presets.py           # refit: params literals + table
-    python scripts/fit_length_presets.py --stored  # table of the stored presets only
+    python scripts/fit_length_presets.py --stored  # the stored presets: write their pmfs, print the table
 
-The printed ``params=(...)`` literals go into ``lorafleet/specs/length_presets.py``; the
+The printed ``params=(...)`` literals go into ``lorafleet/specs/length_presets.py``; then ``--stored``
+evaluates their pmfs into ``lorafleet/specs/length_presets.npz`` (what loading a preset reads). The
 markdown table (reached mean/skewness/kurtosis of the truncated pmf vs the published
 figures) goes into ``docs/length_presets.md``.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from lorafleet.specs.length_presets import LOBRA_DATASETS, DatasetPreset, preset_distribution
+from lorafleet.specs.length_presets import LOBRA_DATASETS, PMF_FILE, DatasetPreset, preset_distribution, write_pmfs
 from lorafleet.specs.lengths import LengthDistribution, fit_params
 
 
@@ -31,8 +32,11 @@ def _row(preset: DatasetPreset, dist: LengthDistribution) -> str:
 def main() -> None:
     """Print params literals (unless ``--stored``) and the markdown table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stored", action="store_true", help="use the stored params, no fit")
+    parser.add_argument("--stored", action="store_true", help="use the stored params, no fit; write their pmfs")
     args = parser.parse_args()
+    if args.stored:
+        write_pmfs()
+        print(f"# wrote {PMF_FILE}")
     rows = []
     for preset in LOBRA_DATASETS.values():
         if args.stored:

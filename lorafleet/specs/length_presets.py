@@ -5,16 +5,25 @@ Each preset carries the dataset's published length statistics (LobRA paper and a
 after truncation to ``context_length``. It also carries the parameters
 ``(a, c, log_scale, tail_mass)`` of the :mod:`lorafleet.specs.lengths` family fitted to
 them. The fit runs offline (``python scripts/fit_length_presets.py``) and is written here
-as literals, so loading a preset evaluates the pmf once (milliseconds) instead of fitting.
-Reached figures: ``docs/length_presets.md``.
+as literals. The pmfs those params give are shipped beside this module
+(``length_presets.npz``, written by ``scripts/fit_length_presets.py --stored``): loading a preset
+reads its pmf instead of evaluating the family, so planning a workload of presets never imports
+``scipy.special`` (0.2 CPU s of a 5 s plan). Reached figures: ``docs/length_presets.md``.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
-from lorafleet.specs.lengths import LengthDistribution
+import numpy as np
+
+from lorafleet.specs.lengths import LengthDistribution, family_pmf
+
+PMF_FILE = Path(__file__).with_name("length_presets.npz")
+"""Per preset id: ``<id>`` its pmf over ``1..context_length`` (float64), ``<id>.params`` the params it
+was evaluated from."""
 
 
 @dataclass(frozen=True)
@@ -235,5 +244,21 @@ def find_preset(name: str) -> DatasetPreset | None:
 
 @functools.cache
 def preset_distribution(preset: DatasetPreset) -> LengthDistribution:
-    """The preset's length distribution on ``1..context_length`` from its stored params."""
-    return LengthDistribution.from_params(preset.params, preset.context_length)
+    """The preset's length distribution on ``1..context_length``: its pmf from :data:`PMF_FILE`, which
+    :func:`write_pmfs` evaluated from the same params (raises when they differ: a stale file)."""
+    with np.load(PMF_FILE) as stored:
+        if preset.id not in stored or not np.array_equal(stored[f"{preset.id}.params"], preset.params):
+            raise RuntimeError(
+                f"{PMF_FILE}: no pmf of preset {preset.id!r} for its params; "
+                "run python scripts/fit_length_presets.py --stored"
+            )
+        return LengthDistribution.from_pmf(stored[preset.id])
+
+
+def write_pmfs(path: Path = PMF_FILE) -> None:
+    """Evaluate every preset's pmf from its params (:func:`family_pmf`, scipy's incomplete gamma) into ``path``."""
+    arrays: dict[str, np.ndarray] = {}
+    for preset in _PRESETS:
+        arrays[preset.id] = family_pmf(preset.params, preset.context_length)
+        arrays[f"{preset.id}.params"] = np.array(preset.params)
+    np.savez_compressed(path, **arrays)

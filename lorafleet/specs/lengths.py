@@ -32,9 +32,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from scipy import special
 
-if TYPE_CHECKING:  # scipy.optimize only where a fit runs: planning never imports it (0.15 s)
+if TYPE_CHECKING:  # scipy only where a pmf is evaluated or fitted: planning the presets never imports it
     from scipy import optimize
 
 #: Largest standard deviation of log-length the fitted bulk may have: e**1.25 ~ 3.5x per
@@ -132,7 +131,12 @@ class LengthDistribution:
     @classmethod
     def from_params(cls, params: Sequence[float], context_length: int) -> LengthDistribution:
         """The family's pmf on ``1..context_length`` (see :func:`family_pmf`)."""
-        pmf = family_pmf(params, context_length)
+        return cls.from_pmf(family_pmf(params, context_length))
+
+    @classmethod
+    def from_pmf(cls, pmf: np.ndarray) -> LengthDistribution:
+        """The lengths ``k`` with ``pmf[k - 1] > 0``, for a pmf over ``1..len(pmf)``."""
+        context_length = len(pmf)
         keep = pmf > 0
         lengths = np.arange(1, context_length + 1, dtype=np.int64)[keep]
         return cls(lengths, pmf[keep] / pmf[keep].sum())
@@ -276,6 +280,8 @@ def _incomplete_gamma(a: np.ndarray, c: np.ndarray, log_scale: np.ndarray, log_x
     ``c > 0`` and ``F = 1 - G`` for ``c < 0``. Parameters broadcast as ``(n, 1)`` against
     the ``(m,)`` log-points (``-inf`` and ``inf`` allowed): ``n`` members at once.
     """
+    from scipy import special  # 0.2 s of imports: not at module level (length_presets.npz)
+
     with np.errstate(over="ignore", invalid="ignore"):
         t = np.exp(c * (log_x - log_scale))
     return special.gammainc(a, t)
@@ -334,6 +340,8 @@ def _members(x: np.ndarray, sign: np.ndarray) -> np.ndarray:
         sigma = u * min(MAX_LOG_SPREAD, a sqrt(psi1(a)) if c > 0)   # a c >= 1 for c > 0
         c = sign * sqrt(psi1(a)) / sigma,   log s = mu - psi(a) / c
     """
+    from scipy import special
+
     a = np.exp(x[:, 0])
     root_trigamma = np.sqrt(special.polygamma(1, a))
     cap = np.where(sign > 0, np.minimum(MAX_LOG_SPREAD, a * root_trigamma), MAX_LOG_SPREAD)

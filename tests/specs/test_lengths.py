@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,8 +14,10 @@ from scipy import stats
 
 from lorafleet.specs.length_presets import (
     LOBRA_DATASETS,
+    PMF_FILE,
     find_preset,
     preset_distribution,
+    write_pmfs,
 )
 from lorafleet.specs.lengths import LengthDistribution, family_pmf, fit_params
 
@@ -51,6 +57,38 @@ def test_find_preset_by_id_or_full_name():
     assert find_preset(" Magicoder-Evol-Instruct-110K ") is LOBRA_DATASETS["evol-instruct"]
     assert find_preset("DATABRICKS-DOLLY-15K") is LOBRA_DATASETS["dolly"]
     assert find_preset("no-such-dataset") is None
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.id for p in PRESETS])
+def test_shipped_pmf_is_the_family_at_the_stored_params(preset):
+    """length_presets.npz holds exactly what the params give (rerun fit_length_presets.py --stored if not)."""
+    stored = preset_distribution(preset)
+    evaluated = LengthDistribution.from_params(preset.params, preset.context_length)
+    assert np.array_equal(stored.lengths, evaluated.lengths)
+    assert np.array_equal(stored.probs, evaluated.probs)
+
+
+def test_a_preset_whose_params_changed_names_the_stale_file(tmp_path, monkeypatch):
+    import lorafleet.specs.length_presets as presets
+
+    stale = tmp_path / "stale.npz"
+    write_pmfs(stale)
+    monkeypatch.setattr(presets, "PMF_FILE", stale)
+    moved = dataclasses.replace(LOBRA_DATASETS["xsum"], params=(1.0, 1.0, 5.0, 0.0))
+    with pytest.raises(RuntimeError, match=r"stale\.npz: no pmf of preset 'xsum' for its params"):
+        preset_distribution(moved)
+    assert PMF_FILE.name == "length_presets.npz"
+
+
+def test_loading_the_presets_imports_no_scipy():
+    """A plan of presets skips scipy.special's 0.2 s of imports (issue #26)."""
+    code = (
+        "import sys; from lorafleet.specs.length_presets import LOBRA_DATASETS, preset_distribution; "
+        "[preset_distribution(p) for p in LOBRA_DATASETS.values()]; "
+        "print(sorted(m for m in sys.modules if m.startswith('scipy')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_preset_distribution_is_cached_and_read_only():
