@@ -289,15 +289,10 @@ def _after(
     if not np.any(slots):
         return total
     # The largest micro-batch of the buckets neither changes: the first of the row's top three that
-    # the candidate leaves alone. Bit r of ``touched`` says it changes bucket top[r] (r = 0, 1); the
-    # bits are set on each side's own (smaller) shape and combined once.
-    top, top_values = rows.top[i], rows.top_values[i]  # (..., 3): each candidate's class's top three
-    touched = _touched(lose_j, lose_amount, top) | _touched(gain_j, gain_amount, top)
-    pick = top_values[..., [0, 1, 0, 2]]  # by touched: rank 0 if free, else rank 1 if free, else rank 2
-    if np.ndim(i) == 0:
-        others = pick[touched]
-    else:  # a row of ``pick`` per class of ``i``
-        others = pick.reshape(-1)[np.arange(np.size(i)).reshape(np.shape(i)) * 4 + touched]
+    # the candidate leaves alone. Bit r of ``touched`` says it changes bucket top[r] (r = 0, 1): each
+    # side's bit is its bucket's rank, set on its own (smaller) shape, and the two are combined once.
+    touched = rows.rank[i, lose_j] * (lose_amount != 0) | rows.rank[i, gain_j] * (gain_amount != 0)
+    others = rows.pick[i, touched]
     lost = np.where(lose_amount != 0, big_lose, 0.0)
     gained = np.where(gain_amount != 0, big_gain, 0.0)
     bubble = np.maximum(np.maximum(others, lost), gained)
@@ -306,22 +301,22 @@ def _after(
     return np.where(slots != 0, total + slots * bubble, total)
 
 
-def _touched(j: np.ndarray, amount: np.ndarray, top: np.ndarray) -> np.ndarray:
-    """1 where bucket j (changed by a non-zero ``amount``) is top[..., 0], 2 where it is top[..., 1]; else 0."""
-    return np.where(amount != 0, (j == top[..., 0]) + 2 * (j == top[..., 1]), 0)  # top's entries differ
-
-
 class _Rows:
     """Every class's per-bucket costs under the current totals d (K, R): what candidate changes are
     scored against. Row i: the compute time of each bucket's rows on the class's slowest replica, its
     largest micro-batch time, ``base`` = o_i + their sum, and the three buckets with the largest
-    micro-batch times (padded with -2, times 0)."""
+    micro-batch times (times 0 past the row's buckets). ``rank`` marks the first two of them: 1 at
+    bucket top[0], 2 at top[1], else 0; ``pick[touched]`` is the largest micro-batch time of the
+    buckets a candidate leaves alone, by the two bits of which of those two it changes (rank 0 if
+    free, else rank 1 if free, else rank 2)."""
 
     def __init__(self, load: LoadModel, d: np.ndarray) -> None:
         n_classes, n_buckets = d.shape
         self.compute, self.largest = np.zeros((n_classes, n_buckets)), np.zeros((n_classes, n_buckets))
         self.base = np.zeros(n_classes)
-        self.top, self.top_values = np.full((n_classes, 3), -2, dtype=np.int64), np.zeros((n_classes, 3))
+        self.top_values = np.zeros((n_classes, 3))
+        self.rank = np.zeros((n_classes, n_buckets), dtype=np.int64)
+        self.pick = np.zeros((n_classes, 4))
         for i in range(n_classes):
             self.update(load, d, i)
 
@@ -331,10 +326,11 @@ class _Rows:
         top = np.argsort(-largest, kind="stable")[:3]
         self.compute[i], self.largest[i] = compute, largest
         self.base[i] = float(load.overhead_s[i] + compute.sum())
-        self.top[i] = -2
-        self.top[i, : top.size] = top
         self.top_values[i] = 0.0
         self.top_values[i, : top.size] = largest[top]
+        self.rank[i] = 0
+        self.rank[i, top[:2]] = np.arange(1, top[:2].size + 1)
+        self.pick[i] = self.top_values[i, [0, 1, 0, 2]]
 
     def times(self, load: LoadModel) -> np.ndarray:
         """(K,) the load model's time of each class: ``base + bubble_slots * largest``."""
