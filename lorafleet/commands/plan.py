@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 
 from lorafleet.errors import InputError
@@ -348,24 +347,8 @@ def _sizing_progress(row, planned: int) -> None:
     )
 
 
-GC_GEN0_THRESHOLD = 10_000
-"""Allocations between two young-generation collections while a plan runs (Python's default: 700).
-A plan makes millions of short-lived objects (PuLP expressions, micro-batches, step plans) that
-reference counting frees; at 700 the cyclic collector ran ~260 times a plan at lobra-70b 64 GPUs
-for ~0.1 CPU s (2 % of the command) and freed almost nothing; at 10,000, 12 times for 0.035 s."""
-
-
 def run(args: argparse.Namespace) -> int:
-    """``lorafleet plan``, the cyclic garbage collector run less often meanwhile (:data:`GC_GEN0_THRESHOLD`)."""
-    thresholds = gc.get_threshold()
-    gc.set_threshold(GC_GEN0_THRESHOLD, *thresholds[1:])
-    try:
-        return _run(args)
-    finally:
-        gc.set_threshold(*thresholds)
-
-
-def _run(args: argparse.Namespace) -> int:
+    """``lorafleet plan``: the plan of a workload (or a sizing over GPU counts), printed and written."""
     from rich.console import Console
 
     from lorafleet.assemble import workload_cluster, workload_cost_model

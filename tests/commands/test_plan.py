@@ -51,7 +51,7 @@ def test_plan_prints_tables_and_writes_json_and_plot(workload_path, tmp_path, ca
     out, png = tmp_path / "plan.json", tmp_path / "load.png"
     thresholds = gc.get_threshold()
     assert main(["plan", workload_path, "--samples", "2", "--json", str(out), "--plot", str(png)]) == 0
-    assert gc.get_threshold() == thresholds  # collected less often while planning only
+    assert gc.get_threshold() == thresholds  # collected less often while the command runs only
     text = capsys.readouterr().out
     for word in (
         "config",
