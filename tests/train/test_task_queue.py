@@ -306,7 +306,6 @@ def test_the_fleet_moves_in_place_after_its_background_replan_and_when_no_replic
     assert not (out / "queue" / ".replan.json").exists()
 
 
-
 def test_a_change_whose_plan_needs_more_processes_restarts_the_workers_at_its_step(tmp_path, tiny_tokenizer_dir):
     """The hand-off to the launcher: one ``<1,1>`` replica (one process) on 4 GPUs, and ``moddoc`` joins at step
     3, whose 1,536-token documents fit no ``<1,1>`` of 48 MiB. The boundary re-plans to a deployment of more
