@@ -40,6 +40,8 @@ PEER_LOST = re.compile(
     r"Socket Timeout|Timed out"
 )
 """What a collective's error says when another rank died (gloo's and NCCL's words)."""
+PORT_TAKEN = re.compile(r"failed to listen on any local network address.*(EADDRINUSE|address already in use)")
+"""What rank 0's error says when its process group's port was taken (torch's TCPStore server)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,29 @@ def input_error(run_dir: RunDir) -> InputError | None:
         return InputError(**json.loads(run_dir.input_error.read_text(encoding="utf-8")))
     except OSError:
         return None
+
+
+def port_taken(run_dir: RunDir) -> bool:
+    """Whether a worker failed to form its process group because another process held the group's port.
+
+    torchrun picks a free port for rank 0's store, closes it, and rank 0 listens on it only after its
+    imports, seconds later: a process that binds the port meanwhile (another job's, another test's) takes it.
+    That is the path of ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which the launcher sets so that a restart
+    gets a store of its own (``executor.torch.processes``). Nothing has trained in that launch, so the
+    launcher starts the workers again (``train.launcher``)."""
+    return any(
+        PORT_TAKEN.search(error.get("error", ""))
+        for path in run_dir.logs.glob("rank-*.json")
+        if (error := _worker_error(run_dir, int(path.stem.removeprefix("rank-")))) is not None
+    )
+
+
+def clear_worker_errors(run_dir: RunDir) -> None:
+    """The failed launch's records gone (``logs/rank-*``, ``failures.json``), before the workers start again: a
+    later failure's line then reads its own."""
+    for path in [*run_dir.logs.glob("rank-*.json"), *run_dir.logs.glob("rank-*.txt")]:
+        path.unlink(missing_ok=True)
+    run_dir.failures.unlink(missing_ok=True)
 
 
 def write_failures(path: Path, failures: list[WorkerFailure]) -> None:

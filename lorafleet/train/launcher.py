@@ -21,7 +21,7 @@ from types import FrameType
 
 from lorafleet.errors import InputError
 from lorafleet.rundir import RunDir
-from lorafleet.train.failures import input_error
+from lorafleet.train.failures import clear_worker_errors, input_error, port_taken
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase, start_clock
 from lorafleet.train.preflight import Prepared, claim, prepare, queue_data_roots
@@ -33,6 +33,9 @@ AGENT_MODULE = "lorafleet.train.agent"
 """torchrun's agent as the launcher runs it (failures reported as data: ``train.failures``)."""
 WATCH_S = 0.5
 """How often the launcher looks for a worker's refusal of bad input while torchrun runs."""
+PORT_RETRIES = 3
+"""Launches of the workers after the first whose process group's port another process took
+(``failures.port_taken``): each draws a new free port."""
 
 
 def launch(options: TrainOptions) -> int:
@@ -108,7 +111,9 @@ def _supervise(options: TrainOptions, prepared: Prepared, named: str) -> int:
     """Run torchrun in a session of its own, dying with this process; turn the first SIGINT/SIGTERM into a
     stop request, a second into a kill; the exit code says which (128 + signal) or torchrun's. A worker's
     refusal of bad input is raised here (the run's one line and exit 2), the run directory rolled back when
-    nothing was trained (the error then names the plan as the command did: the run's copy is gone)."""
+    nothing was trained (the error then names the plan as the command did: the run's copy is gone). Workers
+    whose process group's port another process took (``failures.port_taken``) are started again, up to
+    :data:`PORT_RETRIES` times, when that launch could not have trained a step the next one would repeat."""
     from lorafleet.executor.torch.processes import agent_preexec, torchrun_argv, worker_env
     from lorafleet.train.run_file import ResolvedRun
 
@@ -119,13 +124,8 @@ def _supervise(options: TrainOptions, prepared: Prepared, named: str) -> int:
     phase(f"starting {counted(prepared.world_size, 'worker process', 'worker processes')} (torchrun)")
     agent = (AGENT_MODULE, str(run_dir.root))
     argv = torchrun_argv(agent, prepared.world_size, RANK_MODULE, [str(path)], max_restarts=options.max_restarts)
-    child = subprocess.Popen(
-        argv,
-        env=worker_env(locked=True),
-        start_new_session=True,
-        preexec_fn=functools.partial(agent_preexec, os.getpid()),
-    )
     received: list[int] = []
+    child: subprocess.Popen | None = None
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         received.append(signum)
@@ -136,12 +136,27 @@ def _supervise(options: TrainOptions, prepared: Prepared, named: str) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        else:
+        elif child is not None:
             os.killpg(child.pid, signal.SIGKILL)
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = _wait(child, run_dir)
+        for attempt in range(PORT_RETRIES + 1):
+            child = subprocess.Popen(
+                argv,
+                env=worker_env(locked=True),
+                start_new_session=True,
+                preexec_fn=functools.partial(agent_preexec, os.getpid()),
+            )
+            code = _wait(child, run_dir)
+            if code == 0 or received or attempt == PORT_RETRIES or not _port_race(options):
+                break
+            print(
+                "lorafleet train: another process took the port of the workers' process group before rank 0 "
+                f"listened on it; starting the workers again ({attempt + 1} of {PORT_RETRIES})",
+                flush=True,
+            )
+            clear_worker_errors(run_dir)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -159,6 +174,15 @@ def _supervise(options: TrainOptions, prepared: Prepared, named: str) -> int:
         print(failure_line(run_dir, code, child.pid), file=sys.stderr, flush=True)
         return 128 - code if code < 0 else code
     return code
+
+
+def _port_race(options: TrainOptions) -> bool:
+    """Whether the launch that just failed lost its process group's port to another process, and starting it
+    again repeats nothing: it resumes from a checkpoint, or it is a fresh run that has trained no step."""
+    run_dir = options.run_dir
+    if input_error(run_dir) is not None or not port_taken(run_dir):
+        return False
+    return options.resume or not (run_dir.metrics_jsonl.exists() or run_dir.checkpoints.exists())
 
 
 def _wait(child: subprocess.Popen, run_dir: RunDir) -> int:

@@ -68,3 +68,33 @@ def test_the_first_workers_refusal_of_bad_input_is_the_runs_line(tmp_path):
     record_input_error(run_dir, InputError("plan.json", "pools[0].gpu", "rank 1 is in the cluster of A100s"))
     assert str(input_error(run_dir)) == "plan.json: pools[0].gpu: rank 0 is in the cluster of A100s"
     assert sorted(p.name for p in run_dir.logs.iterdir()) == ["input-error.json"]
+
+
+def test_a_taken_group_port_is_told_from_other_failures_and_restarts_only_what_repeats_nothing(tmp_path):
+    """``port_taken`` reads the workers' records: rank 0's TCPStore server that could not listen (torch's words,
+    as the fresh-clone run recorded them) is the race; a lost peer or another bind error is not. The launcher
+    starts such a launch again only when it repeats nothing: a resume, or a fresh run without a trained step."""
+    from dataclasses import replace
+
+    from lorafleet.train.failures import clear_worker_errors, port_taken
+    from lorafleet.train.launcher import _port_race
+    from lorafleet.train.options import TrainOptions
+
+    run_dir = RunDir(tmp_path / "out")
+    record_worker_error(run_dir, 1, RuntimeError("Connection reset by peer"))
+    assert not port_taken(run_dir)
+    taken = (
+        "The server socket has failed to listen on any local network address. port: 38105, useIpv6: false, "
+        "code: -98, name: EADDRINUSE, message: address already in use"
+    )
+    record_worker_error(run_dir, 0, RuntimeError(taken))
+    assert port_taken(run_dir)
+
+    options = TrainOptions(workload="w.yaml", plan="plan.json", out=str(run_dir.root))
+    assert _port_race(options)
+    run_dir.metrics_jsonl.write_text('{"step": 0}\n')  # a fresh run that trained a step would train it again
+    assert not _port_race(options)
+    assert _port_race(replace(options, resume=True))  # a resume starts from its checkpoint again
+    write_failures(run_dir.failures, [WorkerFailure(0, 100, 1, 5)])
+    clear_worker_errors(run_dir)
+    assert not port_taken(run_dir) and not list(run_dir.logs.glob("rank-*")) and not run_dir.failures.exists()

@@ -494,3 +494,54 @@ def test_a_resume_refuses_changed_hyperparameters_unless_allowed_and_records_the
     again = train("--steps", "4", "--resume")
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((out / "tasks.json").read_text())["tasks"] == ledger["tasks"]
+
+
+_TAKE_THE_PORT = """
+import os, sys
+if "lorafleet.train.agent" in sys.orig_argv and not os.path.exists(os.environ["LORAFLEET_TEST_PORT_TAKEN"]):
+    import torch.distributed.elastic.rendezvous.api as api
+
+    def get_free_port():  # the first launch's agent draws the port the test holds: the race, made certain
+        open(os.environ["LORAFLEET_TEST_PORT_TAKEN"], "w").close()
+        return int(os.environ["LORAFLEET_TEST_BUSY_PORT"])
+
+    api.get_free_port = get_free_port
+"""
+
+
+@pytest.mark.slow
+def test_workers_whose_group_port_another_process_took_start_again(run):
+    """torchrun draws a free port for rank 0's store and closes it; rank 0 listens on it seconds later, and
+    another process may hold it by then (a fresh-clone test run lost a resume to ``EADDRINUSE`` so). Here the
+    first launch's agent draws a port this test listens on (a ``sitecustomize`` in the agent only: torchrun,
+    gloo and the workers are real): the launcher says so in one line, starts the workers again on a new port,
+    and the run trains every step once."""
+    import socket
+
+    _, tmp = run
+    hook = tmp / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_TAKE_THE_PORT)
+    out = tmp / "out"
+    with socket.socket() as held:
+        held.bind(("", 0))
+        held.listen()
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+            "LORAFLEET_TEST_BUSY_PORT": str(held.getsockname()[1]),
+            "LORAFLEET_TEST_PORT_TAKEN": str(tmp / "taken"),
+        }
+        argv = [*LAUNCHER, "train", str(tmp / "w.yaml"), "--plan", str(tmp / "plan.json"), "--out", str(out),
+                "--device", "cpu", "--no-recalibrate", "--steps", "3"]  # fmt: skip
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (tmp / "taken").exists()
+    said = (
+        "lorafleet train: another process took the port of the workers' process group before rank 0 "
+        "listened on it; starting the workers again (1 of 3)"
+    )
+    assert result.stdout.count(said) == 1, result.stdout
+    assert result.stdout.count("process group up") == 1 and "Traceback" not in result.stderr
+    assert _steps(out) == [0, 1, 2]
+    assert not list((out / "logs").glob("rank-*")) and not (out / "logs" / "failures.json").exists()
