@@ -59,9 +59,10 @@ class ProfileDevice:
     def backend(self) -> str:
         return "nccl" if self.kind is DeviceKind.CUDA else "gloo"
 
-    def join(self, rank: int, world: int, port: int) -> None:
-        """Takes this process's device and joins the profiler's process group (TCP rendezvous on ``port``)."""
-        init = f"tcp://127.0.0.1:{port}"
+    def join(self, rank: int, world: int, store: str) -> None:
+        """Takes this process's device and joins the profiler's process group, met in the file ``store`` (a
+        file rendezvous: no port to draw, which another process could take before rank 0 listened on it)."""
+        init = f"file://{store}"
         if self.kind is DeviceKind.CUDA:
             torch.cuda.set_device(self.index)
             dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, device_id=self.torch_device)

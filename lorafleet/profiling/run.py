@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import pickle
 import random
-import socket
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable
@@ -332,8 +331,8 @@ MEMORY_CUDA = (
 )
 
 
-def _rank_main(rank: int, settings: ProfileSettings, port: int, out_path: str) -> None:
-    ProfileDevice(settings.device, rank).join(rank, settings.world, port)
+def _rank_main(rank: int, settings: ProfileSettings, store: str, out_path: str) -> None:
+    ProfileDevice(settings.device, rank).join(rank, settings.world, store)
     try:
         worker = _Worker(settings, rank)
         worker.run()
@@ -344,18 +343,12 @@ def _rank_main(rank: int, settings: ProfileSettings, port: int, out_path: str) -
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure_profile(settings: ProfileSettings) -> Profile:
     """Run the measurements in ``settings.world`` spawned processes; the profile has records, no fit."""
     with tempfile.TemporaryDirectory() as tmp:
-        out_path = str(Path(tmp) / "records.pkl")
+        out_path, store = str(Path(tmp) / "records.pkl"), str(Path(tmp) / "store")
         mp.start_processes(
-            _rank_main, args=(settings, _free_port(), out_path), nprocs=settings.world, join=True, start_method="spawn"
+            _rank_main, args=(settings, store, out_path), nprocs=settings.world, join=True, start_method="spawn"
         )
         with open(out_path, "rb") as f:
             records, memory = pickle.load(f)
