@@ -61,6 +61,38 @@ DOCSUM, CHAT, CODEGEN = _task("docsum", 3, 256), _task("chat", 3, 128), _task("c
 CODEGEN_AT_3 = CODEGEN[:-1] + ", start_step: 3}"
 
 
+def _add(queue: Path, name: str, *, batch: int, context: int, at_step: int) -> None:
+    """An add request for demo task ``name`` in the queue directory ``queue``."""
+    (queue / f"add-{name}.yaml").write_text(
+        f"name: {name}\ndata: {{path: {DEMO / f'{name}.jsonl'}}}\nbatch_size: {batch}\ncontext_length: {context}\n"
+        f"at_step: {at_step}\n"
+    )
+
+
+def _on_four_gpus(tmp_path: Path, tokenizer: Path, slots: tuple[int, ...]) -> tuple[Path, Path]:
+    """``docsum`` and ``chat`` on a node of 4 GPUs, planned (``w.plan.json``) as one ``<1,1>`` replica on each
+    GPU of ``slots``, the others idle: the workload's path and the CPU profile it is priced by."""
+    from dataclasses import replace
+
+    from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.planner import PlannerOptions, plan_deployment
+    from lorafleet.planner.incremental import kept_plan
+    from lorafleet.workload import load_workload
+    from tests.helpers.repo import REPO
+
+    profile = REPO / "profiles" / "tiny-llama-cpu.json"
+    path = tmp_path / "w.yaml"
+    _workload(path, tokenizer, [DOCSUM, CHAT])
+    path.write_text(path.read_text().replace("gpus_per_node: 1", "gpus_per_node: 4"))
+    workload = load_workload(path)
+    cost_model = workload_cost_model(workload, workload_cluster(workload), profile)
+    planned = plan_deployment(workload, workload_cluster(workload), cost_model, PlannerOptions(robust_samples=0))
+    one = next(r for r in planned.plan.replicas if r.config.n_gpus == 1)
+    replicas = tuple(replace(one, replica_id=k, gpus=(gpu,)) for k, gpu in enumerate(slots))
+    kept_plan(replace(planned.plan, replicas=replicas), workload, cost_model).save(path.with_suffix(".plan.json"))
+    return path, profile
+
+
 def _lorafleet(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-m", "lorafleet", *argv],
@@ -98,9 +130,7 @@ def runs(tmp_path_factory, tiny_tokenizer_dir):
     root = tmp_path_factory.mktemp("queue")
     queued = root / "queued"
     (queued / "queue").mkdir(parents=True)
-    (queued / "queue" / "add-codegen.yaml").write_text(
-        f"name: codegen\ndata: {{path: {DEMO / 'codegen.jsonl'}}}\nbatch_size: 2\ncontext_length: 256\nat_step: 3\n"
-    )
+    _add(queued / "queue", "codegen", batch=2, context=256, at_step=3)
     (queued / "queue" / "finish-chat.json").write_text(json.dumps({"action": "finish", "name": "chat", "at_step": 6}))
     (queued / "queue" / "broken.yaml").write_text("name: [unclosed\n")
     (queued / "queue" / "ghost.yaml").write_text("action: cancel\nname: nobody\n")
@@ -203,9 +233,7 @@ def test_a_crash_while_the_replan_runs_resumes_it_and_applies_it_at_its_step(run
     queued, reference, _, _ = runs
     out = tmp_path / "killed"
     (out / "queue").mkdir(parents=True)
-    (out / "queue" / "add-codegen.yaml").write_text(
-        f"name: codegen\ndata: {{path: {DEMO / 'codegen.jsonl'}}}\nbatch_size: 2\ncontext_length: 256\nat_step: 3\n"
-    )
+    _add(out / "queue", "codegen", batch=2, context=256, at_step=3)
     workload = queued.parent / "both.yaml"
     argv = [*LAUNCHER, "train", str(workload), "--plan", str(workload.with_suffix(".plan.json")), "--steps",
             str(STEPS), "--out", str(out), "--no-progress", "--checkpoint-every", "4", "--replan-after", "3",
@@ -263,32 +291,11 @@ def test_the_fleet_moves_in_place_after_its_background_replan_and_when_no_replic
       (its remap of the checkpoint state failed on #29's pools, a KeyError or an AttributeError).
 
     torchrun says nothing of its own on the way (its log lines are quiet under the launcher)."""
-    from dataclasses import replace
-
-    from lorafleet.assemble import workload_cluster, workload_cost_model
-    from lorafleet.planner import PlannerOptions, plan_deployment
-    from lorafleet.planner.incremental import kept_plan
-    from lorafleet.workload import load_workload
-    from tests.helpers.repo import REPO
-
-    profile = REPO / "profiles" / "tiny-llama-cpu.json"
-    path = tmp_path / "w.yaml"
-    _workload(path, tiny_tokenizer_dir, [DOCSUM, CHAT])
-    path.write_text(path.read_text().replace("gpus_per_node: 1", "gpus_per_node: 4"))
-    workload = load_workload(path)
-    cost_model = workload_cost_model(workload, workload_cluster(workload), profile)
-    planned = plan_deployment(workload, workload_cluster(workload), cost_model, PlannerOptions(robust_samples=0))
-    one = next(r for r in planned.plan.replicas if r.config.n_gpus == 1)
-    two = (replace(one, replica_id=0, gpus=(0,)), replace(one, replica_id=1, gpus=(3,)))
-    kept_plan(replace(planned.plan, replicas=two), workload, cost_model).save(path.with_suffix(".plan.json"))
+    path, profile = _on_four_gpus(tmp_path, tiny_tokenizer_dir, slots=(0, 3))
     out = tmp_path / "out"
     (out / "queue").mkdir(parents=True)
-    (out / "queue" / "add-codegen.yaml").write_text(
-        f"name: codegen\ndata: {{path: {DEMO / 'codegen.jsonl'}}}\nbatch_size: 2\ncontext_length: 256\nat_step: 3\n"
-    )
-    (out / "queue" / "add-moddoc.yaml").write_text(
-        f"name: moddoc\ndata: {{path: {DEMO / 'moddoc.jsonl'}}}\nbatch_size: 1\ncontext_length: 1536\nat_step: 5\n"
-    )
+    _add(out / "queue", "codegen", batch=2, context=256, at_step=3)
+    _add(out / "queue", "moddoc", batch=1, context=1536, at_step=5)
     log = _train(path, out, 7, "--profile", str(profile), "--checkpoint-every", "100", "--replan-objective", "gpu-s",
                  "--migration-s", "0")  # fmt: skip
     queue = [line.removeprefix("lorafleet train: queue: ") for line in log.stdout.splitlines() if "queue: " in line]
@@ -312,29 +319,10 @@ def test_a_change_whose_plan_needs_more_processes_restarts_the_workers_at_its_st
     GPU slots than the run has processes, so the workers stop at the committed checkpoint of step 3 with the
     change pending; the launcher re-plans and relaunches them once, and the run goes on to its end: every step
     trained once, the added task from step 3, nothing pending left in the queue."""
-    from dataclasses import replace
-
-    from lorafleet.assemble import workload_cluster, workload_cost_model
-    from lorafleet.planner import PlannerOptions, plan_deployment
-    from lorafleet.planner.incremental import kept_plan
-    from lorafleet.workload import load_workload
-    from tests.helpers.repo import REPO
-
-    profile = REPO / "profiles" / "tiny-llama-cpu.json"
-    path = tmp_path / "w.yaml"
-    _workload(path, tiny_tokenizer_dir, [DOCSUM, CHAT])
-    path.write_text(path.read_text().replace("gpus_per_node: 1", "gpus_per_node: 4"))
-    workload = load_workload(path)
-    cost_model = workload_cost_model(workload, workload_cluster(workload), profile)
-    planned = plan_deployment(workload, workload_cluster(workload), cost_model, PlannerOptions(robust_samples=0))
-    one = next(r for r in planned.plan.replicas if r.config.n_gpus == 1)
-    alone = (replace(one, replica_id=0, gpus=(0,)),)
-    kept_plan(replace(planned.plan, replicas=alone), workload, cost_model).save(path.with_suffix(".plan.json"))
+    path, profile = _on_four_gpus(tmp_path, tiny_tokenizer_dir, slots=(0,))
     out = tmp_path / "out"
     (out / "queue").mkdir(parents=True)
-    (out / "queue" / "add-moddoc.yaml").write_text(
-        f"name: moddoc\ndata: {{path: {DEMO / 'moddoc.jsonl'}}}\nbatch_size: 1\ncontext_length: 1536\nat_step: 3\n"
-    )
+    _add(out / "queue", "moddoc", batch=1, context=1536, at_step=3)
     log = _train(path, out, 6, "--profile", str(profile), "--checkpoint-every", "100", "--migration-s", "0")
     queue = [line.removeprefix("lorafleet train: queue: ") for line in log.stdout.splitlines() if "queue: " in line]
     handed = [line for line in queue if line.startswith("step 3: re-planned to ") and "the run has 1: " in line]
