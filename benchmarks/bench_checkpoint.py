@@ -35,9 +35,9 @@ from lorafleet.costmodel.parallel_config import ParallelConfig  # noqa: E402
 from lorafleet.data.model_source import ModelSource, SourceKind  # noqa: E402
 from lorafleet.data.tokenize import IGNORE_INDEX, Example  # noqa: E402
 from lorafleet.executor.torch.base_model import load_causal_lm  # noqa: E402
-from lorafleet.executor.torch.data_stream import DataStreams, TaskData  # noqa: E402
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor  # noqa: E402
 from lorafleet.plans import DeploymentPlan, MicroBatch, PlanPool, ReplicaSpec, ReplicaWork, StepPlan  # noqa: E402
+from lorafleet.runtime.data_stream import DataStreams, TaskData  # noqa: E402
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec  # noqa: E402
 from lorafleet.specs.model import ModelSpec  # noqa: E402
 

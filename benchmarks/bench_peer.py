@@ -402,8 +402,8 @@ def run_trainer(args: argparse.Namespace) -> int:
 
     from lorafleet.data.model_source import resolve_model_source
     from lorafleet.executor.torch.base_model import load_causal_lm
-    from lorafleet.executor.torch.data_stream import task_tokenizer, training_streams
     from lorafleet.executor.torch.peft_export import lora_config
+    from lorafleet.runtime.data_stream import task_tokenizer, training_streams
     from lorafleet.workload import load_workload
 
     torch.set_num_threads(args.threads)

@@ -149,9 +149,9 @@ def load_rate(root: Path) -> tuple[float, float]:
 
     from lorafleet.data.model_source import ModelSource, SourceKind
     from lorafleet.executor.torch.base_model import load_base
-    from lorafleet.executor.torch.layout import FleetLayout, ModelDims
     from lorafleet.executor.torch.replica import build_stage
     from lorafleet.executor.torch.routing import LoraBackend
+    from lorafleet.runtime.layout import FleetLayout, ModelDims
     from lorafleet.specs.lora import LoraSpec
     from tests.helpers.fleet_harness import plan_of
 

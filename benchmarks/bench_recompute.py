@@ -28,10 +28,10 @@ from lorafleet.data.tokenize import Example
 from lorafleet.executor.torch.attention import use_document_attention
 from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
-from lorafleet.executor.torch.layout import FleetLayout, ModelDims
 from lorafleet.executor.torch.pipeline import split_for_pipeline
 from lorafleet.executor.torch.step import build_inputs, stage_forward
 from lorafleet.plans import DeploymentPlan, MicroBatch, PlanPool, ReplicaSpec
+from lorafleet.runtime.layout import FleetLayout, ModelDims
 from lorafleet.specs.lora import LoraSpec
 from lorafleet.specs.model import MODEL_PRESETS
 

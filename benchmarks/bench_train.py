@@ -54,11 +54,11 @@ from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from lorafleet.data.tokenize import IGNORE_INDEX, load_tokenizer  # noqa: E402
 from lorafleet.dispatch import DispatchOptions, MicroBatchMode, dispatch_step  # noqa: E402
 from lorafleet.executor.torch.base_model import load_causal_lm  # noqa: E402
-from lorafleet.executor.torch.data_stream import DataStreams, prepare_task_data  # noqa: E402
 from lorafleet.executor.torch.optim import build_optimizer, lr_at  # noqa: E402
 from lorafleet.executor.torch.peft_export import lora_config  # noqa: E402
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor  # noqa: E402
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, PlanPool, ReplicaSpec, ReplicaWork, StepPlan  # noqa: E402
+from lorafleet.runtime.data_stream import DataStreams, prepare_task_data  # noqa: E402
 from lorafleet.specs.model import ModelSpec  # noqa: E402
 from lorafleet.workload import load_workload  # noqa: E402
 

@@ -47,9 +47,9 @@ from bench_peer import prepare_workload  # noqa: E402
 
 from lorafleet.assemble import workload_cluster, workload_cost_model  # noqa: E402
 from lorafleet.dispatch import dispatch_step  # noqa: E402
-from lorafleet.executor.torch.host_memory import keep_freed_host_memory  # noqa: E402
 from lorafleet.executor.torch.launch import build_torch_executor  # noqa: E402
 from lorafleet.planner import PlannerOptions, plan_deployment  # noqa: E402
+from lorafleet.runtime.host_memory import keep_freed_host_memory  # noqa: E402
 from lorafleet.workload import load_workload  # noqa: E402
 
 #: Sites (a file and function of ours or of transformers, or an autograd node) by group; the first match wins.

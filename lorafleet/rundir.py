@@ -70,7 +70,7 @@ class RunDir:
 
     @property
     def checkpoints(self) -> Path:
-        """The committed checkpoints, one directory a step (``executor.torch.checkpoint_files``)."""
+        """The committed checkpoints, one directory a step (``runtime.checkpoint_files``)."""
         return self.root / "checkpoints"
 
     @property

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def register(subparsers: argparse._SubParsersAction) -> None:
     from lorafleet.commands._plan_flags import add_cluster_flags, add_policy_flags
     from lorafleet.commands._set_flags import add_set_flag
-    from lorafleet.executor.torch.processes import START_TIMEOUT_S
+    from lorafleet.runtime.processes import START_TIMEOUT_S
 
     parser = subparsers.add_parser("train", help="train the workload's adapters on a deployment plan (torch)")
     parser.add_argument("workload", help="workload YAML file (every task needs data)")

@@ -210,7 +210,7 @@ def _deployment(plan: DeploymentPlan) -> frozenset:
 
 def _stages(plan: DeploymentPlan) -> dict[int, tuple]:
     """Rank -> what its stage is: (tp, pp, stage, TP rank, the stage's ranks). Stage ``k`` of a replica is on
-    ``gpus[k·tp : (k+1)·tp]`` (``executor/torch/layout.py``'s rule)."""
+    ``gpus[k·tp : (k+1)·tp]`` (``runtime/layout.py``'s rule)."""
     out = {}
     for r in plan.replicas:
         tp, pp = r.config.tp, r.config.pp

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from lorafleet.executor.torch.layout import RankRole, ReplicaLayout
+from lorafleet.runtime.layout import RankRole, ReplicaLayout
 
 
 def role_in(layout: ReplicaLayout, stage: int, tp_rank: int) -> RankRole:

@@ -94,7 +94,7 @@ def port_taken(run_dir: RunDir) -> bool:
     torchrun picks a free port for rank 0's store, closes it, and rank 0 listens on it only after its
     imports, seconds later: a process that binds the port meanwhile (another job's, another test's) takes it.
     That is the path of ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which the launcher sets so that a restart
-    gets a store of its own (``executor.torch.processes``). Nothing has trained in that launch, so the
+    gets a store of its own (``runtime.processes``). Nothing has trained in that launch, so the
     launcher starts the workers again (``train.launcher``)."""
     return any(
         PORT_TAKEN.search(error.get("error", ""))
@@ -151,7 +151,7 @@ def _cause(run_dir: RunDir, failures: list[WorkerFailure]) -> str:
 def failure_line(run_dir: RunDir, code: int, agent_pid: int) -> str:
     """The launcher's one line for a run whose torchrun ended with ``code`` (not 0, and no signal to the
     launcher): the cause, and how to go on."""
-    from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
+    from lorafleet.runtime.checkpoint_files import resumable_checkpoint
 
     try:
         failures = [WorkerFailure(**f) for f in json.loads(run_dir.failures.read_text(encoding="utf-8"))]

@@ -18,8 +18,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from lorafleet.executor.torch.checkpoint_files import STOPPED_TASKS, stopped_tasks
 from lorafleet.plans import StepReport
+from lorafleet.runtime.checkpoint_files import STOPPED_TASKS, stopped_tasks
 
 NONFINITE_STREAKS = "nonfinite_streaks"
 """The key of a checkpoint's ``extra`` under which each task's non-finite updates in a row are recorded."""

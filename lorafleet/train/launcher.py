@@ -6,7 +6,7 @@ own that dies with this process, SIGINT/SIGTERM turned into a stop request at th
 this process's rank (:func:`lorafleet.train.trainer.train_rank`), which checks the run itself.
 
 No torch import here: the launcher reaches the torch executor only through its torchrun helpers
-(``executor.torch.processes``, torch-free) and, under torchrun, the rank it becomes.
+(``runtime.processes``, torch-free) and, under torchrun, the rank it becomes.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ PORT_RETRIES = 3
 def launch(options: TrainOptions) -> int:
     """``lorafleet train``: check, lock, then run under torchrun (re-executing this command) or, already
     under one, as this process's rank. SIGINT/SIGTERM stop the run at a step boundary: exit 130/143."""
-    from lorafleet.executor.torch.processes import catch_stop_signals, die_with_torchrun, under_torchrun
+    from lorafleet.runtime.processes import catch_stop_signals, die_with_torchrun, under_torchrun
 
     start_clock()
     rank = under_torchrun()  # the user's own torchrun: this process is a rank
@@ -50,7 +50,7 @@ def launch(options: TrainOptions) -> int:
         catch_stop_signals()
     prepared = prepare(options)
     if rank:
-        from lorafleet.executor.torch.processes import shared_store_warning
+        from lorafleet.runtime.processes import shared_store_warning
         from lorafleet.train.trainer import train_rank
 
         warning = shared_store_warning()
@@ -114,7 +114,7 @@ def _supervise(options: TrainOptions, prepared: Prepared, named: str) -> int:
     nothing was trained (the error then names the plan as the command did: the run's copy is gone). Workers
     whose process group's port another process took (``failures.port_taken``) are started again, up to
     :data:`PORT_RETRIES` times, when that launch could not have trained a step the next one would repeat."""
-    from lorafleet.executor.torch.processes import agent_preexec, torchrun_argv, worker_env
+    from lorafleet.runtime.processes import agent_preexec, torchrun_argv, worker_env
     from lorafleet.train.run_file import ResolvedRun
 
     run_dir = options.run_dir

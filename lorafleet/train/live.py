@@ -167,8 +167,8 @@ def record_change(
     """Steps 1 and 2 of the module doc: ``requests`` applied at ``step`` to ``ledger`` and saved; the adapters of
     the tasks that leave exported from checkpoint ``step``. ``turns``: the running tasks' (the ledger keeps
     those of the tasks that leave); ``tasks``: the specs of the tasks before the change (for the cards)."""
-    from lorafleet.executor.torch.checkpoint_files import export_adapters, step_dir_name
     from lorafleet.metrics import last_losses
+    from lorafleet.runtime.checkpoint_files import export_adapters, step_dir_name
     from lorafleet.train.queue.ledger import revision_lines
 
     run_dir = options.run_dir

@@ -11,8 +11,8 @@ from pathlib import Path
 from pydantic import ConfigDict
 
 from lorafleet.errors import InputError
-from lorafleet.executor.torch.processes import START_TIMEOUT_S
 from lorafleet.rundir import RunDir
+from lorafleet.runtime.processes import START_TIMEOUT_S
 from lorafleet.specs.workload import MAX_STEPS
 
 ARGS = "<args>"

@@ -335,7 +335,7 @@ def check_nodes(plan: DeploymentPlan, path: str) -> None:
 def _resume_step(options: TrainOptions, warn: bool) -> int | None:
     """The step a resume starts from, checked: an intact checkpoint exists (a restart may find none yet)
     and ``--steps`` does not go below it. Broken newer checkpoints are reported."""
-    from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
+    from lorafleet.runtime.checkpoint_files import resumable_checkpoint
 
     checkpoints = options.run_dir.checkpoints
     found = resumable_checkpoint(checkpoints)
@@ -488,8 +488,8 @@ def _saved_plan(path: Path) -> DeploymentPlan | None:
 
 def check_data(options: TrainOptions, prepared: Prepared) -> None:
     """InputError when the workload's data is not the data the checkpoint was trained on."""
-    from lorafleet.executor.torch.checkpoint_files import read_manifest, resumable_checkpoint, stopped_tasks
-    from lorafleet.executor.torch.data_stream import training_streams
+    from lorafleet.runtime.checkpoint_files import read_manifest, resumable_checkpoint, stopped_tasks
+    from lorafleet.runtime.data_stream import training_streams
 
     found = resumable_checkpoint(options.run_dir.checkpoints)
     if found is None:

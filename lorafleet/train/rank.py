@@ -19,7 +19,7 @@ from lorafleet.errors import EXIT_INPUT_ERROR, InputError, exit_code
 
 def main(argv: Sequence[str]) -> int:
     """Run this process's rank of the run file ``argv[0]``."""
-    from lorafleet.executor.torch.processes import catch_stop_signals, die_with_torchrun
+    from lorafleet.runtime.processes import catch_stop_signals, die_with_torchrun
 
     die_with_torchrun()  # first, before the imports and reads of start-up: never outlive the run
     catch_stop_signals()  # a job-wide SIGINT/SIGTERM is a stop request, never a death mid-step

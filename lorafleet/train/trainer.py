@@ -39,11 +39,11 @@ if TYPE_CHECKING:
     from lorafleet.costmodel import CostModel
     from lorafleet.dispatch import LookaheadDispatcher
     from lorafleet.executor.torch.change import ChangeReport, FleetChange
-    from lorafleet.executor.torch.data_stream import DataStreams, TaskData
     from lorafleet.executor.torch.worker import TorchExecutor
     from lorafleet.metrics import FanOut
     from lorafleet.planner import MigrationModel
     from lorafleet.plans import DeploymentPlan
+    from lorafleet.runtime.data_stream import DataStreams, TaskData
     from lorafleet.specs.workload import TaskSpec
     from lorafleet.train.background import BackgroundReplan
     from lorafleet.train.queue import QueueWatcher, Request
@@ -59,11 +59,11 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     the failure only from the closed group, so their lost-peer errors can never come first."""
     import torch.distributed as dist
 
-    from lorafleet.executor.torch.data_stream import task_tokenizer
-    from lorafleet.executor.torch.host_memory import keep_freed_host_memory
     from lorafleet.executor.torch.launch import build_torch_executor, check_device_kinds, init_distributed
     from lorafleet.executor.torch.precision import Precision
-    from lorafleet.executor.torch.processes import LOCKED_ENV, check_code
+    from lorafleet.runtime.data_stream import task_tokenizer
+    from lorafleet.runtime.host_memory import keep_freed_host_memory
+    from lorafleet.runtime.processes import LOCKED_ENV, check_code
 
     check_code()
     device = init_distributed(options.device, options.start_timeout_s)
@@ -247,7 +247,7 @@ class Trainer:
         """At a window boundary: a signal asked to stop (this process's, ``processes.catch_stop_signals``, or the
         launcher's stop request), or queued requests are due (applied in the running fleet), with the tasks
         whose batches are done and whose departure is due (``turns.departures``)."""
-        from lorafleet.executor.torch.processes import stop_signal
+        from lorafleet.runtime.processes import stop_signal
 
         if self.signal is None:
             self.signal = stop_signal() or self.run_dir.stop_requested()
@@ -454,8 +454,8 @@ class Trainer:
         """What the executor is told of the change at ``step``: the tasks (a new one's schedule as a launch would
         give it), their specs and turns (the ledger's), the plan, the stopped tasks that stay."""
         from lorafleet.executor.torch.change import FleetChange
-        from lorafleet.executor.torch.data_stream import task_batches
         from lorafleet.executor.torch.launch import task_training
+        from lorafleet.runtime.data_stream import task_batches
 
         running = {t.name: t for t in self.executor.config.tasks}
         specs = tuple(t.spec for t in workload.tasks)
@@ -477,7 +477,7 @@ class Trainer:
 
     def _added_data(self, spec: TaskSpec) -> TaskData:
         """A joining task's data, as the queue's check tokenized it (else tokenized now); kept for the executor."""
-        from lorafleet.executor.torch.data_stream import prepare_task_data
+        from lorafleet.runtime.data_stream import prepare_task_data
 
         if spec.name not in self.added:
             self.added[spec.name] = prepare_task_data(spec, self.tokenizer, spec.data.path if spec.data else "queue")
@@ -524,8 +524,8 @@ class Trainer:
         """The run's end after ``reached`` steps (``ran``: some of them in this launch): a final checkpoint
         (waited for), its PEFT adapters exported to ``<out>/adapters``, and the summary. A re-plan due after the
         last step is never applied."""
-        from lorafleet.executor.torch.checkpoint_files import export_adapters
         from lorafleet.metrics import last_losses
+        from lorafleet.runtime.checkpoint_files import export_adapters
         from lorafleet.train.queue import clear_pending_replan
         from lorafleet.train.queue.ledger import revision_lines
 
@@ -556,7 +556,7 @@ class Trainer:
     def _save_tokenizer(self) -> None:
         """The run's tokenizer into ``<out>/tokenizer/`` (once a run directory), for every adapter exported
         (here, and by the launcher when a task leaves a running job: ``train.live``) to ship with."""
-        from lorafleet.executor.torch.checkpoint_files import save_tokenizer
+        from lorafleet.runtime.checkpoint_files import save_tokenizer
 
         save_tokenizer(self.tokenizer, self.run_dir.tokenizer)
 
@@ -654,8 +654,8 @@ def _queue_watcher(trainer: Trainer, options: TrainOptions, prepared: Prepared, 
     """The queue's watcher, under ``lorafleet train``'s own launcher only (which applies what the running fleet
     cannot): a task to add is checked against the workload's defaults, its data tokenized as training will (and
     kept for when it joins) and its sequences held to the configs of the run's GPUs."""
-    from lorafleet.executor.torch.data_stream import prepare_task_data
-    from lorafleet.executor.torch.processes import LOCKED_ENV
+    from lorafleet.runtime.data_stream import prepare_task_data
+    from lorafleet.runtime.processes import LOCKED_ENV
     from lorafleet.train.live import check_placeable
     from lorafleet.train.queue import QueueWatcher
 

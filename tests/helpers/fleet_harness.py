@@ -23,7 +23,6 @@ from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.data.model_source import ModelSource, SourceKind
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
 from lorafleet.executor.torch.base_model import load_causal_lm
-from lorafleet.executor.torch.data_stream import DataStreams, TaskData
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import (
     DeploymentPlan,
@@ -35,6 +34,7 @@ from lorafleet.plans import (
     StepPlan,
     StepReport,
 )
+from lorafleet.runtime.data_stream import DataStreams, TaskData
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.model import MODEL_PRESETS
 

@@ -9,10 +9,10 @@ import torch
 from torch.nn import functional as F
 
 from lorafleet.data.tokenize import IGNORE_INDEX
-from lorafleet.executor.torch.data_stream import loss_tokens, task_key
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.optim import build_optimizer, lr_at
 from lorafleet.executor.torch.peft_export import lora_config
+from lorafleet.runtime.data_stream import loss_tokens, task_key
 from tests.helpers import fleet_harness as h
 
 STEPS = 4

@@ -204,7 +204,7 @@ def test_a_presets_own_tokenizer_measures_data_lengths(tmp_path):
 
 def test_a_random_presets_data_is_measured_with_the_tokenizer_it_trains_with(tmp_path):
     """``tiny-llama`` (random weights) tokenizes with the project's tiny BPE of its vocabulary, in planning
-    as in training (``executor.torch.data_stream.task_tokenizer``)."""
+    as in training (``runtime.data_stream.task_tokenizer``)."""
     from lorafleet.data.model_source import data_tokenizer
     from lorafleet.data.records import read_rows
 

@@ -17,9 +17,9 @@ import yaml
 from lorafleet import __version__
 from lorafleet.cli import main
 from lorafleet.executor.torch.checkpoint import TaskState, TrainState, latest_step_dir, save_train_state
-from lorafleet.executor.torch.checkpoint_files import export_adapters, save_tokenizer
 from lorafleet.metrics import last_losses
 from lorafleet.rundir import clear_run, used_by
+from lorafleet.runtime.checkpoint_files import export_adapters, save_tokenizer
 from lorafleet.specs.lora import LoraSpec
 from lorafleet.specs.model import MODEL_PRESETS, PRESET_HUB_IDS, adapter_base_model
 from lorafleet.specs.workload import TaskSpec, WorkloadSpec
@@ -219,7 +219,7 @@ def test_a_presets_adapters_name_its_hub_id_and_ship_its_own_tokenizer(tmp_path)
     and all), which tokenizes as it does."""
     from transformers import AutoTokenizer
 
-    from lorafleet.executor.torch.data_stream import task_tokenizer
+    from lorafleet.runtime.data_stream import task_tokenizer
 
     spec = WorkloadSpec.model_validate(
         {

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
+from lorafleet.runtime.checkpoint_files import resumable_checkpoint
 from tests.helpers import fleet_harness as h
 from tests.helpers.repo import DEMO
 from tests.helpers.train_cli import LAUNCHER, _job_processes, _steps, _wait_for_steps, _worker_pids, _worker_rank

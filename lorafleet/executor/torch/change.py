@@ -44,15 +44,15 @@ from torch import nn
 
 from lorafleet.executor.torch.base_model import SafetensorsWeights
 from lorafleet.executor.torch.checkpoint import gather_task_states, restore_task_states
-from lorafleet.executor.torch.data_stream import DataStreams, TaskData, task_key
 from lorafleet.executor.torch.inject import initial_lora_A, module_suffix, multi_lora_layers
-from lorafleet.executor.torch.layout import FleetLayout, RankRole, layer_of
 from lorafleet.executor.torch.multi_lora import adapter_dtype
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.replica import Replica, assemble_replica, build_stage, fleet_groups
 from lorafleet.executor.torch.routing import LoraBackend
 from lorafleet.executor.torch.tp import TP_STYLES, adapter_shard_dim, shard
 from lorafleet.plans import DeploymentPlan
+from lorafleet.runtime.data_stream import DataStreams, TaskData, task_key
+from lorafleet.runtime.layout import FleetLayout, RankRole, layer_of
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.workload import TaskSpec
 from lorafleet.turns import TaskTurns

@@ -42,13 +42,6 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lorafleet.errors import InputError
-from lorafleet.executor.torch.checkpoint_files import (
-    FORMAT_VERSION,
-    LATEST,
-    MANIFEST,
-    resumable_checkpoint,
-    step_dir_name,
-)
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.peft_export import (
     PEFT_PREFIX,
@@ -59,6 +52,13 @@ from lorafleet.executor.torch.peft_export import (
 )
 from lorafleet.executor.torch.replica import Replica
 from lorafleet.executor.torch.tp import shard
+from lorafleet.runtime.checkpoint_files import (
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    resumable_checkpoint,
+    step_dir_name,
+)
 from lorafleet.specs.io import file_sha256, write_text_atomic
 from lorafleet.specs.lora import LoraSpec
 

@@ -30,10 +30,10 @@ from lorafleet.executor.torch.checkpoint import (
     restore_task_states,
     save_train_state,
 )
-from lorafleet.executor.torch.checkpoint_files import read_manifest, step_dir_name, stopped_tasks
-from lorafleet.executor.torch.data_stream import DataStreams
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.replica import Replica
+from lorafleet.runtime.checkpoint_files import read_manifest, step_dir_name, stopped_tasks
+from lorafleet.runtime.data_stream import DataStreams
 from lorafleet.specs.lora import LoraSpec
 
 

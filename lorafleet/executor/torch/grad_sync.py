@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lorafleet.executor.torch.inject import module_suffix
-from lorafleet.executor.torch.layout import FleetLayout, RankRole, layer_of
 from lorafleet.executor.torch.tp import TP_STYLES, adapter_shard_dim
+from lorafleet.runtime.layout import FleetLayout, RankRole, layer_of
 from lorafleet.specs.lora import LoraSpec
 
 FACTORS = ("lora_A", "lora_B")

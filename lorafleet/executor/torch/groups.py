@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from lorafleet.executor.torch.layout import FleetLayout
+from lorafleet.runtime.layout import FleetLayout
 
 
 class GroupCache:

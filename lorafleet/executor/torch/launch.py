@@ -30,10 +30,10 @@ import torch.distributed as dist
 from lorafleet.data.model_source import resolve_model_source
 from lorafleet.errors import InputError, StartTimeout
 from lorafleet.executor.torch.base_model import load_base
-from lorafleet.executor.torch.data_stream import TaskData, prepare_task_data, task_tokenizer, training_streams
-from lorafleet.executor.torch.processes import START_TIMEOUT_S
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import DeploymentPlan
+from lorafleet.runtime.data_stream import TaskData, prepare_task_data, task_tokenizer, training_streams
+from lorafleet.runtime.processes import START_TIMEOUT_S
 from lorafleet.specs.gpus import GIB, gpu_preset_for
 from lorafleet.specs.model import adapter_base_model
 from lorafleet.specs.workload import TaskSpec, WorkloadSpec

@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lorafleet.costmodel.schedule import FORWARD
-from lorafleet.executor.torch.layout import RankRole
 from lorafleet.plans import MicroBatch
+from lorafleet.runtime.layout import RankRole
 
 
 def microbatch_shape(mb: MicroBatch) -> tuple[int, int]:

@@ -50,11 +50,11 @@ from lorafleet.executor.torch.grad_sync import (
 )
 from lorafleet.executor.torch.groups import GroupCache, ProcessGroups, build_process_groups
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers, projection_shapes
-from lorafleet.executor.torch.layout import FleetLayout, ModelDims, RankRole
 from lorafleet.executor.torch.pipeline import Neighbours, split_for_pipeline
 from lorafleet.executor.torch.routing import LoraBackend
 from lorafleet.executor.torch.tp import base_index, parallelize_tensor
 from lorafleet.plans import DeploymentPlan
+from lorafleet.runtime.layout import FleetLayout, ModelDims, RankRole
 from lorafleet.specs.lora import LoraSpec
 
 

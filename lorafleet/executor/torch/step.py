@@ -39,13 +39,13 @@ from torch.utils.checkpoint import checkpoint
 from lorafleet.costmodel.schedule import StreamMicroBatch, stream_order
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
 from lorafleet.executor.torch.attention import uses_document_attention
-from lorafleet.executor.torch.data_stream import loss_tokens
 from lorafleet.executor.torch.inject import segments_context
-from lorafleet.executor.torch.layout import RankRole
 from lorafleet.executor.torch.pipeline import Neighbours, microbatch_shape, run_stream
 from lorafleet.executor.torch.routing import Segments
 from lorafleet.executor.torch.transfer import to_device
 from lorafleet.plans import MicroBatch
+from lorafleet.runtime.data_stream import loss_tokens
+from lorafleet.runtime.layout import RankRole
 
 
 def inverse_token_counts(task_ids: Sequence[int], examples: Sequence[Example], n_tasks: int) -> list[float]:

@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 
 from lorafleet.costmodel.schedule import BACKWARD, stream_order
-from lorafleet.executor.torch.data_stream import DataStreams
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.pipeline import run_stream
 from lorafleet.executor.torch.replica import Replica
 from lorafleet.executor.torch.step import WindowForward, WindowStep, inverse_token_counts
 from lorafleet.executor.torch.updates import UPDATE, Key, TaskUpdates, UpdateOutcome
 from lorafleet.plans import GlobalBatch, StepPlan, StepReport
+from lorafleet.runtime.data_stream import DataStreams
 
 
 def microbatch_seed(seed: int, step: int, rank: int, index: int) -> int:

@@ -39,12 +39,12 @@ from lorafleet.executor.torch.base_model import SafetensorsWeights
 from lorafleet.executor.torch.change import PHASES, BaseSource, ChangeReport, FleetChange, TaskTraining, change_fleet
 from lorafleet.executor.torch.checkpoint import TrainState
 from lorafleet.executor.torch.checkpointer import Checkpointer
-from lorafleet.executor.torch.data_stream import DataStreams, TaskData, task_key
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.routing import LoraBackend
 from lorafleet.executor.torch.window import BroadcastStep, WindowRunner
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
+from lorafleet.runtime.data_stream import DataStreams, TaskData, task_key
 from lorafleet.specs.workload import TaskSpec
 
 

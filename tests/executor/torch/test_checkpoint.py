@@ -77,7 +77,7 @@ def test_a_checkpoint_of_other_tasks_is_an_input_error(tmp_path):
     "damage", ["truncate tensor", "truncate manifest", "drop optimizer", "garble pointer", "manifest of another step"]
 )
 def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact(tmp_path, damage):
-    from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
+    from lorafleet.runtime.checkpoint_files import resumable_checkpoint
 
     for step in (1, 2):
         save_train_state(tmp_path, _state(step, float(step)), base_model="m")
@@ -107,7 +107,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact(tmp_path, d
 
 
 def test_no_intact_checkpoint_is_one_input_error(tmp_path):
-    from lorafleet.executor.torch.checkpoint_files import resumable_checkpoint
+    from lorafleet.runtime.checkpoint_files import resumable_checkpoint
 
     save_train_state(tmp_path, _state(1, 1.0), base_model="m")
     (tmp_path / "step-000001" / "manifest.json").write_text("{")
@@ -116,7 +116,7 @@ def test_no_intact_checkpoint_is_one_input_error(tmp_path):
 
 
 def test_adapter_export_replaces_a_directory_whole(tmp_path):
-    from lorafleet.executor.torch.checkpoint_files import export_adapters
+    from lorafleet.runtime.checkpoint_files import export_adapters
 
     save_train_state(tmp_path / "ckpt", _state(3, 3.0), base_model="m")
     target = tmp_path / "adapters"

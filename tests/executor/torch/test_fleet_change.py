@@ -32,9 +32,9 @@ from safetensors.torch import load_file
 
 from lorafleet.executor.torch.change import FleetChange
 from lorafleet.executor.torch.checkpoint import latest_step_dir
-from lorafleet.executor.torch.data_stream import DataStreams, task_streams
 from lorafleet.executor.torch.worker import ExecutorConfig, TorchExecutor
 from lorafleet.plans import PlanPool
+from lorafleet.runtime.data_stream import DataStreams, task_streams
 from lorafleet.specs.workload import TaskSpec
 from tests.helpers import fleet_harness as h
 from tests.helpers.trained_alone import ATOL, _max_diff, train_alone

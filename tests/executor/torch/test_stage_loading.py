@@ -30,10 +30,10 @@ from lorafleet.data.weights_index import SAFETENSORS_FILE, SAFETENSORS_INDEX, ch
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.base_model import load_base, load_causal_lm
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
-from lorafleet.executor.torch.layout import layer_of
 from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.step import build_inputs, stage_forward
 from lorafleet.executor.torch.tp import TP_STYLES, _shard_module, base_index, holds_bias
+from lorafleet.runtime.layout import layer_of
 from tests.helpers import fleet_harness as h
 
 PLANS = {"tp2+pp2": h.plan_of((2, 1), (1, 2)), "tp2xpp2": h.plan_of((2, 2))}

@@ -15,14 +15,14 @@ from lorafleet.data.tokenize import IGNORE_INDEX
 from lorafleet.executor.torch import attention
 from lorafleet.executor.torch.attention import use_document_attention
 from lorafleet.executor.torch.base_model import load_causal_lm
-from lorafleet.executor.torch.data_stream import loss_tokens
 from lorafleet.executor.torch.inject import adapter_parameters, inject_multi_lora, multi_lora_layers, segments_context
-from lorafleet.executor.torch.layout import FleetLayout, ModelDims
 from lorafleet.executor.torch.pipeline import split_for_pipeline
 from lorafleet.executor.torch.routing import Segments
 from lorafleet.executor.torch.step import attention_window, build_inputs, stage_forward, weighted_losses
 from lorafleet.executor.torch.worker import check_step_plan
 from lorafleet.plans import MicroBatch
+from lorafleet.runtime.data_stream import loss_tokens
+from lorafleet.runtime.layout import FleetLayout, ModelDims
 from tests.helpers import fleet_harness as h
 from tests.helpers.op_count import OpCount
 

@@ -10,7 +10,7 @@ import pytest
 from pydantic import TypeAdapter
 
 from lorafleet.errors import InputError
-from lorafleet.executor.torch.data_stream import DataStreams
+from lorafleet.runtime.data_stream import DataStreams
 from lorafleet.specs.workload import TaskSpec
 from lorafleet.train.queue import (
     Action,

@@ -1,4 +1,4 @@
-"""The environment a run's torchrun and workers start with (``executor.torch.processes.worker_env``)."""
+"""The environment a run's torchrun and workers start with (``runtime.processes.worker_env``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import lorafleet
-from lorafleet.executor.torch.processes import (
+from lorafleet.runtime.processes import (
     FRESH_STORE_ENV,
     LOCKED_ENV,
     PACKAGE_ENV,
@@ -53,7 +53,7 @@ def test_a_worker_whose_torchrun_lost_its_launcher_ends_itself():
     parent is still the launcher that started the run, and ends itself otherwise."""
     code = (
         "import os; os.environ['LORAFLEET_LAUNCHER_PID'] = '{launcher}'\n"
-        "from lorafleet.executor.torch.processes import die_with_torchrun\n"
+        "from lorafleet.runtime.processes import die_with_torchrun\n"
         "die_with_torchrun(); print('alive')"
     )
     # this process (pytest) is the parent of the child, and its own parent is the 'launcher' to compare with

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
-from lorafleet.executor.torch.data_stream import DataStreams, apply_overflow, loss_tokens
+from lorafleet.runtime.data_stream import DataStreams, apply_overflow, loss_tokens
 from lorafleet.specs.workload import OverflowPolicy
 from tests.helpers import fleet_harness as h
 

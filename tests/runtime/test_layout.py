@@ -6,7 +6,7 @@ import pytest
 
 from lorafleet.executor.torch.grad_sync import AdapterParam, holder_sets, sync_pieces
 from lorafleet.executor.torch.groups import ordered_rank_sets
-from lorafleet.executor.torch.layout import FleetLayout, ModelDims, ReplicaLayout, layer_of
+from lorafleet.runtime.layout import FleetLayout, ModelDims, ReplicaLayout, layer_of
 from tests.helpers import fleet_harness as h
 
 DIMS = ModelDims(n_layers=4, n_heads=4, n_kv_heads=2, ffn=176)
