@@ -1,0 +1,209 @@
+"""The deployment a planner writes: :class:`DeploymentPlan` (which replicas of which config, on which GPUs, and the
+dispatch policy and cost model it was judged under), and its versioned file."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import ConfigDict
+
+from lorafleet.costmodel.cost_model import CostModelOrigin
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.errors import InputError
+from lorafleet.plans.parts import PLAN_SOURCE, PlanPool, PolicyJson, ReplicaSpec
+from lorafleet.specs.cluster import ClusterSpec, PoolSpec, first_gpu, named_pool, pool_at
+from lorafleet.specs.dispatch import DispatchPolicy
+from lorafleet.specs.io import read_json_object, write_text_atomic
+from lorafleet.specs.recompute import RecomputePolicy
+from lorafleet.specs.typed import adapter, join_path, validate_strict
+
+PLAN_SCHEMA_VERSION = 3
+"""2 adds what a plan was judged under: ``policy``, ``cost_model`` and ``recompute``. A version-1
+file does not say which micro-batches (padded or packed) or which cost model its figures
+assume, so it is refused rather than guessed at (re-run ``lorafleet plan --json``). 3 has
+``pools`` (each with its GPU kind, GPUs and cost model) where 2 had one ``gpu``, ``n_gpus``,
+``gpus_per_node`` and ``cost_model``, and each replica's ``pool``; a version-2 file is read as a
+plan of one unnamed pool (:func:`_from_version_2`)."""
+PLAN_KIND = "lorafleet.DeploymentPlan"
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """How many replicas of which config, where they sit, and what the planner expects of them.
+
+    Its file (:meth:`save`, :meth:`load`; ``lorafleet schema plan``) is this dataclass as JSON, typed
+    field by field (a pydantic adapter, strict: no unknown key, no string for a number), with
+    ``schema_version`` and ``kind`` beside the fields.
+    """
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model: str
+    """The base model the plan is for."""
+    pools: tuple[PlanPool, ...]
+    """The pools of the cluster the plan is for, in rank order: pool p holds the GPUs after those of the
+    pools before it."""
+    tasks: tuple[str, ...]
+    """The workload's tasks, in order."""
+    replicas: tuple[ReplicaSpec, ...]
+    bucket_boundaries: tuple[int, ...]
+    """Planning buckets (ascending upper lengths) the expected dispatch was computed on."""
+    expected_makespan_s: float
+    """Expected step time: the slowest replica under the expected balanced dispatch."""
+    solver: str = ""
+    """Which back end produced the plan, and its status (``cbc:optimal``, ``heuristic``, ...)."""
+    notes: tuple[str, ...] = ()
+    """Human-readable remarks (idle GPUs and why, fallbacks, pruning)."""
+    expected_replica_time_s: tuple[float, ...] = ()
+    """Expected step time of each replica, in ``replicas`` order."""
+    policy: PolicyJson = field(default_factory=DispatchPolicy)
+    """How every step of this deployment is dispatched: what the plan was judged under, and what
+    ``simulate``, ``dispatch`` and ``train`` run unless told otherwise."""
+    recompute: RecomputePolicy = RecomputePolicy.AUTO
+    """The workload's activation-recomputation policy the configs were chosen under."""
+
+    @property
+    def n_gpus(self) -> int:
+        """GPUs of the plan's pools (the plan may leave some idle)."""
+        return sum(p.n_gpus for p in self.pools)
+
+    def pool(self, name: str) -> PlanPool:
+        """The plan's pool ``name`` (KeyError when it has none)."""
+        return named_pool(self.pools, name)
+
+    def pool_at(self, gpu: int) -> tuple[int, PlanPool]:
+        """The index and pool of global GPU (rank) ``gpu`` (ValueError when no pool of the plan has it)."""
+        return pool_at(self.pools, gpu)
+
+    def first_gpu(self, name: str) -> int:
+        """The first global GPU index (rank) of the plan's pool ``name``."""
+        return first_gpu(self.pools, name)
+
+    @property
+    def cost_models(self) -> dict[str, CostModelOrigin | None]:
+        """The cost model each pool was judged by, by pool name."""
+        return {p.name: p.cost_model for p in self.pools}
+
+    def fleet(self) -> ClusterSpec:
+        """The cluster of the plan's pools (their GPUs in whole nodes; no prices or profiles)."""
+        return ClusterSpec(
+            pools=tuple(
+                PoolSpec(name=p.name, gpu=p.gpu, nodes=-(-p.n_gpus // p.gpus_per_node), gpus_per_node=p.gpus_per_node)
+                for p in self.pools
+            )
+        )
+
+    def describe_fleet(self) -> str:
+        """``16 x A100-40GB``, or ``16 x A100-40GB (a100) + 8 x H100-80GB (h100)``."""
+        return " + ".join(p.describe() for p in self.pools)
+
+    @property
+    def used_gpus(self) -> int:
+        return sum(r.config.n_gpus for r in self.replicas)
+
+    def pool_gpus(self) -> dict[str, int]:
+        """GPUs the replicas hold in each of the plan's pools (0 for an idle pool), by pool name."""
+        held = dict.fromkeys((p.name for p in self.pools), 0)
+        for r in self.replicas:
+            held[r.pool] = held.get(r.pool, 0) + r.config.n_gpus
+        return held
+
+    @property
+    def world_size(self) -> int:
+        """Processes a training run of the plan needs: one per rank it names (idle ranks included)."""
+        return max(g for r in self.replicas for g in r.gpus) + 1
+
+    @property
+    def expected_gpu_seconds(self) -> float:
+        """GPU-seconds per step: every allocated GPU is held for the whole makespan."""
+        return self.expected_makespan_s * self.used_gpus
+
+    def config_counts(self) -> dict[ParallelConfig, int]:
+        """Replicas per config, sorted by pool (in the plan's order), then config."""
+        order = {p.name: k for k, p in enumerate(self.pools)}
+        counts = Counter(r.config for r in self.replicas)
+        return dict(sorted(counts.items(), key=lambda item: (order.get(item[0].pool, len(order)), item[0])))
+
+    def describe(self) -> str:
+        """``<1,1> x 6 + <2,1> x 1 + <8,1> x 1``; in a fleet of named pools ``<1,2>@a100 x 3 + <2,1>@h100 x 2``."""
+        return " + ".join(f"{c} x {n}" for c, n in self.config_counts().items())
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan file's object: every field (typed as the adapter dumps it), its schema version and kind."""
+        return {**adapter(DeploymentPlan).dump_python(self, mode="json"), **_header()}
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: a reader never sees half a plan (an InputError when ``path`` is unwritable)."""
+        write_text_atomic(path, json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], source: str, where: str = "") -> DeploymentPlan:
+        """The plan of a plan file's object (``to_json``); an InputError names ``source`` and the field path
+        (``replicas[3].gpus``) when it is not one, an unknown key too."""
+        data = dict(data)
+        at = functools.partial(join_path, where)
+        if data.pop("kind", None) != PLAN_KIND:
+            raise InputError(source, at("kind"), "not a lorafleet deployment plan")
+        version = data.pop("schema_version", None)
+        if version == 1:
+            raise InputError(
+                source,
+                at("schema_version"),
+                "a version-1 plan does not record the dispatch policy and cost model "
+                f"it was judged under; re-run `lorafleet plan --json` to write a version-{PLAN_SCHEMA_VERSION} plan",
+            )
+        if version not in (2, PLAN_SCHEMA_VERSION):
+            raise InputError(source, at("schema_version"), f"expected {PLAN_SCHEMA_VERSION} (or 2), got {version!r}")
+        for name in ("policy", "cost_model", "recompute") if version == 2 else ("policy", "pools", "recompute"):
+            if name not in data:
+                raise InputError(source, at(name), "missing")
+        if version == 2:
+            data = _from_version_2(data, source, at)
+        try:
+            plan = validate_strict(cls, data, source, where)
+        except InputError as err:
+            if err.path != PLAN_SOURCE:
+                raise
+            raise InputError(source, at(join_path("policy", err.field)), err.msg) from None
+        if not (np.isfinite(plan.expected_makespan_s) and plan.expected_makespan_s >= 0):
+            raise InputError(
+                source, at("expected_makespan_s"), f"must be a finite number >= 0, got {plan.expected_makespan_s}"
+            )
+        return plan
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeploymentPlan:
+        """Read a plan JSON; an InputError names the file and field when it is not one."""
+        return cls.from_json(read_json_object(path), str(path))
+
+
+def _from_version_2(data: dict[str, Any], source: str, at: Any) -> dict[str, Any]:
+    """A version-2 plan's object as version 3: its ``gpu``, ``n_gpus``, ``gpus_per_node`` and ``cost_model``
+    are its one pool's, unnamed (what a flat ``cluster`` is), and every replica is on it."""
+    pool = {}
+    for name in ("gpu", "n_gpus", "gpus_per_node", "cost_model"):
+        if name not in data:
+            raise InputError(source, at(name), "missing")
+        pool[name] = data.pop(name)
+    if "pools" in data:
+        raise InputError(source, at("pools"), "unknown field (pools are a version-3 plan's)")
+    return {**data, "pools": [{"name": "", **pool}]}
+
+
+def _header() -> dict[str, Any]:
+    return {"schema_version": PLAN_SCHEMA_VERSION, "kind": PLAN_KIND}
+
+
+def plan_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a plan file (``lorafleet schema plan``), generated from :class:`DeploymentPlan`."""
+    schema = adapter(DeploymentPlan).json_schema(mode="serialization")
+    schema["properties"]["schema_version"] = {"const": PLAN_SCHEMA_VERSION}
+    schema["properties"]["kind"] = {"const": PLAN_KIND}
+    schema["required"] = sorted({*schema.get("required", ()), "schema_version", "kind", "policy", "recompute"})
+    return schema

@@ -1,0 +1,169 @@
+"""What each step passes on: dispatch turns a :class:`GlobalBatch` into a :class:`StepPlan` (every sequence
+assigned to one replica and one micro-batch, rows contiguous by task), and an executor runs the StepPlan and
+returns a :class:`StepReport`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lorafleet.costmodel.time_model import MicroBatchShape
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """One step's sequences, all tasks together; sequence i is (task_ids[i], sample_ids[i], lengths[i])."""
+
+    step: int
+    task_ids: np.ndarray
+    """Index into the workload's tasks, per sequence (int64)."""
+    sample_ids: np.ndarray
+    """Which sample of its task's data stream (int64): what the torch executor loads."""
+    lengths: np.ndarray
+    """Token length after the task's overflow policy (int64)."""
+    truncated: int = 0
+    """Sequences cut to their context length to build this batch."""
+    rejected: int = 0
+    """Sequences dropped (and replaced by the next sample) for exceeding their context length."""
+
+    def __len__(self) -> int:
+        return int(self.lengths.size)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """Sequences one replica processes together, ordered so each task's rows are contiguous."""
+
+    seq_ids: tuple[int, ...]
+    """Positions in the step's GlobalBatch."""
+    task_ids: tuple[int, ...]
+    lengths: tuple[int, ...]
+    padded_len: int | None
+    """Every row padded to this length; ``None`` when the sequences are packed end to end."""
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the micro-batch occupies, padding included (what must fit in M)."""
+        return self.padded_len * len(self.lengths) if self.padded_len is not None else sum(self.lengths)
+
+    @property
+    def padding_tokens(self) -> int:
+        return self.tokens - sum(self.lengths)
+
+    @property
+    def segments(self) -> tuple[tuple[int, int, int], ...]:
+        """``(task_id, first_row, n_rows)`` per contiguous run of one task's sequences."""
+        runs: list[tuple[int, int, int]] = []
+        for row, task in enumerate(self.task_ids):
+            if runs and runs[-1][0] == task:
+                runs[-1] = (task, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((task, row, 1))
+        return tuple(runs)
+
+    @property
+    def shape(self) -> MicroBatchShape:
+        return MicroBatchShape(seq_lens=self.lengths, padded_len=self.padded_len)
+
+
+@dataclass(frozen=True)
+class ReplicaWork:
+    """One replica's share of a step."""
+
+    replica_id: int
+    microbatches: tuple[MicroBatch, ...]
+    estimated_time_s: float
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Every sequence of one global batch placed on a replica and in a micro-batch."""
+
+    step: int
+    bucket_boundaries: tuple[int, ...]
+    work: tuple[ReplicaWork, ...]
+    """One entry per replica of the deployment, in replica order (possibly with no micro-batches)."""
+    estimated_makespan_s: float
+    method: str = ""
+    """Dispatch method and status (``lpt``, ``milp:optimal``, ``milp-timeout->lpt``)."""
+    solve_s: float = 0.0
+    """Wall time spent computing this plan (bucketing, assignment, micro-batches)."""
+    truncated: int = 0
+    rejected: int = 0
+    speed: tuple[float, ...] = ()
+    """Per replica, the factor the dispatcher multiplied the cost model's times by (online
+    recalibration, :mod:`lorafleet.dispatch.recalibration`); empty: 1 for every replica."""
+
+    def base_estimate(self, position: int) -> float:
+        """The uncorrected cost model's estimate of replica ``position``'s time (its estimate over its speed factor)."""
+        estimate = self.work[position].estimated_time_s
+        return estimate / self.speed[position] if self.speed else estimate
+
+    @property
+    def n_seqs(self) -> int:
+        return sum(len(mb.lengths) for w in self.work for mb in w.microbatches)
+
+    @property
+    def tokens(self) -> int:
+        return sum(sum(mb.lengths) for w in self.work for mb in w.microbatches)
+
+    @property
+    def padding_tokens(self) -> int:
+        return sum(mb.padding_tokens for w in self.work for mb in w.microbatches)
+
+    @property
+    def padding_ratio(self) -> float:
+        """Padding tokens over all occupied tokens (LobRA's padding ratio)."""
+        total = self.tokens + self.padding_tokens
+        return self.padding_tokens / total if total else 0.0
+
+    def task_token_counts(self, names: Sequence[str]) -> tuple[dict[str, int], dict[str, int]]:
+        """Each task's real tokens and padding tokens in this step, keyed ``names[task_id]`` (every name, 0 for a
+        task without a sequence here): a padded row pads up to its micro-batch's length, a packed micro-batch
+        has no padding. What an executor reports (``StepReport.task_tokens``, ``task_padding_tokens``)."""
+        tokens = dict.fromkeys(names, 0)
+        padding = dict.fromkeys(names, 0)
+        for work in self.work:
+            for mb in work.microbatches:
+                for task, length in zip(mb.task_ids, mb.lengths, strict=True):
+                    tokens[names[task]] += length
+                    padding[names[task]] += mb.padded_len - length if mb.padded_len is not None else 0
+        return tokens, padding
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What an executor measured (or simulated) for one step."""
+
+    step: int
+    replica_busy_s: tuple[float, ...]
+    """Busy time per replica, in deployment order."""
+    makespan_s: float
+    """Wall time of the step: the slowest replica plus synchronisation."""
+    task_tokens: dict[str, int] = field(default_factory=dict)
+    """Real (non-padding) tokens per task."""
+    task_padding_tokens: dict[str, int] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)
+    """Mean token loss per task (real executors only)."""
+    estimated_makespan_s: float = 0.0
+    dispatch_solve_s: float = 0.0
+    failed_replicas: tuple[int, ...] = ()
+    rank_cpu_s: tuple[float, ...] = ()
+    """Process CPU seconds of each rank during the step (torch executor; the CPU analogue of GPU-seconds)."""
+    nonfinite_tasks: tuple[str, ...] = ()
+    """Tasks whose update this step was skipped: a non-finite loss or gradient norm."""
+    unmoved_tasks: tuple[str, ...] = ()
+    """Tasks found, at this step, not to have moved their adapter at all since their warm-up began."""
+
+    @property
+    def replica_idle_s(self) -> tuple[float, ...]:
+        return tuple(self.makespan_s - b for b in self.replica_busy_s)
+
+    @property
+    def utilisation(self) -> float:
+        """Mean busy fraction over replicas."""
+        if not self.replica_busy_s or self.makespan_s <= 0:
+            return 0.0
+        return float(np.mean(self.replica_busy_s) / self.makespan_s)
