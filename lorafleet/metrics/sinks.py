@@ -9,14 +9,15 @@ record holds is :mod:`lorafleet.metrics.records`'s.
 from __future__ import annotations
 
 import csv
+import io
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from lorafleet.metrics.records import flat_record, json_record, step_scalars
 from lorafleet.plans import StepReport
+from lorafleet.specs.io import write_text_atomic
 
 
 class MetricsWriter(Protocol):
@@ -77,8 +78,8 @@ class CsvWriter(ClosingWriter):
     The columns are those of the first row written (or, when appending to an existing file, its
     header), extended when a later row brings a column they lack (a task that joins the run, a
     ``task_gpu_s`` first given at a resume): the file is rewritten once with the new column beside
-    its family (``gpu_s/<task>`` after the other ``gpu_s/`` columns), atomically (a temporary file,
-    then renamed), the earlier rows' value for it empty. A missing value is empty.
+    its family (``gpu_s/<task>`` after the other ``gpu_s/`` columns), atomically
+    (``specs.io.write_text_atomic``), the earlier rows' value for it empty. A missing value is empty.
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -108,14 +109,11 @@ class CsvWriter(ClosingWriter):
         self._file.close()
         with self.path.open(newline="", encoding="utf-8") as f:
             rows = list(csv.DictReader(f))
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with tmp.open("w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=columns, restval="", extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(self.path)
+        table = io.StringIO()
+        writer = csv.DictWriter(table, fieldnames=columns, restval="", extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_text_atomic(self.path, table.getvalue())
         self._file = self.path.open("a", newline="", encoding="utf-8")
         self._writer = csv.DictWriter(self._file, fieldnames=columns, restval="", extrasaction="ignore")
 

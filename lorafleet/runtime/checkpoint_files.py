@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.errors import InputError
-from lorafleet.specs.io import file_sha256
+from lorafleet.specs.io import file_sha256, staged_directory
 from lorafleet.specs.workload import TaskSpec
 
 FORMAT_VERSION = 2
@@ -112,14 +112,11 @@ CARD = "README.md"
 
 def save_tokenizer(tokenizer: Any, directory: Path) -> None:
     """``tokenizer.save_pretrained`` into ``directory``, unless it holds one already (a resumed run's is the
-    same: ``--overwrite`` removes it with the run's other files); written beside it, then renamed into place."""
+    same: ``--overwrite`` removes it with the run's other files); written whole (``specs.io.staged_directory``)."""
     if (directory / "tokenizer_config.json").is_file():
         return
-    staging = directory.with_name(f".{directory.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    tokenizer.save_pretrained(str(staging))
-    shutil.rmtree(directory, ignore_errors=True)
-    staging.rename(directory)
+    with staged_directory(directory) as staging:
+        tokenizer.save_pretrained(str(staging))
 
 
 def export_adapters(
@@ -133,7 +130,7 @@ def export_adapters(
     changes: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
     """Tasks' PEFT adapters, copied out of a committed checkpoint into ``target/<task>``; each task's
-    directory appears whole (written beside it, then renamed over the old one).
+    directory appears whole (written beside it, then renamed over the old one: ``specs.io.staged_directory``).
 
     With ``tokenizer`` (the run's tokenizer directory, ``rundir.RunDir.tokenizer``), each directory is one a
     tenant can use anywhere: the tokenizer's files (when it was saved there) and a model card ``README.md``
@@ -146,27 +143,21 @@ def export_adapters(
     losses = losses or {}
     specs = {t.name: t for t in tasks}
     for name in names:
-        staging = target / f".{name}.partial"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        for file in ADAPTER_FILES:
-            shutil.copy2(step_dir / name / file, staging / file)
-        if tokenizer is not None:
-            if tokenizer.is_dir():
-                for file in sorted(tokenizer.iterdir()):
-                    if file.is_file() and file.name not in ADAPTER_FILES:
-                        shutil.copy2(file, staging / file.name)
-            config = json.loads((step_dir / name / ADAPTER_FILES[0]).read_text())
-            (staging / CARD).write_text(
-                model_card(name, config, specs.get(name), manifest, losses.get(name), (changes or {}).get(name, ())),
-                encoding="utf-8",
-            )
-        old = target / f".{name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if (target / name).exists():
-            (target / name).rename(old)
-        staging.rename(target / name)
-        shutil.rmtree(old, ignore_errors=True)
+        with staged_directory(target / name) as staging:
+            for file in ADAPTER_FILES:
+                shutil.copy2(step_dir / name / file, staging / file)
+            if tokenizer is not None:
+                if tokenizer.is_dir():
+                    for file in sorted(tokenizer.iterdir()):
+                        if file.is_file() and file.name not in ADAPTER_FILES:
+                            shutil.copy2(file, staging / file.name)
+                config = json.loads((step_dir / name / ADAPTER_FILES[0]).read_text())
+                (staging / CARD).write_text(
+                    model_card(
+                        name, config, specs.get(name), manifest, losses.get(name), (changes or {}).get(name, ())
+                    ),
+                    encoding="utf-8",
+                )
 
 
 def _count_rows(path: Path) -> int | None:

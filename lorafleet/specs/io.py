@@ -1,5 +1,5 @@
 """Files on disk, one rule each: JSON read with one-line errors (plans, profiles, HF configs, typed files),
-every file written whole or not at all, and a file's SHA-256."""
+every file and every directory written whole or not at all, and a file's SHA-256."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -92,6 +94,36 @@ def write_text_atomic(path: str | Path, text: str, *, mode: int | None = None) -
             raise InputError(str(path), "", f"cannot write ({err.strerror or err})") from None
         raise
     return target
+
+
+@contextlib.contextmanager
+def staged_directory(target: str | Path) -> Iterator[Path]:
+    """Write the directory ``target`` whole or not at all: yields an empty staging directory beside it,
+    ``.<name>.partial``, for the caller to fill; on success renames it into place, on failure removes it.
+
+    A stale staging directory (left by a crash) is removed first; something else in its place, a file,
+    is not (``mkdir`` fails: a file in the way is not this writer's to delete). An existing ``target``
+    is replaced: moved aside to ``.<name>.old``, the staging renamed to ``target``, then the old one
+    removed, so ``target`` is the old directory or the new one, except for the instant between the two
+    renames. Nothing is fsynced: whole against a crash of the process, not a power loss (a checkpoint
+    checks its files' SHA-256 when it is resumed). Errors are raised as they are (an OSError is a
+    failed write, not bad input), after the staging directory is removed.
+    """
+    target = Path(target)
+    staging = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+        old = target.with_name(f".{target.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        if target.exists():
+            target.rename(old)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def file_sha256(path: str | Path) -> str:

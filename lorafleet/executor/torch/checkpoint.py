@@ -16,7 +16,8 @@ any step are a function of the step (``window.microbatch_seed``).
 
 **Commit** (DLRover's two phases, on one writer): rank 0 gathers the pieces, writes the step
 into ``.step-000004.partial/`` with a manifest holding the SHA-256 of every other file in it,
-renames it to ``step-000004/`` (atomic on POSIX: from here the checkpoint is committed), then
+renames it to ``step-000004/`` (``specs.io.staged_directory``; atomic on POSIX: from here the
+checkpoint is committed), then
 replaces ``latest.json`` (``specs.io.write_text_atomic``), a pointer for people and
 tools. Older step directories beyond ``keep`` are removed after the commit.
 
@@ -59,7 +60,7 @@ from lorafleet.runtime.checkpoint_files import (
     resumable_checkpoint,
     step_dir_name,
 )
-from lorafleet.specs.io import file_sha256, write_text_atomic
+from lorafleet.specs.io import file_sha256, staged_directory, write_text_atomic
 from lorafleet.specs.lora import LoraSpec
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -193,27 +194,23 @@ def _optimizer_key(module: str, factor: str, key: str) -> str:
 def save_train_state(directory: str | Path, state: TrainState, *, base_model: str, keep: int = 2) -> Path:
     """Writes and commits one checkpoint (rank 0 only); returns its step directory."""
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
     name = step_dir_name(state.step)
-    partial = root / f".{name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    for task in state.tasks:
-        write_peft_adapter(partial / task.name, task.spec, task.weights, base_model)
-        moments = {_optimizer_key(*k): t.contiguous() for k, t in sorted(task.optimizer.items())}
-        save_file(moments, partial / task.name / OPTIMIZER_FILE)
-    manifest = {
-        "format": FORMAT_VERSION,
-        "step": state.step,
-        "base_model": base_model,
-        "tasks": [{"name": t.name, "optimizer_steps": t.optimizer_steps} for t in state.tasks],
-        "data": state.data,
-        "extra": state.extra,
-        "files": {str(f.relative_to(partial)): file_sha256(f) for f in sorted(partial.rglob("*")) if f.is_file()},
-    }
-    (partial / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     final = root / name
-    shutil.rmtree(final, ignore_errors=True)  # a re-save of the same step (not the committed one's target)
-    partial.rename(final)
+    with staged_directory(final) as partial:  # a re-save of the same step replaces it
+        for task in state.tasks:
+            write_peft_adapter(partial / task.name, task.spec, task.weights, base_model)
+            moments = {_optimizer_key(*k): t.contiguous() for k, t in sorted(task.optimizer.items())}
+            save_file(moments, partial / task.name / OPTIMIZER_FILE)
+        manifest = {
+            "format": FORMAT_VERSION,
+            "step": state.step,
+            "base_model": base_model,
+            "tasks": [{"name": t.name, "optimizer_steps": t.optimizer_steps} for t in state.tasks],
+            "data": state.data,
+            "extra": state.extra,
+            "files": {str(f.relative_to(partial)): file_sha256(f) for f in sorted(partial.rglob("*")) if f.is_file()},
+        }
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     write_text_atomic(root / LATEST, json.dumps({"step": state.step, "path": name}) + "\n")
     steps = sorted(p for p in root.glob("step-*") if p.is_dir())
     for old in steps[: max(0, len(steps) - keep)]:
