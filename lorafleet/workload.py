@@ -282,8 +282,11 @@ def _dataset_lengths(data: DataSpec, workload: WorkloadSpec, source: tuple[str, 
     return np.array([len(e) for e in tokenize_rows(tokenizer, rows, data.format, data.path)])
 
 
-def _resolve_relative(spec: WorkloadSpec, base: Path) -> WorkloadSpec:
-    """Dataset, tokenizer and pool profile paths in a workload file are relative to that file."""
+def resolve_workload_paths(spec: WorkloadSpec, base: Path) -> WorkloadSpec:
+    """``spec`` with every path it names resolved against ``base`` (``specs.workload.resolve_path``): its
+    tasks' data (``resolve_data_paths``), its tokenizer, its pools' profiles, and its model when that is not
+    a preset and names something that exists under ``base``. The one list of a workload's paths: against its
+    file's folder when it is loaded, against the working directory when the run writes it resolved."""
     top: dict = {"tasks": tuple(resolve_data_paths(task, base) for task in spec.tasks)}
     if any(p.profile is not None for p in spec.cluster.pools):
         pools = tuple(
@@ -333,7 +336,7 @@ def load_workload(path: str | Path, overrides: Sequence[str] | None = None) -> W
         error = InputError(path, *describe_validation_error(err.errors()[0]))
         raise _blame_overrides(error, raw, applied) from None
     try:
-        return resolve_workload(_resolve_relative(spec, Path(path).parent), path)
+        return resolve_workload(resolve_workload_paths(spec, Path(path).parent), path)
     except InputError as err:
         raise _blame_overrides(err, raw, applied) from None
 

@@ -31,7 +31,7 @@ from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import ARGS, TrainOptions
 from lorafleet.train.phases import counted
-from lorafleet.workload import Workload
+from lorafleet.workload import Workload, resolve_workload_paths
 
 if TYPE_CHECKING:
     from lorafleet.plans import DeploymentPlan
@@ -458,22 +458,14 @@ def revisions_header(options: TrainOptions) -> str:
 
 def save_resolved_workload(spec: WorkloadSpec, path: Path, header: str = "") -> None:
     """The validated workload ``spec`` as YAML (``defaults:`` merged into every task, presets' values filled
-    in, no unset field), its data, tokenizer and model paths absolute; written whole (a temporary file
-    renamed over the old one), after ``header`` (comments). On a resume that took queued changes, the tasks
-    are the ledger's active ones."""
+    in, no unset field), every path it names absolute (``workload.resolve_workload_paths`` against the working
+    directory); written whole (a temporary file renamed over the old one), after ``header`` (comments). On a
+    resume that took queued changes, the tasks are the ledger's active ones."""
     import yaml
 
     from lorafleet.specs.io import write_text_atomic
-    from lorafleet.specs.model import MODEL_PRESETS
-    from lorafleet.specs.workload import resolve_data_paths, resolve_path
 
-    here = Path.cwd()
-    tasks = tuple(resolve_data_paths(task, here) for task in spec.tasks)
-    raw = spec.model_copy(update={"tasks": tasks}).model_dump(mode="json", exclude_none=True)
-    if "tokenizer" in raw:
-        raw["tokenizer"] = resolve_path(raw["tokenizer"], here)
-    if spec.model not in MODEL_PRESETS and Path(spec.model).exists():
-        raw["model"] = resolve_path(spec.model, here)
+    raw = resolve_workload_paths(spec, Path.cwd()).model_dump(mode="json", exclude_none=True)
     write_text_atomic(path, header + yaml.safe_dump(raw, sort_keys=False, allow_unicode=True))
 
 

@@ -137,3 +137,27 @@ def test_the_data_roots_default_to_the_workloads_data_folders(run):
     assert queue_data_roots(options, prepare(options).workload) == (str(DEMO.resolve()),)
     given = replace(options, queue_data_roots=(str(tmp),))
     assert queue_data_roots(given, prepare(given).workload) == (str(tmp.resolve()),)
+
+
+def test_the_resolved_workload_names_every_path_absolute(tmp_path, monkeypatch, tiny_tokenizer_dir):
+    """``workload.resolved.yaml`` is read from the run directory, so each path the workload names (data,
+    tokenizer, a pool's profile) is written absolute, whatever folder the run started in."""
+    import yaml
+
+    from lorafleet.train.preflight import save_resolved_workload
+    from lorafleet.workload import load_workload
+    from tests.helpers.repo import REPO
+
+    (tmp_path / "in" / "profiles").mkdir(parents=True)
+    (tmp_path / "in" / "profiles" / "cpu.json").write_bytes((REPO / "profiles" / "tiny-llama-cpu.json").read_bytes())
+    (tmp_path / "in" / "docsum.jsonl").write_bytes((DEMO / "docsum.jsonl").read_bytes())
+    (tmp_path / "in" / "w.yaml").write_text(
+        f"model: tiny-llama\ntokenizer: {tiny_tokenizer_dir}\n"
+        "cluster: {pools: [{name: measured, gpu: cpu, gpus_per_node: 2, profile: profiles/cpu.json}]}\n"
+        "tasks:\n  - {name: docsum, data: {path: docsum.jsonl}, batch_size: 3, context_length: 256}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    save_resolved_workload(load_workload("in/w.yaml").spec, tmp_path / "resolved.yaml")
+    written = yaml.safe_load((tmp_path / "resolved.yaml").read_text())
+    assert written["tasks"][0]["data"]["path"] == str(tmp_path / "in" / "docsum.jsonl")
+    assert written["cluster"]["pools"][0]["profile"] == str(tmp_path / "in" / "profiles" / "cpu.json")
