@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import time
 
+from lorafleet.specs.length_family import fit_params
 from lorafleet.specs.length_presets import LOBRA_DATASETS, PMF_FILE, DatasetPreset, preset_distribution, write_pmfs
-from lorafleet.specs.lengths import LengthDistribution, fit_params
+from lorafleet.specs.lengths import LengthDistribution
 
 
 def _row(preset: DatasetPreset, dist: LengthDistribution) -> str:

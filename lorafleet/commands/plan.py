@@ -115,7 +115,7 @@ SIZING_FLAGS = {
     "steps": "--steps",
     "max_nodes": "--max-nodes",
 }
-"""SizingObjective field (``planner.sizing.OBJECTIVE_SOURCE``) -> the flag that sets it."""
+"""SizingObjective field (``planner.sizing_objective.OBJECTIVE_SOURCE``) -> the flag that sets it."""
 
 
 def _number(flag: str, text: str, kind: type, what: str, part: str = ""):
@@ -169,8 +169,8 @@ def _sizing(args: argparse.Namespace):
 
 
 def _sizing_flag_error(err: InputError) -> InputError:
-    """An objective error (``planner.sizing.OBJECTIVE_SOURCE``) as the error of the flag that set the field."""
-    from lorafleet.planner.sizing import OBJECTIVE_SOURCE
+    """An objective error (``planner.sizing_objective.OBJECTIVE_SOURCE``) as the error of the flag that set it."""
+    from lorafleet.planner.sizing_objective import OBJECTIVE_SOURCE
 
     if err.path != OBJECTIVE_SOURCE:
         return err
@@ -181,7 +181,8 @@ def sizing_table(sizing):
     """Every GPU count swept: its plan and figures, whether it meets the goal, and the chosen row."""
     from rich.table import Table
 
-    from lorafleet.planner.sizing import by_cost, describe_objective
+    from lorafleet.planner.sizing_objective import describe_objective
+    from lorafleet.planner.sizing_result import by_cost
 
     objective = sizing.objective
     priced = all(r.cost_per_step is not None for r in sizing.rows)
@@ -278,7 +279,7 @@ def stats_table(result, cpu_s: float):
 def cost_line(result, workload) -> str | None:
     """``cost 0.0123 a step at the pools' prices, 24.6 for the 2000-step job``; None when a pool has no price."""
     from lorafleet.planner import LORAFLEET
-    from lorafleet.planner.sizing import SizingObjective, job_steps
+    from lorafleet.planner.sizing_objective import SizingObjective, job_steps
 
     per_step = result.cost(LORAFLEET).cost_per_step
     if per_step is None:

@@ -3,7 +3,8 @@
 ``plan_deployment(workload, cluster, cost_model, options) -> PlanResult`` is the entry
 point (see :mod:`.driver`; what makes one plan better than another is :mod:`.objective`);
 ``size_fleet`` plans it on 1 .. K whole nodes and picks the GPU count for a deadline, a GPU-hour
-budget or the fewest GPU-seconds (:mod:`.sizing`).
+budget or the fewest GPU-seconds (:mod:`.sizing`, with its goal, rows, search and choice in
+:mod:`.sizing_objective`, :mod:`.sizing_result`, :mod:`.sizing_search` and :mod:`.sizing_choice`).
 The baselines are :class:`Schedule`\\ s (a DeploymentPlan and a dispatch policy per phase)
 that a simulator can replay step by step, like the plan itself.
 """
@@ -21,15 +22,9 @@ from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.incremental import MigrationModel, Replan, ReplanObjective, ReplanOptions, replan_incremental
 from lorafleet.planner.options import PlannerMode, PlannerOptions, PlanObjective
 from lorafleet.planner.schedule import Phase, Schedule, StepCost, pow2_boundaries
-from lorafleet.planner.sizing import (
-    Deadline,
-    SizingError,
-    SizingGoal,
-    SizingObjective,
-    SizingResult,
-    SizingRow,
-    size_fleet,
-)
+from lorafleet.planner.sizing import size_fleet
+from lorafleet.planner.sizing_objective import Deadline, SizingGoal, SizingObjective
+from lorafleet.planner.sizing_result import SizingError, SizingResult, SizingRow
 
 __all__ = [
     "LORAFLEET",

@@ -3,7 +3,7 @@
 Each preset carries the dataset's published length statistics (LobRA paper and artifact;
 ``shared/reference/README.md``): mean, skewness and excess kurtosis of the token lengths
 after truncation to ``context_length``. It also carries the parameters
-``(a, c, log_scale, tail_mass)`` of the :mod:`lorafleet.specs.lengths` family fitted to
+``(a, c, log_scale, tail_mass)`` of the :mod:`lorafleet.specs.length_family` family fitted to
 them. The fit runs offline (``python scripts/fit_length_presets.py``) and is written here
 as literals. The pmfs those params give are shipped beside this module
 (``length_presets.npz``, written by ``scripts/fit_length_presets.py --stored``): loading a preset
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lorafleet.specs.lengths import LengthDistribution, family_pmf
+from lorafleet.specs.length_family import family_pmf
+from lorafleet.specs.lengths import LengthDistribution
 
 PMF_FILE = Path(__file__).with_name("length_presets.npz")
 """Per preset id: ``<id>`` its pmf over ``1..context_length`` (float64), ``<id>.params`` the params it

@@ -105,7 +105,7 @@ def test_the_cost_objective_buys_the_cheapest_step_within_the_makespan_tolerance
 
 
 def test_the_clusters_a_sizing_sweeps_over_pools():
-    from lorafleet.planner.sizing import candidate_clusters
+    from lorafleet.planner.sizing_search import candidate_clusters
 
     two = ClusterSpec.model_validate(
         {"pools": [{"name": "a100", "nodes": 2, "price_per_gpu_hour": 1.3}, {"name": "h100", "gpu": "H100-80GB"}]}
@@ -128,7 +128,7 @@ def test_sizing_over_pools_buys_the_cheapest_fleet_that_meets_the_deadline(fleet
     pools' nodes planned, the cheapest job that finishes in time chosen (not the one on fewest GPUs)."""
     from lorafleet.assemble import workload_cost_model
     from lorafleet.planner import Deadline, SizingObjective, size_fleet
-    from lorafleet.planner.sizing import judge
+    from lorafleet.planner.sizing_choice import judge
 
     workload, cluster, _ = fleet
     options = PlannerOptions(robust_samples=0, baselines=False)

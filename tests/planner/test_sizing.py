@@ -22,7 +22,9 @@ from lorafleet.planner import (
     plan_deployment,
     size_fleet,
 )
-from lorafleet.planner.sizing import OBJECTIVE_SOURCE, job_steps, judge, plan_counts
+from lorafleet.planner.sizing_choice import judge
+from lorafleet.planner.sizing_objective import OBJECTIVE_SOURCE, job_steps
+from lorafleet.planner.sizing_search import plan_counts
 from lorafleet.plans import DeploymentPlan
 from lorafleet.workload import load_workload
 from tests.helpers.planning import small_workload
@@ -214,7 +216,7 @@ def test_a_scan_stops_once_no_larger_count_can_be_better(one_long_task):
     until t_0 n reaches the best per-step GPU-seconds found (or the budget's), since a plan on n GPUs costs at
     least t_0 n. Counted: 5 of 4,096 counts planned (3 for a budget of 3 GPU-s a step, which none meets)."""
     from lorafleet.assemble import workload_cost_model
-    from lorafleet.planner.sizing import CountBounds
+    from lorafleet.planner.sizing_search import CountBounds
 
     cluster = one_long_task.cluster
     cost_model = lambda candidate: workload_cost_model(one_long_task, candidate)  # noqa: E731

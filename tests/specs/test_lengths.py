@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
+from lorafleet.specs.length_family import family_pmf, fit_params
 from lorafleet.specs.length_presets import (
     LOBRA_DATASETS,
     PMF_FILE,
@@ -19,7 +20,7 @@ from lorafleet.specs.length_presets import (
     preset_distribution,
     write_pmfs,
 )
-from lorafleet.specs.lengths import LengthDistribution, family_pmf, fit_params
+from lorafleet.specs.lengths import LengthDistribution
 
 PRESETS = list(LOBRA_DATASETS.values())
 
