@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
+
+import pytest
 
 import lorafleet
 from lorafleet.runtime.processes import (
@@ -15,6 +20,7 @@ from lorafleet.runtime.processes import (
     shared_store_warning,
     worker_env,
 )
+from tests.helpers.ports import held_port
 
 
 def test_every_restart_gets_a_fresh_rendezvous_store_and_the_launchers_code(monkeypatch):
@@ -75,18 +81,30 @@ except Exception as err:
 """
 
 
+def test_a_held_port_is_refused_to_other_binds_and_served_by_a_store():
+    """What the tests that start a torch store on a drawn port rely on (``tests.helpers.ports``): while the
+    port is held, no other socket binds it, and a ``TCPStore`` server (libuv's, torch's default) binds it,
+    listens and serves."""
+    import torch.distributed as dist
+
+    with held_port() as port:
+        with socket.socket() as other, pytest.raises(OSError) as refused:
+            other.bind(("127.0.0.1", port))
+        assert refused.value.errno == errno.EADDRINUSE
+        store = dist.TCPStore("127.0.0.1", port, 1, is_master=True, timeout=timedelta(seconds=30))
+        store.set("key", "value")
+        assert store.get("key") == b"value"
+
+
 def test_a_peer_that_never_arrives_ends_the_start_within_its_timeout(tmp_path):
     """Rank 0 of two, whose peer never starts (#25): torch would wait 30 minutes (gloo's default); the group
     must form within --start-timeout, here 1 s, or the worker ends with a StartTimeout that says so (and the
-    launcher's one line names it, as a failure of its own, not a lost peer: the next test)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0"}
-    env |= {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(Path(lorafleet.__file__).parents[1])}
-    done = subprocess.run([sys.executable, "-c", FORM], env=env, capture_output=True, text=True, timeout=120)
+    launcher's one line names it, as a failure of its own, not a lost peer: the next test). Rank 0 hosts the
+    group's store on a port held for it (``held_port``): one drawn and closed could be taken before it binds."""
+    with held_port() as port:
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0"}
+        env |= {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(Path(lorafleet.__file__).parents[1])}
+        done = subprocess.run([sys.executable, "-c", FORM], env=env, capture_output=True, text=True, timeout=120)
     said, seconds = done.stdout.strip().splitlines()
     assert said.startswith("StartTimeout: the process group did not form within 1 s (--start-timeout): ")
     assert "1/2 clients joined" in said and float(seconds) < 30, done.stdout + done.stderr

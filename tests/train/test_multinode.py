@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ from lorafleet.cli import build_parser, main
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from tests.helpers import fleet_harness as h
+from tests.helpers.ports import held_port
 from tests.helpers.repo import DEMO, REPO
 from tests.helpers.train_cli import LAUNCHER
 
@@ -29,12 +29,6 @@ TASKS = ("docsum", "chat")
 STEPS = "3"
 AGENTS = (("a", 1), ("a", 1), ("b", 2))
 """The nodes in rank order: (pool, processes)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _workload(tmp: Path, name: str, cluster: str, tokenizer: Path) -> Path:
@@ -103,18 +97,18 @@ def test_two_pools_on_three_torchrun_agents_train_as_one_pool_on_one_node_does(s
     assert result.returncode == 0, result.stderr[-3000:]
 
     multi = tmp / "multi"
-    port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     nodes = []
-    for rank, (_, processes) in enumerate(AGENTS):
-        agent = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(AGENTS)}",
-                 f"--nproc-per-node={processes}", "--rdzv-backend=static", "--master-addr=127.0.0.1",
-                 f"--master-port={port}", f"--node-rank={rank}",
-                 "-m", "lorafleet", *_common(pools, pools_plan, multi)]  # fmt: skip
-        nodes.append(
-            subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=env)
-        )
-    outputs = [node.communicate(timeout=400) for node in nodes]
+    with held_port() as port:  # node 0's agent hosts the rendezvous store on it, seconds after it starts
+        for rank, (_, processes) in enumerate(AGENTS):
+            agent = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(AGENTS)}",
+                     f"--nproc-per-node={processes}", "--rdzv-backend=static", "--master-addr=127.0.0.1",
+                     f"--master-port={port}", f"--node-rank={rank}",
+                     "-m", "lorafleet", *_common(pools, pools_plan, multi)]  # fmt: skip
+            nodes.append(
+                subprocess.Popen(agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp, env=env)
+            )
+        outputs = [node.communicate(timeout=400) for node in nodes]
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
 
