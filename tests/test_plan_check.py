@@ -4,6 +4,7 @@ cannot run as planned (one line naming the plan file and field, exit 2, nothing 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -38,7 +39,7 @@ def planned(tmp_path_factory):
     return path, workload, result.plan, tmp / "plan.json"
 
 
-def test_v3_round_trip_keeps_what_the_plan_was_judged_under(planned):
+def test_v4_round_trip_keeps_what_the_plan_was_judged_under(planned):
     _, workload, plan, plan_path = planned
     loaded = DeploymentPlan.load(plan_path)
     assert loaded == plan
@@ -47,12 +48,39 @@ def test_v3_round_trip_keeps_what_the_plan_was_judged_under(planned):
     assert pool.name == "" and pool.cost_model.kind == "analytic" and pool.cost_model.gpu == "A100-80GB"
     assert loaded.recompute is workload.spec.recompute
     data = json.loads(plan_path.read_text())
-    assert data["schema_version"] == 3 and data["policy"]["microbatch_mode"] == "padding"
+    assert data["schema_version"] == 4 and data["policy"]["microbatch_mode"] == "padding"
     assert {r["pool"] for r in data["replicas"]} == {""}
+    assert (data["objective"], data["tie_rel"], data["pools"][0]["price_per_gpu_hour"]) == ("makespan", 0.005, None)
+
+
+def _as_version_3(data: dict) -> dict:
+    """A version-4 plan, planned by the default objective on unpriced pools, as version 3 wrote it."""
+    assert (data.pop("objective"), data.pop("tie_rel")) == ("makespan", 0.005)
+    for pool in data["pools"]:
+        assert pool.pop("price_per_gpu_hour") is None
+    return {**data, "schema_version": 3}
+
+
+def test_a_version_3_plan_loads_as_planned_by_the_defaults(planned, tmp_path):
+    """Makespan, the default tolerance, no prices: what every version-3 plan was planned by; the new fields in
+    a version-3 file are refused."""
+    _, _, plan, plan_path = planned
+    old = tmp_path / "v3.json"
+    data = _as_version_3(json.loads(plan_path.read_text()))
+    old.write_text(json.dumps(data))
+    assert DeploymentPlan.load(old) == plan
+    for broken, field in (
+        ({**data, "objective": "cost"}, "objective"),
+        ({**data, "pools": [{**data["pools"][0], "price_per_gpu_hour": 1.0}]}, "pools[0].price_per_gpu_hour"),
+    ):
+        old.write_text(json.dumps(broken))
+        with pytest.raises(InputError, match=rf"v3.json: {re.escape(field)}: unknown field \(a version-4 plan's\)"):
+            DeploymentPlan.load(old)
 
 
 def _as_version_2(data: dict) -> dict:
-    """A version-3 plan of one unnamed pool as version 2 wrote it."""
+    """A version-4 plan of one unnamed pool, planned by the defaults, as version 2 wrote it."""
+    data = _as_version_3(data)
     (pool,) = data.pop("pools")
     for replica in data["replicas"]:
         assert replica.pop("pool") == ""
@@ -108,6 +136,10 @@ def test_version_1_is_refused_naming_the_field(planned, tmp_path):
         (lambda d: d["policy"]["recalibration"].update(enabled=1), "policy.recalibration.enabled", "true or false"),
         (lambda d: d["replicas"][0].update(pool=7), "replicas[0].pool", "string"),
         (lambda d: d.pop("pools"), "pools", "missing"),
+        (lambda d: d.update(objective="cheapest"), "objective", "makespan"),
+        (lambda d: d.update(tie_rel=1.5), "tie_rel", "[0, 1)"),
+        (lambda d: d.pop("tie_rel"), "tie_rel", "missing"),
+        (lambda d: d["pools"][0].update(price_per_gpu_hour=-1.0), "pools[0].price_per_gpu_hour", ">= 0"),
     ],
 )
 def test_a_broken_plan_file_names_the_field_path(planned, tmp_path, edit, field, words):

@@ -249,7 +249,8 @@ def plan_deployment(
     the heuristic plan with a :class:`~lorafleet.errors.SolverFallbackWarning`.
 
     Every deployment is judged under ``options.policy`` (its steps priced by ``cost_model`` in the
-    policy's pipeline window), and the plan records that policy whole.
+    policy's pipeline window), and the plan records that policy whole, and what it was chosen by: the
+    objective, its tolerance and the pools' prices (the cluster's, or ``options.prices``).
 
     The work it took, counted where it is done (``lorafleet.work``), is in ``diagnostics.work`` and in
     the plan's last note.
@@ -270,6 +271,18 @@ def plan_deployment(
     )
 
 
+def _priced(cluster: ClusterSpec, prices: tuple[tuple[str, float], ...]) -> ClusterSpec:
+    """``cluster`` with each pool that ``prices`` names at its price there (``PlannerOptions.prices``: a re-plan's
+    are its plan's), the others at their own."""
+    if not prices:
+        return cluster
+    given = dict(prices)
+    pools = tuple(
+        p.model_copy(update={"price_per_gpu_hour": given[p.name]}) if p.name in given else p for p in cluster.pools
+    )
+    return cluster.model_copy(update={"pools": pools})
+
+
 def _plan_deployment(
     workload: Workload, cluster: ClusterSpec, cost_model: CostModel, options: PlannerOptions
 ) -> PlanResult:
@@ -283,6 +296,7 @@ def _plan_deployment(
         clock = now
 
     policy = options.policy
+    cluster = _priced(cluster, options.prices)
     if options.objective is PlanObjective.COST and not cluster.priced:
         unpriced = ", ".join(
             repr(p.name) if p.name else "the cluster's" for p in cluster.pools if p.price_per_gpu_hour is None
@@ -320,7 +334,12 @@ def _plan_deployment(
     idle = _idle_note(problem, chosen, ranked, expected_step.estimated_makespan_s)
     if idle:
         notes.append(idle)
-    plan = replace(with_expectation(choice.schedule.phases[0].plan, expected_step), notes=tuple(notes))
+    plan = replace(
+        with_expectation(choice.schedule.phases[0].plan, expected_step),
+        notes=tuple(notes),
+        objective=options.objective,
+        tie_rel=options.tie_rel,
+    )
     schedule = replace(choice.schedule, phases=(replace(choice.schedule.phases[0], plan=plan),))
 
     costs = [

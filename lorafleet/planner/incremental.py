@@ -286,12 +286,13 @@ def replan_incremental(
     steps_left: int,
 ) -> Replan:
     """Keep ``current`` or move to another plan for ``workload`` (module doc); every deployment is judged
-    under ``current``'s dispatch policy, which the chosen plan keeps (``options.policy`` is replaced by it).
-    ``steps_left``: the steps the job still has to run (the horizon's bound)."""
+    under ``current``'s dispatch policy and found by what ``current`` was planned for, its objective, tolerance
+    and pool prices, which the chosen plan keeps (``options.replanning(current)``). ``steps_left``: the steps
+    the job still has to run (the horizon's bound)."""
     counts: dict = {}
     for r in current.replicas:
         counts[r.config] = counts.get(r.config, 0) + 1
-    running = replace(options, policy=current.policy, incumbent=tuple(counts.items()), baselines=False)
+    running = replace(options.replanning(current), incumbent=tuple(counts.items()))
     fresh = plan_deployment(workload, cluster, cost_model, running)
     move = fresh.plan
     keep = kept_plan(current, workload, fresh.cost_model)

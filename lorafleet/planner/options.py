@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.errors import InputError, coerce_enum_fields
 from lorafleet.solvers import SolverName
 from lorafleet.specs.dispatch import DispatchPolicy
+from lorafleet.specs.objective import TIE_REL, PlanObjective
+
+if TYPE_CHECKING:
+    from lorafleet.plans import DeploymentPlan
 
 OPTIONS_SOURCE = "<planner options>"
-
-
-class PlanObjective(StrEnum):
-    """What makes one plan better than another (``objective.preferred``)."""
-
-    MAKESPAN = "makespan"
-    """The shortest expected step; within ``tie_rel`` of it, the fewest GPUs."""
-    COST = "cost"
-    """Within ``tie_rel`` of the shortest expected step, the fewest currency units per step at the pools'
-    prices (every pool needs a ``price_per_gpu_hour``)."""
 
 
 class PlannerMode(StrEnum):
@@ -50,8 +45,10 @@ class PlannerOptions:
        ``enumeration_limit`` (exhaustive);
     4. **filter and judge**: ``lower_bound_threshold``, ``min_survivors``, ``exact_top``;
     5. **robust race** on sampled batches: ``robust_top``, ``robust_samples``, ``race_rung``, ``seed``;
-    6. **objective**: ``objective``, ``tie_rel`` (:func:`~lorafleet.planner.objective.preferred`);
+    6. **objective**: ``objective``, ``tie_rel``, ``prices`` (:func:`~lorafleet.planner.objective.preferred`);
     7. **report**: ``baselines``.
+
+    A re-plan of a saved plan takes its options from :meth:`replanning`: what the plan was planned for.
     """
 
     # 1. policy
@@ -112,9 +109,12 @@ class PlannerOptions:
     objective: PlanObjective = PlanObjective.MAKESPAN
     """Among plans of makespans within ``tie_rel`` of the fastest: the one on fewest GPUs, or (``cost``) the
     one of fewest currency units per step at the pools' prices."""
-    tie_rel: float = 5e-3
+    tie_rel: float = TIE_REL
     """Makespans within this fraction count as equal, and the plan with fewer GPUs (or, by ``objective``,
     the cheaper step) wins: the makespan tolerance."""
+    prices: tuple[tuple[str, float], ...] = ()
+    """``(pool, price per GPU-hour)`` pairs the planner prices those pools by instead of the cluster's (a
+    re-plan's: the prices its plan recorded, :meth:`replanning`); empty: the cluster's prices."""
 
     # 7. report
     baselines: bool = True
@@ -144,6 +144,9 @@ class PlannerOptions:
         }.items():
             if not 0 <= value < 1:
                 raise InputError(OPTIONS_SOURCE, name, f"must be in [0, 1), got {value}")
+        for pool, price in self.prices:
+            if not price >= 0:
+                raise InputError(OPTIONS_SOURCE, "prices", f"pool {pool!r}: a price must be >= 0, got {price}")
         for name, value in {
             "polish_evaluations": self.polish_evaluations,
             "exact_top": self.exact_top,
@@ -151,3 +154,19 @@ class PlannerOptions:
         }.items():
             if value < 0:
                 raise InputError(OPTIONS_SOURCE, name, f"must be >= 0, got {value}")
+
+    def replanning(self, plan: DeploymentPlan, policy: DispatchPolicy | None = None) -> PlannerOptions:
+        """These options for a re-plan of ``plan``: by what it was planned for, its ``objective``, ``tie_rel`` and
+        pools' prices (``DeploymentPlan.prices``), judged under ``policy`` (default: the plan's own), without
+        baselines. Every re-plan of a running plan takes its options here (``train.replan.replan_run``,
+        ``planner.incremental.replan_incremental``), so a fleet planned by cost on priced pools is re-planned by
+        cost at those prices; a plan of schema 3 or older records the defaults (makespan, ``TIE_REL``, no
+        prices)."""
+        return replace(
+            self,
+            policy=plan.policy if policy is None else policy,
+            objective=plan.objective,
+            tie_rel=plan.tie_rel,
+            prices=plan.prices,
+            baselines=False,
+        )

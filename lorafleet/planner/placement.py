@@ -62,7 +62,8 @@ def place_replicas(
 
 
 def plan_pools(cluster: ClusterSpec, cost_model: CostModel) -> tuple[PlanPool, ...]:
-    """The cluster's pools as a plan records them, each with the origin of the cost model that prices it."""
+    """The cluster's pools as a plan records them, each with the origin of the cost model that prices it and its
+    price per GPU-hour."""
     return tuple(
         PlanPool(
             name=pool.name,
@@ -70,6 +71,7 @@ def plan_pools(cluster: ClusterSpec, cost_model: CostModel) -> tuple[PlanPool, .
             n_gpus=pool.n_gpus,
             gpus_per_node=pool.gpus_per_node,
             cost_model=cost_model.origins().get(pool.name),
+            price_per_gpu_hour=pool.price_per_gpu_hour,
         )
         for pool in cluster.pools
     )

@@ -20,17 +20,27 @@ from lorafleet.plans.parts import PLAN_SOURCE, PlanPool, PolicyJson, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec, PoolSpec, first_gpu, named_pool, pool_at
 from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.specs.io import read_json_object, write_text_atomic
+from lorafleet.specs.objective import TIE_REL, PlanObjective
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.specs.typed import adapter, join_path, validate_strict
 
-PLAN_SCHEMA_VERSION = 3
+PLAN_SCHEMA_VERSION = 4
 """2 adds what a plan was judged under: ``policy``, ``cost_model`` and ``recompute``. A version-1
 file does not say which micro-batches (padded or packed) or which cost model its figures
 assume, so it is refused rather than guessed at (re-run ``lorafleet plan --json``). 3 has
 ``pools`` (each with its GPU kind, GPUs and cost model) where 2 had one ``gpu``, ``n_gpus``,
 ``gpus_per_node`` and ``cost_model``, and each replica's ``pool``; a version-2 file is read as a
-plan of one unnamed pool (:func:`_from_version_2`)."""
+plan of one unnamed pool (:func:`_from_version_2`). 4 records what the plan was planned for: the
+planner's ``objective`` and ``tie_rel``, and each pool's ``price_per_gpu_hour``, which every re-plan of it
+honours (``PlannerOptions.replanning``); a version-3 (or 2) file is read as planned by the defaults: the
+makespan objective, ``TIE_REL``, pools without a price (:func:`_from_version_3`)."""
 PLAN_KIND = "lorafleet.DeploymentPlan"
+_REQUIRED = {
+    2: ("policy", "cost_model", "recompute"),
+    3: ("policy", "pools", "recompute"),
+    PLAN_SCHEMA_VERSION: ("policy", "pools", "recompute", "objective", "tie_rel"),
+}
+"""The fields a plan file of each schema version it may have must hold (the rest have defaults)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,15 @@ class DeploymentPlan:
     ``simulate``, ``dispatch`` and ``train`` run unless told otherwise."""
     recompute: RecomputePolicy = RecomputePolicy.AUTO
     """The workload's activation-recomputation policy the configs were chosen under."""
+    objective: PlanObjective = PlanObjective.MAKESPAN
+    """The objective the planner chose the plan by (``plan --objective``), which a re-plan chooses by too."""
+    tie_rel: float = TIE_REL
+    """The makespan tolerance it chose by (``plan --makespan-tolerance``; ``PlannerOptions.tie_rel``)."""
+
+    @property
+    def prices(self) -> tuple[tuple[str, float], ...]:
+        """``(pool, price per GPU-hour)`` of each of its pools that has a price (``PlannerOptions.prices``)."""
+        return tuple((p.name, p.price_per_gpu_hour) for p in self.pools if p.price_per_gpu_hour is not None)
 
     @property
     def n_gpus(self) -> int:
@@ -91,7 +110,8 @@ class DeploymentPlan:
         return {p.name: p.cost_model for p in self.pools}
 
     def fleet(self) -> ClusterSpec:
-        """The cluster of the plan's pools (their GPUs in whole nodes; no prices or profiles)."""
+        """The cluster of the plan's pools (their GPUs in whole nodes; no profiles, and no prices: a re-plan is
+        given the plan's, :attr:`prices`, in its options)."""
         return ClusterSpec(
             pools=tuple(
                 PoolSpec(name=p.name, gpu=p.gpu, nodes=-(-p.n_gpus // p.gpus_per_node), gpus_per_node=p.gpus_per_node)
@@ -158,13 +178,17 @@ class DeploymentPlan:
                 "a version-1 plan does not record the dispatch policy and cost model "
                 f"it was judged under; re-run `lorafleet plan --json` to write a version-{PLAN_SCHEMA_VERSION} plan",
             )
-        if version not in (2, PLAN_SCHEMA_VERSION):
-            raise InputError(source, at("schema_version"), f"expected {PLAN_SCHEMA_VERSION} (or 2), got {version!r}")
-        for name in ("policy", "cost_model", "recompute") if version == 2 else ("policy", "pools", "recompute"):
+        if version not in _REQUIRED:
+            raise InputError(
+                source, at("schema_version"), f"expected {PLAN_SCHEMA_VERSION} (or 3 or 2), got {version!r}"
+            )
+        for name in _REQUIRED[version]:
             if name not in data:
                 raise InputError(source, at(name), "missing")
         if version == 2:
             data = _from_version_2(data, source, at)
+        if version in (2, 3):
+            data = _from_version_3(data, source, at)
         try:
             plan = validate_strict(cls, data, source, where)
         except InputError as err:
@@ -175,6 +199,13 @@ class DeploymentPlan:
             raise InputError(
                 source, at("expected_makespan_s"), f"must be a finite number >= 0, got {plan.expected_makespan_s}"
             )
+        if not 0 <= plan.tie_rel < 1:
+            raise InputError(source, at("tie_rel"), f"must be in [0, 1), got {plan.tie_rel}")
+        for k, pool in enumerate(plan.pools):
+            if pool.price_per_gpu_hour is not None and not pool.price_per_gpu_hour >= 0:
+                raise InputError(
+                    source, at(f"pools[{k}].price_per_gpu_hour"), f"must be >= 0, got {pool.price_per_gpu_hour}"
+                )
         return plan
 
     @classmethod
@@ -196,6 +227,18 @@ def _from_version_2(data: dict[str, Any], source: str, at: Any) -> dict[str, Any
     return {**data, "pools": [{"name": "", **pool}]}
 
 
+def _from_version_3(data: dict[str, Any], source: str, at: Any) -> dict[str, Any]:
+    """A version-3 plan's object as version 4: planned by the defaults (its ``objective`` and ``tie_rel`` left
+    out, its pools without a price); either field in a version-3 file is refused, as unknown."""
+    for name in ("objective", "tie_rel"):
+        if name in data:
+            raise InputError(source, at(name), "unknown field (a version-4 plan's)")
+    for k, pool in enumerate(data.get("pools", ())):
+        if isinstance(pool, dict) and "price_per_gpu_hour" in pool:
+            raise InputError(source, at(f"pools[{k}].price_per_gpu_hour"), "unknown field (a version-4 plan's)")
+    return data
+
+
 def _header() -> dict[str, Any]:
     return {"schema_version": PLAN_SCHEMA_VERSION, "kind": PLAN_KIND}
 
@@ -205,5 +248,6 @@ def plan_json_schema() -> dict[str, Any]:
     schema = adapter(DeploymentPlan).json_schema(mode="serialization")
     schema["properties"]["schema_version"] = {"const": PLAN_SCHEMA_VERSION}
     schema["properties"]["kind"] = {"const": PLAN_KIND}
-    schema["required"] = sorted({*schema.get("required", ()), "schema_version", "kind", "policy", "recompute"})
+    required = {*schema.get("required", ()), "schema_version", "kind", *_REQUIRED[PLAN_SCHEMA_VERSION]}
+    schema["required"] = sorted(required)
     return schema

@@ -87,6 +87,9 @@ class PlanPool:
     gpus_per_node: int
     cost_model: CostModelOrigin | None = None
     """The cost model the pool's replicas were judged by (analytic preset, or a profile and its content hash)."""
+    price_per_gpu_hour: float | None = None
+    """What one of its GPUs cost an hour when the plan was made (the cluster's ``price_per_gpu_hour``); None:
+    unpriced."""
 
     def describe(self) -> str:
         """``16 x A100-40GB`` (with the pool's name when it has one: ``16 x A100-40GB (a100)``)."""

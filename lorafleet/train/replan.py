@@ -4,7 +4,8 @@ Two things re-plan a run: a resume on another number of GPUs (``train.preflight`
 GPUs there are) and queued task changes (``train.live``, in the running fleet: an incremental re-plan that
 keeps the running deployment unless a move pays for itself). Both go through :func:`replan_run`: the old
 plan's cost model (its profile verified, or ``--profile``), the running dispatch policy passed whole to the
-planner (``PlannerOptions.policy``: every deployment is judged under it and the new plan records it), and the
+planner (``PlannerOptions.policy``: every deployment is judged under it and the new plan records it), the
+objective, tolerance and pool prices the old plan was planned by (``PlannerOptions.replanning``), and the
 result written as the run's ``plan.json`` (checked like any plan by a launch). No torch here."""
 
 from __future__ import annotations
@@ -45,14 +46,14 @@ def replan_run(
     save: bool = True,
 ) -> tuple[Path, P]:
     """Re-plan the run of ``options`` for ``workload`` on ``cluster`` (module doc): priced by ``old``'s cost
-    model (``options.plan`` is where ``old`` was read from), judged under ``policy`` (the running one),
-    found by ``plan_with``; returns where the new plan is written (``<out>/plan.json``; with ``save`` only) and
-    the planner's answer."""
+    model (``options.plan`` is where ``old`` was read from), judged under ``policy`` (the running one) by what
+    ``old`` was planned for (``PlannerOptions.replanning``), found by ``plan_with``; returns where the new plan
+    is written (``<out>/plan.json``; with ``save`` only) and the planner's answer."""
     from lorafleet.assemble import plan_cost_model
     from lorafleet.planner import PlannerOptions
 
     cost_model, _ = plan_cost_model(workload, cluster, old, options.plan, options.profile)
-    planned = plan_with(cost_model, PlannerOptions(policy=policy, baselines=False))
+    planned = plan_with(cost_model, PlannerOptions().replanning(old, policy))
     path = options.run_dir.plan
     if save:
         planned.plan.save(path)
