@@ -4,6 +4,8 @@
     preflight.py  prepare(options): every input checked (workload, plan, cost model, run directory,
                   checkpoint, data) before any process starts; claim(): the run directory locked and
                   made this run's
+    resume.py     what a start takes over from the run before it: resume_step(), the tasks it trains
+                  (training_workload(): the task ledger's, revisions checked), the plan it resumes by
     launcher.py   launch(options): the entry; the command re-run under ``torchrun --standalone``, one
                   process a rank, supervised (signals, exit codes), or, already under torchrun, this
                   process's rank
@@ -17,7 +19,7 @@
     summary.py    the closing lines: the run's RunSummary (lorafleet.metrics, from every launch's
                   metrics.jsonl rows), formatted
 
-options, preflight and launcher do not import torch: the torch executor's helpers are imported
+options, preflight, resume and launcher do not import torch: the torch executor's helpers are imported
 inside the functions that need them (a resume's checks, a rank), so a fresh run's launcher calls
 none of them. (Reading a task's data may still load torch, through its tokenizer's library.)
 

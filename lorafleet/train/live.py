@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING
 
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import TrainOptions
-from lorafleet.train.preflight import Prepared, check_data, load_training_workload, prepare
+from lorafleet.train.preflight import Prepared, check_data, prepare
 from lorafleet.train.queue import Action, Ledger, Request, clear_pending, clear_pending_replan, load_pending
+from lorafleet.train.resume import load_training_workload
 from lorafleet.workload import Workload
 
 if TYPE_CHECKING:

@@ -11,16 +11,17 @@
                              token removed
 
 What the launcher can check up front it checks in ``prepare`` (or, an HTTP port, binds before ``claim``),
-so that nothing fails once the directory is claimed and a half-made run is never left behind.
+so that nothing fails once the directory is claimed and a half-made run is never left behind. What a start
+takes over from the run before it (the step it resumes from, the tasks it trains, the plan it resumes by,
+the ledger's turns) ``prepare`` asks ``train.resume``.
 
-No torch import here: a resume's checks import the torch executor's data and checkpoint helpers
-inside the functions that need them.
+No torch import here: the data and checkpoint helpers a resume's checks import (``runtime``) are torch-free,
+and imported inside the functions that need them.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -31,6 +32,7 @@ from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import ARGS, TrainOptions
 from lorafleet.train.phases import counted
+from lorafleet.train.resume import ledger_turns, restarted, resume_step, resumed_plan, training_workload
 from lorafleet.workload import Workload, resolve_workload_paths
 
 if TYPE_CHECKING:
@@ -38,8 +40,6 @@ if TYPE_CHECKING:
     from lorafleet.rundir import RunDir, RunLock
     from lorafleet.specs.workload import WorkloadSpec
     from lorafleet.train.revisions import Revision
-
-RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 
 
 @dataclass(frozen=True)
@@ -62,45 +62,6 @@ class Prepared:
     """The turns of the tasks that left the run (the task ledger's: ``DataStreams``'s ``departed``)."""
     revisions: dict[str, list[Revision]] = field(default_factory=dict)
     """Task hyperparameters this resume changes (``--allow-changes``: ``train.revisions``), by task."""
-
-
-def load_training_workload(path: str, out: str | None = None, sets: tuple[str, ...] = ()) -> Workload:
-    """The workload, with data for every task (planning needs only lengths; training needs rows), its
-    ``--set`` overrides ``sets`` applied. With a run directory ``out`` whose task ledger exists (a run that
-    took queued changes), its active tasks replace the file's (``train.queue``)."""
-    return training_workload(path, out, sets)[0]
-
-
-def training_workload(
-    path: str, out: str | None, sets: tuple[str, ...], resumed_at: int | None = None, allow_changes: bool = False
-) -> tuple[Workload, dict[str, list[Revision]]]:
-    """:func:`load_training_workload`, and on a resume at step ``resumed_at`` the file's tasks compared with
-    those the run trained by (``train.revisions``): refused when changed, unless ``allow_changes``; then the
-    changed fields are the file's, and the revisions are returned by task."""
-    from lorafleet.train.queue import Ledger
-    from lorafleet.train.revisions import resume_revisions, revised, trained_specs
-    from lorafleet.workload import load_workload, resolve_workload
-
-    workload = load_workload(path, sets)
-    ledger = Ledger.load(out) if out is not None else None
-    revisions: dict[str, list[Revision]] = {}
-    if resumed_at is not None and out is not None:
-        trained = trained_specs(Path(out), ledger.active if ledger is not None else None)
-        if trained is not None:
-            queued = ledger.queued() if ledger is not None else frozenset()
-            revisions = resume_revisions(workload.spec.tasks, trained, resumed_at, path, allow_changes, queued)
-    if ledger is not None:
-        tasks = revised(ledger.active, workload.spec.tasks, revisions)
-        workload = resolve_workload(workload.spec.model_copy(update={"tasks": tasks}), path)
-    missing = [t.name for t in workload.tasks if t.spec.data is None]
-    if missing:
-        raise InputError(path, "tasks", f"training needs data for every task; {', '.join(missing)} has none")
-    return workload, revisions
-
-
-def restarted() -> bool:
-    """Whether torchrun restarted this worker after a failure (then it resumes, asked or not)."""
-    return int(os.environ.get(RESTART_ENV, "0") or 0) > 0
 
 
 def _target_gpus(cluster: ClusterSpec) -> int:
@@ -246,38 +207,6 @@ def queue_data_roots(options: TrainOptions, workload: Workload) -> tuple[str, ..
     return data_roots(workload.spec.tasks)
 
 
-def resumed_plan(options: TrainOptions, workload: Workload) -> str:
-    """The plan a resume trains by: ``--plan``, unless the run's queue changed its tasks since (``workload``
-    holds the ledger's) and the run's own plan (``<out>/plan.json``, what it last trained by) is for them:
-    the command that started the run resumes it as it is."""
-    from lorafleet.plans import DeploymentPlan
-
-    names = tuple(t.name for t in workload.tasks)
-    own = options.run_dir.plan
-    if DeploymentPlan.load(options.plan).tasks == names or not own.is_file():
-        return options.plan
-    return str(own) if DeploymentPlan.load(own).tasks == names else options.plan
-
-
-def resume_step(options: TrainOptions, warn: bool | None = None) -> int | None:
-    """The step this start of the run resumes from: None for a fresh start, else the newest intact checkpoint's
-    (a resume asked for, or a restart after a failure; :func:`_resume_step` checks it). ``warn``: whether to
-    name the broken checkpoints passed over; by default in the launcher and in rank 0 of a user's torchrun,
-    so that a run says it once."""
-    if warn is None:
-        warn = os.environ.get("RANK", "0") == "0"
-    return _resume_step(options, warn) if options.resume or restarted() else None
-
-
-def ledger_turns(options: TrainOptions, start: int | None) -> tuple[dict[str, tuple], tuple]:
-    """The task ledger's turn changes and departed tasks' turns (``train.queue``), when resuming from ``start``
-    (a fresh start has none)."""
-    from lorafleet.train.queue import Ledger
-
-    ledger = Ledger.load(options.out) if start is not None else None
-    return (ledger.turn_changes(), ledger.departed()) if ledger is not None else ({}, ())
-
-
 def check_cpu_device(plan: DeploymentPlan, device: str, path: str) -> None:
     """``--device cpu`` runs every rank on a CPU, whose GPU kind is ``cpu``: a plan with a pool of another
     kind is refused before any process starts (on GPUs each rank checks its own device,
@@ -330,29 +259,6 @@ def check_nodes(plan: DeploymentPlan, path: str) -> None:
             f"(its GPUs {first}..{first + pool.n_gpus - 1}, {per_node} a node): start the pools' nodes in "
             "the plan's pool order",
         )
-
-
-def _resume_step(options: TrainOptions, warn: bool) -> int | None:
-    """The step a resume starts from, checked: an intact checkpoint exists (a restart may find none yet)
-    and ``--steps`` does not go below it. Broken newer checkpoints are reported."""
-    from lorafleet.runtime.checkpoint_files import resumable_checkpoint
-
-    checkpoints = options.run_dir.checkpoints
-    found = resumable_checkpoint(checkpoints)
-    if found is None:
-        if restarted():
-            return 0
-        raise InputError(ARGS, "--resume", f"nothing to resume: no checkpoint in {checkpoints}")
-    for line in found.broken if warn else ():
-        print(f"lorafleet train: warning: checkpoint {line}; resuming from {found.step_dir.name}", file=sys.stderr)
-    if options.steps < found.step:
-        raise InputError(
-            ARGS,
-            "--steps",
-            f"{options.steps} is below the {found.step} steps the run has committed; "
-            "--steps is the run's total and a resume never rolls back",
-        )
-    return found.step
 
 
 def claim(options: TrainOptions, prepared: Prepared) -> RunLock:

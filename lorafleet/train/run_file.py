@@ -103,7 +103,7 @@ class ResolvedRun:
         rebuilt from its origin (its profile unchanged), and where to resume from now."""
         from lorafleet.assemble import origins_cost_model
         from lorafleet.specs.workload import WorkloadSpec
-        from lorafleet.train.preflight import ledger_turns, restarted, resume_step
+        from lorafleet.train.resume import ledger_turns, restarted, resume_step
         from lorafleet.workload import resolve_workload
 
         workload = resolve_workload(WorkloadSpec.model_validate(self.workload), self.workload_path)

@@ -30,9 +30,10 @@ from lorafleet.plans import StepPlan, StepReport
 from lorafleet.train.health import TaskHealth
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase
-from lorafleet.train.preflight import RESTART_ENV, Prepared, claim
+from lorafleet.train.preflight import Prepared, claim
 from lorafleet.train.probe import probe
 from lorafleet.train.queue import Action, Ledger
+from lorafleet.train.resume import RESTART_ENV
 from lorafleet.train.summary import run_summary, summary_text
 
 if TYPE_CHECKING:

@@ -420,7 +420,7 @@ def test_the_launchers_checks_and_run_file_are_torch_free(tmp_path):
 
 
 def test_training_workload_applies_sets():
-    from lorafleet.train.preflight import load_training_workload
+    from lorafleet.train.resume import load_training_workload
 
     path = str(EXAMPLES / "demo" / "workload.yaml")
     workload = load_training_workload(path, None, ("tasks.chat.lora.rank=4", "defaults.optimizer.lr=1e-3"))
