@@ -24,6 +24,8 @@ STOP_REQUEST = ".stop-request"
 METRICS_JSONL = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
 LEDGER = "tasks.json"
+CHANGES = "changes.jsonl"
+"""The run's fleet changes, a row each (``train.change_log``)."""
 """The task ledger of a run that took queued changes (``train.queue.ledger``)."""
 
 
@@ -88,6 +90,11 @@ class RunDir:
         return self.root / LEDGER
 
     @property
+    def changes(self) -> Path:
+        """A row per fleet change and per re-plan answer (``train.change_log``)."""
+        return self.root / CHANGES
+
+    @property
     def logs(self) -> Path:
         """Each worker's error, when it failed (``logs/rank-<r>.txt``: its traceback; ``train.failures``)."""
         return self.root / "logs"
@@ -150,6 +157,7 @@ RUN_FILES = (
     "run.json",
     "summary.json",
     LEDGER,
+    CHANGES,
     "workload.resolved.yaml",
     "tokenizer",
     "logs",

@@ -1,4 +1,4 @@
-"""Deterministic work counters: what planning or dispatching did, counted where the work is done.
+"""Deterministic work counters: what planning, dispatching or reading data did, counted where the work is done.
 
 CPU seconds depend on the machine and its load; these counts depend only on the inputs. The
 planner opens a :func:`counting` scope around a whole plan (``plan_deployment``) and reports the
@@ -37,6 +37,7 @@ WORK: dict[str, tuple[str, str]] = {
     "batches_raced": ("batches raced", "a sampled batch dispatched in the robust race (planner.objective)"),
     "replicas_priced": ("replica steps priced", "one replica's micro-batches timed (CostModel.replica_time)"),
     "stall_timelines": ("stall timelines", "a pipeline schedule's span built for a stall (costmodel.schedule)"),
+    "tokenizations": ("datasets tokenized", "a dataset's rows tokenized, all of them (data.tokenize.tokenize_rows)"),
 }
 """Every counter, in report order: its label, and what one of it is (where it is counted)."""
 

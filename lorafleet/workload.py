@@ -14,8 +14,8 @@ reports can say how much was cut or dropped.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,9 @@ class Task:
     """Lengths the task trains on, after the overflow policy (all <= context length)."""
     overflow_fraction: float
     """Probability that a raw sequence exceeds the context length (truncated or rejected)."""
+    histogram: Mapping[int, int] | None = field(default=None, compare=False)
+    """``{token length: rows}`` of its data when its lengths read a dataset (``reads_dataset``), else None: what a
+    run file carries so that a rank resolves the task without tokenizing it (``train.run_file``)."""
 
     @property
     def name(self) -> str:
@@ -251,26 +254,36 @@ def _blame_overrides(error: InputError, raw: dict, applied: tuple[_Override, ...
     return InputError(error.path, error.field, f"{error.msg} (with --set {', --set '.join(reversed(around))})")
 
 
-def _raw_distribution(
-    spec: LengthSpec | None, data: DataSpec | None, ctx: int, workload: WorkloadSpec, source: tuple[str, str]
-) -> LengthDistribution:
-    if spec is not None and spec.preset is not None:
+def _given_distribution(spec: LengthSpec, ctx: int, source: tuple[str, str]) -> LengthDistribution:
+    """The raw distribution a task's ``lengths`` gives without reading a dataset."""
+    if spec.preset is not None:
         return preset_distribution(find_preset(spec.preset))
-    if spec is not None and spec.mean is not None:
+    if spec.mean is not None:
         try:
             return LengthDistribution.from_moments(spec.mean, spec.skewness, spec.kurtosis, ctx)
         except ValueError as err:
             raise InputError(source[0], f"{source[1]}.lengths", str(err)) from None
-    if spec is not None and spec.values is not None:
+    if spec.values is not None:
         return LengthDistribution.from_samples(np.asarray(spec.values))
-    if spec is not None and spec.histogram is not None:
-        return LengthDistribution.from_histogram(spec.histogram)
-    dataset = spec.dataset if spec is not None else data
-    return LengthDistribution.from_samples(_dataset_lengths(dataset, workload, source))
+    assert spec.histogram is not None, "a dataset's lengths are read by resolve_workload"
+    return LengthDistribution.from_histogram(spec.histogram)
 
 
-def _dataset_lengths(data: DataSpec, workload: WorkloadSpec, source: tuple[str, str]) -> np.ndarray:
-    """Token lengths of every row of ``data``, tokenized as training will tokenize them."""
+def reads_dataset(spec: LengthSpec | None) -> bool:
+    """A task's lengths are its rows' token lengths: of its training data (no ``lengths``) or of
+    ``lengths.dataset``. These are the lengths that cost a tokenization to resolve."""
+    return spec is None or spec.dataset is not None
+
+
+def length_histogram(values: Sequence[int] | np.ndarray) -> dict[int, int]:
+    """``{length: rows}`` of token lengths ``values``: ``LengthDistribution.from_histogram`` of it is
+    ``from_samples(values)`` bit for bit (the same counts over the same total, in float64)."""
+    lengths, counts = np.unique(np.asarray(values, dtype=np.int64), return_counts=True)
+    return dict(zip(lengths.tolist(), counts.tolist(), strict=True))
+
+
+def _dataset_histogram(data: DataSpec, workload: WorkloadSpec, source: tuple[str, str]) -> dict[int, int]:
+    """The token-length histogram of every row of ``data``, tokenized as training will tokenize them."""
     from lorafleet.data.model_source import data_tokenizer
     from lorafleet.data.records import read_rows
     from lorafleet.data.tokenize import tokenize_rows
@@ -279,7 +292,7 @@ def _dataset_lengths(data: DataSpec, workload: WorkloadSpec, source: tuple[str, 
     rows = read_rows(data.path)
     if not rows:
         raise InputError(data.path, "", "dataset has no rows")
-    return np.array([len(e) for e in tokenize_rows(tokenizer, rows, data.format, data.path)])
+    return length_histogram([len(e) for e in tokenize_rows(tokenizer, rows, data.format, data.path)])
 
 
 def resolve_workload_paths(spec: WorkloadSpec, base: Path) -> WorkloadSpec:
@@ -341,13 +354,24 @@ def load_workload(path: str | Path, overrides: Sequence[str] | None = None) -> W
         raise _blame_overrides(err, raw, applied) from None
 
 
-def resolve_workload(spec: WorkloadSpec, path: str) -> Workload:
-    """Resolve a validated spec (paths already absolute or relative to the cwd); ``path`` names it in errors."""
+def resolve_workload(spec: WorkloadSpec, path: str, known: Mapping[str, Mapping[int, int]] | None = None) -> Workload:
+    """Resolve a validated spec (paths already absolute or relative to the cwd); ``path`` names it in errors.
+    ``known``: the token-length histograms of tasks whose lengths read a dataset (:func:`reads_dataset`),
+    tokenized already (a run file's, a queued task's data), by task name: taken as they are, so no data is
+    tokenized again for them."""
     model = resolve_model(spec.model, str(path), "model")
+    known = known or {}
     tasks = []
     for i, task in enumerate(spec.tasks):
         where = (str(path), f"tasks[{i}]")
-        raw = _raw_distribution(task.lengths, task.data, task.context_length, spec, where)
+        histogram = None
+        if reads_dataset(task.lengths):
+            histogram = known.get(task.name)
+            if histogram is None:
+                histogram = _dataset_histogram(task.lengths.dataset if task.lengths else task.data, spec, where)
+            raw = LengthDistribution.from_histogram(histogram)
+        else:
+            raw = _given_distribution(task.lengths, task.context_length, where)
         lengths, overflow = apply_overflow(raw, task.context_length, task.overflow, where)
-        tasks.append(Task(spec=task, raw_lengths=raw, lengths=lengths, overflow_fraction=overflow))
+        tasks.append(Task(task, raw, lengths, overflow, histogram))
     return Workload(path=str(path), spec=spec, model=model, tasks=tuple(tasks))

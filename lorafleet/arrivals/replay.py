@@ -41,6 +41,7 @@ from lorafleet.dispatch import Recalibrator
 from lorafleet.executor.simulated import SimulatedExecutor
 from lorafleet.loop import run_loop
 from lorafleet.planner import PlannerOptions, ReplanOptions
+from lorafleet.planner.decision import Keep, decide
 from lorafleet.plans import DeploymentPlan, StepPlan, StepReport
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import Task
@@ -152,9 +153,10 @@ class _Segment:
 
 def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int, replan_after: int) -> StrategyRun:
     """One strategy's replay: between segments the idle jumps, the strategy's answer and the migration wait. A
-    move with an ``interim`` runs ``replan_after`` steps on it first, as a training run waits for its re-plan
-    beside the steps; a change of the task set in those steps or at their end supersedes it (it is never
-    made: the next change is re-planned from the running deployment, as ``train.trainer`` does)."""
+    move whose running deployment can serve the new tasks (its ``interim``) waits on it, by the rule a training
+    run follows (``planner.decision.decide``: the re-plan runs beside the next ``replan_after`` steps); a change
+    of the task set in those steps or at their end supersedes it (it is never made: the next change is
+    re-planned from the running deployment, as ``train.changes`` does)."""
     fleet = Fleet(trace)
     tasks = {a.task.name: a.task for a in trace.arrivals}
     plan: DeploymentPlan | None = None
@@ -167,10 +169,11 @@ def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int
                 continue
             break
         decision = replanner.on_change(plan, tuple(fleet.present), fleet.clock, fleet.steps_left())
-        if decision.interim is not None and replan_after:
-            assert recalibrator is not None and _same_replicas(plan, decision.interim)
-            plan, present = decision.interim, tuple(fleet.present)
-            _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, fleet.step, replan_after).run()
+        now = decide(fleet.step, True, lambda d=decision: d.interim, plan, replan_after) if plan else None
+        if isinstance(now, Keep) and now.replan_at is not None:  # the move waits on the running deployment
+            assert recalibrator is not None and _same_replicas(plan, now.plan)
+            plan, present = now.plan, tuple(fleet.present)
+            _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, fleet.step, now.replan_at - fleet.step).run()
             if fleet.apply_due() or tuple(fleet.present) != present:
                 continue  # the task set changed by the move's step: the next change's re-plan supersedes it
         if decision.change is not None:

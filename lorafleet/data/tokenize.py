@@ -12,6 +12,7 @@ from typing import Any
 from lorafleet.data.records import Row, detect_format
 from lorafleet.errors import InputError
 from lorafleet.specs.workload import DataFormat
+from lorafleet.work import count as count_work
 
 IGNORE_INDEX = -100
 
@@ -99,7 +100,9 @@ def tokenize_row(tokenizer: Any, row: Row, fmt: DataFormat, where: tuple[str, st
 
 
 def tokenize_rows(tokenizer: Any, rows: list[Row], fmt: DataFormat, path: str) -> list[Example]:
-    """Every row tokenized; row numbers in errors count from 1."""
+    """Every row tokenized; row numbers in errors count from 1. Counted (``work``: ``tokenizations``): a run
+    tokenizes each task's data once a process, and an added task's once."""
+    count_work("tokenizations")
     return [tokenize_row(tokenizer, row, fmt, (path, f"row {i}")) for i, row in enumerate(rows, start=1)]
 
 

@@ -15,14 +15,21 @@ that boundary waits for it (the log says how long).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lorafleet.planner import Replan
+
+GATE_ENV = "LORAFLEET_REPLAN_GATE"
+"""For tests of a fault while a re-plan runs: when set to a path, a re-plan started beside the steps waits for that
+path to exist before it solves, so the boundary that applies its answer waits too and the test can act in between
+(a deterministic trigger, not a race against the steps)."""
 
 
 @dataclass
@@ -45,8 +52,12 @@ class BackgroundReplan:
         """Run ``replan`` in a thread; its answer (or its error) is :meth:`answer`'s."""
         running = cls(step, at)
 
+        gate = os.environ.get(GATE_ENV)
+
         def work() -> None:
             try:
+                while gate and not Path(gate).exists():
+                    time.sleep(0.01)
                 running._answer = replan()
             except BaseException as err:  # re-raised in the loop's thread by answer(): the run fails there
                 running._error = err

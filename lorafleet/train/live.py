@@ -31,9 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
-from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.train.change_log import ChangeKind, ChangeRecord, Outcome, append_change, request_rows
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.preflight import Prepared, check_data, prepare
 from lorafleet.train.queue import Action, Ledger, Request, clear_pending, clear_pending_replan, load_pending
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
     from lorafleet.planner import MigrationModel, PlannerOptions, Replan
     from lorafleet.plans import DeploymentPlan
     from lorafleet.specs.workload import TaskSpec
-    from lorafleet.turns import TaskTurns
 
 LEAVING = (Action.FINISH, Action.CANCEL)
 
@@ -63,54 +63,21 @@ def log(line: str) -> None:
     print(f"lorafleet train: queue: {line}", flush=True)
 
 
-def cluster_of(plan: DeploymentPlan) -> ClusterSpec:
-    """The GPUs the running plan is for (the processes the run has: a re-plan keeps to them)."""
-    return plan.fleet()
-
-
 def changed_workload(
-    workload: Workload, tasks: Sequence[TaskSpec], lengths: Mapping[str, Sequence[int]] | None = None
+    workload: Workload, tasks: Sequence[TaskSpec], known: Mapping[str, Mapping[int, int]] | None = None
 ) -> Workload:
     """``workload`` with ``tasks`` (the ledger's active ones) as its tasks: each task it has keeps its resolved
-    lengths (its spec is the ledger's: a share may have changed), and only the new ones are resolved, their
-    lengths read from their data or, from ``lengths`` (task -> its rows' token lengths, as the queue's check
-    tokenized them), not read again."""
-    from lorafleet.specs.workload import LengthSpec
+    lengths (its spec is the ledger's: a share may have changed), and only the new ones are resolved, a task in
+    ``known`` (task -> its rows' token-length histogram, as the queue's check tokenized them) without reading its
+    data again."""
     from lorafleet.workload import resolve_workload
 
     have = {t.spec.name: t for t in workload.tasks}
-    known = lengths or {}
-    new = [
-        t.model_copy(update={"lengths": LengthSpec(values=tuple(known[t.name]))})
-        if t.name in known and t.lengths is None
-        else t
-        for t in tasks
-        if t.name not in have
-    ]
-    spec = workload.spec.model_copy(update={"tasks": tuple(new)}) if new else None
-    resolved = {t.spec.name: t for t in resolve_workload(spec, workload.path).tasks} if spec is not None else {}
-    by_name = {t.name: t for t in tasks}
-    out = tuple(
-        replace(have[name], spec=spec) if name in have else replace(resolved[name], spec=spec)
-        for name, spec in by_name.items()
-    )
+    new = tuple(t for t in tasks if t.name not in have)
+    spec = workload.spec.model_copy(update={"tasks": new}) if new else None
+    resolved = {t.spec.name: t for t in resolve_workload(spec, workload.path, known).tasks} if spec else {}
+    out = tuple(replace(have[t.name], spec=t) if t.name in have else resolved[t.name] for t in tasks)
     return replace(workload, spec=workload.spec.model_copy(update={"tasks": tuple(tasks)}), tasks=out)
-
-
-def check_placeable(task: TaskSpec, workload: Workload, plan: DeploymentPlan, cost_model: CostModel) -> None:
-    """ValueError (its reason, for the queue's rejection) when ``task``, to be added, has sequences longer than
-    every config of the run's GPUs can hold (``workload``: the run's, for the task's defaults and model)."""
-    from lorafleet.planner.candidates import valid_candidates
-    from lorafleet.workload import resolve_workload
-
-    cluster = cluster_of(plan)
-    largest = max((c.max_tokens for c in valid_candidates(cost_model, cluster)), default=0)
-    longest = resolve_workload(workload.spec.model_copy(update={"tasks": (task,)}), workload.path).tasks[0]
-    if longest.lengths.max_length > largest:
-        raise ValueError(
-            f"its {longest.lengths.max_length}-token sequences fit no config of {cluster.describe()} "
-            f"(at most {largest} tokens a micro-batch); lower context_length"
-        )
 
 
 def replan_change(
@@ -119,13 +86,14 @@ def replan_change(
     old: DeploymentPlan,
     step: int,
     migration: MigrationModel | None = None,
+    cost_model: CostModel | None = None,
     *,
     save: bool,
 ) -> Replan:
     """The incremental re-plan of the run after the changes of boundary ``step`` (module doc, step 3): for
-    ``workload``'s tasks on the GPUs of ``old``, by ``old``'s cost model and policy, by the run's objective and
-    horizon, a move priced by ``migration`` (measured; ``--migration-s`` overrides it); with ``save``, the plan
-    is written as the run's ``plan.json``."""
+    ``workload``'s tasks on the GPUs of ``old``, by ``old``'s cost model (``cost_model``, when built already)
+    and policy, by the run's objective and horizon, a move priced by ``migration`` (measured; ``--migration-s``
+    overrides it); with ``save``, the plan is written as the run's ``plan.json``."""
     from lorafleet.planner import ReplanObjective, ReplanOptions, replan_incremental
     from lorafleet.train.replan import replan_run
 
@@ -136,44 +104,25 @@ def replan_change(
     )
     if migration is not None:
         replan = replace(replan, migration=migration)
-    cluster = cluster_of(old)
+    cluster = old.fleet()
 
-    def incremental(cost_model: CostModel, planner: PlannerOptions) -> Replan:
-        return replan_incremental(old, workload, cluster, cost_model, planner, replan, options.steps - step)
+    def incremental(judged_by: CostModel, planner: PlannerOptions) -> Replan:
+        return replan_incremental(old, workload, cluster, judged_by, planner, replan, options.steps - step)
 
-    return replan_run(workload, cluster, old, old.policy, options, incremental, save=save)[1]
-
-
-def kept_change(
-    options: TrainOptions, workload: Workload, old: DeploymentPlan
-) -> tuple[DeploymentPlan | None, CostModel]:
-    """The running deployment ``old`` serving ``workload``'s tasks (``planner.incremental.kept_plan``, what an
-    incremental re-plan's "keep" is), by the cost model a re-plan judges by (:func:`replan_change`'s), with
-    that cost model; None when the deployment cannot serve them (a sequence fits no replica)."""
-    from lorafleet.assemble import plan_cost_model
-    from lorafleet.planner.incremental import kept_plan
-
-    cost_model, _ = plan_cost_model(workload, cluster_of(old), old, options.plan, options.profile)
-    return kept_plan(old, workload, cost_model), cost_model
+    return replan_run(workload, cluster, old, old.policy, options, incremental, save=save, cost_model=cost_model)[1]
 
 
 def record_change(
-    options: TrainOptions,
-    ledger: Ledger,
-    step: int,
-    requests: Sequence[Request],
-    turns: Mapping[str, TaskTurns],
-    tasks: Sequence[TaskSpec],
+    options: TrainOptions, ledger: Ledger, step: int, requests: Sequence[Request], tasks: Sequence[TaskSpec]
 ) -> Ledger:
-    """Steps 1 and 2 of the module doc: ``requests`` applied at ``step`` to ``ledger`` and saved; the adapters of
-    the tasks that leave exported from checkpoint ``step``. ``turns``: the running tasks' (the ledger keeps
-    those of the tasks that leave); ``tasks``: the specs of the tasks before the change (for the cards)."""
+    """Steps 1 and 2 of the module doc: ``ledger``, ``requests`` applied at ``step`` already (once:
+    ``Ledger.apply``), saved; the adapters of the tasks that leave exported from checkpoint ``step``. ``tasks``:
+    the specs of the tasks before the change (for the cards)."""
     from lorafleet.metrics import last_losses
     from lorafleet.runtime.checkpoint_files import export_adapters, step_dir_name
     from lorafleet.train.queue.ledger import revision_lines
 
     run_dir = options.run_dir
-    ledger = ledger.apply(requests, step, turns)
     ledger.save(options.out)
     leaving = [r.name for r in requests if r.action in LEAVING]
     if leaving:
@@ -197,16 +146,24 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
         return None
     step = pending.step
     ledger = Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks)
-    ledger = record_change(options, ledger, step, pending.requests, pending.turns, prepared.workload.spec.tasks)
+    ledger = ledger.apply(pending.requests, step, pending.turns)
+    ledger = record_change(options, ledger, step, pending.requests, prepared.workload.spec.tasks)
     clear_pending_replan(options.queue_dir)  # a re-plan under way in the workers: this one supersedes it
+    row = partial(ChangeRecord, step, ChangeKind.of(pending.requests), requests=request_rows(pending.requests))
     if not ledger.active:
         clear_pending(options.queue_dir)
         log(f"step {step}: no task is left to train")
+        append_change(options.run_dir.changes, row(Outcome.ALL_LEFT, (), prepared.run.plan.describe()))
         return Applied(None, step)
     workload = load_training_workload(options.workload, options.out, options.sets)
     plan_path = options.run_dir.plan
-    log(f"step {step}: {replan_change(options, workload, prepared.run.plan, step, save=True).describe()}")
+    replan = replan_change(options, workload, prepared.run.plan, step, save=True)
+    log(f"step {step}: {replan.describe()}")
     clear_pending(options.queue_dir)
+    tasks = tuple(t.name for t in workload.tasks)
+    append_change(
+        options.run_dir.changes, row(Outcome.RELAUNCHED, tasks, replan.plan.describe(), note=replan.describe())
+    )
     relaunch = replace(options, resume=True, overwrite=False, plan=str(plan_path))
     prepared = prepare(relaunch)
     check_data(relaunch, prepared)  # before any worker starts: one line, not a worker's traceback

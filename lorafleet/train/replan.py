@@ -44,15 +44,18 @@ def replan_run(
     plan_with: Callable[[CostModel, PlannerOptions], P],
     *,
     save: bool = True,
+    cost_model: CostModel | None = None,
 ) -> tuple[Path, P]:
     """Re-plan the run of ``options`` for ``workload`` on ``cluster`` (module doc): priced by ``old``'s cost
     model (``options.plan`` is where ``old`` was read from), judged under ``policy`` (the running one) by what
     ``old`` was planned for (``PlannerOptions.replanning``), found by ``plan_with``; returns where the new plan
-    is written (``<out>/plan.json``; with ``save`` only) and the planner's answer."""
+    is written (``<out>/plan.json``; with ``save`` only) and the planner's answer. ``cost_model``: ``old``'s for
+    ``workload``, when the caller has built it."""
     from lorafleet.assemble import plan_cost_model
     from lorafleet.planner import PlannerOptions
 
-    cost_model, _ = plan_cost_model(workload, cluster, old, options.plan, options.profile)
+    if cost_model is None:
+        cost_model, _ = plan_cost_model(workload, cluster, old, options.plan, options.profile)
     planned = plan_with(cost_model, PlannerOptions().replanning(old, policy))
     path = options.run_dir.plan
     if save:

@@ -17,7 +17,7 @@ unknown keys refused.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,11 @@ from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan
 from lorafleet.rundir import RunDir
+from lorafleet.specs._base import Int
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.preflight import Prepared
+from lorafleet.workload import Workload
 
 RUN_KIND = "lorafleet.ResolvedRun"
 
@@ -55,6 +57,9 @@ class ResolvedRun:
     cost_model: dict[str, CostModelOrigin]
     """Where the launcher's cost model of each pool came from, by pool name (a profile: its absolute path
     and SHA-256)."""
+    lengths: dict[str, tuple[tuple[Int, Int], ...]] = field(default_factory=dict)
+    """``(token length, rows)`` pairs of each task whose lengths read a dataset (``workload.reads_dataset``), as
+    the launcher tokenized it, by task: a rank resolves the workload without tokenizing any data for its lengths."""
 
     @classmethod
     def of(cls, options: TrainOptions, prepared: Prepared) -> ResolvedRun:
@@ -71,10 +76,17 @@ class ResolvedRun:
             options=options,
             plan=prepared.run.plan,
             workload_path=prepared.workload.path,
-            workload=prepared.workload.spec.model_dump(mode="json", exclude_none=True),
+            workload={},
             cluster=prepared.cluster,
             cost_model=origins,
-        )
+        ).with_workload(prepared.workload)
+
+    def with_workload(self, workload: Workload) -> ResolvedRun:
+        """This run file for ``workload``'s tasks (a change of the running fleet's): its spec and the lengths
+        of the tasks that read them from a dataset."""
+        spec = workload.spec.model_dump(mode="json", exclude_none=True)
+        lengths = {t.name: tuple(t.histogram.items()) for t in workload.tasks if t.histogram is not None}
+        return replace(self, workload=spec, lengths=lengths)
 
     def save(self, run_dir: RunDir) -> Path:
         """Write the run directory's ``run.json`` whole or not at all."""
@@ -106,7 +118,8 @@ class ResolvedRun:
         from lorafleet.train.resume import ledger_turns, restarted, resume_step
         from lorafleet.workload import resolve_workload
 
-        workload = resolve_workload(WorkloadSpec.model_validate(self.workload), self.workload_path)
+        known = {name: dict(pairs) for name, pairs in self.lengths.items()}
+        workload = resolve_workload(WorkloadSpec.model_validate(self.workload), self.workload_path, known)
         profiles = {pool: o.profile if o.kind == "profile" else None for pool, o in self.cost_model.items()}
         cost_model = origins_cost_model(workload, self.cluster, profiles, sync_replicas=len(self.plan.replicas))
         for pool, origin in cost_model.origins().items():

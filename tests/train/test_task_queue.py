@@ -31,66 +31,15 @@ import torch
 from safetensors.torch import load_file
 
 from lorafleet.cli import main
-from lorafleet.train.trainer import RELAUNCH_ENV
-from tests.helpers.repo import DEMO
+from lorafleet.train.background import GATE_ENV
+from lorafleet.train.change_log import ChangeKind, Outcome, read_changes
+from lorafleet.train.changes import RELAUNCH_ENV
+from tests.helpers.queue_fleet import CHAT, CODEGEN, DOCSUM, on_four_gpus, workload_file
+from tests.helpers.queue_fleet import add_request as _add
 from tests.helpers.train_cli import LAUNCHER, _worker_pids
 
 STEPS = 8
 ATOL = 1e-5
-
-
-def _workload(path: Path, tokenizer: Path, tasks: list[str]) -> Path:
-    lines = [
-        "model: tiny-llama",
-        f"tokenizer: {tokenizer}",
-        "cluster: {gpu: cpu, nodes: 1, gpus_per_node: 1}",
-        "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-2}}",
-        "tasks:",
-        *tasks,
-    ]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def _task(name: str, batch: int, context: int) -> str:
-    data = DEMO / f"{name}.jsonl"
-    return f"  - {{name: {name}, data: {{path: {data}}}, batch_size: {batch}, context_length: {context}}}"
-
-
-DOCSUM, CHAT, CODEGEN = _task("docsum", 3, 256), _task("chat", 3, 128), _task("codegen", 2, 256)
-CODEGEN_AT_3 = CODEGEN[:-1] + ", start_step: 3}"
-
-
-def _add(queue: Path, name: str, *, batch: int, context: int, at_step: int) -> None:
-    """An add request for demo task ``name`` in the queue directory ``queue``."""
-    (queue / f"add-{name}.yaml").write_text(
-        f"name: {name}\ndata: {{path: {DEMO / f'{name}.jsonl'}}}\nbatch_size: {batch}\ncontext_length: {context}\n"
-        f"at_step: {at_step}\n"
-    )
-
-
-def _on_four_gpus(tmp_path: Path, tokenizer: Path, slots: tuple[int, ...]) -> tuple[Path, Path]:
-    """``docsum`` and ``chat`` on a node of 4 GPUs, planned (``w.plan.json``) as one ``<1,1>`` replica on each
-    GPU of ``slots``, the others idle: the workload's path and the CPU profile it is priced by."""
-    from dataclasses import replace
-
-    from lorafleet.assemble import workload_cluster, workload_cost_model
-    from lorafleet.planner import PlannerOptions, plan_deployment
-    from lorafleet.planner.incremental import kept_plan
-    from lorafleet.workload import load_workload
-    from tests.helpers.repo import REPO
-
-    profile = REPO / "profiles" / "tiny-llama-cpu.json"
-    path = tmp_path / "w.yaml"
-    _workload(path, tokenizer, [DOCSUM, CHAT])
-    path.write_text(path.read_text().replace("gpus_per_node: 1", "gpus_per_node: 4"))
-    workload = load_workload(path)
-    cost_model = workload_cost_model(workload, workload_cluster(workload), profile)
-    planned = plan_deployment(workload, workload_cluster(workload), cost_model, PlannerOptions(robust_samples=0))
-    one = next(r for r in planned.plan.replicas if r.config.n_gpus == 1)
-    replicas = tuple(replace(one, replica_id=k, gpus=(gpu,)) for k, gpu in enumerate(slots))
-    kept_plan(replace(planned.plan, replicas=replicas), workload, cost_model).save(path.with_suffix(".plan.json"))
-    return path, profile
 
 
 def _lorafleet(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -134,10 +83,11 @@ def runs(tmp_path_factory, tiny_tokenizer_dir):
     (queued / "queue" / "finish-chat.json").write_text(json.dumps({"action": "finish", "name": "chat", "at_step": 6}))
     (queued / "queue" / "broken.yaml").write_text("name: [unclosed\n")
     (queued / "queue" / "ghost.yaml").write_text("action: cancel\nname: nobody\n")
-    both = _workload(root / "both.yaml", tiny_tokenizer_dir, [DOCSUM, CHAT])
+    both = workload_file(root / "both.yaml", tiny_tokenizer_dir, [DOCSUM, CHAT])
     log = _train(both, queued, STEPS, "--checkpoint-every", "4", "--migration-s", "0", "--queue-http", "0")
     reference = root / "reference"
-    _train(_workload(root / "all.yaml", tiny_tokenizer_dir, [DOCSUM, CHAT, CODEGEN_AT_3]), reference, STEPS,
+    codegen_at_3 = CODEGEN[:-1] + ", start_step: 3}"
+    _train(workload_file(root / "all.yaml", tiny_tokenizer_dir, [DOCSUM, CHAT, codegen_at_3]), reference, STEPS,
            "--checkpoint-every", "2")  # fmt: skip
     return queued, reference, reference, log
 
@@ -182,12 +132,24 @@ def test_the_ledger_metrics_and_log_tell_what_happened(runs):
 
 
 def test_the_changes_are_applied_in_the_running_workers(runs):
-    """One launch of the workers for the whole run: both changes applied in place, every stage kept."""
+    """One launch of the workers for the whole run: both changes applied in place, every stage kept, each one's
+    re-plan answered beside the steps a step later (``changes.jsonl``)."""
     queued, _, _, log = runs
     assert log.stdout.count("starting 1 worker process") == 1 and log.stdout.count("process group up") == 1
-    for step in (3, 6):
-        assert f"queue: step {step}: applied in the running fleet in " in log.stdout
-    assert log.stdout.count("(every stage kept") == 2  # a phase of 0.01 s or more follows it: "(every stage kept; ..."
+    rows = read_changes(queued / "changes.jsonl")
+    assert [(r.step, r.kind, r.outcome) for r in rows] == [
+        (3, ChangeKind.CHANGE, Outcome.KEPT_REPLANNING),
+        (4, ChangeKind.REPLAN, Outcome.KEPT),
+        (6, ChangeKind.CHANGE, Outcome.KEPT_REPLANNING),
+        (7, ChangeKind.REPLAN, Outcome.KEPT),
+    ]
+    changes = [r for r in rows if r.kind is ChangeKind.CHANGE]
+    assert [[(q.action.value, q.name) for q in r.requests] for r in changes] == [
+        [("add", "codegen")],
+        [("finish", "chat")],
+    ]
+    assert all(r.seconds > 0 and r.rebuilt == () for r in changes)  # applied in place, every stage kept
+    assert [r.tasks for r in changes] == [("docsum", "chat", "codegen"), ("docsum", "codegen")]
     assert not (queued / "queue" / ".apply.json").exists()
 
 
@@ -227,9 +189,11 @@ def test_a_crash_amid_a_change_resumes_from_its_checkpoint_and_records_it_once(r
 @pytest.mark.slow
 def test_a_crash_while_the_replan_runs_resumes_it_and_applies_it_at_its_step(runs, tmp_path):
     """``codegen`` joins at step 3 on the kept deployment and its re-plan runs beside the steps, due at step 6
-    (``--replan-after 3``). The worker is SIGKILLed once the change is committed (``.replan.json`` written, a
-    checkpoint after it) and before step 6; torchrun restarts it, the run resumes from that checkpoint, runs the
-    re-plan again and applies its answer at step 6, once; every task ends as in the reference run."""
+    (``--replan-after 3``). The re-plan is held at a gate (``train.background.GATE_ENV``), so the run cannot pass
+    step 6 until the test opens it: the worker is SIGKILLed once the change is committed (``.replan.json``
+    written, a checkpoint after it), whenever that is; the gate opens; torchrun restarts the worker, the run
+    resumes from that checkpoint, runs the re-plan again and applies its answer at step 6, once; every task ends
+    as in the reference run."""
     queued, reference, _, _ = runs
     out = tmp_path / "killed"
     (out / "queue").mkdir(parents=True)
@@ -238,18 +202,22 @@ def test_a_crash_while_the_replan_runs_resumes_it_and_applies_it_at_its_step(run
     argv = [*LAUNCHER, "train", str(workload), "--plan", str(workload.with_suffix(".plan.json")), "--steps",
             str(STEPS), "--out", str(out), "--no-progress", "--checkpoint-every", "4", "--replan-after", "3",
             "--max-restarts", "1"]  # fmt: skip
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    gate = tmp_path / "replan-gate"
+    env = {**os.environ, GATE_ENV: str(gate)}
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
     deadline = time.monotonic() + 300
     replan, checkpoints = out / "queue" / ".replan.json", out / "checkpoints"
     while not (replan.exists() and {p.name for p in checkpoints.glob("step-*")} & {"step-000003", "step-000004"}):
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()
-        time.sleep(0.002)
+        time.sleep(0.05)
     (pid,) = _worker_pids(str(out))
     os.kill(pid, signal.SIGKILL)
+    gate.touch()
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
     assert "restart 1 of 1" in stdout and "the re-plan of step 3 runs again beside the steps to step 6" in stdout
-    assert stdout.count("queue: step 6: the re-plan of step 3") == 1, stdout
+    replans = [r for r in read_changes(out / "changes.jsonl") if r.kind is ChangeKind.REPLAN]
+    assert [(r.step, r.replanned_for) for r in replans] == [(6, 3)], stdout
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == list(range(STEPS))
     assert json.loads((out / "tasks.json").read_text())["applied"] == [
         {"step": 3, "file": "add-codegen.yaml", "action": "add", "name": "codegen"}
@@ -291,21 +259,22 @@ def test_the_fleet_moves_in_place_after_its_background_replan_and_when_no_replic
       (its remap of the checkpoint state failed on #29's pools, a KeyError or an AttributeError).
 
     torchrun says nothing of its own on the way (its log lines are quiet under the launcher)."""
-    path, profile = _on_four_gpus(tmp_path, tiny_tokenizer_dir, slots=(0, 3))
+    path, profile = on_four_gpus(tmp_path, tiny_tokenizer_dir, slots=(0, 3))
     out = tmp_path / "out"
     (out / "queue").mkdir(parents=True)
     _add(out / "queue", "codegen", batch=2, context=256, at_step=3)
     _add(out / "queue", "moddoc", batch=1, context=1536, at_step=5)
     log = _train(path, out, 7, "--profile", str(profile), "--checkpoint-every", "100", "--replan-objective", "gpu-s",
                  "--migration-s", "0")  # fmt: skip
-    queue = [line.removeprefix("lorafleet train: queue: ") for line in log.stdout.splitlines() if "queue: " in line]
-    assert "step 3: kept <1,1> x 2 for now; the re-plan runs beside the steps to step 4" in queue, log.stdout
-    assert any(line.startswith("step 4: the re-plan of step 3") and "re-planned to <1,1> x 1" in line for line in queue)
-    assert queue.index("step 3: kept <1,1> x 2 for now; the re-plan runs beside the steps to step 4") < next(
-        k for k, line in enumerate(queue) if line.startswith("step 4: applied in the running fleet")
-    )
-    assert any(line.startswith("step 5: re-planned to ") for line in queue)
-    assert any(line.startswith("step 5: applied") and "built their stages" in line for line in queue)
+    rows = read_changes(out / "changes.jsonl")
+    assert [(r.step, r.kind, r.outcome, r.plan) for r in rows[:2]] == [
+        (3, ChangeKind.CHANGE, Outcome.KEPT_REPLANNING, "<1,1> x 2"),
+        (4, ChangeKind.REPLAN, Outcome.MOVED, "<1,1> x 1"),
+    ], log.stdout
+    assert rows[0].replan_at == 4 and rows[1].replanned_for == 3 and rows[1].seconds > 0
+    (moddoc,) = rows[2:]
+    assert (moddoc.step, moddoc.outcome) == (5, Outcome.MOVED) and moddoc.note.startswith("re-planned to ")
+    assert moddoc.rebuilt  # ranks built their stages in place
     assert log.stdout.count("process group up") == 1 and "torch/distributed" not in log.stderr, log.stderr
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(7)) and "moddoc" in rows[6]["task_gpu_s"]
@@ -319,14 +288,17 @@ def test_a_change_whose_plan_needs_more_processes_restarts_the_workers_at_its_st
     GPU slots than the run has processes, so the workers stop at the committed checkpoint of step 3 with the
     change pending; the launcher re-plans and relaunches them once, and the run goes on to its end: every step
     trained once, the added task from step 3, nothing pending left in the queue."""
-    path, profile = _on_four_gpus(tmp_path, tiny_tokenizer_dir, slots=(0,))
+    path, profile = on_four_gpus(tmp_path, tiny_tokenizer_dir, slots=(0,))
     out = tmp_path / "out"
     (out / "queue").mkdir(parents=True)
     _add(out / "queue", "moddoc", batch=1, context=1536, at_step=3)
     log = _train(path, out, 6, "--profile", str(profile), "--checkpoint-every", "100", "--migration-s", "0")
-    queue = [line.removeprefix("lorafleet train: queue: ") for line in log.stdout.splitlines() if "queue: " in line]
-    handed = [line for line in queue if line.startswith("step 3: re-planned to ") and "the run has 1: " in line]
-    assert len(handed) == 1 and "the workers restart to apply it (checkpoint " in handed[0], log.stdout
+    rows = read_changes(out / "changes.jsonl")
+    assert [(r.step, r.outcome, r.tasks) for r in rows] == [
+        (3, Outcome.HANDED_OFF, ("docsum", "chat", "moddoc")),
+        (3, Outcome.RELAUNCHED, ("docsum", "chat", "moddoc")),
+    ], log.stdout
+    assert rows[0].plan == rows[1].plan and rows[0].note.startswith("re-planned to ")
     assert log.stdout.count("process group up") == 2, log.stdout
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(6))

@@ -47,23 +47,36 @@ def read_request(
     action, raw = read_request_file(path)
     name = raw["name"]
     if action is Action.ADD:
-        if name in ledger.names():
-            raise RequestError(f"task {name!r} is already in this run (task names name their adapters)")
         add = validated(AddRequestFile, deep_merge(dict(defaults), raw))
         if add.data is None:
             raise RequestError("data: training needs data (a JSONL file or a saved dataset)")
         task = resolve_data_paths(add.task(), path.parent)
         if data_roots is not None:
             check_reach(task, data_roots)
-        return Request(path.name, action, name, add.at_step, task=task)
+        request = Request(path.name, action, name, add.at_step, task=task)
+    elif action is Action.UPDATE:
+        update = validated(UpdateRequestFile, raw)
+        request = Request(path.name, action, name, update.at_step, changes=update.changes())
+    else:
+        request = Request(path.name, action, name, validated(StopRequestFile, raw).at_step)
+    check_against(request, ledger)
+    return request
+
+
+def check_against(request: Request, ledger: Ledger) -> None:
+    """RequestError when ``request`` cannot apply to the run's tasks as ``ledger`` has them: an add of a name the
+    run has had, another action on a task that is not active, an update that makes its task invalid. Judged
+    when the file is read and again when it is due (the requests before it may have changed the tasks)."""
+    name = request.name
+    if request.action is Action.ADD:
+        if name in ledger.names():
+            raise RequestError(f"task {name!r} is already in this run (task names name their adapters)")
+        return
     active = {t.name: t for t in ledger.active}
     if name not in active:
         raise RequestError(f"no active task {name!r} in this run (active: {', '.join(sorted(active)) or 'none'})")
-    if action is Action.UPDATE:
-        update = validated(UpdateRequestFile, raw)
-        validated(TaskSpec, {**active[name].model_dump(), **update.changes()})
-        return Request(path.name, action, name, update.at_step, changes=update.changes())
-    return Request(path.name, action, name, validated(StopRequestFile, raw).at_step)
+    if request.action is Action.UPDATE:
+        validated(TaskSpec, {**active[name].model_dump(), **request.changes})
 
 
 class QueueWatcher:
@@ -108,13 +121,15 @@ class QueueWatcher:
             if request.at_step > step:
                 self.waiting[path.name] = request
                 continue
-            self.waiting.pop(path.name, None)
-            if request.task is not None:
-                try:  # a deadline is checked against the step the task starts at
+            waited = self.waiting.pop(path.name, None) is not None
+            try:
+                if waited:
+                    check_against(request, ledger)
+                if request.task is not None:  # a deadline is checked against the step the task starts at
                     validated(TaskSpec, {**request.task.model_dump(), "start_step": step})
-                except RequestError as err:
-                    self.reject(path, str(err))
-                    continue
+            except RequestError as err:
+                self.reject(path, str(err))
+                continue
             due.append(request)
             ledger = ledger.apply([request], step)
         for request in due:

@@ -266,20 +266,6 @@ def test_a_tasks_stream_is_its_own_whoever_trains_beside_it_or_joins():
     assert together.cursors(4) == [8, 6]
 
 
-def test_a_task_that_took_its_steps_is_finished_as_if_asked():
-    """Mid-run, a task whose ``steps`` are done is handed to the running fleet like a queued finish (its adapter
-    exported, its slot freed, the fleet re-planned for the others)."""
-    from lorafleet.train.trainer import finished_tasks
-
-    a, b = synthetic_task("a", 30, (20, 40), 0), synthetic_task("b", 30, (20, 40), 1)
-    streams = DataStreams([a, b], (2, 3), seed=7, max_batches=(3, None))
-    assert finished_tasks(streams, 2, 100) == ([], 3)  # the run ends a window where a is done
-    done, later = finished_tasks(streams, 3, 100)
-    assert [(r.name, r.action) for r in done] == [("a", Action.FINISH)] and later is None
-    streams.retire(0, 1)  # stopped for non-finite updates: not finished
-    assert finished_tasks(streams, 5, 100) == ([], None)
-
-
 def test_departures_within_the_window_of_the_first_are_applied_at_one_boundary():
     """``turns.departures``: a finished task waits for the tasks done within ``window`` steps of it (then they
     leave together), never longer; with another change at the boundary it leaves at once."""

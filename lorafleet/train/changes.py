@@ -1,0 +1,401 @@
+"""Rank 0's fleet changes: one component owns every change of the running fleet's tasks or deployment.
+
+It owns the queue's watcher and the requests due at a boundary, the departures of tasks that took their steps,
+the task ledger, the data of the tasks the queue accepted (tokenized once, when checked), the price of a move
+(``planner.incremental.MigrationModel``, learnt from each move) and the re-plan running beside the steps
+(``train.background``). The trainer asks it two things (``train.trainer``):
+
+- at every window boundary, :meth:`FleetChanges.due`: whether the loop must stop there (requests due, a task
+  done, a re-plan's answer due), and :meth:`FleetChanges.next_boundary`, the next step a window must end at;
+- at a boundary where it stopped, :meth:`FleetChanges.at_boundary`: the :class:`Running` fleet from there on,
+  or a :class:`Stop` (the launcher applies what the workers cannot; no task is left), or None (nothing was
+  due: the run ends).
+
+What a change does (keep the deployment, re-plan beside the next steps, move, hand to the launcher) is the
+pure rule of ``planner.decision``, which ``simulate --arrivals`` shares. How a boundary's requests are written
+(checkpoint, ``.apply.json``, the ledger, the exports, the plan, ``.apply.json`` removed) is ``train.live``'s
+module doc; the component follows that order, then has the fleet apply the change in its processes (a
+:class:`FleetPort`: rank 0's executor, or a fake in tests) and appends a row to ``<out>/changes.jsonl``
+(``train.change_log``). No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lorafleet.planner.decision import HandOff, Keep, Move, ReplanNow, decide, settle
+from lorafleet.planner.incremental import kept_plan
+from lorafleet.train.change_log import (
+    TOOK_ITS_STEPS,
+    ChangeKind,
+    ChangeRecord,
+    Outcome,
+    append_change,
+    request_rows,
+    truncate_changes,
+)
+from lorafleet.train.live import LEAVING, changed_workload, log, record_change, replan_change
+from lorafleet.train.options import TrainOptions
+from lorafleet.train.queue import (
+    Action,
+    Ledger,
+    Pending,
+    PendingReplan,
+    QueueWatcher,
+    Request,
+    clear_pending,
+    clear_pending_replan,
+    load_pending_replan,
+    save_pending,
+    save_pending_replan,
+)
+from lorafleet.train.running import AppliedChange, FleetPort, Running, Stop
+from lorafleet.workload import Workload, length_histogram
+
+if TYPE_CHECKING:
+    from lorafleet.costmodel import CostModel
+    from lorafleet.planner import MigrationModel, Replan
+    from lorafleet.plans import DeploymentPlan
+    from lorafleet.runtime.data_stream import TaskData
+    from lorafleet.specs.workload import TaskSpec
+    from lorafleet.train.background import BackgroundReplan
+
+RELAUNCH_ENV = "LORAFLEET_RELAUNCH_CHANGES"
+"""When set, every queued change is applied by stopping the workers and launching them again from the
+boundary's checkpoint (``train.live.apply_pending``): the fallback's path, and the way before changes were
+applied in the running fleet, which ``benchmarks/bench_queue.py`` measures against."""
+
+
+class FleetChanges:
+    """Rank 0's fleet changes (module doc)."""
+
+    def __init__(
+        self,
+        options: TrainOptions,
+        defaults: Mapping[str, Any],
+        ledger: Ledger,
+        fleet: FleetPort,
+        tokenizer: Any,
+        migration: MigrationModel,
+        watch: bool = True,
+    ) -> None:
+        """``defaults``: the workload's (a queued task's); ``ledger``: the run's; ``migration``: the price of a move
+        before the run has made one; ``watch``: read the queue (not under a user's own torchrun, where no launcher
+        applies what the workers cannot)."""
+        self.options, self.fleet, self.tokenizer, self.migration = options, fleet, tokenizer, migration
+        self.ledger = ledger
+        self.added: dict[str, TaskData] = {}
+        """The data of the tasks the queue accepted (tokenized when they were checked), until they join."""
+        self.running: Running | None = None
+        """The fleet the queue's checks judge a task against (the trainer's, set at every boundary)."""
+        self.watcher = None
+        if watch:
+            self.watcher = QueueWatcher(
+                options.queue_dir, defaults, ledger, check=self._check, data_roots=options.queue_data_roots
+            )
+        self.requests: list[Request] = []
+        """Requests due at the boundary the loop stopped at, departures included."""
+        self.departure: int | None = None
+        """The next step a task is done at, or the end of the departures it waits for (``turns.departures``)."""
+        self.replanning: BackgroundReplan | None = None
+        """The last change's re-plan, running beside the steps until its boundary (``train.background``)."""
+
+    # -- at every window boundary ---------------------------------------------------------------------------
+
+    def due(self, step: int, running: Running) -> bool:
+        """Whether the loop stops at the boundary before ``step``: requests due, tasks done whose departure is due
+        (``turns.departures``: at once when other changes are applied here), or a re-plan's answer due."""
+        self.running = running
+        if self.watcher is not None:
+            self.requests = self.watcher.poll(step)
+            if step < self.options.steps:
+                done, self.departure = self._departures(step, bool(self.requests))
+                named = {r.name for r in self.requests}
+                self.requests += [r for r in done if r.name not in named]
+        return bool(self.requests) or self._answer_due(step)
+
+    def next_boundary(self) -> int | None:
+        """A step a window must end at: a queued request's ``at_step``, a departure's, or a re-plan answer's."""
+        due = [
+            self.watcher.next_due() if self.watcher else None,
+            self.departure,
+            self.replanning.at if self.replanning else None,
+        ]
+        return min((s for s in due if s is not None), default=None)
+
+    # -- where the loop stopped -----------------------------------------------------------------------------
+
+    def at_boundary(self, step: int, running: Running) -> Running | Stop | None:
+        """The fleet from the boundary before ``step`` on (module doc): requests due are applied (superseding a
+        re-plan answer due here), else a re-plan's answer; None when nothing was due."""
+        if self.requests:
+            return self._change(step, running)
+        if self._answer_due(step):
+            return self._answer(step, running)
+        return None
+
+    def resume(self, start: int, running: Running) -> None:
+        """A resumed run: its change records after ``start`` dropped (the steps are replayed), and its re-plan that
+        was under way (``<queue>/.replan.json``) run again, due at the same step (or ``start``, when that passed)."""
+        truncate_changes(self.options.run_dir.changes, start)
+        pending = load_pending_replan(self.options.queue_dir)
+        if pending is not None and self._start_replan(pending.step, at := max(pending.at, start), running):
+            log(f"step {start}: the re-plan of step {pending.step} runs again beside the steps to step {at}")
+
+    def finish(self) -> None:
+        """The run ends: a re-plan due after its last step is never applied."""
+        clear_pending_replan(self.options.queue_dir)
+
+    # -- a change of the tasks ------------------------------------------------------------------------------
+
+    def _change(self, step: int, running: Running) -> Running | Stop:
+        """The requests due at the boundary before ``step`` applied (``train.live``'s order): a checkpoint when a task
+        leaves (the ledger records it gone only once it is committed; a join's is written once the change is applied,
+        in the background, so that the fsyncs of the ledger and the plan do not flush it), ``.apply.json``, the
+        decision, the ledger and the exports, the plan, ``.apply.json`` removed, the fleet changed, the row."""
+        requests, self.requests = self.requests, []
+        turns = self.fleet.turns()
+        tasks_change = any(r.action is not Action.UPDATE for r in requests)
+        relaunch = bool(os.environ.get(RELAUNCH_ENV))
+        leaving = any(r.action in LEAVING for r in requests)
+        checkpoint = self.fleet.checkpoint(step, wait=True) if leaving or relaunch else None
+        committed = f" (checkpoint {checkpoint.name})" if checkpoint is not None else ""
+        save_pending(self.options.queue_dir, Pending(step, requests, turns))
+        log(f"step {step}: {', '.join(f'{r.action.value} {r.name}' for r in requests)}{committed}")
+        ledger = self.ledger.apply(requests, step, turns)
+        row = partial(ChangeRecord, step, ChangeKind.of(requests), requests=request_rows(requests))
+        if relaunch:
+            log(f"step {step}: {RELAUNCH_ENV} is set: the workers restart to apply the changes")
+            return Stop.HANDED_OFF
+        superseded = self._supersede()
+        if not ledger.active:
+            self._record(ledger, step, requests, running)
+            clear_pending(self.options.queue_dir)
+            log(f"step {step}: no task is left to train")
+            self._append(row(Outcome.ALL_LEFT, (), running.plan.describe()))
+            return Stop.ALL_LEFT
+        workload = self._workload(running.workload, ledger.active)
+        cost_model = self._cost_model(workload, running.plan)
+        names = tuple(t.name for t in workload.tasks)
+        decision = decide(
+            step,
+            tasks_change or superseded,
+            partial(kept_plan, running.plan, workload, cost_model),
+            replace(running.plan, tasks=names),
+            self.options.replan_after,
+        )
+        answer = None
+        if isinstance(decision, ReplanNow):
+            answer = replan_change(self.options, workload, running.plan, step, self.migration, cost_model, save=False)
+            decision = settle(answer, self.fleet.world_size)
+            if isinstance(decision, HandOff):
+                self._hand_off(step, decision.plan, f"{answer.describe()}; ", checkpoint)
+                self._append(row(Outcome.HANDED_OFF, names, decision.plan.describe(), note=answer.describe()))
+                return Stop.HANDED_OFF
+        self._record(ledger, step, requests, running)
+        self._commit(workload, decision.plan)
+        clear_pending(self.options.queue_dir)
+        if answer is not None:
+            log(f"step {step}: {answer.describe()}")
+        after, applied = self._apply(step, running, workload, decision.plan, cost_model)
+        outcome = Outcome.MOVED if isinstance(decision, Move) else Outcome.KEPT
+        replan_at = decision.replan_at if isinstance(decision, Keep) else None
+        if replan_at is not None and self._start_replan(step, replan_at, after):
+            log(f"step {step}: kept {decision.plan.describe()} for now; the re-plan runs beside the steps to step "
+                f"{replan_at}")  # fmt: skip
+            outcome = Outcome.KEPT_REPLANNING
+        elif replan_at is not None:
+            log(f"step {step}: kept {decision.plan.describe()}: the run ends before step {replan_at}, where a move "
+                "would apply")  # fmt: skip
+            replan_at = None
+        self._append(
+            row(outcome, names, decision.plan.describe(), seconds=applied.seconds, rebuilt=tuple(applied.rebuilt),
+                replan_at=replan_at, note=answer.describe() if answer else "",
+                extra=dict(applied.phases))
+        )  # fmt: skip
+        if tasks_change and checkpoint is None:
+            self.fleet.checkpoint(step)
+        return after
+
+    def _check(self, task: TaskSpec) -> None:
+        """The queue's check of a task to add (``QueueWatcher``'s ``check``): its data tokenized as training will
+        (once: kept for when it joins, its lengths read from it), and its longest sequence held to the configs of
+        the run's GPUs; InputError or ValueError (its reason, for the rejection)."""
+        from lorafleet.planner.candidates import valid_candidates
+        from lorafleet.runtime.data_stream import prepare_task_data
+
+        assert self.running is not None
+        data = prepare_task_data(task, self.tokenizer, task.data.path if task.data else "queue")
+        workload, plan = self.running.workload, self.running.plan
+        known = {task.name: length_histogram(data.raw_lengths)}
+        resolved = changed_workload(workload, (task,), known).tasks[0]
+        cluster = plan.fleet()
+        largest = max((c.max_tokens for c in valid_candidates(self.running.cost_model, cluster)), default=0)
+        if resolved.lengths.max_length > largest:
+            raise ValueError(
+                f"its {resolved.lengths.max_length}-token sequences fit no config of {cluster.describe()} "
+                f"(at most {largest} tokens a micro-batch); lower context_length"
+            )
+        self.added[task.name] = data
+
+    def _departures(self, step: int, now: bool) -> tuple[list[Request], int | None]:
+        """Tasks that took their last batch before ``step`` (their ``steps`` or ``epochs``) while the run goes on and
+        whose departure is due there (``turns.departures``; ``now``: other changes are applied at this boundary):
+        finished, as if asked through the queue, so their adapters are exported and their slots freed; and the
+        next step a departure is to be looked at (None: no task is done within twice the departure window: the
+        turns are drawn that far ahead only, so their cost grows with the steps run, not the run's)."""
+        from lorafleet.turns import DEPARTURE_WINDOW, departures
+
+        ends = self.fleet.end_steps(min(self.options.steps, step + 2 * DEPARTURE_WINDOW))
+        done, boundary = departures(ends, step, now)
+        return [Request(TOOK_ITS_STEPS, Action.FINISH, name) for name in done], boundary
+
+    def _workload(self, workload: Workload, tasks: Sequence[TaskSpec]) -> Workload:
+        """``workload`` with the ledger's active ``tasks``; a joining task's lengths read from its data, tokenized
+        once by the queue's check."""
+        known = {name: length_histogram(data.raw_lengths) for name, data in self.added.items()}
+        return changed_workload(workload, tasks, known)
+
+    def _cost_model(self, workload: Workload, plan: DeploymentPlan) -> CostModel:
+        """``plan``'s cost model for ``workload``'s tasks, as a launch builds it (``assemble.plan_cost_model``)."""
+        from lorafleet.assemble import plan_cost_model
+
+        return plan_cost_model(workload, plan.fleet(), plan, self.options.plan, self.options.profile)[0]
+
+    def _record(self, ledger: Ledger, step: int, requests: Sequence[Request], running: Running) -> None:
+        """The ledger after the change written, and the leaving tasks' adapters exported (``train.live``)."""
+        self.ledger = record_change(self.options, ledger, step, requests, running.workload.spec.tasks)
+        if self.watcher is not None:
+            self.watcher.ledger = self.ledger
+
+    def _commit(self, workload: Workload, plan: DeploymentPlan) -> None:
+        """The tasks and plan the fleet runs from this boundary on, where a restart finds them: the run's
+        ``plan.json`` and its run file (a torchrun restart of the workers reads the tasks, their lengths and the
+        plan there; a resume re-reads the ledger and ``plan.json``)."""
+        from lorafleet.train.run_file import ResolvedRun
+
+        run_dir = self.options.run_dir
+        plan.save(run_dir.plan)
+        if run_dir.run_file.is_file():
+            replace(ResolvedRun.load(run_dir.run_file), plan=plan).with_workload(workload).save(run_dir)
+
+    def _apply(
+        self, step: int, running: Running, workload: Workload, plan: DeploymentPlan, cost_model: CostModel
+    ) -> tuple[Running, AppliedChange]:
+        """The fleet changed in its processes to ``workload``'s tasks on ``plan`` (``cost_model``: the one built for
+        the running deployment, kept when ``plan`` has as many replicas: a cost model prices the gradient sync over
+        the plan's replicas), the move's price learnt, the running fleet after it."""
+        added = {t.name: self._joining_data(t.spec) for t in workload.tasks if t.name not in running.names}
+        applied = self.fleet.apply(step, workload, plan, self.ledger, added)
+        what = [
+            f"ranks {', '.join(map(str, applied.rebuilt))} built their stages"
+            if applied.rebuilt
+            else "every stage kept"
+        ]
+        what += [f"{name} {seconds:.2g} s" for name, seconds in applied.phases.items() if seconds >= 0.01]
+        log(f"step {step}: applied in the running fleet in {applied.seconds:.3g} s ({'; '.join(what)})")
+        self._learn_migration(applied, plan, workload)
+        if len(plan.replicas) != len(running.plan.replicas):
+            cost_model = self._cost_model(workload, plan)
+        return running.after(workload, plan, cost_model), applied
+
+    def _joining_data(self, task: TaskSpec) -> TaskData:
+        """A joining task's data, as the queue's check tokenized it (else, a request the check did not see in this
+        launch, tokenized now)."""
+        from lorafleet.runtime.data_stream import prepare_task_data
+
+        data = self.added.pop(task.name, None)
+        return data or prepare_task_data(task, self.tokenizer, task.data.path if task.data else "queue")
+
+    def _learn_migration(self, applied: AppliedChange, plan: DeploymentPlan, workload: Workload) -> None:
+        """A move's measured phases price the next one: its stage builds give the load rate (the largest stage built
+        over the slowest rank's build), the rest of its time the fixed part (``MigrationModel``)."""
+        if not applied.rebuilt:
+            return
+        built = [r for r in plan.replicas if set(r.gpus) & set(applied.rebuilt)]
+        largest = max(workload.model.n_params * self.migration.dtype_bytes / r.config.n_gpus for r in built)
+        stage = applied.phases["stage"]
+        self.migration = replace(
+            self.migration,
+            fixed_s=max(applied.seconds - stage, 0.0),
+            load_bytes_per_s=largest / stage if stage > 0 else self.migration.load_bytes_per_s,
+        )
+
+    def _hand_off(self, step: int, plan: DeploymentPlan, said: str = "", checkpoint: Path | None = None) -> None:
+        """``plan`` needs more processes than the run has: the workers stop at the committed checkpoint of ``step`` and
+        the launcher applies the pending changes (``train.live.apply_pending``); ``said``: the log line's start."""
+        checkpoint = checkpoint or self.fleet.checkpoint(step, wait=True)
+        log(
+            f"step {step}: {said}it needs {plan.world_size} processes and the run has {self.fleet.world_size}: "
+            f"the workers restart to apply it (checkpoint {checkpoint.name})"
+        )
+
+    # -- the re-plan beside the steps -----------------------------------------------------------------------
+
+    def _answer_due(self, step: int) -> bool:
+        """The change's re-plan is due at this boundary (before the run's last step: else it is never applied)."""
+        return self.replanning is not None and self.replanning.at == step < self.fleet.end()
+
+    def _supersede(self) -> bool:
+        """A re-plan under way was for the tasks before this boundary's changes: it is dropped (True), never
+        applied."""
+        superseded, self.replanning = self.replanning is not None, None
+        if superseded:
+            clear_pending_replan(self.options.queue_dir)
+        return superseded
+
+    def _start_replan(self, step: int, at: int, running: Running) -> bool:
+        """The re-plan of the change at ``step`` started beside the steps (``train.background``), for the tasks and
+        deployment of ``running``, its answer due at ``at`` and recorded in ``<queue>/.replan.json`` (for a resume);
+        False, and no re-plan, when the run ends before ``at`` (its answer would never apply)."""
+        from lorafleet.train.background import BackgroundReplan
+
+        if at >= self.fleet.end():
+            clear_pending_replan(self.options.queue_dir)
+            return False
+        save_pending_replan(self.options.queue_dir, PendingReplan(step, at))
+        replan: Callable[[], Replan] = partial(
+            replan_change, self.options, running.workload, running.plan, at, self.migration, running.cost_model,
+            save=False,
+        )  # fmt: skip
+        self.replanning = BackgroundReplan.start(step, at, replan)
+        return True
+
+    def _answer(self, step: int, running: Running) -> Running | Stop:
+        """The re-plan's answer at its boundary ``step`` (waited for when not done): the running fleet when it keeps
+        the deployment, else the move applied in the running fleet, or handed to the launcher when it needs
+        processes the run does not have (the workers stop at a committed checkpoint)."""
+        replanning, self.replanning = self.replanning, None
+        assert replanning is not None
+        answer, waited = replanning.answer()
+        wait = f" (waited {waited:.2g} s for it)" if waited >= 0.01 else ""
+        log(f"step {step}: the re-plan of step {replanning.step}{wait}: {answer.describe()}")
+        decision = settle(answer, self.fleet.world_size)
+        row = partial(
+            ChangeRecord, step, ChangeKind.REPLAN, tasks=tuple(running.names), plan=decision.plan.describe(),
+            replanned_for=replanning.step, waited_s=waited, note=answer.describe(),
+        )  # fmt: skip
+        if isinstance(decision, HandOff):
+            checkpoint = self.fleet.checkpoint(step, wait=True)
+            save_pending(self.options.queue_dir, Pending(step, [], self.fleet.turns()))  # the launcher re-plans
+            self._hand_off(step, decision.plan, checkpoint=checkpoint)
+            self._append(row(outcome=Outcome.HANDED_OFF))
+            return Stop.HANDED_OFF
+        if isinstance(decision, Move):
+            self._commit(running.workload, decision.plan)
+        clear_pending_replan(self.options.queue_dir)
+        if not isinstance(decision, Move):
+            self._append(row(outcome=Outcome.KEPT))
+            return running
+        after, applied = self._apply(step, running, running.workload, decision.plan, running.cost_model)
+        self._append(row(outcome=Outcome.MOVED, seconds=applied.seconds, rebuilt=tuple(applied.rebuilt),
+                         extra=dict(applied.phases)))  # fmt: skip
+        return after
+
+    def _append(self, record: ChangeRecord) -> None:
+        append_change(self.options.run_dir.changes, record)

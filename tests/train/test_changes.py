@@ -1,0 +1,242 @@
+"""Rank 0's fleet changes (``train.changes``) without processes: the component against a fake fleet, on the tiny
+Llama's demo tasks planned as two ``<1,1>`` replicas on a 4-GPU node, and the one decision rule it shares with
+``simulate --arrivals`` (``planner.decision``).
+
+The fake fleet records what it is asked (checkpoints, changes applied); every other part is real: the queue
+directory and its watcher, the ledger, the planner's re-plan, the run's files and ``changes.jsonl``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from lorafleet.dispatch import Recalibrator
+from lorafleet.planner import MigrationModel
+from lorafleet.planner.decision import HandOff, Keep, Move, ReplanNow, decide, settle
+from lorafleet.plans import DeploymentPlan
+from lorafleet.train.change_log import ChangeKind, Outcome, read_changes
+from lorafleet.train.changes import FleetChanges
+from lorafleet.train.options import TrainOptions
+from lorafleet.train.queue import Ledger
+from lorafleet.train.running import Running, Stop
+from lorafleet.work import counting
+from tests.helpers.queue_fleet import add_request, on_four_gpus
+from tests.helpers.repo import DEMO
+
+STEPS = 10
+
+
+@dataclass
+class FakeFleet:
+    """``train.changes.FleetPort`` that runs nothing: what it was asked, recorded."""
+
+    world_size: int = 4
+    steps: int = STEPS
+    checkpoints: list[tuple[int, bool]] = field(default_factory=list)
+    applied: list[tuple[int, tuple[str, ...], str, tuple[str, ...]]] = field(default_factory=list)
+    """(step, tasks, plan, joining tasks' data) of every change applied."""
+
+    def turns(self):
+        return {}
+
+    def end_steps(self, horizon):
+        return {}
+
+    def end(self):
+        return self.steps
+
+    def checkpoint(self, step, wait=False):
+        self.checkpoints.append((step, wait))
+        return Path(f"step-{step:06d}")
+
+    def apply(self, step, workload, plan, ledger, added):
+        self.applied.append((step, tuple(t.name for t in workload.tasks), plan.describe(), tuple(sorted(added))))
+        return SimpleNamespace(seconds=0.25, phases={"data": 0.25}, rebuilt=())
+
+
+@pytest.fixture
+def fleet(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """(options, running, changes, fake fleet) of a run of docsum and chat on ``<1,1>`` replicas on GPUs 0 and 3,
+    its queue watched (as under lorafleet's launcher)."""
+    from lorafleet.assemble import plan_cost_model
+    from lorafleet.runtime.data_stream import task_tokenizer
+    from lorafleet.workload import load_workload
+
+    path, profile = on_four_gpus(tmp_path, tiny_tokenizer_dir, slots=(0, 3))
+    out = tmp_path / "out"
+    (out / "queue").mkdir(parents=True)
+    plan_path = path.with_suffix(".plan.json")
+    options = TrainOptions(
+        workload=str(path), plan=str(plan_path), out=str(out), steps=STEPS, profile=str(profile),
+        queue_data_roots=(str(DEMO),),
+    )  # fmt: skip
+    workload = load_workload(path)
+    plan = DeploymentPlan.load(plan_path)
+    cost_model = plan_cost_model(workload, plan.fleet(), plan, str(plan_path), str(profile))[0]
+    running = Running(workload, plan, cost_model, Recalibrator.for_plan(plan))
+    fake = FakeFleet()
+    migration = MigrationModel(dtype_bytes=4)
+    changes = FleetChanges(
+        options, workload.spec.defaults, Ledger.of(workload.spec.tasks), fake, task_tokenizer(workload.spec), migration
+    )
+    return options, running, changes, fake
+
+
+def _rows(options: TrainOptions) -> list:
+    return read_changes(options.run_dir.changes)
+
+
+def test_a_queued_add_is_tokenized_once_kept_on_the_running_deployment_and_recorded(fleet):
+    """``codegen`` is added at step 3: the queue's check tokenizes its data (the one tokenization of the change:
+    its lengths, its placement check and its slot all use it), the two replicas serve it, so the fleet keeps them
+    and the re-plan runs beside the steps, due at step 4 (``--replan-after 1``); the ledger, the plan and a
+    ``changes.jsonl`` row say so, and a checkpoint of the new task set is started (not waited for)."""
+    options, running, changes, fake = fleet
+    add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=3)
+    with counting() as work:
+        assert not changes.due(2, running)
+        assert changes.next_boundary() == 3
+        assert changes.due(3, running)
+        after = changes.at_boundary(3, running)
+        changes.replanning.answer()  # the thread's work done before the scope closes
+    assert work["tokenizations"] == 1
+    assert isinstance(after, Running) and after.names == ["docsum", "chat", "codegen"]
+    assert after.plan.describe() == running.plan.describe() and after.cost_model is not running.cost_model
+    assert fake.applied == [(3, ("docsum", "chat", "codegen"), "<1,1> x 2", ("codegen",))]
+    assert fake.checkpoints == [(3, False)]
+    assert changes.replanning.at == 4 and changes.next_boundary() == 4
+    assert json.loads((options.queue_dir / ".replan.json").read_text()) == {"step": 3, "at": 4}
+    assert not (options.queue_dir / ".apply.json").exists()
+    assert DeploymentPlan.load(options.run_dir.plan).tasks == ("docsum", "chat", "codegen")
+    assert [e["spec"]["name"] for e in json.loads(options.run_dir.ledger.read_text())["tasks"]][-1] == "codegen"
+    (row,) = _rows(options)
+    assert (row.step, row.kind, row.outcome, row.tasks, row.replan_at) == (
+        3,
+        ChangeKind.CHANGE,
+        Outcome.KEPT_REPLANNING,
+        ("docsum", "chat", "codegen"),
+        4,
+    )
+    assert [(r.action.value, r.name, r.file) for r in row.requests] == [("add", "codegen", "add-codegen.yaml")]
+    assert row.seconds == 0.25 and row.rebuilt == ()
+
+
+def test_the_replan_answer_is_applied_at_its_step_and_a_new_change_supersedes_it(fleet):
+    """The re-plan of the add at step 3 answers at step 4 (kept or moved, a ``replan`` row either way); a second
+    add at step 5 is decided from the running deployment, and a change at the step its own re-plan is due
+    supersedes that re-plan (never applied, ``.replan.json`` removed)."""
+    options, running, changes, fake = fleet
+    add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=3)
+    changes.due(3, running)
+    running = changes.at_boundary(3, running)
+    assert not changes.due(4, running) or changes.replanning is not None
+    answered = changes.at_boundary(4, running)
+    assert isinstance(answered, Running) and changes.replanning is None
+    assert [r.kind for r in _rows(options)] == [ChangeKind.CHANGE, ChangeKind.REPLAN]
+    assert _rows(options)[1].replanned_for == 3 and _rows(options)[1].outcome in (Outcome.KEPT, Outcome.MOVED)
+    add_request(options.queue_dir, "chat2", batch=2, context=128, at_step=5, data="chat")
+    changes.due(5, answered)
+    later = changes.at_boundary(5, answered)
+    assert changes.replanning is not None and changes.replanning.at == 6
+    add_request(options.queue_dir, "chat3", batch=2, context=128, at_step=6, data="chat")
+    assert changes.due(6, later)
+    changes.at_boundary(6, later)
+    assert changes.replanning is not None and changes.replanning.step == 6  # 5's re-plan superseded, 6's started
+    assert [r.step for r in _rows(options)] == [3, 4, 5, 6]
+
+
+def test_an_update_alone_keeps_the_deployment_without_a_replan(fleet):
+    options, running, changes, fake = fleet
+    (options.queue_dir / "share.yaml").write_text("action: update\nname: docsum\nshare: 0.5\nat_step: 2\n")
+    assert changes.due(2, running)
+    after = changes.at_boundary(2, running)
+    assert changes.replanning is None and fake.checkpoints == []
+    assert after.workload.tasks[0].spec.share == 0.5
+    (row,) = _rows(options)
+    assert row.outcome is Outcome.KEPT and row.replan_at is None
+
+
+def test_a_task_no_replica_holds_replans_at_the_boundary_and_hands_off_when_it_needs_more_processes(fleet):
+    """``moddoc``'s 1,536-token documents fit no ``<1,1>``: the boundary re-plans (no re-plan beside the steps); on
+    a fleet of 2 processes the new plan needs more, so the change is handed to the launcher with a checkpoint."""
+    options, running, changes, fake = fleet
+    fake.world_size = 2
+    add_request(options.queue_dir, "moddoc", batch=1, context=1536, at_step=1)
+    changes.due(1, running)
+    assert changes.at_boundary(1, running) is Stop.HANDED_OFF
+    assert fake.applied == [] and fake.checkpoints == [(1, True)]
+    (row,) = _rows(options)
+    assert row.outcome is Outcome.HANDED_OFF and "re-planned to" in row.note
+    assert (options.queue_dir / ".apply.json").exists()  # the launcher applies it
+
+
+def test_a_task_no_replica_holds_moves_the_fleet_at_its_boundary_on_one_tokenization(fleet):
+    """With the processes for it, ``moddoc``'s boundary re-plans and moves the fleet in place: its data tokenized
+    once (the check), its lengths for the re-plan read from that, the move recorded with its re-plan's reason."""
+    options, running, changes, fake = fleet
+    add_request(options.queue_dir, "moddoc", batch=1, context=1536, at_step=1)
+    with counting() as work:
+        changes.due(1, running)
+        after = changes.at_boundary(1, running)
+    assert work["tokenizations"] == 1
+    assert isinstance(after, Running) and after.plan.describe() != running.plan.describe()
+    assert fake.applied[0][2] == after.plan.describe() and changes.replanning is None
+    (row,) = _rows(options)
+    assert row.outcome is Outcome.MOVED and row.note.startswith("re-planned to ")
+
+
+def test_departures_are_the_tasks_that_took_their_steps(fleet):
+    """Mid-run, a task whose ``steps`` are done is handed to the running fleet like a queued finish (its adapter
+    exported, its slot freed, the fleet re-planned for the others)."""
+    from lorafleet.runtime.data_stream import DataStreams
+    from lorafleet.train.queue import Action
+    from tests.helpers.fleet_harness import synthetic_task
+
+    options, running, changes, fake = fleet
+    a, b = synthetic_task("a", 30, (20, 40), 0), synthetic_task("b", 30, (20, 40), 1)
+    streams = DataStreams([a, b], (2, 3), seed=7, max_batches=(3, None))
+    fake.end_steps = lambda horizon: {["a", "b"][t]: end for t, end in streams.end_steps(horizon).items()}
+    assert changes._departures(2, False) == ([], 3)  # the run ends a window where a is done
+    done, later = changes._departures(3, False)
+    assert [(r.name, r.action) for r in done] == [("a", Action.FINISH)] and later is None
+    streams.retire(0, 1)  # stopped for non-finite updates: not finished
+    assert changes._departures(5, False) == ([], None)
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_decide_keeps_the_running_deployment_while_its_replan_runs_beside_the_steps(after):
+    """The rule of ``planner.decision``: an update alone keeps the deployment without a re-plan; a join or leave
+    keeps it for ``replan_after`` steps when it can serve the new tasks, else re-plans now."""
+    running, kept = SimpleNamespace(name="running"), SimpleNamespace(name="kept")
+    asked = []
+
+    def keep():
+        asked.append(1)
+        return kept
+
+    assert decide(5, False, keep, running, after) == Keep(running) and not asked
+    decision = decide(5, True, keep, running, after)
+    assert decision == (Keep(kept, 5 + after) if after else ReplanNow())
+    assert decide(5, True, lambda: None, running, after) == ReplanNow()
+
+
+def test_settle_moves_keeps_or_hands_off():
+    plan = SimpleNamespace(world_size=4)
+    assert settle(SimpleNamespace(moved=False, plan=plan), 2) == Keep(plan)
+    assert settle(SimpleNamespace(moved=True, plan=plan), 4) == Move(plan)
+    assert settle(SimpleNamespace(moved=True, plan=plan), 2) == HandOff(plan)
+    assert settle(SimpleNamespace(moved=True, plan=plan)) == Move(plan)
+
+
+def test_running_after_a_move_keeps_what_the_staying_replicas_measured(fleet):
+    _, running, _, _ = fleet
+    running.recalibrator.load_state_dict(running.recalibrator.state_dict())
+    one = replace(running.plan, replicas=running.plan.replicas[:1])
+    after = running.after(running.workload, one, running.cost_model)
+    assert after.recalibrator is not running.recalibrator and after.plan is one
+    same = running.after(running.workload, running.plan, running.cost_model)
+    assert same.recalibrator is running.recalibrator
