@@ -114,7 +114,7 @@ class FleetChanges:
         if self.watcher is not None:
             self.requests = self.watcher.poll(step)
             if step < self.options.steps:
-                done, self.departure = self._departures(step, bool(self.requests))
+                done, self.departure = departures_due(self.fleet, step, self.options.steps, bool(self.requests))
                 named = {r.name for r in self.requests}
                 self.requests += [r for r in done if r.name not in named]
         return bool(self.requests) or self._answer_due(step)
@@ -223,37 +223,10 @@ class FleetChanges:
         return after
 
     def _check(self, task: TaskSpec) -> None:
-        """The queue's check of a task to add (``QueueWatcher``'s ``check``): its data tokenized as training will
-        (once: kept for when it joins, its lengths read from it), and its longest sequence held to the configs of
-        the run's GPUs; InputError or ValueError (its reason, for the rejection)."""
-        from lorafleet.planner.candidates import valid_candidates
-        from lorafleet.runtime.data_stream import prepare_task_data
-
+        """The queue's check of a task to add (``QueueWatcher``'s ``check``): :func:`joining_data`, kept for when the
+        task joins."""
         assert self.running is not None
-        data = prepare_task_data(task, self.tokenizer, task.data.path if task.data else "queue")
-        workload, plan = self.running.workload, self.running.plan
-        known = {task.name: length_histogram(data.raw_lengths)}
-        resolved = changed_workload(workload, (task,), known).tasks[0]
-        cluster = plan.fleet()
-        largest = max((c.max_tokens for c in valid_candidates(self.running.cost_model, cluster)), default=0)
-        if resolved.lengths.max_length > largest:
-            raise ValueError(
-                f"its {resolved.lengths.max_length}-token sequences fit no config of {cluster.describe()} "
-                f"(at most {largest} tokens a micro-batch); lower context_length"
-            )
-        self.added[task.name] = data
-
-    def _departures(self, step: int, now: bool) -> tuple[list[Request], int | None]:
-        """Tasks that took their last batch before ``step`` (their ``steps`` or ``epochs``) while the run goes on and
-        whose departure is due there (``turns.departures``; ``now``: other changes are applied at this boundary):
-        finished, as if asked through the queue, so their adapters are exported and their slots freed; and the
-        next step a departure is to be looked at (None: no task is done within twice the departure window: the
-        turns are drawn that far ahead only, so their cost grows with the steps run, not the run's)."""
-        from lorafleet.turns import DEPARTURE_WINDOW, departures
-
-        ends = self.fleet.end_steps(min(self.options.steps, step + 2 * DEPARTURE_WINDOW))
-        done, boundary = departures(ends, step, now)
-        return [Request(TOOK_ITS_STEPS, Action.FINISH, name) for name in done], boundary
+        self.added[task.name] = joining_data(task, self.running, self.tokenizer)
 
     def _workload(self, workload: Workload, tasks: Sequence[TaskSpec]) -> Workload:
         """``workload`` with the ledger's active ``tasks``; a joining task's lengths read from its data, tokenized
@@ -299,7 +272,7 @@ class FleetChanges:
         ]
         what += [f"{name} {seconds:.2g} s" for name, seconds in applied.phases.items() if seconds >= 0.01]
         log(f"step {step}: applied in the running fleet in {applied.seconds:.3g} s ({'; '.join(what)})")
-        self._learn_migration(applied, plan, workload)
+        self.migration = learnt_migration(self.migration, applied, plan, workload)
         if len(plan.replicas) != len(running.plan.replicas):
             cost_model = self._cost_model(workload, plan)
         return running.after(workload, plan, cost_model), applied
@@ -311,20 +284,6 @@ class FleetChanges:
 
         data = self.added.pop(task.name, None)
         return data or prepare_task_data(task, self.tokenizer, task.data.path if task.data else "queue")
-
-    def _learn_migration(self, applied: AppliedChange, plan: DeploymentPlan, workload: Workload) -> None:
-        """A move's measured phases price the next one: its stage builds give the load rate (the largest stage built
-        over the slowest rank's build), the rest of its time the fixed part (``MigrationModel``)."""
-        if not applied.rebuilt:
-            return
-        built = [r for r in plan.replicas if set(r.gpus) & set(applied.rebuilt)]
-        largest = max(workload.model.n_params * self.migration.dtype_bytes / r.config.n_gpus for r in built)
-        stage = applied.phases["stage"]
-        self.migration = replace(
-            self.migration,
-            fixed_s=max(applied.seconds - stage, 0.0),
-            load_bytes_per_s=largest / stage if stage > 0 else self.migration.load_bytes_per_s,
-        )
 
     def _hand_off(self, step: int, plan: DeploymentPlan, said: str = "", checkpoint: Path | None = None) -> None:
         """``plan`` needs more processes than the run has: the workers stop at the committed checkpoint of ``step`` and
@@ -399,3 +358,53 @@ class FleetChanges:
 
     def _append(self, record: ChangeRecord) -> None:
         append_change(self.options.run_dir.changes, record)
+
+
+def joining_data(task: TaskSpec, running: Running, tokenizer: Any) -> TaskData:
+    """A task to add, checked: its data tokenized as training will (once: its lengths and its slot use it), and its
+    longest sequence held to the configs of the running fleet's GPUs; InputError or ValueError (the reason, for the
+    queue's rejection) otherwise."""
+    from lorafleet.planner.candidates import valid_candidates
+    from lorafleet.runtime.data_stream import prepare_task_data
+
+    data = prepare_task_data(task, tokenizer, task.data.path if task.data else "queue")
+    known = {task.name: length_histogram(data.raw_lengths)}
+    resolved = changed_workload(running.workload, (task,), known).tasks[0]
+    cluster = running.plan.fleet()
+    largest = max((c.max_tokens for c in valid_candidates(running.cost_model, cluster)), default=0)
+    if resolved.lengths.max_length > largest:
+        raise ValueError(
+            f"its {resolved.lengths.max_length}-token sequences fit no config of {cluster.describe()} "
+            f"(at most {largest} tokens a micro-batch); lower context_length"
+        )
+    return data
+
+
+def departures_due(fleet: FleetPort, step: int, steps: int, now: bool) -> tuple[list[Request], int | None]:
+    """Tasks that took their last batch before ``step`` (their ``steps`` or ``epochs``) while the run of ``steps``
+    goes on and whose departure is due there (``turns.departures``; ``now``: other changes are applied at this
+    boundary): finished, as if asked through the queue, so their adapters are exported and their slots freed; and
+    the next step a departure is to be looked at (None: no task is done within twice the departure window: the
+    turns are drawn that far ahead only, so their cost grows with the steps run, not the run's)."""
+    from lorafleet.turns import DEPARTURE_WINDOW, departures
+
+    done, boundary = departures(fleet.end_steps(min(steps, step + 2 * DEPARTURE_WINDOW)), step, now)
+    return [Request(TOOK_ITS_STEPS, Action.FINISH, name) for name in done], boundary
+
+
+def learnt_migration(
+    migration: MigrationModel, applied: AppliedChange, plan: DeploymentPlan, workload: Workload
+) -> MigrationModel:
+    """``migration`` after a change of the fleet to ``plan``: a move's measured phases price the next one, its stage
+    builds giving the load rate (the largest stage built over the slowest rank's build) and the rest of its time the
+    fixed part (``MigrationModel``); unchanged when no stage was built."""
+    if not applied.rebuilt:
+        return migration
+    built = [r for r in plan.replicas if set(r.gpus) & set(applied.rebuilt)]
+    largest = max(workload.model.n_params * migration.dtype_bytes / r.config.n_gpus for r in built)
+    stage = applied.phases["stage"]
+    return replace(
+        migration,
+        fixed_s=max(applied.seconds - stage, 0.0),
+        load_bytes_per_s=largest / stage if stage > 0 else migration.load_bytes_per_s,
+    )

@@ -19,7 +19,7 @@ from lorafleet.planner import MigrationModel
 from lorafleet.planner.decision import HandOff, Keep, Move, ReplanNow, decide, settle
 from lorafleet.plans import DeploymentPlan
 from lorafleet.train.change_log import ChangeKind, Outcome, read_changes
-from lorafleet.train.changes import FleetChanges
+from lorafleet.train.changes import FleetChanges, departures_due
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.queue import Ledger
 from lorafleet.train.running import Running, Stop
@@ -200,11 +200,11 @@ def test_departures_are_the_tasks_that_took_their_steps(fleet):
     a, b = synthetic_task("a", 30, (20, 40), 0), synthetic_task("b", 30, (20, 40), 1)
     streams = DataStreams([a, b], (2, 3), seed=7, max_batches=(3, None))
     fake.end_steps = lambda horizon: {["a", "b"][t]: end for t, end in streams.end_steps(horizon).items()}
-    assert changes._departures(2, False) == ([], 3)  # the run ends a window where a is done
-    done, later = changes._departures(3, False)
+    assert departures_due(fake, 2, STEPS, False) == ([], 3)  # the run ends a window where a is done
+    done, later = departures_due(fake, 3, STEPS, False)
     assert [(r.name, r.action) for r in done] == [("a", Action.FINISH)] and later is None
     streams.retire(0, 1)  # stopped for non-finite updates: not finished
-    assert changes._departures(5, False) == ([], None)
+    assert departures_due(fake, 5, STEPS, False) == ([], None)
 
 
 @pytest.mark.parametrize("after", [0, 2])
