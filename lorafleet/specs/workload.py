@@ -41,7 +41,17 @@ from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.recompute import RecomputePolicy
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
+"""What a task may be called (it names its adapter's directory, its request files and its metrics): letters,
+digits, ``_ . -``, a letter or digit first, at most 64 characters. The one rule: the workload, the queue's request
+files and its HTTP front-end all check a name by :func:`task_name_error`."""
+
+
+def task_name_error(name: str) -> str | None:
+    """Why ``name`` is not a task name (:data:`TASK_NAME`), or None."""
+    if TASK_NAME.fullmatch(name):
+        return None
+    return f"{name!r} is not a valid task name (letters, digits, _ . -, a letter or digit first; at most 64)"
 
 
 class OverflowPolicy(StrEnum):
@@ -210,8 +220,9 @@ class TaskSpec(Spec):
     @field_validator("name")
     @classmethod
     def _valid_name(cls, value: str) -> str:
-        if not _NAME.match(value):
-            raise ValueError(f"{value!r} is not a valid task name (letters, digits, _ . -; at most 64)")
+        error = task_name_error(value)
+        if error is not None:
+            raise ValueError(error)
         return value
 
     @field_validator("preset")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import re
 import secrets
 import threading
 from datetime import datetime, timezone
@@ -45,6 +44,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from lorafleet.errors import InputError
 from lorafleet.rundir import LEDGER
 from lorafleet.specs.io import write_text_atomic
+from lorafleet.specs.workload import task_name_error
 from lorafleet.train.queue.requests import ACCEPTED, REJECTED, UPDATE_KEYS, Action, reason_file, request_files
 
 HOST = "127.0.0.1"
@@ -54,8 +54,6 @@ PRIVATE = 0o600
 """The mode of the files the server writes: the token file and the request files."""
 PRIVATE_DIR = 0o700
 """The mode of the queue directory when the run creates it."""
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
-_MAX_NAME = 128
 _STOPS = (Action.FINISH, Action.CANCEL)
 _TASKS = "/v1/tasks"
 _POLL_S = 0.05  # how often the serving thread looks for close(): close() waits up to this long
@@ -223,8 +221,9 @@ def _no_constant(token: str) -> Any:
 def _check_name(name: Any) -> str:
     if not isinstance(name, str) or not name:
         raise _HttpError(400, '"name" must be a non-empty string')
-    if len(name) > _MAX_NAME or not _NAME.fullmatch(name):
-        raise _HttpError(400, f"bad task name {name!r}: letters, digits, '_', '.', '-' (a letter or digit first)")
+    error = task_name_error(name)
+    if error is not None:
+        raise _HttpError(400, error)
     return name
 
 

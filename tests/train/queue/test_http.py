@@ -182,6 +182,8 @@ def test_get_lists_the_queue_and_the_ledger(queue, tmp_path):
         ("PATCH", "/v1/tasks/chat", b"{oops"),
         ("DELETE", "/v1/tasks/chat?mode=explode", b""),
         ("DELETE", "/v1/tasks/bad%2Fname", b""),
+        ("POST", "/v1/tasks", b'{"name": "' + b"a" * 65 + b'"}'),  # a task name is at most 64 characters everywhere
+        ("DELETE", "/v1/tasks/" + "a" * 65, b""),
     ],
 )
 def test_bad_requests_are_400_and_write_nothing(queue, method, path, raw):
