@@ -26,6 +26,15 @@ METRICS_CSV = "metrics.csv"
 LEDGER = "tasks.json"
 CHANGES = "changes.jsonl"
 """The run's fleet changes, a row each (``train.change_log``)."""
+PENDING = ".apply.json"
+"""In the queue directory: the requests accepted at a boundary, until they are applied (``train.queue.pending``)."""
+PENDING_REPLAN = ".replan.json"
+"""In the queue directory: the re-plan running beside the steps, until its boundary (``train.queue.pending``)."""
+HTTP_TOKEN = ".http.json"
+"""In the queue directory: the HTTP front-end's address and bearer token while it serves (``train.queue.http``)."""
+TRACKER_IDS = {"wandb": ".wandb-run-id", "mlflow": ".mlflow-run-id"}
+"""Per experiment tracker, the file its run's id is kept in, so that a resume continues that run
+(``metrics.trackers``)."""
 """The task ledger of a run that took queued changes (``train.queue.ledger``)."""
 
 
@@ -95,6 +104,25 @@ class RunDir:
         return self.root / CHANGES
 
     @property
+    def pending(self) -> Path:
+        """A boundary's requests until they are applied (in the queue directory)."""
+        return self.queue / PENDING
+
+    @property
+    def pending_replan(self) -> Path:
+        """The re-plan running beside the steps (in the queue directory)."""
+        return self.queue / PENDING_REPLAN
+
+    @property
+    def http_token(self) -> Path:
+        """The queue's HTTP address and token while it serves (in the queue directory)."""
+        return self.queue / HTTP_TOKEN
+
+    def tracker_id(self, tracker: str) -> Path:
+        """The file the run id of experiment tracker ``tracker`` (``wandb``, ``mlflow``) is kept in."""
+        return self.root / TRACKER_IDS[tracker]
+
+    @property
     def logs(self) -> Path:
         """Each worker's error, when it failed (``logs/rank-<r>.txt``: its traceback; ``train.failures``)."""
         return self.root / "logs"
@@ -162,12 +190,12 @@ RUN_FILES = (
     "tokenizer",
     "logs",
     "wandb",
-    ".wandb-run-id",
+    TRACKER_IDS["wandb"],
     "mlruns",
-    ".mlflow-run-id",
+    TRACKER_IDS["mlflow"],
 )
-"""What a run writes under its directory (``--overwrite`` removes exactly these; :class:`RunDir` names the
-paths of most)."""
+"""What a run writes under its directory (``--overwrite`` removes exactly these, and the run's own queue with its
+files; :class:`RunDir` names every path)."""
 
 
 @dataclass

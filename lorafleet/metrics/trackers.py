@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from lorafleet.metrics.records import step_scalars
 from lorafleet.metrics.sinks import ClosingWriter
 from lorafleet.plans import StepReport
+from lorafleet.rundir import TRACKER_IDS
 
 CONNECT_S = 5.0
 """How long the launcher waits for a tracking server to accept a connection."""
@@ -66,7 +67,7 @@ class WandbWriter(TrackerWriter):
     variables apply as usual. W&B's console capture is off unless ``WANDB_CONSOLE`` says otherwise: the step
     lines stay the process's own."""
 
-    ID_FILE = ".wandb-run-id"
+    ID_FILE = TRACKER_IDS["wandb"]
     PACKAGE = "wandb"
 
     def _start(self, out: Path, run_id: str | None, name: str, config: dict[str, object]) -> str:
@@ -126,7 +127,7 @@ class MlflowWriter(TrackerWriter):
     """An MLflow run (:class:`TrackerWriter`): tracking URI ``MLFLOW_TRACKING_URI``, else a file store under
     ``<out>/mlruns``; experiment ``lorafleet`` (or ``MLFLOW_EXPERIMENT_NAME``)."""
 
-    ID_FILE = ".mlflow-run-id"
+    ID_FILE = TRACKER_IDS["mlflow"]
     PACKAGE = "mlflow"
 
     def _start(self, out: Path, run_id: str | None, name: str, config: dict[str, object]) -> str:

@@ -42,13 +42,12 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from lorafleet.errors import InputError
-from lorafleet.rundir import LEDGER
+from lorafleet.rundir import HTTP_TOKEN, LEDGER
 from lorafleet.specs.io import write_text_atomic
 from lorafleet.specs.workload import task_name_error
 from lorafleet.train.queue.requests import ACCEPTED, REJECTED, UPDATE_KEYS, Action, reason_file, request_files
 
 HOST = "127.0.0.1"
-TOKEN_FILE = ".http.json"
 MAX_BODY = 1 << 20
 PRIVATE = 0o600
 """The mode of the files the server writes: the token file and the request files."""
@@ -315,7 +314,7 @@ class QueueServer:
             daemon=True,
         )
         self._thread.start()
-        self.token_file = queue_dir / TOKEN_FILE
+        self.token_file = queue_dir / HTTP_TOKEN
         try:
             write_text_atomic(self.token_file, json.dumps({"url": self.url, "token": self.token}) + "\n", mode=PRIVATE)
         except BaseException:
@@ -369,7 +368,7 @@ def start_queue_server(queue_dir: Path, run_dir: Path, port: int = 0) -> QueueSe
 def remove_stale_token(queue_dir: Path) -> bool:
     """Remove ``<queue_dir>/.http.json`` that a run which ended without closing its server left (the caller
     holds the run directory: no live server of this run wrote it); whether there was one."""
-    path = Path(queue_dir) / TOKEN_FILE
+    path = Path(queue_dir) / HTTP_TOKEN
     if not path.is_file():
         return False
     path.unlink()

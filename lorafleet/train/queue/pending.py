@@ -22,13 +22,11 @@ from pathlib import Path
 
 from pydantic import ConfigDict, TypeAdapter
 
+from lorafleet.rundir import PENDING, PENDING_REPLAN
 from lorafleet.specs._base import Int
 from lorafleet.specs.io import read_json_as, write_json_as
 from lorafleet.train.queue.requests import Request
 from lorafleet.turns import TaskTurns
-
-PENDING = ".apply.json"
-"""In the queue directory: the requests accepted at a boundary, until they are applied."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,6 @@ class PendingReplan:
     """The boundary its answer is applied at (``--replan-after`` steps after ``step``)."""
 
 
-REPLAN = ".replan.json"
 REPLAN_FILE = TypeAdapter(PendingReplan)
 
 
@@ -87,15 +84,15 @@ def clear_pending(directory: str | Path) -> None:
 
 
 def save_pending_replan(directory: str | Path, pending: PendingReplan) -> None:
-    write_json_as(Path(directory) / REPLAN, REPLAN_FILE, pending)
+    write_json_as(Path(directory) / PENDING_REPLAN, REPLAN_FILE, pending)
 
 
 def load_pending_replan(directory: str | Path) -> PendingReplan | None:
     """The re-plan under way in the queue ``directory``; None when there is none; InputError when the file is
     not one."""
-    path = Path(directory) / REPLAN
+    path = Path(directory) / PENDING_REPLAN
     return read_json_as(path, REPLAN_FILE, "pending re-plan file") if path.is_file() else None
 
 
 def clear_pending_replan(directory: str | Path) -> None:
-    (Path(directory) / REPLAN).unlink(missing_ok=True)
+    (Path(directory) / PENDING_REPLAN).unlink(missing_ok=True)
