@@ -139,8 +139,7 @@ def _check_replicas(
             if g in seen:
                 fail(f"{where}.gpus", f"GPU {g} is also in replica {seen[g]}")
             seen[g] = k
-        for stage in range(config.pp):
-            group = replica.gpus[stage * config.tp : (stage + 1) * config.tp]
+        for stage, group in enumerate(replica.stages):
             nodes = sorted({(g - first) // pool.gpus_per_node for g in group})
             if len(nodes) > 1:
                 of = f" of pool {pool.name!r}" if pool.name else ""
@@ -183,11 +182,10 @@ def _check_buckets(plan: DeploymentPlan, workload: Workload, fail: Fail) -> None
             fail(
                 field, f"the top bucket {bounds[-1]} does not cover the workload's longest sequence ({longest} tokens)"
             )
-    largest = max(r.max_tokens for r in plan.replicas)
     for task in workload.tasks:
-        if task.lengths.max_length > largest:
+        if not plan.holds(task.lengths.max_length):
             fail(
                 "replicas",
                 f"no replica holds task {task.name!r}'s {task.lengths.max_length}-token sequences "
-                f"(largest max_tokens {largest})",
+                f"(largest max_tokens {plan.largest_max_tokens})",
             )

@@ -199,7 +199,9 @@ def simulate_schedule(
         recalibrator = Recalibrator.for_plan(phase.plan)
         owed: list[dict[str, float]] = []
         account = partial(_account, owed, phase.plan, cost_model, names)
-        reports = run_loop(source, executor, range(steps), on_report=account, recalibrator=recalibrator)
+        reports = run_loop(
+            source, executor, range(steps), on_report=account, recalibrator=recalibrator, window=phase.plan.loop_window
+        )
         runs.append(
             PhaseRun(phase=phase, reports=tuple(reports), calibration=recalibrator.replicas(), task_gpu_s=tuple(owed))
         )

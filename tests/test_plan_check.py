@@ -188,7 +188,7 @@ def _broken(plan: DeploymentPlan):
     yield "pool", _pool(plan, name="h100"), "pools[0].name", "the plan has pool 'h100', the cluster has not"
     yield (
         "replica pool",
-        _replica(plan, 0, pool="h100", config=first.config.in_pool("h100")),
+        _replica(plan, 0, config=first.config.in_pool("h100")),
         "replicas[0].pool",
         "no pool 'h100'",
     )
@@ -421,7 +421,7 @@ def _pools_broken(plan: DeploymentPlan):
     )
     yield (
         "unknown pool",
-        _replica(plan, 2, pool="l40s", config=ParallelConfig(1, 1, pool="l40s")),
+        _replica(plan, 2, config=ParallelConfig(1, 1, pool="l40s")),
         "replicas[2].pool",
         "no pool 'l40s'",
     )

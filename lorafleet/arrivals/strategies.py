@@ -194,7 +194,7 @@ class Scratch(_PlansEveryChange):
     def replan(self, running: DeploymentPlan, tasks: tuple[str, ...], at_s: float, steps_left: int) -> Decision:
         new = self.plans.fresh(tasks)
         gone = torn_down(running, new)
-        moved = {(r.config, r.gpus) for r in new.replicas} != {(r.config, r.gpus) for r in running.replicas}
+        moved = not new.same_deployment(running)
         move = self.replan_options.pricing.price(running, new, self.plans.cost_model.model.n_params)
         change = Change(
             at_s, tasks, new.describe(), new.used_gpus, moved, len(gone), move.gpu_s, new.expected_gpu_seconds,

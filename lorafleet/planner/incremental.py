@@ -52,7 +52,7 @@ from lorafleet.planner.driver import plan_deployment
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.placement import with_expectation
-from lorafleet.plans import DeploymentPlan, GlobalBatch, ReplicaSpec
+from lorafleet.plans import DeploymentPlan, GlobalBatch
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import Workload
 
@@ -111,7 +111,7 @@ class MigrationModel:
 
     def price(self, current: DeploymentPlan, new: DeploymentPlan, n_params: int) -> Migration:
         """The move from ``current`` to ``new`` of a model of ``n_params`` parameters (module doc)."""
-        if _deployment(current) == _deployment(new):
+        if current.same_deployment(new):
             return Migration(0.0, 0.0, 0)
         rebuilt = rebuilt_ranks(current, new)
         replicas = [r for r in new.replicas if set(r.gpus) & rebuilt]
@@ -204,18 +204,12 @@ class Replan:
         )
 
 
-def _deployment(plan: DeploymentPlan) -> frozenset:
-    return frozenset((r.config, r.gpus) for r in plan.replicas)
-
-
 def _stages(plan: DeploymentPlan) -> dict[int, tuple]:
-    """Rank -> what its stage is: (tp, pp, stage, TP rank, the stage's ranks). Stage ``k`` of a replica is on
-    ``gpus[k·tp : (k+1)·tp]`` (``runtime/layout.py``'s rule)."""
+    """Rank -> what its stage is: (tp, pp, stage, TP rank, the stage's ranks) (``ReplicaSpec.stages``)."""
     out = {}
     for r in plan.replicas:
         tp, pp = r.config.tp, r.config.pp
-        for k in range(pp):
-            ranks = tuple(r.gpus[k * tp : (k + 1) * tp])
+        for k, ranks in enumerate(r.stages):
             for j, g in enumerate(ranks):
                 out[g] = (tp, pp, k, j, ranks if tp > 1 else ())
     return out
@@ -235,9 +229,9 @@ def kept_plan(current: DeploymentPlan, workload: Workload, cost_model: CostModel
     and optimizer states share its memory); None too when a replica no longer fits at all."""
     expected = expected_global_batch(workload)
     replicas = tuple(replace(r, max_tokens=cost_model.max_tokens(r.config)) for r in current.replicas)
-    if min(r.max_tokens for r in replicas) <= 0 or int(expected.lengths.max()) > max(r.max_tokens for r in replicas):
-        return None
     plan = replace(current, tasks=tuple(t.name for t in workload.tasks), replicas=replicas)
+    if min(r.max_tokens for r in replicas) <= 0 or not plan.holds(int(expected.lengths.max())):
+        return None
     return _judged(plan, expected, cost_model)
 
 
@@ -246,14 +240,13 @@ def _judged(plan: DeploymentPlan, expected: GlobalBatch, cost_model: CostModel) 
 
 
 def torn_down(current: DeploymentPlan, new: DeploymentPlan) -> list[int]:
-    """The replicas of ``current`` that ``new`` does not have with the same config on the same GPUs."""
-    kept = {(r.config, r.gpus) for r in new.replicas}
-    return [r.replica_id for r in current.replicas if (r.config, r.gpus) not in kept]
+    """The replicas of ``current`` that ``new`` does not have (the same replica: ``ReplicaSpec.placement``)."""
+    return [r.replica_id for r, kept in zip(current.replicas, current.replica_ids_in(new), strict=True) if kept is None]
 
 
-def _without(plan: DeploymentPlan, drop: int) -> tuple[ReplicaSpec, ...]:
+def _without(plan: DeploymentPlan, drop: int) -> DeploymentPlan:
     kept = [r for r in plan.replicas if r.replica_id != drop]
-    return tuple(replace(r, replica_id=i) for i, r in enumerate(kept))
+    return replace(plan, replicas=tuple(replace(r, replica_id=i) for i, r in enumerate(kept)))
 
 
 def trimmed(plan: DeploymentPlan, expected: GlobalBatch, cost_model: CostModel) -> Iterator[DeploymentPlan]:
@@ -266,9 +259,9 @@ def trimmed(plan: DeploymentPlan, expected: GlobalBatch, cost_model: CostModel) 
         tried = {}
         for r in plan.replicas:
             if r.config not in tried:
-                replicas = _without(plan, r.replica_id)
-                if max(s.max_tokens for s in replicas) >= longest:
-                    tried[r.config] = _judged(replace(plan, replicas=replicas), expected, cost_model)
+                fewer = _without(plan, r.replica_id)
+                if fewer.holds(longest):
+                    tried[r.config] = _judged(fewer, expected, cost_model)
         best = min(tried.values(), key=lambda p: p.expected_gpu_seconds, default=None)
         if best is None or best.expected_gpu_seconds >= plan.expected_gpu_seconds:
             return
@@ -316,7 +309,7 @@ def replan_incremental(
     keep_s = keep.expected_makespan_s
     saving = horizon * (keep.expected_gpu_seconds - move.expected_gpu_seconds)
     # The same deployment as the planner placed it is no move: the running replicas (in their order) serve on.
-    moved = _deployment(move) != _deployment(current) and saving > mig.gpu_s
+    moved = not move.same_deployment(current) and saving > mig.gpu_s
     return Replan(
         move if moved else keep,
         moved,

@@ -10,7 +10,16 @@
 """
 
 from lorafleet.plans.deployment import PLAN_KIND, PLAN_SCHEMA_VERSION, DeploymentPlan, plan_json_schema
-from lorafleet.plans.parts import PLAN_SOURCE, ConfigName, PlanPool, PolicyJson, ReplicaSpec
+from lorafleet.plans.parts import (
+    PLAN_SOURCE,
+    ConfigName,
+    PlanPool,
+    PolicyJson,
+    ReplicaJson,
+    ReplicaSpec,
+    stage_gpus,
+    stage_position,
+)
 from lorafleet.plans.step import GlobalBatch, MicroBatch, ReplicaWork, StepPlan, StepReport
 
 __all__ = [
@@ -23,9 +32,12 @@ __all__ = [
     "MicroBatch",
     "PlanPool",
     "PolicyJson",
+    "ReplicaJson",
     "ReplicaSpec",
     "ReplicaWork",
     "StepPlan",
     "StepReport",
     "plan_json_schema",
+    "stage_gpus",
+    "stage_position",
 ]

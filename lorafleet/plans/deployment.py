@@ -154,6 +154,42 @@ class DeploymentPlan:
         """``<1,1> x 6 + <2,1> x 1 + <8,1> x 1``; in a fleet of named pools ``<1,2>@a100 x 3 + <2,1>@h100 x 2``."""
         return " + ".join(f"{c} x {n}" for c, n in self.config_counts().items())
 
+    @property
+    def placements(self) -> tuple[tuple[ParallelConfig, tuple[int, ...]], ...]:
+        """Each replica's :attr:`ReplicaSpec.placement` (its config on its GPUs), in replica order: two plans of
+        equal placements run the same replicas in the same order (a recalibrator's or a dispatcher's state holds)."""
+        return tuple(r.placement for r in self.replicas)
+
+    def same_deployment(self, other: DeploymentPlan) -> bool:
+        """Whether ``other`` runs this plan's replicas, each the same replica (:attr:`ReplicaSpec.placement`),
+        whatever their order: moving from one to the other rebuilds nothing."""
+        return set(self.placements) == set(other.placements)
+
+    def replica_ids_in(self, other: DeploymentPlan) -> tuple[int | None, ...]:
+        """For each of this plan's replicas, in order, the id of the same replica (:attr:`ReplicaSpec.placement`)
+        in ``other``; None where ``other`` has none (a replica new to, or torn down from, ``other``)."""
+        ids = {r.placement: r.replica_id for r in other.replicas}
+        return tuple(ids.get(r.placement) for r in self.replicas)
+
+    @property
+    def largest_max_tokens(self) -> int:
+        """The largest M of its replicas (0 without replicas): a sequence longer than it fits no replica."""
+        return max((r.max_tokens for r in self.replicas), default=0)
+
+    def holds(self, length: int) -> bool:
+        """Whether a sequence of ``length`` tokens fits some replica: ``length <= max_r M_r``."""
+        return length <= self.largest_max_tokens
+
+    @property
+    def loop_window(self) -> int:
+        """The steps a window of the step loop runs (``lorafleet.loop.run_loop``'s ``window``, every caller's): the
+        policy's ``pipeline_window`` W when a replica is pipelined (pp > 1), else 1. Only a pipelined replica
+        streams across a step boundary (``Executor.run_steps``: a window's steps without a drain between them);
+        without one a window of one step loses nothing, and each step is reported (its log line, its
+        recalibration: the next step is dispatched at the speeds it measured) as it ends."""
+        pipelined = any(r.config.pp > 1 for r in self.replicas)
+        return self.policy.pipeline_window if pipelined else 1
+
     def to_json(self) -> dict[str, Any]:
         """The plan file's object: every field (typed as the adapter dumps it), its schema version and kind."""
         return {**adapter(DeploymentPlan).dump_python(self, mode="json"), **_header()}

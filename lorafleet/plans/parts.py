@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict, PlainSerializer, WithJsonSchema
+from pydantic import BeforeValidator, ConfigDict, GetCoreSchemaHandler, PlainSerializer, WithJsonSchema
+from pydantic_core import core_schema
 
 from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.specs.cluster import describe_pool
 from lorafleet.specs.dispatch import DispatchPolicy, policy_json_schema
 
 PLAN_SOURCE = "<plan>"
@@ -43,32 +46,82 @@ PolicyJson = Annotated[
 """A dispatch policy as a plan records it (:meth:`DispatchPolicy.to_json`, validated by its ``from_json``)."""
 
 
+def stage_gpus(gpus: Sequence[int], tp: int, stage: int) -> tuple[int, ...]:
+    """The rule of which GPUs a stage holds: a replica of TP degree ``tp`` on ``gpus`` (tp-major within each stage)
+    puts pipeline stage ``k`` on ``gpus[k·tp : (k+1)·tp]``, TP rank ``j`` of it on ``gpus[k·tp + j]``."""
+    return tuple(gpus[stage * tp : (stage + 1) * tp])
+
+
+def stage_position(gpus: Sequence[int], tp: int, gpu: int) -> tuple[int, int]:
+    """The inverse of :func:`stage_gpus`: the stage and TP rank of ``gpu``, ``divmod(gpus.index(gpu), tp)``."""
+    return divmod(gpus.index(gpu), tp)
+
+
 @dataclass(frozen=True)
 class ReplicaSpec:
-    """One model replica of the deployment."""
-
-    __pydantic_config__ = ConfigDict(extra="forbid")
+    """One model replica of the deployment. Its file form is :class:`ReplicaJson` (its config without its pool,
+    and the pool beside it); in memory the pool is its config's."""
 
     replica_id: int
-    config: ConfigName
-    """Its layout; in memory it names the replica's pool too (``config.pool == pool``)."""
+    config: ParallelConfig
+    """Its layout on its pool (``config.pool``)."""
     max_tokens: int
     """M: the most tokens (padding included) one micro-batch may hold on this replica."""
     gpus: tuple[int, ...]
-    """Global GPU indices (ranks), tp-major within each stage: stage k holds gpus[k*tp:(k+1)*tp]."""
-    pool: str = ""
-    """The pool whose GPUs the replica runs on (empty: the cluster's one unnamed pool)."""
+    """Global GPU indices (ranks), tp-major within each stage (:func:`stage_gpus`)."""
 
-    def __post_init__(self) -> None:
-        """The config and the replica name one pool: either given, the other follows."""
-        if self.config.pool == self.pool:
-            return
-        if self.config.pool and self.pool:
+    @property
+    def pool(self) -> str:
+        """The pool whose GPUs the replica runs on (empty: the cluster's one unnamed pool): its config's."""
+        return self.config.pool
+
+    def stage_gpus(self, stage: int) -> tuple[int, ...]:
+        """The GPUs (ranks) of pipeline stage ``stage``, in TP order: ``gpus[stage·tp : (stage+1)·tp]``."""
+        return stage_gpus(self.gpus, self.config.tp, stage)
+
+    @property
+    def stages(self) -> tuple[tuple[int, ...], ...]:
+        """The GPUs of each of its ``pp`` stages, in stage order (:meth:`stage_gpus`)."""
+        return tuple(self.stage_gpus(k) for k in range(self.config.pp))
+
+    @property
+    def placement(self) -> tuple[ParallelConfig, tuple[int, ...]]:
+        """What makes it the same replica as one of another plan: the same config (its pool included) on the same
+        GPUs, in the same order (so every rank holds the same stage and TP shard); its id and M aside."""
+        return self.config, self.gpus
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        """Validated and written as its file form, :class:`ReplicaJson`."""
+        entry = handler.generate_schema(ReplicaJson)
+        return core_schema.no_info_after_validator_function(
+            ReplicaJson.spec,
+            entry,
+            serialization=core_schema.plain_serializer_function_ser_schema(ReplicaJson.of, return_schema=entry),
+        )
+
+
+@dataclass(frozen=True)
+class ReplicaJson:
+    """One model replica of the deployment, as a plan file records it."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", title="ReplicaSpec")
+
+    replica_id: int
+    config: ConfigName
+    max_tokens: int
+    gpus: tuple[int, ...]
+    pool: str = ""
+
+    @classmethod
+    def of(cls, replica: ReplicaSpec) -> ReplicaJson:
+        return cls(replica.replica_id, replica.config, replica.max_tokens, replica.gpus, replica.pool)
+
+    def spec(self) -> ReplicaSpec:
+        """The replica, its config on ``pool`` (ValueError when the config names another pool)."""
+        if self.config.pool not in ("", self.pool):
             raise ValueError(f"replica {self.replica_id}: config {self.config} is on another pool than {self.pool!r}")
-        if self.pool:
-            object.__setattr__(self, "config", self.config.in_pool(self.pool))
-        else:
-            object.__setattr__(self, "pool", self.config.pool)
+        return ReplicaSpec(self.replica_id, self.config.in_pool(self.pool), self.max_tokens, self.gpus)
 
 
 @dataclass(frozen=True)
@@ -92,5 +145,5 @@ class PlanPool:
     unpriced."""
 
     def describe(self) -> str:
-        """``16 x A100-40GB`` (with the pool's name when it has one: ``16 x A100-40GB (a100)``)."""
-        return f"{self.n_gpus} x {self.gpu}" + (f" ({self.name})" if self.name else "")
+        """``16 x A100-40GB (a100)`` (``specs.cluster.describe_pool``)."""
+        return describe_pool(self)

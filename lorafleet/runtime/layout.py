@@ -4,8 +4,9 @@ Pure and validated, with no process group (torchtitan's ``ParallelDims``), so it
 on its own and every rank derives the same answers from the same :class:`DeploymentPlan`.
 
 A replica with degrees ``(tp, pp)`` on ranks ``gpus`` puts stage ``k`` on
-``gpus[k*tp:(k+1)*tp]`` (TP rank ``j`` of stage ``k`` is ``gpus[k*tp + j]``). Its ``L`` decoder
-layers are split into ``pp`` contiguous runs, the first ``L mod pp`` one layer longer.
+``gpus[k*tp:(k+1)*tp]`` (TP rank ``j`` of stage ``k`` is ``gpus[k*tp + j]``; the plan's rule,
+:func:`lorafleet.plans.parts.stage_gpus`). Its ``L`` decoder layers are split into ``pp``
+contiguous runs, the first ``L mod pp`` one layer longer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from lorafleet.plans import DeploymentPlan
+from lorafleet.plans.parts import stage_gpus, stage_position
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -71,14 +73,14 @@ class ReplicaLayout:
             raise ValueError(f"replica {self.replica_id}: pp={self.pp} exceeds the model's {self.n_layers} layers")
 
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
-        """The TP ranks of one stage, in TP order."""
-        return self.gpus[stage * self.tp : (stage + 1) * self.tp]
+        """The TP ranks of one stage, in TP order (``plans.parts.stage_gpus``)."""
+        return stage_gpus(self.gpus, self.tp, stage)
 
     def stage_of_rank(self, rank: int) -> int:
-        return self.gpus.index(rank) // self.tp
+        return stage_position(self.gpus, self.tp, rank)[0]
 
     def tp_rank(self, rank: int) -> int:
-        return self.gpus.index(rank) % self.tp
+        return stage_position(self.gpus, self.tp, rank)[1]
 
     def stage_layers(self, stage: int) -> range:
         """Layers of ``stage``: a balanced contiguous split, the first ``L mod pp`` stages one longer."""

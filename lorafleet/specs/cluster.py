@@ -73,18 +73,27 @@ class PoolSpec(Spec):
         return GPU_PRESETS[self.gpu]
 
     def describe(self) -> str:
-        """``16 x A100-40GB`` (and the pool's name when it has one: ``16 x A100-40GB (a100)``)."""
-        return f"{self.n_gpus} x {self.gpu}" + (f" ({self.name})" if self.name else "")
+        """``16 x A100-40GB (a100)`` (:func:`describe_pool`)."""
+        return describe_pool(self)
 
 
 class Pooled(Protocol):
-    """A pool as a cluster or a plan lists it: a name and its GPUs."""
+    """A pool as a cluster or a plan lists it: a name, its GPU kind and its GPUs."""
 
     @property
     def name(self) -> str: ...
 
     @property
+    def gpu(self) -> str: ...
+
+    @property
     def n_gpus(self) -> int: ...
+
+
+def describe_pool(pool: Pooled) -> str:
+    """A pool as a cluster (``PoolSpec``) or a plan (``PlanPool``) describes it: ``16 x A100-40GB``, with the
+    pool's name when it has one (``16 x A100-40GB (a100)``)."""
+    return f"{pool.n_gpus} x {pool.gpu}" + (f" ({pool.name})" if pool.name else "")
 
 
 P = TypeVar("P", bound=Pooled)

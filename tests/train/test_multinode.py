@@ -64,7 +64,7 @@ def setup(tmp_path_factory, tiny_tokenizer_dir):
             **plan.__dict__,
             "pools": (PlanPool("a", "cpu", 2, 1), PlanPool("b", "cpu", 2, 2)),
             "replicas": tuple(
-                ReplicaSpec(r.replica_id, r.config, r.max_tokens, r.gpus, pool="a" if r.config.pp == 2 else "b")
+                ReplicaSpec(r.replica_id, r.config.in_pool("a" if r.config.pp == 2 else "b"), r.max_tokens, r.gpus)
                 for r in plan.replicas
             ),
         }
