@@ -111,7 +111,7 @@ class ArrivalsResult:
 
 def _same_replicas(a: DeploymentPlan | None, b: DeploymentPlan) -> bool:
     """``b`` runs ``a``'s replicas (the same configs on the same GPUs, in the same order)."""
-    return a is not None and [(r.config, r.gpus) for r in a.replicas] == [(r.config, r.gpus) for r in b.replicas]
+    return a is not None and a.placements == b.placements
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class _Segment:
             on_report=self.on_report,
             recalibrator=self.recalibrator,
             stop=self.stop,
-            window=self.plan.policy.pipeline_window,
+            window=self.plan.loop_window,
             next_boundary=source.next_boundary,
         )
 

@@ -66,7 +66,7 @@ class TraceSource:
             return None
         speed = self.recalibrator.factors
         clock = self.fleet.clock
-        for s in range(step, step + min(self.plan.policy.pipeline_window, self.fleet.first_departure())):
+        for s in range(step, step + min(self.plan.loop_window, self.fleet.first_departure())):
             step_plan = self._dispatch(s, speed)
             self._ahead[s] = (speed, step_plan)
             clock += step_plan.estimated_makespan_s

@@ -40,19 +40,16 @@ class Running:
 
     @property
     def window(self) -> int:
-        """Steps a window runs (``lorafleet.loop``); windows also end at checkpoints and changes. Only a pipelined
-        replica streams across a boundary: without one a window is a step, so each step is reported (its log line,
-        its recalibration) as it ends."""
-        pipelined = any(r.config.pp > 1 for r in self.plan.replicas)
-        return self.plan.policy.pipeline_window if pipelined else 1
+        """Steps a window runs (``lorafleet.loop``; ``DeploymentPlan.loop_window``); windows also end at checkpoints
+        and changes."""
+        return self.plan.loop_window
 
     def after(self, workload: Workload, plan: DeploymentPlan, cost_model: CostModel) -> Running:
         """The fleet on ``workload``'s tasks and ``plan``: a replica that stays keeps what it measured, a new one is
         priced at its pool's scale until it reports (``Recalibrator.moved``)."""
-        old = {(r.config, r.gpus): r.replica_id for r in self.plan.replicas}
         recalibrator = self.recalibrator
-        if list(old) != [(r.config, r.gpus) for r in plan.replicas]:
-            recalibrator = recalibrator.moved(plan, [old.get((r.config, r.gpus)) for r in plan.replicas])
+        if plan.placements != self.plan.placements:
+            recalibrator = recalibrator.moved(plan, plan.replica_ids_in(self.plan))
         return Running(workload, plan, cost_model, recalibrator)
 
 
