@@ -30,7 +30,7 @@ from lorafleet.plans import DeploymentPlan, MicroBatch, StepPlan
 
 if TYPE_CHECKING:
     from lorafleet.costmodel import CostModel
-    from lorafleet.dispatch.recalibration import Recalibrator
+    from lorafleet.dispatch import Recalibrator
     from lorafleet.executor.torch.worker import TorchExecutor
 
 PROBE_TOKENS = 1024

@@ -19,7 +19,7 @@ from lorafleet.metrics import RunSummary, read_rows, summarize_rows
 from lorafleet.rundir import RunDir
 
 if TYPE_CHECKING:
-    from lorafleet.dispatch.recalibration import ReplicaCalibration
+    from lorafleet.dispatch import ReplicaCalibration
 
 
 def run_summary(run_dir: RunDir) -> RunSummary:
@@ -38,7 +38,7 @@ def summary_text(
 ) -> str:
     """The closing lines (module docstring) of the run in ``run_dir`` after ``steps`` steps. ``recalibration``: each
     replica's factor, or None for no line (recalibration off, or no step ran in this launch)."""
-    from lorafleet.dispatch.recalibration import summarize_factors
+    from lorafleet.dispatch import summarize_factors
 
     lines = [
         f"lorafleet train: {steps} steps; adapters in {run_dir.adapters}, metrics in "

@@ -54,7 +54,7 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
     import torch.distributed as dist
 
     from lorafleet.executor.torch.launch import build_torch_executor, check_device_kinds, init_distributed
-    from lorafleet.executor.torch.precision import Precision
+    from lorafleet.executor.torch.precision import torch_dtype
     from lorafleet.runtime.data_stream import task_tokenizer
     from lorafleet.runtime.host_memory import keep_freed_host_memory
     from lorafleet.runtime.processes import LOCKED_ENV, check_code
@@ -79,7 +79,7 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
             prepared.run.plan,
             options.steps,
             device,
-            Precision(options.dtype).dtype,
+            torch_dtype(options.dtype),
             slowdown=dict(options.slowdown),
             turn_changes=prepared.turn_changes,
             departed=prepared.departed,
@@ -107,7 +107,7 @@ class Trainer:
     """Rank 0's loop over the steps of one run (see the module docstring)."""
 
     def __init__(self, options: TrainOptions, prepared: Prepared, executor: TorchExecutor, tokenizer: Any) -> None:
-        from lorafleet.dispatch.recalibration import Recalibrator
+        from lorafleet.dispatch import Recalibrator
         from lorafleet.runtime.processes import LOCKED_ENV
         from lorafleet.train.torch_fleet import TorchFleet, initial_migration
 
