@@ -54,12 +54,11 @@ class ArrivalOptions:
     planner: PlannerOptions = PlannerOptions(robust_samples=0, baselines=False)
     """Options of every plan made (the first plan, each re-plan, the static plan)."""
     replan: ReplanOptions = ReplanOptions()
-    """How every strategy prices a change of deployment (``pricing``), the incremental horizon and objective."""
+    """How every strategy prices a change of deployment (``pricing``), the incremental horizon and objective, and
+    the steps a move found by the incremental re-plan waits, the tasks on the running deployment, when it can
+    serve them (``settings.after``: ``lorafleet train --replan-after``, the re-plan runs beside those steps)."""
     seed: int | None = None
     """Seed of the sampled batches; None: the workload's."""
-    replan_after: int = 1
-    """Steps a move found by the incremental re-plan waits, the tasks on the running deployment, when it can
-    serve them (``lorafleet train --replan-after``: the re-plan runs beside those steps); 0: at the change."""
     strategies: tuple[Strategy, ...] = tuple(Strategy)
 
 
@@ -209,6 +208,6 @@ def replay_trace(
     plans = PlanMaker(trace, cluster, cost_model, options.planner)
     seed = trace.workload.spec.seed if options.seed is None else options.seed
     replanners = [REPLANNERS[s](plans, options.replan) for s in options.strategies]
-    runs = tuple(_replay(r, trace, cost_model, seed, options.replan_after) for r in replanners)
+    runs = tuple(_replay(r, trace, cost_model, seed, options.replan.settings.after) for r in replanners)
     static_plan = next((r.plan for r in replanners if isinstance(r, Static)), None)
     return ArrivalsResult(trace=trace, runs=runs, static_plan=static_plan)

@@ -80,7 +80,7 @@ class Decision:
     """None: nothing to record (``static`` keeps its one plan)."""
     interim: DeploymentPlan | None = None
     """A move's running deployment serving the new tasks, which they run on first while the re-plan runs
-    beside the steps (``ArrivalOptions.replan_after``; ``incremental`` only; None: no move, or it cannot)."""
+    beside the steps (``ReplanSettings.after``; ``incremental`` only; None: no move, or it cannot)."""
 
 
 class PlanMaker:

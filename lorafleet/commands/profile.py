@@ -12,6 +12,7 @@ import shlex
 import sys
 
 from lorafleet.errors import InputError
+from lorafleet.specs.device import Precision
 
 ARGS = "<args>"
 DEVICE_KINDS = ("cpu", "cuda")
@@ -64,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         default="fp32",
-        choices=["fp32", "bf16"],
+        choices=[p.value for p in Precision],
         help="of the base model and the activations "
         "(default fp32); adapters stay fp32 master weights over bf16, as in training",
     )
@@ -101,7 +102,6 @@ def _at_least(value: float, minimum: float, flag: str) -> None:
 def _settings(args: argparse.Namespace):
     from lorafleet.costmodel.adapters import AdapterLoad
     from lorafleet.costmodel.parallel_config import ParallelConfig, config_problems
-    from lorafleet.executor.torch.precision import Precision
     from lorafleet.profiling.device import DeviceKind
     from lorafleet.profiling.run import MIB, ProfileSettings
     from lorafleet.specs.cluster import ClusterSpec

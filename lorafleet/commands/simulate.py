@@ -23,6 +23,7 @@ DEFAULT_STEPS = 16
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from lorafleet.commands._option_flags import add_replan_flags
     from lorafleet.commands._plan_flags import add_cluster_flags, add_policy_flags
     from lorafleet.commands._set_flags import add_set_flag
 
@@ -56,34 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="replay a YAML trace of tasks added and cancelled over time: incremental re-planning, "
         "re-planning from scratch and a static plan compared",
     )
-    arrivals.add_argument(
-        "--migration-s",
-        type=float,
-        default=None,
-        help="--arrivals: price a change of deployment at a flat N seconds of each torn-down replica's GPUs "
-        "(default: the in-process rebuild's measured price, docs/arrivals.md)",
-    )
-    arrivals.add_argument(
-        "--replan-objective",
-        choices=("makespan", "gpu-s"),
-        default="makespan",
-        help="--arrivals: what an incremental re-plan minimises (default makespan; docs/queue.md)",
-    )
-    arrivals.add_argument(
-        "--replan-horizon",
-        type=int,
-        default=200,
-        metavar="STEPS",
-        help="--arrivals: the most steps an incremental re-plan counts a move's savings over (default 200)",
-    )
-    arrivals.add_argument(
-        "--replan-after",
-        type=int,
-        default=1,
-        metavar="STEPS",
-        help="--arrivals: steps a move waits on the running deployment, when it serves the new tasks, as "
-        "lorafleet train runs its re-plan beside them (default 1; 0: at the change)",
-    )
+    add_replan_flags(parser, arrivals, prefix="--arrivals: ")  # train's, from one table (specs.replan)
     add_set_flag(parser)
     add_cluster_flags(parser)
     add_policy_flags(parser)
@@ -266,8 +240,9 @@ def _cell(column: str, value: object) -> str:
 def _arrival_flags(args: argparse.Namespace):
     """``--arrivals``'s options, after refusing the flags that mean nothing to it."""
     from lorafleet.arrivals import ArrivalOptions
+    from lorafleet.commands._option_flags import replan_settings
     from lorafleet.commands._plan_flags import given_policy_flags
-    from lorafleet.planner import ReplanObjective, ReplanOptions
+    from lorafleet.planner import ReplanOptions
 
     refused = {
         "--plan": args.plan is not None,
@@ -286,18 +261,7 @@ def _arrival_flags(args: argparse.Namespace):
             "--arrivals",
             f"not with {names}: the trace's tasks bring their own steps and every plan is made by the replay",
         )
-    if args.migration_s is not None and not (math.isfinite(args.migration_s) and args.migration_s >= 0):
-        raise InputError("<args>", "--migration-s", f"must be a finite number >= 0, got {args.migration_s}")
-    if args.replan_horizon < 1:
-        raise InputError("<args>", "--replan-horizon", f"must be >= 1, got {args.replan_horizon}")
-    if args.replan_after < 0:
-        raise InputError("<args>", "--replan-after", f"must be >= 0, got {args.replan_after}")
-    replan = ReplanOptions(
-        migration_s=args.migration_s,
-        horizon_steps=args.replan_horizon,
-        objective=ReplanObjective(args.replan_objective),
-    )
-    return ArrivalOptions(replan=replan, seed=args.seed, replan_after=args.replan_after)
+    return ArrivalOptions(replan=ReplanOptions(replan_settings(args)), seed=args.seed)
 
 
 def _seconds(value: float | None) -> str:
@@ -319,7 +283,8 @@ def run_arrivals(args: argparse.Namespace) -> int:
     trace = load_trace(args.arrivals, workload)
     cluster = workload_cluster(workload, args.gpus, args.gpu)
     cost_model = workload_cost_model(trace.all_tasks(), cluster, args.profile)
-    if options.replan.migration_s is None:  # the measured model, for the fleet's weights
+    settings = options.replan.settings
+    if settings.migration_s is None:  # the measured model, for the fleet's weights
         migration = replace(options.replan.migration, dtype_bytes=cost_model.activation_bytes)
         options = replace(options, replan=replace(options.replan, migration=migration))
     result = replay_trace(trace, cluster, cost_model, options)
@@ -330,8 +295,8 @@ def run_arrivals(args: argparse.Namespace) -> int:
         f"{len(trace.cancels)} cancelled) on {cluster.describe()} ({cost_model.source})"
     )
     console.print(
-        f"migration {options.replan.pricing.describe()}; incremental horizon {options.replan.horizon_steps} steps, "
-        f"objective {options.replan.objective.value}"
+        f"migration {options.replan.pricing.describe()}; incremental horizon {settings.horizon} steps, "
+        f"objective {settings.objective.value}"
     )
     if result.static_plan is not None:
         console.print(f"static plan: {result.static_plan.describe()}")

@@ -10,7 +10,7 @@ With the running plan ``P`` (replicas on their GPUs) and the new task set's work
    judged worse than keeping. Its expected step time is ``T_move``.
 3. **Migration** (:class:`MigrationModel`): what moving from ``P`` to a plan costs, ``C_mig`` GPU-seconds.
 4. **Decide**, over the horizon of ``H`` steps (the steps the job still has to run, at most
-   ``horizon_steps``), by the objective (:class:`ReplanObjective`):
+   ``ReplanSettings.horizon``), by the objective (:class:`~lorafleet.specs.replan.ReplanObjective`):
 
    - ``makespan`` (the planner's own objective): ``P'`` is taken when its GPU-second saving
      ``S = H · (T_keep · G_keep - T_move · G_move)`` exceeds ``C_mig`` (always when keeping is infeasible),
@@ -44,7 +44,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch import dispatch_step
@@ -54,17 +53,8 @@ from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.placement import with_expectation
 from lorafleet.plans import DeploymentPlan, GlobalBatch
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.replan import ReplanObjective, ReplanSettings
 from lorafleet.workload import Workload
-
-
-class ReplanObjective(StrEnum):
-    """What an incremental re-plan minimises (module doc, step 4)."""
-
-    MAKESPAN = "makespan"
-    """The planner's fastest plan, taken when its GPU-second saving over the horizon repays its migration."""
-    GPU_S = "gpu-s"
-    """The fewest GPU-seconds over the horizon, migration included, among the kept, the planner's and the
-    trimmed plans."""
 
 
 @dataclass(frozen=True)
@@ -138,24 +128,20 @@ class FlatMigration:
 
 @dataclass(frozen=True)
 class ReplanOptions:
-    """What an incremental re-plan weighs."""
+    """What an incremental re-plan weighs: the run's settings (checked as they were built) and the measured
+    price of a move."""
 
-    migration_s: float | None = None
-    """A flat price: seconds of a torn-down replica's GPUs (``FlatMigration``); None: ``migration``, measured."""
-    horizon_steps: int = 200
-    """The most steps a new deployment's savings are counted over (fewer when the job ends sooner)."""
-    objective: ReplanObjective = ReplanObjective.MAKESPAN
+    settings: ReplanSettings = field(default_factory=ReplanSettings)
+    """The flat price of a move or none, the objective, the horizon (``--migration-s``, ``--replan-objective``,
+    ``--replan-horizon``; ``after`` is the caller's: ``planner.decision.decide``)."""
     migration: MigrationModel = field(default_factory=MigrationModel)
-    """The measured price of a move, used unless ``migration_s`` is given."""
-
-    def __post_init__(self) -> None:
-        if (self.migration_s is not None and not self.migration_s >= 0) or self.horizon_steps < 1:
-            raise ValueError(f"migration_s must be >= 0 and horizon_steps >= 1, got {self}")
+    """The measured price of a move, used unless ``settings.migration_s`` is given."""
 
     @property
     def pricing(self) -> MigrationModel | FlatMigration:
         """How a move is priced."""
-        return FlatMigration(self.migration_s) if self.migration_s is not None else self.migration
+        flat = self.settings.migration_s
+        return FlatMigration(flat) if flat is not None else self.migration
 
 
 @dataclass(frozen=True)
@@ -289,13 +275,14 @@ def replan_incremental(
     fresh = plan_deployment(workload, cluster, cost_model, running)
     move = fresh.plan
     keep = kept_plan(current, workload, fresh.cost_model)
-    horizon = max(1, min(replan.horizon_steps, steps_left))
+    horizon = max(1, min(replan.settings.horizon, steps_left))
     pricing, n_params = replan.pricing, workload.model.n_params
 
     def cost(plan: DeploymentPlan) -> float:
         return horizon * plan.expected_gpu_seconds + pricing.price(current, plan, n_params).gpu_s
 
-    if replan.objective is ReplanObjective.GPU_S:
+    objective = replan.settings.objective
+    if objective is ReplanObjective.GPU_S:
         expected = expected_global_batch(workload)
         others = [move, *trimmed(move, expected, fresh.cost_model)]
         if keep is not None:
@@ -305,7 +292,7 @@ def replan_incremental(
     gone = len(torn_down(current, move))
     move_s = move.expected_makespan_s
     if keep is None:
-        return Replan(move, True, math.inf, move_s, gone, mig.gpu_s, math.inf, horizon, mig.wall_s, replan.objective)
+        return Replan(move, True, math.inf, move_s, gone, mig.gpu_s, math.inf, horizon, mig.wall_s, objective)
     keep_s = keep.expected_makespan_s
     saving = horizon * (keep.expected_gpu_seconds - move.expected_gpu_seconds)
     # The same deployment as the planner placed it is no move: the running replicas (in their order) serve on.
@@ -320,6 +307,6 @@ def replan_incremental(
         saving,
         horizon,
         mig.wall_s if moved else 0.0,
-        replan.objective,
+        objective,
         keep,
     )

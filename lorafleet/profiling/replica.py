@@ -45,7 +45,7 @@ from lorafleet.data.tokenize import Example
 from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.pipeline import microbatch_shape
-from lorafleet.executor.torch.precision import Precision
+from lorafleet.executor.torch.precision import Precision, torch_dtype
 from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.step import (
     MicroBatchInputs,
@@ -137,7 +137,7 @@ class ProfiledReplica:
         self.n_tasks = adapters.n_tasks
         self.rng = random.Random(seed)
         self.device = device.torch_device
-        self.dtype = precision.dtype
+        self.dtype = torch_dtype(precision)
         model = load_causal_lm(ModelSource(kind=SourceKind.RANDOM, name=spec.name, spec=spec, seed=seed), self.dtype)
         plan = side_by_side_plan(spec, tp, busy, world, self.n_tasks)
         self.replica = build_replica(

@@ -38,16 +38,12 @@ from pydantic import ConfigDict
 
 from lorafleet.errors import InputError, coerce_enum_fields
 from lorafleet.specs._base import Bool, Float, Int
+from lorafleet.specs.fields import flag
 from lorafleet.specs.solver import SolverName
 
 OPTIONS_SOURCE = "<dispatch options>"
 _DOCUMENTED = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 """How pydantic reads the policy's dataclasses: each field's doc string is its description."""
-
-
-def flag(name: str, metavar: str | None = None) -> dict[str, str | None]:
-    """A field's metadata: the command-line flag that overrides it (``commands._plan_flags``)."""
-    return {"flag": name, "metavar": metavar}
 
 
 class DispatchMethod(StrEnum):

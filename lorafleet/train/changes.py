@@ -187,7 +187,7 @@ class FleetChanges:
             tasks_change or superseded,
             partial(kept_plan, running.plan, workload, cost_model),
             replace(running.plan, tasks=names),
-            self.options.replan_after,
+            self.options.replan.after,
         )
         answer = None
         if isinstance(decision, ReplanNow):

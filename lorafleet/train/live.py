@@ -94,16 +94,10 @@ def replan_change(
     ``workload``'s tasks on the GPUs of ``old``, by ``old``'s cost model (``cost_model``, when built already)
     and policy, by the run's objective and horizon, a move priced by ``migration`` (measured; ``--migration-s``
     overrides it); with ``save``, the plan is written as the run's ``plan.json``."""
-    from lorafleet.planner import ReplanObjective, ReplanOptions, replan_incremental
+    from lorafleet.planner import ReplanOptions, replan_incremental
     from lorafleet.train.replan import replan_run
 
-    replan = ReplanOptions(
-        migration_s=options.migration_s,
-        horizon_steps=options.replan_horizon,
-        objective=ReplanObjective(options.replan_objective),
-    )
-    if migration is not None:
-        replan = replace(replan, migration=migration)
+    replan = ReplanOptions(options.replan) if migration is None else ReplanOptions(options.replan, migration)
     cluster = old.fleet()
 
     def incremental(judged_by: CostModel, planner: PlannerOptions) -> Replan:

@@ -1,10 +1,11 @@
-"""What ``lorafleet train`` is told: :class:`TrainOptions`, one field a flag, checked as it is built. The
-launcher resolves them into the run file its workers read (``train.run_file``)."""
+"""What ``lorafleet train`` is told: :class:`TrainOptions`, one field a flag, checked as it is built. Its fields
+are the command's field table (``specs.fields``): ``commands.train`` generates the flags, their help and
+defaults from them. The launcher resolves the options into the run file its workers read (``train.run_file``)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -13,83 +14,95 @@ from pydantic import ConfigDict
 from lorafleet.errors import InputError
 from lorafleet.rundir import RunDir
 from lorafleet.runtime.processes import START_TIMEOUT_S
+from lorafleet.specs.device import Device, Precision
+from lorafleet.specs.fields import ARGS, check_fields, flag, in_group
+from lorafleet.specs.replan import ReplanSettings
 from lorafleet.specs.workload import MAX_STEPS
 
-ARGS = "<args>"
+QUEUE = "live task queue (tasks added, finished, cancelled while training)"
+"""The argument group of the queue's flags and the re-plan's (``ReplanSettings``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainOptions:
-    """What ``lorafleet train`` is told (one field a flag)."""
+    """What ``lorafleet train`` is told: one field a flag, its field table (``specs.fields``: each field's flag,
+    doc string as its help, default and bound) the one list of the command's own flags (``commands.train``)."""
 
     __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    workload: str
-    """Workload YAML; every task needs data."""
-    sets: tuple[str, ...] = ()
-    """``--set KEY=VALUE`` overrides of the workload's fields, applied before it is validated
-    (``lorafleet.workload.apply_overrides``); the workers run the workload they made (``train.run_file``)."""
-    plan: str
-    """DeploymentPlan JSON (``lorafleet plan --json``)."""
-    steps: int = 10
-    """The run's total steps (a resumed run continues up to it, and may not be told fewer than it has); at most
-    ``specs.workload.MAX_STEPS``."""
-    out: str = "runs/train"
-    """Run directory: plan, metrics, checkpoints, adapters; one run at a time (a lock)."""
-    resume: bool = False
-    """Continue from the newest intact checkpoint in ``out``."""
-    overwrite: bool = False
-    """Start afresh in an ``out`` a previous run used, removing its files (and its own queue's)."""
-    allow_changes: bool = False
-    """On a resume, train on with task hyperparameters changed since the run started, recording each change
-    with its step (``train.revisions``); without it such a resume is refused."""
-    checkpoint_every: int = 50
-    """Commit a checkpoint every K steps (and always at the end)."""
-    checkpoint_on_stop: bool = True
-    """On SIGINT/SIGTERM, commit a checkpoint at the step boundary before stopping."""
-    max_restarts: int = 0
-    """Restart the workers this many times after a failure, resuming from the last checkpoint."""
-    start_timeout_s: float = START_TIMEOUT_S
-    """Seconds the workers have to form their process group (each start, each restart): a worker that never
-    arrives ends the start with one line, and another restart when ``max_restarts`` allows."""
-    nonfinite_patience: int = 3
-    """A task whose update is skipped this many steps in a row (non-finite loss or gradient) stops."""
-    device: str = "auto"
-    """``cuda`` (NCCL, a GPU per process), ``cpu`` (gloo) or ``auto``."""
-    dtype: str = "fp32"
-    """Of the frozen base and the activations (adapters stay fp32 master weights)."""
-    gpus: int | None = None
-    """The cluster's GPU count, as given to ``plan`` (default: the workload's)."""
-    gpu: str | None = None
-    """The cluster's GPU kind, as given to ``plan`` (default: the workload's)."""
-    profile: str | None = None
-    """A cost-model profile overriding the one the plan was judged by."""
+    workload: str = field(metadata=flag("workload"))
+    """workload YAML file (every task needs data)"""
+    plan: str = field(metadata=flag("--plan"))
+    """DeploymentPlan JSON (from `lorafleet plan --json`)"""
+    # at most specs.workload.MAX_STEPS (checked below)
+    steps: int = field(default=10, metadata=flag("--steps", least=1))
+    """the run's total training steps; a resumed run continues up to them, and may not be told fewer than it has
+    run"""
+    out: str = field(default="runs/train", metadata=flag("--out"))
+    """output directory of the plan, metrics, checkpoints and adapters, held by one run at a time"""
+    resume: bool = field(default=False, metadata=flag("--resume"))
+    """continue from the newest intact checkpoint in --out"""
+    # train.revisions records each change
+    allow_changes: bool = field(default=False, metadata=flag("--allow-changes"))
+    """with --resume: train on with task hyperparameters changed since the run started (recorded with their
+    step in tasks.json, workload.resolved.yaml and the adapter cards); without it they are refused"""
+    overwrite: bool = field(default=False, metadata=flag("--overwrite"))
+    """start afresh in an --out a previous run used (its files, and its own queue's, are removed); without it,
+    or --resume, a used --out is refused"""
+    max_restarts: int = field(default=0, metadata=flag("--max-restarts", "K", least=0))
+    """restart the workers up to K times after a failure, from the last checkpoint"""
+    start_timeout_s: float = field(default=START_TIMEOUT_S, metadata=flag("--start-timeout", "S"))
+    """seconds the workers have to form their process group at each start and restart; a worker that never
+    arrives ends the start with one line, and another restart with --max-restarts"""
+    checkpoint_on_stop: bool = field(default=True, metadata=flag("--no-stop-checkpoint", negated=True))
+    """on SIGINT/SIGTERM, commit a checkpoint at the step boundary before stopping (--no-stop-checkpoint: stop
+    there without committing one)"""
+    nonfinite_patience: int = field(default=3, metadata=flag("--nonfinite-patience", "K", least=1))
+    """a task skipped K steps in a row for a non-finite loss or gradient stops"""
+    checkpoint_every: int = field(default=50, metadata=flag("--checkpoint-every", "K", least=1))
+    """commit a checkpoint every K steps, and always at the end"""
+    device: Device = field(default=Device.AUTO, metadata=flag("--device"))
+    """cuda: NCCL, one GPU per process; cpu: gloo; auto: cuda when there are enough GPUs"""
+    dtype: Precision = field(default=Precision.FP32, metadata=flag("--dtype"))
+    """of the frozen base model and the activations; adapters stay fp32 master weights over a bf16 base"""
+    progress: bool = field(default=True, metadata=flag("--no-progress", negated=True))
+    """rank 0's progress bar (--no-progress: a log line per step instead, as when stdout is not a terminal)"""
+    # ExecutorConfig.slowdown; commands.train parses the pairs
+    slowdown: tuple[tuple[int, float], ...] = field(
+        default=(), metadata=flag("--inject-slowdown", "REPLICA=FACTOR", repeat=True)
+    )
+    """fault injection: replica REPLICA runs FACTOR >= 1 times slower (a straggler; repeatable)"""
+    # lorafleet.metrics.LOGGERS; checked below (check_loggers)
+    loggers: tuple[str, ...] = field(default=(), metadata=flag("--logger", "wandb|mlflow", repeat=True))
+    """also log the step scalars to Weights & Biases (project lorafleet; WANDB_MODE applies) or MLflow
+    (MLFLOW_TRACKING_URI, else <out>/mlruns); repeatable; needs pip install 'lorafleet[wandb]' / '[mlflow]'"""
+    queue: str | None = field(default=None, metadata=flag("--queue", "DIR", group=QUEUE))
+    """the directory of task request files the run watches (default <out>/queue; docs/queue.md)"""
+    # train.queue.http
+    queue_http: int | None = field(default=None, metadata=flag("--queue-http", "PORT", group=QUEUE))
+    """also take requests over HTTP on 127.0.0.1:PORT (0: a free port), with the token written to
+    <queue>/.http.json"""
+    # empty: the launcher resolves the workload's own data's directories (data_roots)
+    queue_data_roots: tuple[str, ...] = field(
+        default=(), metadata=flag("--queue-data-root", "DIR", repeat=True, group=QUEUE)
+    )
+    """a queued task's data must resolve inside DIR (symlinks followed; repeatable; default: the directories
+    that hold the workload's own data); a request outside is rejected"""
+    replan: ReplanSettings = field(default_factory=ReplanSettings, metadata=in_group(QUEUE))
+    """how the run re-plans when its tasks change, and when a move is applied (specs.replan)"""
+    # lorafleet.workload.apply_overrides; the workers run the workload the launcher made (train.run_file)
+    sets: tuple[str, ...] = field(default=(), metadata=flag("--set", repeat=True, shared=True))
+    """--set KEY=VALUE overrides of the workload's fields, applied before it is validated"""
+    gpus: int | None = field(default=None, metadata=flag("--gpus", shared=True))
+    """the cluster's GPU count, as given to `plan` (default: the workload's)"""
+    gpu: str | None = field(default=None, metadata=flag("--gpu", shared=True))
+    """the cluster's GPU kind, as given to `plan` (default: the workload's)"""
+    profile: str | None = field(default=None, metadata=flag("--profile", shared=True))
+    """a cost-model profile overriding the one the plan was judged by"""
+    # DispatchPolicy.with_overrides; set by the policy's own flags (commands._plan_flags)
     policy_overrides: tuple[tuple[str, object], ...] = ()
-    """(policy field key, value) pairs overriding the plan's dispatch policy (``DispatchPolicy.with_overrides``);
-    the launcher applies them once, the workers run the policy it checked."""
-    progress: bool = True
-    """A progress bar on rank 0 when stdout is a terminal (a log line per step otherwise)."""
-    slowdown: tuple[tuple[int, float], ...] = ()
-    """Fault injection: (replica id, factor) stragglers (``ExecutorConfig.slowdown``)."""
-    queue: str | None = None
-    """The live task queue's directory (``train.queue``); default ``<out>/queue``."""
-    queue_http: int | None = None
-    """Also serve the queue over HTTP on 127.0.0.1 at this port (0: any free one; ``train.queue.http``)."""
-    queue_data_roots: tuple[str, ...] = ()
-    """Directories a queued task's data must resolve inside, symlinks followed (``--queue-data-root``); empty:
-    the directories that hold the workload's own data (the launcher resolves them: :func:`data_roots`)."""
-    migration_s: float | None = None
-    """A flat price of a change of deployment: seconds of each torn-down replica's GPUs; None: what the in-process
-    rebuild costs, measured by the run (``planner.incremental.MigrationModel``)."""
-    replan_horizon: int = 200
-    """The most steps an incremental re-plan counts a new deployment's savings over."""
-    replan_objective: str = "makespan"
-    """What an incremental re-plan minimises: ``makespan`` or ``gpu-s`` (``planner.incremental.ReplanObjective``)."""
-    replan_after: int = 1
-    """Steps a change's re-plan runs beside the training before its move is applied, when the running deployment
-    can serve the new tasks meanwhile (``train.background``); 0: the change's boundary waits for the re-plan."""
-    loggers: tuple[str, ...] = ()
-    """Experiment trackers rank 0 also logs the step scalars to: ``wandb``, ``mlflow`` (``lorafleet.metrics``)."""
+    """(policy field key, value) pairs overriding the plan's dispatch policy; the launcher applies them once, the
+    workers run the policy it checked"""
 
     @property
     def run_dir(self) -> RunDir:
@@ -101,16 +114,7 @@ class TrainOptions:
         return self.run_dir.queue
 
     def __post_init__(self) -> None:
-        for flag, value, least in (
-            ("--steps", self.steps, 1),
-            ("--checkpoint-every", self.checkpoint_every, 1),
-            ("--max-restarts", self.max_restarts, 0),
-            ("--nonfinite-patience", self.nonfinite_patience, 1),
-            ("--replan-horizon", self.replan_horizon, 1),
-            ("--replan-after", self.replan_after, 0),
-        ):
-            if value < least:
-                raise InputError(ARGS, flag, f"must be >= {least}, got {value}")
+        check_fields(self, ARGS)  # --device, --dtype; the bounds of --steps, --checkpoint-every, ...
         if self.steps > MAX_STEPS:
             raise InputError(
                 ARGS,
@@ -122,10 +126,6 @@ class TrainOptions:
             raise InputError(
                 ARGS, "--start-timeout", f"must be a finite number of seconds > 0, got {self.start_timeout_s}"
             )
-        if self.migration_s is not None and not (math.isfinite(self.migration_s) and self.migration_s >= 0):
-            raise InputError(ARGS, "--migration-s", f"must be a finite number >= 0, got {self.migration_s}")
-        if self.replan_objective not in ("makespan", "gpu-s"):
-            raise InputError(ARGS, "--replan-objective", f"expected makespan or gpu-s, got {self.replan_objective!r}")
         if self.queue_http is not None and not 0 <= self.queue_http < 65536:
             raise InputError(ARGS, "--queue-http", f"must be a port in 0..65535, got {self.queue_http}")
         if self.resume and self.overwrite:

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from lorafleet.planner import MigrationModel
     from lorafleet.plans import DeploymentPlan
     from lorafleet.runtime.data_stream import TaskData
+    from lorafleet.specs.device import Precision
     from lorafleet.train.queue import Ledger
     from lorafleet.turns import TaskTurns
     from lorafleet.workload import Workload
@@ -80,13 +81,14 @@ class TorchFleet:
         return self.executor.change(change, added)
 
 
-def initial_migration(executor: TorchExecutor, plan: DeploymentPlan, workload: Workload, dtype: str) -> MigrationModel:
+def initial_migration(
+    executor: TorchExecutor, plan: DeploymentPlan, workload: Workload, dtype: Precision
+) -> MigrationModel:
     """The price of a move before the run has made one: the defaults' fixed part, and the load rate of rank 0's
     own stage as this launch built it (its base weights' bytes over the seconds it took)."""
-    from lorafleet.executor.torch.precision import Precision
     from lorafleet.planner import MigrationModel
 
-    model = MigrationModel(dtype_bytes=Precision(dtype).bytes)
+    model = MigrationModel(dtype_bytes=dtype.bytes)
     role = executor.replica.role
     if role is None or executor.stage_build_s <= 0:
         return model

@@ -15,6 +15,7 @@ from lorafleet.cli import main
 from lorafleet.errors import InputError
 from lorafleet.planner import PlannerOptions, ReplanObjective, ReplanOptions, plan_deployment
 from lorafleet.sampling import task_lengths
+from lorafleet.specs.replan import ReplanSettings
 from lorafleet.workload import load_workload
 
 # A quick planner: the replay's figures, not the plans' quality, are under test.
@@ -238,7 +239,7 @@ def swap(files):
 
 def _incremental(setting, migration_s: float, objective: ReplanObjective = ReplanObjective.MAKESPAN):
     trace, cluster, cost_model = setting
-    replan = ReplanOptions(migration_s=migration_s, objective=objective)
+    replan = ReplanOptions(ReplanSettings(migration_s=migration_s, objective=objective))
     options = ArrivalOptions(planner=FAST, replan=replan, strategies=(Strategy.INCREMENTAL,))
     return replay_trace(trace, cluster, cost_model, options).run(Strategy.INCREMENTAL)
 
@@ -292,9 +293,8 @@ def test_a_move_the_running_deployment_can_serve_waits_replan_after_steps_on_it(
     trace, cluster, cost_model = swap
 
     def run(after: int):
-        options = ArrivalOptions(
-            planner=FAST, replan=ReplanOptions(migration_s=0.0), strategies=(Strategy.INCREMENTAL,), replan_after=after
-        )
+        replan = ReplanOptions(ReplanSettings(migration_s=0.0, after=after))
+        options = ArrivalOptions(planner=FAST, replan=replan, strategies=(Strategy.INCREMENTAL,))
         return replay_trace(trace, cluster, cost_model, options).run(Strategy.INCREMENTAL)
 
     at_once, one, three, never = run(0), run(1), run(3), run(1000)
@@ -325,7 +325,9 @@ def test_an_infeasible_deployment_is_left_whatever_the_migration(files, tmp_path
         load_workload(_write(tmp_path / "w.yaml", short)),
     )
     cluster = workload_cluster(trace.workload)
-    options = ArrivalOptions(planner=FAST, replan=ReplanOptions(migration_s=1e6), strategies=(Strategy.INCREMENTAL,))
+    options = ArrivalOptions(
+        planner=FAST, replan=ReplanOptions(ReplanSettings(migration_s=1e6)), strategies=(Strategy.INCREMENTAL,)
+    )
     run = replay_trace(trace, cluster, workload_cost_model(trace.all_tasks(), cluster), options).runs[0]
     joined = next(c for c in run.changes if "long" in c.tasks)
     assert joined.keep_step_gpu_s == float("inf") and joined.moved and joined.torn_down > 0
@@ -389,7 +391,7 @@ def test_arrivals_options_defaults():
     options = ArrivalOptions()
     assert options.planner.robust_samples == 0 and not options.planner.baselines
     # A move is priced by the in-process rebuild's measured model unless --migration-s says a flat price (#28).
-    assert options.replan.migration_s is None and options.replan.pricing == options.replan.migration
-    assert options.replan.horizon_steps == 200 and options.replan.objective is ReplanObjective.MAKESPAN
-    assert options.replan_after == 1  # as lorafleet train --replan-after
+    assert options.replan.settings.migration_s is None and options.replan.pricing == options.replan.migration
+    assert options.replan.settings.horizon == 200 and options.replan.settings.objective is ReplanObjective.MAKESPAN
+    assert options.replan.settings.after == 1  # as lorafleet train --replan-after
     assert replace(options, seed=3).seed == 3

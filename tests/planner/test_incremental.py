@@ -12,10 +12,12 @@ from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.planner import MigrationModel, PlannerOptions, ReplanOptions, plan_deployment, replan_incremental
 from lorafleet.planner.incremental import Migration, kept_plan, rebuilt_ranks, torn_down
 from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
+from lorafleet.specs.replan import ReplanSettings
 from lorafleet.workload import load_workload
 from tests.helpers.planning import skewed_histogram, write_workload
 
 OPTIONS = PlannerOptions(robust_samples=0, baselines=False)
+DEAR, FREE = (ReplanOptions(ReplanSettings(migration_s=s)) for s in (1e9, 0.0))  # a move's flat price
 
 
 def _tasks(rng: np.random.Generator, longest: int = 4096) -> list[dict]:
@@ -41,9 +43,7 @@ def _grown(tmp, longest: int, name: str = "w2.yaml"):
 def test_a_huge_migration_keeps_the_running_deployment(running, cost_model_7b):
     tmp, current = running
     workload = _grown(tmp, 2048)
-    replan = replan_incremental(
-        current, workload, workload.cluster, cost_model_7b, OPTIONS, ReplanOptions(migration_s=1e9), steps_left=50
-    )
+    replan = replan_incremental(current, workload, workload.cluster, cost_model_7b, OPTIONS, DEAR, steps_left=50)
     assert not replan.moved
     assert [r.config for r in replan.plan.replicas] == [r.config for r in current.replicas]
     assert replan.plan.tasks == ("chat", "code") and replan.plan.expected_makespan_s > 0
@@ -54,9 +54,7 @@ def test_the_new_plan_is_never_judged_worse_than_keeping(running, cost_model_7b)
     """The running deployment enters the planner's pool (warm start): T_move <= T_keep."""
     tmp, current = running
     workload = _grown(tmp, 2048)
-    replan = replan_incremental(
-        current, workload, workload.cluster, cost_model_7b, OPTIONS, ReplanOptions(migration_s=0.0), steps_left=50
-    )
+    replan = replan_incremental(current, workload, workload.cluster, cost_model_7b, OPTIONS, FREE, steps_left=50)
     assert replan.move_step_s <= replan.keep_step_s * (1 + 1e-9)
     if replan.moved:
         assert replan.saving_gpu_s > replan.migration_gpu_s
@@ -72,7 +70,7 @@ def test_the_saving_is_counted_over_the_horizon_and_charged_per_replica_torn_dow
         workload.cluster,
         cost_model_7b,
         OPTIONS,
-        ReplanOptions(migration_s=7.0, horizon_steps=10),
+        ReplanOptions(ReplanSettings(migration_s=7.0, horizon=10)),
         steps_left=50,
     )
     assert replan.horizon == 10
@@ -87,9 +85,7 @@ def test_a_task_longer_than_every_replica_forces_a_move(running, cost_model_7b):
     tmp, current = running
     workload = _grown(tmp, 8192, "w3.yaml")
     assert kept_plan(current, workload, cost_model_7b) is None
-    replan = replan_incremental(
-        current, workload, workload.cluster, cost_model_7b, OPTIONS, ReplanOptions(migration_s=1e9), steps_left=50
-    )
+    replan = replan_incremental(current, workload, workload.cluster, cost_model_7b, OPTIONS, DEAR, steps_left=50)
     assert replan.moved and math.isinf(replan.keep_step_s)
     assert max(r.max_tokens for r in replan.plan.replicas) >= 8192
     assert "cannot serve" in replan.describe()
@@ -129,5 +125,5 @@ def test_the_measured_migration_is_the_slowest_stage_load_plus_the_fixed_part_on
     trim = model.price(THREE, _plan((1, 1, (0,)), (1, 2, (2, 3))), n_params)
     assert trim.wall_s == 0.5 and trim.gpu_s == 0.5 * 4 and trim.rebuilt == 0  # nothing loaded, the groups remade
     assert model.price(TWO, TWO, n_params) == Migration(0.0, 0.0, 0)
-    flat = ReplanOptions(migration_s=60.0).pricing.price(TWO, THREE, n_params)
+    flat = ReplanOptions(ReplanSettings(migration_s=60.0)).pricing.price(TWO, THREE, n_params)
     assert (flat.wall_s, flat.gpu_s, flat.rebuilt) == (60.0, 120.0, 1)  # the tp2 replica torn down, 2 GPUs

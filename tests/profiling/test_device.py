@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from lorafleet.executor.torch.precision import Precision
+from lorafleet.executor.torch.precision import Precision, torch_dtype
 from lorafleet.profiling.device import DeviceKind, ProfileDevice
 from lorafleet.profiling.measure import CPU, median_ms
 from lorafleet.specs.gpus import GIB, gpu_preset_for
@@ -56,8 +56,10 @@ def test_median_is_in_ms_of_the_device_clock():
 
 
 def test_precisions():
-    assert (Precision.FP32.dtype, Precision.FP32.bytes) == (torch.float32, 4)
-    assert (Precision.BF16.dtype, Precision.BF16.bytes) == (torch.bfloat16, 2)
+    assert (torch_dtype(Precision.FP32), Precision.FP32.bytes) == (torch.float32, 4)
+    assert (torch_dtype(Precision.BF16), Precision.BF16.bytes) == (torch.bfloat16, 2)
+    for precision in Precision:  # the torch-free vocabulary's sizes are torch's
+        assert torch.finfo(torch_dtype(precision)).bits // 8 == precision.bytes
 
 
 @pytest.mark.parametrize(

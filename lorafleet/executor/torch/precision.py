@@ -1,23 +1,18 @@
-"""The precision a run computes in, as the commands name it (``--dtype fp32|bf16``)."""
+"""The torch dtype of each precision a run computes in. The vocabulary (``--dtype fp32|bf16``) is torch-free,
+:class:`lorafleet.specs.device.Precision` (re-exported here); this module only maps it to torch."""
 
 from __future__ import annotations
 
-from enum import StrEnum
-
 import torch
 
+from lorafleet.specs.device import Precision
 
-class Precision(StrEnum):
-    """The dtype of the frozen base model and the activations (over bf16 the adapters are fp32
-    master weights, ``multi_lora.adapter_dtype``), in training and in profiling alike."""
+TORCH_DTYPES: dict[Precision, torch.dtype] = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16}
 
-    FP32 = "fp32"
-    BF16 = "bf16"
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32 if self is Precision.FP32 else torch.bfloat16
+def torch_dtype(precision: Precision | str) -> torch.dtype:
+    """The torch dtype of ``precision`` (a member, or its name: ``bf16``)."""
+    return TORCH_DTYPES[Precision(precision)]
 
-    @property
-    def bytes(self) -> int:
-        return torch.finfo(self.dtype).bits // 8
+
+__all__ = ["TORCH_DTYPES", "Precision", "torch_dtype"]
