@@ -1,5 +1,9 @@
 """A run directory belongs to one run: its lock, what makes it used, and clearing it for ``--overwrite``.
 
+:class:`RunDir` names every path a run reads or writes: under ``--out`` (the plan, the run file, metrics,
+checkpoints, adapters, the task ledger, ``changes.jsonl``, the trackers' run-id files, ``logs/``) and in its
+queue directory (``.apply.json``, ``.replan.json``, ``.http.json``); the other modules take their paths from it.
+
 DESIGN ("A run directory belongs to one run"): a run holds an exclusive lock on its ``--out``
 for its whole life (``fcntl.flock`` on ``.lock``: the kernel drops it when the holder dies, so a
 killed run never leaves a stale lock); a fresh run refuses a directory another run has used

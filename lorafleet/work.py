@@ -3,7 +3,9 @@
 CPU seconds depend on the machine and its load; these counts depend only on the inputs. The
 planner opens a :func:`counting` scope around a whole plan (``plan_deployment``) and reports the
 counts in the plan's notes and in ``lorafleet plan --stats``; tests pin their upper bounds on the
-shipped examples, so a change that doubles the work fails on any machine.
+shipped examples, so a change that doubles the work fails on any machine. Tests open scopes of their
+own around the other work counted: the datasets a launch, a rank or a queued task tokenizes
+(``tokenizations``: tests/train/test_run_file.py, tests/train/test_changes.py).
 
 Each counter has one home, the function that does the work (:data:`WORK`), which calls
 :func:`count`; outside a scope it does nothing. A scope also holds memos that must start empty

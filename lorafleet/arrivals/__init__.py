@@ -9,7 +9,8 @@
 - the replay's state between steps (the clock, the tasks present, :class:`TaskOutcome`): :mod:`.fleet`;
 - the event-aware plan source each step is planned by: :mod:`.source`;
 - the replay on the one step loop, ``lorafleet.loop.run_loop`` (:func:`replay_trace`,
-  :class:`ArrivalOptions`, :class:`StrategyRun`, :class:`ArrivalsResult`): :mod:`.replay`.
+  :class:`ArrivalOptions`, :class:`StrategyRun`, :class:`ArrivalsResult`), a change decided by the rule
+  ``lorafleet train`` follows (``planner.decision``): :mod:`.replay`.
 
 Pure numpy and lorafleet's types: no torch.
 """

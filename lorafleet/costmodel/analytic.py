@@ -21,7 +21,7 @@ degree, model and GPU. Per block, per device, for a micro-batch of b sequences o
 
 c2, c4 and c5 are zero: the datasheet says nothing about them. The LM head, the pipeline
 transfers, the adapters' gradient all-reduce and the optimizer step, which LobRA leaves
-out, get the same treatment (``analytic_head_time``, ``analytic_interconnect``,
+out, get the same treatment (``analytic_head_time``, ``analytic_links``,
 ``analytic_optimizer_time``). ``calibrate`` fits the six time factors to measured
 per-layer times; ``DEFAULT_CALIBRATION`` is that fit on LobRA's A100-40GB Llama2-7B
 profile (TP1, TP2, TP8; TP4 is predicted, not fitted).

@@ -3,15 +3,20 @@
 ``dispatch_step(batch, plan, cost_model) -> StepPlan`` runs every training step under the
 plan's own policy (``plan.policy``: what the plan was judged under), so it is both
 near-optimal and fast (milliseconds by default). See :mod:`.step` for the pipeline,
-:mod:`.policy` for static buckets, :mod:`.bucketing` for the bucket DP, :mod:`.balance` and
-:mod:`.ilp` for the two balancing methods, :mod:`.recalibration` for the online correction
-of the cost model, and :mod:`.lookahead` for computing step t+1 while step t runs.
+:mod:`.policy` for static buckets, :mod:`.bucketing` for the bucket DP, :mod:`.load` for the load
+model, :mod:`.balance` and :mod:`.ilp` for the two balancing methods, :mod:`.placement` for the
+sequences each replica then holds, :mod:`.microbatch` for cutting them into micro-batches,
+:mod:`.recalibration` for the online correction of the cost model, :mod:`.lookahead` for computing
+step t+1 while step t runs, and :mod:`.fairness` for how each task's tokens spread over the replicas.
 
-This package is dispatch's whole public API; code outside it imports from here only (an
-import-linter contract holds the planner to it). Two uses:
+This package is dispatch's whole public API; lorafleet's code outside it imports from here only (an
+import-linter contract holds the planner to it; tests, and ``benchmarks/bench_planner.py`` that times
+dispatch's pieces, import inside). Two uses:
 
 **Running steps**: :func:`dispatch_step`, :class:`LookaheadDispatcher` (step t+1 while t
-runs), :class:`Recalibrator` (measured/modelled time per replica, fed back as ``speed``).
+runs), :class:`Recalibrator` (measured/modelled time per replica, fed back as ``speed``),
+:func:`policy_with` (the plan's policy, or given options with dynamic buckets, its window and
+recalibration kept).
 
 **Judging a deployment** (what the planner asks of dispatch, so that a plan is judged by
 exactly what its steps will run):

@@ -7,6 +7,18 @@ budget or the fewest GPU-seconds (:mod:`.sizing`, with its goal, rows, search an
 :mod:`.sizing_objective`, :mod:`.sizing_result`, :mod:`.sizing_search` and :mod:`.sizing_choice`).
 The baselines are :class:`Schedule`\\ s (a DeploymentPlan and a dispatch policy per phase)
 that a simulator can replay step by step, like the plan itself.
+
+The planner top to bottom (ARCHITECTURE.md, "A plan's life"): :mod:`.options` (what it is told),
+:mod:`.expected` (the expected batch), :mod:`.candidates` and :mod:`.problem` (configs, the planning
+problem), :mod:`.fallback` (the heuristic deployment), :mod:`.deployment_ilp` (the aggregated MILP that
+proposes) and :mod:`.joint_minlp` (LobRA's MINLP), :mod:`.search` (the pool of deployments),
+:mod:`.evaluation` (a deployment's expected dispatch), :mod:`.refine` (trims and swaps), :mod:`.placement`
+(GPUs, then the DeploymentPlan), :mod:`.baselines` and :mod:`.schedule` (replayable schedules),
+:mod:`.bounds` (lower bounds) and :mod:`.plot` (a plan's load per replica, as a PNG).
+
+A running fleet's re-plan: :mod:`.incremental` (``replan_incremental``: keep the deployment unless another pays
+for its migration, priced by :class:`MigrationModel`) and :mod:`.decision` (``decide``, ``settle``: what a
+fleet does at a change of its tasks, the one rule of ``lorafleet train`` and ``simulate --arrivals``).
 """
 
 from lorafleet.planner.baselines import (

@@ -11,7 +11,7 @@ its peer is not busy time and is not counted.
 Peak bytes (``ProfileDevice.peak_bytes``) are those allocated during the measured call: the
 CPU allocator's events on a CPU, the CUDA allocator's peak on a GPU. Tensors alive before
 the call (weights, adapters, optimizer states) are not in it; they are counted separately
-(``Replica.static_bytes``).
+(``ProfiledReplica.static_bytes``).
 """
 
 from __future__ import annotations

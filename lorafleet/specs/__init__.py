@@ -1,0 +1,16 @@
+"""Typed, validated inputs (pydantic, on ``_base.py``'s base), torch-free, and the rules for reading and writing
+lorafleet's files.
+
+- a workload: ``workload.py`` (the tasks and their data; one rule each for a task's name, relative paths
+  and sequences over the context length), ``model.py`` (base-model dimensions), ``gpus.py`` (datasheets),
+  ``cluster.py`` (pools of nodes), ``lora.py`` (adapter and optimizer settings), ``recompute.py``;
+- length distributions: ``lengths.py`` (``LengthDistribution``), ``length_family.py`` (the parametric
+  family and its fit), ``length_presets.py`` (LobRA's twelve datasets offline);
+- policies and settings: ``dispatch.py`` (the dispatch policy and its field table), ``objective.py`` (the
+  planner's objective a plan records), ``fields.py`` (a settings dataclass's field table: flag, doc, default,
+  bounds), ``replan.py`` (``ReplanSettings``), ``device.py`` (``Device``, ``Precision``), ``solver.py``
+  (the MILP back ends one may name);
+- other files: ``trace.py`` (an arrivals trace);
+- typed files: ``typed.py`` (strict validation naming the field path), ``io.py`` (JSON read with one-line
+  errors, the one atomic writer of a file or a directory, a file's SHA-256).
+"""

@@ -6,22 +6,43 @@
                   made this run's
     resume.py     what a start takes over from the run before it: resume_step(), the tasks it trains
                   (training_workload(): the task ledger's, revisions checked), the plan it resumes by
+    revisions.py  what a resume may not change silently: a task's spec compared field by field (Revision)
+    replan.py     replan_run(): a running job's re-plan, for other GPUs (a resume) or other tasks (the queue)
+    run_file.py   ResolvedRun: ``<out>/run.json``, what the launcher resolved for its workers (each dataset
+                  task's token-length histogram included, so a rank does not tokenize for lengths)
     launcher.py   launch(options): the entry; the command re-run under ``torchrun --standalone``, one
                   process a rank, supervised (signals, exit codes), or, already under torchrun, this
                   process's rank
+    agent.py      torchrun's agent as the launcher runs it: failed workers reported as data
+    failures.py   a failed run in one line: the workers' records under ``<out>/logs/``, failure_line()
+    phases.py     the start-up lines on the console, each with its time (phase())
+    rank.py       one rank: ``python -m lorafleet.train.rank <out>/run.json``
     trainer.py    train_rank(): one process joins the group and builds its part of the fleet; rank 0
-                  trains, the others serve it. Trainer.train(): restore -> per step {dispatch (one step
-                  ahead), run_step, recalibrate, watch for non-finite tasks, metrics, checkpoint every K}
-                  -> final checkpoint -> PEFT adapters -> summary
+                  trains, the others serve it. Trainer.train(): restore -> probe -> per window {dispatch
+                  (one window ahead), run_steps, recalibrate, watch for non-finite tasks, metrics,
+                  checkpoint every K} and the fleet's changes at its boundaries -> final checkpoint -> PEFT
+                  adapters -> summary
+    running.py    Running: what the loop runs between two changes, one value swapped whole; Stop; FleetPort
+    changes.py    FleetChanges: rank 0's one component of fleet changes (the queue's watcher, the requests
+                  due and departures, the ledger, the added tasks' data, tokenized once, the migration
+                  model, the re-plan beside the steps), by ``planner.decision``'s rule
+    torch_fleet.py  TorchFleet: the FleetPort over rank 0's torch executor
+    live.py       how a boundary's requests are written (ledger, exports, re-plan); apply_pending(), in the
+                  launcher, for what the running fleet cannot apply
+    background.py BackgroundReplan: the incremental re-plan of a change, run beside the next steps
+    change_log.py ChangeRecord: a row of ``<out>/changes.jsonl`` per change, departure and re-plan answer
+    queue/        the live task queue: request files, the task ledger, the pending changes, HTTP
     probe.py      probe(): each replica timed on a cut of the first step before it runs (the first
                   observation of the recalibrator)
     health.py     TaskHealth: non-finite updates counted per task; a task stopped after too many in a row
     summary.py    the closing lines: the run's RunSummary (lorafleet.metrics, from every launch's
                   metrics.jsonl rows), formatted
 
-options, preflight, resume and launcher do not import torch: the torch executor's helpers are imported
-inside the functions that need them (a resume's checks, a rank), so a fresh run's launcher calls
-none of them. (Reading a task's data may still load torch, through its tokenizer's library.)
+The launcher's modules (options, preflight, resume, revisions, replan, run_file, launcher, failures,
+phases, live, queue, summary) and the torch-free part of the fleet changes (running, changes, change_log)
+import no torch (an import-linter contract): the checks of data, checkpoints and processes are
+``lorafleet.runtime``'s, torch-free, and torch is imported only on a rank (rank, trainer, torch_fleet) and by
+torchrun's agent. (Reading a task's data may still load torch, through its tokenizer's library.)
 
 The plan runs under its own dispatch policy and with the cost model it was judged by (flags
 may override either; the run says so). What each step measures corrects that cost model
@@ -33,10 +54,13 @@ rolls back and uses the newest intact checkpoint, SIGINT/SIGTERM stop at a step 
 checkpoint, workers die with their launcher, ``--max-restarts`` restarts failed workers from the
 last checkpoint.
 
-Writes, under ``out``: ``plan.json`` (the plan the run trains by), ``metrics.jsonl`` and
+Writes, under ``out`` (every path named by ``lorafleet.rundir.RunDir``): ``plan.json`` (the plan the run
+trains by), ``run.json`` (the run file), ``metrics.jsonl`` and
 ``metrics.csv`` (one line per step: loss per task, tokens/s, busy time per replica, the
 dispatcher's prediction of it (``predicted_busy_s``, as recalibrated) and the cost model's own
 (``model_busy_s``), each replica's tokens and correction, CPU seconds per rank, tasks skipped for
-non-finite updates), ``tensorboard/``, ``checkpoints/`` and ``adapters/<task>/`` (the final PEFT
-adapters).
+non-finite updates), ``tensorboard/``, ``checkpoints/``, ``adapters/<task>/`` (the final PEFT
+adapters, and each task's that left earlier), ``tasks.json`` (the task ledger) and ``changes.jsonl`` (a row
+per change) once the fleet's tasks changed (a queued request, a task that took its steps), and ``logs/`` when a
+worker failed.
 """

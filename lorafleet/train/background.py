@@ -4,13 +4,13 @@ At a boundary where tasks join or leave, the running deployment usually serves t
 (``planner.incremental.kept_plan``: every expected sequence fits a replica), and the planner's search, not
 the change itself, is most of what the fleet would wait for: 0.1 s on the toy model, 5 CPU s for LobRA's
 70B on 64 GPUs, 12 CPU s for 64 tenants on 1,024 GPUs, three quarters of that fleet's step
-(``benchmarks/bench_queue.py --replan``). So rank 0 (``train.trainer``) applies the change on the kept
-deployment at once and runs the re-plan (``train.live.replan_change``) in a thread beside the next steps;
-the step's own work is in torch's kernels and the collectives, which release the GIL, and CBC solves in
-processes of its own. The re-plan's answer is applied at the boundary ``after`` steps later, a fixed step
-(``--replan-after``): the run does not depend on how fast the planner was, and a resume in between
-(``<queue>/.replan.json``) applies the same answer at the same step. When the re-plan is not done by then,
-that boundary waits for it (the log says how long).
+(``benchmarks/bench_queue.py --replan``). So rank 0 (``train.changes``, by ``planner.decision``'s rule)
+applies the change on the kept deployment at once and runs the re-plan (``train.live.replan_change``) in a
+thread beside the next steps; the step's own work is in torch's kernels and the collectives, which release
+the GIL, and CBC solves in processes of its own. The re-plan's answer is applied at the boundary ``after``
+steps later, a fixed step (``--replan-after``): the run does not depend on how fast the planner was, and a
+resume in between (``<queue>/.replan.json``) applies the same answer at the same step. When the re-plan is
+not done by then, that boundary waits for it (the log says how long).
 """
 
 from __future__ import annotations

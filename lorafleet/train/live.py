@@ -1,10 +1,12 @@
 """Applying the queued requests of a boundary (``train.queue``): the task ledger, the adapters of the tasks
 that leave, the incremental re-plan. No torch here.
 
-A running fleet applies them itself, in its processes (``train.trainer``: the executor changes its adapter
-slots, or its deployment, in place). Before anything is written, a change that adds or removes a task
-commits a checkpoint at the boundary ``S`` (what a crash resumes from, as a relaunch did) and every
-change leaves its requests in ``<queue>/.apply.json``; then
+A running fleet applies them itself, in its processes (``train.changes``: the executor changes its adapter
+slots, or its deployment, in place). Before anything is written, a change in which a task leaves commits a
+checkpoint at the boundary ``S`` (what a crash resumes from, as a relaunch did: the leaving adapters are
+exported from it; a join's checkpoint is written once the change is applied, and a crash before it commits
+resumes from an older one and replays the join) and every change leaves its requests in
+``<queue>/.apply.json``; then
 
 1. the ledger (``<out>/tasks.json``) takes them (:func:`record_change`): an added task starts at step ``S``, a
    finished or cancelled one leaves at ``S``, an update changes its share or deadline; a request it took at
@@ -12,10 +14,12 @@ change leaves its requests in ``<queue>/.apply.json``; then
    records each change once;
 2. each task that left has its PEFT adapter copied out of checkpoint ``S``, the fleet's state at the
    boundary, into ``<out>/adapters/<task>``;
-3. the run re-plans incrementally (:func:`replan_change`: ``planner.incremental``, by the run's cost model,
-   under its dispatch policy, by ``--replan-objective``, a move priced by what the in-process rebuild costs,
-   measured) and writes the plan it continues on;
-4. ``.apply.json`` is removed.
+3. the run re-plans incrementally when ``planner.decision`` says so, at the boundary or beside the next steps
+   (:func:`replan_change`: ``planner.incremental``, by the run's cost model, under its dispatch policy, by
+   ``--replan-objective``, a move priced by what the in-process rebuild costs, measured), and writes the plan
+   it continues on (``plan.json`` and the run file);
+4. ``.apply.json`` is removed, and the change's row is appended to ``<out>/changes.jsonl``
+   (``train.change_log``).
 
 When the new plan needs processes the run does not have (it places replicas on GPUs the old plan left idle,
 beyond the ranks torchrun started), the workers stop instead and :func:`apply_pending`, in the launcher,
@@ -23,7 +27,7 @@ does all of this between two launches, as every change was applied before (and a
 ``.apply.json`` a crash left behind).
 
 Each task's semantics are untouched by all this: its stream, initial adapter and updates depend on the
-task alone (``data_stream.task_key``), so a task that stays trains exactly as it would have without the
+task alone (``runtime.data_stream.task_key``), so a task that stays trains exactly as it would have without the
 change, and an added one as it would alone from its start step.
 """
 

@@ -8,7 +8,10 @@ reads that file and nothing else of the command line: it runs the plan and polic
 checked, the workload it resolved, by the cost model it built (whose profile, when there is one, must
 still have the content hash the launcher saw). What a rank finds out for itself is what changes
 between its starts: the newest intact checkpoint to resume from (after a torchrun restart) and the
-task ledger's turn changes.
+task ledger's turn changes. The file carries each dataset task's token-length histogram as the launcher
+tokenized it (``lengths``), so a rank resolves the workload without tokenizing any data for its lengths (it
+tokenizes each task once, for its data streams); rank 0 rewrites the file at every change of the running fleet
+(its tasks, their lengths, the plan), where a torchrun restart of the workers finds them.
 
 The file is typed (``lorafleet schema run``): a pydantic adapter over :class:`ResolvedRun`, strict,
 unknown keys refused.

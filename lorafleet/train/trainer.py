@@ -5,8 +5,9 @@ rank 0 drives :meth:`Trainer.train`, the others serve it.
                       per step recalibrate, watch for non-finite tasks, metrics; checkpoint every K} ->
                       final checkpoint -> PEFT adapters -> summary
 
-A window is the plan's ``pipeline_window`` steps (cut at every checkpoint and at the run's end): its
-pipelined replicas do not drain between its steps (``costmodel.schedule``), and a stop asked by a
+A window is the plan's ``DeploymentPlan.loop_window`` steps (its policy's ``pipeline_window`` when a replica is
+pipelined, else one step; cut at every checkpoint, at the boundaries the fleet's changes name and at the run's
+end): its pipelined replicas do not drain between its steps (``costmodel.schedule``), and a stop asked by a
 signal takes effect at the next window boundary.
 
 Also here: the checkpoint cadence, the stop at a step boundary on a signal, and the export of the final
@@ -14,7 +15,7 @@ adapters out of the last checkpoint. The loop's components have modules of their
 step (``train.probe``), the non-finite watch (``train.health``), the fleet's changes at step boundaries
 (``train.changes``: queued requests, departures, the re-plan beside the steps; the executor seen through
 ``train.torch_fleet``) and the closing summary (``train.summary``). What the loop runs between two changes is
-one value, :class:`~lorafleet.train.changes.Running`, swapped whole.
+one value, :class:`~lorafleet.train.running.Running`, swapped whole.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ beside a ``<file>.reason``; the run goes on. Valid requests that are due are acc
 ``queue/accepted/``) and applied together at that boundary, in the running workers: the run checkpoints
 (when a task joins or leaves), leaves them in ``<queue>/.apply.json`` (``pending.py``), puts the changes into
 the ledger, re-plans incrementally (``planner.incremental``) and changes its fleet in place
-(``train.trainer``, ``train.live``); the launcher applies what the running fleet cannot, between two launches.
+(``train.changes``, in ``train.live``'s order); the launcher applies what the running fleet cannot, between two
+launches. Each change is a row of ``<out>/changes.jsonl`` (``train.change_log``).
 
 **Ledger** (``ledger.py``). ``<out>/tasks.json``: every task the run has had, its state and the step it
 left at, and the requests applied. A resume trains the ledger's active tasks.

@@ -2,7 +2,7 @@
 are applied.
 
 Rank 0 writes it when requests are due (after the boundary's checkpoint, when a task joins or leaves), and
-removes it once it has applied them in the running fleet (``train.trainer``); what the fleet cannot apply,
+removes it once it has applied them in the running fleet (``train.changes``); what the fleet cannot apply,
 or what a crash left, the launcher applies between two launches (``train.live.apply_pending``). Its name
 starts with ``.``, so the watcher never reads it as a request. The file is typed (:data:`PENDING_FILE`:
 unknown keys refused, a wrong value named by its field path); ``lorafleet schema pending`` prints its JSON
