@@ -41,7 +41,7 @@ added (a tenant joins; ``planner.incremental.replan_incremental``, as ``loraflee
 seconds (this process and its CBC solves: ``lorafleet.work.cpu_seconds``) and wall seconds, best of
 ``--rounds``, and as a share of the new plan's expected step time; and the boundary's own work when the
 running deployment serves the new tasks (``planner.incremental.kept_plan`` by a cost model built afresh, as
-the trainer's ``live.kept_change``): then the fleet waits for that, and the re-plan runs beside the next step.
+``train.changes`` does): then the fleet waits for that, and the re-plan runs beside the next step.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ STOP_REQUEST = ".stop-request"
 METRICS_JSONL = "metrics.jsonl"
 METRICS_CSV = "metrics.csv"
 LEDGER = "tasks.json"
+"""The task ledger of a run that took queued changes (``train.queue.ledger``)."""
 CHANGES = "changes.jsonl"
 """The run's fleet changes, a row each (``train.change_log``)."""
 PENDING = ".apply.json"
@@ -39,7 +40,6 @@ HTTP_TOKEN = ".http.json"
 TRACKER_IDS = {"wandb": ".wandb-run-id", "mlflow": ".mlflow-run-id"}
 """Per experiment tracker, the file its run's id is kept in, so that a resume continues that run
 (``metrics.trackers``)."""
-"""The task ledger of a run that took queued changes (``train.queue.ledger``)."""
 
 
 @dataclass(frozen=True)

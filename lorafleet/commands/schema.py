@@ -130,6 +130,12 @@ def _run() -> dict[str, Any]:
     return _titled(run_json_schema(), "lorafleet run file")
 
 
+def _changes() -> dict[str, Any]:
+    from lorafleet.train.change_log import CHANGE_RECORD
+
+    return _titled(CHANGE_RECORD.json_schema(mode="serialization"), "lorafleet change record (a row of changes.jsonl)")
+
+
 SCHEMAS: dict[str, Callable[[], dict[str, Any]]] = {
     "workload": workload_json_schema,
     "plan": _plan,
@@ -138,6 +144,7 @@ SCHEMAS: dict[str, Callable[[], dict[str, Any]]] = {
     "request": request_json_schema,
     "ledger": ledger_json_schema,
     "pending": pending_json_schema,
+    "changes": _changes,
 }
 """File kind -> its JSON Schema (draft 2020-12), each generated from the models that read the file."""
 

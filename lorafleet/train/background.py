@@ -39,7 +39,7 @@ class BackgroundReplan:
     Not a daemon: a process that ends (a stop, a crash of the loop) waits for it, as the interpreter joins its
     threads before it exits. A daemon thread would be frozen mid-solve there, inside HiGHS's native code, whose
     thread pool the process's exit then tears down: ``terminate called without an active exception``, SIGABRT.
-    The trainer starts none whose answer is due after the run's last step."""
+    The fleet changes (``train.changes``) start none whose answer is due after the run's last step."""
 
     step: int
     at: int

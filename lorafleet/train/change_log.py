@@ -2,7 +2,8 @@
 (a queued request, a task that took its steps) and per re-plan answer applied at its boundary.
 
 The log lines say the same in prose; these rows are what tools and tests read. Each row is a :class:`ChangeRecord`
-(typed: :func:`read_changes` reads them back, unknown keys refused; ``lorafleet schema`` has no kind for it). A row
+(typed: :func:`read_changes` reads them back, unknown keys refused; ``lorafleet schema changes`` prints its JSON
+Schema). A row
 is appended once the change is settled (the ledger and the plan written, ``.apply.json`` removed), so a crash
 before leaves none and the change, applied again by the launcher, writes it then; a resume from an earlier
 checkpoint drops the rows after that step, as it drops the metrics of the steps it replays

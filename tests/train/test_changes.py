@@ -12,8 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import jsonschema
 import pytest
 
+from lorafleet.commands.schema import SCHEMAS
 from lorafleet.dispatch import Recalibrator
 from lorafleet.planner import MigrationModel
 from lorafleet.planner.decision import HandOff, Keep, Move, ReplanNow, decide, settle
@@ -123,6 +125,9 @@ def test_a_queued_add_is_tokenized_once_kept_on_the_running_deployment_and_recor
     )
     assert [(r.action.value, r.name, r.file) for r in row.requests] == [("add", "codegen", "add-codegen.yaml")]
     assert row.seconds == 0.25 and row.rebuilt == ()
+    schema = SCHEMAS["changes"]()  # ``lorafleet schema changes``
+    for line in options.run_dir.changes.read_text().splitlines():
+        jsonschema.Draft202012Validator(schema).validate(json.loads(line))
 
 
 def test_the_replan_answer_is_applied_at_its_step_and_a_new_change_supersedes_it(fleet):
