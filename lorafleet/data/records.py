@@ -1,12 +1,16 @@
 """Rows of a task's dataset, from a JSONL file or a ``datasets.save_to_disk`` directory.
 
 A bad row is an :class:`InputError` naming the file and the row (1-based, as an editor
-shows it), never a skipped row.
+shows it), never a skipped row. A path that is neither a regular file nor a directory (a FIFO,
+a device, a socket) is an InputError before anything is read: a FIFO's read blocks until
+something writes to it, a device's may never end.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +31,7 @@ def read_rows(path: str | Path) -> list[Row]:
 
 def _read_jsonl(path: Path) -> Iterator[Row]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = _read_regular(path).decode("utf-8").splitlines()
     except FileNotFoundError:
         raise InputError(str(path), "", "no such file") from None
     except UnicodeDecodeError as err:
@@ -44,6 +48,28 @@ def _read_jsonl(path: Path) -> Iterator[Row]:
         if not isinstance(row, dict):
             raise InputError(str(path), f"row {number}", "expected a JSON object")
         yield row
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of ``path`` (symlinks followed) when it is a regular file; else an InputError naming what it is.
+    Opened without blocking and judged by the descriptor's own ``fstat``: a FIFO's ``open`` would wait for a
+    writer, and a path checked before it is opened may be another file by then."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((kind for test, kind in _KINDS if test(mode)), "something other than a regular file")
+            raise InputError(str(path), "", f"is {kind}, not a JSONL file or a saved dataset's directory")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as file:
+            fd = -1  # the file closes it
+            return file.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 def _read_hf_dataset(path: Path) -> list[Row]:

@@ -24,8 +24,11 @@ the next run claims the queue (:func:`remove_stale_token`). Every request needs
                                                "rejected": [{"file", "reason"}], "accepted": [...]} -> 200
 
 A 202 answers ``{"file": <basename>, "status": "queued"}``. Errors answer ``{"error": <one line>}``:
-400 bad JSON or shape, 401 no or wrong token, 404 anything else, 411 no ``Content-Length`` on a
-POST/PATCH, 413 a body over 1 MiB. Nothing is logged per request.
+400 bad JSON (parsed as a request file is, ``requests.parse_request``: nested at most 32 deep, numbers
+finite) or shape, 401 no or wrong token, 404 anything else, 411 no ``Content-Length`` on a POST/PATCH,
+413 a body over 1 MiB (``requests.MAX_REQUEST_BYTES``), 500 a failure of the server's own, which the
+answer does not describe (the run's log has its one line). Nothing else is logged per request. Up to
+:data:`BACKLOG` connections wait to be accepted, so a burst of clients is answered, not reset.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 import hmac
 import json
 import secrets
+import sys
 import threading
 from datetime import datetime, timezone
 from http import HTTPStatus
@@ -45,10 +49,24 @@ from lorafleet.errors import InputError
 from lorafleet.rundir import HTTP_TOKEN, LEDGER
 from lorafleet.specs.io import write_text_atomic
 from lorafleet.specs.workload import task_name_error
-from lorafleet.train.queue.requests import ACCEPTED, REJECTED, UPDATE_KEYS, Action, reason_file, request_files
+from lorafleet.train.queue.requests import (
+    ACCEPTED,
+    MAX_REQUEST_BYTES,
+    REJECTED,
+    UPDATE_KEYS,
+    Action,
+    MalformedRequest,
+    parse_request,
+    reason_file,
+    request_files,
+)
 
 HOST = "127.0.0.1"
-MAX_BODY = 1 << 20
+MAX_BODY = MAX_REQUEST_BYTES
+"""The largest body read: a request file's bound."""
+BACKLOG = 128
+"""Connections the listening socket holds until they are accepted (``request_queue_size``; the base class's 5
+reset most of a burst of 120 clients)."""
 PRIVATE = 0o600
 """The mode of the files the server writes: the token file and the request files."""
 PRIVATE_DIR = 0o700
@@ -71,6 +89,7 @@ class _Server(ThreadingHTTPServer):
     """The HTTP server, carrying the queue, the run directory and the token its handlers need."""
 
     daemon_threads = True
+    request_queue_size = BACKLOG
 
     def __init__(self, port: int, token: str) -> None:
         super().__init__((HOST, port), _Handler)
@@ -127,8 +146,12 @@ class _Handler(BaseHTTPRequestHandler):
             status, payload = self._route()
         except _HttpError as exc:
             status, payload = exc.status, {"error": exc.message}
-        except Exception as exc:  # a bad request must never take the server down
-            status, payload = 500, {"error": " ".join(f"{type(exc).__name__}: {exc}".split())}
+        except Exception as exc:  # a bad request must never take the server down, nor read its internals
+            status, payload = 500, {"error": _internal(self.command)}
+            what = " ".join(f"{type(exc).__name__}: {exc}".split())
+            print(
+                f"lorafleet train: queue: HTTP {self.command} {self.path} failed: {what}", file=sys.stderr, flush=True
+            )
         self._reply(status, payload)
 
     def _authorized(self) -> bool:
@@ -159,7 +182,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _queue(self, request: dict[str, Any]) -> dict[str, Any]:
         with self.server.write_lock:
             target = _request_path(self.server.queue_dir, request["name"])
-            write_text_atomic(target, json.dumps(request, indent=2) + "\n", mode=PRIVATE)
+            write_text_atomic(target, json.dumps(request, indent=2, allow_nan=False) + "\n", mode=PRIVATE)
         return {"file": target.name, "status": "queued"}
 
     def _content_length(self) -> int | None:
@@ -184,9 +207,11 @@ class _Handler(BaseHTTPRequestHandler):
         if len(raw) != length:
             raise _HttpError(400, "body shorter than its Content-Length")
         try:
-            return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-        except (UnicodeDecodeError, ValueError) as exc:
+            return parse_request(raw.decode("utf-8"), "JSON")
+        except UnicodeDecodeError as exc:
             raise _HttpError(400, f"bad JSON: {exc}") from None
+        except MalformedRequest as exc:
+            raise _HttpError(400, f"bad JSON: {exc.detail}") from None
 
     def _drain(self) -> None:
         """Read a body nobody needs (up to the limit), so closing the connection cannot reset the reply."""
@@ -213,8 +238,9 @@ class _Handler(BaseHTTPRequestHandler):
             pass  # the client hung up; nothing to tell it
 
 
-def _no_constant(token: str) -> Any:
-    raise ValueError(f"{token} is not JSON")
+def _internal(method: str) -> str:
+    """A 500's answer: that the server failed, never what its exception said (a path, a value of the run's)."""
+    return "internal error" if method == "GET" else "internal error: the request was not queued"
 
 
 def _check_name(name: Any) -> str:
@@ -271,8 +297,8 @@ def _listing(queue_dir: Path, run_dir: Path) -> dict[str, Any]:
         ledger = json.loads(ledger_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         ledger = None
-    except (OSError, ValueError) as exc:
-        raise _HttpError(500, f"cannot read {ledger_path}: {exc}") from None
+    except (OSError, ValueError):
+        raise _HttpError(500, f"cannot read the run's task ledger ({LEDGER})") from None
     rejected = []
     for path in request_files(queue_dir / REJECTED):
         try:

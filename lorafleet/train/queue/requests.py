@@ -9,14 +9,22 @@ it has judged to :data:`ACCEPTED` or :data:`REJECTED` (the reason beside it, :fu
 **Reach.** A task to add names data the run's user will read. Its data paths must resolve, symlinks
 followed, inside the run's data roots (``--queue-data-root``; by default the folders that hold the
 workload's own data: :func:`data_roots`), or the request is rejected (:func:`check_reach`) before any of
-its data is read. The queue's folders and reasons are the run user's alone (:data:`PRIVATE_DIR`,
-:data:`PRIVATE_FILE`).
+its data is read; and each must be a regular file or a directory (a saved dataset), never a FIFO, a device
+or a socket, whose read would block rank 0 or never end. The queue's folders and reasons are the run user's
+alone (:data:`PRIVATE_DIR`, :data:`PRIVATE_FILE`).
+
+**Bounds.** A request file, and an HTTP body (``http.py``), is parsed by :func:`parse_request`: at most
+:data:`MAX_REQUEST_BYTES`, nested at most :data:`MAX_DEPTH` deep, at most :data:`MAX_VALUES` values with YAML's
+aliases expanded, JSON numbers finite, YAML by a safe loader (no objects built). Anything else is a RequestError
+of one line, which the watcher rejects (the run goes on), never an error that ends the run.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -42,6 +50,13 @@ PRIVATE_FILE = 0o600
 UpdateKey = Literal["share", "deadline"]
 """What an ``update`` may change of a running task."""
 UPDATE_KEYS: tuple[UpdateKey, ...] = get_args(UpdateKey)
+MAX_REQUEST_BYTES = 1 << 20
+"""The largest request file, or HTTP body, read (a task's spec is a few hundred bytes)."""
+MAX_DEPTH = 32
+"""How deep a request's values may nest (a task's spec nests 4 deep); deeper is refused as it is parsed."""
+MAX_VALUES = 1 << 20
+"""How many values (mappings, lists, scalars) a request may hold, a YAML alias counted at every use: a file of
+:data:`MAX_REQUEST_BYTES` holds fewer, so only aliases that expand (a "billion laughs") reach it."""
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -61,6 +76,14 @@ class Action(StrEnum):
 
 class RequestError(ValueError):
     """A request that cannot be applied; the message is the reason (one line)."""
+
+
+class MalformedRequest(RequestError):
+    """A request that does not parse within bounds (:func:`parse_request`): "malformed JSON: <detail>"."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        self.detail = " ".join(detail.split())
+        super().__init__(f"malformed {kind}: {self.detail}")
 
 
 def request_files(directory: Path) -> list[Path]:
@@ -168,14 +191,14 @@ def read_request_file(path: Path) -> tuple[Action, dict[str, Any]]:
     """A request file's action and mapping, the keys every request has checked first, each with a sentence of
     its own (``action``, ``at_step``, ``name``); RequestError."""
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as file:
+            data = file.read(MAX_REQUEST_BYTES + 1)
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise RequestError(f"cannot read it ({err})") from None
-    try:
-        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as err:
-        kind = "JSON" if path.suffix == ".json" else "YAML"
-        raise RequestError(f"malformed {kind}: {str(err).splitlines()[0]}") from None
+    if len(data) > MAX_REQUEST_BYTES:
+        raise RequestError(f"over {MAX_REQUEST_BYTES:,} bytes")
+    raw = parse_request(text, "JSON" if path.suffix == ".json" else "YAML")
     if not isinstance(raw, dict):
         raise RequestError(f"expected a mapping, got {type(raw).__name__}")
     try:
@@ -207,11 +230,101 @@ def data_roots(tasks: Sequence[TaskSpec]) -> tuple[str, ...]:
 
 def check_reach(task: TaskSpec, roots: Sequence[str]) -> None:
     """A RequestError when a data path of ``task`` (absolute) resolves, symlinks followed, outside every one of
-    ``roots`` (resolved folders). The reason names the path as the request gave it, never where it leads."""
+    ``roots`` (resolved folders), or inside them to something other than a regular file or a directory (a FIFO,
+    a device, a socket: :func:`data_kind`). The reason names the path as the request gave it, never where it
+    leads; what a path outside the roots is, is never looked at."""
     for where, path in data_paths(task):
         real = Path(os.path.realpath(path))
         if not any(real.is_relative_to(root) for root in roots):
             raise RequestError(f"{where}: {path} is outside the folders this run takes data from (--queue-data-root)")
+    for where, path in data_paths(task):
+        kind = data_kind(path)
+        if kind is not None:
+            raise RequestError(f"{where}: {path} is {kind}, not a file or a saved dataset's directory")
+
+
+def data_kind(path: str | Path) -> str | None:
+    """What ``path`` is, symlinks followed, when it is neither a regular file nor a directory ("a FIFO", "a
+    character device", ...); None for those two, and for a path that does not exist (its read says so)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    for test, kind in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def parse_request(text: str, kind: Literal["JSON", "YAML"]) -> Any:
+    """``text`` (at most :data:`MAX_REQUEST_BYTES`, checked by the caller) parsed as ``kind``, within the module
+    doc's bounds; a RequestError of one line ("malformed YAML: ...") for anything else. JSON's numbers must be
+    finite (``1e999`` would be written back as ``Infinity``); YAML builds plain values only."""
+    try:
+        if kind == "JSON":
+            raw = json.loads(text, parse_constant=_not_finite, parse_float=_finite)
+        else:
+            raw = yaml.load(text, Loader=_RequestLoader)  # a SafeLoader, bounded
+    except RecursionError:  # JSON's C parser recurses first: Python's limit is met before MAX_DEPTH is checked
+        raise MalformedRequest(kind, f"nested deeper than {MAX_DEPTH} levels") from None
+    except (ValueError, yaml.YAMLError) as err:  # json.JSONDecodeError is a ValueError
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        raise MalformedRequest(kind, lines[0]) from None
+    _check_bounds(raw, kind)
+    return raw
+
+
+def _finite(token: str) -> float:
+    value = float(token)
+    if not math.isfinite(value):
+        raise ValueError(f"{token} is not a finite number")
+    return value
+
+
+def _not_finite(token: str) -> Any:
+    raise ValueError(f"{token} is not a finite number")
+
+
+class _RequestLoader(yaml.SafeLoader):
+    """PyYAML's safe loader (plain values only) that refuses a document nested deeper than :data:`MAX_DEPTH`
+    before its recursive composer reaches Python's recursion limit."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self.depth += 1
+        try:
+            if self.depth > MAX_DEPTH:
+                raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+
+def _check_bounds(raw: Any, kind: str) -> None:
+    """RequestError when ``raw`` nests deeper than :data:`MAX_DEPTH` or holds more than :data:`MAX_VALUES` values,
+    each shared (aliased) value counted at every use; walked without recursion, a cycle stopped by the depth."""
+    stack, values = [(raw, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        values += 1
+        if depth > MAX_DEPTH:
+            raise MalformedRequest(kind, f"nested deeper than {MAX_DEPTH} levels")
+        if values > MAX_VALUES:
+            raise MalformedRequest(kind, f"more than {MAX_VALUES:,} values (YAML aliases counted at each use)")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
 
 
 def validated(model: type[M], raw: Mapping[str, Any]) -> M:

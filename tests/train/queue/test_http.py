@@ -238,3 +238,68 @@ def test_bad_traffic_neither_logs_nor_stops_the_server(queue, capfd):
     assert call(queue, "GET", "/v1/tasks")[0] == 200
     out, err = capfd.readouterr()
     assert out == "" and err == ""
+
+
+@pytest.mark.parametrize(
+    "method, path, raw, words",
+    [
+        ("POST", "/v1/tasks", b"[" * 100_000 + b"]" * 100_000, "bad JSON: nested deeper than 32 levels"),
+        ("POST", "/v1/tasks", b'{"name": "c", "x": ' + b"[" * 40 + b"]" * 40 + b"}", "nested deeper"),
+        ("POST", "/v1/tasks", json.dumps({**ADD, "share": 0.5}).encode()[:-1] + b', "x": 1e999}', "1e999 is not a"),
+        ("PATCH", "/v1/tasks/chat", b'{"share": 1e999}', "bad JSON: 1e999 is not a finite number"),
+        ("PATCH", "/v1/tasks/chat", b'{"deadline": -1E400}', "bad JSON: -1E400 is not a finite number"),
+    ],
+)
+def test_a_body_nested_too_deep_or_not_finite_is_400_and_writes_nothing(queue, method, path, raw, words):
+    """#38: a body nested 100,000 deep answered 500 (a RecursionError), and a share of 1e999 was written into
+    the request file as ``Infinity``. The body is parsed as a request file is (``requests.parse_request``)."""
+    status, body = call(queue, method, path, raw=raw)
+    assert status == 400 and words in body["error"] and "\n" not in body["error"], body
+    assert requests_in(queue.token_file.parent) == []
+
+
+def test_an_unexpected_error_is_500_without_the_exceptions_text(queue, tmp_path, monkeypatch):
+    """A 500 says that the server failed, never what the exception said (a path, a value of the run's)."""
+    from lorafleet.train.queue import http
+
+    (tmp_path / "run" / "tasks.json").mkdir(parents=True)  # a ledger that cannot be read
+    status, body = call(queue, "GET", "/v1/tasks")
+    assert status == 500 and "Errno" not in body["error"] and str(tmp_path) not in body["error"], body
+
+    def fail(*args: object) -> None:
+        raise RuntimeError(f"secret {tmp_path}")
+
+    monkeypatch.setattr(http, "_request_path", fail)
+    status, body = call(queue, "POST", "/v1/tasks", ADD)
+    assert status == 500 and body == {"error": "internal error: the request was not queued"}, body
+
+
+def test_120_concurrent_posts_all_get_an_answer(queue):
+    """#38: 85 of 120 concurrent POSTs were reset (the server's listen backlog was 5); every one is answered
+    now (``request_queue_size``) and queued once."""
+    import threading
+
+    n = 120
+    start = threading.Barrier(n)
+    answers: list[object] = [None] * n
+
+    def post(i: int) -> None:
+        start.wait()
+        connection = http.client.HTTPConnection(queue.host, queue.port, timeout=120)
+        try:
+            body = json.dumps({**ADD, "name": f"t{i}"})
+            headers = {"Authorization": f"Bearer {queue.token}", "Content-Type": "application/json"}
+            connection.request("POST", "/v1/tasks", body=body, headers=headers)
+            answers[i] = connection.getresponse().status
+        except OSError as err:
+            answers[i] = repr(err)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == [202] * n
+    assert len(requests_in(queue.token_file.parent)) == n

@@ -319,3 +319,82 @@ def test_an_added_tasks_length_dataset_path_is_relative_to_its_file_too(tmp_path
     )
     assert r.task.data.path == str(tmp_path / "code.jsonl")
     assert r.task.lengths.dataset.path == str(tmp_path / "lengths.jsonl")
+
+
+def test_a_queued_tasks_data_must_be_a_file_or_a_dataset_directory(tmp_path):
+    """#38: an add whose data was a FIFO blocked rank 0 at the boundary (the check that tokenizes it opened it)
+    until something opened it for writing. A data path (``data``, ``lengths.dataset``) that is neither a regular
+    file nor a directory (a saved dataset) is rejected when the request is read, in one line, before the check
+    that reads it is called; the run goes on and takes the good ones."""
+    import os
+
+    root, queue = tmp_path / "data", tmp_path / "queue"
+    for folder in (root, queue, root / "saved"):
+        folder.mkdir()
+    os.mkfifo(root / "pipe.jsonl")
+    (root / "ok.jsonl").write_text("{}\n")
+    task = "batch_size: 2\ncontext_length: 64\n"
+    (queue / "a-fifo.yaml").write_text(f"name: a\ndata: {{path: {root / 'pipe.jsonl'}}}\n{task}")
+    (queue / "b-device.yaml").write_text(f"name: b\ndata: {{path: {os.devnull}}}\n{task}")
+    (queue / "c-lengths.yaml").write_text(
+        f"name: c\ndata: {{path: {root / 'ok.jsonl'}}}\nlengths: {{dataset: {{path: {root / 'pipe.jsonl'}}}}}\n{task}"
+    )
+    (queue / "d-saved.yaml").write_text(f"name: d\ndata: {{path: {root / 'saved'}}}\n{task}")
+    (queue / "e-file.yaml").write_text(f"name: e\ndata: {{path: {root / 'ok.jsonl'}}}\n{task}")
+    checked: list[str] = []
+    roots = (os.path.realpath(root), os.path.dirname(os.path.realpath(os.devnull)))
+    watcher = QueueWatcher(queue, DEFAULTS, LEDGER, check=lambda t: checked.append(t.name), data_roots=roots)
+    assert [r.name for r in watcher.poll(0)] == ["d", "e"] and checked == ["d", "e"]
+    reason = {p.name: p.read_text() for p in (queue / "rejected").glob("*.reason")}
+    assert reason == {
+        "a-fifo.yaml.reason": f"data: {root / 'pipe.jsonl'} is a FIFO, not a file or a saved dataset's directory\n",
+        "b-device.yaml.reason": f"data: {os.devnull} is a character device, not a file or a saved dataset's "
+        "directory\n",
+        "c-lengths.yaml.reason": f"lengths.dataset: {root / 'pipe.jsonl'} is a FIFO, not a file or a saved "
+        "dataset's directory\n",
+    }
+
+
+def _laughs(levels: int) -> str:
+    """A YAML "billion laughs": each anchor a list of ten of the one before (10 ** levels values expanded)."""
+    lines = ["name: code", 'l0: &l0 ["lol"]']
+    lines += [f"l{k}: &l{k} [{', '.join([f'*l{k - 1}'] * 10)}]" for k in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "name, text, reason",
+    [
+        ("deep.yaml", "[" * 3000 + "]" * 3000, "nested deeper than 32 levels"),
+        ("deep.json", "[" * 100_000 + "]" * 100_000, "nested deeper than 32 levels"),
+        ("deep-keys.yaml", "name: code\n" + "".join(f"{'  ' * k}k:\n" for k in range(40)), "nested deeper than 32"),
+        ("nested.json", '{"name": "code", "x": ' + "[" * 100 + "]" * 100 + "}", "nested deeper than 32 levels"),
+        ("loop.yaml", "name: code\nloop: &a [*a]\n", "nested deeper than 32 levels"),
+        ("laughs.yaml", _laughs(9), "more than 1,048,576 values"),
+        ("big.json", json.dumps({"name": "code", "pad": "x" * (1 << 20)}), "over 1,048,576 bytes"),
+        ("inf.json", '{"action": "update", "name": "chat", "share": 1e999}', "1e999 is not a finite number"),
+        ("nan.json", '{"action": "update", "name": "chat", "share": NaN}', "NaN is not a finite number"),
+        ("object.yaml", "name: !!python/object/apply:os.getcwd []\n", "malformed YAML"),
+    ],
+)
+def test_a_request_file_is_bounded_and_parsed_safely(tmp_path, name, text, reason):
+    """#38: a request nested 3,000 deep (YAML) or 100,000 deep (JSON) raised a RecursionError the watcher did
+    not catch, so the run died, and died again on every restart (the file stays in the queue). A request file
+    is bounded (its size, its depth, its values with YAML's aliases expanded) and parsed by a loader that
+    builds no objects; anything else is a RequestError of one line, which the watcher rejects."""
+    with pytest.raises(RequestError, match=reason) as err:
+        _request(tmp_path, text, name)
+    assert "\n" not in str(err.value)
+
+
+def test_a_request_the_parser_cannot_take_is_rejected_and_the_queue_goes_on(tmp_path):
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    (queue / "a-deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    (queue / "b-deep.yaml").write_text("[" * 3000 + "]" * 3000)
+    (queue / "c-finish.yaml").write_text("action: finish\nname: chat\n")
+    lines: list[str] = []
+    watcher = QueueWatcher(queue, DEFAULTS, LEDGER, log=lines.append)
+    assert [r.file for r in watcher.poll(0)] == ["c-finish.yaml"]
+    assert sorted(p.name for p in (queue / "rejected").glob("*.reason")) == ["a-deep.json.reason", "b-deep.yaml.reason"]
+    assert len(lines) == 2 and all("nested deeper than 32 levels" in line for line in lines)
