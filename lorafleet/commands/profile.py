@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import tempfile
+from pathlib import Path
 
 from lorafleet.errors import InputError
 from lorafleet.specs.device import Precision
@@ -220,20 +222,37 @@ def fit_and_report(profile, source: str, folds: int):
     return fitted.model_copy(update={"quality": quality})
 
 
+def _check_output(path: str) -> None:
+    """An InputError naming ``path`` now, before minutes of measuring or fitting, when the profile could not be
+    written there later: ``specs.io.check_writable``'s checks, then a folder made (and removed at once) in
+    the nearest folder of ``path`` that exists, as the write would make the missing ones or its file there.
+    Asking is not enough: ``os.access`` lets root write anywhere, ``/proc`` and read-only mounts included."""
+    from lorafleet.specs.io import check_writable
+
+    check_writable(path)
+    folder = Path(path).absolute().parent
+    while not folder.exists() and not folder.is_symlink():
+        folder = folder.parent
+    try:
+        tempfile.TemporaryDirectory(prefix=".lorafleet-check-", dir=folder).cleanup()
+    except OSError as err:
+        why = err.strerror or err
+        raise InputError(path, "", f"cannot write here (nothing can be created in {folder}: {why})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from lorafleet.costmodel.profile_format import read_profile, write_profile
-    from lorafleet.specs.io import check_writable
 
     if args.profile_action == "fit":
         _at_least(args.folds, 2, "--folds")
         profile = read_profile(args.profile)
-        check_writable(args.out or args.profile)  # before the fit, not after it
+        _check_output(args.out or args.profile)  # before the fit, not after it
         write_profile(fit_and_report(profile, args.profile, args.folds), args.out or args.profile)
         return 0
 
     from lorafleet.profiling.run import measure_profile
 
-    check_writable(args.out)  # before the measurements, not after them
+    _check_output(args.out)  # before the measurements, not after them
     settings = _settings(args)
     profile = fit_and_report(measure_profile(settings), args.out, folds=5)
     write_profile(profile, args.out)

@@ -138,3 +138,38 @@ def test_profile_and_predict_check_their_output_before_the_work(tmp_path, capsys
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1 and "cannot write here" in err, err
     assert not list((tmp_path / "ro").iterdir())
+
+
+@pytest.mark.parametrize("command", ["profile", "fit"])
+def test_an_output_that_cannot_be_created_is_refused_before_the_work_as_root_too(
+    tmp_path, capsys, monkeypatch, command
+):
+    """#38: ``profile --out /proc/nope/x.json`` was refused only after 164 s of measurements: the permission check
+    asks ``os.access``, which lets root write anywhere, ``/proc`` included. The output's folder is tried now
+    (created where missing, and a file made there), as the code runs: here without dropping root's rights.
+    Nothing is measured or fitted, and a folder that can be made is left as it was."""
+    import shutil
+
+    import lorafleet.costmodel.fitted as fitted
+    import lorafleet.profiling.run as profiling
+    from tests.helpers.repo import REPO
+
+    def work(*args: object, **kw: object) -> None:
+        raise AssertionError("the work ran")
+
+    monkeypatch.setattr(profiling, "measure_profile", work)
+    monkeypatch.setattr(fitted, "fit_profile", work)
+    profile = tmp_path / "p.json"
+    shutil.copy(REPO / "profiles" / "tiny-llama-cpu.json", profile)
+    argv = {
+        "profile": ["profile", "--model", "tiny-llama", "--configs", "1x1"],
+        "fit": ["fit", str(profile)],
+    }[command]
+    code = main([*argv, "--out", "/proc/nope/x.json"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "/proc/nope/x.json: cannot write here" in err, err
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(AssertionError, match="the work ran"):  # a folder it can make: the work starts
+        main([*argv, "--out", str(tmp_path / "new" / "deeper" / "x.json")])
+    assert sorted(tmp_path.rglob("*")) == before  # and the check left nothing behind
