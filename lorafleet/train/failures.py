@@ -19,14 +19,23 @@ Under ``lorafleet train``'s launcher:
   it, can end first); one killed by a signal; one that lost a peer; any other (torchrun's shutdown of the
   rest follows the first failure, and its SIGKILLs come later than the cause).
 
+**A full disk** (ENOSPC, or EDQUOT: :func:`full_disk`) is said as such: a worker's own error that is one (an
+OSError, its words in another error's, or the error it was raised from) names what was being written, and the
+line says that the committed checkpoints are intact (a checkpoint is committed whole or not at all) and to
+resume once there is space. The records are written on that disk too, so none of them raises: a record that
+cannot be written is left out. Without a worker's own error to tell (no record, a lost peer, an exit code),
+the launcher looks at the disk of ``--out`` itself: under :data:`MIN_FREE_BYTES` free is a full disk.
+
 Torch-free: the launcher imports it.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 import signal
 import traceback
 from dataclasses import dataclass
@@ -42,6 +51,15 @@ PEER_LOST = re.compile(
 """What a collective's error says when another rank died (gloo's and NCCL's words)."""
 PORT_TAKEN = re.compile(r"failed to listen on any local network address.*(EADDRINUSE|address already in use)")
 """What rank 0's error says when its process group's port was taken (torch's TCPStore server)."""
+FULL_DISK = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+"""The errors of a full disk, by errno, as the run's line says them."""
+FULL_DISK_WORDS = (
+    (re.compile(r"Disk quota exceeded|\bEDQUOT\b|QuotaExceeded|os error 122\b", re.IGNORECASE), errno.EDQUOT),
+    (re.compile(r"No space left on device|\bENOSPC\b|StorageFull|os error 28\b", re.IGNORECASE), errno.ENOSPC),
+)
+"""The same in the words of an error that is not an OSError (safetensors' ``SafetensorError``, torch's writers)."""
+MIN_FREE_BYTES = 1 << 20
+"""Less free space than this on the disk of ``--out``, after a failure no worker explained, is a full disk."""
 
 
 @dataclass(frozen=True)
@@ -55,29 +73,73 @@ class WorkerFailure:
     timestamp: int
 
 
+def full_disk(err: BaseException) -> tuple[int, str | None] | None:
+    """``(errno, path)`` when ``err``, or an error it was raised from or while handling, is a full disk
+    (:data:`FULL_DISK`): an OSError, whose file name is the path (None when the failed call had none: a
+    ``write`` or a ``flush``), or another error in its words (:data:`FULL_DISK_WORDS`; no path). None otherwise."""
+    chain, seen, worded = [err], set(), None
+    while chain:
+        e = chain.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in FULL_DISK:
+            return e.errno, None if e.filename is None else str(e.filename)
+        if worded is None:
+            worded = next((code for words, code in FULL_DISK_WORDS if words.search(str(e))), None)
+        chain += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None if worded is None else (worded, None)
+
+
 def record_worker_error(run_dir: RunDir, rank: int, err: BaseException) -> None:
-    """A worker's failure into ``logs/``: its traceback and its one-line summary."""
-    run_dir.logs.mkdir(parents=True, exist_ok=True)
+    """A worker's failure into ``logs/``: its one-line summary (what the launcher reads; a full disk's errno and
+    path, :func:`full_disk`), then its traceback. Never raises OSError: a record that cannot be written (the
+    disk is full) is left out."""
     text = "".join(traceback.format_exception(err))
-    (run_dir.logs / f"rank-{rank}.txt").write_text(text, encoding="utf-8")
     message = str(err).strip().splitlines()[:1]
     lost = not isinstance(err, StartTimeout) and bool(PEER_LOST.search(text))  # a start timeout is its own news
-    summary = {"error": ": ".join([type(err).__name__, *message]), "peer_lost": lost}
-    (run_dir.logs / f"rank-{rank}.json").write_text(json.dumps(summary), encoding="utf-8")
+    summary: dict = {"error": ": ".join([type(err).__name__, *message]), "peer_lost": lost}
+    full = full_disk(err)
+    if full is not None:
+        summary["full_disk"] = {"errno": full[0], "path": full[1]}
+    _record(run_dir.logs / f"rank-{rank}.json", json.dumps(summary))
+    _record(run_dir.logs / f"rank-{rank}.txt", text)
 
 
 def record_input_error(run_dir: RunDir, err: InputError) -> None:
     """A worker's refusal of bad input into ``logs/input-error.json`` (its path, field and message), whole
-    (written aside, then linked: the launcher never reads half of it), unless a peer's is there already."""
-    run_dir.logs.mkdir(parents=True, exist_ok=True)
+    (written aside, then linked: the launcher never reads half of it), unless a peer's is there already.
+    Never raises OSError: on a full disk it is not recorded (the worker's exit code stands)."""
     aside = run_dir.logs / f".input-error.{os.getpid()}"
-    aside.write_text(json.dumps({"path": err.path, "field": err.field, "msg": err.msg}), encoding="utf-8")
+    if not _record(aside, json.dumps({"path": err.path, "field": err.field, "msg": err.msg})):
+        return
     try:
         os.link(aside, run_dir.input_error)
     except FileExistsError:
         pass  # a peer refused first: its error is the run's
+    except OSError:
+        pass  # not recorded: as above
     finally:
-        aside.unlink()
+        _remove(aside)
+
+
+def _record(path: Path, text: str) -> bool:
+    """``text`` written to ``path`` (its folder made); False, and no half-written file left, when it cannot be
+    (a full disk: the caller is reporting an error already, and must not raise another inside its handler)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError:
+        _remove(path)
+        return False
+    return True
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def input_error(run_dir: RunDir) -> InputError | None:
@@ -112,9 +174,9 @@ def clear_worker_errors(run_dir: RunDir) -> None:
 
 
 def write_failures(path: Path, failures: list[WorkerFailure]) -> None:
-    """torchrun's failed workers into ``logs/failures.json`` (``train.agent``)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([f.__dict__ for f in failures]), encoding="utf-8")
+    """torchrun's failed workers into ``logs/failures.json`` (``train.agent``); left out when it cannot be written
+    (a full disk: the launcher then looks at the disk, :func:`failure_line`), never an error of torchrun's."""
+    _record(path, json.dumps([f.__dict__ for f in failures]))
 
 
 def _worker_error(run_dir: RunDir, rank: int) -> dict | None:
@@ -124,8 +186,9 @@ def _worker_error(run_dir: RunDir, rank: int) -> dict | None:
         return None
 
 
-def _cause(run_dir: RunDir, failures: list[WorkerFailure]) -> str:
-    """What the first failed worker did (module doc: which is first)."""
+def _cause(run_dir: RunDir, failures: list[WorkerFailure]) -> tuple[str, bool | None]:
+    """What the first failed worker did (module doc: which is first), and whether it was a full disk: True, False
+    for another error of its own or a signal, None when it does not say (a lost peer, an exit code)."""
 
     errors = {f.rank: _worker_error(run_dir, f.rank) for f in failures}
 
@@ -141,11 +204,26 @@ def _cause(run_dir: RunDir, failures: list[WorkerFailure]) -> str:
     error = errors[first.rank]
     own = error is not None and not error.get("peer_lost")
     if first.exitcode < 0 and not own:  # an error of its own stands: torchrun may SIGTERM a worker still exiting
-        return f"worker rank {first.rank} (pid {first.pid}) was killed by {signal.Signals(-first.exitcode).name}"
+        return f"worker rank {first.rank} (pid {first.pid}) was killed by {signal.Signals(-first.exitcode).name}", False
     if error is None:
-        return f"worker rank {first.rank} (pid {first.pid}) exited with code {first.exitcode}"
+        return f"worker rank {first.rank} (pid {first.pid}) exited with code {first.exitcode}", None
     where = run_dir.logs / f"rank-{first.rank}.txt"
-    return f"worker rank {first.rank} failed: {error['error']} (traceback in {where})"
+    full = error.get("full_disk") if own else None
+    if isinstance(full, dict) and full.get("errno") in FULL_DISK:
+        writing = f" writing {full['path']}" if full.get("path") else ""
+        return f"{FULL_DISK[full['errno']]}{writing} (worker rank {first.rank}, traceback in {where})", True
+    return f"worker rank {first.rank} failed: {error['error']} (traceback in {where})", False if own else None
+
+
+def _free_bytes(run_dir: RunDir) -> int | None:
+    """The free space of the disk that holds the run directory (or its nearest folder that exists)."""
+    folder = run_dir.root.absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
 
 
 def failure_line(run_dir: RunDir, code: int, agent_pid: int) -> str:
@@ -157,17 +235,27 @@ def failure_line(run_dir: RunDir, code: int, agent_pid: int) -> str:
         failures = [WorkerFailure(**f) for f in json.loads(run_dir.failures.read_text(encoding="utf-8"))]
     except (OSError, ValueError, TypeError):
         failures = []
+    full: bool | None = None
     if failures:
-        cause = _cause(run_dir, failures)
+        cause, full = _cause(run_dir, failures)
     elif code < 0:
         cause = f"torchrun (pid {agent_pid}) was killed by {signal.Signals(-code).name}, and its workers with it"
+        full = False
     else:
         cause = f"torchrun (pid {agent_pid}) exited with code {code}"
+    if full is None:  # nothing says what failed: the records may be missing because the disk is full
+        free = _free_bytes(run_dir)
+        if free is not None and free < MIN_FREE_BYTES:
+            cause, full = f"no space left on device under {run_dir.root} ({free:,} bytes free)", True
     try:
         found = resumable_checkpoint(run_dir.checkpoints)
     except InputError:
         found = None
-    if found is None:
+    if full and found is None:
+        after = "no checkpoint was committed: free space and start it again (--overwrite)"
+    elif full:
+        after = f"the run's checkpoints are intact: free space and continue with --resume (from {found.step_dir.name})"
+    elif found is None:
         after = "no checkpoint was committed: start it again (--overwrite)"
     else:
         after = f"checkpoint {found.step_dir.name} is the newest committed: continue with --resume"

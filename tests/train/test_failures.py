@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import signal
 
@@ -98,3 +99,106 @@ def test_a_taken_group_port_is_told_from_other_failures_and_restarts_only_what_r
     write_failures(run_dir.failures, [WorkerFailure(0, 100, 1, 5)])
     clear_worker_errors(run_dir)
     assert not port_taken(run_dir) and not list(run_dir.logs.glob("rank-*")) and not run_dir.failures.exists()
+
+
+def _committed(run_dir: RunDir, step: int) -> str:
+    """A committed (empty) checkpoint of ``step`` in ``run_dir``: what a resume would start from."""
+    from lorafleet.runtime.checkpoint_files import FORMAT_VERSION, MANIFEST, step_dir_name
+
+    step_dir = run_dir.checkpoints / step_dir_name(step)
+    step_dir.mkdir(parents=True)
+    (step_dir / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "files": {}}))
+    return step_dir.name
+
+
+def _raised(err: BaseException) -> BaseException:
+    """``err`` as a worker meets it: raised, with its traceback."""
+    try:
+        raise err
+    except BaseException as caught:
+        return caught
+
+
+NO_SPACE = "No space left on device"
+
+
+@pytest.mark.parametrize(
+    "err, what",
+    [
+        (OSError(errno.ENOSPC, NO_SPACE, "/out/checkpoints/.step-000008.partial/chat/adapter.safetensors"), "path"),
+        (OSError(errno.EDQUOT, "Disk quota exceeded", "/out/metrics.jsonl"), "quota"),
+        (OSError(errno.ENOSPC, NO_SPACE), "no path"),  # a write() or flush() that failed: no file name
+        (RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)"), "safetensors"),
+    ],
+)
+def test_a_full_disk_is_the_runs_line_and_the_checkpoints_are_intact(tmp_path, err, what):
+    """#38: a full disk under ``--out`` (a small tmpfs) ended in a line that named an error type and, where
+    the records could not be written, only "torchrun exited with code 1". A worker's error that is a full
+    disk (ENOSPC or EDQUOT, an OSError or its words; the cause of another error too) is the run's line: what
+    was being written, and that the committed checkpoints are intact: free space and resume."""
+    run_dir = RunDir(tmp_path / "out")
+    step = _committed(run_dir, 6)
+    if what == "safetensors":
+        err = _raised(RuntimeError("saving the checkpoint of step 8 failed"))
+        err.__cause__ = RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    record_worker_error(run_dir, 1, RuntimeError("Connection closed by peer"))
+    record_worker_error(run_dir, 0, _raised(err))
+    write_failures(run_dir.failures, [WorkerFailure(1, 101, 1, 3), WorkerFailure(0, 100, 1, 5)])
+    line = failure_line(run_dir, 1, agent_pid=4242)
+    full = "disk quota exceeded" if what == "quota" else "no space left on device"
+    where = f" writing {err.filename}" if what in ("path", "quota") else ""
+    assert line == (
+        f"lorafleet train: the run stopped: {full}{where} (worker rank 0, traceback in {run_dir.logs / 'rank-0.txt'}); "
+        f"the run's checkpoints are intact: free space and continue with --resume (from {step})"
+    ), line
+
+
+def test_a_full_disk_without_a_checkpoint_says_to_start_again(tmp_path):
+    run_dir = RunDir(tmp_path / "out")
+    record_worker_error(run_dir, 0, _raised(OSError(errno.ENOSPC, NO_SPACE, "/out/run.json")))
+    write_failures(run_dir.failures, [WorkerFailure(0, 100, 1, 5)])
+    line = failure_line(run_dir, 1, agent_pid=4242)
+    assert line.endswith(
+        "no space left on device writing /out/run.json (worker rank 0, traceback in "
+        f"{run_dir.logs / 'rank-0.txt'}); no checkpoint was committed: free space and start it again (--overwrite)"
+    ), line
+
+
+def test_records_on_a_full_disk_never_raise_and_the_line_still_names_it(tmp_path, monkeypatch):
+    """Where the disk is still full when the worker records its error (another process filled it), every record
+    fails: the worker's (``record_worker_error``, ``record_input_error``) and torchrun's
+    (``write_failures``). Each used to raise inside the handler of the error it recorded: torchrun's pages of
+    tracebacks, then "torchrun exited with code 1". Now nothing raises, nothing half-written is left, and the
+    launcher finds the disk of ``--out`` full."""
+    import pathlib
+    import shutil
+
+    from lorafleet.errors import InputError
+    from lorafleet.train.failures import record_input_error
+
+    run_dir = RunDir(tmp_path / "out")
+    step = _committed(run_dir, 4)
+    run_dir.logs.mkdir(parents=True)
+    real_write = pathlib.Path.write_text
+
+    def full(self: pathlib.Path, *args: object, **kw: object) -> int:
+        with open(self, "w"):  # the file is made (an inode is free), its bytes are not
+            pass
+        raise OSError(errno.ENOSPC, NO_SPACE)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full)
+    record_worker_error(run_dir, 0, _raised(OSError(errno.ENOSPC, NO_SPACE)))
+    record_input_error(run_dir, InputError("/out/metrics.csv", "", f"cannot write ({NO_SPACE})"))
+    write_failures(run_dir.failures, [WorkerFailure(0, 100, 1, 5)])
+    monkeypatch.setattr(pathlib.Path, "write_text", real_write)
+    assert sorted(p.name for p in run_dir.logs.iterdir()) == []
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=4096))
+    line = failure_line(run_dir, 1, agent_pid=4242)
+    assert line == (
+        f"lorafleet train: the run stopped: no space left on device under {run_dir.root} (4,096 bytes free); "
+        f"the run's checkpoints are intact: free space and continue with --resume (from {step})"
+    ), line
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=10 << 30))
+    assert "torchrun (pid 4242) exited with code 1" in failure_line(run_dir, 1, agent_pid=4242)
