@@ -5,6 +5,7 @@ before torchrun starts."""
 
 from __future__ import annotations
 
+import json
 import socket
 from dataclasses import replace
 from pathlib import Path
@@ -161,3 +162,40 @@ def test_the_resolved_workload_names_every_path_absolute(tmp_path, monkeypatch, 
     written = yaml.safe_load((tmp_path / "resolved.yaml").read_text())
     assert written["tasks"][0]["data"]["path"] == str(tmp_path / "in" / "docsum.jsonl")
     assert written["cluster"]["pools"][0]["profile"] == str(tmp_path / "in" / "profiles" / "cpu.json")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="#38: the check belongs in train/resume.py's training_workload, which the lead is changing: its patch is "
+    "in the report of the #38 item 18 work; remove this marker with it",
+)
+@pytest.mark.parametrize("how", ["finished and cancelled", "took their steps"])
+def test_a_resume_of_a_run_every_task_has_left_is_one_clear_line(run, capsys, how):
+    """#38: resuming a run that every task had left (each finished or cancelled through the queue, or done with its
+    steps) said "plan.json: tasks: the plan is for tasks [...], the workload has []". It is one line that says
+    so, exit 2, before anything is written."""
+    from lorafleet.runtime.checkpoint_files import FORMAT_VERSION, MANIFEST, step_dir_name
+    from lorafleet.train.queue import Action, Ledger, Request
+    from lorafleet.workload import load_workload
+
+    train, tmp = run
+    out = tmp / "out"
+    step_dir = out / "checkpoints" / step_dir_name(6)
+    step_dir.mkdir(parents=True)
+    (step_dir / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "step": 6, "files": {}}))
+    ledger = Ledger.of(load_workload(str(tmp / "w.yaml")).spec.tasks)
+    if how == "finished and cancelled":
+        ledger = ledger.apply([Request("f.yaml", Action.FINISH, "docsum")], 4)
+        ledger = ledger.apply([Request("c.yaml", Action.CANCEL, "chat")], 6)
+    else:
+        ledger = ledger.apply([Request("steps", Action.FINISH, name) for name in ("docsum", "chat")], 6)
+    ledger.save(out)
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    code = train("--resume", "--steps", "8")
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert err == (
+        "lorafleet: error: <args>: --resume: every task of this run has left it (finished or cancelled, the last "
+        f"at step 6): nothing to resume; start a new run (the adapters are in {out / 'adapters'})\n"
+    ), err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
