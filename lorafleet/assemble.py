@@ -198,12 +198,14 @@ def prepare_run(
     plan_path: str,
     profile: str | Path | None = None,
     policy_overrides: Mapping[str, object] | None = None,
+    plan: DeploymentPlan | None = None,
 ) -> PlannedRun:
-    """Load the plan at ``plan_path``, apply the overrides of its dispatch policy (policy field key -> value,
+    """Load the plan at ``plan_path`` (or take ``plan``, read already: ``plan_path`` is then what errors name and
+    what its profiles are relative to), apply the overrides of its dispatch policy (policy field key -> value,
     ``DispatchPolicy.with_overrides``; a bad value is an InputError naming its flag), build its cost model
     and check the plan against all of it (:func:`~lorafleet.plan_check.check_plan`): what every
     plan-reading command does before any work."""
-    plan = DeploymentPlan.load(plan_path)
+    plan = plan if plan is not None else DeploymentPlan.load(plan_path)
     overrides: list[str] = []
     try:
         changed = plan.policy.with_overrides({k: v for k, v in (policy_overrides or {}).items() if v is not None})

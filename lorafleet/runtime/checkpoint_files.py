@@ -102,6 +102,26 @@ def stopped_tasks(extra: Mapping[str, Any]) -> dict[str, int]:
     return {str(name): int(step) for name, step in extra.get(STOPPED_TASKS, {}).items()}
 
 
+FLEET_CHANGED_AT = "fleet_changed_at"
+"""The key of a manifest's ``extra`` under which it records the step of the last change of the running fleet applied
+before it was taken (``lorafleet.train.changes``): a checkpoint of step ``S`` taken before the change at ``S`` and
+one taken after it are told apart by it."""
+
+
+def newest_committed_change(directory: str | Path) -> int | None:
+    """:func:`fleet_changed_at` of the newest committed checkpoint of ``directory`` (the one this process wrote last:
+    a step directory has its name once renamed into place, whole; its files are not hashed again here)."""
+    committed = [p for p in Path(directory).glob("step-*") if (p / MANIFEST).is_file()]
+    return fleet_changed_at(max(committed, key=lambda p: p.name)) if committed else None
+
+
+def fleet_changed_at(step_dir: str | Path) -> int | None:
+    """The last change of the fleet a checkpoint was taken after (:data:`FLEET_CHANGED_AT`; None: none, or a
+    checkpoint taken before the key was recorded)."""
+    value = read_manifest(step_dir).get("extra", {}).get(FLEET_CHANGED_AT)
+    return None if value is None else int(value)
+
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 """A PEFT adapter's files (peft's ``CONFIG_NAME`` and ``SAFETENSORS_WEIGHTS_NAME``), as a checkpoint holds them."""
 

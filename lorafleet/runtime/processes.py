@@ -214,3 +214,32 @@ def check_code() -> None:
             f"this worker imported lorafleet from {here}, its launcher runs "
             f"{expected}; start the run from another directory",
         )
+
+
+FAULT_ENV = "LORAFLEET_FAULT"
+"""Fault injection for the change fault matrix (``tests/train/test_change_faults.py``, ``benchmarks/soak_changes.py``):
+``<phase>@<step>`` or ``<phase>@<step>:<rank>`` (rank 0 by default). The process of that rank kills itself with
+SIGKILL when it reaches ``phase`` of the fleet change at boundary ``step`` (:func:`fault_point`; the phases are
+``train.changes``'s and ``executor.torch.change``'s), once: it first creates the file :data:`FAULT_ONCE_ENV` names, and
+a restart that finds it goes on."""
+FAULT_ONCE_ENV = "LORAFLEET_FAULT_ONCE"
+
+
+def fault_point(phase: str, step: int, rank: int = 0) -> None:
+    """Dies here (SIGKILL) when :data:`FAULT_ENV` names this phase, step and rank and its once-file is not there yet
+    (creating it first); does nothing otherwise (the environment variable is read at each call: a test sets it for
+    the run it starts)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    at, _, who = spec.partition(":")
+    name, _, when = at.partition("@")
+    if name != phase or int(when) != step or int(who or 0) != rank:
+        return
+    once = os.environ.get(FAULT_ONCE_ENV)
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            return
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -27,8 +27,10 @@
                   due and departures, the ledger, the added tasks' data, tokenized once, the migration
                   model, the re-plan beside the steps), by ``planner.decision``'s rule
     torch_fleet.py  TorchFleet: the FleetPort over rank 0's torch executor
-    live.py       how a boundary's requests are written (ledger, exports, re-plan); apply_pending(), in the
-                  launcher, for what the running fleet cannot apply
+    inflight.py   a change as a transaction: .apply.json begun with the fleet before it, decided with the fleet
+                  after it, settled once a checkpoint after it commits (the ledger, plan.json, run.json)
+    live.py       what the fleet and the launcher share of a change (its workload, exports, re-plan);
+                  apply_pending(), in the launcher, for a change the running fleet hands to it
     background.py BackgroundReplan: the incremental re-plan of a change, run beside the next steps
     change_log.py ChangeRecord: a row of ``<out>/changes.jsonl`` per change, departure and re-plan answer
     queue/        the live task queue: request files, the task ledger, the pending changes, HTTP
@@ -39,7 +41,8 @@
                   metrics.jsonl rows), formatted
 
 The launcher's modules (options, preflight, resume, revisions, replan, run_file, launcher, failures,
-phases, live, queue, summary) and the torch-free part of the fleet changes (running, changes, change_log)
+phases, live, queue, summary) and the torch-free part of the fleet changes (running, changes, inflight,
+change_log)
 import no torch (an import-linter contract): the checks of data, checkpoints and processes are
 ``lorafleet.runtime``'s, torch-free, and torch is imported only on a rank (rank, trainer, torch_fleet) and by
 torchrun's agent. (Reading a task's data may still load torch, through its tokenizer's library.)

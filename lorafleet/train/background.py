@@ -76,3 +76,49 @@ class BackgroundReplan:
             raise self._error
         assert self._answer is not None
         return self._answer, waited
+
+
+class BesideSteps:
+    """The one re-plan running beside the steps (the last change's), with its record ``<queue>/.replan.json``
+    (``train.queue.pending.PendingReplan``): what a resume in between runs again."""
+
+    def __init__(self, queue_dir: Path) -> None:
+        self.queue_dir = queue_dir
+        self.running: BackgroundReplan | None = None
+
+    @property
+    def at(self) -> int | None:
+        """The boundary its answer is due at (None: none runs)."""
+        return self.running.at if self.running is not None else None
+
+    def due(self, step: int, end: int) -> bool:
+        """Its answer is due at the boundary before ``step`` (before the run's ``end``: else it is never applied)."""
+        return self.running is not None and self.running.at == step < end
+
+    def start(self, step: int, at: int, end: int, replan: Callable[[], Replan]) -> bool:
+        """``replan``, for the change of boundary ``step``, started, due at ``at`` and recorded; False, and none
+        started, when the run ends at ``end`` before ``at`` (its answer would never apply)."""
+        from lorafleet.train.queue import PendingReplan, clear_pending_replan, save_pending_replan
+
+        if at >= end:
+            clear_pending_replan(self.queue_dir)
+            return False
+        save_pending_replan(self.queue_dir, PendingReplan(step, at))
+        self.running = BackgroundReplan.start(step, at, replan)
+        return True
+
+    def supersede(self) -> bool:
+        """A change of the tasks at a boundary: the re-plan under way, for the tasks before it, is dropped (True),
+        never applied."""
+        from lorafleet.train.queue import clear_pending_replan
+
+        superseded, self.running = self.running is not None, None
+        if superseded:
+            clear_pending_replan(self.queue_dir)
+        return superseded
+
+    def take(self) -> BackgroundReplan:
+        """The re-plan whose answer is due, no longer under way (its record stays until the answer is settled)."""
+        running, self.running = self.running, None
+        assert running is not None
+        return running

@@ -62,6 +62,9 @@ class Outcome(StrEnum):
     """The launcher applied the change between two launches (``train.live.apply_pending``)."""
     ALL_LEFT = "all-left"
     """No task is left to train."""
+    SETTLED = "settled"
+    """A change applied before a restart, whose checkpoint the run resumed from, settled after it
+    (``train.inflight``)."""
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,12 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lorafleet.planner.decision import HandOff, Keep, Move, ReplanNow, decide, settle
+from lorafleet.planner.decision import HandOff, Keep, Move, ReplanNow, decide
+from lorafleet.planner.decision import settle as after_replan
 from lorafleet.planner.incremental import kept_plan
+from lorafleet.runtime.processes import fault_point
+from lorafleet.train import inflight
+from lorafleet.train.background import BesideSteps
 from lorafleet.train.change_log import (
     TOOK_ITS_STEPS,
     ChangeKind,
@@ -39,20 +43,19 @@ from lorafleet.train.change_log import (
     request_rows,
     truncate_changes,
 )
-from lorafleet.train.live import LEAVING, changed_workload, log, record_change, replan_change
+from lorafleet.train.inflight import Settling
+from lorafleet.train.live import LEAVING, changed_workload, export_leaving, log, replan_change
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.queue import (
     Action,
+    FleetState,
     Ledger,
     Pending,
-    PendingReplan,
     QueueWatcher,
     Request,
     clear_pending,
     clear_pending_replan,
     load_pending_replan,
-    save_pending,
-    save_pending_replan,
 )
 from lorafleet.train.running import AppliedChange, FleetPort, Running, Stop
 from lorafleet.workload import Workload, length_histogram
@@ -63,7 +66,6 @@ if TYPE_CHECKING:
     from lorafleet.plans import DeploymentPlan
     from lorafleet.runtime.data_stream import TaskData
     from lorafleet.specs.workload import TaskSpec
-    from lorafleet.train.background import BackgroundReplan
 
 RELAUNCH_ENV = "LORAFLEET_RELAUNCH_CHANGES"
 """When set, every queued change is applied by stopping the workers and launching them again from the
@@ -89,6 +91,7 @@ class FleetChanges:
         applies what the workers cannot)."""
         self.options, self.fleet, self.tokenizer, self.migration = options, fleet, tokenizer, migration
         self.ledger = ledger
+        """The ledger as the changes applied in this process left it (written when each settles)."""
         self.added: dict[str, TaskData] = {}
         """The data of the tasks the queue accepted (tokenized when they were checked), until they join."""
         self.running: Running | None = None
@@ -96,115 +99,179 @@ class FleetChanges:
         self.watcher = None
         if watch:
             self.watcher = QueueWatcher(
-                options.queue_dir, defaults, ledger, check=self._check, data_roots=options.queue_data_roots
-            )
+                options.queue_dir, defaults, ledger, check=self._check, data_roots=options.queue_data_roots,
+                taken=fleet.batches_taken,
+            )  # fmt: skip
         self.requests: list[Request] = []
         """Requests due at the boundary the loop stopped at, departures included."""
         self.departure: int | None = None
         """The next step a task is done at, or the end of the departures it waits for (``turns.departures``)."""
-        self.replanning: BackgroundReplan | None = None
+        self.replan = BesideSteps(options.queue_dir)
         """The last change's re-plan, running beside the steps until its boundary (``train.background``)."""
+        self.redo: Pending | None = None
+        """A change found in flight at the start, done again at its step (``train.inflight``)."""
+        self.settling: Settling | None = None
+        """The last change, applied, until a checkpoint taken after it commits (``train.inflight``)."""
+        self.changed_at: int | None = None
+        """The step of the last change applied in the fleet's processes: what a checkpoint records of it."""
 
     # -- at every window boundary ---------------------------------------------------------------------------
 
     def due(self, step: int, running: Running) -> bool:
-        """Whether the loop stops at the boundary before ``step``: requests due, tasks done whose departure is due
-        (``turns.departures``: at once when other changes are applied here), or a re-plan's answer due."""
+        """Whether the loop stops at the boundary before ``step``: a change found in flight due there, requests due,
+        tasks done whose departure is due (``turns.departures``: at once when other changes are applied here), or a
+        re-plan's answer due. A change waiting to settle settles here once its checkpoint has committed."""
         self.running = running
+        self._settle(wait=False)
+        if self.redo is not None:
+            return self.redo.step == step
         if self.watcher is not None:
-            self.requests = self.watcher.poll(step)
+            self.requests = self.watcher.poll(step, accept=False)
             if step < self.options.steps:
                 done, self.departure = departures_due(self.fleet, step, self.options.steps, bool(self.requests))
                 named = {r.name for r in self.requests}
                 self.requests += [r for r in done if r.name not in named]
-        return bool(self.requests) or self._answer_due(step)
+        return bool(self.requests) or self.replan.due(step, self.fleet.end())
 
     def next_boundary(self) -> int | None:
-        """A step a window must end at: a queued request's ``at_step``, a departure's, or a re-plan answer's."""
-        due = [
-            self.watcher.next_due() if self.watcher else None,
-            self.departure,
-            self.replanning.at if self.replanning else None,
-        ]
+        """A step a window must end at: a change found in flight's, a queued request's ``at_step``, a departure's, or
+        a re-plan answer's."""
+        if self.redo is not None:
+            return self.redo.step
+        due = [self.watcher.next_due() if self.watcher else None, self.departure, self.replan.at]
         return min((s for s in due if s is not None), default=None)
+
+    def checkpoint_extra(self) -> dict[str, int]:
+        """What a checkpoint records of the changes: the last one applied before it (``fleet_changed_at``)."""
+        from lorafleet.runtime.checkpoint_files import FLEET_CHANGED_AT
+
+        return {FLEET_CHANGED_AT: self.changed_at} if self.changed_at is not None else {}
 
     # -- where the loop stopped -----------------------------------------------------------------------------
 
     def at_boundary(self, step: int, running: Running) -> Running | Stop | None:
-        """The fleet from the boundary before ``step`` on (module doc): requests due are applied (superseding a
-        re-plan answer due here), else a re-plan's answer; None when nothing was due."""
+        """The fleet from the boundary before ``step`` on (module doc): a change found in flight done again, requests
+        due applied (superseding a re-plan answer due here), else a re-plan's answer; None when nothing was due."""
+        if self.redo is not None and self.redo.step == step:
+            redo, self.redo = self.redo, None
+            return self._change(step, running, redo.requests, redo)
         if self.requests:
-            return self._change(step, running)
-        if self._answer_due(step):
+            requests, self.requests = self.requests, []
+            return self._change(step, running, requests)
+        if self.replan.due(step, self.fleet.end()):
             return self._answer(step, running)
         return None
 
     def resume(self, start: int, running: Running) -> None:
-        """A resumed run: its change records after ``start`` dropped (the steps are replayed), and its re-plan that
-        was under way (``<queue>/.replan.json``) run again, due at the same step (or ``start``, when that passed)."""
+        """A start of the run at step ``start``: its change records after it dropped (those steps are replayed); a
+        change found in flight (``resume.change_in_flight``) settled when the checkpoint was taken after it, else
+        done again at its step; and the re-plan that was under way (``.replan.json``) run again, due at the same
+        step (or ``start``, when that passed)."""
+        from lorafleet.train.resume import change_in_flight
+
         truncate_changes(self.options.run_dir.changes, start)
-        pending = load_pending_replan(self.options.queue_dir)
-        if pending is not None and self._start_replan(pending.step, at := max(pending.at, start), running):
-            log(f"step {start}: the re-plan of step {pending.step} runs again beside the steps to step {at}")
+        pending, after = change_in_flight(self.options, start)
+        if pending is not None and self.watcher is not None:
+            self.watcher.accept(pending.requests)  # what a crash left in the queue directory
+        if pending is not None and after:
+            ledger = self.ledger.apply(pending.requests, pending.step, pending.turns)
+            assert pending.after is not None
+            kind, plan = ChangeKind.of(pending.requests), pending.after.plan.describe()
+            row = ChangeRecord(pending.step, kind, Outcome.SETTLED, tuple(running.names), plan)
+            inflight.settle(self.options, Settling(pending, ledger, row))  # the checkpoint resumed from is after it
+            self.ledger, self.changed_at = ledger, pending.step
+            if self.watcher is not None:
+                self.watcher.ledger = ledger
+            log(f"step {start}: the change of step {pending.step}, applied before the restart, settled")
+        elif pending is not None:
+            self.redo = pending
+            log(f"step {start}: the change of step {pending.step} is done again at its step")
+        replan = load_pending_replan(self.options.queue_dir)
+        if replan is not None and self.redo is not None and replan.step <= self.redo.step:
+            clear_pending_replan(self.options.queue_dir)  # superseded or answered by the change done again, or its own
+            replan = None
+        if replan is not None and self._start_replan(replan.step, at := max(replan.at, start), running):
+            log(f"step {start}: the re-plan of step {replan.step} runs again beside the steps to step {at}")
+
+    def committed(self) -> None:
+        """A checkpoint of the fleet has committed (waited for: a stop's): the change waiting for one settles."""
+        self._settle(wait=True)
 
     def finish(self) -> None:
-        """The run ends: a re-plan due after its last step is never applied."""
+        """The run ends (its last checkpoint committed): the change waiting to settle settles, and a re-plan due
+        after the last step is never applied."""
+        self.committed()
         clear_pending_replan(self.options.queue_dir)
 
     # -- a change of the tasks ------------------------------------------------------------------------------
 
-    def _change(self, step: int, running: Running) -> Running | Stop:
-        """The requests due at the boundary before ``step`` applied (``train.live``'s order): a checkpoint when a task
-        leaves (the ledger records it gone only once it is committed; a join's is written once the change is applied,
-        in the background, so that the fsyncs of the ledger and the plan do not flush it), ``.apply.json``, the
-        decision, the ledger and the exports, the plan, ``.apply.json`` removed, the fleet changed, the row."""
-        requests, self.requests = self.requests, []
-        turns = self.fleet.turns()
+    def _change(
+        self, step: int, running: Running, requests: list[Request], redo: Pending | None = None
+    ) -> Running | Stop:
+        """``requests`` applied at the boundary before ``step`` as a transaction (``train.inflight``): a checkpoint
+        when a task leaves, the change begun, decided (``planner.decision``; a change done again takes the fleet
+        it recorded), the leaving tasks exported, the fleet changed in its processes, a checkpoint of it started;
+        it settles once that has committed. ``redo``: the change found in flight, done again."""
+        self._settle(wait=True)  # one change in flight at a time
+        fault_point("accepted", step)
+        turns = redo.turns if redo is not None else self.fleet.turns()
         tasks_change = any(r.action is not Action.UPDATE for r in requests)
         relaunch = bool(os.environ.get(RELAUNCH_ENV))
-        leaving = any(r.action in LEAVING for r in requests)
+        leaving = [r.name for r in requests if r.action in LEAVING]
         checkpoint = self.fleet.checkpoint(step, wait=True) if leaving or relaunch else None
+        before = FleetState.of_ledger(running.plan, running.workload, self.ledger)
+        pending = redo or inflight.begin(self.options, step, requests, turns, before)
+        fault_point("begun", step)
+        if self.watcher is not None:
+            self.watcher.accept(requests)
         committed = f" (checkpoint {checkpoint.name})" if checkpoint is not None else ""
-        save_pending(self.options.queue_dir, Pending(step, requests, turns))
         log(f"step {step}: {', '.join(f'{r.action.value} {r.name}' for r in requests)}{committed}")
         ledger = self.ledger.apply(requests, step, turns)
         row = partial(ChangeRecord, step, ChangeKind.of(requests), requests=request_rows(requests))
         if relaunch:
+            inflight.to_launcher(self.options, pending)
             log(f"step {step}: {RELAUNCH_ENV} is set: the workers restart to apply the changes")
             return Stop.HANDED_OFF
-        superseded = self._supersede()
-        if not ledger.active:
-            self._record(ledger, step, requests, running)
+        superseded = self.replan.supersede()
+        if not ledger.active:  # the run ends here: its ledger says so, and nothing is left to build a fleet from
+            export_leaving(self.options, step, leaving, running.workload.spec.tasks)
+            ledger.save(self.options.out)
             clear_pending(self.options.queue_dir)
-            log(f"step {step}: no task is left to train")
             self._append(row(Outcome.ALL_LEFT, (), running.plan.describe()))
+            log(f"step {step}: no task is left to train")
             return Stop.ALL_LEFT
         workload = self._workload(running.workload, ledger.active)
         cost_model = self._cost_model(workload, running.plan)
         names = tuple(t.name for t in workload.tasks)
-        decision = decide(
-            step,
-            tasks_change or superseded,
-            partial(kept_plan, running.plan, workload, cost_model),
-            replace(running.plan, tasks=names),
-            self.options.replan.after,
-        )
+        moves = tasks_change or superseded
         answer = None
+        if redo is not None and redo.after is not None:  # decided before the restart: taken as recorded
+            decision = recorded_decision(redo, running.plan)
+        else:
+            decision = decide(step, moves, partial(kept_plan, running.plan, workload, cost_model),
+                              replace(running.plan, tasks=names), self.options.replan.after)  # fmt: skip
         if isinstance(decision, ReplanNow):
             answer = replan_change(self.options, workload, running.plan, step, self.migration, cost_model, save=False)
-            decision = settle(answer, self.fleet.world_size)
-            if isinstance(decision, HandOff):
-                self._hand_off(step, decision.plan, f"{answer.describe()}; ", checkpoint)
-                self._append(row(Outcome.HANDED_OFF, names, decision.plan.describe(), note=answer.describe()))
-                return Stop.HANDED_OFF
-        self._record(ledger, step, requests, running)
-        self._commit(workload, decision.plan)
-        clear_pending(self.options.queue_dir)
-        if answer is not None:
-            log(f"step {step}: {answer.describe()}")
-        after, applied = self._apply(step, running, workload, decision.plan, cost_model)
-        outcome = Outcome.MOVED if isinstance(decision, Move) else Outcome.KEPT
+            decision = after_replan(answer, self.fleet.world_size)
         replan_at = decision.replan_at if isinstance(decision, Keep) else None
+        after_state = FleetState.of_ledger(decision.plan, workload, ledger)
+        pending = inflight.decided(self.options, pending, after_state, isinstance(decision, HandOff), replan_at)
+        fault_point("decided", step)
+        note = answer.describe() if answer else ""
+        if isinstance(decision, HandOff):
+            self._hand_off(step, decision.plan, f"{note}; ", checkpoint)
+            self._append(row(Outcome.HANDED_OFF, names, decision.plan.describe(), note=note))
+            return Stop.HANDED_OFF
+        export_leaving(self.options, step, leaving, running.workload.spec.tasks)
+        fault_point("exported", step)
+        if note:
+            log(f"step {step}: {note}")
+        self.ledger = ledger  # the turns the fleet changes to are its (written when the change settles)
+        if self.watcher is not None:
+            self.watcher.ledger = ledger
+        after, applied = self._apply(step, running, workload, decision.plan, cost_model)
+        fault_point("applied", step)
+        outcome = Outcome.MOVED if isinstance(decision, Move) else Outcome.KEPT
         if replan_at is not None and self._start_replan(step, replan_at, after):
             log(f"step {step}: kept {decision.plan.describe()} for now; the re-plan runs beside the steps to step "
                 f"{replan_at}")  # fmt: skip
@@ -213,14 +280,35 @@ class FleetChanges:
             log(f"step {step}: kept {decision.plan.describe()}: the run ends before step {replan_at}, where a move "
                 "would apply")  # fmt: skip
             replan_at = None
-        self._append(
-            row(outcome, names, decision.plan.describe(), seconds=applied.seconds, rebuilt=tuple(applied.rebuilt),
-                replan_at=replan_at, note=answer.describe() if answer else "",
-                extra=dict(applied.phases))
-        )  # fmt: skip
-        if tasks_change and checkpoint is None:
-            self.fleet.checkpoint(step)
+        done = row(outcome, names, decision.plan.describe(), seconds=applied.seconds, rebuilt=tuple(applied.rebuilt),
+                   replan_at=replan_at, note=note, extra=dict(applied.phases))  # fmt: skip
+        self._applied(Settling(pending, ledger, done), checkpointed=moves or isinstance(decision, Move))
         return after
+
+    def _applied(self, settling: Settling, checkpointed: bool) -> None:
+        """A change applied in the fleet's processes: it settles once a checkpoint taken after it commits (one is
+        started now), or at once when ``checkpointed`` is False (an update of shares or deadlines alone: its turns
+        carry their step, so a restart from before it replays the steps before it as they were)."""
+        self.changed_at = settling.pending.step
+        if not checkpointed:
+            inflight.settle(self.options, settling)
+            return
+        self.settling = settling
+        self.fleet.checkpoint(settling.pending.step)
+        fault_point("checkpointed", settling.pending.step)
+
+    def _settle(self, wait: bool) -> None:
+        """The change waiting to settle settled once a checkpoint taken after it has committed (``wait``: the one
+        being written waited for first)."""
+        if self.settling is None:
+            return
+        if wait:
+            self.fleet.flush()
+        changed = self.fleet.committed_change()
+        if changed is not None and changed >= self.settling.pending.step:
+            settling, self.settling = self.settling, None
+            fault_point("settling", settling.pending.step)
+            inflight.settle(self.options, settling)
 
     def _check(self, task: TaskSpec) -> None:
         """The queue's check of a task to add (``QueueWatcher``'s ``check``): :func:`joining_data`, kept for when the
@@ -240,23 +328,6 @@ class FleetChanges:
 
         return plan_cost_model(workload, plan.fleet(), plan, self.options.plan, self.options.profile)[0]
 
-    def _record(self, ledger: Ledger, step: int, requests: Sequence[Request], running: Running) -> None:
-        """The ledger after the change written, and the leaving tasks' adapters exported (``train.live``)."""
-        self.ledger = record_change(self.options, ledger, step, requests, running.workload.spec.tasks)
-        if self.watcher is not None:
-            self.watcher.ledger = self.ledger
-
-    def _commit(self, workload: Workload, plan: DeploymentPlan) -> None:
-        """The tasks and plan the fleet runs from this boundary on, where a restart finds them: the run's
-        ``plan.json`` and its run file (a torchrun restart of the workers reads the tasks, their lengths and the
-        plan there; a resume re-reads the ledger and ``plan.json``)."""
-        from lorafleet.train.run_file import ResolvedRun
-
-        run_dir = self.options.run_dir
-        plan.save(run_dir.plan)
-        if run_dir.run_file.is_file():
-            replace(ResolvedRun.load(run_dir.run_file), plan=plan).with_workload(workload).save(run_dir)
-
     def _apply(
         self, step: int, running: Running, workload: Workload, plan: DeploymentPlan, cost_model: CostModel
     ) -> tuple[Running, AppliedChange]:
@@ -265,11 +336,8 @@ class FleetChanges:
         the plan's replicas), the move's price learnt, the running fleet after it."""
         added = {t.name: self._joining_data(t.spec) for t in workload.tasks if t.name not in running.names}
         applied = self.fleet.apply(step, workload, plan, self.ledger, added)
-        what = [
-            f"ranks {', '.join(map(str, applied.rebuilt))} built their stages"
-            if applied.rebuilt
-            else "every stage kept"
-        ]
+        rebuilt = ", ".join(map(str, applied.rebuilt))
+        what = [f"ranks {rebuilt} built their stages" if applied.rebuilt else "every stage kept"]
         what += [f"{name} {seconds:.2g} s" for name, seconds in applied.phases.items() if seconds >= 0.01]
         log(f"step {step}: applied in the running fleet in {applied.seconds:.3g} s ({'; '.join(what)})")
         self.migration = learnt_migration(self.migration, applied, plan, workload)
@@ -287,7 +355,7 @@ class FleetChanges:
 
     def _hand_off(self, step: int, plan: DeploymentPlan, said: str = "", checkpoint: Path | None = None) -> None:
         """``plan`` needs more processes than the run has: the workers stop at the committed checkpoint of ``step`` and
-        the launcher applies the pending changes (``train.live.apply_pending``); ``said``: the log line's start."""
+        the launcher applies the pending change (``train.live.apply_pending``); ``said``: the log line's start."""
         checkpoint = checkpoint or self.fleet.checkpoint(step, wait=True)
         log(
             f"step {step}: {said}it needs {plan.world_size} processes and the run has {self.fleet.world_size}: "
@@ -296,85 +364,87 @@ class FleetChanges:
 
     # -- the re-plan beside the steps -----------------------------------------------------------------------
 
-    def _answer_due(self, step: int) -> bool:
-        """The change's re-plan is due at this boundary (before the run's last step: else it is never applied)."""
-        return self.replanning is not None and self.replanning.at == step < self.fleet.end()
-
-    def _supersede(self) -> bool:
-        """A re-plan under way was for the tasks before this boundary's changes: it is dropped (True), never
-        applied."""
-        superseded, self.replanning = self.replanning is not None, None
-        if superseded:
-            clear_pending_replan(self.options.queue_dir)
-        return superseded
-
     def _start_replan(self, step: int, at: int, running: Running) -> bool:
         """The re-plan of the change at ``step`` started beside the steps (``train.background``), for the tasks and
-        deployment of ``running``, its answer due at ``at`` and recorded in ``<queue>/.replan.json`` (for a resume);
-        False, and no re-plan, when the run ends before ``at`` (its answer would never apply)."""
-        from lorafleet.train.background import BackgroundReplan
-
-        if at >= self.fleet.end():
-            clear_pending_replan(self.options.queue_dir)
-            return False
-        save_pending_replan(self.options.queue_dir, PendingReplan(step, at))
+        deployment of ``running``, its answer due at ``at``; False, and no re-plan, when the run ends before ``at``."""
         replan: Callable[[], Replan] = partial(
             replan_change, self.options, running.workload, running.plan, at, self.migration, running.cost_model,
             save=False,
         )  # fmt: skip
-        self.replanning = BackgroundReplan.start(step, at, replan)
-        return True
+        return self.replan.start(step, at, self.fleet.end(), replan)
 
     def _answer(self, step: int, running: Running) -> Running | Stop:
         """The re-plan's answer at its boundary ``step`` (waited for when not done): the running fleet when it keeps
-        the deployment, else the move applied in the running fleet, or handed to the launcher when it needs
-        processes the run does not have (the workers stop at a committed checkpoint)."""
-        replanning, self.replanning = self.replanning, None
-        assert replanning is not None
+        the deployment, else the move applied in the running fleet as a change with no request (a transaction:
+        ``train.inflight``), or handed to the launcher when it needs processes the run does not have."""
+        self._settle(wait=True)
+        replanning = self.replan.take()
         answer, waited = replanning.answer()
         wait = f" (waited {waited:.2g} s for it)" if waited >= 0.01 else ""
         log(f"step {step}: the re-plan of step {replanning.step}{wait}: {answer.describe()}")
-        decision = settle(answer, self.fleet.world_size)
+        decision = after_replan(answer, self.fleet.world_size)
         row = partial(
             ChangeRecord, step, ChangeKind.REPLAN, tasks=tuple(running.names), plan=decision.plan.describe(),
             replanned_for=replanning.step, waited_s=waited, note=answer.describe(),
         )  # fmt: skip
-        if isinstance(decision, HandOff):
-            checkpoint = self.fleet.checkpoint(step, wait=True)
-            save_pending(self.options.queue_dir, Pending(step, [], self.fleet.turns()))  # the launcher re-plans
-            self._hand_off(step, decision.plan, checkpoint=checkpoint)
-            self._append(row(outcome=Outcome.HANDED_OFF))
-            return Stop.HANDED_OFF
-        if isinstance(decision, Move):
-            self._commit(running.workload, decision.plan)
-        clear_pending_replan(self.options.queue_dir)
-        if not isinstance(decision, Move):
+        if isinstance(decision, Keep):
+            clear_pending_replan(self.options.queue_dir)
             self._append(row(outcome=Outcome.KEPT))
             return running
+        before = FleetState.of_ledger(running.plan, running.workload, self.ledger)
+        pending = inflight.begin(self.options, step, [], self.fleet.turns(), before)
+        after_state = FleetState.of_ledger(decision.plan, running.workload, self.ledger)
+        pending = inflight.decided(self.options, pending, after_state, isinstance(decision, HandOff))
+        fault_point("decided", step)
+        clear_pending_replan(self.options.queue_dir)  # its answer is recorded with the change
+        if isinstance(decision, HandOff):
+            self._hand_off(step, decision.plan)
+            self._append(row(outcome=Outcome.HANDED_OFF))
+            return Stop.HANDED_OFF
         after, applied = self._apply(step, running, running.workload, decision.plan, running.cost_model)
-        self._append(row(outcome=Outcome.MOVED, seconds=applied.seconds, rebuilt=tuple(applied.rebuilt),
-                         extra=dict(applied.phases)))  # fmt: skip
+        fault_point("applied", step)
+        moved = row(outcome=Outcome.MOVED, seconds=applied.seconds, rebuilt=tuple(applied.rebuilt),
+                    extra=dict(applied.phases))  # fmt: skip
+        self._applied(Settling(pending, self.ledger, moved), checkpointed=True)
         return after
 
     def _append(self, record: ChangeRecord) -> None:
         append_change(self.options.run_dir.changes, record)
 
 
+def recorded_decision(pending: Pending, running: DeploymentPlan) -> Keep | Move:
+    """The decision a change in flight recorded (:attr:`Pending.after`), taken again as it was: a re-plan is never
+    made anew for a change done again after a restart (its answer could differ: the price of a move is learnt)."""
+    assert pending.after is not None
+    plan = pending.after.plan
+    if pending.replan_at is not None or plan.placements == running.placements:
+        return Keep(plan, pending.replan_at)
+    return Move(plan)
+
+
 def joining_data(task: TaskSpec, running: Running, tokenizer: Any) -> TaskData:
-    """A task to add, checked: its data tokenized as training will (once: its lengths and its slot use it), and its
-    longest sequence held to the configs of the running fleet's GPUs; InputError or ValueError (the reason, for the
-    queue's rejection) otherwise."""
+    """A task to add, checked against its data, not its declaration: its data tokenized as training will (once: its
+    lengths and its slot use it), lengths it declares (``lengths: {values: ...}``) no shorter than its data's longest
+    sequence after its overflow rule, and that sequence held to the configs of the running fleet's GPUs; InputError
+    or ValueError (the reason, for the queue's rejection) otherwise."""
     from lorafleet.planner.candidates import valid_candidates
     from lorafleet.runtime.data_stream import prepare_task_data
 
     data = prepare_task_data(task, tokenizer, task.data.path if task.data else "queue")
     known = {task.name: length_histogram(data.raw_lengths)}
     resolved = changed_workload(running.workload, (task,), known).tasks[0]
+    longest = max(len(e) for e in data.examples)  # what it trains on (its overflow rule applied), not a declaration
+    if resolved.lengths.max_length < longest:
+        raise ValueError(
+            f"its lengths declare sequences of at most {resolved.lengths.max_length} tokens, but its data has one of "
+            f"{longest} (at context_length {task.context_length}): drop lengths to plan by its data, or lower "
+            "context_length"
+        )
     cluster = running.plan.fleet()
     largest = max((c.max_tokens for c in valid_candidates(running.cost_model, cluster)), default=0)
-    if resolved.lengths.max_length > largest:
+    if longest > largest:
         raise ValueError(
-            f"its {resolved.lengths.max_length}-token sequences fit no config of {cluster.describe()} "
+            f"its {longest}-token sequences fit no config of {cluster.describe()} "
             f"(at most {largest} tokens a micro-batch); lower context_length"
         )
     return data

@@ -25,7 +25,7 @@ from lorafleet.train.failures import clear_worker_errors, input_error, port_take
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase, start_clock
 from lorafleet.train.preflight import Prepared, claim, prepare, queue_data_roots
-from lorafleet.train.queue import has_pending
+from lorafleet.train.queue import launcher_pending
 
 RANK_MODULE = "lorafleet.train.rank"
 """What torchrun runs in every worker process (with the run file's path)."""
@@ -102,7 +102,7 @@ def _run(options: TrainOptions, prepared: Prepared, named: str) -> int:
             prepared = applied.prepared
             options = replace(options, resume=True, overwrite=False)
         code = _supervise(options, prepared, named)
-        if code != 0 or not has_pending(options.queue_dir):
+        if code != 0 or launcher_pending(options.queue_dir) is None:
             return code
         apply = True
 

@@ -1,30 +1,24 @@
-"""Applying the queued requests of a boundary (``train.queue``): the task ledger, the adapters of the tasks
-that leave, the incremental re-plan. No torch here.
+"""The steps of applying a boundary's requests that the running fleet (``train.changes``) and the launcher share:
+the re-plan, the leaving tasks' exports, the tasks' workload; and the launcher's own part, applying a change the
+running processes could not. No torch here.
 
-A running fleet applies them itself, in its processes (``train.changes``: the executor changes its adapter
-slots, or its deployment, in place). Before anything is written, a change in which a task leaves commits a
-checkpoint at the boundary ``S`` (what a crash resumes from, as a relaunch did: the leaving adapters are
-exported from it; a join's checkpoint is written once the change is applied, and a crash before it commits
-resumes from an older one and replays the join) and every change leaves its requests in
-``<queue>/.apply.json``; then
+A running fleet applies a change itself, in its processes, as a transaction (``train.inflight``: its order, its
+files and their invariants, docs/queue.md). What it shares with the launcher:
 
-1. the ledger (``<out>/tasks.json``) takes them (:func:`record_change`): an added task starts at step ``S``, a
-   finished or cancelled one leaves at ``S``, an update changes its share or deadline; a request it took at
-   ``S`` already is not taken twice (``Ledger.apply``), so applying ``.apply.json`` again after a crash
-   records each change once;
-2. each task that left has its PEFT adapter copied out of checkpoint ``S``, the fleet's state at the
-   boundary, into ``<out>/adapters/<task>``;
-3. the run re-plans incrementally when ``planner.decision`` says so, at the boundary or beside the next steps
-   (:func:`replan_change`: ``planner.incremental``, by the run's cost model, under its dispatch policy, by
-   ``--replan-objective``, a move priced by what the in-process rebuild costs, measured), and writes the plan
-   it continues on (``plan.json`` and the run file);
-4. ``.apply.json`` is removed, and the change's row is appended to ``<out>/changes.jsonl``
-   (``train.change_log``).
+- the workload of the new task set (:func:`changed_workload`: a task that stays keeps its resolved lengths, a new
+  one's are resolved once, from its tokenized data when the queue's check has it);
+- each task that leaves has its PEFT adapter copied out of the checkpoint of the boundary ``S`` (committed before
+  the change began: the fleet's state there) into ``<out>/adapters/<task>`` (:func:`export_leaving`);
+- the incremental re-plan, when ``planner.decision`` says so, at the boundary or beside the next steps
+  (:func:`replan_change`: ``planner.incremental``, by the run's cost model, under its dispatch policy and what the
+  plan was planned for, by ``--replan-objective``, a move priced by what the in-process rebuild costs, measured).
 
 When the new plan needs processes the run does not have (it places replicas on GPUs the old plan left idle,
-beyond the ranks torchrun started), the workers stop instead and :func:`apply_pending`, in the launcher,
-does all of this between two launches, as every change was applied before (and as a resume does with an
-``.apply.json`` a crash left behind).
+beyond the ranks torchrun started), or ``LORAFLEET_RELAUNCH_CHANGES`` asks it, the workers stop at the committed
+checkpoint of ``S`` with the change recorded for the launcher (``Pending.handoff``), and :func:`apply_pending`, in the
+launcher, applies it between two launches: the ledger takes the requests (each once: ``Ledger.apply``), the leaving
+tasks are exported, the plan is the one the workers decided (or, when they decided none, an incremental re-plan),
+``.apply.json`` is removed and a ``relaunched`` row appended; then the workers start again from that checkpoint.
 
 Each task's semantics are untouched by all this: its stream, initial adapter and updates depend on the
 task alone (``runtime.data_stream.task_key``), so a task that stays trains exactly as it would have without the
@@ -41,7 +35,7 @@ from typing import TYPE_CHECKING
 from lorafleet.train.change_log import ChangeKind, ChangeRecord, Outcome, append_change, request_rows
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.preflight import Prepared, check_data, prepare
-from lorafleet.train.queue import Action, Ledger, Request, clear_pending, clear_pending_replan, load_pending
+from lorafleet.train.queue import Action, Ledger, clear_pending, clear_pending_replan, launcher_pending
 from lorafleet.train.resume import load_training_workload
 from lorafleet.workload import Workload
 
@@ -110,42 +104,42 @@ def replan_change(
     return replan_run(workload, cluster, old, old.policy, options, incremental, save=save, cost_model=cost_model)[1]
 
 
-def record_change(
-    options: TrainOptions, ledger: Ledger, step: int, requests: Sequence[Request], tasks: Sequence[TaskSpec]
-) -> Ledger:
-    """Steps 1 and 2 of the module doc: ``ledger``, ``requests`` applied at ``step`` already (once:
-    ``Ledger.apply``), saved; the adapters of the tasks that leave exported from checkpoint ``step``. ``tasks``:
-    the specs of the tasks before the change (for the cards)."""
+def export_leaving(options: TrainOptions, step: int, leaving: Sequence[str], tasks: Sequence[TaskSpec]) -> None:
+    """Step 2 of the module doc: the adapters of the tasks ``leaving`` at ``step`` exported from the checkpoint of
+    ``step`` (committed before the change began) into ``<out>/adapters/``, each replaced whole (done again after a
+    restart, the same export). ``tasks``: the specs of the tasks before the change (for the cards)."""
     from lorafleet.metrics import last_losses
     from lorafleet.runtime.checkpoint_files import export_adapters, step_dir_name
     from lorafleet.train.queue.ledger import revision_lines
 
+    if not leaving:
+        return
     run_dir = options.run_dir
-    ledger.save(options.out)
-    leaving = [r.name for r in requests if r.action in LEAVING]
-    if leaving:
-        export_adapters(
-            run_dir.checkpoints / step_dir_name(step),
-            leaving,
-            run_dir.adapters,
-            tasks=tasks,
-            tokenizer=run_dir.tokenizer,
-            losses=last_losses(run_dir.metrics_jsonl),
-            changes=revision_lines(options.out),
-        )
-        log(f"step {step}: exported {', '.join(leaving)} to {run_dir.adapters}")
-    return ledger
+    export_adapters(
+        run_dir.checkpoints / step_dir_name(step),
+        list(leaving),
+        run_dir.adapters,
+        tasks=tasks,
+        tokenizer=run_dir.tokenizer,
+        losses=last_losses(run_dir.metrics_jsonl),
+        changes=revision_lines(options.out),
+    )
+    log(f"step {step}: exported {', '.join(leaving)} to {run_dir.adapters}")
 
 
 def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
-    """Apply ``<queue>/.apply.json`` between two launches (module doc); None when there is none."""
-    pending = load_pending(options.queue_dir)
+    """Apply the change recorded for the launcher (``<queue>/.apply.json``, ``Pending.for_launcher``) between two
+    launches (module doc); None when there is none (a change the workers recorded for themselves they finish on
+    their next start: ``train.inflight``)."""
+    pending = launcher_pending(options.queue_dir)
     if pending is None:
         return None
     step = pending.step
     ledger = Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks)
     ledger = ledger.apply(pending.requests, step, pending.turns)
-    ledger = record_change(options, ledger, step, pending.requests, prepared.workload.spec.tasks)
+    leaving = [r.name for r in pending.requests if r.action in LEAVING]
+    export_leaving(options, step, leaving, prepared.workload.spec.tasks)
+    ledger.save(options.out)
     clear_pending_replan(options.queue_dir)  # a re-plan under way in the workers: this one supersedes it
     row = partial(ChangeRecord, step, ChangeKind.of(pending.requests), requests=request_rows(pending.requests))
     if not ledger.active:
@@ -155,13 +149,16 @@ def apply_pending(options: TrainOptions, prepared: Prepared) -> Applied | None:
         return Applied(None, step)
     workload = load_training_workload(options.workload, options.out, options.sets)
     plan_path = options.run_dir.plan
-    replan = replan_change(options, workload, prepared.run.plan, step, save=True)
-    log(f"step {step}: {replan.describe()}")
+    if pending.after is not None and pending.after.plan.tasks == tuple(t.name for t in workload.tasks):
+        plan, note = pending.after.plan, f"the plan the workers decided: {pending.after.plan.describe()}"
+        plan.save(plan_path)
+    else:
+        replan = replan_change(options, workload, prepared.run.plan, step, save=True)
+        plan, note = replan.plan, replan.describe()
+    log(f"step {step}: {note}")
     clear_pending(options.queue_dir)
     tasks = tuple(t.name for t in workload.tasks)
-    append_change(
-        options.run_dir.changes, row(Outcome.RELAUNCHED, tasks, replan.plan.describe(), note=replan.describe())
-    )
+    append_change(options.run_dir.changes, row(Outcome.RELAUNCHED, tasks, plan.describe(), note=note))
     relaunch = replace(options, resume=True, overwrite=False, plan=str(plan_path))
     prepared = prepare(relaunch)
     check_data(relaunch, prepared)  # before any worker starts: one line, not a worker's traceback

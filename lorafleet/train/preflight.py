@@ -32,13 +32,14 @@ from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import ARGS, TrainOptions
 from lorafleet.train.phases import counted
-from lorafleet.train.resume import ledger_turns, restarted, resume_step, resumed_plan, training_workload
+from lorafleet.train.resume import in_flight, ledger_turns, restarted, resume_step, resumed_plan, training_workload
 from lorafleet.workload import Workload, resolve_workload_paths
 
 if TYPE_CHECKING:
     from lorafleet.plans import DeploymentPlan
     from lorafleet.rundir import RunDir, RunLock
     from lorafleet.specs.workload import WorkloadSpec
+    from lorafleet.train.queue.pending import FleetState
     from lorafleet.train.revisions import Revision
 
 
@@ -134,16 +135,27 @@ def prepare(options: TrainOptions) -> Prepared:
     if os.environ.get("RANK", "0") == "0":  # the trackers log from rank 0 only
         check_trackers(options.loggers)
     start = resume_step(options)
-    workload, revisions = training_workload(
-        options.workload, options.out if start is not None else None, options.sets, start, options.allow_changes
-    )
-    cluster = workload_cluster(workload, options.gpus, options.gpu)
-    if start is not None:
-        options = replace(options, plan=resumed_plan(options, workload))
-    if start is not None and _stale(DeploymentPlan.load(options.plan), workload, cluster, options):
-        run, cluster = _replan(workload, cluster, options)
+    flight = in_flight(options, start) if start is not None else None
+    if flight is not None:  # the fleet on the side of the change in flight the checkpoint is on (resume.in_flight)
+        workload, revisions = flight.resolved(options.workload), {}
+        cluster = workload_cluster(workload, options.gpus, options.gpu)
+        check_in_flight_gpus(flight, cluster, options)
+        plan_path = str(options.run_dir.plan)
+        overrides = dict(options.policy_overrides)
+        run = prepare_run(workload, cluster, plan_path, options.profile, overrides, plan=flight.plan)
+        changes, departed = flight.turn_changes, flight.departed
     else:
-        run = prepare_run(workload, cluster, options.plan, options.profile, dict(options.policy_overrides))
+        workload, revisions = training_workload(
+            options.workload, options.out if start is not None else None, options.sets, start, options.allow_changes
+        )
+        cluster = workload_cluster(workload, options.gpus, options.gpu)
+        if start is not None:
+            options = replace(options, plan=resumed_plan(options, workload))
+        if start is not None and _stale(DeploymentPlan.load(options.plan), workload, cluster, options):
+            run, cluster = _replan(workload, cluster, options)
+        else:
+            run = prepare_run(workload, cluster, options.plan, options.profile, dict(options.policy_overrides))
+        changes, departed = ledger_turns(options, start)
     world = run.plan.world_size
     started = os.environ.get("WORLD_SIZE")
     if started is not None and int(started) != world:
@@ -162,7 +174,6 @@ def prepare(options: TrainOptions) -> Prepared:
                 f"replica {r} does not exist: the plan has replicas 0..{len(run.plan.replicas) - 1}",
             )
     check_model(workload, options.workload)  # after the plan's checks: a plan for GPUs may be refused on its own
-    changes, departed = ledger_turns(options, start)
     return Prepared(
         workload=workload,
         run=run,
@@ -173,6 +184,18 @@ def prepare(options: TrainOptions) -> Prepared:
         departed=departed,
         revisions=revisions,
     )
+
+
+def check_in_flight_gpus(flight: FleetState, cluster: ClusterSpec, options: TrainOptions) -> None:
+    """InputError when a resume with a change of the fleet in flight has other GPUs than its plan: the change is
+    finished on the GPUs it was decided for, then the GPUs may change."""
+    if flight.plan.n_gpus != _target_gpus(cluster):
+        raise InputError(
+            ARGS,
+            "--gpus",
+            f"a change of the running fleet is in flight ({options.run_dir.pending}), decided for "
+            f"{flight.plan.n_gpus} GPUs: resume on those to finish it, then resume on {_target_gpus(cluster)}",
+        )
 
 
 def check_model(workload: Workload, path: str) -> None:

@@ -29,6 +29,7 @@ from lorafleet.train.options import ARGS, TrainOptions
 from lorafleet.workload import Workload
 
 if TYPE_CHECKING:
+    from lorafleet.train.queue.pending import FleetState, Pending
     from lorafleet.train.revisions import Revision
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -92,6 +93,16 @@ def training_workload(
 
     workload = load_workload(path, sets)
     ledger = Ledger.load(out) if out is not None else None
+    if resumed_at is not None and ledger is not None and not ledger.active:
+        from lorafleet.rundir import RunDir
+
+        last = max((e.left for e in ledger.entries if e.left is not None), default=resumed_at)
+        raise InputError(
+            ARGS,
+            "--resume",
+            f"every task of this run has left it (finished or cancelled, the last at step {last}): nothing to "
+            f"resume; start a new run (the adapters are in {RunDir(out).adapters})",
+        )
     revisions: dict[str, list[Revision]] = {}
     if resumed_at is not None and out is not None:
         trained = trained_specs(Path(out), ledger.active if ledger is not None else None)
@@ -99,7 +110,16 @@ def training_workload(
             queued = ledger.queued() if ledger is not None else frozenset()
             revisions = resume_revisions(workload.spec.tasks, trained, resumed_at, path, allow_changes, queued)
     if ledger is not None:
-        tasks = revised(ledger.active, workload.spec.tasks, revisions)
+        new = [t.name for t in workload.spec.tasks if t.name not in ledger.names()]
+        if new:
+            raise InputError(
+                path,
+                "tasks",
+                f"{', '.join(new)} is not in the run being resumed: its tasks are its task ledger's "
+                f"({Path(out or '.') / 'tasks.json'}); add a task to a running job through its queue (a request file "
+                "in --queue, or POST /v1/tasks: docs/queue.md), which starts it at the step it asks for",
+            )
+        tasks = tuple(revised(ledger.active, workload.spec.tasks, revisions))
         workload = resolve_workload(workload.spec.model_copy(update={"tasks": tasks}), path)
     missing = [t.name for t in workload.tasks if t.spec.data is None]
     if missing:
@@ -127,3 +147,65 @@ def ledger_turns(options: TrainOptions, start: int | None) -> tuple[dict[str, tu
 
     ledger = Ledger.load(options.out) if start is not None else None
     return (ledger.turn_changes(), ledger.departed()) if ledger is not None else ({}, ())
+
+
+def change_in_flight(options: TrainOptions, start: int | None) -> tuple[Pending | None, bool]:
+    """A change of the running fleet in flight that rank 0 finishes (``<queue>/.apply.json`` the workers wrote, not
+    one for the launcher: ``train.queue.pending``, ``train.inflight``), and whether the checkpoint of step ``start``
+    (None: none) was taken after it (its manifest's ``fleet_changed_at`` is the change's step or later): then only
+    settling the change is left; else it is done again at its step, on the fleet as it was before it.
+    ``(None, False)`` without one. InputError when the record is stale: its step is before the checkpoint the run
+    resumes from, which was not taken after it (a file left by hand, or of another run)."""
+    from lorafleet.runtime.checkpoint_files import fleet_changed_at, step_dir_name
+    from lorafleet.train.queue import load_pending
+
+    pending = load_pending(options.queue_dir)
+    if pending is None or pending.for_launcher:
+        return None, False
+    step_dir = options.run_dir.checkpoints / step_dir_name(start or 0)
+    changed = fleet_changed_at(step_dir) if start and step_dir.is_dir() else None
+    after = changed is not None and changed >= pending.step and pending.after is not None
+    if pending.step < (start or 0) and not after:
+        raise InputError(
+            str(options.run_dir.pending),
+            "step",
+            f"a change at step {pending.step}, but the run resumes from the checkpoint of step {start}, taken before "
+            "it was applied; remove this file to drop the change, or restore the checkpoints it was made with",
+        )
+    _check_requests(options, pending)
+    return pending, after
+
+
+def _check_requests(options: TrainOptions, pending: Pending) -> None:
+    """InputError when a request of a change in flight cannot apply to the run's tasks (a file edited by hand: an
+    unknown task, a second add of a name), each judged as the watcher judged it, after those before it; one the
+    ledger has taken already (a crash while the change settled) is not judged again."""
+    from lorafleet.specs.workload import WorkloadSpec
+    from lorafleet.train.queue import Ledger, RequestError
+    from lorafleet.train.queue.watcher import check_against
+
+    assert pending.before is not None
+    ledger = Ledger.load(options.out) or Ledger.of(WorkloadSpec.model_validate(pending.before.workload).tasks)
+    done = {(a["step"], a["file"], a["action"], a["name"]) for a in ledger.applied}
+    for k, request in enumerate(pending.requests):
+        if (pending.step, request.file, request.action, request.name) in done:
+            continue
+        try:
+            check_against(request, ledger)
+        except RequestError as err:
+            raise InputError(
+                str(options.run_dir.pending), f"requests[{k}]", f"{err}; remove this file to drop the change"
+            ) from None
+        ledger = ledger.apply([request], pending.step)
+
+
+def in_flight(options: TrainOptions, start: int | None) -> FleetState | None:
+    """While a change of the running fleet is in flight (:func:`change_in_flight`), the fleet a start from the
+    checkpoint of step ``start`` builds: the fleet after the change when that checkpoint was taken after it, else
+    the fleet before it, on which rank 0 applies the change again at its step. None when none is in flight."""
+    pending, after = change_in_flight(options, start)
+    if pending is None:
+        return None
+    state = pending.after if after else pending.before
+    assert state is not None
+    return state

@@ -6,12 +6,13 @@ cost model the plan is priced by. It then writes ``<out>/run.json`` (atomically,
 of its workers) and starts each rank as ``python -m lorafleet.train.rank <out>/run.json``. A rank
 reads that file and nothing else of the command line: it runs the plan and policy the launcher
 checked, the workload it resolved, by the cost model it built (whose profile, when there is one, must
-still have the content hash the launcher saw). What a rank finds out for itself is what changes
-between its starts: the newest intact checkpoint to resume from (after a torchrun restart) and the
-task ledger's turn changes. The file carries each dataset task's token-length histogram as the launcher
-tokenized it (``lengths``), so a rank resolves the workload without tokenizing any data for its lengths (it
-tokenizes each task once, for its data streams); rank 0 rewrites the file at every change of the running fleet
-(its tasks, their lengths, the plan), where a torchrun restart of the workers finds them.
+still have the content hash the launcher saw). The fleet itself is one value, :class:`FleetState` (the plan,
+the tasks, each dataset task's token-length histogram as the launcher tokenized it, so that a rank resolves the
+workload without tokenizing any data for its lengths, and the turns of the tasks whose share changed or that
+left); rank 0 writes it again when a change of the running fleet settles, where a torchrun restart of the
+workers finds it. What a rank finds out for itself is what changes between its starts: the newest intact
+checkpoint to resume from (after a torchrun restart) and, while a change is in flight, which side of it that
+checkpoint is on (``resume.in_flight``).
 
 The file is typed (``lorafleet schema run``): a pydantic adapter over :class:`ResolvedRun`, strict,
 unknown keys refused.
@@ -20,7 +21,7 @@ unknown keys refused.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,11 @@ from pydantic import ConfigDict
 from lorafleet.assemble import PlannedRun
 from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.errors import InputError
-from lorafleet.plans import DeploymentPlan
 from lorafleet.rundir import RunDir
-from lorafleet.specs._base import Int
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.preflight import Prepared
-from lorafleet.workload import Workload
+from lorafleet.train.queue.pending import FleetState
 
 RUN_KIND = "lorafleet.ResolvedRun"
 
@@ -49,20 +48,17 @@ class ResolvedRun:
     kind: str = RUN_KIND
     options: TrainOptions
     """The run's options; ``plan`` is the run's own ``plan.json``, ``resume`` whether this launch resumes."""
-    plan: DeploymentPlan
-    """The plan the launcher checked, its dispatch policy as overridden: the one policy the ranks run."""
     workload_path: str
     """The workload file the run was given (what errors name)."""
-    workload: dict[str, Any]
-    """The validated workload spec as JSON: ``--set`` applied, the ledger's tasks, every path absolute."""
+    state: FleetState
+    """The fleet the ranks build: the plan the launcher checked (its policy as overridden), the tasks with their
+    lengths, the turns of the tasks whose share changed or that left. Rank 0 writes it again when a change of the
+    fleet settles; while one is in flight, a rank builds the fleet its pending file says (``resume.in_flight``)."""
     cluster: ClusterSpec
     """The cluster the plan was checked against."""
     cost_model: dict[str, CostModelOrigin]
     """Where the launcher's cost model of each pool came from, by pool name (a profile: its absolute path
     and SHA-256)."""
-    lengths: dict[str, tuple[tuple[Int, Int], ...]] = field(default_factory=dict)
-    """``(token length, rows)`` pairs of each task whose lengths read a dataset (``workload.reads_dataset``), as
-    the launcher tokenized it, by task: a rank resolves the workload without tokenizing any data for its lengths."""
 
     @classmethod
     def of(cls, options: TrainOptions, prepared: Prepared) -> ResolvedRun:
@@ -75,21 +71,14 @@ class ResolvedRun:
                     kind=origin.kind, gpu=origin.gpu, profile=str(Path(origin.profile).absolute()), sha256=origin.sha256
                 )
             origins[pool] = origin
+        state = FleetState.of(prepared.run.plan, prepared.workload, prepared.turn_changes, prepared.departed)
         return cls(
             options=options,
-            plan=prepared.run.plan,
             workload_path=prepared.workload.path,
-            workload={},
+            state=state,
             cluster=prepared.cluster,
             cost_model=origins,
-        ).with_workload(prepared.workload)
-
-    def with_workload(self, workload: Workload) -> ResolvedRun:
-        """This run file for ``workload``'s tasks (a change of the running fleet's): its spec and the lengths
-        of the tasks that read them from a dataset."""
-        spec = workload.spec.model_dump(mode="json", exclude_none=True)
-        lengths = {t.name: tuple(t.histogram.items()) for t in workload.tasks if t.histogram is not None}
-        return replace(self, workload=spec, lengths=lengths)
+        )
 
     def save(self, run_dir: RunDir) -> Path:
         """Write the run directory's ``run.json`` whole or not at all."""
@@ -114,34 +103,32 @@ class ResolvedRun:
         return validate_strict(cls, data, str(path), "")
 
     def prepared(self) -> Prepared:
-        """This rank's view of the run: the resolved workload and the checked plan as they are, the cost model
-        rebuilt from its origin (its profile unchanged), and where to resume from now."""
+        """This rank's view of the run: the fleet as the launcher resolved it (or, while a change is in flight, as
+        its pending file says the checkpoint resumed from has it: ``resume.in_flight``), the cost model rebuilt from
+        its origin (its profile unchanged), and where to resume from now."""
         from lorafleet.assemble import origins_cost_model
-        from lorafleet.specs.workload import WorkloadSpec
-        from lorafleet.train.resume import ledger_turns, restarted, resume_step
-        from lorafleet.workload import resolve_workload
+        from lorafleet.train.resume import in_flight, restarted, resume_step
 
-        known = {name: dict(pairs) for name, pairs in self.lengths.items()}
-        workload = resolve_workload(WorkloadSpec.model_validate(self.workload), self.workload_path, known)
+        # The launcher named the broken checkpoints it passed over; after an elastic restart, rank 0 does.
+        start = resume_step(self.options, warn=restarted() and os.environ.get("RANK") == "0")
+        state = in_flight(self.options, start) or self.state
+        workload = state.resolved(self.workload_path)
         profiles = {pool: o.profile if o.kind == "profile" else None for pool, o in self.cost_model.items()}
-        cost_model = origins_cost_model(workload, self.cluster, profiles, sync_replicas=len(self.plan.replicas))
+        cost_model = origins_cost_model(workload, self.cluster, profiles, sync_replicas=len(state.plan.replicas))
         for pool, origin in cost_model.origins().items():
             assert origin is not None
             if origin.sha256 != self.cost_model[pool].sha256:
                 raise InputError(
                     origin.profile, "", "changed since the launcher checked the run (its SHA-256); start the run again"
                 )
-        # The launcher named the broken checkpoints it passed over; after an elastic restart, rank 0 does.
-        start = resume_step(self.options, warn=restarted() and os.environ.get("RANK") == "0")
-        changes, departed = ledger_turns(self.options, start)
         return Prepared(
             workload=workload,
-            run=PlannedRun(plan=self.plan, cost_model=cost_model, overrides=()),
+            run=PlannedRun(plan=state.plan, cost_model=cost_model, overrides=()),
             cluster=self.cluster,
-            world_size=self.plan.world_size,
+            world_size=state.plan.world_size,
             resume_step=start,
-            turn_changes=changes,
-            departed=departed,
+            turn_changes=state.turn_changes,
+            departed=state.departed,
         )
 
 

@@ -84,12 +84,25 @@ class FleetPort(Protocol):
         """The step after each running task's last batch, for the tasks done by ``horizon``, by name."""
         ...
 
+    def batches_taken(self, name: str, step: int) -> int:
+        """The global batches running task ``name`` took part in before ``step``."""
+        ...
+
     def end(self) -> int:
         """The step after which every task has taken all its batches (the run's total when one still has turns)."""
         ...
 
     def checkpoint(self, step: int, wait: bool = False) -> Path:
         """A checkpoint after ``step`` steps (committed on return with ``wait``)."""
+        ...
+
+    def flush(self) -> None:
+        """Waits for the checkpoint being written, if any."""
+        ...
+
+    def committed_change(self) -> int | None:
+        """The last change of the fleet the newest committed checkpoint was taken after (its ``fleet_changed_at``;
+        None: none, or no checkpoint)."""
         ...
 
     def apply(

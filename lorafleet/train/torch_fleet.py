@@ -29,10 +29,13 @@ class TorchFleet:
         steps: int,
         checkpoint: Callable[[int, bool], Path],
         stopped: Callable[[], Mapping[str, int]],
+        checkpoints: Path,
     ) -> None:
         """``steps``: the run's total; ``checkpoint(step, wait)``: the trainer's (with its recalibration and health
-        state); ``stopped()``: the tasks the health watch stopped now (name -> the first step left out of)."""
+        state); ``stopped()``: the tasks the health watch stopped now (name -> the first step left out of);
+        ``checkpoints``: the run's checkpoint directory."""
         self.executor, self.steps, self._checkpoint, self._stopped = executor, steps, checkpoint, stopped
+        self.checkpoints = checkpoints
 
     @property
     def world_size(self) -> int:
@@ -48,11 +51,22 @@ class TorchFleet:
         names = self._names()
         return {names[t]: end for t, end in self.executor.streams.end_steps(horizon).items()}
 
+    def batches_taken(self, name: str, step: int) -> int:
+        return self.executor.streams.batches_taken(self._names().index(name), step)
+
     def end(self) -> int:
         return min(self.steps, self.executor.streams.end_step(self.steps))
 
     def checkpoint(self, step: int, wait: bool = False) -> Path:
         return self._checkpoint(step, wait)
+
+    def flush(self) -> None:
+        self.executor.flush_checkpoints()
+
+    def committed_change(self) -> int | None:
+        from lorafleet.runtime.checkpoint_files import newest_committed_change
+
+        return newest_committed_change(self.checkpoints)
 
     def apply(
         self, step: int, workload: Workload, plan: DeploymentPlan, ledger: Ledger, added: Mapping[str, TaskData]

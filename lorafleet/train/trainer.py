@@ -122,7 +122,9 @@ class Trainer:
         self.health = TaskHealth(self.running.names, options.nonfinite_patience, self._retire)
         self.signal: int | None = None
         self.next_step = 0
-        fleet = TorchFleet(executor, options.steps, self._checkpoint, lambda: self.health.stopped)
+        fleet = TorchFleet(
+            executor, options.steps, self._checkpoint, lambda: self.health.stopped, self.run_dir.checkpoints
+        )
         self.changes = FleetChanges(
             options,
             prepared.workload.spec.defaults,
@@ -279,6 +281,7 @@ class Trainer:
         committed = ""
         if self.options.checkpoint_on_stop:
             committed = f"; checkpoint {self._checkpoint(reached, wait=True).name} committed, continue with --resume"
+            self.changes.committed()  # a change waiting for a checkpoint after it settles on this one
         self.executor.close()
         print(
             f"lorafleet train: stopped by {signal.Signals(self.signal).name} after {reached} steps{committed}",
@@ -297,7 +300,11 @@ class Trainer:
 
     def _checkpoint(self, step: int, wait: bool = False) -> Path:
         """A checkpoint after ``step`` steps, written in the background (committed on return with ``wait``)."""
-        extra = {"recalibration": self.running.recalibrator.state_dict(), **self.health.state_dict()}
+        extra = {
+            "recalibration": self.running.recalibrator.state_dict(),
+            **self.health.state_dict(),
+            **self.changes.checkpoint_extra(),
+        }
         return self.executor.save_checkpoint(self.run_dir.checkpoints, step, extra, wait=wait)
 
     def _writers(self, steps: range) -> FanOut:

@@ -8,84 +8,31 @@ directory and its watcher, the ledger, the planner's re-plan, the run's files an
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
 from lorafleet.commands.schema import SCHEMAS
-from lorafleet.dispatch import Recalibrator
-from lorafleet.planner import MigrationModel
 from lorafleet.planner.decision import HandOff, Keep, Move, ReplanNow, decide, settle
 from lorafleet.plans import DeploymentPlan
 from lorafleet.train.change_log import ChangeKind, Outcome, read_changes
-from lorafleet.train.changes import FleetChanges, departures_due
+from lorafleet.train.changes import departures_due
 from lorafleet.train.options import TrainOptions
-from lorafleet.train.queue import Ledger
+from lorafleet.train.queue import load_pending
 from lorafleet.train.running import Running, Stop
 from lorafleet.work import counting
-from tests.helpers.queue_fleet import add_request, on_four_gpus
-from tests.helpers.repo import DEMO
+from tests.helpers.fake_fleet import fleet_of
+from tests.helpers.queue_fleet import add_request
 
 STEPS = 10
 
 
-@dataclass
-class FakeFleet:
-    """``train.changes.FleetPort`` that runs nothing: what it was asked, recorded."""
-
-    world_size: int = 4
-    steps: int = STEPS
-    checkpoints: list[tuple[int, bool]] = field(default_factory=list)
-    applied: list[tuple[int, tuple[str, ...], str, tuple[str, ...]]] = field(default_factory=list)
-    """(step, tasks, plan, joining tasks' data) of every change applied."""
-
-    def turns(self):
-        return {}
-
-    def end_steps(self, horizon):
-        return {}
-
-    def end(self):
-        return self.steps
-
-    def checkpoint(self, step, wait=False):
-        self.checkpoints.append((step, wait))
-        return Path(f"step-{step:06d}")
-
-    def apply(self, step, workload, plan, ledger, added):
-        self.applied.append((step, tuple(t.name for t in workload.tasks), plan.describe(), tuple(sorted(added))))
-        return SimpleNamespace(seconds=0.25, phases={"data": 0.25}, rebuilt=())
-
-
 @pytest.fixture
-def fleet(tmp_path, tiny_tokenizer_dir, monkeypatch):
-    """(options, running, changes, fake fleet) of a run of docsum and chat on ``<1,1>`` replicas on GPUs 0 and 3,
-    its queue watched (as under lorafleet's launcher)."""
-    from lorafleet.assemble import plan_cost_model
-    from lorafleet.runtime.data_stream import task_tokenizer
-    from lorafleet.workload import load_workload
-
-    path, profile = on_four_gpus(tmp_path, tiny_tokenizer_dir, slots=(0, 3))
-    out = tmp_path / "out"
-    (out / "queue").mkdir(parents=True)
-    plan_path = path.with_suffix(".plan.json")
-    options = TrainOptions(
-        workload=str(path), plan=str(plan_path), out=str(out), steps=STEPS, profile=str(profile),
-        queue_data_roots=(str(DEMO),),
-    )  # fmt: skip
-    workload = load_workload(path)
-    plan = DeploymentPlan.load(plan_path)
-    cost_model = plan_cost_model(workload, plan.fleet(), plan, str(plan_path), str(profile))[0]
-    running = Running(workload, plan, cost_model, Recalibrator.for_plan(plan))
-    fake = FakeFleet()
-    migration = MigrationModel(dtype_bytes=4)
-    changes = FleetChanges(
-        options, workload.spec.defaults, Ledger.of(workload.spec.tasks), fake, task_tokenizer(workload.spec), migration
-    )
-    return options, running, changes, fake
+def fleet(tmp_path, tiny_tokenizer_dir):
+    """(options, running, changes, fake fleet): ``tests.helpers.fake_fleet.fleet_of``."""
+    return fleet_of(tmp_path, tiny_tokenizer_dir)
 
 
 def _rows(options: TrainOptions) -> list:
@@ -95,8 +42,10 @@ def _rows(options: TrainOptions) -> list:
 def test_a_queued_add_is_tokenized_once_kept_on_the_running_deployment_and_recorded(fleet):
     """``codegen`` is added at step 3: the queue's check tokenizes its data (the one tokenization of the change:
     its lengths, its placement check and its slot all use it), the two replicas serve it, so the fleet keeps them
-    and the re-plan runs beside the steps, due at step 4 (``--replan-after 1``); the ledger, the plan and a
-    ``changes.jsonl`` row say so, and a checkpoint of the new task set is started (not waited for)."""
+    and the re-plan runs beside the steps, due at step 4 (``--replan-after 1``). The change is a transaction
+    (``train.inflight``): recorded in ``.apply.json`` with the fleet before and after it, applied, a checkpoint of
+    the new task set started (not waited for); at the next boundary, that checkpoint committed, it settles: the
+    ledger, the plan and a ``changes.jsonl`` row say so and ``.apply.json`` is gone."""
     options, running, changes, fake = fleet
     add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=3)
     with counting() as work:
@@ -104,14 +53,19 @@ def test_a_queued_add_is_tokenized_once_kept_on_the_running_deployment_and_recor
         assert changes.next_boundary() == 3
         assert changes.due(3, running)
         after = changes.at_boundary(3, running)
-        changes.replanning.answer()  # the thread's work done before the scope closes
+        changes.replan.running.answer()  # the thread's work done before the scope closes
     assert work["tokenizations"] == 1
     assert isinstance(after, Running) and after.names == ["docsum", "chat", "codegen"]
     assert after.plan.describe() == running.plan.describe() and after.cost_model is not running.cost_model
     assert fake.applied == [(3, ("docsum", "chat", "codegen"), "<1,1> x 2", ("codegen",))]
     assert fake.checkpoints == [(3, False)]
-    assert changes.replanning.at == 4 and changes.next_boundary() == 4
+    assert changes.replan.at == 4 and changes.next_boundary() == 4
     assert json.loads((options.queue_dir / ".replan.json").read_text()) == {"step": 3, "at": 4}
+    pending = load_pending(options.queue_dir)
+    assert pending.before.plan.tasks == ("docsum", "chat") and pending.after.plan.tasks == ("docsum", "chat", "codegen")
+    assert pending.replan_at == 4 and not pending.for_launcher and _rows(options) == []
+    assert (options.queue_dir / "accepted" / "add-codegen.yaml").is_file()
+    assert changes.due(4, after)  # its re-plan's answer is due; the change settles first
     assert not (options.queue_dir / ".apply.json").exists()
     assert DeploymentPlan.load(options.run_dir.plan).tasks == ("docsum", "chat", "codegen")
     assert [e["spec"]["name"] for e in json.loads(options.run_dir.ledger.read_text())["tasks"]][-1] == "codegen"
@@ -138,20 +92,23 @@ def test_the_replan_answer_is_applied_at_its_step_and_a_new_change_supersedes_it
     add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=3)
     changes.due(3, running)
     running = changes.at_boundary(3, running)
-    assert not changes.due(4, running) or changes.replanning is not None
+    assert not changes.due(4, running) or changes.replan.running is not None
     answered = changes.at_boundary(4, running)
-    assert isinstance(answered, Running) and changes.replanning is None
+    assert isinstance(answered, Running) and changes.replan.running is None
     assert [r.kind for r in _rows(options)] == [ChangeKind.CHANGE, ChangeKind.REPLAN]
     assert _rows(options)[1].replanned_for == 3 and _rows(options)[1].outcome in (Outcome.KEPT, Outcome.MOVED)
     add_request(options.queue_dir, "chat2", batch=2, context=128, at_step=5, data="chat")
     changes.due(5, answered)
     later = changes.at_boundary(5, answered)
-    assert changes.replanning is not None and changes.replanning.at == 6
+    assert changes.replan.running is not None and changes.replan.at == 6
     add_request(options.queue_dir, "chat3", batch=2, context=128, at_step=6, data="chat")
     assert changes.due(6, later)
     changes.at_boundary(6, later)
-    assert changes.replanning is not None and changes.replanning.step == 6  # 5's re-plan superseded, 6's started
-    assert [r.step for r in _rows(options)] == [3, 4, 5, 6]
+    assert (
+        changes.replan.running is not None and changes.replan.running.step == 6
+    )  # 5's re-plan superseded, 6's started
+    changes.finish()  # the run ends: the change of step 6 settles on its committed checkpoint
+    assert [r.step for r in _rows(options)] == [3, 4, 5, 6] and not (options.queue_dir / ".apply.json").exists()
 
 
 def test_an_update_alone_keeps_the_deployment_without_a_replan(fleet):
@@ -159,7 +116,7 @@ def test_an_update_alone_keeps_the_deployment_without_a_replan(fleet):
     (options.queue_dir / "share.yaml").write_text("action: update\nname: docsum\nshare: 0.5\nat_step: 2\n")
     assert changes.due(2, running)
     after = changes.at_boundary(2, running)
-    assert changes.replanning is None and fake.checkpoints == []
+    assert changes.replan.running is None and fake.checkpoints == []
     assert after.workload.tasks[0].spec.share == 0.5
     (row,) = _rows(options)
     assert row.outcome is Outcome.KEPT and row.replan_at is None
@@ -189,7 +146,9 @@ def test_a_task_no_replica_holds_moves_the_fleet_at_its_boundary_on_one_tokeniza
         after = changes.at_boundary(1, running)
     assert work["tokenizations"] == 1
     assert isinstance(after, Running) and after.plan.describe() != running.plan.describe()
-    assert fake.applied[0][2] == after.plan.describe() and changes.replanning is None
+    assert fake.applied[0][2] == after.plan.describe() and changes.replan.running is None
+    assert fake.checkpoints == [(1, False)] and _rows(options) == []  # a move settles on a checkpoint after it
+    changes.due(2, after)
     (row,) = _rows(options)
     assert row.outcome is Outcome.MOVED and row.note.startswith("re-planned to ")
 
@@ -245,3 +204,19 @@ def test_running_after_a_move_keeps_what_the_staying_replicas_measured(fleet):
     assert after.recalibrator is not running.recalibrator and after.plan is one
     same = running.after(running.workload, running.plan, running.cost_model)
     assert same.recalibrator is running.recalibrator
+
+
+def test_an_add_is_checked_against_its_data_not_its_declared_lengths(fleet):
+    """#38: an add that declared short lengths for long data (``lengths: {values: [100, 120]}`` over 1,536-token
+    documents) passed the queue's check, which trusted the declaration; the run stopped at its first step, and
+    every resume with it. Its data is what it trains on: the add is rejected in one line, the run goes on."""
+    from tests.helpers.repo import DEMO
+
+    options, running, changes, fake = fleet
+    (options.queue_dir / "add-moddoc.yaml").write_text(
+        f"name: moddoc\ndata: {{path: {DEMO / 'moddoc.jsonl'}}}\nlengths: {{values: [100, 120]}}\nbatch_size: 1\n"
+        "context_length: 1536\nat_step: 1\n"
+    )
+    assert not changes.due(1, running)
+    reason = (options.queue_dir / "rejected" / "add-moddoc.yaml.reason").read_text()
+    assert "its lengths declare sequences of at most 120 tokens, but its data has one of" in reason

@@ -164,11 +164,6 @@ def test_the_resolved_workload_names_every_path_absolute(tmp_path, monkeypatch, 
     assert written["cluster"]["pools"][0]["profile"] == str(tmp_path / "in" / "profiles" / "cpu.json")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="#38: the check belongs in train/resume.py's training_workload, which the lead is changing: its patch is "
-    "in the report of the #38 item 18 work; remove this marker with it",
-)
 @pytest.mark.parametrize("how", ["finished and cancelled", "took their steps"])
 def test_a_resume_of_a_run_every_task_has_left_is_one_clear_line(run, capsys, how):
     """#38: resuming a run that every task had left (each finished or cancelled through the queue, or done with its
@@ -199,3 +194,26 @@ def test_a_resume_of_a_run_every_task_has_left_is_one_clear_line(run, capsys, ho
         f"at step 6): nothing to resume; start a new run (the adapters are in {out / 'adapters'})\n"
     ), err
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before
+
+
+def test_a_resume_with_a_task_the_workload_file_gained_names_the_queue(run, capsys):
+    """#38: a resume whose workload file gained a task ended with exit 0 and the task never trained (the ledger's
+    tasks replace the file's, silently). It is one line, exit 2, that names the queue as the way to add it."""
+    from lorafleet.runtime.checkpoint_files import FORMAT_VERSION, MANIFEST, step_dir_name
+    from lorafleet.train.queue import Action, Ledger, Request
+    from lorafleet.workload import load_workload
+
+    train, tmp = run
+    out = tmp / "out"
+    step_dir = out / "checkpoints" / step_dir_name(4)
+    step_dir.mkdir(parents=True)
+    (step_dir / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "step": 4, "files": {}}))
+    ledger = Ledger.of(load_workload(str(tmp / "w.yaml")).spec.tasks)
+    ledger.apply([Request("u.yaml", Action.UPDATE, "chat", changes={"share": 0.5})], 2).save(out)
+    workload = tmp / "w.yaml"
+    codegen = f"  - {{name: codegen, data: {{path: {DEMO / 'codegen.jsonl'}}}, batch_size: 2, context_length: 256}}\n"
+    workload.write_text(workload.read_text() + codegen)
+    code = train("--resume", "--steps", "8")
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{workload}: tasks: codegen is not in the run being resumed" in err and "through its queue" in err

@@ -26,7 +26,7 @@ def test_a_rank_resolves_the_workload_from_the_run_file_without_tokenizing(tmp_p
     assert launcher["tokenizations"] == len(prepared.workload.tasks) == 2
     ResolvedRun.of(options, prepared).save(options.run_dir)
     run = ResolvedRun.load(options.run_dir.run_file)
-    assert sorted(run.lengths) == ["chat", "docsum"]
+    assert sorted(run.state.lengths) == ["chat", "docsum"]
     with counting() as rank:
         mine = run.prepared()
     assert rank["tokenizations"] == 0

@@ -53,6 +53,7 @@ from lorafleet.executor.torch.tp import TP_STYLES, adapter_shard_dim, shard
 from lorafleet.plans import DeploymentPlan
 from lorafleet.runtime.data_stream import DataStreams, TaskData, task_key
 from lorafleet.runtime.layout import FleetLayout, RankRole, layer_of
+from lorafleet.runtime.processes import fault_point
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.workload import TaskSpec
 from lorafleet.turns import TaskTurns
@@ -214,6 +215,7 @@ def change_fleet(
             states = [by_name[n] if t in kept else None for t, n in enumerate(names)]
     with _timed(phases, "groups"):
         _, params, groups = fleet_groups(change.plan, replica.dims, replica.shapes, loras, rank, world, replica.groups)
+    fault_point("slots", change.step, rank)  # the fault matrix's kill of any rank amid a change (processes)
     model = replica.model if keep and role is not None else None
     if model is not None:
         with _timed(phases, "slots"):

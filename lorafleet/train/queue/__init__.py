@@ -36,11 +36,13 @@ rest of lorafleet uses; the package's modules import each other by module.
 from lorafleet.train.queue.http import QueueServer, bind_queue_server, remove_stale_token, start_queue_server
 from lorafleet.train.queue.ledger import Ledger, LedgerEntry, TaskState
 from lorafleet.train.queue.pending import (
+    FleetState,
     Pending,
     PendingReplan,
     clear_pending,
     clear_pending_replan,
     has_pending,
+    launcher_pending,
     load_pending,
     load_pending_replan,
     save_pending,
@@ -51,6 +53,7 @@ from lorafleet.train.queue.watcher import QueueWatcher, read_request
 
 __all__ = [
     "Action",
+    "FleetState",
     "Ledger",
     "LedgerEntry",
     "Pending",
@@ -65,6 +68,7 @@ __all__ = [
     "clear_pending_replan",
     "data_roots",
     "has_pending",
+    "launcher_pending",
     "load_pending",
     "load_pending_replan",
     "read_request",

@@ -228,14 +228,14 @@ def data_roots(tasks: Sequence[TaskSpec]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(os.path.realpath(Path(path).parent) for t in tasks for _, path in data_paths(t)))
 
 
-def check_reach(task: TaskSpec, roots: Sequence[str]) -> None:
+def check_reach(task: TaskSpec, roots: Sequence[str] | None) -> None:
     """A RequestError when a data path of ``task`` (absolute) resolves, symlinks followed, outside every one of
-    ``roots`` (resolved folders), or inside them to something other than a regular file or a directory (a FIFO,
-    a device, a socket: :func:`data_kind`). The reason names the path as the request gave it, never where it
-    leads; what a path outside the roots is, is never looked at."""
+    ``roots`` (resolved folders; None: anywhere), or inside them to something other than a regular file or a
+    directory (a FIFO, a device, a socket: :func:`data_kind`). The reason names the path as the request gave it,
+    never where it leads; what a path outside the roots is, is never looked at."""
     for where, path in data_paths(task):
         real = Path(os.path.realpath(path))
-        if not any(real.is_relative_to(root) for root in roots):
+        if roots is not None and not any(real.is_relative_to(root) for root in roots):
             raise RequestError(f"{where}: {path} is outside the folders this run takes data from (--queue-data-root)")
     for where, path in data_paths(task):
         kind = data_kind(path)

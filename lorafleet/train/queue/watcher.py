@@ -51,9 +51,13 @@ def read_request(
         if add.data is None:
             raise RequestError("data: training needs data (a JSONL file or a saved dataset)")
         task = resolve_data_paths(add.task(), path.parent)
-        if data_roots is not None:
-            check_reach(task, data_roots)
-        request = Request(path.name, action, name, add.at_step, task=task)
+        check_reach(task, data_roots)
+        at = add.at_step
+        if "start_step" in raw:  # the step it asked to start at: the one it joins at
+            if "at_step" in raw and add.at_step != task.start_step:
+                raise RequestError(f"start_step {task.start_step} and at_step {add.at_step} disagree: give one")
+            at = task.start_step
+        request = Request(path.name, action, name, at, task=task)
     elif action is Action.UPDATE:
         update = validated(UpdateRequestFile, raw)
         request = Request(path.name, action, name, update.at_step, changes=update.changes())
@@ -90,27 +94,43 @@ class QueueWatcher:
         check: Callable[[TaskSpec], None] | None = None,
         log: Callable[[str], None] | None = None,
         data_roots: Sequence[str] | None = None,
+        taken: Callable[[str, int], int] | None = None,
     ) -> None:
         """``check`` vets a task to add beyond its schema (its data tokenizes): raises InputError or ValueError;
-        ``data_roots``: the folders a task's data must resolve inside (None: anywhere), checked first."""
+        ``data_roots``: the folders a task's data must resolve inside (None: anywhere), checked first; ``taken(task,
+        step)``: the batches a running task took before ``step`` (a new deadline is held to what is left)."""
         self.directory = Path(directory)
         self.data_roots = None if data_roots is None else tuple(data_roots)
         self.defaults = dict(defaults)
         self.ledger = ledger
         self.check = check
+        self.taken = taken
         self.log = log or (lambda line: print(f"lorafleet train: queue: {line}", file=sys.stderr, flush=True))
-        self.waiting: dict[str, Request] = {}
-        """Valid requests whose ``at_step`` is still ahead, by file."""
+        self.waiting: dict[str, tuple[tuple[int, int], Request]] = {}
+        """Valid requests whose ``at_step`` is still ahead, by file, with the file's (mtime, size) when read."""
 
-    def poll(self, step: int) -> list[Request]:
-        """The requests due at the boundary before ``step`` (moved to ``accepted/``); malformed ones are rejected.
-        Requests later in the list see the ones before them (an add then an update of the same task)."""
+    def poll(self, step: int, accept: bool = True) -> list[Request]:
+        """The requests due at the boundary before ``step``; malformed ones are rejected. Requests later in the list
+        see the ones before them (an add then an update of the same task). With ``accept``, the due ones are moved
+        to ``accepted/`` at once; else the caller moves them (:meth:`accept`) once it has recorded them
+        (``train.changes`` writes the change's pending file first, so that a crash in between loses none).
+
+        A waiting request is read again when its file changed (an edit is never ignored) and judged again when it
+        comes due, against the tasks as the requests before it left them. Of one boundary's requests, a task
+        that joins there cannot leave there too (it has trained no step): that finish or cancel is rejected."""
         due: list[Request] = []
         ledger = self.ledger
+        joining: set[str] = set()
         for path in request_files(self.directory):
             try:
-                request = self.waiting.get(path.name) or read_request(path, self.defaults, ledger, self.data_roots)
-                if request.task is not None and self.check is not None and path.name not in self.waiting:
+                stamp = _stamp(path)
+            except FileNotFoundError:  # taken away since it was listed
+                continue
+            waiting = self.waiting.get(path.name)
+            fresh = waiting is None or waiting[0] != stamp
+            try:
+                request = read_request(path, self.defaults, ledger, self.data_roots) if fresh else waiting[1]
+                if request.task is not None and self.check is not None and fresh:
                     try:
                         self.check(request.task)
                     except (InputError, ValueError) as err:
@@ -118,27 +138,71 @@ class QueueWatcher:
             except RequestError as err:
                 self.reject(path, str(err))
                 continue
+            if waiting is not None and fresh:
+                self.log(f"read {path.name} again: it changed while it waited for step {waiting[1].at_step}")
             if request.at_step > step:
-                self.waiting[path.name] = request
+                self.waiting[path.name] = (stamp, request)
                 continue
-            waited = self.waiting.pop(path.name, None) is not None
+            self.waiting.pop(path.name, None)
             try:
-                if waited:
-                    check_against(request, ledger)
+                check_against(request, ledger)
+                if (
+                    request.task is not None
+                    and "start_step" in request.task.model_fields_set
+                    and request.task.start_step < step
+                ):
+                    raise RequestError(
+                        f"start_step {request.task.start_step} has passed: the run is at step {step} (drop start_step "
+                        "to join at the next boundary, or ask for a later one)"
+                    )
                 if request.task is not None:  # a deadline is checked against the step the task starts at
                     validated(TaskSpec, {**request.task.model_dump(), "start_step": step})
+                if request.action is Action.UPDATE and request.changes.get("deadline") is not None:
+                    self._check_deadline(request, ledger, step)
+                if request.action in (Action.FINISH, Action.CANCEL) and request.name in joining:
+                    raise RequestError(
+                        f"task {request.name!r} joins at this step (step {step}): it cannot leave at the same step; "
+                        "ask again for a later step"
+                    )
             except RequestError as err:
                 self.reject(path, str(err))
                 continue
+            if request.action is Action.ADD:
+                joining.add(request.name)
             due.append(request)
             ledger = ledger.apply([request], step)
-        for request in due:
-            _move(self.directory / request.file, self.directory / ACCEPTED)
+        if accept:
+            self.accept(due)
         return due
+
+    def _check_deadline(self, request: Request, ledger: Ledger, step: int) -> None:
+        """RequestError when an update's deadline cannot be met from the boundary before ``step``: a task takes at
+        most one batch a step, so its steps left (``taken``) end no sooner than ``step`` plus their number (as a
+        new task's deadline is held to its start step plus its steps)."""
+        deadline = int(request.changes["deadline"])
+        spec = next(t for t in ledger.active if t.name == request.name)
+        if deadline < step:
+            raise RequestError(f"deadline {deadline} has passed: the run is at step {step}")
+        if spec.steps is None or self.taken is None:
+            return
+        left = spec.steps - self.taken(request.name, step)
+        if step + left > deadline:
+            raise RequestError(
+                f"deadline {deadline} cannot be met: {request.name} has {left} of its {spec.steps} steps left at step "
+                f"{step}, one a step at most, so step {step + left} at the earliest"
+            )
+
+    def accept(self, requests: Sequence[Request]) -> None:
+        """``requests``' files moved to ``accepted/`` (those still in the queue directory: applying a recorded change
+        again moves what a crash left)."""
+        for request in requests:
+            path = self.directory / request.file
+            if path.is_file():
+                _move(path, self.directory / ACCEPTED)
 
     def next_due(self) -> int | None:
         """The earliest ``at_step`` of the requests waiting."""
-        return min((r.at_step for r in self.waiting.values()), default=None)
+        return min((r.at_step for _, r in self.waiting.values()), default=None)
 
     def reject(self, path: Path, reason: str) -> None:
         """One log line; the file moved to ``rejected/`` with ``<file>.reason``."""
@@ -147,6 +211,12 @@ class QueueWatcher:
         target = _move(path, self.directory / REJECTED)
         write_text_atomic(reason_file(target), reason + "\n", mode=PRIVATE_FILE)
         self.waiting.pop(path.name, None)
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    """What tells an edited file from the one read: its modification time (ns) and size."""
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size
 
 
 def _move(path: Path, directory: Path) -> Path:

@@ -398,3 +398,95 @@ def test_a_request_the_parser_cannot_take_is_rejected_and_the_queue_goes_on(tmp_
     assert [r.file for r in watcher.poll(0)] == ["c-finish.yaml"]
     assert sorted(p.name for p in (queue / "rejected").glob("*.reason")) == ["a-deep.json.reason", "b-deep.yaml.reason"]
     assert len(lines) == 2 and all("nested deeper than 32 levels" in line for line in lines)
+
+
+def _add(queue, file: str, name: str, **keys) -> None:
+    extra = "".join(f"{k}: {v}\n" for k, v in keys.items())
+    (queue / file).write_text(f"name: {name}\ndata: {{path: d.jsonl}}\nbatch_size: 2\ncontext_length: 64\n{extra}")
+
+
+def _reasons(queue) -> dict[str, str]:
+    rejected = queue / "rejected"
+    return (
+        {p.name.removesuffix(".reason"): p.read_text() for p in rejected.glob("*.reason")} if rejected.is_dir() else {}
+    )
+
+
+def _watcher(queue, ledger=LEDGER, **kw) -> QueueWatcher:
+    return QueueWatcher(queue, DEFAULTS, ledger, log=lambda line: None, **kw)
+
+
+def test_two_adds_of_one_name_for_different_steps_take_the_first(tmp_path):
+    """#38: two adds of ``code`` staged for steps 3 and 6 were both accepted (each judged when first read): the
+    ledger held the task twice and the run could not be resumed. The second is judged again when due: rejected."""
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    _add(queue, "a.yaml", "code", at_step=3)
+    _add(queue, "b.yaml", "code", at_step=6)
+    watcher = _watcher(queue)
+    assert watcher.poll(0) == []
+    (first,) = watcher.poll(3)
+    watcher.ledger = watcher.ledger.apply([first], 3)
+    assert watcher.poll(6) == [] and "already in this run" in _reasons(queue)["b.yaml"]
+
+
+def test_a_task_that_joins_at_a_boundary_cannot_leave_at_it(tmp_path):
+    """#38: an add and a cancel (or finish) of one task due at one boundary crashed the export (the task was in no
+    checkpoint) and wedged every resume. The leaving request is rejected; the add stands."""
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    _add(queue, "a.yaml", "code")
+    (queue / "b.yaml").write_text("action: cancel\nname: code\n")
+    assert [r.file for r in _watcher(queue).poll(4)] == ["a.yaml"]
+    assert "joins at this step (step 4): it cannot leave at the same step" in _reasons(queue)["b.yaml"]
+
+
+def test_an_add_starts_at_the_step_it_asks_for(tmp_path):
+    """#38: an add's own ``start_step`` was replaced by the step it was applied at. It is the step it joins at (the
+    run ends a window there); one that has passed when it comes due, or that disagrees with ``at_step``, is
+    rejected in one line."""
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    _add(queue, "a.yaml", "code", start_step=5)
+    _add(queue, "b.yaml", "late", start_step=1)
+    _add(queue, "c.yaml", "both", start_step=5, at_step=6)
+    watcher = _watcher(queue)
+    assert watcher.poll(2) == [] and watcher.next_due() == 5
+    assert "start_step 1 has passed: the run is at step 2" in _reasons(queue)["b.yaml"]
+    assert "start_step 5 and at_step 6 disagree" in _reasons(queue)["c.yaml"]
+    (due,) = watcher.poll(5)
+    assert (due.name, due.at_step, due.task.start_step) == ("code", 5, 5)
+    assert watcher.ledger.apply([due], 5).active[-1].start_step == 5
+
+
+def test_a_deadline_that_cannot_be_met_is_refused_when_it_is_set(tmp_path):
+    """#38: ``deadline: 43`` at step 13 for a task of 40 steps that had taken one batch was accepted and missed
+    without a word, and so was a deadline 209 steps in the past. A task takes one batch a step at most: the
+    deadline must leave room for the steps it has left from the boundary."""
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    ledger = Ledger.of([_spec("chat", steps=40), _spec("docs")])
+    (queue / "a.yaml").write_text("action: update\nname: chat\ndeadline: 43\n")
+    (queue / "b.yaml").write_text("action: update\nname: chat\ndeadline: 60\n")
+    watcher = _watcher(queue, ledger, taken=lambda name, step: 1)
+    assert [r.file for r in watcher.poll(13)] == ["b.yaml"]
+    assert "deadline 43 cannot be met: chat has 39 of its 40 steps left at step 13" in _reasons(queue)["a.yaml"]
+    (queue / "c.yaml").write_text("action: update\nname: chat\ndeadline: 50\n")
+    assert watcher.poll(259) == [] and "deadline 50 has passed: the run is at step 259" in _reasons(queue)["c.yaml"]
+
+
+def test_an_edited_waiting_request_is_read_again(tmp_path):
+    """#38: an edit of a request waiting for its step was ignored (the first reading was kept)."""
+    import os
+
+    queue = tmp_path / "queue"
+    queue.mkdir()
+    (queue / "s.yaml").write_text("action: update\nname: chat\nshare: 0.2\nat_step: 5\n")
+    lines = []
+    watcher = QueueWatcher(queue, DEFAULTS, LEDGER, log=lines.append)
+    assert watcher.poll(1) == []
+    (queue / "s.yaml").write_text("action: update\nname: chat\nshare: 0.7\nat_step: 5\n")
+    os.utime(queue / "s.yaml", ns=(0, 1_000_000_000))  # another mtime whatever the clock's resolution
+    assert watcher.poll(2) == [] and lines == ["read s.yaml again: it changed while it waited for step 5"]
+    (due,) = watcher.poll(5)
+    assert due.changes == {"share": 0.7}
