@@ -43,7 +43,7 @@ from lorafleet.train.change_log import (
     request_rows,
     truncate_changes,
 )
-from lorafleet.train.inflight import Settling
+from lorafleet.train.inflight import InFlight, Settling
 from lorafleet.train.live import LEAVING, changed_workload, export_leaving, log, replan_change
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.queue import (
@@ -108,12 +108,8 @@ class FleetChanges:
         """The next step a task is done at, or the end of the departures it waits for (``turns.departures``)."""
         self.replan = BesideSteps(options.queue_dir)
         """The last change's re-plan, running beside the steps until its boundary (``train.background``)."""
-        self.redo: Pending | None = None
-        """A change found in flight at the start, done again at its step (``train.inflight``)."""
-        self.settling: Settling | None = None
-        """The last change, applied, until a checkpoint taken after it commits (``train.inflight``)."""
-        self.changed_at: int | None = None
-        """The step of the last change applied in the fleet's processes: what a checkpoint records of it."""
+        self.flight = InFlight(options, fleet)
+        """The change in flight (``train.inflight``)."""
 
     # -- at every window boundary ---------------------------------------------------------------------------
 
@@ -122,9 +118,9 @@ class FleetChanges:
         tasks done whose departure is due (``turns.departures``: at once when other changes are applied here), or a
         re-plan's answer due. A change waiting to settle settles here once its checkpoint has committed."""
         self.running = running
-        self._settle(wait=False)
-        if self.redo is not None:
-            return self.redo.step == step
+        self.flight.settle_committed()
+        if self.flight.redo is not None:
+            return self.flight.redo.step == step
         if self.watcher is not None:
             self.requests = self.watcher.poll(step, accept=False)
             if step < self.options.steps:
@@ -136,24 +132,22 @@ class FleetChanges:
     def next_boundary(self) -> int | None:
         """A step a window must end at: a change found in flight's, a queued request's ``at_step``, a departure's, or
         a re-plan answer's."""
-        if self.redo is not None:
-            return self.redo.step
+        if self.flight.redo is not None:
+            return self.flight.redo.step
         due = [self.watcher.next_due() if self.watcher else None, self.departure, self.replan.at]
         return min((s for s in due if s is not None), default=None)
 
     def checkpoint_extra(self) -> dict[str, int]:
-        """What a checkpoint records of the changes: the last one applied before it (``fleet_changed_at``)."""
-        from lorafleet.runtime.checkpoint_files import FLEET_CHANGED_AT
-
-        return {FLEET_CHANGED_AT: self.changed_at} if self.changed_at is not None else {}
+        """What a checkpoint records of the changes (``InFlight.checkpoint_extra``)."""
+        return self.flight.checkpoint_extra()
 
     # -- where the loop stopped -----------------------------------------------------------------------------
 
     def at_boundary(self, step: int, running: Running) -> Running | Stop | None:
         """The fleet from the boundary before ``step`` on (module doc): a change found in flight done again, requests
         due applied (superseding a re-plan answer due here), else a re-plan's answer; None when nothing was due."""
-        if self.redo is not None and self.redo.step == step:
-            redo, self.redo = self.redo, None
+        redo = self.flight.take_redo(step)
+        if redo is not None:
             return self._change(step, running, redo.requests, redo)
         if self.requests:
             requests, self.requests = self.requests, []
@@ -173,21 +167,18 @@ class FleetChanges:
         pending, after = change_in_flight(self.options, start)
         if pending is not None and self.watcher is not None:
             self.watcher.accept(pending.requests)  # what a crash left in the queue directory
-        if pending is not None and after:
+        if pending is not None:
             ledger = self.ledger.apply(pending.requests, pending.step, pending.turns)
-            assert pending.after is not None
-            kind, plan = ChangeKind.of(pending.requests), pending.after.plan.describe()
-            row = ChangeRecord(pending.step, kind, Outcome.SETTLED, tuple(running.names), plan)
-            inflight.settle(self.options, Settling(pending, ledger, row))  # the checkpoint resumed from is after it
-            self.ledger, self.changed_at = ledger, pending.step
-            if self.watcher is not None:
-                self.watcher.ledger = ledger
-            log(f"step {start}: the change of step {pending.step}, applied before the restart, settled")
-        elif pending is not None:
-            self.redo = pending
-            log(f"step {start}: the change of step {pending.step} is done again at its step")
+            kind, plan = ChangeKind.of(pending.requests), (pending.after or pending.before).plan.describe()
+            self.flight.recovered(pending, after, ledger, ChangeRecord(pending.step, kind, Outcome.SETTLED,
+                                                                       tuple(running.names), plan))  # fmt: skip
+            if after:
+                self._take_ledger(ledger)
+            done = "applied before the restart, settled" if after else "is done again at its step"
+            log(f"step {start}: the change of step {pending.step} {done}")
         replan = load_pending_replan(self.options.queue_dir)
-        if replan is not None and self.redo is not None and replan.step <= self.redo.step:
+        redo = self.flight.redo
+        if replan is not None and redo is not None and replan.step <= redo.step:
             clear_pending_replan(self.options.queue_dir)  # superseded or answered by the change done again, or its own
             replan = None
         if replan is not None and self._start_replan(replan.step, at := max(replan.at, start), running):
@@ -195,7 +186,7 @@ class FleetChanges:
 
     def committed(self) -> None:
         """A checkpoint of the fleet has committed (waited for: a stop's): the change waiting for one settles."""
-        self._settle(wait=True)
+        self.flight.settle_committed(wait=True)
 
     def finish(self) -> None:
         """The run ends (its last checkpoint committed): the change waiting to settle settles, and a re-plan due
@@ -212,7 +203,7 @@ class FleetChanges:
         when a task leaves, the change begun, decided (``planner.decision``; a change done again takes the fleet
         it recorded), the leaving tasks exported, the fleet changed in its processes, a checkpoint of it started;
         it settles once that has committed. ``redo``: the change found in flight, done again."""
-        self._settle(wait=True)  # one change in flight at a time
+        self.flight.settle_before(step)  # one change in flight at a time
         fault_point("accepted", step)
         turns = redo.turns if redo is not None else self.fleet.turns()
         tasks_change = any(r.action is not Action.UPDATE for r in requests)
@@ -246,7 +237,7 @@ class FleetChanges:
         moves = tasks_change or superseded
         answer = None
         if redo is not None and redo.after is not None:  # decided before the restart: taken as recorded
-            decision = recorded_decision(redo, running.plan)
+            decision = inflight.recorded_decision(redo, running.plan)
         else:
             decision = decide(step, moves, partial(kept_plan, running.plan, workload, cost_model),
                               replace(running.plan, tasks=names), self.options.replan.after)  # fmt: skip
@@ -266,9 +257,7 @@ class FleetChanges:
         fault_point("exported", step)
         if note:
             log(f"step {step}: {note}")
-        self.ledger = ledger  # the turns the fleet changes to are its (written when the change settles)
-        if self.watcher is not None:
-            self.watcher.ledger = ledger
+        self._take_ledger(ledger)  # the turns the fleet changes to are its (written when the change settles)
         after, applied = self._apply(step, running, workload, decision.plan, cost_model)
         fault_point("applied", step)
         outcome = Outcome.MOVED if isinstance(decision, Move) else Outcome.KEPT
@@ -282,33 +271,17 @@ class FleetChanges:
             replan_at = None
         done = row(outcome, names, decision.plan.describe(), seconds=applied.seconds, rebuilt=tuple(applied.rebuilt),
                    replan_at=replan_at, note=note, extra=dict(applied.phases))  # fmt: skip
-        self._applied(Settling(pending, ledger, done), checkpointed=moves or isinstance(decision, Move))
+        self.flight.applied(Settling(pending, ledger, done), now=not moves and not isinstance(decision, Move))
+        if tasks_change and checkpoint is None:  # a join's: the state with the new task, written beside the steps
+            self.fleet.checkpoint(step)
+            fault_point("checkpointed", step)
         return after
 
-    def _applied(self, settling: Settling, checkpointed: bool) -> None:
-        """A change applied in the fleet's processes: it settles once a checkpoint taken after it commits (one is
-        started now), or at once when ``checkpointed`` is False (an update of shares or deadlines alone: its turns
-        carry their step, so a restart from before it replays the steps before it as they were)."""
-        self.changed_at = settling.pending.step
-        if not checkpointed:
-            inflight.settle(self.options, settling)
-            return
-        self.settling = settling
-        self.fleet.checkpoint(settling.pending.step)
-        fault_point("checkpointed", settling.pending.step)
-
-    def _settle(self, wait: bool) -> None:
-        """The change waiting to settle settled once a checkpoint taken after it has committed (``wait``: the one
-        being written waited for first)."""
-        if self.settling is None:
-            return
-        if wait:
-            self.fleet.flush()
-        changed = self.fleet.committed_change()
-        if changed is not None and changed >= self.settling.pending.step:
-            settling, self.settling = self.settling, None
-            fault_point("settling", settling.pending.step)
-            inflight.settle(self.options, settling)
+    def _take_ledger(self, ledger: Ledger) -> None:
+        """The ledger with a change's requests, for the changes and the queue's checks that follow."""
+        self.ledger = ledger
+        if self.watcher is not None:
+            self.watcher.ledger = ledger
 
     def _check(self, task: TaskSpec) -> None:
         """The queue's check of a task to add (``QueueWatcher``'s ``check``): :func:`joining_data`, kept for when the
@@ -377,7 +350,7 @@ class FleetChanges:
         """The re-plan's answer at its boundary ``step`` (waited for when not done): the running fleet when it keeps
         the deployment, else the move applied in the running fleet as a change with no request (a transaction:
         ``train.inflight``), or handed to the launcher when it needs processes the run does not have."""
-        self._settle(wait=True)
+        self.flight.settle_before(step)
         replanning = self.replan.take()
         answer, waited = replanning.answer()
         wait = f" (waited {waited:.2g} s for it)" if waited >= 0.01 else ""
@@ -405,21 +378,11 @@ class FleetChanges:
         fault_point("applied", step)
         moved = row(outcome=Outcome.MOVED, seconds=applied.seconds, rebuilt=tuple(applied.rebuilt),
                     extra=dict(applied.phases))  # fmt: skip
-        self._applied(Settling(pending, self.ledger, moved), checkpointed=True)
+        self.flight.applied(Settling(pending, self.ledger, moved), now=False)
         return after
 
     def _append(self, record: ChangeRecord) -> None:
         append_change(self.options.run_dir.changes, record)
-
-
-def recorded_decision(pending: Pending, running: DeploymentPlan) -> Keep | Move:
-    """The decision a change in flight recorded (:attr:`Pending.after`), taken again as it was: a re-plan is never
-    made anew for a change done again after a restart (its answer could differ: the price of a move is learnt)."""
-    assert pending.after is not None
-    plan = pending.after.plan
-    if pending.replan_at is not None or plan.placements == running.placements:
-        return Keep(plan, pending.replan_at)
-    return Move(plan)
 
 
 def joining_data(task: TaskSpec, running: Running, tokenizer: Any) -> TaskData:

@@ -50,7 +50,7 @@ class FakeFleet:
 
     def checkpoint(self, step, wait=False):
         self.checkpoints.append((step, wait))
-        self.marks.append(self.changes.changed_at if self.changes is not None else None)
+        self.marks.append(self.changes.flight.changed_at if self.changes is not None else None)
         return Path(f"step-{step:06d}")
 
     def flush(self):

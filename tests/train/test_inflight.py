@@ -11,7 +11,7 @@ of ``chat`` (leaves), the recorded decision, and the record of the checkpoint th
     begun        ``.apply.json`` with the fleet before the change
     decided      ... and the fleet after it
     applied      the fleet changed in place; a checkpoint of it started, not committed
-    checkpointed that checkpoint committed (``fleet_changed_at`` = the change's step), not yet settled
+    checkpointed a checkpoint after it committed (``fleet_changed_at`` = the change's step), not yet settled
 """
 
 from __future__ import annotations
@@ -141,6 +141,8 @@ def test_a_leaving_tasks_change_is_done_again_from_the_checkpoint_before_it(flee
     assert again.due(3, running)
     after = again.at_boundary(3, running)
     assert after.names == ["docsum"] and fresh.applied[0][1] == ("docsum",)
+    assert load_pending(options.queue_dir) is not None  # a leave settles on the next checkpoint: the run's last here
+    fresh.checkpoint(10, wait=True)
     again.finish()
     assert _applied(options) == [(3, "finish", "chat")] and exported == [(3, ["chat"]), (3, ["chat"])]
     ledger = Ledger.load(options.out)
