@@ -140,6 +140,7 @@ def test_version_1_is_refused_naming_the_field(planned, tmp_path):
         (lambda d: d.update(tie_rel=1.5), "tie_rel", "[0, 1)"),
         (lambda d: d.pop("tie_rel"), "tie_rel", "missing"),
         (lambda d: d["pools"][0].update(price_per_gpu_hour=-1.0), "pools[0].price_per_gpu_hour", ">= 0"),
+        (lambda d: d["pools"][0].update(price_per_gpu_hour=1e308), "pools[0].price_per_gpu_hour", "at most"),
     ],
 )
 def test_a_broken_plan_file_names_the_field_path(planned, tmp_path, edit, field, words):

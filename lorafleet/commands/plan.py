@@ -254,10 +254,18 @@ def comparison_table(result):
         cut = ("", "") if cost.name == LORAFLEET else tuple(f"{0.0 - r:+.1%}" for r in result.reduction(cost.name))
         money = ()
         if priced:
-            saved = "" if cost.name == LORAFLEET else f"{ours.cost_per_step / cost.cost_per_step - 1:+.1%}"
+            saved = "" if cost.name == LORAFLEET else _relative(ours.cost_per_step, cost.cost_per_step)
             money = (f"{cost.cost_per_step:.4g}", saved)
         table.add_row(cost.name, str(cost.gpus), f"{cost.makespan_s:.3f}", f"{cost.gpu_seconds:.1f}", *cut, *money)
     return table
+
+
+def _relative(ours: float, theirs: float) -> str:
+    """``-12.3%``: what ``ours`` saves on ``theirs``; ``-`` when ``theirs`` is 0 and ``ours`` is not (pools at a
+    price of 0: a baseline on them alone costs nothing), ``+0.0%`` when both are."""
+    if theirs > 0:
+        return f"{ours / theirs - 1:+.1%}"
+    return "+0.0%" if ours == 0 else "-"
 
 
 def stats_table(result, cpu_s: float):

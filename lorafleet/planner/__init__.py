@@ -4,7 +4,8 @@
 point (see :mod:`.driver`; what makes one plan better than another is :mod:`.objective`);
 ``size_fleet`` plans it on 1 .. K whole nodes and picks the GPU count for a deadline, a GPU-hour
 budget or the fewest GPU-seconds (:mod:`.sizing`, with its goal, rows, search and choice in
-:mod:`.sizing_objective`, :mod:`.sizing_result`, :mod:`.sizing_search` and :mod:`.sizing_choice`).
+:mod:`.sizing_objective`, :mod:`.sizing_result`, :mod:`.sizing_search` (one pool's counts),
+:mod:`.sizing_pools` (the mixes of several pools' nodes) and :mod:`.sizing_choice`).
 The baselines are :class:`Schedule`\\ s (a DeploymentPlan and a dispatch policy per phase)
 that a simulator can replay step by step, like the plan itself.
 

@@ -1,8 +1,8 @@
 """The homogeneous baselines, on the same cost model and data, each a replayable :class:`Schedule`.
 
 - **Task-Fused padding** (LobRA's baseline): all tasks on the best single homogeneous
-  config (as many replicas as fit), every sequence padded to LobRA's static power-of-two
-  buckets 256, 512, ..., 2^ceil(log2 longest).
+  config (as many replicas as fit, at most one per sequence of a step: more would be idle), every
+  sequence padded to LobRA's static power-of-two buckets 256, 512, ..., 2^ceil(log2 longest).
 - **Task-Fused packing** (the baseline LobRA's reviewers asked for): the best homogeneous
   config with sequences packed end to end up to M tokens per micro-batch.
 - **Task-Sequential**: each task alone on its own best homogeneous config, padded as in
@@ -126,9 +126,10 @@ def best_homogeneous(
     cluster: ClusterSpec,
     mode: MicroBatchMode,
     policy: DispatchPolicy,
+    sequences: int | None = None,
 ) -> tuple[Candidate, int]:
-    """The config holding ``longest`` tokens (and its replica count, as many as fit) with the fewest
-    estimated GPU-seconds for ``batch``.
+    """The config holding ``longest`` tokens (and its replica count, as many as fit, at most ``sequences``: a
+    step's, more would be idle) with the fewest estimated GPU-seconds for ``batch``.
 
     Raises:
         ValueError: no candidate holds the longest sequence.
@@ -136,7 +137,7 @@ def best_homogeneous(
     holders = [c for c in candidates if c.max_tokens >= longest]
     if not holders:
         raise ValueError(f"no config holds a {longest}-token sequence")
-    counts = max_replicas([c.config for c in holders], cluster)
+    counts = max_replicas([c.config for c in holders], cluster, sequences)
     scored = [
         (
             estimated_makespan(batch, c, int(p), cost_model, mode, policy) * int(p) * c.n_gpus,
@@ -153,10 +154,10 @@ def best_homogeneous(
 
 
 def layouts_across_pools(
-    candidates: Sequence[Candidate], longest: int, cluster: ClusterSpec
+    candidates: Sequence[Candidate], longest: int, cluster: ClusterSpec, sequences: int | None = None
 ) -> list[tuple[tuple[Candidate, int], ...]]:
     """Every layout ⟨tp, pp[, rc]⟩ that holds ``longest`` tokens on every pool of ``cluster``: its candidate
-    on each pool and as many replicas of it as fit there, in pool order."""
+    on each pool and as many replicas of it as fit there (at most ``sequences`` each), in pool order."""
     by_layout: dict[ParallelConfig, dict[str, Candidate]] = {}
     for c in candidates:
         if c.max_tokens >= longest:
@@ -166,7 +167,7 @@ def layouts_across_pools(
         if set(per_pool) != set(cluster.pool_names):
             continue
         chosen = [per_pool[name] for name in cluster.pool_names]
-        counts = max_replicas([c.config for c in chosen], cluster)
+        counts = max_replicas([c.config for c in chosen], cluster, sequences)
         if all(n > 0 for n in counts):
             out.append(tuple((c, int(n)) for c, n in zip(chosen, counts, strict=True)))
     return out
@@ -187,16 +188,18 @@ def best_across_pools(
     mode: MicroBatchMode,
     policy: DispatchPolicy,
     name: str,
+    sequences: int | None = None,
 ) -> DeploymentPlan:
     """The fused baseline's plan on a fleet of several pools: the layout of :func:`layouts_across_pools`
     whose step the dispatcher estimates cheapest (GPU-seconds, or cost at the pools' prices when every pool
-    has one), run under the baseline's own policy (static buckets capped at the least M of its replicas).
+    has one), run under the baseline's own policy (static buckets capped at the least M of its replicas);
+    ``sequences``: a step's, the most replicas of the layout on a pool.
 
     Raises:
         ValueError: no layout holds the longest sequence on every pool.
     """
     scored = []
-    for deployment in layouts_across_pools(candidates, longest, cluster):
+    for deployment in layouts_across_pools(candidates, longest, cluster, sequences):
         own = _policy_of(mode, longest, min(c.max_tokens for c, _ in deployment), policy)
         replicas = [(c.config, c.max_tokens, n) for c, n in deployment]
         plan = build_plan(workload, cluster, replicas, solver=f"baseline:{name}", policy=own, cost_model=cost_model)
@@ -220,13 +223,17 @@ def _phase(
     name: str,
 ) -> Phase:
     """The tasks' phase on their best homogeneous config; it must hold the longest sequence the
-    tasks can present (any step may bring it), not just the expected batch's."""
+    tasks can present (any step may bring it), not just the expected batch's. A step's sequences (``batch``'s)
+    cap its replicas, as they cap lorafleet's (``problem.gpu_budget_rows``): on a fleet far larger than the
+    batch, the replicas beyond them would be idle."""
     longest = max(workload.tasks[k].lengths.max_length for k in tasks)
     part = select_tasks(batch, tasks)
     if len(cluster.pools) > 1:
-        plan = best_across_pools(workload, part, longest, candidates, cost_model, cluster, mode, policy, name)
+        plan = best_across_pools(
+            workload, part, longest, candidates, cost_model, cluster, mode, policy, name, len(batch)
+        )
     else:
-        cand, p = best_homogeneous(part, longest, candidates, cost_model, cluster, mode, policy)
+        cand, p = best_homogeneous(part, longest, candidates, cost_model, cluster, mode, policy, len(batch))
         plan = build_plan(
             workload,
             cluster,

@@ -80,10 +80,23 @@ class RelaxedDeployment:
 
 def fluid_lower_bound(problem: PlanningProblem) -> float:
     """Σ_j D_j min_i N_i w_ij / N: every sequence at the best GPU-seconds any config offers, spread
-    over all N GPUs with no fixed time. Where the fixed-point iteration on T_ref starts."""
+    over all N GPUs with no fixed time (N: the GPUs a deployment can hold, ``PlanningProblem.usable_gpus``).
+    Where the fixed-point iteration on T_ref starts."""
     gpu_seconds = np.where(problem.microbatch_size > 0, problem.amortised_time * problem.gpus[:, None], np.inf)
     present = problem.counts > 0
-    return float(problem.counts[present] @ gpu_seconds[:, present].min(axis=0) / problem.n_gpus)
+    return float(problem.counts[present] @ gpu_seconds[:, present].min(axis=0) / problem.usable_gpus)
+
+
+def least_reference(problem: PlanningProblem) -> float:
+    """max_j min_{i holds j} a_i: below this T_ref every config that holds some bucket j has no capacity
+    (a_i >= T_ref), so the model's only solution is θ = 0. On a fleet far larger than its batch the fluid
+    bound lies below it (4 sequences spread over 524,288 GPUs); :func:`solve_root` then starts at twice it."""
+    present = (problem.microbatch_size > 0) & (problem.counts > 0)[None, :]
+    modelled = np.zeros(len(problem.candidates), dtype=bool)
+    modelled[modelled_configs(problem)] = True
+    fixed = np.where(present & modelled[:, None], fixed_time(problem)[:, None], np.inf)
+    least = fixed[:, problem.counts > 0].min(axis=0)
+    return float(least.max()) if least.size and np.all(np.isfinite(least)) else 0.0
 
 
 def fixed_time(problem: PlanningProblem) -> np.ndarray:
@@ -240,7 +253,7 @@ def solve_deployment(
     t_ref = reference_makespan
     for _ in range(FIXED_POINT_ITERATIONS if iterate else 1):
         plan, result = _solved(
-            problem, *build_model(problem, t_ref, tie_rel / problem.n_gpus, branch), label, solver, time_limit_s
+            problem, *build_model(problem, t_ref, tie_rel / problem.usable_gpus, branch), label, solver, time_limit_s
         )
         results.append(result)
         if plan is None:
@@ -272,10 +285,12 @@ def _solved(
 def solve_root(
     problem: PlanningProblem, *, tie_rel: float, solver: SolverName, time_limit_s: float
 ) -> tuple[RelaxedDeployment | None, list[SolveResult]]:
-    """The MILP's optimum p*, by the fixed-point iteration from :func:`fluid_lower_bound`."""
-    return solve_deployment(
-        problem, fluid_lower_bound(problem), tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s
-    )
+    """The MILP's optimum p*, by the fixed-point iteration from :func:`fluid_lower_bound` (from twice
+    :func:`least_reference` when the fluid bound is not above it: the model has no answer there)."""
+    start, least = fluid_lower_bound(problem), least_reference(problem)
+    if start <= least:
+        start = 2 * least
+    return solve_deployment(problem, start, tie_rel=tie_rel, solver=solver, time_limit_s=time_limit_s)
 
 
 def branches_around(problem: PlanningProblem, center: np.ndarray) -> list[tuple[str, Branch]]:
@@ -327,7 +342,7 @@ def branch_deployments(
                 continue
             solved.add(branch.key)
         if base is None:
-            base = build_model(problem, reference_makespan, tie_rel / problem.n_gpus)
+            base = build_model(problem, reference_makespan, tie_rel / problem.usable_gpus)
         model, v = base[0].copy(), base[1]  # the copy shares the expressions; its constraints are its own
         add_branch_constraints(model, problem, v, branch)
         plan, result = _solved(problem, model, v, label, solver, time_limit_s)

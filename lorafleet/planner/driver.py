@@ -210,6 +210,8 @@ def _idle_note(problem: PlanningProblem, chosen: PoolEntry, ranked: list[PoolEnt
         problem.fits(chosen.replicas + np.eye(len(chosen.replicas), dtype=np.int64)[i])
         for i in range(len(problem.candidates))
     ):
+        if int(chosen.replicas.sum()) >= len(problem.batch):
+            return f"{idle} GPU(s) idle: a replica for each of a step's {len(problem.batch)} sequences, no more"
         return f"{idle} GPU(s) idle: no candidate config fits in them (TP groups stay inside a node)"
     bigger = [e for e in ranked if e.used_gpus > chosen.used_gpus]
     versus = (

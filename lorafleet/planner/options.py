@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.errors import InputError, coerce_enum_fields
 from lorafleet.solvers import SolverName
+from lorafleet.specs.cluster import price_too_large
 from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.specs.objective import TIE_REL, PlanObjective
 
@@ -147,6 +148,8 @@ class PlannerOptions:
         for pool, price in self.prices:
             if not price >= 0:
                 raise InputError(OPTIONS_SOURCE, "prices", f"pool {pool!r}: a price must be >= 0, got {price}")
+            if price_too_large(price):
+                raise InputError(OPTIONS_SOURCE, "prices", f"pool {pool!r}: a price {price_too_large(price)}")
         for name, value in {
             "polish_evaluations": self.polish_evaluations,
             "exact_top": self.exact_top,

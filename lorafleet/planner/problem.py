@@ -79,9 +79,11 @@ def make_candidate(cost_model: CostModel, config: ParallelConfig) -> Candidate:
     )
 
 
-def gpu_budget_rows(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray]:
+def gpu_budget_rows(
+    configs: Sequence[ParallelConfig], cluster: ClusterSpec, sequences: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The GPU budget as linear rows ``A @ p <= cap`` over the replica counts p_i of ``configs``: a budget
-    per pool, a replica on its config's pool.
+    per pool, a replica on its config's pool; and, given the ``sequences`` S a step has, at most S replicas.
 
     A TP group stays inside one node of its pool and every group of a config with tp_i >= t takes a
     multiple of t GPUs, so for every pool and every threshold t among the TP degrees of its configs those
@@ -89,6 +91,12 @@ def gpu_budget_rows(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> 
     power-of-two TP degrees the sizes divide each other and these rows are also sufficient: first-fit
     decreasing places every group (:func:`lorafleet.planner.placement.place_replicas`). For t = 1 the
     row is Σ_{i on the pool} N_i p_i <= N_pool.
+
+    A replica with no sequence is idle: it adds GPUs and no speed, so no plan the objective prefers has more
+    replicas than a step has sequences. The last row, Σ_i p_i <= S, says so when the GPUs alone allow more
+    than S replicas (:func:`most_replicas`); it bounds the planning of a huge fleet by the workload (two tasks
+    of 2 sequences on 524,288 GPUs: at most 4 replicas, not 262,144 of each config), and is absent, so the
+    problem is unchanged, wherever the GPUs bind first.
     """
     rows, caps = [], []
     for pool in cluster.pools:
@@ -98,12 +106,26 @@ def gpu_budget_rows(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> 
         for t in sorted({1, *tps[on].tolist()}):
             rows.append(np.where(on & (tps >= t), gpus, 0))
             caps.append(pool.nodes * t * (pool.gpus_per_node // t))
+    if sequences is not None and most_replicas(configs, cluster) > sequences:
+        rows.append(np.ones(len(configs), dtype=np.int64))
+        caps.append(sequences)
     return np.array(rows, dtype=np.int64).reshape(len(rows), len(configs)), np.array(caps, dtype=np.int64)
 
 
-def max_replicas(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> np.ndarray:
-    """P_i: the most replicas of each config the GPU budget allows on its own, shape (C,)."""
-    rows, caps = gpu_budget_rows(configs, cluster)
+def most_replicas(configs: Sequence[ParallelConfig], cluster: ClusterSpec) -> int:
+    """An upper bound on the replicas the GPUs hold: Σ over pools of its GPUs / the fewest GPUs a config of it
+    takes."""
+    return sum(
+        pool.n_gpus // min(c.n_gpus for c in configs if c.pool == pool.name)
+        for pool in cluster.pools
+        if any(c.pool == pool.name for c in configs)
+    )
+
+
+def max_replicas(configs: Sequence[ParallelConfig], cluster: ClusterSpec, sequences: int | None = None) -> np.ndarray:
+    """P_i: the most replicas of each config the GPU budget allows on its own (and at most ``sequences``),
+    shape (C,)."""
+    rows, caps = gpu_budget_rows(configs, cluster, sequences)
     per_row = np.where(rows > 0, caps[:, None] // np.maximum(rows, 1), np.iinfo(np.int64).max)
     return per_row.min(axis=0)
 
@@ -129,6 +151,14 @@ class PlanningProblem:
     @property
     def n_gpus(self) -> int:
         return self.cluster.n_gpus
+
+    @property
+    def usable_gpus(self) -> int:
+        """The most GPUs a deployment the budget allows can hold: N, or fewer when a step's S sequences
+        bind before the GPUs do (:func:`gpu_budget_rows`), S replicas of the largest config."""
+        if most_replicas(self.configs, self.cluster) <= len(self.batch):
+            return self.n_gpus
+        return min(self.n_gpus, len(self.batch) * int(self.gpus.max()))
 
     @property
     def configs(self) -> tuple[ParallelConfig, ...]:
@@ -176,12 +206,13 @@ class PlanningProblem:
         return np.asarray(prices, dtype=float) * self.gpus / SECONDS_PER_HOUR
 
     def gpu_budget_rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """The GPU budget as rows ``A @ p <= cap`` over replica counts p_i (see :func:`gpu_budget_rows`)."""
-        return gpu_budget_rows(self.configs, self.cluster)
+        """The GPU budget as rows ``A @ p <= cap`` over replica counts p_i, at most one replica per sequence of
+        the batch (see :func:`gpu_budget_rows`)."""
+        return gpu_budget_rows(self.configs, self.cluster, len(self.batch))
 
     def max_replicas(self) -> np.ndarray:
         """P_i: the most replicas of config i the GPU budget allows on its own, shape (C,)."""
-        return max_replicas(self.configs, self.cluster)
+        return max_replicas(self.configs, self.cluster, len(self.batch))
 
     def fits(self, replicas: np.ndarray) -> bool:
         """Whether replica counts p (shape (C,)) respect the GPU budget, node boundaries included."""

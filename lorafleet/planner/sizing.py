@@ -22,10 +22,11 @@ and the chosen count n* is, over the counts that give a plan:
 - both (``DEADLINE_AND_BUDGET``): n* = argmin_lex { (C(n), n) : H(n) <= H_d, C(n) <= B }, the
   cheapest plan that meets both.
 
-**Pools.** On a cluster of several pools the candidates are every combination of each pool's
-node count, 0 .. its ``nodes`` (or ``max_nodes``), some pool not empty (:func:`candidate_clusters`,
-all planned: the bounds of :mod:`.sizing_search` are of one kind): "how many H100 nodes to add to these
-A100s" is the rows with the A100 pool whole. With a price on every pool such a sweep counts money where it
+**Pools.** On a cluster of several pools the candidates are the mixes of each pool's node count, 0 .. its
+``nodes`` (or ``max_nodes``), some pool not empty: every one when there are at most 64, else those a search
+along each pool's chain of nested mixes plans, at most 64 (:mod:`.sizing_pools`; two pools of 4,096 nodes
+have 16.8 million mixes): "how many H100 nodes to add to these A100s" is the rows with the A100 pool
+whole. With a price on every pool such a sweep counts money where it
 counts GPUs: with P(n) what candidate n's plan costs a second at its pools' prices
 (``accounting.price_per_second``), the GPU-seconds goal becomes the cheapest step, argmin_lex
 (t̂(n) P(n), n), and the deadline goal the cheapest step that finishes in time, argmin_lex
@@ -36,13 +37,15 @@ When no count qualifies, :class:`SizingError` (an InputError) says which limit w
 by how much, and carries the sweep. ``size_fleet`` is :func:`sweep_counts` (the planning, one row
 per count planned) then :func:`judge` (the choice, pure: the same rows can be judged for other goals).
 
-**The modules.** This one holds ``size_fleet``; the rest of the sizing is in four modules of one concern each:
+**The modules.** This one holds ``size_fleet``; the rest of the sizing is in five modules of one concern each:
 
 - :mod:`.sizing_objective`: the goal (``SizingObjective``, ``Deadline``, ``SizingGoal``) and the job's steps;
 - :mod:`.sizing_result`: one count's row (``SizingRow``: its plan and figures) and a sweep's result and error
   (``SizingResult``, ``SizingError``);
-- :mod:`.sizing_search`: which counts are planned (the candidates, the lower bounds ``CountBounds``, the
-  galloping search and the scans: ``sweep_counts``, ``plan_counts``);
+- :mod:`.sizing_search`: which counts of one pool are planned (the candidates, the lower bounds ``CountBounds``,
+  the galloping search and the scans: ``sweep_counts``, ``plan_counts``);
+- :mod:`.sizing_pools`: which mixes of several pools' nodes are planned (every one, or the search along chains:
+  ``sweep_pools``);
 - :mod:`.sizing_choice`: the count each goal picks from the rows (``judge``).
 """
 
@@ -55,6 +58,7 @@ from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.sizing_choice import judge
 from lorafleet.planner.sizing_objective import SizingObjective, check_steps, job_steps
+from lorafleet.planner.sizing_pools import sweep_pools
 from lorafleet.planner.sizing_result import SizingResult
 from lorafleet.planner.sizing_search import Progress, sweep_counts
 from lorafleet.specs.cluster import ClusterSpec
@@ -72,7 +76,8 @@ def size_fleet(
     progress: Progress | None = None,
 ) -> SizingResult:
     """Plan ``workload`` on the whole-node counts of ``cluster``'s kind, 1 .. K, that the objective needs
-    (:func:`sweep_counts`) and choose the count it prefers (:func:`judge`; the math: the module docstring).
+    (:func:`sweep_counts`; the mixes of several pools' nodes: :func:`sweep_pools`) and choose the count it
+    prefers (:func:`judge`; the math: the module docstring).
 
     Args:
         cluster: the GPU kind and GPUs per node; its ``nodes`` is K unless ``max_nodes`` is given.
@@ -89,7 +94,8 @@ def size_fleet(
     """
     steps = job_steps(workload, objective)
     check_steps(objective, steps)
-    rows, stopped = sweep_counts(
+    sweep = sweep_pools if len(cluster.pools) > 1 else sweep_counts
+    rows, stopped = sweep(
         workload, cluster, cost_model, options, objective, steps, max_nodes=max_nodes, progress=progress
     )
     return replace(judge(rows, objective, steps), stopped=stopped)

@@ -1,8 +1,10 @@
 """Which counts a fleet sizing plans: the candidate clusters, the lower bounds, and the search over them.
 
-``sweep_counts`` plans the counts a goal needs (one :class:`~lorafleet.planner.sizing_result.SizingRow`
-each), ``plan_counts`` every candidate, ``plan_count`` one; ``candidate_clusters`` lists the candidates
-(whole nodes of one pool, or every combination of several pools' nodes).
+``sweep_counts`` plans the counts of one pool a goal needs (one
+:class:`~lorafleet.planner.sizing_result.SizingRow` each), ``plan_counts`` every candidate, ``plan_count``
+one; ``candidate_clusters`` lists the candidates (whole nodes of one pool, or every combination of several
+pools' nodes, at most MAX_NODES of them). Over several pools the search is :mod:`.sizing_pools`', which runs
+this one's galloping search (``first_meeting``) along chains of mixes.
 
 **Which counts are planned.** K is at most :data:`~lorafleet.specs.cluster.MAX_NODES` (4,096 nodes,
 ``ClusterSpec.nodes``' limit), and the sweep plans only the counts its goal needs (``docs/planner.md``
@@ -23,8 +25,7 @@ least stage time of the batch's hardest sequence on its best config), so C = t̂
 - ``DEADLINE_AND_BUDGET``: the deadline's search for k*, then counts from k* on until t_0 · n reaches the
   cheaper of C* and the budget's per-step GPU-seconds.
 
-(t̂, G, C, S and the goals: :mod:`.sizing`.) A sweep over several pools plans every candidate: the
-bounds are of one kind.
+(t̂, G, C, S and the goals: :mod:`.sizing`.) A sweep over several pools: :mod:`.sizing_pools`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -66,10 +68,10 @@ def plan_counts(
     or a task's longest sequence fits no config: the planner's InputError) is a row with its ``error``.
     Arguments as :func:`size_fleet`'s.
     """
-    return tuple(_plan_cluster(workload, cost_model, options, c) for c in candidate_clusters(cluster, max_nodes))
+    return tuple(plan_cluster(workload, cost_model, options, c) for c in candidate_clusters(cluster, max_nodes))
 
 
-def _max_nodes(cluster: ClusterSpec, max_nodes: int | None) -> int:
+def node_limit(cluster: ClusterSpec, max_nodes: int | None) -> int:
     """K: ``max_nodes``, else the cluster's nodes; an InputError unless 1 <= K <= MAX_NODES."""
     nodes = cluster.nodes if max_nodes is None else max_nodes
     if nodes < 1:
@@ -99,7 +101,7 @@ def plan_count(
     k: int,
 ) -> SizingRow:
     """The row of ``k`` whole nodes of ``cluster``'s kind: its plan, or the planner's InputError."""
-    return _plan_cluster(workload, cost_model, options, _candidate(cluster, k))
+    return plan_cluster(workload, cost_model, options, _candidate(cluster, k))
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +179,16 @@ class _Sweep:
         return tuple(self.rows[k] for k in sorted(self.rows))
 
 
-def _first_meeting(
-    plan: _Sweep, nodes: int, meets: Callable[[SizingRow], bool], lowest: Callable[[int], float], target_s: float
+class Planned(Protocol):
+    """Plans count k once (:class:`_Sweep`, or a chain of mixes: ``sizing_pools``) and holds the rows planned."""
+
+    rows: Mapping[int, SizingRow]
+
+    def __call__(self, k: int) -> SizingRow: ...
+
+
+def first_meeting(
+    plan: Planned, nodes: int, meets: Callable[[SizingRow], bool], lowest: Callable[[int], float], target_s: float
 ) -> tuple[int | None, str]:
     """The smallest k in 1..nodes whose row ``meets`` (a galloping search, then bisection: the module
     docstring), or None; and why the search stopped. ``lowest(k)``: the least step time of k nodes' plans
@@ -216,12 +226,22 @@ def _scan(plan: _Sweep, start: int, nodes: int, enough: Callable[[int], bool], w
 
 
 def candidate_clusters(cluster: ClusterSpec, max_nodes: int | None = None) -> list[ClusterSpec]:
-    """The clusters a sweep over pools plans: every combination of each pool's 0 .. K_p nodes (K_p its
-    ``nodes``, or ``max_nodes``) with some pool not empty, the empty pools left out; fewest GPUs first, then
-    more nodes of the earlier pools. (One pool: its whole-node counts 1 .. K, :func:`_candidate`.)"""
+    """Every cluster a sweep may plan: every combination of each pool's 0 .. K_p nodes (K_p its ``nodes``, or
+    ``max_nodes``) with some pool not empty, the empty pools left out; fewest GPUs first, then more nodes of
+    the earlier pools. (One pool: its whole-node counts 1 .. K, :func:`_candidate`.) An InputError naming
+    ``max_nodes`` when the pools have more than MAX_NODES combinations (two pools of 4,096 nodes: 16.8
+    million, which this list would hold in gigabytes)."""
     if len(cluster.pools) == 1:
-        return [_candidate(cluster, k) for k in range(1, _max_nodes(cluster, max_nodes) + 1)]
-    ranges = [range(0, _max_nodes(cluster.only(p.name), max_nodes) + 1) for p in cluster.pools]
+        return [_candidate(cluster, k) for k in range(1, node_limit(cluster, max_nodes) + 1)]
+    ranges = [range(0, node_limit(cluster.only(p.name), max_nodes) + 1) for p in cluster.pools]
+    mixes = math.prod(len(r) for r in ranges) - 1
+    if mixes > MAX_NODES:
+        raise InputError(
+            OBJECTIVE_SOURCE,
+            "max_nodes",
+            f"the pools have {mixes:,} mixes of their nodes, more than the {MAX_NODES:,} that may be listed and "
+            "planned each (size_fleet searches them instead: planner.sizing_pools)",
+        )
     out = []
     for counts in itertools.product(*ranges):
         pools = tuple(p.model_copy(update={"nodes": n}) for p, n in zip(cluster.pools, counts, strict=True) if n)
@@ -230,7 +250,7 @@ def candidate_clusters(cluster: ClusterSpec, max_nodes: int | None = None) -> li
     return [ClusterSpec(pools=pools) for *_, pools in sorted(out, key=lambda x: x[:2])]
 
 
-def _plan_cluster(
+def plan_cluster(
     workload: Workload,
     cost_model: CostModel | Callable[[ClusterSpec], CostModel],
     options: PlannerOptions,
@@ -264,18 +284,16 @@ def sweep_counts(
     Raises:
         SizingError: the bounds show that no count can meet the deadline or the budget (a sweep of no rows).
     """
-    if len(cluster.pools) > 1:  # every combination of the pools' nodes (the bounds are of one kind)
-        candidates = candidate_clusters(cluster, max_nodes)
-        sweep = _Sweep(lambda k: _plan_cluster(workload, cost_model, options, candidates[k]), progress)
-        return tuple(sweep(k) for k in range(len(candidates))), ""
-    nodes = _max_nodes(cluster, max_nodes)
+    if len(cluster.pools) > 1:
+        raise ValueError("a sweep over several pools is planner.sizing_pools.sweep_pools'")
+    nodes = node_limit(cluster, max_nodes)
     per_node = cluster.gpus_per_node
     plan = _Sweep(functools.partial(plan_count, workload, cluster, cost_model, options), progress)
     bounds = CountBounds.swept(workload, cluster, cost_model, nodes, options.policy.pipeline_window)
     goal, deadline, budget = objective.goal, objective.deadline, objective.budget_gpu_hours
     budget_s = math.inf if budget is None or steps is None else 3600 * budget / steps
     if bounds.work_gpu_s > budget_s:
-        raise _unmeetable(
+        raise unmeetable(
             objective,
             steps,
             "budget_gpu_hours",
@@ -285,7 +303,7 @@ def sweep_counts(
     start, stopped = 1, ""
     if deadline is not None:
         target = 3600 * deadline.hours / deadline.steps
-        first, stopped = _first_meeting(
+        first, stopped = first_meeting(
             plan,
             nodes,
             lambda row: row.feasible and row.step_s <= target,
@@ -294,7 +312,7 @@ def sweep_counts(
         )
         if first is None and not plan.rows:
             why = f"no count finishes {deadline.steps} steps within {format_hours(deadline.hours)}: {stopped}"
-            raise _unmeetable(objective, steps, "deadline", why)
+            raise unmeetable(objective, steps, "deadline", why)
         if first is None or goal is SizingGoal.DEADLINE:
             return plan.ordered(), stopped
         start = first
@@ -326,7 +344,7 @@ def sweep_counts(
     return plan.ordered(), stopped
 
 
-def _unmeetable(objective: SizingObjective, steps: int | None, field: str, why: str) -> SizingError:
+def unmeetable(objective: SizingObjective, steps: int | None, field: str, why: str) -> SizingError:
     """The error of an objective no count can meet, shown by the bounds before any planning."""
     empty = SizingResult(rows=(), objective=objective, job_steps=steps, chosen=None, reason=why)
     return SizingError(OBJECTIVE_SOURCE, field, why, empty)

@@ -17,7 +17,7 @@ from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.errors import InputError
 from lorafleet.plans.parts import PLAN_SOURCE, PlanPool, PolicyJson, ReplicaSpec
-from lorafleet.specs.cluster import ClusterSpec, PoolSpec, first_gpu, named_pool, pool_at
+from lorafleet.specs.cluster import ClusterSpec, PoolSpec, first_gpu, named_pool, pool_at, price_too_large
 from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.specs.io import read_json_object, write_text_atomic
 from lorafleet.specs.objective import TIE_REL, PlanObjective
@@ -242,6 +242,8 @@ class DeploymentPlan:
                 raise InputError(
                     source, at(f"pools[{k}].price_per_gpu_hour"), f"must be >= 0, got {pool.price_per_gpu_hour}"
                 )
+            if pool.price_per_gpu_hour is not None and price_too_large(pool.price_per_gpu_hour):
+                raise InputError(source, at(f"pools[{k}].price_per_gpu_hour"), price_too_large(pool.price_per_gpu_hour))
         return plan
 
     @classmethod

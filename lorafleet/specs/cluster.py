@@ -28,6 +28,11 @@ MAX_NODES = 4096
 """The most nodes a pool may have (``PoolSpec.nodes``; ``plan --gpus auto --max-nodes`` is capped by it)."""
 MAX_GPUS_PER_NODE = 64
 """The most GPUs a node may hold."""
+MAX_PRICE_PER_GPU_HOUR = 1e9
+"""The largest ``price_per_gpu_hour`` a pool may have, in any currency (a GPU-hour costs a few units in most,
+some millions in the weakest). It keeps every cost the planner computes a finite number: the largest fleet
+(4,096 nodes of 64 GPUs) at this price costs about 7e10 a second, so a step, a job and their sums stay far
+below the largest float (1.8e308) that a price of 1e308 overflows to ``inf`` (and ``inf - inf`` to ``nan``)."""
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 SHORTHAND_KEYS = ("gpu", "nodes", "gpus_per_node", "price_per_gpu_hour", "profile")
 """The keys of a cluster written as its one pool (the shorthand): a pool's, less its name."""
@@ -45,7 +50,8 @@ class PoolSpec(Spec):
     gpus_per_node: Int = Field(8, gt=0, le=MAX_GPUS_PER_NODE)
     """GPUs in each node."""
     price_per_gpu_hour: Float | None = Field(None, ge=0)
-    """What one GPU of the pool costs an hour, in any currency (the same for every pool); none: unpriced."""
+    """What one GPU of the pool costs an hour, in any currency (the same for every pool), 0 (a pool already
+    owned) up to :data:`MAX_PRICE_PER_GPU_HOUR`; none: unpriced."""
     profile: str | None = Field(None, min_length=1)
     """A measured profile of the pool's GPU kind (relative to the workload file); none: the kind's analytic model."""
 
@@ -56,6 +62,14 @@ class PoolSpec(Spec):
             if key.lower() == value.lower():
                 return key
         raise ValueError(f"unknown GPU {value!r}; choose from {', '.join(GPU_PRESETS)}")
+
+    @field_validator("price_per_gpu_hour")
+    @classmethod
+    def _finite_cost(cls, value: float | None) -> float | None:
+        why = None if value is None else price_too_large(value)
+        if why:
+            raise ValueError(why)
+        return value
 
     @field_validator("name")
     @classmethod
@@ -75,6 +89,16 @@ class PoolSpec(Spec):
     def describe(self) -> str:
         """``16 x A100-40GB (a100)`` (:func:`describe_pool`)."""
         return describe_pool(self)
+
+
+def price_too_large(price: float) -> str | None:
+    """Why ``price`` (a GPU-hour's) is refused: above :data:`MAX_PRICE_PER_GPU_HOUR`; None when it is not."""
+    if not price > MAX_PRICE_PER_GPU_HOUR:
+        return None
+    return (
+        f"must be at most {MAX_PRICE_PER_GPU_HOUR:.0e} a GPU-hour (specs.cluster.MAX_PRICE_PER_GPU_HOUR), so that "
+        f"a plan's cost is a finite number; got {price:g}"
+    )
 
 
 class Pooled(Protocol):

@@ -61,6 +61,7 @@ def test_the_flat_shorthand_is_one_unnamed_pool_and_is_written_back_flat(tmp_pat
         ({"pools": [{**POOLS[0], "price_per_gpu_hour": -1}]}, "cluster.pools[0].price_per_gpu_hour", "or equal to 0"),
         ({"pools": [{**POOLS[0], "price_per_gpu_hour": ".nan"}]}, "cluster.pools[0].price_per_gpu_hour", "finite"),
         ({"pools": [{**POOLS[0], "price_per_gpu_hour": ".inf"}]}, "cluster.pools[0].price_per_gpu_hour", "finite"),
+        ({"pools": [{**POOLS[0], "price_per_gpu_hour": 1e308}]}, "cluster.pools[0].price_per_gpu_hour", "at most"),
         ({"pools": [{**POOLS[0], "name": "a b"}]}, "cluster.pools[0].name", "not a valid pool name"),
         ({"pools": []}, "cluster.pools", "at least one pool"),
         ({"pools": POOLS, "gpu": "A100-40GB"}, "cluster", "not both"),
