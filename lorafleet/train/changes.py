@@ -232,7 +232,7 @@ class FleetChanges:
             log(f"step {step}: no task is left to train")
             return Stop.ALL_LEFT
         workload = self._workload(running.workload, ledger.active)
-        cost_model = self._cost_model(workload, running.plan)
+        cost_model = fleet_cost_model(self.options, workload, running.plan)
         names = tuple(t.name for t in workload.tasks)
         moves = tasks_change or superseded
         answer = None
@@ -250,7 +250,8 @@ class FleetChanges:
         fault_point("decided", step)
         note = answer.describe() if answer else ""
         if isinstance(decision, HandOff):
-            self._hand_off(step, decision.plan, f"{note}; ", checkpoint)
+            checkpoint = checkpoint or self.fleet.checkpoint(step, wait=True)
+            log(handed_off(step, decision.plan, self.fleet.world_size, checkpoint, f"{note}; "))
             self._append(row(Outcome.HANDED_OFF, names, decision.plan.describe(), note=note))
             return Stop.HANDED_OFF
         export_leaving(self.options, step, leaving, running.workload.spec.tasks)
@@ -295,12 +296,6 @@ class FleetChanges:
         known = {name: length_histogram(data.raw_lengths) for name, data in self.added.items()}
         return changed_workload(workload, tasks, known)
 
-    def _cost_model(self, workload: Workload, plan: DeploymentPlan) -> CostModel:
-        """``plan``'s cost model for ``workload``'s tasks, as a launch builds it (``assemble.plan_cost_model``)."""
-        from lorafleet.assemble import plan_cost_model
-
-        return plan_cost_model(workload, plan.fleet(), plan, self.options.plan, self.options.profile)[0]
-
     def _apply(
         self, step: int, running: Running, workload: Workload, plan: DeploymentPlan, cost_model: CostModel
     ) -> tuple[Running, AppliedChange]:
@@ -315,7 +310,7 @@ class FleetChanges:
         log(f"step {step}: applied in the running fleet in {applied.seconds:.3g} s ({'; '.join(what)})")
         self.migration = learnt_migration(self.migration, applied, plan, workload)
         if len(plan.replicas) != len(running.plan.replicas):
-            cost_model = self._cost_model(workload, plan)
+            cost_model = fleet_cost_model(self.options, workload, plan)
         return running.after(workload, plan, cost_model), applied
 
     def _joining_data(self, task: TaskSpec) -> TaskData:
@@ -325,15 +320,6 @@ class FleetChanges:
 
         data = self.added.pop(task.name, None)
         return data or prepare_task_data(task, self.tokenizer, task.data.path if task.data else "queue")
-
-    def _hand_off(self, step: int, plan: DeploymentPlan, said: str = "", checkpoint: Path | None = None) -> None:
-        """``plan`` needs more processes than the run has: the workers stop at the committed checkpoint of ``step`` and
-        the launcher applies the pending change (``train.live.apply_pending``); ``said``: the log line's start."""
-        checkpoint = checkpoint or self.fleet.checkpoint(step, wait=True)
-        log(
-            f"step {step}: {said}it needs {plan.world_size} processes and the run has {self.fleet.world_size}: "
-            f"the workers restart to apply it (checkpoint {checkpoint.name})"
-        )
 
     # -- the re-plan beside the steps -----------------------------------------------------------------------
 
@@ -371,7 +357,7 @@ class FleetChanges:
         fault_point("decided", step)
         clear_pending_replan(self.options.queue_dir)  # its answer is recorded with the change
         if isinstance(decision, HandOff):
-            self._hand_off(step, decision.plan)
+            log(handed_off(step, decision.plan, self.fleet.world_size, self.fleet.checkpoint(step, wait=True)))
             self._append(row(outcome=Outcome.HANDED_OFF))
             return Stop.HANDED_OFF
         after, applied = self._apply(step, running, running.workload, decision.plan, running.cost_model)
@@ -440,4 +426,21 @@ def learnt_migration(
         migration,
         fixed_s=max(applied.seconds - stage, 0.0),
         load_bytes_per_s=largest / stage if stage > 0 else migration.load_bytes_per_s,
+    )
+
+
+def fleet_cost_model(options: TrainOptions, workload: Workload, plan: DeploymentPlan) -> CostModel:
+    """``plan``'s cost model for ``workload``'s tasks, as a launch builds it (``assemble.plan_cost_model``)."""
+    from lorafleet.assemble import plan_cost_model
+
+    return plan_cost_model(workload, plan.fleet(), plan, options.plan, options.profile)[0]
+
+
+def handed_off(step: int, plan: DeploymentPlan, world_size: int, checkpoint: Path, said: str = "") -> str:
+    """The log line of a change handed to the launcher: ``plan`` needs more processes than the run's
+    ``world_size``, so the workers stop at the committed ``checkpoint`` of ``step`` and the launcher applies it
+    (``train.live.apply_pending``); ``said``: the line's start."""
+    return (
+        f"step {step}: {said}it needs {plan.world_size} processes and the run has {world_size}: "
+        f"the workers restart to apply it (checkpoint {checkpoint.name})"
     )
