@@ -193,3 +193,29 @@ def test_a_hand_edited_record_naming_an_unknown_task_is_one_line(fleet):
     path.write_text(json.dumps(raw))
     with pytest.raises(InputError, match=r"\.apply\.json: requests\[0\]: no active task 'ghost' in this run"):
         in_flight(options, 0)
+
+
+def test_a_crash_amid_a_move_restarts_on_the_plan_before_it_and_moves_again_at_its_step(fleet, monkeypatch):
+    """#38: a restart during a move before any checkpoint after it replayed the steps before the move on the new plan
+    (3.0e-5 off the uninterrupted run, where restarts are promised bitwise under ``--no-recalibrate``). The move
+    (``moddoc`` fits no ``<1,1>``: the boundary re-plans to more replicas) settles only on a checkpoint after it;
+    a restart before that builds the plan before the move (``resume.in_flight``) and moves at its step again, to
+    the plan it recorded, without planning."""
+    options, running, changes, fake = fleet
+    add_request(options.queue_dir, "moddoc", batch=1, context=1536, at_step=2)
+    changes.due(2, running)
+    monkeypatch.setattr(changes.fleet, "checkpoint", _die)  # the join's checkpoint: died as it began
+    with pytest.raises(SystemExit):
+        changes.at_boundary(2, running)
+    monkeypatch.undo()
+    pending = load_pending(options.queue_dir)
+    assert pending.after.plan.describe() != running.plan.describe()  # a move, recorded
+    assert in_flight(options, 0).plan.describe() == running.plan.describe()  # the restart runs the old plan
+    fresh = FakeFleet()
+    again = restarted(options, running, fresh)
+    again.resume(0, running)
+    with counting() as work:
+        assert again.due(2, running)
+        after = again.at_boundary(2, running)
+    assert work["deployments_judged"] == 0 and after.plan.describe() == pending.after.plan.describe()
+    assert [(a[0], a[2]) for a in fresh.applied] == [(2, pending.after.plan.describe())]
