@@ -27,6 +27,7 @@
                   due and departures, the ledger, the added tasks' data, tokenized once, the migration
                   model, the re-plan beside the steps), by ``planner.decision``'s rule
     torch_fleet.py  TorchFleet: the FleetPort over rank 0's torch executor
+    joining.py    Joining: a task the queue adds has its data prepared beside the steps, and joins when ready
     inflight.py   a change as a transaction: .apply.json begun with the fleet before it, decided with the fleet
                   after it, settled once a checkpoint after it commits (the ledger, plan.json, run.json)
     live.py       what the fleet and the launcher share of a change (its workload, exports, re-plan);
@@ -42,7 +43,7 @@
 
 The launcher's modules (options, preflight, resume, revisions, replan, run_file, launcher, failures,
 phases, live, queue, summary) and the torch-free part of the fleet changes (running, changes, inflight,
-change_log)
+joining, change_log)
 import no torch (an import-linter contract): the checks of data, checkpoints and processes are
 ``lorafleet.runtime``'s, torch-free, and torch is imported only on a rank (rank, trainer, torch_fleet) and by
 torchrun's agent. (Reading a task's data may still load torch, through its tokenizer's library.)

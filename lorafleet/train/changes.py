@@ -44,6 +44,7 @@ from lorafleet.train.change_log import (
     truncate_changes,
 )
 from lorafleet.train.inflight import InFlight, Settling
+from lorafleet.train.joining import Joining
 from lorafleet.train.live import LEAVING, changed_workload, export_leaving, log, replan_change
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.queue import (
@@ -58,7 +59,7 @@ from lorafleet.train.queue import (
     load_pending_replan,
 )
 from lorafleet.train.running import AppliedChange, FleetPort, Running, Stop
-from lorafleet.workload import Workload, length_histogram
+from lorafleet.workload import Workload
 
 if TYPE_CHECKING:
     from lorafleet.costmodel import CostModel
@@ -92,8 +93,8 @@ class FleetChanges:
         self.options, self.fleet, self.tokenizer, self.migration = options, fleet, tokenizer, migration
         self.ledger = ledger
         """The ledger as the changes applied in this process left it (written when each settles)."""
-        self.added: dict[str, TaskData] = {}
-        """The data of the tasks the queue accepted (tokenized when they were checked), until they join."""
+        self.joining = Joining(tokenizer)
+        """The data of the tasks the queue accepted, prepared beside the steps until they join (``train.joining``)."""
         self.running: Running | None = None
         """The fleet the queue's checks judge a task against (the trainer's, set at every boundary)."""
         self.watcher = None
@@ -122,12 +123,33 @@ class FleetChanges:
         if self.flight.redo is not None:
             return self.flight.redo.step == step
         if self.watcher is not None:
-            self.requests = self.watcher.poll(step, accept=False)
+            self.requests = self._ready(self.watcher.poll(step, accept=False), step)
             if step < self.options.steps:
                 done, self.departure = departures_due(self.fleet, step, self.options.steps, bool(self.requests))
                 named = {r.name for r in self.requests}
                 self.requests += [r for r in done if r.name not in named]
         return bool(self.requests) or self.replan.due(step, self.fleet.end())
+
+    def _ready(self, requests: list[Request], step: int) -> list[Request]:
+        """The due ``requests`` that can be applied at the boundary before ``step``: an add whose data is still being
+        prepared waits (its file stays in the queue, read again at the next boundary), and so does every request
+        after it naming its task; an add whose data has a problem is rejected with its reason."""
+        assert self.watcher is not None
+        out, waiting = [], set()
+        for request in requests:
+            if request.name in waiting:
+                continue
+            problem = self.joining.problem(request.name) if request.action is Action.ADD else None
+            if problem is not None:
+                self.watcher.reject(self.options.queue_dir / request.file, problem)
+            elif request.action is Action.ADD and not self.joining.ready(request.name):
+                waiting.add(request.name)
+                if request.name not in self.joining.announced:
+                    self.joining.announced.add(request.name)
+                    log(f"step {step}: {request.name}'s data is being prepared beside the steps: it joins once it is")
+            else:
+                out.append(request)
+        return out
 
     def next_boundary(self) -> int | None:
         """A step a window must end at: a change found in flight's, a queued request's ``at_step``, a departure's, or
@@ -193,6 +215,7 @@ class FleetChanges:
         after the last step is never applied."""
         self.committed()
         clear_pending_replan(self.options.queue_dir)
+        self.joining.close()
 
     # -- a change of the tasks ------------------------------------------------------------------------------
 
@@ -285,16 +308,15 @@ class FleetChanges:
             self.watcher.ledger = ledger
 
     def _check(self, task: TaskSpec) -> None:
-        """The queue's check of a task to add (``QueueWatcher``'s ``check``): :func:`joining_data`, kept for when the
-        task joins."""
+        """The queue's check of a task to add (``QueueWatcher``'s ``check``): its data prepared beside the steps
+        (``train.joining``); a problem with it rejects the request when found."""
         assert self.running is not None
-        self.added[task.name] = joining_data(task, self.running, self.tokenizer)
+        self.joining.start(task, self.running)
 
     def _workload(self, workload: Workload, tasks: Sequence[TaskSpec]) -> Workload:
         """``workload`` with the ledger's active ``tasks``; a joining task's lengths read from its data, tokenized
-        once by the queue's check."""
-        known = {name: length_histogram(data.raw_lengths) for name, data in self.added.items()}
-        return changed_workload(workload, tasks, known)
+        once, beside the steps."""
+        return changed_workload(workload, tasks, self.joining.lengths())
 
     def _apply(
         self, step: int, running: Running, workload: Workload, plan: DeploymentPlan, cost_model: CostModel
@@ -314,11 +336,11 @@ class FleetChanges:
         return running.after(workload, plan, cost_model), applied
 
     def _joining_data(self, task: TaskSpec) -> TaskData:
-        """A joining task's data, as the queue's check tokenized it (else, a request the check did not see in this
-        launch, tokenized now)."""
+        """A joining task's data, as it was prepared beside the steps (else, a change done again after a restart,
+        tokenized now)."""
         from lorafleet.runtime.data_stream import prepare_task_data
 
-        data = self.added.pop(task.name, None)
+        data = self.joining.take(task.name)
         return data or prepare_task_data(task, self.tokenizer, task.data.path if task.data else "queue")
 
     # -- the re-plan beside the steps -----------------------------------------------------------------------
@@ -369,34 +391,6 @@ class FleetChanges:
 
     def _append(self, record: ChangeRecord) -> None:
         append_change(self.options.run_dir.changes, record)
-
-
-def joining_data(task: TaskSpec, running: Running, tokenizer: Any) -> TaskData:
-    """A task to add, checked against its data, not its declaration: its data tokenized as training will (once: its
-    lengths and its slot use it), lengths it declares (``lengths: {values: ...}``) no shorter than its data's longest
-    sequence after its overflow rule, and that sequence held to the configs of the running fleet's GPUs; InputError
-    or ValueError (the reason, for the queue's rejection) otherwise."""
-    from lorafleet.planner.candidates import valid_candidates
-    from lorafleet.runtime.data_stream import prepare_task_data
-
-    data = prepare_task_data(task, tokenizer, task.data.path if task.data else "queue")
-    known = {task.name: length_histogram(data.raw_lengths)}
-    resolved = changed_workload(running.workload, (task,), known).tasks[0]
-    longest = max(len(e) for e in data.examples)  # what it trains on (its overflow rule applied), not a declaration
-    if resolved.lengths.max_length < longest:
-        raise ValueError(
-            f"its lengths declare sequences of at most {resolved.lengths.max_length} tokens, but its data has one of "
-            f"{longest} (at context_length {task.context_length}): drop lengths to plan by its data, or lower "
-            "context_length"
-        )
-    cluster = running.plan.fleet()
-    largest = max((c.max_tokens for c in valid_candidates(running.cost_model, cluster)), default=0)
-    if longest > largest:
-        raise ValueError(
-            f"its {longest}-token sequences fit no config of {cluster.describe()} "
-            f"(at most {largest} tokens a micro-batch); lower context_length"
-        )
-    return data
 
 
 def departures_due(fleet: FleetPort, step: int, steps: int, now: bool) -> tuple[list[Request], int | None]:

@@ -95,3 +95,11 @@ def restarted(options: TrainOptions, running: Running, fake: FakeFleet) -> Fleet
     changes = FleetChanges(options, spec.defaults, ledger, fake, task_tokenizer(spec), MigrationModel(dtype_bytes=4))
     fake.changes = changes
     return changes
+
+
+def due_when_ready(changes: FleetChanges, step: int, running: Running) -> bool:
+    """``changes.due(step)`` once the data of the tasks its requests add is prepared (``train.joining``: in a thread
+    from the first reading; a test waits for it instead of running steps beside it)."""
+    changes.due(step, running)
+    changes.joining.wait()
+    return changes.due(step, running)

@@ -20,10 +20,10 @@ from lorafleet.plans import DeploymentPlan
 from lorafleet.train.change_log import ChangeKind, Outcome, read_changes
 from lorafleet.train.changes import departures_due
 from lorafleet.train.options import TrainOptions
-from lorafleet.train.queue import load_pending
+from lorafleet.train.queue import Ledger, load_pending
 from lorafleet.train.running import Running, Stop
 from lorafleet.work import counting
-from tests.helpers.fake_fleet import fleet_of
+from tests.helpers.fake_fleet import due_when_ready, fleet_of
 from tests.helpers.queue_fleet import add_request
 
 STEPS = 10
@@ -51,7 +51,7 @@ def test_a_queued_add_is_tokenized_once_kept_on_the_running_deployment_and_recor
     with counting() as work:
         assert not changes.due(2, running)
         assert changes.next_boundary() == 3
-        assert changes.due(3, running)
+        assert due_when_ready(changes, 3, running)
         after = changes.at_boundary(3, running)
         changes.replan.running.answer()  # the thread's work done before the scope closes
     assert work["tokenizations"] == 1
@@ -90,7 +90,7 @@ def test_the_replan_answer_is_applied_at_its_step_and_a_new_change_supersedes_it
     supersedes that re-plan (never applied, ``.replan.json`` removed)."""
     options, running, changes, fake = fleet
     add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=3)
-    changes.due(3, running)
+    due_when_ready(changes, 3, running)
     running = changes.at_boundary(3, running)
     assert not changes.due(4, running) or changes.replan.running is not None
     answered = changes.at_boundary(4, running)
@@ -98,11 +98,11 @@ def test_the_replan_answer_is_applied_at_its_step_and_a_new_change_supersedes_it
     assert [r.kind for r in _rows(options)] == [ChangeKind.CHANGE, ChangeKind.REPLAN]
     assert _rows(options)[1].replanned_for == 3 and _rows(options)[1].outcome in (Outcome.KEPT, Outcome.MOVED)
     add_request(options.queue_dir, "chat2", batch=2, context=128, at_step=5, data="chat")
-    changes.due(5, answered)
+    due_when_ready(changes, 5, answered)
     later = changes.at_boundary(5, answered)
     assert changes.replan.running is not None and changes.replan.at == 6
     add_request(options.queue_dir, "chat3", batch=2, context=128, at_step=6, data="chat")
-    assert changes.due(6, later)
+    assert due_when_ready(changes, 6, later)
     changes.at_boundary(6, later)
     assert (
         changes.replan.running is not None and changes.replan.running.step == 6
@@ -128,7 +128,7 @@ def test_a_task_no_replica_holds_replans_at_the_boundary_and_hands_off_when_it_n
     options, running, changes, fake = fleet
     fake.world_size = 2
     add_request(options.queue_dir, "moddoc", batch=1, context=1536, at_step=1)
-    changes.due(1, running)
+    due_when_ready(changes, 1, running)
     assert changes.at_boundary(1, running) is Stop.HANDED_OFF
     assert fake.applied == [] and fake.checkpoints == [(1, True)]
     (row,) = _rows(options)
@@ -142,7 +142,7 @@ def test_a_task_no_replica_holds_moves_the_fleet_at_its_boundary_on_one_tokeniza
     options, running, changes, fake = fleet
     add_request(options.queue_dir, "moddoc", batch=1, context=1536, at_step=1)
     with counting() as work:
-        changes.due(1, running)
+        due_when_ready(changes, 1, running)
         after = changes.at_boundary(1, running)
     assert work["tokenizations"] == 1
     assert isinstance(after, Running) and after.plan.describe() != running.plan.describe()
@@ -217,6 +217,38 @@ def test_an_add_is_checked_against_its_data_not_its_declared_lengths(fleet):
         f"name: moddoc\ndata: {{path: {DEMO / 'moddoc.jsonl'}}}\nlengths: {{values: [100, 120]}}\nbatch_size: 1\n"
         "context_length: 1536\nat_step: 1\n"
     )
-    assert not changes.due(1, running)
+    assert not due_when_ready(changes, 1, running)
     reason = (options.queue_dir / "rejected" / "add-moddoc.yaml.reason").read_text()
     assert "its lengths declare sequences of at most 120 tokens, but its data has one of" in reason
+
+
+def test_an_adds_data_is_prepared_beside_the_steps_and_the_task_joins_when_it_is_ready(fleet, monkeypatch):
+    """#38: a 39 MiB add stalled the whole fleet for 277 s while rank 0 tokenized it at its boundary. A large add's
+    data is prepared in a thread from the first reading (``train.joining``): while it is not ready the boundaries go
+    on without it (nothing waits), and the task joins at the first boundary after it is, its ``start_step`` that
+    step's in the ledger. (A small add's is prepared as its request is read, and it joins at its ``at_step``.)"""
+    import threading
+
+    from lorafleet.train import joining
+
+    options, running, changes, fake = fleet
+    gate = threading.Event()
+    prepare = joining.joining_data
+
+    def slow(task, running, tokenizer):
+        gate.wait(timeout=60)
+        return prepare(task, running, tokenizer)
+
+    monkeypatch.setattr(joining, "joining_data", slow)
+    changes.joining.beside_bytes = 0  # the demo's data is small: every add prepared beside the steps here
+    add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=2)
+    assert not changes.due(2, running) and not changes.due(3, running)  # neither boundary waits for the data
+    assert (options.queue_dir / "add-codegen.yaml").is_file() and fake.applied == []
+    gate.set()
+    changes.joining.wait()
+    assert changes.due(4, running)
+    after = changes.at_boundary(4, running)
+    assert after.names == ["docsum", "chat", "codegen"] and [a[0] for a in fake.applied] == [4]
+    changes.finish()
+    ledger = Ledger.load(options.out)
+    assert [(e.spec.name, e.spec.start_step) for e in ledger.entries][-1] == ("codegen", 4)

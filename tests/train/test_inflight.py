@@ -30,7 +30,7 @@ from lorafleet.train.queue import Ledger, load_pending
 from lorafleet.train.resume import in_flight
 from lorafleet.train.running import Running
 from lorafleet.work import counting
-from tests.helpers.fake_fleet import FakeFleet, fleet_of, restarted
+from tests.helpers.fake_fleet import FakeFleet, due_when_ready, fleet_of, restarted
 from tests.helpers.queue_fleet import add_request
 
 
@@ -57,11 +57,11 @@ def test_a_crash_before_the_change_is_recorded_leaves_its_requests_queued(fleet)
     still in the queue, so the restart takes it at its step, once."""
     options, running, changes, fake = fleet
     add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=3)
-    assert changes.due(3, running)  # died here
+    assert due_when_ready(changes, 3, running)  # died here
     assert (options.queue_dir / "add-codegen.yaml").is_file() and load_pending(options.queue_dir) is None
     again = restarted(options, running, FakeFleet())
     again.resume(0, running)
-    assert again.due(3, running) and [r.name for r in again.requests] == ["codegen"]
+    assert due_when_ready(again, 3, running) and [r.name for r in again.requests] == ["codegen"]
 
 
 @pytest.mark.parametrize("phase", ["begun", "decided", "applied"])
@@ -72,7 +72,7 @@ def test_a_crash_before_the_changes_checkpoint_does_it_again_at_its_step_once(fl
     no deployment is judged), the ledger taking the add once, one row."""
     options, running, changes, fake = fleet
     add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=3)
-    changes.due(3, running)
+    due_when_ready(changes, 3, running)
     if phase == "begun":
         monkeypatch.setattr(inflight, "decided", _die)
     elif phase == "decided":
@@ -107,7 +107,7 @@ def test_a_crash_after_the_changes_checkpoint_only_settles_it(fleet):
     after the change, and rank 0 only settles it (the ledger, the plan, the row): nothing is applied again."""
     options, running, changes, fake = fleet
     add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=3)
-    changes.due(3, running)
+    due_when_ready(changes, 3, running)
     after = changes.at_boundary(3, running)  # applied, its checkpoint started: died before the next boundary
     _checkpoint(options, 3, changed_at=3)
     pending = load_pending(options.queue_dir)
@@ -157,7 +157,7 @@ def test_a_stale_record_is_one_line(fleet):
     hand, or of another run): one line naming the file, not a traceback in every rank."""
     options, running, changes, fake = fleet
     add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=3)
-    changes.due(3, running)
+    due_when_ready(changes, 3, running)
     changes.at_boundary(3, running)
     _checkpoint(options, 6, changed_at=None)
     with pytest.raises(InputError, match=r"\.apply\.json: step: a change at step 3, but the run resumes from .* 6"):
@@ -185,7 +185,7 @@ def test_a_hand_edited_record_naming_an_unknown_task_is_one_line(fleet):
     the file and the request, exit 2."""
     options, running, changes, fake = fleet
     add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=3)
-    changes.due(3, running)
+    due_when_ready(changes, 3, running)
     changes.at_boundary(3, running)
     path = options.queue_dir / ".apply.json"
     raw = json.loads(path.read_text())
@@ -203,7 +203,7 @@ def test_a_crash_amid_a_move_restarts_on_the_plan_before_it_and_moves_again_at_i
     the plan it recorded, without planning."""
     options, running, changes, fake = fleet
     add_request(options.queue_dir, "moddoc", batch=1, context=1536, at_step=2)
-    changes.due(2, running)
+    due_when_ready(changes, 2, running)
     monkeypatch.setattr(changes.fleet, "checkpoint", _die)  # the join's checkpoint: died as it began
     with pytest.raises(SystemExit):
         changes.at_boundary(2, running)
