@@ -255,6 +255,8 @@ def failure_line(run_dir: RunDir, code: int, agent_pid: int) -> str:
         after = "no checkpoint was committed: free space and start it again (--overwrite)"
     elif full:
         after = f"the run's checkpoints are intact: free space and continue with --resume (from {found.step_dir.name})"
+    elif found is None and run_dir.run_file.is_file():  # the launcher wrote it: --resume starts again from step 0
+        after = "no checkpoint was committed: continue with --resume (from step 0, its queued changes kept)"
     elif found is None:
         after = "no checkpoint was committed: start it again (--overwrite)"
     else:

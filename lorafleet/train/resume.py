@@ -52,15 +52,16 @@ def resume_step(options: TrainOptions, warn: bool | None = None) -> int | None:
 
 
 def _resume_step(options: TrainOptions, warn: bool) -> int | None:
-    """The step a resume starts from, checked: an intact checkpoint exists (a restart may find none yet)
-    and ``--steps`` does not go below it. Broken newer checkpoints are reported."""
+    """The step a resume starts from, checked: an intact checkpoint exists, or the run started (its run file) and
+    none has committed yet (then 0, as a restart), and ``--steps`` does not go below it. Broken newer checkpoints
+    are reported."""
     from lorafleet.runtime.checkpoint_files import resumable_checkpoint
 
     checkpoints = options.run_dir.checkpoints
     found = resumable_checkpoint(checkpoints)
     if found is None:
-        if restarted():
-            return 0
+        if restarted() or options.run_dir.run_file.is_file():  # a run killed before its first checkpoint committed
+            return 0  # starts again from step 0 with what it recorded: its queue, its ledger, a change in flight
         raise InputError(ARGS, "--resume", f"nothing to resume: no checkpoint in {checkpoints}")
     for line in found.broken if warn else ():
         print(f"lorafleet train: warning: checkpoint {line}; resuming from {found.step_dir.name}", file=sys.stderr)

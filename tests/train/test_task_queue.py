@@ -220,6 +220,26 @@ def test_a_change_in_flight_is_finished_by_a_resume(runs, tmp_path):
     _ends_as_the_queued_run(out, queued, changes=(3, 6, 7))
 
 
+def test_a_change_in_flight_before_the_first_checkpoint_is_finished_by_a_resume_from_step_0(runs, tmp_path):
+    """Rank 0 is killed once the add of codegen at step 3 is applied, before any checkpoint has committed (the first
+    would be at step 4); without restarts the run stops. ``--resume`` starts it again from step 0 with what it
+    recorded (its queue, the change in flight, done again at its step): the add is not lost, and the run ends as the
+    uninterrupted one (soak_changes found ``--resume`` refusing here: "nothing to resume", the add lost)."""
+    queued, _, _, _ = runs
+    out = tmp_path / "early"
+    _queue_the_changes(out)
+    workload = queued.parent / "both.yaml"
+    env = {FAULT_ENV: "applied@3", FAULT_ONCE_ENV: str(tmp_path / "fault.once")}
+    argv = ["train", str(workload), "--plan", str(workload.with_suffix(".plan.json")), "--steps", str(STEPS),
+            "--out", str(out), "--no-progress", "--checkpoint-every", "4", "--migration-s", "0"]  # fmt: skip
+    crashed = subprocess.run([sys.executable, "-m", "lorafleet", *argv], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=600, env={**os.environ, **env})  # fmt: skip
+    assert crashed.returncode != 0 and not list((out / "checkpoints").glob("step-*")), crashed.stderr[-2000:]
+    assert "continue with --resume" in crashed.stderr, crashed.stderr[-2000:]
+    _train(workload, out, STEPS, "--resume", "--checkpoint-every", "4", "--migration-s", "0")
+    _ends_as_the_queued_run(out, queued)
+
+
 @pytest.mark.slow
 def test_a_crash_while_the_replan_runs_resumes_it_and_applies_it_at_its_step(runs, tmp_path):
     """``codegen`` joins at step 3 on the kept deployment and its re-plan runs beside the steps, due at step 6
