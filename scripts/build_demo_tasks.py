@@ -285,7 +285,7 @@ def token_lengths(rows: list[dict]) -> list[int]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from lorafleet.data.model_source import load_source_tokenizer, resolve_model_source
     from lorafleet.data.tokenize import tokenize_rows
-    from lorafleet.specs.workload import DataFormat
+    from lorafleet.specs.data import DataFormat
 
     if not hasattr(token_lengths, "tokenizer"):
         token_lengths.tokenizer = load_source_tokenizer(resolve_model_source("smollm2-135m"))

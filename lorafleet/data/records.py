@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.errors import InputError
-from lorafleet.specs.workload import DataFormat
+from lorafleet.specs.data import DataFormat
 
 Row = dict[str, Any]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from lorafleet.data.records import Row, detect_format
 from lorafleet.errors import InputError
-from lorafleet.specs.workload import DataFormat
+from lorafleet.specs.data import DataFormat
 from lorafleet.work import count as count_work
 
 IGNORE_INDEX = -100

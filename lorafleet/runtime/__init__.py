@@ -4,7 +4,7 @@ executor (``lorafleet.executor.torch``) use. Nothing here imports torch, so ``lo
 
 - ``processes.py``: how workers start (torchrun's argv, their environment, parent death, stop signals);
 - ``data_stream.py``: each task's examples as a deterministic, resumable stream (``DataStreams``,
-  ``training_streams``, ``task_tokenizer``);
+  ``training_streams``, ``task_tokenizer``), and ``eval_split.py``: a task's held-out rows;
 - ``checkpoint_files.py``: what a committed checkpoint is on disk, the newest intact one, the adapters'
   export (``step_dir_name``, ``resumable_checkpoint``, ``export_adapters``);
 - ``layout.py``: degree arithmetic (which rank holds which replica, stage, TP shard and layers);

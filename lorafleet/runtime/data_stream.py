@@ -43,6 +43,7 @@ from lorafleet.data.records import read_rows
 from lorafleet.data.tokenize import IGNORE_INDEX, Example, tokenize_rows
 from lorafleet.errors import InputError
 from lorafleet.plans import GlobalBatch
+from lorafleet.runtime.eval_split import held_out_examples
 from lorafleet.specs.workload import OverflowPolicy, TaskSpec, WorkloadSpec, fit_to_context
 from lorafleet.turns import TaskTurns, last_step, turns
 
@@ -65,8 +66,12 @@ class TaskData:
     no_target: int = 0
     """Examples dropped because no token of theirs carries a label."""
     raw_lengths: tuple[int, ...] = ()
-    """Every row's token length before the overflow rule, when known (:func:`prepare_task_data`): the lengths the
-    planner reads from the task's data (``workload``), so a task added to a running fleet is tokenized once."""
+    """Every training row's token length before the overflow rule, when known (:func:`prepare_task_data`): the
+    lengths the planner reads from the task's data (``workload``), so a task added to a running fleet is tokenized
+    once."""
+    eval_examples: tuple[Example, ...] = ()
+    """The held-out rows an evaluation reads (``runtime.eval_split``), after the overflow rule; none without an
+    ``eval``. Not in :attr:`fingerprint`: what a resume checks is the training data."""
 
     def __post_init__(self) -> None:
         if not self.examples:
@@ -107,18 +112,30 @@ def apply_overflow(name: str, examples: Sequence[Example], context_length: int, 
 
 
 def prepare_task_data(task: TaskSpec, tokenizer: Any, source: str) -> TaskData:
-    """Read, tokenize and apply the overflow policy to a task's ``data``; InputError when unusable."""
+    """Read, tokenize and apply the overflow policy to a task's ``data``, its held-out rows split off or read
+    (``runtime.eval_split``); InputError when unusable."""
     if task.data is None:
         raise InputError(source, f"tasks.{task.name}.data", "training needs data (a JSONL file or a saved dataset)")
     examples = tokenize_rows(tokenizer, read_rows(task.data.path), task.data.format, task.data.path)
+    examples, held_out = held_out_examples(task, examples, tokenizer)
     try:
-        return apply_overflow(task.name, examples, task.context_length, task.overflow)
+        data = apply_overflow(task.name, examples, task.context_length, task.overflow)
     except ValueError:
         raise InputError(
             task.data.path,
             "",
             f"no row is left to train on after overflow={task.overflow.value} at context_length={task.context_length}",
         ) from None
+    if not held_out:
+        return data
+    try:
+        evaluated = apply_overflow(task.name, held_out, task.context_length, task.overflow).examples
+    except ValueError:
+        where = task.eval.data.path if task.eval is not None and task.eval.data is not None else task.data.path
+        raise InputError(
+            where, "", f"task {task.name!r} has no held-out row to evaluate on after overflow={task.overflow.value}"
+        ) from None
+    return replace(data, eval_examples=evaluated)
 
 
 def task_key(seed: int, name: str) -> int:

@@ -37,6 +37,8 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from lorafleet.specs._base import FieldError, Float, Int, IntKey, Spec
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.data import DataSpec
+from lorafleet.specs.evaluation import EarlyStoppingSpec, EvalSpec
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.recompute import RecomputePolicy
@@ -93,28 +95,6 @@ MAX_STEPS = (2**63 - 1) // MAX_BATCH_SIZE
 """The most global steps a run (``train --steps``, a task's ``steps``, ``deadline`` and ``start_step``) may
 count: 9,223,372,036,854. A task's data cursor, its batches taken times its batch size, is a 64-bit sample
 id; at this many steps the largest batch size still fits."""
-
-
-class DataFormat(StrEnum):
-    """How rows of a task's dataset are turned into text."""
-
-    AUTO = "auto"
-    """``messages`` if present, else ``prompt``/``response``, else ``text``."""
-    PROMPT_RESPONSE = "prompt_response"
-    """Fields ``prompt`` and ``response``; loss on the response only."""
-    MESSAGES = "messages"
-    """A chat (``[{role, content}, ...]``) rendered with the tokenizer's chat template; loss on assistant turns."""
-    TEXT = "text"
-    """One ``text`` field; loss on every token."""
-
-
-class DataSpec(Spec):
-    """A task's training data on local disk."""
-
-    path: str = Field(min_length=1)
-    """A JSONL file or a directory saved by ``datasets.Dataset.save_to_disk``."""
-    format: DataFormat = DataFormat.AUTO
-    """How rows become text (see DataFormat)."""
 
 
 class LengthSpec(Spec):
@@ -203,6 +183,10 @@ class TaskSpec(Spec):
     once it has no slack left, whatever its share (needs ``steps``)."""
     start_step: Int = Field(0, ge=0, le=MAX_STEPS)
     """The first global step the task takes part in (a task added to a running job by its queue)."""
+    eval: EvalSpec | None = None
+    """Evaluation on held-out rows (``specs.evaluation``): its loss and token accuracy, and the best adapter."""
+    early_stopping: EarlyStoppingSpec | None = None
+    """Stop the task once its evaluation loss stops improving (needs ``eval``; ``specs.evaluation``)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -238,6 +222,8 @@ class TaskSpec(Spec):
             raise ValueError("needs one of preset, lengths or data")
         if self.steps is not None and self.epochs is not None:
             raise ValueError("set steps or epochs, not both")
+        if self.early_stopping is not None and self.eval is None:
+            raise FieldError(("early_stopping",), "early stopping needs an eval (eval: {split: 0.05})")
         if self.deadline is not None:
             if self.steps is None:
                 raise ValueError("a deadline needs steps")

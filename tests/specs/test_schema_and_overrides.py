@@ -14,6 +14,7 @@ from lorafleet.commands.schema import workload_json_schema
 from lorafleet.errors import InputError
 from lorafleet.rundir import RunDir
 from lorafleet.specs.cluster import ClusterSpec, PoolSpec
+from lorafleet.specs.evaluation import EarlyStoppingSpec, EvalSpec
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.workload import DataSpec, LengthSpec, TaskSpec, WorkloadSpec
 from lorafleet.workload import apply_overrides, load_workload
@@ -115,12 +116,13 @@ def test_doc_example_matches_the_schema():
 
 @pytest.mark.parametrize(
     "model",
-    [WorkloadSpec, ClusterSpec, PoolSpec, TaskSpec, DataSpec, LoraSpec, OptimizerSpec],
+    [WorkloadSpec, ClusterSpec, PoolSpec, TaskSpec, DataSpec, LoraSpec, OptimizerSpec, EvalSpec, EarlyStoppingSpec],
     ids=lambda m: m.__name__,
 )
 def test_doc_tabulates_every_field(model):
     text = DOC.read_text(encoding="utf-8")
-    missing = [name for name in model.model_fields if f"| `{name}` |" not in text]
+    prefix = {EvalSpec: "eval.", EarlyStoppingSpec: "early_stopping."}.get(model, "")
+    missing = [name for name in model.model_fields if f"| `{prefix}{name}` |" not in text]
     assert not missing, f"docs/workload.md has no table row for {model.__name__}: {missing}"
 
 

@@ -221,7 +221,7 @@ def test_a_random_presets_data_is_measured_with_the_tokenizer_it_trains_with(tmp
     tokenizer = data_tokenizer("tiny-llama", None, source="test")
     rows = read_rows(DEMO / "chat.jsonl")
     from lorafleet.data.tokenize import tokenize_rows
-    from lorafleet.specs.workload import DataFormat
+    from lorafleet.specs.data import DataFormat
 
     assert sorted({len(e) for e in tokenize_rows(tokenizer, rows, DataFormat.AUTO, "chat")}) == measured
 
