@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pickle
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,11 +215,13 @@ def train(run: Run) -> list[StepReport]:
     return reports
 
 
-def _rank_main(rank: int, world: int, init_file: str, runs: Sequence[Run], result_file: str) -> None:
+def _rank_main(
+    rank: int, world: int, init_file: str, runs: Sequence[Run], result_file: str, body: Callable = train
+) -> None:
     torch.set_num_threads(1)  # several ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        results = [train(run) for run in runs]
+        results = [body(run) for run in runs]
         if rank == 0:
             Path(result_file).write_bytes(pickle.dumps(results))
     except BaseException:
@@ -229,14 +231,15 @@ def _rank_main(rank: int, world: int, init_file: str, runs: Sequence[Run], resul
         dist.destroy_process_group()
 
 
-def run_world(world: int, runs: Sequence[Run], tmp: Path) -> list[list[StepReport]]:
-    """Runs ``runs`` one after another in one world of ``world`` gloo processes; rank 0's reports."""
+def run_world(world: int, runs: Sequence[Run], tmp: Path, body: Callable = train) -> list:
+    """Runs ``runs`` one after another in one world of ``world`` gloo processes, each by ``body`` (every rank's loop,
+    :func:`train` by default); rank 0's results (reports)."""
     init_file, result_file = tmp / "init", tmp / "reports.pkl"
     for path in (init_file, result_file):
         path.unlink(missing_ok=True)
     # fork, not spawn: a spawned child re-imports torch, transformers and peft (~8 s each when
     # four share two cores); a forked one starts with the test process's modules.
     mp.start_processes(
-        _rank_main, args=(world, str(init_file), list(runs), str(result_file)), nprocs=world, start_method="fork"
+        _rank_main, args=(world, str(init_file), list(runs), str(result_file), body), nprocs=world, start_method="fork"
     )
     return pickle.loads(result_file.read_bytes())

@@ -6,6 +6,7 @@
     <dir>/step-000004/<task>/adapter_config.json  a PEFT adapter (PeftModel.from_pretrained loads it)
     <dir>/step-000004/<task>/adapter_model.safetensors
     <dir>/step-000004/<task>/optimizer.safetensors  Adam moments etc., keyed like the adapter
+    <dir>/step-000004/<task>/best/                its best-evaluated adapter so far, when it has one (PEFT files)
     <dir>/latest.json                             {"step": 4, "path": "step-000004"}
 
 Whole matrices mean a run can resume on another plan (torchrun restarted it on fewer GPUs and
@@ -64,6 +65,8 @@ from lorafleet.specs.io import file_sha256, staged_directory, write_text_atomic
 from lorafleet.specs.lora import LoraSpec
 
 OPTIMIZER_FILE = "optimizer.safetensors"
+BEST_DIR = "best"
+"""A task's best-evaluated adapter, inside its directory of a checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -91,25 +94,36 @@ class TrainState:
     """``DataStreams.state_dict(step)``: cursors and example counts, checked on resume."""
     extra: dict[str, Any] = field(default_factory=dict)
     """The caller's JSON-serialisable state (the training loop's, the dispatcher's)."""
+    best: dict[str, dict[tuple[str, str], Tensor]] = field(default_factory=dict)
+    """Task name -> the whole matrices of its adapter at its best evaluation so far (``train.evaluation``): one
+    adapter copy a task, saved beside its adapter (``<task>/best/``)."""
 
 
 # ---- gather (collective) and restore (local) -------------------------------------------------
 
 
 def gather_task_states(
-    replica: Replica, optimizers: Sequence[TaskOptimizer], specs: Sequence[LoraSpec], names: Sequence[str]
+    replica: Replica,
+    optimizers: Sequence[TaskOptimizer],
+    specs: Sequence[LoraSpec],
+    names: Sequence[str],
+    *,
+    only: Collection[int] | None = None,
 ) -> tuple[TaskState, ...] | None:
-    """Whole adapters and optimizer states on rank 0 (None elsewhere). Collective over the world.
+    """Whole adapters and optimizer states on rank 0 (None elsewhere). Collective over the world. With ``only`` (task
+    indices), those tasks' adapters alone, without their optimizer states (a best adapter kept: ``train.evaluation``).
 
     Each piece is sent by its lowest holder (``GradSync.owned``): after the step every holder
     of a piece has the same bits, so one copy is enough.
     """
     local = []
     for piece in replica.grad_sync.owned:
+        if only is not None and piece.param.task not in only:
+            continue
         param = replica.params[piece.param.key]
         state = (
             optimizers[piece.param.task].optimizer.state.get(param, {})
-            if optimizers[piece.param.task].optimizer
+            if optimizers[piece.param.task].optimizer and only is None
             else {}
         )
         moments = {
@@ -151,6 +165,7 @@ def gather_task_states(
     return tuple(
         TaskState(name, spec, weights[t], moments_of[t], optimizers[t].steps_taken)
         for t, (name, spec) in enumerate(zip(names, specs, strict=True))
+        if only is None or t in only
     )
 
 
@@ -201,6 +216,8 @@ def save_train_state(directory: str | Path, state: TrainState, *, base_model: st
             write_peft_adapter(partial / task.name, task.spec, task.weights, base_model)
             moments = {_optimizer_key(*k): t.contiguous() for k, t in sorted(task.optimizer.items())}
             save_file(moments, partial / task.name / OPTIMIZER_FILE)
+            if task.name in state.best:
+                write_peft_adapter(partial / task.name / BEST_DIR, task.spec, state.best[task.name], base_model)
         manifest = {
             "format": FORMAT_VERSION,
             "step": state.step,
@@ -242,6 +259,7 @@ def load_train_state(step_dir: str | Path, names: Sequence[str], joining: Collec
     if missing:
         raise InputError(str(manifest_path), "tasks", f"checkpoint has tasks {list(saved)}, the run has {list(names)}")
     tasks: list[TaskState | None] = []
+    best: dict[str, dict[tuple[str, str], Tensor]] = {}
     for name in names:
         entry = saved.get(name)
         if entry is None or name in joining:
@@ -255,7 +273,11 @@ def load_train_state(step_dir: str | Path, names: Sequence[str], joining: Collec
             base, _, key = k.partition("::")
             moments[(*_split_peft_key(base), key)] = t
         tasks.append(TaskState(entry["name"], spec, weights, moments, int(entry["optimizer_steps"])))
-    return TrainState(int(manifest["step"]), tuple(tasks), manifest["data"], manifest.get("extra", {}))
+        if (path / BEST_DIR).is_dir():
+            best[name] = {
+                _split_peft_key(k): t for k, t in load_file(str(path / BEST_DIR / SAFETENSORS_WEIGHTS_NAME)).items()
+            }
+    return TrainState(int(manifest["step"]), tuple(tasks), manifest["data"], manifest.get("extra", {}), best)
 
 
 def _split_peft_key(key: str) -> tuple[str, str]:

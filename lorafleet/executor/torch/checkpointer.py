@@ -51,6 +51,9 @@ class Checkpointer:
     ) -> None:
         """``loras`` and ``names``: each task's adapter and name, in task order; ``base_model`` goes into each
         adapter's config (``ExecutorConfig.base_model``)."""
+        self.best: dict[str, dict] = {}
+        """Rank 0: task name -> the whole matrices of its best-evaluated adapter so far (:meth:`keep_best`), saved in
+        every checkpoint beside its adapter and restored from one."""
         self.retask(replica, optimizers, streams, loras, names)
         self.base_model = base_model
         self.rank = dist.get_rank()
@@ -67,7 +70,7 @@ class Checkpointer:
         states = gather_task_states(self.replica, self.optimizers, self.loras, self.names)
         if states is None:
             return None
-        state = TrainState(step, states, self.streams.state_dict(step), extra)
+        state = TrainState(step, states, self.streams.state_dict(step), extra, dict(self.best))
         assert self._writer is not None
         self._writing = self._writer.submit(save_train_state, directory, state, base_model=self.base_model)
         return Path(directory) / step_dir_name(step)
@@ -84,6 +87,14 @@ class Checkpointer:
         in flight goes on, with its own copy of what it writes)."""
         self.replica, self.optimizers, self.streams = replica, optimizers, streams
         self.loras, self.names = tuple(loras), tuple(names)
+        self.best = {name: weights for name, weights in self.best.items() if name in self.names}
+
+    def keep_best(self, tasks: Sequence[int]) -> None:
+        """Every rank (collective): the adapters of ``tasks`` (indices) as they are now, kept on rank 0 as their best
+        (an evaluation found them so: ``train.evaluation``); one adapter copy a task, no optimizer state."""
+        states = gather_task_states(self.replica, self.optimizers, self.loras, self.names, only=set(tasks))
+        for state in states or ():
+            self.best[state.name] = state.weights
 
     def flush(self) -> None:
         """Waits for the checkpoint being written, if any; re-raises its error."""
@@ -109,6 +120,8 @@ class Checkpointer:
     def restore(self, state: TrainState) -> None:
         """Every rank (no communication): ``state``'s whole matrices into this rank's shards and optimizers."""
         restore_task_states(self.replica, self.optimizers, state.tasks)
+        if self.rank == 0:
+            self.best = {name: weights for name, weights in state.best.items() if name in self.names}
 
     def close(self) -> None:
         """Stops the writer thread once its write is done (after :meth:`flush`)."""

@@ -82,7 +82,8 @@ def run_stream(
     Args:
         microbatches: the replica's micro-batches of the window, in stream order (every stage of it
             gets the same sequence).
-        order: ``("F", i)`` / ``("B", i)`` ops (``costmodel.schedule.stream_order`` of this stage).
+        order: ``("F", i)`` / ``("B", i)`` ops (``costmodel.schedule.stream_order`` of this stage); a micro-batch
+            without a backward in it (an evaluation's, forward only) keeps neither its input nor its output.
         role: this rank's stage.
         neighbours: peers and activation layout.
         forward: ``forward(i, x)`` runs micro-batch ``i`` on this stage; ``x`` is the received
@@ -93,6 +94,7 @@ def run_stream(
             replays).
     """
     first, last = role.is_first_stage, role.is_last_stage
+    backward = {i for kind, i in order if kind != FORWARD}  # forward-only ops (an evaluation's) keep nothing
     inputs: dict[int, Tensor | None] = {}
     outputs: dict[int, Tensor] = {}
     sends: list[tuple[dist.Work, Tensor]] = []  # kept alive until sent
@@ -110,10 +112,11 @@ def run_stream(
         if kind == FORWARD:
             x = None if first else recv(i, neighbours.prev, 2 * i)
             start = time.perf_counter()
-            if x is not None:
+            if x is not None and i in backward:
                 x.requires_grad_(True)
             y = forward(i, x)
-            inputs[i], outputs[i] = x, y
+            if i in backward:
+                inputs[i], outputs[i] = x, y
             if not last:
                 send(y.detach(), neighbours.next, 2 * i)
         else:

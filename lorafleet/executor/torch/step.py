@@ -181,11 +181,19 @@ def weighted_losses(model: nn.Module, role: RankRole, x: Tensor | None, inputs: 
     a fifth of SmolLM2-135M's multiply-adds a token). ``ℓ_i`` is computed in fp32 at least (bf16
     logits are upcast).
     """
-    logits = stage_forward(model, role, x, inputs, head_rows=inputs.loss_rows)  # (n, V)
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    targets = inputs.targets.view(-1).index_select(0, inputs.loss_rows)
+    logits, targets = target_logits(model, role, x, inputs)
     weights = inputs.weights.view(-1).index_select(0, inputs.loss_rows)
     return F.cross_entropy(logits, targets, reduction="none") * weights
+
+
+def target_logits(
+    model: nn.Module, role: RankRole, x: Tensor | None, inputs: MicroBatchInputs
+) -> tuple[Tensor, Tensor]:
+    """A last stage's logits at the rows with a target, ``(n, V)`` in fp32 at least, and those targets ``(n,)``: what
+    training's loss (:func:`weighted_losses`) and an evaluation's (``evaluate``) are computed from."""
+    logits = stage_forward(model, role, x, inputs, head_rows=inputs.loss_rows)  # (n, V)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return logits, inputs.targets.view(-1).index_select(0, inputs.loss_rows)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ The executor decides what every rank does next; two components do it:
 - ``checkpointer.Checkpointer``: flash checkpoints (gathered into rank 0's memory, written and
   committed by a background thread) and their restore.
 
-A change of the running fleet (tasks joining or leaving, a new deployment) is one more command:
+An evaluation (some tasks' held-out rows, forward only: ``evaluate``) and keeping a task's adapter as its best
+are two more commands (``train.evaluation`` decides when). A change of the running fleet (tasks joining or leaving,
+a new deployment) is one more command:
 :meth:`TorchExecutor.change` broadcasts a ``change.FleetChange`` at a step boundary, every rank changes its
 part of the fleet in place (``change.change_fleet``), and the next step runs on it; no process restarts.
 """
@@ -39,6 +41,7 @@ from lorafleet.executor.torch.base_model import SafetensorsWeights
 from lorafleet.executor.torch.change import PHASES, BaseSource, ChangeReport, FleetChange, TaskTraining, change_fleet
 from lorafleet.executor.torch.checkpoint import TrainState
 from lorafleet.executor.torch.checkpointer import Checkpointer
+from lorafleet.executor.torch.evaluate import EvalOutcome, EvalRun, eval_batch, run_evaluation
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.routing import LoraBackend
@@ -74,6 +77,8 @@ class CommandKind(StrEnum):
     SAVE = "save"
     RESTORE = "restore"
     CHANGE = "change"
+    EVAL = "eval"
+    KEEP_BEST = "keep_best"
     STOP = "stop"
 
 
@@ -199,6 +204,23 @@ class TorchExecutor:
         assert reports is not None
         return reports[0]
 
+    def eval_batch(self, step: int, names: Sequence[str]) -> GlobalBatch:
+        """The held-out rows of the tasks ``names`` as one batch at ``step`` (``evaluate.eval_batch``)."""
+        return eval_batch(self.streams, step, [self.names.index(n) for n in names])
+
+    def evaluate(self, step_plan: StepPlan, batch: GlobalBatch) -> EvalOutcome:
+        """Runs an evaluation of :meth:`eval_batch`'s rows, dispatched as ``step_plan``, on every rank, forward only
+        (``evaluate``); changes no training state."""
+        check_step_plan(step_plan, batch, len(self.config.plan.replicas))
+        run = EvalRun(step_plan, tuple(int(t) for t in batch.task_ids), tuple(int(s) for s in batch.sample_ids))
+        outcome = self._broadcast_and_run(Command(CommandKind.EVAL, run))
+        assert outcome is not None
+        return outcome
+
+    def keep_best(self, names: Sequence[str]) -> None:
+        """The adapters of ``names`` as they are now, kept as their best (``Checkpointer.keep_best``; collective)."""
+        self._broadcast_and_run(Command(CommandKind.KEEP_BEST, tuple(self.names.index(n) for n in names)))
+
     def save_checkpoint(
         self, directory: str | Path, step: int, extra: dict[str, Any] | None = None, *, wait: bool = False
     ) -> Path:
@@ -268,6 +290,10 @@ class TorchExecutor:
             return self.checkpointer.save(*command.payload)
         if command.kind is CommandKind.CHANGE:
             return self._change(command.payload)
+        if command.kind is CommandKind.EVAL:
+            return run_evaluation(self.replica, self.streams, self.device, command.payload, self.names)
+        if command.kind is CommandKind.KEEP_BEST:
+            return self.checkpointer.keep_best(command.payload)
         if command.kind is CommandKind.RESTORE:
             if command.payload is not None:
                 self.checkpointer.restore(command.payload)
