@@ -5,7 +5,8 @@ and these ranks share without torch is ``lorafleet.runtime``'s.
 - process start-up: ``launch.py`` (``init_distributed``, ``check_device_kinds``, ``build_torch_executor``);
 - the executor: ``worker.py`` (``TorchExecutor``: rank 0 coordinates, the others serve), a window of steps in
   ``window.py`` (``WindowRunner``), its checkpoints in ``checkpointer.py`` (``Checkpointer``), a change of its
-  tasks or deployment at a step boundary in ``change.py`` (``FleetChange``, ``change_fleet``);
+  tasks or deployment at a step boundary in ``change.py`` (``FleetChange``, ``change_fleet``), an evaluation
+  (held-out rows, forward only) in ``evaluate.py``;
 - a replica: ``replica.py`` (``build_replica``: this rank's stage), ``groups.py`` (``GroupCache``), ``tp.py``
   (Megatron TP), ``pipeline.py`` (stages, a 1F1B stream);
 - one rank's window: ``step.py`` (inputs, stage forward, per-task loss), ``attention.py`` (causal inside each
