@@ -9,6 +9,12 @@ and each phase's GPU-seconds are shared out among the tasks whose sequences it r
 (:func:`lorafleet.accounting.task_gpu_seconds`: by the simulated busy time of the replicas that
 ran them, the idle time by all of the phase's tasks), so Σ_tasks GPU-seconds_t = GPU-seconds.
 
+Tasks with an ``eval`` are evaluated and may stop early (:mod:`lorafleet.eval_replay`): a phase's windows
+end where a task may be due, each evaluation is priced on the phase's plan and billed to its tasks apart from
+the steps (:attr:`ScheduleRun.eval_gpu_seconds`), and a stopped task takes no step after it (its turns in a
+workload with shares are still drawn as if it took them). A phase whose tasks have all stopped runs empty
+steps, which cost nothing.
+
 Every phase sees the same sampled global batches (restricted to its tasks), the same
 noise seed, stragglers and failures, so methods are compared on identical data. Each phase
 runs its plan's dispatch policy, online recalibration included: a straggler is priced by
@@ -18,7 +24,7 @@ what it was measured to do, in every method alike.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, partial
 
 import numpy as np
@@ -26,6 +32,7 @@ import numpy as np
 from lorafleet.accounting import price_per_second, task_gpu_seconds
 from lorafleet.costmodel import CostModel
 from lorafleet.dispatch import Recalibrator, ReplicaCalibration
+from lorafleet.eval_replay import EvalReplay, TaskEvals
 from lorafleet.executor.simulated import SimulatedExecutor, SimulationOptions
 from lorafleet.loop import PolicySource, run_loop
 from lorafleet.metrics import DeploymentSteps, RunSummary, summarize_phases
@@ -48,6 +55,10 @@ class PhaseRun:
     """Each replica's recalibration factor after the last step."""
     task_gpu_s: tuple[dict[str, float], ...] = ()
     """Per step, the GPU-seconds each task owes (every task of the workload, 0 where absent)."""
+    evals: dict[str, TaskEvals] = field(default_factory=dict)
+    """The evaluations of the phase's tasks with an ``eval``, by task."""
+    eval_s: float = 0.0
+    """Wall time of the phase's evaluations."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +105,21 @@ class ScheduleRun:
     def task_tokens(self) -> dict[str, int]:
         """Each task's real tokens over all steps and phases."""
         return self.summary.task_tokens
+
+    @property
+    def evals(self) -> dict[str, TaskEvals]:
+        """Each evaluated task's evaluations and early stop, over all phases."""
+        return {name: e for p in self.phases for name, e in p.evals.items()}
+
+    @property
+    def eval_gpu_seconds(self) -> dict[str, float]:
+        """Each evaluated task's GPU-seconds of evaluation (apart from :attr:`task_gpu_seconds`, its steps')."""
+        return {name: e.eval_gpu_s for name, e in self.evals.items()}
+
+    @property
+    def total_gpu_seconds(self) -> float:
+        """The run's GPU-seconds: its steps' and its evaluations'."""
+        return float(self.gpu_seconds.sum()) + sum(self.eval_gpu_seconds.values())
 
     @property
     def padding_ratio(self) -> float:
@@ -152,12 +178,13 @@ class PoolUsage:
 
 
 def _phase_batch(
-    workload: Workload, tasks: tuple[int, ...], seed: int, took: np.ndarray | None, step: int
+    workload: Workload, tasks: tuple[int, ...], seed: int, took: np.ndarray | None, stopped: set[str], step: int
 ) -> GlobalBatch:
     """The phase's tasks' sequences of step ``step``; with ``took`` (``lorafleet.turns``: shares and deadlines),
-    only those whose turn it is."""
+    only those whose turn it is; never those ``stopped`` early."""
     if took is not None:
         tasks = tuple(t for t in tasks if took[step, t])
+    tasks = tuple(t for t in tasks if workload.tasks[t].name not in stopped)
     return select_tasks(sample_global_batch(workload, step, seed), tasks)
 
 
@@ -170,14 +197,18 @@ def _turns(workload: Workload, steps: int) -> np.ndarray | None:
 
 def _account(
     owed: list[dict[str, float]],
+    evals: EvalReplay,
     plan: DeploymentPlan,
     cost_model: CostModel,
     names: Sequence[str],
     report: StepReport,
     step_plan: StepPlan,
 ) -> None:
-    """``run_loop``'s ``on_report``: what each task owes for the step, appended to ``owed``."""
+    """``run_loop``'s ``on_report``: what each task owes for the step, appended to ``owed``; then the tasks due
+    an evaluation after it are evaluated."""
     owed.append(task_gpu_seconds(step_plan, report, plan, cost_model, names))
+    evals.took(report.task_tokens)
+    evals.evaluate(evals.due(), report.step + 1, plan, cost_model, names)
 
 
 def simulate_schedule(
@@ -187,22 +218,41 @@ def simulate_schedule(
     steps: int,
     options: SimulationOptions = SimulationOptions(),
     seed: int | None = None,
+    stops: bool = True,
 ) -> ScheduleRun:
-    """Simulate ``steps`` steps of ``schedule`` on batches sampled with ``seed`` (default: the workload's)."""
+    """Simulate ``steps`` steps of ``schedule`` on batches sampled with ``seed`` (default: the workload's);
+    ``stops=False``: the tasks are evaluated but never stop early (what an early stop saves against)."""
     seed = workload.spec.seed if seed is None else seed
     names = [t.name for t in workload.tasks]
     runs = []
     took = _turns(workload, steps) if len(schedule.phases) == 1 else None  # one task a phase: no sharing
     for phase in schedule.phases:
-        source = PolicySource(partial(_phase_batch, workload, phase.tasks, seed, took), phase.plan, cost_model)
+        present = [names[t] for t in phase.tasks]
+        evals = EvalReplay({n: workload.task(n) for n in present}, seed, stops)
+        batch = partial(_phase_batch, workload, phase.tasks, seed, took, evals.stopped)
+        source = PolicySource(batch, phase.plan, cost_model)
         executor = SimulatedExecutor(phase.plan, cost_model, names, options)
         recalibrator = Recalibrator.for_plan(phase.plan)
         owed: list[dict[str, float]] = []
-        account = partial(_account, owed, phase.plan, cost_model, names)
+        account = partial(_account, owed, evals, phase.plan, cost_model, names)
         reports = run_loop(
-            source, executor, range(steps), on_report=account, recalibrator=recalibrator, window=phase.plan.loop_window
+            source,
+            executor,
+            range(steps),
+            on_report=account,
+            recalibrator=recalibrator,
+            window=phase.plan.loop_window,
+            next_boundary=partial(evals.next_boundary, present=present),
         )
+        evals.evaluate(evals.due(last=present), steps, phase.plan, cost_model, names)  # after each task's last step
         runs.append(
-            PhaseRun(phase=phase, reports=tuple(reports), calibration=recalibrator.replicas(), task_gpu_s=tuple(owed))
+            PhaseRun(
+                phase=phase,
+                reports=tuple(reports),
+                calibration=recalibrator.replicas(),
+                task_gpu_s=tuple(owed),
+                evals=evals.outcomes(),
+                eval_s=evals.eval_seconds,
+            )
         )
     return ScheduleRun(name=schedule.name, gpus=schedule.max_gpus, phases=tuple(runs))

@@ -227,6 +227,22 @@ class CostModel:
         """Stage time of a micro-batch described by its shape (padded or packed), seconds."""
         return self.stage_coeffs(config).shape(mb) / MS_PER_S if mb.n_seqs else 0.0
 
+    def forward_time(self, config: ParallelConfig, microbatches: Sequence[MicroBatchShape]) -> float:
+        """One replica's time to run ``microbatches`` forward only (an evaluation), seconds::
+
+            T_F = Σ_k τF_k + (pp - 1) * max_k τF_k
+
+        τF_k the forward of micro-batch k on a stage: each coefficient of the stage time without recomputation
+        (an evaluation keeps no activations to recompute) times its forward share (``LayerTimeCoeffs.forward``:
+        2/7 of attention, 1/2 of the projections, the LM head and the elementwise passes, one of the two
+        pipeline messages). A forward-only stream fills and drains the pipeline once, ``pp - 1`` slots, and
+        no gradient is synchronised and no optimizer steps: no step overhead."""
+        shapes = [mb for mb in microbatches if mb.n_seqs]
+        if not shapes:
+            return 0.0
+        times = self.stage_coeffs(config.with_recompute(False)).forward().shapes(shapes) / MS_PER_S
+        return float(times.sum() + (config.pp - 1) * times.max())
+
     def adapter_params_per_device(self, config: ParallelConfig) -> float:
         """Adapter parameters on one device of ``config``: every task's, split over tp * pp."""
         return self.adapters.total_params(self.model) / config.n_gpus if self.adapters else 0.0

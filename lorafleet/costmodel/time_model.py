@@ -154,6 +154,10 @@ class LayerTimeCoeffs:
         """t(b, s) of the block under activation recomputation: c_i * (1 + FORWARD_SHARE_i)."""
         return LayerTimeCoeffs(tuple(c * (1 + share) for c, share in zip(self.c, FORWARD_SHARE)))
 
+    def forward(self) -> LayerTimeCoeffs:
+        """t(b, s) of the forward alone: c_i * FORWARD_SHARE_i (an evaluation's micro-batch: no backward)."""
+        return LayerTimeCoeffs(tuple(c * share for c, share in zip(self.c, FORWARD_SHARE)))
+
     @staticmethod
     def design_row(b: np.ndarray, s: np.ndarray) -> np.ndarray:
         """Feature matrix X with t = X @ c for padded (b, s): columns b s^2, s^2, b s, s, b, 1."""

@@ -27,6 +27,7 @@ from pydantic import Field, model_validator
 
 from lorafleet.specs._base import Float, Int, Spec
 from lorafleet.specs.data import DataSpec
+from lorafleet.specs.loss_curve import LossCurveSpec
 
 DEFAULT_SPLIT = 0.05
 """The held-out fraction of a task's rows when its ``eval`` names neither ``split`` nor ``data``."""
@@ -45,6 +46,10 @@ class EvalSpec(Spec):
     """Evaluate after every this many of the task's own steps (module doc), and after its last."""
     max_rows: Int = Field(512, ge=1, le=1_000_000)
     """At most this many held-out rows an evaluation (the first in the split's hash order): bounds its cost."""
+    curve: LossCurveSpec | None = None
+    """What-ifs only: the task's evaluation loss as a curve of its trained tokens (``specs.loss_curve``), which
+    ``simulate`` evaluates and stops the task by; ``train`` measures its losses and ignores it. None: no modelled
+    loss, so the task's evaluations are priced but it never stops early."""
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,244 @@
+"""Evaluations and early stops replayed in a what-if (``simulate`` and ``simulate --arrivals``).
+
+**When.** A task with an ``eval`` is evaluated after every ``every_steps`` of its own steps (the steps it
+took part in) and after its last (``specs.evaluation``). Tasks due at the same step boundary are evaluated
+together, as one forward-only pass over the fleet.
+
+**What it costs.** An evaluation runs a task's held-out rows forward only. Their number:
+``min(max_rows, round(split x rows))`` when the task's rows are known (its lengths were read from its
+dataset, ``Task.histogram``) and it has a ``split``, else ``max_rows`` (a preset's or a given length
+distribution knows no rows; a held-out ``data`` file is not read by a what-if). Their lengths are drawn once
+per task from its length distribution, by the one sampling rule's generator at a step no run reaches
+(:data:`HELD_OUT_STEP`), so every evaluation of the task sees the same rows. The pass is placed by the
+dispatcher under the plan's policy (``dispatch_step``: packed or padded, split across the replicas like any
+batch) and priced by the cost model as forward-only work (``CostModel.forward_time``: each coefficient of
+the stage time times its forward share, a pipeline filled and drained once, no gradient sync and no
+optimizer step)::
+
+    T_eval = max_r T_F,r          GPU-seconds_eval = T_eval x plan.used_gpus
+
+the fleet held for the whole pass, as a step holds it. Its GPU-seconds are billed to the tasks evaluated by
+the accounting's rule (``accounting.task_gpu_seconds``: by their share of each replica's time, the idle time
+by all of them), reported apart from their steps' (:attr:`TaskEvals.eval_gpu_s`), and the clock waits
+``T_eval``.
+
+**The loss and the stop.** A task's loss at an evaluation is its curve (``eval.curve``,
+``lorafleet.loss_curve``) at the real tokens it has trained, deterministic; ``Stopping.observe`` (the one
+rule ``train`` follows) decides whether it stops. A stopped task takes no more steps: it departs at that step
+boundary, as a task that took its steps does. A task without a curve has no modelled loss: its evaluations are
+priced and it never stops early.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lorafleet.accounting import task_gpu_seconds
+from lorafleet.costmodel import CostModel
+from lorafleet.dispatch import dispatch_step
+from lorafleet.loss_curve import curve_loss
+from lorafleet.plans import DeploymentPlan, StepReport
+from lorafleet.sampling import TaskDraw, global_batch, task_rng
+from lorafleet.stopping import Stopping
+from lorafleet.workload import Task
+
+HELD_OUT_STEP = 2**62
+"""The step a task's held-out lengths are drawn at (``sampling.task_rng``): beyond any run's steps, so they are
+drawn from a generator no training batch uses."""
+
+
+def held_out_rows(task: Task) -> int:
+    """Rows one evaluation of ``task`` runs (module doc); ``task`` has an ``eval``."""
+    spec = task.spec.eval
+    assert spec is not None
+    if spec.split is None or task.histogram is None:
+        return spec.max_rows
+    return max(1, min(spec.max_rows, round(spec.split * sum(task.histogram.values()))))
+
+
+def held_out_lengths(task: Task, seed: int) -> np.ndarray:
+    """The lengths of ``task``'s held-out rows in a what-if seeded ``seed`` (module doc), int64."""
+    rng = task_rng(seed, HELD_OUT_STEP, task.name)
+    return task.lengths.sample(held_out_rows(task), rng).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class EvalCost:
+    """One evaluation pass over the fleet."""
+
+    seconds: float
+    """Its wall time: the slowest replica's forward-only time."""
+    task_gpu_s: dict[str, float]
+    """What each task evaluated owes of ``seconds x plan.used_gpus``."""
+
+
+def price_evaluation(
+    lengths: Mapping[str, np.ndarray], step: int, plan: DeploymentPlan, cost_model: CostModel, names: Sequence[str]
+) -> EvalCost:
+    """The pass over the held-out rows ``lengths[task]`` of the tasks evaluated together at ``step`` on ``plan``
+    (module doc); ``names`` are the task ids the plan's dispatch and accounting index."""
+    draws = [(names.index(name), 0, TaskDraw(rows, 0, 0)) for name, rows in lengths.items()]
+    step_plan = dispatch_step(global_batch(step, draws), plan, cost_model)
+    busy = tuple(
+        cost_model.forward_time(r.config, [mb.shape for mb in w.microbatches])
+        for r, w in zip(plan.replicas, step_plan.work, strict=True)
+    )
+    report = StepReport(step=step, replica_busy_s=busy, makespan_s=max(busy))
+    owed = task_gpu_seconds(step_plan, report, plan, cost_model, names)
+    return EvalCost(seconds=report.makespan_s, task_gpu_s={name: owed[name] for name in lengths})
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """One evaluation of one task."""
+
+    task: str
+    step: int
+    """Global steps run when it ran (it follows the step numbered ``step - 1`` from 0)."""
+    own_step: int
+    """The task's own steps taken then."""
+    tokens: int
+    """Real tokens the task had trained."""
+    loss: float | None
+    """Its curve's loss there (None: the task has no curve)."""
+    rows: int
+    gpu_s: float
+    """The task's part of the pass's GPU-seconds."""
+    seconds: float
+    """The pass's wall time (shared by the tasks evaluated together)."""
+    improved: bool
+    stopped: bool
+
+
+@dataclass(frozen=True)
+class TaskEvals:
+    """What became of one task's evaluations in a what-if."""
+
+    task: str
+    steps: int
+    """Its own steps taken."""
+    records: tuple[EvalRecord, ...]
+    state: Stopping
+    """The early-stopping state after its last evaluation (its best, whether it stopped)."""
+
+    @property
+    def eval_gpu_s(self) -> float:
+        return sum(r.gpu_s for r in self.records)
+
+    @property
+    def stop_step(self) -> int | None:
+        """The global step count after which it stopped early (None: it did not)."""
+        return self.records[-1].step if self.state.stopped else None
+
+
+@dataclass
+class EvalReplay:
+    """The evaluations of one run's tasks, step after step (module doc). The caller reports each step's tokens
+    (:meth:`took`), asks which tasks are due (:meth:`due`) and evaluates them on its plan (:meth:`evaluate`);
+    :attr:`stopped` are the tasks that stopped early. ``stops=False`` evaluates without ever stopping (the
+    reference a saving is measured against)."""
+
+    tasks: Mapping[str, Task]
+    seed: int
+    stops: bool = True
+    own: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    state: dict[str, Stopping] = field(default_factory=dict)
+    records: list[EvalRecord] = field(default_factory=list)
+    stopped: set[str] = field(default_factory=set)
+    eval_seconds: float = 0.0
+    """Wall time of every pass so far."""
+    _rows: dict[str, np.ndarray] = field(default_factory=dict)
+    _evaluated_at: dict[str, int] = field(default_factory=dict)
+
+    def took(self, task_tokens: Mapping[str, int]) -> None:
+        """A step ran: each task with tokens in it took one more of its own steps."""
+        for name, n in task_tokens.items():
+            if n > 0:
+                self.own[name] = self.own.get(name, 0) + 1
+                self.tokens[name] = self.tokens.get(name, 0) + int(n)
+
+    def _evaluated(self, name: str) -> bool:
+        """Task ``name`` has no eval, has stopped, or was evaluated after its latest step."""
+        return (
+            self.tasks[name].spec.eval is None
+            or name in self.stopped
+            or self._evaluated_at.get(name) == self.own.get(name, 0)
+        )
+
+    def due(self, last: Collection[str] = ()) -> list[str]:
+        """Tasks due an evaluation now: ``every_steps`` of their own steps since the last, or their last step
+        taken (``last``: tasks that have taken their last step)."""
+        out = []
+        for name, own in self.own.items():
+            if self._evaluated(name):
+                continue
+            spec = self.tasks[name].spec.eval
+            if own % spec.every_steps == 0 or name in last:  # type: ignore[union-attr]
+                out.append(name)
+        return out
+
+    def next_boundary(self, step: int, present: Collection[str]) -> int | None:
+        """The first step boundary after ``step`` where a task of ``present`` may be due, if it takes part in
+        every step (a task that skips steps is due no sooner); None: none has an eval."""
+        ahead = [
+            step + every - self.own.get(name, 0) % every
+            for name in present
+            if name not in self.stopped and (every := _every(self.tasks[name])) is not None
+        ]
+        return min(ahead, default=None)
+
+    def evaluate(
+        self, names: Sequence[str], step: int, plan: DeploymentPlan, cost_model: CostModel, ids: Sequence[str]
+    ) -> EvalCost | None:
+        """Evaluate the tasks ``names`` together after global step count ``step`` on ``plan`` (task ids index
+        ``ids``): each loss from its curve, each stop decided; None when ``names`` is empty."""
+        if not names:
+            return None
+        for name in names:
+            if name not in self._rows:
+                self._rows[name] = held_out_lengths(self.tasks[name], self.seed)
+        cost = price_evaluation({n: self._rows[n] for n in names}, step, plan, cost_model, ids)
+        self.eval_seconds += cost.seconds
+        for name in names:
+            spec = self.tasks[name].spec
+            curve = spec.eval.curve  # type: ignore[union-attr]
+            loss = None if curve is None else curve_loss(curve, self.tokens[name])
+            before = self.state.get(name, Stopping())
+            after = before if loss is None else before.observe(loss, step, spec.early_stopping if self.stops else None)
+            self.state[name] = after
+            self._evaluated_at[name] = self.own[name]
+            if after.stopped:
+                self.stopped.add(name)
+            self.records.append(
+                EvalRecord(
+                    name,
+                    step,
+                    self.own[name],
+                    self.tokens[name],
+                    loss,
+                    len(self._rows[name]),
+                    cost.task_gpu_s[name],
+                    cost.seconds,
+                    loss is not None and after.improved,
+                    after.stopped,
+                )  # fmt: skip
+            )
+        return cost
+
+    def outcomes(self) -> dict[str, TaskEvals]:
+        """Every task with an eval that took a step: its records and state."""
+        return {
+            name: TaskEvals(
+                name, self.own[name], tuple(r for r in self.records if r.task == name), self.state.get(name, Stopping())
+            )
+            for name, task in self.tasks.items()
+            if task.spec.eval is not None and name in self.own
+        }
+
+
+def _every(task: Task) -> int | None:
+    return task.spec.eval.every_steps if task.spec.eval is not None else None

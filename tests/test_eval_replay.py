@@ -1,0 +1,122 @@
+"""Evaluations and early stops replayed by ``simulate`` (``lorafleet.eval_replay`` on ``simulate_schedule``): when a
+task is evaluated, what a pass costs and who pays it, the stop and what it saves; counts, not timings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lorafleet.eval_replay import held_out_lengths, held_out_rows, price_evaluation
+from lorafleet.loss_curve import curve_loss
+from lorafleet.simulate import simulate_schedule
+from lorafleet.specs.evaluation import EarlyStoppingSpec, EvalSpec
+from lorafleet.specs.loss_curve import LossCurveSpec
+from lorafleet.workload import Task, Workload
+
+CURVE = LossCurveSpec(l_inf=1.0, a=0.5, alpha=0.5, rise=5.0, rise_after=0.2)
+"""Falls to its lowest at 0.2 M tokens, then rises steeply (chat trains ~15k tokens a step)."""
+
+
+def _with_evals(workload: Workload, **by_task: dict) -> Workload:
+    tasks = []
+    for task in workload.tasks:
+        update = {k: (EvalSpec.model_validate(v) if k == "eval" else EarlyStoppingSpec.model_validate(v))
+                  for k, v in by_task.get(task.name, {}).items()}  # fmt: skip
+        tasks.append(Task(task.spec.model_copy(update=update), task.raw_lengths, task.lengths, task.overflow_fraction))
+    spec = workload.spec.model_copy(update={"tasks": tuple(t.spec for t in tasks)})
+    return Workload(path=workload.path, spec=spec, model=workload.model, tasks=tuple(tasks))
+
+
+def test_each_task_is_evaluated_every_n_of_its_steps_and_after_its_last(small):
+    workload, cost_model, result = small
+    workload = _with_evals(
+        workload, chat={"eval": {"every_steps": 5, "max_rows": 64}}, docs={"eval": {"every_steps": 7}}
+    )
+    run = simulate_schedule(workload, result.schedule, cost_model, 12)
+    evals = run.evals
+    assert [r.own_step for r in evals["chat"].records] == [5, 10, 12]
+    assert [r.own_step for r in evals["docs"].records] == [7, 12]
+    assert [r.rows for r in evals["chat"].records] == [64] * 3 and evals["docs"].records[0].rows == 512
+    assert all(r.loss is None and not r.stopped for e in evals.values() for r in e.records)  # no curve: no loss
+    tokens = np.cumsum([rep.task_tokens["chat"] for rep in run.phases[0].reports])
+    assert [r.tokens for r in evals["chat"].records] == [tokens[4], tokens[9], tokens[11]]
+
+
+def test_an_evaluation_is_billed_to_its_tasks_apart_from_their_steps(small):
+    workload, cost_model, result = small
+    workload = _with_evals(workload, chat={"eval": {"every_steps": 4, "max_rows": 64}})
+    run = simulate_schedule(workload, result.schedule, cost_model, 8)
+    plan = result.schedule.phases[0].plan
+    records = run.evals["chat"].records
+    assert run.eval_gpu_seconds == {"chat": pytest.approx(sum(r.seconds for r in records) * plan.used_gpus)}
+    assert run.total_gpu_seconds == pytest.approx(run.gpu_seconds.sum() + run.eval_gpu_seconds["chat"])
+    assert run.phases[0].eval_s == pytest.approx(sum(r.seconds for r in records))
+    without = simulate_schedule(_with_evals(workload), result.schedule, cost_model, 8)
+    assert without.gpu_seconds.sum() == pytest.approx(run.gpu_seconds.sum())  # windows end at evals: same steps here
+
+
+def test_a_pass_is_the_slowest_replicas_forward_over_the_dispatched_rows(small):
+    from lorafleet.dispatch import dispatch_step
+    from lorafleet.sampling import TaskDraw, global_batch
+
+    workload, cost_model, result = small
+    plan = result.schedule.phases[0].plan
+    names = [t.name for t in workload.tasks]
+    rows = {"chat": np.full(40, 300), "docs": np.full(6, 3000)}
+    cost = price_evaluation(rows, 3, plan, cost_model, names)
+    step_plan = dispatch_step(
+        global_batch(3, [(0, 0, TaskDraw(rows["chat"], 0, 0)), (1, 0, TaskDraw(rows["docs"], 0, 0))]), plan, cost_model
+    )
+    forward = [cost_model.forward_time(r.config, [mb.shape for mb in w.microbatches])
+               for r, w in zip(plan.replicas, step_plan.work)]  # fmt: skip
+    assert cost.seconds == pytest.approx(max(forward))
+    assert sum(cost.task_gpu_s.values()) == pytest.approx(cost.seconds * plan.used_gpus)
+    assert cost.task_gpu_s["docs"] > cost.task_gpu_s["chat"] > 0  # 18k tokens against 12k, attention quadratic
+
+
+def test_held_out_rows_split_of_known_rows_else_max_rows(small):
+    workload, _, _ = small
+    chat = _with_evals(workload, chat={"eval": {"split": 0.02, "max_rows": 100}}).task("chat")
+    assert held_out_rows(chat) == 100  # a length distribution knows no rows
+    known = Task(chat.spec, chat.raw_lengths, chat.lengths, chat.overflow_fraction, histogram={300: 2000, 500: 1000})
+    assert held_out_rows(known) == 60  # round(0.02 x 3000)
+    lengths = held_out_lengths(known, seed=0)
+    assert lengths.size == 60 and np.array_equal(lengths, held_out_lengths(known, seed=0))
+    assert not np.array_equal(lengths, held_out_lengths(known, seed=1))
+
+
+def test_a_task_stops_patience_evaluations_after_its_best_and_takes_no_step_after(small):
+    workload, cost_model, result = small
+    workload = _with_evals(
+        workload,
+        chat={
+            "eval": {"every_steps": 5, "max_rows": 64, "curve": CURVE.model_dump()},
+            "early_stopping": {"patience": 2},
+        },
+    )
+    run = simulate_schedule(workload, result.schedule, cost_model, 40)
+    chat = run.evals["chat"]
+    losses = [r.loss for r in chat.records]
+    assert losses == pytest.approx([curve_loss(CURVE, r.tokens) for r in chat.records])
+    best = int(np.argmin(losses))
+    assert len(chat.records) == best + 1 + 2 and chat.state.stopped  # patience 2 after the best
+    assert chat.stop_step == chat.records[-1].step == chat.steps == 25
+    assert chat.state.best_step == chat.records[best].step == 15
+    reports = run.phases[0].reports
+    assert all(r.task_tokens.get("chat", 0) > 0 for r in reports[:25])
+    assert all(r.task_tokens.get("chat", 0) == 0 for r in reports[25:]) and len(reports) == 40
+
+    reference = simulate_schedule(workload, result.schedule, cost_model, 40, stops=False)
+    assert reference.evals["chat"].steps == 40 and not reference.evals["chat"].state.stopped
+    assert [r.loss for r in reference.evals["chat"].records[:5]] == losses
+    assert reference.total_gpu_seconds > run.total_gpu_seconds  # the steps chat did not take
+
+
+def test_every_schedule_replays_the_same_stop(small):
+    workload, cost_model, result = small
+    workload = _with_evals(
+        workload, chat={"eval": {"every_steps": 5, "max_rows": 64, "curve": CURVE.model_dump()}, "early_stopping": {}}
+    )
+    stops = {s.name: simulate_schedule(workload, s, cost_model, 40).evals["chat"].stop_step
+             for s in (result.schedule, *result.baselines)}  # fmt: skip
+    assert set(stops.values()) == {30}  # patience 3: the same tokens in every method, so the same stop
