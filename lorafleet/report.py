@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lorafleet.accounting import SECONDS_PER_HOUR
+from lorafleet.eval_replay import TaskEvals
 from lorafleet.simulate import ScheduleRun
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.io import write_text_atomic
@@ -97,6 +98,49 @@ def task_cost_rows(run: ScheduleRun) -> list[Row]:
             }
         )
     return rows
+
+
+def eval_rows(evals: Mapping[str, TaskEvals], reference: Mapping[str, TaskEvals] | None = None) -> list[Row]:
+    """One row per evaluated task (``simulate`` and ``simulate --arrivals``): its evaluations, their GPU-seconds,
+    its best evaluation (the global step count after it, its loss), the step it stopped early at, its steps
+    taken and, with ``reference`` (the same run with no early stop), the steps it did not take."""
+    rows = []
+    for name, e in evals.items():
+        best = e.state.best_loss if e.state.best_step is not None else None
+        row: Row = {
+            "task": name,
+            "evals": len(e.records),
+            "eval_gpu_s": e.eval_gpu_s,
+            "best_step": e.state.best_step if best is not None else "-",
+            "best_loss": best if best is not None else "-",
+            "stopped_at": e.stop_step if e.stop_step is not None else "-",
+            "steps": e.steps,
+        }
+        if reference is not None:
+            row["not_taken"] = reference[name].steps - e.steps
+        rows.append(row)
+    return rows
+
+
+def _plot_evals(evals: Mapping[str, TaskEvals], out: Path) -> None:
+    """Each evaluated task's loss against its trained tokens, its best circled and its stop crossed."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, e in evals.items():
+        points = [(r.tokens / 1e6, r.loss) for r in e.records if r.loss is not None]
+        if not points:
+            continue
+        (line,) = ax.plot(*zip(*points), marker=".", label=name)
+        best = next(r for r in e.records if r.step == e.state.best_step)
+        ax.plot(best.tokens / 1e6, best.loss, "o", mfc="none", ms=10, color=line.get_color())
+        if e.stop_step is not None:
+            ax.plot(points[-1][0], points[-1][1], "x", ms=10, color=line.get_color())
+    ax.set_xlabel("tokens trained (M)")
+    ax.set_ylabel("eval loss (curve)")
+    ax.set_title("evaluations: best (o) and early stop (x)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
 
 
 def _plot_makespan(runs: Sequence[ScheduleRun], out: Path) -> None:
@@ -187,6 +231,28 @@ def _json_safe(rows: Sequence[Row]) -> list[Row]:
     return [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
 
 
+def eval_totals(gpu_s: float, eval_gpu_s: float, reference_gpu_s: float | None = None) -> str:
+    """One line: a run's evaluation GPU-seconds over the rest of its ``gpu_s`` (its steps', and its migrations'
+    in a replay), and, with ``reference_gpu_s`` (the same run with no early stop), what early stopping saved."""
+    rest = gpu_s - eval_gpu_s
+    line = f"evaluations {eval_gpu_s:,.1f} GPU-s, {eval_gpu_s / rest:.2%} over the rest's {rest:,.1f}"
+    if reference_gpu_s is None:
+        return line
+    saved = reference_gpu_s - gpu_s
+    return f"{line}; early stopping saved {saved:,.1f} GPU-s ({saved / reference_gpu_s:.1%}) of {reference_gpu_s:,.1f}"
+
+
+def _evals_section(run: ScheduleRun, rows: Sequence[Row], reference: ScheduleRun | None) -> str:
+    """The page's evaluations: their GPU-seconds beside the steps', each task's best and stop, the curves."""
+    if not rows:
+        return ""
+    ref_gpu_s = reference.total_gpu_seconds if reference is not None else None
+    line = eval_totals(run.total_gpu_seconds, sum(run.eval_gpu_seconds.values()), ref_gpu_s)
+    return f"""<h2>Evaluations and early stops</h2>
+<p>{html.escape(line)} (against training every task to its steps).</p>
+{_html_table(rows)}<img src="evals.png">"""
+
+
 def write_report(
     out_dir: str | Path,
     workload: Workload,
@@ -195,11 +261,13 @@ def write_report(
     *,
     cluster: ClusterSpec,
     cost_source: str,
+    reference: ScheduleRun | None = None,
 ) -> Path:
     """Plots, ``summary.json`` and ``index.html`` in ``out_dir`` (written to a temporary name, then renamed).
 
     ``cluster`` is the one simulated (after any ``--gpus``/``--gpu``) and ``cost_source`` the cost model's
-    ``source`` (``analytic:A100-40GB``): the page's title and summary name both.
+    ``source`` (``analytic:A100-40GB``): the page's title and summary name both. ``reference``: the first run
+    without early stops, when a task may stop (its evaluations' table gains the steps not taken).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -211,6 +279,9 @@ def write_report(
     _plot_lengths(workload, ours.phases[0].phase.plan.bucket_boundaries, out / "lengths.png")
     _plot_gpu_seconds(rows, out / "gpu_seconds.png")
     costs = task_cost_rows(ours)
+    evals = eval_rows(ours.evals, reference.evals if reference is not None else None)
+    if evals:
+        _plot_evals(ours.evals, out / "evals.png")
     summary = {
         "cluster": {"gpu": " + ".join(cluster.kinds), "gpus": cluster.n_gpus},
         "pools": pools,
@@ -218,6 +289,7 @@ def write_report(
         "methods": rows,
         "plan": list(plan_rows),
         "task_costs": _json_safe(costs),
+        "evaluations": evals,
     }
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     hardware = html.escape(cluster.describe())
@@ -237,6 +309,7 @@ their busy share; cost is held GPU-hours at the pool's price.</p>{_html_table(po
 <p>Over the {len(ours.makespan_s)} steps, each step's GPU-seconds (makespan x GPUs held) are shared out among
 the tasks by the simulated time of the replicas that ran their sequences; the replicas' idle time by all the
 step's tasks, in proportion to their busy GPU-seconds.</p>{_html_table(costs)}
+{_evals_section(ours, evals, reference)}
 <img src="gpu_seconds.png"><img src="makespan.png"><img src="utilisation.png"><img src="lengths.png">
 </body></html>
 """

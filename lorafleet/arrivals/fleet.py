@@ -1,7 +1,8 @@
 """The replay's state between steps: the clock, the tasks present, what has become of each task, the events to come.
 
 Changes happen at step boundaries. After a step, the tasks that took their last step depart (completing
-at the step's end); then :meth:`Fleet.apply_due` applies every event with ``at <= clock``: a task that
+at the step's end), and so do those an evaluation after the step stopped early (:meth:`Fleet.evaluated`, its
+pass's seconds on the clock first); then :meth:`Fleet.apply_due` applies every event with ``at <= clock``: a task that
 arrives during a step joins at the next boundary, a cancelled one leaves there (its completion time is
 that boundary, the first at or after its ``at``; a cancel of a task that has already left does
 nothing). When no task is present the fleet idles and the clock jumps to the next event
@@ -11,7 +12,7 @@ nothing). When no task is present the fleet idles and the clock jumps to the nex
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
 from lorafleet.arrivals.trace import Trace
@@ -31,8 +32,12 @@ class TaskOutcome:
     completion_s: float | None = None
     """When it departed: the end of its last step, or the boundary its cancel took effect at."""
     cancelled: bool = False
+    stopped: bool = False
+    """It stopped early: an evaluation's loss stopped improving (``eval_replay``)."""
     gpu_s: float = 0.0
     """Its GPU-seconds of the steps it took part in (``accounting.task_gpu_seconds``)."""
+    eval_gpu_s: float = 0.0
+    """Its GPU-seconds of its evaluations (``eval_replay``), apart from its steps'."""
     tokens: int = 0
 
 
@@ -58,6 +63,8 @@ class Fleet:
         """Each global step's makespan."""
         self.step_gpu_s = 0.0
         """Σ over steps of makespan x the GPUs of the plan that ran it."""
+        self.eval_gpu_s = 0.0
+        """Σ over evaluations of their pass's seconds x the GPUs of the plan that ran it."""
 
     @property
     def next_event_s(self) -> float | None:
@@ -101,9 +108,10 @@ class Fleet:
         """Task ``name``'s own step at global step ``step`` (>= the next one), the task set staying as it is."""
         return self.outcomes[name].steps_done + step - self.step
 
-    def record(self, makespan_s: float, gpus: int, owed: Mapping[str, float], tokens: Mapping[str, int]) -> None:
+    def record(self, makespan_s: float, gpus: int, owed: Mapping[str, float], tokens: Mapping[str, int]) -> list[str]:
         """The next global step ran on ``gpus`` GPUs: the clock advances by its makespan; every present task
-        has taken one more step and owes ``owed[task]`` GPU-seconds; those that took their last step depart."""
+        has taken one more step and owes ``owed[task]`` GPU-seconds; those that took their last step depart
+        (returned)."""
         start = self.clock
         self.clock += makespan_s
         self.step_s.append(makespan_s)
@@ -118,7 +126,25 @@ class Fleet:
                 gpu_s=o.gpu_s + owed[name],
                 tokens=o.tokens + int(tokens.get(name, 0)),
             )
-            if o.steps_done >= o.steps:
-                o = replace(o, completion_s=self.clock)
-                self.present.remove(name)
             self.outcomes[name] = o
+        done = [name for name in self.present if self.outcomes[name].steps_done >= self.outcomes[name].steps]
+        self._depart(done)
+        return done
+
+    def evaluated(self, seconds: float, gpus: int, owed: Mapping[str, float], stopped: Collection[str]) -> None:
+        """An evaluation pass ran after the step on ``gpus`` GPUs: the clock advances by its ``seconds``, each task
+        evaluated owes ``owed[task]``; the present tasks it ``stopped`` depart, as tasks that took their steps do."""
+        self.clock += seconds
+        self.eval_gpu_s += seconds * gpus
+        for name, gpu_s in owed.items():
+            self.outcomes[name] = replace(self.outcomes[name], eval_gpu_s=self.outcomes[name].eval_gpu_s + gpu_s)
+        left = [name for name in self.present if name in stopped]
+        for name in left:
+            self.outcomes[name] = replace(self.outcomes[name], stopped=True)
+        self._depart(left)
+
+    def _depart(self, names: Collection[str]) -> None:
+        """The tasks ``names`` depart at this step boundary."""
+        for name in names:
+            self.outcomes[name] = replace(self.outcomes[name], completion_s=self.clock)
+            self.present.remove(name)

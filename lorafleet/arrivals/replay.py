@@ -21,6 +21,13 @@ the things outside any step happen: the idle jumps, the strategy's answer and th
 recalibrator carries over a change that keeps the deployment's replicas; a new deployment's starts from
 what the last one measured of each pool (as ``Recalibrator.load_state_dict`` does for a re-planned one).
 
+**Evaluations and early stops** (:mod:`lorafleet.eval_replay`). After each step the tasks due are evaluated
+together on the segment's plan (a task that took its last step included): the clock waits the pass, its
+GPU-seconds are billed to those tasks apart from their steps, and a task the evaluation stopped early departs
+at that boundary, as a task that took its steps does, so the strategy answers the change (the incremental
+re-plan hands its capacity back, or moves the fleet). A segment's windows end where a present task may be
+due. A cancelled task is not evaluated at its cancel.
+
 A step costs ``makespan x plan.used_gpus`` GPU-seconds (the GPUs the plan's replicas hold, as ``simulate``
 charges: GPUs a plan leaves unused are free for other work), and each task's part of it is
 :func:`lorafleet.accounting.task_gpu_seconds`'s (the parts sum to the step's GPU-seconds). Every strategy
@@ -33,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 from lorafleet.accounting import task_gpu_seconds
 from lorafleet.arrivals.fleet import Fleet, TaskOutcome
@@ -41,6 +49,7 @@ from lorafleet.arrivals.strategies import REPLANNERS, Change, PlanMaker, Replann
 from lorafleet.arrivals.trace import Trace
 from lorafleet.costmodel import CostModel
 from lorafleet.dispatch import Recalibrator
+from lorafleet.eval_replay import EvalReplay, TaskEvals
 from lorafleet.executor.simulated import SimulatedExecutor
 from lorafleet.loop import run_loop
 from lorafleet.planner import PlannerOptions, ReplanOptions
@@ -63,6 +72,9 @@ class ArrivalOptions:
     seed: int | None = None
     """Seed of the sampled batches; None: the workload's."""
     strategies: tuple[Strategy, ...] = tuple(Strategy)
+    stops: bool = True
+    """Tasks with ``early_stopping`` may stop early; False: evaluated but never stopped (the reference an early
+    stop's saving is measured against)."""
 
 
 @dataclass(frozen=True)
@@ -87,11 +99,15 @@ class StrategyRun:
     changes: tuple[Change, ...]
     step_s: tuple[float, ...] = field(repr=False, default=())
     """Each global step's makespan."""
+    eval_gpu_s: float = 0.0
+    """GPU-seconds of the evaluations (each pass's seconds x the plan's used GPUs, summed)."""
+    evals: dict[str, TaskEvals] = field(default_factory=dict)
+    """Each evaluated task's evaluations and early stop."""
 
     @property
     def gpu_s(self) -> float:
-        """Total: the steps' and the migrations'."""
-        return self.step_gpu_s + self.migration_gpu_s
+        """Total: the steps', the evaluations' and the migrations'."""
+        return self.step_gpu_s + self.eval_gpu_s + self.migration_gpu_s
 
     @property
     def tokens(self) -> int:
@@ -126,18 +142,33 @@ class _Segment:
     tasks: Mapping[str, Task]
     seed: int
     recalibrator: Recalibrator
+    evals: EvalReplay
     first_step: int
     most_steps: int | None = None
     """At most this many steps (None: until the first present task departs)."""
 
     def on_report(self, report: StepReport, step_plan: StepPlan) -> None:
-        """A step ran: the fleet's clock and tasks move on, each task owing its part of the step."""
+        """A step ran: the fleet's clock and tasks move on, each task owing its part of the step; the tasks due
+        are evaluated, and those an evaluation stopped depart."""
+        gpus = self.plan.used_gpus
         owed = task_gpu_seconds(step_plan, report, self.plan, self.cost_model, self.plan.tasks)
-        self.fleet.record(report.makespan_s, self.plan.used_gpus, owed, report.task_tokens)
+        done = self.fleet.record(report.makespan_s, gpus, owed, report.task_tokens)
+        self.evals.took(report.task_tokens)
+        cost = self.evals.evaluate(
+            self.evals.due(last=done), self.fleet.step, self.plan, self.cost_model, self.plan.tasks
+        )
+        if cost is not None:
+            self.fleet.evaluated(cost.seconds, gpus, cost.task_gpu_s, self.evals.stopped)
 
-    def stop(self) -> bool:
-        """At a window boundary after the segment's first step: the events due change the task set."""
-        return self.fleet.step > self.first_step and self.fleet.apply_due()
+    def stop(self, present: tuple[str, ...]) -> bool:
+        """At a window boundary after the segment's first step: the events due, or an early stop, change the
+        task set (``present``: the segment's)."""
+        return self.fleet.step > self.first_step and (self.fleet.apply_due() or tuple(self.fleet.present) != present)
+
+    def next_boundary(self, source: TraceSource, step: int) -> int | None:
+        """The first step a window from ``step`` must end at: an event's, or a present task's evaluation's."""
+        ends = [source.next_boundary(step), self.evals.next_boundary(step, self.fleet.present)]
+        return min((end for end in ends if end is not None), default=None)
 
     def run(self) -> None:
         source = TraceSource(self.fleet, self.plan, self.cost_model, self.tasks, self.seed, self.recalibrator)
@@ -147,13 +178,15 @@ class _Segment:
             range(self.first_step, self.first_step + min(self.fleet.first_departure(), self.most_steps or math.inf)),
             on_report=self.on_report,
             recalibrator=self.recalibrator,
-            stop=self.stop,
+            stop=partial(self.stop, tuple(self.fleet.present)),
             window=self.plan.loop_window,
-            next_boundary=source.next_boundary,
+            next_boundary=partial(self.next_boundary, source),
         )
 
 
-def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int, replan_after: int) -> StrategyRun:
+def _replay(
+    replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int, replan_after: int, stops: bool
+) -> StrategyRun:
     """One strategy's replay: between segments the idle jumps, the strategy's answer and the migration wait. A
     move whose running deployment can serve the new tasks (its ``interim``) waits on it, by the rule a training
     run follows (``planner.decision.decide``: the re-plan runs beside the next ``replan_after`` steps); a change
@@ -161,6 +194,7 @@ def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int
     re-planned from the running deployment, as ``train.changes`` does)."""
     fleet = Fleet(trace)
     tasks = {a.task.name: a.task for a in trace.arrivals}
+    evals = EvalReplay(tasks, seed, stops)
     plan: DeploymentPlan | None = None
     recalibrator: Recalibrator | None = None
     changes: list[Change] = []
@@ -175,7 +209,8 @@ def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int
         if isinstance(now, Keep) and now.replan_at is not None:  # the move waits on the running deployment
             assert recalibrator is not None and _same_replicas(plan, now.plan)
             plan, present = now.plan, tuple(fleet.present)
-            _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, fleet.step, now.replan_at - fleet.step).run()
+            steps = now.replan_at - fleet.step
+            _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, evals, fleet.step, steps).run()
             if fleet.apply_due() or tuple(fleet.present) != present:
                 continue  # the task set changed by the move's step: the next change's re-plan supersedes it
         if decision.change is not None:
@@ -187,7 +222,7 @@ def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int
             recalibrator = Recalibrator.for_plan(decision.plan, prior=measured)
         plan = decision.plan
         assert set(fleet.present) <= set(plan.tasks), (fleet.present, plan.tasks)
-        _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, fleet.step).run()
+        _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, evals, fleet.step).run()
     return StrategyRun(
         strategy=replanner.strategy,
         step_gpu_s=fleet.step_gpu_s,
@@ -200,6 +235,8 @@ def _replay(replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int
         tasks=fleet.outcomes,
         changes=tuple(changes),
         step_s=tuple(fleet.step_s),
+        eval_gpu_s=fleet.eval_gpu_s,
+        evals=evals.outcomes(),
     )
 
 
@@ -211,6 +248,7 @@ def replay_trace(
     plans = PlanMaker(trace, cluster, cost_model, options.planner)
     seed = trace.workload.spec.seed if options.seed is None else options.seed
     replanners = [REPLANNERS[s](plans, options.replan) for s in options.strategies]
-    runs = tuple(_replay(r, trace, cost_model, seed, options.replan.settings.after) for r in replanners)
+    after = options.replan.settings.after
+    runs = tuple(_replay(r, trace, cost_model, seed, after, options.stops) for r in replanners)
     static_plan = next((r.plan for r in replanners if isinstance(r, Static)), None)
     return ArrivalsResult(trace=trace, runs=runs, static_plan=static_plan)

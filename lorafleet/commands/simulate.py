@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lorafleet.commands._replica_groups import WIDTH, plan_name
     from lorafleet.commands._set_flags import workload_overrides
-    from lorafleet.report import pool_rows, summary_rows, task_cost_rows, write_report
+    from lorafleet.report import eval_rows, eval_totals, pool_rows, summary_rows, task_cost_rows, write_report
     from lorafleet.simulate import simulate_schedule
     from lorafleet.specs.io import check_writable
     from lorafleet.workload import load_workload
@@ -183,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise InputError("<args>", "--straggler/--fail", str(err)) from None
     runs = [simulate_schedule(workload, s, cost_model, args.steps, options, args.seed) for s in (schedule, *baselines)]
+    reference = None  # lorafleet's run without early stops: what they save
+    if any(t.spec.early_stopping is not None for t in workload.tasks):
+        reference = simulate_schedule(workload, schedule, cost_model, args.steps, options, args.seed, stops=False)
 
     console.print(f"plan: {plan_name(plan)}  ({cost_model.source}, {cluster.describe()}; {plan.policy.describe()})")
     table = Table(title=f"{args.steps} simulated steps of {workload.path}")
@@ -210,6 +213,11 @@ def run(args: argparse.Namespace) -> int:
         )
     console.print(costs)
     console.print(replicas_table(runs[0].phases[0]))
+    if runs[0].evals:
+        ref_gpu_s = reference.total_gpu_seconds if reference is not None else None
+        evals = eval_rows(runs[0].evals, reference.evals if reference is not None else None)
+        console.print(_rows_table("lorafleet's evaluations and early stops", evals))
+        console.print(eval_totals(runs[0].total_gpu_seconds, sum(runs[0].eval_gpu_seconds.values()), ref_gpu_s))
     if args.report:
         times = plan.expected_replica_time_s or (0.0,) * len(plan.replicas)
         plan_rows = [
@@ -222,9 +230,23 @@ def run(args: argparse.Namespace) -> int:
             }
             for r, t in zip(plan.replicas, times, strict=True)
         ]
-        page = write_report(args.report, workload, runs, plan_rows, cluster=cluster, cost_source=cost_model.source)
+        page = write_report(
+            args.report, workload, runs, plan_rows, cluster=cluster, cost_source=cost_model.source, reference=reference
+        )
         console.print(f"report: {page}")
     return 0
+
+
+def _rows_table(title: str, rows: list[dict]):
+    """A table of ``rows`` (one dict a row, the first's keys its columns), cells by :func:`_cell`."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in rows[0]:
+        table.add_column(column, justify="left" if column == "task" else "right", no_wrap=column == "task")
+    for row in rows:
+        table.add_row(*[_cell(k, v) for k, v in row.items()])
+    return table
 
 
 def _cell(column: str, value: object) -> str:
@@ -276,6 +298,7 @@ def run_arrivals(args: argparse.Namespace) -> int:
     from lorafleet.arrivals import load_trace, replay_trace
     from lorafleet.assemble import workload_cluster, workload_cost_model
     from lorafleet.commands._set_flags import workload_overrides
+    from lorafleet.report import eval_rows, eval_totals
     from lorafleet.workload import load_workload
 
     options = _arrival_flags(args)
@@ -288,6 +311,9 @@ def run_arrivals(args: argparse.Namespace) -> int:
         migration = replace(options.replan.migration, dtype_bytes=cost_model.activation_bytes)
         options = replace(options, replan=replace(options.replan, migration=migration))
     result = replay_trace(trace, cluster, cost_model, options)
+    reference = None  # the same replay without early stops: what they save
+    if any(a.task.spec.early_stopping is not None for a in trace.arrivals):
+        reference = replay_trace(trace, cluster, cost_model, replace(options, stops=False))
     console = Console(width=150)
     added = len(trace.arrivals) - len(workload.tasks)
     console.print(
@@ -336,4 +362,14 @@ def run_arrivals(args: argparse.Namespace) -> int:
             cells += [done, f"{o.gpu_s:,.0f}"]
         tasks.add_row(*cells)
     console.print(tasks)
+    for k, run_ in enumerate(result.runs):
+        if not run_.evals:
+            continue
+        ref = reference.runs[k] if reference is not None else None
+        title = f"{run_.strategy.value}: evaluations and early stops"
+        console.print(_rows_table(title, eval_rows(run_.evals, ref.evals if ref is not None else None)))
+        moved = f"; {run_.moves} moves, {run_.rebuilt} replicas rebuilt" + (
+            f" (without stops {ref.moves}, {ref.rebuilt})" if ref is not None else ""
+        )
+        console.print(eval_totals(run_.gpu_s, run_.eval_gpu_s, ref.gpu_s if ref is not None else None) + moved)
     return 0

@@ -3,8 +3,9 @@ lorafleet's files.
 
 - a workload: ``workload.py`` (the tasks; one rule each for a task's name, relative paths and sequences over
   the context length), ``data.py`` (where a task's rows come from), ``evaluation.py`` (its ``eval`` and
-  ``early_stopping``), ``loss_curve.py`` (its ``eval.curve``, for what-ifs), ``model.py`` (base-model dimensions), ``gpus.py`` (datasheets),
-  ``cluster.py`` (pools of nodes), ``lora.py`` (adapter and optimizer settings), ``recompute.py``;
+  ``early_stopping``), ``loss_curve.py`` (its ``eval.curve``, for what-ifs), ``model.py`` (base-model
+  dimensions), ``gpus.py`` (datasheets), ``cluster.py`` (pools of nodes), ``lora.py`` (adapter and optimizer
+  settings), ``recompute.py``;
 - length distributions: ``lengths.py`` (``LengthDistribution``), ``length_family.py`` (the parametric
   family and its fit), ``length_presets.py`` (LobRA's twelve datasets offline);
 - policies and settings: ``dispatch.py`` (the dispatch policy and its field table), ``objective.py`` (the
