@@ -120,3 +120,33 @@ def test_every_schedule_replays_the_same_stop(small):
     stops = {s.name: simulate_schedule(workload, s, cost_model, 40).evals["chat"].stop_step
              for s in (result.schedule, *result.baselines)}  # fmt: skip
     assert set(stops.values()) == {30}  # patience 3: the same tokens in every method, so the same stop
+
+
+def test_the_report_shows_the_curves_and_stops(small, tmp_path):
+    import json
+
+    from lorafleet.assemble import workload_cluster
+    from lorafleet.report import eval_rows, write_report
+
+    workload, cost_model, result = small
+    workload = _with_evals(
+        workload,
+        chat={
+            "eval": {"every_steps": 5, "max_rows": 64, "curve": CURVE.model_dump()},
+            "early_stopping": {"patience": 2},
+        },
+        docs={"eval": {"every_steps": 10}},
+    )
+    run = simulate_schedule(workload, result.schedule, cost_model, 30)
+    reference = simulate_schedule(workload, result.schedule, cost_model, 30, stops=False)
+    rows = eval_rows(run.evals, reference.evals)
+    assert rows[0] == {
+        "task": "chat", "evals": 5, "eval_gpu_s": pytest.approx(run.eval_gpu_seconds["chat"]), "best_step": 15,
+        "best_loss": pytest.approx(run.evals["chat"].state.best_loss), "stopped_at": 25, "steps": 25, "not_taken": 5,
+    }  # fmt: skip
+    assert rows[1]["stopped_at"] == rows[1]["best_step"] == "-" and rows[1]["not_taken"] == 0
+    cluster = workload_cluster(workload)
+    write_report(tmp_path, workload, [run], [], cluster=cluster, cost_source=cost_model.source, reference=reference)
+    assert (tmp_path / "evals.png").stat().st_size > 0
+    assert [r["task"] for r in json.loads((tmp_path / "summary.json").read_text())["evaluations"]] == ["chat", "docs"]
+    assert "early stopping saved" in (tmp_path / "index.html").read_text()
