@@ -15,6 +15,8 @@ from lorafleet.workload import Task, Workload
 
 CURVE = LossCurveSpec(l_inf=1.0, a=0.5, alpha=0.5, rise=5.0, rise_after=0.2)
 """Falls to its lowest at 0.2 M tokens, then rises steeply (chat trains ~15k tokens a step)."""
+STOPS = {"eval": {"every_steps": 5, "max_rows": 64, "curve": CURVE.model_dump()}, "early_stopping": {"patience": 2}}
+"""chat's eval and early stopping: its best at step 15, its stop at 25."""
 
 
 def _with_evals(workload: Workload, **by_task: dict) -> Workload:
@@ -87,13 +89,7 @@ def test_held_out_rows_split_of_known_rows_else_max_rows(small):
 
 def test_a_task_stops_patience_evaluations_after_its_best_and_takes_no_step_after(small):
     workload, cost_model, result = small
-    workload = _with_evals(
-        workload,
-        chat={
-            "eval": {"every_steps": 5, "max_rows": 64, "curve": CURVE.model_dump()},
-            "early_stopping": {"patience": 2},
-        },
-    )
+    workload = _with_evals(workload, chat=STOPS)
     run = simulate_schedule(workload, result.schedule, cost_model, 40)
     chat = run.evals["chat"]
     losses = [r.loss for r in chat.records]
@@ -129,14 +125,7 @@ def test_the_report_shows_the_curves_and_stops(small, tmp_path):
     from lorafleet.report import eval_rows, write_report
 
     workload, cost_model, result = small
-    workload = _with_evals(
-        workload,
-        chat={
-            "eval": {"every_steps": 5, "max_rows": 64, "curve": CURVE.model_dump()},
-            "early_stopping": {"patience": 2},
-        },
-        docs={"eval": {"every_steps": 10}},
-    )
+    workload = _with_evals(workload, chat=STOPS, docs={"eval": {"every_steps": 10}})
     run = simulate_schedule(workload, result.schedule, cost_model, 30)
     reference = simulate_schedule(workload, result.schedule, cost_model, 30, stops=False)
     rows = eval_rows(run.evals, reference.evals)

@@ -10,39 +10,24 @@ import yaml
 from lorafleet.arrivals import ArrivalOptions, Strategy, load_trace, replay_trace
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.loss_curve import curve_loss
-from lorafleet.planner import PlannerOptions
 from lorafleet.specs.loss_curve import LossCurveSpec
 from lorafleet.workload import load_workload
+from tests.arrivals.test_arrivals import FAST
+from tests.arrivals.test_arrivals import WORKLOAD as BASE
 
-FAST = PlannerOptions(robust_samples=0, baselines=False, search_rounds=1, polish_evaluations=0)
 CURVE = {"l_inf": 1.0, "a": 0.5, "alpha": 0.5, "rise": 50.0, "rise_after": 0.05}
 """Lowest at 0.05 M tokens: chat trains ~4.7k a step, so its best evaluation is at step 10 of 40."""
 CURVE_SPEC = LossCurveSpec.model_validate(CURVE)
 
 WORKLOAD = {
-    "model": "llama2-7b",
-    "cluster": {"gpu": "A100-80GB", "nodes": 1, "gpus_per_node": 4},
-    "defaults": {"lora": {"rank": 8, "alpha": 16}},
+    **BASE,
     "tasks": [
-        {
-            "name": "chat",
-            "lengths": {"mean": 300, "skewness": 3.0, "kurtosis": 15.0},
-            "batch_size": 16,
-            "context_length": 4096,
-            "steps": 40,
-            "eval": {"every_steps": 5, "max_rows": 32, "curve": CURVE},
-            "early_stopping": {"patience": 2},
-        },
-        {
-            "name": "docs",
-            "lengths": {"mean": 2500, "skewness": 1.0, "kurtosis": 1.0},
-            "batch_size": 4,
-            "context_length": 8192,
-            "steps": 30,
-            "eval": {"every_steps": 8, "max_rows": 16},
-        },
+        {**BASE["tasks"][0], "steps": 40, "eval": {"every_steps": 5, "max_rows": 32, "curve": CURVE},
+         "early_stopping": {"patience": 2}},
+        {**BASE["tasks"][1], "steps": 30, "eval": {"every_steps": 8, "max_rows": 16}},
     ],
-}
+}  # fmt: skip
+"""test_arrivals's chat and docs, longer, evaluated; chat stops early."""
 
 
 @pytest.fixture(scope="module")
