@@ -26,6 +26,15 @@ def format_eta(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s"
 
 
+def eval_line(extra: dict[str, object]) -> str:
+    """A step's evaluation on the console (its row's ``eval_loss`` and ``eval_token_accuracy``, ``train.evaluation``):
+    ``eval chat 1.92 (acc 0.41) docsum 2.30 (acc 0.35)``; empty when the step was followed by none."""
+    losses, accuracy = extra.get("eval_loss"), extra.get("eval_token_accuracy")
+    if not isinstance(losses, dict) or not isinstance(accuracy, dict):
+        return ""
+    return "eval " + " ".join(f"{t} {v:.4g} (acc {accuracy[t]:.3f})" for t, v in losses.items())
+
+
 class _Eta:
     """The time left to step ``total``: the mean measured step time of the steps seen so far (this
     launch) times the steps left after the latest one. Computed from the reports, not from the wall
@@ -71,6 +80,9 @@ class ProgressBar:
         )
         eta = f"ETA {format_eta(self._eta.after(report))}"
         self._progress.update(self._task, completed=report.step + 1, stats=stats, eta=eta)
+        line = eval_line(extra)
+        if line:
+            self._progress.console.print(f"step {report.step + 1}  {line}")
 
     def close(self) -> None:
         self._progress.stop()
@@ -100,6 +112,9 @@ class LogLines:
             f"step {report.makespan_s:.3g} s (predicted {report.estimated_makespan_s:.3g} s)  "
             f"ETA {format_eta(eta)}"
         )
+        line = eval_line(extra)
+        if line:
+            self._print(f"step {report.step + 1}/{self.total}  {line}")
 
     def close(self) -> None:
         pass

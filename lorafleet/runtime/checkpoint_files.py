@@ -139,6 +139,14 @@ def save_tokenizer(tokenizer: Any, directory: Path) -> None:
         tokenizer.save_pretrained(str(staging))
 
 
+BEST_DIR = "best"
+"""A task's best-evaluated adapter, inside its directory of a checkpoint (``executor.torch.checkpoint``)."""
+EVALUATION_KEY = "evaluation"
+"""A checkpoint's ``extra`` key of the tasks' evaluations (``train.evaluation.Evaluations.state_dict``)."""
+LAST_DIR = "last"
+"""An exported task's last adapter, beside its best one at the top of its directory."""
+
+
 def export_adapters(
     step_dir: Path,
     names: Sequence[str],
@@ -150,7 +158,8 @@ def export_adapters(
     changes: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
     """Tasks' PEFT adapters, copied out of a committed checkpoint into ``target/<task>``; each task's
-    directory appears whole (written beside it, then renamed over the old one: ``specs.io.staged_directory``).
+    directory appears whole (written beside it, then renamed over the old one: ``specs.io.staged_directory``). A task
+    that was evaluated gets its best-evaluated adapter there and its last one in ``target/<task>/last/``.
 
     With ``tokenizer`` (the run's tokenizer directory, ``rundir.RunDir.tokenizer``), each directory is one a
     tenant can use anywhere: the tokenizer's files (when it was saved there) and a model card ``README.md``
@@ -164,8 +173,15 @@ def export_adapters(
     specs = {t.name: t for t in tasks}
     for name in names:
         with staged_directory(target / name) as staging:
-            for file in ADAPTER_FILES:
-                shutil.copy2(step_dir / name / file, staging / file)
+            best = step_dir / name / BEST_DIR
+            if best.is_dir():  # evaluated: the best adapter is the tenant's, the last one beside it
+                (staging / LAST_DIR).mkdir()
+                for file in ADAPTER_FILES:
+                    shutil.copy2(best / file, staging / file)
+                    shutil.copy2(step_dir / name / file, staging / LAST_DIR / file)
+            else:
+                for file in ADAPTER_FILES:
+                    shutil.copy2(step_dir / name / file, staging / file)
             if tokenizer is not None:
                 if tokenizer.is_dir():
                     for file in sorted(tokenizer.iterdir()):
@@ -178,6 +194,29 @@ def export_adapters(
                     ),
                     encoding="utf-8",
                 )
+
+
+def evaluation_lines(evaluated: Mapping[str, Any] | None, step: int | None) -> list[str]:
+    """The model card's lines on a task's evaluations (``train.evaluation.TaskEvaluations.to_json``; none when it
+    was not evaluated): its best evaluation, which this adapter is, its last adapter's (``last/``) and an early
+    stop. ``step``: the checkpoint's, where the last adapter is from."""
+    if not evaluated or not evaluated.get("history"):
+        return []
+    stopping, history = evaluated["stopping"], evaluated["history"]
+    if stopping["best_step"] is None:
+        lines = [f"- {len(history)} evaluations on held-out rows, none finite: this is the last adapter"]
+    else:
+        lines = [
+            f"- Best evaluation (this adapter): eval loss {stopping['best_loss']:.4f} at step "
+            f"{stopping['best_step']}, of {len(history)} evaluations on held-out rows"
+        ]
+    last_step, last_loss, last_accuracy = history[-1]
+    when = "" if last_step == step else f" (at step {last_step}; it trained on to step {step})"
+    lines.append(f"- Last adapter (`{LAST_DIR}/`): eval loss {last_loss:.4f}, token accuracy {last_accuracy:.3f}{when}")
+    if evaluated.get("stopped_at") is not None:
+        stop = evaluated["stopped_at"]
+        lines.append(f"- Stopped early at step {stop}: {stopping['bad']} evaluations without a new best")
+    return lines
 
 
 def _count_rows(path: Path) -> int | None:
@@ -233,6 +272,7 @@ def model_card(
     lines += [f"- Changed on resume: {change}" for change in changes]
     if loss is not None:
         lines.append(f"- Final loss: {loss[1]:.4f} (step {loss[0]})")
+    lines += evaluation_lines(manifest.get("extra", {}).get(EVALUATION_KEY, {}).get(name), manifest.get("step"))
     targets = ", ".join(sorted(config.get("target_modules") or ()))
     lines.append(
         f"- LoRA: rank {config.get('r')}, alpha {config.get('lora_alpha')}, dropout {config.get('lora_dropout')}"

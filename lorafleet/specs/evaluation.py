@@ -16,7 +16,7 @@ planner and ``simulate`` count its evaluations exactly.
 
 **Stopping** (Together's fine-tuning API's semantics): evaluation ``k`` (1-based) improves when its loss is below
 the best so far by more than ``min_delta``; the first ``warmup_evals`` evaluations never stop the task; after them,
-the task stops once ``patience`` evaluations in a row have not improved (``train.evaluation.EarlyStopping``).
+the task stops once ``patience`` evaluations in a row have not improved (``lorafleet.stopping.Stopping``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@
     changes.py    FleetChanges: rank 0's one component of fleet changes (the queue's watcher, the requests
                   due and departures, the ledger, the added tasks' data, tokenized once, the migration
                   model, the re-plan beside the steps), by ``planner.decision``'s rule
-    torch_fleet.py  TorchFleet: the FleetPort over rank 0's torch executor
+    evaluation.py Evaluations: rank 0's evaluations of the tasks with an ``eval`` (when each is due, run on the
+                  fleet, reported), their best adapters kept and their early stops (``lorafleet.stopping``)
+    torch_fleet.py  TorchFleet: the FleetPort (and EvalPort) over rank 0's torch executor
     joining.py    Joining: a task the queue adds has its data prepared beside the steps, and joins when ready
     inflight.py   a change as a transaction: .apply.json begun with the fleet before it, decided with the fleet
                   after it, settled once a checkpoint after it commits (the ledger, plan.json, run.json)

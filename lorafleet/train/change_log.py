@@ -26,6 +26,8 @@ from lorafleet.train.queue.requests import Action, Request
 
 TOOK_ITS_STEPS = "(took its steps)"
 """The request file of a task that finished on its own (no file)."""
+STOPPED_EARLY = "(stopped early)"
+"""The request file of a task that early stopping made leave (``train.evaluation``; no file)."""
 
 
 class ChangeKind(StrEnum):
@@ -44,7 +46,7 @@ class ChangeKind(StrEnum):
         every one is a task that took its steps."""
         if not requests:
             return cls.REPLAN
-        return cls.DEPARTURE if all(r.file == TOOK_ITS_STEPS for r in requests) else cls.CHANGE
+        return cls.DEPARTURE if all(r.file in (TOOK_ITS_STEPS, STOPPED_EARLY) for r in requests) else cls.CHANGE
 
 
 class Outcome(StrEnum):

@@ -35,6 +35,7 @@ from lorafleet.runtime.processes import fault_point
 from lorafleet.train import inflight
 from lorafleet.train.background import BesideSteps
 from lorafleet.train.change_log import (
+    STOPPED_EARLY,
     TOOK_ITS_STEPS,
     ChangeKind,
     ChangeRecord,
@@ -111,6 +112,8 @@ class FleetChanges:
         """The last change's re-plan, running beside the steps until its boundary (``train.background``)."""
         self.flight = InFlight(options, fleet)
         """The change in flight (``train.inflight``)."""
+        self.early: dict[str, int] = {}
+        """Tasks early stopping stops (``train.evaluation``), by name: the boundary they leave at."""
 
     # -- at every window boundary ---------------------------------------------------------------------------
 
@@ -122,8 +125,14 @@ class FleetChanges:
         self.flight.settle_committed()
         if self.flight.redo is not None:
             return self.flight.redo.step == step
+        self.early = {n: at for n, at in self.early.items() if n in running.names}  # those that left are gone
+        early = [n for n, at in self.early.items() if at <= step]
+        if self.watcher is None and early:
+            return True  # retired there (at_boundary): no launcher exports a leaving task
         if self.watcher is not None:
             self.requests = self._ready(self.watcher.poll(step, accept=False), step)
+            named = {r.name for r in self.requests}
+            self.requests += [Request(STOPPED_EARLY, Action.FINISH, n) for n in early if n not in named]
             if step < self.options.steps:
                 done, self.departure = departures_due(self.fleet, step, self.options.steps, bool(self.requests))
                 named = {r.name for r in self.requests}
@@ -151,12 +160,18 @@ class FleetChanges:
                 out.append(request)
         return out
 
+    def stop_early(self, stops: Mapping[str, int]) -> None:
+        """Tasks early stopping stops, by name: the boundary each leaves the run at, as if a queued finish asked (its
+        best adapter exported, its slot freed, its capacity re-planned: a departure, ``changes.jsonl``); without a
+        launcher watching the queue, it takes no batch from there on instead."""
+        self.early.update(stops)
+
     def next_boundary(self) -> int | None:
-        """A step a window must end at: a change found in flight's, a queued request's ``at_step``, a departure's, or
-        a re-plan answer's."""
+        """A step a window must end at: a change found in flight's, a queued request's ``at_step``, a departure's, an
+        early stop's, or a re-plan answer's."""
         if self.flight.redo is not None:
             return self.flight.redo.step
-        due = [self.watcher.next_due() if self.watcher else None, self.departure, self.replan.at]
+        due = [self.watcher.next_due() if self.watcher else None, self.departure, self.replan.at, *self.early.values()]
         return min((s for s in due if s is not None), default=None)
 
     def checkpoint_extra(self) -> dict[str, int]:
@@ -171,6 +186,11 @@ class FleetChanges:
         redo = self.flight.take_redo(step)
         if redo is not None:
             return self._change(step, running, redo.requests, redo)
+        if self.watcher is None and any(at <= step for at in self.early.values()):
+            for name in [n for n, at in self.early.items() if at <= step]:
+                self.fleet.retire(name, self.early.pop(name))
+                log(f"step {step}: {name} stopped early: it takes no more batches")
+            return running
         if self.requests:
             requests, self.requests = self.requests, []
             return self._change(step, running, requests)

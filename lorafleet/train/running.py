@@ -92,6 +92,10 @@ class FleetPort(Protocol):
         """The step after which every task has taken all its batches (the run's total when one still has turns)."""
         ...
 
+    def retire(self, name: str, step: int) -> None:
+        """Running task ``name`` takes no batch from ``step`` on (a stop where no launcher is watching the queue)."""
+        ...
+
     def checkpoint(self, step: int, wait: bool = False) -> Path:
         """A checkpoint after ``step`` steps (committed on return with ``wait``)."""
         ...

@@ -1,10 +1,14 @@
 """The lines a training run ends with: where its files are, its mean step time measured against predicted, each
-replica's recalibration, each task's GPU-seconds, and the tasks stopped for non-finite updates::
+replica's recalibration, each task's GPU-seconds (its evaluations' included), its evaluations, and the tasks stopped
+for non-finite updates::
 
     lorafleet train: 10 steps; adapters in out/adapters, metrics in out/metrics.jsonl (and .csv, tensorboard/)
       step time: measured 1.234 s, predicted 1.200 s (x1.03, mean over 10 steps; cost model analytic:A100-40GB)
       recalibrated: replica 0 x1.02 (10 steps), replica 1 x0.99 (10 steps)
       GPU-seconds by task (the whole run): docsum 12.3 (60 %), chat 8.2 (40 %)
+      of which evaluation: docsum 0.61, chat 0.24
+      eval docsum: best 1.912 (step 40), last 1.912 (step 40)
+      eval chat: best 2.31 (step 20), last 2.36 (step 30); stopped early at step 30, 70 of its steps not taken
 
 The figures are the run's :class:`~lorafleet.metrics.RunSummary`, built from every launch's rows of
 ``metrics.jsonl`` (across restarts and resumes); this module only formats them.
@@ -12,14 +16,15 @@ The figures are the run's :class:`~lorafleet.metrics.RunSummary`, built from eve
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from lorafleet.metrics import RunSummary, read_rows, summarize_rows
+from lorafleet.metrics import RunSummary, read_rows, sum_task_gpu_seconds, summarize_rows
 from lorafleet.rundir import RunDir
 
 if TYPE_CHECKING:
     from lorafleet.dispatch import ReplicaCalibration
+    from lorafleet.train.evaluation import TaskEvaluations
 
 
 def run_summary(run_dir: RunDir) -> RunSummary:
@@ -35,9 +40,11 @@ def summary_text(
     cost_source: str,
     recalibration: Sequence[ReplicaCalibration] | None,
     stopped: Iterable[str],
+    evaluations: Mapping[str, TaskEvaluations] | None = None,
 ) -> str:
     """The closing lines (module docstring) of the run in ``run_dir`` after ``steps`` steps. ``recalibration``: each
-    replica's factor, or None for no line (recalibration off, or no step ran in this launch)."""
+    replica's factor, or None for no line (recalibration off, or no step ran in this launch); ``evaluations``: the
+    tasks' (``train.evaluation``), a line each."""
     from lorafleet.dispatch import summarize_factors
 
     lines = [
@@ -52,12 +59,33 @@ def summary_text(
         )
     if recalibration is not None:
         lines.append(f"  recalibrated: {summarize_factors(recalibration)}")
-    owed = summary.task_gpu_seconds
+    evaluated = sum_task_gpu_seconds(row.get("eval_gpu_s", {}) for row in read_rows(run_dir.metrics_jsonl))
+    owed = sum_task_gpu_seconds([summary.task_gpu_seconds, evaluated])
     if owed:
         total = sum(owed.values()) or 1.0
         shares = ", ".join(f"{name} {s:.4g} ({100 * s / total:.0f} %)" for name, s in owed.items())
         lines.append(f"  GPU-seconds by task (the whole run): {shares}")
+    if evaluated:
+        lines.append("  of which evaluation: " + ", ".join(f"{name} {s:.4g}" for name, s in evaluated.items()))
+    lines += [f"  {line}" for line in evaluation_lines(evaluations or {})]
     stopped = list(stopped)
     if stopped:
         lines.append(f"  stopped tasks (non-finite updates): {', '.join(stopped)}")
     return "\n".join(lines)
+
+
+def evaluation_lines(evaluations: Mapping[str, TaskEvaluations]) -> list[str]:
+    """A line per evaluated task: its best and last eval loss, and where early stopping stopped it, with the steps it
+    did not take (what it is not charged for)."""
+    lines = []
+    for name, task in evaluations.items():
+        if not task.history:
+            continue
+        best, (last_step, last_loss, _) = task.stopping, task.history[-1]
+        line = (
+            f"eval {name}: best {best.best_loss:.4g} (step {best.best_step}), last {last_loss:.4g} (step {last_step})"
+        )
+        if task.stopped_at is not None:
+            line += f"; stopped early at step {task.stopped_at}, {task.steps_not_taken} of its steps not taken"
+        lines.append(line)
+    return lines

@@ -1,18 +1,20 @@
-"""The running fleet as rank 0's fleet changes see it (``train.changes.FleetPort``): the torch executor of this
-run, its data streams and its checkpoints. Rank 0 only; the component that decides stays torch-free."""
+"""The running fleet as rank 0's fleet changes and evaluations see it (``train.changes.FleetPort``,
+``train.evaluation.EvalPort``): the torch executor of this run, its data streams and its checkpoints. Rank 0 only;
+the components that decide stay torch-free."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from lorafleet.executor.torch.change import ChangeReport
+    from lorafleet.executor.torch.evaluate import EvalOutcome
     from lorafleet.executor.torch.worker import TorchExecutor
     from lorafleet.planner import MigrationModel
-    from lorafleet.plans import DeploymentPlan
+    from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
     from lorafleet.runtime.data_stream import TaskData
     from lorafleet.specs.device import Precision
     from lorafleet.train.queue import Ledger
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class TorchFleet:
-    """``train.changes.FleetPort`` over rank 0's :class:`TorchExecutor`."""
+    """``train.changes.FleetPort`` and ``train.evaluation.EvalPort`` over rank 0's :class:`TorchExecutor`."""
 
     def __init__(
         self,
@@ -56,6 +58,21 @@ class TorchFleet:
 
     def end(self) -> int:
         return min(self.steps, self.executor.streams.end_step(self.steps))
+
+    def max_batches(self, name: str) -> int | None:
+        return self.executor.streams.max_batches[self._names().index(name)]
+
+    def retire(self, name: str, step: int) -> None:
+        self.executor.streams.retire(self._names().index(name), step)
+
+    def eval_batch(self, step: int, names: Sequence[str]) -> GlobalBatch:
+        return self.executor.eval_batch(step, names)
+
+    def evaluate(self, step_plan: StepPlan, batch: GlobalBatch) -> EvalOutcome:
+        return self.executor.evaluate(step_plan, batch)
+
+    def keep_best(self, names: Sequence[str]) -> None:
+        self.executor.keep_best(names)
 
     def checkpoint(self, step: int, wait: bool = False) -> Path:
         return self._checkpoint(step, wait)

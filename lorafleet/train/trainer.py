@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from lorafleet.errors import InputError
 from lorafleet.plans import StepPlan, StepReport
 from lorafleet.train.changes import FleetChanges
+from lorafleet.train.evaluation import Evaluations
 from lorafleet.train.health import TaskHealth
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase
@@ -125,6 +126,8 @@ class Trainer:
         fleet = TorchFleet(
             executor, options.steps, self._checkpoint, lambda: self.health.stopped, self.run_dir.checkpoints
         )
+        self.evaluations = Evaluations(fleet, options.steps)
+        """The tasks' evaluations, their best adapters and early stops (``train.evaluation``)."""
         self.changes = FleetChanges(
             options,
             prepared.workload.spec.defaults,
@@ -148,6 +151,7 @@ class Trainer:
         if running.plan.policy.recalibration.enabled and start < end:
             probe(self.executor, running.plan, running.cost_model, running.recalibrator, start)
         self.changes.resume(start, running)
+        self.changes.stop_early(self.evaluations.stopped_early())  # a stop the checkpoint recorded, not yet applied
         ran = False
         with self._writers(range(start, self.options.steps)) as metrics:
             while True:
@@ -181,8 +185,13 @@ class Trainer:
                 stop=self._stop_requested,
                 window=running.window,
                 boundary_every=self.options.checkpoint_every,
-                next_boundary=lambda step: self.changes.next_boundary(),
+                next_boundary=self._next_boundary,
             )
+
+    def _next_boundary(self, step: int) -> int | None:
+        """The next step after ``step`` a window must end at: a fleet change's, or an evaluation's."""
+        due = (self.changes.next_boundary(), self.evaluations.next_boundary(step, self.running.workload.spec.tasks))
+        return min((b for b in due if b is not None), default=None)
 
     def _retire(self, task: int, from_step: int) -> None:
         """The health watch's stop of a task, in the streams the fleet runs now."""
@@ -204,17 +213,26 @@ class Trainer:
                 start = state.step
                 self.running.recalibrator.load_state_dict(state.extra.get("recalibration", {}))
                 self.health.load_state_dict(state.extra)
+                self.evaluations.load_state_dict(state.extra)
         truncate_metrics(self.run_dir.root, start)
         return start
 
     def _on_report(self, metrics: FanOut, ahead: LookaheadDispatcher, report: StepReport, step_plan: StepPlan) -> None:
-        """``run_loop``'s ``on_report``: one step's report watched, written with what the plan predicted of it,
-        and a checkpoint every ``checkpoint_every`` steps."""
+        """``run_loop``'s ``on_report``: one step's report watched, the evaluations due after it run
+        (``train.evaluation``: a window ends wherever one is due), the step written with what the plan predicted of
+        it and what the evaluations measured, and a checkpoint every ``checkpoint_every`` steps."""
         from lorafleet.accounting import task_gpu_seconds
 
         running = self.running
         self.next_step = report.step + 1
         self.health.watch(report, ahead.started_until)
+        stops = self.evaluations.run(self.next_step, running)
+        for name in stops:
+            best = self.evaluations.tasks[name].stopping
+            print(f"lorafleet train: step {self.next_step}: {name} stops early: no eval loss below "
+                  f"{best.best_loss:.4g} (step {best.best_step}) in {best.bad} evaluations; it leaves the run with "
+                  "its best adapter", flush=True)  # fmt: skip
+        self.changes.stop_early(dict.fromkeys(stops, self.next_step))
         tokens = sum(report.task_tokens.values())
         metrics.write(
             report,
@@ -224,6 +242,7 @@ class Trainer:
             model_busy_s=tuple(step_plan.base_estimate(r) for r in range(len(step_plan.work))),
             replica_tokens=tuple(sum(sum(mb.lengths) for mb in w.microbatches) for w in step_plan.work),
             correction=running.recalibrator.factors or (),
+            **self.evaluations.row_extra(),
         )
         if (report.step + 1) % self.options.checkpoint_every == 0:
             self._checkpoint(report.step + 1)
@@ -265,6 +284,7 @@ class Trainer:
             cost_source=running.cost_model.source,
             recalibration=running.recalibrator.replicas() if recalibrated else None,
             stopped=self.health.stopped,
+            evaluations=self.evaluations.tasks,
         )
         print(text, flush=True)
         return 0
@@ -304,6 +324,7 @@ class Trainer:
             "recalibration": self.running.recalibrator.state_dict(),
             **self.health.state_dict(),
             **self.changes.checkpoint_extra(),
+            **self.evaluations.state_dict(),
         }
         return self.executor.save_checkpoint(self.run_dir.checkpoints, step, extra, wait=wait)
 

@@ -44,6 +44,11 @@ class FakeFleet:
     def end(self):
         return self.steps
 
+    retired: list[tuple[str, int]] = field(default_factory=list)
+
+    def retire(self, name, step):
+        self.retired.append((name, step))
+
     changes: FleetChanges | None = None
     marks: list[int | None] = field(default_factory=list)
     """Each checkpoint's ``fleet_changed_at``, as the trainer's checkpoint records it (all commit at once)."""

@@ -55,6 +55,7 @@ from lorafleet.executor.torch.peft_export import (
 from lorafleet.executor.torch.replica import Replica
 from lorafleet.executor.torch.tp import shard
 from lorafleet.runtime.checkpoint_files import (
+    BEST_DIR,
     FORMAT_VERSION,
     LATEST,
     MANIFEST,
@@ -65,8 +66,6 @@ from lorafleet.specs.io import file_sha256, staged_directory, write_text_atomic
 from lorafleet.specs.lora import LoraSpec
 
 OPTIMIZER_FILE = "optimizer.safetensors"
-BEST_DIR = "best"
-"""A task's best-evaluated adapter, inside its directory of a checkpoint."""
 
 
 @dataclass(frozen=True)

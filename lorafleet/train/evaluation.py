@@ -1,0 +1,209 @@
+"""Rank 0's evaluations: when each task with an ``eval`` is evaluated, on the running fleet, what it reports, and
+what follows (its best adapter kept, its early stop). No torch here: the fleet is an :class:`EvalPort`.
+
+**When.** Task ``t`` is due at the boundary before global step ``b`` when it took a batch in step ``b - 1`` and
+its own steps then, ``n_t(b)`` (``DataStreams.batches_taken``), are a multiple of ``eval.every_steps``, its last
+(``steps`` or ``epochs``), or the run's last step is ``b - 1`` (``specs.evaluation``). The steps are a pure
+function of the tasks' turns, so :meth:`Evaluations.next_boundary` names them ahead: the loop's windows end there
+(``lorafleet.loop``), and an evaluation always sees the adapters of exactly its step.
+
+**How.** The due tasks' held-out rows are one batch, dispatched by the running plan's dispatcher (packed: no
+padding) at the replicas' recalibrated speeds, run forward only on every replica (``executor.torch.evaluate``), and
+billed to their tasks by the accounting's rule (``accounting.task_gpu_seconds`` over the evaluation's busy times).
+
+**What follows**, per task (``lorafleet.stopping``): a new best keeps its adapter (one copy, on rank 0, saved in
+every checkpoint); a stop makes it leave the run at this boundary, as a queued finish would
+(``FleetChanges.stop_early``). Everything here is in the checkpoint (:meth:`Evaluations.state_dict`): a resume
+evaluates, keeps and stops exactly as the uninterrupted run.
+
+Each evaluation's numbers go into the metrics row of the step it follows (``eval_loss``, ``eval_token_accuracy``,
+``eval_gpu_s``, ``eval_s``: every sink a step's loss reaches, :meth:`Evaluations.row_extra`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Protocol
+
+from lorafleet.runtime.checkpoint_files import EVALUATION_KEY as STATE_KEY
+from lorafleet.runtime.processes import fault_point
+from lorafleet.stopping import Stopping
+
+if TYPE_CHECKING:
+    from lorafleet.plans import GlobalBatch, StepPlan
+    from lorafleet.specs.workload import TaskSpec
+    from lorafleet.train.running import Running
+
+
+class Outcome(Protocol):
+    """What an evaluation measured, by task (``executor.torch.evaluate.EvalOutcome``)."""
+
+    loss: dict[str, float]
+    token_accuracy: dict[str, float]
+    tokens: dict[str, int]
+    rows: dict[str, int]
+    replica_busy_s: tuple[float, ...]
+    seconds: float
+
+
+class EvalPort(Protocol):
+    """What the evaluations ask of the running fleet (``train.torch_fleet.TorchFleet``; a fake in tests)."""
+
+    def batches_taken(self, name: str, step: int) -> int: ...
+
+    def max_batches(self, name: str) -> int | None:
+        """The global batches task ``name`` takes in all (its ``steps`` or ``epochs``); None: unbounded."""
+        ...
+
+    def eval_batch(self, step: int, names: Sequence[str]) -> GlobalBatch: ...
+
+    def evaluate(self, step_plan: StepPlan, batch: GlobalBatch) -> Outcome: ...
+
+    def keep_best(self, names: Sequence[str]) -> None: ...
+
+
+@dataclass(frozen=True)
+class TaskEvaluations:
+    """One task's evaluations so far: its early-stopping state, and each evaluation (step, loss, token accuracy)."""
+
+    stopping: Stopping = Stopping()
+    history: tuple[tuple[int, float, float], ...] = ()
+    stopped_at: int | None = None
+    """The boundary it stopped early at (it leaves the run there)."""
+    steps_not_taken: int | None = None
+    """Of its steps, those the stop spared it (to its ``steps`` or ``epochs``, or to the run's end): it is charged
+    for the steps it took only."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stopping": self.stopping.to_json(), "history": [list(h) for h in self.history],
+                "stopped_at": self.stopped_at, "steps_not_taken": self.steps_not_taken}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> TaskEvaluations:
+        history = tuple((int(s), float(loss), float(acc)) for s, loss, acc in raw["history"])
+        return cls(Stopping.from_json(raw["stopping"]), history, raw.get("stopped_at"), raw.get("steps_not_taken"))
+
+
+@dataclass
+class Evaluations:
+    """Rank 0's evaluations (module doc) of the running tasks, through ``port``; ``end``: the run's steps."""
+
+    port: EvalPort
+    end: int
+    tasks: dict[str, TaskEvaluations] = field(default_factory=dict)
+    """By task name, every task that has been evaluated (those that left stay: the summary reads them)."""
+    last: dict[str, dict[str, float]] = field(default_factory=dict)
+    """The last evaluation's numbers for the metrics row of the step it followed (:meth:`row_extra`)."""
+    evaluations: int = 0
+    """Evaluations run in this process (a work count the tests pin)."""
+
+    def due(self, boundary: int, specs: Sequence[TaskSpec]) -> list[str]:
+        """The tasks of ``specs`` due for an evaluation at the boundary before step ``boundary`` (module doc)."""
+        out = []
+        for spec in specs:
+            if spec.eval is None or boundary < 1 or self._stopped(spec.name):
+                continue
+            taken = self.port.batches_taken(spec.name, boundary)
+            if taken == self.port.batches_taken(spec.name, boundary - 1):
+                continue  # no batch in step boundary - 1
+            last = self.port.max_batches(spec.name)
+            if taken % spec.eval.every_steps == 0 or taken == last or boundary == self.end:
+                out.append(spec.name)
+        return out
+
+    def next_boundary(self, step: int, specs: Sequence[TaskSpec]) -> int | None:
+        """The first boundary after ``step`` where a task of ``specs`` is due (None: none before the run's end)."""
+        found = [b for spec in specs if spec.eval is not None and (b := self._next(spec, step)) is not None]
+        return min(found, default=None)
+
+    def _next(self, spec: TaskSpec, step: int) -> int | None:
+        """``spec``'s next due boundary after ``step``: the first ``b`` whose ``n_t(b)`` reaches the next multiple of
+        ``every_steps`` (or its last batch), by a galloping search (``n_t`` is non-decreasing in ``b``), or the run's
+        end when it takes a batch in the run's last step."""
+        assert spec.eval is not None
+        if self._stopped(spec.name) or step >= self.end:
+            return None
+        taken = self.port.batches_taken(spec.name, step)
+        target = (taken // spec.eval.every_steps + 1) * spec.eval.every_steps
+        last = self.port.max_batches(spec.name)
+        if last is not None:
+            if taken >= last:
+                return None
+            target = min(target, last)
+        reached = lambda b: self.port.batches_taken(spec.name, b) >= target  # noqa: E731
+        if not reached(self.end):
+            ends = self.port.batches_taken(spec.name, self.end) > self.port.batches_taken(spec.name, self.end - 1)
+            return self.end if ends else None
+        low, width = step, 1  # reached(low) is False, reached(self.end) True
+        while low + width < self.end and not reached(low + width):
+            low, width = low + width, width * 2
+        high = min(low + width, self.end)
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if reached(mid) else (mid, high)
+        return high
+
+    def _stopped(self, name: str) -> bool:
+        return name in self.tasks and self.tasks[name].stopping.stopped
+
+    def run(self, boundary: int, running: Running) -> list[str]:
+        """The evaluation of the tasks due at the boundary before ``boundary`` (none due: nothing runs); returns the
+        tasks that stop early there."""
+        from lorafleet.accounting import task_gpu_seconds
+        from lorafleet.dispatch import dispatch_step
+        from lorafleet.plans import StepReport
+        from lorafleet.specs.dispatch import MicroBatchMode
+
+        specs = {t.name: t.spec for t in running.workload.tasks}
+        due = self.due(boundary, list(specs.values()))
+        self.last = {}
+        if not due:
+            return []
+        batch = self.port.eval_batch(boundary, due)
+        options = replace(running.plan.policy.options, microbatch_mode=MicroBatchMode.PACKING)
+        step_plan = dispatch_step(batch, running.plan, running.cost_model, options,
+                                  speed=running.recalibrator.factors)  # fmt: skip
+        outcome = self.port.evaluate(step_plan, batch)
+        self.evaluations += 1
+        report = StepReport(boundary, outcome.replica_busy_s, outcome.seconds, dict(outcome.tokens))
+        gpu_s = task_gpu_seconds(step_plan, report, running.plan, running.cost_model, running.names)
+        improved, stopped = [], []
+        for name in due:
+            spec = specs[name]
+            task = self.tasks.get(name, TaskEvaluations())
+            stopping = task.stopping.observe(outcome.loss[name], boundary, spec.early_stopping)
+            history = (*task.history, (boundary, outcome.loss[name], outcome.token_accuracy[name]))
+            spared = None
+            if stopping.stopped:
+                taken = self.port.batches_taken(name, boundary)
+                spared = max((self.port.max_batches(name) or self.port.batches_taken(name, self.end)) - taken, 0)
+            self.tasks[name] = TaskEvaluations(stopping, history, boundary if stopping.stopped else None, spared)
+            if stopping.improved:
+                improved.append(name)
+            if stopping.stopped:
+                stopped.append(name)
+        if improved:
+            self.port.keep_best(improved)
+        fault_point("evaluated", boundary)  # tests: a kill between an evaluation and the checkpoint that records it
+        self.last = {
+            "eval_loss": {n: outcome.loss[n] for n in due},
+            "eval_token_accuracy": {n: outcome.token_accuracy[n] for n in due},
+            "eval_gpu_s": {n: gpu_s[n] for n in due},
+            "eval_s": outcome.seconds,
+        }
+        return stopped
+
+    def row_extra(self) -> dict[str, Any]:
+        """The last evaluation's numbers for its step's metrics row (empty when none ran at this boundary)."""
+        return dict(self.last)
+
+    def stopped_early(self) -> dict[str, int]:
+        """Every task that stopped early, by name: the boundary it left at."""
+        return {n: t.stopped_at for n, t in self.tasks.items() if t.stopped_at is not None}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {STATE_KEY: {name: task.to_json() for name, task in self.tasks.items()}}
+
+    def load_state_dict(self, extra: Mapping[str, Any]) -> None:
+        self.tasks = {name: TaskEvaluations.from_json(raw) for name, raw in extra.get(STATE_KEY, {}).items()}

@@ -1,0 +1,83 @@
+"""When rank 0 evaluates (``train.evaluation.Evaluations``): due steps from the tasks' own steps, named ahead so the
+loop's windows end there, and what an evaluation leads to (best kept, stop), with a fake fleet."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from lorafleet.data.tokenize import Example
+from lorafleet.runtime.data_stream import DataStreams, TaskData
+from lorafleet.specs.workload import TaskSpec
+from lorafleet.train.evaluation import Evaluations
+
+END = 60
+
+
+def _spec(name: str, every: int, steps: int | None = None, share: float | None = None) -> TaskSpec:
+    return TaskSpec(name=name, lengths={"values": [8]}, batch_size=2, context_length=16, steps=steps, share=share,
+                    eval={"every_steps": every}, early_stopping={"patience": 2, "warmup_evals": 0})  # fmt: skip
+
+
+def _data(name: str, length: int) -> TaskData:
+    return TaskData(name, tuple(Example((1,) * length, (1,) * length) for _ in range(6)))
+
+
+@dataclass
+class FakePort:
+    """The streams of three tasks: one unbounded, one that ends at 20 steps, one with a share."""
+
+    streams: DataStreams
+    names: tuple[str, ...] = ("a", "b", "c")
+
+    def batches_taken(self, name, step):
+        return self.streams.batches_taken(self.names.index(name), step)
+
+    def max_batches(self, name):
+        return self.streams.max_batches[self.names.index(name)]
+
+    def eval_batch(self, step, names):
+        raise AssertionError("the schedule evaluates nothing (run() is tested through the fleet)")
+
+    evaluate = keep_best = eval_batch
+
+
+@pytest.fixture
+def port():
+    specs = [_spec("a", 5), _spec("b", 3, steps=20), _spec("c", 4, share=0.3)]
+    streams = DataStreams([_data("a", 4), _data("b", 8), _data("c", 12)], [2, 2, 2], 0, [None, 20, None],
+                          shares=[None, None, 0.3])  # fmt: skip
+    return specs, FakePort(streams)
+
+
+def test_next_boundary_is_the_first_step_due_by_a_brute_force_scan(port):
+    specs, fake = port
+    evaluations = Evaluations(fake, END)
+    due = {b: evaluations.due(b, specs) for b in range(1, END + 1)}
+    assert (
+        due[5] == ["a"] and due[3] == ["b"] and "b" in due[20] and not any("b" in d for b, d in due.items() if b > 20)
+    )
+    took_last = fake.batches_taken("c", END) > fake.batches_taken("c", END - 1)
+    assert due[END] == (["a", "c"] if took_last else ["a"])  # the run's last step: each task that took a batch in it
+    c_steps = [b for b, d in due.items() if "c" in d]
+    assert fake.batches_taken("c", END) < END - 10  # its share skips steps
+    assert len(c_steps) >= 3 and all(fake.batches_taken("c", b) % 4 == 0 or b == END for b in c_steps)
+    for step in range(END):
+        expected = min((b for b, d in due.items() if b > step and d), default=None)
+        assert evaluations.next_boundary(step, specs) == expected, step
+
+
+def test_a_stopped_task_is_due_no_more(port):
+    specs, fake = port
+    evaluations = Evaluations(fake, END)
+    from lorafleet.stopping import Stopping
+    from lorafleet.train.evaluation import TaskEvaluations
+
+    evaluations.tasks["a"] = TaskEvaluations(Stopping(3, 1.0, 5, 2, True), ((5, 1.0, 0.5),), 15, 45)
+    assert all("a" not in evaluations.due(b, specs) for b in range(1, END + 1))
+    restored = Evaluations(fake, END)
+    restored.load_state_dict(evaluations.state_dict())
+    assert restored.tasks == evaluations.tasks and restored.stopped_early() == {"a": 15}
+    assert np.isfinite(restored.tasks["a"].stopping.best_loss)
