@@ -5,11 +5,12 @@ took part in) and after its last (``specs.evaluation``). Tasks due at the same s
 together, as one forward-only pass over the fleet.
 
 **What it costs.** An evaluation runs a task's held-out rows forward only. Their number:
-``min(max_rows, round(split x rows))`` when the task's rows are known (its lengths were read from its
-dataset, ``Task.histogram``) and it has a ``split``, else ``max_rows`` (a preset's or a given length
-distribution knows no rows; a held-out ``data`` file is not read by a what-if). Their lengths are drawn once
-per task from its length distribution, by the one sampling rule's generator at a step no run reaches
-(:data:`HELD_OUT_STEP`), so every evaluation of the task sees the same rows. The pass is placed by the
+``min(max_rows, round(split x rows))`` when the task's rows are known (:func:`known_rows`: its lengths
+were read from its dataset, ``Task.histogram``, or are a dataset preset's that carries the dataset's published
+row count, ``DatasetPreset.rows``) and it has a ``split``, else ``max_rows`` (a given length distribution, or a
+preset whose count is not published, knows no rows; a held-out ``data`` file is not read by a what-if). Their
+lengths are drawn once per task from its length distribution, by the one sampling rule's generator at a step no
+run reaches (:data:`HELD_OUT_STEP`), so every evaluation of the task sees the same rows. The pass is placed by the
 dispatcher under the plan's policy (``dispatch_step``: packed or padded, split across the replicas like any
 batch) and priced by the cost model as forward-only work (``CostModel.forward_time``: each coefficient of
 the stage time times its forward share, a pipeline filled and drained once, no gradient sync and no
@@ -27,36 +28,61 @@ by all of them), reported apart from their steps' (:attr:`TaskEvals.eval_gpu_s`)
 rule ``train`` follows) decides whether it stops. A stopped task takes no more steps: it departs at that step
 boundary, as a task that took its steps does. A task without a curve has no modelled loss: its evaluations are
 priced and it never stops early.
+
+**Curves from a training run** (:func:`run_curves`, ``simulate --eval-curves-from RUN``). A run's
+``metrics.jsonl`` holds, on each step row, ``task_tokens`` (task -> real tokens of that step) and, on a step
+an evaluation followed, ``eval_loss`` (task -> its mean token loss). A task's trained tokens at an evaluation
+after step ``s`` are the sum of its ``task_tokens`` over the rows with ``step <= s``; its curve is
+``loss_curve.fit_curve`` of those ``(tokens, eval_loss)`` points. A task whose points do not fit (fewer than
+three up to its lowest loss, or none) is listed with the reason; :func:`with_curves` sets the fitted curves as
+the workload's tasks' ``eval.curve``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from lorafleet.accounting import task_gpu_seconds
 from lorafleet.costmodel import CostModel
 from lorafleet.dispatch import dispatch_step
-from lorafleet.loss_curve import curve_loss
+from lorafleet.loss_curve import curve_loss, fit_curve
+from lorafleet.metrics.files import read_rows
 from lorafleet.plans import DeploymentPlan, StepReport
+from lorafleet.rundir import METRICS_JSONL
 from lorafleet.sampling import TaskDraw, global_batch, task_rng
+from lorafleet.specs.length_presets import find_preset
+from lorafleet.specs.loss_curve import LossCurveSpec
 from lorafleet.stopping import Stopping
-from lorafleet.workload import Task
+from lorafleet.workload import Task, Workload
 
 HELD_OUT_STEP = 2**62
 """The step a task's held-out lengths are drawn at (``sampling.task_rng``): beyond any run's steps, so they are
 drawn from a generator no training batch uses."""
 
 
+def known_rows(task: Task) -> int | None:
+    """The rows of ``task``'s data when a what-if knows them: its dataset's (``Task.histogram``), else its
+    length preset's published row count (``DatasetPreset.rows``), else None."""
+    if task.histogram is not None:
+        return sum(task.histogram.values())
+    lengths = task.spec.lengths
+    preset = find_preset(lengths.preset) if lengths is not None and lengths.preset is not None else None
+    return preset.rows if preset is not None else None
+
+
 def held_out_rows(task: Task) -> int:
     """Rows one evaluation of ``task`` runs (module doc); ``task`` has an ``eval``."""
     spec = task.spec.eval
     assert spec is not None
-    if spec.split is None or task.histogram is None:
+    rows = known_rows(task)
+    if spec.split is None or rows is None:
         return spec.max_rows
-    return max(1, min(spec.max_rows, round(spec.split * sum(task.histogram.values()))))
+    return max(1, min(spec.max_rows, round(spec.split * rows)))
 
 
 def held_out_lengths(task: Task, seed: int) -> np.ndarray:
@@ -242,3 +268,74 @@ class EvalReplay:
 
 def _every(task: Task) -> int | None:
     return task.spec.eval.every_steps if task.spec.eval is not None else None
+
+
+@dataclass(frozen=True)
+class RunCurves:
+    """Each task's eval-loss curve fitted to a training run's evaluations (module doc)."""
+
+    curves: dict[str, LossCurveSpec]
+    points: dict[str, tuple[tuple[int, float], ...]]
+    """Each evaluated task's ``(trained tokens, eval loss)``, in step order: what its curve was fitted to."""
+    unfitted: dict[str, str]
+    """Evaluated tasks with no curve, and why."""
+
+
+def eval_points(rows: Iterable[Mapping[str, Any]]) -> dict[str, tuple[tuple[int, float], ...]]:
+    """Each task's ``(trained tokens, eval loss)`` at its evaluations, from a run's metrics rows (module doc;
+    rows in any order, a step's last row counts when it repeats)."""
+    by_step = {int(row["step"]): row for row in rows}
+    tokens: dict[str, int] = {}
+    points: dict[str, list[tuple[int, float]]] = {}
+    for step in sorted(by_step):
+        row = by_step[step]
+        for name, n in (row.get("task_tokens") or {}).items():
+            tokens[name] = tokens.get(name, 0) + int(n)
+        for name, loss in (row.get("eval_loss") or {}).items():
+            points.setdefault(name, []).append((tokens.get(name, 0), float(loss)))
+    return {name: tuple(p) for name, p in points.items()}
+
+
+def fit_run_curves(rows: Iterable[Mapping[str, Any]]) -> RunCurves:
+    """:func:`eval_points` of ``rows``, each task's fitted by ``loss_curve.fit_curve``."""
+    points = eval_points(rows)
+    curves: dict[str, LossCurveSpec] = {}
+    unfitted: dict[str, str] = {}
+    for name, task_points in points.items():
+        try:
+            curves[name] = fit_curve([t for t, _ in task_points], [loss for _, loss in task_points])
+        except (ValueError, RuntimeError) as err:  # RuntimeError: curve_fit did not converge
+            unfitted[name] = str(err)
+    return RunCurves(curves, points, unfitted)
+
+
+def run_curves(run: str | Path) -> RunCurves:
+    """:func:`fit_run_curves` of a run directory's ``metrics.jsonl`` (or of that file named directly);
+    ValueError when there is no such file or it has no evaluation."""
+    path = Path(run)
+    path = path / METRICS_JSONL if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"{path}: no such metrics file")
+    try:
+        fitted = fit_run_curves(read_rows(path))
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: not a run's metrics rows ({err})") from None
+    if not fitted.points:
+        raise ValueError(f"{path}: no evaluation (no eval_loss in any row)")
+    return fitted
+
+
+def with_curves(workload: Workload, curves: Mapping[str, LossCurveSpec]) -> tuple[Workload, list[str]]:
+    """``workload`` with each task named in ``curves`` given that curve as its ``eval.curve``, and the names
+    of ``curves`` it did not take (no such task, or a task without an ``eval``)."""
+    tasks, taken = [], set()
+    for task in workload.tasks:
+        curve = curves.get(task.name)
+        if curve is not None and task.spec.eval is not None:
+            spec = task.spec.model_copy(update={"eval": task.spec.eval.model_copy(update={"curve": curve})})
+            task = Task(spec, task.raw_lengths, task.lengths, task.overflow_fraction, task.histogram)
+            taken.add(task.name)
+        tasks.append(task)
+    spec = workload.spec.model_copy(update={"tasks": tuple(t.spec for t in tasks)})
+    changed = Workload(path=workload.path, spec=spec, model=workload.model, tasks=tuple(tasks))
+    return changed, sorted(set(curves) - taken)

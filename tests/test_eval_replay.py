@@ -87,6 +87,20 @@ def test_held_out_rows_split_of_known_rows_else_max_rows(small):
     assert not np.array_equal(lengths, held_out_lengths(known, seed=1))
 
 
+def test_a_preset_task_holds_out_a_split_of_its_datasets_published_rows():
+    from lorafleet.specs.length_presets import LOBRA_DATASETS
+    from lorafleet.workload import load_workload
+
+    moments = "tasks.python-code.lengths={mean: 269, skewness: 10, kurtosis: 100}"
+    workload = load_workload("examples/lobra-7b.yaml", ["defaults.eval.split=0.02", moments])
+    assert LOBRA_DATASETS["dolly"].rows == 15_011 and LOBRA_DATASETS["commitpackft"].rows is None
+    assert held_out_rows(workload.task("dolly")) == 300  # round(0.02 x 15,011)
+    assert held_out_rows(workload.task("meetingbank")) == 138  # round(0.02 x 6,892)
+    assert held_out_rows(workload.task("xsum")) == 512  # 2% of 204,045 is over max_rows
+    assert held_out_rows(workload.task("commitpackft")) == 512  # no published count for LobRA's subset
+    assert held_out_rows(workload.task("python-code")) == 512  # lengths given by moments: no rows
+
+
 def test_a_task_stops_patience_evaluations_after_its_best_and_takes_no_step_after(small):
     workload, cost_model, result = small
     workload = _with_evals(workload, chat=STOPS)
@@ -139,3 +153,69 @@ def test_the_report_shows_the_curves_and_stops(small, tmp_path):
     assert (tmp_path / "evals.png").stat().st_size > 0
     assert [r["task"] for r in json.loads((tmp_path / "summary.json").read_text())["evaluations"]] == ["chat", "docs"]
     assert "early stopping saved" in (tmp_path / "index.html").read_text()
+
+
+RUN_CURVE = LossCurveSpec(l_inf=1.0, a=0.5, alpha=0.5, rise=2.0, rise_after=0.3)
+"""The hand-written run's chat curve: lowest at 0.3 M tokens (step 29 of :func:`_metrics_rows`)."""
+
+
+def _metrics_rows() -> list[dict]:
+    """A hand-written run's metrics: chat trains 10,000 tokens a step and is evaluated every 3 of 60 steps, its
+    losses on :data:`RUN_CURVE`; docs is evaluated twice; steps 11 and 12 repeat (a resume wrote them again)
+    and the rows are out of order."""
+    rows = []
+    for step in range(60):
+        row = {"step": step, "task_tokens": {"chat": 10_000, "docs": 30_000}, "losses": {"chat": 2.0}}
+        if step % 3 == 2:
+            row["eval_loss"] = {"chat": curve_loss(RUN_CURVE, 10_000 * (step + 1))}
+            row["eval_gpu_s"], row["eval_s"] = {"chat": 1.0}, 0.5
+        if step in (29, 59):
+            row.setdefault("eval_loss", {})["docs"] = 3.0 - step / 100
+        rows.append(row)
+    return rows[20:] + rows[:13] + rows[11:20]
+
+
+def test_a_curve_is_fitted_to_each_tasks_evaluations_in_a_runs_metrics(tmp_path):
+    import json
+
+    from lorafleet.eval_replay import eval_points, run_curves
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in _metrics_rows()))
+    fitted = run_curves(tmp_path)
+    assert [t for t, _ in fitted.points["chat"]] == [10_000 * (s + 1) for s in range(2, 60, 3)]
+    assert fitted.points == eval_points(_metrics_rows()[::-1])  # the steps' order, not the rows'
+    chat = fitted.curves["chat"]
+    for key in ("l_inf", "a", "alpha", "rise", "rise_after"):
+        assert getattr(chat, key) == pytest.approx(getattr(RUN_CURVE, key), rel=1e-3), key
+    assert set(fitted.curves) == {"chat"} and "at least 3" in fitted.unfitted["docs"]  # 2 evaluations, the last lowest
+    with pytest.raises(ValueError, match="no evaluation"):
+        run_curves(_write(tmp_path / "none.jsonl", [{"step": 0, "task_tokens": {"chat": 5}}]))
+    with pytest.raises(ValueError, match="no such metrics file"):
+        run_curves(tmp_path / "absent")
+
+
+def _write(path, rows):
+    import json
+
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_simulate_replays_the_stop_of_a_curve_fitted_to_a_run(tmp_path, capsys):
+    import yaml
+
+    from lorafleet.cli import main
+    from tests.helpers.repo import SMALL_WORKLOAD
+
+    workload = _write(tmp_path / "w.yaml", [])
+    workload.write_text(yaml.safe_dump(SMALL_WORKLOAD))
+    run = tmp_path / "run"
+    run.mkdir()
+    _write(run / "metrics.jsonl", _metrics_rows())
+    sets = ["--set", "tasks.chat.eval.every_steps=5", "--set", "tasks.chat.early_stopping.patience=2"]
+    assert main(["simulate", str(workload), "--steps", "40", *sets, "--eval-curves-from", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "chat: eval.curve l_inf=1 a=0.5 alpha=0.5 rise=2 rise_after=0.3 (20 evaluations)" in out
+    assert "docs: no curve fitted" in out and "early stopping saved" in out  # chat stops at step 30 of 40
+    assert main(["simulate", str(workload), "--eval-curves-from", str(tmp_path / "absent")]) == 2
+    assert "--eval-curves-from" in capsys.readouterr().err

@@ -58,6 +58,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "re-planning from scratch and a static plan compared",
     )
     add_replan_flags(parser, arrivals, prefix="--arrivals: ")  # train's, from one table (specs.replan)
+    parser.add_argument(
+        "--eval-curves-from",
+        metavar="RUN",
+        help="each task's eval.curve fitted to the evaluations of a training run (its --out directory or its "
+        "metrics.jsonl), for the workload's tasks of the same name that have an eval (docs/simulation.md)",
+    )
     add_set_flag(parser)
     add_cluster_flags(parser)
     add_policy_flags(parser)
@@ -155,16 +161,41 @@ def replicas_table(phase_run):
     return groups_table("lorafleet's replicas by config over the simulated steps", groups, "busy (s)", extra)
 
 
+def load_simulated_workload(args: argparse.Namespace, console):
+    """The workload with its ``--set`` overrides and, with ``--eval-curves-from``, the curves fitted to that
+    run's evaluations (``eval_replay.run_curves``), each fitted curve or why none printed."""
+    from lorafleet.commands._set_flags import workload_overrides
+    from lorafleet.eval_replay import run_curves, with_curves
+    from lorafleet.workload import load_workload
+
+    workload = load_workload(args.workload, workload_overrides(args))
+    if not args.eval_curves_from:
+        return workload
+    try:
+        fitted = run_curves(args.eval_curves_from)
+    except ValueError as err:
+        raise InputError(args.eval_curves_from, "--eval-curves-from", str(err)) from None
+    workload, left = with_curves(workload, fitted.curves)
+    for name, curve in fitted.curves.items():
+        c = curve
+        where = "not used: no task of that name with an eval" if name in left else "eval.curve"
+        console.print(
+            f"{name}: {where} l_inf={c.l_inf:.4g} a={c.a:.4g} alpha={c.alpha:.4g} rise={c.rise:.4g} "
+            f"rise_after={c.rise_after:.4g} ({len(fitted.points[name])} evaluations)"
+        )
+    for name, why in fitted.unfitted.items():
+        console.print(f"{name}: no curve fitted ({why})")
+    return workload
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from lorafleet.commands._replica_groups import WIDTH, plan_name
-    from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.report import eval_rows, eval_totals, pool_rows, summary_rows, task_cost_rows, write_report
     from lorafleet.simulate import simulate_schedule
     from lorafleet.specs.io import check_writable
-    from lorafleet.workload import load_workload
 
     if args.arrivals:
         return run_arrivals(args)
@@ -174,8 +205,8 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         check_writable(args.report, directory=True)
     options = simulation_options(args)
-    workload = load_workload(args.workload, workload_overrides(args))
     console = Console(width=WIDTH)
+    workload = load_simulated_workload(args, console)
     schedule, baselines, cost_model, cluster = _schedules(workload, args, console)
     plan = schedule.phases[0].plan
     try:
@@ -297,12 +328,11 @@ def run_arrivals(args: argparse.Namespace) -> int:
 
     from lorafleet.arrivals import load_trace, replay_trace
     from lorafleet.assemble import workload_cluster, workload_cost_model
-    from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.report import eval_rows, eval_totals
-    from lorafleet.workload import load_workload
 
     options = _arrival_flags(args)
-    workload = load_workload(args.workload, workload_overrides(args))
+    console = Console(width=150)
+    workload = load_simulated_workload(args, console)
     trace = load_trace(args.arrivals, workload)
     cluster = workload_cluster(workload, args.gpus, args.gpu)
     cost_model = workload_cost_model(trace.all_tasks(), cluster, args.profile)
@@ -314,7 +344,6 @@ def run_arrivals(args: argparse.Namespace) -> int:
     reference = None  # the same replay without early stops: what they save
     if any(a.task.spec.early_stopping is not None for a in trace.arrivals):
         reference = replay_trace(trace, cluster, cost_model, replace(options, stops=False))
-    console = Console(width=150)
     added = len(trace.arrivals) - len(workload.tasks)
     console.print(
         f"{len(trace.arrivals)} tasks ({len(workload.tasks)} in the workload, {added} added by the trace, "

@@ -2,7 +2,8 @@
 
 Each preset carries the dataset's published length statistics (LobRA paper and artifact;
 ``shared/reference/README.md``): mean, skewness and excess kurtosis of the token lengths
-after truncation to ``context_length``. It also carries the parameters
+after truncation to ``context_length``, and the dataset's published row count where one is published
+(``docs/length_presets.md`` cites each). It also carries the parameters
 ``(a, c, log_scale, tail_mass)`` of the :mod:`lorafleet.specs.length_family` family fitted to
 them. The fit runs offline (``python scripts/fit_length_presets.py``) and is written here
 as literals. The pmfs those params give are shipped beside this module
@@ -48,6 +49,11 @@ class DatasetPreset:
     params: tuple[float, ...]
     """Fitted ``(a, c, log_scale, tail_mass)`` of the length family; written by
     ``scripts/fit_length_presets.py``."""
+    rows: int | None = None
+    """The dataset's published row count (its training split where it publishes splits; a rounded figure where
+    the source gives only that: ``docs/length_presets.md``, "Row counts"), None where none is published for the
+    data LobRA trained on. A what-if holds out ``round(split x rows)`` of a preset task for its evaluations
+    (``eval_replay.held_out_rows``)."""
 
 
 _PRESETS = (
@@ -65,6 +71,7 @@ _PRESETS = (
             -1059.0522036428592,
             3.3273736649101546e-05,
         ),
+        rows=15_011,
     ),
     DatasetPreset(
         "python-code",
@@ -80,6 +87,7 @@ _PRESETS = (
             2.9602150104143075,
             0.0,
         ),
+        rows=18_612,
     ),
     DatasetPreset(
         "evol-instruct",
@@ -95,6 +103,7 @@ _PRESETS = (
             -877.9057624335057,
             0.0006598481328591329,
         ),
+        rows=111_000,
     ),
     DatasetPreset(
         "commitpackft",
@@ -110,6 +119,7 @@ _PRESETS = (
             -226.87671619329947,
             1.562076925828855e-07,
         ),
+        rows=None,
     ),
     DatasetPreset(
         "mathinstruct",
@@ -125,6 +135,7 @@ _PRESETS = (
             3.9678226681986555,
             0.0,
         ),
+        rows=262_000,
     ),
     DatasetPreset(
         "metamathqa",
@@ -140,6 +151,7 @@ _PRESETS = (
             588.0844327031125,
             7.5323756242605505e-06,
         ),
+        rows=395_000,
     ),
     DatasetPreset(
         "numinamath-cot",
@@ -155,6 +167,7 @@ _PRESETS = (
             5.589447324860034,
             0.0,
         ),
+        rows=859_494,
     ),
     DatasetPreset(
         "pubmedqa",
@@ -170,6 +183,7 @@ _PRESETS = (
             187.98345949887099,
             1.0211160079023692e-05,
         ),
+        rows=None,
     ),
     DatasetPreset(
         "xsum",
@@ -185,6 +199,7 @@ _PRESETS = (
             -413.7750566033734,
             2.9320727558721522e-05,
         ),
+        rows=204_045,
     ),
     DatasetPreset(
         "billsum",
@@ -200,6 +215,7 @@ _PRESETS = (
             8.892420597890544,
             0.0,
         ),
+        rows=18_949,
     ),
     DatasetPreset(
         "cnn-dailymail",
@@ -215,6 +231,7 @@ _PRESETS = (
             7.320077366548169,
             0.0,
         ),
+        rows=287_113,
     ),
     DatasetPreset(
         "meetingbank",
@@ -230,6 +247,7 @@ _PRESETS = (
             306.85682162125113,
             0.013065429636307881,
         ),
+        rows=6_892,
     ),
 )
 
