@@ -31,6 +31,8 @@ LEDGER = "tasks.json"
 """The task ledger of a run that took queued changes (``train.queue.ledger``)."""
 CHANGES = "changes.jsonl"
 """The run's fleet changes, a row each (``train.change_log``)."""
+EVALUATIONS = "evaluations.json"
+"""The tasks' evaluations so far and their early-stopping state, rewritten after each (``train.evaluation``)."""
 PENDING = ".apply.json"
 """In the queue directory: the requests accepted at a boundary, until they are applied (``train.queue.pending``)."""
 PENDING_REPLAN = ".replan.json"
@@ -101,6 +103,11 @@ class RunDir:
     @property
     def ledger(self) -> Path:
         return self.root / LEDGER
+
+    @property
+    def evaluations(self) -> Path:
+        """Each evaluated task's evaluations and early-stopping state, as of the last (``train.evaluation``)."""
+        return self.root / EVALUATIONS
 
     @property
     def changes(self) -> Path:
@@ -190,6 +197,7 @@ RUN_FILES = (
     "summary.json",
     LEDGER,
     CHANGES,
+    EVALUATIONS,
     "workload.resolved.yaml",
     "tokenizer",
     "logs",

@@ -17,17 +17,21 @@ every checkpoint); a stop makes it leave the run at this boundary, as a queued f
 evaluates, keeps and stops exactly as the uninterrupted run.
 
 Each evaluation's numbers go into the metrics row of the step it follows (``eval_loss``, ``eval_token_accuracy``,
-``eval_gpu_s``, ``eval_s``: every sink a step's loss reaches, :meth:`Evaluations.row_extra`).
+``eval_gpu_s``, ``eval_s``: every sink a step's loss reaches, :meth:`Evaluations.row_extra`), and every task's
+evaluations and state are rewritten to ``<out>/evaluations.json`` (the HTTP API's ``GET /v1/tasks/<name>``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lorafleet.runtime.checkpoint_files import EVALUATION_KEY as STATE_KEY
 from lorafleet.runtime.processes import fault_point
+from lorafleet.specs.io import write_text_atomic
 from lorafleet.stopping import Stopping
 
 if TYPE_CHECKING:
@@ -91,6 +95,8 @@ class Evaluations:
 
     port: EvalPort
     end: int
+    published: Path | None = None
+    """Where the tasks' evaluations are rewritten after each (``RunDir.evaluations``: the HTTP API's view)."""
     tasks: dict[str, TaskEvaluations] = field(default_factory=dict)
     """By task name, every task that has been evaluated (those that left stay: the summary reads them)."""
     last: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -186,6 +192,7 @@ class Evaluations:
         if improved:
             self.port.keep_best(improved)
         fault_point("evaluated", boundary)  # tests: a kill between an evaluation and the checkpoint that records it
+        self.publish()
         self.last = {
             "eval_loss": {n: outcome.loss[n] for n in due},
             "eval_token_accuracy": {n: outcome.token_accuracy[n] for n in due},
@@ -207,3 +214,10 @@ class Evaluations:
 
     def load_state_dict(self, extra: Mapping[str, Any]) -> None:
         self.tasks = {name: TaskEvaluations.from_json(raw) for name, raw in extra.get(STATE_KEY, {}).items()}
+        self.publish()
+
+    def publish(self) -> None:
+        """The tasks' evaluations written whole to :attr:`published` (when given): ``{task: TaskEvaluations}``."""
+        if self.published is not None:
+            text = json.dumps({name: task.to_json() for name, task in self.tasks.items()}, indent=1)
+            write_text_atomic(self.published, text + "\n")

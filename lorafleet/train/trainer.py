@@ -126,7 +126,7 @@ class Trainer:
         fleet = TorchFleet(
             executor, options.steps, self._checkpoint, lambda: self.health.stopped, self.run_dir.checkpoints
         )
-        self.evaluations = Evaluations(fleet, options.steps)
+        self.evaluations = Evaluations(fleet, options.steps, self.run_dir.evaluations)
         """The tasks' evaluations, their best adapters and early stops (``train.evaluation``)."""
         self.changes = FleetChanges(
             options,

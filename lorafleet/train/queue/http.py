@@ -19,9 +19,13 @@ the next run claims the queue (:func:`remove_stale_token`). Every request needs
     POST   /v1/tasks                           a request object (an add: the task, with optional
                                                "at_step", "share", "deadline")        -> 202
     DELETE /v1/tasks/<name>?mode=finish|cancel stop a task (default cancel)            -> 202
-    PATCH  /v1/tasks/<name>                    {"share": ..., "deadline": ...}, one at least -> 202
+    PATCH  /v1/tasks/<name>                    {"share", "deadline", "eval": {"every_steps"},
+                                               "early_stopping"}, one at least          -> 202
     GET    /v1/tasks                           {"ledger": <run_dir/tasks.json or null>, "pending": [...],
                                                "rejected": [{"file", "reason"}], "accepted": [...]} -> 200
+    GET    /v1/tasks/<name>                    {"name", "ledger": its entry, "evaluations": its evaluations
+                                               (history [[step, loss, accuracy], ...], stopping, stopped_at)}
+                                                                                       -> 200
 
 A 202 answers ``{"file": <basename>, "status": "queued"}``. Errors answer ``{"error": <one line>}``:
 400 bad JSON (parsed as a request file is, ``requests.parse_request``: nested at most 32 deep, numbers
@@ -46,7 +50,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from lorafleet.errors import InputError
-from lorafleet.rundir import HTTP_TOKEN, LEDGER
+from lorafleet.rundir import EVALUATIONS, HTTP_TOKEN, LEDGER
 from lorafleet.specs.io import write_text_atomic
 from lorafleet.specs.workload import task_name_error
 from lorafleet.train.queue.requests import (
@@ -170,6 +174,9 @@ class _Handler(BaseHTTPRequestHandler):
         if path == _TASKS and method == "POST":
             body = _check_request(self._json_body())
             return 202, self._queue(body)
+        if path.startswith(_TASKS + "/") and method == "GET":
+            self._drain()
+            return 200, _task_view(_check_name(unquote(path[len(_TASKS) + 1 :])), self.server.run_dir)
         if path.startswith(_TASKS + "/") and method in ("DELETE", "PATCH"):
             name = _check_name(unquote(path[len(_TASKS) + 1 :]))
             if method == "DELETE":
@@ -268,9 +275,9 @@ def _check_update(body: Any) -> dict[str, Any]:
         raise _HttpError(400, "an update must be a JSON object")
     unknown = sorted(set(body) - set(UPDATE_KEYS))
     if unknown:
-        raise _HttpError(400, f"an update takes only share and deadline, not {', '.join(unknown)}")
+        raise _HttpError(400, f"an update takes only {', '.join(UPDATE_KEYS)}, not {', '.join(unknown)}")
     if not body:
-        raise _HttpError(400, "an update needs share or deadline")
+        raise _HttpError(400, f"an update needs one of {', '.join(UPDATE_KEYS)}")
     return {key: body[key] for key in UPDATE_KEYS if key in body}
 
 
@@ -312,6 +319,27 @@ def _listing(queue_dir: Path, run_dir: Path) -> dict[str, Any]:
         "rejected": rejected,
         "accepted": [path.name for path in request_files(queue_dir / ACCEPTED)],
     }
+
+
+def _task_view(name: str, run_dir: Path) -> dict[str, Any]:
+    """One task: its ledger entry and its evaluations (``<out>/evaluations.json``: each evaluation's step, loss and
+    token accuracy, the best, the early-stopping count, where it stopped); 404 when the run has no such task."""
+    ledger = _read_json(run_dir / LEDGER, LEDGER) or {}
+    entries = [e for e in ledger.get("tasks", ()) if e.get("spec", {}).get("name") == name]
+    evaluations = (_read_json(run_dir / EVALUATIONS, EVALUATIONS) or {}).get(name)
+    if not entries and evaluations is None:
+        raise _HttpError(404, f"no task {name!r} in this run")
+    return {"name": name, "ledger": entries[-1] if entries else None, "evaluations": evaluations}
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """A run file's JSON (None when it is not there yet); 500 when it cannot be read."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        raise _HttpError(500, f"cannot read the run's {what}") from None
 
 
 class QueueServer:

@@ -21,7 +21,7 @@ from lorafleet.rundir import LEDGER
 from lorafleet.specs._base import Float, Int
 from lorafleet.specs.io import read_json_as, write_json_as
 from lorafleet.specs.workload import TaskSpec
-from lorafleet.train.queue.requests import Action, Request
+from lorafleet.train.queue.requests import Action, Request, updated_task
 from lorafleet.train.revisions import Revision, describe
 from lorafleet.turns import TaskTurns
 
@@ -131,7 +131,7 @@ class Ledger:
             k = index[r.name]
             if r.action is Action.UPDATE:
                 e = entries[k]
-                spec = e.spec.model_copy(update=dict(r.changes))
+                spec = updated_task(e.spec, r.changes)
                 history = e.changes or ((e.spec.start_step, e.spec.share, e.spec.deadline),)
                 entries[k] = replace(e, spec=spec, changes=(*history, (step, spec.share, spec.deadline)))
             else:

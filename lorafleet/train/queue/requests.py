@@ -47,8 +47,8 @@ PRIVATE_DIR = 0o700
 """The mode of the queue's folders the run creates (the queue, ``accepted``, ``rejected``)."""
 PRIVATE_FILE = 0o600
 """The mode of the files the run writes there (a rejected request's reason)."""
-UpdateKey = Literal["share", "deadline"]
-"""What an ``update`` may change of a running task."""
+UpdateKey = Literal["share", "deadline", "eval", "early_stopping"]
+"""What an ``update`` may change of a running task (of its ``eval``, how often: :func:`updated_task`)."""
 UPDATE_KEYS: tuple[UpdateKey, ...] = get_args(UpdateKey)
 MAX_REQUEST_BYTES = 1 << 20
 """The largest request file, or HTTP body, read (a task's spec is a few hundred bytes)."""
@@ -121,8 +121,9 @@ class AddRequestFile(TaskSpec):
 
 
 class UpdateRequestFile(Spec):
-    """``{action: update, name: T, share: 0.3}`` (and/or ``deadline``): a running task's new share or deadline,
-    from the step it is applied at."""
+    """``{action: update, name: T, share: 0.3}`` (and/or ``deadline``, ``eval: {every_steps: N}``,
+    ``early_stopping``): a running task's new share, deadline, evaluation cadence or early stopping, from the step
+    it is applied at (:func:`updated_task`)."""
 
     action: Literal[Action.UPDATE]
     name: str = Field(min_length=1)
@@ -133,6 +134,10 @@ class UpdateRequestFile(Spec):
     """Its new ``share``, checked as the task's own."""
     deadline: Int | None = None
     """Its new ``deadline``, checked as the task's own (it needs ``steps``)."""
+    eval: dict[str, Any] | None = None
+    """Its ``eval``'s keys to change (``every_steps``), merged over its own and checked as the task's."""
+    early_stopping: dict[str, Any] | None = None
+    """Its ``early_stopping`` keys (null: none), merged over its own and checked as the task's."""
 
     @model_validator(mode="before")
     @classmethod
@@ -140,12 +145,29 @@ class UpdateRequestFile(Spec):
         if isinstance(raw, dict):
             changes = set(raw) - {"action", "name", "at_step"}
             if not changes or changes - set(UPDATE_KEYS):
-                raise ValueError("update takes share and/or deadline")
+                raise ValueError(f"update takes {', '.join(UPDATE_KEYS)}")
         return raw
 
-    def changes(self) -> dict[UpdateKey, float | int | None]:
-        """The keys the file sets of ``share`` and ``deadline``."""
+    def changes(self) -> dict[UpdateKey, Any]:
+        """The keys the file sets of :data:`UPDATE_KEYS`."""
         return self.model_dump(include=set(UPDATE_KEYS), exclude_unset=True)
+
+
+def updated_task(task: TaskSpec, changes: Mapping[str, Any]) -> TaskSpec:
+    """``task`` with an update's ``changes``: ``share`` and ``deadline`` replaced, ``eval`` and ``early_stopping``
+    merged over its own (``early_stopping: null`` removes it), checked as a task (RequestError). Of its ``eval``, an
+    update changes ``every_steps`` only: its ``split``, ``data`` and ``max_rows`` decided which rows it trains on and
+    is evaluated on, and a task without an eval has trained on every row."""
+    raw = task.model_dump()
+    for key, value in changes.items():
+        raw[key] = {**(raw.get(key) or {}), **value} if isinstance(value, Mapping) and raw.get(key) else value
+    updated = validated(TaskSpec, raw)
+    if "eval" in changes:
+        if task.eval is None:
+            raise RequestError("eval: the task has no eval: every row of its data is in training")
+        if updated.eval is None or updated.eval.model_copy(update={"every_steps": task.eval.every_steps}) != task.eval:
+            raise RequestError("eval: an update changes every_steps only (the rows held out are fixed at its start)")
+    return updated
 
 
 class StopRequestFile(Spec):
@@ -183,8 +205,8 @@ class Request:
     """Not before this global step."""
     task: TaskSpec | None = None
     """``add``: the task (data paths absolute; ``start_step`` set when it is applied)."""
-    changes: Mapping[UpdateKey, Float | Int | None] = field(default_factory=dict)
-    """``update``: the new ``share`` and/or ``deadline``."""
+    changes: Mapping[UpdateKey, Any] = field(default_factory=dict)
+    """``update``: the new ``share``, ``deadline``, ``eval`` keys and/or ``early_stopping`` (:func:`updated_task`)."""
 
 
 def read_request_file(path: Path) -> tuple[Action, dict[str, Any]]:

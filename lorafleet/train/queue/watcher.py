@@ -35,6 +35,7 @@ from lorafleet.train.queue.requests import (
     read_request_file,
     reason_file,
     request_files,
+    updated_task,
     validated,
 )
 
@@ -80,7 +81,7 @@ def check_against(request: Request, ledger: Ledger) -> None:
     if name not in active:
         raise RequestError(f"no active task {name!r} in this run (active: {', '.join(sorted(active)) or 'none'})")
     if request.action is Action.UPDATE:
-        validated(TaskSpec, {**active[name].model_dump(), **request.changes})
+        updated_task(active[name], request.changes)
 
 
 class QueueWatcher:

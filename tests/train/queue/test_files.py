@@ -130,7 +130,7 @@ def test_a_wrong_pending_file_names_the_field(tmp_path, edit, field):
         ("name: code\ndata: {path: c.jsonl, fmt: text}\nbatch_size: 2\ncontext_length: 64\n", "data.fmt: Extra inputs"),
         ("name: code\ndata: {path: c.jsonl}\nbatch_size: 2\ncontext_length: 64\nlora: {rank: 0}\n", "lora.rank: "),
         ("action: update\nname: chat\nshare: lots\n", "share: Input should be a valid number"),
-        ("action: update\nname: chat\nshare: 0.5\nsteps: 3\n", "update takes share and/or deadline"),
+        ("action: update\nname: chat\nshare: 0.5\nsteps: 3\n", "update takes share, deadline, eval, early_stopping"),
         ("action: finish\nname: chat\ncolour: red\n", "finish takes only the task's name, got colour"),
     ],
 )

@@ -303,3 +303,26 @@ def test_120_concurrent_posts_all_get_an_answer(queue):
         thread.join()
     assert answers == [202] * n
     assert len(requests_in(queue.token_file.parent)) == n
+
+
+def test_a_tasks_view_has_its_ledger_entry_and_its_evaluations(queue, tmp_path):
+    """``GET /v1/tasks/<name>``: what the run wrote of the task (``tasks.json``, ``evaluations.json``); 404 for a
+    task the run never had, and PATCH takes an update of the evaluation cadence and early stopping."""
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = {"name": "chat", "data": {"path": "/x/chat.jsonl"}, "batch_size": 2, "context_length": 64}
+    (run / "tasks.json").write_text(json.dumps({"applied": [], "tasks": [{"spec": spec, "left": None}]}))
+    assert call(queue, "GET", "/v1/tasks/chat") == (200, {"name": "chat", "ledger": {"spec": spec, "left": None},
+                                                          "evaluations": None})  # fmt: skip
+    evaluated = {"history": [[4, 2.5, 0.3], [8, 2.6, 0.3]], "stopped_at": None, "steps_not_taken": None,
+                 "stopping": {"evaluations": 2, "best_loss": 2.5, "best_step": 4, "bad": 1, "stopped": False,
+                              "improved": False}}  # fmt: skip
+    (run / "evaluations.json").write_text(json.dumps({"chat": evaluated}))
+    assert call(queue, "GET", "/v1/tasks/chat")[1]["evaluations"] == evaluated
+    assert call(queue, "GET", "/v1/tasks/nobody")[0] == 404
+    status, payload = call(queue, "PATCH", "/v1/tasks/chat", {"eval": {"every_steps": 5}, "early_stopping": None})
+    assert status == 202, payload
+    (written,) = requests_in(tmp_path / "queue")
+    assert json.loads((tmp_path / "queue" / written).read_text()) == {
+        "action": "update", "name": "chat", "eval": {"every_steps": 5}, "early_stopping": None,
+    }  # fmt: skip

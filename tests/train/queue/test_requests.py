@@ -37,12 +37,14 @@ def _spec(name: str, **kw) -> TaskSpec:
 
 
 LEDGER = Ledger.of([_spec("chat"), _spec("docs")])
+WITH_EVAL = Ledger.of([*LEDGER.active, _spec("evald", eval={"split": 0.1, "every_steps": 10})])
+"""The requests' ledger: and a task evaluated every 10 steps."""
 
 
 def _request(tmp_path, text: str, name: str = "r.yaml"):
     path = tmp_path / name
     path.write_text(text)
-    return read_request(path, DEFAULTS, LEDGER)
+    return read_request(path, DEFAULTS, WITH_EVAL)
 
 
 def test_an_added_task_takes_the_workloads_defaults_and_paths_relative_to_its_file(tmp_path):
@@ -66,9 +68,13 @@ def test_an_added_task_takes_the_workloads_defaults_and_paths_relative_to_its_fi
         ("name: code\nlengths: {values: [30, 40]}\nbatch_size: 2\ncontext_length: 64\n", "data: training needs data"),
         ("action: finish\nname: nobody\n", "no active task 'nobody'"),
         ("action: cancel\nname: chat\nshare: 0.5\n", "cancel takes only the task's name"),
-        ("action: update\nname: chat\n", "update takes share and/or deadline"),
+        ("action: update\nname: chat\n", "update takes share, deadline, eval, early_stopping"),
         ("action: update\nname: chat\nshare: 1.5\n", "share"),
         ("action: update\nname: chat\ndeadline: 5\n", "a deadline needs steps"),
+        ("action: update\nname: chat\neval: {every_steps: 5}\n", "the task has no eval"),
+        ("action: update\nname: chat\nearly_stopping: {patience: 2}\n", "early stopping needs an eval"),
+        ("action: update\nname: evald\neval: {split: 0.2}\n", "changes every_steps only"),
+        ("action: update\nname: evald\neval: {every_steps: 0}\n", "every_steps"),
     ],
 )
 def test_a_malformed_request_says_why_in_one_line(tmp_path, text, reason):
@@ -81,6 +87,16 @@ def test_a_json_request_and_an_update(tmp_path):
     r = _request(tmp_path, json.dumps({"action": "update", "name": "docs", "share": 0.25}), "u.json")
     assert (r.action, dict(r.changes)) == (Action.UPDATE, {"share": 0.25})
     assert LEDGER.apply([r], 4).active[1].share == 0.25
+
+
+def test_an_update_changes_the_evaluation_cadence_and_early_stopping(tmp_path):
+    text = "action: update\nname: evald\neval: {every_steps: 4}\nearly_stopping: {patience: 2}\n"
+    r = _request(tmp_path, text)
+    evald = WITH_EVAL.apply([r], 6).active[2]
+    assert (evald.eval.every_steps, evald.eval.split, evald.early_stopping.patience) == (4, 0.1, 2)
+    off = _request(tmp_path, "action: update\nname: evald\nearly_stopping: null\n", "off.yaml")
+    assert WITH_EVAL.apply([r], 6).apply([off], 8).active[2].early_stopping is None
+    assert TypeAdapter(Request).validate_json(TypeAdapter(Request).dump_json(r)) == r  # as .apply.json holds it
 
 
 def test_the_watcher_waits_for_at_step_accepts_what_is_due_and_rejects_the_rest(tmp_path):
