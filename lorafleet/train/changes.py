@@ -210,6 +210,10 @@ class FleetChanges:
         if pending is not None and self.watcher is not None:
             self.watcher.accept(pending.requests)  # what a crash left in the queue directory
         if pending is not None:
+            if Ledger.load(self.options.out) is None:  # the trainer's came from the fleet it built: after the change
+                from lorafleet.specs.workload import TaskSpec
+
+                self.ledger = Ledger.of([TaskSpec.model_validate(t) for t in pending.before.workload["tasks"]])
             ledger = self.ledger.apply(pending.requests, pending.step, pending.turns)
             kind, plan = ChangeKind.of(pending.requests), (pending.after or pending.before).plan.describe()
             self.flight.recovered(pending, after, ledger, ChangeRecord(pending.step, kind, Outcome.SETTLED,

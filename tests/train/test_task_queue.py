@@ -179,6 +179,7 @@ def _ends_as_the_queued_run(out: Path, queued: Path, changes: tuple[int, ...] = 
         "decided@3",  # the add recorded with its decision, not applied: done again from its record
         "exported@6",  # chat's adapter exported, the fleet not changed: done again from the checkpoint before it
         "checkpointed@3",  # the add applied, its checkpoint started: a restart resumes on either side of it
+        "settling@3",  # its checkpoint committed, nothing settled: the run's first change took its ledger twice
     ],
 )
 def test_a_crash_amid_a_change_is_finished_once_by_the_restart(runs, tmp_path, phase):
