@@ -5,9 +5,9 @@ held-out rows) every 2, with early stopping (patience 2).
 - ``chat`` stops within ``patience`` evaluations of its minimum; it leaves the run at that boundary through the
   departure path (``changes.jsonl``), its best adapter is the one exported, and PEFT measures on it the loss the run
   recorded as the minimum;
-- ``docsum`` ends equal to a run where ``chat`` left by a queued finish at the same step;
-- a kill of rank 0 between an evaluation and its checkpoint, during the patience, and a ``--resume`` give the same
-  stop step and bitwise the same adapters (best and last) as the uninterrupted run.
+- the run is killed once (rank 0, between an evaluation and its checkpoint, during the patience) and resumed, and
+  ends with the same stop step and bitwise the same adapters (best and last) as an uninterrupted run in which
+  ``chat`` left by a queued finish at that step.
 """
 
 from __future__ import annotations
@@ -87,9 +87,21 @@ def _same(a: Path, b: Path) -> bool:
 
 @pytest.fixture(scope="module")
 def early(tmp_path_factory, tiny_tokenizer_dir):
+    """The early-stopping run, killed once (rank 0, between an evaluation and its checkpoint, during the patience)
+    and resumed; and the same run uninterrupted, with ``chat`` leaving by a queued finish at the step it stopped at
+    and no early stopping (its stop step found from the first run: the evaluations are the same in both)."""
     root = tmp_path_factory.mktemp("early")
     workload = _workload(root, tiny_tokenizer_dir)
-    log = _train(workload, root / "out")
+    out = root / "out"
+    env = {FAULT_ENV: f"evaluated@{2 * (PATIENCE + 1) - 2}", FAULT_ONCE_ENV: str(root / "once")}
+    _train(workload, out, env=env, ok=False)
+    assert (root / "once").exists()
+    log = _train(workload, out, "--resume")
+    stop = _evals(out, "chat")[-1][0]
+    queued = root / "queued"
+    (queued / "queue").mkdir(parents=True)
+    (queued / "queue" / "finish.json").write_text(json.dumps({"action": "finish", "name": "chat", "at_step": stop}))
+    _train(_workload(root, tiny_tokenizer_dir, early=False), queued)
     return root, workload, log
 
 
@@ -107,6 +119,7 @@ def test_a_task_that_gets_worse_stops_within_patience_of_its_minimum_and_leaves(
         stop, [("finish", "chat", STOPPED_EARLY)],
     )  # fmt: skip
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))  # the resumed run counts every step once
     assert all("chat" not in r["task_tokens"] for r in rows if r["step"] >= stop)  # it took no more steps
     assert "eval chat: best" in log.stdout and f"stopped early at step {stop}" in log.stdout
 
@@ -117,7 +130,7 @@ def test_the_exported_adapter_is_the_best_and_peft_measures_the_recorded_minimum
     chat = out / "adapters" / "chat"
     assert not _same(chat, chat / "last")
     spec = load_workload(workload).task("chat").spec
-    tokenizer = data_tokenizer("tiny-llama", str(spec_tokenizer(workload)), source="test")
+    tokenizer = data_tokenizer("tiny-llama", load_workload(workload).spec.tokenizer, source="test")
     rows = prepare_task_data(spec, tokenizer, "test").eval_examples
     model = PeftModel.from_pretrained(load_causal_lm(resolve_model_source("tiny-llama")), chat).eval()
     loss = tokens = 0.0
@@ -133,32 +146,13 @@ def test_the_exported_adapter_is_the_best_and_peft_measures_the_recorded_minimum
     assert "Best evaluation (this adapter)" in card and "Stopped early at step" in card
 
 
-def spec_tokenizer(workload: Path) -> Path:
-    return Path(load_workload(workload).spec.tokenizer)
-
-
-def test_the_others_train_as_when_it_left_by_a_queued_finish_at_that_step(early, tiny_tokenizer_dir):
+def test_killed_and_resumed_it_ends_as_the_run_where_it_left_by_a_queued_finish(early):
+    """The same evaluations, the same stop step, and bitwise the same adapters (best and last) as the uninterrupted
+    run in which a queued finish took ``chat`` out at that step: the other tenant trains as if it had been asked."""
     root, _, _ = early
-    stop = _evals(root / "out", "chat")[-1][0]
-    queued = root / "queued"
-    (queued / "queue").mkdir(parents=True)
-    (queued / "queue" / "finish.json").write_text(json.dumps({"action": "finish", "name": "chat", "at_step": stop}))
-    _train(_workload(root, tiny_tokenizer_dir, early=False), queued)
-    for view in ("", "last"):
-        assert _same(root / "out" / "adapters" / "docsum" / view, queued / "adapters" / "docsum" / view)
-    assert _evals(queued, "docsum") == _evals(root / "out", "docsum")
-
-
-def test_a_kill_during_the_patience_and_a_resume_stop_at_the_same_step_with_the_same_adapters(early, tmp_path):
-    root, workload, _ = early
-    out = tmp_path / "killed"
-    evals = _evals(root / "out", "chat")
-    during = evals[-2][0]  # an evaluation after the minimum, before the stop
-    env = {FAULT_ENV: f"evaluated@{during}", FAULT_ONCE_ENV: str(tmp_path / "once")}
-    _train(workload, out, env=env, ok=False)
-    assert (tmp_path / "once").exists()
-    _train(workload, out, "--resume")
-    assert _evals(out, "chat") == evals
+    out, queued = root / "out", root / "queued"
+    assert _evals(out, "chat") == _evals(queued, "chat")
+    assert _evals(out, "docsum") == _evals(queued, "docsum")
     for task in ("chat", "docsum"):
         for view in ("", "last"):
-            assert _same(out / "adapters" / task / view, root / "out" / "adapters" / task / view), (task, view)
+            assert _same(out / "adapters" / task / view, queued / "adapters" / task / view), (task, view)
