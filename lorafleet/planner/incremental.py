@@ -34,7 +34,7 @@ every GPU of the run waits at that step boundary. So
 
 with ``bytes(stage) = n_params · dtype_bytes / (tp · pp)``. ``fixed_s`` and ``load_bytes_per_s`` are measured:
 a training run starts from its own start-up's stage load (``train.torch_fleet.initial_migration``) and takes
-each in-process move's phases (``train.changes.learnt_migration``); the defaults are
+each in-process move's phases (``train.change_costs.learnt_migration``); the defaults are
 ``benchmarks/bench_queue.py``'s figures. ``--migration-s`` prices instead a flat ``migration_s`` seconds of
 the GPUs of every replica torn down (the pricing before the in-process rebuild).
 """

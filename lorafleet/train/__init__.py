@@ -28,6 +28,8 @@
                   model, the re-plan beside the steps), by ``planner.decision``'s rule
     evaluation.py Evaluations: rank 0's evaluations of the tasks with an ``eval`` (when each is due, run on the
                   fleet, reported), their best adapters kept and their early stops (``lorafleet.stopping``)
+    change_costs.py  what a change costs and says: the next move's learnt price, a fleet's cost model, the
+                  hand-off's line
     torch_fleet.py  TorchFleet: the FleetPort (and EvalPort) over rank 0's torch executor
     joining.py    Joining: a task the queue adds has its data prepared beside the steps, and joins when ready
     inflight.py   a change as a transaction: .apply.json begun with the fleet before it, decided with the fleet

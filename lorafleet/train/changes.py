@@ -25,7 +25,6 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorafleet.planner.decision import HandOff, Keep, Move, ReplanNow, decide
@@ -34,6 +33,7 @@ from lorafleet.planner.incremental import kept_plan
 from lorafleet.runtime.processes import fault_point
 from lorafleet.train import inflight
 from lorafleet.train.background import BesideSteps
+from lorafleet.train.change_costs import fleet_cost_model, handed_off, learnt_migration
 from lorafleet.train.change_log import (
     STOPPED_EARLY,
     TOOK_ITS_STEPS,
@@ -130,7 +130,9 @@ class FleetChanges:
         if self.watcher is None and early:
             return True  # retired there (at_boundary): no launcher exports a leaving task
         if self.watcher is not None:
-            self.requests = self._ready(self.watcher.poll(step, accept=False), step)
+            watcher = self.watcher
+            reject = lambda r, why: watcher.reject(self.options.queue_dir / r.file, why)  # noqa: E731
+            self.requests = self.joining.ready_requests(watcher.poll(step, accept=False), step, reject)
             named = {r.name for r in self.requests}
             self.requests += [Request(STOPPED_EARLY, Action.FINISH, n) for n in early if n not in named]
             if step < self.options.steps:
@@ -138,27 +140,6 @@ class FleetChanges:
                 named = {r.name for r in self.requests}
                 self.requests += [r for r in done if r.name not in named]
         return bool(self.requests) or self.replan.due(step, self.fleet.end())
-
-    def _ready(self, requests: list[Request], step: int) -> list[Request]:
-        """The due ``requests`` that can be applied at the boundary before ``step``: an add whose data is still being
-        prepared waits (its file stays in the queue, read again at the next boundary), and so does every request
-        after it naming its task; an add whose data has a problem is rejected with its reason."""
-        assert self.watcher is not None
-        out, waiting = [], set()
-        for request in requests:
-            if request.name in waiting:
-                continue
-            problem = self.joining.problem(request.name) if request.action is Action.ADD else None
-            if problem is not None:
-                self.watcher.reject(self.options.queue_dir / request.file, problem)
-            elif request.action is Action.ADD and not self.joining.ready(request.name):
-                waiting.add(request.name)
-                if request.name not in self.joining.announced:
-                    self.joining.announced.add(request.name)
-                    log(f"step {step}: {request.name}'s data is being prepared beside the steps: it joins once it is")
-            else:
-                out.append(request)
-        return out
 
     def stop_early(self, stops: Mapping[str, int]) -> None:
         """Tasks early stopping stops, by name: the boundary each leaves the run at, as if a queued finish asked (its
@@ -427,38 +408,3 @@ def departures_due(fleet: FleetPort, step: int, steps: int, now: bool) -> tuple[
 
     done, boundary = departures(fleet.end_steps(min(steps, step + 2 * DEPARTURE_WINDOW)), step, now)
     return [Request(TOOK_ITS_STEPS, Action.FINISH, name) for name in done], boundary
-
-
-def learnt_migration(
-    migration: MigrationModel, applied: AppliedChange, plan: DeploymentPlan, workload: Workload
-) -> MigrationModel:
-    """``migration`` after a change of the fleet to ``plan``: a move's measured phases price the next one, its stage
-    builds giving the load rate (the largest stage built over the slowest rank's build) and the rest of its time the
-    fixed part (``MigrationModel``); unchanged when no stage was built."""
-    if not applied.rebuilt:
-        return migration
-    built = [r for r in plan.replicas if set(r.gpus) & set(applied.rebuilt)]
-    largest = max(workload.model.n_params * migration.dtype_bytes / r.config.n_gpus for r in built)
-    stage = applied.phases["stage"]
-    return replace(
-        migration,
-        fixed_s=max(applied.seconds - stage, 0.0),
-        load_bytes_per_s=largest / stage if stage > 0 else migration.load_bytes_per_s,
-    )
-
-
-def fleet_cost_model(options: TrainOptions, workload: Workload, plan: DeploymentPlan) -> CostModel:
-    """``plan``'s cost model for ``workload``'s tasks, as a launch builds it (``assemble.plan_cost_model``)."""
-    from lorafleet.assemble import plan_cost_model
-
-    return plan_cost_model(workload, plan.fleet(), plan, options.plan, options.profile)[0]
-
-
-def handed_off(step: int, plan: DeploymentPlan, world_size: int, checkpoint: Path, said: str = "") -> str:
-    """The log line of a change handed to the launcher: ``plan`` needs more processes than the run's
-    ``world_size``, so the workers stop at the committed ``checkpoint`` of ``step`` and the launcher applies it
-    (``train.live.apply_pending``); ``said``: the line's start."""
-    return (
-        f"step {step}: {said}it needs {plan.world_size} processes and the run has {world_size}: "
-        f"the workers restart to apply it (checkpoint {checkpoint.name})"
-    )

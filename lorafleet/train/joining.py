@@ -12,11 +12,13 @@ its data took, and the ledger's: a resume replays the same run. No torch here.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lorafleet.train.live import changed_workload
+from lorafleet.train.live import changed_workload, log
+from lorafleet.train.queue import Action, Request
 from lorafleet.workload import length_histogram
 
 if TYPE_CHECKING:
@@ -74,6 +76,28 @@ class Joining:
         if error is not None:
             self._futures.pop(name)
         return None if error is None else str(error)
+
+    def ready_requests(
+        self, requests: list[Request], step: int, reject: Callable[[Request, str], None]
+    ) -> list[Request]:
+        """The due ``requests`` that can be applied at the boundary before ``step``: an add whose data is still being
+        prepared waits (its file stays in the queue, read again at the next boundary), and so does every request
+        after it naming its task; an add whose data has a problem is ``reject``-ed with its reason."""
+        out, waiting = [], set()
+        for request in requests:
+            if request.name in waiting:
+                continue
+            problem = self.problem(request.name) if request.action is Action.ADD else None
+            if problem is not None:
+                reject(request, problem)
+            elif request.action is Action.ADD and not self.ready(request.name):
+                waiting.add(request.name)
+                if request.name not in self.announced:
+                    self.announced.add(request.name)
+                    log(f"step {step}: {request.name}'s data is being prepared beside the steps: it joins once it is")
+            else:
+                out.append(request)
+        return out
 
     def lengths(self) -> dict[str, dict[int, int]]:
         """The token-length histograms of the tasks whose data is prepared, by name."""
