@@ -11,7 +11,7 @@ row count, ``DatasetPreset.rows``) and it has a ``split``, else ``max_rows`` (a 
 preset whose count is not published, knows no rows; a held-out ``data`` file is not read by a what-if). Their
 lengths are drawn once per task from its length distribution, by the one sampling rule's generator at a step no
 run reaches (:data:`HELD_OUT_STEP`), so every evaluation of the task sees the same rows. The pass is placed by the
-dispatcher under the plan's policy (``dispatch_step``: packed or padded, split across the replicas like any
+dispatcher as ``train`` places it (:func:`dispatch_evaluation`: packed, split across the replicas like any
 batch) and priced by the cost model as forward-only work (``CostModel.forward_time``: each coefficient of
 the stage time times its forward share, a pipeline filled and drained once, no gradient sync and no
 optimizer step)::
@@ -41,7 +41,7 @@ the workload's tasks' ``eval.curve``.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +52,10 @@ from lorafleet.costmodel import CostModel
 from lorafleet.dispatch import dispatch_step
 from lorafleet.loss_curve import curve_loss, fit_curve
 from lorafleet.metrics.files import read_rows
-from lorafleet.plans import DeploymentPlan, StepReport
+from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
 from lorafleet.rundir import METRICS_JSONL
 from lorafleet.sampling import TaskDraw, global_batch, task_rng
+from lorafleet.specs.dispatch import MicroBatchMode
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.loss_curve import LossCurveSpec
 from lorafleet.stopping import Stopping
@@ -91,6 +92,28 @@ def held_out_lengths(task: Task, seed: int) -> np.ndarray:
     return task.lengths.sample(held_out_rows(task), rng).astype(np.int64)
 
 
+def dispatch_evaluation(
+    batch: GlobalBatch, plan: DeploymentPlan, cost_model: CostModel, speed: Sequence[float] | None = None
+) -> StepPlan:
+    """An evaluation's rows placed on ``plan``'s replicas by its dispatcher, as a step's are, but packed (no padding:
+    a forward-only pass has no bucket to match), at the replicas' ``speed`` (recalibration). The one placement of an
+    evaluation, ``train``'s and the what-ifs'."""
+    options = replace(plan.policy.options, microbatch_mode=MicroBatchMode.PACKING)
+    return dispatch_step(batch, plan, cost_model, options, speed=speed)
+
+
+def forward_seconds(
+    step_plan: StepPlan, plan: DeploymentPlan, cost_model: CostModel, speed: Sequence[float] | None = None
+) -> tuple[float, ...]:
+    """Each replica's predicted time for its part of an evaluation, ``T_F,r`` (``CostModel.forward_time``), times
+    its ``speed`` factor when given (a recalibrated replica's): the pass takes the largest."""
+    factors = speed or (1.0,) * len(plan.replicas)
+    return tuple(
+        f * cost_model.forward_time(r.config, [mb.shape for mb in w.microbatches])
+        for r, w, f in zip(plan.replicas, step_plan.work, factors, strict=True)
+    )
+
+
 @dataclass(frozen=True)
 class EvalCost:
     """One evaluation pass over the fleet."""
@@ -107,11 +130,8 @@ def price_evaluation(
     """The pass over the held-out rows ``lengths[task]`` of the tasks evaluated together at ``step`` on ``plan``
     (module doc); ``names`` are the task ids the plan's dispatch and accounting index."""
     draws = [(names.index(name), 0, TaskDraw(rows, 0, 0)) for name, rows in lengths.items()]
-    step_plan = dispatch_step(global_batch(step, draws), plan, cost_model)
-    busy = tuple(
-        cost_model.forward_time(r.config, [mb.shape for mb in w.microbatches])
-        for r, w in zip(plan.replicas, step_plan.work, strict=True)
-    )
+    step_plan = dispatch_evaluation(global_batch(step, draws), plan, cost_model)
+    busy = forward_seconds(step_plan, plan, cost_model)
     report = StepReport(step=step, replica_busy_s=busy, makespan_s=max(busy))
     owed = task_gpu_seconds(step_plan, report, plan, cost_model, names)
     return EvalCost(seconds=report.makespan_s, task_gpu_s={name: owed[name] for name in lengths})

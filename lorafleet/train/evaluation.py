@@ -8,8 +8,9 @@ function of the tasks' turns, so :meth:`Evaluations.next_boundary` names them ah
 (``lorafleet.loop``), and an evaluation always sees the adapters of exactly its step.
 
 **How.** The due tasks' held-out rows are one batch, dispatched by the running plan's dispatcher (packed: no
-padding) at the replicas' recalibrated speeds, run forward only on every replica (``executor.torch.evaluate``), and
-billed to their tasks by the accounting's rule (``accounting.task_gpu_seconds`` over the evaluation's busy times).
+padding; ``eval_replay.dispatch_evaluation``, the what-ifs' placement too) at the replicas' recalibrated speeds,
+run forward only on every replica (``executor.torch.evaluate``), and billed to their tasks by the accounting's rule
+(``accounting.task_gpu_seconds`` over the evaluation's busy times).
 
 **What follows**, per task (``lorafleet.stopping``): a new best keeps its adapter (one copy, on rank 0, saved in
 every checkpoint); a stop makes it leave the run at this boundary, as a queued finish would
@@ -17,15 +18,16 @@ every checkpoint); a stop makes it leave the run at this boundary, as a queued f
 evaluates, keeps and stops exactly as the uninterrupted run.
 
 Each evaluation's numbers go into the metrics row of the step it follows (``eval_loss``, ``eval_token_accuracy``,
-``eval_gpu_s``, ``eval_s``: every sink a step's loss reaches, :meth:`Evaluations.row_extra`), and every task's
-evaluations and state are rewritten to ``<out>/evaluations.json`` (the HTTP API's ``GET /v1/tasks/<name>``).
+``eval_gpu_s``, ``eval_s`` and its prediction ``eval_predicted_s``: every sink a step's loss reaches,
+:meth:`Evaluations.row_extra`), and every task's evaluations and state are rewritten to ``<out>/evaluations.json``
+(the HTTP API's ``GET /v1/tasks/<name>``).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -103,6 +105,11 @@ class Evaluations:
     """The last evaluation's numbers for the metrics row of the step it followed (:meth:`row_extra`)."""
     evaluations: int = 0
     """Evaluations run in this process (a work count the tests pin)."""
+    correction: float = 1.0
+    """The last evaluation's measured time over the cost model's forward-only prediction of it (at the replicas'
+    recalibrated speeds): the next prediction's factor. The steps' recalibration measures forward and backward
+    together; how a pass splits between them is the cost model's guess (``CostModel.forward_time``), which this
+    corrects from the evaluations themselves, as the recalibrator does the steps'."""
 
     def due(self, boundary: int, specs: Sequence[TaskSpec]) -> list[str]:
         """The tasks of ``specs`` due for an evaluation at the boundary before step ``boundary`` (module doc)."""
@@ -157,9 +164,8 @@ class Evaluations:
         """The evaluation of the tasks due at the boundary before ``boundary`` (none due: nothing runs); returns the
         tasks that stop early there."""
         from lorafleet.accounting import task_gpu_seconds
-        from lorafleet.dispatch import dispatch_step
+        from lorafleet.eval_replay import dispatch_evaluation, forward_seconds
         from lorafleet.plans import StepReport
-        from lorafleet.specs.dispatch import MicroBatchMode
 
         specs = {t.name: t.spec for t in running.workload.tasks}
         due = self.due(boundary, list(specs.values()))
@@ -167,10 +173,10 @@ class Evaluations:
         if not due:
             return []
         batch = self.port.eval_batch(boundary, due)
-        options = replace(running.plan.policy.options, microbatch_mode=MicroBatchMode.PACKING)
-        step_plan = dispatch_step(batch, running.plan, running.cost_model, options,
-                                  speed=running.recalibrator.factors)  # fmt: skip
+        speed = running.recalibrator.factors
+        step_plan = dispatch_evaluation(batch, running.plan, running.cost_model, speed)
         outcome = self.port.evaluate(step_plan, batch)
+        predicted = max(forward_seconds(step_plan, running.plan, running.cost_model, speed))
         self.evaluations += 1
         report = StepReport(boundary, outcome.replica_busy_s, outcome.seconds, dict(outcome.tokens))
         gpu_s = task_gpu_seconds(step_plan, report, running.plan, running.cost_model, running.names)
@@ -198,7 +204,9 @@ class Evaluations:
             "eval_token_accuracy": {n: outcome.token_accuracy[n] for n in due},
             "eval_gpu_s": {n: gpu_s[n] for n in due},
             "eval_s": outcome.seconds,
+            "eval_predicted_s": predicted * self.correction,
         }
+        self.correction = outcome.seconds / predicted if predicted > 0 else 1.0
         return stopped
 
     def row_extra(self) -> dict[str, Any]:
