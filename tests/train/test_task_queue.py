@@ -179,7 +179,6 @@ def _ends_as_the_queued_run(out: Path, queued: Path, changes: tuple[int, ...] = 
         "decided@3",  # the add recorded with its decision, not applied: done again from its record
         "exported@6",  # chat's adapter exported, the fleet not changed: done again from the checkpoint before it
         "checkpointed@3",  # the add applied, its checkpoint started: a restart resumes on either side of it
-        "settling@3",  # its checkpoint committed, nothing settled: the run's first change took its ledger twice
     ],
 )
 def test_a_crash_amid_a_change_is_finished_once_by_the_restart(runs, tmp_path, phase):
@@ -196,49 +195,38 @@ def test_a_crash_amid_a_change_is_finished_once_by_the_restart(runs, tmp_path, p
     _ends_as_the_queued_run(out, queued)
 
 
-def test_a_change_in_flight_is_finished_by_a_resume(runs, tmp_path):
-    """Without restarts: rank 0 is killed once the finish of chat at step 6 is applied in place; the launcher says
-    so and exits. ``--resume`` builds the fleet on the side of the change the newest checkpoint is on, finishes the
-    change once, and ends as the uninterrupted run. On the way, a change that the running fleet hands to the
-    launcher (``LORAFLEET_RELAUNCH_CHANGES``, forced: the finish done again at step 6 too) restarts the workers at
-    steps 6 and 7, and no step is lost."""
-    queued, _, _, _ = runs
-    out = tmp_path / "crashed"
+def _crashed(workload: Path, out: Path, fault: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """The queued run's changes, trained without restarts with rank 0 killed once at ``fault``: the run stopped."""
     _queue_the_changes(out)
-    workload = queued.parent / "both.yaml"
-    env = {FAULT_ENV: "applied@6", FAULT_ONCE_ENV: str(tmp_path / "fault.once")}
+    env = {FAULT_ENV: fault, FAULT_ONCE_ENV: str(tmp_path / "fault.once")}
     argv = ["train", str(workload), "--plan", str(workload.with_suffix(".plan.json")), "--steps", str(STEPS),
             "--out", str(out), "--no-progress", "--checkpoint-every", "4", "--migration-s", "0"]  # fmt: skip
     crashed = subprocess.run([sys.executable, "-m", "lorafleet", *argv], cwd=tmp_path, capture_output=True, text=True,
                              timeout=600, env={**os.environ, **env})  # fmt: skip
-    assert crashed.returncode != 0 and (out / "queue" / ".apply.json").exists(), crashed.stderr[-2000:]
+    assert crashed.returncode != 0 and (tmp_path / "fault.once").exists(), crashed.stderr[-2000:]
+    return crashed
+
+
+def test_a_change_in_flight_is_finished_by_a_resume(runs, tmp_path):
+    """Without restarts: rank 0 is killed once the add of codegen at step 3 is applied in place, before any checkpoint
+    has committed (the first would be at step 4); the launcher says to continue with --resume. ``--resume`` starts
+    again from step 0 with what the run recorded (its queue, the change in flight: soak_changes found it refusing
+    here, "nothing to resume", the add lost), does the add again at its step from its record, and ends as the
+    uninterrupted run. On the way, every change is handed to the launcher (``LORAFLEET_RELAUNCH_CHANGES``, forced:
+    the add again at 3, the finish at 6, a share at 7), which restarts the workers each time, and no step is lost."""
+    queued, _, _, _ = runs
+    out = tmp_path / "crashed"
+    workload = queued.parent / "both.yaml"
+    crashed = _crashed(workload, out, "applied@3", tmp_path)
+    assert (out / "queue" / ".apply.json").exists() and not list((out / "checkpoints").glob("step-*"))
+    assert "continue with --resume" in crashed.stderr, crashed.stderr[-2000:]
     (out / "queue" / "share.yaml").write_text("action: update\nname: docsum\nshare: 1.0\nat_step: 7\n")
     log = _train(workload, out, STEPS, "--resume", "--checkpoint-every", "4", "--migration-s", "0",
                  env={RELAUNCH_ENV: "1"})  # fmt: skip
-    for step in (6, 7):  # the finish done again at its step, then the share, each through the launcher
+    for step in (3, 6, 7):  # the add done again at its step, the finish, then the share, each through the launcher
         assert f"step {step}: {RELAUNCH_ENV} is set: the workers restart to apply the changes" in log.stdout
-    assert log.stdout.count("starting 1 worker process") == 3 and "Warning" not in log.stderr, log.stderr
+    assert log.stdout.count("starting 1 worker process") == 4 and "Warning" not in log.stderr, log.stderr
     _ends_as_the_queued_run(out, queued, changes=(3, 6, 7))
-
-
-def test_a_change_in_flight_before_the_first_checkpoint_is_finished_by_a_resume_from_step_0(runs, tmp_path):
-    """Rank 0 is killed once the add of codegen at step 3 is applied, before any checkpoint has committed (the first
-    would be at step 4); without restarts the run stops. ``--resume`` starts it again from step 0 with what it
-    recorded (its queue, the change in flight, done again at its step): the add is not lost, and the run ends as the
-    uninterrupted one (soak_changes found ``--resume`` refusing here: "nothing to resume", the add lost)."""
-    queued, _, _, _ = runs
-    out = tmp_path / "early"
-    _queue_the_changes(out)
-    workload = queued.parent / "both.yaml"
-    env = {FAULT_ENV: "applied@3", FAULT_ONCE_ENV: str(tmp_path / "fault.once")}
-    argv = ["train", str(workload), "--plan", str(workload.with_suffix(".plan.json")), "--steps", str(STEPS),
-            "--out", str(out), "--no-progress", "--checkpoint-every", "4", "--migration-s", "0"]  # fmt: skip
-    crashed = subprocess.run([sys.executable, "-m", "lorafleet", *argv], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=600, env={**os.environ, **env})  # fmt: skip
-    assert crashed.returncode != 0 and not list((out / "checkpoints").glob("step-*")), crashed.stderr[-2000:]
-    assert "continue with --resume" in crashed.stderr, crashed.stderr[-2000:]
-    _train(workload, out, STEPS, "--resume", "--checkpoint-every", "4", "--migration-s", "0")
-    _ends_as_the_queued_run(out, queued)
 
 
 @pytest.mark.slow
