@@ -22,6 +22,8 @@ from typing import Any
 
 from lorafleet.plans import StepReport
 
+EVAL_MAPPINGS = ("eval_loss", "eval_token_accuracy", "eval_gpu_s")
+"""``extra`` mappings (task -> value) of a step an evaluation followed; their scalars' tags are ``<key>/<task>``."""
 MAPPING_COLUMNS = {"task_gpu_s": "gpu_s"}
 """``extra`` mappings whose columns are named other than ``<key>/<name>``."""
 
@@ -124,4 +126,10 @@ def step_scalars(report: StepReport, **extra: object) -> dict[str, float]:
         out[f"gpu_s/{task}"] = seconds
     if report.rank_cpu_s:
         out["cpu_s/total"] = sum(report.rank_cpu_s)
+    for key in EVAL_MAPPINGS:  # a step an evaluation followed (``train.evaluation``)
+        for task, value in dict(extra.get(key, {}) or {}).items():  # type: ignore[call-overload]
+            out[f"{key}/{task}"] = value
+    for key, tag in (("eval_s", "eval/seconds"), ("eval_predicted_s", "eval/predicted_s")):
+        if key in extra:
+            out[tag] = extra[key]  # type: ignore[assignment]
     return {tag: float(value) for tag, value in out.items()}

@@ -128,8 +128,9 @@ class TensorBoardWriter(ClosingWriter):
     ``makespan/measured_s``, ``makespan/estimated_s``, ``makespan/measured_over_estimated``, ``dispatch/solve_s``,
     ``utilisation``, ``busy/replica_<i>`` and, given ``predicted_busy_s``, ``busy_predicted/replica_<i>`` and
     ``busy_ratio/replica_<i>`` (measured over predicted), given ``correction``, ``correction/replica_<i>``, given
-    ``task_gpu_s``, ``gpu_s/<task>`` (GPU-seconds the task owes for the step), and ``cpu_s/total``.
-    Ratios are left out where the prediction is zero.
+    ``task_gpu_s``, ``gpu_s/<task>`` (GPU-seconds the task owes for the step), ``cpu_s/total``, and after an
+    evaluation ``eval_loss/<task>``, ``eval_token_accuracy/<task>``, ``eval_gpu_s/<task>``, ``eval/seconds`` and
+    ``eval/predicted_s``. Ratios are left out where the prediction is zero.
     """
 
     def __init__(self, log_dir: str | Path, purge_step: int | None = None) -> None:

@@ -230,3 +230,28 @@ def test_a_jsonl_row_reads_back_as_its_report_and_the_rows_summarise_as_the_repo
     assert math.isnan(from_rows.gpu_seconds) and math.isnan(from_rows.utilisation)  # the rows do not say the GPUs
     assert from_reports.utilisation == pytest.approx((1.0 + 0.5 + 0.8 + 0.9) / (2 * (1.25 + 1.0)))
     assert read_rows(tmp_path / "none.jsonl") == []
+
+
+def test_an_evaluation_reaches_every_sink_a_loss_does(tmp_path):
+    """The row of a step an evaluation followed (``train.evaluation``): its numbers in the JSONL, as CSV columns that
+    appear when it first does, as scalars (TensorBoard, W&B, MLflow), and as a console line."""
+    from lorafleet.metrics.records import step_scalars
+
+    evaluation = {"eval_loss": {"chat": 1.5}, "eval_token_accuracy": {"chat": 0.25}, "eval_gpu_s": {"chat": 0.5},
+                  "eval_s": 0.25, "eval_predicted_s": 0.3}  # fmt: skip
+    scalars = step_scalars(REPORTS[1], **evaluation)
+    assert {k: scalars[k] for k in scalars if k.startswith("eval")} == {
+        "eval_loss/chat": 1.5, "eval_token_accuracy/chat": 0.25, "eval_gpu_s/chat": 0.5,
+        "eval/seconds": 0.25, "eval/predicted_s": 0.3,
+    }  # fmt: skip
+    assert not any(k.startswith("eval") for k in step_scalars(REPORTS[0]))
+    with CsvWriter(tmp_path / "m.csv") as csv_writer, JsonlWriter(tmp_path / "m.jsonl") as jsonl:
+        for writer in (csv_writer, jsonl):
+            writer.write(REPORTS[0])
+            writer.write(REPORTS[1], **evaluation)
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "m.csv").read_text())))
+    assert (rows[0]["eval_loss/chat"], rows[1]["eval_loss/chat"]) == ("", "1.5")
+    assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[1])["eval_token_accuracy"] == {"chat": 0.25}
+    lines = []
+    LogLines(total=4, print_fn=lines.append).write(REPORTS[1], **evaluation)
+    assert lines[1] == "step 2/4  eval chat 1.5 (acc 0.250)"
