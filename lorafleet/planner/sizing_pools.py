@@ -58,6 +58,7 @@ from lorafleet.planner.sizing_result import SizingRow
 from lorafleet.planner.sizing_search import (
     CountBounds,
     Progress,
+    Sweep,
     candidate_clusters,
     first_meeting,
     node_limit,
@@ -144,27 +145,11 @@ class _Capped(Exception):
     """A chain asked for a mix beyond its share of :data:`MAX_MIXES_PLANNED`."""
 
 
-class _Mixes:
-    """The mixes planned so far, each once, by mix (chains share many)."""
-
-    def __init__(self, plan: Callable[[Mix], SizingRow], progress: Progress | None) -> None:
-        self._plan = plan
-        self._progress = progress
-        self.rows: dict[Mix, SizingRow] = {}
-
-    def __call__(self, mix: Mix) -> SizingRow:
-        if mix not in self.rows:
-            self.rows[mix] = self._plan(mix)
-            if self._progress is not None:
-                self._progress(self.rows[mix], len(self.rows))
-        return self.rows[mix]
-
-
 class _Chain:
     """The mixes of one chain by their place j = 1 .. J (the module docstring), planned through ``mixes``, at
     most ``share`` of them new."""
 
-    def __init__(self, segments: list[int], limits: Mix, mixes: _Mixes, share: int) -> None:
+    def __init__(self, segments: list[int], limits: Mix, mixes: Sweep[Mix], share: int) -> None:
         self.segments, self.limits, self.mixes, self.share = segments, limits, mixes, share
         self.length = sum(limits)
         self.rows: dict[int, SizingRow] = {}
@@ -204,7 +189,7 @@ class _Goal:
 
     cluster: ClusterSpec
     bounds: PoolBounds
-    mixes: _Mixes
+    mixes: Sweep[Mix]
     goal: SizingGoal
     target_s: float
     """The deadline's step time (inf: none)."""
@@ -286,7 +271,7 @@ def sweep_pools(
     if total <= EXHAUSTIVE_MIXES:
         candidates = candidate_clusters(cluster, max_nodes)
         return tuple(plan_cluster(workload, cost_model, options, c) for c in candidates), ""
-    mixes = _Mixes(lambda mix: plan_cluster(workload, cost_model, options, mix_cluster(cluster, mix)), progress)
+    mixes = Sweep(lambda mix: plan_cluster(workload, cost_model, options, mix_cluster(cluster, mix)), progress)
     bounds = PoolBounds.of(workload, cluster, cost_model, limits, options.policy.pipeline_window)
     whole = bounds.of_mix(limits)
     if not math.isfinite(whole.floor_s):  # some sequence fits no config of any pool: the planner says which
@@ -335,7 +320,7 @@ def sweep_pools(
     return _ordered(cluster, mixes), stopped
 
 
-def _ordered(cluster: ClusterSpec, mixes: _Mixes) -> tuple[SizingRow, ...]:
+def _ordered(cluster: ClusterSpec, mixes: Sweep[Mix]) -> tuple[SizingRow, ...]:
     """The rows, fewest GPUs first, then more nodes of the earlier pools (``candidate_clusters``' order)."""
     order = sorted(mixes.rows, key=lambda mix: (_gpus(cluster, mix), [-n for n in mix]))
     return tuple(mixes.rows[mix] for mix in order)

@@ -36,7 +36,7 @@ import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -156,19 +156,21 @@ class CountBounds:
         return cls(min(b.work_gpu_s for b in each), min(b.floor_s for b in each))
 
 
+K = TypeVar("K")
 Progress = Callable[[SizingRow, int], None]
 """Told each row as it is planned, with the number of counts planned so far."""
 
 
-class _Sweep:
-    """The counts planned so far, each once (the search may ask for one again)."""
+class Sweep(Generic[K]):
+    """The fleets planned so far, each once, by key (a node count here, a mix of pools' nodes in ``sizing_pools``):
+    a search may ask for one again, and a pool's chains share many."""
 
-    def __init__(self, plan: Callable[[int], SizingRow], progress: Progress | None) -> None:
+    def __init__(self, plan: Callable[[K], SizingRow], progress: Progress | None) -> None:
         self._plan = plan
         self._progress = progress
-        self.rows: dict[int, SizingRow] = {}
+        self.rows: dict[K, SizingRow] = {}
 
-    def __call__(self, k: int) -> SizingRow:
+    def __call__(self, k: K) -> SizingRow:
         if k not in self.rows:
             self.rows[k] = self._plan(k)
             if self._progress is not None:
@@ -180,7 +182,7 @@ class _Sweep:
 
 
 class Planned(Protocol):
-    """Plans count k once (:class:`_Sweep`, or a chain of mixes: ``sizing_pools``) and holds the rows planned."""
+    """Plans count k once (:class:`Sweep`, or a chain of mixes: ``sizing_pools``) and holds the rows planned."""
 
     rows: Mapping[int, SizingRow]
 
@@ -215,7 +217,7 @@ def first_meeting(
     )
 
 
-def _scan(plan: _Sweep, start: int, nodes: int, enough: Callable[[int], bool], why: str, per_node: int) -> str:
+def _scan(plan: Sweep[int], start: int, nodes: int, enough: Callable[[int], bool], why: str, per_node: int) -> str:
     """Plan the counts start, start + 1, ... up to ``nodes`` until ``enough(k)`` after planning k; why it stopped
     (``why`` with ``{gpus}``, k's GPUs; empty when it reached ``nodes``)."""
     for k in range(start, nodes + 1):
@@ -288,7 +290,7 @@ def sweep_counts(
         raise ValueError("a sweep over several pools is planner.sizing_pools.sweep_pools'")
     nodes = node_limit(cluster, max_nodes)
     per_node = cluster.gpus_per_node
-    plan = _Sweep(functools.partial(plan_count, workload, cluster, cost_model, options), progress)
+    plan = Sweep(functools.partial(plan_count, workload, cluster, cost_model, options), progress)
     bounds = CountBounds.swept(workload, cluster, cost_model, nodes, options.policy.pipeline_window)
     goal, deadline, budget = objective.goal, objective.deadline, objective.budget_gpu_hours
     budget_s = math.inf if budget is None or steps is None else 3600 * budget / steps
