@@ -30,13 +30,12 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak_restarts import DEMO, LAUNCHER, steps_logged, train_argv, write_workload
+from soak_restarts import DEMO, soak_setup, steps_logged, train_argv
 
 TASKS = ("docsum", "chat", "codegen")
 RANK0_PHASES = ("accepted", "begun", "decided", "exported", "applied", "checkpointed", "settling")
@@ -134,12 +133,7 @@ def main() -> int:
     parser.add_argument("--round-timeout", type=float, default=300.0, help="seconds a run may take")
     parser.add_argument("--keep", help="keep the runs under this directory")
     args = parser.parse_args()
-    tmp = Path(args.keep or tempfile.mkdtemp(prefix="soak-changes-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    workload = write_workload(tmp)
-    plan = tmp / "plan.json"
-    subprocess.run([*LAUNCHER, "plan", str(workload), "--json", str(plan), "--samples", "0", "--gpus", "2"],
-                   check=True, capture_output=True, cwd=tmp)  # fmt: skip
+    tmp, workload, plan = soak_setup(args.keep, "soak-changes-")
     start = time.monotonic()
     reference_out = tmp / "reference"
     queue(reference_out)

@@ -88,6 +88,18 @@ def write_workload(tmp: Path) -> Path:
     return path
 
 
+def soak_setup(keep: str | None, prefix: str) -> tuple[Path, Path, Path]:
+    """A soak's directory (``keep``, or a fresh temporary one named ``prefix...``), its workload and the plan of it
+    on 2 GPUs: (directory, workload, plan)."""
+    tmp = Path(keep or tempfile.mkdtemp(prefix=prefix))
+    tmp.mkdir(parents=True, exist_ok=True)
+    workload = write_workload(tmp)
+    plan = tmp / "plan.json"
+    subprocess.run([*LAUNCHER, "plan", str(workload), "--json", str(plan), "--samples", "0", "--gpus", "2"],
+                   check=True, capture_output=True, cwd=tmp)  # fmt: skip
+    return tmp, workload, plan
+
+
 def train_argv(workload: Path, plan: Path, out: Path, steps: int, *extra: str) -> list[str]:
     return [*LAUNCHER, "train", str(workload), "--plan", str(plan), "--out", str(out), "--device", "cpu",
             "--no-recalibrate", "--steps", str(steps), "--gpus", "2", "--no-progress", *extra]  # fmt: skip
@@ -199,12 +211,7 @@ def main() -> int:
     parser.add_argument("--round-timeout", type=float, default=300.0, help="seconds a round may take")
     parser.add_argument("--keep", help="keep the runs under this directory")
     args = parser.parse_args()
-    tmp = Path(args.keep or tempfile.mkdtemp(prefix="soak-restarts-"))
-    tmp.mkdir(parents=True, exist_ok=True)
-    workload = write_workload(tmp)
-    plan = tmp / "plan.json"
-    subprocess.run([*LAUNCHER, "plan", str(workload), "--json", str(plan), "--samples", "0", "--gpus", "2"],
-                   check=True, capture_output=True, cwd=tmp)  # fmt: skip
+    tmp, workload, plan = soak_setup(args.keep, "soak-restarts-")
     start = time.monotonic()
     subprocess.run(train_argv(workload, plan, tmp / "reference", args.steps), check=True, capture_output=True, cwd=tmp)
     print(f"reference run: {args.steps} steps in {time.monotonic() - start:.0f} s", flush=True)
