@@ -285,14 +285,14 @@ def length_histogram(values: Sequence[int] | np.ndarray) -> dict[int, int]:
 def _dataset_histogram(data: DataSpec, workload: WorkloadSpec, source: tuple[str, str]) -> dict[int, int]:
     """The token-length histogram of every row of ``data``, tokenized as training will tokenize them."""
     from lorafleet.data.model_source import data_tokenizer
-    from lorafleet.data.records import read_rows
-    from lorafleet.data.tokenize import tokenize_rows
+    from lorafleet.data.records import read_task_rows
+    from lorafleet.data.tokenize import tokenize_task_rows
 
+    rows = read_task_rows(data)
+    if not rows.units:
+        raise InputError(rows.source, "", "dataset has no rows")
     tokenizer = data_tokenizer(workload.model, workload.tokenizer, source=source[0])
-    rows = read_rows(data.path)
-    if not rows:
-        raise InputError(data.path, "", "dataset has no rows")
-    return length_histogram([len(e) for e in tokenize_rows(tokenizer, rows, data.format, data.path)])
+    return length_histogram([len(e) for e in tokenize_task_rows(tokenizer, rows, data)])
 
 
 def resolve_workload_paths(spec: WorkloadSpec, base: Path) -> WorkloadSpec:

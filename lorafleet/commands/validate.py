@@ -1,4 +1,5 @@
-"""``lorafleet validate WORKLOAD``: load a workload and summarise every task's lengths."""
+"""``lorafleet validate WORKLOAD``: load a workload, summarise every task's lengths, and check and describe its data
+(``data.describe``: each row read, its format, unused splits, what the chat template adds)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from rich.console import Console
 from rich.table import Table
 
 from lorafleet.commands._set_flags import add_set_flag, workload_overrides
+from lorafleet.data.describe import data_lines
+from lorafleet.data.model_source import data_tokenizer
 from lorafleet.workload import Workload, load_workload
 
 
@@ -61,4 +64,8 @@ def summary_table(workload: Workload) -> Table:
 def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload, workload_overrides(args))
     Console(width=120).print(summary_table(workload))
+    spec = workload.spec
+    # Every task's data is read and checked here (its rows, not only its lengths); the lines are plain text.
+    for line in data_lines(spec.tasks, lambda: data_tokenizer(spec.model, spec.tokenizer, source=workload.path)):
+        print(f"data: {line}")
     return 0

@@ -1,8 +1,13 @@
 """Reading tasks' training data: rows from disk, rendered and tokenized into examples.
 
-records.py          a task's rows, from a JSONL file or a ``datasets.save_to_disk`` directory
-tokenize.py         rows -> token ids and labels, the loss on response tokens only (each dataset tokenized
-                    counts as ``tokenizations``, ``lorafleet.work``)
+readers.py          the containers rows come in: JSONL, JSON arrays, parquet, CSV, .txt, ``save_to_disk`` datasets and
+                    their splits
+formats.py          rows of each format (alpaca, sharegpt, messages, TRL prompt/completion, prompt/response, text)
+                    -> a chat, a prompt and response, or a text; ``auto`` detection and the near-miss messages
+records.py          a task's rows: read, columns mapped, format resolved, converted (no tokenizer needed)
+tokenize.py         rows -> token ids and labels, the loss on what the task produces (each dataset tokenized
+                    counts as ``tokenizations``, ``lorafleet.work``); the chat template's default system prompt
+describe.py         what ``lorafleet validate`` says of each task's data, a line each
 tiny_tokenizer.py   a small real BPE tokenizer the project builds itself, for tests and CPU runs
 model_source.py     where a workload's base model and its tokenizer come from (``model:`` -> ``ModelSource``)
 weights_index.py    where a model directory's safetensors weights are, from the files' headers (torch-free)

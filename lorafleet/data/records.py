@@ -1,103 +1,50 @@
-"""Rows of a task's dataset, from a JSONL file or a ``datasets.save_to_disk`` directory.
+"""A task's rows: read from their container (``data.readers``), their columns mapped and their format resolved
+(``data.formats``), each row turned into what it renders to. No tokenizer is needed, so ``lorafleet validate``
+checks every row of every task's data without one.
 
-A bad row is an :class:`InputError` naming the file and the row (1-based, as an editor
-shows it), never a skipped row. A path that is neither a regular file nor a directory (a FIFO,
-a device, a socket) is an InputError before anything is read: a FIFO's read blocks until
-something writes to it, a device's may never end.
+A bad row is an :class:`InputError` naming the file and the row (1-based, as an editor shows it; a saved
+DatasetDict's split is named with the file), never a skipped row.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import stat
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from lorafleet.errors import InputError
-from lorafleet.specs.data import DataFormat
+from lorafleet.data.formats import Unit, map_columns, resolve_format, to_unit
+from lorafleet.data.readers import Container, Row, read_container
+from lorafleet.specs.data import DataFormat, DataSpec
 
-Row = dict[str, Any]
+__all__ = ["Row", "TaskRows", "read_rows", "read_task_rows", "task_rows"]
+
+
+@dataclass(frozen=True)
+class TaskRows:
+    """The rows of a task's ``data``, ready to render."""
+
+    source: str
+    """The file as errors name it: its path, and a saved DatasetDict's split (``data/qa (split test)``)."""
+    container: Container
+    format: DataFormat
+    """The format every row is of (``auto`` resolved by the first row; ``auto`` only when there is no row)."""
+    units: tuple[Unit, ...]
 
 
 def read_rows(path: str | Path) -> list[Row]:
-    """All rows of a JSONL file (one JSON object a line; blank lines ignored) or a saved HF dataset."""
-    path = Path(path)
-    if path.is_dir():
-        return _read_hf_dataset(path)
-    return list(_read_jsonl(path))
+    """Every row at ``path`` as read (``data.readers``: a file, or a saved dataset's default split)."""
+    return read_container(path).rows
 
 
-def _read_jsonl(path: Path) -> Iterator[Row]:
-    try:
-        lines = _read_regular(path).decode("utf-8").splitlines()
-    except FileNotFoundError:
-        raise InputError(str(path), "", "no such file") from None
-    except UnicodeDecodeError as err:
-        raise InputError(str(path), "", f"not UTF-8 text ({err.reason})") from None
-    except OSError as err:  # a symlink loop, a directory, no permission
-        raise InputError(str(path), "", f"cannot read ({err.strerror or err})") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise InputError(str(path), f"row {number}", f"not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise InputError(str(path), f"row {number}", "expected a JSON object")
-        yield row
+def read_task_rows(spec: DataSpec) -> TaskRows:
+    """The rows of ``spec`` (its path, split, columns and format), each checked and converted."""
+    container = read_container(spec.path, spec.split)
+    source = spec.path if container.split is None else f"{spec.path} (split {container.split})"
+    return task_rows(container, spec, source)
 
 
-_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def _read_regular(path: Path) -> bytes:
-    """The bytes of ``path`` (symlinks followed) when it is a regular file; else an InputError naming what it is.
-    Opened without blocking and judged by the descriptor's own ``fstat``: a FIFO's ``open`` would wait for a
-    writer, and a path checked before it is opened may be another file by then."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = next((kind for test, kind in _KINDS if test(mode)), "something other than a regular file")
-            raise InputError(str(path), "", f"is {kind}, not a JSONL file or a saved dataset's directory")
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb") as file:
-            fd = -1  # the file closes it
-            return file.read()
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
-def _read_hf_dataset(path: Path) -> list[Row]:
-    try:
-        import datasets
-    except ImportError:
-        raise InputError(
-            str(path), "", "a dataset directory needs the `datasets` package (pip install datasets)"
-        ) from None
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    except FileNotFoundError as err:
-        raise InputError(str(path), "", f"not a saved Hugging Face dataset ({err})") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        if "train" not in loaded:
-            raise InputError(str(path), "", f"dataset has no 'train' split (has {', '.join(loaded)})")
-        loaded = loaded["train"]
-    return [dict(row) for row in loaded]
-
-
-def detect_format(row: Row, requested: DataFormat) -> DataFormat:
-    """The concrete format of a row (``AUTO`` resolved by which fields it has)."""
-    if requested is not DataFormat.AUTO:
-        return requested
-    if "messages" in row:
-        return DataFormat.MESSAGES
-    if "prompt" in row and "response" in row:
-        return DataFormat.PROMPT_RESPONSE
-    if "text" in row:
-        return DataFormat.TEXT
-    return DataFormat.AUTO  # caller reports the missing fields
+def task_rows(container: Container, spec: DataSpec, source: str) -> TaskRows:
+    """``container``'s rows under ``spec``'s columns and format; ``source`` names the file in errors."""
+    rows = [map_columns(row, spec.columns, (source, f"row {i}")) for i, row in enumerate(container.rows, start=1)]
+    fmt = resolve_format(rows[0], spec.format, (source, "row 1")) if rows else spec.format
+    units = tuple(to_unit(row, fmt, (source, f"row {i}")) for i, row in enumerate(rows, start=1))
+    return TaskRows(source, container, fmt, units)

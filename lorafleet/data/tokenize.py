@@ -1,7 +1,14 @@
-"""Rows -> token ids and labels, with the loss on response tokens only.
+"""A task's rows -> token ids and labels, with the loss on what the task learns to produce.
 
-``labels[i] = -100`` (PyTorch's ignore index) on every token the task does not learn to
-produce: the prompt, the user turns, the chat template's scaffolding before each reply.
+``labels[i] = -100`` (PyTorch's ignore index) on every token the task does not learn: the prompt, the user and
+system turns, the **tool turns** (a tool's output is the world's, not the model's: masked, as TRL and axolotl
+do), the chat template's scaffolding before each reply. An assistant turn is learnt whole: its text, its
+``tool_calls`` as the template renders them, and its end token. ``train_on_inputs: true`` learns every token.
+
+What is wrapped in the tokenizer's chat template (``data.chat_template``): chats always; prompt rows (a prompt and
+its response) under ``auto`` when the tokenizer has a template, under ``always``, never under ``never`` (the
+prompt's tokens, then the response's and the end-of-sequence token). ``data.system_prompt`` gives chats without a
+system turn one, so a template's default system prompt (:func:`default_system_prompt`) is not what is trained.
 """
 
 from __future__ import annotations
@@ -9,9 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from lorafleet.data.records import Row, detect_format
+from lorafleet.data.formats import Chat, PromptPair, Text, Unit
+from lorafleet.data.readers import Container, Row
+from lorafleet.data.records import TaskRows, read_task_rows, task_rows
 from lorafleet.errors import InputError
-from lorafleet.specs.data import DataFormat
+from lorafleet.specs.data import ChatTemplateUse, DataFormat, DataSpec
 from lorafleet.work import count as count_work
 
 IGNORE_INDEX = -100
@@ -32,78 +41,111 @@ class Example:
         return Example(self.input_ids[:length], self.labels[:length])
 
 
-def _text_field(row: Row, key: str, where: tuple[str, str]) -> str:
-    value = row.get(key)
-    if not isinstance(value, str):
-        raise InputError(where[0], f"{where[1]}.{key}", "missing" if value is None else "must be a string")
-    return value
+Where = tuple[str, str]
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _chat_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, where: Where) -> list[int]:
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as err:  # jinja's TemplateError, or a template's own raise_exception: the row is named
+        raise InputError(where[0], where[1], f"the tokenizer's chat template cannot render it ({err})") from None
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
-def _messages_example(tokenizer: Any, messages: list[dict[str, str]]) -> Example:
-    """Render a chat; learn every assistant turn (the span its message adds to the rendering)."""
+def _chat_example(tokenizer: Any, chat: Chat, spec: DataSpec, where: Where) -> Example:
+    """Render a chat; learn each turn marked to learn (the span its message adds to the rendering)."""
+    if not tokenizer.chat_template:
+        raise InputError(where[0], where[1], "is a chat, and the tokenizer has no chat template to render it")
+    messages, learn = list(chat.messages), list(chat.learn)
+    if spec.system_prompt is not None and messages[0]["role"] != "system":
+        messages, learn = [{"role": "system", "content": spec.system_prompt}, *messages], [False, *learn]
+    if any(m.get("tool_calls") for m in messages) and "tool_calls" not in tokenizer.chat_template:
+        raise InputError(where[0], where[1], "has tool calls, and the tokenizer's chat template does not render them")
     ids: list[int] = []
     labels: list[int] = []
-    for i, message in enumerate(messages):
-        upto = _chat_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if message["role"] == "assistant":
-            prefix = _chat_ids(tokenizer, messages[:i], add_generation_prompt=True)
+    for i, learnt in enumerate(learn):
+        upto = _chat_ids(tokenizer, messages[: i + 1], False, where)
+        if learnt:
+            prefix = _chat_ids(tokenizer, messages[:i], True, where)
             # The reply's own tokens start after the generation prompt of the turns before it.
             labels += [IGNORE_INDEX] * (len(prefix) - len(ids)) + upto[len(prefix) :]
         else:
             labels += [IGNORE_INDEX] * (len(upto) - len(ids))
         ids = upto
+    return Example(tuple(ids), tuple(ids) if spec.train_on_inputs else tuple(labels))
+
+
+def wraps_prompts(tokenizer: Any, spec: DataSpec) -> bool:
+    """Whether prompt rows are wrapped in the chat template (module doc); InputError for ``always`` without one."""
+    if spec.chat_template is ChatTemplateUse.NEVER:
+        return False
+    if spec.chat_template is ChatTemplateUse.ALWAYS and not tokenizer.chat_template:
+        raise InputError(spec.path, "chat_template", "is always, and the tokenizer has no chat template")
+    return bool(tokenizer.chat_template)
+
+
+def render(tokenizer: Any, unit: Unit, spec: DataSpec, where: Where) -> Example:
+    """One row (converted: ``data.formats``) as an Example; ``where`` = (file, ``row N``) for error messages."""
+    if isinstance(unit, Chat):
+        return _chat_example(tokenizer, unit, spec, where)
+    eos = [tokenizer.eos_token_id]
+    if isinstance(unit, Text):
+        ids = tokenizer(unit.text, add_special_tokens=False)["input_ids"] + eos
+        return Example(tuple(ids), tuple(ids))
+    assert isinstance(unit, PromptPair)
+    system = unit.system if unit.system is not None else spec.system_prompt
+    if wraps_prompts(tokenizer, spec):
+        turns = [{"role": "user", "content": unit.prompt}, {"role": "assistant", "content": unit.response}]
+        if system is not None:
+            turns.insert(0, {"role": "system", "content": system})
+        return _chat_example(tokenizer, Chat(tuple(turns), tuple(t["role"] == "assistant" for t in turns)), spec, where)
+    prompt = unit.prompt if system is None else f"{system}\n\n{unit.prompt}"
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(unit.response, add_special_tokens=False)["input_ids"] + eos
+    ids = prompt_ids + response_ids
+    labels = ids if spec.train_on_inputs else [IGNORE_INDEX] * len(prompt_ids) + response_ids
     return Example(tuple(ids), tuple(labels))
 
 
-def _check_messages(value: Any, where: tuple[str, str]) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise InputError(where[0], f"{where[1]}.messages", "must be a non-empty list")
-    for j, message in enumerate(value):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            raise InputError(where[0], f"{where[1]}.messages[{j}]", "needs string fields role and content")
-        if message["role"] not in ("system", "user", "assistant"):
-            raise InputError(where[0], f"{where[1]}.messages[{j}].role", f"unknown role {message['role']!r}")
-    if not any(m["role"] == "assistant" for m in value):
-        raise InputError(where[0], f"{where[1]}.messages", "has no assistant turn to learn")
-    return value
-
-
-def tokenize_row(tokenizer: Any, row: Row, fmt: DataFormat, where: tuple[str, str]) -> Example:
-    """One row as an Example; ``where`` = (file, ``row N``) for error messages."""
-    kind = detect_format(row, fmt)
-    if kind is DataFormat.MESSAGES:
-        return _messages_example(tokenizer, _check_messages(row.get("messages"), where))
-    if kind is DataFormat.PROMPT_RESPONSE:
-        prompt, response = _text_field(row, "prompt", where), _text_field(row, "response", where)
-        if tokenizer.chat_template:
-            return _messages_example(
-                tokenizer, [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            )
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        return Example(tuple(prompt_ids + response_ids), tuple([IGNORE_INDEX] * len(prompt_ids) + response_ids))
-    if kind is DataFormat.TEXT:
-        ids = tokenizer(_text_field(row, "text", where), add_special_tokens=False)["input_ids"] + [
-            tokenizer.eos_token_id
-        ]
-        return Example(tuple(ids), tuple(ids))
-    raise InputError(where[0], where[1], "has none of the fields messages, prompt+response, text")
-
-
-def tokenize_rows(tokenizer: Any, rows: list[Row], fmt: DataFormat, path: str) -> list[Example]:
-    """Every row tokenized; row numbers in errors count from 1. Counted (``work``: ``tokenizations``): a run
+def tokenize_task_rows(tokenizer: Any, rows: TaskRows, spec: DataSpec) -> list[Example]:
+    """Every row rendered; row numbers in errors count from 1. Counted (``work``: ``tokenizations``): a run
     tokenizes each task's data once a process, and an added task's once."""
     count_work("tokenizations")
-    return [tokenize_row(tokenizer, row, fmt, (path, f"row {i}")) for i, row in enumerate(rows, start=1)]
+    return [render(tokenizer, unit, spec, (rows.source, f"row {i}")) for i, unit in enumerate(rows.units, start=1)]
+
+
+def tokenize_data(tokenizer: Any, spec: DataSpec) -> list[Example]:
+    """The rows of ``spec`` (read: ``data.records.read_task_rows``), tokenized."""
+    return tokenize_task_rows(tokenizer, read_task_rows(spec), spec)
+
+
+def tokenize_rows(tokenizer: Any, rows: list[Row], data: DataSpec | DataFormat, path: str) -> list[Example]:
+    """Rows already read, tokenized under ``data`` (a format alone: the other ``data`` keys' defaults);
+    ``path`` names the file in errors."""
+    spec = data if isinstance(data, DataSpec) else DataSpec(path=path, format=data)
+    return tokenize_task_rows(tokenizer, task_rows(Container(rows, "rows"), spec, path), spec)
+
+
+def default_system_prompt(tokenizer: Any) -> str | None:
+    """The system prompt the tokenizer's chat template adds to a chat that has none (SmolLM2's "You are a helpful
+    AI assistant named SmolLM..."), None when it adds none or cannot say. Found by rendering one chat with no
+    system turn and with an empty one: what the first has in place of the second's empty content is the
+    template's own."""
+    if not tokenizer.chat_template:
+        return None
+    chat = [{"role": "user", "content": "\x01u"}, {"role": "assistant", "content": "\x01a"}]
+    try:
+        bare = tokenizer.apply_chat_template(chat, tokenize=False)
+        empty = tokenizer.apply_chat_template([{"role": "system", "content": ""}, *chat], tokenize=False)
+    except Exception:  # a template that refuses system turns adds none either
+        return None
+    if len(bare) <= len(empty):
+        return None
+    head = next((i for i, (a, b) in enumerate(zip(bare, empty)) if a != b), len(empty))
+    tail = next((i for i, (a, b) in enumerate(zip(reversed(bare), reversed(empty))) if a != b), len(empty))
+    tail = min(tail, len(empty) - head)
+    added = bare[head : len(bare) - tail].strip()
+    return added or None
 
 
 def load_tokenizer(path: str, source: str, field: str) -> Any:

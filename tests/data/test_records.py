@@ -52,7 +52,7 @@ def test_a_data_path_that_is_a_fifo_or_a_device_is_one_input_error(tmp_path, kin
     with _never_blocked(path) if kind == "FIFO" else contextlib.nullcontext():
         with pytest.raises(InputError) as err:
             read_rows(path)
-    assert str(err.value) == f"{path}: is a {kind}, not a JSONL file or a saved dataset's directory"
+    assert str(err.value) == f"{path}: is a {kind}, not a data file or a saved dataset's directory"
 
 
 def test_a_workload_whose_data_is_a_fifo_is_one_line_and_exit_2(tmp_path, capsys):
@@ -65,7 +65,7 @@ def test_a_workload_whose_data_is_a_fifo_is_one_line_and_exit_2(tmp_path, capsys
         code = main(["validate", str(workload)])
     out, err = capsys.readouterr()
     assert code == 2 and err.count("\n") == 1, err
-    assert f"{fifo}: is a FIFO, not a JSONL file or a saved dataset's directory" in err, err
+    assert f"{fifo}: is a FIFO, not a data file or a saved dataset's directory" in err, err
 
 
 def test_a_file_and_a_saved_datasets_directory_still_read(tmp_path):

@@ -1,0 +1,103 @@
+"""What ``lorafleet validate`` says of each task's data: where its rows come from, their format, the splits left
+unused, and what the chat template does to them, one line each.
+
+Every row of every task's ``data`` (and ``eval.data``) is read and checked (``data.records``: no tokenizer
+needed), so a bad row is found before a run. The chat-template lines need the workload's tokenizer; when it
+cannot be had (a preset with no weights here), one line says the template was not checked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from lorafleet.data.formats import Chat, PromptPair
+from lorafleet.data.records import TaskRows, read_task_rows
+from lorafleet.data.tokenize import default_system_prompt, render, wraps_prompts
+from lorafleet.errors import InputError
+from lorafleet.specs.data import ChatTemplateUse, DataFormat, DataSpec
+from lorafleet.specs.workload import TaskSpec
+
+
+def _same_path(a: str, b: str) -> bool:
+    return Path(a).resolve() == Path(b).resolve()
+
+
+def _read(task: TaskSpec) -> list[tuple[str, DataSpec, TaskRows]]:
+    """(``data`` or ``eval.data``, its spec, its rows) of a task."""
+    specs = [("data", task.data)] if task.data is not None else []
+    if task.eval is not None and task.eval.data is not None:
+        specs.append(("eval.data", task.eval.data))
+    return [(key, spec, read_task_rows(spec)) for key, spec in specs]
+
+
+def _unused_splits(task: TaskSpec, read: list[tuple[str, DataSpec, TaskRows]]) -> Iterator[str]:
+    """A line for each saved DatasetDict of the task with splits that neither its data nor its eval reads."""
+    used: dict[str, set[str]] = {}
+    for _, spec, rows in read:
+        if rows.container.split is not None:
+            used.setdefault(str(Path(spec.path).resolve()), set()).add(rows.container.split)
+    for key, spec, rows in read:
+        unused = [s for s in rows.container.splits if s not in used.get(str(Path(spec.path).resolve()), ())]
+        if unused and key == "data":
+            names = ", ".join(unused)
+            hint = f"eval: {{data: {{path: {spec.path}, split: {unused[0]}}}}}"
+            yield f"{task.name}: {spec.path}: split {names} not used (one can be the task's held-out rows: {hint})"
+
+
+def _template_lines(task: TaskSpec, spec: DataSpec, rows: TaskRows, tokenizer: Any) -> Iterator[str]:
+    """How the chat template renders this data: prompt rows wrapped or not, a default system prompt added."""
+    pairs = sum(isinstance(u, PromptPair) for u in rows.units)
+    if pairs:
+        if wraps_prompts(tokenizer, spec):
+            yield (
+                f"{task.name}: prompt rows wrapped in the tokenizer's chat template as a user turn and an assistant "
+                f"turn (data.chat_template: {spec.chat_template.value}; never: the prompt's text, then the response)"
+            )
+        else:
+            why = "never" if spec.chat_template is ChatTemplateUse.NEVER else "the tokenizer has none"
+            yield f"{task.name}: prompt rows not wrapped in a chat template ({why}): prompt text, then the response"
+    wrapped = sum(isinstance(u, Chat) for u in rows.units) + (pairs if wraps_prompts(tokenizer, spec) else 0)
+    system = default_system_prompt(tokenizer) if spec.system_prompt is None else None
+    without = sum(
+        (isinstance(u, Chat) and u.messages[0]["role"] != "system") or (isinstance(u, PromptPair) and u.system is None)
+        for u in rows.units
+    )
+    if wrapped and system is not None and without:
+        yield (
+            f"{task.name}: the chat template adds the system prompt {system!r} to its {without} rows without one "
+            '(data.system_prompt sets your own, "" an empty one)'
+        )
+    if rows.units:
+        render(tokenizer, rows.units[0], spec, (rows.source, "row 1"))  # the template renders this data
+
+
+def data_lines(tasks: list[TaskSpec] | tuple[TaskSpec, ...], tokenizer: Callable[[], Any]) -> list[str]:
+    """The lines of the module doc for ``tasks``; ``tokenizer()`` loads the workload's tokenizer, once, when a
+    task's rows render through a chat template (an InputError from it is a line, not an error)."""
+    lines: list[str] = []
+    loaded: list[Any] = []
+    for task in tasks:
+        read = _read(task)
+        for key, spec, rows in read:
+            how = f"format {rows.format.value}" + (" (auto)" if spec.format is DataFormat.AUTO else "")
+            tools = sum(isinstance(u, Chat) and any(m["role"] == "tool" for m in u.messages) for u in rows.units)
+            extra = f", {tools} with tool turns (their output masked)" if tools else ""
+            extra += ", loss on every token (train_on_inputs)" if spec.train_on_inputs else ""
+            lines.append(
+                f"{task.name}: {key} {rows.source}: {rows.container.kind}, {len(rows.units)} rows, {how}{extra}"
+            )
+        lines += _unused_splits(task, read)
+        for key, spec, rows in read:
+            if key != "data" or not any(isinstance(u, Chat | PromptPair) for u in rows.units):
+                continue
+            if not loaded:
+                try:
+                    loaded.append(tokenizer())
+                except InputError as err:
+                    loaded.append(None)
+                    lines.append(f"chat templates not checked: no tokenizer ({err.msg})")
+            if loaded[0] is not None:
+                lines += _template_lines(task, spec, rows, loaded[0])
+    return lines
