@@ -63,9 +63,10 @@ def summary_table(workload: Workload) -> Table:
 
 def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload, workload_overrides(args))
-    Console(width=120).print(summary_table(workload))
     spec = workload.spec
-    # Every task's data is read and checked here (its rows, not only its lengths); the lines are plain text.
-    for line in data_lines(spec.tasks, lambda: data_tokenizer(spec.model, spec.tokenizer, source=workload.path)):
-        print(f"data: {line}")
+    # Every task's data is read and checked before anything is printed (its rows, not only its lengths).
+    lines = data_lines(spec.tasks, lambda: data_tokenizer(spec.model, spec.tokenizer, source=workload.path))
+    Console(width=120).print(summary_table(workload))
+    for line in lines:
+        print(f"data: {line}")  # plain text: a line may hold brackets that rich would read as markup
     return 0

@@ -189,7 +189,9 @@ def check_messages(value: Any, field: str, path: str, *, needs_reply: bool = Tru
     """``value`` as a valid chat: a non-empty list of ``{role, content}`` turns with known roles (an assistant
     turn may have ``tool_calls`` and no content), with an assistant turn to learn when ``needs_reply``."""
     if not isinstance(value, list) or not value:
-        what = "a CSV cell is text: put chats in JSONL, JSON or parquet" if isinstance(value, str) else _kind(value)
+        what = (
+            "text (as a CSV cell is: put chats in JSONL, JSON or parquet)" if isinstance(value, str) else _kind(value)
+        )
         raise InputError(path, field, f"must be a non-empty list of turns, got {what}")
     for j, message in enumerate(value):
         at = f"{field}[{j}]"
