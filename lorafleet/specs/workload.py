@@ -307,11 +307,14 @@ def resolve_path(path: str, base: Path) -> str:
 
 
 def resolve_data_paths(task: TaskSpec, base: Path) -> TaskSpec:
-    """``task`` with its data paths (``data.path`` and ``lengths.dataset.path``) resolved against ``base``
-    (:func:`resolve_path`): a workload's, a trace's or a queued request's tasks, against their file's folder."""
+    """``task`` with its data paths (``data.path``, ``eval.data.path`` and ``lengths.dataset.path``) resolved against
+    ``base`` (:func:`resolve_path`): a workload's, a trace's or a queued request's tasks, against their file's folder."""
     update: dict[str, Any] = {}
     if task.data is not None:
         update["data"] = task.data.model_copy(update={"path": resolve_path(task.data.path, base)})
+    if task.eval is not None and task.eval.data is not None:
+        held = task.eval.data.model_copy(update={"path": resolve_path(task.eval.data.path, base)})
+        update["eval"] = task.eval.model_copy(update={"data": held})
     if task.lengths is not None and task.lengths.dataset is not None:
         dataset = task.lengths.dataset.model_copy(update={"path": resolve_path(task.lengths.dataset.path, base)})
         update["lengths"] = task.lengths.model_copy(update={"dataset": dataset})
