@@ -40,6 +40,7 @@ def workload_json_schema() -> dict[str, Any]:
     schema = WorkloadSpec.model_json_schema()
     task = schema["$defs"]["TaskSpec"]
     _as_written(task)
+    _with_sweep(schema, task)
     props = schema["properties"]
     recompute = props["recompute"]
     ref = {"$ref": recompute.pop("$ref")}
@@ -57,6 +58,18 @@ def workload_json_schema() -> dict[str, Any]:
     tasks = props.pop("tasks")
     schema["properties"] = {**props, "defaults": defaults, "tasks": tasks}
     return _titled(schema, "lorafleet workload")
+
+
+def _with_sweep(schema: dict[str, Any], task: dict[str, Any]) -> None:
+    """A task as written carries its ``sweep`` (``specs.sweep``), never the ``member_of`` its expansion sets."""
+    from lorafleet.specs.sweep import SweepSpec
+
+    sweep = SweepSpec.model_json_schema(ref_template="#/$defs/{model}")
+    schema["$defs"].update(sweep.pop("$defs", {}))
+    schema["$defs"]["SweepSpec"] = sweep
+    task["properties"].pop("member_of", None)
+    task["properties"]["sweep"] = {"$ref": "#/$defs/SweepSpec", "description": "A hyperparameter sweep (specs.sweep)."}
+    schema["$defs"].pop("SweepMembership", None)
 
 
 def cluster_json_schema(pools_form: dict[str, Any], pool: dict[str, Any]) -> dict[str, Any]:

@@ -157,7 +157,8 @@ def export_adapters(
     losses: Mapping[str, tuple[int, float]] | None = None,
     changes: Mapping[str, Sequence[str]] | None = None,
 ) -> None:
-    """Tasks' PEFT adapters, copied out of a committed checkpoint into ``target/<task>``; each task's
+    """Tasks' PEFT adapters, copied out of a committed checkpoint into ``target/<task>`` (a sweep's member into
+    ``target/<sweep>/members/<task>``: ``TaskSpec.export_dir``); each task's
     directory appears whole (written beside it, then renamed over the old one: ``specs.io.staged_directory``). A task
     that was evaluated gets its best-evaluated adapter there and its last one in ``target/<task>/last/``.
 
@@ -172,7 +173,7 @@ def export_adapters(
     losses = losses or {}
     specs = {t.name: t for t in tasks}
     for name in names:
-        with staged_directory(target / name) as staging:
+        with staged_directory(target / (specs[name].export_dir if name in specs else name)) as staging:
             best = step_dir / name / BEST_DIR
             if best.is_dir():  # evaluated: the best adapter is the tenant's, the last one beside it
                 (staging / LAST_DIR).mkdir()

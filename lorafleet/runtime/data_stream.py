@@ -71,6 +71,9 @@ class TaskData:
     eval_examples: tuple[Example, ...] = ()
     """The held-out rows an evaluation reads (``runtime.eval_split``), after the overflow rule; none without an
     ``eval``. Not in :attr:`fingerprint`: what a resume checks is the training data."""
+    order_name: str | None = None
+    """The name its data order is drawn by (``TaskSpec.seed_name``: a sweep's members share their sweep's); None:
+    its own."""
 
     def __post_init__(self) -> None:
         if not self.examples:
@@ -125,6 +128,7 @@ def prepare_task_data(task: TaskSpec, tokenizer: Any, source: str) -> TaskData:
             "",
             f"no row is left to train on after overflow={task.overflow.value} at context_length={task.context_length}",
         ) from None
+    data = replace(data, order_name=task.seed_name)
     if not held_out:
         return data
     try:
@@ -161,7 +165,7 @@ class TaskStream:
 
     @functools.cached_property
     def key(self) -> int:
-        return task_key(self.seed, self.data.name)
+        return task_key(self.seed, self.data.order_name or self.data.name)
 
     def example_index(self, sample_id: int) -> int:
         n = len(self.data.examples)
@@ -331,11 +335,11 @@ class DataStreams:
         stopped: Mapping[str, int],
     ) -> DataStreams:
         """The streams of a running fleet whose tasks became ``tasks`` (in task order): each staying task keeps its
-        prepared data (nothing is read or tokenized again), a new one's is ``prepare(spec)``; the turns are those a
-        launch on the task ledger draws (``turn_changes`` and ``departed``: ``lorafleet.turns``), with the tasks of
+        prepared data (nothing is read or tokenized again), a new one's is ``prepare(spec)``, once per sweep
+        (:func:`shared_data`); the turns are those a launch on the task ledger draws (``turn_changes`` and
+        ``departed``: ``lorafleet.turns``), with the tasks of
         ``stopped`` (non-finite updates; name -> the first step left out) retired again."""
-        have = {s.data.name: s.data for s in self.streams}
-        data = [have[t.name] if t.name in have else prepare(t) for t in tasks]
+        data = shared_data(tasks, prepare, {s.data.name: s.data for s in self.streams})
         return task_streams(tasks, data, self.seed, turn_changes, departed).with_stops(stopped)
 
     def end_steps(self, horizon: int) -> dict[int, int]:
@@ -399,8 +403,27 @@ def training_streams(
     the share and deadline while the job ran, and the turns of the tasks that ``departed``: ``lorafleet.turns``)."""
     if tokenizer is None:
         tokenizer = task_tokenizer(spec)
-    data = [prepare_task_data(task, tokenizer, "workload") for task in spec.tasks]
+    data = shared_data(spec.tasks, lambda task: prepare_task_data(task, tokenizer, "workload"))
     return task_streams(spec.tasks, data, spec.seed, turn_changes, departed)
+
+
+def shared_data(
+    tasks: Sequence[TaskSpec], prepare: Callable[[TaskSpec], TaskData], have: Mapping[str, TaskData] | None = None
+) -> list[TaskData]:
+    """Each task's prepared data, in order: ``have``'s (by name) where it has it, else ``prepare(task)``, once per
+    sweep: a sweep's members share one preparation (read, tokenized and split once; ``specs.sweep``)."""
+    have = dict(have or {})
+    swept = {d.order_name: d for d in have.values() if d.order_name not in (None, d.name)}
+    out = []
+    for task in tasks:
+        data = have.get(task.name)
+        if data is None and task.member_of is not None:
+            data = swept.get(task.seed_name)
+            if data is None:
+                data = swept[task.seed_name] = prepare(task)
+            data = data if data.name == task.name else replace(data, name=task.name)
+        out.append(data if data is not None else prepare(task))
+    return out
 
 
 def task_streams(

@@ -4,7 +4,8 @@
 
     h(row) = SHA-256(name ‖ input_ids ‖ labels)[:8],
 
-seeded by the task's *name* only (not the run's seed: a sweep over seeds evaluates on the same rows). The
+seeded by the task's *name* only (not the run's seed: a sweep over seeds evaluates on the same rows; a sweep's
+members, by the sweep's name: ``TaskSpec.seed_name``). The
 ``round(f · D)`` distinct rows of lowest key (``D`` distinct rows, half rounded up) are held out, with every copy
 of each; the others train. So a row's side depends on its content, never on its position or the rows beside it:
 the same rows whatever the file's order, a duplicated row never on both sides, and a row appended to the file
@@ -65,7 +66,7 @@ def held_out_examples(
             raise InputError(spec.data.path, "", f"task {task.name!r}'s eval data has no row")
         return list(examples), held[: spec.max_rows]
     assert spec.split is not None
-    train, held = split_rows(task.name, examples, spec.split)
+    train, held = split_rows(task.seed_name, examples, spec.split)
     if not held or not train:
         side = "no held-out row" if not held else "no training row"
         raise InputError(

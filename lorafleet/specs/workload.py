@@ -25,7 +25,6 @@ the one rule of :func:`fit_to_context`.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from lorafleet.specs._base import FieldError, Float, Int, IntKey, Spec
 from lorafleet.specs.cluster import ClusterSpec
@@ -41,19 +40,9 @@ from lorafleet.specs.data import DataSpec
 from lorafleet.specs.evaluation import EarlyStoppingSpec, EvalSpec
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
+from lorafleet.specs.names import task_name_error
 from lorafleet.specs.recompute import RecomputePolicy
-
-TASK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
-"""What a task may be called (it names its adapter's directory, its request files and its metrics): letters,
-digits, ``_ . -``, a letter or digit first, at most 64 characters. The one rule: the workload, the queue's request
-files and its HTTP front-end all check a name by :func:`task_name_error`."""
-
-
-def task_name_error(name: str) -> str | None:
-    """Why ``name`` is not a task name (:data:`TASK_NAME`), or None."""
-    if TASK_NAME.fullmatch(name):
-        return None
-    return f"{name!r} is not a valid task name (letters, digits, _ . -, a letter or digit first; at most 64)"
+from lorafleet.specs.sweep import MEMBERS_DIR, SweepMembership, sweep_members
 
 
 class OverflowPolicy(StrEnum):
@@ -89,6 +78,8 @@ def fit_to_context(lengths: Sequence[int] | np.ndarray, context_length: int, pol
     return ContextFit(lengths.copy(), truncated=none, rejected=over)
 
 
+MAX_TASKS = 4096
+"""The most tasks a workload holds, a sweep's members counted one by one."""
 MAX_BATCH_SIZE = 1_000_000
 """The most sequences a task may put in one global batch."""
 MAX_STEPS = (2**63 - 1) // MAX_BATCH_SIZE
@@ -154,7 +145,7 @@ class TaskSpec(Spec):
     """One tenant's fine-tuning job."""
 
     name: str
-    """Unique task name (letters, digits, ``_ . -``); names the adapter directory."""
+    """Unique task name (letters, digits, ``_ . - =``); names the adapter directory."""
     preset: str | None = None
     """A dataset preset supplying defaults for ``lengths``, ``batch_size`` and ``context_length``."""
     lengths: LengthSpec | None = None
@@ -187,6 +178,20 @@ class TaskSpec(Spec):
     """Evaluation on held-out rows (``specs.evaluation``): its loss and token accuracy, and the best adapter."""
     early_stopping: EarlyStoppingSpec | None = None
     """Stop the task once its evaluation loss stops improving (needs ``eval``; ``specs.evaluation``)."""
+    member_of: SweepMembership | None = None
+    """The sweep this task is a member of (set when a task's ``sweep`` expands: ``specs.sweep``)."""
+
+    @property
+    def seed_name(self) -> str:
+        """The name its data order and held-out rows are drawn by: its sweep's for a sweep's member (every member
+        sees the same batches and is evaluated on the same rows), else its own."""
+        return self.member_of.sweep if self.member_of is not None else self.name
+
+    @property
+    def export_dir(self) -> str:
+        """Its adapter's folder under ``<out>/adapters``: its name, or ``<sweep>/members/<name>`` for a sweep's
+        member (the sweep's winner is promoted to ``<sweep>/``: ``train.promote``)."""
+        return f"{self.member_of.sweep}/{MEMBERS_DIR}/{self.name}" if self.member_of is not None else self.name
 
     @model_validator(mode="before")
     @classmethod
@@ -252,8 +257,8 @@ class WorkloadSpec(Spec):
     """Activation recomputation: ``auto`` (the planner picks per config), ``off`` or ``on``."""
     seed: Int = Field(0, ge=0)
     """Seed of every sampled global batch."""
-    tasks: tuple[TaskSpec, ...] = Field(min_length=1, max_length=256)
-    """The tenants; at least one."""
+    tasks: tuple[TaskSpec, ...] = Field(min_length=1, max_length=MAX_TASKS)
+    """The tenants; at least one. A task with a ``sweep`` is its members (``specs.sweep``)."""
     defaults: dict[str, Any] = Field(default_factory=dict)
     """Task fields every task takes unless it sets its own (merged key by key, nested mappings too); kept,
     after merging, for the tasks that join later (a queued task, an arrival trace's)."""
@@ -261,18 +266,19 @@ class WorkloadSpec(Spec):
     @model_validator(mode="before")
     @classmethod
     def _apply_defaults(cls, raw: Any) -> Any:
-        """Merge ``defaults:`` (lora, optimizer, overflow, ...) under every task's own keys."""
-        if not isinstance(raw, dict) or "defaults" not in raw:
+        """Merge ``defaults:`` (lora, optimizer, overflow, ...) under every task's own keys, then expand each
+        task's ``sweep`` into its members (``specs.sweep``)."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("tasks"), list):
             return raw
         raw = dict(raw)
-        defaults = raw["defaults"]
-        if defaults is None:
-            defaults = raw["defaults"] = {}
-        if not isinstance(defaults, dict):
-            raise ValueError("defaults must be a mapping")
-        tasks = raw.get("tasks")
-        if isinstance(tasks, list):
-            raw["tasks"] = [deep_merge(defaults, t) if isinstance(t, dict) else t for t in tasks]
+        if "defaults" in raw:
+            defaults = raw["defaults"]
+            if defaults is None:
+                defaults = raw["defaults"] = {}
+            if not isinstance(defaults, dict):
+                raise ValueError("defaults must be a mapping")
+            raw["tasks"] = [deep_merge(defaults, t) if isinstance(t, dict) else t for t in raw["tasks"]]
+        raw["tasks"] = expand_sweeps(raw["tasks"])
         return raw
 
     @field_validator("recompute", mode="before")
@@ -285,11 +291,31 @@ class WorkloadSpec(Spec):
     @classmethod
     def _unique_names(cls, tasks: tuple[TaskSpec, ...]) -> tuple[TaskSpec, ...]:
         seen: set[str] = set()
+        sweeps = {t.member_of.sweep for t in tasks if t.member_of is not None}
         for i, task in enumerate(tasks):
             if task.name in seen:
                 raise FieldError((i, "name"), f"task name {task.name!r} appears twice")
+            if task.name in sweeps:
+                raise FieldError((i, "name"), f"task name {task.name!r} is also a sweep's name")
             seen.add(task.name)
         return tasks
+
+
+def expand_sweeps(tasks: Sequence[Any]) -> list[Any]:
+    """The workload's raw tasks (after ``defaults``) with each task that carries a ``sweep`` replaced by its members
+    (``specs.sweep``); FieldError at ``tasks[i]...`` when the task, without its sweep, or its sweep is not valid."""
+    out: list[Any] = []
+    for i, raw in enumerate(tasks):
+        if not isinstance(raw, dict) or raw.get("sweep") is None:
+            out.append(raw)
+            continue
+        try:
+            TaskSpec.model_validate({k: v for k, v in raw.items() if k != "sweep"})
+        except ValidationError as error:
+            first = error.errors()[0]
+            raise FieldError(("tasks", i, *validation_error_loc(first)), describe_validation_error(first)[1]) from None
+        out.extend(sweep_members(raw, ("tasks", i, "sweep")))
+    return out
 
 
 def deep_merge(base: dict, override: dict) -> dict:

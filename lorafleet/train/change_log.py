@@ -28,6 +28,10 @@ TOOK_ITS_STEPS = "(took its steps)"
 """The request file of a task that finished on its own (no file)."""
 STOPPED_EARLY = "(stopped early)"
 """The request file of a task that early stopping made leave (``train.evaluation``; no file)."""
+SWEEP_DROPPED = "(dropped by its sweep)"
+"""The request file of a sweep's member that a rung of successive halving made leave (``lorafleet.sweeps``)."""
+LEFT_ON_ITS_OWN = (TOOK_ITS_STEPS, STOPPED_EARLY, SWEEP_DROPPED)
+"""How a task leaves without a request: a departure."""
 
 
 class ChangeKind(StrEnum):
@@ -46,7 +50,7 @@ class ChangeKind(StrEnum):
         every one is a task that took its steps."""
         if not requests:
             return cls.REPLAN
-        return cls.DEPARTURE if all(r.file in (TOOK_ITS_STEPS, STOPPED_EARLY) for r in requests) else cls.CHANGE
+        return cls.DEPARTURE if all(r.file in LEFT_ON_ITS_OWN for r in requests) else cls.CHANGE
 
 
 class Outcome(StrEnum):

@@ -113,7 +113,10 @@ class FleetChanges:
         self.flight = InFlight(options, fleet)
         """The change in flight (``train.inflight``)."""
         self.early: dict[str, int] = {}
-        """Tasks early stopping stops (``train.evaluation``), by name: the boundary they leave at."""
+        """Tasks early stopping or their sweep's rung stops (``train.evaluation``), by name: the boundary they leave
+        at."""
+        self.early_why: dict[str, str] = {}
+        """Why each of :attr:`early` leaves, as its change record names it (``STOPPED_EARLY``, ``SWEEP_DROPPED``)."""
 
     # -- at every window boundary ---------------------------------------------------------------------------
 
@@ -134,18 +137,21 @@ class FleetChanges:
             reject = lambda r, why: watcher.reject(self.options.queue_dir / r.file, why)  # noqa: E731
             self.requests = self.joining.ready_requests(watcher.poll(step, accept=False), step, reject)
             named = {r.name for r in self.requests}
-            self.requests += [Request(STOPPED_EARLY, Action.FINISH, n) for n in early if n not in named]
+            self.requests += [
+                Request(self.early_why.get(n, STOPPED_EARLY), Action.FINISH, n) for n in early if n not in named
+            ]
             if step < self.options.steps:
                 done, self.departure = departures_due(self.fleet, step, self.options.steps, bool(self.requests))
                 named = {r.name for r in self.requests}
                 self.requests += [r for r in done if r.name not in named]
         return bool(self.requests) or self.replan.due(step, self.fleet.end())
 
-    def stop_early(self, stops: Mapping[str, int]) -> None:
+    def stop_early(self, stops: Mapping[str, tuple[int, str]]) -> None:
         """Tasks early stopping stops, by name: the boundary each leaves the run at, as if a queued finish asked (its
         best adapter exported, its slot freed, its capacity re-planned: a departure, ``changes.jsonl``); without a
         launcher watching the queue, it takes no batch from there on instead."""
-        self.early.update(stops)
+        self.early.update({name: at for name, (at, _) in stops.items()})
+        self.early_why.update({name: why for name, (_, why) in stops.items()})
 
     def next_boundary(self) -> int | None:
         """A step a window must end at: a change found in flight's, a queued request's ``at_step``, a departure's, an

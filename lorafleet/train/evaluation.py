@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -35,6 +35,11 @@ from lorafleet.runtime.checkpoint_files import EVALUATION_KEY as STATE_KEY
 from lorafleet.runtime.processes import fault_point
 from lorafleet.specs.io import write_text_atomic
 from lorafleet.stopping import Stopping
+from lorafleet.sweeps import Rung, decide_rung, sweep_groups
+from lorafleet.train.change_log import STOPPED_EARLY, SWEEP_DROPPED
+
+RUNGS_KEY = "sweep_rungs"
+"""A checkpoint's ``extra`` key of the sweeps' rungs decided so far (:meth:`Evaluations.state_dict`)."""
 
 if TYPE_CHECKING:
     from lorafleet.plans import GlobalBatch, StepPlan
@@ -80,15 +85,20 @@ class TaskEvaluations:
     steps_not_taken: int | None = None
     """Of its steps, those the stop spared it (to its ``steps`` or ``epochs``, or to the run's end): it is charged
     for the steps it took only."""
+    dropped_rung: int | None = None
+    """The rung of its sweep's successive halving that dropped it (``lorafleet.sweeps``; it left at
+    :attr:`stopped_at`), None when no rung did."""
 
     def to_json(self) -> dict[str, Any]:
         return {"stopping": self.stopping.to_json(), "history": [list(h) for h in self.history],
-                "stopped_at": self.stopped_at, "steps_not_taken": self.steps_not_taken}  # fmt: skip
+                "stopped_at": self.stopped_at, "steps_not_taken": self.steps_not_taken,
+                "dropped_rung": self.dropped_rung}  # fmt: skip
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> TaskEvaluations:
         history = tuple((int(s), float(loss), float(acc)) for s, loss, acc in raw["history"])
-        return cls(Stopping.from_json(raw["stopping"]), history, raw.get("stopped_at"), raw.get("steps_not_taken"))
+        return cls(Stopping.from_json(raw["stopping"]), history, raw.get("stopped_at"), raw.get("steps_not_taken"),
+                   raw.get("dropped_rung"))  # fmt: skip
 
 
 @dataclass
@@ -103,6 +113,8 @@ class Evaluations:
     """By task name, every task that has been evaluated (those that left stay: the summary reads them)."""
     last: dict[str, dict[str, float]] = field(default_factory=dict)
     """The last evaluation's numbers for the metrics row of the step it followed (:meth:`row_extra`)."""
+    rungs: list[Rung] = field(default_factory=list)
+    """Every rung of the sweeps' successive halving decided so far (``lorafleet.sweeps``), in order."""
     evaluations: int = 0
     """Evaluations run in this process (a work count the tests pin)."""
     correction: float = 1.0
@@ -158,7 +170,13 @@ class Evaluations:
         return high
 
     def _stopped(self, name: str) -> bool:
-        return name in self.tasks and self.tasks[name].stopping.stopped
+        """Whether ``name`` left the run by an early stop or its sweep's rung."""
+        return name in self.tasks and self.tasks[name].stopped_at is not None
+
+    def _spared(self, name: str, boundary: int) -> int:
+        """The steps a task that leaves at ``boundary`` does not take (to its last, or to the run's end)."""
+        taken = self.port.batches_taken(name, boundary)
+        return max((self.port.max_batches(name) or self.port.batches_taken(name, self.end)) - taken, 0)
 
     def run(self, boundary: int, running: Running) -> list[str]:
         """The evaluation of the tasks due at the boundary before ``boundary`` (none due: nothing runs); returns the
@@ -186,15 +204,14 @@ class Evaluations:
             task = self.tasks.get(name, TaskEvaluations())
             stopping = task.stopping.observe(outcome.loss[name], boundary, spec.early_stopping)
             history = (*task.history, (boundary, outcome.loss[name], outcome.token_accuracy[name]))
-            spared = None
-            if stopping.stopped:
-                taken = self.port.batches_taken(name, boundary)
-                spared = max((self.port.max_batches(name) or self.port.batches_taken(name, self.end)) - taken, 0)
+            spared = self._spared(name, boundary) if stopping.stopped else None
             self.tasks[name] = TaskEvaluations(stopping, history, boundary if stopping.stopped else None, spared)
             if stopping.improved:
                 improved.append(name)
             if stopping.stopped:
                 stopped.append(name)
+        rungs = self._rungs(boundary, due, list(specs.values()))
+        stopped += [name for rung in rungs for name in rung.dropped]
         if improved:
             self.port.keep_best(improved)
         fault_point("evaluated", boundary)  # tests: a kill between an evaluation and the checkpoint that records it
@@ -206,22 +223,57 @@ class Evaluations:
             "eval_s": outcome.seconds,
             "eval_predicted_s": predicted * self.correction,
         }
+        if rungs:
+            self.last["sweep_rung"] = {rung.sweep: rung.rung for rung in rungs}
+            self.last["sweep_dropped"] = {name: rung.rung for rung in rungs for name in rung.dropped}
         self.correction = outcome.seconds / predicted if predicted > 0 else 1.0
         return stopped
+
+    def _rungs(self, boundary: int, due: Sequence[str], specs: Sequence[TaskSpec]) -> list[Rung]:
+        """The rungs of successive halving decided at this boundary (``lorafleet.sweeps``): a sweep's, when every
+        member still training was just evaluated after a multiple of ``rung_steps`` of its steps, short of its
+        last; its dropped members leave the run here."""
+        out = []
+        for sweep, members in sweep_groups(specs).items():
+            halving = members[0].member_of.halving if members[0].member_of is not None else None
+            alive = [m.name for m in members if not self._stopped(m.name)]
+            if halving is None or len(alive) < 2 or not set(alive) <= set(due):
+                continue
+            taken, last = self.port.batches_taken(alive[0], boundary), self.port.max_batches(alive[0])
+            if taken % halving.rung_steps or (last is not None and taken >= last):
+                continue
+            order = {m.name: m.member_of.index for m in members if m.member_of is not None}
+            scores = {name: self.tasks[name].stopping.best_loss for name in alive}
+            rung = decide_rung(sweep, taken // halving.rung_steps, boundary, scores, order, halving.eta)
+            for name in rung.dropped:
+                self.tasks[name] = replace(
+                    self.tasks[name], stopped_at=boundary, steps_not_taken=self._spared(name, boundary),
+                    dropped_rung=rung.rung,
+                )  # fmt: skip
+            self.rungs.append(rung)
+            out.append(rung)
+        return out
 
     def row_extra(self) -> dict[str, Any]:
         """The last evaluation's numbers for its step's metrics row (empty when none ran at this boundary)."""
         return dict(self.last)
 
-    def stopped_early(self) -> dict[str, int]:
-        """Every task that stopped early, by name: the boundary it left at."""
-        return {n: t.stopped_at for n, t in self.tasks.items() if t.stopped_at is not None}
+    def stopped_early(self, names: Sequence[str] | None = None) -> dict[str, tuple[int, str]]:
+        """Every task (of ``names``, default all) that left by an early stop or its sweep's rung, by name: the
+        boundary it left at and why, as its change record names it (``train.change_log``)."""
+        return {
+            n: (t.stopped_at, STOPPED_EARLY if t.dropped_rung is None else SWEEP_DROPPED)
+            for n, t in self.tasks.items()
+            if t.stopped_at is not None and (names is None or n in names)
+        }
 
     def state_dict(self) -> dict[str, Any]:
-        return {STATE_KEY: {name: task.to_json() for name, task in self.tasks.items()}}
+        return {STATE_KEY: {name: task.to_json() for name, task in self.tasks.items()},
+                RUNGS_KEY: [rung.to_json() for rung in self.rungs]}  # fmt: skip
 
     def load_state_dict(self, extra: Mapping[str, Any]) -> None:
         self.tasks = {name: TaskEvaluations.from_json(raw) for name, raw in extra.get(STATE_KEY, {}).items()}
+        self.rungs = [Rung.from_json(raw) for raw in extra.get(RUNGS_KEY, ())]
         self.publish()
 
     def publish(self) -> None:

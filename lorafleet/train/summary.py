@@ -1,6 +1,6 @@
 """The lines a training run ends with: where its files are, its mean step time measured against predicted, each
-replica's recalibration, each task's GPU-seconds (its evaluations' included), its evaluations, and the tasks stopped
-for non-finite updates::
+replica's recalibration, each tenant's GPU-seconds (its evaluations' included; a sweep's members summed as one
+tenant), its evaluations, its sweeps, and the tasks stopped for non-finite updates::
 
     lorafleet train: 10 steps; adapters in out/adapters, metrics in out/metrics.jsonl (and .csv, tensorboard/)
       step time: measured 1.234 s, predicted 1.200 s (x1.03, mean over 10 steps; cost model analytic:A100-40GB)
@@ -24,6 +24,7 @@ from lorafleet.rundir import RunDir
 
 if TYPE_CHECKING:
     from lorafleet.dispatch import ReplicaCalibration
+    from lorafleet.sweep_report import SweepResult
     from lorafleet.train.evaluation import TaskEvaluations
 
 
@@ -41,10 +42,12 @@ def summary_text(
     recalibration: Sequence[ReplicaCalibration] | None,
     stopped: Iterable[str],
     evaluations: Mapping[str, TaskEvaluations] | None = None,
+    sweeps: Sequence[SweepResult] = (),
 ) -> str:
     """The closing lines (module docstring) of the run in ``run_dir`` after ``steps`` steps. ``recalibration``: each
     replica's factor, or None for no line (recalibration off, or no step ran in this launch); ``evaluations``: the
-    tasks' (``train.evaluation``), a line each."""
+    tasks' (``train.evaluation``), a line each; ``sweeps``: the run's sweeps (``lorafleet.sweep_report``), a line
+    each."""
     from lorafleet.dispatch import summarize_factors
 
     lines = [
@@ -59,8 +62,10 @@ def summary_text(
         )
     if recalibration is not None:
         lines.append(f"  recalibrated: {summarize_factors(recalibration)}")
-    evaluated = sum_task_gpu_seconds(row.get("eval_gpu_s", {}) for row in read_rows(run_dir.metrics_jsonl))
-    owed = sum_task_gpu_seconds([summary.task_gpu_seconds, evaluated])
+    tenant = {m.name: sweep.name for sweep in sweeps for m in sweep.members}  # a sweep is one tenant
+    evaluated = tenants(sum_task_gpu_seconds(row.get("eval_gpu_s", {}) for row in read_rows(run_dir.metrics_jsonl)),
+                        tenant)  # fmt: skip
+    owed = sum_task_gpu_seconds([tenants(summary.task_gpu_seconds, tenant), evaluated])
     if owed:
         total = sum(owed.values()) or 1.0
         shares = ", ".join(f"{name} {s:.4g} ({100 * s / total:.0f} %)" for name, s in owed.items())
@@ -68,10 +73,27 @@ def summary_text(
     if evaluated:
         lines.append("  of which evaluation: " + ", ".join(f"{name} {s:.4g}" for name, s in evaluated.items()))
     lines += [f"  {line}" for line in evaluation_lines(evaluations or {})]
+    lines += [f"  {sweep_line(sweep)}" for sweep in sweeps]
     stopped = list(stopped)
     if stopped:
         lines.append(f"  stopped tasks (non-finite updates): {', '.join(stopped)}")
     return "\n".join(lines)
+
+
+def tenants(gpu_s: Mapping[str, float], tenant: Mapping[str, str]) -> dict[str, float]:
+    """GPU-seconds by task summed by tenant: a sweep's members under their sweep's name, other tasks as they are."""
+    return sum_task_gpu_seconds({tenant.get(name, name): s} for name, s in gpu_s.items())
+
+
+def sweep_line(sweep: SweepResult) -> str:
+    """A sweep's line: its winner and the adapter promoted, the members dropped, and its GPU-seconds (one
+    tenant)."""
+    dropped = sum(m.dropped_rung is not None for m in sweep.members)
+    line = f"sweep {sweep.name}: {len(sweep.members)} members ({dropped} dropped at rungs), {sweep.gpu_s:.4g} GPU-s; "
+    if sweep.winner is None:
+        return line + "no winner (no member was evaluated)"
+    best = sweep.member(sweep.winner).best_loss
+    return line + f"winner {sweep.winner} (best eval loss {best:.4g}), its adapter in adapters/{sweep.name}"
 
 
 def evaluation_lines(evaluations: Mapping[str, TaskEvaluations]) -> list[str]:
@@ -85,7 +107,10 @@ def evaluation_lines(evaluations: Mapping[str, TaskEvaluations]) -> list[str]:
         line = (
             f"eval {name}: best {best.best_loss:.4g} (step {best.best_step}), last {last_loss:.4g} (step {last_step})"
         )
-        if task.stopped_at is not None:
+        if task.dropped_rung is not None:
+            line += f"; dropped at rung {task.dropped_rung} (step {task.stopped_at}), {task.steps_not_taken} of its "
+            line += "steps not taken"
+        elif task.stopped_at is not None:
             line += f"; stopped early at step {task.stopped_at}, {task.steps_not_taken} of its steps not taken"
         lines.append(line)
     return lines

@@ -228,11 +228,14 @@ class Trainer:
         self.health.watch(report, ahead.started_until)
         stops = self.evaluations.run(self.next_step, running)
         for name in stops:
-            best = self.evaluations.tasks[name].stopping
-            print(f"lorafleet train: step {self.next_step}: {name} stops early: no eval loss below "
-                  f"{best.best_loss:.4g} (step {best.best_step}) in {best.bad} evaluations; it leaves the run with "
-                  "its best adapter", flush=True)  # fmt: skip
-        self.changes.stop_early(dict.fromkeys(stops, self.next_step))
+            task = self.evaluations.tasks[name]
+            best = task.stopping
+            why = f"no eval loss below {best.best_loss:.4g} (step {best.best_step}) in {best.bad} evaluations"
+            if task.dropped_rung is not None:
+                why = f"rung {task.dropped_rung} of its sweep kept others (its best eval loss {best.best_loss:.4g})"
+            print(f"lorafleet train: step {self.next_step}: {name} stops early: {why}; it leaves the run with its "
+                  "best adapter", flush=True)  # fmt: skip
+        self.changes.stop_early(self.evaluations.stopped_early(stops))
         tokens = sum(report.task_tokens.values())
         metrics.write(
             report,
@@ -261,6 +264,7 @@ class Trainer:
         (waited for), its PEFT adapters exported to ``<out>/adapters``, and the summary."""
         from lorafleet.metrics import last_losses
         from lorafleet.runtime.checkpoint_files import export_adapters
+        from lorafleet.train.promote import promote_sweeps
         from lorafleet.train.queue.ledger import revision_lines
 
         running = self.running
@@ -275,6 +279,7 @@ class Trainer:
             losses=last_losses(self.run_dir.metrics_jsonl),
             changes=revision_lines(self.run_dir.root),
         )
+        sweeps = promote_sweeps(self.run_dir)
         self.executor.close()
         recalibrated = ran and running.plan.policy.recalibration.enabled
         text = summary_text(
@@ -285,6 +290,7 @@ class Trainer:
             recalibration=running.recalibrator.replicas() if recalibrated else None,
             stopped=self.health.stopped,
             evaluations=self.evaluations.tasks,
+            sweeps=sweeps,
         )
         print(text, flush=True)
         return 0

@@ -11,6 +11,7 @@ import pytest
 from lorafleet.data.tokenize import Example
 from lorafleet.runtime.data_stream import DataStreams, TaskData
 from lorafleet.specs.workload import TaskSpec
+from lorafleet.train.change_log import STOPPED_EARLY
 from lorafleet.train.evaluation import Evaluations
 
 END = 60
@@ -79,5 +80,5 @@ def test_a_stopped_task_is_due_no_more(port):
     assert all("a" not in evaluations.due(b, specs) for b in range(1, END + 1))
     restored = Evaluations(fake, END)
     restored.load_state_dict(evaluations.state_dict())
-    assert restored.tasks == evaluations.tasks and restored.stopped_early() == {"a": 15}
+    assert restored.tasks == evaluations.tasks and restored.stopped_early() == {"a": (15, STOPPED_EARLY)}
     assert np.isfinite(restored.tasks["a"].stopping.best_loss)

@@ -52,7 +52,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from lorafleet.errors import InputError
 from lorafleet.rundir import EVALUATIONS, HTTP_TOKEN, LEDGER
 from lorafleet.specs.io import write_text_atomic
-from lorafleet.specs.workload import task_name_error
+from lorafleet.specs.names import task_name_error
 from lorafleet.train.queue.requests import (
     ACCEPTED,
     MAX_REQUEST_BYTES,

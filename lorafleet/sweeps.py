@@ -1,0 +1,81 @@
+"""A sweep's rules once it runs (``specs.sweep``): its rungs of successive halving and its winner, for training
+(``train.evaluation``) and its what-ifs (``simulate``) alike.
+
+**A rung.** After every ``rung_steps`` of the members' own steps, each member ``m`` still training is scored by its
+best evaluation loss so far, ``s_m = min_k L_{m,k}`` (a NaN counts as ``+inf``): the adapter it would hand over is
+its best-evaluated one (``lorafleet.stopping``), so that is what it is judged by, and one noisy evaluation at the
+rung does not drop a member whose best is ahead. The members, ordered by ``(s_m, index_m)``, keep their first
+
+    keep(n) = max(1, floor(n / eta))
+
+of the ``n`` (Jamieson and Talwalkar's successive halving); the others leave the run at that boundary. Ties go
+to the member earlier in the sweep's order (the grid's, or the draws'), so the decision is a pure function of the
+losses and a resumed run decides exactly as the uninterrupted one.
+
+**The winner** is the member of lowest best evaluation loss over the whole run, by the same order, among all of
+the sweep's members (those that left at a rung or stopped early included): ``adapters/<sweep>/`` is its best
+adapter.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lorafleet.specs.workload import TaskSpec
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One rung's decision: the members' scores (best eval loss so far) and who goes on."""
+
+    sweep: str
+    rung: int
+    """1 at the first rung."""
+    step: int
+    """The boundary it was decided at: the dropped members take no batch from this global step on."""
+    scores: dict[str, float]
+    kept: tuple[str, ...]
+    dropped: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        scores = {n: (None if math.isinf(s) or math.isnan(s) else s) for n, s in self.scores.items()}
+        return {"sweep": self.sweep, "rung": self.rung, "step": self.step, "scores": scores,
+                "kept": list(self.kept), "dropped": list(self.dropped)}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Rung:
+        scores = {n: math.inf if s is None else float(s) for n, s in raw["scores"].items()}
+        return cls(raw["sweep"], int(raw["rung"]), int(raw["step"]), scores, tuple(raw["kept"]), tuple(raw["dropped"]))
+
+
+def sweep_groups(tasks: Iterable[TaskSpec]) -> dict[str, list[TaskSpec]]:
+    """The sweeps among ``tasks``: by sweep name, its members present, in the sweep's order."""
+    out: dict[str, list[TaskSpec]] = {}
+    for task in tasks:
+        if task.member_of is not None:
+            out.setdefault(task.member_of.sweep, []).append(task)
+    return {name: sorted(members, key=lambda t: t.member_of.index) for name, members in out.items()}  # type: ignore[union-attr]
+
+
+def _rank_key(score: float, index: int) -> tuple[float, int]:
+    return (math.inf if math.isnan(score) else score, index)
+
+
+def decide_rung(sweep: str, rung: int, step: int, scores: Mapping[str, float], order: Mapping[str, int],
+                eta: int) -> Rung:  # fmt: skip
+    """The rung's decision (module doc) over the members still training, ``scores`` by name; ``order``: their
+    indices in the sweep."""
+    ranked = sorted(scores, key=lambda n: _rank_key(scores[n], order[n]))
+    keep = max(1, len(ranked) // eta)
+    return Rung(sweep, rung, step, dict(scores), tuple(ranked[:keep]), tuple(ranked[keep:]))
+
+
+def winner(best: Mapping[str, float], order: Mapping[str, int]) -> str | None:
+    """The sweep's winner (module doc) among the members of ``best`` (name -> best eval loss); None when none has
+    an evaluation."""
+    if not best:
+        return None
+    return min(best, key=lambda n: _rank_key(best[n], order[n]))
