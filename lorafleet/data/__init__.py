@@ -1,7 +1,7 @@
 """Reading tasks' training data: rows from disk, rendered and tokenized into examples.
 
-readers.py          the containers rows come in: JSONL, JSON arrays, parquet, CSV, .txt, ``save_to_disk`` datasets and
-                    their splits
+readers.py          the containers rows come in: JSONL, JSON arrays, parquet, CSV, .txt, datasets saved by
+                    save_to_disk and their splits
 formats.py          rows of each format (alpaca, sharegpt, messages, TRL prompt/completion, prompt/response, text)
                     -> a chat, a prompt and response, or a text; ``auto`` detection and the near-miss messages
 records.py          a task's rows: read, columns mapped, format resolved, converted (no tokenizer needed)

@@ -93,13 +93,13 @@ def render(tokenizer: Any, unit: Unit, spec: DataSpec, where: Where) -> Example:
         ids = tokenizer(unit.text, add_special_tokens=False)["input_ids"] + eos
         return Example(tuple(ids), tuple(ids))
     assert isinstance(unit, PromptPair)
-    system = unit.system if unit.system is not None else spec.system_prompt
     if wraps_prompts(tokenizer, spec):
         turns = [{"role": "user", "content": unit.prompt}, {"role": "assistant", "content": unit.response}]
-        if system is not None:
-            turns.insert(0, {"role": "system", "content": system})
+        if unit.system is not None:  # else data.system_prompt's, as for any chat
+            turns.insert(0, {"role": "system", "content": unit.system})
         return _chat_example(tokenizer, Chat(tuple(turns), tuple(t["role"] == "assistant" for t in turns)), spec, where)
-    prompt = unit.prompt if system is None else f"{system}\n\n{unit.prompt}"
+    # Not wrapped: a row's own system text goes before the prompt; data.system_prompt is a chat's turn only.
+    prompt = unit.prompt if unit.system is None else f"{unit.system}\n\n{unit.prompt}"
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(unit.response, add_special_tokens=False)["input_ids"] + eos
     ids = prompt_ids + response_ids

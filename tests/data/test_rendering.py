@@ -118,6 +118,8 @@ def test_chat_template_auto_always_never(tmp_path, tiny_tokenizer_dir):
     assert never.input_ids == tuple(prompt_ids + response_ids)
     assert never.labels == tuple([IGNORE_INDEX] * len(prompt_ids) + response_ids)
     assert tokenize_data(plain, DataSpec(path=path)) == [never]  # auto without a template: not wrapped
+    unwrapped = DataSpec(path=path, chat_template=ChatTemplateUse.NEVER, system_prompt="")
+    assert tokenize_data(templated, unwrapped) == [never]  # system_prompt is a chat's turn only
     with pytest.raises(InputError) as err:
         tokenize_data(plain, DataSpec(path=path, chat_template=ChatTemplateUse.ALWAYS))
     assert str(err.value) == f"{path}: chat_template: is always, and the tokenizer has no chat template"
