@@ -61,7 +61,7 @@ def test_schema_is_the_models_and_has_the_workload_keys(capsys):
     task = schema["$defs"]["TaskSpec"]
     assert {"name", "batch_size", "context_length", "data", "lengths", "lora", "optimizer"} <= set(task["properties"])
     assert task["required"] == ["name"]  # batch_size/context_length may come from a preset or the defaults
-    assert set(schema["$defs"]["DataSpec"]["properties"]) == {"path", "format"}
+    assert set(schema["$defs"]["DataSpec"]["properties"]) == set(DataSpec.model_fields)
     assert set(schema["$defs"]["LoraSpec"]["properties"]) == set(LoraSpec.model_fields)
 
 
