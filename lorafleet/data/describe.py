@@ -8,20 +8,17 @@ cannot be had (a preset with no weights here), one line says the template was no
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from lorafleet.data.formats import Chat, PromptPair
+from lorafleet.data.readers import chosen_split, saved_splits
 from lorafleet.data.records import TaskRows, read_task_rows
 from lorafleet.data.tokenize import default_system_prompt, render, wraps_prompts
 from lorafleet.errors import InputError
 from lorafleet.specs.data import ChatTemplateUse, DataFormat, DataSpec
 from lorafleet.specs.workload import TaskSpec
-
-
-def _same_path(a: str, b: str) -> bool:
-    return Path(a).resolve() == Path(b).resolve()
 
 
 def _read(task: TaskSpec) -> list[tuple[str, DataSpec, TaskRows]]:
@@ -32,18 +29,27 @@ def _read(task: TaskSpec) -> list[tuple[str, DataSpec, TaskRows]]:
     return [(key, spec, read_task_rows(spec)) for key, spec in specs]
 
 
-def _unused_splits(task: TaskSpec, read: list[tuple[str, DataSpec, TaskRows]]) -> Iterator[str]:
-    """A line for each saved DatasetDict of the task with splits that neither its data nor its eval reads."""
-    used: dict[str, set[str]] = {}
-    for _, spec, rows in read:
-        if rows.container.split is not None:
-            used.setdefault(str(Path(spec.path).resolve()), set()).add(rows.container.split)
-    for key, spec, rows in read:
-        unused = [s for s in rows.container.splits if s not in used.get(str(Path(spec.path).resolve()), ())]
-        if unused and key == "data":
-            names = ", ".join(unused)
-            hint = f"eval: {{data: {{path: {spec.path}, split: {unused[0]}}}}}"
-            yield f"{task.name}: {spec.path}: split {names} not used (one can be the task's held-out rows: {hint})"
+def unused_split_lines(tasks: Sequence[TaskSpec]) -> list[str]:
+    """A line for each task whose ``data`` is a saved DatasetDict with splits that neither its ``data`` nor its
+    ``eval.data`` reads: what ``validate`` and ``train`` say, so no split is left out without a word. Reads only
+    the DatasetDicts' split names."""
+    lines = []
+    for task in tasks:
+        if task.data is None:
+            continue
+        names = saved_splits(task.data.path)
+        used = {chosen_split(names, task.data.split)}
+        held = task.eval.data if task.eval is not None else None
+        if held is not None and Path(held.path).resolve() == Path(task.data.path).resolve():
+            used.add(chosen_split(names, held.split))
+        unused = [s for s in names if s not in used]
+        if unused:
+            hint = f"eval: {{data: {{path: {task.data.path}, split: {unused[0]}}}}}"
+            lines.append(
+                f"{task.name}: {task.data.path}: split {', '.join(unused)} not used (one can be the task's held-out "
+                f"rows: {hint})"
+            )
+    return lines
 
 
 def _template_lines(task: TaskSpec, spec: DataSpec, rows: TaskRows, tokenizer: Any) -> Iterator[str]:
@@ -88,7 +94,7 @@ def data_lines(tasks: list[TaskSpec] | tuple[TaskSpec, ...], tokenizer: Callable
             lines.append(
                 f"{task.name}: {key} {rows.source}: {rows.container.kind}, {len(rows.units)} rows, {how}{extra}"
             )
-        lines += _unused_splits(task, read)
+        lines += unused_split_lines([task])
         for key, spec, rows in read:
             if key != "data" or not any(isinstance(u, Chat | PromptPair) for u in rows.units):
                 continue

@@ -195,6 +195,22 @@ def _read_csv(path: Path, text: str, delimiter: str) -> list[Row]:
     return rows
 
 
+def saved_splits(path: str | Path) -> tuple[str, ...]:
+    """The split names of a saved DatasetDict at ``path``, from its ``dataset_dict.json`` (nothing else is read);
+    empty for anything else, or a file that cannot be read (the reader says why)."""
+    try:
+        splits = json.loads((Path(path) / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+    return tuple(str(s) for s in splits) if isinstance(splits, list) else ()
+
+
+def chosen_split(names: tuple[str, ...], split: str | None) -> str | None:
+    """The split read of a DatasetDict with splits ``names``: ``split``, else ``train``, else its only one; None
+    when that leaves a choice to make."""
+    return split or ("train" if "train" in names else names[0] if len(names) == 1 else None)
+
+
 def _read_saved_dataset(path: Path, split: str | None) -> Container:
     """A ``save_to_disk`` directory: a Dataset, or one split of a DatasetDict (``split``, else ``train``, else its
     only split)."""
@@ -212,7 +228,7 @@ def _read_saved_dataset(path: Path, split: str | None) -> Container:
         raise InputError(str(path), "", f"not a readable saved dataset ({str(err).splitlines()[0]})") from None
     if isinstance(loaded, datasets.DatasetDict):
         names = tuple(loaded)
-        chosen = split or ("train" if "train" in loaded else names[0] if len(names) == 1 else None)
+        chosen = chosen_split(names, split)
         if chosen not in loaded:
             raise InputError(
                 str(path),

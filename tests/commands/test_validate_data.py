@@ -140,3 +140,21 @@ def test_bad_data_is_one_line_exit_2_and_nothing_written(
     assert out == "" and err.count("\n") == 1, (out, err)
     assert err.startswith(f"lorafleet: error: {data}/{where}: {message}"), err
     assert sorted(p.name for p in data.rglob("*")) == before
+
+
+def test_trains_launcher_names_an_unused_split_too(data, tiny_tokenizer_dir, capsys):
+    """``train`` reads its data on the ranks; its launcher says which split it leaves unused, before they start."""
+    from lorafleet.cli import build_parser
+    from lorafleet.commands.train import options_of
+    from lorafleet.train.preflight import prepare
+
+    path = _workload(data, tiny_tokenizer_dir, [{"name": "say", "data": {"path": "dict"}}])
+    plan = data / "plan.json"
+    assert main(["plan", str(path), "--gpus", "1", "--gpu", "cpu", "--samples", "0", "--json", str(plan)]) == 0
+    capsys.readouterr()
+    argv = ["train", str(path), "--plan", str(plan), "--gpus", "1", "--gpu", "cpu", "--out", str(data / "run")]
+    prepare(options_of(build_parser().parse_args(argv)))
+    assert capsys.readouterr().out == (
+        f"lorafleet train: say: {data}/dict: split test not used (one can be the task's held-out rows: eval: "
+        f"{{data: {{path: {data}/dict, split: test}}}})\n"
+    )
