@@ -59,6 +59,7 @@ from lorafleet.specs.dispatch import MicroBatchMode
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.loss_curve import LossCurveSpec
 from lorafleet.stopping import Stopping
+from lorafleet.sweeps import Rung, decide_rung, sweep_groups
 from lorafleet.workload import Task, Workload
 
 HELD_OUT_STEP = 2**62
@@ -88,7 +89,7 @@ def held_out_rows(task: Task) -> int:
 
 def held_out_lengths(task: Task, seed: int) -> np.ndarray:
     """The lengths of ``task``'s held-out rows in a what-if seeded ``seed`` (module doc), int64."""
-    rng = task_rng(seed, HELD_OUT_STEP, task.name)
+    rng = task_rng(seed, HELD_OUT_STEP, task.spec.seed_name)
     return task.lengths.sample(held_out_rows(task), rng).astype(np.int64)
 
 
@@ -169,6 +170,8 @@ class TaskEvals:
     records: tuple[EvalRecord, ...]
     state: Stopping
     """The early-stopping state after its last evaluation (its best, whether it stopped)."""
+    dropped_rung: int | None = None
+    """The rung of its sweep's successive halving that dropped it (``lorafleet.sweeps``), None when none did."""
 
     @property
     def eval_gpu_s(self) -> float:
@@ -176,16 +179,16 @@ class TaskEvals:
 
     @property
     def stop_step(self) -> int | None:
-        """The global step count after which it stopped early (None: it did not)."""
-        return self.records[-1].step if self.state.stopped else None
+        """The global step count after which it stopped early or its sweep dropped it (None: neither)."""
+        return self.records[-1].step if self.state.stopped or self.dropped_rung is not None else None
 
 
 @dataclass
 class EvalReplay:
     """The evaluations of one run's tasks, step after step (module doc). The caller reports each step's tokens
     (:meth:`took`), asks which tasks are due (:meth:`due`) and evaluates them on its plan (:meth:`evaluate`);
-    :attr:`stopped` are the tasks that stopped early. ``stops=False`` evaluates without ever stopping (the
-    reference a saving is measured against)."""
+    :attr:`stopped` are the tasks that stopped early or that a sweep's rung dropped. ``stops=False`` evaluates
+    without ever stopping or halving (the reference a saving is measured against)."""
 
     tasks: Mapping[str, Task]
     seed: int
@@ -195,6 +198,9 @@ class EvalReplay:
     state: dict[str, Stopping] = field(default_factory=dict)
     records: list[EvalRecord] = field(default_factory=list)
     stopped: set[str] = field(default_factory=set)
+    """Tasks that stopped early or that their sweep's rung dropped: they take no more steps."""
+    rungs: list[Rung] = field(default_factory=list)
+    """The sweeps' rungs decided so far (``lorafleet.sweeps``: the same rule as ``train``)."""
     eval_seconds: float = 0.0
     """Wall time of every pass so far."""
     _rows: dict[str, np.ndarray] = field(default_factory=dict)
@@ -273,13 +279,41 @@ class EvalReplay:
                     after.stopped,
                 )  # fmt: skip
             )
+        self._rungs(names, step)
         return cost
+
+    def _rungs(self, names: Sequence[str], step: int) -> None:
+        """The rungs of successive halving due after this evaluation of ``names`` (``train.evaluation``'s rule: a
+        sweep whose members still in the run were all just evaluated after a multiple of ``rung_steps`` of their
+        steps, short of their last): the dropped members stop. Without curves the scores tie, and the rung keeps
+        the first members in the sweep's order: the halving's cost is priced, its pick is not modelled."""
+        if not self.stops:
+            return
+        specs = [self.tasks[n].spec for n in self.own]
+        for sweep, members in sweep_groups(specs).items():
+            halving = members[0].member_of.halving if members[0].member_of is not None else None
+            alive = [m for m in members if m.name not in self.stopped]
+            if halving is None or len(alive) < 2 or not {m.name for m in alive} <= set(names):
+                continue
+            own, last = self.own[alive[0].name], alive[0].steps
+            if own % halving.rung_steps or (last is not None and own >= last):
+                continue
+            order = {m.name: m.member_of.index for m in members if m.member_of is not None}
+            scores = {m.name: self.state.get(m.name, Stopping()).best_loss for m in alive}
+            rung = decide_rung(sweep, own // halving.rung_steps, step, scores, order, halving.eta)
+            self.rungs.append(rung)
+            self.stopped.update(rung.dropped)
 
     def outcomes(self) -> dict[str, TaskEvals]:
         """Every task with an eval that took a step: its records and state."""
+        dropped = {name: rung.rung for rung in self.rungs for name in rung.dropped}
         return {
             name: TaskEvals(
-                name, self.own[name], tuple(r for r in self.records if r.task == name), self.state.get(name, Stopping())
+                name,
+                self.own[name],
+                tuple(r for r in self.records if r.task == name),
+                self.state.get(name, Stopping()),
+                dropped.get(name),
             )
             for name, task in self.tasks.items()
             if task.spec.eval is not None and name in self.own

@@ -5,7 +5,8 @@ seed s come from a generator seeded by (s, t, 64 bits of SHA-256 of the name) (:
 :func:`task_lengths`). So any step can be re-drawn alone (look-ahead, resume, what-ifs), two runs
 with the same seed see the same batches, and a task's batches depend on its name only, never on the
 tasks beside it or on its place among them: a task queued into a running job, added by an arrival
-trace or resumed after a re-plan draws what the same task draws in any workload file. The step is the
+trace or resumed after a re-plan draws what the same task draws in any workload file. A sweep's members draw by
+their sweep's name (``TaskSpec.seed_name``): the same batches, as in training. The step is the
 caller's: ``simulate``, ``plan`` and ``dispatch`` draw at the global step
 (:func:`sample_global_batch`), the arrivals replay at the task's own step.
 
@@ -62,7 +63,7 @@ def task_rng(seed: int, step: int, name: str) -> np.random.Generator:
 
 def task_lengths(task: Task, step: int, seed: int) -> TaskDraw:
     """Task ``task``'s sequences at step ``step``, drawn from :func:`task_rng`."""
-    rng = task_rng(seed, step, task.name)
+    rng = task_rng(seed, step, task.spec.seed_name)
     n = task.batch_size
     fit = fit_to_context(task.raw_lengths.sample(n, rng), task.spec.context_length, task.spec.overflow)
     drawn = fit.lengths

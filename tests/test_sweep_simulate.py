@@ -1,0 +1,56 @@
+"""A sweep in a what-if (``simulate``): its members are priced like any tasks, and successive halving drops them at
+the same rungs and by the same rule as ``train`` (``lorafleet.sweeps``), by their modelled eval losses: a dropped
+member takes no step after its rung, and the halving costs fewer GPU-seconds than the whole grid."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from lorafleet.assemble import workload_cluster, workload_cost_model
+from lorafleet.eval_replay import with_curves
+from lorafleet.planner import plan_deployment
+from lorafleet.simulate import simulate_schedule
+from lorafleet.specs.loss_curve import LossCurveSpec
+from lorafleet.workload import load_workload
+from tests.helpers.repo import SMALL_WORKLOAD
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    raw = dict(SMALL_WORKLOAD)
+    chat = {**raw["tasks"][0], "steps": STEPS, "eval": {"every_steps": 2, "max_rows": 32},
+            "sweep": {"grid": {"optimizer.lr": [1.0e-4, 3.0e-4, 1.0e-3], "lora.rank": [8, 16]},
+                      "halving": {"eta": 3, "rung_steps": 4}}}  # fmt: skip
+    path = tmp_path_factory.mktemp("w") / "sweep.yaml"
+    path.write_text(yaml.safe_dump({**raw, "tasks": [chat, raw["tasks"][1]]}))
+    workload = load_workload(path)
+    cluster = workload_cluster(workload)
+    result = plan_deployment(workload, cluster, workload_cost_model(workload, cluster))
+    return workload, result
+
+
+def test_halving_drops_members_by_their_modelled_losses_and_saves_their_steps(planned):
+    workload, result = planned
+    members = [t.name for t in workload.tasks if t.spec.member_of is not None]
+    assert len(members) == 6
+    # member i's loss floor is i / 10 lower the later it is in the grid, but the grid's 3rd member is the best
+    floors = {name: 2.0 - 0.1 * i for i, name in enumerate(members)}
+    floors[members[2]] = 1.0
+    curves = {n: LossCurveSpec(l_inf=f, a=0.5, alpha=0.5) for n, f in floors.items()}
+    workload, _ = with_curves(workload, curves)
+    run = simulate_schedule(workload, result.schedule, result.cost_model, STEPS)
+    evals = run.evals
+    dropped = {n: e.dropped_rung for n, e in evals.items() if e.dropped_rung is not None}
+    # rung 1 (step 4): 6 -> 2, the best two floors; rung 2 (step 8): 2 -> 1
+    assert {n for n, r in dropped.items() if r == 1} == set(members) - {members[2], members[5]}
+    assert dropped.get(members[5]) == 2 and members[2] not in dropped
+    assert evals[members[2]].steps == STEPS and evals[members[5]].steps == 8
+    assert all(evals[n].steps == 4 for n, r in dropped.items() if r == 1)
+    whole = simulate_schedule(workload, result.schedule, result.cost_model, STEPS, stops=False)
+    assert all(e.dropped_rung is None and e.steps == STEPS for n, e in whole.evals.items() if n in members)
+    swept = lambda r: sum(s for n, s in r.task_gpu_seconds.items() if n in members)  # noqa: E731
+    assert swept(run) < 0.6 * swept(whole)  # 36 of the grid's 72 member-steps, on the same plan
+    assert run.total_gpu_seconds < whole.total_gpu_seconds
