@@ -269,7 +269,8 @@ def model_card(
         total = f" (of the run's first {manifest['step']})" if "step" in manifest else ""
         lines.append(f"- Steps trained: {steps[name]}{total}")
     if task is not None:
-        lines.append(f"- Batch size: {task.batch_size} sequences a step; learning rate {task.optimizer.lr:g}")
+        plus = f" (LoRA+: B at {task.lora.lr_ratio:g} x that)" if task.lora.lr_ratio is not None else ""
+        lines.append(f"- Batch size: {task.batch_size} sequences a step; learning rate {task.optimizer.lr:g}{plus}")
     lines += [f"- Changed on resume: {change}" for change in changes]
     if loss is not None:
         lines.append(f"- Final loss: {loss[1]:.4f} (step {loss[0]})")
@@ -277,7 +278,8 @@ def model_card(
     targets = ", ".join(sorted(config.get("target_modules") or ()))
     lines.append(
         f"- LoRA: rank {config.get('r')}, alpha {config.get('lora_alpha')}, dropout {config.get('lora_dropout')}"
-        f"{', rsLoRA' if config.get('use_rslora') else ''}; targets {targets}"
+        f"{', rsLoRA' if config.get('use_rslora') else ''}{', DoRA' if config.get('use_dora') else ''}"
+        f"; targets {targets}"
     )
     lines += [
         "",

@@ -26,6 +26,12 @@ class LoraSpec(Spec):
     """Module names (suffix match) that get an adapter."""
     use_rslora: Bool = False
     """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski, 2023)."""
+    use_dora: Bool = False
+    """DoRA (Liu et al., 2024): ``m ⊙ (W + s B A) x / ||W + s B A||_c`` with a trained magnitude ``m`` per output
+    (PEFT's ``use_dora``, its ``lora_magnitude_vector``); the norm is detached, as the paper's §4.3 and PEFT do."""
+    lr_ratio: Float | None = Field(None, gt=0)
+    """LoRA+ (Hayou et al., 2024): ``B`` (and a DoRA magnitude) learn at ``lr * lr_ratio``, ``A`` at ``lr``, as
+    ``peft.optimizers.create_loraplus_optimizer``'s ``loraplus_lr_ratio``; None: one rate for all."""
 
     @field_validator("target_modules")
     @classmethod

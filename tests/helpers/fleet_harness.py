@@ -184,11 +184,13 @@ class Run:
     """Model family (:func:`build_model`)."""
     window: int = 1
     """Steps per pipeline window (``TorchExecutor.run_steps``); windows also end at ``save_at``."""
+    tasks: tuple[TaskTraining, ...] = TASKS
+    """The tasks (their names and data are :data:`TASKS`'; their adapters and optimizers may differ)."""
 
 
 def train(run: Run) -> list[StepReport]:
     """The training loop of every rank (rank 0 drives, the others serve)."""
-    config = ExecutorConfig(plan=run.plan, tasks=TASKS, seed=run.seed, base_model="tiny-llama")
+    config = ExecutorConfig(plan=run.plan, tasks=run.tasks, seed=run.seed, base_model="tiny-llama")
     executor = TorchExecutor(config, build_model(run.family, run.dtype), synthetic_streams(), torch.device("cpu"))
     if dist.get_rank() != 0:
         executor.serve()

@@ -4,14 +4,18 @@ adapters to, and the distance they measure it by."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import peft
 import torch
+from peft.optimizers import create_loraplus_optimizer
 from torch.nn import functional as F
 
 from lorafleet.data.tokenize import IGNORE_INDEX
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.optim import build_optimizer, lr_at
 from lorafleet.executor.torch.peft_export import lora_config
+from lorafleet.executor.torch.worker import TaskTraining
 from lorafleet.runtime.data_stream import loss_tokens, task_key
 from tests.helpers import fleet_harness as h
 
@@ -19,29 +23,38 @@ STEPS = 4
 ATOL = {torch.float32: 1e-5, torch.float64: 1e-9}
 
 
-def _initial_adapters(dtype: torch.dtype = torch.float32, family: str = "llama") -> torch.nn.Module:
+def _initial_adapters(
+    dtype: torch.dtype = torch.float32, family: str = "llama", tasks: Sequence[TaskTraining] = h.TASKS
+) -> torch.nn.Module:
     """The adapters every rank starts from: each task's drawn from its own seed (``task_key``) under the run's."""
     model = h.build_model(family, dtype)
-    inject_multi_lora(model, [t.lora for t in h.TASKS], seeds=[task_key(0, t.name) for t in h.TASKS])
+    inject_multi_lora(model, [t.lora for t in tasks], seeds=[task_key(0, t.name) for t in tasks])
     return model
 
 
 def train_alone(
-    task: int, dtype: torch.dtype, family: str = "llama", steps: int = STEPS, total_steps: int | None = None
+    task: int,
+    dtype: torch.dtype,
+    family: str = "llama",
+    steps: int = STEPS,
+    total_steps: int | None = None,
+    tasks: Sequence[TaskTraining] = h.TASKS,
 ) -> dict[str, torch.Tensor]:
     """Task ``task`` trained by itself with PEFT on its first ``steps`` batches (the rows of its own in every global
     batch: each task's stream is its own), its schedule spanning ``total_steps`` (the task's own by default);
-    its adapter by PEFT key."""
-    spec = h.TASKS[task]
+    its adapter by PEFT key. A DoRA adapter starts from PEFT's own magnitude (``||W||_c``), a LoRA+ one trains
+    with ``peft.optimizers.create_loraplus_optimizer``'s parameter groups."""
+    spec = tasks[task]
     model = peft.get_peft_model(h.build_model(family, dtype), lora_config(spec.lora))
     with torch.no_grad():
-        for name, layer in multi_lora_layers(_initial_adapters(dtype, family)):
+        for name, layer in multi_lora_layers(_initial_adapters(dtype, family, tasks)):
             if task in layer.adapters:
                 target = model.get_submodule(f"base_model.model.{name}")
                 target.lora_A["default"].weight.copy_(layer.lora_A[str(task)])
                 target.lora_B["default"].weight.copy_(layer.lora_B[str(task)])
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(spec.optimizer, params)
+    optimizer = reference_optimizer(model, spec)
+    ratios = [group["lr"] / spec.optimizer.lr for group in optimizer.param_groups]
     streams = h.synthetic_streams()
     for step in range(steps):
         batch = streams.global_batch(step)
@@ -60,13 +73,27 @@ def train_alone(
         (ce / n_tokens).backward()
         if spec.optimizer.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(params, spec.optimizer.grad_clip)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(spec.optimizer, step, total_steps or spec.total_steps)
+        for group, ratio in zip(optimizer.param_groups, ratios, strict=True):
+            group["lr"] = lr_at(spec.optimizer, step, total_steps or spec.total_steps) * ratio
         optimizer.step()
         optimizer.zero_grad()
     return {
         k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model, save_embedding_layers=False).items()
     }
+
+
+def reference_optimizer(model: peft.PeftModel, spec: TaskTraining) -> torch.optim.Optimizer:
+    """The task's optimizer over a PEFT model: ``build_optimizer``'s, or under LoRA+ PEFT's own
+    ``create_loraplus_optimizer`` (fused Adam(W), as ``build_optimizer`` runs it)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if spec.lora.lr_ratio is None:
+        return build_optimizer(spec.optimizer, params)
+    o = spec.optimizer
+    adam = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return create_loraplus_optimizer(
+        model, adam, lr=o.lr, loraplus_lr_ratio=spec.lora.lr_ratio, loraplus_weight_decay=o.weight_decay,
+        betas=o.betas, fused=True,
+    )  # fmt: skip
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -46,7 +46,7 @@ from lorafleet.executor.torch.base_model import SafetensorsWeights
 from lorafleet.executor.torch.checkpoint import gather_task_states, restore_task_states
 from lorafleet.executor.torch.inject import initial_lora_A, module_suffix, multi_lora_layers
 from lorafleet.executor.torch.multi_lora import adapter_dtype
-from lorafleet.executor.torch.optim import TaskOptimizer
+from lorafleet.executor.torch.optim import LORAPLUS_FACTORS, TaskOptimizer
 from lorafleet.executor.torch.replica import Replica, assemble_replica, build_stage, fleet_groups
 from lorafleet.executor.torch.routing import LoraBackend
 from lorafleet.executor.torch.tp import TP_STYLES, adapter_shard_dim, shard
@@ -237,7 +237,10 @@ def change_fleet(
         if stays and t in kept:
             out.append(optimizers[kept[t]])  # the same parameters: its moments and step count stay
             continue
-        out.append(TaskOptimizer(task.optimizer, new.task_params(t), task.total_steps))
+        fast = new.task_params(t, LORAPLUS_FACTORS)
+        out.append(
+            TaskOptimizer(task.optimizer, new.task_params(t), task.total_steps, lr_ratio=task.lora.lr_ratio, fast=fast)
+        )
         if t in kept:  # every rank steps every task: its count here is the fleet's
             out[t].steps_taken = optimizers[kept[t]].steps_taken
     if model is not None and not stays:  # a new stage: the staying tasks' states as the fleet has them

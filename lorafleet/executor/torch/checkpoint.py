@@ -75,7 +75,7 @@ class TaskState:
     name: str
     spec: LoraSpec
     weights: dict[tuple[str, str], Tensor]
-    """(module, ``lora_A``/``lora_B``) -> matrix."""
+    """(module, ``lora_A``/``lora_B``/``lora_magnitude_vector``) -> matrix (a DoRA magnitude: a vector)."""
     optimizer: dict[tuple[str, str, str], Tensor]
     """(module, factor, state key such as ``exp_avg``) -> tensor (matrix-shaped or a scalar)."""
     optimizer_steps: int
@@ -198,6 +198,20 @@ def restore_task_states(
             optimizer.steps_taken = state.optimizer_steps
 
 
+def check_adapter_kinds(step_dir: str | Path, state: TrainState, loras: Sequence[LoraSpec]) -> None:
+    """InputError when a task's adapter kind (LoRA or DoRA) differs between the checkpoint and the run ``loras`` (in
+    ``state.tasks``' order): a resume cannot turn one into the other (a DoRA magnitude would be missing or dropped)."""
+    for task, lora in zip(state.tasks, loras, strict=True):
+        if task is not None and task.spec.use_dora != lora.use_dora:
+            kinds = {True: "DoRA", False: "LoRA"}
+            raise InputError(
+                str(Path(step_dir) / task.name),
+                "lora.use_dora",
+                f"the checkpoint's adapter is {kinds[task.spec.use_dora]}, the run's is {kinds[lora.use_dora]}: "
+                "a resume cannot change an adapter's kind",
+            )
+
+
 # ---- files ----------------------------------------------------------------------------------
 
 
@@ -280,6 +294,7 @@ def load_train_state(step_dir: str | Path, names: Sequence[str], joining: Collec
 
 
 def _split_peft_key(key: str) -> tuple[str, str]:
-    """Inverse of ``peft_key``: ``base_model.model.<module>.lora_A.weight`` -> (module, ``lora_A``)."""
+    """Inverse of ``peft_key``: ``base_model.model.<module>.lora_A.weight`` -> (module, ``lora_A``), and
+    ``base_model.model.<module>.lora_magnitude_vector`` -> (module, ``lora_magnitude_vector``)."""
     module, _, factor = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rpartition(".")
     return module, factor

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.checkpoint import (
     TrainState,
+    check_adapter_kinds,
     gather_task_states,
     latest_step_dir,
     load_train_state,
@@ -111,6 +112,7 @@ class Checkpointer:
         step = read_manifest(step_dir)["step"]
         joining = [n for n, j in zip(self.names, self.streams.joined, strict=True) if j >= step]
         state = load_train_state(step_dir, self.names, joining)
+        check_adapter_kinds(step_dir, state, self.loras)
         try:
             self.streams.check_state(state.data, stopped_tasks(state.extra))
         except ValueError as err:

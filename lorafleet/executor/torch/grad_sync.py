@@ -31,12 +31,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lorafleet.executor.torch.dora import MAGNITUDE
 from lorafleet.executor.torch.inject import module_suffix
 from lorafleet.executor.torch.tp import TP_STYLES, adapter_shard_dim
 from lorafleet.runtime.layout import FleetLayout, RankRole, layer_of
 from lorafleet.specs.lora import LoraSpec
 
 FACTORS = ("lora_A", "lora_B")
+
+
+def adapter_factors(spec: LoraSpec) -> tuple[str, ...]:
+    """The trained tensors of ``spec``'s adapter on each layer it targets: ``lora_A``, ``lora_B`` and a DoRA
+    adapter's ``lora_magnitude_vector``."""
+    return (*FACTORS, MAGNITUDE) if spec.use_dora else FACTORS
 
 
 @dataclass(frozen=True)
@@ -47,8 +54,8 @@ class AdapterParam:
     module: str
     """The injected projection, ``model.layers.3.self_attn.q_proj``."""
     factor: str
-    """``lora_A (r, in)`` or ``lora_B (out, r)``."""
-    shape: tuple[int, int]
+    """``lora_A (r, in)``, ``lora_B (out, r)`` or a DoRA ``lora_magnitude_vector (out,)``."""
+    shape: tuple[int, ...]
     shard_dim: int | None
     """The dim tensor parallelism splits; None when every TP rank holds it whole."""
 
@@ -59,15 +66,19 @@ class AdapterParam:
 
 def adapter_params(shapes: Mapping[str, tuple[int, int]], adapters: Sequence[LoraSpec]) -> list[AdapterParam]:
     """Every adapter matrix at its whole shape, in model order, then task, then factor: task ``t``'s ``lora_A
-    (r, in)`` and ``lora_B (out, r)`` of every projection of ``shapes`` (``inject.projection_shapes`` of the
-    whole model) that ``adapters[t]`` targets. A function of the tasks and the model alone, so a fleet that
-    changes its tasks derives it without the whole model (``change.py``)."""
+    (r, in)``, ``lora_B (out, r)`` (and a DoRA ``lora_magnitude_vector (out,)``) of every projection of
+    ``shapes`` (``inject.projection_shapes`` of the whole model) that ``adapters[t]`` targets. A function of the
+    tasks and the model alone, so a fleet that changes its tasks derives it without the whole model
+    (``change.py``)."""
     params = []
     for name, (in_features, out_features) in shapes.items():
         style = TP_STYLES[module_suffix(name)]
         for task, spec in enumerate(adapters):
             if module_suffix(name) in spec.target_modules:
-                for factor, shape in zip(FACTORS, ((spec.rank, in_features), (out_features, spec.rank)), strict=True):
+                shapes_of = {"lora_A": (spec.rank, in_features), "lora_B": (out_features, spec.rank)}
+                shapes_of[MAGNITUDE] = (out_features,)
+                for factor in adapter_factors(spec):
+                    shape = shapes_of[factor]
                     params.append(AdapterParam(task, name, factor, shape, adapter_shard_dim(style, factor)))
     return params
 

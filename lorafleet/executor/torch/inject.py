@@ -107,7 +107,7 @@ def inject_multi_lora(
                     layer.add_adapter(adapter_id, spec)
         setattr(parent, child, layer)
         layers.append((name, layer))
-    for adapter_id, (spec, seed) in enumerate(zip(adapters, seeds or (), strict=False)):
+    for adapter_id, (spec, seed) in enumerate(zip(adapters, seeds or (), strict=False)):  # a DoRA m: ||W||_c
         dtype = adapter_dtype(next(layer for _, layer in layers).base_layer.weight.dtype)
         drawn = initial_lora_A(shapes, spec, seed, dtype)
         for name, layer in layers:
@@ -124,15 +124,15 @@ def multi_lora_layers(model: nn.Module) -> Iterator[tuple[str, MultiLoraLinear]]
 
 
 def adapter_parameters(model: nn.Module, adapter_id: int | None = None) -> Iterator[nn.Parameter]:
-    """The LoRA weights of one adapter (or of all), found by visiting the wrappers.
+    """The LoRA weights of one adapter (or of all), found by visiting the wrappers: per layer ``A``, ``B`` and a
+    DoRA adapter's magnitude.
 
     Use it for per-task optimizers: ``AdamW(adapter_parameters(model, task), lr=...)``.
     """
     for _, layer in multi_lora_layers(model):
-        for key in layer.lora_A.keys():
-            if adapter_id is None or key == str(adapter_id):
-                yield layer.lora_A[key]
-                yield layer.lora_B[key]
+        for a in list(layer.adapters):
+            if adapter_id is None or a == adapter_id:
+                yield from layer.factors(a).values()
 
 
 @contextmanager

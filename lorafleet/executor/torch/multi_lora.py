@@ -36,9 +36,11 @@ from collections.abc import Sequence
 from types import ModuleType
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from lorafleet.executor.torch import dora
 from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.kernels import torch_lora
 from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
@@ -159,7 +161,8 @@ class MultiLoraLinear(nn.Module):
     """A frozen ``nn.Linear`` (kept as ``base_layer``) plus any number of LoRA adapters.
 
     Adapters are keyed by integer id (a task slot); ``lora_A[str(id)]`` is ``(r, in_features)``
-    and ``lora_B[str(id)]`` is ``(out_features, r)``, as in PEFT's ``lora_A.<name>.weight``. A
+    and ``lora_B[str(id)]`` is ``(out_features, r)``, as in PEFT's ``lora_A.<name>.weight``; a DoRA
+    adapter also has ``lora_magnitude_vector[str(id)]`` ``(out_features,)`` (``dora.py``). A
     forward needs :attr:`segments` (set for every layer of a model by
     ``inject.segments_context``) to know which rows use which adapter; segments naming an id
     this layer lacks (a task that does not target this module) are treated as padding.
@@ -180,6 +183,11 @@ class MultiLoraLinear(nn.Module):
         self.base_layer = base_layer.requires_grad_(False)
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
+        self.lora_magnitude_vector = nn.ParameterDict()
+        """DoRA adapters' magnitudes ``m (out_features,)`` by id (``dora.py``)."""
+        self.norm_group: dist.ProcessGroup | None = None
+        """The TP group over which this layer's input features are split (row-parallel, set by ``tp.py``):
+        a DoRA norm sums its squares over it. None: this rank holds whole rows of ``W``."""
         self.adapters: dict[int, LoraSpec] = {}
         """Spec of each adapter id present in this layer."""
         self.backend = LoraBackend(backend)
@@ -194,7 +202,13 @@ class MultiLoraLinear(nn.Module):
     def out_features(self) -> int:
         return self.base_layer.out_features
 
-    def add_adapter(self, adapter_id: int, spec: LoraSpec, weights: tuple[Tensor, Tensor] | None = None) -> None:
+    def add_adapter(
+        self,
+        adapter_id: int,
+        spec: LoraSpec,
+        weights: tuple[Tensor, Tensor] | None = None,
+        magnitude: Tensor | None = None,
+    ) -> None:
         """Creates (or replaces) adapter ``adapter_id``.
 
         Without ``weights`` it is initialised as PEFT does: A Kaiming-uniform (a = sqrt(5)),
@@ -202,6 +216,10 @@ class MultiLoraLinear(nn.Module):
         copied into the adapter dtype (:func:`adapter_dtype`) on the base layer's device. A base
         on the ``meta`` device (the skeleton of per-stage loading, materialised later) gets real
         adapters on the host: they are small, and every rank must draw the same whole ones.
+
+        A DoRA adapter (``spec.use_dora``) also gets its magnitude: ``magnitude`` copied, or as PEFT initialises it,
+        ``m = ||W + s B A||_c`` (``dora.weight_norms``, summed over :attr:`norm_group`); over a meta base it is NaN
+        until :meth:`init_magnitudes` runs on the loaded weights.
         """
         base = self.base_layer.weight
         device = torch.device("cpu") if base.is_meta else base.device
@@ -221,21 +239,61 @@ class MultiLoraLinear(nn.Module):
         key = str(adapter_id)
         self.lora_A[key], self.lora_B[key] = nn.Parameter(A), nn.Parameter(B)
         self.adapters[adapter_id] = spec
+        if key in self.lora_magnitude_vector:
+            del self.lora_magnitude_vector[key]
+        if spec.use_dora:
+            m = torch.full((self.out_features,), float("nan"), dtype=A.dtype, device=device)
+            if magnitude is not None:
+                m.copy_(magnitude)
+            elif not base.is_meta:
+                m.copy_(dora.weight_norms(base, [A], [B], [spec.scaling], self.norm_group)[0])
+            self.lora_magnitude_vector[key] = nn.Parameter(m)
+
+    def init_magnitudes(self) -> None:
+        """Sets each DoRA magnitude still NaN (added over a meta base) to ``||W + s B A||_c`` of the loaded base;
+        collective over :attr:`norm_group` when some layer of the model has one (all its TP ranks call it)."""
+        pending = [a for a in self.adapters if str(a) in self.lora_magnitude_vector]
+        pending = [a for a in pending if self.lora_magnitude_vector[str(a)].isnan().any()]
+        if not pending:
+            return
+        norms = dora.weight_norms(
+            self.base_layer.weight,
+            [self.lora_A[str(a)] for a in pending],
+            [self.lora_B[str(a)] for a in pending],
+            [self.adapters[a].scaling for a in pending],
+            self.norm_group,
+        )
+        with torch.no_grad():
+            for a, n in zip(pending, norms, strict=True):
+                self.lora_magnitude_vector[str(a)].copy_(n)
+
+    def factors(self, adapter_id: int) -> dict[str, nn.Parameter]:
+        """Adapter ``adapter_id``'s trained tensors by factor name: ``lora_A``, ``lora_B`` and, for DoRA,
+        ``lora_magnitude_vector`` (PEFT's names)."""
+        key = str(adapter_id)
+        out = {"lora_A": self.lora_A[key], "lora_B": self.lora_B[key]}
+        if key in self.lora_magnitude_vector:
+            out[dora.MAGNITUDE] = self.lora_magnitude_vector[key]
+        return out
 
     def remove_adapter(self, adapter_id: int) -> None:
         """Drops adapter ``adapter_id`` from this layer if present."""
         if self.adapters.pop(adapter_id, None) is not None:
             del self.lora_A[str(adapter_id)], self.lora_B[str(adapter_id)]
+            if str(adapter_id) in self.lora_magnitude_vector:
+                del self.lora_magnitude_vector[str(adapter_id)]
 
     def relabel(self, new_ids: dict[int, int]) -> None:
         """Keeps the adapters ``new_ids`` names (old id -> new id), renamed and in new-id order, and drops the
         others (a task that left a running fleet: ``change.py``). The kept parameters stay the same objects,
         so an optimizer's state keyed by them carries over."""
         kept = sorted((new, old) for old, new in new_ids.items() if old in self.adapters)
-        pairs = [(self.lora_A[str(old)], self.lora_B[str(old)], self.adapters[old]) for _, old in kept]
+        pairs = [(self.factors(old), self.adapters[old]) for _, old in kept]
         self.lora_A, self.lora_B, self.adapters = nn.ParameterDict(), nn.ParameterDict(), {}
-        for (new, _), (A, B, spec) in zip(kept, pairs, strict=True):
-            self.lora_A[str(new)], self.lora_B[str(new)] = A, B
+        self.lora_magnitude_vector = nn.ParameterDict()
+        for (new, _), (factors, spec) in zip(kept, pairs, strict=True):
+            for factor, param in factors.items():
+                getattr(self, factor)[str(new)] = param
             self.adapters[new] = spec
 
     def routing(self) -> LoraRouting:
@@ -267,8 +325,30 @@ class MultiLoraLinear(nn.Module):
             keep,
             self.backend,
         )
+        if self.lora_magnitude_vector:
+            y = self._dora(y, x2, keep, routing)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
+    def _dora(self, y: Tensor, x: Tensor, keep: Tensor | None, routing: LoraRouting) -> Tensor:
+        """The DoRA rescale (``dora.py``) of the rows of this call's DoRA adapters that own rows."""
+        ids = list(self.adapters)
+        with_rows = {a for a, length in zip(routing.segments.adapter_ids, routing.segments.lengths) if length}
+        used = tuple(i for i, a in enumerate(ids) if i in with_rows and str(a) in self.lora_magnitude_vector)
+        if not used:
+            return y
+        keys = [str(ids[i]) for i in used]
+        norms = dora.weight_norms(
+            self.base_layer.weight,
+            [self.lora_A[k] for k in keys],
+            [self.lora_B[k] for k in keys],
+            [routing.scalings[i] for i in used],
+            self.norm_group,
+        )  # (D, N), detached
+        scale = torch.stack([self.lora_magnitude_vector[k] for k in keys]) / norms  # g = m / n
+        weight, bias = self.base_layer.weight, self.base_layer.bias
+        dropouts = [routing.dropouts[i] for i in used]
+        return dora.rescale(y, x, keep, weight, bias, routing.segments, used, scale, dropouts)
+
     def extra_repr(self) -> str:
-        ranks = ", ".join(f"{i}: r={s.rank}" for i, s in self.adapters.items())
+        ranks = ", ".join(f"{i}: r={s.rank}{', DoRA' if s.use_dora else ''}" for i, s in self.adapters.items())
         return f"adapters={{{ranks}}}, backend={self.backend.value}"

@@ -14,6 +14,10 @@ replicas stay bitwise in step).
 with ``d(p) = (1 + cos πp) / 2`` (cosine), ``1 - p`` (linear) or ``1`` (constant), so the
 last step (``s = T - 1``) runs at ``ρη``.
 
+**LoRA+** (Hayou et al., 2024; ``LoraSpec.lr_ratio`` = λ): ``B`` learns at ``λ η_s``, ``A`` at ``η_s``. A DoRA
+magnitude goes with ``B``, as ``peft.optimizers.create_loraplus_optimizer`` groups every 1-D adapter tensor
+(:data:`LORAPLUS_FACTORS`): two parameter groups of one optimizer, so the update is PEFT's.
+
 **Clipping.** ``g_t ← g_t · min(1, c / (||g_t|| + 1e-6))`` with ``c = grad_clip`` (0 disables),
 as ``torch.nn.utils.clip_grad_norm_`` computes it.
 """
@@ -21,7 +25,7 @@ as ``torch.nn.utils.clip_grad_norm_`` computes it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import nn
@@ -43,8 +47,15 @@ def lr_at(spec: OptimizerSpec, step: int, total_steps: int) -> float:
     return spec.lr * (spec.min_lr_ratio + (1.0 - spec.min_lr_ratio) * decay)
 
 
-def build_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-    """The torch optimizer of ``spec`` over ``params`` (the lr is set before every step).
+LORAPLUS_FACTORS = ("lora_B", "lora_magnitude_vector")
+"""The factors that learn at ``lr * lr_ratio`` under LoRA+ (module doc)."""
+
+
+def build_optimizer(
+    spec: OptimizerSpec, params: Sequence[nn.Parameter], fast: Collection[nn.Parameter] = (), lr_ratio: float = 1.0
+) -> torch.optim.Optimizer:
+    """The torch optimizer of ``spec`` over ``params`` (the lr is set before every step); the ``params`` in ``fast``
+    form a second group whose ``lr_ratio`` (LoRA+, module doc) multiplies the rate.
 
     Adam and AdamW run fused (``fused=True``: one kernel over every tensor of the task, on CPU and
     CUDA alike), SGD as ``foreach``: a task's adapter is hundreds of small matrices (two per injected
@@ -53,10 +64,15 @@ def build_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -> torc
     from the loop by rounding only (it computes the same update in another order) and is
     deterministic, so a run and its resume stay bitwise equal.
     """
+    fast_ids = {id(p) for p in fast}
+    groups: list[dict] = [{"params": [p for p in params if id(p) not in fast_ids], "lr_ratio": 1.0}]
+    if fast_ids:
+        groups.append({"params": [p for p in params if id(p) in fast_ids], "lr_ratio": lr_ratio})
+    groups = [g for g in groups if g["params"]]
     if spec.name in (OptimizerName.ADAMW, OptimizerName.ADAM):
         adam = torch.optim.AdamW if spec.name is OptimizerName.ADAMW else torch.optim.Adam
-        return adam(params, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay, fused=True)
-    return torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay, foreach=True)
+        return adam(groups, lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay, fused=True)
+    return torch.optim.SGD(groups, lr=spec.lr, weight_decay=spec.weight_decay, foreach=True)
 
 
 def clip_coefficient(max_norm: float, norm: float) -> float:
@@ -67,15 +83,27 @@ def clip_coefficient(max_norm: float, norm: float) -> float:
 
 
 class TaskOptimizer:
-    """A task's optimizer, schedule and step count over this rank's shards of its adapter."""
+    """A task's optimizer, schedule and step count over this rank's shards of its adapter; with ``lr_ratio`` (LoRA+),
+    the ``fast`` ones among them (its ``B`` and DoRA magnitudes: :data:`LORAPLUS_FACTORS`) learn that much faster."""
 
-    def __init__(self, spec: OptimizerSpec, params: Sequence[nn.Parameter], total_steps: int) -> None:
+    def __init__(
+        self,
+        spec: OptimizerSpec,
+        params: Sequence[nn.Parameter],
+        total_steps: int,
+        *,
+        lr_ratio: float | None = None,
+        fast: Collection[nn.Parameter] = (),
+    ) -> None:
         self.spec = spec
         self.params = list(params)
         self.total_steps = total_steps
         self.steps_taken = 0
         """Optimizer steps so far: the schedule's ``s`` (and the scheduler's whole state)."""
-        self.optimizer = build_optimizer(spec, self.params) if self.params else None
+        ratio = 1.0 if lr_ratio is None else lr_ratio
+        self.optimizer = (
+            build_optimizer(spec, self.params, fast if ratio != 1.0 else (), ratio) if self.params else None
+        )
 
     def step(self, grad_norm: float) -> float:
         """Clips by the task's global gradient norm, steps at ``η_s``, clears the gradients; returns ``η_s``."""
@@ -89,7 +117,7 @@ class TaskOptimizer:
                 if coefficient < 1.0:
                     torch._foreach_mul_([p.grad for p in self.params], coefficient)
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group["lr_ratio"]
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.steps_taken += 1

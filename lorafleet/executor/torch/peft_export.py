@@ -7,6 +7,14 @@ map one-to-one, with the adapter id dropped on disk as PEFT drops the adapter na
     in memory: model.layers.0.self_attn.q_proj.lora_A.<id>                   (r, in)
     on disk:   base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight (r, in)
 
+and a DoRA adapter's magnitude (``use_dora: true`` in the config) as PEFT writes it:
+
+    in memory: model.layers.0.self_attn.q_proj.lora_magnitude_vector.<id>            (out,)
+    on disk:   base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector (out,)
+
+(no ``.weight``: PEFT's ``LoraModel`` strips it from the magnitude's key when it saves and puts it back when it
+loads).
+
 (``base_model.model.`` is what ``PeftModel`` -> ``LoraModel`` put in front of the base model's
 own names.)
 """
@@ -23,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from lorafleet.errors import InputError
+from lorafleet.executor.torch.dora import MAGNITUDE
 from lorafleet.executor.torch.inject import module_suffix, multi_lora_layers
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 from lorafleet.specs.lora import LoraSpec
@@ -40,7 +49,6 @@ PEFT_PREFIX = "base_model.model."
 """Prefix of every key in a PEFT adapter file, in front of the base model's module name."""
 
 _UNSUPPORTED = {
-    "use_dora": False,
     "bias": "none",
     "lora_bias": False,
     "fan_in_fan_out": False,
@@ -55,8 +63,8 @@ _UNSUPPORTED = {
 
 
 def peft_key(module_name: str, matrix: str) -> str:
-    """The on-disk key of ``lora_A`` or ``lora_B`` of a module (see the module doc)."""
-    return f"{PEFT_PREFIX}{module_name}.{matrix}.weight"
+    """The on-disk key of ``lora_A``, ``lora_B`` or ``lora_magnitude_vector`` of a module (see the module doc)."""
+    return f"{PEFT_PREFIX}{module_name}.{matrix}" + ("" if matrix == MAGNITUDE else ".weight")
 
 
 def lora_config(spec: LoraSpec, *, base_model_name_or_path: str | None = None) -> peft.LoraConfig:
@@ -69,6 +77,7 @@ def lora_config(spec: LoraSpec, *, base_model_name_or_path: str | None = None) -
         lora_dropout=spec.dropout,
         target_modules=list(spec.target_modules),
         use_rslora=spec.use_rslora,
+        use_dora=spec.use_dora,
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_model_name_or_path,
     )
@@ -107,8 +116,8 @@ def save_peft_adapter(model: nn.Module, adapter_id: int, path: str | Path) -> Pa
     spec = layers[0][1].adapters[adapter_id]
     weights: dict[tuple[str, str], Tensor] = {}
     for name, layer in layers:
-        weights[(name, "lora_A")] = layer.lora_A[str(adapter_id)].detach()
-        weights[(name, "lora_B")] = layer.lora_B[str(adapter_id)].detach()
+        for factor, param in layer.factors(adapter_id).items():
+            weights[(name, factor)] = param.detach()
     name_or_path = getattr(getattr(model, "config", None), "name_or_path", None) or None
     write_peft_adapter(path, spec, weights, name_or_path)
     return Path(path)
@@ -138,6 +147,7 @@ def read_peft_spec(path: str | Path) -> LoraSpec:
             dropout=config.lora_dropout,
             target_modules=tuple(sorted(config.target_modules)),
             use_rslora=config.use_rslora,
+            use_dora=bool(config.use_dora),
         )
     except ValidationError as err:
         first = err.errors()[0]
@@ -161,25 +171,28 @@ def load_peft_adapter(model: nn.Module, path: str | Path, adapter_id: int) -> Lo
     spec = read_peft_spec(path)
     weights_path = Path(path) / SAFETENSORS_WEIGHTS_NAME
     state = load_file(str(weights_path))
-    updates: list[tuple[MultiLoraLinear, tuple[Tensor, Tensor] | None]] = []
+    updates: list[tuple[MultiLoraLinear, list[Tensor] | None]] = []
     for name, layer in multi_lora_layers(model):
         if module_suffix(name) not in spec.target_modules:
             updates.append((layer, None))
             continue
-        pair = []
-        for matrix, shape in (("lora_A", (spec.rank, layer.in_features)), ("lora_B", (layer.out_features, spec.rank))):
+        shapes = {"lora_A": (spec.rank, layer.in_features), "lora_B": (layer.out_features, spec.rank)}
+        if spec.use_dora:
+            shapes[MAGNITUDE] = (layer.out_features,)
+        found = []
+        for matrix, shape in shapes.items():
             key = peft_key(name, matrix)
             if key not in state:
                 raise InputError(str(weights_path), key, "missing for a targeted layer of this model")
             if tuple(state[key].shape) != shape:
                 raise InputError(str(weights_path), key, f"shape {tuple(state[key].shape)}, the model needs {shape}")
-            pair.append(state.pop(key))
-        updates.append((layer, (pair[0], pair[1])))
+            found.append(state.pop(key))
+        updates.append((layer, found))
     if state:
         raise InputError(str(weights_path), next(iter(state)), "matches no injected layer of this model")
-    for layer, weights in updates:
-        if weights is None:
+    for layer, found in updates:
+        if found is None:
             layer.remove_adapter(adapter_id)
         else:
-            layer.add_adapter(adapter_id, spec, weights)
+            layer.add_adapter(adapter_id, spec, (found[0], found[1]), found[2] if spec.use_dora else None)
     return spec

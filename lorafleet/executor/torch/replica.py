@@ -30,7 +30,7 @@ and bit for bit, as the one built from the whole model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +40,6 @@ from torch import Tensor, nn
 from lorafleet.executor.torch.attention import use_document_attention
 from lorafleet.executor.torch.base_model import SafetensorsWeights
 from lorafleet.executor.torch.grad_sync import (
-    FACTORS,
     AdapterParam,
     GradSync,
     Piece,
@@ -81,9 +80,10 @@ class Replica:
     groups: GroupCache
     """Every process group this rank has made: a change of the fleet (``change.py``) reuses them."""
 
-    def task_params(self, task: int) -> list[nn.Parameter]:
-        """This rank's shards of one task's adapter (empty when no layer of its stage has it)."""
-        return [p for (t, _, _), p in self.params.items() if t == task]
+    def task_params(self, task: int, factors: Collection[str] | None = None) -> list[nn.Parameter]:
+        """This rank's shards of one task's adapter (empty when no layer of its stage has it); only ``factors``'
+        (``lora_B``, ...) when given."""
+        return [p for (t, _, f), p in self.params.items() if t == task and (factors is None or f in factors)]
 
 
 def build_replica(
@@ -174,7 +174,10 @@ def build_stage(
     split_for_pipeline(model, role)
     if weights is not None:
         load_stage(model, weights, role, device)
-    return model.to(device)  # per stage: moves the adapters, the rest is there
+    model = model.to(device)  # per stage: moves the adapters, the rest is there
+    for _, layer in multi_lora_layers(model):  # DoRA magnitudes added over a skeleton: ||W||_c of the loaded W
+        layer.init_magnitudes()
+    return model  # per stage: moves the adapters, the rest is there
 
 
 def assemble_replica(
@@ -194,10 +197,10 @@ def assemble_replica(
         sync = GradSync(groups.pieces, None, {}, groups.made.sync)
         return Replica(None, None, None, fleet, params, {}, sync, groups.made.updates, shapes, dims, groups.cache)
     local = {
-        (task, name, factor): getattr(layer, factor)[str(task)]
+        (task, name, factor): param
         for name, layer in multi_lora_layers(model)
         for task in sorted(layer.adapters)
-        for factor in FACTORS
+        for factor, param in layer.factors(task).items()
     }
     dtype = next(p.dtype for p in model.parameters() if not p.requires_grad)  # the base's: adapters may be fp32 masters
     neighbours = Neighbours(role.prev_rank, role.next_rank, model.config.hidden_size, dtype, device)

@@ -18,6 +18,9 @@ An adapter ``y += s B A x`` is split so that it needs no communication of its ow
   ``Σ_j s B (A_j x_j) = s B (A x)``, so the adapter's partial sums ride on the base layer's
   all-reduce ``g`` (the r-sized ``A_j x_j`` are summed inside the ``(T, N)`` one).
 
+A DoRA magnitude ``m (N,)`` is split like ``B``'s rows; a row-parallel layer's DoRA norm needs whole rows of
+``W + s B A``, so it sums the ranks' squared norms (``dora.py``, one all-reduce over the TP group).
+
 The replicated factor of each style then gets a *partial* gradient on each TP rank
 (``dA = Σ_j s (G_j B_j)^T x`` for column, ``dB = Σ_j s G^T (A_j x_j)`` for row): the
 adapter-gradient sum over every holder (``grad_sync``) completes it. Frozen base weights need
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lorafleet.executor.torch.dora import MAGNITUDE
 from lorafleet.executor.torch.inject import module_suffix
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 
@@ -60,10 +64,11 @@ def weight_shard_dim(style: ParallelStyle) -> int:
 
 
 def adapter_shard_dim(style: ParallelStyle, factor: str) -> int | None:
-    """The dim of ``lora_A (r, K)`` or ``lora_B (N, r)`` that is split; None when replicated."""
+    """The dim of ``lora_A (r, K)``, ``lora_B (N, r)`` or a DoRA ``lora_magnitude_vector (N,)`` that is split;
+    None when replicated."""
     if factor == "lora_A":
         return None if style is ParallelStyle.COLUMN else 1
-    if factor == "lora_B":
+    if factor in ("lora_B", MAGNITUDE):  # a DoRA magnitude (N,) is split like B's rows
         return 0 if style is ParallelStyle.COLUMN else None
     raise ValueError(f"unknown adapter factor {factor!r}")
 
@@ -163,12 +168,16 @@ def _sliced_linear(linear: nn.Linear, style: ParallelStyle, tp_rank: int, tp_siz
     return out.requires_grad_(False)
 
 
-def _shard_module(module: nn.Module, style: ParallelStyle, tp_rank: int, tp_size: int) -> nn.Module:
+def _shard_module(
+    module: nn.Module, style: ParallelStyle, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None = None
+) -> nn.Module:
     """This rank's part of a projection: a sliced ``nn.Linear``, or a MultiLoraLinear whose base
-    and adapters are sliced in place (so module and parameter names stay the model's own)."""
+    and adapters are sliced in place (so module and parameter names stay the model's own); a
+    row-parallel one sums its DoRA norms over ``group`` (``dora.py``)."""
     if isinstance(module, MultiLoraLinear):
         module.base_layer = _sliced_linear(module.base_layer, style, tp_rank, tp_size)
-        for factor in ("lora_A", "lora_B"):
+        module.norm_group = group if style is ParallelStyle.ROW else None
+        for factor in ("lora_A", "lora_B", MAGNITUDE):
             weights: nn.ParameterDict = getattr(module, factor)
             dim = adapter_shard_dim(style, factor)
             for key in list(weights.keys()):
@@ -218,7 +227,7 @@ def parallelize_tensor(model: nn.Module, tp_rank: int, tp_size: int, group: dist
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         style = TP_STYLES[child]
-        sharded = _shard_module(getattr(parent, child), style, tp_rank, tp_size)
+        sharded = _shard_module(getattr(parent, child), style, tp_rank, tp_size, group)
         setattr(parent, child, sharded)
         if style is ParallelStyle.COLUMN:
             blocks[parent_name] = parent

@@ -42,7 +42,7 @@ from lorafleet.executor.torch.change import PHASES, BaseSource, ChangeReport, Fl
 from lorafleet.executor.torch.checkpoint import TrainState
 from lorafleet.executor.torch.checkpointer import Checkpointer
 from lorafleet.executor.torch.evaluate import EvalOutcome, EvalRun, eval_batch, run_evaluation
-from lorafleet.executor.torch.optim import TaskOptimizer
+from lorafleet.executor.torch.optim import LORAPLUS_FACTORS, TaskOptimizer
 from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.routing import LoraBackend
 from lorafleet.executor.torch.window import BroadcastStep, WindowRunner
@@ -148,7 +148,14 @@ class TorchExecutor:
             weights=weights,
         )
         self.optimizers = [
-            TaskOptimizer(t.optimizer, self.replica.task_params(i), t.total_steps) for i, t in enumerate(config.tasks)
+            TaskOptimizer(
+                t.optimizer,
+                self.replica.task_params(i),
+                t.total_steps,
+                lr_ratio=t.lora.lr_ratio,
+                fast=self.replica.task_params(i, LORAPLUS_FACTORS),
+            )
+            for i, t in enumerate(config.tasks)
         ]
         self._pending: dict[int, GlobalBatch] = {}
         self._prepared: dict[str, TaskData] = {}

@@ -89,8 +89,8 @@ def test_unsupported_or_mismatched_files_are_input_errors(trained, tmp_path):
     path = save_peft_adapter(model, 0, tmp_path / "task0")
     config = json.loads((path / CONFIG_NAME).read_text())
 
-    (path / CONFIG_NAME).write_text(json.dumps({**config, "use_dora": True}))
-    with pytest.raises(InputError, match="use_dora"):
+    (path / CONFIG_NAME).write_text(json.dumps({**config, "use_dora": True}))  # DoRA, without its magnitudes
+    with pytest.raises(InputError, match="lora_magnitude_vector: missing"):
         load_peft_adapter(model, path, 0)
 
     (path / CONFIG_NAME).write_text(json.dumps(config))

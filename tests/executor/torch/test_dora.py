@@ -1,0 +1,263 @@
+"""DoRA in the multi-adapter operator: PEFT's ``use_dora=True`` layer by layer, in a mixed micro-batch, with
+dropout, exported as PEFT writes it, and trained jointly on TP and PP replicas equal to each task alone."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from peft.utils.constants import CONFIG_NAME, SAFETENSORS_WEIGHTS_NAME
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from lorafleet.errors import InputError
+from lorafleet.executor.torch.checkpoint import check_adapter_kinds, latest_step_dir, load_train_state
+from lorafleet.executor.torch.dora import MAGNITUDE
+from lorafleet.executor.torch.dropout import draw_keep_mask
+from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers, segments_context
+from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.peft_export import load_peft_adapter, lora_config, save_peft_adapter
+from lorafleet.executor.torch.routing import Segments
+from lorafleet.specs.lora import LoraSpec
+from tests.helpers import fleet_harness as h
+from tests.helpers.trained_alone import ATOL, STEPS, _max_diff, train_alone
+
+SPECS = [
+    LoraSpec(rank=4, alpha=8, use_dora=True),
+    LoraSpec(rank=2, alpha=4),
+    LoraSpec(rank=8, alpha=16, use_dora=True, use_rslora=True, target_modules=("q_proj", "down_proj")),
+]
+
+
+@pytest.fixture
+def trained(tiny_model):
+    """(base, injected model whose adapters moved off their start: B random, m ≠ ||W||_c, ids)."""
+    base = tiny_model("qwen2")  # biased q/k/v: DoRA rescales Y - b, not Y
+    model = copy.deepcopy(base)
+    inject_multi_lora(model, SPECS, seeds=[1, 2, 3])
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _, layer in multi_lora_layers(model):
+            for a in layer.adapters:
+                factors = layer.factors(a)
+                factors["lora_B"].copy_(torch.randn(factors["lora_B"].shape, generator=gen) * 0.1)
+                if MAGNITUDE in factors:
+                    factors[MAGNITUDE].mul_(1 + 0.2 * torch.randn(factors[MAGNITUDE].shape, generator=gen))
+    ids = torch.randint(0, 1024, (3, 7), generator=torch.Generator().manual_seed(3))
+    return base, model, ids
+
+
+def peft_model_of(base: nn.Module, model: nn.Module, task: int) -> peft.PeftModel:
+    """PEFT's own model of one task, every factor (a DoRA magnitude too) copied from ``model``."""
+    reference = peft.get_peft_model(copy.deepcopy(base), lora_config(SPECS[task]))
+    with torch.no_grad():
+        for name, layer in multi_lora_layers(model):
+            if task in layer.adapters:
+                target = reference.get_submodule(f"base_model.model.{name}")
+                for factor, param in layer.factors(task).items():
+                    getattr(target, factor)["default"].weight.copy_(param)
+    return reference
+
+
+def test_initial_magnitude_is_pefts():
+    """m starts as PEFT initialises it: ||W + s B A||_c with B = 0, i.e. ||W||_c."""
+    base = h.build_model()
+    model = copy.deepcopy(base)
+    inject_multi_lora(model, SPECS[:1], seeds=[1])
+    reference = peft.get_peft_model(copy.deepcopy(base), lora_config(SPECS[0]))
+    for name, layer in multi_lora_layers(model):
+        theirs = reference.get_submodule(f"base_model.model.{name}").lora_magnitude_vector["default"].weight
+        torch.testing.assert_close(layer.lora_magnitude_vector["0"], theirs, rtol=1e-6, atol=0)
+
+
+def test_mixed_microbatch_matches_peft_task_by_task(trained):
+    """One micro-batch of two DoRA tenants and a plain LoRA one: each task's logits and every gradient (A, B and the
+    magnitude) equal PEFT's use_dora model's on that task's rows alone."""
+    base, model, ids = trained
+    with segments_context(model, Segments.padded([0, 1, 2], [7, 7, 7], 7)):
+        logits = model(ids).logits
+    logits.square().sum().backward()
+    for task in range(len(SPECS)):
+        reference = peft_model_of(base, model, task)
+        theirs = reference(ids[task : task + 1]).logits
+        # sanity (PEFT's mixed-batch test): the task's adapter moves its logits off the base's
+        assert (theirs - base(ids[task : task + 1]).logits).abs().max() > 1e-3
+        torch.testing.assert_close(logits[task : task + 1], theirs, rtol=1e-5, atol=1e-5)
+        theirs.square().sum().backward()
+        params = dict(reference.named_parameters())
+        n_factors = 0
+        for name, layer in multi_lora_layers(model):
+            if task in layer.adapters:
+                for factor, param in layer.factors(task).items():
+                    want = params[f"base_model.model.{name}.{factor}.default.weight"].grad
+                    assert (param.grad - want).abs().max() <= 1e-5 * want.abs().max(), (name, factor)
+                    n_factors += 1
+        assert n_factors == (3 if SPECS[task].use_dora else 2) * len(SPECS[task].target_modules) * 2
+
+
+class _Mask(nn.Module):
+    """PEFT's dropout replaced by the operator's own keep-mask, so both drop the same elements."""
+
+    def __init__(self, keep: torch.Tensor, p: float) -> None:
+        super().__init__()
+        self.keep, self.p = keep, p
+
+    def forward(self, x):
+        return x * self.keep.view_as(x) / (1 - self.p)
+
+
+def test_dora_with_dropout_matches_peft_on_the_same_mask():
+    """With dropout PEFT's DoRA is not ``g ⊙ (Y - b) + b``: its ``(g - 1) ⊙ Xd W^T`` term sees the dropped input.
+    Output, input gradient and every factor's gradient match PEFT's layer driven by the same mask."""
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 16)
+    layer = MultiLoraLinear(copy.deepcopy(linear)).train()
+    specs = [LoraSpec(rank=4, alpha=8, dropout=0.3, use_dora=True), LoraSpec(rank=2, alpha=2, dropout=0.5)]
+    for a, spec in enumerate(specs):
+        layer.add_adapter(a, spec, (torch.randn(spec.rank, 24) * 0.3, torch.randn(16, spec.rank) * 0.3))
+    with torch.no_grad():
+        layer.lora_magnitude_vector["0"].mul_(1.5)
+    layer.segments = Segments.packed([0, 1, 0], [5, 4, 3])
+    x = torch.randn(12, 24, requires_grad=True)
+    torch.manual_seed(9)
+    keep = draw_keep_mask(12, 24, layer.routing(), device="cpu")
+    assert keep is not None and not keep[:5].all()
+    torch.manual_seed(9)  # the layer draws the same mask
+    y = layer(x)
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    for a, rows in ((0, [*range(5), *range(9, 12)]), (1, list(range(5, 9)))):
+        spec = specs[a]
+        config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, use_dora=spec.use_dora)
+        reference = peft.tuners.lora.Linear(
+            copy.deepcopy(linear), "default", config, r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+            use_dora=spec.use_dora,
+        ).train()  # fmt: skip
+        with torch.no_grad():
+            for factor, param in layer.factors(a).items():
+                getattr(reference, factor)["default"].weight.copy_(param)
+        reference.lora_dropout["default"] = _Mask(keep[rows], specs[a].dropout)
+        x_ref = x.detach()[rows].clone().requires_grad_()
+        y_ref = reference(x_ref)
+        y_ref.backward(grad_y[rows])
+        torch.testing.assert_close(y[rows], y_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(x.grad[rows], x_ref.grad, rtol=1e-5, atol=1e-5)
+        for factor, param in layer.factors(a).items():
+            torch.testing.assert_close(
+                param.grad, getattr(reference, factor)["default"].weight.grad, rtol=1e-5, atol=1e-5
+            )
+
+
+def test_export_loads_in_peft_merges_and_loads_back(trained, tmp_path):
+    """The export is PEFT's: ``use_dora: true`` and the magnitudes under PEFT's keys (no ``.weight``); PeftModel loads
+    it and gives the operator's logits, merged too; loaded back into a slot, it is the same adapter."""
+    base, model, ids = trained
+    path = save_peft_adapter(model, 2, tmp_path / "dora")
+    pefts = tmp_path / "pefts"
+    peft_model_of(base, model, 2).save_pretrained(pefts)
+    assert load_file(pefts / SAFETENSORS_WEIGHTS_NAME).keys() == load_file(path / SAFETENSORS_WEIGHTS_NAME).keys()
+    assert json.loads((path / CONFIG_NAME).read_text())["use_dora"] is True
+    keys = load_file(path / SAFETENSORS_WEIGHTS_NAME)
+    assert keys["base_model.model.model.layers.1.mlp.down_proj.lora_magnitude_vector"].shape == (64,)
+    assert len(keys) == 3 * 2 * 2  # A, B and m of q_proj and down_proj in 2 layers
+    with segments_context(model, Segments.packed([2], [ids[:1].numel()])), torch.no_grad():
+        want = model(ids[:1]).logits
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
+    with torch.no_grad():
+        assert (loaded(ids[:1]).logits - want).abs().max() <= 1e-5
+        merged = loaded.merge_and_unload()
+        assert (merged(ids[:1]).logits - want).abs().max() <= 1e-4
+    target = copy.deepcopy(base)
+    inject_multi_lora(target, SPECS[1:2])
+    assert load_peft_adapter(target, path, 0) == SPECS[2].model_copy(update={"target_modules": ("down_proj", "q_proj")})
+    with segments_context(target, Segments.packed([0], [ids[:1].numel()])), torch.no_grad():
+        assert (target(ids[:1]).logits - want).abs().max() <= 1e-5
+
+
+def test_a_dora_file_without_magnitudes_is_an_input_error(trained, tmp_path):
+    _, model, _ = trained
+    path = save_peft_adapter(model, 0, tmp_path / "dora")
+    weights = load_file(path / SAFETENSORS_WEIGHTS_NAME)
+    save_file({k: v for k, v in weights.items() if MAGNITUDE not in k}, path / SAFETENSORS_WEIGHTS_NAME)
+    with pytest.raises(InputError, match="lora_magnitude_vector: missing"):
+        load_peft_adapter(model, path, 0)
+
+
+# ---- joint training on TP and PP replicas ------------------------------------------------------------------------
+
+#: h.TASKS' names and data; two DoRA tenants (one with LoRA+), a plain LoRA+ one and a plain one, so micro-batches
+#: mix DoRA and LoRA rows; "code" targets down_proj (row-parallel: its norm is all-reduced under TP) and q/v
+#: (column-parallel), "summary" every projection.
+DORA_TASKS = (
+    replace(h.TASKS[0], lora=h.TASKS[0].lora.model_copy(update={"use_dora": True})),
+    replace(h.TASKS[1], lora=h.TASKS[1].lora.model_copy(update={"use_dora": True, "lr_ratio": 4.0})),
+    replace(h.TASKS[2], lora=h.TASKS[2].lora.model_copy(update={"lr_ratio": 8.0})),
+    h.TASKS[3],
+)
+DORA_PLANS = {"tp2+pp2": h.plan_of((2, 1), (1, 2)), "tp2pp2-packed": h.plan_of((2, 2))}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dora-fleet")
+    runs = {
+        "tp2+pp2": h.Run(
+            DORA_PLANS["tp2+pp2"], STEPS, per_microbatch=3, out=str(root / "a"), tasks=DORA_TASKS, save_at=(2,)
+        ),
+        "tp2pp2-packed": h.Run(
+            DORA_PLANS["tp2pp2-packed"], STEPS, packed=True, per_microbatch=4, out=str(root / "b"), tasks=DORA_TASKS
+        ),
+    }
+    # After 2 steps, resumed on the other plan: the magnitudes and their Adam moments travel in the checkpoint.
+    runs["resumed on tp2pp2"] = replace(
+        runs["tp2pp2-packed"], out=str(root / "c"), resume_from=str(root / "a" / "ckpt")
+    )
+    h.run_world(4, list(runs.values()), root)
+    out = {}
+    for name, run in runs.items():
+        final = latest_step_dir(Path(run.out) / "final")
+        out[name] = {t.name: load_file(final / t.name / SAFETENSORS_WEIGHTS_NAME) for t in DORA_TASKS}
+    out["checkpoint"] = latest_step_dir(root / "a" / "ckpt")
+    return out
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {t.name: train_alone(i, torch.float32, tasks=DORA_TASKS) for i, t in enumerate(DORA_TASKS)}
+
+
+def test_references_moved_their_magnitudes(references):
+    """Sanity: PEFT trained the magnitudes (a DoRA task's file has them, moved off ||W||_c by more than the bound)."""
+    base = h.build_model()
+    for task in ("summary", "code"):
+        mags = {k: v for k, v in references[task].items() if MAGNITUDE in k}
+        assert mags and len(mags) == len([k for k in references[task] if "lora_A" in k])
+        start = {k: base.get_submodule(k.removeprefix("base_model.model.").rsplit(".", 1)[0]).weight.norm(dim=1)
+                 for k in mags}  # fmt: skip
+        assert _max_diff(mags, start) > 20 * ATOL[torch.float32]
+    assert not any(MAGNITUDE in k for k in references["chat"])
+
+
+@pytest.mark.parametrize("plan", [*DORA_PLANS, "resumed on tp2pp2"])
+def test_joint_dora_training_equals_each_task_alone_with_peft(fleet, references, plan):
+    for task in DORA_TASKS:
+        assert _max_diff(fleet[plan][task.name], references[task.name]) <= ATOL[torch.float32], task.name
+
+
+def test_a_resume_that_changes_an_adapters_kind_is_refused(fleet):
+    """The checkpoint's "summary" is DoRA; a run that trains it as plain LoRA (or "chat" as DoRA) cannot resume."""
+    step_dir = fleet["checkpoint"]
+    names = [t.name for t in DORA_TASKS]
+    state = load_train_state(step_dir, names)
+    assert state.step == 2 and state.tasks[0].spec.use_dora and any(f == MAGNITUDE for _, f in state.tasks[0].weights)
+    check_adapter_kinds(step_dir, state, [t.lora for t in DORA_TASKS])  # the same kinds: no error
+    for task, plain_or_dora in ((0, False), (2, True)):
+        loras = [t.lora for t in DORA_TASKS]
+        loras[task] = loras[task].model_copy(update={"use_dora": plain_or_dora})
+        with pytest.raises(InputError, match=f"{names[task]}: lora.use_dora: .* cannot change an adapter's kind"):
+            check_adapter_kinds(step_dir, state, loras)
