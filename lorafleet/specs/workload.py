@@ -38,6 +38,7 @@ from lorafleet.specs._base import FieldError, Float, Int, IntKey, Spec
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.data import DataSpec
 from lorafleet.specs.evaluation import EarlyStoppingSpec, EvalSpec
+from lorafleet.specs.hints import did_you_mean
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec
 from lorafleet.specs.names import task_name_error
@@ -333,8 +334,9 @@ def resolve_path(path: str, base: Path) -> str:
 
 
 def resolve_data_paths(task: TaskSpec, base: Path) -> TaskSpec:
-    """``task`` with its data paths (``data.path``, ``eval.data.path`` and ``lengths.dataset.path``) resolved against
-    ``base`` (:func:`resolve_path`): a workload's, a trace's or a queued request's tasks, against their file's folder."""
+    """``task`` with its data paths (``data.path``, ``eval.data.path`` and ``lengths.dataset.path``) resolved
+    against ``base`` (:func:`resolve_path`): a workload's, a trace's or a queued request's tasks, against their
+    file's folder."""
     update: dict[str, Any] = {}
     if task.data is not None:
         update["data"] = task.data.model_copy(update={"path": resolve_path(task.data.path, base)})
@@ -359,6 +361,9 @@ def describe_validation_error(error: dict) -> tuple[str, str]:
         msg = f"takes a list, got {describe_value(error.get('input'))}"
     elif error.get("type") == "unexpected_keyword_argument":  # an unknown key of a dataclass: say it as of a model
         msg = "Extra inputs are not permitted"
+    if error.get("type") in ("extra_forbidden", "unexpected_keyword_argument"):
+        hint = did_you_mean(loc)  # PEFT's r, TRL's max_seq_length, a typo (specs.hints)
+        msg = f"{msg}; {hint}" if hint else msg
     elif error.get("type") in TYPE_WORDS:
         msg = f"{TYPE_WORDS[error['type']]}, got {describe_value(error.get('input'))}"
     return format_validation_loc(loc), msg
