@@ -14,5 +14,6 @@ lorafleet's files.
   (the MILP back ends one may name);
 - other files: ``trace.py`` (an arrivals trace);
 - typed files: ``typed.py`` (strict validation naming the field path), ``io.py`` (JSON read with one-line
-  errors, the one atomic writer of a file or a directory, a file's SHA-256).
+  errors, the one atomic writer of a file or a directory, a file's SHA-256); ``hints.py`` ("did you mean" for
+  an unknown key: other tools' names, typos).
 """
