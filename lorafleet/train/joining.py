@@ -1,6 +1,6 @@
 """Tasks the queue adds, their data prepared: read, tokenized and checked against the running fleet
 (:func:`joining_data`) from the moment the request is first read. Its data is tokenized once (the work counter
-``tokenizations``): its slot, its lengths and its placement check use it.
+``tokenizations``): its slot, its lengths and its placement check use it; a sweep's members share one preparation.
 
 A small add's data (under :data:`BESIDE_BYTES`) is prepared there and then, as the request is read, and the task joins
 at its ``at_step``. A large add's is prepared in a thread, beside the steps, and the task joins at the first window
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +51,10 @@ class Joining:
         known = self._futures.get(task.name)
         if known is not None and known[0] == task:
             return
+        sibling = self._sibling(task)
+        if sibling is not None:  # a sweep's member: its sweep's data, prepared once
+            self._futures[task.name] = (task, sibling)
+            return
         if _data_bytes(task) < self.beside_bytes:
             done: Future[TaskData] = Future()
             done.set_result(joining_data(task, running, self.tokenizer))
@@ -61,6 +66,13 @@ class Joining:
         future = self._pool.submit(context.run, joining_data, task, running, self.tokenizer)
         self._futures[task.name] = (task, future)
         self.announced.discard(task.name)
+
+    def _sibling(self, task: TaskSpec) -> Future[TaskData] | None:
+        """The preparation of another member of ``task``'s sweep (the same data: ``specs.sweep``), if any."""
+        if task.member_of is None:
+            return None
+        return next((f for t, f in self._futures.values() if t.member_of is not None and t.seed_name == task.seed_name),
+                    None)  # fmt: skip
 
     def ready(self, name: str) -> bool:
         """Whether the task's data is prepared (or its preparation failed), or was never asked for."""
@@ -106,7 +118,10 @@ class Joining:
     def take(self, name: str) -> TaskData | None:
         """The task's prepared data, handed over (waited for when still being prepared); None when never asked for."""
         known = self._futures.pop(name, None)
-        return None if known is None else known[1].result()
+        if known is None:
+            return None
+        data = known[1].result()
+        return data if data.name == name else replace(data, name=name)  # a sweep's member: its sweep's data
 
     def wait(self) -> None:
         """Every preparation started so far finished (tests; a stop)."""

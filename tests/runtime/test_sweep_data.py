@@ -4,24 +4,10 @@ same held-out rows, none of them in training, and draws the same batches at the 
 
 from __future__ import annotations
 
-import pytest
-
 from lorafleet.runtime import data_stream
+from lorafleet.work import counting
 from lorafleet.workload import load_workload
 from tests.helpers.repo import DEMO
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    calls: list[str] = []
-    prepare = data_stream.prepare_task_data
-
-    def counting(task, tokenizer, source):
-        calls.append(task.name)
-        return prepare(task, tokenizer, source)
-
-    monkeypatch.setattr(data_stream, "prepare_task_data", counting)
-    return calls
 
 
 def _workload(tmp_path, tokenizer):
@@ -38,10 +24,11 @@ def _workload(tmp_path, tokenizer):
     return load_workload(path).spec
 
 
-def test_a_sweep_is_tokenized_once_and_its_members_see_the_same_rows_and_batches(tmp_path, tiny_tokenizer_dir, counted):
+def test_a_sweep_is_tokenized_once_and_its_members_see_the_same_rows_and_batches(tmp_path, tiny_tokenizer_dir):
     spec = _workload(tmp_path, tiny_tokenizer_dir)
-    streams = data_stream.training_streams(spec, 10)
-    assert counted == ["docsum", "chat.lr=1e-3.rank=2"]  # one preparation per dataset: 7 tasks, 2 reads
+    with counting() as work:
+        streams = data_stream.training_streams(spec, 10)
+    assert len(spec.tasks) == 7 and work["tokenizations"] == 2  # one per dataset (the held-out rows split off it)
     members = [s for s in streams.streams if s.data.name.startswith("chat.")]
     assert len(members) == 6 and len({s.data.name for s in members}) == 6
     first = members[0].data
@@ -55,8 +42,8 @@ def test_a_sweep_is_tokenized_once_and_its_members_see_the_same_rows_and_batches
                for name in (m.data.name for m in members)}  # fmt: skip
         assert len({tuple(v) for v in ids.values()}) == 1  # every member: the same sample ids at the same step
     # a sweep that joins a running fleet: its members' data prepared once too, the running tasks' kept
-    counted.clear()
     first_only = type(streams)([streams.streams[0].data], [2], spec.seed)
     tokenizer = data_stream.task_tokenizer(spec)
-    joined = first_only.changed(spec.tasks, lambda t: data_stream.prepare_task_data(t, tokenizer, "queue"), {}, (), {})
-    assert counted == ["chat.lr=1e-3.rank=2"] and len(joined.streams) == 7
+    with counting() as work:
+        joined = first_only.changed(spec.tasks, lambda t: data_stream.prepare_task_data(t, tokenizer, "q"), {}, (), {})
+    assert work["tokenizations"] == 1 and len(joined.streams) == 7

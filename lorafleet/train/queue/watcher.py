@@ -1,7 +1,8 @@
 """Rank 0's reading of the queue: each request file judged against the run, at every window boundary.
 
 :func:`read_request` turns a file into a :class:`~lorafleet.train.queue.requests.Request`, or says in one
-line why it cannot be applied (a RequestError). :class:`QueueWatcher` polls the directory: a malformed
+line why it cannot be applied (a RequestError); :func:`read_requests`, an add of a task with a ``sweep`` into an
+add of each of its members, applied or rejected together. :class:`QueueWatcher` polls the directory: a malformed
 request is *rejected* (one line in the run's log, the file moved to ``rejected/`` beside
 ``<file>.reason``, the run goes on); the valid ones that are due (``at_step`` reached) are *accepted*
 (moved to ``accepted/``) and returned, to be applied together at that boundary; a request whose
@@ -17,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.errors import InputError
+from lorafleet.specs._base import FieldError
 from lorafleet.specs.io import write_text_atomic
+from lorafleet.specs.sweep import sweep_members
 from lorafleet.specs.workload import TaskSpec, deep_merge, resolve_data_paths
 from lorafleet.train.queue.ledger import Ledger
 from lorafleet.train.queue.requests import (
@@ -40,6 +43,25 @@ from lorafleet.train.queue.requests import (
 )
 
 
+def read_requests(
+    path: Path, defaults: Mapping[str, Any], ledger: Ledger, data_roots: Sequence[str] | None = None
+) -> list[Request]:
+    """A request file's requests: :func:`read_request`'s one, or an add of a task with a ``sweep``: an add of each
+    of its members (``specs.sweep``), all in one file, accepted or rejected together; RequestError."""
+    action, raw = read_request_file(path)
+    if action is not Action.ADD or raw.get("sweep") is None:
+        return [read_request(path, defaults, ledger, data_roots)]
+    merged = deep_merge(dict(defaults), raw)
+    try:
+        members = sweep_members({k: v for k, v in merged.items() if k not in ("action", "at_step")})
+    except FieldError as err:
+        raise RequestError(f"{'.'.join(map(str, err.loc))}: {err}") from None
+    if raw["name"] in ledger.names():
+        raise RequestError(f"task {raw['name']!r} is already in this run (a sweep's name names its adapter)")
+    keys = {k: raw[k] for k in ("action", "at_step") if k in raw}
+    return [_add(path, {**member, **keys}, ledger, data_roots) for member in members]
+
+
 def read_request(
     path: Path, defaults: Mapping[str, Any], ledger: Ledger, data_roots: Sequence[str] | None = None
 ) -> Request:
@@ -48,22 +70,30 @@ def read_request(
     action, raw = read_request_file(path)
     name = raw["name"]
     if action is Action.ADD:
-        add = validated(AddRequestFile, deep_merge(dict(defaults), raw))
-        if add.data is None:
-            raise RequestError("data: training needs data (a JSONL file or a saved dataset)")
-        task = resolve_data_paths(add.task(), path.parent)
-        check_reach(task, data_roots)
-        at = add.at_step
-        if "start_step" in raw:  # the step it asked to start at: the one it joins at
-            if "at_step" in raw and add.at_step != task.start_step:
-                raise RequestError(f"start_step {task.start_step} and at_step {add.at_step} disagree: give one")
-            at = task.start_step
-        request = Request(path.name, action, name, at, task=task)
-    elif action is Action.UPDATE:
+        return _add(path, deep_merge(dict(defaults), raw), ledger, data_roots)
+    if action is Action.UPDATE:
         update = validated(UpdateRequestFile, raw)
         request = Request(path.name, action, name, update.at_step, changes=update.changes())
     else:
         request = Request(path.name, action, name, validated(StopRequestFile, raw).at_step)
+    check_against(request, ledger)
+    return request
+
+
+def _add(path: Path, raw: Mapping[str, Any], ledger: Ledger, data_roots: Sequence[str] | None) -> Request:
+    """An add request (``raw``: over the defaults), validated as :func:`read_request` says."""
+    name = raw["name"]
+    add = validated(AddRequestFile, raw)
+    if add.data is None:
+        raise RequestError("data: training needs data (a JSONL file or a saved dataset)")
+    task = resolve_data_paths(add.task(), path.parent)
+    check_reach(task, data_roots)
+    at = add.at_step
+    if "start_step" in raw:  # the step it asked to start at: the one it joins at
+        if "at_step" in raw and add.at_step != task.start_step:
+            raise RequestError(f"start_step {task.start_step} and at_step {add.at_step} disagree: give one")
+        at = task.start_step
+    request = Request(path.name, Action.ADD, name, at, task=task)
     check_against(request, ledger)
     return request
 
@@ -107,8 +137,9 @@ class QueueWatcher:
         self.check = check
         self.taken = taken
         self.log = log or (lambda line: print(f"lorafleet train: queue: {line}", file=sys.stderr, flush=True))
-        self.waiting: dict[str, tuple[tuple[int, int], Request]] = {}
-        """Valid requests whose ``at_step`` is still ahead, by file, with the file's (mtime, size) when read."""
+        self.waiting: dict[str, tuple[tuple[int, int], list[Request]]] = {}
+        """Valid requests whose ``at_step`` is still ahead, by file (a sweep's file holds several), with the file's
+        (mtime, size) when read."""
 
     def poll(self, step: int, accept: bool = True) -> list[Request]:
         """The requests due at the boundary before ``step``; malformed ones are rejected. Requests later in the list
@@ -130,51 +161,61 @@ class QueueWatcher:
             waiting = self.waiting.get(path.name)
             fresh = waiting is None or waiting[0] != stamp
             try:
-                request = read_request(path, self.defaults, ledger, self.data_roots) if fresh else waiting[1]
-                if request.task is not None and self.check is not None and fresh:
+                requests = read_requests(path, self.defaults, ledger, self.data_roots) if fresh else waiting[1]
+                adds = [r.task for r in requests if r.task is not None]
+                if self.check is not None and fresh:  # a sweep's members: their data prepared once (train.joining)
                     try:
-                        self.check(request.task)
+                        for task in adds:
+                            self.check(task)
                     except (InputError, ValueError) as err:
                         raise RequestError(str(err)) from None
             except RequestError as err:
                 self.reject(path, str(err))
                 continue
+            at_step = requests[0].at_step
             if waiting is not None and fresh:
-                self.log(f"read {path.name} again: it changed while it waited for step {waiting[1].at_step}")
-            if request.at_step > step:
-                self.waiting[path.name] = (stamp, request)
+                self.log(f"read {path.name} again: it changed while it waited for step {waiting[1][0].at_step}")
+            if at_step > step:
+                self.waiting[path.name] = (stamp, requests)
                 continue
             self.waiting.pop(path.name, None)
             try:
-                check_against(request, ledger)
-                if (
-                    request.task is not None
-                    and "start_step" in request.task.model_fields_set
-                    and request.task.start_step < step
-                ):
-                    raise RequestError(
-                        f"start_step {request.task.start_step} has passed: the run is at step {step} (drop start_step "
-                        "to join at the next boundary, or ask for a later one)"
-                    )
-                if request.task is not None:  # a deadline is checked against the step the task starts at
-                    validated(TaskSpec, {**request.task.model_dump(), "start_step": step})
-                if request.action is Action.UPDATE and request.changes.get("deadline") is not None:
-                    self._check_deadline(request, ledger, step)
-                if request.action in (Action.FINISH, Action.CANCEL) and request.name in joining:
-                    raise RequestError(
-                        f"task {request.name!r} joins at this step (step {step}): it cannot leave at the same step; "
-                        "ask again for a later step"
-                    )
+                checked = ledger
+                for request in requests:
+                    self._check_due(request, checked, step, joining)
+                    checked = checked.apply([request], step)
             except RequestError as err:
                 self.reject(path, str(err))
                 continue
-            if request.action is Action.ADD:
-                joining.add(request.name)
-            due.append(request)
-            ledger = ledger.apply([request], step)
+            joining.update(r.name for r in requests if r.action is Action.ADD)
+            due += requests
+            ledger = checked
         if accept:
             self.accept(due)
         return due
+
+    def _check_due(self, request: Request, ledger: Ledger, step: int, joining: set[str]) -> None:
+        """RequestError when ``request``, due at the boundary before ``step``, cannot apply to the tasks as ``ledger``
+        has them there (``joining``: the tasks that join at this boundary)."""
+        check_against(request, ledger)
+        if (
+            request.task is not None
+            and "start_step" in request.task.model_fields_set
+            and request.task.start_step < step
+        ):
+            raise RequestError(
+                f"start_step {request.task.start_step} has passed: the run is at step {step} (drop start_step "
+                "to join at the next boundary, or ask for a later one)"
+            )
+        if request.task is not None:  # a deadline is checked against the step the task starts at
+            validated(TaskSpec, {**request.task.model_dump(), "start_step": step})
+        if request.action is Action.UPDATE and request.changes.get("deadline") is not None:
+            self._check_deadline(request, ledger, step)
+        if request.action in (Action.FINISH, Action.CANCEL) and request.name in joining:
+            raise RequestError(
+                f"task {request.name!r} joins at this step (step {step}): it cannot leave at the same step; "
+                "ask again for a later step"
+            )
 
     def _check_deadline(self, request: Request, ledger: Ledger, step: int) -> None:
         """RequestError when an update's deadline cannot be met from the boundary before ``step``: a task takes at
@@ -203,7 +244,7 @@ class QueueWatcher:
 
     def next_due(self) -> int | None:
         """The earliest ``at_step`` of the requests waiting."""
-        return min((r.at_step for _, r in self.waiting.values()), default=None)
+        return min((rs[0].at_step for _, rs in self.waiting.values()), default=None)
 
     def reject(self, path: Path, reason: str) -> None:
         """One log line; the file moved to ``rejected/`` with ``<file>.reason``."""
