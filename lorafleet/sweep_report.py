@@ -1,6 +1,6 @@
 """A run's sweeps as its files record them (``specs.sweep``): each member's values, its evaluations and the score
 each rung judged it by, its steps and GPU-seconds, how it left, and the winner. What ``lorafleet sweep-report RUN``
-prints, what the winner's model card holds (``runtime.promote``) and what the HTML report plots.
+prints, what the winner's model card holds (``train.promote``) and what the HTML report plots.
 
 Read from the run directory only: its tasks (``train.promote.run_tasks``), ``evaluations.json`` and
 ``metrics.jsonl``, so it works on a finished run, a stopped one and one still running.

@@ -13,6 +13,7 @@ Each subcommand's module defines ``register(subparsers)``, which adds its argpar
     profile.py         ``lorafleet profile`` (a profile measured on this machine) and ``lorafleet fit``
     costmodel.py       ``lorafleet costmodel predict|check``
     schema.py          ``lorafleet schema [KIND]``: the JSON Schema of each of lorafleet's files
+    sweep_report.py    ``lorafleet sweep-report RUN``: a training run's sweeps, their members and winners
 
 Modules whose name starts with ``_`` are helpers the commands share, not commands (``cli`` skips them):
 ``_plan_flags.py`` (the flags of plan-reading commands, the policy's generated from its field table),

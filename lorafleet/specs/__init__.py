@@ -1,8 +1,9 @@
 """Typed, validated inputs (pydantic, on ``_base.py``'s base), torch-free, and the rules for reading and writing
 lorafleet's files.
 
-- a workload: ``workload.py`` (the tasks; one rule each for a task's name, relative paths and sequences over
-  the context length), ``data.py`` (where a task's rows come from), ``evaluation.py`` (its ``eval`` and
+- a workload: ``workload.py`` (the tasks; one rule each for relative paths and sequences over the context
+  length), ``names.py`` (the one rule for a task's name), ``sweep.py`` (a task's hyperparameter sweep and the
+  member tasks it expands into), ``data.py (where a task's rows come from), ``evaluation.py`` (its ``eval`` and
   ``early_stopping``), ``loss_curve.py`` (its ``eval.curve``, for what-ifs), ``model.py`` (base-model
   dimensions), ``gpus.py`` (datasheets), ``cluster.py`` (pools of nodes), ``lora.py`` (adapter and optimizer
   settings), ``recompute.py``;

@@ -32,6 +32,8 @@
                   hand-off's line
     torch_fleet.py  TorchFleet: the FleetPort (and EvalPort) over rank 0's torch executor
     joining.py    Joining: a task the queue adds has its data prepared beside the steps, and joins when ready
+    promote.py    a sweep's winner promoted to ``adapters/<sweep>/`` at the run's end, with its card and
+                  ``sweep.json``; run_tasks(): every task a run has had
     inflight.py   a change as a transaction: .apply.json begun with the fleet before it, decided with the fleet
                   after it, settled once a checkpoint after it commits (the ledger, plan.json, run.json)
     live.py       what the fleet and the launcher share of a change (its workload, exports, re-plan);
