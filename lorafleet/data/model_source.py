@@ -104,6 +104,24 @@ def resolve_model_source(name: str, *, source: str = "<args>", field: str = "mod
     raise InputError(source, field, f"unknown model {name!r}: not a preset with weights nor an existing path")
 
 
+def base_weights_note(model: str) -> str | None:
+    """What a model card says of the weights an adapter was trained over, when they are not the full-precision
+    model its ``base_model`` names: a GGUF file's dequantized weights (the demo's SmolLM2 is its Q4_1 file), or a
+    preset's seeded random weights. None for an HF model directory (the weights are the named base's own)."""
+    try:
+        source = resolve_model_source(model)
+    except InputError:
+        return None
+    if source.kind is SourceKind.GGUF:
+        return (
+            f"the GGUF file `{source.gguf_file}`, dequantized to full precision on load: the adapter learnt over "
+            "those weights, which differ from the full-precision model named above by the file's quantization"
+        )
+    if source.kind is SourceKind.RANDOM:
+        return f"seeded random weights of the `{model}` preset's dimensions: for exercising the machinery only"
+    return None
+
+
 def load_source_tokenizer(source: ModelSource) -> Any:
     """The tokenizer that comes with the weights (HF directory or GGUF); None for RANDOM."""
     from transformers import AutoTokenizer

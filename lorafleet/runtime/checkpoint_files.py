@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.errors import InputError
+from lorafleet.specs.data import DataSpec
 from lorafleet.specs.io import file_sha256, staged_directory
 from lorafleet.specs.workload import TaskSpec
 
@@ -156,6 +157,7 @@ def export_adapters(
     tokenizer: Path | None = None,
     losses: Mapping[str, tuple[int, float]] | None = None,
     changes: Mapping[str, Sequence[str]] | None = None,
+    base_weights: str | None = None,
 ) -> None:
     """Tasks' PEFT adapters, copied out of a committed checkpoint into ``target/<task>`` (a sweep's member into
     ``target/<sweep>/members/<task>``: ``TaskSpec.export_dir``); each task's
@@ -166,8 +168,9 @@ def export_adapters(
     tenant can use anywhere: the tokenizer's files (when it was saved there) and a model card ``README.md``
     (:func:`model_card`: the task's spec from ``tasks``, its steps from the checkpoint's manifest, its last
     loss from ``losses``, task -> (step, loss): the caller reads them out of the run's metrics,
-    ``lorafleet.metrics.last_losses``, which this package does not import; and ``changes``, task -> the
-    hyperparameters a resume changed, described: ``lorafleet.train.revisions``)."""
+    ``lorafleet.metrics.last_losses``, which this package does not import; ``changes``, task -> the
+    hyperparameters a resume changed, described: ``lorafleet.train.revisions``; and ``base_weights``, what the
+    base's weights were when not the named base's own: ``data.model_source.base_weights_note``)."""
     target.mkdir(parents=True, exist_ok=True)
     manifest = read_manifest(step_dir) if tokenizer is not None else {}
     losses = losses or {}
@@ -191,7 +194,13 @@ def export_adapters(
                 config = json.loads((step_dir / name / ADAPTER_FILES[0]).read_text())
                 (staging / CARD).write_text(
                     model_card(
-                        name, config, specs.get(name), manifest, losses.get(name), (changes or {}).get(name, ())
+                        name,
+                        config,
+                        specs.get(name),
+                        manifest,
+                        losses.get(name),
+                        (changes or {}).get(name, ()),
+                        base_weights,
                     ),
                     encoding="utf-8",
                 )
@@ -220,16 +229,13 @@ def evaluation_lines(evaluated: Mapping[str, Any] | None, step: int | None) -> l
     return lines
 
 
-def _count_rows(path: Path) -> int | None:
-    """Rows of a task's data: a JSONL file's non-blank lines, a saved dataset's rows; None when unreadable."""
-    try:
-        if path.is_dir():
-            from lorafleet.data.records import read_rows
+def _count_rows(data: DataSpec) -> int | None:
+    """Rows of a task's data (any container, its split: ``data.readers``); None when it cannot be read now."""
+    from lorafleet.data.readers import read_container
 
-            return len(read_rows(path))
-        with path.open(encoding="utf-8") as f:
-            return sum(1 for line in f if line.strip())
-    except (OSError, UnicodeDecodeError, InputError):
+    try:
+        return len(read_container(data.path, data.split).rows)
+    except InputError:
         return None
 
 
@@ -240,9 +246,12 @@ def model_card(
     manifest: Mapping[str, Any],
     loss: tuple[int, float] | None,
     changes: Sequence[str] = (),
+    base_weights: str | None = None,
 ) -> str:
     """An exported adapter's ``README.md``: YAML front matter for the Hub (``base_model``, ``library_name``,
-    ``tags``), then what the adapter was trained on and how: the task, its data (path, rows, and the examples
+    ``tags``), then what the adapter was trained on and how: the weights it was trained over when they are not
+    the named base's own (``base_weights``: ``data.model_source.base_weights_note``), the task, its data (the
+    file's name and no directory, which an upload would publish; rows, and the examples
     trained on from the checkpoint's data record), its steps (optimizer updates, from the manifest), batch size
     and learning rate (as in force at the end: ``changes`` lists what a resume changed, with its step), its
     last loss, its LoRA, and the lorafleet version. ``config`` is the adapter's
@@ -254,15 +263,19 @@ def model_card(
     base = config.get("base_model_name_or_path") or ""
     front = yaml.safe_dump({"base_model": base, "library_name": "peft", "tags": ["lora", "lorafleet"]}, sort_keys=False)
     lines = [f"# {name}", "", f"A LoRA adapter for `{base}`, trained by lorafleet {__version__}.", ""]
+    if base_weights is not None:
+        lines.append(f"- Base weights: {base_weights}")
     if task is not None and task.data is not None:
         data = manifest.get("data", {})
         trained = dict(zip(data.get("tasks", ()), data.get("examples", ()), strict=False))
-        rows = _count_rows(Path(task.data.path))
+        rows = _count_rows(task.data)
         counts = ([f"{rows} rows"] if rows is not None else []) + (
             [f"{trained[name]} trained on"] if name in trained else []
         )
         where = f" ({', '.join(counts)})" if counts else ""
-        lines.append(f"- Data: `{Path(task.data.path).absolute()}`{where}, format {task.data.format.value}")
+        split = f" (split {task.data.split})" if task.data.split is not None else ""
+        # The file's name only: its directory is the training machine's, which a card uploaded to a hub publishes.
+        lines.append(f"- Data: `{Path(task.data.path).name}`{split}{where}, format {task.data.format.value}")
         lines.append(f"- Context length: {task.context_length} tokens (longer sequences: {task.overflow.value})")
     steps = {t.get("name"): t.get("optimizer_steps") for t in manifest.get("tasks", ())}
     if steps.get(name) is not None:

@@ -174,7 +174,11 @@ def resolve_model(name_or_path: str, source: str = "<args>", field: str = "model
 
 def adapter_base_model(model: str, base_model_id: str | None = None) -> str:
     """What an adapter trained over a workload's ``model:`` names as its ``base_model_name_or_path``: the
-    workload's ``base_model_id`` when set, else the preset's Hub id, else ``model`` as given (a directory)."""
+    workload's ``base_model_id`` when set, else the preset's Hub id (a preset without one: its name), else the
+    local model's absolute path, so that PEFT's ``AutoPeftModelForCausalLM`` finds it from any directory (a
+    workload's relative ``model:`` is relative to where the run started)."""
     if base_model_id is not None:
         return base_model_id
-    return PRESET_HUB_IDS.get(model, model)
+    if model in MODEL_PRESETS:
+        return PRESET_HUB_IDS.get(model, model)
+    return str(Path(model).absolute())

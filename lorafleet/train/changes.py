@@ -259,7 +259,7 @@ class FleetChanges:
             return Stop.HANDED_OFF
         superseded = self.replan.supersede()
         if not ledger.active:  # the run ends here: its ledger says so, and nothing is left to build a fleet from
-            export_leaving(self.options, step, leaving, running.workload.spec.tasks)
+            export_leaving(self.options, step, leaving, running.workload.spec.tasks, running.workload.spec.model)
             ledger.save(self.options.out)
             clear_pending(self.options.queue_dir)
             self._append(row(Outcome.ALL_LEFT, (), running.plan.describe()))
@@ -288,7 +288,7 @@ class FleetChanges:
             log(handed_off(step, decision.plan, self.fleet.world_size, checkpoint, f"{note}; "))
             self._append(row(Outcome.HANDED_OFF, names, decision.plan.describe(), note=note))
             return Stop.HANDED_OFF
-        export_leaving(self.options, step, leaving, running.workload.spec.tasks)
+        export_leaving(self.options, step, leaving, running.workload.spec.tasks, running.workload.spec.model)
         fault_point("exported", step)
         if note:
             log(f"step {step}: {note}")

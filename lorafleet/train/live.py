@@ -104,10 +104,14 @@ def replan_change(
     return replan_run(workload, cluster, old, old.policy, options, incremental, save=save, cost_model=cost_model)[1]
 
 
-def export_leaving(options: TrainOptions, step: int, leaving: Sequence[str], tasks: Sequence[TaskSpec]) -> None:
+def export_leaving(
+    options: TrainOptions, step: int, leaving: Sequence[str], tasks: Sequence[TaskSpec], model: str | None = None
+) -> None:
     """Step 2 of the module doc: the adapters of the tasks ``leaving`` at ``step`` exported from the checkpoint of
     ``step`` (committed before the change began) into ``<out>/adapters/``, each replaced whole (done again after a
-    restart, the same export). ``tasks``: the specs of the tasks before the change (for the cards)."""
+    restart, the same export). ``tasks``: the specs of the tasks before the change (for the cards); ``model``: the
+    workload's (the cards say what its weights were: ``data.model_source.base_weights_note``)."""
+    from lorafleet.data.model_source import base_weights_note
     from lorafleet.metrics import last_losses
     from lorafleet.runtime.checkpoint_files import export_adapters, step_dir_name
     from lorafleet.train.queue.ledger import revision_lines
@@ -123,6 +127,7 @@ def export_leaving(options: TrainOptions, step: int, leaving: Sequence[str], tas
         tokenizer=run_dir.tokenizer,
         losses=last_losses(run_dir.metrics_jsonl),
         changes=revision_lines(options.out),
+        base_weights=base_weights_note(model) if model is not None else None,
     )
     log(f"step {step}: exported {', '.join(leaving)} to {run_dir.adapters}")
 

@@ -262,6 +262,7 @@ class Trainer:
     def _finish(self, reached: int, ran: bool) -> int:
         """The run's end after ``reached`` steps (``ran``: some of them in this launch): a final checkpoint
         (waited for), its PEFT adapters exported to ``<out>/adapters``, and the summary."""
+        from lorafleet.data.model_source import base_weights_note
         from lorafleet.metrics import last_losses
         from lorafleet.runtime.checkpoint_files import export_adapters
         from lorafleet.train.promote import promote_sweeps
@@ -278,6 +279,7 @@ class Trainer:
             tokenizer=self.run_dir.tokenizer,
             losses=last_losses(self.run_dir.metrics_jsonl),
             changes=revision_lines(self.run_dir.root),
+            base_weights=base_weights_note(running.workload.spec.model),
         )
         sweeps = promote_sweeps(self.run_dir)
         self.executor.close()

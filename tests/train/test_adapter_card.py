@@ -42,6 +42,7 @@ def test_the_adapter_base_model_is_the_override_else_the_presets_hub_id_else_the
     assert adapter_base_model("smollm2-135m") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert adapter_base_model("tiny-llama") == "tiny-llama"  # random weights: no Hub id
     assert adapter_base_model("/models/mine") == "/models/mine"
+    assert adapter_base_model("models/mine") == str(Path.cwd() / "models" / "mine")  # resolves from anywhere (#42)
     assert adapter_base_model("llama2-7b", "my-org/base") == "my-org/base"
     assert set(PRESET_HUB_IDS) == set(MODEL_PRESETS) - {"lobra-60l", "tiny-llama"}
     assert all(id_.count("/") == 1 for id_ in PRESET_HUB_IDS.values())
@@ -86,7 +87,7 @@ def test_an_export_ships_the_runs_tokenizer_and_a_model_card(tmp_path, tiny_toke
     assert body.splitlines()[1] == "# t"
     for line in (
         f"lorafleet {__version__}",
-        "- Data: `/data/t.jsonl` (240 trained on), format auto",  # the file is gone: no row count
+        "- Data: `t.jsonl` (240 trained on), format auto",  # the file is gone: no row count; no directory (#42)
         "- Steps trained: 4 (of the run's first 5)",
         "- Final loss: 2.5000 (step 3)",  # its last step in the metrics; a torn last line is skipped
         "- LoRA: rank 2, alpha 4, dropout 0.0; targets q_proj, v_proj",
@@ -179,7 +180,9 @@ def test_a_run_exports_adapters_a_tenant_can_use_anywhere(tmp_path, tiny_tokeniz
         step, loss = [(r["step"], r["losses"][task]) for r in metrics if task in r["losses"]][-1]
         for line in (
             f"# {task}",
-            f"- Data: `{tmp_path / 'data' / task}.jsonl` (240 rows, {trained[task]} trained on), format auto",
+            "- Base weights: seeded random weights of the `tiny-llama` preset's dimensions: for exercising the "
+            "machinery only",
+            f"- Data: `{task}.jsonl` (240 rows, {trained[task]} trained on), format auto",
             f"- Context length: {context} tokens (longer sequences: truncate)",
             f"- Steps trained: {steps} (of the run's first {steps})",
             f"- Final loss: {loss:.4f} (step {step})",
