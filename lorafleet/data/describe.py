@@ -29,6 +29,16 @@ def _read(task: TaskSpec) -> list[tuple[str, DataSpec, TaskRows]]:
     return [(key, spec, read_task_rows(spec)) for key, spec in specs]
 
 
+def check_task_data(tasks: Sequence[TaskSpec]) -> list[str]:
+    """Every row of every task's ``data`` and ``eval.data`` read and checked (an InputError naming the file, row
+    and field), and :func:`unused_split_lines`: what ``train``'s launcher does before it writes anything, so bad
+    data is refused there and not on the ranks after the run directory is claimed (no tokenizer: its lengths may
+    be given, and the ranks tokenize)."""
+    for task in tasks:
+        _read(task)
+    return unused_split_lines(tasks)
+
+
 def unused_split_lines(tasks: Sequence[TaskSpec]) -> list[str]:
     """A line for each task whose ``data`` is a saved DatasetDict with splits that neither its ``data`` nor its
     ``eval.data`` reads: what ``validate`` and ``train`` say, so no split is left out without a word. Reads only

@@ -174,10 +174,11 @@ def prepare(options: TrainOptions) -> Prepared:
                 f"replica {r} does not exist: the plan has replicas 0..{len(run.plan.replicas) - 1}",
             )
     check_model(workload, options.workload)  # after the plan's checks: a plan for GPUs may be refused on its own
-    if os.environ.get("RANK", "0") == "0":
-        from lorafleet.data.describe import unused_split_lines
+    from lorafleet.data.describe import check_task_data
 
-        for line in unused_split_lines(workload.spec.tasks):  # never a split dropped without a word (#42)
+    unused = check_task_data(workload.spec.tasks)  # every row read: bad data is one line here, not on a rank (#42)
+    if os.environ.get("RANK", "0") == "0":
+        for line in unused:  # never a split dropped without a word
             print(f"lorafleet train: {line}", flush=True)
     return Prepared(
         workload=workload,

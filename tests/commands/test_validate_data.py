@@ -158,3 +158,19 @@ def test_trains_launcher_names_an_unused_split_too(data, tiny_tokenizer_dir, cap
         f"lorafleet train: say: {data}/dict: split test not used (one can be the task's held-out rows: eval: "
         f"{{data: {{path: {data}/dict, split: test}}}})\n"
     )
+
+
+def test_train_refuses_a_bad_row_before_it_writes_anything(data, tiny_tokenizer_dir, capsys):
+    """With the lengths given, no tokenization at load reads the rows: the launcher reads them before the claim."""
+    (data / "bad.jsonl").write_text(json.dumps(ALPACA[0]) + "\n" + json.dumps({"instruction": "x"}) + "\n")
+    task = {"name": "count", "data": {"path": "bad.jsonl"}, "lengths": {"histogram": {10: 1}}}
+    path = _workload(data, tiny_tokenizer_dir, [task])
+    plan = data / "plan.json"
+    assert main(["plan", str(path), "--gpus", "1", "--gpu", "cpu", "--samples", "0", "--json", str(plan)]) == 0
+    capsys.readouterr()
+    argv = ["train", str(path), "--plan", str(plan), "--gpus", "1", "--gpu", "cpu", "--out", str(data / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"lorafleet: error: {data}/bad.jsonl: row 2: has no field output (format alpaca"), err
+    assert not (data / "run").exists()
