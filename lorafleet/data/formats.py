@@ -148,7 +148,14 @@ def to_unit(row: Row, fmt: DataFormat, where: Where) -> Unit:
         return _sharegpt(row, where)
     assert fmt is DataFormat.MESSAGES
     messages = check_messages(row["messages"], f"{where[1]}.messages", where[0])
-    return Chat(tuple(messages), tuple(m["role"] == "assistant" for m in messages))
+    return Chat(tuple(_present(m) for m in messages), tuple(m["role"] == "assistant" for m in messages))
+
+
+def _present(message: dict[str, Any]) -> dict[str, Any]:
+    """A turn without its null keys but ``content``: parquet and ``datasets`` give every turn of a chat every
+    key any turn has (``tool_calls: null`` on a user turn), which a template testing ``is defined`` would take
+    for a value."""
+    return {k: v for k, v in message.items() if v is not None or k == "content"}
 
 
 def _required(fmt: DataFormat, row: Row) -> tuple[str, ...]:
@@ -221,7 +228,7 @@ def _prompt_completion(row: Row, where: Where) -> Unit:
         asked = check_messages(prompt, f"{where[1]}.prompt", where[0], needs_reply=False)
         said = check_messages(completion, f"{where[1]}.completion", where[0])
         learn = [False] * len(asked) + [m["role"] == "assistant" for m in said]
-        return Chat(tuple(asked + said), tuple(learn))
+        return Chat(tuple(_present(m) for m in asked + said), tuple(learn))
     raise InputError(
         where[0],
         where[1],

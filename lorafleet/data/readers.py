@@ -124,13 +124,15 @@ def _read_json(path: Path, text: str) -> Container:
         try:
             whole = json.loads(text)
         except json.JSONDecodeError as err:
-            raise InputError(
-                str(path), "", f"a JSON array that is not valid JSON ({err.msg}, line {err.lineno})"
-            ) from None
-        for number, row in enumerate(whole, start=1):
-            if not isinstance(row, dict):
-                raise InputError(str(path), f"row {number}", f"expected a JSON object, got {_json_kind(row)}")
-        return Container(whole, "JSON array")
+            if not _is_json(stripped.splitlines()[0]):  # else JSONL whose first row is an array: said below
+                raise InputError(
+                    str(path), "", f"a JSON array that is not valid JSON ({err.msg}, line {err.lineno})"
+                ) from None
+        else:
+            for number, row in enumerate(whole, start=1):
+                if not isinstance(row, dict):
+                    raise InputError(str(path), f"row {number}", f"expected a JSON object, got {_json_kind(row)}")
+            return Container(whole, "JSON array")
     lines = text.splitlines()
     rows = []
     for number, line in enumerate(lines, start=1):
@@ -146,6 +148,14 @@ def _read_json(path: Path, text: str) -> Container:
             raise InputError(str(path), f"row {number}", f"expected a JSON object, got {_json_kind(row)}")
         rows.append(row)
     return Container(rows, "JSONL file")
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def _whole_json_object(path: Path, text: str) -> None:

@@ -69,6 +69,18 @@ def test_tool_output_is_masked_and_tool_calls_are_learnt(tmp_path, tiny_tokenize
     )
 
 
+def test_a_chat_from_parquet_renders_as_from_jsonl(tmp_path, tiny_tokenizer_dir):
+    """Parquet gives every turn every key any turn has (``tool_calls: null`` on a user turn): the same tokens."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tokenizer = _tokenizer(tiny_tokenizer_dir, TOOL_TEMPLATE)
+    pq.write_table(pa.Table.from_pylist([{"messages": TOOL_CHAT}]), tmp_path / "chat.parquet")
+    assert pq.read_table(tmp_path / "chat.parquet").to_pylist()[0]["messages"][0]["tool_calls"] is None
+    from_parquet = tokenize_data(tokenizer, DataSpec(path=str(tmp_path / "chat.parquet")))
+    assert from_parquet == tokenize_data(tokenizer, DataSpec(path=_jsonl(tmp_path, [{"messages": TOOL_CHAT}])))
+
+
 def test_sharegpt_function_calls_and_observations_are_tool_calls_and_tool_turns(tmp_path, tiny_tokenizer_dir):
     tokenizer = _tokenizer(tiny_tokenizer_dir, TOOL_TEMPLATE)
     turns = [
