@@ -118,13 +118,32 @@ def resolve_format(first: Row, requested: DataFormat, where: Where) -> DataForma
         return requested
     found = detect_format(first)
     if found is None:
+        if "chosen" in first and "rejected" in first:
+            raise InputError(
+                where[0],
+                where[1],
+                "is a preference pair (chosen/rejected, for DPO), which lorafleet does not "
+                "train: give the chosen reply as a response (columns: {response: chosen})",
+            )
         raise InputError(
             where[0],
             where[1],
             f"its fields {_names(first)} fit no format (accepted: {ACCEPTED}); name yours with data.columns, "
-            "e.g. columns: {prompt: question, response: answer}",
+            f"e.g. {_suggested_columns(first)}",
         )
     return found
+
+
+_PROMPT_NAMES = ("question", "query", "instruction", "input", "problem", "context")
+_RESPONSE_NAMES = ("answer", "response", "output", "reply", "solution", "target")
+
+
+def _suggested_columns(row: Row) -> str:
+    """A ``columns`` map for a row whose fields have common names of a prompt and a response (``question`` and
+    ``answer``...), else the same map for the example's names."""
+    prompt = next((name for name in _PROMPT_NAMES if name in row), "question")
+    response = next((name for name in _RESPONSE_NAMES if name in row and name != prompt), "answer")
+    return f"columns: {{prompt: {prompt}, response: {response}}}"
 
 
 def to_unit(row: Row, fmt: DataFormat, where: Where) -> Unit:

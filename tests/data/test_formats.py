@@ -86,6 +86,12 @@ def test_a_column_map_names_the_files_columns(tmp_path, tokenizer):
     assert tokenize_data(tokenizer, spec) == tokenize_data(tokenizer, DataSpec(path=reference))
 
 
+def test_the_hint_for_a_preference_pair_reads_it(tmp_path):
+    path = _jsonl(tmp_path, [{"prompt": "p", "chosen": "c", "rejected": "r"}])
+    rows = read_task_rows(DataSpec(path=path, columns={"response": "chosen"}))
+    assert rows.format is DataFormat.PROMPT_RESPONSE and rows.units[0].response == "c"
+
+
 def test_a_column_map_naming_a_missing_column_is_one_line(tmp_path):
     path = _jsonl(tmp_path, [{"question": "q", "answer": "a"}, {"question": "q", "reply": "a"}])
     with pytest.raises(InputError) as err:
@@ -119,6 +125,21 @@ def test_a_column_map_naming_a_missing_column_is_one_line(tmp_path):
             "its fields answer, question fit no format (accepted: messages (chat), conversations (sharegpt), "
             "prompt+completion, prompt+response, instruction+output (alpaca), text); name yours with data.columns, "
             "e.g. columns: {prompt: question, response: answer}",
+        ),
+        (
+            {"query": "q", "reply": "a", "id": 3},
+            DataFormat.AUTO,
+            "row 1",
+            "its fields id, query, reply fit no format (accepted: messages (chat), conversations (sharegpt), "
+            "prompt+completion, prompt+response, instruction+output (alpaca), text); name yours with data.columns, "
+            "e.g. columns: {prompt: query, response: reply}",
+        ),
+        (
+            {"prompt": "p", "chosen": "c", "rejected": "r"},
+            DataFormat.AUTO,
+            "row 1",
+            "is a preference pair (chosen/rejected, for DPO), which lorafleet does not train: give the chosen reply "
+            "as a response (columns: {response: chosen})",
         ),
         (
             {"question": "q", "answer": "a"},
@@ -160,6 +181,8 @@ def test_a_column_map_naming_a_missing_column_is_one_line(tmp_path):
         "alpaca-as-messages",
         "sharegpt-as-messages",
         "no-format",
+        "no-format-own-names",
+        "preference-pair",
         "not-alpaca",
         "unknown-role",
         "unknown-speaker",
