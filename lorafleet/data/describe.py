@@ -21,6 +21,10 @@ from lorafleet.specs.data import ChatTemplateUse, DataFormat, DataSpec
 from lorafleet.specs.workload import TaskSpec
 
 
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
 def _read(task: TaskSpec) -> list[tuple[str, DataSpec, TaskRows]]:
     """(``data`` or ``eval.data``, its spec, its rows) of a task."""
     specs = [("data", task.data)] if task.data is not None else []
@@ -82,7 +86,7 @@ def _template_lines(task: TaskSpec, spec: DataSpec, rows: TaskRows, tokenizer: A
     )
     if wrapped and system is not None and without:
         yield (
-            f"{task.name}: the chat template adds the system prompt {system!r} to its {without} rows without one "
+            f"{task.name}: the chat template adds the system prompt {system!r} to its {_rows(without)} without one "
             '(data.system_prompt sets your own, "" an empty one)'
         )
     if rows.units:
@@ -102,7 +106,7 @@ def data_lines(tasks: list[TaskSpec] | tuple[TaskSpec, ...], tokenizer: Callable
             extra = f", {tools} with tool turns (their output masked)" if tools else ""
             extra += ", loss on every token (train_on_inputs)" if spec.train_on_inputs else ""
             lines.append(
-                f"{task.name}: {key} {rows.source}: {rows.container.kind}, {len(rows.units)} rows, {how}{extra}"
+                f"{task.name}: {key} {rows.source}: {rows.container.kind}, {_rows(len(rows.units))}, {how}{extra}"
             )
         lines += unused_split_lines([task])
         for key, spec, rows in read:

@@ -78,7 +78,7 @@ def test_validate_says_what_each_tasks_data_is(data, smol_template_tokenizer, ca
         f"say: the chat template adds the system prompt {smol} to its 2 rows without one (data.system_prompt sets "
         'your own, "" an empty one)',
         f"said: data {d}/dict (split train): saved DatasetDict, 2 rows, format messages (auto)",
-        f"said: eval.data {d}/dict (split test): saved DatasetDict, 1 rows, format messages (auto)",
+        f"said: eval.data {d}/dict (split test): saved DatasetDict, 1 row, format messages (auto)",
         f"said: the chat template adds the system prompt {smol} to its 2 rows without one (data.system_prompt sets "
         'your own, "" an empty one)',
     ]
