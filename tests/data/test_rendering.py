@@ -160,9 +160,13 @@ def test_a_templates_default_system_prompt_is_found_and_can_be_replaced(tmp_path
     assert _learnt(smol, own) == "Hello.<|im_end|>\n"  # the system turn is never learnt
 
 
-def test_smollm2s_own_tokenizer_adds_its_default_system_prompt():
-    """The real SmolLM2-135M-Instruct tokenizer (the demo's model, from its GGUF file) adds the prompt."""
-    from lorafleet.data.model_source import data_tokenizer
+def test_the_template_above_is_the_one_smollm2_ships():
+    """SMOLLM2_TEMPLATE is the chat template in the demo model's GGUF file (its header's
+    ``tokenizer.chat_template``), so the default-system-prompt test is of SmolLM2's own: found in the first bytes,
+    without the seconds that parsing the file into a tokenizer takes."""
+    from lorafleet.data.model_source import resolve_model_source
 
-    tokenizer = data_tokenizer("smollm2-135m", None, source="test")
-    assert default_system_prompt(tokenizer) == "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+    source = resolve_model_source("smollm2-135m")
+    with open(f"{source.path}/{source.gguf_file}", "rb") as file:
+        header = file.read(8 << 20)  # the metadata (vocabulary, template) precedes the tensors
+    assert SMOLLM2_TEMPLATE.encode() in header
