@@ -29,6 +29,11 @@ class TaskAdapter:
     """LoRA rank r."""
     targets: tuple[str, ...] = LLAMA_TARGET_MODULES
     """Projections of every block that carry an A (r x in) and a B (out x r)."""
+    dora: bool = False
+    """A DoRA adapter (``LoraSpec.use_dora``): its tokens cost the rescale, its micro-batches the norm
+    (``costmodel.dora_cost``)."""
+    dora_dropout: bool = False
+    """DoRA with adapter dropout: its tokens also cost one more base-width GEMM (``costmodel.dora_cost``)."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -70,7 +75,12 @@ class AdapterLoad:
     @classmethod
     def from_specs(cls, specs: Sequence[LoraSpec], optimizer: OptimizerName | str = OptimizerName.ADAMW) -> AdapterLoad:
         """The load of a workload's tasks, from their ``LoraSpec``s."""
-        return cls(tuple(TaskAdapter(s.rank, tuple(s.target_modules)) for s in specs), OptimizerName(optimizer))
+        return cls(
+            tuple(
+                TaskAdapter(s.rank, tuple(s.target_modules), s.use_dora, s.use_dora and s.dropout > 0) for s in specs
+            ),
+            OptimizerName(optimizer),
+        )
 
     @property
     def n_tasks(self) -> int:
@@ -87,6 +97,11 @@ class AdapterLoad:
     def mean_params_per_layer(self, model: ModelSpec) -> float:
         """Adapter parameters one token meets in a block, averaged over tasks (each token uses its task's adapter)."""
         return self.params_per_layer(model) / self.n_tasks
+
+    def dora_share(self, with_dropout: bool = False) -> float:
+        """The fraction of tasks whose adapter is DoRA (with ``with_dropout``: DoRA with adapter dropout); a token
+        meets one in this proportion, as in :meth:`mean_params_per_layer`."""
+        return sum(t.dora and (t.dora_dropout or not with_dropout) for t in self.tasks) / self.n_tasks
 
     def state_bytes_per_param(self, dtype_bytes: int) -> int:
         """Bytes per adapter parameter: weight and gradient in the compute dtype, an fp32 master copy when

@@ -18,6 +18,8 @@ degree, model and GPU. Per block, per device, for a micro-batch of b sequences o
                  tp ranks inside the node: 2(tp-1)/tp * bytes / (N * e_link)
     constant    c6       : weight reads (forward and backward) 2 P dtype / tp / (W * e_mem)
               + 4 * 2(tp-1) link latencies + a fixed host/launch time per block
+    DoRA tasks add to c3 and c6 (``dora_cost``): the rescale's passes over a token's outputs, with adapter
+    dropout a second base-width GEMM, and per micro-batch the weight norm (one read of W)
 
 c2, c4 and c5 are zero: the datasheet says nothing about them. The LM head, the pipeline
 transfers, the adapters' gradient all-reduce and the optimizer step, which LobRA leaves
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.dora_cost import dora_terms
 from lorafleet.costmodel.fit import ROBUST_SCALE
 from lorafleet.costmodel.memory_model import MemoryFactors
 from lorafleet.costmodel.time_model import GB, MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
@@ -126,7 +129,27 @@ def analytic_layer_time(
     c3 = (gemm + elementwise) * MS_PER_S + TP_ALLREDUCES_PER_BLOCK * allreduce.slope * h * dtype_bytes
     weights = 2 * p * dtype_bytes / tp / (hbm * cal.memory) * MS_PER_S
     c6 = weights + TP_ALLREDUCES_PER_BLOCK * allreduce.fixed + cal.layer_overhead_ms
+    dora_token, dora_microbatch = dora_terms(model, adapters, tp, flops * cal.matmul, hbm * cal.memory, dtype_bytes)
+    c3 += dora_token * MS_PER_S
+    c6 += dora_microbatch * MS_PER_S
     return LayerTimeCoeffs((c1, 0.0, c3, 0.0, 0.0, c6))
+
+
+def analytic_dora_factor(
+    model: ModelSpec,
+    gpu: GPUSpec,
+    adapters: AdapterLoad,
+    shape: MicroBatchShape,
+    tp: int = 1,
+    cal: Calibration = DEFAULT_CALIBRATION,
+    dropout: bool = True,
+) -> float:
+    """DoRA's factor on a block's time (``dora_cost``): ``t(b, s)`` with every task of ``adapters`` DoRA (with adapter
+    dropout, or without) over ``t(b, s)`` with them plain LoRA, at ``shape`` on ``tp`` devices of ``gpu``."""
+    lora = AdapterLoad(tuple(replace(t, dora=False, dora_dropout=False) for t in adapters.tasks), adapters.optimizer)
+    dora = AdapterLoad(tuple(replace(t, dora=True, dora_dropout=dropout) for t in adapters.tasks), adapters.optimizer)
+    base = analytic_layer_time(model, gpu, tp, lora, cal).shape(shape)
+    return analytic_layer_time(model, gpu, tp, dora, cal).shape(shape) / base
 
 
 def analytic_head_time(

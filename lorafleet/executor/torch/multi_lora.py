@@ -190,6 +190,8 @@ class MultiLoraLinear(nn.Module):
         a DoRA norm sums its squares over it. None: this rank holds whole rows of ``W``."""
         self.adapters: dict[int, LoraSpec] = {}
         """Spec of each adapter id present in this layer."""
+        self._weight_sq: tuple[Tensor, Tensor] | None = None
+        """(the base weight, its ``dora.row_squares``): every DoRA norm's frozen part, kept while the weight is."""
         self.backend = LoraBackend(backend)
         self.segments: Segments | None = None
         """Row segments of the current forward; None outside a segments context."""
@@ -329,6 +331,13 @@ class MultiLoraLinear(nn.Module):
             y = self._dora(y, x2, keep, routing)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
+    def _row_squares(self) -> Tensor:
+        """``||W||²_c`` of the base weight, computed once per weight (TP slicing or loading replaces it)."""
+        weight = self.base_layer.weight
+        if self._weight_sq is None or self._weight_sq[0] is not weight:
+            self._weight_sq = (weight, dora.row_squares(weight))
+        return self._weight_sq[1]
+
     def _dora(self, y: Tensor, x: Tensor, keep: Tensor | None, routing: LoraRouting) -> Tensor:
         """The DoRA rescale (``dora.py``) of the rows of this call's DoRA adapters that own rows."""
         ids = list(self.adapters)
@@ -343,6 +352,7 @@ class MultiLoraLinear(nn.Module):
             [self.lora_B[k] for k in keys],
             [routing.scalings[i] for i in used],
             self.norm_group,
+            self._row_squares(),
         )  # (D, N), detached
         scale = torch.stack([self.lora_magnitude_vector[k] for k in keys]) / norms  # g = m / n
         weight, bias = self.base_layer.weight, self.base_layer.bias

@@ -17,7 +17,7 @@ from torch import nn
 
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.checkpoint import check_adapter_kinds, latest_step_dir, load_train_state
-from lorafleet.executor.torch.dora import MAGNITUDE
+from lorafleet.executor.torch.dora import MAGNITUDE, weight_norms
 from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers, segments_context
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
@@ -73,6 +73,20 @@ def test_initial_magnitude_is_pefts():
     for name, layer in multi_lora_layers(model):
         theirs = reference.get_submodule(f"base_model.model.{name}").lora_magnitude_vector["default"].weight
         torch.testing.assert_close(layer.lora_magnitude_vector["0"], theirs, rtol=1e-6, atol=0)
+
+
+def test_norms_are_the_column_norms_of_w_plus_delta_and_split_over_inputs():
+    """``||W + s B A||_c`` from the expanded form equals the direct one (fp64), and the row-parallel split's rule
+    holds: the squares of the input halves' norms add up to the whole's (what the TP all-reduce sums)."""
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(12, 20, generator=gen, dtype=torch.float64)
+    A = [torch.randn(r, 20, generator=gen, dtype=torch.float64) for r in (3, 5)]
+    B = [torch.randn(12, r, generator=gen, dtype=torch.float64) for r in (3, 5)]
+    got = weight_norms(W, A, B, [0.5, 2.0])
+    want = torch.stack([torch.linalg.norm(W + s * b @ a, dim=1) for a, b, s in zip(A, B, [0.5, 2.0])])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    halves = [weight_norms(W[:, k], [a[:, k] for a in A], B, [0.5, 2.0]) for k in (slice(0, 8), slice(8, 20))]
+    torch.testing.assert_close((halves[0] ** 2 + halves[1] ** 2).sqrt(), want, rtol=1e-12, atol=0)
 
 
 def test_mixed_microbatch_matches_peft_task_by_task(trained):
