@@ -37,15 +37,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--objective",
         default="makespan",
         help="makespan (default: the shortest step, then the fewest GPUs) or cost (the fewest currency units "
-        "per step at the pools' prices, within --makespan-tolerance of the shortest)",
+        "per step at the pools' prices, on any subset of the pools' GPUs; within --step-limit or --deadline "
+        "when given). cost prints the cost frontier",
     )
     parser.add_argument(
         "--makespan-tolerance",
         metavar="FRACTION",
         type=float,
         default=5e-3,
-        help="plans whose expected step is within this fraction of the fastest tie; the tie goes to fewer GPUs "
-        "or, with --objective cost, to the cheaper step (default 0.005)",
+        help="plans whose expected step is within this fraction of the fastest tie, and the tie goes to fewer GPUs; "
+        "with --objective cost, plans whose cost a step is within it of the cheapest tie, and the faster wins "
+        "(default 0.005)",
+    )
+    parser.add_argument(
+        "--step-limit",
+        metavar="SECONDS",
+        help="with --objective cost: the longest expected step a plan may have (default: none, the cheapest step "
+        "however long); --deadline STEPS:HOURS sets it to 3600 HOURS / STEPS",
     )
     add_policy_flags(parser, defaults=DispatchPolicy(), only=PLAN_POLICY_FLAGS)
     sizing = parser.add_argument_group("sizing the fleet (with --gpus auto; docs/planner.md)")
@@ -57,7 +65,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sizing.add_argument(
         "--deadline",
         metavar="STEPS:HOURS",
-        help="the fewest GPUs that run STEPS steps within HOURS hours (default goal: fewest GPU-seconds)",
+        help="the fewest GPUs that run STEPS steps within HOURS hours (default goal: fewest GPU-seconds); with "
+        "--objective cost, also without --gpus auto: the cheapest plan that does",
     )
     sizing.add_argument("--budget", metavar="GPU_HOURS", help="the fastest plan whose job fits GPU_HOURS GPU-hours")
     sizing.add_argument(
@@ -103,7 +112,35 @@ def _options(args: argparse.Namespace):
         robust_samples=args.samples,
         objective=args.objective,
         tie_rel=args.makespan_tolerance,
+        max_step_s=_step_limit(args),
     )
+
+
+def _step_limit(args: argparse.Namespace) -> float | None:
+    """``--step-limit``, or ``--deadline``'s 3600 HOURS / STEPS, under ``--objective cost`` (None: no limit)."""
+    from lorafleet.planner import PlanObjective
+
+    cost = args.objective == PlanObjective.COST
+    if args.step_limit is not None:
+        if not cost:
+            raise InputError(ARGS, "--step-limit", "goes with --objective cost (the makespan objective is the fastest)")
+        if args.deadline is not None:
+            raise InputError(ARGS, "--step-limit", "give --step-limit or --deadline, not both")
+        return _number("--step-limit", args.step_limit, float, "a number of seconds")
+    if cost and args.deadline is not None:
+        steps, hours = _deadline(args.deadline)
+        return 3600 * hours / steps
+    return None
+
+
+def _deadline(text: str) -> tuple[int, float]:
+    """``--deadline STEPS:HOURS`` as (steps, hours), or an InputError naming the flag."""
+    steps, colon, hours = text.partition(":")
+    if not colon:
+        raise InputError(ARGS, "--deadline", f"expected STEPS:HOURS (e.g. 2000:1.5), got {text!r}")
+    steps = _number("--deadline", steps, int, "STEPS:HOURS with STEPS a whole number (e.g. 2000:1.5)", "STEPS")
+    hours = _number("--deadline", hours, float, "STEPS:HOURS with HOURS a number (e.g. 2000:1.5)", "HOURS")
+    return steps, hours
 
 
 AUTO = "auto"
@@ -144,17 +181,16 @@ def _sizing(args: argparse.Namespace):
     """The SizingObjective and K of ``--gpus auto`` (None, None without it; its flags are refused then)."""
     from lorafleet.planner import Deadline, SizingObjective
 
-    given = [f for f in ("--max-nodes", "--deadline", "--budget", "--steps") if getattr(args, f[2:].replace("-", "_"))]
+    flags = ("--max-nodes", "--deadline", "--budget", "--steps")
+    if args.objective == "cost":  # a deadline is the cost objective's step-time limit on any cluster
+        flags = ("--max-nodes", "--budget", "--steps")
+    given = [f for f in flags if getattr(args, f[2:].replace("-", "_"))]
     if args.gpus != AUTO:
         if given:
             raise InputError(ARGS, given[0], "goes with --gpus auto (it sizes the fleet)")
         return None, None
     if args.deadline is not None:
-        steps, colon, hours = args.deadline.partition(":")
-        if not colon:
-            raise InputError(ARGS, "--deadline", f"expected STEPS:HOURS (e.g. 2000:1.5), got {args.deadline!r}")
-        steps = _number("--deadline", steps, int, "STEPS:HOURS with STEPS a whole number (e.g. 2000:1.5)", "STEPS")
-        hours = _number("--deadline", hours, float, "STEPS:HOURS with HOURS a number (e.g. 2000:1.5)", "HOURS")
+        steps, hours = _deadline(args.deadline)
     max_nodes = None if args.max_nodes is None else _number("--max-nodes", args.max_nodes, int, "a whole number")
     try:
         deadline = None if args.deadline is None else Deadline(steps, hours)
@@ -266,6 +302,53 @@ def _relative(ours: float, theirs: float) -> str:
     if theirs > 0:
         return f"{ours / theirs - 1:+.1%}"
     return "+0.0%" if ours == 0 else "-"
+
+
+def _check_limit(result, options, args: argparse.Namespace) -> None:
+    """An InputError naming ``--step-limit`` (or ``--deadline``) when the cost objective's plan misses its limit:
+    no deployment the planner judged meets it."""
+    limit = options.max_step_s
+    step = result.plan.expected_makespan_s
+    if limit is None or step <= limit:
+        return
+    flag = "--step-limit" if args.step_limit is not None else "--deadline"
+    raise InputError(
+        ARGS,
+        flag,
+        f"no deployment found of {result.plan.describe_fleet()} has an expected step within {limit:.4g} s: the "
+        f"fastest found takes {step:.4g} s",
+    )
+
+
+def frontier_table(result):
+    """The cost objective's frontier (``PlanResult.frontier``): the cheapest plan found at each step time, fastest
+    first, the chosen one marked, each point's cost against the chosen plan's."""
+    from rich.table import Table
+
+    plan = result.plan
+    limit = f"; step-time limit {plan.max_step_s:.4g} s" if plan.max_step_s is not None else ""
+    table = Table(title=f"cost frontier (expected batch): no plan judged is both faster and cheaper{limit}")
+    for column in ("", "step (s)", "cost/step", "vs chosen", "GPUs", "deployment"):
+        table.add_column(column, justify="left" if column in ("deployment", "") else "right")
+    chosen = plan.describe()
+    mine = [p.cost_per_step for p in result.frontier if p.deployment == chosen]
+    ours = mine[0] if mine else _plan_cost(result)
+    for point in result.frontier:
+        table.add_row(
+            "chosen" if point.deployment == chosen else "",
+            f"{point.makespan_s:.3f}",
+            f"{point.cost_per_step:.4g}",
+            _relative(point.cost_per_step, ours) if ours else "",
+            str(point.gpus),
+            point.deployment,
+        )
+    return table
+
+
+def _plan_cost(result) -> float | None:
+    from lorafleet.planner import LORAFLEET
+
+    return result.cost(LORAFLEET).cost_per_step
 
 
 def stats_table(result, cpu_s: float):
@@ -382,6 +465,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         cluster = workload_cluster(workload, gpus, args.gpu)
         result = plan_deployment(workload, cluster, workload_cost_model(workload, cluster, args.profile), options)
+        _check_limit(result, options, args)
     cost_model = result.cost_model  # with the plan's pipeline window
 
     console.print(plan_table(result.plan, result.expected_step))
@@ -391,6 +475,8 @@ def run(args: argparse.Namespace) -> int:
     money = cost_line(result, workload)
     if money:
         console.print(f"  {money}")
+    if result.frontier:
+        console.print(frontier_table(result))
     bounds = step_bounds(
         result.plan, result.expected_batch, valid_candidates(cost_model, cluster), cost_model, cluster.n_gpus
     )

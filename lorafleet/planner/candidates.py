@@ -14,7 +14,8 @@ Three steps of LobRA's planner (Sec. 4.3), each a small pure function:
    always hold, so where a plan is skipped against a makespan the planner uses the
    dispatcher's LP bound (:func:`~lorafleet.dispatch.balance.fluid_bound`) instead.
 
-:func:`enumerate_deployments` lists every maximal deployment, for the exhaustive mode.
+:func:`enumerate_deployments` lists every maximal deployment (every deployment, for the cost objective), for
+the exhaustive mode.
 """
 
 from __future__ import annotations
@@ -134,9 +135,10 @@ def has_distinct_max_tokens(problem: PlanningProblem, replicas: np.ndarray) -> b
     return len(deployed) == len(set(deployed))
 
 
-def enumerate_deployments(problem: PlanningProblem, limit: int) -> Iterator[np.ndarray]:
+def enumerate_deployments(problem: PlanningProblem, limit: int, maximal: bool = True) -> Iterator[np.ndarray]:
     """Every maximal deployment (no further replica of any candidate fits) that holds every
-    non-empty bucket, as count vectors p.
+    non-empty bucket, as count vectors p; every deployment that holds them, maximal or not, when not
+    ``maximal`` (the cost objective's reference: GPUs not held cost nothing).
 
     Raises:
         ValueError: more than ``limit`` deployments exist (the instance is too large to enumerate).
@@ -148,7 +150,8 @@ def enumerate_deployments(problem: PlanningProblem, limit: int) -> Iterator[np.n
     def extend(i: int, p: np.ndarray, left: np.ndarray) -> Iterator[np.ndarray]:
         nonlocal found
         if i == n_cand:
-            if not any(np.all(rows[:, k] <= left) for k in range(n_cand)) and problem.covers(p):
+            full = not maximal or not any(np.all(rows[:, k] <= left) for k in range(n_cand))
+            if full and problem.covers(p):
                 found += 1
                 if found > limit:
                     raise ValueError(f"more than {limit} deployments: too many to enumerate")

@@ -28,6 +28,7 @@ from lorafleet.dispatch import DispatchPolicy, dispatch_step
 from lorafleet.errors import InputError
 from lorafleet.planner.baselines import baseline_schedules
 from lorafleet.planner.candidates import propose_candidates, valid_candidates
+from lorafleet.planner.cost_search import entry_cost, frontier_of
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.objective import preferred, race, replica_price
 from lorafleet.planner.options import PlannerMode, PlannerOptions, PlanObjective
@@ -35,7 +36,7 @@ from lorafleet.planner.placement import build_plan, with_expectation
 from lorafleet.planner.problem import Candidate, PlanningProblem, build_problem
 from lorafleet.planner.schedule import Phase, Schedule, expected_cost
 from lorafleet.planner.search import PoolEntry, search
-from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
+from lorafleet.plans import DeploymentPlan, FrontierPoint, GlobalBatch, StepPlan
 from lorafleet.sampling import sample_global_batch
 from lorafleet.solvers import SolveResult
 from lorafleet.specs.cluster import ClusterSpec
@@ -103,6 +104,10 @@ class PlanResult:
     """lorafleet first, then each baseline."""
     baselines: tuple[Schedule, ...]
     diagnostics: PlanDiagnostics
+    frontier: tuple[FrontierPoint, ...] = ()
+    """Under the cost objective, the cost frontier of the deployments judged on the expected batch: those no
+    other is faster and cheaper than, fastest first (``cost_search.frontier_of``; also ``plan.cost_frontier``).
+    Empty under the makespan objective."""
 
     def cost(self, name: str) -> ScheduleCost:
         return next(c for c in self.costs if c.name == name)
@@ -183,6 +188,7 @@ def robust_choice(
             lambda k: finalists[k].used_gpus,
             options.tie_rel,
             by_price,
+            options.max_step_s,
         )
         return RobustChoice(finalists=tuple(finalists), chosen=pick, schedule=schedules[pick], sampled_steps=0)
     makespans = race(schedules, batches, problem.cost_model, options.tie_rel, options.race_rung, prices)
@@ -226,6 +232,32 @@ def _idle_note(problem: PlanningProblem, chosen: PoolEntry, ranked: list[PoolEnt
         f"{idle} GPU(s) left idle: more replicas would not lower the expected makespan beyond the tie tolerance, "
         f"so idling them saves {idle * makespan_s:.3g} GPU-seconds per step{versus}"
     )
+
+
+def _cost_notes(
+    problem: PlanningProblem, chosen: PoolEntry, ranked: list[PoolEntry], options: PlannerOptions
+) -> list[str]:
+    """Under the cost objective: the GPUs not held and why, and the step-time limit when one was given."""
+    prices = problem.replica_prices
+    assert prices is not None
+    notes = []
+    idle = problem.n_gpus - chosen.used_gpus
+    fastest = min(ranked, key=lambda e: (e.expected_makespan, e.used_gpus))
+    if idle:
+        versus = ""
+        if fastest is not chosen:
+            versus = (
+                f"; the fastest plan found ({fastest.expected_makespan:.4g} s on {fastest.used_gpus} GPUs) costs "
+                f"{entry_cost(fastest, prices):.4g} a step against {entry_cost(chosen, prices):.4g}"
+            )
+        notes.append(f"{idle} GPU(s) not held: more replicas would not make a step cheaper{versus}")
+    limit = options.max_step_s
+    if limit is not None:
+        met = chosen.expected_makespan <= limit
+        notes.append(
+            f"step-time limit {limit:.4g} s: {'met' if met else 'missed'} ({chosen.expected_makespan:.4g} s expected)"
+        )
+    return notes
 
 
 def _expected_cost(schedule: Schedule, cluster: ClusterSpec) -> float | None:
@@ -304,6 +336,13 @@ def _plan_deployment(
             repr(p.name) if p.name else "the cluster's" for p in cluster.pools if p.price_per_gpu_hour is None
         )
         raise InputError("<args>", "--objective", f"cost needs a price_per_gpu_hour on every pool; {unpriced} has none")
+    if options.objective is PlanObjective.COST and options.mode is PlannerMode.JOINT_MINLP:
+        raise InputError(
+            "<args>",
+            "--mode",
+            "joint-minlp solves the makespan objective only; --objective cost plans in "
+            "the decomposed (default) or exhaustive mode",
+        )
     expected = expected_global_batch(workload)
     valid = valid_candidates(cost_model, cluster)
     _check_longest(workload, valid, cluster)
@@ -333,14 +372,21 @@ def _plan_deployment(
             f"robust choice among {len(choice.finalists)} plans raced on sampled batches: mean makespan "
             f"{chosen.sampled_makespan:.4g} s over {choice.sampled_steps} of them"
         )
-    idle = _idle_note(problem, chosen, ranked, expected_step.estimated_makespan_s)
-    if idle:
-        notes.append(idle)
+    frontier: tuple[FrontierPoint, ...] = ()
+    if options.objective is PlanObjective.COST:
+        frontier = frontier_of(problem, ranked)
+        notes.extend(_cost_notes(problem, chosen, ranked, options))
+    else:
+        idle = _idle_note(problem, chosen, ranked, expected_step.estimated_makespan_s)
+        if idle:
+            notes.append(idle)
     plan = replace(
         with_expectation(choice.schedule.phases[0].plan, expected_step),
         notes=tuple(notes),
         objective=options.objective,
         tie_rel=options.tie_rel,
+        max_step_s=options.max_step_s,
+        cost_frontier=frontier,
     )
     schedule = replace(choice.schedule, phases=(replace(choice.schedule.phases[0], plan=plan),))
 
@@ -392,4 +438,5 @@ def _plan_deployment(
         costs=tuple(costs),
         baselines=baselines,
         diagnostics=diagnostics,
+        frontier=frontier,
     )

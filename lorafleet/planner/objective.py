@@ -39,6 +39,7 @@ def preferred(
     gpus: Callable[[T], int],
     tie_rel: float,
     price: Callable[[T], float] | None = None,
+    limit: float | None = None,
 ) -> T:
     """The plan the planner prefers among ``items``: the objective, in one place.
 
@@ -53,15 +54,24 @@ def preferred(
 
     the fastest plan, except that one within ε of it on fewer GPUs wins (GPU-seconds per step
     fall by more than the step time rises), then the faster of those. With ``price`` (``--objective
-    cost``: c(p), what plan p's replicas cost a second at their pools' prices, Σ_i p_i c_i) the plan of
-    fewest currency units per step among those within ε wins instead::
+    cost``: c(p), what plan p's replicas cost a second at their pools' prices, Σ_i p_i c_i) the cheapest step
+    wins, over every plan whatever its step time, or over those within the step-time limit L (``limit``,
+    ``--step-limit``), costs within ε of the least tied and the faster of those winning::
 
-        p* = argmin_lex { (t̄(p) c(p), t̄(p)) : t̄(p) <= (1 + ε) min_q t̄(q) }
+        p* = argmin_lex { (t̄(p), N(p)) : p in Q, t̄(p) c(p) <= (1 + ε) min_{q in Q} t̄(q) c(q) },
+        Q = { p : t̄(p) <= L }
+
+    When no plan is within the limit (Q empty), the fastest plan is returned: the caller says the limit is missed.
     """
+    if price is not None:
+        within = [x for x in items if limit is None or makespan(x) <= limit]
+        if not within:
+            return min(items, key=lambda x: (makespan(x), gpus(x)))
+        least = min(makespan(x) * price(x) for x in within)
+        tied = [x for x in within if makespan(x) * price(x) <= least * (1 + tie_rel)]
+        return min(tied, key=lambda x: (makespan(x), gpus(x)))
     best = min(makespan(x) for x in items)
     tied = [x for x in items if makespan(x) <= best * (1 + tie_rel)]
-    if price is not None:
-        return min(tied, key=lambda x: (makespan(x) * price(x), makespan(x)))
     return min(tied, key=lambda x: (gpus(x), makespan(x)))
 
 

@@ -46,7 +46,8 @@ class PlannerOptions:
        ``enumeration_limit`` (exhaustive);
     4. **filter and judge**: ``lower_bound_threshold``, ``min_survivors``, ``exact_top``;
     5. **robust race** on sampled batches: ``robust_top``, ``robust_samples``, ``race_rung``, ``seed``;
-    6. **objective**: ``objective``, ``tie_rel``, ``prices`` (:func:`~lorafleet.planner.objective.preferred`);
+    6. **objective**: ``objective``, ``tie_rel``, ``max_step_s``, ``prices``
+       (:func:`~lorafleet.planner.objective.preferred`);
     7. **report**: ``baselines``.
 
     A re-plan of a saved plan takes its options from :meth:`replanning`: what the plan was planned for.
@@ -108,11 +109,15 @@ class PlannerOptions:
 
     # 6. objective
     objective: PlanObjective = PlanObjective.MAKESPAN
-    """Among plans of makespans within ``tie_rel`` of the fastest: the one on fewest GPUs, or (``cost``) the
-    one of fewest currency units per step at the pools' prices."""
+    """``makespan``: among plans of makespans within ``tie_rel`` of the fastest, the one on fewest GPUs. ``cost``:
+    the fewest currency units per step at the pools' prices, over every deployment of any subset of the pools'
+    GPUs, within ``max_step_s`` when given (``objective.preferred``, the search: ``planner.cost_search``)."""
     tie_rel: float = TIE_REL
-    """Makespans within this fraction count as equal, and the plan with fewer GPUs (or, by ``objective``,
-    the cheaper step) wins: the makespan tolerance."""
+    """Makespans within this fraction count as equal, and the plan with fewer GPUs wins: the makespan tolerance.
+    Under the ``cost`` objective, costs a step within this fraction count as equal, and the faster plan wins."""
+    max_step_s: float | None = None
+    """Under the ``cost`` objective, the longest expected step a plan may have, seconds (``plan --step-limit``,
+    or a ``--deadline``'s hours over its steps); None: no limit, the cheapest step however long."""
     prices: tuple[tuple[str, float], ...] = ()
     """``(pool, price per GPU-hour)`` pairs the planner prices those pools by instead of the cluster's (a
     re-plan's: the prices its plan recorded, :meth:`replanning`); empty: the cluster's prices."""
@@ -150,6 +155,10 @@ class PlannerOptions:
                 raise InputError(OPTIONS_SOURCE, "prices", f"pool {pool!r}: a price must be >= 0, got {price}")
             if price_too_large(price):
                 raise InputError(OPTIONS_SOURCE, "prices", f"pool {pool!r}: a price {price_too_large(price)}")
+        if self.max_step_s is not None and not (0 < self.max_step_s < float("inf")):
+            raise InputError(OPTIONS_SOURCE, "max_step_s", f"must be > 0 seconds and finite, got {self.max_step_s}")
+        if self.max_step_s is not None and self.objective is not PlanObjective.COST:
+            raise InputError(OPTIONS_SOURCE, "max_step_s", "a step-time limit goes with the cost objective")
         for name, value in {
             "polish_evaluations": self.polish_evaluations,
             "exact_top": self.exact_top,
@@ -159,17 +168,18 @@ class PlannerOptions:
                 raise InputError(OPTIONS_SOURCE, name, f"must be >= 0, got {value}")
 
     def replanning(self, plan: DeploymentPlan, policy: DispatchPolicy | None = None) -> PlannerOptions:
-        """These options for a re-plan of ``plan``: by what it was planned for, its ``objective``, ``tie_rel`` and
-        pools' prices (``DeploymentPlan.prices``), judged under ``policy`` (default: the plan's own), without
-        baselines. Every re-plan of a running plan takes its options here (``train.replan.replan_run``,
-        ``planner.incremental.replan_incremental``), so a fleet planned by cost on priced pools is re-planned by
-        cost at those prices; a plan of schema 3 or older records the defaults (makespan, ``TIE_REL``, no
-        prices)."""
+        """These options for a re-plan of ``plan``: by what it was planned for, its ``objective``, ``tie_rel``,
+        step-time limit (``max_step_s``) and pools' prices (``DeploymentPlan.prices``), judged under ``policy``
+        (default: the plan's own), without baselines. Every re-plan of a running plan takes its options here
+        (``train.replan.replan_run``, ``planner.incremental.replan_incremental``), so a fleet planned by cost on
+        priced pools is re-planned by cost at those prices, within its limit; a plan of schema 3 or older records
+        the defaults (makespan, ``TIE_REL``, no prices)."""
         return replace(
             self,
             policy=plan.policy if policy is None else policy,
             objective=plan.objective,
             tie_rel=plan.tie_rel,
+            max_step_s=plan.max_step_s,
             prices=plan.prices,
             baselines=False,
         )

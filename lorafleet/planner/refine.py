@@ -49,25 +49,17 @@ def _removal_candidates(problem: PlanningProblem, entry: PoolEntry, bar: float) 
     return out
 
 
-def trimmed(
-    problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions, prices: np.ndarray | None = None
-) -> PoolEntry | None:
+def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions) -> PoolEntry | None:
     """``entry`` with replicas removed while its expected makespan stays within ``tie_rel`` of the original.
 
     The aggregated MILP spreads even a single sequence over replicas, so it never sees that
     a replica cannot help (one long sequence sets the makespan, say); the dispatcher's load
     model does. Greedily, the removal that frees the most GPUs among the acceptable ones is made,
-    until none is acceptable; with ``prices`` (what a replica of each candidate costs a second:
-    ``--objective cost``) every acceptable removal is judged and the one that leaves the cheapest step
-    is made, if that step costs less than the current one. Removals are screened by
-    :func:`_removal_candidates` before any re-balance. None when nothing can be removed.
+    until none is acceptable. Removals are screened by :func:`_removal_candidates` before any
+    re-balance. None when nothing can be removed. (The cost objective's removals are moves of its own
+    search, ``planner.cost_search``.)
     """
     current, bar = entry, entry.expected_makespan * (1 + options.tie_rel)
-
-    def cost(e: PoolEntry) -> float:
-        assert prices is not None
-        return e.expected_makespan * float(e.replicas @ prices)
-
     while True:
         best = None
         screened = sorted(_removal_candidates(problem, current, bar), key=lambda c: -int(problem.gpus[c[0]]))
@@ -81,17 +73,14 @@ def trimmed(
             candidate = replace(candidate, expected=evaluate(problem, candidate.load, exact=False, options=options)[0])
             if candidate.expected_makespan > bar:
                 continue
-            if prices is None:
-                best = candidate
-                break
-            if cost(candidate) < cost(best if best is not None else current):
-                best = candidate
+            best = candidate
+            break
         if best is None:
             return current if current is not entry else None
         current = best
 
 
-def _swaps(problem: PlanningProblem, replicas: np.ndarray) -> Iterator[np.ndarray]:
+def swaps(problem: PlanningProblem, replicas: np.ndarray) -> Iterator[np.ndarray]:
     """Deployments on the same GPUs: one replica of a deployed config i traded for N_i / N_j
     replicas of config j (N_j dividing N_i), or N_j / N_i replicas of i for one of j; then
     every replica of a deployed config i traded for replicas of j on the same GPUs (a class
@@ -130,7 +119,7 @@ def _traded(
 def polished(
     problem: PlanningProblem, starts: Sequence[PoolEntry], judged: Sequence[PoolEntry], options: PlannerOptions
 ) -> list[PoolEntry]:
-    """Local search from each of ``starts``: GPU-neutral swaps (:func:`_swaps`), first
+    """Local search from each of ``starts``: GPU-neutral swaps (:func:`swaps`), first
     improvement, until none helps; at most ``options.polish_evaluations`` deployments looked
     at in all, none of them one of ``judged`` (already evaluated). Returns the improved plans
     (none when no swap helps).
@@ -147,7 +136,7 @@ def polished(
         current = start
         while looked < options.polish_evaluations:
             better = None
-            for replicas in _swaps(problem, current.replicas):
+            for replicas in swaps(problem, current.replicas):
                 if looked >= options.polish_evaluations:
                     break
                 if tuple(replicas) in seen:

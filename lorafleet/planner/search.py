@@ -19,6 +19,7 @@ import numpy as np
 
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner.candidates import enumerate_deployments, has_distinct_max_tokens, lower_bound_filter
+from lorafleet.planner.cost_search import cost_search, ranked_by_cost
 from lorafleet.planner.deployment_ilp import branch_deployments, solve_root
 from lorafleet.planner.evaluation import PoolEntry, evaluate, pool_entry
 from lorafleet.planner.fallback import heuristic_deployment
@@ -160,10 +161,13 @@ def _decomposed_search(problem: PlanningProblem, options: PlannerOptions) -> Sea
 
 
 def exhaustive_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
-    """Every maximal deployment (no filter: this is the reference the others are checked against)."""
+    """Every maximal deployment (no filter: this is the reference the others are checked against); under the
+    cost objective every deployment, maximal or not (GPUs not held cost nothing)."""
+    maximal = options.objective is not PlanObjective.COST
     return SearchOutcome(
         pool=tuple(
-            pool_entry(problem, p, "enumeration") for p in enumerate_deployments(problem, options.enumeration_limit)
+            pool_entry(problem, p, "enumeration", filtered=maximal)
+            for p in enumerate_deployments(problem, options.enumeration_limit, maximal)
         )
     )
 
@@ -199,8 +203,10 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
     polished by GPU-neutral swaps (:func:`polished`). The preferred one (least expected
     makespan, or within ``tie_rel`` of it on fewer GPUs) is also offered with idle replicas
     trimmed (:func:`trimmed`); the list returned starts with the preferred plan, then the others
-    by expected makespan.
+    by expected makespan. The cost objective searches its own way (:func:`_search_cost`).
     """
+    if options.objective is PlanObjective.COST:
+        return _search_cost(problem, options)
     outcome = POOLS[options.mode](problem, options)
     incumbent = _incumbent(problem, options)
     if incumbent is not None and not any(np.array_equal(e.replicas, incumbent.replicas) for e in outcome.pool):
@@ -218,14 +224,30 @@ def search(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOut
     if ranked:
         start = _preferred_entry(problem, ranked, options)
         trims = [trimmed(problem, start, options)]
-        if options.objective is PlanObjective.COST:  # the GPU-freeing trim and the cost-greedy one: either may win
-            trims.append(trimmed(problem, start, options, problem.replica_prices))
         ranked.extend(t for t in trims if t is not None)
         ranked.sort(key=lambda e: (e.expected_makespan, e.used_gpus))
         best = _preferred_entry(problem, ranked, options)
         ranked = [best, *(e for e in ranked if e is not best)]
     pool = ranked + [e for e in pool if e.expected is None]
     return replace(outcome, pool=tuple(pool), solves=tuple(solves)), ranked
+
+
+def _search_cost(problem: PlanningProblem, options: PlannerOptions) -> tuple[SearchOutcome, list[PoolEntry]]:
+    """:func:`search` under the cost objective: the sweep, judging and moves of ``planner.cost_search`` (decomposed
+    mode), or every deployment judged (exhaustive); ranked the preferred first, then by cost within the limit."""
+    incumbent = _incumbent(problem, options)
+    if options.mode is PlannerMode.DECOMPOSED:
+        pool, ranked, solves, notes, fell_back = cost_search(problem, options, incumbent)
+        unjudged = [e for e in pool if e.expected is None]
+        return SearchOutcome(pool=(*ranked, *unjudged), solves=solves, notes=notes, fell_back=fell_back), ranked
+    outcome = POOLS[options.mode](problem, options)
+    if incumbent is not None and not any(np.array_equal(e.replicas, incumbent.replicas) for e in outcome.pool):
+        outcome = replace(outcome, pool=(*outcome.pool, incumbent))
+    pool = _evaluate_survivors(problem, outcome.pool, options)
+    prices = problem.replica_prices
+    assert prices is not None
+    ranked = ranked_by_cost([e for e in pool if e.expected is not None], prices, options)
+    return replace(outcome, pool=(*ranked, *(e for e in pool if e.expected is None))), ranked
 
 
 def _incumbent(problem: PlanningProblem, options: PlannerOptions) -> PoolEntry | None:

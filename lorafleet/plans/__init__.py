@@ -13,6 +13,7 @@ from lorafleet.plans.deployment import PLAN_KIND, PLAN_SCHEMA_VERSION, Deploymen
 from lorafleet.plans.parts import (
     PLAN_SOURCE,
     ConfigName,
+    FrontierPoint,
     PlanPool,
     PolicyJson,
     ReplicaJson,
@@ -28,6 +29,7 @@ __all__ = [
     "PLAN_SOURCE",
     "ConfigName",
     "DeploymentPlan",
+    "FrontierPoint",
     "GlobalBatch",
     "MicroBatch",
     "PlanPool",

@@ -16,7 +16,7 @@ from pydantic import ConfigDict
 from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.errors import InputError
-from lorafleet.plans.parts import PLAN_SOURCE, PlanPool, PolicyJson, ReplicaSpec
+from lorafleet.plans.parts import PLAN_SOURCE, FrontierPoint, PlanPool, PolicyJson, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec, PoolSpec, first_gpu, named_pool, pool_at, price_too_large
 from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.specs.io import read_json_object, write_text_atomic
@@ -41,6 +41,8 @@ _REQUIRED = {
     PLAN_SCHEMA_VERSION: ("policy", "pools", "recompute", "objective", "tie_rel"),
 }
 """The fields a plan file of each schema version it may have must hold (the rest have defaults)."""
+_UNSET: dict[str, Any] = {"max_step_s": None, "cost_frontier": []}
+"""Fields a plan file holds only when set (their JSON when unset): what the cost objective records."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,12 @@ class DeploymentPlan:
     """The objective the planner chose the plan by (``plan --objective``), which a re-plan chooses by too."""
     tie_rel: float = TIE_REL
     """The makespan tolerance it chose by (``plan --makespan-tolerance``; ``PlannerOptions.tie_rel``)."""
+    max_step_s: float | None = None
+    """The step-time limit the cost objective chose within (``plan --step-limit``, ``--deadline``;
+    ``PlannerOptions.max_step_s``), which a re-plan keeps; None: none. Written only when set."""
+    cost_frontier: tuple[FrontierPoint, ...] = ()
+    """Under the cost objective, the cheapest deployments the planner judged at each step time, fastest first
+    (``PlanResult.frontier``): what the report plots. Written only when there are some."""
 
     @property
     def prices(self) -> tuple[tuple[str, float], ...]:
@@ -191,8 +199,14 @@ class DeploymentPlan:
         return self.policy.pipeline_window if pipelined else 1
 
     def to_json(self) -> dict[str, Any]:
-        """The plan file's object: every field (typed as the adapter dumps it), its schema version and kind."""
-        return {**adapter(DeploymentPlan).dump_python(self, mode="json"), **_header()}
+        """The plan file's object: every field (typed as the adapter dumps it), its schema version and kind. The
+        cost objective's ``max_step_s`` and ``cost_frontier`` are left out when unset, so a plan of another objective
+        writes what it wrote before they were added."""
+        data = adapter(DeploymentPlan).dump_python(self, mode="json")
+        for name, unset in _UNSET.items():
+            if data.get(name) == unset:
+                del data[name]
+        return {**data, **_header()}
 
     def save(self, path: str | Path) -> None:
         """Write atomically: a reader never sees half a plan (an InputError when ``path`` is unwritable)."""

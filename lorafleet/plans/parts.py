@@ -147,3 +147,20 @@ class PlanPool:
     def describe(self) -> str:
         """``16 x A100-40GB (a100)`` (``specs.cluster.describe_pool``)."""
         return describe_pool(self)
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One point of a plan's cost frontier (``plan --objective cost``): a deployment the planner judged on the
+    expected batch that no other it judged beats on both step time and cost (``planner.frontier.pareto``)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    makespan_s: float
+    """Its expected step time: the dispatcher's estimate on the expected batch."""
+    cost_per_step: float
+    """What a step costs on it at the pools' prices: the makespan x what its replicas cost a second."""
+    gpus: int
+    """The GPUs its replicas hold."""
+    deployment: str
+    """Its replicas, as ``DeploymentPlan.describe`` writes them (``<1,1>@h100 x 4 + <2,2>@h100 x 1``)."""

@@ -20,8 +20,8 @@ def workload_path(tmp_path_factory):
 def test_cli_surface_is_frozen():
     """A new option of `plan` must be added here on purpose (as `train`'s are in test_train.py).
     --max-nodes, --deadline, --budget and --steps size the fleet with --gpus auto (docs/planner.md);
-    --objective and --makespan-tolerance choose between plans (#29: the cost objective); --stats prints the
-    planner's work counters (issue #26)."""
+    --objective and --makespan-tolerance choose between plans (#29: the cost objective); --step-limit bounds the
+    cost objective's step (#43); --stats prints the planner's work counters (issue #26)."""
     plan = build_parser()._subparsers._group_actions[0].choices["plan"]
     assert sorted(o for a in plan._actions for o in a.option_strings) == [
         "--budget",
@@ -42,6 +42,7 @@ def test_cli_surface_is_frozen():
         "--set",
         "--solver",
         "--stats",
+        "--step-limit",
         "--steps",
         "-h",
     ]
@@ -179,3 +180,61 @@ def test_a_plan_on_priced_pools_prints_its_cost_and_the_cost_objective_is_cheape
         costs[objective] = float(line.split()[1])
         assert [p.name for p in DeploymentPlan.load(out).pools] == ["a100", "h100"]
     assert costs["cost"] <= costs["makespan"]
+
+
+@pytest.fixture(scope="module")
+def pools_path(tmp_path_factory):
+    import yaml
+
+    from tests.helpers.pools import POOLS_WORKLOAD
+
+    path = tmp_path_factory.mktemp("pools") / "pools.yaml"
+    path.write_text(yaml.safe_dump(POOLS_WORKLOAD))
+    return str(path)
+
+
+def test_the_cost_objective_prints_its_frontier_and_keeps_a_deadline(pools_path, tmp_path, capsys):
+    """#43: ``--objective cost`` prints the cost frontier (fastest first, each point cheaper than the one before,
+    the chosen plan on it) and records it in the plan; ``--deadline STEPS:HOURS`` without ``--gpus auto`` is its
+    step-time limit (3600 HOURS / STEPS), which the plan keeps and records."""
+    out = tmp_path / "cost.json"
+    assert main(["plan", pools_path, "--objective", "cost", "--samples", "0", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "cost frontier (expected batch)" in text
+    rows = [line.split("│")[1:7] for line in text.splitlines() if line.startswith("│") and "@" in line.split("│")[-2]]
+    steps, costs = [float(r[1]) for r in rows], [float(r[2]) for r in rows]
+    assert len(rows) >= 3 and steps == sorted(steps) and costs == sorted(costs, reverse=True)
+    assert [r[0].strip() for r in rows].count("chosen") == 1
+    plan = DeploymentPlan.load(out)
+    assert len(plan.cost_frontier) == len(rows) and plan.max_step_s is None
+    cheapest = plan.expected_makespan_s
+
+    limit = round(cheapest / 2, 3)
+    hours = limit * 1000 / 3600
+    out = tmp_path / "deadline.json"
+    flags = ["--objective", "cost", "--deadline", f"1000:{hours}", "--samples", "0", "--json", str(out)]
+    assert main(["plan", pools_path, *flags]) == 0
+    assert f"step-time limit {limit:.4g} s" in capsys.readouterr().out
+    bounded = DeploymentPlan.load(out)
+    assert bounded.max_step_s == pytest.approx(limit) and bounded.expected_makespan_s <= bounded.max_step_s
+
+
+@pytest.mark.parametrize(
+    "flags,where",
+    [
+        (["--step-limit", "5"], "--step-limit: goes with --objective cost"),
+        (["--objective", "cost", "--step-limit", "0"], "--step-limit: must be > 0, got 0"),
+        (["--objective", "cost", "--step-limit", "abc"], "--step-limit: expected a number of seconds, got 'abc'"),
+        (["--objective", "cost", "--step-limit", "5", "--deadline", "10:1"], "give --step-limit or --deadline"),
+        (["--objective", "cost", "--deadline", "2000"], "--deadline: expected STEPS:HOURS"),
+        (["--objective", "cost", "--budget", "10"], "--budget: goes with --gpus auto"),
+        (["--objective", "cost", "--step-limit", "0.001"], "--step-limit: no deployment found of"),
+        (["--objective", "cost", "--mode", "joint-minlp"], "--mode: joint-minlp"),
+    ],
+)
+def test_bad_cost_flags_are_one_line_errors(pools_path, tmp_path, capsys, flags, where):
+    out = tmp_path / "plan.json"
+    assert main(["plan", pools_path, "--samples", "0", *flags, "--json", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and where in err and err.startswith("lorafleet: error:"), err
+    assert not out.exists()

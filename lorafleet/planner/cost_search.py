@@ -1,0 +1,232 @@
+"""The search of the cost objective (``plan --objective cost``): the cheapest step, judged by the dispatcher.
+
+1. **Proposals.** The sweep (:func:`.frontier.cost_sweep`) gives the model's cheapest deployment at each step
+   time it solves, and the makespan MILP's fastest; the running deployment (a re-plan's incumbent) joins them.
+   The model is a fluid one: the dispatcher's step is longer (ceil shares, whole micro-batches, the bubble), so
+   under a step-time limit L the cheapest proposals whose judged step is past L are solved again at a T scaled
+   down by how far the model was from the dispatcher on them (:data:`LIMIT_RETRIES` at most).
+2. **Judged** by the dispatcher on the expected batch (:func:`.evaluation.evaluate`), as every deployment the
+   planner compares is; a deployment's cost a step is its judged makespan x c(p), what its replicas cost a
+   second.
+3. **Refined**: from the cheapest ``polish_starts``, a local search over one-replica moves (a replica removed,
+   a replica traded for replicas of another config on the same number of GPUs, on any pool, or a replica
+   added), first improvement: a move is kept when its step is cheaper by more than ``tie_rel`` and within L;
+   ``polish_evaluations`` moves judged at most. A move whose LP bound (``dispatch.fluid_bound``) is already at the
+   step time at which it would cost as much as the plan it must beat is not judged, and the others only up to that
+   step time (:func:`.evaluation.evaluate_below`).
+4. **Ranked** by the objective (:func:`.objective.preferred` with the price and L): the cheapest step within L,
+   costs within ``tie_rel`` tied and the faster winning; the robust race then runs on the cheapest three.
+
+The judged deployments give the cost frontier (:func:`frontier_of`: none faster and cheaper), which ``plan``
+prints and the plan records.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+
+from lorafleet.dispatch import fluid_bound
+from lorafleet.errors import SolverFallbackWarning
+from lorafleet.planner.evaluation import PoolEntry, evaluate, evaluate_below, pool_entry
+from lorafleet.planner.fallback import heuristic_deployment
+from lorafleet.planner.frontier import CostSweep, cheapest_at, cost_sweep, pareto
+from lorafleet.planner.objective import preferred
+from lorafleet.planner.options import PlannerOptions
+from lorafleet.planner.problem import PlanningProblem
+from lorafleet.planner.refine import swaps
+from lorafleet.plans import FrontierPoint
+from lorafleet.solvers import SolveResult
+
+LIMIT_RETRIES = 3
+"""Under a step-time limit, the most extra cost MILPs solved below it (step 1 of the module doc)."""
+
+
+def entry_cost(entry: PoolEntry, prices: np.ndarray) -> float:
+    """What a step on ``entry`` costs: its judged makespan x what its replicas cost a second (inf: not judged)."""
+    return entry.expected_makespan * float(entry.replicas @ prices) if entry.expected is not None else math.inf
+
+
+def describe_replicas(problem: PlanningProblem, replicas: np.ndarray) -> str:
+    """``<1,1>@h100 x 4 + <2,2>@h100 x 1``: as ``DeploymentPlan.describe`` writes the plan of ``replicas``."""
+    order = {p.name: k for k, p in enumerate(problem.cluster.pools)}
+    counts = [(c.config, int(n)) for c, n in zip(problem.candidates, replicas, strict=True) if n > 0]
+    counts.sort(key=lambda item: (order.get(item[0].pool, len(order)), item[0]))
+    return " + ".join(f"{c} x {n}" for c, n in counts)
+
+
+def cost_search(
+    problem: PlanningProblem, options: PlannerOptions, incumbent: PoolEntry | None = None
+) -> tuple[list[PoolEntry], list[PoolEntry], tuple[SolveResult, ...], tuple[str, ...], bool]:
+    """Steps 1-4 of the module doc. Returns every deployment considered, the judged ones ranked (the preferred
+    first, then the others within the limit by cost, then the rest by makespan), the solves, notes, and whether
+    the heuristic stands in for a solver that gave nothing."""
+    prices = problem.replica_prices
+    assert prices is not None, "plan_deployment checks that every pool has a price"
+    limit = options.max_step_s
+    sweep = cost_sweep(
+        problem, prices, limit=limit, solver=options.solver, time_limit_s=options.time_limit_s, tie_rel=options.tie_rel
+    )
+    solves = list(sweep.solves)
+    notes = list(sweep.notes)
+    pool: list[PoolEntry] = []
+    seen: set[tuple[int, ...]] = set()
+
+    def add(replicas: np.ndarray, source: str, relaxed: float | None = None) -> None:
+        if tuple(replicas) in seen:
+            return
+        seen.add(tuple(replicas))
+        entry = pool_entry(problem, replicas, source, relaxed, filtered=False)
+        if entry.load is not None:
+            entry = replace(entry, expected=evaluate(problem, entry.load, exact=False, options=options)[0])
+        pool.append(entry)
+
+    if sweep.fastest is not None:
+        add(sweep.fastest.replicas, "milp:root", sweep.fastest.makespan)
+    for point in sweep.points:
+        add(point.replicas, f"sweep:{point.limit:.4g}s", point.makespan)
+    fell_back = not any(e.expected is not None for e in pool)
+    if fell_back:
+        message = "the cost sweep gave no deployment that holds the batch; falling back to the heuristic plan"
+        warnings.warn(message, SolverFallbackWarning, stacklevel=2)
+        notes.append(message)
+        replicas, fluid = heuristic_deployment(problem)
+        add(replicas, "heuristic", fluid)
+    if incumbent is not None:
+        add(incumbent.replicas, "incumbent")
+    if limit is not None:
+        solves += _below_limit(problem, prices, pool, add, options, limit)
+
+    judged = [e for e in pool if e.expected is not None]
+    starts = ranked_by_cost(judged, prices, options)[: options.polish_starts]
+    for entry in _polished(problem, starts, prices, options, limit, seen):
+        pool.append(entry)
+        judged.append(entry)
+    ranked = ranked_by_cost(judged, prices, options)
+    notes.append(_sweep_note(sweep))
+    return pool, ranked, tuple(solves), tuple(notes), fell_back
+
+
+def _sweep_note(sweep: CostSweep) -> str:
+    solved = len(sweep.points)
+    how = "every gap closed" if sweep.closed else f"stopped with the model's cheapest step >= {sweep.bound:.4g}"
+    best = sweep.best
+    found = f"; the model's cheapest {best.cost:.4g} a step at {best.makespan:.4g} s" if best is not None else ""
+    return f"cost sweep: {solved} step times solved ({how}){found}"
+
+
+def ranked_by_cost(entries: list[PoolEntry], prices: np.ndarray, options: PlannerOptions) -> list[PoolEntry]:
+    """``entries`` the preferred first (:func:`~lorafleet.planner.objective.preferred` with the price and the
+    limit ``options.max_step_s``), then those within the limit by cost, then the others by makespan."""
+    limit = options.max_step_s
+    if not entries:
+        return []
+
+    def key(e: PoolEntry) -> tuple:
+        within = limit is None or e.expected_makespan <= limit
+        return (not within, entry_cost(e, prices) if within else e.expected_makespan, e.expected_makespan)
+
+    best = preferred(
+        entries,
+        lambda e: e.expected_makespan,
+        lambda e: e.used_gpus,
+        options.tie_rel,
+        lambda e: float(e.replicas @ prices),
+        limit,
+    )
+    return [best, *sorted((e for e in entries if e is not best), key=key)]
+
+
+def _below_limit(problem, prices, pool, add, options: PlannerOptions, limit: float) -> list[SolveResult]:
+    """Step 1's retries: while the cheapest judged proposal is past the limit and cheaper than every one within
+    it, the cheapest deployment at T = L x its model step / its judged step, solved and judged."""
+    solves: list[SolveResult] = []
+    for _ in range(LIMIT_RETRIES):
+        judged = [e for e in pool if e.expected is not None]
+        within = [entry_cost(e, prices) for e in judged if e.expected_makespan <= limit]
+        bar = min(within, default=math.inf)
+        over = [e for e in judged if e.expected_makespan > limit and e.relaxed_makespan and entry_cost(e, prices) < bar]
+        if not over:
+            break
+        worst = min(over, key=lambda e: entry_cost(e, prices))
+        target = limit * worst.relaxed_makespan / worst.expected_makespan
+        point, result = cheapest_at(problem, prices, target, solver=options.solver, time_limit_s=options.time_limit_s)
+        solves.append(result)
+        if point is None or tuple(point.replicas) in {tuple(e.replicas) for e in pool}:
+            break
+        add(point.replicas, f"sweep:{point.limit:.4g}s", point.makespan)
+    return solves
+
+
+def _moves(problem: PlanningProblem, replicas: np.ndarray) -> Iterator[tuple[np.ndarray, str]]:
+    """A replica removed (the largest configs first), traded (:func:`~lorafleet.planner.refine.swaps`), added."""
+    eye = np.eye(len(replicas), dtype=np.int64)
+    for i in sorted(np.flatnonzero(replicas > 0), key=lambda i: (-int(problem.gpus[i]), i)):
+        yield replicas - eye[i], "trim"
+    for swapped in swaps(problem, replicas):
+        yield swapped, "swap"
+    for i in range(len(replicas)):
+        grown = replicas + eye[i]
+        if problem.fits(grown):
+            yield grown, "add"
+
+
+def _polished(
+    problem: PlanningProblem,
+    starts: list[PoolEntry],
+    prices: np.ndarray,
+    options: PlannerOptions,
+    limit: float | None,
+    seen: set[tuple[int, ...]],
+) -> list[PoolEntry]:
+    """Step 3 of the module doc: the improved plans found from ``starts`` (none when no move helps)."""
+    looked, found = 0, []
+    for start in starts:
+        current = start
+        while looked < options.polish_evaluations:
+            better = None
+            bar = entry_cost(current, prices) * (1 - options.tie_rel)
+            for replicas, how in _moves(problem, current.replicas):
+                if looked >= options.polish_evaluations:
+                    break
+                if tuple(replicas) in seen or not replicas.any():
+                    continue
+                seen.add(tuple(replicas))
+                price = float(replicas @ prices)
+                slowest = bar / price if price > 0 else math.inf
+                if limit is not None:
+                    slowest = min(slowest, limit * (1 + 1e-12))
+                candidate = pool_entry(problem, replicas, f"{how}:{start.source}", filtered=False)
+                if candidate.load is None or fluid_bound(candidate.load) >= slowest:
+                    continue  # it cannot hold the batch, or no dispatch on it is cheap enough (the LP's bound)
+                looked += 1
+                expected = evaluate_below(problem, candidate.load, slowest, options)
+                if expected is not None:
+                    better = replace(candidate, expected=expected)
+                    break
+            if better is None:
+                break
+            current = better
+        if current is not start:
+            found.append(current)
+    return found
+
+
+def frontier_of(problem: PlanningProblem, entries: list[PoolEntry]) -> tuple[FrontierPoint, ...]:
+    """The cost frontier of the judged ``entries``: those no other is faster and cheaper than, fastest first."""
+    prices = problem.replica_prices
+    assert prices is not None
+    judged = [e for e in entries if e.expected is not None]
+    return tuple(
+        FrontierPoint(
+            makespan_s=e.expected_makespan,
+            cost_per_step=entry_cost(e, prices),
+            gpus=e.used_gpus,
+            deployment=describe_replicas(problem, e.replicas),
+        )
+        for e in pareto(judged, lambda e: e.expected_makespan, lambda e: entry_cost(e, prices))
+    )
