@@ -10,6 +10,8 @@ Scenarios (the workloads' own seeds; steps 0, 1, 2, ... sampled with lorafleet.s
 - ``service-64``: examples/service-64.yaml (64 tenants, 3,840 sequences a step) on the 84 replicas of
   15 configs that ``lorafleet plan examples/service-64.yaml`` chooses on 1,024 A800-80GB, the analytic
   model's M, under the default policy (packed micro-batches, pipeline window 8): speed only.
+- ``service-sweeps``: examples/service-sweeps.yaml (64 tasks, a 16-member sweep each: 1,024 tenants, 15,360
+  sequences a step) on the 8 replicas of 6 configs ``lorafleet plan`` chooses for it on the same GPUs: speed only.
 
 Times come from the analytic cost model of the workload's model and GPU
 (``lorafleet.costmodel.load_cost_model``). Figures printed per scenario:
@@ -114,7 +116,27 @@ SCENARIOS = {
         policy=DispatchPolicy(),
         speed_only=True,
     ),
+    "service-sweeps": Scenario(
+        "examples/service-sweeps.yaml",
+        tuple(
+            (ParallelConfig.parse(name), count)
+            for name, count in (
+                ("tp2_pp40_rc", 1),
+                ("tp2_pp80", 1),
+                ("tp2_pp80_rc", 2),
+                ("tp8_pp10_rc", 2),
+                ("tp8_pp16", 1),
+                ("tp8_pp20", 1),
+            )
+        ),
+        None,
+        p95_target_ms=100.0,
+        policy=DispatchPolicy(),
+        speed_only=True,
+    ),
 }
+"""``service-sweeps``: 1,024 tenants (64 tasks, a 16-member sweep each), on the deployment ``lorafleet plan`` chose
+for them (2026-12-06)."""
 
 
 def build(scenario: Scenario):
@@ -255,7 +277,9 @@ def bench_buckets(batches, plan, cost_model) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--scenarios", default="7b,70b", help="comma-separated: 7b, 70b, service-64 (default 7b,70b)")
+    parser.add_argument(
+        "--scenarios", default="7b,70b", help="comma-separated: 7b, 70b, service-64, service-sweeps (default 7b,70b)"
+    )
     parser.add_argument("--timing-steps", type=int, default=100, help="steps timed per scenario (default 100)")
     parser.add_argument("--batches", type=int, default=50, help="batches compared with the exact MILP (default 50)")
     parser.add_argument("--exact-limit", type=float, default=60.0, help="seconds per exact solve (default 60)")

@@ -92,30 +92,11 @@ def packed_microbatches(
     if seq_ids.size == 0:
         return []
     order = seq_ids[np.lexsort((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
-    needs = lengths[order].tolist()
-    smallest = needs[-1]
-    opened = 0  # micro-batches opened so far
-    open_bins: list[int] = []  # those that can still take the shortest sequence, in opening order
-    open_room: list[int] = []  # their free tokens
-    bin_of: list[int] = []
-    # plain Python: a replica opens tens of micro-batches, and a list scan beats a numpy call per sequence
-    for need in needs:
-        for pos, room in enumerate(open_room):  # noqa: B007 (pos is used after the loop)
-            if room >= need:
-                break
-        else:
-            pos, room = len(open_bins), max_tokens
-            open_bins.append(opened)
-            open_room.append(max_tokens)
-            opened += 1
-        bin_of.append(open_bins[pos])
-        if room - need < smallest:
-            del open_bins[pos], open_room[pos]
-        else:
-            open_room[pos] = room - need
+    needs = lengths[order]
+    fill = _first_fit_many if int(needs.sum()) > MANY_BINS * max_tokens else _first_fit_few
+    bins = fill(needs.tolist(), max_tokens)
     # each micro-batch's rows by (task, position); then the micro-batches in 1F1B order (order_for_1f1b's
     # keys, over arrays: largest first, or by largest task first when task_major; ties in opening order)
-    bins = np.asarray(bin_of, dtype=np.int64)
     rows = np.lexsort((order, task_ids[order], bins))
     ids, bins = order[rows], bins[rows]
     starts = np.flatnonzero(np.r_[True, bins[1:] != bins[:-1]])
@@ -130,6 +111,56 @@ def packed_microbatches(
         MicroBatch(seq_ids=tuple(seqs[a:b]), task_ids=tuple(tasks[a:b]), lengths=tuple(lens[a:b]), padded_len=None)
         for a, b in zip(starts[first].tolist(), ends[first].tolist(), strict=True)
     ]
+
+
+MANY_BINS = 64
+"""Above this many micro-batches' worth of tokens, first fit scans the open micro-batches with numpy
+(:func:`_first_fit_many`); below it, a list scan beats a numpy call per sequence (:func:`_first_fit_few`). Both
+give the same micro-batches."""
+
+
+def _first_fit_few(needs: list[int], max_tokens: int) -> np.ndarray:
+    """First fit of ``needs`` (in order) into micro-batches of ``max_tokens``: each sequence's micro-batch, numbered
+    in opening order. A micro-batch that cannot take the shortest sequence any more leaves the scan."""
+    smallest = needs[-1]
+    opened = 0  # micro-batches opened so far
+    open_bins: list[int] = []  # those that can still take the shortest sequence, in opening order
+    open_room: list[int] = []  # their free tokens
+    bin_of: list[int] = []
+    for need in needs:
+        for pos, room in enumerate(open_room):  # noqa: B007 (pos is used after the loop)
+            if room >= need:
+                break
+        else:
+            pos, room = len(open_bins), max_tokens
+            open_bins.append(opened)
+            open_room.append(max_tokens)
+            opened += 1
+        bin_of.append(open_bins[pos])
+        if room - need < smallest:
+            del open_bins[pos], open_room[pos]
+        else:
+            open_room[pos] = room - need
+    return np.asarray(bin_of, dtype=np.int64)
+
+
+def _first_fit_many(needs: list[int], max_tokens: int) -> np.ndarray:
+    """:func:`_first_fit_few`'s micro-batches, the scan of the open ones a numpy search: thousands of sequences
+    into hundreds of micro-batches (a deep pipeline's replica at service scale) in one pass of vector compares
+    (a closed micro-batch's room is -1, so no sequence fits it)."""
+    room = np.full(len(needs), -1, dtype=np.int64)
+    bin_of = np.empty(len(needs), dtype=np.int64)
+    smallest, opened = needs[-1], 0
+    for i, need in enumerate(needs):
+        fits = room[:opened] >= need
+        b = int(fits.argmax()) if opened else 0
+        if not opened or not fits[b]:
+            b, opened = opened, opened + 1
+            room[b] = max_tokens
+        bin_of[i] = b
+        left = int(room[b]) - need
+        room[b] = left if left >= smallest else -1
+    return bin_of
 
 
 def order_for_1f1b(microbatches: list[MicroBatch], *, task_major: bool = False) -> list[MicroBatch]:
