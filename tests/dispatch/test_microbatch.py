@@ -99,4 +99,6 @@ def test_first_fit_scans_many_micro_batches_with_numpy_and_fills_them_the_same()
     lengths = rng.integers(1, 1100, 2000)
     assert lengths.sum() > MANY_BINS * 1115  # the numpy path's case
     mbs = packed_microbatches(np.arange(2000), lengths, rng.integers(0, 50, 2000), 1115)
-    assert sorted(s for mb in mbs for s in mb.seq_ids) == list(range(2000)) and max(sum(mb.lengths) for mb in mbs) <= 1115
+    assert (
+        sorted(s for mb in mbs for s in mb.seq_ids) == list(range(2000)) and max(sum(mb.lengths) for mb in mbs) <= 1115
+    )
