@@ -36,6 +36,13 @@ from the second. ``--dtype bf16`` runs every method in bf16 (fp32 by default).
     python benchmarks/bench_multi_lora.py --quick                  # a few shapes (~1 min)
     python benchmarks/bench_multi_lora.py --threads 1 --clock cpu  # on a loaded machine
     python benchmarks/bench_multi_lora.py --device cuda --dtype bf16 --quick --row-seconds 2
+    python benchmarks/bench_multi_lora.py --dora --threads 1 --clock cpu   # DoRA rows (issue #41)
+
+**DoRA rows** (``--dora``): the same 8 adapters as DoRA (``use_dora``), with dropout 0 and 0.1, ours against
+PEFT's ``use_dora`` layers one task at a time (PEFT reads ``use_dora`` from ``config=``), interleaved in one process
+with the same adapters as plain LoRA: ``peft_seq/ours`` over the DoRA steps (the bar: never below 1.0x), and each
+implementation's DoRA/LoRA time ratio beside the analytic model's factor (``costmodel.dora_cost``) and PEFT PR
+#1474's 1.6-2.1x.
 """
 
 from __future__ import annotations
@@ -84,11 +91,12 @@ ROW_SECONDS = 30.0
 """Timed seconds per row, all methods together (the slow 7B rows get 3 repeats whatever this is)."""
 
 
-def adapter_specs(rank: int, ranks: str) -> list[LoraSpec]:
-    """8 specs: all rank ``rank``, or ranks cycling r/4, r/2, r, 2r (alphas = 2 x rank)."""
+def adapter_specs(rank: int, ranks: str, dora: bool = False, dropout: float = DROPOUT) -> list[LoraSpec]:
+    """8 specs: all rank ``rank``, or ranks cycling r/4, r/2, r, 2r (alphas = 2 x rank); DoRA ones with ``dora``."""
     cycle = [rank] if ranks == "equal" else [max(1, rank // 4), max(1, rank // 2), rank, 2 * rank]
     return [
-        LoraSpec(rank=r, alpha=2.0 * r, dropout=DROPOUT) for r in (cycle[i % len(cycle)] for i in range(N_ADAPTERS))
+        LoraSpec(rank=r, alpha=2.0 * r, dropout=dropout, use_dora=dora)
+        for r in (cycle[i % len(cycle)] for i in range(N_ADAPTERS))
     ]
 
 
@@ -134,9 +142,11 @@ def build(
         PeftLinear(
             base,
             "default",
-            config=peft.LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout),  # peft reads dropout here
+            # peft reads dropout and DoRA from config=, not from its keyword arguments
+            config=peft.LoraConfig(r=s.rank, lora_alpha=s.alpha, lora_dropout=s.dropout, use_dora=s.use_dora),
             r=s.rank,
             lora_alpha=s.alpha,
+            use_dora=s.use_dora,
         )
         for s in specs
     ]
@@ -144,6 +154,8 @@ def build(
         for adapters in (layer.lora_A, layer.lora_B):
             adapters.to(device=device, dtype=dtype)  # where the base is, whatever peft's own placement rule
         randomize([layer.lora_A["default"].weight, layer.lora_B["default"].weight])
+        if layer.lora_magnitude_vector:
+            layer.lora_magnitude_vector.to(device=device, dtype=dtype)
     x_tasks = [x[i * tokens : (i + 1) * tokens].clone().requires_grad_() for i in range(N_ADAPTERS)]
     g_tasks = [grad_y[i * tokens : (i + 1) * tokens] for i in range(N_ADAPTERS)]
 
@@ -211,6 +223,50 @@ def cuda_clock() -> float:
     return time.perf_counter()
 
 
+def dora_rows(args: argparse.Namespace, clock: Callable[[], float]) -> None:
+    """The DoRA table (module doc): per shape and dropout, ours and PEFT with DoRA and with plain LoRA."""
+    from lorafleet.costmodel.adapters import AdapterLoad
+    from lorafleet.costmodel.analytic import analytic_dora_factor
+    from lorafleet.costmodel.time_model import MicroBatchShape
+    from lorafleet.specs.gpus import resolve_gpu
+    from lorafleet.specs.model import MODEL_PRESETS
+
+    print(
+        f"{N_ADAPTERS} DoRA adapters, fp32 CPU, {torch.get_num_threads()} threads, {args.clock} clock, fwd+bwd per step"
+    )
+    print(
+        f"{'layer':<16} {'dropout':>7} {'tok/adapter':>11} {'ours ms':>9} {'peft_seq/ours':>14} "
+        f"{'ours dora/lora':>15} {'peft dora/lora':>15} {'load':>5}"
+    )
+    worst = float("inf")
+    for sweep in (s for s in SWEEPS if s.ranks == "equal"):
+        repeats = max(3, sweep.repeats // 3) if args.quick else sweep.repeats
+        seconds = args.row_seconds / 3 if args.quick else args.row_seconds
+        for dropout in (0.0, DROPOUT):
+            for tokens in sweep.quick_tokens if args.quick else sweep.tokens:
+                steps = {}
+                for kind, dora in (("lora", False), ("dora", True)):
+                    built = build(sweep.hidden, adapter_specs(sweep.rank, "equal", dora, dropout), tokens)
+                    steps |= {f"ours_{kind}": built["ours"], f"peft_{kind}": built["peft_seq"]}
+                median = measure(steps, repeats, seconds, clock)
+                ratio = median["peft_dora"] / median["ours_dora"]
+                worst = min(worst, ratio)
+                print(
+                    f"{sweep.layer:<16} {dropout:>7g} {tokens:>11} {median['ours_dora'] * 1e3:>9.2f} {ratio:>13.2f}x "
+                    f"{median['ours_dora'] / median['ours_lora']:>14.2f}x "
+                    f"{median['peft_dora'] / median['peft_lora']:>14.2f}x {os.getloadavg()[0]:>5.1f}",
+                    flush=True,
+                )
+    load, shape = AdapterLoad.uniform(6), MicroBatchShape.padded(4, 1024)
+    model, gpu = MODEL_PRESETS["llama2-7b"], resolve_gpu("a100-40gb")
+    factors = [analytic_dora_factor(model, gpu, load, shape, dropout=d) for d in (True, False)]
+    print(f"\nnever slower than PEFT with DoRA: {'yes' if worst >= 1.0 else 'NO'} (worst ratio {worst:.2f}x)")
+    print(
+        f"analytic DoRA factor (Llama-2-7B block, A100-40GB, 4x1024 tokens): {factors[0]:.2f}x with dropout, "
+        f"{factors[1]:.2f}x without; PEFT PR #1474 measured 1.6-2.1x"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
@@ -235,6 +291,7 @@ def main() -> None:
         default=ROW_SECONDS,
         help=f"timed seconds per row, all methods together (default {ROW_SECONDS:g}; --quick: a third)",
     )
+    parser.add_argument("--dora", action="store_true", help="the DoRA table instead (CPU, fp32; module doc)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -242,6 +299,9 @@ def main() -> None:
     on_cuda = device.type == "cuda"
     clock = cuda_clock if on_cuda else time.process_time if args.clock == "cpu" else time.perf_counter
     torch.manual_seed(0)
+    if args.dora:
+        dora_rows(args, clock)
+        return
 
     # Every ratio is (other method) / (the operator as the device runs it: Triton on CUDA).
     ours = "ours_triton" if on_cuda else "ours"

@@ -13,10 +13,10 @@ adapter's segments:
 
     Y' = Y + (g - 1) ⊙ (Y - b + D),    D = (Xd - X) W^T   (zero without dropout: then Y' = g ⊙ (Y - b) + b)
 
-so DoRA is a per-row post-op on the operator's output, the one base GEMM and the segmented low-rank GEMMs
-unchanged; only the rows of a dropping DoRA adapter pay one more ``(rows, K) x (K, N)`` GEMM for ``D`` (PEFT's
-DoRA pays a second base GEMM over its whole input in that case). Its backward is autograd over these rows,
-exact (n is a constant):
+so DoRA is a post-op on the operator's output over each span of a DoRA adapter's rows (:func:`spans`), the one
+base GEMM and the segmented low-rank GEMMs unchanged; only the rows of a dropping DoRA adapter pay one more
+``(rows, K) x (K, N)`` GEMM for ``D`` (PEFT's DoRA pays a second base GEMM over its whole input in that case). Its
+backward is autograd over these rows, exact (n is a constant):
 
     dm = Σ_rows G ⊙ (Y - b + D) / n                 the magnitude's gradient
     dY = g ⊙ G on the rows (G elsewhere)            into the operator's own backward: dA, dB and X W's dX
@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from lorafleet.executor.torch.routing import Segments
@@ -96,17 +97,25 @@ def weight_norms(
 
 
 @functools.lru_cache(maxsize=1024)
-def _rows(segments: Segments, dora: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor]:
-    """The rows of the segments of the adapters ``dora`` (positions in the layer's routing), and for each
-    row the index in ``dora`` of its adapter; cached, as every layer of a model asks for the same ones."""
+def spans(segments: Segments, dora: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+    """``(i, first row, end row)`` of each span of rows rescaled by the ``i``-th adapter of ``dora`` (positions in the
+    layer's routing): its segments, merged with the next one of the same adapter across the rows between them that
+    belong to no segment (padding: its outputs reach no loss, so rescaling it changes nothing that is read). A padded
+    micro-batch of one task is then one span, and each span costs a few whole-slice ops, not a gather per row.
+    Cached: every layer of a model asks for the same ones."""
     member = {a: i for i, a in enumerate(dora)}
-    rows: list[int] = []
-    which: list[int] = []
+    out: list[list[int]] = []
+    previous = None  # the adapter of the last non-empty segment
     for a, start, length in segments:
+        if not length:
+            continue
         if a in member:
-            rows.extend(range(start, start + length))
-            which.extend([member[a]] * length)
-    return torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(which, dtype=torch.long, device=device)
+            if out and previous == a and out[-1][0] == member[a]:
+                out[-1][2] = start + length
+            else:
+                out.append([member[a], start, start + length])
+        previous = a
+    return tuple((i, first, end) for i, first, end in out)
 
 
 def rescale(
@@ -130,15 +139,72 @@ def rescale(
         scale: ``g = m / n`` ``(D, N)``, one row per adapter of ``dora`` (differentiable in ``m``).
         dropouts: ``p`` per adapter of ``dora``.
     """
-    rows, which = _rows(segments, dora, y.device)
-    if rows.numel() == 0:
+    found = spans(segments, dora)
+    if not found:
         return y
-    y_rows = y.index_select(0, rows)  # (R, N)
-    residual = y_rows if bias is None else y_rows - bias  # Y - b
-    if keep is not None and any(dropouts):
-        x_rows = x.index_select(0, rows)  # (R, K)
-        inverse = torch.tensor([1.0 / (1.0 - p) for p in dropouts], dtype=x.dtype, device=x.device)
-        dropped = x_rows * keep.index_select(0, rows) * inverse.index_select(0, which).unsqueeze(1)  # Xd
-        residual = residual + F.linear(dropped - x_rows, weight)  # + D = (Xd - X) W^T
-    g = scale.to(y.dtype).index_select(0, which)  # (R, N)
-    return y.index_copy(0, rows, y_rows + (g - 1) * residual)
+    extra: list[Tensor] = []  # D of each dropping span, by autograd (its backward reaches X)
+    if keep is not None and any(dropouts[i] for i, _, _ in found):
+        sizes, done = [], 0
+        for _, first, end in found:
+            sizes += [first - done, end - first]
+            done = end
+        # one split (its backward: one cat), not a slice per span (each slice's backward: a zero-filled (T, K))
+        x_spans = x.split([*sizes, x.shape[0] - done])[1::2]
+        for (i, first, end), x_rows in zip(found, x_spans, strict=True):
+            if dropouts[i]:
+                # Xd - X = X ⊙ (M / (1 - p) - 1): a factor 1 / (1 - p) - 1 where kept, -1 where dropped
+                factor = torch.where(keep[first:end], 1.0 / (1.0 - dropouts[i]) - 1.0, -1.0).to(x.dtype)
+                extra.append(F.linear(x_rows * factor, weight))  # D = (Xd - X) W^T  (L, N)
+    dropping = tuple(bool(extra) and dropouts[i] > 0 for i, _, _ in found)
+    return _Rescale.apply(y, scale, bias, found, dropping, *extra)
+
+
+class _Rescale(torch.autograd.Function):
+    """``Y' = g ⊙ Y + (1 - g) ⊙ b + (g - 1) ⊙ D`` on each span's rows, ``Y`` elsewhere, written once into a new
+    tensor; the backward, one pass each: ``dY = g ⊙ G`` on the spans (``G`` elsewhere), ``dD = (g - 1) ⊙ G`` and
+    ``dg = Σ_rows G ⊙ (Y - b + D)``. (The same as autograd over split, addcmul and cat, with two passes over
+    ``(T, N)`` fewer: at tiny widths and long segments those passes are most of DoRA's cost.)"""
+
+    @staticmethod
+    def forward(ctx, y, scale, bias, found, dropping, *extra):
+        out = torch.empty_like(y)
+        scale = scale.to(y.dtype)
+        done, d = 0, 0
+        for k, (i, first, end) in enumerate(found):
+            out[done:first] = y[done:first]
+            rows, g = out[first:end], scale[i]
+            torch.mul(y[first:end], g, out=rows)  # g ⊙ Y
+            if bias is not None:
+                rows.add_((1 - g) * bias)  # + (1 - g) ⊙ b
+            if dropping[k]:
+                rows.addcmul_(extra[d], g - 1)  # + (g - 1) ⊙ D
+                d += 1
+            done = end
+        out[done:] = y[done:]
+        ctx.found, ctx.dropping, ctx.has_bias = found, dropping, bias is not None
+        ctx.save_for_backward(y, scale, bias if bias is not None else y.new_empty(0), *extra)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        y, scale, bias, *extra = ctx.saved_tensors
+        grad_y = torch.empty_like(grad)
+        grad_scale = torch.zeros_like(scale)
+        grad_extra = []
+        done, d = 0, 0
+        for k, (i, first, end) in enumerate(ctx.found):
+            grad_y[done:first] = grad[done:first]
+            g_rows, g = grad[first:end], scale[i]
+            torch.mul(g_rows, g, out=grad_y[first:end])  # g ⊙ G
+            dg = (g_rows * y[first:end]).sum(dim=0)  # Σ G ⊙ Y (einsum makes it a bmm over transposed copies)
+            if ctx.has_bias:
+                dg -= bias * g_rows.sum(dim=0)  # - b Σ G
+            if ctx.dropping[k]:
+                dg += (g_rows * extra[d]).sum(dim=0)  # + Σ G ⊙ D
+                grad_extra.append(g_rows * (g - 1))
+                d += 1
+            grad_scale[i] += dg
+            done = end
+        grad_y[done:] = grad[done:]
+        return grad_y, grad_scale, None, None, None, *grad_extra
