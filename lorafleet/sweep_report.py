@@ -192,6 +192,35 @@ def report_text(results: Sequence[SweepResult]) -> str:
     return "\n\n".join(parts)
 
 
+def plot_sweep(result: SweepResult, out: Path) -> None:
+    """The members' eval curves (eval loss against the global step), each rung's boundary a vertical line, the
+    members a rung dropped ending in a cross there, the winner's curve bold: ``out`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in result.members:
+        if not m.history:
+            continue
+        steps, losses = zip(*m.history, strict=True)
+        winner = m.name == result.winner
+        (line,) = ax.plot(steps, losses, marker=".", linewidth=2.5 if winner else 1.0,
+                          label=m.name + (" (winner)" if winner else ""))  # fmt: skip
+        if m.dropped_rung is not None:
+            ax.plot(steps[-1], losses[-1], "x", color=line.get_color(), markersize=9)
+    for step in sorted({m.left_at for m in result.members if m.dropped_rung is not None and m.left_at}):
+        ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+    ax.set_xlabel("global step")
+    ax.set_ylabel("eval loss")
+    ax.set_title(f"sweep {result.name}: the members' evaluations, rungs dotted")
+    ax.legend(fontsize="x-small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def save_results(path: Path, results: Sequence[SweepResult]) -> None:
     """The sweeps' results as JSON (``sweep.json`` beside the winner's adapter)."""
     from lorafleet.specs.io import write_text_atomic

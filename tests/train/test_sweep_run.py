@@ -95,7 +95,7 @@ def test_members_train_on_the_same_batches_and_rungs_drop_by_the_recorded_losses
         assert all(name not in row["task_tokens"] for row in rows if row["step"] >= evaluations[name]["stopped_at"])
 
 
-def test_the_winner_is_promoted_with_the_sweeps_table(run, capsys):
+def test_the_winner_is_promoted_with_the_sweeps_table(run, capsys, tmp_path):
     result = json.loads((run / "adapters" / "chat" / "sweep.json").read_text())[0]
     name = result["winner"]
     evaluations = json.loads((run / "evaluations.json").read_text())
@@ -113,7 +113,8 @@ def test_the_winner_is_promoted_with_the_sweeps_table(run, capsys):
     stdout = (run.parent / "stdout.txt").read_text()
     assert f"sweep chat: 6 members (5 dropped at rungs), {result['gpu_s']:.4g} GPU-s; winner {name}" in stdout
     assert " chat " in stdout.split("GPU-seconds by task")[1].split("\n")[0]  # one tenant
-    assert main(["sweep-report", str(run)]) == 0
+    assert main(["sweep-report", str(run), "--plot", str(tmp_path)]) == 0
+    assert (tmp_path / "sweep-chat.png").read_bytes().startswith(b"\x89PNG")
     out = capsys.readouterr().out
     assert out.startswith(f"sweep chat: 6 members, successive halving (eta 3, a rung every 2 steps); winner {name}")
     assert out.count("\n| chat.lr=") == 6
