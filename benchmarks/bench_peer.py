@@ -11,7 +11,10 @@ interleaved in rounds (each round starts with the next side in turn):
   task's adapter in one multi-LoRA pass, packed micro-batches), exactly as a user runs it;
 - **recipe**: for each task in turn, transformers' ``Trainer`` over a PEFT ``LoraConfig`` model, its
   batches padded to their longest sequence by ``DataCollatorForSeq2Seq`` (the recipe users run);
-- **trl** (``--trl``): the same with TRL's ``SFTTrainer`` (its own collator, also padding to the longest).
+- **trl** (``--trl``): the same with TRL's ``SFTTrainer`` (its own collator, also padding to the longest);
+- **trl-packed** (``--trl``): ``SFTTrainer`` with ``packing=True`` (best-fit-decreasing packing, padding-free: no
+  pad token computed), one packed row of at most the task's largest step's tokens an optimizer step: the strongest
+  recipe users run. Its steps hold the same tokens on average, not the same rows: compare tokens per CPU-second.
 
 Same inputs on every side: the workload's tasks (the demo's four by default, ``--tasks`` for a subset),
 tokenized by lorafleet (``training_streams``: truncated to each task's context) and drawn by lorafleet's
@@ -57,7 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 DEMO = REPO / "examples" / "demo" / "workload.yaml"
-SIDES = ("lorafleet", "recipe", "trl")
+SIDES = ("lorafleet", "recipe", "trl", "trl-packed")
 
 
 # ---- the parent: prepare, run the sides in rounds, measure ----------------------------------------
@@ -257,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
     parser.add_argument("--steps", type=int, default=8, help="steps each side trains (default 8)")
     parser.add_argument("--measure-from", type=int, default=3, help="first measured step, 1-based (default 3)")
-    parser.add_argument("--trl", action="store_true", help="also run TRL's SFTTrainer")
+    parser.add_argument("--trl", action="store_true", help="also run TRL's SFTTrainer, padded and packed")
     parser.add_argument("--sides", default="", help="comma-separated sides to run (default lorafleet,recipe[,trl])")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
@@ -277,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return run_trainer(args)
-    sides = args.sides.split(",") if args.sides else ["lorafleet", "recipe", *(["trl"] if args.trl else [])]
+    trl = ["trl", "trl-packed"] if args.trl else []
+    sides = args.sides.split(",") if args.sides else ["lorafleet", "recipe", *trl]
     if not 1 < args.measure_from <= args.steps:
         raise SystemExit("--measure-from must be in 2..--steps (the step before it is the window's start)")
     args.gpu = args.gpu or device_gpu(args.device)
@@ -460,15 +464,24 @@ def run_trainer(args: argparse.Namespace) -> int:
                 import datasets
                 from trl import SFTConfig, SFTTrainer
 
+                packed = args.child == "trl-packed"
+                if packed:  # one packed row of at most the largest step's tokens an optimizer step
+                    common["per_device_train_batch_size"] = 1
+                    size = dict(packing=True, max_length=max(real for real, _ in tokens))
+                else:
+                    size = dict(max_length=None)
                 trainer = SFTTrainer(
                     model=model,
-                    args=SFTConfig(**common, max_length=None),
+                    args=SFTConfig(**common, **size),
                     train_dataset=datasets.Dataset.from_list(
                         [{"input_ids": d["input_ids"], "labels": d["labels"]} for d in dataset]
                     ),
                     processing_class=tokenizer,
                     callbacks=[callback],
                 )
+                if packed:  # a packed step's tokens are its row's: no padding
+                    rows = [len(r) for r in trainer.train_dataset["input_ids"]]
+                    tokens[:] = [(rows[k % len(rows)],) * 2 for k in range(args.steps)]
             trainer.train()
             del trainer, model
     return 0

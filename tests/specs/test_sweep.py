@@ -94,3 +94,15 @@ def test_a_sweeps_name_is_no_other_tasks(tmp_path, capsys):
     path = write(tmp_path, swept({"grid": {"lora.rank": [8, 16]}}), {"name": "bot", "preset": "dolly"})
     assert main(["validate", str(path)]) == 2
     assert "task name 'bot' is also a sweep's name" in capsys.readouterr().err
+
+
+def test_targets_and_rslora_may_be_swept(tmp_path):
+    grid = {"lora.target_modules": [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]],
+            "lora.use_rslora": [False, True]}  # fmt: skip
+    tasks = load_workload(write(tmp_path, swept({"grid": grid}))).spec.tasks
+    assert [t.name for t in tasks] == [
+        "bot.target_modules=q_proj-v_proj.use_rslora=false", "bot.target_modules=q_proj-v_proj.use_rslora=true",
+        "bot.target_modules=q_proj-k_proj-v_proj-o_proj.use_rslora=false",
+        "bot.target_modules=q_proj-k_proj-v_proj-o_proj.use_rslora=true",
+    ]  # fmt: skip
+    assert tasks[3].lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj") and tasks[3].lora.use_rslora

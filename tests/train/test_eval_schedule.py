@@ -82,3 +82,23 @@ def test_a_stopped_task_is_due_no_more(port):
     restored.load_state_dict(evaluations.state_dict())
     assert restored.tasks == evaluations.tasks and restored.stopped_early() == {"a": (15, STOPPED_EARLY)}
     assert np.isfinite(restored.tasks["a"].stopping.best_loss)
+
+
+def test_a_sweeps_rungs_and_dropped_members_survive_a_checkpoint(port):
+    """What a rung decided is in the checkpoint's state: a resumed run knows the dropped members (they are due no
+    more and leave as dropped, not stopped early) and the rungs decided so far."""
+    from lorafleet.stopping import Stopping
+    from lorafleet.sweeps import decide_rung
+    from lorafleet.train.change_log import SWEEP_DROPPED
+    from lorafleet.train.evaluation import TaskEvaluations
+
+    specs, fake = port
+    evaluations = Evaluations(fake, END)
+    rung = decide_rung("s", 1, 10, {"a": 2.0, "b": 1.0}, {"a": 0, "b": 1}, 2)
+    evaluations.rungs.append(rung)
+    evaluations.tasks["a"] = TaskEvaluations(Stopping(1, 2.0, 10, 0, False, True), ((10, 2.0, 0.1),), 10, 50, 1)
+    restored = Evaluations(fake, END)
+    restored.load_state_dict(evaluations.state_dict())
+    assert restored.rungs == [rung] and restored.tasks == evaluations.tasks
+    assert restored.stopped_early() == {"a": (10, SWEEP_DROPPED)}
+    assert all("a" not in restored.due(b, specs) for b in range(1, END + 1))
