@@ -16,6 +16,7 @@ import numpy as np
 
 from lorafleet.accounting import SECONDS_PER_HOUR
 from lorafleet.eval_replay import TaskEvals
+from lorafleet.plans import FrontierPoint
 from lorafleet.simulate import ScheduleRun
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.io import write_text_atomic
@@ -141,6 +142,48 @@ def _plot_evals(evals: Mapping[str, TaskEvals], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
+
+
+def _plot_frontier(frontier: Sequence[FrontierPoint], chosen: str, rows: Sequence[Row], out: Path) -> None:
+    """The cost objective's frontier (``DeploymentPlan.cost_frontier``: the cheapest plan the planner judged at
+    each step time, on the expected batch): cost a step against step time, the chosen plan circled; beside it
+    the simulated run of the plan: its mean step and mean cost a step (a cross), where the rows have a cost."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [p.makespan_s for p in frontier]
+    costs = [p.cost_per_step for p in frontier]
+    ax.plot(steps, costs, marker="o", drawstyle="steps-post", label="frontier (expected batch)")
+    for p in frontier:
+        ax.annotate(f"{p.gpus}", (p.makespan_s, p.cost_per_step), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        if p.deployment == chosen:
+            ax.plot(p.makespan_s, p.cost_per_step, "o", mfc="none", ms=14, color="black", label="chosen plan")
+    ours = rows[0] if rows else {}
+    if "cost_per_step" in ours:  # the baselines, far dearer, would squash the frontier: lorafleet's run alone
+        label = f"{ours['method']}, mean of the simulated steps"
+        ax.plot(float(ours["mean_step_s"]), float(ours["cost_per_step"]), "x", ms=9, color="red", label=label)
+    ax.set(xlabel="step time (s)", ylabel="cost per step", title="Cost frontier: the cheapest plan at each step time")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def _frontier_section(frontier: Sequence[FrontierPoint], chosen: str) -> str:
+    """The page's cost frontier (a plan of ``--objective cost``): the plot and its points."""
+    if not frontier:
+        return ""
+    rows = [
+        {
+            "step_s": p.makespan_s,
+            "cost_per_step": f"{p.cost_per_step:.4g}",
+            "gpus": p.gpus,
+            "deployment": p.deployment,
+            "chosen": "yes" if p.deployment == chosen else "",
+        }
+        for p in frontier
+    ]
+    return f"""<h2>Cost frontier: the cheapest plan judged at each step time (expected batch)</h2>
+<p>The plan was chosen by the cost objective; no other plan the planner judged is both faster and cheaper than a
+point of this frontier (the numbers beside the points: GPUs held).</p>{_html_table(rows)}<img src="frontier.png">"""
 
 
 def _plot_makespan(runs: Sequence[ScheduleRun], out: Path) -> None:
@@ -282,6 +325,9 @@ def write_report(
     evals = eval_rows(ours.evals, reference.evals if reference is not None else None)
     if evals:
         _plot_evals(ours.evals, out / "evals.png")
+    planned = ours.phases[0].phase.plan
+    if planned.cost_frontier:
+        _plot_frontier(planned.cost_frontier, planned.describe(), rows, out / "frontier.png")
     summary = {
         "cluster": {"gpu": " + ".join(cluster.kinds), "gpus": cluster.n_gpus},
         "pools": pools,
@@ -309,7 +355,7 @@ their busy share; cost is held GPU-hours at the pool's price.</p>{_html_table(po
 <p>Over the {len(ours.makespan_s)} steps, each step's GPU-seconds (makespan x GPUs held) are shared out among
 the tasks by the simulated time of the replicas that ran their sequences; the replicas' idle time by all the
 step's tasks, in proportion to their busy GPU-seconds.</p>{_html_table(costs)}
-{_evals_section(ours, evals, reference)}
+{_evals_section(ours, evals, reference)}{_frontier_section(planned.cost_frontier, planned.describe())}
 <img src="gpu_seconds.png"><img src="makespan.png"><img src="utilisation.png"><img src="lengths.png">
 </body></html>
 """

@@ -109,3 +109,26 @@ def test_simulate_cli_report_names_the_cluster_and_cost_model(tmp_path, capsys):
     page = (out / "index.html").read_text()
     assert "16 x A100-80GB" in page and "cost model analytic:A100-80GB" in page
     assert re.search(r"<td>\d+\.\d %</td>", page)
+
+
+def test_a_cost_plans_report_plots_its_frontier(report, tmp_path, capsys):
+    """#43: the report of a plan made by ``--objective cost`` shows its cost frontier (a table of the plan's
+    ``cost_frontier``, the chosen plan marked, and frontier.png); a plan of the makespan objective has none."""
+    import yaml
+
+    from lorafleet.plans import DeploymentPlan
+    from tests.helpers.pools import POOLS_WORKLOAD
+
+    assert "Cost frontier" not in report[2] and not (report[3] / "frontier.png").exists()
+    workload = tmp_path / "pools.yaml"
+    workload.write_text(yaml.safe_dump(POOLS_WORKLOAD))
+    plan, out = tmp_path / "plan.json", tmp_path / "report"
+    assert main(["plan", str(workload), "--objective", "cost", "--samples", "0", "--json", str(plan)]) == 0
+    assert main(["simulate", str(workload), "--plan", str(plan), "--steps", "2", "--report", str(out)]) == 0
+    capsys.readouterr()
+    page = (out / "index.html").read_text()
+    head, *rows = _cells(page, "Cost frontier")
+    frontier = DeploymentPlan.load(plan).cost_frontier
+    assert head == ["step_s", "cost_per_step", "gpus", "deployment", "chosen"] and len(rows) == len(frontier) >= 3
+    assert [row[4] for row in rows].count("yes") == 1
+    assert (out / "frontier.png").stat().st_size > 0 and '<img src="frontier.png">' in page

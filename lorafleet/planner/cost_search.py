@@ -216,11 +216,18 @@ def _polished(
     return found
 
 
-def frontier_of(problem: PlanningProblem, entries: list[PoolEntry]) -> tuple[FrontierPoint, ...]:
-    """The cost frontier of the judged ``entries``: those no other is faster and cheaper than, fastest first."""
+def frontier_of(
+    problem: PlanningProblem, entries: list[PoolEntry], chosen: PoolEntry | None = None
+) -> tuple[FrontierPoint, ...]:
+    """The cost frontier of the judged ``entries``: those no other is faster and cheaper than, fastest first; and
+    the ``chosen`` plan in its place when it is not on it (the race on sampled batches may pick a plan that the
+    expected batch puts a hair behind another of the same price)."""
     prices = problem.replica_prices
     assert prices is not None
     judged = [e for e in entries if e.expected is not None]
+    points = pareto(judged, lambda e: e.expected_makespan, lambda e: entry_cost(e, prices))
+    if chosen is not None and all(tuple(e.replicas) != tuple(chosen.replicas) for e in points):
+        points = sorted([*points, chosen], key=lambda e: (e.expected_makespan, entry_cost(e, prices)))
     return tuple(
         FrontierPoint(
             makespan_s=e.expected_makespan,
@@ -228,5 +235,5 @@ def frontier_of(problem: PlanningProblem, entries: list[PoolEntry]) -> tuple[Fro
             gpus=e.used_gpus,
             deployment=describe_replicas(problem, e.replicas),
         )
-        for e in pareto(judged, lambda e: e.expected_makespan, lambda e: entry_cost(e, prices))
+        for e in points
     )

@@ -374,7 +374,7 @@ def _plan_deployment(
         )
     frontier: tuple[FrontierPoint, ...] = ()
     if options.objective is PlanObjective.COST:
-        frontier = frontier_of(problem, ranked)
+        frontier = frontier_of(problem, ranked, chosen)
         notes.extend(_cost_notes(problem, chosen, ranked, options))
     else:
         idle = _idle_note(problem, chosen, ranked, expected_step.estimated_makespan_s)
