@@ -17,7 +17,7 @@ from torch import nn
 
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.checkpoint import check_adapter_kinds, latest_step_dir, load_train_state
-from lorafleet.executor.torch.dora import MAGNITUDE, weight_norms
+from lorafleet.executor.torch.dora import MAGNITUDE, spans, weight_norms
 from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers, segments_context
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
@@ -87,6 +87,15 @@ def test_norms_are_the_column_norms_of_w_plus_delta_and_split_over_inputs():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
     halves = [weight_norms(W[:, k], [a[:, k] for a in A], B, [0.5, 2.0]) for k in (slice(0, 8), slice(8, 20))]
     torch.testing.assert_close((halves[0] ** 2 + halves[1] ** 2).sqrt(), want, rtol=1e-12, atol=0)
+
+
+def test_spans_merge_an_adapters_segments_across_padding_only():
+    """A padded micro-batch: adapter 0's two sequences are one span (the padding between them rescaled, unread);
+    another adapter's rows between two segments of one DoRA adapter keep them apart; a plain adapter has none."""
+    segments = Segments.padded([0, 0, 1, 0, 2], [3, 4, 2, 5, 4], seq_len=6)  # rows 0-2, 6-9, 12-13, 18-22, 24-27
+    assert spans(segments, (0, 2)) == ((0, 0, 10), (0, 18, 23), (1, 24, 28))
+    assert spans(segments, (1,)) == ((0, 12, 14),)
+    assert spans(Segments.packed([0, 1, 0], [2, 0, 3]), (0,)) == ((0, 0, 5),)  # an empty segment is no boundary
 
 
 def test_mixed_microbatch_matches_peft_task_by_task(trained):
