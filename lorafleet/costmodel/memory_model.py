@@ -14,6 +14,12 @@ one on the last, which instead holds the logits. The busiest stage sets M. (LobR
 on the real model and rounds it down to a power of two; this keeps the line, and the
 profiler measures it to 1/16 of its value with ``search_max_tokens``.)
 
+A quantized shared base (``quantize``, QLoRA) stores the projections of every block at :func:`weight_bytes` a weight
+(NF4 0.5625, int8 1 + a 4-byte scale a row) instead of ``dtype``; the norms, the embedding and the LM head stay in
+``dtype`` (bitsandbytes quantizes linear layers only, and QLoRA keeps the head), and one projection at a time is
+dequantized into ``dtype`` for its GEMMs, a transient as large as the largest projection of a stage's device. Only
+``static`` changes, so a quantized base raises M by ``(bytes saved) / bytes_per_token``.
+
 With full activation recomputation (``ParallelConfig.recompute``) a block keeps only its
 input hidden state (h elements a token, split over tp with sequence parallelism) for the
 backward, and re-runs its forward there, one block and one micro-batch at a time; so::
@@ -33,6 +39,7 @@ from dataclasses import dataclass, replace
 from lorafleet.costmodel.adapters import FP32_BYTES, AdapterLoad
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.specs.gpus import GIB
+from lorafleet.specs.lora import Quantization
 from lorafleet.specs.model import ModelSpec
 
 #: The column-parallel projections (split by output rows under tensor parallelism; o and down, by input columns),
@@ -103,6 +110,20 @@ def activation_elements_per_token(
     return (model_width if not sequence_parallel else model_width / tp) + split / tp + replicated
 
 
+def weight_bytes(model: ModelSpec, quantize: Quantization | None, dtype_bytes: int) -> float:
+    """Bytes of one block's weights on one device of TP 1: the projections at the quantization's bytes a weight
+    (NF4: 0.5 and an fp32 scale a block of 64; int8: 1 and an fp32 scale an output row) or ``dtype``, the two
+    norms in ``dtype`` (module doc)."""
+    shapes = model.target_shapes().values()
+    projections = sum(i * o for i, o in shapes)
+    norms = (model.layer_params - projections) * dtype_bytes
+    if quantize is None:
+        return projections * dtype_bytes + norms
+    if quantize is Quantization.NF4:
+        return projections * (0.5 + 4 / 64) + norms
+    return projections + 4 * sum(o for _, o in shapes) + norms
+
+
 def stage_memory(
     model: ModelSpec,
     config: ParallelConfig,
@@ -111,13 +132,18 @@ def stage_memory(
     dtype_bytes: int = 2,
     factors: MemoryFactors = MemoryFactors(),
     sequence_parallel: bool = True,
+    quantize: Quantization | None = None,
 ) -> StageMemory:
-    """The memory line of the busiest stage of ``config`` (first or last, whichever has the smaller M)."""
+    """The memory line of the busiest stage of ``config`` (first or last, whichever has the smaller M); with
+    ``quantize``, over a base whose projections are stored so (module doc)."""
     tp, pp = config.tp, config.pp
     blocks = model.n_layers / pp
     vocab_matrix = model.vocab * model.hidden * dtype_bytes / tp  # vocab-parallel embedding or LM head
     adapter_state = adapters.params_per_layer(model) * blocks / tp * adapters.state_bytes_per_param(dtype_bytes)
-    common = blocks * model.layer_params / tp * dtype_bytes + adapter_state + factors.reserve_gib * GIB
+    weights = blocks * weight_bytes(model, quantize, dtype_bytes) / tp
+    if quantize is not None:  # the one projection dequantized at a time
+        weights += max(i * o for i, o in model.target_shapes().values()) * dtype_bytes / tp
+    common = weights + adapter_state + factors.reserve_gib * GIB
     per_block = (
         activation_elements_per_token(model, tp, adapters, sequence_parallel)
         * dtype_bytes

@@ -51,6 +51,16 @@ class LoraSpec(Spec):
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 
+class Quantization(StrEnum):
+    """How the shared frozen base's projection weights are stored (QLoRA, Dettmers et al., 2023): dequantized in the
+    forward, the adapters fp32 masters as over a bf16 base (``executor/torch/quant.py``: bitsandbytes' formats)."""
+
+    NF4 = "nf4"
+    """NormalFloat-4 in blocks of 64 with an fp32 scale: 0.5625 bytes a weight."""
+    INT8 = "int8"
+    """Row-wise int8 with an fp32 scale a row (LLM.int8's storage): 1 byte a weight."""
+
+
 class OptimizerName(StrEnum):
     ADAMW = "adamw"
     ADAM = "adam"

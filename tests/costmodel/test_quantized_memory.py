@@ -1,0 +1,57 @@
+"""A quantized shared base in the memory model (``memory_model.weight_bytes``): what it frees, and M against Vertex AI's
+published QLoRA batch for a 7B model on A100-40GB (2 -> 24)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.analytic import DEFAULT_CALIBRATION
+from lorafleet.costmodel.memory_model import stage_memory, weight_bytes
+from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.specs.gpus import resolve_gpu
+from lorafleet.specs.lora import Quantization
+from lorafleet.specs.model import MODEL_PRESETS
+
+LLAMA7B, A100 = MODEL_PRESETS["llama2-7b"], resolve_gpu("a100-40gb")
+VERTEX_BATCH_RATIO = 24 / 2
+"""Vertex AI's QLoRA page: a 7B model's batch on A100-40GB goes from 2 to 24."""
+
+
+def max_tokens(quantize, dtype_bytes=2, recompute=True, config=(1, 1)) -> int:
+    line = stage_memory(
+        LLAMA7B, ParallelConfig(*config, recompute), AdapterLoad.uniform(1), A100.memory_bytes, dtype_bytes,
+        DEFAULT_CALIBRATION.memory_factors, quantize=quantize,
+    )  # fmt: skip
+    return line.max_tokens()
+
+
+def test_weight_bytes_of_a_block():
+    shapes = LLAMA7B.target_shapes().values()
+    projections = sum(i * o for i, o in shapes)
+    norms = LLAMA7B.layer_params - projections
+    assert norms == 2 * LLAMA7B.hidden
+    assert weight_bytes(LLAMA7B, None, 2) == 2 * LLAMA7B.layer_params
+    assert weight_bytes(LLAMA7B, Quantization.NF4, 2) == pytest.approx(projections * 0.5625 + 2 * norms)
+    assert weight_bytes(LLAMA7B, Quantization.INT8, 2) == projections + 4 * sum(o for _, o in shapes) + 2 * norms
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_quantized_base_raises_m(recompute):
+    """Over bf16 the base is 12.6 GiB of the budget: NF4 frees ~8.6 GiB (its one dequantized projection included),
+    int8 ~6 GiB; M rises by the freed bytes over bytes_per_token, the same ratio with or without recomputation."""
+    bf16, int8, nf4 = (max_tokens(q, recompute=recompute) for q in (None, Quantization.INT8, Quantization.NF4))
+    assert bf16 < int8 < nf4
+    assert nf4 / bf16 == pytest.approx(1.35, abs=0.02)
+    assert max_tokens(Quantization.NF4, config=(2, 1)) > max_tokens(None, config=(2, 1))
+
+
+def test_m_against_vertexs_published_batch_ratio():
+    """NOT MET, recorded: Vertex's 12x is not what a quantized base frees. From a bf16 base the model gives 1.35x, 8.9x
+    short of it; from a base held in fp32 (28 GB of the 40), 5.5x (4.8x with recomputation), still 2.2x short. Vertex
+    does not publish its sequence length, recomputation or baseline precision; docs/multi_lora.md says so. The
+    asserts pin the model's figures and the size of the gap, so a change to either is seen."""
+    bf16, nf4 = max_tokens(None, recompute=False), max_tokens(Quantization.NF4, recompute=False)
+    assert nf4 / bf16 == pytest.approx(1.35, abs=0.02) and VERTEX_BATCH_RATIO / (nf4 / bf16) > 8
+    fp32 = max_tokens(None, dtype_bytes=4, recompute=False)
+    assert nf4 / fp32 == pytest.approx(5.5, abs=0.1) and VERTEX_BATCH_RATIO / (nf4 / fp32) > 2
