@@ -9,6 +9,7 @@ measures profiles lives in ``lorafleet.profiling``.
     time_model.py        a micro-batch's time on one layer and one pipeline stage, and the affine terms around it
     memory_model.py      max tokens M of a config: how large a micro-batch one replica holds
     adapters.py          the adapter load a replica carries (tasks, ranks, targets, optimizer)
+    dora_cost.py         what DoRA adds to a LoRA block's time (the analytic model's DoRA terms)
     schedule.py          the pipeline schedule of a PP replica over a window of steps, its timeline and bubble
     cost_model.py        :class:`CostModel`, what every stage consumes: stage, replica and step times, max tokens
     analytic.py          time and memory from model dimensions and a GPU datasheet (calibrated on LobRA's profile)
