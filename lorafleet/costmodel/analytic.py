@@ -20,6 +20,9 @@ degree, model and GPU. Per block, per device, for a micro-batch of b sequences o
               + 4 * 2(tp-1) link latencies + a fixed host/launch time per block
     DoRA tasks add to c3 and c6 (``dora_cost``): the rescale's passes over a token's outputs, with adapter
     dropout a second base-width GEMM, and per micro-batch the weight norm (one read of W)
+    a quantized base (``quantize``) adds to c6 its dequantization, forward and backward (bitsandbytes
+    dequantizes again for the input gradient): 2 P (q + dtype) / tp / (W * e_mem), q its bytes a weight
+    (``memory_model.weight_bytes``), a memory-bound pass that reads the stored weights and writes them whole
 
 c2, c4 and c5 are zero: the datasheet says nothing about them. The LM head, the pipeline
 transfers, the adapters' gradient all-reduce and the optimizer step, which LobRA leaves
@@ -39,9 +42,10 @@ import numpy as np
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.dora_cost import dora_terms
 from lorafleet.costmodel.fit import ROBUST_SCALE
-from lorafleet.costmodel.memory_model import MemoryFactors
+from lorafleet.costmodel.memory_model import MemoryFactors, weight_bytes
 from lorafleet.costmodel.time_model import GB, MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
 from lorafleet.specs.gpus import GPUSpec
+from lorafleet.specs.lora import Quantization
 from lorafleet.specs.model import ModelSpec
 
 TFLOP = 1e12
@@ -110,8 +114,10 @@ def analytic_layer_time(
     cal: Calibration = DEFAULT_CALIBRATION,
     dtype_bytes: int = 2,
     sequence_parallel: bool = True,
+    quantize: Quantization | None = None,
 ) -> LayerTimeCoeffs:
-    """LobRA's t(b, s) of one block on ``tp`` devices, ms, from the hardware (see the module docstring).
+    """LobRA's t(b, s) of one block on ``tp`` devices, ms, from the hardware (see the module docstring); over a base
+    stored as ``quantize``, with its dequantization.
 
     With sequence parallelism the TP all-reduce becomes a reduce-scatter and an all-gather of
     the same total volume, so only the elementwise term changes.
@@ -132,6 +138,9 @@ def analytic_layer_time(
     dora_token, dora_microbatch = dora_terms(model, adapters, tp, flops * cal.matmul, hbm * cal.memory, dtype_bytes)
     c3 += dora_token * MS_PER_S
     c6 += dora_microbatch * MS_PER_S
+    if quantize is not None:  # dequantize forward and backward: read the stored bytes, write dtype
+        stored = weight_bytes(model, quantize, dtype_bytes) - 2 * h * dtype_bytes  # the projections' bytes
+        c6 += 2 * (stored + p * dtype_bytes) / tp / (hbm * cal.memory) * MS_PER_S
     return LayerTimeCoeffs((c1, 0.0, c3, 0.0, 0.0, c6))
 
 

@@ -23,6 +23,7 @@ from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.data.model_source import ModelSource, SourceKind
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
 from lorafleet.executor.torch.base_model import load_causal_lm
+from lorafleet.executor.torch.quantized_base import quantize_base
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import (
     DeploymentPlan,
@@ -35,7 +36,7 @@ from lorafleet.plans import (
     StepReport,
 )
 from lorafleet.runtime.data_stream import DataStreams, TaskData
-from lorafleet.specs.lora import LoraSpec, OptimizerSpec
+from lorafleet.specs.lora import LoraSpec, OptimizerSpec, Quantization
 from lorafleet.specs.model import MODEL_PRESETS
 
 TINY = ModelSource(kind=SourceKind.RANDOM, name="tiny-llama", spec=MODEL_PRESETS["tiny-llama"], seed=0)
@@ -186,12 +187,17 @@ class Run:
     """Steps per pipeline window (``TorchExecutor.run_steps``); windows also end at ``save_at``."""
     tasks: tuple[TaskTraining, ...] = TASKS
     """The tasks (their names and data are :data:`TASKS`'; their adapters and optimizers may differ)."""
+    quantize: Quantization | None = None
+    """Train over a quantized base (``executor.torch.quantized_base.quantize_base`` of the whole model)."""
 
 
 def train(run: Run) -> list[StepReport]:
     """The training loop of every rank (rank 0 drives, the others serve)."""
     config = ExecutorConfig(plan=run.plan, tasks=run.tasks, seed=run.seed, base_model="tiny-llama")
-    executor = TorchExecutor(config, build_model(run.family, run.dtype), synthetic_streams(), torch.device("cpu"))
+    model = build_model(run.family, run.dtype)
+    if run.quantize is not None:
+        quantize_base(model, run.quantize)
+    executor = TorchExecutor(config, model, synthetic_streams(), torch.device("cpu"))
     if dist.get_rank() != 0:
         executor.serve()
         return []

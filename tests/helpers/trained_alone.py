@@ -15,8 +15,10 @@ from lorafleet.data.tokenize import IGNORE_INDEX
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.optim import build_optimizer, lr_at
 from lorafleet.executor.torch.peft_export import lora_config
+from lorafleet.executor.torch.quantized_base import dequantized_copy
 from lorafleet.executor.torch.worker import TaskTraining
 from lorafleet.runtime.data_stream import loss_tokens, task_key
+from lorafleet.specs.lora import Quantization
 from tests.helpers import fleet_harness as h
 
 STEPS = 4
@@ -39,13 +41,18 @@ def train_alone(
     steps: int = STEPS,
     total_steps: int | None = None,
     tasks: Sequence[TaskTraining] = h.TASKS,
+    quantize: Quantization | None = None,
 ) -> dict[str, torch.Tensor]:
     """Task ``task`` trained by itself with PEFT on its first ``steps`` batches (the rows of its own in every global
     batch: each task's stream is its own), its schedule spanning ``total_steps`` (the task's own by default);
     its adapter by PEFT key. A DoRA adapter starts from PEFT's own magnitude (``||W||_c``), a LoRA+ one trains
-    with ``peft.optimizers.create_loraplus_optimizer``'s parameter groups."""
+    with ``peft.optimizers.create_loraplus_optimizer``'s parameter groups. With ``quantize``, over the quantized base's
+    function: every projection's weight its dequantization (what bitsandbytes' quantized linears compute with)."""
     spec = tasks[task]
-    model = peft.get_peft_model(h.build_model(family, dtype), lora_config(spec.lora))
+    base = h.build_model(family, dtype)
+    if quantize is not None:
+        dequantized_copy(base, quantize)
+    model = peft.get_peft_model(base, lora_config(spec.lora))
     with torch.no_grad():
         for name, layer in multi_lora_layers(_initial_adapters(dtype, family, tasks)):
             if task in layer.adapters:

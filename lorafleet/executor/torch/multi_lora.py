@@ -43,6 +43,7 @@ from torch.autograd.function import once_differentiable
 from lorafleet.executor.torch import dora
 from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.kernels import torch_lora
+from lorafleet.executor.torch.quantized_base import QuantizedLinear
 from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
 from lorafleet.specs.lora import LoraSpec
 
@@ -176,10 +177,10 @@ class MultiLoraLinear(nn.Module):
         torch.Size([8, 32])
     """
 
-    def __init__(self, base_layer: nn.Linear, *, backend: LoraBackend = LoraBackend.AUTO) -> None:
+    def __init__(self, base_layer: nn.Linear | QuantizedLinear, *, backend: LoraBackend = LoraBackend.AUTO) -> None:
         super().__init__()
-        if not isinstance(base_layer, nn.Linear):
-            raise TypeError(f"MultiLoraLinear wraps nn.Linear, got {type(base_layer).__name__}")
+        if not isinstance(base_layer, (nn.Linear, QuantizedLinear)):
+            raise TypeError(f"MultiLoraLinear wraps nn.Linear or QuantizedLinear, got {type(base_layer).__name__}")
         self.base_layer = base_layer.requires_grad_(False)
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
@@ -315,11 +316,12 @@ class MultiLoraLinear(nn.Module):
         routing = self.routing()
         x2 = x.reshape(-1, self.in_features)  # (T, K), T = prod(leading dims)
         keep = draw_keep_mask(*x2.shape, routing, device=x2.device) if self.training else None
+        weight = self.base_layer.weight  # a quantized base dequantizes it here, once a call
         # The dicts' own parameter maps, in adapter order (add_adapter inserts into both dicts
         # and self.adapters alike): ParameterDict.__getitem__ costs ~0.7 us a key, every call.
         y = multi_lora_linear(
             x2,
-            self.base_layer.weight,
+            weight,
             self.base_layer.bias,
             list(self.lora_A._parameters.values()),
             list(self.lora_B._parameters.values()),
@@ -328,17 +330,18 @@ class MultiLoraLinear(nn.Module):
             self.backend,
         )
         if self.lora_magnitude_vector:
-            y = self._dora(y, x2, keep, routing)
+            y = self._dora(y, x2, keep, routing, weight)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
     def _row_squares(self) -> Tensor:
         """``||W||²_c`` of the base weight, computed once per weight (TP slicing or loading replaces it)."""
-        weight = self.base_layer.weight
-        if self._weight_sq is None or self._weight_sq[0] is not weight:
-            self._weight_sq = (weight, dora.row_squares(weight))
+        base = self.base_layer
+        key = base.frozen_key if isinstance(base, QuantizedLinear) else base.weight
+        if self._weight_sq is None or self._weight_sq[0] is not key:
+            self._weight_sq = (key, dora.row_squares(base.weight))
         return self._weight_sq[1]
 
-    def _dora(self, y: Tensor, x: Tensor, keep: Tensor | None, routing: LoraRouting) -> Tensor:
+    def _dora(self, y: Tensor, x: Tensor, keep: Tensor | None, routing: LoraRouting, weight: Tensor) -> Tensor:
         """The DoRA rescale (``dora.py``) of the rows of this call's DoRA adapters that own rows."""
         ids = list(self.adapters)
         with_rows = {a for a, length in zip(routing.segments.adapter_ids, routing.segments.lengths) if length}
@@ -347,7 +350,7 @@ class MultiLoraLinear(nn.Module):
             return y
         keys = [str(ids[i]) for i in used]
         norms = dora.weight_norms(
-            self.base_layer.weight,
+            weight,
             [self.lora_A[k] for k in keys],
             [self.lora_B[k] for k in keys],
             [routing.scalings[i] for i in used],
@@ -355,7 +358,7 @@ class MultiLoraLinear(nn.Module):
             self._row_squares(),
         )  # (D, N), detached
         scale = torch.stack([self.lora_magnitude_vector[k] for k in keys]) / norms  # g = m / n
-        weight, bias = self.base_layer.weight, self.base_layer.bias
+        bias = self.base_layer.bias
         dropouts = [routing.dropouts[i] for i in used]
         return dora.rescale(y, x, keep, weight, bias, routing.segments, used, scale, dropouts)
 

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from lorafleet.executor.torch.dora import MAGNITUDE
 from lorafleet.executor.torch.inject import module_suffix
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.quantized_base import QuantizedLinear
 
 
 class ParallelStyle(StrEnum):
@@ -154,8 +155,12 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def _sliced_linear(linear: nn.Linear, style: ParallelStyle, tp_rank: int, tp_size: int) -> nn.Linear:
-    """A frozen ``nn.Linear`` holding this rank's slice of ``linear``."""
+def _sliced_linear(
+    linear: nn.Linear | QuantizedLinear, style: ParallelStyle, tp_rank: int, tp_size: int
+) -> nn.Linear | QuantizedLinear:
+    """A frozen ``nn.Linear`` holding this rank's slice of ``linear`` (of a quantized one: its stored bytes)."""
+    if isinstance(linear, QuantizedLinear):
+        return linear.sliced(weight_shard_dim(style), tp_rank, tp_size, holds_bias(style, tp_rank))
     weight = shard(linear.weight, base_shard_dim(style, "weight"), tp_rank, tp_size)
     bias = None
     if linear.bias is not None and holds_bias(style, tp_rank):
@@ -183,7 +188,7 @@ def _shard_module(
             for key in list(weights.keys()):
                 weights[key] = nn.Parameter(shard(weights[key], dim, tp_rank, tp_size))
         return module
-    if isinstance(module, nn.Linear):
+    if isinstance(module, (nn.Linear, QuantizedLinear)):
         return _sliced_linear(module, style, tp_rank, tp_size)
     raise TypeError(f"cannot tensor-parallelise a {type(module).__name__}")
 
