@@ -37,7 +37,9 @@ from lorafleet.runtime.layout import layer_of
 from tests.helpers import fleet_harness as h
 
 PLANS = {"tp2+pp2": h.plan_of((2, 1), (1, 2)), "tp2xpp2": h.plan_of((2, 2))}
-ADAPTERS = [t.lora for t in h.TASKS]
+#: "code" (q, v and down: a row-parallel layer) as DoRA: its magnitudes are drawn over the skeleton as NaN and set
+#: from the loaded, TP-sliced weights (``MultiLoraLinear.init_magnitudes``, an all-reduce over a row-parallel layer).
+ADAPTERS = [t.lora.model_copy(update={"use_dora": t.name == "code"}) for t in h.TASKS]
 CPU = torch.device("cpu")
 
 
@@ -85,6 +87,8 @@ def _forward(replica, batch_inputs) -> torch.Tensor:
         for _, layer in multi_lora_layers(replica.model):  # adapters that act: B != 0, the same in both
             for b in layer.lora_B.values():
                 b.fill_(0.01)
+            for m in layer.lora_magnitude_vector.values():  # compared apart (magnitude_gap), to rounding
+                m.fill_(1.0)
         return stage_forward(replica.model, role, x, batch_inputs)
 
 
@@ -93,7 +97,7 @@ def _stage_bytes(stage: nn.Module, checkpoint_itemsize: int) -> int:
     adapters = {
         id(p)
         for _, layer in multi_lora_layers(stage)
-        for factor in (layer.lora_A, layer.lora_B)
+        for factor in (layer.lora_A, layer.lora_B, layer.lora_magnitude_vector)
         for p in factor.values()
     }
     frozen = [t for t in [*stage.parameters(), *stage.buffers()] if id(t) not in adapters]
@@ -110,13 +114,19 @@ def compare_stages(directory: Path, plan_name: str, rank: int, world: int, items
     staged = build_replica(skeleton, ADAPTERS, plan, rank, world, seeds=seeds, device=CPU, weights=weights)
     a, b = _tensors(whole.model), _tensors(staged.model)
     role = staged.role
+    magnitudes = [n for n in a if "lora_magnitude_vector" in n]
     out = {
         "names": (sorted(a), sorted(b)),
         "differ": [
             n
             for n in a
-            if n in b and not (a[n].dtype == b[n].dtype and a[n].shape == b[n].shape and torch.equal(a[n], b[n]))
+            if n in b
+            and n not in magnitudes
+            and not (a[n].dtype == b[n].dtype and a[n].shape == b[n].shape and torch.equal(a[n], b[n]))
         ],
+        # The whole path's ||W||_c of each row, the staged one's from the TP slices' squares summed: equal to rounding.
+        "magnitudes": len(magnitudes),
+        "magnitude_gap": max((float(((a[n] - b[n]) / a[n]).abs().max()) for n in magnitudes), default=0.0),
         "meta": [n for n, t in b.items() if t.is_meta],
         "tied": [
             m.lm_head is not None
@@ -185,11 +195,13 @@ def test_stage_equals_the_whole_model_path(world, checkpoints, model, plan):
         assert whole_names == stage_names, f"rank {rank}"
         assert any(n.endswith("rotary_emb.inv_freq") for n in stage_names)
         assert found["differ"] == [] and found["meta"] == [], f"rank {rank}"
+        assert found["magnitude_gap"] <= 1e-6, f"rank {rank}"  # and no NaN left: a NaN fails the comparison
         assert found["forward_equal"], f"rank {rank}"
         # The tied pair stays one tensor where the stage holds both ends (pp = 1), as on the whole path.
         assert found["tied"][0] == found["tied"][1]
         if model == "qwen2" and found["first"] and found["last"]:
             assert found["tied"][1]
+    assert sum(world[r][(str(checkpoints[model]), plan)]["magnitudes"] for r in range(4)) > 0
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
