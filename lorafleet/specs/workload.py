@@ -40,7 +40,7 @@ from lorafleet.specs.data import DataSpec
 from lorafleet.specs.evaluation import EarlyStoppingSpec, EvalSpec
 from lorafleet.specs.hints import did_you_mean
 from lorafleet.specs.length_presets import find_preset
-from lorafleet.specs.lora import LoraSpec, OptimizerSpec
+from lorafleet.specs.lora import LoraSpec, OptimizerSpec, Quantization
 from lorafleet.specs.names import task_name_error
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.specs.sweep import MEMBERS_DIR, SweepMembership, sweep_members
@@ -256,6 +256,10 @@ class WorkloadSpec(Spec):
     """The GPUs to plan for."""
     recompute: RecomputePolicy = RecomputePolicy.AUTO
     """Activation recomputation: ``auto`` (the planner picks per config), ``off`` or ``on``."""
+    quantize: Quantization | None = None
+    """QLoRA: the shared base's projections stored ``nf4`` or ``int8`` and dequantized in the forward, every tenant
+    over the one quantized base (``executor/torch/quantized_base.py``); null: the base in the run's dtype. The
+    planner does not price it yet (docs/multi_lora.md)."""
     seed: Int = Field(0, ge=0)
     """Seed of every sampled global batch."""
     tasks: tuple[TaskSpec, ...] = Field(min_length=1, max_length=MAX_TASKS)

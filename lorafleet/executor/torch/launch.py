@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lorafleet.data.model_source import resolve_model_source
 from lorafleet.errors import InputError, StartTimeout
 from lorafleet.executor.torch.base_model import load_base
+from lorafleet.executor.torch.quantized_base import QuantizedLinear, check_quantizable, load_quantized_base
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import DeploymentPlan
 from lorafleet.runtime.data_stream import TaskData, prepare_task_data, task_tokenizer, training_streams
@@ -163,10 +164,17 @@ def build_torch_executor(
         slowdown=dict(slowdown or {}),
     )
     start = time.perf_counter()
-    model, weights = load_base(source, dtype)
+    check_quantizable(source, spec.quantize)
+    if spec.quantize is None:
+        loader = partial(load_base, source, dtype)
+    else:  # QLoRA: the whole base, its projections quantized
+        loader = partial(load_quantized_base, source, dtype, spec.quantize)
+    model, weights = loader()
     if report is not None:
         params = sum(p.numel() for p in model.parameters()) / 1e6
+        params += sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantizedLinear)) / 1e6
         precision = str(dtype).removeprefix("torch.")
+        precision += f", projections {spec.quantize.value}" if spec.quantize is not None else ""
         report(f"base model loaded: {config.base_model}, {params:,.1f}M parameters, {precision}")
     executor = TorchExecutor(
         config,
@@ -174,7 +182,7 @@ def build_torch_executor(
         streams,
         device,
         weights=weights,
-        base=partial(load_base, source, dtype),
+        base=loader,
         task_data=partial(_added_task_data, tokenizer=tokenizer),
     )
     executor.stage_build_s = time.perf_counter() - start

@@ -6,20 +6,33 @@ installed in this environment)."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from torch import nn
 
+from lorafleet.cli import main
+from lorafleet.data.model_source import ModelSource, SourceKind
+from lorafleet.errors import InputError
 from lorafleet.executor.torch.checkpoint import latest_step_dir
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.peft_export import SAFETENSORS_WEIGHTS_NAME
-from lorafleet.executor.torch.quantized_base import QuantizedLinear, dequantized_copy, quantize_base
+from lorafleet.executor.torch.quantized_base import (
+    QuantizedLinear,
+    check_quantizable,
+    dequantized_copy,
+    load_quantized_base,
+    quantize_base,
+)
 from lorafleet.specs.lora import Quantization
+from lorafleet.specs.workload import WorkloadSpec
 from tests.executor.torch.test_dora import DORA_TASKS
 from tests.helpers import fleet_harness as h
+from tests.helpers.repo import SMALL_WORKLOAD
 from tests.helpers.trained_alone import ATOL, STEPS, _max_diff, train_alone
 
 
@@ -88,3 +101,22 @@ def test_joint_training_over_a_quantized_base_equals_each_task_alone(fleet, run)
         if i == 0:
             unquantized = train_alone(i, torch.float32, tasks=DORA_TASKS)
             assert _max_diff(alone, unquantized) > 20 * ATOL[torch.float32]
+
+
+def test_a_workload_asks_for_it_and_the_executor_loads_the_base_quantized(tmp_path, capsys):
+    """``quantize:`` in a workload (nf4 | int8, one line and exit 2 otherwise); the executor's loader quantizes the
+    whole base; a GGUF source (already quantized, dequantized on load) is refused."""
+    raw = json.loads(json.dumps(SMALL_WORKLOAD))
+    assert WorkloadSpec.model_validate({**raw, "quantize": "nf4"}).quantize is Quantization.NF4
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump({**raw, "quantize": "fp4"}))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "quantize" in err and "nf4" in err, err
+    model, weights = load_quantized_base(h.TINY, torch.float32, Quantization.INT8)
+    assert weights is None and sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 7 * 4
+    gguf = ModelSource(kind=SourceKind.GGUF, name="m.gguf", path=str(tmp_path), gguf_file="m.gguf")
+    with pytest.raises(InputError, match="workload: quantize: nf4: 'm.gguf' is a GGUF file"):
+        check_quantizable(gguf, Quantization.NF4)
+    check_quantizable(gguf, None)
+    check_quantizable(h.TINY, Quantization.NF4)
