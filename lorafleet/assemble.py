@@ -120,6 +120,7 @@ def _fleet_model(
             profiles,
             sync_replicas=sync_replicas,
             recompute=workload.spec.recompute,
+            quantize=workload.spec.quantize,
         )
     except InputError as err:
         for k, pool in enumerate(cluster.pools):

@@ -42,6 +42,7 @@ from lorafleet.costmodel.profile_format import (
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.io import file_sha256
+from lorafleet.specs.lora import Quantization
 from lorafleet.specs.model import ModelSpec
 from lorafleet.specs.recompute import RecomputePolicy
 
@@ -54,14 +55,18 @@ def analytic_profile(
     adapters: AdapterLoad,
     calibration: Calibration = DEFAULT_CALIBRATION,
     command: str = "",
+    quantize: Quantization | None = None,
 ) -> Profile:
     """The analytic figures of every valid config of ``model`` on ``cluster``, with and without
-    activation recomputation, as a profile (bf16)."""
+    activation recomputation, as a profile (bf16); over a base stored as ``quantize`` (its weights' bytes in the
+    memory lines, its dequantization in the layer times)."""
     gpu = cluster.gpu_spec
     configs = [c.layout for c in enumerate_configs(model, cluster)]
     memory = []
     for config in (c.with_recompute(rc) for c in configs for rc in (False, True)):
-        line = stage_memory(model, config, adapters, gpu.memory_bytes, BF16_BYTES, calibration.memory_factors)
+        line = stage_memory(
+            model, config, adapters, gpu.memory_bytes, BF16_BYTES, calibration.memory_factors, quantize=quantize
+        )
         memory.append(
             MemoryRecord(
                 tp=config.tp,
@@ -76,7 +81,10 @@ def analytic_profile(
     tps = sorted({c.tp for c in configs})
     intra, inter = analytic_links(gpu, calibration)
     coefficients = Coefficients(
-        layer_ms={tp: analytic_layer_time(model, gpu, tp, adapters, calibration, BF16_BYTES).c for tp in tps},
+        layer_ms={
+            tp: analytic_layer_time(model, gpu, tp, adapters, calibration, BF16_BYTES, quantize=quantize).c
+            for tp in tps
+        },
         head_ms={tp: AffineJSON.of(analytic_head_time(model, gpu, tp, calibration, BF16_BYTES)) for tp in tps},
         p2p_intra_node=LinkJSON.of(intra),
         p2p_inter_node=LinkJSON.of(inter),
@@ -157,9 +165,11 @@ def analytic_cost_model(
     calibration: Calibration = DEFAULT_CALIBRATION,
     sync_replicas: int = 2,
     recompute: RecomputePolicy = RecomputePolicy.AUTO,
+    quantize: Quantization | None = None,
 ) -> CostModel:
-    """The analytic CostModel of ``model`` on ``cluster`` (its GPU kind, nodes and GPUs per node)."""
-    profile = analytic_profile(model, cluster, adapters, calibration)
+    """The analytic CostModel of ``model`` on ``cluster`` (its GPU kind, nodes and GPUs per node), over a base
+    stored as ``quantize``."""
+    profile = analytic_profile(model, cluster, adapters, calibration, quantize=quantize)
     cm = profile_cost_model(
         profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=cluster.gpu
     )
@@ -174,18 +184,26 @@ def load_cost_model(
     *,
     sync_replicas: int = 2,
     recompute: RecomputePolicy = RecomputePolicy.AUTO,
+    quantize: Quantization | None = None,
 ) -> CostModel:
     """The model of one GPU kind: analytic when ``profile_path`` is None, else from that file.
 
     ``cluster`` has one pool (a fleet's models are built pool by pool, ``fleet_cost_model``). With a
     profile and a cluster, the profile must be for the cluster's GPU kind, and configs the cluster
-    cannot run are dropped; ``recompute`` keeps the configs the policy allows.
+    cannot run are dropped; ``recompute`` keeps the configs the policy allows. A quantized base (``quantize``) is
+    priced analytically only: a profile measured over an unquantized base is an InputError.
     """
     if profile_path is None:
         if cluster is None or adapters is None:
             raise ValueError("an analytic cost model needs a cluster and an adapter load")
-        return analytic_cost_model(model, cluster, adapters, sync_replicas=sync_replicas, recompute=recompute)
+        return analytic_cost_model(
+            model, cluster, adapters, sync_replicas=sync_replicas, recompute=recompute, quantize=quantize
+        )
     source = str(profile_path)
+    if quantize is not None:
+        raise InputError(
+            source, "quantize", f"{quantize.value}: a profile is measured over an unquantized base; plan analytically"
+        )
     profile = read_profile(profile_path)
     if cluster is not None and profile.gpu.lower() != cluster.gpu.lower():
         raise InputError(source, "gpu", f"profile is for {profile.gpu!r}, the cluster has {cluster.gpu!r}")
@@ -208,9 +226,11 @@ def fleet_cost_model(
     *,
     sync_replicas: int = 2,
     recompute: RecomputePolicy = RecomputePolicy.AUTO,
+    quantize: Quantization | None = None,
 ) -> CostModel:
     """The CostModel of every pool of ``cluster`` (``CostModel.of_pools``): pool ``name``'s from the profile
-    ``profiles[name]``, or its GPU kind's analytic model where that is None or absent.
+    ``profiles[name]``, or its GPU kind's analytic model where that is None or absent; over a base stored as
+    ``quantize``.
 
     In a fleet of several pools the adapters' gradient all-reduce crosses pools, so every pool's model
     prices it on its inter-node link (each pool's own NIC: the ring's pace is the slowest, which an
@@ -225,6 +245,7 @@ def fleet_cost_model(
             adapters,
             sync_replicas=sync_replicas,
             recompute=recompute,
+            quantize=quantize,
         )
         if len(cluster.pools) > 1:
             cm = replace(cm, interconnect=replace(cm.interconnect, grad_sync=cm.interconnect.p2p_inter_node))

@@ -3,16 +3,24 @@ published QLoRA batch for a 7B model on A100-40GB (2 -> 24)."""
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+import yaml
+
+from lorafleet.assemble import workload_cost_model
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.analytic import DEFAULT_CALIBRATION, analytic_layer_time
+from lorafleet.costmodel.build import load_cost_model
 from lorafleet.costmodel.memory_model import stage_memory, weight_bytes
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
+from lorafleet.errors import InputError
 from lorafleet.specs.gpus import resolve_gpu
 from lorafleet.specs.lora import Quantization
 from lorafleet.specs.model import MODEL_PRESETS
+from lorafleet.workload import load_workload
+from tests.helpers.repo import SMALL_WORKLOAD
 
 LLAMA7B, A100 = MODEL_PRESETS["llama2-7b"], resolve_gpu("a100-40gb")
 VERTEX_BATCH_RATIO = 24 / 2
@@ -69,3 +77,22 @@ def test_the_time_model_prices_the_dequantization():
         nf4 = analytic_layer_time(LLAMA7B, A100, 1, load, quantize=Quantization.NF4).shape(shape)
         int8 = analytic_layer_time(LLAMA7B, A100, 1, load, quantize=Quantization.INT8).shape(shape)
         assert nf4 / plain == pytest.approx(nf4_factor, abs=0.01) and int8 > nf4
+
+
+def test_a_workloads_quantize_reaches_its_cost_model(tmp_path):
+    """``quantize: nf4`` in a workload: every config of its analytic cost model holds more tokens and its layers take
+    longer (the dequantization); a profile (measured over an unquantized base) cannot price it: one line."""
+    raw = json.loads(json.dumps(SMALL_WORKLOAD))
+    models = {}
+    for kind in (None, "nf4"):
+        path = tmp_path / f"{kind}.yaml"
+        path.write_text(yaml.safe_dump({**raw, "quantize": kind}))
+        models[kind] = workload_cost_model(load_workload(path), load_workload(path).spec.cluster)
+    plain, nf4 = models[None], models["nf4"]
+    assert plain.max_tokens_table.keys() == nf4.max_tokens_table.keys()
+    assert all(nf4.max_tokens_table[c] > m for c, m in plain.max_tokens_table.items())
+    shape = MicroBatchShape.padded(2, 512)
+    config = next(iter(plain.max_tokens_table))
+    assert nf4.layer_time[config.tp].shape(shape) > plain.layer_time[config.tp].shape(shape)
+    with pytest.raises(InputError, match="quantize: nf4: a profile is measured over an unquantized base"):
+        load_cost_model("any.json", LLAMA7B, None, None, quantize=Quantization.NF4)
