@@ -19,7 +19,7 @@ from lorafleet.planner import PlannerMode, PlannerOptions
 from lorafleet.planner.candidates import propose_candidates, valid_candidates
 from lorafleet.planner.evaluation import evaluate, evaluate_below
 from lorafleet.planner.problem import build_problem
-from lorafleet.planner.refine import _swaps
+from lorafleet.planner.refine import swaps as gpu_neutral_swaps
 from lorafleet.planner.search import search
 from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec
@@ -195,7 +195,7 @@ def test_swaps_trade_one_replica_then_a_whole_config():
     ``bench_planner.py --part optimality`` mixing <1,1> and <1,2> was slower than either alone,
     and only the whole trade reached the best plan."""
     problem = problems(2)[1]
-    swaps = [tuple(int(n) for n in s) for s in _swaps(problem, FOUR_SMALL)]
+    swaps = [tuple(int(n) for n in s) for s in gpu_neutral_swaps(problem, FOUR_SMALL)]
     single, whole = tuple(FOUR_SMALL - [2, -1, 0, 0, 0, 0, 0, 0, 0]), tuple(FOUR_SMALL - [4, -2, 0, 0, 0, 0, 0, 0, 0])
     assert single in swaps and whole in swaps and swaps.index(single) < swaps.index(whole)
     assert len(swaps) == len(set(swaps)) and all(problem.fits(np.array(s)) for s in swaps)
