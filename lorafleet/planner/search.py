@@ -237,7 +237,13 @@ def _search_cost(problem: PlanningProblem, options: PlannerOptions) -> tuple[Sea
     mode), or every deployment judged (exhaustive); ranked the preferred first, then by cost within the limit."""
     incumbent = _incumbent(problem, options)
     if options.mode is PlannerMode.DECOMPOSED:
-        pool, ranked, solves, notes, fell_back = cost_search(problem, options, incumbent)
+
+        def fastest() -> tuple[list[PoolEntry], tuple[SolveResult, ...]]:
+            makespan = replace(options, objective=PlanObjective.MAKESPAN, max_step_s=None)
+            outcome, judged = search(problem, makespan)
+            return judged, outcome.solves
+
+        pool, ranked, solves, notes, fell_back = cost_search(problem, options, incumbent, fastest)
         unjudged = [e for e in pool if e.expected is None]
         return SearchOutcome(pool=(*ranked, *unjudged), solves=solves, notes=notes, fell_back=fell_back), ranked
     outcome = POOLS[options.mode](problem, options)
