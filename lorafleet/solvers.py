@@ -128,17 +128,6 @@ def _quiet_stdout():
             os.close(saved)
 
 
-def solve_relaxation(problem: pulp.LpProblem) -> bool:
-    """Solve ``problem``, an LP (no integer variable), in place by HiGHS in this process; whether it is optimal.
-    Not a MILP solve: not counted as one (the planner's LP relaxation, ``deployment_ilp.relaxed_fixed_point``)."""
-    with _quiet_stdout():
-        try:
-            problem.solve(pulp.HiGHS(msg=False, threads=1))
-        except pulp.PulpSolverError:
-            return False
-    return problem.sol_status == pulp.LpSolutionOptimal or problem.status == pulp.LpStatusOptimal
-
-
 def solve(
     problem: pulp.LpProblem,
     solver: SolverName = SolverName.CBC,

@@ -43,7 +43,7 @@ import numpy as np
 import pulp
 
 from lorafleet.planner.problem import PlanningProblem
-from lorafleet.solvers import SolveResult, SolverName, solve, solve_relaxation
+from lorafleet.solvers import SolveResult, SolverName, solve, solve_lp
 
 FIXED_POINT_RTOL = 1e-2
 """Stop iterating T_ref when it moves by less than this fraction (the model only ranks deployments). At
@@ -310,23 +310,60 @@ RELAXED_RTOL = 1e-3
 
 def relaxed_fixed_point(problem: PlanningProblem, start: float, tie_rel: float) -> float:
     """The fixed point T_ref = 1 / θ of the model's LP relaxation (every replica count continuous), iterated from
-    ``start``; ``start`` itself when an LP gives no positive θ. A lower bound of the MILP's θ at each T_ref is
-    not claimed: it is only where the MILP's iteration starts."""
+    ``start``; ``start`` itself when an LP gives no positive θ. Only where the MILP's iteration starts: each LP is
+    the model of :func:`build_model` with its replica counts continuous, in matrices (:func:`relaxed_throughput`),
+    solved by ``solvers.solve_lp`` in process (a few ms; through PuLP it was 30-50 ms each)."""
     t_ref = start
     for _ in range(RELAXED_ITERATIONS):
-        model, v = build_model(problem, t_ref, tie_rel / problem.usable_gpus)
-        for p in v.n_replicas.values():
-            p.cat = pulp.LpContinuous
-        if not solve_relaxation(model):
-            return start
-        theta = v.throughput.value() or 0.0
-        if theta <= 0:
+        theta = relaxed_throughput(problem, t_ref, tie_rel / problem.usable_gpus)
+        if theta is None or theta <= 0:
             return start
         new = t_ref / theta
         if abs(new - t_ref) <= RELAXED_RTOL * new:
             return new
         t_ref = new
     return t_ref
+
+
+def relaxed_throughput(problem: PlanningProblem, reference_makespan: float, tie_weight: float) -> float | None:
+    """θ' of :func:`build_model`'s LP relaxation at T_ref (None when the LP solve fails): the columns θ', then
+    ξ'_ij of every (modelled config, non-empty bucket it holds), then p_i of the configs whose fixed time is below
+    T_ref (the others have no replica); rows: coverage (=), capacity, the GPU budget and p_i's upper bounds (<=)."""
+    configs = modelled_configs(problem)
+    present = (problem.microbatch_size > 0) & (problem.counts > 0)[None, :]
+    share = 1.0 - fixed_time(problem) / reference_makespan
+    pairs = [(i, int(j)) for i in configs for j in np.flatnonzero(present[i])]
+    usable = [i for i in configs if share[i] > 0]
+    col_rate = {pair: 1 + k for k, pair in enumerate(pairs)}
+    col_p = {i: 1 + len(pairs) + k for k, i in enumerate(usable)}
+    n = 1 + len(pairs) + len(usable)
+    buckets = np.flatnonzero(problem.counts > 0)
+    a_eq = np.zeros((buckets.size, n))
+    row_of = {int(j): r for r, j in enumerate(buckets)}
+    a_eq[:, 0] = -problem.counts[buckets].astype(float)
+    w = problem.amortised_time
+    cap = np.zeros((len(configs), n))
+    row_cfg = {i: r for r, i in enumerate(configs)}
+    for (i, j), c in col_rate.items():
+        a_eq[row_of[j], c] = 1.0
+        cap[row_cfg[i], c] = w[i, j] / reference_makespan
+    for i, c in col_p.items():
+        cap[row_cfg[i], c] = -share[i]
+    rows, caps = problem.gpu_budget_rows()
+    limits = problem.max_replicas()
+    budget = np.zeros((rows.shape[0], n))
+    upper = np.zeros((len(usable), n))
+    for k, (i, c) in enumerate(col_p.items()):
+        budget[:, c] = rows[:, i]
+        upper[k, c] = 1.0
+    a_ub = np.vstack((cap, budget, upper))
+    b_ub = np.concatenate((np.zeros(len(configs)), caps.astype(float), limits[usable].astype(float)))
+    cost = np.zeros(n)
+    cost[0] = -1.0
+    for i, c in col_p.items():
+        cost[c] = tie_weight * float(problem.gpus[i])
+    x = solve_lp(cost, a_ub, b_ub, a_eq, np.zeros(buckets.size))
+    return None if x is None else float(x[0])
 
 
 def branches_around(problem: PlanningProblem, center: np.ndarray) -> list[tuple[str, Branch]]:
