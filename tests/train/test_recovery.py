@@ -128,7 +128,7 @@ def _kill_and_wait(out: Path, pid: int) -> None:
 @pytest.mark.slow
 def test_restarts_recover_kills_of_either_rank_at_start_up_and_around_checkpoint_writes(shared, tmp_path):
     """Issue #25: a restarted group must not find the dead group's peers (a fresh rendezvous store each
-    round). Rank 1 killed mid-checkpoint-write, rank 0 just after a commit, rank 1 mid-step; after each, a
+    round). Rank 1 killed mid-checkpoint-write, rank 0 just after a commit, rank 1 mid-step; after the first, a
     seeded random rank of the restarted group killed during its start-up: every restart reconnects and
     resumes from the newest intact checkpoint, and the adapters are bitwise the uninterrupted run's, each
     step counted once (``scripts/soak_restarts.sh`` soaks 50 such kills under a CPU hog)."""
@@ -139,7 +139,8 @@ def test_restarts_recover_kills_of_either_rank_at_start_up_and_around_checkpoint
     rng = random.Random(20261201)
     for rank, when, after in ((1, "writing", 4), (0, "committed", 10), (1, "step", 16)):
         _kill_rank_when(out, process, rank, when, after)
-        _kill_during_start_up(out, process, rng)
+        if when == "writing":  # once: the soak kills 50 restarted groups during their start-up
+            _kill_during_start_up(out, process, rng)
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
     assert "connectFullMesh" not in stderr

@@ -196,11 +196,11 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint(run, sig, code):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143)])  # SIGINT (130): the launcher alone, above
 def test_a_signal_to_every_process_of_the_job_stops_it_once_with_a_checkpoint(run, sig, code):
-    """Slurm's scancel and a shell's job control signal every process of the job: the launcher, torchrun
-    and each worker. The run stops as when the launcher alone is signalled: one stop line, a stop
-    checkpoint, 130/143, no traceback (torchrun's agent neither kills the workers first nor raises)."""
+    """Slurm's scancel (SIGTERM; a shell's job control sends SIGINT the same way) signals every process of the
+    job: the launcher, torchrun and each worker. The run stops as when the launcher alone is signalled: one stop
+    line, a stop checkpoint, 143, no traceback (torchrun's agent neither kills the workers first nor raises)."""
     _, tmp = run
     process = _start(run, "--steps", "400", "--checkpoint-every", "1000", "--inject-slowdown", "0=5")
     _wait_for_steps(tmp / "out", 2, process)
