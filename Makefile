@@ -52,7 +52,8 @@ LONG_TESTS := tests/train/test_adapter_card.py tests/executor/torch/test_checkpo
 	tests/executor/torch/test_joint_training.py tests/train/test_multinode.py \
 	tests/executor/torch/test_pipeline_window.py tests/train/queue/test_http.py tests/train/test_recovery.py \
 	tests/train/test_reliability.py tests/executor/torch/test_stage_loading.py tests/executor/torch/test_step.py \
-	tests/train/test_task_queue.py tests/commands/test_train.py
+	tests/train/test_task_queue.py tests/commands/test_train.py tests/train/test_evaluation.py \
+	tests/train/test_sweep_run.py
 
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(LONG_TESTS) tests/test_notebooks.py tests

@@ -130,7 +130,7 @@ def test_a_leaving_tasks_change_is_done_again_from_the_checkpoint_before_it(flee
     options, running, changes, fake = fleet
     exported = []  # the export itself is checkpoint_files' (tests/train/test_adapter_card.py); here, when and what
     monkeypatch.setattr(
-        changes_module, "export_leaving", lambda options, step, names, tasks: exported.append((step, names))
+        changes_module, "export_leaving", lambda options, step, names, *specs: exported.append((step, names))
     )
     (options.queue_dir / "finish-chat.yaml").write_text("action: finish\nname: chat\nat_step: 3\n")
     changes.due(3, running)
