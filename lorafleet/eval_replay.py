@@ -59,7 +59,7 @@ from lorafleet.specs.dispatch import MicroBatchMode
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.loss_curve import LossCurveSpec
 from lorafleet.stopping import Stopping
-from lorafleet.sweeps import Rung, decide_rung, sweep_groups
+from lorafleet.sweeps import Rung, rungs_due
 from lorafleet.workload import Task, Workload
 
 HELD_OUT_STEP = 2**62
@@ -283,25 +283,17 @@ class EvalReplay:
         return cost
 
     def _rungs(self, names: Sequence[str], step: int) -> None:
-        """The rungs of successive halving due after this evaluation of ``names`` (``train.evaluation``'s rule: a
-        sweep whose members still in the run were all just evaluated after a multiple of ``rung_steps`` of their
-        steps, short of their last): the dropped members stop. Without curves the scores tie, and the rung keeps
-        the first members in the sweep's order: the halving's cost is priced, its pick is not modelled."""
+        """The rungs of successive halving due after this evaluation of ``names`` (``lorafleet.sweeps.rungs_due``,
+        ``train``'s rule): the dropped members stop. Without curves the scores tie, and the rung keeps the first
+        members in the sweep's order: the halving's cost is priced, its pick is not modelled."""
         if not self.stops:
             return
-        specs = [self.tasks[n].spec for n in self.own]
-        for sweep, members in sweep_groups(specs).items():
-            halving = members[0].member_of.halving if members[0].member_of is not None else None
-            alive = [m for m in members if m.name not in self.stopped]
-            if halving is None or len(alive) < 2 or not {m.name for m in alive} <= set(names):
-                continue
-            own, last = self.own[alive[0].name], alive[0].steps
-            if own % halving.rung_steps or (last is not None and own >= last):
-                continue
-            order = {m.name: m.member_of.index for m in members if m.member_of is not None}
-            scores = {m.name: self.state.get(m.name, Stopping()).best_loss for m in alive}
-            rung = decide_rung(sweep, own // halving.rung_steps, step, scores, order, halving.eta)
-            self.rungs.append(rung)
+        rungs = rungs_due(
+            [self.tasks[n].spec for n in self.own], names, step, self.stopped.__contains__, self.own.__getitem__,
+            lambda name: self.tasks[name].spec.steps, lambda name: self.state.get(name, Stopping()).best_loss,
+        )  # fmt: skip
+        self.rungs += rungs
+        for rung in rungs:
             self.stopped.update(rung.dropped)
 
     def outcomes(self) -> dict[str, TaskEvals]:

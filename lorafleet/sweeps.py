@@ -20,7 +20,7 @@ adapter.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,3 +79,31 @@ def winner(best: Mapping[str, float], order: Mapping[str, int]) -> str | None:
     if not best:
         return None
     return min(best, key=lambda n: _rank_key(best[n], order[n]))
+
+
+def rungs_due(
+    tasks: Iterable[TaskSpec],
+    due: Collection[str],
+    step: int,
+    left: Callable[[str], bool],
+    taken: Callable[[str], int],
+    last: Callable[[str], int | None],
+    best: Callable[[str], float],
+) -> list[Rung]:
+    """The rungs of successive halving decided at the boundary before global step ``step``, after an evaluation of
+    the tasks ``due``: a sweep's, when every member of ``tasks`` that has not ``left`` the run was just evaluated,
+    after a multiple of ``rung_steps`` of its own steps (``taken``) short of its ``last``; each member scored by its
+    ``best`` eval loss so far (:func:`decide_rung`). Train and simulate alike: they apply the drops."""
+    out = []
+    for sweep, members in sweep_groups(tasks).items():
+        halving = members[0].member_of.halving  # type: ignore[union-attr]
+        alive = [m.name for m in members if not left(m.name)]
+        if halving is None or len(alive) < 2 or not set(alive) <= set(due):
+            continue
+        own, end = taken(alive[0]), last(alive[0])
+        if own % halving.rung_steps or (end is not None and own >= end):
+            continue
+        order = {m.name: m.member_of.index for m in members}  # type: ignore[union-attr]
+        scores = {name: best(name) for name in alive}
+        out.append(decide_rung(sweep, own // halving.rung_steps, step, scores, order, halving.eta))
+    return out

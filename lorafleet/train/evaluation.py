@@ -35,7 +35,7 @@ from lorafleet.runtime.checkpoint_files import EVALUATION_KEY as STATE_KEY
 from lorafleet.runtime.processes import fault_point
 from lorafleet.specs.io import write_text_atomic
 from lorafleet.stopping import Stopping
-from lorafleet.sweeps import Rung, decide_rung, sweep_groups
+from lorafleet.sweeps import Rung, rungs_due
 from lorafleet.train.change_log import STOPPED_EARLY, SWEEP_DROPPED
 
 RUNGS_KEY = "sweep_rungs"
@@ -230,29 +230,20 @@ class Evaluations:
         return stopped
 
     def _rungs(self, boundary: int, due: Sequence[str], specs: Sequence[TaskSpec]) -> list[Rung]:
-        """The rungs of successive halving decided at this boundary (``lorafleet.sweeps``): a sweep's, when every
-        member still training was just evaluated after a multiple of ``rung_steps`` of its steps, short of its
-        last; its dropped members leave the run here."""
-        out = []
-        for sweep, members in sweep_groups(specs).items():
-            halving = members[0].member_of.halving if members[0].member_of is not None else None
-            alive = [m.name for m in members if not self._stopped(m.name)]
-            if halving is None or len(alive) < 2 or not set(alive) <= set(due):
-                continue
-            taken, last = self.port.batches_taken(alive[0], boundary), self.port.max_batches(alive[0])
-            if taken % halving.rung_steps or (last is not None and taken >= last):
-                continue
-            order = {m.name: m.member_of.index for m in members if m.member_of is not None}
-            scores = {name: self.tasks[name].stopping.best_loss for name in alive}
-            rung = decide_rung(sweep, taken // halving.rung_steps, boundary, scores, order, halving.eta)
+        """The rungs of successive halving decided at this boundary (``lorafleet.sweeps.rungs_due``); their dropped
+        members leave the run here."""
+        rungs = rungs_due(
+            specs, due, boundary, self._stopped, lambda name: self.port.batches_taken(name, boundary),
+            self.port.max_batches, lambda name: self.tasks[name].stopping.best_loss,
+        )  # fmt: skip
+        for rung in rungs:
             for name in rung.dropped:
                 self.tasks[name] = replace(
                     self.tasks[name], stopped_at=boundary, steps_not_taken=self._spared(name, boundary),
                     dropped_rung=rung.rung,
                 )  # fmt: skip
-            self.rungs.append(rung)
-            out.append(rung)
-        return out
+        self.rungs += rungs
+        return rungs
 
     def row_extra(self) -> dict[str, Any]:
         """The last evaluation's numbers for its step's metrics row (empty when none ran at this boundary)."""
