@@ -35,7 +35,6 @@ from lorafleet.train import inflight
 from lorafleet.train.background import BesideSteps
 from lorafleet.train.change_costs import fleet_cost_model, handed_off, learnt_migration
 from lorafleet.train.change_log import (
-    STOPPED_EARLY,
     TOOK_ITS_STEPS,
     ChangeKind,
     ChangeRecord,
@@ -112,11 +111,9 @@ class FleetChanges:
         """The last change's re-plan, running beside the steps until its boundary (``train.background``)."""
         self.flight = InFlight(options, fleet)
         """The change in flight (``train.inflight``)."""
-        self.early: dict[str, int] = {}
+        self.early: dict[str, tuple[int, str]] = {}
         """Tasks early stopping or their sweep's rung stops (``train.evaluation``), by name: the boundary they leave
-        at."""
-        self.early_why: dict[str, str] = {}
-        """Why each of :attr:`early` leaves, as its change record names it (``STOPPED_EARLY``, ``SWEEP_DROPPED``)."""
+        at, and why, as its change record names it (``STOPPED_EARLY``, ``SWEEP_DROPPED``)."""
 
     # -- at every window boundary ---------------------------------------------------------------------------
 
@@ -128,8 +125,8 @@ class FleetChanges:
         self.flight.settle_committed()
         if self.flight.redo is not None:
             return self.flight.redo.step == step
-        self.early = {n: at for n, at in self.early.items() if n in running.names}  # those that left are gone
-        early = [n for n, at in self.early.items() if at <= step]
+        self.early = {n: left for n, left in self.early.items() if n in running.names}  # those that left are gone
+        early = [n for n, (at, _) in self.early.items() if at <= step]
         if self.watcher is None and early:
             return True  # retired there (at_boundary): no launcher exports a leaving task
         if self.watcher is not None:
@@ -137,9 +134,7 @@ class FleetChanges:
             reject = lambda r, why: watcher.reject(self.options.queue_dir / r.file, why)  # noqa: E731
             self.requests = self.joining.ready_requests(watcher.poll(step, accept=False), step, reject)
             named = {r.name for r in self.requests}
-            self.requests += [
-                Request(self.early_why.get(n, STOPPED_EARLY), Action.FINISH, n) for n in early if n not in named
-            ]
+            self.requests += [Request(self.early[n][1], Action.FINISH, n) for n in early if n not in named]
             if step < self.options.steps:
                 done, self.departure = departures_due(self.fleet, step, self.options.steps, bool(self.requests))
                 named = {r.name for r in self.requests}
@@ -150,15 +145,15 @@ class FleetChanges:
         """Tasks early stopping stops, by name: the boundary each leaves the run at, as if a queued finish asked (its
         best adapter exported, its slot freed, its capacity re-planned: a departure, ``changes.jsonl``); without a
         launcher watching the queue, it takes no batch from there on instead."""
-        self.early.update({name: at for name, (at, _) in stops.items()})
-        self.early_why.update({name: why for name, (_, why) in stops.items()})
+        self.early.update(stops)
 
     def next_boundary(self) -> int | None:
         """A step a window must end at: a change found in flight's, a queued request's ``at_step``, a departure's, an
         early stop's, or a re-plan answer's."""
         if self.flight.redo is not None:
             return self.flight.redo.step
-        due = [self.watcher.next_due() if self.watcher else None, self.departure, self.replan.at, *self.early.values()]
+        early = (at for at, _ in self.early.values())
+        due = [self.watcher.next_due() if self.watcher else None, self.departure, self.replan.at, *early]
         return min((s for s in due if s is not None), default=None)
 
     def checkpoint_extra(self) -> dict[str, int]:
@@ -173,9 +168,9 @@ class FleetChanges:
         redo = self.flight.take_redo(step)
         if redo is not None:
             return self._change(step, running, redo.requests, redo)
-        if self.watcher is None and any(at <= step for at in self.early.values()):
-            for name in [n for n, at in self.early.items() if at <= step]:
-                self.fleet.retire(name, self.early.pop(name))
+        if self.watcher is None and any(at <= step for at, _ in self.early.values()):
+            for name in [n for n, (at, _) in self.early.items() if at <= step]:
+                self.fleet.retire(name, self.early.pop(name)[0])
                 log(f"step {step}: {name} stopped early: it takes no more batches")
             return running
         if self.requests:
