@@ -24,6 +24,7 @@ import yaml
 from pydantic import ValidationError
 
 from lorafleet.errors import InputError
+from lorafleet.specs.architecture import model_targets
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.length_presets import find_preset, preset_distribution
 from lorafleet.specs.lengths import LengthDistribution
@@ -364,6 +365,10 @@ def resolve_workload(spec: WorkloadSpec, path: str, known: Mapping[str, Mapping[
     tasks = []
     for i, task in enumerate(spec.tasks):
         where = (str(path), f"tasks[{i}]")
+        try:  # the targets name projections this model has (Phi-3's are fused: specs.architecture)
+            model_targets(task.lora.target_modules, model.model_type)
+        except ValueError as err:
+            raise InputError(str(path), f"tasks[{i}].lora.target_modules", str(err)) from None
         histogram = None
         if reads_dataset(task.lengths):
             histogram = known.get(task.name)

@@ -12,13 +12,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lorafleet.specs.lora import LLAMA_TARGET_MODULES, LoraSpec, OptimizerName
+from lorafleet.specs.lora import FUSED_TARGET_MODULES, LLAMA_TARGET_MODULES, LoraSpec, OptimizerName
 from lorafleet.specs.model import ModelSpec
 
 FP32_BYTES = 4
 
 #: Optimizer states kept per adapter parameter, in fp32 (Adam: first and second moment).
 OPTIMIZER_STATES = {OptimizerName.ADAMW: 2, OptimizerName.ADAM: 2, OptimizerName.SGD: 1}
+
+
+def llama_targets(targets: Sequence[str]) -> tuple[str, ...]:
+    """A target list in the Llama family's projections, a fused name (Phi-3's ``qkv_proj``) as the ones it fuses: the
+    vocabulary the cost model prices in."""
+    return tuple(dict.fromkeys(p for t in targets for p in FUSED_TARGET_MODULES.get(t, (t,))))
 
 
 @dataclass(frozen=True)
@@ -43,9 +49,9 @@ class TaskAdapter:
             raise ValueError(f"targets must be a non-empty subset of {LLAMA_TARGET_MODULES}, got {self.targets}")
 
     def params_per_layer(self, model: ModelSpec) -> int:
-        """Adapter parameters in one block: Σ_targets r * (in + out)."""
-        shapes = model.target_shapes()
-        return sum(self.rank * (shapes[t][0] + shapes[t][1]) for t in self.targets)
+        """Adapter parameters in one block: Σ r * (in + out) over the projections the targets put an adapter on in
+        the model's family (one on a fused projection: ``ModelSpec.adapter_shapes``)."""
+        return sum(self.rank * (i + o) for i, o in model.adapter_shapes(self.targets).values())
 
 
 @dataclass(frozen=True)
@@ -77,7 +83,8 @@ class AdapterLoad:
         """The load of a workload's tasks, from their ``LoraSpec``s."""
         return cls(
             tuple(
-                TaskAdapter(s.rank, tuple(s.target_modules), s.use_dora, s.use_dora and s.dropout > 0) for s in specs
+                TaskAdapter(s.rank, llama_targets(s.target_modules), s.use_dora, s.use_dora and s.dropout > 0)
+                for s in specs
             ),
             OptimizerName(optimizer),
         )

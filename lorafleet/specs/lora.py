@@ -12,6 +12,16 @@ from lorafleet.specs._base import Bool, Float, Int, Spec
 #: Projection names of Llama-family decoder layers that an adapter may target.
 LLAMA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+#: Projections that one linear computes in some families (Phi-3), by name, with the projections they fuse, in the
+#: order of their output rows (``specs.architecture``).
+FUSED_TARGET_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+#: Every name a target list may hold: the Llama family's projections and the fused ones.
+TARGET_MODULES = (*LLAMA_TARGET_MODULES, *FUSED_TARGET_MODULES)
+
 
 class LoraSpec(Spec):
     """One task's adapter: ``W x + scaling * B(A(dropout(x)))`` on each target module."""
@@ -23,7 +33,8 @@ class LoraSpec(Spec):
     dropout: Float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout probability on the adapter's input (the base path sees no dropout)."""
     target_modules: tuple[str, ...] = LLAMA_TARGET_MODULES
-    """Module names (suffix match) that get an adapter."""
+    """Module names (suffix match) that get an adapter; on a model with fused projections they map onto them
+    (``specs.architecture.model_targets``)."""
     use_rslora: Bool = False
     """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski, 2023)."""
     use_dora: Bool = False
@@ -38,9 +49,9 @@ class LoraSpec(Spec):
     def _known_targets(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         if not value:
             raise ValueError("must name at least one module")
-        unknown = [m for m in value if m not in LLAMA_TARGET_MODULES]
+        unknown = [m for m in value if m not in TARGET_MODULES]
         if unknown:
-            raise ValueError(f"unknown module {unknown[0]!r}; choose from {', '.join(LLAMA_TARGET_MODULES)}")
+            raise ValueError(f"unknown module {unknown[0]!r}; choose from {', '.join(TARGET_MODULES)}")
         if len(set(value)) != len(value):
             raise ValueError("names a module twice")
         return value

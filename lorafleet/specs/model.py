@@ -1,25 +1,32 @@
 """Base-model dimensions: the numbers the cost model and the executor need.
 
 A ``ModelSpec`` comes from a named preset or from a Hugging Face ``config.json`` on disk
-(never from a hub).
+(never from a hub): its ``model_type`` must be one the executor trains (``specs.architecture``), so
+``validate`` and ``plan`` refuse another before any work, as ``train`` would.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import Field, model_validator
 
 from lorafleet.errors import InputError
 from lorafleet.specs._base import Bool, Int, Spec
+from lorafleet.specs.architecture import model_targets, unsupported_model_type
 from lorafleet.specs.io import read_json_object
+from lorafleet.specs.lora import FUSED_TARGET_MODULES
 
 
 class ModelSpec(Spec):
-    """Dimensions of a Llama-family decoder-only transformer."""
+    """Dimensions of a decoder-only transformer of a supported family (``specs.architecture``)."""
 
     name: str
     """Preset name or the path it was read from."""
+    model_type: str = "llama"
+    """The family, as transformers' ``model_type`` names it (``specs.architecture.SUPPORTED_MODEL_TYPES``)."""
     n_layers: Int = Field(gt=0)
     """Transformer blocks L."""
     hidden: Int = Field(gt=0)
@@ -51,12 +58,19 @@ class ModelSpec(Spec):
         return self.head_dim or self.hidden // self.n_heads
 
     @property
+    def norm_params(self) -> int:
+        """Norm weights of one block: two of width h (Gemma: four, before and after attention and the MLP), and
+        Qwen3's and Gemma 3's query and key norms (d each, shared by the heads)."""
+        norms = (4 if self.model_type in ("gemma2", "gemma3_text") else 2) * self.hidden
+        return norms + (2 * self.d_head if self.model_type in ("qwen3", "gemma3_text") else 0)
+
+    @property
     def layer_params(self) -> int:
-        """Parameters of one block: q, o (h x h'), k, v (h x kv*d), gate/up/down (h x ffn), two norms."""
+        """Parameters of one block: q, o (h x h'), k, v (h x kv*d), gate/up/down (h x ffn), the norms."""
         q_width = self.n_heads * self.d_head
         kv_width = self.n_kv_heads * self.d_head
         attn = 2 * self.hidden * q_width + 2 * self.hidden * kv_width
-        return attn + 3 * self.hidden * self.ffn + 2 * self.hidden
+        return attn + 3 * self.hidden * self.ffn + self.norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -83,12 +97,31 @@ class ModelSpec(Spec):
             "down_proj": (f, h),
         }
 
+    def adapter_shapes(self, targets: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of every projection of one block that a LoRA target list puts an adapter on
+        in this family (``architecture.model_targets``): a fused projection's outputs are its parts' together."""
+        shapes = self.target_shapes()
+        for fused, parts in FUSED_TARGET_MODULES.items():
+            shapes[fused] = (shapes[parts[0]][0], sum(shapes[p][1] for p in parts))
+        return {m: shapes[m] for m in model_targets(targets, self.model_type)}
+
 
 def _preset(
-    name: str, layers: int, hidden: int, ffn: int, heads: int, kv: int, vocab: int, tied: bool = False
+    name: str,
+    layers: int,
+    hidden: int,
+    ffn: int,
+    heads: int,
+    kv: int,
+    vocab: int,
+    tied: bool = False,
+    *,
+    model_type: str = "llama",
+    head_dim: int = 0,
 ) -> ModelSpec:
     return ModelSpec(
         name=name,
+        model_type=model_type,
         n_layers=layers,
         hidden=hidden,
         ffn=ffn,
@@ -96,6 +129,7 @@ def _preset(
         n_kv_heads=kv,
         vocab=vocab,
         tied_embeddings=tied,
+        head_dim=head_dim,
     )
 
 
@@ -108,10 +142,17 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         _preset("llama2-13b", 40, 5120, 13824, 40, 40, 32000),
         _preset("llama2-70b", 80, 8192, 28672, 64, 8, 32000),
         _preset("lobra-60l", 60, 6656, 17920, 64, 64, 32000),
-        _preset("qwen2.5-7b", 28, 3584, 18944, 28, 4, 152064),
-        _preset("qwen2.5-32b", 64, 5120, 27648, 40, 8, 152064),
-        _preset("qwen2.5-72b", 80, 8192, 29568, 64, 8, 152064),
-        _preset("mistral-7b", 32, 4096, 14336, 32, 8, 32000),
+        _preset("qwen2.5-7b", 28, 3584, 18944, 28, 4, 152064, model_type="qwen2"),
+        _preset("qwen2.5-32b", 64, 5120, 27648, 40, 8, 152064, model_type="qwen2"),
+        _preset("qwen2.5-72b", 80, 8192, 29568, 64, 8, 152064, model_type="qwen2"),
+        _preset("qwen3-0.6b", 28, 1024, 3072, 16, 8, 151936, tied=True, model_type="qwen3", head_dim=128),
+        _preset("qwen3-8b", 36, 4096, 12288, 32, 8, 151936, model_type="qwen3", head_dim=128),
+        _preset("mistral-7b", 32, 4096, 14336, 32, 8, 32000, model_type="mistral"),
+        _preset("gemma2-2b", 26, 2304, 9216, 8, 4, 256000, tied=True, model_type="gemma2", head_dim=256),
+        _preset("gemma2-9b", 42, 3584, 14336, 16, 8, 256000, tied=True, model_type="gemma2", head_dim=256),
+        _preset("gemma3-1b", 26, 1152, 6912, 4, 1, 262144, tied=True, model_type="gemma3_text", head_dim=256),
+        _preset("phi3-mini", 32, 3072, 8192, 32, 32, 32064, model_type="phi3"),
+        _preset("phi4", 40, 5120, 17920, 40, 10, 100352, model_type="phi3"),
         _preset("smollm2-135m", 30, 576, 1536, 9, 3, 49152, tied=True),
         # A few layers and a small width: CPU runs and tests (TP2 and PP2 both divide it).
         _preset("tiny-llama", 4, 64, 176, 4, 2, 1024),
@@ -128,7 +169,14 @@ PRESET_HUB_IDS: dict[str, str] = {
     "qwen2.5-7b": "Qwen/Qwen2.5-7B",
     "qwen2.5-32b": "Qwen/Qwen2.5-32B",
     "qwen2.5-72b": "Qwen/Qwen2.5-72B",
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
     "mistral-7b": "mistralai/Mistral-7B-v0.1",
+    "gemma2-2b": "google/gemma-2-2b",
+    "gemma2-9b": "google/gemma-2-9b",
+    "gemma3-1b": "google/gemma-3-1b-pt",
+    "phi3-mini": "microsoft/Phi-3-mini-4k-instruct",
+    "phi4": "microsoft/phi-4",
     "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
 }
 
@@ -142,11 +190,17 @@ _HF_KEYS = {
 
 
 def model_from_hf_config(path: str | Path) -> ModelSpec:
-    """Read a Hugging Face ``config.json`` (or a directory holding one) into a ModelSpec."""
+    """Read a Hugging Face ``config.json`` (or a directory holding one) into a ModelSpec; an InputError naming
+    ``model_type`` when the executor cannot train the family."""
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     raw = read_json_object(file)
-    values: dict[str, object] = {}
+    if "model_type" not in raw:
+        raise InputError(str(file), "model_type", "missing")
+    why = unsupported_model_type(raw["model_type"])
+    if why is not None:
+        raise InputError(str(file), "model_type", why)
+    values: dict[str, object] = {"model_type": raw["model_type"]}
     for ours, theirs in _HF_KEYS.items():
         if theirs not in raw:
             raise InputError(str(file), theirs, "missing")
@@ -167,8 +221,28 @@ def resolve_model(name_or_path: str, source: str = "<args>", field: str = "model
     path = Path(name_or_path)
     if path.exists():
         return model_from_hf_config(path)
+    if looks_like_hub_id(name_or_path):
+        raise InputError(source, field, hub_id_message(name_or_path))
     raise InputError(
         source, field, f"unknown model {name_or_path!r}: not a preset ({', '.join(MODEL_PRESETS)}) nor an existing path"
+    )
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """Whether ``name`` has a Hugging Face Hub id's form, ``owner/name`` (one slash, no path prefix such as ``./``)."""
+    return _HUB_ID.fullmatch(name) is not None and not name.endswith((".gguf", ".json"))
+
+
+def hub_id_message(name: str) -> str:
+    """What to do when a workload names a Hub id that is not on disk: lorafleet never downloads, so the command that
+    does (``hf``, huggingface_hub's CLI) and what to name then."""
+    local = name.rpartition("/")[2]
+    return (
+        f"{name!r} is not on disk (lorafleet never downloads); as a Hugging Face Hub id, download it first with "
+        f"`hf download {name} --local-dir {local}`, then set model: to that directory"
     )
 
 

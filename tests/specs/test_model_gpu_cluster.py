@@ -14,6 +14,13 @@ PUBLISHED_PARAMS_B = {
     "llama2-70b": 69.0,
     "mistral-7b": 7.24,
     "qwen2.5-72b": 72.7,
+    "qwen3-0.6b": 0.6,
+    "qwen3-8b": 8.2,
+    "gemma2-2b": 2.61,
+    "gemma2-9b": 9.24,
+    "gemma3-1b": 1.0,
+    "phi3-mini": 3.82,
+    "phi4": 14.7,
     "smollm2-135m": 0.135,
 }
 
@@ -42,6 +49,7 @@ def test_every_required_preset_exists():
 
 def test_hf_config_round_trip(tmp_path):
     config = {
+        "model_type": "llama",
         "num_hidden_layers": 30,
         "hidden_size": 576,
         "intermediate_size": 1536,
@@ -57,7 +65,7 @@ def test_hf_config_round_trip(tmp_path):
 
 
 def test_hf_config_errors_name_the_field(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     with pytest.raises(InputError, match="num_hidden_layers: missing"):
         model_from_hf_config(tmp_path)
     with pytest.raises(InputError, match="unknown model 'gpt-9'"):

@@ -1,0 +1,85 @@
+"""The model families lorafleet trains, by transformers' ``model_type``, and the projections a LoRA target names.
+
+Every supported family is a decoder-only transformer whose blocks are attention (q, k, v, o projections) then a
+gated MLP (gate, up, down): the executor shards them for TP and splits them for PP alike. What else differs
+between the families, the executor's forward applies (``executor/torch/families.py``):
+
+- ``llama``, ``mistral`` (a sliding window on every layer), ``qwen2`` (biased q/k/v);
+- ``qwen3``: RMS norms of each head's query and key (``q_norm``, ``k_norm``, per head, so TP leaves them whole);
+- ``gemma2`` and ``gemma3_text`` (Gemma 3's text-only model, 1B and 270M; the 4B-27B checkpoints are the
+  multimodal ``gemma3``): RMS norms that scale by ``1 + w``, the embedding scaled by ``sqrt(hidden)``, norms before
+  and after the MLP, GELU (tanh), sliding-window layers alternating with global ones (``layer_types``); Gemma 2
+  soft-caps attention scores and final logits (``c tanh(x / c)``), Gemma 3 norms queries and keys and has one
+  rotary table for its local layers and another for its global ones;
+- ``phi3``: fused projections (below).
+
+**Fused projections (Phi-3).** Phi-3 computes q, k and v with one linear, ``qkv_proj`` (its output rows are q's,
+then k's, then v's), and gate and up with one, ``gate_up_proj`` (gate's rows, then up's). A LoRA adapter on a fused
+projection is PEFT's: one ``A (r, in)`` and one ``B (out_q + out_k + out_v, r)``, so its ``adapter_config.json``
+names ``qkv_proj`` and it loads in ``PeftModel.from_pretrained`` over the Phi-3 model as it is. A workload's target
+list maps onto the model's projections (:func:`model_targets`): on Phi-3, ``q_proj, k_proj, v_proj`` together are
+``qkv_proj`` and ``gate_proj, up_proj`` together are ``gate_up_proj`` (the default, every projection, is Phi-3's
+every projection); a list naming some parts of a fused projection and not the others is refused, since the one
+adapter on it would train them all. On the other families a fused name is refused: they have no such module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from lorafleet.specs.lora import FUSED_TARGET_MODULES
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+"""The ``model_type`` values (a ``config.json`` field) whose models the executor trains, TP and PP included."""
+
+FUSING_MODEL_TYPES = ("phi3",)
+"""Families whose attention and MLP projections are fused (:data:`~lorafleet.specs.lora.FUSED_TARGET_MODULES`)."""
+
+_HINTS = {
+    "gemma3": "the multimodal Gemma 3 checkpoint (4B-27B); its text-only model_type gemma3_text (Gemma 3 1B) is",
+    "gemma": "Gemma 1; gemma2 and gemma3_text are",
+    "phi": "Phi-1/2; phi3 (Phi-3, Phi-3.5, Phi-4) is",
+}
+
+
+def unsupported_model_type(model_type: object) -> str | None:
+    """Why a model of ``model_type`` cannot be trained (one line), or None when it can."""
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return None
+    hint = _HINTS.get(str(model_type))
+    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    if hint is not None:
+        return f"model type {model_type!r} is not supported ({hint} supported; supported: {supported})"
+    return f"model type {model_type!r} is not supported (supported: {supported})"
+
+
+def model_targets(targets: Sequence[str], model_type: str) -> tuple[str, ...]:
+    """The projections of a ``model_type`` model that a LoRA target list names, in the list's order (module doc).
+
+    Raises:
+        ValueError: the list names a fused projection on a family without one, or some parts of a fused
+            projection and not the others (one line, naming them).
+    """
+    fuses = model_type in FUSING_MODEL_TYPES
+    out: list[str] = []
+    for target in targets:
+        if target in FUSED_TARGET_MODULES:
+            if not fuses:
+                parts = ", ".join(FUSED_TARGET_MODULES[target])
+                raise ValueError(f"{model_type} has no {target} (it has {parts}: name those)")
+            module = target
+        elif fuses:
+            module = next((f for f, parts in FUSED_TARGET_MODULES.items() if target in parts), target)
+        else:
+            module = target
+        if module != target:
+            parts = FUSED_TARGET_MODULES[module]
+            missing = [p for p in parts if p not in targets]
+            if missing:
+                raise ValueError(
+                    f"{model_type} fuses {', '.join(parts)} into {module}, one adapter for all of them: name all of "
+                    f"them or {module} (missing {', '.join(missing)})"
+                )
+        if module not in out:
+            out.append(module)
+    return tuple(out)
