@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.errors import InputError
+from lorafleet.runtime.base_quantization import recorded_base
 from lorafleet.specs.data import DataSpec
 from lorafleet.specs.io import file_sha256, staged_directory
 from lorafleet.specs.workload import TaskSpec
@@ -250,7 +251,8 @@ def model_card(
 ) -> str:
     """An exported adapter's ``README.md``: YAML front matter for the Hub (``base_model``, ``library_name``,
     ``tags``), then what the adapter was trained on and how: the weights it was trained over when they are not
-    the named base's own (``base_weights``: ``data.model_source.base_weights_note``), the task, its data (the
+    the named base's own (``base_weights``: ``data.model_source.base_weights_note``), the quantized base it was
+    trained over (the manifest's: ``base_quantization``, also in the usage block's loading), the task, its data (the
     file's name and no directory, which an upload would publish; rows, and the examples
     trained on from the checkpoint's data record), its steps (optimizer updates, from the manifest), batch size
     and learning rate (as in force at the end: ``changes`` lists what a resume changed, with its step), its
@@ -265,6 +267,9 @@ def model_card(
     lines = [f"# {name}", "", f"A LoRA adapter for `{base}`, trained by lorafleet {__version__}.", ""]
     if base_weights is not None:
         lines.append(f"- Base weights: {base_weights}")
+    quantized = recorded_base(manifest)
+    if quantized is not None:
+        lines.append(quantized.card_line())
     if task is not None and task.data is not None:
         data = manifest.get("data", {})
         trained = dict(zip(data.get("tasks", ()), data.get("examples", ()), strict=False))
@@ -294,15 +299,18 @@ def model_card(
         f"{', rsLoRA' if config.get('use_rslora') else ''}{', DoRA' if config.get('use_dora') else ''}"
         f"; targets {targets}"
     )
+    load = quantized.load_lines() if quantized is not None else []
+    kwargs = ", quantization_config=quantization" if quantized is not None else ""
     lines += [
         "",
         "## Use",
         "",
         "```python",
+        *load,
         "from peft import AutoPeftModelForCausalLM",
         "from transformers import AutoTokenizer",
         "",
-        'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/directory")',
+        f'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/directory"{kwargs})',
         'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory")',
         "```",
         "",

@@ -138,6 +138,7 @@ def prepare(options: TrainOptions) -> Prepared:
     flight = in_flight(options, start) if start is not None else None
     if flight is not None:  # the fleet on the side of the change in flight the checkpoint is on (resume.in_flight)
         workload, revisions = flight.resolved(options.workload), {}
+        check_quantize(options, start, workload)
         cluster = workload_cluster(workload, options.gpus, options.gpu)
         check_in_flight_gpus(flight, cluster, options)
         plan_path = str(options.run_dir.plan)
@@ -148,6 +149,7 @@ def prepare(options: TrainOptions) -> Prepared:
         workload, revisions = training_workload(
             options.workload, options.out if start is not None else None, options.sets, start, options.allow_changes
         )
+        check_quantize(options, start, workload)
         cluster = workload_cluster(workload, options.gpus, options.gpu)
         if start is not None:
             options = replace(options, plan=resumed_plan(options, workload))
@@ -213,6 +215,23 @@ def check_model(workload: Workload, path: str) -> None:
     source = resolve_model_source(workload.spec.model, source=path, field="model")
     if source.kind is SourceKind.HF_DIR:
         check_weights(Path(source.path))
+
+
+def check_quantize(options: TrainOptions, start: int | None, workload: Workload) -> None:
+    """The workload's ``quantize`` (``runtime.base_quantization``), before the plan is judged by it: InputError over
+    weights already quantized (a GGUF file), or, on a resume from the checkpoint of step ``start``, when that
+    checkpoint was trained over another base (nothing to compare before the first checkpoint commits)."""
+    from lorafleet.runtime.base_quantization import check_quantizable, check_resumed_quantize
+    from lorafleet.runtime.checkpoint_files import read_manifest, step_dir_name
+
+    if workload.spec.quantize is not None:
+        from lorafleet.data.model_source import resolve_model_source
+
+        source = resolve_model_source(workload.spec.model, source=options.workload, field="model")
+        check_quantizable(source, workload.spec.quantize, options.workload)
+    step_dir = options.run_dir.checkpoints / step_dir_name(start) if start is not None else None
+    if step_dir is not None and step_dir.is_dir():
+        check_resumed_quantize(step_dir, read_manifest(step_dir), workload.spec.quantize, options.workload)
 
 
 def check_trackers(loggers: tuple[str, ...]) -> None:

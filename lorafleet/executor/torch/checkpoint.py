@@ -54,6 +54,7 @@ from lorafleet.executor.torch.peft_export import (
 )
 from lorafleet.executor.torch.replica import Replica
 from lorafleet.executor.torch.tp import shard
+from lorafleet.runtime.base_quantization import MANIFEST_KEY, QuantizedBase
 from lorafleet.runtime.checkpoint_files import (
     BEST_DIR,
     FORMAT_VERSION,
@@ -219,8 +220,16 @@ def _optimizer_key(module: str, factor: str, key: str) -> str:
     return f"{peft_key(module, factor)}::{key}"
 
 
-def save_train_state(directory: str | Path, state: TrainState, *, base_model: str, keep: int = 2) -> Path:
-    """Writes and commits one checkpoint (rank 0 only); returns its step directory."""
+def save_train_state(
+    directory: str | Path,
+    state: TrainState,
+    *,
+    base_model: str,
+    quantized_base: QuantizedBase | None = None,
+    keep: int = 2,
+) -> Path:
+    """Writes and commits one checkpoint (rank 0 only); returns its step directory. Its manifest records the
+    quantized base the adapters learnt over (``runtime.base_quantization``; null: an unquantized one)."""
     root = Path(directory)
     name = step_dir_name(state.step)
     final = root / name
@@ -235,6 +244,7 @@ def save_train_state(directory: str | Path, state: TrainState, *, base_model: st
             "format": FORMAT_VERSION,
             "step": state.step,
             "base_model": base_model,
+            MANIFEST_KEY: quantized_base.to_json() if quantized_base is not None else None,
             "tasks": [{"name": t.name, "optimizer_steps": t.optimizer_steps} for t in state.tasks],
             "data": state.data,
             "extra": state.extra,

@@ -33,6 +33,7 @@ from lorafleet.executor.torch.checkpoint import (
 )
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.replica import Replica
+from lorafleet.runtime.base_quantization import QuantizedBase
 from lorafleet.runtime.checkpoint_files import read_manifest, step_dir_name, stopped_tasks
 from lorafleet.runtime.data_stream import DataStreams
 from lorafleet.specs.lora import LoraSpec
@@ -49,14 +50,15 @@ class Checkpointer:
         loras: Sequence[LoraSpec],
         names: Sequence[str],
         base_model: str,
+        quantized_base: QuantizedBase | None = None,
     ) -> None:
         """``loras`` and ``names``: each task's adapter and name, in task order; ``base_model`` goes into each
-        adapter's config (``ExecutorConfig.base_model``)."""
+        adapter's config (``ExecutorConfig.base_model``), ``quantized_base`` into each manifest."""
         self.best: dict[str, dict] = {}
         """Rank 0: task name -> the whole matrices of its best-evaluated adapter so far (:meth:`keep_best`), saved in
         every checkpoint beside its adapter and restored from one."""
         self.retask(replica, optimizers, streams, loras, names)
-        self.base_model = base_model
+        self.base_model, self.quantized_base = base_model, quantized_base
         self.rank = dist.get_rank()
         self._writer = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorafleet-checkpoint") if self.rank == 0 else None
@@ -73,7 +75,9 @@ class Checkpointer:
             return None
         state = TrainState(step, states, self.streams.state_dict(step), extra, dict(self.best))
         assert self._writer is not None
-        self._writing = self._writer.submit(save_train_state, directory, state, base_model=self.base_model)
+        self._writing = self._writer.submit(
+            save_train_state, directory, state, base_model=self.base_model, quantized_base=self.quantized_base
+        )
         return Path(directory) / step_dir_name(step)
 
     def retask(

@@ -30,9 +30,11 @@ import torch.distributed as dist
 from lorafleet.data.model_source import resolve_model_source
 from lorafleet.errors import InputError, StartTimeout
 from lorafleet.executor.torch.base_model import load_base
-from lorafleet.executor.torch.quantized_base import QuantizedLinear, check_quantizable, load_quantized_base
+from lorafleet.executor.torch.quantized_base import QuantizedLinear
+from lorafleet.executor.torch.quantized_stage import load_quantized_base
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import DeploymentPlan
+from lorafleet.runtime.base_quantization import QuantizedBase
 from lorafleet.runtime.data_stream import TaskData, prepare_task_data, task_tokenizer, training_streams
 from lorafleet.runtime.processes import START_TIMEOUT_S
 from lorafleet.specs.gpus import GIB, gpu_preset_for
@@ -161,13 +163,13 @@ def build_torch_executor(
         tasks=tasks,
         seed=spec.seed,
         base_model=adapter_base_model(spec.model, spec.base_model_id),
+        quantized_base=QuantizedBase(spec.quantize, str(dtype).removeprefix("torch.")) if spec.quantize else None,
         slowdown=dict(slowdown or {}),
     )
     start = time.perf_counter()
-    check_quantizable(source, spec.quantize)
     if spec.quantize is None:
         loader = partial(load_base, source, dtype)
-    else:  # QLoRA: the whole base, its projections quantized
+    else:  # QLoRA: its projections quantized (the launcher's preflight refused a GGUF: base_quantization)
         loader = partial(load_quantized_base, source, dtype, spec.quantize)
     model, weights = loader()
     if report is not None:

@@ -22,9 +22,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from lorafleet.data.model_source import ModelSource, SourceKind
-from lorafleet.errors import InputError
-from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.executor.torch.quant import (
     Int8Weight,
     Nf4Weight,
@@ -58,9 +55,13 @@ class QuantizedLinear(nn.Module):
     @classmethod
     def of(cls, linear: nn.Linear, kind: Quantization) -> QuantizedLinear:
         """``linear``'s weight quantized (``quant.py``), its bias kept in its dtype."""
-        weight = linear.weight.detach()
+        return cls.of_tensors(linear.weight.detach(), linear.bias, kind)
+
+    @classmethod
+    def of_tensors(cls, weight: Tensor, bias: Tensor | None, kind: Quantization) -> QuantizedLinear:
+        """A linear of ``weight (out, in)`` and ``bias`` with the weight quantized, computing in its dtype."""
         stored = quantize_nf4(weight) if kind is Quantization.NF4 else quantize_int8(weight)
-        return cls(stored, linear.bias, weight.dtype)
+        return cls(stored, bias, weight.dtype)
 
     @property
     def stored(self) -> Nf4Weight | Int8Weight:
@@ -128,26 +129,6 @@ def quantize_base(model: nn.Module, kind: Quantization) -> list[str]:
     if not names:
         raise ValueError(f"{type(model).__name__} has no projection to quantize")
     return names
-
-
-def check_quantizable(source: ModelSource, kind: Quantization | None, where: str = "workload") -> None:
-    """InputError when ``kind`` asks to quantize a base whose weights are already quantized: a GGUF file (dequantized
-    on load, so quantizing it again compounds two roundings)."""
-    if kind is not None and source.kind is SourceKind.GGUF:
-        raise InputError(
-            where,
-            "quantize",
-            f"{kind.value}: {source.name!r} is a GGUF file, whose weights are already quantized (dequantized on load); "
-            "quantize the original weights instead",
-        )
-
-
-def load_quantized_base(source: ModelSource, dtype: torch.dtype, kind: Quantization) -> tuple[nn.Module, None]:
-    """The whole base model of ``source`` in ``dtype``, its projections quantized (:func:`quantize_base`), as
-    ``base_model.load_base`` returns a whole model: quantizing needs every weight, so there is no per-stage loading."""
-    model = load_causal_lm(source, dtype)
-    quantize_base(model, kind)
-    return model, None
 
 
 def dequantized_copy(model: nn.Module, kind: Quantization) -> nn.Module:

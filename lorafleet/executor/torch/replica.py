@@ -25,7 +25,8 @@ from the checkpoint only the base tensors left in the stage, each as the slice T
 (``tp.base_index``, the rule ``parallelize_tensor`` cut the skeleton by), in the model's dtype
 on the device; the buffers the checkpoint does not hold (rotary ``inv_freq``) are recomputed
 on the host, as ``from_pretrained`` does, and moved. The stage is then the same, name for name
-and bit for bit, as the one built from the whole model.
+and bit for bit, as the one built from the whole model. Over a quantized base (QLoRA), each projection of the
+stage is first read whole, quantized and TP-cut (``quantized_stage``), as the whole-model path would hold it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from lorafleet.executor.torch.grad_sync import (
 from lorafleet.executor.torch.groups import GroupCache, ProcessGroups, build_process_groups
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers, projection_shapes
 from lorafleet.executor.torch.pipeline import Neighbours, split_for_pipeline
+from lorafleet.executor.torch.quantized_stage import QuantizedWeights, load_quantized_projections
 from lorafleet.executor.torch.routing import LoraBackend
 from lorafleet.executor.torch.tp import base_index, parallelize_tensor
 from lorafleet.plans import DeploymentPlan
@@ -172,6 +174,8 @@ def build_stage(
     # 3. Tensor parallelism, then 4. the pipeline split, then 5. the device.
     parallelize_tensor(model, role.tp_rank, role.replica.tp, tp_group)
     split_for_pipeline(model, role)
+    if isinstance(weights, QuantizedWeights):  # a quantized base's projections: read whole, quantized, TP-cut
+        load_quantized_projections(model, weights, role, device)
     if weights is not None:
         load_stage(model, weights, role, device)
     model = model.to(device)  # per stage: moves the adapters, the rest is there

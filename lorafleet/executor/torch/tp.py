@@ -155,7 +155,7 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def _sliced_linear(
+def sliced_linear(
     linear: nn.Linear | QuantizedLinear, style: ParallelStyle, tp_rank: int, tp_size: int
 ) -> nn.Linear | QuantizedLinear:
     """A frozen ``nn.Linear`` holding this rank's slice of ``linear`` (of a quantized one: its stored bytes)."""
@@ -180,7 +180,7 @@ def _shard_module(
     and adapters are sliced in place (so module and parameter names stay the model's own); a
     row-parallel one sums its DoRA norms over ``group`` (``dora.py``)."""
     if isinstance(module, MultiLoraLinear):
-        module.base_layer = _sliced_linear(module.base_layer, style, tp_rank, tp_size)
+        module.base_layer = sliced_linear(module.base_layer, style, tp_rank, tp_size)
         module.norm_group = group if style is ParallelStyle.ROW else None
         for factor in ("lora_A", "lora_B", MAGNITUDE):
             weights: nn.ParameterDict = getattr(module, factor)
@@ -189,7 +189,7 @@ def _shard_module(
                 weights[key] = nn.Parameter(shard(weights[key], dim, tp_rank, tp_size))
         return module
     if isinstance(module, (nn.Linear, QuantizedLinear)):
-        return _sliced_linear(module, style, tp_rank, tp_size)
+        return sliced_linear(module, style, tp_rank, tp_size)
     raise TypeError(f"cannot tensor-parallelise a {type(module).__name__}")
 
 

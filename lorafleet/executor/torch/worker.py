@@ -47,6 +47,7 @@ from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.routing import LoraBackend
 from lorafleet.executor.torch.window import BroadcastStep, WindowRunner
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
+from lorafleet.runtime.base_quantization import QuantizedBase
 from lorafleet.runtime.data_stream import DataStreams, TaskData, task_key
 from lorafleet.specs.workload import TaskSpec
 
@@ -61,6 +62,8 @@ class ExecutorConfig:
     """Seed of the initial adapters and of every step's generators."""
     base_model: str = ""
     """The base model's name, written into each adapter's ``base_model_name_or_path``."""
+    quantized_base: QuantizedBase | None = None
+    """The base's projections stored quantized (QLoRA: ``quantized_base.py``), recorded in every checkpoint."""
     lora_backend: LoraBackend = LoraBackend.AUTO
     slowdown: Mapping[int, float] = field(default_factory=dict)
     """Fault injection: replica id -> factor f >= 1. The replica's ranks wait (f - 1) x their compute time
@@ -171,7 +174,13 @@ class TorchExecutor:
             record_ops=config.record_ops,
         )
         self.checkpointer = Checkpointer(
-            self.replica, self.optimizers, streams, [t.lora for t in config.tasks], self.names, config.base_model
+            self.replica,
+            self.optimizers,
+            streams,
+            [t.lora for t in config.tasks],
+            self.names,
+            config.base_model,
+            config.quantized_base,
         )
         self.op_log = self.windows.op_log
         """With ``config.record_ops``, this rank's ops so far (``WindowRunner.op_log``)."""

@@ -21,13 +21,9 @@ from lorafleet.errors import InputError
 from lorafleet.executor.torch.checkpoint import latest_step_dir
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
 from lorafleet.executor.torch.peft_export import SAFETENSORS_WEIGHTS_NAME
-from lorafleet.executor.torch.quantized_base import (
-    QuantizedLinear,
-    check_quantizable,
-    dequantized_copy,
-    load_quantized_base,
-    quantize_base,
-)
+from lorafleet.executor.torch.quantized_base import QuantizedLinear, dequantized_copy, quantize_base
+from lorafleet.executor.torch.quantized_stage import load_quantized_base
+from lorafleet.runtime.base_quantization import check_quantizable
 from lorafleet.specs.lora import Quantization
 from lorafleet.specs.workload import WorkloadSpec
 from tests.executor.torch.test_dora import DORA_TASKS

@@ -7,7 +7,9 @@ are all exercised. One forked world of 4 gloo processes builds, on every rank, e
 checkpoint's stage both ways for a TP2 + PP2 plan and a TP2xPP2 plan. Every rank checks that
 its two stages hold the same parameters and buffers (names, dtypes, shapes, bits), that a
 forward of the stage gives the same output, and that the per-stage build read from the
-checkpoint exactly its own stage's slices, byte for byte.
+checkpoint exactly its own stage's slices, byte for byte. Over a quantized base (tiny-llama, NF4 on a PP plan, int8
+on TP2xPP2: a row-parallel int8 shard keeps its whole row's scale), the stage reads and quantizes only its own
+layers, and holds the whole-model path's quantized bytes.
 """
 
 from __future__ import annotations
@@ -30,13 +32,24 @@ from lorafleet.data.weights_index import SAFETENSORS_FILE, SAFETENSORS_INDEX, ch
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.base_model import load_base, load_causal_lm
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers
+from lorafleet.executor.torch.quantized_base import QuantizedLinear, quantize_base
+from lorafleet.executor.torch.quantized_stage import load_quantized_base
 from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.step import build_inputs, stage_forward
 from lorafleet.executor.torch.tp import TP_STYLES, _shard_module, base_index, holds_bias
 from lorafleet.runtime.layout import layer_of
+from lorafleet.specs.lora import Quantization
 from tests.helpers import fleet_harness as h
 
-PLANS = {"tp2+pp2": h.plan_of((2, 1), (1, 2)), "tp2xpp2": h.plan_of((2, 2))}
+PLANS = {
+    "tp2+pp2": h.plan_of((2, 1), (1, 2)),
+    "tp2xpp2": h.plan_of((2, 2)),
+    "pp2+tp1+tp1": h.plan_of((1, 2), (1, 1), (1, 1)),
+}
+#: Quantized cases, on tiny-llama: plan -> the quantization (NF4's blocks of 64 do not split its 64-wide o_proj
+#: over two TP ranks, so NF4 runs a plan without TP).
+QUANTIZED = {"pp2+tp1+tp1": Quantization.NF4, "tp2xpp2": Quantization.INT8}
+UNQUANTIZED = ["tp2+pp2", "tp2xpp2"]
 #: "code" (q, v and down: a row-parallel layer) as DoRA: its magnitudes are drawn over the skeleton as NaN and set
 #: from the loaded, TP-sliced weights (``MultiLoraLinear.init_magnitudes``, an all-reduce over a row-parallel layer).
 ADAPTERS = [t.lora.model_copy(update={"use_dora": t.name == "code"}) for t in h.TASKS]
@@ -105,12 +118,21 @@ def _stage_bytes(stage: nn.Module, checkpoint_itemsize: int) -> int:
     return sum(t.numel() * checkpoint_itemsize for t in frozen if id(t) in persistent)
 
 
-def compare_stages(directory: Path, plan_name: str, rank: int, world: int, itemsize: int) -> dict:
-    """Builds ``rank``'s stage of ``directory``'s model under a plan both ways; what differs."""
+def compare_stages(
+    directory: Path, plan_name: str, rank: int, world: int, itemsize: int, quantize: Quantization | None = None
+) -> dict:
+    """Builds ``rank``'s stage of ``directory``'s model under a plan both ways (over a base quantized as
+    ``quantize``); what differs."""
     plan = PLANS[plan_name]
     seeds = range(len(ADAPTERS))
-    whole = build_replica(load_causal_lm(hf_source(directory)), ADAPTERS, plan, rank, world, seeds=seeds, device=CPU)
-    skeleton, weights = load_base(hf_source(directory))
+    model = load_causal_lm(hf_source(directory))
+    if quantize is not None:
+        quantize_base(model, quantize)
+    whole = build_replica(model, ADAPTERS, plan, rank, world, seeds=seeds, device=CPU)
+    if quantize is None:
+        skeleton, weights = load_base(hf_source(directory))
+    else:
+        skeleton, weights = load_quantized_base(hf_source(directory), torch.float32, quantize)
     staged = build_replica(skeleton, ADAPTERS, plan, rank, world, seeds=seeds, device=CPU, weights=weights)
     a, b = _tensors(whole.model), _tensors(staged.model)
     role = staged.role
@@ -135,6 +157,8 @@ def compare_stages(directory: Path, plan_name: str, rank: int, world: int, items
             for m in (whole.model, staged.model)
         ],
         "reads": weights.reads,
+        "whole_shapes": {entry.key: entry.shape for entry in weights.entries.values()},
+        "quantized": sum(isinstance(m, QuantizedLinear) for m in staged.model.modules()),
         "stage_bytes": _stage_bytes(staged.model, itemsize),
         "layers": list(role.layers),
         "first": role.is_first_stage,
@@ -149,11 +173,11 @@ def compare_stages(directory: Path, plan_name: str, rank: int, world: int, items
     return out
 
 
-def _rank_main(rank: int, world: int, tmp: str, cases: list[tuple[str, str, int]]) -> None:
+def _rank_main(rank: int, world: int, tmp: str, cases: list[tuple[str, str, int, Quantization | None]]) -> None:
     torch.set_num_threads(1)  # four ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=world)
     try:
-        results = {(d, p): compare_stages(Path(d), p, rank, world, size) for d, p, size in cases}
+        results = {(d, p, q): compare_stages(Path(d), p, rank, world, size, q) for d, p, size, q in cases}
         Path(tmp, f"rank{rank}.pkl").write_bytes(pickle.dumps(results))
     except BaseException:
         traceback.print_exc()
@@ -170,10 +194,11 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world(checkpoints, tmp_path_factory):
-    """rank -> (checkpoint directory, plan) -> what ``compare_stages`` found."""
+    """rank -> (checkpoint directory, plan, quantization) -> what ``compare_stages`` found."""
     tmp = tmp_path_factory.mktemp("world")
     itemsize = {"llama": 4, "qwen2": 2}
-    cases = [(str(d), p, itemsize[name]) for name, d in checkpoints.items() for p in PLANS]
+    cases = [(str(d), p, itemsize[name], None) for name, d in checkpoints.items() for p in UNQUANTIZED]
+    cases += [(str(checkpoints["llama"]), p, 4, kind) for p, kind in QUANTIZED.items()]
     mp.start_processes(_rank_main, args=(4, str(tmp), cases), nprocs=4, start_method="fork")
     return {r: pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(4)}
 
@@ -187,10 +212,10 @@ def test_checkpoints_are_what_the_cases_need(checkpoints):
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
-@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("plan", UNQUANTIZED)
 def test_stage_equals_the_whole_model_path(world, checkpoints, model, plan):
     for rank in range(4):
-        found = world[rank][(str(checkpoints[model]), plan)]
+        found = world[rank][(str(checkpoints[model]), plan, None)]
         whole_names, stage_names = found["names"]
         assert whole_names == stage_names, f"rank {rank}"
         assert any(n.endswith("rotary_emb.inv_freq") for n in stage_names)
@@ -201,15 +226,15 @@ def test_stage_equals_the_whole_model_path(world, checkpoints, model, plan):
         assert found["tied"][0] == found["tied"][1]
         if model == "qwen2" and found["first"] and found["last"]:
             assert found["tied"][1]
-    assert sum(world[r][(str(checkpoints[model]), plan)]["magnitudes"] for r in range(4)) > 0
+    assert sum(world[r][(str(checkpoints[model]), plan, None)]["magnitudes"] for r in range(4)) > 0
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
-@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("plan", UNQUANTIZED)
 def test_a_stage_reads_only_its_own_slices(world, checkpoints, model, plan):
     tied = model == "qwen2"
     for rank in range(4):
-        found = world[rank][(str(checkpoints[model]), plan)]
+        found = world[rank][(str(checkpoints[model]), plan, None)]
         keys = [key for key, _, _ in found["reads"]]
         assert len(keys) == len(set(keys)), f"rank {rank} read a tensor twice"
         for key in keys:
@@ -221,6 +246,28 @@ def test_a_stage_reads_only_its_own_slices(world, checkpoints, model, plan):
                 assert found["last"] and key in ("model.norm.weight", "lm_head.weight"), f"rank {rank} read {key}"
         # Exactly the bytes of the stage's tensors (TP slices, not whole projections).
         assert sum(n for _, _, n in found["reads"]) == found["stage_bytes"], f"rank {rank}"
+
+
+@pytest.mark.parametrize("plan", list(QUANTIZED))
+def test_a_stage_over_a_quantized_base_equals_the_whole_model_path(world, checkpoints, plan):
+    """A stage loaded per stage over a quantized base holds the whole path's quantized bytes (and scales), DoRA
+    magnitudes to rounding and the same forward; it read only its own layers, each projection whole (quantized, then
+    TP-cut), the rest as its TP slices."""
+    key = (str(checkpoints["llama"]), plan, QUANTIZED[plan])
+    projections = 0
+    for rank in range(4):
+        found = world[rank][key]
+        whole_names, stage_names = found["names"]
+        assert whole_names == stage_names and found["differ"] == [] and found["meta"] == [], f"rank {rank}"
+        assert found["magnitude_gap"] <= 1e-6 and found["forward_equal"], f"rank {rank}"
+        assert found["quantized"] == 7 * len(found["layers"]), f"rank {rank}"
+        projections += found["quantized"]
+        for name, shape, _ in found["reads"]:
+            if ".layers." in name:
+                assert layer_of(name) in found["layers"], f"rank {rank} read {name}"
+                if name.rpartition(".")[0].rpartition(".")[2] in TP_STYLES:
+                    assert shape == found["whole_shapes"][name], f"rank {rank} read part of {name}"
+    assert projections > 0
 
 
 def test_tp_slices_come_from_the_same_rule_as_sharding():
