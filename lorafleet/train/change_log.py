@@ -22,16 +22,16 @@ from pydantic import ConfigDict, TypeAdapter
 
 from lorafleet.specs._base import Int
 from lorafleet.specs.io import write_text_atomic
-from lorafleet.train.queue.requests import Action, Request
+from lorafleet.train.queue.requests import (  # how a task leaves without a request: named with the requests
+    LEFT_ON_ITS_OWN,
+    STOPPED_EARLY,
+    SWEEP_DROPPED,
+    TOOK_ITS_STEPS,
+    Action,
+    Request,
+)
 
-TOOK_ITS_STEPS = "(took its steps)"
-"""The request file of a task that finished on its own (no file)."""
-STOPPED_EARLY = "(stopped early)"
-"""The request file of a task that early stopping made leave (``train.evaluation``; no file)."""
-SWEEP_DROPPED = "(dropped by its sweep)"
-"""The request file of a sweep's member that a rung of successive halving made leave (``lorafleet.sweeps``)."""
-LEFT_ON_ITS_OWN = (TOOK_ITS_STEPS, STOPPED_EARLY, SWEEP_DROPPED)
-"""How a task leaves without a request: a departure."""
+__all__ = ["LEFT_ON_ITS_OWN", "STOPPED_EARLY", "SWEEP_DROPPED", "TOOK_ITS_STEPS"]
 
 
 class ChangeKind(StrEnum):

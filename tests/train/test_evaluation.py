@@ -7,13 +7,16 @@ held-out rows) every 2, with early stopping (patience 2).
   recorded as the minimum;
 - the run is killed once (rank 0, between an evaluation and its checkpoint, during the patience) and resumed, and
   ends with the same stop step and bitwise the same adapters (best and last) as an uninterrupted run in which
-  ``chat`` left by a queued finish at that step.
+  ``chat`` left by a queued finish at that step;
+- the live page (``--queue-http``'s ``/``) over that run's files, in headless Chromium, shows ``metrics.jsonl``'s
+  numbers, and nothing to a wrong token.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +34,9 @@ from lorafleet.executor.torch.base_model import load_causal_lm
 from lorafleet.runtime.data_stream import prepare_task_data
 from lorafleet.runtime.processes import FAULT_ENV, FAULT_ONCE_ENV
 from lorafleet.train.change_log import STOPPED_EARLY, ChangeKind, read_changes
+from lorafleet.train.queue import start_queue_server
 from lorafleet.workload import load_workload
+from tests.helpers.browser import rendered_page
 from tests.helpers.repo import DEMO
 
 pytestmark = pytest.mark.slow
@@ -157,3 +162,50 @@ def test_killed_and_resumed_it_ends_as_the_run_where_it_left_by_a_queued_finish(
     for task in ("chat", "docsum"):
         for view in ("", "last"):
             assert _same(out / "adapters" / task / view, queued / "adapters" / task / view), (task, view)
+
+
+def test_the_live_page_shows_the_runs_numbers_in_a_browser(early, tmp_path):
+    """The live page of ``--queue-http`` (``train.queue.fleet_view``) opened in headless Chromium over this run's
+    files (the killed and resumed one: its ``metrics.jsonl`` cut back and appended to): each tenant's steps, last
+    loss, loss curve, evaluations and GPU-seconds are ``metrics.jsonl``'s, to the last digit in the page's
+    ``data-value`` and as rounded in its text; its state is how it left; the replica's utilisation is its busy time
+    over the steps'; the queue's pending and rejected requests are listed. A wrong token gets no data."""
+    root, _ = early
+    run = tmp_path / "run"
+    shutil.copytree(root / "out", run, ignore=shutil.ignore_patterns("adapters", "checkpoints", "tensorboard"))
+    queue = run / "queue"
+    (queue / "rejected").mkdir(parents=True, exist_ok=True)
+    (queue / "later.json").write_text(json.dumps({"action": "cancel", "name": "docsum"}))
+    (queue / "rejected" / "ghost.json").write_text(json.dumps({"action": "cancel", "name": "nobody"}))
+    (queue / "rejected" / "ghost.json.reason").write_text("no active task 'nobody' in this run\n")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    with start_queue_server(queue, run) as server:
+        page = rendered_page(f"{server.url}/#token={server.token}")
+        denied = rendered_page(f"{server.url}/#token=not-{server.token}")
+
+    assert page.one(id="status").attrs["data-state"] == "ok"
+    assert int(page.one(data_field="steps-done", within=page.one(id="run")).attrs["data-value"]) == STEPS
+    for task, state in (("docsum", "done"), ("chat", "stopped early")):
+        row, chart = page.one("tr", data_tenant=task), page.one("div", data_tenant=task)
+        losses = [(r["step"] + 1, r["losses"][task]) for r in rows if task in r["losses"]]
+        cells = {e.attrs["data-field"]: e for e in page.find(within=row) if "data-field" in e.attrs}
+        assert cells["state"].text == state
+        assert int(cells["steps-done"].attrs["data-value"]) == len(losses)
+        assert float(cells["loss"].attrs["data-value"]) == losses[-1][1]
+        assert float(cells["loss"].text) == float(f"{losses[-1][1]:.4g}")
+        gpu_s = sum(r["task_gpu_s"].get(task, 0) + r.get("eval_gpu_s", {}).get(task, 0) for r in rows)
+        assert float(cells["gpu-s"].attrs["data-value"]) == pytest.approx(gpu_s, rel=1e-12)
+        assert float(cells["gpu-s"].text) == float(f"{gpu_s:.4g}")
+        curve = page.one(within=chart, data_field="loss-curve")
+        assert [int(s) for s in curve.attrs["data-steps"].split(",")] == [s for s, _ in losses]
+        assert [float(v) for v in curve.attrs["data-values"].split(",")] == [v for _, v in losses]
+        points = page.find(within=chart, data_field="eval-point")
+        assert [(int(p.attrs["data-step"]), float(p.attrs["data-value"])) for p in points] == _evals(run, task)
+    utilisation = sum(r["replica_busy_s"][0] for r in rows) / sum(r["makespan_s"] for r in rows)
+    assert float(page.one(data_field="utilisation").attrs["data-value"]) == pytest.approx(utilisation, rel=1e-12)
+    assert [e.attrs["data-file"] for e in page.find("li", within=page.one(id="pending"))] == ["later.json"]
+    (rejected,) = page.find(within=page.one(id="rejected"), data_file="ghost.json")
+    assert "no active task 'nobody'" in rejected.text
+
+    assert denied.one(id="status").attrs["data-state"] == "error"
+    assert not denied.find(data_tenant="docsum") and not denied.find(data_field="loss")

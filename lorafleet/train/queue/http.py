@@ -26,6 +26,16 @@ the next run claims the queue (:func:`remove_stale_token`). Every request needs
     GET    /v1/tasks/<name>                    {"name", "ledger": its entry, "evaluations": its evaluations
                                                (history [[step, loss, accuracy], ...], stopping, stopped_at)}
                                                                                        -> 200
+    GET    /v1/fleet                           the live page's data (``fleet_view.FleetView``): the run, each
+                                               tenant's state, progress, ETA, curves and GPU-seconds, the
+                                               replicas and their utilisation, the queue     -> 200
+
+**The live page.** ``GET /`` answers the page (``static/index.html``, with ``fleet.js`` and ``fleet.css``): static
+files shipped in the package, the same for every run, so they are served without the token; they hold nothing of
+the run. The page takes the token from its URL's fragment (``/#token=<token>``: a fragment never leaves the
+browser, so it is in no request line or log) and polls ``GET /v1/fleet`` with it, which, as every other endpoint,
+answers 401 without it. Its answers say ``Cache-Control: no-store``, and the page's a ``Content-Security-Policy``
+that lets it load its own files and connect to this server only.
 
 A 202 answers ``{"file": <basename>, "status": "queued"}``. Errors answer ``{"error": <one line>}``:
 400 bad JSON (parsed as a request file is, ``requests.parse_request``: nested at most 32 deep, numbers
@@ -37,22 +47,27 @@ answer does not describe (the run's log has its one line). Nothing else is logge
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import secrets
 import sys
 import threading
+from collections.abc import Mapping
+from dataclasses import asdict
 from datetime import datetime, timezone
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from lorafleet.errors import InputError
-from lorafleet.rundir import EVALUATIONS, HTTP_TOKEN, LEDGER
+from lorafleet.rundir import EVALUATIONS, HTTP_TOKEN, LEDGER, RunDir
 from lorafleet.specs.io import write_text_atomic
 from lorafleet.specs.names import task_name_error
+from lorafleet.train.queue.fleet_view import FleetWatch, queue_view
 from lorafleet.train.queue.requests import (
     ACCEPTED,
     MAX_REQUEST_BYTES,
@@ -61,8 +76,6 @@ from lorafleet.train.queue.requests import (
     Action,
     MalformedRequest,
     parse_request,
-    reason_file,
-    request_files,
 )
 
 HOST = "127.0.0.1"
@@ -77,6 +90,15 @@ PRIVATE_DIR = 0o700
 """The mode of the queue directory when the run creates it."""
 _STOPS = (Action.FINISH, Action.CANCEL)
 _TASKS = "/v1/tasks"
+_FLEET = "/v1/fleet"
+_PAGE = {"/": "index.html", "/index.html": "index.html", "/fleet.js": "fleet.js", "/fleet.css": "fleet.css"}
+"""The live page's files (``static/``), by the path they are served at."""
+_TYPES = {
+    ".html": "text/html; charset=utf-8",
+    ".js": "text/javascript; charset=utf-8",
+    ".css": "text/css; charset=utf-8",
+}
+_PAGE_POLICY = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'"
 _POLL_S = 0.05  # how often the serving thread looks for close(): close() waits up to this long
 
 
@@ -100,6 +122,8 @@ class _Server(ThreadingHTTPServer):
         self.queue_dir = Path()
         """The queue it serves (set by :meth:`QueueServer.serve`)."""
         self.run_dir = Path()
+        self.fleet: FleetWatch | None = None
+        """What ``GET /v1/fleet`` answers (set by :meth:`QueueServer.serve`)."""
         self.token = token
         self.write_lock = threading.Lock()
 
@@ -143,6 +167,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         self.close_connection = True
+        if self.command == "GET" and urlsplit(self.path).path in _PAGE:
+            self._drain()
+            self._static(_PAGE[urlsplit(self.path).path])
+            return
         try:
             if not self._authorized():
                 self._drain()
@@ -171,6 +199,9 @@ class _Handler(BaseHTTPRequestHandler):
         if path == _TASKS and method == "GET":
             self._drain()
             return 200, _listing(self.server.queue_dir, self.server.run_dir)
+        if path == _FLEET and method == "GET" and self.server.fleet is not None:
+            self._drain()
+            return 200, self.server.fleet.view().to_json()
         if path == _TASKS and method == "POST":
             body = _check_request(self._json_body())
             return 202, self._queue(body)
@@ -230,12 +261,25 @@ class _Handler(BaseHTTPRequestHandler):
             self.rfile.read(length)
 
     def _reply(self, status: int, payload: dict[str, Any]) -> None:
-        data = (json.dumps(payload) + "\n").encode()
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+        self._send(status, (json.dumps(payload) + "\n").encode(), "application/json", headers)
+
+    def _static(self, name: str) -> None:
+        """One of the live page's files (module doc), or 404 where the package lacks it."""
+        try:
+            data = _page_file(name)
+        except OSError:
+            self._reply(404, {"error": f"no such endpoint: GET {self.path}"})
+            return
+        self._send(200, data, _TYPES[Path(name).suffix], {"Content-Security-Policy": _PAGE_POLICY})
+
+    def _send(self, status: int, data: bytes, content_type: str, headers: Mapping[str, str]) -> None:
         try:
             self.send_response(status)
-            if status == 401:
-                self.send_header("WWW-Authenticate", "Bearer")
-            self.send_header("Content-Type", "application/json")
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Cache-Control", "no-store")
             self.send_header("Content-Length", str(len(data)))
             self.send_header("Connection", "close")
             self.end_headers()
@@ -243,6 +287,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self.wfile.write(data)
         except OSError:
             pass  # the client hung up; nothing to tell it
+
+
+@functools.cache
+def _page_file(name: str) -> bytes:
+    """A live page file's bytes, read from the package once."""
+    return (files("lorafleet.train.queue") / "static" / name).read_bytes()
 
 
 def _internal(method: str) -> str:
@@ -299,26 +349,8 @@ def _request_path(queue_dir: Path, name: str) -> Path:
 
 
 def _listing(queue_dir: Path, run_dir: Path) -> dict[str, Any]:
-    ledger_path = run_dir / LEDGER
-    try:
-        ledger = json.loads(ledger_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        ledger = None
-    except (OSError, ValueError):
-        raise _HttpError(500, f"cannot read the run's task ledger ({LEDGER})") from None
-    rejected = []
-    for path in request_files(queue_dir / REJECTED):
-        try:
-            reason: str | None = reason_file(path).read_text(encoding="utf-8", errors="replace").strip()
-        except OSError:
-            reason = None
-        rejected.append({"file": path.name, "reason": reason})
-    return {
-        "ledger": ledger,
-        "pending": [path.name for path in request_files(queue_dir)],
-        "rejected": rejected,
-        "accepted": [path.name for path in request_files(queue_dir / ACCEPTED)],
-    }
+    ledger = _read_json(run_dir / LEDGER, "task ledger (tasks.json)")
+    return {"ledger": ledger, **asdict(queue_view(queue_dir))}
 
 
 def _task_view(name: str, run_dir: Path) -> dict[str, Any]:
@@ -361,6 +393,8 @@ class QueueServer:
         queue_dir, run_dir = Path(queue_dir), Path(run_dir)
         queue_dir.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
         self._server.queue_dir, self._server.run_dir = queue_dir, run_dir
+        self._server.fleet = FleetWatch(RunDir(run_dir, queue_dir))
+        threading.Thread(target=self._server.fleet.warm, name="lorafleet-fleet-view", daemon=True).start()
         self._thread = threading.Thread(
             target=self._server.serve_forever,
             kwargs={"poll_interval": _POLL_S},

@@ -61,6 +61,16 @@ MAX_VALUES = 1 << 20
 M = TypeVar("M", bound=BaseModel)
 
 
+TOOK_ITS_STEPS = "(took its steps)"
+"""The request file of a task that finished on its own (no file)."""
+STOPPED_EARLY = "(stopped early)"
+"""The request file of a task that early stopping made leave (``train.evaluation``; no file)."""
+SWEEP_DROPPED = "(dropped by its sweep)"
+"""The request file of a sweep's member that a rung of successive halving made leave (``lorafleet.sweeps``)."""
+LEFT_ON_ITS_OWN = (TOOK_ITS_STEPS, STOPPED_EARLY, SWEEP_DROPPED)
+"""How a task leaves without a request: a departure."""
+
+
 class Action(StrEnum):
     """What a request asks of the run."""
 

@@ -193,7 +193,13 @@ def test_bad_requests_are_400_and_write_nothing(queue, method, path, raw):
 
 
 def test_unknown_endpoints_are_404(queue):
-    for method, path in (("GET", "/"), ("GET", "/v1/tasks/chat"), ("POST", "/v1/other"), ("PUT", "/v1/tasks")):
+    for method, path in (
+        ("GET", "/v1"),
+        ("GET", "/page.js"),
+        ("GET", "/v1/tasks/chat"),
+        ("POST", "/v1/other"),
+        ("PUT", "/v1/tasks"),
+    ):
         status, payload = call(queue, method, path, {} if method in ("POST", "PUT") else None)
         assert status == 404 and payload["error"]
     assert requests_in(queue.token_file.parent) == []
