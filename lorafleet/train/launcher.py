@@ -77,7 +77,11 @@ def launch(options: TrainOptions) -> int:
             print(f"lorafleet train: {line}", flush=True)
         if server is not None:
             server.serve(options.queue_dir, options.run_dir.root)
-            print(f"lorafleet train: queue: {server.url} (token in {server.token_file})", flush=True)
+            print(
+                f"lorafleet train: queue: {server.url} (token in {server.token_file}); live page: "
+                f"{server.url}/#token=<the token>",
+                flush=True,
+            )
         return _run(replace(options, plan=str(options.run_dir.plan)), prepared, named=options.plan)
     finally:
         if server is not None:

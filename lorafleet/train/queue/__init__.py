@@ -25,7 +25,9 @@ launches. Each change is a row of ``<out>/changes.jsonl`` (``train.change_log``)
 left at, and the requests applied. A resume trains the ledger's active tasks.
 
 **Over HTTP** (``http.py``). ``start_queue_server`` serves 127.0.0.1 only and turns HTTP calls into request
-files; the watcher stays the one judge of them.
+files; the watcher stays the one judge of them. It also serves the **live page** (``static/``: HTML, JS and CSS)
+and its data, ``GET /v1/fleet``: each tenant's state, progress, curves and GPU-seconds, the replicas and the
+queue, read from the run's files (``fleet_view.py``).
 
 The request files, the ledger and the pending changes are typed: unknown keys are refused, a wrong
 value is named by its field path, and ``lorafleet schema request|ledger|pending`` prints their JSON
