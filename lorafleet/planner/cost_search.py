@@ -31,11 +31,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from lorafleet.dispatch import fluid_bound
 from lorafleet.errors import SolverFallbackWarning
-from lorafleet.planner.evaluation import PoolEntry, evaluate, evaluate_below, pool_entry
+from lorafleet.planner.evaluation import PoolEntry, evaluate, pool_entry
 from lorafleet.planner.fallback import heuristic_deployment
 from lorafleet.planner.frontier import CostSweep, cheapest_at, cost_sweep, pareto
+from lorafleet.planner.local_search import Budget, first_improvements
 from lorafleet.planner.objective import preferred
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.problem import PlanningProblem
@@ -182,10 +182,12 @@ def _below_limit(problem, prices, pool, add, options: PlannerOptions, limit: flo
 
 
 def _moves(problem: PlanningProblem, replicas: np.ndarray) -> Iterator[tuple[np.ndarray, str]]:
-    """A replica removed (the largest configs first), traded (:func:`~lorafleet.planner.refine.swaps`), added."""
+    """A replica removed (the largest configs first; never the last one), traded
+    (:func:`~lorafleet.planner.refine.swaps`), added."""
     eye = np.eye(len(replicas), dtype=np.int64)
     for i in sorted(np.flatnonzero(replicas > 0), key=lambda i: (-int(problem.gpus[i]), i)):
-        yield replicas - eye[i], "trim"
+        if replicas.sum() > 1:
+            yield replicas - eye[i], "trim"
     for swapped in swaps(problem, replicas):
         yield swapped, "swap"
     for i in range(len(replicas)):
@@ -202,37 +204,24 @@ def _polished(
     limit: float | None,
     seen: set[tuple[int, ...]],
 ) -> list[PoolEntry]:
-    """Step 3 of the module doc: the improved plans found from ``starts`` (none when no move helps)."""
-    looked, found = 0, []
-    for start in starts:
-        current = start
-        while looked < options.polish_evaluations:
-            better = None
-            bar = entry_cost(current, prices) * (1 - options.tie_rel)
-            for replicas, how in _moves(problem, current.replicas):
-                if looked >= options.polish_evaluations:
-                    break
-                if tuple(replicas) in seen or not replicas.any():
-                    continue
-                seen.add(tuple(replicas))
-                price = float(replicas @ prices)
-                slowest = bar / price if price > 0 else math.inf
-                if limit is not None:
-                    slowest = min(slowest, limit * (1 + 1e-12))
-                candidate = pool_entry(problem, replicas, f"{how}:{start.source}", filtered=False)
-                if candidate.load is None or fluid_bound(candidate.load) >= slowest:
-                    continue  # it cannot hold the batch, or no dispatch on it is cheap enough (the LP's bound)
-                looked += 1
-                expected = evaluate_below(problem, candidate.load, slowest, options)
-                if expected is not None:
-                    better = replace(candidate, expected=expected)
-                    break
-            if better is None:
-                break
-            current = better
-        if current is not start:
-            found.append(current)
-    return found
+    """Step 3 of the module doc (:func:`~.local_search.first_improvements`): the improved plans found from
+    ``starts`` (none when no move helps). A move p' of plan p is kept when its step is within the limit L and
+    costs less than p's by more than ``tie_rel``: its bar is t̄ = min(cost(p) (1 - tie_rel) / c(p'), L)."""
+
+    def bar(current: PoolEntry, replicas: np.ndarray) -> float:
+        price = float(replicas @ prices)
+        slowest = entry_cost(current, prices) * (1 - options.tie_rel) / price if price > 0 else math.inf
+        return min(slowest, limit * (1 + 1e-12)) if limit is not None else slowest
+
+    return first_improvements(
+        problem,
+        starts,
+        lambda replicas: _moves(problem, replicas),
+        bar,
+        options,
+        seen=seen,
+        budget=Budget.JUDGED,
+    )
 
 
 def frontier_of(

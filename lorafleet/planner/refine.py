@@ -10,8 +10,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from lorafleet.dispatch import LoadModel, fluid_bound
-from lorafleet.planner.evaluation import PoolEntry, class_times, evaluate, evaluate_below, pool_entry
+from lorafleet.dispatch import LoadModel
+from lorafleet.planner.evaluation import PoolEntry, class_times, evaluate, pool_entry
+from lorafleet.planner.local_search import Budget, first_improvements
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.problem import PlanningProblem
 
@@ -120,8 +121,9 @@ def polished(
     problem: PlanningProblem, starts: Sequence[PoolEntry], judged: Sequence[PoolEntry], options: PlannerOptions
 ) -> list[PoolEntry]:
     """Local search from each of ``starts``: GPU-neutral swaps (:func:`swaps`), first
-    improvement, until none helps; at most ``options.polish_evaluations`` deployments looked
-    at in all, none of them one of ``judged`` (already evaluated). Returns the improved plans
+    improvement, until none helps (:func:`~.local_search.first_improvements`, a swap kept when its
+    step is shorter by more than ``tie_rel``); at most ``options.polish_evaluations`` deployments
+    looked at in all, none of them one of ``judged`` (already evaluated). Returns the improved plans
     (none when no swap helps).
 
     The aggregated MILP prices a plan by a fluid model, so its optimum and branches can all
@@ -131,32 +133,16 @@ def polished(
     (:func:`~lorafleet.dispatch.balance.fluid_bound`) leaves room for the improvement asked;
     the Theorem-1 bound is no bound on the makespan and skipped improving swaps.
     """
-    looked, seen, found = 0, {tuple(e.replicas) for e in (*starts, *judged)}, []
-    for start in starts:
-        current = start
-        while looked < options.polish_evaluations:
-            better = None
-            for replicas in swaps(problem, current.replicas):
-                if looked >= options.polish_evaluations:
-                    break
-                if tuple(replicas) in seen:
-                    continue
-                seen.add(tuple(replicas))
-                looked += 1
-                candidate = pool_entry(problem, replicas, f"swap:{start.source}", filtered=False)
-                bar = current.expected_makespan * (1 - options.tie_rel)
-                if not candidate.survived or fluid_bound(candidate.load) >= bar:
-                    continue
-                expected = evaluate_below(problem, candidate.load, bar, options)
-                if expected is not None:
-                    better = replace(candidate, expected=expected)
-                    break
-            if better is None:
-                break
-            current = better
-        if current is not start:
-            found.append(current)
-    return found
+    seen = {tuple(e.replicas) for e in (*starts, *judged)}
+    return first_improvements(
+        problem,
+        starts,
+        lambda replicas: ((swapped, "swap") for swapped in swaps(problem, replicas)),
+        lambda current, _: current.expected_makespan * (1 - options.tie_rel),
+        options,
+        seen=seen,
+        budget=Budget.LOOKED,
+    )
 
 
 def polish_starts(problem: PlanningProblem, ranked: Sequence[PoolEntry], k: int) -> list[PoolEntry]:
