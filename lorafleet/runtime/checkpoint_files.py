@@ -230,14 +230,27 @@ def evaluation_lines(evaluated: Mapping[str, Any] | None, step: int | None) -> l
     return lines
 
 
-def _count_rows(data: DataSpec) -> int | None:
-    """Rows of a task's data (any container, its split: ``data.readers``); None when it cannot be read now."""
+def _data_facts(data: DataSpec) -> tuple[int, str] | None:
+    """Rows of a task's data (any container, its split: ``data.readers``) and its format (``auto`` resolved as
+    training resolved it: by the first row, after the column map); None when it cannot be read now."""
+    from lorafleet.data.formats import map_columns, resolve_format
     from lorafleet.data.readers import read_container
 
     try:
-        return len(read_container(data.path, data.split).rows)
+        rows = read_container(data.path, data.split).rows
+        if not rows:
+            return 0, data.format.value
+        first = map_columns(rows[0], data.columns, (data.path, "row 1"))
+        return len(rows), resolve_format(first, data.format, (data.path, "row 1")).value
     except InputError:
         return None
+
+
+def seen_words(examples: int, cursor: int) -> str:
+    """What a task's adapter saw of its ``examples`` training rows after drawing ``cursor`` samples (every epoch a
+    new order of all of them: ``data_stream.TaskStream``): ``48 to train on, 20 seen (0.42 epochs)``."""
+    seen = min(cursor, examples)
+    return f"{examples} to train on, {seen} seen ({cursor / examples:.3g} epochs)" if examples else "none to train on"
 
 
 def model_card(
@@ -253,10 +266,10 @@ def model_card(
     ``tags``), then what the adapter was trained on and how: the weights it was trained over when they are not
     the named base's own (``base_weights``: ``data.model_source.base_weights_note``), the quantized base it was
     trained over (the manifest's: ``base_quantization``, also in the usage block's loading), the task, its data (the
-    file's name and no directory, which an upload would publish; rows, and the examples
-    trained on from the checkpoint's data record), its steps (optimizer updates, from the manifest), batch size
-    and learning rate (as in force at the end: ``changes`` lists what a resume changed, with its step), its
-    last loss, its LoRA, and the lorafleet version. ``config`` is the adapter's
+    file's name and no directory, which an upload would publish; its rows, and from the checkpoint's data record
+    the examples it had to train on and those it saw; its format, ``auto`` resolved), its steps (optimizer updates,
+    from the manifest), batch size and learning rate (as in force at the end: ``changes`` lists what a resume
+    changed, with its step), its last loss, its LoRA, and the lorafleet version. ``config`` is the adapter's
     ``adapter_config.json``; ``manifest`` the checkpoint's."""
     import yaml
 
@@ -272,15 +285,18 @@ def model_card(
         lines.append(quantized.card_line())
     if task is not None and task.data is not None:
         data = manifest.get("data", {})
-        trained = dict(zip(data.get("tasks", ()), data.get("examples", ()), strict=False))
-        rows = _count_rows(task.data)
-        counts = ([f"{rows} rows"] if rows is not None else []) + (
-            [f"{trained[name]} trained on"] if name in trained else []
-        )
-        where = f" ({', '.join(counts)})" if counts else ""
+        names = list(data.get("tasks", ()))
+        facts = _data_facts(task.data)
+        counts = [f"{facts[0]} rows"] if facts is not None else []
+        if name in names and len(data.get("cursors", ())) == len(names):  # the rows the adapter saw, not only had
+            counts.append(seen_words(data["examples"][names.index(name)], data["cursors"][names.index(name)]))
+        where = f" ({'; '.join(counts)})" if counts else ""
         split = f" (split {task.data.split})" if task.data.split is not None else ""
+        fmt = task.data.format.value
+        if facts is not None and fmt == "auto":
+            fmt = f"{facts[1]} (auto)"
         # The file's name only: its directory is the training machine's, which a card uploaded to a hub publishes.
-        lines.append(f"- Data: `{Path(task.data.path).name}`{split}{where}, format {task.data.format.value}")
+        lines.append(f"- Data: `{Path(task.data.path).name}`{split}{where}, format {fmt}")
         lines.append(f"- Context length: {task.context_length} tokens (longer sequences: {task.overflow.value})")
     steps = {t.get("name"): t.get("optimizer_steps") for t in manifest.get("tasks", ())}
     if steps.get(name) is not None:

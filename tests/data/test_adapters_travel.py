@@ -57,6 +57,7 @@ def test_the_card_names_the_data_file_not_its_directories(tmp_path):
     data.parent.mkdir(parents=True)
     data.write_text('{"text": "a"}\n{"text": "b"}\n')
     task = TaskSpec(name="chat", data={"path": str(data)}, batch_size=1, context_length=8)
-    card = model_card("chat", {"base_model_name_or_path": "b"}, task, {}, None)
-    assert "- Data: `chat.jsonl` (2 rows), format auto" in card.splitlines()
+    manifest = {"data": {"tasks": ["chat"], "examples": [2], "cursors": [5]}}  # 5 rows drawn: 2.5 epochs
+    card = model_card("chat", {"base_model_name_or_path": "b"}, task, manifest, None)
+    assert "- Data: `chat.jsonl` (2 rows; 2 to train on, 2 seen (2.5 epochs)), format text (auto)" in card.splitlines()
     assert "private" not in card

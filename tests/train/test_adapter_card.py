@@ -19,7 +19,7 @@ from lorafleet.cli import main
 from lorafleet.executor.torch.checkpoint import TaskState, TrainState, latest_step_dir, save_train_state
 from lorafleet.metrics import last_losses
 from lorafleet.rundir import clear_run, used_by
-from lorafleet.runtime.checkpoint_files import export_adapters, save_tokenizer
+from lorafleet.runtime.checkpoint_files import export_adapters, save_tokenizer, seen_words
 from lorafleet.specs.lora import LoraSpec
 from lorafleet.specs.model import MODEL_PRESETS, PRESET_HUB_IDS, adapter_base_model
 from lorafleet.specs.workload import TaskSpec, WorkloadSpec
@@ -87,7 +87,8 @@ def test_an_export_ships_the_runs_tokenizer_and_a_model_card(tmp_path, tiny_toke
     assert body.splitlines()[1] == "# t"
     for line in (
         f"lorafleet {__version__}",
-        "- Data: `t.jsonl` (240 trained on), format auto",  # the file is gone: no row count; no directory (#42)
+        # the file is gone: no row count, no format detected; no directory (#42); 5 samples drawn of 240 rows
+        "- Data: `t.jsonl` (240 to train on, 5 seen (0.0208 epochs)), format auto",
         "- Steps trained: 4 (of the run's first 5)",
         "- Final loss: 2.5000 (step 3)",  # its last step in the metrics; a torn last line is skipped
         "- LoRA: rank 2, alpha 4, dropout 0.0; targets q_proj, v_proj",
@@ -171,10 +172,12 @@ def test_a_run_exports_adapters_a_tenant_can_use_anywhere(tmp_path, tiny_tokeniz
     trained = {}
     for task, step in (("docsum", 2), ("chat", 1)):  # what each export was taken from
         manifest = json.loads((out / "checkpoints" / f"step-{step:06d}" / "manifest.json").read_text())
-        trained[task] = dict(zip(manifest["data"]["tasks"], manifest["data"]["examples"], strict=True))[task]
-    assert 0 < trained["docsum"] <= 240
+        data, at = manifest["data"], manifest["data"]["tasks"].index(task)
+        trained[task] = (data["examples"][at], data["cursors"][at])  # its rows to train on, the samples it drew
+    assert 0 < trained["docsum"][0] <= 240
+    formats = {"docsum": "prompt_response", "chat": "messages"}
     for task, steps, context in (("docsum", 2, 256), ("chat", 1, 128)):
-        adapter = out / "adapters" / task
+        adapter = out / "adapters" / task  # the demo's docsum rows are prompt/response, its chat rows messages
         front, body = _front_matter((adapter / "README.md").read_text())
         assert front == {"base_model": "my-org/base", "library_name": "peft", "tags": ["lora", "lorafleet"]}
         step, loss = [(r["step"], r["losses"][task]) for r in metrics if task in r["losses"]][-1]
@@ -182,7 +185,7 @@ def test_a_run_exports_adapters_a_tenant_can_use_anywhere(tmp_path, tiny_tokeniz
             f"# {task}",
             "- Base weights: seeded random weights of the `tiny-llama` preset's dimensions: for exercising the "
             "machinery only",
-            f"- Data: `{task}.jsonl` (240 rows, {trained[task]} trained on), format auto",
+            f"- Data: `{task}.jsonl` (240 rows; {seen_words(*trained[task])}), format {formats[task]} (auto)",
             f"- Context length: {context} tokens (longer sequences: truncate)",
             f"- Steps trained: {steps} (of the run's first {steps})",
             f"- Final loss: {loss:.4f} (step {step})",

@@ -147,7 +147,7 @@ def build_torch_executor(
 ) -> TorchExecutor:
     """This rank's executor for a workload (data paths resolved) and a plan (checked by the caller:
     ``lorafleet.plan_check``). Collective. ``slowdown`` injects stragglers (``ExecutorConfig.slowdown``).
-    A task's learning-rate schedule spans the run's steps from its start, at most its own ``steps``.
+    A task's learning-rate schedule spans its own steps (:func:`task_training`).
     ``report``, when given, is told each phase as it ends (the data tokenized, the base model loaded).
     ``tokenizer``: the workload's (:func:`task_tokenizer`), when the caller has it already."""
     source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
@@ -192,9 +192,11 @@ def build_torch_executor(
 
 
 def task_training(task: TaskSpec, limit: int | None, run_steps: int) -> TaskTraining:
-    """A task as the executor trains it: its learning-rate schedule spans the run's steps from its start, at most
-    its own ``limit`` of batches (``data_stream.task_batches``)."""
-    total = max(1, min(run_steps - task.start_step, limit if limit is not None else run_steps))
+    """A task as the executor trains it: its learning-rate schedule spans its own ``limit`` of batches (its ``steps``
+    or ``epochs``: ``data_stream.task_batches``), whatever the run's ``--steps`` (a run that ends before the task
+    cuts its schedule short, never squeezes it; a resume with other ``--steps`` leaves it as it was); a task without
+    either spans the run's steps from its start (``train.run_length``)."""
+    total = max(1, limit if limit is not None else run_steps - task.start_step)
     return TaskTraining(name=task.name, lora=task.lora, optimizer=task.optimizer, total_steps=total)
 
 
