@@ -239,21 +239,23 @@ def _unit_span(pp: int, stream: list[StreamMicroBatch], flushed: Collection[int]
     return stream_span(pp, deps, FORWARD_SHARE, 1.0 - FORWARD_SHARE)
 
 
-def stage_positions(pp: int, deps: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Per stage ``k``, where forward ``i`` and backward ``i`` sit in its :func:`stream_order` (given
-    its dependencies ``deps``), in closed form: forward ``f`` waits for ``c(f)`` backwards,
+def stage_positions(pp: int, deps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where forward ``i`` and backward ``i`` sit in stage ``k``'s :func:`stream_order` (given its
+    dependencies ``deps``), in closed form, as two ``(pp, n)`` arrays: forward ``f`` waits for ``c_k(f)``
+    backwards,
 
-        c(f) = max(0, max_{g <= f} max(g - (pp - k) + 1, dep(g) + 1))
+        c_k(f) = max(0, max_{g <= f} max(g - (pp - k) + 1, dep(g) + 1)) = max(0, f - (pp - k) + 1, D(f))
 
-    (fewer than ``pp - k`` in flight, its dependency's backward run, after forward ``f - 1``), so it
-    sits at ``f + c(f)``, and backward ``b`` at ``b + #{f : c(f) <= b}``."""
+    (fewer than ``pp - k`` in flight, its dependency's backward run, after forward ``f - 1``; D the running
+    maximum of dep + 1), so it sits at ``f + c_k(f)``; and backward ``b`` at ``b + #{f : c_k(f) <= b}``, where
+    the ``f`` counted are a prefix, the shorter of ``f <= b + pp - k - 1`` and ``D(f) <= b``."""
     n = deps.size
     idx = np.arange(n)
-    out = []
-    for k in range(pp):
-        waits = np.maximum.accumulate(np.maximum(idx - (pp - k) + 1, deps + 1)).clip(min=0)
-        out.append((idx + waits, idx + np.searchsorted(waits, idx, side="right")))
-    return out
+    ahead = (pp - np.arange(pp))[:, None]  # pp - k
+    reach = np.maximum.accumulate(deps + 1)  # D(f)
+    forward = idx + np.maximum(np.maximum(idx - ahead + 1, reach), 0)
+    before = np.minimum(np.clip(idx + ahead, 0, n), np.searchsorted(reach, idx, side="right"))
+    return forward, idx + before
 
 
 def stream_span(pp: int, deps: np.ndarray, forward_s: float | np.ndarray, backward_s: float | np.ndarray) -> float:
@@ -262,45 +264,69 @@ def stream_span(pp: int, deps: np.ndarray, forward_s: float | np.ndarray, backwa
     With no update time, a forward's updates are ready when its dependency's backward has run on
     stage 0, which stage 0's order already waits for, so every op waits only for the op before it
     on its stage and for its input (forward ``i`` on the stage before, backward ``i`` on the stage
-    after). On one stage, ops at positions ``p`` of durations ``t_p`` arriving at ``a_p`` end at
+    after). The input sits at the same position of its stage's order or earlier (:func:`stage_positions`:
+    ``c_k(f)`` grows with ``k``, so a forward's position never falls from one stage to the next, nor a
+    backward's from one stage to the one before), so the ends settle one position ``p`` at a time, every
+    stage at once. An op of duration ``t_k`` whose input ended at ``a_k`` ends at
 
-        e_p = max(e_{p-1}, a_p) + t_p = D_p + max_{q <= p} (a_q - D_{q-1}),    D_p = t_0 + ... + t_p
+        e_k(p) = max(e_k(p - 1), a_k) + t_k
 
-    (a running maximum). Sweeping the stages down then up until no end moves gives the least fixed
-    point, which is the timeline's (the same recurrences, solved in another order); every sweep
-    follows the critical path through one more turn between forwards and backwards. ``forward_s``,
-    ``backward_s``: one duration for all, or ``(pp, n)``. Raises ValueError if the orders deadlock.
+    and where the input sits at the same position (a chain of forwards down the stages, or of backwards
+    up them, from a stage ``s`` whose input came earlier), with ``S`` the running sum of ``t`` along the
+    chain and ``x_j = max(e_j(p - 1), a_j)``,
+
+        e_k(p) = S_k + max_{s <= j <= k} (x_j - S_{j-1})
+
+    a running maximum, kept inside each chain by adding its chain's number times a constant above every
+    end. So the sums are exact, and equal the timeline's to the bit, when the durations are dyadic (the
+    schedule's slots are halves). ``forward_s``, ``backward_s``: one duration for all, or ``(pp, n)``.
+    Raises ValueError if the orders deadlock (a forward waiting for a backward of its own or a later one).
     """
     n = deps.size
     if n == 0:
         return 0.0
+    waiting = np.flatnonzero(deps >= np.arange(n))
+    if waiting.size:
+        i = int(waiting[0])
+        raise ValueError(f"the stage orders deadlock: forward {i} waits for the backward of {int(deps[i])}")
     count_work("stall_timelines")
-    positions = stage_positions(pp, deps)
+    f_pos, b_pos = stage_positions(pp, deps)
     fwd = np.broadcast_to(np.asarray(forward_s, dtype=float), (pp, n))
     bwd = np.broadcast_to(np.asarray(backward_s, dtype=float), (pp, n))
-    cum, before = [], []
-    for k, (pos_f, pos_b) in enumerate(positions):
-        t = np.empty(2 * n)
-        t[pos_f], t[pos_b] = fwd[k], bwd[k]
-        cum.append(np.cumsum(t))
-        before.append(cum[-1] - t)
-    f_end, b_end = np.zeros((pp, n)), np.zeros((pp, n))
-    arrive = np.zeros(2 * n)
-    sweeps = list(range(pp)) + list(range(pp - 1, -1, -1))
-    for _ in range(2 * pp * n + 1):
-        moved = False
-        for k in sweeps:
-            pos_f, pos_b = positions[k]
-            arrive[pos_f] = f_end[k - 1] if k > 0 else 0.0
-            arrive[pos_b] = b_end[k + 1] if k < pp - 1 else 0.0  # the last stage: its own forward, earlier
-            end = cum[k] + np.maximum.accumulate(arrive - before[k])
-            new_f, new_b = end[pos_f], end[pos_b]
-            if not moved and not (np.array_equal(new_f, f_end[k]) and np.array_equal(new_b, b_end[k])):
-                moved = True
-            f_end[k], b_end[k] = new_f, new_b
-        if not moved:
-            return float(max(f_end.max(), b_end.max()))
-    raise ValueError(f"the stage orders deadlock: the ends of {2 * pp * n} ops do not settle")
+    width, stage = 2 * n, np.broadcast_to(np.arange(pp)[:, None], (pp, n))
+    # the grid by position: row p holds every stage's op at position p (its duration, whether it is a forward)
+    t = np.empty((width, pp))
+    t[f_pos, stage], t[b_pos, stage] = fwd, bwd
+    is_forward = np.zeros((width, pp), dtype=bool)
+    is_forward[f_pos, stage] = True
+    # each op's input as a flat index into the ends (width + 1, pp), whose row p + 1 holds position p's (row 0:
+    # zeros, for no input, or one at the same position, which the chain's running maximum carries instead)
+    source = np.zeros((width, pp), dtype=np.int64)
+    source[f_pos[1:], stage[1:]] = np.where(f_pos[:-1] == f_pos[1:], 0, (f_pos[:-1] + 1) * pp + stage[:-1])
+    source[b_pos[:-1], stage[:-1]] = np.where(b_pos[1:] == b_pos[:-1], 0, (b_pos[1:] + 1) * pp + stage[1:])
+    chained = np.zeros((width, pp), dtype=bool)  # the input is the op above (forward) or below (backward)
+    chained[f_pos[1:], stage[1:]] = f_pos[:-1] == f_pos[1:]
+    chained[b_pos[:-1], stage[:-1]] = b_pos[1:] == b_pos[:-1]
+    above = 2.0 ** np.ceil(np.log2(2.0 * (fwd.sum() + bwd.sum()) + 2.0))  # > every end and every S
+    down_add, down_back = _chain_offsets(t, ~(is_forward & chained), above)
+    up_add, up_back = _chain_offsets(t[:, ::-1], ~(~is_forward & chained)[:, ::-1], above)
+    ends = np.zeros((width + 1, pp))
+    flat, acc = ends.ravel(), np.maximum.accumulate
+    for p in range(width):
+        x = np.maximum(ends[p], flat.take(source[p]))
+        down = acc(x + down_add[p]) + down_back[p]
+        up = acc(x[::-1] + up_add[p]) + up_back[p]
+        np.copyto(ends[p + 1], up[::-1])
+        np.copyto(ends[p + 1], down, where=is_forward[p])
+    return float(ends[width].max())
+
+
+def _chain_offsets(t: np.ndarray, starts: np.ndarray, above: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per row, what a chain's running maximum adds before it (``chain number x above - S_{j-1}``) and after
+    it (``S_k - chain number x above``), the chains starting where ``starts`` (:func:`stream_span`)."""
+    s = np.cumsum(t, axis=1)
+    chain = np.cumsum(starts, axis=1) * above
+    return chain - (s - t), s - chain
 
 
 def bubble_slots(pp: int, window: int, microbatch_tasks: Sequence[Collection[int]] | None = None) -> float:
