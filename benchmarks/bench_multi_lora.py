@@ -37,6 +37,7 @@ from the second. ``--dtype bf16`` runs every method in bf16 (fp32 by default).
     python benchmarks/bench_multi_lora.py --threads 1 --clock cpu  # on a loaded machine
     python benchmarks/bench_multi_lora.py --device cuda --dtype bf16 --quick --row-seconds 2
     python benchmarks/bench_multi_lora.py --dora --threads 1 --clock cpu   # DoRA rows (issue #41)
+    python benchmarks/bench_multi_lora.py --dora --device cuda --dtype bf16 --quick   # on a GPU (gpu_check.sh)
 
 **DoRA rows** (``--dora``): the same 8 adapters as DoRA (``use_dora``), with dropout 0 and 0.1, ours against
 PEFT's ``use_dora`` layers one task at a time (PEFT reads ``use_dora`` from ``config=``), interleaved in one process
@@ -223,17 +224,21 @@ def cuda_clock() -> float:
     return time.perf_counter()
 
 
-def dora_rows(args: argparse.Namespace, clock: Callable[[], float]) -> None:
-    """The DoRA table (module doc): per shape and dropout, ours and PEFT with DoRA and with plain LoRA."""
+def dora_rows(args: argparse.Namespace, clock: Callable[[], float], device: torch.device, dtype: torch.dtype) -> None:
+    """The DoRA table (module doc): per shape and dropout, ours and PEFT with DoRA and with plain LoRA, on ``device``
+    in ``dtype`` (ours as ``LoraBackend.AUTO`` runs it there: Triton on CUDA, torch on CPU)."""
     from lorafleet.costmodel.adapters import AdapterLoad
     from lorafleet.costmodel.analytic import analytic_dora_factor
     from lorafleet.costmodel.time_model import MicroBatchShape
     from lorafleet.specs.gpus import resolve_gpu
     from lorafleet.specs.model import MODEL_PRESETS
 
-    print(
-        f"{N_ADAPTERS} DoRA adapters, fp32 CPU, {torch.get_num_threads()} threads, {args.clock} clock, fwd+bwd per step"
+    where = (
+        f"{torch.cuda.get_device_name()}, synchronized wall clock"
+        if device.type == "cuda"
+        else f"CPU, {torch.get_num_threads()} threads, {args.clock} clock"
     )
+    print(f"{N_ADAPTERS} DoRA adapters, {args.dtype} {where}, fwd+bwd per step")
     print(
         f"{'layer':<16} {'dropout':>7} {'tok/adapter':>11} {'ours ms':>9} {'peft_seq/ours':>14} "
         f"{'ours dora/lora':>15} {'peft dora/lora':>15} {'load':>5}"
@@ -246,9 +251,12 @@ def dora_rows(args: argparse.Namespace, clock: Callable[[], float]) -> None:
             for tokens in sweep.quick_tokens if args.quick else sweep.tokens:
                 steps = {}
                 for kind, dora in (("lora", False), ("dora", True)):
-                    built = build(sweep.hidden, adapter_specs(sweep.rank, "equal", dora, dropout), tokens)
-                    steps |= {f"ours_{kind}": built["ours"], f"peft_{kind}": built["peft_seq"]}
-                median = measure(steps, repeats, seconds, clock)
+                    built = build(
+                        sweep.hidden, adapter_specs(sweep.rank, "equal", dora, dropout), tokens, device, dtype
+                    )
+                    ours = built["ours_triton" if device.type == "cuda" else "ours"]
+                    steps |= {f"ours_{kind}": ours, f"peft_{kind}": built["peft_seq"]}
+                median = measure(steps, repeats, seconds, clock, warmups=2 if device.type == "cuda" else 1)
                 ratio = median["peft_dora"] / median["ours_dora"]
                 worst = min(worst, ratio)
                 print(
@@ -291,7 +299,7 @@ def main() -> None:
         default=ROW_SECONDS,
         help=f"timed seconds per row, all methods together (default {ROW_SECONDS:g}; --quick: a third)",
     )
-    parser.add_argument("--dora", action="store_true", help="the DoRA table instead (CPU, fp32; module doc)")
+    parser.add_argument("--dora", action="store_true", help="the DoRA table instead (module doc)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -300,7 +308,7 @@ def main() -> None:
     clock = cuda_clock if on_cuda else time.process_time if args.clock == "cpu" else time.perf_counter
     torch.manual_seed(0)
     if args.dora:
-        dora_rows(args, clock)
+        dora_rows(args, clock, device, dtype)
         return
 
     # Every ratio is (other method) / (the operator as the device runs it: Triton on CUDA).

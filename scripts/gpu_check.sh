@@ -19,6 +19,13 @@
 #   profile    lorafleet profile --device cuda --dtype bf16 on smollm2-135m, TP1 (<1,1>, <1,2>, <1,1> recompute),
 #              memory searched against 8 GiB (not the GPU's memory: see the docs) -> a fitted profile JSON
 #   bench      benchmarks/bench_multi_lora.py --device cuda --dtype bf16 --quick: ours_triton vs ours vs peft_seq
+#   qlora      benchmarks/bench_qlora.py --device cuda --dtype bf16 (issue #41): the NF4 dequantization's cost on one 7B-wide
+#              projection (plain bf16, ours, bitsandbytes' Linear4bit) beside the analytic factor; our NF4 bytes against
+#              bitsandbytes' CUDA quantization; one QLoRA step, ours over our NF4 against PEFT + bitsandbytes NF4
+#              (from_pretrained with BitsAndBytesConfig), 4 blocks of 7B width, 4x512 tokens. Without bitsandbytes in
+#              the image its columns say MISSING and the peer is PEFT over the dequantized base
+#   dora       benchmarks/bench_multi_lora.py --dora --device cuda --dtype bf16 --quick: 8 DoRA adapters, ours vs PEFT
+#              use_dora one task at a time, and each one's DoRA/LoRA time beside PEFT PR #1474's 1.6-2.1x
 #   train      lorafleet train --device cuda --dtype bf16, tiny-llama on the four demo tasks, one NCCL process, 20 steps
 #   peer       benchmarks/bench_peer.py --device cuda --dtype bf16: lorafleet train (packed, FlashAttention's varlen
 #              kernel) against transformers' Trainer + PEFT one task after another (padded, SDPA), the demo's
@@ -26,7 +33,7 @@
 #   cpu-twins  the CPU twins under the image's packages: Triton's interpreter, the torch backend, the profiler options
 #
 # Writes $OUT/<part>.log, the profile JSON and $OUT/summary.txt (each part's status and seconds;
-# 9 files, what the device tool brings back). Exit status 0 only when every part passed.
+# 11 files, what the device tool brings back). Exit status 0 only when every part passed.
 # GPU_CHECK_PARTS="profile bench" runs only the parts named.
 set -euo pipefail
 
@@ -76,7 +83,7 @@ part_env() {
     "$PY" - <<'EOF'
 import importlib, platform, sys
 print(f"python {sys.version.split()[0]} ({sys.executable}), {platform.machine()}")
-for name in ("torch", "triton", "transformers", "peft", "safetensors", "numpy", "scipy", "pytest", "pydantic", "pulp"):
+for name in ("torch", "triton", "transformers", "peft", "bitsandbytes", "safetensors", "numpy", "scipy", "pytest", "pydantic", "pulp"):
     try:
         module = importlib.import_module(name)
         print(f"{name:12s} {getattr(module, '__version__', '?')}  {module.__file__}")
@@ -113,6 +120,14 @@ part_profile() {
 
 part_bench() {
     "$PY" benchmarks/bench_multi_lora.py --device cuda --dtype bf16 --quick --row-seconds 6
+}
+
+part_qlora() {
+    "$PY" benchmarks/bench_qlora.py --device cuda --dtype bf16 --layers 4 --batch 4 --seq 512 --row-seconds 3
+}
+
+part_dora() {
+    "$PY" benchmarks/bench_multi_lora.py --dora --device cuda --dtype bf16 --quick --row-seconds 3
 }
 
 part_train() {
@@ -161,10 +176,10 @@ part_cpu_twins() {
         tests/executor/torch/test_multi_lora.py tests/profiling/test_device.py tests/commands/test_profile.py
 }
 
-export -f xdist_args part_env part_gpu_tests part_profile part_bench part_train part_peer part_cpu_twins
+export -f xdist_args part_env part_gpu_tests part_profile part_bench part_qlora part_dora part_train part_peer part_cpu_twins
 STATUS=()
 FAILED=0
-PARTS="${GPU_CHECK_PARTS:-env gpu-tests profile bench train peer cpu-twins}"  # e.g. GPU_CHECK_PARTS="profile bench" to re-run two
+PARTS="${GPU_CHECK_PARTS:-env gpu-tests profile bench qlora dora train peer cpu-twins}"  # e.g. GPU_CHECK_PARTS="qlora dora"
 
 # run_part NAME CAP_S: runs part_NAME under timeout (its cap, or what is left of the budget, 10 s
 # kept for the summary), its output in $OUT/NAME.log; records ok / FAILED / TIMEOUT / SKIPPED.
@@ -197,6 +212,8 @@ run_part env 60
 run_part gpu-tests 200
 run_part profile 210
 run_part bench 100
+run_part qlora 150
+run_part dora 90
 run_part train 120
 run_part peer 150
 run_part cpu-twins 120
