@@ -5,6 +5,7 @@ bounded on the shipped examples so that a change that doubles the planner's work
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.planner import PlannerOptions, plan_deployment
@@ -24,6 +25,10 @@ from tests.helpers.repo import EXAMPLES
 #                 (before that: 577 / 359 / 1,107 priced, 14 / 22 / 390 timelines, 14 / 8 / 10 MILPs;
 #                 without the stall memo: 932 timelines; before #26, with the old memory model: 740
 #                 timelines, 69 dispatches, 202 balances)
+# and, for sweeps at scale (#40), service-sweeps cut to its first 4 tasks (64 tenants, 16-member sweeps) on 64
+# GPUs: <1,20> x 1 + <2,8> x 1 + <4,5> x 1 + <8,1,rc> x 1, about 3 CPU s (the whole example: 1,024 tenants on
+# 1,024 GPUs, about a minute, benchmarks/planner_times.json):
+#   service-sweeps/64: 33 judged, 107 dispatches, 147 balances, 205 LPs, 9 MILPs, 40 raced, 491 priced, 204 timelines
 BOUNDS = {
     ("two-tenants.yaml", None): dict(
         deployments_judged=90,
@@ -55,6 +60,16 @@ BOUNDS = {
         replicas_priced=1250,
         stall_timelines=435,
     ),
+    ("service-sweeps.yaml", 64): dict(
+        deployments_judged=50,
+        dispatches=160,
+        balances=220,
+        lp_solves=310,
+        milp_solves=14,
+        batches_raced=40,
+        replicas_priced=740,
+        stall_timelines=305,
+    ),
 }
 
 
@@ -74,6 +89,23 @@ def within_bounds(result, example: str, gpus: int | None) -> None:
 @pytest.mark.parametrize(("example", "gpus"), [("lobra-7b.yaml", None), ("lobra-70b.yaml", 64)])
 def test_the_shipped_examples_stay_within_their_work_bounds(example, gpus):
     within_bounds(plan_example(example, gpus), example, gpus)
+
+
+def test_sweeps_at_scale_stay_within_their_work_bounds(tmp_path):
+    """A sweep's members are tenants of their own (#40): service-sweeps' first four tasks expand into 64 members,
+    and planning them on 64 GPUs stays within the bounds above (the whole example takes about a minute)."""
+    example = yaml.safe_load((EXAMPLES / "service-sweeps.yaml").read_text())
+    example["tasks"] = example["tasks"][:4]
+    path = tmp_path / "sweeps.yaml"
+    path.write_text(yaml.safe_dump(example))
+    workload = load_workload(path)
+    assert len(workload.tasks) == 4 * 16
+    cluster = workload_cluster(workload, 64)
+    within_bounds(
+        plan_deployment(workload, cluster, workload_cost_model(workload, cluster), PlannerOptions()),
+        "service-sweeps.yaml",
+        64,
+    )
 
 
 def test_counts_are_the_same_every_time_and_reported_in_the_plan():
