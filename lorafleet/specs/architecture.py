@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lorafleet.specs.lora import FUSED_TARGET_MODULES
+from lorafleet.specs.lora import FUSED_TARGET_MODULES, LoraSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 """The ``model_type`` values (a ``config.json`` field) whose models the executor trains, TP and PP included."""
@@ -83,3 +83,10 @@ def model_targets(targets: Sequence[str], model_type: str) -> tuple[str, ...]:
         if module not in out:
             out.append(module)
     return tuple(out)
+
+
+def model_lora(spec: LoraSpec, model_type: str) -> LoraSpec:
+    """``spec`` with its targets as a ``model_type`` model names them (:func:`model_targets`): what the executor
+    injects, trains and exports (a Phi-3 adapter's ``adapter_config.json`` names ``qkv_proj``)."""
+    targets = model_targets(spec.target_modules, model_type)
+    return spec if targets == spec.target_modules else spec.model_copy(update={"target_modules": targets})

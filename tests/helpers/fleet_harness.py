@@ -9,20 +9,34 @@ from __future__ import annotations
 import pickle
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.data.model_source import ModelSource, SourceKind
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
 from lorafleet.executor.torch.base_model import load_causal_lm
+from lorafleet.executor.torch.families import base_attention
 from lorafleet.executor.torch.quantized_base import quantize_base
 from lorafleet.executor.torch.worker import ExecutorConfig, TaskTraining, TorchExecutor
 from lorafleet.plans import (
@@ -36,6 +50,7 @@ from lorafleet.plans import (
     StepReport,
 )
 from lorafleet.runtime.data_stream import DataStreams, TaskData
+from lorafleet.specs.architecture import model_lora
 from lorafleet.specs.lora import LoraSpec, OptimizerSpec, Quantization
 from lorafleet.specs.model import MODEL_PRESETS
 
@@ -43,11 +58,48 @@ TINY = ModelSource(kind=SourceKind.RANDOM, name="tiny-llama", spec=MODEL_PRESETS
 VOCAB = MODEL_PRESETS["tiny-llama"].vocab
 
 
+#: Tiny random models of every supported family but Llama, one shape (GQA: 4 query heads share 2 key/value heads),
+#: built from transformers' own config and model classes. Each family's particulars are switched on and made to
+#: matter: sliding windows of 8 tokens (shorter than most sequences), on alternate layers where the family
+#: alternates; Gemma 2's soft caps small enough to bend its scores and logits.
+FAMILIES = {
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),  # biased q/k/v projections
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
+    "qwen3": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        {"head_dim": 16, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 2},
+    ),
+    "gemma2": (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "attn_logit_softcapping": 1.0,
+            "final_logit_softcapping": 2.0,
+        },
+    ),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+        },
+    ),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {"sliding_window": 8, "pad_token_id": 0, "eos_token_id": 2}),
+}
+
+
 def build_model(family: str = "llama", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """tiny-llama, or a seeded Qwen2 (biased q/k/v) or Mistral (sliding window of 8, shorter than
-    most sequences) of the same shape; frozen, eval mode."""
+    """tiny-llama, or a seeded model of another family (:data:`FAMILIES`) of the same shape; frozen, eval mode."""
     if family == "llama":
         return load_causal_lm(TINY, dtype)
+    config_cls, model_cls, particulars = FAMILIES[family]
     shape = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -55,15 +107,11 @@ def build_model(family: str = "llama", dtype: torch.dtype = torch.float32) -> to
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        attn_implementation="sdpa",
     )
+    attention = base_attention(config_cls.model_type)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = (
-            Qwen2ForCausalLM(Qwen2Config(**shape))
-            if family == "qwen2"
-            else MistralForCausalLM(MistralConfig(sliding_window=8, **shape))
-        )
+        model = model_cls(config_cls(**shape, **particulars, attn_implementation=attention))
     return model.to(dtype).eval().requires_grad_(False)
 
 
@@ -97,6 +145,25 @@ TASKS = (
     ),
 )
 BATCH_SIZES = (3, 4, 3, 2)
+
+
+def family_tasks(family: str) -> tuple[TaskTraining, ...]:
+    """:data:`TASKS` as a workload for ``family`` would give them: on Phi-3, whose q/k/v and gate/up are fused, "code"
+    names the fused ``qkv_proj`` and "chat" the whole gate and up (the executor maps the Llama names onto the fused
+    ones, ``specs.architecture``); the same on every other family."""
+    if family != "phi3":
+        return TASKS
+    targets = {"code": ("qkv_proj", "down_proj"), "chat": ("o_proj", "gate_proj", "up_proj")}
+    return tuple(
+        replace(t, lora=t.lora.model_copy(update={"target_modules": targets[t.name]})) if t.name in targets else t
+        for t in TASKS
+    )
+
+
+def model_tasks(family: str) -> tuple[TaskTraining, ...]:
+    """:func:`family_tasks` with the targets as the model names them (what the executor trains and exports)."""
+    model_type = FAMILIES[family][0].model_type if family != "llama" else "llama"
+    return tuple(replace(t, lora=model_lora(t.lora, model_type)) for t in family_tasks(family))
 
 
 def synthetic_task(name: str, n: int, lengths: tuple[int, int], seed: int) -> TaskData:

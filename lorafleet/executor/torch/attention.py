@@ -4,9 +4,13 @@ A packed micro-batch is one row of sequences laid end to end. A dense block-diag
 over the row costs (Σ s_i)^2 per head; a variable-length kernel (FlashAttention's varlen,
 which the cost model prices) costs Σ s_i^2. ``document_attention`` is that kernel for
 every device: scaled-dot-product attention over each sequence's slice ``[a, b)`` of the
-row, causal, and within the layer's sliding window where it has one (Mistral, Qwen2)::
+row, causal, and within the layer's sliding window where it has one (Mistral, Qwen2, Gemma, Phi-3)::
 
     out[a:b] = softmax(q[a:b] k[a:b]^T * scale + causal(/window) mask) v[a:b]
+
+with the scores soft-capped, ``c tanh(scores / c)``, where the model asks (Gemma 2's ``attn_logit_softcapping``,
+passed as ``softcap``): SDPA and FlashAttention's varlen kernel cannot, so such a layer takes
+:func:`softcapped_attention` per document, the eager form transformers itself runs for Gemma 2.
 
 On CUDA in fp16/bf16 (no attention dropout) the documents of every row go to FlashAttention's
 variable-length kernel in one launch (``torch.nn.attention.varlen.varlen_attn``, where torch has
@@ -63,20 +67,23 @@ def document_attention(
     scaling: float | None = None,
     document_bounds: Sequence[int] | None = None,
     document_window: int | None = None,
+    softcap: float | None = None,
     **kwargs: object,
 ) -> tuple[Tensor, None]:
     """query (B, heads, S, d), key/value (B, kv_heads, S, d) -> (B, S, heads, d).
 
     ``document_bounds`` = [0, s_1, s_1 + s_2, ..., S]: the sequences of the packed row, or
-    [0, S] for right-padded rows.
+    [0, S] for right-padded rows. ``softcap``: the scores' soft cap c (module doc), or None.
     """
     if document_bounds is None:
+        if softcap is not None:
+            raise ValueError("soft-capped attention needs document_bounds (SDPA cannot soft-cap)")
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    if uses_varlen(query, dropout):
+    if softcap is None and uses_varlen(query, dropout):
         return varlen_documents(query, key, value, tuple(document_bounds), document_window, scaling), None
-    return per_document(query, key, value, document_bounds, document_window, dropout, scaling), None
+    return per_document(query, key, value, document_bounds, document_window, dropout, scaling, softcap), None
 
 
 def uses_varlen(query: Tensor, dropout: float) -> bool:
@@ -92,10 +99,11 @@ def per_document(
     window: int | None,
     dropout: float = 0.0,
     scaling: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
-    """SDPA over each document's slice of the rows, one call per document. ``key``/``value`` may have
-    fewer heads than ``query`` (GQA: SDPA's ``enable_gqa`` shares each of them across its query heads
-    without copying it ``heads / kv_heads`` times). Returns (B, S, heads, d).
+    """SDPA over each document's slice of the rows, one call per document (soft-capped: :func:`softcapped_attention`).
+    ``key``/``value`` may have fewer heads than ``query`` (GQA: SDPA's ``enable_gqa`` shares each of them across its
+    query heads without copying it ``heads / kv_heads`` times). Returns (B, S, heads, d).
 
     The documents are cut by one ``split`` per tensor, whose backward writes every document's gradient
     into one buffer; slicing each document out (``query[:, :, a:b]``) would give each slice's backward a
@@ -110,7 +118,10 @@ def per_document(
         pieces = list(zip(*(t.split(lengths, dim=2) for t in (query, key, value)), strict=True))
     outs = []
     for (q, k, v), n in zip(pieces, lengths, strict=True):
-        if window is None or n <= window:
+        if softcap is not None:
+            mask = _window_mask(n, n if window is None else window, query.device)
+            out = softcapped_attention(q, k, v, mask, scaling, softcap, dropout)
+        elif window is None or n <= window:
             out = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
             )
@@ -121,6 +132,27 @@ def per_document(
             )
         outs.append(out.transpose(1, 2))  # (B, s, heads, d)
     return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+def softcapped_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scaling: float | None, softcap: float, dropout: float = 0.0
+) -> Tensor:
+    """One document's attention with soft-capped scores, as transformers' eager attention computes it (Gemma 2)::
+
+        out = softmax(c tanh(q k^T * scale / c) masked) v        (softmax in fp32)
+
+    q (B, heads, n, d), k/v (B, kv_heads, n, d) (GQA: each key/value head repeated for its query heads, as
+    transformers' ``repeat_kv``), ``mask`` (n, n) bool: which keys a query sees. Returns (B, heads, n, d).
+    """
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout:
+        probs = F.dropout(probs, p=dropout)
+    return torch.matmul(probs, v)
 
 
 def varlen_documents(

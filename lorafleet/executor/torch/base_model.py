@@ -30,10 +30,9 @@ from lorafleet.data.weights_index import (
     tensor_shapes,
 )
 from lorafleet.errors import InputError
+from lorafleet.executor.torch.families import base_attention
+from lorafleet.specs.architecture import unsupported_model_type
 from lorafleet.specs.model import ModelSpec
-
-#: Model families whose decoder layers the executor can shard and split (same module names).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
 def llama_config(spec: ModelSpec) -> Any:
@@ -56,10 +55,11 @@ def llama_config(spec: ModelSpec) -> Any:
 def load_causal_lm(source: ModelSource, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The full causal LM in eval mode (no dropout in the frozen base), every parameter frozen.
 
-    The model is loaded with ``attn_implementation="sdpa"`` (no ``(B, H, S, S)`` weights kept);
-    the executor then attends per document (``attention.document_attention``).
+    The model is loaded with ``attn_implementation="sdpa"`` (no ``(B, H, S, S)`` weights kept; eager where
+    transformers refuses SDPA: ``families.base_attention``); the executor then attends per document
+    (``attention.document_attention``).
     """
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
     if source.kind is SourceKind.RANDOM:
         assert source.spec is not None
@@ -69,10 +69,14 @@ def load_causal_lm(source: ModelSource, dtype: torch.dtype = torch.float32) -> n
             torch.manual_seed(source.seed)
             model = LlamaForCausalLM(llama_config(source.spec)).to(dtype)
     else:
-        kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa", "local_files_only": True}
-        if source.kind is SourceKind.GGUF:
-            kwargs["gguf_file"] = source.gguf_file
+        kwargs: dict[str, Any] = {"dtype": dtype, "local_files_only": True, "attn_implementation": "sdpa"}
         try:
+            if source.kind is SourceKind.GGUF:  # a GGUF's family is one transformers reads as Llama's
+                kwargs["gguf_file"] = source.gguf_file
+            else:
+                model_type = AutoConfig.from_pretrained(source.path, local_files_only=True).model_type
+                _check_supported(model_type, source)
+                kwargs["attn_implementation"] = base_attention(model_type)
             model = AutoModelForCausalLM.from_pretrained(source.path, **kwargs)
         except (OSError, ValueError) as err:
             raise InputError(source.name, "model", f"cannot load ({str(err).splitlines()[0]})") from None
@@ -81,10 +85,9 @@ def load_causal_lm(source: ModelSource, dtype: torch.dtype = torch.float32) -> n
 
 
 def _check_supported(model_type: str, source: ModelSource) -> None:
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise InputError(
-            source.name, "model", f"model type {model_type!r} is not supported ({', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    why = unsupported_model_type(model_type)
+    if why is not None:
+        raise InputError(source.name, "model", why)
 
 
 def load_base(source: ModelSource, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, SafetensorsWeights | None]:
@@ -111,7 +114,9 @@ def load_base(source: ModelSource, dtype: torch.dtype = torch.float32) -> tuple[
     # The same model from_pretrained builds (dtype, attention), with no storage: parameters and
     # buffers are meta tensors until build_replica knows which of them this rank keeps.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=base_attention(config.model_type)
+        )
     weights = SafetensorsWeights.of(Path(source.path), model)
     return model.eval().requires_grad_(False), weights
 

@@ -185,13 +185,13 @@ def restore_task_states(
         if whole is None or tuple(whole.shape) != expected:
             got = "missing" if whole is None else f"shape {tuple(whole.shape)}"
             raise InputError(state.name, f"{module}.{factor}", f"{got} in the checkpoint, the run needs {expected}")
-        dim = full[(task, module, factor)].shard_dim
+        dim, parts = full[(task, module, factor)].shard_dim, full[(task, module, factor)].parts
         with torch.no_grad():
-            param.copy_(shard(whole, dim, role.tp_rank, role.replica.tp))
+            param.copy_(shard(whole, dim, role.tp_rank, role.replica.tp, parts))
         moments = {key: tensor for (m, f, key), tensor in state.optimizer.items() if (m, f) == (module, factor)}
         if moments and optimizers[task].optimizer is not None:
             optimizers[task].optimizer.state[param] = {
-                key: (shard(t, dim, role.tp_rank, role.replica.tp) if t.dim() else t.clone()).to(param.device)
+                key: (shard(t, dim, role.tp_rank, role.replica.tp, parts) if t.dim() else t.clone()).to(param.device)
                 for key, t in moments.items()
             }
     for optimizer, state in zip(optimizers, states, strict=True):

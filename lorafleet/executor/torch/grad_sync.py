@@ -9,8 +9,9 @@ that sum the exact ``∂L_t/∂θ_t``):
 Replicas split an adapter differently: a TP2 replica keeps each half of a column-parallel
 ``B`` on a different rank, a TP1 replica keeps it whole, and PP decides which stage holds a
 layer. So the sum runs per *piece* (Hetu's ``SplitAllReduce``, LobRA §8): cut each sharded
-dimension at every boundary any replica uses, and all-reduce each block over exactly the
-ranks that hold it, one per replica. A factor that TP replicates (``A`` of a column-parallel
+dimension at every boundary any replica uses (a fused projection's rows: at every boundary of
+every part's slices, ``fused.py``), and all-reduce each block over exactly the ranks that hold it,
+one per replica. A factor that TP replicates (``A`` of a column-parallel
 layer, ``B`` of a row-parallel one) is held by every TP rank of its stage, each with a
 *partial* gradient (``tp.py``), so summing over all of them also completes the TP sum:
 
@@ -32,9 +33,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lorafleet.executor.torch.dora import MAGNITUDE
+from lorafleet.executor.torch.fused import cut_points, holder, local_row, output_parts
 from lorafleet.executor.torch.inject import module_suffix
 from lorafleet.executor.torch.tp import TP_STYLES, adapter_shard_dim
-from lorafleet.runtime.layout import FleetLayout, RankRole, layer_of
+from lorafleet.runtime.layout import FleetLayout, ModelDims, RankRole, layer_of
 from lorafleet.specs.lora import LoraSpec
 
 FACTORS = ("lora_A", "lora_B")
@@ -58,28 +60,41 @@ class AdapterParam:
     shape: tuple[int, ...]
     shard_dim: int | None
     """The dim tensor parallelism splits; None when every TP rank holds it whole."""
+    parts: tuple[int, ...] = ()
+    """A fused projection's part widths along ``shard_dim`` (each rank holds its slice of each: ``fused.py``);
+    empty for one part."""
 
     @property
     def key(self) -> tuple[int, str, str]:
         return self.task, self.module, self.factor
 
+    @property
+    def split_parts(self) -> tuple[int, ...]:
+        """The widths TP splits along ``shard_dim``, each into one slice per rank: ``parts``, or the whole."""
+        assert self.shard_dim is not None
+        return self.parts or (self.shape[self.shard_dim],)
 
-def adapter_params(shapes: Mapping[str, tuple[int, int]], adapters: Sequence[LoraSpec]) -> list[AdapterParam]:
+
+def adapter_params(
+    shapes: Mapping[str, tuple[int, int]], adapters: Sequence[LoraSpec], dims: ModelDims
+) -> list[AdapterParam]:
     """Every adapter matrix at its whole shape, in model order, then task, then factor: task ``t``'s ``lora_A
     (r, in)``, ``lora_B (out, r)`` (and a DoRA ``lora_magnitude_vector (out,)``) of every projection of
-    ``shapes`` (``inject.projection_shapes`` of the whole model) that ``adapters[t]`` targets. A function of the
-    tasks and the model alone, so a fleet that changes its tasks derives it without the whole model
-    (``change.py``)."""
+    ``shapes`` (``inject.projection_shapes`` of the whole model) that ``adapters[t]`` targets; a fused projection's
+    ``B`` and magnitude with its parts (from ``dims``' head counts). A function of the tasks and the model alone, so
+    a fleet that changes its tasks derives it without the whole model (``change.py``)."""
     params = []
     for name, (in_features, out_features) in shapes.items():
         style = TP_STYLES[module_suffix(name)]
+        parts = output_parts(module_suffix(name), out_features, dims.n_heads, dims.n_kv_heads)
         for task, spec in enumerate(adapters):
             if module_suffix(name) in spec.target_modules:
                 shapes_of = {"lora_A": (spec.rank, in_features), "lora_B": (out_features, spec.rank)}
                 shapes_of[MAGNITUDE] = (out_features,)
                 for factor in adapter_factors(spec):
-                    shape = shapes_of[factor]
-                    params.append(AdapterParam(task, name, factor, shape, adapter_shard_dim(style, factor)))
+                    dim = adapter_shard_dim(style, factor)
+                    fused = parts if dim == 0 and len(parts) > 1 else ()
+                    params.append(AdapterParam(task, name, factor, shapes_of[factor], dim, fused))
     return params
 
 
@@ -98,8 +113,8 @@ class Piece:
         dim = self.param.shard_dim
         if dim is None:
             return tensor
-        offset = role.tp_rank * (self.param.shape[dim] // role.replica.tp)
-        return tensor.narrow(dim, self.start - offset, self.stop - self.start)
+        local = local_row(self.start, self.param.split_parts, role.tp_rank, role.replica.tp)
+        return tensor.narrow(dim, local, self.stop - self.start)
 
     def full_view(self, tensor: Tensor) -> Tensor:
         """The block inside the whole matrix ``tensor`` (a view)."""
@@ -116,10 +131,10 @@ def sync_pieces(fleet: FleetLayout, params: Sequence[AdapterParam]) -> tuple[Pie
         if param.shard_dim is None:
             pieces.append(Piece(param, 0, param.shape[0], tuple(sorted(r for ranks in stages for r in ranks))))
             continue
-        size = param.shape[param.shard_dim]
-        cuts = sorted({size * j // len(ranks) for ranks in stages for j in range(len(ranks) + 1)})
+        parts = param.split_parts
+        cuts = cut_points(parts, sorted({len(ranks) for ranks in stages}))
         for start, stop in zip(cuts, cuts[1:]):
-            holders = [ranks[start * len(ranks) // size] for ranks in stages]  # the TP rank whose shard has it
+            holders = [ranks[holder(start, parts, len(ranks))] for ranks in stages]  # the TP rank whose shard has it
             pieces.append(Piece(param, start, stop, tuple(sorted(holders))))
     return tuple(pieces)
 

@@ -5,8 +5,10 @@ adapters' ``target_modules``, ``setattr`` the wrapper on the parent (the origina
 ``base_layer``). Every base parameter is frozen; adapter weights are created trainable and are
 found *structurally*, by visiting the wrappers (:func:`adapter_parameters`), never by a name
 prefix such as ``lora_`` (a base module whose name contains the prefix would be mistaken for an
-adapter). Works for Llama, Qwen2 and
-Mistral decoder layers, GQA included: k/v projections are just narrower linears.
+adapter). Works for every supported family's decoder layers (``specs.architecture``), GQA included: k/v
+projections are just narrower linears, and a fused one (Phi-3's ``qkv_proj``) one wider linear, whose adapter is
+one ``A`` and one ``B`` as PEFT's. The targets are the model's own names: a workload's list is mapped onto them
+first (``specs.architecture.model_targets``, by the executor).
 
 A model whose base weights are on the ``meta`` device (the skeleton of per-stage loading, see
 ``replica.py``) gets real adapters on the host (``MultiLoraLinear.add_adapter``), drawn from the
@@ -29,7 +31,7 @@ from torch import nn
 
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear, adapter_dtype
 from lorafleet.executor.torch.routing import LoraBackend, Segments
-from lorafleet.specs.lora import LLAMA_TARGET_MODULES, LoraSpec
+from lorafleet.specs.lora import TARGET_MODULES, LoraSpec
 
 
 def module_suffix(name: str) -> str:
@@ -38,12 +40,12 @@ def module_suffix(name: str) -> str:
 
 
 def projection_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """Every projection an adapter may target (``specs.lora.LLAMA_TARGET_MODULES``) of a whole model, not yet
+    """Every projection an adapter may target (``specs.lora.TARGET_MODULES``) of a whole model, not yet
     split: name -> ``(in_features, out_features)``, in model order (an injected one is read through its
     ``base_layer``, so call it before TP slices the model)."""
     shapes = {}
     for name, module in model.named_modules():
-        if module_suffix(name) in LLAMA_TARGET_MODULES:
+        if module_suffix(name) in TARGET_MODULES:
             linear = module.base_layer if isinstance(module, MultiLoraLinear) else module
             shapes[name] = (linear.in_features, linear.out_features)
     return shapes

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from lorafleet.executor.torch.attention import use_document_attention
 from lorafleet.executor.torch.base_model import SafetensorsWeights
+from lorafleet.executor.torch.fused import output_parts
 from lorafleet.executor.torch.grad_sync import (
     AdapterParam,
     GradSync,
@@ -49,7 +50,7 @@ from lorafleet.executor.torch.grad_sync import (
     sync_pieces,
 )
 from lorafleet.executor.torch.groups import GroupCache, ProcessGroups, build_process_groups
-from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers, projection_shapes
+from lorafleet.executor.torch.inject import inject_multi_lora, module_suffix, multi_lora_layers, projection_shapes
 from lorafleet.executor.torch.pipeline import Neighbours, split_for_pipeline
 from lorafleet.executor.torch.quantized_stage import QuantizedWeights, load_quantized_projections
 from lorafleet.executor.torch.routing import LoraBackend
@@ -134,7 +135,7 @@ def fleet_groups(
 ) -> tuple[FleetLayout, list[AdapterParam], FleetGroups]:
     """The plan's layout, every adapter matrix, and the process groups (made, or reused from ``cache``; collective)."""
     fleet = FleetLayout.of(plan, dims, world_size)
-    params = adapter_params(shapes, adapters)
+    params = adapter_params(shapes, adapters, dims)
     pieces = sync_pieces(fleet, params)
     return fleet, params, FleetGroups(pieces, build_process_groups(fleet, holder_sets(pieces), rank, cache), cache)
 
@@ -221,6 +222,7 @@ def load_stage(model: nn.Module, weights: SafetensorsWeights, role: RankRole, de
     ``tp.base_index`` gives for this TP rank. Tied tensors are read once and stay tied.
     """
     before_injection = {id(layer.base_layer): name for name, layer in multi_lora_layers(model)}
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     real: dict[int, Tensor] = {}  # meta tensor -> its value, so a tied pair stays one tensor
     recompute: list[nn.Module] = []
     for module_name, module in model.named_modules():
@@ -235,8 +237,13 @@ def load_stage(model: nn.Module, weights: SafetensorsWeights, role: RankRole, de
                 continue
             if id(meta) not in real:
                 full = f"{name}.{key}"
-                index = base_index(name, key, weights.entries[full].shape, role.tp_rank, role.replica.tp)
-                value = weights.read(full, index, meta.dtype, device)
+                shape = weights.entries[full].shape
+                parts = output_parts(module_suffix(name), shape[0], heads, kv_heads)  # a fused projection's rows
+                pieces = [
+                    weights.read(full, index, meta.dtype, device)
+                    for index in base_index(name, key, shape, role.tp_rank, role.replica.tp, parts)
+                ]
+                value = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
                 if value.shape != meta.shape:
                     raise RuntimeError(f"{full}: read {tuple(value.shape)}, the stage holds {tuple(meta.shape)}")
                 real[id(meta)] = nn.Parameter(value, requires_grad=False) if slot is module._parameters else value
@@ -249,15 +256,19 @@ def load_stage(model: nn.Module, weights: SafetensorsWeights, role: RankRole, de
 
 
 def _recompute_buffers(model: nn.Module, module: nn.Module) -> None:
-    """Recomputes a module's non-persistent buffers (rotary ``inv_freq``) on the host, as
-    ``from_pretrained`` does: a placeholder, then transformers' own ``_init_weights`` of the module.
-    NaN placeholders show any value it did not write."""
-    if next(module.parameters(recurse=False), None) is not None:
-        raise RuntimeError(f"{type(module).__name__} holds parameters and non-checkpointed buffers: cannot recompute")
+    """Recomputes a module's non-persistent buffers (rotary ``inv_freq``, Gemma's embedding scale) on the host, as
+    ``from_pretrained`` does: a placeholder, then transformers' own ``_init_weights`` of the module. NaN placeholders
+    show any value it did not write. A module's parameters (Gemma's embedding matrix, loaded already) are kept:
+    ``_init_weights`` draws over stand-ins, and the loaded ones are put back."""
+    loaded = dict(module._parameters)
+    for key, param in loaded.items():
+        if param is not None:
+            module._parameters[key] = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=False)
     for key in module._non_persistent_buffers_set:
         if module._buffers.get(key) is not None:
             module._buffers[key] = torch.full_like(module._buffers[key], float("nan"), device="cpu")
     model._init_weights(module)
+    module._parameters.update(loaded)
     for key in module._non_persistent_buffers_set:
         if module._buffers.get(key) is not None and module._buffers[key].isnan().any():
             raise RuntimeError(f"{type(module).__name__}.{key}: not recomputed by {type(model).__name__}._init_weights")

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from lorafleet.costmodel.schedule import StreamMicroBatch, stream_order
 from lorafleet.data.tokenize import IGNORE_INDEX, Example
 from lorafleet.executor.torch.attention import uses_document_attention
+from lorafleet.executor.torch.families import final_logits, rotary_tables
 from lorafleet.executor.torch.inject import segments_context
 from lorafleet.executor.torch.pipeline import Neighbours, microbatch_shape, run_stream
 from lorafleet.executor.torch.routing import Segments
@@ -60,8 +61,8 @@ def inverse_token_counts(task_ids: Sequence[int], examples: Sequence[Example], n
 def attention_window(config, layer_index: int) -> int | None:
     """The sliding window of one decoder layer, or None for full causal attention.
 
-    Qwen2 names each layer's type in ``layer_types``; Mistral applies ``sliding_window`` (when
-    set) to every layer; Llama has none.
+    Qwen2, Qwen3, Gemma 2 and Gemma 3 name each layer's type in ``layer_types``; Mistral and Phi-3 apply
+    ``sliding_window`` (when set) to every layer; Llama has none.
     """
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
@@ -153,21 +154,24 @@ def stage_forward(
     inner = model.model
     with segments_context(model, inputs.segments):
         h = inner.embed_tokens(inputs.input_ids) if role.is_first_stage else x  # (B, S, H)
-        rotary = inner.rotary_emb(h, inputs.position_ids)  # (cos, sin), each (B, S, head_dim)
+        rotary = rotary_tables(model, h, inputs.position_ids)  # layer -> (cos, sin), each (B, S, head_dim)
         for index, layer in inner.layers.items():
             attention = inputs.attention(attention_window(model.config, int(index)))
+            table = rotary(int(index))
 
-            def block(hidden: Tensor, layer: nn.Module = layer, attention: dict[str, Any] = attention) -> Tensor:
+            def block(
+                hidden: Tensor, layer: nn.Module = layer, attention: dict[str, Any] = attention, table=table
+            ) -> Tensor:
                 # The backward's re-run happens outside this function's ``with``: route rows again.
                 with segments_context(layer, inputs.segments):
-                    return layer(hidden, position_ids=inputs.position_ids, position_embeddings=rotary, **attention)
+                    return layer(hidden, position_ids=inputs.position_ids, position_embeddings=table, **attention)
 
             h = checkpoint(block, h, use_reentrant=False) if role.replica.recompute else block(h)
         if not role.is_last_stage:
             return h
         if head_rows is not None:
             h = h.reshape(-1, h.shape[-1]).index_select(0, head_rows)  # (n, H)
-        return model.lm_head(inner.norm(h))  # (B, S, V) or (n, V)
+        return final_logits(model, model.lm_head(inner.norm(h)))  # (B, S, V) or (n, V)
 
 
 def weighted_losses(model: nn.Module, role: RankRole, x: Tensor | None, inputs: MicroBatchInputs) -> Tensor:

@@ -18,6 +18,9 @@ An adapter ``y += s B A x`` is split so that it needs no communication of its ow
   ``Σ_j s B (A_j x_j) = s B (A x)``, so the adapter's partial sums ride on the base layer's
   all-reduce ``g`` (the r-sized ``A_j x_j`` are summed inside the ``(T, N)`` one).
 
+A fused projection (Phi-3's ``qkv_proj``, ``gate_up_proj``) is column-parallel part by part: each rank keeps its
+slice of every part it fuses (``fused.py``).
+
 A DoRA magnitude ``m (N,)`` is split like ``B``'s rows; a row-parallel layer's DoRA norm needs whole rows of
 ``W + s B A``, so it sums the ranks' squared norms (``dora.py``, one all-reduce over the TP group).
 
@@ -37,6 +40,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lorafleet.executor.torch.dora import MAGNITUDE
+from lorafleet.executor.torch.fused import (
+    FUSED_HALVES,
+    FUSED_HEADS,
+    group_rows_by_rank,
+    localize_attention,
+    output_parts,
+    shard_ranges,
+    shard_rows,
+)
 from lorafleet.executor.torch.inject import module_suffix
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 from lorafleet.executor.torch.quantized_base import QuantizedLinear
@@ -47,7 +59,8 @@ class ParallelStyle(StrEnum):
     ROW = "row"
 
 
-#: How each decoder projection is split (Megatron-LM; same names in Llama, Qwen2, Mistral).
+#: How each decoder projection is split (Megatron-LM; the same names in every supported family, Phi-3's fused ones
+#: column-parallel part by part: ``fused.py``).
 TP_STYLES: dict[str, ParallelStyle] = {
     "q_proj": ParallelStyle.COLUMN,
     "k_proj": ParallelStyle.COLUMN,
@@ -56,6 +69,8 @@ TP_STYLES: dict[str, ParallelStyle] = {
     "up_proj": ParallelStyle.COLUMN,
     "o_proj": ParallelStyle.ROW,
     "down_proj": ParallelStyle.ROW,
+    FUSED_HEADS: ParallelStyle.COLUMN,
+    FUSED_HALVES: ParallelStyle.COLUMN,
 }
 
 
@@ -107,22 +122,33 @@ def shard_index(shape: Sequence[int], dim: int | None, tp_rank: int, tp_size: in
     return tuple(index)
 
 
-def base_index(module_name: str, tensor: str, shape: Sequence[int], tp_rank: int, tp_size: int) -> tuple[slice, ...]:
-    """The part of a frozen base tensor of the whole model (``shape``) that TP rank ``tp_rank`` keeps:
-    a projection's slice, as :func:`parallelize_tensor` cuts it, or the whole for any other module.
+def base_index(
+    module_name: str, tensor: str, shape: Sequence[int], tp_rank: int, tp_size: int, parts: Sequence[int] = ()
+) -> list[tuple[slice, ...]]:
+    """The part of a frozen base tensor of the whole model (``shape``) that TP rank ``tp_rank`` keeps, as the
+    indices of its pieces, in the order the shard lays them end to end: a projection's slice, as
+    :func:`parallelize_tensor` cuts it (a fused one's: one slice per part), or the whole for any other module.
 
     Args:
         module_name: the module's name in the model before injection (``model.layers.0.mlp.down_proj``).
         tensor: its tensor (``weight``, ``bias``).
+        parts: a fused projection's part widths (``fused.output_parts``); empty for one part.
     """
     style = TP_STYLES.get(module_suffix(module_name))
     if style is None or tp_size == 1:  # parallelize_tensor leaves everything whole on one rank
-        return shard_index(shape, None, tp_rank, tp_size)
-    return shard_index(shape, base_shard_dim(style, tensor), tp_rank, tp_size)
+        return [shard_index(shape, None, tp_rank, tp_size)]
+    dim = base_shard_dim(style, tensor)
+    if dim != 0 or len(parts) < 2:
+        return [shard_index(shape, dim, tp_rank, tp_size)]
+    whole = [slice(None)] * len(shape)
+    return [(slice(a, b), *whole[1:]) for a, b in shard_ranges(parts, tp_rank, tp_size)]
 
 
-def shard(t: Tensor, dim: int | None, tp_rank: int, tp_size: int) -> Tensor:
-    """Rank ``tp_rank``'s contiguous slice of ``t`` along ``dim`` (a copy); the whole when dim is None."""
+def shard(t: Tensor, dim: int | None, tp_rank: int, tp_size: int, parts: Sequence[int] = ()) -> Tensor:
+    """Rank ``tp_rank``'s slice of ``t`` along ``dim`` (a copy): contiguous, or with a fused projection's ``parts``
+    (along its rows) its slice of each part (``fused.shard_rows``); the whole when dim is None."""
+    if dim is not None and len(parts) > 1:
+        return shard_rows(t, dim, parts, tp_rank, tp_size)
     return t.detach()[shard_index(t.shape, dim, tp_rank, tp_size)].clone()
 
 
@@ -219,6 +245,10 @@ def parallelize_tensor(model: nn.Module, tp_rank: int, tp_size: int, group: dist
     ``f`` is applied once per block (attention, MLP), on the block's input, not once per
     projection: q, k and v share one input, so one all-reduce of its gradient serves all three.
 
+    A fused projection's rows are first grouped by rank (``fused.group_rows_by_rank``), so the contiguous
+    column split gives each rank its slice of every part, and its attention block is told the rank's head counts
+    (``fused.localize_attention``).
+
     Returns:
         The names of the sharded projections.
     """
@@ -227,12 +257,17 @@ def parallelize_tensor(model: nn.Module, tp_rank: int, tp_size: int, group: dist
         return names
     if group is None:
         raise ValueError("tensor parallelism over more than one rank needs a process group")
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     blocks: dict[str, nn.Module] = {}
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         style = TP_STYLES[child]
-        sharded = _shard_module(getattr(parent, child), style, tp_rank, tp_size, group)
+        module = getattr(parent, child)
+        parts = output_parts(child, module.out_features, heads, kv_heads)
+        if len(parts) > 1:
+            group_rows_by_rank(module, parts, tp_size)
+        sharded = _shard_module(module, style, tp_rank, tp_size, group)
         setattr(parent, child, sharded)
         if style is ParallelStyle.COLUMN:
             blocks[parent_name] = parent
@@ -240,4 +275,5 @@ def parallelize_tensor(model: nn.Module, tp_rank: int, tp_size: int, group: dist
             sharded.register_forward_hook(_output_hook(group))
     for block in blocks.values():
         block.register_forward_pre_hook(_input_hook(group), with_kwargs=True)
+    localize_attention(model, tp_size)
     return names

@@ -38,7 +38,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lorafleet.executor.torch.base_model import SafetensorsWeights
-from lorafleet.executor.torch.change import PHASES, BaseSource, ChangeReport, FleetChange, TaskTraining, change_fleet
+from lorafleet.executor.torch.change import (
+    PHASES,
+    BaseSource,
+    ChangeReport,
+    FleetChange,
+    TaskTraining,
+    change_fleet,
+)
 from lorafleet.executor.torch.checkpoint import TrainState
 from lorafleet.executor.torch.checkpointer import Checkpointer
 from lorafleet.executor.torch.evaluate import EvalOutcome, EvalRun, eval_batch, run_evaluation
@@ -49,6 +56,7 @@ from lorafleet.executor.torch.window import BroadcastStep, WindowRunner
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
 from lorafleet.runtime.base_quantization import QuantizedBase
 from lorafleet.runtime.data_stream import DataStreams, TaskData, task_key
+from lorafleet.specs.architecture import model_lora
 from lorafleet.specs.workload import TaskSpec
 
 
@@ -114,6 +122,12 @@ def check_step_plan(step_plan: StepPlan, batch: GlobalBatch, n_replicas: int) ->
         raise ValueError(f"step {batch.step}: sequence {bad} is in {int(seen[bad])} micro-batches, expected 1")
 
 
+def _for_model(tasks: Sequence[TaskTraining], model_type: str) -> tuple[TaskTraining, ...]:
+    """The tasks with their LoRA targets as the model names its projections (Phi-3's fused ones:
+    ``specs.architecture.model_lora``); the workload was checked against them already (``validate``/``plan``)."""
+    return tuple(replace(t, lora=model_lora(t.lora, model_type)) for t in tasks)
+
+
 class TorchExecutor:
     """An :class:`~lorafleet.executor.Executor` over torch.distributed replicas (see the module doc)."""
 
@@ -133,6 +147,8 @@ class TorchExecutor:
 
         For :meth:`change`: ``base`` gives the base model again when a rank must build a new stage, and
         ``task_data`` prepares a new task's data (tokenizes it; rank 0's is used)."""
+        self.model_type = model.config.model_type
+        config = replace(config, tasks=_for_model(config.tasks, self.model_type))
         self.config = config
         self.streams = streams
         self.device = device
@@ -319,6 +335,7 @@ class TorchExecutor:
 
     def _change(self, change: FleetChange) -> ChangeReport | None:
         """This rank's part of a change (``change.change_fleet``); rank 0 returns what it cost."""
+        change = replace(change, tasks=_for_model(change.tasks, self.model_type))
         old = {name: t for t, name in enumerate(self.names)}
         groups_before = self.replica.groups.created
         prepared, self._prepared = self._prepared, {}

@@ -53,7 +53,17 @@ UNQUANTIZED = ["tp2+pp2", "tp2xpp2"]
 #: "code" (q, v and down: a row-parallel layer) as DoRA: its magnitudes are drawn over the skeleton as NaN and set
 #: from the loaded, TP-sliced weights (``MultiLoraLinear.init_magnitudes``, an all-reduce over a row-parallel layer).
 ADAPTERS = [t.lora.model_copy(update={"use_dora": t.name == "code"}) for t in h.TASKS]
+#: The newer families, on the TP2 + PP2 plan: Phi-3's fused projections are read part by part (a TP rank's slice of
+#: each of q, k and v), Gemma 3's embedding scale and its two rotary tables are recomputed, not read.
+FAMILY_CASES = {"phi3": "tp2+pp2", "gemma3": "tp2+pp2"}
 CPU = torch.device("cpu")
+
+
+def adapters_of(model: str) -> list:
+    """The adapters a checkpoint's stages are built with: :data:`ADAPTERS`, as its family names the targets."""
+    if model not in FAMILY_CASES:
+        return ADAPTERS
+    return [t.lora.model_copy(update={"use_dora": t.name == "code"}) for t in h.model_tasks(model)]
 
 
 def save_llama(directory: Path) -> Path:
@@ -77,6 +87,12 @@ def save_qwen2_tied_sharded(directory: Path) -> Path:
         torch.manual_seed(1)
         model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True, max_shard_size="40kB")
+    return directory
+
+
+def save_family(directory: Path) -> Path:
+    """A newer family's tiny model (``fleet_harness.FAMILIES``, the directory's name) in one fp32 file."""
+    h.build_model(directory.name).save_pretrained(directory, safe_serialization=True)
     return directory
 
 
@@ -124,16 +140,17 @@ def compare_stages(
     """Builds ``rank``'s stage of ``directory``'s model under a plan both ways (over a base quantized as
     ``quantize``); what differs."""
     plan = PLANS[plan_name]
-    seeds = range(len(ADAPTERS))
+    adapters = adapters_of(directory.name)
+    seeds = range(len(adapters))
     model = load_causal_lm(hf_source(directory))
     if quantize is not None:
         quantize_base(model, quantize)
-    whole = build_replica(model, ADAPTERS, plan, rank, world, seeds=seeds, device=CPU)
+    whole = build_replica(model, adapters, plan, rank, world, seeds=seeds, device=CPU)
     if quantize is None:
         skeleton, weights = load_base(hf_source(directory))
     else:
         skeleton, weights = load_quantized_base(hf_source(directory), torch.float32, quantize)
-    staged = build_replica(skeleton, ADAPTERS, plan, rank, world, seeds=seeds, device=CPU, weights=weights)
+    staged = build_replica(skeleton, adapters, plan, rank, world, seeds=seeds, device=CPU, weights=weights)
     a, b = _tensors(whole.model), _tensors(staged.model)
     role = staged.role
     magnitudes = [n for n in a if "lora_magnitude_vector" in n]
@@ -189,7 +206,11 @@ def _rank_main(rank: int, world: int, tmp: str, cases: list[tuple[str, str, int,
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
-    return {"llama": save_llama(root / "llama"), "qwen2": save_qwen2_tied_sharded(root / "qwen2")}
+    return {
+        "llama": save_llama(root / "llama"),
+        "qwen2": save_qwen2_tied_sharded(root / "qwen2"),
+        **{family: save_family(root / family) for family in FAMILY_CASES},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +218,8 @@ def world(checkpoints, tmp_path_factory):
     """rank -> (checkpoint directory, plan, quantization) -> what ``compare_stages`` found."""
     tmp = tmp_path_factory.mktemp("world")
     itemsize = {"llama": 4, "qwen2": 2}
-    cases = [(str(d), p, itemsize[name], None) for name, d in checkpoints.items() for p in UNQUANTIZED]
+    cases = [(str(checkpoints[name]), p, itemsize[name], None) for name in itemsize for p in UNQUANTIZED]
+    cases += [(str(checkpoints[name]), p, 4, None) for name, p in FAMILY_CASES.items()]
     cases += [(str(checkpoints["llama"]), p, 4, kind) for p, kind in QUANTIZED.items()]
     mp.start_processes(_rank_main, args=(4, str(tmp), cases), nprocs=4, start_method="fork")
     return {r: pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(4)}
@@ -211,32 +233,35 @@ def test_checkpoints_are_what_the_cases_need(checkpoints):
     assert "model.layers.0.self_attn.q_proj.bias" in index
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
-@pytest.mark.parametrize("plan", UNQUANTIZED)
+#: (checkpoint, plan) of every unquantized case.
+CASES = [(model, plan) for model in ("llama", "qwen2") for plan in UNQUANTIZED] + list(FAMILY_CASES.items())
+
+
+@pytest.mark.parametrize("model,plan", CASES)
 def test_stage_equals_the_whole_model_path(world, checkpoints, model, plan):
     for rank in range(4):
         found = world[rank][(str(checkpoints[model]), plan, None)]
         whole_names, stage_names = found["names"]
         assert whole_names == stage_names, f"rank {rank}"
-        assert any(n.endswith("rotary_emb.inv_freq") for n in stage_names)
+        assert any("rotary_emb." in n and n.endswith("inv_freq") for n in stage_names)
         assert found["differ"] == [] and found["meta"] == [], f"rank {rank}"
         assert found["magnitude_gap"] <= 1e-6, f"rank {rank}"  # and no NaN left: a NaN fails the comparison
         assert found["forward_equal"], f"rank {rank}"
         # The tied pair stays one tensor where the stage holds both ends (pp = 1), as on the whole path.
         assert found["tied"][0] == found["tied"][1]
-        if model == "qwen2" and found["first"] and found["last"]:
+        if model in ("qwen2", "gemma3") and found["first"] and found["last"]:
             assert found["tied"][1]
     assert sum(world[r][(str(checkpoints[model]), plan, None)]["magnitudes"] for r in range(4)) > 0
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2"])
-@pytest.mark.parametrize("plan", UNQUANTIZED)
+@pytest.mark.parametrize("model,plan", CASES)
 def test_a_stage_reads_only_its_own_slices(world, checkpoints, model, plan):
-    tied = model == "qwen2"
+    tied = model in ("qwen2", "gemma3")
     for rank in range(4):
         found = world[rank][(str(checkpoints[model]), plan, None)]
         keys = [key for key, _, _ in found["reads"]]
-        assert len(keys) == len(set(keys)), f"rank {rank} read a tensor twice"
+        again = {key for key in keys if keys.count(key) > 1}  # a fused projection's slices: one read per part
+        assert all(key.split(".")[-2] in ("qkv_proj", "gate_up_proj") for key in again), f"rank {rank} read twice"
         for key in keys:
             if ".layers." in key:
                 assert layer_of(key) in found["layers"], f"rank {rank} read {key}"
@@ -282,11 +307,13 @@ def test_tp_slices_come_from_the_same_rule_as_sharding():
         for tp in (2, 4):
             for r in range(tp):
                 part = _shard_module(linear, style, r, tp)
-                assert torch.equal(part.weight, linear.weight[base_index(name, "weight", (12, 8), r, tp)])
+                (weight,) = base_index(name, "weight", (12, 8), r, tp)
+                assert torch.equal(part.weight, linear.weight[weight])
                 assert (part.bias is not None) == holds_bias(style, r)
                 if part.bias is not None:
-                    assert torch.equal(part.bias, linear.bias[base_index(name, "bias", (12,), r, tp)])
-    assert base_index("model.embed_tokens", "weight", (16, 8), 1, 2) == (slice(None), slice(None))
+                    (bias,) = base_index(name, "bias", (12,), r, tp)
+                    assert torch.equal(part.bias, linear.bias[bias])
+    assert base_index("model.embed_tokens", "weight", (16, 8), 1, 2) == [(slice(None), slice(None))]
 
 
 def test_skeleton_gets_the_host_models_adapters(checkpoints):

@@ -106,12 +106,26 @@ def test_attention_windows_by_family():
     assert [attention_window(qwen, i) for i in range(2)] == [None, 8]
 
 
-@pytest.mark.parametrize("family,packed", [("llama", False), ("llama", True), ("qwen2", False), ("mistral", True)])
+@pytest.mark.parametrize(
+    "family,packed",
+    [
+        ("llama", False),
+        ("llama", True),
+        ("qwen2", False),
+        ("mistral", True),
+        ("qwen3", True),
+        ("gemma2", True),
+        ("gemma2", False),
+        ("gemma3", True),
+        ("phi3", True),
+    ],
+)
 def test_stage_forward_equals_the_hf_model(family, packed):
     """A whole-model stage with random adapters gives, row for row, the logits of the HF model run
-    one sequence at a time with that sequence's adapter."""
+    one sequence at a time with that sequence's adapter: every family's own forward (Gemma's soft caps, Gemma 3's
+    two rotary tables, Phi-3's fused projections) is the executor's."""
     model = h.build_model(family, torch.float64)
-    inject_multi_lora(model, [t.lora for t in h.TASKS])
+    inject_multi_lora(model, [t.lora for t in h.model_tasks(family)])
     with torch.no_grad():
         for p in adapter_parameters(model):
             p.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
@@ -121,6 +135,9 @@ def test_stage_forward_equals_the_hf_model(family, packed):
     use_document_attention(model)
     mb = _microbatch(packed)
     inputs = build_inputs(mb, [EXAMPLES[q] for q in ROWS], [1.0] * 4, torch.device("cpu"))
+    # Soft-capped attention takes its softmax in fp32, as transformers' eager attention does (Gemma 2): a padded
+    # row's scores, of another width than the sequence alone, may round to another fp32 value.
+    tolerance = 1e-6 if family == "gemma2" and not packed else 1e-12
     with torch.no_grad():
         logits = stage_forward(model, role, None, inputs)
         offset = 0
@@ -131,7 +148,7 @@ def test_stage_forward_equals_the_hf_model(family, packed):
             n = ids.numel()
             got = logits[0, offset : offset + n] if packed else logits[k, :n]
             offset += n
-            assert (got - want).abs().max() < 1e-12
+            assert (got - want).abs().max() < tolerance
 
 
 @pytest.mark.parametrize("packed", [False, True])
