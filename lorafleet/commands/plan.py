@@ -446,6 +446,8 @@ def run(args: argparse.Namespace) -> int:
     from lorafleet.assemble import workload_cluster, workload_cost_model
     from lorafleet.commands._replica_groups import WIDTH
     from lorafleet.commands._set_flags import workload_overrides
+    from lorafleet.data.describe import check_chat_templates
+    from lorafleet.data.model_source import data_tokenizer
     from lorafleet.planner import plan_deployment
     from lorafleet.planner.bounds import step_bounds
     from lorafleet.planner.candidates import valid_candidates
@@ -459,6 +461,10 @@ def run(args: argparse.Namespace) -> int:
     objective, max_nodes = _sizing(args)
     options = _options(args)
     workload = load_workload(args.workload, workload_overrides(args))
+    spec = workload.spec  # chats need a chat template (lengths from the rows checked it already)
+    check_chat_templates(
+        spec.tasks, lambda: data_tokenizer(spec.model, spec.tokenizer, source=workload.path), workload.path
+    )
     console = Console(width=WIDTH)
     if gpus == AUTO:
         result, cluster = _sized_plan(workload, args, options, objective, max_nodes)

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 from rich.console import Console
 from rich.table import Table
 
 from lorafleet.commands._set_flags import add_set_flag, workload_overrides
-from lorafleet.data.describe import data_lines
+from lorafleet.data.describe import check_chat_templates, data_lines
 from lorafleet.data.model_source import data_tokenizer
 from lorafleet.workload import Workload, load_workload
 
@@ -64,8 +65,10 @@ def summary_table(workload: Workload) -> Table:
 def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload, workload_overrides(args))
     spec = workload.spec
+    tokenizer = functools.cache(lambda: data_tokenizer(spec.model, spec.tokenizer, source=workload.path))
+    check_chat_templates(spec.tasks, tokenizer, workload.path)  # chats need a chat template
     # Every task's data is read and checked before anything is printed (its rows, not only its lengths).
-    lines = data_lines(spec.tasks, lambda: data_tokenizer(spec.model, spec.tokenizer, source=workload.path))
+    lines = data_lines(spec.tasks, tokenizer)
     Console(width=120).print(summary_table(workload))
     for line in lines:
         print(f"data: {line}")  # plain text: a line may hold brackets that rich would read as markup

@@ -93,6 +93,38 @@ def _template_lines(task: TaskSpec, spec: DataSpec, rows: TaskRows, tokenizer: A
         render(tokenizer, rows.units[0], spec, (rows.source, "row 1"))  # the template renders this data
 
 
+def check_chat_templates(tasks: Sequence[TaskSpec], tokenizer: Callable[[], Any], source: str) -> None:
+    """A task whose training rows are chats needs a tokenizer with a chat template to render them: checked for the
+    tasks whose lengths are not their rows' (given, or another dataset's: ``plan`` tokenizes no row of theirs; a
+    task's lengths measured from its rows rendered them already, and a chat without a template was refused, naming
+    the row). ``tokenizer()`` loads the workload's,
+    once, and only for such a task; a workload with no tokenizer here (a preset without weights: a what-if) is not
+    checked.
+
+    Raises:
+        InputError: naming ``source``'s task and its data file, when the tokenizer has no chat template.
+    """
+    loaded: list[Any] = []
+    for i, task in enumerate(tasks):
+        if task.data is None or task.lengths is None:  # its lengths are its rows', rendered already
+            continue
+        rows = read_task_rows(task.data)
+        if not any(isinstance(u, Chat) for u in rows.units):
+            continue
+        if not loaded:
+            try:
+                loaded.append(tokenizer())
+            except InputError:
+                return
+        if not loaded[0].chat_template:
+            raise InputError(
+                source,
+                f"tasks[{i}].data",
+                f"{rows.source} holds chats (format {rows.format.value}), and the tokenizer has no chat template to "
+                "render them: set tokenizer: to a tokenizer directory that has one, or give prompt/response rows",
+            )
+
+
 def data_lines(tasks: list[TaskSpec] | tuple[TaskSpec, ...], tokenizer: Callable[[], Any]) -> list[str]:
     """The lines of the module doc for ``tasks``; ``tokenizer()`` loads the workload's tokenizer, once, when a
     task's rows render through a chat template (an InputError from it is a line, not an error)."""
