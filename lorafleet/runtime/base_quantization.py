@@ -11,8 +11,9 @@ does not. An adapter learns the function of the base it was trained over, so fro
 
 A manifest written before the key existed says nothing either way: no check, no line.
 
-:func:`check_quantizable` refuses ``quantize`` over weights that are already quantized (a GGUF file); the launcher's
-preflight runs it, so the run stops in one line before any worker loads a model.
+:func:`check_quantizable` refuses ``quantize`` over weights that are already quantized (a GGUF file), and
+:func:`check_unfused` over a family whose projections are fused (Phi-3); the launcher's preflight runs both, so the run
+stops in one line before any worker loads a model.
 
 Torch-free (``lorafleet.train`` imports it before any worker starts).
 """
@@ -26,7 +27,8 @@ from typing import Any
 
 from lorafleet.data.model_source import ModelSource, SourceKind
 from lorafleet.errors import InputError
-from lorafleet.specs.lora import Quantization
+from lorafleet.specs.architecture import FUSING_MODEL_TYPES
+from lorafleet.specs.lora import FUSED_TARGET_MODULES, Quantization
 
 MANIFEST_KEY = "quantized_base"
 """A checkpoint manifest's record of the base's quantization (module doc)."""
@@ -115,4 +117,16 @@ def check_quantizable(source: ModelSource, kind: Quantization | None, where: str
             "quantize",
             f"{kind.value}: {source.name!r} is a GGUF file, whose weights are already quantized (dequantized on load); "
             "quantize the original weights instead",
+        )
+
+
+def check_unfused(model_type: str, kind: Quantization | None, where: str = "workload") -> None:
+    """InputError when ``kind`` asks to quantize a family whose projections are fused (Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``): a quantized fused projection, which TP cuts part by part, is not built."""
+    if kind is not None and model_type in FUSING_MODEL_TYPES:
+        raise InputError(
+            where,
+            "quantize",
+            f"{kind.value}: {model_type} fuses its projections ({', '.join(FUSED_TARGET_MODULES)}), and a quantized "
+            "base of fused projections is not built; train it unquantized",
         )

@@ -219,14 +219,16 @@ def check_model(workload: Workload, path: str) -> None:
 
 def check_quantize(options: TrainOptions, start: int | None, workload: Workload) -> None:
     """The workload's ``quantize`` (``runtime.base_quantization``), before the plan is judged by it: InputError over
-    weights already quantized (a GGUF file), or, on a resume from the checkpoint of step ``start``, when that
-    checkpoint was trained over another base (nothing to compare before the first checkpoint commits)."""
-    from lorafleet.runtime.base_quantization import check_quantizable, check_resumed_quantize
+    a family with fused projections (Phi-3) or weights already quantized (a GGUF file), or, on a resume from the
+    checkpoint of step ``start``, when that checkpoint was trained over another base (nothing to compare before the
+    first checkpoint commits)."""
+    from lorafleet.runtime.base_quantization import check_quantizable, check_resumed_quantize, check_unfused
     from lorafleet.runtime.checkpoint_files import read_manifest, step_dir_name
 
     if workload.spec.quantize is not None:
         from lorafleet.data.model_source import resolve_model_source
 
+        check_unfused(workload.model.model_type, workload.spec.quantize, options.workload)
         source = resolve_model_source(workload.spec.model, source=options.workload, field="model")
         check_quantizable(source, workload.spec.quantize, options.workload)
     step_dir = options.run_dir.checkpoints / step_dir_name(start) if start is not None else None

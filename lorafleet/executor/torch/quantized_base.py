@@ -30,7 +30,7 @@ from lorafleet.executor.torch.quant import (
     quantize_int8,
     quantize_nf4,
 )
-from lorafleet.specs.lora import LLAMA_TARGET_MODULES, Quantization
+from lorafleet.specs.lora import FUSED_TARGET_MODULES, LLAMA_TARGET_MODULES, Quantization
 
 
 class QuantizedLinear(nn.Module):
@@ -120,6 +120,7 @@ class QuantizedLinear(nn.Module):
 def quantize_base(model: nn.Module, kind: Quantization) -> list[str]:
     """Replaces every decoder projection of a whole (not yet injected or split) model by its :class:`QuantizedLinear`,
     in place; returns their names."""
+    check_unfused_model(model)
     names = []
     for name, module in list(model.named_modules()):
         if name.rpartition(".")[2] in LLAMA_TARGET_MODULES and isinstance(module, nn.Linear):
@@ -129,6 +130,14 @@ def quantize_base(model: nn.Module, kind: Quantization) -> list[str]:
     if not names:
         raise ValueError(f"{type(model).__name__} has no projection to quantize")
     return names
+
+
+def check_unfused_model(model: nn.Module) -> None:
+    """ValueError when ``model`` has a fused projection (Phi-3's): a quantized base of those is not built
+    (``runtime.base_quantization.check_unfused`` refuses such a workload before any worker starts)."""
+    fused = [name for name, _ in model.named_modules() if name.rpartition(".")[2] in FUSED_TARGET_MODULES]
+    if fused:
+        raise ValueError(f"{fused[0]} is a fused projection: a quantized base of fused projections is not built")
 
 
 def dequantized_copy(model: nn.Module, kind: Quantization) -> nn.Module:

@@ -24,7 +24,7 @@ from lorafleet.data.model_source import ModelSource
 from lorafleet.executor.torch.base_model import SafetensorsWeights, load_base
 from lorafleet.executor.torch.inject import module_suffix
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
-from lorafleet.executor.torch.quantized_base import QuantizedLinear, quantize_base
+from lorafleet.executor.torch.quantized_base import QuantizedLinear, check_unfused_model, quantize_base
 from lorafleet.executor.torch.tp import TP_STYLES, sliced_linear
 from lorafleet.runtime.layout import RankRole
 from lorafleet.specs.lora import LLAMA_TARGET_MODULES, Quantization
@@ -46,6 +46,7 @@ def load_quantized_base(
     """The base of ``source`` as ``build_replica`` takes it, its projections to be stored as ``kind``: the whole model
     quantized, or its skeleton and the checkpoint to load per stage (module doc)."""
     model, weights = load_base(source, dtype)
+    check_unfused_model(model)
     if weights is None:
         quantize_base(model, kind)
         return model, None

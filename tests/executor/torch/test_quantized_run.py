@@ -111,3 +111,31 @@ def test_quantize_over_a_gguf_is_refused_by_the_launcher(run, capsys):
     assert code == 2 and err.count("\n") == 1, err
     assert f"{tmp / 'w.yaml'}: quantize: nf4: " in err and "is a GGUF file, whose weights are already quantized" in err
     assert not (tmp / "out").exists()
+
+
+def test_quantize_over_fused_projections_is_refused_by_the_launcher(run, capsys):
+    """Phi-3 fuses q, k, v and gate, up (#42): quantizing its base would leave the fused projections unquantized (or,
+    under TP, cut their stored bytes in the wrong rows); the launcher refuses it before it resolves any weights, and
+    ``quantize_base`` refuses a model with a fused projection."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from lorafleet.executor.torch.quantized_base import quantize_base
+
+    train, tmp = run
+    code = train("phi3-mini", "nf4")
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"{tmp / 'w.yaml'}: quantize: nf4: phi3 fuses its projections (qkv_proj, gate_up_proj)" in err
+    assert not (tmp / "out").exists()
+    phi3 = Phi3ForCausalLM(
+        Phi3Config(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            pad_token_id=0,
+        )  # fmt: skip
+    )
+    with pytest.raises(ValueError, match="qkv_proj is a fused projection"):
+        quantize_base(phi3, Quantization.NF4)
