@@ -15,7 +15,9 @@ and these ranks share without torch is ``lorafleet.runtime``'s.
 - the multi-LoRA operator: ``multi_lora.py`` (``MultiLoraLinear``), ``routing.py`` (``LoraRouting``),
   ``dropout.py``, its backends in ``kernels/``, ``inject.py`` (the operator put into a model), ``dora.py`` (DoRA's
   magnitude), ``quant.py`` (NF4 and int8 storage of a frozen base) and ``quantized_base.py`` (``QuantizedLinear``);
-- the base model and files: ``base_model.py`` (``load_base``), ``checkpoint.py`` (a checkpoint's tensors,
+- the base model and files: ``base_model.py`` (``load_base``), ``families.py`` (what a model family's own forward
+  adds around its layers: Gemma 3's rotary tables, Gemma 2's logit soft cap), ``fused.py`` (Phi-3's fused
+  projections under TP, part by part), ``checkpoint.py`` (a checkpoint's tensors,
   committed atomically), ``peft_export.py`` (a PEFT adapter directory);
 - odds and ends: ``precision.py`` (``torch_dtype``), ``transfer.py`` (host-to-device copies that do not stall
   the host).
