@@ -31,6 +31,8 @@ LEDGER = "tasks.json"
 """The task ledger of a run that took queued changes (``train.queue.ledger``)."""
 CHANGES = "changes.jsonl"
 """The run's fleet changes, a row each (``train.change_log``)."""
+RUN_LENGTH = "run_length.json"
+"""Each task's steps in the run and the rows its adapter sees, written as the run starts (``train.run_length``)."""
 EVALUATIONS = "evaluations.json"
 """The tasks' evaluations so far and their early-stopping state, rewritten after each (``train.evaluation``)."""
 PENDING = ".apply.json"
@@ -108,6 +110,11 @@ class RunDir:
     def evaluations(self) -> Path:
         """Each evaluated task's evaluations and early-stopping state, as of the last (``train.evaluation``)."""
         return self.root / EVALUATIONS
+
+    @property
+    def run_length(self) -> Path:
+        """Each task's steps in the run: its own, those ``--steps`` leave it, its rows (``train.run_length``)."""
+        return self.root / RUN_LENGTH
 
     @property
     def changes(self) -> Path:
@@ -198,6 +205,7 @@ RUN_FILES = (
     LEDGER,
     CHANGES,
     EVALUATIONS,
+    RUN_LENGTH,
     "workload.resolved.yaml",
     "tokenizer",
     "logs",

@@ -26,6 +26,7 @@ from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase, start_clock
 from lorafleet.train.preflight import Prepared, claim, prepare, queue_data_roots
 from lorafleet.train.queue import launcher_pending
+from lorafleet.train.run_length import with_run_steps
 
 RANK_MODULE = "lorafleet.train.rank"
 """What torchrun runs in every worker process (with the run file's path)."""
@@ -56,7 +57,7 @@ def launch(options: TrainOptions) -> int:
         warning = shared_store_warning()
         if warning is not None and os.environ.get("RANK") == "0":
             print(f"lorafleet train: warning: {warning}", file=sys.stderr, flush=True)
-        return train_rank(options, prepared)
+        return train_rank(with_run_steps(options, prepared), prepared)
     options = replace(options, queue_data_roots=queue_data_roots(options, prepared.workload))
     server = None
     if options.queue_http is not None:  # bound before the claim: a port in use leaves nothing written
@@ -64,6 +65,7 @@ def launch(options: TrainOptions) -> int:
 
         server = bind_queue_server(options.queue_http)
     try:
+        options = with_run_steps(options, prepared)  # --steps, or until the tasks are done (train.run_length)
         lock = claim(options, prepared)
     except BaseException:
         if server is not None:

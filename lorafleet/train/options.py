@@ -34,10 +34,11 @@ class TrainOptions:
     """workload YAML file (every task needs data)"""
     plan: str = field(metadata=flag("--plan"))
     """DeploymentPlan JSON (from `lorafleet plan --json`)"""
-    # at most specs.workload.MAX_STEPS (checked below)
-    steps: int = field(default=10, metadata=flag("--steps", least=1))
-    """the run's total training steps; a resumed run continues up to them, and may not be told fewer than it has
-    run"""
+    # at most specs.workload.MAX_STEPS (checked below); None: resolved by the launcher (train.run_length)
+    steps: int | None = field(default=None, metadata=flag("--steps", least=1))
+    """the run's total training steps (default: until every task has taken its steps or epochs); a resumed run
+    continues up to them, and may not be told fewer than it has run; a task whose steps do not fit is cut, and
+    said so as the run starts"""
     out: str = field(default="runs/train", metadata=flag("--out"))
     """output directory of the plan, metrics, checkpoints and adapters, held by one run at a time"""
     resume: bool = field(default=False, metadata=flag("--resume"))
@@ -115,7 +116,7 @@ class TrainOptions:
 
     def __post_init__(self) -> None:
         check_fields(self, ARGS)  # --device, --dtype; the bounds of --steps, --checkpoint-every, ...
-        if self.steps > MAX_STEPS:
+        if self.steps is not None and self.steps > MAX_STEPS:
             raise InputError(
                 ARGS,
                 "--steps",

@@ -65,7 +65,7 @@ def _resume_step(options: TrainOptions, warn: bool) -> int | None:
         raise InputError(ARGS, "--resume", f"nothing to resume: no checkpoint in {checkpoints}")
     for line in found.broken if warn else ():
         print(f"lorafleet train: warning: checkpoint {line}; resuming from {found.step_dir.name}", file=sys.stderr)
-    if options.steps < found.step:
+    if options.steps is not None and options.steps < found.step:  # None: until the tasks are done
         raise InputError(
             ARGS,
             "--steps",

@@ -143,6 +143,7 @@ class Trainer:
         run in segments, one per task set and deployment, between two changes of the fleet (``train.changes``)."""
         start = self.next_step = self.restore()
         self._save_tokenizer()
+        self._say_run_length()
         end = self._end()
         resumed = f" (resumed from the checkpoint of step {start})" if start else ""
         if start < end:
@@ -187,6 +188,16 @@ class Trainer:
                 boundary_every=self.options.checkpoint_every,
                 next_boundary=self._next_boundary,
             )
+
+    def _say_run_length(self) -> None:
+        """Each task's steps in the run, recorded (``<out>/run_length.json``), and a line for each task the run ends
+        before it has taken its steps or epochs (``train.run_length``)."""
+        from lorafleet.train.run_length import RunLength
+
+        length = RunLength.of(self.executor.streams, self.running.workload.spec.tasks, self.options.steps)
+        length.save(self.run_dir)
+        for line in length.lines():
+            print(f"lorafleet train: {line}", flush=True)
 
     def _next_boundary(self, step: int) -> int | None:
         """The next step after ``step`` a window must end at: a fleet change's, or an evaluation's."""

@@ -378,7 +378,7 @@ def test_train_options_carry_sets_through_the_run_file(tmp_path, capsys):
     assert main(["plan", demo, "--gpus", "1", "--gpu", "cpu", "--samples", "0", "--json", str(plan)]) == 0
     capsys.readouterr()
     argv = ["train", demo, "--plan", str(plan), "--gpus", "1", "--gpu", "cpu", "--out", str(tmp_path / "run")]
-    argv += ["--set", "tasks.chat.lora.rank=8", "--set=defaults.optimizer.lr=1e-3", "--buckets", "4"]
+    argv += ["--set", "tasks.chat.lora.rank=8", "--set=defaults.optimizer.lr=1e-3", "--buckets", "4", "--steps", "10"]
     options = options_of(build_parser().parse_args(argv))
     assert options.sets == ("tasks.chat.lora.rank=8", "defaults.optimizer.lr=1e-3")
     resolved = ResolvedRun.of(options, prepare(options))

@@ -3,6 +3,10 @@ whatever the run's ``--steps``."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from lorafleet.executor.torch.launch import task_training
 from lorafleet.executor.torch.optim import lr_at
 from lorafleet.specs.workload import TaskSpec
@@ -23,3 +27,71 @@ def test_a_tasks_schedule_spans_its_own_steps_whatever_the_runs():
     assert rates == [lr_at(task.optimizer, s, long.total_steps) for s in range(5)] and rates[-1] > rates[0] / 2
     assert task_training(_task(steps=30), 30, run_steps=10).total_steps == 30
     assert task_training(_task(start_step=3), None, run_steps=10).total_steps == 7
+
+
+def _streams(specs: list[TaskSpec], rows: list[int]):
+    """The streams the ranks would draw for ``specs``, each task with ``rows`` one-token examples."""
+    from lorafleet.data.tokenize import Example
+    from lorafleet.runtime.data_stream import DataStreams, TaskData, task_batches
+
+    data = [TaskData(s.name, tuple(Example((k, 1), (k, 1)) for k in range(n))) for s, n in zip(specs, rows)]
+    limits = [task_batches(s, d) for s, d in zip(specs, data)]
+    return DataStreams(data, [s.batch_size for s in specs], 0, limits, joined=[s.start_step for s in specs])
+
+
+def test_a_run_that_ends_before_a_task_is_done_says_so_and_records_what_it_saw(tmp_path):
+    """The issue's case: ``epochs: 1`` over 48 rows in batches of 4 (12 steps) under ``--steps 5``: it takes 5, its
+    adapter sees 20 of its 48 rows, and the record and the line say so; a task that fits finishes; one that starts
+    at step 3 with 4 steps takes 2."""
+    from lorafleet.rundir import RunDir
+    from lorafleet.train.run_length import RunLength
+
+    specs = [_task(epochs=1.0).model_copy(update={"name": "ep"}), _task(steps=3).model_copy(update={"name": "fits"}),
+             _task(steps=4, start_step=3).model_copy(update={"name": "late"})]  # fmt: skip
+    length = RunLength.of(_streams(specs, [48, 10, 10]), specs, run_steps=5)
+    by = {t.name: t for t in length.tasks}
+    assert [(t.name, t.own_steps, t.in_run, t.finishes) for t in length.tasks] == [
+        ("ep", 12, 5, False), ("fits", 3, 3, True), ("late", 4, 2, False),
+    ]  # fmt: skip
+    assert (by["ep"].rows_seen, by["ep"].rows, by["ep"].epochs_seen) == (20, 48, 20 / 48)
+    assert [t.name for t in length.cut] == ["ep", "late"]
+    assert length.lines()[0].startswith("task ep takes 5 of its 12 steps (epochs 1 over 48 rows) in this run of 5: "
+                                        "its adapter sees 20 of its 48 rows")  # fmt: skip
+    length.save(RunDir(tmp_path))
+    record = json.loads((tmp_path / "run_length.json").read_text())
+    assert record["steps"] == 5 and record["tasks"][0] == {
+        "name": "ep", "start_step": 0, "own_steps": 12, "in_run": 5, "rows": 48, "batch_size": 4, "epochs": 1.0,
+        "finishes": False,
+    }  # fmt: skip
+
+
+def test_without_steps_the_run_lasts_until_its_tasks_are_done(tmp_path, tiny_tokenizer_dir, capsys):
+    """No ``--steps``: the run's length is the step after the last one any task takes, drawn from its data as the
+    ranks draw it (here ``chat``'s start 3 and its 4 steps; ``docsum``'s one epoch is fewer), and a line says so;
+    a task with neither steps nor epochs is one line naming it and ``--steps``."""
+    from types import SimpleNamespace
+
+    from lorafleet.errors import InputError
+    from lorafleet.train.options import TrainOptions
+    from lorafleet.train.run_length import with_run_steps
+    from lorafleet.workload import load_workload
+    from tests.helpers.repo import DEMO
+
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        f"model: tiny-llama\ntokenizer: {tiny_tokenizer_dir}\ncluster: {{gpu: cpu, nodes: 1, gpus_per_node: 1}}\n"
+        "tasks:\n"
+        f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 128, context_length: 256, "
+        "epochs: 1}\n"
+        f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 4, context_length: 128, steps: 4, "
+        "start_step: 3}\n"
+    )
+    prepared = SimpleNamespace(workload=load_workload(path), turn_changes={}, departed=())
+    options = TrainOptions(workload=str(path), plan="p.json")
+    assert options.steps is None
+    assert with_run_steps(options, prepared).steps == 7
+    assert "the run lasts until its tasks are done, 7 steps" in capsys.readouterr().out
+    assert with_run_steps(TrainOptions(workload=str(path), plan="p.json", steps=5), prepared).steps == 5
+    endless = SimpleNamespace(workload=SimpleNamespace(spec=SimpleNamespace(tasks=[_task()])))
+    with pytest.raises(InputError, match="--steps: not given, and t has neither steps nor epochs: give --steps N"):
+        with_run_steps(options, endless)

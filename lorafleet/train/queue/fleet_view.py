@@ -1,9 +1,10 @@
 """What the live page shows of a running fleet (``GET /v1/fleet``, ``train.queue.http``), read from its run directory.
 
 :class:`FleetWatch` builds a :class:`FleetView` from the files the run writes, and nothing else: ``run.json`` (the
-run's steps, its tasks), ``plan.json`` (the replicas), ``tasks.json`` (the ledger: every task the run has had, and
-how each left), ``metrics.jsonl`` (each step's losses, GPU-seconds, replica busy times), ``evaluations.json`` and
-the queue directory (pending, accepted and rejected requests). It reads no process's memory, so the page shows
+run's steps, its tasks), ``run_length.json`` (the steps rank 0 counted each task takes in the run:
+``train.run_length``), ``plan.json`` (the replicas), ``tasks.json`` (the ledger: every task the run has had, and how
+each left), ``metrics.jsonl`` (each step's losses, GPU-seconds, replica busy times), ``evaluations.json`` and the
+queue directory (pending, accepted and rejected requests). It reads no process's memory, so the page shows
 what the run has committed to its files, as a resumed run or ``lorafleet sweep-report`` would see it.
 
 A refresh must stay cheap at 64 tenants and thousands of steps (docs/queue.md, *The live page*: at most 200 ms of
@@ -15,7 +16,8 @@ new inode): it is read again from the start. Each loss curve sent holds at most 
 (every k-th, the last always), exact values, never averaged.
 
 Per tenant (:class:`TenantView`): its state (:class:`TenantState`), the steps it has taken of its total
-(``steps``, or ``epochs`` over its rows, or the run's steps from its start, never more than the run has left it),
+(as ``run_length.json`` counts them; before rank 0 wrote it, or for a task added since: ``steps``, or ``epochs`` over
+the rows the run file's lengths count, or the run's steps from its start, never more than the run has left it),
 an ETA (its steps left times the mean of the last :data:`ETA_STEPS` step times: as if it took part in every
 step), its loss curve, its evaluations, and its GPU-seconds (its evaluations' included, as the run's closing
 lines count them). Per replica (:class:`ReplicaView`): its config, GPUs and pool, and its utilisation (busy over
@@ -336,6 +338,7 @@ class FleetWatch:
         self._plan: _Cached[DeploymentPlan | None] = _Cached(run_dir.plan, _plan, None)
         self._ledger = _Cached(run_dir.ledger, _json, None)
         self._evaluations = _Cached(run_dir.evaluations, _json, {})
+        self._run_length = _Cached(run_dir.run_length, _json, None)
         self._changes = _Cached(run_dir.changes, _moved_at, 0)
         self._steps = _Steps(run_dir.metrics_jsonl)
         self._reasons: dict[str, str | None] = {}
@@ -390,13 +393,15 @@ class FleetWatch:
                 if entry["state"] != "active":
                     left[name] = _LEFT_BY.get(how.get(name, ""), TenantState(entry["state"]))
         evaluations = self._evaluations.get()
+        record = self._run_length.get()  # the steps rank 0 counted each task takes in the run (train.run_length)
+        in_run = {t["name"]: int(t["in_run"]) for t in record["tasks"]} if record else {}
         names = list(specs) + [n for n in self._steps.tasks if n not in specs]
         out = []
         for name in names:
             spec, sums = specs.get(name, {}), self._steps.tasks.get(name) or _TaskSteps()
             evals = evaluations.get(name) or {}
             start = int(spec.get("start_step", 0))
-            total = _task_steps(spec, lengths.get(name), run_steps, start)
+            total = in_run[name] if name in in_run else _task_steps(spec, lengths.get(name), run_steps, start)
             done = len(sums.steps)
             state = left.get(name) or _evaluated_state(evals)
             if state is None:

@@ -69,6 +69,9 @@ def test_tenants_progress_states_and_replicas(tmp_path):
     assert (view.run.steps_done, view.run.steps, view.run.eta_s, view.run.gpu_s) == (3, 10, 7.0, 9.0)
     assert view.run.deployment == "<1,1> x 1 + <2,1,rc> x 1"
     assert [(r.config, r.gpus, r.utilisation) for r in view.replicas] == [("<1,1>", (0,), 0.5), ("<2,1,rc>", (1, 2), 1)]
+    record = {"steps": 10, "tasks": [{"name": "ep", "in_run": 6}]}  # rank 0's count (train.run_length) wins
+    run_dir.run_length.write_text(json.dumps(record))
+    assert {t.name: t.steps_total for t in FleetWatch(run_dir).view().tenants}["ep"] == 6
 
 
 def test_metrics_are_read_on_and_again_after_a_resume(tmp_path):

@@ -1,0 +1,149 @@
+"""What a run's length means for its tasks: how long the run is when ``--steps`` is not given, and which tasks the
+run ends before they have taken their steps.
+
+**Without ``--steps``** the run lasts until its tasks are done: the step after the last one any task takes part
+in, drawn as the ranks draw it (``runtime.data_stream``: each task's ``steps``, or its ``epochs`` over its rows
+after its eval split and overflow rule, its start, its share and deadline). Every task then needs ``steps`` or
+``epochs``; a task with neither is one line naming it (:func:`with_run_steps`), exit 2.
+
+**A task the run cuts short.** With ``--steps`` given, a task whose own steps (``steps``, or ``epochs`` over its
+rows) do not fit in the run takes only the steps the run leaves it. That is said as the run starts, a line per task
+(:meth:`TaskLength.line`), and recorded, per task, in ``<out>/run_length.json`` (:class:`RunLength`, rewritten at
+every launch: its own steps, those it takes in this run, its rows, the rows and epochs it will have seen). A task's
+learning-rate schedule still spans its own steps (``executor.torch.launch.task_training``): the run cuts it, never
+squeezes it.
+
+Torch-free: the launcher resolves the run's length, rank 0 writes the record from the streams it trains on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
+
+from lorafleet.errors import InputError
+from lorafleet.rundir import RunDir
+from lorafleet.specs.fields import ARGS
+from lorafleet.specs.io import write_text_atomic
+from lorafleet.specs.workload import MAX_STEPS, TaskSpec
+
+if TYPE_CHECKING:
+    from lorafleet.runtime.data_stream import DataStreams
+    from lorafleet.train.options import TrainOptions
+    from lorafleet.train.preflight import Prepared
+
+EXACT_STEPS = 1 << 20
+"""The most steps whose turns :meth:`RunLength.of` draws to count a task's batches in the run; past it (a run told
+more steps, with a task that never ends), a task is counted as taking part in every step from its start."""
+
+
+@dataclass(frozen=True)
+class TaskLength:
+    """One task's steps: its own, and those the run leaves it."""
+
+    name: str
+    start_step: int
+    own_steps: int | None
+    """Its ``steps``, or ``epochs`` over its rows (``data_stream.task_batches``); None: neither (the run's)."""
+    in_run: int
+    """The global steps it takes part in within the run."""
+    rows: int
+    """Its rows to train on (after its eval split and overflow rule)."""
+    batch_size: int
+    epochs: float | None = None
+    """Its ``epochs``, when it has them."""
+
+    @property
+    def finishes(self) -> bool:
+        """Whether it takes all its own steps in the run."""
+        return self.own_steps is None or self.in_run >= self.own_steps
+
+    @property
+    def rows_seen(self) -> int:
+        """Distinct rows its adapter sees in the run (every epoch is an order of all of them)."""
+        return min(self.rows, self.in_run * self.batch_size)
+
+    @property
+    def epochs_seen(self) -> float:
+        return self.in_run * self.batch_size / self.rows
+
+    def line(self, run_steps: int) -> str:
+        """The start's line of a task the run cuts short."""
+        own = f" (epochs {self.epochs:g} over {self.rows} rows)" if self.epochs is not None else ""
+        return (
+            f"task {self.name} takes {self.in_run} of its {self.own_steps} steps{own} in this run of {run_steps}: "
+            f"its adapter sees {self.rows_seen} of its {self.rows} rows ({self.epochs_seen:.3g} epochs); "
+            "give --steps for more, or leave it out for a run that lasts until its tasks are done"
+        )
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """``<out>/run_length.json``: the run's steps and each task's (module doc)."""
+
+    steps: int
+    tasks: tuple[TaskLength, ...]
+
+    @classmethod
+    def of(cls, streams: DataStreams, specs: Sequence[TaskSpec], run_steps: int) -> RunLength:
+        """The tasks of ``streams`` (in ``specs``' order) in a run of ``run_steps``, counted as the ranks draw them."""
+        end = min(run_steps, streams.end_step(run_steps))
+        exact = end <= EXACT_STEPS
+        taken = [c // b for c, b in zip(streams.cursors(end), streams.batch_sizes, strict=True)] if exact else None
+        tasks = []
+        for t, (spec, stream, limit) in enumerate(zip(specs, streams.streams, streams.max_batches, strict=True)):
+            every = max(0, end - spec.start_step)
+            in_run = taken[t] if taken is not None else (every if limit is None else min(limit, every))
+            tasks.append(
+                TaskLength(
+                    name=spec.name,
+                    start_step=spec.start_step,
+                    own_steps=limit,
+                    in_run=in_run,
+                    rows=len(stream.data.examples),
+                    batch_size=spec.batch_size,
+                    epochs=spec.epochs,
+                )
+            )
+        return cls(steps=run_steps, tasks=tuple(tasks))
+
+    @property
+    def cut(self) -> tuple[TaskLength, ...]:
+        """The tasks the run ends before they have taken their own steps."""
+        return tuple(t for t in self.tasks if not t.finishes)
+
+    def lines(self) -> list[str]:
+        return [t.line(self.steps) for t in self.cut]
+
+    def save(self, run_dir: RunDir) -> None:
+        record = {"steps": self.steps, "tasks": [asdict(t) | {"finishes": t.finishes} for t in self.tasks]}
+        write_text_atomic(run_dir.run_length, json.dumps(record, indent=2) + "\n")
+
+
+def unbounded(tasks: Sequence[TaskSpec]) -> list[str]:
+    """The tasks with neither ``steps`` nor ``epochs``."""
+    return [t.name for t in tasks if t.steps is None and t.epochs is None]
+
+
+def with_run_steps(options: TrainOptions, prepared: Prepared) -> TrainOptions:
+    """``options`` with the run's steps: ``--steps`` as given, or (none given) until every task is done (module
+    doc), said in a line; an InputError naming ``--steps`` when a task has neither ``steps`` nor ``epochs``."""
+    if options.steps is not None:
+        return options
+    spec = prepared.workload.spec
+    endless = unbounded(spec.tasks)
+    if endless:
+        raise InputError(
+            ARGS,
+            "--steps",
+            f"not given, and {', '.join(endless)} {'has' if len(endless) == 1 else 'have'} neither steps nor epochs: "
+            "give --steps N (the run's total), or each task its steps or epochs",
+        )
+    from lorafleet.runtime.data_stream import task_tokenizer, training_streams
+
+    streams = training_streams(spec, MAX_STEPS, task_tokenizer(spec), prepared.turn_changes, prepared.departed)
+    steps = max(1, streams.end_step(MAX_STEPS))
+    print(f"lorafleet train: --steps not given: the run lasts until its tasks are done, {steps} steps", flush=True)
+    return replace(options, steps=steps)
