@@ -129,7 +129,7 @@ def data_lines(tasks: list[TaskSpec] | tuple[TaskSpec, ...], tokenizer: Callable
     """The lines of the module doc for ``tasks``; ``tokenizer()`` loads the workload's tokenizer, once, when a
     task's rows render through a chat template (an InputError from it is a line, not an error)."""
     lines: list[str] = []
-    loaded: list[Any] = []
+    once = _Once(tokenizer)
     for task in tasks:
         read = _read(task)
         for key, spec, rows in read:
@@ -141,15 +141,48 @@ def data_lines(tasks: list[TaskSpec] | tuple[TaskSpec, ...], tokenizer: Callable
                 f"{task.name}: {key} {rows.source}: {rows.container.kind}, {_rows(len(rows.units))}, {how}{extra}"
             )
         lines += unused_split_lines([task])
-        for key, spec, rows in read:
-            if key != "data" or not any(isinstance(u, Chat | PromptPair) for u in rows.units):
-                continue
-            if not loaded:
-                try:
-                    loaded.append(tokenizer())
-                except InputError as err:
-                    loaded.append(None)
-                    lines.append(f"chat templates not checked: no tokenizer ({err.msg})")
-            if loaded[0] is not None:
-                lines += _template_lines(task, spec, rows, loaded[0])
+        lines += _task_templates(task, read, once)
+    return lines
+
+
+def template_lines(tasks: Sequence[TaskSpec], tokenizer: Callable[[], Any]) -> list[str]:
+    """Only the chat-template lines of :func:`data_lines` (prompt rows wrapped or not, a default system prompt
+    added): what ``lorafleet train`` says as it starts, with the tokenizer it trains with."""
+    once = _Once(tokenizer)
+    return [line for task in tasks for line in _task_templates(task, _read(task), once)]
+
+
+class _Once:
+    """The workload's tokenizer, loaded at the first call only (None, and a line, when it cannot be had)."""
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self._load, self._loaded, self.failed = load, False, ""
+        self._tokenizer: Any = None
+
+    def __call__(self) -> Any:
+        if not self._loaded:
+            self._loaded = True
+            try:
+                self._tokenizer = self._load()
+            except InputError as err:
+                self.failed = f"chat templates not checked: no tokenizer ({err.msg})"
+        return self._tokenizer
+
+    def failure_once(self) -> list[str]:
+        """The line saying the templates were not checked, the first time it is asked for (then none)."""
+        line, self.failed = self.failed, ""
+        return [line] if line else []
+
+
+def _task_templates(task: TaskSpec, read: list[tuple[str, DataSpec, TaskRows]], once: _Once) -> list[str]:
+    """A task's chat-template lines, for its training rows that render through a template."""
+    lines: list[str] = []
+    for key, spec, rows in read:
+        if key != "data" or not any(isinstance(u, Chat | PromptPair) for u in rows.units):
+            continue
+        tokenizer = once()
+        if tokenizer is None:
+            lines += once.failure_once()
+            continue
+        lines += _template_lines(task, spec, rows, tokenizer)
     return lines

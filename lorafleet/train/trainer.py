@@ -144,6 +144,7 @@ class Trainer:
         start = self.next_step = self.restore()
         self._save_tokenizer()
         self._say_run_length()
+        self._say_templates()
         end = self._end()
         resumed = f" (resumed from the checkpoint of step {start})" if start else ""
         if start < end:
@@ -188,6 +189,14 @@ class Trainer:
                 boundary_every=self.options.checkpoint_every,
                 next_boundary=self._next_boundary,
             )
+
+    def _say_templates(self) -> None:
+        """What the chat template does to each task's rows, as ``validate`` says it (prompt rows wrapped or not, a
+        default system prompt added), with the tokenizer the run trains with (``data.describe.template_lines``)."""
+        from lorafleet.data.describe import template_lines
+
+        for line in template_lines(self.running.workload.spec.tasks, lambda: self.tokenizer):
+            print(f"lorafleet train: {line}", flush=True)
 
     def _say_run_length(self) -> None:
         """Each task's steps in the run, recorded (``<out>/run_length.json``), and a line for each task the run ends

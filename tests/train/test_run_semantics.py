@@ -95,3 +95,21 @@ def test_without_steps_the_run_lasts_until_its_tasks_are_done(tmp_path, tiny_tok
     endless = SimpleNamespace(workload=SimpleNamespace(spec=SimpleNamespace(tasks=[_task()])))
     with pytest.raises(InputError, match="--steps: not given, and t has neither steps nor epochs: give --steps N"):
         with_run_steps(options, endless)
+
+
+def test_train_says_what_validate_says_of_the_chat_template(tiny_tokenizer_dir):
+    """The lines ``train`` prints as it starts (``data.describe.template_lines``, rank 0's tokenizer) are ``validate``'s
+    chat-template lines: prompt rows wrapped in the template, and nothing of the rows' sources or splits."""
+    from transformers import AutoTokenizer
+
+    from lorafleet.data.describe import data_lines, template_lines
+    from tests.helpers.repo import DEMO
+
+    tasks = [
+        TaskSpec(name=name, data={"path": str(DEMO / f"{name}.jsonl")}, batch_size=2, context_length=256)
+        for name in ("docsum", "chat")
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+    said = template_lines(tasks, lambda: tokenizer)
+    assert said == [line for line in data_lines(tasks, lambda: tokenizer) if "template" in line]
+    assert said[0].startswith("docsum: prompt rows wrapped in the tokenizer's chat template as a user turn")
