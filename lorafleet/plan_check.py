@@ -5,7 +5,8 @@ Every command that reads a plan (``simulate``, ``dispatch``, ``train``) calls
 as planned ends with one line naming the plan file and the field, exit code 2, and nothing
 done. The rules, in the order they are checked:
 
-- the tasks, in order, are the workload's; the model and recompute policy are the workload's;
+- the tasks, in order, are the workload's; the model and recompute policy are the workload's, and so is the
+  quantized base each pool was priced over (its cost model's ``quantize``);
 - the plan's pools are pools of the cluster, in its order (a pool the cluster lacks is refused), each
   of the cluster's GPU kind and GPUs per node, with at most its GPUs (:func:`check_pools`);
 - replica k has id k; it is on one of the plan's pools, and its tp * pp GPUs are that pool's (global
@@ -61,12 +62,28 @@ def check_fleet(plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, 
             source, "model", f"the plan is for {plan.model!r}, the workload trains {workload.model.name!r}"
         )
     check_pools(plan, cluster, source)
+    check_quantize(plan, workload, source)
     if plan.recompute != workload.spec.recompute:
         raise InputError(
             source,
             "recompute",
             f"the plan was made with recompute: {plan.recompute.value}, the workload says "
             f"{workload.spec.recompute.value}",
+        )
+
+
+def check_quantize(plan: DeploymentPlan, workload: Workload, source: str) -> None:
+    """Each pool of the plan was priced over the base the workload trains (``quantize``, as its cost model's origin
+    records it): a plan priced over NF4 holds micro-batches an unquantized base cannot, and one priced over bf16
+    misjudges a quantized fleet's times. A pool without a recorded cost model is not judged."""
+    for k, pool in enumerate(plan.pools):
+        if pool.cost_model is None or pool.cost_model.quantize == workload.spec.quantize:
+            continue
+        was, now = (q.value if q is not None else "null" for q in (pool.cost_model.quantize, workload.spec.quantize))
+        raise InputError(
+            source,
+            f"pools[{k}].cost_model.quantize",
+            f"the plan was priced over quantize: {was}, the workload trains over quantize: {now}; re-plan for it",
         )
 
 

@@ -173,7 +173,7 @@ def analytic_cost_model(
     cm = profile_cost_model(
         profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=cluster.gpu
     )
-    return replace(cm, origin=CostModelOrigin(kind="analytic", gpu=cluster.gpu))
+    return replace(cm, origin=CostModelOrigin(kind="analytic", gpu=cluster.gpu, quantize=quantize))
 
 
 def load_cost_model(

@@ -39,14 +39,16 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Annotated
 
 import numpy as np
-from pydantic import ConfigDict
+from pydantic import ConfigDict, Field
 
 from lorafleet.costmodel import schedule
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
+from lorafleet.specs.lora import Quantization
 from lorafleet.specs.model import ModelSpec
 from lorafleet.work import count as count_work
 
@@ -85,15 +87,20 @@ class CostModelOrigin:
     """The profile file, as it was given (empty for analytic)."""
     sha256: str = ""
     """Hex SHA-256 of the profile file's bytes when the model was built (empty for analytic)."""
+    quantize: Annotated[Quantization | None, Field(exclude_if=lambda value: value is None)] = None
+    """The quantized shared base the figures price (QLoRA: ``nf4``, ``int8``; analytic only); None: the base in the
+    run's dtype, and left out of the JSON (a plan of an unquantized workload writes what it wrote before). A plan
+    records it per pool, and the plan check holds a workload's ``quantize`` to it."""
 
     def __post_init__(self) -> None:
         if self.kind not in ("analytic", "profile"):
             raise ValueError(f"cost model kind must be analytic or profile, got {self.kind!r}")
 
     def describe(self) -> str:
-        """``analytic:A100-40GB`` or ``profile:profiles/x.json (sha256 1a2b3c4d)``."""
+        """``analytic:A100-40GB`` (``analytic:A100-40GB over nf4`` over a quantized base) or
+        ``profile:profiles/x.json (sha256 1a2b3c4d)``."""
         if self.kind == "analytic":
-            return f"analytic:{self.gpu}"
+            return f"analytic:{self.gpu}" + (f" over {self.quantize.value}" if self.quantize is not None else "")
         return f"profile:{self.profile} (sha256 {self.sha256[:8]})"
 
 

@@ -6,6 +6,7 @@ each refusal ends before torchrun starts."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -139,3 +140,35 @@ def test_quantize_over_fused_projections_is_refused_by_the_launcher(run, capsys)
     )
     with pytest.raises(ValueError, match="qkv_proj is a fused projection"):
         quantize_base(phi3, Quantization.NF4)
+
+
+def test_a_plan_records_the_quantized_base_each_pool_was_priced_over(tmp_path, capsys):
+    """``lorafleet plan`` over ``quantize: nf4`` records it in each pool's cost model; a command that runs the plan
+    for a workload of another ``quantize`` (here: none) refuses it in one line naming the field. An unquantized
+    origin writes no such key (a plan's JSON is what it was before the field)."""
+    import yaml
+
+    from lorafleet.costmodel.cost_model import CostModelOrigin
+    from lorafleet.specs.typed import adapter
+    from tests.helpers.repo import SMALL_WORKLOAD
+
+    paths = {}
+    for kind in ("nf4", None):
+        paths[kind] = tmp_path / f"{kind}.yaml"
+        paths[kind].write_text(yaml.safe_dump({**SMALL_WORKLOAD, "quantize": kind}))
+    assert main(["plan", str(paths["nf4"]), "--gpus", "2", "--json", str(tmp_path / "nf4.json")]) == 0
+    plan = json.loads((tmp_path / "nf4.json").read_text())
+    assert [p["cost_model"]["quantize"] for p in plan["pools"]] == ["nf4"]
+    assert "quantize" not in adapter(CostModelOrigin).dump_python(
+        CostModelOrigin(kind="analytic", gpu="A100-80GB"), mode="json"
+    )
+    capsys.readouterr()
+    assert (
+        main(["simulate", str(paths[None]), "--gpus", "2", "--plan", str(tmp_path / "nf4.json"), "--steps", "1"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert (
+        f"{tmp_path / 'nf4.json'}: pools[0].cost_model.quantize: the plan was priced over quantize: nf4, the workload "
+        "trains over quantize: null" in err
+    )
