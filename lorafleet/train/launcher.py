@@ -23,7 +23,7 @@ from lorafleet.errors import InputError
 from lorafleet.rundir import RunDir
 from lorafleet.train.failures import clear_worker_errors, input_error, port_taken
 from lorafleet.train.options import TrainOptions
-from lorafleet.train.phases import counted, phase, start_clock
+from lorafleet.train.phases import counted, idle_gpus, phase, start_clock
 from lorafleet.train.preflight import Prepared, claim, prepare, queue_data_roots
 from lorafleet.train.queue import launcher_pending
 from lorafleet.train.run_length import with_run_steps
@@ -73,7 +73,8 @@ def launch(options: TrainOptions) -> int:
         raise
     plan = prepared.run.plan
     tasks = counted(len(prepared.workload.tasks), "task")
-    phase(f"checked: {tasks}, {plan.describe()} on {counted(plan.used_gpus, 'GPU')}")
+    idle = idle_gpus(plan.used_gpus, prepared.cluster.n_gpus)  # a plan made for fewer GPUs than --gpus
+    phase(f"checked: {tasks}, {plan.describe()} on {counted(plan.used_gpus, 'GPU')}{idle}")
     try:
         for line in prepared.run.overrides:
             print(f"lorafleet train: {line}", flush=True)

@@ -37,6 +37,19 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n:,} {noun}" if n == 1 else f"{n:,} {plural or noun + 's'}"
 
 
+def idle_gpus(used: int, held: int) -> str:
+    """What the ``checked:`` line adds when the plan uses fewer GPUs than the run has (a plan made for fewer than
+    ``--gpus``): ``; 1 of the 2 GPUs stays idle (...)``; empty when it uses them all."""
+    idle = held - used
+    if idle <= 0:
+        return ""
+    verb = "stays" if idle == 1 else "stay"
+    return (
+        f"; {idle:,} of the {held:,} GPUs {verb} idle: the plan uses {used:,} (plan again with --gpus {held} to use "
+        "them)"
+    )
+
+
 def phase(message: str) -> None:
     """Print one start-up phase, with the seconds since :func:`start_clock` (since now, without one)."""
     try:

@@ -113,3 +113,10 @@ def test_train_says_what_validate_says_of_the_chat_template(tiny_tokenizer_dir):
     said = template_lines(tasks, lambda: tokenizer)
     assert said == [line for line in data_lines(tasks, lambda: tokenizer) if "template" in line]
     assert said[0].startswith("docsum: prompt rows wrapped in the tokenizer's chat template as a user turn")
+
+
+def test_a_plan_for_fewer_gpus_than_the_run_has_says_how_many_stay_idle():
+    from lorafleet.train.phases import idle_gpus
+
+    assert idle_gpus(1, 2) == "; 1 of the 2 GPUs stays idle: the plan uses 1 (plan again with --gpus 2 to use them)"
+    assert idle_gpus(4, 16).startswith("; 12 of the 16 GPUs stay idle") and idle_gpus(2, 2) == ""
