@@ -26,7 +26,7 @@ from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, idle_gpus, phase, start_clock
 from lorafleet.train.preflight import Prepared, claim, prepare, queue_data_roots
 from lorafleet.train.queue import launcher_pending
-from lorafleet.train.run_length import with_run_steps
+from lorafleet.train.run_length import reshaped_schedules, with_run_steps
 
 RANK_MODULE = "lorafleet.train.rank"
 """What torchrun runs in every worker process (with the run file's path)."""
@@ -66,6 +66,9 @@ def launch(options: TrainOptions) -> int:
         server = bind_queue_server(options.queue_http)
     try:
         options = with_run_steps(options, prepared)  # --steps, or until the tasks are done (train.run_length)
+        reshaped = options.resume and reshaped_schedules(options.run_dir, options.steps, prepared.workload.spec.tasks)
+        if reshaped:
+            print(f"lorafleet train: {reshaped}", flush=True)
         lock = claim(options, prepared)
     except BaseException:
         if server is not None:

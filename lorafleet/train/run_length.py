@@ -6,6 +6,10 @@ in, drawn as the ranks draw it (``runtime.data_stream``: each task's ``steps``, 
 after its eval split and overflow rule, its start, its share and deadline). Every task then needs ``steps`` or
 ``epochs``; a task with neither is one line naming it (:func:`with_run_steps`), exit 2.
 
+**A resume told other ``--steps``** leaves the schedule of a task with its own steps as it was; that of a task with
+neither ``steps`` nor ``epochs`` spans the run's steps, so it changes from the resumed step on, and a line says so
+(:func:`reshaped_schedules`).
+
 **A task the run cuts short.** With ``--steps`` given, a task whose own steps (``steps``, or ``epochs`` over its
 rows) do not fit in the run takes only the steps the run leaves it. That is said as the run starts, a line per task
 (:meth:`TaskLength.line`), and recorded, per task, in ``<out>/run_length.json`` (:class:`RunLength`, rewritten at
@@ -120,6 +124,26 @@ class RunLength:
     def save(self, run_dir: RunDir) -> None:
         record = {"steps": self.steps, "tasks": [asdict(t) | {"finishes": t.finishes} for t in self.tasks]}
         write_text_atomic(run_dir.run_length, json.dumps(record, indent=2) + "\n")
+
+
+def reshaped_schedules(run_dir: RunDir, steps: int, tasks: Sequence[TaskSpec]) -> str | None:
+    """The line of a resume told other ``--steps`` than the run it continues had, when a task's cosine or linear
+    schedule spans the run's steps (it has neither ``steps`` nor ``epochs``): that schedule changes from the resumed
+    step on. None when nothing changes (a task with its own steps keeps its schedule whatever ``--steps`` says)."""
+    from lorafleet.specs.lora import LrSchedule
+
+    try:
+        previous = json.loads(run_dir.run_file.read_text(encoding="utf-8"))["options"]["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    spanning = [t.name for t in tasks if t.name in unbounded([t]) and t.optimizer.schedule is not LrSchedule.CONSTANT]
+    if previous in (None, steps) or not spanning:
+        return None
+    return (
+        f"--steps {steps}, where the run had {previous}: the learning-rate schedule of {', '.join(spanning)} (over "
+        f"the run's steps) spans {steps} steps from the resumed step on, not {previous}; give a task its own steps "
+        "to keep its schedule whole"
+    )
 
 
 def unbounded(tasks: Sequence[TaskSpec]) -> list[str]:

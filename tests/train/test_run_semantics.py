@@ -120,3 +120,21 @@ def test_a_plan_for_fewer_gpus_than_the_run_has_says_how_many_stay_idle():
 
     assert idle_gpus(1, 2) == "; 1 of the 2 GPUs stays idle: the plan uses 1 (plan again with --gpus 2 to use them)"
     assert idle_gpus(4, 16).startswith("; 12 of the 16 GPUs stay idle") and idle_gpus(2, 2) == ""
+
+
+def test_a_resume_with_other_steps_says_whose_schedule_it_reshapes(tmp_path):
+    """Only a task whose cosine or linear schedule spans the run's steps (neither steps nor epochs) changes with
+    ``--steps``: the resume says so, naming it; with the run's own ``--steps`` or for tasks with their own steps,
+    nothing."""
+    from lorafleet.rundir import RunDir
+    from lorafleet.train.run_length import reshaped_schedules
+
+    run_dir = RunDir(tmp_path)
+    run_dir.run_file.write_text(json.dumps({"options": {"steps": 10}}))
+    constant = _task(optimizer={"schedule": "constant"}).model_copy(update={"name": "flat"})
+    tasks = [_task(steps=30).model_copy(update={"name": "own"}), _task().model_copy(update={"name": "spans"}), constant]
+    assert reshaped_schedules(run_dir, 20, tasks) == (
+        "--steps 20, where the run had 10: the learning-rate schedule of spans (over the run's steps) spans 20 steps "
+        "from the resumed step on, not 10; give a task its own steps to keep its schedule whole"
+    )
+    assert reshaped_schedules(run_dir, 10, tasks) is None and reshaped_schedules(run_dir, 20, tasks[::2]) is None
