@@ -62,22 +62,27 @@ class QuantizedBase:
                 "int8-quantized base (bitsandbytes' `Int8Params` layout: row-wise int8 with an fp32 absmax a row, "
                 "no outlier columns)"
             )
+        caveat = (
+            " (bitsandbytes' 8-bit matmul also quantizes the activations: close to that function, not exactly it)"
+            if self.kind is Quantization.INT8
+            else ""
+        )
         return (
             f"- Quantized base: trained over an {how}, every decoder projection dequantized to {self.compute_dtype} "
             "for its GEMM; the embeddings, norms and LM head unquantized. Load the base quantized the same way "
-            "(below) for the function the adapter learnt over"
+            f"(below) for the function the adapter learnt over{caveat}"
         )
 
-    def load_lines(self) -> list[str]:
-        """Python lines of the card's usage block that load the base as it was trained over (``quantization``)."""
+    def load_lines(self) -> tuple[list[str], str]:
+        """The card's usage block's imports and the statement that makes ``quantization``, the config that loads the
+        base as it was trained over."""
         if self.kind is Quantization.NF4:
             config = (
                 'BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False, '
                 f"bnb_4bit_compute_dtype=torch.{self.compute_dtype})"
             )
-        else:
-            config = "BitsAndBytesConfig(load_in_8bit=True)"
-        return ["import torch", "from transformers import BitsAndBytesConfig", "", f"quantization = {config}"]
+            return ["import torch", "from transformers import BitsAndBytesConfig"], f"quantization = {config}"
+        return ["from transformers import BitsAndBytesConfig"], "quantization = BitsAndBytesConfig(load_in_8bit=True)"
 
 
 def recorded_base(manifest: Mapping[str, Any]) -> QuantizedBase | None:

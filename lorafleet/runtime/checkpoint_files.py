@@ -315,17 +315,18 @@ def model_card(
         f"{', rsLoRA' if config.get('use_rslora') else ''}{', DoRA' if config.get('use_dora') else ''}"
         f"; targets {targets}"
     )
-    load = quantized.load_lines() if quantized is not None else []
+    imports, config = quantized.load_lines() if quantized is not None else ([], "")
     kwargs = ", quantization_config=quantization" if quantized is not None else ""
     lines += [
         "",
         "## Use",
         "",
         "```python",
-        *load,
+        *imports,
         "from peft import AutoPeftModelForCausalLM",
         "from transformers import AutoTokenizer",
         "",
+        *([config] if config else []),
         f'model = AutoPeftModelForCausalLM.from_pretrained("path/to/this/directory"{kwargs})',
         'tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory")',
         "```",
