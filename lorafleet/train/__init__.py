@@ -46,12 +46,14 @@
     health.py     TaskHealth: non-finite updates counted per task; a task stopped after too many in a row
     summary.py    the closing lines: the run's RunSummary (lorafleet.metrics, from every launch's
                   metrics.jsonl rows), formatted
+    own_plan.py   without --plan, on one machine: the run plans for itself (as ``lorafleet plan`` would) and keeps
+                  it as ``<out>/plan.json``
     run_length.py what a run's length means for its tasks: --steps resolved when not given (until the tasks are
                   done), each task's steps in the run and the rows it sees (``<out>/run_length.json``), a line for
                   each task the run cuts short
 
 The launcher's modules (options, preflight, resume, revisions, replan, run_file, launcher, failures,
-phases, live, queue, summary, run_length) and the torch-free part of the fleet changes (running, changes, inflight,
+phases, live, queue, summary, run_length, own_plan) and the torch-free part of the fleet changes (running, changes, inflight,
 joining, change_log)
 import no torch (an import-linter contract): the checks of data, checkpoints and processes are
 ``lorafleet.runtime``'s, torch-free, and torch is imported only on a rank (rank, trainer, torch_fleet) and by

@@ -88,7 +88,8 @@ def launch(options: TrainOptions) -> int:
                 f"{server.url}/#token=<the token>",
                 flush=True,
             )
-        return _run(replace(options, plan=str(options.run_dir.plan)), prepared, named=options.plan)
+        named = options.plan or str(options.run_dir.plan)  # no --plan: the run's own (train.own_plan)
+        return _run(replace(options, plan=str(options.run_dir.plan)), prepared, named=named)
     finally:
         if server is not None:
             server.close()

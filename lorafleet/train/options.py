@@ -32,8 +32,9 @@ class TrainOptions:
 
     workload: str = field(metadata=flag("workload"))
     """workload YAML file (every task needs data)"""
-    plan: str = field(metadata=flag("--plan"))
-    """DeploymentPlan JSON (from `lorafleet plan --json`)"""
+    plan: str | None = field(default=None, metadata=flag("--plan"))
+    """DeploymentPlan JSON (from `lorafleet plan --json`); default: on one machine, train plans for itself (as
+    `lorafleet plan` would), says what it planned and keeps it as <out>/plan.json; a resume trains by that one"""
     # at most specs.workload.MAX_STEPS (checked below); None: resolved by the launcher (train.run_length)
     steps: int | None = field(default=None, metadata=flag("--steps", least=1))
     """the run's total training steps (default: until every task has taken its steps or epochs); a resumed run

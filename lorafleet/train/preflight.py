@@ -31,6 +31,7 @@ from lorafleet.assemble import PlannedRun
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.train.options import ARGS, TrainOptions
+from lorafleet.train.own_plan import own_plan, with_plan_path
 from lorafleet.train.phases import counted
 from lorafleet.train.resume import in_flight, ledger_turns, restarted, resume_step, resumed_plan, training_workload
 from lorafleet.workload import Workload, resolve_workload_paths
@@ -134,6 +135,7 @@ def prepare(options: TrainOptions) -> Prepared:
             raise InputError(ARGS, "--queue-data-root", f"{root}: not a directory")
     if os.environ.get("RANK", "0") == "0":  # the trackers log from rank 0 only
         check_trackers(options.loggers)
+    options, plans_itself = with_plan_path(options)  # --plan, or the run's own (train.own_plan)
     start = resume_step(options)
     flight = in_flight(options, start) if start is not None else None
     if flight is not None:  # the fleet on the side of the change in flight the checkpoint is on (resume.in_flight)
@@ -155,6 +157,9 @@ def prepare(options: TrainOptions) -> Prepared:
             options = replace(options, plan=resumed_plan(options, workload))
         if start is not None and _stale(DeploymentPlan.load(options.plan), workload, cluster, options):
             run, cluster = _replan(workload, cluster, options)
+        elif plans_itself:
+            made = own_plan(workload, cluster, options)
+            run = prepare_run(workload, cluster, options.plan, options.profile, dict(options.policy_overrides), made)
         else:
             run = prepare_run(workload, cluster, options.plan, options.profile, dict(options.policy_overrides))
         changes, departed = ledger_turns(options, start)

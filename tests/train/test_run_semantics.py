@@ -138,3 +138,42 @@ def test_a_resume_with_other_steps_says_whose_schedule_it_reshapes(tmp_path):
         "from the resumed step on, not 10; give a task its own steps to keep its schedule whole"
     )
     assert reshaped_schedules(run_dir, 10, tasks) is None and reshaped_schedules(run_dir, 20, tasks[::2]) is None
+
+
+def test_without_a_plan_train_plans_for_itself_on_one_machine(tmp_path, tiny_tokenizer_dir, capsys, monkeypatch):
+    """No ``--plan``: ``prepare`` plans as ``lorafleet plan`` would, says so, and writes nothing before the claim
+    (which keeps the plan as ``<out>/plan.json``); a resume trains by that file; several nodes, a torchrun of the
+    user's own or a resume with no plan of its own are one line naming ``--plan``."""
+    from lorafleet.assemble import workload_cluster
+    from lorafleet.errors import InputError
+    from lorafleet.train.options import TrainOptions
+    from lorafleet.train.own_plan import own_plan, with_plan_path
+    from lorafleet.train.preflight import prepare
+    from lorafleet.workload import load_workload
+    from tests.helpers.repo import DEMO
+
+    path = tmp_path / "w.yaml"
+    path.write_text(
+        f"model: tiny-llama\ntokenizer: {tiny_tokenizer_dir}\ncluster: {{gpu: cpu, nodes: 1, gpus_per_node: 1}}\n"
+        f"tasks:\n  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 4, context_length: 128, "
+        "steps: 3}\n"
+    )
+    out = tmp_path / "out"
+    options = TrainOptions(workload=str(path), out=str(out))
+    prepared = prepare(options)
+    said = capsys.readouterr().out
+    assert said.startswith(f"lorafleet train: no --plan: planned {prepared.run.plan.describe()} on 1 x cpu")
+    assert f"the run keeps it as {out / 'plan.json'}" in said and not out.exists()
+    own = TrainOptions(workload=str(path), out=str(out), plan=str(out / "plan.json"))
+    assert with_plan_path(options) == (own, True)
+    given = TrainOptions(workload=str(path), out=str(out), plan="mine.json")
+    assert with_plan_path(given) == (given, False)
+    with pytest.raises(InputError, match="--plan: not given, and the run resumed has no plan of its own"):
+        with_plan_path(TrainOptions(workload=str(path), out=str(out), resume=True))
+    path.write_text(path.read_text().replace("nodes: 1", "nodes: 2"))
+    two = load_workload(path)
+    with pytest.raises(InputError, match="--plan: not given, and the cluster has 2 nodes: train plans for itself"):
+        own_plan(two, workload_cluster(two), options)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(InputError, match="--plan: under a torchrun of your own, give every node the same --plan"):
+        with_plan_path(options)
