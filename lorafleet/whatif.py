@@ -9,6 +9,8 @@ A variation changes one axis of the question "what would this cost?":
   after it) or removed (by name); ``none`` keeps the workload's tasks;
 - ``R=4,8,16``: the dispatcher's bucket count;
 - ``recompute=off,auto``: whether replicas may recompute activations (``on``: all must);
+- ``quantize=none,nf4,int8``: the shared base in the run's dtype or stored quantized (QLoRA), priced analytically
+  (memory and dequantization): what quantizing the base buys, plan beside plan;
 - ``pools.h100.nodes=0,1,2``: a field of one pool of the cluster (any pool key but ``name``: ``nodes``,
   ``gpu``, ``gpus_per_node``, ``price_per_gpu_hour``, ``profile``); ``nodes=0`` leaves the pool out.
 
@@ -35,12 +37,13 @@ from lorafleet.simulate import simulate_schedule
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.specs.length_presets import find_preset
+from lorafleet.specs.lora import Quantization
 from lorafleet.specs.model import resolve_model
 from lorafleet.specs.recompute import RecomputePolicy
 from lorafleet.specs.workload import describe_validation_error
 from lorafleet.workload import Workload, resolve_workload
 
-AXES = ("gpus", "gpu", "model", "tasks", "R", "recompute", "window")
+AXES = ("gpus", "gpu", "model", "tasks", "R", "recompute", "quantize", "window")
 """``window``: the pipeline window (steps a pipelined replica streams before it drains; 1 is 1F1B
 flushed every step, LobRA's), for the plan and for its baselines."""
 
@@ -67,6 +70,12 @@ class Variation:
             raise InputError("<args>", "--vary", f"{axis} needs at least one value")
         if axis in ("gpus", "R", "window") and not all(v.isdigit() and int(v) > 0 for v in items):
             raise InputError("<args>", "--vary", f"{axis} values must be positive integers, got {values!r}")
+        if axis == "quantize" and not set(items) <= {"none", *(q.value for q in Quantization)}:
+            raise InputError(
+                "<args>",
+                "--vary",
+                f"quantize values are none, {', '.join(q.value for q in Quantization)}, got {values!r}",
+            )
         if axis == "recompute" and not set(items) <= {p.value for p in RecomputePolicy}:
             raise InputError(
                 "<args>",
@@ -144,6 +153,9 @@ def _point(workload: Workload, point: dict[str, str]) -> tuple[Workload, dict]:
         workload = resolve_workload(
             workload.spec.model_copy(update={"recompute": RecomputePolicy(point["recompute"])}), workload.path
         )
+    if "quantize" in point:
+        quantize = None if point["quantize"] == "none" else Quantization(point["quantize"])
+        workload = resolve_workload(workload.spec.model_copy(update={"quantize": quantize}), workload.path)
     if "tasks" in point:
         workload = _edit_tasks(workload, point["tasks"])
     gpus = int(point["gpus"]) if "gpus" in point else None

@@ -16,7 +16,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         metavar="AXIS=V1,V2",
         help="gpus=16,32 | gpu=A100-40GB,H100-80GB | model=llama2-7b,... | tasks=none,+xsum,-billsum | R=4,8,16 "
-        "(repeatable: the Cartesian product is swept)",
+        "| quantize=none,nf4 (repeatable: the Cartesian product is swept)",
     )
     parser.add_argument("--steps", type=int, default=8, help="simulated steps per point (default 8)")
     parser.add_argument("--profile", help="fitted profile JSON (default: analytic per GPU kind)")

@@ -81,10 +81,10 @@ def test_m_reproduces_vertexs_batch_ratio_under_its_baseline():
 def test_peak_memory_against_vertexs_at_its_batch():
     """At Vertex's batch (2 x 512 tokens) the two lines give 26.1 GB for LoRA and 8.6 GB for QLoRA, 67% less
     (Vertex: 28.2 and 7.57 GB, 73% less, "about 75%"): within 10 percentage points, and each peak within 15%. The
-    absolute batches differ more (the model's M holds 5.6 and 72 sequences of 512 tokens): its line is lorafleet's executor, whose
-    attention keeps no (s, s) scores (2023's transformers Llama, which Vertex ran, materialised them: fp16 scores, their
-    fp32 softmax and its fp16 copy, about 4 MB a token at s = 512 over 32 heads and 32 layers without recomputation),
-    docs/multi_lora.md."""
+    absolute batches differ more (the model's M holds 5.6 and 72 sequences of 512 tokens): its line is lorafleet's
+    executor, whose attention keeps no (s, s) scores (2023's transformers Llama, which Vertex ran, materialised them:
+    fp16 scores, their fp32 softmax and its fp16 copy, about 4 MB a token at s = 512 over 32 heads and 32 layers
+    without recomputation), docs/multi_lora.md."""
     tokens = VERTEX["seq"] * VERTEX["lora_batch"]
     lines = (memory_line(None, recompute=False), memory_line(Quantization.NF4, recompute=True))
     lora, qlora = ((line.static_bytes + line.bytes_per_token * tokens) / 1e9 for line in lines)
@@ -122,3 +122,21 @@ def test_a_workloads_quantize_reaches_its_cost_model(tmp_path):
     assert nf4.layer_time[config.tp].shape(shape) > plain.layer_time[config.tp].shape(shape)
     with pytest.raises(InputError, match="quantize: nf4: a profile is measured over an unquantized base"):
         load_cost_model("any.json", LLAMA7B, None, None, quantize=Quantization.NF4)
+
+
+def test_quantize_is_a_whatif_axis(tmp_path):
+    """``lorafleet whatif --vary quantize=none,nf4``: each point's workload trains over that base, so its plan is
+    judged by a cost model that holds more tokens over NF4 (what quantizing buys, plan beside plan); a value that is
+    not a quantization is one line naming ``--vary``."""
+    from lorafleet.whatif import Variation, _point
+
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump(SMALL_WORKLOAD))
+    workload = load_workload(path)
+    variation = Variation.parse("quantize=none,nf4")
+    points = {value: _point(workload, {variation.axis: value})[0] for value in variation.values}
+    assert points["none"].spec.quantize is None and points["nf4"].spec.quantize is Quantization.NF4
+    tables = {v: workload_cost_model(w, w.spec.cluster).max_tokens_table for v, w in points.items()}
+    assert all(tables["nf4"][config] > m for config, m in tables["none"].items())
+    with pytest.raises(InputError, match="--vary: quantize values are none, nf4, int8, got 'fp4'"):
+        Variation.parse("quantize=fp4")
