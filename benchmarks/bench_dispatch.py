@@ -11,7 +11,7 @@ Scenarios (the workloads' own seeds; steps 0, 1, 2, ... sampled with lorafleet.s
   15 configs that ``lorafleet plan examples/service-64.yaml`` chooses on 1,024 A800-80GB, the analytic
   model's M, under the default policy (packed micro-batches, pipeline window 8): speed only.
 - ``service-sweeps``: examples/service-sweeps.yaml (64 tasks, a 16-member sweep each: 1,024 tenants, 15,360
-  sequences a step) on the 8 replicas of 6 configs ``lorafleet plan`` chooses for it on the same GPUs: speed only.
+  sequences a step) on the 7 replicas of 5 configs ``lorafleet plan`` chooses for it on the same GPUs: speed only.
 
 Times come from the analytic cost model of the workload's model and GPU
 (``lorafleet.costmodel.load_cost_model``). Figures printed per scenario:
@@ -121,10 +121,9 @@ SCENARIOS = {
         tuple(
             (ParallelConfig.parse(name), count)
             for name, count in (
-                ("tp2_pp40_rc", 1),
-                ("tp2_pp80", 1),
                 ("tp2_pp80_rc", 2),
-                ("tp8_pp10_rc", 2),
+                ("tp4_pp40", 2),
+                ("tp8_pp10_rc", 1),
                 ("tp8_pp16", 1),
                 ("tp8_pp20", 1),
             )
@@ -136,7 +135,8 @@ SCENARIOS = {
     ),
 }
 """``service-sweeps``: 1,024 tenants (64 tasks, a 16-member sweep each), on the deployment ``lorafleet plan`` chose
-for them (2026-12-06)."""
+for them (2026-12-06, 16:00 UTC; earlier that day it chose <2,40,rc> x 1 + <2,80> x 1 + <2,80,rc> x 2 + <8,10,rc> x 2 +
+<8,16> x 1 + <8,20> x 1)."""
 
 
 def build(scenario: Scenario):

@@ -4,10 +4,15 @@ Both rest on the least stage time r_c(l) a sequence of length l adds to a replic
 c whatever its micro-batches (``dispatch.load.sequence_lower_bound``: its per-row time plus
 its token share l / M of a micro-batch's constant, which padding only raises). They assume
 non-negative cost coefficients (fits and the analytic model have them) and leave out the
-per-step overhead and the pipeline bubble, so they are bounds, not estimates:
+pipeline bubble (and the fleet bound the per-step overhead), so they are bounds, not estimates:
 
 - **deployment**: the LP of :func:`lorafleet.dispatch.balance.fluid_bound` on the plan's own
-  replicas: the expected batch split over them with perfect balance and no padding;
+  replicas: the expected batch split over them with perfect balance and no padding, plus the
+  least per-step overhead of its configs (some replica is busy; which ones, a bound cannot know,
+  so it cannot charge each busy replica's own overhead or bubble). Two terms it leaves out do not
+  tighten it at service scale (docs/planner.md, "The value left at service scale"): a whole
+  sequence on its fastest config, and the sequences only one config holds, ceil(n / p) of them on
+  one of its replicas;
 - **fleet**: no deployment of the cluster's N GPUs can do better than
 
       T >= (1 / N) * sum_q min_c  g_c * r_c(l_q)
