@@ -8,7 +8,8 @@ the step, ``lorafleet.accounting.task_gpu_seconds``).
 
 A JSONL row (:func:`json_record`) is the report's fields (``step``, ``replica_busy_s``, ``makespan_s``,
 ``task_tokens``, ``task_padding_tokens``, ``losses``, ``estimated_makespan_s``, ``dispatch_solve_s``,
-``failed_replicas``, ``rank_cpu_s``, ``nonfinite_tasks``, ``unmoved_tasks``), its derived ``replica_idle_s``
+``failed_replicas``, ``rank_cpu_s``, ``nonfinite_tasks``, ``unmoved_tasks``, and each updated task's ``task_lr``,
+``task_grad_norm`` and ``task_epoch``), its derived ``replica_idle_s``
 and ``utilisation``, and every ``extra`` key as given (a mapping stays one JSON object).
 :func:`step_report` reads the report back out of such a row.
 """
@@ -49,6 +50,8 @@ def json_record(report: StepReport, **extra: object) -> dict[str, object]:
 
 
 _REPORT_FIELDS = tuple(f.name for f in fields(StepReport))
+_TASK_SERIES = {"lr": "task_lr", "grad_norm": "task_grad_norm", "epoch": "task_epoch"}
+"""Per-task values of a report by the tag (and CSV column) prefix they are logged under: ``lr/<task>``, ..."""
 
 
 def step_report(row: Mapping[str, Any]) -> StepReport:
@@ -59,10 +62,10 @@ def step_report(row: Mapping[str, Any]) -> StepReport:
 
 def flat_record(report: StepReport, **extra: object) -> dict[str, object]:
     """One report as a flat row: scalars, then ``loss/<task>``, ``tokens/<task>``, ``padding/<task>``,
-    ``busy_s/<replica>``, ``idle_s/<replica>`` and ``cpu_s/rank_<i>``. An ``extra`` sequence (one value per
-    replica: ``predicted_busy_s``, ``correction``, ``replica_tokens``) becomes ``<key>/<replica>`` columns;
-    an ``extra`` mapping becomes ``<key>/<name>`` columns, ``task_gpu_s`` (GPU-seconds per task) the
-    ``gpu_s/<task>`` columns; other ``extra`` values are kept as they are."""
+    ``lr/<task>``, ``grad_norm/<task>``, ``epoch/<task>``, ``busy_s/<replica>``, ``idle_s/<replica>`` and
+    ``cpu_s/rank_<i>``. An ``extra`` sequence (one value per replica: ``predicted_busy_s``, ``correction``,
+    ``replica_tokens``) becomes ``<key>/<replica>`` columns; an ``extra`` mapping becomes ``<key>/<name>`` columns,
+    ``task_gpu_s`` (GPU-seconds per task) the ``gpu_s/<task>`` columns; other ``extra`` values are kept as they are."""
     extra = dict(extra)
     row: dict[str, object] = {
         "step": report.step,
@@ -83,6 +86,8 @@ def flat_record(report: StepReport, **extra: object) -> dict[str, object]:
         row[f"tokens/{task}"] = tokens
     for task, tokens in report.task_padding_tokens.items():
         row[f"padding/{task}"] = tokens
+    for key, mapping in _TASK_SERIES.items():
+        row.update({f"{key}/{task}": value for task, value in getattr(report, mapping).items()})
     for i, busy in enumerate(report.replica_busy_s):
         row[f"busy_s/{i}"] = busy
     for i, idle in enumerate(report.replica_idle_s):
@@ -106,6 +111,8 @@ def step_scalars(report: StepReport, **extra: object) -> dict[str, float]:
     out: dict[str, float] = {}
     for task, loss in report.losses.items():
         out[f"loss/{task}"] = loss
+    for key, mapping in _TASK_SERIES.items():
+        out.update({f"{key}/{task}": value for task, value in getattr(report, mapping).items()})
     out["throughput/tokens_per_s"] = tokens_per_s(report, extra)
     out["makespan/measured_s"] = report.makespan_s
     out["makespan/estimated_s"] = report.estimated_makespan_s

@@ -124,7 +124,8 @@ class CsvWriter(ClosingWriter):
 class TensorBoardWriter(ClosingWriter):
     """Scalars per step under ``log_dir`` (``torch.utils.tensorboard``; needs the ``tensorboard`` package).
 
-    Tags (:func:`~lorafleet.metrics.records.step_scalars`): ``loss/<task>``, ``throughput/tokens_per_s``,
+    Tags (:func:`~lorafleet.metrics.records.step_scalars`): ``loss/<task>``, ``lr/<task>``, ``grad_norm/<task>``,
+    ``epoch/<task>``, ``throughput/tokens_per_s``,
     ``makespan/measured_s``, ``makespan/estimated_s``, ``makespan/measured_over_estimated``, ``dispatch/solve_s``,
     ``utilisation``, ``busy/replica_<i>`` and, given ``predicted_busy_s``, ``busy_predicted/replica_<i>`` and
     ``busy_ratio/replica_<i>`` (measured over predicted), given ``correction``, ``correction/replica_<i>``, given

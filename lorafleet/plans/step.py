@@ -156,6 +156,12 @@ class StepReport:
     """Tasks whose update this step was skipped: a non-finite loss or gradient norm."""
     unmoved_tasks: tuple[str, ...] = ()
     """Tasks found, at this step, not to have moved their adapter at all since their warm-up began."""
+    task_lr: dict[str, float] = field(default_factory=dict)
+    """Each updated task's learning rate this step (its schedule's ``η_s``; torch executor only)."""
+    task_grad_norm: dict[str, float] = field(default_factory=dict)
+    """Each updated task's gradient norm this step, summed over the fleet, before clipping (torch executor only)."""
+    task_epoch: dict[str, float] = field(default_factory=dict)
+    """Each task's epochs done after this step: the rows its batches drew so far over its rows (torch executor)."""
 
     @property
     def replica_idle_s(self) -> tuple[float, ...]:

@@ -255,3 +255,21 @@ def test_an_evaluation_reaches_every_sink_a_loss_does(tmp_path):
     lines = []
     LogLines(total=4, print_fn=lines.append).write(REPORTS[1], **evaluation)
     assert lines[1] == "step 2/4  eval chat 1.5 (acc 0.250)"
+
+
+def test_each_tasks_learning_rate_gradient_norm_and_epoch_reach_every_sink():
+    """A step's per-task learning rate, gradient norm and epochs done (the torch executor's report, #42): one
+    mapping each in the JSONL row (read back as the report), ``lr/<task>``, ``grad_norm/<task>`` and
+    ``epoch/<task>`` columns in the CSV and tags in TensorBoard, W&B and MLflow."""
+    from lorafleet.metrics.records import flat_record, json_record, step_report, step_scalars
+
+    report = StepReport(
+        step=4, replica_busy_s=(1.0,), makespan_s=1.0, losses={"chat": 2.0}, task_lr={"chat": 1e-3},
+        task_grad_norm={"chat": 0.5}, task_epoch={"chat": 1.25},
+    )  # fmt: skip
+    row = json.loads(json.dumps(json_record(report)))
+    assert (row["task_lr"], row["task_grad_norm"], row["task_epoch"]) == ({"chat": 1e-3}, {"chat": 0.5}, {"chat": 1.25})
+    assert step_report(row) == report
+    flat, tags = flat_record(report), step_scalars(report)
+    for key, value in (("lr/chat", 1e-3), ("grad_norm/chat", 0.5), ("epoch/chat", 1.25)):
+        assert flat[key] == tags[key] == value

@@ -209,3 +209,24 @@ def test_the_live_page_shows_the_runs_numbers_in_a_browser(early, tmp_path):
 
     assert denied.one(id="status").attrs["data-state"] == "error"
     assert not denied.find(data_tenant="docsum") and not denied.find(data_field="loss")
+
+
+def test_the_metrics_hold_each_tasks_learning_rate_gradient_norm_and_epoch(early):
+    """Each row of the run (killed and resumed) holds, for each task it updated, the learning rate of its schedule
+    at its own step (cosine over its own 12 steps), its gradient norm, and its epochs done (the rows its batches drew
+    over its rows: a fixed step of batch size over rows), and the run's record says both tasks finish (#42)."""
+    from lorafleet.executor.torch.optim import lr_at
+
+    root, workload = early
+    out = root / "out"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    spec = {t.name: t.spec for t in load_workload(workload).tasks}
+    record = {t["name"]: t for t in json.loads((out / "run_length.json").read_text())["tasks"]}
+    for task in ("docsum", "chat"):
+        ran = [r for r in rows if task in r["losses"]]
+        assert [r["task_lr"][task] for r in ran] == [lr_at(spec[task].optimizer, k, STEPS) for k in range(len(ran))]
+        assert all(0 < r["task_grad_norm"][task] < float("inf") for r in ran)
+        epochs = [r["task_epoch"][task] for r in ran]
+        per_step = spec[task].batch_size / record[task]["rows"]
+        assert epochs == pytest.approx([per_step * (k + 1) for k in range(len(ran))], rel=1e-12)
+        assert record[task]["own_steps"] == STEPS and record[task]["finishes"]

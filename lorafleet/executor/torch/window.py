@@ -169,12 +169,14 @@ class WindowRunner:
         last_backward = [0.0] * width  # when this rank ran each step's last backward
         forward = WindowForward(self.replica.model, role, self.device, steps) if role is not None else None
 
+        rates: dict[Key, float] = {}  # each update's learning rate, for the reports
+
         def step_task(key: Key, outcome: UpdateOutcome) -> None:
             j, t = key
             begin = time.perf_counter()
             moved[j, t] = self._moved(t)
             if outcome.finite:
-                self.optimizers[t].step(math.sqrt(outcome.squared_norm))
+                rates[key] = self.optimizers[t].step(math.sqrt(outcome.squared_norm))
             else:
                 self.optimizers[t].skip()
             if self.record_ops:
@@ -220,6 +222,8 @@ class WindowRunner:
                     cpu=times[2, j],
                     nonfinite=[t for t, o in outcome.items() if not o.finite],
                     unmoved=[t for t in range(n_tasks) if float(moved[j, t]) == 0.0],
+                    rates={t: rates[(j, t)] for t in outcome if (j, t) in rates},
+                    norms={t: math.sqrt(o.squared_norm) for t, o in outcome.items() if o.finite},
                 )
             )
         return reports
@@ -275,11 +279,20 @@ class WindowRunner:
         cpu: torch.Tensor,
         nonfinite: Sequence[int],
         unmoved: Sequence[int],
+        rates: Mapping[int, float],
+        norms: Mapping[int, float],
     ) -> StepReport:
         """One step's report; its makespan runs from the previous step's last update to this one's (so
         a window's makespans add up to its wall time), a replica's busy time from its last backward
-        of the previous step to its last of this one."""
+        of the previous step to its last of this one; each updated task's learning rate (``rates``), gradient norm
+        (``norms``) and epochs done (the rows its batches drew up to this step over its rows)."""
         tokens, padding = step_plan.task_token_counts(self.names)
+        streams, after = self.streams, step_plan.step + 1
+        epochs = {
+            self.names[t]: streams.batches_taken(t, after) * streams.batch_sizes[t] / len(s.data.examples)
+            for t, s in enumerate(streams.streams)
+            if tokens.get(self.names[t])
+        }
         return StepReport(
             step=step_plan.step,
             replica_busy_s=tuple(float(max(busy[g] for g in r.gpus)) for r in self.replica.fleet.replicas),
@@ -292,4 +305,7 @@ class WindowRunner:
             estimated_makespan_s=step_plan.estimated_makespan_s,
             dispatch_solve_s=step_plan.solve_s,
             rank_cpu_s=tuple(float(c) for c in cpu),
+            task_lr={self.names[t]: lr for t, lr in rates.items()},
+            task_grad_norm={self.names[t]: norm for t, norm in norms.items()},
+            task_epoch=epochs,
         )
