@@ -2,7 +2,7 @@
 new one starts (the ledger, the queue and the pending file as the dead one left them), and the change is applied
 exactly once: done again at its step from its record, or only settled when the checkpoint the start resumes from
 was taken after it. Without processes (``tests.helpers.fake_fleet``); the end-to-end kills are in
-``tests/train/test_change_faults.py``.
+``tests/train/test_task_queue.py``.
 
 The phases a crash can land in, for an add of ``codegen`` at step 3 (joins on the kept deployment) and a finish
 of ``chat`` (leaves), the recorded decision, and the record of the checkpoint the restart resumes from:
