@@ -53,8 +53,8 @@
                   each task the run cuts short
 
 The launcher's modules (options, preflight, resume, revisions, replan, run_file, launcher, failures,
-phases, live, queue, summary, run_length, own_plan) and the torch-free part of the fleet changes (running, changes, inflight,
-joining, change_log)
+phases, live, queue, summary, run_length, own_plan) and the torch-free part of the fleet changes (running, changes,
+inflight, joining, change_log)
 import no torch (an import-linter contract): the checks of data, checkpoints and processes are
 ``lorafleet.runtime``'s, torch-free, and torch is imported only on a rank (rank, trainer, torch_fleet) and by
 torchrun's agent. (Reading a task's data may still load torch, through its tokenizer's library.)
