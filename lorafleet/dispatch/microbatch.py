@@ -147,20 +147,28 @@ def _first_fit_few(needs: list[int], max_tokens: int) -> np.ndarray:
 def _first_fit_many(needs: list[int], max_tokens: int) -> np.ndarray:
     """:func:`_first_fit_few`'s micro-batches, the scan of the open ones a numpy search: thousands of sequences
     into hundreds of micro-batches (a deep pipeline's replica at service scale) in one pass of vector compares
-    (a closed micro-batch's room is -1, so no sequence fits it)."""
-    room = np.full(len(needs), -1, dtype=np.int64)
-    bin_of = np.empty(len(needs), dtype=np.int64)
-    smallest, opened = needs[-1], 0
-    for i, need in enumerate(needs):
-        fits = room[:opened] >= need
-        b = int(fits.argmax()) if opened else 0
-        if not opened or not fits[b]:
+    (a closed micro-batch's room is -1, so no sequence fits it).
+
+    The sequences longer than half a micro-batch come first (``needs`` is descending) and each opens its own:
+    one cannot join a micro-batch holding another, at least as long. So they are placed at once, and only the
+    rest are scanned (a quarter of a service-scale step's sequences are such)."""
+    n, smallest = len(needs), needs[-1]
+    room = np.full(n, -1, dtype=np.int64)
+    alone = np.asarray(needs, dtype=np.int64)
+    opened = int(np.count_nonzero(2 * alone > max_tokens))
+    left = max_tokens - alone[:opened]
+    room[:opened] = np.where(left >= smallest, left, -1)
+    bin_of = list(range(opened))
+    free = room[:opened].tolist()  # room's opened part as a list, read a value at a time
+    for need in needs[opened:]:
+        b = int((room[:opened] >= need).argmax()) if opened else 0
+        if not opened or free[b] < need:
             b, opened = opened, opened + 1
-            room[b] = max_tokens
-        bin_of[i] = b
-        left = int(room[b]) - need
-        room[b] = left if left >= smallest else -1
-    return bin_of
+            free.append(max_tokens)
+        bin_of.append(b)
+        left = free[b] - need
+        free[b] = room[b] = left if left >= smallest else -1
+    return np.asarray(bin_of, dtype=np.int64)
 
 
 def order_for_1f1b(microbatches: list[MicroBatch], *, task_major: bool = False) -> list[MicroBatch]:
