@@ -151,6 +151,8 @@ def profile_cost_model(
         head_time=coefficients.head_time,
         interconnect=coefficients.interconnect(profile.gpus_per_node),
         optimizer_time=coefficients.optimizer_ms.time,
+        forward_layer_time=coefficients.forward_layer_time,
+        forward_head_time=coefficients.forward_head_time,
         adapters=adapters,
         activation_bytes=profile.dtype_bytes,
         sync_replicas=sync_replicas,

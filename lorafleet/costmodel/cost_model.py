@@ -122,6 +122,11 @@ class CostModel:
     """Pipeline and gradient-sync links."""
     optimizer_time: AffineTime = field(default_factory=AffineTime)
     """Optimizer step, ms vs adapter parameters on one device."""
+    forward_layer_time: Mapping[int, LayerTimeCoeffs] = field(default_factory=dict)
+    """A block's forward alone per TP degree, ms, where a profile measured it (empty: none measured, and
+    :meth:`forward_time` takes the forward as shares of ``layer_time``)."""
+    forward_head_time: Mapping[int, AffineTime] = field(default_factory=dict)
+    """The head's forward alone per TP degree, ms vs micro-batch tokens (the TP degrees of ``forward_layer_time``)."""
     adapters: AdapterLoad | None = None
     """The tasks' adapters every replica carries (None: no step overhead is charged)."""
     activation_bytes: int = 2
@@ -154,6 +159,8 @@ class CostModel:
             layer_time={},
             max_tokens_table={},
             head_time={},
+            forward_layer_time={},
+            forward_head_time={},
             source=" + ".join(f"{name}={m.source}" for name, m in models.items()),
             origin=None,
             pools=dict(models),
@@ -213,12 +220,34 @@ class CostModel:
         if model is not self:
             return model.stage_coeffs(layout)
         head = self.head_time.get(config.tp, AffineTime())
+        return self._stage(config, self.block_coeffs(config), head, P2P_MESSAGES)
+
+    def _stage(
+        self, config: ParallelConfig, block: LayerTimeCoeffs, head: AffineTime, messages: int
+    ) -> LayerTimeCoeffs:
+        """A stage of ``config`` in LobRA form, ms: L/pp blocks, the head, and ``messages`` pipeline transfers of a
+        micro-batch's activations when pp > 1."""
         per_token, fixed = head.slope, head.fixed
         if config.pp > 1:
             p2p = self.interconnect.p2p(config).transfer()
-            per_token += P2P_MESSAGES * p2p.slope * self.model.hidden * self.activation_bytes
-            fixed += P2P_MESSAGES * p2p.fixed
-        return self.block_coeffs(config).extended(self.model.n_layers / config.pp, per_token, fixed)
+            per_token += messages * p2p.slope * self.model.hidden * self.activation_bytes
+            fixed += messages * p2p.fixed
+        return block.extended(self.model.n_layers / config.pp, per_token, fixed)
+
+    def forward_stage_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
+        """τF(b, s) of ``config``, the forward alone of a stage, ms (see :meth:`forward_time`)."""
+        key = ("forward", config)
+        if key not in self._memo:
+            self._memo[key] = self._forward_stage_coeffs(config)
+        return self._memo[key]
+
+    def _forward_stage_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
+        model, layout = self.pool_model(config)
+        if model is not self:
+            return model.forward_stage_coeffs(layout)
+        if config.tp not in self.forward_layer_time:  # not measured: the assumed shares of the stage's terms
+            return self.stage_coeffs(config.with_recompute(False)).forward()
+        return self._stage(config, self.forward_layer_time[config.tp], self.forward_head_time[config.tp], 1)
 
     def microbatch_time(
         self, config: ParallelConfig, b: np.ndarray | float, s: np.ndarray | float
@@ -239,15 +268,19 @@ class CostModel:
 
             T_F = Σ_k τF_k + (pp - 1) * max_k τF_k
 
-        τF_k the forward of micro-batch k on a stage: each coefficient of the stage time without recomputation
-        (an evaluation keeps no activations to recompute) times its forward share (``LayerTimeCoeffs.forward``:
-        2/7 of attention, 1/2 of the projections, the LM head and the elementwise passes, one of the two
-        pipeline messages). A forward-only stream fills and drains the pipeline once, ``pp - 1`` slots, and
-        no gradient is synchronised and no optimizer steps: no step overhead."""
+        τF_k the forward of micro-batch k on a stage: L/pp blocks' forward, the head's forward and one pipeline
+        message (the activations in). Measured where the profile timed the forward alone (``forward_layer_time``,
+        ``forward_head_time``: ``lorafleet profile`` records it); otherwise, and always for the analytic model, each
+        coefficient of the stage time without recomputation (an evaluation keeps no activations to recompute) times
+        its assumed forward share (``LayerTimeCoeffs.forward``: 2/7 of attention, 1/2 of the projections, the LM
+        head and the elementwise passes, one of the two pipeline messages). On this repository's CPU the shares
+        over-predict the forward (backward costs more than they assume: docs/evaluation.md). A forward-only stream
+        fills and drains the pipeline once, ``pp - 1`` slots, and no gradient is synchronised and no optimizer
+        steps: no step overhead."""
         shapes = [mb for mb in microbatches if mb.n_seqs]
         if not shapes:
             return 0.0
-        times = self.stage_coeffs(config.with_recompute(False)).forward().shapes(shapes) / MS_PER_S
+        times = self.forward_stage_coeffs(config).shapes(shapes) / MS_PER_S
         return float(times.sum() + (config.pp - 1) * times.max())
 
     def adapter_params_per_device(self, config: ParallelConfig) -> float:

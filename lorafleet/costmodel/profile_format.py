@@ -10,9 +10,11 @@ A profile is one JSON object::
                      and its line (budget, static bytes, bytes per token)
     records          layer: per-layer fwd+bwd ms of padded {mbs, seq_len} or {packed: [lens]}
                      micro-batches per tp (``heldout`` ones are never fitted); head: embedding +
-                     LM head + loss ms per tp and tokens; replica: whole steps of micro-batch
-                     lists; p2p, allreduce (2 ranks), optimizer: ms per size
-    coefficients     what the cost model uses (fitted by ``lorafleet fit`` or analytic)
+                     LM head + loss ms per tp and tokens; layer_forward, head_forward: the same
+                     forward only (an evaluation's work; optional); replica: whole steps of
+                     micro-batch lists; p2p, allreduce (2 ranks), optimizer: ms per size
+    coefficients     what the cost model uses (fitted by ``lorafleet fit`` or analytic);
+                     forward_layer_ms / forward_head_ms only where forward records were measured
     quality          fit quality: relative-error summaries by name
 
 Reading validates everything and reports the first problem as an InputError naming the
@@ -26,7 +28,7 @@ import csv
 import json
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -172,6 +174,10 @@ class LinkJSON(_Schema):
         return cls(latency_ms=link.latency_ms, gb_per_s=None if math.isinf(link.gb_per_s) else link.gb_per_s)
 
 
+def _left_out_when_empty(value: object) -> bool:
+    return not value
+
+
 class Coefficients(_Schema):
     """Everything the cost model's time needs; ms throughout (LobRA's unit)."""
 
@@ -184,12 +190,23 @@ class Coefficients(_Schema):
     grad_sync: LinkJSON
     optimizer_ms: AffineJSON
     """Vs adapter parameters on one device."""
+    forward_layer_ms: Annotated[
+        dict[PositiveInt, tuple[NonNegativeFloat, ...]], Field(exclude_if=_left_out_when_empty)
+    ] = {}
+    """c1..c6 of a block's forward alone per TP degree, fitted from ``records.layer_forward``; empty (and left out of
+    the JSON) where none was measured: the cost model then takes the forward as shares of ``layer_ms``
+    (``CostModel.forward_time``)."""
+    forward_head_ms: Annotated[dict[PositiveInt, AffineJSON], Field(exclude_if=_left_out_when_empty)] = {}
+    """The head's forward alone per TP degree, vs micro-batch tokens, from ``records.head_forward``."""
 
     @model_validator(mode="after")
     def _six(self) -> Coefficients:
-        for tp, c in self.layer_ms.items():
-            if len(c) != N_COEFFS:
-                raise ValueError(f"layer_ms[{tp}] needs {N_COEFFS} coefficients, got {len(c)}")
+        for name, table in (("layer_ms", self.layer_ms), ("forward_layer_ms", self.forward_layer_ms)):
+            for tp, c in table.items():
+                if len(c) != N_COEFFS:
+                    raise ValueError(f"{name}[{tp}] needs {N_COEFFS} coefficients, got {len(c)}")
+        if set(self.forward_layer_ms) != set(self.forward_head_ms):
+            raise ValueError("forward_layer_ms and forward_head_ms need the same TP degrees")
         return self
 
     @property
@@ -199,6 +216,14 @@ class Coefficients(_Schema):
     @property
     def head_time(self) -> dict[int, AffineTime]:
         return {tp: a.time for tp, a in self.head_ms.items()}
+
+    @property
+    def forward_layer_time(self) -> dict[int, LayerTimeCoeffs]:
+        return {tp: LayerTimeCoeffs(tuple(c)) for tp, c in self.forward_layer_ms.items()}
+
+    @property
+    def forward_head_time(self) -> dict[int, AffineTime]:
+        return {tp: a.time for tp, a in self.forward_head_ms.items()}
 
     def interconnect(self, gpus_per_node: int) -> Interconnect:
         return Interconnect(self.p2p_intra_node.link, self.p2p_inter_node.link, self.grad_sync.link, gpus_per_node)
@@ -232,6 +257,11 @@ class AdaptersJSON(_Schema):
 class Records(_Schema):
     layer: tuple[LayerRecord, ...] = ()
     head: tuple[HeadRecord, ...] = ()
+    layer_forward: Annotated[tuple[LayerRecord, ...], Field(exclude_if=_left_out_when_empty)] = ()
+    """The blocks forward only (no gradient kept), on the shapes of ``layer``: what an evaluation runs. Optional: a
+    profile measured before them has none (and its JSON no such key)."""
+    head_forward: Annotated[tuple[HeadRecord, ...], Field(exclude_if=_left_out_when_empty)] = ()
+    """The head forward only, on the token counts of ``head``."""
     replica: tuple[ReplicaRecord, ...] = ()
     p2p: tuple[SizeRecord, ...] = ()
     allreduce: tuple[SizeRecord, ...] = ()

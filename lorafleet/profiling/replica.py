@@ -22,6 +22,7 @@ What is timed:
   over L, so each block carries 1/L of the micro-batch's mask);
 - ``head_run``: embedding, rotary table, final norm, LM head and the weighted token loss,
   forward + input gradient;
+- both again forward only (``forward_only``: under ``torch.no_grad``, as an evaluation runs them);
 - ``step_run``: a whole step of one rank, as ``TorchExecutor`` runs it: ``run_rank_step``
   (1F1B over the micro-batches), then, within a fleet, the adapter-gradient sum
   (``grad_sync``) and one all-reduce of the per-task squared norms, then every task with
@@ -179,28 +180,48 @@ class ProfiledReplica:
         """The executor's inputs of one sequence of ``tokens`` tokens (task 0)."""
         return build_inputs(*self._one(MicroBatchShape.padded(1, tokens), 0), self.device)
 
-    def blocks_run(self, shape: MicroBatchShape, task: int) -> Callable[[], None]:
-        """``build_inputs`` and forward + backward of all L blocks on one micro-batch of task ``task``."""
+    def blocks_run(self, shape: MicroBatchShape, task: int, forward_only: bool = False) -> Callable[[], None]:
+        """``build_inputs`` and forward + backward of all L blocks on one micro-batch of task ``task``; with
+        ``forward_only``, the forward alone under ``torch.no_grad`` (as an evaluation runs it: nothing kept)."""
         mb, examples, inv = self._one(shape, task)
         x = torch.randn(
-            *microbatch_shape(mb), self.spec.hidden, dtype=self.dtype, device=self.device, requires_grad=True
+            *microbatch_shape(mb),
+            self.spec.hidden,
+            dtype=self.dtype,
+            device=self.device,
+            requires_grad=not forward_only,
         )
-        grad = torch.randn_like(x)
         role = part_role(*self.tp_position, embeds=False, heads=False)
-        return lambda: stage_forward(self.model, role, x, build_inputs(mb, examples, inv, self.device)).backward(grad)
 
-    def head_run(self, tokens: int) -> Callable[[], None]:
-        """Embedding, then a last stage over no layer (norm, LM head, loss), forward + input gradient."""
+        def forward() -> torch.Tensor:
+            return stage_forward(self.model, role, x, build_inputs(mb, examples, inv, self.device))
+
+        if forward_only:
+            return self._no_grad(forward)
+        grad = torch.randn_like(x)
+        return lambda: forward().backward(grad)
+
+    def head_run(self, tokens: int, forward_only: bool = False) -> Callable[[], None]:
+        """Embedding, then a last stage over no layer (norm, LM head, loss), forward + input gradient; with
+        ``forward_only``, forward alone under ``torch.no_grad``."""
         inputs = self._row(tokens)
         role = part_role(*self.tp_position, embeds=False, heads=True)
 
-        def run() -> None:
+        def losses() -> torch.Tensor:
             # The embedding's output stands for the last block's: the head's backward must produce its gradient.
-            x = self.model.model.embed_tokens(inputs.input_ids).detach().requires_grad_()
+            x = self.model.model.embed_tokens(inputs.input_ids).detach().requires_grad_(not forward_only)
             with only_layers(self.model, ()):
-                weighted_losses(self.model, role, x, inputs).sum().backward()
+                return weighted_losses(self.model, role, x, inputs).sum()
 
-        return run
+        return self._no_grad(losses) if forward_only else lambda: losses().backward()
+
+    @staticmethod
+    def _no_grad(run: Callable[[], object]) -> Callable[[], None]:
+        def forward() -> None:
+            with torch.no_grad():
+                run()
+
+        return forward
 
     def step_run(self, shapes: Sequence[MicroBatchShape], fleet: dist.ProcessGroup | None) -> Callable[[], None]:
         """One executor step over micro-batches ``shapes`` (micro-batch k of task k mod n).

@@ -12,6 +12,8 @@ one GPU the world is one process: TP1 only, and no transfer records.
      padded (mbs, seq_len) of the grid and on random packed micro-batches, plus held-out
      off-grid padded and packed micro-batches the fit never sees;
    - head: embedding, rotary table, final norm, LM head and loss, forward + input gradient;
+   - layer_forward, head_forward: the same forward alone under ``torch.no_grad`` (an evaluation's
+     work, ``CostModel.forward_time``);
    - replica: whole executor steps (1F1B over the micro-batches, gradient sum, norms, every
      task's optimizer) over random mixed lists of padded and packed micro-batches, to check
      the composed cost model against; for TP1 both alone and with the adapters' gradient
@@ -221,19 +223,30 @@ class _Worker:
         shapes += [(_random_packed(rng, self.s.max_grid_tokens), True) for _ in range(self.s.heldout)]
         n_layers = self.s.model.n_layers
 
-        def record(ms: float, mb: MicroBatchShape, held: bool) -> tuple[str, LayerRecord]:
+        def record(ms: float, mb: MicroBatchShape, held: bool, kind: str) -> tuple[str, LayerRecord]:
             per_layer = ms / n_layers
-            return "layer", LayerRecord(**ShapeJSON.of(mb).model_dump(), tp=tp, time_ms=per_layer, heldout=held)
+            return kind, LayerRecord(**ShapeJSON.of(mb).model_dump(), tp=tp, time_ms=per_layer, heldout=held)
 
         return [
-            (replica.blocks_run(mb, task=i), lambda ms, mb=mb, held=held: record(ms, mb, held))
+            (
+                replica.blocks_run(mb, i, forward_only),
+                lambda ms, mb=mb, held=held, kind=kind: record(ms, mb, held, kind),
+            )
             for i, (mb, held) in enumerate(shapes)
+            for forward_only, kind in ((False, "layer"), (True, "layer_forward"))
         ]
 
     def head_plan(self, replica: ProfiledReplica, tp: int) -> list[Timed]:
-        """The head on every token count of the grid."""
+        """The head on every token count of the grid, forward + input gradient and forward alone."""
         sizes = sorted({mb.tokens for mb in self.s.grid})
-        return [(replica.head_run(n), lambda ms, n=n: ("head", HeadRecord(tp=tp, tokens=n, time_ms=ms))) for n in sizes]
+        return [
+            (
+                replica.head_run(n, forward_only),
+                lambda ms, n=n, kind=kind: (kind, HeadRecord(tp=tp, tokens=n, time_ms=ms)),
+            )
+            for n in sizes
+            for forward_only, kind in ((False, "head"), (True, "head_forward"))
+        ]
 
     def step_plan(
         self, replica: ProfiledReplica, tp: int, fleet: dist.ProcessGroup | None, replicas: int

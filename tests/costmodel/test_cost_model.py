@@ -134,3 +134,26 @@ def test_adapter_parameter_count_matches_lobra_notes():
     """LobRA notes: about 1.18M adapter parameters per layer per task for 7B at rank 16 (gate+up fused there)."""
     per_task = AdapterLoad.uniform(1, 16).params_per_layer(MODEL)
     assert per_task == pytest.approx(1.18e6, rel=0.15)
+
+
+def test_a_measured_forward_prices_an_evaluation_instead_of_the_shares():
+    """With a profile's forward coefficients, τF = L/pp forward blocks + the head's forward + one pipeline message,
+    and T_F = Σ τF + (pp - 1) max τF; a TP degree without them keeps the shares; a fleet's pool prices its own."""
+    forward = LayerTimeCoeffs((3e-8, 0.0, 1e-3, 0.0, 0.0, 0.7))
+    cm = replace(CM, forward_layer_time={1: forward}, forward_head_time={1: AffineTime(0.2, 4e-4)})
+    mbs = [MicroBatchShape.padded(2, 1024), MicroBatchShape.packed([300, 700])]
+    tokens = np.array([2048, 1000])
+    blocks = np.array([forward(2, 1024), forward.packed([300, 700])])
+    one, four = ParallelConfig(1, 1), ParallelConfig(1, 4)
+    tau = 32 * blocks + 0.2 + 4e-4 * tokens
+    assert cm.forward_time(one, mbs) == pytest.approx(tau.sum() / 1e3)
+    tau = 8 * blocks + 0.2 + 4e-4 * tokens + LINK.transfer()(tokens * MODEL.hidden * 2)
+    assert cm.forward_time(four, mbs) == pytest.approx((tau.sum() + 3 * tau.max()) / 1e3)
+    assert cm.forward_time(one.with_recompute(True), mbs) == cm.forward_time(one, mbs)  # nothing kept to recompute
+    two = ParallelConfig(2, 1)
+    assert cm.forward_time(two, mbs) == CM.forward_time(two, mbs)  # not measured: the shares
+    shares = CM.stage_coeffs(two).forward().shapes(mbs).sum() / 1e3
+    assert CM.forward_time(two, mbs) == pytest.approx(shares)
+    fleet = CostModel.of_pools({"a": cm, "b": CM})
+    assert fleet.forward_time(one.in_pool("a"), mbs) == cm.forward_time(one, mbs)
+    assert fleet.forward_time(one.in_pool("b"), mbs) == CM.forward_time(one, mbs)

@@ -7,8 +7,11 @@ import json
 import pytest
 
 from lorafleet.costmodel.adapters import AdapterLoad
-from lorafleet.costmodel.build import analytic_profile
+from lorafleet.costmodel.build import analytic_profile, profile_cost_model
+from lorafleet.costmodel.fitted import fit_profile
+from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.profile_format import (
+    HeadRecord,
     LayerRecord,
     Profile,
     Records,
@@ -18,7 +21,7 @@ from lorafleet.costmodel.profile_format import (
     read_profile,
     write_profile,
 )
-from lorafleet.costmodel.time_model import MicroBatchShape
+from lorafleet.costmodel.time_model import LayerTimeCoeffs, MicroBatchShape
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.model import MODEL_PRESETS
@@ -115,3 +118,47 @@ def test_layer_csv(tmp_path):
     path.write_text("tp,mbs\n1,2\n")
     with pytest.raises(InputError, match="seq_len: missing column"):
         read_layer_csv(path)
+
+
+def test_forward_records_are_optional_and_fitted_where_measured(tmp_path):
+    """A profile that timed the forward alone fits its t_F(b, s) and head line (what prices an evaluation); one that
+    did not (every profile before them) has no such key in its JSON and keeps the assumed shares."""
+    full, forward = (
+        LayerTimeCoeffs((2e-6, 0.0, 3e-3, 0.0, 1e-2, 0.5)),
+        LayerTimeCoeffs((5e-7, 0.0, 1e-3, 0.0, 4e-3, 0.2)),
+    )
+    grid = [MicroBatchShape.padded(b, s) for s in (16, 64, 256) for b in (1, 2, 4)]
+    grid.append(MicroBatchShape.packed([30, 70, 120]))
+
+    def layers(c: LayerTimeCoeffs) -> tuple[LayerRecord, ...]:
+        return tuple(LayerRecord(**ShapeJSON.of(mb).model_dump(), tp=1, time_ms=c.shape(mb)) for mb in grid)
+
+    def heads(fixed: float, slope: float) -> tuple[HeadRecord, ...]:
+        return tuple(HeadRecord(tp=1, tokens=n, time_ms=fixed + slope * n) for n in (16, 64, 256, 1024))
+
+    measured = PROFILE.model_copy(
+        update={"kind": "measured", "coefficients": None, "memory": tuple(m for m in PROFILE.memory if m.tp == 1)}
+    )
+    without = measured.model_copy(update={"records": Records(layer=layers(full), head=heads(0.3, 2e-3))})
+    path = tmp_path / "without.json"
+    write_profile(fit_profile(without), path)
+    raw = json.loads(path.read_text())
+    assert "layer_forward" not in raw["records"] and "forward_layer_ms" not in raw["coefficients"]
+    config, mbs = ParallelConfig(1, 1), [MicroBatchShape.padded(2, 100)]
+    shares = profile_cost_model(read_profile(path), MODEL_PRESETS["tiny-llama"])
+    assert shares.forward_time(config, mbs) == pytest.approx(shares.stage_coeffs(config).forward().shapes(mbs)[0] / 1e3)
+
+    records = without.records.model_copy(update={"layer_forward": layers(forward), "head_forward": heads(0.1, 8e-4)})
+    fitted = fit_profile(measured.model_copy(update={"records": records}))
+    write_profile(fitted, path)
+    assert read_profile(path) == fitted
+    assert fitted.coefficients.forward_layer_ms[1] == pytest.approx(forward.c, rel=1e-3, abs=1e-9)
+    assert fitted.coefficients.forward_head_ms[1].slope == pytest.approx(8e-4, rel=1e-3)
+    assert fitted.quality["forward_layer_cv"]["median"] < 1e-3
+    cm = profile_cost_model(fitted, MODEL_PRESETS["tiny-llama"])
+    expected = MODEL_PRESETS["tiny-llama"].n_layers * forward(2, 100) + 0.1 + 8e-4 * 200
+    assert cm.forward_time(config, mbs) == pytest.approx(expected / 1e3, rel=1e-3)
+    raw = json.loads(path.read_text())
+    raw["coefficients"]["forward_head_ms"] = {}
+    with pytest.raises(InputError, match="same TP degrees"):
+        read_profile(_write(tmp_path, raw))

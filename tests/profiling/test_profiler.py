@@ -10,6 +10,7 @@ from lorafleet.costmodel.build import profile_cost_model
 from lorafleet.costmodel.check import heldout_comparisons
 from lorafleet.costmodel.fitted import fit_profile
 from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.executor.torch.precision import Precision
 from lorafleet.profiling.run import MIB, ProfileSettings, measure_profile
 from lorafleet.specs.model import MODEL_PRESETS
@@ -52,6 +53,12 @@ def test_records_cover_every_kind(profile):
         assert len([r for r in layer if not r.heldout]) == 5  # the 2 x 2 grid and one packed micro-batch
         assert {r.packed is None for r in layer if r.heldout} == {True, False}  # held-out padded and packed
         assert len([r for r in rec.head if r.tp == tp]) == 4  # distinct grid token counts: 16, 32, 64, 128
+        # The forward alone on the same shapes and token counts (an evaluation's work), and cheaper.
+        forward = {(r.mbs, r.seq_len, r.packed): r for r in rec.layer_forward if r.tp == tp}
+        assert set(forward) == {(r.mbs, r.seq_len, r.packed) for r in layer}
+        assert [r.heldout for r in rec.layer_forward if r.tp == tp] == [r.heldout for r in layer]
+        assert sorted(r.tokens for r in rec.head_forward if r.tp == tp) == [16, 32, 64, 128]
+    assert sum(r.time_ms for r in rec.layer_forward) < sum(r.time_ms for r in rec.layer)
     assert sorted((r.tp, r.sync_replicas) for r in rec.replica) == [(1, 1), (1, 2), (2, 1)]
     assert len(rec.p2p) == len(rec.allreduce) == 2 and len(rec.optimizer) == 2
     assert all(r.time_ms > 0 for r in rec.layer + rec.head + rec.replica)
@@ -75,10 +82,15 @@ def test_max_tokens_are_searched_against_the_budget(profile):
 
 def test_fit_and_check_run_on_measured_records(profile):
     fitted = fit_profile(profile)
-    assert set(fitted.coefficients.layer_ms) == {1, 2}
+    assert set(fitted.coefficients.layer_ms) == set(fitted.coefficients.forward_layer_ms) == {1, 2}
     assert min(min(c) for c in fitted.coefficients.layer_ms.values()) >= 0
+    assert "forward_layer_cv" in fitted.quality
     cm = profile_cost_model(fitted, TINY)
     assert cm.configs == sorted(CONFIGS)
+    for config in cm.configs:  # the measured forward prices an evaluation, not the assumed shares
+        mbs = [MicroBatchShape.padded(2, 64), MicroBatchShape.packed([16, 40])]
+        shares = cm.stage_coeffs(config.with_recompute(False)).forward().shapes(mbs)
+        assert cm.forward_stage_coeffs(config).shapes(mbs) != pytest.approx(shares)
     assert cm.step_overhead(ParallelConfig(1, 1)) > 0  # the optimizer step was measured
     kinds = {c.kind for c in heldout_comparisons(fitted, TINY)}
     assert kinds == {"layer", "packed", "replica"}
