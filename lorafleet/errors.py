@@ -7,6 +7,7 @@ one line and exits with code 2; nothing else in the package catches it.
 
 from __future__ import annotations
 
+import errno
 import re
 import sys
 from collections.abc import Callable
@@ -36,6 +37,33 @@ class InputError(Exception):
 
 EXIT_INPUT_ERROR = 2
 """The exit code of a process that stopped on an InputError."""
+
+
+FULL_DISK = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+"""The errors of a full disk, by errno, as a run's line says them (``train.failures``)."""
+FULL_DISK_WORDS = (
+    (re.compile(r"Disk quota exceeded|\bEDQUOT\b|QuotaExceeded|os error 122\b", re.IGNORECASE), errno.EDQUOT),
+    (re.compile(r"No space left on device|\bENOSPC\b|StorageFull|os error 28\b", re.IGNORECASE), errno.ENOSPC),
+)
+"""The same in the words of an error that is not an OSError (safetensors' ``SafetensorError``, torch's writers)."""
+
+
+def full_disk(err: BaseException) -> tuple[int, str | None] | None:
+    """``(errno, path)`` when ``err``, or an error it was raised from or while handling, is a full disk
+    (:data:`FULL_DISK`): an OSError, whose file name is the path (None when the failed call had none: a
+    ``write`` or a ``flush``), or another error in its words (:data:`FULL_DISK_WORDS`; no path). None otherwise."""
+    chain, seen, worded = [err], set(), None
+    while chain:
+        e = chain.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in FULL_DISK:
+            return e.errno, None if e.filename is None else str(e.filename)
+        if worded is None:
+            worded = next((code for words, code in FULL_DISK_WORDS if words.search(str(e))), None)
+        chain += [c for c in (e.__cause__, e.__context__) if c is not None]
+    return None if worded is None else (worded, None)
 
 
 def exit_code(run: Callable[[], int | None], prog: str = "lorafleet") -> int:

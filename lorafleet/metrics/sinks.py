@@ -11,10 +11,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from lorafleet.errors import full_disk
 from lorafleet.metrics.records import flat_record, json_record, step_scalars
 from lorafleet.plans import StepReport
 from lorafleet.specs.io import write_text_atomic
@@ -138,6 +140,7 @@ class TensorBoardWriter(ClosingWriter):
         """``purge_step``: events at this step or later, left by a run this one resumes, are discarded."""
         from torch.utils.tensorboard import SummaryWriter  # torch stays out of this module's import
 
+        _quiet_full_disk_in_writer_threads()
         self.log_dir = Path(log_dir)
         self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step or None)
 
@@ -148,6 +151,25 @@ class TensorBoardWriter(ClosingWriter):
 
     def close(self) -> None:
         self._writer.close()
+
+
+def _quiet_full_disk_in_writer_threads() -> None:
+    """A full disk in TensorBoard's writer thread is not printed as that thread's traceback (``threading.excepthook``,
+    installed once): the thread keeps the error, and the writer's next ``add_scalar`` or ``flush`` raises it on the
+    writing thread, where a run says it as its one line (``train.failures``). Any other thread's error, and any
+    other error of that thread, goes to the hook that was there before."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_full_disk", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        writer_thread = type(args.thread).__module__.startswith("tensorboard.")
+        if writer_thread and args.exc_value is not None and full_disk(args.exc_value) is not None:
+            return
+        previous(args)
+
+    hook.quiet_full_disk = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class FanOut(ClosingWriter):

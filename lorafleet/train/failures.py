@@ -31,7 +31,6 @@ Torch-free: the launcher imports it.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -41,7 +40,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafleet.errors import InputError, StartTimeout
+from lorafleet.errors import FULL_DISK, InputError, StartTimeout, full_disk
 from lorafleet.rundir import RunDir
 
 PEER_LOST = re.compile(
@@ -51,13 +50,6 @@ PEER_LOST = re.compile(
 """What a collective's error says when another rank died (gloo's and NCCL's words)."""
 PORT_TAKEN = re.compile(r"failed to listen on any local network address.*(EADDRINUSE|address already in use)")
 """What rank 0's error says when its process group's port was taken (torch's TCPStore server)."""
-FULL_DISK = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
-"""The errors of a full disk, by errno, as the run's line says them."""
-FULL_DISK_WORDS = (
-    (re.compile(r"Disk quota exceeded|\bEDQUOT\b|QuotaExceeded|os error 122\b", re.IGNORECASE), errno.EDQUOT),
-    (re.compile(r"No space left on device|\bENOSPC\b|StorageFull|os error 28\b", re.IGNORECASE), errno.ENOSPC),
-)
-"""The same in the words of an error that is not an OSError (safetensors' ``SafetensorError``, torch's writers)."""
 MIN_FREE_BYTES = 1 << 20
 """Less free space than this on the disk of ``--out``, after a failure no worker explained, is a full disk."""
 
@@ -71,24 +63,6 @@ class WorkerFailure:
     exitcode: int
     """Negative: killed by signal ``-exitcode``."""
     timestamp: int
-
-
-def full_disk(err: BaseException) -> tuple[int, str | None] | None:
-    """``(errno, path)`` when ``err``, or an error it was raised from or while handling, is a full disk
-    (:data:`FULL_DISK`): an OSError, whose file name is the path (None when the failed call had none: a
-    ``write`` or a ``flush``), or another error in its words (:data:`FULL_DISK_WORDS`; no path). None otherwise."""
-    chain, seen, worded = [err], set(), None
-    while chain:
-        e = chain.pop(0)
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in FULL_DISK:
-            return e.errno, None if e.filename is None else str(e.filename)
-        if worded is None:
-            worded = next((code for words, code in FULL_DISK_WORDS if words.search(str(e))), None)
-        chain += [c for c in (e.__cause__, e.__context__) if c is not None]
-    return None if worded is None else (worded, None)
 
 
 def record_worker_error(run_dir: RunDir, rank: int, err: BaseException) -> None:

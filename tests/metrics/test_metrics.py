@@ -273,3 +273,36 @@ def test_each_tasks_learning_rate_gradient_norm_and_epoch_reach_every_sink():
     flat, tags = flat_record(report), step_scalars(report)
     for key, value in (("lr/chat", 1e-3), ("grad_norm/chat", 0.5), ("epoch/chat", 1.25)):
         assert flat[key] == tags[key] == value
+
+
+def test_a_full_disk_in_tensorboards_writer_thread_is_raised_by_the_writer_not_printed(tmp_path, monkeypatch):
+    """#38: TensorBoard writes from a thread of its own; on a full disk that thread printed its traceback beside the
+    run's one line. The thread's error goes to no excepthook and is raised by the writer's next write, as the run's
+    line needs; any other thread's error goes to the hook that was there before."""
+    import errno
+    import threading
+
+    pytest.importorskip("tensorboard")
+    printed = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.exc_value))
+    with pytest.raises(OSError) as raised:
+        with TensorBoardWriter(tmp_path / "tb") as writer:
+            thread = writer._writer._get_file_writer().event_writer._async_writer._worker
+
+            def no_space(data: bytes) -> None:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            thread._record_writer.write = no_space
+            _write_all(writer)
+            thread.join(timeout=30)
+            assert not thread.is_alive() and isinstance(thread.exception, OSError)
+            writer.write(REPORTS[0])
+    assert raised.value.errno == errno.ENOSPC and printed == []
+
+    def fails() -> None:
+        raise ValueError("not a full disk")
+
+    other = threading.Thread(target=fails)
+    other.start()
+    other.join()
+    assert [type(e) for e in printed] == [ValueError]
