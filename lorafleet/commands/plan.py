@@ -447,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
     from lorafleet.commands._replica_groups import WIDTH
     from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.data.describe import check_chat_templates
-    from lorafleet.data.model_source import data_tokenizer
+    from lorafleet.data.model_source import checkable_tokenizer
     from lorafleet.planner import plan_deployment
     from lorafleet.planner.bounds import step_bounds
     from lorafleet.planner.candidates import valid_candidates
@@ -463,7 +463,7 @@ def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload, workload_overrides(args))
     spec = workload.spec  # chats need a chat template (lengths from the rows checked it already)
     check_chat_templates(
-        spec.tasks, lambda: data_tokenizer(spec.model, spec.tokenizer, source=workload.path), workload.path
+        spec.tasks, lambda: checkable_tokenizer(spec.model, spec.tokenizer, source=workload.path), workload.path
     )
     console = Console(width=WIDTH)
     if gpus == AUTO:

@@ -97,9 +97,8 @@ def check_chat_templates(tasks: Sequence[TaskSpec], tokenizer: Callable[[], Any]
     """A task whose training rows are chats needs a tokenizer with a chat template to render them: checked for the
     tasks whose lengths are not their rows' (given, or another dataset's: ``plan`` tokenizes no row of theirs; a
     task's lengths measured from its rows rendered them already, and a chat without a template was refused, naming
-    the row). ``tokenizer()`` loads the workload's,
-    once, and only for such a task; a workload with no tokenizer here (a preset without weights: a what-if) is not
-    checked.
+    the row). ``tokenizer()`` loads the workload's, once, and only for such a task; where it gives None, or there is
+    no tokenizer here (a preset without weights: a what-if), nothing is checked.
 
     Raises:
         InputError: naming ``source``'s task and its data file, when the tokenizer has no chat template.
@@ -108,7 +107,10 @@ def check_chat_templates(tasks: Sequence[TaskSpec], tokenizer: Callable[[], Any]
     for i, task in enumerate(tasks):
         if task.data is None or task.lengths is None:  # its lengths are its rows', rendered already
             continue
-        rows = read_task_rows(task.data)
+        try:
+            rows = read_task_rows(task.data)
+        except InputError:  # a bad row: validate's and train's to name (plan reads rows for this check only)
+            continue
         if not any(isinstance(u, Chat) for u in rows.units):
             continue
         if not loaded:
@@ -116,6 +118,8 @@ def check_chat_templates(tasks: Sequence[TaskSpec], tokenizer: Callable[[], Any]
                 loaded.append(tokenizer())
             except InputError:
                 return
+        if loaded[0] is None:
+            return
         if not loaded[0].chat_template:
             raise InputError(
                 source,

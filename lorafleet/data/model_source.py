@@ -160,3 +160,13 @@ def data_tokenizer(model: str, tokenizer: str | None, *, source: str) -> Any:
     with tempfile.TemporaryDirectory(prefix="lorafleet-tokenizer-") as tmp:
         built = build_tiny_tokenizer(tmp, vocab_size=model_source.spec.vocab)
         return load_tokenizer(str(built), source, "tokenizer")
+
+
+def checkable_tokenizer(model: str, tokenizer: str | None, *, source: str) -> Any | None:
+    """The workload's tokenizer (:func:`data_tokenizer`) where loading it costs little, for ``plan``'s chat-template
+    check: a tokenizer or HF model directory's (its files). None where it is not loaded for that: a GGUF's
+    (transformers builds it from the whole file, seconds; ``validate`` and ``train`` load it and check) and a
+    random preset's (the project's tiny tokenizer, which has a chat template)."""
+    if tokenizer is None and resolve_model_source(model, source=source, field="model").kind is not SourceKind.HF_DIR:
+        return None
+    return data_tokenizer(model, tokenizer, source=source)
