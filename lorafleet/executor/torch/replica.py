@@ -238,7 +238,7 @@ def load_stage(model: nn.Module, weights: SafetensorsWeights, role: RankRole, de
             if id(meta) not in real:
                 full = f"{name}.{key}"
                 shape = weights.entries[full].shape
-                parts = output_parts(module_suffix(name), shape[0], heads, kv_heads)  # a fused projection's rows
+                parts = output_parts(module_suffix(name), shape[0], heads, kv_heads) if shape else ()  # fused rows
                 pieces = [
                     weights.read(full, index, meta.dtype, device)
                     for index in base_index(name, key, shape, role.tp_rank, role.replica.tp, parts)
