@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -116,7 +117,13 @@ def _status(problem: pulp.LpProblem) -> SolveStatus:
 
 @contextlib.contextmanager
 def _quiet_stdout():
-    """Silence file descriptor 1 itself: highspy prints its banner from C, past ``sys.stdout``."""
+    """Silence file descriptor 1 itself: highspy prints its banner from C, past ``sys.stdout``. On the main thread
+    only: file descriptor 1 is the whole process's, so a solve on another thread (``train.background``'s re-plan
+    beside the steps) that silenced it would lose every line the training loop printed meanwhile (#42 found step
+    lines and notices of a run gone); there a solver's banner may show instead."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     sys.stdout.flush()
     saved = os.dup(1)
     with open(os.devnull, "w") as devnull:

@@ -91,3 +91,28 @@ def test_lp_prints_nothing():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout == ""
+
+
+def test_a_solve_beside_the_main_thread_leaves_its_lines_alone(capfd):
+    """The stdout silence around a solve is the main thread's only: file descriptor 1 is the whole process's, and a
+    re-plan solving beside the training steps (``train.background``) silenced the step lines the loop printed
+    meanwhile (#42: a run's ``step 7/12`` line and its notices were lost)."""
+    import os
+    import threading
+
+    from lorafleet.solvers import _quiet_stdout
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def solving() -> None:
+        with _quiet_stdout():
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=solving)
+    thread.start()
+    assert inside.wait(10)
+    os.write(1, b"step 7/12 printed while a re-plan solves\n")
+    leave.set()
+    thread.join()
+    assert "step 7/12 printed while a re-plan solves" in capfd.readouterr().out

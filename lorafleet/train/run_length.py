@@ -12,10 +12,10 @@ neither ``steps`` nor ``epochs`` spans the run's steps, so it changes from the r
 
 **A task the run cuts short.** With ``--steps`` given, a task whose own steps (``steps``, or ``epochs`` over its
 rows) do not fit in the run takes only the steps the run leaves it. That is said as the run starts, a line per task
-(:meth:`TaskLength.line`), and recorded, per task, in ``<out>/run_length.json`` (:class:`RunLength`, rewritten at
-every launch: its own steps, those it takes in this run, its rows, the rows and epochs it will have seen). A task's
-learning-rate schedule still spans its own steps (``executor.torch.launch.task_training``): the run cuts it, never
-squeezes it.
+(:meth:`TaskLength.line`; a task the queue adds, as it joins), and recorded, per task, in ``<out>/run_length.json``
+(:class:`RunLength`, rewritten at every launch and every change of the tasks: its own steps, those it takes in this
+run, its rows, the rows and epochs it will have seen). A task's learning-rate schedule still spans its own steps
+(``executor.torch.launch.task_training``): the run cuts it, never squeezes it.
 
 Torch-free: the launcher resolves the run's length, rank 0 writes the record from the streams it trains on.
 """
@@ -92,12 +92,15 @@ class RunLength:
 
     @classmethod
     def of(cls, streams: DataStreams, specs: Sequence[TaskSpec], run_steps: int) -> RunLength:
-        """The tasks of ``streams`` (in ``specs``' order) in a run of ``run_steps``, counted as the ranks draw them."""
+        """The tasks of ``streams`` (each with its spec in ``specs``, by name) in a run of ``run_steps``, counted as
+        the ranks draw them."""
         end = min(run_steps, streams.end_step(run_steps))
         exact = end <= EXACT_STEPS
         taken = [c // b for c, b in zip(streams.cursors(end), streams.batch_sizes, strict=True)] if exact else None
+        by_name = {spec.name: spec for spec in specs}
         tasks = []
-        for t, (spec, stream, limit) in enumerate(zip(specs, streams.streams, streams.max_batches, strict=True)):
+        for t, (stream, limit) in enumerate(zip(streams.streams, streams.max_batches, strict=True)):
+            spec = by_name[stream.data.name]
             every = max(0, end - spec.start_step)
             in_run = taken[t] if taken is not None else (every if limit is None else min(limit, every))
             tasks.append(
@@ -117,9 +120,6 @@ class RunLength:
     def cut(self) -> tuple[TaskLength, ...]:
         """The tasks the run ends before they have taken their own steps."""
         return tuple(t for t in self.tasks if not t.finishes)
-
-    def lines(self) -> list[str]:
-        return [t.line(self.steps) for t in self.cut]
 
     def save(self, run_dir: RunDir) -> None:
         record = {"steps": self.steps, "tasks": [asdict(t) | {"finishes": t.finishes} for t in self.tasks]}

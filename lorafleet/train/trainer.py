@@ -123,6 +123,8 @@ class Trainer:
         self.health = TaskHealth(self.running.names, options.nonfinite_patience, self._retire)
         self.signal: int | None = None
         self.next_step = 0
+        self._said_cut: set[str] = set()
+        """The tasks whose line says the run ends before they are done (``train.run_length``): each said once."""
         fleet = TorchFleet(
             executor, options.steps, self._checkpoint, lambda: self.health.stopped, self.run_dir.checkpoints
         )
@@ -168,6 +170,7 @@ class Trainer:
                     return self._left(self.next_step, after)
                 self.running = after
                 self.health.retask(after.names)
+                self._say_run_length()  # a task that joined and cannot finish in the run is said so as it joins
 
     def _segment(self, metrics: FanOut, steps: range) -> list[StepReport]:
         """``steps`` on the running deployment and tasks, up to a boundary where a change is due."""
@@ -205,8 +208,10 @@ class Trainer:
 
         length = RunLength.of(self.executor.streams, self.running.workload.spec.tasks, self.options.steps)
         length.save(self.run_dir)
-        for line in length.lines():
-            print(f"lorafleet train: {line}", flush=True)
+        for task in length.cut:
+            if task.name not in self._said_cut:  # each task once, at the start or as it joins
+                self._said_cut.add(task.name)
+                print(f"lorafleet train: {task.line(length.steps)}", flush=True)
 
     def _next_boundary(self, step: int) -> int | None:
         """The next step after ``step`` a window must end at: a fleet change's, or an evaluation's."""

@@ -55,7 +55,7 @@ def test_a_run_that_ends_before_a_task_is_done_says_so_and_records_what_it_saw(t
     ]  # fmt: skip
     assert (by["ep"].rows_seen, by["ep"].rows, by["ep"].epochs_seen) == (20, 48, 20 / 48)
     assert [t.name for t in length.cut] == ["ep", "late"]
-    assert length.lines()[0].startswith("task ep takes 5 of its 12 steps (epochs 1 over 48 rows) in this run of 5: "
+    assert length.cut[0].line(5).startswith("task ep takes 5 of its 12 steps (epochs 1 over 48 rows) in this run of 5: "
                                         "its adapter sees 20 of its 48 rows")  # fmt: skip
     length.save(RunDir(tmp_path))
     record = json.loads((tmp_path / "run_length.json").read_text())
