@@ -38,6 +38,22 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
+@pytest.fixture(scope="session")
+def tokenizer_with_template(tiny_tokenizer_dir, tmp_path_factory):
+    """Factory: ``tokenizer_with_template(template)``, the directory of the project's tiny tokenizer carrying
+    ``template`` as its chat template (None: none at all)."""
+    from transformers import AutoTokenizer
+
+    def make(template: str | None) -> Path:
+        tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
+        tokenizer.chat_template = template
+        out = tmp_path_factory.mktemp("templated-tokenizer")
+        tokenizer.save_pretrained(out)
+        return out
+
+    return make
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     """(workload, cost model, planning result) of ``SMALL_WORKLOAD``; the cost model is the one the plan was

@@ -5,8 +5,8 @@ lorafleet's files.
   length), ``names.py`` (the one rule for a task's name), ``sweep.py`` (a task's hyperparameter sweep and the
   member tasks it expands into), ``data.py (where a task's rows come from), ``evaluation.py`` (its ``eval`` and
   ``early_stopping``), ``loss_curve.py`` (its ``eval.curve``, for what-ifs), ``model.py`` (base-model
-  dimensions), ``architecture.py`` (the model families trained; a LoRA target list on each), ``gpus.py`` (datasheets), ``cluster.py`` (pools of nodes), ``lora.py`` (adapter and optimizer
-  settings), ``recompute.py``;
+  dimensions), ``architecture.py`` (the model families trained; a LoRA target list on each), ``gpus.py``
+  (datasheets), ``cluster.py`` (pools of nodes), ``lora.py`` (adapter and optimizer settings), ``recompute.py``;
 - length distributions: ``lengths.py`` (``LengthDistribution``), ``length_family.py`` (the parametric
   family and its fit), ``length_presets.py`` (LobRA's twelve datasets offline);
 - policies and settings: ``dispatch.py`` (the dispatch policy and its field table), ``objective.py`` (the

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import yaml
-from transformers import AutoTokenizer
 
 from lorafleet.cli import main
 
@@ -30,12 +29,8 @@ def _one_line_error(capsys) -> str:
 
 
 @pytest.fixture(scope="module")
-def no_template_tokenizer(tiny_tokenizer_dir, tmp_path_factory):
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
-    tokenizer.chat_template = None
-    out = tmp_path_factory.mktemp("no-template")
-    tokenizer.save_pretrained(out)
-    return out
+def no_template_tokenizer(tokenizer_with_template):
+    return tokenizer_with_template(None)
 
 
 @pytest.mark.parametrize("command", [["validate"], ["plan", "--gpus", "1", "--gpu", "cpu"]])

@@ -11,7 +11,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from transformers import AutoTokenizer
 
 from lorafleet.cli import main
 from tests.data.test_rendering import SMOLLM2_TEMPLATE
@@ -22,13 +21,9 @@ CHATS = [{"messages": [{"role": "user", "content": f"Say {w}."}, {"role": "assis
 
 
 @pytest.fixture(scope="module")
-def smol_template_tokenizer(tiny_tokenizer_dir, tmp_path_factory):
+def smol_template_tokenizer(tokenizer_with_template):
     """The project's tiny tokenizer carrying SmolLM2's chat template (which adds a default system prompt)."""
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
-    tokenizer.chat_template = SMOLLM2_TEMPLATE
-    out = tmp_path_factory.mktemp("smol-template")
-    tokenizer.save_pretrained(out)
-    return out
+    return tokenizer_with_template(SMOLLM2_TEMPLATE)
 
 
 @pytest.fixture

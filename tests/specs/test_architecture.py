@@ -10,7 +10,7 @@ from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.errors import InputError
 from lorafleet.specs.architecture import model_targets
 from lorafleet.specs.lora import LLAMA_TARGET_MODULES, LoraSpec
-from lorafleet.specs.model import MODEL_PRESETS, model_from_hf_config, resolve_model
+from lorafleet.specs.model import MODEL_PRESETS, resolve_model
 
 
 def test_phi3_fuses_the_llama_names_and_refuses_a_part():
@@ -47,23 +47,6 @@ def test_an_unsupported_model_type_is_one_line_naming_the_file(tmp_path, model_t
     with pytest.raises(InputError, match=message) as err:
         resolve_model(str(tmp_path), "w.yaml", "model")
     assert err.value.path == str(tmp_path / "config.json") and err.value.field == "model_type"
-
-
-def test_a_config_reads_its_family_and_head_width(tmp_path):
-    config = {
-        "model_type": "gemma2",
-        "num_hidden_layers": 42,
-        "hidden_size": 3584,
-        "intermediate_size": 14336,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 256,
-        "vocab_size": 256000,
-        "tie_word_embeddings": True,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    spec = model_from_hf_config(tmp_path)
-    assert spec.model_dump(exclude={"name"}) == MODEL_PRESETS["gemma2-9b"].model_dump(exclude={"name"})
 
 
 def test_a_hub_id_not_on_disk_says_how_to_download_it(tmp_path, monkeypatch):

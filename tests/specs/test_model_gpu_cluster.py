@@ -47,21 +47,28 @@ def test_every_required_preset_exists():
         assert gpu in GPU_PRESETS
 
 
-def test_hf_config_round_trip(tmp_path):
+@pytest.mark.parametrize(
+    "preset,config",
+    [
+        ("smollm2-135m", {"model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576}),
+        # Gemma's head width (256) is not hidden / heads.
+        ("gemma2-9b", {"model_type": "gemma2", "num_hidden_layers": 42, "hidden_size": 3584, "head_dim": 256}),
+    ],
+)
+def test_hf_config_round_trip(tmp_path, preset, config):
+    want = MODEL_PRESETS[preset]
     config = {
-        "model_type": "llama",
-        "num_hidden_layers": 30,
-        "hidden_size": 576,
-        "intermediate_size": 1536,
-        "num_attention_heads": 9,
-        "num_key_value_heads": 3,
-        "vocab_size": 49152,
+        **config,
+        "intermediate_size": want.ffn,
+        "num_attention_heads": want.n_heads,
+        "num_key_value_heads": want.n_kv_heads,
+        "vocab_size": want.vocab,
         "tie_word_embeddings": True,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     spec = model_from_hf_config(tmp_path)
-    assert spec.model_dump(exclude={"name"}) == MODEL_PRESETS["smollm2-135m"].model_dump(exclude={"name"})
-    assert resolve_model(str(tmp_path)).n_kv_heads == 3
+    assert spec.model_dump(exclude={"name"}) == want.model_dump(exclude={"name"})
+    assert resolve_model(str(tmp_path)).n_kv_heads == want.n_kv_heads
 
 
 def test_hf_config_errors_name_the_field(tmp_path):
