@@ -1,6 +1,6 @@
 """Write the capacity-planning notebooks in notebooks/ from the cells below, then execute them.
 
-    .venv/bin/python scripts/build_notebooks.py
+    .venv/bin/python scripts/build_notebooks.py [NAME.ipynb ...]
 
 The notebooks are generated (not edited by hand) so their code stays reviewable here; CI
 re-executes them top to bottom (tests/test_notebooks.py).
@@ -8,6 +8,7 @@ re-executes them top to bottom (tests/test_notebooks.py).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import nbformat
@@ -124,6 +125,94 @@ plt.tight_layout()""",
     ),
 ]
 
+EVALUATIONS = [
+    (
+        "md",
+        """# Evaluations and early stops in a what-if
+
+The demo's four tenants (SmolLM2-135M on 4 x A100-40GB), each given 100 steps and evaluated every 10 of them on
+12 held-out rows (`max_rows`: a what-if that reads no data file holds out `max_rows` rows, and the demo's files
+hold 90 to 300 rows, of which a 5% split is 5 to 15), with early stopping (patience 2). `simulate` has no model to measure a loss on, so each task's
+eval loss is a documented curve of the real tokens it has trained, `l_inf + a n^-alpha` (n in millions of
+tokens), plus, for an overfitting task, `rise x (n - rise_after)` past `rise_after` (docs/simulation.md,
+"Evaluations and early stops"; `--eval-curves-from RUN` fits one to a training run's evaluations). Here
+`codegen` and `moddoc` overfit from 40% of their steps' expected tokens; `docsum` and `chat` improve to the end.
+Each evaluation is priced by the cost model as forward-only work and billed to its tenant; a stop hands the
+tenant's capacity back.""",
+    ),
+    (
+        "code",
+        """from pathlib import Path
+
+import pandas as pd
+
+from lorafleet.assemble import workload_cluster, workload_cost_model
+from lorafleet.loss_curve import TOKENS_UNIT
+from lorafleet.planner import plan_deployment
+from lorafleet.report import eval_rows
+from lorafleet.simulate import simulate_schedule
+from lorafleet.workload import load_workload
+
+root = Path.cwd() if (Path.cwd() / "examples").exists() else Path.cwd().parent
+demo = root / "examples" / "demo" / "workload.yaml"
+STEPS, EVERY, L_INF, A, ALPHA = 100, 10, 1.0, 0.05, 0.5
+sets = [f"defaults.steps={STEPS}", f"defaults.eval.every_steps={EVERY}", "defaults.eval.split=0.05",
+        "defaults.eval.max_rows=12",
+        "defaults.early_stopping.patience=2", f"defaults.eval.curve.l_inf={L_INF}", f"defaults.eval.curve.a={A}",
+        f"defaults.eval.curve.alpha={ALPHA}"]
+for name in ("codegen", "moddoc"):  # the minimum at 40% of the steps' tokens, rising twice as fast as it fell there
+    low = 0.4 * STEPS * load_workload(demo).task(name).expected_tokens / TOKENS_UNIT
+    sets += [f"tasks.{name}.eval.curve.rise_after={low:.4g}",
+             f"tasks.{name}.eval.curve.rise={2 * ALPHA * A * low ** (-ALPHA - 1):.4g}"]
+workload = load_workload(demo, sets)
+cluster = workload_cluster(workload)
+planned = plan_deployment(workload, cluster, workload_cost_model(workload, cluster))
+run = simulate_schedule(workload, planned.schedule, planned.cost_model, STEPS)
+full = simulate_schedule(workload, planned.schedule, planned.cost_model, STEPS, stops=False)  # no task stops
+pd.DataFrame(eval_rows(run.evals, full.evals)).set_index("task").round(3)""",
+    ),
+    (
+        "md",
+        """`best_step` is the global step after the task's best evaluation (the adapter it gets), `stopped_at` the one
+after which it left: `patience` evaluations later. `not_taken` are the steps it would have trained without the
+stop. What the stops save, against the same run with every task trained to its steps. `simulate` keeps the
+plan, so a stop saves what the shorter steps after it save, and on 4 A100s the demo's small steps are mostly
+fixed costs; `simulate --arrivals` re-plans the fleet around the tenants left (below):""",
+    ),
+    (
+        "code",
+        """saved = 1 - run.total_gpu_seconds / full.total_gpu_seconds
+evals = sum(run.eval_gpu_seconds.values())
+print(f"GPU-s {run.total_gpu_seconds:.1f} with early stops, {full.total_gpu_seconds:.1f} without: {saved:.1%} saved; "
+      f"evaluations {evals:.1f} GPU-s ({evals / (run.total_gpu_seconds - evals):.1%} over the steps')")""",
+    ),
+    (
+        "code",
+        """%matplotlib inline
+import matplotlib.pyplot as plt
+
+fig, ax = plt.subplots(figsize=(7, 4))
+for name, reference in full.evals.items():
+    (line,) = ax.plot([r.step for r in reference.records], [r.loss for r in reference.records], ":", alpha=0.6)
+    e = run.evals[name]
+    ax.plot([r.step for r in e.records], [r.loss for r in e.records], ".-", color=line.get_color(), label=name)
+    best = next(r for r in e.records if r.step == e.state.best_step)
+    ax.plot(best.step, best.loss, "o", mfc="none", ms=10, color=line.get_color())
+    if e.stop_step is not None:
+        ax.plot(e.records[-1].step, e.records[-1].loss, "x", ms=10, color=line.get_color())
+ax.set(xlabel="step", ylabel="eval loss (curve)", title="evaluations: best (o), early stop (x), no stop (dotted)")
+ax.legend()
+plt.tight_layout()""",
+    ),
+    (
+        "md",
+        """The shell gives the same replay: `lorafleet simulate examples/demo/workload.yaml --steps 100 --set ...`
+(the sets above) prints each task's evaluations, best and stop, and `--report DIR` draws this plot
+(`evals.png`); `simulate --arrivals` replays the stops with the incremental re-plan handing the capacity back
+(`benchmarks/bench_eval.py`, T4).""",
+    ),
+]
+
 
 def build(name: str, cells: list[tuple[str, str]]) -> Path:
     nb = nbformat.v4.new_notebook()
@@ -139,6 +228,12 @@ def build(name: str, cells: list[tuple[str, str]]) -> Path:
     return path
 
 
+NOTEBOOKS = {
+    "capacity_planning.ipynb": CAPACITY,
+    "whatif_gpu_types.ipynb": GPU_TYPES,
+    "evaluations.ipynb": EVALUATIONS,
+}
+
 if __name__ == "__main__":
-    for name, cells in (("capacity_planning.ipynb", CAPACITY), ("whatif_gpu_types.ipynb", GPU_TYPES)):
-        print("wrote", build(name, cells))
+    for name in sys.argv[1:] or NOTEBOOKS:  # the names given (default: every notebook)
+        print("wrote", build(name, NOTEBOOKS[name]))
