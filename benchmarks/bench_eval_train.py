@@ -11,7 +11,14 @@ on a ``--split`` of its rows (``--set defaults.eval...``). From the run's ``metr
 speeds (``eval_replay.forward_seconds``), the estimate of the step its row follows is the dispatcher's. T2 asks the
 two to agree within 5 points. The script prints both, their difference, each evaluation, and the command.
 
-    python benchmarks/bench_eval_train.py [--steps 4] [--every 2] [--split 0.05]
+``--profile PATH`` plans and trains by a measured profile (``profiles/smollm2-135m-cpu.json``), whose forward
+coefficients price the passes, where the default is the analytic model of the ``cpu`` preset, which prices them
+as assumed shares of the training pass (``CostModel.forward_time``). Before the run the script prints, for each
+model, the forward share of a training pass over one pass's micro-batches (12 held-out rows a task, packed on the
+demo's plan): ``Σ_r T_F,r / Σ_r (T_r - overhead_r)``. A run's first prediction is its steps' recalibrated speed
+times the forward time, so the two shares' ratio is how far apart the two models' first predictions are.
+
+    python benchmarks/bench_eval_train.py [--steps 4] [--every 2] [--split 0.05] [--profile PATH]
 """
 
 from __future__ import annotations
@@ -29,15 +36,45 @@ WORKLOAD = REPO / "examples" / "demo" / "workload.yaml"
 LORAFLEET = [sys.executable, "-m", "lorafleet"]
 
 
+def forward_shares(profile: str | None) -> None:
+    """Print each cost model's forward share of a training pass over one evaluation's micro-batches (module doc)."""
+    from lorafleet.assemble import workload_cost_model
+    from lorafleet.eval_replay import dispatch_evaluation, held_out_lengths
+    from lorafleet.planner import plan_deployment
+    from lorafleet.sampling import TaskDraw, global_batch
+    from lorafleet.specs.cluster import ClusterSpec
+    from lorafleet.workload import load_workload
+
+    workload = load_workload(WORKLOAD, ["defaults.eval.split=0.05", "defaults.eval.max_rows=12"])
+    cluster = ClusterSpec(gpu="cpu", nodes=1, gpus_per_node=1)
+    analytic = workload_cost_model(workload, cluster)
+    plan = plan_deployment(workload, cluster, analytic).plan
+    draws = [(k, 0, TaskDraw(held_out_lengths(t, workload.spec.seed), 0, 0)) for k, t in enumerate(workload.tasks)]
+    work = dispatch_evaluation(global_batch(0, draws), plan, analytic).work
+    models = {"analytic:cpu (assumed shares)": analytic}
+    if profile is not None:
+        models[f"{profile} (measured forward)"] = workload_cost_model(workload, cluster, profile)
+    for name, cm in models.items():
+        forward = backward = 0.0
+        for replica, w in zip(plan.replicas, work):
+            shapes = [mb.shape for mb in w.microbatches]
+            forward += cm.forward_time(replica.config, shapes)
+            backward += cm.replica_time(replica.config, shapes) - cm.step_overhead(replica.config)
+        print(f"  forward share of a training pass over one pass's micro-batches, {name}: {forward / backward:.3f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--every", type=int, default=2, help="evaluate every this many of a task's steps")
     parser.add_argument("--split", type=float, default=0.05)
+    parser.add_argument("--profile", help="plan and train by this profile (default: the analytic model of cpu)")
     args = parser.parse_args()
     start = time.perf_counter()
+    forward_shares(args.profile)
     out = Path(tempfile.mkdtemp(prefix="bench-eval-train-"))
     sets = ["--set", f"defaults.eval.split={args.split}", "--set", f"defaults.eval.every_steps={args.every}"]
+    sets += ["--profile", str(Path(args.profile).absolute())] if args.profile else []
     plan = out / "plan.json"
     subprocess.run([*LORAFLEET, "plan", str(WORKLOAD), "--gpus", "1", "--gpu", "cpu", "--json", str(plan), *sets],
                    check=True, capture_output=True)  # fmt: skip
