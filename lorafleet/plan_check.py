@@ -168,7 +168,7 @@ def _check_replicas(
         problems = config_problems(config, workload.model, cluster)
         if problems:
             fail(f"{where}.config", f"{config}: {problems[0]}")
-        capacity = cost_model.max_tokens(config)
+        capacity = cost_model.memory_tokens(config)  # a plan may hold more than the knee: slower, not wrong
         by = cost_model.pool_model(config)[0].source
         if capacity <= 0:
             on = pool.gpu + (f" (pool {pool.name!r})" if pool.name else "")

@@ -8,6 +8,7 @@ measures profiles lives in ``lorafleet.profiling``.
     parallel_config.py   ⟨TP, PP⟩ configs of one replica, with or without recomputation, and their validity
     time_model.py        a micro-batch's time on one layer and one pipeline stage, and the affine terms around it
     memory_model.py      max tokens M of a config: how large a micro-batch one replica holds
+    microbatch_size.py   a CPU's micro-batch knee: tokens past it cost more, and M stops there
     adapters.py          the adapter load a replica carries (tasks, ranks, targets, optimizer)
     dora_cost.py         what DoRA adds to a LoRA block's time (the analytic model's DoRA terms)
     schedule.py          the pipeline schedule of a PP replica over a window of steps, its timeline and bubble

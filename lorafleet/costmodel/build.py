@@ -29,6 +29,7 @@ from lorafleet.costmodel.analytic import (
 from lorafleet.costmodel.cost_model import CostModel, CostModelOrigin
 from lorafleet.costmodel.fitted import fit_profile
 from lorafleet.costmodel.memory_model import stage_memory
+from lorafleet.costmodel.microbatch_size import MicroBatchKnee
 from lorafleet.costmodel.parallel_config import config_problems, enumerate_configs
 from lorafleet.costmodel.profile_format import (
     AdaptersJSON,
@@ -41,6 +42,7 @@ from lorafleet.costmodel.profile_format import (
 )
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.gpus import GIB
 from lorafleet.specs.io import file_sha256
 from lorafleet.specs.lora import Quantization
 from lorafleet.specs.model import ModelSpec
@@ -175,7 +177,15 @@ def analytic_cost_model(
     cm = profile_cost_model(
         profile, model, adapters, sync_replicas=sync_replicas, recompute=recompute, source=cluster.gpu
     )
-    return replace(cm, origin=CostModelOrigin(kind="analytic", gpu=cluster.gpu, quantize=quantize))
+    gpu = cluster.gpu_spec
+    knees = {}
+    if gpu.microbatch_knee_gib is not None:  # K = the knee's activation bytes over each config's bytes a token
+        per_token = {r.config: r.bytes_per_token for r in profile.memory}
+        knee_bytes = gpu.microbatch_knee_gib * GIB
+        knees = {
+            c: MicroBatchKnee(max(1, int(knee_bytes // per_token[c])), gpu.microbatch_knee_penalty) for c in cm.configs
+        }
+    return replace(cm, knees=knees, origin=CostModelOrigin(kind="analytic", gpu=cluster.gpu, quantize=quantize))
 
 
 def load_cost_model(

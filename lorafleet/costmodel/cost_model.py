@@ -29,6 +29,9 @@ a load model prices classes with before dispatch). W = 1 is LobRA Eq. 12, 1F1B f
 all-reduce of every task's adapter gradients across the ``sync_replicas`` replicas and the
 optimizer step, both on the adapter parameters one device holds, Σ_tasks params / (tp * pp).
 
+Past a knee of K tokens (a CPU's: ``microbatch_size``) every token of a micro-batch costs ``1 + ρ`` times its
+affine price, ``τ'_k = τ_k + ρ c3 max(0, S_k − K)``, and M is the memory limit capped where a token costs least.
+
 A fleet of several pools (GPU kinds) is one CostModel too (:meth:`CostModel.of_pools`): each pool's
 own model (its profile's, or its kind's analytic one), and a config is priced by the model of the
 pool it names (``ParallelConfig.pool``). Every caller prices configs as before and never asks
@@ -46,6 +49,7 @@ from pydantic import ConfigDict, Field
 
 from lorafleet.costmodel import schedule
 from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.microbatch_size import MicroBatchKnee
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
 from lorafleet.specs.lora import Quantization
@@ -133,6 +137,9 @@ class CostModel:
     """Bytes of one activation or gradient element (2 for bf16)."""
     sync_replicas: int = 2
     """Replicas taking part in the adapters' gradient all-reduce (1: no sync)."""
+    knees: Mapping[ParallelConfig, MicroBatchKnee] = field(default_factory=dict)
+    """Per config, where a micro-batch's tokens start costing more (``microbatch_size``: a CPU's); a config
+    without one: never."""
     origin: CostModelOrigin | None = None
     """How to rebuild this model (``load_cost_model`` sets it; None for one built by hand or a fleet's)."""
     pools: Mapping[str, CostModel] = field(default_factory=dict)
@@ -161,6 +168,7 @@ class CostModel:
             head_time={},
             forward_layer_time={},
             forward_head_time={},
+            knees={},
             source=" + ".join(f"{name}={m.source}" for name, m in models.items()),
             origin=None,
             pools=dict(models),
@@ -197,7 +205,18 @@ class CostModel:
         return layout.tp in model.layer_time
 
     def max_tokens(self, config: ParallelConfig) -> int:
-        """M of ``config`` (0 when the model does not fit at all)."""
+        """M of ``config``, what a plan gives it: the tokens that fit in memory (:meth:`memory_tokens`), capped
+        where a token costs least past a knee (``MicroBatchKnee.efficient_tokens``); 0 when the model does not
+        fit at all."""
+        model, layout = self.pool_model(config)
+        memory, knee = model.memory_tokens(layout), model.knees.get(layout)
+        if knee is None or memory <= 0:
+            return memory
+        return knee.efficient_tokens(model.stage_coeffs(layout), memory)
+
+    def memory_tokens(self, config: ParallelConfig) -> int:
+        """The most tokens a micro-batch of ``config`` holds in memory (0 when the model does not fit at all):
+        the bound a plan's M is checked against."""
         model, layout = self.pool_model(config)
         return int(model.max_tokens_table.get(layout, 0))
 
@@ -252,16 +271,26 @@ class CostModel:
     def microbatch_time(
         self, config: ParallelConfig, b: np.ndarray | float, s: np.ndarray | float
     ) -> np.ndarray | float:
-        """Stage time τ of one padded micro-batch of b sequences of length s, fwd+bwd, seconds (vectorised)."""
-        return self.stage_coeffs(config)(b, s) / MS_PER_S
+        """Stage time τ' of one padded micro-batch of b sequences of length s, fwd+bwd, seconds (vectorised)."""
+        t = self.stage_coeffs(config)(b, s) + self._excess_ms(config, np.where(np.asarray(b) > 0, np.multiply(b, s), 0))
+        return (float(t) if np.ndim(t) == 0 else t) / MS_PER_S
 
     def packed_microbatch_time(self, config: ParallelConfig, seq_lens: Sequence[int]) -> float:
-        """Stage time τ of one packed micro-batch, fwd+bwd, seconds."""
-        return self.stage_coeffs(config).packed(seq_lens) / MS_PER_S if len(seq_lens) else 0.0
+        """Stage time τ' of one packed micro-batch, fwd+bwd, seconds."""
+        return self.shape_time(config, MicroBatchShape.packed(seq_lens))
 
     def shape_time(self, config: ParallelConfig, mb: MicroBatchShape) -> float:
-        """Stage time of a micro-batch described by its shape (padded or packed), seconds."""
-        return self.stage_coeffs(config).shape(mb) / MS_PER_S if mb.n_seqs else 0.0
+        """Stage time τ' of a micro-batch described by its shape (padded or packed), seconds."""
+        if not mb.n_seqs:
+            return 0.0
+        return (self.stage_coeffs(config).shape(mb) + float(self._excess_ms(config, mb.tokens))) / MS_PER_S
+
+    def _excess_ms(self, config: ParallelConfig, tokens: Sequence[int] | np.ndarray | int) -> np.ndarray | float:
+        """``ρ c3 max(0, S − K)`` of micro-batches of ``tokens`` tokens past the knee, ms (0.0 without one: what
+        it is added to stays bit for bit the LobRA form's)."""
+        model, layout = self.pool_model(config)
+        knee = model.knees.get(layout)
+        return 0.0 if knee is None else knee.excess_ms(model.stage_coeffs(layout), np.asarray(tokens))
 
     def forward_time(self, config: ParallelConfig, microbatches: Sequence[MicroBatchShape]) -> float:
         """One replica's time to run ``microbatches`` forward only (an evaluation), seconds::
@@ -346,6 +375,8 @@ class CostModel:
         count_work("replicas_priced")
         if tasks is not None and len(tasks) != len(microbatches):
             raise ValueError(f"{len(tasks)} task sets for {len(microbatches)} micro-batches")
-        times = self.stage_coeffs(config).shapes(microbatches) / MS_PER_S
+        model, layout = self.pool_model(config)
+        tokens = [mb.tokens for mb in microbatches] if layout in model.knees else 0
+        times = (self.stage_coeffs(config).shapes(microbatches) + self._excess_ms(config, tokens)) / MS_PER_S
         bubble = self.bubble_slots(config, tasks, window)
         return float(times.sum() + bubble * times.max()) + self.step_overhead(config)

@@ -13,6 +13,12 @@ from lorafleet.errors import InputError
 from lorafleet.specs._base import Float, Spec
 
 GIB = 1024**3
+#: The CPU's micro-batch knee (``GPUSpec.microbatch_knee_gib``, ``microbatch_knee_penalty``): on this machine a
+#: step of SmolLM2-135M in fp32 costs the least CPU time a token in micro-batches of about 2,048 tokens, 3 GiB of
+#: activations by the (nominally bf16) memory model, and every token past them about 1 + ρ times as much
+#: (``benchmarks/bench_microbatch.py``, docs/costmodel.md).
+CPU_KNEE_GIB = 3.0
+CPU_KNEE_PENALTY = 0.5
 
 
 class GPUSpec(Spec):
@@ -30,15 +36,37 @@ class GPUSpec(Spec):
     """GPU-to-GPU bandwidth inside a node (NVLink, else PCIe), GB/s per direction."""
     inter_node_gbps: Float = Field(gt=0)
     """Network bandwidth per GPU across nodes (InfiniBand/RoCE NIC), GB/s per direction."""
+    microbatch_knee_gib: Float | None = Field(default=None, gt=0)
+    """A micro-batch's activations (by the memory model, GiB) past which each further token costs
+    ``1 + microbatch_knee_penalty`` times as much (``costmodel.microbatch_size``), measured; None: a token costs the
+    same in any micro-batch (every GPU preset)."""
+    microbatch_knee_penalty: Float = Field(default=0.0, ge=0)
+    """ρ: the extra share of a token's time past the knee."""
 
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gib * GIB)
 
 
-def _gpu(name: str, mem: float, tflops: float, hbm: float, intra: float, inter: float) -> GPUSpec:
+def _gpu(
+    name: str,
+    mem: float,
+    tflops: float,
+    hbm: float,
+    intra: float,
+    inter: float,
+    knee: tuple[float, float] | None = None,
+) -> GPUSpec:
+    gib, penalty = knee or (None, 0.0)
     return GPUSpec(
-        name=name, memory_gib=mem, bf16_tflops=tflops, hbm_gbps=hbm, intra_node_gbps=intra, inter_node_gbps=inter
+        name=name,
+        memory_gib=mem,
+        bf16_tflops=tflops,
+        hbm_gbps=hbm,
+        intra_node_gbps=intra,
+        inter_node_gbps=inter,
+        microbatch_knee_gib=gib,
+        microbatch_knee_penalty=penalty,
     )
 
 
@@ -56,8 +84,9 @@ GPU_PRESETS: dict[str, GPUSpec] = {
         # PCIe cards: RTX A6000 (NVLink bridge pairs only, PCIe 4.0 x16 otherwise), L40S (no NVLink).
         _gpu("A6000-48GB", 48, 155, 768, 32, 12.5),
         _gpu("L40S", 48, 362, 864, 32, 25),
-        # This machine: 2 cores, fp32 through oneDNN; gloo over shared memory.
-        _gpu("cpu", 24, 0.1, 20, 5, 1),
+        # This machine: 2 cores, fp32 through oneDNN; gloo over shared memory; its micro-batch knee measured by
+        # benchmarks/bench_microbatch.py (SmolLM2-135M in fp32).
+        _gpu("cpu", 24, 0.1, 20, 5, 1, knee=(CPU_KNEE_GIB, CPU_KNEE_PENALTY)),
     )
 }
 
