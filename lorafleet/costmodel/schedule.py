@@ -221,12 +221,10 @@ def _timed_stall(pp: int, k: int, late: tuple[int, ...]) -> float:
     """Steady-state stall of a step of ``k`` micro-batches whose second-step dependencies read ``late``,
     then ``K + i - pp`` (:func:`stall_slots`): span(3 steps) - span(2 steps) - K, one slot a micro-batch."""
     rel = np.concatenate((np.asarray(late, dtype=np.int64), k + np.arange(len(late), k) - pp))
-
-    def span(steps: int) -> float:
-        deps = np.concatenate([np.full(k, -1, dtype=np.int64), *(rel + (s - 1) * k for s in range(1, steps))])
-        return stream_span(pp, deps, FORWARD_SHARE, 1.0 - FORWARD_SHARE)
-
-    return max(0.0, span(3) - span(2) - k)
+    two = np.concatenate((np.full(k, -1, dtype=np.int64), rel))
+    ends = _stream_ends(pp, two, FORWARD_SHARE, 1.0 - FORWARD_SHARE)
+    three = _stream_ends(pp, np.concatenate((two, rel + k)), FORWARD_SHARE, 1.0 - FORWARD_SHARE, (two.size, ends))
+    return max(0.0, float(three[-1].max() - ends[-1].max()) - k)
 
 
 _cached_stall = functools.lru_cache(maxsize=65536)(_timed_stall)
@@ -259,7 +257,20 @@ def stage_positions(pp: int, deps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def stream_span(pp: int, deps: np.ndarray, forward_s: float | np.ndarray, backward_s: float | np.ndarray) -> float:
-    """The span of :func:`timeline` with no update time (``update_s = 0``), computed as a longest path.
+    """The span of :func:`timeline` with no update time (``update_s = 0``), computed as a longest path
+    (:func:`_stream_ends`)."""
+    return float(_stream_ends(pp, deps, forward_s, backward_s)[-1].max())
+
+
+def _stream_ends(
+    pp: int,
+    deps: np.ndarray,
+    forward_s: float | np.ndarray,
+    backward_s: float | np.ndarray,
+    known: tuple[int, np.ndarray] | None = None,
+) -> np.ndarray:
+    """Every op's end in :func:`timeline` with no update time, by position: row ``p + 1`` holds each stage's
+    op at position ``p`` of its order (row 0: zeros), so the span is the last row's maximum.
 
     With no update time, a forward's updates are ready when its dependency's backward has run on
     stage 0, which stage 0's order already waits for, so every op waits only for the op before it
@@ -280,11 +291,14 @@ def stream_span(pp: int, deps: np.ndarray, forward_s: float | np.ndarray, backwa
     a running maximum, kept inside each chain by adding its chain's number times a constant above every
     end. So the sums are exact, and equal the timeline's to the bit, when the durations are dyadic (the
     schedule's slots are halves). ``forward_s``, ``backward_s``: one duration for all, or ``(pp, n)``.
-    Raises ValueError if the orders deadlock (a forward waiting for a backward of its own or a later one).
+    ``known``: ``(n0, ends)``, the ends of this stream's first ``n0`` micro-batches alone (the same durations):
+    every position before the first forward of a later micro-batch holds the same op on every stage, with the
+    same inputs, in both, so those rows are copied, not settled again. Raises ValueError if the orders
+    deadlock (a forward waiting for a backward of its own or a later one).
     """
     n = deps.size
     if n == 0:
-        return 0.0
+        return np.zeros((1, pp))
     waiting = np.flatnonzero(deps >= np.arange(n))
     if waiting.size:
         i = int(waiting[0])
@@ -311,14 +325,18 @@ def stream_span(pp: int, deps: np.ndarray, forward_s: float | np.ndarray, backwa
     down_add, down_back = _chain_offsets(t, ~(is_forward & chained), above)
     up_add, up_back = _chain_offsets(t[:, ::-1], ~(~is_forward & chained)[:, ::-1], above)
     ends = np.zeros((width + 1, pp))
+    shared = 0
+    if known is not None and known[0] < n:
+        shared = int(f_pos[:, known[0]].min())
+        ends[1 : shared + 1] = known[1][1 : shared + 1]
     flat, acc = ends.ravel(), np.maximum.accumulate
-    for p in range(width):
+    for p in range(shared, width):
         x = np.maximum(ends[p], flat.take(source[p]))
         down = acc(x + down_add[p]) + down_back[p]
         up = acc(x[::-1] + up_add[p]) + up_back[p]
         np.copyto(ends[p + 1], up[::-1])
         np.copyto(ends[p + 1], down, where=is_forward[p])
-    return float(ends[width].max())
+    return ends
 
 
 def _chain_offsets(t: np.ndarray, starts: np.ndarray, above: float) -> tuple[np.ndarray, np.ndarray]:
