@@ -113,16 +113,13 @@ def test_attention_windows_by_family():
         ("llama", True),
         ("qwen2", False),
         ("mistral", True),
-        ("qwen3", True),
         ("gemma2", True),
-        ("gemma3", True),
-        ("phi3", True),
     ],
 )
 def test_stage_forward_equals_the_hf_model(family, packed):
     """A whole-model stage with random adapters gives, row for row, the logits of the HF model run
-    one sequence at a time with that sequence's adapter: every family's own forward (Gemma's soft caps, Gemma 3's
-    two rotary tables, Phi-3's fused projections) is the executor's."""
+    one sequence at a time with that sequence's adapter (Gemma 2: its soft-capped attention and logits). The other
+    newer families are held to the HF model through training (``test_joint_training``)."""
     model = h.build_model(family, torch.float64)
     inject_multi_lora(model, [t.lora for t in h.model_tasks(family)])
     with torch.no_grad():
