@@ -15,7 +15,8 @@
 #
 #   env        nvidia-smi; python, torch, triton, transformers, peft versions; CUDA visible; lorafleet imports
 #   gpu-tests  pytest tests/gpu: compiled Triton kernels vs the torch backend (fp32, bf16), AUTO -> Triton,
-#              FlashAttention varlen vs the per-document loop, lorafleet train --device cuda (NCCL) smoke
+#              FlashAttention varlen vs the per-document loop, Qwen3/Gemma 2/Gemma 3/Phi-3 stages (bf16) vs their
+#              own transformers models, lorafleet train --device cuda (NCCL) smoke
 #   profile    lorafleet profile --device cuda --dtype bf16 on smollm2-135m, TP1 (<1,1>, <1,2>, <1,1> recompute),
 #              memory searched against 8 GiB (not the GPU's memory: see the docs) -> a fitted profile JSON
 #   bench      benchmarks/bench_multi_lora.py --device cuda --dtype bf16 --quick: ours_triton vs ours vs peft_seq
