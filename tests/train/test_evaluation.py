@@ -6,7 +6,7 @@ after each of its steps, with early stopping (patience 2).
   after that minimum; it leaves the run at that boundary through the departure path (``changes.jsonl``), its best
   adapter (the minimum's, not the first evaluation's) is the one exported, and PEFT measures on it the loss the run
   recorded as the minimum. The curve is the tiny model's: its frozen random LM head bounds how far a LoRA moves a
-  logit (the eval loss stays within 0.2 of ln 1024), so the fall and the rise are a few hundredths, not a real
+  logit (the eval loss stays within 0.4 of ln 1024), so the fall and the rise are a few hundredths, not a real
   model's overfitting, but they are the same on every run (CPU, bitwise);
 - the run is killed once (rank 0, between an evaluation and its checkpoint, during the patience) and resumed, and
   ends with the same stop step and bitwise the same adapters (best and last) as an uninterrupted run in which
