@@ -88,7 +88,10 @@ def _make_solver(name: SolverName, time_limit_s: float, gap_rel: float, threads:
     if name is SolverName.CBC:
         # CBC 2.10 given any -threads (even 1) runs its threaded search, which stalls about
         # 1 % of small solves for ~10 s (docs/planner.md): serial unless more are asked for.
-        return pulp.PULP_CBC_CMD(**common, **({"threads": threads} if threads and threads > 1 else {}))
+        # Its time limit counts CPU time, not PuLP's default wall time: on a loaded machine a MILP stopped at
+        # the limit with a worse answer and service-128 planned three plans in three runs of one tree.
+        threaded = {"threads": threads} if threads and threads > 1 else {}
+        return pulp.PULP_CBC_CMD(**common, timeMode="cpu", **threaded)
     if name is SolverName.SCIP:
         return pulp.SCIP_PY(**common)  # PySCIPOpt solves on one thread; asking for more only warns
     # HiGHS keeps one process-wide thread pool: a solve asking for a different thread count

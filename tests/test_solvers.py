@@ -116,3 +116,11 @@ def test_a_solve_beside_the_main_thread_leaves_its_lines_alone(capfd):
     leave.set()
     thread.join()
     assert "step 7/12 printed while a re-plan solves" in capfd.readouterr().out
+
+
+def test_cbcs_time_limit_counts_cpu_time():
+    """A wall-clock limit made plans depend on the machine's load (#43: service-128 planned three plans in three runs
+    of one tree at load 12-17, a MILP stopped at its limit); CBC is told to count its own CPU time."""
+    from lorafleet.solvers import _make_solver
+
+    assert _make_solver(SolverName.CBC, 10.0, 1e-3, None).optionsDict["timeMode"] == "cpu"
