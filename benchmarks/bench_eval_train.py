@@ -15,8 +15,9 @@ two to agree within 5 points. The script prints both, their difference, each eva
 coefficients price the passes, where the default is the analytic model of the ``cpu`` preset, which prices them
 as assumed shares of the training pass (``CostModel.forward_time``). Before the run the script prints, for each
 model, the forward share of a training pass over one pass's micro-batches (12 held-out rows a task, packed on the
-demo's plan): ``Σ_r T_F,r / Σ_r (T_r - overhead_r)``. A run's first prediction is its steps' recalibrated speed
-times the forward time, so the two shares' ratio is how far apart the two models' first predictions are.
+demo's plan): ``Σ_r T_F,r / Σ_r (T_r - overhead_r)``, and that pass's forward time over a step's time, the mean
+over 8 sampled steps. A run's first prediction is its steps' recalibrated speed times the forward time, so the
+second figure's ratio between the models is how far apart their first predictions are.
 
     python benchmarks/bench_eval_train.py [--steps 4] [--every 2] [--split 0.05] [--profile PATH]
 """
@@ -39,9 +40,10 @@ LORAFLEET = [sys.executable, "-m", "lorafleet"]
 def forward_shares(profile: str | None) -> None:
     """Print each cost model's forward share of a training pass over one evaluation's micro-batches (module doc)."""
     from lorafleet.assemble import workload_cost_model
+    from lorafleet.dispatch import dispatch_step
     from lorafleet.eval_replay import dispatch_evaluation, held_out_lengths
     from lorafleet.planner import plan_deployment
-    from lorafleet.sampling import TaskDraw, global_batch
+    from lorafleet.sampling import TaskDraw, global_batch, sample_global_batch
     from lorafleet.specs.cluster import ClusterSpec
     from lorafleet.workload import load_workload
 
@@ -54,13 +56,17 @@ def forward_shares(profile: str | None) -> None:
     models = {"analytic:cpu (assumed shares)": analytic}
     if profile is not None:
         models[f"{profile} (measured forward)"] = workload_cost_model(workload, cluster, profile)
+    steps = [dispatch_step(sample_global_batch(workload, s), plan, analytic).work for s in range(8)]
     for name, cm in models.items():
         forward = backward = 0.0
         for replica, w in zip(plan.replicas, work):
             shapes = [mb.shape for mb in w.microbatches]
             forward += cm.forward_time(replica.config, shapes)
             backward += cm.replica_time(replica.config, shapes) - cm.step_overhead(replica.config)
-        print(f"  forward share of a training pass over one pass's micro-batches, {name}: {forward / backward:.3f}")
+        step_s = [max(cm.replica_time(r.config, [mb.shape for mb in w.microbatches]) for r, w in zip(plan.replicas, st))
+                  for st in steps]  # fmt: skip
+        print(f"  {name}: a pass's forward share of a training pass over its micro-batches {forward / backward:.3f}; "
+              f"the pass over a sampled step {forward / (sum(step_s) / len(step_s)):.2f}")  # fmt: skip
 
 
 def main() -> int:
