@@ -130,15 +130,15 @@ EVALUATIONS = [
         "md",
         """# Evaluations and early stops in a what-if
 
-The demo's four tenants (SmolLM2-135M on 4 x A100-40GB), each given 100 steps and evaluated every 10 of them on
-12 held-out rows (`max_rows`: a what-if that reads no data file holds out `max_rows` rows, and the demo's files
-hold 90 to 300 rows, of which a 5% split is 5 to 15), with early stopping (patience 2). `simulate` has no model to measure a loss on, so each task's
-eval loss is a documented curve of the real tokens it has trained, `l_inf + a n^-alpha` (n in millions of
-tokens), plus, for an overfitting task, `rise x (n - rise_after)` past `rise_after` (docs/simulation.md,
-"Evaluations and early stops"; `--eval-curves-from RUN` fits one to a training run's evaluations). Here
-`codegen` and `moddoc` overfit from 40% of their steps' expected tokens; `docsum` and `chat` improve to the end.
-Each evaluation is priced by the cost model as forward-only work and billed to its tenant; a stop hands the
-tenant's capacity back.""",
+The demo's four tenants (SmolLM2-135M on 4 x A100-40GB), each given 100 steps and evaluated every 10 of them
+on 12 held-out rows, with early stopping (patience 2). A what-if that reads no data file holds out `max_rows`
+rows; the demo's files hold 240 rows each, of which a 5% split is 12. `simulate` has no model to measure a
+loss on, so each task's eval loss is a documented curve of the real tokens it has trained,
+`l_inf + a n^-alpha` (n in millions of tokens), plus, for an overfitting task, `rise x (n - rise_after)` past
+`rise_after` (docs/simulation.md, "Evaluations and early stops"; `--eval-curves-from RUN` fits one to a
+training run's evaluations). Here `codegen` and `moddoc` overfit from 40% of their steps' expected tokens;
+`docsum` and `chat` improve to the end. Each evaluation is priced by the cost model as forward-only work and
+billed to its tenant; a stop hands the tenant's capacity back.""",
     ),
     (
         "code",
