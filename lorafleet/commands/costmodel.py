@@ -166,7 +166,7 @@ def _check(args: argparse.Namespace) -> None:
     for name, summary in summarize(comparisons).items():
         print(f"{name:16s} {summary}")
     for name, stored in sorted(profile.quality.items()):
-        if name.startswith("layer_cv"):
+        if "layer_cv" in name:  # t(b, s)'s, and the forward's (forward_layer_cv)
             print(
                 f"{name:16s} n={stored['n']} median={stored['median']:.1%} p90={stored['p90']:.1%} (k-fold CV of the "
                 "fit)"

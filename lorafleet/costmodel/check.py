@@ -1,7 +1,8 @@
 """Predicted vs measured on a profile's held-out records: what ``lorafleet costmodel check`` prints.
 
 Held out are the layer records marked ``heldout`` (off-grid padded shapes and packed
-micro-batches, never fitted) and every replica record: whole measured steps over mixed
+micro-batches, never fitted), the same of the forward alone (``records.layer_forward``, kind
+``forward``, against the fitted t_F(b, s)) and every replica record: whole measured steps over mixed
 micro-batch lists, which the fit never sees and the cost model must compose from its parts
 (blocks, head, gradient all-reduce, optimizer).
 """
@@ -23,7 +24,7 @@ class Comparison:
     """One held-out record: what was measured and what the cost model predicts, ms."""
 
     kind: str
-    """``layer`` (padded), ``packed`` or ``replica``."""
+    """``layer`` (padded), ``packed``, ``forward`` (a block's forward alone, padded or packed) or ``replica``."""
     label: str
     measured_ms: float
     predicted_ms: float
@@ -46,6 +47,10 @@ def heldout_comparisons(profile: Profile, model: ModelSpec, source: str = "<prof
             kind = "packed" if r.packed is not None else "layer"
             label = f"tp{r.tp} {_shape_label(r.mbs, r.seq_len, r.packed)}"
             out.append(Comparison(kind, label, r.time_ms, cm.layer_time[r.tp].shape(r.shape)))
+    for r in profile.records.layer_forward:
+        if r.heldout and r.tp in cm.forward_layer_time:
+            label = f"tp{r.tp} {_shape_label(r.mbs, r.seq_len, r.packed)}"
+            out.append(Comparison("forward", label, r.time_ms, cm.forward_layer_time[r.tp].shape(r.shape)))
     for r in profile.records.replica:
         step = replace(cm, sync_replicas=r.sync_replicas)
         label = f"{r.config} sync={r.sync_replicas} " + " ".join(

@@ -93,7 +93,7 @@ def test_fit_and_check_run_on_measured_records(profile):
         assert cm.forward_stage_coeffs(config).shapes(mbs) != pytest.approx(shares)
     assert cm.step_overhead(ParallelConfig(1, 1)) > 0  # the optimizer step was measured
     kinds = {c.kind for c in heldout_comparisons(fitted, TINY)}
-    assert kinds == {"layer", "packed", "replica"}
+    assert kinds == {"layer", "packed", "forward", "replica"}
 
 
 def test_one_device_profiles_tp1_alone_in_bf16():
