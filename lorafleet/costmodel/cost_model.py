@@ -304,7 +304,8 @@ class CostModel:
         its assumed forward share (``LayerTimeCoeffs.forward``: 2/7 of attention, 1/2 of the projections, the LM
         head and the elementwise passes, one of the two pipeline messages); on this repository's CPU they hold: the
         demo's model measured so gives 0.471 of a training pass over an evaluation's micro-batches, the shares 0.473
-        (docs/evaluation.md). No knee (``knees``): an evaluation's micro-batches stay within M. A forward-only stream
+        (docs/evaluation.md). No knee is priced (``knees``: a working set of the activations a step keeps, which a
+        forward-only pass does not keep; assumed, not measured). A forward-only stream
         fills and drains the pipeline once, ``pp - 1`` slots, and no gradient is synchronised and no optimizer
         steps: no step overhead."""
         shapes = [mb for mb in microbatches if mb.n_seqs]
