@@ -14,8 +14,9 @@ neither ``steps`` nor ``epochs`` spans the run's steps, so it changes from the r
 rows) do not fit in the run takes only the steps the run leaves it. That is said as the run starts, a line per task
 (:meth:`TaskLength.line`; a task the queue adds, as it joins), and recorded, per task, in ``<out>/run_length.json``
 (:class:`RunLength`, rewritten at every launch and every change of the tasks: its own steps, those it takes in this
-run, its rows, the rows and epochs it will have seen). A task's learning-rate schedule still spans its own steps
-(``executor.torch.launch.task_training``): the run cuts it, never squeezes it.
+run, its rows, the rows and epochs it will have seen; a task that has left keeps its entry as last written). A
+task's learning-rate schedule still spans its own steps (``executor.torch.launch.task_training``): the run cuts it,
+never squeezes it.
 
 Torch-free: the launcher resolves the run's length, rank 0 writes the record from the streams it trains on.
 """
@@ -122,7 +123,16 @@ class RunLength:
         return tuple(t for t in self.tasks if not t.finishes)
 
     def save(self, run_dir: RunDir) -> None:
-        record = {"steps": self.steps, "tasks": [asdict(t) | {"finishes": t.finishes} for t in self.tasks]}
+        """The record, over the one there: a task that has left the fleet since (finished, stopped early, dropped by
+        its sweep) keeps its entry as last written, as the ledger keeps every task the run has had."""
+        now = [asdict(t) | {"finishes": t.finishes} for t in self.tasks]
+        names = {t.name for t in self.tasks}
+        left = []
+        if run_dir.run_length.is_file():
+            left = [
+                t for t in json.loads(run_dir.run_length.read_text(encoding="utf-8"))["tasks"] if t["name"] not in names
+            ]
+        record = {"steps": self.steps, "tasks": left + now}
         write_text_atomic(run_dir.run_length, json.dumps(record, indent=2) + "\n")
 
 

@@ -177,3 +177,17 @@ def test_without_a_plan_train_plans_for_itself_on_one_machine(tmp_path, tiny_tok
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(InputError, match="--plan: under a torchrun of your own, give every node the same --plan"):
         with_plan_path(options)
+
+
+def test_a_task_that_left_keeps_its_run_length_entry(tmp_path):
+    """run_length.json is rewritten at each change of the tasks; a task that left since (a finish, an early stop, a
+    sweep's drop) keeps its entry as last written, so the live page still knows its total (#42, #39's run)."""
+    from lorafleet.rundir import RunDir
+    from lorafleet.train.run_length import RunLength, TaskLength
+
+    run_dir = RunDir(tmp_path)
+    chat, docsum = (TaskLength(name, 0, 12, 12, 48, 4) for name in ("chat", "docsum"))
+    RunLength(steps=12, tasks=(docsum, chat)).save(run_dir)
+    RunLength(steps=12, tasks=(docsum,)).save(run_dir)  # chat stopped early
+    record = json.loads(run_dir.run_length.read_text())
+    assert sorted(t["name"] for t in record["tasks"]) == ["chat", "docsum"]
