@@ -156,14 +156,22 @@ from lorafleet.workload import load_workload
 root = Path.cwd() if (Path.cwd() / "examples").exists() else Path.cwd().parent
 demo = root / "examples" / "demo" / "workload.yaml"
 STEPS, EVERY, L_INF, A, ALPHA = 100, 10, 1.0, 0.05, 0.5
-sets = [f"defaults.steps={STEPS}", f"defaults.eval.every_steps={EVERY}", "defaults.eval.split=0.05",
-        "defaults.eval.max_rows=12",
-        "defaults.early_stopping.patience=2", f"defaults.eval.curve.l_inf={L_INF}", f"defaults.eval.curve.a={A}",
-        f"defaults.eval.curve.alpha={ALPHA}"]
+sets = [
+    f"defaults.steps={STEPS}",
+    f"defaults.eval.every_steps={EVERY}",
+    "defaults.eval.split=0.05",
+    "defaults.eval.max_rows=12",
+    "defaults.early_stopping.patience=2",
+    f"defaults.eval.curve.l_inf={L_INF}",
+    f"defaults.eval.curve.a={A}",
+    f"defaults.eval.curve.alpha={ALPHA}",
+]
 for name in ("codegen", "moddoc"):  # the minimum at 40% of the steps' tokens, rising twice as fast as it fell there
     low = 0.4 * STEPS * load_workload(demo).task(name).expected_tokens / TOKENS_UNIT
-    sets += [f"tasks.{name}.eval.curve.rise_after={low:.4g}",
-             f"tasks.{name}.eval.curve.rise={2 * ALPHA * A * low ** (-ALPHA - 1):.4g}"]
+    sets += [
+        f"tasks.{name}.eval.curve.rise_after={low:.4g}",
+        f"tasks.{name}.eval.curve.rise={2 * ALPHA * A * low ** (-ALPHA - 1):.4g}",
+    ]
 workload = load_workload(demo, sets)
 cluster = workload_cluster(workload)
 planned = plan_deployment(workload, cluster, workload_cost_model(workload, cluster))
@@ -183,8 +191,10 @@ fixed costs; `simulate --arrivals` re-plans the fleet around the tenants left (b
         "code",
         """saved = 1 - run.total_gpu_seconds / full.total_gpu_seconds
 evals = sum(run.eval_gpu_seconds.values())
-print(f"GPU-s {run.total_gpu_seconds:.1f} with early stops, {full.total_gpu_seconds:.1f} without: {saved:.1%} saved; "
-      f"evaluations {evals:.1f} GPU-s ({evals / (run.total_gpu_seconds - evals):.1%} over the steps')")""",
+print(
+    f"GPU-s {run.total_gpu_seconds:.1f} with early stops, {full.total_gpu_seconds:.1f} without: {saved:.1%} saved; "
+    f"evaluations {evals:.1f} GPU-s ({evals / (run.total_gpu_seconds - evals):.1%} over the steps')"
+)""",
     ),
     (
         "code",
