@@ -5,8 +5,8 @@
 The torch executor's own replica (``profiling.replica.ProfiledReplica``: SmolLM2-135M in fp32, random weights, one
 adapter per member of ``bench_sweep``'s 3 x 3 grid, ranks 4, 8 and 16 on every projection) runs the same step
 over and over: every member's ``--rows`` sequences, lengths drawn from the demo's ``docsum`` histogram (as the
-sweep's members share one data order), laid out first-fit decreasing into packed micro-batches of at most M
-tokens, each holding several members (as lorafleet's dispatcher packs a sweep). A step is ``run_rank_step`` (every
+sweep's members share one data order), packed by the dispatcher (first fit decreasing) into micro-batches of at
+most M tokens, each holding several members. A step is ``run_rank_step`` (every
 micro-batch forward and backward) and every member's clipped optimizer step.
 
 The sizes are interleaved in every round, in one process; a size's figure is its median over the rounds, in
@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import yaml
 
@@ -32,6 +33,7 @@ from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.build import analytic_cost_model
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
+from lorafleet.dispatch.microbatch import packed_microbatches
 from lorafleet.executor.torch.step import run_rank_step
 from lorafleet.plans import MicroBatch
 from lorafleet.profiling.device import ProfileDevice
@@ -54,15 +56,10 @@ def step_lengths(rows: int, seed: int) -> list[tuple[int, int]]:
 
 
 def packed(sequences: list[tuple[int, int]], max_tokens: int) -> tuple[MicroBatch, ...]:
-    """The sequences first-fit decreasing into packed micro-batches of at most ``max_tokens`` tokens."""
-    bins: list[list[tuple[int, int, int]]] = []
-    for q, (member, n) in sorted(enumerate(sequences), key=lambda e: -e[1][1]):
-        room = next((b for b in bins if sum(x[2] for x in b) + n <= max_tokens), None)
-        if room is None:
-            bins.append(room := [])
-        room.append((q, member, n))
-    return tuple(MicroBatch(tuple(q for q, _, _ in b), tuple(m for _, m, _ in b), tuple(n for _, _, n in b), None)
-                 for b in bins)  # fmt: skip
+    """The dispatcher's packing of the step into micro-batches of at most ``max_tokens`` tokens (first fit
+    decreasing, ``dispatch.microbatch.packed_microbatches``)."""
+    members, lengths = (np.array(column) for column in zip(*sequences))
+    return tuple(packed_microbatches(np.arange(len(sequences)), lengths, members, max_tokens))
 
 
 def main() -> None:
@@ -95,6 +92,7 @@ def main() -> None:
                     opt.step(float(norms[t]) ** 0.5)
                 if round_:
                     cpu[m].append(time.process_time() - start)
+                    print(f"  round {round_} M {m}: {cpu[m][-1]:.1f} CPU s", flush=True)
             loads.append(os.getloadavg()[0])
     cluster = ClusterSpec.model_validate({"gpu": "cpu", "nodes": 1, "gpus_per_node": 1})
     cost_model = analytic_cost_model(SPEC, cluster, adapters)
