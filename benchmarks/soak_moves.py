@@ -34,9 +34,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak_restarts import LAUNCHER, steps_logged
+
 from tests.helpers.queue_fleet import add_request, on_four_gpus
 
-LAUNCHER = [sys.executable, "-m", "lorafleet"]
 TASKS = ("docsum", "chat", "codegen", "moddoc")
 CELLS = ("decided@4:0", "applied@4:0", "settling@4:0", "decided@5:0", "applied@5:0", "settling@5:0", "slots@5:1")
 """phase@step:rank: step 4 is the re-plan's move, step 5 moddoc's (``slots``: rank 1 amid its collective)."""
@@ -60,7 +62,7 @@ def run(workload: Path, profile: Path, out: Path, env: dict[str, str], *extra: s
 
 def outcome(out: Path) -> tuple[list[int], list[tuple], dict[str, bytes], bool]:
     """(steps logged, change rows as (step, kind, outcome, plan), adapters, a change left in flight)."""
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = steps_logged(out)
     rows = [json.loads(line) for line in (out / "changes.jsonl").read_text().splitlines() if line.strip()]
     changes = [(r["step"], r["kind"], r["outcome"], r["plan"]) for r in rows]
     adapters = {t: (out / "adapters" / t / "adapter_model.safetensors").read_bytes() for t in TASKS}
