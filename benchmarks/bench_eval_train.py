@@ -47,7 +47,7 @@ def forward_shares(profile: str | None) -> None:
     from lorafleet.specs.cluster import ClusterSpec
     from lorafleet.workload import load_workload
 
-    workload = load_workload(WORKLOAD, ["defaults.eval.split=0.05", "defaults.eval.max_rows=12"])
+    workload = load_workload(WORKLOAD, ["defaults.eval.split=0.05"])
     cluster = ClusterSpec(gpu="cpu", nodes=1, gpus_per_node=1)
     analytic = workload_cost_model(workload, cluster)
     plan = plan_deployment(workload, cluster, analytic).plan

@@ -6,9 +6,10 @@ together, as one forward-only pass over the fleet.
 
 **What it costs.** An evaluation runs a task's held-out rows forward only. Their number:
 ``min(max_rows, round(split x rows))`` when the task's rows are known (:func:`known_rows`: its lengths
-were read from its dataset, ``Task.histogram``, or are a dataset preset's that carries the dataset's published
-row count, ``DatasetPreset.rows``) and it has a ``split``, else ``max_rows`` (a given length distribution, or a
-preset whose count is not published, knows no rows; a held-out ``data`` file is not read by a what-if). Their
+were read from its dataset, ``Task.histogram``, or are given inline as ``values`` or as a ``histogram`` of whole
+counts, or are a dataset preset's that carries the dataset's published row count, ``DatasetPreset.rows``) and it
+has a ``split``, else ``max_rows`` (lengths given by moments or by fractional weights, or a preset whose count is
+not published, know no rows; a held-out ``data`` file is not read by a what-if). Their
 lengths are drawn once per task from its length distribution, by the one sampling rule's generator at a step no
 run reaches (:data:`HELD_OUT_STEP`), so every evaluation of the task sees the same rows. The pass is placed by the
 dispatcher as ``train`` places it (:func:`dispatch_evaluation`: packed, split across the replicas like any
@@ -68,12 +69,21 @@ drawn from a generator no training batch uses."""
 
 
 def known_rows(task: Task) -> int | None:
-    """The rows of ``task``'s data when a what-if knows them: its dataset's (``Task.histogram``), else its
-    length preset's published row count (``DatasetPreset.rows``), else None."""
+    """The rows of ``task``'s data when a what-if knows them: its dataset's (``Task.histogram``); its inline
+    lengths' (``lengths: {values: [...]}``: one row a value; ``lengths: {histogram: {...}}`` whose counts are
+    whole numbers: their sum; a histogram of fractional weights counts no rows); its length preset's published
+    row count (``DatasetPreset.rows``); else None."""
     if task.histogram is not None:
         return sum(task.histogram.values())
     lengths = task.spec.lengths
-    preset = find_preset(lengths.preset) if lengths is not None and lengths.preset is not None else None
+    if lengths is None:
+        return None
+    if lengths.values is not None:
+        return len(lengths.values)
+    if lengths.histogram is not None:
+        counts = lengths.histogram.values()
+        return round(sum(counts)) if all(float(c).is_integer() for c in counts) else None
+    preset = find_preset(lengths.preset) if lengths.preset is not None else None
     return preset.rows if preset is not None else None
 
 

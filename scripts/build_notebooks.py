@@ -131,9 +131,9 @@ EVALUATIONS = [
         """# Evaluations and early stops in a what-if
 
 The demo's four tenants (SmolLM2-135M on 4 x A100-40GB), each given 100 steps and evaluated every 10 of them
-on 12 held-out rows, with early stopping (patience 2). A what-if that reads no data file holds out `max_rows`
-rows; the demo's files hold 240 rows each, of which a 5% split is 12. `simulate` has no model to measure a
-loss on, so each task's eval loss is a documented curve of the real tokens it has trained,
+on a 5% split of its rows, with early stopping (patience 2). The demo's files hold 240 rows each, which the
+inline `lengths` histograms count, so a what-if holds out 12 rows a task, as `train` does. `simulate` has no
+model to measure a loss on, so each task's eval loss is a documented curve of the real tokens it has trained,
 `l_inf + a n^-alpha` (n in millions of tokens), plus, for an overfitting task, `rise x (n - rise_after)` past
 `rise_after` (docs/simulation.md, "Evaluations and early stops"; `--eval-curves-from RUN` fits one to a
 training run's evaluations). Here `codegen` and `moddoc` overfit from 40% of their steps' expected tokens;
@@ -160,7 +160,6 @@ sets = [
     f"defaults.steps={STEPS}",
     f"defaults.eval.every_steps={EVERY}",
     "defaults.eval.split=0.05",
-    "defaults.eval.max_rows=12",
     "defaults.early_stopping.patience=2",
     f"defaults.eval.curve.l_inf={L_INF}",
     f"defaults.eval.curve.a={A}",

@@ -87,6 +87,21 @@ def test_held_out_rows_split_of_known_rows_else_max_rows(small):
     assert not np.array_equal(lengths, held_out_lengths(known, seed=1))
 
 
+def test_a_task_with_inline_lengths_holds_out_a_split_of_their_rows(small):
+    """``lengths: {values}`` and ``lengths: {histogram}`` of whole counts are rows; fractional weights are not."""
+    from lorafleet.specs.workload import LengthSpec
+
+    chat = _with_evals(small[0], chat={"eval": {"split": 0.05, "max_rows": 512}}).task("chat")
+
+    def given(**lengths: object) -> Task:
+        spec = chat.spec.model_copy(update={"lengths": LengthSpec.model_validate(lengths)})
+        return Task(spec, chat.raw_lengths, chat.lengths, chat.overflow_fraction)
+
+    assert held_out_rows(given(values=list(range(1, 241)))) == 12  # round(0.05 x 240), not max_rows
+    assert held_out_rows(given(histogram={100: 150, 300: 90})) == 12
+    assert held_out_rows(given(histogram={100: 0.6, 300: 0.4})) == 512  # weights: no rows known
+
+
 def test_a_preset_task_holds_out_a_split_of_its_datasets_published_rows():
     from lorafleet.specs.length_presets import LOBRA_DATASETS
     from lorafleet.workload import load_workload
