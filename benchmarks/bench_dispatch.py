@@ -22,6 +22,13 @@ Times come from the analytic cost model of the workload's model and GPU
    proves), and against LobRA's length-based dispatch;
 3. buckets: padding ratio and makespan by R, next to LobRA's Fig. 11, plus packing.
 
+Two checks of a change to the dispatcher against another tree (a ``git worktree`` of the commit before):
+
+- ``--digest``: per scenario, the sha256 over its steps of every micro-batch (sequences, tasks, lengths, padded
+  length) and every estimate (each replica's, bit for bit, and the buckets): equal digests, the same dispatch;
+- ``--against TREE``: the speed part run alternately on this tree and on TREE (``PYTHONPATH``, one subprocess a
+  round each side, the same machine at the same load), the p50/p95 of both and their ratios.
+
 Run ``python benchmarks/bench_dispatch.py --help`` for the flags; docs/dispatch.md records
 the figures and the commands that produced them.
 """
@@ -29,6 +36,10 @@ the figures and the commands that produced them.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
+import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -187,6 +198,53 @@ def bench_speed(batches, plan, cost_model, target_ms: float) -> None:
     )
 
 
+def step_digest(step) -> bytes:
+    """sha256 of a StepPlan's buckets, every replica's micro-batches and estimate (floats by their repr, exact)."""
+    h = hashlib.sha256(repr((step.bucket_boundaries, step.estimated_makespan_s)).encode())
+    for w in step.work:
+        h.update(repr((w.replica_id, w.estimated_time_s)).encode())
+        for mb in w.microbatches:
+            h.update(repr((mb.seq_ids, mb.task_ids, mb.lengths, mb.padded_len)).encode())
+    return h.digest()
+
+
+def digest(batches, plan, cost_model) -> str:
+    """sha256 over the steps' :func:`step_digest`, the batches dispatched under the plan's policy."""
+    h = hashlib.sha256()
+    for batch in batches:
+        h.update(step_digest(dispatch_step(batch, plan, cost_model)))
+    return h.hexdigest()
+
+
+def step_cpu_ms(batches, plan, cost_model) -> list[float]:
+    """CPU ms of each step's ``dispatch_step`` (after one warm-up step)."""
+    dispatch_step(batches[0], plan, cost_model)
+    out = []
+    for batch in batches:
+        start = time.process_time()
+        dispatch_step(batch, plan, cost_model)
+        out.append((time.process_time() - start) * 1e3)
+    return out
+
+
+def against(name: str, tree: str, steps: int, rounds: int) -> None:
+    """``step_cpu_ms`` of scenario ``name``, this tree and ``tree`` alternately (``rounds`` each), printed side by side."""
+    times: dict[str, list[float]] = {"this": [], "base": []}
+    for _ in range(rounds):
+        for side, path in (("base", tree), ("this", str(REPO))):
+            env = dict(os.environ, PYTHONPATH=path)
+            cmd = [sys.executable, __file__, "--scenarios", name, "--timing-steps", str(steps), "--raw"]
+            out = subprocess.run(cmd, env=env, cwd=path, check=True, capture_output=True, text=True).stdout
+            times[side] += json.loads(out.splitlines()[-1])
+    this, base = np.array(times["this"]), np.array(times["base"])
+    p50, p95 = (np.median(this), np.median(base)), (np.percentile(this, 95), np.percentile(base, 95))
+    print(
+        f"{name}, CPU ms a step, {rounds} rounds of {steps} steps a side, interleaved: this tree p50 {p50[0]:.1f}, "
+        f"p95 {p95[0]:.1f}; {tree} p50 {p50[1]:.1f}, p95 {p95[1]:.1f}; ratio p50 {p50[0] / p50[1]:.2f}x, "
+        f"p95 {p95[0] / p95[1]:.2f}x"
+    )
+
+
 def bench_quality(batches, plan, cost_model, solver: SolverName, limit_s: float) -> None:
     fast_opts = DispatchOptions(microbatch_mode=PADDED)
     exact_opts = DispatchOptions(
@@ -285,12 +343,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exact-limit", type=float, default=60.0, help="seconds per exact solve (default 60)")
     parser.add_argument("--solver", default="highs", help="exact back end: highs (default), scip or cbc")
     parser.add_argument("--skip-exact", action="store_true", help="speed and buckets only")
+    parser.add_argument("--digest", action="store_true", help="only the sha256 of the timed steps' dispatch")
+    parser.add_argument("--against", metavar="TREE", help="speed only, alternately on this tree and TREE")
+    parser.add_argument("--rounds", type=int, default=2, help="--against: rounds a side (default 2)")
+    parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)  # --against's subprocesses
     args = parser.parse_args(argv)
     for name in args.scenarios.split(","):
+        if args.against:
+            against(name.strip(), args.against, args.timing_steps, args.rounds)
+            continue
         scenario = SCENARIOS[name.strip()]
         workload, plan, cost_model = build(scenario)
-        n_batches = args.timing_steps if scenario.speed_only else max(args.timing_steps, args.batches)
+        n_batches = args.timing_steps if scenario.speed_only or args.digest else max(args.timing_steps, args.batches)
         batches = [sample_global_batch(workload, step) for step in range(n_batches)]
+        if args.raw:
+            print(json.dumps(step_cpu_ms(batches, plan, cost_model)))
+            continue
+        if args.digest:
+            print(f"{name}: sha256 of {len(batches)} steps' dispatch {digest(batches, plan, cost_model)}")
+            continue
         print(
             f"{name}: {scenario.workload}, {len(batches[0])} sequences a step, plan {plan.describe()} "
             f"(M {scenario.max_tokens}), cost model {cost_model.source}"
