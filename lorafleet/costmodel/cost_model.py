@@ -49,6 +49,7 @@ from pydantic import ConfigDict, Field
 
 from lorafleet.costmodel import schedule
 from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.attention_span import stage_span
 from lorafleet.costmodel.microbatch_size import MicroBatchKnee
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
@@ -245,13 +246,15 @@ class CostModel:
         self, config: ParallelConfig, block: LayerTimeCoeffs, head: AffineTime, messages: int
     ) -> LayerTimeCoeffs:
         """A stage of ``config`` in LobRA form, ms: L/pp blocks, the head, and ``messages`` pipeline transfers of a
-        micro-batch's activations when pp > 1."""
+        micro-batch's activations when pp > 1; its attention over the busiest stage's sliding windows
+        (``attention_span.stage_span``; none for a model without)."""
         per_token, fixed = head.slope, head.fixed
         if config.pp > 1:
             p2p = self.interconnect.p2p(config).transfer()
             per_token += messages * p2p.slope * self.model.hidden * self.activation_bytes
             fixed += messages * p2p.fixed
-        return block.extended(self.model.n_layers / config.pp, per_token, fixed)
+        stage = block.extended(self.model.n_layers / config.pp, per_token, fixed)
+        return stage.windowed(stage_span(self.model, config.pp))
 
     def forward_stage_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
         """τF(b, s) of ``config``, the forward alone of a stage, ms (see :meth:`forward_time`)."""

@@ -22,15 +22,24 @@ from the longest sequence. With all n = b sequences of length s this is exactly 
 padded micro-batch without padding costs what the same sequences packed cost. Both forms are
 the inner product of the coefficients with one feature row (``shape_features``), so padded
 and packed measurements fit together.
+
+A model with sliding-window layers meets fewer keys than causal attention's s(s+1)/2 (``attention_span``): with
+a span its attention column is ``Σ s_i^2 ρ(s_i)``, ρ(s) = (1 - f) + f K_w(s) / K(s) the share of causal
+attention's key positions a block meets, 1 for s <= w. Without a span (every layer global) it is Σ s_i^2 as
+above, bit for bit. The fit (``fit``) takes no span: the profiler measures a window-free stand-in of the model
+(``profiling.replica``), so a fitted c1 is global attention's, and the cost model applies the model's windows
+where it prices a stage (``CostModel.stage_coeffs``), for fitted and analytic coefficients alike.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain, repeat
 
 import numpy as np
+
+from lorafleet.costmodel.attention_span import AttentionSpan
 
 N_COEFFS = 6
 GB = 1e9
@@ -75,13 +84,14 @@ class MicroBatchShape:
         return self.padded_len * len(self.seq_lens)
 
 
-def shape_features(mb: MicroBatchShape) -> np.ndarray:
+def shape_features(mb: MicroBatchShape, span: AttentionSpan | None = None) -> np.ndarray:
     """Feature row x with t = x @ c: [Σ s_i^2, max s_i^2, Σ s_i, max s_i, n, 1] over the rows as computed
-    (each padded row counts as ``padded_len``); for a padded (b, s) this is [b s^2, s^2, b s, s, b, 1]."""
-    return features_of([mb])[0]
+    (each padded row counts as ``padded_len``); for a padded (b, s) this is [b s^2, s^2, b s, s, b, 1]. With a
+    ``span`` the first is Σ s_i^2 ρ(s_i) (module docstring)."""
+    return features_of([mb], span)[0]
 
 
-def features_of(mbs: Sequence[MicroBatchShape]) -> np.ndarray:
+def features_of(mbs: Sequence[MicroBatchShape], span: AttentionSpan | None = None) -> np.ndarray:
     """``(len(mbs), 6)``: :func:`shape_features` of every micro-batch in one pass (segment sums and
     maxima over their concatenated lengths), what prices a replica's step and fits a profile;
     an empty micro-batch gives a zero row."""
@@ -99,7 +109,7 @@ def features_of(mbs: Sequence[MicroBatchShape]) -> np.ndarray:
     longest = np.maximum.reduceat(lens, starts)
     out[held] = np.column_stack(
         [
-            np.add.reduceat(lens**2, starts),
+            np.add.reduceat(lens**2 if span is None else lens**2 * span.ratio(lens), starts),
             longest**2,
             np.add.reduceat(lens, starts),
             longest,
@@ -112,9 +122,12 @@ def features_of(mbs: Sequence[MicroBatchShape]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class LayerTimeCoeffs:
-    """The six LobRA coefficients c1..c6 of one TP degree, in milliseconds per layer (or per stage)."""
+    """The six LobRA coefficients c1..c6 of one TP degree, in milliseconds per layer (or per stage), and the
+    sliding windows their attention term meets (module docstring)."""
 
     c: tuple[float, float, float, float, float, float]
+    span: AttentionSpan | None = None
+    """The windowed blocks' window and share; None: every block global (c1 s^2)."""
 
     def __post_init__(self) -> None:
         if len(self.c) != N_COEFFS:
@@ -125,6 +138,8 @@ class LayerTimeCoeffs:
         c1, c2, c3, c4, c5, c6 = self.c
         b = np.asarray(b, dtype=float)
         s = np.asarray(s, dtype=float)
+        if self.span is not None:
+            c1 = c1 * self.span.ratio(s)
         t = (c1 * b + c2) * s**2 + (c3 * b + c4) * s + (c5 * b + c6)
         t = np.where(b > 0, t, 0.0)
         return float(t) if t.ndim == 0 else t
@@ -135,11 +150,23 @@ class LayerTimeCoeffs:
 
     def shape(self, mb: MicroBatchShape) -> float:
         """Time of a micro-batch given by its shape, padded or packed, in ms."""
-        return float(shape_features(mb) @ np.asarray(self.c))
+        return float(shape_features(mb, self.span) @ np.asarray(self.c))
 
     def shapes(self, mbs: Sequence[MicroBatchShape]) -> np.ndarray:
         """Times of many micro-batches, ms, in one matrix product (:func:`features_of`)."""
-        return features_of(mbs) @ np.asarray(self.c)
+        return features_of(mbs, self.span) @ np.asarray(self.c)
+
+    def windowed(self, span: AttentionSpan | None) -> LayerTimeCoeffs:
+        """These coefficients over blocks of ``span`` (None: every block global)."""
+        return replace(self, span=span)
+
+    def global_floor(self) -> LayerTimeCoeffs:
+        """Window-free coefficients whose time is never above these ones': c1 (1 - f), since ρ(s) >= 1 - f (the
+        windowed blocks' attention left out); without a span, these. What a bound in LobRA's plain form takes."""
+        if self.span is None:
+            return self
+        c1, *rest = self.c
+        return LayerTimeCoeffs((c1 * (1 - self.span.windowed_share), *rest))
 
     def extended(self, factor: float, per_token: float = 0.0, fixed: float = 0.0) -> LayerTimeCoeffs:
         """``factor * t + per_token * tokens + fixed``, still in LobRA form (tokens = b*s adds to c3, fixed to c6).
@@ -148,15 +175,15 @@ class LayerTimeCoeffs:
         per-micro-batch terms (LM head, pipeline transfers) that LobRA leaves out.
         """
         c1, c2, c3, c4, c5, c6 = (factor * x for x in self.c)
-        return LayerTimeCoeffs((c1, c2, c3 + per_token, c4, c5, c6 + fixed))
+        return LayerTimeCoeffs((c1, c2, c3 + per_token, c4, c5, c6 + fixed), self.span)
 
     def recomputed(self) -> LayerTimeCoeffs:
         """t(b, s) of the block under activation recomputation: c_i * (1 + FORWARD_SHARE_i)."""
-        return LayerTimeCoeffs(tuple(c * (1 + share) for c, share in zip(self.c, FORWARD_SHARE)))
+        return LayerTimeCoeffs(tuple(c * (1 + share) for c, share in zip(self.c, FORWARD_SHARE)), self.span)
 
     def forward(self) -> LayerTimeCoeffs:
         """t(b, s) of the forward alone: c_i * FORWARD_SHARE_i (an evaluation's micro-batch: no backward)."""
-        return LayerTimeCoeffs(tuple(c * share for c, share in zip(self.c, FORWARD_SHARE)))
+        return LayerTimeCoeffs(tuple(c * share for c, share in zip(self.c, FORWARD_SHARE)), self.span)
 
     @staticmethod
     def design_row(b: np.ndarray, s: np.ndarray) -> np.ndarray:

@@ -291,8 +291,9 @@ def build_load_model(
 
 
 def _bound_coeffs(cost_model: CostModel, config: ParallelConfig) -> np.ndarray | None:
-    """The stage's LobRA coefficients c1..c6 in seconds, or None when one is negative (r need not be convex)."""
-    c = np.asarray(cost_model.stage_coeffs(config).c, dtype=float) / MS_PER_S
+    """The stage's LobRA coefficients c1..c6 in seconds (a windowed model's attention at its global layers' share,
+    ``LayerTimeCoeffs.global_floor``: still a bound), or None when one is negative (r need not be convex)."""
+    c = np.asarray(cost_model.stage_coeffs(config).global_floor().c, dtype=float) / MS_PER_S
     return None if c.min() < 0 else c
 
 

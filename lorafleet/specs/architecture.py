@@ -25,7 +25,8 @@ adapter on it would train them all. On the other families a fused name is refuse
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from lorafleet.specs.lora import FUSED_TARGET_MODULES, LoraSpec
 
@@ -34,6 +35,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3
 
 FUSING_MODEL_TYPES = ("phi3",)
 """Families whose attention and MLP projections are fused (:data:`~lorafleet.specs.lora.FUSED_TARGET_MODULES`)."""
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+"""The two values of a config's ``layer_types`` the families here use."""
 
 _HINTS = {
     "gemma3": "the multimodal Gemma 3 checkpoint (4B-27B); its text-only model_type gemma3_text (Gemma 3 1B) is",
@@ -90,3 +94,31 @@ def model_lora(spec: LoraSpec, model_type: str) -> LoraSpec:
     injects, trains and exports (a Phi-3 adapter's ``adapter_config.json`` names ``qkv_proj``)."""
     targets = model_targets(spec.target_modules, model_type)
     return spec if targets == spec.target_modules else spec.model_copy(update={"target_modules": targets})
+
+
+def layer_window(window: int | None, layer_types: Sequence[str] | None, index: int) -> int | None:
+    """The sliding window of decoder layer ``index``, or None for full causal attention: Qwen2, Qwen3, Gemma 2 and
+    Gemma 3 name each layer's type in ``layer_types``; Mistral and Phi-3 apply ``window`` (when set) to every layer;
+    Llama has none."""
+    if layer_types:
+        return window if layer_types[index] == SLIDING else None
+    return window
+
+
+def attention_layout(raw: Mapping[str, Any]) -> tuple[int | None, tuple[str, ...]]:
+    """``(sliding_window, layer_types)`` of a ``config.json``'s fields as transformers 5 reads them where the file
+    leaves them out: Qwen2/Qwen3 have a window only with ``use_sliding_window``, on layers from
+    ``max_window_layers`` on; Gemma 2 alternates (layer 0 windowed); Gemma 3 windows all but every
+    ``sliding_window_pattern``-th layer (6); Mistral and Phi-3 give every layer the window (no layer types)."""
+    model_type, n_layers = raw.get("model_type"), int(raw.get("num_hidden_layers") or 0)
+    window = raw.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None
+    types = raw.get("layer_types")
+    if types is None and model_type in ("qwen2", "qwen3"):
+        first = int(raw.get("max_window_layers", 28))
+        types = [SLIDING if window is not None and i >= first else FULL for i in range(n_layers)]
+    elif types is None and model_type in ("gemma2", "gemma3_text"):
+        every = 2 if model_type == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        types = [SLIDING if (i + 1) % every else FULL for i in range(n_layers)]
+    return (None if window is None else int(window)), tuple(types or ())

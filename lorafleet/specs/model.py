@@ -15,7 +15,14 @@ from pydantic import Field, model_validator
 
 from lorafleet.errors import InputError
 from lorafleet.specs._base import Bool, Int, Spec
-from lorafleet.specs.architecture import model_targets, unsupported_model_type
+from lorafleet.specs.architecture import (
+    FULL,
+    SLIDING,
+    attention_layout,
+    layer_window,
+    model_targets,
+    unsupported_model_type,
+)
 from lorafleet.specs.io import read_json_object
 from lorafleet.specs.lora import FUSED_TARGET_MODULES
 
@@ -43,6 +50,11 @@ class ModelSpec(Spec):
     """Whether the LM head shares the embedding matrix."""
     head_dim: Int = Field(0, ge=0)
     """Per-head width; 0 means hidden // n_heads."""
+    sliding_window: Int = Field(0, ge=0)
+    """Keys a query of a windowed layer meets (itself included); 0: no layer has a window."""
+    layer_types: tuple[str, ...] = ()
+    """Each layer's ``sliding_attention`` or ``full_attention``, as transformers' ``layer_types``; empty: the window
+    (if any) is on every layer (Mistral, Phi-3)."""
 
     @model_validator(mode="after")
     def _heads_consistent(self) -> ModelSpec:
@@ -50,7 +62,19 @@ class ModelSpec(Spec):
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim == 0 and self.hidden % self.n_heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of n_heads ({self.n_heads})")
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.n_layers}")
+        if set(self.layer_types) - {SLIDING, FULL}:
+            raise ValueError(
+                f"layer_types holds {sorted(set(self.layer_types) - {SLIDING, FULL})}: {SLIDING} or {FULL}"
+            )
         return self
+
+    @property
+    def windowed_layers(self) -> tuple[bool, ...]:
+        """Whether each layer attends within ``sliding_window`` (``architecture.layer_window``, the executor's rule)."""
+        window = self.sliding_window or None
+        return tuple(layer_window(window, self.layer_types, i) is not None for i in range(self.n_layers))
 
     @property
     def d_head(self) -> int:
@@ -118,7 +142,12 @@ def _preset(
     *,
     model_type: str = "llama",
     head_dim: int = 0,
+    window: int = 0,
+    global_every: int = 0,
 ) -> ModelSpec:
+    """A preset; ``window`` on every layer, or with ``global_every`` = k on all but every k-th (transformers'
+    ``sliding_window_pattern``: layer i is global where (i + 1) % k == 0)."""
+    types = tuple(FULL if (i + 1) % global_every == 0 else SLIDING for i in range(layers)) if global_every else ()
     return ModelSpec(
         name=name,
         model_type=model_type,
@@ -130,11 +159,19 @@ def _preset(
         vocab=vocab,
         tied_embeddings=tied,
         head_dim=head_dim,
+        sliding_window=window,
+        layer_types=types,
     )
 
 
-#: Named base models. Figures from each model's published config.json; ``lobra-60l`` is the
-#: 60-layer model of the LobRA evaluation (hidden 6656, FFN 17920, 64 heads).
+_GEMMA2 = {"tied": True, "model_type": "gemma2", "head_dim": 256, "window": 4096, "global_every": 2}
+_GEMMA3 = {"tied": True, "model_type": "gemma3_text", "head_dim": 256, "window": 512, "global_every": 6}
+
+#: Named base models. Figures from each model's published config.json (its Hub id below); ``lobra-60l`` is the
+#: 60-layer model of the LobRA evaluation (hidden 6656, FFN 17920, 64 heads). Sliding windows, as the configs
+#: give them: Mistral-7B-v0.1 4,096 on every layer; Gemma 2 4,096 on every other layer (layer 0 first);
+#: Gemma 3 1B 512 with ``sliding_window_pattern`` 6 (5 local : 1 global); Phi-3-mini-4k 2,047 on every layer;
+#: Qwen2.5 and Qwen3 (``use_sliding_window: false``), Llama 2 and Phi-4 none.
 MODEL_PRESETS: dict[str, ModelSpec] = {
     m.name: m
     for m in (
@@ -147,11 +184,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         _preset("qwen2.5-72b", 80, 8192, 29568, 64, 8, 152064, model_type="qwen2"),
         _preset("qwen3-0.6b", 28, 1024, 3072, 16, 8, 151936, tied=True, model_type="qwen3", head_dim=128),
         _preset("qwen3-8b", 36, 4096, 12288, 32, 8, 151936, model_type="qwen3", head_dim=128),
-        _preset("mistral-7b", 32, 4096, 14336, 32, 8, 32000, model_type="mistral"),
-        _preset("gemma2-2b", 26, 2304, 9216, 8, 4, 256000, tied=True, model_type="gemma2", head_dim=256),
-        _preset("gemma2-9b", 42, 3584, 14336, 16, 8, 256000, tied=True, model_type="gemma2", head_dim=256),
-        _preset("gemma3-1b", 26, 1152, 6912, 4, 1, 262144, tied=True, model_type="gemma3_text", head_dim=256),
-        _preset("phi3-mini", 32, 3072, 8192, 32, 32, 32064, model_type="phi3"),
+        _preset("mistral-7b", 32, 4096, 14336, 32, 8, 32000, model_type="mistral", window=4096),
+        _preset("gemma2-2b", 26, 2304, 9216, 8, 4, 256000, **_GEMMA2),
+        _preset("gemma2-9b", 42, 3584, 14336, 16, 8, 256000, **_GEMMA2),
+        _preset("gemma3-1b", 26, 1152, 6912, 4, 1, 262144, **_GEMMA3),
+        _preset("phi3-mini", 32, 3072, 8192, 32, 32, 32064, model_type="phi3", window=2047),
         _preset("phi4", 40, 5120, 17920, 40, 10, 100352, model_type="phi3"),
         _preset("smollm2-135m", 30, 576, 1536, 9, 3, 49152, tied=True),
         # A few layers and a small width: CPU runs and tests (TP2 and PP2 both divide it).
@@ -208,6 +245,8 @@ def model_from_hf_config(path: str | Path) -> ModelSpec:
     values["n_kv_heads"] = raw.get("num_key_value_heads") or raw["num_attention_heads"]
     values["tied_embeddings"] = bool(raw.get("tie_word_embeddings", False))
     values["head_dim"] = raw.get("head_dim") or 0
+    window, values["layer_types"] = attention_layout(raw)
+    values["sliding_window"] = window or 0
     try:
         return ModelSpec(name=str(path), **values)
     except ValueError as err:

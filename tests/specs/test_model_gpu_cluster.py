@@ -59,6 +59,7 @@ def test_hf_config_round_trip(tmp_path, preset, config):
     want = MODEL_PRESETS[preset]
     config = {
         **config,
+        "sliding_window": want.sliding_window or None,  # Gemma 2's alternates: no layer_types, transformers' rule
         "intermediate_size": want.ffn,
         "num_attention_heads": want.n_heads,
         "num_key_value_heads": want.n_kv_heads,

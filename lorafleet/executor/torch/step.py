@@ -47,6 +47,7 @@ from lorafleet.executor.torch.transfer import to_device
 from lorafleet.plans import MicroBatch
 from lorafleet.runtime.data_stream import loss_tokens
 from lorafleet.runtime.layout import RankRole
+from lorafleet.specs.architecture import layer_window
 
 
 def inverse_token_counts(task_ids: Sequence[int], examples: Sequence[Example], n_tasks: int) -> list[float]:
@@ -59,16 +60,9 @@ def inverse_token_counts(task_ids: Sequence[int], examples: Sequence[Example], n
 
 
 def attention_window(config, layer_index: int) -> int | None:
-    """The sliding window of one decoder layer, or None for full causal attention.
-
-    Qwen2, Qwen3, Gemma 2 and Gemma 3 name each layer's type in ``layer_types``; Mistral and Phi-3 apply
-    ``sliding_window`` (when set) to every layer; Llama has none.
-    """
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return window if layer_types[layer_index] == "sliding_attention" else None
-    return window
+    """The sliding window of one decoder layer of a transformers config, or None for full causal attention
+    (``architecture.layer_window``: the rule the cost model prices too)."""
+    return layer_window(getattr(config, "sliding_window", None), getattr(config, "layer_types", None), layer_index)
 
 
 @dataclass(frozen=True)
