@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from lorafleet.costmodel import AdapterLoad, CostModel, CostModelOrigin, fleet_cost_model
 from lorafleet.errors import InputError
-from lorafleet.plan_check import check_fleet, check_plan
+from lorafleet.plan_check import check_fleet, check_plan, with_plan_base
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.cluster import ClusterSpec, PoolSpec
 from lorafleet.specs.dispatch import flag_error
@@ -111,7 +111,13 @@ def _fleet_model(
     given: bool = False,
 ) -> CostModel:
     """``fleet_cost_model`` of the workload's model and adapters; a pool's profile of another kind is an
-    InputError naming where it was given (``--profile`` when ``given``, else the pool's workload field)."""
+    InputError naming where it was given (``--profile`` when ``given``, else the pool's workload field). A
+    workload that lets the planner choose its base is priced base by base (``planner.base_choice``): here, an
+    InputError (this command prices one base)."""
+    if workload.spec.quantize_candidates is not None:
+        raise InputError(
+            workload.path, "quantize", "this command prices one base: give one (--set quantize=nf4, or null)"
+        )
     try:
         return fleet_cost_model(
             workload.model,
@@ -205,7 +211,8 @@ def prepare_run(
     what its profiles are relative to), apply the overrides of its dispatch policy (policy field key -> value,
     ``DispatchPolicy.with_overrides``; a bad value is an InputError naming its flag), build its cost model
     and check the plan against all of it (:func:`~lorafleet.plan_check.check_plan`): what every
-    plan-reading command does before any work."""
+    plan-reading command does before any work. A workload that lets the planner choose its base runs over the
+    plan's (:func:`~lorafleet.plan_check.with_plan_base`)."""
     plan = plan if plan is not None else DeploymentPlan.load(plan_path)
     overrides: list[str] = []
     try:
@@ -215,6 +222,7 @@ def prepare_run(
     if changed != plan.policy:
         overrides.append(f"policy {changed.describe()} (overriding the plan's: {plan.policy.describe()})")
         plan = replace(plan, policy=changed)
+    workload = with_plan_base(plan, workload, plan_path)  # quantize: auto or a list takes the plan's base
     check_fleet(plan, workload, cluster, plan_path)  # the pools the cost model is then built for
     cost_model, note = plan_cost_model(workload, cluster, plan, plan_path, profile)
     if note:

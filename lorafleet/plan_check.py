@@ -6,7 +6,8 @@ as planned ends with one line naming the plan file and the field, exit code 2, a
 done. The rules, in the order they are checked:
 
 - the tasks, in order, are the workload's; the model and recompute policy are the workload's, and so is the
-  quantized base each pool was priced over (its cost model's ``quantize``);
+  quantized base each pool was priced over (its cost model's ``quantize``: the workload's one base, or one of the
+  bases it lets the planner choose among, the same for every pool);
 - the plan's pools are pools of the cluster, in its order (a pool the cluster lacks is refused), each
   of the cluster's GPU kind and GPUs per node, with at most its GPUs (:func:`check_pools`);
 - replica k has id k; it is on one of the plan's pools, and its tp * pp GPUs are that pool's (global
@@ -28,8 +29,11 @@ from collections.abc import Callable
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import config_problems
 from lorafleet.errors import InputError
+from lorafleet.planner.base_choice import base_name, candidate_bases, with_base
 from lorafleet.plans import DeploymentPlan
+from lorafleet.runtime.base_quantization import check_base_choice
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.lora import Quantization
 from lorafleet.workload import Workload
 
 Fail = Callable[[str, str], None]
@@ -73,18 +77,51 @@ def check_fleet(plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, 
 
 
 def check_quantize(plan: DeploymentPlan, workload: Workload, source: str) -> None:
-    """Each pool of the plan was priced over the base the workload trains (``quantize``, as its cost model's origin
-    records it): a plan priced over NF4 holds micro-batches an unquantized base cannot, and one priced over bf16
-    misjudges a quantized fleet's times. A pool without a recorded cost model is not judged."""
-    for k, pool in enumerate(plan.pools):
-        if pool.cost_model is None or pool.cost_model.quantize == workload.spec.quantize:
-            continue
-        was, now = (q.value if q is not None else "null" for q in (pool.cost_model.quantize, workload.spec.quantize))
-        raise InputError(
-            source,
-            f"pools[{k}].cost_model.quantize",
-            f"the plan was priced over quantize: {was}, the workload trains over quantize: {now}; re-plan for it",
-        )
+    """Each pool of the plan was priced over a base the workload trains (as its cost model's origin records it): its
+    one ``quantize``, or, written ``auto`` or as a list, one of its candidates, the same for every pool (one base for
+    the whole fleet: a tenant split across pools learns over one function). A plan priced over NF4 holds
+    micro-batches an unquantized base cannot, and one priced over bf16 misjudges a quantized fleet's times. A pool
+    without a recorded cost model is not judged."""
+    allowed = candidate_bases(workload)
+    priced = [(k, pool.cost_model.quantize) for k, pool in enumerate(plan.pools) if pool.cost_model is not None]
+    for k, base in priced:
+        field = f"pools[{k}].cost_model.quantize"
+        if base not in allowed:
+            was = base_name(base) if base is not None else "null"
+            if workload.spec.quantize_candidates is None:
+                now = f"trains over quantize: {allowed[0].value if allowed[0] is not None else 'null'}"
+            else:
+                now = f"chooses among quantize: [{', '.join(base_name(b) for b in allowed)}]"
+            raise InputError(
+                source, field, f"the plan was priced over quantize: {was}, the workload {now}; re-plan for it"
+            )
+        if base != priced[0][1]:
+            raise InputError(
+                source,
+                field,
+                f"priced over quantize: {base_name(base)}, pools[{priced[0][0]}] over {base_name(priced[0][1])}; a "
+                "fleet trains over one base",
+            )
+
+
+def with_plan_base(plan: DeploymentPlan, workload: Workload, source: str) -> Workload:
+    """``workload`` over the base ``plan`` was priced over, once :func:`check_quantize` accepts it: a workload that
+    lets the planner choose (``quantize: auto`` or a list) takes the plan's base (an unrecorded one: the
+    unquantized base, as every plan before ``quantize`` was); one with its one base is returned as it is. A choice
+    that includes a base the model cannot take is refused whatever the plan's (``check_base_choice``)."""
+    check_quantize(plan, workload, source)
+    bases = workload.spec.quantize_candidates
+    if bases is None:
+        return workload
+    check_base_choice(workload.spec.model, workload.model.model_type, bases, workload.path)
+    return with_base(workload, plan_base(plan))
+
+
+def plan_base(plan: DeploymentPlan) -> Quantization | None:
+    """The base ``plan`` was priced over: its first recorded pool's (:func:`check_quantize` holds them equal); None
+    when no pool records one."""
+    recorded = [pool.cost_model.quantize for pool in plan.pools if pool.cost_model is not None]
+    return recorded[0] if recorded else None
 
 
 def check_pools(plan: DeploymentPlan, cluster: ClusterSpec, source: str) -> None:

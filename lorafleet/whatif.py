@@ -33,6 +33,7 @@ from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.errors import InputError
 from lorafleet.executor.simulated import SimulationOptions
 from lorafleet.planner import PlannerOptions, plan_deployment
+from lorafleet.planner.base_choice import with_base
 from lorafleet.simulate import simulate_schedule
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.dispatch import DispatchPolicy
@@ -155,7 +156,7 @@ def _point(workload: Workload, point: dict[str, str]) -> tuple[Workload, dict]:
         )
     if "quantize" in point:
         quantize = None if point["quantize"] == "none" else Quantization(point["quantize"])
-        workload = resolve_workload(workload.spec.model_copy(update={"quantize": quantize}), workload.path)
+        workload = with_base(workload, quantize)  # also over a workload that lets the planner choose (auto)
     if "tasks" in point:
         workload = _edit_tasks(workload, point["tasks"])
     gpus = int(point["gpus"]) if "gpus" in point else None

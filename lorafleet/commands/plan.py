@@ -439,16 +439,30 @@ def _sizing_progress(row, planned: int) -> None:
     )
 
 
+def chosen_plan(workload, cluster, profile, options, console):
+    """The PlanResult of ``workload`` on ``cluster``: over its one base, or, written ``quantize: auto`` or as a list,
+    over the base the planner chooses (``planner.base_choice``), each candidate's line printed first."""
+    from lorafleet.assemble import workload_cost_model
+    from lorafleet.planner import plan_deployment
+    from lorafleet.planner.base_choice import choose_base
+
+    if workload.spec.quantize_candidates is None:
+        return plan_deployment(workload, cluster, workload_cost_model(workload, cluster, profile), options)
+    choice = choose_base(workload, cluster, lambda over: workload_cost_model(over, cluster, profile), options)
+    for line in choice.lines():
+        console.print(line, highlight=False, markup=False)
+    return choice.result
+
+
 def run(args: argparse.Namespace) -> int:
     """``lorafleet plan``: the plan of a workload (or a sizing over GPU counts), printed and written."""
     from rich.console import Console
 
-    from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.assemble import workload_cluster
     from lorafleet.commands._replica_groups import WIDTH
     from lorafleet.commands._set_flags import workload_overrides
     from lorafleet.data.describe import check_chat_templates
     from lorafleet.data.model_source import checkable_tokenizer
-    from lorafleet.planner import plan_deployment
     from lorafleet.planner.bounds import step_bounds
     from lorafleet.planner.candidates import valid_candidates
     from lorafleet.specs.io import check_writable
@@ -467,10 +481,14 @@ def run(args: argparse.Namespace) -> int:
     )
     console = Console(width=WIDTH)
     if gpus == AUTO:
+        if workload.spec.quantize_candidates is not None:
+            raise InputError(
+                ARGS, "--gpus", "auto sizes the fleet over one base: give the workload one quantize (--set quantize=)"
+            )
         result, cluster = _sized_plan(workload, args, options, objective, max_nodes)
     else:
         cluster = workload_cluster(workload, gpus, args.gpu)
-        result = plan_deployment(workload, cluster, workload_cost_model(workload, cluster, args.profile), options)
+        result = chosen_plan(workload, cluster, args.profile, options, console)
         _check_limit(result, options, args)
     cost_model = result.cost_model  # with the plan's pipeline window
 

@@ -119,9 +119,12 @@ def simulation_options(args: argparse.Namespace):
 def _schedules(workload, args: argparse.Namespace, console):
     """lorafleet's schedule (the plan of ``--plan`` as it was made, or a fresh one), the baselines, and the
     cost model and cluster both are simulated with."""
-    from lorafleet.assemble import workload_cluster, workload_cost_model
+    from lorafleet.assemble import workload_cluster
     from lorafleet.commands._plan_flags import given_policy_flags, planned_run
-    from lorafleet.planner import LORAFLEET, Phase, Schedule, plan_deployment, workload_baselines
+    from lorafleet.commands.plan import chosen_plan
+    from lorafleet.plan_check import plan_base
+    from lorafleet.planner import LORAFLEET, Phase, PlannerOptions, Schedule, workload_baselines
+    from lorafleet.planner.base_choice import base_name
 
     cluster = workload_cluster(workload, args.gpus, args.gpu)
     if not args.plan:
@@ -133,9 +136,12 @@ def _schedules(workload, args: argparse.Namespace, console):
                 f"policy flags ({', '.join(overridden)}) change a plan's policy: give "
                 "--plan, or plan with them first (`lorafleet plan --microbatch ...`)",
             )
-        result = plan_deployment(workload, cluster, workload_cost_model(workload, cluster, args.profile))
+        result = chosen_plan(workload, cluster, args.profile, PlannerOptions(), console)  # quantize: auto, said
         return result.schedule, result.baselines, result.cost_model, cluster
     run_ = planned_run(workload, args)
+    if workload.spec.quantize_candidates is not None:  # the workload lets the planner choose: the plan's choice
+        bases = ", ".join(base_name(b) for b in workload.spec.quantize_candidates)
+        console.print(f"base: {base_name(plan_base(run_.plan))}, the plan's, among quantize: [{bases}]", markup=False)
     for line in run_.overrides:
         console.print(f"override: {line}")
     lorafleet = Schedule(name=LORAFLEET, phases=(Phase(tasks=tuple(range(len(workload.tasks))), plan=run_.plan),))

@@ -13,19 +13,20 @@ A manifest written before the key existed says nothing either way: no check, no 
 
 :func:`check_quantizable` refuses ``quantize`` over weights that are already quantized (a GGUF file), and
 :func:`check_unfused` over a family whose projections are fused (Phi-3); the launcher's preflight runs both, so the run
-stops in one line before any worker loads a model.
+stops in one line before any worker loads a model. :func:`check_base_choice` runs both over each quantized base of a
+workload's ``quantize: auto`` or list, so a choice the model cannot take is refused, not planned around in silence.
 
 Torch-free (``lorafleet.train`` imports it before any worker starts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorafleet.data.model_source import ModelSource, SourceKind
+from lorafleet.data.model_source import GGUF_PACKAGES, ModelSource, SourceKind, resolve_model_source
 from lorafleet.errors import InputError
 from lorafleet.specs.architecture import FUSING_MODEL_TYPES
 from lorafleet.specs.lora import FUSED_TARGET_MODULES, Quantization
@@ -135,3 +136,25 @@ def check_unfused(model_type: str, kind: Quantization | None, where: str = "work
             f"{kind.value}: {model_type} fuses its projections ({', '.join(FUSED_TARGET_MODULES)}), and a quantized "
             "base of fused projections is not built; train it unquantized",
         )
+
+
+def check_base_choice(model: str, model_type: str, bases: Sequence[Quantization | None], where: str) -> None:
+    """InputError (``where``, field ``quantize``) when a quantized base among ``bases`` (a workload's ``quantize: auto``
+    or list) cannot be built for ``model`` (:func:`check_unfused`, :func:`check_quantizable`). A model whose weights
+    are not on this machine (a preset planned without them) is judged by its family alone; its GGUF-ness is known
+    only from its name (a GGUF preset) until ``train`` resolves the weights."""
+    quantized = [b for b in bases if b is not None]
+    if not quantized:
+        return
+    written = ", ".join("none" if b is None else b.value for b in bases)
+    try:
+        source = resolve_model_source(model, source=where, field="model")
+    except InputError:
+        source = ModelSource(kind=SourceKind.GGUF, name=model) if model in GGUF_PACKAGES else None
+    for kind in quantized:
+        try:
+            check_unfused(model_type, kind, where)
+            if source is not None:
+                check_quantizable(source, kind, where)
+        except InputError as err:
+            raise InputError(where, "quantize", f"[{written}] includes {err.msg}") from None

@@ -29,10 +29,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema, WithJsonSchema
 
 from lorafleet.specs._base import FieldError, Float, Int, IntKey, Spec
 from lorafleet.specs.cluster import ClusterSpec
@@ -240,6 +249,24 @@ class TaskSpec(Spec):
         return self
 
 
+QUANTIZE_AUTO = "auto"
+QUANTIZE_NONE = "none"
+"""``quantize``'s words for the planner's choice of base (:func:`base_choice_fields`) and, in a list, the unquantized
+base."""
+BASE_PREFERENCE: tuple[Quantization | None, ...] = (None, Quantization.INT8, Quantization.NF4)
+"""Every base, in the order a tie between two plans goes (the least rounding of the base first)."""
+_BASES = [q.value for q in Quantization]
+QUANTIZE_SCHEMA = {
+    "anyOf": [
+        {"enum": _BASES},
+        {"type": "null"},
+        {"const": QUANTIZE_AUTO},
+        {"type": "array", "items": {"enum": [QUANTIZE_NONE, *_BASES, None]}, "minItems": 1, "uniqueItems": True},
+    ]
+}
+"""What ``quantize`` takes as written (``lorafleet schema``): a base, null, ``auto`` or a list of bases."""
+
+
 class WorkloadSpec(Spec):
     """A workload file: tasks, plus the base model and cluster they run on."""
 
@@ -256,10 +283,14 @@ class WorkloadSpec(Spec):
     """The GPUs to plan for."""
     recompute: RecomputePolicy = RecomputePolicy.AUTO
     """Activation recomputation: ``auto`` (the planner picks per config), ``off`` or ``on``."""
-    quantize: Quantization | None = None
+    quantize: Annotated[Quantization | None, WithJsonSchema(QUANTIZE_SCHEMA)] = None
     """QLoRA: the shared base's projections stored ``nf4`` or ``int8`` and dequantized in the forward, every tenant
-    over the one quantized base (``executor/torch/quantized_base.py``); null: the base in the run's dtype. The
-    planner does not price it yet (docs/multi_lora.md)."""
+    over the one quantized base (``executor/torch/quantized_base.py``); null: the base in the run's dtype. Written
+    ``auto`` or as a list of bases (``[none, nf4]``), the planner chooses the base (:attr:`quantize_candidates`)."""
+    quantize_candidates: SkipJsonSchema[tuple[Quantization | None, ...] | None] = None
+    """The bases the planner chooses among (``planner.base_choice``), set from ``quantize: auto`` (none and nf4) or
+    ``quantize: [none, int8, nf4]`` (any two or more, ``none`` the unquantized one), in the order ties go to: the
+    unquantized base, then int8, then nf4. None: ``quantize`` is the one base. Written back as ``quantize``."""
     seed: Int = Field(0, ge=0)
     """Seed of every sampled global batch."""
     tasks: tuple[TaskSpec, ...] = Field(min_length=1, max_length=MAX_TASKS)
@@ -286,6 +317,21 @@ class WorkloadSpec(Spec):
         raw["tasks"] = expand_sweeps(raw["tasks"])
         return raw
 
+    @model_validator(mode="before")
+    @classmethod
+    def _base_choice(cls, raw: Any) -> Any:
+        """``quantize: auto`` or a list of bases as :attr:`quantize_candidates` (:func:`base_choice_fields`)."""
+        return base_choice_fields(raw) if isinstance(raw, dict) else raw
+
+    @model_serializer(mode="wrap")
+    def _dump_base_choice(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The candidates written back as the user writes them, ``quantize: [none, nf4]``."""
+        raw = handler(self)
+        if self.quantize_candidates is not None:
+            raw.pop("quantize_candidates", None)
+            raw["quantize"] = [QUANTIZE_NONE if q is None else q.value for q in self.quantize_candidates]
+        return raw
+
     @field_validator("recompute", mode="before")
     @classmethod
     def _yaml_on_off(cls, value: Any) -> Any:
@@ -304,6 +350,42 @@ class WorkloadSpec(Spec):
                 raise FieldError((i, "name"), f"task name {task.name!r} is also a sweep's name")
             seen.add(task.name)
         return tasks
+
+
+def base_choice_fields(raw: dict) -> dict:
+    """A raw workload's ``quantize: auto`` (the unquantized base and NF4, QLoRA's) or list of bases as
+    ``quantize_candidates`` in :data:`BASE_PREFERENCE`'s order; a list of one base is that base. FieldError at
+    ``quantize`` (``quantize[i]``) for an empty list, an unknown base or one given twice, and at a pool's
+    ``quantize``: one base for the whole fleet (docs/multi_lora.md)."""
+    given = raw.get("quantize")
+    pools = raw.get("cluster", {}).get("pools") if isinstance(raw.get("cluster"), dict) else None
+    for k, pool in enumerate(pools if isinstance(pools, list) else ()):
+        if isinstance(pool, dict) and "quantize" in pool:
+            raise FieldError(
+                ("cluster", "pools", k, "quantize"),
+                "the base is the whole fleet's: write quantize (a base, auto or a list) at the file's top level; a "
+                "tenant the dispatcher splits across pools would learn over two functions (docs/multi_lora.md)",
+            )
+    if "quantize_candidates" in raw:
+        raise FieldError(("quantize_candidates",), "is set from quantize: auto or a list of bases; write those")
+    if given == QUANTIZE_AUTO:
+        given = [QUANTIZE_NONE, Quantization.NF4.value]
+    if not isinstance(given, list | tuple):
+        return raw
+    if not given:
+        raise FieldError(("quantize",), "an empty list; give the bases to choose among, e.g. [none, nf4], or auto")
+    words = {QUANTIZE_NONE: None, None: None, **{q.value: q for q in Quantization}}
+    bases: list[Quantization | None] = []
+    for i, item in enumerate(given):
+        if not isinstance(item, str | None) or item not in words:
+            known = ", ".join(w for w in words if w is not None)
+            raise FieldError(("quantize", i), f"{describe_value(item)} is not a base; the bases are {known}")
+        if words[item] in bases:
+            raise FieldError(("quantize", i), f"{item or QUANTIZE_NONE} is listed twice")
+        bases.append(words[item])
+    ordered = tuple(b for b in BASE_PREFERENCE if b in bases)
+    one = len(ordered) == 1
+    return {**raw, "quantize": ordered[0] if one else None, "quantize_candidates": None if one else ordered}
 
 
 def expand_sweeps(tasks: Sequence[Any]) -> list[Any]:

@@ -125,6 +125,7 @@ def _stale(plan: DeploymentPlan, workload: Workload, cluster: ClusterSpec, optio
 def prepare(options: TrainOptions) -> Prepared:
     """Every input check of a run, before any process is spawned or any file written (but a re-plan's)."""
     from lorafleet.assemble import prepare_run, workload_cluster
+    from lorafleet.plan_check import with_plan_base
     from lorafleet.plans import DeploymentPlan
     from lorafleet.specs.io import check_writable
 
@@ -140,6 +141,7 @@ def prepare(options: TrainOptions) -> Prepared:
     flight = in_flight(options, start) if start is not None else None
     if flight is not None:  # the fleet on the side of the change in flight the checkpoint is on (resume.in_flight)
         workload, revisions = flight.resolved(options.workload), {}
+        workload = with_plan_base(flight.plan, workload, str(options.run_dir.plan))  # quantize: auto: the plan's
         check_quantize(options, start, workload)
         cluster = workload_cluster(workload, options.gpus, options.gpu)
         check_in_flight_gpus(flight, cluster, options)
@@ -151,14 +153,17 @@ def prepare(options: TrainOptions) -> Prepared:
         workload, revisions = training_workload(
             options.workload, options.out if start is not None else None, options.sets, start, options.allow_changes
         )
-        check_quantize(options, start, workload)
-        cluster = workload_cluster(workload, options.gpus, options.gpu)
         if start is not None:
             options = replace(options, plan=resumed_plan(options, workload))
+        if not plans_itself:  # quantize: auto or a list: the plan's base (a resume's: the run's, kept on a re-plan)
+            workload = with_plan_base(DeploymentPlan.load(options.plan), workload, options.plan)
+        check_quantize(options, start, workload)
+        cluster = workload_cluster(workload, options.gpus, options.gpu)
         if start is not None and _stale(DeploymentPlan.load(options.plan), workload, cluster, options):
             run, cluster = _replan(workload, cluster, options)
         elif plans_itself:
             made = own_plan(workload, cluster, options)
+            workload = with_plan_base(made, workload, options.plan)
             run = prepare_run(workload, cluster, options.plan, options.profile, dict(options.policy_overrides), made)
         else:
             run = prepare_run(workload, cluster, options.plan, options.profile, dict(options.policy_overrides))
@@ -224,12 +229,22 @@ def check_model(workload: Workload, path: str) -> None:
 
 def check_quantize(options: TrainOptions, start: int | None, workload: Workload) -> None:
     """The workload's ``quantize`` (``runtime.base_quantization``), before the plan is judged by it: InputError over
-    a family with fused projections (Phi-3) or weights already quantized (a GGUF file), or, on a resume from the
-    checkpoint of step ``start``, when that checkpoint was trained over another base (nothing to compare before the
-    first checkpoint commits)."""
-    from lorafleet.runtime.base_quantization import check_quantizable, check_resumed_quantize, check_unfused
+    a family with fused projections (Phi-3) or weights already quantized (a GGUF file), for its one base or any
+    quantized one of its candidates (``quantize: auto`` or a list, before ``train`` plans for itself), or, on a
+    resume from the checkpoint of step ``start``, when that checkpoint was trained over another base than the one
+    the workload now trains over (nothing to compare before the first checkpoint commits)."""
+    from lorafleet.runtime.base_quantization import (
+        check_base_choice,
+        check_quantizable,
+        check_resumed_quantize,
+        check_unfused,
+    )
     from lorafleet.runtime.checkpoint_files import read_manifest, step_dir_name
 
+    if workload.spec.quantize_candidates is not None:
+        model = workload.spec.model
+        check_base_choice(model, workload.model.model_type, workload.spec.quantize_candidates, options.workload)
+        return  # a fresh run that plans for itself: a resume always has the run's plan, and its base
     if workload.spec.quantize is not None:
         from lorafleet.data.model_source import resolve_model_source
 
