@@ -223,10 +223,12 @@ class CostModel:
 
     def block_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
         """t(b, s) of one block of ``config``, ms: its TP degree's, grown by the forward share
-        under activation recomputation (``LayerTimeCoeffs.recomputed``)."""
+        under activation recomputation (``LayerTimeCoeffs.recomputed``), the mean block of its busiest stage's
+        sliding windows (``attention_span.stage_span``)."""
         model, layout = self.pool_model(config)
         block = model.layer_time[layout.tp]
-        return block.recomputed() if layout.recompute else block
+        block = block.recomputed() if layout.recompute else block
+        return block.windowed(stage_span(model.model, layout.pp))
 
     def stage_coeffs(self, config: ParallelConfig) -> LayerTimeCoeffs:
         """τ(b, s) of ``config`` in LobRA form, ms per stage (see the module docstring)."""

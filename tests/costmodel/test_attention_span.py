@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -59,10 +61,21 @@ def test_the_busiest_stage_holds_the_fewest_windowed_layers() -> None:
     assert stage_span(MODEL_PRESETS["gemma2-2b"], 2) == AttentionSpan(4096, 6 / 13)  # layer 0 windowed: 7 + 6
 
 
-def test_a_model_without_windows_prices_its_stages_with_no_span() -> None:
+def test_the_cost_model_prices_each_stage_and_block_over_its_models_windows() -> None:
+    """A model without windows: no span anywhere (LobRA's form, bit for bit); Gemma 3's coefficients (here the 7B
+    preset's numbers) over its 5 : 1 layers, in the stage, the block and the forward alone."""
     cm = lobra_7b_cost_model()
     for config in (ParallelConfig(1), ParallelConfig(2, 2)):
-        assert cm.stage_coeffs(config).span is None
+        assert cm.stage_coeffs(config).span is None and cm.block_coeffs(config).span is None
+    gemma = replace(cm, model=MODEL_PRESETS["gemma3-1b"])
+    span = AttentionSpan(512, 22 / 26)
+    for config in (ParallelConfig(1), ParallelConfig(2, 2)):
+        spans = (
+            gemma.stage_coeffs(config).span,
+            gemma.block_coeffs(config).span,
+            gemma.forward_stage_coeffs(config).span,
+        )
+        assert spans == (span, span, span)
 
 
 def test_config_json_fields_give_the_layouts_transformers_derives() -> None:
