@@ -18,10 +18,22 @@ new inode): it is read again from the start. Each loss curve sent holds at most 
 Per tenant (:class:`TenantView`): its state (:class:`TenantState`), the steps it has taken of its total
 (as ``run_length.json`` counts them; before rank 0 wrote it, or for a task added since: ``steps``, or ``epochs`` over
 the rows the run file's lengths count, or the run's steps from its start, never more than the run has left it),
-an ETA (its steps left times the mean of the last :data:`ETA_STEPS` step times: as if it took part in every
-step), its loss curve, its evaluations, and its GPU-seconds (its evaluations' included, as the run's closing
+an ETA, its loss curve, its evaluations, and its GPU-seconds (its evaluations' included, as the run's closing
 lines count them). Per replica (:class:`ReplicaView`): its config, GPUs and pool, and its utilisation (busy over
 step time) over the last :data:`ETA_STEPS` steps on the current deployment.
+
+**ETAs.** A task with a ``share`` (``turns``) takes a batch only on some fleet steps, so its ETA is its steps left
+over its progress rate ``r`` (its steps taken per fleet step), times the mean step time t̄ of the last
+:data:`ETA_STEPS` steps::
+
+    ETA = t̄ * steps_left / r
+
+``r`` = 1 for a task without a share (it takes every step). For a shared task ``r`` is what the metrics show: the
+fleet steps among the last :data:`ETA_STEPS` since its start whose row holds its loss, over those steps. Before it
+has taken one there, ``r`` is the share's expectation: the turns give it ``σ_t`` of every step's tokens ``T``, so
+``r = min(1, σ_t T / τ_t)`` with ``τ_t`` its batch's expected tokens (batch size times its rows' mean length, from the
+run file) and, in the steady state, ``T = Σ_unshared τ_u / (1 - Σ_shared σ)`` (the unshared tasks' tokens are the
+rest); where that is undefined (no unshared task, Σσ >= 1, lengths not recorded) ``r = σ_t``.
 """
 
 from __future__ import annotations
@@ -396,6 +408,7 @@ class FleetWatch:
         record = self._run_length.get()  # the steps rank 0 counted each task takes in the run (train.run_length)
         in_run = {t["name"]: int(t["in_run"]) for t in record["tasks"]} if record else {}
         names = list(specs) + [n for n in self._steps.tasks if n not in specs]
+        expected = _expected_rates(specs, lengths)
         out = []
         for name in names:
             spec, sums = specs.get(name, {}), self._steps.tasks.get(name) or _TaskSteps()
@@ -419,7 +432,11 @@ class FleetWatch:
                     steps_done=done,
                     steps_total=total,
                     start_step=start,
-                    eta_s=_eta(mean, total - done) if state is TenantState.TRAINING and total is not None else None,
+                    eta_s=(
+                        _eta(mean, total - done, self._rate(sums, start, expected.get(name)))
+                        if state is TenantState.TRAINING and total is not None
+                        else None
+                    ),
                     loss=sums.losses[-1] if sums.losses else None,
                     gpu_s=sums.gpu_s + sums.eval_gpu_s,
                     eval_gpu_s=sums.eval_gpu_s,
@@ -430,6 +447,15 @@ class FleetWatch:
                 )
             )
         return tuple(out)
+
+    def _rate(self, sums: _TaskSteps, start: int, expected: float | None) -> float:
+        """A task's steps per fleet step (module doc): 1 without a share (``expected`` None), else over the last
+        :data:`ETA_STEPS` fleet steps since its start, or ``expected`` before it took one there."""
+        if expected is None:
+            return 1.0
+        first = max(start, self._steps.count - ETA_STEPS) + 1  # 1-based, as its steps are recorded
+        taken = sum(1 for step in sums.steps[-ETA_STEPS:] if step >= first)
+        return taken / (self._steps.count - first + 1) if taken else expected
 
     def _replicas(self, plan: DeploymentPlan | None) -> tuple[ReplicaView, ...]:
         if plan is None:
@@ -490,7 +516,30 @@ def _finite(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def _eta(mean_step_s: float | None, steps_left: int | None) -> float | None:
+def _expected_rates(
+    specs: Mapping[str, Mapping[str, Any]], lengths: Mapping[str, Sequence[Sequence[int]]]
+) -> dict[str, float]:
+    """The steps per fleet step each task with a ``share`` is expected to take (module doc); the others: none."""
+    shares = {name: float(spec["share"]) for name, spec in specs.items() if spec.get("share") is not None}
+
+    def tokens(name: str) -> float | None:
+        rows = lengths.get(name)
+        count = sum(int(c) for _, c in rows) if rows else 0
+        return int(specs[name]["batch_size"]) * sum(int(n) * int(c) for n, c in rows) / count if count else None
+
+    unshared = [tokens(name) for name in specs if name not in shares]
+    step_tokens = None
+    if unshared and all(t is not None for t in unshared) and sum(shares.values()) < 1:
+        step_tokens = sum(t for t in unshared if t is not None) / (1 - sum(shares.values()))
+    rates = {}
+    for name, share in shares.items():
+        own = tokens(name)
+        rates[name] = min(1.0, share * step_tokens / own) if step_tokens is not None and own else share
+    return rates
+
+
+def _eta(mean_step_s: float | None, steps_left: int | None, rate: float = 1.0) -> float | None:
+    """``t̄ * steps_left / r`` seconds (module doc); None without a step time or a step count."""
     if mean_step_s is None or steps_left is None:
         return None
-    return mean_step_s * max(steps_left, 0)
+    return mean_step_s * max(steps_left, 0) / rate

@@ -74,6 +74,28 @@ def test_tenants_progress_states_and_replicas(tmp_path):
     assert {t.name: t.steps_total for t in FleetWatch(run_dir).view().tenants}["ep"] == 6
 
 
+def test_a_shared_tenants_eta_follows_its_own_progress_rate(tmp_path):
+    """A task with a ``share`` takes a batch on some steps only: before it has taken one its ETA is the share's
+    expectation (σ T / τ, T the unshared tasks' tokens over 1 - Σσ), then the steps it took per fleet step in the
+    metrics; an unshared task's stays one step a step."""
+    tasks = [
+        {"name": "ep", "batch_size": 4, "steps": 10},  # τ = 4 x 10 tokens (the run file's rows of 10)
+        {"name": "sh", "batch_size": 4, "steps": 10, "share": 0.2},
+    ]
+    run_dir = _run(tmp_path, tasks)
+    run = json.loads(run_dir.run_file.read_text())
+    run["state"]["lengths"]["sh"] = [[20, 5]]  # τ = 80: T = 40 / 0.8 = 50, r = 0.2 x 50 / 80 = 0.125
+    run_dir.run_file.write_text(json.dumps(run))
+    _append(run_dir, _row(0, {"ep": 2.0}))
+    watch = FleetWatch(run_dir)
+    tenants = {t.name: t for t in watch.view().tenants}
+    assert tenants["ep"].eta_s == pytest.approx(9.0) and tenants["sh"].eta_s == pytest.approx(10 / 0.125)
+    _append(run_dir, *(_row(s, {"ep": 2.0, **({"sh": 1.0} if s % 3 == 0 else {})}) for s in range(1, 7)))
+    tenants = {t.name: t for t in watch.view().tenants}  # sh took fleet steps 4 and 7 of the 7: 2 / 7 a step
+    assert (tenants["sh"].steps_done, tenants["sh"].eta_s) == (2, pytest.approx(8 / (2 / 7)))
+    assert tenants["ep"].eta_s == pytest.approx(3.0)
+
+
 def test_metrics_are_read_on_and_again_after_a_resume(tmp_path):
     """A refresh folds in only the rows written since the last; a line not ended yet waits for the next; a resume's
     rewrite (a new file, shorter) is read from the start; a non-finite loss is sent as null."""
