@@ -13,12 +13,16 @@ starting at step 3 (``start_step``, no queue):
 
 And a crash amid the change at step 6 (the ledger written, the plan and ``.apply.json`` not yet settled) is
 resumed from the checkpoint of step 6 with the change recorded once.
+
+While the queued run trains, its live page (``--queue-http``'s ``/``) is opened in headless Chromium and shows
+``metrics.jsonl``'s numbers as of its read.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +38,7 @@ from lorafleet.runtime.processes import FAULT_ENV, FAULT_ONCE_ENV
 from lorafleet.train.background import GATE_ENV
 from lorafleet.train.change_log import ChangeKind, Outcome, read_changes
 from lorafleet.train.changes import RELAUNCH_ENV
+from tests.helpers.browser import CHROMIUM, Page, rendered_page
 from tests.helpers.queue_fleet import CHAT, CODEGEN, DOCSUM, on_four_gpus, workload_file
 from tests.helpers.queue_fleet import add_request as _add
 from tests.helpers.train_cli import LAUNCHER, _worker_pids
@@ -55,14 +60,46 @@ def _lorafleet(*argv: str, cwd: Path, env: dict[str, str] | None = None) -> subp
     return proc
 
 
-def _train(workload: Path, out: Path, steps: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def _train_argv(workload: Path, out: Path, steps: int, *extra: str) -> list[str]:
     plan = workload.with_suffix(".plan.json")
     if not plan.exists():
         assert main(["plan", str(workload), "--json", str(plan)]) == 0
-    return _lorafleet(
-        "train", str(workload), "--plan", str(plan), "--steps", str(steps), "--out", str(out), "--no-progress",
-        *extra, cwd=out.parent, env=env,
-    )  # fmt: skip
+    return ["train", str(workload), "--plan", str(plan), "--steps", str(steps), "--out", str(out), "--no-progress",
+            *extra]  # fmt: skip
+
+
+def _train(workload: Path, out: Path, steps: int, *extra: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return _lorafleet(*_train_argv(workload, out, steps, *extra), cwd=out.parent, env=env)
+
+
+def _train_with_the_page_open(
+    workload: Path, out: Path, steps: int, *extra: str
+) -> tuple[subprocess.CompletedProcess, Page | None, list[dict]]:
+    """``_train`` with ``--queue-http 0``, the live page opened in headless Chromium while the run trains: the re-plan
+    its step-3 change starts is held at a gate (``GATE_ENV``), so the run waits, serving, at the boundary that applies
+    the re-plan's answer until the page was read; then the gate opens and the run goes on to its end. Returns the run's
+    output, the page (None without Chromium) and ``metrics.jsonl``'s rows as read right after the page."""
+    gate, logs = out.parent / "page.gate", (out.parent / "train.out", out.parent / "train.err")
+    with logs[0].open("w") as stdout, logs[1].open("w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "lorafleet", *_train_argv(workload, out, steps, *extra,
+                                 "--queue-http", "0")], cwd=out.parent, stdout=stdout, stderr=stderr, text=True,
+                                env={**os.environ, GATE_ENV: str(gate)})  # fmt: skip
+    page, metrics, served = None, out / "metrics.jsonl", out / "queue" / ".http.json"
+    try:
+        deadline = time.monotonic() + 300  # a bound on a broken run, not a timing
+        while not (served.exists() and metrics.exists() and len(metrics.read_text().splitlines()) > 3):
+            assert proc.poll() is None and time.monotonic() < deadline, logs[1].read_text()[-2000:]
+            time.sleep(0.05)
+        if shutil.which(CHROMIUM):
+            http = json.loads(served.read_text())
+            page = rendered_page(f"{http['url']}/#token={http['token']}")
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    finally:
+        gate.touch()
+        proc.wait(timeout=600)
+    stdout, stderr = (path.read_text() for path in logs)
+    assert proc.returncode == 0, stdout + stderr
+    return subprocess.CompletedProcess(proc.args, 0, stdout, stderr), page, rows
 
 
 def _adapter(path: Path) -> dict[str, torch.Tensor]:
@@ -75,7 +112,9 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, tiny_tokenizer_dir):
+def queued_run(tmp_path_factory, tiny_tokenizer_dir):
+    """The run that takes the queued changes, its output, and its live page as read while it trained, with
+    ``metrics.jsonl``'s rows as of that read."""
     root = tmp_path_factory.mktemp("queue")
     queued = root / "queued"
     (queued / "queue").mkdir(parents=True)
@@ -84,7 +123,14 @@ def runs(tmp_path_factory, tiny_tokenizer_dir):
     (queued / "queue" / "broken.yaml").write_text("name: [unclosed\n")
     (queued / "queue" / "ghost.yaml").write_text("action: cancel\nname: nobody\n")
     both = workload_file(root / "both.yaml", tiny_tokenizer_dir, [DOCSUM, CHAT])
-    log = _train(both, queued, STEPS, "--checkpoint-every", "4", "--migration-s", "0", "--queue-http", "0")
+    log, page, rows = _train_with_the_page_open(both, queued, STEPS, "--checkpoint-every", "4", "--migration-s", "0")
+    return queued, log, page, rows
+
+
+@pytest.fixture(scope="module")
+def runs(queued_run, tiny_tokenizer_dir):
+    queued, log, _, _ = queued_run
+    root = queued.parent
     reference = root / "reference"
     codegen_at_3 = CODEGEN[:-1] + ", start_step: 3}"
     _train(workload_file(root / "all.yaml", tiny_tokenizer_dir, [DOCSUM, CHAT, codegen_at_3]), reference, STEPS,
@@ -129,6 +175,40 @@ def test_the_ledger_metrics_and_log_tell_what_happened(runs):
         (3, "add", "codegen"),
         (6, "finish", "chat"),
     ]
+
+
+def test_the_live_page_shows_the_training_fleets_numbers_in_a_browser(queued_run):
+    """The page read while the run trained (held at a boundary mid-run): the run's steps, mean step and ETA, and each
+    tenant's state, steps, last loss, loss curve, GPU-seconds and (docsum's, of its own 8 steps) ETA are
+    ``metrics.jsonl``'s rows up to the steps the page shows, to the last digit of its ``data-value``s."""
+    _, _, page, rows = queued_run
+    if page is None:
+        pytest.skip("no chromium on this machine: `make setup` installs Debian's package")
+    assert page.one(id="status").attrs["data-state"] == "ok"
+    run = page.one(id="run")
+    done = int(page.one(data_field="steps-done", within=run).attrs["data-value"])
+    assert 0 < done < STEPS and len(rows) >= done  # mid-run
+    rows = rows[:done]
+    recent = [r["makespan_s"] for r in rows[-20:]]
+    mean = sum(recent) / len(recent)
+    assert float(page.one(data_field="mean-step", within=run).attrs["data-value"]) == pytest.approx(mean, rel=1e-12)
+    assert float(page.one(data_field="eta", within=run).attrs["data-value"]) == pytest.approx(mean * (STEPS - done))
+    trained = [task for task in ("docsum", "chat", "codegen") if any(task in r["losses"] for r in rows)]
+    assert trained[:2] == ["docsum", "chat"]
+    for task in trained:
+        cells = {e.attrs["data-field"]: e for e in page.find(within=page.one("tr", data_tenant=task))
+                 if "data-field" in e.attrs}  # fmt: skip
+        losses = [(r["step"] + 1, r["losses"][task]) for r in rows if task in r["losses"]]
+        assert cells["state"].text == "training"
+        assert int(cells["steps-done"].attrs["data-value"]) == len(losses)
+        assert float(cells["loss"].attrs["data-value"]) == losses[-1][1]
+        gpu_s = sum(r["task_gpu_s"].get(task, 0) for r in rows)
+        assert float(cells["gpu-s"].attrs["data-value"]) == pytest.approx(gpu_s, rel=1e-12)
+        curve = page.one(within=page.one("div", data_tenant=task), data_field="loss-curve")
+        assert [int(s) for s in curve.attrs["data-steps"].split(",")] == [s for s, _ in losses]
+        assert [float(v) for v in curve.attrs["data-values"].split(",")] == [v for _, v in losses]
+        if task == "docsum":
+            assert float(cells["eta"].attrs["data-value"]) == pytest.approx(mean * (STEPS - len(losses)), rel=1e-12)
 
 
 def test_the_changes_are_applied_in_the_running_workers(runs):
