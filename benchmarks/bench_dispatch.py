@@ -228,7 +228,7 @@ def step_cpu_ms(batches, plan, cost_model) -> list[float]:
 
 
 def against(name: str, tree: str, steps: int, rounds: int) -> None:
-    """``step_cpu_ms`` of scenario ``name``, this tree and ``tree`` alternately (``rounds`` each), printed side by side."""
+    """``step_cpu_ms`` of scenario ``name`` on this tree and ``tree`` alternately, ``rounds`` each, side by side."""
     times: dict[str, list[float]] = {"this": [], "base": []}
     for _ in range(rounds):
         for side, path in (("base", tree), ("this", str(REPO))):

@@ -324,6 +324,13 @@ def _stream_ends(
     above = 2.0 ** np.ceil(np.log2(2.0 * (fwd.sum() + bwd.sum()) + 2.0))  # > every end and every S
     down_add, down_back = _chain_offsets(t, ~(is_forward & chained), above)
     up_add, up_back = _chain_offsets(t[:, ::-1], ~(~is_forward & chained)[:, ::-1], above)
+    # Both running maxima in one: the stages down, then the stages up, the second half raised by (pp + 1) above
+    # (a chain number past every one of the first half's), so no maximum carries from the first half into it.
+    lift = (pp + 1) * above
+    add = np.concatenate((down_add, up_add + lift), axis=1)
+    back = np.concatenate((down_back, up_back - lift), axis=1)
+    both = np.concatenate((np.arange(pp), np.arange(pp)[::-1]))  # a row's stages, down then up
+    pick = np.where(is_forward, np.arange(pp), 2 * pp - 1 - np.arange(pp))  # each op's end: its chain's
     ends = np.zeros((width + 1, pp))
     shared = 0
     if known is not None and known[0] < n:
@@ -331,11 +338,11 @@ def _stream_ends(
         ends[1 : shared + 1] = known[1][1 : shared + 1]
     flat, acc = ends.ravel(), np.maximum.accumulate
     for p in range(shared, width):
-        x = np.maximum(ends[p], flat.take(source[p]))
-        down = acc(x + down_add[p]) + down_back[p]
-        up = acc(x[::-1] + up_add[p]) + up_back[p]
-        np.copyto(ends[p + 1], up[::-1])
-        np.copyto(ends[p + 1], down, where=is_forward[p])
+        x = np.maximum(ends[p], flat.take(source[p])).take(both)
+        x += add[p]
+        acc(x, out=x)
+        x += back[p]
+        x.take(pick[p], out=ends[p + 1])
     return ends
 
 

@@ -86,9 +86,9 @@ def test_task_major_order_finishes_tasks_in_order(lengths, packed, data):
     assert keys == sorted(keys)
 
 
-def test_first_fit_scans_many_micro_batches_with_numpy_and_fills_them_the_same():
+def test_first_fit_bisects_many_micro_batches_and_fills_them_the_same():
     """A deep pipeline's replica at service scale packs thousands of sequences into hundreds of micro-batches: the
-    numpy scan (``_first_fit_many``) gives the list scan's micro-batches, sequence for sequence."""
+    bisection (``_first_fit_many``) gives the list scan's micro-batches, sequence for sequence."""
     from lorafleet.dispatch.microbatch import MANY_BINS, _first_fit_few, _first_fit_many
 
     rng = np.random.default_rng(0)
@@ -97,7 +97,7 @@ def test_first_fit_scans_many_micro_batches_with_numpy_and_fills_them_the_same()
         needs = sorted(rng.integers(1, max_tokens + 1, int(rng.integers(1, 1500))).tolist(), reverse=True)
         assert (_first_fit_few(needs, max_tokens) == _first_fit_many(needs, max_tokens)).all()
     lengths = rng.integers(1, 1100, 2000)
-    assert lengths.sum() > MANY_BINS * 1115  # the numpy path's case
+    assert lengths.sum() > MANY_BINS * 1115  # the bisection path's case
     mbs = packed_microbatches(np.arange(2000), lengths, rng.integers(0, 50, 2000), 1115)
     assert (
         sorted(s for mb in mbs for s in mb.seq_ids) == list(range(2000)) and max(sum(mb.lengths) for mb in mbs) <= 1115
