@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -16,7 +17,7 @@ from lorafleet.costmodel import ParallelConfig
 from lorafleet.presets import make_plan
 from lorafleet.rundir import RunDir
 from lorafleet.specs.io import write_text_atomic
-from lorafleet.train.queue import start_queue_server
+from lorafleet.train.queue import fleet_view, start_queue_server
 from lorafleet.train.queue.fleet_view import FleetWatch, TenantState, sampled
 
 
@@ -118,6 +119,16 @@ def test_a_long_curve_is_sampled_with_its_last_point():
     curve = sampled(range(1, 1001), [float(s) for s in range(1, 1001)], most=240)
     assert len(curve.steps) <= 240 and curve.steps[-1] == 1000 and curve.values == tuple(map(float, curve.steps))
     assert len(set(b - a for a, b in zip(curve.steps, curve.steps[1:]))) == 1
+
+
+def test_the_page_is_the_packages_own_files_and_names_no_other_host():
+    """No build step and no CDN (#42): the page's ``src``/``href`` are files beside it in the package, and no file
+    names a host (the SVG namespace is a name the script passes to ``createElementNS``, never fetched)."""
+    static = Path(fleet_view.__file__).parent / "static"
+    files = {path.name: path.read_text(encoding="utf-8") for path in static.iterdir()}
+    assert set(re.findall(r'(?:src|href)="([^"]+)"', files["index.html"])) <= set(files) - {"index.html"}
+    hosts = {m for text in files.values() for m in re.findall(r"\b[a-z]+://[^\s\"'<>]+", text)}
+    assert hosts == {"http://www.w3.org/2000/svg"}
 
 
 def _get(url: str, token: str | None = None) -> tuple[int, dict[str, str], bytes]:
