@@ -33,8 +33,12 @@ def no_template_tokenizer(tokenizer_with_template):
     return tokenizer_with_template(None)
 
 
-@pytest.mark.parametrize("command", [["validate"], ["plan", "--gpus", "1", "--gpu", "cpu"]])
-def test_an_unsupported_model_type_is_refused_before_any_work(tmp_path, capsys, command):
+@pytest.mark.parametrize(
+    "command", [["validate"], ["plan", "--gpus", "1", "--gpu", "cpu"], ["train", "--steps", "1", "--out", "run"]]
+)
+def test_an_unsupported_model_type_is_refused_before_any_work(tmp_path, capsys, monkeypatch, command):
+    """validate, plan, and train before it claims a run directory or starts a worker (#42's Phi-2 case)."""
+    monkeypatch.chdir(tmp_path)
     model = tmp_path / "phi2"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "phi", "hidden_size": 64}))
@@ -42,6 +46,7 @@ def test_an_unsupported_model_type_is_refused_before_any_work(tmp_path, capsys, 
     assert main([command[0], path, *command[1:]]) == 2
     err = _one_line_error(capsys)
     assert f"{model / 'config.json'}: model_type: model type 'phi' is not supported" in err and "phi3" in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("command", [["validate"], ["plan", "--gpus", "1", "--gpu", "cpu"]])
