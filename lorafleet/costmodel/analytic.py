@@ -7,7 +7,8 @@ degree, model and GPU. Per block, per device, for a micro-batch of b sequences o
 
     attention   c1 b s^2 : 7 * hq * b s^2 / tp / (F * e_attn)
                  causal FlashAttention: QK^T and PV are 4 s^2 hq FLOPs, halved by the mask;
-                 the backward (recompute + dQ, dK, dV) is 2.5x the forward
+                 the backward (recompute + dQ, dK, dV) is 2.5x the forward; a model's sliding windows
+                 scale it by each sequence's ρ(s) where a stage is priced (``attention_span``)
     projections c3 b s   : (4 P + 6 p_A) * T / tp / (F * e_mm)
                  frozen base: forward 2P and input gradient 2P, *no* weight-gradient GEMMs;
                  LoRA (p_A adapter parameters a token meets): forward 2 p_A, backward 4 p_A
