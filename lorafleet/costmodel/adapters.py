@@ -40,6 +40,9 @@ class TaskAdapter:
     (``costmodel.dora_cost``)."""
     dora_dropout: bool = False
     """DoRA with adapter dropout: its tokens also cost one more base-width GEMM (``costmodel.dora_cost``)."""
+    vera: bool = False
+    """A VeRA adapter (``LoraSpec.use_vera``): it trains ``λ_d (r)`` and ``λ_b (out)`` per projection, not ``A`` and
+    ``B``; its tokens still meet rank-``r`` GEMMs (``diag(λ_b) B diag(λ_d) A``), so its time is LoRA's."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -49,8 +52,17 @@ class TaskAdapter:
             raise ValueError(f"targets must be a non-empty subset of {LLAMA_TARGET_MODULES}, got {self.targets}")
 
     def params_per_layer(self, model: ModelSpec) -> int:
-        """Adapter parameters in one block: Σ r * (in + out) over the projections the targets put an adapter on in
-        the model's family (one on a fused projection: ``ModelSpec.adapter_shapes``)."""
+        """Trained adapter parameters in one block: Σ r * (in + out) over the projections the targets put an adapter
+        on in the model's family (one on a fused projection: ``ModelSpec.adapter_shapes``); VeRA's Σ (r + out). (A
+        VeRA task's frozen shared projections, ``r (max in + max out)`` once per replica, are left out: less than
+        one block's LoRA matrices.)"""
+        shapes = model.adapter_shapes(self.targets).values()
+        if self.vera:
+            return sum(self.rank + o for _, o in shapes)
+        return self.gemm_params_per_layer(model)
+
+    def gemm_params_per_layer(self, model: ModelSpec) -> int:
+        """The adapter weights a token multiplies in one block: Σ r * (in + out), LoRA's and VeRA's alike."""
         return sum(self.rank * (i + o) for i, o in model.adapter_shapes(self.targets).values())
 
 
@@ -83,7 +95,9 @@ class AdapterLoad:
         """The load of a workload's tasks, from their ``LoraSpec``s."""
         return cls(
             tuple(
-                TaskAdapter(s.rank, llama_targets(s.target_modules), s.use_dora, s.use_dora and s.dropout > 0)
+                TaskAdapter(
+                    s.rank, llama_targets(s.target_modules), s.use_dora, s.use_dora and s.dropout > 0, s.use_vera
+                )
                 for s in specs
             ),
             OptimizerName(optimizer),
@@ -102,8 +116,9 @@ class AdapterLoad:
         return model.n_layers * self.params_per_layer(model)
 
     def mean_params_per_layer(self, model: ModelSpec) -> float:
-        """Adapter parameters one token meets in a block, averaged over tasks (each token uses its task's adapter)."""
-        return self.params_per_layer(model) / self.n_tasks
+        """Adapter weights one token multiplies in a block, averaged over tasks (each token uses its task's adapter:
+        :meth:`TaskAdapter.gemm_params_per_layer`)."""
+        return sum(t.gemm_params_per_layer(model) for t in self.tasks) / self.n_tasks
 
     def dora_share(self, with_dropout: bool = False) -> float:
         """The fraction of tasks whose adapter is DoRA (with ``with_dropout``: DoRA with adapter dropout); a token

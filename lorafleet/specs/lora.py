@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lorafleet.specs._base import Bool, Float, Int, Spec
 
@@ -40,6 +40,16 @@ class LoraSpec(Spec):
     use_dora: Bool = False
     """DoRA (Liu et al., 2024): ``m ⊙ (W + s B A) x / ||W + s B A||_c`` with a trained magnitude ``m`` per output
     (PEFT's ``use_dora``, its ``lora_magnitude_vector``); the norm is detached, as the paper's §4.3 and PEFT do."""
+    use_vera: Bool = False
+    """VeRA (Kopiczko et al., 2024): ``W x + λ_b ⊙ B (λ_d ⊙ A dropout(x))`` with frozen random ``A (r, max in)`` and
+    ``B (max out, r)`` shared by every targeted layer (each slices its ``in`` columns and ``out`` rows) and trained
+    vectors ``λ_d (r)``, ``λ_b (out)`` per layer (PEFT's ``VeraConfig``: no alpha scaling, so ``alpha`` and
+    ``use_rslora`` do not apply; ``executor/torch/vera.py``)."""
+    vera_prng_key: Int = Field(0, ge=0)
+    """VeRA's ``projection_prng_key``: the seed ``A`` and ``B`` are drawn from (PEFT's Kaiming-uniform draw)."""
+    vera_d_initial: Float = 0.1
+    """VeRA's ``d_initial``: every ``λ_d`` starts at it, every ``λ_b`` at zero (so the adapter starts as the
+    identity update)."""
     lr_ratio: Float | None = Field(None, gt=0)
     """LoRA+ (Hayou et al., 2024): ``B`` (and a DoRA magnitude) learn at ``lr * lr_ratio``, ``A`` at ``lr``, as
     ``peft.optimizers.create_loraplus_optimizer``'s ``loraplus_lr_ratio``; None: one rate for all."""
@@ -56,9 +66,24 @@ class LoraSpec(Spec):
             raise ValueError("names a module twice")
         return value
 
+    @model_validator(mode="after")
+    def _one_kind(self) -> LoraSpec:
+        if self.use_vera:
+            for other in ("use_dora", "use_rslora", "lr_ratio"):
+                if getattr(self, other):
+                    raise ValueError(f"use_vera cannot be combined with {other} (VeRA trains no A, B or alpha scaling)")
+        return self
+
+    @property
+    def kind(self) -> str:
+        """The adapter's kind, as a checkpoint's resume check names it: ``LoRA``, ``DoRA`` or ``VeRA``."""
+        return "VeRA" if self.use_vera else "DoRA" if self.use_dora else "LoRA"
+
     @property
     def scaling(self) -> float:
-        """The factor on B·A: alpha / r, or alpha / sqrt(r) for rsLoRA."""
+        """The factor on B·A: alpha / r, or alpha / sqrt(r) for rsLoRA; 1 for VeRA (its ``λ_b`` is the scale)."""
+        if self.use_vera:
+            return 1.0
         return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
 
 

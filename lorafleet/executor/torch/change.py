@@ -44,7 +44,7 @@ from torch import nn
 
 from lorafleet.executor.torch.base_model import SafetensorsWeights
 from lorafleet.executor.torch.checkpoint import gather_task_states, restore_task_states
-from lorafleet.executor.torch.inject import initial_lora_A, module_suffix, multi_lora_layers
+from lorafleet.executor.torch.inject import initial_lora_A, module_suffix, multi_lora_layers, vera_projections
 from lorafleet.executor.torch.multi_lora import adapter_dtype
 from lorafleet.executor.torch.optim import LORAPLUS_FACTORS, TaskOptimizer
 from lorafleet.executor.torch.replica import Replica, assemble_replica, build_stage, fleet_groups
@@ -156,11 +156,14 @@ def change_slots(
     layers = list(multi_lora_layers(model))
     dtype = adapter_dtype(layers[0][1].base_layer.weight.dtype) if layers else torch.float32
     drawn = {t: initial_lora_A(shapes, adapters[t], seeds[t], dtype) for t in added}
+    projections = {t: vera_projections(shapes, adapters[t]) for t in added}  # VeRA: over the whole model's shapes
     for name, layer in layers:
         layer.relabel(renamed)
         dim = adapter_shard_dim(TP_STYLES[module_suffix(name)], "lora_A")
         for t in added:
-            if name in drawn[t]:
+            if projections[t] is not None and module_suffix(name) in adapters[t].target_modules:
+                layer.add_adapter(t, adapters[t], projections=projections[t])  # its slice is the layer's own
+            elif name in drawn[t]:
                 A = shard(drawn[t][name], dim, role.tp_rank, role.replica.tp)
                 layer.add_adapter(t, adapters[t], (A, torch.zeros(layer.out_features, adapters[t].rank, dtype=dtype)))
 

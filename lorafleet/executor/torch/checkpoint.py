@@ -44,12 +44,14 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from lorafleet.errors import InputError
+from lorafleet.executor.torch.inject import vera_projections
 from lorafleet.executor.torch.optim import TaskOptimizer
 from lorafleet.executor.torch.peft_export import (
-    PEFT_PREFIX,
     SAFETENSORS_WEIGHTS_NAME,
     peft_key,
     read_peft_spec,
+    split_peft_key,
+    vera_weights,
     write_peft_adapter,
 )
 from lorafleet.executor.torch.replica import Replica
@@ -162,6 +164,10 @@ def gather_task_states(
                 moments_of[task][(module, factor, key)] = tensor
             else:
                 place(moments_of[task], (module, factor, key), tensor, piece, shape)
+    for t, spec in enumerate(specs):  # a VeRA file holds its projections: redrawn from the key, as every rank drew them
+        projections = vera_projections(replica.shapes, spec)
+        if projections is not None and (only is None or t in only):
+            weights[t].update(vera_weights(projections))
     return tuple(
         TaskState(name, spec, weights[t], moments_of[t], optimizers[t].steps_taken)
         for t, (name, spec) in enumerate(zip(names, specs, strict=True))
@@ -200,15 +206,16 @@ def restore_task_states(
 
 
 def check_adapter_kinds(step_dir: str | Path, state: TrainState, loras: Sequence[LoraSpec]) -> None:
-    """InputError when a task's adapter kind (LoRA or DoRA) differs between the checkpoint and the run ``loras`` (in
-    ``state.tasks``' order): a resume cannot turn one into the other (a DoRA magnitude would be missing or dropped)."""
+    """InputError when a task's adapter kind (LoRA, DoRA or VeRA) differs between the checkpoint and the run ``loras``
+    (in ``state.tasks``' order): a resume cannot turn one into another (a DoRA magnitude or VeRA vectors would be
+    missing or dropped)."""
     for task, lora in zip(state.tasks, loras, strict=True):
-        if task is not None and task.spec.use_dora != lora.use_dora:
-            kinds = {True: "DoRA", False: "LoRA"}
+        if task is not None and task.spec.kind != lora.kind:
+            field = "lora.use_vera" if "VeRA" in (task.spec.kind, lora.kind) else "lora.use_dora"
             raise InputError(
                 str(Path(step_dir) / task.name),
-                "lora.use_dora",
-                f"the checkpoint's adapter is {kinds[task.spec.use_dora]}, the run's is {kinds[lora.use_dora]}: "
+                field,
+                f"the checkpoint's adapter is {task.spec.kind}, the run's is {lora.kind}: "
                 "a resume cannot change an adapter's kind",
             )
 
@@ -290,21 +297,14 @@ def load_train_state(step_dir: str | Path, names: Sequence[str], joining: Collec
             continue
         path = step_dir / entry["name"]
         spec = read_peft_spec(path)
-        weights = {_split_peft_key(k): t for k, t in load_file(str(path / SAFETENSORS_WEIGHTS_NAME)).items()}
+        weights = {split_peft_key(k): t for k, t in load_file(str(path / SAFETENSORS_WEIGHTS_NAME)).items()}
         moments = {}
         for k, t in load_file(str(path / OPTIMIZER_FILE)).items():
             base, _, key = k.partition("::")
-            moments[(*_split_peft_key(base), key)] = t
+            moments[(*split_peft_key(base), key)] = t
         tasks.append(TaskState(entry["name"], spec, weights, moments, int(entry["optimizer_steps"])))
         if (path / BEST_DIR).is_dir():
             best[name] = {
-                _split_peft_key(k): t for k, t in load_file(str(path / BEST_DIR / SAFETENSORS_WEIGHTS_NAME)).items()
+                split_peft_key(k): t for k, t in load_file(str(path / BEST_DIR / SAFETENSORS_WEIGHTS_NAME)).items()
             }
     return TrainState(int(manifest["step"]), tuple(tasks), manifest["data"], manifest.get("extra", {}), best)
-
-
-def _split_peft_key(key: str) -> tuple[str, str]:
-    """Inverse of ``peft_key``: ``base_model.model.<module>.lora_A.weight`` -> (module, ``lora_A``), and
-    ``base_model.model.<module>.lora_magnitude_vector`` -> (module, ``lora_magnitude_vector``)."""
-    module, _, factor = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rpartition(".")
-    return module, factor

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from lorafleet.executor.torch.dora import MAGNITUDE
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.vera import LAMBDA_B
 
 FUSED_HEADS = "qkv_proj"
 """The fused attention projection: parts q, k, v, in heads of one width."""
@@ -69,9 +70,10 @@ def shard_rows(t: Tensor, dim: int, parts: Sequence[int], tp_rank: int, tp_size:
 
 def group_rows_by_rank(module: nn.Module, parts: Sequence[int], tp_size: int) -> None:
     """Reorders, in place, the output rows of a fused projection (a linear, or a MultiLoraLinear: its frozen weight
-    and bias, every adapter's ``B`` and DoRA magnitude) so that TP rank ``j``'s rows (:func:`shard_ranges`) are the
-    ``j``-th of ``tp_size`` contiguous blocks: ``tp.py``'s contiguous column split then gives each rank its part
-    slices. Called on the whole model just before that split (``tp.parallelize_tensor``)."""
+    and bias, every adapter's ``B``, DoRA magnitude and VeRA ``λ_b``) so that TP rank ``j``'s rows
+    (:func:`shard_ranges`) are the ``j``-th of ``tp_size`` contiguous blocks: ``tp.py``'s contiguous column split
+    then gives each rank its part slices. Called on the whole model just before that split
+    (``tp.parallelize_tensor``)."""
 
     def grouped(t: Tensor) -> Tensor:
         return torch.cat([shard_rows(t, 0, parts, j, tp_size) for j in range(tp_size)])
@@ -83,7 +85,7 @@ def group_rows_by_rank(module: nn.Module, parts: Sequence[int], tp_size: int) ->
     if linear.bias is not None:
         linear.bias = nn.Parameter(grouped(linear.bias), requires_grad=False)
     if isinstance(module, MultiLoraLinear):
-        for factor in ("lora_B", MAGNITUDE):
+        for factor in ("lora_B", MAGNITUDE, LAMBDA_B):
             weights: nn.ParameterDict = getattr(module, factor)
             for key in list(weights.keys()):
                 weights[key] = nn.Parameter(grouped(weights[key]))

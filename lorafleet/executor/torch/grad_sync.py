@@ -36,6 +36,7 @@ from lorafleet.executor.torch.dora import MAGNITUDE
 from lorafleet.executor.torch.fused import cut_points, holder, local_row, output_parts
 from lorafleet.executor.torch.inject import module_suffix
 from lorafleet.executor.torch.tp import TP_STYLES, adapter_shard_dim
+from lorafleet.executor.torch.vera import LAMBDA_B, LAMBDA_D, VECTORS
 from lorafleet.runtime.layout import FleetLayout, ModelDims, RankRole, layer_of
 from lorafleet.specs.lora import LoraSpec
 
@@ -44,7 +45,9 @@ FACTORS = ("lora_A", "lora_B")
 
 def adapter_factors(spec: LoraSpec) -> tuple[str, ...]:
     """The trained tensors of ``spec``'s adapter on each layer it targets: ``lora_A``, ``lora_B`` and a DoRA
-    adapter's ``lora_magnitude_vector``."""
+    adapter's ``lora_magnitude_vector``; a VeRA adapter's ``vera_lambda_d`` and ``vera_lambda_b`` alone."""
+    if spec.use_vera:
+        return VECTORS
     return (*FACTORS, MAGNITUDE) if spec.use_dora else FACTORS
 
 
@@ -90,7 +93,8 @@ def adapter_params(
         for task, spec in enumerate(adapters):
             if module_suffix(name) in spec.target_modules:
                 shapes_of = {"lora_A": (spec.rank, in_features), "lora_B": (out_features, spec.rank)}
-                shapes_of[MAGNITUDE] = (out_features,)
+                shapes_of[MAGNITUDE] = shapes_of[LAMBDA_B] = (out_features,)
+                shapes_of[LAMBDA_D] = (spec.rank,)
                 for factor in adapter_factors(spec):
                     dim = adapter_shard_dim(style, factor)
                     fused = parts if dim == 0 and len(parts) > 1 else ()

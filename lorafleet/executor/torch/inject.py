@@ -31,6 +31,7 @@ from torch import nn
 
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear, adapter_dtype
 from lorafleet.executor.torch.routing import LoraBackend, Segments
+from lorafleet.executor.torch.vera import VeraProjections, shared_projections
 from lorafleet.specs.lora import TARGET_MODULES, LoraSpec
 
 
@@ -56,14 +57,23 @@ def initial_lora_A(
 ) -> dict[str, torch.Tensor]:
     """Adapter ``spec``'s initial ``A (r, in)`` of every projection it targets in ``shapes`` (model order), on
     the host in ``dtype``: Kaiming-uniform (a = sqrt(5)) as PEFT draws it, from a generator seeded with ``seed``
-    alone, one matrix after the other (the global generator is left as it was). ``B`` starts at zero."""
-    out = {}
+    alone, one matrix after the other (the global generator is left as it was). ``B`` starts at zero. A VeRA
+    adapter draws nothing here (its start does not depend on the seed: :func:`vera_projections`)."""
+    out: dict[str, torch.Tensor] = {}
+    if spec.use_vera:
+        return out
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for name, (in_features, _) in shapes.items():
             if module_suffix(name) in spec.target_modules:
                 out[name] = nn.init.kaiming_uniform_(torch.empty(spec.rank, in_features, dtype=dtype), a=math.sqrt(5))
     return out
+
+
+def vera_projections(shapes: dict[str, tuple[int, int]], spec: LoraSpec) -> VeraProjections | None:
+    """A VeRA adapter's shared frozen projections over the whole model's ``shapes`` (``vera.shared_projections``);
+    None for any other kind."""
+    return shared_projections(shapes, spec.target_modules, spec.rank, spec.vera_prng_key) if spec.use_vera else None
 
 
 def inject_multi_lora(
@@ -95,6 +105,7 @@ def inject_multi_lora(
     if seeds is not None and len(seeds) != len(adapters):
         raise ValueError(f"{len(adapters)} adapters but {len(seeds)} seeds")
     shapes = projection_shapes(model)
+    projections = [vera_projections(shapes, spec) for spec in adapters]
     model.requires_grad_(False)
     layers = []
     for name in names:
@@ -103,10 +114,9 @@ def inject_multi_lora(
         original = getattr(parent, child)
         # A new module starts in training mode; keep the model's mode (dropout off in eval).
         layer = MultiLoraLinear(original, backend=backend).train(original.training)
-        if seeds is None:
-            for adapter_id, spec in enumerate(adapters):
-                if child in spec.target_modules:
-                    layer.add_adapter(adapter_id, spec)
+        for adapter_id, spec in enumerate(adapters):
+            if child in spec.target_modules and (seeds is None or spec.use_vera):
+                layer.add_adapter(adapter_id, spec, projections=projections[adapter_id])
         setattr(parent, child, layer)
         layers.append((name, layer))
     for adapter_id, (spec, seed) in enumerate(zip(adapters, seeds or (), strict=False)):  # a DoRA m: ||W||_c

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from lorafleet.executor.torch import dora
+from lorafleet.executor.torch import dora, vera
 from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.kernels import torch_lora
 from lorafleet.executor.torch.quantized_base import QuantizedLinear
@@ -163,7 +163,9 @@ class MultiLoraLinear(nn.Module):
 
     Adapters are keyed by integer id (a task slot); ``lora_A[str(id)]`` is ``(r, in_features)``
     and ``lora_B[str(id)]`` is ``(out_features, r)``, as in PEFT's ``lora_A.<name>.weight``; a DoRA
-    adapter also has ``lora_magnitude_vector[str(id)]`` ``(out_features,)`` (``dora.py``). A
+    adapter also has ``lora_magnitude_vector[str(id)]`` ``(out_features,)`` (``dora.py``). A VeRA adapter has
+    no ``A`` or ``B`` of its own: ``vera_lambda_d[str(id)]`` ``(r,)``, ``vera_lambda_b[str(id)]``
+    ``(out_features,)`` and the model's shared frozen projections ``vera_projections[str(id)]`` (``vera.py``). A
     forward needs :attr:`segments` (set for every layer of a model by
     ``inject.segments_context``) to know which rows use which adapter; segments naming an id
     this layer lacks (a task that does not target this module) are treated as padding.
@@ -186,6 +188,13 @@ class MultiLoraLinear(nn.Module):
         self.lora_B = nn.ParameterDict()
         self.lora_magnitude_vector = nn.ParameterDict()
         """DoRA adapters' magnitudes ``m (out_features,)`` by id (``dora.py``)."""
+        self.vera_lambda_d = nn.ParameterDict()
+        self.vera_lambda_b = nn.ParameterDict()
+        """VeRA adapters' trained vectors ``λ_d (r,)`` and ``λ_b (out_features,)`` by id (``vera.py``)."""
+        self.vera_projections = nn.ModuleDict()
+        """VeRA adapters' frozen ``A``, ``B`` by id: one :class:`~vera.VeraProjections` shared by every layer."""
+        self.vera_slice = vera.ProjectionSlice.whole(base_layer.in_features, base_layer.out_features)
+        """The rows of ``B`` and columns of ``A`` this layer uses (TP narrows them: ``tp.py``)."""
         self.norm_group: dist.ProcessGroup | None = None
         """The TP group over which this layer's input features are split (row-parallel, set by ``tp.py``):
         a DoRA norm sums its squares over it. None: this rank holds whole rows of ``W``."""
@@ -211,6 +220,7 @@ class MultiLoraLinear(nn.Module):
         spec: LoraSpec,
         weights: tuple[Tensor, Tensor] | None = None,
         magnitude: Tensor | None = None,
+        projections: vera.VeraProjections | None = None,
     ) -> None:
         """Creates (or replaces) adapter ``adapter_id``.
 
@@ -223,9 +233,16 @@ class MultiLoraLinear(nn.Module):
         A DoRA adapter (``spec.use_dora``) also gets its magnitude: ``magnitude`` copied, or as PEFT initialises it,
         ``m = ||W + s B A||_c`` (``dora.weight_norms``, summed over :attr:`norm_group`); over a meta base it is NaN
         until :meth:`init_magnitudes` runs on the loaded weights.
+
+        A VeRA adapter (``spec.use_vera``) needs its model's shared ``projections``; its vectors start as PEFT's
+        (``λ_d = d_initial``, ``λ_b = 0``) or, with ``weights = (λ_d, λ_b)``, are copied.
         """
         base = self.base_layer.weight
         device = torch.device("cpu") if base.is_meta else base.device
+        self.remove_adapter(adapter_id)  # a replaced adapter may change kind: drop every factor it had
+        if spec.use_vera:
+            self._add_vera(adapter_id, spec, weights, projections, device)
+            return
         shape_A, shape_B = (spec.rank, self.in_features), (self.out_features, spec.rank)
         A = torch.empty(shape_A, dtype=adapter_dtype(base.dtype), device=device)
         B = torch.zeros(shape_B, dtype=adapter_dtype(base.dtype), device=device)
@@ -242,8 +259,6 @@ class MultiLoraLinear(nn.Module):
         key = str(adapter_id)
         self.lora_A[key], self.lora_B[key] = nn.Parameter(A), nn.Parameter(B)
         self.adapters[adapter_id] = spec
-        if key in self.lora_magnitude_vector:
-            del self.lora_magnitude_vector[key]
         if spec.use_dora:
             m = torch.full((self.out_features,), float("nan"), dtype=A.dtype, device=device)
             if magnitude is not None:
@@ -251,6 +266,36 @@ class MultiLoraLinear(nn.Module):
             elif not base.is_meta:
                 m.copy_(dora.weight_norms(base, [A], [B], [spec.scaling], self.norm_group)[0])
             self.lora_magnitude_vector[key] = nn.Parameter(m)
+
+    def _add_vera(
+        self,
+        adapter_id: int,
+        spec: LoraSpec,
+        vectors: tuple[Tensor, Tensor] | None,
+        projections: vera.VeraProjections | None,
+        device: torch.device,
+    ) -> None:
+        """A VeRA adapter's vectors (:meth:`add_adapter`) and its reference to the shared projections."""
+        if projections is None:
+            raise ValueError(f"VeRA adapter {adapter_id} needs its model's shared projections")
+        A, B = projections.vera_A, projections.vera_B
+        if A.shape[0] != spec.rank or A.shape[1] < self.in_features or B.shape[0] < self.out_features:
+            raise ValueError(
+                f"VeRA adapter {adapter_id}: projections A {tuple(A.shape)}, B {tuple(B.shape)} cannot serve a "
+                f"({self.out_features}, {self.in_features}) layer at rank {spec.rank}"
+            )
+        dtype = adapter_dtype(self.base_layer.weight.dtype)
+        start = vera.initial_vectors(spec.rank, self.out_features, spec.vera_d_initial, dtype)
+        if vectors is not None:
+            for (name, want), given in zip(start.items(), vectors, strict=True):
+                if tuple(given.shape) != tuple(want.shape):
+                    raise ValueError(f"adapter {adapter_id}: {name} {tuple(given.shape)}, needs {tuple(want.shape)}")
+                want.copy_(given)
+        key = str(adapter_id)
+        self.vera_lambda_d[key] = nn.Parameter(start[vera.LAMBDA_D].to(device))
+        self.vera_lambda_b[key] = nn.Parameter(start[vera.LAMBDA_B].to(device))
+        self.vera_projections[key] = projections.to(device)  # in place: every layer sharing it sees it moved
+        self.adapters[adapter_id] = spec
 
     def init_magnitudes(self) -> None:
         """Sets each DoRA magnitude still NaN (added over a meta base) to ``||W + s B A||_c`` of the loaded base;
@@ -272,8 +317,10 @@ class MultiLoraLinear(nn.Module):
 
     def factors(self, adapter_id: int) -> dict[str, nn.Parameter]:
         """Adapter ``adapter_id``'s trained tensors by factor name: ``lora_A``, ``lora_B`` and, for DoRA,
-        ``lora_magnitude_vector`` (PEFT's names)."""
+        ``lora_magnitude_vector``; for VeRA ``vera_lambda_d`` and ``vera_lambda_b`` (PEFT's names)."""
         key = str(adapter_id)
+        if key in self.vera_lambda_d:
+            return {vera.LAMBDA_D: self.vera_lambda_d[key], vera.LAMBDA_B: self.vera_lambda_b[key]}
         out = {"lora_A": self.lora_A[key], "lora_B": self.lora_B[key]}
         if key in self.lora_magnitude_vector:
             out[dora.MAGNITUDE] = self.lora_magnitude_vector[key]
@@ -282,21 +329,35 @@ class MultiLoraLinear(nn.Module):
     def remove_adapter(self, adapter_id: int) -> None:
         """Drops adapter ``adapter_id`` from this layer if present."""
         if self.adapters.pop(adapter_id, None) is not None:
-            del self.lora_A[str(adapter_id)], self.lora_B[str(adapter_id)]
-            if str(adapter_id) in self.lora_magnitude_vector:
-                del self.lora_magnitude_vector[str(adapter_id)]
+            key = str(adapter_id)
+            for store in (*self._factor_stores(), self.vera_projections):
+                if key in store:
+                    del store[key]
+
+    def _factor_stores(self) -> tuple[nn.ParameterDict, ...]:
+        """Every dict of trained tensors, by factor name's attribute."""
+        return self.lora_A, self.lora_B, self.lora_magnitude_vector, self.vera_lambda_d, self.vera_lambda_b
 
     def relabel(self, new_ids: dict[int, int]) -> None:
         """Keeps the adapters ``new_ids`` names (old id -> new id), renamed and in new-id order, and drops the
         others (a task that left a running fleet: ``change.py``). The kept parameters stay the same objects,
         so an optimizer's state keyed by them carries over."""
         kept = sorted((new, old) for old, new in new_ids.items() if old in self.adapters)
-        pairs = [(self.factors(old), self.adapters[old]) for _, old in kept]
+        pairs = [
+            (self.factors(old), self.adapters[old], self.vera_projections._modules.get(str(old))) for _, old in kept
+        ]
         self.lora_A, self.lora_B, self.adapters = nn.ParameterDict(), nn.ParameterDict(), {}
         self.lora_magnitude_vector = nn.ParameterDict()
-        for (new, _), (factors, spec) in zip(kept, pairs, strict=True):
+        self.vera_lambda_d, self.vera_lambda_b, self.vera_projections = (
+            nn.ParameterDict(),
+            nn.ParameterDict(),
+            nn.ModuleDict(),
+        )
+        for (new, _), (factors, spec, projections) in zip(kept, pairs, strict=True):
             for factor, param in factors.items():
                 getattr(self, factor)[str(new)] = param
+            if projections is not None:
+                self.vera_projections[str(new)] = projections
             self.adapters[new] = spec
 
     def routing(self) -> LoraRouting:
@@ -317,21 +378,32 @@ class MultiLoraLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (T, K), T = prod(leading dims)
         keep = draw_keep_mask(*x2.shape, routing, device=x2.device) if self.training else None
         weight = self.base_layer.weight  # a quantized base dequantizes it here, once a call
-        # The dicts' own parameter maps, in adapter order (add_adapter inserts into both dicts
-        # and self.adapters alike): ParameterDict.__getitem__ costs ~0.7 us a key, every call.
-        y = multi_lora_linear(
-            x2,
-            weight,
-            self.base_layer.bias,
-            list(self.lora_A._parameters.values()),
-            list(self.lora_B._parameters.values()),
-            routing,
-            keep,
-            self.backend,
-        )
+        lora_A, lora_B = self._low_rank_factors(routing)
+        y = multi_lora_linear(x2, weight, self.base_layer.bias, lora_A, lora_B, routing, keep, self.backend)
         if self.lora_magnitude_vector:
             y = self._dora(y, x2, keep, routing, weight)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
+
+    def _low_rank_factors(self, routing: LoraRouting) -> tuple[list[Tensor], list[Tensor]]:
+        """Every adapter's ``A`` and ``B`` in adapter order, as the operator takes them; a VeRA adapter's are its
+        effective ``diag(λ_d) A_K`` and ``diag(λ_b) B_N`` when it owns rows here (``vera.py``), its frozen slices
+        (no gradient, shapes only) when it owns none."""
+        if not self.vera_lambda_d:
+            # The dicts' own parameter maps, in adapter order (add_adapter inserts into both dicts
+            # and self.adapters alike): ParameterDict.__getitem__ costs ~0.7 us a key, every call.
+            return list(self.lora_A._parameters.values()), list(self.lora_B._parameters.values())
+        with_rows = {a for a, length in zip(routing.segments.adapter_ids, routing.segments.lengths) if length}
+        lora_A, lora_B = [], []
+        for i, key in enumerate(map(str, self.adapters)):
+            if key in self.vera_lambda_d:
+                A, B = self.vera_slice.of(self.vera_projections[key])
+                if i in with_rows:
+                    A, B = vera.effective_factors(A, B, self.vera_lambda_d[key], self.vera_lambda_b[key])
+            else:
+                A, B = self.lora_A[key], self.lora_B[key]
+            lora_A.append(A)
+            lora_B.append(B)
+        return lora_A, lora_B
 
     def _row_squares(self) -> Tensor:
         """``||W||²_c`` of the base weight, computed once per weight (TP slicing or loading replaces it)."""
@@ -363,5 +435,6 @@ class MultiLoraLinear(nn.Module):
         return dora.rescale(y, x, keep, weight, bias, routing.segments, used, scale, dropouts)
 
     def extra_repr(self) -> str:
-        ranks = ", ".join(f"{i}: r={s.rank}{', DoRA' if s.use_dora else ''}" for i, s in self.adapters.items())
+        kinds = {i: "" if s.kind == "LoRA" else f", {s.kind}" for i, s in self.adapters.items()}
+        ranks = ", ".join(f"{i}: r={s.rank}{kinds[i]}" for i, s in self.adapters.items())
         return f"adapters={{{ranks}}}, backend={self.backend.value}"

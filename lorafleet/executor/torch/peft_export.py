@@ -13,7 +13,11 @@ and a DoRA adapter's magnitude (``use_dora: true`` in the config) as PEFT writes
     on disk:   base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector (out,)
 
 (no ``.weight``: PEFT's ``LoraModel`` strips it from the magnitude's key when it saves and puts it back when it
-loads).
+loads). A VeRA adapter (``peft_type: VERA``, ``save_projection: true``) is its vectors and, once at the root, the
+shared frozen projections (``vera.py``):
+
+    on disk:   base_model.model.model.layers.0.self_attn.q_proj.vera_lambda_d   (r,)     and vera_lambda_b (out,)
+               base_model.vera_A (r, max in),  base_model.vera_B (max out, r)  (module "" in the weights' keys)
 
 (``base_model.model.`` is what ``PeftModel`` -> ``LoraModel`` put in front of the base model's
 own names.)
@@ -34,6 +38,7 @@ from lorafleet.errors import InputError
 from lorafleet.executor.torch.dora import MAGNITUDE
 from lorafleet.executor.torch.inject import module_suffix, multi_lora_layers
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.vera import LAMBDA_B, LAMBDA_D, PROJECTIONS, VECTORS, VeraProjections
 from lorafleet.specs.lora import LoraSpec
 
 if TYPE_CHECKING:
@@ -61,16 +66,55 @@ _UNSUPPORTED = {
 }
 """LoraConfig fields lorafleet cannot represent, with the only value it accepts."""
 
+_UNSUPPORTED_VERA = {
+    "bias": "none",
+    "fan_in_fan_out": False,
+    "layers_to_transform": None,
+    "modules_to_save": None,
+    "init_weights": True,
+    "save_projection": True,
+}
+"""VeraConfig fields lorafleet cannot represent, with the only value it accepts (without ``save_projection`` the
+file relies on PEFT redrawing the projections, which PEFT itself warns is not portable)."""
+
+_UNSCALED = (MAGNITUDE, *VECTORS)
+"""Factors PEFT keeps as bare parameters, whose keys have no ``.weight``."""
+
 
 def peft_key(module_name: str, matrix: str) -> str:
-    """The on-disk key of ``lora_A``, ``lora_B`` or ``lora_magnitude_vector`` of a module (see the module doc)."""
-    return f"{PEFT_PREFIX}{module_name}.{matrix}" + ("" if matrix == MAGNITUDE else ".weight")
+    """The on-disk key of ``lora_A``, ``lora_B``, ``lora_magnitude_vector`` or a VeRA vector of a module, or (module
+    ``""``) of a VeRA projection (see the module doc)."""
+    if not module_name:
+        return f"base_model.{matrix}"
+    return f"{PEFT_PREFIX}{module_name}.{matrix}" + ("" if matrix in _UNSCALED else ".weight")
 
 
-def lora_config(spec: LoraSpec, *, base_model_name_or_path: str | None = None) -> peft.LoraConfig:
-    """The ``peft.LoraConfig`` equivalent to ``spec`` (a causal-LM adapter)."""
+def split_peft_key(key: str) -> tuple[str, str]:
+    """Inverse of :func:`peft_key`: ``base_model.model.<module>.lora_A.weight`` -> (module, ``lora_A``),
+    ``base_model.model.<module>.lora_magnitude_vector`` -> (module, ``lora_magnitude_vector``) and
+    ``base_model.vera_A`` -> ("", ``vera_A``)."""
+    if not key.startswith(PEFT_PREFIX):
+        return "", key.removeprefix("base_model.")
+    module, _, factor = key.removeprefix(PEFT_PREFIX).removesuffix(".weight").rpartition(".")
+    return module, factor
+
+
+def lora_config(spec: LoraSpec, *, base_model_name_or_path: str | None = None) -> peft.LoraConfig | peft.VeraConfig:
+    """The PEFT config equivalent to ``spec`` (a causal-LM adapter): a ``peft.LoraConfig``, or for VeRA a
+    ``peft.VeraConfig`` (its projections saved in the file)."""
     import peft
 
+    if spec.use_vera:
+        return peft.VeraConfig(
+            r=spec.rank,
+            target_modules=list(spec.target_modules),
+            projection_prng_key=spec.vera_prng_key,
+            save_projection=True,
+            vera_dropout=spec.dropout,
+            d_initial=spec.vera_d_initial,
+            task_type="CAUSAL_LM",
+            base_model_name_or_path=base_model_name_or_path,
+        )
     return peft.LoraConfig(
         r=spec.rank,
         lora_alpha=int(spec.alpha) if float(spec.alpha).is_integer() else spec.alpha,
@@ -86,7 +130,8 @@ def lora_config(spec: LoraSpec, *, base_model_name_or_path: str | None = None) -
 def write_peft_adapter(
     path: str | Path, spec: LoraSpec, weights: Mapping[tuple[str, str], Tensor], base_model: str | None
 ) -> None:
-    """A PEFT adapter directory from whole matrices, (module, ``lora_A``/``lora_B``) -> matrix; ``base_model`` is
+    """A PEFT adapter directory from whole matrices, (module, factor) -> matrix (a VeRA adapter's projections under
+    module ``""``: :func:`vera_weights`); ``base_model`` is
     its ``base_model_name_or_path``: the Hub id or path a tenant loads it over (``specs.model.adapter_base_model``).
 
     The config JSON has sorted keys and a sorted ``target_modules`` list, so the same adapter
@@ -118,26 +163,76 @@ def save_peft_adapter(model: nn.Module, adapter_id: int, path: str | Path) -> Pa
     for name, layer in layers:
         for factor, param in layer.factors(adapter_id).items():
             weights[(name, factor)] = param.detach()
+    if spec.use_vera:
+        weights.update(vera_weights(layers[0][1].vera_projections[str(adapter_id)]))
     name_or_path = getattr(getattr(model, "config", None), "name_or_path", None) or None
     write_peft_adapter(path, spec, weights, name_or_path)
     return Path(path)
 
 
-def read_peft_spec(path: str | Path) -> LoraSpec:
-    """The :class:`LoraSpec` of a PEFT adapter directory; InputError for what lorafleet cannot run."""
+def vera_weights(projections: VeraProjections) -> dict[tuple[str, str], Tensor]:
+    """A VeRA adapter's projections as :func:`write_peft_adapter` takes them (module ``""``)."""
+    return {("", name): getattr(projections, name).detach() for name in PROJECTIONS}
+
+
+def _check_unsupported(config: peft.PeftConfig, accepted: Mapping[str, object], config_path: Path) -> None:
+    """InputError naming the first field of ``config`` that is not its ``accepted`` value."""
+    for field, only in accepted.items():
+        value = getattr(config, field, only)
+        if (value or None) != (only or None):  # None, False, {} and [] all mean "unused"
+            raise InputError(str(config_path), field, f"{value!r} is not supported (only {only!r})")
+
+
+def _peft_type(config_path: Path) -> str | None:
+    """The ``peft_type`` an adapter config names (None when the file does not read: the config class says why)."""
+    try:
+        return json.loads(config_path.read_text()).get("peft_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _read_vera_spec(path: str | Path) -> LoraSpec:
+    """The VeRA :class:`LoraSpec` of a PEFT VeRA adapter directory (:func:`read_peft_spec`)."""
     import peft
 
     config_path = Path(path) / CONFIG_NAME
+    try:
+        config = peft.VeraConfig.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as err:
+        raise InputError(str(config_path), "", f"not a readable VeRA adapter config: {err}") from err
+    _check_unsupported(config, _UNSUPPORTED_VERA, config_path)
+    if isinstance(config.target_modules, str):
+        raise InputError(str(config_path), "target_modules", "a regex is not supported; list module names")
+    try:
+        return LoraSpec(
+            rank=config.r,
+            dropout=config.vera_dropout,
+            target_modules=tuple(sorted(config.target_modules)),
+            use_vera=True,
+            vera_prng_key=config.projection_prng_key,
+            vera_d_initial=config.d_initial,
+        )
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise InputError(str(config_path), ".".join(map(str, first["loc"])), first["msg"]) from err
+
+
+def read_peft_spec(path: str | Path) -> LoraSpec:
+    """The :class:`LoraSpec` of a PEFT adapter directory (LoRA, DoRA or VeRA); InputError for what lorafleet cannot
+    run."""
+    import peft
+
+    config_path = Path(path) / CONFIG_NAME
+    if _peft_type(config_path) == peft.PeftType.VERA:
+        return _read_vera_spec(path)
     try:
         config = peft.LoraConfig.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as err:
         raise InputError(str(config_path), "", f"not a readable LoRA adapter config: {err}") from err
     if config.peft_type != peft.PeftType.LORA:
-        raise InputError(str(config_path), "peft_type", f"{config.peft_type}: only LORA adapters are supported")
-    for field, accepted in _UNSUPPORTED.items():
-        value = getattr(config, field, accepted)
-        if (value or None) != (accepted or None):  # None, False, {} and [] all mean "unused"
-            raise InputError(str(config_path), field, f"{value!r} is not supported (only {accepted!r})")
+        message = f"{config.peft_type}: only LORA and VERA adapters are supported"
+        raise InputError(str(config_path), "peft_type", message)
+    _check_unsupported(config, _UNSUPPORTED, config_path)
     if isinstance(config.target_modules, str):
         raise InputError(str(config_path), "target_modules", "a regex is not supported; list module names")
     try:
@@ -171,6 +266,7 @@ def load_peft_adapter(model: nn.Module, path: str | Path, adapter_id: int) -> Lo
     spec = read_peft_spec(path)
     weights_path = Path(path) / SAFETENSORS_WEIGHTS_NAME
     state = load_file(str(weights_path))
+    projections = _projections_of(state, spec, weights_path)
     updates: list[tuple[MultiLoraLinear, list[Tensor] | None]] = []
     for name, layer in multi_lora_layers(model):
         if module_suffix(name) not in spec.target_modules:
@@ -179,6 +275,8 @@ def load_peft_adapter(model: nn.Module, path: str | Path, adapter_id: int) -> Lo
         shapes = {"lora_A": (spec.rank, layer.in_features), "lora_B": (layer.out_features, spec.rank)}
         if spec.use_dora:
             shapes[MAGNITUDE] = (layer.out_features,)
+        if spec.use_vera:
+            shapes = {LAMBDA_D: (spec.rank,), LAMBDA_B: (layer.out_features,)}
         found = []
         for matrix, shape in shapes.items():
             key = peft_key(name, matrix)
@@ -194,5 +292,20 @@ def load_peft_adapter(model: nn.Module, path: str | Path, adapter_id: int) -> Lo
         if found is None:
             layer.remove_adapter(adapter_id)
         else:
-            layer.add_adapter(adapter_id, spec, (found[0], found[1]), found[2] if spec.use_dora else None)
+            magnitude = found[2] if spec.use_dora else None
+            layer.add_adapter(adapter_id, spec, (found[0], found[1]), magnitude, projections)
     return spec
+
+
+def _projections_of(state: dict[str, Tensor], spec: LoraSpec, weights_path: Path) -> VeraProjections | None:
+    """A VeRA file's projections, taken out of ``state`` (None for another kind); InputError when missing."""
+    if not spec.use_vera:
+        return None
+    keys = [peft_key("", name) for name in PROJECTIONS]
+    for key in keys:
+        if key not in state:
+            raise InputError(str(weights_path), key, "missing: lorafleet reads VeRA files saved with their projections")
+    A, B = (state.pop(key) for key in keys)
+    if A.shape[0] != spec.rank or B.shape[1] != spec.rank:
+        raise InputError(str(weights_path), keys[0], f"rank {A.shape[0]}, the config's r is {spec.rank}")
+    return VeraProjections(A, B)

@@ -24,6 +24,10 @@ slice of every part it fuses (``fused.py``).
 A DoRA magnitude ``m (N,)`` is split like ``B``'s rows; a row-parallel layer's DoRA norm needs whole rows of
 ``W + s B A``, so it sums the ranks' squared norms (``dora.py``, one all-reduce over the TP group).
 
+A VeRA adapter's ``λ_b (N,)`` is split like ``B``'s rows, its ``λ_d (r,)`` replicated; the layer keeps the rows and
+columns of the shared frozen projections its shard uses (``vera.ProjectionSlice``: rows of ``B`` for column, columns
+of ``A`` for row), so ``A' = diag(λ_d) A`` and ``B' = diag(λ_b) B`` are split as a LoRA's ``A`` and ``B`` are.
+
 The replicated factor of each style then gets a *partial* gradient on each TP rank
 (``dA = Σ_j s (G_j B_j)^T x`` for column, ``dB = Σ_j s G^T (A_j x_j)`` for row): the
 adapter-gradient sum over every holder (``grad_sync``) completes it. Frozen base weights need
@@ -52,6 +56,7 @@ from lorafleet.executor.torch.fused import (
 from lorafleet.executor.torch.inject import module_suffix
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 from lorafleet.executor.torch.quantized_base import QuantizedLinear
+from lorafleet.executor.torch.vera import LAMBDA_B, LAMBDA_D, ProjectionSlice
 
 
 class ParallelStyle(StrEnum):
@@ -80,8 +85,12 @@ def weight_shard_dim(style: ParallelStyle) -> int:
 
 
 def adapter_shard_dim(style: ParallelStyle, factor: str) -> int | None:
-    """The dim of ``lora_A (r, K)``, ``lora_B (N, r)`` or a DoRA ``lora_magnitude_vector (N,)`` that is split;
-    None when replicated."""
+    """The dim of ``lora_A (r, K)``, ``lora_B (N, r)``, a DoRA ``lora_magnitude_vector (N,)`` or a VeRA
+    ``vera_lambda_d (r,)`` / ``vera_lambda_b (N,)`` that is split; None when replicated."""
+    if factor == LAMBDA_D:  # (r,): neither of W's dims
+        return None
+    if factor == LAMBDA_B:  # (N,): split like B's rows
+        return 0 if style is ParallelStyle.COLUMN else None
     if factor == "lora_A":
         return None if style is ParallelStyle.COLUMN else 1
     if factor in ("lora_B", MAGNITUDE):  # a DoRA magnitude (N,) is split like B's rows
@@ -199,16 +208,35 @@ def sliced_linear(
     return out.requires_grad_(False)
 
 
+def vera_slice(
+    style: ParallelStyle, in_features: int, out_features: int, tp_rank: int, tp_size: int, parts: Sequence[int] = ()
+) -> ProjectionSlice:
+    """The rows of a VeRA ``B`` and columns of its ``A`` that TP rank ``tp_rank`` of a whole ``(out, in)`` projection
+    uses: a column-parallel rank its output rows (a fused one's: its slice of every part, ``fused.shard_ranges``),
+    a row-parallel rank its input columns."""
+    if style is ParallelStyle.COLUMN:
+        return ProjectionSlice(tuple(shard_ranges(parts or (out_features,), tp_rank, tp_size)), (0, in_features))
+    (cols,) = shard_index((in_features,), 0, tp_rank, tp_size)
+    return ProjectionSlice(((0, out_features),), (cols.start, cols.stop))
+
+
 def _shard_module(
-    module: nn.Module, style: ParallelStyle, tp_rank: int, tp_size: int, group: dist.ProcessGroup | None = None
+    module: nn.Module,
+    style: ParallelStyle,
+    tp_rank: int,
+    tp_size: int,
+    group: dist.ProcessGroup | None = None,
+    parts: Sequence[int] = (),
 ) -> nn.Module:
     """This rank's part of a projection: a sliced ``nn.Linear``, or a MultiLoraLinear whose base
     and adapters are sliced in place (so module and parameter names stay the model's own); a
-    row-parallel one sums its DoRA norms over ``group`` (``dora.py``)."""
+    row-parallel one sums its DoRA norms over ``group`` (``dora.py``). ``parts``: a fused projection's
+    (``fused.output_parts``)."""
     if isinstance(module, MultiLoraLinear):
+        module.vera_slice = vera_slice(style, module.in_features, module.out_features, tp_rank, tp_size, parts)
         module.base_layer = sliced_linear(module.base_layer, style, tp_rank, tp_size)
         module.norm_group = group if style is ParallelStyle.ROW else None
-        for factor in ("lora_A", "lora_B", MAGNITUDE):
+        for factor in ("lora_A", "lora_B", MAGNITUDE, LAMBDA_D, LAMBDA_B):
             weights: nn.ParameterDict = getattr(module, factor)
             dim = adapter_shard_dim(style, factor)
             for key in list(weights.keys()):
@@ -267,7 +295,7 @@ def parallelize_tensor(model: nn.Module, tp_rank: int, tp_size: int, group: dist
         parts = output_parts(child, module.out_features, heads, kv_heads)
         if len(parts) > 1:
             group_rows_by_rank(module, parts, tp_size)
-        sharded = _shard_module(module, style, tp_rank, tp_size, group)
+        sharded = _shard_module(module, style, tp_rank, tp_size, group, parts)
         setattr(parent, child, sharded)
         if style is ParallelStyle.COLUMN:
             blocks[parent_name] = parent

@@ -1,0 +1,300 @@
+"""VeRA in the multi-adapter operator: PEFT 0.21's ``VeraConfig`` model task by task in a micro-batch mixed with LoRA
+and DoRA tenants, trained jointly equal to each task alone with PEFT, split over TP2 equal to the unsplit model,
+exported as PEFT writes it, and refused where it cannot run."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import peft
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.nn import functional as F
+
+from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.errors import InputError
+from lorafleet.executor.torch.checkpoint import TaskState, TrainState, check_adapter_kinds
+from lorafleet.executor.torch.grad_sync import adapter_params
+from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers, projection_shapes, segments_context
+from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.optim import TaskOptimizer
+from lorafleet.executor.torch.peft_export import (
+    CONFIG_NAME,
+    SAFETENSORS_WEIGHTS_NAME,
+    load_peft_adapter,
+    lora_config,
+    read_peft_spec,
+    save_peft_adapter,
+)
+from lorafleet.executor.torch.routing import Segments
+from lorafleet.executor.torch.vera import LAMBDA_B, LAMBDA_D, VeraProjections
+from lorafleet.runtime.layout import ModelDims
+from lorafleet.specs.lora import LoraSpec, OptimizerSpec
+from lorafleet.specs.model import ModelSpec
+from tests.executor.torch.conftest import build_tiny_model
+from tests.helpers import fleet_harness as h
+
+SPECS = [
+    LoraSpec(rank=8, use_vera=True, vera_prng_key=3),
+    LoraSpec(rank=2, alpha=4),
+    LoraSpec(rank=4, alpha=8, use_dora=True, target_modules=("q_proj", "down_proj")),
+    LoraSpec(rank=6, use_vera=True, vera_d_initial=0.5, target_modules=("v_proj", "down_proj")),
+]
+VERA_TASKS = (0, 3)
+
+
+def _moved(model: nn.Module, seed: int = 5) -> nn.Module:
+    """Every ``B`` and ``λ_b`` off zero (at their start every adapter is the identity update and tests vacuous)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, layer in multi_lora_layers(model):
+            for a in layer.adapters:
+                for factor, param in layer.factors(a).items():
+                    if factor in ("lora_B", LAMBDA_B):
+                        param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+    return model
+
+
+def _injected(base: nn.Module, specs: list[LoraSpec] = SPECS) -> nn.Module:
+    model = copy.deepcopy(base)
+    inject_multi_lora(model, specs, seeds=list(range(1, len(specs) + 1)))
+    return model
+
+
+def _peft_of(base: nn.Module, model: nn.Module, task: int) -> peft.PeftModel:
+    """PEFT's own model of one VeRA task, its vectors copied from ``model``."""
+    reference = peft.get_peft_model(copy.deepcopy(base), lora_config(SPECS[task]))
+    with torch.no_grad():
+        for name, layer in multi_lora_layers(model):
+            if task in layer.adapters:
+                target = reference.get_submodule(f"base_model.model.{name}")
+                for factor, param in layer.factors(task).items():
+                    getattr(target, factor)["default"].copy_(param)
+    return reference
+
+
+def _grads(model: nn.Module, task: int) -> dict[str, torch.Tensor]:
+    return {
+        f"{name}.{f}": p.grad for name, layer in multi_lora_layers(model) if task in layer.adapters
+        for f, p in layer.factors(task).items()
+    }  # fmt: skip
+
+
+def test_projections_and_vectors_start_as_pefts():
+    """A and B are PEFT's draw from ``projection_prng_key`` over the model's widest targeted in and out (one pair the
+    layers share), λ_d = d_initial and λ_b = 0: the same tensors as ``get_peft_model`` makes."""
+    base = build_tiny_model("qwen2")
+    model = _injected(base)
+    for task in VERA_TASKS:
+        reference = peft.get_peft_model(copy.deepcopy(base), lora_config(SPECS[task]))
+        shared = {
+            id(layer.vera_projections[str(task)]) for _, layer in multi_lora_layers(model) if task in layer.adapters
+        }
+        assert len(shared) == 1
+        projections = next(layer.vera_projections[str(task)] for _, layer in multi_lora_layers(model)
+                           if task in layer.adapters)  # fmt: skip
+        assert torch.equal(projections.vera_A, reference.base_model.vera_A["default"])
+        assert torch.equal(projections.vera_B, reference.base_model.vera_B["default"])
+        theirs = dict(reference.named_parameters())
+        for name, layer in multi_lora_layers(model):
+            if task in layer.adapters:
+                for factor, param in layer.factors(task).items():
+                    assert torch.equal(param, theirs[f"base_model.model.{name}.{factor}.default"]), (name, factor)
+
+
+def test_mixed_microbatch_matches_peft_task_by_task():
+    """One micro-batch of two VeRA tenants, a LoRA and a DoRA one: each VeRA task's logits and every vector's
+    gradient equal PEFT's VeraConfig model's on that task's rows alone."""
+    base = build_tiny_model("qwen2")
+    model = _moved(_injected(base))
+    ids = torch.randint(0, 1024, (4, 7), generator=torch.Generator().manual_seed(3))
+    with segments_context(model, Segments.padded([0, 1, 2, 3], [7, 7, 7, 7], 7)):
+        logits = model(ids).logits
+    logits.square().sum().backward()
+    for task in VERA_TASKS:
+        reference = _peft_of(base, model, task)
+        theirs = reference(ids[task : task + 1]).logits
+        assert (theirs - base(ids[task : task + 1]).logits).abs().max() > 1e-3  # sanity: the adapter moves them
+        torch.testing.assert_close(logits[task : task + 1], theirs, rtol=1e-5, atol=1e-5)
+        theirs.square().sum().backward()
+        want = {k.removeprefix("base_model.model.").removesuffix(".default"): p.grad
+                for k, p in reference.named_parameters() if p.requires_grad}  # fmt: skip
+        got = _grads(model, task)
+        assert set(got) == set(want) and len(got) == 2 * 2 * len(SPECS[task].target_modules)
+        for key, grad in got.items():
+            assert (grad - want[key]).abs().max() <= 1e-5 * want[key].abs().max(), key
+
+
+def test_joint_training_equals_each_vera_task_alone_with_peft():
+    """Two AdamW steps of the mixed fleet (each task its own optimizer over its factors, its own loss on its rows)
+    against PEFT's VeraConfig model of one task on the same batches: the vectors agree within 1e-5 (fp32)."""
+    base = build_tiny_model("qwen2")
+    model = _injected(base)
+    references = {t: peft.get_peft_model(copy.deepcopy(base), lora_config(SPECS[t])) for t in VERA_TASKS}
+    spec = OptimizerSpec(lr=5e-3, schedule="constant", grad_clip=0.0)
+    ours = [TaskOptimizer(spec, [p for _, layer in multi_lora_layers(model) if t in layer.adapters
+                                 for p in layer.factors(t).values()], 2) for t in range(len(SPECS))]  # fmt: skip
+    theirs = {t: TaskOptimizer(spec, [p for p in r.parameters() if p.requires_grad], 2) for t, r in references.items()}
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(2):
+        ids = torch.randint(0, 1024, (4, 5), generator=gen)
+        with segments_context(model, Segments.padded([0, 1, 2, 3], [5, 5, 5, 5], 5)):
+            logits = model(ids).logits
+        losses = [F.cross_entropy(logits[t, :-1], ids[t, 1:]) for t in range(len(SPECS))]
+        sum(losses).backward()
+        for opt in ours:
+            opt.step(0.0)
+        for t, reference in references.items():
+            F.cross_entropy(reference(ids[t : t + 1]).logits[0, :-1], ids[t, 1:]).backward()
+            theirs[t].step(0.0)
+    for t, reference in references.items():
+        want = {k.removeprefix("base_model.model.").removesuffix(".default"): p
+                for k, p in reference.named_parameters() if p.requires_grad}  # fmt: skip
+        start = {LAMBDA_D: SPECS[t].vera_d_initial, LAMBDA_B: 0.0}
+        moved = 0.0
+        for name, layer in multi_lora_layers(model):
+            if t in layer.adapters:
+                for factor, param in layer.factors(t).items():
+                    assert (param - want[f"{name}.{factor}"]).abs().max() <= 1e-5, (t, name, factor)
+                    moved = max(moved, float((param.detach() - start[factor]).abs().max()))
+        assert moved > 1e-3  # sanity: training moved the vectors well past the bound
+
+
+def _tp2_against_unsplit(_run: None) -> dict[str, float]:
+    """Each rank of a TP2 group: a tiny qwen2 (q/k/v column-parallel with biases, o/down row-parallel) and a phi3
+    (fused qkv_proj and gate_up_proj), VeRA, LoRA and DoRA tenants mixed, split by ``parallelize_tensor``; one
+    forward and backward against the unsplit model. The replicated factors' partial gradients are summed over the
+    group, as the gradient sync sums them over their holders. Rank 0 returns the largest relative gaps."""
+    import torch.distributed as dist
+
+    from lorafleet.executor.torch.fused import output_parts
+    from lorafleet.executor.torch.inject import module_suffix
+    from lorafleet.executor.torch.tp import TP_STYLES, adapter_shard_dim, parallelize_tensor, shard
+
+    rank, group = dist.get_rank(), dist.new_group([0, 1])
+    gaps = {}
+    for family, base in (("qwen2", build_tiny_model("qwen2")), ("phi3", h.build_model("phi3"))):
+        specs = [s.model_copy(update={"target_modules": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")})
+                 for s in SPECS] if family == "phi3" else SPECS  # fmt: skip
+        whole = _moved(_injected(base, specs))
+        part = copy.deepcopy(whole)
+        parallelize_tensor(part, rank, 2, group)
+        ids = torch.randint(0, 1024, (4, 6), generator=torch.Generator().manual_seed(2))
+        outputs = []
+        for model in (whole, part):
+            with segments_context(model, Segments.padded([0, 1, 2, 3], [6, 6, 6, 6], 6)):
+                logits = model(ids).logits
+            logits.square().sum().backward()
+            outputs.append(logits.detach())
+        gaps[f"{family} logits"] = float((outputs[1] - outputs[0]).abs().max() / outputs[0].abs().max())
+        config = whole.config
+        for (name, w_layer), (_, p_layer) in zip(multi_lora_layers(whole), multi_lora_layers(part), strict=True):
+            style = TP_STYLES[module_suffix(name)]
+            parts = output_parts(module_suffix(name), w_layer.out_features, config.num_attention_heads,
+                                 config.num_key_value_heads)  # fmt: skip
+            for task in VERA_TASKS:
+                if task not in w_layer.adapters:
+                    continue
+                for factor, param in p_layer.factors(task).items():
+                    dim = adapter_shard_dim(style, factor)
+                    grad = param.grad.clone()
+                    if dim is None:
+                        dist.all_reduce(grad, group=group)
+                    want = shard(w_layer.factors(task)[factor].grad, dim, rank, 2, parts if dim == 0 else ())
+                    key = f"{family} {factor} {style.value}"
+                    gaps[key] = max(gaps.get(key, 0.0), float((grad - want).abs().max() / want.abs().max()))
+    every: list = [None, None]
+    dist.all_gather_object(every, gaps)
+    return {key: max(g[key] for g in every) for key in gaps}
+
+
+def test_tp2_column_and_row_parallel_equal_the_unsplit_model(tmp_path):
+    """On a TP2 replica a VeRA tenant's λ_b is split with B's rows on column-parallel layers (a fused one part by
+    part), λ_d is replicated with a partial gradient, and on row-parallel layers both vectors are replicated with
+    partial gradients: once summed over the group, every gradient and the logits equal the unsplit model's
+    (relative 1e-5)."""
+    (gaps,) = h.run_world(2, [None], tmp_path, body=_tp2_against_unsplit)
+    for family in ("qwen2", "phi3"):
+        for factor in (LAMBDA_D, LAMBDA_B):
+            assert {f"{family} {factor} column", f"{family} {factor} row"} <= set(gaps)
+    assert all(gap <= 1e-5 for gap in gaps.values()), gaps
+
+
+def test_gradient_sync_pieces_of_a_vera_adapter():
+    """The gradient sum and checkpoints list a VeRA task's vectors alone, λ_b split like B on column-parallel
+    layers, λ_d never."""
+    base = build_tiny_model("qwen2")
+    params = adapter_params(projection_shapes(base), SPECS[3:], ModelDims.of(base.config))
+    got = {(p.module.rpartition(".")[2], p.factor): (p.shape, p.shard_dim) for p in params}
+    assert got == {
+        ("v_proj", LAMBDA_D): ((6,), None),
+        ("v_proj", LAMBDA_B): ((32,), 0),
+        ("down_proj", LAMBDA_D): ((6,), None),
+        ("down_proj", LAMBDA_B): ((64,), None),
+    }
+
+
+def test_export_loads_in_peft_with_pefts_keys_and_gives_the_executors_logits(tmp_path):
+    """The exported directory is PEFT's VeRA format (peft_type VERA, save_projection, the projections once): its keys
+    are exactly those PEFT saves for the config, ``PeftModel.from_pretrained`` gives the executor's logits, and it
+    loads back into a task slot of a fresh fleet."""
+    base = build_tiny_model("qwen2")
+    model = _moved(_injected(base))
+    ids = torch.randint(0, 1024, (1, 7), generator=torch.Generator().manual_seed(4))
+    task = 3
+    path = save_peft_adapter(model, task, tmp_path / "vera")
+    config = json.loads((path / CONFIG_NAME).read_text())
+    assert (config["peft_type"], config["save_projection"], config["r"]) == ("VERA", True, 6)
+    own = peft.get_peft_model(copy.deepcopy(base), lora_config(SPECS[task]))
+    own.save_pretrained(tmp_path / "peft")
+    assert set(load_file(path / SAFETENSORS_WEIGHTS_NAME)) == set(
+        load_file(tmp_path / "peft" / SAFETENSORS_WEIGHTS_NAME)
+    )
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), path)
+    with segments_context(model, Segments.padded([task], [7], 7)):
+        want = model(ids).logits
+    torch.testing.assert_close(loaded(ids).logits, want, rtol=1e-5, atol=1e-5)
+    assert read_peft_spec(path) == SPECS[task].model_copy(update={"target_modules": ("down_proj", "v_proj")})
+    fresh = _injected(base, SPECS[:2])
+    load_peft_adapter(fresh, path, 1)
+    with segments_context(fresh, Segments.padded([1], [7], 7)):
+        torch.testing.assert_close(fresh(ids).logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("other", [{"use_dora": True}, {"use_rslora": True}, {"lr_ratio": 4.0}])
+def test_vera_with_what_it_cannot_combine_is_refused(other):
+    with pytest.raises(ValueError, match=f"use_vera cannot be combined with {next(iter(other))}"):
+        LoraSpec(use_vera=True, **other)
+
+
+def test_a_vera_file_without_its_projections_and_a_kind_change_on_resume_are_input_errors(tmp_path):
+    base = build_tiny_model("qwen2")
+    model = _injected(base)
+    path = save_peft_adapter(model, 0, tmp_path / "vera")
+    config = json.loads((path / CONFIG_NAME).read_text())
+    (path / CONFIG_NAME).write_text(json.dumps({**config, "save_projection": False}))
+    with pytest.raises(InputError, match="save_projection: False is not supported"):
+        read_peft_spec(path)
+    vera, lora = SPECS[0], SPECS[1]
+    state = TrainState(1, (TaskState("t", vera, {}, {}, 1),), {})
+    check_adapter_kinds(tmp_path, state, [vera])
+    with pytest.raises(InputError, match="lora.use_vera: the checkpoint's adapter is VeRA, the run's is LoRA"):
+        check_adapter_kinds(tmp_path, state, [lora])
+
+
+def test_a_vera_adapter_trains_vectors_only_and_costs_loras_gemms():
+    """Trainable parameters a block: Σ (r + out) over the targets; the GEMMs a token meets: LoRA's r (in + out)."""
+    model = ModelSpec(name="m", n_layers=2, hidden=64, ffn=176, n_heads=4, n_kv_heads=2, vocab=1024)
+    vera = AdapterLoad.from_specs([SPECS[3]])
+    lora = AdapterLoad.from_specs([LoraSpec(rank=6, alpha=6, target_modules=("v_proj", "down_proj"))])
+    assert vera.params_per_layer(model) == (6 + 32) + (6 + 64)
+    assert vera.mean_params_per_layer(model) == lora.mean_params_per_layer(model) == 6 * (64 + 32) + 6 * (176 + 64)
+
+
+def test_a_layer_refuses_projections_too_small_for_it():
+    small = VeraProjections(torch.zeros(4, 8), torch.zeros(8, 4))
+    with pytest.raises(ValueError, match="cannot serve a"):
+        MultiLoraLinear(nn.Linear(16, 8)).add_adapter(0, LoraSpec(rank=4, use_vera=True), projections=small)
