@@ -7,6 +7,7 @@ measures profiles lives in ``lorafleet.profiling``.
 
     parallel_config.py   ⟨TP, PP⟩ configs of one replica, with or without recomputation, and their validity
     time_model.py        a micro-batch's time on one layer and one pipeline stage, and the affine terms around it
+    attention_span.py    what a sliding window saves of a block's attention: the key positions its queries meet
     memory_model.py      max tokens M of a config: how large a micro-batch one replica holds
     microbatch_size.py   a CPU's micro-batch knee: tokens past it cost more, and M stops there
     adapters.py          the adapter load a replica carries (tasks, ranks, targets, optimizer)
