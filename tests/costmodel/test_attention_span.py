@@ -99,3 +99,16 @@ def test_layer_types_of_another_length_or_kind_are_refused() -> None:
         ModelSpec(**dims, sliding_window=4, layer_types=("full_attention",))
     with pytest.raises(ValueError, match="local"):
         ModelSpec(**dims, sliding_window=4, layer_types=("local", "full_attention"))
+
+
+def test_the_dispatchers_least_time_of_a_sequence_stays_below_its_windowed_time() -> None:
+    """``sequence_lower_bound`` (LobRA's plain form) takes c1 (1 - f): a sequence alone in a micro-batch of its own
+    length costs at least it, where the window-free c1 would overstate the time past the window."""
+    from lorafleet.dispatch import sequence_lower_bound
+
+    gemma = replace(lobra_7b_cost_model(), model=MODEL_PRESETS["gemma3-1b"])
+    config = ParallelConfig(1)
+    for n in (256, 512, 4096, 8192):
+        bound = float(sequence_lower_bound(gemma, config, n, np.array([n]))[0])
+        assert bound <= gemma.packed_microbatch_time(config, [n])
+    assert gemma.stage_coeffs(config).windowed(None).packed([8192]) / 1e3 > gemma.packed_microbatch_time(config, [8192])
