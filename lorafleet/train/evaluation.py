@@ -17,6 +17,13 @@ every checkpoint); a stop makes it leave the run at this boundary, as a queued f
 (``FleetChanges.stop_early``). Everything here is in the checkpoint (:meth:`Evaluations.state_dict`): a resume
 evaluates, keeps and stops exactly as the uninterrupted run.
 
+**Predicted.** Evaluation ``k``'s predicted time is the cost model's forward-only time at the steps' recalibrated
+speeds ``c_r`` times a measured correction: for ``k > 1`` the evaluation before it's measured over predicted time
+(:attr:`Evaluations.correction`); for the first, the launch probe's forward pass (:attr:`Evaluations.probed`,
+``train.probe``: each replica's forward speed relative to its step's, ``rho_r``)::
+
+    P_1 = max_r c_r rho_r T_F,r,        P_k = max_r c_r T_F,r x (m_{k-1} / max_r c_r T_F,r at k-1)
+
 Each evaluation's numbers go into the metrics row of the step it follows (``eval_loss``, ``eval_token_accuracy``,
 ``eval_gpu_s``, ``eval_s`` and its prediction ``eval_predicted_s``: every sink a step's loss reaches,
 :meth:`Evaluations.row_extra`), and every task's evaluations and state are rewritten to ``<out>/evaluations.json``
@@ -42,7 +49,7 @@ RUNGS_KEY = "sweep_rungs"
 """A checkpoint's ``extra`` key of the sweeps' rungs decided so far (:meth:`Evaluations.state_dict`)."""
 
 if TYPE_CHECKING:
-    from lorafleet.plans import GlobalBatch, StepPlan
+    from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
     from lorafleet.specs.workload import TaskSpec
     from lorafleet.train.running import Running
 
@@ -56,6 +63,18 @@ class Outcome(Protocol):
     rows: dict[str, int]
     replica_busy_s: tuple[float, ...]
     seconds: float
+
+
+class Probed(Protocol):
+    """The launch probe's forward pass (``train.probe.ForwardProbe``)."""
+
+    plan: DeploymentPlan
+    """The deployment it was measured on."""
+
+    @property
+    def relative_speed(self) -> tuple[float, ...]:
+        """``rho_r``: each replica's forward speed over its steps' when it ran."""
+        ...
 
 
 class EvalPort(Protocol):
@@ -122,6 +141,10 @@ class Evaluations:
     recalibrated speeds): the next prediction's factor. The steps' recalibration measures forward and backward
     together; how a pass splits between them is the cost model's guess (``CostModel.forward_time``), which this
     corrects from the evaluations themselves, as the recalibrator does the steps'."""
+    probed: Probed | None = None
+    """The launch probe's forward pass (``train.probe.probe_forward``): the first evaluation of this process, on the
+    deployment it was measured on, is predicted at the steps' speed times its forward's relative speed, where no
+    evaluation has measured one yet."""
 
     def due(self, boundary: int, specs: Sequence[TaskSpec]) -> list[str]:
         """The tasks of ``specs`` due for an evaluation at the boundary before step ``boundary`` (module doc)."""
@@ -195,6 +218,8 @@ class Evaluations:
         step_plan = dispatch_evaluation(batch, running.plan, running.cost_model, speed)
         outcome = self.port.evaluate(step_plan, batch)
         predicted = max(forward_seconds(step_plan, running.plan, running.cost_model, speed))
+        first = self._prediction(step_plan, running)
+        shown = predicted * self.correction if first is None else first
         self.evaluations += 1
         report = StepReport(boundary, outcome.replica_busy_s, outcome.seconds, dict(outcome.tokens))
         gpu_s = task_gpu_seconds(step_plan, report, running.plan, running.cost_model, running.names)
@@ -221,13 +246,26 @@ class Evaluations:
             "eval_token_accuracy": {n: outcome.token_accuracy[n] for n in due},
             "eval_gpu_s": {n: gpu_s[n] for n in due},
             "eval_s": outcome.seconds,
-            "eval_predicted_s": predicted * self.correction,
+            "eval_predicted_s": shown,
         }
         if rungs:
             self.last["sweep_rung"] = {rung.sweep: rung.rung for rung in rungs}
             self.last["sweep_dropped"] = {name: rung.rung for rung in rungs for name in rung.dropped}
         self.correction = outcome.seconds / predicted if predicted > 0 else 1.0
         return stopped
+
+    def _prediction(self, step_plan: StepPlan, running: Running) -> float | None:
+        """The first evaluation's predicted time by the launch probe's forward, ``max_r c_r rho_r T_F,r``
+        (``train.probe``: ``c_r`` the steps' recalibrated speed now); None for a later one, or when the probe did not
+        run or ran on another deployment."""
+        from lorafleet.eval_replay import forward_seconds
+
+        probed, plan = self.probed, running.plan
+        if self.evaluations or probed is None or probed.plan != plan:
+            return None
+        steps = running.recalibrator.factors or (1.0,) * len(plan.replicas)
+        speed = [c * rho for c, rho in zip(steps, probed.relative_speed, strict=True)]
+        return max(forward_seconds(step_plan, plan, running.cost_model, speed))
 
     def _rungs(self, boundary: int, due: Sequence[str], specs: Sequence[TaskSpec]) -> list[Rung]:
         """The rungs of successive halving decided at this boundary (``lorafleet.sweeps.rungs_due``); their dropped

@@ -17,16 +17,33 @@ process), and the probe's one observation prices the first steps whole (in a loa
 priced an injected 4x straggler at well under 2x its peer); the steps after it are averaged as
 usual. The timed passes are cut so that the probe costs a fraction of a step beyond its warm-up.
 
+**The forward probe** (:func:`probe_forward`). A step's speed is no evaluation's: an evaluation runs forward only
+(``no_grad``), packed micro-batches of held-out rows, and how a pass splits between forward and backward is the
+cost model's guess. So the probe also times one evaluation-shaped pass, right after the step's: the held-out rows
+of every task with an ``eval``, dispatched as an evaluation is (``eval_replay.dispatch_evaluation``), each
+replica's first micro-batch of it (:func:`first_microbatches`), run by the executor's evaluation
+``PROBE_TIMINGS`` times. Replica ``r``'s forward runs at ``phi_r``, its shortest busy time over the cost model's
+forward-only time of that micro-batch, against ``c_r``, the step's recalibrated speed the probe just measured::
+
+    phi_r = min_k m_r,k / T_F,r(mb_r),        rho_r = phi_r / c_r
+
+and the first evaluation is predicted at ``c_r' rho_r`` (``train.evaluation``: ``max_r c_r' rho_r T_F,r``, with
+``c_r'`` the steps' speed by then), as each later one is at ``c_r'`` times the evaluation before it's measured
+over predicted time. The ratio, not ``phi_r`` alone: the machine's speed moves between the launch and the first
+evaluation (a shared machine's load), and the steps' recalibration follows it. It costs ``PROBE_TIMINGS`` forward
+passes of one micro-batch a replica and moves no state (an evaluation moves none).
+
 Why a module of its own: it runs once, before the loop, and needs only the executor's probe, the dispatcher
 and the recalibrator, none of the loop's state.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from lorafleet.plans import DeploymentPlan, MicroBatch, StepPlan
+from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, StepPlan
 
 if TYPE_CHECKING:
     from lorafleet.costmodel import CostModel
@@ -99,3 +116,62 @@ def probe(
     # showed (issue #27), not whatever another device defers to a first step (a first NCCL collective on
     # each gradient-sum group is one), and one step later the averages start from real steps.
     recalibrator.skip_next(1)
+
+
+@dataclass(frozen=True)
+class ForwardProbe:
+    """The launch probe's evaluation-shaped forward pass (module doc), per replica of :attr:`plan` in its order."""
+
+    plan: DeploymentPlan
+    """The deployment it was measured on: its speeds are no other's."""
+    measured_s: tuple[float, ...]
+    """``min_k m_r,k``: the replica's shortest forward busy time over the timed passes (0: it had no rows)."""
+    predicted_s: tuple[float, ...]
+    """``T_F,r``: the uncorrected cost model's forward-only time of the same micro-batch."""
+    step_speed: tuple[float, ...]
+    """``c_r``: the steps' recalibrated speed when it ran (the step probe's)."""
+
+    @property
+    def relative_speed(self) -> tuple[float, ...]:
+        """``rho_r = phi_r / c_r``, ``phi_r = measured / predicted``; 1 for a replica the pass gave nothing to."""
+        return tuple(
+            m / p / c if p > 0 and m > 0 else 1.0
+            for m, p, c in zip(self.measured_s, self.predicted_s, self.step_speed, strict=True)
+        )
+
+
+def first_microbatches(step_plan: StepPlan, batch: GlobalBatch) -> tuple[StepPlan, GlobalBatch]:
+    """``step_plan`` cut to each replica's first micro-batch, with the batch of just those rows (its positions
+    renumbered), so that the cut covers its batch exactly, as an evaluation's plan must (``check_step_plan``)."""
+    rows = [q for w in step_plan.work for mb in w.microbatches[:1] for q in mb.seq_ids]
+    position = {q: i for i, q in enumerate(rows)}
+    work = tuple(
+        replace(w, microbatches=tuple(replace(mb, seq_ids=tuple(position[q] for q in mb.seq_ids))
+                                      for mb in w.microbatches[:1]))
+        for w in step_plan.work
+    )  # fmt: skip
+    cut = GlobalBatch(batch.step, batch.task_ids[rows], batch.sample_ids[rows], batch.lengths[rows])
+    return replace(step_plan, work=work), cut
+
+
+def probe_forward(
+    executor: TorchExecutor,
+    plan: DeploymentPlan,
+    cost_model: CostModel,
+    speed: Sequence[float] | None,
+    step: int,
+    names: Sequence[str],
+) -> ForwardProbe | None:
+    """Time each replica's first micro-batch of an evaluation of ``names`` (the tasks with an ``eval``), dispatched
+    at the steps' recalibrated ``speed`` (None: 1), forward only, ``PROBE_TIMINGS`` times (module doc); None when
+    ``names`` is empty."""
+    from lorafleet.eval_replay import dispatch_evaluation, forward_seconds
+
+    if not names:
+        return None
+    full = executor.eval_batch(step, names)
+    cut, rows = first_microbatches(dispatch_evaluation(full, plan, cost_model, speed), full)
+    timed = [executor.evaluate(cut, rows).replica_busy_s for _ in range(PROBE_TIMINGS)]
+    fastest = tuple(min(busy) for busy in zip(*timed, strict=True))
+    steps = tuple(speed) if speed is not None else (1.0,) * len(plan.replicas)
+    return ForwardProbe(plan, fastest, forward_seconds(cut, plan, cost_model), steps)

@@ -35,7 +35,7 @@ from lorafleet.train.health import TaskHealth
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.phases import counted, phase
 from lorafleet.train.preflight import Prepared, claim
-from lorafleet.train.probe import probe
+from lorafleet.train.probe import probe, probe_forward
 from lorafleet.train.queue import Ledger
 from lorafleet.train.resume import RESTART_ENV
 from lorafleet.train.running import Running, Stop
@@ -154,6 +154,10 @@ class Trainer:
         running = self.running
         if running.plan.policy.recalibration.enabled and start < end:
             probe(self.executor, running.plan, running.cost_model, running.recalibrator, start)
+            evaluated = [t.name for t in running.workload.tasks if t.spec.eval is not None]
+            self.evaluations.probed = probe_forward(
+                self.executor, running.plan, running.cost_model, running.recalibrator.factors, start, evaluated
+            )
         self.changes.resume(start, running)
         self.changes.stop_early(self.evaluations.stopped_early())  # a stop the checkpoint recorded, not yet applied
         ran = False

@@ -3,7 +3,7 @@ loop's windows end there, and what an evaluation leads to (best kept, stop), wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -102,3 +102,74 @@ def test_a_sweeps_rungs_and_dropped_members_survive_a_checkpoint(port):
     assert restored.rungs == [rung] and restored.tasks == evaluations.tasks
     assert restored.stopped_early() == {"a": (10, SWEEP_DROPPED)}
     assert all("a" not in restored.due(b, specs) for b in range(1, END + 1))
+
+
+@dataclass
+class TimedPort:
+    """Every task takes a batch every step; an evaluation of any rows is measured to take :attr:`seconds`."""
+
+    seconds: float = 0.5
+
+    def batches_taken(self, name, step):
+        return step
+
+    def max_batches(self, name):
+        return None
+
+    def eval_batch(self, step, names):
+        from lorafleet.sampling import TaskDraw, global_batch
+
+        return global_batch(step, [(k, 0, TaskDraw(np.array([12, 20, 9]), 0, 0)) for k in range(len(names))])
+
+    def evaluate(self, step_plan, batch):
+        from types import SimpleNamespace
+
+        tasks = ("a", "b")
+        return SimpleNamespace(loss=dict.fromkeys(tasks, 1.0), token_accuracy=dict.fromkeys(tasks, 0.5),
+                               tokens=dict.fromkeys(tasks, 41), rows=dict.fromkeys(tasks, 3),
+                               replica_busy_s=(self.seconds,), seconds=self.seconds)  # fmt: skip
+
+    def keep_best(self, names):
+        pass
+
+
+def test_the_first_evaluation_is_predicted_at_the_probes_forward_speed(tmp_path):
+    """The first evaluation's ``eval_predicted_s`` is the cost model's forward time at the steps' speed ``c`` times the
+    launch probe's relative forward speed ``rho`` (``train.probe.ForwardProbe``), where without a probe it is at ``c``
+    alone; the next is corrected by the first's measure either way; a probe of another deployment is not used."""
+    import yaml
+
+    from lorafleet.costmodel import load_cost_model
+    from lorafleet.dispatch import Recalibrator
+    from lorafleet.eval_replay import dispatch_evaluation, forward_seconds
+    from lorafleet.plans import StepReport
+    from lorafleet.specs.model import MODEL_PRESETS
+    from lorafleet.train.probe import ForwardProbe
+    from lorafleet.train.running import Running
+    from lorafleet.workload import load_workload
+    from tests.helpers import fleet_harness as h
+    from tests.helpers.repo import REPO
+
+    task = {"lengths": {"values": [12, 20, 9]}, "batch_size": 2, "context_length": 64, "eval": {"every_steps": 1}}
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump({"model": "tiny-llama", "cluster": {"gpu": "cpu", "nodes": 1, "gpus_per_node": 1},
+                                    "tasks": [{"name": "a", **task}, {"name": "b", **task}]}))  # fmt: skip
+    plan = h.plan_of((1, 1), max_tokens=32)
+    cost_model = load_cost_model(REPO / "profiles" / "tiny-llama-cpu.json", MODEL_PRESETS["tiny-llama"], None, None)
+    port = TimedPort()
+    step_plan = dispatch_evaluation(port.eval_batch(1, ["a", "b"]), plan, cost_model)
+    (model_s,) = forward_seconds(step_plan, plan, cost_model)
+    recalibrator = Recalibrator.for_plan(plan)
+    recalibrator.observe(step_plan, StepReport(0, (1.25 * step_plan.base_estimate(0),), 0.0))  # c = 1.25
+    running = Running(load_workload(path), plan, cost_model, recalibrator)
+
+    def predictions(probed):
+        evaluations = Evaluations(port, END, probed=probed)
+        return [evaluations.run(b, running) == [] and evaluations.row_extra()["eval_predicted_s"] for b in (1, 2)]
+
+    rho_2 = ForwardProbe(plan, measured_s=(0.3,), predicted_s=(0.1,), step_speed=(1.5,))  # phi 3, rho 2
+    assert predictions(rho_2) == pytest.approx([1.25 * 2 * model_s, port.seconds])
+    assert predictions(None) == pytest.approx([1.25 * model_s, port.seconds])
+    assert predictions(replace(rho_2, plan=h.plan_of((1, 1), max_tokens=64))) == pytest.approx(
+        [1.25 * model_s, port.seconds]
+    )
