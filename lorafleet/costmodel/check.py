@@ -39,8 +39,11 @@ def _shape_label(mbs: int | None, seq_len: int | None, packed: tuple[int, ...] |
 
 
 def heldout_comparisons(profile: Profile, model: ModelSpec, source: str = "<profile>") -> list[Comparison]:
-    """Every held-out record of ``profile`` next to the prediction of its own cost model."""
-    cm = profile_cost_model(profile, model, source=source)
+    """Every held-out record of ``profile`` next to the prediction of its own cost model, window-free: the profiler
+    measures a stand-in of the model without its sliding windows (``profiling.replica``), so its records are compared
+    with what the model would take with every layer global."""
+    stand_in = model.model_copy(update={"sliding_window": 0, "layer_types": ()})
+    cm = profile_cost_model(profile, stand_in, source=source)
     out = []
     for r in profile.records.layer:
         if r.heldout:
