@@ -5,6 +5,7 @@ Run from the repository root (every figure is measured here, in one run)::
     .venv/bin/python benchmarks/bench_planner.py            # parts 1-3
     .venv/bin/python benchmarks/bench_planner.py --part time --part quality
     .venv/bin/python benchmarks/bench_planner.py --part time --case 70b-64 --rounds 3   # one case (~15 s)
+    .venv/bin/python benchmarks/bench_planner.py --part time --against ../before   # side by side with a checkout
     .venv/bin/python benchmarks/bench_planner.py --part robust   # part 4 (~1.5 min)
     .venv/bin/python benchmarks/bench_planner.py --part judge    # part 5 (~1 min)
 
@@ -101,15 +102,16 @@ def machine() -> str:
     return f"{os.cpu_count()} CPUs, {names[0] if names else platform.processor() or platform.machine()}"
 
 
-def plan_command_cpu(argv: list[str]) -> tuple[float, str, str]:
+def plan_command_cpu(argv: list[str], tree: Path = REPO) -> tuple[float, str, str]:
     """CPU seconds of a whole ``lorafleet plan`` command in a fresh process (its CBC solves included), its
-    timing line and its work counts (the plan's ``work:`` note)."""
+    timing line and its work counts (the plan's ``work:`` note); run in ``tree`` (a checkout of this repository:
+    ``python -m`` plans the tree it starts in)."""
     with tempfile.TemporaryDirectory() as scratch:
         written = Path(scratch) / "plan.json"
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         done = subprocess.run(
             [sys.executable, "-m", "lorafleet", "plan", *argv, "--json", str(written)],
-            cwd=REPO,
+            cwd=tree,
             capture_output=True,
             text=True,
             check=True,
@@ -159,6 +161,29 @@ def part_time(cases: list[str], rounds: int, record: bool) -> None:
             + "\n"
         )
         print(f"recorded in {TIMES_FILE.relative_to(REPO)}")
+
+
+def part_time_against(cases: list[str], rounds: int, tree: Path) -> None:
+    """Every case's ``lorafleet plan`` command in this tree and in ``tree`` (the tree before a change), taking turns
+    case by case and round by round so a busy machine slows both alike: each side's least CPU seconds, their ratio,
+    and this side's work counts (the other side's beside them where they differ)."""
+    print(f"\n== 1. plan time against {tree}: CPU seconds, least of {rounds} a side, taking turns ==")
+    sides = {"this": REPO, "before": tree}
+    runs: dict[tuple[str, str], list[tuple[float, str, str]]] = {(c, s): [] for c in cases for s in sides}
+    loads = []
+    for _ in range(rounds):
+        for case in cases:
+            for side, where in sides.items():
+                runs[case, side].append(plan_command_cpu(TIME_CASES[case][1], where))
+                loads.append(os.getloadavg()[0])
+    print(f"{'case':<32} {'before':>7} {'this':>7} {'ratio':>6}  work (this; * where the sides differ)")
+    for case in cases:
+        before, this = min(runs[case, "before"]), min(runs[case, "this"])
+        same = "" if before[2] == this[2] else f"  * before: {before[2]}"
+        print(
+            f"{TIME_CASES[case][0]:<32} {before[0]:>7.2f} {this[0]:>7.2f} {this[0] / before[0]:>6.2f}  {this[2]}{same}"
+        )
+    print(f"1-minute load {min(loads):.1f}-{max(loads):.1f} during the runs")
 
 
 def random_workload(rng: np.random.Generator, path: Path, recompute: str = "auto") -> Workload:
@@ -388,6 +413,9 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=2, help="runs of each case in the time part (the least counts)")
     parser.add_argument("--record", action="store_true", help="write the time part's figures to planner_times.json")
+    parser.add_argument(
+        "--against", metavar="TREE", type=Path, help="the time part side by side with TREE (a checkout of before)"
+    )
     parser.add_argument("--workloads", type=int, default=20, help="random workloads of the optimality part")
     parser.add_argument(
         "--recompute",
@@ -400,7 +428,9 @@ def main() -> None:
     warnings.simplefilter("error", SolverFallbackWarning)  # a fallback would make the figures meaningless
     tmp = Path(REPO / "runs" / "bench_planner")
     tmp.mkdir(parents=True, exist_ok=True)
-    if "time" in parts:
+    if "time" in parts and args.against:
+        part_time_against(args.case or list(TIME_CASES), args.rounds, args.against.resolve())
+    elif "time" in parts:
         part_time(args.case or list(TIME_CASES), args.rounds, args.record)
     if "optimality" in parts:
         part_optimality(args.workloads, tmp, args.recompute)

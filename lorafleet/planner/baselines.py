@@ -103,7 +103,7 @@ def estimated_makespan(
     """
     cls = ConfigClass(config=candidate.config, max_tokens=candidate.max_tokens, replicas=tuple(range(replicas)))
     if mode is MicroBatchMode.PADDING:
-        boundaries = np.asarray(pow2_boundaries(int(batch.lengths.max()), candidate.max_tokens), dtype=np.int64)
+        boundaries = static_boundaries(batch, candidate)
         load = build_load_model(
             (cls,),
             cost_model,
@@ -145,7 +145,7 @@ def best_homogeneous(
         raise ValueError(f"no config holds a {longest}-token sequence")
     counts = max_replicas([c.config for c in holders], cluster, sequences)
     deployable = [(c, int(p)) for c, p in zip(holders, counts, strict=True) if p > 0]
-    bounds = [gpu_seconds_bound(batch, c, p, cost_model) for c, p in deployable]
+    bounds = [gpu_seconds_bound(batch, c, p, cost_model, mode) for c, p in deployable]
     best: tuple | None = None
     for k in sorted(range(len(deployable)), key=lambda k: bounds[k]):
         c, p = deployable[k]
@@ -168,15 +168,39 @@ BOUND_SLACK = 1e-9
 """A config is skipped only when its bound is above the best estimate by more than this fraction (rounding)."""
 
 
-def gpu_seconds_bound(batch: GlobalBatch, candidate: Candidate, replicas: int, cost_model: CostModel) -> float:
-    """A lower bound on :func:`estimated_makespan` x the deployment's GPUs, padded or packed: each sequence adds at
-    least r(l) to its replica's stage time (``dispatch.sequence_lower_bound``: padding only adds), so the slowest
-    of ``replicas`` takes at least max(Σ r / replicas, max r) plus its step overhead. 0 for a cost model with a
-    negative coefficient (nothing is bounded)."""
+def static_boundaries(batch: GlobalBatch, candidate: Candidate) -> np.ndarray:
+    """LobRA's static buckets of ``batch`` on ``candidate`` (:func:`pow2_boundaries` of its longest sequence,
+    capped at M): where a padded baseline pads each sequence to."""
+    return np.asarray(pow2_boundaries(int(batch.lengths.max()), candidate.max_tokens), dtype=np.int64)
+
+
+def gpu_seconds_bound(
+    batch: GlobalBatch, candidate: Candidate, replicas: int, cost_model: CostModel, mode: MicroBatchMode
+) -> float:
+    """A lower bound on :func:`estimated_makespan` x the deployment's GPUs: the slowest of ``replicas`` takes at
+    least its step overhead o plus max(Σ_q r_q / replicas, r_max (1 + B)). 0 for a cost model with a negative
+    coefficient (nothing is bounded).
+
+    r_q is the least stage time sequence q adds to a replica (``dispatch.sequence_lower_bound``, r(l) for a
+    sequence of length l). Packed, r_q = r(l_q) and B = 0. Padded (LobRA's static buckets,
+    :func:`static_boundaries`), q is a row of its bucket's length s_q >= l_q, which costs at least r(s_q) (the
+    bound of a sequence of length s_q), and B = pp - 1: the padded estimate charges the replica holding the
+    longest row the drained bubble, B slots of its largest micro-batch (``dispatch.load``), each at least
+    t(1, s_max) >= r_max. The bubble lets Task-Sequential skip most pipelined configs: service-128's baselines
+    estimated 4,447 configs with r(l) alone and 1,108 with these (docs/planner.md). (A packed step's least
+    bubble, (pp - 1) / W in a window of W steps, skipped no config of the examples: not charged.)"""
     if len(batch) == 0:
         return 0.0
-    r = sequence_lower_bound(cost_model, candidate.config, candidate.max_tokens, batch.lengths)
-    busiest = max(float(r.sum()) / replicas, float(r.max()))
+    if mode is MicroBatchMode.PADDING:
+        # r at the few bucket lengths, weighted by their rows: the same sum as over the padded rows
+        boundaries = static_boundaries(batch, candidate)
+        rows = np.bincount(bucket_of(batch.lengths, boundaries), minlength=boundaries.size)
+        lengths, weights = boundaries[rows > 0], rows[rows > 0]
+        bubble = cost_model.drained_bubble_slots(candidate.config)
+    else:
+        lengths, weights, bubble = batch.lengths, np.ones(len(batch)), 0.0
+    r = sequence_lower_bound(cost_model, candidate.config, candidate.max_tokens, lengths)
+    busiest = max(float(r @ weights) / replicas, float(r.max()) * (1 + bubble))
     return (busiest + cost_model.step_overhead(candidate.config)) * replicas * candidate.n_gpus
 
 

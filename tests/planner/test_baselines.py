@@ -14,7 +14,7 @@ from lorafleet.planner import (
     padding_policy,
     pow2_boundaries,
 )
-from lorafleet.planner.baselines import estimated_makespan
+from lorafleet.planner.baselines import estimated_makespan, gpu_seconds_bound
 from lorafleet.planner.candidates import valid_candidates
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.placement import build_plan
@@ -96,6 +96,23 @@ def test_best_homogeneous_is_the_fewest_estimated_gpu_seconds(workload, cost_mod
         estimated_makespan(batch, chosen, replicas, cost_model_7b, mode, FLUSHED) * replicas * chosen.n_gpus,
         chosen.config,
     ) == brute
+
+
+@pytest.mark.parametrize("window", [1, 8])
+@pytest.mark.parametrize("mode", list(MicroBatchMode))
+def test_gpu_seconds_bound_is_below_every_estimate(workload, cost_model_7b, mode, window):
+    """The bound best_homogeneous skips configs by is below every deployable config's estimate, pipelined ones
+    (whose bound charges a bubble) included, in a flushed pipeline and in a window of 8 steps; padded, it is at
+    least the packed bound (rows at their bucket's length, the drained bubble)."""
+    cluster, policy = ClusterSpec(nodes=2, gpus_per_node=8), DispatchPolicy(pipeline_window=window)
+    batch = expected_global_batch(workload)
+    for c in valid_candidates(cost_model_7b, cluster):
+        if c.max_tokens < batch.lengths.max():
+            continue
+        n = cluster.n_gpus // c.n_gpus
+        bound = gpu_seconds_bound(batch, c, n, cost_model_7b, mode)
+        assert 0 < bound <= estimated_makespan(batch, c, n, cost_model_7b, mode, policy) * n * c.n_gpus
+        assert bound >= gpu_seconds_bound(batch, c, n, cost_model_7b, MicroBatchMode.PACKING)
 
 
 @pytest.mark.parametrize("mode", list(MicroBatchMode))
