@@ -53,9 +53,9 @@ def train_alone(
     if quantize is not None:
         dequantized_copy(base, quantize)
     model = peft.get_peft_model(base, lora_config(spec.lora))
-    with torch.no_grad():
+    with torch.no_grad():  # a VeRA adapter's start is PEFT's own (its projections from the key, lambda_b zero)
         for name, layer in multi_lora_layers(_initial_adapters(dtype, family, tasks)):
-            if task in layer.adapters:
+            if task in layer.adapters and not spec.lora.use_vera:
                 target = model.get_submodule(f"base_model.model.{name}")
                 target.lora_A["default"].weight.copy_(layer.lora_A[str(task)])
                 target.lora_B["default"].weight.copy_(layer.lora_B[str(task)])

@@ -241,7 +241,7 @@ class MultiLoraLinear(nn.Module):
         device = torch.device("cpu") if base.is_meta else base.device
         self.remove_adapter(adapter_id)  # a replaced adapter may change kind: drop every factor it had
         if spec.use_vera:
-            self._add_vera(adapter_id, spec, weights, projections, device)
+            self._add_vera(adapter_id, spec, weights, projections, device, adapter_dtype(base.dtype))
             return
         shape_A, shape_B = (spec.rank, self.in_features), (self.out_features, spec.rank)
         A = torch.empty(shape_A, dtype=adapter_dtype(base.dtype), device=device)
@@ -274,6 +274,7 @@ class MultiLoraLinear(nn.Module):
         vectors: tuple[Tensor, Tensor] | None,
         projections: vera.VeraProjections | None,
         device: torch.device,
+        dtype: torch.dtype,
     ) -> None:
         """A VeRA adapter's vectors (:meth:`add_adapter`) and its reference to the shared projections."""
         if projections is None:
@@ -284,7 +285,6 @@ class MultiLoraLinear(nn.Module):
                 f"VeRA adapter {adapter_id}: projections A {tuple(A.shape)}, B {tuple(B.shape)} cannot serve a "
                 f"({self.out_features}, {self.in_features}) layer at rank {spec.rank}"
             )
-        dtype = adapter_dtype(self.base_layer.weight.dtype)
         start = vera.initial_vectors(spec.rank, self.out_features, spec.vera_d_initial, dtype)
         if vectors is not None:
             for (name, want), given in zip(start.items(), vectors, strict=True):

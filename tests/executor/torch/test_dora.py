@@ -350,14 +350,14 @@ def test_a_dora_file_without_magnitudes_is_an_input_error(trained, tmp_path):
 
 # ---- joint training on TP and PP replicas ------------------------------------------------------------------------
 
-#: h.TASKS' names and data; two DoRA tenants (one with LoRA+), a plain LoRA+ one and a plain one, so micro-batches
-#: mix DoRA and LoRA rows; "code" targets down_proj (row-parallel: its norm is all-reduced under TP) and q/v
-#: (column-parallel), "summary" every projection.
+#: h.TASKS' names and data; two DoRA tenants (one with LoRA+), a plain LoRA+ one and a VeRA one (#41, ``vera.py``),
+#: so micro-batches mix DoRA, LoRA and VeRA rows; "code" targets down_proj (row-parallel: its norm is all-reduced
+#: under TP) and q/v (column-parallel), "summary" and the VeRA "summary-b" every projection.
 DORA_TASKS = (
     replace(h.TASKS[0], lora=h.TASKS[0].lora.model_copy(update={"use_dora": True})),
     replace(h.TASKS[1], lora=h.TASKS[1].lora.model_copy(update={"use_dora": True, "lr_ratio": 4.0})),
     replace(h.TASKS[2], lora=h.TASKS[2].lora.model_copy(update={"lr_ratio": 8.0})),
-    h.TASKS[3],
+    replace(h.TASKS[3], lora=LoraSpec(rank=16, use_vera=True, vera_prng_key=7)),
 )
 DORA_PLANS = {"tp2+pp2": h.plan_of((2, 1), (1, 2)), "tp2pp2-packed": h.plan_of((2, 2))}
 
@@ -401,6 +401,16 @@ def test_references_moved_their_magnitudes(references):
                  for k in mags}  # fmt: skip
         assert _max_diff(mags, start) > 20 * ATOL[torch.float32]
     assert not any(MAGNITUDE in k for k in references["chat"])
+
+
+def test_references_moved_the_vera_vectors(references):
+    """Sanity for the VeRA tenant (#41): PEFT's file of it is its vectors and projections, the vectors moved off
+    their start (lambda_d = 0.1, lambda_b = 0) by more than the bound."""
+    vera = references["summary-b"]
+    assert {k.rpartition(".")[2] for k in vera} == {"vera_lambda_d", "vera_lambda_b", "vera_A", "vera_B"}
+    start = {"vera_lambda_d": 0.1, "vera_lambda_b": 0.0}
+    moved = max(float((v - start[k.rpartition(".")[2]]).abs().max()) for k, v in vera.items() if "lambda" in k)
+    assert moved > 20 * ATOL[torch.float32]
 
 
 @pytest.mark.parametrize("plan", [*DORA_PLANS, "resumed on tp2pp2"])
