@@ -141,27 +141,25 @@ def choose_base(
     cluster: ClusterSpec,
     cost_model_of: Callable[[Workload], CostModel],
     options: PlannerOptions = PlannerOptions(),
-    progress: Callable[[BaseOption], None] | None = None,
 ) -> BaseChoice:
     """Plan ``workload`` on ``cluster`` once per candidate base (:func:`candidate_bases`), each priced by
     ``cost_model_of(workload over that base)``, and keep the better plan by ``options``' objective (module
-    docstring). ``progress`` is told each candidate as it is planned. Raises an InputError when a quantized
-    candidate cannot be built for the model (``runtime.base_quantization.check_base_choice``), and the first
-    candidate's when no base has a plan."""
+    docstring). Raises an InputError when a quantized candidate cannot be built for the model
+    (``runtime.base_quantization.check_base_choice``) or priced (``cost_model_of``'s: a measured profile is of the
+    unquantized base), and the first candidate's when no base has a plan."""
     bases = candidate_bases(workload)
     check_base_choice(workload.spec.model, workload.model.model_type, bases, workload.path)
     planned: list[BaseOption] = []
     errors: list[InputError] = []
     for base in bases:
         over = with_base(workload, base)
+        cost_model = cost_model_of(over)  # a base it cannot price (a measured profile, unquantized) is the error
         try:
-            option = BaseOption(base, plan_deployment(over, cluster, cost_model_of(over), options))
+            option = BaseOption(base, plan_deployment(over, cluster, cost_model, options))
         except InputError as err:
             errors.append(err)
             option = BaseOption(base, None, infeasible=f"{err.field}: {err.msg}")
         planned.append(option)
-        if progress is not None:
-            progress(option)
     if all(o.result is None for o in planned):
         raise errors[0]
     reference = planned[0] if planned[0].base is None else None
