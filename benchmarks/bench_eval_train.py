@@ -86,7 +86,8 @@ def main() -> int:
                    check=True, capture_output=True)  # fmt: skip
     train = ["train", str(WORKLOAD), "--gpus", "1", "--gpu", "cpu", "--plan", str(plan), "--steps", str(args.steps),
              "--out", str(out / "run"), "--no-progress", *sets]  # fmt: skip
-    subprocess.run([*LORAFLEET, *train], check=True, capture_output=True)
+    said = subprocess.run([*LORAFLEET, *train], check=True, capture_output=True, text=True).stdout
+    print(*(f"  {line.split('] ', 1)[-1]}" for line in said.splitlines() if "probed an evaluation" in line), sep="\n")
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r for r in rows if "eval_s" in r]
     for r in evaluated:

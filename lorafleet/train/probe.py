@@ -139,6 +139,15 @@ class ForwardProbe:
             for m, p, c in zip(self.measured_s, self.predicted_s, self.step_speed, strict=True)
         )
 
+    def describe(self) -> str:
+        """The start-up line of it (``train.phases``): each replica's measured and modelled forward time, their ratio
+        ``phi_r`` and the step's ``c_r``."""
+        each = "; ".join(
+            f"{m:.3g} s measured, {p:.3g} s modelled: x{m / p if p > 0 else 1.0:.3g} against the step's x{c:.3g}"
+            for m, p, c in zip(self.measured_s, self.predicted_s, self.step_speed, strict=True)
+        )
+        return f"probed an evaluation's forward, one micro-batch a replica: {each}"
+
 
 def first_microbatches(step_plan: StepPlan, batch: GlobalBatch) -> tuple[StepPlan, GlobalBatch]:
     """``step_plan`` cut to each replica's first micro-batch, with the batch of just those rows (its positions

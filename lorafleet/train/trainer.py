@@ -155,9 +155,12 @@ class Trainer:
         if running.plan.policy.recalibration.enabled and start < end:
             probe(self.executor, running.plan, running.cost_model, running.recalibrator, start)
             evaluated = [t.name for t in running.workload.tasks if t.spec.eval is not None]
-            self.evaluations.probed = probe_forward(
+            probed = probe_forward(
                 self.executor, running.plan, running.cost_model, running.recalibrator.factors, start, evaluated
             )
+            if probed is not None:
+                phase(probed.describe())
+            self.evaluations.probed = probed
         self.changes.resume(start, running)
         self.changes.stop_early(self.evaluations.stopped_early())  # a stop the checkpoint recorded, not yet applied
         ran = False

@@ -77,8 +77,8 @@ def test_cli_surface_is_frozen():
 
 @pytest.fixture
 def workload(tmp_path, tiny_tokenizer_dir):
-    """Two demo tasks on tiny-llama (the project's tiny tokenizer), and a two-replica plan for
-    them, the second recomputing activations."""
+    """Two demo tasks on tiny-llama (the project's tiny tokenizer), chat evaluated every 2 steps on 5% of its rows,
+    and a two-replica plan for them, the second recomputing activations."""
     path = tmp_path / "w.yaml"
     path.write_text(
         f"model: tiny-llama\ntokenizer: {tiny_tokenizer_dir}\n"
@@ -86,7 +86,8 @@ def workload(tmp_path, tiny_tokenizer_dir):
         "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-3}}\n"
         "tasks:\n"
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
-        f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128}}\n"
+        f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128,\n"
+        "      eval: {split: 0.05, every_steps: 2}}\n"
     )
     plan = replace(h.plan_of((1, 1), (1, 1, True)), tasks=("docsum", "chat"), bucket_boundaries=(256,))
     plan.save(tmp_path / "plan.json")
@@ -227,6 +228,8 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
         with safe_open(out / "adapters" / task / "adapter_model.safetensors", "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
     assert all(math.isfinite(v) and v > 0 for r in lines for v in r["losses"].values())
+    # chat is evaluated after steps 2 and 3, its first pass predicted by the launch probe's forward (train.probe)
+    assert [r["step"] for r in lines if "eval_s" in r] == [1, 2] and lines[1]["eval_predicted_s"] > 0
 
 
 @dataclass(frozen=True)
