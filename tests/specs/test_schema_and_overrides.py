@@ -290,6 +290,28 @@ def test_demo_data_paths_stay_relative_to_the_file():
         (["cluster=8"], "<args>", "--set cluster", "takes a mapping with keys: gpu, nodes, gpus_per_node"),
         (["model=no-such-model"], "<args>", "--set model", "unknown model 'no-such-model'"),
         (["tasks.0.lengths={mean: 5}"], "<args>", "--set tasks.0.lengths", "need all of mean, skewness and kurtosis"),
+        # issue #39's bad eval and early_stopping keys
+        (["defaults.eval.split=0.6"], "<args>", "--set defaults.eval.split", "less than or equal to 0.5"),
+        (["tasks.dolly.eval={split: 0}"], "<args>", "--set tasks.dolly.eval.split", "greater than 0"),
+        (["defaults.eval.every_steps=0"], "<args>", "--set defaults.eval.every_steps", "greater than or equal to 1"),
+        (
+            ["defaults.eval.split=0.05", "defaults.early_stopping.patience=0"],
+            "<args>",
+            "--set defaults.early_stopping.patience",
+            "greater than or equal to 1",
+        ),
+        (
+            ["defaults.eval.split=0.05", "tasks.dolly.early_stopping.min_delta=-1"],
+            "<args>",
+            "--set tasks.dolly.early_stopping.min_delta",
+            "greater than or equal to 0",
+        ),
+        (
+            ["tasks.dolly.early_stopping={patience: 2}"],
+            "<args>",
+            "--set tasks.dolly.early_stopping",
+            "early stopping needs an eval",
+        ),
         (
             ["tasks.0.steps=5", "tasks.0.deadline=3"],
             "FILE",
