@@ -17,6 +17,7 @@ GEMMs) and ``peft_vera / ours_vera``, with the 1-minute load when the row finish
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -43,6 +44,13 @@ SHAPES = ((1024, 256, 16), (2048, 256, 16), (2048, 256, 256), (4096, 128, 16))
 """(hidden, tokens a task, rank)."""
 
 
+def fwd_bwd(layer: nn.Module, x: torch.Tensor, grad_y: torch.Tensor) -> None:
+    """One step of a layer: its forward over ``x`` (a leaf needing its gradient), the backward of ``grad_y``."""
+    x.grad = None
+    layer.zero_grad(set_to_none=True)
+    layer(x).backward(grad_y)
+
+
 def build(hidden: int, tokens: int, rank: int) -> dict[str, Callable[[], None]]:
     """One fwd+bwd step per method over the same base, inputs and upstream gradient; every ``λ_b`` and ``B`` off
     zero."""
@@ -67,14 +75,7 @@ def build(hidden: int, tokens: int, rank: int) -> dict[str, Callable[[], None]]:
                 if p.requires_grad:
                     p.normal_(0, 0.02)
         layer.segments = segments
-        x_layer = x.clone().requires_grad_()
-
-        def step() -> None:
-            x_layer.grad = None
-            layer.zero_grad(set_to_none=True)
-            layer(x_layer).backward(grad_y)
-
-        return step
+        return functools.partial(fwd_bwd, layer, x.clone().requires_grad_(), grad_y)
 
     config = peft.VeraConfig(r=rank, vera_dropout=DROPOUT)
     layers = []
@@ -82,13 +83,12 @@ def build(hidden: int, tokens: int, rank: int) -> dict[str, Callable[[], None]]:
         layer = PeftVera(base, BufferDict({"default": A}), BufferDict({"default": B}), "default", config=config, r=rank)
         with torch.no_grad():
             layer.vera_lambda_b["default"].normal_(0, 0.02)
-        layers.append((layer, x[task * tokens : (task + 1) * tokens].clone().requires_grad_(), task))
+        rows = slice(task * tokens, (task + 1) * tokens)
+        layers.append((layer, x[rows].clone().requires_grad_(), grad_y[rows]))
 
     def peft_vera() -> None:
-        for layer, x_t, task in layers:
-            x_t.grad = None
-            layer.zero_grad(set_to_none=True)
-            layer(x_t).backward(grad_y[task * tokens : (task + 1) * tokens])
+        for layer, x_t, g_t in layers:
+            fwd_bwd(layer, x_t, g_t)
 
     return {"ours_lora": ours(lora), "ours_vera": ours(vera), "peft_vera": peft_vera}
 
