@@ -222,9 +222,18 @@ def _timed_stall(pp: int, k: int, late: tuple[int, ...]) -> float:
     then ``K + i - pp`` (:func:`stall_slots`): span(3 steps) - span(2 steps) - K, one slot a micro-batch."""
     rel = np.concatenate((np.asarray(late, dtype=np.int64), k + np.arange(len(late), k) - pp))
     two = np.concatenate((np.full(k, -1, dtype=np.int64), rel))
-    ends = _stream_ends(pp, two, FORWARD_SHARE, 1.0 - FORWARD_SHARE)
+    ends = _stream_ends(pp, two, FORWARD_SHARE, 1.0 - FORWARD_SHARE, (k, _one_step_ends(pp, k)))
     three = _stream_ends(pp, np.concatenate((two, rel + k)), FORWARD_SHARE, 1.0 - FORWARD_SHARE, (two.size, ends))
     return max(0.0, float(three[-1].max() - ends[-1].max()) - k)
+
+
+@functools.lru_cache(maxsize=256)
+def _one_step_ends(pp: int, k: int) -> np.ndarray:
+    """The ends of one step of ``k`` micro-batches alone, one slot each: what every stall of ``(pp, k)`` starts with
+    (:func:`_timed_stall`'s first step, whatever its dependencies; read only)."""
+    ends = _stream_ends(pp, np.full(k, -1, dtype=np.int64), FORWARD_SHARE, 1.0 - FORWARD_SHARE)
+    ends.flags.writeable = False
+    return ends
 
 
 _cached_stall = functools.lru_cache(maxsize=65536)(_timed_stall)

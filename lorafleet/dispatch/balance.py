@@ -292,13 +292,14 @@ def _after(
     # the candidate leaves alone. Bit r of ``touched`` says it changes bucket top[r] (r = 0, 1): each
     # side's bit is its bucket's rank, set on its own (smaller) shape, and the two are combined once.
     touched = rows.rank[i, lose_j] * (lose_amount != 0) | rows.rank[i, gain_j] * (gain_amount != 0)
-    others = rows.pick[i, touched]
-    lost = np.where(lose_amount != 0, big_lose, 0.0)
-    gained = np.where(gain_amount != 0, big_gain, 0.0)
-    bubble = np.maximum(np.maximum(others, lost), gained)
+    bubble = rows.pick[i, touched]
+    np.maximum(bubble, np.where(lose_amount != 0, big_lose, 0.0), out=bubble)
+    np.maximum(bubble, np.where(gain_amount != 0, big_gain, 0.0), out=bubble)
+    bubble *= slots
     if np.all(slots != 0):
-        return total + slots * bubble
-    return np.where(slots != 0, total + slots * bubble, total)
+        total += bubble
+        return total
+    return np.where(slots != 0, total + bubble, total)
 
 
 class _Rows:
@@ -371,12 +372,10 @@ def _best_exchange(
         in_j[:, None, :],
         in_amount[:, None, :],
     )
-    worst = np.maximum(
-        _after(load, rows, d, c, out_j, out_amount, in_j, in_amount),
-        _after(load, rows, d, k, in_j, in_amount, out_j, out_amount),
-    )
-    worst = np.where((out_j == in_j) & (in_amount > 0), np.inf, worst)
-    worst = np.where(out_valid[:, :, None] & in_valid[:, None, :], worst, np.inf)
+    worst = _after(load, rows, d, c, out_j, out_amount, in_j, in_amount)
+    np.maximum(worst, _after(load, rows, d, k, in_j, in_amount, out_j, out_amount), out=worst)
+    np.copyto(worst, np.inf, where=(out_j == in_j) & (in_amount > 0))
+    np.copyto(worst, np.inf, where=~(out_valid[:, :, None] & in_valid[:, None, :]))
     best = np.unravel_index(int(np.argmin(worst)), worst.shape)
     if not np.isfinite(worst[best]):
         return None
