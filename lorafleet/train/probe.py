@@ -21,17 +21,20 @@ usual. The timed passes are cut so that the probe costs a fraction of a step bey
 (``no_grad``), packed micro-batches of held-out rows, and how a pass splits between forward and backward is the
 cost model's guess. So the probe also times one evaluation-shaped pass, right after the step's: the held-out rows
 of every task with an ``eval``, dispatched as an evaluation is (``eval_replay.dispatch_evaluation``), each
-replica's first micro-batch of it (:func:`first_microbatches`), run by the executor's evaluation
-``PROBE_TIMINGS`` times. Replica ``r``'s forward runs at ``phi_r``, its shortest busy time over the cost model's
-forward-only time of that micro-batch, against ``c_r``, the step's recalibrated speed the probe just measured::
+replica's first micro-batch of it cut to :data:`PROBE_TOKENS` as the step's is (:func:`first_microbatches`), run
+by the executor's evaluation ``PROBE_TIMINGS`` times. Replica ``r``'s forward runs at ``phi_r``, its shortest busy
+time over the cost model's forward-only time of that micro-batch, against ``c_r``, the step's recalibrated speed
+the probe just measured on its cut, of at most as many tokens::
 
     phi_r = min_k m_r,k / T_F,r(mb_r),        rho_r = phi_r / c_r
 
 and the first evaluation is predicted at ``c_r' rho_r`` (``train.evaluation``: ``max_r c_r' rho_r T_F,r``, with
 ``c_r'`` the steps' speed by then), as each later one is at ``c_r'`` times the evaluation before it's measured
 over predicted time. The ratio, not ``phi_r`` alone: the machine's speed moves between the launch and the first
-evaluation (a shared machine's load), and the steps' recalibration follows it. It costs ``PROBE_TIMINGS`` forward
-passes of one micro-batch a replica and moves no state (an evaluation moves none).
+evaluation (a shared machine's load), and the steps' recalibration follows it; and the two passes ``rho_r``
+compares are cut alike, so what a full micro-batch's size costs (a CPU's knee) is in neither: ``c_r'`` measures it
+on the real steps. It costs ``PROBE_TIMINGS`` forward passes of at most :data:`PROBE_TOKENS` tokens a replica and
+moves no state (an evaluation moves none).
 
 Why a module of its own: it runs once, before the loop, and needs only the executor's probe, the dispatcher
 and the recalibrator, none of the loop's state.
@@ -149,16 +152,17 @@ class ForwardProbe:
         return f"probed an evaluation's forward, one micro-batch a replica: {each}"
 
 
-def first_microbatches(step_plan: StepPlan, batch: GlobalBatch) -> tuple[StepPlan, GlobalBatch]:
-    """``step_plan`` cut to each replica's first micro-batch, with the batch of just those rows (its positions
-    renumbered), so that the cut covers its batch exactly, as an evaluation's plan must (``check_step_plan``)."""
-    rows = [q for w in step_plan.work for mb in w.microbatches[:1] for q in mb.seq_ids]
+def first_microbatches(step_plan: StepPlan, batch: GlobalBatch, tokens: int) -> tuple[StepPlan, GlobalBatch]:
+    """``step_plan`` cut to each replica's first micro-batch, its first rows within ``tokens`` (:func:`first_rows`),
+    with the batch of just those rows (their positions renumbered): the cut covers its batch exactly, as an
+    evaluation's plan must (``check_step_plan``)."""
+    firsts = [tuple(first_rows(mb, tokens) for mb in w.microbatches[:1]) for w in step_plan.work]
+    rows = [q for mbs in firsts for mb in mbs for q in mb.seq_ids]
     position = {q: i for i, q in enumerate(rows)}
     work = tuple(
-        replace(w, microbatches=tuple(replace(mb, seq_ids=tuple(position[q] for q in mb.seq_ids))
-                                      for mb in w.microbatches[:1]))
-        for w in step_plan.work
-    )  # fmt: skip
+        replace(w, microbatches=tuple(replace(mb, seq_ids=tuple(position[q] for q in mb.seq_ids)) for mb in mbs))
+        for w, mbs in zip(step_plan.work, firsts, strict=True)
+    )
     cut = GlobalBatch(batch.step, batch.task_ids[rows], batch.sample_ids[rows], batch.lengths[rows])
     return replace(step_plan, work=work), cut
 
@@ -179,7 +183,7 @@ def probe_forward(
     if not names:
         return None
     full = executor.eval_batch(step, names)
-    cut, rows = first_microbatches(dispatch_evaluation(full, plan, cost_model, speed), full)
+    cut, rows = first_microbatches(dispatch_evaluation(full, plan, cost_model, speed), full, PROBE_TOKENS)
     timed = [executor.evaluate(cut, rows).replica_busy_s for _ in range(PROBE_TIMINGS)]
     fastest = tuple(min(busy) for busy in zip(*timed, strict=True))
     steps = tuple(speed) if speed is not None else (1.0,) * len(plan.replicas)

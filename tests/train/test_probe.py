@@ -100,3 +100,24 @@ def test_the_probe_times_the_first_micro_batch_of_an_evaluation_forward_only(pro
     assert forward.measured_s[0] > 0 and forward.step_speed == probed["step speed"]  # the step probe's c_r
     assert forward.relative_speed == (forward.measured_s[0] / forward.predicted_s[0] / forward.step_speed[0],)
     assert probed["unchanged"] and probed["steps taken"] == [0] * len(h.TASKS)
+
+
+def test_the_forward_probes_cut_is_each_replicas_first_rows_and_covers_its_own_batch():
+    """``first_microbatches``: each replica's first micro-batch, its first rows within the tokens, and a batch of
+    exactly those rows (an evaluation's plan must cover its batch), their tasks and sample ids kept."""
+    from lorafleet.train.probe import first_microbatches
+
+    batch = h.synthetic_streams().global_batch(0)
+    full = h.make_step_plan(batch, 2, per_microbatch=3, packed=True)
+    cut, rows = first_microbatches(full, batch, tokens=20)
+    check_step_plan(cut, rows, 2)
+    for whole, part in zip(full.work, cut.work, strict=True):
+        (mb,) = part.microbatches
+        first = whole.microbatches[0]
+        assert mb.lengths == first.lengths[: len(mb.lengths)] and (sum(mb.lengths) <= 20 or len(mb.lengths) == 1)
+        assert [int(rows.sample_ids[q]) for q in mb.seq_ids] == [
+            int(batch.sample_ids[q]) for q in first.seq_ids[: len(mb.lengths)]
+        ]
+    assert sum(len(w.microbatches[0].lengths) for w in cut.work) < sum(
+        len(w.microbatches[0].lengths) for w in full.work
+    )
