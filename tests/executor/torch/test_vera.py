@@ -1,7 +1,7 @@
 """VeRA in the multi-adapter operator: PEFT 0.21's ``VeraConfig`` model task by task in a micro-batch mixed with LoRA
-and DoRA tenants, split over TP2 equal to the unsplit model, exported as PEFT writes it, and refused where it cannot
-run. Joint training equal to each task alone with PEFT, on TP and PP replicas and across a resume, rides on
-``test_dora.py``'s fleet, whose fourth task is VeRA."""
+and DoRA tenants, dropout included, split over TP2 equal to the unsplit model, exported as PEFT writes it, and refused
+where it cannot run. Joint training equal to each task alone with PEFT, on TP and PP replicas and across a resume,
+rides on ``test_dora.py``'s fleet, whose fourth task is VeRA."""
 
 from __future__ import annotations
 
@@ -11,12 +11,15 @@ import json
 import peft
 import pytest
 import torch
+from peft.tuners._buffer_dict import BufferDict
+from peft.tuners.vera.layer import Linear as PeftVera
 from safetensors.torch import load_file
 from torch import nn
 
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.errors import InputError
 from lorafleet.executor.torch.checkpoint import TaskState, TrainState, check_adapter_kinds
+from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.grad_sync import adapter_params
 from lorafleet.executor.torch.inject import inject_multi_lora, multi_lora_layers, projection_shapes, segments_context
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
@@ -29,7 +32,7 @@ from lorafleet.executor.torch.peft_export import (
     save_peft_adapter,
 )
 from lorafleet.executor.torch.routing import Segments
-from lorafleet.executor.torch.vera import LAMBDA_B, LAMBDA_D, VeraProjections
+from lorafleet.executor.torch.vera import LAMBDA_B, LAMBDA_D, VeraProjections, draw_projections
 from lorafleet.runtime.layout import ModelDims
 from lorafleet.specs.lora import LoraSpec
 from lorafleet.specs.model import ModelSpec
@@ -255,3 +258,49 @@ def test_a_layer_refuses_projections_too_small_for_it():
     small = VeraProjections(torch.zeros(4, 8), torch.zeros(8, 4))
     with pytest.raises(ValueError, match="cannot serve a"):
         MultiLoraLinear(nn.Linear(16, 8)).add_adapter(0, LoraSpec(rank=4, use_vera=True), projections=small)
+
+
+class _Mask(nn.Module):
+    """PEFT's VeRA dropout replaced by the operator's own keep-mask, so both drop the same elements."""
+
+    def __init__(self, keep: torch.Tensor, p: float) -> None:
+        super().__init__()
+        self.keep, self.p = keep, p
+
+    def forward(self, x):
+        return x * self.keep / (1 - self.p)
+
+
+def test_vera_with_dropout_matches_peft_on_the_same_mask():
+    """A VeRA tenant with dropout beside a dropping LoRA one, its segments split: output, input gradient and both
+    vectors' gradients equal PEFT's ``vera.Linear`` driven by the operator's keep-mask."""
+    torch.manual_seed(0)
+    linear = nn.Linear(24, 16)
+    spec = LoraSpec(rank=4, dropout=0.3, use_vera=True)
+    projections = VeraProjections(*draw_projections(4, 0, 32, 20))  # wider than the layer: it slices them
+    layer = MultiLoraLinear(copy.deepcopy(linear)).train()
+    layer.add_adapter(0, spec, (torch.randn(4), torch.randn(16) * 0.3), projections=projections)
+    layer.add_adapter(1, LoraSpec(rank=2, alpha=2, dropout=0.5), (torch.randn(2, 24), torch.randn(16, 2)))
+    layer.segments = Segments.packed([0, 1, 0], [5, 4, 3])
+    x = torch.randn(12, 24, requires_grad=True)
+    torch.manual_seed(9)
+    keep = draw_keep_mask(12, 24, layer.routing(), device="cpu")
+    torch.manual_seed(9)  # the layer draws the same mask
+    y = layer(x)
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    rows = [*range(5), *range(9, 12)]
+    assert not keep[rows].all()
+    A, B = BufferDict({"default": projections.vera_A}), BufferDict({"default": projections.vera_B})
+    reference = PeftVera(copy.deepcopy(linear), A, B, "default", config=lora_config(spec), r=4).train()
+    with torch.no_grad():
+        for factor, param in layer.factors(0).items():
+            getattr(reference, factor)["default"].copy_(param)
+    reference.vera_dropout["default"] = _Mask(keep[rows], spec.dropout)
+    x_ref = x.detach()[rows].clone().requires_grad_()
+    y_ref = reference(x_ref)
+    y_ref.backward(grad_y[rows])
+    torch.testing.assert_close(y[rows], y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad[rows], x_ref.grad, rtol=1e-5, atol=1e-5)
+    for factor, param in layer.factors(0).items():
+        torch.testing.assert_close(param.grad, getattr(reference, factor)["default"].grad, rtol=1e-5, atol=1e-5)
