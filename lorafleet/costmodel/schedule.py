@@ -224,6 +224,7 @@ def _timed_stall(pp: int, k: int, late: tuple[int, ...]) -> float:
     two = np.concatenate((np.full(k, -1, dtype=np.int64), rel))
     ends = _stream_ends(pp, two, FORWARD_SHARE, 1.0 - FORWARD_SHARE, (k, _one_step_ends(pp, k)))
     three = _stream_ends(pp, np.concatenate((two, rel + k)), FORWARD_SHARE, 1.0 - FORWARD_SHARE, (two.size, ends))
+    count_work("stall_timelines", 2)  # the two spans; the shared first step is not counted (its cache outlives a scope)
     return max(0.0, float(three[-1].max() - ends[-1].max()) - k)
 
 
@@ -268,7 +269,9 @@ def stage_positions(pp: int, deps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def stream_span(pp: int, deps: np.ndarray, forward_s: float | np.ndarray, backward_s: float | np.ndarray) -> float:
     """The span of :func:`timeline` with no update time (``update_s = 0``), computed as a longest path
     (:func:`_stream_ends`)."""
-    return float(_stream_ends(pp, deps, forward_s, backward_s)[-1].max())
+    span = float(_stream_ends(pp, deps, forward_s, backward_s)[-1].max())
+    count_work("stall_timelines")
+    return span
 
 
 def _stream_ends(
@@ -312,7 +315,6 @@ def _stream_ends(
     if waiting.size:
         i = int(waiting[0])
         raise ValueError(f"the stage orders deadlock: forward {i} waits for the backward of {int(deps[i])}")
-    count_work("stall_timelines")
     f_pos, b_pos = stage_positions(pp, deps)
     fwd = np.broadcast_to(np.asarray(forward_s, dtype=float), (pp, n))
     bwd = np.broadcast_to(np.asarray(backward_s, dtype=float), (pp, n))
