@@ -51,8 +51,10 @@ PLANS = {
 QUANTIZED = {"pp2+tp1+tp1": Quantization.NF4, "tp2xpp2": Quantization.INT8}
 UNQUANTIZED = ["tp2+pp2", "tp2xpp2"]
 #: "code" (q, v and down: a row-parallel layer) as DoRA: its magnitudes are drawn over the skeleton as NaN and set
-#: from the loaded, TP-sliced weights (``MultiLoraLinear.init_magnitudes``, an all-reduce over a row-parallel layer).
-ADAPTERS = [t.lora.model_copy(update={"use_dora": t.name == "code"}) for t in h.TASKS]
+#: from the loaded, TP-sliced weights (``MultiLoraLinear.init_magnitudes``, an all-reduce over a row-parallel layer);
+#: "summary-b" as VeRA (#41): its shared projections are drawn on the host beside the skeleton and sliced by TP.
+KINDS = {"code": {"use_dora": True}, "summary-b": {"use_vera": True}}
+ADAPTERS = [t.lora.model_copy(update=KINDS.get(t.name, {})) for t in h.TASKS]
 #: The newer families, on the TP2 + PP2 plan: Phi-3's fused projections are read part by part (a TP rank's slice of
 #: each of q, k and v), Gemma 3's embedding scale and its two rotary tables are recomputed, not read.
 FAMILY_CASES = {"phi3": "tp2+pp2", "gemma3": "tp2+pp2"}
@@ -63,7 +65,7 @@ def adapters_of(model: str) -> list:
     """The adapters a checkpoint's stages are built with: :data:`ADAPTERS`, as its family names the targets."""
     if model not in FAMILY_CASES:
         return ADAPTERS
-    return [t.lora.model_copy(update={"use_dora": t.name == "code"}) for t in h.model_tasks(model)]
+    return [t.lora.model_copy(update=KINDS.get(t.name, {})) for t in h.model_tasks(model)]
 
 
 def save_llama(directory: Path) -> Path:
@@ -124,10 +126,7 @@ def _forward(replica, batch_inputs) -> torch.Tensor:
 def _stage_bytes(stage: nn.Module, checkpoint_itemsize: int) -> int:
     """Bytes of the stage's frozen tensors as the checkpoint stores them (a tied pair once)."""
     adapters = {
-        id(p)
-        for _, layer in multi_lora_layers(stage)
-        for factor in (layer.lora_A, layer.lora_B, layer.lora_magnitude_vector)
-        for p in factor.values()
+        id(p) for _, layer in multi_lora_layers(stage) for a in layer.adapters for p in layer.factors(a).values()
     }
     frozen = [t for t in [*stage.parameters(), *stage.buffers()] if id(t) not in adapters]
     persistent = {id(t) for t in stage.state_dict(keep_vars=True).values()}
