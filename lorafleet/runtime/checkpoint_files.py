@@ -253,6 +253,22 @@ def seen_words(examples: int, cursor: int) -> str:
     return f"{examples} to train on, {seen} seen ({cursor / examples:.3g} epochs)" if examples else "none to train on"
 
 
+def adapter_line(config: Mapping[str, Any]) -> str:
+    """The card's line for the adapter PEFT's ``config`` (adapter_config.json) describes: a VeRA adapter's rank,
+    ``d_initial``, projection key and dropout (it has no alpha); a LoRA's rank, alpha, dropout, rsLoRA and DoRA."""
+    targets = ", ".join(sorted(config.get("target_modules") or ()))
+    if config.get("peft_type") == "VERA":
+        return (
+            f"- VeRA: rank {config.get('r')}, d_initial {config.get('d_initial')}, projection key "
+            f"{config.get('projection_prng_key')}, dropout {config.get('vera_dropout')}; targets {targets}"
+        )
+    return (
+        f"- LoRA: rank {config.get('r')}, alpha {config.get('lora_alpha')}, dropout {config.get('lora_dropout')}"
+        f"{', rsLoRA' if config.get('use_rslora') else ''}{', DoRA' if config.get('use_dora') else ''}"
+        f"; targets {targets}"
+    )
+
+
 def model_card(
     name: str,
     config: Mapping[str, Any],
@@ -309,12 +325,7 @@ def model_card(
     if loss is not None:
         lines.append(f"- Final loss: {loss[1]:.4f} (step {loss[0]})")
     lines += evaluation_lines(manifest.get("extra", {}).get(EVALUATION_KEY, {}).get(name), manifest.get("step"))
-    targets = ", ".join(sorted(config.get("target_modules") or ()))
-    lines.append(
-        f"- LoRA: rank {config.get('r')}, alpha {config.get('lora_alpha')}, dropout {config.get('lora_dropout')}"
-        f"{', rsLoRA' if config.get('use_rslora') else ''}{', DoRA' if config.get('use_dora') else ''}"
-        f"; targets {targets}"
-    )
+    lines.append(adapter_line(config))
     imports, config = quantized.load_lines() if quantized is not None else ([], "")
     kwargs = ", quantization_config=quantization" if quantized is not None else ""
     lines += [

@@ -19,7 +19,7 @@ from lorafleet.cli import main
 from lorafleet.executor.torch.checkpoint import TaskState, TrainState, latest_step_dir, save_train_state
 from lorafleet.metrics import last_losses
 from lorafleet.rundir import clear_run, used_by
-from lorafleet.runtime.checkpoint_files import export_adapters, save_tokenizer, seen_words
+from lorafleet.runtime.checkpoint_files import adapter_line, export_adapters, save_tokenizer, seen_words
 from lorafleet.specs.lora import LoraSpec
 from lorafleet.specs.model import MODEL_PRESETS, PRESET_HUB_IDS, adapter_base_model
 from lorafleet.specs.workload import TaskSpec, WorkloadSpec
@@ -253,3 +253,14 @@ def test_a_presets_adapters_name_its_hub_id_and_ship_its_own_tokenizer(tmp_path)
     assert 0 < len(tokenizer) <= MODEL_PRESETS["smollm2-135m"].vocab and tokenizer.chat_template
     text = "Summarise: the queue applies a change at a step boundary."
     assert tokenizer(text).input_ids == trained_with(text).input_ids
+
+
+def test_the_cards_adapter_line_names_vera_by_its_own_fields():
+    """A VeRA adapter (#41) has a projection key and d_initial, and no alpha: the card says so, as PEFT writes it."""
+    from peft import LoraConfig, VeraConfig
+
+    vera = VeraConfig(r=16, target_modules=["q_proj", "v_proj"], projection_prng_key=7, d_initial=0.1).to_dict()
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"], use_dora=True).to_dict()
+
+    assert adapter_line(vera) == "- VeRA: rank 16, d_initial 0.1, projection key 7, dropout 0.0; targets q_proj, v_proj"
+    assert adapter_line(lora) == "- LoRA: rank 8, alpha 16, dropout 0.0, DoRA; targets q_proj"
