@@ -178,29 +178,36 @@ def gpu_seconds_bound(
     batch: GlobalBatch, candidate: Candidate, replicas: int, cost_model: CostModel, mode: MicroBatchMode
 ) -> float:
     """A lower bound on :func:`estimated_makespan` x the deployment's GPUs: the slowest of ``replicas`` takes at
-    least its step overhead o plus max(Σ_q r_q / replicas, r_max (1 + B)). 0 for a cost model with a negative
+    least its step overhead o plus max(Σ_q c_q / replicas, c_top (1 + B)). 0 for a cost model with a negative
     coefficient (nothing is bounded).
 
-    r_q is the least stage time sequence q adds to a replica (``dispatch.sequence_lower_bound``, r(l) for a
-    sequence of length l). Packed, r_q = r(l_q) and B = 0. Padded (LobRA's static buckets,
-    :func:`static_boundaries`), q is a row of its bucket's length s_q >= l_q, which costs at least r(s_q) (the
-    bound of a sequence of length s_q), and B = pp - 1: the padded estimate charges the replica holding the
-    longest row the drained bubble, B slots of its largest micro-batch (``dispatch.load``), each at least
-    t(1, s_max) >= r_max. The bubble lets Task-Sequential skip most pipelined configs: service-128's baselines
-    estimated 4,447 configs with r(l) alone and 1,108 with these (docs/planner.md). (A packed step's least
-    bubble, (pp - 1) / W in a window of W steps, skipped no config of the examples: not charged.)"""
+    Packed, c_q = r(l_q), the least stage time a sequence of length l_q adds to a replica
+    (``dispatch.sequence_lower_bound``), c_top = max_q r(l_q), and B = 0. Padded, the estimate is the load model
+    as placed (``dispatch.load``): LobRA's static buckets s_j (:func:`static_boundaries`), n rows of bucket j on a
+    replica cost α_j n + β_j ceil(n / b_j) >= n (α_j + β_j / b_j) (b_j = floor(M / s_j); α, β >= 0 read off
+    t(1, s_j) and t(2, s_j) as the load model reads them), so c_q = α_j + β_j / b_j for a row of bucket j; and the
+    replica holding a row of the top bucket present pays at least t(1, s_top) of compute and the drained bubble
+    B = pp - 1 slots of its largest micro-batch, each at least t(1, s_top). The bubble lets Task-Sequential skip
+    most pipelined configs: service-128's baselines estimated 4,447 configs with r(l) alone and 609 with these
+    (docs/planner.md). (A packed step's least bubble, (pp - 1) / W in a window of W steps, also averaged over
+    the busy replicas, skipped no config of the examples' Task-Fused packing: not charged.)"""
     if len(batch) == 0:
         return 0.0
     if mode is MicroBatchMode.PADDING:
-        # r at the few bucket lengths, weighted by their rows: the same sum as over the padded rows
-        boundaries = static_boundaries(batch, candidate)
-        rows = np.bincount(bucket_of(batch.lengths, boundaries), minlength=boundaries.size)
-        lengths, weights = boundaries[rows > 0], rows[rows > 0]
-        bubble = cost_model.drained_bubble_slots(candidate.config)
+        s = static_boundaries(batch, candidate)
+        rows = np.bincount(bucket_of(batch.lengths, s), minlength=s.size)
+        one, two = (np.asarray(cost_model.microbatch_time(candidate.config, b, s), dtype=float) for b in (1, 2))
+        alpha, beta = two - one, 2 * one - two
+        if alpha.min() < 0 or beta.min() < 0:
+            return 0.0
+        per_row = alpha + beta / (candidate.max_tokens // s)  # static buckets are capped at M: b_j >= 1
+        top = one[np.flatnonzero(rows)[-1]]
+        busiest = max(
+            float(per_row @ rows) / replicas, float(top) * (1 + cost_model.drained_bubble_slots(candidate.config))
+        )
     else:
-        lengths, weights, bubble = batch.lengths, np.ones(len(batch)), 0.0
-    r = sequence_lower_bound(cost_model, candidate.config, candidate.max_tokens, lengths)
-    busiest = max(float(r @ weights) / replicas, float(r.max()) * (1 + bubble))
+        r = sequence_lower_bound(cost_model, candidate.config, candidate.max_tokens, batch.lengths)
+        busiest = max(float(r.sum()) / replicas, float(r.max()))
     return (busiest + cost_model.step_overhead(candidate.config)) * replicas * candidate.n_gpus
 
 
