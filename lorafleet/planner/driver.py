@@ -177,11 +177,10 @@ def robust_choice(
         for e in finalists
     ]
     seed = workload.spec.seed if options.seed is None else options.seed
-    batches = [sample_global_batch(workload, step, seed) for step in range(options.robust_samples)]
     price = replica_price(problem, options)
     prices = None if price is None else [price(e.replicas) for e in finalists]
     by_price = None if prices is None else prices.__getitem__
-    if not batches or len(finalists) == 1:
+    if options.robust_samples <= 0 or len(finalists) == 1:
         pick = preferred(
             range(len(finalists)),
             lambda k: finalists[k].expected_makespan,
@@ -191,7 +190,15 @@ def robust_choice(
             options.max_step_s,
         )
         return RobustChoice(finalists=tuple(finalists), chosen=pick, schedule=schedules[pick], sampled_steps=0)
-    makespans = race(schedules, batches, problem.cost_model, options.tie_rel, options.race_rung, prices)
+    makespans = race(
+        schedules,
+        lambda step: sample_global_batch(workload, step, seed),
+        options.robust_samples,
+        problem.cost_model,
+        options.tie_rel,
+        options.race_rung,
+        prices,
+    )
     raced = [replace(e, sampled_makespan=float(m.mean())) for e, m in zip(finalists, makespans, strict=True)]
     steps = max(m.size for m in makespans)
     last = [k for k in range(len(raced)) if makespans[k].size == steps]  # still in the race at the end

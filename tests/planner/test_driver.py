@@ -169,10 +169,12 @@ class _Timed:
 
 def test_race_halves_until_one_is_left_and_full_rungs_sample_everything():
     fast, slow, tied_fewer_gpus = _Timed([1.0] * 8, 8), _Timed([2.0] * 8, 8), _Timed([1.004] * 8, 4)
-    samples = race([slow, fast, tied_fewer_gpus], list(range(8)), None, tie_rel=0.005, rung=2)
+    drawn = []
+    samples = race([slow, fast, tied_fewer_gpus], lambda k: drawn.append(k) or k, 8, None, tie_rel=0.005, rung=2)
+    assert drawn == [0, 1, 2, 3]  # a batch is drawn once, and only when a rung reaches it: one plan is left at 4
     assert samples[0].size == 2  # the slow one leaves after the first rung
     assert samples[2].size == max(s.size for s in samples)  # within the tie tolerance on fewer GPUs: it wins
-    every = race([slow, fast], list(range(8)), None, tie_rel=0.005, rung=8)
+    every = race([slow, fast], int, 8, None, tie_rel=0.005, rung=8)
     assert [s.size for s in every] == [8, 8]
 
 
