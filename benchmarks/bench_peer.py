@@ -397,6 +397,58 @@ def step_callback(events: Any, task: str, tokens: list[tuple[int, int]], cuda: b
     return StepLines()
 
 
+@dataclass(frozen=True)
+class RecipeInputs:
+    """What a sequential recipe's child trains from: the workload, its tokenizer (a pad token set), its data
+    streams for ``steps`` steps as lorafleet orders them, and the base model in the load dtype."""
+
+    spec: Any
+    tokenizer: Any
+    streams: Any
+    base: Any
+
+
+def recipe_inputs(workload: Path, steps: int, threads: int, dtype: Any) -> RecipeInputs:
+    """The inputs of :class:`RecipeInputs` for ``workload``, torch on ``threads`` threads."""
+    import torch
+
+    from lorafleet.data.model_source import resolve_model_source
+    from lorafleet.executor.torch.base_model import load_causal_lm
+    from lorafleet.runtime.data_stream import task_tokenizer, training_streams
+    from lorafleet.workload import load_workload
+
+    torch.set_num_threads(threads)
+    spec = load_workload(workload).spec
+    tokenizer = task_tokenizer(spec)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    streams = training_streams(spec, steps, tokenizer)
+    source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
+    return RecipeInputs(spec, tokenizer, streams, plain_fp32(load_causal_lm(source, dtype)))
+
+
+def trainer_arguments(optimizer: Any, output_dir: Path, steps: int, seed: int, cuda: bool = False) -> dict[str, Any]:
+    """``TrainingArguments``/``SFTConfig`` fields of a task's optimizer (lr, warm-up, weight decay, betas, clip,
+    schedule) for ``steps`` optimizer steps, nothing saved or reported, data in the main process."""
+    return dict(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        learning_rate=optimizer.lr,
+        warmup_steps=optimizer.warmup_steps,
+        weight_decay=optimizer.weight_decay,
+        adam_beta1=optimizer.betas[0],
+        adam_beta2=optimizer.betas[1],
+        max_grad_norm=optimizer.grad_clip,
+        lr_scheduler_type=optimizer.schedule.value,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=seed,
+        use_cpu=not cuda,
+        dataloader_num_workers=0,
+    )
+
+
 def run_trainer(args: argparse.Namespace) -> int:
     """Trains each task of the workload in turn with the ``--child`` recipe, appending one JSON line per
     optimizer step to ``--events``."""
@@ -404,21 +456,11 @@ def run_trainer(args: argparse.Namespace) -> int:
     import torch
     from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
 
-    from lorafleet.data.model_source import resolve_model_source
-    from lorafleet.executor.torch.base_model import load_causal_lm
     from lorafleet.executor.torch.peft_export import lora_config
-    from lorafleet.runtime.data_stream import task_tokenizer, training_streams
-    from lorafleet.workload import load_workload
 
-    torch.set_num_threads(args.threads)
-    spec = load_workload(Path(args.workload)).spec
-    tokenizer = task_tokenizer(spec)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    streams = training_streams(spec, args.steps, tokenizer)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
-    base = plain_fp32(load_causal_lm(source, dtype))
+    inputs = recipe_inputs(Path(args.workload), args.steps, args.threads, dtype)
+    spec, tokenizer, streams, base = inputs.spec, inputs.tokenizer, inputs.streams, inputs.base
     cuda = args.device == "cuda"
     with Path(args.events).open("a") as events:
         for t, task in enumerate(spec.tasks):
@@ -429,26 +471,12 @@ def run_trainer(args: argparse.Namespace) -> int:
                 for e in step_rows
             ]
             tokens = [(sum(len(e) for e in r), len(r) * max(len(e) for e in r)) for r in rows]
-            opt = task.optimizer
-            common = dict(
-                output_dir=str(Path(args.events).parent / task.name),
+            out = Path(args.events).parent / task.name
+            common = trainer_arguments(task.optimizer, out, args.steps, spec.seed, cuda)
+            common |= dict(
                 per_device_train_batch_size=task.batch_size,
-                max_steps=args.steps,
-                learning_rate=opt.lr,
-                warmup_steps=opt.warmup_steps,
-                weight_decay=opt.weight_decay,
-                adam_beta1=opt.betas[0],
-                adam_beta2=opt.betas[1],
-                max_grad_norm=opt.grad_clip,
-                lr_scheduler_type=opt.schedule.value,
                 train_sampling_strategy="sequential",
-                save_strategy="no",
-                report_to="none",
-                disable_tqdm=True,
-                seed=spec.seed,
-                use_cpu=not cuda,
                 bf16=args.dtype == "bf16",
-                dataloader_num_workers=0,
             )
             model = peft.get_peft_model(copy.deepcopy(base), lora_config(task.lora))
             callback = step_callback(events, task.name, tokens, cuda)

@@ -41,7 +41,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_peer import DEMO, Run, plain_fp32, repo_env, task_rows, watch
+from bench_peer import DEMO, Run, recipe_inputs, repo_env, task_rows, trainer_arguments, watch
 
 LRS = (1.0e-4, 3.0e-4, 1.0e-3)
 RANKS = (4, 8, 16)
@@ -199,40 +199,27 @@ def run_members(args: argparse.Namespace) -> int:
     from transformers import TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from lorafleet.data.model_source import resolve_model_source
-    from lorafleet.executor.torch.base_model import load_causal_lm
     from lorafleet.executor.torch.peft_export import lora_config
-    from lorafleet.runtime.data_stream import task_tokenizer, training_streams
-    from lorafleet.workload import load_workload
 
-    torch.set_num_threads(args.threads)
-    spec = load_workload(Path(args.workload)).spec
-    tokenizer = task_tokenizer(spec)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    streams = training_streams(spec, args.steps, tokenizer)
-    source = resolve_model_source(spec.model, source="workload", field="model", seed=spec.seed)
-    base = plain_fp32(load_causal_lm(source, torch.float32))
+    inputs = recipe_inputs(Path(args.workload), args.steps, args.threads, torch.float32)
+    spec, tokenizer, base = inputs.spec, inputs.tokenizer, inputs.base
     events_path = Path(args.events)
     losses = {}
-    rows = task_rows(streams, args.steps, 0)  # every member: the same rows (its sweep's data order)
-    held = streams.streams[0].data.eval_examples
+    rows = task_rows(inputs.streams, args.steps, 0)  # every member: the same rows (its sweep's data order)
+    held = inputs.streams.streams[0].data.eval_examples
     dataset = datasets.Dataset.from_list(
         [{"input_ids": list(e.input_ids), "labels": list(e.labels)} for step in rows for e in step]
     )
     longest_step = max(sum(len(e) for e in step) for step in rows)
     with events_path.open("a") as events:
         for member in spec.tasks:
-            opt = member.optimizer
             model = peft.get_peft_model(copy.deepcopy(base), lora_config(member.lora))
             config = SFTConfig(
-                output_dir=str(events_path.parent / member.name), per_device_train_batch_size=1,
-                max_steps=args.steps, learning_rate=opt.lr, warmup_steps=opt.warmup_steps,
-                weight_decay=opt.weight_decay, adam_beta1=opt.betas[0], adam_beta2=opt.betas[1],
-                max_grad_norm=opt.grad_clip, lr_scheduler_type=opt.schedule.value, save_strategy="no",
-                report_to="none", disable_tqdm=True, seed=spec.seed, use_cpu=True, dataloader_num_workers=0,
-                packing=True, max_length=longest_step,
-            )  # fmt: skip
+                **trainer_arguments(member.optimizer, events_path.parent / member.name, args.steps, spec.seed),
+                per_device_train_batch_size=1,
+                packing=True,
+                max_length=longest_step,
+            )
             trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
             packed = [len(r) for r in trainer.train_dataset["input_ids"]]
 
