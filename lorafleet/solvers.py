@@ -164,7 +164,36 @@ def solve(
     wall = time.perf_counter() - start
     status = _status(problem)
     objective = pulp.value(problem.objective) if status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE) else None
+    if status is SolveStatus.FEASIBLE and not satisfies(problem):
+        status = SolveStatus.FAILED  # values without a solution: the caller falls back, saying so
     return SolveResult(status, None if objective is None else float(objective), wall, SolverName(solver))
+
+
+FEASIBILITY_TOL = 1e-6
+"""Relative tolerance of :func:`satisfies`: a row's violation over 1 + the sum of its terms' magnitudes, and an
+integer variable's distance from the nearest integer."""
+
+
+def satisfies(problem: pulp.LpProblem, tol: float = FEASIBILITY_TOL) -> bool:
+    """Whether the values ``problem``'s variables hold satisfy every row and integrality, to ``tol``.
+
+    A time-limited incumbent is checked before it is used: CBC stopped on its limit (``sol_status`` integer
+    feasible) has handed back values that were not a solution -- a fractional point with more replicas than the
+    GPU budget row allows (seen under a 1e-6 s limit: the plan failed in replica placement, not with the
+    solver's fallback). A proven optimum is not checked (the solver's proof covers it). A row
+    ``sum_i a_i x_i + c (<=, >=, ==) 0`` holds when its violation is at most ``tol (1 + sum_i |a_i x_i| + |c|)``.
+    """
+    for variable in problem.variables():
+        value = variable.varValue
+        if value is None or (variable.cat == pulp.LpInteger and abs(value - round(value)) > tol):
+            return False
+    for row in problem.constraints.values():
+        terms = [a * v.varValue for v, a in row.items()]
+        value = sum(terms) + row.constant
+        scale = tol * (1 + sum(abs(t) for t in terms) + abs(row.constant))
+        if (row.sense == pulp.LpConstraintEQ and abs(value) > scale) or value * row.sense < -scale:
+            return False
+    return True
 
 
 def solve_lp(

@@ -10,7 +10,7 @@ import pulp
 import pytest
 from scipy.optimize import linprog
 
-from lorafleet.solvers import SolverName, SolveStatus, available_solvers, solve, solve_lp
+from lorafleet.solvers import SolverName, SolveStatus, available_solvers, satisfies, solve, solve_lp
 
 
 def knapsack_cover(n: int = 30) -> pulp.LpProblem:
@@ -124,3 +124,20 @@ def test_cbcs_time_limit_counts_cpu_time():
     from lorafleet.solvers import _make_solver
 
     assert _make_solver(SolverName.CBC, 10.0, 1e-3, None).optionsDict["timeMode"] == "cpu"
+
+
+def test_values_that_break_a_row_or_integrality_are_not_a_solution():
+    """A time-limited incumbent is checked (solvers.satisfies): CBC stopped on a 1e-6 s limit once handed back a
+    fractional point over the GPU budget as integer feasible, and the plan failed in placement."""
+    x = pulp.LpVariable("x", 0, 10, cat=pulp.LpInteger)
+    y = pulp.LpVariable("y", 0, 10)
+    problem = pulp.LpProblem("budget", pulp.LpMaximize)
+    problem += x + y
+    problem += x + y <= 4.5, "budget"
+    problem += x - y == 1, "tie"
+
+    for xv, yv, ok in ((2, 1, True), (2.75, 1.75, False), (3, 2, False), (2, 2, False), (2, 1 + 1e-9, True)):
+        x.varValue, y.varValue = xv, yv
+        assert satisfies(problem) is ok, (xv, yv)
+    x.varValue = None
+    assert not satisfies(problem)
