@@ -15,11 +15,15 @@ process tree started by this script (the sides interleaved in rounds):
 Same inputs everywhere: the task's rows as lorafleet tokenizes them and its held-out rows (``eval.split``; the
 same rows for every member), the same base weights, LoRA and optimizer settings per member. Measured: the CPU
 seconds of each side's process tree from the end of its first step to the end of its last (per member for (a),
-summed; (b) and (c) include their evaluations), and the real tokens trained in that window.
+summed), and the real tokens trained in that window. (a) evaluates after its window; so (b) is measured over its
+steps alone, as (a) is: the steps whose metrics row carries no evaluation (an evaluation's time falls between the
+line of the step it follows and the line before, the row written after it), which with ``--rungs 2`` is every
+other step. (c) is measured with its evaluations: they are what halving costs.
 
 Printed: tokens per CPU-second per side; **(b) over (a)**, the ratio of CPU-seconds for the same steps of every
 member (tokens per CPU-second: (b) trains exactly the members' batches); **(c) over (a)**, the CPU-seconds (a) would
-spend on the sweep (b) trained (its window's tokens at (a)'s tokens per CPU-second) over (c)'s; and the winners:
+spend on the sweep (b) trained (all of (b)'s steps after its first, at (a)'s tokens per CPU-second) over (c)'s; and
+the winners:
 (a)'s best member by its final eval loss, and (c)'s (its promoted member), with (a)'s loss of (c)'s winner.
 """
 
@@ -97,17 +101,22 @@ def run_side(side: str, round_: int, args: argparse.Namespace, work: Path, paths
     return run
 
 
-def window(run: Run) -> tuple[int, float]:
-    """(real tokens, CPU seconds) from the end of the first step to the end of the last: per member for trl."""
+def window(run: Run) -> tuple[int, float, int]:
+    """(real tokens, CPU seconds) of the measured steps from the end of the first step to the end of the last, per
+    member for trl, without the steps that carry an evaluation for joint (module doc); and the real tokens of every
+    step after the first (the sweep's work)."""
     if run.side != "trl":
-        first, last = run.lines[0], run.lines[-1]
-        tokens = sum(sum(line["task_tokens"].values()) for line, _, _ in run.lines[1:])
-        return tokens, last[2] - first[2]
+        steps = [
+            (sum(line["task_tokens"].values()), cpu - before, "eval_s" in line)
+            for (_, _, before), (line, _, cpu) in zip(run.lines, run.lines[1:])
+        ]
+        measured = [(t, c) for t, c, evaluated in steps if run.side == "halving" or not evaluated]
+        return sum(t for t, _ in measured), sum(c for _, c in measured), sum(t for t, _, _ in steps)
     by_member: dict[str, list] = {}
     for line, _, cpu in run.lines:
         by_member.setdefault(line["task"], []).append((line["real"], cpu))
     tokens = sum(sum(r for r, _ in steps[1:]) for steps in by_member.values())
-    return tokens, sum(steps[-1][1] - steps[0][1] for steps in by_member.values())
+    return tokens, sum(steps[-1][1] - steps[0][1] for steps in by_member.values()), tokens
 
 
 def winner(side: str, out: Path, task: str) -> tuple[str | None, dict[str, float]]:
@@ -148,33 +157,34 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.threads} thread(s) a side, {args.rounds} round(s), {os.cpu_count()} CPUs",
               flush=True)  # fmt: skip
         print(f"{'round':>5} {'side':<8}{'tokens':>9}{'CPU s':>8}{'tok/CPU-s':>10}{'load':>6}", flush=True)
-        measured: dict[str, list[tuple[int, float]]] = {side: [] for side in sides}
+        measured: dict[str, list[tuple[int, float, int]]] = {side: [] for side in sides}
         outs: dict[str, Path] = {}
         for r in range(args.rounds):
             for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
                 outs[side] = work / f"{side}-{r}"
                 record = outs[side] / "measured.json"
                 if side in args.reuse.split(","):
-                    tokens, cpu = json.loads(record.read_text())
+                    tokens, cpu, *swept = json.loads(record.read_text())  # a record before the sweep's tokens
+                    measured[side].append((tokens, cpu, swept[0] if swept else tokens))
                 else:
-                    tokens, cpu = window(run_side(side, r, args, work, paths))
-                    record.write_text(json.dumps([tokens, cpu]))
-                measured[side].append((tokens, cpu))
+                    measured[side].append(window(run_side(side, r, args, work, paths)))
+                    record.write_text(json.dumps(measured[side][-1]))
+                tokens, cpu, _ = measured[side][-1]
                 print(f"{r + 1:>5} {side:<8}{tokens:>9,}{cpu:>8.1f}{tokens / cpu:>10.1f}{os.getloadavg()[0]:>6.1f}",
                       flush=True)  # fmt: skip
         summarize(measured, outs, args.task)
     return 0
 
 
-def summarize(measured: dict[str, list[tuple[int, float]]], outs: dict[str, Path], task: str) -> None:
+def summarize(measured: dict[str, list[tuple[int, float, int]]], outs: dict[str, Path], task: str) -> None:
     """Mean tokens per CPU-second per side, the two ratios and the winners (module doc)."""
-    rate = {side: sum(t / c for t, c in runs) / len(runs) for side, runs in measured.items()}
+    rate = {side: sum(t / c for t, c, _ in runs) / len(runs) for side, runs in measured.items()}
     print("mean over rounds: " + ", ".join(f"{side} {r:.1f} tok/CPU-s" for side, r in rate.items()))
     if "trl" in rate and "joint" in rate:
         print(f"  (b) joint / (a) trl: {rate['joint'] / rate['trl']:.2f}x fewer CPU-seconds for the same steps")
     if {"trl", "joint", "halving"} <= set(rate):
-        sweep_tokens = sum(t for t, _ in measured["joint"]) / len(measured["joint"])
-        halving_cpu = sum(c for _, c in measured["halving"]) / len(measured["halving"])
+        sweep_tokens = sum(swept for _, _, swept in measured["joint"]) / len(measured["joint"])
+        halving_cpu = sum(c for _, c, _ in measured["halving"]) / len(measured["halving"])
         print(f"  (c) halving vs (a) trl: {sweep_tokens / rate['trl'] / halving_cpu:.2f}x fewer CPU-seconds "
               f"({sweep_tokens / rate['trl']:.0f} CPU-s for (a)'s sweep, {halving_cpu:.0f} for (c))")  # fmt: skip
     winners = {side: winner(side, out, task) for side, out in outs.items()}
