@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
@@ -191,27 +191,24 @@ def _peft_type(config_path: Path) -> str | None:
         return None
 
 
-def _read_vera_spec(path: str | Path) -> LoraSpec:
-    """The VeRA :class:`LoraSpec` of a PEFT VeRA adapter directory (:func:`read_peft_spec`)."""
-    import peft
-
-    config_path = Path(path) / CONFIG_NAME
+def _read_config(config_class: Any, path: str | Path, kind: str) -> Any:
+    """``config_class.from_pretrained(path)`` (PEFT's LoraConfig or VeraConfig); InputError naming the file when it
+    cannot be read as a ``kind`` adapter's config."""
     try:
-        config = peft.VeraConfig.from_pretrained(str(path))
+        return config_class.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as err:
-        raise InputError(str(config_path), "", f"not a readable VeRA adapter config: {err}") from err
-    _check_unsupported(config, _UNSUPPORTED_VERA, config_path)
+        raise InputError(str(Path(path) / CONFIG_NAME), "", f"not a readable {kind} adapter config: {err}") from err
+
+
+def _spec_of(config: Any, unsupported: Any, config_path: Path, **fields: Any) -> LoraSpec:
+    """The :class:`LoraSpec` of a read PEFT ``config``: its rank and listed target modules with ``fields``, after the
+    options lorafleet cannot run (``unsupported``) and a regex of targets are refused; InputError naming the field
+    the spec refuses."""
+    _check_unsupported(config, unsupported, config_path)
     if isinstance(config.target_modules, str):
         raise InputError(str(config_path), "target_modules", "a regex is not supported; list module names")
     try:
-        return LoraSpec(
-            rank=config.r,
-            dropout=config.vera_dropout,
-            target_modules=tuple(sorted(config.target_modules)),
-            use_vera=True,
-            vera_prng_key=config.projection_prng_key,
-            vera_d_initial=config.d_initial,
-        )
+        return LoraSpec(rank=config.r, target_modules=tuple(sorted(config.target_modules)), **fields)
     except ValidationError as err:
         first = err.errors()[0]
         raise InputError(str(config_path), ".".join(map(str, first["loc"])), first["msg"]) from err
@@ -224,29 +221,29 @@ def read_peft_spec(path: str | Path) -> LoraSpec:
 
     config_path = Path(path) / CONFIG_NAME
     if _peft_type(config_path) == peft.PeftType.VERA:
-        return _read_vera_spec(path)
-    try:
-        config = peft.LoraConfig.from_pretrained(str(path))
-    except (OSError, ValueError, TypeError) as err:
-        raise InputError(str(config_path), "", f"not a readable LoRA adapter config: {err}") from err
+        config = _read_config(peft.VeraConfig, path, "VeRA")
+        return _spec_of(
+            config,
+            _UNSUPPORTED_VERA,
+            config_path,
+            dropout=config.vera_dropout,
+            use_vera=True,
+            vera_prng_key=config.projection_prng_key,
+            vera_d_initial=config.d_initial,
+        )
+    config = _read_config(peft.LoraConfig, path, "LoRA")
     if config.peft_type != peft.PeftType.LORA:
         message = f"{config.peft_type}: only LORA and VERA adapters are supported"
         raise InputError(str(config_path), "peft_type", message)
-    _check_unsupported(config, _UNSUPPORTED, config_path)
-    if isinstance(config.target_modules, str):
-        raise InputError(str(config_path), "target_modules", "a regex is not supported; list module names")
-    try:
-        return LoraSpec(
-            rank=config.r,
-            alpha=config.lora_alpha,
-            dropout=config.lora_dropout,
-            target_modules=tuple(sorted(config.target_modules)),
-            use_rslora=config.use_rslora,
-            use_dora=bool(config.use_dora),
-        )
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise InputError(str(config_path), ".".join(map(str, first["loc"])), first["msg"]) from err
+    return _spec_of(
+        config,
+        _UNSUPPORTED,
+        config_path,
+        alpha=config.lora_alpha,
+        dropout=config.lora_dropout,
+        use_rslora=config.use_rslora,
+        use_dora=bool(config.use_dora),
+    )
 
 
 def load_peft_adapter(model: nn.Module, path: str | Path, adapter_id: int) -> LoraSpec:
