@@ -4,6 +4,7 @@ adapters to, and the distance they measure it by."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import peft
@@ -23,6 +24,21 @@ from tests.helpers import fleet_harness as h
 
 STEPS = 4
 ATOL = {torch.float32: 1e-5, torch.float64: 1e-9}
+
+
+def peft_model_of(base: torch.nn.Module, model: torch.nn.Module, task: int, specs: Sequence) -> peft.PeftModel:
+    """PEFT's own model of task ``task`` (its :class:`LoraSpec` ``specs[task]``) over a copy of ``base``, every factor
+    copied from the joint ``model``: a LoRA or DoRA layer's (``lora_A``/``lora_B`` linears, the magnitude) and a
+    VeRA one's vectors (``vera_lambda_d``/``vera_lambda_b`` parameters)."""
+    reference = peft.get_peft_model(copy.deepcopy(base), lora_config(specs[task]))
+    with torch.no_grad():
+        for name, layer in multi_lora_layers(model):
+            if task in layer.adapters:
+                target = reference.get_submodule(f"base_model.model.{name}")
+                for factor, param in layer.factors(task).items():
+                    slot = getattr(target, factor)["default"]
+                    (slot.weight if isinstance(slot, torch.nn.Module) else slot).copy_(param)
+    return reference
 
 
 def _initial_adapters(

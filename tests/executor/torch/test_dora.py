@@ -25,7 +25,7 @@ from lorafleet.executor.torch.peft_export import load_peft_adapter, lora_config,
 from lorafleet.executor.torch.routing import Segments
 from lorafleet.specs.lora import LoraSpec
 from tests.helpers import fleet_harness as h
-from tests.helpers.trained_alone import ATOL, STEPS, _max_diff, train_alone
+from tests.helpers.trained_alone import ATOL, STEPS, _max_diff, peft_model_of, train_alone
 
 SPECS = [
     LoraSpec(rank=4, alpha=8, use_dora=True),
@@ -50,18 +50,6 @@ def trained(tiny_model):
                     factors[MAGNITUDE].mul_(1 + 0.2 * torch.randn(factors[MAGNITUDE].shape, generator=gen))
     ids = torch.randint(0, 1024, (3, 7), generator=torch.Generator().manual_seed(3))
     return base, model, ids
-
-
-def peft_model_of(base: nn.Module, model: nn.Module, task: int, specs: list[LoraSpec] = SPECS) -> peft.PeftModel:
-    """PEFT's own model of one task, every factor (a DoRA magnitude too) copied from ``model``."""
-    reference = peft.get_peft_model(copy.deepcopy(base), lora_config(specs[task]))
-    with torch.no_grad():
-        for name, layer in multi_lora_layers(model):
-            if task in layer.adapters:
-                target = reference.get_submodule(f"base_model.model.{name}")
-                for factor, param in layer.factors(task).items():
-                    getattr(target, factor)["default"].weight.copy_(param)
-    return reference
 
 
 def test_initial_magnitude_is_pefts():
@@ -106,7 +94,7 @@ def test_mixed_microbatch_matches_peft_task_by_task(trained):
         logits = model(ids).logits
     logits.square().sum().backward()
     for task in range(len(SPECS)):
-        reference = peft_model_of(base, model, task)
+        reference = peft_model_of(base, model, task, SPECS)
         theirs = reference(ids[task : task + 1]).logits
         # sanity (PEFT's mixed-batch test): the task's adapter moves its logits off the base's
         assert (theirs - base(ids[task : task + 1]).logits).abs().max() > 1e-3
@@ -319,7 +307,7 @@ def test_export_loads_in_peft_merges_and_loads_back(trained, tmp_path):
     base, model, ids = trained
     path = save_peft_adapter(model, 2, tmp_path / "dora")
     pefts = tmp_path / "pefts"
-    peft_model_of(base, model, 2).save_pretrained(pefts)
+    peft_model_of(base, model, 2, SPECS).save_pretrained(pefts)
     assert load_file(pefts / SAFETENSORS_WEIGHTS_NAME).keys() == load_file(path / SAFETENSORS_WEIGHTS_NAME).keys()
     assert json.loads((path / CONFIG_NAME).read_text())["use_dora"] is True
     keys = load_file(path / SAFETENSORS_WEIGHTS_NAME)

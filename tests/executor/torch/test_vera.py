@@ -38,6 +38,7 @@ from lorafleet.specs.lora import LoraSpec
 from lorafleet.specs.model import ModelSpec
 from tests.executor.torch.conftest import build_tiny_model
 from tests.helpers import fleet_harness as h
+from tests.helpers.trained_alone import peft_model_of
 
 SPECS = [
     LoraSpec(rank=8, use_vera=True, vera_prng_key=3),
@@ -64,18 +65,6 @@ def _injected(base: nn.Module, specs: list[LoraSpec] = SPECS) -> nn.Module:
     model = copy.deepcopy(base)
     inject_multi_lora(model, specs, seeds=list(range(1, len(specs) + 1)))
     return model
-
-
-def _peft_of(base: nn.Module, model: nn.Module, task: int) -> peft.PeftModel:
-    """PEFT's own model of one VeRA task, its vectors copied from ``model``."""
-    reference = peft.get_peft_model(copy.deepcopy(base), lora_config(SPECS[task]))
-    with torch.no_grad():
-        for name, layer in multi_lora_layers(model):
-            if task in layer.adapters:
-                target = reference.get_submodule(f"base_model.model.{name}")
-                for factor, param in layer.factors(task).items():
-                    getattr(target, factor)["default"].copy_(param)
-    return reference
 
 
 def _grads(model: nn.Module, task: int) -> dict[str, torch.Tensor]:
@@ -117,7 +106,7 @@ def test_mixed_microbatch_matches_peft_task_by_task():
         logits = model(ids).logits
     logits.square().sum().backward()
     for task in VERA_TASKS:
-        reference = _peft_of(base, model, task)
+        reference = peft_model_of(base, model, task, SPECS)
         theirs = reference(ids[task : task + 1]).logits
         assert (theirs - base(ids[task : task + 1]).logits).abs().max() > 1e-3  # sanity: the adapter moves them
         torch.testing.assert_close(logits[task : task + 1], theirs, rtol=1e-5, atol=1e-5)
