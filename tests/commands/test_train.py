@@ -170,7 +170,8 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
     """One run checks the files and, in bf16, that a bf16 base trains fp32 master adapters: the losses
     are finite and the exported PEFT adapters are fp32. Its stdout, a pipe, tells the start-up phases and
     then a line per step as the step ends (a plan without pipelined replicas runs a step a window); the
-    W&B (offline) and MLflow (file store) loggers get the step scalars."""
+    W&B (offline) and MLflow (file store) loggers get the step scalars, MLflow chat's eval losses at the steps
+    they followed."""
     from mlflow.tracking import MlflowClient
 
     out = tmp_path / "out"
@@ -230,6 +231,8 @@ def test_train_runs_under_torchrun_and_writes_adapters_metrics_checkpoints(workl
     assert all(math.isfinite(v) and v > 0 for r in lines for v in r["losses"].values())
     # chat is evaluated after steps 2 and 3, its first pass predicted by the launch probe's forward (train.probe)
     assert [r["step"] for r in lines if "eval_s" in r] == [1, 2] and lines[1]["eval_predicted_s"] > 0
+    evaluated = [(r["step"], r["eval_loss"]["chat"]) for r in lines if "eval_loss" in r]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "eval_loss/chat")] == evaluated
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,23 @@ REPORTS = tuple(
     for i in range(3)
 )
 CONFIG = {"plan": "<1,1> x 2", "gpus": 2}
+EVALUATED = {
+    "eval_loss": {"chat": 1.75, "docsum": 2.25},
+    "eval_token_accuracy": {"chat": 0.5, "docsum": 0.25},
+    "eval_gpu_s": {"chat": 0.125, "docsum": 0.375},
+    "eval_s": 0.5,
+    "eval_predicted_s": 0.625,
+}
+"""The ``extra`` of a step an evaluation followed (``train.evaluation``): each task's eval loss, token accuracy
+and GPU-seconds, the pass's measured and predicted seconds."""
+EVAL_TAGS = {
+    "eval_loss/chat": 1.75,
+    "eval_loss/docsum": 2.25,
+    "eval_token_accuracy/chat": 0.5,
+    "eval_gpu_s/docsum": 0.375,
+    "eval/seconds": 0.5,
+    "eval/predicted_s": 0.625,
+}
 
 
 def _wandb_records(path: Path) -> list:
@@ -100,7 +117,8 @@ def test_wandb_offline_logs_every_scalar_and_a_resume_continues_the_run(tmp_path
     first = experiment_logger("wandb", out, CONFIG)
     assert isinstance(first, WandbWriter)
     for report in REPORTS[:2]:
-        first.write(report, tokens_per_s=400.0, task_gpu_s={"docsum": 1.5, "chat": 0.5})
+        evaluated = EVALUATED if report.step == 1 else {}
+        first.write(report, tokens_per_s=400.0, task_gpu_s={"docsum": 1.5, "chat": 0.5}, **evaluated)
     first.close()
     again = experiment_logger("wandb", out, CONFIG, resume=True)
     again.write(REPORTS[2], tokens_per_s=400.0)
@@ -112,6 +130,7 @@ def test_wandb_offline_logs_every_scalar_and_a_resume_continues_the_run(tmp_path
     assert history["makespan/measured_s"] == [(0, 1.0), (1, 2.0), (2, 3.0)]
     assert history["gpu_s/docsum"] == [(0, 1.5), (1, 1.5)]
     assert set(step_scalars(REPORTS[0], tokens_per_s=400.0)) <= set(history)
+    assert {tag: history[tag] for tag in EVAL_TAGS} == {tag: [(1, value)] for tag, value in EVAL_TAGS.items()}
 
 
 def test_a_fresh_launch_starts_a_new_wandb_run(tmp_path, offline_wandb):
@@ -133,7 +152,7 @@ def test_mlflow_file_store_logs_params_and_scalars_and_a_resume_continues_the_ru
     first = experiment_logger("mlflow", out, CONFIG)
     assert isinstance(first, MlflowWriter) and first.tracking_uri == (out / "mlruns").resolve().as_uri()
     for report in REPORTS[:2]:
-        first.write(report, task_gpu_s={"docsum": 1.5, "chat": 0.5})
+        first.write(report, task_gpu_s={"docsum": 1.5, "chat": 0.5}, **(EVALUATED if report.step == 1 else {}))
     first.close()
     again = experiment_logger("mlflow", out, CONFIG, resume=True)
     again.write(REPORTS[2])
@@ -148,6 +167,8 @@ def test_mlflow_file_store_logs_params_and_scalars_and_a_resume_continues_the_ru
     history = [(m.step, m.value) for m in client.get_metric_history(first.run_id, "loss/docsum")]
     assert history == [(0, 2.5), (1, 2.4), (2, 2.3)]
     assert [m.value for m in client.get_metric_history(first.run_id, "gpu_s/docsum")] == [1.5, 1.5]
+    for tag, value in EVAL_TAGS.items():  # an evaluation's scalars, at the step it followed
+        assert [(m.step, m.value) for m in client.get_metric_history(first.run_id, tag)] == [(1, value)], tag
 
 
 def test_an_unknown_or_missing_logger_is_refused_up_front(monkeypatch):

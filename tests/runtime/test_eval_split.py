@@ -106,3 +106,42 @@ def test_an_unreadable_eval_file_is_one_line_naming_it(tmp_path, tokenizer):
     with pytest.raises(InputError) as caught:
         prepare_task_data(task, tokenizer, "test")
     assert str(tmp_path / "held.jsonl") in str(caught.value)
+
+
+def test_no_held_out_row_is_trained_across_a_queue_add_and_a_resume(tmp_path, tiny_tokenizer_dir):
+    """The issue's "no row in both, across resumes and queue adds": the launch's streams, the running fleet's after
+    a task joins at step 3 (its data prepared as the queue prepares it), and a resume's, built from the workload as
+    the run left it; every example any of them draws over 16 steps is outside its task's held-out rows, the held-out
+    rows are the same in all three, and the resume draws the same rows at every step as the run it resumes."""
+    from lorafleet.runtime import data_stream
+    from lorafleet.workload import load_workload
+
+    for name, n in (("chat", 40), ("docsum", 30), ("joined", 24)):
+        _write(tmp_path / f"{name}.jsonl", [{**r, "prompt": f"{name}: {r['prompt']}"} for r in _rows(n)])
+    head = f"model: tiny-llama\ntokenizer: {tiny_tokenizer_dir}\nseed: 5\ntasks:\n"
+    task = "  - {{name: {0}, data: {{path: {1}}}, batch_size: 3, context_length: 64, eval: {{split: 0.2}}{2}}}\n"
+    launch_yaml = "".join(task.format(n, tmp_path / f"{n}.jsonl", "") for n in ("chat", "docsum"))
+    added_yaml = launch_yaml + task.format("joined", tmp_path / "joined.jsonl", ", start_step: 3")
+    (tmp_path / "launch.yaml").write_text(head + launch_yaml)
+    (tmp_path / "after.yaml").write_text(head + added_yaml)
+    launch_spec, after_spec = (load_workload(tmp_path / f).spec for f in ("launch.yaml", "after.yaml"))
+    tokenizer = data_stream.task_tokenizer(after_spec)
+
+    launched = data_stream.training_streams(launch_spec, 16, tokenizer)
+    live = launched.changed(after_spec.tasks, lambda t: prepare_task_data(t, tokenizer, "queue"), {}, (), {})
+    resumed = data_stream.training_streams(after_spec, 16, tokenizer)
+    resumed.check_state(live.state_dict(8))  # a checkpoint at step 8 of the live run: this data is where it left it
+    held = {s.data.name: set(_tokens(s.data.eval_examples)) for s in live.streams}
+    assert all(len(v) > 0 for v in held.values()) and set(held) == {"chat", "docsum", "joined"}
+    for streams in (launched, resumed):
+        assert {s.data.name: set(_tokens(s.data.eval_examples)) for s in streams.streams}.items() <= held.items()
+    for step in range(16):
+        drawn = []
+        for streams in (live, resumed):
+            batch = streams.global_batch(step)
+            examples = streams.examples(batch.task_ids, batch.sample_ids)
+            names = [streams.streams[t].data.name for t in batch.task_ids.tolist()]
+            assert not any(token in held[n] for n, token in zip(names, _tokens(examples), strict=True)), step
+            drawn.append(list(zip(names, _tokens(examples), strict=True)))
+        assert drawn[0] == drawn[1], step  # the resume trains the rows the uninterrupted run does
+        assert ("joined" in {n for n, _ in drawn[0]}) == (step >= 3)
