@@ -28,8 +28,8 @@ from lorafleet.workload import Workload
 
 def workload_cluster(workload: Workload, gpus: int | None = None, gpu: str | None = None) -> ClusterSpec:
     """The workload's cluster, with the GPU count and/or kind of its one pool replaced (same GPUs per node;
-    its name, price and profile kept). A cluster of several pools takes neither: each pool is changed by
-    ``--set cluster.pools.NAME.KEY=VALUE``."""
+    its name, price, profile and stage load rate kept). A cluster of several pools takes neither: each pool is
+    changed by ``--set cluster.pools.NAME.KEY=VALUE``."""
     cluster = workload.cluster
     if (gpus is not None or gpu is not None) and len(cluster.pools) > 1:
         flag = "--gpus" if gpus is not None else "--gpu"
@@ -52,7 +52,7 @@ def workload_cluster(workload: Workload, gpus: int | None = None, gpu: str | Non
     if gpus < 1:
         raise InputError("<args>", "--gpus", f"must be >= 1, got {gpus}")
     try:
-        others = {"name": pool.name, "price_per_gpu_hour": pool.price_per_gpu_hour, "profile": pool.profile}
+        others = pool.model_dump(include={"name", "price_per_gpu_hour", "profile", "stage_load_gbps"})
         return ClusterSpec.with_gpus(gpus, kind, pool.gpus_per_node, **others)
     except ValueError as err:
         raise InputError("<args>", "--gpus" if "nodes" in str(err) else "--gpu", _message(err)) from None

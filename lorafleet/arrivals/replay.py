@@ -5,7 +5,7 @@ Simulated time starts at 0 and the fleet runs global steps of the tasks present
 strategy (:mod:`lorafleet.arrivals.strategies`) names the plan the tasks run on, by ``train``'s rule
 (``planner.decision.decide``: on the kept deployment while the re-plan runs beside the next
 ``--replan-after`` steps, when it serves the new tasks); a change of deployment makes the clock wait its
-migration first (``planner.incremental.MigrationModel``: the in-process rebuild's measured price, or
+migration first (``planner.incremental.MigrationModel``: the in-process rebuild's price, or
 ``--migration-s`` a rebuilt replica). Then that plan runs on :func:`lorafleet.loop.run_loop` until the task
 set changes again, as ``simulate`` and ``train`` run theirs: in the plan's loop windows
 (``DeploymentPlan.loop_window``), each step planned by the event-aware source

@@ -12,9 +12,9 @@ at every change (the fleet starting included) and runs the :class:`Decision`'s p
 
 The first plan of a run (the fleet starting, ``running`` None) is a fresh plan for the tasks present,
 like any other change but with nothing torn down. Every strategy prices a move alike
-(``ReplanOptions.pricing``: the in-process rebuild's measured model, ``planner.incremental.MigrationModel``,
-or a flat ``--migration-s`` a replica torn down), and the fleet waits the move's seconds (the replay's
-clock). Migration GPU-seconds are the fleet's, not any task's.
+(``ReplanOptions.pricing``: the in-process rebuild's model, ``planner.incremental.MigrationModel``, each
+rebuilt stage loaded at its pool's rate, or a flat ``--migration-s`` a replica torn down), and the fleet
+waits the move's seconds (the replay's clock). Migration GPU-seconds are the fleet's, not any task's.
 """
 
 from __future__ import annotations
@@ -195,7 +195,8 @@ class Scratch(_PlansEveryChange):
         new = self.plans.fresh(tasks)
         gone = torn_down(running, new)
         moved = not new.same_deployment(running)
-        move = self.replan_options.pricing.price(running, new, self.plans.cost_model.model.n_params)
+        plans = self.plans
+        move = self.replan_options.pricing.price(running, new, plans.cost_model.model.n_params, plans.cluster)
         change = Change(
             at_s, tasks, new.describe(), new.used_gpus, moved, len(gone), move.gpu_s, new.expected_gpu_seconds,
             migration_s=move.wall_s,

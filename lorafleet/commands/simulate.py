@@ -356,7 +356,7 @@ def run_arrivals(args: argparse.Namespace) -> int:
         f"{len(trace.cancels)} cancelled) on {cluster.describe()} ({cost_model.source})"
     )
     console.print(
-        f"migration {options.replan.pricing.describe()}; incremental horizon {settings.horizon} steps, "
+        f"migration {options.replan.pricing.describe(cluster)}; incremental horizon {settings.horizon} steps, "
         f"objective {settings.objective.value}"
     )
     if result.static_plan is not None:

@@ -23,20 +23,24 @@ With the running plan ``P`` (replicas on their GPUs) and the new task set's work
 
 A change that moves nothing (``P'`` has every replica of ``P``, on the same GPUs) costs no migration.
 
-**Migration, measured** (:class:`MigrationModel`). A running fleet moves in its own processes
+**Migration, priced by the rebuild** (:class:`MigrationModel`). A running fleet moves in its own processes
 (``executor/torch/change.py``): every rank whose stage changes (its replica's degrees, its stage, its TP
 rank or, under TP, the ranks beside it: :func:`rebuilt_ranks`) builds it from the base model's
 checkpoint, the staying tasks' adapters and optimizer states travel, the process groups are made, and
 every GPU of the run waits at that step boundary. So
 
-    W     = fixed_s + max over rebuilt ranks r of  bytes(stage_r) / load_bytes_per_s     (0: nothing moves)
+    W     = fixed_s + max over rebuilt ranks r of  bytes(stage_r) / rate(r)     (0: nothing moves)
     C_mig = W · |GPUs of P ∪ GPUs of P'|
 
-with ``bytes(stage) = n_params · dtype_bytes / (tp · pp)``. ``fixed_s`` and ``load_bytes_per_s`` are measured:
-a training run starts from its own start-up's stage load (``train.torch_fleet.initial_migration``) and takes
-each in-process move's phases (``train.change_costs.learnt_migration``); the defaults are
-``benchmarks/bench_queue.py``'s figures. ``--migration-s`` prices instead a flat ``migration_s`` seconds of
-the GPUs of every replica torn down (the pricing before the in-process rebuild).
+with ``bytes(stage) = n_params · dtype_bytes / (tp · pp)``. ``rate(r)`` is the rank's pool's load rate
+(``PoolSpec.stage_load_bytes_per_s``: the cluster's ``stage_load_gbps``, else its GPU kind's,
+``GPUSpec.stage_load_gbps``), so on a cluster of several pools the wait is the slowest rebuilt rank's, each
+loading at its own pool's rate, and every pool's GPUs wait for it. A training run replaces the rate by what it
+measures, one rate for every rank: its own start-up's stage load (``train.torch_fleet.initial_migration``),
+then each in-process move's phases (``train.change_costs.learnt_migration``, which also measures
+``fixed_s``). ``fixed_s`` defaults to ``benchmarks/bench_queue.py``'s figure on the CPU development machine
+for every hardware (no GPU measure of it yet). ``--migration-s`` prices instead a flat ``migration_s``
+seconds of the GPUs of every replica torn down (the pricing before the in-process rebuild).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from lorafleet.planner.driver import plan_deployment
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.placement import with_expectation
-from lorafleet.plans import DeploymentPlan, GlobalBatch
+from lorafleet.plans import DeploymentPlan, GlobalBatch, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.replan import ReplanObjective, ReplanSettings
 from lorafleet.workload import Workload
@@ -77,35 +81,37 @@ class MigrationModel:
     """Seconds of a move whatever is loaded: the new task's rows sent, the staying tasks' states gathered and
     sent, the groups made, the slots changed (``benchmarks/bench_queue.py``: the 2 -> 3 replicas move of
     tiny-llama on 4 CPU ranks, its change less its stage builds; 2026-12-04, the 2-core machine)."""
-    load_bytes_per_s: float = 3.3e8
-    """Bytes of its stage a rank builds per second from a safetensors checkpoint (``benchmarks/bench_queue.py``:
-    a random 88M-parameter Llama's ``<1,1>`` stage, 341 MiB in fp32 from a bf16 checkpoint, per stage, in
-    1.08 s; 2026-12-04, the 2-core machine)."""
+    load_bytes_per_s: float | None = None
+    """Bytes of its stage a rank builds per second, measured by a training run (module doc), for every rank;
+    None: each rank at its pool's rate (``PoolSpec.stage_load_bytes_per_s``)."""
     dtype_bytes: int = 2
     """Bytes of one base weight (the run's ``--dtype``; bf16 for a what-if)."""
 
     def __post_init__(self) -> None:
-        if not (self.fixed_s >= 0 and self.load_bytes_per_s > 0 and self.dtype_bytes > 0):
+        rate = self.load_bytes_per_s
+        if not (self.fixed_s >= 0 and (rate is None or rate > 0) and self.dtype_bytes > 0):
             raise ValueError(f"a migration model needs fixed_s >= 0 and positive rates, got {self}")
 
-    def describe(self) -> str:
-        """``0.5 s + a stage's bytes at 200 MB/s, the fleet's GPUs waiting`` (the run's log, ``simulate``)."""
-        return (
-            f"measured: {self.fixed_s:.3g} s + a rebuilt stage's bytes at {self.load_bytes_per_s / 1e6:.4g} MB/s, "
-            "every GPU held waiting"
-        )
+    def describe(self, cluster: ClusterSpec) -> str:
+        """``0.17 s + a rebuilt stage's bytes at 2000 MB/s (A100-40GB), every GPU held waiting`` (``simulate``)."""
+        if self.load_bytes_per_s is not None:
+            rates = f"{self.load_bytes_per_s / 1e6:.4g} MB/s (measured)"
+        else:
+            rates = ", ".join(f"{p.stage_load_bytes_per_s / 1e6:.4g} MB/s ({p.name or p.gpu})" for p in cluster.pools)
+        return f"{self.fixed_s:.3g} s + a rebuilt stage's bytes at {rates}, every GPU held waiting"
 
-    def stage_s(self, n_params: int, tp: int, pp: int) -> float:
-        """Seconds one rank builds its stage of a ``<tp, pp>`` replica in."""
-        return n_params * self.dtype_bytes / (tp * pp) / self.load_bytes_per_s
+    def stage_s(self, n_params: int, replica: ReplicaSpec, cluster: ClusterSpec) -> float:
+        """Seconds one rank of ``replica`` builds its stage in: its bytes at the measured rate, else its pool's."""
+        rate = self.load_bytes_per_s or cluster.pool(replica.pool).stage_load_bytes_per_s
+        return n_params * self.dtype_bytes / (replica.config.tp * replica.config.pp) / rate
 
-    def price(self, current: DeploymentPlan, new: DeploymentPlan, n_params: int) -> Migration:
-        """The move from ``current`` to ``new`` of a model of ``n_params`` parameters (module doc)."""
+    def price(self, current: DeploymentPlan, new: DeploymentPlan, n_params: int, cluster: ClusterSpec) -> Migration:
+        """The move from ``current`` to ``new`` of a model of ``n_params`` parameters on ``cluster`` (module doc)."""
         if current.same_deployment(new):
             return Migration(0.0, 0.0, 0)
         rebuilt = rebuilt_ranks(current, new)
         replicas = [r for r in new.replicas if set(r.gpus) & rebuilt]
-        load = max((self.stage_s(n_params, r.config.tp, r.config.pp) for r in replicas), default=0.0)
+        load = max((self.stage_s(n_params, r, cluster) for r in replicas), default=0.0)
         wall = self.fixed_s + load
         held = {g for plan in (current, new) for r in plan.replicas for g in r.gpus}
         return Migration(wall, wall * len(held), len(replicas))
@@ -117,10 +123,10 @@ class FlatMigration:
 
     seconds: float
 
-    def describe(self) -> str:
+    def describe(self, cluster: ClusterSpec) -> str:
         return f"{self.seconds:g} s per torn-down replica (--migration-s)"
 
-    def price(self, current: DeploymentPlan, new: DeploymentPlan, n_params: int) -> Migration:
+    def price(self, current: DeploymentPlan, new: DeploymentPlan, n_params: int, cluster: ClusterSpec) -> Migration:
         gone = torn_down(current, new)
         gpus = sum(current.replicas[r].config.n_gpus for r in gone)
         return Migration(self.seconds if gone else 0.0, self.seconds * gpus, len(gone))
@@ -279,7 +285,7 @@ def replan_incremental(
     pricing, n_params = replan.pricing, workload.model.n_params
 
     def cost(plan: DeploymentPlan) -> float:
-        return horizon * plan.expected_gpu_seconds + pricing.price(current, plan, n_params).gpu_s
+        return horizon * plan.expected_gpu_seconds + pricing.price(current, plan, n_params, cluster).gpu_s
 
     objective = replan.settings.objective
     if objective is ReplanObjective.GPU_S:
@@ -288,7 +294,7 @@ def replan_incremental(
         if keep is not None:
             others += list(trimmed(keep, expected, fresh.cost_model))
         move = min(others, key=cost)  # the first of equals: the planner's plan before its trims
-    mig = pricing.price(current, move, n_params)
+    mig = pricing.price(current, move, n_params, cluster)
     gone = len(torn_down(current, move))
     move_s = move.expected_makespan_s
     if keep is None:

@@ -34,7 +34,7 @@ some millions in the weakest). It keeps every cost the planner computes a finite
 (4,096 nodes of 64 GPUs) at this price costs about 7e10 a second, so a step, a job and their sums stay far
 below the largest float (1.8e308) that a price of 1e308 overflows to ``inf`` (and ``inf - inf`` to ``nan``)."""
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-SHORTHAND_KEYS = ("gpu", "nodes", "gpus_per_node", "price_per_gpu_hour", "profile")
+SHORTHAND_KEYS = ("gpu", "nodes", "gpus_per_node", "price_per_gpu_hour", "profile", "stage_load_gbps")
 """The keys of a cluster written as its one pool (the shorthand): a pool's, less its name."""
 
 
@@ -54,6 +54,9 @@ class PoolSpec(Spec):
     owned) up to :data:`MAX_PRICE_PER_GPU_HOUR`; none: unpriced."""
     profile: str | None = Field(None, min_length=1)
     """A measured profile of the pool's GPU kind (relative to the workload file); none: the kind's analytic model."""
+    stage_load_gbps: Float | None = Field(None, gt=0)
+    """GB/s at which a rank of the pool loads its stage of the base model when a move rebuilds it
+    (``planner.incremental.MigrationModel``); none: its GPU kind's (``GPUSpec.stage_load_gbps``)."""
 
     @field_validator("gpu")
     @classmethod
@@ -85,6 +88,11 @@ class PoolSpec(Spec):
     @property
     def gpu_spec(self) -> GPUSpec:
         return GPU_PRESETS[self.gpu]
+
+    @property
+    def stage_load_bytes_per_s(self) -> float:
+        """Bytes a second a rank of the pool loads its stage at: its ``stage_load_gbps``, else its GPU kind's."""
+        return 1e9 * (self.stage_load_gbps or self.gpu_spec.stage_load_gbps)
 
     def describe(self) -> str:
         """``16 x A100-40GB (a100)`` (:func:`describe_pool`)."""

@@ -19,6 +19,16 @@ GIB = 1024**3
 #: (``benchmarks/bench_microbatch.py``, docs/costmodel.md).
 CPU_KNEE_GIB = 3.0
 CPU_KNEE_PENALTY = 0.5
+#: GB/s at which a GPU node's rank loads its stage of the base model in a move (``GPUSpec.stage_load_gbps``):
+#: the checkpoint read from the node's local NVMe, 2 GB/s (DLRover's Flash Checkpoint figures for GPT-2 1.5B on
+#: 2 x A100: "NAS 100 MB/s, NVMe 2 GB/s"), the conservative end of a node-local load: the page cache (the node
+#: read the same checkpoint at start-up) and the host-to-device copy (PCIe gen4 x16, about 25 GB/s peak) are
+#: faster. A fleet that loads from a shared filesystem is slower (DLRover's Megatron loads from CPFS: 18 GB in
+#: 205 s, 0.09 GB/s) and sets its pool's ``stage_load_gbps`` (docs/arrivals.md, "Migration").
+NODE_STAGE_LOAD_GBPS = 2.0
+#: The same on this machine, measured: ``benchmarks/bench_queue.py``'s 330 MB/s (a random 88M-parameter Llama's
+#: stage from a safetensors file, gloo; 2026-12-04, the 2-core machine).
+CPU_STAGE_LOAD_GBPS = 0.33
 
 
 class GPUSpec(Spec):
@@ -42,6 +52,10 @@ class GPUSpec(Spec):
     same in any micro-batch (every GPU preset)."""
     microbatch_knee_penalty: Float = Field(default=0.0, ge=0)
     """ρ: the extra share of a token's time past the knee."""
+    stage_load_gbps: Float = Field(gt=0)
+    """GB/s at which one rank loads its stage of the base model when a move rebuilds it
+    (``planner.incremental.MigrationModel``): :data:`NODE_STAGE_LOAD_GBPS` for every GPU, measured for ``cpu``
+    (:data:`CPU_STAGE_LOAD_GBPS`); a pool may set its own (``PoolSpec.stage_load_gbps``)."""
 
     @property
     def memory_bytes(self) -> int:
@@ -56,6 +70,7 @@ def _gpu(
     intra: float,
     inter: float,
     knee: tuple[float, float] | None = None,
+    stage_load: float = NODE_STAGE_LOAD_GBPS,
 ) -> GPUSpec:
     gib, penalty = knee or (None, 0.0)
     return GPUSpec(
@@ -67,6 +82,7 @@ def _gpu(
         inter_node_gbps=inter,
         microbatch_knee_gib=gib,
         microbatch_knee_penalty=penalty,
+        stage_load_gbps=stage_load,
     )
 
 
@@ -85,8 +101,8 @@ GPU_PRESETS: dict[str, GPUSpec] = {
         _gpu("A6000-48GB", 48, 155, 768, 32, 12.5),
         _gpu("L40S", 48, 362, 864, 32, 25),
         # This machine: 2 cores, fp32 through oneDNN; gloo over shared memory; its micro-batch knee measured by
-        # benchmarks/bench_microbatch.py (SmolLM2-135M in fp32).
-        _gpu("cpu", 24, 0.1, 20, 5, 1, knee=(CPU_KNEE_GIB, CPU_KNEE_PENALTY)),
+        # benchmarks/bench_microbatch.py (SmolLM2-135M in fp32), its stage load by benchmarks/bench_queue.py.
+        _gpu("cpu", 24, 0.1, 20, 5, 1, knee=(CPU_KNEE_GIB, CPU_KNEE_PENALTY), stage_load=CPU_STAGE_LOAD_GBPS),
     )
 }
 

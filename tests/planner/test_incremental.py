@@ -4,6 +4,7 @@ saves more than its migration over the horizon; it is left when it cannot serve 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,6 +13,8 @@ from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.planner import MigrationModel, PlannerOptions, ReplanOptions, plan_deployment, replan_incremental
 from lorafleet.planner.incremental import Migration, kept_plan, rebuilt_ranks, torn_down
 from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
+from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.gpus import CPU_STAGE_LOAD_GBPS, NODE_STAGE_LOAD_GBPS
 from lorafleet.specs.replan import ReplanSettings
 from lorafleet.workload import load_workload
 from tests.helpers.planning import skewed_histogram, write_workload
@@ -117,13 +120,62 @@ def test_a_rank_rebuilds_when_its_stage_or_its_tp_partners_change():
 
 def test_the_measured_migration_is_the_slowest_stage_load_plus_the_fixed_part_on_every_gpu_held():
     model = MigrationModel(fixed_s=0.5, load_bytes_per_s=1e6, dtype_bytes=4)
-    n_params = 1_000_000
-    move = model.price(TWO, THREE, n_params)
+    n_params, fleet = 1_000_000, TWO.fleet()
+    move = model.price(TWO, THREE, n_params, fleet)
     stage = max(n_params * 4 / 1 / 1e6, n_params * 4 / 2 / 1e6)  # <1,1> rank 1 loads the whole model; pp2 half
     assert move.wall_s == pytest.approx(0.5 + stage) and move.gpu_s == pytest.approx(move.wall_s * 4)
     assert move.rebuilt == 2
-    trim = model.price(THREE, _plan((1, 1, (0,)), (1, 2, (2, 3))), n_params)
+    trim = model.price(THREE, _plan((1, 1, (0,)), (1, 2, (2, 3))), n_params, fleet)
     assert trim.wall_s == 0.5 and trim.gpu_s == 0.5 * 4 and trim.rebuilt == 0  # nothing loaded, the groups remade
-    assert model.price(TWO, TWO, n_params) == Migration(0.0, 0.0, 0)
-    flat = ReplanOptions(ReplanSettings(migration_s=60.0)).pricing.price(TWO, THREE, n_params)
+    assert model.price(TWO, TWO, n_params, fleet) == Migration(0.0, 0.0, 0)
+    flat = ReplanOptions(ReplanSettings(migration_s=60.0)).pricing.price(TWO, THREE, n_params, fleet)
     assert (flat.wall_s, flat.gpu_s, flat.rebuilt) == (60.0, 120.0, 1)  # the tp2 replica torn down, 2 GPUs
+
+
+# ---- the load rate by hardware: a pool's, else its GPU kind's (#39) ------------------------------------
+
+
+def _two_pools(*replicas: tuple[str, int, tuple[int, ...]]) -> DeploymentPlan:
+    """A plan of ``(pool, tp, ranks)`` replicas on a cpu pool (ranks 0-1) and an A100 pool (ranks 2-3)."""
+    specs = tuple(ReplicaSpec(i, ParallelConfig(tp, 1, pool=pool), 4096, g) for i, (pool, tp, g) in enumerate(replicas))
+    return replace(TWO, pools=(PlanPool("cpu", "cpu", 2, 2), PlanPool("a100", "A100-40GB", 2, 2)), replicas=specs)
+
+
+BEFORE = _two_pools(("cpu", 2, (0, 1)), ("a100", 2, (2, 3)))
+A100_SPLIT = _two_pools(("cpu", 2, (0, 1)), ("a100", 1, (2,)), ("a100", 1, (3,)))  # only the A100 ranks rebuild
+BOTH_SPLIT = _two_pools(("cpu", 1, (0,)), ("cpu", 1, (1,)), ("a100", 1, (2,)), ("a100", 1, (3,)))
+
+
+def test_each_rebuilt_rank_loads_at_its_pools_rate_the_slowest_setting_the_wait_unless_a_rate_is_measured():
+    model, n_params, fleet = MigrationModel(fixed_s=0.0), 10**9, BEFORE.fleet()  # a <1,1> stage: 2 GB in bf16
+    a100 = model.price(BEFORE, A100_SPLIT, n_params, fleet)
+    assert a100.wall_s == pytest.approx(2 / NODE_STAGE_LOAD_GBPS) and a100.gpu_s == pytest.approx(4 * a100.wall_s)
+    both = model.price(BEFORE, BOTH_SPLIT, n_params, fleet)  # the cpu pool's ranks are the slowest: all 4 wait
+    assert both.wall_s == pytest.approx(2 / CPU_STAGE_LOAD_GBPS) and both.gpu_s == pytest.approx(4 * both.wall_s)
+    slow = ClusterSpec(pools=(fleet.pools[0], fleet.pools[1].model_copy(update={"stage_load_gbps": 0.5})))
+    assert model.price(BEFORE, A100_SPLIT, n_params, slow).wall_s == pytest.approx(4.0)  # the pool's own key wins
+    measured = replace(model, load_bytes_per_s=1e9)  # a training run's rate prices every rank
+    assert measured.price(BEFORE, BOTH_SPLIT, n_params, fleet).wall_s == pytest.approx(2.0)
+
+
+def test_a_departures_re_plan_moves_at_the_gpu_nodes_rate_where_the_cpu_machines_rate_kept_the_fleet(
+    running, cost_model_7b
+):
+    """The code task leaves a plan made for it: at the A100's default load rate the move to the planner's plan
+    for chat alone repays its migration over a horizon where, priced at the CPU machine's rate, it does not."""
+    tmp, _ = running
+    both = _grown(tmp, 4096)
+    current = plan_deployment(both, both.cluster, cost_model_7b, OPTIONS).plan
+    chat = load_workload(tmp / "w.yaml")
+    free = replan_incremental(current, chat, chat.cluster, cost_model_7b, OPTIONS, FREE, steps_left=1)
+    assert free.moved and free.saving_gpu_s > 0
+    n_params = chat.model.n_params
+    gpu_node, cpu_box = MigrationModel(), MigrationModel(load_bytes_per_s=CPU_STAGE_LOAD_GBPS * 1e9)
+    cheap, dear = (m.price(current, free.plan, n_params, chat.cluster).gpu_s for m in (gpu_node, cpu_box))
+    assert dear > 5 * cheap  # 2 GB/s against 0.33
+    steps = math.ceil((cheap * dear) ** 0.5 / free.saving_gpu_s)  # between the two prices' break-even horizons
+    assert steps <= ReplanSettings().horizon
+    at = {m: replan_incremental(current, chat, chat.cluster, cost_model_7b, OPTIONS, ReplanOptions(migration=m), steps)
+          for m in (gpu_node, cpu_box)}  # fmt: skip
+    assert at[gpu_node].moved and at[gpu_node].migration_gpu_s == pytest.approx(cheap)
+    assert not at[cpu_box].moved and at[cpu_box].migration_gpu_s == pytest.approx(dear)

@@ -10,6 +10,7 @@ from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.cli import main
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec, PoolSpec, pool_at
+from lorafleet.specs.gpus import CPU_STAGE_LOAD_GBPS, GPU_PRESETS, NODE_STAGE_LOAD_GBPS
 from lorafleet.workload import load_workload
 from tests.helpers.repo import REPO
 
@@ -67,6 +68,8 @@ def test_the_flat_shorthand_is_one_unnamed_pool_and_is_written_back_flat(tmp_pat
         ({"pools": POOLS, "gpu": "A100-40GB"}, "cluster", "not both"),
         ({"gpu": "A100-40GB", "nodes": 0}, "cluster.nodes", "greater than 0"),
         ({"gpu": "A100-40GB", "price_per_gpu_hour": "cheap"}, "cluster.price_per_gpu_hour", "number"),
+        ({"gpu": "A100-40GB", "stage_load_gbps": 0}, "cluster.stage_load_gbps", "greater than 0"),
+        ({"pools": [{**POOLS[0], "stage_load_gbps": -2}]}, "cluster.pools[0].stage_load_gbps", "greater than 0"),
         (8, "cluster", "takes a mapping with keys: gpu, nodes, gpus_per_node"),
     ],
 )
@@ -122,10 +125,19 @@ def test_gpu_flags_on_several_pools_point_at_set(tmp_path, flags, flag):
         workload_cost_model(workload, workload.cluster, profile=REPO / "profiles" / "tiny-llama-cpu.json")
 
 
-def test_gpu_flags_change_a_one_pool_cluster_keeping_its_name_and_price(tmp_path):
-    workload = load_workload(write(tmp_path, {"pools": [POOLS[1]]}))
+def test_gpu_flags_change_a_one_pool_cluster_keeping_its_name_price_and_load_rate(tmp_path):
+    workload = load_workload(write(tmp_path, {"pools": [{**POOLS[1], "stage_load_gbps": 0.5}]}))
     cluster = workload_cluster(workload, gpus=8, gpu="A100-80GB")
-    assert cluster.pools == (PoolSpec(name="h100", gpu="A100-80GB", nodes=2, gpus_per_node=4, price_per_gpu_hour=2.5),)
+    kept = {"price_per_gpu_hour": 2.5, "stage_load_gbps": 0.5}
+    assert cluster.pools == (PoolSpec(name="h100", gpu="A100-80GB", nodes=2, gpus_per_node=4, **kept),)
+
+
+def test_a_pools_stage_load_rate_is_its_own_else_its_gpu_kinds():
+    """Every GPU preset loads a stage at the node's NVMe rate, the ``cpu`` preset at this machine's measured one."""
+    assert {g.stage_load_gbps for name, g in GPU_PRESETS.items() if name != "cpu"} == {NODE_STAGE_LOAD_GBPS}
+    assert PoolSpec(gpu="H100-80GB").stage_load_bytes_per_s == NODE_STAGE_LOAD_GBPS * 1e9 == 2e9
+    assert PoolSpec(gpu="cpu").stage_load_bytes_per_s == CPU_STAGE_LOAD_GBPS * 1e9 == 3.3e8
+    assert PoolSpec(gpu="H100-80GB", stage_load_gbps=0.1).stage_load_bytes_per_s == 1e8
 
 
 def test_set_changes_one_pool_by_name(tmp_path):
