@@ -1,0 +1,38 @@
+"""The parser a command runs with: its own module's subparser alone (``cli.build_parser``), parsing as the full one."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from lorafleet.cli import build_parser
+
+
+def _commands(parser: argparse.ArgumentParser) -> set[str]:
+    (subparsers,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return set(subparsers.choices)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "two-tenants.yaml", "--gpus", "16", "--json", "plan.json"],
+        ["sweep-report", "runs/one"],
+        ["schema", "workload"],
+    ],
+)
+def test_a_command_registers_its_module_alone_and_parses_as_the_full_parser(argv):
+    """``plan`` registers ``plan.py``'s subparser only (``sweep-report``: ``sweep_report.py``), and its arguments
+    parse to the namespace the full parser gives (the same ``func``, defaults and values)."""
+    full, lazy = build_parser(), build_parser(argv[0])
+    assert _commands(lazy) == {argv[0]}
+    assert {"plan", "validate", "train", "fit", "sweep-report"} <= _commands(full)
+    assert vars(lazy.parse_args(argv)) == vars(full.parse_args(argv))
+
+
+@pytest.mark.parametrize("word", ["fit", "no-such-command", None])
+def test_a_word_that_names_no_module_gets_every_command(word):
+    """``fit`` (registered by ``profile.py``), a typo or no word: the full parser, whose usage and errors list
+    every command."""
+    assert _commands(build_parser(word)) == _commands(build_parser())
