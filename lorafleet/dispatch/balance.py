@@ -247,7 +247,7 @@ def _offers(
     giver holds.
     """
     cols = np.flatnonzero(mask.any(axis=0))  # the buckets some pair may move
-    sizes = np.clip(np.concatenate((give[:, cols], take[:, cols]), axis=2), 1, held[:, cols, None])
+    sizes = np.minimum(np.maximum(np.concatenate((give[:, cols], take[:, cols]), axis=2), 1), held[:, cols, None])
     sizes.sort(axis=2)
     drop = np.empty(sizes.shape, dtype=bool)
     drop[:, :, 0] = False
@@ -262,6 +262,48 @@ def _offers(
     return np.where(valid, keys // _BUCKET_KEY, 0), np.where(valid, keys % _BUCKET_KEY, 0), valid
 
 
+def _changes(
+    load: LoadModel, rows: _Rows, d: np.ndarray, i: np.ndarray | int, j: np.ndarray, amount: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """What changing class ``i``'s totals of bucket ``j`` by ``amount`` (signed; 0 leaves it) does to its row,
+    elementwise over broadcastable shapes: ``(compute, rank, largest)``, the change of the bucket's compute
+    time, the bucket's :class:`_Rows` rank where the amount is non-zero (else 0), and the bucket's new largest
+    micro-batch time where the amount is non-zero (else 0). :func:`_times` combines two of them."""
+    held = d[i, j] + amount
+    new, big = load.table_cost(i, j, -(-held // load.n_replicas[i]))
+    moved = amount != 0
+    return new - rows.compute[i, j], rows.rank[i, j] * moved, np.where(moved, big, 0.0)
+
+
+def _times(
+    load: LoadModel,
+    rows: _Rows,
+    i: np.ndarray | int,
+    lose: tuple[np.ndarray, np.ndarray, np.ndarray],
+    gain: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> np.ndarray:
+    """Class ``i``'s times after two changes of different buckets (:func:`_changes`, broadcast against each
+    other): ``base + lose + gain``, plus the bubble ``bubble_slots * max`` of the largest micro-batch time
+    of the buckets neither changes (the first of the row's top three the candidate leaves alone: bit r of
+    ``touched`` says it changes bucket top[r], r = 0, 1) and the two buckets' new ones.
+    Elementwise, in the order :class:`_Rows` keeps, so a candidate's time does not depend on which others
+    are scored with it."""
+    total = rows.base[i] + lose[0] + gain[0]
+    slots = load.bubble_slots[i]
+    if not np.any(slots):
+        return total
+    # pick[lose rank | gain rank]: the gain's rank is 0, 1 or 2, so the loss side's three candidates (with its
+    # own new largest) are chosen between by the gain's rank, without a gather over every pair
+    first, second, third = (np.maximum(rows.pick[i, lose[1] | r], lose[2]) for r in (0, 1, 2))
+    bubble = np.where(gain[1] == 0, first, np.where(gain[1] == 1, second, third))
+    np.maximum(bubble, gain[2], out=bubble)
+    bubble *= slots
+    if np.all(slots != 0):
+        total += bubble
+        return total
+    return np.where(slots != 0, total + bubble, total)
+
+
 def _after(
     load: LoadModel,
     rows: _Rows,
@@ -273,33 +315,11 @@ def _after(
     gain_amount: np.ndarray,
 ) -> np.ndarray:
     """Class times after a loss of ``lose_amount`` of bucket ``lose_j`` and a gain of ``gain_amount`` of
-    ``gain_j``: the class ``i`` (an int, or a (K, 1, 1) array of classes) of each candidate, the losses
-    over the last axis but one and the gains over the last (or the other way round: the shapes say).
-
-    Only the two buckets' terms are recomputed; the bubble's max over the other buckets comes from
-    the row's top three. An amount of 0 leaves its bucket as it is; the two buckets of one candidate
-    must differ when both amounts are non-zero. Elementwise, in the order :class:`_Rows` keeps, so a
-    candidate's time does not depend on which others are scored with it.
-    """
-    p = load.n_replicas[i]
-    new_lose, big_lose = load.table_cost(i, lose_j, -(-(d[i, lose_j] - lose_amount) // p))
-    new_gain, big_gain = load.table_cost(i, gain_j, -(-(d[i, gain_j] + gain_amount) // p))
-    total = rows.base[i] + (new_lose - rows.compute[i, lose_j]) + (new_gain - rows.compute[i, gain_j])
-    slots = load.bubble_slots[i]
-    if not np.any(slots):
-        return total
-    # The largest micro-batch of the buckets neither changes: the first of the row's top three that
-    # the candidate leaves alone. Bit r of ``touched`` says it changes bucket top[r] (r = 0, 1): each
-    # side's bit is its bucket's rank, set on its own (smaller) shape, and the two are combined once.
-    touched = rows.rank[i, lose_j] * (lose_amount != 0) | rows.rank[i, gain_j] * (gain_amount != 0)
-    bubble = rows.pick[i, touched]
-    np.maximum(bubble, np.where(lose_amount != 0, big_lose, 0.0), out=bubble)
-    np.maximum(bubble, np.where(gain_amount != 0, big_gain, 0.0), out=bubble)
-    bubble *= slots
-    if np.all(slots != 0):
-        total += bubble
-        return total
-    return np.where(slots != 0, total + bubble, total)
+    ``gain_j``: the class ``i`` (an int, or an array of classes) of each candidate, over broadcastable
+    shapes (:func:`_times`). An amount of 0 leaves its bucket as it is; the two buckets of one candidate
+    must differ when both amounts are non-zero."""
+    lose = _changes(load, rows, d, i, lose_j, -lose_amount)
+    return _times(load, rows, i, lose, _changes(load, rows, d, i, gain_j, gain_amount))
 
 
 class _Rows:
@@ -354,28 +374,43 @@ def _best_exchange(
     takers = np.flatnonzero(out_mask.any(axis=1))  # the classes c can give something to, in order
     if takers.size == 0:
         return None
-    shape = (takers.size, *d.shape[1:], 4)
-    out_j, out_amount, out_valid = _offers(
-        np.broadcast_to(give[c], shape), take[takers], np.broadcast_to(d[c], shape[:2]), out_mask[takers]
+    n = takers.size
+    # Both sides' offers in one pass: rows 0..n-1 what c gives each taker, rows n.. what each taker gives back
+    # (the giver's sizes and holdings, the receiver's sizes and whether it may hold the bucket).
+    giver = np.concatenate((np.full(n, c), takers))
+    receiver = np.concatenate((takers, np.full(n, c)))
+    held = d[giver]
+    j, amount, valid = _offers(give[giver], take[receiver], held, (held > 0) & allowed[receiver])
+    width = valid.sum(axis=1)
+    wide = int(width[:n].max())
+    # column 0 of what comes back: nothing (an amount of 0 changes nothing, whatever its bucket)
+    in_width = int(width[n:].max(initial=0))
+    zero = np.zeros((n, 1), dtype=np.int64)
+    # Every candidate side in one (2n, wide + 1 + in_width) table: class c's rows, then the takers'; the columns
+    # are what c gives (lost by c, gained by the taker), then what comes back (the other way round).
+    moved_j = np.concatenate((j[:n, :wide], zero, j[n:, :in_width]), axis=1)
+    moved = np.concatenate((amount[:n, :wide], zero, amount[n:, :in_width]), axis=1)
+    usable = np.concatenate((valid[:n, :wide], zero == 0, valid[n:, :in_width]), axis=1)
+    sign = np.ones(moved.shape[1], dtype=np.int64)
+    sign[:wide] = -1
+    compute, rank, largest = _changes(
+        load,
+        rows,
+        d,
+        giver[:, None],
+        np.concatenate((moved_j, moved_j)),
+        np.concatenate((moved * sign, moved * -sign)),
     )
-    back_j, back_amount, back_valid = _offers(
-        give[takers], np.broadcast_to(take[c], shape), d[takers], (d[takers] > 0) & allowed[c][None, :]
-    )
-    # column 0: nothing back (an amount of 0 changes nothing, whatever its bucket)
-    zero = np.zeros((takers.size, 1), dtype=np.int64)
-    in_j, in_amount = np.concatenate((zero, back_j), axis=1), np.concatenate((zero, back_amount), axis=1)
-    in_valid = np.concatenate((np.ones((takers.size, 1), dtype=bool), back_valid), axis=1)
-    k = takers[:, None, None]
-    out_j, out_amount, in_j, in_amount = (
-        out_j[:, :, None],
-        out_amount[:, :, None],
-        in_j[:, None, :],
-        in_amount[:, None, :],
-    )
-    worst = _after(load, rows, d, c, out_j, out_amount, in_j, in_amount)
-    np.maximum(worst, _after(load, rows, d, k, in_j, in_amount, out_j, out_amount), out=worst)
-    np.copyto(worst, np.inf, where=(out_j == in_j) & (in_amount > 0))
-    np.copyto(worst, np.inf, where=~(out_valid[:, :, None] & in_valid[:, None, :]))
+    np.copyto(compute[:n], np.inf, where=~usable)  # no such offer: the candidate is never taken
+    side = (compute, rank, largest)
+    c_gives = tuple(x[:n, :wide, None] for x in side)  # c's loss, over the first candidate axis
+    c_takes = tuple(x[:n, None, wide:] for x in side)  # c's gain back, over the second
+    k_gives = tuple(x[n:, None, wide:] for x in side)
+    k_takes = tuple(x[n:, :wide, None] for x in side)
+    worst = _times(load, rows, c, c_gives, c_takes)
+    np.maximum(worst, _times(load, rows, takers[:, None, None], k_gives, k_takes), out=worst)
+    out_j, in_j, in_amount = moved_j[:, :wide], moved_j[:, wide:], moved[:, wide:]
+    np.copyto(worst, np.inf, where=out_j[:, :, None] == np.where(in_amount > 0, in_j, -1)[:, None, :])
     best = np.unravel_index(int(np.argmin(worst)), worst.shape)
     if not np.isfinite(worst[best]):
         return None
@@ -383,7 +418,7 @@ def _best_exchange(
     return (
         float(worst[best]),
         int(takers[taker]),
-        (int(out_j[taker, a, 0]), int(out_amount[taker, a, 0]), int(in_j[taker, 0, e]), int(in_amount[taker, 0, e])),
+        (int(out_j[taker, a]), int(moved[taker, a]), int(in_j[taker, e]), int(in_amount[taker, e])),
     )
 
 
