@@ -25,6 +25,8 @@ for its migration, priced by :class:`MigrationModel`) and :mod:`.decision` (``de
 fleet does at a change of its tasks, the one rule of ``lorafleet train`` and ``simulate --arrivals``).
 """
 
+import importlib
+
 from lorafleet.planner.baselines import (
     BaselineKind,
     baseline_schedules,
@@ -35,12 +37,32 @@ from lorafleet.planner.baselines import (
 )
 from lorafleet.planner.driver import LORAFLEET, PlanDiagnostics, PlanResult, ScheduleCost, plan_deployment
 from lorafleet.planner.expected import expected_global_batch
-from lorafleet.planner.incremental import MigrationModel, Replan, ReplanObjective, ReplanOptions, replan_incremental
 from lorafleet.planner.options import PlannerMode, PlannerOptions, PlanObjective
 from lorafleet.planner.schedule import Phase, Schedule, StepCost, pow2_boundaries
-from lorafleet.planner.sizing import size_fleet
-from lorafleet.planner.sizing_objective import Deadline, SizingGoal, SizingObjective
-from lorafleet.planner.sizing_result import SizingError, SizingResult, SizingRow
+
+_LAZY = {
+    "MigrationModel": "incremental",
+    "Replan": "incremental",
+    "ReplanObjective": "incremental",
+    "ReplanOptions": "incremental",
+    "replan_incremental": "incremental",
+    "size_fleet": "sizing",
+    "Deadline": "sizing_objective",
+    "SizingGoal": "sizing_objective",
+    "SizingObjective": "sizing_objective",
+    "SizingError": "sizing_result",
+    "SizingResult": "sizing_result",
+    "SizingRow": "sizing_result",
+}
+"""The re-plan's and the fleet sizing's names, by module: imported on first use (PEP 562), so a plain plan does not
+import the modules of ``--gpus auto`` and of a running fleet's re-plan (~0.03 CPU s of every plan's start)."""
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+
 
 __all__ = [
     "LORAFLEET",

@@ -23,7 +23,6 @@ from lorafleet.planner.cost_search import cost_search, ranked_by_cost
 from lorafleet.planner.deployment_ilp import branch_deployments, solve_root
 from lorafleet.planner.evaluation import PoolEntry, evaluate, pool_entry
 from lorafleet.planner.fallback import heuristic_deployment
-from lorafleet.planner.joint_minlp import JointSolution, solve_joint
 from lorafleet.planner.objective import preferred, replica_price
 from lorafleet.planner.options import PlannerMode, PlannerOptions, PlanObjective
 from lorafleet.planner.problem import PlanningProblem
@@ -174,6 +173,8 @@ def exhaustive_pool(problem: PlanningProblem, options: PlannerOptions) -> Search
 
 def minlp_pool(problem: PlanningProblem, options: PlannerOptions) -> SearchOutcome:
     """LobRA's joint MINLP on SCIP; the heuristic plan if it gives nothing."""
+    from lorafleet.planner.joint_minlp import JointSolution, solve_joint  # its mode alone: not every plan's import
+
     solution = solve_joint(problem, time_limit_s=options.time_limit_s, gap_rel=min(options.gap_rel, 1e-4))
     if isinstance(solution, JointSolution):
         return SearchOutcome(
