@@ -207,12 +207,35 @@ STALL_HORIZON = 1
 """A step's stall is that of its last ``STALL_HORIZON * pp`` micro-batches (:func:`stall_slots`)."""
 
 
+class TaskRanges(Sequence[Collection[int]]):
+    """Each micro-batch's task ids, in order (a sequence of collections, as the functions here take), with
+    each one's least and largest task id as arrays (-1 for an empty one): what the stall reads of them
+    (:func:`second_step_dependencies`). A caller that has those arrays already (the dispatcher's packer,
+    thousands of micro-batches a step) passes this rather than have them taken one micro-batch at a time."""
+
+    __slots__ = ("lows", "tasks", "tops")
+
+    def __init__(self, tasks: Sequence[Collection[int]], lows: np.ndarray, tops: np.ndarray) -> None:
+        if not len(tasks) == lows.size == tops.size:
+            raise ValueError(f"{len(tasks)} task sets, {lows.size} least and {tops.size} largest ids")
+        self.tasks, self.lows, self.tops = tasks, lows, tops
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __getitem__(self, index: int | slice) -> Collection[int] | Sequence[Collection[int]]:
+        return self.tasks[index]
+
+
 def second_step_dependencies(microbatch_tasks: Sequence[Collection[int]]) -> np.ndarray:
     """``d``: :func:`forward_dependencies` of the second of two steps of this order, as indices into
     the first (-1: none). With ``lo`` the suffix minima of the micro-batches' smallest tasks,
     ``d(i) = max { m : lo(m) <= max tasks(i) }``, a sorted search."""
-    lows = np.array([min(t) if t else -1 for t in microbatch_tasks], dtype=np.int64)
-    tops = np.array([max(t) if t else -1 for t in microbatch_tasks], dtype=np.int64)
+    if isinstance(microbatch_tasks, TaskRanges):
+        lows, tops = microbatch_tasks.lows, microbatch_tasks.tops
+    else:
+        lows = np.array([min(t) if t else -1 for t in microbatch_tasks], dtype=np.int64)
+        tops = np.array([max(t) if t else -1 for t in microbatch_tasks], dtype=np.int64)
     suffix_min = np.minimum.accumulate(lows[::-1])[::-1]
     return np.searchsorted(suffix_min, tops, side="right") - 1
 

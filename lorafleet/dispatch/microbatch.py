@@ -36,6 +36,7 @@ from operator import itemgetter
 
 import numpy as np
 
+from lorafleet.costmodel.schedule import TaskRanges
 from lorafleet.plans import MicroBatch
 
 _Row = tuple[int, int, int, int]
@@ -44,12 +45,7 @@ _Row = tuple[int, int, int, int]
 
 def _microbatch(rows: list[_Row], padded_len: int | None) -> MicroBatch:
     """A micro-batch of ``rows``, which are already sorted by (task, position)."""
-    return MicroBatch(
-        seq_ids=tuple(r[2] for r in rows),
-        task_ids=tuple(r[1] for r in rows),
-        lengths=tuple(r[3] for r in rows),
-        padded_len=padded_len,
-    )
+    return MicroBatch(tuple(r[2] for r in rows), tuple(r[1] for r in rows), tuple(r[3] for r in rows), padded_len)
 
 
 def _sorted_rows(key: np.ndarray, seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray) -> list[_Row]:
@@ -89,9 +85,17 @@ def packed_microbatches(
 ) -> list[MicroBatch]:
     """First-fit decreasing packing of one replica's sequences into micro-batches of <= M tokens.
     Ordered by :func:`order_for_1f1b`'s keys (``task_major``: for a pipeline window, module docstring)."""
+    return packed_with_tasks(seq_ids, lengths, task_ids, max_tokens, task_major=task_major)[0]
+
+
+def packed_with_tasks(
+    seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, max_tokens: int, *, task_major: bool = False
+) -> tuple[list[MicroBatch], TaskRanges]:
+    """:func:`packed_microbatches`, and their task ids with each one's least and largest as arrays (the first and
+    the last row's: rows are sorted by task), which is what pricing their stall reads (``schedule.TaskRanges``)."""
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     if seq_ids.size == 0:
-        return []
+        return [], TaskRanges((), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
     order = seq_ids[np.lexsort((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
     needs = lengths[order]
     fill = _first_fit_many if int(needs.sum()) > MANY_BINS * max_tokens else _first_fit_few
@@ -102,16 +106,19 @@ def packed_microbatches(
     ids, bins = order[rows], bins[rows]
     starts = np.flatnonzero(np.r_[True, bins[1:] != bins[:-1]])
     ends = np.r_[starts[1:], ids.size]
-    held = lengths[ids]
+    held, held_tasks = lengths[ids], task_ids[ids]
+    tops = held_tasks[ends - 1]
     keys = (np.arange(starts.size), -np.maximum.reduceat(held, starts), -np.add.reduceat(held, starts))
     if task_major:
-        keys += (np.maximum.reduceat(task_ids[ids], starts),)
-    seqs, tasks, lens = tuple(ids.tolist()), tuple(task_ids[ids].tolist()), tuple(held.tolist())  # sliced as tuples
+        keys += (tops,)
+    seqs, tasks, lens = tuple(ids.tolist()), tuple(held_tasks.tolist()), tuple(held.tolist())  # sliced as tuples
     first = np.lexsort(keys)
-    return [
-        MicroBatch(seq_ids=seqs[a:b], task_ids=tasks[a:b], lengths=lens[a:b], padded_len=None)
+    # positional: keywords cost a third more a micro-batch, thousands a step (seq_ids, task_ids, lengths, padded_len)
+    mbs = [
+        MicroBatch(seqs[a:b], tasks[a:b], lens[a:b], None)
         for a, b in zip(starts[first].tolist(), ends[first].tolist(), strict=True)
     ]
+    return mbs, TaskRanges([mb.task_ids for mb in mbs], held_tasks[starts[first]], tops[first])
 
 
 MANY_BINS = 64

@@ -28,7 +28,7 @@ from lorafleet.dispatch.balance import Assignment, balance_by_length, balance_fa
 from lorafleet.dispatch.bucketing import BucketingResult, bucket_of, optimal_buckets_by_count
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import ConfigClass, LoadModel, build_load_model, config_classes
-from lorafleet.dispatch.microbatch import packed_microbatches, padded_microbatches
+from lorafleet.dispatch.microbatch import packed_with_tasks, padded_microbatches
 from lorafleet.dispatch.placement import place_sequences
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork, StepPlan
@@ -224,11 +224,12 @@ def placed_work(
                 mbs = padded_microbatches(
                     held[r], batch.lengths, batch.task_ids, padded_len, cls.max_tokens, task_major=task_major
                 )
+                tasks: Sequence[Collection[int]] = [mb.task_ids for mb in mbs]
             else:
-                mbs = packed_microbatches(held[r], batch.lengths, batch.task_ids, cls.max_tokens, task_major=task_major)
-            seconds = cost_model.replica_time(
-                cls.config, [mb.shape for mb in mbs], [mb.task_ids for mb in mbs], window=window
-            )
+                mbs, tasks = packed_with_tasks(
+                    held[r], batch.lengths, batch.task_ids, cls.max_tokens, task_major=task_major
+                )
+            seconds = cost_model.replica_time(cls.config, [mb.shape for mb in mbs], tasks, window=window)
             work[r] = (tuple(mbs), cls.time_scale * seconds)
     return work
 

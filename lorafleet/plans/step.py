@@ -32,9 +32,11 @@ class GlobalBatch:
         return int(self.lengths.size)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MicroBatch:
-    """Sequences one replica processes together, ordered so each task's rows are contiguous."""
+    """Sequences one replica processes together, ordered so each task's rows are contiguous.
+
+    Slotted: a service-scale step builds thousands of them (no ``__dict__`` each, faster to build and read)."""
 
     seq_ids: tuple[int, ...]
     """Positions in the step's GlobalBatch."""
