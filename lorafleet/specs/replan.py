@@ -1,7 +1,7 @@
 """How a fleet re-plans when its tasks change: :class:`ReplanSettings`, one field table.
 
 ``lorafleet train`` (its live task queue, docs/queue.md) and ``lorafleet simulate --arrivals``
-(docs/arrivals.md) take the same four flags, generated from the fields below (their flag, doc string, default
+(docs/arrivals.md) take the same five flags, generated from the fields below (their flag, doc string, default
 and bound: :mod:`lorafleet.specs.fields`, ``commands._option_flags``) and checked once, as the settings are
 built. ``TrainOptions.replan`` carries them into the run file; ``planner.incremental.ReplanOptions`` holds them
 with the measured price of a move, and ``planner.decision.decide`` waits ``after`` steps.
@@ -38,7 +38,8 @@ class ReplanSettings:
 
     migration_s: float | None = field(default=None, metadata=flag("--migration-s", "S", least=0))
     """price a change of deployment at a flat S seconds of each torn-down replica's GPUs (default: what the
-    in-process rebuild costs, measured by the run; docs/arrivals.md)"""
+    in-process rebuild costs, its stages loaded at the pools' stage_load_gbps or a run's measured rate;
+    docs/arrivals.md)"""
     objective: ReplanObjective = field(default=ReplanObjective.MAKESPAN, metadata=flag("--replan-objective"))
     """what a re-plan minimises: makespan, the planner's fastest plan, taken when the GPU-seconds it saves over
     the horizon repay its migration, or gpu-s, the fewest GPU-seconds over the horizon, migration included"""
@@ -47,6 +48,9 @@ class ReplanSettings:
     after: int = field(default=1, metadata=flag("--replan-after", "STEPS", least=0))
     """a change the running deployment can serve is applied on it at once, its re-plan runs beside the next
     STEPS steps and a move it finds is applied after them; 0: the change waits for the re-plan"""
+    samples: int = field(default=0, metadata=flag("--replan-samples", "K", least=0))
+    """price a move's saving a step on K sampled batches of the new tasks, the running and the new deployment
+    dispatched on the same ones, instead of on the expected batch; 0: the expected batch"""
 
     def __post_init__(self) -> None:
         check_fields(self, ARGS)

@@ -30,7 +30,8 @@ def test_train_and_simulate_take_the_replan_flags_of_one_table():
     """Same names, kinds, defaults and help (``simulate``'s says it is for ``--arrivals``), each the field's."""
     train, simulate = _actions("train"), _actions("simulate")
     fields = setting_fields(ReplanSettings)
-    assert [f.flag for f in fields] == ["--migration-s", "--replan-objective", "--replan-horizon", "--replan-after"]
+    flags = ["--migration-s", "--replan-objective", "--replan-horizon", "--replan-after", "--replan-samples"]
+    assert [f.flag for f in fields] == flags
     assert any(f.name == "replan" and f.type is ReplanSettings for f in setting_fields(TrainOptions))
     for f in fields:
         ours, theirs = train[REPLAN_DEST + f.name], simulate[REPLAN_DEST + f.name]
@@ -112,6 +113,7 @@ def test_the_settings_check_their_values_once_as_they_are_built():
         (lambda: ReplanSettings(objective="fast"), "--replan-objective", "expected makespan or gpu-s, got 'fast'"),
         (lambda: ReplanSettings(migration_s=math.inf), "--migration-s", "must be a finite number >= 0, got inf"),
         (lambda: ReplanSettings(horizon=0), "--replan-horizon", "must be >= 1, got 0"),
+        (lambda: ReplanSettings(samples=-1), "--replan-samples", "must be >= 0, got -1"),
         (lambda: TrainOptions(workload="w", plan="p", device="tpu"), "--device", "expected auto, cpu or cuda"),
         (lambda: TrainOptions(workload="w", plan="p", dtype="fp16"), "--dtype", "expected fp32 or bf16, got 'fp16'"),
     ):
@@ -128,7 +130,7 @@ def test_the_run_file_holds_the_options_as_plain_json():
     )
     data = adapter(TrainOptions).dump_python(options, mode="json")
     assert (data["device"], data["dtype"]) == ("cpu", "bf16")
-    assert data["replan"] == {"migration_s": 2, "objective": "gpu-s", "horizon": 200, "after": 1}
+    assert data["replan"] == {"migration_s": 2, "objective": "gpu-s", "horizon": 200, "after": 1, "samples": 0}
     assert validate_strict(TrainOptions, data, "run.json", "options") == options
     with pytest.raises(InputError, match="options.replan.horizon_steps: unknown field"):
         validate_strict(TrainOptions, {**data, "replan": {"horizon_steps": 3}}, "run.json", "options")

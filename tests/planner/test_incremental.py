@@ -11,7 +11,7 @@ import pytest
 
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.planner import MigrationModel, PlannerOptions, ReplanOptions, plan_deployment, replan_incremental
-from lorafleet.planner.incremental import Migration, kept_plan, rebuilt_ranks, torn_down
+from lorafleet.planner.incremental import Migration, Replan, kept_plan, rebuilt_ranks, sampled_saving, torn_down
 from lorafleet.plans import DeploymentPlan, PlanPool, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.gpus import CPU_STAGE_LOAD_GBPS, NODE_STAGE_LOAD_GBPS
@@ -158,17 +158,25 @@ def test_each_rebuilt_rank_loads_at_its_pools_rate_the_slowest_setting_the_wait_
     assert measured.price(BEFORE, BOTH_SPLIT, n_params, fleet).wall_s == pytest.approx(2.0)
 
 
-def test_a_departures_re_plan_moves_at_the_gpu_nodes_rate_where_the_cpu_machines_rate_kept_the_fleet(
-    running, cost_model_7b
-):
-    """The code task leaves a plan made for it: at the A100's default load rate the move to the planner's plan
-    for chat alone repays its migration over a horizon where, priced at the CPU machine's rate, it does not."""
+@pytest.fixture(scope="module")
+def departure(running, cost_model_7b):
+    """The code task leaves a plan made for chat and code: (that plan, chat's workload, the re-plan's move at
+    no price over one step)."""
     tmp, _ = running
     both = _grown(tmp, 4096)
     current = plan_deployment(both, both.cluster, cost_model_7b, OPTIONS).plan
     chat = load_workload(tmp / "w.yaml")
     free = replan_incremental(current, chat, chat.cluster, cost_model_7b, OPTIONS, FREE, steps_left=1)
     assert free.moved and free.saving_gpu_s > 0
+    return current, chat, free
+
+
+def test_a_departures_re_plan_moves_at_the_gpu_nodes_rate_where_the_cpu_machines_rate_kept_the_fleet(
+    departure, cost_model_7b
+):
+    """At the A100's default load rate the move to the planner's plan for chat alone repays its migration over a
+    horizon where, priced at the CPU machine's rate, it does not."""
+    current, chat, free = departure
     n_params = chat.model.n_params
     gpu_node, cpu_box = MigrationModel(), MigrationModel(load_bytes_per_s=CPU_STAGE_LOAD_GBPS * 1e9)
     cheap, dear = (m.price(current, free.plan, n_params, chat.cluster).gpu_s for m in (gpu_node, cpu_box))
@@ -179,3 +187,24 @@ def test_a_departures_re_plan_moves_at_the_gpu_nodes_rate_where_the_cpu_machines
           for m in (gpu_node, cpu_box)}  # fmt: skip
     assert at[gpu_node].moved and at[gpu_node].migration_gpu_s == pytest.approx(cheap)
     assert not at[cpu_box].moved and at[cpu_box].migration_gpu_s == pytest.approx(dear)
+
+
+def test_with_samples_the_move_is_taken_by_its_saving_on_sampled_batches(departure, cost_model_7b):
+    """``--replan-samples K``: the saving is ``H x sampled_saving`` (the expected batch's otherwise); a flat
+    price between the two decides differently by each."""
+    current, chat, free = departure
+    sampled = sampled_saving(free.kept, free.plan, chat, cost_model_7b, 8, chat.spec.seed)
+    expected = free.saving_gpu_s
+    assert sampled != pytest.approx(expected)
+    gpus = sum(current.replicas[r].config.n_gpus for r in torn_down(current, free.plan))
+    between = (sampled + expected) / 2 / gpus  # seconds a torn-down GPU: the move's price over one step
+
+    def replan(samples: int) -> Replan:
+        settings = ReplanSettings(migration_s=between, samples=samples)
+        return replan_incremental(current, chat, chat.cluster, cost_model_7b, OPTIONS, ReplanOptions(settings), 1)
+
+    by_expected, by_samples = replan(0), replan(8)
+    assert (by_expected.sampled, by_samples.sampled) == (0, 8)
+    assert by_expected.saving_gpu_s == pytest.approx(expected) and by_samples.saving_gpu_s == pytest.approx(sampled)
+    assert by_expected.moved == (expected > sampled) and by_samples.moved == (sampled > expected)
+    assert "on 8 sampled batches" in by_samples.describe()
