@@ -3,8 +3,9 @@
 Forward + backward of one square linear with 8 tenants of ``tokens`` rows each, dropout 0.1, ``dX`` computed:
 
 * **ours_lora**: :class:`MultiLoraLinear` with 8 LoRA adapters of rank r;
-* **ours_vera**: the same layer with 8 VeRA adapters of rank r (each its own frozen ``A (r, K)``, ``B (N, r)``:
-  ``A' = diag(λ_d) A`` and ``B' = diag(λ_b) B`` formed in the forward, ``vera.py``);
+* **ours_vera**: the same layer with 8 VeRA adapters of rank r (each its own frozen ``A (r, K)``, ``B (N, r)``;
+  ``vera.update``: ``λ_d`` on the shrink's output, ``B' = diag(λ_b) B`` formed in the forward, and no ``(r, K)``
+  weight-gradient GEMM in the backward);
 * **peft_vera**: PEFT 0.21's ``vera.Linear`` per task, each task's rows through its own forward and backward.
 
 The methods run interleaved in one process (``bench_multi_lora.measure``: median of rotating repeats), and each row

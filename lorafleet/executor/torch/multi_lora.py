@@ -57,6 +57,7 @@ def multi_lora_linear(
     routing: LoraRouting,
     keep: Tensor | None = None,
     backend: LoraBackend = LoraBackend.AUTO,
+    vera_tenants: vera.VeraTenants | None = None,
 ) -> Tensor:
     """``Y = X W^T + b`` plus each segment's ``s_a B_a A_a (X ⊙ M / (1-p_a))``; see the module doc.
 
@@ -69,10 +70,12 @@ def multi_lora_linear(
         routing: segments (indexing ``lora_A``) and per-adapter scaling and dropout.
         keep: ``(T, K)`` bool keep-mask (:func:`draw_keep_mask`), or None for no dropout.
         backend: implementation; AUTO is Triton on CUDA, torch elsewhere.
+        vera_tenants: the call's VeRA adapters, their own routing over the same rows (``vera.py``: added in place
+            after the backend's forward, by torch ops on any device, on the same keep-mask).
 
     Returns:
         ``(T, N)``. Gradients flow to ``x`` and to every ``A_a``, ``B_a`` (None for an adapter
-        that owns no rows), never to ``weight`` or ``bias``.
+        that owns no rows) and VeRA ``λ_d``, ``λ_b``, never to ``weight`` or ``bias``.
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("multi_lora_linear: the base weight and bias must be frozen (requires_grad=False)")
@@ -85,23 +88,29 @@ def multi_lora_linear(
     backend = LoraBackend(backend)
     if backend is LoraBackend.AUTO:
         backend = LoraBackend.TRITON if x.is_cuda else LoraBackend.TORCH
-    return _MultiLoraFunction.apply(x, weight, bias, routing, keep, backend, *lora_A, *lora_B)
+    vectors = () if vera_tenants is None else (*vera_tenants.lambda_d, *vera_tenants.lambda_b)
+    return _MultiLoraFunction.apply(x, weight, bias, routing, keep, backend, vera_tenants, *lora_A, *lora_B, *vectors)
 
 
 class _MultiLoraFunction(torch.autograd.Function):
-    """Autograd glue: one saved bool keep-mask, one dX buffer, per-backend forward/backward."""
+    """Autograd glue: one saved bool keep-mask, one dX buffer, per-backend forward/backward, then the VeRA tenants'
+    (``vera.update``, ``vera.update_backward``) in the same ``Y`` and ``dX``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, routing, keep, backend, *lora):
-        n = len(lora) // 2
+    def forward(ctx, x, weight, bias, routing, keep, backend, tenants, *factors):
+        n = len(routing.scalings)
+        lora = factors[: 2 * n]  # then the VeRA tenants' vectors: autograd's inputs, read through ``tenants``
         y, saved = _implementation(backend).forward(x, weight, bias, lora[:n], lora[n:], routing, keep)
+        vera_saved = () if tenants is None else vera.update(x, y, keep, tenants)
         # Only the adapters this call routes rows to are saved (and so version-checked in the
         # backward): another task's adapter may be stepped in place while this micro-batch is in
         # flight (the streamed pipeline, costmodel.schedule), and it gets no gradient from here.
         used = sorted({a for a, length in zip(routing.segments.adapter_ids, routing.segments.lengths) if length})
-        ctx.routing, ctx.backend, ctx.used = routing, backend, used
+        ctx.routing, ctx.backend, ctx.used, ctx.tenants = routing, backend, used, tenants
+        ctx.n_vera_saved = len(vera_saved)
         ctx.unused = [None if a in used else (lora[a], lora[n + a]) for a in range(n)]  # shapes only
-        ctx.save_for_backward(x, weight, keep, *(lora[a] for a in used), *(lora[n + a] for a in used), *saved)
+        lora_used = (*(lora[a] for a in used), *(lora[n + a] for a in used))
+        ctx.save_for_backward(x, weight, keep, *lora_used, *saved, *vera_saved)
         return y
 
     @staticmethod
@@ -113,13 +122,18 @@ class _MultiLoraFunction(torch.autograd.Function):
         lora_B = [None if pair is None else pair[1] for pair in ctx.unused]
         for j, a in enumerate(used):
             lora_A[a], lora_B[a] = rest[j], rest[len(used) + j]
-        saved = rest[2 * len(used) :]
-        need_x, need_lora = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
+        saved = rest[2 * len(used) : len(rest) - ctx.n_vera_saved]
+        n = len(lora_A)
+        need_x, need_lora = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7 : 7 + 2 * n])
         impl = _implementation(ctx.backend)
         dx, dA, dB = impl.backward(grad_y, x, weight, lora_A, lora_B, ctx.routing, keep, saved, need_x, need_lora)
         dA = [g if g is None else g.to(w.dtype) for g, w in zip(dA, lora_A, strict=True)]  # compute -> master dtype
         dB = [g if g is None else g.to(w.dtype) for g, w in zip(dB, lora_B, strict=True)]
-        return dx, None, None, None, None, None, *dA, *dB
+        d_grads, b_grads = [], []
+        if ctx.tenants is not None:
+            vera_saved = rest[len(rest) - ctx.n_vera_saved :]
+            d_grads, b_grads = vera.update_backward(grad_y, x, dx, keep, ctx.tenants, vera_saved)
+        return dx, None, None, None, None, None, None, *dA, *dB, *d_grads, *b_grads
 
 
 def _implementation(backend: LoraBackend) -> ModuleType:
@@ -147,6 +161,18 @@ def _layer_routing(
     """Routing of a layer holding adapters ``ids``; cached because every layer of a model with the
     same adapters asks for the same one in each step (and equal routings share ``torch_lora._runs``)."""
     return LoraRouting(segments.relabel({a: i for i, a in enumerate(ids)}), scalings, dropouts)
+
+
+@functools.lru_cache(maxsize=1024)
+def _split_routing(routing: LoraRouting, is_vera: tuple[bool, ...]) -> tuple[LoraRouting, LoraRouting]:
+    """A layer routing's LoRA and DoRA adapters and its VeRA ones (``is_vera[a]``), each kind's renumbered by its
+    position among that kind, as the operator takes them; cached as :func:`_layer_routing` is."""
+
+    def part(ids: list[int]) -> LoraRouting:
+        segments = routing.segments.relabel({a: k for k, a in enumerate(ids)})
+        return LoraRouting(segments, tuple(routing.scalings[a] for a in ids), tuple(routing.dropouts[a] for a in ids))
+
+    return part([a for a, v in enumerate(is_vera) if not v]), part([a for a, v in enumerate(is_vera) if v])
 
 
 def adapter_dtype(base_dtype: torch.dtype) -> torch.dtype:
@@ -378,32 +404,25 @@ class MultiLoraLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (T, K), T = prod(leading dims)
         keep = draw_keep_mask(*x2.shape, routing, device=x2.device) if self.training else None
         weight = self.base_layer.weight  # a quantized base dequantizes it here, once a call
-        lora_A, lora_B = self._low_rank_factors(routing)
-        y = multi_lora_linear(x2, weight, self.base_layer.bias, lora_A, lora_B, routing, keep, self.backend)
+        # The dicts' own parameter maps, in the order of the LoRA and DoRA adapters among self.adapters (add_adapter
+        # inserts into both alike): ParameterDict.__getitem__ costs ~0.7 us a key, every call.
+        lora_A, lora_B = list(self.lora_A._parameters.values()), list(self.lora_B._parameters.values())
+        lora_routing, tenants = (routing, None) if not self.vera_lambda_d else self._vera_tenants(routing)
+        bias = self.base_layer.bias
+        y = multi_lora_linear(x2, weight, bias, lora_A, lora_B, lora_routing, keep, self.backend, tenants)
         if self.lora_magnitude_vector:
             y = self._dora(y, x2, keep, routing, weight)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
-    def _low_rank_factors(self, routing: LoraRouting) -> tuple[list[Tensor], list[Tensor]]:
-        """Every adapter's ``A`` and ``B`` in adapter order, as the operator takes them; a VeRA adapter's are its
-        effective ``diag(λ_d) A_K`` and ``diag(λ_b) B_N`` when it owns rows here (``vera.py``), its frozen slices
-        (no gradient, shapes only) when it owns none."""
-        if not self.vera_lambda_d:
-            # The dicts' own parameter maps, in adapter order (add_adapter inserts into both dicts
-            # and self.adapters alike): ParameterDict.__getitem__ costs ~0.7 us a key, every call.
-            return list(self.lora_A._parameters.values()), list(self.lora_B._parameters.values())
-        with_rows = {a for a, length in zip(routing.segments.adapter_ids, routing.segments.lengths) if length}
-        lora_A, lora_B = [], []
-        for i, key in enumerate(map(str, self.adapters)):
-            if key in self.vera_lambda_d:
-                A, B = self.vera_slice.of(self.vera_projections[key])
-                if i in with_rows:
-                    A, B = vera.effective_factors(A, B, self.vera_lambda_d[key], self.vera_lambda_b[key])
-            else:
-                A, B = self.lora_A[key], self.lora_B[key]
-            lora_A.append(A)
-            lora_B.append(B)
-        return lora_A, lora_B
+    def _vera_tenants(self, routing: LoraRouting) -> tuple[LoraRouting, vera.VeraTenants]:
+        """The routing of this call's LoRA and DoRA adapters, and its VeRA adapters as the operator takes them: each
+        with its projections' slices (``vera_slice``) and vectors, over their own routing (``_split_routing``)."""
+        keys = list(map(str, self.adapters))
+        lora_routing, vera_routing = _split_routing(routing, tuple(k in self.vera_lambda_d for k in keys))
+        slices = [self.vera_slice.of(self.vera_projections[k]) for k in keys if k in self.vera_lambda_d]
+        A, B = [a for a, _ in slices], [b for _, b in slices]
+        d, b = list(self.vera_lambda_d._parameters.values()), list(self.vera_lambda_b._parameters.values())
+        return lora_routing, vera.VeraTenants(vera_routing, A, B, d, b)
 
     def _row_squares(self) -> Tensor:
         """``||W||²_c`` of the base weight, computed once per weight (TP slicing or loading replaces it)."""

@@ -6,17 +6,23 @@ layer ``(N, K)`` two trained vectors ``λ_d (r,)`` and ``λ_b (N,)``. As PEFT 0.
 
     Y = X W^T + b + λ_b ⊙ ((λ_d ⊙ (Xd A_K^T)) B_N^T)       A_K = A[:, :K],  B_N = B[:N, :]
 
-no alpha scaling. That is the operator's LoRA update (``multi_lora``) with scaling 1 and the effective factors
+no alpha scaling. The multi-adapter operator (``multi_lora``) runs a call's VeRA tenants beside its LoRA and DoRA
+tenants, after the one base GEMM, on the same keep-mask, in place in the same ``Y`` and ``dX`` buffers, by runs of
+equally spaced equal-length segments (one ``bmm`` per product, ``kernels.torch_lora``'s runs) as PEFT's function
+does it, not as a LoRA with effective factors ``diag(λ_d) A_K`` and ``diag(λ_b) B_N`` (:func:`update`)::
 
-    A' = diag(λ_d) A_K   (r, K),        B' = diag(λ_b) B_N   (N, r)
+    S0 = Xd A_K^T         S1 = S0 ⊙ λ_d          Y += S1 B'^T,   B' = diag(λ_b) B_N
 
-formed by autograd in each forward (``r K + N r`` multiplies, against the operator's ``T r (K + N)``), so a VeRA
-tenant shares the segmented GEMMs, the dropout keep-mask and the micro-batch with LoRA and DoRA tenants. The
-operator returns ``dA'``, ``dB'``; autograd's chain rule through the products gives the trained vectors'
+and, with ``G = dLoss/dY`` on the tenant's rows (:func:`update_backward`)::
 
-    dλ_d = rowsum(dA' ⊙ A_K),       dλ_b = rowsum(dB' ⊙ B_N)
+    dS1 = G B'            dλ_d = colsum(dS1 ⊙ S0)        dX += ((dS1 ⊙ λ_d) A_K) ⊙ M / (1 - p)
+    dλ_b = rowsum((G^T S1) ⊙ B_N)
 
-and nothing reaches ``A`` or ``B``.
+``dλ_d = rowsum(dA' ⊙ A_K)`` with ``dA' = dS1^T Xd`` (the chain rule through ``A' = diag(λ_d) A_K``) is the same
+sum taken over rows instead of the ``K`` columns, so the ``(r, K)`` weight-gradient GEMM a LoRA tenant needs
+(``T r K`` multiply-adds) is never made, nor ``A'``: a VeRA tenant's backward has three low-rank GEMMs where a
+LoRA one has four. ``dλ_b`` still needs ``G^T S1`` ``(N, r)``: its other form, ``colsum(G ⊙ S1 B_N^T)``, would save
+a ``(T, N)`` activation a layer (PEFT's autograd keeps it). Nothing reaches ``A`` or ``B``.
 
 **The projections** (:func:`draw_projections`) are PEFT's: a CPU ``torch.Generator`` seeded with
 ``projection_prng_key``, ``A`` then ``B`` from it, each Kaiming-uniform with bound ``sqrt(6 / fan_in)``
@@ -28,10 +34,10 @@ as PEFT's ``save_projection=True`` does (``peft_export``), and a checkpoint redr
 
 **Tensor parallelism** (``tp.py``). A layer keeps which rows of ``B_N`` and which columns of ``A_K`` its shard uses
 (:class:`ProjectionSlice`): a column-parallel layer all of ``A_K`` and its output rows of ``B_N`` (``λ_b`` split
-with them, ``λ_d`` replicated: its gradient is partial on each rank, ``dλ_d = Σ_j rowsum(dA'_j ⊙ A_K)`` with
-``dA'_j = (G_j B'_j)^T Xd``); a row-parallel layer its input columns of ``A_K`` and all of ``B_N`` (``λ_d`` and
-``λ_b`` replicated, both gradients partial: ``dA'_j`` covers the columns ``K_j`` only, ``dB' = G^T S_j`` the rank's
-partial sum). Every partial gradient is completed by the adapter-gradient sum over the factor's holders
+with them, ``λ_d`` replicated: its gradient is partial on each rank, ``dλ_d = Σ_j colsum(dS1_j ⊙ S0)`` with
+``dS1_j = G_j B'_j``); a row-parallel layer its input columns of ``A_K`` and all of ``B_N`` (``λ_d`` and ``λ_b``
+replicated, both gradients partial: ``S0_j = Xd_j A_{K_j}^T`` covers the columns ``K_j`` only, and ``G^T S1_j`` is
+the rank's partial sum). Every partial gradient is completed by the adapter-gradient sum over the factor's holders
 (``grad_sync``), as a replicated LoRA factor's is. Each rank keeps the whole pair (``r (K_max + N_max)`` numbers a
 task, one LoRA layer's worth).
 """
@@ -44,6 +50,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from lorafleet.executor.torch.kernels.stacking import stack_padded
+
+# The torch backend's runs and masked tiles, shared rather than copied (kernels/torch_lora.py documents them).
+from lorafleet.executor.torch.kernels.torch_lora import _dropping, _MaskTiles, _Run, _run_factor, _runs
+from lorafleet.executor.torch.routing import LoraRouting
 
 LAMBDA_B = "vera_lambda_b"
 """The output vector's factor name: PEFT's (``...q_proj.vera_lambda_b`` in an adapter file)."""
@@ -114,9 +126,89 @@ class ProjectionSlice:
         return projections.vera_A[:, self.cols[0] : self.cols[1]], rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
-def effective_factors(A: Tensor, B: Tensor, lambda_d: Tensor, lambda_b: Tensor) -> tuple[Tensor, Tensor]:
-    """``A' = diag(λ_d) A``, ``B' = diag(λ_b) B`` in the vectors' dtype (differentiable in the vectors only)."""
-    return lambda_d[:, None] * A.to(lambda_d.dtype), lambda_b[:, None] * B.to(lambda_b.dtype)
+@dataclass(frozen=True)
+class VeraTenants:
+    """A layer call's VeRA adapters, as the operator takes them: their own routing (segments and dropouts; scaling 1)
+    and per adapter, in its order, the frozen slices ``A_K (r, K)``, ``B_N (N, r)`` and the trained ``λ_d``,
+    ``λ_b``."""
+
+    routing: LoraRouting
+    A: Sequence[Tensor]
+    B: Sequence[Tensor]
+    lambda_d: Sequence[Tensor]
+    lambda_b: Sequence[Tensor]
+
+
+def _runs_of(routing: LoraRouting, A: Sequence[Tensor], width: int) -> tuple[_Run, ...]:
+    """The runs of the tenants' segments, as the torch backend groups a LoRA call's (``width``: ``K + N``)."""
+    return _runs(routing, tuple(a.shape[0] for a in A), width)
+
+
+def update(x: Tensor, y: Tensor, keep: Tensor | None, tenants: VeraTenants) -> list[Tensor]:
+    """Adds every VeRA tenant's ``S1 B'^T`` to its rows of ``y (T, N)`` in place (the module doc), and returns per run
+    what :func:`update_backward` needs: ``S0 (G, L, R)``, the stacked ``A_K (G, R, K)``, ``B' (G, N, R)`` and
+    ``λ_d (G, 1, R)``, ranks zero-padded to the run's largest (copies in ``x``'s dtype: another micro-batch may step
+    the vectors in place before this one's backward)."""
+    saved: list[Tensor] = []
+    for run in _runs_of(tenants.routing, tenants.A, x.shape[1] + y.shape[1]):
+        A_g = stack_padded([tenants.A[a] for a in run.adapters], 0, x.dtype)  # (G, R, K)
+        d_g = stack_padded([tenants.lambda_d[a][None] for a in run.adapters], 1, x.dtype)  # (G, 1, R)
+        b_g = _scaled_B(tenants, run, A_g.shape[1], x.dtype)  # (G, N, R) = diag(λ_b) B_N
+        dropping = _dropping(run, keep)
+        if dropping:
+            s0 = _MaskTiles(run, keep, x).shrink(A_g)  # (G, L, R) = (X ⊙ M) A^T
+        else:
+            s0 = torch.bmm(run.rows(x), A_g.transpose(1, 2))  # (G, L, R) = X A^T
+        s0.mul_(_run_factor(run, dropping, x))  # Xd A^T: the factor is 1 / (1 - p), VeRA's scaling 1
+        run.rows(y).baddbmm_(s0 * d_g, b_g.transpose(1, 2))  # (G, L, N) += S1 B'^T
+        saved += (s0, A_g, b_g, d_g)
+    return saved
+
+
+def _scaled_B(tenants: VeraTenants, run: _Run, rank: int, dtype: torch.dtype) -> Tensor:
+    """``B' = diag(λ_b) B_N`` of the run's members, ``(G, N, R)`` zero-padded to ``rank``: one pass over each ``B_N``
+    (no plain stack of it: the backward reads the members' own slices)."""
+    members = [(tenants.B[a], tenants.lambda_b[a]) for a in run.adapters]
+    out_features = members[0][0].shape[0]
+    make = torch.empty if all(B.shape[1] == rank for B, _ in members) else torch.zeros
+    out = make((len(members), out_features, rank), dtype=dtype, device=members[0][0].device)
+    for g, (B, lambda_b) in enumerate(members):
+        torch.mul(B, lambda_b[:, None], out=out[g, :, : B.shape[1]])
+    return out
+
+
+def update_backward(
+    grad_y: Tensor, x: Tensor, dx: Tensor | None, keep: Tensor | None, tenants: VeraTenants, saved: Sequence[Tensor]
+) -> tuple[list[Tensor | None], list[Tensor | None]]:
+    """Adds every VeRA tenant's ``dX`` to its rows of ``dx`` in place (when given) and returns ``dλ_d``, ``dλ_b`` per
+    adapter in the vectors' dtypes (None for an adapter with no rows; the module doc's equations)."""
+    lambda_d, lambda_b = tenants.lambda_d, tenants.lambda_b
+    d_grads: list[Tensor | None] = [None] * len(lambda_d)
+    b_grads: list[Tensor | None] = [None] * len(lambda_b)
+    for i, run in enumerate(_runs_of(tenants.routing, tenants.A, x.shape[1] + grad_y.shape[1])):
+        s0, A_g, b_g, d_g = saved[4 * i : 4 * i + 4]
+        g_g = run.rows(grad_y)  # (G, L, N)
+        ds1 = torch.bmm(g_g, b_g)  # (G, L, R) = G B'
+        dd_g = (ds1 * s0).sum(1)  # (G, R) = colsum(dS1 ⊙ S0)
+        dbp_g = torch.bmm(g_g.transpose(1, 2), s0 * d_g)  # (G, N, R) = G^T S1
+        if dx is not None:
+            dropping = _dropping(run, keep)
+            ds0 = ds1.mul_(d_g * _run_factor(run, dropping, x))  # dS1 ⊙ λ_d / (1 - p)
+            if dropping:
+                _MaskTiles(run, keep, x).backward(ds0, A_g, run.rows(dx), need_lora=False)
+            else:
+                run.rows(dx).baddbmm_(ds0, A_g)
+        for g, a in enumerate(run.adapters):
+            B = tenants.B[a]
+            db = dbp_g[g, :, : B.shape[1]].mul_(B.to(dbp_g.dtype)).sum(1)  # (N,) = rowsum((G^T S1) ⊙ B_N)
+            d_grads[a] = _added(d_grads[a], dd_g[g, : lambda_d[a].shape[0]].to(lambda_d[a].dtype))
+            b_grads[a] = _added(b_grads[a], db.to(lambda_b[a].dtype))
+    return d_grads, b_grads
+
+
+def _added(total: Tensor | None, grad: Tensor) -> Tensor:
+    """``total + grad`` (an adapter may own segments in several runs)."""
+    return grad if total is None else total + grad
 
 
 def initial_vectors(rank: int, out_features: int, d_initial: float, dtype: torch.dtype) -> dict[str, Tensor]:
