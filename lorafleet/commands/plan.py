@@ -386,30 +386,48 @@ def _above(value: float, bound: float) -> str:
 
 
 def _sized_plan(workload, args: argparse.Namespace, options, objective, max_nodes: int | None):
-    """``--gpus auto``: every whole-node count planned (``planner.size_fleet``), the sweep printed (also
-    when no count is chosen, before the error), and the chosen count's PlanResult and cluster."""
+    """``--gpus auto``: every whole-node count planned (``planner.size_fleet``; written ``quantize: auto`` or as a
+    list, once per candidate base, ``planner.base_choice.size_per_base``), the sweep printed (also when no count is
+    chosen, before the error; the chosen base's, then a line per base), and the chosen count's PlanResult and
+    cluster."""
     from rich.console import Console
 
     from lorafleet.assemble import workload_cluster, workload_cost_model
     from lorafleet.planner import SizingError, size_fleet
+    from lorafleet.planner.base_choice import base_name, size_per_base
 
     console = Console(width=SIZING_WIDTH)
+    cluster, choice = workload_cluster(workload, None, args.gpu), None
     try:
-        sizing = size_fleet(
-            workload,
-            workload_cluster(workload, None, args.gpu),
-            lambda candidate: workload_cost_model(workload, candidate, args.profile),
-            options,
-            objective,
-            max_nodes=max_nodes,
-            progress=_sizing_progress,
-        )
+        if workload.spec.quantize_candidates is None:
+            sizing = size_fleet(
+                workload,
+                cluster,
+                lambda candidate: workload_cost_model(workload, candidate, args.profile),
+                options,
+                objective,
+                max_nodes=max_nodes,
+                progress=_sizing_progress,
+            )
+        else:
+            choice = size_per_base(
+                workload,
+                cluster,
+                lambda over, candidate: workload_cost_model(over, candidate, args.profile),
+                options,
+                objective,
+                max_nodes=max_nodes,
+                progress=lambda base, row, planned: _sizing_progress(row, planned, f" over {base_name(base)}"),
+            )
+            sizing = choice.sizing
     except SizingError as err:
         console.print(sizing_table(err.sweep))
         raise _sizing_flag_error(err) from None
     except InputError as err:
         raise _sizing_flag_error(err) from None
     console.print(sizing_table(sizing))
+    for line in choice.lines() if choice is not None else ():
+        console.print(line, highlight=False, markup=False)
     pools = len({p.name for r in sizing.rows for p in r.cluster.pools}) > 1
     each = ", ".join(f"{row.gpus}{f' ({row.nodes})' if pools else ''}: {row.plan_s:.1f} s" for row in sizing.rows)
     what = "fleet" if pools else "GPU count"
@@ -420,8 +438,8 @@ def _sized_plan(workload, args: argparse.Namespace, options, objective, max_node
     return sizing.chosen_row.result, sizing.chosen_row.cluster
 
 
-def _sizing_progress(row, planned: int) -> None:
-    """One line on stderr per count planned (a sweep of many counts takes minutes)."""
+def _sizing_progress(row, planned: int, over: str = "") -> None:
+    """One line on stderr per count planned (a sweep of many counts takes minutes; ``over``: its base, a choice's)."""
     import sys
 
     got = (
@@ -432,7 +450,7 @@ def _sizing_progress(row, planned: int) -> None:
     nodes = row.nodes if len(row.cluster.pools) > 1 or row.cluster.pools[0].name else row.cluster.nodes
     of = f"{nodes} node{'s' if nodes != 1 else ''}" if isinstance(nodes, int) else f"nodes {nodes}"
     print(
-        f"lorafleet plan: sizing: {row.gpus} GPUs ({of}): {got} "
+        f"lorafleet plan: sizing{over}: {row.gpus} GPUs ({of}): {got} "
         f"[{row.plan_s:.1f} s; {planned} count{'s' if planned != 1 else ''} planned]",
         file=sys.stderr,
         flush=True,
@@ -481,10 +499,6 @@ def run(args: argparse.Namespace) -> int:
     )
     console = Console(width=WIDTH)
     if gpus == AUTO:
-        if workload.spec.quantize_candidates is not None:
-            raise InputError(
-                ARGS, "--gpus", "auto sizes the fleet over one base: give the workload one quantize (--set quantize=)"
-            )
         result, cluster = _sized_plan(workload, args, options, objective, max_nodes)
     else:
         cluster = workload_cluster(workload, gpus, args.gpu)

@@ -26,40 +26,58 @@ def _span(rows: Sequence[SizingRow]) -> str:
     return f"{rows[0].gpus} to {rows[-1].gpus} GPUs" if len(rows) > 1 else f"{rows[0].gpus} GPUs"
 
 
+def goal_value(row: SizingRow, goal: SizingGoal, priced: bool) -> float:
+    """What ``goal`` minimises over the rows that meet it (:mod:`.sizing`), ties going to fewer GPUs: t̂(n) G(n) with
+    no deadline or budget, n under a deadline, t̂(n) within a budget, C(n) under both; t̂(n) P(n) where a sweep over
+    pools counts money (``priced``: :func:`by_cost`) with no budget."""
+    if priced and goal in (SizingGoal.GPU_SECONDS, SizingGoal.DEADLINE):
+        return row.cost_per_step
+    if goal is SizingGoal.GPU_SECONDS:
+        return row.gpu_seconds_per_step
+    if goal is SizingGoal.DEADLINE:
+        return row.gpus
+    return row.step_s if goal is SizingGoal.BUDGET else row.job_gpu_hours
+
+
 def _choose(rows: list[SizingRow], objective: SizingObjective, steps: int | None) -> tuple[int | None, str, str]:
     """(index of the chosen row or None, the reason, the objective field a miss names)."""
     feasible = [k for k, r in enumerate(rows) if r.feasible]
     meeting = [k for k in feasible if rows[k].meets(objective)]
     goal, deadline, budget = objective.goal, objective.deadline, objective.budget_gpu_hours
+    priced = by_cost(rows)
+
+    def best(ks: list[int]) -> int:
+        return min(ks, key=lambda k: (goal_value(rows[k], goal, priced), rows[k].gpus))
+
     of = f"of {len(feasible)} feasible count{'s' if len(feasible) != 1 else ''}"
-    if by_cost(rows):
+    if priced:
         if goal is SizingGoal.GPU_SECONDS:
-            k = min(feasible, key=lambda k: (rows[k].cost_per_step, rows[k].gpus))
+            k = best(feasible)
             job = f", {rows[k].cost_per_step * steps:.4g} for {steps} steps" if steps else ""
             return k, f"cheapest {of} at the pools' prices ({rows[k].cost_per_step:.4g} a step{job})", ""
         if goal is SizingGoal.DEADLINE and meeting:
-            k = min(meeting, key=lambda k: (rows[k].cost_per_step, rows[k].gpus))
+            k = best(meeting)
             why = (
                 f"cheapest that finishes {steps} steps within {format_hours(deadline.hours)} at the pools' prices "
                 f"({format_hours(rows[k].job_hours)}, {rows[k].cost_per_step * steps:.4g})"
             )
             return k, why, ""
     if goal is SizingGoal.GPU_SECONDS:
-        k = min(feasible, key=lambda k: (rows[k].gpu_seconds_per_step, rows[k].gpus))
+        k = best(feasible)
         job = f", {rows[k].job_gpu_hours:.4g} GPU-hours for {steps} steps" if steps else ""
         return k, f"fewest GPU-seconds {of} ({rows[k].gpu_seconds_per_step:.4g} GPU-s per step{job})", ""
     if meeting:
         if goal is SizingGoal.DEADLINE:
-            k = min(meeting, key=lambda k: rows[k].gpus)
+            k = best(meeting)
             why = (
                 f"fewest GPUs that finish {steps} steps within {format_hours(deadline.hours)} "
                 f"({format_hours(rows[k].job_hours)})"
             )
         elif goal is SizingGoal.BUDGET:
-            k = min(meeting, key=lambda k: (rows[k].step_s, rows[k].gpus))
+            k = best(meeting)
             why = f"fastest plan within {budget:.4g} GPU-hours ({rows[k].job_gpu_hours:.4g} GPU-hours)"
         else:
-            k = min(meeting, key=lambda k: (rows[k].job_gpu_hours, rows[k].gpus))
+            k = best(meeting)
             why = (
                 f"fewest GPU-hours that finish {steps} steps within {format_hours(deadline.hours)} and "
                 f"{budget:.4g} GPU-hours ({format_hours(rows[k].job_hours)}, {rows[k].job_gpu_hours:.4g} GPU-hours)"

@@ -14,8 +14,8 @@ from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.cli import main
 from lorafleet.errors import InputError
 from lorafleet.plan_check import check_quantize, with_plan_base
-from lorafleet.planner import PlannerOptions
-from lorafleet.planner.base_choice import BaseChoice, candidate_bases, choose_base, with_base
+from lorafleet.planner import Deadline, PlannerOptions, SizingObjective
+from lorafleet.planner.base_choice import BaseChoice, candidate_bases, choose_base, size_per_base, with_base
 from lorafleet.runtime.base_quantization import check_base_choice
 from lorafleet.specs.lora import Quantization
 from lorafleet.workload import Workload, load_workload
@@ -24,12 +24,14 @@ NF4, INT8 = Quantization.NF4, Quantization.INT8
 QUICK = PlannerOptions(robust_samples=0)
 
 
-def _workload(tmp: Path, quantize, model: str = "llama2-70b", gpus: int = 2, context: int = 4096, **top) -> Workload:
-    """One task of sequences of ``context`` / 4 and ``context`` tokens on one node of ``gpus`` L40S (48 GB)."""
-    path = tmp / f"w-{model}-{gpus}.yaml"
+def _workload(
+    tmp: Path, quantize, model: str = "llama2-70b", gpus: int = 2, context: int = 4096, nodes: int = 1, **top
+) -> Workload:
+    """One task of sequences of ``context`` / 4 and ``context`` tokens on ``nodes`` nodes of ``gpus`` L40S (48 GB)."""
+    path = tmp / f"w-{model}-{gpus}-{nodes}.yaml"
     task = {"name": "a", "batch_size": 8, "context_length": context, "lengths": {"histogram": {context // 4: 3}}}
     task["lengths"]["histogram"][context] = 1
-    spec = {"model": model, "quantize": quantize, "cluster": {"gpu": "L40S", "nodes": 1, "gpus_per_node": gpus}}
+    spec = {"model": model, "quantize": quantize, "cluster": {"gpu": "L40S", "nodes": nodes, "gpus_per_node": gpus}}
     path.write_text(yaml.safe_dump({**spec, **top, "tasks": [task]}))
     return load_workload(path)
 
@@ -146,8 +148,35 @@ def test_plan_prints_a_line_per_base_and_records_the_chosen(seventy_on_two, tmp_
     assert any(line.startswith("base chosen among quantize: [none, nf4] by makespan: nf4") for line in out)
     assert sum(line.lstrip().startswith(("none:", "nf4:")) for line in out) == 2
     assert yaml.safe_load(plan_json.read_text())["pools"][0]["cost_model"]["quantize"] == "nf4"
-    assert main(["plan", workload.path, "--gpus", "auto"]) == 2
-    assert "--gpus: auto sizes the fleet over one base" in capsys.readouterr().err
+    sized_json = tmp_path / "sized.json"
+    assert main(["plan", workload.path, "--gpus", "auto", "--samples", "0", "--json", str(sized_json)]) == 0
+    out = capsys.readouterr().out.splitlines()  # one node of 2: the unquantized base's sweep chooses no count
+    assert any(line.startswith("base chosen among quantize: [none, nf4] by the sizing's goal") for line in out)
+    assert any(line.lstrip().startswith("none: no count chosen: no plan on any count swept") for line in out)
+    assert yaml.safe_load(sized_json.read_text())["pools"][0]["cost_model"]["quantize"] == "nf4"
+
+
+def _sized(workload: Workload, options: PlannerOptions = QUICK, objective: SizingObjective = SizingObjective()):
+    cluster = workload_cluster(workload, None, None)
+    return size_per_base(workload, cluster, lambda over, c: workload_cost_model(over, c), options, objective)
+
+
+def test_gpus_auto_sizes_the_fleet_once_per_base_by_the_sizings_goal(tmp_path):
+    """70B on up to 2 nodes of 2 x 48 GB, the fewest GPU-seconds: unquantized it needs 4 GPUs, NF4 fits on 2 and
+    takes ~18% fewer GPU-seconds; a 30% tolerance gives the tie to the unquantized base. 13B under a deadline both
+    meet on 2 GPUs: the GPU counts tie, and the less-quantized base keeps it."""
+    seventy = _workload(tmp_path, "auto", nodes=2)
+    choice, loose = _sized(seventy), _sized(seventy, replace(QUICK, tie_rel=0.3))
+    none, nf4 = choice.options
+    assert [r.feasible for r in none.sizing.rows] == [False, True] and nf4.sizing.chosen_row.gpus == 2
+    assert choice.chosen == 1 and nf4.value() == nf4.sizing.chosen_row.gpu_seconds_per_step < none.value()
+    assert choice.sizing.chosen_row.result.plan.pools[0].cost_model.quantize is NF4
+    assert loose.chosen == 0 and "a tie goes to the less-quantized base" in loose.reason
+    assert choice.lines()[2].endswith("<- chosen") and choice.lines()[1].lstrip().startswith("none: 4 GPUs")
+    deadline = SizingObjective(deadline=Deadline(steps=1000, hours=10.0))
+    thirteen = _sized(_workload(tmp_path, "auto", model="llama2-13b", nodes=2), objective=deadline)
+    assert [o.value() for o in thirteen.options] == [2, 2] and thirteen.chosen == 0
+    assert thirteen.reason == "equal to nf4's: a tie goes to the less-quantized base"
 
 
 # --- the plan check -----------------------------------------------------------------------------------------------
