@@ -185,7 +185,8 @@ def analytic_cost_model(
         knees = {
             c: MicroBatchKnee(max(1, int(knee_bytes // per_token[c])), gpu.microbatch_knee_penalty) for c in cm.configs
         }
-    return replace(cm, knees=knees, origin=CostModelOrigin(kind="analytic", gpu=cluster.gpu, quantize=quantize))
+    origin = CostModelOrigin(kind="analytic", gpu=cluster.gpu, quantize=quantize)
+    return replace(cm, knees=knees, origin=origin, source=origin.describe())  # ``analytic:L40S over nf4``: the base
 
 
 def load_cost_model(

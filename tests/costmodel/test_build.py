@@ -15,6 +15,7 @@ from lorafleet.costmodel import (
 from lorafleet.costmodel.build import profile_cost_model
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.lora import Quantization
 from lorafleet.specs.model import MODEL_PRESETS
 from lorafleet.specs.recompute import RecomputePolicy
 
@@ -26,6 +27,8 @@ CLUSTER = ClusterSpec(gpu="A100-40GB", nodes=2, gpus_per_node=8)
 def test_no_profile_means_analytic():
     cm = load_cost_model(None, LLAMA7B, CLUSTER, SIX)
     assert cm.source == "analytic:A100-40GB"
+    nf4 = load_cost_model(None, LLAMA7B, CLUSTER, SIX, quantize=Quantization.NF4)
+    assert nf4.source == "analytic:A100-40GB over nf4" == nf4.origin.describe()  # the origin names the base
     assert cm.configs and all(cm.max_tokens(c) > 0 for c in cm.configs)
     assert ParallelConfig(4, 1) in cm.configs  # TP4 exists although LobRA's CSV has no TP4 rows
     assert max(c.n_gpus for c in cm.configs) <= CLUSTER.n_gpus
