@@ -36,3 +36,28 @@ def test_a_word_that_names_no_module_gets_every_command(word):
     """``fit`` (registered by ``profile.py``), a typo or no word: the full parser, whose usage and errors list
     every command."""
     assert _commands(build_parser(word)) == _commands(build_parser())
+
+
+def test_a_plans_start_imports_no_other_commands_or_planner_modes():
+    """The modules a plain plan's start imports (in a fresh process: this one has imported everything): the plan
+    command's parser and the planner's package import no other command's module, nor the fleet sizing's, the
+    re-plan's or the joint MINLP's (loaded on first use of their names, ``planner.__init__``)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; from lorafleet.cli import build_parser; build_parser('plan'); import lorafleet.planner; "
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('lorafleet.'))))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    loaded = set(done.stdout.split())
+    assert "lorafleet.commands.plan" in loaded and "lorafleet.planner.driver" in loaded
+    unwanted = {
+        "lorafleet.commands.validate",
+        "lorafleet.commands.train",
+        "lorafleet.planner.incremental",
+        "lorafleet.planner.sizing",
+        "lorafleet.planner.sizing_pools",
+        "lorafleet.planner.joint_minlp",
+    }
+    assert not loaded & unwanted, loaded & unwanted
