@@ -15,7 +15,9 @@ A variation changes one axis of the question "what would this cost?":
   ``gpu``, ``gpus_per_node``, ``price_per_gpu_hour``, ``profile``); ``nodes=0`` leaves the pool out.
 
 Several ``--vary`` options form their Cartesian product. Each point is planned with the
-same planner and simulated with the same sampled batches as ``lorafleet simulate``.
+same planner and simulated with the same sampled batches as ``lorafleet simulate``; a workload that lets the planner
+choose its base (``quantize: auto`` or a list) and does not vary ``quantize`` gets, at each point, the base
+``plan`` and ``simulate`` choose (``planner.base_choice.choose_base``), in the rows' ``base`` column.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from pydantic import ValidationError
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.errors import InputError
 from lorafleet.executor.simulated import SimulationOptions
-from lorafleet.planner import PlannerOptions, plan_deployment
-from lorafleet.planner.base_choice import with_base
+from lorafleet.planner import PlannerOptions, PlanResult, plan_deployment
+from lorafleet.planner.base_choice import base_name, choose_base, with_base
 from lorafleet.simulate import simulate_schedule
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.dispatch import DispatchPolicy
@@ -168,6 +170,21 @@ POLICY_AXES = {"R": "n_buckets", "window": "pipeline_window"}
 """Sweep axes that vary the dispatch policy the plans are judged under -> the policy field (``specs.dispatch``)."""
 
 
+def _planned(
+    workload: Workload, cluster: ClusterSpec, profile: str | None, options: PlannerOptions
+) -> tuple[PlanResult, Workload, dict[str, str]]:
+    """A point's plan, its workload over the base planned and its rows' ``base`` column: over the workload's one base
+    (no column), or, for ``quantize: auto`` or a list, the base ``plan`` and ``simulate`` choose for this fleet."""
+    if workload.spec.quantize_candidates is None:
+        return (
+            plan_deployment(workload, cluster, workload_cost_model(workload, cluster, profile), options),
+            workload,
+            {},
+        )
+    choice = choose_base(workload, cluster, lambda over: workload_cost_model(over, cluster, profile), options)
+    return choice.result, with_base(workload, choice.option.base), {"base": base_name(choice.option.base)}
+
+
 def _describe_point(point: dict[str, str]) -> str:
     return " ".join(f"{axis}={value}" for axis, value in point.items())
 
@@ -210,7 +227,7 @@ def sweep(
             options = PlannerOptions(policy=DispatchPolicy().with_overrides(args["policy"]))
         except InputError as err:
             raise InputError("<args>", "--vary", f"{_describe_point(point)}: {err.field}: {err.msg}") from None
-        result = plan_deployment(varied, cluster, workload_cost_model(varied, cluster, profile), options)
+        result, varied, chosen = _planned(varied, cluster, profile, options)
         for schedule in (result.schedule, *result.baselines):
             run = simulate_schedule(varied, schedule, result.cost_model, steps, sim)
             rows.append(
@@ -220,6 +237,7 @@ def sweep(
                     "gpu_kind": " + ".join(cluster.kinds),
                     "model": varied.model.name,
                     "tasks": len(varied.tasks),
+                    **chosen,
                     "method": schedule.name,
                     "plan": schedule.phases[0].plan.describe()
                     if len(schedule.phases) == 1
