@@ -327,6 +327,21 @@ def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
+def _start_base(workload, cluster, profile, console):
+    """``workload`` over the base ``plan`` and ``simulate`` choose for its own tasks (``commands.plan.chosen_plan``,
+    each candidate's line said), chosen once, at the start: a running fleet's adapters cannot change the function
+    they learn over, so every arrival trains over it too."""
+    from lorafleet.commands.plan import chosen_plan
+    from lorafleet.plan_check import plan_base
+    from lorafleet.planner import PlannerOptions
+    from lorafleet.planner.base_choice import base_name, with_base
+
+    base = plan_base(chosen_plan(workload, cluster, profile, PlannerOptions(), console).plan)
+    tasks = f"{len(workload.tasks)} task{'s' if len(workload.tasks) != 1 else ''}"
+    console.print(f"base {base_name(base)} for the whole trace: chosen once, over the workload's {tasks} at the start")
+    return with_base(workload, base)
+
+
 def run_arrivals(args: argparse.Namespace) -> int:
     """``simulate WORKLOAD --arrivals TRACE``: the strategies' table and the per-task table."""
     from rich.console import Console
@@ -339,8 +354,10 @@ def run_arrivals(args: argparse.Namespace) -> int:
     options = _arrival_flags(args)
     console = Console(width=150)
     workload = load_simulated_workload(args, console)
-    trace = load_trace(args.arrivals, workload)
     cluster = workload_cluster(workload, args.gpus, args.gpu)
+    if workload.spec.quantize_candidates is not None:  # quantize: auto or a list: one base for the whole replay
+        workload = _start_base(workload, cluster, args.profile, console)
+    trace = load_trace(args.arrivals, workload)
     cost_model = workload_cost_model(trace.all_tasks(), cluster, args.profile)
     settings = options.replan.settings
     if settings.migration_s is None:  # the measured model, for the fleet's weights
