@@ -18,6 +18,7 @@ from lorafleet.planner import Deadline, PlannerOptions, SizingObjective
 from lorafleet.planner.base_choice import BaseChoice, candidate_bases, choose_base, size_per_base, with_base
 from lorafleet.runtime.base_quantization import check_base_choice
 from lorafleet.specs.lora import Quantization
+from lorafleet.whatif import Variation, sweep
 from lorafleet.workload import Workload, load_workload
 
 NF4, INT8 = Quantization.NF4, Quantization.INT8
@@ -177,6 +178,23 @@ def test_gpus_auto_sizes_the_fleet_once_per_base_by_the_sizings_goal(tmp_path):
     thirteen = _sized(_workload(tmp_path, "auto", model="llama2-13b", nodes=2), objective=deadline)
     assert [o.value() for o in thirteen.options] == [2, 2] and thirteen.chosen == 0
     assert thirteen.reason == "equal to nf4's: a tie goes to the less-quantized base"
+
+
+def test_whatif_and_an_arrivals_replay_take_the_base_plan_chooses(seventy_on_two, tmp_path, capsys):
+    """``whatif`` without ``--vary quantize`` chooses at each point as ``plan`` does (the rows say which base); a
+    replay of arrivals chooses once, for the workload's tasks at the start, and prices every arrival over it."""
+    workload, _ = seventy_on_two
+    rows = sweep(workload, [Variation.parse("gpus=2")], steps=1)
+    assert {row["base"] for row in rows} == {"nf4"} and rows[0]["method"] == "lorafleet"
+    task = yaml.safe_load(Path(workload.path).read_text())["tasks"][0]
+    trace = tmp_path / "trace.yaml"
+    trace.write_text(yaml.safe_dump({"events": [{"at": 1.0, "add": {**task, "name": "b", "steps": 1}}]}))
+    few = tmp_path / "few.yaml"  # one step each: the replay's figures are not under test
+    few.write_text(yaml.safe_dump({**yaml.safe_load(Path(workload.path).read_text()), "tasks": [{**task, "steps": 1}]}))
+    assert main(["simulate", str(few), "--arrivals", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "base nf4 for the whole trace: chosen once, over the workload's 1 task at the start" in out
+    assert "on 2 x L40S (analytic:L40S over nf4)" in out
 
 
 # --- the plan check -----------------------------------------------------------------------------------------------
