@@ -3,7 +3,7 @@
 Each strategy is a :class:`Replanner`: the replay asks ``on_change(running, tasks, at_s, steps_left)``
 at every change (the fleet starting included) and runs the :class:`Decision`'s plan from there.
 
-- :class:`Incremental`: :func:`lorafleet.planner.replan_incremental` from the running plan, over
+- :class:`Incremental`: :func:`lorafleet.planner.incremental.replan_incremental` from the running plan, over
   ``min(horizon, steps_left)`` steps, by its objective; when it moves, its ``migration_gpu_s`` is charged;
 - :class:`Scratch`: :func:`lorafleet.planner.plan_deployment` for the present tasks, always taken, and its
   move charged;
