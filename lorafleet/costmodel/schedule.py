@@ -339,9 +339,11 @@ def _stream_ends(
         i = int(waiting[0])
         raise ValueError(f"the stage orders deadlock: forward {i} waits for the backward of {int(deps[i])}")
     f_pos, b_pos = stage_positions(pp, deps)
+    width = 2 * n
+    shared = int(f_pos[:, known[0]].min()) if known is not None and known[0] < n else 0
     fwd = np.broadcast_to(np.asarray(forward_s, dtype=float), (pp, n))
     bwd = np.broadcast_to(np.asarray(backward_s, dtype=float), (pp, n))
-    width, stage = 2 * n, np.broadcast_to(np.arange(pp)[:, None], (pp, n))
+    stage = np.broadcast_to(np.arange(pp)[:, None], (pp, n))
     # the grid by position: row p holds every stage's op at position p (its duration, whether it is a forward)
     t = np.empty((width, pp))
     t[f_pos, stage], t[b_pos, stage] = fwd, bwd
@@ -356,6 +358,8 @@ def _stream_ends(
     chained[f_pos[1:], stage[1:]] = f_pos[:-1] == f_pos[1:]
     chained[b_pos[:-1], stage[:-1]] = b_pos[1:] == b_pos[:-1]
     above = 2.0 ** np.ceil(np.log2(2.0 * (fwd.sum() + bwd.sum()) + 2.0))  # > every end and every S
+    # Only the rows from ``shared`` on are settled, and a row's chains are its own: its offsets are taken for those
+    t, is_forward, chained = t[shared:], is_forward[shared:], chained[shared:]
     down_add, down_back = _chain_offsets(t, ~(is_forward & chained), above)
     up_add, up_back = _chain_offsets(t[:, ::-1], ~(~is_forward & chained)[:, ::-1], above)
     # Both running maxima in one: the stages down, then the stages up, the second half raised by (pp + 1) above
@@ -366,17 +370,15 @@ def _stream_ends(
     both = np.concatenate((np.arange(pp), np.arange(pp)[::-1]))  # a row's stages, down then up
     pick = np.where(is_forward, np.arange(pp), 2 * pp - 1 - np.arange(pp))  # each op's end: its chain's
     ends = np.zeros((width + 1, pp))
-    shared = 0
-    if known is not None and known[0] < n:
-        shared = int(f_pos[:, known[0]].min())
+    if shared:
         ends[1 : shared + 1] = known[1][1 : shared + 1]
     flat, acc = ends.ravel(), np.maximum.accumulate
     for p in range(shared, width):
         x = np.maximum(ends[p], flat.take(source[p])).take(both)
-        x += add[p]
+        x += add[p - shared]
         acc(x, out=x)
-        x += back[p]
-        x.take(pick[p], out=ends[p + 1])
+        x += back[p - shared]
+        x.take(pick[p - shared], out=ends[p + 1])
     return ends
 
 

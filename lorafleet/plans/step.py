@@ -67,7 +67,7 @@ class MicroBatch:
 
     @property
     def shape(self) -> MicroBatchShape:
-        return MicroBatchShape(seq_lens=self.lengths, padded_len=self.padded_len)
+        return MicroBatchShape(self.lengths, self.padded_len)  # positional: built for every micro-batch priced
 
 
 @dataclass(frozen=True)
