@@ -41,8 +41,8 @@ from lorafleet.specs.lora import LoraSpec  # noqa: E402
 
 N_TASKS = 8
 DROPOUT = 0.1
-SHAPES = ((1024, 256, 16), (2048, 256, 16), (2048, 256, 256), (4096, 128, 16))
-"""(hidden, tokens a task, rank)."""
+SHAPES = ((1024, 256, 16), (2048, 256, 16), (2048, 256, 256), (2048, 16, 256), (4096, 128, 16))
+"""(hidden, tokens a task, rank); 16 tokens at rank 256: the low-rank products, not the base GEMM, are the step."""
 
 
 def fwd_bwd(layer: nn.Module, x: torch.Tensor, grad_y: torch.Tensor) -> None:

@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from lorafleet.executor.torch.kernels.stacking import stack_padded
 
 # The torch backend's runs and masked tiles, shared rather than copied (kernels/torch_lora.py documents them).
-from lorafleet.executor.torch.kernels.torch_lora import _dropping, _MaskTiles, _Run, _run_factor, _runs
+from lorafleet.executor.torch.kernels.torch_lora import _accumulate, _dropping, _MaskTiles, _Run, _run_factor, _runs
 from lorafleet.executor.torch.routing import LoraRouting
 
 LAMBDA_B = "vera_lambda_b"
@@ -198,17 +198,12 @@ def update_backward(
                 _MaskTiles(run, keep, x).backward(ds0, A_g, run.rows(dx), need_lora=False)
             else:
                 run.rows(dx).baddbmm_(ds0, A_g)
-        for g, a in enumerate(run.adapters):
-            B = tenants.B[a]
-            db = dbp_g[g, :, : B.shape[1]].mul_(B.to(dbp_g.dtype)).sum(1)  # (N,) = rowsum((G^T S1) ⊙ B_N)
-            d_grads[a] = _added(d_grads[a], dd_g[g, : lambda_d[a].shape[0]].to(lambda_d[a].dtype))
-            b_grads[a] = _added(b_grads[a], db.to(lambda_b[a].dtype))
+        members = [(g, tenants.B[a], lambda_d[a], lambda_b[a]) for g, a in enumerate(run.adapters)]
+        # (N,) each: rowsum((G^T S1) ⊙ B_N), in place in G^T S1; an adapter may own segments in several runs
+        db = [dbp_g[g, :, : B.shape[1]].mul_(B.to(dbp_g.dtype)).sum(1).to(b.dtype) for g, B, _, b in members]
+        _accumulate(d_grads, run.adapters, [dd_g[g, : d.shape[0]].to(d.dtype) for g, _, d, _ in members])
+        _accumulate(b_grads, run.adapters, db)
     return d_grads, b_grads
-
-
-def _added(total: Tensor | None, grad: Tensor) -> Tensor:
-    """``total + grad`` (an adapter may own segments in several runs)."""
-    return grad if total is None else total + grad
 
 
 def initial_vectors(rank: int, out_features: int, d_initial: float, dtype: torch.dtype) -> dict[str, Tensor]:
