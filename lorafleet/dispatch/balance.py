@@ -322,6 +322,11 @@ def _after(
     return _times(load, rows, i, lose, _changes(load, rows, d, i, gain_j, gain_amount))
 
 
+_PICKED = np.array([0, 1, 0, 2])
+"""``_Rows.pick`` from the top three: the largest a candidate leaves alone, by the bits of which of the first two
+it changes."""
+
+
 class _Rows:
     """Every class's per-bucket costs under the current totals d (K, R): what candidate changes are
     scored against. Row i: the compute time of each bucket's rows on the class's slowest replica, its
@@ -351,7 +356,7 @@ class _Rows:
         self.top_values[i, : top.size] = largest[top]
         self.rank[i] = 0
         self.rank[i, top[:2]] = np.arange(1, top[:2].size + 1)
-        self.pick[i] = self.top_values[i, [0, 1, 0, 2]]
+        self.pick[i] = self.top_values[i, _PICKED]
 
     def times(self, load: LoadModel) -> np.ndarray:
         """(K,) the load model's time of each class: ``base + bubble_slots * largest``."""
