@@ -42,10 +42,12 @@ Run from the repository root (every figure is measured here, in one run)::
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -108,8 +110,10 @@ def cached_bytecode_env() -> dict[str, str]:
     ``PYTHONDONTWRITEBYTECODE=1``, so every command compiles lorafleet's ~110 modules from source (~0.14 CPU s a
     command), which an installed package does once; here the commands keep their bytecode under a scratch
     ``PYTHONPYCACHEPREFIX`` (no tree is written), so from the second round on they run as installed."""
+    cache = tempfile.mkdtemp(prefix="bench_planner_pycache_")
+    atexit.register(shutil.rmtree, cache, ignore_errors=True)
     kept = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    return kept | {"PYTHONPYCACHEPREFIX": tempfile.mkdtemp(prefix="bench_planner_pycache_")}
+    return kept | {"PYTHONPYCACHEPREFIX": cache}
 
 
 def plan_command_cpu(argv: list[str], tree: Path = REPO, env: dict[str, str] | None = None) -> tuple[float, str, str]:
