@@ -40,13 +40,14 @@ def test_a_word_that_names_no_module_gets_every_command(word):
 
 def test_a_plans_start_imports_no_other_commands_or_planner_modes():
     """The modules a plain plan's start imports (in a fresh process: this one has imported everything): the plan
-    command's parser and the planner's package import no other command's module, nor the fleet sizing's, the
-    re-plan's or the joint MINLP's (loaded on first use of their names, ``planner.__init__``)."""
+    command's parser, the planner's package and the plan check import no other command's module, nor the re-plan's
+    or the joint MINLP's (loaded on first use of their names, ``planner.__init__``, or with their mode)."""
     import subprocess
     import sys
 
     probe = (
-        "import sys; from lorafleet.cli import build_parser; build_parser('plan'); import lorafleet.planner; "
+        "import sys; from lorafleet.cli import build_parser; build_parser('plan'); "
+        "import lorafleet.planner, lorafleet.plan_check; "
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('lorafleet.'))))"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
@@ -56,8 +57,7 @@ def test_a_plans_start_imports_no_other_commands_or_planner_modes():
         "lorafleet.commands.validate",
         "lorafleet.commands.train",
         "lorafleet.planner.incremental",
-        "lorafleet.planner.sizing",
-        "lorafleet.planner.sizing_pools",
+        "lorafleet.planner.decision",
         "lorafleet.planner.joint_minlp",
     }
     assert not loaded & unwanted, loaded & unwanted
