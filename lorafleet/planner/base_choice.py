@@ -256,7 +256,8 @@ class SizedBaseChoice:
         return sizing
 
     def lines(self) -> list[str]:
-        """The choice, then one line per base: the count its sweep chose and that count's figures, or why none."""
+        """The choice, then one line per base: the count its sweep chose, that count's figures and the sweep's planning
+        time, or why none."""
         bases = ", ".join(base_name(o.base) for o in self.options)
         goal = describe_objective(self.sizing.objective, by_cost(self.sizing.rows))
         out = [f"base chosen among quantize: [{bases}] by the sizing's goal ({goal}): "]
@@ -266,10 +267,11 @@ class SizedBaseChoice:
             if option.sizing is None:
                 out.append(f"  {base_name(option.base):>4}: no count chosen: {option.error.msg}{mark}")
                 continue
-            row = option.sizing.chosen_row
+            row, rows = option.sizing.chosen_row, option.sizing.rows
             money = "" if row.cost_per_step is None else f", cost/step {row.cost_per_step:.4g}"
             figures = f"{row.gpus} GPUs, step {row.step_s:.3f} s, {row.gpu_seconds_per_step:.1f} GPU-s a step{money}"
-            out.append(f"  {base_name(option.base):>4}: {figures}, {row.result.plan.describe()}{mark}")
+            swept = f"{len(rows)} count{'s' if len(rows) != 1 else ''} swept in {sum(r.plan_s for r in rows):.1f} s"
+            out.append(f"  {base_name(option.base):>4}: {figures}, {row.result.plan.describe()} ({swept}){mark}")
         return out
 
 
