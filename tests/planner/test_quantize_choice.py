@@ -16,6 +16,7 @@ from lorafleet.errors import InputError
 from lorafleet.plan_check import check_quantize, with_plan_base
 from lorafleet.planner import Deadline, PlannerOptions, SizingObjective
 from lorafleet.planner.base_choice import BaseChoice, candidate_bases, choose_base, size_per_base, with_base
+from lorafleet.planner.options import PlanObjective
 from lorafleet.runtime.base_quantization import check_base_choice
 from lorafleet.specs.lora import Quantization
 from lorafleet.whatif import Variation, sweep
@@ -26,13 +27,24 @@ QUICK = PlannerOptions(robust_samples=0)
 
 
 def _workload(
-    tmp: Path, quantize, model: str = "llama2-70b", gpus: int = 2, context: int = 4096, nodes: int = 1, **top
+    tmp: Path,
+    quantize,
+    model: str = "llama2-70b",
+    gpus: int = 2,
+    context: int = 4096,
+    nodes: int = 1,
+    price: float | None = None,
+    **top,
 ) -> Workload:
-    """One task of sequences of ``context`` / 4 and ``context`` tokens on ``nodes`` nodes of ``gpus`` L40S (48 GB)."""
+    """One task of sequences of ``context`` / 4 and ``context`` tokens on ``nodes`` nodes of ``gpus`` L40S (48 GB), at
+    ``price`` a GPU-hour when given."""
     path = tmp / f"w-{model}-{gpus}-{nodes}.yaml"
     task = {"name": "a", "batch_size": 8, "context_length": context, "lengths": {"histogram": {context // 4: 3}}}
     task["lengths"]["histogram"][context] = 1
-    spec = {"model": model, "quantize": quantize, "cluster": {"gpu": "L40S", "nodes": nodes, "gpus_per_node": gpus}}
+    cluster = {"gpu": "L40S", "nodes": nodes, "gpus_per_node": gpus}
+    if price is not None:
+        cluster["price_per_gpu_hour"] = price
+    spec = {"model": model, "quantize": quantize, "cluster": cluster}
     path.write_text(yaml.safe_dump({**spec, **top, "tasks": [task]}))
     return load_workload(path)
 
@@ -139,6 +151,20 @@ def test_a_tie_within_the_tolerance_goes_to_the_less_quantized_base(tmp_path):
     assert strict.option.base is NF4 and loose.option.base is None
     assert "a tie goes to the less-quantized base" in loose.reason
     assert [o.value(loose.objective) for o in loose.options] == [o.value(strict.objective) for o in strict.options]
+
+
+def test_the_cost_objective_keeps_the_cheaper_base_among_the_plans_within_the_step_limit(tmp_path):
+    """70B on 4 x 48 GB at 2 a GPU-hour: NF4's plan (2 GPUs) costs 17.5% less a step than the unquantized one (4);
+    under a 16 s step limit the unquantized plan (17.7 s) no longer competes, and NF4 keeps a faster, dearer plan."""
+    workload = _workload(tmp_path, "auto", gpus=4, price=2.0)
+    cheapest = _choose(workload, replace(QUICK, objective=PlanObjective.COST))
+    none, nf4 = cheapest.options
+    assert cheapest.option is nf4 and nf4.value(cheapest.objective) < 0.85 * none.value(cheapest.objective)
+    assert cheapest.lines()[0].startswith("base chosen among quantize: [none, nf4] by cost: nf4, 17.")
+    limited = _choose(workload, replace(QUICK, objective=PlanObjective.COST, max_step_s=16.0))
+    assert none.value(PlanObjective.MAKESPAN) > 16.0 >= limited.option.value(PlanObjective.MAKESPAN)
+    assert limited.option.base is NF4 and limited.reason == "the only base with a plan within the limit"
+    assert limited.option.value(limited.objective) > nf4.value(cheapest.objective)
 
 
 def test_plan_prints_a_line_per_base_and_records_the_chosen(seventy_on_two, tmp_path, capsys):
