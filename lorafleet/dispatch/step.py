@@ -229,7 +229,7 @@ def placed_work(
                 mbs, tasks = packed_with_tasks(
                     held[r], batch.lengths, batch.task_ids, cls.max_tokens, task_major=task_major
                 )
-            seconds = cost_model.replica_time(cls.config, [mb.shape for mb in mbs], tasks, window=window)
+            seconds = cost_model.replica_time(cls.config, mbs, tasks, window=window)  # each reads as its shape
             work[r] = (tuple(mbs), cls.time_scale * seconds)
     return work
 
