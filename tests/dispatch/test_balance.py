@@ -202,3 +202,61 @@ def test_milp_names_are_reviewable():
     assert problem.get_constraint_by_name("bound_by_fast") is not None
     assert problem.get_constraint_by_name("makespan_tp8_pp1_m16384") is not None
     assert isinstance(problem.objective, pulp.LpAffineExpression)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_best_exchange_is_the_least_of_every_candidate_scored_alone(seed):
+    """``_best_exchange`` scores every (taker, give, take back) candidate from one table: its answer is the least
+    max(T_c', T_k') of the candidates, each re-timed alone from its totals by the load model, and no candidate
+    is better (the brute force over the same offers)."""
+    from lorafleet.dispatch.balance import _best_exchange, _move_sizes, _Rows
+
+    _, _, load, _ = small_load(LOBRA_7B_PLAN, n_seqs=200, n_buckets=5, seed=seed, mode=MicroBatchMode.PACKING)
+    rng = np.random.default_rng(seed)
+    d = np.zeros((len(load.classes), load.counts.size), dtype=np.int64)
+    for j, total in enumerate(load.counts):  # a random split of every bucket over the classes that hold it
+        takers = np.flatnonzero(load.feasible[:, j])
+        d[takers, j] = np.bincount(rng.choice(takers, int(total)), minlength=len(load.classes))[takers]
+    c = int(np.argmax(load.times(d)))
+    found = _best_exchange(load, load.feasible, d, _Rows(load, d), _move_sizes(load, d), c)
+    give, take = _move_sizes(load, d)
+    best = np.inf
+    for k in range(len(load.classes)):
+        out = [
+            (j, x)
+            for j in np.flatnonzero((d[c] > 0) & load.feasible[k])
+            for x in {int(np.clip(a, 1, d[c, j])) for a in (*give[c, j], *take[k, j])}
+        ]
+        back = [(0, 0)] + [
+            (j, x)
+            for j in np.flatnonzero((d[k] > 0) & load.feasible[c])
+            for x in {int(np.clip(a, 1, d[k, j])) for a in (*give[k, j], *take[c, j])}
+        ]
+        for (j, x), (i, y) in itertools.product(out if k != c else [], back):
+            if i == j and y:
+                continue
+            moved = d.copy()
+            moved[c, j], moved[k, j], moved[k, i], moved[c, i] = d[c, j] - x, d[k, j] + x, moved[k, i] - y, d[c, i] + y
+            best = min(best, load.times(moved)[[c, k]].max())
+    assert found is not None and found[0] == pytest.approx(best, rel=1e-12)
+    _, k, (j, x, i, y) = found
+    moved = d.copy()
+    moved[c, j] -= x
+    moved[k, j] += x
+    moved[k, i] -= y
+    moved[c, i] += y
+    assert found[0] == pytest.approx(load.times(moved)[[c, k]].max(), rel=1e-12)
+
+
+def test_cost_tables_float_ceiling_is_the_integer_ceiling():
+    """``_row_cost`` takes ceil(n / b) of the rounded float quotient: the integer ceiling for integers below 2**53
+    (every product then the one of the integers), checked against integer arithmetic on random and edge counts."""
+    from lorafleet.dispatch.load import _row_cost
+
+    rng = np.random.default_rng(0)
+    n = np.concatenate((rng.integers(0, 1 << 40, 20_000), np.arange(0, 5000), [(1 << 52) - 1, (1 << 52) + 1]))
+    b = np.concatenate((rng.integers(1, 1 << 20, 20_000), rng.integers(1, 70, 5000), [3, 7]))
+    alpha, beta = rng.random(n.size), rng.random(n.size)
+    compute, largest = _row_cost(alpha, beta, b, n)
+    assert np.array_equal(compute, alpha * n + beta * -(-n // b))
+    assert np.array_equal(largest, np.where(n > 0, alpha * np.minimum(n, b) + beta, 0.0))

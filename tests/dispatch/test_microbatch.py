@@ -102,3 +102,23 @@ def test_first_fit_bisects_many_micro_batches_and_fills_them_the_same():
     assert (
         sorted(s for mb in mbs for s in mb.seq_ids) == list(range(2000)) and max(sum(mb.lengths) for mb in mbs) <= 1115
     )
+
+
+def test_packed_micro_batches_carry_their_task_ranges_and_read_as_their_shapes():
+    """``packed_with_tasks`` hands the stall each micro-batch's least and largest task as arrays: the stall and
+    the dependencies they give are those of the task tuples themselves; and a micro-batch prices as its shape."""
+    from lorafleet.costmodel.schedule import second_step_dependencies, stall_slots
+    from lorafleet.costmodel.time_model import features_of
+    from lorafleet.dispatch.microbatch import packed_with_tasks
+
+    rng = np.random.default_rng(3)
+    for task_major in (False, True):
+        lengths, task_ids = rng.integers(1, 900, 600), rng.integers(0, 12, 600)
+        mbs, ranges = packed_with_tasks(np.arange(600), lengths, task_ids, 1024, task_major=task_major)
+        assert mbs == packed_microbatches(np.arange(600), lengths, task_ids, 1024, task_major=task_major)
+        tasks = [mb.task_ids for mb in mbs]
+        assert list(ranges) == tasks
+        assert ranges.lows.tolist() == [min(t) for t in tasks] and ranges.tops.tolist() == [max(t) for t in tasks]
+        assert np.array_equal(second_step_dependencies(ranges), second_step_dependencies(tasks))
+        assert all(stall_slots(pp, ranges) == stall_slots(pp, tasks) for pp in (2, 5, 9))
+        assert np.array_equal(features_of(mbs), features_of([mb.shape for mb in mbs]))
