@@ -42,7 +42,8 @@ class TaskAdapter:
     """DoRA with adapter dropout: its tokens also cost one more base-width GEMM (``costmodel.dora_cost``)."""
     vera: bool = False
     """A VeRA adapter (``LoraSpec.use_vera``): it trains ``λ_d (r)`` and ``λ_b (out)`` per projection, not ``A`` and
-    ``B``; its tokens still meet rank-``r`` GEMMs (``diag(λ_b) B diag(λ_d) A``), so its time is LoRA's."""
+    ``B``; its tokens meet LoRA's rank-``r`` GEMMs (``diag(λ_b) B diag(λ_d) A``) but for the gradient of its frozen
+    ``A`` (:meth:`skipped_gemm_params_per_layer`)."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -64,6 +65,13 @@ class TaskAdapter:
     def gemm_params_per_layer(self, model: ModelSpec) -> int:
         """The adapter weights a token multiplies in one block: Σ r * (in + out), LoRA's and VeRA's alike."""
         return sum(self.rank * (i + o) for i, o in model.adapter_shapes(self.targets).values())
+
+    def skipped_gemm_params_per_layer(self, model: ModelSpec) -> int:
+        """Of LoRA's 6 FLOPs a token and weight (forward 2: ``A x``, ``B h``; backward 4: ``dh = Bᵀ dy``,
+        ``dx = Aᵀ dh``, ``dB``, ``dA``), the weights whose 2 a VeRA token skips: its ``A`` is frozen, so no ``dA``
+        (``Σ r * in``); ``dB``'s GEMM stays (``dyᵀ S1``, whose rows against ``B`` sum to ``dλ_b``:
+        ``executor.torch.vera``, 3 low-rank GEMMs in the backward to LoRA's 4). 0 for LoRA and DoRA."""
+        return sum(self.rank * i for i, _ in model.adapter_shapes(self.targets).values()) if self.vera else 0
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,10 @@ class AdapterLoad:
         """Adapter weights one token multiplies in a block, averaged over tasks (each token uses its task's adapter:
         :meth:`TaskAdapter.gemm_params_per_layer`)."""
         return sum(t.gemm_params_per_layer(model) for t in self.tasks) / self.n_tasks
+
+    def mean_skipped_gemm_params_per_layer(self, model: ModelSpec) -> float:
+        """:meth:`TaskAdapter.skipped_gemm_params_per_layer` averaged over tasks, as :meth:`mean_params_per_layer`."""
+        return sum(t.skipped_gemm_params_per_layer(model) for t in self.tasks) / self.n_tasks
 
     def dora_share(self, with_dropout: bool = False) -> float:
         """The fraction of tasks whose adapter is DoRA (with ``with_dropout``: DoRA with adapter dropout); a token

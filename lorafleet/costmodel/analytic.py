@@ -11,7 +11,8 @@ degree, model and GPU. Per block, per device, for a micro-batch of b sequences o
                  scale it by each sequence's ρ(s) where a stage is priced (``attention_span``)
     projections c3 b s   : (4 P + 6 p_A) * T / tp / (F * e_mm)
                  frozen base: forward 2P and input gradient 2P, *no* weight-gradient GEMMs;
-                 LoRA (p_A adapter parameters a token meets): forward 2 p_A, backward 4 p_A
+                 LoRA (p_A adapter parameters a token meets): forward 2 p_A, backward 4 p_A; a VeRA
+                 token less 2 p_A' (its frozen A's weight gradient, p_A' = Σ r * in: ``adapters``)
               + elementwise bytes (22 h + 4 (hq + hkv) + 9 ffn) / tp * dtype * T / (W * e_mem)
                  RMSNorms and residuals (22 h), RoPE, SwiGLU; split over the TP ranks with sequence
                  parallelism (as LobRA runs), the 22 h replicated on every rank without it
@@ -129,7 +130,8 @@ def analytic_layer_time(
     hbm = gpu.hbm_gbps * GB
     tp_link = Link(cal.link_latency_us / US_PER_MS, gpu.intra_node_gbps * cal.link)
     c1 = 7 * hq / tp / (flops * cal.attention) * MS_PER_S
-    gemm = (4 * p + 6 * adapters.mean_params_per_layer(model)) / tp / (flops * cal.matmul)
+    low_rank = 6 * adapters.mean_params_per_layer(model) - 2 * adapters.mean_skipped_gemm_params_per_layer(model)
+    gemm = (4 * p + low_rank) / tp / (flops * cal.matmul)
     model_width = 22 * h / (tp if sequence_parallel else 1)
     elementwise = (model_width + (4 * (hq + hkv) + 9 * f) / tp) * dtype_bytes / (hbm * cal.memory)
     allreduce = tp_link.allreduce(tp)  # ms vs bytes; a token carries h * dtype bytes

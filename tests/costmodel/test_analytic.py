@@ -83,3 +83,20 @@ def test_faster_hardware_is_faster():
 def test_costmodel_never_imports_torch():
     code = "import sys, lorafleet.costmodel, lorafleet.costmodel.check; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_a_vera_token_is_priced_without_its_frozen_a_weight_gradient():
+    """VeRA runs LoRA's rank-r GEMMs but for ``dA`` (its A is frozen): 2 r * in FLOPs a projection less a token, and
+    nothing else moves; a LoRA load's coefficients are what they were (no VeRA term)."""
+    from lorafleet.costmodel.adapters import AdapterLoad, TaskAdapter
+    from lorafleet.specs.lora import LLAMA_TARGET_MODULES
+
+    model, gpu = MODEL_PRESETS["llama2-7b"], GPU_PRESETS["A100-40GB"]
+    lora = AdapterLoad((TaskAdapter(16, LLAMA_TARGET_MODULES),))
+    vera = AdapterLoad((TaskAdapter(16, LLAMA_TARGET_MODULES, vera=True),))
+    t_lora, t_vera = (analytic_layer_time(model, gpu, 2, load) for load in (lora, vera))
+    skipped = sum(16 * i for i, _ in model.adapter_shapes(LLAMA_TARGET_MODULES).values())
+    flops = gpu.bf16_tflops * 1e12 * DEFAULT_CALIBRATION.matmul
+    assert t_lora.c[2] - t_vera.c[2] == pytest.approx(2 * skipped / 2 / flops * 1e3, rel=1e-9)
+    assert t_lora.c[:2] == t_vera.c[:2] and t_lora.c[3:] == t_vera.c[3:]
+    assert lora.mean_skipped_gemm_params_per_layer(model) == 0
