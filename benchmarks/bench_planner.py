@@ -9,6 +9,7 @@ Run from the repository root (every figure is measured here, in one run)::
     .venv/bin/python benchmarks/bench_planner.py --part time --cached-bytecode   # as installed: modules compiled once
     .venv/bin/python benchmarks/bench_planner.py --part robust   # part 4 (~1.5 min)
     .venv/bin/python benchmarks/bench_planner.py --part judge    # part 5 (~1 min)
+    .venv/bin/python benchmarks/bench_planner.py --part baselines --rounds 2   # part 6 (~1 min)
 
 1. **Plan time** (issue #43's targets) — the whole ``lorafleet plan`` command, each in a fresh process,
    default options (CBC, K = 32 sampled batches, baselines), analytic A800-80GB: ``examples/lobra-70b.yaml``
@@ -31,6 +32,10 @@ Run from the repository root (every figure is measured here, in one run)::
 4. **Robust race** — ``robust_top`` 2 against 3 (the default) on a small two-task workload and
    LobRA's 7B and 70B experiments: the chosen plan's mean GPU-seconds on 32 held-out sampled
    batches, and the planner's CPU seconds.
+6. **Task-Sequential's choices** (``--part baselines``) — the service-scale examples' Task-Sequential phases with
+   the padded choice shared by tasks of equal expected lengths (``baselines._phase``'s ``chosen``, what the planner
+   does) against each task's phase chosen alone, in this process, taking turns: CPU seconds, the ratio, and the
+   phases' plans compared (equal).
 5. **Judging packed plans** — every deployment the search judged on LobRA's 7B and 70B
    experiments (packed micro-batches, the default): the load model's makespan as placed (what
    the planner ranked by before it priced the packed step) against the dispatcher's estimate
@@ -62,17 +67,19 @@ from reproduce_lobra import EIGHT, FOUR, SECOND_TENANTS, with_tasks
 
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.costmodel.parallel_config import ParallelConfig
-from lorafleet.dispatch import DispatchOptions, MicroBatchMode, solve_step
+from lorafleet.dispatch import DispatchOptions, DispatchPolicy, MicroBatchMode, solve_step
 from lorafleet.dispatch.load import config_classes
 from lorafleet.dispatch.placement import placed_times
 from lorafleet.dispatch.step import choose_buckets
 from lorafleet.errors import SolverFallbackWarning
 from lorafleet.planner import LORAFLEET, PlannerMode, PlannerOptions, PlanResult, plan_deployment
+from lorafleet.planner.baselines import _phase
 from lorafleet.planner.candidates import propose_candidates, valid_candidates
 from lorafleet.planner.evaluation import PoolEntry, evaluate
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.problem import build_problem
 from lorafleet.planner.search import minlp_pool, search
+from lorafleet.plans import DeploymentPlan
 from lorafleet.presets import FLUSHED_PADDING
 from lorafleet.sampling import sample_global_batch
 from lorafleet.specs.recompute import RecomputePolicy
@@ -420,9 +427,45 @@ def part_judge() -> None:
         )
 
 
+def sequential_phases(workload: Workload, shared: bool) -> tuple[float, list[DeploymentPlan]]:
+    """CPU seconds of ``workload``'s Task-Sequential phases on its own cluster (the default policy), and their plans:
+    the padded choice shared by tasks of equal expected lengths (``shared``, what the planner does) or made alone."""
+    cluster = workload_cluster(workload)
+    cost_model = workload_cost_model(workload, cluster)
+    expected, valid, policy = expected_global_batch(workload), valid_candidates(cost_model, cluster), DispatchPolicy()
+    chosen: dict | None = {} if shared else None
+    padding = MicroBatchMode.PADDING
+    start = cpu_seconds()
+    phases = [
+        _phase(workload, (k,), expected, valid, cost_model, cluster, padding, policy, "seq", chosen)
+        for k in range(len(workload.tasks))
+    ]
+    return cpu_seconds() - start, [phase.plan for phase in phases]
+
+
+def part_baselines(rounds: int) -> None:
+    """Part 6: Task-Sequential's phases of the service-scale examples, shared choices against each alone."""
+    print(f"\n== 6. Task-Sequential: choices shared by equal expected lengths vs alone, CPU s, least of {rounds} ==")
+    for name in ("service-64", "service-128", "service-sweeps"):
+        workload = load_workload(REPO / f"examples/{name}.yaml")
+        runs: dict[bool, list[tuple[float, list[DeploymentPlan]]]] = {False: [], True: []}
+        for _ in range(rounds):
+            for shared in (False, True):
+                runs[shared].append(sequential_phases(workload, shared))
+        alone, shared = min(t for t, _ in runs[False]), min(t for t, _ in runs[True])
+        same = "equal" if runs[False][0][1] == runs[True][0][1] else "DIFFER"
+        tasks = len(workload.tasks)
+        print(
+            f"{name:<16} {tasks:>5} tasks  alone {alone:6.2f}  shared {shared:6.2f}  {shared / alone:.2f}  plans {same}"
+        )
+    print(f"1-minute load {os.getloadavg()[0]:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", action="append", choices=("time", "optimality", "quality", "robust", "judge"))
+    parser.add_argument(
+        "--part", action="append", choices=("time", "optimality", "quality", "robust", "judge", "baselines")
+    )
     parser.add_argument(
         "--case", action="append", choices=tuple(TIME_CASES), help="the time part's cases (default: all six)"
     )
@@ -461,6 +504,8 @@ def main() -> None:
         part_robust(tmp)
     if "judge" in parts:
         part_judge()
+    if "baselines" in parts:
+        part_baselines(args.rounds)
 
 
 if __name__ == "__main__":

@@ -279,11 +279,17 @@ def _phase(
     mode: MicroBatchMode,
     policy: DispatchPolicy,
     name: str,
+    chosen: dict[tuple[int, tuple[int, ...]], tuple[Candidate, int]] | None = None,
 ) -> Phase:
     """The tasks' phase on their best homogeneous config; it must hold the longest sequence the
     tasks can present (any step may bring it), not just the expected batch's. A step's sequences (``batch``'s)
     cap its replicas, as they cap lorafleet's (``problem.gpu_budget_rows``): on a fleet far larger than the
-    batch, the replicas beyond them would be idle."""
+    batch, the replicas beyond them would be idle.
+
+    ``chosen``: padded choices already made on one pool, by (longest, the tasks' expected lengths in order), the
+    only part of the tasks :func:`best_homogeneous` reads when padded (its bounds and estimates are load models of
+    the lengths, never of the task ids): Task-Sequential's tasks of equal expected lengths (a sweep's members,
+    tenants of one preset) share one choice (service-sweeps: 1,024 tasks, 49 distinct; service-128: 128, 49)."""
     longest = max(workload.tasks[k].lengths.max_length for k in tasks)
     part = select_tasks(batch, tasks)
     if len(cluster.pools) > 1:
@@ -291,7 +297,13 @@ def _phase(
             workload, part, longest, candidates, cost_model, cluster, mode, policy, name, len(batch)
         )
     else:
-        cand, p = best_homogeneous(part, longest, candidates, cost_model, cluster, mode, policy, len(batch))
+        key = (longest, tuple(part.lengths.tolist()))
+        found = chosen.get(key) if chosen is not None else None
+        if found is None:
+            found = best_homogeneous(part, longest, candidates, cost_model, cluster, mode, policy, len(batch))
+            if chosen is not None:
+                chosen[key] = found
+        cand, p = found
         plan = build_plan(
             workload,
             cluster,
@@ -325,6 +337,7 @@ def baseline_schedules(
             (BaselineKind.TASK_FUSED_PACKING, MicroBatchMode.PACKING),
         )
     }
+    chosen: dict[tuple[int, tuple[int, ...]], tuple[Candidate, int]] = {}
     sequential = Schedule(
         name=BaselineKind.TASK_SEQUENTIAL.value,
         phases=tuple(
@@ -338,6 +351,7 @@ def baseline_schedules(
                 MicroBatchMode.PADDING,
                 policy,
                 f"{BaselineKind.TASK_SEQUENTIAL.value}:{workload.tasks[k].name}",
+                chosen,
             )
             for k in everyone
         ),

@@ -176,3 +176,42 @@ def test_best_homogeneous_judges_replicas_as_placed():
         batch, 4096, valid_candidates(cost_model, cluster), cost_model, cluster, MicroBatchMode.PADDING, FLUSHED
     )
     assert (str(chosen.config), replicas) == ("<2,1>", 2)
+
+
+def test_task_sequential_tasks_of_equal_expected_lengths_share_one_choice(tmp_path, cost_model_7b, monkeypatch):
+    """Two tasks of one length histogram and batch size, and a third: Task-Sequential chooses a config for each
+    distinct (longest, expected lengths) once (2 choices, not 3; with the two Task-Fused ones, 4 calls of
+    ``best_homogeneous``), and every phase is the one chosen alone."""
+    from lorafleet.planner import baselines
+    from lorafleet.workload import load_workload
+    from tests.helpers.planning import skewed_histogram, write_workload
+
+    rng = np.random.default_rng(5)
+    same = {"batch_size": 32, "context_length": 2048, "histogram": skewed_histogram(rng, 300, 2048)}
+    other = {"batch_size": 16, "context_length": 4096, "histogram": skewed_histogram(rng, 900, 4096)}
+    tasks = [{"name": "a", **same}, {"name": "b", **other}, {"name": "c", **same}]
+    workload = load_workload(write_workload(tmp_path / "w.yaml", tasks, nodes=1))
+    cluster, expected = workload.cluster, expected_global_batch(workload)
+    candidates = valid_candidates(cost_model_7b, cluster)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[1])
+        return best_homogeneous(*args, **kwargs)
+
+    monkeypatch.setattr(baselines, "best_homogeneous", counted)
+    sequential = baseline_schedules(workload, expected, candidates, cost_model_7b, cluster, FLUSHED)[2]
+    assert len(calls) == 4
+    for k, phase in enumerate(sequential.phases):
+        alone = baselines._phase(
+            workload,
+            (k,),
+            expected,
+            candidates,
+            cost_model_7b,
+            cluster,
+            MicroBatchMode.PADDING,
+            FLUSHED,
+            f"{BaselineKind.TASK_SEQUENTIAL.value}:{workload.tasks[k].name}",
+        )
+        assert phase.plan == alone.plan
