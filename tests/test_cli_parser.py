@@ -61,3 +61,20 @@ def test_a_plans_start_imports_no_other_commands_or_planner_modes():
         "lorafleet.planner.joint_minlp",
     }
     assert not loaded & unwanted, loaded & unwanted
+
+
+def test_the_planners_lazy_names_are_its_type_checking_imports_and_resolve():
+    """``planner._LAZY`` (the names loaded on first use) and the package's ``TYPE_CHECKING`` imports name the same
+    (name, module) pairs, and each name is its module's object."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    import lorafleet.planner as planner
+
+    tree = ast.parse(Path(planner.__file__).read_text(encoding="utf-8"))
+    (guarded,) = (n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING")
+    imported = {a.name: i.module.rpartition(".")[2] for i in guarded.body for a in i.names}
+    assert imported == planner._LAZY
+    for name, module in planner._LAZY.items():
+        assert getattr(planner, name) is getattr(importlib.import_module(f"lorafleet.planner.{module}"), name)
