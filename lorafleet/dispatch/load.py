@@ -189,8 +189,8 @@ class LoadModel:
 
     def table_cost(self, i: int | np.ndarray, bucket: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`row_cost` of counts known to be within 0..D_j (the balancers' inner loops), from the tables."""
-        at = self.table_start[bucket] + rows
-        return self.compute_table[i, at], self.largest_table[i, at]
+        at = self.table_start[bucket] + rows + np.asarray(i) * self.compute_table.shape[1]  # flat: one take, not a pair
+        return self.compute_table.ravel().take(at), self.largest_table.ravel().take(at)
 
     def replica_load(self, i: int, rows: np.ndarray) -> np.ndarray:
         """T of one replica of class i holding ``rows`` (..., R) sequences per bucket (see module docstring)."""
