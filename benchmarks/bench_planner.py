@@ -33,9 +33,9 @@ Run from the repository root (every figure is measured here, in one run)::
    LobRA's 7B and 70B experiments: the chosen plan's mean GPU-seconds on 32 held-out sampled
    batches, and the planner's CPU seconds.
 6. **Task-Sequential's choices** (``--part baselines``) — the service-scale examples' Task-Sequential phases with
-   the padded choice shared by tasks of equal expected lengths (``baselines._phase``'s ``chosen``, what the planner
-   does) against each task's phase chosen alone, in this process, taking turns: CPU seconds, the ratio, and the
-   phases' plans compared (equal).
+   the padded choice and the dispatched expected step shared by tasks of equal expected lengths
+   (``baselines._phase``'s ``chosen``, what the planner does) against each task's phase chosen and dispatched alone,
+   in this process, taking turns: CPU seconds, the ratio, and the phases' plans compared (equal).
 5. **Judging packed plans** — every deployment the search judged on LobRA's 7B and 70B
    experiments (packed micro-batches, the default): the load model's makespan as placed (what
    the planner ranked by before it priced the packed step) against the dispatcher's estimate
@@ -429,7 +429,8 @@ def part_judge() -> None:
 
 def sequential_phases(workload: Workload, shared: bool) -> tuple[float, list[DeploymentPlan]]:
     """CPU seconds of ``workload``'s Task-Sequential phases on its own cluster (the default policy), and their plans:
-    the padded choice shared by tasks of equal expected lengths (``shared``, what the planner does) or made alone."""
+    the padded choice and expected step shared by tasks of equal expected lengths (``shared``, what the planner does)
+    or each made alone."""
     cluster = workload_cluster(workload)
     cost_model = workload_cost_model(workload, cluster)
     expected, valid, policy = expected_global_batch(workload), valid_candidates(cost_model, cluster), DispatchPolicy()

@@ -51,7 +51,7 @@ from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.placement import build_plan, with_expectation
 from lorafleet.planner.problem import Candidate, max_replicas
 from lorafleet.planner.schedule import Phase, Schedule, pow2_boundaries, select_tasks
-from lorafleet.plans import DeploymentPlan, GlobalBatch
+from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import Workload
 
@@ -279,41 +279,47 @@ def _phase(
     mode: MicroBatchMode,
     policy: DispatchPolicy,
     name: str,
-    chosen: dict[tuple[int, tuple[int, ...]], tuple[Candidate, int]] | None = None,
+    chosen: dict[tuple[int, tuple[int, ...]], tuple[Candidate, int, StepPlan]] | None = None,
 ) -> Phase:
     """The tasks' phase on their best homogeneous config; it must hold the longest sequence the
     tasks can present (any step may bring it), not just the expected batch's. A step's sequences (``batch``'s)
     cap its replicas, as they cap lorafleet's (``problem.gpu_budget_rows``): on a fleet far larger than the
-    batch, the replicas beyond them would be idle.
+    batch, the replicas beyond them would be idle. The plan records its expected step as lorafleet's plan does
+    (``with_expectation``: the buckets a plan check asks for, the expected times).
 
-    ``chosen``: padded choices already made on one pool, by (longest, the tasks' expected lengths in order), the
-    only part of the tasks :func:`best_homogeneous` reads when padded (its bounds and estimates are load models of
-    the lengths, never of the task ids): Task-Sequential's tasks of equal expected lengths (a sweep's members,
-    tenants of one preset) share one choice (service-sweeps: 1,024 tasks, 49 distinct; service-128: 128, 49)."""
+    ``chosen``, for phases of one task on one pool, padded: the choices already made and the expected steps already
+    dispatched, by (longest, the task's expected lengths in order), all that either reads of the task. Padded,
+    :func:`best_homogeneous`'s bounds and estimates are load models of the lengths; and a one-task batch dispatches
+    the same whichever task it is (placement orders by task first, the micro-batches are task-major, the window's
+    stall compares task ids: all one value; ``tests/planner/test_baselines.py`` pins it). Task-Sequential's tasks of
+    equal expected lengths (a sweep's members, tenants of one preset) share both (service-sweeps: 1,024 tasks, 49
+    distinct; service-128: 128, 49)."""
     longest = max(workload.tasks[k].lengths.max_length for k in tasks)
     part = select_tasks(batch, tasks)
     if len(cluster.pools) > 1:
         plan = best_across_pools(
             workload, part, longest, candidates, cost_model, cluster, mode, policy, name, len(batch)
         )
+        return Phase(tasks=tasks, plan=with_expectation(plan, dispatch_step(part, plan, cost_model)))
+    key = (longest, tuple(part.lengths.tolist()))
+    shared = chosen.get(key) if chosen is not None else None
+    if shared is None:
+        cand, p = best_homogeneous(part, longest, candidates, cost_model, cluster, mode, policy, len(batch))
     else:
-        key = (longest, tuple(part.lengths.tolist()))
-        found = chosen.get(key) if chosen is not None else None
-        if found is None:
-            found = best_homogeneous(part, longest, candidates, cost_model, cluster, mode, policy, len(batch))
-            if chosen is not None:
-                chosen[key] = found
-        cand, p = found
-        plan = build_plan(
-            workload,
-            cluster,
-            [(cand.config, cand.max_tokens, p)],
-            solver=f"baseline:{name}",
-            policy=_policy_of(mode, longest, cand.max_tokens, policy),
-            cost_model=cost_model,
-        )
-    # record the expected step as lorafleet's plan does: the buckets a plan check asks for, the expected times
-    return Phase(tasks=tasks, plan=with_expectation(plan, dispatch_step(select_tasks(batch, tasks), plan, cost_model)))
+        cand, p, _ = shared
+    plan = build_plan(
+        workload,
+        cluster,
+        [(cand.config, cand.max_tokens, p)],
+        solver=f"baseline:{name}",
+        policy=_policy_of(mode, longest, cand.max_tokens, policy),
+        cost_model=cost_model,
+    )
+    if shared is None:
+        shared = (cand, p, dispatch_step(part, plan, cost_model))
+        if chosen is not None:
+            chosen[key] = shared
+    return Phase(tasks=tasks, plan=with_expectation(plan, shared[2]))
 
 
 def baseline_schedules(
@@ -337,7 +343,7 @@ def baseline_schedules(
             (BaselineKind.TASK_FUSED_PACKING, MicroBatchMode.PACKING),
         )
     }
-    chosen: dict[tuple[int, tuple[int, ...]], tuple[Candidate, int]] = {}
+    chosen: dict[tuple[int, tuple[int, ...]], tuple[Candidate, int, StepPlan]] = {}
     sequential = Schedule(
         name=BaselineKind.TASK_SEQUENTIAL.value,
         phases=tuple(

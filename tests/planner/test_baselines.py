@@ -215,3 +215,35 @@ def test_task_sequential_tasks_of_equal_expected_lengths_share_one_choice(tmp_pa
             f"{BaselineKind.TASK_SEQUENTIAL.value}:{workload.tasks[k].name}",
         )
         assert phase.plan == alone.plan
+
+
+def test_a_one_task_batch_dispatches_the_same_whichever_task_it_is(workload, cost_model_7b):
+    """What Task-Sequential's shared expected steps rest on (``baselines._phase``): one task's expected sequences on
+    a padded, pipelined plan streamed in a window of steps (the stall at its boundaries compares task ids) get the
+    same buckets, makespan and replica times under every other task's id, and other sample ids."""
+    from dataclasses import replace
+
+    cluster, expected = workload.cluster, expected_global_batch(workload)
+    longest = workload.tasks[0].lengths.max_length
+    cand = next(c for c in valid_candidates(cost_model_7b, cluster) if c.config.pp > 1 and c.max_tokens >= longest)
+    policy = padding_policy(longest, cand.max_tokens, DispatchPolicy())
+    assert policy.pipeline_window > 1
+    plan = build_plan(
+        workload,
+        cluster,
+        [(cand.config, cand.max_tokens, 8 // cand.n_gpus)],
+        solver="t",
+        policy=policy,
+        cost_model=cost_model_7b,
+    )
+    part = select_tasks(expected, (0,))
+
+    def recorded(batch):
+        step = dispatch_step(batch, plan, cost_model_7b)
+        return step.bucket_boundaries, step.estimated_makespan_s, [w.estimated_time_s for w in step.work]
+
+    first = recorded(part)
+    assert first[1] > 0
+    for other in range(1, len(workload.tasks)):
+        relabeled = replace(part, task_ids=np.full_like(part.task_ids, other), sample_ids=part.sample_ids + 10_000)
+        assert recorded(relabeled) == first
