@@ -42,6 +42,12 @@ FLUSHED = DispatchPolicy(pipeline_window=1)
 the window of the cost model these tests were written against."""
 
 
+def one_node_plan(workload, cand, policy, cost_model):
+    """``cand``'s replicas filling the 8 GPUs of ``workload``'s one node, under ``policy``."""
+    replicas = [(cand.config, cand.max_tokens, 8 // cand.n_gpus)]
+    return build_plan(workload, workload.cluster, replicas, solver="test", policy=policy, cost_model=cost_model)
+
+
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory):
     return small_workload(tmp_path_factory.mktemp("wl"), seed=1, nodes=1)
@@ -52,14 +58,7 @@ def test_static_buckets_pad_to_their_boundary_and_keep_real_lengths(workload, co
     cand = max(valid_candidates(cost_model_7b, cluster), key=lambda c: (c.max_tokens >= workload.max_length, -c.n_gpus))
     batch = sample_global_batch(workload, 3)
     policy = padding_policy(int(batch.lengths.max()), cand.max_tokens, FLUSHED)
-    plan = build_plan(
-        workload,
-        cluster,
-        [(cand.config, cand.max_tokens, 8 // cand.n_gpus)],
-        solver="test",
-        policy=policy,
-        cost_model=cost_model_7b,
-    )
+    plan = one_node_plan(workload, cand, policy, cost_model_7b)
     step = dispatch_step(batch, plan, cost_model_7b)
     bounds = np.array(policy.static_boundaries)
     seen = []
@@ -228,14 +227,7 @@ def test_a_one_task_batch_dispatches_the_same_whichever_task_it_is(workload, cos
     cand = next(c for c in valid_candidates(cost_model_7b, cluster) if c.config.pp > 1 and c.max_tokens >= longest)
     policy = padding_policy(longest, cand.max_tokens, DispatchPolicy())
     assert policy.pipeline_window > 1
-    plan = build_plan(
-        workload,
-        cluster,
-        [(cand.config, cand.max_tokens, 8 // cand.n_gpus)],
-        solver="t",
-        policy=policy,
-        cost_model=cost_model_7b,
-    )
+    plan = one_node_plan(workload, cand, policy, cost_model_7b)
     part = select_tasks(expected, (0,))
 
     def recorded(batch):
