@@ -241,7 +241,8 @@ def against(name: str, tree: str, steps: int, rounds: int) -> None:
     print(
         f"{name}, CPU ms a step, {rounds} rounds of {steps} steps a side, interleaved: this tree p50 {p50[0]:.1f}, "
         f"p95 {p95[0]:.1f}; {tree} p50 {p50[1]:.1f}, p95 {p95[1]:.1f}; ratio p50 {p50[0] / p50[1]:.2f}x, "
-        f"p95 {p95[0] / p95[1]:.2f}x"
+        f"p95 {p95[0] / p95[1]:.2f}x (OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', 'unset')}: "
+        "process CPU counts OpenBLAS's spinning helper threads)"
     )
 
 
