@@ -231,8 +231,10 @@ def _move_sizes(load: LoadModel, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     b = np.maximum(load.microbatch_rows, 1)
     rows = -(-d // p)
     microbatches = -(-rows // b)
-    give = np.stack([d - p * (rows - 1), d - p * b * (microbatches - 1), d // 2, d], axis=-1)
-    take = np.stack([p * rows - d, p * b * microbatches - d, np.broadcast_to(p, d.shape), p * b], axis=-1)
+    full_rows, full_microbatches = p * rows, p * b * microbatches
+    give, take = np.empty((*d.shape, 4), dtype=np.int64), np.empty((*d.shape, 4), dtype=np.int64)
+    give[..., 0], give[..., 1], give[..., 2], give[..., 3] = d - full_rows + p, d - full_microbatches + p * b, d // 2, d
+    take[..., 0], take[..., 1], take[..., 2], take[..., 3] = full_rows - d, full_microbatches - d, p, p * b
     return give, take
 
 
