@@ -38,6 +38,7 @@ bucket restricted to its tightest classes: the least M >= s_j.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -248,7 +249,7 @@ def _offers(
     the taker's ``take[k, j]`` (4 each, :func:`_move_sizes`), clipped to 1 .. ``held[k, j]``, what the
     giver holds.
     """
-    cols = np.flatnonzero(mask.any(axis=0))  # the buckets some pair may move
+    cols = mask.any(axis=0).nonzero()[0]  # the buckets some pair may move (methods: no numpy wrapper a call)
     sizes = np.minimum(np.maximum(np.concatenate((give[:, cols], take[:, cols]), axis=2), 1), held[:, cols, None])
     sizes.sort(axis=2)
     drop = np.empty(sizes.shape, dtype=bool)
@@ -292,7 +293,7 @@ def _times(
     are scored with it."""
     total = rows.base[i] + lose[0] + gain[0]
     slots = load.bubble_slots[i]
-    if not np.any(slots):
+    if not slots.any():
         return total
     # pick[lose rank | gain rank]: the gain's rank is 0, 1 or 2, so the loss side's three candidates (with its
     # own new largest) are chosen between by the gain's rank, without a gather over every pair
@@ -300,7 +301,7 @@ def _times(
     bubble = np.where(gain[1] == 0, first, np.where(gain[1] == 1, second, third))
     np.maximum(bubble, gain[2], out=bubble)
     bubble *= slots
-    if np.all(slots != 0):
+    if (slots != 0).all():
         total += bubble
         return total
     return np.where(slots != 0, total + bubble, total)
@@ -351,7 +352,7 @@ class _Rows:
     def update(self, load: LoadModel, d: np.ndarray, i: int) -> None:
         """Row i again, after class i's totals changed."""
         compute, largest = load.table_cost(i, np.arange(d.shape[1]), -(-d[i] // load.n_replicas[i]))
-        top = np.argsort(-largest, kind="stable")[:3]
+        top = (-largest).argsort(kind="stable")[:3]
         self.compute[i], self.largest[i] = compute, largest
         self.base[i] = float(load.overhead_s[i] + compute.sum())
         self.top_values[i] = 0.0
@@ -378,7 +379,7 @@ def _best_exchange(
     give, take = sizes
     out_mask = (d[c] > 0)[None, :] & allowed
     out_mask[c] = False
-    takers = np.flatnonzero(out_mask.any(axis=1))  # the classes c can give something to, in order
+    takers = out_mask.any(axis=1).nonzero()[0]  # the classes c can give something to, in order
     if takers.size == 0:
         return None
     n = takers.size
@@ -418,12 +419,13 @@ def _best_exchange(
     np.maximum(worst, _times(load, rows, takers[:, None, None], k_gives, k_takes), out=worst)
     out_j, in_j, in_amount = moved_j[:, :wide], moved_j[:, wide:], moved[:, wide:]
     np.copyto(worst, np.inf, where=out_j[:, :, None] == np.where(in_amount > 0, in_j, -1)[:, None, :])
-    best = np.unravel_index(int(np.argmin(worst)), worst.shape)
-    if not np.isfinite(worst[best]):
+    first = int(worst.argmin())
+    least = float(worst.flat[first])
+    if not math.isfinite(least):
         return None
-    taker, a, e = (int(x) for x in best)
+    taker, a, e = first // (wide * worst.shape[2]), first // worst.shape[2] % wide, first % worst.shape[2]
     return (
-        float(worst[best]),
+        least,
         int(takers[taker]),
         (int(out_j[taker, a]), int(moved[taker, a]), int(in_j[taker, e]), int(in_amount[taker, e])),
     )
@@ -443,7 +445,7 @@ def _exchange_search(load: LoadModel, allowed: np.ndarray, d: np.ndarray, ends: 
             break
         path.append(state)
         times = rows.times(load)
-        c = int(np.argmax(times))
+        c = int(times.argmax())
         best = _best_exchange(load, allowed, d, rows, _move_sizes(load, d), c)
         if best is None or not best[0] < times[c] * (1 - _REL_TOL):
             break
