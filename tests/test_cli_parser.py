@@ -40,8 +40,9 @@ def test_a_word_that_names_no_module_gets_every_command(word):
 
 def test_a_plans_start_imports_no_other_commands_or_planner_modes():
     """The modules a plain plan's start imports (in a fresh process: this one has imported everything): the plan
-    command's parser, the planner's package and the plan check import no other command's module, nor the re-plan's
-    or the joint MINLP's (loaded on first use of their names, ``planner.__init__``, or with their mode)."""
+    command's parser, the planner's package and the plan check import no other command's module, nor the re-plan's,
+    the fleet sizing's or the joint MINLP's (loaded on first use of their names, ``planner.__init__``, or with their
+    mode)."""
     import subprocess
     import sys
 
@@ -59,6 +60,8 @@ def test_a_plans_start_imports_no_other_commands_or_planner_modes():
         "lorafleet.planner.incremental",
         "lorafleet.planner.decision",
         "lorafleet.planner.joint_minlp",
+        "lorafleet.planner.sizing",
+        "lorafleet.planner.sizing_bases",
     }
     assert not loaded & unwanted, loaded & unwanted
 

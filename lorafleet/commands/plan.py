@@ -387,14 +387,15 @@ def _above(value: float, bound: float) -> str:
 
 def _sized_plan(workload, args: argparse.Namespace, options, objective, max_nodes: int | None):
     """``--gpus auto``: every whole-node count planned (``planner.size_fleet``; written ``quantize: auto`` or as a
-    list, once per candidate base, ``planner.base_choice.size_per_base``), the sweep printed (also when no count is
+    list, once per candidate base, ``planner.sizing_bases.size_per_base``), the sweep printed (also when no count is
     chosen, before the error; the chosen base's, then a line per base), and the chosen count's PlanResult and
     cluster."""
     from rich.console import Console
 
     from lorafleet.assemble import workload_cluster, workload_cost_model
     from lorafleet.planner import SizingError, size_fleet
-    from lorafleet.planner.base_choice import base_name, size_per_base
+    from lorafleet.planner.base_choice import base_name
+    from lorafleet.planner.sizing_bases import size_per_base
 
     console = Console(width=SIZING_WIDTH)
     cluster, choice = workload_cluster(workload, None, args.gpu), None

@@ -18,7 +18,8 @@ proposes) and :mod:`.joint_minlp` (LobRA's MINLP), :mod:`.search` (the pool of d
 (the first-improvement search of swaps and of the cost objective's moves), :mod:`.placement`
 (GPUs, then the DeploymentPlan), :mod:`.baselines` and :mod:`.schedule` (replayable schedules),
 :mod:`.bounds` (lower bounds) and :mod:`.plot` (a plan's load per replica, as a PNG); :mod:`.base_choice`
-(``quantize: auto``: the fleet planned once per candidate base, the better plan kept).
+(``quantize: auto``: the fleet planned once per candidate base, the better plan kept; :mod:`.sizing_bases`, sized
+once per base).
 
 A running fleet's re-plan: :mod:`.incremental` (``replan_incremental``: keep the deployment unless another pays
 for its migration, priced by :class:`MigrationModel`) and :mod:`.decision` (``decide``, ``settle``: what a

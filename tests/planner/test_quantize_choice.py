@@ -15,8 +15,9 @@ from lorafleet.cli import main
 from lorafleet.errors import InputError
 from lorafleet.plan_check import check_quantize, with_plan_base
 from lorafleet.planner import Deadline, PlannerOptions, SizingObjective
-from lorafleet.planner.base_choice import BaseChoice, candidate_bases, choose_base, size_per_base, with_base
+from lorafleet.planner.base_choice import BaseChoice, candidate_bases, choose_base, with_base
 from lorafleet.planner.options import PlanObjective
+from lorafleet.planner.sizing_bases import size_per_base
 from lorafleet.runtime.base_quantization import check_base_choice
 from lorafleet.specs.lora import Quantization
 from lorafleet.whatif import Variation, sweep
