@@ -97,11 +97,11 @@ def _water_fill(load: LoadModel, allowed: np.ndarray, start: np.ndarray) -> np.n
     """Add each bucket's sequences not yet in ``start`` (K, R), longest bucket first, at the least level."""
     d = start.copy()
     rows = _Rows(load, d)
-    for j in np.argsort(-load.boundaries, kind="stable"):
+    for j in (-load.boundaries).argsort(kind="stable"):
         total = int(load.counts[j] - d[:, j].sum())
         if total == 0:
             continue
-        takers = np.flatnonzero(allowed[:, j])
+        takers = allowed[:, j].nonzero()[0]
         bucket, none, extra = np.array(j), np.array(0), np.arange(total + 1)
         # (takers, total + 1): time of each taker holding x = 0..total more of bucket j; the running
         # max makes each row monotone even for cost models with a negative coefficient
@@ -109,9 +109,11 @@ def _water_fill(load: LoadModel, allowed: np.ndarray, start: np.ndarray) -> np.n
         # The least level tau at which the takers hold them all: taker t holds the x >= 1 more with
         # curve[t, x] <= tau (its row is monotone), so tau is the total-th smallest of curve[:, 1:].
         more = curve[:, 1:]
-        take = (more <= np.partition(more, total - 1, axis=None)[total - 1]).sum(axis=1)
+        tau = more.flatten()  # a copy, partitioned in place (array methods: no numpy wrapper a bucket)
+        tau.partition(total - 1)
+        take = (more <= tau[total - 1]).sum(axis=1)
         surplus = int(take.sum()) - total
-        for t in np.argsort(-curve[np.arange(takers.size), take], kind="stable"):
+        for t in (-curve[np.arange(takers.size), take]).argsort(kind="stable"):
             cut = min(surplus, int(take[t]))
             take[t] -= cut
             surplus -= cut
