@@ -82,11 +82,12 @@ def main() -> int:
     sets = ["--set", f"defaults.eval.split={args.split}", "--set", f"defaults.eval.every_steps={args.every}"]
     sets += ["--profile", str(Path(args.profile).absolute())] if args.profile else []
     plan = out / "plan.json"
+    # cwd=out: `python -m` puts the working directory first on the path, which would shadow PYTHONPATH's tree
     subprocess.run([*LORAFLEET, "plan", str(WORKLOAD), "--gpus", "1", "--gpu", "cpu", "--json", str(plan), *sets],
-                   check=True, capture_output=True)  # fmt: skip
+                   check=True, capture_output=True, cwd=out)  # fmt: skip
     train = ["train", str(WORKLOAD), "--gpus", "1", "--gpu", "cpu", "--plan", str(plan), "--steps", str(args.steps),
              "--out", str(out / "run"), "--no-progress", *sets]  # fmt: skip
-    said = subprocess.run([*LORAFLEET, *train], check=True, capture_output=True, text=True).stdout
+    said = subprocess.run([*LORAFLEET, *train], check=True, capture_output=True, text=True, cwd=out).stdout
     print(*(f"  {line.split('] ', 1)[-1]}" for line in said.splitlines() if "probed an evaluation" in line), sep="\n")
     rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     evaluated = [r for r in rows if "eval_s" in r]
