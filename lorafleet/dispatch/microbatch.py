@@ -96,10 +96,27 @@ def packed_with_tasks(
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     if seq_ids.size == 0:
         return [], TaskRanges((), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-    order = seq_ids[np.lexsort((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
-    needs = lengths[order]
+    order = decreasing(seq_ids, lengths, task_ids)
+    return microbatches_of_bins(order, first_fit(lengths[order], max_tokens), lengths, task_ids, task_major=task_major)
+
+
+def decreasing(seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray) -> np.ndarray:
+    """``seq_ids`` by decreasing length, ties by (task, position): the order the packers place them in."""
+    return seq_ids[np.lexsort((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
+
+
+def first_fit(needs: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Each of ``needs`` (tokens, descending)'s micro-batch by first fit into ``max_tokens``, numbered in opening
+    order (:func:`_first_fit_few`, or :func:`_first_fit_many` past :data:`MANY_BINS` micro-batches' worth)."""
     fill = _first_fit_many if int(needs.sum()) > MANY_BINS * max_tokens else _first_fit_few
-    bins = fill(needs.tolist(), max_tokens)
+    return fill(needs.tolist(), max_tokens)
+
+
+def microbatches_of_bins(
+    order: np.ndarray, bins: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, *, task_major: bool = False
+) -> tuple[list[MicroBatch], TaskRanges]:
+    """The micro-batches of sequences ``order`` placed in ``bins`` (each one's micro-batch, numbered in opening
+    order), as :func:`packed_with_tasks` returns them: rows by (task, position), in 1F1B order."""
     # each micro-batch's rows by (task, position); then the micro-batches in 1F1B order (order_for_1f1b's
     # keys, over arrays: largest first, or by largest task first when task_major; ties in opening order)
     rows = np.lexsort((order, task_ids[order], bins))

@@ -29,6 +29,7 @@ from lorafleet.dispatch.bucketing import BucketingResult, bucket_of, optimal_buc
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import ConfigClass, LoadModel, build_load_model, config_classes
 from lorafleet.dispatch.microbatch import packed_with_tasks, padded_microbatches
+from lorafleet.dispatch.pipelined import pipelined_packing
 from lorafleet.dispatch.placement import place_sequences
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork, StepPlan
@@ -225,6 +226,17 @@ def placed_work(
                     held[r], batch.lengths, batch.task_ids, padded_len, cls.max_tokens, task_major=task_major
                 )
                 tasks: Sequence[Collection[int]] = [mb.task_ids for mb in mbs]
+            elif cls.config.pp > 1:  # the bubble pays the largest micro-batch again: balanced, and counted
+                mbs, tasks = pipelined_packing(
+                    held[r],
+                    batch.lengths,
+                    batch.task_ids,
+                    cls.max_tokens,
+                    cost_model,
+                    cls.config,
+                    window,
+                    task_major=task_major,
+                )
             else:
                 mbs, tasks = packed_with_tasks(
                     held[r], batch.lengths, batch.task_ids, cls.max_tokens, task_major=task_major
