@@ -146,22 +146,26 @@ def test_auto_keeps_the_unquantized_base_where_memory_is_plentiful(tmp_path):
 
 
 def test_a_tie_within_the_tolerance_goes_to_the_less_quantized_base(tmp_path):
-    """70B on 4 x 48 GB: NF4's plan is ~11% faster; with a 20% tolerance the unquantized base keeps it."""
+    """70B on 4 x 48 GB: NF4's plan is ~10% faster; with a 20% tolerance the unquantized base keeps it. (The
+    tolerance also lets NF4's own plan be a simpler one within 20% of its fastest: <2,1,rc> x 2 at 15.60 s against
+    <1,2,rc> x 2 at 14.49, since #43's pipelined packing; the unquantized base's is the same plan either way.)"""
     workload = _workload(tmp_path, "auto", gpus=4)
     strict, loose = _choose(workload), _choose(workload, replace(QUICK, tie_rel=0.2))
     assert strict.option.base is NF4 and loose.option.base is None
     assert "a tie goes to the less-quantized base" in loose.reason
-    assert [o.value(loose.objective) for o in loose.options] == [o.value(strict.objective) for o in strict.options]
+    (none_s, nf4_s), (none_l, nf4_l) = ([o.value(c.objective) for o in c.options] for c in (strict, loose))
+    assert none_l == none_s and nf4_s <= nf4_l <= 1.2 * nf4_s
 
 
 def test_the_cost_objective_keeps_the_cheaper_base_among_the_plans_within_the_step_limit(tmp_path):
-    """70B on 4 x 48 GB at 2 a GPU-hour: NF4's plan (2 GPUs) costs 17.5% less a step than the unquantized one (4);
-    under a 16 s step limit the unquantized plan (17.7 s) no longer competes, and NF4 keeps a faster, dearer plan."""
+    """70B on 4 x 48 GB at 2 a GPU-hour: NF4's plan (2 GPUs) costs 26.6% less a step than the unquantized one (4;
+    17.5% before #43's pipelined packing balanced NF4's <1,2,rc> step, 29.07 -> 23.72 s); under a 16 s step limit
+    the unquantized plan (16.16 s) no longer competes, and NF4 keeps a faster, dearer plan."""
     workload = _workload(tmp_path, "auto", gpus=4, price=2.0)
     cheapest = _choose(workload, replace(QUICK, objective=PlanObjective.COST))
     none, nf4 = cheapest.options
     assert cheapest.option is nf4 and nf4.value(cheapest.objective) < 0.85 * none.value(cheapest.objective)
-    assert cheapest.lines()[0].startswith("base chosen among quantize: [none, nf4] by cost: nf4, 17.")
+    assert cheapest.lines()[0].startswith("base chosen among quantize: [none, nf4] by cost: nf4, 26.")
     limited = _choose(workload, replace(QUICK, objective=PlanObjective.COST, max_step_s=16.0))
     assert none.value(PlanObjective.MAKESPAN) > 16.0 >= limited.option.value(PlanObjective.MAKESPAN)
     assert limited.option.base is NF4 and limited.reason == "the only base with a plan within the limit"
@@ -191,10 +195,10 @@ def _sized(workload: Workload, options: PlannerOptions = QUICK, objective: Sizin
 
 def test_gpus_auto_sizes_the_fleet_once_per_base_by_the_sizings_goal(tmp_path):
     """70B on up to 2 nodes of 2 x 48 GB, the fewest GPU-seconds: unquantized it needs 4 GPUs, NF4 fits on 2 and
-    takes ~18% fewer GPU-seconds; a 30% tolerance gives the tie to the unquantized base. 13B under a deadline both
+    takes ~27% fewer GPU-seconds; a 40% tolerance gives the tie to the unquantized base. 13B under a deadline both
     meet on 2 GPUs: the GPU counts tie, and the less-quantized base keeps it."""
     seventy = _workload(tmp_path, "auto", nodes=2)
-    choice, loose = _sized(seventy), _sized(seventy, replace(QUICK, tie_rel=0.3))
+    choice, loose = _sized(seventy), _sized(seventy, replace(QUICK, tie_rel=0.4))
     none, nf4 = choice.options
     assert [r.feasible for r in none.sizing.rows] == [False, True] and nf4.sizing.chosen_row.gpus == 2
     assert choice.chosen == 1 and nf4.value() == nf4.sizing.chosen_row.gpu_seconds_per_step < none.value()

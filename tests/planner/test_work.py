@@ -31,6 +31,10 @@ from tests.helpers.repo import EXAMPLES
 #   service-sweeps/64: 33 judged, 48 dispatches, 88 balances, 146 LPs, 9 MILPs, 40 raced, 327 priced, 204 timelines
 #                 (107 dispatches, 147 balances, 205 LPs, 491 priced before Task-Sequential's tenants of equal
 #                 expected lengths shared one choice and one dispatched expected step: #43)
+# #43's pipelined packing (dispatch.pipelined) prices a pipelined replica's balanced packings beside first-fit
+# decreasing's where the closed form expects them to save 1 %, and their stalls are new timelines: two-tenants 30
+# timelines (14 before), service-sweeps/64 PRICED replicas priced (327 before); the bounds of those two were
+# raised to about 1.5 times the new counts, the others hold.
 BOUNDS = {
     ("two-tenants.yaml", None): dict(
         deployments_judged=90,
@@ -40,7 +44,7 @@ BOUNDS = {
         milp_solves=21,
         batches_raced=40,
         replicas_priced=680,
-        stall_timelines=21,
+        stall_timelines=45,
     ),
     ("lobra-7b.yaml", None): dict(
         deployments_judged=30,
@@ -69,7 +73,7 @@ BOUNDS = {
         lp_solves=220,
         milp_solves=14,
         batches_raced=40,
-        replicas_priced=490,
+        replicas_priced=1170,
         stall_timelines=305,
     ),
 }
