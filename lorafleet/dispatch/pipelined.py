@@ -26,9 +26,10 @@ unless a micro-batch would drop below the longest sequence alone, past which mor
 (:func:`best_count`, with B = pp - 1: a drain; a window's smaller stall is left to the pricing). First-fit
 decreasing's micro-batches give A, and the closed form's saving over them decides whether a balanced packing is
 built at all (:data:`MIN_GAIN`). Where it is, :func:`pipelined_packing` balances into K and K + 1 micro-batches
-(whole sequences never split evenly: the real largest is above S / K, and one more micro-batch lowers it) and
-keeps, of those and first-fit decreasing's, what ``CostModel.replica_time`` prices least, with the real stall of
-each order in the window (first-fit decreasing, then the fewer, on a tie): a pipelined replica's
+(whole sequences never split evenly: the real largest is above S / K, and one more micro-batch lowers it), keeps
+the one ``CostModel.replica_time`` prices less drained (B = pp - 1, as the closed form: a window's stall costs a
+timeline for every new order), and keeps it over first-fit decreasing's only if it is priced less with the real
+stall of each order in the window (the fewer, then first-fit decreasing, on a tie): a pipelined replica's
 step is never priced above first-fit decreasing's. The count is at least first-fit decreasing's (its micro-batches
 hold at most M tokens each) and at most the sequences; one that balancing cannot hold in K opens another.
 """
@@ -138,11 +139,13 @@ def pipelined_packing(
     k, saving = best_count(times, stage.c[5], float(own[0] + opening[0]), config.pp - 1.0, needs.size)
     if saving < MIN_GAIN:
         return first
-    best, best_s = first, cost_model.replica_time(config, first[0], first[1], window)
-    for count in range(k, min(k + 1, needs.size) + 1):  # the real largest is above the even split: one more too
+    # K and K + 1 (the real largest is above the even split) compared drained, B = pp - 1 as the closed form
+    # (a window's stall costs a timeline per new order); the better against first-fit decreasing in the window
+    packings = []
+    for count in range(k, min(k + 1, needs.size) + 1):
         bins = balanced_bins(needs.tolist(), own.tolist(), opening.tolist(), count, max_tokens)
-        packed = microbatches_of_bins(order, bins, lengths, task_ids, task_major=task_major)
-        seconds = cost_model.replica_time(config, packed[0], packed[1], window)
-        if seconds < best_s:
-            best, best_s = packed, seconds
-    return best
+        packings.append(microbatches_of_bins(order, bins, lengths, task_ids, task_major=task_major))
+    packed = min(packings, key=lambda p: cost_model.replica_time(config, p[0]))
+    if cost_model.replica_time(config, *packed, window) < cost_model.replica_time(config, *first, window):
+        return packed
+    return first
