@@ -8,8 +8,9 @@
    baseline (:func:`balance_load`, over :mod:`.balance` and :mod:`.ilp`; the planner judges
    deployments through the same function).
 3. Placement of the actual sequences on replicas (:mod:`.placement`), micro-batches per
-   replica (:mod:`.microbatch`), and each replica's time from the cost model
-   (:func:`placed_work`, which the planner also judges deployments by).
+   replica (:mod:`.microbatch`; a pipelined replica's packed ones :mod:`.pipelined`), and each
+   replica's time from the cost model (:func:`placed_work`, which the planner also judges
+   deployments by).
 
 Nothing here warns or keeps state: the same inputs give the same plan, so the look-ahead
 dispatcher can compute it on another thread.
