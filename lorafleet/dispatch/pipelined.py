@@ -118,34 +118,42 @@ def pipelined_packing(
     window: int = 1,
     *,
     task_major: bool = False,
-) -> tuple[list[MicroBatch], TaskRanges]:
+) -> tuple[list[MicroBatch], TaskRanges, float]:
     """The micro-batches of a replica of ``config`` (pp > 1) holding ``seq_ids``, packed to at most ``max_tokens``:
     first-fit decreasing's, or, where the closed form expects a balanced packing into :func:`best_count`'s K
     micro-batches to save :data:`MIN_GAIN`, the balanced packing into K or K + 1 that ``cost_model.replica_time``
     prices below it in a pipeline window of ``window`` steps (module docstring); as
-    ``microbatch.packed_with_tasks`` returns them (rows by task, 1F1B or ``task_major`` order)."""
+    ``microbatch.packed_with_tasks`` returns them (rows by task, 1F1B or ``task_major`` order), with their tasks and
+    that price, seconds (``replica_time`` in the window: the caller need not price them again)."""
+
+    def priced(packing: tuple[list[MicroBatch], TaskRanges]) -> tuple[list[MicroBatch], TaskRanges, float]:
+        return *packing, cost_model.replica_time(config, *packing, window)
+
     seq_ids = np.asarray(seq_ids, dtype=np.int64)
     if seq_ids.size < 2:  # one micro-batch at most: nothing to balance
-        return packed_with_tasks(seq_ids, lengths, task_ids, max_tokens, task_major=task_major)
+        return priced(packed_with_tasks(seq_ids, lengths, task_ids, max_tokens, task_major=task_major))
     order = decreasing(seq_ids, lengths, task_ids)
     needs = lengths[order]
     bins = first_fit(needs, max_tokens)
     first = microbatches_of_bins(order, bins, lengths, task_ids, task_major=task_major)
     stage = cost_model.stage_coeffs(config)
-    one, two = stage(1, needs), stage(2, needs)
+    one, two = stage(np.array([[1], [2]]), needs)  # t(1, s), t(2, s) of each sequence in one broadcast call
     own, opening = two - one, 2 * one - two  # α, β of each sequence (LobRA's t(b, s) = α b + β)
     opened = np.unique(bins, return_index=True)[1]  # each micro-batch's longest sequence: the first placed there
     times = np.bincount(bins, weights=own) + opening[opened]
     k, saving = best_count(times, stage.c[5], float(own[0] + opening[0]), config.pp - 1.0, needs.size)
     if saving < MIN_GAIN:
-        return first
+        return priced(first)
     # K and K + 1 (the real largest is above the even split) compared drained, B = pp - 1 as the closed form
-    # (a window's stall costs a timeline per new order); the better against first-fit decreasing in the window
-    packings = []
+    # (a window's stall costs a timeline per new order); the better against first-fit decreasing in the window,
+    # where a window of one step is the drain (its stall is never charged): its drained price is that price
+    drained = []
     for count in range(k, min(k + 1, needs.size) + 1):
         bins = balanced_bins(needs.tolist(), own.tolist(), opening.tolist(), count, max_tokens)
-        packings.append(microbatches_of_bins(order, bins, lengths, task_ids, task_major=task_major))
-    packed = min(packings, key=lambda p: cost_model.replica_time(config, p[0]))
-    if cost_model.replica_time(config, *packed, window) < cost_model.replica_time(config, *first, window):
-        return packed
-    return first
+        packing = microbatches_of_bins(order, bins, lengths, task_ids, task_major=task_major)
+        drained.append((*packing, cost_model.replica_time(config, packing[0])))
+    packed = min(drained, key=lambda p: p[2])
+    if window > 1:
+        packed = priced(packed[:2])
+    ffd = priced(first)
+    return packed if packed[2] < ffd[2] else ffd

@@ -222,13 +222,9 @@ def placed_work(
         if classes is not None and i not in classes:
             continue
         for r in cls.replicas:
-            if mode is MicroBatchMode.PADDING:
-                mbs = padded_microbatches(
-                    held[r], batch.lengths, batch.task_ids, padded_len, cls.max_tokens, task_major=task_major
-                )
-                tasks: Sequence[Collection[int]] = [mb.task_ids for mb in mbs]
-            elif cls.config.pp > 1:  # the bubble pays the largest micro-batch again: balanced, and counted
-                mbs, tasks = pipelined_packing(
+            if mode is MicroBatchMode.PACKING and cls.config.pp > 1:
+                # the bubble pays the largest micro-batch again: balanced, counted, and priced there
+                mbs, _, seconds = pipelined_packing(
                     held[r],
                     batch.lengths,
                     batch.task_ids,
@@ -239,10 +235,16 @@ def placed_work(
                     task_major=task_major,
                 )
             else:
-                mbs, tasks = packed_with_tasks(
-                    held[r], batch.lengths, batch.task_ids, cls.max_tokens, task_major=task_major
-                )
-            seconds = cost_model.replica_time(cls.config, mbs, tasks, window=window)  # each reads as its shape
+                if mode is MicroBatchMode.PADDING:
+                    mbs = padded_microbatches(
+                        held[r], batch.lengths, batch.task_ids, padded_len, cls.max_tokens, task_major=task_major
+                    )
+                    tasks: Sequence[Collection[int]] = [mb.task_ids for mb in mbs]
+                else:
+                    mbs, tasks = packed_with_tasks(
+                        held[r], batch.lengths, batch.task_ids, cls.max_tokens, task_major=task_major
+                    )
+                seconds = cost_model.replica_time(cls.config, mbs, tasks, window=window)  # each reads as its shape
             work[r] = (tuple(mbs), cls.time_scale * seconds)
     return work
 

@@ -34,12 +34,12 @@ def test_one_task_on_two_l40s_splits_its_step_in_four_even_micro_batches(tmp_pat
     assert cost_model.max_tokens(config) == 11175
     lengths, tasks = np.array([1024] * 6 + [4096] * 2), np.zeros(8, dtype=np.int64)
     ffd, ffd_tasks = packed_with_tasks(np.arange(8), lengths, tasks, 11175)
-    mbs, mb_tasks = pipelined_packing(np.arange(8), lengths, tasks, 11175, cost_model, config, window=8)
+    mbs, mb_tasks, seconds = pipelined_packing(np.arange(8), lengths, tasks, 11175, cost_model, config, window=8)
     assert [mb.tokens for mb in ffd] == [10240, 4096]
     assert [mb.tokens for mb in mbs] == [4096, 4096, 3072, 3072]
     assert sorted(q for mb in mbs for q in mb.seq_ids) == list(range(8))
     assert cost_model.replica_time(config, ffd, ffd_tasks, window=8) == pytest.approx(29.073, abs=1e-3)
-    assert cost_model.replica_time(config, mbs, mb_tasks, window=8) == pytest.approx(23.719, abs=1e-3)
+    assert seconds == cost_model.replica_time(config, mbs, mb_tasks, window=8) == pytest.approx(23.719, abs=1e-3)
 
 
 def test_longest_first_to_the_least_loaded_micro_batch_with_room():
@@ -69,8 +69,13 @@ def test_never_priced_above_first_fit_decreasing_and_keeps_the_packers_invariant
         ids = np.arange(n)
         for task_major in (False, True):
             ffd = packed_with_tasks(ids, lengths, tasks, m, task_major=task_major)
-            mbs, ranges = pipelined_packing(ids, lengths, tasks, m, cost_model, config, window, task_major=task_major)
-            assert cost_model.replica_time(config, mbs, ranges, window) <= cost_model.replica_time(config, *ffd, window)
+            mbs, ranges, seconds = pipelined_packing(
+                ids, lengths, tasks, m, cost_model, config, window, task_major=task_major
+            )
+            assert seconds == cost_model.replica_time(
+                config, mbs, ranges, window
+            )  # the price it returns is the window's
+            assert seconds <= cost_model.replica_time(config, *ffd, window)
             balanced += mbs != ffd[0]
             assert sorted(q for mb in mbs for q in mb.seq_ids) == list(range(n)) and len(mbs) >= len(ffd[0])
             assert all(mb.tokens <= m and list(mb.task_ids) == sorted(mb.task_ids) for mb in mbs)
