@@ -332,7 +332,7 @@ def _cost_tables(
     """alpha n + beta ceil(n / b) and alpha min(n, b) + beta for n = 0..D_j, every class, buckets laid end to end."""
     width = counts + 1
     table_start = np.concatenate(([0], np.cumsum(width)[:-1])).astype(np.int64)
-    n = np.arange(int(width.sum())) - np.repeat(table_start, width)
+    n = np.arange(int(width.sum())) - np.repeat(table_start[: width.size], width)  # no bucket: [0] and nothing
     # each bucket's coefficients repeated over its entries (a repeat, not a gather: ~16 buckets, ~15,000 entries)
     spread = (np.repeat(x, width, axis=1) for x in (per_seq, per_mb, np.maximum(rows, 1)))
     compute, largest = _row_cost(*spread, n)

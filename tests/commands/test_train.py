@@ -65,6 +65,7 @@ def test_cli_surface_is_frozen():
         "--replan-after",
         "--replan-horizon",
         "--replan-objective",
+        "--replan-samples",
         "--resume",
         "--set",
         "--solver",

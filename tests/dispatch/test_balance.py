@@ -260,3 +260,15 @@ def test_cost_tables_float_ceiling_is_the_integer_ceiling():
     compute, largest = _row_cost(alpha, beta, b, n)
     assert np.array_equal(compute, alpha * n + beta * -(-n // b))
     assert np.array_equal(largest, np.where(n > 0, alpha * np.minimum(n, b) + beta, 0.0))
+
+
+def test_cost_tables_of_no_bucket_are_empty_with_the_first_start():
+    """A class set with no bucket (a replay's step where no sequence of a stopped task is left) gives empty tables and
+    the start table ``[0]``, as before the tables were built by repeats (a broadcast error then)."""
+    from lorafleet.dispatch.load import _cost_tables
+
+    empty = np.zeros((2, 0))
+    compute, largest, start = _cost_tables(empty, empty, empty.astype(np.int64), np.zeros(0, dtype=np.int64))
+    assert compute.shape == largest.shape == (2, 0) and start.tolist() == [0]
+    compute, largest, start = _cost_tables(np.ones((1, 2)), np.ones((1, 2)), np.ones((1, 2)), np.array([2, 1]))
+    assert start.tolist() == [0, 3] and compute.tolist() == [[0.0, 2.0, 4.0, 0.0, 2.0]]
