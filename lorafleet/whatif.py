@@ -34,8 +34,8 @@ from pydantic import ValidationError
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.errors import InputError
 from lorafleet.executor.simulated import SimulationOptions
-from lorafleet.planner import PlannerOptions, PlanResult, plan_deployment
-from lorafleet.planner.base_choice import base_name, choose_base, with_base
+from lorafleet.planner import PlannerOptions, PlanResult
+from lorafleet.planner.base_choice import base_name, plan_over_base, with_base
 from lorafleet.simulate import simulate_schedule
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.specs.dispatch import DispatchPolicy
@@ -175,14 +175,12 @@ def _planned(
 ) -> tuple[PlanResult, Workload, dict[str, str]]:
     """A point's plan, its workload over the base planned and its rows' ``base`` column: over the workload's one base
     (no column), or, for ``quantize: auto`` or a list, the base ``plan`` and ``simulate`` choose for this fleet."""
-    if workload.spec.quantize_candidates is None:
-        return (
-            plan_deployment(workload, cluster, workload_cost_model(workload, cluster, profile), options),
-            workload,
-            {},
-        )
-    choice = choose_base(workload, cluster, lambda over: workload_cost_model(over, cluster, profile), options)
-    return choice.result, with_base(workload, choice.option.base), {"base": base_name(choice.option.base)}
+    result, choice = plan_over_base(
+        workload, cluster, lambda over: workload_cost_model(over, cluster, profile), options
+    )
+    if choice is None:
+        return result, workload, {}
+    return result, with_base(workload, choice.option.base), {"base": base_name(choice.option.base)}
 
 
 def _describe_point(point: dict[str, str]) -> str:

@@ -462,15 +462,14 @@ def chosen_plan(workload, cluster, profile, options, console):
     """The PlanResult of ``workload`` on ``cluster``: over its one base, or, written ``quantize: auto`` or as a list,
     over the base the planner chooses (``planner.base_choice``), each candidate's line printed first."""
     from lorafleet.assemble import workload_cost_model
-    from lorafleet.planner import plan_deployment
-    from lorafleet.planner.base_choice import choose_base
+    from lorafleet.planner.base_choice import plan_over_base
 
-    if workload.spec.quantize_candidates is None:
-        return plan_deployment(workload, cluster, workload_cost_model(workload, cluster, profile), options)
-    choice = choose_base(workload, cluster, lambda over: workload_cost_model(over, cluster, profile), options)
-    for line in choice.lines():
+    result, choice = plan_over_base(
+        workload, cluster, lambda over: workload_cost_model(over, cluster, profile), options
+    )
+    for line in choice.lines() if choice is not None else ():
         console.print(line, highlight=False, markup=False)
-    return choice.result
+    return result
 
 
 def run(args: argparse.Namespace) -> int:

@@ -170,6 +170,20 @@ def choose_base(
     return BaseChoice(traded, options.objective, chosen, reason)
 
 
+def plan_over_base(
+    workload: Workload,
+    cluster: ClusterSpec,
+    cost_model_of: Callable[[Workload], CostModel],
+    options: PlannerOptions = PlannerOptions(),
+) -> tuple[PlanResult, BaseChoice | None]:
+    """The plan of ``workload`` on ``cluster``: over its one base (no choice), or, written ``quantize: auto`` or as
+    a list, over the base :func:`choose_base` keeps, with the choice (whose ``lines`` the callers say)."""
+    if workload.spec.quantize_candidates is None:
+        return plan_deployment(workload, cluster, cost_model_of(workload), options), None
+    choice = choose_base(workload, cluster, cost_model_of, options)
+    return choice.result, choice
+
+
 def _pick(planned: tuple[BaseOption, ...], options: PlannerOptions) -> tuple[int, str]:
     """The index of the base kept, and why (module docstring). Under ``--objective cost`` with a step-time limit,
     only plans within it compete, unless none is: then the fastest is kept, and the command says the limit is

@@ -45,8 +45,7 @@ def own_plan(workload: Workload, cluster: ClusterSpec, options: TrainOptions) ->
     """The plan ``lorafleet plan`` makes for ``workload`` on ``cluster`` (one machine: an InputError naming
     ``--plan`` for several nodes), said in a line."""
     from lorafleet.assemble import workload_cost_model
-    from lorafleet.planner import plan_deployment
-    from lorafleet.planner.base_choice import choose_base
+    from lorafleet.planner.base_choice import plan_over_base
 
     nodes = sum(pool.nodes for pool in cluster.pools)
     if nodes > 1:
@@ -56,13 +55,10 @@ def own_plan(workload: Workload, cluster: ClusterSpec, options: TrainOptions) ->
             f"not given, and the cluster has {nodes} nodes: train plans for itself on one machine only; plan once "
             "for every node (lorafleet plan WORKLOAD --json PLAN.json)",
         )
-    if workload.spec.quantize_candidates is None:
-        plan = plan_deployment(workload, cluster, workload_cost_model(workload, cluster, options.profile)).plan
-    else:  # quantize: auto or a list: the base the planner chooses (planner.base_choice), each candidate said
-        choice = choose_base(workload, cluster, lambda over: workload_cost_model(over, cluster, options.profile))
-        for line in choice.lines():
-            print(f"lorafleet train: {line}", flush=True)
-        plan = choice.result.plan
+    result, choice = plan_over_base(workload, cluster, lambda over: workload_cost_model(over, cluster, options.profile))
+    for line in choice.lines() if choice is not None else ():  # quantize: auto or a list: each candidate said
+        print(f"lorafleet train: {line}", flush=True)
+    plan = result.plan
     print(
         f"lorafleet train: no --plan: planned {plan.describe()} on {plan.describe_fleet()} (expected step "
         f"{plan.expected_makespan_s:.4g} s, {plan.solver}); the run keeps it as {options.run_dir.plan}",
