@@ -159,7 +159,7 @@ def _layer_routing(
     segments: Segments, ids: tuple[int, ...], scalings: tuple[float, ...], dropouts: tuple[float, ...]
 ) -> LoraRouting:
     """Routing of a layer holding adapters ``ids``; cached because every layer of a model with the
-    same adapters asks for the same one in each step (and equal routings share ``torch_lora._runs``)."""
+    same adapters asks for the same one in each step (and equal routings share ``torch_lora.segment_runs``)."""
     return LoraRouting(segments.relabel({a: i for i, a in enumerate(ids)}), scalings, dropouts)
 
 

@@ -107,7 +107,7 @@ class LoraRouting:
     """``p_a`` in [0, 1): the keep-mask rows of adapter ``a`` are scaled by ``1 / (1 - p_a)``."""
 
     def __post_init__(self) -> None:
-        for name in ("scalings", "dropouts"):  # tuples: a routing is a cache key (of _runs, _tables)
+        for name in ("scalings", "dropouts"):  # tuples: a routing is a cache key (of segment_runs, _tables)
             object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
         if len(self.scalings) != len(self.dropouts):
             raise ValueError(f"LoraRouting: {len(self.scalings)} scalings but {len(self.dropouts)} dropouts")

@@ -53,8 +53,15 @@ from torch import Tensor, nn
 
 from lorafleet.executor.torch.kernels.stacking import stack_padded
 
-# The torch backend's runs and masked tiles, shared rather than copied (kernels/torch_lora.py documents them).
-from lorafleet.executor.torch.kernels.torch_lora import _accumulate, _dropping, _MaskTiles, _Run, _run_factor, _runs
+# The torch backend's runs and masked tiles (kernels/torch_lora.py documents them).
+from lorafleet.executor.torch.kernels.torch_lora import (
+    MaskTiles,
+    Run,
+    accumulate_grads,
+    run_drops,
+    run_factor,
+    segment_runs,
+)
 from lorafleet.executor.torch.routing import LoraRouting
 
 LAMBDA_B = "vera_lambda_b"
@@ -139,9 +146,9 @@ class VeraTenants:
     lambda_b: Sequence[Tensor]
 
 
-def _runs_of(routing: LoraRouting, A: Sequence[Tensor], width: int) -> tuple[_Run, ...]:
+def _runs_of(routing: LoraRouting, A: Sequence[Tensor], width: int) -> tuple[Run, ...]:
     """The runs of the tenants' segments, as the torch backend groups a LoRA call's (``width``: ``K + N``)."""
-    return _runs(routing, tuple(a.shape[0] for a in A), width)
+    return segment_runs(routing, tuple(a.shape[0] for a in A), width)
 
 
 def update(x: Tensor, y: Tensor, keep: Tensor | None, tenants: VeraTenants) -> list[Tensor]:
@@ -154,18 +161,18 @@ def update(x: Tensor, y: Tensor, keep: Tensor | None, tenants: VeraTenants) -> l
         A_g = stack_padded([tenants.A[a] for a in run.adapters], 0, x.dtype)  # (G, R, K)
         d_g = stack_padded([tenants.lambda_d[a][None] for a in run.adapters], 1, x.dtype)  # (G, 1, R)
         b_g = _scaled_B(tenants, run, A_g.shape[1], x.dtype)  # (G, N, R) = diag(λ_b) B_N
-        dropping = _dropping(run, keep)
+        dropping = run_drops(run, keep)
         if dropping:
-            s0 = _MaskTiles(run, keep, x).shrink(A_g)  # (G, L, R) = (X ⊙ M) A^T
+            s0 = MaskTiles(run, keep, x).shrink(A_g)  # (G, L, R) = (X ⊙ M) A^T
         else:
             s0 = torch.bmm(run.rows(x), A_g.transpose(1, 2))  # (G, L, R) = X A^T
-        s0.mul_(_run_factor(run, dropping, x))  # Xd A^T: the factor is 1 / (1 - p), VeRA's scaling 1
+        s0.mul_(run_factor(run, dropping, x))  # Xd A^T: the factor is 1 / (1 - p), VeRA's scaling 1
         run.rows(y).baddbmm_(s0 * d_g, b_g.transpose(1, 2))  # (G, L, N) += S1 B'^T
         saved += (s0, A_g, b_g, d_g)
     return saved
 
 
-def _scaled_B(tenants: VeraTenants, run: _Run, rank: int, dtype: torch.dtype) -> Tensor:
+def _scaled_B(tenants: VeraTenants, run: Run, rank: int, dtype: torch.dtype) -> Tensor:
     """``B' = diag(λ_b) B_N`` of the run's members, ``(G, N, R)`` zero-padded to ``rank``: one pass over each ``B_N``
     (no plain stack of it: the backward reads the members' own slices)."""
     members = [(tenants.B[a], tenants.lambda_b[a]) for a in run.adapters]
@@ -192,17 +199,17 @@ def update_backward(
         dd_g = (ds1 * s0).sum(1)  # (G, R) = colsum(dS1 ⊙ S0)
         dbp_g = torch.bmm(g_g.transpose(1, 2), s0 * d_g)  # (G, N, R) = G^T S1
         if dx is not None:
-            dropping = _dropping(run, keep)
-            ds0 = ds1.mul_(d_g * _run_factor(run, dropping, x))  # dS1 ⊙ λ_d / (1 - p)
+            dropping = run_drops(run, keep)
+            ds0 = ds1.mul_(d_g * run_factor(run, dropping, x))  # dS1 ⊙ λ_d / (1 - p)
             if dropping:
-                _MaskTiles(run, keep, x).backward(ds0, A_g, run.rows(dx), need_lora=False)
+                MaskTiles(run, keep, x).backward(ds0, A_g, run.rows(dx), need_lora=False)
             else:
                 run.rows(dx).baddbmm_(ds0, A_g)
         members = [(g, tenants.B[a], lambda_d[a], lambda_b[a]) for g, a in enumerate(run.adapters)]
         # (N,) each: rowsum((G^T S1) ⊙ B_N), in place in G^T S1; an adapter may own segments in several runs
         db = [dbp_g[g, :, : B.shape[1]].mul_(B.to(dbp_g.dtype)).sum(1).to(b.dtype) for g, B, _, b in members]
-        _accumulate(d_grads, run.adapters, [dd_g[g, : d.shape[0]].to(d.dtype) for g, _, d, _ in members])
-        _accumulate(b_grads, run.adapters, db)
+        accumulate_grads(d_grads, run.adapters, [dd_g[g, : d.shape[0]].to(d.dtype) for g, _, d, _ in members])
+        accumulate_grads(b_grads, run.adapters, db)
     return d_grads, b_grads
 
 

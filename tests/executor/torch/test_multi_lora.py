@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from lorafleet.executor.torch import dropout, multi_lora
 from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.kernels import torch_lora
-from lorafleet.executor.torch.kernels.torch_lora import _runs
+from lorafleet.executor.torch.kernels.torch_lora import segment_runs
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear, multi_lora_linear
 from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
 from lorafleet.specs.lora import LoraSpec
@@ -281,15 +281,19 @@ def test_equal_segments_form_one_run():
     """Equal lengths at equal spacing need one bmm per GEMM, not one per segment, whatever the
     ranks (padded to the largest), scalings and dropout rates of the adapters."""
     same = LoraRouting(Segments.packed([2, 0, 1, 0], [16] * 4), (2.0,) * 3, (0.0,) * 3)
-    assert [r.adapters for r in _runs(same, (8, 8, 8), 64)] == [(2, 0, 1, 0)]
+    assert [r.adapters for r in segment_runs(same, (8, 8, 8), 64)] == [(2, 0, 1, 0)]
     padded = LoraRouting(Segments.padded([0, 1, 0], [5, 5, 5], seq_len=9), (2.0, 2.0), (0.0, 0.0))
-    (run,) = _runs(padded, (8, 8), 64)
+    (run,) = segment_runs(padded, (8, 8), 64)
     assert (run.start, run.length, run.spacing) == (0, 5, 9)
     mixed = LoraRouting(Segments.packed([0, 1, 2], [4, 4, 4]), (1.0, 2.0, 0.5), (0.1, 0.0, 0.3))
-    (run,) = _runs(mixed, (8, 4, 2), 64)
+    (run,) = segment_runs(mixed, (8, 4, 2), 64)
     assert (run.scalings, run.dropouts) == ((1.0, 2.0, 0.5), (0.1, 0.0, 0.3))
     split = LoraRouting(Segments([0, 1, 2, 2], [0, 4, 10, 14], [4, 4, 4, 3]), (1.0,) * 3, (0.0,) * 3)
-    assert [r.adapters for r in _runs(split, (8, 4, 4), 64)] == [(0, 1), (2,), (2,)]  # spacing, then length change
+    assert [r.adapters for r in segment_runs(split, (8, 4, 4), 64)] == [
+        (0, 1),
+        (2,),
+        (2,),
+    ]  # spacing, then length change
 
 
 def test_keep_mask_is_one_random_stream_whatever_the_chunk():
@@ -328,9 +332,9 @@ def test_mixed_ranks_split_by_rank_when_padding_costs_more():
     spaced, so still one strided view each); a narrow one keeps one zero-padded run."""
     routing = LoraRouting(Segments.packed(range(6), [128] * 6), (2.0,) * 6, (0.1,) * 6)
     ranks = (4, 16, 4, 16, 4, 8)
-    (one,) = _runs(routing, ranks, 128)
+    (one,) = segment_runs(routing, ranks, 128)
     assert one.adapters == tuple(range(6))
-    pieces = _runs(routing, ranks, 8192)
+    pieces = segment_runs(routing, ranks, 8192)
     assert [(r.adapters, r.start, r.spacing) for r in pieces] == [
         ((0, 2, 4), 0, 256),
         ((1, 3), 128, 256),
@@ -347,7 +351,7 @@ def patched(**constants: int) -> Iterator[None]:
     def set_all(values: dict[str, int]) -> None:
         for name, value in values.items():
             setattr(home[name], name, value)
-        _runs.cache_clear()
+        segment_runs.cache_clear()
         torch_lora._tiles.cache_clear()
 
     set_all(constants)

@@ -1,12 +1,12 @@
 """The torch backend of ``multi_lora``: every equation of its module doc as one ``bmm`` per run.
 
-Consecutive segments of equal length at equal spacing form a *run* (:class:`_Run`): their rows
+Consecutive segments of equal length at equal spacing form a *run* (:class:`Run`): their rows
 of ``X``, ``Y``, ``G`` and ``dX`` are one strided ``(G, L, ·)`` view, so ``S = Xd A^T``,
 ``Y += s S B^T``, ``dS = s G B``, ``dX += (dS A) ⊙ M / (1 - p)``, ``dA = dS^T Xd`` and
 ``dB = s G^T S`` are one batched GEMM each per run, with ranks zero-padded to the run's largest
 (:mod:`.stacking`). The inverted dropout is folded into one factor ``c = s / (1 - p)`` per
-member (:func:`_run_factor`), and the K-wide masked products are made a cache-sized tile at a
-time (:class:`_MaskTiles`). Any device; the reference the Triton kernels are tested against.
+member (:func:`run_factor`), and the K-wide masked products are made a cache-sized tile at a
+time (:class:`MaskTiles`). Any device; the reference the Triton kernels are tested against.
 
 :func:`forward` and :func:`backward` have the signatures of ``segment_lora.forward`` and
 ``segment_lora.backward``: ``multi_lora._implementation`` picks one of the two modules.
@@ -57,7 +57,7 @@ summation order (the oracle test runs tiles of 1 and 3 rows).
 
 
 @dataclass(frozen=True, slots=True)
-class _Run:
+class Run:
     """Consecutive segments of equal length with equally spaced starts: their rows of any
     ``(T, C)`` tensor form one strided ``(G, L, C)`` view, so each GEMM of ``multi_lora``'s module doc is
     one ``bmm`` per run instead of one ``mm`` per segment. That is what makes short segments
@@ -90,8 +90,8 @@ class _Run:
 
 
 @functools.lru_cache(maxsize=1024)
-def _runs(routing: LoraRouting, ranks: tuple[int, ...], width: int) -> tuple[_Run, ...]:
-    """Greedily merges consecutive non-empty segments into :class:`_Run` s, then splits a run
+def segment_runs(routing: LoraRouting, ranks: tuple[int, ...], width: int) -> tuple[Run, ...]:
+    """Greedily merges consecutive non-empty segments into :class:`Run` s, then splits a run
     of mixed ranks by rank where the zero padding costs more than the extra runs
     (:func:`_rank_pieces`); ``width`` is ``K + N``.
 
@@ -111,7 +111,7 @@ def _runs(routing: LoraRouting, ranks: tuple[int, ...], width: int) -> tuple[_Ru
                 continue
         open_runs.append([[a], start, length, length])
     return tuple(
-        _Run(
+        Run(
             members,
             first + piece[0] * spacing,
             length,
@@ -160,7 +160,7 @@ def _per_member(values: tuple[float, ...], like: Tensor) -> float | Tensor:
 
 
 @functools.lru_cache(maxsize=1024)
-def _tiles(run: _Run, width: int, itemsize: int) -> tuple[tuple[slice, slice], ...]:
+def _tiles(run: Run, width: int, itemsize: int) -> tuple[tuple[slice, slice], ...]:
     """``(members, rows)`` slices tiling a run's ``(G, L)`` grid into pieces of about
     :data:`TILE_BYTES` of a ``(G, L, width)`` tensor: whole members where one fits, else row
     blocks of one member. Row blocks split the ``dA`` reduction over rows, so they are used
@@ -176,12 +176,12 @@ def _tiles(run: _Run, width: int, itemsize: int) -> tuple[tuple[slice, slice], .
     )
 
 
-def _dropping(run: _Run, keep: Tensor | None) -> bool:
+def run_drops(run: Run, keep: Tensor | None) -> bool:
     """Whether this call drops anything on the run (a mask, and p > 0 for some member)."""
     return keep is not None and any(run.dropouts)
 
 
-class _MaskTiles:
+class MaskTiles:
     """The masked K-wide products of one run, a tile at a time (:func:`_tiles`).
 
     ``X ⊙ M`` and ``(dS' A) ⊙ M`` are never materialised whole: each tile converts its bytes
@@ -193,7 +193,7 @@ class _MaskTiles:
     where per-op overhead dominates) is neither sliced nor given a scratch.
     """
 
-    def __init__(self, run: _Run, keep: Tensor, x: Tensor) -> None:
+    def __init__(self, run: Run, keep: Tensor, x: Tensor) -> None:
         self.keep_g = run.rows(keep.view(torch.uint8))  # (G, L, K) bytes, 0/1
         self.x_g = run.rows(x)  # (G, L, K)
         self.tiles = _tiles(run, x.shape[1], x.element_size())
@@ -246,7 +246,7 @@ class _MaskTiles:
         return dA_g
 
 
-def _run_factor(run: _Run, dropping: bool, like: Tensor) -> float | Tensor:
+def run_factor(run: Run, dropping: bool, like: Tensor) -> float | Tensor:
     """``c = s / (1 - p)`` per member when the run drops (``keep_g`` not None), else ``s``.
 
     It folds the scaling and inverted dropout's ``1 / (1 - p)`` into one multiply of a
@@ -257,7 +257,7 @@ def _run_factor(run: _Run, dropping: bool, like: Tensor) -> float | Tensor:
     return _per_member(tuple(s / (1.0 - p) for s, p in zip(run.scalings, run.dropouts, strict=True)), like)
 
 
-def _accumulate(grads: list[Tensor | None], adapters: tuple[int, ...], members: Sequence[Tensor]) -> None:
+def accumulate_grads(grads: list[Tensor | None], adapters: tuple[int, ...], members: Sequence[Tensor]) -> None:
     """Adds each member's gradient to that of ``adapters[i]`` (an adapter may recur in a run or across runs)."""
     for a, grad in zip(adapters, members, strict=True):
         grads[a] = grad if grads[a] is None else grads[a] + grad
@@ -266,19 +266,19 @@ def _accumulate(grads: list[Tensor | None], adapters: tuple[int, ...], members: 
 def forward(x, weight, bias, lora_A, lora_B, routing: LoraRouting, keep):
     """Returns ``(Y, saved)``; ``saved`` holds per run ``(c S, A_g, B_g)`` for the backward.
 
-    With ``c = s / (1 - p)`` (:func:`_run_factor`), ``c (X ⊙ M) A^T = s Xd A^T = s S``: the
+    With ``c = s / (1 - p)`` (:func:`run_factor`), ``c (X ⊙ M) A^T = s Xd A^T = s S``: the
     expand input and, saved, the right factor of ``dB = G^T (s S)``.
     """
     y = F.linear(x, weight, bias)  # (T, N): the one base GEMM
     saved = []
-    for run in _runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0]):
+    for run in segment_runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0]):
         A_g, B_g = run.stacked(lora_A, lora_B, x.dtype)  # (G, R, K), (G, N, R)
-        dropping = _dropping(run, keep)
+        dropping = run_drops(run, keep)
         if dropping:
-            s_g = _MaskTiles(run, keep, x).shrink(A_g)  # (G, L, R) = (X ⊙ M) A^T
+            s_g = MaskTiles(run, keep, x).shrink(A_g)  # (G, L, R) = (X ⊙ M) A^T
         else:
             s_g = torch.bmm(run.rows(x), A_g.transpose(1, 2))  # (G, L, R) = X A^T
-        s_g.mul_(_run_factor(run, dropping, x))  # s S
+        s_g.mul_(run_factor(run, dropping, x))  # s S
         run.rows(y).baddbmm_(s_g, B_g.transpose(1, 2))  # (G, L, N) += s S B^T, in the base output
         saved += (s_g, A_g, B_g)
     return y, saved
@@ -293,21 +293,21 @@ def backward(grad_y, x, weight, lora_A, lora_B, routing: LoraRouting, keep, save
     dx = grad_y.mm(weight) if need_x else None  # (T, N) @ (N, K): the single dX buffer
     dA: list[Tensor | None] = [None] * len(lora_A)
     dB: list[Tensor | None] = [None] * len(lora_B)
-    for i, run in enumerate(_runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0])):
+    for i, run in enumerate(segment_runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0])):
         s_g, A_g, B_g = saved[3 * i : 3 * i + 3]  # (G, L, R), (G, R, K), (G, N, R)
         g_g = run.rows(grad_y)  # (G, L, N)
-        dropping = _dropping(run, keep)
-        ds_g = torch.bmm(g_g, B_g).mul_(_run_factor(run, dropping, x))  # (G, L, R) = c G B
+        dropping = run_drops(run, keep)
+        ds_g = torch.bmm(g_g, B_g).mul_(run_factor(run, dropping, x))  # (G, L, R) = c G B
         dx_g = run.rows(dx) if need_x else None  # (G, L, K) view: written in place
         if dropping:
-            dA_g = _MaskTiles(run, keep, x).backward(ds_g, A_g, dx_g, need_lora)
+            dA_g = MaskTiles(run, keep, x).backward(ds_g, A_g, dx_g, need_lora)
         else:
             dA_g = torch.bmm(ds_g.transpose(1, 2), run.rows(x)) if need_lora else None  # (G, R, K)
             if dx_g is not None:
                 dx_g.baddbmm_(ds_g, A_g)  # += dS A
         if need_lora:
             ranks = [lora_A[a].shape[0] for a in run.adapters]
-            _accumulate(dA, run.adapters, unstack_padded(dA_g, ranks))
+            accumulate_grads(dA, run.adapters, unstack_padded(dA_g, ranks))
             dBt_g = torch.bmm(s_g.transpose(1, 2), g_g)  # (G, R, N) = (s G^T S)^T
-            _accumulate(dB, run.adapters, unstack_padded(dBt_g, ranks, transpose=True))
+            accumulate_grads(dB, run.adapters, unstack_padded(dBt_g, ranks, transpose=True))
     return dx, dA, dB
