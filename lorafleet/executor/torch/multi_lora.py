@@ -369,9 +369,8 @@ class MultiLoraLinear(nn.Module):
         others (a task that left a running fleet: ``change.py``). The kept parameters stay the same objects,
         so an optimizer's state keyed by them carries over."""
         kept = sorted((new, old) for old, new in new_ids.items() if old in self.adapters)
-        pairs = [
-            (self.factors(old), self.adapters[old], self.vera_projections._modules.get(str(old))) for _, old in kept
-        ]
+        shared = dict(self.vera_projections.items())  # a VeRA adapter's frozen pair, by its key
+        pairs = [(self.factors(old), self.adapters[old], shared.get(str(old))) for _, old in kept]
         self.lora_A, self.lora_B, self.adapters = nn.ParameterDict(), nn.ParameterDict(), {}
         self.lora_magnitude_vector = nn.ParameterDict()
         self.vera_lambda_d, self.vera_lambda_b, self.vera_projections = (

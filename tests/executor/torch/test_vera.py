@@ -293,3 +293,19 @@ def test_vera_with_dropout_matches_peft_on_the_same_mask():
     torch.testing.assert_close(x.grad[rows], x_ref.grad, rtol=1e-5, atol=1e-5)
     for factor, param in layer.factors(0).items():
         torch.testing.assert_close(param.grad, getattr(reference, factor)["default"].grad, rtol=1e-5, atol=1e-5)
+
+
+def test_a_relabel_keeps_a_vera_adapters_projections_and_vectors_under_its_new_id():
+    """A task leaving a running fleet (``MultiLoraLinear.relabel``): the VeRA adapter that stays is renumbered with its
+    frozen pair and its vectors, the same objects (an optimizer's state keyed by them carries over); the one that
+    leaves takes its pair with it."""
+    layer = MultiLoraLinear(nn.Linear(24, 16))
+    projections = VeraProjections(*draw_projections(4, 0, 24, 16))
+    layer.add_adapter(0, LoraSpec(rank=2, alpha=2), (torch.randn(2, 24), torch.randn(16, 2)))
+    layer.add_adapter(1, LoraSpec(rank=4, use_vera=True), (torch.randn(4), torch.randn(16)), projections=projections)
+    vectors = layer.factors(1)
+    layer.relabel({1: 0})
+    assert list(layer.adapters) == [0] and layer.adapters[0].use_vera
+    assert dict(layer.vera_projections.items()) == {"0": projections}
+    assert all(layer.factors(0)[name] is param for name, param in vectors.items())
+    assert not len(layer.lora_A) and not len(layer.lora_B)
