@@ -1,8 +1,9 @@
 """Evaluations and early stops replayed in a what-if (``simulate`` and ``simulate --arrivals``).
 
-**When.** A task with an ``eval`` is evaluated after every ``every_steps`` of its own steps (the steps it
-took part in) and after its last (``specs.evaluation``). Tasks due at the same step boundary are evaluated
-together, as one forward-only pass over the fleet.
+**When.** A task with an ``eval`` is evaluated after every own step (the steps it took part in) its schedule
+names, a multiple of ``every_steps`` or a rung boundary of its sweep (``lorafleet.eval_schedule``, ``train``'s
+rule), and after its last (``specs.evaluation``). Tasks due at the same step boundary are evaluated together, as
+one forward-only pass over the fleet: its :class:`EvalRecord` names the task's own step.
 
 **What it costs.** An evaluation runs a task's held-out rows forward only. Their number:
 ``min(max_rows, round(split x rows))`` when the task's rows are known (:func:`known_rows`: its lengths
@@ -51,6 +52,7 @@ import numpy as np
 from lorafleet.accounting import task_gpu_seconds
 from lorafleet.costmodel import CostModel
 from lorafleet.dispatch import dispatch_step
+from lorafleet.eval_schedule import EvalSchedule
 from lorafleet.loss_curve import curve_loss, fit_curve
 from lorafleet.metrics.files import read_rows
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
@@ -232,25 +234,24 @@ class EvalReplay:
         )
 
     def due(self, last: Collection[str] = ()) -> list[str]:
-        """Tasks due an evaluation now: ``every_steps`` of their own steps since the last, or their last step
-        taken (``last``: tasks that have taken their last step)."""
+        """Tasks due an evaluation now: their own steps are a step of their schedule (module doc), or they have
+        taken their last step (``last``: tasks that have)."""
         out = []
         for name, own in self.own.items():
-            if self._evaluated(name):
-                continue
-            spec = self.tasks[name].spec.eval
-            if own % spec.every_steps == 0 or name in last:  # type: ignore[union-attr]
+            schedule = EvalSchedule.of(self.tasks[name].spec)
+            if schedule is not None and not self._evaluated(name) and (schedule.evaluates(own) or name in last):
                 out.append(name)
         return out
 
     def next_boundary(self, step: int, present: Collection[str]) -> int | None:
         """The first step boundary after ``step`` where a task of ``present`` may be due, if it takes part in
         every step (a task that skips steps is due no sooner); None: none has an eval."""
-        ahead = [
-            step + every - self.own.get(name, 0) % every
-            for name in present
-            if name not in self.stopped and (every := _every(self.tasks[name])) is not None
-        ]
+        ahead = []
+        for name in present:
+            schedule = EvalSchedule.of(self.tasks[name].spec)
+            if schedule is not None and name not in self.stopped:
+                own = self.own.get(name, 0)
+                ahead.append(step + schedule.next_after(own) - own)
         return min(ahead, default=None)
 
     def evaluate(
@@ -320,10 +321,6 @@ class EvalReplay:
             for name, task in self.tasks.items()
             if task.spec.eval is not None and name in self.own
         }
-
-
-def _every(task: Task) -> int | None:
-    return task.spec.eval.every_steps if task.spec.eval is not None else None
 
 
 @dataclass(frozen=True)

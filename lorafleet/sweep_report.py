@@ -6,7 +6,10 @@ Read from the run directory only: its tasks (``train.promote.run_tasks``), ``eva
 ``metrics.jsonl``, so it works on a finished run, a stopped one and one still running.
 
 **A rung's score** of a member is the one the rung judged it by (``lorafleet.sweeps``): its best evaluation loss
-over its evaluations up to the rung, the ``k · rung_steps / every_steps`` first ones at rung ``k``.
+over its evaluations up to the rung: at rung ``k``, after its own step ``s_k = k rung_steps``, the first
+``count_through(s_k)`` of them, as many as its schedule holds there (``lorafleet.eval_schedule``: the one rule
+``train`` evaluated it by, whatever ``every_steps`` is). A member reached rung ``k`` when its schedule has it, it took
+``s_k`` steps and ``s_k`` is short of its last (``steps``).
 **Accounting:** a sweep is one tenant: its GPU-seconds are the sum of its members' (their steps' and their
 evaluations', ``accounting``).
 """
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorafleet.eval_schedule import EvalSchedule
 from lorafleet.metrics import read_rows, sum_task_gpu_seconds
 from lorafleet.rundir import RunDir
 from lorafleet.specs.sweep import HalvingSpec, value_label
@@ -157,9 +161,7 @@ def _result(
         raw = evaluations.get(task.name, {})
         history = tuple((int(s), float(loss)) for s, loss, _ in raw.get("history", ()))
         stopping = raw.get("stopping", {})
-        per_rung = first.halving.rung_steps // task.eval.every_steps if first.halving and task.eval else 0
-        rungs = range(1, len(history) // per_rung + 1) if per_rung else range(0)
-        scores = tuple(_best(history[: k * per_rung]) for k in rungs)
+        scores = _rung_scores(task, history, steps.get(task.name, 0))
         reached = scores if raw.get("dropped_rung") is None else scores[: raw["dropped_rung"]]
         out.append(MemberResult(
             task.name, task.member_of.index, task.member_of.values, history, stopping.get("best_loss"),
@@ -169,6 +171,19 @@ def _result(
     order = {m.name: m.index for m in out}
     best = {m.name: m.best_loss for m in out if m.best_loss is not None}
     return SweepResult(name, tuple(out), winner(best, order), first.halving, first.keep_members)
+
+
+def _rung_scores(task: TaskSpec, history: Sequence[tuple[int, float]], taken: int) -> tuple[float, ...]:
+    """The score of each rung the member ``task`` reached, having taken ``taken`` of its own steps (module doc)."""
+    schedule = EvalSchedule.of(task)
+    if schedule is None or schedule.rung_steps is None:
+        return ()
+    scores = []
+    own = schedule.rung_steps
+    while own <= taken and schedule.rung(own) is not None and (task.steps is None or own < task.steps):
+        scores.append(_best(history[: schedule.count_through(own)]))
+        own += schedule.rung_steps
+    return tuple(scores)
 
 
 def _best(history: Sequence[tuple[int, float]]) -> float:

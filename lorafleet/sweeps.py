@@ -1,7 +1,8 @@
 """A sweep's rules once it runs (``specs.sweep``): its rungs of successive halving and its winner, for training
 (``train.evaluation``) and its what-ifs (``simulate``) alike.
 
-**A rung.** After every ``rung_steps`` of the members' own steps, each member ``m`` still training is scored by its
+**A rung.** After every ``rung_steps`` of the members' own steps, where each member still training is evaluated
+whatever its ``every_steps`` (``lorafleet.eval_schedule``), each member ``m`` still training is scored by its
 best evaluation loss so far, ``s_m = min_k L_{m,k}`` (a NaN counts as ``+inf``): the adapter it would hand over is
 its best-evaluated one (``lorafleet.stopping``), so that is what it is judged by, and one noisy evaluation at the
 rung does not drop a member whose best is ahead. The members, ordered by ``(s_m, index_m)``, keep their first
@@ -69,8 +70,22 @@ def decide_rung(sweep: str, rung: int, step: int, scores: Mapping[str, float], o
     """The rung's decision (module doc) over the members still training, ``scores`` by name; ``order``: their
     indices in the sweep."""
     ranked = sorted(scores, key=lambda n: _rank_key(scores[n], order[n]))
-    keep = max(1, len(ranked) // eta)
+    keep = kept(len(ranked), eta)
     return Rung(sweep, rung, step, dict(scores), tuple(ranked[:keep]), tuple(ranked[keep:]))
+
+
+def kept(n: int, eta: int) -> int:
+    """How many of a rung's ``n`` members go on: ``keep(n) = max(1, floor(n / eta))`` (module doc)."""
+    return max(1, n // eta)
+
+
+def rung_count(members: int, eta: int) -> int:
+    """The most rungs a sweep of ``members`` can decide, ``R = min {k : keep^k(members) = 1}``: a rung is decided
+    only while two members or more train, and no more than ``keep^k(members)`` train after rung ``k``."""
+    rungs = 0
+    while members > 1:
+        members, rungs = kept(members, eta), rungs + 1
+    return rungs
 
 
 def winner(best: Mapping[str, float], order: Mapping[str, int]) -> str | None:

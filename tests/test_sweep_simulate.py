@@ -4,6 +4,8 @@ member takes no step after its rung, and the halving costs fewer GPU-seconds tha
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import yaml
 
@@ -12,7 +14,7 @@ from lorafleet.eval_replay import with_curves
 from lorafleet.planner import plan_deployment
 from lorafleet.simulate import simulate_schedule
 from lorafleet.specs.loss_curve import LossCurveSpec
-from lorafleet.workload import load_workload
+from lorafleet.workload import Workload, load_workload
 from tests.helpers.repo import SMALL_WORKLOAD
 
 STEPS = 12
@@ -32,15 +34,29 @@ def planned(tmp_path_factory):
     return workload, result
 
 
-def test_halving_drops_members_by_their_modelled_losses_and_saves_their_steps(planned):
-    workload, result = planned
+def curved(workload: Workload, every: int | None = None) -> tuple[Workload, list[str]]:
+    """The sweep's members' loss curves: member i's floor is i / 10 lower the later it is in the grid, but the grid's
+    3rd member is the best; with their ``eval.every_steps`` set to ``every`` when given."""
     members = [t.name for t in workload.tasks if t.spec.member_of is not None]
-    assert len(members) == 6
-    # member i's loss floor is i / 10 lower the later it is in the grid, but the grid's 3rd member is the best
     floors = {name: 2.0 - 0.1 * i for i, name in enumerate(members)}
     floors[members[2]] = 1.0
     curves = {n: LossCurveSpec(l_inf=f, a=0.5, alpha=0.5) for n, f in floors.items()}
     workload, _ = with_curves(workload, curves)
+    if every is not None:
+        tasks = tuple(
+            replace(t, spec=t.spec.model_copy(update={"eval": t.spec.eval.model_copy(update={"every_steps": every})}))
+            if t.name in members else t
+            for t in workload.tasks
+        )  # fmt: skip
+        spec = workload.spec.model_copy(update={"tasks": tuple(t.spec for t in tasks)})
+        workload = replace(workload, spec=spec, tasks=tasks)
+    return workload, members
+
+
+def test_halving_drops_members_by_their_modelled_losses_and_saves_their_steps(planned):
+    workload, members = curved(planned[0])
+    result = planned[1]
+    assert len(members) == 6
     run = simulate_schedule(workload, result.schedule, result.cost_model, STEPS)
     evals = run.evals
     dropped = {n: e.dropped_rung for n, e in evals.items() if e.dropped_rung is not None}
@@ -54,3 +70,18 @@ def test_halving_drops_members_by_their_modelled_losses_and_saves_their_steps(pl
     swept = lambda r: sum(s for n, s in r.task_gpu_seconds.items() if n in members)  # noqa: E731
     assert swept(run) < 0.6 * swept(whole)  # 36 of the grid's 72 member-steps, on the same plan
     assert run.total_gpu_seconds < whole.total_gpu_seconds
+
+
+def test_a_rung_off_the_every_steps_grid_is_evaluated_there_and_priced(planned):
+    """Rungs every 4 steps, evaluations every 5 (6 members, eta 3: two rungs, at 4 and 8): every member still training
+    is evaluated at each rung boundary, a pass like any other (priced, billed), and the same members are dropped;
+    after the last rung the survivor is evaluated at 10 and at its last step only."""
+    workload, members = curved(planned[0], every=5)
+    result = planned[1]
+    run = simulate_schedule(workload, result.schedule, result.cost_model, STEPS)
+    own = {n: [r.own_step for r in run.evals[n].records] for n in members}
+    assert own[members[2]] == [4, 5, 8, 10, 12] and own[members[5]] == [4, 5, 8]
+    assert all(own[n] == [4] for n in members if n not in (members[2], members[5]))
+    assert [run.evals[n].dropped_rung for n in members] == [1, 1, None, 1, 1, 2]
+    assert all(r.seconds > 0 and r.gpu_s > 0 for n in members for r in run.evals[n].records)
+    assert all(run.eval_gpu_seconds[n] == pytest.approx(run.evals[n].eval_gpu_s) for n in members)

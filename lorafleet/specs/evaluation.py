@@ -9,10 +9,11 @@ Example (under a task, or under the workload's ``defaults`` like every other tas
     early_stopping: {patience: 3, min_delta: 0.0, warmup_evals: 1}
 
 **When.** A task is evaluated after every ``every_steps`` of *its own* steps (the global batches it took part in:
-a task with a ``share`` skips global steps, and its evaluations stay ``every_steps`` updates apart), and after its
-last one, so the adapter it ends with has an evaluation too. Counting the task's steps, not tokens or epochs, is the
-documented choice: its updates are what change its adapter, and a task's steps are known before it runs, so the
-planner and ``simulate`` count its evaluations exactly.
+a task with a ``share`` skips global steps, and its evaluations stay ``every_steps`` updates apart), after each rung
+boundary of its sweep (a member of one with successive halving: ``specs.sweep``), and after its last one, so the
+adapter it ends with has an evaluation too (``lorafleet.eval_schedule``: one function of the spec and the step).
+Counting the task's steps, not tokens or epochs, is the documented choice: its updates are what change its adapter,
+and a task's steps are known before it runs, so the planner and ``simulate`` count its evaluations exactly.
 
 **Stopping** (Together's fine-tuning API's semantics): evaluation ``k`` (1-based) improves when its loss is below
 the best so far by more than ``min_delta``; the first ``warmup_evals`` evaluations never stop the task; after them,

@@ -23,8 +23,14 @@ it as separate tasks.
 
 **Successive halving** (``halving``, needs ``eval``): at each rung, after every ``rung_steps`` of the members'
 own steps, the best ``max(1, floor(n / eta))`` of the ``n`` members still training go on and the others leave the
-run at that boundary (``lorafleet.sweeps``). ``rung_steps`` is a multiple of ``eval.every_steps``, so a rung is
-judged by an evaluation of every member at the same step.
+run at that boundary (``lorafleet.sweeps``). **A rung is judged by an evaluation at its boundary**, whatever
+``eval.every_steps`` is: the members still training are evaluated after their own step ``k rung_steps`` as after a
+multiple of ``every_steps`` (an evaluation like any other: it counts for the best adapter, early stopping's patience,
+the metrics rows and the accounting), for the ``R`` rungs a sweep of ``N`` members can decide (the halvings that take
+``N`` to one, ``R = min {k : keep^k(N) = 1}``; none after: the survivor is evaluated on ``every_steps`` alone). So
+``rung_steps`` need not be a multiple of ``every_steps``: rungs every 20 steps and evaluations every 100 (or only at
+the end, ``every_steps`` = ``steps``) is a sweep. The schedule is one pure function of the member's spec and its own
+step (``lorafleet.eval_schedule``), which ``train``, ``simulate`` and ``sweep-report`` all read.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ class HalvingSpec(Spec):
     eta: Int = Field(3, ge=2, le=MAX_MEMBERS)
     """Each rung keeps the best ``max(1, floor(n / eta))`` of its ``n`` members."""
     rung_steps: Int = Field(ge=1, le=1_000_000)
-    """The members' own steps between two rungs: a multiple of the task's ``eval.every_steps``."""
+    """The members' own steps between two rungs (any number: each rung boundary is evaluated, module doc)."""
 
 
 class RangeSpec(Spec):
@@ -122,6 +128,9 @@ class SweepMembership(Spec):
     """Its swept keys and values, in the sweep's key order (pairs: a file written with sorted keys keeps it)."""
     halving: HalvingSpec | None = None
     keep_members: Bool = True
+    members: Int | None = Field(None, ge=1, le=MAX_MEMBERS)
+    """How many members the sweep expanded into: with ``halving.eta``, the rungs it can decide (module doc; None in
+    a membership recorded before it was kept: every rung boundary is evaluated)."""
 
 
 def sweep_members(raw: Mapping[str, Any], where: tuple[int | str, ...] = ("sweep",)) -> list[dict[str, Any]]:
@@ -134,17 +143,8 @@ def sweep_members(raw: Mapping[str, Any], where: tuple[int | str, ...] = ("sweep
         loc = tuple(first["loc"]) + (cause.loc if isinstance(cause, FieldError) else ())
         raise FieldError(where + loc, first["msg"].removeprefix("Value error, ")) from None
     name = str(raw.get("name", ""))
-    evaluation = raw.get("eval")
-    if spec.halving is not None:
-        if not isinstance(evaluation, dict):
-            raise FieldError(where + ("halving",), "successive halving needs an eval (eval: {split: 0.05})")
-        every = evaluation.get("every_steps", 50)
-        if isinstance(every, int) and spec.halving.rung_steps % every:
-            raise FieldError(
-                where + ("halving", "rung_steps"),
-                f"{spec.halving.rung_steps} is not a multiple of eval.every_steps ({every}): each rung is judged by "
-                "an evaluation",
-            )
+    if spec.halving is not None and not isinstance(raw.get("eval"), dict):
+        raise FieldError(where + ("halving",), "successive halving needs an eval (eval: {split: 0.05})")
     axes = _axes(spec, name, raw, where)
     if len(axes) > MAX_MEMBERS:
         raise FieldError(where, f"expands into {len(axes)} members; at most {MAX_MEMBERS}")
@@ -172,6 +172,7 @@ def sweep_members(raw: Mapping[str, Any], where: tuple[int | str, ...] = ("sweep
             "values": list(values.items()),
             "halving": spec.halving.model_dump() if spec.halving else None,
             "keep_members": spec.keep_members,
+            "members": len(axes),
         }
         members.append(member)
     return members

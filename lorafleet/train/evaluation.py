@@ -2,8 +2,9 @@
 what follows (its best adapter kept, its early stop). No torch here: the fleet is an :class:`EvalPort`.
 
 **When.** Task ``t`` is due at the boundary before global step ``b`` when it took a batch in step ``b - 1`` and
-its own steps then, ``n_t(b)`` (``DataStreams.batches_taken``), are a multiple of ``eval.every_steps``, its last
-(``steps`` or ``epochs``), or the run's last step is ``b - 1`` (``specs.evaluation``). The steps are a pure
+its own steps then, ``n_t(b)`` (``DataStreams.batches_taken``), are a step of its schedule (a multiple of
+``eval.every_steps``, or a rung boundary of its sweep: ``lorafleet.eval_schedule``), its last (``steps`` or
+``epochs``), or the run's last step is ``b - 1`` (``specs.evaluation``). The steps are a pure
 function of the tasks' turns, so :meth:`Evaluations.next_boundary` names them ahead: the loop's windows end there
 (``lorafleet.loop``), and an evaluation always sees the adapters of exactly its step.
 
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from lorafleet.eval_schedule import EvalSchedule
 from lorafleet.runtime.checkpoint_files import EVALUATION_KEY as STATE_KEY
 from lorafleet.runtime.processes import fault_point
 from lorafleet.specs.io import write_text_atomic
@@ -150,13 +152,14 @@ class Evaluations:
         """The tasks of ``specs`` due for an evaluation at the boundary before step ``boundary`` (module doc)."""
         out = []
         for spec in specs:
-            if spec.eval is None or boundary < 1 or self._stopped(spec.name):
+            schedule = EvalSchedule.of(spec)
+            if schedule is None or boundary < 1 or self._stopped(spec.name):
                 continue
             taken = self.port.batches_taken(spec.name, boundary)
             if taken == self.port.batches_taken(spec.name, boundary - 1):
                 continue  # no batch in step boundary - 1
             last = self.port.max_batches(spec.name)
-            if taken % spec.eval.every_steps == 0 or taken == last or boundary == self.end:
+            if schedule.evaluates(taken) or taken == last or boundary == self.end:
                 out.append(spec.name)
         return out
 
@@ -166,14 +169,15 @@ class Evaluations:
         return min(found, default=None)
 
     def _next(self, spec: TaskSpec, step: int) -> int | None:
-        """``spec``'s next due boundary after ``step``: the first ``b`` whose ``n_t(b)`` reaches the next multiple of
-        ``every_steps`` (or its last batch), by a galloping search (``n_t`` is non-decreasing in ``b``), or the run's
+        """``spec``'s next due boundary after ``step``: the first ``b`` whose ``n_t(b)`` reaches the next own step of
+        its schedule (or its last batch), by a galloping search (``n_t`` is non-decreasing in ``b``), or the run's
         end when it takes a batch in the run's last step."""
-        assert spec.eval is not None
+        schedule = EvalSchedule.of(spec)
+        assert schedule is not None
         if self._stopped(spec.name) or step >= self.end:
             return None
         taken = self.port.batches_taken(spec.name, step)
-        target = (taken // spec.eval.every_steps + 1) * spec.eval.every_steps
+        target = schedule.next_after(taken)
         last = self.port.max_batches(spec.name)
         if last is not None:
             if taken >= last:

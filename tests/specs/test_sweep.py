@@ -69,7 +69,7 @@ def test_value_labels():
         ({"grid": {"optimizer.lr": [-1.0]}}, {}, "S.grid.optimizer.lr", "-1.0: Input should be greater than 0"),
         ({"grid": GRID, "halving": {"eta": 1, "rung_steps": 20}}, {}, "S.halving.eta", "equal to 2"),
         ({"grid": GRID, "halving": {"rung_steps": 20}}, {"eval": None}, "S.halving", "halving needs an eval"),
-        ({"grid": GRID, "halving": {"rung_steps": 30}}, {}, "S.halving.rung_steps", "of eval.every_steps (20)"),
+        ({"grid": GRID, "halving": {"rung_steps": 0}}, {}, "S.halving.rung_steps", "greater than or equal to 1"),
         ({"grid": {"lora.rank": list(range(1, 18)), "lora.alpha": list(range(1, 17))}}, {}, "S",
          f"expands into 272 members; at most {MAX_MEMBERS}"),
         ({"grid": {"optimizer.lr": [1e-4, 0.0001]}}, {}, "S", "members 1 and 2 are both named 'bot.lr=1e-4'"),
@@ -106,3 +106,12 @@ def test_targets_and_rslora_may_be_swept(tmp_path):
         "bot.target_modules=q_proj-k_proj-v_proj-o_proj.use_rslora=true",
     ]  # fmt: skip
     assert tasks[3].lora.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj") and tasks[3].lora.use_rslora
+
+
+def test_rungs_need_not_fall_on_the_every_steps_grid(tmp_path):
+    """Each rung boundary is evaluated whatever ``eval.every_steps`` is (``eval_schedule``): rungs every 30 steps
+    with evaluations every 20 is a sweep, and each member knows the sweep's size (the rungs it can decide)."""
+    path = write(tmp_path, swept({"grid": GRID, "halving": {"rung_steps": 30}}))
+    assert main(["validate", str(path)]) == 0
+    members = load_workload(path).spec.tasks
+    assert {(m.member_of.halving.rung_steps, m.member_of.members, m.eval.every_steps) for m in members} == {(30, 9, 20)}

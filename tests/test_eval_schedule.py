@@ -1,0 +1,130 @@
+"""When a task is evaluated (``lorafleet.eval_schedule``): a multiple of ``every_steps``, or a rung boundary of its
+sweep whatever ``every_steps`` is, for the rungs the sweep can decide; one pure function of the spec and the own
+step, which training (``train.evaluation``) and the sweep report (``sweep_report``) read alike."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import pytest
+
+from lorafleet.eval_schedule import EvalSchedule
+from lorafleet.rundir import RunDir
+from lorafleet.specs.sweep import sweep_members
+from lorafleet.specs.workload import TaskSpec
+from lorafleet.sweep_report import sweep_results
+from lorafleet.sweeps import rung_count
+from lorafleet.train.evaluation import Evaluations
+
+GRID = {"optimizer.lr": [1e-4, 3e-4, 1e-3], "lora.rank": [4, 8, 16]}
+
+
+def members(every: int, rung_steps: int, steps: int | None = 12, grid: dict | None = None) -> list[TaskSpec]:
+    sweep = {"grid": grid or GRID, "halving": {"eta": 3, "rung_steps": rung_steps}}
+    raw = {"name": "s", "lengths": {"values": [8]}, "batch_size": 2, "context_length": 16, "steps": steps,
+           "eval": {"every_steps": every}, "sweep": sweep}  # fmt: skip
+    return [TaskSpec.model_validate(m) for m in sweep_members(raw)]
+
+
+def steps_of(schedule: EvalSchedule, upto: int) -> list[int]:
+    return [n for n in range(upto + 1) if schedule.evaluates(n)]
+
+
+@pytest.mark.parametrize(("n", "eta", "rungs"), [(1, 3, 0), (2, 3, 1), (3, 3, 1), (9, 3, 2), (8, 3, 2), (16, 4, 2),
+                                                 (27, 3, 3), (6, 2, 2), (256, 2, 8)])  # fmt: skip
+def test_a_sweep_decides_at_most_the_halvings_that_take_it_to_one(n, eta, rungs):
+    assert rung_count(n, eta) == rungs
+
+
+def test_rung_boundaries_evaluate_off_the_every_steps_grid_and_none_after_the_last_rung():
+    schedule = EvalSchedule.of(members(every=5, rung_steps=2)[0])
+    assert schedule == EvalSchedule(every_steps=5, rung_steps=2, rungs=2)  # 9 -> 3 -> 1
+    assert steps_of(schedule, 20) == [2, 4, 5, 10, 15, 20]  # not 6, 8, ...: the sweep is decided at 4
+    assert [schedule.rung(n) for n in (2, 4, 6, 5)] == [1, 2, None, None]
+    # the bench's users' setting: rungs every 2 steps, evaluated otherwise only at the end
+    assert steps_of(EvalSchedule.of(members(every=12, rung_steps=2)[4]), 12) == [2, 4, 12]
+
+
+PLAIN = TaskSpec(name="t", lengths={"values": [8]}, batch_size=2, context_length=16, eval={"every_steps": 2})
+
+
+@pytest.mark.parametrize("spec", [members(every=2, rung_steps=4)[0], members(every=3, rung_steps=6)[0], PLAIN],
+                         ids=["aligned", "aligned-3", "no-sweep"])  # fmt: skip
+def test_where_rungs_fall_on_the_grid_the_schedule_is_every_steps_alone(spec):
+    every = spec.eval.every_steps
+    assert steps_of(EvalSchedule.of(spec), 60) == list(range(every, 61, every))
+
+
+@pytest.mark.parametrize(("every", "rung_steps", "rungs"), [(5, 2, 2), (7, 3, None), (4, 6, 3), (1, 1, 2), (12, 5, 1)])
+def test_next_and_counts_agree_with_a_scan(every, rung_steps, rungs):
+    schedule = EvalSchedule(every, rung_steps, rungs)
+    due = steps_of(schedule, 200)
+    for own in range(150):
+        assert schedule.next_after(own) == min(n for n in due if n > own), own
+        assert schedule.count_through(own) == sum(1 for n in due if n <= own), own
+
+
+def test_the_schedule_is_the_specs_own_a_resume_reads_it_the_same():
+    """A resumed run's tasks are read back from its files (``model_dump`` as JSON): the same schedule, no state."""
+    for spec in members(every=5, rung_steps=2):
+        again = TaskSpec.model_validate(json.loads(json.dumps(spec.model_dump(mode="json"))))
+        assert again.member_of.members == 9 and EvalSchedule.of(again) == EvalSchedule.of(spec)
+    old = members(every=5, rung_steps=2)[0]
+    old = old.model_copy(update={"member_of": old.member_of.model_copy(update={"members": None})})
+    assert steps_of(EvalSchedule.of(old), 10) == [2, 4, 5, 6, 8, 10]  # recorded before its size: every rung boundary
+
+
+@dataclass
+class EveryStep:
+    """A fleet where every task takes a batch at every step, to its ``steps``."""
+
+    specs: dict[str, TaskSpec]
+
+    def batches_taken(self, name, step):
+        last = self.specs[name].steps
+        return step if last is None else min(step, last)
+
+    def max_batches(self, name):
+        return self.specs[name].steps
+
+
+def test_training_evaluates_at_the_schedules_steps_and_the_last_and_names_them_ahead():
+    specs = [
+        members(every=5, rung_steps=2)[0],
+        PLAIN.model_copy(update={"name": "plain", "eval": PLAIN.eval.model_copy(update={"every_steps": 5})}),
+    ]
+    end = 20
+    evaluations = Evaluations(EveryStep({s.name: s for s in specs}), end)
+    due = {b: evaluations.due(b, specs) for b in range(1, end + 1)}
+    assert [b for b, d in due.items() if specs[0].name in d] == [2, 4, 5, 10, 12]  # 12: its last
+    assert [b for b, d in due.items() if "plain" in d] == [5, 10, 15, 20]
+    for step in range(end):
+        assert evaluations.next_boundary(step, specs) == min(
+            (b for b, d in due.items() if b > step and d), default=None
+        )
+
+
+def test_the_report_scores_each_rung_by_the_evaluations_through_its_boundary(tmp_path):
+    """Off the grid (rungs every 2 steps, evaluations every 3): rung 1 reads the evaluation at 2, rung 2 those at 2,
+    3 and 4, not ``k rung_steps / every_steps`` of them."""
+    six = members(every=3, rung_steps=2, steps=8, grid={"optimizer.lr": [1e-4, 1e-3], "lora.rank": [4, 8, 16]})
+    names = [s.name for s in six]  # 6 members, eta 3: rungs at 2 (6 -> 2) and 4 (2 -> 1)
+    history = {
+        names[0]: [(2, 5.0)],
+        names[1]: [(2, 4.0), (3, 3.5), (4, 3.9)],
+        names[2]: [(2, 4.5), (3, 4.4), (4, 3.0), (6, 2.0), (8, 1.5)],
+    } | {n: [(2, 9.0)] for n in names[3:]}
+    dropped = {names[0]: 1, names[1]: 2} | dict.fromkeys(names[3:], 1)
+    evaluations = {n: {"history": [[s, loss, 0.5] for s, loss in h], "stopping": {"best_loss": min(x for _, x in h)},
+                       "stopped_at": dropped[n] * 2 if n in dropped else None, "dropped_rung": dropped.get(n)}
+                   for n, h in history.items()}  # fmt: skip
+    run = RunDir(tmp_path)
+    run.evaluations.write_text(json.dumps(evaluations))
+    taken = {n: 2 * dropped[n] if n in dropped else 8 for n in names}
+    rows = [{"step": b, "losses": {n: 1.0 for n in names if taken[n] > b}} for b in range(8)]
+    run.metrics_jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (result,) = sweep_results(run, six)
+    scores = {m.name: m.rung_scores for m in result.members}
+    assert scores[names[0]] == (5.0,) and scores[names[1]] == (4.0, 3.5) and scores[names[2]] == (4.5, 3.0)
+    assert result.winner == names[2] and result.table()[0][3:5] == ["rung 1", "rung 2"]
