@@ -1,6 +1,6 @@
 """A hyperparameter sweep as tenants against the sweep users run today: each member trained alone with TRL.
 
-    python benchmarks/bench_sweep.py [--task docsum] [--steps 12] [--rungs 2] [--rounds 1] [--threads 2]
+    python benchmarks/bench_sweep.py [--task docsum] [--steps 12] [--rungs 2] [--halving-eval-every 12] [--rounds 1]
 
 A 9-member grid (3 learning rates x 3 ranks) on one demo task, SmolLM2-135M on CPU, three sides, each in its own
 process tree started by this script (the sides interleaved in rounds):
@@ -10,7 +10,12 @@ process tree started by this script (the sides interleaved in rounds):
   then, outside the measured window, its eval loss on the task's held-out rows;
 - **(b) joint**: ``lorafleet train`` of the task's ``sweep`` without halving: the 9 members side by side, every
   one evaluated every ``--rungs`` steps;
-- **(c) halving**: the same with successive halving, eta 3, a rung every ``--rungs`` steps.
+- **(c) halving**: the same with successive halving, eta 3, a rung every ``--rungs`` steps, evaluated as a user of
+  halving would set it: at the rungs (each rung boundary is evaluated whatever ``every_steps`` is,
+  ``lorafleet.eval_schedule``; the 9 members at 2, the 3 kept at 4) and at the end (``eval.every_steps`` =
+  ``--halving-eval-every``, default the steps), which is (a)'s information: (a) evaluates every member once, at its
+  end. ``--halving-eval-every 2`` is the setting before, every member still training evaluated every 2 steps
+  throughout (the winner at 6, 8 and 10 too, after the sweep is decided).
 
 Same inputs everywhere: the task's rows as lorafleet tokenizes them and its held-out rows (``eval.split``; the
 same rows for every member), the same base weights, LoRA and optimizer settings per member. Measured: the CPU
@@ -58,17 +63,23 @@ def prepare(args: argparse.Namespace, work: Path) -> dict[str, Path]:
     task = next(t for t in demo["tasks"] if t["name"] == args.task)
     task = {k: v for k, v in task.items() if k != "lengths"}
     task["data"]["path"] = str((DEMO.parent / task["data"]["path"]).resolve())
-    task |= {"steps": args.steps, "eval": {"split": 0.1, "every_steps": args.rungs, "max_rows": args.eval_rows}}
+    task["steps"] = args.steps
     cluster = {"gpu": "cpu", "nodes": 1, "gpus_per_node": 1}
     grid = {"optimizer.lr": list(LRS), "lora.rank": list(RANKS)}
     paths = {}
     halving = {"eta": 3, "rung_steps": args.rungs}
-    for side, sweep in (("joint", {"grid": grid}), ("halving", {"grid": grid, "halving": halving})):
+    sides = (("joint", {"grid": grid}, args.rungs),
+             ("halving", {"grid": grid, "halving": halving}, args.halving_eval_every or args.steps))  # fmt: skip
+    for side, sweep, every in sides:
+        evaluation = {"split": 0.1, "every_steps": every, "max_rows": args.eval_rows}
         top = {k: v for k, v in demo.items() if k not in ("tasks", "cluster")}
-        spec = {**top, "cluster": cluster, "tasks": [{**task, "sweep": sweep}]}
+        spec = {**top, "cluster": cluster, "tasks": [{**task, "eval": evaluation, "sweep": sweep}]}
         path = work / f"{side}.yaml"
-        path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        text = yaml.safe_dump(spec, sort_keys=False)
         plan = path.with_suffix(".plan.json")
+        if not path.exists() or path.read_text() != text:  # a kept plan is of the workload it was made for
+            path.write_text(text)
+            plan.unlink(missing_ok=True)
         if not plan.exists():
             subprocess.run([sys.executable, "-m", "lorafleet", "plan", str(path), "--json", str(plan)], check=True,
                            stdout=subprocess.DEVNULL, env=repo_env())  # fmt: skip
@@ -132,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="docsum", help="the demo task swept (default docsum)")
     parser.add_argument("--steps", type=int, default=12, help="steps per member (default 12)")
-    parser.add_argument("--rungs", type=int, default=2, help="steps between evaluations and rungs (default 2)")
+    parser.add_argument("--rungs", type=int, default=2, help="steps between rungs, and (b)'s evaluations (default 2)")
+    parser.add_argument("--halving-eval-every", type=int, default=0,
+                        help="(c)'s eval.every_steps, beside its rungs' evaluations (default: the steps)")  # fmt: skip
     parser.add_argument("--eval-rows", type=int, default=16, help="held-out rows an evaluation reads (default 16)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads of every side (default 2)")
     parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (default 1)")
@@ -153,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         paths = prepare(args, work)
         print(f"task {args.task}: 9 members (lr {', '.join(map(str, LRS))} x rank {', '.join(map(str, RANKS))}), "
-              f"{args.steps} steps each, eval every {args.rungs}, halving eta 3 every {args.rungs} steps; "
+              f"{args.steps} steps each; (b) evaluated every {args.rungs}; (c) halving eta 3 every {args.rungs} steps, "
+              f"evaluated at its rungs and every {args.halving_eval_every or args.steps}; "
               f"{args.threads} thread(s) a side, {args.rounds} round(s), {os.cpu_count()} CPUs",
               flush=True)  # fmt: skip
         print(f"{'round':>5} {'side':<8}{'tokens':>9}{'CPU s':>8}{'tok/CPU-s':>10}{'load':>6}", flush=True)
@@ -162,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
                 outs[side] = work / f"{side}-{r}"
+                reused = side in args.reuse.split(",")
+                if reused and not outs[side].is_dir():
+                    outs[side] = work / f"{side}-0"  # one kept run of a side stands for every round
                 record = outs[side] / "measured.json"
-                if side in args.reuse.split(","):
+                if reused:
                     tokens, cpu, *swept = json.loads(record.read_text())  # a record before the sweep's tokens
                     measured[side].append((tokens, cpu, swept[0] if swept else tokens))
                 else:

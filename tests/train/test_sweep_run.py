@@ -1,8 +1,11 @@
 """A sweep trained end to end (``specs.sweep``, ``lorafleet.sweeps``, ``train.promote``): ``lorafleet train`` on the
 tiny Llama with ``docsum`` beside a 6-member sweep of ``chat`` (3 learning rates x 2 ranks), halving with eta 3 after
-every 2 of the members' steps.
+every 2 of the members' steps, evaluated every 3 (off the rungs' grid: each rung boundary is evaluated all the same,
+``lorafleet.eval_schedule``).
 
 - every member trains on the same batches at the same steps while it is in the run;
+- the members still training are evaluated at each of the two rungs the 6 can decide (steps 2 and 4) and at every
+  3 steps, the winner at none after its last rung but 6 and its last (8);
 - each rung keeps the best ``max(1, floor(n / 3))`` by the eval losses the run recorded (best so far), and the
   others leave at that boundary through the departure path (``changes.jsonl``: ``(dropped by its sweep)``);
 - the winner, by the same rule over the whole run, is promoted: ``adapters/chat/`` is bitwise its best adapter,
@@ -45,7 +48,7 @@ def run(tmp_path_factory, tiny_tokenizer_dir) -> Path:
         f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256, "
         f"steps: {STEPS}}}\n"
         f"  - name: chat\n    data: {{path: {DEMO / 'chat.jsonl'}}}\n    batch_size: 4\n    context_length: 128\n"
-        f"    steps: {STEPS}\n    eval: {{split: 0.1, every_steps: 2, max_rows: 16}}\n"
+        f"    steps: {STEPS}\n    eval: {{split: 0.1, every_steps: 3, max_rows: 16}}\n"
         "    sweep:\n      grid: {optimizer.lr: [1.0e-3, 1.0e-2, 1.0e-1], lora.rank: [2, 4]}\n"
         "      halving: {eta: 3, rung_steps: 2}\n"
     )
@@ -90,6 +93,10 @@ def test_members_train_on_the_same_batches_and_rungs_drop_by_the_recorded_losses
         alive = list(rung.kept)
     assert rungs == 2 and len(alive) == 1  # 6 -> 2 -> 1
     assert winner(best, order) == alive[0]
+    # off the every_steps grid: each rung boundary evaluated, none after the sweep is decided but the schedule's
+    evaluated = {m: [s for s, _, _ in evaluations[m]["history"]] for m in MEMBERS}
+    assert evaluated[alive[0]] == [2, 3, 4, 6, 8]
+    assert sorted(evaluated[m] for m in MEMBERS if m != alive[0]) == [[2]] * 4 + [[2, 3, 4]]
     # the dropped take no batch after their rung
     for name in set(MEMBERS) - set(alive):
         assert all(name not in row["task_tokens"] for row in rows if row["step"] >= evaluations[name]["stopped_at"])
