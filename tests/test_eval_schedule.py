@@ -128,3 +128,12 @@ def test_the_report_scores_each_rung_by_the_evaluations_through_its_boundary(tmp
     scores = {m.name: m.rung_scores for m in result.members}
     assert scores[names[0]] == (5.0,) and scores[names[1]] == (4.0, 3.5) and scores[names[2]] == (4.5, 3.0)
     assert result.winner == names[2] and result.table()[0][3:5] == ["rung 1", "rung 2"]
+
+
+def test_an_update_of_a_members_every_steps_moves_its_other_evaluations_not_its_rungs():
+    """The queue's and HTTP's update (``requests.updated_task``) may set a member's ``every_steps`` to any value
+    (before, one off the rungs' grid could leave a rung undecided: not every member was due there)."""
+    from lorafleet.train.queue.requests import updated_task
+
+    updated = updated_task(members(every=4, rung_steps=2)[0], {"eval": {"every_steps": 7}})
+    assert updated.member_of.members == 9 and steps_of(EvalSchedule.of(updated), 14) == [2, 4, 7, 14]
