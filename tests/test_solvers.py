@@ -118,12 +118,20 @@ def test_a_solve_beside_the_main_thread_leaves_its_lines_alone(capfd):
     assert "step 7/12 printed while a re-plan solves" in capfd.readouterr().out
 
 
-def test_cbcs_time_limit_counts_cpu_time():
+@pytest.mark.parametrize("threads", [1, None], ids=["planner", "dispatcher"])
+def test_cbcs_time_limit_counts_cpu_time(threads):
     """A wall-clock limit made plans depend on the machine's load (#43: service-128 planned three plans in three runs
-    of one tree at load 12-17, a MILP stopped at its limit); CBC is told to count its own CPU time."""
+    of one tree at load 12-17, a MILP stopped at its limit); CBC is told to count its own CPU time, on the command
+    line PuLP writes for it, for the planner's MILPs (threads=1) and the dispatcher's exact ILP (threads unset)
+    alike, and searches serially (no ``threads`` option: CBC's threaded search is not deterministic)."""
     from lorafleet.solvers import _make_solver
 
-    assert _make_solver(SolverName.CBC, 10.0, 1e-3, None).optionsDict["timeMode"] == "cpu"
+    solver = _make_solver(SolverName.CBC, 10.0, 1e-3, threads)
+    assert solver.optionsDict["timeMode"] == "cpu"
+    assert solver.timeLimit == 10.0
+    options = solver.getOptions()  # what PuLP adds to CBC's command line beside -sec
+    assert "timeMode cpu" in options
+    assert not any(o.startswith("threads") for o in options)
 
 
 def test_values_that_break_a_row_or_integrality_are_not_a_solution():

@@ -63,7 +63,8 @@ class PlannerOptions:
     solver: SolverName = SolverName.CBC
     """Back end of the aggregated MILP and of the exact dispatch ILP (CBC, SCIP or HiGHS)."""
     time_limit_s: float = 10.0
-    """Wall-clock limit of every single solve, seconds; on failure the planner falls back with a warning."""
+    """Time limit of every single solve, seconds: CPU seconds for CBC (``solvers``: a wall-clock limit made plans
+    depend on the machine's load), wall-clock for SCIP and HiGHS; on failure the planner falls back with a warning."""
     gap_rel: float = 5e-3
     """Relative optimality gap of the exact dispatch ILP (LobRA's SCIP ``limits/gap``)."""
 
