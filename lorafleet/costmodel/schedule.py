@@ -163,9 +163,11 @@ def max_in_flight(ops: Sequence[tuple[str, int]]) -> int:
     return peak
 
 
-def stall_slots(pp: int, microbatch_tasks: Sequence[Collection[int]]) -> float:
+def stall_slots(pp: int, microbatch_tasks: Sequence[Collection[int]], cap: float = float("inf")) -> float:
     """Slots of stage time a boundary between two steps of this micro-batch order costs on top of
-    the steps' work, in the steady state (the same order every step).
+    the steps' work, in the steady state (the same order every step); ``min(stall, cap)`` with a ``cap``
+    (what a caller tells no larger stall from: :func:`bubble_slots` charges at most ``pp - 1``), which lets the
+    timeline stop as soon as it shows the stall at least ``cap`` (:func:`_timed_stall`).
 
     First the closed form ``max_i (dep(i) - i + pp)^+`` over a second step's forwards (module doc):
     when it is 0 no forward waits and that is exact. Otherwise the waits compound (a late forward
@@ -194,7 +196,7 @@ def stall_slots(pp: int, microbatch_tasks: Sequence[Collection[int]]) -> float:
     late = np.maximum(d[: pp - 1], k + np.arange(min(pp - 1, k)) - pp)
     if k > STALL_HORIZON * pp:  # the same stall as the step's last STALL_HORIZON * pp micro-batches alone
         late, k = late - (k - STALL_HORIZON * pp), STALL_HORIZON * pp
-    key = (pp, k, tuple(late.tolist()))
+    key = (pp, k, tuple(late.tolist()), float(cap))
     memo = work_memo("stall")  # a counted scope (a plan) keeps its own, so its count is reproducible
     if memo is None:
         return _cached_stall(*key)
@@ -240,15 +242,21 @@ def second_step_dependencies(microbatch_tasks: Sequence[Collection[int]]) -> np.
     return np.searchsorted(suffix_min, tops, side="right") - 1
 
 
-def _timed_stall(pp: int, k: int, late: tuple[int, ...]) -> float:
+def _timed_stall(pp: int, k: int, late: tuple[int, ...], cap: float = float("inf")) -> float:
     """Steady-state stall of a step of ``k`` micro-batches whose second-step dependencies read ``late``,
-    then ``K + i - pp`` (:func:`stall_slots`): span(3 steps) - span(2 steps) - K, one slot a micro-batch."""
+    then ``K + i - pp`` (:func:`stall_slots`): span(3 steps) - span(2 steps) - K, one slot a micro-batch; at most
+    ``cap``. The three steps' timeline stops once it shows ``span(3 steps) >= span(2 steps) + K + cap`` (its
+    ``stop``): the stall is then at least ``cap``, and ``cap`` is the answer (exact: every end is a sum of halves)."""
     rel = np.concatenate((np.asarray(late, dtype=np.int64), k + np.arange(len(late), k) - pp))
     two = np.concatenate((np.full(k, -1, dtype=np.int64), rel))
     ends = _stream_ends(pp, two, FORWARD_SHARE, 1.0 - FORWARD_SHARE, (k, _one_step_ends(pp, k)))
-    three = _stream_ends(pp, np.concatenate((two, rel + k)), FORWARD_SHARE, 1.0 - FORWARD_SHARE, (two.size, ends))
+    span = float(ends[-1].max())
+    stop = span + k + cap if cap < float("inf") else None
+    three = _stream_ends(pp, np.concatenate((two, rel + k)), FORWARD_SHARE, 1.0 - FORWARD_SHARE, (two.size, ends), stop)
     count_work("stall_timelines", 2)  # the two spans; the shared first step is not counted (its cache outlives a scope)
-    return max(0.0, float(three[-1].max() - ends[-1].max()) - k)
+    if three is None:
+        return float(cap)
+    return min(max(0.0, float(three[-1].max()) - span - k), cap)
 
 
 @functools.lru_cache(maxsize=256)
@@ -303,7 +311,8 @@ def _stream_ends(
     forward_s: float | np.ndarray,
     backward_s: float | np.ndarray,
     known: tuple[int, np.ndarray] | None = None,
-) -> np.ndarray:
+    stop: float | None = None,
+) -> np.ndarray | None:
     """Every op's end in :func:`timeline` with no update time, by position: row ``p + 1`` holds each stage's
     op at position ``p`` of its order (row 0: zeros), so the span is the last row's maximum.
 
@@ -328,8 +337,11 @@ def _stream_ends(
     schedule's slots are halves). ``forward_s``, ``backward_s``: one duration for all, or ``(pp, n)``.
     ``known``: ``(n0, ends)``, the ends of this stream's first ``n0`` micro-batches alone (the same durations):
     every position before the first forward of a later micro-batch holds the same op on every stage, with the
-    same inputs, in both, so those rows are copied, not settled again. Raises ValueError if the orders
-    deadlock (a forward waiting for a backward of its own or a later one).
+    same inputs, in both, so those rows are copied, not settled again. ``stop``: None (nothing returned) as soon
+    as the ends show the span at least ``stop``: a stage's op at position ``p`` ends at ``e_k(p)``, and its ops
+    after it run one after another, so the span is at least ``max_k e_k(p) + R_k(p)``, ``R_k(p)`` the durations
+    of stage ``k``'s ops after position ``p`` (checked every :data:`STOP_EVERY` positions). Raises ValueError if
+    the orders deadlock (a forward waiting for a backward of its own or a later one).
     """
     n = deps.size
     if n == 0:
@@ -372,14 +384,27 @@ def _stream_ends(
     ends = np.zeros((width + 1, pp))
     if shared:
         ends[1 : shared + 1] = known[1][1 : shared + 1]
-    flat, acc = ends.ravel(), np.maximum.accumulate
-    for p in range(shared, width):
-        x = np.maximum(ends[p], flat.take(source[p])).take(both)
-        x += add[p - shared]
+    if stop is not None:  # rest[p]: each stage's durations after position p (row p of the reversed sums, shifted)
+        rest = np.zeros((width - shared + 1, pp))
+        np.cumsum(t[::-1], axis=0, out=rest[-2::-1])
+        rest = rest[1:]
+    flat, acc, rows = ends.ravel(), np.maximum.accumulate, list(ends)  # the rows' views made in one go
+    for r, (before, after, src, a, b, taken) in enumerate(
+        zip(rows[shared:width], rows[shared + 1 :], source[shared:], add, back, pick)
+    ):
+        x = np.maximum(before, flat.take(src)).take(both)
+        x += a
         acc(x, out=x)
-        x += back[p - shared]
-        x.take(pick[p - shared], out=ends[p + 1])
+        x += b
+        x.take(taken, out=after)
+        if stop is not None and r % STOP_EVERY == 0 and (after + rest[r]).max() >= stop:
+            return None
     return ends
+
+
+STOP_EVERY = 8
+"""How often (in positions) :func:`_stream_ends` checks its ``stop``: a check costs about a third of a position's
+work, and stopping a few positions late changes nothing of the answer."""
 
 
 def _chain_offsets(t: np.ndarray, starts: np.ndarray, above: float) -> tuple[np.ndarray, np.ndarray]:
@@ -401,7 +426,7 @@ def bubble_slots(pp: int, window: int, microbatch_tasks: Sequence[Collection[int
         return 0.0
     if window < 1:
         raise ValueError(f"a pipeline window is at least one step, got {window}")
-    stall = min(stall_slots(pp, microbatch_tasks), pp - 1) if microbatch_tasks is not None else 0.0
+    stall = stall_slots(pp, microbatch_tasks, cap=pp - 1) if microbatch_tasks is not None else 0.0
     return ((pp - 1) + (window - 1) * stall) / window
 
 

@@ -289,3 +289,33 @@ def test_a_long_steps_stall_is_that_of_its_last_pipeline_of_micro_batches():
         assert stall_slots(pp, order) == whole
         checked += whole > 0
     assert checked >= 10  # enough orders that stall at all
+
+
+def test_a_capped_stall_is_the_stall_up_to_its_cap_and_stops_its_timeline_early():
+    """``stall_slots(pp, order, cap)`` is ``min(stall, cap)`` on random orders (task-major, as dispatched, or not;
+    the bubble's cap ``pp - 1`` and smaller ones), and the three steps' timeline of the order that stalls furthest
+    past its cap stops early (``_stream_ends`` returns None: its ends already show the span past ``stop``)."""
+    from lorafleet.costmodel.schedule import _one_step_ends, _stream_ends, _timed_stall, second_step_dependencies
+
+    rng = np.random.default_rng(3)
+    furthest = (0.0, 0, [])
+    for i in range(150):
+        pp = int(rng.integers(2, 13))
+        k = int(rng.integers(1, 3 * pp))
+        order = [set(rng.integers(0, int(rng.integers(2, 12)), int(rng.integers(1, 4))).tolist()) for _ in range(k)]
+        if i % 2:
+            order.sort(key=max)
+        stall = stall_slots(pp, order)
+        for cap in (pp - 1, (pp - 1) / 2, 0.5):
+            assert stall_slots(pp, order, cap) == min(stall, cap)
+        furthest = max(furthest, (stall - (pp - 1), pp, order), key=lambda f: f[0])
+    past, pp, order = furthest
+    assert past >= 8
+    k = len(order)
+    late = tuple(np.maximum(second_step_dependencies(order)[: pp - 1], k + np.arange(min(pp - 1, k)) - pp).tolist())
+    assert _timed_stall(pp, k, late) == past + pp - 1 and _timed_stall(pp, k, late, pp - 1.0) == pp - 1
+    two = np.concatenate((np.full(k, -1, dtype=np.int64), late, k + np.arange(len(late), k) - pp))
+    ends = _stream_ends(pp, two, FORWARD_SHARE, 1 - FORWARD_SHARE, (k, _one_step_ends(pp, k)))
+    three, stop = np.concatenate((two, two[k:] + k)), float(ends[-1].max()) + k + pp - 1
+    assert _stream_ends(pp, three, FORWARD_SHARE, 1 - FORWARD_SHARE, (two.size, ends), stop) is None
+    assert _stream_ends(pp, three, FORWARD_SHARE, 1 - FORWARD_SHARE, (two.size, ends))[-1].max() >= stop
