@@ -88,14 +88,20 @@ def test_task_major_order_finishes_tasks_in_order(lengths, packed, data):
 
 def test_first_fit_bisects_many_micro_batches_and_fills_them_the_same():
     """A deep pipeline's replica at service scale packs thousands of sequences into hundreds of micro-batches: the
-    bisection (``_first_fit_many``) gives the list scan's micro-batches, sequence for sequence."""
+    bisection (``_first_fit_many``) gives the list scan's micro-batches, sequence for sequence, also where most
+    micro-batches leave it (the shortest sequence long: rooms below it), and where they fill to the token."""
     from lorafleet.dispatch.microbatch import MANY_BINS, _first_fit_few, _first_fit_many
 
     rng = np.random.default_rng(0)
-    for _ in range(200):
+    for i in range(200):
         max_tokens = int(rng.integers(64, 4096))
-        needs = sorted(rng.integers(1, max_tokens + 1, int(rng.integers(1, 1500))).tolist(), reverse=True)
+        floor = (1, 1, max_tokens // 9, max_tokens // 3)[i % 4]
+        n = int(rng.integers(1, 1500 if floor == 1 else 300))
+        needs = sorted(rng.integers(floor, max_tokens + 1, n).tolist(), reverse=True)
         assert (_first_fit_few(needs, max_tokens) == _first_fit_many(needs, max_tokens)).all()
+    for divisor in (2, 3, 4, 7):  # equal sequences that fill a micro-batch exactly, and a remainder
+        needs = [1024 // divisor] * 500 + [5] * 30
+        assert (_first_fit_few(needs, 1024) == _first_fit_many(needs, 1024)).all()
     lengths = rng.integers(1, 1100, 2000)
     assert lengths.sum() > MANY_BINS * 1115  # the bisection path's case
     mbs = packed_microbatches(np.arange(2000), lengths, rng.integers(0, 50, 2000), 1115)
