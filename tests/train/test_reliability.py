@@ -38,10 +38,9 @@ def _workload(tmp_path: Path, tokenizer: Path, chat: str = "optimizer: {lr: 1.0e
     return path
 
 
-@pytest.fixture
-def run(tmp_path, tiny_tokenizer_dir):
-    """A two-task workload, a two-replica plan for it, and a ``train(*args)`` that runs the CLI."""
-    workload = _workload(tmp_path, tiny_tokenizer_dir)
+def _runner(tmp_path: Path, tokenizer: Path):
+    """A two-task workload in ``tmp_path``, a two-replica plan for it, and a ``train(*args)`` that runs the CLI."""
+    workload = _workload(tmp_path, tokenizer)
     plan = replace(h.plan_of((1, 1), (1, 1)), tasks=("docsum", "chat"), bucket_boundaries=(256,))
     plan.save(tmp_path / "plan.json")
 
@@ -62,6 +61,29 @@ def run(tmp_path, tiny_tokenizer_dir):
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
     return train, tmp_path
+
+
+@pytest.fixture
+def run(tmp_path, tiny_tokenizer_dir):
+    """:func:`_runner` in this test's directory."""
+    return _runner(tmp_path, tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory, tiny_tokenizer_dir):
+    """The run directory of 3 steps of :func:`_runner`'s workload and plan, a checkpoint after each, run once for
+    the tests that resume it (each resumes its own copy)."""
+    train, tmp = _runner(tmp_path_factory.mktemp("three-steps"), tiny_tokenizer_dir)
+    first = train("--steps", "3", "--checkpoint-every", "1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    return tmp / "out"
+
+
+@pytest.fixture
+def resumable(run, three_steps):
+    """:func:`run` whose ``out`` holds a copy of :func:`three_steps`' run directory."""
+    shutil.copytree(three_steps, run[1] / "out")
+    return run
 
 
 def _one_error(result, words: str) -> None:
@@ -93,11 +115,9 @@ def _refused(capsys, tmp: Path, words: str, *args: str, workload: Path | None = 
 
 
 @pytest.mark.slow
-def test_run_directory_checkpoints_and_resume(run, capsys):
-    train, tmp = run
+def test_run_directory_checkpoints_and_resume(resumable, capsys):
+    train, tmp = resumable
     out = tmp / "out"
-    first = train("--steps", "3", "--checkpoint-every", "1")
-    assert first.returncode == 0, first.stderr[-2000:]
     _refused(capsys, tmp, "holds a previous run (metrics.jsonl, metrics.csv, tensorboard, checkpoints", "--steps", "3")
     _refused(capsys, tmp, "--steps: 2 is below the 3 steps the run has committed", "--steps", "2", "--resume")
     _refused(capsys, tmp, "--resume: nothing to resume", "--resume", "--out", str(tmp / "fresh"))
@@ -350,52 +370,63 @@ def test_no_worker_outlives_a_launcher_killed_during_start_up(run):
         assert started and not orphans, f"workers {orphans} outlived a launcher killed {delay} s in"
 
 
-@pytest.mark.slow
-def test_a_nonfinite_task_is_skipped_then_stopped_and_the_others_are_bitwise_untouched(run, tiny_tokenizer_dir):
-    """``chat`` blows up (lr 10, alpha 1e30: the issue's case; its gradient overflows, and any update it
-    took would overflow its activations): its updates are skipped and it stops after three in a row;
-    ``docsum`` trains bitwise as in a run where chat is sane. A third task whose SGD step underflows to
-    nothing (lr 1e-45) is warned about in both runs.
+SANE_CHAT, BLOWN_CHAT = "optimizer: {lr: 1.0e-3}", "lora: {alpha: 1.0e+30}, optimizer: {lr: 10}"
+"""``chat`` sane, and blown up (lr 10, alpha 1e30: the issue's case; its gradient overflows, and any update it took
+would overflow its activations)."""
+FROZEN_AND_SHORT = (
+    f"  - {{name: frozen, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 2, context_length: 256,"
+    " optimizer: {name: sgd, lr: 1.0e-45}}\n"
+    f"  - {{name: short, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 2, context_length: 128,"
+    " steps: 2, share: 0.5}\n"
+)
+"""Beside docsum and chat: ``frozen``, whose SGD step underflows to nothing (lr 1e-45), and ``short``, with its own
+``steps`` and a ``share``."""
+FOUR_TASKS = ("docsum", "chat", "frozen", "short")
+TEN_STEPS = ("--steps", "10", "--no-recalibrate", "--device", "cpu")
 
-    Both runs start, as a user would, with the installed ``lorafleet`` console script from a directory
-    that holds another ``lorafleet`` package: the workers must run the launcher's code, not that one."""
-    train, tmp = run
-    fake = tmp / "elsewhere" / "lorafleet"
+
+def _four_task_plan(tmp: Path) -> Path:
+    plan = replace(h.plan_of((1, 1), (1, 1)), tasks=FOUR_TASKS, bucket_boundaries=(256,))
+    plan.save(tmp / "plan.json")
+    return tmp / "plan.json"
+
+
+def _run_as_a_user(folder: Path, tokenizer: Path, plan: Path, chat: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """10 steps of the four tasks (``chat`` as given) into ``folder/out``, started as a user would: the installed
+    ``lorafleet`` console script, from a directory that holds another ``lorafleet`` package (the workers must run
+    the launcher's code, not that one). The run's result and its directory."""
+    fake = folder / "elsewhere" / "lorafleet"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise SystemExit('the wrong lorafleet was imported')\n")
     (fake / "__main__.py").write_text("raise SystemExit('the wrong lorafleet was run')\n")
-    script = Path(sys.executable).parent / "lorafleet"
-    frozen = (
-        f"  - {{name: frozen, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 2, context_length: 256,"
-        " optimizer: {name: sgd, lr: 1.0e-45}}\n"
-    )
-    plan = replace(h.plan_of((1, 1), (1, 1)), tasks=("docsum", "chat", "frozen"), bucket_boundaries=(256,))
-    plan.save(tmp / "plan.json")
-    results = {}
-    for name, chat in (("sane", "optimizer: {lr: 1.0e-3}"), ("blown", "lora: {alpha: 1.0e+30}, optimizer: {lr: 10}")):
-        folder = tmp / name
-        folder.mkdir()
-        workload = _workload(folder, tiny_tokenizer_dir, chat, frozen)
-        argv = [
-            str(script),
-            "train",
-            str(workload),
-            "--plan",
-            str(tmp / "plan.json"),
-            "--out",
-            str(folder / "out"),
-            "--device",
-            "cpu",
-            "--no-recalibrate",
-            "--steps",
-            "4",
-        ]
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=fake.parent)
-        assert result.returncode == 0, result.stderr[-2000:]
-        assert "wrong lorafleet" not in result.stderr + result.stdout
-        assert "task 'frozen': its adapter has not moved after its warm-up" in result.stderr
-        results[name] = (result, folder / "out")
-    blown, out = results["blown"]
+    workload = _workload(folder, tokenizer, chat, FROZEN_AND_SHORT)
+    argv = [str(Path(sys.executable).parent / "lorafleet"), "train", str(workload), "--plan", str(plan), "--out",
+            str(folder / "out"), *TEN_STEPS]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=fake.parent)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "wrong lorafleet" not in result.stderr + result.stdout
+    assert "task 'frozen': its adapter has not moved after its warm-up" in result.stderr
+    return result, folder / "out"
+
+
+@pytest.fixture(scope="module")
+def blown(tmp_path_factory, tiny_tokenizer_dir):
+    """The four tasks run straight through 10 steps with ``chat`` blown up (:func:`_run_as_a_user`): the run the
+    non-finite test compares with a sane one and the resume test with a stopped and resumed one. Its plan, result
+    and directory."""
+    tmp = tmp_path_factory.mktemp("blown")
+    plan = _four_task_plan(tmp)
+    return (plan, *_run_as_a_user(tmp / "straight", tiny_tokenizer_dir, plan, BLOWN_CHAT))
+
+
+@pytest.mark.slow
+def test_a_nonfinite_task_is_skipped_then_stopped_and_the_others_are_bitwise_untouched(
+    blown, tmp_path, tiny_tokenizer_dir
+):
+    """``chat`` blows up: its updates are skipped and it stops after three in a row; ``docsum`` trains bitwise
+    as in a run where chat is sane. ``frozen`` is warned about in both runs (:func:`_run_as_a_user`)."""
+    plan, blown, out = blown
+    sane = _run_as_a_user(tmp_path, tiny_tokenizer_dir, plan, SANE_CHAT)[1]
     assert "task 'chat' has a non-finite loss or gradient; its update is skipped (3 in a row)" in blown.stderr
     assert "task 'chat' stopped after 3 non-finite steps in a row" in blown.stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -403,71 +434,52 @@ def test_a_nonfinite_task_is_skipped_then_stopped_and_the_others_are_bitwise_unt
     assert sum(flagged) >= 3 and all(not r["nonfinite_tasks"] or r["nonfinite_tasks"] == ["chat"] for r in records)
     chat = load_file(out / "adapters" / "chat" / "adapter_model.safetensors")
     assert all(torch.isfinite(t).all() for t in chat.values())
-    sane = load_file(results["sane"][1] / "adapters" / "docsum" / "adapter_model.safetensors")
+    sane = load_file(sane / "adapters" / "docsum" / "adapter_model.safetensors")
     ours = load_file(out / "adapters" / "docsum" / "adapter_model.safetensors")
     assert sane.keys() == ours.keys() and all(torch.equal(sane[k], ours[k]) for k in sane)
 
 
 @pytest.mark.slow
-def test_a_run_resumes_past_a_stopped_task_and_a_finished_share_task_bitwise(run, tiny_tokenizer_dir):
+def test_a_run_resumes_past_a_stopped_task_and_a_finished_share_task_bitwise(blown, tmp_path, tiny_tokenizer_dir):
     """A task stopped for non-finite updates took fewer batches than the steps run, and one with its own
     ``steps`` and a ``share`` fewer still (it finished through the queue, a relaunch): a resume must draw the
     data cursors as the run did (they are not every task's every step) and carry on the non-finite streaks.
-    Run straight through 10 steps, and stopped by SIGINT after step 6 then ``--resume``: the second ends
-    bitwise as the first. The stopped task is dispatched up to the documented step: its third non-finite
+    Run straight through 10 steps (:func:`blown`), and stopped by SIGINT after step 6 then ``--resume``: the second
+    ends bitwise as the first. The stopped task is dispatched up to the documented step: its third non-finite
     report (step 2) arrives once step 3 is dispatched ahead, so steps 0-3 hold it, in both runs."""
-    train, tmp = run
-    short = (
-        f"  - {{name: short, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 2, context_length: 128,"
-        " steps: 2, share: 0.5}\n"
-    )
-    plan = replace(h.plan_of((1, 1), (1, 1)), tasks=("docsum", "chat", "short"), bucket_boundaries=(256,))
-    plan.save(tmp / "plan.json")
-    outs = {}
-    for name in ("straight", "resumed"):
-        folder = tmp / name
-        folder.mkdir()
-        workload = _workload(folder, tiny_tokenizer_dir, "lora: {alpha: 1.0e+30}, optimizer: {lr: 10}", short)
-        args = ("--steps", "10", "--out", str(folder / "out"))
-        if name == "resumed":  # slowed down, so that SIGINT lands before the last steps (the numbers are unchanged)
-            process = subprocess.Popen(
-                [*LAUNCHER, "train", str(workload), "--plan", str(tmp / "plan.json"), "--device", "cpu"]
-                + ["--no-recalibrate", *args, "--inject-slowdown", "0=20"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=folder,
-            )
-            _wait_for_steps(folder / "out", 6, process)
-            process.send_signal(signal.SIGINT)
-            _, stderr = process.communicate(timeout=120)
-            assert process.returncode == 130, stderr[-3000:]
-            assert _steps(folder / "out")[-1] < 9
-            args = (*args, "--resume")
-        result = train(*args, workload_path=workload, cwd=folder)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "Traceback" not in result.stderr
-        outs[name] = folder / "out"
-    for out in outs.values():
+    plan, _, straight = blown
+    workload = _workload(tmp_path, tiny_tokenizer_dir, BLOWN_CHAT, FROZEN_AND_SHORT)
+    argv = [*LAUNCHER, "train", str(workload), "--plan", str(plan), "--out", str(tmp_path / "out"), *TEN_STEPS]
+    # slowed down, so that SIGINT lands before the last steps (the numbers are unchanged)
+    process = subprocess.Popen([*argv, "--inject-slowdown", "0=20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, cwd=tmp_path)  # fmt: skip
+    _wait_for_steps(tmp_path / "out", 6, process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    assert _steps(tmp_path / "out")[-1] < 9
+    result = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    resumed = tmp_path / "out"
+    for out in (straight, resumed):
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in records] == list(range(10))
         assert [r["step"] for r in records if "chat" in r["losses"]] == [0, 1, 2, 3]
         assert [r["step"] for r in records if "short" in r["losses"]] == [0, 1]
-    for task in ("docsum", "chat", "short"):
-        a = load_file(outs["straight"] / "adapters" / task / "adapter_model.safetensors")
-        b = load_file(outs["resumed"] / "adapters" / task / "adapter_model.safetensors")
+    for task in FOUR_TASKS:
+        a = load_file(straight / "adapters" / task / "adapter_model.safetensors")
+        b = load_file(resumed / "adapters" / task / "adapter_model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), task
 
 
 @pytest.mark.slow
-def test_a_resume_refuses_changed_hyperparameters_unless_allowed_and_records_them(run, capsys):
+def test_a_resume_refuses_changed_hyperparameters_unless_allowed_and_records_them(resumable, capsys):
     """A changed learning rate on ``--resume`` is refused (one line naming the field, nothing written);
     with ``--allow-changes`` the run trains on with it and records the change with its step in the ledger,
     the resolved workload and the adapter's card; a later resume with the same file is no change."""
-    train, tmp = run
+    train, tmp = resumable
     out = tmp / "out"
-    first = train("--steps", "2", "--checkpoint-every", "1")
-    assert first.returncode == 0, first.stderr[-2000:]
     resolved = (out / "workload.resolved.yaml").read_text()
     workload = tmp / "w.yaml"
     workload.write_text(workload.read_text().replace("128, optimizer: {lr: 1.0e-3}", "128, optimizer: {lr: 5.0e-3}"))
@@ -475,26 +487,26 @@ def test_a_resume_refuses_changed_hyperparameters_unless_allowed_and_records_the
         capsys,
         tmp,
         "w.yaml: tasks.chat.optimizer.lr: 0.005 now, 0.001 in the run being resumed; a resume trains on as the run "
-        "did: pass --allow-changes to train with the new values from step 2 on",
+        "did: pass --allow-changes to train with the new values from step 3 on",
         "--steps",
-        "3",
+        "4",
         "--resume",
     )
     assert (out / "workload.resolved.yaml").read_text() == resolved and not (out / "tasks.json").exists()
-    changed = train("--steps", "3", "--resume", "--allow-changes")
+    changed = train("--steps", "4", "--resume", "--allow-changes")
     assert changed.returncode == 0, changed.stderr[-2000:]
     ledger = json.loads((out / "tasks.json").read_text())
     chat = next(e for e in ledger["tasks"] if e["spec"]["name"] == "chat")
-    assert chat["revisions"] == [{"step": 2, "field": "optimizer.lr", "before": 0.001, "after": 0.005}]
+    assert chat["revisions"] == [{"step": 3, "field": "optimizer.lr", "before": 0.001, "after": 0.005}]
     assert chat["spec"]["optimizer"]["lr"] == 0.005
-    assert "#   tasks.chat.optimizer.lr 0.001 -> 0.005 from step 2" in (out / "workload.resolved.yaml").read_text()
+    assert "#   tasks.chat.optimizer.lr 0.001 -> 0.005 from step 3" in (out / "workload.resolved.yaml").read_text()
     card = (out / "adapters" / "chat" / "README.md").read_text()
-    assert "learning rate 0.005" in card and "- Changed on resume: optimizer.lr 0.001 -> 0.005 from step 2" in card
+    assert "learning rate 0.005" in card and "- Changed on resume: optimizer.lr 0.001 -> 0.005 from step 3" in card
     assert "Changed on resume" not in (out / "adapters" / "docsum" / "README.md").read_text()
     from lorafleet.train.options import TrainOptions  # a later resume with the same file: the launcher's checks
     from lorafleet.train.preflight import prepare  # (in process) find nothing to refuse and no change to record
 
-    again = TrainOptions(workload=str(workload), plan=str(tmp / "plan.json"), out=str(out), steps=4, resume=True)
+    again = TrainOptions(workload=str(workload), plan=str(tmp / "plan.json"), out=str(out), steps=5, resume=True)
     assert prepare(again).revisions == {}
     assert json.loads((out / "tasks.json").read_text())["tasks"] == ledger["tasks"]
 
