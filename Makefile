@@ -53,21 +53,26 @@ demo-train: setup
 
 # Two pytest-xdist workers, a test file each at a time (module fixtures stay in one process): on a
 # 2-core machine the suite takes ~70% of its serial time. TEST_WORKERS=0 runs it in one process.
-# The multi-process training tests, the longest files, are handed out first so that the short ones
-# fill the end of both workers (collected twice, a file runs once).
+# The longest files (the multi-process training tests), longest first by their CI seconds, are handed out
+# first so that the short ones fill the end of both workers. --no-loadscope-reorder keeps this order: xdist's
+# default hands files out by their count of tests, most first, which put test_recovery (2 tests, ~130 s)
+# 133rd of 141 files, at the end of one worker.
 TEST_WORKERS ?= 2
-LONG_TESTS := tests/train/test_adapter_card.py tests/executor/torch/test_checkpoint.py \
-	tests/executor/torch/test_joint_training.py tests/train/test_multinode.py \
-	tests/executor/torch/test_pipeline_window.py tests/train/queue/test_http.py tests/train/test_recovery.py \
-	tests/train/test_reliability.py tests/executor/torch/test_stage_loading.py tests/executor/torch/test_step.py \
-	tests/train/test_task_queue.py tests/commands/test_train.py tests/train/test_evaluation.py \
-	tests/train/test_sweep_run.py
+LONG_TESTS := tests/train/test_reliability.py tests/train/test_task_queue.py tests/train/test_recovery.py \
+	tests/train/test_multinode.py tests/executor/torch/test_joint_training.py tests/train/test_evaluation.py \
+	tests/profiling/test_profiler.py tests/commands/test_train.py tests/test_notebooks.py \
+	tests/train/test_adapter_card.py tests/train/test_sweep_run.py tests/executor/torch/test_pipeline_window.py \
+	tests/train/queue/test_http.py tests/executor/torch/test_checkpoint.py tests/executor/torch/test_stage_loading.py \
+	tests/executor/torch/test_step.py
+# Every test file by name, the long ones first: pytest keeps the order of its arguments only where none is inside
+# another (given the file and `tests`, it collects the file in its place in `tests`).
+TEST_FILES := $(LONG_TESTS) $(filter-out $(LONG_TESTS),$(sort $(shell find tests -name 'test_*.py')))
 
 # Compiled once before the run: where the environment sets PYTHONDONTWRITEBYTECODE (this one does), every
 # process the suite starts (CLI runs, torchrun agents, workers) would compile the package anew, ~0.3 CPU-s each.
 test: setup
 	$(BIN)/python -m compileall -q -j 2 lorafleet tests > /dev/null
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(LONG_TESTS) tests/test_notebooks.py tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_FILES)
 
 lint: setup
 	$(BIN)/ruff check .
