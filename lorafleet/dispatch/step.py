@@ -198,6 +198,7 @@ def placed_work(
     mode: MicroBatchMode,
     classes: Collection[int] | None = None,
     window: int = 1,
+    above: float = float("inf"),
 ) -> list[tuple[tuple[MicroBatch, ...], float]]:
     """Every replica's micro-batches and estimated time, in plan order, once class totals ``counts`` (K, R)
     are placed: the sequences dealt by :func:`~.placement.place_sequences`, cut by the mode's
@@ -211,6 +212,10 @@ def placed_work(
     With a pipeline window of ``window > 1`` steps (the policy's ``pipeline_window``) every replica's
     micro-batches are ordered task-major (:mod:`.microbatch`), and each replica is priced with its
     micro-batches' tasks (their stall at the window's step boundaries).
+
+    The replicas are priced in plan order, and the pricing stops at the first one priced above ``above``
+    seconds, leaving the rest empty: the step's makespan is then above ``above`` whatever they hold (a caller
+    that only asks whether the step is at most ``above``, as a baseline comparing its configs does, needs no more).
     """
     task_major = window > 1
     bucket = bucket_of(batch.lengths, load.boundaries)
@@ -246,6 +251,8 @@ def placed_work(
                     )
                 seconds = cost_model.replica_time(cls.config, mbs, tasks, window=window)  # each reads as its shape
             work[r] = (tuple(mbs), cls.time_scale * seconds)
+            if work[r][1] > above:
+                return work
     return work
 
 

@@ -96,14 +96,16 @@ def evaluate_below(
     """:func:`evaluate`'s fast expected dispatch on ``load`` if its makespan is below ``limit``, else None.
 
     The classes are priced one at a time, the load model's slowest first, and the pricing stops at
-    the first class at ``limit`` or slower: a deployment the caller would reject is mostly not priced
-    whole (a class's time does not depend on which others are priced, :func:`class_times`).
+    the first class at ``limit`` or slower, and within a class at its first replica above ``limit``: a
+    deployment the caller would reject is mostly not priced whole (a class's time does not depend on which
+    others are priced, :func:`class_times`, and a class with a replica above ``limit`` is rejected whatever the
+    others' times).
     """
     balanced = _balanced(load, False, options)
     counts = balanced.assignment.counts
     times = np.zeros(len(load.classes))
     for k in np.argsort(-load.times(counts), kind="stable"):
-        times[k] = class_times(problem, load, counts, only=int(k))[k]
+        times[k] = class_times(problem, load, counts, only=int(k), above=limit)[k]
         if times[k] >= limit:
             return None
     return Evaluation(class_counts=counts, class_times=times, makespan=float(times.max()), method=balanced.method)
@@ -123,10 +125,13 @@ def _balanced(load: LoadModel, exact: bool, options: PlannerOptions) -> Balanced
     return balanced
 
 
-def class_times(problem: PlanningProblem, load: LoadModel, counts: np.ndarray, only: int | None = None) -> np.ndarray:
+def class_times(
+    problem: PlanningProblem, load: LoadModel, counts: np.ndarray, only: int | None = None, above: float = float("inf")
+) -> np.ndarray:
     """(K,) the dispatcher's estimate of each class's slowest replica once class totals ``counts``
     of the expected batch are placed, cut into micro-batches and priced (``placed_work``); with
-    ``only``, of that class alone (the others 0)."""
+    ``only``, of that class alone (the others 0); with ``above``, the pricing stops at the first replica
+    above it (that class's time is then above ``above`` and at most its estimate, the later classes' 0)."""
     work = placed_work(
         problem.batch,
         load,
@@ -135,6 +140,7 @@ def class_times(problem: PlanningProblem, load: LoadModel, counts: np.ndarray, o
         problem.policy.options.microbatch_mode,
         classes=None if only is None else (only,),
         window=problem.policy.pipeline_window,
+        above=above,
     )
     return np.array([max(work[r][1] for r in c.replicas) for c in load.classes])
 

@@ -21,6 +21,7 @@ from lorafleet.planner.placement import build_plan
 from lorafleet.planner.schedule import select_tasks
 from lorafleet.sampling import sample_global_batch
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.work import counting
 from tests.helpers.planning import batch_of, lobra_like_cost_model, small_workload
 
 
@@ -95,6 +96,30 @@ def test_best_homogeneous_is_the_fewest_estimated_gpu_seconds(workload, cost_mod
         estimated_makespan(batch, chosen, replicas, cost_model_7b, mode, FLUSHED) * replicas * chosen.n_gpus,
         chosen.config,
     ) == brute
+
+
+@pytest.mark.parametrize("window", [1, 8])
+def test_a_packed_estimate_stops_at_the_first_replica_above_the_limit(workload, cost_model_7b, window):
+    """best_homogeneous asks a packed estimate only whether it is above a limit: the pricing stops at the first
+    replica above it and returns a value above the limit and at most the estimate, having priced fewer replicas;
+    at or above the estimate it is the estimate itself, every replica priced. Every deployable config of 16 GPUs,
+    pipelined ones included, flushed and in a window of 8 steps."""
+    cluster, policy = ClusterSpec(nodes=2, gpus_per_node=8), DispatchPolicy(pipeline_window=window)
+    batch, packing = expected_global_batch(workload), MicroBatchMode.PACKING
+    stopped = 0
+    for c in valid_candidates(cost_model_7b, cluster):
+        n = cluster.n_gpus // c.n_gpus
+        if c.max_tokens < batch.lengths.max() or n < 2:
+            continue
+        with counting() as whole:
+            full = estimated_makespan(batch, c, n, cost_model_7b, packing, policy)
+        assert estimated_makespan(batch, c, n, cost_model_7b, packing, policy, above=full) == full
+        with counting() as part:
+            early = estimated_makespan(batch, c, n, cost_model_7b, packing, policy, above=full / 2)
+        assert full / 2 < early <= full
+        assert part["replicas_priced"] <= whole["replicas_priced"]
+        stopped += part["replicas_priced"] < whole["replicas_priced"]
+    assert stopped > 0
 
 
 @pytest.mark.parametrize("window", [1, 8])
