@@ -356,9 +356,7 @@ def _stream_ends(
     fwd = np.broadcast_to(np.asarray(forward_s, dtype=float), (pp, n))
     bwd = np.broadcast_to(np.asarray(backward_s, dtype=float), (pp, n))
     stage = np.broadcast_to(np.arange(pp)[:, None], (pp, n))
-    # the grid by position: row p holds every stage's op at position p (its duration, whether it is a forward)
-    t = np.empty((width, pp))
-    t[f_pos, stage], t[b_pos, stage] = fwd, bwd
+    # the grid by position: row p holds every stage's op at position p (whether it is a forward, its duration)
     is_forward = np.zeros((width, pp), dtype=bool)
     is_forward[f_pos, stage] = True
     # each op's input as a flat index into the ends (width + 1, pp), whose row p + 1 holds position p's (row 0:
@@ -366,12 +364,20 @@ def _stream_ends(
     source = np.zeros((width, pp), dtype=np.int64)
     source[f_pos[1:], stage[1:]] = np.where(f_pos[:-1] == f_pos[1:], 0, (f_pos[:-1] + 1) * pp + stage[:-1])
     source[b_pos[:-1], stage[:-1]] = np.where(b_pos[1:] == b_pos[:-1], 0, (b_pos[1:] + 1) * pp + stage[1:])
-    chained = np.zeros((width, pp), dtype=bool)  # the input is the op above (forward) or below (backward)
-    chained[f_pos[1:], stage[1:]] = f_pos[:-1] == f_pos[1:]
-    chained[b_pos[:-1], stage[:-1]] = b_pos[1:] == b_pos[:-1]
     above = 2.0 ** np.ceil(np.log2(2.0 * (fwd.sum() + bwd.sum()) + 2.0))  # > every end and every S
     # Only the rows from ``shared`` on are settled, and a row's chains are its own: its offsets are taken for those
-    t, is_forward, chained = t[shared:], is_forward[shared:], chained[shared:]
+    is_forward = is_forward[shared:]
+    if np.ndim(forward_s) == np.ndim(backward_s) == 0:
+        t = np.where(is_forward, float(forward_s), float(backward_s))
+    else:
+        t = np.empty((width, pp))
+        t[f_pos, stage], t[b_pos, stage] = fwd, bwd
+        t = t[shared:]
+    # the input is the op above (forward) or below (backward): source 0, but for stage 0's forwards and the last
+    # stage's backwards, which have none
+    chained = source[shared:] == 0
+    chained[:, 0] &= ~is_forward[:, 0]
+    chained[:, -1] &= is_forward[:, -1]
     down_add, down_back = _chain_offsets(t, ~(is_forward & chained), above)
     up_add, up_back = _chain_offsets(t[:, ::-1], ~(~is_forward & chained)[:, ::-1], above)
     # Both running maxima in one: the stages down, then the stages up, the second half raised by (pp + 1) above
