@@ -112,6 +112,9 @@ class ProfileSettings:
     """GPU preset name the profile is for (``specs.gpus.GPU_PRESETS``)."""
     command: str = ""
     """The command line, recorded in the profile."""
+    start_method: str = "spawn"
+    """How the ranks start (``torch.multiprocessing``): spawned, each a clean process. The CPU tests fork them
+    instead, reusing their own imports (~5 CPU-s a rank); never under CUDA, whose state a fork cannot carry."""
 
     @property
     def world(self) -> int:
@@ -357,11 +360,16 @@ def _rank_main(rank: int, settings: ProfileSettings, store: str, out_path: str) 
 
 
 def measure_profile(settings: ProfileSettings) -> Profile:
-    """Run the measurements in ``settings.world`` spawned processes; the profile has records, no fit."""
+    """Run the measurements in ``settings.world`` processes (``settings.start_method``); the profile has records, no
+    fit."""
     with tempfile.TemporaryDirectory() as tmp:
         out_path, store = str(Path(tmp) / "records.pkl"), str(Path(tmp) / "store")
         mp.start_processes(
-            _rank_main, args=(settings, store, out_path), nprocs=settings.world, join=True, start_method="spawn"
+            _rank_main,
+            args=(settings, store, out_path),
+            nprocs=settings.world,
+            join=True,
+            start_method=settings.start_method,
         )
         with open(out_path, "rb") as f:
             records, memory = pickle.load(f)

@@ -20,7 +20,8 @@ CONFIGS = (ParallelConfig(1, 1), ParallelConfig(1, 2), ParallelConfig(2, 1), Par
 
 
 def tiny_settings(**changes) -> ProfileSettings:
-    """The tiny grid every test here profiles: 1-2 rows of 16-64 tokens, one repeat, two tasks."""
+    """The tiny grid every test here profiles: 1-2 rows of 16-64 tokens, one repeat, two tasks; the ranks forked
+    from this process (its imports reused: a spawned rank imports torch and transformers anew)."""
     fields = dict(
         model=TINY,
         configs=CONFIGS,
@@ -37,6 +38,7 @@ def tiny_settings(**changes) -> ProfileSettings:
         memory_budget_bytes=8 * MIB,
         comm_sizes=(1024, 16384),
         command="pytest",
+        start_method="fork",
     )
     return ProfileSettings(**{**fields, **changes})
 
