@@ -6,9 +6,9 @@ near-optimal and fast (milliseconds by default). See :mod:`.step` for the pipeli
 :mod:`.policy` for static buckets, :mod:`.bucketing` for the bucket DP, :mod:`.load` for the load
 model, :mod:`.balance` and :mod:`.ilp` for the two balancing methods, :mod:`.placement` for the
 sequences each replica then holds, :mod:`.microbatch` for cutting them into micro-batches
-(:mod:`.pipelined` for a pipelined replica's packed ones), :mod:`.recalibration` for the online
-correction of the cost model, :mod:`.lookahead` for computing step t+1 while step t runs, and
-:mod:`.fairness` for how each task's tokens spread over the replicas.
+(:mod:`.pipelined` for a pipelined replica's packed ones; :mod:`.sorting` for their sorts),
+:mod:`.recalibration` for the online correction of the cost model, :mod:`.lookahead` for computing step
+t+1 while step t runs, and :mod:`.fairness` for how each task's tokens spread over the replicas.
 
 This package is dispatch's whole public API; lorafleet's code outside it imports from here only (an
 import-linter contract holds the planner to it; tests, and ``benchmarks/bench_planner.py`` that times

@@ -54,6 +54,7 @@ import numpy as np
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MS_PER_S
+from lorafleet.dispatch.sorting import lexsort_ints
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.dispatch import MicroBatchMode
@@ -257,7 +258,7 @@ def build_load_model(
     tokens = np.bincount(bucket, weights=lengths, minlength=n_buckets)
     length_range = np.stack([s, s], axis=1).astype(float)
     present = np.flatnonzero(counts)
-    order = np.lexsort((lengths, bucket))
+    order = lexsort_ints((lengths, bucket))
     starts = np.concatenate(([0], np.cumsum(counts)))
     length_range[present, 0] = lengths[order][starts[present]]
     length_range[present, 1] = lengths[order][starts[present + 1] - 1]

@@ -37,6 +37,7 @@ from operator import itemgetter
 import numpy as np
 
 from lorafleet.costmodel.schedule import TaskRanges
+from lorafleet.dispatch.sorting import lexsort_ints
 from lorafleet.plans import MicroBatch
 
 _Row = tuple[int, int, int, int]
@@ -102,7 +103,7 @@ def packed_with_tasks(
 
 def decreasing(seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray) -> np.ndarray:
     """``seq_ids`` by decreasing length, ties by (task, position): the order the packers place them in."""
-    return seq_ids[np.lexsort((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
+    return seq_ids[lexsort_ints((seq_ids, task_ids[seq_ids], -lengths[seq_ids]))]
 
 
 def first_fit(needs: np.ndarray, max_tokens: int) -> np.ndarray:
@@ -119,7 +120,7 @@ def microbatches_of_bins(
     order), as :func:`packed_with_tasks` returns them: rows by (task, position), in 1F1B order."""
     # each micro-batch's rows by (task, position); then the micro-batches in 1F1B order (order_for_1f1b's
     # keys, over arrays: largest first, or by largest task first when task_major; ties in opening order)
-    rows = np.lexsort((order, task_ids[order], bins))
+    rows = lexsort_ints((order, task_ids[order], bins))
     ids, bins = order[rows], bins[rows]
     starts = np.flatnonzero(np.r_[True, bins[1:] != bins[:-1]])
     ends = np.r_[starts[1:], ids.size]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from lorafleet.dispatch.load import LoadModel
+from lorafleet.dispatch.sorting import lexsort_ints
 
 
 def interleave(shares: np.ndarray) -> np.ndarray:
@@ -78,7 +79,7 @@ def place_sequences(
     """Sequence positions held by each replica of the plan (in plan order), from class totals ``counts`` (K, R)."""
     held: list[list[np.ndarray]] = [[] for _ in range(n_replicas_total)]
     rows = [replica_rows(load, i, counts[i], len(c.replicas)) for i, c in enumerate(load.classes)]
-    order = np.lexsort((np.arange(bucket.size), lengths, task_ids, bucket))
+    order = lexsort_ints((np.arange(bucket.size), lengths, task_ids, bucket))
     starts = np.searchsorted(bucket[order], np.arange(load.boundaries.size + 1))
     for j in np.argsort(-load.boundaries, kind="stable"):
         members = order[starts[j] : starts[j + 1]]
