@@ -24,6 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from lorafleet.cli import main
 from tests.helpers.repo import DEMO
 from tests.helpers.train_cli import LAUNCHER, _steps, _wait_for_steps, _worker_pids, _worker_rank
 
@@ -44,12 +45,8 @@ def _workload(tmp: Path, tokenizer: Path, gpus_per_node: int = 2) -> Path:
 
 
 def _plan(workload: Path, out: Path, *args: str) -> Path:
-    subprocess.run(
-        [*LAUNCHER, "plan", str(workload), "--json", str(out), "--samples", "0", *args],
-        check=True,
-        capture_output=True,
-        cwd=out.parent,
-    )
+    """``lorafleet plan`` in this process (no start-up of its own): the plan at ``out``."""
+    assert main(["plan", str(workload), "--json", str(out), "--samples", "0", *args]) == 0
     return out
 
 
