@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from lorafleet.dispatch.sorting import LIMIT, lexsort_ints
+from lorafleet.dispatch.sorting import LIMIT, SMALL, lexsort_ints
 
 
 def test_the_combined_argsort_is_lexsorts_order_on_random_integer_keys():
-    """One to four keys of any signs and ranges, with ties (a few distinct values) and without, empty ones, and
-    keys whose ranges' product passes the int64 limit (where ``np.lexsort`` itself answers)."""
+    """One to four keys of any signs and ranges, with ties (a few distinct values) and without, below and above
+    ``SMALL`` keys (lexsort itself, the combination), and keys whose ranges' product passes the int64 limit."""
     rng = np.random.default_rng(0)
     for _ in range(300):
-        n = int(rng.integers(0, 2000))
+        n = int(rng.integers(0, 3 * SMALL))
         count = int(rng.integers(1, 5))
         keys = tuple(rng.integers(int(rng.integers(-60, 5)), int(rng.integers(5, 3000)), n) for _ in range(count))
         assert np.array_equal(lexsort_ints(keys), np.lexsort(keys))
-    wide = (rng.integers(0, 2**40, 500), rng.integers(0, 2**40, 500))
+    wide = (rng.integers(0, 2**40, 1500), rng.integers(0, 2**40, 1500))
     assert 2**40 * 2**40 > LIMIT and np.array_equal(lexsort_ints(wide), np.lexsort(wide))
-    tied = (np.zeros(50, dtype=np.int64), np.repeat(np.arange(5), 10)[::-1].copy())
+    tied = (np.zeros(1500, dtype=np.int64), np.repeat(np.arange(5), 300)[::-1].copy())
     assert lexsort_ints(tied).tolist() == np.lexsort(tied).tolist()  # ties keep their places
