@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 
 from lorafleet.dispatch import LoadModel
-from lorafleet.planner.evaluation import PoolEntry, class_times, evaluate, pool_entry
+from lorafleet.planner.evaluation import PoolEntry, class_times, evaluate_below, pool_entry
 from lorafleet.planner.local_search import Budget, first_improvements
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.problem import PlanningProblem
@@ -31,7 +31,8 @@ def _removal_candidates(problem: PlanningProblem, entry: PoolEntry, bar: float) 
     """Config indices whose replica might go, each with its makespan if it goes (None: needs a re-balance).
 
     A class k of p_k >= 2 replicas losing one may keep its bucket totals, placed on p_k - 1
-    replicas and estimated as the dispatcher would (:func:`class_times`): that dispatch's
+    replicas and estimated as the dispatcher would (:func:`class_times`, up to its first replica above
+    ``bar``: a makespan above ``bar`` rules the removal out whatever its value): that dispatch's
     makespan stands for the re-balanced one. A class of one replica can only go if the
     others' slack under ``bar``, at least Σ_i p_i (bar - T_i), could absorb its time.
     """
@@ -43,7 +44,7 @@ def _removal_candidates(problem: PlanningProblem, entry: PoolEntry, bar: float) 
         p = len(cls.replicas)
         if p >= 2:
             times = expected.class_times.copy()
-            times[k] = class_times(problem, _one_fewer(load, k), expected.class_counts, only=k)[k]
+            times[k] = class_times(problem, _one_fewer(load, k), expected.class_counts, only=k, above=bar)[k]
             out.append((int(i), float(times.max())))
         elif expected.class_times[k] - float(load.overhead_s[k]) <= slack - (bar - expected.class_times[k]):
             out.append((int(i), None))
@@ -57,7 +58,8 @@ def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions)
     a replica cannot help (one long sequence sets the makespan, say); the dispatcher's load
     model does. Greedily, the removal that frees the most GPUs among the acceptable ones is made,
     until none is acceptable. Removals are screened by :func:`_removal_candidates` before any
-    re-balance. None when nothing can be removed. (The cost objective's removals are moves of its own
+    re-balance, and a removal is judged only up to ``bar`` (:func:`evaluate_below`, just above it: a makespan
+    at ``bar`` is kept). None when nothing can be removed. (The cost objective's removals are moves of its own
     search, ``planner.cost_search``.)
     """
     current, bar = entry, entry.expected_makespan * (1 + options.tie_rel)
@@ -71,10 +73,10 @@ def trimmed(problem: PlanningProblem, entry: PoolEntry, options: PlannerOptions)
             candidate = pool_entry(problem, fewer, f"trim:{entry.source}", filtered=False)
             if not candidate.survived:
                 continue
-            candidate = replace(candidate, expected=evaluate(problem, candidate.load, exact=False, options=options)[0])
-            if candidate.expected_makespan > bar:
+            expected = evaluate_below(problem, candidate.load, float(np.nextafter(bar, np.inf)), options)
+            if expected is None:  # its makespan is above bar
                 continue
-            best = candidate
+            best = replace(candidate, expected=expected)
             break
         if best is None:
             return current if current is not entry else None
