@@ -26,11 +26,12 @@ launcher checks and starts a run without importing torch.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import lorafleet
@@ -169,6 +170,31 @@ def _parent_of(pid: int) -> int | None:
     except OSError:
         return None
     return int(stat.rsplit(")", 1)[1].split()[1])  # fields after the (command): state, ppid, ...
+
+
+def skip_teardown() -> Callable[[int], int]:
+    """Let this process end without the interpreter's teardown of its modules: a worker's torch and transformers
+    cost ~1 CPU-s there, and a run's last line waits for it, on every rank and the agent of every launch.
+
+    Call it first, before any other ``atexit`` handler is registered: its hook then runs last, after the
+    interpreter joined the non-daemon threads and ran every other handler, as a normal exit does; it flushes
+    stdout and stderr and ends the process with the code given to the returned function (what the entry point
+    exits with). An exit that never gave one (an exception out of the entry point) tears down as usual."""
+    ending: list[int] = []
+
+    def end() -> None:
+        if ending:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(ending[0])
+
+    atexit.register(end)
+
+    def exiting(code: int) -> int:
+        ending.append(code)
+        return code
+
+    return exiting
 
 
 def package_root() -> Path:

@@ -43,4 +43,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from lorafleet.runtime.processes import skip_teardown
+
+    exiting = skip_teardown()  # first: its exit hook runs after every other one (torch elastic's among them)
+    sys.exit(exiting(main(sys.argv[1:])))

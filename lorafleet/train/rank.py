@@ -46,4 +46,7 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(exit_code(lambda: main(sys.argv[1:])))
+    from lorafleet.runtime.processes import skip_teardown
+
+    exiting = skip_teardown()  # first: its exit hook runs after every other one
+    sys.exit(exiting(exit_code(lambda: main(sys.argv[1:]))))
