@@ -138,3 +138,24 @@ def test_a_start_timeout_is_the_runs_one_line(tmp_path):
         record_worker_error(run_dir, 1, err)
     write_failures(run_dir.failures, [WorkerFailure(0, 11, -15, 100), WorkerFailure(1, 12, 1, 99)])
     assert failure_line(run_dir, 1, 10) == expected
+
+
+_SKIPPING = """
+import atexit, sys, threading, time
+from lorafleet.runtime.processes import skip_teardown
+
+exiting = skip_teardown()
+atexit.register(lambda: print("a later handler ran", flush=True))
+threading.Thread(target=lambda: (time.sleep(0.3), print("the thread ended", flush=True))).start()
+print("buffered, unflushed", end="")
+sys.exit(exiting(int(sys.argv[1])))
+"""
+
+
+def test_skip_teardown_ends_as_a_normal_exit_would_before_the_modules_teardown():
+    """What a worker's normal exit does is kept (``train.rank``, ``train.agent``): its non-daemon threads end, every
+    other atexit handler runs, stdout (a pipe, block-buffered) is flushed, and the exit code is the entry point's."""
+    for code in (0, 3):
+        run = subprocess.run([sys.executable, "-c", _SKIPPING, str(code)], capture_output=True, text=True, timeout=60)
+        assert run.returncode == code, run.stderr
+        assert run.stdout.splitlines() == ["buffered, unflushedthe thread ended", "a later handler ran"], run.stdout
