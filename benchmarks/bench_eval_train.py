@@ -19,7 +19,7 @@ demo's plan): ``Σ_r T_F,r / Σ_r (T_r - overhead_r)``, and that pass's forward 
 over 8 sampled steps. A run's first prediction is its steps' recalibrated speed times the forward time, so the
 second figure's ratio between the models is how far apart their first predictions are.
 
-    python benchmarks/bench_eval_train.py [--steps 16] [--every 2] [--split 0.05] [--profile PATH]
+    python benchmarks/bench_eval_train.py [--steps 16] [--every 4] [--split 0.02] [--profile PATH]
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def forward_shares(profile: str | None) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--every", type=int, default=2, help="evaluate every this many of a task's steps")
-    parser.add_argument("--split", type=float, default=0.05)
+    parser.add_argument("--every", type=int, default=4, help="evaluate every this many of a task's steps")
+    parser.add_argument("--split", type=float, default=0.02, help="the held-out share (T2's simulated setting's 2%%)")
     parser.add_argument("--profile", help="plan and train by this profile (default: the analytic model of cpu)")
     args = parser.parse_args()
     start = time.perf_counter()
