@@ -18,8 +18,12 @@ degree, model and GPU. Per block, per device, for a micro-batch of b sequences o
                  parallelism (as LobRA runs), the 22 h replicated on every rank without it
               + TP all-reduces: 4 per block (2 forward, 2 backward) of T*h*dtype bytes, ring over
                  tp ranks inside the node: 2(tp-1)/tp * bytes / (N * e_link)
+              + split LoRA inputs (lorafleet's executor at tp > 1, ``memory_model``): each TP rank keeps 1/tp of
+                 the rows of a column-parallel projection's LoRA input, so the backward sums the partial dS
+                 (T x r) over the TP group: one ring reduce-scatter of T*r_max*dtype bytes per adapted
+                 column-parallel projection (q, k, v, gate, up), (tp-1)/tp * bytes / (N * e_link)
     constant    c6       : weight reads (forward and backward) 2 P dtype / tp / (W * e_mem)
-              + 4 * 2(tp-1) link latencies + a fixed host/launch time per block
+              + 4 * 2(tp-1) link latencies + (tp-1) per dS reduce-scatter + a fixed host/launch time per block
     DoRA tasks add to c3 and c6 (``dora_cost``): the rescale's passes over a token's outputs, with adapter
     dropout a second base-width GEMM, and per micro-batch the weight norm (one read of W)
     a quantized base (``quantize``) adds to c6 its dequantization, forward and backward (bitsandbytes
@@ -44,7 +48,7 @@ import numpy as np
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.dora_cost import dora_terms
 from lorafleet.costmodel.fit import ROBUST_SCALE
-from lorafleet.costmodel.memory_model import MemoryFactors, weight_bytes
+from lorafleet.costmodel.memory_model import COLUMN_PARALLEL_GROUPS, MemoryFactors, weight_bytes
 from lorafleet.costmodel.time_model import GB, MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
 from lorafleet.specs.gpus import GPUSpec
 from lorafleet.specs.lora import Quantization
@@ -55,6 +59,8 @@ US_PER_MS = 1e3
 #: TP all-reduces per block and micro-batch: after attention and MLP forward, and of their
 #: input gradients backward (Megatron's f and g operators).
 TP_ALLREDUCES_PER_BLOCK = 4
+#: The projections split by output rows under TP (their LoRA A input is a column-parallel group's, ``memory_model``).
+COLUMN_PARALLEL = frozenset(p for group in COLUMN_PARALLEL_GROUPS for p in group)
 
 
 @dataclass(frozen=True)
@@ -117,12 +123,14 @@ def analytic_layer_time(
     dtype_bytes: int = 2,
     sequence_parallel: bool = True,
     quantize: Quantization | None = None,
+    split_lora_inputs: bool = True,
 ) -> LayerTimeCoeffs:
     """LobRA's t(b, s) of one block on ``tp`` devices, ms, from the hardware (see the module docstring); over a base
     stored as ``quantize``, with its dequantization.
 
     With sequence parallelism the TP all-reduce becomes a reduce-scatter and an all-gather of
-    the same total volume, so only the elementwise term changes.
+    the same total volume, so only the elementwise term changes. ``split_lora_inputs=False`` models LobRA's executor
+    (whole LoRA inputs on every TP rank, no dS reduce-scatter), as the checks against its measured times do.
     """
     h, f = model.hidden, model.ffn
     hq, hkv, p = _widths(model)
@@ -138,6 +146,11 @@ def analytic_layer_time(
     c3 = (gemm + elementwise) * MS_PER_S + TP_ALLREDUCES_PER_BLOCK * allreduce.slope * h * dtype_bytes
     weights = 2 * p * dtype_bytes / tp / (hbm * cal.memory) * MS_PER_S
     c6 = weights + TP_ALLREDUCES_PER_BLOCK * allreduce.fixed + cal.layer_overhead_ms
+    if split_lora_inputs:  # the backward's dS reduce-scatters, T x r_max a token-row each (module docstring)
+        ds = tp_link.reduce_scatter(tp)
+        adapted = len(COLUMN_PARALLEL & {t for task in adapters.tasks for t in task.targets})
+        c3 += adapted * ds.slope * max(task.rank for task in adapters.tasks) * dtype_bytes
+        c6 += adapted * ds.fixed
     dora_token, dora_microbatch = dora_terms(model, adapters, tp, flops * cal.matmul, hbm * cal.memory, dtype_bytes)
     c3 += dora_token * MS_PER_S
     c6 += dora_microbatch * MS_PER_S
@@ -201,19 +214,24 @@ def calibrate(
     gpu: GPUSpec,
     adapters: AdapterLoad,
     start: Calibration = DEFAULT_CALIBRATION,
+    split_lora_inputs: bool = True,
 ) -> Calibration:
     """Fit the six global time factors to measured per-layer times ``(tp, shape, ms)``.
 
     Bounded least squares on relative errors with the soft-L1 loss, as in ``fit``; the
     efficiencies stay in (0, 1], the overheads non-negative. Every TP degree shares the same
     factors, so a degree missing from the records is predicted from the hardware alone.
+    ``split_lora_inputs`` says which executor measured them (``analytic_layer_time``): False for LobRA's.
     """
     tps = np.array([r[0] for r in records])
     measured = np.array([r[2] for r in records])
 
     def residuals(x: np.ndarray) -> np.ndarray:
         cal = start.with_time_factors(x)
-        coeffs = {tp: analytic_layer_time(model, gpu, int(tp), adapters, cal) for tp in np.unique(tps)}
+        coeffs = {
+            tp: analytic_layer_time(model, gpu, int(tp), adapters, cal, split_lora_inputs=split_lora_inputs)
+            for tp in np.unique(tps)
+        }
         pred = np.array([coeffs[tp].shape(mb) for tp, mb, _ in records])
         return pred / measured - 1.0
 

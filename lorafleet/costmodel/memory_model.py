@@ -20,6 +20,13 @@ A quantized shared base (``quantize``, QLoRA) stores the projections of every bl
 dequantized into ``dtype`` for its GEMMs, a transient as large as the largest projection of a stage's device. Only
 ``static`` changes, so a quantized base raises M by ``(bytes saved) / bytes_per_token``.
 
+**Split LoRA inputs.** lorafleet's executor keeps, at TP > 1, only its 1/tp of the rows of a column-parallel
+group's LoRA input for the backward (``executor/torch``: each TP rank computes its rows' share of the LoRA A weight
+gradient, with the partial dS summed over the TP group), so that input costs h/tp elements a token, not h
+(``split_lora_inputs``, True). LobRA's executor (Hetu) keeps it whole: its column-parallel LoRA A is sharded on the
+rank dimension over the all-gathered input (``../shared/reference/lobra-notes.md``, section 8), so the checks against
+LobRA's measured max tokens model it with ``split_lora_inputs=False``, the only callers that do.
+
 With full activation recomputation (``ParallelConfig.recompute``) a block keeps only its
 input hidden state (h elements a token, split over tp with sequence parallelism) for the
 backward, and re-runs its forward there, one block and one micro-batch at a time; so::
@@ -27,8 +34,8 @@ backward, and re-runs its forward there, one block and one micro-batch at a time
     bytes_per_token = in_flight * (blocks + 1) * hidden_state + per_block
 
 instead of ``in_flight * (blocks * per_block + hidden_state)``: about 20x less for Llama2-70B (10x for 7B),
-which is what lets its 16K-token sequences fit (the analytic M without it is ~9K on
-A800-80GB even at ⟨8,8⟩, since 1F1B keeps pp micro-batches of L/pp blocks on stage one).
+which is what lets its 16K-token sequences fit (the analytic M without it is at most ~14K on
+A800-80GB with 12 tasks, at ⟨8,16⟩, since 1F1B keeps pp micro-batches of L/pp blocks on stage one).
 """
 
 from __future__ import annotations
@@ -79,7 +86,7 @@ class MemoryFactors:
 
 
 def activation_elements_per_token(
-    model: ModelSpec, tp: int, adapters: AdapterLoad, sequence_parallel: bool = True
+    model: ModelSpec, tp: int, adapters: AdapterLoad, sequence_parallel: bool = True, split_lora_inputs: bool = True
 ) -> float:
     """Elements one token leaves saved for backward in one block, on one of ``tp`` devices.
 
@@ -87,17 +94,20 @@ def activation_elements_per_token(
     split too with sequence parallelism (Megatron-LM's, which LobRA's max-token runs use: their
     table lists sp=1), and replicated on every rank without it. What a LoRA A GEMM of a
     column-parallel projection saves for its weight gradient is its input after the sequence
-    all-gather: the whole sequence at width h, on every rank whatever the parallelism, once per
-    group of projections sharing that input (q, k, v share one; gate and up another)::
+    all-gather, once per group of projections sharing that input (q, k, v share one; gate and up
+    another): h a token per group, kept whole on every rank by LobRA's executor
+    (``split_lora_inputs=False``), its 1/tp of the rows on each rank by lorafleet's (module doc)::
 
         split with SP:   2 RMSNorm inputs + 2 outputs (4h)
         split:           q, k, v after RoPE (hq + 2 hkv), attention output (hq), SwiGLU gate, up,
                          SiLU(gate), product (4 ffn), LoRA row copies of o_proj (hq) and down_proj (ffn) inputs
-        replicated:      h per column-parallel group the adapters target, LoRA A outputs (r per target)
+        split or whole:  h per column-parallel group the adapters target
+        replicated:      LoRA A outputs (r per target)
 
-    So a token's bytes are A / tp + B with B > 0, as LobRA's measured table needs: it cannot be
-    bracketed by a pure 1 / tp (the per-target copies split over TP this model once charged, 5h a
-    block, put ⟨1,8⟩, ⟨2,8⟩ and ⟨1,16⟩ below LobRA's measured M).
+    With whole inputs a token's bytes are A / tp + B with B ≥ h per group, as LobRA's measured table
+    needs: it cannot be bracketed by a pure 1 / tp (the per-target copies split over TP this model
+    once charged, 5h a block, put ⟨1,8⟩, ⟨2,8⟩ and ⟨1,16⟩ below LobRA's measured M). Split, only the
+    LoRA A outputs stay replicated. TP 1 is the same either way.
     """
     h, f = model.hidden, model.ffn
     hq = model.n_heads * model.d_head
@@ -106,8 +116,14 @@ def activation_elements_per_token(
     mean_rank = sum(t.rank for t in adapters.tasks) / adapters.n_tasks
     model_width = 4 * h
     split = hq + 2 * hkv + hq + 4 * f + hq * ("o_proj" in targets) + f * ("down_proj" in targets)
-    replicated = h * sum(bool(targets & set(group)) for group in COLUMN_PARALLEL_GROUPS) + mean_rank * len(targets)
-    return (model_width if not sequence_parallel else model_width / tp) + split / tp + replicated
+    lora_inputs = h * sum(bool(targets & set(group)) for group in COLUMN_PARALLEL_GROUPS)
+    replicated = mean_rank * len(targets)
+    return (
+        (model_width if not sequence_parallel else model_width / tp)
+        + split / tp
+        + (lora_inputs / tp if split_lora_inputs else lora_inputs)
+        + replicated
+    )
 
 
 def weight_bytes(model: ModelSpec, quantize: Quantization | None, dtype_bytes: int) -> float:
@@ -133,9 +149,11 @@ def stage_memory(
     factors: MemoryFactors = MemoryFactors(),
     sequence_parallel: bool = True,
     quantize: Quantization | None = None,
+    split_lora_inputs: bool = True,
 ) -> StageMemory:
     """The memory line of the busiest stage of ``config`` (first or last, whichever has the smaller M); with
-    ``quantize``, over a base whose projections are stored so (module doc)."""
+    ``quantize``, over a base whose projections are stored so; ``split_lora_inputs=False`` models LobRA's executor,
+    which keeps the column-parallel LoRA inputs whole on every TP rank (module doc)."""
     tp, pp = config.tp, config.pp
     blocks = model.n_layers / pp
     vocab_matrix = model.vocab * model.hidden * dtype_bytes / tp  # vocab-parallel embedding or LM head
@@ -145,7 +163,7 @@ def stage_memory(
         weights += max(i * o for i, o in model.target_shapes().values()) * dtype_bytes / tp
     common = weights + adapter_state + factors.reserve_gib * GIB
     per_block = (
-        activation_elements_per_token(model, tp, adapters, sequence_parallel)
+        activation_elements_per_token(model, tp, adapters, sequence_parallel, split_lora_inputs)
         * dtype_bytes
         * factors.activation_overhead
     )

@@ -224,7 +224,15 @@ class Link:
     def allreduce(self, ranks: int) -> AffineTime:
         """Ring all-reduce over ``ranks``, ms vs bytes: 2(p-1) steps of n/p bytes each, i.e.
         2(p-1)*alpha + 2(p-1)/p * n / beta (free with one rank)."""
+        return self._ring(2 * (ranks - 1), ranks)
+
+    def reduce_scatter(self, ranks: int) -> AffineTime:
+        """Ring reduce-scatter over ``ranks``, ms vs the bytes each rank contributes: p-1 steps of n/p bytes,
+        i.e. (p-1)*alpha + (p-1)/p * n / beta, half the ring all-reduce (free with one rank)."""
+        return self._ring(ranks - 1, ranks)
+
+    def _ring(self, steps: int, ranks: int) -> AffineTime:
+        """``steps`` messages of n/``ranks`` bytes in turn; free with one rank."""
         if ranks <= 1:
             return AffineTime()
-        steps = 2 * (ranks - 1)
         return AffineTime(steps * self.latency_ms, steps / ranks * MS_PER_S / (self.gb_per_s * GB))

@@ -20,17 +20,28 @@ LLAMA7B = MODEL_PRESETS["llama2-7b"]
 A100_40 = GPU_PRESETS["A100-40GB"]
 
 
+def _line(config, adapters=LOBRA_ADAPTERS, gpu=A100_40, split=True):
+    factors = DEFAULT_CALIBRATION.memory_factors
+    return stage_memory(LLAMA7B, config, adapters, gpu.memory_bytes, 2, factors, split_lora_inputs=split)
+
+
 def _m(config, adapters=LOBRA_ADAPTERS, gpu=A100_40):
-    return stage_memory(LLAMA7B, config, adapters, gpu.memory_bytes, 2, DEFAULT_CALIBRATION.memory_factors).max_tokens()
+    return _line(config, adapters, gpu).max_tokens()
+
+
+def _lobra_m(config):
+    """M as LobRA's executor holds it: the column-parallel LoRA inputs whole on every TP rank."""
+    return _line(config, split=False).max_tokens()
 
 
 def test_analytic_a100_table_inside_lobras_brackets(reference_dir):
     """LobRA rounds its measured M down to a power of two, so the true M of a row lies in [theirs, 2 theirs):
-    the analytic table must land in that bracket for every (tp, pp) they list."""
+    the analytic table of LobRA's executor (whole LoRA inputs) must land in that bracket for every (tp, pp) they
+    list."""
     outside = {
-        config: (_m(config), theirs)
+        config: (_lobra_m(config), theirs)
         for config, theirs in max_tokens(reference_dir).items()
-        if not theirs <= _m(config) < 2 * theirs
+        if not theirs <= _lobra_m(config) < 2 * theirs
     }
     assert not outside, outside
 
@@ -39,20 +50,41 @@ def test_lobras_published_2_8_at_8k_fits_a100_40gb():
     """#29: LobRA ran <2,8> at 8K tokens on A100-40GB (Appendix Table 9, 10.6 s a step); the model once
     held at most 8,029 there, because it split five per-target copies of the column-parallel inputs over
     TP instead of keeping one all-gathered input per group of projections on every rank."""
-    assert _m(ParallelConfig(2, 8)) >= 8192
+    assert _lobra_m(ParallelConfig(2, 8)) >= 8192
+    assert _m(ParallelConfig(2, 8)) > _lobra_m(ParallelConfig(2, 8))
 
 
-def test_a_tokens_bytes_are_a_tp_split_part_plus_a_replicated_part():
-    """bytes/token = A / tp + B with B > 0 (the all-gathered LoRA inputs), within one pipeline depth."""
-    per_token = {
-        tp: stage_memory(LLAMA7B, ParallelConfig(tp, 2), LOBRA_ADAPTERS, A100_40.memory_bytes).bytes_per_token
-        for tp in (1, 2, 4, 8)
-    }
-    split = 2 * (per_token[1] - per_token[2])  # A: what halves from tp 1 to 2
-    replicated = per_token[1] - split
-    assert replicated > 0
+@pytest.mark.parametrize("split, least", [(False, 2 * 4096), (True, 0)])
+def test_a_tokens_bytes_are_a_tp_split_part_plus_a_replicated_part(split, least):
+    """bytes/token = A / tp + B within one pipeline depth; LobRA's executor keeps the two all-gathered LoRA inputs
+    whole (B counts 2h elements a block and more), lorafleet's splits them (B: the LoRA A outputs alone)."""
+    per_token = {tp: _line(ParallelConfig(tp, 2), split=split).bytes_per_token for tp in (1, 2, 4, 8)}
+    split_part = 2 * (per_token[1] - per_token[2])  # A: what halves from tp 1 to 2
+    replicated = per_token[1] - split_part
+    blocks, overhead = LLAMA7B.n_layers / 2, DEFAULT_CALIBRATION.memory_factors.activation_overhead
+    lora_a_outputs = 16 * 7 * 2 * overhead * blocks * 2  # r a target, 7 targets, bf16, 2 micro-batches in flight
+    assert replicated == pytest.approx(lora_a_outputs + least * 2 * overhead * blocks * 2)
     for tp, value in per_token.items():
-        assert value == pytest.approx(split / tp + replicated)
+        assert value == pytest.approx(split_part / tp + replicated)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_split_lora_inputs_take_h_over_tp_a_group(recompute):
+    """At tp > 1 a token's bytes fall by 2 h (1 - 1/tp) a block per block kept (plain: every block of each micro-batch
+    in flight; recompute: the one block re-run), so TP 8's M rises; TP 1 is unchanged."""
+    overhead = DEFAULT_CALIBRATION.memory_factors.activation_overhead
+    for tp, pp in ((1, 1), (2, 4), (8, 1)):
+        config = ParallelConfig(tp, pp, recompute=recompute)
+        whole, split = _line(config, split=False), _line(config)
+        blocks_kept = 1 if recompute else LLAMA7B.n_layers / pp * pp  # the first stage: pp micro-batches
+        saved = 2 * LLAMA7B.hidden * (1 - 1 / tp) * 2 * overhead * blocks_kept
+        assert whole.bytes_per_token - split.bytes_per_token == pytest.approx(saved, abs=1e-6)
+        assert split.static_bytes == whole.static_bytes
+    assert _m(ParallelConfig(1, 1)) == _lobra_m(ParallelConfig(1, 1))
+    tp8 = ParallelConfig(8, 1)
+    assert _m(tp8) / _lobra_m(tp8) == pytest.approx(
+        _line(tp8, split=False).bytes_per_token / _line(tp8).bytes_per_token, rel=1e-3
+    )
 
 
 def test_more_or_larger_adapters_leave_fewer_tokens():
