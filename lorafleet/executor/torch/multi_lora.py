@@ -45,6 +45,7 @@ from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.kernels import torch_lora
 from lorafleet.executor.torch.quantized_base import QuantizedLinear
 from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
+from lorafleet.executor.torch.token_split import TokenSplit, row_share
 from lorafleet.specs.lora import LoraSpec
 
 
@@ -58,6 +59,8 @@ def multi_lora_linear(
     keep: Tensor | None = None,
     backend: LoraBackend = LoraBackend.AUTO,
     vera_tenants: vera.VeraTenants | None = None,
+    split: TokenSplit | None = None,
+    x_rows: Tensor | None = None,
 ) -> Tensor:
     """``Y = X W^T + b`` plus each segment's ``s_a B_a A_a (X ⊙ M / (1-p_a))``; see the module doc.
 
@@ -72,6 +75,9 @@ def multi_lora_linear(
         backend: implementation; AUTO is Triton on CUDA, torch elsewhere.
         vera_tenants: the call's VeRA adapters, their own routing over the same rows (``vera.py``: added in place
             after the backend's forward, by torch ops on any device, on the same keep-mask).
+        split: a column-parallel layer's TP group (``token_split.py``): then ``x_rows`` (this rank's rows of ``x``,
+            ``split.rows_of``) is saved for ``dA`` instead of ``x``, and the backward reduce-scatters ``dS``; None:
+            ``x`` is saved whole (one rank).
 
     Returns:
         ``(T, N)``. Gradients flow to ``x`` and to every ``A_a``, ``B_a`` (None for an adapter
@@ -89,15 +95,23 @@ def multi_lora_linear(
     if backend is LoraBackend.AUTO:
         backend = LoraBackend.TRITON if x.is_cuda else LoraBackend.TORCH
     vectors = () if vera_tenants is None else (*vera_tenants.lambda_d, *vera_tenants.lambda_b)
-    return _MultiLoraFunction.apply(x, weight, bias, routing, keep, backend, vera_tenants, *lora_A, *lora_B, *vectors)
+    if (split is None) != (x_rows is None):
+        raise ValueError("multi_lora_linear: a token split needs its rows of x (split.rows_of), and only it does")
+    return _MultiLoraFunction.apply(
+        x, weight, bias, routing, keep, backend, vera_tenants, split, x_rows, *lora_A, *lora_B, *vectors
+    )
 
 
 class _MultiLoraFunction(torch.autograd.Function):
     """Autograd glue: one saved bool keep-mask, one dX buffer, per-backend forward/backward, then the VeRA tenants'
-    (``vera.update``, ``vera.update_backward``) in the same ``Y`` and ``dX``."""
+    (``vera.update``, ``vera.update_backward``) in the same ``Y`` and ``dX``.
+
+    The input is saved only for the LoRA and DoRA tenants' ``dA`` (VeRA's backward needs none: its ``S0`` is saved):
+    whole, or under a token split this rank's rows of it (``token_split.py``), and not at all when no such tenant
+    owns rows."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, routing, keep, backend, tenants, *factors):
+    def forward(ctx, x, weight, bias, routing, keep, backend, tenants, split, x_rows, *factors):
         n = len(routing.scalings)
         lora = factors[: 2 * n]  # then the VeRA tenants' vectors: autograd's inputs, read through ``tenants``
         y, saved = _implementation(backend).forward(x, weight, bias, lora[:n], lora[n:], routing, keep)
@@ -109,8 +123,10 @@ class _MultiLoraFunction(torch.autograd.Function):
         ctx.routing, ctx.backend, ctx.used, ctx.tenants = routing, backend, used, tenants
         ctx.n_vera_saved = len(vera_saved)
         ctx.unused = [None if a in used else (lora[a], lora[n + a]) for a in range(n)]  # shapes only
+        ctx.split, ctx.total = split, x.shape[0]
         lora_used = (*(lora[a] for a in used), *(lora[n + a] for a in used))
-        ctx.save_for_backward(x, weight, keep, *lora_used, *saved, *vera_saved)
+        x_saved = (x if split is None else x_rows) if used else None
+        ctx.save_for_backward(x_saved, weight, keep, *lora_used, *saved, *vera_saved)
         return y
 
     @staticmethod
@@ -124,23 +140,28 @@ class _MultiLoraFunction(torch.autograd.Function):
             lora_A[a], lora_B[a] = rest[j], rest[len(used) + j]
         saved = rest[2 * len(used) : len(rest) - ctx.n_vera_saved]
         n = len(lora_A)
-        need_x, need_lora = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7 : 7 + 2 * n])
+        need_x, need_lora = ctx.needs_input_grad[0], any(ctx.needs_input_grad[9 : 9 + 2 * n])
         impl = _implementation(ctx.backend)
-        dx, dA, dB = impl.backward(grad_y, x, weight, lora_A, lora_B, ctx.routing, keep, saved, need_x, need_lora)
+        share = None
+        if ctx.split is not None and x is not None:  # x: this rank's rows (token_split.py)
+            share, x = row_share(ctx.split, x, ctx.total, keep, ctx.routing), None
+        dx, dA, dB = impl.backward(
+            grad_y, x, weight, lora_A, lora_B, ctx.routing, keep, saved, need_x, need_lora, share
+        )
         dA = [g if g is None else g.to(w.dtype) for g, w in zip(dA, lora_A, strict=True)]  # compute -> master dtype
         dB = [g if g is None else g.to(w.dtype) for g, w in zip(dB, lora_B, strict=True)]
         d_grads, b_grads = [], []
         if ctx.tenants is not None:
             vera_saved = rest[len(rest) - ctx.n_vera_saved :]
-            d_grads, b_grads = vera.update_backward(grad_y, x, dx, keep, ctx.tenants, vera_saved)
-        return dx, None, None, None, None, None, None, *dA, *dB, *d_grads, *b_grads
+            d_grads, b_grads = vera.update_backward(grad_y, dx, keep, ctx.tenants, vera_saved)
+        return dx, None, None, None, None, None, None, None, None, *dA, *dB, *d_grads, *b_grads
 
 
 def _implementation(backend: LoraBackend) -> ModuleType:
     """The backend's module: ``kernels.torch_lora`` or ``kernels.segment_lora``, each with a
     ``forward(x, weight, bias, lora_A, lora_B, routing, keep) -> (Y, saved)`` and a
-    ``backward(grad_y, x, weight, lora_A, lora_B, routing, keep, saved, need_x, need_lora)
-    -> (dX, dA, dB)``."""
+    ``backward(grad_y, x, weight, lora_A, lora_B, routing, keep, saved, need_x, need_lora, share)
+    -> (dX, dA, dB)`` (``share``: a TP rank's :class:`~token_split.RowShare`, then ``x`` is None)."""
     if backend is LoraBackend.TORCH:
         return torch_lora
     # Imported on first use, not at module import, so CPU-only runs never import triton (and
@@ -221,6 +242,9 @@ class MultiLoraLinear(nn.Module):
         """VeRA adapters' frozen ``A``, ``B`` by id: one :class:`~vera.VeraProjections` shared by every layer."""
         self.vera_slice = vera.ProjectionSlice.whole(base_layer.in_features, base_layer.out_features)
         """The rows of ``B`` and columns of ``A`` this layer uses (TP narrows them: ``tp.py``)."""
+        self.token_split: TokenSplit | None = None
+        """The TP group over which this layer's output features are split (column-parallel, set by ``tp.py``): each
+        rank saves its rows of the input for ``dA`` (``token_split.py``). None: the input is saved whole."""
         self.norm_group: dist.ProcessGroup | None = None
         """The TP group over which this layer's input features are split (row-parallel, set by ``tp.py``):
         a DoRA norm sums its squares over it. None: this rank holds whole rows of ``W``."""
@@ -408,7 +432,10 @@ class MultiLoraLinear(nn.Module):
         lora_A, lora_B = list(self.lora_A._parameters.values()), list(self.lora_B._parameters.values())
         lora_routing, tenants = (routing, None) if not self.vera_lambda_d else self._vera_tenants(routing)
         bias = self.base_layer.bias
-        y = multi_lora_linear(x2, weight, bias, lora_A, lora_B, lora_routing, keep, self.backend, tenants)
+        # nothing is saved without autograd, nor x without a LoRA or DoRA tenant's rows
+        split = self.token_split if torch.is_grad_enabled() and any(lora_routing.segments.lengths) else None
+        x_rows = None if split is None else split.rows_of(x, x2)
+        y = multi_lora_linear(x2, weight, bias, lora_A, lora_B, lora_routing, keep, self.backend, tenants, split, x_rows)
         if self.lora_magnitude_vector:
             y = self._dora(y, x2, keep, routing, weight)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)

@@ -32,6 +32,22 @@ The replicated factor of each style then gets a *partial* gradient on each TP ra
 (``dA = Σ_j s (G_j B_j)^T x`` for column, ``dB = Σ_j s G^T (A_j x_j)`` for row): the
 adapter-gradient sum over every holder (``grad_sync``) completes it. Frozen base weights need
 no gradient at all.
+
+**The column-parallel backward: token-split inputs** (``token_split.py``, always on at TP > 1). ``dA`` needs the
+input ``x (T, K)``, which every rank has whole in the forward; saving it whole for the backward would cost every
+rank ``T K`` a column-parallel group. Rank ``j`` saves only its rows ``R_j`` (``ceil(T / P)`` a rank, the last
+ones fewer) and, per adapter (segments as in ``multi_lora``, ``c = s / (1 - p)``, ``M`` the dropout keep-mask):
+
+    dS'_j    = c G_j B_j                         (T, r)   the rank's partial, as before
+    dS'[R_j] = Σ_i dS'_i[R_j]                    one reduce-scatter of dS' over the TP group (T r_max elements)
+    dA_j     = dS'[R_j]^T (x[R_j] ⊙ M[R_j])     (r, K)   a partial over tokens instead of over outputs
+    dx_j     = G_j W_j + (dS'_j A) ⊙ M           (T, K)   unchanged, summed by ``f``'s all-reduce
+
+``Σ_j dA_j = dS'^T (x ⊙ M) = dA``, and ``grad_sync``'s plain sum over the holders of ``A`` (all the TP ranks)
+completes it as before. The sums run in another order than over whole inputs: equal within rounding, not bitwise.
+The mask stays whole (``dx`` reads it on every row), and the ranks of a stage must draw the same one. A DoRA
+adapter's rescale (``dora.py``) saves what it saved before (its ``dx`` term needs nothing of ``dA``); a VeRA
+adapter saves no input at all (``A`` is frozen). One rank (TP 1) saves ``x`` whole, with no collective.
 """
 
 from __future__ import annotations
@@ -56,6 +72,7 @@ from lorafleet.executor.torch.fused import (
 from lorafleet.executor.torch.inject import module_suffix
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 from lorafleet.executor.torch.quantized_base import QuantizedLinear
+from lorafleet.executor.torch.token_split import TokenSplit
 from lorafleet.executor.torch.vera import LAMBDA_B, LAMBDA_D, ProjectionSlice
 
 
@@ -230,12 +247,14 @@ def _shard_module(
 ) -> nn.Module:
     """This rank's part of a projection: a sliced ``nn.Linear``, or a MultiLoraLinear whose base
     and adapters are sliced in place (so module and parameter names stay the model's own); a
-    row-parallel one sums its DoRA norms over ``group`` (``dora.py``). ``parts``: a fused projection's
-    (``fused.output_parts``)."""
+    row-parallel one sums its DoRA norms over ``group`` (``dora.py``), a column-parallel one saves its rank's rows
+    of its input for ``dA`` (``token_split.py``). ``parts``: a fused projection's (``fused.output_parts``)."""
     if isinstance(module, MultiLoraLinear):
         module.vera_slice = vera_slice(style, module.in_features, module.out_features, tp_rank, tp_size, parts)
         module.base_layer = sliced_linear(module.base_layer, style, tp_rank, tp_size)
         module.norm_group = group if style is ParallelStyle.ROW else None
+        column = style is ParallelStyle.COLUMN and tp_size > 1
+        module.token_split = TokenSplit(tp_rank, tp_size, group) if column else None
         for factor in ("lora_A", "lora_B", MAGNITUDE, LAMBDA_D, LAMBDA_B):
             weights: nn.ParameterDict = getattr(module, factor)
             dim = adapter_shard_dim(style, factor)

@@ -185,14 +185,16 @@ def _scaled_B(tenants: VeraTenants, run: Run, rank: int, dtype: torch.dtype) -> 
 
 
 def update_backward(
-    grad_y: Tensor, x: Tensor, dx: Tensor | None, keep: Tensor | None, tenants: VeraTenants, saved: Sequence[Tensor]
+    grad_y: Tensor, dx: Tensor | None, keep: Tensor | None, tenants: VeraTenants, saved: Sequence[Tensor]
 ) -> tuple[list[Tensor | None], list[Tensor | None]]:
     """Adds every VeRA tenant's ``dX`` to its rows of ``dx`` in place (when given) and returns ``dλ_d``, ``dλ_b`` per
-    adapter in the vectors' dtypes (None for an adapter with no rows; the module doc's equations)."""
+    adapter in the vectors' dtypes (None for an adapter with no rows; the module doc's equations). No input is
+    read: ``S0`` is saved, and ``A`` is frozen (no ``dA = dS^T Xd``), so the operator saves no ``X`` for VeRA."""
     lambda_d, lambda_b = tenants.lambda_d, tenants.lambda_b
     d_grads: list[Tensor | None] = [None] * len(lambda_d)
     b_grads: list[Tensor | None] = [None] * len(lambda_b)
-    for i, run in enumerate(_runs_of(tenants.routing, tenants.A, x.shape[1] + grad_y.shape[1])):
+    width = tenants.A[0].shape[1] + grad_y.shape[1] if tenants.A else 0  # K + N, as update groups the runs
+    for i, run in enumerate(_runs_of(tenants.routing, tenants.A, width)):
         s0, A_g, b_g, d_g = saved[4 * i : 4 * i + 4]
         g_g = run.rows(grad_y)  # (G, L, N)
         ds1 = torch.bmm(g_g, b_g)  # (G, L, R) = G B'
@@ -200,9 +202,9 @@ def update_backward(
         dbp_g = torch.bmm(g_g.transpose(1, 2), s0 * d_g)  # (G, N, R) = G^T S1
         if dx is not None:
             dropping = run_drops(run, keep)
-            ds0 = ds1.mul_(d_g * run_factor(run, dropping, x))  # dS1 ⊙ λ_d / (1 - p)
-            if dropping:
-                MaskTiles(run, keep, x).backward(ds0, A_g, run.rows(dx), need_lora=False)
+            ds0 = ds1.mul_(d_g * run_factor(run, dropping, dx))  # dS1 ⊙ λ_d / (1 - p)
+            if dropping:  # the mask tiles read their shapes off dX (same as X's): they compute dX alone
+                MaskTiles(run, keep, dx).backward(ds0, A_g, run.rows(dx), need_lora=False)
             else:
                 run.rows(dx).baddbmm_(ds0, A_g)
         members = [(g, tenants.B[a], lambda_d[a], lambda_b[a]) for g, a in enumerate(run.adapters)]

@@ -261,16 +261,17 @@ def forward(x, weight, bias, lora_A, lora_B, routing: LoraRouting, keep):
     return y, (s, A, B)
 
 
-def backward(grad_y, x, weight, lora_A, lora_B, routing: LoraRouting, keep, saved, need_x, need_lora):
-    """Same contract as ``torch_lora.backward``."""
+def backward(grad_y, x, weight, lora_A, lora_B, routing: LoraRouting, keep, saved, need_x, need_lora, share=None):
+    """Same contract as ``torch_lora.backward``: with ``share`` (``x`` None) ``dS`` goes to the split's zero-padded
+    buffer, and ``dA`` comes from its summed rows of this rank and the saved ``X`` rows, over the share's routing."""
     dx = grad_y.mm(weight) if need_x else None  # (T, K) = G W, the buffer dX is written into
     if not saved:
         return dx, [None] * len(lora_A), [None] * len(lora_B)
     s, A, B = saved
-    grad_y, x = grad_y.contiguous(), x.contiguous()
+    grad_y = grad_y.contiguous()
     rank = A.shape[1]
-    launch = _Launch(routing, rank, keep, x)
-    ds = torch.empty_like(s)  # (T, R)
+    launch = _Launch(routing, rank, keep, grad_y)
+    ds = share.buffer(rank, s) if share is not None and need_lora else torch.empty_like(s)  # (T, R), or padded
     launch.shrink(grad_y, B, (B.stride(0), B.stride(2), B.stride(1)), ds, masked=False, scaled=True)  # dS = s G B
     if need_x:
         launch.expand(ds, A, A.stride(), dx, masked=keep is not None, scaled=False)  # dX += (dS A) ⊙ M/(1-p)
@@ -278,7 +279,14 @@ def backward(grad_y, x, weight, lora_A, lora_B, routing: LoraRouting, keep, save
         return dx, [None] * len(lora_A), [None] * len(lora_B)
     dA = torch.empty_like(A)  # (n, R, K)
     dB = B.new_empty(B.shape)  # (n, N, R) contiguous (a mixed-rank B is a strided view)
-    launch.weight_grad(ds, x, dA, masked=keep is not None, scaled=False)  # dA = dS^T Xd
+    if share is None:
+        launch.weight_grad(ds, x.contiguous(), dA, masked=keep is not None, scaled=False)  # dA = dS^T Xd
+    elif share.routing.segments.lengths:  # dA_j = dS[R_j]^T Xd[R_j] on this rank's rows
+        own = _Launch(share.routing, rank, share.keep, share.x)
+        own.weight_grad(share.reduce(ds), share.x, dA, masked=share.keep is not None, scaled=False)
+    else:  # no row here: the collective still runs (every rank of the group joins it), dA is zero
+        share.reduce(ds)
+        dA.zero_()
     launch.weight_grad(grad_y, s, dB, masked=False, scaled=True)  # dB = s G^T S
     owners = set(routing.segments.adapter_ids[j] for j, n in enumerate(routing.segments.lengths) if n)
     return (

@@ -27,6 +27,7 @@ from torch.nn import functional as F
 
 from lorafleet.executor.torch.kernels.stacking import stack_padded, unstack_padded
 from lorafleet.executor.torch.routing import LoraRouting
+from lorafleet.executor.torch.token_split import zero_missing
 
 SPLIT_BREAK_EVEN = 4_000_000
 """Zero-padded multiply-adds worth one more run (:func:`_rank_pieces`): a CPU speed constant.
@@ -284,30 +285,68 @@ def forward(x, weight, bias, lora_A, lora_B, routing: LoraRouting, keep):
     return y, saved
 
 
-def backward(grad_y, x, weight, lora_A, lora_B, routing: LoraRouting, keep, saved, need_x, need_lora):
+def backward(grad_y, x, weight, lora_A, lora_B, routing: LoraRouting, keep, saved, need_x, need_lora, share=None):
     """Returns ``(dX or None, dA per adapter, dB per adapter)``; see ``multi_lora``'s module doc for the math.
 
     With ``c = s / (1 - p)``, ``dS' = c G B = dS / (1 - p)`` serves both products that need
     ``dS``: ``dA = dS^T Xd = dS'^T (X ⊙ M)`` and ``(dS A) ⊙ M / (1 - p) = (dS' A) ⊙ M``.
+
+    With ``share`` (a TP rank's token split, ``token_split.py``) ``x`` is None: each run's ``dS'`` is also written
+    into the zero-padded ``(T, R_max)`` buffer the split reduce-scatters, and ``dA`` comes from the summed rows of
+    this rank (:func:`weight_grads`) and its saved ``X`` rows; ``dX`` and ``dB`` are as without it.
     """
     dx = grad_y.mm(weight) if need_x else None  # (T, N) @ (N, K): the single dX buffer
     dA: list[Tensor | None] = [None] * len(lora_A)
     dB: list[Tensor | None] = [None] * len(lora_B)
-    for i, run in enumerate(segment_runs(routing, tuple(a.shape[0] for a in lora_A), x.shape[1] + weight.shape[0])):
+    ranks = tuple(a.shape[0] for a in lora_A)
+    width = weight.shape[1] + weight.shape[0]
+    runs = segment_runs(routing, ranks, width)
+    ds_all = share.buffer(max(ranks), grad_y) if share is not None and need_lora and runs else None
+    local = need_lora and share is None  # dA from the whole saved x, here
+    for i, run in enumerate(runs):
         s_g, A_g, B_g = saved[3 * i : 3 * i + 3]  # (G, L, R), (G, R, K), (G, N, R)
         g_g = run.rows(grad_y)  # (G, L, N)
         dropping = run_drops(run, keep)
-        ds_g = torch.bmm(g_g, B_g).mul_(run_factor(run, dropping, x))  # (G, L, R) = c G B
+        ds_g = torch.bmm(g_g, B_g).mul_(run_factor(run, dropping, grad_y))  # (G, L, R) = c G B
+        if ds_all is not None:
+            run.rows(ds_all)[:, :, : ds_g.shape[2]] = ds_g
         dx_g = run.rows(dx) if need_x else None  # (G, L, K) view: written in place
-        if dropping:
-            dA_g = MaskTiles(run, keep, x).backward(ds_g, A_g, dx_g, need_lora)
-        else:
-            dA_g = torch.bmm(ds_g.transpose(1, 2), run.rows(x)) if need_lora else None  # (G, R, K)
+        dA_g = None
+        if dropping and (local or dx_g is not None):
+            # without x (a token split) the mask tiles read their shapes off dX and compute dX alone
+            dA_g = MaskTiles(run, keep, x if local else dx).backward(ds_g, A_g, dx_g, local)
+        elif not dropping:
+            dA_g = torch.bmm(ds_g.transpose(1, 2), run.rows(x)) if local else None  # (G, R, K)
             if dx_g is not None:
                 dx_g.baddbmm_(ds_g, A_g)  # += dS A
         if need_lora:
-            ranks = [lora_A[a].shape[0] for a in run.adapters]
-            accumulate_grads(dA, run.adapters, unstack_padded(dA_g, ranks))
+            member_ranks = [ranks[a] for a in run.adapters]
+            if local:
+                accumulate_grads(dA, run.adapters, unstack_padded(dA_g, member_ranks))
             dBt_g = torch.bmm(s_g.transpose(1, 2), g_g)  # (G, R, N) = (s G^T S)^T
-            accumulate_grads(dB, run.adapters, unstack_padded(dBt_g, ranks, transpose=True))
+            accumulate_grads(dB, run.adapters, unstack_padded(dBt_g, member_ranks, transpose=True))
+    if ds_all is not None:
+        dA = weight_grads(share.reduce(ds_all), share.x, share.keep, ranks, share.routing, width)
+        zero_missing(dA, lora_A, routing, ds_all)
     return dx, dA, dB
+
+
+def weight_grads(
+    ds: Tensor, x: Tensor, keep: Tensor | None, ranks: Sequence[int], routing: LoraRouting, width: int
+) -> list[Tensor | None]:
+    """``dA_a = Σ dS'^T (X ⊙ M)`` over adapter ``a``'s rows of ``routing`` (``(r_a, K)``, None for an adapter with
+    none): ``ds`` ``(T', R_max)`` holds ``dS' = c G B`` of every row, zero-padded to the largest rank, ``x`` and
+    ``keep`` the same ``T'`` rows (a TP rank's share of them, ``token_split.py``), ``width`` the ``K + N`` the runs
+    are grouped by (:func:`segment_runs`)."""
+    dA: list[Tensor | None] = [None] * len(ranks)
+    for run in segment_runs(routing, tuple(ranks), width):
+        member_ranks = [ranks[a] for a in run.adapters]
+        ds_g = run.rows(ds)[:, :, : max(member_ranks)]  # (G, L, R)
+        if run_drops(run, keep):
+            # MaskTiles.backward reads only the shape of A_g when it computes no dX: an expanded scalar
+            shape = x.new_empty(()).expand(len(run.adapters), ds_g.shape[2], x.shape[1])
+            dA_g = MaskTiles(run, keep, x).backward(ds_g, shape, None, True)
+        else:
+            dA_g = torch.bmm(ds_g.transpose(1, 2), run.rows(x))  # (G, R, K)
+        accumulate_grads(dA, run.adapters, unstack_padded(dA_g, member_ranks))
+    return dA
