@@ -14,7 +14,8 @@ reports can say how much was cut or dropped.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,17 +284,21 @@ def length_histogram(values: Sequence[int] | np.ndarray) -> dict[int, int]:
     return dict(zip(lengths.tolist(), counts.tolist(), strict=True))
 
 
-def _dataset_histogram(data: DataSpec, workload: WorkloadSpec, source: tuple[str, str]) -> dict[int, int]:
-    """The token-length histogram of every row of ``data``, tokenized as training will tokenize them."""
-    from lorafleet.data.model_source import data_tokenizer
+def _dataset_histogram(data: DataSpec, workload: WorkloadSpec, tokenizer: Callable[[], Any]) -> dict[int, int]:
+    """The token-length histogram of every row of ``data``, tokenized as training will tokenize them (by
+    ``tokenizer()``), or as a tokenization of the same bytes by the same tokenizer left it (``data.length_cache``:
+    then no tokenizer is loaded)."""
+    from lorafleet.data.length_cache import cached_lengths
     from lorafleet.data.records import read_task_rows
     from lorafleet.data.tokenize import tokenize_task_rows
 
-    rows = read_task_rows(data)
-    if not rows.units:
-        raise InputError(rows.source, "", "dataset has no rows")
-    tokenizer = data_tokenizer(workload.model, workload.tokenizer, source=source[0])
-    return length_histogram([len(e) for e in tokenize_task_rows(tokenizer, rows, data)])
+    def tokenized() -> dict[int, int]:
+        rows = read_task_rows(data)
+        if not rows.units:
+            raise InputError(rows.source, "", "dataset has no rows")
+        return length_histogram([len(e) for e in tokenize_task_rows(tokenizer(), rows, data)])
+
+    return cached_lengths(data, workload.model, workload.tokenizer, tokenized)
 
 
 def resolve_workload_paths(spec: WorkloadSpec, base: Path) -> WorkloadSpec:
@@ -360,8 +365,11 @@ def resolve_workload(spec: WorkloadSpec, path: str, known: Mapping[str, Mapping[
     ``known``: the token-length histograms of tasks whose lengths read a dataset (:func:`reads_dataset`),
     tokenized already (a run file's, a queued task's data), by task name: taken as they are, so no data is
     tokenized again for them."""
+    from lorafleet.data.model_source import data_tokenizer
+
     model = resolve_model(spec.model, str(path), "model")
     known = known or {}
+    tokenizer = functools.cache(lambda: data_tokenizer(spec.model, spec.tokenizer, source=str(path)))  # once, if at all
     tasks = []
     for i, task in enumerate(spec.tasks):
         where = (str(path), f"tasks[{i}]")
@@ -373,7 +381,7 @@ def resolve_workload(spec: WorkloadSpec, path: str, known: Mapping[str, Mapping[
         if reads_dataset(task.lengths):
             histogram = known.get(task.name)
             if histogram is None:
-                histogram = _dataset_histogram(task.lengths.dataset if task.lengths else task.data, spec, where)
+                histogram = _dataset_histogram(task.lengths.dataset if task.lengths else task.data, spec, tokenizer)
             raw = LengthDistribution.from_histogram(histogram)
         else:
             raw = _given_distribution(task.lengths, task.context_length, where)

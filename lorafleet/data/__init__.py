@@ -9,6 +9,8 @@ tokenize.py         rows -> token ids and labels, the loss on what the task prod
                     counts as ``tokenizations``, ``lorafleet.work``); the chat template's default system prompt
 describe.py         what ``lorafleet validate`` says of each task's data, a line each
 tiny_tokenizer.py   a small real BPE tokenizer the project builds itself, for tests and CPU runs
+length_cache.py     datasets' token-length histograms on disk, keyed by the data's and tokenizer's bytes: a
+                    process that needs only lengths loads no tokenizer (so no torch) for data tokenized before
 model_source.py     where a workload's base model and its tokenizer come from (``model:`` -> ``ModelSource``)
 weights_index.py    where a model directory's safetensors weights are, from the files' headers (torch-free)
 """

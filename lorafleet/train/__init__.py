@@ -57,7 +57,8 @@ phases, live, queue, summary, run_length, own_plan) and the torch-free part of t
 inflight, joining, change_log)
 import no torch (an import-linter contract): the checks of data, checkpoints and processes are
 ``lorafleet.runtime``'s, torch-free, and torch is imported only on a rank (rank, trainer, torch_fleet) and by
-torchrun's agent. (Reading a task's data may still load torch, through its tokenizer's library.)
+torchrun's agent. (Measuring a task's data loads torch, through its tokenizer's library, unless its lengths
+are in the token-length cache, ``data.length_cache``: a launch of data tokenized before imports no torch.)
 
 The plan runs under its own dispatch policy and with the cost model it was judged by (flags
 may override either; the run says so). What each step measures corrects that cost model

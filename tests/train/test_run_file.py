@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lorafleet.data.length_cache import CACHE_ENV
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.preflight import prepare
 from lorafleet.train.run_file import ResolvedRun
@@ -12,12 +13,15 @@ from lorafleet.work import counting
 from tests.helpers.queue_fleet import on_four_gpus
 
 
-def test_a_rank_resolves_the_workload_from_the_run_file_without_tokenizing(tmp_path, tiny_tokenizer_dir):
-    """The launcher tokenizes each task once for its lengths; a rank reading ``run.json`` tokenizes none for them
-    (its lengths are the launcher's, bit for bit), and building its data streams tokenizes each task once."""
+def test_a_rank_resolves_the_workload_from_the_run_file_without_tokenizing(tmp_path, tiny_tokenizer_dir, monkeypatch):
+    """The launcher tokenizes each task once for its lengths (the length cache cold); a rank reading ``run.json``
+    tokenizes none for them (its lengths are the launcher's, bit for bit), and building its data streams tokenizes
+    each task once."""
     from lorafleet.runtime.data_stream import training_streams
 
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "planning-cache"))
     path, profile = on_four_gpus(tmp_path, tiny_tokenizer_dir, slots=(0, 3))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # cold: the planning's tokenizations are not in it
     options = TrainOptions(
         workload=str(path), plan=str(path.with_suffix(".plan.json")), out=str(tmp_path / "out"), profile=str(profile)
     )
