@@ -12,15 +12,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.inject import inject_multi_lora, module_suffix, multi_lora_layers
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
-from lorafleet.executor.torch.routing import LoraRouting, Segments
+from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
 from lorafleet.executor.torch.token_split import TokenSplit, share_routing
 from lorafleet.executor.torch.tp import TP_STYLES, adapter_shard_dim, parallelize_tensor, shard
 from lorafleet.executor.torch.vera import LAMBDA_B
 from lorafleet.specs.lora import LoraSpec
 from tests.executor.torch.conftest import build_tiny_model
+from tests.executor.torch.token_split_cases import split_forward_backward
 from tests.helpers import fleet_harness as h
+from tests.helpers.segment_lora_cases import (
+    CASE_IDS,
+    CASE_PARAMS,
+    case_routing,
+    case_tensors,
+    forward_backward,
+    result_names,
+)
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 SPECS = [
@@ -171,3 +181,22 @@ def test_the_ranks_rows_cover_the_tokens_once(total, size):
         for a, start, length in share_routing(routing, first, end).segments:
             covered += [(a, first + start + i) for i in range(length)]
     assert sorted(covered) == sorted((a, s + i) for a, s, n in routing.segments for i in range(n))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("tile,K,N,ranks,segments", CASE_PARAMS, ids=CASE_IDS)
+def test_the_ranks_partials_sum_to_the_whole_input_gradient(tile, K, N, ranks, segments, dropout, size):
+    """Mixed ranks, empty segments, an adapter owning two, padding rows, a rank owning none of an adapter's rows:
+    the ranks' ``dA`` partials over their rows sum to the whole input's ``dA`` (fp32), the rest is unchanged."""
+    tensors = case_tensors(K, N, ranks, segments)
+    routing = case_routing(ranks, segments, dropout)
+    torch.manual_seed(0)
+    keep = draw_keep_mask(tensors.x.shape[0], K, routing, device="cpu")
+    got = split_forward_backward(LoraBackend.TORCH, tensors, routing, keep, size)
+    want = forward_backward(LoraBackend.TORCH, tensors, routing, keep)
+    for g, w, name in zip(got, want, result_names(len(ranks)), strict=True):
+        if w is None:
+            assert g is None, name
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")

@@ -39,6 +39,7 @@ from tests.helpers.segment_lora_cases import (
     forward_backward,
     result_names,
 )
+from tests.executor.torch.token_split_cases import split_forward_backward
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
@@ -58,6 +59,28 @@ def test_triton_matches_torch(tile, K, N, ranks, segments, dropout, monkeypatch)
     want = forward_backward(LoraBackend.TORCH, tensors, routing, keep)
     for g, w, name in zip(got, want, result_names(len(ranks)), strict=True):
         if w is None:  # an adapter with no rows gets no gradient from either backend
+            assert g is None, name
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("tile,K,N,ranks,segments", CASE_PARAMS, ids=CASE_IDS)
+def test_token_split_matches_the_whole_input(tile, K, N, ranks, segments, dropout, monkeypatch):
+    """The Triton backward under a token split over 3 ranks (``token_split.py``: ``dA`` from each rank's rows, a
+    rank may own none of an adapter's) sums to the torch backend's whole-input gradients."""
+    from lorafleet.executor.torch.kernels import segment_lora
+
+    monkeypatch.setattr(segment_lora, "BLOCK_M", tile)
+    monkeypatch.setattr(segment_lora, "BLOCK_N", tile)
+    tensors = case_tensors(K, N, ranks, segments)
+    routing = case_routing(ranks, segments, dropout)
+    torch.manual_seed(0)
+    keep = draw_keep_mask(tensors.x.shape[0], K, routing, device="cpu")
+    got = split_forward_backward(LoraBackend.TRITON, tensors, routing, keep, 3)
+    want = forward_backward(LoraBackend.TORCH, tensors, routing, keep)
+    for g, w, name in zip(got, want, result_names(len(ranks)), strict=True):
+        if w is None:
             assert g is None, name
         else:
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
