@@ -4,6 +4,10 @@ In ``multi_lora``'s module doc it is the ``M_j`` of ``Xd_j = X[R_j] ⊙ M_j / (1
 ``(T, K)`` mask, Bernoulli(1 - p_a) on adapter ``a``'s rows and all True elsewhere. It is drawn
 once, here, from the global torch RNG; both backends save it and reapply it in the backward, so
 ``dX`` and ``dA`` use exactly the forward's mask.
+
+Under tensor parallelism a column-parallel layer's input is whole on every TP rank, and each rank computes ``dA``
+over its own rows of ``Xd`` (``token_split.py``): the ranks of a stage must draw the same mask, i.e. seed the global
+RNG alike for a micro-batch. (A row-parallel rank draws a mask of its own ``(T, K / P)`` columns.)
 """
 
 from __future__ import annotations

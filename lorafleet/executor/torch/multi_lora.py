@@ -26,6 +26,10 @@ Two implementations share one ``torch.autograd.Function``: a torch loop over run
 (``kernels/segment_lora.py``, CUDA). :class:`~lorafleet.executor.torch.routing.LoraBackend`
 picks one; the routing types live in ``routing.py``, the keep-mask ``M`` is drawn by
 ``dropout.py``, and this module holds the operator and the ``nn.Module`` around it.
+
+``X`` is saved for ``dA`` alone. On a TP rank of a column-parallel layer only the rank's rows of it are
+(``token_split.py``): ``dA`` is then summed over the rank's rows after one reduce-scatter of ``dS`` over the TP
+group, a partial over tokens that the adapter-gradient sum over the TP ranks completes.
 """
 
 from __future__ import annotations
@@ -435,7 +439,9 @@ class MultiLoraLinear(nn.Module):
         # nothing is saved without autograd, nor x without a LoRA or DoRA tenant's rows
         split = self.token_split if torch.is_grad_enabled() and any(lora_routing.segments.lengths) else None
         x_rows = None if split is None else split.rows_of(x, x2)
-        y = multi_lora_linear(x2, weight, bias, lora_A, lora_B, lora_routing, keep, self.backend, tenants, split, x_rows)
+        y = multi_lora_linear(
+            x2, weight, bias, lora_A, lora_B, lora_routing, keep, self.backend, tenants, split, x_rows
+        )
         if self.lora_magnitude_vector:
             y = self._dora(y, x2, keep, routing, weight)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)

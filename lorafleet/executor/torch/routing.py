@@ -92,7 +92,9 @@ class Segments:
     def within(self, first: int, end: int) -> Segments:
         """The segments' parts in rows ``[first, end)``, renumbered from row 0 (a TP rank's share of the rows:
         ``token_split.py``); a segment with no row there is dropped, adapters keep their ids."""
-        kept = [(a, max(s, first) - first, min(s + n, end) - max(s, first)) for a, s, n in self if s < end and s + n > first]
+        kept = [
+            (a, max(s, first) - first, min(s + n, end) - max(s, first)) for a, s, n in self if s < end and s + n > first
+        ]
         return Segments(*zip(*kept, strict=True)) if kept else Segments((), (), ())
 
     def relabel(self, local: Mapping[int, int]) -> Segments:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 

@@ -31,6 +31,7 @@ import torch
 from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.multi_lora import multi_lora_linear
 from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
+from tests.executor.torch.token_split_cases import split_forward_backward
 from tests.helpers.segment_lora_cases import (
     CASE_IDS,
     CASE_PARAMS,
@@ -39,7 +40,6 @@ from tests.helpers.segment_lora_cases import (
     forward_backward,
     result_names,
 )
-from tests.executor.torch.token_split_cases import split_forward_backward
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
