@@ -1,6 +1,8 @@
 """When a task is evaluated: one rule, a pure function of its spec and its own steps, read by training
-(``train.evaluation``), the what-ifs (``eval_replay``) and the sweep report (``sweep_report``) alike, so the three
-cannot disagree, and a resumed run evaluates exactly as the uninterrupted one.
+(``train.evaluation``) and the what-ifs (``eval_replay``) alike, so the two cannot disagree, and a resumed run
+evaluates exactly as the uninterrupted one. (The sweep report reads the rungs a run recorded, not this rule: a
+spec changed while the run ran, ``every_steps`` by an update or ``steps`` on a resume, is not the one that
+evaluated its past: ``sweep_report``.)
 
 A task with an ``eval`` is evaluated after its own step ``n >= 1`` (the global batches it took part in) when
 
@@ -23,7 +25,6 @@ last step: those depend on the run, not on the spec.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from lorafleet.specs.workload import TaskSpec
@@ -70,14 +71,3 @@ class EvalSchedule:
             if self.rung(rung) is not None:
                 nxt = min(nxt, rung)
         return nxt
-
-    def count_through(self, own: int) -> int:
-        """How many evaluations the schedule holds after own steps ``1..own``: the multiples of ``every_steps``, and
-        the ``K`` rung boundaries (``K = min(floor(own / rung_steps), R)``) less those that are multiples of it too,
-        every ``every_steps / gcd(rung_steps, every_steps)``-th one."""
-        own = max(own, 0)
-        count = own // self.every_steps
-        if self.rung_steps is not None:
-            k = own // self.rung_steps if self.rungs is None else min(own // self.rung_steps, self.rungs)
-            count += k - k // (self.every_steps // math.gcd(self.rung_steps, self.every_steps))
-        return count

@@ -5,11 +5,14 @@ prints, what the winner's model card holds (``train.promote``) and what the HTML
 Read from the run directory only: its tasks (``train.promote.run_tasks``), ``evaluations.json`` and
 ``metrics.jsonl``, so it works on a finished run, a stopped one and one still running.
 
+**The rungs** are those the run decided, as it recorded them: the metrics row of global step ``b - 1`` names the
+rungs decided at boundary ``b`` (``sweep_rung``: sweep -> ``k``) and the evaluation they followed (``eval_loss``: every
+member still training, ``sweeps.rungs_due``). Nothing is re-derived from the members' specs as they are now: an
+``eval.every_steps`` changed while the run ran, or ``steps`` raised on a resume, changes neither which evaluations
+judged a rung nor which rungs there were.
 **A rung's score** of a member is the one the rung judged it by (``lorafleet.sweeps``): its best evaluation loss
-over its evaluations up to the rung: at rung ``k``, after its own step ``s_k = k rung_steps``, the first
-``count_through(s_k)`` of them, as many as its schedule holds there (``lorafleet.eval_schedule``: the one rule
-``train`` evaluated it by, whatever ``every_steps`` is). A member reached rung ``k`` when its schedule has it, it took
-``s_k`` steps and ``s_k`` is short of its last (``steps``).
+over its evaluations through the rung's boundary ``b`` (global steps ``<= b``); a member reached rung ``k`` when that
+evaluation evaluated it.
 **Accounting:** a sweep is one tenant: its GPU-seconds are the sum of its members' (their steps' and their
 evaluations', ``accounting``).
 """
@@ -23,12 +26,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lorafleet.eval_schedule import EvalSchedule
 from lorafleet.metrics import read_rows, sum_task_gpu_seconds
 from lorafleet.rundir import RunDir
 from lorafleet.specs.sweep import HalvingSpec, value_label
 from lorafleet.specs.workload import TaskSpec
 from lorafleet.sweeps import sweep_groups, winner
+
+
+@dataclass(frozen=True)
+class RungRecord:
+    """A rung the run decided, as its metrics row records it (module doc)."""
+
+    rung: int
+    """1 at the first rung."""
+    step: int
+    """The boundary it was decided at: after the evaluation of global step ``step``."""
+    evaluated: frozenset[str]
+    """The members that evaluation evaluated: those still training, which the rung judged."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +86,8 @@ class SweepResult:
     """None when no member has a finite evaluation (a sweep without ``eval`` has no winner)."""
     halving: HalvingSpec | None
     keep_members: bool
+    rungs: tuple[RungRecord, ...] = ()
+    """The rungs the run decided, in order (module doc)."""
 
     @property
     def gpu_s(self) -> float:
@@ -85,7 +101,7 @@ class SweepResult:
         """The members' table, a header row first: values, each rung's score, best eval loss, steps, GPU-seconds,
         outcome (the winner marked)."""
         keys = [key for key, _ in self.members[0].values]
-        rungs = max((m.dropped_rung or 0 for m in self.members), default=0)  # every rung drops at least one
+        rungs = len(self.rungs)
         rows = [["member", *keys, *(f"rung {k + 1}" for k in range(rungs)), "best eval loss", "steps", "GPU-s", ""]]
         for m in self.members:
             scores = [_loss(s) for s in m.rung_scores[:rungs]] + [""] * (rungs - len(m.rung_scores[:rungs]))
@@ -108,6 +124,7 @@ class SweepResult:
             "winner": self.winner,
             "gpu_s": self.gpu_s,
             "halving": self.halving.model_dump() if self.halving else None,
+            "rungs": [{"rung": r.rung, "step": r.step} for r in self.rungs],
             "members": [
                 {
                     "name": m.name,
@@ -146,12 +163,23 @@ def sweep_results(run_dir: RunDir, tasks: Sequence[TaskSpec]) -> list[SweepResul
     for row in rows:
         for name in row.get("losses", {}):
             steps[name] = steps.get(name, 0) + 1
-    return [_result(name, members, evaluations, gpu_s, steps) for name, members in groups.items()]
+    rungs = recorded_rungs(rows)
+    return [_result(name, members, evaluations, gpu_s, steps, rungs.get(name, ())) for name, members in groups.items()]
+
+
+def recorded_rungs(rows: Sequence[Mapping[str, Any]]) -> dict[str, tuple[RungRecord, ...]]:
+    """By sweep, the rungs the metrics ``rows`` record, in order (module doc)."""
+    out: dict[str, list[RungRecord]] = {}
+    for row in rows:
+        evaluated = frozenset(row.get("eval_loss", {}))
+        for sweep, rung in row.get("sweep_rung", {}).items():
+            out.setdefault(sweep, []).append(RungRecord(int(rung), int(row["step"]) + 1, evaluated))
+    return {sweep: tuple(rungs) for sweep, rungs in out.items()}
 
 
 def _result(
     name: str, members: Sequence[TaskSpec], evaluations: Mapping[str, Any], gpu_s: Mapping[str, float],
-    steps: Mapping[str, int],
+    steps: Mapping[str, int], rungs: Sequence[RungRecord],
 ) -> SweepResult:  # fmt: skip
     first = members[0].member_of
     assert first is not None
@@ -161,29 +189,15 @@ def _result(
         raw = evaluations.get(task.name, {})
         history = tuple((int(s), float(loss)) for s, loss, _ in raw.get("history", ()))
         stopping = raw.get("stopping", {})
-        scores = _rung_scores(task, history, steps.get(task.name, 0))
-        reached = scores if raw.get("dropped_rung") is None else scores[: raw["dropped_rung"]]
+        scores = tuple(_best([h for h in history if h[0] <= r.step]) for r in rungs if task.name in r.evaluated)
         out.append(MemberResult(
             task.name, task.member_of.index, task.member_of.values, history, stopping.get("best_loss"),
-            stopping.get("best_step"), reached, steps.get(task.name, 0), gpu_s.get(task.name, 0.0),
+            stopping.get("best_step"), scores, steps.get(task.name, 0), gpu_s.get(task.name, 0.0),
             raw.get("stopped_at"), raw.get("dropped_rung"),
         ))  # fmt: skip
     order = {m.name: m.index for m in out}
     best = {m.name: m.best_loss for m in out if m.best_loss is not None}
-    return SweepResult(name, tuple(out), winner(best, order), first.halving, first.keep_members)
-
-
-def _rung_scores(task: TaskSpec, history: Sequence[tuple[int, float]], taken: int) -> tuple[float, ...]:
-    """The score of each rung the member ``task`` reached, having taken ``taken`` of its own steps (module doc)."""
-    schedule = EvalSchedule.of(task)
-    if schedule is None or schedule.rung_steps is None:
-        return ()
-    scores = []
-    own = schedule.rung_steps
-    while own <= taken and schedule.rung(own) is not None and (task.steps is None or own < task.steps):
-        scores.append(_best(history[: schedule.count_through(own)]))
-        own += schedule.rung_steps
-    return tuple(scores)
+    return SweepResult(name, tuple(out), winner(best, order), first.halving, first.keep_members, tuple(rungs))
 
 
 def _best(history: Sequence[tuple[int, float]]) -> float:
@@ -225,8 +239,8 @@ def plot_sweep(result: SweepResult, out: Path) -> None:
                           label=m.name + (" (winner)" if winner else ""))  # fmt: skip
         if m.dropped_rung is not None:
             ax.plot(steps[-1], losses[-1], "x", color=line.get_color(), markersize=9)
-    for step in sorted({m.left_at for m in result.members if m.dropped_rung is not None and m.left_at}):
-        ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+    for rung in result.rungs:
+        ax.axvline(rung.step, color="grey", linestyle=":", linewidth=1)
     ax.set_xlabel("global step")
     ax.set_ylabel("eval loss")
     ax.set_title(f"sweep {result.name}: the members' evaluations, rungs dotted")

@@ -16,6 +16,10 @@ losses and a resumed run decides exactly as the uninterrupted one.
 **The winner** is the member of lowest best evaluation loss over the whole run, by the same order, among all of
 the sweep's members (those that left at a rung or stopped early included): ``adapters/<sweep>/`` is its best
 adapter.
+
+**Without halving** (:func:`without_halving`), the reference a halving's saving is measured against (``simulate``'s
+no-stopping run): the whole grid trained to its end, each member evaluated as a plain task is, after every
+``every_steps`` of its own steps and its last, never at a rung boundary (``lorafleet.eval_schedule``).
 """
 
 from __future__ import annotations
@@ -122,3 +126,12 @@ def rungs_due(
         scores = {name: best(name) for name in alive}
         out.append(decide_rung(sweep, own // halving.rung_steps, step, scores, order, halving.eta))
     return out
+
+
+def without_halving(spec: TaskSpec) -> TaskSpec:
+    """``spec`` as its sweep runs without successive halving (module doc): a member's membership without its
+    ``halving``, so no rung drops it and none is evaluated; any other task as it is."""
+    member = spec.member_of
+    if member is None or member.halving is None:
+        return spec
+    return spec.model_copy(update={"member_of": member.model_copy(update={"halving": None})})

@@ -1,6 +1,6 @@
 """When a task is evaluated (``lorafleet.eval_schedule``): a multiple of ``every_steps``, or a rung boundary of its
 sweep whatever ``every_steps`` is, for the rungs the sweep can decide; one pure function of the spec and the own
-step, which training (``train.evaluation``) and the sweep report (``sweep_report``) read alike."""
+step, which training (``train.evaluation``) and the what-ifs (``eval_replay``) read alike."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ from dataclasses import dataclass
 import pytest
 
 from lorafleet.eval_schedule import EvalSchedule
-from lorafleet.rundir import RunDir
 from lorafleet.specs.sweep import sweep_members
 from lorafleet.specs.workload import TaskSpec
-from lorafleet.sweep_report import sweep_results
 from lorafleet.sweeps import rung_count
 from lorafleet.train.evaluation import Evaluations
 
@@ -57,12 +55,11 @@ def test_where_rungs_fall_on_the_grid_the_schedule_is_every_steps_alone(spec):
 
 
 @pytest.mark.parametrize(("every", "rung_steps", "rungs"), [(5, 2, 2), (7, 3, None), (4, 6, 3), (1, 1, 2), (12, 5, 1)])
-def test_next_and_counts_agree_with_a_scan(every, rung_steps, rungs):
+def test_next_agrees_with_a_scan(every, rung_steps, rungs):
     schedule = EvalSchedule(every, rung_steps, rungs)
     due = steps_of(schedule, 200)
     for own in range(150):
         assert schedule.next_after(own) == min(n for n in due if n > own), own
-        assert schedule.count_through(own) == sum(1 for n in due if n <= own), own
 
 
 def test_the_schedule_is_the_specs_own_a_resume_reads_it_the_same():
@@ -103,31 +100,6 @@ def test_training_evaluates_at_the_schedules_steps_and_the_last_and_names_them_a
         assert evaluations.next_boundary(step, specs) == min(
             (b for b, d in due.items() if b > step and d), default=None
         )
-
-
-def test_the_report_scores_each_rung_by_the_evaluations_through_its_boundary(tmp_path):
-    """Off the grid (rungs every 2 steps, evaluations every 3): rung 1 reads the evaluation at 2, rung 2 those at 2,
-    3 and 4, not ``k rung_steps / every_steps`` of them."""
-    six = members(every=3, rung_steps=2, steps=8, grid={"optimizer.lr": [1e-4, 1e-3], "lora.rank": [4, 8, 16]})
-    names = [s.name for s in six]  # 6 members, eta 3: rungs at 2 (6 -> 2) and 4 (2 -> 1)
-    history = {
-        names[0]: [(2, 5.0)],
-        names[1]: [(2, 4.0), (3, 3.5), (4, 3.9)],
-        names[2]: [(2, 4.5), (3, 4.4), (4, 3.0), (6, 2.0), (8, 1.5)],
-    } | {n: [(2, 9.0)] for n in names[3:]}
-    dropped = {names[0]: 1, names[1]: 2} | dict.fromkeys(names[3:], 1)
-    evaluations = {n: {"history": [[s, loss, 0.5] for s, loss in h], "stopping": {"best_loss": min(x for _, x in h)},
-                       "stopped_at": dropped[n] * 2 if n in dropped else None, "dropped_rung": dropped.get(n)}
-                   for n, h in history.items()}  # fmt: skip
-    run = RunDir(tmp_path)
-    run.evaluations.write_text(json.dumps(evaluations))
-    taken = {n: 2 * dropped[n] if n in dropped else 8 for n in names}
-    rows = [{"step": b, "losses": {n: 1.0 for n in names if taken[n] > b}} for b in range(8)]
-    run.metrics_jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (result,) = sweep_results(run, six)
-    scores = {m.name: m.rung_scores for m in result.members}
-    assert scores[names[0]] == (5.0,) and scores[names[1]] == (4.0, 3.5) and scores[names[2]] == (4.5, 3.0)
-    assert result.winner == names[2] and result.table()[0][3:5] == ["rung 1", "rung 2"]
 
 
 def test_an_update_of_a_members_every_steps_moves_its_other_evaluations_not_its_rungs():

@@ -1,6 +1,7 @@
 """A sweep in a what-if (``simulate``): its members are priced like any tasks, and successive halving drops them at
 the same rungs and by the same rule as ``train`` (``lorafleet.sweeps``), by their modelled eval losses: a dropped
-member takes no step after its rung, and the halving costs fewer GPU-seconds than the whole grid."""
+member takes no step after its rung, and the halving costs fewer GPU-seconds than the whole grid, which the reference
+without stops trains and evaluates as plain tasks (no rung evaluations)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,17 @@ def test_a_rung_off_the_every_steps_grid_is_evaluated_there_and_priced(planned):
     assert [run.evals[n].dropped_rung for n in members] == [1, 1, None, 1, 1, 2]
     assert all(r.seconds > 0 and r.gpu_s > 0 for n in members for r in run.evals[n].records)
     assert all(run.eval_gpu_seconds[n] == pytest.approx(run.evals[n].eval_gpu_s) for n in members)
+
+
+def test_the_reference_without_stops_evaluates_the_grid_as_plain_tasks(planned):
+    """``stops=False`` (what the halving saves against: the grid trained whole) evaluates each member after every
+    ``every_steps`` and its last step, as a sweep without halving would, never at a rung boundary: none drops and
+    no rung is priced."""
+    workload, members = curved(planned[0], every=5)
+    result = planned[1]
+    whole = simulate_schedule(workload, result.schedule, result.cost_model, STEPS, stops=False)
+    assert {n: [r.own_step for r in whole.evals[n].records] for n in members} == dict.fromkeys(members, [5, 10, 12])
+    assert all(whole.evals[n].dropped_rung is None and whole.evals[n].steps == STEPS for n in members)
+    halved = simulate_schedule(workload, result.schedule, result.cost_model, STEPS)
+    assert sum(len(halved.evals[n].records) for n in members) == 6 + 2 + 2 + 1 + 1  # at 4, 5, 8, 10, 12
+    assert sum(len(whole.evals[n].records) for n in members) == 6 * 3
