@@ -9,10 +9,11 @@ the logits, backward) in two modes, interleaved round by round, each round start
   reduce-scatters ``dS'``;
 * **whole**: the same model with every layer's ``token_split`` cleared: the input saved whole, no collective.
 
-It prints, per mode, rank 0's bytes saved for the backward (distinct storages, by a
-``saved_tensors_hooks`` pass over one forward: all of them, and the ``(T, hidden)`` ones, i.e. the
-column-parallel groups' inputs), the median step wall time over ``--rounds`` and the ratio split / whole, with
-the 1-minute load average (a shared 2-core machine: above ~2 the times measure the scheduler).
+It prints, per mode, rank 0's activation bytes saved for the backward (distinct storages other than the
+weights, by a ``saved_tensors_hooks`` pass over one forward: all of them, and the ``(rows, hidden)`` ones: the
+column-parallel groups' inputs, or their rank's rows), the median step wall and CPU (the rank's process) times
+over ``--rounds`` and the ratios split / whole, with the 1-minute load average (a shared 2-core machine: above ~2
+the wall times measure the scheduler; CPU time does not count time spent descheduled).
 
     .venv/bin/python benchmarks/bench_token_split.py --rounds 10
 """
@@ -56,14 +57,18 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor, hidden: int) -> tuple[int, int]:
-    """(all, (T, hidden)-shaped) bytes of the distinct storages one forward saves for its backward."""
+    """(all, ``(rows, hidden)`` activations) bytes of the distinct storages one forward saves for its backward;
+    parameters and buffers (the weights) are left out."""
     every: dict[int, int] = {}
     inputs: dict[int, int] = {}
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
+        if storage.data_ptr() in weights:
+            return t
         every[storage.data_ptr()] = storage.nbytes()
-        if t.dim() == 2 and t.shape[1] == hidden and t.shape[0] != hidden:
+        if t.dim() == 2 and t.shape[1] == hidden:
             inputs[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -89,34 +94,38 @@ def _rank(rank: int, init: str, args: argparse.Namespace, out: str) -> None:
         for layer, split in zip(layers, splits, strict=True):
             layer.token_split = split if mode == "split" else None
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         model(ids).logits.square().mean().backward()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     saved = {}
     for mode in MODES:
         use(mode)
         saved[mode] = _saved_bytes(model, ids, args.hidden)
         step()  # warm-up
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    times: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
     for r in range(args.rounds):
         for mode in MODES[r % 2 :] + MODES[: r % 2]:
             use(mode)
             times[mode].append(step())
     if rank == 0:
         lines = [f"tokens {segments.end}, hidden {args.hidden}, {args.tasks} tasks r={args.rank}, p={args.dropout}"]
+        wall = {mode: statistics.median(t for t, _ in times[mode]) for mode in MODES}
+        cpu = {mode: statistics.median(c for _, c in times[mode]) for mode in MODES}
         for mode in MODES:
             total, inputs = saved[mode]
-            med = statistics.median(times[mode])
             lines.append(
-                f"{mode:6s} saved {total / 2**20:8.2f} MiB, inputs {inputs / 2**20:7.2f} MiB, step {med * 1e3:8.1f} ms"
+                f"{mode:6s} saved {total / 2**20:8.2f} MiB, inputs {inputs / 2**20:7.2f} MiB, "
+                f"step {wall[mode] * 1e3:8.1f} ms wall, {cpu[mode] * 1e3:8.1f} ms CPU"
             )
         ratio_saved = saved["split"][0] / saved["whole"][0]
         ratio_inputs = saved["split"][1] / saved["whole"][1]
-        ratio_time = statistics.median(times["split"]) / statistics.median(times["whole"])
-        lines.append(f"split/whole: saved {ratio_saved:.3f}, inputs {ratio_inputs:.3f}, step time {ratio_time:.3f}")
+        lines.append(
+            f"split/whole: saved {ratio_saved:.3f}, inputs {ratio_inputs:.3f}, "
+            f"step wall {wall['split'] / wall['whole']:.3f}, CPU {cpu['split'] / cpu['whole']:.3f}"
+        )
         lines.append(f"load {os.getloadavg()[0]:.2f}")
         Path(out).write_text("\n".join(lines) + "\n")
     dist.destroy_process_group()
