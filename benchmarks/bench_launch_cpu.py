@@ -12,9 +12,9 @@ Each round runs, cold then warm:
 - **launch**: the whole command, ``lorafleet train --steps N`` on two CPU workers (gloo), the CPU of its process
   tree (``os.wait4``: the launcher, torchrun and the workers).
 
-The workload is the training tests' smallest (``tests/commands/test_train.py``'s fixture): the demo's docsum and
-chat on ``tiny-llama`` with the project's tiny tokenizer, a plan of two one-GPU replicas. Printed: each run, the
-medians, and warm / cold.
+The workload is the smallest the training tests and soaks launch (``soak_restarts.write_workload``): the demo's
+docsum and chat on ``tiny-llama`` with the project's tiny tokenizer, on a plan of two one-GPU replicas. Printed:
+each run, the medians, and warm / cold.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from soak_restarts import write_workload as soak_workload  # noqa: E402
+
 from lorafleet.data.length_cache import CACHE_ENV  # noqa: E402
-from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from tests.helpers import fleet_harness as h  # noqa: E402
-from tests.helpers.repo import DEMO  # noqa: E402
 
 LAUNCHER_PATH = """
 import json, resource, sys
@@ -58,21 +58,11 @@ print(json.dumps({"cpu_s": usage.ru_utime + usage.ru_stime, "torch": "torch" in 
 
 
 def write_workload(root: Path) -> tuple[Path, Path]:
-    """The fixture's workload and plan under ``root``."""
-    tokenizer = build_tiny_tokenizer(root / "tokenizer")
-    path = root / "w.yaml"
-    path.write_text(
-        f"model: tiny-llama\ntokenizer: {tokenizer}\n"
-        "cluster: {gpu: cpu, nodes: 1, gpus_per_node: 2}\n"
-        "defaults: {lora: {rank: 4, alpha: 8}, optimizer: {lr: 1.0e-3}}\n"
-        "tasks:\n"
-        f"  - {{name: docsum, data: {{path: {DEMO / 'docsum.jsonl'}}}, batch_size: 3, context_length: 256}}\n"
-        f"  - {{name: chat, data: {{path: {DEMO / 'chat.jsonl'}}}, batch_size: 3, context_length: 128,\n"
-        "      eval: {split: 0.05, every_steps: 2}}\n"
-    )
+    """The soaks' workload (``soak_restarts.write_workload``) under ``root``, and its plan: two one-GPU replicas."""
+    workload = soak_workload(root)
     plan = replace(h.plan_of((1, 1), (1, 1, True)), tasks=("docsum", "chat"), bucket_boundaries=(256,))
     plan.save(root / "plan.json")
-    return path, root / "plan.json"
+    return workload, root / "plan.json"
 
 
 def launcher_cpu(argv: list[str], env: dict[str, str]) -> dict:
