@@ -12,7 +12,8 @@ member still training, ``sweeps.rungs_due``). Nothing is re-derived from the mem
 judged a rung nor which rungs there were.
 **A rung's score** of a member is the one the rung judged it by (``lorafleet.sweeps``): its best evaluation loss
 over its evaluations through the rung's boundary ``b`` (global steps ``<= b``); a member reached rung ``k`` when that
-evaluation evaluated it.
+evaluation evaluated it and did not stop it early (a member whose early stop falls on a rung's boundary leaves
+before the rung).
 **Accounting:** a sweep is one tenant: its GPU-seconds are the sum of its members' (their steps' and their
 evaluations', ``accounting``).
 """
@@ -42,7 +43,8 @@ class RungRecord:
     step: int
     """The boundary it was decided at: after the evaluation of global step ``step``."""
     evaluated: frozenset[str]
-    """The members that evaluation evaluated: those still training, which the rung judged."""
+    """The members that evaluation evaluated: those still training, which the rung judged, but one that stopped early
+    at that evaluation (it left before the rung: ``train.evaluation``)."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +191,9 @@ def _result(
         raw = evaluations.get(task.name, {})
         history = tuple((int(s), float(loss)) for s, loss, _ in raw.get("history", ()))
         stopping = raw.get("stopping", {})
-        scores = tuple(_best([h for h in history if h[0] <= r.step]) for r in rungs if task.name in r.evaluated)
+        early = raw.get("stopped_at") if raw.get("dropped_rung") is None else None  # left before the rung judged
+        judged = [r for r in rungs if task.name in r.evaluated and r.step != early]
+        scores = tuple(_best([h for h in history if h[0] <= r.step]) for r in judged)
         out.append(MemberResult(
             task.name, task.member_of.index, task.member_of.values, history, stopping.get("best_loss"),
             stopping.get("best_step"), scores, steps.get(task.name, 0), gpu_s.get(task.name, 0.0),

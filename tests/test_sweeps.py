@@ -49,13 +49,16 @@ def six_members(every: int, steps: int) -> list[TaskSpec]:
     return [TaskSpec.model_validate(m) for m in sweep_members(raw)]
 
 
-def recorded_run(root, history: dict, rungs: dict[int, int], dropped: dict[str, int], last: int) -> RunDir:
+def recorded_run(
+    root, history: dict, rungs: dict[int, int], dropped: dict[str, int], last: int, early: dict[str, int] | None = None
+) -> RunDir:
     """A run directory as training leaves it, every member taking a batch every step: ``evaluations.json`` (each
     member's ``history`` of (global step, loss)) and ``metrics.jsonl``, whose row of step ``b - 1`` holds the
     evaluation after step ``b`` and the rung ``rungs[b]`` decided there (``sweep_rung``, ``sweep_dropped``);
-    ``dropped``: member -> the rung that dropped it; ``last``: the steps of those that trained on."""
+    ``dropped``: member -> the rung that dropped it; ``early``: member -> the boundary it stopped early at; ``last``:
+    the steps of those that trained on."""
     run = RunDir(root)
-    left = {n: k_boundary for n, k in dropped.items() for k_boundary, k2 in rungs.items() if k2 == k}
+    left = {n: b for n, k in dropped.items() for b, k2 in rungs.items() if k2 == k} | (early or {})
     run.evaluations.write_text(json.dumps({
         n: {"history": [[s, loss, 0.5] for s, loss in h], "stopping": {"best_loss": min(x for _, x in h)},
             "stopped_at": left.get(n), "dropped_rung": dropped.get(n)}
@@ -126,3 +129,19 @@ def test_a_run_resumed_with_more_steps_reports_only_the_rungs_it_decided(tmp_pat
     assert {m.name: m.rung_scores for m in result.members[:2]} == {names[0]: (4.0,), names[1]: (4.2,)}
     assert result.winner == names[1] and result.table()[0][3:5] == ["rung 1", "best eval loss"]
     assert [m.outcome for m in result.members[:2]] == ["trained to its end"] * 2
+
+
+def test_a_member_that_stops_early_at_a_rung_boundary_is_not_judged_by_that_rung(tmp_path):
+    """Its early stop is decided by the evaluation at the boundary, before the rung (``train.evaluation``): the rung
+    judges the five others, though that evaluation evaluated all six."""
+    six = six_members(every=3, steps=8)
+    names = [s.name for s in six]
+    history = {names[0]: [(2, 4.0), (3, 3.0), (6, 2.0), (8, 1.0)], names[3]: [(2, 1.5)]}
+    history |= {n: [(2, 5.0 + i)] for i, n in enumerate(names) if n not in history}
+    dropped = dict.fromkeys([n for n in names if n not in (names[0], names[3])], 1)  # 5 judged: keep(5) = 1
+    run = recorded_run(tmp_path, history, {2: 1}, dropped, 8, early={names[3]: 2})
+    (result,) = sweep_results(run, six)
+    member = {m.name: m for m in result.members}
+    assert member[names[3]].rung_scores == () and member[names[3]].outcome == "stopped early at step 2"
+    assert all(member[n].rung_scores == (history[n][0][1],) for n in names if n != names[3])
+    assert result.winner == names[0]
