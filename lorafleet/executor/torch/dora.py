@@ -20,7 +20,8 @@ backward is autograd over these rows, exact (n is a constant):
 
     dm = Σ_rows G ⊙ (Y - b + D) / n                 the magnitude's gradient
     dY = g ⊙ G on the rows (G elsewhere)            into the operator's own backward: dA, dB and X W's dX
-    dX += ((g - 1) ⊙ G) W ⊙ (M / (1 - p) - 1)       through D, dropping rows only
+    dX += ((g - 1) ⊙ G) W ⊙ (M / (1 - p) - 1)       through D, dropping rows only (from the saved bool M:
+                                                    ``_DropoutDelta``; no float factor is saved)
 
 **Tensor parallelism** (``tp.py``). A column-parallel layer holds whole rows of ``W`` (and of ``B``): ``n`` is
 local, and ``m`` is split like ``B``'s rows. A row-parallel layer holds a slice of every row, ``W[:, K_j]`` and
@@ -152,11 +153,34 @@ def rescale(
         x_spans = x.split([*sizes, x.shape[0] - done])[1::2]
         for (i, first, end), x_rows in zip(found, x_spans, strict=True):
             if dropouts[i]:
-                # Xd - X = X ⊙ (M / (1 - p) - 1): a factor 1 / (1 - p) - 1 where kept, -1 where dropped
-                factor = torch.where(keep[first:end], 1.0 / (1.0 - dropouts[i]) - 1.0, -1.0).to(x.dtype)
-                extra.append(F.linear(x_rows * factor, weight))  # D = (Xd - X) W^T  (L, N)
+                extra.append(_DropoutDelta.apply(x_rows, keep[first:end], weight, dropouts[i]))  # D  (L, N)
     dropping = tuple(bool(extra) and dropouts[i] > 0 for i, _, _ in found)
     return _Rescale.apply(y, scale, bias, found, dropping, *extra)
+
+
+def _delta_factor(keep: Tensor, p: float, dtype: torch.dtype) -> Tensor:
+    """``Xd - X = X ⊙ φ``: ``φ = 1 / (1 - p) - 1`` where kept, ``-1`` where dropped, ``(L, K)`` in ``dtype``."""
+    return torch.where(keep, 1.0 / (1.0 - p) - 1.0, -1.0).to(dtype)
+
+
+class _DropoutDelta(torch.autograd.Function):
+    """``D = (Xd - X) W^T = (X ⊙ φ) W^T`` of a dropping span (:func:`_delta_factor`), and ``dX = (dD W) ⊙ φ``.
+
+    The backward remakes ``φ`` from the bool keep-mask rows, which the operator saves anyway (a view: no new
+    bytes), where autograd over ``X * φ`` saved ``φ`` itself: a float ``(L, K)`` a projection, so q, k and v each
+    kept one, three times their input. The products are autograd's own, in the same order: the same bits."""
+
+    @staticmethod
+    def forward(ctx, x, keep, weight, p):
+        ctx.p = p
+        ctx.save_for_backward(keep, weight)
+        return F.linear(x * _delta_factor(keep, p, x.dtype), weight)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        keep, weight = ctx.saved_tensors
+        return grad.mm(weight) * _delta_factor(keep, ctx.p, grad.dtype), None, None, None
 
 
 class _Rescale(torch.autograd.Function):

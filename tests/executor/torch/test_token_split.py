@@ -123,13 +123,14 @@ def test_a_collective_that_does_not_sum_is_caught(tmp_path, monkeypatch):
 
 
 def _saved_input_bytes(layers: list[MultiLoraLinear], x: torch.Tensor) -> int:
-    """Bytes of the distinct storages of the ``(rows, K)`` tensors the layers' forwards on ``x (T, K)`` save, rows
-    ``T`` or ``ceil(T / 2)`` (the input or a rank's rows of it; not a weight, whose rows are its outputs)."""
+    """Bytes of the distinct storages of the ``(rows, K)`` tensors of ``x``'s dtype the layers' forwards on
+    ``x (T, K)`` save, rows ``T`` or ``ceil(T / 2)`` (the input or a rank's rows of it; not a weight, whose rows are
+    its outputs, nor a bool keep-mask)."""
     storages: dict[int, int] = {}
     tokens = x.shape[0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 2 and t.shape[1] == x.shape[1] and t.shape[0] in (tokens, -(-tokens // 2)):
+        if t.dim() == 2 and t.shape[1] == x.shape[1] and t.shape[0] in (tokens, -(-tokens // 2)) and t.dtype == x.dtype:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
@@ -156,6 +157,19 @@ def test_a_column_parallel_group_saves_its_rank_share_of_the_input(tokens):
     assert (whole, split) == (tokens * hidden * 4, -(-tokens // 2) * hidden * 4)
     vera_only = _vera_layer(hidden, tokens)
     assert _saved_input_bytes([vera_only], x) == 0
+
+
+def test_a_dropping_dora_group_saves_no_float_factor():
+    """DoRA with dropout: a q/k/v group saves its rank's rows of the input and no ``(T, K)`` float beside them (the
+    rescale's dropout term remakes its factor from the bool mask in the backward, ``dora._DropoutDelta``)."""
+    hidden, tokens = 64, 21
+    group = [MultiLoraLinear(nn.Linear(hidden, 48)).train() for _ in range(3)]
+    for layer in group:
+        layer.add_adapter(0, LoraSpec(rank=4, alpha=8, use_dora=True, dropout=0.2))
+        layer.segments = Segments.packed([0], [tokens])
+        layer.token_split = TokenSplit(0, 2, None)
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    assert _saved_input_bytes(group, x) == -(-tokens // 2) * hidden * 4
 
 
 def _vera_layer(hidden: int, tokens: int) -> MultiLoraLinear:
