@@ -7,9 +7,13 @@ import json
 import shutil
 
 import pytest
+import yaml
 
 from lorafleet.data.length_cache import CACHE_ENV, cache_dir, cached_lengths, lengths_key
 from lorafleet.specs.data import DataSpec
+from lorafleet.work import counting
+from lorafleet.workload import load_workload
+from tests.helpers.repo import DEMO
 
 
 @pytest.fixture
@@ -89,3 +93,18 @@ def test_an_unwritable_cache_is_one_warning_and_the_lengths_as_computed(inputs, 
     monkeypatch.setenv(CACHE_ENV, str(blocked))  # its lengths/ cannot be made under a file
     with pytest.warns(UserWarning, match="token-length cache"):
         assert cached_lengths(DataSpec(path=str(data)), "tiny-llama", str(tokenizer), lambda: {3: 1}) == {3: 1}
+
+
+def test_a_sweeps_members_lengths_are_one_tokenization(tmp_path, monkeypatch, tiny_tokenizer_dir):
+    """The members of a sweep share their data (``specs.sweep``): resolving the workload measures it once, the other
+    members' lengths are the cache's (before it, once a member: 9 tokenizations of one file)."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    sweep = {"grid": {"optimizer.lr": [1e-4, 3e-4, 1e-3], "lora.rank": [4, 8, 16]}}
+    task = {"name": "chat", "data": {"path": str(DEMO / "chat.jsonl")}, "batch_size": 3, "context_length": 128,
+            "sweep": sweep}  # fmt: skip
+    path = tmp_path / "w.yaml"
+    path.write_text(yaml.safe_dump({"model": "tiny-llama", "tokenizer": str(tiny_tokenizer_dir), "tasks": [task]}))
+    with counting() as work:
+        workload = load_workload(path)
+    assert len(workload.tasks) == 9 and work["tokenizations"] == 1
+    assert len({tuple(sorted(t.histogram.items())) for t in workload.tasks}) == 1
