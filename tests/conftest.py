@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from lorafleet.data.length_cache import CACHE_ENV
 from tests.helpers.repo import REFERENCE, SMALL_WORKLOAD
 
 # No per-example deadline: Hypothesis times each example by the wall clock, and on a 2-core machine
@@ -20,6 +21,16 @@ from tests.helpers.repo import REFERENCE, SMALL_WORKLOAD
 settings.register_profile("lorafleet", deadline=None, derandomize=True)
 settings.register_profile("explore", deadline=None)
 settings.load_profile("lorafleet")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _length_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The token-length cache (``data/length_cache.py``) of this test session: a fresh directory, not the
+    user's ``~/.cache/lorafleet``, so no test reads lengths an earlier run or another checkout left there;
+    set in the environment, so the runs a test launches share it."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("length-cache")))
+        yield
 
 
 @pytest.fixture(scope="session")
