@@ -18,10 +18,10 @@ from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
 from lorafleet.executor.torch.token_split import TokenSplit, share_routing
 from lorafleet.executor.torch.tp import TP_STYLES, adapter_shard_dim, parallelize_tensor, shard
-from lorafleet.executor.torch.vera import LAMBDA_B
 from lorafleet.specs.lora import LoraSpec
 from tests.executor.torch.conftest import build_tiny_model
-from tests.executor.torch.token_split_cases import split_forward_backward
+from tests.executor.torch.test_vera import _moved
+from tests.executor.torch.token_split_cases import assert_results_close, split_forward_backward
 from tests.helpers import fleet_harness as h
 from tests.helpers.segment_lora_cases import (
     CASE_IDS,
@@ -29,7 +29,6 @@ from tests.helpers.segment_lora_cases import (
     case_routing,
     case_tensors,
     forward_backward,
-    result_names,
 )
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -41,18 +40,6 @@ SPECS = [
     LoraSpec(rank=5, use_vera=True, vera_prng_key=3, target_modules=("k_proj", "gate_proj", "o_proj")),
 ]
 SEGMENTS = Segments.packed([0, 1, 2, 3], [5, 6, 4, 6])  # 21 rows: odd, so the ranks keep 11 and 10
-
-
-def _moved(model: nn.Module) -> nn.Module:
-    """Every ``B`` and ``λ_b`` off zero (at their start the adapters are the identity update: tests vacuous)."""
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for _, layer in multi_lora_layers(model):
-            for a in layer.adapters:
-                for factor, param in layer.factors(a).items():
-                    if factor in ("lora_B", LAMBDA_B):
-                        param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
-    return model
 
 
 def _step(model: nn.Module, recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,8 +196,4 @@ def test_the_ranks_partials_sum_to_the_whole_input_gradient(tile, K, N, ranks, s
     keep = draw_keep_mask(tensors.x.shape[0], K, routing, device="cpu")
     got = split_forward_backward(LoraBackend.TORCH, tensors, routing, keep, size)
     want = forward_backward(LoraBackend.TORCH, tensors, routing, keep)
-    for g, w, name in zip(got, want, result_names(len(ranks)), strict=True):
-        if w is None:
-            assert g is None, name
-        else:
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    assert_results_close(got, want, len(ranks), 1e-5)

@@ -1,5 +1,6 @@
-"""A token split played rank by rank in one process, for the backends' tests (``test_token_split.py``, and the
-Triton interpreter's ``kernels/interpreted_segment_lora.py``): imports neither triton nor the kernels."""
+"""A token split played rank by rank in one process, and the comparison of a forward and backward's results, for the
+backends' tests (``test_token_split.py``, and the Triton interpreter's ``kernels/interpreted_segment_lora.py``):
+imports neither triton nor the kernels."""
 
 from __future__ import annotations
 
@@ -46,3 +47,13 @@ def split_forward_backward(
             assert name.startswith("dA") or same, name  # only dA depends on the rank
     dA = [None if g is None else sum(c[2 + a] for c in calls) for a, g in enumerate(calls[0][2 : 2 + n])]
     return [*calls[0][:2], *dA, *calls[0][2 + n :]]
+
+
+def assert_results_close(got: list[torch.Tensor | None], want: list[torch.Tensor | None], n: int, tol: float) -> None:
+    """``forward_backward``-style results equal within ``tol`` (relative and absolute), None (an adapter with no
+    rows: no gradient) where ``want`` has None."""
+    for g, w, name in zip(got, want, result_names(n), strict=True):
+        if w is None:
+            assert g is None, name
+        else:
+            torch.testing.assert_close(g, w, rtol=tol, atol=tol, msg=lambda m, name=name: f"{name}: {m}")

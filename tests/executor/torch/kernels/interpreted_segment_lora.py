@@ -31,20 +31,23 @@ import torch
 from lorafleet.executor.torch.dropout import draw_keep_mask
 from lorafleet.executor.torch.multi_lora import multi_lora_linear
 from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
-from tests.executor.torch.token_split_cases import split_forward_backward
+from tests.executor.torch.token_split_cases import assert_results_close, split_forward_backward
 from tests.helpers.segment_lora_cases import (
     CASE_IDS,
     CASE_PARAMS,
     case_routing,
     case_tensors,
     forward_backward,
-    result_names,
 )
 
 
+@pytest.mark.parametrize("split", [0, 3], ids=["whole", "token-split-3"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("tile,K,N,ranks,segments", CASE_PARAMS, ids=CASE_IDS)
-def test_triton_matches_torch(tile, K, N, ranks, segments, dropout, monkeypatch):
+def test_triton_matches_torch(tile, K, N, ranks, segments, dropout, split, monkeypatch):
+    """Triton's forward and backward equal the torch backend's; with ``split`` its backward under a token split over
+    that many ranks (``token_split.py``: ``dA`` from each rank's rows, a rank may own none of an adapter's), played
+    rank by rank, sums to the torch backend's whole-input gradients."""
     from lorafleet.executor.torch.kernels import segment_lora
 
     monkeypatch.setattr(segment_lora, "BLOCK_M", tile)
@@ -55,35 +58,12 @@ def test_triton_matches_torch(tile, K, N, ranks, segments, dropout, monkeypatch)
     keep = draw_keep_mask(tensors.x.shape[0], K, routing, device="cpu")
     assert (keep is None) == (dropout == 0.0)
 
-    got = forward_backward(LoraBackend.TRITON, tensors, routing, keep)
+    if split:
+        got = split_forward_backward(LoraBackend.TRITON, tensors, routing, keep, split)
+    else:
+        got = forward_backward(LoraBackend.TRITON, tensors, routing, keep)
     want = forward_backward(LoraBackend.TORCH, tensors, routing, keep)
-    for g, w, name in zip(got, want, result_names(len(ranks)), strict=True):
-        if w is None:  # an adapter with no rows gets no gradient from either backend
-            assert g is None, name
-        else:
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
-
-
-@pytest.mark.parametrize("dropout", [0.0, 0.3], ids=["no-dropout", "dropout"])
-@pytest.mark.parametrize("tile,K,N,ranks,segments", CASE_PARAMS, ids=CASE_IDS)
-def test_token_split_matches_the_whole_input(tile, K, N, ranks, segments, dropout, monkeypatch):
-    """The Triton backward under a token split over 3 ranks (``token_split.py``: ``dA`` from each rank's rows, a
-    rank may own none of an adapter's) sums to the torch backend's whole-input gradients."""
-    from lorafleet.executor.torch.kernels import segment_lora
-
-    monkeypatch.setattr(segment_lora, "BLOCK_M", tile)
-    monkeypatch.setattr(segment_lora, "BLOCK_N", tile)
-    tensors = case_tensors(K, N, ranks, segments)
-    routing = case_routing(ranks, segments, dropout)
-    torch.manual_seed(0)
-    keep = draw_keep_mask(tensors.x.shape[0], K, routing, device="cpu")
-    got = split_forward_backward(LoraBackend.TRITON, tensors, routing, keep, 3)
-    want = forward_backward(LoraBackend.TORCH, tensors, routing, keep)
-    for g, w, name in zip(got, want, result_names(len(ranks)), strict=True):
-        if w is None:
-            assert g is None, name
-        else:
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+    assert_results_close(got, want, len(ranks), 1e-4)  # an adapter with no rows: no gradient from either
 
 
 def test_no_rows_is_the_base_layer():
