@@ -10,8 +10,10 @@ rungs decided at boundary ``b`` (``sweep_rung``: sweep -> ``k``) and the evaluat
 member still training, ``sweeps.rungs_due``). Nothing is re-derived from the members' specs as they are now: an
 ``eval.every_steps`` changed while the run ran, or ``steps`` raised on a resume, changes neither which evaluations
 judged a rung nor which rungs there were.
-**A rung's score** of a member is the one the rung judged it by (``lorafleet.sweeps``): its best evaluation loss
-over its evaluations through the rung's boundary ``b`` (global steps ``<= b``); a member reached rung ``k`` when that
+**A rung's score** of a member is the one the rung judged it by (``lorafleet.sweeps``), as that metrics row records it
+(``sweep_scores``: with ``early_stopping.min_delta > 0`` the early stopper's best, which a smaller improvement does not
+move, can be above the history's minimum); a run recorded before rungs wrote their scores gets its best evaluation loss
+over its evaluations through the rung's boundary ``b`` (global steps ``<= b``). A member reached rung ``k`` when that
 evaluation evaluated it and did not stop it early (a member whose early stop falls on a rung's boundary leaves
 before the rung).
 **Accounting:** a sweep is one tenant: its GPU-seconds are the sum of its members' (their steps' and their
@@ -45,6 +47,9 @@ class RungRecord:
     evaluated: frozenset[str]
     """The members that evaluation evaluated: those still training, which the rung judged, but one that stopped early
     at that evaluation (it left before the rung: ``train.evaluation``)."""
+    scores: Mapping[str, float | None]
+    """The score the rung ranked each member it judged by (``sweep_scores``; None: no finite loss); empty in a run
+    recorded before rungs wrote their scores, whose scores are re-derived from the history."""
 
 
 @dataclass(frozen=True)
@@ -174,8 +179,9 @@ def recorded_rungs(rows: Sequence[Mapping[str, Any]]) -> dict[str, tuple[RungRec
     out: dict[str, list[RungRecord]] = {}
     for row in rows:
         evaluated = frozenset(row.get("eval_loss", {}))
+        scores = row.get("sweep_scores", {})
         for sweep, rung in row.get("sweep_rung", {}).items():
-            out.setdefault(sweep, []).append(RungRecord(int(rung), int(row["step"]) + 1, evaluated))
+            out.setdefault(sweep, []).append(RungRecord(int(rung), int(row["step"]) + 1, evaluated, scores))
     return {sweep: tuple(rungs) for sweep, rungs in out.items()}
 
 
@@ -193,7 +199,7 @@ def _result(
         stopping = raw.get("stopping", {})
         early = raw.get("stopped_at") if raw.get("dropped_rung") is None else None  # left before the rung judged
         judged = [r for r in rungs if task.name in r.evaluated and r.step != early]
-        scores = tuple(_best([h for h in history if h[0] <= r.step]) for r in judged)
+        scores = tuple(_score(r, task.name, history) for r in judged)
         out.append(MemberResult(
             task.name, task.member_of.index, task.member_of.values, history, stopping.get("best_loss"),
             stopping.get("best_step"), scores, steps.get(task.name, 0), gpu_s.get(task.name, 0.0),
@@ -202,6 +208,14 @@ def _result(
     order = {m.name: m.index for m in out}
     best = {m.name: m.best_loss for m in out if m.best_loss is not None}
     return SweepResult(name, tuple(out), winner(best, order), first.halving, first.keep_members, tuple(rungs))
+
+
+def _score(rung: RungRecord, name: str, history: Sequence[tuple[int, float]]) -> float:
+    """The score ``rung`` judged member ``name`` by: as the rung recorded it, else its best loss through the rung."""
+    if name in rung.scores:
+        recorded = rung.scores[name]
+        return math.inf if recorded is None else float(recorded)
+    return _best([h for h in history if h[0] <= rung.step])
 
 
 def _best(history: Sequence[tuple[int, float]]) -> float:

@@ -50,13 +50,20 @@ def six_members(every: int, steps: int) -> list[TaskSpec]:
 
 
 def recorded_run(
-    root, history: dict, rungs: dict[int, int], dropped: dict[str, int], last: int, early: dict[str, int] | None = None
+    root,
+    history: dict,
+    rungs: dict[int, int],
+    dropped: dict[str, int],
+    last: int,
+    early: dict[str, int] | None = None,
+    scores: dict[int, dict[str, float | None]] | None = None,
 ) -> RunDir:
     """A run directory as training leaves it, every member taking a batch every step: ``evaluations.json`` (each
     member's ``history`` of (global step, loss)) and ``metrics.jsonl``, whose row of step ``b - 1`` holds the
     evaluation after step ``b`` and the rung ``rungs[b]`` decided there (``sweep_rung``, ``sweep_dropped``);
     ``dropped``: member -> the rung that dropped it; ``early``: member -> the boundary it stopped early at; ``last``:
-    the steps of those that trained on."""
+    the steps of those that trained on; ``scores``: boundary -> the scores its rung recorded (``sweep_scores``; none:
+    a run from before rungs recorded them)."""
     run = RunDir(root)
     left = {n: b for n, k in dropped.items() for b, k2 in rungs.items() if k2 == k} | (early or {})
     run.evaluations.write_text(json.dumps({
@@ -73,6 +80,8 @@ def recorded_run(
         if b in rungs:
             row["sweep_rung"] = {"s": rungs[b]}
             row["sweep_dropped"] = {n: k for n, k in dropped.items() if k == rungs[b]}
+            if scores and b in scores:
+                row["sweep_scores"] = scores[b]
         rows.append(row)
     run.metrics_jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run
@@ -145,3 +154,21 @@ def test_a_member_that_stops_early_at_a_rung_boundary_is_not_judged_by_that_rung
     assert member[names[3]].rung_scores == () and member[names[3]].outcome == "stopped early at step 2"
     assert all(member[n].rung_scores == (history[n][0][1],) for n in names if n != names[3])
     assert result.winner == names[0]
+
+
+def test_the_report_shows_the_scores_the_rungs_recorded(tmp_path):
+    """With ``early_stopping.min_delta > 0`` a rung ranks by the early stopper's best, which a smaller improvement does
+    not move: member 1's 3.95 at step 4 is no new best over its 4.0, so rung 2 recorded 4.0, not the history's
+    minimum; the report shows what each rung recorded (None: no finite loss), not a minimum re-derived."""
+    six = six_members(every=2, steps=8)
+    names = [s.name for s in six]
+    history = {names[0]: [(2, 5.0)], names[1]: [(2, 4.0), (4, 3.95)], names[2]: [(2, 4.5), (4, 3.0), (6, 2.0)]}
+    history |= {n: [(2, 9.0)] for n in names[3:]}
+    dropped = {names[0]: 1, names[1]: 2} | dict.fromkeys(names[3:], 1)
+    recorded = {2: {names[0]: 5.0, names[1]: 4.0, names[2]: 4.5} | {n: 9.0 for n in names[3:]},
+                4: {names[1]: 4.0, names[2]: 3.0}}  # fmt: skip
+    recorded[2][names[5]] = None
+    (result,) = sweep_results(recorded_run(tmp_path, history, {2: 1, 4: 2}, dropped, 8, scores=recorded), six)
+    scores = {m.name: m.rung_scores for m in result.members}
+    assert scores[names[1]] == (4.0, 4.0) and scores[names[2]] == (4.5, 3.0)
+    assert scores[names[5]] == (math.inf,) and scores[names[4]] == (9.0,)

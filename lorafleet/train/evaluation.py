@@ -255,6 +255,7 @@ class Evaluations:
         if rungs:
             self.last["sweep_rung"] = {rung.sweep: rung.rung for rung in rungs}
             self.last["sweep_dropped"] = {name: rung.rung for rung in rungs for name in rung.dropped}
+            self.last["sweep_scores"] = {n: s for rung in rungs for n, s in rung.to_json()["scores"].items()}
         self.correction = outcome.seconds / predicted if predicted > 0 else 1.0
         return stopped
 

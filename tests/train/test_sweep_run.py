@@ -87,6 +87,7 @@ def test_members_train_on_the_same_batches_and_rungs_drop_by_the_recorded_losses
         boundary = row["step"] + 1
         rung = decide_rung("chat", rungs, boundary, {m: best[m] for m in alive}, order, 3)
         assert row["sweep_rung"] == {"chat": rungs} and set(row["sweep_dropped"]) == set(rung.dropped)
+        assert row["sweep_scores"] == rung.to_json()["scores"]  # every judged member's score, as the rung ranked it
         assert {(q.name, q.file) for q in departures[boundary].requests} == {(m, SWEEP_DROPPED) for m in rung.dropped}
         assert all(evaluations[m]["dropped_rung"] == rungs and evaluations[m]["stopped_at"] == boundary
                    for m in rung.dropped)  # fmt: skip
