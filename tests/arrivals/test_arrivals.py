@@ -233,7 +233,7 @@ def swap(files):
     once the long one has left, a fresh plan of smaller replicas is faster on fewer GPU-seconds."""
     _, _, tmp = files
     docs = {**WORKLOAD["tasks"][1], "batch_size": 8, "steps": 4}
-    chat = {**WORKLOAD["tasks"][0], "batch_size": 64, "context_length": 2048, "steps": 8}
+    chat = {**WORKLOAD["tasks"][0], "batch_size": 96, "context_length": 2048, "steps": 8}
     workload = load_workload(_write(tmp / "swap-w.yaml", {**WORKLOAD, "tasks": [docs]}))
     trace = load_trace(_write(tmp / "swap-t.yaml", {"events": [{"at": 0.1, "add": chat}]}), workload)
     cluster = workload_cluster(workload)

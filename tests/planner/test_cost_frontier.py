@@ -33,8 +33,8 @@ COST = PlannerOptions(objective=PlanObjective.COST, robust_samples=0, baselines=
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    """``examples/two-tenants.yaml`` without recomputation on 4 A100-40GB + 4 H100-80GB, priced: 11 candidates
-    and 197 deployments that hold the batch, few enough to enumerate."""
+    """``examples/two-tenants.yaml`` without recomputation on 4 A100-40GB + 4 H100-80GB, priced: 12 candidates
+    and 214 deployments that hold the batch, few enough to enumerate."""
     path = tmp_path_factory.mktemp("cost") / "small.yaml"
     path.write_text(yaml.safe_dump({**SMALL_WORKLOAD, "recompute": "off", "cluster": {"pools": POOLS}}))
     workload = load_workload(path)
@@ -55,7 +55,7 @@ def every_deployment(small):
     for p in enumerate_deployments(problem, 10_000, maximal=False):
         t = fluid_makespan(problem, p)
         found.append((t * float(p @ prices), t))
-    assert len(found) == 197
+    assert len(found) == 214
     return found
 
 
@@ -66,7 +66,7 @@ and 12."""
 
 @pytest.mark.parametrize("limit", [None, 0.6, 0.8, 1.2])
 def test_the_sweep_finds_the_models_cheapest_step_in_few_solves(small, every_deployment, limit):
-    """The sweep's cheapest point is the cheapest of all 197 deployments by the model (within its 1 %), with the
+    """The sweep's cheapest point is the cheapest of all 214 deployments by the model (within its 1 %), with the
     limit kept; it costs the makespan MILP's fixed point and 4-13 cost MILPs here (:data:`SOLVES`; SWEEP_SOLVES
     at most anywhere). A limit below the model's fastest step (0.52 s) finds nothing, and says so."""
     problem = small[3]
@@ -128,7 +128,7 @@ def test_the_cost_objective_prefers_the_cheapest_step_within_the_limit():
 @pytest.mark.parametrize("limit", [None, 0.8])
 def test_the_cost_search_finds_the_exhaustive_cheapest_plan(small, limit):
     """The planner's cost search (the sweep, the dispatcher's judgement, the moves) finds the plan the exhaustive
-    mode finds by judging all 197 deployments, at a tenth of the deployments judged."""
+    mode finds by judging all 214 deployments, at a tenth of the deployments judged."""
     workload, cluster, cost_model, _ = small
     options = PlannerOptions(objective=PlanObjective.COST, robust_samples=0, baselines=False, max_step_s=limit)
     found, reference = (
