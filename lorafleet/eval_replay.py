@@ -62,7 +62,7 @@ from lorafleet.specs.dispatch import MicroBatchMode
 from lorafleet.specs.length_presets import find_preset
 from lorafleet.specs.loss_curve import LossCurveSpec
 from lorafleet.stopping import Stopping
-from lorafleet.sweeps import Rung, rungs_due
+from lorafleet.sweeps import Rung, rungs_due, without_halving
 from lorafleet.workload import Task, Workload
 
 HELD_OUT_STEP = 2**62
@@ -200,7 +200,8 @@ class EvalReplay:
     """The evaluations of one run's tasks, step after step (module doc). The caller reports each step's tokens
     (:meth:`took`), asks which tasks are due (:meth:`due`) and evaluates them on its plan (:meth:`evaluate`);
     :attr:`stopped` are the tasks that stopped early or that a sweep's rung dropped. ``stops=False`` evaluates
-    without ever stopping or halving (the reference a saving is measured against)."""
+    without ever stopping or halving (the reference a saving is measured against): a sweep's members as without
+    halving (``sweeps.without_halving``: every ``every_steps`` and at their last step, not at its rungs)."""
 
     tasks: Mapping[str, Task]
     seed: int
@@ -217,6 +218,10 @@ class EvalReplay:
     """Wall time of every pass so far."""
     _rows: dict[str, np.ndarray] = field(default_factory=dict)
     _evaluated_at: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.stops:
+            self.tasks = {n: replace(t, spec=without_halving(t.spec)) for n, t in self.tasks.items()}
 
     def took(self, task_tokens: Mapping[str, int]) -> None:
         """A step ran: each task with tokens in it took one more of its own steps."""

@@ -24,7 +24,7 @@ what it was measured to do, in every method alike.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property, partial
 
 import numpy as np
@@ -41,7 +41,6 @@ from lorafleet.planner.schedule import select_tasks
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
 from lorafleet.sampling import sample_global_batch, workload_turns
 from lorafleet.specs.cluster import ClusterSpec
-from lorafleet.sweeps import without_halving
 from lorafleet.turns import turns
 from lorafleet.workload import Workload
 
@@ -223,8 +222,7 @@ def simulate_schedule(
 ) -> ScheduleRun:
     """Simulate ``steps`` steps of ``schedule`` on batches sampled with ``seed`` (default: the workload's);
     ``stops=False``: the tasks are evaluated but never stop early, and a sweep's members are evaluated as without
-    halving (``sweeps.without_halving``: every ``every_steps`` and at their last step, not at its rungs): what an
-    early stop and a halving save against, a run that uses neither."""
+    halving (``eval_replay.EvalReplay``): what an early stop and a halving save against, a run that uses neither."""
     seed = workload.spec.seed if seed is None else seed
     names = [t.name for t in workload.tasks]
     runs = []
@@ -232,8 +230,6 @@ def simulate_schedule(
     for phase in schedule.phases:
         present = [names[t] for t in phase.tasks]
         tasks = {n: workload.task(n) for n in present}
-        if not stops:
-            tasks = {n: replace(t, spec=without_halving(t.spec)) for n, t in tasks.items()}
         evals = EvalReplay(tasks, seed, stops)
         batch = partial(_phase_batch, workload, phase.tasks, seed, took, evals.stopped)
         source = PolicySource(batch, phase.plan, cost_model)

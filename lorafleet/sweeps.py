@@ -128,6 +128,11 @@ def rungs_due(
     return out
 
 
+def may_leave_early(spec: TaskSpec) -> bool:
+    """Whether a task can leave before its last step: it stops early (``early_stopping``) or its sweep halves."""
+    return spec.early_stopping is not None or (spec.member_of is not None and spec.member_of.halving is not None)
+
+
 def without_halving(spec: TaskSpec) -> TaskSpec:
     """``spec`` as its sweep runs without successive halving (module doc): a member's membership without its
     ``halving``, so no rung drops it and none is evaluated; any other task as it is."""

@@ -11,10 +11,11 @@ import pytest
 import yaml
 
 from lorafleet.assemble import workload_cluster, workload_cost_model
-from lorafleet.eval_replay import with_curves
+from lorafleet.eval_replay import EvalReplay, with_curves
 from lorafleet.planner import plan_deployment
 from lorafleet.simulate import simulate_schedule
 from lorafleet.specs.loss_curve import LossCurveSpec
+from lorafleet.sweeps import may_leave_early
 from lorafleet.workload import Workload, load_workload
 from tests.helpers.repo import SMALL_WORKLOAD
 
@@ -100,3 +101,17 @@ def test_the_reference_without_stops_evaluates_the_grid_as_plain_tasks(planned):
     halved = simulate_schedule(workload, result.schedule, result.cost_model, STEPS)
     assert sum(len(halved.evals[n].records) for n in members) == 6 + 2 + 2 + 1 + 1  # at 4, 5, 8, 10, 12
     assert sum(len(whole.evals[n].records) for n in members) == 6 * 3
+
+
+def test_every_reference_without_stops_drops_the_halving(planned):
+    """The reference is ``EvalReplay``'s (``simulate`` and the arrivals replay both build one): with ``stops=False``
+    its members carry no halving, so no replay that uses it evaluates at a rung; a halving sweep is a reason to price
+    a reference, as an early stop is."""
+    workload = planned[0]
+    tasks = {t.name: t for t in workload.tasks}
+    members = [n for n, t in tasks.items() if t.spec.member_of is not None]
+    assert all(may_leave_early(tasks[n].spec) for n in members)
+    reference = EvalReplay(tasks, seed=0, stops=False)
+    assert all(reference.tasks[n].spec.member_of.halving is None for n in members)
+    assert not any(may_leave_early(reference.tasks[n].spec) for n in members)
+    assert EvalReplay(tasks, seed=0).tasks == tasks  # with stops: as given

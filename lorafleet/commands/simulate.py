@@ -202,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
     from lorafleet.report import eval_rows, eval_totals, pool_rows, summary_rows, task_cost_rows, write_report
     from lorafleet.simulate import simulate_schedule
     from lorafleet.specs.io import check_writable
+    from lorafleet.sweeps import may_leave_early
 
     if args.arrivals:
         return run_arrivals(args)
@@ -220,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise InputError("<args>", "--straggler/--fail", str(err)) from None
     runs = [simulate_schedule(workload, s, cost_model, args.steps, options, args.seed) for s in (schedule, *baselines)]
-    reference = None  # lorafleet's run without early stops: what they save
-    if any(t.spec.early_stopping is not None for t in workload.tasks):
+    reference = None  # lorafleet's run without early stops or halving: what they save
+    if any(may_leave_early(t.spec) for t in workload.tasks):
         reference = simulate_schedule(workload, schedule, cost_model, args.steps, options, args.seed, stops=False)
 
     console.print(f"plan: {plan_name(plan)}  ({cost_model.source}, {cluster.describe()}; {plan.policy.describe()})")
@@ -350,6 +351,7 @@ def run_arrivals(args: argparse.Namespace) -> int:
     from lorafleet.arrivals import load_trace, replay_trace
     from lorafleet.assemble import workload_cluster, workload_cost_model
     from lorafleet.report import eval_rows, eval_totals
+    from lorafleet.sweeps import may_leave_early
 
     options = _arrival_flags(args)
     console = Console(width=150)
@@ -364,8 +366,8 @@ def run_arrivals(args: argparse.Namespace) -> int:
         migration = replace(options.replan.migration, dtype_bytes=cost_model.activation_bytes)
         options = replace(options, replan=replace(options.replan, migration=migration))
     result = replay_trace(trace, cluster, cost_model, options)
-    reference = None  # the same replay without early stops: what they save
-    if any(a.task.spec.early_stopping is not None for a in trace.arrivals):
+    reference = None  # the same replay without early stops or halving: what they save
+    if any(may_leave_early(a.task.spec) for a in trace.arrivals):
         reference = replay_trace(trace, cluster, cost_model, replace(options, stops=False))
     added = len(trace.arrivals) - len(workload.tasks)
     console.print(
