@@ -113,6 +113,11 @@ class RankRole:
     tp_rank: int
 
     @property
+    def stage_leader(self) -> int:
+        """The first TP rank of this rank's stage (this rank itself at TP 1): what the stage's ranks share."""
+        return self.replica.stage_ranks(self.stage)[0]
+
+    @property
     def is_first_stage(self) -> bool:
         return self.stage == 0
 

@@ -6,6 +6,7 @@ import pytest
 
 from lorafleet.executor.torch.grad_sync import AdapterParam, holder_sets, sync_pieces
 from lorafleet.executor.torch.groups import ordered_rank_sets
+from lorafleet.executor.torch.window import microbatch_seed
 from lorafleet.runtime.layout import FleetLayout, ModelDims, ReplicaLayout, layer_of
 from tests.helpers import fleet_harness as h
 
@@ -36,6 +37,10 @@ def test_roles_of_a_tp2_pp2_replica():
     assert fleet.role(2).next_rank == 4 and fleet.role(2).prev_rank is None
     assert list(fleet.role(1).layers) == [0, 1] and list(role.layers) == [2, 3]
     assert fleet.role(5) is None  # idle
+    # a stage's TP ranks share their micro-batch seeds (window.microbatch_seed), the stages and replicas do not
+    assert [fleet.role(r).stage_leader for r in range(5)] == [0, 1, 1, 3, 3]
+    seeds = [microbatch_seed(7, 2, fleet.role(r).stage_leader, 0) for r in range(5)]
+    assert seeds[1] == seeds[2] and seeds[3] == seeds[4] and len(set(seeds)) == 3
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ broadcast (``worker.TorchExecutor``; ``run_step`` is a window of one) and rank 0
 1. count ``N_t``, the loss tokens of each task in each step's whole global batch (host, no comm.);
 2. run the replica's micro-batches of the whole window in one stream, 1F1B over its stages
    (``costmodel.schedule.stream_order``, ``pipeline.run_stream``): a pipelined replica does not
-   drain between the window's steps. Each forward reseeds the generator from ``(seed, step, rank,
-   micro-batch)`` (:func:`microbatch_seed`; adapter dropout draws from it), so masks do not depend on
+   drain between the window's steps. Each forward reseeds the generator from ``(seed, step, the stage's
+   first rank, micro-batch)`` (:func:`microbatch_seed`; adapter dropout draws from it), so masks do not depend on
    the window;
 3. as soon as this rank has run every backward of a step that holds task ``t``, submit ``t``'s
    update of that step (``updates.TaskUpdates``): its gradient sum over the holders of each piece
@@ -50,8 +50,10 @@ from lorafleet.runtime.data_stream import DataStreams
 
 
 def microbatch_seed(seed: int, step: int, rank: int, index: int) -> int:
-    """The generator seed of one rank's forward of micro-batch ``index`` of a step (63 bits, from a
-    SeedSequence): adapter dropout draws the same masks whatever the window or schedule."""
+    """The generator seed of a stage's forward of micro-batch ``index`` of a step (63 bits, from a SeedSequence):
+    adapter dropout draws the same masks whatever the window or schedule. ``rank`` is the stage's first TP rank
+    (``RankRole.stage_leader``), so every TP rank of a stage draws the same masks: a column-parallel projection's
+    ranks each keep their rows of the one dropped input for ``dA`` (``token_split.py``)."""
     return int(np.random.SeedSequence([seed, step, rank, index]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
@@ -251,7 +253,7 @@ class WindowRunner:
                 raise RuntimeError(f"pipeline schedule: forward {i} of the window runs before an update it needs")
             for t in sorted(set(mb.task_ids)):
                 updates.apply(t)
-            torch.manual_seed(microbatch_seed(self.seed, forward.steps[j].step, self.rank, i - first[j]))
+            torch.manual_seed(microbatch_seed(self.seed, forward.steps[j].step, role.stage_leader, i - first[j]))
             return forward(i, x)
 
         def after_op(kind: str, i: int, seconds: float) -> None:
