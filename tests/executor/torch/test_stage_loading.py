@@ -185,7 +185,10 @@ def compare_stages(
     mb = h.make_step_plan(batch, len(plan.replicas)).work[role.replica.replica_id].microbatches[0]
     examples = streams.examples(batch.task_ids, batch.sample_ids)
     inputs = build_inputs(mb, [examples[q] for q in mb.seq_ids], [1.0] * len(h.TASKS), CPU)
-    out["forward_equal"] = torch.equal(_forward(whole, inputs), _forward(staged, inputs))
+    # Equal to rounding, not bitwise: a GEMM may round by where its operands lie in memory (the whole path's weights
+    # are slices of whole tensors, the stage's its own), 1 ulp on the first stage on an AMD EPYC's CPU BLAS.
+    reference, forward = _forward(whole, inputs), _forward(staged, inputs)
+    out["forward_close"] = torch.allclose(forward, reference, rtol=1e-5, atol=1e-6)  # a NaN is not close
     return out
 
 
@@ -245,7 +248,7 @@ def test_stage_equals_the_whole_model_path(world, checkpoints, model, plan):
         assert any("rotary_emb." in n and n.endswith("inv_freq") for n in stage_names)
         assert found["differ"] == [] and found["meta"] == [], f"rank {rank}"
         assert found["magnitude_gap"] <= 1e-6, f"rank {rank}"  # and no NaN left: a NaN fails the comparison
-        assert found["forward_equal"], f"rank {rank}"
+        assert found["forward_close"], f"rank {rank}"
         # The tied pair stays one tensor where the stage holds both ends (pp = 1), as on the whole path.
         assert found["tied"][0] == found["tied"][1]
         if model in ("qwen2", "gemma3") and found["first"] and found["last"]:
@@ -283,7 +286,7 @@ def test_a_stage_over_a_quantized_base_equals_the_whole_model_path(world, checkp
         found = world[rank][key]
         whole_names, stage_names = found["names"]
         assert whole_names == stage_names and found["differ"] == [] and found["meta"] == [], f"rank {rank}"
-        assert found["magnitude_gap"] <= 1e-6 and found["forward_equal"], f"rank {rank}"
+        assert found["magnitude_gap"] <= 1e-6 and found["forward_close"], f"rank {rank}"
         assert found["quantized"] == 7 * len(found["layers"]), f"rank {rank}"
         projections += found["quantized"]
         for name, shape, _ in found["reads"]:
