@@ -21,7 +21,8 @@ degree, model and GPU. Per block, per device, for a micro-batch of b sequences o
               + split LoRA inputs (lorafleet's executor at tp > 1, ``memory_model``): each TP rank keeps 1/tp of
                  the rows of a column-parallel projection's LoRA input, so the backward sums the partial dS
                  (T x r) over the TP group: one ring reduce-scatter of T*r_max*dtype bytes per adapted
-                 column-parallel projection (q, k, v, gate, up), (tp-1)/tp * bytes / (N * e_link)
+                 column-parallel projection (q, k, v, gate, up) a LoRA or DoRA task adapts (r_max over those
+                 tasks; VeRA's frozen A needs none), (tp-1)/tp * bytes / (N * e_link)
     constant    c6       : weight reads (forward and backward) 2 P dtype / tp / (W * e_mem)
               + 4 * 2(tp-1) link latencies + (tp-1) per dS reduce-scatter + a fixed host/launch time per block
     DoRA tasks add to c3 and c6 (``dora_cost``): the rescale's passes over a token's outputs, with adapter
@@ -146,10 +147,11 @@ def analytic_layer_time(
     c3 = (gemm + elementwise) * MS_PER_S + TP_ALLREDUCES_PER_BLOCK * allreduce.slope * h * dtype_bytes
     weights = 2 * p * dtype_bytes / tp / (hbm * cal.memory) * MS_PER_S
     c6 = weights + TP_ALLREDUCES_PER_BLOCK * allreduce.fixed + cal.layer_overhead_ms
-    if split_lora_inputs:  # the backward's dS reduce-scatters, T x r_max a token-row each (module docstring)
+    trained_a = [task for task in adapters.tasks if not task.vera]  # a VeRA-only call saves no input: no collective
+    if split_lora_inputs and trained_a:  # the backward's dS reduce-scatters, T x r_max each (module docstring)
         ds = tp_link.reduce_scatter(tp)
-        adapted = len(COLUMN_PARALLEL & {t for task in adapters.tasks for t in task.targets})
-        c3 += adapted * ds.slope * max(task.rank for task in adapters.tasks) * dtype_bytes
+        adapted = len(COLUMN_PARALLEL & {t for task in trained_a for t in task.targets})
+        c3 += adapted * ds.slope * max(task.rank for task in trained_a) * dtype_bytes
         c6 += adapted * ds.fixed
     dora_token, dora_microbatch = dora_terms(model, adapters, tp, flops * cal.matmul, hbm * cal.memory, dtype_bytes)
     c3 += dora_token * MS_PER_S

@@ -101,7 +101,8 @@ def activation_elements_per_token(
         split with SP:   2 RMSNorm inputs + 2 outputs (4h)
         split:           q, k, v after RoPE (hq + 2 hkv), attention output (hq), SwiGLU gate, up,
                          SiLU(gate), product (4 ffn), LoRA row copies of o_proj (hq) and down_proj (ffn) inputs
-        split or whole:  h per column-parallel group the adapters target
+        split or whole:  h per column-parallel group a LoRA or DoRA adapter targets (VeRA's frozen A needs no
+                         input: a group only VeRA adapters target saves none)
         replicated:      LoRA A outputs (r per target)
 
     With whole inputs a token's bytes are A / tp + B with B ≥ h per group, as LobRA's measured table
@@ -116,7 +117,8 @@ def activation_elements_per_token(
     mean_rank = sum(t.rank for t in adapters.tasks) / adapters.n_tasks
     model_width = 4 * h
     split = hq + 2 * hkv + hq + 4 * f + hq * ("o_proj" in targets) + f * ("down_proj" in targets)
-    lora_inputs = h * sum(bool(targets & set(group)) for group in COLUMN_PARALLEL_GROUPS)
+    trained_a = {t for task in adapters.tasks if not task.vera for t in task.targets}  # VeRA's A is frozen
+    lora_inputs = h * sum(bool(trained_a & set(group)) for group in COLUMN_PARALLEL_GROUPS)
     replicated = mean_rank * len(targets)
     return (
         (model_width if not sequence_parallel else model_width / tp)

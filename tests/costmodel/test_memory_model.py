@@ -154,3 +154,21 @@ def test_search_is_finer_than_powers_of_two():
 def test_search_rejects_bad_arguments():
     with pytest.raises(ValueError):
         search_max_tokens(lambda n: True, start=0)
+
+
+def test_a_group_only_vera_adapters_target_keeps_no_input():
+    """VeRA's A is frozen (no dA), so the executor saves no input for a call without a LoRA or DoRA tenant: a VeRA
+    load keeps h a group less a block than the same load as LoRA, at any tp; its λ vectors are its only state."""
+    from lorafleet.costmodel.adapters import TaskAdapter
+    from lorafleet.costmodel.memory_model import activation_elements_per_token
+    from lorafleet.specs.lora import LLAMA_TARGET_MODULES
+
+    lora = AdapterLoad((TaskAdapter(16, LLAMA_TARGET_MODULES),))
+    vera = AdapterLoad((TaskAdapter(16, LLAMA_TARGET_MODULES, vera=True),))
+    both = AdapterLoad((*lora.tasks, *vera.tasks))
+    for tp in (1, 4):
+        per_token = {
+            name: activation_elements_per_token(LLAMA7B, tp, load) for name, load in (("lora", lora), ("vera", vera))
+        }
+        assert per_token["lora"] - per_token["vera"] == pytest.approx(2 * LLAMA7B.hidden / tp)
+        assert activation_elements_per_token(LLAMA7B, tp, both) == per_token["lora"]
