@@ -14,7 +14,7 @@ Run from the repository root (every figure is measured here, in one run)::
 1. **Plan time** (issue #43's targets) — the whole ``lorafleet plan`` command, each in a fresh process,
    default options (CBC, K = 32 sampled batches, baselines), analytic A800-80GB: ``examples/lobra-70b.yaml``
    (Llama2-70B, 12 tasks, LobRA's 16K contexts: the planner chooses which replicas recompute activations;
-   without recomputation no 70B config holds more than ~9K tokens) on 64 and 256 GPUs, and the service-scale
+   without recomputation no 70B config holds more than ~13.6K tokens) on 64 and 256 GPUs, and the service-scale
    ``examples/service-64.yaml`` and ``service-128.yaml`` on 1,024, and LobRA's 7B workload
    (``examples/lobra-7b.yaml``, 16 x A100-40GB), against LobRA's own planner's 7.0 CPU s. CPU seconds (the
    process plus its CBC processes: the machine is shared, CPU time is the steadier figure; the least of
