@@ -245,13 +245,13 @@ def fleet_cost_model(
     ``profiles[name]``, or its GPU kind's analytic model where that is None or absent; over a base stored as
     ``quantize``.
 
-    In a fleet of several pools the adapters' gradient all-reduce crosses pools, so every pool's model
-    prices it on its inter-node link (each pool's own NIC: the ring's pace is the slowest, which an
-    overhead of a few milliseconds a step does not make worth modelling).
+    Each pool's model prices the adapters' gradient all-reduce on that pool's own ``grad_sync`` link: the
+    all-reduce runs over a deployment's replicas, so a deployment on one pool never crosses pools; one on
+    several is priced by ``CostModel.spanning``, which moves it to each pool's inter-node link.
     """
     models = {}
     for pool in cluster.pools:
-        cm = load_cost_model(
+        models[pool.name] = load_cost_model(
             profiles.get(pool.name),
             model,
             cluster.only(pool.name),
@@ -260,7 +260,4 @@ def fleet_cost_model(
             recompute=recompute,
             quantize=quantize,
         )
-        if len(cluster.pools) > 1:
-            cm = replace(cm, interconnect=replace(cm.interconnect, grad_sync=cm.interconnect.p2p_inter_node))
-        models[pool.name] = cm
     return CostModel.of_pools(models)

@@ -35,12 +35,15 @@ affine price, ``τ'_k = τ_k + ρ c3 max(0, S_k − K)``, and M is the memory li
 A fleet of several pools (GPU kinds) is one CostModel too (:meth:`CostModel.of_pools`): each pool's
 own model (its profile's, or its kind's analytic one), and a config is priced by the model of the
 pool it names (``ParallelConfig.pool``). Every caller prices configs as before and never asks
-which kind a replica runs on.
+which kind a replica runs on, except for the one term that depends on the whole deployment: the adapters'
+gradient all-reduce runs over the deployment's replicas, so it crosses pools only when the deployment does.
+A pool's model prices it on that pool's own ``grad_sync`` link; the model a deployment over several pools is
+priced by (:meth:`CostModel.spanning`) prices each pool's replicas on that pool's inter-node link instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Annotated
 
@@ -146,6 +149,10 @@ class CostModel:
     pools: Mapping[str, CostModel] = field(default_factory=dict)
     """A fleet's models, by pool name (:meth:`of_pools`): a config is priced by its pool's. Empty: this
     model's own tables price every config (one GPU kind, configs of no named pool)."""
+    spans_pools: bool = False
+    """Whether the deployment this fleet model prices uses several pools (:meth:`spanning`): its replicas'
+    gradient all-reduce then crosses pools, on each pool's inter-node link, instead of each pool's own
+    ``grad_sync`` (False for a model of one kind)."""
     _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """Per-config figures already derived from the fields above (stage coefficients, step overhead),
     keyed by the config, its pool included: the model is frozen, so they never change; a copy
@@ -188,6 +195,32 @@ class CostModel:
             raise ValueError(
                 f"{config}: the cost model has no pool {config.pool!r} ({', '.join(self.pools)})"
             ) from None
+
+    def spanning(self, pools: Iterable[str]) -> CostModel:
+        """The model a deployment whose replicas run on ``pools`` (their names, repeats allowed) is priced by:
+        this fleet's, its step overheads syncing across pools when the deployment uses two or more of them
+        (``spans_pools``), else on each pool's own ``grad_sync`` link; a one-kind model itself."""
+        if not self.pools:
+            return self
+        spans = len(set(pools)) > 1
+        if spans == self.spans_pools:
+            return self
+        key = ("spanning", spans)
+        if key not in self._memo:
+            self._memo[key] = replace(self, spans_pools=spans)
+        return self._memo[key]
+
+    def crossing(self) -> CostModel:
+        """This one-kind model with the adapters' gradient all-reduce on its inter-node link: how its replicas
+        sync with replicas on another pool (each pool's own NIC; the ring's pace is the slowest, which an
+        overhead of a few milliseconds a step does not make worth modelling)."""
+        if self.pools:
+            raise ValueError("a fleet's pools cross one by one: price a deployment by spanning(pools)")
+        key = ("crossing",)
+        if key not in self._memo:
+            link = self.interconnect.p2p_inter_node
+            self._memo[key] = replace(self, interconnect=replace(self.interconnect, grad_sync=link))
+        return self._memo[key]
 
     def origins(self) -> dict[str, CostModelOrigin | None]:
         """Where each pool's figures come from, by pool name (``""``: a one-kind model's own)."""
@@ -325,7 +358,9 @@ class CostModel:
 
     def step_overhead(self, config: ParallelConfig) -> float:
         """Per-step time of one replica of ``config`` outside its micro-batches, seconds:
-        the adapters' gradient all-reduce across ``sync_replicas`` and the optimizer step."""
+        the adapters' gradient all-reduce across ``sync_replicas`` and the optimizer step. The all-reduce runs
+        on the ``grad_sync`` link of ``config``'s pool, or on its inter-node link when this fleet model prices a
+        deployment that spans pools (``spans_pools``, :meth:`spanning`)."""
         key = ("overhead", config)
         if key not in self._memo:
             self._memo[key] = self._step_overhead(config)
@@ -334,7 +369,7 @@ class CostModel:
     def _step_overhead(self, config: ParallelConfig) -> float:
         model, layout = self.pool_model(config)
         if model is not self:
-            return model.step_overhead(layout)
+            return (model.crossing() if self.spans_pools else model).step_overhead(layout)
         params = self.adapter_params_per_device(config)
         sync = self.interconnect.grad_sync.allreduce(self.sync_replicas)(params * self.activation_bytes)
         return (sync + self.optimizer_time(params)) / MS_PER_S

@@ -253,7 +253,8 @@ def build_load_model(
             # constant is beta = 2 t(1, s) - t(2, s): a lone sequence packed costs t(1, s) (time_model).
             per_seq[i] += (2 * one - two) * mean_len / cls.max_tokens
             rows[i] = np.where(fits, np.maximum(cls.max_tokens // np.maximum(mean_len, 1).astype(np.int64), 1), 0)
-    overhead = np.array([c.time_scale * cost_model.step_overhead(c.config) for c in classes])
+    deployed = cost_model.spanning(c.config.pool for c in classes)  # the sync crosses pools iff the classes do
+    overhead = np.array([c.time_scale * deployed.step_overhead(c.config) for c in classes])
     compute_table, largest_table, table_start = _cost_tables(per_seq, per_mb, rows, counts)
     tokens = np.bincount(bucket, weights=lengths, minlength=n_buckets)
     length_range = np.stack([s, s], axis=1).astype(float)

@@ -218,6 +218,7 @@ def placed_work(
     that only asks whether the step is at most ``above``, as a baseline comparing its configs does, needs no more).
     """
     task_major = window > 1
+    cost_model = cost_model.spanning(c.config.pool for c in load.classes)  # as build_load_model priced them
     bucket = bucket_of(batch.lengths, load.boundaries)
     n_replicas = sum(len(c.replicas) for c in load.classes)
     held = place_sequences(load, counts, bucket, batch.lengths, batch.task_ids, n_replicas)

@@ -85,7 +85,7 @@ class SimulatedExecutor:
         options: SimulationOptions = SimulationOptions(),
     ) -> None:
         self.plan = plan
-        self.cost_model = cost_model
+        self.cost_model = cost_model.spanning(r.config.pool for r in plan.replicas)
         self.task_names = tuple(task_names)
         self.options = options
 

@@ -78,6 +78,7 @@ def probe_plan(full: StepPlan, plan: DeploymentPlan, cost_model: CostModel) -> S
     """``full``'s dispatch cut to each replica's first micro-batch (its first rows within :data:`PROBE_TOKENS`),
     each replica's time re-estimated by the cost model, uncorrected (no speed factors)."""
     work = []
+    cost_model = cost_model.spanning(r.config.pool for r in plan.replicas)
     for replica, w in zip(plan.replicas, full.work, strict=True):
         mbs = w.microbatches[:1]
         if mbs and mbs[0].tokens > PROBE_TOKENS:
