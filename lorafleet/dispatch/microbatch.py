@@ -31,6 +31,7 @@ last micro-batch anywhere in the step and make the next step wait for nearly all
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Sequence
 from itertools import accumulate, groupby
 from operator import itemgetter
 
@@ -129,14 +130,32 @@ def microbatches_of_bins(
     keys = (np.arange(starts.size), -np.maximum.reduceat(held, starts), -np.add.reduceat(held, starts))
     if task_major:
         keys += (tops,)
-    seqs, tasks, lens = tuple(ids.tolist()), tuple(held_tasks.tolist()), tuple(held.tolist())  # sliced as tuples
+    seqs, tasks, lens = tuple(ids.tolist()), tuple(held_tasks.tolist()), tuple(held.tolist())  # shared by all
     first = np.lexsort(keys)
-    # positional: keywords cost a third more a micro-batch, thousands a step (seq_ids, task_ids, lengths, padded_len)
+    # each one rows a:b of the shared tuples (one object, not four); positional: keywords cost a third more
     mbs = [
-        MicroBatch(seqs[a:b], tasks[a:b], lens[a:b], None)
+        MicroBatch(seqs, tasks, lens, None, a, b)
         for a, b in zip(starts[first].tolist(), ends[first].tolist(), strict=True)
     ]
-    return mbs, TaskRanges([mb.task_ids for mb in mbs], held_tasks[starts[first]], tops[first])
+    return mbs, TaskRanges(TasksOf(mbs), held_tasks[starts[first]], tops[first])
+
+
+class TasksOf(Sequence[tuple[int, ...]]):
+    """The task ids of each of ``mbs``, read when asked: the stall reads their least and largest only
+    (``schedule.TaskRanges``), so nothing is built for the thousands of micro-batches of a step."""
+
+    __slots__ = ("mbs",)
+
+    def __init__(self, mbs: Sequence[MicroBatch]) -> None:
+        self.mbs = mbs
+
+    def __len__(self) -> int:
+        return len(self.mbs)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [mb.task_ids for mb in self.mbs[index]]
+        return self.mbs[index].task_ids
 
 
 MANY_BINS = 64

@@ -128,3 +128,27 @@ def test_packed_micro_batches_carry_their_task_ranges_and_read_as_their_shapes()
         assert np.array_equal(second_step_dependencies(ranges), second_step_dependencies(tasks))
         assert all(stall_slots(pp, ranges) == stall_slots(pp, tasks) for pp in (2, 5, 9))
         assert np.array_equal(features_of(mbs), features_of([mb.shape for mb in mbs]))
+
+
+def test_packed_micro_batches_are_views_of_one_set_of_rows():
+    """A packer's micro-batches are one object each, rows ``start:stop`` of tuples the replica's share (not three
+    tuples each: every object a step keeps brings the next garbage collection nearer), and each still equals,
+    hashes, pickles and ``dataclasses.replace``-s as the standalone micro-batch of its own rows."""
+    import dataclasses
+    import pickle
+
+    from lorafleet.plans import MicroBatch
+
+    rng = np.random.default_rng(5)
+    lengths, task_ids = rng.integers(1, 900, 300), rng.integers(0, 7, 300)
+    mbs = packed_microbatches(np.arange(300), lengths, task_ids, 2048)
+    assert len(mbs) > 10
+    assert len({id(mb._seq_ids) for mb in mbs}) == len({id(mb._task_ids) for mb in mbs}) == 1  # one set of rows
+    for mb in mbs:
+        alone = MicroBatch(mb.seq_ids, mb.task_ids, mb.lengths, mb.padded_len)
+        assert mb == alone and hash(mb) == hash(alone) and repr(mb) == repr(alone)
+        shape = (alone.n_seqs, alone.tokens, alone.lengths, alone.segments)
+        assert (mb.n_seqs, mb.tokens, mb.seq_lens, mb.segments) == shape
+        assert pickle.loads(pickle.dumps(mb)) == alone and len(pickle.dumps(mb)) == len(pickle.dumps(alone))
+    cut = dataclasses.replace(mbs[0], lengths=mbs[0].lengths[::-1])
+    assert cut.seq_ids == mbs[0].seq_ids and cut.lengths == mbs[0].lengths[::-1]
