@@ -102,6 +102,11 @@ def test_first_fit_bisects_many_micro_batches_and_fills_them_the_same():
     for divisor in (2, 3, 4, 7):  # equal sequences that fill a micro-batch exactly, and a remainder
         needs = [1024 // divisor] * 500 + [5] * 30
         assert (_first_fit_few(needs, 1024) == _first_fit_many(needs, 1024)).all()
+    for _ in range(100):  # runs of equal lengths (a service-scale replica: ~9 sequences a distinct length), which
+        # fill a micro-batch with room for more without walking, and leave many nearly full ones to walk past
+        max_tokens = int(rng.integers(64, 3000))
+        needs = sorted(rng.choice(rng.integers(1, max_tokens + 1, 40), 1200).tolist(), reverse=True)
+        assert (_first_fit_few(needs, max_tokens) == _first_fit_many(needs, max_tokens)).all()
     lengths = rng.integers(1, 1100, 2000)
     assert lengths.sum() > MANY_BINS * 1115  # the bisection path's case
     mbs = packed_microbatches(np.arange(2000), lengths, rng.integers(0, 50, 2000), 1115)
