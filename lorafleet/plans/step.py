@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
@@ -32,15 +33,6 @@ class GlobalBatch:
         return int(self.lengths.size)
 
 
-def _rows(name: str, doc: str) -> property:
-    """A field of :class:`MicroBatch`: rows ``start:stop`` of the tuple it holds in slot ``name``."""
-
-    def read(self: MicroBatch) -> tuple[int, ...]:
-        return getattr(self, name)[self._start : self._stop]
-
-    return property(read, doc=doc)
-
-
 @dataclass(init=False, repr=False, eq=False)
 class MicroBatch:
     """Sequences one replica processes together, ordered so each task's rows are contiguous.
@@ -58,12 +50,12 @@ class MicroBatch:
 
     __slots__ = ("_lengths", "_padded_len", "_seq_ids", "_start", "_stop", "_task_ids")
 
-    seq_ids: tuple[int, ...] = _rows("_seq_ids", "Positions in the step's GlobalBatch.")
-    task_ids: tuple[int, ...] = _rows("_task_ids", "Each row's task.")
-    lengths: tuple[int, ...] = _rows("_lengths", "Each row's tokens.")
-    padded_len: int | None = property(  # type: ignore[assignment]
-        lambda self: self._padded_len, doc="Every row padded to this length; ``None`` when packed end to end."
-    )
+    # the fields, read-only: the properties below (a dataclass field's default is its class attribute, here the
+    # property, which the generated methods left out here do not read; ``replace`` and ``fields`` see the four)
+    seq_ids: tuple[int, ...]
+    task_ids: tuple[int, ...]
+    lengths: tuple[int, ...]
+    padded_len: int | None
 
     def __init__(
         self,
@@ -77,6 +69,22 @@ class MicroBatch:
         self._seq_ids, self._task_ids, self._lengths, self._padded_len = seq_ids, task_ids, lengths, padded_len
         self._start = start
         self._stop = len(lengths) if stop is None else stop
+
+    @property
+    def seq_ids(self) -> tuple[int, ...]:
+        """Positions in the step's GlobalBatch."""
+        return self._seq_ids[self._start : self._stop]
+
+    @property
+    def task_ids(self) -> tuple[int, ...]:
+        return self._task_ids[self._start : self._stop]
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return self._lengths[self._start : self._stop]
+
+    # a C getter rather than a method: read for every micro-batch ordered and priced
+    padded_len = property(attrgetter("_padded_len"), doc="Every row padded to this length; ``None`` when packed.")
 
     def _values(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int | None]:
         return self.seq_ids, self.task_ids, self.lengths, self._padded_len
