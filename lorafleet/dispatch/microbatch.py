@@ -31,7 +31,9 @@ last micro-batch anywhere in the step and make the next step wait for nearly all
 from __future__ import annotations
 
 from bisect import bisect_left
-from itertools import accumulate, groupby
+from collections.abc import Sequence
+from heapq import heapify, heappop, heappush
+from itertools import groupby
 from operator import itemgetter
 
 import numpy as np
@@ -107,10 +109,51 @@ def decreasing(seq_ids: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray) -
 
 
 def first_fit(needs: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Each of ``needs`` (tokens, descending)'s micro-batch by first fit into ``max_tokens``, numbered in opening
-    order (:func:`_first_fit_few`, or :func:`_first_fit_many` past :data:`MANY_BINS` micro-batches' worth)."""
-    fill = _first_fit_many if int(needs.sum()) > MANY_BINS * max_tokens else _first_fit_few
-    return fill(needs.tolist(), max_tokens)
+    """Each of ``needs`` (tokens, descending)'s micro-batch by first fit into ``max_tokens``: the first micro-batch
+    opened that has room for it, or a new one; numbered in opening order.
+
+    The needs come in descending order, so a micro-batch with room for the need now has room for every later one,
+    and one without may have room again later, once the need is down to its room. Two heaps keep them apart: the
+    micro-batches with room for the need now, by opening order (first fit's is the least), and those waiting, by
+    room (largest first), which join the first as the need comes down to their room. A sequence is then a look at
+    both heaps' tops, and at most one move between them a placement (the micro-batch it fills below the need), in
+    C (``heapq``), where a scan or a bisection and a rewrite of prefix maxima walked ~12 micro-batches a sequence
+    in Python on a service-scale replica (0.49x of that on 6 service-sweeps steps' inputs, the same micro-batches).
+    A micro-batch that cannot take the shortest sequence any more waits for nothing: it leaves both.
+
+    The sequences longer than half a micro-batch come first and each opens its own (one cannot join a micro-batch
+    holding another, at least as long), so they are placed at once (a quarter of a service-scale step's)."""
+    needs = needs.tolist()
+    smallest = needs[-1] if needs else 0
+    opened = bisect_left([-2 * need for need in needs], -max_tokens)  # micro-batches open: those with 2 need > M
+    room = [max_tokens - need for need in needs[:opened]]  # free tokens of every micro-batch, in opening order
+    waiting = [(-left, b) for b, left in enumerate(room) if left >= smallest]  # less room than the need: by room
+    heapify(waiting)
+    fits: list[int] = []  # the micro-batches with room for the need now, by opening order
+    bin_of = list(range(opened))
+    place = bin_of.append
+    for need in needs[opened:]:
+        while waiting and -waiting[0][0] >= need:
+            heappush(fits, heappop(waiting)[1])
+        if fits:
+            b = fits[0]
+            left = room[b] - need
+            room[b] = left
+            place(b)
+            if left < need:  # no room for this need again: it waits for a shorter one, or leaves
+                heappop(fits)
+                if left >= smallest:
+                    heappush(waiting, (-left, b))
+        else:
+            left = max_tokens - need
+            room.append(left)
+            place(opened)
+            if left >= need:
+                heappush(fits, opened)
+            elif left >= smallest:
+                heappush(waiting, (-left, opened))
+            opened += 1
+    return np.asarray(bin_of, dtype=np.int64)
 
 
 def microbatches_of_bins(
@@ -129,101 +172,32 @@ def microbatches_of_bins(
     keys = (np.arange(starts.size), -np.maximum.reduceat(held, starts), -np.add.reduceat(held, starts))
     if task_major:
         keys += (tops,)
-    seqs, tasks, lens = tuple(ids.tolist()), tuple(held_tasks.tolist()), tuple(held.tolist())  # sliced as tuples
+    seqs, tasks, lens = tuple(ids.tolist()), tuple(held_tasks.tolist()), tuple(held.tolist())  # shared by all
     first = np.lexsort(keys)
-    # positional: keywords cost a third more a micro-batch, thousands a step (seq_ids, task_ids, lengths, padded_len)
+    # each one rows a:b of the shared tuples (one object, not four); positional: keywords cost a third more
     mbs = [
-        MicroBatch(seqs[a:b], tasks[a:b], lens[a:b], None)
+        MicroBatch(seqs, tasks, lens, None, a, b)
         for a, b in zip(starts[first].tolist(), ends[first].tolist(), strict=True)
     ]
-    return mbs, TaskRanges([mb.task_ids for mb in mbs], held_tasks[starts[first]], tops[first])
+    return mbs, TaskRanges(TasksOf(mbs), held_tasks[starts[first]], tops[first])
 
 
-MANY_BINS = 64
-"""Above this many micro-batches' worth of tokens, first fit bisects the open micro-batches
-(:func:`_first_fit_many`); below it, a list scan is as fast (:func:`_first_fit_few`). Both give the same
-micro-batches."""
+class TasksOf(Sequence[tuple[int, ...]]):
+    """The task ids of each of ``mbs``, read when asked: the stall reads their least and largest only
+    (``schedule.TaskRanges``), so nothing is built for the thousands of micro-batches of a step."""
 
+    __slots__ = ("mbs",)
 
-def _first_fit_few(needs: list[int], max_tokens: int) -> np.ndarray:
-    """First fit of ``needs`` (in order) into micro-batches of ``max_tokens``: each sequence's micro-batch, numbered
-    in opening order. A micro-batch that cannot take the shortest sequence any more leaves the scan."""
-    smallest = needs[-1]
-    opened = 0  # micro-batches opened so far
-    open_bins: list[int] = []  # those that can still take the shortest sequence, in opening order
-    open_room: list[int] = []  # their free tokens
-    bin_of: list[int] = []
-    for need in needs:
-        for pos, room in enumerate(open_room):  # noqa: B007 (pos is used after the loop)
-            if room >= need:
-                break
-        else:
-            pos, room = len(open_bins), max_tokens
-            open_bins.append(opened)
-            open_room.append(max_tokens)
-            opened += 1
-        bin_of.append(open_bins[pos])
-        if room - need < smallest:
-            del open_bins[pos], open_room[pos]
-        else:
-            open_room[pos] = room - need
-    return np.asarray(bin_of, dtype=np.int64)
+    def __init__(self, mbs: Sequence[MicroBatch]) -> None:
+        self.mbs = mbs
 
+    def __len__(self) -> int:
+        return len(self.mbs)
 
-def _first_fit_many(needs: list[int], max_tokens: int) -> np.ndarray:
-    """:func:`_first_fit_few`'s micro-batches, the open ones searched by bisection: thousands of sequences into
-    hundreds of micro-batches (a deep pipeline's replica at service scale).
-
-    With ``P(b) = max(room(0), ..., room(b))`` over the open micro-batches (in opening order), non-decreasing, a
-    sequence of ``need`` tokens goes to the first micro-batch with room for it, the first ``j`` with ``P(j) >=
-    need``: a bisection. Then ``P(j)`` is the room ``before`` it took the sequence, and so is ``P`` up to the first
-    later micro-batch with a room of at least ``before``, where (and after which) ``P`` stays as it was; before it,
-    ``P`` becomes the running maximum of ``P(j - 1)`` and the rooms now, which the walk writes (~10 micro-batches on
-    a service-scale step, against a compare over all of them a sequence). A micro-batch that cannot take the
-    shortest sequence any more leaves (as in :func:`_first_fit_few`): no bisection finds it, and no walk passes
-    it (a third of the walk on a service-scale replica, whose micro-batches mostly end with a token or none left).
-
-    The sequences longer than half a micro-batch come first (``needs`` is descending) and each opens its own:
-    one cannot join a micro-batch holding another, at least as long. So they are placed at once, and only the
-    rest are searched (a quarter of a service-scale step's sequences are such)."""
-    smallest = needs[-1]
-    opened = bisect_left([-2 * need for need in needs], -max_tokens)  # micro-batches open: first those with 2 need > M
-    ids = [b for b in range(opened) if max_tokens - needs[b] >= smallest]  # the open ones that stay, and their rooms
-    room = [max_tokens - needs[b] for b in ids]
-    most = list(accumulate(room, max))  # P
-    bin_of = list(range(opened))
-    place = bin_of.append
-    for need in needs[opened:]:
-        j = bisect_left(most, need)
-        if j == len(room):
-            place(opened)
-            left = max_tokens - need
-            if left >= smallest:
-                ids.append(opened)
-                room.append(left)
-                most.append(max(most[-1], left) if most else left)
-            opened += 1
-            continue
-        place(ids[j])
-        before = room[j]
-        top = most[j - 1] if j else -1
-        left = before - need
-        if left < smallest:  # it leaves: P from j on is the running maximum from P(j - 1)
-            del ids[j], room[j], most[j]
-            j -= 1
-        else:
-            room[j] = left
-            if left > top:  # not max(): a call a micro-batch walked is a fifth of the whole
-                top = left
-            most[j] = top
-        for b in range(j + 1, len(room)):
-            left = room[b]
-            if left >= before:
-                break
-            if left > top:
-                top = left
-            most[b] = top
-    return np.asarray(bin_of, dtype=np.int64)
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [mb.task_ids for mb in self.mbs[index]]
+        return self.mbs[index].task_ids
 
 
 def order_for_1f1b(microbatches: list[MicroBatch], *, task_major: bool = False) -> list[MicroBatch]:

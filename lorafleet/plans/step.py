@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
@@ -32,34 +33,94 @@ class GlobalBatch:
         return int(self.lengths.size)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(init=False, repr=False, eq=False)
 class MicroBatch:
     """Sequences one replica processes together, ordered so each task's rows are contiguous.
 
-    It reads as its own :class:`MicroBatchShape` (``seq_lens``, ``padded_len``, ``n_seqs``, ``tokens``), so a
-    replica's micro-batches are priced as they are (``dispatch.placed_work``), without a shape object each;
-    :attr:`shape` makes one. Slotted: a service-scale step builds thousands of them (no ``__dict__`` each)."""
+    ``MicroBatch(seq_ids, task_ids, lengths, padded_len)``: a dataclass of those four fields (``dataclasses.replace``
+    and ``fields`` work), read-only, compared, hashed, printed and pickled by their values. It reads as its own
+    :class:`MicroBatchShape` (``seq_lens``, ``padded_len``, ``n_seqs``, ``tokens``), so a replica's micro-batches
+    are priced as they are (``dispatch.placed_work``), without a shape object each; :attr:`shape` makes one.
 
+    ``MicroBatch(seqs, tasks, lens, padded_len, start, stop)`` is rows ``start:stop`` of the three tuples, which the
+    micro-batches of one replica share (the packer's, ``dispatch.microbatch``): one object a micro-batch rather than
+    four (the object and three tuples; the fields are sliced when read). A service-scale step builds thousands of
+    them, and every object a step keeps counts towards the interpreter's next garbage collection, whose full pass
+    over the process heap (tens of ms) set the dispatcher's 95th percentile (docs/dispatch.md)."""
+
+    __slots__ = ("_lengths", "_padded_len", "_seq_ids", "_start", "_stop", "_task_ids")
+
+    # the fields, read-only: the properties below (a dataclass field's default is its class attribute, here the
+    # property, which the generated methods left out here do not read; ``replace`` and ``fields`` see the four)
     seq_ids: tuple[int, ...]
-    """Positions in the step's GlobalBatch."""
     task_ids: tuple[int, ...]
     lengths: tuple[int, ...]
     padded_len: int | None
-    """Every row padded to this length; ``None`` when the sequences are packed end to end."""
+
+    def __init__(
+        self,
+        seq_ids: tuple[int, ...],
+        task_ids: tuple[int, ...],
+        lengths: tuple[int, ...],
+        padded_len: int | None,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> None:
+        self._seq_ids, self._task_ids, self._lengths, self._padded_len = seq_ids, task_ids, lengths, padded_len
+        self._start = start
+        self._stop = len(lengths) if stop is None else stop
+
+    @property
+    def seq_ids(self) -> tuple[int, ...]:
+        """Positions in the step's GlobalBatch."""
+        return self._seq_ids[self._start : self._stop]
+
+    @property
+    def task_ids(self) -> tuple[int, ...]:
+        return self._task_ids[self._start : self._stop]
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        return self._lengths[self._start : self._stop]
+
+    # a C getter rather than a method: read for every micro-batch ordered and priced
+    padded_len = property(attrgetter("_padded_len"), doc="Every row padded to this length; ``None`` when packed.")
+
+    def _values(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int | None]:
+        return self.seq_ids, self.task_ids, self.lengths, self._padded_len
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not MicroBatch:
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        return (
+            f"MicroBatch(seq_ids={self.seq_ids!r}, task_ids={self.task_ids!r}, lengths={self.lengths!r}, "
+            f"padded_len={self._padded_len!r})"
+        )
+
+    def __reduce__(self) -> tuple[type[MicroBatch], tuple]:
+        return MicroBatch, self._values()  # its own rows only, not the replica's it is a view of
 
     @property
     def tokens(self) -> int:
         """Tokens the micro-batch occupies, padding included (what must fit in M)."""
-        return self.padded_len * len(self.lengths) if self.padded_len is not None else sum(self.lengths)
+        if self._padded_len is not None:
+            return self._padded_len * (self._stop - self._start)
+        return sum(self._lengths[self._start : self._stop])
 
     @property
     def seq_lens(self) -> tuple[int, ...]:
         """The lengths, as :class:`MicroBatchShape` names them."""
-        return self.lengths
+        return self._lengths[self._start : self._stop]
 
     @property
     def n_seqs(self) -> int:
-        return len(self.lengths)
+        return self._stop - self._start
 
     @property
     def padding_tokens(self) -> int:
@@ -78,7 +139,7 @@ class MicroBatch:
 
     @property
     def shape(self) -> MicroBatchShape:
-        return MicroBatchShape(self.lengths, self.padded_len)  # positional: built for every micro-batch priced
+        return MicroBatchShape(self.lengths, self._padded_len)  # positional: built for every micro-batch priced
 
 
 @dataclass(frozen=True)

@@ -86,11 +86,25 @@ def test_task_major_order_finishes_tasks_in_order(lengths, packed, data):
     assert keys == sorted(keys)
 
 
-def test_first_fit_bisects_many_micro_batches_and_fills_them_the_same():
-    """A deep pipeline's replica at service scale packs thousands of sequences into hundreds of micro-batches: the
-    bisection (``_first_fit_many``) gives the list scan's micro-batches, sequence for sequence, also where most
-    micro-batches leave it (the shortest sequence long: rooms below it), and where they fill to the token."""
-    from lorafleet.dispatch.microbatch import MANY_BINS, _first_fit_few, _first_fit_many
+def scanned_first_fit(needs: list[int], max_tokens: int) -> list[int]:
+    """First fit by its definition: each need to the first micro-batch opened with room for it, else a new one."""
+    rooms: list[int] = []
+    out = []
+    for need in needs:
+        b = next((b for b, room in enumerate(rooms) if room >= need), len(rooms))
+        if b == len(rooms):
+            rooms.append(max_tokens)
+        rooms[b] -= need
+        out.append(b)
+    return out
+
+
+def test_first_fit_keeps_micro_batches_apart_by_room_and_fills_them_as_the_scan():
+    """A deep pipeline's replica at service scale packs thousands of sequences into hundreds of micro-batches:
+    ``first_fit``'s two heaps (room for the need now, or waiting for a shorter one) give the scan's micro-batches,
+    sequence for sequence, also where most micro-batches leave (the shortest sequence long: rooms below it), where
+    they fill to the token, and over runs of equal lengths (a service-scale replica has ~9 sequences a length)."""
+    from lorafleet.dispatch.microbatch import first_fit
 
     rng = np.random.default_rng(0)
     for i in range(200):
@@ -98,12 +112,15 @@ def test_first_fit_bisects_many_micro_batches_and_fills_them_the_same():
         floor = (1, 1, max_tokens // 9, max_tokens // 3)[i % 4]
         n = int(rng.integers(1, 1500 if floor == 1 else 300))
         needs = sorted(rng.integers(floor, max_tokens + 1, n).tolist(), reverse=True)
-        assert (_first_fit_few(needs, max_tokens) == _first_fit_many(needs, max_tokens)).all()
+        assert first_fit(np.array(needs), max_tokens).tolist() == scanned_first_fit(needs, max_tokens)
     for divisor in (2, 3, 4, 7):  # equal sequences that fill a micro-batch exactly, and a remainder
         needs = [1024 // divisor] * 500 + [5] * 30
-        assert (_first_fit_few(needs, 1024) == _first_fit_many(needs, 1024)).all()
+        assert first_fit(np.array(needs), 1024).tolist() == scanned_first_fit(needs, 1024)
+    for _ in range(100):  # runs of equal lengths
+        max_tokens = int(rng.integers(64, 3000))
+        needs = sorted(rng.choice(rng.integers(1, max_tokens + 1, 40), 1200).tolist(), reverse=True)
+        assert first_fit(np.array(needs), max_tokens).tolist() == scanned_first_fit(needs, max_tokens)
     lengths = rng.integers(1, 1100, 2000)
-    assert lengths.sum() > MANY_BINS * 1115  # the bisection path's case
     mbs = packed_microbatches(np.arange(2000), lengths, rng.integers(0, 50, 2000), 1115)
     assert (
         sorted(s for mb in mbs for s in mb.seq_ids) == list(range(2000)) and max(sum(mb.lengths) for mb in mbs) <= 1115
@@ -128,3 +145,27 @@ def test_packed_micro_batches_carry_their_task_ranges_and_read_as_their_shapes()
         assert np.array_equal(second_step_dependencies(ranges), second_step_dependencies(tasks))
         assert all(stall_slots(pp, ranges) == stall_slots(pp, tasks) for pp in (2, 5, 9))
         assert np.array_equal(features_of(mbs), features_of([mb.shape for mb in mbs]))
+
+
+def test_packed_micro_batches_are_views_of_one_set_of_rows():
+    """A packer's micro-batches are one object each, rows ``start:stop`` of tuples the replica's share (not three
+    tuples each: every object a step keeps brings the next garbage collection nearer), and each still equals,
+    hashes, pickles and ``dataclasses.replace``-s as the standalone micro-batch of its own rows."""
+    import dataclasses
+    import pickle
+
+    from lorafleet.plans import MicroBatch
+
+    rng = np.random.default_rng(5)
+    lengths, task_ids = rng.integers(1, 900, 300), rng.integers(0, 7, 300)
+    mbs = packed_microbatches(np.arange(300), lengths, task_ids, 2048)
+    assert len(mbs) > 10
+    assert len({id(mb._seq_ids) for mb in mbs}) == len({id(mb._task_ids) for mb in mbs}) == 1  # one set of rows
+    for mb in mbs:
+        alone = MicroBatch(mb.seq_ids, mb.task_ids, mb.lengths, mb.padded_len)
+        assert mb == alone and hash(mb) == hash(alone) and repr(mb) == repr(alone)
+        shape = (alone.n_seqs, alone.tokens, alone.lengths, alone.segments)
+        assert (mb.n_seqs, mb.tokens, mb.seq_lens, mb.segments) == shape
+        assert pickle.loads(pickle.dumps(mb)) == alone and len(pickle.dumps(mb)) == len(pickle.dumps(alone))
+    cut = dataclasses.replace(mbs[0], lengths=mbs[0].lengths[::-1])
+    assert cut.seq_ids == mbs[0].seq_ids and cut.lengths == mbs[0].lengths[::-1]
