@@ -20,8 +20,9 @@ backward is autograd over these rows, exact (n is a constant):
 
     dm = Σ_rows G ⊙ (Y - b + D) / n                 the magnitude's gradient
     dY = g ⊙ G on the rows (G elsewhere)            into the operator's own backward: dA, dB and X W's dX
-    dX += ((g - 1) ⊙ G) W ⊙ (M / (1 - p) - 1)       through D, dropping rows only (from the saved bool M:
-                                                    ``_DropoutDelta``; no float factor is saved)
+    dX += ((g - 1) ⊙ G) W ⊙ (M / (1 - p) - 1)       through D, dropping rows only (from the bool M drawn
+                                                    again, ``_DropoutDelta``: neither M nor a float factor
+                                                    is saved)
 
 **Tensor parallelism** (``tp.py``). A column-parallel layer holds whole rows of ``W`` (and of ``B``): ``n`` is
 local, and ``m`` is split like ``B``'s rows. A row-parallel layer holds a slice of every row, ``W[:, K_j]`` and
@@ -42,6 +43,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+from lorafleet.executor.torch.dropout import MaskReplay
 from lorafleet.executor.torch.routing import Segments
 
 MAGNITUDE = "lora_magnitude_vector"
@@ -129,6 +131,7 @@ def rescale(
     dora: tuple[int, ...],
     scale: Tensor,
     dropouts: Sequence[float],
+    replay: MaskReplay | None = None,
 ) -> Tensor:
     """``Y'`` of the module doc on the rows of the DoRA adapters ``dora`` (positions in ``segments``), out of
     place (autograd gives the exact backward above).
@@ -139,11 +142,13 @@ def rescale(
         weight, bias: the frozen base layer's (this rank's slices under TP).
         scale: ``g = m / n`` ``(D, N)``, one row per adapter of ``dora`` (differentiable in ``m``).
         dropouts: ``p`` per adapter of ``dora``.
+        replay: how ``keep`` was drawn (``dropout.MaskReplay``): the backward draws it again, nothing of it is
+            saved; None: ``keep``'s rows are saved.
     """
     found = spans(segments, dora)
     if not found:
         return y
-    extra: list[Tensor] = []  # D of each dropping span, by autograd (its backward reaches X)
+    extra: tuple[Tensor, ...] = ()  # D of each dropping span, by autograd (its backward reaches X)
     if keep is not None and any(dropouts[i] for i, _, _ in found):
         sizes, done = [], 0
         for _, first, end in found:
@@ -151,9 +156,9 @@ def rescale(
             done = end
         # one split (its backward: one cat), not a slice per span (each slice's backward: a zero-filled (T, K))
         x_spans = x.split([*sizes, x.shape[0] - done])[1::2]
-        for (i, first, end), x_rows in zip(found, x_spans, strict=True):
-            if dropouts[i]:
-                extra.append(_DropoutDelta.apply(x_rows, keep[first:end], weight, dropouts[i]))  # D  (L, N)
+        rows = tuple((first, end, dropouts[i]) for i, first, end in found if dropouts[i])
+        x_rows = [x_span for (i, _, _), x_span in zip(found, x_spans, strict=True) if dropouts[i]]
+        extra = _DropoutDelta.apply(keep, replay, rows, weight, *x_rows)  # D (L, N) of each dropping span
     dropping = tuple(bool(extra) and dropouts[i] > 0 for i, _, _ in found)
     return _Rescale.apply(y, scale, bias, found, dropping, *extra)
 
@@ -164,23 +169,34 @@ def _delta_factor(keep: Tensor, p: float, dtype: torch.dtype) -> Tensor:
 
 
 class _DropoutDelta(torch.autograd.Function):
-    """``D = (Xd - X) W^T = (X ⊙ φ) W^T`` of a dropping span (:func:`_delta_factor`), and ``dX = (dD W) ⊙ φ``.
+    """``D = (Xd - X) W^T = (X ⊙ φ) W^T`` of each dropping span (:func:`_delta_factor`), and ``dX = (dD W) ⊙ φ``.
 
-    The backward remakes ``φ`` from the bool keep-mask rows, which the operator saves anyway (a view: no new
-    bytes), where autograd over ``X * φ`` saved ``φ`` itself: a float ``(L, K)`` a projection, so q, k and v each
-    kept one, three times their input. The products are autograd's own, in the same order: the same bits."""
+    One call for all the dropping spans of a layer call: the backward draws the keep-mask again once
+    (``replay.mask()``, the whole ``(T, K)``: a generator cannot skip to a span's rows) and remakes each span's
+    ``φ`` from its rows. Nothing of the mask is saved (with ``replay``; a caller's mask without one is), where
+    autograd over ``X * φ`` saved ``φ`` itself: a float ``(L, K)`` a projection, so q, k and v each kept one,
+    three times their input. The products are autograd's own, in the same order: the same bits."""
 
     @staticmethod
-    def forward(ctx, x, keep, weight, p):
-        ctx.p = p
-        ctx.save_for_backward(keep, weight)
-        return F.linear(x * _delta_factor(keep, p, x.dtype), weight)
+    def forward(ctx, keep, replay, rows, weight, *x_rows):
+        ctx.replay, ctx.rows = replay, rows
+        ctx.save_for_backward(keep if replay is None else None, weight)
+        return tuple(
+            F.linear(x * _delta_factor(keep[first:end], p, x.dtype), weight)
+            for x, (first, end, p) in zip(x_rows, rows, strict=True)
+        )
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, *grads):
         keep, weight = ctx.saved_tensors
-        return grad.mm(weight) * _delta_factor(keep, ctx.p, grad.dtype), None, None, None
+        if ctx.replay is not None:
+            keep = ctx.replay.mask()
+        dx = [
+            grad.mm(weight) * _delta_factor(keep[first:end], p, grad.dtype)
+            for grad, (first, end, p) in zip(grads, ctx.rows, strict=True)
+        ]
+        return None, None, None, None, *dx
 
 
 class _Rescale(torch.autograd.Function):

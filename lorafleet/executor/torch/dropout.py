@@ -1,9 +1,13 @@
-"""The dropout keep-mask ``M`` of one layer call, drawn in the forward.
+"""The dropout keep-mask ``M`` of one layer call: drawn in the forward, drawn again in the backward.
 
 In ``multi_lora``'s module doc it is the ``M_j`` of ``Xd_j = X[R_j] ⊙ M_j / (1 - p_a)``: a bool
-``(T, K)`` mask, Bernoulli(1 - p_a) on adapter ``a``'s rows and all True elsewhere. It is drawn
-once, here, from the global torch RNG; both backends save it and reapply it in the backward, so
-``dX`` and ``dA`` use exactly the forward's mask.
+``(T, K)`` mask, Bernoulli(1 - p_a) on adapter ``a``'s rows and all True elsewhere. The forward draws
+it from the device's global generator (:func:`draw_keep_mask`), after taking that generator's state
+(:meth:`MaskReplay.next_draw`); the mask is used and freed, and the operator saves only the
+:class:`MaskReplay`. The backward draws the same mask again from a private generator set to that state
+(:meth:`MaskReplay.mask`), bit for bit, so ``dX`` and ``dA`` use exactly the forward's mask and no
+``(T, K)`` byte is kept between the passes (as FlashAttention regenerates its dropout from the Philox
+seed and offset). The global generator is read, never set: it leaves the forward as the draw leaves it.
 
 Under tensor parallelism a column-parallel layer's input is whole on every TP rank, and each rank computes ``dA``
 over its own rows of ``Xd`` (``token_split.py``): the ranks of a stage must draw the same mask, i.e. seed the global
@@ -11,6 +15,9 @@ RNG alike for a micro-batch. (A row-parallel rank draws a mask of its own ``(T, 
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -29,34 +36,52 @@ same words in the same order and leaves the generator in the same state
 """
 
 
-def draw_keep_mask(rows: int, cols: int, routing: LoraRouting, *, device: torch.device | str) -> Tensor | None:
+def draw_keep_mask(
+    rows: int,
+    cols: int,
+    routing: LoraRouting,
+    *,
+    device: torch.device | str,
+    generator: torch.Generator | None = None,
+) -> Tensor | None:
     """The dropout keep-mask ``M (rows, cols)`` (bool): Bernoulli(1 - p_a) on adapter ``a``'s rows.
 
     Rows of adapters without dropout, and padding rows, are all True. Returns None when no
     non-empty segment has dropout, so the common p = 0 case allocates nothing. The mask is one
-    byte per element. Both backends save it instead of each adapter's dropped input (what an
-    ``nn.Dropout`` per adapter would keep alive: 4 bytes an element) and reapply it in the
-    backward, which so uses exactly the forward's mask and recomputes ``Xd``.
+    byte per element, drawn from ``generator`` (default: the device's global one). It stands for
+    each adapter's dropped input (what an ``nn.Dropout`` per adapter would keep alive: 4 bytes an
+    element); the backward draws it again (:class:`MaskReplay`) and recomputes ``Xd``.
     """
     spans = _dropout_spans(routing)
-    if not spans:
-        return None
+    return _draw(rows, cols, spans, torch.device(device), generator) if spans else None
+
+
+def _draw(
+    rows: int,
+    cols: int,
+    spans: tuple[tuple[int, int, float], ...],
+    device: torch.device,
+    generator: torch.Generator | None,
+) -> Tensor:
+    """:func:`draw_keep_mask` of a routing with dropout: its ``spans`` (:func:`_dropout_spans`) drawn in order."""
     keep = torch.empty((rows, cols), dtype=torch.bool, device=device)
     done = 0  # rows [0, done) are written
     for first, end, p in spans:
         if first > done:
             keep[done:first] = True
-        _draw_keep_rows(keep[first:end], p)
+        _draw_keep_rows(keep[first:end], p, generator)
         done = end
     if rows > done:
         keep[done:] = True
     return keep
 
 
-def _dropout_spans(routing: LoraRouting) -> list[tuple[int, int, float]]:
+@functools.lru_cache(maxsize=1024)
+def _dropout_spans(routing: LoraRouting) -> tuple[tuple[int, int, float], ...]:
     """``(first row, end row, p)`` of each span of consecutive non-empty segments sharing one
     p > 0: one Bernoulli draw per span (a packed batch with one dropout rate is one span).
-    Padding rows inside a span are drawn too, harmlessly."""
+    Padding rows inside a span are drawn too, harmlessly. Cached: every layer of a micro-batch
+    asks alike, in the forward and again in the backward."""
     spans: list[tuple[int, int, float]] = []
     previous_p = 0.0
     for a, start, length in routing.segments:
@@ -68,11 +93,11 @@ def _dropout_spans(routing: LoraRouting) -> list[tuple[int, int, float]]:
         elif p:
             spans.append((start, start + length, p))
         previous_p = p
-    return spans
+    return tuple(spans)
 
 
-def _draw_keep_rows(keep: Tensor, p: float) -> None:
-    """Fills the contiguous bool rows ``keep`` with Bernoulli(1 - p) from the global torch RNG.
+def _draw_keep_rows(keep: Tensor, p: float, generator: torch.Generator | None) -> None:
+    """Fills the contiguous bool rows ``keep`` with Bernoulli(1 - p) from ``generator`` (None: the global one).
 
     Bernoulli(1 - p) is ``u >= t`` on uniform 16-bit integers ``u``, ``t = -2^15 + round(p 2^16)``:
     P(drop) is ``round(p 2^16) / 2^16``, within 2^-17 of p (a float32 uniform, what
@@ -91,5 +116,46 @@ def _draw_keep_rows(keep: Tensor, p: float) -> None:
     words = torch.empty(min((n + 3) // 4, _DRAW_CHUNK), dtype=torch.int64, device=keep.device)
     for first in range(0, n, 4 * _DRAW_CHUNK):
         count = min(4 * _DRAW_CHUNK, n - first)  # int16s; a tail uses part of its last word
-        bits = words[: (count + 3) // 4].random_(-(2**63), None).view(torch.int16)[:count]
+        bits = words[: (count + 3) // 4].random_(-(2**63), None, generator=generator).view(torch.int16)[:count]
         torch.ge(bits, threshold, out=flat[first : first + count])
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MaskReplay:
+    """One call's keep-mask as what draws it: the shape, the routing and the state of the generator it is drawn
+    from. :meth:`mask` draws it again, bit for bit: :func:`draw_keep_mask` is one stream of ``random_`` calls of
+    fixed sizes in a fixed order, so a generator in the same state yields the same words (the CPU's Mersenne
+    Twister fills in order; CUDA's Philox draws each call from the (seed, offset) of its state and advances the
+    offset by an amount fixed by the call's size and the device: untested, no GPU here). ``state`` is
+    ``Generator.get_state()``: 5,056 bytes on the host for the CPU generator, 16 for CUDA's (seed, offset), in
+    place of the ``rows cols`` bytes of the mask."""
+
+    rows: int
+    cols: int
+    routing: LoraRouting
+    device: torch.device
+    state: Tensor
+
+    @classmethod
+    def next_draw(cls, rows: int, cols: int, routing: LoraRouting, device: torch.device) -> MaskReplay | None:
+        """The replay of the next :func:`draw_keep_mask` of these arguments from the device's global generator
+        (which this only reads: call it right before that draw); None when that draw returns None (no dropout)."""
+        if not _dropout_spans(routing):
+            return None
+        return cls(rows, cols, routing, device, default_generator(device).get_state())
+
+    def mask(self) -> Tensor:
+        """The keep-mask the forward drew, drawn again from a private generator set to :attr:`state` (the global
+        generator is untouched: the backward of one micro-batch runs between the forwards of others)."""
+        generator = torch.Generator(self.device)
+        generator.set_state(self.state)
+        return _draw(self.rows, self.cols, _dropout_spans(self.routing), self.device, generator)
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The global generator torch draws from on ``device`` (the CPU's ``torch.default_generator``, an
+    accelerator's ``default_generators[index]``, the current device's without an index)."""
+    if device.type == "cpu":
+        return torch.default_generator
+    module = torch.get_device_module(device)
+    return module.default_generators[module.current_device() if device.index is None else device.index]

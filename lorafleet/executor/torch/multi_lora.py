@@ -17,14 +17,16 @@ and, with ``G = dLoss/dY``:
     dA_a    = Σ_{j: a_j = a} dS_j^T Xd_j                       (r_a, K)
     dB_a    = Σ_{j: a_j = a} s_a G[R_j]^T S_j                  (N, r_a)
 
-This is mLoRA's BatchLoRA operator (arXiv 2312.02515 §4) with two fixes: the backward reuses the
+This is mLoRA's BatchLoRA operator (arXiv 2312.02515 §4) with two fixes: the backward uses the
 forward's dropout mask (mLoRA rescales the un-dropped input, so its gradients are exact only in
-expectation), and the same adapter may own several segments.
+expectation), and the same adapter may own several segments. The mask is not kept between the
+passes: the backward draws it again from the generator state the forward drew it from
+(``dropout.MaskReplay``), uses it and frees it.
 
 Two implementations share one ``torch.autograd.Function``: a torch loop over runs of segments
 (``kernels/torch_lora.py``, any device, the reference) and Triton kernels
 (``kernels/segment_lora.py``, CUDA). :class:`~lorafleet.executor.torch.routing.LoraBackend`
-picks one; the routing types live in ``routing.py``, the keep-mask ``M`` is drawn by
+picks one; the routing types live in ``routing.py``, the keep-mask ``M`` is drawn (and drawn again) by
 ``dropout.py``, and this module holds the operator and the ``nn.Module`` around it.
 
 ``X`` is saved for ``dA`` alone. On a TP rank of a column-parallel layer only the rank's rows of it are
@@ -45,7 +47,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from lorafleet.executor.torch import dora, vera
-from lorafleet.executor.torch.dropout import draw_keep_mask
+from lorafleet.executor.torch.dropout import MaskReplay, draw_keep_mask
 from lorafleet.executor.torch.kernels import torch_lora
 from lorafleet.executor.torch.quantized_base import QuantizedLinear
 from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
@@ -65,6 +67,7 @@ def multi_lora_linear(
     vera_tenants: vera.VeraTenants | None = None,
     split: TokenSplit | None = None,
     x_rows: Tensor | None = None,
+    replay: MaskReplay | None = None,
 ) -> Tensor:
     """``Y = X W^T + b`` plus each segment's ``s_a B_a A_a (X ⊙ M / (1-p_a))``; see the module doc.
 
@@ -82,6 +85,8 @@ def multi_lora_linear(
         split: a column-parallel layer's TP group (``token_split.py``): then ``x_rows`` (this rank's rows of ``x``,
             ``split.rows_of``) is saved for ``dA`` instead of ``x``, and the backward reduce-scatters ``dS``; None:
             ``x`` is saved whole (one rank).
+        replay: how ``keep`` was drawn (:meth:`MaskReplay.next_draw`): then the mask is not saved, the backward
+            draws it again; None: ``keep`` itself is saved (a mask the caller made some other way).
 
     Returns:
         ``(T, N)``. Gradients flow to ``x`` and to every ``A_a``, ``B_a`` (None for an adapter
@@ -101,21 +106,23 @@ def multi_lora_linear(
     vectors = () if vera_tenants is None else (*vera_tenants.lambda_d, *vera_tenants.lambda_b)
     if (split is None) != (x_rows is None):
         raise ValueError("multi_lora_linear: a token split needs its rows of x (split.rows_of), and only it does")
+    if replay is not None and keep is None:
+        raise ValueError("multi_lora_linear: a mask replay needs the mask it replays (keep)")
     return _MultiLoraFunction.apply(
-        x, weight, bias, routing, keep, backend, vera_tenants, split, x_rows, *lora_A, *lora_B, *vectors
+        x, weight, bias, routing, keep, backend, vera_tenants, split, x_rows, replay, *lora_A, *lora_B, *vectors
     )
 
 
 class _MultiLoraFunction(torch.autograd.Function):
-    """Autograd glue: one saved bool keep-mask, one dX buffer, per-backend forward/backward, then the VeRA tenants'
-    (``vera.update``, ``vera.update_backward``) in the same ``Y`` and ``dX``.
+    """Autograd glue: the keep-mask's replay (or a caller's mask), one dX buffer, per-backend forward/backward, then
+    the VeRA tenants' (``vera.update``, ``vera.update_backward``) in the same ``Y`` and ``dX``.
 
     The input is saved only for the LoRA and DoRA tenants' ``dA`` (VeRA's backward needs none: its ``S0`` is saved):
     whole, or under a token split this rank's rows of it (``token_split.py``), and not at all when no such tenant
     owns rows."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, routing, keep, backend, tenants, split, x_rows, *factors):
+    def forward(ctx, x, weight, bias, routing, keep, backend, tenants, split, x_rows, replay, *factors):
         n = len(routing.scalings)
         lora = factors[: 2 * n]  # then the VeRA tenants' vectors: autograd's inputs, read through ``tenants``
         y, saved = _implementation(backend).forward(x, weight, bias, lora[:n], lora[n:], routing, keep)
@@ -127,16 +134,19 @@ class _MultiLoraFunction(torch.autograd.Function):
         ctx.routing, ctx.backend, ctx.used, ctx.tenants = routing, backend, used, tenants
         ctx.n_vera_saved = len(vera_saved)
         ctx.unused = [None if a in used else (lora[a], lora[n + a]) for a in range(n)]  # shapes only
-        ctx.split, ctx.total = split, x.shape[0]
+        ctx.split, ctx.total, ctx.replay = split, x.shape[0], replay
         lora_used = (*(lora[a] for a in used), *(lora[n + a] for a in used))
         x_saved = (x if split is None else x_rows) if used else None
-        ctx.save_for_backward(x_saved, weight, keep, *lora_used, *saved, *vera_saved)
+        # With a replay the (T, K) mask is dropped here and drawn again in the backward (dropout.py)
+        ctx.save_for_backward(x_saved, weight, keep if replay is None else None, *lora_used, *saved, *vera_saved)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y):
         x, weight, keep, *rest = ctx.saved_tensors
+        if ctx.replay is not None:
+            keep = ctx.replay.mask()  # the forward's mask, bit for bit; freed when this backward returns
         used = ctx.used
         lora_A = [None if pair is None else pair[0] for pair in ctx.unused]
         lora_B = [None if pair is None else pair[1] for pair in ctx.unused]
@@ -144,7 +154,7 @@ class _MultiLoraFunction(torch.autograd.Function):
             lora_A[a], lora_B[a] = rest[j], rest[len(used) + j]
         saved = rest[2 * len(used) : len(rest) - ctx.n_vera_saved]
         n = len(lora_A)
-        need_x, need_lora = ctx.needs_input_grad[0], any(ctx.needs_input_grad[9 : 9 + 2 * n])
+        need_x, need_lora = ctx.needs_input_grad[0], any(ctx.needs_input_grad[10 : 10 + 2 * n])
         impl = _implementation(ctx.backend)
         share = None
         if ctx.split is not None and x is not None:  # x: this rank's rows (token_split.py)
@@ -158,7 +168,7 @@ class _MultiLoraFunction(torch.autograd.Function):
         if ctx.tenants is not None:
             vera_saved = rest[len(rest) - ctx.n_vera_saved :]
             d_grads, b_grads = vera.update_backward(grad_y, dx, keep, ctx.tenants, vera_saved)
-        return dx, None, None, None, None, None, None, None, None, *dA, *dB, *d_grads, *b_grads
+        return dx, None, None, None, None, None, None, None, None, None, *dA, *dB, *d_grads, *b_grads
 
 
 def _implementation(backend: LoraBackend) -> ModuleType:
@@ -429,7 +439,9 @@ class MultiLoraLinear(nn.Module):
         """``x (..., in_features) -> (..., out_features)``; leading dims flatten to the segment rows."""
         routing = self.routing()
         x2 = x.reshape(-1, self.in_features)  # (T, K), T = prod(leading dims)
-        keep = draw_keep_mask(*x2.shape, routing, device=x2.device) if self.training else None
+        # the mask's generator state, then the mask: used in this forward, drawn again in the backward
+        replay = MaskReplay.next_draw(*x2.shape, routing, x2.device) if self.training else None
+        keep = None if replay is None else draw_keep_mask(*x2.shape, routing, device=x2.device)
         weight = self.base_layer.weight  # a quantized base dequantizes it here, once a call
         # The dicts' own parameter maps, in the order of the LoRA and DoRA adapters among self.adapters (add_adapter
         # inserts into both alike): ParameterDict.__getitem__ costs ~0.7 us a key, every call.
@@ -440,10 +452,10 @@ class MultiLoraLinear(nn.Module):
         split = self.token_split if torch.is_grad_enabled() and any(lora_routing.segments.lengths) else None
         x_rows = None if split is None else split.rows_of(x, x2)
         y = multi_lora_linear(
-            x2, weight, bias, lora_A, lora_B, lora_routing, keep, self.backend, tenants, split, x_rows
+            x2, weight, bias, lora_A, lora_B, lora_routing, keep, self.backend, tenants, split, x_rows, replay
         )
         if self.lora_magnitude_vector:
-            y = self._dora(y, x2, keep, routing, weight)
+            y = self._dora(y, x2, keep, replay, routing, weight)
         return y.view(*x.shape[:-1], self.out_features)  # (..., N)
 
     def _vera_tenants(self, routing: LoraRouting) -> tuple[LoraRouting, vera.VeraTenants]:
@@ -464,7 +476,9 @@ class MultiLoraLinear(nn.Module):
             self._weight_sq = (key, dora.row_squares(base.weight))
         return self._weight_sq[1]
 
-    def _dora(self, y: Tensor, x: Tensor, keep: Tensor | None, routing: LoraRouting, weight: Tensor) -> Tensor:
+    def _dora(
+        self, y: Tensor, x: Tensor, keep: Tensor | None, replay: MaskReplay | None, routing: LoraRouting, weight: Tensor
+    ) -> Tensor:
         """The DoRA rescale (``dora.py``) of the rows of this call's DoRA adapters that own rows."""
         ids = list(self.adapters)
         with_rows = {a for a, length in zip(routing.segments.adapter_ids, routing.segments.lengths) if length}
@@ -483,7 +497,7 @@ class MultiLoraLinear(nn.Module):
         scale = torch.stack([self.lora_magnitude_vector[k] for k in keys]) / norms  # g = m / n
         bias = self.base_layer.bias
         dropouts = [routing.dropouts[i] for i in used]
-        return dora.rescale(y, x, keep, weight, bias, routing.segments, used, scale, dropouts)
+        return dora.rescale(y, x, keep, weight, bias, routing.segments, used, scale, dropouts, replay)
 
     def extra_repr(self) -> str:
         kinds = {i: "" if s.kind == "LoRA" else f", {s.kind}" for i, s in self.adapters.items()}
