@@ -44,6 +44,16 @@ PEFT's ``use_dora`` layers one task at a time (PEFT reads ``use_dora`` from ``co
 with the same adapters as plain LoRA: ``peft_seq/ours`` over the DoRA steps (the bar: never below 1.0x), and each
 implementation's DoRA/LoRA time ratio beside the analytic model's factor (``costmodel.dora_cost``) and PEFT PR
 #1474's 1.6-2.1x.
+
+**Mask rows** (``--masks``): the adapter-dropout keep-mask kept for the backward against drawn again there
+(``dropout.MaskReplay``, as ``MultiLoraLinear`` runs it), one operator call (``multi_lora_linear``, the 8 LoRA
+adapters of equal rank, dropout 0.1) each, interleaved in one process: ``kept`` hands the operator the mask alone
+(it saves the ``(T, K)`` bool, the operator before the replay), ``replayed`` hands it the mask and its replay too
+(it saves the generator state and draws the mask again in the backward). Per row: the bytes the forward saves
+for the backward (distinct storages, weights left out; the replay's generator state on the host is not a saved
+tensor and is counted beside: 5,056 bytes on CPU), replayed / kept, and the step times' ratio replayed / kept.
+
+    python benchmarks/bench_multi_lora.py --masks --threads 1 --clock cpu   # the mask rows
 """
 
 from __future__ import annotations
@@ -60,7 +70,8 @@ import torch
 from peft.tuners.lora.layer import Linear as PeftLinear
 from torch import nn
 
-from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.dropout import MaskReplay, default_generator, draw_keep_mask
+from lorafleet.executor.torch.multi_lora import MultiLoraLinear, multi_lora_linear
 from lorafleet.executor.torch.routing import LoraBackend, Segments
 from lorafleet.specs.lora import LoraSpec
 
@@ -275,6 +286,84 @@ def dora_rows(args: argparse.Namespace, clock: Callable[[], float], device: torc
     )
 
 
+def mask_steps(
+    hidden: int, specs: list[LoraSpec], tokens: int, device: torch.device, dtype: torch.dtype
+) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[[], int]]]:
+    """One fwd+bwd step of the operator with the keep-mask ``kept`` and ``replayed`` (module doc), on the same
+    base, adapters, inputs and upstream gradient, as the device's backend runs it; and per mode the bytes one
+    forward saves for the backward."""
+    layer = MultiLoraLinear(nn.Linear(hidden, hidden, bias=False, device=device, dtype=dtype))
+    for i, spec in enumerate(specs):
+        layer.add_adapter(i, spec)
+    randomize(layer.parameters())
+    layer.segments = Segments.packed(range(N_ADAPTERS), [tokens] * N_ADAPTERS)
+    routing, weight = layer.routing(), layer.base_layer.weight
+    lora_A, lora_B = list(layer.lora_A.values()), list(layer.lora_B.values())
+    T = tokens * N_ADAPTERS
+    x = torch.randn(T, hidden, device=device, dtype=dtype, requires_grad=True)
+    grad_y = torch.randn(T, hidden, device=device, dtype=dtype)
+
+    def forward(replaying: bool) -> torch.Tensor:
+        replay = MaskReplay.next_draw(T, hidden, routing, device) if replaying else None
+        keep = draw_keep_mask(T, hidden, routing, device=device)
+        return multi_lora_linear(x, weight, None, lora_A, lora_B, routing, keep, replay=replay)
+
+    def step(replaying: bool) -> Callable[[], None]:
+        def run() -> None:
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            forward(replaying).backward(grad_y)
+
+        return run
+
+    def saved_bytes(replaying: bool) -> Callable[[], int]:
+        def count() -> int:
+            weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+            storages: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                if t.untyped_storage().data_ptr() not in weights:
+                    storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                forward(replaying)
+            return sum(storages.values())
+
+        return count
+
+    modes = {"kept": False, "replayed": True}
+    return {m: step(r) for m, r in modes.items()}, {m: saved_bytes(r) for m, r in modes.items()}
+
+
+def mask_rows(args: argparse.Namespace, clock: Callable[[], float], device: torch.device, dtype: torch.dtype) -> None:
+    """The mask table (module doc): per shape, saved bytes and step time with the keep-mask kept and replayed."""
+    where = (
+        "synchronized wall clock" if device.type == "cuda" else f"{torch.get_num_threads()} threads, {args.clock} clock"
+    )
+    state = default_generator(device).get_state().nbytes
+    print(f"{N_ADAPTERS} LoRA adapters, dropout {DROPOUT}, {args.dtype} {device.type}, {where}, fwd+bwd per step")
+    print(f"generator state a replay keeps on the host: {state:,} bytes a call")
+    print(
+        f"{'layer':<16} {'tok/adapter':>11} {'mask MiB':>9} {'kept MiB':>9} {'replayed MiB':>13} {'bytes r/k':>10} "
+        f"{'kept ms':>9} {'time r/k':>9} {'load':>5}"
+    )
+    for sweep in (s for s in SWEEPS if s.ranks == "equal"):
+        repeats = max(3, sweep.repeats // 3) if args.quick else sweep.repeats
+        seconds = args.row_seconds / 3 if args.quick else args.row_seconds
+        for tokens in sweep.quick_tokens if args.quick else sweep.tokens:
+            steps, saved = mask_steps(sweep.hidden, adapter_specs(sweep.rank, "equal"), tokens, device, dtype)
+            kept, replayed = saved["kept"](), saved["replayed"]()
+            median = measure(steps, repeats, seconds, clock, warmups=2 if device.type == "cuda" else 1)
+            mib = 1 << 20
+            print(
+                f"{sweep.layer:<16} {tokens:>11} {tokens * N_ADAPTERS * sweep.hidden / mib:>9.2f} {kept / mib:>9.2f} "
+                f"{replayed / mib:>13.2f} {replayed / kept:>10.3f} {median['kept'] * 1e3:>9.2f} "
+                f"{median['replayed'] / median['kept']:>9.3f} {os.getloadavg()[0]:>5.1f}",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few shapes, fewer repeats")
@@ -300,6 +389,7 @@ def main() -> None:
         help=f"timed seconds per row, all methods together (default {ROW_SECONDS:g}; --quick: a third)",
     )
     parser.add_argument("--dora", action="store_true", help="the DoRA table instead (module doc)")
+    parser.add_argument("--masks", action="store_true", help="the keep-mask table instead: kept vs replayed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -309,6 +399,9 @@ def main() -> None:
     torch.manual_seed(0)
     if args.dora:
         dora_rows(args, clock, device, dtype)
+        return
+    if args.masks:
+        mask_rows(args, clock, device, dtype)
         return
 
     # Every ratio is (other method) / (the operator as the device runs it: Triton on CUDA).
