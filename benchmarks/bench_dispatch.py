@@ -179,6 +179,17 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
+def collect_as_lorafleet() -> None:
+    """This process's cyclic collector as lorafleet's processes that dispatch run it (every command and rank 0 of a
+    training run: ``runtime.gc_policy``), so the benchmark's full collections are the ones a run gets; a tree from
+    before that module (``--against``) set the same threshold in ``cli.main``."""
+    try:
+        from lorafleet.runtime.gc_policy import GC_GEN0_THRESHOLD
+    except ImportError:
+        from lorafleet.cli import GC_GEN0_THRESHOLD
+    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
+
+
 class FullCollections:
     """Counts the interpreter's full garbage collections (generation 2) while active: each walks every object of the
     process (~40-60 ms in this benchmark's process), and the steps they land in set a 100-step p95. The dispatcher
@@ -376,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="--against: rounds a side (default 2)")
     parser.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)  # --against's subprocesses
     args = parser.parse_args(argv)
+    collect_as_lorafleet()
     for name in args.scenarios.split(","):
         if args.against:
             against(name.strip(), args.against, args.timing_steps, args.rounds)

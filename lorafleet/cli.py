@@ -9,7 +9,6 @@ this module imports none itself.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import pkgutil
 import sys
@@ -17,6 +16,7 @@ from collections.abc import Sequence
 
 from lorafleet import __version__, commands
 from lorafleet.errors import EXIT_INPUT_ERROR, exit_code
+from lorafleet.runtime.gc_policy import fewer_collections
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -38,22 +38,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-GC_GEN0_THRESHOLD = 10_000
-"""Allocations between two young-generation collections while a command runs (Python's default: 700).
-The parser's imports and a plan make millions of short-lived objects (pydantic schemas, PuLP
-expressions, micro-batches, step plans) that reference counting frees; at 700 the cyclic collector
-ran ~260 times in a plan of lobra-70b on 64 GPUs for ~0.1 CPU s (2 % of the command) and freed
-almost nothing; at 10,000, 12 times for 0.035 s (and the imports save 0.03 s more)."""
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command, the cyclic garbage collector less often meanwhile (:data:`GC_GEN0_THRESHOLD`)."""
-    thresholds = gc.get_threshold()
-    gc.set_threshold(GC_GEN0_THRESHOLD, *thresholds[1:])
-    try:
+    """Run one command, the cyclic garbage collector less often meanwhile (``runtime.gc_policy``)."""
+    with fewer_collections():
         return exit_code(lambda: _run(argv))
-    finally:
-        gc.set_threshold(*thresholds)
 
 
 def _run(argv: Sequence[str] | None) -> int:

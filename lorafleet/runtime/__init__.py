@@ -9,5 +9,6 @@ executor (``lorafleet.executor.torch``) use. Nothing here imports torch, so ``lo
   export (``step_dir_name``, ``resumable_checkpoint``, ``export_adapters``), and ``base_quantization.py``: the
   quantized base a checkpoint records, what a resume and a launch check of it, and the card's words;
 - ``layout.py``: degree arithmetic (which rank holds which replica, stage, TP shard and layers);
-- ``host_memory.py``: a CPU rank keeps its freed heap between steps.
+- ``host_memory.py``: a CPU rank keeps its freed heap between steps;
+- ``gc_policy.py``: how often every command and every rank runs the cyclic garbage collector.
 """

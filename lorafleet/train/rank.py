@@ -19,6 +19,7 @@ from lorafleet.errors import EXIT_INPUT_ERROR, InputError, exit_code
 
 def main(argv: Sequence[str]) -> int:
     """Run this process's rank of the run file ``argv[0]``."""
+    from lorafleet.runtime.gc_policy import fewer_collections
     from lorafleet.runtime.processes import catch_stop_signals, die_with_torchrun
 
     die_with_torchrun()  # first, before the imports and reads of start-up: never outlive the run
@@ -30,7 +31,8 @@ def main(argv: Sequence[str]) -> int:
         raise InputError("<args>", "", "usage: python -m lorafleet.train.rank RUN_FILE (started by lorafleet train)")
     resolved = ResolvedRun.load(argv[0])
     try:
-        return train_rank(resolved.options, resolved.prepared())
+        with fewer_collections():  # as every command: rank 0 dispatches each step (runtime.gc_policy)
+            return train_rank(resolved.options, resolved.prepared())
     except InputError as err:  # the launcher says it, once for the run (train.failures)
         from lorafleet.train.failures import record_input_error
 
