@@ -15,6 +15,7 @@ from lorafleet.executor.torch import multi_lora
 from lorafleet.executor.torch.dropout import MaskReplay, draw_keep_mask
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 from lorafleet.executor.torch.routing import LoraBackend, Segments
+from lorafleet.executor.torch.token_split import TokenSplit
 from lorafleet.specs.lora import LoraSpec
 
 K, N = 24, 20
@@ -30,9 +31,10 @@ ROWS = 23
 SEED = 7
 
 
-def layer(backend: LoraBackend) -> MultiLoraLinear:
+def layer(backend: LoraBackend, split: TokenSplit | None = None) -> MultiLoraLinear:
     """The layer of :data:`SPECS` on :data:`SEGMENTS`, its factors moved off their start (``B != 0``, ``m`` not
-    ``||W||_c``) so every gradient depends on the mask."""
+    ``||W||_c``) so every gradient depends on the mask; with ``split`` a column-parallel TP rank's (its rows of the
+    input saved, ``token_split.py``)."""
     torch.manual_seed(3)  # the base layer's init
     gen = torch.Generator().manual_seed(3)
     out = MultiLoraLinear(nn.Linear(K, N), backend=backend).train()
@@ -42,7 +44,15 @@ def layer(backend: LoraBackend) -> MultiLoraLinear:
     with torch.no_grad():
         out.lora_magnitude_vector["1"].mul_(1.3)
     out.segments = SEGMENTS
+    out.token_split = split
     return out
+
+
+def rank_rows_alone(self: TokenSplit, buffer: torch.Tensor, total: int) -> torch.Tensor:
+    """``TokenSplit.reduce`` without a process group: this rank's rows of its own ``dS'`` (the other rank's
+    partial left out), so one process plays a TP rank's backward: its ``dA`` from its rows of ``X`` and ``M``."""
+    first, end = self.bounds(total)
+    return buffer[first:end]
 
 
 def gradients(net: MultiLoraLinear, recompute: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -107,14 +117,20 @@ def differs(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> set[
     return {name for name, tensor in want.items() if not torch.equal(got[name], tensor)}
 
 
-def replay_against_kept(backend: LoraBackend, recompute: bool, monkeypatch) -> None:
+def replay_against_kept(backend: LoraBackend, recompute: bool, monkeypatch, split: TokenSplit | None = None) -> None:
     """The gradients, output and after-forward generator state with the mask drawn again equal those with the
-    forward's mask kept, bit for bit; the kept masks drop something on every dropping adapter's rows."""
+    forward's mask kept, bit for bit; the kept masks drop something on every dropping adapter's rows. With
+    ``split``, as that TP rank's backward (:func:`rank_rows_alone`): ``dX`` reads the whole mask, ``dA`` its rows."""
     with masks_kept(monkeypatch) as drawn:
-        want, want_state = gradients(layer(backend), recompute)
+        if split is not None:
+            monkeypatch.setattr(TokenSplit, "reduce", rank_rows_alone)
+        want, want_state = gradients(layer(backend, split), recompute)
     keep = next(iter(drawn.values()))
     assert not keep[:5].all() and not keep[5:11].all() and keep[15:18].all()  # LoRA and DoRA drop, p = 0 keeps
-    got, got_state = gradients(layer(backend), recompute)
+    if split is not None:
+        monkeypatch.setattr(TokenSplit, "reduce", rank_rows_alone)
+    got, got_state = gradients(layer(backend, split), recompute)
+    monkeypatch.undo()
     assert_bitwise_equal(got, want)
     assert torch.equal(got_state, want_state)
 

@@ -18,6 +18,7 @@ from torch import nn
 from lorafleet.executor.torch.dropout import MaskReplay, draw_keep_mask
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
 from lorafleet.executor.torch.routing import LoraBackend, LoraRouting, Segments
+from lorafleet.executor.torch.token_split import TokenSplit
 from lorafleet.specs.lora import LoraSpec
 from tests.executor.torch import mask_replay_cases as cases
 from tests.helpers.repo import REPO
@@ -51,6 +52,15 @@ def test_gradients_equal_those_of_the_kept_mask(recompute, monkeypatch):
     every factor's gradient with the mask drawn again equal those with the forward's mask kept, bit for bit, and the
     global generator leaves the forward in the same state; under ``torch.utils.checkpoint`` too."""
     cases.replay_against_kept(LoraBackend.TORCH, recompute, monkeypatch)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_token_split_rank_reads_the_replayed_mask(rank, monkeypatch):
+    """TP rank ``rank`` of 2 of a column-parallel layer (``token_split.py``: its rows of ``X`` saved, ``dA`` from
+    them and their rows of the mask, ``dX`` from the whole mask), its ``dS'`` summed over itself alone: gradients
+    with the mask drawn again equal those with the forward's mask kept, bit for bit, recomputed too."""
+    cases.replay_against_kept(LoraBackend.TORCH, True, monkeypatch, TokenSplit(rank, 2, None))
+    cases.replay_against_kept(LoraBackend.TORCH, False, monkeypatch, TokenSplit(rank, 2, None))
 
 
 def test_a_replay_from_another_state_is_caught(monkeypatch):
@@ -101,11 +111,12 @@ def test_no_keep_mask_is_saved(use_dora):
 
 def test_triton_gradients_equal_those_of_the_kept_mask():
     """The Triton backend in its interpreter (``kernels/interpreted_mask_replay.py``, a fresh process with
-    TRITON_INTERPRET=1): the same comparisons as above, stored and recomputed, and the perturbed replay caught."""
+    TRITON_INTERPRET=1): the same comparisons as above, stored, recomputed and as a token-split rank, and the
+    perturbed replay caught."""
     cases_file = Path(__file__).parent / "kernels" / "interpreted_mask_replay.py"
     command = [sys.executable, "-m", "pytest", "-q", "--noconftest", "-p", "no:cacheprovider", str(cases_file)]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     summary = result.stdout.splitlines()[-1]
-    assert "3 passed" in summary and "skipped" not in summary, summary
+    assert "4 passed" in summary and "skipped" not in summary, summary

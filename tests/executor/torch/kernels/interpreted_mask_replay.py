@@ -14,6 +14,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 import pytest
 
 from lorafleet.executor.torch.routing import LoraBackend
+from lorafleet.executor.torch.token_split import TokenSplit
 from tests.executor.torch import mask_replay_cases as cases
 
 
@@ -21,6 +22,12 @@ from tests.executor.torch import mask_replay_cases as cases
 def test_triton_gradients_equal_those_of_the_kept_mask(recompute, monkeypatch):
     """As ``test_dropout_replay.test_gradients_equal_those_of_the_kept_mask``, on the Triton kernels."""
     cases.replay_against_kept(LoraBackend.TRITON, recompute, monkeypatch)
+
+
+def test_a_triton_token_split_rank_reads_the_replayed_mask(monkeypatch):
+    """As ``test_dropout_replay.test_a_token_split_rank_reads_the_replayed_mask``, rank 1 of 2, on the Triton
+    kernels (its weight-gradient kernel over the rank's rows and their mask)."""
+    cases.replay_against_kept(LoraBackend.TRITON, False, monkeypatch, TokenSplit(1, 2, None))
 
 
 def test_a_triton_replay_from_another_state_is_caught(monkeypatch):
