@@ -15,6 +15,7 @@
 #
 #   env        nvidia-smi; python, torch, triton, transformers, peft versions; CUDA visible; lorafleet imports
 #   gpu-tests  pytest tests/gpu: compiled Triton kernels vs the torch backend (fp32, bf16), AUTO -> Triton,
+#              the dropout keep-mask drawn again from CUDA's Philox state (dropout.MaskReplay),
 #              FlashAttention varlen vs the per-document loop, Qwen3/Gemma 2/Gemma 3/Phi-3 stages (bf16) vs their
 #              own transformers models, lorafleet train --device cuda (NCCL) smoke
 #   profile    lorafleet profile --device cuda --dtype bf16 on smollm2-135m, TP1 (<1,1>, <1,2>, <1,1> recompute),
