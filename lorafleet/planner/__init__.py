@@ -15,7 +15,8 @@ problem), :mod:`.fallback` (the heuristic deployment), :mod:`.deployment_ilp` (t
 proposes) and :mod:`.joint_minlp` (LobRA's MINLP), :mod:`.search` (the pool of deployments), :mod:`.frontier` and
 :mod:`.cost_search` (the cost objective's sweep over step times, its frontier, and its search),
 :mod:`.evaluation` (a deployment's expected dispatch), :mod:`.refine` (trims and swaps) and :mod:`.local_search`
-(the first-improvement search of swaps and of the cost objective's moves), :mod:`.placement`
+(the first-improvement search of swaps and of the cost objective's moves; :mod:`.fluid_split` spares it LPs),
+:mod:`.placement`
 (GPUs, then the DeploymentPlan), :mod:`.baselines` and :mod:`.schedule` (replayable schedules),
 :mod:`.bounds` (lower bounds) and :mod:`.plot` (a plan's load per replica, as a PNG); :mod:`.base_choice`
 (``quantize: auto``: the fleet planned once per candidate base, the better plan kept; :mod:`.sizing_bases`, sized

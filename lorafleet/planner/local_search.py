@@ -6,7 +6,8 @@ From each start, the moves of the current deployment p are looked at in their or
 once (``seen``). A move p' has a bar t̄(p, p'), the slowest expected step at which it would still be
 better than p (a makespan to beat, or the step at which p''s replicas cost as much a step as p's).
 It is judged only when its LP bound (:func:`~lorafleet.dispatch.balance.fluid_bound`, no dispatch on p'
-is faster) is below t̄, and then only up to t̄ (:func:`.evaluation.evaluate_below`). The first move
+is faster) is below t̄, and then only up to t̄ (:func:`.evaluation.evaluate_below`); the LP is not solved where a
+feasible split of it already lies below t̄ (:func:`.fluid_split.passes_fluid_bound`: the same decision). The first move
 judged below its bar becomes p, and the search goes on from it until no move is better, or until the
 budget (``options.polish_evaluations``, shared by all the starts) is spent.
 """
@@ -21,6 +22,7 @@ import numpy as np
 
 from lorafleet.dispatch import fluid_bound
 from lorafleet.planner.evaluation import PoolEntry, evaluate_below, pool_entry
+from lorafleet.planner.fluid_split import passes_fluid_bound
 from lorafleet.planner.options import PlannerOptions
 from lorafleet.planner.problem import PlanningProblem
 
@@ -67,8 +69,10 @@ def first_improvements(
                     spent += 1
                 slowest = bar(current, replicas)
                 candidate = pool_entry(problem, replicas, f"{how}:{start.source}", filtered=False)
-                if candidate.load is None or fluid_bound(candidate.load) >= slowest:
-                    continue  # it cannot hold the batch, or no dispatch on it is fast enough (the LP's bound)
+                if candidate.load is None:
+                    continue  # it cannot hold the batch
+                if not passes_fluid_bound(candidate.load, slowest) and fluid_bound(candidate.load) >= slowest:
+                    continue  # no dispatch on it is fast enough (the LP's bound)
                 if budget is Budget.JUDGED:
                     spent += 1
                 expected = evaluate_below(problem, candidate.load, slowest, options)

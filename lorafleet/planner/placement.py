@@ -37,9 +37,13 @@ def place_replicas(
             ((c.tp, r, stage) for r, c in enumerate(configs) if c.pool == pool.name for stage in range(c.pp)),
             key=lambda g: (-g[0], g[1], g[2]),
         )
+        node, size = 0, 0
         for tp, r, stage in groups:
-            node = next((n for n in range(pool.nodes) if per_node - used[n] >= tp), None)
-            if node is None:
+            if tp != size:  # a smaller group may fit where a larger one did not: first fit from the first node
+                node, size = 0, tp
+            while node < pool.nodes and per_node - used[node] < tp:
+                node += 1  # for one size, the nodes before the last fit stay too full: first fit resumes there
+            if node == pool.nodes:
                 where = f" of pool {pool.name!r}" if pool.name else ""
                 raise ValueError(
                     f"cannot place a TP group of {tp} GPUs: nodes{where} hold {[per_node - u for u in used]} free GPUs"

@@ -44,7 +44,7 @@ def _removal_candidates(problem: PlanningProblem, entry: PoolEntry, bar: float) 
         p = len(cls.replicas)
         if p >= 2:
             times = expected.class_times.copy()
-            times[k] = class_times(problem, _one_fewer(load, k), expected.class_counts, only=k, above=bar)[k]
+            times[k] = class_times(problem, _one_fewer(load, k), expected.class_counts, only=(k,), above=bar)[k]
             out.append((int(i), float(times.max())))
         elif expected.class_times[k] - float(load.overhead_s[k]) <= slack - (bar - expected.class_times[k]):
             out.append((int(i), None))

@@ -53,6 +53,19 @@ def test_proposal_keeps_the_best_per_class_and_gpu_count():
         )
 
 
+def _first_fit_starts(replicas, nodes: int, per_node: int) -> list[tuple[int, ...]]:
+    """Each replica's stages' first GPUs under first fit decreasing by TP, scanning every node from the first
+    for each group (what ``place_replicas`` places)."""
+    used = [0] * nodes
+    starts: dict[tuple[int, int], int] = {}
+    groups = [(r.config.tp, k, s) for k, r in enumerate(replicas) for s in range(r.config.pp)]
+    for tp, k, stage in sorted(groups, key=lambda g: (-g[0], g[1], g[2])):
+        node = next(n for n in range(nodes) if per_node - used[n] >= tp)
+        starts[k, stage] = node * per_node + used[node]
+        used[node] += tp
+    return [tuple(starts[k, s] for s in range(r.config.pp)) for k, r in enumerate(replicas)]
+
+
 def _placeable(groups: list[int], nodes: int, per_node: int) -> bool:
     """Brute force: can TP groups of these sizes be assigned to nodes without exceeding any node?"""
     free = [per_node] * nodes
@@ -97,6 +110,7 @@ def test_gpu_budget_rows_are_exactly_the_placeable_deployments(nodes, per_node):
             )
             gpus = [g for r in replicas for g in r.gpus]
             assert len(gpus) == len(set(gpus)) and all(0 <= g < cluster.n_gpus for g in gpus)
+            assert [r.gpus[:: r.config.tp] for r in replicas] == _first_fit_starts(replicas, nodes, per_node)
             for r in replicas:
                 for stage in range(r.config.pp):
                     group = r.gpus[stage * r.config.tp : (stage + 1) * r.config.tp]
