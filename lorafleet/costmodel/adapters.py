@@ -10,7 +10,7 @@ an input.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lorafleet.specs.lora import FUSED_TARGET_MODULES, LLAMA_TARGET_MODULES, LoraSpec, OptimizerName
 from lorafleet.specs.model import ModelSpec
@@ -82,6 +82,8 @@ class AdapterLoad:
     """One adapter per task."""
     optimizer: OptimizerName = OptimizerName.ADAMW
     """Optimizer of every task (sets the states kept per parameter)."""
+    _per_layer: dict[ModelSpec, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """:meth:`params_per_layer` by model, summed once: a plan asks ~150 times, each a sum over every task."""
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -117,7 +119,9 @@ class AdapterLoad:
 
     def params_per_layer(self, model: ModelSpec) -> int:
         """All tasks' adapter parameters in one block."""
-        return sum(t.params_per_layer(model) for t in self.tasks)
+        if model not in self._per_layer:
+            self._per_layer[model] = sum(t.params_per_layer(model) for t in self.tasks)
+        return self._per_layer[model]
 
     def total_params(self, model: ModelSpec) -> int:
         """All tasks' adapter parameters in the whole model (L blocks)."""

@@ -157,3 +157,19 @@ def test_a_measured_forward_prices_an_evaluation_instead_of_the_shares():
     fleet = CostModel.of_pools({"a": cm, "b": CM})
     assert fleet.forward_time(one.in_pool("a"), mbs) == cm.forward_time(one, mbs)
     assert fleet.forward_time(one.in_pool("b"), mbs) == CM.forward_time(one, mbs)
+
+
+def test_an_adapter_load_sums_its_tasks_once_per_model(monkeypatch):
+    """A plan asks a load's parameters per block ~150 times; the sum over its tasks runs once per model (work count),
+    and a load made by ``replace`` sums its own tasks."""
+    from lorafleet.costmodel.adapters import TaskAdapter
+
+    calls = []
+    per_task = TaskAdapter.params_per_layer
+    monkeypatch.setattr(TaskAdapter, "params_per_layer", lambda self, model: calls.append(1) or per_task(self, model))
+    load = AdapterLoad.uniform(4)
+    seven, seventy = MODEL_PRESETS["llama2-7b"], MODEL_PRESETS["llama2-70b"]
+    first = [load.params_per_layer(seven) for _ in range(3)]
+    assert first == [4 * per_task(load.tasks[0], seven)] * 3 and len(calls) == 4
+    assert load.params_per_layer(seventy) == 4 * per_task(load.tasks[0], seventy) and len(calls) == 8
+    assert replace(load, tasks=load.tasks[:2]).params_per_layer(seven) == first[0] // 2 and len(calls) == 10
