@@ -8,7 +8,8 @@ Scenarios (the workloads' own seeds; steps 0, 1, 2, ... sampled with lorafleet.s
 - ``70b``: examples/lobra-70b.yaml on <2,2> x 8 + <4,2> x 2 + <8,2> x 1 (64 A800-80GB),
   with LobRA-style M of 4096 / 8192 / 16384 at TP 2 / 4 / 8: our choice, see docs/dispatch.md.
 - ``service-64``: examples/service-64.yaml (64 tenants, 3,840 sequences a step) on the 84 replicas of
-  15 configs that ``lorafleet plan examples/service-64.yaml`` chooses on 1,024 A800-80GB, the analytic
+  15 configs that ``lorafleet plan examples/service-64.yaml`` chose on 1,024 A800-80GB on 2026-12-03 (wave 1; a fixed
+  deployment, so the figures stay comparable: today's plan is 91 replicas of 13 configs), the analytic
   model's M, under the default policy (packed micro-batches, pipeline window 8): speed only.
 - ``service-sweeps``: examples/service-sweeps.yaml (64 tasks, a 16-member sweep each: 1,024 tenants, 15,360
   sequences a step) on the 7 replicas of 5 configs ``lorafleet plan`` chooses for it on the same GPUs: speed only.
@@ -133,11 +134,11 @@ SCENARIOS = {
         tuple(
             (ParallelConfig.parse(name), count)
             for name, count in (
-                ("tp2_pp80_rc", 2),
-                ("tp4_pp40", 2),
-                ("tp8_pp10_rc", 1),
-                ("tp8_pp16", 1),
-                ("tp8_pp20", 1),
+                ("tp2_pp80", 1),
+                ("tp4_pp40", 1),
+                ("tp8_pp16", 2),
+                ("tp8_pp16_rc", 1),
+                ("tp8_pp40", 1),
             )
         ),
         None,
@@ -146,8 +147,9 @@ SCENARIOS = {
         speed_only=True,
     ),
 }
-"""``service-sweeps``: 1,024 tenants (64 tasks, a 16-member sweep each), on the deployment ``lorafleet plan`` chose
-for them (2026-12-06, 16:00 UTC; earlier that day it chose <2,40,rc> x 1 + <2,80> x 1 + <2,80,rc> x 2 + <8,10,rc> x 2 +
+"""``service-sweeps``: 1,024 tenants (64 tasks, a 16-member sweep each), on the deployment ``lorafleet plan`` chooses
+for them since the split LoRA inputs (2026-12-07, stop 51; from 2026-12-06 16:00 UTC it chose <2,80,rc> x 2 + <4,40> x 2
++ <8,10,rc> x 1 + <8,16> x 1 + <8,20> x 1, earlier that day <2,40,rc> x 1 + <2,80> x 1 + <2,80,rc> x 2 + <8,10,rc> x 2 +
 <8,16> x 1 + <8,20> x 1)."""
 
 
