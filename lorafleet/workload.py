@@ -287,18 +287,18 @@ def length_histogram(values: Sequence[int] | np.ndarray) -> dict[int, int]:
 def _dataset_histogram(data: DataSpec, workload: WorkloadSpec, tokenizer: Callable[[], Any]) -> dict[int, int]:
     """The token-length histogram of every row of ``data``, tokenized as training will tokenize them (by
     ``tokenizer()``), or as a tokenization of the same bytes by the same tokenizer left it (``data.length_cache``:
-    then no tokenizer is loaded)."""
+    then no tokenizer is loaded; a tokenization here is kept there, for the ranks that train on the data)."""
     from lorafleet.data.length_cache import cached_lengths
     from lorafleet.data.records import read_task_rows
-    from lorafleet.data.tokenize import tokenize_task_rows
+    from lorafleet.data.tokenize import Example, tokenize_task_rows
 
-    def tokenized() -> dict[int, int]:
+    def tokenized() -> list[Example]:
         rows = read_task_rows(data)
         if not rows.units:
             raise InputError(rows.source, "", "dataset has no rows")
-        return length_histogram([len(e) for e in tokenize_task_rows(tokenizer(), rows, data)])
+        return tokenize_task_rows(tokenizer(), rows, data)
 
-    return cached_lengths(data, workload.model, workload.tokenizer, tokenized)
+    return length_histogram(cached_lengths(data, workload.model, workload.tokenizer, tokenized))
 
 
 def resolve_workload_paths(spec: WorkloadSpec, base: Path) -> WorkloadSpec:

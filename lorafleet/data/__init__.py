@@ -9,8 +9,13 @@ tokenize.py         rows -> token ids and labels, the loss on what the task prod
                     counts as ``tokenizations``, ``lorafleet.work``); the chat template's default system prompt
 describe.py         what ``lorafleet validate`` says of each task's data, a line each
 tiny_tokenizer.py   a small real BPE tokenizer the project builds itself, for tests and CPU runs
-length_cache.py     datasets' token-length histograms on disk, keyed by the data's and tokenizer's bytes: a
-                    process that needs only lengths loads no tokenizer (so no torch) for data tokenized before
+length_cache.py     tokenized datasets on disk (their examples and lengths), keyed by the data's and tokenizer's
+                    bytes: a dataset is tokenized once a machine, and a process that finds it there loads no
+                    tokenizer (so no torch)
+token_file.py       one cache entry's file: ids, labels and offsets, compact; read back exactly or refused
+gguf_metadata.py    where a GGUF file's key-value metadata ends (what keys its tokenizer), from its header
+workload_tokens.py  ``WorkloadTokens``: a workload's data -> examples through the cache, the tokenizer loaded
+                    only on a miss
 model_source.py     where a workload's base model and its tokenizer come from (``model:`` -> ``ModelSource``)
 weights_index.py    where a model directory's safetensors weights are, from the files' headers (torch-free)
 """

@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 
 from lorafleet.data.model_source import data_tokenizer
-from lorafleet.data.tokenize import IGNORE_INDEX, Example, tokenize_data
+from lorafleet.data.tokenize import IGNORE_INDEX, Example
+from lorafleet.data.workload_tokens import WorkloadTokens
 from lorafleet.errors import InputError
 from lorafleet.plans import GlobalBatch
 from lorafleet.runtime.eval_split import held_out_examples
@@ -113,13 +114,15 @@ def apply_overflow(name: str, examples: Sequence[Example], context_length: int, 
     return TaskData(name, tuple(kept), frozenset(truncated), rejected, no_target, tuple(len(e) for e in examples))
 
 
-def prepare_task_data(task: TaskSpec, tokenizer: Any, source: str) -> TaskData:
+def prepare_task_data(task: TaskSpec, tokens: WorkloadTokens | Any, source: str) -> TaskData:
     """Read, tokenize and apply the overflow policy to a task's ``data``, its held-out rows split off or read
-    (``runtime.eval_split``); InputError when unusable."""
+    (``runtime.eval_split``); InputError when unusable. ``tokens``: the workload's (:func:`workload_tokens`: data
+    tokenized before is read from the token cache), or a tokenizer (every dataset tokenized)."""
     if task.data is None:
         raise InputError(source, f"tasks.{task.name}.data", "training needs data (a JSONL file or a saved dataset)")
-    examples = tokenize_data(tokenizer, task.data)
-    examples, held_out = held_out_examples(task, examples, tokenizer)
+    tokens = WorkloadTokens.of(tokens)
+    examples = tokens.examples(task.data)
+    examples, held_out = held_out_examples(task, examples, tokens)
     try:
         data = apply_overflow(task.name, examples, task.context_length, task.overflow)
     except ValueError:
@@ -382,6 +385,16 @@ def task_tokenizer(spec: WorkloadSpec) -> Any:
     return data_tokenizer(spec.model, spec.tokenizer, source="workload")
 
 
+def workload_tokens(spec: WorkloadSpec, tokenizer: WorkloadTokens | Any | None = None) -> WorkloadTokens:
+    """A workload's data as examples through the token cache (``data.workload_tokens``), its tokenizer
+    (:func:`task_tokenizer`) loaded at its first need; ``tokenizer``: that tokenizer, loaded already (or the
+    ``WorkloadTokens`` itself, returned as it is)."""
+    if isinstance(tokenizer, WorkloadTokens):
+        return tokenizer
+    load = (lambda: tokenizer) if tokenizer is not None else (lambda: task_tokenizer(spec))
+    return WorkloadTokens(load, spec.model, spec.tokenizer)
+
+
 def task_batches(task: TaskSpec, data: TaskData) -> int | None:
     """Global batches a task takes part in: its ``steps``, or its ``epochs`` over its examples; None: unbounded."""
     if task.steps is not None:
@@ -394,16 +407,16 @@ def task_batches(task: TaskSpec, data: TaskData) -> int | None:
 def training_streams(
     spec: WorkloadSpec,
     run_steps: int,
-    tokenizer: Any | None = None,
+    tokenizer: WorkloadTokens | Any | None = None,
     turn_changes: Mapping[str, tuple] | None = None,
     departed: Sequence[TaskTurns] = (),
 ) -> DataStreams:
-    """Every task's data stream as the executor builds it (tokenized with the run's tokenizer): its batch
-    size and steps, and its turns (its start step, share and deadline, and ``turn_changes``, by task, of
-    the share and deadline while the job ran, and the turns of the tasks that ``departed``: ``lorafleet.turns``)."""
-    if tokenizer is None:
-        tokenizer = task_tokenizer(spec)
-    data = shared_data(spec.tasks, lambda task: prepare_task_data(task, tokenizer, "workload"))
+    """Every task's data stream as the executor builds it (tokenized with the run's tokenizer, or read from the
+    token cache: :func:`workload_tokens`, of ``tokenizer`` when given): its batch size and steps, and its turns
+    (its start step, share and deadline, and ``turn_changes``, by task, of the share and deadline while the job
+    ran, and the turns of the tasks that ``departed``: ``lorafleet.turns``)."""
+    tokens = workload_tokens(spec, tokenizer)
+    data = shared_data(spec.tasks, lambda task: prepare_task_data(task, tokens, "workload"))
     return task_streams(spec.tasks, data, spec.seed, turn_changes, departed)
 
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from lorafleet.data.tokenize import Example, tokenize_data
+from lorafleet.data.tokenize import Example
+from lorafleet.data.workload_tokens import WorkloadTokens
 from lorafleet.errors import InputError
 from lorafleet.specs.workload import TaskSpec
 
@@ -51,17 +51,17 @@ def split_rows(name: str, examples: Sequence[Example], fraction: float) -> tuple
 
 
 def held_out_examples(
-    task: TaskSpec, examples: Sequence[Example], tokenizer: Any
+    task: TaskSpec, examples: Sequence[Example], tokens: WorkloadTokens
 ) -> tuple[list[Example], list[Example]]:
     """``task``'s training examples and its held-out ones (at most ``eval.max_rows``), before the overflow rule;
     ``examples`` (its own data's) all train when it has no eval or a held-out file. InputError naming the task's
-    file and field when a side is empty."""
+    file and field when a side is empty. A held-out file is tokenized by ``tokens`` (or read from its cache)."""
     spec = task.eval
     if spec is None:
         return list(examples), []
     assert task.data is not None
     if spec.data is not None:
-        held = tokenize_data(tokenizer, spec.data)
+        held = tokens.examples(spec.data)
         if not held:
             raise InputError(spec.data.path, "", f"task {task.name!r}'s eval data has no row")
         return list(examples), held[: spec.max_rows]

@@ -175,9 +175,10 @@ def with_run_steps(options: TrainOptions, prepared: Prepared) -> TrainOptions:
             f"not given, and {', '.join(endless)} {'has' if len(endless) == 1 else 'have'} neither steps nor epochs: "
             "give --steps N (the run's total), or each task its steps or epochs",
         )
-    from lorafleet.runtime.data_stream import task_tokenizer, training_streams
+    from lorafleet.runtime.data_stream import training_streams
 
-    streams = training_streams(spec, MAX_STEPS, task_tokenizer(spec), prepared.turn_changes, prepared.departed)
+    # No tokenizer given: the data the launcher measured is read from the token cache (no torch imported).
+    streams = training_streams(spec, MAX_STEPS, turn_changes=prepared.turn_changes, departed=prepared.departed)
     steps = max(1, streams.end_step(MAX_STEPS))
     print(f"lorafleet train: --steps not given: the run lasts until its tasks are done, {steps} steps", flush=True)
     return replace(options, steps=steps)

@@ -25,7 +25,7 @@ import signal
 import sys
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lorafleet.errors import InputError
 from lorafleet.plans import StepPlan, StepReport
@@ -42,6 +42,7 @@ from lorafleet.train.running import Running, Stop
 from lorafleet.train.summary import run_summary, summary_text
 
 if TYPE_CHECKING:
+    from lorafleet.data.workload_tokens import WorkloadTokens
     from lorafleet.dispatch import LookaheadDispatcher
     from lorafleet.executor.torch.worker import TorchExecutor
     from lorafleet.metrics import FanOut
@@ -57,7 +58,7 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
 
     from lorafleet.executor.torch.launch import build_torch_executor, check_device_kinds, init_distributed
     from lorafleet.executor.torch.precision import torch_dtype
-    from lorafleet.runtime.data_stream import task_tokenizer
+    from lorafleet.runtime.data_stream import workload_tokens
     from lorafleet.runtime.host_memory import keep_freed_host_memory
     from lorafleet.runtime.processes import LOCKED_ENV, check_code
 
@@ -75,7 +76,7 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
         check_device_kinds(prepared.run.plan, device, options.plan)
         if dist.get_rank() == 0 and not os.environ.get(LOCKED_ENV):  # under the user's own torchrun
             lock = claim(options, prepared)
-        tokenizer = task_tokenizer(prepared.workload.spec)
+        tokens = workload_tokens(prepared.workload.spec)  # data tokenized before is read: no tokenization here
         executor = build_torch_executor(
             prepared.workload.spec,
             prepared.run.plan,
@@ -86,12 +87,12 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
             turn_changes=prepared.turn_changes,
             departed=prepared.departed,
             report=report,
-            tokenizer=tokenizer,
+            tokenizer=tokens,
         )
         if dist.get_rank() != 0:
             executor.serve()  # rank 0 decides when the run stops (a signal here was recorded, no more)
             return 0
-        return Trainer(options, prepared, executor, tokenizer).train()
+        return Trainer(options, prepared, executor, tokens).train()
     except (InputError, KeyboardInterrupt, SystemExit):
         raise
     except Exception as err:  # recorded before the group closes: the peers' errors that follow are not news
@@ -108,14 +109,16 @@ def train_rank(options: TrainOptions, prepared: Prepared) -> int:
 class Trainer:
     """Rank 0's loop over the steps of one run (see the module docstring)."""
 
-    def __init__(self, options: TrainOptions, prepared: Prepared, executor: TorchExecutor, tokenizer: Any) -> None:
+    def __init__(
+        self, options: TrainOptions, prepared: Prepared, executor: TorchExecutor, tokens: WorkloadTokens
+    ) -> None:
         from lorafleet.dispatch import Recalibrator
         from lorafleet.runtime.processes import LOCKED_ENV
         from lorafleet.train.torch_fleet import TorchFleet, initial_migration
 
         self.options, self.prepared, self.executor = options, prepared, executor
-        self.tokenizer = tokenizer
-        """The run's tokenizer (its data's: ``data_stream.task_tokenizer``): saved for the exports."""
+        self.tokens = tokens
+        """The run's data's tokens (``data_stream.workload_tokens``): its tokenizer is saved for the exports."""
         self.run_dir = options.run_dir
         plan = prepared.run.plan
         self.running = Running(prepared.workload, plan, prepared.run.cost_model, Recalibrator.for_plan(plan))
@@ -135,7 +138,7 @@ class Trainer:
             prepared.workload.spec.defaults,
             Ledger.load(options.out) or Ledger.of(prepared.workload.spec.tasks),
             fleet,
-            tokenizer,
+            tokens,
             initial_migration(executor, plan, prepared.workload, options.dtype),
             watch=bool(os.environ.get(LOCKED_ENV)),  # under lorafleet's launcher, which applies what the fleet cannot
         )
@@ -205,7 +208,7 @@ class Trainer:
         default system prompt added), with the tokenizer the run trains with (``data.describe.template_lines``)."""
         from lorafleet.data.describe import template_lines
 
-        for line in template_lines(self.running.workload.spec.tasks, lambda: self.tokenizer):
+        for line in template_lines(self.running.workload.spec.tasks, self.tokens.tokenizer):
             print(f"lorafleet train: {line}", flush=True)
 
     def _say_run_length(self) -> None:
@@ -334,7 +337,7 @@ class Trainer:
         (here, and by the launcher when a task leaves a running job: ``train.live``) to ship with."""
         from lorafleet.runtime.checkpoint_files import save_tokenizer
 
-        save_tokenizer(self.tokenizer, self.run_dir.tokenizer)
+        save_tokenizer(self.tokens.tokenizer(), self.run_dir.tokenizer)
 
     def _stopped(self, reached: int) -> int:
         """A stop asked by a signal, at the boundary before step ``reached``: checkpoint (unless told not to)."""

@@ -4,6 +4,7 @@ same held-out rows, none of them in training, and draws the same batches at the 
 
 from __future__ import annotations
 
+from lorafleet.data.length_cache import CACHE_ENV
 from lorafleet.runtime import data_stream
 from lorafleet.work import counting
 from lorafleet.workload import load_workload
@@ -24,8 +25,11 @@ def _workload(tmp_path, tokenizer):
     return load_workload(path).spec
 
 
-def test_a_sweep_is_tokenized_once_and_its_members_see_the_same_rows_and_batches(tmp_path, tiny_tokenizer_dir):
+def test_a_sweep_is_tokenized_once_and_its_members_see_the_same_rows_and_batches(
+    tmp_path, tiny_tokenizer_dir, monkeypatch
+):
     spec = _workload(tmp_path, tiny_tokenizer_dir)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # not the lengths' tokenizations: the streams' own
     with counting() as work:
         streams = data_stream.training_streams(spec, 10)
     assert len(spec.tasks) == 7 and work["tokenizations"] == 2  # one per dataset (the held-out rows split off it)

@@ -14,9 +14,9 @@ from tests.helpers.queue_fleet import on_four_gpus
 
 
 def test_a_rank_resolves_the_workload_from_the_run_file_without_tokenizing(tmp_path, tiny_tokenizer_dir, monkeypatch):
-    """The launcher tokenizes each task once for its lengths (the length cache cold); a rank reading ``run.json``
-    tokenizes none for them (its lengths are the launcher's, bit for bit), and building its data streams tokenizes
-    each task once."""
+    """The launcher tokenizes each task once for its lengths (the token cache cold); a rank reading ``run.json``
+    tokenizes none for them (its lengths are the launcher's, bit for bit), and building its data streams none
+    either: the launcher's tokenization is the cache's, and the streams' examples are a fresh tokenization's."""
     from lorafleet.runtime.data_stream import training_streams
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "planning-cache"))
@@ -39,8 +39,14 @@ def test_a_rank_resolves_the_workload_from_the_run_file_without_tokenizing(tmp_p
         assert theirs.raw_lengths.probs.tobytes() == ours.raw_lengths.probs.tobytes()
         assert theirs.lengths.probs.tobytes() == ours.lengths.probs.tobytes()
     with counting() as streams:
-        training_streams(mine.workload.spec, options.steps)
+        cached = training_streams(mine.workload.spec, options.steps)
+    assert streams["tokenizations"] == 0
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "fresh-cache"))
+    with counting() as streams:
+        fresh = training_streams(mine.workload.spec, options.steps)
     assert streams["tokenizations"] == 2
+    for ours, theirs in zip(cached.streams, fresh.streams, strict=True):
+        assert ours.data == theirs.data
 
 
 def test_a_histogram_gives_the_samples_distribution_bit_for_bit():
