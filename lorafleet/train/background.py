@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 GATE_ENV = "LORAFLEET_REPLAN_GATE"
 """For tests of a fault while a re-plan runs: when set to a path, a re-plan started beside the steps waits for that
 path to exist before it solves, so the boundary that applies its answer waits too and the test can act in between
-(a deterministic trigger, not a race against the steps)."""
+(a deterministic trigger, not a race against the steps). That boundary, as it starts waiting, creates the path with
+``.waiting`` appended: the test's cue that the run is held there, the boundary's queue already read."""
 
 
 @dataclass
@@ -70,6 +71,9 @@ class BackgroundReplan:
     def answer(self) -> tuple[Replan, float]:
         """The re-plan's answer and the seconds this call waited for it; its error, raised, when it failed."""
         started = time.perf_counter()
+        gate = os.environ.get(GATE_ENV)
+        if gate and not self._done.is_set():
+            Path(f"{gate}.waiting").touch()  # GATE_ENV's cue
         self._done.wait()
         waited = time.perf_counter() - started
         if self._error is not None:

@@ -40,6 +40,7 @@ from lorafleet.train.change_log import (
     ChangeRecord,
     Outcome,
     append_change,
+    read_changes,
     request_rows,
     truncate_changes,
 )
@@ -114,6 +115,11 @@ class FleetChanges:
         self.early: dict[str, tuple[int, str]] = {}
         """Tasks early stopping or their sweep's rung stops (``train.evaluation``), by name: the boundary they leave
         at, and why, as its change record names it (``STOPPED_EARLY``, ``SWEEP_DROPPED``)."""
+        self.handled: int | None = None
+        """The boundary handled last (:meth:`at_boundary`): it read the queue once, when the loop reached it, so a
+        request that arrives while its change is applied (a checkpoint, a re-plan waited for, a rebuild) is read at
+        the next window boundary, after a step on the changed fleet: one change a boundary, as a checkpoint's
+        ``fleet_changed_at`` names it (``train.inflight``)."""
 
     # -- at every window boundary ---------------------------------------------------------------------------
 
@@ -125,6 +131,8 @@ class FleetChanges:
         self.flight.settle_committed()
         if self.flight.redo is not None:
             return self.flight.redo.step == step
+        if step == self.handled:
+            return False  # its queue was read when the loop reached it: what came since waits for the next boundary
         self.early = {n: left for n, left in self.early.items() if n in running.names}  # those that left are gone
         early = [n for n, (at, _) in self.early.items() if at <= step]
         if self.watcher is None and early:
@@ -165,6 +173,7 @@ class FleetChanges:
     def at_boundary(self, step: int, running: Running) -> Running | Stop | None:
         """The fleet from the boundary before ``step`` on (module doc): a change found in flight done again, requests
         due applied (superseding a re-plan answer due here), else a re-plan's answer; None when nothing was due."""
+        self.handled = step
         redo = self.flight.take_redo(step)
         if redo is not None:
             return self._change(step, running, redo.requests, redo)
@@ -184,7 +193,9 @@ class FleetChanges:
         """A start of the run at step ``start``: its change records after it dropped (those steps are replayed); a
         change found in flight (``resume.change_in_flight``) settled when the checkpoint was taken after it, else
         done again at its step; and the re-plan that was under way (``.replan.json``) run again, due at the same
-        step (or ``start``, when that passed)."""
+        step (or the first boundary it can apply at, when that passed). A boundary ``start`` that has a change record
+        was handled before the start (a change settled, or applied by the launcher before it started the workers
+        again): its queue is not read again (``handled``)."""
         from lorafleet.train.resume import change_in_flight
 
         truncate_changes(self.options.run_dir.changes, start)
@@ -204,12 +215,14 @@ class FleetChanges:
                 self._take_ledger(ledger)
             done = "applied before the restart, settled" if after else "is done again at its step"
             log(f"step {start}: the change of step {pending.step} {done}")
+        self.handled = start if any(r.step == start for r in read_changes(self.options.run_dir.changes)) else None
         replan = load_pending_replan(self.options.queue_dir)
         redo = self.flight.redo
         if replan is not None and redo is not None and replan.step <= redo.step:
             clear_pending_replan(self.options.queue_dir)  # superseded or answered by the change done again, or its own
             replan = None
-        if replan is not None and self._start_replan(replan.step, at := max(replan.at, start), running):
+        first = start + (self.handled == start)  # the first boundary whose stop may apply an answer
+        if replan is not None and self._start_replan(replan.step, at := max(replan.at, first), running):
             log(f"step {start}: the re-plan of step {replan.step} runs again beside the steps to step {at}")
 
     def committed(self) -> None:

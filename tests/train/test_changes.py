@@ -111,6 +111,35 @@ def test_the_replan_answer_is_applied_at_its_step_and_a_new_change_supersedes_it
     assert [r.step for r in _rows(options)] == [3, 4, 5, 6] and not (options.queue_dir / ".apply.json").exists()
 
 
+def test_a_request_that_arrives_while_a_boundary_applies_its_change_waits_for_the_next_boundary(fleet):
+    """#43: a boundary reads the queue once, when the loop reaches it. A request that arrives while its change is
+    applied (here written after ``at_boundary``, as during a rebuild) is no second change at that step (two would share
+    a checkpoint's ``fleet_changed_at``, which tells a restart which side of a change it is on): the loop runs the step
+    on the changed fleet, and the next boundary takes it, superseding the re-plan due there. A start at a boundary
+    that has a change record (a restart from the join's checkpoint, or the launcher's relaunch) reads it no more either.
+    ``simulate --arrivals`` replays the same rule (``tests/arrivals``)."""
+    from tests.helpers.fake_fleet import restarted
+
+    options, running, changes, fake = fleet
+    add_request(options.queue_dir, "codegen", batch=2, context=256, at_step=3)
+    due_when_ready(changes, 3, running)
+    after = changes.at_boundary(3, running)
+    (options.queue_dir / "share.yaml").write_text("action: update\nname: docsum\nshare: 0.5\n")
+    assert not changes.due(3, after)  # step 3 runs on the changed fleet
+    assert changes.due(4, after) and changes.replan.at == 4
+    later = changes.at_boundary(4, after)
+    assert later.workload.tasks[0].spec.share == 0.5 and changes.replan.running.step == 4  # 3's re-plan superseded
+    changes.replan.running.answer()
+    fake.checkpoint(5)  # the run's last, taken after the change of step 4
+    changes.finish()
+    rows = [(r.step, r.kind, tuple(q.name for q in r.requests)) for r in _rows(options)]
+    assert rows == [(3, ChangeKind.CHANGE, ("codegen",)), (4, ChangeKind.CHANGE, ("docsum",))]
+    again = restarted(options, later, fake)
+    again.resume(4, later)  # from a checkpoint of step 4, its change recorded
+    (options.queue_dir / "share.yaml").write_text("action: update\nname: docsum\nshare: 0.25\n")
+    assert not again.due(4, later) and again.due(5, later)
+
+
 def test_an_update_alone_keeps_the_deployment_without_a_replan(fleet):
     options, running, changes, fake = fleet
     (options.queue_dir / "share.yaml").write_text("action: update\nname: docsum\nshare: 0.5\nat_step: 2\n")

@@ -73,12 +73,13 @@ def _train(workload: Path, out: Path, steps: int, *extra: str, env: dict | None 
 
 
 def _train_with_the_page_open(
-    workload: Path, out: Path, steps: int, *extra: str
+    workload: Path, out: Path, steps: int, *extra: str, late: tuple[str, dict] | None = None
 ) -> tuple[subprocess.CompletedProcess, Page | None, list[dict]]:
     """``_train`` with ``--queue-http 0``, the live page opened in headless Chromium while the run trains: the re-plan
     its step-3 change starts is held at a gate (``GATE_ENV``), so the run waits, serving, at the boundary that applies
-    the re-plan's answer until the page was read; then the gate opens and the run goes on to its end. Returns the run's
-    output, the page (None without Chromium) and ``metrics.jsonl``'s rows as read right after the page."""
+    the re-plan's answer (its queue read) until the page was read and ``late`` (a request file's name and content) was
+    queued; then the gate opens and the run goes on to its end. Returns the run's output, the page (None without
+    Chromium) and ``metrics.jsonl``'s rows as read right after the page."""
     gate, logs = out.parent / "page.gate", (out.parent / "train.out", out.parent / "train.err")
     with logs[0].open("w") as stdout, logs[1].open("w") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "lorafleet", *_train_argv(workload, out, steps, *extra,
@@ -87,13 +88,15 @@ def _train_with_the_page_open(
     page, metrics, served = None, out / "metrics.jsonl", out / "queue" / ".http.json"
     try:
         deadline = time.monotonic() + 300  # a bound on a broken run, not a timing
-        while not (served.exists() and metrics.exists() and len(metrics.read_text().splitlines()) > 3):
+        while not (served.exists() and Path(f"{gate}.waiting").exists()):  # the boundary of step 4 waits
             assert proc.poll() is None and time.monotonic() < deadline, logs[1].read_text()[-2000:]
             time.sleep(0.05)
         if shutil.which(CHROMIUM):
             http = json.loads(served.read_text())
             page = rendered_page(f"{http['url']}/#token={http['token']}")
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        if late is not None:
+            (out / "queue" / late[0]).write_text(json.dumps(late[1]))
     finally:
         gate.touch()
         proc.wait(timeout=600)
@@ -111,6 +114,11 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+LATE = ("late-update.json", {"action": "update", "name": "codegen", "early_stopping": None})
+"""A request queued while the boundary of step 4 waits for its re-plan's answer, its queue read: it changes nothing
+of codegen's training (it has no early stopping), and is applied at the next boundary, step 5 (#43)."""
+
+
 @pytest.fixture(scope="module")
 def queued_run(tmp_path_factory, tiny_tokenizer_dir):
     """The run that takes the queued changes, its output, and its live page as read while it trained, with
@@ -123,7 +131,8 @@ def queued_run(tmp_path_factory, tiny_tokenizer_dir):
     (queued / "queue" / "broken.yaml").write_text("name: [unclosed\n")
     (queued / "queue" / "ghost.yaml").write_text("action: cancel\nname: nobody\n")
     both = workload_file(root / "both.yaml", tiny_tokenizer_dir, [DOCSUM, CHAT])
-    log, page, rows = _train_with_the_page_open(both, queued, STEPS, "--checkpoint-every", "4", "--migration-s", "0")
+    log, page, rows = _train_with_the_page_open(both, queued, STEPS, "--checkpoint-every", "4", "--migration-s", "0",
+                                                late=LATE)  # fmt: skip
     return queued, log, page, rows
 
 
@@ -173,6 +182,7 @@ def test_the_ledger_metrics_and_log_tell_what_happened(runs):
     assert not (queued / "queue" / ".http.json").exists()
     assert [(a["step"], a["action"], a["name"]) for a in ledger["applied"]] == [
         (3, "add", "codegen"),
+        (5, "update", "codegen"),
         (6, "finish", "chat"),
     ]
 
@@ -212,24 +222,28 @@ def test_the_live_page_shows_the_training_fleets_numbers_in_a_browser(queued_run
 
 
 def test_the_changes_are_applied_in_the_running_workers(runs):
-    """One launch of the workers for the whole run: both changes applied in place, every stage kept, each one's
-    re-plan answered beside the steps a step later (``changes.jsonl``)."""
+    """One launch of the workers for the whole run: every change applied in place, every stage kept, each join's or
+    leave's re-plan answered beside the steps a step later (``changes.jsonl``). The update queued while the boundary
+    of step 4 waited for that answer is applied at the next boundary, step 5, not as a second change at step 4 (#43:
+    a boundary reads the queue once, when the loop reaches it)."""
     queued, _, _, log = runs
     assert log.stdout.count("starting 1 worker process") == 1 and log.stdout.count("process group up") == 1
     rows = read_changes(queued / "changes.jsonl")
     assert [(r.step, r.kind, r.outcome) for r in rows] == [
         (3, ChangeKind.CHANGE, Outcome.KEPT_REPLANNING),
         (4, ChangeKind.REPLAN, Outcome.KEPT),
+        (5, ChangeKind.CHANGE, Outcome.KEPT),
         (6, ChangeKind.CHANGE, Outcome.KEPT_REPLANNING),
         (7, ChangeKind.REPLAN, Outcome.KEPT),
     ]
     changes = [r for r in rows if r.kind is ChangeKind.CHANGE]
     assert [[(q.action.value, q.name) for q in r.requests] for r in changes] == [
         [("add", "codegen")],
+        [("update", "codegen")],
         [("finish", "chat")],
     ]
     assert all(r.seconds > 0 and r.rebuilt == () for r in changes)  # applied in place, every stage kept
-    assert [r.tasks for r in changes] == [("docsum", "chat", "codegen"), ("docsum", "codegen")]
+    assert [r.tasks for r in changes] == [("docsum", "chat", "codegen")] * 2 + [("docsum", "codegen")]
     assert not (queued / "queue" / ".apply.json").exists()
 
 
@@ -357,7 +371,8 @@ def test_bad_requests_are_rejected_with_one_line_and_the_run_goes_on(runs):
     assert "no active task 'nobody'" in (rejected / "ghost.yaml.reason").read_text()
     lines = [line for line in log.stderr.splitlines() if "queue: rejected" in line]
     assert len(lines) == 2 and all(line.startswith("lorafleet train: queue: rejected ") for line in lines)
-    assert sorted(p.name for p in (queued / "queue" / "accepted").iterdir()) == ["add-codegen.yaml", "finish-chat.json"]
+    accepted = sorted(p.name for p in (queued / "queue" / "accepted").iterdir())
+    assert accepted == ["add-codegen.yaml", "finish-chat.json", LATE[0]]
 
 
 @pytest.mark.slow
