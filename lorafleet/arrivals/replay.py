@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from lorafleet.accounting import task_gpu_seconds
@@ -162,7 +162,8 @@ class _Segment:
 
     def stop(self, present: tuple[str, ...]) -> bool:
         """At a window boundary after the segment's first step: the events due, or an early stop, change the
-        task set (``present``: the segment's)."""
+        task set (``present``: the segment's). Not before it: the events due at the segment's start were applied, and
+        those due during the migration wait before it are applied after that step (``arrivals.fleet``)."""
         return self.fleet.step > self.first_step and (self.fleet.apply_due() or tuple(self.fleet.present) != present)
 
     def next_boundary(self, source: TraceSource, step: int) -> int | None:
@@ -214,7 +215,7 @@ def _replay(
             if fleet.apply_due() or tuple(fleet.present) != present:
                 continue  # the task set changed by the move's step: the next change's re-plan supersedes it
         if decision.change is not None:
-            changes.append(decision.change)
+            changes.append(replace(decision.change, step=fleet.step))
             if decision.change.migration_s:
                 fleet.wait(decision.change.migration_s)  # the fleet rebuilds before the next step
         if recalibrator is None or not _same_replicas(plan, decision.plan):

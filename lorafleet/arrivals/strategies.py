@@ -69,6 +69,9 @@ class Change:
     note: str = ""
     migration_s: float = 0.0
     """Seconds the fleet waits for the move before its next step (0 when the deployment stayed)."""
+    step: int | None = None
+    """The first global step run on ``plan`` (``changes.jsonl``'s ``step`` in a training run; a move found by a re-plan
+    beside the steps: ``replan_after`` steps after the change at ``at_s``); set by the replay."""
 
 
 @dataclass(frozen=True)

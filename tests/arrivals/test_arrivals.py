@@ -318,25 +318,45 @@ def run_gpus(run, change) -> int:
     return run.changes[k - 1].gpus
 
 
-def test_an_infeasible_deployment_is_left_whatever_the_migration(files, tmp_path):
-    """A task longer than any replica of the running plan holds forces a move, and its migration is paid."""
-    workload_path, _, _ = files
+def _long_joins(tmp_path, *later: dict):
+    """chat alone, then ``long`` at 0.2 s, longer than any replica of chat's plan holds, then the ``later`` events:
+    the incremental replay, a move priced 1e6 s a replica."""
     short = {**WORKLOAD, "tasks": [WORKLOAD["tasks"][0]]}
     long = {"name": "long", **{**CODE, "context_length": 32768}, "lengths": {"values": [32768]}, "steps": 2}
     trace = load_trace(
-        _write(tmp_path / "t.yaml", {"events": [{"at": 0.2, "add": long}]}),
+        _write(tmp_path / "t.yaml", {"events": [{"at": 0.2, "add": long}, *later]}),
         load_workload(_write(tmp_path / "w.yaml", short)),
     )
     cluster = workload_cluster(trace.workload)
     options = ArrivalOptions(
         planner=FAST, replan=ReplanOptions(ReplanSettings(migration_s=1e6)), strategies=(Strategy.INCREMENTAL,)
     )
-    run = replay_trace(trace, cluster, workload_cost_model(trace.all_tasks(), cluster), options).runs[0]
+    return replay_trace(trace, cluster, workload_cost_model(trace.all_tasks(), cluster), options).runs[0]
+
+
+def test_an_infeasible_deployment_is_left_whatever_the_migration(tmp_path):
+    """A task longer than any replica of the running plan holds forces a move, and its migration is paid."""
+    run = _long_joins(tmp_path)
     joined = next(c for c in run.changes if "long" in c.tasks)
     assert joined.keep_step_gpu_s == float("inf") and joined.moved and joined.torn_down > 0
     assert joined.migration_gpu_s >= 1e6 and run.migration_gpu_s == pytest.approx(joined.migration_gpu_s)
     assert run.tasks["long"].steps_done == 2
     assert run.tasks["long"].start_s == pytest.approx(joined.at_s + 1e6)  # the clock waited for the rebuild
+
+
+def test_an_event_during_a_rebuild_is_applied_after_the_first_step_on_the_new_deployment(tmp_path):
+    """#43: chat's cancel lands in the 1e6 s rebuild of the move ``long`` forces. The rebuild belongs to the boundary
+    it is made at, so the cancel is applied at the next one, after the first step on the new deployment, never as a
+    second change at the move's boundary: ``lorafleet train`` reads its queue once a boundary, when the loop reaches
+    it (``tests/train/test_changes.py``). The changes' steps are ``changes.jsonl``'s: the first step run after each."""
+    run = _long_joins(tmp_path, {"at": 10.0, "cancel": "chat"})
+    start, joined, cancelled = run.changes
+    assert (start.step, start.tasks) == (0, ("chat",)) and joined.moved and joined.tasks == ("chat", "long")
+    assert cancelled.tasks == ("long",) and not cancelled.moved
+    assert cancelled.step == joined.step + 1  # one step on the new deployment first
+    chat = run.tasks["chat"]
+    assert chat.cancelled and chat.steps_done == joined.step + 1 < chat.steps
+    assert chat.completion_s == pytest.approx(joined.at_s + 1e6 + run.step_s[joined.step])
 
 
 def test_a_task_no_config_holds_is_named_where_it_was_added(files, setting, tmp_path):
