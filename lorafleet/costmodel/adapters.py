@@ -44,6 +44,9 @@ class TaskAdapter:
     """A VeRA adapter (``LoraSpec.use_vera``): it trains ``λ_d (r)`` and ``λ_b (out)`` per projection, not ``A`` and
     ``B``; its tokens meet LoRA's rank-``r`` GEMMs (``diag(λ_b) B diag(λ_d) A``) but for the gradient of its frozen
     ``A`` (:meth:`skipped_gemm_params_per_layer`)."""
+    dropout: bool = False
+    """Adapter dropout (``LoraSpec.dropout > 0``): each call of a projection it targets draws a keep-mask, one byte an
+    input element, which the executor keeps for the backward when memory allows (``memory_model``, "Keep-masks")."""
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -106,7 +109,12 @@ class AdapterLoad:
         return cls(
             tuple(
                 TaskAdapter(
-                    s.rank, llama_targets(s.target_modules), s.use_dora, s.use_dora and s.dropout > 0, s.use_vera
+                    s.rank,
+                    llama_targets(s.target_modules),
+                    s.use_dora,
+                    s.use_dora and s.dropout > 0,
+                    vera=s.use_vera,
+                    dropout=s.dropout > 0,
                 )
                 for s in specs
             ),

@@ -28,9 +28,9 @@ from lorafleet.costmodel.analytic import (
 )
 from lorafleet.costmodel.cost_model import CostModel, CostModelOrigin
 from lorafleet.costmodel.fitted import fit_profile
-from lorafleet.costmodel.memory_model import stage_memory
+from lorafleet.costmodel.memory_model import stage_lines, stage_memory
 from lorafleet.costmodel.microbatch_size import MicroBatchKnee
-from lorafleet.costmodel.parallel_config import config_problems, enumerate_configs
+from lorafleet.costmodel.parallel_config import ParallelConfig, config_problems, enumerate_configs
 from lorafleet.costmodel.profile_format import (
     AdaptersJSON,
     AffineJSON,
@@ -42,7 +42,7 @@ from lorafleet.costmodel.profile_format import (
 )
 from lorafleet.errors import InputError
 from lorafleet.specs.cluster import ClusterSpec
-from lorafleet.specs.gpus import GIB
+from lorafleet.specs.gpus import GIB, GPUSpec
 from lorafleet.specs.io import file_sha256
 from lorafleet.specs.lora import Quantization
 from lorafleet.specs.model import ModelSpec
@@ -105,6 +105,23 @@ def analytic_profile(
         memory=tuple(memory),
         coefficients=coefficients,
     )
+
+
+def analytic_mask_tokens(
+    model: ModelSpec,
+    config: ParallelConfig,
+    adapters: AdapterLoad,
+    gpu: GPUSpec,
+    calibration: Calibration = DEFAULT_CALIBRATION,
+    quantize: Quantization | None = None,
+) -> int:
+    """The most tokens a micro-batch of ``config`` on ``gpu`` holds with its dropout keep-masks kept for the
+    backward, by the memory lines :func:`analytic_profile` records (bf16): the least ``StageMemory.mask_tokens`` of
+    its first and last stages (``memory_model``, "Keep-masks"). The executor keeps a call's mask up to it."""
+    lines = stage_lines(
+        model, config, adapters, gpu.memory_bytes, BF16_BYTES, calibration.memory_factors, quantize=quantize
+    )
+    return min(line.mask_tokens() for line in lines)
 
 
 def _flat(cal: Calibration) -> dict[str, float]:

@@ -27,6 +27,15 @@ gradient, with the partial dS summed over the TP group), so that input costs h/t
 rank dimension over the all-gathered input (``../shared/reference/lobra-notes.md``, section 8), so the checks against
 LobRA's measured max tokens model it with ``split_lora_inputs=False``, the only callers that do.
 
+**Keep-masks.** With adapter dropout every call of an adapted projection draws a bool keep-mask over its input,
+one byte an element (``executor/torch/dropout.py``). The executor keeps it for the backward only in a micro-batch of
+at most :meth:`StageMemory.mask_tokens` tokens, the most whose masks fit beside everything above
+(``mask_bytes_per_token``: ``static + (bytes_per_token + mask_bytes_per_token) * tokens <= budget``), and above that
+draws it again in the backward from the generator state it was drawn from. So ``M`` counts no mask (at ``M`` none is
+kept, unless the masks fit there too), and every micro-batch of at most ``M`` tokens fits, its masks kept or not: the
+line is right for whichever path runs. A plan's ``M`` may be below the memory's (a knee, ``microbatch_size``): on
+this repository's CPU preset ``M`` is about a seventh of the memory's, and every mask is kept there.
+
 With full activation recomputation (``ParallelConfig.recompute``) a block keeps only its
 input hidden state (h elements a token, split over tp with sequence parallelism) for the
 backward, and re-runs its forward there, one block and one micro-batch at a time; so::
@@ -64,11 +73,23 @@ class StageMemory:
     """Bytes that do not depend on the micro-batch (weights, adapter states, runtime reserve)."""
     bytes_per_token: float
     """Bytes per token of one micro-batch, all in-flight copies included."""
+    mask_bytes_per_token: float = 0.0
+    """Bytes per token the dropout keep-masks add when they are kept for the backward, in-flight copies included
+    (module doc, "Keep-masks"); 0 without adapter dropout."""
 
     def max_tokens(self) -> int:
         """M = floor((budget - static) / bytes_per_token), 0 when the static part alone does not fit."""
+        return self._tokens(self.bytes_per_token)
+
+    def mask_tokens(self) -> int:
+        """The most tokens of a micro-batch that keeps its dropout keep-masks for the backward:
+        floor((budget - static) / (bytes_per_token + mask_bytes_per_token)), at most :meth:`max_tokens`."""
+        return self._tokens(self.bytes_per_token + self.mask_bytes_per_token)
+
+    def _tokens(self, per_token: float) -> int:
+        """floor((budget - static) / per_token), 0 when the static part alone does not fit."""
         free = self.budget_bytes - self.static_bytes
-        return max(0, int(free // self.bytes_per_token)) if self.bytes_per_token > 0 else 0
+        return max(0, int(free // per_token)) if per_token > 0 else 0
 
     def with_static_delta(self, delta_bytes: float) -> StageMemory:
         """The same stage holding ``delta_bytes`` more static state (e.g. another task's adapter)."""
@@ -128,6 +149,18 @@ def activation_elements_per_token(
     )
 
 
+def mask_bytes_per_token(model: ModelSpec, tp: int, adapters: AdapterLoad) -> float:
+    """Bytes of dropout keep-masks one token leaves in one block's projection calls, on one of ``tp`` devices, when
+    the executor keeps them (module doc): one byte an input element of every projection that a task with adapter
+    dropout targets (a call draws one ``(T, K)`` mask over all its rows when any of them drops; the executor's
+    ``draw_keep_mask``). A column-parallel projection's input is whole on every TP rank (after the sequence
+    all-gather), so its mask is too: ``h`` bytes; a row-parallel one (o, down) holds its ``1 / tp`` of the input
+    columns. A fused projection (``qkv_proj``) is one call and one mask, counted here as its parts: an over-count."""
+    dropping = {t for task in adapters.tasks if task.dropout for t in task.targets}
+    column = {name for group in COLUMN_PARALLEL_GROUPS for name in group}
+    return sum(k if name in column else k / tp for name, (k, _) in model.target_shapes().items() if name in dropping)
+
+
 def weight_bytes(model: ModelSpec, quantize: Quantization | None, dtype_bytes: int) -> float:
     """Bytes of one block's weights on one device of TP 1: the projections at the quantization's bytes a weight
     (NF4: 0.5 and an fp32 scale a block of 64; int8: 1 and an fp32 scale an output row) or ``dtype``, the two
@@ -156,6 +189,26 @@ def stage_memory(
     """The memory line of the busiest stage of ``config`` (first or last, whichever has the smaller M); with
     ``quantize``, over a base whose projections are stored so; ``split_lora_inputs=False`` models LobRA's executor,
     which keeps the column-parallel LoRA inputs whole on every TP rank (module doc)."""
+    lines = stage_lines(
+        model, config, adapters, budget_bytes, dtype_bytes, factors, sequence_parallel, quantize, split_lora_inputs
+    )
+    return min(lines, key=lambda m: m.max_tokens())
+
+
+def stage_lines(
+    model: ModelSpec,
+    config: ParallelConfig,
+    adapters: AdapterLoad,
+    budget_bytes: float,
+    dtype_bytes: int = 2,
+    factors: MemoryFactors = MemoryFactors(),
+    sequence_parallel: bool = True,
+    quantize: Quantization | None = None,
+    split_lora_inputs: bool = True,
+) -> tuple[StageMemory, ...]:
+    """The memory lines of ``config``'s first and last stages (one line at pp 1; arguments as :func:`stage_memory`):
+    the first holds ``pp`` micro-batches in flight and the embedding, the last one micro-batch, the LM head and the
+    logits. A middle stage holds fewer micro-batches than the first and no embedding: within both."""
     tp, pp = config.tp, config.pp
     blocks = model.n_layers / pp
     vocab_matrix = model.vocab * model.hidden * dtype_bytes / tp  # vocab-parallel embedding or LM head
@@ -169,23 +222,29 @@ def stage_memory(
         * dtype_bytes
         * factors.activation_overhead
     )
+    masks = mask_bytes_per_token(model, tp, adapters) * factors.activation_overhead
     logits = model.vocab / tp * (dtype_bytes + 2 * FP32_BYTES)  # logits, fp32 copy for the loss, its gradient
     # One hidden state: the embedding output, the activations a stage receives, or a block input kept for recompute.
     hidden_state = model.hidden * dtype_bytes / (tp if sequence_parallel else 1)
 
-    def kept(in_flight: int) -> float:
-        """Bytes a token's blocks keep for the backward on a stage holding ``in_flight`` micro-batches:
-        every block's activations, or with recompute each block's input plus one block's working set."""
+    def kept(in_flight: int, block: float) -> float:
+        """Bytes a token's blocks keep for the backward on a stage holding ``in_flight`` micro-batches, ``block`` a
+        block: every block's, or with recompute each block's input plus one block's (the one re-run)."""
         if config.recompute:
-            return in_flight * blocks * hidden_state * factors.activation_overhead + per_block
-        return in_flight * blocks * per_block
+            return in_flight * blocks * hidden_state * factors.activation_overhead + block
+        return in_flight * blocks * block
 
-    first = StageMemory(budget_bytes, common + vocab_matrix, kept(pp) + pp * hidden_state)
+    def kept_masks(in_flight: int) -> float:
+        """The keep-masks a token's blocks keep on such a stage (module doc, "Keep-masks")."""
+        return kept(in_flight, masks) - kept(in_flight, 0.0)
+
+    first = StageMemory(budget_bytes, common + vocab_matrix, kept(pp, per_block) + pp * hidden_state, kept_masks(pp))
     head = 0 if (pp == 1 and model.tied_embeddings) else vocab_matrix
     last_static = (first.static_bytes if pp == 1 else common) + head
-    last_per_token = (first.bytes_per_token if pp == 1 else kept(1)) + logits
-    last = StageMemory(budget_bytes, last_static, last_per_token)
-    return min((first, last), key=lambda m: m.max_tokens()) if pp > 1 else last
+    last_per_token = (first.bytes_per_token if pp == 1 else kept(1, per_block)) + logits
+    last_masks = first.mask_bytes_per_token if pp == 1 else kept_masks(1)
+    last = StageMemory(budget_bytes, last_static, last_per_token, last_masks)
+    return (first, last) if pp > 1 else (last,)
 
 
 def search_max_tokens(

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lorafleet.costmodel.adapters import AdapterLoad
+from lorafleet.costmodel.adapters import AdapterLoad, TaskAdapter
 from lorafleet.costmodel.analytic import DEFAULT_CALIBRATION
-from lorafleet.costmodel.memory_model import StageMemory, search_max_tokens, stage_memory
+from lorafleet.costmodel.memory_model import (
+    StageMemory,
+    mask_bytes_per_token,
+    search_max_tokens,
+    stage_lines,
+    stage_memory,
+)
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.specs.gpus import GPU_PRESETS
 from lorafleet.specs.model import MODEL_PRESETS
@@ -172,3 +179,56 @@ def test_a_group_only_vera_adapters_target_keeps_no_input():
         }
         assert per_token["lora"] - per_token["vera"] == pytest.approx(2 * LLAMA7B.hidden / tp)
         assert activation_elements_per_token(LLAMA7B, tp, both) == per_token["lora"]
+
+
+def _dropping(load: AdapterLoad, first: int) -> AdapterLoad:
+    """``load`` with adapter dropout on its tasks from ``first`` on."""
+    return AdapterLoad(tuple(replace(t, dropout=i >= first) for i, t in enumerate(load.tasks)), load.optimizer)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_a_keep_mask_is_a_byte_an_input_element_of_each_dropping_projection(tp):
+    """Keep-mask bytes a token a block: the whole input of q, k, v, gate and up (whole on every TP rank) and the
+    rank's part of o's and down's; none without dropout, the same with one dropping task as with all, and only the
+    projections a dropping task targets."""
+    h, f = LLAMA7B.hidden, LLAMA7B.ffn
+    hq = LLAMA7B.n_heads * LLAMA7B.d_head
+    assert mask_bytes_per_token(LLAMA7B, tp, LOBRA_ADAPTERS) == 0
+    assert mask_bytes_per_token(LLAMA7B, tp, _dropping(LOBRA_ADAPTERS, 5)) == 5 * h + (hq + f) / tp
+    assert mask_bytes_per_token(LLAMA7B, tp, _dropping(LOBRA_ADAPTERS, 0)) == 5 * h + (hq + f) / tp
+    qv = AdapterLoad((TaskAdapter(16, ("q_proj", "v_proj"), dropout=True), TaskAdapter(8, ("down_proj",))))
+    assert mask_bytes_per_token(LLAMA7B, tp, qv) == 2 * h
+
+
+@pytest.mark.parametrize(
+    "config", [ParallelConfig(1, 1), ParallelConfig(2, 1), ParallelConfig(4, 2), ParallelConfig(2, 1, recompute=True)]
+)
+def test_keep_masks_leave_m_alone_and_fit_below_it(config):
+    """Adapter dropout leaves M as it is (at M the executor draws the masks again) and adds the masks' bytes to a
+    second line: the most tokens that keep them is floor(free / (bytes a token + mask bytes a token)), below M; their
+    bytes a token are every block's masks on each micro-batch in flight, or one block's with recompute. No dropout:
+    the two are M."""
+    factors = DEFAULT_CALIBRATION.memory_factors
+    dropping = _dropping(LOBRA_ADAPTERS, 0)
+    lines = stage_lines(LLAMA7B, config, dropping, A100_40.memory_bytes, 2, factors)
+    plain = stage_lines(LLAMA7B, config, LOBRA_ADAPTERS, A100_40.memory_bytes, 2, factors)
+    masks = mask_bytes_per_token(LLAMA7B, config.tp, dropping) * factors.activation_overhead
+    blocks = LLAMA7B.n_layers / config.pp
+    in_flight = (config.pp, 1) if config.pp > 1 else (1,)
+    for line, bare, held in zip(lines, plain, in_flight, strict=True):
+        assert line.max_tokens() == bare.max_tokens() and line.bytes_per_token == bare.bytes_per_token
+        assert bare.mask_bytes_per_token == 0 and bare.mask_tokens() == bare.max_tokens()
+        expected = masks if config.recompute else held * blocks * masks
+        assert line.mask_bytes_per_token == pytest.approx(expected)
+        free = line.budget_bytes - line.static_bytes
+        assert line.mask_tokens() == int(free // (line.bytes_per_token + line.mask_bytes_per_token))
+        assert 0 < line.mask_tokens() < line.max_tokens()
+    assert stage_memory(LLAMA7B, config, dropping, A100_40.memory_bytes, 2, factors) == min(
+        lines, key=lambda m: m.max_tokens()
+    )
+
+
+def test_a_mask_line():
+    line = StageMemory(budget_bytes=1000, static_bytes=200, bytes_per_token=3, mask_bytes_per_token=1)
+    assert (line.max_tokens(), line.mask_tokens()) == (266, 200)
+    assert StageMemory(100, 200, 1, 1).mask_tokens() == 0

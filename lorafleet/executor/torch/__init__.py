@@ -13,11 +13,11 @@ and these ranks share without torch is ``lorafleet.runtime``'s.
   packed sequence), ``grad_sync.py`` (``GradSync``), ``updates.py`` (``TaskUpdates``), ``optim.py``
   (``TaskOptimizer``);
 - the multi-LoRA operator: ``multi_lora.py`` (``MultiLoraLinear``), ``routing.py`` (``LoraRouting``),
-  ``dropout.py`` (the keep-mask, drawn again in the backward), ``token_split.py`` (a column-parallel input's rows
-  kept per TP rank for the A gradient), its backends in ``kernels/``, ``inject.py`` (the operator put into a
-  model), ``dora.py`` (DoRA's magnitude), ``vera.py`` (VeRA's shared projections and vectors), ``quant.py`` (NF4
-  and int8 storage of a frozen base), ``quantized_base.py`` (``QuantizedLinear``) and ``quantized_stage.py`` (a
-  quantized base loaded whole or per stage);
+  ``dropout.py`` (the keep-mask, drawn again in the backward), ``mask_memory.py`` (where it is kept instead),
+  ``token_split.py`` (a column-parallel input's rows kept per TP rank for the A gradient), its backends in
+  ``kernels/``, ``inject.py`` (the operator put into a model), ``dora.py`` (DoRA's magnitude), ``vera.py`` (VeRA's
+  shared projections and vectors), ``quant.py`` (NF4 and int8 storage of a frozen base), ``quantized_base.py``
+  (``QuantizedLinear``) and ``quantized_stage.py`` (a quantized base loaded whole or per stage);
 - the base model and files: ``base_model.py`` (``load_base``), ``families.py`` (what a model family's own forward
   adds around its layers: Gemma 3's rotary tables, Gemma 2's logit soft cap), ``fused.py`` (Phi-3's fused
   projections under TP, part by part), ``checkpoint.py`` (a checkpoint's tensors,

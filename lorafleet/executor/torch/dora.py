@@ -20,9 +20,9 @@ backward is autograd over these rows, exact (n is a constant):
 
     dm = Σ_rows G ⊙ (Y - b + D) / n                 the magnitude's gradient
     dY = g ⊙ G on the rows (G elsewhere)            into the operator's own backward: dA, dB and X W's dX
-    dX += ((g - 1) ⊙ G) W ⊙ (M / (1 - p) - 1)       through D, dropping rows only (from the bool M drawn
-                                                    again, ``_DropoutDelta``: neither M nor a float factor
-                                                    is saved)
+    dX += ((g - 1) ⊙ G) W ⊙ (M / (1 - p) - 1)       through D, dropping rows only (from the bool M, kept or
+                                                    drawn again, ``_DropoutDelta``: no float factor is
+                                                    saved)
 
 **Tensor parallelism** (``tp.py``). A column-parallel layer holds whole rows of ``W`` (and of ``B``): ``n`` is
 local, and ``m`` is split like ``B``'s rows. A row-parallel layer holds a slice of every row, ``W[:, K_j]`` and
@@ -143,7 +143,7 @@ def rescale(
         scale: ``g = m / n`` ``(D, N)``, one row per adapter of ``dora`` (differentiable in ``m``).
         dropouts: ``p`` per adapter of ``dora``.
         replay: how ``keep`` was drawn (``dropout.MaskReplay``): the backward draws it again, nothing of it is
-            saved; None: ``keep``'s rows are saved.
+            saved; None: ``keep`` is saved (the operator's own mask, ``mask_memory.py``).
     """
     found = spans(segments, dora)
     if not found:
@@ -171,10 +171,10 @@ def _delta_factor(keep: Tensor, p: float, dtype: torch.dtype) -> Tensor:
 class _DropoutDelta(torch.autograd.Function):
     """``D = (Xd - X) W^T = (X ⊙ φ) W^T`` of each dropping span (:func:`_delta_factor`), and ``dX = (dD W) ⊙ φ``.
 
-    One call for all the dropping spans of a layer call: the backward draws the keep-mask again once
-    (``replay.mask()``, the whole ``(T, K)``: a generator cannot skip to a span's rows) and remakes each span's
-    ``φ`` from its rows. Nothing of the mask is saved (with ``replay``; a caller's mask without one is), where
-    autograd over ``X * φ`` saved ``φ`` itself: a float ``(L, K)`` a projection, so q, k and v each kept one,
+    One call for all the dropping spans of a layer call: it saves the layer's bool keep-mask (the operator's own
+    tensor: no byte more), or with ``replay`` nothing of it, and the backward draws it again once (``replay.mask()``,
+    the whole ``(T, K)``: a generator cannot skip to a span's rows); it remakes each span's ``φ`` from its rows,
+    where autograd over ``X * φ`` saved ``φ`` itself: a float ``(L, K)`` a projection, so q, k and v each kept one,
     three times their input. The products are autograd's own, in the same order: the same bits."""
 
     @staticmethod

@@ -1,13 +1,15 @@
-"""The dropout keep-mask ``M`` of one layer call: drawn in the forward, drawn again in the backward.
+"""The dropout keep-mask ``M`` of one layer call: drawn in the forward, kept or drawn again in the backward.
 
 In ``multi_lora``'s module doc it is the ``M_j`` of ``Xd_j = X[R_j] ⊙ M_j / (1 - p_a)``: a bool
 ``(T, K)`` mask, Bernoulli(1 - p_a) on adapter ``a``'s rows and all True elsewhere. The forward draws
-it from the device's global generator (:func:`draw_keep_mask`), after taking that generator's state
-(:meth:`MaskReplay.next_draw`); the mask is used and freed, and the operator saves only the
-:class:`MaskReplay`. The backward draws the same mask again from a private generator set to that state
-(:meth:`MaskReplay.mask`), bit for bit, so ``dX`` and ``dA`` use exactly the forward's mask and no
+it from the device's global generator (:func:`draw_keep_mask`). Where the memory model fits it
+(``mask_memory.py``) the operator saves it for the backward; where memory binds the forward first takes
+that generator's state (:meth:`MaskReplay.next_draw`), uses the mask and frees it, and the operator saves
+only the :class:`MaskReplay`: the backward draws the same mask again from a private generator set to that
+state (:meth:`MaskReplay.mask`), bit for bit, so ``dX`` and ``dA`` use exactly the forward's mask and no
 ``(T, K)`` byte is kept between the passes (as FlashAttention regenerates its dropout from the Philox
-seed and offset). The global generator is read, never set: it leaves the forward as the draw leaves it.
+seed and offset), for one more draw. The global generator is read, never set: it leaves the forward as the
+draw leaves it, so both paths draw the same masks.
 
 Under tensor parallelism a column-parallel layer's input is whole on every TP rank, and each rank computes ``dA``
 over its own rows of ``Xd`` (``token_split.py``): the ranks of a stage must draw the same mask, i.e. seed the global
@@ -50,7 +52,7 @@ def draw_keep_mask(
     non-empty segment has dropout, so the common p = 0 case allocates nothing. The mask is one
     byte per element, drawn from ``generator`` (default: the device's global one). It stands for
     each adapter's dropped input (what an ``nn.Dropout`` per adapter would keep alive: 4 bytes an
-    element); the backward draws it again (:class:`MaskReplay`) and recomputes ``Xd``.
+    element); the backward reads it, kept or drawn again (:class:`MaskReplay`), and recomputes ``Xd``.
     """
     spans = _dropout_spans(routing)
     return _draw(rows, cols, spans, torch.device(device), generator) if spans else None

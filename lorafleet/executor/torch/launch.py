@@ -38,7 +38,7 @@ from lorafleet.runtime.base_quantization import QuantizedBase
 from lorafleet.runtime.data_stream import TaskData, prepare_task_data, task_tokenizer, training_streams
 from lorafleet.runtime.processes import START_TIMEOUT_S
 from lorafleet.specs.gpus import GIB, gpu_preset_for
-from lorafleet.specs.model import adapter_base_model
+from lorafleet.specs.model import adapter_base_model, resolve_model
 from lorafleet.specs.workload import TaskSpec, WorkloadSpec
 from lorafleet.turns import TaskTurns
 
@@ -164,6 +164,7 @@ def build_torch_executor(
         seed=spec.seed,
         base_model=adapter_base_model(spec.model, spec.base_model_id),
         quantized_base=QuantizedBase(spec.quantize, str(dtype).removeprefix("torch.")) if spec.quantize else None,
+        model_spec=resolve_model(spec.model),
         slowdown=dict(slowdown or {}),
     )
     start = time.perf_counter()

@@ -20,8 +20,8 @@ and, with ``G = dLoss/dY``:
 This is mLoRA's BatchLoRA operator (arXiv 2312.02515 §4) with two fixes: the backward uses the
 forward's dropout mask (mLoRA rescales the un-dropped input, so its gradients are exact only in
 expectation), and the same adapter may own several segments. The mask is not kept between the
-passes: the backward draws it again from the generator state the forward drew it from
-(``dropout.MaskReplay``), uses it and frees it.
+passes where memory binds: above ``MultiLoraLinear.mask_tokens`` rows the backward draws it again from the
+generator state the forward drew it from (``dropout.MaskReplay``), uses it and frees it (``mask_memory.py``).
 
 Two implementations share one ``torch.autograd.Function``: a torch loop over runs of segments
 (``kernels/torch_lora.py``, any device, the reference) and Triton kernels
@@ -256,6 +256,10 @@ class MultiLoraLinear(nn.Module):
         """VeRA adapters' frozen ``A``, ``B`` by id: one :class:`~vera.VeraProjections` shared by every layer."""
         self.vera_slice = vera.ProjectionSlice.whole(base_layer.in_features, base_layer.out_features)
         """The rows of ``B`` and columns of ``A`` this layer uses (TP narrows them: ``tp.py``)."""
+        self.mask_tokens = 0
+        """The most rows (a micro-batch's tokens) at which a call keeps its dropout keep-mask for the backward; above
+        it the backward draws the mask again (``dropout.MaskReplay``). Set from the memory model for the replica
+        (``mask_memory.py``); 0: always drawn again."""
         self.token_split: TokenSplit | None = None
         """The TP group over which this layer's output features are split (column-parallel, set by ``tp.py``): each
         rank saves its rows of the input for ``dA`` (``token_split.py``). None: the input is saved whole."""
@@ -439,9 +443,11 @@ class MultiLoraLinear(nn.Module):
         """``x (..., in_features) -> (..., out_features)``; leading dims flatten to the segment rows."""
         routing = self.routing()
         x2 = x.reshape(-1, self.in_features)  # (T, K), T = prod(leading dims)
-        # the mask's generator state, then the mask: used in this forward, drawn again in the backward
-        replay = MaskReplay.next_draw(*x2.shape, routing, x2.device) if self.training else None
-        keep = None if replay is None else draw_keep_mask(*x2.shape, routing, device=x2.device)
+        # the mask, kept for the backward up to mask_tokens rows (mask_memory.py); above, its generator state first:
+        # the backward draws it again from there
+        redraw = self.training and x2.shape[0] > self.mask_tokens
+        replay = MaskReplay.next_draw(*x2.shape, routing, x2.device) if redraw else None
+        keep = draw_keep_mask(*x2.shape, routing, device=x2.device) if self.training else None
         weight = self.base_layer.weight  # a quantized base dequantizes it here, once a call
         # The dicts' own parameter maps, in the order of the LoRA and DoRA adapters among self.adapters (add_adapter
         # inserts into both alike): ParameterDict.__getitem__ costs ~0.7 us a key, every call.

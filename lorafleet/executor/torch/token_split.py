@@ -26,10 +26,11 @@ per adapted column-parallel projection call with a LoRA or DoRA tenant owning ro
 ``P c r_max`` elements (``r_max``: the largest rank among the call's LoRA and DoRA adapters), in the activations'
 dtype. A fused projection (``qkv_proj``) is one call, so one collective.
 
-The dropout keep-mask ``M`` is not saved (``dropout.MaskReplay``): the backward draws it again, whole, from the
-generator state the forward drew it from: ``dX`` applies it on every row, and ``Xd[R_j]`` is recomputed from the
-saved ``X[R_j]`` and its rows ``M[R_j]``. So the TP ranks of a stage must draw the same mask: they must share their
-micro-batch seed (``window.microbatch_seed``), and then their generator states, hence their replayed masks, agree.
+The dropout keep-mask ``M`` is kept whole, or where memory binds not saved (``mask_memory.py``,
+``dropout.MaskReplay``): the backward draws it again, whole, from the generator state the forward drew it from.
+Either way ``dX`` applies it on every row, and ``Xd[R_j]`` is recomputed from the saved ``X[R_j]`` and its rows
+``M[R_j]``. So the TP ranks of a stage must draw the same mask: they must share their micro-batch seed
+(``window.microbatch_seed``), and then their generator states, hence their masks, agree.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class RowShare:
     x: Tensor
     """``X[R_j]`` ``(end - first, K)``."""
     keep: Tensor | None
-    """``M[R_j]`` (a view of the whole mask, drawn again for this backward), or None without dropout."""
+    """``M[R_j]`` (a view of the whole mask, kept or drawn again for this backward), or None without dropout."""
     routing: LoraRouting
     """The call's routing on ``R_j``, renumbered from row 0 (:func:`share_routing`)."""
 

@@ -49,6 +49,7 @@ from lorafleet.executor.torch.change import (
 from lorafleet.executor.torch.checkpoint import TrainState
 from lorafleet.executor.torch.checkpointer import Checkpointer
 from lorafleet.executor.torch.evaluate import EvalOutcome, EvalRun, eval_batch, run_evaluation
+from lorafleet.executor.torch.mask_memory import keep_masks_up_to, replica_mask_tokens
 from lorafleet.executor.torch.optim import LORAPLUS_FACTORS, TaskOptimizer
 from lorafleet.executor.torch.replica import build_replica
 from lorafleet.executor.torch.routing import LoraBackend
@@ -57,6 +58,7 @@ from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan, StepReport
 from lorafleet.runtime.base_quantization import QuantizedBase
 from lorafleet.runtime.data_stream import DataStreams, TaskData, task_key
 from lorafleet.specs.architecture import model_lora
+from lorafleet.specs.model import ModelSpec
 from lorafleet.specs.workload import TaskSpec
 
 
@@ -73,6 +75,9 @@ class ExecutorConfig:
     quantized_base: QuantizedBase | None = None
     """The base's projections stored quantized (QLoRA: ``quantized_base.py``), recorded in every checkpoint."""
     lora_backend: LoraBackend = LoraBackend.AUTO
+    model_spec: ModelSpec | None = None
+    """The base model's shape (``specs.model``): what the memory model prices a replica's dropout keep-masks by, so
+    its layers keep them where they fit (``mask_memory.py``); None: every layer draws its masks again."""
     slowdown: Mapping[int, float] = field(default_factory=dict)
     """Fault injection: replica id -> factor f >= 1. The replica's ranks wait (f - 1) x their compute time
     after each step's micro-batches, as a replica f times slower would take (stragglers in tests and
@@ -166,6 +171,7 @@ class TorchExecutor:
             backend=config.lora_backend,
             weights=weights,
         )
+        self._keep_masks()
         self.optimizers = [
             TaskOptimizer(
                 t.optimizer,
@@ -210,6 +216,19 @@ class TorchExecutor:
         look-ahead dispatcher calls it for step + 1 while step runs)."""
         batch = self._pending[step] = self.streams.global_batch(step)
         return batch
+
+    def _keep_masks(self) -> None:
+        """This rank's layers keep their dropout keep-masks in micro-batches the memory model fits them in (the
+        replica's :func:`~lorafleet.executor.torch.mask_memory.replica_mask_tokens`): at start and after a change."""
+        role, config = self.replica.role, self.config
+        if role is None or not config.tasks:
+            return
+        quantize = None if config.quantized_base is None else config.quantized_base.kind
+        loras, optimizer = [t.lora for t in config.tasks], config.tasks[0].optimizer.name
+        tokens = replica_mask_tokens(
+            config.model_spec, config.plan, role.replica.replica_id, loras, optimizer, quantize
+        )
+        keep_masks_up_to(self.replica.model, tokens)
 
     def run_step(self, step_plan: StepPlan) -> StepReport:
         """Runs one dispatched step (a window of one: 1F1B, drained)."""
@@ -367,6 +386,7 @@ class TorchExecutor:
         self.checkpointer.retask(replica, optimizers, streams, [t.lora for t in change.tasks], names)
         self.config = replace(self.config, plan=change.plan, tasks=change.tasks)
         self.replica, self.optimizers, self.streams, self.names = replica, optimizers, streams, names
+        self._keep_masks()
         self._pending.clear()  # batches drawn ahead for the old tasks
         # One all-reduce each: the slowest rank's seconds per phase, and which ranks built a stage.
         slowest = torch.tensor([phases[p] for p in PHASES], dtype=torch.float64).to(self.device)

@@ -120,3 +120,48 @@ def test_triton_gradients_equal_those_of_the_kept_mask():
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
     summary = result.stdout.splitlines()[-1]
     assert "4 passed" in summary and "skipped" not in summary, summary
+
+
+@pytest.mark.parametrize("split", [None, 0, 1], ids=["whole", "tp-rank-0", "tp-rank-1"])
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recomputed"])
+def test_a_layer_keeping_its_masks_gets_the_replays_gradients(recompute, split, monkeypatch):
+    """The layer as shipped both ways (no patch of the mask): keeping its masks (``mask_tokens`` = the call's rows)
+    and drawing them again (one row fewer) give the same output, ``dX``, factor gradients and after-forward global
+    generator state, bit for bit, stored and recomputed, whole and as either TP rank of a token split."""
+    if split is not None:
+        monkeypatch.setattr(TokenSplit, "reduce", cases.rank_rows_alone)
+    runs = []
+    for mask_tokens in (cases.ROWS, cases.ROWS - 1):
+        net = cases.layer(LoraBackend.TORCH, None if split is None else TokenSplit(split, 2, None))
+        net.mask_tokens = mask_tokens
+        runs.append(cases.gradients(net, recompute))
+    (kept, kept_state), (redrawn, redrawn_state) = runs
+    cases.assert_bitwise_equal(redrawn, kept)
+    assert torch.equal(redrawn_state, kept_state)
+
+
+@pytest.mark.parametrize("use_dora", [False, True], ids=["lora", "dora"])
+def test_a_call_up_to_mask_tokens_rows_keeps_its_mask(use_dora):
+    """A call of at most ``mask_tokens`` rows saves its ``(T, K)`` bool mask (one byte an element) beside what a call
+    one row over saves, and draws nothing in the backward; a call over it saves no bool."""
+    tokens, hidden = 64, 48
+
+    def layer(mask_tokens: int) -> MultiLoraLinear:
+        torch.manual_seed(0)
+        out = MultiLoraLinear(nn.Linear(hidden, 32)).train()
+        out.add_adapter(0, LoraSpec(rank=4, alpha=8, dropout=0.3, use_dora=use_dora))
+        out.segments = Segments.packed([0], [tokens])
+        out.mask_tokens = mask_tokens
+        return out
+
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    kept, redrawn = _saved(layer(tokens), x), _saved(layer(tokens - 1), x)
+    masks = [t for t in kept if t.dtype == torch.bool]
+    assert len({t.data_ptr() for t in masks}) == 1 and masks[0].shape == (tokens, hidden)  # one mask, DoRA's too
+    assert not any(t.dtype == torch.bool for t in redrawn)
+    assert _distinct_bytes(kept) == _distinct_bytes(redrawn) + tokens * hidden
+
+
+def _distinct_bytes(saved: list[torch.Tensor]) -> int:
+    """The bytes of the distinct tensors among ``saved`` (DoRA's dropout term saves the layer's mask a second time)."""
+    return sum(t.nbytes for t in {t.data_ptr(): t for t in saved}.values())
