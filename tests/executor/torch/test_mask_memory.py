@@ -3,18 +3,23 @@ fits with every keep-mask charged; none on a profiled pool, or without the model
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import torch
 from torch import nn
 
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.build import analytic_mask_tokens
 from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
+from lorafleet.executor.torch.inject import multi_lora_layers
 from lorafleet.executor.torch.mask_memory import keep_masks_up_to, replica_mask_tokens
 from lorafleet.executor.torch.multi_lora import MultiLoraLinear
+from lorafleet.executor.torch.worker import ExecutorConfig, TorchExecutor
 from lorafleet.specs.gpus import GPU_PRESETS
 from lorafleet.specs.lora import LoraSpec, OptimizerName, Quantization
 from lorafleet.specs.model import MODEL_PRESETS
-from tests.helpers.fleet_harness import plan_of
+from tests.helpers.fleet_harness import TASKS, Run, build_model, plan_of, run_world, synthetic_streams
 
 LLAMA7B = MODEL_PRESETS["llama2-7b"]
 LORAS = (LoraSpec(rank=16, alpha=32, dropout=0.05), LoraSpec(rank=8, alpha=16))
@@ -46,3 +51,22 @@ def test_every_layer_of_a_stage_gets_the_rows():
     keep_masks_up_to(stage, 1234)
     assert [m.mask_tokens for m in stage if isinstance(m, MultiLoraLinear)] == [1234, 1234]
     keep_masks_up_to(None, 5)  # an idle rank: nothing to set
+
+
+def _layers_mask_tokens(run: Run) -> list[int]:
+    """Every rank's body: the distinct ``mask_tokens`` of its stage's layers once its executor is built."""
+    tiny = MODEL_PRESETS["tiny-llama"]
+    config = ExecutorConfig(plan=run.plan, tasks=run.tasks, base_model="tiny-llama", model_spec=tiny)
+    executor = TorchExecutor(config, build_model(), synthetic_streams(), torch.device("cpu"))
+    tokens = sorted({layer.mask_tokens for _, layer in multi_lora_layers(executor.replica.model)})
+    executor.close()
+    return tokens
+
+
+def test_an_executor_sets_its_replicas_mask_tokens_on_every_layer(tmp_path):
+    """A TorchExecutor given the model's shape sets its replica's figure on every layer of its stage."""
+    tasks = tuple(replace(t, lora=t.lora.model_copy(update={"dropout": 0.1})) for t in TASKS)
+    plan = plan_of((1, 1))
+    [got] = run_world(1, [Run(plan, steps=0, tasks=tasks)], tmp_path, body=_layers_mask_tokens)
+    want = replica_mask_tokens(MODEL_PRESETS["tiny-llama"], plan, 0, [t.lora for t in tasks], "adamw")
+    assert got == [want] and want > 0
