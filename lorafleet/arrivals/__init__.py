@@ -7,10 +7,10 @@
 - the strategies, one object each behind one interface (:class:`Strategy`, :class:`Change`,
   ``Replanner.on_change``): :mod:`.strategies`;
 - the replay's state between steps (the clock, the tasks present, :class:`TaskOutcome`): :mod:`.fleet`;
-- the event-aware plan source each step is planned by: :mod:`.source`;
+- the plan source each step is planned by: :mod:`.source`;
 - the replay on the one step loop, ``lorafleet.loop.run_loop`` (:func:`replay_trace`,
-  :class:`ArrivalOptions`, :class:`StrategyRun`, :class:`ArrivalsResult`), a change decided by the rule
-  ``lorafleet train`` follows (``planner.decision``): :mod:`.replay`.
+  :class:`ArrivalOptions`, :class:`StrategyRun`, :class:`ArrivalsResult`), an event applied at a window boundary
+  and a change decided by the rules ``lorafleet train`` follows (``planner.decision``): :mod:`.replay`.
 
 Pure numpy and lorafleet's types: no torch.
 """

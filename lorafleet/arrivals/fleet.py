@@ -2,11 +2,12 @@
 
 Changes happen at step boundaries. After a step, the tasks that took their last step depart (completing
 at the step's end), and so do those an evaluation after the step stopped early (:meth:`Fleet.evaluated`, its
-pass's seconds on the clock first); then :meth:`Fleet.apply_due` applies every event with ``at <= clock``: a task that
-arrives during a step joins at the next boundary, a cancelled one leaves there (its completion time is
-that boundary, the first at or after its ``at``; a cancel of a task that has already left does
-nothing). A move's rebuild (:meth:`Fleet.wait`) belongs to the boundary it is made at: an event that lands in it is
-applied at the boundary after the first step on the new deployment, as ``lorafleet train`` reads its queue once a
+pass's seconds on the clock first). At a window boundary of the step loop (every step on a plan without a pipelined
+replica; ``arrivals.replay``), :meth:`Fleet.apply_due` applies every event with ``at <= clock``, as ``lorafleet
+train`` reads its queue there: a task that arrives during a window joins at its end, a cancelled one leaves there
+(its completion time is that boundary, the first at or after its ``at``; a cancel of a task that has already left
+does nothing). A move's rebuild (:meth:`Fleet.wait`) belongs to the boundary it is made at: an event that lands in
+it is applied at the end of the new deployment's first window, as ``lorafleet train`` reads its queue once a
 boundary, when the loop reaches it (``train.changes``: one change a boundary). When no task is present the fleet
 idles and the clock jumps to the next event (:meth:`Fleet.idle`); idle time is not charged.
 """
@@ -95,8 +96,8 @@ class Fleet:
         return True
 
     def wait(self, seconds: float) -> None:
-        """The clock waits (a migration's rebuild) before the next step; the events due meanwhile are applied after it
-        (module doc)."""
+        """The clock waits (a migration's rebuild) before the next step; the events due meanwhile are applied at the end
+        of the next window (module doc)."""
         self.clock += seconds
 
     def steps_left(self) -> int:

@@ -8,15 +8,26 @@ strategy (:mod:`lorafleet.arrivals.strategies`) names the plan the tasks run on,
 migration first (``planner.incremental.MigrationModel``: the in-process rebuild's price, or
 ``--migration-s`` a rebuilt replica). Then that plan runs on :func:`lorafleet.loop.run_loop` until the task
 set changes again, as ``simulate`` and ``train`` run theirs: in the plan's loop windows
-(``DeploymentPlan.loop_window``), each step planned by the event-aware source
-(:mod:`lorafleet.arrivals.source`), run on the noise-free simulated executor and learnt from by a
-recalibrator.
+(``DeploymentPlan.loop_window``), each step planned by the source (:mod:`lorafleet.arrivals.source`), run on
+the noise-free simulated executor and learnt from by a recalibrator.
+
+**Events apply at window boundaries**, as ``lorafleet train`` reads its queue: before each window
+(``run_loop``'s ``stop``), never inside one, since a request it has not seen cannot end a window. The windows are
+``run_loop``'s, with ``train``'s arguments: ``W = loop_window`` steps (the pipeline window when a replica is
+pipelined, else 1), cut where a task departs, an evaluation is due or a re-plan beside the steps answers
+(``train``'s fleet changes and evaluations name those boundaries ahead) and at every multiple of
+``checkpoint_every`` (``train --checkpoint-every``). So an
+event at ``t`` applies at the first window boundary at or after the step in flight at ``t``: with windows from
+step ``S`` (the segment's start) and no cut, at ``S + W * ceil((k + 1 - S) / W)``, ``k`` that step; every step is
+a boundary when no replica is pipelined (``W = 1``). A segment's first window is run whole: its start's queue
+was read before the change was applied, so an event that lands in the change's rebuild applies at the end of the
+new deployment's first window (``train.changes``: one change a boundary).
 
 **One loop run per deployment segment.** ``run_loop`` takes one executor, and a simulated executor (and a
 recalibrator) belongs to one deployment: its replicas. So the replay calls ``run_loop`` once per
 *segment*, a stretch of steps with one plan and one task set, with that plan's executor. A segment's
 steps end where its first present task departs; ``stop`` ends it sooner, at the first window boundary
-(after its first step) where an event has changed the task set. The replay, between segments, is where
+(after its first window) where an event has changed the task set. The replay, between segments, is where
 the things outside any step happen: the idle jumps, the strategy's answer and the migration wait. The
 recalibrator carries over a change that keeps the deployment's replicas; a new deployment's starts from
 what the last one measured of each pool (as ``Recalibrator.load_state_dict`` does for a re-planned one).
@@ -75,6 +86,9 @@ class ArrivalOptions:
     stops: bool = True
     """Tasks with ``early_stopping`` may stop early; False: evaluated but never stopped (the reference an early
     stop's saving is measured against)."""
+    checkpoint_every: int = 50
+    """A training run's checkpoint cadence (``lorafleet train --checkpoint-every``'s default): a checkpoint ends a
+    window, so ``train`` reads its queue there too."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +158,7 @@ class _Segment:
     recalibrator: Recalibrator
     evals: EvalReplay
     first_step: int
+    checkpoint_every: int
     most_steps: int | None = None
     """At most this many steps (None: until the first present task departs)."""
 
@@ -161,41 +176,38 @@ class _Segment:
             self.fleet.evaluated(cost.seconds, gpus, cost.task_gpu_s, self.evals.stopped)
 
     def stop(self, present: tuple[str, ...]) -> bool:
-        """At a window boundary after the segment's first step: the events due, or an early stop, change the
-        task set (``present``: the segment's). Not before it: the events due at the segment's start were applied, and
-        those due during the migration wait before it are applied after that step (``arrivals.fleet``)."""
+        """At a window boundary after the segment's first window: the events due, or an early stop, change the task
+        set (``present``: the segment's). Not before it: the events due at the segment's start were applied, and
+        those due during the migration wait before it are applied at its end (module doc)."""
         return self.fleet.step > self.first_step and (self.fleet.apply_due() or tuple(self.fleet.present) != present)
 
-    def next_boundary(self, source: TraceSource, step: int) -> int | None:
-        """The first step a window from ``step`` must end at: an event's, or a present task's evaluation's."""
-        ends = [source.next_boundary(step), self.evals.next_boundary(step, self.fleet.present)]
-        return min((end for end in ends if end is not None), default=None)
-
     def run(self) -> None:
-        source = TraceSource(self.fleet, self.plan, self.cost_model, self.tasks, self.seed, self.recalibrator)
         run_loop(
-            source,
+            TraceSource(self.fleet, self.plan, self.cost_model, self.tasks, self.seed),
             SimulatedExecutor(self.plan, self.cost_model, self.plan.tasks),
             range(self.first_step, self.first_step + min(self.fleet.first_departure(), self.most_steps or math.inf)),
             on_report=self.on_report,
             recalibrator=self.recalibrator,
             stop=partial(self.stop, tuple(self.fleet.present)),
             window=self.plan.loop_window,
-            next_boundary=partial(self.next_boundary, source),
+            boundary_every=self.checkpoint_every,
+            next_boundary=partial(self.evals.next_boundary, present=self.fleet.present),
         )
 
 
 def _replay(
-    replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int, replan_after: int, stops: bool
+    replanner: Replanner, trace: Trace, cost_model: CostModel, seed: int, options: ArrivalOptions
 ) -> StrategyRun:
     """One strategy's replay: between segments the idle jumps, the strategy's answer and the migration wait. A
     move whose running deployment can serve the new tasks (its ``interim``) waits on it, by the rule a training
-    run follows (``planner.decision.decide``: the re-plan runs beside the next ``replan_after`` steps); a change
+    run follows (``planner.decision.decide``: the re-plan runs beside the next ``--replan-after`` steps); a change
     of the task set in those steps or at their end supersedes it (it is never made: the next change is
     re-planned from the running deployment, as ``train.changes`` does)."""
     fleet = Fleet(trace)
     tasks = {a.task.name: a.task for a in trace.arrivals}
-    evals = EvalReplay(tasks, seed, stops)
+    evals = EvalReplay(tasks, seed, options.stops)
+    segment = partial(_Segment, fleet, cost_model=cost_model, tasks=tasks, seed=seed, evals=evals,
+                      checkpoint_every=options.checkpoint_every)  # fmt: skip
     plan: DeploymentPlan | None = None
     recalibrator: Recalibrator | None = None
     changes: list[Change] = []
@@ -206,12 +218,13 @@ def _replay(
                 continue
             break
         decision = replanner.on_change(plan, tuple(fleet.present), fleet.clock, fleet.steps_left())
-        now = decide(fleet.step, True, lambda d=decision: d.interim, plan, replan_after) if plan else None
+        after = options.replan.settings.after
+        now = decide(fleet.step, True, lambda d=decision: d.interim, plan, after) if plan else None
         if isinstance(now, Keep) and now.replan_at is not None:  # the move waits on the running deployment
             assert recalibrator is not None and _same_replicas(plan, now.plan)
             plan, present = now.plan, tuple(fleet.present)
             steps = now.replan_at - fleet.step
-            _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, evals, fleet.step, steps).run()
+            segment(plan=plan, recalibrator=recalibrator, first_step=fleet.step, most_steps=steps).run()
             if fleet.apply_due() or tuple(fleet.present) != present:
                 continue  # the task set changed by the move's step: the next change's re-plan supersedes it
         if decision.change is not None:
@@ -223,7 +236,7 @@ def _replay(
             recalibrator = Recalibrator.for_plan(decision.plan, prior=measured)
         plan = decision.plan
         assert set(fleet.present) <= set(plan.tasks), (fleet.present, plan.tasks)
-        _Segment(fleet, plan, cost_model, tasks, seed, recalibrator, evals, fleet.step).run()
+        segment(plan=plan, recalibrator=recalibrator, first_step=fleet.step).run()
     return StrategyRun(
         strategy=replanner.strategy,
         step_gpu_s=fleet.step_gpu_s,
@@ -249,7 +262,6 @@ def replay_trace(
     plans = PlanMaker(trace, cluster, cost_model, options.planner)
     seed = trace.workload.spec.seed if options.seed is None else options.seed
     replanners = [REPLANNERS[s](plans, options.replan) for s in options.strategies]
-    after = options.replan.settings.after
-    runs = tuple(_replay(r, trace, cost_model, seed, after, options.stops) for r in replanners)
+    runs = tuple(_replay(r, trace, cost_model, seed, options) for r in replanners)
     static_plan = next((r.plan for r in replanners if isinstance(r, Static)), None)
     return ArrivalsResult(trace=trace, runs=runs, static_plan=static_plan)

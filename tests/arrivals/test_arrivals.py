@@ -3,7 +3,8 @@ invariants under each strategy, and the command."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import re
+from dataclasses import fields, replace
 
 import numpy as np
 import pytest
@@ -15,7 +16,9 @@ from lorafleet.cli import main
 from lorafleet.errors import InputError
 from lorafleet.planner import PlannerOptions, ReplanObjective, ReplanOptions, plan_deployment
 from lorafleet.sampling import task_lengths
+from lorafleet.specs.dispatch import DispatchPolicy
 from lorafleet.specs.replan import ReplanSettings
+from lorafleet.train.options import TrainOptions
 from lorafleet.workload import load_workload
 
 # A quick planner: the replay's figures, not the plans' quality, are under test.
@@ -189,15 +192,35 @@ def test_every_task_completes_after_it_arrives(result):
         assert run.gpu_s == pytest.approx(run.step_gpu_s + run.migration_gpu_s)
 
 
-def test_a_cancelled_task_departs_at_the_first_step_boundary_after_its_cancel(result):
+def test_a_cancelled_task_departs_at_the_first_window_boundary_after_its_cancel(result):
     for run in result.runs:
         chat = run.tasks["chat"]
-        assert chat.cancelled and 0 < chat.steps_done < chat.steps
-        # it left at the end of the step in flight at 1.0 s (or at 1.0 s itself, had a step ended there); a move's
-        # rebuild wait belongs to the boundary it was made at, so a cancel that lands in it leaves at the end of the
-        # step after it (scratch moves at 0.91 s since the pipelined packing prices <1,2> better: a 6.9 s rebuild)
-        waits = [c.migration_s for c in run.changes if c.at_s < 1.0]
-        assert 1.0 <= chat.completion_s < 1.0 + max(run.step_s) + sum(waits)
+        assert chat.cancelled and 0 < chat.steps_done < chat.steps and chat.completion_s >= 1.0
+    # static and incremental run <2,1> x 2, no replica pipelined: every step is a window boundary, so chat left at the
+    # end of the step in flight at 1.0 s (or at 1.0 s itself, had a step ended there)
+    for name in (Strategy.STATIC, Strategy.INCREMENTAL):
+        run = result.run(name)
+        assert run.tasks["chat"].completion_s < 1.0 + max(run.step_s)
+    # scratch moves at 0.91 s onto a plan with a pipelined <1,2> (the pipelined packing prices it better): the cancel
+    # lands in its 6.9 s rebuild, so it is read at the end of the new deployment's first window, which docs' departure
+    # after its 6 steps ends (``lorafleet train`` reads its queue once a boundary, and at window boundaries only)
+    scratch = result.run(Strategy.SCRATCH)
+    chat, docs = scratch.tasks["chat"], scratch.tasks["docs"]
+    assert _pipelined(scratch.changes[1].plan) and scratch.changes[1].migration_s > 1.0 - scratch.changes[1].at_s
+    assert chat.steps_done == docs.steps_done == docs.steps and chat.completion_s == docs.completion_s
+
+
+def test_on_plans_without_a_pipelined_replica_every_step_is_a_window_boundary(result):
+    """Unchanged by #43's windows: an event applies at the end of the step in flight when it comes (code's add at
+    0.5 s, chat's cancel at 1.0 s), as ``Change.step``, the first step run after it, says."""
+    for name in (Strategy.STATIC, Strategy.INCREMENTAL):
+        run = result.run(name)
+        ends = np.cumsum(run.step_s)
+        assert [int(np.searchsorted(ends, at)) + 1 for at in (0.5, 1.0)] == [1, 2]  # each in step 0, 1: not ended
+        if name is Strategy.INCREMENTAL:
+            assert not any(_pipelined(c.plan) for c in run.changes)
+            assert [c.step for c in run.changes[:3]] == [0, 1, 2]
+        assert run.tasks["code"].start_s == pytest.approx(ends[0]) and run.tasks["chat"].steps_done == 2
 
 
 def test_an_idle_fleet_is_not_charged_and_waits_for_the_next_arrival(result):
@@ -344,19 +367,91 @@ def test_an_infeasible_deployment_is_left_whatever_the_migration(tmp_path):
     assert run.tasks["long"].start_s == pytest.approx(joined.at_s + 1e6)  # the clock waited for the rebuild
 
 
-def test_an_event_during_a_rebuild_is_applied_after_the_first_step_on_the_new_deployment(tmp_path):
+def test_an_event_during_a_rebuild_onto_a_plan_without_a_pipelined_replica_is_applied_after_its_first_step(tmp_path):
     """#43: chat's cancel lands in the 1e6 s rebuild of the move ``long`` forces. The rebuild belongs to the boundary
-    it is made at, so the cancel is applied at the next one, after the first step on the new deployment, never as a
-    second change at the move's boundary: ``lorafleet train`` reads its queue once a boundary, when the loop reaches
-    it (``tests/train/test_changes.py``). The changes' steps are ``changes.jsonl``'s: the first step run after each."""
+    it is made at, so the cancel is applied at the next one, never as a second change at the move's boundary:
+    ``lorafleet train`` reads its queue once a boundary, when the loop reaches it (``tests/train/test_changes.py``).
+    The new deployment, <4,1>, pipelines no replica, so that is after its first step (a window a step). The
+    changes' steps are ``changes.jsonl``'s: the first step run after each."""
     run = _long_joins(tmp_path, {"at": 10.0, "cancel": "chat"})
     start, joined, cancelled = run.changes
     assert (start.step, start.tasks) == (0, ("chat",)) and joined.moved and joined.tasks == ("chat", "long")
+    assert not _pipelined(start.plan) and not _pipelined(joined.plan)
     assert cancelled.tasks == ("long",) and not cancelled.moved
     assert cancelled.step == joined.step + 1  # one step on the new deployment first
     chat = run.tasks["chat"]
     assert chat.cancelled and chat.steps_done == joined.step + 1 < chat.steps
     assert chat.completion_s == pytest.approx(joined.at_s + 1e6 + run.step_s[joined.step])
+
+
+def _pipelined(described: str) -> bool:
+    """A plan (``DeploymentPlan.describe``) with a pipelined replica (pp > 1): its loop window is the pipeline's."""
+    return any(int(pp) > 1 for pp in re.findall(r"<\d+,(\d+)", described))
+
+
+PIPELINED = {"model": "llama2-7b", "cluster": {"gpu": "cpu", "nodes": 4, "gpus_per_node": 1}, **{
+    k: WORKLOAD[k] for k in ("defaults",)}}  # fmt: skip
+"""One GPU a node, so no replica has TP > 1: the chat task's plan pipelines a replica, as does the long task's."""
+JOIN_S, CANCEL_S = 0.2, 5e4
+
+
+def _joins_a_pipelined_plan(tmp_path, checkpoint_every: int = 50):
+    """On ``PIPELINED``: chat alone on a plan with a pipelined replica (steps of ~1,000 s on the cpu preset); ``long``
+    added at 0.2 s, in chat's first step, needs a move (no running replica holds it) onto a pipelined <1,4>, priced
+    1e6 s; chat cancelled at 5e4 s, in that rebuild. The incremental replay."""
+    chat = {**WORKLOAD["tasks"][0], "steps": 30}
+    long = {"name": "long", **{**CODE, "context_length": 4608}, "lengths": {"values": [4608]}, "steps": 12}
+    events = [{"at": JOIN_S, "add": long}, {"at": CANCEL_S, "cancel": "chat"}]
+    workload = load_workload(_write(tmp_path / "w.yaml", {**PIPELINED, "tasks": [chat]}))
+    trace = load_trace(_write(tmp_path / "t.yaml", {"events": events}), workload)
+    cluster = workload_cluster(workload)
+    replan = ReplanOptions(ReplanSettings(migration_s=1e6))
+    options = ArrivalOptions(
+        planner=FAST, replan=replan, strategies=(Strategy.INCREMENTAL,), checkpoint_every=checkpoint_every
+    )
+    return replay_trace(trace, cluster, workload_cost_model(trace.all_tasks(), cluster), options).runs[0]
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory):
+    return _joins_a_pipelined_plan(tmp_path_factory.mktemp("pipelined"))
+
+
+W = DispatchPolicy().pipeline_window  # 8 steps
+
+
+def test_an_event_mid_window_on_a_pipelined_plan_applies_at_the_windows_end(pipelined):
+    """#43: ``lorafleet train`` reads its queue only at window boundaries (a request it has not seen cannot end a
+    window), so the replay applies an event there too: long's add, in step 0 of chat's pipelined plan, at step W,
+    the end of its first window (the replay applied it at step 1 before)."""
+    start, joined, _ = pipelined.changes
+    assert _pipelined(start.plan) and start.tasks == ("chat",) and JOIN_S < pipelined.step_s[0]
+    assert joined.step == W and joined.tasks == ("chat", "long") and joined.moved
+    assert joined.at_s == pytest.approx(sum(pipelined.step_s[:W]))  # chat trained on alone to the window's end
+    assert pipelined.tasks["long"].start_s == pytest.approx(joined.at_s + 1e6)  # after the move's rebuild
+
+
+def test_an_event_during_a_rebuild_onto_a_pipelined_plan_applies_at_the_end_of_its_first_window(pipelined):
+    """#43: chat's cancel lands in the 1e6 s rebuild onto long's pipelined <1,4>. The rebuild belongs to the boundary
+    it is made at (one change a boundary), and the next boundary a training run reads its queue at is the end of the
+    new deployment's first window: W steps later (one step, before)."""
+    _, joined, cancelled = pipelined.changes
+    assert _pipelined(joined.plan) and joined.at_s < CANCEL_S < joined.at_s + joined.migration_s
+    assert cancelled.tasks == ("long",) and not cancelled.moved
+    assert cancelled.step == joined.step + W
+    chat = pipelined.tasks["chat"]
+    assert chat.cancelled and chat.steps_done == 2 * W
+    assert chat.completion_s == pytest.approx(joined.at_s + 1e6 + sum(pipelined.step_s[W : 2 * W]))
+
+
+def test_a_checkpoint_ends_a_window_as_in_a_training_run(tmp_path):
+    """``lorafleet train`` ends a window at every multiple of its ``--checkpoint-every`` too, and reads its queue
+    there: every 5 steps here, long joins at step 5 and chat's cancel is read at 10 (the rebuild's first window, from
+    5, cut there). The replay's cadence is train's default."""
+    start, joined, cancelled = _joins_a_pipelined_plan(tmp_path, checkpoint_every=5).changes
+    assert (joined.step, cancelled.step) == (5, 10)
+    default = next(f.default for f in fields(TrainOptions) if f.name == "checkpoint_every")
+    assert ArrivalOptions().checkpoint_every == default
 
 
 def test_a_task_no_config_holds_is_named_where_it_was_added(files, setting, tmp_path):
