@@ -2,7 +2,8 @@
 on a machine: the launcher of ``lorafleet train`` that needs only its lengths, ``plan``, every rank that trains on
 it and a later run all read the one tokenization. A process that finds its data's entry loads no tokenizer:
 loading one imports transformers and with it torch, about 3 CPU-s, more than the launcher's other work, and a
-rank skips the tokenization itself (the demo's four tasks: ~1.9 CPU-s a rank).
+rank skips the tokenization itself (the demo's four tasks: ~2 CPU-s a rank, and the GGUF tokenizer's ~5.5 on
+a rank that does not export).
 
 An entry's key is SHA-256 over everything a row's tokens and labels depend on:
 
@@ -24,7 +25,7 @@ refused, every time.
 
 Where: ``$LORAFLEET_CACHE_DIR``, else ``$XDG_CACHE_HOME/lorafleet``, else ``~/.cache/lorafleet``; under
 ``tokens/``, one file an entry (``data.token_file``: each token's id in 2 bytes, 4 above 65,535, and its label
-in a bit; the demo's 960 rows, 406,000 tokens, take 0.85 MB). Every rank of a run may read and write an entry
+in a bit; the demo's 960 rows, 355,152 tokens, take 0.76 MB). Every rank of a run may read and write an entry
 at once: entries are written whole and renamed into place, and an entry that is not whole (truncated,
 corrupt) is said in one warning, computed again and rewritten, never used. A cache directory that cannot be
 written is said in one warning, and the run goes on without it.
