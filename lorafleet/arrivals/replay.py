@@ -66,6 +66,7 @@ from lorafleet.loop import run_loop
 from lorafleet.planner import PlannerOptions, ReplanOptions
 from lorafleet.planner.decision import Keep, decide
 from lorafleet.plans import DeploymentPlan, StepPlan, StepReport
+from lorafleet.runtime.checkpoint_files import CHECKPOINT_EVERY
 from lorafleet.specs.cluster import ClusterSpec
 from lorafleet.workload import Task
 
@@ -86,9 +87,9 @@ class ArrivalOptions:
     stops: bool = True
     """Tasks with ``early_stopping`` may stop early; False: evaluated but never stopped (the reference an early
     stop's saving is measured against)."""
-    checkpoint_every: int = 50
-    """A training run's checkpoint cadence (``lorafleet train --checkpoint-every``'s default): a checkpoint ends a
-    window, so ``train`` reads its queue there too."""
+    checkpoint_every: int = CHECKPOINT_EVERY
+    """A training run's checkpoint cadence (``lorafleet train --checkpoint-every``): a checkpoint ends a window, so
+    ``train`` reads its queue there too."""
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ from lorafleet.specs.workload import TaskSpec
 
 FORMAT_VERSION = 2
 """2 adds ``files``: the SHA-256 of every file of the step directory, verified on resume."""
+CHECKPOINT_EVERY = 50
+"""A training run's default checkpoint cadence in steps (``lorafleet train --checkpoint-every``); a checkpoint ends a
+window, so the arrivals replay cuts its windows there too."""
 MANIFEST = "manifest.json"
 LATEST = "latest.json"
 

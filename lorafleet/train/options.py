@@ -13,6 +13,7 @@ from pydantic import ConfigDict
 
 from lorafleet.errors import InputError
 from lorafleet.rundir import RunDir
+from lorafleet.runtime.checkpoint_files import CHECKPOINT_EVERY
 from lorafleet.runtime.processes import START_TIMEOUT_S
 from lorafleet.specs.device import Device, Precision
 from lorafleet.specs.fields import ARGS, check_fields, flag, in_group
@@ -61,7 +62,7 @@ class TrainOptions:
     there without committing one)"""
     nonfinite_patience: int = field(default=3, metadata=flag("--nonfinite-patience", "K", least=1))
     """a task skipped K steps in a row for a non-finite loss or gradient stops"""
-    checkpoint_every: int = field(default=50, metadata=flag("--checkpoint-every", "K", least=1))
+    checkpoint_every: int = field(default=CHECKPOINT_EVERY, metadata=flag("--checkpoint-every", "K", least=1))
     """commit a checkpoint every K steps, and always at the end"""
     device: Device = field(default=Device.AUTO, metadata=flag("--device"))
     """cuda: NCCL, one GPU per process; cpu: gloo; auto: cuda when there are enough GPUs"""
