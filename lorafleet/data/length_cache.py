@@ -76,35 +76,37 @@ def cached_examples(data: DataSpec, model: str, tokenizer: str | None, tokenize:
     """``data``'s examples: the cache's when it holds the key's entry, else ``tokenize()``, stored under the key.
     ``model``/``tokenizer``: the workload's fields naming the tokenizer (``data.model_source.data_tokenizer``'s
     rule)."""
-    path = _entry(data, model, tokenizer)
-    if path is not None:
-        found = _read(path, read_examples)
-        if found is not None:
-            return found
-    examples = list(tokenize())
-    if path is not None:
-        _write(path, examples)
-    return examples
+    return _through_cache(data, model, tokenizer, tokenize, read_examples, list)
 
 
 def cached_lengths(data: DataSpec, model: str, tokenizer: str | None, tokenize: Tokenize) -> np.ndarray:
     """Every row's token count (int64, in row order) of ``data``: read from the offsets of the key's entry when
     the cache holds it (its tokens are not read), else of ``tokenize()``, whose examples are then stored (so the
     ranks that train on the data read them: one tokenization a machine)."""
-    path = _entry(data, model, tokenizer)
-    if path is not None:
-        found = _read(path, read_lengths)
-        if found is not None:
-            return found
+    return _through_cache(
+        data, model, tokenizer, tokenize, read_lengths, lambda ex: np.fromiter(map(len, ex), np.int64, len(ex))
+    )
+
+
+def _through_cache(
+    data: DataSpec,
+    model: str,
+    tokenizer: str | None,
+    tokenize: Tokenize,
+    read: Callable[[Path], T],
+    of: Callable[[list[Example]], T],
+) -> T:
+    """``read`` of the key's entry when there is a whole one; else ``of`` the examples ``tokenize()`` gives,
+    which are stored under the key (when ``data`` has one)."""
+    key = data_key(data, model, tokenizer)
+    path = None if key is None else cache_dir() / "tokens" / f"{key}.tokens"
+    found = None if path is None else _read(path, read)
+    if found is not None:
+        return found
     examples = list(tokenize())
     if path is not None:
         _write(path, examples)
-    return np.fromiter((len(e) for e in examples), np.int64, count=len(examples))
-
-
-def _entry(data: DataSpec, model: str, tokenizer: str | None) -> Path | None:
-    key = data_key(data, model, tokenizer)
-    return None if key is None else cache_dir() / "tokens" / f"{key}.tokens"
+    return of(examples)
 
 
 def data_key(data: DataSpec, model: str, tokenizer: str | None) -> str | None:

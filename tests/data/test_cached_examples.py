@@ -4,14 +4,10 @@ nothing; a rank whose data the launcher tokenized (another process) imports no t
 
 from __future__ import annotations
 
-import csv
 import json
 import subprocess
 import sys
 
-import datasets
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
@@ -20,6 +16,7 @@ from lorafleet.data.tokenize import tokenize_data
 from lorafleet.data.workload_tokens import WorkloadTokens
 from lorafleet.specs.data import DataSpec
 from lorafleet.work import counting
+from tests.helpers.containers import write_rows
 from tests.helpers.repo import DEMO, REPO
 
 TOOL_CALL = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
@@ -53,32 +50,6 @@ TOOL_TEMPLATE = (
 )
 
 
-def _write(tmp_path, rows, container: str):
-    """``rows`` in ``container`` (``data.readers``' kinds); the path."""
-    if container == "jsonl":
-        path = tmp_path / "rows.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    elif container == "json":
-        path = tmp_path / "rows.json"
-        path.write_text(json.dumps(rows))
-    elif container == "parquet":
-        path = tmp_path / "rows.parquet"
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    elif container == "csv":
-        path = tmp_path / "rows.csv"
-        with path.open("w", newline="") as out:
-            writer = csv.DictWriter(out, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-    elif container == "txt":
-        path = tmp_path / "rows.txt"
-        path.write_text("".join(r["text"] + "\n" for r in rows))
-    else:
-        path = tmp_path / "saved"
-        datasets.Dataset.from_list(rows).save_to_disk(str(path))
-    return str(path)
-
-
 CASES = [(fmt, "jsonl", {}) for fmt in ROWS] + [
     ("alpaca", "json", {}),
     ("prompt_response", "parquet", {}),
@@ -103,7 +74,7 @@ def test_cached_examples_are_the_tokenization_and_a_second_read_loads_no_tokeniz
 ):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     tokenizer = AutoTokenizer.from_pretrained(str(tool_tokenizer))
-    spec = DataSpec(path=_write(tmp_path, ROWS[fmt], container), **settings)
+    spec = DataSpec(path=str(write_rows(tmp_path, ROWS[fmt], container)), **settings)
     fresh = tokenize_data(tokenizer, spec)
     loads = []
 

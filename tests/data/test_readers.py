@@ -3,7 +3,6 @@ saved DatasetDict, and a one-line InputError naming what a file that does not fi
 
 from __future__ import annotations
 
-import csv
 import gzip
 import json
 
@@ -14,6 +13,7 @@ import pytest
 
 from lorafleet.data.readers import read_container
 from lorafleet.errors import InputError
+from tests.helpers.containers import write_rows
 
 ROWS = [
     {"instruction": "Add 2 and 3.", "input": "", "output": "5"},
@@ -23,26 +23,8 @@ ROWS = [
 
 
 def _write(tmp_path, kind: str, rows=ROWS):
-    """``rows`` written as ``kind`` by the library people write it with; the path."""
-    if kind == "jsonl":
-        path = tmp_path / "rows.jsonl"
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    elif kind == "json":
-        path = tmp_path / "rows.json"
-        path.write_text(json.dumps(rows, indent=2))
-    elif kind == "parquet":
-        path = tmp_path / "rows.parquet"
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    elif kind == "csv":
-        path = tmp_path / "rows.csv"
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-    else:
-        path = tmp_path / "saved"
-        datasets.Dataset.from_list(rows).save_to_disk(str(path))
-    return path
+    """``rows`` written as ``kind`` (``tests.helpers.containers``); the path."""
+    return write_rows(tmp_path, rows, kind)
 
 
 @pytest.mark.parametrize(
