@@ -16,6 +16,9 @@ token_file.py       one cache entry's file: ids, labels and offsets, compact; re
 gguf_metadata.py    where a GGUF file's key-value metadata ends (what keys its tokenizer), from its header
 workload_tokens.py  ``WorkloadTokens``: a workload's data -> examples through the cache, the tokenizer loaded
                     only on a miss
-model_source.py     where a workload's base model and its tokenizer come from (``model:`` -> ``ModelSource``)
+model_source.py     where a workload's base model and its tokenizer come from (``model:`` -> ``ModelSource``), and
+                    what identifies that tokenizer without loading it (the caches' keys)
+tokenizer_cache.py  a workload's tokenizer saved on disk once built (a GGUF's: seconds), read back in ~0.1 s
+cache_key.py        where the caches live, and the libraries' versions and source every key holds
 weights_index.py    where a model directory's safetensors weights are, from the files' headers (torch-free)
 """

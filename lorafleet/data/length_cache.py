@@ -2,20 +2,20 @@
 on a machine: the launcher of ``lorafleet train`` that needs only its lengths, ``plan``, every rank that trains on
 it and a later run all read the one tokenization. A process that finds its data's entry loads no tokenizer:
 loading one imports transformers and with it torch, about 3 CPU-s, more than the launcher's other work, and a
-rank skips the tokenization itself (the demo's four tasks: ~2 CPU-s a rank, and the GGUF tokenizer's ~5.5 on
-a rank that does not export).
+rank skips the tokenization itself (the demo's four tasks: ~2 CPU-s a rank; the tokenizer, where a process
+loads it, is read in its saved form: ``data.tokenizer_cache``).
 
 An entry's key is SHA-256 over everything a row's tokens and labels depend on:
 
 - the dataset's bytes (a file's; a ``save_to_disk`` directory's every file, by relative path);
 - its ``DataSpec`` but its path (format, columns, split, chat template use, system prompt, ...);
-- the tokenizer's files: every regular file in its directory but weights (a workload's ``tokenizer:``
-  directory, an HF model directory); a GGUF's metadata (its key-value section, which holds the vocabulary,
-  merges, special tokens and chat template a tokenizer is built from: megabytes, not the weights after it);
-  or a random preset's vocabulary and the Python its tiny BPE is trained under (``data.tiny_tokenizer``: the
-  standard library's docstrings);
+- the tokenizer's files (``data.model_source.tokenizer_digest``): every regular file in its directory but
+  weights (a workload's ``tokenizer:`` directory, an HF model directory); a GGUF's metadata (its key-value
+  section, which holds the vocabulary, merges, special tokens and chat template a tokenizer is built from:
+  megabytes, not the weights after it); or a random preset's vocabulary and the Python its tiny BPE is trained
+  under (``data.tiny_tokenizer``: the standard library's docstrings);
 - the versions of the libraries that render and tokenize (transformers, tokenizers, jinja2, sentencepiece,
-  gguf) and the source of ``lorafleet.data`` (reading, rendering and tokenizing the rows).
+  gguf) and the source of ``lorafleet.data`` (reading, rendering and tokenizing the rows): ``data.cache_key``.
 
 So a hit is the examples a tokenization would give, bit for bit, and their lengths the histogram it would
 give. No key (never cached): a chat template that calls ``strftime_now`` (its text, so its tokens, change with
@@ -23,7 +23,7 @@ the date), and a model file that is not a GGUF this module can read. An entry is
 tokenization succeeded, and never for a dataset with no row: one that fails to tokenize is tokenized, and
 refused, every time.
 
-Where: ``$LORAFLEET_CACHE_DIR``, else ``$XDG_CACHE_HOME/lorafleet``, else ``~/.cache/lorafleet``; under
+Where: under ``data.cache_key.cache_dir`` (``$LORAFLEET_CACHE_DIR``, else the user's cache directory), in
 ``tokens/``, one file an entry (``data.token_file``: each token's id in 2 bytes, 4 above 65,535, and its label
 in a bit; the demo's 960 rows, 355,152 tokens, take 0.76 MB). Every rank of a run may read and write an entry
 at once: entries are written whole and renamed into place, and an entry that is not whole (truncated,
@@ -33,11 +33,7 @@ written is said in one warning, and the run goes on without it.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import importlib.metadata
-import os
-import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,31 +41,14 @@ from typing import TypeVar
 
 import numpy as np
 
+from lorafleet.data.cache_key import CACHE_ENV, cache_dir, environment_digest
 from lorafleet.data.token_file import CorruptEntry, read_examples, read_lengths, write_examples
 from lorafleet.data.tokenize import Example
-from lorafleet.errors import InputError
 from lorafleet.specs.data import DataSpec
 
-CACHE_ENV = "LORAFLEET_CACHE_DIR"
-"""The cache's directory, when set (the default is the user's cache directory: module doc)."""
-LIBRARIES = ("transformers", "tokenizers", "jinja2", "sentencepiece", "gguf")
-"""The libraries whose versions a key holds (one not installed is keyed as absent)."""
-WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx"})
-"""Files of a model directory that hold weights, not the tokenizer: not hashed."""
-DATED = b"strftime_now"
-"""What a chat template calls to put today's date in its text: such a tokenizer is never keyed."""
 Tokenize = Callable[[], Sequence[Example]]
 """A dataset's tokenization (``data.tokenize.tokenize_data``), run on a miss."""
 T = TypeVar("T")
-
-
-def cache_dir() -> Path:
-    """The directory entries go under (module doc)."""
-    chosen = os.environ.get(CACHE_ENV)
-    if chosen:
-        return Path(chosen)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "lorafleet"
 
 
 def cached_examples(data: DataSpec, model: str, tokenizer: str | None, tokenize: Tokenize) -> list[Example]:
@@ -111,65 +90,16 @@ def _through_cache(
 
 def data_key(data: DataSpec, model: str, tokenizer: str | None) -> str | None:
     """The key of ``data``'s tokenization under the workload's tokenizer (module doc); None: not cached."""
-    tokenizer_part = _tokenizer_digest(model, tokenizer)
+    from lorafleet.data.model_source import tokenizer_digest
+
+    tokenizer_part = tokenizer_digest(model, tokenizer)
     if tokenizer_part is None:
         return None
     digest = hashlib.sha256()
-    digest.update(_environment_digest().encode())
+    digest.update(environment_digest().encode())
     digest.update(tokenizer_part.encode())
     digest.update(data.model_dump_json(exclude={"path"}).encode())
     _hash_path(digest, Path(data.path))
-    return digest.hexdigest()
-
-
-def _tokenizer_digest(model: str, tokenizer: str | None) -> str | None:
-    """What identifies the tokenizer ``data_tokenizer`` would load, without loading it; None where nothing cheap
-    does (a dated template, a GGUF file whose header does not read) or the model does not resolve (loading then
-    says why)."""
-    from lorafleet.data.gguf_metadata import metadata_bytes
-    from lorafleet.data.model_source import SourceKind, resolve_model_source
-
-    if tokenizer is not None:
-        directory = Path(tokenizer)
-    else:
-        try:
-            source = resolve_model_source(model)
-        except InputError:
-            return None
-        if source.kind is SourceKind.GGUF:
-            metadata = metadata_bytes(Path(source.path) / source.gguf_file)
-            if metadata is None or DATED in metadata:
-                return None
-            return "gguf " + hashlib.sha256(metadata).hexdigest()
-        if source.kind is SourceKind.RANDOM:
-            assert source.spec is not None
-            return f"tiny-bpe vocab={source.spec.vocab} python={sys.version}"
-        directory = Path(source.path)
-    if not directory.is_dir():
-        return None
-    digest = hashlib.sha256()
-    for path in sorted(directory.iterdir()):
-        if not path.is_file() or path.suffix in WEIGHT_SUFFIXES:
-            continue
-        content = path.read_bytes()
-        if DATED in content:
-            return None
-        digest.update(path.name.encode() + b"\0" + len(content).to_bytes(8, "little") + content)
-    return digest.hexdigest()
-
-
-@functools.cache
-def _environment_digest() -> str:
-    """The libraries' versions and ``lorafleet.data``'s source: the same in every call of a process."""
-    digest = hashlib.sha256()
-    for name in LIBRARIES:
-        try:
-            version = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            version = "absent"
-        digest.update(f"{name}={version}\0".encode())
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 

@@ -22,15 +22,19 @@ loads the weights (``lorafleet.executor.torch.base_model``).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import sys
 import tempfile
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from lorafleet.data.gguf_metadata import metadata_bytes
 from lorafleet.data.tiny_tokenizer import build_tiny_tokenizer
 from lorafleet.data.tokenize import load_tokenizer
+from lorafleet.data.tokenizer_cache import cached_tokenizer
 from lorafleet.errors import InputError
 from lorafleet.specs.model import MODEL_PRESETS, ModelSpec, hub_id_message, looks_like_hub_id
 
@@ -142,7 +146,14 @@ def load_source_tokenizer(source: ModelSource) -> Any:
 def data_tokenizer(model: str, tokenizer: str | None, *, source: str) -> Any:
     """The tokenizer a workload's data is tokenized with: its ``tokenizer`` directory when set, else the one
     that comes with the model's weights (an HF directory's, a GGUF's), else (random-weight presets) the
-    project's tiny BPE of the preset's vocabulary, built here. ``source`` names the file in errors."""
+    project's tiny BPE of the preset's vocabulary, built here. ``source`` names the file in errors. Loaded from
+    its saved form in the tokenizer cache once built on this machine (``data.tokenizer_cache``: a GGUF's is
+    built from the file's vocabulary, seconds)."""
+    return cached_tokenizer(tokenizer_digest(model, tokenizer), lambda: _built_tokenizer(model, tokenizer, source))
+
+
+def _built_tokenizer(model: str, tokenizer: str | None, source: str) -> Any:
+    """:func:`data_tokenizer`'s tokenizer, loaded or built from where the workload names it (no cache)."""
     if tokenizer is not None:
         return load_tokenizer(tokenizer, source, "tokenizer")
     try:
@@ -160,6 +171,48 @@ def data_tokenizer(model: str, tokenizer: str | None, *, source: str) -> Any:
     with tempfile.TemporaryDirectory(prefix="lorafleet-tokenizer-") as tmp:
         built = build_tiny_tokenizer(tmp, vocab_size=model_source.spec.vocab)
         return load_tokenizer(str(built), source, "tokenizer")
+
+
+WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx"})
+"""Files of a model directory that hold weights, not the tokenizer: not in :func:`tokenizer_digest`."""
+DATED = b"strftime_now"
+"""What a chat template calls to put today's date in its text: such a tokenizer has no :func:`tokenizer_digest`."""
+
+
+def tokenizer_digest(model: str, tokenizer: str | None) -> str | None:
+    """What identifies the tokenizer :func:`data_tokenizer` loads, without loading it (the caches' keys: its
+    ``tokenizer`` or HF model directory's every file but weights; a GGUF's key-value metadata, which holds the
+    vocabulary, merges, special tokens and chat template it is built from, megabytes, not the weights after it; a
+    random preset's vocabulary and the Python its tiny BPE is trained under). None where nothing cheap does (a
+    dated template, a GGUF file whose header does not read) or the model does not resolve (loading then says
+    why)."""
+    if tokenizer is not None:
+        directory = Path(tokenizer)
+    else:
+        try:
+            source = resolve_model_source(model)
+        except InputError:
+            return None
+        if source.kind is SourceKind.GGUF:
+            metadata = metadata_bytes(Path(source.path) / source.gguf_file)
+            if metadata is None or DATED in metadata:
+                return None
+            return "gguf " + hashlib.sha256(metadata).hexdigest()
+        if source.kind is SourceKind.RANDOM:
+            assert source.spec is not None
+            return f"tiny-bpe vocab={source.spec.vocab} python={sys.version}"
+        directory = Path(source.path)
+    if not directory.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(directory.iterdir()):
+        if not path.is_file() or path.suffix in WEIGHT_SUFFIXES:
+            continue
+        content = path.read_bytes()
+        if DATED in content:
+            return None
+        digest.update(path.name.encode() + b"\0" + len(content).to_bytes(8, "little") + content)
+    return digest.hexdigest()
 
 
 def checkable_tokenizer(model: str, tokenizer: str | None, *, source: str) -> Any | None:
