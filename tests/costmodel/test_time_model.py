@@ -97,3 +97,15 @@ def test_features_of_many_is_each_one_alone():
         assert np.array_equal(features_of([mb])[0], row)
     coeffs = LayerTimeCoeffs((1e-3, 2e-3, 0.1, 0.2, 0.5, 3.0))
     assert np.allclose(coeffs.shapes(mbs), [coeffs.shape(mb) for mb in mbs])
+
+
+def test_features_of_packed_only_is_each_one_alone():
+    """A list of packed micro-batches only (the packer's, read through one chain of their lengths), with and
+    without an empty one among them, gives each micro-batch's features alone, to the bit."""
+    rng = np.random.default_rng(3)
+    packed = [MicroBatchShape.packed(rng.integers(1, 5000, int(n)).tolist()) for n in rng.integers(1, 40, 30)]
+    for mbs in (packed, [*packed[:7], MicroBatchShape((), None), *packed[7:]]):
+        many = features_of(mbs)
+        assert many.shape == (len(mbs), 6)
+        for mb, row in zip(mbs, many, strict=True):
+            assert np.array_equal(features_of([mb])[0], row)
