@@ -272,3 +272,28 @@ def test_cost_tables_of_no_bucket_are_empty_with_the_first_start():
     assert compute.shape == largest.shape == (2, 0) and start.tolist() == [0]
     compute, largest, start = _cost_tables(np.ones((1, 2)), np.ones((1, 2)), np.ones((1, 2)), np.array([2, 1]))
     assert start.tolist() == [0, 3] and compute.tolist() == [[0.0, 2.0, 4.0, 0.0, 2.0]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_updated_together_are_the_rows_built_alone(seed):
+    """``_Rows.update`` of several classes at once (the exchange's two, a water-fill's takers) gives, to the bit,
+    the rows built from scratch on the new totals: each row's sums and sorts run along that row alone."""
+    from lorafleet.dispatch.balance import _Rows
+
+    _, _, load, fast = small_load(LOBRA_7B_PLAN, n_seqs=200, n_buckets=5, seed=seed, mode=MicroBatchMode.PACKING)
+    rng = np.random.default_rng(seed)
+    d = fast.counts.copy()
+    rows = _Rows(load, d)
+    for _ in range(5):
+        changed = rng.choice(len(load.classes), size=min(2, len(load.classes)), replace=False)
+        d[changed] = np.minimum(rng.integers(0, load.counts + 1, (changed.size, load.counts.size)), load.counts)
+        rows.update(load, d, changed)
+        for i in range(len(load.classes)):  # each row alone, in one dimension
+            compute, largest = load.table_cost(i, np.arange(d.shape[1]), -(-d[i] // load.n_replicas[i]))
+            top = (-largest).argsort(kind="stable")[:3]
+            assert np.array_equal(rows.compute[i], compute) and np.array_equal(rows.largest[i], largest)
+            assert rows.base[i] == load.overhead_s[i] + compute.sum()
+            assert np.array_equal(rows.top_values[i], np.concatenate((largest[top], np.zeros(3 - top.size))))
+            assert np.array_equal(np.flatnonzero(rows.rank[i]), np.sort(top[:2]))
+            assert [rows.rank[i, b] for b in top[:2]] == list(range(1, top[:2].size + 1))
+
