@@ -149,7 +149,8 @@ class LayerTimeCoeffs:
         if self.span is not None:
             c1 = c1 * self.span.ratio(s)
         t = (c1 * b + c2) * s**2 + (c3 * b + c4) * s + (c5 * b + c6)
-        t = np.where(b > 0, t, 0.0)
+        if b.ndim or not b > 0:  # one b > 0 for every s (a load model's rows) leaves every time as it is
+            t = np.where(b > 0, t, 0.0)
         return float(t) if t.ndim == 0 else t
 
     def packed(self, seq_lens: Sequence[int] | np.ndarray) -> float:

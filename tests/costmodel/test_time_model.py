@@ -33,6 +33,14 @@ def test_empty_fragment_is_free():
     np.testing.assert_array_equal(COEFFS(np.array([0, 1]), 512)[:1], [0.0])
 
 
+def test_one_row_count_over_many_lengths_is_each_alone():
+    """A scalar b over an array of lengths (a load model's rows) gives each length's time to the bit, 0 for b = 0."""
+    s = np.array([1, 128, 2048, 4095, 16384])
+    for b in (1, 2, 7):
+        assert COEFFS(b, s).tolist() == [COEFFS(b, int(x)) for x in s]
+    np.testing.assert_array_equal(COEFFS(0, s), np.zeros(s.size))
+
+
 @given(b=st.integers(1, 32), s=st.integers(1, 16384))
 def test_packed_without_padding_costs_the_padded_time(b, s):
     assert COEFFS.packed([s] * b) == pytest.approx(COEFFS(b, s))
