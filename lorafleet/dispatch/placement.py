@@ -17,11 +17,14 @@ from lorafleet.dispatch.load import LoadModel
 from lorafleet.dispatch.sorting import lexsort_ints
 
 
-def interleave(shares: np.ndarray) -> np.ndarray:
+def interleave(shares: np.ndarray, groups: np.ndarray | None = None) -> np.ndarray:
     """Owner of each of ``sum(shares)`` positions, owner k taking ``shares[k]`` of them spread evenly.
 
     Owner k's t-th item sits at key (t + 1/2) / shares[k]; sorting all keys (ties by owner)
     gives the order, so every prefix is split nearly in proportion (Sainte-Laguë order).
+    With ``groups`` (each owner's group, the owners ordered by group), every group is interleaved
+    apart, in one sort by (group, key, owner): the positions group by group, each group's in the
+    order its own shares alone would give.
     """
     shares = np.asarray(shares, dtype=np.int64)
     owners = np.repeat(np.arange(shares.size), shares)
@@ -29,7 +32,7 @@ def interleave(shares: np.ndarray) -> np.ndarray:
         return owners
     starts = np.repeat(np.cumsum(shares) - shares, shares)
     keys = (np.arange(owners.size) - starts + 0.5) / shares[owners]
-    return owners[np.lexsort((owners, keys))]
+    return owners[np.lexsort((owners, keys) if groups is None else (owners, keys, groups[owners]))]
 
 
 def replica_rows(load: LoadModel, i: int, totals: np.ndarray, p: int) -> np.ndarray:
@@ -45,12 +48,10 @@ def replica_rows(load: LoadModel, i: int, totals: np.ndarray, p: int) -> np.ndar
     for j in np.argsort(-load.boundaries, kind="stable"):
         if totals[j] == 0:
             continue
-        extra = totals[j] % p
-        # the loads so far, before this bucket's rows, are read only to give out the extra ones
-        least_loaded = np.argsort(load.replica_load(i, rows), kind="stable")[:extra] if extra else None
-        rows[:, j] = totals[j] // p
-        if extra:
-            rows[least_loaded, j] += 1
+        given = np.full(p, totals[j] // p)
+        if totals[j] % p:  # the loads so far (this bucket's rows not in yet) are read only to give out extra ones
+            given[np.argsort(load.replica_load(i, rows), kind="stable")[: totals[j] % p]] += 1
+        rows[:, j] = given
     return rows
 
 
@@ -82,7 +83,7 @@ def place_sequences(
     """Sequence positions held by each replica of the plan (in plan order), from class totals ``counts`` (K, R).
 
     Bucket by bucket (longest first), each sequence's class and then its replica in the class are dealt by
-    :func:`interleave`; every class's deal of a bucket is one sort (:func:`_deal_within`). Then one stable sort by
+    :func:`interleave`, every class's deal of a bucket in one sort (its ``groups``). Then one stable sort by
     replica gives each replica its sequences in that order: the buckets it holds, longest first, each in dealing
     order."""
     rows = np.concatenate(
@@ -99,7 +100,7 @@ def place_sequences(
             continue
         owner = np.empty(members.size, dtype=np.int64)
         # the class's sequences, in dealing order, take its replicas in its own deal's order
-        owner[np.argsort(interleave(counts[:, j]), kind="stable")] = slot_replica[_deal_within(rows[:, j], slot_class)]
+        owner[np.argsort(interleave(counts[:, j]), kind="stable")] = slot_replica[interleave(rows[:, j], slot_class)]
         dealt.append(members)
         owners.append(owner)
     if not dealt:
@@ -109,13 +110,3 @@ def place_sequences(
     held = np.concatenate(dealt)[by_replica]
     bounds = np.searchsorted(owner[by_replica], np.arange(n_replicas_total + 1)).tolist()
     return [held[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-
-def _deal_within(shares: np.ndarray, group: np.ndarray) -> np.ndarray:
-    """:func:`interleave` of each group's ``shares`` (slots ordered by group), all in one sort: the slot of each
-    position, group by group, each group's positions in its own interleave's order. The same keys (t + 1/2) /
-    share as :func:`interleave`, sorted by (group, key, slot)."""
-    slots = np.repeat(np.arange(shares.size), shares)
-    starts = np.repeat(np.cumsum(shares) - shares, shares)
-    keys = (np.arange(slots.size) - starts + 0.5) / shares[slots]
-    return slots[np.lexsort((slots, keys, group[slots]))]
