@@ -310,7 +310,9 @@ class CostModel:
         self, config: ParallelConfig, b: np.ndarray | float, s: np.ndarray | float
     ) -> np.ndarray | float:
         """Stage time τ' of one padded micro-batch of b sequences of length s, fwd+bwd, seconds (vectorised)."""
-        t = self.stage_coeffs(config)(b, s) + self._excess_ms(config, np.where(np.asarray(b) > 0, np.multiply(b, s), 0))
+        t = self.stage_coeffs(config)(b, s)
+        if self._has_knee(config):  # the tokens are formed only where a knee prices them (load models: every length)
+            t = t + self._excess_ms(config, np.where(np.asarray(b) > 0, np.multiply(b, s), 0))
         return (float(t) if np.ndim(t) == 0 else t) / MS_PER_S
 
     def packed_microbatch_time(self, config: ParallelConfig, seq_lens: Sequence[int]) -> float:
@@ -322,6 +324,11 @@ class CostModel:
         if not mb.n_seqs:
             return 0.0
         return (self.stage_coeffs(config).shape(mb) + float(self._excess_ms(config, mb.tokens))) / MS_PER_S
+
+    def _has_knee(self, config: ParallelConfig) -> bool:
+        """Whether ``config``'s model prices a knee (:meth:`_excess_ms` is 0.0 without one)."""
+        model, layout = self.pool_model(config)
+        return layout in model.knees
 
     def _excess_ms(self, config: ParallelConfig, tokens: Sequence[int] | np.ndarray | int) -> np.ndarray | float:
         """``ρ c3 max(0, S − K)`` of micro-batches of ``tokens`` tokens past the knee, ms (0.0 without one: what

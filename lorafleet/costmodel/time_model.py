@@ -36,6 +36,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import chain, repeat
+from operator import attrgetter
 
 import numpy as np
 
@@ -94,30 +95,37 @@ def shape_features(mb: MicroBatchShape, span: AttentionSpan | None = None) -> np
 def features_of(mbs: Sequence[MicroBatchShape], span: AttentionSpan | None = None) -> np.ndarray:
     """``(len(mbs), 6)``: :func:`shape_features` of every micro-batch in one pass (segment sums and
     maxima over their concatenated lengths), what prices a replica's step and fits a profile;
-    an empty micro-batch gives a zero row."""
-    counts = np.fromiter((mb.n_seqs for mb in mbs), dtype=np.int64, count=len(mbs))
+    an empty micro-batch gives a zero row. The fields are read by C getters (``map``), not a generator a
+    micro-batch: a dispatched step prices its replicas' thousands of micro-batches."""
+    counts = np.fromiter(map(_N_SEQS, mbs), dtype=np.int64, count=len(mbs))
     out = np.zeros((len(mbs), N_COEFFS))
     held = counts > 0
     if not held.any():
         return out
-    lens = np.fromiter(
-        chain.from_iterable(mb.seq_lens if mb.padded_len is None else repeat(mb.padded_len, mb.n_seqs) for mb in mbs),
-        dtype=float,
-        count=int(counts.sum()),
+    pads = list(map(_PADDED_LEN, mbs))
+    rows = (
+        chain.from_iterable(map(_SEQ_LENS, mbs))
+        if pads.count(None) == len(pads)
+        else chain.from_iterable(
+            mb.seq_lens if pad is None else repeat(pad, mb.n_seqs) for mb, pad in zip(mbs, pads, strict=True)
+        )
     )
+    lens = np.fromiter(rows, dtype=float, count=int(counts.sum()))
     starts = (np.cumsum(counts) - counts)[held]  # empty micro-batches own no lengths, so skipping them is exact
     longest = np.maximum.reduceat(lens, starts)
-    out[held] = np.column_stack(
-        [
-            np.add.reduceat(lens**2 if span is None else lens**2 * span.ratio(lens), starts),
-            longest**2,
-            np.add.reduceat(lens, starts),
-            longest,
-            counts[held],
-            np.ones(starts.size),
-        ]
-    )
+    features = out if starts.size == out.shape[0] else np.empty((starts.size, N_COEFFS))
+    features[:, 0] = np.add.reduceat(lens**2 if span is None else lens**2 * span.ratio(lens), starts)
+    features[:, 1] = longest**2
+    features[:, 2] = np.add.reduceat(lens, starts)
+    features[:, 3] = longest
+    features[:, 4] = counts[held]
+    features[:, 5] = 1.0
+    if features is not out:
+        out[held] = features
     return out
+
+
+_N_SEQS, _PADDED_LEN, _SEQ_LENS = attrgetter("n_seqs"), attrgetter("padded_len"), attrgetter("seq_lens")
 
 
 @dataclass(frozen=True)
@@ -141,7 +149,8 @@ class LayerTimeCoeffs:
         if self.span is not None:
             c1 = c1 * self.span.ratio(s)
         t = (c1 * b + c2) * s**2 + (c3 * b + c4) * s + (c5 * b + c6)
-        t = np.where(b > 0, t, 0.0)
+        if b.ndim or not b > 0:  # one b > 0 for every s (a load model's rows) leaves every time as it is
+            t = np.where(b > 0, t, 0.0)
         return float(t) if t.ndim == 0 else t
 
     def packed(self, seq_lens: Sequence[int] | np.ndarray) -> float:

@@ -102,10 +102,10 @@ def _water_fill(load: LoadModel, allowed: np.ndarray, start: np.ndarray) -> np.n
         if total == 0:
             continue
         takers = allowed[:, j].nonzero()[0]
-        bucket, none, extra = np.array(j), np.array(0), np.arange(total + 1)
-        # (takers, total + 1): time of each taker holding x = 0..total more of bucket j; the running
-        # max makes each row monotone even for cost models with a negative coefficient
-        curve = np.maximum.accumulate(_after(load, rows, d, takers[:, None], bucket, none, bucket, extra), axis=1)
+        # (takers, total + 1): time of each taker holding x = 0..total more of bucket j (no other bucket changes);
+        # the running max makes each row monotone even for cost models with a negative coefficient
+        gain = _changes(load, rows, d, takers[:, None], np.array(j), np.arange(total + 1))
+        curve = np.maximum.accumulate(_times(load, rows, takers[:, None], _UNCHANGED, gain), axis=1)
         # The least level tau at which the takers hold them all: taker t holds the x >= 1 more with
         # curve[t, x] <= tau (its row is monotone), so tau is the total-th smallest of curve[:, 1:].
         more = curve[:, 1:]
@@ -113,13 +113,15 @@ def _water_fill(load: LoadModel, allowed: np.ndarray, start: np.ndarray) -> np.n
         tau.partition(total - 1)
         take = (more <= tau[total - 1]).sum(axis=1)
         surplus = int(take.sum()) - total
-        for t in (-curve[np.arange(takers.size), take]).argsort(kind="stable"):
-            cut = min(surplus, int(take[t]))
-            take[t] -= cut
-            surplus -= cut
+        if surplus:  # ties at tau: the takers whose curve is highest there give theirs back first
+            for t in (-curve[np.arange(takers.size), take]).argsort(kind="stable"):
+                cut = min(surplus, int(take[t]))
+                take[t] -= cut
+                surplus -= cut
+                if not surplus:
+                    break
         d[takers, j] += take
-        for i in takers[take > 0]:
-            rows.update(load, d, int(i))
+        rows.update(load, d, takers[take > 0])
     return d
 
 
@@ -280,6 +282,10 @@ def _changes(
     return new - rows.compute[i, j], rows.rank[i, j] * moved, np.where(moved, big, 0.0)
 
 
+_UNCHANGED = (0.0, 0, 0.0)
+"""A :func:`_changes` that changes nothing (an amount of 0): no compute, rank 0, no new largest micro-batch."""
+
+
 def _times(
     load: LoadModel,
     rows: _Rows,
@@ -309,24 +315,6 @@ def _times(
     return np.where(slots != 0, total + bubble, total)
 
 
-def _after(
-    load: LoadModel,
-    rows: _Rows,
-    d: np.ndarray,
-    i: np.ndarray | int,
-    lose_j: np.ndarray,
-    lose_amount: np.ndarray,
-    gain_j: np.ndarray,
-    gain_amount: np.ndarray,
-) -> np.ndarray:
-    """Class times after a loss of ``lose_amount`` of bucket ``lose_j`` and a gain of ``gain_amount`` of
-    ``gain_j``: the class ``i`` (an int, or an array of classes) of each candidate, over broadcastable
-    shapes (:func:`_times`). An amount of 0 leaves its bucket as it is; the two buckets of one candidate
-    must differ when both amounts are non-zero."""
-    lose = _changes(load, rows, d, i, lose_j, -lose_amount)
-    return _times(load, rows, i, lose, _changes(load, rows, d, i, gain_j, gain_amount))
-
-
 _PICKED = np.array([0, 1, 0, 2])
 """``_Rows.pick`` from the top three: the largest a candidate leaves alone, by the bits of which of the first two
 it changes."""
@@ -348,20 +336,24 @@ class _Rows:
         self.top_values = np.zeros((n_classes, 3))
         self.rank = np.zeros((n_classes, n_buckets), dtype=np.int64)
         self.pick = np.zeros((n_classes, 4))
-        for i in range(n_classes):
-            self.update(load, d, i)
+        self._buckets = np.arange(n_buckets)
+        self.update(load, d, np.arange(n_classes))
 
-    def update(self, load: LoadModel, d: np.ndarray, i: int) -> None:
-        """Row i again, after class i's totals changed."""
-        compute, largest = load.table_cost(i, np.arange(d.shape[1]), -(-d[i] // load.n_replicas[i]))
-        top = (-largest).argsort(kind="stable")[:3]
+    def update(self, load: LoadModel, d: np.ndarray, i: np.ndarray) -> None:
+        """The rows of classes ``i`` (distinct) again, after their totals changed; all in one pass, each row as
+        it would be alone (the sums and sorts run along a row)."""
+        compute, largest = load.table_cost(i[:, None], self._buckets, -(-d[i] // load.n_replicas[i, None]))
+        top = (-largest).argsort(axis=1, kind="stable")[:, :3]
         self.compute[i], self.largest[i] = compute, largest
-        self.base[i] = float(load.overhead_s[i] + compute.sum())
-        self.top_values[i] = 0.0
-        self.top_values[i, : top.size] = largest[top]
-        self.rank[i] = 0
-        self.rank[i, top[:2]] = np.arange(1, top[:2].size + 1)
-        self.pick[i] = self.top_values[i, _PICKED]
+        self.base[i] = load.overhead_s[i] + compute.sum(axis=1)
+        row = np.arange(i.size)[:, None]
+        values = np.zeros((i.size, 3))
+        values[:, : top.shape[1]] = largest[row, top]
+        self.top_values[i] = values
+        rank = np.zeros(compute.shape, dtype=np.int64)
+        rank[row, top[:, :2]] = np.arange(1, min(top.shape[1], 2) + 1)
+        self.rank[i] = rank
+        self.pick[i] = values[:, _PICKED]
 
     def times(self, load: LoadModel) -> np.ndarray:
         """(K,) the load model's time of each class: ``base + bubble_slots * largest``."""
@@ -456,8 +448,7 @@ def _exchange_search(load: LoadModel, allowed: np.ndarray, d: np.ndarray, ends: 
         d[k, j] += amount
         d[k, back_j] -= back_amount
         d[c, back_j] += back_amount
-        rows.update(load, d, c)
-        rows.update(load, d, k)
+        rows.update(load, d, np.array([c, k]))
     else:
         return d  # the safety cap: not an end another start may take
     ends.update(dict.fromkeys(path, d))

@@ -165,8 +165,13 @@ def microbatches_of_bins(
     # keys, over arrays: largest first, or by largest task first when task_major; ties in opening order)
     rows = lexsort_ints((order, task_ids[order], bins))
     ids, bins = order[rows], bins[rows]
-    starts = np.flatnonzero(np.r_[True, bins[1:] != bins[:-1]])
-    ends = np.r_[starts[1:], ids.size]
+    change = np.empty(bins.size, dtype=bool)  # where a micro-batch's rows start (array calls: np.r_ is Python)
+    change[0] = True
+    np.not_equal(bins[1:], bins[:-1], out=change[1:])
+    starts = change.nonzero()[0]
+    ends = np.empty_like(starts)
+    ends[:-1] = starts[1:]
+    ends[-1] = ids.size
     held, held_tasks = lengths[ids], task_ids[ids]
     tops = held_tasks[ends - 1]
     keys = (np.arange(starts.size), -np.maximum.reduceat(held, starts), -np.add.reduceat(held, starts))

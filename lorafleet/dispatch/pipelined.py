@@ -139,7 +139,10 @@ def pipelined_packing(
     stage = cost_model.stage_coeffs(config)
     one, two = stage(np.array([[1], [2]]), needs)  # t(1, s), t(2, s) of each sequence in one broadcast call
     own, opening = two - one, 2 * one - two  # α, β of each sequence (LobRA's t(b, s) = α b + β)
-    opened = np.unique(bins, return_index=True)[1]  # each micro-batch's longest sequence: the first placed there
+    # each micro-batch's longest sequence, the first placed there: micro-batches are numbered in opening order,
+    # so micro-batch b opens where the running maximum of the numbers first reaches b
+    reached = np.maximum.accumulate(bins)
+    opened = reached.searchsorted(np.arange(int(reached[-1]) + 1))
     times = np.bincount(bins, weights=own) + opening[opened]
     k, saving = best_count(times, stage.c[5], float(own[0] + opening[0]), config.pp - 1.0, needs.size)
     if saving < MIN_GAIN:

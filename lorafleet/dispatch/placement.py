@@ -17,11 +17,14 @@ from lorafleet.dispatch.load import LoadModel
 from lorafleet.dispatch.sorting import lexsort_ints
 
 
-def interleave(shares: np.ndarray) -> np.ndarray:
+def interleave(shares: np.ndarray, groups: np.ndarray | None = None) -> np.ndarray:
     """Owner of each of ``sum(shares)`` positions, owner k taking ``shares[k]`` of them spread evenly.
 
     Owner k's t-th item sits at key (t + 1/2) / shares[k]; sorting all keys (ties by owner)
     gives the order, so every prefix is split nearly in proportion (Sainte-Laguë order).
+    With ``groups`` (each owner's group, the owners ordered by group), every group is interleaved
+    apart, in one sort by (group, key, owner): the positions group by group, each group's in the
+    order its own shares alone would give.
     """
     shares = np.asarray(shares, dtype=np.int64)
     owners = np.repeat(np.arange(shares.size), shares)
@@ -29,7 +32,7 @@ def interleave(shares: np.ndarray) -> np.ndarray:
         return owners
     starts = np.repeat(np.cumsum(shares) - shares, shares)
     keys = (np.arange(owners.size) - starts + 0.5) / shares[owners]
-    return owners[np.lexsort((owners, keys))]
+    return owners[np.lexsort((owners, keys) if groups is None else (owners, keys, groups[owners]))]
 
 
 def replica_rows(load: LoadModel, i: int, totals: np.ndarray, p: int) -> np.ndarray:
@@ -45,9 +48,10 @@ def replica_rows(load: LoadModel, i: int, totals: np.ndarray, p: int) -> np.ndar
     for j in np.argsort(-load.boundaries, kind="stable"):
         if totals[j] == 0:
             continue
-        least_loaded = np.argsort(load.replica_load(i, rows), kind="stable")
-        rows[:, j] = totals[j] // p
-        rows[least_loaded[: totals[j] % p], j] += 1
+        given = np.full(p, totals[j] // p)
+        if totals[j] % p:  # the loads so far (this bucket's rows not in yet) are read only to give out extra ones
+            given[np.argsort(load.replica_load(i, rows), kind="stable")[: totals[j] % p]] += 1
+        rows[:, j] = given
     return rows
 
 
@@ -76,22 +80,33 @@ def place_sequences(
     task_ids: np.ndarray,
     n_replicas_total: int,
 ) -> list[np.ndarray]:
-    """Sequence positions held by each replica of the plan (in plan order), from class totals ``counts`` (K, R)."""
-    held: list[list[np.ndarray]] = [[] for _ in range(n_replicas_total)]
-    rows = [replica_rows(load, i, counts[i], len(c.replicas)) for i, c in enumerate(load.classes)]
+    """Sequence positions held by each replica of the plan (in plan order), from class totals ``counts`` (K, R).
+
+    Bucket by bucket (longest first), each sequence's class and then its replica in the class are dealt by
+    :func:`interleave`, every class's deal of a bucket in one sort (its ``groups``). Then one stable sort by
+    replica gives each replica its sequences in that order: the buckets it holds, longest first, each in dealing
+    order."""
+    rows = np.concatenate(
+        [replica_rows(load, i, counts[i], len(c.replicas)) for i, c in enumerate(load.classes)]
+    )  # (every class's replicas, R): one row a replica, the classes in order
+    slot_class = np.repeat(np.arange(len(load.classes)), [len(c.replicas) for c in load.classes])
+    slot_replica = np.array([r for c in load.classes for r in c.replicas], dtype=np.int64)
     order = lexsort_ints((np.arange(bucket.size), lengths, task_ids, bucket))
     starts = np.searchsorted(bucket[order], np.arange(load.boundaries.size + 1))
+    dealt, owners = [], []
     for j in np.argsort(-load.boundaries, kind="stable"):
         members = order[starts[j] : starts[j + 1]]
-        to_class = interleave(counts[:, j])
-        for i, cls in enumerate(load.classes):
-            mine = members[to_class == i]
-            if mine.size == 0:
-                continue
-            if len(cls.replicas) == 1:
-                held[cls.replicas[0]].append(mine)
-                continue
-            to_replica = interleave(rows[i][:, j])
-            for r, replica in enumerate(cls.replicas):
-                held[replica].append(mine[to_replica == r])
-    return [np.concatenate(h) if h else np.zeros(0, dtype=np.int64) for h in held]
+        if members.size == 0:
+            continue
+        owner = np.empty(members.size, dtype=np.int64)
+        # the class's sequences, in dealing order, take its replicas in its own deal's order
+        owner[np.argsort(interleave(counts[:, j]), kind="stable")] = slot_replica[interleave(rows[:, j], slot_class)]
+        dealt.append(members)
+        owners.append(owner)
+    if not dealt:
+        return [np.zeros(0, dtype=np.int64) for _ in range(n_replicas_total)]
+    owner = np.concatenate(owners)
+    by_replica = np.argsort(owner, kind="stable")
+    held = np.concatenate(dealt)[by_replica]
+    bounds = np.searchsorted(owner[by_replica], np.arange(n_replicas_total + 1)).tolist()
+    return [held[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]

@@ -33,6 +33,14 @@ def test_empty_fragment_is_free():
     np.testing.assert_array_equal(COEFFS(np.array([0, 1]), 512)[:1], [0.0])
 
 
+def test_one_row_count_over_many_lengths_is_each_alone():
+    """A scalar b over an array of lengths (a load model's rows) gives each length's time to the bit, 0 for b = 0."""
+    s = np.array([1, 128, 2048, 4095, 16384])
+    for b in (1, 2, 7):
+        assert COEFFS(b, s).tolist() == [COEFFS(b, int(x)) for x in s]
+    np.testing.assert_array_equal(COEFFS(0, s), np.zeros(s.size))
+
+
 @given(b=st.integers(1, 32), s=st.integers(1, 16384))
 def test_packed_without_padding_costs_the_padded_time(b, s):
     assert COEFFS.packed([s] * b) == pytest.approx(COEFFS(b, s))
@@ -97,3 +105,15 @@ def test_features_of_many_is_each_one_alone():
         assert np.array_equal(features_of([mb])[0], row)
     coeffs = LayerTimeCoeffs((1e-3, 2e-3, 0.1, 0.2, 0.5, 3.0))
     assert np.allclose(coeffs.shapes(mbs), [coeffs.shape(mb) for mb in mbs])
+
+
+def test_features_of_packed_only_is_each_one_alone():
+    """A list of packed micro-batches only (the packer's, read through one chain of their lengths), with and
+    without an empty one among them, gives each micro-batch's features alone, to the bit."""
+    rng = np.random.default_rng(3)
+    packed = [MicroBatchShape.packed(rng.integers(1, 5000, int(n)).tolist()) for n in rng.integers(1, 40, 30)]
+    for mbs in (packed, [*packed[:7], MicroBatchShape((), None), *packed[7:]]):
+        many = features_of(mbs)
+        assert many.shape == (len(mbs), 6)
+        for mb, row in zip(mbs, many, strict=True):
+            assert np.array_equal(features_of([mb])[0], row)

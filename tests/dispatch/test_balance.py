@@ -272,3 +272,66 @@ def test_cost_tables_of_no_bucket_are_empty_with_the_first_start():
     assert compute.shape == largest.shape == (2, 0) and start.tolist() == [0]
     compute, largest, start = _cost_tables(np.ones((1, 2)), np.ones((1, 2)), np.ones((1, 2)), np.array([2, 1]))
     assert start.tolist() == [0, 3] and compute.tolist() == [[0.0, 2.0, 4.0, 0.0, 2.0]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_updated_together_are_the_rows_built_alone(seed):
+    """``_Rows.update`` of several classes at once (the exchange's two, a water-fill's takers) gives, to the bit,
+    the rows built from scratch on the new totals: each row's sums and sorts run along that row alone."""
+    from lorafleet.dispatch.balance import _Rows
+
+    _, _, load, fast = small_load(LOBRA_7B_PLAN, n_seqs=200, n_buckets=5, seed=seed, mode=MicroBatchMode.PACKING)
+    rng = np.random.default_rng(seed)
+    d = fast.counts.copy()
+    rows = _Rows(load, d)
+    for _ in range(5):
+        changed = rng.choice(len(load.classes), size=min(2, len(load.classes)), replace=False)
+        d[changed] = np.minimum(rng.integers(0, load.counts + 1, (changed.size, load.counts.size)), load.counts)
+        rows.update(load, d, changed)
+        for i in range(len(load.classes)):  # each row alone, in one dimension
+            compute, largest = load.table_cost(i, np.arange(d.shape[1]), -(-d[i] // load.n_replicas[i]))
+            top = (-largest).argsort(kind="stable")[:3]
+            assert np.array_equal(rows.compute[i], compute) and np.array_equal(rows.largest[i], largest)
+            assert rows.base[i] == load.overhead_s[i] + compute.sum()
+            assert np.array_equal(rows.top_values[i], np.concatenate((largest[top], np.zeros(3 - top.size))))
+            assert np.array_equal(np.flatnonzero(rows.rank[i]), np.sort(top[:2]))
+            assert [rows.rank[i, b] for b in top[:2]] == list(range(1, top[:2].size + 1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_placed_sequences_are_the_deal_by_its_definition(seed):
+    """``place_sequences`` (one sort per bucket for every class's deal, then one by replica) holds, replica by
+    replica and in order, what the deal gives by its definition: bucket by bucket, longest first, the bucket's
+    sequences by (task, length, position) interleaved over the classes, each class's over its replicas'
+    ``replica_rows``, appended to each replica in turn. Random totals, so classes of several replicas get shares
+    that are not multiples of their size."""
+    from lorafleet.dispatch.placement import replica_rows
+
+    batch, plan, load, _ = small_load(((TP1, 5), (TP2, 3), (TP8, 1)), n_seqs=400, n_buckets=6, seed=seed)
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((len(load.classes), load.counts.size), dtype=np.int64)
+    for j, total in enumerate(load.counts):
+        takers = np.flatnonzero(load.feasible[:, j])
+        counts[takers, j] = np.bincount(rng.choice(takers, int(total)), minlength=len(load.classes))[takers]
+    bucket = np.searchsorted(load.boundaries, batch.lengths)
+    held = place_sequences(load, counts, bucket, batch.lengths, batch.task_ids, len(plan.replicas))
+    expected = [[] for _ in plan.replicas]
+    rows = [replica_rows(load, i, counts[i], len(c.replicas)) for i, c in enumerate(load.classes)]
+    for i, cls in enumerate(load.classes):  # the rows by their definition: extras to the least loaded so far
+        p, by_definition = len(cls.replicas), np.zeros_like(rows[i])
+        for j in np.argsort(-load.boundaries, kind="stable"):
+            least_loaded = np.argsort(load.replica_load(i, by_definition), kind="stable")
+            by_definition[:, j] = counts[i, j] // p
+            by_definition[least_loaded[: counts[i, j] % p], j] += 1
+        assert np.array_equal(rows[i], by_definition)
+    for j in np.argsort(-load.boundaries, kind="stable"):
+        members = np.flatnonzero(bucket == j)
+        members = members[np.lexsort((members, batch.lengths[members], batch.task_ids[members]))]
+        to_class = interleave(counts[:, j])
+        for i, cls in enumerate(load.classes):
+            mine = members[to_class == i]
+            to_replica = interleave(rows[i][:, j])
+            for r, replica in enumerate(cls.replicas):
+                expected[replica] += mine[to_replica == r].tolist()
+    assert [h.tolist() for h in held] == expected
+    assert all(h.dtype == np.int64 for h in held)
