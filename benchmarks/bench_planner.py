@@ -164,7 +164,7 @@ def part_time(cases: list[str], rounds: int, record: bool, env: dict[str, str] |
         before = recorded["cases"].get(case)
         ratio = f"{cpu / before:.2f}" if before else "-"
         verdict = "pass" if cpu <= target else "MISS"
-        print(f"{what:<32} {cpu:>7.2f} {before or '-':>9} {ratio:>6} {target:>5.0f} {verdict}  {laps}")
+        print(f"{what:<32} {cpu:>7.2f} {before or '-':>9} {ratio:>6} {target:>5.1f} {verdict}  {laps}")
     load = os.getloadavg()[0]
     print(f"(recorded: {recorded.get('machine', '-')}, {recorded.get('date', '-')}; 1-minute load now {load:.1f})")
     if record:
