@@ -28,7 +28,7 @@ from lorafleet.costmodel.analytic import (
 )
 from lorafleet.costmodel.cost_model import CostModel, CostModelOrigin
 from lorafleet.costmodel.fitted import fit_profile
-from lorafleet.costmodel.memory_model import stage_lines, stage_memory
+from lorafleet.costmodel.memory_model import busiest, stage_lines
 from lorafleet.costmodel.microbatch_size import MicroBatchKnee
 from lorafleet.costmodel.parallel_config import ParallelConfig, config_problems, enumerate_configs
 from lorafleet.costmodel.profile_format import (
@@ -66,8 +66,10 @@ def analytic_profile(
     configs = [c.layout for c in enumerate_configs(model, cluster)]
     memory = []
     for config in (c.with_recompute(rc) for c in configs for rc in (False, True)):
-        line = stage_memory(
-            model, config, adapters, gpu.memory_bytes, BF16_BYTES, calibration.memory_factors, quantize=quantize
+        line = busiest(
+            stage_lines(
+                model, config, adapters, gpu.memory_bytes, BF16_BYTES, calibration.memory_factors, quantize=quantize
+            )
         )
         memory.append(
             MemoryRecord(

@@ -175,23 +175,8 @@ def weight_bytes(model: ModelSpec, quantize: Quantization | None, dtype_bytes: i
     return projections + 4 * sum(o for _, o in shapes) + norms
 
 
-def stage_memory(
-    model: ModelSpec,
-    config: ParallelConfig,
-    adapters: AdapterLoad,
-    budget_bytes: float,
-    dtype_bytes: int = 2,
-    factors: MemoryFactors = MemoryFactors(),
-    sequence_parallel: bool = True,
-    quantize: Quantization | None = None,
-    split_lora_inputs: bool = True,
-) -> StageMemory:
-    """The memory line of the busiest stage of ``config`` (first or last, whichever has the smaller M); with
-    ``quantize``, over a base whose projections are stored so; ``split_lora_inputs=False`` models LobRA's executor,
-    which keeps the column-parallel LoRA inputs whole on every TP rank (module doc)."""
-    lines = stage_lines(
-        model, config, adapters, budget_bytes, dtype_bytes, factors, sequence_parallel, quantize, split_lora_inputs
-    )
+def busiest(lines: tuple[StageMemory, ...]) -> StageMemory:
+    """The memory line of the busiest stage among :func:`stage_lines`' (first or last, whichever has the smaller M)."""
     return min(lines, key=lambda m: m.max_tokens())
 
 
@@ -206,9 +191,11 @@ def stage_lines(
     quantize: Quantization | None = None,
     split_lora_inputs: bool = True,
 ) -> tuple[StageMemory, ...]:
-    """The memory lines of ``config``'s first and last stages (one line at pp 1; arguments as :func:`stage_memory`):
-    the first holds ``pp`` micro-batches in flight and the embedding, the last one micro-batch, the LM head and the
-    logits. A middle stage holds fewer micro-batches than the first and no embedding: within both."""
+    """The memory lines of ``config``'s first and last stages (one line at pp 1; :func:`busiest` picks the one that
+    bounds M): the first holds ``pp`` micro-batches in flight and the embedding, the last one micro-batch, the LM head
+    and the logits. A middle stage holds fewer micro-batches than the first and no embedding: within both. With
+    ``quantize``, over a base whose projections are stored so; ``split_lora_inputs=False`` models LobRA's executor,
+    which keeps the column-parallel LoRA inputs whole on every TP rank (module doc)."""
     tp, pp = config.tp, config.pp
     blocks = model.n_layers / pp
     vocab_matrix = model.vocab * model.hidden * dtype_bytes / tp  # vocab-parallel embedding or LM head

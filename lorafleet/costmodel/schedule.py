@@ -18,7 +18,7 @@ holds such a task has run (:func:`forward_dependencies`). So no forward ever rea
 misses an update of an earlier step, and every task gets the updates it would get alone.
 
 **Memory.** At most ``pp - k`` micro-batches are in flight on stage ``k`` whatever ``W``: the same
-bound as 1F1B, which is what ``memory_model.stage_memory`` charges (``pp`` on the first stage).
+bound as 1F1B, which is what ``memory_model.stage_lines`` charge (``pp`` on the first stage).
 
 **Bubble.** For micro-batches of equal stage time τ a step of ``K`` micro-batches costs ``K τ`` of
 work per stage. 1F1B with a flush adds ``(pp - 1) τ`` (warm-up plus cool-down). In a stream a

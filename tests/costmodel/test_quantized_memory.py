@@ -12,7 +12,7 @@ from lorafleet.assemble import workload_cost_model
 from lorafleet.costmodel.adapters import AdapterLoad
 from lorafleet.costmodel.analytic import DEFAULT_CALIBRATION, analytic_layer_time
 from lorafleet.costmodel.build import load_cost_model
-from lorafleet.costmodel.memory_model import StageMemory, stage_memory, weight_bytes
+from lorafleet.costmodel.memory_model import StageMemory, busiest, stage_lines, weight_bytes
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MicroBatchShape
 from lorafleet.errors import InputError
@@ -32,10 +32,10 @@ LoRA's batch 2 against QLoRA's 24 recommended (32 the largest it ran), and the p
 
 def memory_line(quantize, dtype_bytes=2, recompute=True, config=(1, 1)) -> StageMemory:
     """Llama-2-7B with one rank-16 adapter on every projection, on an A100-40GB."""
-    return stage_memory(
+    return busiest(stage_lines(
         LLAMA7B, ParallelConfig(*config, recompute), AdapterLoad.uniform(1), A100.memory_bytes, dtype_bytes,
         DEFAULT_CALIBRATION.memory_factors, quantize=quantize,
-    )  # fmt: skip
+    ))  # fmt: skip
 
 
 def max_tokens(quantize, dtype_bytes=2, recompute=True, config=(1, 1)) -> int:
