@@ -37,6 +37,7 @@ from typing import Any
 
 from lorafleet.data.cache_key import CACHE_ENV, cache_dir, environment_digest
 from lorafleet.data.tokenize import load_tokenizer
+from lorafleet.specs.io import file_sha256
 
 MANIFEST = "lorafleet-manifest.json"
 """An entry's list of its files and their SHA-256 (``{"files": {name: hex}}``), written last."""
@@ -73,7 +74,7 @@ def entry_problem(entry: Path) -> str | None:
     if not isinstance(files, dict) or names != set(files):
         return f"files {sorted(names)}, its manifest names {sorted(files) if isinstance(files, dict) else files!r}"
     for name, recorded in files.items():
-        if _sha256(entry / name) != recorded:
+        if file_sha256(entry / name) != recorded:
             return f"{name} does not match its checksum"
     return None
 
@@ -85,7 +86,7 @@ def _save(tokenizer: Any, entry: Path) -> None:
     try:
         staging.mkdir(parents=True)
         tokenizer.save_pretrained(str(staging))
-        files = {p.name: _sha256(p) for p in sorted(staging.iterdir())}
+        files = {p.name: file_sha256(p) for p in sorted(staging.iterdir())}
         (staging / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
         staging.rename(entry)
     except OSError as err:
@@ -103,8 +104,3 @@ def _remove(entry: Path) -> None:
     except OSError:  # moved by another process already, or a cache that cannot be written (``_save`` says so)
         return
     shutil.rmtree(aside)
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
