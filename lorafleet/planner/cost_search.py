@@ -190,19 +190,27 @@ def _below_limit(problem, prices, pool, add, options: PlannerOptions, limit: flo
     return solves
 
 
-def _moves(problem: PlanningProblem, replicas: np.ndarray) -> Iterator[tuple[np.ndarray, str]]:
+def _moves(problem: PlanningProblem, replicas: np.ndarray, faster: bool = False) -> Iterator[tuple[np.ndarray, str]]:
     """A replica removed (the largest configs first; never the last one), traded
-    (:func:`~lorafleet.planner.refine.swaps`), added."""
+    (:func:`~lorafleet.planner.refine.swaps`), added; ``faster`` (the fastest step within a cap): added, traded,
+    removed, the moves that can shorten the step first."""
     eye = np.eye(len(replicas), dtype=np.int64)
-    for i in sorted(np.flatnonzero(replicas > 0), key=lambda i: (-int(problem.gpus[i]), i)):
-        if replicas.sum() > 1:
-            yield replicas - eye[i], "trim"
-    for swapped in swaps(problem, replicas):
-        yield swapped, "swap"
-    for i in range(len(replicas)):
-        grown = replicas + eye[i]
-        if problem.fits(grown):
-            yield grown, "add"
+
+    def trims() -> Iterator[tuple[np.ndarray, str]]:
+        for i in sorted(np.flatnonzero(replicas > 0), key=lambda i: (-int(problem.gpus[i]), i)):
+            if replicas.sum() > 1:
+                yield replicas - eye[i], "trim"
+
+    def adds() -> Iterator[tuple[np.ndarray, str]]:
+        for i in range(len(replicas)):
+            grown = replicas + eye[i]
+            if problem.fits(grown):
+                yield grown, "add"
+
+    trades = ((swapped, "swap") for swapped in swaps(problem, replicas))
+    order = (adds(), trades, trims()) if faster else (trims(), trades, adds())
+    for moves in order:
+        yield from moves
 
 
 def _polished(
@@ -238,7 +246,7 @@ def _polished(
     return first_improvements(
         problem,
         starts,
-        lambda replicas: _moves(problem, replicas),
+        lambda replicas: _moves(problem, replicas, speed),
         bar,
         options,
         seen=seen,
