@@ -278,7 +278,7 @@ def _cost_notes(
     limit, cap = options.max_step_s, options.max_step_cost
     if idle:
         versus = ""
-        if fastest is not chosen:
+        if not np.array_equal(fastest.replicas, chosen.replicas):  # chosen: the race's copy of its entry
             versus = (
                 f"; the fastest plan found ({fastest.expected_makespan:.4g} s on {fastest.used_gpus} GPUs) costs "
                 f"{entry_cost(fastest, prices):.4g} a step against {entry_cost(chosen, prices):.4g}"
