@@ -170,9 +170,9 @@ def robust_choice(
 ) -> RobustChoice:
     """The best ``robust_top`` plans raced on sampled batches (:func:`~lorafleet.planner.objective.race`);
     the preferred mean wins (:func:`~lorafleet.planner.objective.preferred`). Without samples (or with
-    one finalist) the expected batch decides. Under a step-cost cap, the finalists are those of the best
-    ``robust_top`` within the bounds on the expected batch (:func:`_within_bounds`) when any is, and the race ranks
-    them by the same objective with the bounds lifted: with the cap alone the fastest (C = ∞), with both the
+    one finalist) the expected batch decides. Under a step-time limit or a step-cost cap, the finalists are those
+    of the best ``robust_top`` within the bounds on the expected batch (:func:`_within_bounds`) when any is, and the
+    race ranks them by the same objective with the bounds lifted: with the cap alone the fastest (C = ∞), else the
     cheapest."""
     within = _within_bounds(problem, ranked[: options.robust_top], options)
     finalists = within or ranked[: options.robust_top]
@@ -222,13 +222,19 @@ def robust_choice(
 
 
 def _within_bounds(problem: PlanningProblem, finalists: list[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
-    """Under a step-cost cap C (``options.max_step_cost``), the ``finalists`` whose expected step is within it and
-    within the step-time limit: the bounds are judged on the expected batch, where the plan reports them (the
-    fastest plan within C sits near C, and its sampled mean would cross it by chance). Empty without a cap."""
+    """Under the cost objective's bounds, the step-time limit L (``options.max_step_s``) and the step-cost cap C
+    (``options.max_step_cost``), the ``finalists`` within both on the expected batch, where the plan reports them:
+    the plan nearest a bound sits at it, and its sampled mean would cross it by chance; and a finalist past a bound
+    (ranked after those within) must not win the race by being cheaper on the sampled batches. Empty without a
+    bound."""
     cap, limit, prices = options.max_step_cost, options.max_step_s, problem.replica_prices
-    if cap is None or prices is None:
+    if (cap is None and limit is None) or prices is None:
         return []
-    return [e for e in finalists if entry_cost(e, prices) <= cap and (limit is None or e.expected_makespan <= limit)]
+    return [
+        e
+        for e in finalists
+        if (cap is None or entry_cost(e, prices) <= cap) and (limit is None or e.expected_makespan <= limit)
+    ]
 
 
 def _solver_label(options: PlannerOptions, outcome_solves: tuple[SolveResult, ...], fell_back: bool) -> str:

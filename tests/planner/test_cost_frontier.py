@@ -6,6 +6,7 @@ reference, the work each takes counted (``lorafleet.work``)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -190,3 +191,28 @@ def test_the_cost_search_under_a_cap_finds_the_fastest_step_within_it(small):
     within = [e for e in judged if entry_cost(e, problem.replica_prices) <= cap]
     assert min(e.expected_makespan for e in within) >= plan.expected_makespan_s * (1 - COST.tie_rel)
     assert f"step-cost cap {cap:.4g}: met" in " ".join(plan.notes)
+
+
+def test_the_race_runs_only_the_finalists_within_the_bounds():
+    """The robust race's finalists under the cost objective's bounds (``driver._within_bounds``): those within the
+    step-time limit and the step-cost cap on the expected batch, so that a finalist past the limit (ranked after
+    those within) cannot win the race by being cheaper on the sampled batches; all of them without a bound."""
+    from types import SimpleNamespace
+
+    from lorafleet.planner.driver import _within_bounds
+
+    problem = SimpleNamespace(replica_prices=np.array([1.0, 2.0]))
+    entries = [  # (makespan s, replicas): costs 3, 4 and 1 a step
+        SimpleNamespace(expected_makespan=t, replicas=np.array(r), expected=object())
+        for t, r in ((1.0, (1, 1)), (2.0, (0, 1)), (1.0, (1, 0)))
+    ]
+
+    def kept(**bounds):
+        within = _within_bounds(problem, entries, replace(COST, **bounds))
+        return [k for k, e in enumerate(entries) if any(e is w for w in within)]
+
+    assert kept() == []
+    assert kept(max_step_s=1.5) == [0, 2]
+    assert kept(max_step_cost=3.5) == [0, 2]
+    assert kept(max_step_cost=3.5, max_step_s=0.5) == []
+    assert kept(max_step_cost=4.0, max_step_s=2.0) == [0, 1, 2]
