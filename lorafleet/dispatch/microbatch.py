@@ -39,6 +39,7 @@ from operator import itemgetter
 import numpy as np
 
 from lorafleet.costmodel.schedule import TaskRanges
+from lorafleet.costmodel.time_model import LaidOutShapes
 from lorafleet.dispatch.sorting import lexsort_ints
 from lorafleet.plans import MicroBatch
 
@@ -179,12 +180,17 @@ def microbatches_of_bins(
         keys += (tops,)
     seqs, tasks, lens = tuple(ids.tolist()), tuple(held_tasks.tolist()), tuple(held.tolist())  # shared by all
     first = np.lexsort(keys)
+    at, sizes = starts[first], (ends - starts)[first]
+    # the rows in the micro-batches' order, what pricing them reads (time_model.LaidOutShapes): micro-batch j's
+    # are at[j] onwards, from the sum of the sizes before it on
+    laid_out = np.repeat(at - (np.cumsum(sizes) - sizes), sizes) + np.arange(ids.size)
     # each one rows a:b of the shared tuples (one object, not four); positional: keywords cost a third more
-    mbs = [
-        MicroBatch(seqs, tasks, lens, None, a, b)
-        for a, b in zip(starts[first].tolist(), ends[first].tolist(), strict=True)
-    ]
-    return mbs, TaskRanges(TasksOf(mbs), held_tasks[starts[first]], tops[first])
+    mbs = LaidOutShapes(
+        [MicroBatch(seqs, tasks, lens, None, a, b) for a, b in zip(at.tolist(), ends[first].tolist(), strict=True)],
+        held[laid_out].astype(float),
+        sizes,
+    )
+    return mbs, TaskRanges(TasksOf(mbs), held_tasks[at], tops[first])
 
 
 class TasksOf(Sequence[tuple[int, ...]]):
