@@ -161,7 +161,8 @@ def microbatches_of_bins(
     order: np.ndarray, bins: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, *, task_major: bool = False
 ) -> tuple[list[MicroBatch], TaskRanges]:
     """The micro-batches of sequences ``order`` placed in ``bins`` (each one's micro-batch, numbered in opening
-    order), as :func:`packed_with_tasks` returns them: rows by (task, position), in 1F1B order."""
+    order), as :func:`packed_with_tasks` returns them: rows by (task, position), in 1F1B order; a
+    ``time_model.LaidOutShapes``, their rows' lengths along for the pricing."""
     # each micro-batch's rows by (task, position); then the micro-batches in 1F1B order (order_for_1f1b's
     # keys, over arrays: largest first, or by largest task first when task_major; ties in opening order)
     rows = lexsort_ints((order, task_ids[order], bins))
