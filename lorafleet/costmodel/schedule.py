@@ -38,7 +38,7 @@ and the cost model charges ``bubble_slots * max_k τ_k`` where 1F1B charged ``(p
 ``benchmarks/bench_pipeline.py``) and is the reference the closed form is checked against; the stall
 itself is read off :func:`stream_span`, the same span as a longest path over arrays (tens of times
 faster: every pipelined replica of every dispatched step asks for it), or a small one op by op
-(:func:`_slot_span`, the timeline's own sums without its bookkeeping), memoised on what decides it.
+(:class:`_SlotEnds`, the timeline's own sums without its bookkeeping), memoised on what decides it.
 """
 
 from __future__ import annotations
@@ -358,13 +358,6 @@ class _SlotEnds:
             if at_least is not None and max(last) + (final - p) * shortest >= at_least:
                 return None
         return max(last)
-
-
-def _slot_span(pp: int, deps: list[int], forward_s: float, backward_s: float) -> float:
-    """The span of :func:`timeline` with no update time, every forward ``forward_s`` and every backward
-    ``backward_s`` long, op by op (:class:`_SlotEnds`; ``deps`` must not deadlock)."""
-    rows = _stage_rows(pp, deps)
-    return _SlotEnds(pp, len(deps), forward_s, backward_s).settle(rows, 0, len(rows))
 
 
 @functools.lru_cache(maxsize=256)

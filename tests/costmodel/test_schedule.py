@@ -257,15 +257,17 @@ def test_stream_span_is_the_timeline_span_without_update_time(case, drain, seed)
 @given(windows(), st.booleans(), st.integers(1, 8), st.integers(1, 8))
 @example(TWO_BACK, False, 2, 2)
 def test_the_op_by_op_span_is_the_timeline_span(case, drain, forward, backward):
-    """``_slot_span`` (what settles a small stall's timelines) gives the replayed timeline's span, to the bit, for
-    random windows and one forward and one backward duration (dyadic), drained or streamed."""
-    from lorafleet.costmodel.schedule import _slot_span
+    """``_SlotEnds`` (what settles a small stall's timelines, position by position of ``_stage_rows``) gives the
+    replayed timeline's span, to the bit, for random windows and one forward and one backward duration (dyadic),
+    drained or streamed."""
+    from lorafleet.costmodel.schedule import _SlotEnds, _stage_rows
 
     pp, stream = case
     n = len(stream)
     deps = forward_dependencies(stream, flushed_steps(pp, stream) if drain else ())
     replayed = timeline(pp, stream, [[forward / 4] * n] * pp, [[backward / 4] * n] * pp, drain_stalls=drain).span
-    assert _slot_span(pp, deps, forward / 4, backward / 4) == replayed
+    rows = _stage_rows(pp, deps)
+    assert _SlotEnds(pp, n, forward / 4, backward / 4).settle(rows, 0, len(rows)) == replayed
 
 
 def test_a_stall_is_the_same_settled_op_by_op_or_over_arrays(monkeypatch):
