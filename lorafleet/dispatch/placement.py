@@ -61,8 +61,9 @@ def replica_rows(load: LoadModel, i: int, totals: np.ndarray, p: int) -> np.ndar
     if p == 1:
         return np.asarray(totals, dtype=np.int64).reshape(1, -1).copy()
     rows = np.zeros((p, load.boundaries.size), dtype=np.int64)
-    for j in np.argsort(-load.boundaries, kind="stable"):
-        if totals[j] == 0:
+    totals = np.asarray(totals).tolist()
+    for j in np.argsort(-load.boundaries, kind="stable").tolist():
+        if not totals[j]:
             continue
         given = np.full(p, totals[j] // p)
         if totals[j] % p:  # the loads so far (this bucket's rows not in yet) are read only to give out extra ones
