@@ -356,16 +356,16 @@ _RANKS = np.array([1, 2])
 class _Rows:
     """Every class's per-bucket costs under the current totals d (K, R): what candidate changes are
     scored against. Row i: the compute time of each bucket's rows on the class's slowest replica, ``base``
-    = o_i + their sum, ``time`` = base + bubble_slots * the largest micro-batch time of its buckets, and the
-    three buckets with the largest micro-batch times (times 0 past the row's buckets). ``rank`` marks the
-    first two of them: 1 at bucket top[0], 2 at top[1], else 0; ``pick[3 r + r']`` is bubble_slots times
-    the largest micro-batch time of the buckets a candidate leaves alone when its two changes have ranks
-    r and r' (rank 0 if both are free, else rank 1 if free, else rank 2)."""
+    = o_i + their sum, ``largest`` its largest micro-batch time (the class's time is base + bubble_slots *
+    largest), and the three buckets with the largest micro-batch times (times 0 past the row's buckets).
+    ``rank`` marks the first two of them: 1 at bucket top[0], 2 at top[1], else 0; ``pick[3 r + r']`` is
+    bubble_slots times the largest micro-batch time of the buckets a candidate leaves alone when its two
+    changes have ranks r and r' (rank 0 if both are free, else rank 1 if free, else rank 2)."""
 
     def __init__(self, search: _Search, d: np.ndarray) -> None:
         n_classes, n_buckets = d.shape
         self.compute = np.zeros((n_classes, n_buckets))
-        self.base, self.time = np.zeros(n_classes), np.zeros(n_classes)
+        self.base, self.largest = np.zeros(n_classes), np.zeros(n_classes)
         self.rank = np.zeros((n_classes, n_buckets), dtype=np.int64)
         self.pick = np.zeros((n_classes, _PICKS))
         self.update(search, d, np.arange(n_classes))
@@ -373,7 +373,7 @@ class _Rows:
     def update(self, search: _Search, d: np.ndarray, i: np.ndarray) -> None:
         """The rows of classes ``i`` (distinct) again, after their totals changed; all in one pass, each row as
         it would be alone (the sums and sorts run along a row)."""
-        at = search.table_at[i] - (-d[i] // search.replicas[i])
+        at = (search.table_at - (-d // search.replicas))[i]
         compute, largest = search.compute_table.take(at), search.largest_table.take(at)
         self.compute[i] = compute
         base = search.load.overhead_s[i] + compute.sum(axis=1)
@@ -381,8 +381,8 @@ class _Rows:
         values = np.sort(largest, axis=1)[:, :-4:-1]  # the three largest, decreasing
         if values.shape[1] < 3:
             values = np.concatenate((values, np.zeros((i.size, 3 - values.shape[1]))), axis=1)
+        self.largest[i] = values[:, 0]
         slots = search.load.bubble_slots[i]
-        self.time[i] = base + slots * values[:, 0]
         top = (-largest).argsort(axis=1, kind="stable")[:, :2]  # the first two of them
         self.rank[i] = 0
         self.rank[i[:, None], top] = _RANKS[: top.shape[1]]
@@ -471,9 +471,10 @@ def _exchange_search(search: _Search, d: np.ndarray, ends: dict[bytes, np.ndarra
             d = ends[state]
             break
         path.append(state)
-        c = int(rows.time.argmax())
+        times = rows.base + search.load.bubble_slots * rows.largest
+        c = int(times.argmax())
         best = _best_exchange(search, d, rows, _move_sizes(search, d), c)
-        if best is None or not best[0] < rows.time[c] * (1 - _REL_TOL):
+        if best is None or not best[0] < times[c] * (1 - _REL_TOL):
             break
         _, k, (j, amount, back_j, back_amount) = best
         d[c, j] -= amount
