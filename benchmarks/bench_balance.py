@@ -72,7 +72,7 @@ def replay(path: Path) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)  # the rest is the plan's
     parser.add_argument("--against", metavar="TREE", required=True, help="the other checkout (its repository root)")
     parser.add_argument("--rounds", type=int, default=3, help="replays a side, taking turns (the least counts)")
     parser.add_argument("--replay", metavar="FILE", help=argparse.SUPPRESS)  # the rounds' subprocesses
