@@ -100,8 +100,9 @@ def _water_fill(search: _Search, start: np.ndarray) -> np.ndarray:
     load, allowed = search.load, search.allowed
     d = start.copy()
     rows = _Rows(search, d)
-    for j in (-load.boundaries).argsort(kind="stable"):
-        total = int(load.counts[j] - d[:, j].sum())
+    missing = (load.counts - d.sum(axis=0)).tolist()  # a bucket's column changes only at its own turn
+    for j in (-load.boundaries).argsort(kind="stable").tolist():
+        total = missing[j]
         if total == 0:
             continue
         takers = allowed[:, j].nonzero()[0]
