@@ -27,7 +27,12 @@ $(CHROMIUM):
 	apt-get install -y -qq chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq chromium) \
 		|| echo "make setup: could not install Debian's chromium: the live page's browser test will be skipped"
 
+# lorafleet's modules compiled to bytecode, as a wheel install compiles them: where the environment sets
+# PYTHONDONTWRITEBYTECODE (this one does), an editable install never writes them, and every lorafleet command
+# compiled the package anew (~0.14 CPU-s of a `lorafleet plan`, docs/planner.md). Stale files are recompiled
+# here; a module edited since is compiled in memory until the next setup, as Python always does.
 setup: $(BIN)/.installed $(CHROMIUM)
+	$(BIN)/python -m compileall -q -j 2 lorafleet > /dev/null
 
 DEMO_OUT ?= runs/demo
 
@@ -68,10 +73,11 @@ LONG_TESTS := tests/train/test_reliability.py tests/train/test_task_queue.py tes
 # another (given the file and `tests`, it collects the file in its place in `tests`).
 TEST_FILES := $(LONG_TESTS) $(filter-out $(LONG_TESTS),$(sort $(shell find tests -name 'test_*.py')))
 
-# Compiled once before the run: where the environment sets PYTHONDONTWRITEBYTECODE (this one does), every
-# process the suite starts (CLI runs, torchrun agents, workers) would compile the package anew, ~0.3 CPU-s each.
+# The tests compiled once before the run too (setup compiles the package): where the environment sets
+# PYTHONDONTWRITEBYTECODE, every process the suite starts (CLI runs, torchrun agents, workers) would compile the
+# package anew, ~0.3 CPU-s each.
 test: setup
-	$(BIN)/python -m compileall -q -j 2 lorafleet tests > /dev/null
+	$(BIN)/python -m compileall -q -j 2 tests > /dev/null
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(TEST_FILES)
 
 lint: setup

@@ -55,6 +55,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --objective cost: the longest expected step a plan may have (default: none, the cheapest step "
         "however long); --deadline STEPS:HOURS sets it to 3600 HOURS / STEPS",
     )
+    parser.add_argument(
+        "--max-cost",
+        metavar="AMOUNT",
+        help="with --objective cost: the fastest plan whose job (--steps N, else the tasks' steps) costs at most "
+        "AMOUNT at the pools' prices; with --step-limit or --deadline, the cheapest plan within both. Not with "
+        "--gpus auto (the cost objective chooses which of the pools' GPUs to hold)",
+    )
     add_policy_flags(parser, defaults=DispatchPolicy(), only=PLAN_POLICY_FLAGS)
     sizing = parser.add_argument_group("sizing the fleet (with --gpus auto; docs/planner.md)")
     sizing.add_argument(
@@ -70,7 +77,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     sizing.add_argument("--budget", metavar="GPU_HOURS", help="the fastest plan whose job fits GPU_HOURS GPU-hours")
     sizing.add_argument(
-        "--steps", metavar="N", help="the job's steps for --budget and the job columns (default: the tasks' steps)"
+        "--steps",
+        metavar="N",
+        help="the job's steps for --budget, --max-cost and the job columns (default: the tasks' steps)",
     )
     parser.add_argument("--json", help="write the versioned DeploymentPlan here (read by simulate and train)")
     parser.add_argument("--plot", help="write a PNG of the expected load per replica here")
@@ -143,6 +152,42 @@ def _deadline(text: str) -> tuple[int, float]:
     return steps, hours
 
 
+def _max_cost(args: argparse.Namespace) -> float | None:
+    """``--max-cost AMOUNT`` (None when not given), refused without ``--objective cost`` or with ``--gpus auto``."""
+    if args.max_cost is None:
+        return None
+    if args.objective != "cost":
+        raise InputError(ARGS, "--max-cost", "goes with --objective cost (the makespan objective is the fastest)")
+    if args.gpus == AUTO:
+        raise InputError(
+            ARGS,
+            "--max-cost",
+            "does not go with --gpus auto: the cost objective already chooses which of the pools' GPUs to hold "
+            "(size a fleet by GPU-hours with --budget)",
+        )
+    return _number("--max-cost", args.max_cost, float, "an amount in the pools' currency")
+
+
+def _job_cap(amount: float, workload, args: argparse.Namespace) -> tuple[int, float]:
+    """``--max-cost``'s job: (N steps, AMOUNT): N from ``--steps``, the ``--deadline``'s, else the tasks'
+    (``sizing_objective.job_steps``); an InputError naming --max-cost when there are none."""
+    from lorafleet.planner import Deadline, SizingObjective
+    from lorafleet.planner.sizing_objective import job_steps
+
+    try:
+        deadline = None if args.deadline is None else Deadline(*_deadline(args.deadline))
+        steps = None if args.steps is None else _number("--steps", args.steps, int, "a whole number of steps")
+        objective = SizingObjective(deadline=deadline, steps=steps)
+    except InputError as err:
+        raise _sizing_flag_error(err) from None
+    steps = job_steps(workload, objective)
+    if steps is None:
+        raise InputError(
+            ARGS, "--max-cost", "needs the job's steps: none given (--steps N), and no task of the workload sets steps"
+        )
+    return steps, amount
+
+
 AUTO = "auto"
 SIZING_WIDTH = 160
 """Columns the sweep's table may take: a plan per row, unwrapped up to five or six configs."""
@@ -184,6 +229,8 @@ def _sizing(args: argparse.Namespace):
     flags = ("--max-nodes", "--deadline", "--budget", "--steps")
     if args.objective == "cost":  # a deadline is the cost objective's step-time limit on any cluster
         flags = ("--max-nodes", "--budget", "--steps")
+    if args.max_cost is not None:  # the job whose cost is capped
+        flags = tuple(f for f in flags if f != "--steps")
     given = [f for f in flags if getattr(args, f[2:].replace("-", "_"))]
     if args.gpus != AUTO:
         if given:
@@ -320,6 +367,23 @@ def _check_limit(result, options, args: argparse.Namespace) -> None:
     )
 
 
+def _check_cap(result, job: tuple[int, float] | None) -> None:
+    """An InputError naming ``--max-cost`` when the cost objective's plan misses the cap: no deployment the planner
+    judged has a job within it (the plan is then the cheapest found, within the step-time limit when given)."""
+    per_step = _plan_cost(result)
+    if job is None or per_step is None:
+        return
+    steps, amount = job
+    if per_step * steps <= amount * (1 + 1e-12):
+        return
+    raise InputError(
+        ARGS,
+        "--max-cost",
+        f"no deployment found of {result.plan.describe_fleet()} runs the {steps}-step job for at most {amount:.4g}: "
+        f"the cheapest found ({result.plan.describe()}) costs {per_step * steps:.4g} ({per_step:.4g} a step)",
+    )
+
+
 def frontier_table(result):
     """The cost objective's frontier (``PlanResult.frontier``): the cheapest plan found at each step time, fastest
     first, the chosen one marked, each point's cost against the chosen plan's."""
@@ -367,17 +431,24 @@ def stats_table(result, cpu_s: float):
     return table
 
 
-def cost_line(result, workload) -> str | None:
-    """``cost 0.0123 a step at the pools' prices, 24.6 for the 2000-step job``; None when a pool has no price."""
+def cost_line(result, workload, job: tuple[int, float] | None = None) -> str | None:
+    """``cost 0.0123 a step at the pools' prices, 24.6 for the 2000-step job``, and with ``--max-cost``'s ``job``
+    (steps, amount) its cost against the cap; None when a pool has no price."""
     from lorafleet.planner import LORAFLEET
     from lorafleet.planner.sizing_objective import SizingObjective, job_steps
 
     per_step = result.cost(LORAFLEET).cost_per_step
     if per_step is None:
         return None
+    if job is not None:
+        steps, amount = job
+        return (
+            f"cost {per_step:.4g} a step at the pools' prices, {per_step * steps:.4g} for the {steps}-step job "
+            f"against --max-cost {amount:.4g} ({per_step * steps / amount:.1%} of it)"
+        )
     steps = job_steps(workload, SizingObjective())
-    job = f", {per_step * steps:.4g} for the {steps}-step job" if steps else " (a job's cost needs the tasks' steps)"
-    return f"cost {per_step:.4g} a step at the pools' prices{job}"
+    total = f", {per_step * steps:.4g} for the {steps}-step job" if steps else " (a job's cost needs the tasks' steps)"
+    return f"cost {per_step:.4g} a step at the pools' prices{total}"
 
 
 def _above(value: float, bound: float) -> str:
@@ -474,6 +545,8 @@ def chosen_plan(workload, cluster, profile, options, console):
 
 def run(args: argparse.Namespace) -> int:
     """``lorafleet plan``: the plan of a workload (or a sizing over GPU counts), printed and written."""
+    from dataclasses import replace
+
     from rich.console import Console
 
     from lorafleet.assemble import workload_cluster
@@ -490,9 +563,14 @@ def run(args: argparse.Namespace) -> int:
         if path:
             check_writable(path)
     gpus = _gpus(args.gpus)
+    amount = _max_cost(args)
     objective, max_nodes = _sizing(args)
     options = _options(args)
     workload = load_workload(args.workload, workload_overrides(args))
+    job = None if amount is None else _job_cap(amount, workload, args)
+    if job is not None:
+        steps, amount = job
+        options = replace(options, max_step_cost=amount / steps)
     spec = workload.spec  # chats need a chat template (lengths from the rows checked it already)
     check_chat_templates(
         spec.tasks, lambda: checkable_tokenizer(spec.model, spec.tokenizer, source=workload.path), workload.path
@@ -504,13 +582,14 @@ def run(args: argparse.Namespace) -> int:
         cluster = workload_cluster(workload, gpus, args.gpu)
         result = chosen_plan(workload, cluster, args.profile, options, console)
         _check_limit(result, options, args)
+        _check_cap(result, job)
     cost_model = result.cost_model  # with the plan's pipeline window
 
     console.print(plan_table(result.plan, result.expected_step))
     console.print(comparison_table(result))
     for note in result.plan.notes:
         console.print(f"  note: {note}")
-    money = cost_line(result, workload)
+    money = cost_line(result, workload, job)
     if money:
         console.print(f"  {money}")
     if result.frontier:

@@ -33,7 +33,7 @@ where it prices a stage (``CostModel.stage_coeffs``), for fitted and analytic co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain, repeat
 from operator import attrgetter
@@ -96,21 +96,18 @@ def features_of(mbs: Sequence[MicroBatchShape], span: AttentionSpan | None = Non
     """``(len(mbs), 6)``: :func:`shape_features` of every micro-batch in one pass (segment sums and
     maxima over their concatenated lengths), what prices a replica's step and fits a profile;
     an empty micro-batch gives a zero row. The fields are read by C getters (``map``), not a generator a
-    micro-batch: a dispatched step prices its replicas' thousands of micro-batches."""
-    counts = np.fromiter(map(_N_SEQS, mbs), dtype=np.int64, count=len(mbs))
+    micro-batch: a dispatched step prices its replicas' thousands of micro-batches; :class:`LaidOutShapes` bring
+    those lengths along, and nothing is read of the micro-batches."""
+    if isinstance(mbs, LaidOutShapes):
+        counts, lens = mbs.row_counts, mbs.row_lengths
+    else:
+        counts, lens = np.fromiter(map(_N_SEQS, mbs), dtype=np.int64, count=len(mbs)), None
     out = np.zeros((len(mbs), N_COEFFS))
     held = counts > 0
     if not held.any():
         return out
-    pads = list(map(_PADDED_LEN, mbs))
-    rows = (
-        chain.from_iterable(map(_SEQ_LENS, mbs))
-        if pads.count(None) == len(pads)
-        else chain.from_iterable(
-            mb.seq_lens if pad is None else repeat(pad, mb.n_seqs) for mb, pad in zip(mbs, pads, strict=True)
-        )
-    )
-    lens = np.fromiter(rows, dtype=float, count=int(counts.sum()))
+    if lens is None:
+        lens = _row_lengths(mbs, int(counts.sum()))
     starts = (np.cumsum(counts) - counts)[held]  # empty micro-batches own no lengths, so skipping them is exact
     longest = np.maximum.reduceat(lens, starts)
     features = out if starts.size == out.shape[0] else np.empty((starts.size, N_COEFFS))
@@ -123,6 +120,34 @@ def features_of(mbs: Sequence[MicroBatchShape], span: AttentionSpan | None = Non
     if features is not out:
         out[held] = features
     return out
+
+
+def _row_lengths(mbs: Sequence[MicroBatchShape], total: int) -> np.ndarray:
+    """Every row's length as computed (a padded row's is ``padded_len``), the micro-batches' concatenated: float."""
+    pads = list(map(_PADDED_LEN, mbs))
+    rows = (
+        chain.from_iterable(map(_SEQ_LENS, mbs))
+        if pads.count(None) == len(pads)
+        else chain.from_iterable(
+            mb.seq_lens if pad is None else repeat(pad, mb.n_seqs) for mb, pad in zip(mbs, pads, strict=True)
+        )
+    )
+    return np.fromiter(rows, dtype=float, count=total)
+
+
+class LaidOutShapes(list):
+    """A list of micro-batch shapes with what :func:`features_of` reads of them: ``row_lengths``, every row's length
+    as computed (float), the micro-batches' concatenated in order, and ``row_counts``, each one's rows (int64).
+    A maker that holds them as arrays already (the dispatcher's packer) hands them on, so the features are not read
+    back a micro-batch at a time. Not to be changed once made: the arrays would no longer describe the list."""
+
+    __slots__ = ("row_counts", "row_lengths")
+
+    def __init__(self, shapes: Iterable[MicroBatchShape], row_lengths: np.ndarray, row_counts: np.ndarray) -> None:
+        super().__init__(shapes)
+        if not len(self) == row_counts.size or row_lengths.size != int(row_counts.sum()):
+            raise ValueError(f"{len(self)} shapes, {row_counts.size} row counts, {row_lengths.size} row lengths")
+        self.row_lengths, self.row_counts = row_lengths, row_counts
 
 
 _N_SEQS, _PADDED_LEN, _SEQ_LENS = attrgetter("n_seqs"), attrgetter("padded_len"), attrgetter("seq_lens")

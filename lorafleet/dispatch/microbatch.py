@@ -39,6 +39,7 @@ from operator import itemgetter
 import numpy as np
 
 from lorafleet.costmodel.schedule import TaskRanges
+from lorafleet.costmodel.time_model import LaidOutShapes
 from lorafleet.dispatch.sorting import lexsort_ints
 from lorafleet.plans import MicroBatch
 
@@ -160,7 +161,8 @@ def microbatches_of_bins(
     order: np.ndarray, bins: np.ndarray, lengths: np.ndarray, task_ids: np.ndarray, *, task_major: bool = False
 ) -> tuple[list[MicroBatch], TaskRanges]:
     """The micro-batches of sequences ``order`` placed in ``bins`` (each one's micro-batch, numbered in opening
-    order), as :func:`packed_with_tasks` returns them: rows by (task, position), in 1F1B order."""
+    order), as :func:`packed_with_tasks` returns them: rows by (task, position), in 1F1B order; a
+    ``time_model.LaidOutShapes``, their rows' lengths along for the pricing."""
     # each micro-batch's rows by (task, position); then the micro-batches in 1F1B order (order_for_1f1b's
     # keys, over arrays: largest first, or by largest task first when task_major; ties in opening order)
     rows = lexsort_ints((order, task_ids[order], bins))
@@ -179,12 +181,17 @@ def microbatches_of_bins(
         keys += (tops,)
     seqs, tasks, lens = tuple(ids.tolist()), tuple(held_tasks.tolist()), tuple(held.tolist())  # shared by all
     first = np.lexsort(keys)
+    at, sizes = starts[first], (ends - starts)[first]
+    # the rows in the micro-batches' order, what pricing them reads (time_model.LaidOutShapes): micro-batch j's
+    # are at[j] onwards, from the sum of the sizes before it on
+    laid_out = np.repeat(at - (np.cumsum(sizes) - sizes), sizes) + np.arange(ids.size)
     # each one rows a:b of the shared tuples (one object, not four); positional: keywords cost a third more
-    mbs = [
-        MicroBatch(seqs, tasks, lens, None, a, b)
-        for a, b in zip(starts[first].tolist(), ends[first].tolist(), strict=True)
-    ]
-    return mbs, TaskRanges(TasksOf(mbs), held_tasks[starts[first]], tops[first])
+    mbs = LaidOutShapes(
+        [MicroBatch(seqs, tasks, lens, None, a, b) for a, b in zip(at.tolist(), ends[first].tolist(), strict=True)],
+        held[laid_out].astype(float),
+        sizes,
+    )
+    return mbs, TaskRanges(TasksOf(mbs), held_tasks[at], tops[first])
 
 
 class TasksOf(Sequence[tuple[int, ...]]):

@@ -9,7 +9,8 @@ shorter pipelines fit; and it adds the dequantization of every projection, forwa
     p_b = plan_deployment(workload over b, cluster, cost_model(b)),   v_b = objective(p_b)
 
 with v the expected step's makespan (``--objective makespan``) or its cost a step at the pools' prices
-(``--objective cost``, over the plans within the step-time limit when one is given), and keeps
+(``--objective cost``, over the plans within the step-time limit when one is given; with a step-cost cap
+``--max-cost`` alone, the makespan over the plans within the cap), and keeps
 
     b* = the first b, in the order none, int8, nf4, with v_b <= (1 + ε) min_b' v_b'     (ε: ``tie_rel``)
 
@@ -187,16 +188,26 @@ def plan_over_base(
 def _pick(planned: tuple[BaseOption, ...], options: PlannerOptions) -> tuple[int, str]:
     """The index of the base kept, and why (module docstring). Under ``--objective cost`` with a step-time limit,
     only plans within it compete, unless none is: then the fastest is kept, and the command says the limit is
-    missed."""
-    objective, limit = options.objective, options.max_step_s
+    missed. With a step-cost cap C (``--max-cost``) only the plans whose step costs at most C compete too, and with
+    C alone v_b is the makespan (the fastest base whose plan fits the cap; ``objective.preferred``); when none is
+    within C the choice is the one without it, and the command says the cap is missed."""
+    objective, limit, cap = options.objective, options.max_step_s, options.max_step_cost
     feasible = [k for k, o in enumerate(planned) if o.result is not None]
     within = [k for k in feasible if limit is None or planned[k].value(PlanObjective.MAKESPAN) <= limit]
     if not within:
         fastest = min(feasible, key=lambda k: planned[k].value(PlanObjective.MAKESPAN))
         return fastest, f"no base's plan is within the step-time limit {limit:.4g} s; the fastest"
-    values = [o.value(objective) if k in within else None for k, o in enumerate(planned)]
-    only = "the only base with a plan" + ("" if len(within) == len(feasible) else " within the limit")
-    return first_within(values, [o.base for o in planned], options.tie_rel, only)
+    capped = [k for k in within if cap is not None and planned[k].value(PlanObjective.COST) <= cap]
+    by, where = objective, " within the limit"
+    if capped:
+        by = PlanObjective.MAKESPAN if limit is None else objective
+        within, where = capped, " within the step-cost cap" if limit is None else " within the limit and the cap"
+    values = [o.value(by) if k in within else None for k, o in enumerate(planned)]
+    only = "the only base with a plan" + ("" if len(within) == len(feasible) else where)
+    chosen, reason = first_within(values, [o.base for o in planned], options.tie_rel, only)
+    if by is not objective and reason != only:
+        reason = f"the fastest within the step-cost cap, its makespan {reason}"
+    return chosen, reason
 
 
 def first_within(

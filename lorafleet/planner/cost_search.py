@@ -11,12 +11,15 @@
    second.
 3. **Refined**: from the cheapest ``polish_starts``, a local search over one-replica moves (a replica removed,
    a replica traded for replicas of another config on the same number of GPUs, on any pool, or a replica
-   added), first improvement: a move is kept when its step is cheaper by more than ``tie_rel`` and within L;
-   ``polish_evaluations`` moves judged at most. A move whose LP bound (``dispatch.fluid_bound``) is already at the
-   step time at which it would cost as much as the plan it must beat is not judged, and the others only up to that
-   step time (:func:`.evaluation.evaluate_below`).
-4. **Ranked** by the objective (:func:`.objective.preferred` with the price and L): the cheapest step within L,
-   costs within ``tie_rel`` tied and the faster winning; the robust race then runs on the cheapest three.
+   added), first improvement: a move is kept when its step is cheaper by more than ``tie_rel`` and within L
+   (and within the step-cost cap C, ``--max-cost``; with C alone, when it is faster by more than ``tie_rel`` and
+   within C); ``polish_evaluations`` moves judged at most. A move whose LP bound (``dispatch.fluid_bound``) is
+   already at the step time at which it would no longer beat the plan (its bar) is not judged, and the others only
+   up to that step time (:func:`.evaluation.evaluate_below`).
+4. **Ranked** by the objective (:func:`.objective.preferred` with the price, L and C): the cheapest step within L
+   (and C), costs within ``tie_rel`` tied and the faster winning; with C alone the fastest step within C, makespans
+   within ``tie_rel`` tied and the cheaper winning. The sweep spans the fastest step (the makespan MILP's) to the
+   cheapest, so its judged points seed this search too. The robust race then runs on the best three.
 
 The judged deployments give the cost frontier (:func:`frontier_of`: none faster and cheaper), which ``plan``
 prints and the plan records.
@@ -139,15 +142,20 @@ def _sweep_note(sweep: CostSweep) -> str:
 
 
 def ranked_by_cost(entries: list[PoolEntry], prices: np.ndarray, options: PlannerOptions) -> list[PoolEntry]:
-    """``entries`` the preferred first (:func:`~lorafleet.planner.objective.preferred` with the price and the
-    limit ``options.max_step_s``), then those within the limit by cost, then the others by makespan."""
-    limit = options.max_step_s
+    """``entries`` the preferred first (:func:`~lorafleet.planner.objective.preferred` with the price, the limit
+    ``options.max_step_s`` and the cap ``options.max_step_cost``), then those within both: by cost, or with the cap
+    alone by makespan; then the others: by makespan, or with the cap alone by cost (the nearest to it first)."""
+    limit, cap = options.max_step_s, options.max_step_cost
+    speed = cap is not None and limit is None
     if not entries:
         return []
 
     def key(e: PoolEntry) -> tuple:
-        within = limit is None or e.expected_makespan <= limit
-        return (not within, entry_cost(e, prices) if within else e.expected_makespan, e.expected_makespan)
+        cost = entry_cost(e, prices)
+        within = (limit is None or e.expected_makespan <= limit) and (cap is None or cost <= cap)
+        if speed:
+            return (not within, e.expected_makespan, cost) if within else (True, cost, e.expected_makespan)
+        return (not within, cost if within else e.expected_makespan, e.expected_makespan)
 
     best = preferred(
         entries,
@@ -156,6 +164,7 @@ def ranked_by_cost(entries: list[PoolEntry], prices: np.ndarray, options: Planne
         options.tie_rel,
         lambda e: float(e.replicas @ prices),
         limit,
+        cap,
     )
     return [best, *sorted((e for e in entries if e is not best), key=key)]
 
@@ -181,19 +190,27 @@ def _below_limit(problem, prices, pool, add, options: PlannerOptions, limit: flo
     return solves
 
 
-def _moves(problem: PlanningProblem, replicas: np.ndarray) -> Iterator[tuple[np.ndarray, str]]:
+def _moves(problem: PlanningProblem, replicas: np.ndarray, faster: bool = False) -> Iterator[tuple[np.ndarray, str]]:
     """A replica removed (the largest configs first; never the last one), traded
-    (:func:`~lorafleet.planner.refine.swaps`), added."""
+    (:func:`~lorafleet.planner.refine.swaps`), added; ``faster`` (the fastest step within a cap): added, traded,
+    removed, the moves that can shorten the step first."""
     eye = np.eye(len(replicas), dtype=np.int64)
-    for i in sorted(np.flatnonzero(replicas > 0), key=lambda i: (-int(problem.gpus[i]), i)):
-        if replicas.sum() > 1:
-            yield replicas - eye[i], "trim"
-    for swapped in swaps(problem, replicas):
-        yield swapped, "swap"
-    for i in range(len(replicas)):
-        grown = replicas + eye[i]
-        if problem.fits(grown):
-            yield grown, "add"
+
+    def trims() -> Iterator[tuple[np.ndarray, str]]:
+        for i in sorted(np.flatnonzero(replicas > 0), key=lambda i: (-int(problem.gpus[i]), i)):
+            if replicas.sum() > 1:
+                yield replicas - eye[i], "trim"
+
+    def adds() -> Iterator[tuple[np.ndarray, str]]:
+        for i in range(len(replicas)):
+            grown = replicas + eye[i]
+            if problem.fits(grown):
+                yield grown, "add"
+
+    trades = ((swapped, "swap") for swapped in swaps(problem, replicas))
+    order = (adds(), trades, trims()) if faster else (trims(), trades, adds())
+    for moves in order:
+        yield from moves
 
 
 def _polished(
@@ -205,18 +222,31 @@ def _polished(
     seen: set[tuple[int, ...]],
 ) -> list[PoolEntry]:
     """Step 3 of the module doc (:func:`~.local_search.first_improvements`): the improved plans found from
-    ``starts`` (none when no move helps). A move p' of plan p is kept when its step is within the limit L and
-    costs less than p's by more than ``tie_rel``: its bar is t̄ = min(cost(p) (1 - tie_rel) / c(p'), L)."""
+    ``starts`` (none when no move helps). A move p' of plan p is kept when its step is within the limit L and the
+    cap C (``options.max_step_cost``: t̄ c(p') <= C) and better by more than ``tie_rel``: cheaper, with bar
+
+        t̄ = min(cost(p) (1 - tie_rel) / c(p'), L, C / c(p')),
+
+    or, with the cap alone (the fastest step within it), faster: t̄ = min(t(p) (1 - tie_rel), C / c(p')), and when p
+    itself costs more than C any move within the cap is better: t̄ = C / c(p')."""
+    cap = options.max_step_cost
+    speed = cap is not None and limit is None
+    exact = 1 + 1e-12
 
     def bar(current: PoolEntry, replicas: np.ndarray) -> float:
         price = float(replicas @ prices)
+        capped = cap * exact / price if cap is not None and price > 0 else math.inf
+        if speed:
+            if entry_cost(current, prices) > cap:
+                return capped
+            return min(current.expected_makespan * (1 - options.tie_rel), capped)
         slowest = entry_cost(current, prices) * (1 - options.tie_rel) / price if price > 0 else math.inf
-        return min(slowest, limit * (1 + 1e-12)) if limit is not None else slowest
+        return min(slowest, limit * exact, capped) if limit is not None else min(slowest, capped)
 
     return first_improvements(
         problem,
         starts,
-        lambda replicas: _moves(problem, replicas),
+        lambda replicas: _moves(problem, replicas, speed),
         bar,
         options,
         seen=seen,

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -169,8 +170,13 @@ def robust_choice(
 ) -> RobustChoice:
     """The best ``robust_top`` plans raced on sampled batches (:func:`~lorafleet.planner.objective.race`);
     the preferred mean wins (:func:`~lorafleet.planner.objective.preferred`). Without samples (or with
-    one finalist) the expected batch decides."""
-    finalists = ranked[: options.robust_top]
+    one finalist) the expected batch decides. Under a step-time limit or a step-cost cap, the finalists are those
+    of the best ``robust_top`` within the bounds on the expected batch (:func:`_within_bounds`) when any is, and the
+    race ranks them by the same objective with the bounds lifted: with the cap alone the fastest (C = ∞), else the
+    cheapest."""
+    within = _within_bounds(problem, ranked[: options.robust_top], options)
+    finalists = within or ranked[: options.robust_top]
+    race_cap = math.inf if within and options.max_step_s is None else None
     everyone = tuple(range(len(workload.tasks)))
     schedules = [
         Schedule(name=LORAFLEET, phases=(Phase(tasks=everyone, plan=_plan_of(problem, e, workload, solver, policy)),))
@@ -188,6 +194,7 @@ def robust_choice(
             options.tie_rel,
             by_price,
             options.max_step_s,
+            options.max_step_cost,
         )
         return RobustChoice(finalists=tuple(finalists), chosen=pick, schedule=schedules[pick], sampled_steps=0)
     makespans = race(
@@ -198,12 +205,36 @@ def robust_choice(
         options.tie_rel,
         options.race_rung,
         prices,
+        race_cap,
     )
     raced = [replace(e, sampled_makespan=float(m.mean())) for e, m in zip(finalists, makespans, strict=True)]
     steps = max(m.size for m in makespans)
     last = [k for k in range(len(raced)) if makespans[k].size == steps]  # still in the race at the end
-    pick = preferred(last, lambda k: raced[k].sampled_makespan, lambda k: raced[k].used_gpus, options.tie_rel, by_price)
+    pick = preferred(
+        last,
+        lambda k: raced[k].sampled_makespan,
+        lambda k: raced[k].used_gpus,
+        options.tie_rel,
+        by_price,
+        cap=race_cap,
+    )
     return RobustChoice(finalists=tuple(raced), chosen=pick, schedule=schedules[pick], sampled_steps=steps)
+
+
+def _within_bounds(problem: PlanningProblem, finalists: list[PoolEntry], options: PlannerOptions) -> list[PoolEntry]:
+    """Under the cost objective's bounds, the step-time limit L (``options.max_step_s``) and the step-cost cap C
+    (``options.max_step_cost``), the ``finalists`` within both on the expected batch, where the plan reports them:
+    the plan nearest a bound sits at it, and its sampled mean would cross it by chance; and a finalist past a bound
+    (ranked after those within) must not win the race by being cheaper on the sampled batches. Empty without a
+    bound."""
+    cap, limit, prices = options.max_step_cost, options.max_step_s, problem.replica_prices
+    if (cap is None and limit is None) or prices is None:
+        return []
+    return [
+        e
+        for e in finalists
+        if (cap is None or entry_cost(e, prices) <= cap) and (limit is None or e.expected_makespan <= limit)
+    ]
 
 
 def _solver_label(options: PlannerOptions, outcome_solves: tuple[SolveResult, ...], fell_back: bool) -> str:
@@ -244,26 +275,34 @@ def _idle_note(problem: PlanningProblem, chosen: PoolEntry, ranked: list[PoolEnt
 def _cost_notes(
     problem: PlanningProblem, chosen: PoolEntry, ranked: list[PoolEntry], options: PlannerOptions
 ) -> list[str]:
-    """Under the cost objective: the GPUs not held and why, and the step-time limit when one was given."""
+    """Under the cost objective: the GPUs not held and why, and the step-time limit and step-cost cap when given."""
     prices = problem.replica_prices
     assert prices is not None
     notes = []
     idle = problem.n_gpus - chosen.used_gpus
     fastest = min(ranked, key=lambda e: (e.expected_makespan, e.used_gpus))
+    limit, cap = options.max_step_s, options.max_step_cost
     if idle:
         versus = ""
-        if fastest is not chosen:
+        if not np.array_equal(fastest.replicas, chosen.replicas):  # chosen: the race's copy of its entry
             versus = (
                 f"; the fastest plan found ({fastest.expected_makespan:.4g} s on {fastest.used_gpus} GPUs) costs "
                 f"{entry_cost(fastest, prices):.4g} a step against {entry_cost(chosen, prices):.4g}"
             )
-        notes.append(f"{idle} GPU(s) not held: more replicas would not make a step cheaper{versus}")
-    limit = options.max_step_s
+        why = (
+            "make a step faster within the step-cost cap"
+            if cap is not None and limit is None
+            else "make a step cheaper"
+        )
+        notes.append(f"{idle} GPU(s) not held: more replicas would not {why}{versus}")
     if limit is not None:
         met = chosen.expected_makespan <= limit
         notes.append(
             f"step-time limit {limit:.4g} s: {'met' if met else 'missed'} ({chosen.expected_makespan:.4g} s expected)"
         )
+    if cap is not None:
+        cost = entry_cost(chosen, prices)
+        notes.append(f"step-cost cap {cap:.4g}: {'met' if cost <= cap else 'missed'} ({cost:.4g} expected)")
     return notes
 
 
@@ -393,6 +432,7 @@ def _plan_deployment(
         objective=options.objective,
         tie_rel=options.tie_rel,
         max_step_s=options.max_step_s,
+        max_step_cost=options.max_step_cost,
         cost_frontier=frontier,
     )
     schedule = replace(choice.schedule, phases=(replace(choice.schedule.phases[0], plan=plan),))

@@ -40,6 +40,7 @@ def preferred(
     tie_rel: float,
     price: Callable[[T], float] | None = None,
     limit: float | None = None,
+    cap: float | None = None,
 ) -> T:
     """The plan the planner prefers among ``items``: the objective, in one place.
 
@@ -54,21 +55,38 @@ def preferred(
 
     the fastest plan, except that one within ε of it on fewer GPUs wins (GPU-seconds per step
     fall by more than the step time rises), then the faster of those. With ``price`` (``--objective
-    cost``: c(p), what plan p's replicas cost a second at their pools' prices, Σ_i p_i c_i) the cheapest step
-    wins, over every plan whatever its step time, or over those within the step-time limit L (``limit``,
-    ``--step-limit``), costs within ε of the least tied and the faster of those winning::
+    cost``: c(p), what plan p's replicas cost a second at their pools' prices, Σ_i p_i c_i) the plans within the
+    step-time limit L (``limit``, ``--step-limit``) and the step-cost cap C (``cap``, ``--max-cost`` over the
+    job's steps), each when given, are
 
-        p* = argmin_lex { (t̄(p), N(p)) : p in Q, t̄(p) c(p) <= (1 + ε) min_{q in Q} t̄(q) c(q) },
-        Q = { p : t̄(p) <= L }
+        Q = { p : t̄(p) <= L, t̄(p) c(p) <= C }
 
-    When no plan is within the limit (Q empty), the fastest plan is returned: the caller says the limit is missed.
+    and without a cap, or with both bounds, the cheapest step in Q wins, costs within ε of the least tied and the
+    faster of those winning::
+
+        p* = argmin_lex { (t̄(p), N(p)) : p in Q, t̄(p) c(p) <= (1 + ε) min_{q in Q} t̄(q) c(q) }
+
+    With the cap alone (the dual: the fastest job a money budget buys), the fastest step in Q wins, makespans
+    within ε tied and the cheaper of those winning, then the one on fewer GPUs::
+
+        p* = argmin_lex { (t̄(p) c(p), N(p)) : p in Q, t̄(p) <= (1 + ε) min_{q in Q} t̄(q) }
+
+    When no plan is in Q, the plan preferred without the cap is returned (the fastest when no plan is within L):
+    the caller says which bound is missed.
     """
     if price is not None:
         within = [x for x in items if limit is None or makespan(x) <= limit]
         if not within:
             return min(items, key=lambda x: (makespan(x), gpus(x)))
-        least = min(makespan(x) * price(x) for x in within)
-        tied = [x for x in within if makespan(x) * price(x) <= least * (1 + tie_rel)]
+        capped = [x for x in within if cap is None or makespan(x) * price(x) <= cap]
+        if not capped:
+            return preferred(items, makespan, gpus, tie_rel, price, limit)
+        if cap is not None and limit is None:
+            fastest = min(makespan(x) for x in capped)
+            tied = [x for x in capped if makespan(x) <= fastest * (1 + tie_rel)]
+            return min(tied, key=lambda x: (makespan(x) * price(x), gpus(x)))
+        least = min(makespan(x) * price(x) for x in capped)
+        tied = [x for x in capped if makespan(x) * price(x) <= least * (1 + tie_rel)]
         return min(tied, key=lambda x: (makespan(x), gpus(x)))
     best = min(makespan(x) for x in items)
     tied = [x for x in items if makespan(x) <= best * (1 + tie_rel)]
@@ -93,6 +111,7 @@ def race(
     tie_rel: float,
     rung: int,
     prices: Sequence[float] | None = None,
+    cap: float | None = None,
 ) -> list[np.ndarray]:
     """Makespans of each schedule on the sampled batches ``sample(0)``, ..., ``sample(n_batches - 1)``, dispatched
     step by step: successive halving.
@@ -102,7 +121,8 @@ def race(
     far and the worse half leaves; the race ends when one is left or the batches run out.
     With the defaults (three plans, rungs of 8, K = 32) that is 3 x 8 + 2 x 8 = 40 dispatches
     instead of 3 x 32, and a batch is drawn only when a rung reaches it (16 of the 32: drawing 64 or 128 tenants'
-    sequences is ~5 ms a batch). ``prices``: what each schedule costs a second, under ``--objective cost``.
+    sequences is ~5 ms a batch). ``prices``: what each schedule costs a second, under ``--objective cost``;
+    ``cap``: the step-cost cap C of :func:`preferred` on the sampled means.
     """
     samples: list[list[float]] = [[] for _ in schedules]
     alive = list(range(len(schedules)))
@@ -122,6 +142,7 @@ def race(
                 lambda k: schedules[k].max_gpus,
                 tie_rel,
                 None if prices is None else prices.__getitem__,
+                cap=cap,
             )
             ranked.append(best)
             rest.remove(best)

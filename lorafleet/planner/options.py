@@ -46,7 +46,7 @@ class PlannerOptions:
        ``enumeration_limit`` (exhaustive);
     4. **filter and judge**: ``lower_bound_threshold``, ``min_survivors``, ``exact_top``;
     5. **robust race** on sampled batches: ``robust_top``, ``robust_samples``, ``race_rung``, ``seed``;
-    6. **objective**: ``objective``, ``tie_rel``, ``max_step_s``, ``prices``
+    6. **objective**: ``objective``, ``tie_rel``, ``max_step_s``, ``max_step_cost``, ``prices``
        (:func:`~lorafleet.planner.objective.preferred`);
     7. **report**: ``baselines``.
 
@@ -112,13 +112,18 @@ class PlannerOptions:
     objective: PlanObjective = PlanObjective.MAKESPAN
     """``makespan``: among plans of makespans within ``tie_rel`` of the fastest, the one on fewest GPUs. ``cost``:
     the fewest currency units per step at the pools' prices, over every deployment of any subset of the pools'
-    GPUs, within ``max_step_s`` when given (``objective.preferred``, the search: ``planner.cost_search``)."""
+    GPUs, within ``max_step_s`` when given; with ``max_step_cost`` alone, the fastest step within that cost
+    (``objective.preferred``, the search: ``planner.cost_search``)."""
     tie_rel: float = TIE_REL
     """Makespans within this fraction count as equal, and the plan with fewer GPUs wins: the makespan tolerance.
     Under the ``cost`` objective, costs a step within this fraction count as equal, and the faster plan wins."""
     max_step_s: float | None = None
     """Under the ``cost`` objective, the longest expected step a plan may have, seconds (``plan --step-limit``,
     or a ``--deadline``'s hours over its steps); None: no limit, the cheapest step however long."""
+    max_step_cost: float | None = None
+    """Under the ``cost`` objective, the most currency units an expected step may cost at the pools' prices (``plan
+    --max-cost AMOUNT``: AMOUNT over the job's steps); None: no cap. Alone it makes the objective the fastest step
+    within the cap; with ``max_step_s``, the cheapest step within both (``objective.preferred``)."""
     prices: tuple[tuple[str, float], ...] = ()
     """``(pool, price per GPU-hour)`` pairs the planner prices those pools by instead of the cluster's (a
     re-plan's: the prices its plan recorded, :meth:`replanning`); empty: the cluster's prices."""
@@ -160,6 +165,10 @@ class PlannerOptions:
             raise InputError(OPTIONS_SOURCE, "max_step_s", f"must be > 0 seconds and finite, got {self.max_step_s}")
         if self.max_step_s is not None and self.objective is not PlanObjective.COST:
             raise InputError(OPTIONS_SOURCE, "max_step_s", "a step-time limit goes with the cost objective")
+        if self.max_step_cost is not None and not (0 < self.max_step_cost < float("inf")):
+            raise InputError(OPTIONS_SOURCE, "max_step_cost", f"must be > 0 and finite, got {self.max_step_cost}")
+        if self.max_step_cost is not None and self.objective is not PlanObjective.COST:
+            raise InputError(OPTIONS_SOURCE, "max_step_cost", "a step-cost cap goes with the cost objective")
         for name, value in {
             "polish_evaluations": self.polish_evaluations,
             "exact_top": self.exact_top,
@@ -170,17 +179,19 @@ class PlannerOptions:
 
     def replanning(self, plan: DeploymentPlan, policy: DispatchPolicy | None = None) -> PlannerOptions:
         """These options for a re-plan of ``plan``: by what it was planned for, its ``objective``, ``tie_rel``,
-        step-time limit (``max_step_s``) and pools' prices (``DeploymentPlan.prices``), judged under ``policy``
-        (default: the plan's own), without baselines. Every re-plan of a running plan takes its options here
-        (``train.replan.replan_run``, ``planner.incremental.replan_incremental``), so a fleet planned by cost on
-        priced pools is re-planned by cost at those prices, within its limit; a plan of schema 3 or older records
-        the defaults (makespan, ``TIE_REL``, no prices)."""
+        step-time limit (``max_step_s``), step-cost cap (``max_step_cost``) and pools' prices
+        (``DeploymentPlan.prices``), judged under ``policy`` (default: the plan's own), without baselines. Every
+        re-plan of a running plan takes its options here (``train.replan.replan_run``,
+        ``planner.incremental.replan_incremental``), so a fleet planned by cost on priced pools is re-planned by cost
+        at those prices, within its limit and cap; a plan of schema 3 or older records the defaults (makespan,
+        ``TIE_REL``, no prices)."""
         return replace(
             self,
             policy=plan.policy if policy is None else policy,
             objective=plan.objective,
             tie_rel=plan.tie_rel,
             max_step_s=plan.max_step_s,
+            max_step_cost=plan.max_step_cost,
             prices=plan.prices,
             baselines=False,
         )

@@ -240,7 +240,7 @@ def _search_cost(problem: PlanningProblem, options: PlannerOptions) -> tuple[Sea
     if options.mode is PlannerMode.DECOMPOSED:
 
         def fastest() -> tuple[list[PoolEntry], tuple[SolveResult, ...]]:
-            makespan = replace(options, objective=PlanObjective.MAKESPAN, max_step_s=None)
+            makespan = replace(options, objective=PlanObjective.MAKESPAN, max_step_s=None, max_step_cost=None)
             outcome, judged = search(problem, makespan)
             return judged, outcome.solves
 

@@ -41,7 +41,7 @@ _REQUIRED = {
     PLAN_SCHEMA_VERSION: ("policy", "pools", "recompute", "objective", "tie_rel"),
 }
 """The fields a plan file of each schema version it may have must hold (the rest have defaults)."""
-_UNSET: dict[str, Any] = {"max_step_s": None, "cost_frontier": []}
+_UNSET: dict[str, Any] = {"max_step_s": None, "max_step_cost": None, "cost_frontier": []}
 """Fields a plan file holds only when set (their JSON when unset): what the cost objective records."""
 
 
@@ -86,6 +86,10 @@ class DeploymentPlan:
     max_step_s: float | None = None
     """The step-time limit the cost objective chose within (``plan --step-limit``, ``--deadline``;
     ``PlannerOptions.max_step_s``), which a re-plan keeps; None: none. Written only when set."""
+    max_step_cost: float | None = None
+    """The step-cost cap the cost objective chose within, currency units a step at the pools' prices (``plan
+    --max-cost``: its amount over the job's steps; ``PlannerOptions.max_step_cost``), which a re-plan keeps; None:
+    none. Written only when set."""
     cost_frontier: tuple[FrontierPoint, ...] = ()
     """Under the cost objective, the cheapest deployments the planner judged at each step time, fastest first
     (``PlanResult.frontier``): what the report plots. Written only when there are some."""
@@ -200,8 +204,8 @@ class DeploymentPlan:
 
     def to_json(self) -> dict[str, Any]:
         """The plan file's object: every field (typed as the adapter dumps it), its schema version and kind. The
-        cost objective's ``max_step_s`` and ``cost_frontier`` are left out when unset, so a plan of another objective
-        writes what it wrote before they were added."""
+        cost objective's ``max_step_s``, ``max_step_cost`` and ``cost_frontier`` are left out when unset, so a plan
+        of another objective writes what it wrote before they were added."""
         data = adapter(DeploymentPlan).dump_python(self, mode="json")
         for name, unset in _UNSET.items():
             if data.get(name) == unset:

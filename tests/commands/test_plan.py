@@ -21,7 +21,7 @@ def test_cli_surface_is_frozen():
     """A new option of `plan` must be added here on purpose (as `train`'s are in test_train.py).
     --max-nodes, --deadline, --budget and --steps size the fleet with --gpus auto (docs/planner.md);
     --objective and --makespan-tolerance choose between plans (#29: the cost objective); --step-limit bounds the
-    cost objective's step (#43); --stats prints the planner's work counters (issue #26)."""
+    cost objective's step and --max-cost its job's cost (#43); --stats prints the planner's work counters (#26)."""
     plan = build_parser()._subparsers._group_actions[0].choices["plan"]
     assert sorted(o for a in plan._actions for o in a.option_strings) == [
         "--budget",
@@ -31,6 +31,7 @@ def test_cli_surface_is_frozen():
         "--help",
         "--json",
         "--makespan-tolerance",
+        "--max-cost",
         "--max-nodes",
         "--microbatch",
         "--mode",
@@ -219,6 +220,26 @@ def test_the_cost_objective_prints_its_frontier_and_keeps_a_deadline(pools_path,
     assert bounded.max_step_s == pytest.approx(limit) and bounded.expected_makespan_s <= bounded.max_step_s
 
 
+def test_max_cost_plans_the_fastest_job_within_it_and_the_plan_records_the_cap(pools_path, tmp_path, capsys):
+    """#43: ``--objective cost --max-cost AMOUNT --steps N``: a plan whose N-step job costs at most AMOUNT, its
+    step-cost cap AMOUNT / N recorded, read back whole and kept by a re-plan; the cost line says the job against
+    the cap."""
+    from lorafleet.planner import PlannerOptions
+
+    out = tmp_path / "capped.json"
+    flags = ["--objective", "cost", "--max-cost", "3", "--steps", "1000", "--samples", "0", "--json", str(out)]
+    assert main(["plan", pools_path, *flags]) == 0
+    text = capsys.readouterr().out
+    assert "for the 1000-step job against --max-cost 3 (" in text
+    plan = DeploymentPlan.load(out)
+    assert plan.max_step_cost == pytest.approx(3 / 1000) and plan.max_step_s is None
+    prices = dict(plan.prices)
+    per_second = sum(prices[r.pool] * r.config.n_gpus for r in plan.replicas) / 3600
+    assert plan.expected_makespan_s * per_second <= plan.max_step_cost
+    assert DeploymentPlan.from_json(plan.to_json(), "<test>") == plan
+    assert PlannerOptions().replanning(plan).max_step_cost == plan.max_step_cost
+
+
 @pytest.mark.parametrize(
     "flags,where",
     [
@@ -230,6 +251,15 @@ def test_the_cost_objective_prints_its_frontier_and_keeps_a_deadline(pools_path,
         (["--objective", "cost", "--budget", "10"], "--budget: goes with --gpus auto"),
         (["--objective", "cost", "--step-limit", "0.001"], "--step-limit: no deployment found of"),
         (["--objective", "cost", "--mode", "joint-minlp"], "--mode: joint-minlp"),
+        (["--max-cost", "5", "--steps", "10"], "--max-cost: goes with --objective cost"),
+        (["--objective", "cost", "--max-cost", "5", "--gpus", "auto"], "--max-cost: does not go with --gpus auto"),
+        (["--objective", "cost", "--max-cost", "0", "--steps", "10"], "--max-cost: must be > 0, got 0"),
+        (["--objective", "cost", "--max-cost", "inf", "--steps", "10"], "--max-cost: must be > 0 and finite"),
+        (["--objective", "cost", "--max-cost", "abc"], "--max-cost: expected an amount in the pools' currency"),
+        (["--objective", "cost", "--max-cost", "5"], "--max-cost: needs the job's steps"),
+        (["--objective", "cost", "--max-cost", "5", "--steps", "0"], "--steps: must be > 0, got 0"),
+        (["--objective", "cost", "--max-cost", "5", "--steps", "9", "--deadline", "10:1"], "--steps: the deadline"),
+        (["--objective", "cost", "--max-cost", "0.001", "--steps", "1000"], "--max-cost: no deployment found of"),
     ],
 )
 def test_bad_cost_flags_are_one_line_errors(pools_path, tmp_path, capsys, flags, where):

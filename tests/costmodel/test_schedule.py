@@ -254,6 +254,45 @@ def test_stream_span_is_the_timeline_span_without_update_time(case, drain, seed)
 
 
 @settings(max_examples=200, deadline=None)
+@given(windows(), st.booleans(), st.integers(1, 8), st.integers(1, 8))
+@example(TWO_BACK, False, 2, 2)
+def test_the_op_by_op_span_is_the_timeline_span(case, drain, forward, backward):
+    """``_SlotEnds`` (what settles a small stall's timelines, position by position of ``_stage_rows``) gives the
+    replayed timeline's span, to the bit, for random windows and one forward and one backward duration (dyadic),
+    drained or streamed."""
+    from lorafleet.costmodel.schedule import _SlotEnds, _stage_rows
+
+    pp, stream = case
+    n = len(stream)
+    deps = forward_dependencies(stream, flushed_steps(pp, stream) if drain else ())
+    replayed = timeline(pp, stream, [[forward / 4] * n] * pp, [[backward / 4] * n] * pp, drain_stalls=drain).span
+    rows = _stage_rows(pp, deps)
+    assert _SlotEnds(pp, n, forward / 4, backward / 4).settle(rows, 0, len(rows)) == replayed
+
+
+def test_a_stall_is_the_same_settled_op_by_op_or_over_arrays(monkeypatch):
+    """``_timed_stall`` gives the same stall, capped or not, whichever way it settles its timelines
+    (``SCALAR_STALL``: op by op below it, over arrays above), on random dependencies of up to 3 pp micro-batches."""
+    from lorafleet.costmodel import schedule
+
+    rng = np.random.default_rng(5)
+    stalled = 0
+    for _ in range(150):
+        pp = int(rng.integers(2, 13))
+        k = int(rng.integers(1, 3 * pp))
+        order = [set(rng.integers(0, int(rng.integers(2, 12)), int(rng.integers(1, 4))).tolist()) for _ in range(k)]
+        d = schedule.second_step_dependencies(order)
+        late = tuple(np.maximum(d[: pp - 1], k + np.arange(min(pp - 1, k)) - pp).tolist())
+        stalls = []
+        for limit in (0, 10**9):
+            monkeypatch.setattr(schedule, "SCALAR_STALL", limit)
+            stalls.append([schedule._timed_stall(pp, k, late, cap) for cap in (float("inf"), pp - 1.0, 0.5)])
+        assert stalls[0] == stalls[1]
+        stalled += stalls[0][0] > 0
+    assert stalled >= 20
+
+
+@settings(max_examples=200, deadline=None)
 @given(
     st.integers(2, 8),
     st.lists(st.frozensets(st.integers(0, 6), min_size=1, max_size=3), min_size=1, max_size=12),

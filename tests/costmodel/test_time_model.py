@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from lorafleet.costmodel.time_model import (
     AffineTime,
+    LaidOutShapes,
     LayerTimeCoeffs,
     Link,
     MicroBatchShape,
@@ -117,3 +118,16 @@ def test_features_of_packed_only_is_each_one_alone():
         assert many.shape == (len(mbs), 6)
         for mb, row in zip(mbs, many, strict=True):
             assert np.array_equal(features_of([mb])[0], row)
+
+
+def test_laid_out_shapes_price_as_the_list_they_are():
+    """Micro-batches that bring their rows' lengths and counts along (``LaidOutShapes``, the packer's) get the
+    features of the same list read one micro-batch at a time, to the bit; rows that do not add up are refused."""
+    rng = np.random.default_rng(4)
+    mbs = [MicroBatchShape.packed(rng.integers(1, 5000, int(n)).tolist()) for n in rng.integers(1, 40, 30)]
+    lengths = np.array([s for mb in mbs for s in mb.seq_lens], dtype=float)
+    counts = np.array([mb.n_seqs for mb in mbs], dtype=np.int64)
+    laid_out = LaidOutShapes(mbs, lengths, counts)
+    assert laid_out == mbs and np.array_equal(features_of(laid_out), features_of(mbs))
+    with pytest.raises(ValueError, match="30 shapes, 29 row counts"):
+        LaidOutShapes(mbs, lengths, counts[1:])

@@ -6,6 +6,7 @@ reference, the work each takes counted (``lorafleet.work``)."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from lorafleet.accounting import price_per_second
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.planner import PlannerMode, PlannerOptions, PlanObjective, plan_deployment
 from lorafleet.planner.candidates import enumerate_deployments, propose_candidates, valid_candidates
+from lorafleet.planner.cost_search import entry_cost
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.frontier import SWEEP_REL, SWEEP_SOLVES, cheapest_at, cost_sweep, fluid_makespan, pareto
 from lorafleet.planner.objective import preferred
@@ -149,3 +151,68 @@ def test_the_cost_search_finds_the_exhaustive_cheapest_plan(small, limit):
 
 def _fields(options: PlannerOptions) -> dict:
     return {name: getattr(options, name) for name in options.__dataclass_fields__}
+
+
+def test_a_step_cost_cap_alone_prefers_the_fastest_step_within_it():
+    """(makespan, price a second): costs 10, 9.9, 12 and 8 a step. With a cap C alone the fastest plan costing at
+    most C wins; makespans within the tolerance tie and the cheaper wins; with a limit too, the cheapest within both;
+    with none within the cap, the plan preferred without it (the caller says the cap is missed)."""
+    plans = [(1.0, 10.0), (1.1, 9.0), (0.6, 20.0), (4.0, 2.0)]
+
+    def pick(tie_rel, cap, limit=None):
+        return preferred(plans, lambda p: p[0], lambda p: 1, tie_rel, lambda p: p[1], limit, cap)
+
+    assert pick(0.0, cap=12.0) == (0.6, 20.0)
+    assert pick(0.0, cap=10.0) == (1.0, 10.0)  # 0.6 s costs 12 a step: over the cap
+    assert pick(0.15, cap=10.0) == (1.1, 9.0)  # 1.1 s ties with 1.0 s at 15 %: the cheaper
+    assert pick(0.0, cap=9.0) == (4.0, 2.0)  # 1.1 s costs 9.9
+    assert pick(0.0, cap=7.0) == (4.0, 2.0)  # none within: the cheapest, as without a cap
+    assert pick(0.0, cap=7.0, limit=1.5) == (1.1, 9.0)  # none within both: the cheapest within the limit
+    assert pick(0.0, cap=11.0, limit=1.5) == (1.1, 9.0)  # both: the cheapest within both
+    assert pick(0.0, cap=12.0, limit=0.5) == (0.6, 20.0)  # none within the limit: the fastest
+
+
+def test_the_cost_search_under_a_cap_finds_the_fastest_step_within_it(small):
+    """``max_step_cost`` between the cheapest and the fastest frontier point (at the second cheapest): the plan is
+    within the cap, faster than the cheapest plan, and no deployment the planner judged within the cap is faster
+    by more than tie_rel."""
+    workload, cluster, cost_model, problem = small
+    cheapest = plan_deployment(workload, cluster, cost_model, COST)
+    frontier = cheapest.frontier
+    cap = frontier[-2].cost_per_step * (1 + 1e-9)
+    assert frontier[-1].cost_per_step < cap < frontier[0].cost_per_step
+    options = PlannerOptions(**{**_fields(COST), "max_step_cost": cap})
+    capped = plan_deployment(workload, cluster, cost_model, options)
+    plan = capped.plan
+    assert plan.expected_makespan_s * price_per_second(plan, cluster) <= cap and plan.max_step_cost == cap
+    assert plan.expected_makespan_s < cheapest.plan.expected_makespan_s
+    assert capped.diagnostics.candidates == problem.candidates
+    judged = [e for e in capped.diagnostics.pool if e.expected is not None]
+    within = [e for e in judged if entry_cost(e, problem.replica_prices) <= cap]
+    assert min(e.expected_makespan for e in within) >= plan.expected_makespan_s * (1 - COST.tie_rel)
+    assert f"step-cost cap {cap:.4g}: met" in " ".join(plan.notes)
+
+
+def test_the_race_runs_only_the_finalists_within_the_bounds():
+    """The robust race's finalists under the cost objective's bounds (``driver._within_bounds``): those within the
+    step-time limit and the step-cost cap on the expected batch, so that a finalist past the limit (ranked after
+    those within) cannot win the race by being cheaper on the sampled batches; all of them without a bound."""
+    from types import SimpleNamespace
+
+    from lorafleet.planner.driver import _within_bounds
+
+    problem = SimpleNamespace(replica_prices=np.array([1.0, 2.0]))
+    entries = [  # (makespan s, replicas): costs 3, 4 and 1 a step
+        SimpleNamespace(expected_makespan=t, replicas=np.array(r), expected=object())
+        for t, r in ((1.0, (1, 1)), (2.0, (0, 1)), (1.0, (1, 0)))
+    ]
+
+    def kept(**bounds):
+        within = _within_bounds(problem, entries, replace(COST, **bounds))
+        return [k for k, e in enumerate(entries) if any(e is w for w in within)]
+
+    assert kept() == []
+    assert kept(max_step_s=1.5) == [0, 2]
+    assert kept(max_step_cost=3.5) == [0, 2]
+    assert kept(max_step_cost=3.5, max_step_s=0.5) == []
+    assert kept(max_step_cost=4.0, max_step_s=2.0) == [0, 1, 2]

@@ -172,6 +172,32 @@ def test_the_cost_objective_keeps_the_cheaper_base_among_the_plans_within_the_st
     assert limited.option.value(limited.objective) > nf4.value(cheapest.objective)
 
 
+def test_a_step_cost_cap_keeps_the_fastest_base_whose_plan_fits_it():
+    """``--max-cost`` over a choice of base (``base_choice._pick``), on plans of (step s, cost a step): none (10, 5),
+    int8 (8, 6), nf4 (6, 9). Cap 7: nf4 is over it, int8 the fastest within; cap 4: none within, the cheapest as
+    without a cap (the command says the cap is missed); cap 7 and a 9 s limit: the cheapest within both, int8."""
+    from lorafleet.planner.base_choice import BaseOption, _pick
+    from lorafleet.planner.driver import LORAFLEET, ScheduleCost
+
+    class Planned:
+        def __init__(self, step_s: float, cost: float):
+            self.ours = ScheduleCost(name=LORAFLEET, gpus=1, makespan_s=step_s, gpu_seconds=step_s, cost_per_step=cost)
+
+        def cost(self, name: str) -> ScheduleCost:
+            return self.ours
+
+    planned = tuple(BaseOption(b, Planned(*v)) for b, v in ((None, (10, 5)), (INT8, (8, 6)), (NF4, (6, 9))))
+    cost = PlannerOptions(objective=PlanObjective.COST)
+    chosen, reason = _pick(planned, replace(cost, max_step_cost=7.0))
+    assert chosen == 1 and reason == "the fastest within the step-cost cap, its makespan 20.0% below none's"
+    assert _pick(planned, replace(cost, max_step_cost=4.0))[0] == 0
+    assert _pick(planned, replace(cost, max_step_cost=7.0, max_step_s=9.0)) == (
+        1,
+        "the only base with a plan within the limit and the cap",
+    )
+    assert _pick(planned, replace(cost, max_step_cost=20.0))[0] == 2
+
+
 def test_plan_prints_a_line_per_base_and_records_the_chosen(seventy_on_two, tmp_path, capsys):
     workload, _ = seventy_on_two
     plan_json = tmp_path / "auto.json"
