@@ -53,7 +53,8 @@ _MAX_EXCHANGES = 10_000
 """Safety cap on exchanges; each one strictly improves, so it is not reached in practice."""
 _BUCKET_KEY = 1 << 40
 """An exchange offer's sort key is bucket * _BUCKET_KEY + amount (amounts are sequence counts, far below)."""
-_NO_OFFER = np.iinfo(np.int64).max
+_NO_OFFER = 1 << 62
+"""Keys from this up are no offer (they sort last): this plus an amount, or this."""
 
 
 @dataclass(frozen=True)
@@ -82,30 +83,31 @@ def _balance(load: LoadModel, allowed: np.ndarray) -> Assignment:
     if np.any((load.counts > 0) & ~allowed.any(axis=0)):
         raise ValueError("a non-empty bucket fits no config class")
     count_work("balances")
+    search = _Search(load, allowed)
     empty = np.zeros(allowed.shape, dtype=np.int64)
     starts = (
-        _water_fill(load, allowed, empty),
-        _water_fill(load, allowed, _lp_rounded(load, allowed)),
+        _water_fill(search, empty),
+        _water_fill(search, _lp_rounded(load, allowed)),
         _whole_buckets(load, allowed),
     )
     ends: dict[bytes, np.ndarray] = {}
-    best = min((_exchange_search(load, allowed, d, ends) for d in starts), key=load.makespan)
+    best = min((_exchange_search(search, d, ends) for d in starts), key=load.makespan)
     return Assignment(counts=best, makespan_s=load.makespan(best))
 
 
-def _water_fill(load: LoadModel, allowed: np.ndarray, start: np.ndarray) -> np.ndarray:
+def _water_fill(search: _Search, start: np.ndarray) -> np.ndarray:
     """Add each bucket's sequences not yet in ``start`` (K, R), longest bucket first, at the least level."""
+    load, allowed = search.load, search.allowed
     d = start.copy()
-    rows = _Rows(load, d)
-    for j in (-load.boundaries).argsort(kind="stable"):
-        total = int(load.counts[j] - d[:, j].sum())
+    rows = _Rows(search, d)
+    missing = (load.counts - d.sum(axis=0)).tolist()  # a bucket's column changes only at its own turn
+    for j in (-load.boundaries).argsort(kind="stable").tolist():
+        total = missing[j]
         if total == 0:
             continue
         takers = allowed[:, j].nonzero()[0]
-        # (takers, total + 1): time of each taker holding x = 0..total more of bucket j (no other bucket changes);
         # the running max makes each row monotone even for cost models with a negative coefficient
-        gain = _changes(load, rows, d, takers[:, None], np.array(j), np.arange(total + 1))
-        curve = np.maximum.accumulate(_times(load, rows, takers[:, None], _UNCHANGED, gain), axis=1)
+        curve = np.maximum.accumulate(_fill_times(search, rows, d, takers, j, total), axis=1)
         # The least level tau at which the takers hold them all: taker t holds the x >= 1 more with
         # curve[t, x] <= tau (its row is monotone), so tau is the total-th smallest of curve[:, 1:].
         more = curve[:, 1:]
@@ -121,7 +123,7 @@ def _water_fill(load: LoadModel, allowed: np.ndarray, start: np.ndarray) -> np.n
                 if not surplus:
                     break
         d[takers, j] += take
-        rows.update(load, d, takers[take > 0])
+        rows.update(search, d, takers[take > 0])
     return d
 
 
@@ -225,192 +227,220 @@ def _lp_rounded(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
     return np.minimum(d, load.counts[None, :])
 
 
-def _move_sizes(load: LoadModel, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Candidate amounts, per (class, bucket): (K, R, 4) when the class gives and (K, R, 4) when it takes.
+class _Search:
+    """What every search of one balance reads, laid out once (the searches make thousands of numpy calls on
+    arrays of a few dozen elements, so what a call costs, not its arithmetic, is their time): the flat
+    position of each (class, bucket) in the cost tables; the largest micro-batch table times the class's
+    ``bubble_slots`` (s max(x, y) = max(s x, s y) exactly for s >= 0: rounding is monotone, so the bubble
+    is the largest of scaled times); which classes have a bubble; the (giver, receiver) pairs of an exchange
+    where every other class may take; :func:`_move_sizes`' buffer and :func:`_best_exchange`'s signs."""
+
+    def __init__(self, load: LoadModel, allowed: np.ndarray) -> None:
+        n_classes, n_buckets = allowed.shape
+        self.load, self.allowed, self.n_buckets = load, allowed, n_buckets
+        self.replicas = load.n_replicas[:, None]
+        self.microbatch = np.maximum(load.microbatch_rows, 1)
+        stride = load.compute_table.shape[1]
+        self.table_at = load.table_start[None, :n_buckets] + np.arange(n_classes)[:, None] * stride
+        self.compute_table, self.largest_table = load.compute_table.ravel(), load.largest_table.ravel()
+        self.bubble_table = (load.largest_table * load.bubble_slots[:, None]).ravel()
+        # _move_sizes' (2, K, R, 4) amounts: what each class gives (0) and takes (1); the last two taken
+        # amounts, one row and one micro-batch on every replica, do not depend on the totals
+        self.sizes = np.empty((2, n_classes, n_buckets, 4), dtype=np.int64)
+        self.sizes[1, :, :, 2] = self.replicas
+        self.sizes[1, :, :, 3] = self.replicas * self.microbatch
+        # an exchange table's signs, sliced [most - wide : most + 1 + back]: c loses what it gives (as many as
+        # 8 amounts a bucket) and gains what comes back, the taker the other way round
+        self.most = 8 * n_buckets
+        self.signs = np.repeat(np.array([[[-1, 0, 1]], [[1, 0, -1]]]), [self.most, 1, self.most], axis=2)
+        self.bucket_keys = np.arange(n_buckets) * _BUCKET_KEY
+        self.pipelined = (load.bubble_slots > 0).tolist()
+        self.pairs_all = [_pairs(c, [k for k in range(n_classes) if k != c]) for c in range(n_classes)]
+
+
+def _pairs(c: int, takers: list[int]) -> np.ndarray:
+    """(2n, 2) the (giver, receiver) of an exchange's offers: c to each taker, then each taker to c."""
+    return np.array([(c, k) for k in takers] + [(k, c) for k in takers], dtype=np.int64).reshape(-1, 2)
+
+
+def _move_sizes(search: _Search, d: np.ndarray) -> np.ndarray:
+    """Candidate amounts, per (class, bucket): (2, K, R, 4), [0] when the class gives and [1] when it takes.
 
     Giving: one row fewer on every replica, one micro-batch fewer on every replica, half,
     everything. Taking: what fills its open rows, what fills its open micro-batches, one more
-    row and one more micro-batch on every replica. Amounts are clipped to what the giver holds.
+    row and one more micro-batch on every replica. :func:`_best_exchange` clips them to what the giver
+    holds. In the buffer ``search.sizes``, valid until the next call.
     """
-    p = load.n_replicas[:, None]
-    b = np.maximum(load.microbatch_rows, 1)
+    p, b, sizes = search.replicas, search.microbatch, search.sizes
     rows = -(-d // p)
-    microbatches = -(-rows // b)
-    full_rows, full_microbatches = p * rows, p * b * microbatches
-    give, take = np.empty((*d.shape, 4), dtype=np.int64), np.empty((*d.shape, 4), dtype=np.int64)
-    give[..., 0], give[..., 1], give[..., 2], give[..., 3] = d - full_rows + p, d - full_microbatches + p * b, d // 2, d
-    take[..., 0], take[..., 1], take[..., 2], take[..., 3] = full_rows - d, full_microbatches - d, p, p * b
-    return give, take
-
-
-def _offers(
-    give: np.ndarray, take: np.ndarray, held: np.ndarray, mask: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Distinct (bucket, amount) offers of each of K pairs, ordered by (bucket, amount): ``(j, amount,
-    valid)``, each (K, A), A the most any pair has (``valid`` marks the real ones).
-
-    Pair k may move bucket j where ``mask[k, j]``; the amounts tried are the giver's ``give[k, j]`` and
-    the taker's ``take[k, j]`` (4 each, :func:`_move_sizes`), clipped to 1 .. ``held[k, j]``, what the
-    giver holds.
-    """
-    cols = mask.any(axis=0).nonzero()[0]  # the buckets some pair may move (methods: no numpy wrapper a call)
-    sizes = np.minimum(np.maximum(np.concatenate((give[:, cols], take[:, cols]), axis=2), 1), held[:, cols, None])
-    sizes.sort(axis=2)
-    drop = np.empty(sizes.shape, dtype=bool)
-    drop[:, :, 0] = False
-    drop[:, :, 1:] = sizes[:, :, 1:] == sizes[:, :, :-1]  # many kinds coincide (half = one row fewer, ...)
-    drop |= ~mask[:, cols, None]
-    # one key per offer, ordered as (bucket, amount); the dropped ones sort last
-    keys = np.where(drop, _NO_OFFER, cols[:, None] * _BUCKET_KEY + sizes).reshape(len(sizes), -1)
-    keys.sort(axis=1)
-    width = int((keys < _NO_OFFER).sum(axis=1).max(initial=0))
-    keys = keys[:, :width]
-    valid = keys < _NO_OFFER
-    return np.where(valid, keys // _BUCKET_KEY, 0), np.where(valid, keys % _BUCKET_KEY, 0), valid
+    open_rows = np.subtract(p * rows, d, out=sizes[1, :, :, 0])
+    open_microbatches = np.subtract(p * b * -(-rows // b), d, out=sizes[1, :, :, 1])
+    np.subtract(p, open_rows, out=sizes[0, :, :, 0])  # d - (p rows - p): one row fewer on every replica
+    np.subtract(sizes[1, :, :, 3], open_microbatches, out=sizes[0, :, :, 1])
+    np.floor_divide(d, 2, out=sizes[0, :, :, 2])
+    sizes[0, :, :, 3] = d
+    return sizes
 
 
 def _changes(
-    load: LoadModel, rows: _Rows, d: np.ndarray, i: np.ndarray | int, j: np.ndarray, amount: np.ndarray
+    search: _Search, rows: _Rows, d: np.ndarray, i: np.ndarray | int, j: np.ndarray | int, amount: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """What changing class ``i``'s totals of bucket ``j`` by ``amount`` (signed; 0 leaves it) does to its row,
-    elementwise over broadcastable shapes: ``(compute, rank, largest)``, the change of the bucket's compute
-    time, the bucket's :class:`_Rows` rank where the amount is non-zero (else 0), and the bucket's new largest
-    micro-batch time where the amount is non-zero (else 0). :func:`_times` combines two of them."""
-    held = d[i, j] + amount
-    new, big = load.table_cost(i, j, -(-held // load.n_replicas[i]))
+    elementwise over broadcastable shapes: ``(compute, rank, bubble)``, the change of the bucket's compute
+    time, the bucket's :class:`_Rows` rank where the amount is non-zero (else 0), and ``bubble_slots`` times
+    the bucket's new largest micro-batch time where the amount is non-zero (else 0). :func:`_times` combines
+    two of them."""
+    at = i * search.n_buckets + j  # (class, bucket), flat
+    held = d.take(at) + amount
+    table = search.table_at.take(at) - (-held // search.replicas.take(i))
     moved = amount != 0
-    return new - rows.compute[i, j], rows.rank[i, j] * moved, np.where(moved, big, 0.0)
+    return (
+        search.compute_table.take(table) - rows.compute.take(at),
+        rows.rank.take(at) * moved,
+        search.bubble_table.take(table) * moved,
+    )
 
 
-_UNCHANGED = (0.0, 0, 0.0)
-"""A :func:`_changes` that changes nothing (an amount of 0): no compute, rank 0, no new largest micro-batch."""
+def _fill_times(search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray, j: int, total: int) -> np.ndarray:
+    """(takers, total + 1): each taker's time holding x = 0..total more of bucket j, no other bucket changing
+    (:func:`_times` of that one change, elementwise alike): base + (the bucket's compute time then - now),
+    plus bubble_slots * the largest of 0, the bucket's new largest micro-batch time and that of the buckets
+    it leaves alone (``rows.pick`` at its rank; at x = 0, at rank 0, all of them and no new one)."""
+    i = takers[:, None]
+    at = i * search.n_buckets + j
+    table = search.table_at.take(at) - (-(d.take(at) + np.arange(total + 1)) // search.replicas.take(i))
+    times = rows.base.take(i) + (search.compute_table.take(table) - rows.compute.take(at))
+    if not any(search.pipelined[k] for k in takers.tolist()):
+        return times
+    picks = rows.pick[i, rows.rank.take(at) * _PAIR]  # (takers, 2): at 3 * 0 + 0 (x = 0), 3 * 0 + rank (x > 0)
+    np.maximum(picks, 0.0, out=picks)
+    largest = np.maximum(search.bubble_table.take(table), picks[:, 1:])
+    largest[:, 0] = picks[:, 0]
+    times += largest
+    return times
 
 
 def _times(
-    load: LoadModel,
+    search: _Search,
     rows: _Rows,
     i: np.ndarray | int,
-    lose: tuple[np.ndarray, np.ndarray, np.ndarray],
-    gain: tuple[np.ndarray, np.ndarray, np.ndarray],
+    first: tuple[np.ndarray, np.ndarray, np.ndarray],
+    second: tuple[np.ndarray, np.ndarray, np.ndarray],
+    bubble: bool,
 ) -> np.ndarray:
     """Class ``i``'s times after two changes of different buckets (:func:`_changes`, broadcast against each
-    other): ``base + lose + gain``, plus the bubble ``bubble_slots * max`` of the largest micro-batch time
-    of the buckets neither changes (the first of the row's top three the candidate leaves alone: bit r of
-    ``touched`` says it changes bucket top[r], r = 0, 1) and the two buckets' new ones.
+    other): ``base + first + second``, plus the bubble ``bubble_slots * max`` of the largest micro-batch times
+    of the buckets neither changes (``rows.pick`` by the two changes' ranks) and the two buckets' new ones.
     Elementwise, in the order :class:`_Rows` keeps, so a candidate's time does not depend on which others
-    are scored with it."""
-    total = rows.base[i] + lose[0] + gain[0]
-    slots = load.bubble_slots[i]
-    if not slots.any():
+    are scored with it. ``bubble``: whether some class of ``i`` has a bubble (else it is 0 and not formed)."""
+    total = rows.base[i] + first[0] + second[0]
+    if not bubble:
         return total
-    # pick[lose rank | gain rank]: the gain's rank is 0, 1 or 2, so the loss side's three candidates (with its
-    # own new largest) are chosen between by the gain's rank, without a gather over every pair
-    first, second, third = (np.maximum(rows.pick[i, lose[1] | r], lose[2]) for r in (0, 1, 2))
-    bubble = np.where(gain[1] == 0, first, np.where(gain[1] == 1, second, third))
-    np.maximum(bubble, gain[2], out=bubble)
-    bubble *= slots
-    if (slots != 0).all():
-        total += bubble
-        return total
-    return np.where(slots != 0, total + bubble, total)
+    largest = rows.pick.take(i * _PICKS + first[1] * 3 + second[1])  # both already times bubble_slots
+    np.maximum(largest, first[2], out=largest)
+    np.maximum(largest, second[2], out=largest)
+    total += largest
+    return total
 
 
-_PICKED = np.array([0, 1, 0, 2])
-"""``_Rows.pick`` from the top three: the largest a candidate leaves alone, by the bits of which of the first two
-it changes."""
+_PICKED = np.array([0, 1, 0, 2])[np.bitwise_or.outer(np.arange(3), np.arange(3)).ravel()]
+"""``_Rows.pick`` from the top three, by the ranks (r, r') of a candidate's two changes at 3 r + r': the largest
+it leaves alone, by the bits r | r' of which of the first two it changes (0: top 0, 1: top 1, 2: top 0, 3: top 2)."""
+_PICKS = _PICKED.size
+"""``_Rows.pick`` entries a class."""
+
+
+_RANKS = np.array([1, 2])
+"""``_Rows.rank`` of the buckets with the largest and the second largest micro-batch time."""
 
 
 class _Rows:
     """Every class's per-bucket costs under the current totals d (K, R): what candidate changes are
-    scored against. Row i: the compute time of each bucket's rows on the class's slowest replica, its
-    largest micro-batch time, ``base`` = o_i + their sum, and the three buckets with the largest
-    micro-batch times (times 0 past the row's buckets). ``rank`` marks the first two of them: 1 at
-    bucket top[0], 2 at top[1], else 0; ``pick[touched]`` is the largest micro-batch time of the
-    buckets a candidate leaves alone, by the two bits of which of those two it changes (rank 0 if
-    free, else rank 1 if free, else rank 2)."""
+    scored against. Row i: the compute time of each bucket's rows on the class's slowest replica, ``base``
+    = o_i + their sum, ``largest`` its largest micro-batch time (the class's time is base + bubble_slots *
+    largest), and the three buckets with the largest micro-batch times (times 0 past the row's buckets).
+    ``rank`` marks the first two of them: 1 at bucket top[0], 2 at top[1], else 0; ``pick[3 r + r']`` is
+    bubble_slots times the largest micro-batch time of the buckets a candidate leaves alone when its two
+    changes have ranks r and r' (rank 0 if both are free, else rank 1 if free, else rank 2)."""
 
-    def __init__(self, load: LoadModel, d: np.ndarray) -> None:
+    def __init__(self, search: _Search, d: np.ndarray) -> None:
         n_classes, n_buckets = d.shape
-        self.compute, self.largest = np.zeros((n_classes, n_buckets)), np.zeros((n_classes, n_buckets))
-        self.base = np.zeros(n_classes)
-        self.top_values = np.zeros((n_classes, 3))
+        self.compute = np.zeros((n_classes, n_buckets))
+        self.base, self.largest = np.zeros(n_classes), np.zeros(n_classes)
         self.rank = np.zeros((n_classes, n_buckets), dtype=np.int64)
-        self.pick = np.zeros((n_classes, 4))
-        self._buckets = np.arange(n_buckets)
-        self.update(load, d, np.arange(n_classes))
+        self.pick = np.zeros((n_classes, _PICKS))
+        self.update(search, d, np.arange(n_classes))
 
-    def update(self, load: LoadModel, d: np.ndarray, i: np.ndarray) -> None:
+    def update(self, search: _Search, d: np.ndarray, i: np.ndarray) -> None:
         """The rows of classes ``i`` (distinct) again, after their totals changed; all in one pass, each row as
         it would be alone (the sums and sorts run along a row)."""
-        compute, largest = load.table_cost(i[:, None], self._buckets, -(-d[i] // load.n_replicas[i, None]))
-        top = (-largest).argsort(axis=1, kind="stable")[:, :3]
-        self.compute[i], self.largest[i] = compute, largest
-        self.base[i] = load.overhead_s[i] + compute.sum(axis=1)
-        row = np.arange(i.size)[:, None]
-        values = np.zeros((i.size, 3))
-        values[:, : top.shape[1]] = largest[row, top]
-        self.top_values[i] = values
-        rank = np.zeros(compute.shape, dtype=np.int64)
-        rank[row, top[:, :2]] = np.arange(1, min(top.shape[1], 2) + 1)
-        self.rank[i] = rank
-        self.pick[i] = values[:, _PICKED]
-
-    def times(self, load: LoadModel) -> np.ndarray:
-        """(K,) the load model's time of each class: ``base + bubble_slots * largest``."""
-        return self.base + load.bubble_slots * self.top_values[:, 0]
+        at = (search.table_at - (-d // search.replicas))[i]
+        compute, largest = search.compute_table.take(at), search.largest_table.take(at)
+        self.compute[i] = compute
+        base = search.load.overhead_s[i] + compute.sum(axis=1)
+        self.base[i] = base
+        values = np.sort(largest, axis=1)[:, :-4:-1]  # the three largest, decreasing
+        if values.shape[1] < 3:
+            values = np.concatenate((values, np.zeros((i.size, 3 - values.shape[1]))), axis=1)
+        self.largest[i] = values[:, 0]
+        slots = search.load.bubble_slots[i]
+        top = (-largest).argsort(axis=1, kind="stable")[:, :2]  # the first two of them
+        self.rank[i] = 0
+        self.rank[i[:, None], top] = _RANKS[: top.shape[1]]
+        self.pick[i] = values[:, _PICKED] * slots[:, None]
 
 
 def _best_exchange(
-    load: LoadModel, allowed: np.ndarray, d: np.ndarray, rows: _Rows, sizes: tuple[np.ndarray, np.ndarray], c: int
+    search: _Search, d: np.ndarray, rows: _Rows, sizes: np.ndarray, c: int
 ) -> tuple[float, int, tuple[int, int, int, int]] | None:
     """The exchange between the slowest class c and any other class k with the least max(T_c', T_k'),
     scored for every k at once: the first k, then the first candidate of it, among equals (None: c
     can give nothing to anyone).
 
-    Class c gives some of a bucket j it holds to k (an amount from either side's sizes) and takes
-    back nothing or some of a bucket it can hold that k holds.
+    Class c gives some of a bucket j it holds to k and takes back nothing or some of a bucket it can
+    hold that k holds; the amounts of bucket j tried are the giver's and the receiver's ``sizes``
+    (:func:`_move_sizes`) clipped to 1 .. what the giver holds, each once, in increasing order.
     """
-    give, take = sizes
-    out_mask = (d[c] > 0)[None, :] & allowed
+    allowed = search.allowed
+    out_mask = allowed & (d[c] > 0)
     out_mask[c] = False
     takers = out_mask.any(axis=1).nonzero()[0]  # the classes c can give something to, in order
     if takers.size == 0:
         return None
-    n = takers.size
+    n, taker_list = takers.size, takers.tolist()
     # Both sides' offers in one pass: rows 0..n-1 what c gives each taker, rows n.. what each taker gives back
     # (the giver's sizes and holdings, the receiver's sizes and whether it may hold the bucket).
-    giver = np.concatenate((np.full(n, c), takers))
-    receiver = np.concatenate((takers, np.full(n, c)))
+    pairs = search.pairs_all[c] if n == d.shape[0] - 1 else _pairs(c, taker_list)
+    giver = pairs[:, 0]
     held = d[giver]
-    j, amount, valid = _offers(give[giver], take[receiver], held, (held > 0) & allowed[receiver])
-    width = valid.sum(axis=1)
-    wide = int(width[:n].max())
-    # column 0 of what comes back: nothing (an amount of 0 changes nothing, whatever its bucket)
-    in_width = int(width[n:].max(initial=0))
-    zero = np.zeros((n, 1), dtype=np.int64)
-    # Every candidate side in one (2n, wide + 1 + in_width) table: class c's rows, then the takers'; the columns
-    # are what c gives (lost by c, gained by the taker), then what comes back (the other way round).
-    moved_j = np.concatenate((j[:n, :wide], zero, j[n:, :in_width]), axis=1)
-    moved = np.concatenate((amount[:n, :wide], zero, amount[n:, :in_width]), axis=1)
-    usable = np.concatenate((valid[:n, :wide], zero == 0, valid[n:, :in_width]), axis=1)
-    sign = np.ones(moved.shape[1], dtype=np.int64)
-    sign[:wide] = -1
-    compute, rank, largest = _changes(
-        load,
-        rows,
-        d,
-        giver[:, None],
-        np.concatenate((moved_j, moved_j)),
-        np.concatenate((moved * sign, moved * -sign)),
-    )
-    np.copyto(compute[:n], np.inf, where=~usable)  # no such offer: the candidate is never taken
-    side = (compute, rank, largest)
-    c_gives = tuple(x[:n, :wide, None] for x in side)  # c's loss, over the first candidate axis
-    c_takes = tuple(x[:n, None, wide:] for x in side)  # c's gain back, over the second
-    k_gives = tuple(x[n:, None, wide:] for x in side)
-    k_takes = tuple(x[n:, :wide, None] for x in side)
-    worst = _times(load, rows, c, c_gives, c_takes)
-    np.maximum(worst, _times(load, rows, takers[:, None, None], k_gives, k_takes), out=worst)
+    # (2n, 2, R, 4): the giver's 4 amounts of each bucket and the receiver's 4, clipped to 1 .. held
+    amounts = sizes[_PAIR, pairs]
+    np.maximum(amounts, 1, out=amounts)
+    np.minimum(amounts, held[:, None, :, None], out=amounts)
+    # one key per offer, ordered as (bucket, amount); repeats and what the pair may not move sort last
+    amounts += np.where((held > 0) & allowed[pairs[:, 1]], search.bucket_keys, _NO_OFFER)[:, None, :, None]
+    keys = amounts.reshape(2 * n, -1)
+    keys.sort(axis=1)
+    np.copyto(keys[:, 1:], _NO_OFFER, where=keys[:, 1:] == keys[:, :-1])  # many coincide (half = one row fewer)
+    keys.sort(axis=1)
+    width = (keys < _NO_OFFER).sum(axis=1).tolist()
+    wide, back = max(width[:n]), max(width[n:])
+    # Every candidate side in one (n, wide + 1 + back) table: the columns are what c gives (lost by c, gained by
+    # the taker), nothing (key 0: an amount of 0 changes nothing), then what comes back (the other way round).
+    table = np.concatenate((keys[:n, :wide], np.zeros((n, 1), dtype=np.int64), keys[n:, :back]), axis=1)
+    absent = table >= _NO_OFFER
+    np.copyto(table, 0, where=absent)
+    moved_j, moved = np.divmod(table, _BUCKET_KEY)
+    signs = search.signs[:, :, search.most - wide : search.most + 1 + back]
+    # (2, n, columns): class c's changes, then each taker's
+    side = _changes(search, rows, d, giver.reshape(2, n, 1), moved_j, moved * signs)
+    np.copyto(side[0][0], np.inf, where=absent)  # no such offer: the candidate is never taken
+    gives, back_in = (slice(None), slice(None, wide), None), (slice(None), None, slice(wide, None))
+    c_gives, c_takes = tuple(x[0][gives] for x in side), tuple(x[0][back_in] for x in side)
+    worst = _times(search, rows, c, c_gives, c_takes, search.pipelined[c])
+    k_gives, k_takes = tuple(x[1][back_in] for x in side), tuple(x[1][gives] for x in side)
+    k_bubble = any(search.pipelined[k] for k in taker_list)
+    np.maximum(worst, _times(search, rows, takers[:, None, None], k_gives, k_takes, k_bubble), out=worst)
     out_j, in_j, in_amount = moved_j[:, :wide], moved_j[:, wide:], moved[:, wide:]
     np.copyto(worst, np.inf, where=out_j[:, :, None] == np.where(in_amount > 0, in_j, -1)[:, None, :])
     first = int(worst.argmin())
@@ -425,12 +455,16 @@ def _best_exchange(
     )
 
 
-def _exchange_search(load: LoadModel, allowed: np.ndarray, d: np.ndarray, ends: dict[bytes, np.ndarray]) -> np.ndarray:
+_PAIR = np.array([0, 1])
+"""0, 1: ``_move_sizes``' sides (an offer's giver gives, its receiver takes); a water-fill taker's x = 0, x > 0."""
+
+
+def _exchange_search(search: _Search, d: np.ndarray, ends: dict[bytes, np.ndarray]) -> np.ndarray:
     """Exchanges (:func:`_best_exchange`) from ``d`` until none improves. The search is a function of the
     totals alone, so a start that reaches totals an earlier start passed through ends where that one
     ended: ``ends`` maps every totals passed through to its end, and is added to."""
     d = d.copy()
-    rows = _Rows(load, d)
+    rows = _Rows(search, d)
     path = []
     for _ in range(_MAX_EXCHANGES):
         state = d.tobytes()
@@ -438,9 +472,9 @@ def _exchange_search(load: LoadModel, allowed: np.ndarray, d: np.ndarray, ends: 
             d = ends[state]
             break
         path.append(state)
-        times = rows.times(load)
+        times = rows.base + search.load.bubble_slots * rows.largest
         c = int(times.argmax())
-        best = _best_exchange(load, allowed, d, rows, _move_sizes(load, d), c)
+        best = _best_exchange(search, d, rows, _move_sizes(search, d), c)
         if best is None or not best[0] < times[c] * (1 - _REL_TOL):
             break
         _, k, (j, amount, back_j, back_amount) = best
@@ -448,7 +482,7 @@ def _exchange_search(load: LoadModel, allowed: np.ndarray, d: np.ndarray, ends: 
         d[k, j] += amount
         d[k, back_j] -= back_amount
         d[c, back_j] += back_amount
-        rows.update(load, d, np.array([c, k]))
+        rows.update(search, d, np.array([c, k]))
     else:
         return d  # the safety cap: not an end another start may take
     ends.update(dict.fromkeys(path, d))

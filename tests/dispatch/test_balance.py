@@ -209,7 +209,7 @@ def test_the_best_exchange_is_the_least_of_every_candidate_scored_alone(seed):
     """``_best_exchange`` scores every (taker, give, take back) candidate from one table: its answer is the least
     max(T_c', T_k') of the candidates, each re-timed alone from its totals by the load model, and no candidate
     is better (the brute force over the same offers)."""
-    from lorafleet.dispatch.balance import _best_exchange, _move_sizes, _Rows
+    from lorafleet.dispatch.balance import _best_exchange, _move_sizes, _Rows, _Search
 
     _, _, load, _ = small_load(LOBRA_7B_PLAN, n_seqs=200, n_buckets=5, seed=seed, mode=MicroBatchMode.PACKING)
     rng = np.random.default_rng(seed)
@@ -218,8 +218,9 @@ def test_the_best_exchange_is_the_least_of_every_candidate_scored_alone(seed):
         takers = np.flatnonzero(load.feasible[:, j])
         d[takers, j] = np.bincount(rng.choice(takers, int(total)), minlength=len(load.classes))[takers]
     c = int(np.argmax(load.times(d)))
-    found = _best_exchange(load, load.feasible, d, _Rows(load, d), _move_sizes(load, d), c)
-    give, take = _move_sizes(load, d)
+    search = _Search(load, load.feasible)
+    found = _best_exchange(search, d, _Rows(search, d), _move_sizes(search, d), c)
+    give, take = _move_sizes(search, d)
     best = np.inf
     for k in range(len(load.classes)):
         out = [
@@ -277,25 +278,32 @@ def test_cost_tables_of_no_bucket_are_empty_with_the_first_start():
 @pytest.mark.parametrize("seed", range(3))
 def test_rows_updated_together_are_the_rows_built_alone(seed):
     """``_Rows.update`` of several classes at once (the exchange's two, a water-fill's takers) gives, to the bit,
-    the rows built from scratch on the new totals: each row's sums and sorts run along that row alone."""
-    from lorafleet.dispatch.balance import _Rows
+    the rows built from scratch on the new totals: each row's sums and sorts run along that row alone. ``pick``
+    holds bubble_slots times the largest micro-batch time a candidate leaves alone, by the ranks of what it
+    changes; ``base + bubble_slots * largest`` is the load model's time."""
+    from lorafleet.dispatch.balance import _Rows, _Search
 
     _, _, load, fast = small_load(LOBRA_7B_PLAN, n_seqs=200, n_buckets=5, seed=seed, mode=MicroBatchMode.PACKING)
     rng = np.random.default_rng(seed)
     d = fast.counts.copy()
-    rows = _Rows(load, d)
+    search = _Search(load, load.feasible)
+    rows = _Rows(search, d)
     for _ in range(5):
         changed = rng.choice(len(load.classes), size=min(2, len(load.classes)), replace=False)
         d[changed] = np.minimum(rng.integers(0, load.counts + 1, (changed.size, load.counts.size)), load.counts)
-        rows.update(load, d, changed)
+        rows.update(search, d, changed)
+        assert np.array_equal(rows.base + load.bubble_slots * rows.largest, load.times(d))
         for i in range(len(load.classes)):  # each row alone, in one dimension
             compute, largest = load.table_cost(i, np.arange(d.shape[1]), -(-d[i] // load.n_replicas[i]))
             top = (-largest).argsort(kind="stable")[:3]
-            assert np.array_equal(rows.compute[i], compute) and np.array_equal(rows.largest[i], largest)
+            values = np.concatenate((largest[top], np.zeros(3 - top.size)))
+            assert np.array_equal(rows.compute[i], compute)
             assert rows.base[i] == load.overhead_s[i] + compute.sum()
-            assert np.array_equal(rows.top_values[i], np.concatenate((largest[top], np.zeros(3 - top.size))))
             assert np.array_equal(np.flatnonzero(rows.rank[i]), np.sort(top[:2]))
             assert [rows.rank[i, b] for b in top[:2]] == list(range(1, top[:2].size + 1))
+            for r, r_back in itertools.product(range(3), repeat=2):  # the first of the top three neither changes
+                left = next(v for v, rank in zip(values, (1, 2, 3)) if rank not in (r, r_back))
+                assert rows.pick[i, 3 * r + r_back] == load.bubble_slots[i] * left
 
 
 @pytest.mark.parametrize("seed", range(4))
