@@ -310,10 +310,14 @@ class CostModel:
         self, config: ParallelConfig, b: np.ndarray | float, s: np.ndarray | float
     ) -> np.ndarray | float:
         """Stage time τ' of one padded micro-batch of b sequences of length s, fwd+bwd, seconds (vectorised)."""
-        t = self.stage_coeffs(config)(b, s)
-        if self._has_knee(config):  # the tokens are formed only where a knee prices them (load models: every length)
-            t = t + self._excess_ms(config, np.where(np.asarray(b) > 0, np.multiply(b, s), 0))
-        return (float(t) if np.ndim(t) == 0 else t) / MS_PER_S
+        stage, knee, _ = self._pricing(config)
+        t = stage(b, s)
+        if knee is not None:  # the tokens are formed only where a knee prices them (load models: every length)
+            t = t + knee.excess_ms(stage, np.where(np.asarray(b) > 0, np.multiply(b, s), 0))
+        if np.ndim(t) == 0:
+            return float(t) / MS_PER_S
+        t /= MS_PER_S  # a new array: the stage's times (a load model's: thousands of lengths)
+        return t
 
     def packed_microbatch_time(self, config: ParallelConfig, seq_lens: Sequence[int]) -> float:
         """Stage time τ' of one packed micro-batch, fwd+bwd, seconds."""
@@ -324,11 +328,6 @@ class CostModel:
         if not mb.n_seqs:
             return 0.0
         return (self.stage_coeffs(config).shape(mb) + float(self._excess_ms(config, mb.tokens))) / MS_PER_S
-
-    def _has_knee(self, config: ParallelConfig) -> bool:
-        """Whether ``config``'s model prices a knee (:meth:`_excess_ms` is 0.0 without one)."""
-        model, layout = self.pool_model(config)
-        return layout in model.knees
 
     def _excess_ms(self, config: ParallelConfig, tokens: Sequence[int] | np.ndarray | int) -> np.ndarray | float:
         """``ρ c3 max(0, S − K)`` of micro-batches of ``tokens`` tokens past the knee, ms (0.0 without one: what
@@ -424,8 +423,20 @@ class CostModel:
         count_work("replicas_priced")
         if tasks is not None and len(tasks) != len(microbatches):
             raise ValueError(f"{len(tasks)} task sets for {len(microbatches)} micro-batches")
-        model, layout = self.pool_model(config)
-        tokens = [mb.tokens for mb in microbatches] if layout in model.knees else 0
-        times = (self.stage_coeffs(config).shapes(microbatches) + self._excess_ms(config, tokens)) / MS_PER_S
+        stage, knee, overhead = self._pricing(config)
+        times = stage.shapes(microbatches)  # a new array, the sums below in place: each time's arithmetic as written
+        times += 0.0 if knee is None else knee.excess_ms(stage, np.asarray([mb.tokens for mb in microbatches]))
+        times /= MS_PER_S
         bubble = self.bubble_slots(config, tasks, window)
-        return float(times.sum() + bubble * times.max()) + self.step_overhead(config)
+        return float(times.sum() + bubble * times.max()) + overhead
+
+    def _pricing(self, config: ParallelConfig) -> tuple[LayerTimeCoeffs, MicroBatchKnee | None, float]:
+        """What pricing a replica of ``config`` reads, in one memo entry (a replica is priced thousands of times a
+        plan): its :meth:`stage_coeffs`, its pool model's knee (None: none, :meth:`_excess_ms` is 0.0) and its
+        :meth:`step_overhead`."""
+        key = ("pricing", config)
+        pricing = self._memo.get(key)
+        if pricing is None:
+            model, layout = self.pool_model(config)
+            pricing = self._memo[key] = (self.stage_coeffs(config), model.knees.get(layout), self.step_overhead(config))
+        return pricing

@@ -104,18 +104,20 @@ def features_of(mbs: Sequence[MicroBatchShape], span: AttentionSpan | None = Non
         counts, lens = np.fromiter(map(_N_SEQS, mbs), dtype=np.int64, count=len(mbs)), None
     out = np.zeros((len(mbs), N_COEFFS))
     held = counts > 0
-    if not held.any():
+    starts = counts.cumsum() - counts
+    if not held.all():  # empty micro-batches own no lengths, so skipping them is exact
+        starts = starts[held]
+    if not starts.size:
         return out
     if lens is None:
         lens = _row_lengths(mbs, int(counts.sum()))
-    starts = (np.cumsum(counts) - counts)[held]  # empty micro-batches own no lengths, so skipping them is exact
     longest = np.maximum.reduceat(lens, starts)
     features = out if starts.size == out.shape[0] else np.empty((starts.size, N_COEFFS))
     features[:, 0] = np.add.reduceat(lens**2 if span is None else lens**2 * span.ratio(lens), starts)
     features[:, 1] = longest**2
     features[:, 2] = np.add.reduceat(lens, starts)
     features[:, 3] = longest
-    features[:, 4] = counts[held]
+    features[:, 4] = counts[held] if features is not out else counts
     features[:, 5] = 1.0
     if features is not out:
         out[held] = features
@@ -173,7 +175,12 @@ class LayerTimeCoeffs:
         s = np.asarray(s, dtype=float)
         if self.span is not None:
             c1 = c1 * self.span.ratio(s)
-        t = (c1 * b + c2) * s**2 + (c3 * b + c4) * s + (c5 * b + c6)
+        # (c1 b + c2) s^2 + (c3 b + c4) s + (c5 b + c6), summed in that order: the first product is a new array of
+        # the result's shape (of b and s together), which the others are added to in place (a thousands-long s: a
+        # load model's lengths, a replica's)
+        t = (c1 * b + c2) * s**2
+        t += (c3 * b + c4) * s
+        t += c5 * b + c6
         if b.ndim or not b > 0:  # one b > 0 for every s (a load model's rows) leaves every time as it is
             t = np.where(b > 0, t, 0.0)
         return float(t) if t.ndim == 0 else t

@@ -16,6 +16,13 @@ import numpy as np
 from lorafleet.dispatch.load import LoadModel
 from lorafleet.dispatch.sorting import lexsort_ints
 
+KEY_EXACT = 2.0**40
+"""Shares s <= S of groups g < G sort by ``g + key`` exactly while S^2 G is below this: two keys of different
+values differ by at least 1 / (2 S^2) (each is an odd integer over 2 s), far above the rounding of ``g + key``
+(G 2^-53), and each ``g + key`` stays inside (g, g + 1) (keys lie in [1 / (2 S), 1 - 1 / (2 S)])."""
+RADIX = 2**15
+"""Integers below this are sorted as int16, which numpy's stable sort orders by radix (~6x a 7,680-key timsort)."""
+
 
 def interleave(shares: np.ndarray, groups: np.ndarray | None = None) -> np.ndarray:
     """Owner of each of ``sum(shares)`` positions, owner k taking ``shares[k]`` of them spread evenly.
@@ -25,6 +32,10 @@ def interleave(shares: np.ndarray, groups: np.ndarray | None = None) -> np.ndarr
     With ``groups`` (each owner's group, the owners ordered by group), every group is interleaved
     apart, in one sort by (group, key, owner): the positions group by group, each group's in the
     order its own shares alone would give.
+
+    The owners' items are laid out owner by owner, so a stable sort's ties are already by owner: one stable
+    argsort of the keys, and with groups of ``group + key`` (keys lie in (0, 1)), which orders as (group, key)
+    while the shares are small enough (:data:`KEY_EXACT`); past that, ``np.lexsort`` of the three.
     """
     shares = np.asarray(shares, dtype=np.int64)
     owners = np.repeat(np.arange(shares.size), shares)
@@ -32,7 +43,12 @@ def interleave(shares: np.ndarray, groups: np.ndarray | None = None) -> np.ndarr
         return owners
     starts = np.repeat(np.cumsum(shares) - shares, shares)
     keys = (np.arange(owners.size) - starts + 0.5) / shares[owners]
-    return owners[np.lexsort((owners, keys) if groups is None else (owners, keys, groups[owners]))]
+    if groups is None:
+        return owners[keys.argsort(kind="stable")]
+    if float(shares.max()) ** 2 * (int(groups.max()) + 1) >= KEY_EXACT:
+        return owners[np.lexsort((owners, keys, groups[owners]))]
+    keys += groups[owners]
+    return owners[keys.argsort(kind="stable")]
 
 
 def replica_rows(load: LoadModel, i: int, totals: np.ndarray, p: int) -> np.ndarray:
@@ -45,8 +61,9 @@ def replica_rows(load: LoadModel, i: int, totals: np.ndarray, p: int) -> np.ndar
     if p == 1:
         return np.asarray(totals, dtype=np.int64).reshape(1, -1).copy()
     rows = np.zeros((p, load.boundaries.size), dtype=np.int64)
-    for j in np.argsort(-load.boundaries, kind="stable"):
-        if totals[j] == 0:
+    totals = np.asarray(totals).tolist()
+    for j in np.argsort(-load.boundaries, kind="stable").tolist():
+        if not totals[j]:
             continue
         given = np.full(p, totals[j] // p)
         if totals[j] % p:  # the loads so far (this bucket's rows not in yet) are read only to give out extra ones
@@ -83,30 +100,34 @@ def place_sequences(
     """Sequence positions held by each replica of the plan (in plan order), from class totals ``counts`` (K, R).
 
     Bucket by bucket (longest first), each sequence's class and then its replica in the class are dealt by
-    :func:`interleave`, every class's deal of a bucket in one sort (its ``groups``). Then one stable sort by
-    replica gives each replica its sequences in that order: the buckets it holds, longest first, each in dealing
-    order."""
+    :func:`interleave`: every bucket's deal to the classes in one grouped interleave (groups: the buckets), and
+    every bucket's classes' deals to their replicas in another (groups: (bucket, class)), each group in the order
+    its own deal would give. Then one stable sort by replica gives each replica its sequences in that order: the
+    buckets it holds, longest first, each in dealing order."""
     rows = np.concatenate(
         [replica_rows(load, i, counts[i], len(c.replicas)) for i, c in enumerate(load.classes)]
     )  # (every class's replicas, R): one row a replica, the classes in order
-    slot_class = np.repeat(np.arange(len(load.classes)), [len(c.replicas) for c in load.classes])
+    n_classes, n_slots = len(load.classes), rows.shape[0]
+    slot_class = np.repeat(np.arange(n_classes), [len(c.replicas) for c in load.classes])
     slot_replica = np.array([r for c in load.classes for r in c.replicas], dtype=np.int64)
     order = lexsort_ints((np.arange(bucket.size), lengths, task_ids, bucket))
     starts = np.searchsorted(bucket[order], np.arange(load.boundaries.size + 1))
-    dealt, owners = [], []
-    for j in np.argsort(-load.boundaries, kind="stable"):
-        members = order[starts[j] : starts[j + 1]]
-        if members.size == 0:
-            continue
-        owner = np.empty(members.size, dtype=np.int64)
-        # the class's sequences, in dealing order, take its replicas in its own deal's order
-        owner[np.argsort(interleave(counts[:, j]), kind="stable")] = slot_replica[interleave(rows[:, j], slot_class)]
-        dealt.append(members)
-        owners.append(owner)
-    if not dealt:
+    dealt = np.argsort(-load.boundaries, kind="stable")
+    dealt = dealt[starts[dealt + 1] > starts[dealt]]  # the buckets held, longest first
+    if dealt.size == 0:
         return [np.zeros(0, dtype=np.int64) for _ in range(n_replicas_total)]
-    owner = np.concatenate(owners)
-    by_replica = np.argsort(owner, kind="stable")
-    held = np.concatenate(dealt)[by_replica]
+    u = np.arange(dealt.size)
+    to_class = interleave(counts[:, dealt].T.ravel(), np.repeat(u, n_classes))  # u K + class, position by position
+    to_slot = interleave(rows[:, dealt].T.ravel(), (u[:, None] * n_classes + slot_class).ravel())  # u S + slot
+    owner = np.empty(to_class.size, dtype=np.int64)
+    # each (bucket, class)'s positions, in order, take its replicas in its own deal's order
+    owner[_stable_order(to_class, dealt.size * n_classes)] = slot_replica[to_slot % n_slots]
+    by_replica = _stable_order(owner, n_replicas_total)
+    held = np.concatenate([order[starts[j] : starts[j + 1]] for j in dealt.tolist()])[by_replica]
     bounds = np.searchsorted(owner[by_replica], np.arange(n_replicas_total + 1)).tolist()
     return [held[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _stable_order(values: np.ndarray, bound: int) -> np.ndarray:
+    """``values.argsort(kind="stable")`` of integers in [0, ``bound``), by radix below :data:`RADIX`."""
+    return (values.astype(np.int16) if bound <= RADIX else values).argsort(kind="stable")

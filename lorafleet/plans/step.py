@@ -66,7 +66,10 @@ class MicroBatch:
         start: int = 0,
         stop: int | None = None,
     ) -> None:
-        self._seq_ids, self._task_ids, self._lengths, self._padded_len = seq_ids, task_ids, lengths, padded_len
+        self._seq_ids = seq_ids  # one store each: a packed plan makes hundreds of thousands (no tuple to unpack)
+        self._task_ids = task_ids
+        self._lengths = lengths
+        self._padded_len = padded_len
         self._start = start
         self._stop = len(lengths) if stop is None else stop
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lorafleet.costmodel.attention_span import AttentionSpan
 from lorafleet.costmodel.time_model import (
     AffineTime,
     LaidOutShapes,
@@ -27,6 +28,22 @@ def test_t_matches_lobra_equation_and_vectorises():
     expected = (c1 * b + c2) * s**2 + (c3 * b + c4) * s + (c5 * b + c6)
     np.testing.assert_allclose(COEFFS(b, s), expected)
     assert isinstance(COEFFS(4, 2048), float) and COEFFS(4, 2048) == pytest.approx(expected[1])
+
+
+def test_t_is_its_formula_to_the_bit_over_every_shape():
+    """``t(b, s)``, its sums added in place, is ``(c1 b + c2) s^2 + (c3 b + c4) s + (c5 b + c6)`` written as one
+    expression, bit for bit: scalars, a scalar b over lengths (a load model's), b (2, 1) against lengths (the
+    packer's α, β), arrays of both, with and without sliding windows (c1 a per-length array)."""
+    rng = np.random.default_rng(5)
+    s = rng.integers(1, 9000, 300)
+    for coeffs in (COEFFS, LayerTimeCoeffs(COEFFS.c, AttentionSpan(1024, 5 / 6))):
+        for b, lengths in ((3, 700), (2, s), (np.array([[1], [2]]), s), (rng.integers(0, 9, 300), s)):
+            c1, c2, c3, c4, c5, c6 = coeffs.c
+            bf, sf = np.asarray(b, dtype=float), np.asarray(lengths, dtype=float)
+            if coeffs.span is not None:
+                c1 = c1 * coeffs.span.ratio(sf)
+            formula = np.where(bf > 0, (c1 * bf + c2) * sf**2 + (c3 * bf + c4) * sf + (c5 * bf + c6), 0.0)
+            assert np.array_equal(np.asarray(coeffs(b, lengths)), formula)
 
 
 def test_empty_fragment_is_free():
@@ -106,6 +123,7 @@ def test_features_of_many_is_each_one_alone():
         assert np.array_equal(features_of([mb])[0], row)
     coeffs = LayerTimeCoeffs((1e-3, 2e-3, 0.1, 0.2, 0.5, 3.0))
     assert np.allclose(coeffs.shapes(mbs), [coeffs.shape(mb) for mb in mbs])
+    assert features_of([]).shape == (0, 6) and not features_of([mbs[1], mbs[3]]).any()  # nothing held: zeros
 
 
 def test_features_of_packed_only_is_each_one_alone():
