@@ -332,9 +332,8 @@ class CostModel:
     def _excess_ms(self, config: ParallelConfig, tokens: Sequence[int] | np.ndarray | int) -> np.ndarray | float:
         """``ρ c3 max(0, S − K)`` of micro-batches of ``tokens`` tokens past the knee, ms (0.0 without one: what
         it is added to stays bit for bit the LobRA form's)."""
-        model, layout = self.pool_model(config)
-        knee = model.knees.get(layout)
-        return 0.0 if knee is None else knee.excess_ms(model.stage_coeffs(layout), np.asarray(tokens))
+        stage, knee, _ = self._pricing(config)
+        return 0.0 if knee is None else knee.excess_ms(stage, np.asarray(tokens))
 
     def forward_time(self, config: ParallelConfig, microbatches: Sequence[MicroBatchShape]) -> float:
         """One replica's time to run ``microbatches`` forward only (an evaluation), seconds::

@@ -14,14 +14,12 @@ from __future__ import annotations
 import numpy as np
 
 from lorafleet.dispatch.load import LoadModel
-from lorafleet.dispatch.sorting import lexsort_ints
+from lorafleet.dispatch.sorting import lexsort_ints, stable_argsort_ints
 
 KEY_EXACT = 2.0**40
 """Shares s <= S of groups g < G sort by ``g + key`` exactly while S^2 G is below this: two keys of different
 values differ by at least 1 / (2 S^2) (each is an odd integer over 2 s), far above the rounding of ``g + key``
 (G 2^-53), and each ``g + key`` stays inside (g, g + 1) (keys lie in [1 / (2 S), 1 - 1 / (2 S)])."""
-RADIX = 2**15
-"""Integers below this are sorted as int16, which numpy's stable sort orders by radix (~6x a 7,680-key timsort)."""
 
 
 def interleave(shares: np.ndarray, groups: np.ndarray | None = None) -> np.ndarray:
@@ -121,13 +119,8 @@ def place_sequences(
     to_slot = interleave(rows[:, dealt].T.ravel(), (u[:, None] * n_classes + slot_class).ravel())  # u S + slot
     owner = np.empty(to_class.size, dtype=np.int64)
     # each (bucket, class)'s positions, in order, take its replicas in its own deal's order
-    owner[_stable_order(to_class, dealt.size * n_classes)] = slot_replica[to_slot % n_slots]
-    by_replica = _stable_order(owner, n_replicas_total)
+    owner[stable_argsort_ints(to_class, dealt.size * n_classes)] = slot_replica[to_slot % n_slots]
+    by_replica = stable_argsort_ints(owner, n_replicas_total)
     held = np.concatenate([order[starts[j] : starts[j + 1]] for j in dealt.tolist()])[by_replica]
     bounds = np.searchsorted(owner[by_replica], np.arange(n_replicas_total + 1)).tolist()
     return [held[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-
-
-def _stable_order(values: np.ndarray, bound: int) -> np.ndarray:
-    """``values.argsort(kind="stable")`` of integers in [0, ``bound``), by radix below :data:`RADIX`."""
-    return (values.astype(np.int16) if bound <= RADIX else values).argsort(kind="stable")

@@ -1,5 +1,5 @@
 """``dispatch.placement``'s sorts: ``interleave``'s one stable argsort is the (group, key, owner) lexsort it is
-defined by, and the radix order of small integers is the stable argsort's."""
+defined by."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lorafleet.dispatch import placement
-from lorafleet.dispatch.placement import RADIX, _stable_order, interleave
+from lorafleet.dispatch.placement import interleave
 
 
 def by_definition(shares: np.ndarray, groups: np.ndarray | None) -> np.ndarray:
@@ -39,10 +39,3 @@ def test_interleave_falls_back_to_the_lexsort_for_large_shares():
     shares, groups = np.array([2**20, 2**20 - 1]), np.array([0, 3])
     assert float(shares.max()) ** 2 * 4 >= placement.KEY_EXACT
     assert np.array_equal(interleave(shares, groups), by_definition(shares, groups))
-
-
-def test_the_small_integer_order_is_the_stable_argsort():
-    rng = np.random.default_rng(1)
-    for bound in (1, 7, 300, RADIX, RADIX + 1, 2**40):
-        values = rng.integers(0, bound, 5000)
-        assert np.array_equal(_stable_order(values, bound), values.argsort(kind="stable"))

@@ -1,10 +1,11 @@
-"""``dispatch.sorting.lexsort_ints``: ``np.lexsort``'s order of integer keys, position for position."""
+"""``dispatch.sorting``: ``lexsort_ints`` is ``np.lexsort``'s order of integer keys, position for position, and
+the radix order of small integers (``stable_argsort_ints``) is the stable argsort's."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from lorafleet.dispatch.sorting import LIMIT, SMALL, lexsort_ints
+from lorafleet.dispatch.sorting import LIMIT, RADIX, SMALL, lexsort_ints, stable_argsort_ints
 
 
 def test_the_combined_argsort_is_lexsorts_order_on_random_integer_keys():
@@ -20,3 +21,10 @@ def test_the_combined_argsort_is_lexsorts_order_on_random_integer_keys():
     assert 2**40 * 2**40 > LIMIT and np.array_equal(lexsort_ints(wide), np.lexsort(wide))
     tied = (np.zeros(1500, dtype=np.int64), np.repeat(np.arange(5), 300)[::-1].copy())
     assert lexsort_ints(tied).tolist() == np.lexsort(tied).tolist()  # ties keep their places
+
+
+def test_the_small_integer_order_is_the_stable_argsort():
+    rng = np.random.default_rng(1)
+    for bound in (1, 7, 300, RADIX, RADIX + 1, 2**40):
+        values = rng.integers(0, bound, 5000)
+        assert np.array_equal(stable_argsort_ints(values, bound), values.argsort(kind="stable"))
