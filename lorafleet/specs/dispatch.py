@@ -34,15 +34,14 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Any
 
-from pydantic import ConfigDict
-
 from lorafleet.errors import InputError, coerce_enum_fields
 from lorafleet.specs._base import Bool, Float, Int
+from lorafleet.specs.field_docs import documented, field_help
 from lorafleet.specs.fields import flag
 from lorafleet.specs.solver import SolverName
 
 OPTIONS_SOURCE = "<dispatch options>"
-_DOCUMENTED = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+_DOCUMENTED = documented(extra="forbid")
 """How pydantic reads the policy's dataclasses: each field's doc string is its description."""
 
 
@@ -291,10 +290,7 @@ def flag_error(err: InputError, source: str = "<args>") -> InputError:
 
 
 def _walk(cls: type, attrs: tuple[str, ...], keys: tuple[str, ...]) -> Iterator[PolicyField]:
-    from lorafleet.specs.typed import adapter
-
     hints = typing.get_type_hints(cls)
-    docs = adapter(cls).json_schema()["properties"]
     defaults = cls()
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
@@ -306,7 +302,7 @@ def _walk(cls: type, attrs: tuple[str, ...], keys: tuple[str, ...]) -> Iterator[
             attrs=(*attrs, f.name),
             type=kind,
             default=getattr(defaults, f.name),
-            doc=" ".join(docs[f.name].get("description", "").split()),
+            doc=field_help(cls, f.name),
             flag=f.metadata.get("flag"),
             metavar=f.metadata.get("metavar"),
         )

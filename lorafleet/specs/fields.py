@@ -26,6 +26,7 @@ from enum import Enum
 from typing import Any
 
 from lorafleet.errors import InputError
+from lorafleet.specs.field_docs import field_help
 
 ARGS = "<args>"
 """The source an InputError about a flag names."""
@@ -157,10 +158,7 @@ def _plain(kind: Any) -> Any:
 
 
 def _walk(cls: type) -> Iterator[SettingField]:
-    from lorafleet.specs.typed import adapter
-
     hints = _hints(cls)
-    docs = adapter(cls).json_schema()["properties"]
     for f in dataclasses.fields(cls):
         kind = _plain(hints[f.name])
         if f.default is not dataclasses.MISSING:
@@ -174,7 +172,7 @@ def _walk(cls: type) -> Iterator[SettingField]:
             name=f.name,
             type=kind,
             default=default,
-            doc=" ".join(docs[f.name].get("description", "").split()),
+            doc=field_help(cls, f.name),
             flag=meta.get("flag"),
             metavar=meta.get("metavar"),
             least=meta.get("least"),
