@@ -42,7 +42,8 @@ from lorafleet.specs.solver import SolverName
 
 OPTIONS_SOURCE = "<dispatch options>"
 _DOCUMENTED = documented(extra="forbid")
-"""How pydantic reads the policy's dataclasses: each field's doc string is its description."""
+"""How pydantic reads the policy's dataclasses: no unknown keys; each field's doc string is its JSON Schema description
+(``specs.field_docs``)."""
 
 
 class DispatchMethod(StrEnum):

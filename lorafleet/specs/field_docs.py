@@ -7,12 +7,13 @@ class body documents that attribute, ``inspect.cleandoc``'d::
     \"\"\"R, the most buckets per step\"\"\"
 
 pydantic applies its rule as it creates each class (frame inspection, ``inspect.getblock``'s tokenizing and two
-``ast.parse`` a class: ~0.07 CPU s of every lorafleet process over ~25 documented classes), although only
-``lorafleet schema`` and the flags' help read the descriptions. Here a module's source is parsed once, the first
-time one of its classes' doc strings is asked for, and cached:
+``ast.parse`` a class: ~0.07 CPU s of ``lorafleet plan``'s start, whose imports create 39 documented classes),
+although only ``lorafleet schema`` and the flags' help read the descriptions. Here a module's source is parsed
+once, the first time one of its classes' doc strings is asked for, and cached:
 
 - :func:`field_doc`: the doc string of a class's field; an inherited field's is its declaring class's (the
-  nearest class of the MRO that annotates the name); :func:`field_help`, the same on one line;
+  nearest class of the MRO that annotates the name; pydantic's rule keeps it for a model, not for a dataclass);
+  :func:`field_help`, the same on one line;
 - :func:`documented`: the pydantic config of a documented model, dataclass or TypedDict: its ``json_schema_extra``
   hook, :func:`describe_fields`, writes each field's doc string as its JSON Schema ``description``, as pydantic's
   rule did (over what the field's type says of itself, such as a ``WithJsonSchema``'s description).
@@ -35,7 +36,7 @@ from pydantic import ConfigDict
 def documented(**config: Any) -> ConfigDict:
     """The pydantic config ``config`` (``extra="forbid"``, ...) of a class whose JSON Schema describes each field
     by its doc string (:func:`describe_fields`)."""
-    return ConfigDict(json_schema_extra=describe_fields, **config)  # type: ignore[typeddict-item]
+    return ConfigDict(json_schema_extra=describe_fields, **config)
 
 
 def describe_fields(schema: dict[str, Any], cls: type) -> None:
