@@ -260,13 +260,19 @@ class PolicyField:
     """Its name in a plan's policy JSON and in overrides: ``n_buckets``, ``recalibration.enabled``."""
     attrs: tuple[str, ...]
     """Its attribute path in a DispatchPolicy: ``("options", "n_buckets")``."""
+    owner: type
+    """The dataclass that declares it (``Recalibration`` for ``recalibration.enabled``)."""
     type: Any
     default: Any
-    doc: str
-    """Its doc string: the help of its flag and the description in its JSON Schema."""
     flag: str | None = None
     """The command-line flag that overrides it (None: set in a plan file only)."""
     metavar: str | None = None
+
+    @property
+    def doc(self) -> str:
+        """Its doc string, on one line: the help of its flag and the description in its JSON Schema (read from the
+        source when asked for, ``specs.field_docs``: a plan's JSON, read or written, needs none)."""
+        return field_help(self.owner, self.attrs[-1])
 
 
 @functools.cache
@@ -301,9 +307,9 @@ def _walk(cls: type, attrs: tuple[str, ...], keys: tuple[str, ...]) -> Iterator[
         yield PolicyField(
             key=".".join((*keys, f.name)),
             attrs=(*attrs, f.name),
+            owner=cls,
             type=kind,
             default=getattr(defaults, f.name),
-            doc=field_help(cls, f.name),
             flag=f.metadata.get("flag"),
             metavar=f.metadata.get("metavar"),
         )

@@ -95,7 +95,8 @@ def test_the_rule():
 
 def test_no_source_is_read_at_import():
     """Importing the plan command and every documented model reads no class's source, neither pydantic's
-    extraction nor ours (a count of calls, in a fresh process)."""
+    extraction nor ours, and nor does a plan's policy written and read back (a count of calls, in a fresh
+    process)."""
     code = textwrap.dedent(
         """
         import sys
@@ -106,6 +107,8 @@ def test_no_source_is_read_at_import():
         sys.setprofile(count)
         import lorafleet.commands.plan, lorafleet.plans, lorafleet.specs.workload, lorafleet.train.run_file
         import lorafleet.train.queue.ledger, lorafleet.train.queue.pending, lorafleet.train.change_log
+        from lorafleet.specs.dispatch import DispatchPolicy
+        DispatchPolicy.from_json(DispatchPolicy().to_json(), "<plan>")
         sys.setprofile(None)
         print(len(calls))
         """
