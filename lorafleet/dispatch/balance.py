@@ -106,25 +106,103 @@ def _water_fill(search: _Search, start: np.ndarray) -> np.ndarray:
         if total == 0:
             continue
         takers = allowed[:, j].nonzero()[0]
-        # the running max makes each row monotone even for cost models with a negative coefficient
-        curve = np.maximum.accumulate(_fill_times(search, rows, d, takers, j, total), axis=1)
-        # The least level tau at which the takers hold them all: taker t holds the x >= 1 more with
-        # curve[t, x] <= tau (its row is monotone), so tau is the total-th smallest of curve[:, 1:].
-        more = curve[:, 1:]
-        tau = more.flatten()  # a copy, partitioned in place (array methods: no numpy wrapper a bucket)
-        tau.partition(total - 1)
-        take = (more <= tau[total - 1]).sum(axis=1)
-        surplus = int(take.sum()) - total
-        if surplus:  # ties at tau: the takers whose curve is highest there give theirs back first
-            for t in (-curve[np.arange(takers.size), take]).argsort(kind="stable"):
-                cut = min(surplus, int(take[t]))
-                take[t] -= cut
-                surplus -= cut
-                if not surplus:
-                    break
+        if takers.size == 1:  # alone, it holds them all (its curve's total-th value is its largest)
+            d[takers, j] += total
+            rows.update(search, d, takers)
+            continue
+        take = _fill_takes(search, rows, d, takers, j, total)
         d[takers, j] += take
         rows.update(search, d, takers[take > 0])
     return d
+
+
+def _fill_takes(search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray, j: int, total: int) -> np.ndarray:
+    """(takers,) how many more of bucket j each taker holds when they take ``total`` at the least level: with
+    T_t(x) taker t's time holding x more (:func:`_fill_times`) and curve_t(x) = max_{y <= x} T_t(y) (the running
+    max makes a curve monotone even for cost models with a negative coefficient), the level tau is the total-th
+    smallest of all curve_t(x), x = 1..total, and taker t holds the x >= 1 with curve_t(x) <= tau; on ties at tau,
+    the takers whose curve is highest there give theirs back first. A large bucket ranks only the start of each
+    curve (:func:`_capped_curves`)."""
+    if total < _GUESS_FROM:  # whole curves, one row a taker
+        curve = _fill_times(search, rows, d, takers, j, np.arange(takers.size)[:, None], np.arange(total + 1))
+        np.maximum.accumulate(curve, axis=1, out=curve)
+        tau = curve[:, 1:].flatten()  # a copy, partitioned in place (array methods: no numpy wrapper a bucket)
+        tau.partition(total - 1)
+        take = (curve[:, 1:] <= tau[total - 1]).sum(axis=1)
+        held = curve[np.arange(takers.size), take]  # each curve at its take
+    else:
+        curve, first, level = _capped_curves(search, rows, d, takers, j, total)
+        below = curve <= level
+        below[first] = False  # x = 0
+        take = np.add.reduceat(below, first, dtype=np.int64)
+        held = curve.take(first + take)
+    surplus = int(take.sum()) - total
+    if surplus:
+        for t in (-held).argsort(kind="stable"):
+            cut = min(surplus, int(take[t]))
+            take[t] -= cut
+            surplus -= cut
+            if not surplus:
+                break
+    return take
+
+
+def _capped_curves(
+    search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray, j: int, total: int
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """The takers' curves (:func:`_fill_takes`) at x = 0..cap_t + 1 (at most 0..total), one segment a taker from
+    ``first``, and the level tau.
+
+    Only x = 1..cap_t are ranked (cap_t: :func:`_fill_caps`' guess); curve_t(cap_t + 1) is a probe. The
+    total-th smallest tau' of the ranked values is tau when every probe lies above tau': the curves are
+    monotone, so no value left out lies at or below tau', and tau' >= tau (fewer values ranked); the takes
+    counted within the segments are then those of the whole curves too. Takers whose probe does not lie above
+    tau' have their cap raised, and all are formed again.
+    """
+    cap = _fill_caps(search, rows, takers, j, total)
+    while True:
+        width = np.minimum(cap + 1, total) + 1
+        first = np.cumsum(width) - width
+        segment = np.repeat(np.arange(takers.size), width)
+        curve = _fill_times(search, rows, d, takers, j, segment, np.arange(segment.size) - first.take(segment))
+        for at, size in zip(first.tolist(), width.tolist()):
+            np.maximum.accumulate(curve[at : at + size], out=curve[at : at + size])
+        probe, short = first + width - 1, cap < total
+        ranked = np.ones(curve.size, dtype=bool)
+        ranked[first] = False
+        ranked[probe[short]] = False
+        tau = curve[ranked]  # a copy, partitioned in place
+        if tau.size >= total:
+            tau.partition(total - 1)
+            low = short & (curve.take(probe) <= tau[total - 1])
+            if not low.any():
+                return curve, first, tau[total - 1]
+        else:
+            low = short
+        cap = np.where(low, np.minimum(2 * cap + _CAP_STEP, total), cap)
+
+
+_CAP_STEP = 8
+"""A water-fill taker's cap is its guessed share times 1.5 plus this; a cap too low becomes twice itself plus this."""
+_GUESS_FROM = 64
+"""Water-filling a bucket of fewer sequences ranks every taker's whole curve (a guess would cost more than it saves)."""
+
+
+def _fill_caps(search: _Search, rows: _Rows, takers: np.ndarray, j: int, total: int) -> np.ndarray:
+    """(takers,) how many more of bucket j each taker may take, guessed (only the time it takes hangs on it):
+    1.5 times its share of ``total`` when all fill to one level lambda on the LP's rates a_tj from their times now
+    T_t, sum_t max(0, lambda - T_t) / a_tj = total, plus :data:`_CAP_STEP`; ``total`` where a rate is not
+    positive."""
+    rate = search.rate[takers, j]
+    if not np.all(np.isfinite(rate) & (rate > 0)):
+        return np.full(takers.size, total)
+    now = rows.base[takers] + search.load.bubble_slots[takers] * rows.largest[takers]
+    order = now.argsort()
+    low, speed = now[order], 1 / rate[order]
+    level = (total + np.cumsum(low * speed)) / np.cumsum(speed)  # the level when the k + 1 lowest take all
+    reached = np.flatnonzero(level[:-1] <= low[1:])  # the next one's time is not reached
+    share = np.maximum(level[reached[0] if reached.size else -1] - now, 0.0) / rate
+    return np.minimum(np.ceil(1.5 * share).astype(np.int64) + _CAP_STEP, total)
 
 
 def _whole_buckets(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
@@ -171,9 +249,13 @@ def fluid_bound(load: LoadModel) -> float:
 
 def _fluid_lp(load: LoadModel, allowed: np.ndarray) -> tuple[float, np.ndarray] | None:
     """The LP relaxation (see module docstring): its tau and x_ij (K, R); None on numerical trouble."""
-    p = load.n_replicas[:, None]
-    rate = (load.per_seq_s + load.per_microbatch_s / np.maximum(load.microbatch_rows, 1)) / p
-    return _min_max_lp(load, allowed, rate, load.overhead_s)
+    return _min_max_lp(load, allowed, _lp_rates(load), load.overhead_s)
+
+
+def _lp_rates(load: LoadModel) -> np.ndarray:
+    """(K, R) a_ij = (alpha_ij + beta_ij / b_ij) / p_i: a sequence of bucket j on class i, amortised over its
+    micro-batch and the class's replicas (see module docstring)."""
+    return (load.per_seq_s + load.per_microbatch_s / np.maximum(load.microbatch_rows, 1)) / load.n_replicas[:, None]
 
 
 def _min_max_lp(
@@ -233,7 +315,8 @@ class _Search:
     position of each (class, bucket) in the cost tables; the largest micro-batch table times the class's
     ``bubble_slots`` (s max(x, y) = max(s x, s y) exactly for s >= 0: rounding is monotone, so the bubble
     is the largest of scaled times); which classes have a bubble; the (giver, receiver) pairs of an exchange
-    where every other class may take; :func:`_move_sizes`' buffer and :func:`_best_exchange`'s signs."""
+    where every other class may take; :func:`_move_sizes`' buffer and :func:`_best_exchange`'s signs; the LP's
+    rates (:func:`_fill_caps` guesses from them)."""
 
     def __init__(self, load: LoadModel, allowed: np.ndarray) -> None:
         n_classes, n_buckets = allowed.shape
@@ -254,6 +337,7 @@ class _Search:
         self.most = 8 * n_buckets
         self.signs = np.repeat(np.array([[[-1, 0, 1]], [[1, 0, -1]]]), [self.most, 1, self.most], axis=2)
         self.bucket_keys = np.arange(n_buckets) * _BUCKET_KEY
+        self.rate = _lp_rates(load)
         self.pipelined = (load.bubble_slots > 0).tolist()
         self.pairs_all = [_pairs(c, [k for k in range(n_classes) if k != c]) for c in range(n_classes)]
 
@@ -301,22 +385,26 @@ def _changes(
     )
 
 
-def _fill_times(search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray, j: int, total: int) -> np.ndarray:
-    """(takers, total + 1): each taker's time holding x = 0..total more of bucket j, no other bucket changing
-    (:func:`_times` of that one change, elementwise alike): base + (the bucket's compute time then - now),
-    plus bubble_slots * the largest of 0, the bucket's new largest micro-batch time and that of the buckets
-    it leaves alone (``rows.pick`` at its rank; at x = 0, at rank 0, all of them and no new one)."""
-    i = takers[:, None]
-    at = i * search.n_buckets + j
-    table = search.table_at.take(at) - (-(d.take(at) + np.arange(total + 1)) // search.replicas.take(i))
-    times = rows.base.take(i) + (search.compute_table.take(table) - rows.compute.take(at))
+def _fill_times(
+    search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray, j: int, segment: np.ndarray, x: np.ndarray
+) -> np.ndarray:
+    """Taker ``takers[segment]``'s time holding ``x`` more of bucket j, no other bucket changing, elementwise over
+    the broadcast shapes of ``segment`` and ``x`` (:func:`_times` of that one change, elementwise alike): base +
+    (the bucket's compute time then - now), plus bubble_slots * the largest of 0, the bucket's new largest
+    micro-batch time and that of the buckets it leaves alone (``rows.pick`` at its rank). At x = 0 that is the
+    class's time now: the bucket's micro-batch time is its current one, and with those it leaves alone it makes
+    the largest of all of them."""
+    at = takers * search.n_buckets + j
+    held = d.take(at).take(segment) + x
+    table = search.table_at.take(at).take(segment) - (-held // search.replicas.take(takers).take(segment))
+    times = rows.base.take(takers).take(segment) + (
+        search.compute_table.take(table) - rows.compute.take(at).take(segment)
+    )
     if not any(search.pipelined[k] for k in takers.tolist()):
         return times
-    picks = rows.pick[i, rows.rank.take(at) * _PAIR]  # (takers, 2): at 3 * 0 + 0 (x = 0), 3 * 0 + rank (x > 0)
-    np.maximum(picks, 0.0, out=picks)
-    largest = np.maximum(search.bubble_table.take(table), picks[:, 1:])
-    largest[:, 0] = picks[:, 0]
-    times += largest
+    left = rows.pick.take(takers * _PICKS + rows.rank.take(at))  # at 3 * 0 + rank
+    np.maximum(left, 0.0, out=left)
+    times += np.maximum(search.bubble_table.take(table), left.take(segment))
     return times
 
 
