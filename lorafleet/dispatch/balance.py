@@ -122,16 +122,17 @@ def _fill_takes(search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray,
     max makes a curve monotone even for cost models with a negative coefficient), the level tau is the total-th
     smallest of all curve_t(x), x = 1..total, and taker t holds the x >= 1 with curve_t(x) <= tau; on ties at tau,
     the takers whose curve is highest there give theirs back first. A large bucket ranks only the start of each
-    curve (:func:`_capped_curves`)."""
-    if total < _GUESS_FROM:  # whole curves, one row a taker
-        curve = _fill_times(search, rows, d, takers, j, np.arange(takers.size)[:, None], np.arange(total + 1))
+    curve (:func:`_capped_curves`): takers x sequences from :data:`_GUESS_FROM`."""
+    bubble = any(search.pipelined[k] for k in takers.tolist())
+    if takers.size * total < _GUESS_FROM:  # whole curves, one row a taker
+        curve = _fill_times(search, rows, d, takers[:, None], j, np.arange(total + 1), bubble)
         np.maximum.accumulate(curve, axis=1, out=curve)
         tau = curve[:, 1:].flatten()  # a copy, partitioned in place (array methods: no numpy wrapper a bucket)
         tau.partition(total - 1)
         take = (curve[:, 1:] <= tau[total - 1]).sum(axis=1)
         held = curve[np.arange(takers.size), take]  # each curve at its take
     else:
-        curve, first, level = _capped_curves(search, rows, d, takers, j, total)
+        curve, first, level = _capped_curves(search, rows, d, takers, j, total, bubble)
         below = curve <= level
         below[first] = False  # x = 0
         take = np.add.reduceat(below, first, dtype=np.int64)
@@ -148,10 +149,10 @@ def _fill_takes(search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray,
 
 
 def _capped_curves(
-    search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray, j: int, total: int
+    search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray, j: int, total: int, bubble: bool
 ) -> tuple[np.ndarray, np.ndarray, float]:
     """The takers' curves (:func:`_fill_takes`) at x = 0..cap_t + 1 (at most 0..total), one segment a taker from
-    ``first``, and the level tau.
+    ``first``, and the level tau (``bubble``: as :func:`_fill_times`').
 
     Only x = 1..cap_t are ranked (cap_t: :func:`_fill_caps`' guess); curve_t(cap_t + 1) is a probe. The
     total-th smallest tau' of the ranked values is tau when every probe lies above tau': the curves are
@@ -164,7 +165,8 @@ def _capped_curves(
         width = np.minimum(cap + 1, total) + 1
         first = np.cumsum(width) - width
         segment = np.repeat(np.arange(takers.size), width)
-        curve = _fill_times(search, rows, d, takers, j, segment, np.arange(segment.size) - first.take(segment))
+        x = np.arange(segment.size) - first.take(segment)
+        curve = _fill_times(search, rows, d, takers.take(segment), j, x, bubble)
         for at, size in zip(first.tolist(), width.tolist()):
             np.maximum.accumulate(curve[at : at + size], out=curve[at : at + size])
         probe, short = first + width - 1, cap < total
@@ -184,8 +186,9 @@ def _capped_curves(
 
 _CAP_STEP = 8
 """A water-fill taker's cap is its guessed share times 1.5 plus this; a cap too low becomes twice itself plus this."""
-_GUESS_FROM = 64
-"""Water-filling a bucket of fewer sequences ranks every taker's whole curve (a guess would cost more than it saves)."""
+_GUESS_FROM = 2048
+"""Water-filling ranks every taker's whole curve where takers x sequences is below this (there a guess costs
+more calls than it saves arithmetic)."""
 
 
 def _fill_caps(search: _Search, rows: _Rows, takers: np.ndarray, j: int, total: int) -> np.ndarray:
@@ -386,25 +389,22 @@ def _changes(
 
 
 def _fill_times(
-    search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray, j: int, segment: np.ndarray, x: np.ndarray
+    search: _Search, rows: _Rows, d: np.ndarray, who: np.ndarray, j: int, x: np.ndarray, bubble: bool
 ) -> np.ndarray:
-    """Taker ``takers[segment]``'s time holding ``x`` more of bucket j, no other bucket changing, elementwise over
-    the broadcast shapes of ``segment`` and ``x`` (:func:`_times` of that one change, elementwise alike): base +
-    (the bucket's compute time then - now), plus bubble_slots * the largest of 0, the bucket's new largest
-    micro-batch time and that of the buckets it leaves alone (``rows.pick`` at its rank). At x = 0 that is the
-    class's time now: the bucket's micro-batch time is its current one, and with those it leaves alone it makes
-    the largest of all of them."""
-    at = takers * search.n_buckets + j
-    held = d.take(at).take(segment) + x
-    table = search.table_at.take(at).take(segment) - (-held // search.replicas.take(takers).take(segment))
-    times = rows.base.take(takers).take(segment) + (
-        search.compute_table.take(table) - rows.compute.take(at).take(segment)
-    )
-    if not any(search.pipelined[k] for k in takers.tolist()):
+    """Class ``who``'s time holding ``x`` more of bucket j, no other bucket changing, elementwise over their
+    broadcast shapes (:func:`_times` of that one change, elementwise alike): base + (the bucket's compute time
+    then - now), plus bubble_slots * the largest of 0, the bucket's new largest micro-batch time and that of the
+    buckets it leaves alone (``rows.pick`` at its rank). At x = 0 that is the class's time now: the bucket's
+    micro-batch time is its current one, and with those it leaves alone it makes the largest of all of them.
+    ``bubble``: whether some class of ``who`` has a bubble (else it is 0 and not formed)."""
+    at = who * search.n_buckets + j
+    table = search.table_at.take(at) - (-(d.take(at) + x) // search.replicas.take(who))
+    times = rows.base.take(who) + (search.compute_table.take(table) - rows.compute.take(at))
+    if not bubble:
         return times
-    left = rows.pick.take(takers * _PICKS + rows.rank.take(at))  # at 3 * 0 + rank
+    left = rows.pick.take(who * _PICKS + rows.rank.take(at))  # at 3 * 0 + rank
     np.maximum(left, 0.0, out=left)
-    times += np.maximum(search.bubble_table.take(table), left.take(segment))
+    times += np.maximum(search.bubble_table.take(table), left)
     return times
 
 

@@ -364,10 +364,11 @@ def test_a_large_bucket_takes_what_the_whole_curves_give(seed, monkeypatch):
         d[:, :j] = balance._water_fill(search, d)[:, :j]  # the buckets before it placed, a random part of it too
         d[takers, j] = rng.integers(0, count // (2 * takers.size) + 1, takers.size)
         total = count - int(d[:, j].sum())
-        if takers.size < 2 or total < balance._GUESS_FROM:
+        if takers.size < 2 or takers.size * total < balance._GUESS_FROM:
             continue
         rows = balance._Rows(search, d)
-        curve = balance._fill_times(search, rows, d, takers, j, np.arange(takers.size)[:, None], np.arange(total + 1))
+        bubble = bool(np.any(load.bubble_slots[takers] > 0))
+        curve = balance._fill_times(search, rows, d, takers[:, None], j, np.arange(total + 1), bubble)
         for t, x in itertools.product(range(takers.size), (0, 1, total // 2, total)):
             more = d.copy()
             more[takers[t], j] += x
