@@ -318,8 +318,8 @@ class _Search:
     position of each (class, bucket) in the cost tables; the largest micro-batch table times the class's
     ``bubble_slots`` (s max(x, y) = max(s x, s y) exactly for s >= 0: rounding is monotone, so the bubble
     is the largest of scaled times); which classes have a bubble; the (giver, receiver) pairs of an exchange
-    where every other class may take; :func:`_move_sizes`' buffer and :func:`_best_exchange`'s signs; the LP's
-    rates (:func:`_fill_caps` guesses from them)."""
+    where every other class may take (formed at a giver's first such exchange); :func:`_move_sizes`' buffer
+    and :func:`_best_exchange`'s signs; the LP's rates (:func:`_fill_caps` guesses from them)."""
 
     def __init__(self, load: LoadModel, allowed: np.ndarray) -> None:
         n_classes, n_buckets = allowed.shape
@@ -342,7 +342,7 @@ class _Search:
         self.bucket_keys = np.arange(n_buckets) * _BUCKET_KEY
         self.rate = _lp_rates(load)
         self.pipelined = (load.bubble_slots > 0).tolist()
-        self.pairs_all = [_pairs(c, [k for k in range(n_classes) if k != c]) for c in range(n_classes)]
+        self.pairs_all: dict[int, np.ndarray] = {}  # by c, formed when c first gives to all others
 
 
 def _pairs(c: int, takers: list[int]) -> np.ndarray:
@@ -498,7 +498,9 @@ def _best_exchange(
     n, taker_list = takers.size, takers.tolist()
     # Both sides' offers in one pass: rows 0..n-1 what c gives each taker, rows n.. what each taker gives back
     # (the giver's sizes and holdings, the receiver's sizes and whether it may hold the bucket).
-    pairs = search.pairs_all[c] if n == d.shape[0] - 1 else _pairs(c, taker_list)
+    pairs = search.pairs_all.get(c) if n == d.shape[0] - 1 else _pairs(c, taker_list)
+    if pairs is None:
+        pairs = search.pairs_all[c] = _pairs(c, taker_list)
     giver = pairs[:, 0]
     held = d[giver]
     # (2n, 2, R, 4): the giver's 4 amounts of each bucket and the receiver's 4, clipped to 1 .. held
