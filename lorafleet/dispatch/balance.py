@@ -100,6 +100,7 @@ def _water_fill(search: _Search, start: np.ndarray) -> np.ndarray:
     load, allowed = search.load, search.allowed
     d = start.copy()
     rows = _Rows(search, d)
+    stale: set[int] = set()  # classes whose rows are behind their totals: renewed when they next take with others
     missing = (load.counts - d.sum(axis=0)).tolist()  # a bucket's column changes only at its own turn
     for j in (-load.boundaries).argsort(kind="stable").tolist():
         total = missing[j]
@@ -108,11 +109,15 @@ def _water_fill(search: _Search, start: np.ndarray) -> np.ndarray:
         takers = allowed[:, j].nonzero()[0]
         if takers.size == 1:  # alone, it holds them all (its curve's total-th value is its largest)
             d[takers, j] += total
-            rows.update(search, d, takers)
+            stale.add(int(takers[0]))
             continue
+        renew = [t for t in takers.tolist() if t in stale]
+        if renew:
+            rows.update(search, d, np.array(renew))
+            stale.difference_update(renew)
         take = _fill_takes(search, rows, d, takers, j, total)
         d[takers, j] += take
-        rows.update(search, d, takers[take > 0])
+        stale.update(takers[take > 0].tolist())
     return d
 
 
@@ -130,16 +135,16 @@ def _fill_takes(search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray,
         tau = curve[:, 1:].flatten()  # a copy, partitioned in place (array methods: no numpy wrapper a bucket)
         tau.partition(total - 1)
         take = (curve[:, 1:] <= tau[total - 1]).sum(axis=1)
-        held = curve[np.arange(takers.size), take]  # each curve at its take
+        at_take = curve[np.arange(takers.size), take]  # each curve at its take
     else:
         curve, first, level = _capped_curves(search, rows, d, takers, j, total, bubble)
         below = curve <= level
         below[first] = False  # x = 0
         take = np.add.reduceat(below, first, dtype=np.int64)
-        held = curve.take(first + take)
+        at_take = curve.take(first + take)
     surplus = int(take.sum()) - total
     if surplus:
-        for t in (-held).argsort(kind="stable"):
+        for t in (-at_take).argsort(kind="stable"):
             cut = min(surplus, int(take[t]))
             take[t] -= cut
             surplus -= cut
