@@ -39,6 +39,7 @@ bucket restricted to its tightest classes: the least M >= s_j.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -344,7 +345,7 @@ class _Search:
         # 8 amounts a bucket) and gains what comes back, the taker the other way round
         self.most = 8 * n_buckets
         self.signs = np.repeat(np.array([[[-1, 0, 1]], [[1, 0, -1]]]), [self.most, 1, self.most], axis=2)
-        self.bucket_keys = np.arange(n_buckets) * _BUCKET_KEY
+        self.offer_keys = np.where(allowed, np.arange(n_buckets) * _BUCKET_KEY, _NO_OFFER)  # a receiver's keys
         self.rate = _lp_rates(load)
         self.pipelined = (load.bubble_slots > 0).tolist()
         self.pairs_all: dict[int, np.ndarray] = {}  # by c, formed when c first gives to all others
@@ -417,8 +418,8 @@ def _times(
     search: _Search,
     rows: _Rows,
     i: np.ndarray | int,
-    first: tuple[np.ndarray, np.ndarray, np.ndarray],
-    second: tuple[np.ndarray, np.ndarray, np.ndarray],
+    first: Sequence[np.ndarray],
+    second: Sequence[np.ndarray],
     bubble: bool,
 ) -> np.ndarray:
     """Class ``i``'s times after two changes of different buckets (:func:`_changes`, broadcast against each
@@ -513,12 +514,12 @@ def _best_exchange(
     np.maximum(amounts, 1, out=amounts)
     np.minimum(amounts, held[:, None, :, None], out=amounts)
     # one key per offer, ordered as (bucket, amount); repeats and what the pair may not move sort last
-    amounts += np.where((held > 0) & allowed[pairs[:, 1]], search.bucket_keys, _NO_OFFER)[:, None, :, None]
+    amounts += np.where(held > 0, search.offer_keys[pairs[:, 1]], _NO_OFFER)[:, None, :, None]
     keys = amounts.reshape(2 * n, -1)
     keys.sort(axis=1)
     np.copyto(keys[:, 1:], _NO_OFFER, where=keys[:, 1:] == keys[:, :-1])  # many coincide (half = one row fewer)
     keys.sort(axis=1)
-    width = (keys < _NO_OFFER).sum(axis=1).tolist()
+    width = np.add.reduce(keys < _NO_OFFER, axis=1).tolist()
     wide, back = max(width[:n]), max(width[n:])
     # Every candidate side in one (n, wide + 1 + back) table: the columns are what c gives (lost by c, gained by
     # the taker), nothing (key 0: an amount of 0 changes nothing), then what comes back (the other way round).
@@ -531,9 +532,10 @@ def _best_exchange(
     side = _changes(search, rows, d, giver.reshape(2, n, 1), moved_j, moved * signs)
     np.copyto(side[0][0], np.inf, where=absent)  # no such offer: the candidate is never taken
     gives, back_in = (slice(None), slice(None, wide), None), (slice(None), None, slice(wide, None))
-    c_gives, c_takes = tuple(x[0][gives] for x in side), tuple(x[0][back_in] for x in side)
+    c_side, k_side = [x[0] for x in side], [x[1] for x in side]
+    c_gives, c_takes = [x[gives] for x in c_side], [x[back_in] for x in c_side]
     worst = _times(search, rows, c, c_gives, c_takes, search.pipelined[c])
-    k_gives, k_takes = tuple(x[1][back_in] for x in side), tuple(x[1][gives] for x in side)
+    k_gives, k_takes = [x[back_in] for x in k_side], [x[gives] for x in k_side]
     k_bubble = any(search.pipelined[k] for k in taker_list)
     np.maximum(worst, _times(search, rows, takers[:, None, None], k_gives, k_takes, k_bubble), out=worst)
     out_j, in_j, in_amount = moved_j[:, :wide], moved_j[:, wide:], moved[:, wide:]
