@@ -211,7 +211,7 @@ def _fill_caps(search: _Search, rows: _Rows, takers: np.ndarray, j: int, total: 
     level = (total + np.cumsum(low * speed)) / np.cumsum(speed)  # the level when the k + 1 lowest take all
     reached = np.flatnonzero(level[:-1] <= low[1:])  # the next one's time is not reached
     share = np.maximum(level[reached[0] if reached.size else -1] - now, 0.0) / rate
-    return np.minimum(np.ceil(1.5 * share).astype(np.int64) + _CAP_STEP, total)
+    return np.minimum(np.ceil(1.5 * share) + _CAP_STEP, total).astype(np.int64)  # capped as floats: no overflow
 
 
 def _whole_buckets(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
