@@ -1,7 +1,7 @@
 """LobRA's own deployment planner against ``lorafleet plan``, side by side on this machine, in one script.
 
     .venv/bin/python benchmarks/bench_lobra_planner.py --hetu /tmp/peer/examples/lobra \\
-        --python /tmp/peer/venv/bin/python [--rounds 3] [--with-buckets]
+        --python /tmp/peer/venv/bin/python [--rounds 3] [--sides lobra lobra+tp4] [--with-buckets] [--as-shipped]
 
 Both sides plan LobRA's 7B experiment (6 tasks: dolly, Evol-Instruct, XSum, CommitPackFT, MeetingBank,
 python_code; Llama2-7B on 16 x A100-40GB), each in a fresh process, the sides taking turns round by round
@@ -460,6 +460,19 @@ def report(runs: dict, sides: list[str], env: dict[str, str]) -> None:
     print(f"load (1, 5, 15 min) after each run: {'; '.join(runs['load'])}")
 
 
+def input_problem(args: argparse.Namespace, hetu: Path) -> str | None:
+    """One line naming the argument that is wrong, or None."""
+    if not (hetu / "trainer" / "planner.py").is_file():
+        return f"--hetu {args.hetu}: no trainer/planner.py (extract PKU-DAIR/Hetu's examples/lobra there)"
+    if not list((hetu / "trainer" / "utils").glob("dp_bucket*.so")):
+        return f"--hetu {args.hetu}: LobRA's Cython modules are not built (setup.py build_ext --inplace there)"
+    if not args.python:
+        return "--python: give the interpreter of LobRA's venv (see this script's docstring)"
+    if args.rounds < 1:
+        return f"--rounds {args.rounds}: at least 1"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hetu", type=Path, required=True, help="an extracted examples/lobra of PKU-DAIR/Hetu, built")
@@ -482,14 +495,10 @@ def main() -> None:
     if args.lobra_side:
         lobra_side(hetu, args.lobra_side, args.out)
         return
-    if not (hetu / "trainer" / "planner.py").is_file():
-        sys.exit(f"--hetu {args.hetu}: no trainer/planner.py (extract PKU-DAIR/Hetu's examples/lobra there)")
-    if not (hetu / "trainer" / "utils" / "dp_bucket.pyx").is_file():
-        sys.exit(f"--hetu {args.hetu}: no trainer/utils/dp_bucket.pyx")
-    if not args.python:
-        sys.exit("--python: give the interpreter of LobRA's venv (see this script's docstring)")
-    if args.rounds < 1:
-        sys.exit(f"--rounds {args.rounds}: at least 1")
+    problem = input_problem(args, hetu)
+    if problem:
+        print(problem, file=sys.stderr)
+        sys.exit(2)
     sys.path.insert(0, str(REPO / "benchmarks"))
     from bench_planner import cached_bytecode_env
 
