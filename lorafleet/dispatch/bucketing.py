@@ -28,6 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+BAND_GATHER = 2
+"""A block of the DP reads each row's band of k by a gather only where one row of k for all would be more than this
+times as wide: a gathered entry costs about twice a broadcast one (a few wide segments: LobRA 7B's, ~150 candidates
+in 2-4 segments, read one row; a service-scale step's ~390 candidates in 13-15 segments, the bands)."""
 _ROW_BLOCK = 256
 """Rows i of the DP evaluated at once: bounds the temporary (block x band) matrix for large U, and a block reads k
 up to its own last i, so one barrier segment of U candidates reads ~5/8 of the U x U square in two blocks, not all
@@ -153,11 +157,13 @@ def _occupied_tokens_dp(
     u_i * W_i - u_i * W_k; the first term is outside the min, the second is built per block
     of rows i, over the band of k a bucket ending at u[i - 1] may start at: k from the first
     candidate of u[i - 1]'s barrier segment, ``first(i)``, to i - 1. Row i reads
-    k = first(i) + t for t < the block's widest band, and t past i - 1 is masked (inf); a block
-    of one segment reads one row of k for all. Within a row the k ascend, so the first least
-    entry is the one a row over every k (the others inf) gives: the same argmin, the same sums
-    (the band is the segments' width, not U: ~0.3 of the entries at service scale, 13-15
-    barriers). A state no bucketing reaches (F = inf) keeps an argmin no backtrack reads.
+    k = first(i) + t for t < the block's widest band (a gather), or, where the block's k from its
+    least first(i) to its last i - 1 are at most :data:`BAND_GATHER` times as many, that one
+    row of k for all (a slice); either way a k outside [first(i), i) is masked (inf). Within a
+    row the k ascend, so the first least entry is the one a row over every k (the others inf)
+    gives: the same argmin, the same sums (a band is its segment's width, not U: ~0.3 of the
+    entries at service scale, 13-15 barriers). A state no bucketing reaches (F = inf) keeps an
+    argmin no backtrack reads.
     """
     n = u.size
     cum = np.concatenate(([0.0], np.cumsum(w)))  # W_0..W_U
@@ -170,20 +176,23 @@ def _occupied_tokens_dp(
         hi = min(lo + _ROW_BLOCK, n + 1)
         rows = np.arange(lo, hi)
         first = seg_first[rows]
-        # (block, t): k = first(i) + t, one row of k when the block is one segment (then broadcast)
-        starts = first[:1, None] if first[0] == first[-1] else first[:, None]
-        ks = starts + np.arange(int((rows - first).max()))
+        # (block, t): k = first(i) + t over each row's band; or one row of k from the block's least first(i) to its
+        # last i - 1, read as a slice, where that is at most BAND_GATHER times as wide (a gather costs that much more)
+        band, across = int((rows - first).max()), int(rows[-1] - first[0])
+        one_row = across <= BAND_GATHER * band
+        ks = first[0] + np.arange(across)[None, :] if one_row else first[:, None] + np.arange(band)
         # bucket (k, i] holds u[k..i-1], in u[i - 1]'s segment from first(i) on; k < i
-        valid = ks < rows[:, None]
+        valid = (ks >= first[:, None]) & (ks < rows[:, None])
         ks = np.minimum(ks, n)  # the masked ones read anything in range
         minus_uw = np.where(valid, -u[rows - 1][:, None] * cum[ks], np.inf)
         uw_i = u[rows - 1] * cum[rows]
         every = np.arange(rows.size)
         for j in range(1, n_buckets + 1):
-            total = occupied[j - 1, ks] + minus_uw
+            before = occupied[j - 1, None, first[0] : first[0] + across] if one_row else occupied[j - 1, ks]
+            total = before + minus_uw
             best = np.argmin(total, axis=1)
             occupied[j, rows] = total[every, best] + uw_i
-            choice[j, rows] = ks[every % ks.shape[0], best]
+            choice[j, rows] = first[0] + best if one_row else ks[every, best]
     return occupied, choice
 
 

@@ -139,15 +139,18 @@ def first_least_dp(u: np.ndarray, w: np.ndarray, segment: np.ndarray, n_buckets:
     n_buckets=st.integers(1, 6),
     barriers=st.lists(st.integers(1, 60), max_size=6),
     block=st.sampled_from([3, 7, 512]),
+    gather=st.sampled_from([0, 2, 10**6]),
 )
-def test_the_banded_dp_is_the_dp_over_every_start(candidates, weights, n_buckets, barriers, block):
-    """Over each row's band of starts (its barrier segment's), blocks of one segment or several: the same F, and
-    the same first least start where a bucketing reaches the state (ties included: integer weights tie often)."""
+def test_the_banded_dp_is_the_dp_over_every_start(candidates, weights, n_buckets, barriers, block, gather):
+    """Over each row's band of starts (its barrier segment's) or one row of starts for a block (``BAND_GATHER``: 0
+    always the bands, 10**6 always one row), blocks of one segment or several: the same F, and the same first least
+    start where a bucketing reaches the state (ties included: integer weights tie often)."""
     u = np.array(sorted(candidates), dtype=float)
     w = np.array(weights.draw(st.lists(st.integers(0, 3), min_size=u.size, max_size=u.size)), dtype=float)
     segment = np.searchsorted(np.unique(np.asarray(barriers, dtype=np.int64)), u, side="left")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bucketing, "_ROW_BLOCK", block)
+        patch.setattr(bucketing, "BAND_GATHER", gather)
         occupied, choice = bucketing._occupied_tokens_dp(u, w, segment, n_buckets)
     expected, expected_choice = first_least_dp(u, w, segment, n_buckets)
     assert np.array_equal(occupied, expected)
