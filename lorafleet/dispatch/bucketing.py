@@ -28,10 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BAND_GATHER = 2
+BAND_GATHER = 3
 """A block of the DP reads each row's band of k by a gather only where one row of k for all would be more than this
-times as wide: a gathered entry costs about twice a broadcast one (a few wide segments: LobRA 7B's, ~150 candidates
-in 2-4 segments, read one row; a service-scale step's ~390 candidates in 13-15 segments, the bands)."""
+times as wide: a gathered entry costs two to three broadcast ones (a few wide segments read one row: LobRA 7B's ~150
+candidates in 2-4 segments, service-sweeps' ~220 in 5; a service-scale plan's ~390 in 13-15 segments, the bands;
+at 2, service-sweeps' steps took the bands and 1.04-1.06x the base's DP)."""
 _ROW_BLOCK = 256
 """Rows i of the DP evaluated at once: bounds the temporary (block x band) matrix for large U, and a block reads k
 up to its own last i, so one barrier segment of U candidates reads ~5/8 of the U x U square in two blocks, not all
@@ -178,21 +179,22 @@ def _occupied_tokens_dp(
         first = seg_first[rows]
         # (block, t): k = first(i) + t over each row's band; or one row of k from the block's least first(i) to its
         # last i - 1, read as a slice, where that is at most BAND_GATHER times as wide (a gather costs that much more)
-        band, across = int((rows - first).max()), int(rows[-1] - first[0])
+        low, band, across = int(first[0]), int((rows - first).max()), int(rows[-1] - first[0])
         one_row = across <= BAND_GATHER * band
-        ks = first[0] + np.arange(across)[None, :] if one_row else first[:, None] + np.arange(band)
+        # one row: k = low + t (t < across, all below n); bands: the masked past n read anything in range
+        ks = low + np.arange(across)[None, :] if one_row else np.minimum(first[:, None] + np.arange(band), n)
         # bucket (k, i] holds u[k..i-1], in u[i - 1]'s segment from first(i) on; k < i
         valid = (ks >= first[:, None]) & (ks < rows[:, None])
-        ks = np.minimum(ks, n)  # the masked ones read anything in range
         minus_uw = np.where(valid, -u[rows - 1][:, None] * cum[ks], np.inf)
         uw_i = u[rows - 1] * cum[rows]
         every = np.arange(rows.size)
         for j in range(1, n_buckets + 1):
-            before = occupied[j - 1, None, first[0] : first[0] + across] if one_row else occupied[j - 1, ks]
-            total = before + minus_uw
+            total = (occupied[j - 1, None, low : low + across] if one_row else occupied[j - 1, ks]) + minus_uw
             best = np.argmin(total, axis=1)
             occupied[j, rows] = total[every, best] + uw_i
-            choice[j, rows] = first[0] + best if one_row else ks[every, best]
+            choice[j, rows] = best if one_row else ks[every, best]
+        if one_row:
+            choice[1:, rows] += low  # t -> k
     return occupied, choice
 
 
