@@ -346,7 +346,7 @@ def _row_cost(alpha: np.ndarray, beta: np.ndarray, b: np.ndarray, n: np.ndarray)
     integer, so its ceiling is the integer ceiling (and every product the one of the integers)."""
     n = np.asarray(n, dtype=float)
     # in place on the two fresh arrays (alpha, beta and b index alike, so n / b has every operand's shape), each
-    # product and sum as written (IEEE's are commutative): ~0.2x of the expression's temporaries on a table
+    # product and sum as written (IEEE's are commutative): 0.8x of the expression's time on a plan's tables
     compute = n / b
     np.ceil(compute, out=compute)
     compute *= beta
