@@ -34,16 +34,16 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
-from pydantic import ConfigDict
 
 from lorafleet.specs._base import Float, Int
+from lorafleet.specs.field_docs import documented
 
 
 @dataclass(frozen=True)
 class TaskTurns:
     """What decides one task's turns."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
     """How the queue's typed files (the task ledger, the pending changes) read it back: no unknown keys."""
 
     tokens: Float

@@ -367,15 +367,16 @@ def _check_limit(result, options, args: argparse.Namespace) -> None:
     )
 
 
-def _check_cap(result, job: tuple[int, float] | None) -> None:
+def _check_cap(result, options, job: tuple[int, float] | None) -> None:
     """An InputError naming ``--max-cost`` when the cost objective's plan misses the cap: no deployment the planner
-    judged has a job within it (the plan is then the cheapest found, within the step-time limit when given)."""
-    per_step = _plan_cost(result)
-    if job is None or per_step is None:
+    judged has a job within it (the plan is then the cheapest found, within the step-time limit when given). The
+    test is the planner's own: the plan's cost a step against ``options.max_step_cost`` (the amount over the job's
+    steps), as :func:`_check_limit` tests the step against ``options.max_step_s``; a relative 1e-12 absorbs the
+    rounding between the search's t̄·c(p') and the plan's recorded cost of the same step."""
+    cap, per_step = options.max_step_cost, _plan_cost(result)
+    if job is None or cap is None or per_step is None or per_step <= cap * (1 + 1e-12):
         return
     steps, amount = job
-    if per_step * steps <= amount * (1 + 1e-12):
-        return
     raise InputError(
         ARGS,
         "--max-cost",
@@ -582,7 +583,7 @@ def run(args: argparse.Namespace) -> int:
         cluster = workload_cluster(workload, gpus, args.gpu)
         result = chosen_plan(workload, cluster, args.profile, options, console)
         _check_limit(result, options, args)
-        _check_cap(result, job)
+        _check_cap(result, options, job)
     cost_model = result.cost_model  # with the plan's pipeline window
 
     console.print(plan_table(result.plan, result.expected_step))

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from typing import Annotated
 
 import numpy as np
-from pydantic import ConfigDict, Field
+from pydantic import Field
 
 from lorafleet.costmodel import schedule
 from lorafleet.costmodel.adapters import AdapterLoad
@@ -56,6 +56,7 @@ from lorafleet.costmodel.attention_span import stage_span
 from lorafleet.costmodel.microbatch_size import MicroBatchKnee
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.time_model import MS_PER_S, AffineTime, LayerTimeCoeffs, Link, MicroBatchShape
+from lorafleet.specs.field_docs import documented
 from lorafleet.specs.lora import Quantization
 from lorafleet.specs.model import ModelSpec
 from lorafleet.work import count as count_work
@@ -85,7 +86,7 @@ class Interconnect:
 class CostModelOrigin:
     """Where a cost model's figures come from: what a plan records, so a later command rebuilds the same model."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     kind: str
     """``analytic`` (the datasheet model of ``gpu``) or ``profile`` (the file ``profile``)."""

@@ -39,6 +39,7 @@ bucket restricted to its tightest classes: the least M >= s_j.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,31 +101,117 @@ def _water_fill(search: _Search, start: np.ndarray) -> np.ndarray:
     load, allowed = search.load, search.allowed
     d = start.copy()
     rows = _Rows(search, d)
+    stale: set[int] = set()  # classes whose rows are behind their totals: renewed when they next take with others
     missing = (load.counts - d.sum(axis=0)).tolist()  # a bucket's column changes only at its own turn
     for j in (-load.boundaries).argsort(kind="stable").tolist():
         total = missing[j]
         if total == 0:
             continue
         takers = allowed[:, j].nonzero()[0]
-        # the running max makes each row monotone even for cost models with a negative coefficient
-        curve = np.maximum.accumulate(_fill_times(search, rows, d, takers, j, total), axis=1)
-        # The least level tau at which the takers hold them all: taker t holds the x >= 1 more with
-        # curve[t, x] <= tau (its row is monotone), so tau is the total-th smallest of curve[:, 1:].
-        more = curve[:, 1:]
-        tau = more.flatten()  # a copy, partitioned in place (array methods: no numpy wrapper a bucket)
-        tau.partition(total - 1)
-        take = (more <= tau[total - 1]).sum(axis=1)
-        surplus = int(take.sum()) - total
-        if surplus:  # ties at tau: the takers whose curve is highest there give theirs back first
-            for t in (-curve[np.arange(takers.size), take]).argsort(kind="stable"):
-                cut = min(surplus, int(take[t]))
-                take[t] -= cut
-                surplus -= cut
-                if not surplus:
-                    break
+        if takers.size == 1:  # alone, it holds them all (its curve's total-th value is its largest)
+            d[takers, j] += total
+            stale.add(int(takers[0]))
+            continue
+        renew = [t for t in takers.tolist() if t in stale]
+        if renew:
+            rows.update(search, d, np.array(renew))
+            stale.difference_update(renew)
+        take = _fill_takes(search, rows, d, takers, j, total)
         d[takers, j] += take
-        rows.update(search, d, takers[take > 0])
+        stale.update(takers[take > 0].tolist())
     return d
+
+
+def _fill_takes(search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray, j: int, total: int) -> np.ndarray:
+    """(takers,) how many more of bucket j each taker holds when they take ``total`` at the least level: with
+    T_t(x) taker t's time holding x more (:func:`_fill_times`) and curve_t(x) = max_{y <= x} T_t(y) (the running
+    max makes a curve monotone even for cost models with a negative coefficient), the level tau is the total-th
+    smallest of all curve_t(x), x = 1..total, and taker t holds the x >= 1 with curve_t(x) <= tau; on ties at tau,
+    the takers whose curve is highest there give theirs back first. A large bucket ranks only the start of each
+    curve (:func:`_capped_curves`): takers x sequences from :data:`_GUESS_FROM`."""
+    bubble = any(search.pipelined[k] for k in takers.tolist())
+    if takers.size * total < _GUESS_FROM:  # whole curves, one row a taker
+        curve = _fill_times(search, rows, d, takers[:, None], j, np.arange(total + 1), bubble)
+        np.maximum.accumulate(curve, axis=1, out=curve)
+        tau = curve[:, 1:].flatten()  # a copy, partitioned in place (array methods: no numpy wrapper a bucket)
+        tau.partition(total - 1)
+        take = (curve[:, 1:] <= tau[total - 1]).sum(axis=1)
+        at_take = curve[np.arange(takers.size), take]  # each curve at its take
+    else:
+        curve, first, level = _capped_curves(search, rows, d, takers, j, total, bubble)
+        below = curve <= level
+        below[first] = False  # x = 0
+        take = np.add.reduceat(below, first, dtype=np.int64)
+        at_take = curve.take(first + take)
+    surplus = int(take.sum()) - total
+    if surplus:
+        for t in (-at_take).argsort(kind="stable"):
+            cut = min(surplus, int(take[t]))
+            take[t] -= cut
+            surplus -= cut
+            if not surplus:
+                break
+    return take
+
+
+def _capped_curves(
+    search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray, j: int, total: int, bubble: bool
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """The takers' curves (:func:`_fill_takes`) at x = 0..cap_t + 1 (at most 0..total), one segment a taker from
+    ``first``, and the level tau (``bubble``: as :func:`_fill_times`').
+
+    Only x = 1..cap_t are ranked (cap_t: :func:`_fill_caps`' guess); curve_t(cap_t + 1) is a probe. The
+    total-th smallest tau' of the ranked values is tau when every probe lies above tau': the curves are
+    monotone, so no value left out lies at or below tau', and tau' >= tau (fewer values ranked); the takes
+    counted within the segments are then those of the whole curves too. Takers whose probe does not lie above
+    tau' have their cap raised, and all are formed again.
+    """
+    cap = _fill_caps(search, rows, takers, j, total)
+    while True:
+        width = np.minimum(cap + 1, total) + 1
+        first = np.cumsum(width) - width
+        segment = np.repeat(np.arange(takers.size), width)
+        x = np.arange(segment.size) - first.take(segment)
+        curve = _fill_times(search, rows, d, takers.take(segment), j, x, bubble)
+        for at, size in zip(first.tolist(), width.tolist()):
+            np.maximum.accumulate(curve[at : at + size], out=curve[at : at + size])
+        probe, short = first + width - 1, cap < total
+        ranked = np.ones(curve.size, dtype=bool)
+        ranked[first] = False
+        ranked[probe[short]] = False
+        tau = curve[ranked]  # a copy, partitioned in place
+        if tau.size >= total:
+            tau.partition(total - 1)
+            low = short & (curve.take(probe) <= tau[total - 1])
+            if not low.any():
+                return curve, first, tau[total - 1]
+        else:
+            low = short
+        cap = np.where(low, np.minimum(2 * cap + _CAP_STEP, total), cap)
+
+
+_CAP_STEP = 8
+"""A water-fill taker's cap is its guessed share times 1.5 plus this; a cap too low becomes twice itself plus this."""
+_GUESS_FROM = 2048
+"""Water-filling ranks every taker's whole curve where takers x sequences is below this (there a guess costs
+more calls than it saves arithmetic)."""
+
+
+def _fill_caps(search: _Search, rows: _Rows, takers: np.ndarray, j: int, total: int) -> np.ndarray:
+    """(takers,) how many more of bucket j each taker may take, guessed (only the time it takes hangs on it):
+    1.5 times its share of ``total`` when all fill to one level lambda on the LP's rates a_tj from their times now
+    T_t, sum_t max(0, lambda - T_t) / a_tj = total, plus :data:`_CAP_STEP`; ``total`` where a rate is not
+    positive."""
+    rate = search.rate[takers, j]
+    if not np.all(np.isfinite(rate) & (rate > 0)):
+        return np.full(takers.size, total)
+    now = rows.base[takers] + search.load.bubble_slots[takers] * rows.largest[takers]
+    order = now.argsort()
+    low, speed = now[order], 1 / rate[order]
+    level = (total + np.cumsum(low * speed)) / np.cumsum(speed)  # the level when the k + 1 lowest take all
+    reached = np.flatnonzero(level[:-1] <= low[1:])  # the next one's time is not reached
+    share = np.maximum(level[reached[0] if reached.size else -1] - now, 0.0) / rate
+    return np.minimum(np.ceil(1.5 * share) + _CAP_STEP, total).astype(np.int64)  # capped as floats: no overflow
 
 
 def _whole_buckets(load: LoadModel, allowed: np.ndarray) -> np.ndarray:
@@ -171,9 +258,13 @@ def fluid_bound(load: LoadModel) -> float:
 
 def _fluid_lp(load: LoadModel, allowed: np.ndarray) -> tuple[float, np.ndarray] | None:
     """The LP relaxation (see module docstring): its tau and x_ij (K, R); None on numerical trouble."""
-    p = load.n_replicas[:, None]
-    rate = (load.per_seq_s + load.per_microbatch_s / np.maximum(load.microbatch_rows, 1)) / p
-    return _min_max_lp(load, allowed, rate, load.overhead_s)
+    return _min_max_lp(load, allowed, _lp_rates(load), load.overhead_s)
+
+
+def _lp_rates(load: LoadModel) -> np.ndarray:
+    """(K, R) a_ij = (alpha_ij + beta_ij / b_ij) / p_i: a sequence of bucket j on class i, amortised over its
+    micro-batch and the class's replicas (see module docstring)."""
+    return (load.per_seq_s + load.per_microbatch_s / np.maximum(load.microbatch_rows, 1)) / load.n_replicas[:, None]
 
 
 def _min_max_lp(
@@ -233,7 +324,8 @@ class _Search:
     position of each (class, bucket) in the cost tables; the largest micro-batch table times the class's
     ``bubble_slots`` (s max(x, y) = max(s x, s y) exactly for s >= 0: rounding is monotone, so the bubble
     is the largest of scaled times); which classes have a bubble; the (giver, receiver) pairs of an exchange
-    where every other class may take; :func:`_move_sizes`' buffer and :func:`_best_exchange`'s signs."""
+    where every other class may take (formed at a giver's first such exchange); :func:`_move_sizes`' buffer
+    and :func:`_best_exchange`'s signs; the LP's rates (:func:`_fill_caps` guesses from them)."""
 
     def __init__(self, load: LoadModel, allowed: np.ndarray) -> None:
         n_classes, n_buckets = allowed.shape
@@ -253,9 +345,10 @@ class _Search:
         # 8 amounts a bucket) and gains what comes back, the taker the other way round
         self.most = 8 * n_buckets
         self.signs = np.repeat(np.array([[[-1, 0, 1]], [[1, 0, -1]]]), [self.most, 1, self.most], axis=2)
-        self.bucket_keys = np.arange(n_buckets) * _BUCKET_KEY
+        self.offer_keys = np.where(allowed, np.arange(n_buckets) * _BUCKET_KEY, _NO_OFFER)  # a receiver's keys
+        self.rate = _lp_rates(load)
         self.pipelined = (load.bubble_slots > 0).tolist()
-        self.pairs_all = [_pairs(c, [k for k in range(n_classes) if k != c]) for c in range(n_classes)]
+        self.pairs_all: dict[int, np.ndarray] = {}  # by c, formed when c first gives to all others
 
 
 def _pairs(c: int, takers: list[int]) -> np.ndarray:
@@ -301,22 +394,23 @@ def _changes(
     )
 
 
-def _fill_times(search: _Search, rows: _Rows, d: np.ndarray, takers: np.ndarray, j: int, total: int) -> np.ndarray:
-    """(takers, total + 1): each taker's time holding x = 0..total more of bucket j, no other bucket changing
-    (:func:`_times` of that one change, elementwise alike): base + (the bucket's compute time then - now),
-    plus bubble_slots * the largest of 0, the bucket's new largest micro-batch time and that of the buckets
-    it leaves alone (``rows.pick`` at its rank; at x = 0, at rank 0, all of them and no new one)."""
-    i = takers[:, None]
-    at = i * search.n_buckets + j
-    table = search.table_at.take(at) - (-(d.take(at) + np.arange(total + 1)) // search.replicas.take(i))
-    times = rows.base.take(i) + (search.compute_table.take(table) - rows.compute.take(at))
-    if not any(search.pipelined[k] for k in takers.tolist()):
+def _fill_times(
+    search: _Search, rows: _Rows, d: np.ndarray, who: np.ndarray, j: int, x: np.ndarray, bubble: bool
+) -> np.ndarray:
+    """Class ``who``'s time holding ``x`` more of bucket j, no other bucket changing, elementwise over their
+    broadcast shapes (:func:`_times` of that one change, elementwise alike): base + (the bucket's compute time
+    then - now), plus bubble_slots * the largest of 0, the bucket's new largest micro-batch time and that of the
+    buckets it leaves alone (``rows.pick`` at its rank). At x = 0 that is the class's time now: the bucket's
+    micro-batch time is its current one, and with those it leaves alone it makes the largest of all of them.
+    ``bubble``: whether some class of ``who`` has a bubble (else it is 0 and not formed)."""
+    at = who * search.n_buckets + j
+    table = search.table_at.take(at) - (-(d.take(at) + x) // search.replicas.take(who))
+    times = rows.base.take(who) + (search.compute_table.take(table) - rows.compute.take(at))
+    if not bubble:
         return times
-    picks = rows.pick[i, rows.rank.take(at) * _PAIR]  # (takers, 2): at 3 * 0 + 0 (x = 0), 3 * 0 + rank (x > 0)
-    np.maximum(picks, 0.0, out=picks)
-    largest = np.maximum(search.bubble_table.take(table), picks[:, 1:])
-    largest[:, 0] = picks[:, 0]
-    times += largest
+    left = rows.pick.take(who * _PICKS + rows.rank.take(at))  # at 3 * 0 + rank
+    np.maximum(left, 0.0, out=left)
+    times += np.maximum(search.bubble_table.take(table), left)
     return times
 
 
@@ -324,8 +418,8 @@ def _times(
     search: _Search,
     rows: _Rows,
     i: np.ndarray | int,
-    first: tuple[np.ndarray, np.ndarray, np.ndarray],
-    second: tuple[np.ndarray, np.ndarray, np.ndarray],
+    first: Sequence[np.ndarray],
+    second: Sequence[np.ndarray],
     bubble: bool,
 ) -> np.ndarray:
     """Class ``i``'s times after two changes of different buckets (:func:`_changes`, broadcast against each
@@ -410,7 +504,9 @@ def _best_exchange(
     n, taker_list = takers.size, takers.tolist()
     # Both sides' offers in one pass: rows 0..n-1 what c gives each taker, rows n.. what each taker gives back
     # (the giver's sizes and holdings, the receiver's sizes and whether it may hold the bucket).
-    pairs = search.pairs_all[c] if n == d.shape[0] - 1 else _pairs(c, taker_list)
+    pairs = search.pairs_all.get(c) if n == d.shape[0] - 1 else _pairs(c, taker_list)
+    if pairs is None:
+        pairs = search.pairs_all[c] = _pairs(c, taker_list)
     giver = pairs[:, 0]
     held = d[giver]
     # (2n, 2, R, 4): the giver's 4 amounts of each bucket and the receiver's 4, clipped to 1 .. held
@@ -418,12 +514,12 @@ def _best_exchange(
     np.maximum(amounts, 1, out=amounts)
     np.minimum(amounts, held[:, None, :, None], out=amounts)
     # one key per offer, ordered as (bucket, amount); repeats and what the pair may not move sort last
-    amounts += np.where((held > 0) & allowed[pairs[:, 1]], search.bucket_keys, _NO_OFFER)[:, None, :, None]
+    amounts += np.where(held > 0, search.offer_keys[pairs[:, 1]], _NO_OFFER)[:, None, :, None]
     keys = amounts.reshape(2 * n, -1)
     keys.sort(axis=1)
     np.copyto(keys[:, 1:], _NO_OFFER, where=keys[:, 1:] == keys[:, :-1])  # many coincide (half = one row fewer)
     keys.sort(axis=1)
-    width = (keys < _NO_OFFER).sum(axis=1).tolist()
+    width = np.add.reduce(keys < _NO_OFFER, axis=1).tolist()
     wide, back = max(width[:n]), max(width[n:])
     # Every candidate side in one (n, wide + 1 + back) table: the columns are what c gives (lost by c, gained by
     # the taker), nothing (key 0: an amount of 0 changes nothing), then what comes back (the other way round).
@@ -436,9 +532,10 @@ def _best_exchange(
     side = _changes(search, rows, d, giver.reshape(2, n, 1), moved_j, moved * signs)
     np.copyto(side[0][0], np.inf, where=absent)  # no such offer: the candidate is never taken
     gives, back_in = (slice(None), slice(None, wide), None), (slice(None), None, slice(wide, None))
-    c_gives, c_takes = tuple(x[0][gives] for x in side), tuple(x[0][back_in] for x in side)
+    c_side, k_side = [x[0] for x in side], [x[1] for x in side]
+    c_gives, c_takes = [x[gives] for x in c_side], [x[back_in] for x in c_side]
     worst = _times(search, rows, c, c_gives, c_takes, search.pipelined[c])
-    k_gives, k_takes = tuple(x[1][back_in] for x in side), tuple(x[1][gives] for x in side)
+    k_gives, k_takes = [x[back_in] for x in k_side], [x[gives] for x in k_side]
     k_bubble = any(search.pipelined[k] for k in taker_list)
     np.maximum(worst, _times(search, rows, takers[:, None, None], k_gives, k_takes, k_bubble), out=worst)
     out_j, in_j, in_amount = moved_j[:, :wide], moved_j[:, wide:], moved[:, wide:]

@@ -205,7 +205,7 @@ def _pick(planned: tuple[BaseOption, ...], options: PlannerOptions) -> tuple[int
     values = [o.value(by) if k in within else None for k, o in enumerate(planned)]
     only = "the only base with a plan" + ("" if len(within) == len(feasible) else where)
     chosen, reason = first_within(values, [o.base for o in planned], options.tie_rel, only)
-    if by is not objective and reason != only:
+    if by is not objective and len(within) > 1:
         reason = f"the fastest within the step-cost cap, its makespan {reason}"
     return chosen, reason
 

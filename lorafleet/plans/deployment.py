@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import ConfigDict
 
 from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
@@ -19,6 +18,7 @@ from lorafleet.errors import InputError
 from lorafleet.plans.parts import PLAN_SOURCE, FrontierPoint, PlanPool, PolicyJson, ReplicaSpec
 from lorafleet.specs.cluster import ClusterSpec, PoolSpec, first_gpu, named_pool, pool_at, price_too_large
 from lorafleet.specs.dispatch import DispatchPolicy
+from lorafleet.specs.field_docs import documented
 from lorafleet.specs.io import read_json_object, write_text_atomic
 from lorafleet.specs.objective import TIE_REL, PlanObjective
 from lorafleet.specs.recompute import RecomputePolicy
@@ -54,7 +54,7 @@ class DeploymentPlan:
     ``schema_version`` and ``kind`` beside the fields.
     """
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     model: str
     """The base model the plan is for."""

@@ -7,13 +7,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, ConfigDict, GetCoreSchemaHandler, PlainSerializer, WithJsonSchema
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    GetCoreSchemaHandler,
+    GetPydanticSchema,
+    PlainSerializer,
+    WithJsonSchema,
+)
 from pydantic_core import core_schema
 
 from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.specs.cluster import describe_pool
 from lorafleet.specs.dispatch import DispatchPolicy, policy_json_schema
+from lorafleet.specs.field_docs import documented
 
 PLAN_SOURCE = "<plan>"
 """The source an error of a plan's nested policy names while it is validated (replaced by the file's)."""
@@ -41,7 +49,7 @@ PolicyJson = Annotated[
     DispatchPolicy,
     BeforeValidator(_policy_of),
     PlainSerializer(lambda p: p.to_json(), return_type=dict),
-    WithJsonSchema(policy_json_schema()),
+    GetPydanticSchema(get_pydantic_json_schema=lambda _core, _handler: policy_json_schema()),  # when asked for
 ]
 """A dispatch policy as a plan records it (:meth:`DispatchPolicy.to_json`, validated by its ``from_json``)."""
 
@@ -129,7 +137,7 @@ class PlanPool:
     """One pool of the cluster a plan is for: its GPUs (global ranks follow the plan's pools in order)
     and the cost model its replicas were judged by."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     name: str
     """The cluster's name of the pool (empty: a cluster's one unnamed pool)."""
@@ -154,7 +162,7 @@ class FrontierPoint:
     """One point of a plan's cost frontier (``plan --objective cost``): a deployment the planner judged on the
     expected batch that no other it judged beats on both step time and cost (``planner.frontier.pareto``)."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     makespan_s: float
     """Its expected step time: the dispatcher's estimate on the expected batch."""

@@ -16,5 +16,6 @@ lorafleet's files.
 - other files: ``trace.py`` (an arrivals trace);
 - typed files: ``typed.py`` (strict validation naming the field path), ``io.py`` (JSON read with one-line
   errors, the one atomic writer of a file or a directory, a file's SHA-256); ``hints.py`` ("did you mean" for
-  an unknown key: other tools' names, typos).
+  an unknown key: other tools' names, typos); ``field_docs.py`` (a field's attribute doc string: its JSON Schema
+  description and its flag's help, read when asked for).
 """

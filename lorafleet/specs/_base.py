@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Strict
+from pydantic import BaseModel, BeforeValidator, Strict
 from pydantic_core import PydanticCustomError
+
+from lorafleet.specs.field_docs import documented
 
 
 def _not_a_boolean(value: Any) -> Any:
@@ -44,9 +46,10 @@ Float = Annotated[float, BeforeValidator(_not_a_boolean)]
 
 
 class Spec(BaseModel):
-    """Base of every spec: immutable, no unknown keys, finite numbers only."""
+    """Base of every spec: immutable, no unknown keys, finite numbers only; each field's doc string is its JSON
+    Schema description (``specs.field_docs``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True, allow_inf_nan=False)
+    model_config = documented(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class FieldError(ValueError):

@@ -34,16 +34,16 @@ from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Any
 
-from pydantic import ConfigDict
-
 from lorafleet.errors import InputError, coerce_enum_fields
 from lorafleet.specs._base import Bool, Float, Int
+from lorafleet.specs.field_docs import documented, field_help
 from lorafleet.specs.fields import flag
 from lorafleet.specs.solver import SolverName
 
 OPTIONS_SOURCE = "<dispatch options>"
-_DOCUMENTED = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-"""How pydantic reads the policy's dataclasses: each field's doc string is its description."""
+_DOCUMENTED = documented(extra="forbid")
+"""How pydantic reads the policy's dataclasses: no unknown keys; each field's doc string is its JSON Schema description
+(``specs.field_docs``)."""
 
 
 class DispatchMethod(StrEnum):
@@ -260,13 +260,19 @@ class PolicyField:
     """Its name in a plan's policy JSON and in overrides: ``n_buckets``, ``recalibration.enabled``."""
     attrs: tuple[str, ...]
     """Its attribute path in a DispatchPolicy: ``("options", "n_buckets")``."""
+    owner: type
+    """The dataclass that declares it (``Recalibration`` for ``recalibration.enabled``)."""
     type: Any
     default: Any
-    doc: str
-    """Its doc string: the help of its flag and the description in its JSON Schema."""
     flag: str | None = None
     """The command-line flag that overrides it (None: set in a plan file only)."""
     metavar: str | None = None
+
+    @property
+    def doc(self) -> str:
+        """Its doc string, on one line: the help of its flag and the description in its JSON Schema (read from the
+        source when asked for, ``specs.field_docs``: a plan's JSON, read or written, needs none)."""
+        return field_help(self.owner, self.attrs[-1])
 
 
 @functools.cache
@@ -291,10 +297,7 @@ def flag_error(err: InputError, source: str = "<args>") -> InputError:
 
 
 def _walk(cls: type, attrs: tuple[str, ...], keys: tuple[str, ...]) -> Iterator[PolicyField]:
-    from lorafleet.specs.typed import adapter
-
     hints = typing.get_type_hints(cls)
-    docs = adapter(cls).json_schema()["properties"]
     defaults = cls()
     for f in dataclasses.fields(cls):
         kind = hints[f.name]
@@ -304,9 +307,9 @@ def _walk(cls: type, attrs: tuple[str, ...], keys: tuple[str, ...]) -> Iterator[
         yield PolicyField(
             key=".".join((*keys, f.name)),
             attrs=(*attrs, f.name),
+            owner=cls,
             type=kind,
             default=getattr(defaults, f.name),
-            doc=" ".join(docs[f.name].get("description", "").split()),
             flag=f.metadata.get("flag"),
             metavar=f.metadata.get("metavar"),
         )

@@ -26,6 +26,7 @@ from enum import Enum
 from typing import Any
 
 from lorafleet.errors import InputError
+from lorafleet.specs.field_docs import field_help
 
 ARGS = "<args>"
 """The source an InputError about a flag names."""
@@ -66,12 +67,12 @@ class SettingField:
 
     name: str
     """Its attribute name: the argparse destination of its flag, prefixed by the fields holding it."""
+    owner: type
+    """The dataclass that declares it."""
     type: Any
     """Its type; a union with None is the other member (the field's None is its default's sentinel)."""
     default: Any
     """Its default (:data:`REQUIRED`: none)."""
-    doc: str
-    """Its doc string: the help of its flag (with the default added) and its JSON Schema description."""
     flag: str | None = None
     """The flag that sets it: ``--steps``; a name without dashes is positional; None: no flag."""
     metavar: str | None = None
@@ -88,6 +89,12 @@ class SettingField:
     ``--profile``: ``commands._set_flags``, ``commands._plan_flags``), under the field's name as destination."""
     table: bool = False
     """It holds another table (a nested settings dataclass), whose fields have the flags."""
+
+    @property
+    def doc(self) -> str:
+        """Its doc string, on one line: the help of its flag (with the default added) and its JSON Schema
+        description (read from the source when asked for, ``specs.field_docs``)."""
+        return field_help(self.owner, self.name)
 
     @property
     def choices(self) -> tuple[str, ...] | None:
@@ -157,10 +164,7 @@ def _plain(kind: Any) -> Any:
 
 
 def _walk(cls: type) -> Iterator[SettingField]:
-    from lorafleet.specs.typed import adapter
-
     hints = _hints(cls)
-    docs = adapter(cls).json_schema()["properties"]
     for f in dataclasses.fields(cls):
         kind = _plain(hints[f.name])
         if f.default is not dataclasses.MISSING:
@@ -172,9 +176,9 @@ def _walk(cls: type) -> Iterator[SettingField]:
         meta = f.metadata
         yield SettingField(
             name=f.name,
+            owner=cls,
             type=kind,
             default=default,
-            doc=" ".join(docs[f.name].get("description", "").split()),
             flag=meta.get("flag"),
             metavar=meta.get("metavar"),
             least=meta.get("least"),

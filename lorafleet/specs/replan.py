@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from pydantic import ConfigDict
-
+from lorafleet.specs.field_docs import documented
 from lorafleet.specs.fields import ARGS, check_fields, flag
 
 
@@ -34,7 +33,7 @@ class ReplanSettings:
     """What a re-plan of a running fleet weighs and when its move is applied; strings are accepted for the
     objective and converted. A bad value is an InputError naming its flag."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     migration_s: float | None = field(default=None, metadata=flag("--migration-s", "S", least=0))
     """price a change of deployment at a flat S seconds of each torn-down replica's GPUs (default: what the

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from pydantic import ConfigDict, TypeAdapter
+from pydantic import TypeAdapter
 
 from lorafleet.specs._base import Int
+from lorafleet.specs.field_docs import documented
 from lorafleet.specs.io import write_text_atomic
 from lorafleet.train.queue.requests import (  # how a task leaves without a request: named with the requests
     LEFT_ON_ITS_OWN,
@@ -77,7 +78,7 @@ class Outcome(StrEnum):
 class RequestRow:
     """One request of a change."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     action: Action
     name: str
@@ -90,7 +91,7 @@ class RequestRow:
 class ChangeRecord:
     """One row of ``changes.jsonl``."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     step: Int
     """The boundary: the first step run after it."""

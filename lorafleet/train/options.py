@@ -9,13 +9,12 @@ from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
-from pydantic import ConfigDict
-
 from lorafleet.errors import InputError
 from lorafleet.rundir import RunDir
 from lorafleet.runtime.checkpoint_files import CHECKPOINT_EVERY
 from lorafleet.runtime.processes import START_TIMEOUT_S
 from lorafleet.specs.device import Device, Precision
+from lorafleet.specs.field_docs import documented
 from lorafleet.specs.fields import ARGS, check_fields, flag, in_group
 from lorafleet.specs.replan import ReplanSettings
 from lorafleet.specs.workload import MAX_STEPS
@@ -29,7 +28,7 @@ class TrainOptions:
     """What ``lorafleet train`` is told: one field a flag, its field table (``specs.fields``: each field's flag,
     doc string as its help, default and bound) the one list of the command's own flags (``commands.train``)."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     workload: str = field(metadata=flag("workload"))
     """workload YAML file (every task needs data)"""

@@ -22,11 +22,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict, JsonValue, with_config
+from pydantic import JsonValue, with_config
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing only on Python >= 3.12
 
 from lorafleet.errors import InputError
 from lorafleet.specs._base import Int
+from lorafleet.specs.field_docs import documented
 from lorafleet.specs.workload import TaskSpec
 
 IGNORED = frozenset({"data", "start_step", "name"})
@@ -35,7 +36,7 @@ QUEUED = frozenset({"share", "deadline"})
 """Task fields the queue changes (left out for a task whose ledger entry has queued changes)."""
 
 
-@with_config(ConfigDict(extra="forbid", use_attribute_docstrings=True))
+@with_config(documented(extra="forbid"))
 class Revision(TypedDict):
     """One hyperparameter of a task changed on a resume (``--allow-changes``)."""
 

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict
-
 from lorafleet.assemble import PlannedRun
 from lorafleet.costmodel.cost_model import CostModelOrigin
 from lorafleet.errors import InputError
 from lorafleet.rundir import RunDir
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.specs.field_docs import documented
 from lorafleet.train.options import TrainOptions
 from lorafleet.train.preflight import Prepared
 from lorafleet.train.queue.pending import FleetState
@@ -43,7 +42,7 @@ RUN_KIND = "lorafleet.ResolvedRun"
 class ResolvedRun:
     """One launch of a run's workers, as its launcher resolved it."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     kind: str = RUN_KIND
     options: TrainOptions

@@ -343,3 +343,47 @@ def test_placed_sequences_are_the_deal_by_its_definition(seed):
                 expected[replica] += mine[to_replica == r].tolist()
     assert [h.tolist() for h in held] == expected
     assert all(h.dtype == np.int64 for h in held)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_large_bucket_takes_what_the_whole_curves_give(seed, monkeypatch):
+    """``_fill_takes`` ranks only the start of each taker's curve when a bucket is large: its takes are those of the
+    definition over the whole curves (tau the total-th smallest of every running-max curve at x = 1..total, each
+    taker holding its x <= tau, ties given back by the highest curve there), whether the guessed caps are ample
+    or too low (zero: each is raised until the probes lie above the level). The curves are the load model's
+    times of the takers holding x more."""
+    from lorafleet.dispatch import balance
+
+    _, _, load, _ = small_load(LOBRA_7B_PLAN, n_seqs=1500, n_buckets=3, seed=seed)
+    rng = np.random.default_rng(seed)
+    search = balance._Search(load, load.feasible)
+    checked = 0
+    for j, count in enumerate(load.counts.tolist()):
+        takers = np.flatnonzero(load.feasible[:, j])
+        d = np.zeros((len(load.classes), load.counts.size), dtype=np.int64)
+        d[:, :j] = balance._water_fill(search, d)[:, :j]  # the buckets before it placed, a random part of it too
+        d[takers, j] = rng.integers(0, count // (2 * takers.size) + 1, takers.size)
+        total = count - int(d[:, j].sum())
+        if takers.size < 2 or takers.size * total < balance._GUESS_FROM:
+            continue
+        rows = balance._Rows(search, d)
+        bubble = bool(np.any(load.bubble_slots[takers] > 0))
+        curve = balance._fill_times(search, rows, d, takers[:, None], j, np.arange(total + 1), bubble)
+        for t, x in itertools.product(range(takers.size), (0, 1, total // 2, total)):
+            more = d.copy()
+            more[takers[t], j] += x
+            assert curve[t, x] == pytest.approx(load.times(more)[takers[t]], rel=1e-12)
+        curve = np.maximum.accumulate(curve, axis=1)
+        tau = np.sort(curve[:, 1:], axis=None)[total - 1]
+        expected = (curve[:, 1:] <= tau).sum(axis=1)
+        for t in np.argsort(-curve[np.arange(takers.size), expected], kind="stable"):
+            expected[t] -= min(int(expected.sum()) - total, int(expected[t]))
+        assert expected.sum() == total
+        assert np.array_equal(balance._fill_takes(search, rows, d, takers, j, total), expected)
+        with monkeypatch.context() as low:
+            low.setattr(
+                balance, "_fill_caps", lambda _search, _rows, who, _j, _total: np.zeros(who.size, dtype=np.int64)
+            )
+            assert np.array_equal(balance._fill_takes(search, rows, d, takers, j, total), expected)
+        checked += 1
+    assert checked > 0

@@ -14,11 +14,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, PlainSerializer, TypeAdapter, with_config
+from pydantic import BaseModel, PlainSerializer, TypeAdapter, with_config
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing only on Python >= 3.12
 
 from lorafleet.rundir import LEDGER
 from lorafleet.specs._base import Float, Int
+from lorafleet.specs.field_docs import documented
 from lorafleet.specs.io import read_json_as, write_json_as
 from lorafleet.specs.workload import TaskSpec
 from lorafleet.train.queue.requests import Action, Request, updated_task
@@ -45,7 +46,7 @@ LedgerSpec = Annotated[TaskSpec, PlainSerializer(lambda spec: spec.model_dump(mo
 class LedgerEntry:
     """One task the run has had."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     spec: LedgerSpec
     state: TaskState = TaskState.ACTIVE
@@ -60,7 +61,7 @@ class LedgerEntry:
     """Its hyperparameters changed on resumes (``--allow-changes``; ``train.revisions``), in order."""
 
 
-@with_config(ConfigDict(extra="forbid", use_attribute_docstrings=True))
+@with_config(documented(extra="forbid"))
 class AppliedRequest(TypedDict):
     """A request the ledger took, at the boundary before ``step``."""
 
@@ -75,7 +76,7 @@ class AppliedRequest(TypedDict):
 class LedgerFile(BaseModel):
     """``tasks.json`` as written: the ledger's entries (``tasks``) and the requests applied, in order."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = documented(extra="forbid")
 
     tasks: tuple[LedgerEntry, ...]
     """Every task the run has had, in the order it joined."""

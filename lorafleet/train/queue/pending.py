@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ConfigDict, TypeAdapter
+from pydantic import TypeAdapter
 
 from lorafleet.plans import DeploymentPlan
 from lorafleet.rundir import PENDING, PENDING_REPLAN
 from lorafleet.specs._base import Bool, Int
+from lorafleet.specs.field_docs import documented
 from lorafleet.specs.io import read_json_as, write_json_as
 from lorafleet.train.queue.ledger import Change, Ledger
 from lorafleet.train.queue.requests import Request
@@ -47,7 +48,7 @@ class FleetState:
     the tasks whose share changed or that left. What a rank builds its part of the fleet from (the run file,
     ``train.run_file``), and what a change in flight records of the fleet before and after it (:class:`Pending`)."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     deployment: dict[str, Any]
     """The plan file's object (``DeploymentPlan.to_json``: a plan keeps its own versioned format here too): the
@@ -99,7 +100,7 @@ class Pending:
     """A change in flight (module doc): the requests due at a boundary, the running tasks' turns, and the fleet
     before and (once decided) after it."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     step: Int
     """The boundary: the first step with the change."""
@@ -134,7 +135,7 @@ PENDING_FILE = TypeAdapter(Pending)
 class PendingReplan:
     """An incremental re-plan running beside the steps: for the tasks of boundary ``step``, applied at ``at``."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     step: Int
     """The boundary of the change it re-plans for."""

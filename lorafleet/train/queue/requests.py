@@ -32,9 +32,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from lorafleet.specs._base import Float, Int, Spec
+from lorafleet.specs.field_docs import documented
 from lorafleet.specs.workload import TaskSpec, describe_validation_error
 
 REQUEST_SUFFIXES = (".yaml", ".yml", ".json")
@@ -204,7 +205,7 @@ class StopRequestFile(Spec):
 class Request:
     """One request, validated against the run (``watcher.read_request``); the pending-changes file holds them."""
 
-    __pydantic_config__ = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    __pydantic_config__ = documented(extra="forbid")
 
     file: str
     """Its file's name in the queue directory."""
