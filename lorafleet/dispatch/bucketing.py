@@ -28,8 +28,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_ROW_BLOCK = 512
-"""Rows i of the DP evaluated at once: bounds the temporary (block x U) matrix for large U."""
+BAND_GATHER = 3
+"""A block of the DP reads each row's band of k by a gather only where one row of k for all would be more than this
+times as wide: a gathered entry costs two to three broadcast ones (a few wide segments read one row: LobRA 7B's ~150
+candidates in 2-4 segments, service-sweeps' ~220 in 5; a service-scale plan's ~390 in 13-15 segments, the bands;
+at 2, service-sweeps' steps took the bands and 1.04-1.06x the base's DP)."""
+_ROW_BLOCK = 256
+"""Rows i of the DP evaluated at once: bounds the temporary (block x band) matrix for large U, and a block reads k
+up to its own last i, so one barrier segment of U candidates reads ~5/8 of the U x U square in two blocks, not all
+of it (a service-scale step's ~390 candidates: 0.7-0.8x of the DP's time over 512-row blocks)."""
 
 
 @dataclass(frozen=True)
@@ -149,28 +156,45 @@ def _occupied_tokens_dp(
 
     Prefix index i counts candidates: F[j][i] covers u[0:i]. The cost splits as
     u_i * W_i - u_i * W_k; the first term is outside the min, the second is built per block
-    of rows i as an outer product, masked to k < i within i's barrier segment.
+    of rows i, over the band of k a bucket ending at u[i - 1] may start at: k from the first
+    candidate of u[i - 1]'s barrier segment, ``first(i)``, to i - 1. Row i reads
+    k = first(i) + t for t < the block's widest band (a gather), or, where the block's k from its
+    least first(i) to its last i - 1 are at most :data:`BAND_GATHER` times as many, that one
+    row of k for all (a slice); either way a k outside [first(i), i) is masked (inf). Within a
+    row the k ascend, so the first least entry is the one a row over every k (the others inf)
+    gives: the same argmin, the same sums (a band is its segment's width, not U: ~0.3 of the
+    entries at service scale, 13-15 barriers). A state no bucketing reaches (F = inf) keeps an
+    argmin no backtrack reads.
     """
     n = u.size
     cum = np.concatenate(([0.0], np.cumsum(w)))  # W_0..W_U
     last_seg = np.concatenate(([-1], segment))  # segment of u[i - 1], the last candidate of prefix i
+    seg_first = np.searchsorted(segment, last_seg, side="left")  # first(i): where that segment starts
     occupied = np.full((n_buckets + 1, n + 1), np.inf)
     occupied[0, 0] = 0.0
     choice = np.zeros((n_buckets + 1, n + 1), dtype=np.int64)
     for lo in range(1, n + 1, _ROW_BLOCK):
         hi = min(lo + _ROW_BLOCK, n + 1)
         rows = np.arange(lo, hi)
-        ks = np.arange(hi - 1)  # only k < i <= hi - 1 can be valid
-        # (block, k): -u_i * W_k where bucket (k, i] stays within one segment, else inf
-        # bucket (k, i] holds u[k..i-1]; it is valid when its first and last candidates share a segment
-        valid = (ks[None, :] < rows[:, None]) & (segment[None, : hi - 1] == last_seg[rows][:, None])
-        minus_uw = np.where(valid, -u[rows - 1][:, None] * cum[None, : hi - 1], np.inf)
+        first = seg_first[rows]
+        # (block, t): k = first(i) + t over each row's band; or one row of k from the block's least first(i) to its
+        # last i - 1, read as a slice, where that is at most BAND_GATHER times as wide (a gather costs that much more)
+        low, band, across = int(first[0]), int((rows - first).max()), int(rows[-1] - first[0])
+        one_row = across <= BAND_GATHER * band
+        # one row: k = low + t (t < across, all below n); bands: the masked past n read anything in range
+        ks = low + np.arange(across)[None, :] if one_row else np.minimum(first[:, None] + np.arange(band), n)
+        # bucket (k, i] holds u[k..i-1], in u[i - 1]'s segment from first(i) on; k < i
+        valid = (ks >= first[:, None]) & (ks < rows[:, None])
+        minus_uw = np.where(valid, -u[rows - 1][:, None] * cum[ks], np.inf)
         uw_i = u[rows - 1] * cum[rows]
+        every = np.arange(rows.size)
         for j in range(1, n_buckets + 1):
-            total = occupied[j - 1, None, : hi - 1] + minus_uw
+            total = (occupied[j - 1, None, low : low + across] if one_row else occupied[j - 1, ks]) + minus_uw
             best = np.argmin(total, axis=1)
-            occupied[j, rows] = total[np.arange(rows.size), best] + uw_i
-            choice[j, rows] = best
+            occupied[j, rows] = total[every, best] + uw_i
+            choice[j, rows] = best if one_row else ks[every, best]
+        if one_row:
+            choice[1:, rows] += low  # t -> k
     return occupied, choice
 
 

@@ -151,8 +151,9 @@ def pipelined_packing(
     # (a window's stall costs a timeline per new order); the better against first-fit decreasing in the window,
     # where a window of one step is the drain (its stall is never charged): its drained price is that price
     drained = []
+    dealt = needs.tolist(), own.tolist(), opening.tolist()  # balanced_bins walks them in Python, for K and K + 1
     for count in range(k, min(k + 1, needs.size) + 1):
-        bins = balanced_bins(needs.tolist(), own.tolist(), opening.tolist(), count, max_tokens)
+        bins = balanced_bins(*dealt, count, max_tokens)
         packing = microbatches_of_bins(order, bins, lengths, task_ids, task_major=task_major)
         drained.append((*packing, cost_model.replica_time(config, packing[0])))
     packed = min(drained, key=lambda p: p[2])

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lorafleet.dispatch import bucketing
 from lorafleet.dispatch.bucketing import bucket_of, candidate_lengths, optimal_buckets, optimal_buckets_by_count
 
 
@@ -110,3 +111,49 @@ def test_more_buckets_than_distinct_lengths_and_empty_input():
     assert optimal_buckets(np.array([5, 5, 300]), 16).boundaries == (16, 304)
     empty = optimal_buckets(np.zeros(0, dtype=np.int64), 16)
     assert empty.boundaries == () and empty.padding_ratio == 0.0
+
+
+def first_least_dp(u: np.ndarray, w: np.ndarray, segment: np.ndarray, n_buckets: int) -> tuple[np.ndarray, np.ndarray]:
+    """The module docstring's recurrence over every k < i, in Python: F[j][i] and its first least k, for reachable
+    states (the reference the banded DP's sums and ties are checked against)."""
+    n = u.size
+    cum = np.concatenate(([0.0], np.cumsum(w)))
+    occupied = np.full((n_buckets + 1, n + 1), np.inf)
+    occupied[0, 0] = 0.0
+    choice = np.full((n_buckets + 1, n + 1), -1)
+    for j in range(1, n_buckets + 1):
+        for i in range(1, n + 1):
+            least = np.inf
+            for k in range(i):
+                total = occupied[j - 1, k] + -u[i - 1] * cum[k]
+                if segment[k] == segment[i - 1] and total < least:  # strictly: the first least k stays
+                    least, choice[j, i] = total, k
+            occupied[j, i] = least + u[i - 1] * cum[i]
+    return occupied, choice
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    candidates=st.lists(st.integers(1, 60), min_size=1, max_size=30, unique=True),
+    weights=st.data(),
+    n_buckets=st.integers(1, 6),
+    barriers=st.lists(st.integers(1, 60), max_size=6),
+    block=st.sampled_from([3, 7, 512]),
+    gather=st.sampled_from([0, 2, 10**6]),
+)
+def test_the_banded_dp_is_the_dp_over_every_start(candidates, weights, n_buckets, barriers, block, gather):
+    """Over each row's band of starts (its barrier segment's) or one row of starts for a block (``BAND_GATHER``: 0
+    always the bands, 10**6 always one row), blocks of one segment or several: the same F, and the same first least
+    start where a bucketing reaches the state (ties included: integer weights tie often)."""
+    u = np.array(sorted(candidates), dtype=float)
+    w = np.array(weights.draw(st.lists(st.integers(0, 3), min_size=u.size, max_size=u.size)), dtype=float)
+    segment = np.searchsorted(np.unique(np.asarray(barriers, dtype=np.int64)), u, side="left")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bucketing, "_ROW_BLOCK", block)
+        patch.setattr(bucketing, "BAND_GATHER", gather)
+        occupied, choice = bucketing._occupied_tokens_dp(u, w, segment, n_buckets)
+    expected, expected_choice = first_least_dp(u, w, segment, n_buckets)
+    assert np.array_equal(occupied, expected)
+    reached = np.isfinite(expected)
+    reached[0] = False
+    assert np.array_equal(choice[reached], expected_choice[reached])
