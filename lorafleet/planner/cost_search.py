@@ -55,6 +55,14 @@ def entry_cost(entry: PoolEntry, prices: np.ndarray) -> float:
     return entry.expected_makespan * float(entry.replicas @ prices) if entry.expected is not None else math.inf
 
 
+def within_bounds(entry: PoolEntry, prices: np.ndarray, options: PlannerOptions) -> bool:
+    """Whether ``entry``'s step is within the cost objective's bounds, each when given: its expected makespan within
+    the step-time limit L (``options.max_step_s``) and its cost a step within the step-cost cap C
+    (``options.max_step_cost``)."""
+    limit, cap = options.max_step_s, options.max_step_cost
+    return (limit is None or entry.expected_makespan <= limit) and (cap is None or entry_cost(entry, prices) <= cap)
+
+
 def describe_replicas(problem: PlanningProblem, replicas: np.ndarray) -> str:
     """``<1,1>@h100 x 4 + <2,2>@h100 x 1``: as ``DeploymentPlan.describe`` writes the plan of ``replicas``."""
     order = {p.name: k for k, p in enumerate(problem.cluster.pools)}
@@ -151,8 +159,7 @@ def ranked_by_cost(entries: list[PoolEntry], prices: np.ndarray, options: Planne
         return []
 
     def key(e: PoolEntry) -> tuple:
-        cost = entry_cost(e, prices)
-        within = (limit is None or e.expected_makespan <= limit) and (cap is None or cost <= cap)
+        cost, within = entry_cost(e, prices), within_bounds(e, prices, options)
         if speed:
             return (not within, e.expected_makespan, cost) if within else (True, cost, e.expected_makespan)
         return (not within, cost if within else e.expected_makespan, e.expected_makespan)

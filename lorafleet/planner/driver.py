@@ -29,7 +29,7 @@ from lorafleet.dispatch import DispatchPolicy, dispatch_step
 from lorafleet.errors import InputError
 from lorafleet.planner.baselines import baseline_schedules
 from lorafleet.planner.candidates import propose_candidates, valid_candidates
-from lorafleet.planner.cost_search import entry_cost, frontier_of
+from lorafleet.planner.cost_search import entry_cost, frontier_of, within_bounds
 from lorafleet.planner.expected import expected_global_batch
 from lorafleet.planner.objective import preferred, race, replica_price
 from lorafleet.planner.options import PlannerMode, PlannerOptions, PlanObjective
@@ -230,11 +230,7 @@ def _within_bounds(problem: PlanningProblem, finalists: list[PoolEntry], options
     cap, limit, prices = options.max_step_cost, options.max_step_s, problem.replica_prices
     if (cap is None and limit is None) or prices is None:
         return []
-    return [
-        e
-        for e in finalists
-        if (cap is None or entry_cost(e, prices) <= cap) and (limit is None or e.expected_makespan <= limit)
-    ]
+    return [e for e in finalists if within_bounds(e, prices, options)]
 
 
 def _solver_label(options: PlannerOptions, outcome_solves: tuple[SolveResult, ...], fell_back: bool) -> str:
