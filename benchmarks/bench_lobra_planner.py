@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_lobra_planner.py --hetu /tmp/peer/examples/lobra \\
         --python /tmp/peer/venv/bin/python [--rounds 3] [--sides lobra lobra+tp4] [--with-buckets] [--as-shipped]
+        [--lorafleet-sides lorafleet lorafleet:lobra-configs lorafleet:unpipelined]
 
 Both sides plan LobRA's 7B experiment (6 tasks: dolly, Evol-Instruct, XSum, CommitPackFT, MeetingBank,
 python_code; Llama2-7B on 16 x A100-40GB), each in a fresh process, the sides taking turns round by round
@@ -9,7 +10,10 @@ python_code; Llama2-7B on 16 x A100-40GB), each in a fresh process, the sides ta
 (``bench_planner.cached_bytecode_env``):
 
 - **lorafleet**: the whole ``lorafleet plan examples/lobra-7b.yaml`` command (``bench_planner.plan_command_cpu``:
-  the process and its CBC solves);
+  the process and its CBC solves), on every config of its analytic A100-40GB model; and (:data:`LORAFLEET_SIDES`)
+  the same command on LobRA's config space, the model's profile (``profiles/llama2-7b-a100-40gb-analytic.json``)
+  cut to the (tp, pp) rows of LobRA's max-token table without recomputation and given as ``--profile``, and on those
+  rows without pipelines (pp 1: TP 1, 2, 4, 8, the pool LobRA's TP 4 side proposes from that space);
 - **LobRA**: its static deployment planner, ``PruneStaticPlanner`` from PKU-DAIR/Hetu ``examples/lobra``
   (``trainer/planner.py``: configuration proposal, every plan of the pool's configs summing to 16 GPUs, the
   lower-bound pruning at 15 %, one SCIP MILP per surviving plan through joblib, ``limits/gap`` 0.5 %,
@@ -21,7 +25,7 @@ Measured: CPU seconds (``resource.getrusage``, user + system, of the process and
 CBC count; LobRA's joblib runs its ``len(plans) // 64`` = 0 -> 1 job in process) and wall seconds, the least of
 ``--rounds`` a side. Each LobRA side (glue 3) is reported twice: its whole process (interpreter, imports, the cost
 model's fit, the planner), the figure set against ``lorafleet plan``'s whole command, and ``schedule()`` alone (the
-planner's own call, measured inside the process). The ratio printed is LobRA's / lorafleet's. LobRA's
+planner's own call, measured inside the process). The ratios printed are LobRA's / each lorafleet side's. LobRA's
 padding-minimising bucket DP (``trainer/utils/dp_bucket.pyx``, 16 buckets over ``GBS x 100`` copies of the batch,
 ``BUCKET_PLAN=DYNAMIC``) picks the bucket boundaries its planner plans on; it runs once, first, in a process of its
 own, and its boundaries are handed to every timed LobRA run. Its CPU seconds are printed apart and, with
@@ -86,6 +90,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
+import csv
 import io
 import json
 import os
@@ -345,21 +350,23 @@ def run_lobra(python: str, hetu: Path, spec: Path, env: dict[str, str]) -> tuple
     return cpu, wall, report
 
 
-def run_lorafleet(env: dict[str, str]) -> tuple[float, float, str]:
-    """One ``lorafleet plan`` command: CPU seconds, wall seconds, its timing line."""
+def run_lorafleet(env: dict[str, str], argv: list[str]) -> tuple[float, float, str]:
+    """One ``lorafleet plan`` command with the extra arguments ``argv``: CPU seconds, wall seconds, its timing
+    line."""
     from bench_planner import plan_command_cpu
 
     wall = time.perf_counter()
-    cpu, laps, _ = plan_command_cpu([WORKLOAD], env=env)
+    cpu, laps, _ = plan_command_cpu([WORKLOAD, *argv], env=env)
     return cpu, time.perf_counter() - wall, laps
 
 
-def lorafleet_plan(env: dict[str, str]) -> str:
-    """lorafleet's chosen deployment for the workload, ``<tp,pp> x n + ...``, from its plan JSON."""
+def lorafleet_plan(env: dict[str, str], argv: list[str]) -> str:
+    """lorafleet's chosen deployment for the workload (with the extra arguments ``argv``), ``<tp,pp> x n + ...``,
+    from its plan JSON."""
     with tempfile.TemporaryDirectory() as scratch:
         written = Path(scratch) / "plan.json"
         subprocess.run(
-            [sys.executable, "-m", "lorafleet", "plan", WORKLOAD, "--json", str(written)],
+            [sys.executable, "-m", "lorafleet", "plan", WORKLOAD, *argv, "--json", str(written)],
             cwd=REPO,
             env=env,
             check=True,
@@ -391,6 +398,31 @@ def uptime() -> str:
 
 LOBRA_SIDES = {"lobra": "LobRA, reference data (TP 1, 2, 8)", "lobra+tp4": "LobRA, TP 4 analytic"}
 """LobRA's sides: its planner on the reference profile, and on it with TP 4's rows from lorafleet's model."""
+LORAFLEET_SIDES = {
+    "lorafleet": "lorafleet plan " + WORKLOAD,
+    "lorafleet:lobra-configs": "lorafleet, LobRA's (tp, pp) rows",
+    "lorafleet:unpipelined": "lorafleet, LobRA's rows of pp 1",
+}
+"""lorafleet's sides: every config of its model; the (tp, pp) rows of LobRA's max-token table (no recomputation);
+those of them without pipelines (:func:`lorafleet_arguments`)."""
+ANALYTIC_PROFILE = REPO / "profiles" / "llama2-7b-a100-40gb-analytic.json"
+"""The profile of lorafleet's analytic A100-40GB model of Llama2-7B: the workload's default cost model."""
+
+
+def lorafleet_arguments(scratch: Path) -> dict[str, list[str]]:
+    """Each lorafleet side's extra ``plan`` arguments: none, or ``--profile`` of :data:`ANALYTIC_PROFILE` with its
+    memory records (a config is planned on when it has one) cut to the side's configs, written under ``scratch``."""
+    with MAX_TOKENS.open() as f:
+        rows = {(int(row["tp"]), int(row["pp"])) for row in csv.DictReader(f)}
+    configs = {"lorafleet:lobra-configs": rows, "lorafleet:unpipelined": {(tp, pp) for tp, pp in rows if pp == 1}}
+    profile = json.loads(ANALYTIC_PROFILE.read_text())
+    argv: dict[str, list[str]] = {"lorafleet": []}
+    for side, kept in configs.items():
+        memory = [m for m in profile["memory"] if (m["tp"], m["pp"]) in kept and not m["recompute"]]
+        path = scratch / f"{side.partition(':')[2]}.json"
+        path.write_text(json.dumps(profile | {"memory": memory}))
+        argv[side] = ["--profile", str(path)]
+    return argv
 
 
 def lobra_specs(args: argparse.Namespace, hetu: Path, scratch: Path, env: dict[str, str]) -> dict[str, Path]:
@@ -411,15 +443,17 @@ def lobra_specs(args: argparse.Namespace, hetu: Path, scratch: Path, env: dict[s
     return specs
 
 
-def take_turns(args: argparse.Namespace, hetu: Path, specs: dict[str, Path], env: dict[str, str]) -> dict:
+def take_turns(
+    args: argparse.Namespace, hetu: Path, specs: dict[str, Path], ours: dict[str, list[str]], env: dict[str, str]
+) -> dict:
     """``--rounds`` rounds, the order of the sides rotating each round: every run's (CPU s, wall s, report) per
-    side, and the load after each."""
-    sides = ["lorafleet", *args.sides] + (["buckets"] if args.with_buckets else [])
+    side (``ours``: each lorafleet side's extra arguments), and the load after each."""
+    sides = [*ours, *args.sides] + (["buckets"] if args.with_buckets else [])
     runs: dict[str, list] = {side: [] for side in [*sides, "load"]}
     for r in range(args.rounds):
         for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
             runs[side].append(
-                run_lorafleet(env) if side == "lorafleet" else run_lobra(args.python, hetu, specs[side], env)
+                run_lorafleet(env, ours[side]) if side in ours else run_lobra(args.python, hetu, specs[side], env)
             )
             runs["load"].append(uptime())
         line = ", ".join(f"{side} {runs[side][-1][0]:.2f} CPU s / {runs[side][-1][1]:.2f} s" for side in sides)
@@ -427,28 +461,32 @@ def take_turns(args: argparse.Namespace, hetu: Path, specs: dict[str, Path], env
     return runs
 
 
-def report(runs: dict, sides: list[str], env: dict[str, str]) -> None:
-    """The least of each side's runs, the ratios LobRA / lorafleet, and the plans each found."""
-    ours = min(runs["lorafleet"])
-    print(f"\nleast of {len(runs['lorafleet'])} a side, CPU seconds (wall seconds); ratio to lorafleet's CPU s:")
-    print(f"  {'lorafleet plan ' + WORKLOAD:<52} {ours[0]:6.2f} ({min(r[1] for r in runs['lorafleet']):.2f})")
+def report(runs: dict, sides: list[str], ours: dict[str, list[str]], env: dict[str, str]) -> None:
+    """The least of each side's runs, the ratios LobRA / lorafleet (against each lorafleet side, in the order
+    listed), and the plans each found."""
+    least = {side: min(runs[side], key=lambda run: run[0]) for side in [*ours, *sides]}
+
+    def ratios(cpu: float) -> str:
+        return " / ".join(f"{cpu / least[side][0]:.2f}x" for side in ours)
+
+    rounds = len(runs[next(iter(ours))])
+    print(f"\nleast of {rounds} a side, CPU seconds (wall seconds); ratio to each lorafleet side's CPU s, in order:")
+    for side in ours:
+        print(f"  {LORAFLEET_SIDES[side]:<52} {least[side][0]:6.2f} ({min(r[1] for r in runs[side]):.2f})")
     for side in sides:
-        process = min(runs[side], key=lambda run: run[0])
+        process = least[side][0]
         schedule = min(run[2]["schedule_cpu"] for run in runs[side])
         wall = min(run[2]["schedule_wall"] for run in runs[side])
         print(
-            f"  {LOBRA_SIDES[side] + ', process':<52} {process[0]:6.2f} ({min(r[1] for r in runs[side]):.2f})  "
-            f"{process[0] / ours[0]:.2f}x"
+            f"  {LOBRA_SIDES[side] + ', process':<52} {process:6.2f} ({min(r[1] for r in runs[side]):.2f})  "
+            f"{ratios(process)}"
         )
-        print(
-            f"  {LOBRA_SIDES[side] + ', schedule() alone':<52} {schedule:6.2f} ({wall:.2f})  {schedule / ours[0]:.2f}x"
-        )
+        print(f"  {LOBRA_SIDES[side] + ', schedule() alone':<52} {schedule:6.2f} ({wall:.2f})  {ratios(schedule)}")
         if runs.get("buckets"):
-            buckets = min(run[0] for run in runs["buckets"])
-            both = process[0] + buckets
-            print(f"  {'  with the bucket DP process':<52} {both:6.2f}  {both / ours[0]:.1f}x")
+            both = process + min(run[0] for run in runs["buckets"])
+            print(f"  {'  with the bucket DP process':<52} {both:6.2f}  {ratios(both)}")
     for side in sides:
-        lobra = min(runs[side], key=lambda run: run[0])[2]
+        lobra = least[side][2]
         print(f"\n{LOBRA_SIDES[side]}: config pool (tp, pp, max tokens) {lobra['pool']}")
         print(f"  {lobra['milps']} MILPs built, {len(lobra['solved'])} solved; the best five:")
         for milp in sorted(lobra["solved"], key=lambda m: m["ms"])[:5]:
@@ -456,7 +494,9 @@ def report(runs: dict, sides: list[str], env: dict[str, str]) -> None:
         if lobra["crashed"]:
             print(f"  schedule() raised after its search (glue 5): {lobra['crashed']}")
         print(f"  plan: {deployment(lobra['plan'])}")
-    print(f"\nlorafleet's plan: {lorafleet_plan(env)}  (on lorafleet's analytic A100-40GB model)")
+    print()
+    for side, argv in ours.items():
+        print(f"{LORAFLEET_SIDES[side]}: {lorafleet_plan(env, argv)}  (lorafleet's analytic A100-40GB model)")
     print(f"load (1, 5, 15 min) after each run: {'; '.join(runs['load'])}")
 
 
@@ -484,6 +524,13 @@ def main() -> None:
         "--sides", nargs="+", choices=tuple(LOBRA_SIDES), default=list(LOBRA_SIDES), help="LobRA's sides run"
     )
     parser.add_argument(
+        "--lorafleet-sides",
+        nargs="+",
+        choices=tuple(LORAFLEET_SIDES),
+        default=list(LORAFLEET_SIDES),
+        help="lorafleet's sides run (the first is the one LobRA's sides are set against first)",
+    )
+    parser.add_argument(
         "--as-shipped",
         action="store_true",
         help="LobRA's MILPs as its code builds them, its indexing bug kept (glue 6)",
@@ -505,7 +552,9 @@ def main() -> None:
     env = cached_bytecode_env()
     with tempfile.TemporaryDirectory() as scratch:
         specs = lobra_specs(args, hetu, Path(scratch), env)
-        report(take_turns(args, hetu, specs, env), args.sides, env)
+        arguments = lorafleet_arguments(Path(scratch))
+        ours = {side: arguments[side] for side in args.lorafleet_sides}
+        report(take_turns(args, hetu, specs, ours, env), args.sides, ours, env)
 
 
 if __name__ == "__main__":
