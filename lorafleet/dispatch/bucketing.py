@@ -73,6 +73,16 @@ def candidate_lengths(lengths: np.ndarray, alignment: int = 16, barriers: Sequen
     return np.minimum(aligned, capped)
 
 
+def acting_barriers(lengths: np.ndarray, alignment: int, barriers: Sequence[int]) -> list[int]:
+    """``barriers`` (ascending) less those at or above the longest length rounded up to ``alignment``: such a barrier
+    caps no candidate (every ``u(l)`` is at most that rounded length, hence below it) and separates none, so the
+    candidates, their barrier segments (as a partition) and the buckets of every count are those without it."""
+    if lengths.size == 0:
+        return list(barriers)
+    top = -(-int(lengths.max()) // alignment) * alignment
+    return [b for b in barriers if b < top]
+
+
 def bucket_of(lengths: np.ndarray, boundaries: Sequence[int]) -> np.ndarray:
     """Index of each length's bucket: the first boundary >= the length."""
     return np.searchsorted(np.asarray(boundaries, dtype=np.int64), np.asarray(lengths, dtype=np.int64), side="left")

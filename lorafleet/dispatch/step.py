@@ -26,7 +26,7 @@ import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch.balance import Assignment, balance_by_length, balance_fast
-from lorafleet.dispatch.bucketing import BucketingResult, bucket_of, optimal_buckets_by_count
+from lorafleet.dispatch.bucketing import BucketingResult, acting_barriers, bucket_of, optimal_buckets_by_count
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import ConfigClass, LoadModel, build_load_model, config_classes
 from lorafleet.dispatch.microbatch import packed_with_tasks, padded_microbatches
@@ -130,10 +130,11 @@ def _candidate_bucketings(
     """The least-padding boundaries for every bucket count up to R (at least one bucket per memory class
     present: barriers at every M), fewest buckets first.
 
-    They depend on the batch's lengths and the classes' M only, and a plan asks for the same ones again
-    (deployments of one config set judged on the expected batch, a sampled batch raced on plans of
-    the same M): a counted scope (a plan) keeps them in its memo (:func:`lorafleet.work.memo`)."""
-    barriers = sorted({c.max_tokens for c in classes})
+    They depend on the batch's lengths and the classes' M only, the M above the longest sequences not at all
+    (:func:`~.bucketing.acting_barriers`), and a plan asks for the same ones again (deployments of one config set, or
+    of sets that differ in such M, judged on the expected batch; a sampled batch raced on plans of the same M): a
+    counted scope (a plan) keeps them in its memo (:func:`lorafleet.work.memo`)."""
+    barriers = acting_barriers(batch.lengths, options.bucket_alignment, sorted({c.max_tokens for c in classes}))
     key = (batch.lengths.tobytes(), options.n_buckets, options.bucket_alignment, tuple(barriers))
     memo = work_memo("bucketings")
     if memo is not None and key in memo:
