@@ -30,7 +30,7 @@ from lorafleet.dispatch.bucketing import BucketingResult, acting_barriers, bucke
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import ConfigClass, LoadModel, build_load_model, config_classes
 from lorafleet.dispatch.microbatch import packed_with_tasks, padded_microbatches
-from lorafleet.dispatch.pipelined import pipelined_packing
+from lorafleet.dispatch.pipelined import one_two_times, pipelined_packing
 from lorafleet.dispatch.placement import place_sequences
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork, StepPlan
@@ -224,12 +224,15 @@ def placed_work(
     n_replicas = sum(len(c.replicas) for c in load.classes)
     held = place_sequences(load, counts, bucket, batch.lengths, batch.task_ids, n_replicas)
     padded_len = load.boundaries[bucket] if bucket.size else bucket
+    lengths_key = batch.lengths.tobytes() if mode is MicroBatchMode.PACKING else b""  # hashed once, read by class
     work: list[tuple[tuple[MicroBatch, ...], float]] = [((), 0.0)] * n_replicas
     for i, cls in enumerate(load.classes):
         if classes is not None and i not in classes:
             continue
+        pipelined = mode is MicroBatchMode.PACKING and cls.config.pp > 1
+        one_two = one_two_times(cost_model, cls.config, batch.lengths, lengths_key) if pipelined else None
         for r in cls.replicas:
-            if mode is MicroBatchMode.PACKING and cls.config.pp > 1:
+            if pipelined:
                 # the bubble pays the largest micro-batch again: balanced, counted, and priced there
                 mbs, _, seconds = pipelined_packing(
                     held[r],
@@ -240,6 +243,7 @@ def placed_work(
                     cls.config,
                     window,
                     task_major=task_major,
+                    one_two=one_two,
                 )
             else:
                 if mode is MicroBatchMode.PADDING:
