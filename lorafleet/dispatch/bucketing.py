@@ -75,8 +75,9 @@ def candidate_lengths(lengths: np.ndarray, alignment: int = 16, barriers: Sequen
 
 def acting_barriers(lengths: np.ndarray, alignment: int, barriers: Sequence[int]) -> list[int]:
     """``barriers`` (ascending) less those at or above the longest length rounded up to ``alignment``: such a barrier
-    caps no candidate (every ``u(l)`` is at most that rounded length, hence below it) and separates none, so the
-    candidates, their barrier segments (as a partition) and the buckets of every count are those without it."""
+    caps no candidate and separates none (every aligned length, and so every ``u(l)``, is at most that rounded length,
+    hence at most the barrier), so the candidates, their barrier segments (as a partition) and the buckets of every
+    count are those without it."""
     if lengths.size == 0:
         return list(barriers)
     top = -(-int(lengths.max()) // alignment) * alignment
