@@ -279,11 +279,12 @@ def _slot_stall(pp: int, k: int, late: tuple[int, ...], cap: float) -> float:
     rel = [*late, *range(k + len(late) - pp, 2 * k - pp)]
     two = [-1] * k + rel
     rows, more = _stage_rows(pp, two), _stage_rows(pp, two + [d + k for d in rel])
-    shared = 0
+    head = k + max(0, k - pp + 1, late[0] + 1)  # where stage 0's first forward of the second step sits
+    shared = head
     while shared < len(rows) and rows[shared] == more[shared]:
         shared += 1
-    ends = _SlotEnds(pp, len(two) + len(rel), FORWARD_SHARE, 1.0 - FORWARD_SHARE)
-    ends.settle(more, 0, shared)
+    ends = _first_step_ends(pp, k, head).copy()
+    ends.settle(more, head, shared)
     twice = ends.copy()
     span = twice.settle(rows, shared, len(rows))
     three = ends.settle(more, shared, len(more), span + k + cap)
@@ -358,6 +359,17 @@ class _SlotEnds:
             if at_least is not None and max(last) + (final - p) * shortest >= at_least:
                 return None
         return max(last)
+
+
+@functools.lru_cache(maxsize=1024)
+def _first_step_ends(pp: int, k: int, head: int) -> _SlotEnds:
+    """:func:`_slot_stall`'s ends over its first ``head`` positions, before stage 0's first forward of the second step
+    (at ``k + c_0(k)``, :func:`stage_positions`; later on the other stages, whose ``c`` is larger): they hold the first
+    step's ops alone, at the positions the step alone gives them (no forward of a later step is before them), so
+    every stall of ``(pp, k)`` whose second step starts there settles the same ends (read only: copied)."""
+    ends = _SlotEnds(pp, 3 * k, FORWARD_SHARE, 1.0 - FORWARD_SHARE)
+    ends.settle(_stage_rows(pp, [-1] * k), 0, head)
+    return ends
 
 
 @functools.lru_cache(maxsize=256)

@@ -73,6 +73,17 @@ def candidate_lengths(lengths: np.ndarray, alignment: int = 16, barriers: Sequen
     return np.minimum(aligned, capped)
 
 
+def acting_barriers(lengths: np.ndarray, alignment: int, barriers: Sequence[int]) -> list[int]:
+    """``barriers`` (ascending) less those at or above the longest length rounded up to ``alignment``: such a barrier
+    caps no candidate and separates none (every aligned length, and so every ``u(l)``, is at most that rounded length,
+    hence at most the barrier), so the candidates, their barrier segments (as a partition) and the buckets of every
+    count are those without it."""
+    if lengths.size == 0:
+        return list(barriers)
+    top = -(-int(lengths.max()) // alignment) * alignment
+    return [b for b in barriers if b < top]
+
+
 def bucket_of(lengths: np.ndarray, boundaries: Sequence[int]) -> np.ndarray:
     """Index of each length's bucket: the first boundary >= the length."""
     return np.searchsorted(np.asarray(boundaries, dtype=np.int64), np.asarray(lengths, dtype=np.int64), side="left")
@@ -170,6 +181,10 @@ def _occupied_tokens_dp(
     cum = np.concatenate(([0.0], np.cumsum(w)))  # W_0..W_U
     last_seg = np.concatenate(([-1], segment))  # segment of u[i - 1], the last candidate of prefix i
     seg_first = np.searchsorted(segment, last_seg, side="left")  # first(i): where that segment starts
+    # a prefix spanning s segments needs s buckets: j buckets reach the prefixes up to the end of the j-th segment
+    # (reach[j]), the others stay inf
+    reach = np.append(np.flatnonzero(np.diff(segment)) + 1, n)
+    reach = np.concatenate(([0], reach, np.full(n_buckets, n)))[: n_buckets + 1].tolist()
     occupied = np.full((n_buckets + 1, n + 1), np.inf)
     occupied[0, 0] = 0.0
     choice = np.zeros((n_buckets + 1, n + 1), dtype=np.int64)
@@ -189,10 +204,13 @@ def _occupied_tokens_dp(
         uw_i = u[rows - 1] * cum[rows]
         every = np.arange(rows.size)
         for j in range(1, n_buckets + 1):
-            total = (occupied[j - 1, None, low : low + across] if one_row else occupied[j - 1, ks]) + minus_uw
+            m = min(max(reach[j] - lo + 1, 0), rows.size)  # the block's rows j buckets reach: its first m
+            if m == 0:
+                continue
+            total = (occupied[j - 1, None, low : low + across] if one_row else occupied[j - 1, ks[:m]]) + minus_uw[:m]
             best = np.argmin(total, axis=1)
-            occupied[j, rows] = total[every, best] + uw_i
-            choice[j, rows] = best if one_row else ks[every, best]
+            occupied[j, lo : lo + m] = total[every[:m], best] + uw_i[:m]
+            choice[j, lo : lo + m] = best if one_row else ks[every[:m], best]
         if one_row:
             choice[1:, rows] += low  # t -> k
     return occupied, choice

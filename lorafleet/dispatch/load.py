@@ -58,6 +58,7 @@ from lorafleet.dispatch.sorting import lexsort_ints
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.dispatch import MicroBatchMode
+from lorafleet.work import memo as work_memo
 
 SPEED_TOLERANCE = 0.05
 """Replicas of one config whose speed factors lie within this fraction above the least factor of
@@ -221,58 +222,34 @@ def build_load_model(
 ) -> LoadModel:
     """The load model of one step: ``lengths[q]`` falls in bucket ``bucket[q]`` of ``boundaries``."""
     s = np.asarray(boundaries, dtype=np.int64)
-    n_buckets = s.size
-    counts = np.bincount(bucket, minlength=n_buckets).astype(np.int64)
-    shape = (len(classes), n_buckets)
-    per_seq, per_mb = np.zeros(shape), np.zeros(shape)
+    memo = work_memo("load rows")
+    if memo is None:
+        step = _Step(s, lengths, bucket, *_bucket_stats(s, lengths, bucket, mode))
+    else:
+        batch = (mode, s.tobytes(), lengths.dtype.str, lengths.tobytes(), bucket.dtype.str, bucket.tobytes())
+        if batch not in memo:
+            memo[batch] = _bucket_stats(s, lengths, bucket, mode)
+        step = _Step(s, lengths, bucket, *memo[batch])
+    shape = (len(classes), s.size)
+    per_seq, per_mb, bound_seq, bound_token = np.zeros(shape), np.zeros(shape), np.zeros(shape), np.zeros(shape)
     rows = np.zeros(shape, dtype=np.int64)
-    tokens = np.bincount(bucket, weights=lengths, minlength=n_buckets)
-    if mode is MicroBatchMode.PACKING:
-        mean_len = np.where(counts > 0, tokens / np.maximum(counts, 1), s)
     for i, cls in enumerate(classes):
-        fits = s <= cls.max_tokens
-        scale = cls.time_scale
-        one = scale * np.asarray(cost_model.microbatch_time(cls.config, 1, s), dtype=float)
-        two = scale * np.asarray(cost_model.microbatch_time(cls.config, 2, s), dtype=float)
-        if mode is MicroBatchMode.PADDING:
-            per_seq[i] = two - one
-            per_mb[i] = 2 * one - two
-            rows[i] = np.where(fits, cls.max_tokens // s, 0)
+        if memo is None:
+            row = _class_rows(cost_model, cls, step)
         else:
-            seq_time = scale * (
-                np.asarray(cost_model.microbatch_time(cls.config, 2, lengths), dtype=float)
-                - np.asarray(cost_model.microbatch_time(cls.config, 1, lengths), dtype=float)
-            )
-            per_seq[i] = np.where(
-                counts > 0,
-                np.bincount(bucket, weights=seq_time, minlength=n_buckets) / np.maximum(counts, 1),
-                two - one,
-            )
-            # A packed micro-batch fills up to M tokens from every bucket, so each sequence pays
-            # its token share of one micro-batch's constant, not a micro-batch per bucket. That
-            # constant is beta = 2 t(1, s) - t(2, s): a lone sequence packed costs t(1, s) (time_model).
-            per_seq[i] += (2 * one - two) * mean_len / cls.max_tokens
-            rows[i] = np.where(fits, np.maximum(cls.max_tokens // np.maximum(mean_len, 1).astype(np.int64), 1), 0)
+            # the cost model by identity, held in the entry: while the entry lives, no other object has its id
+            key = (id(cost_model), cls.config, cls.max_tokens, cls.time_scale, batch)
+            if key not in memo:
+                memo[key] = (cost_model, _class_rows(cost_model, cls, step))
+            row = memo[key][1]
+        per_seq[i], per_mb[i], rows[i], bound_seq[i], bound_token[i] = row
     deployed = cost_model.spanning(c.config.pool for c in classes)  # the sync crosses pools iff the classes do
     overhead = np.array([c.time_scale * deployed.step_overhead(c.config) for c in classes])
-    compute_table, largest_table, table_start = _cost_tables(per_seq, per_mb, rows, counts)
-    length_range = np.stack([s, s], axis=1).astype(float)
-    present = np.flatnonzero(counts)
-    order = lexsort_ints((lengths,))  # by (bucket, length): a bucket's lengths are a range of lengths
-    starts = np.concatenate(([0], np.cumsum(counts)))
-    length_range[present, 0] = lengths[order][starts[present]]
-    length_range[present, 1] = lengths[order][starts[present + 1] - 1]
-    if mode is MicroBatchMode.PADDING:
-        bound_seq, bound_token = per_seq + per_mb / np.maximum(rows, 1), np.zeros(shape)
-    else:
-        bound_seq, bound_token = np.zeros(shape), np.zeros(shape)
-        for i, cls in enumerate(classes):
-            u, v = _packed_tangent(cost_model, cls, mean_len)  # at the bucket's mean length
-            bound_seq[i], bound_token[i] = cls.time_scale * u, cls.time_scale * v
+    compute_table, largest_table, table_start = _cost_tables(per_seq, per_mb, rows, step.counts)
     return LoadModel(
         classes=classes,
         boundaries=s,
-        counts=counts,
+        counts=step.counts.copy(),
         per_seq_s=per_seq,
         per_microbatch_s=per_mb,
         microbatch_rows=rows,
@@ -285,9 +262,74 @@ def build_load_model(
         table_start=table_start,
         bound_per_seq_s=bound_seq,
         bound_per_token_s=bound_token,
-        tokens=tokens,
-        length_range=length_range,
+        tokens=step.tokens.copy(),
+        length_range=step.length_range.copy(),
     )
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One step's buckets as a load model reads them, whatever the classes: the boundaries s_j, the lengths and
+    their buckets, D_j, Y_j, each bucket's shortest and longest length (its boundary when empty), and in packing
+    mode its mean length (its boundary when empty; None: padding mode)."""
+
+    boundaries: np.ndarray
+    lengths: np.ndarray
+    bucket: np.ndarray
+    counts: np.ndarray
+    tokens: np.ndarray
+    length_range: np.ndarray
+    mean_len: np.ndarray | None
+
+
+def _bucket_stats(
+    s: np.ndarray, lengths: np.ndarray, bucket: np.ndarray, mode: MicroBatchMode
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """:class:`_Step`'s D_j, Y_j, length ranges and mean lengths of ``lengths`` in buckets ``bucket`` of ``s``."""
+    counts = np.bincount(bucket, minlength=s.size).astype(np.int64)
+    tokens = np.bincount(bucket, weights=lengths, minlength=s.size)
+    length_range = np.stack([s, s], axis=1).astype(float)
+    present = np.flatnonzero(counts)
+    order = lexsort_ints((lengths,))  # by (bucket, length): a bucket's lengths are a range of lengths
+    starts = np.concatenate(([0], np.cumsum(counts)))
+    length_range[present, 0] = lengths[order][starts[present]]
+    length_range[present, 1] = lengths[order][starts[present + 1] - 1]
+    packed = mode is MicroBatchMode.PACKING
+    return counts, tokens, length_range, np.where(counts > 0, tokens / np.maximum(counts, 1), s) if packed else None
+
+
+def _class_rows(cost_model: CostModel, cls: ConfigClass, step: _Step) -> tuple[np.ndarray, ...]:
+    """Class ``cls``'s rows of the load model (module docstring), each (R,): alpha_ij, beta_ij, b_ij, u_ij, v_ij.
+    A function of the class's config, M and time scale, the cost model and the step alone, not of the other
+    classes, nor of p_i: a counted scope (a plan, whose deployments share most classes and are judged on one
+    expected batch) keeps them in its memo (``build_load_model``)."""
+    s, counts, n_buckets = step.boundaries, step.counts, step.boundaries.size
+    fits = s <= cls.max_tokens
+    scale = cls.time_scale
+    one = scale * np.asarray(cost_model.microbatch_time(cls.config, 1, s), dtype=float)
+    two = scale * np.asarray(cost_model.microbatch_time(cls.config, 2, s), dtype=float)
+    mean_len = step.mean_len
+    if mean_len is None:
+        per_seq = two - one
+        per_mb = 2 * one - two
+        rows = np.where(fits, cls.max_tokens // s, 0)
+        return per_seq, per_mb, rows, per_seq + per_mb / np.maximum(rows, 1), np.zeros(n_buckets)
+    seq_time = scale * (
+        np.asarray(cost_model.microbatch_time(cls.config, 2, step.lengths), dtype=float)
+        - np.asarray(cost_model.microbatch_time(cls.config, 1, step.lengths), dtype=float)
+    )
+    per_seq = np.where(
+        counts > 0,
+        np.bincount(step.bucket, weights=seq_time, minlength=n_buckets) / np.maximum(counts, 1),
+        two - one,
+    )
+    # A packed micro-batch fills up to M tokens from every bucket, so each sequence pays
+    # its token share of one micro-batch's constant, not a micro-batch per bucket. That
+    # constant is beta = 2 t(1, s) - t(2, s): a lone sequence packed costs t(1, s) (time_model).
+    per_seq += (2 * one - two) * mean_len / cls.max_tokens
+    rows = np.where(fits, np.maximum(cls.max_tokens // np.maximum(mean_len, 1).astype(np.int64), 1), 0)
+    u, v = _packed_tangent(cost_model, cls, mean_len)  # at the bucket's mean length
+    return per_seq, np.zeros(n_buckets), rows, scale * u, scale * v
 
 
 def _bound_coeffs(cost_model: CostModel, config: ParallelConfig) -> np.ndarray | None:

@@ -46,6 +46,7 @@ from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.costmodel.schedule import TaskRanges
 from lorafleet.dispatch.microbatch import decreasing, first_fit, microbatches_of_bins, packed_with_tasks
 from lorafleet.plans import MicroBatch
+from lorafleet.work import memo as work_memo
 
 
 def balanced_bins(needs: list[int], own: list[float], opening: list[float], k: int, max_tokens: int) -> np.ndarray:
@@ -76,6 +77,31 @@ def balanced_bins(needs: list[int], own: list[float], opening: list[float], k: i
             if room[entry[1]] >= smallest:
                 heapq.heappush(heap, entry)
     return np.asarray(bin_of, dtype=np.int64)
+
+
+ONE_TWO = np.array([[1], [2]])
+"""b = 1 and b = 2 as a column: t(1, s) and t(2, s) of many lengths s in one broadcast call of the time model."""
+
+
+def one_two_times(cost_model: CostModel, config: ParallelConfig, lengths: np.ndarray, key: bytes) -> np.ndarray | None:
+    """(2, n): t(1, l) and t(2, l) on a stage of ``config`` of every length of a batch (``key``: its lengths as
+    bytes), what :func:`pipelined_packing` reads of each sequence (its alpha and beta). A function of the stage's
+    coefficients and the lengths alone, which a plan asks for again (the replicas of a config on its expected batch,
+    deployment after deployment; on a sampled batch, finalist after finalist): a counted scope keeps them in its memo,
+    the latest batch's only (a plan judges one batch at a time, and a config's are 16 bytes a sequence: service-128
+    held 31 MB of every batch's). None outside a scope (a step's dispatch: each replica's sequences timed alone)."""
+    memo = work_memo("one-two times")
+    if memo is None:
+        return None
+    batch = (lengths.dtype.str, key)
+    if memo.get("batch") != batch:
+        memo.clear()
+        memo["batch"], memo["times"] = batch, {}
+    stage = cost_model.stage_coeffs(config)
+    times = memo["times"]
+    if stage not in times:
+        times[stage] = stage(ONE_TWO, lengths)
+    return times[stage]
 
 
 MIN_GAIN = 0.01
@@ -118,13 +144,16 @@ def pipelined_packing(
     window: int = 1,
     *,
     task_major: bool = False,
+    one_two: np.ndarray | None = None,
 ) -> tuple[list[MicroBatch], TaskRanges, float]:
     """The micro-batches of a replica of ``config`` (pp > 1) holding ``seq_ids``, packed to at most ``max_tokens``:
     first-fit decreasing's, or, where the closed form expects a balanced packing into :func:`best_count`'s K
     micro-batches to save :data:`MIN_GAIN`, the balanced packing into K or K + 1 that ``cost_model.replica_time``
     prices below it in a pipeline window of ``window`` steps (module docstring); as
     ``microbatch.packed_with_tasks`` returns them (rows by task, 1F1B or ``task_major`` order), with their tasks and
-    that price, seconds (``replica_time`` in the window: the caller need not price them again)."""
+    that price, seconds (``replica_time`` in the window: the caller need not price them again). ``one_two``: t(1, l)
+    and t(2, l) on a stage of ``config`` of every length of ``lengths`` (:func:`one_two_times`), when the caller has
+    them; each of these sequences' own otherwise (the same times: the time model is elementwise in l)."""
 
     def priced(packing: tuple[list[MicroBatch], TaskRanges]) -> tuple[list[MicroBatch], TaskRanges, float]:
         return *packing, cost_model.replica_time(config, *packing, window)
@@ -137,7 +166,7 @@ def pipelined_packing(
     bins = first_fit(needs, max_tokens)
     first = microbatches_of_bins(order, bins, lengths, task_ids, task_major=task_major)
     stage = cost_model.stage_coeffs(config)
-    one, two = stage(np.array([[1], [2]]), needs)  # t(1, s), t(2, s) of each sequence in one broadcast call
+    one, two = stage(ONE_TWO, needs) if one_two is None else one_two[:, order]  # t(1, s), t(2, s) of each sequence
     own, opening = two - one, 2 * one - two  # α, β of each sequence (LobRA's t(b, s) = α b + β)
     # each micro-batch's longest sequence, the first placed there: micro-batches are numbered in opening order,
     # so micro-batch b opens where the running maximum of the numbers first reaches b

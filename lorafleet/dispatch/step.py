@@ -26,11 +26,11 @@ import numpy as np
 
 from lorafleet.costmodel.cost_model import CostModel
 from lorafleet.dispatch.balance import Assignment, balance_by_length, balance_fast
-from lorafleet.dispatch.bucketing import BucketingResult, bucket_of, optimal_buckets_by_count
+from lorafleet.dispatch.bucketing import BucketingResult, acting_barriers, bucket_of, optimal_buckets_by_count
 from lorafleet.dispatch.ilp import solve_dispatch_ilp
 from lorafleet.dispatch.load import ConfigClass, LoadModel, build_load_model, config_classes
 from lorafleet.dispatch.microbatch import packed_with_tasks, padded_microbatches
-from lorafleet.dispatch.pipelined import pipelined_packing
+from lorafleet.dispatch.pipelined import one_two_times, pipelined_packing
 from lorafleet.dispatch.placement import place_sequences
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan, GlobalBatch, MicroBatch, ReplicaWork, StepPlan
@@ -130,10 +130,11 @@ def _candidate_bucketings(
     """The least-padding boundaries for every bucket count up to R (at least one bucket per memory class
     present: barriers at every M), fewest buckets first.
 
-    They depend on the batch's lengths and the classes' M only, and a plan asks for the same ones again
-    (deployments of one config set judged on the expected batch, a sampled batch raced on plans of
-    the same M): a counted scope (a plan) keeps them in its memo (:func:`lorafleet.work.memo`)."""
-    barriers = sorted({c.max_tokens for c in classes})
+    They depend on the batch's lengths and the classes' M only, the M above the longest sequences not at all
+    (:func:`~.bucketing.acting_barriers`), and a plan asks for the same ones again (deployments of one config set, or
+    of sets that differ in such M, judged on the expected batch; a sampled batch raced on plans of the same M): a
+    counted scope (a plan) keeps them in its memo (:func:`lorafleet.work.memo`)."""
+    barriers = acting_barriers(batch.lengths, options.bucket_alignment, sorted({c.max_tokens for c in classes}))
     key = (batch.lengths.tobytes(), options.n_buckets, options.bucket_alignment, tuple(barriers))
     memo = work_memo("bucketings")
     if memo is not None and key in memo:
@@ -223,12 +224,15 @@ def placed_work(
     n_replicas = sum(len(c.replicas) for c in load.classes)
     held = place_sequences(load, counts, bucket, batch.lengths, batch.task_ids, n_replicas)
     padded_len = load.boundaries[bucket] if bucket.size else bucket
+    lengths_key = batch.lengths.tobytes() if mode is MicroBatchMode.PACKING else b""  # hashed once, read by class
     work: list[tuple[tuple[MicroBatch, ...], float]] = [((), 0.0)] * n_replicas
     for i, cls in enumerate(load.classes):
         if classes is not None and i not in classes:
             continue
+        pipelined = mode is MicroBatchMode.PACKING and cls.config.pp > 1
+        one_two = one_two_times(cost_model, cls.config, batch.lengths, lengths_key) if pipelined else None
         for r in cls.replicas:
-            if mode is MicroBatchMode.PACKING and cls.config.pp > 1:
+            if pipelined:
                 # the bubble pays the largest micro-batch again: balanced, counted, and priced there
                 mbs, _, seconds = pipelined_packing(
                     held[r],
@@ -239,6 +243,7 @@ def placed_work(
                     cls.config,
                     window,
                     task_major=task_major,
+                    one_two=one_two,
                 )
             else:
                 if mode is MicroBatchMode.PADDING:

@@ -53,6 +53,7 @@ from lorafleet.planner.problem import Candidate, max_replicas
 from lorafleet.planner.schedule import Phase, Schedule, pow2_boundaries, select_tasks
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.work import memo as work_memo
 from lorafleet.workload import Workload
 
 
@@ -201,11 +202,10 @@ def gpu_seconds_bound(
     if mode is MicroBatchMode.PADDING:
         s = static_boundaries(batch, candidate)
         rows = np.bincount(bucket_of(batch.lengths, s), minlength=s.size)
-        one, two = (np.asarray(cost_model.microbatch_time(candidate.config, b, s), dtype=float) for b in (1, 2))
-        alpha, beta = two - one, 2 * one - two
-        if alpha.min() < 0 or beta.min() < 0:
+        rates = _padded_rates(cost_model, candidate, s)
+        if rates is None:
             return 0.0
-        per_row = alpha + beta / (candidate.max_tokens // s)  # static buckets are capped at M: b_j >= 1
+        one, per_row = rates
         top = one[np.flatnonzero(rows)[-1]]
         busiest = max(
             float(per_row @ rows) / replicas, float(top) * (1 + cost_model.drained_bubble_slots(candidate.config))
@@ -214,6 +214,24 @@ def gpu_seconds_bound(
         r = sequence_lower_bound(cost_model, candidate.config, candidate.max_tokens, batch.lengths)
         busiest = max(float(r.sum()) / replicas, float(r.max()))
     return (busiest + cost_model.step_overhead(candidate.config)) * replicas * candidate.n_gpus
+
+
+def _padded_rates(cost_model: CostModel, candidate: Candidate, s: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`gpu_seconds_bound`'s padded rates over static buckets ``s``: t(1, s_j) and a row's least compute
+    α_j + β_j / b_j (None when some α_j or β_j is negative: nothing is bounded). A function of the config, M and
+    ``s`` alone, which Task-Sequential asks for again for every task (service-128: 1,910 bounds), so a counted scope
+    keeps them in its memo (the cost model by identity, held in the entry)."""
+    memo = work_memo("padded rates")
+    key = (id(cost_model), candidate.config, candidate.max_tokens, s.tobytes())
+    if memo is not None and key in memo:
+        return memo[key][1]
+    one, two = (np.asarray(cost_model.microbatch_time(candidate.config, b, s), dtype=float) for b in (1, 2))
+    alpha, beta = two - one, 2 * one - two
+    # static buckets are capped at M: b_j >= 1
+    rates = None if alpha.min() < 0 or beta.min() < 0 else (one, alpha + beta / (candidate.max_tokens // s))
+    if memo is not None:
+        memo[key] = (cost_model, rates)
+    return rates
 
 
 def layouts_across_pools(

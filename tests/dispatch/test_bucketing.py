@@ -157,3 +157,25 @@ def test_the_banded_dp_is_the_dp_over_every_start(candidates, weights, n_buckets
     reached = np.isfinite(expected)
     reached[0] = False
     assert np.array_equal(choice[reached], expected_choice[reached])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 600), min_size=1, max_size=40),
+    barriers=st.lists(st.integers(1, 700), max_size=5, unique=True),
+    alignment=st.sampled_from([1, 7, 16]),
+    n_buckets=st.integers(1, 8),
+)
+def test_barriers_at_or_above_the_rounded_longest_length_change_no_bucketing(lengths, barriers, alignment, n_buckets):
+    """The barriers ``acting_barriers`` drops give the same candidates, barrier segments present and buckets."""
+    lengths = np.array(lengths)
+    barriers = sorted(barriers)
+    acting = bucketing.acting_barriers(lengths, alignment, barriers)
+    np.testing.assert_array_equal(
+        candidate_lengths(lengths, alignment, acting), candidate_lengths(lengths, alignment, barriers)
+    )
+    present = np.unique(np.searchsorted(barriers, lengths, side="left")).size
+    assert np.unique(np.searchsorted(acting, lengths, side="left")).size == present
+    count = max(n_buckets, present)
+    with_all = optimal_buckets_by_count(lengths, count, alignment=alignment, barriers=barriers)
+    assert optimal_buckets_by_count(lengths, count, alignment=alignment, barriers=acting) == with_all

@@ -9,8 +9,9 @@ import pytest
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.costmodel.parallel_config import ParallelConfig
 from lorafleet.dispatch.microbatch import packed_with_tasks
-from lorafleet.dispatch.pipelined import balanced_bins, best_count, pipelined_packing
+from lorafleet.dispatch.pipelined import balanced_bins, best_count, one_two_times, pipelined_packing
 from lorafleet.presets import lobra_7b_cost_model
+from lorafleet.work import counting
 from lorafleet.workload import load_workload
 
 ONE_TASK_70B = """model: llama2-70b
@@ -83,3 +84,20 @@ def test_never_priced_above_first_fit_decreasing_and_keeps_the_packers_invariant
             keys = [(max(mb.task_ids),) if task_major else (-mb.tokens, -max(mb.lengths)) for mb in mbs]
             assert keys == sorted(keys)
     assert balanced >= 8  # of 24: the balanced packing is taken on these draws, not only first-fit decreasing
+
+
+def test_a_batchs_one_two_times_pack_and_price_as_each_replicas_own():
+    """``one_two``, a batch's t(1, l) and t(2, l) from :func:`one_two_times` (in a counted scope; None outside), give
+    a replica of part of the batch the micro-batches and the price its own sequences' times give, bit for bit."""
+    cost_model, rng, config = lobra_7b_cost_model(), np.random.default_rng(11), ParallelConfig(2, 4)
+    m = cost_model.max_tokens(config)
+    lengths, tasks = rng.integers(1, m, 400) // rng.integers(1, 8, 400) + 1, rng.integers(0, 5, 400)
+    assert one_two_times(cost_model, config, lengths, lengths.tobytes()) is None
+    with counting():
+        one_two = one_two_times(cost_model, config, lengths, lengths.tobytes())
+        assert one_two_times(cost_model, config, lengths, lengths.tobytes()) is one_two
+    for held in np.array_split(rng.permutation(400), 8):
+        own = pipelined_packing(held, lengths, tasks, m, cost_model, config, 8)
+        read = pipelined_packing(held, lengths, tasks, m, cost_model, config, 8, one_two=one_two)
+        assert read[2] == own[2]
+        assert [(mb.seq_ids, mb.lengths) for mb in read[0]] == [(mb.seq_ids, mb.lengths) for mb in own[0]]
