@@ -15,10 +15,13 @@ decides them): within one scope a result is computed once, and the count says ho
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def cpu_seconds() -> float:
@@ -90,3 +93,12 @@ def memo(name: str) -> dict | None:
     """The current scope's memo ``name`` (created empty), or None outside a scope."""
     work = _SCOPE.get()
     return None if work is None else work.memos.setdefault(name, {})
+
+
+def by_identity(memo: dict, owner: object, key: Hashable, compute: Callable[[], T]) -> T:
+    """``compute()`` once per ``memo`` for ``owner`` (an unhashable or costly-to-hash object, a cost model, taken by
+    identity) and ``key``: the entry holds ``owner``, so while it lives no other object can have its id."""
+    entry = (id(owner), key)
+    if entry not in memo:
+        memo[entry] = (owner, compute())
+    return memo[entry][1]

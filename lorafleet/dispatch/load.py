@@ -58,6 +58,7 @@ from lorafleet.dispatch.sorting import lexsort_ints
 from lorafleet.errors import InputError
 from lorafleet.plans import DeploymentPlan
 from lorafleet.specs.dispatch import MicroBatchMode
+from lorafleet.work import by_identity
 from lorafleet.work import memo as work_memo
 
 SPEED_TOLERANCE = 0.05
@@ -237,11 +238,8 @@ def build_load_model(
         if memo is None:
             row = _class_rows(cost_model, cls, step)
         else:
-            # the cost model by identity, held in the entry: while the entry lives, no other object has its id
-            key = (id(cost_model), cls.config, cls.max_tokens, cls.time_scale, batch)
-            if key not in memo:
-                memo[key] = (cost_model, _class_rows(cost_model, cls, step))
-            row = memo[key][1]
+            key = (cls.config, cls.max_tokens, cls.time_scale, batch)
+            row = by_identity(memo, cost_model, key, lambda cls=cls: _class_rows(cost_model, cls, step))
         per_seq[i], per_mb[i], rows[i], bound_seq[i], bound_token[i] = row
     deployed = cost_model.spanning(c.config.pool for c in classes)  # the sync crosses pools iff the classes do
     overhead = np.array([c.time_scale * deployed.step_overhead(c.config) for c in classes])

@@ -53,6 +53,7 @@ from lorafleet.planner.problem import Candidate, max_replicas
 from lorafleet.planner.schedule import Phase, Schedule, pow2_boundaries, select_tasks
 from lorafleet.plans import DeploymentPlan, GlobalBatch, StepPlan
 from lorafleet.specs.cluster import ClusterSpec
+from lorafleet.work import by_identity
 from lorafleet.work import memo as work_memo
 from lorafleet.workload import Workload
 
@@ -221,17 +222,17 @@ def _padded_rates(cost_model: CostModel, candidate: Candidate, s: np.ndarray) ->
     α_j + β_j / b_j (None when some α_j or β_j is negative: nothing is bounded). A function of the config, M and
     ``s`` alone, which Task-Sequential asks for again for every task (service-128: 1,910 bounds), so a counted scope
     keeps them in its memo (the cost model by identity, held in the entry)."""
+
+    def rates() -> tuple[np.ndarray, np.ndarray] | None:
+        one, two = (np.asarray(cost_model.microbatch_time(candidate.config, b, s), dtype=float) for b in (1, 2))
+        alpha, beta = two - one, 2 * one - two
+        # static buckets are capped at M: b_j >= 1
+        return None if alpha.min() < 0 or beta.min() < 0 else (one, alpha + beta / (candidate.max_tokens // s))
+
     memo = work_memo("padded rates")
-    key = (id(cost_model), candidate.config, candidate.max_tokens, s.tobytes())
-    if memo is not None and key in memo:
-        return memo[key][1]
-    one, two = (np.asarray(cost_model.microbatch_time(candidate.config, b, s), dtype=float) for b in (1, 2))
-    alpha, beta = two - one, 2 * one - two
-    # static buckets are capped at M: b_j >= 1
-    rates = None if alpha.min() < 0 or beta.min() < 0 else (one, alpha + beta / (candidate.max_tokens // s))
-    if memo is not None:
-        memo[key] = (cost_model, rates)
-    return rates
+    if memo is None:
+        return rates()
+    return by_identity(memo, cost_model, (candidate.config, candidate.max_tokens, s.tobytes()), rates)
 
 
 def layouts_across_pools(

@@ -9,7 +9,7 @@ import yaml
 
 from lorafleet.assemble import workload_cluster, workload_cost_model
 from lorafleet.planner import PlannerOptions, plan_deployment
-from lorafleet.work import WORK, count, counting
+from lorafleet.work import WORK, by_identity, count, counting, memo
 from lorafleet.workload import load_workload
 from tests.helpers.repo import EXAMPLES
 
@@ -146,3 +146,22 @@ def test_a_scope_inside_another_adds_its_counts_to_it():
     with pytest.raises(KeyError):
         with counting():
             count("no_such_counter")
+
+
+def test_a_memo_by_identity_computes_once_per_owner_and_holds_it():
+    """``by_identity`` computes once per (owner, key) in a scope, tells equal owners apart, and its entry keeps the
+    owner alive, so no later object can take its id."""
+    calls = []
+
+    class Owner:
+        pass
+
+    with counting():
+        cache = memo("test by identity")
+        first, second = Owner(), Owner()
+        for owner in (first, first, second):
+            by_identity(cache, owner, "k", lambda owner=owner: calls.append(owner) or len(calls))
+        assert calls == [first, second]
+        assert by_identity(cache, first, "k", lambda: -1) == 1
+        assert by_identity(cache, second, "k", lambda: -1) == 2
+        assert [held for held, _ in cache.values()] == [first, second]
